@@ -1,0 +1,1 @@
+"""What a serving process imports to use dflash2."""

@@ -1,0 +1,1 @@
+"""The dflash2d daemon process."""

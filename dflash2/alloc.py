@@ -1,0 +1,231 @@
+"""Slot allocation inside one tier arena, shared by every layout without fixed partitions.
+
+The arena is cut into pages of `page_bytes`. A layout's block takes a slot of
+`slot_bytes(block_bytes, alignment)`; a page belongs to one slot size at a time and goes back to the
+shared page pool when its last slot is freed, so layouts share the arena without partitions. A slot
+larger than a page takes a run of contiguous pages of its own.
+
+Waste is measured, not guessed: per-block rounding (slot minus block bytes), page tails (a page's
+bytes that no whole slot fits in) and free slots inside claimed pages.
+"""
+
+from __future__ import annotations
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def slot_bytes(block_bytes: int, alignment: int) -> int:
+    """Bytes one block of `block_bytes` occupies in an arena of this alignment."""
+    return round_up(block_bytes, alignment)
+
+
+# A slab may span up to this many times the pages its first slot needs, when that cuts the tail waste.
+MAX_SLAB_STRETCH = 4
+
+
+def slab_shape(slot: int, page_bytes: int) -> tuple[int, int]:
+    """(pages per slab, slots per slab) for one slot size: the run of contiguous pages, among the
+    shortest few that hold a slot, whose unusable tail is the smallest fraction of it."""
+    base = max(1, -(-slot // page_bytes))
+    best = min(range(base, base * MAX_SLAB_STRETCH + 1),
+               key=lambda k: ((k * page_bytes) % slot / (k * page_bytes), k))
+    return best, (best * page_bytes) // slot
+
+
+def blocks_that_fit(capacity_bytes: int, page_bytes: int, alignment: int, block_bytes: int) -> int:
+    """How many blocks of one layout an empty arena holds when that layout has it alone."""
+    pages, per_slab = slab_shape(slot_bytes(block_bytes, alignment), page_bytes)
+    whole_slabs = (capacity_bytes // page_bytes) // pages
+    return whole_slabs * per_slab
+
+
+import dataclasses  # noqa: E402  (kept below the pure helpers the CLI imports)
+
+import numpy as np  # noqa: E402
+
+
+@dataclasses.dataclass
+class _SizeClass:
+    """Slots of one size. `free` is a stack of slot offsets (top at `n_free`)."""
+
+    slot: int
+    slab_pages: int  # pages one slab (a contiguous run) spans
+    slots_per_slab: int
+    free: np.ndarray
+    n_free: int = 0
+    n_used: int = 0
+    block_bytes_used: int = 0  # exact bytes of the blocks in used slots (for the rounding waste)
+
+    def push(self, offsets: np.ndarray) -> None:
+        need = self.n_free + len(offsets)
+        if need > len(self.free):
+            grown = np.empty(max(need, 2 * len(self.free), 64), dtype=np.int64)
+            grown[: self.n_free] = self.free[: self.n_free]
+            self.free = grown
+        self.free[self.n_free: need] = offsets
+        self.n_free = need
+
+    def pop(self, n: int) -> np.ndarray:
+        self.n_free -= n
+        return self.free[self.n_free: self.n_free + n].copy()
+
+
+class SlotAllocator:
+    """Hands out slot offsets in one arena of `capacity_bytes` for blocks of any size.
+
+    Invariant: a page is free, or belongs to exactly one size class; the sum over classes of used
+    slots times slot bytes equals `used_bytes`. Allocation is all-or-nothing: `alloc` returns None
+    (no room; the caller must make room or defer) and changes nothing visible to the caller.
+    """
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, alignment: int):
+        if page_bytes % alignment:
+            raise ValueError(f"page size {page_bytes} is not a multiple of the alignment {alignment}")
+        self.capacity_bytes = capacity_bytes
+        self.page_bytes = page_bytes
+        self.alignment = alignment
+        self.n_pages = capacity_bytes // page_bytes
+        self._page_free = np.ones(self.n_pages, dtype=bool)
+        self._n_free_pages = self.n_pages
+        self._page_used = np.zeros(self.n_pages, dtype=np.int32)  # used slots in the slab headed here
+        self._page_class = np.zeros(self.n_pages, dtype=np.int64)  # slot bytes of the slab's class
+        self._page_head = np.zeros(self.n_pages, dtype=np.int64)  # head page of the slab holding it
+        self._classes: dict[int, _SizeClass] = {}
+
+    # -- queries -----------------------------------------------------------------------------
+    def slot_for(self, block_bytes: int) -> int:
+        return slot_bytes(block_bytes, self.alignment)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.n_used * c.slot for c in self._classes.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes that could still be handed out: free pages plus free slots in claimed slabs."""
+        return self._n_free_pages * self.page_bytes + sum(c.n_free * c.slot for c in self._classes.values())
+
+    def can_fit(self, block_bytes: int, n: int) -> bool:
+        slot = self.slot_for(block_bytes)
+        cls = self._classes.get(slot)
+        have = cls.n_free if cls else 0
+        if have >= n:
+            return True
+        slab_pages, per_slab = self._slab_shape(slot)
+        spare_pages = self._n_free_pages + self._reclaimable_pages(exclude=slot)
+        return have + (spare_pages // slab_pages) * per_slab >= n
+
+    def stats(self) -> dict:
+        used = self.used_bytes
+        block_bytes = sum(c.block_bytes_used for c in self._classes.values())
+        claimed = (self.n_pages - self._n_free_pages) * self.page_bytes
+        free_in_slabs = sum(c.n_free * c.slot for c in self._classes.values())
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": used,
+            "block_bytes": block_bytes,
+            "claimed_bytes": claimed,
+            "rounding_waste_bytes": used - block_bytes,
+            "page_tail_waste_bytes": claimed - used - free_in_slabs,
+            "free_in_claimed_bytes": free_in_slabs,
+            "free_bytes": self.free_bytes,
+        }
+
+    # -- allocation --------------------------------------------------------------------------
+    def alloc(self, block_bytes: int, n: int) -> np.ndarray | None:
+        """n slot offsets for blocks of `block_bytes`, or None when the arena cannot hold them."""
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        slot = self.slot_for(block_bytes)
+        if not self.can_fit(block_bytes, n):
+            return None
+        cls = self._class(slot)
+        while cls.n_free < n:
+            if not self._claim_slab(cls):
+                self._reclaim(exclude=slot)
+                if not self._claim_slab(cls):  # can_fit said yes: a contiguous run must exist
+                    return None
+        offsets = cls.pop(n)
+        np.add.at(self._page_used, self._head_of(offsets), 1)
+        cls.n_used += n
+        cls.block_bytes_used += n * block_bytes
+        return offsets
+
+    def free(self, block_bytes: int, offsets: np.ndarray) -> None:
+        """Return slots; the caller (the block table's state machine) guarantees each is in use once."""
+        if len(offsets) == 0:
+            return
+        slot = self.slot_for(block_bytes)
+        cls = self._classes[slot]
+        offsets = np.asarray(offsets, dtype=np.int64)
+        np.subtract.at(self._page_used, self._head_of(offsets), 1)
+        cls.push(offsets)
+        cls.n_used -= len(offsets)
+        cls.block_bytes_used -= len(offsets) * block_bytes
+
+    # -- slabs -------------------------------------------------------------------------------
+    def _slab_shape(self, slot: int) -> tuple[int, int]:
+        return slab_shape(slot, self.page_bytes)
+
+    def _head_of(self, offsets: np.ndarray) -> np.ndarray:
+        return self._page_head[offsets // self.page_bytes]
+
+    def _class(self, slot: int) -> _SizeClass:
+        cls = self._classes.get(slot)
+        if cls is None:
+            pages, per_slab = self._slab_shape(slot)
+            cls = _SizeClass(slot=slot, slab_pages=pages, slots_per_slab=per_slab,
+                             free=np.empty(64, dtype=np.int64))
+            self._classes[slot] = cls
+        return cls
+
+    def _claim_slab(self, cls: _SizeClass) -> bool:
+        head = self._find_run(cls.slab_pages)
+        if head < 0:
+            return False
+        self._page_free[head: head + cls.slab_pages] = False
+        self._n_free_pages -= cls.slab_pages
+        self._page_class[head] = cls.slot
+        self._page_head[head: head + cls.slab_pages] = head
+        base = head * self.page_bytes
+        # Push in reverse so that pops hand out ascending offsets (sequential I/O on fresh tiers).
+        cls.push(base + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64))
+        return True
+
+    def _find_run(self, length: int) -> int:
+        """Head page of the first run of `length` free pages, or -1."""
+        if self._n_free_pages < length:
+            return -1
+        if length == 1:
+            return int(np.argmax(self._page_free))
+        free = self._page_free.astype(np.int8)
+        window = np.convolve(free, np.ones(length, dtype=np.int8), mode="valid") if len(free) >= length else []
+        hits = np.flatnonzero(np.asarray(window) == length)
+        return int(hits[0]) if len(hits) else -1
+
+    def _empty_slab_heads(self, cls: _SizeClass) -> np.ndarray:
+        heads = np.flatnonzero((self._page_class == cls.slot) & (self._page_used == 0) & ~self._page_free)
+        return heads
+
+    def _reclaimable_pages(self, exclude: int) -> int:
+        return sum(len(self._empty_slab_heads(c)) * c.slab_pages
+                   for s, c in self._classes.items() if s != exclude)
+
+    def _reclaim(self, exclude: int) -> None:
+        """Give the empty slabs of other size classes back to the page pool."""
+        for slot, cls in self._classes.items():
+            if slot == exclude:
+                continue
+            heads = self._empty_slab_heads(cls)
+            if not len(heads):
+                continue
+            live = cls.free[: cls.n_free]
+            keep = live[~np.isin(self._head_of(live), heads)]
+            cls.free[: len(keep)] = keep
+            cls.n_free = len(keep)
+            for h in heads:
+                self._page_free[h: h + cls.slab_pages] = True
+                self._page_class[h] = 0
+            self._n_free_pages += len(heads) * cls.slab_pages

@@ -1,0 +1,63 @@
+"""The tier-arena interface: one large region per tier, addressed by (offset, nbytes).
+
+The block table never touches bytes; it hands (offset, nbytes) extents that its slot allocator chose
+to an arena. Two kinds exist:
+
+- a `MemoryArena` is byte-addressable memory that a process can map (host shared memory, pinned
+  DRAM, later HBM): `view()` returns a zero-copy view;
+- a `StorageArena` is a preallocated file (NVMe): blocks are written and read in batches through a
+  staging buffer, each with a checksum; a block whose checksum fails reads as a miss.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash2.tiers import Tier
+
+
+class Arena(abc.ABC):
+    tier: Tier
+    capacity_bytes: int
+    # Every slot offset and slot size handed to this arena is a multiple of this.
+    alignment: int
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the region (unlink shared memory, close the file). Idempotent."""
+
+    def describe(self) -> dict:
+        """What a client or the status command needs to know about this arena."""
+        return {"tier": self.tier.label, "capacity_bytes": self.capacity_bytes, "alignment": self.alignment}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MemoryArena(Arena):
+    @abc.abstractmethod
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of [offset, offset + nbytes): no copy. Raises ArenaError out of range."""
+
+
+class StorageArena(Arena):
+    @abc.abstractmethod
+    def write_blocks(self, offsets: Sequence[int], sources: Sequence[memoryview | np.ndarray]) -> None:
+        """Write each source buffer at its offset (one batch, through the staging buffer) and record
+        its checksum. Raises ArenaError on an I/O error; then no block of the batch counts as written."""
+
+    @abc.abstractmethod
+    def read_blocks(self, offsets: Sequence[int], dests: Sequence[memoryview | np.ndarray]) -> np.ndarray:
+        """Read each block into its destination buffer (same length as written). Returns a bool array:
+        False where the checksum did not match (or the block was never written) — a miss, never wrong
+        data: the caller must not use that destination's bytes."""
+
+    @abc.abstractmethod
+    def forget(self, offsets: Sequence[int]) -> None:
+        """The blocks at these offsets are freed: drop their checksums."""

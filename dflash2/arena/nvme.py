@@ -1,0 +1,284 @@
+"""The NVMe tier: one preallocated cache file, batched aligned I/O through a staging ring.
+
+Each block lies at a slot offset (a multiple of ALIGN) given by the block table; its length need
+not be a multiple of ALIGN: the rest of its slot's last page is padding. Every written block has a
+crc32 recorded in memory; a read whose crc does not match — or of a block never written, or
+forgotten — is a miss, never wrong data.
+
+Invariants:
+- the checksum table is the only truth about what the file holds: it lives in memory only, so a
+  restarted daemon sees an empty tier (the file is a cache; no fsync is needed);
+- a block's checksum is recorded only after all of its batch's I/O succeeded, and dropped before its
+  slot is overwritten.
+
+Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed by offset // ALIGN.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash2.arena.base import StorageArena
+from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, StagingRing, crc32_combine, plan_chunks,
+                                   pread_all, pwrite_all)
+from dflash2.errors import ArenaError, CapacityError
+from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.arena.nvme")
+
+MAX_BLOCK_BYTES = (1 << 32) - 1  # lengths are kept as uint32; 0 means "nothing valid here"
+
+
+def _as_bytes(buf, writable: bool) -> np.ndarray:
+    """A 1-D uint8 view of a contiguous buffer (numpy array of any dtype, memoryview, bytes)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ArenaError("NVMe tier block buffers must be C-contiguous")
+        arr = buf.reshape(-1).view(np.uint8)
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+    if writable and not arr.flags.writeable:
+        raise ArenaError("NVMe tier read destination is read-only")
+    return arr
+
+
+def _free_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def _open_direct(path: str) -> int:
+    """Open the file with O_DIRECT. Raises OSError (EINVAL) where the filesystem refuses it."""
+    return os.open(path, os.O_RDWR | os.O_DIRECT)
+
+
+def _block_crcs(chunk_pieces: list[list[tuple[int, int, int, int]]], nblocks: int) -> np.ndarray:
+    """Each block's crc32 from its pieces' (block, start, nbytes, crc), given in file order."""
+    crcs = np.zeros(nblocks, dtype=np.uint32)
+    for pieces in chunk_pieces:
+        for i, s, n, crc in pieces:
+            crcs[i] = crc if s == 0 else crc32_combine(int(crcs[i]), crc, n)
+    return crcs
+
+
+class NvmeArena(StorageArena):
+    alignment = ALIGN
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
+                 tier: Tier = Tier.NVME):
+        self.path = os.fspath(path)
+        self.tier = tier
+        self.capacity_bytes = int(capacity_bytes)
+        if self.capacity_bytes <= 0 or self.capacity_bytes % ALIGN:
+            raise ArenaError(f"NVMe tier capacity {capacity_bytes} must be a positive multiple of {ALIGN}")
+        self._fd = -1
+        self._ring: StagingRing | None = None
+        self._lock = threading.Lock()  # one batch at a time owns the staging ring
+        self._preallocate()
+        try:
+            self._ring = StagingRing(staging_bytes)
+            self.staging_bytes = self._ring.nbytes
+            self.direct_io = self._open_for_io()
+        except Exception:
+            self.close()
+            raise
+        nslots = self.capacity_bytes // ALIGN
+        self._crc = np.zeros(nslots, dtype=np.uint32)
+        self._len = np.zeros(nslots, dtype=np.uint32)
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
+               tier: Tier = Tier.NVME) -> NvmeArena:
+        """The same as the constructor; named like SharedMemoryArena.create."""
+        return cls(path, capacity_bytes, staging_bytes, tier)
+
+    # ---- start-up -------------------------------------------------------------------------------
+
+    def _preallocate(self) -> None:
+        """Create (or reuse) the cache file at full size, after checking that the disk has room."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise ArenaError(f"NVMe tier cannot create its file at {self.path}: {e}") from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ArenaError(f"NVMe tier file {self.path} is in use by another process") from None
+            st = os.fstat(fd)
+            have = min(st.st_blocks * 512, self.capacity_bytes)  # already allocated, reused
+            free = _free_bytes(folder)
+            if self.capacity_bytes - have > free:
+                raise CapacityError(f"NVMe tier needs {self.capacity_bytes} bytes at {self.path}, "
+                                    f"only {free + have} free")
+            if st.st_size > self.capacity_bytes:
+                os.ftruncate(fd, self.capacity_bytes)
+            try:
+                os.posix_fallocate(fd, 0, self.capacity_bytes)
+            except OSError as e:
+                raise CapacityError(f"NVMe tier needs {self.capacity_bytes} bytes at {self.path}, "
+                                    f"preallocation failed: {e}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        # This fd keeps the lock for the arena's life; the I/O fd may be a second, O_DIRECT one.
+        self._lock_fd = fd
+
+    def _open_for_io(self) -> bool:
+        """Use O_DIRECT where an aligned test write succeeds; otherwise buffered I/O, said once."""
+        try:
+            fd = _open_direct(self.path)
+        except OSError as e:
+            reason = e
+        else:
+            try:
+                pwrite_all(fd, self._ring.mv[:ALIGN], 0)  # the file holds nothing valid yet
+                self._fd = fd
+                return True
+            except OSError as e:
+                os.close(fd)
+                reason = e
+        log.warning("O_DIRECT is unavailable on the filesystem of %s (%s); the NVMe tier uses buffered I/O",
+                    self.path, reason)
+        self._fd = os.dup(self._lock_fd)
+        return False
+
+    # ---- batches --------------------------------------------------------------------------------
+
+    def _check_batch(self, offsets: Sequence[int], bufs: Sequence, writable: bool):
+        if len(offsets) != len(bufs):
+            raise ArenaError(f"NVMe batch has {len(offsets)} offsets but {len(bufs)} buffers")
+        if self._ring is None:
+            raise ArenaError(f"NVMe tier at {self.path} is closed")
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        arrays = [_as_bytes(b, writable) for b in bufs]
+        lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        if len(offs) and (offs.min() < 0 or (offs % ALIGN).any()):
+            raise ArenaError(f"NVMe block offsets must be non-negative multiples of {ALIGN}")
+        if len(lens) and (lens.min() <= 0 or lens.max() > MAX_BLOCK_BYTES):
+            raise ArenaError(f"NVMe block lengths must be between 1 and {MAX_BLOCK_BYTES} bytes")
+        extents = (lens + ALIGN - 1) // ALIGN * ALIGN
+        order = np.argsort(offs, kind="stable")
+        ends = offs[order] + extents[order]
+        if len(offs) and ends[-1] > self.capacity_bytes:
+            raise ArenaError(f"NVMe block ends at {int(ends[-1])}, past the tier's {self.capacity_bytes} bytes")
+        if len(offs) > 1 and (offs[order][1:] < ends[:-1]).any():
+            raise ArenaError("NVMe batch has overlapping blocks")
+        return offs, arrays, lens, extents, order
+
+    def write_blocks(self, offsets: Sequence[int], sources: Sequence) -> None:
+        offs, srcs, lens, extents, order = self._check_batch(offsets, sources, writable=False)
+        if not len(offs):
+            return
+        idx = offs // ALIGN
+        with self._lock:
+            ring = self._ring
+
+            def fill_and_write(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
+                crcs = []
+                for i, s, e, b in chunk.pieces:
+                    n = int(lens[i])
+                    d = min(e, n)
+                    if d > s:
+                        dst = ring.np[base + b:base + b + d - s]
+                        dst[:] = srcs[i][s:d]
+                        crcs.append((i, s, d - s, zlib.crc32(dst)))
+                    if e > max(s, n):  # the slot's padding: zeros, never a previous block's bytes
+                        ring.np[base + b + max(s, n) - s:base + b + e - s] = 0
+                for f, b, n in chunk.ios:
+                    pwrite_all(self._fd, ring.mv[base + b:base + b + n], f)
+                return crcs
+
+            self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
+            chunks = plan_chunks(order, offs, extents, ring.slot_bytes, bridge=0)
+            try:
+                pieces = ring.run(chunks, fill_and_write)
+            except OSError as e:
+                raise ArenaError(f"NVMe tier write to {self.path} failed: {e}") from e
+            self._crc[idx] = _block_crcs(pieces, len(offs))
+            self._len[idx] = lens
+
+    def read_blocks(self, offsets: Sequence[int], dests: Sequence) -> np.ndarray:
+        offs, dsts, lens, extents, order = self._check_batch(offsets, dests, writable=True)
+        ok = np.zeros(len(offs), dtype=bool)
+        if not len(offs):
+            return ok
+        idx = offs // ALIGN
+        with self._lock:
+            ring = self._ring
+            known = self._len[idx] == lens  # never written, forgotten or another length: a miss
+            want = order[known[order]]
+            if not len(want):
+                return ok
+            expected = self._crc[idx]
+
+            def read_and_drain(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
+                for f, b, n in chunk.ios:
+                    pread_all(self._fd, ring.mv[base + b:base + b + n], f)
+                crcs = []
+                for i, s, e, b in chunk.pieces:
+                    d = min(e, int(lens[i]))
+                    if d > s:
+                        src = ring.np[base + b:base + b + d - s]
+                        crcs.append((i, s, d - s, zlib.crc32(src)))
+                        dsts[i][s:d] = src
+                return crcs
+
+            chunks = plan_chunks(want, offs, extents, ring.slot_bytes, bridge=READ_BRIDGE_BYTES)
+            try:
+                pieces = ring.run(chunks, read_and_drain)
+            except OSError as e:
+                raise ArenaError(f"NVMe tier read from {self.path} failed: {e}") from e
+        ok[want] = _block_crcs(pieces, len(offs))[want] == expected[want]
+        return ok
+
+    def forget(self, offsets: Sequence[int]) -> None:
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if len(offs) and (offs.min() < 0 or offs.max() >= self.capacity_bytes or (offs % ALIGN).any()):
+            raise ArenaError(f"NVMe forget: offsets must be multiples of {ALIGN} inside the tier")
+        with self._lock:
+            self._len[offs // ALIGN] = 0
+
+    # ---- tests and life cycle -------------------------------------------------------------------
+
+    def corrupt_for_test(self, offset: int) -> None:
+        """Flip the first byte of the block at `offset` on disk (through the same I/O path), so that
+        tests can prove a checksum mismatch reads as a miss."""
+        with self._lock:
+            page = self._ring.mv[:ALIGN]
+            pread_all(self._fd, page, offset)
+            page[0] ^= 0xFF
+            pwrite_all(self._fd, page, offset)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kind": "nvme", "path": self.path, "direct_io": self.direct_io,
+                "staging_bytes": self.staging_bytes}
+
+    def close(self) -> None:
+        """Close the file (it stays on disk: a cache file) and free the staging ring. Idempotent."""
+        with self._lock:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+            for name in ("_fd", "_lock_fd"):
+                fd = getattr(self, name, -1)
+                if fd >= 0:
+                    os.close(fd)
+                    setattr(self, name, -1)
+
+    def remove(self) -> None:
+        """Close and delete the cache file (tests, benches)."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,194 @@
+"""The staging buffer of a storage arena: chunk planning, a ring of slots and its worker threads.
+
+A batch of blocks is cut into chunks that each fill one slot of a page-aligned ring buffer
+(anonymous mmap). Each chunk is one job on a small pool of worker threads — write: copy the blocks'
+bytes into the slot, checksum them, pwrite; read: pread, checksum, copy out — so that while one
+worker waits on the disk another copies and checksums. `os.pwrite`/`os.preadv`, numpy copies and
+`zlib.crc32` all release the GIL, so the workers run in parallel.
+
+Invariants:
+- every I/O piece has a file offset, a slot offset and a length that are multiples of ALIGN, so the
+  same plan works with O_DIRECT;
+- a slot is never reused while the job of an earlier chunk on it is running;
+- a write never touches file bytes outside the batch's blocks' padded extents (other live blocks may
+  lie in the gaps); a read may read across small gaps, which is harmless;
+- a block no larger than a slot lies in one chunk; a larger one is split and its checksum is
+  assembled from its pieces' checksums in order (`crc32_combine`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import mmap
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+ALIGN = 4096
+# Reads bridge gaps between blocks up to this size: one larger read beats two syscalls.
+READ_BRIDGE_BYTES = 1 << 20
+# One chunk is at most this long: large enough for full device throughput, small enough that the
+# pipeline fills and drains fast at the ends of a batch.
+MAX_CHUNK_BYTES = 8 << 20
+# Workers: while some copy and checksum (CPU), others wait on the disk (measured best on 2 cores).
+WORKERS = 4
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+# ---- crc32_combine (zlib's, which Python does not expose) ---------------------------------------
+
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """Multiply a and b modulo the CRC polynomial (bit-reflected, as zlib does)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) mod p, for k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _x8nmodp(n: int) -> int:
+    """x^(8n) mod p: the operator that shifts a crc over n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(A + B) from crc1 = crc32(A), crc2 = crc32(B) and len2 = len(B)."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+# ---- planning -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Chunk:
+    """What fills one ring slot: `ios` are (file_offset, slot_offset, nbytes) file transfers;
+    `pieces` are (block_index, block_start, block_end, slot_offset) ranges of padded block extents."""
+
+    ios: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    pieces: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    fill: int = 0
+
+
+def plan_chunks(order: np.ndarray, offsets: np.ndarray, extents: np.ndarray, chunk_bytes: int,
+                bridge: int) -> list[Chunk]:
+    """Cut the blocks `order` (sorted by offset) with padded `extents` into chunks of at most
+    `chunk_bytes`, merging adjacent file ranges into one I/O (and gaps up to `bridge` bytes)."""
+    chunks: list[Chunk] = []
+    cur = Chunk()
+    last_end = -1  # file offset where the current chunk's last I/O ends
+    for i in order.tolist():
+        off, ext = int(offsets[i]), int(extents[i])
+        if cur.fill and ext <= chunk_bytes < cur.fill + ext:
+            chunks.append(cur)  # keep a block that fits in one slot whole
+            cur, last_end = Chunk(), -1
+        s = 0
+        while s < ext:
+            if cur.fill == chunk_bytes:
+                chunks.append(cur)
+                cur, last_end = Chunk(), -1
+            pos = off + s
+            gap = pos - last_end
+            if cur.ios and 0 < gap <= bridge and cur.fill + gap + min(ext - s, chunk_bytes) <= chunk_bytes:
+                cur.fill += gap  # read the gap too: the last I/O grows over it
+                f, b, n = cur.ios[-1]
+                cur.ios[-1] = (f, b, n + gap)
+                gap = 0
+            n = min(ext - s, chunk_bytes - cur.fill)
+            if cur.ios and gap == 0:
+                f, b, m = cur.ios[-1]
+                cur.ios[-1] = (f, b, m + n)
+            else:
+                cur.ios.append((pos, cur.fill, n))
+            cur.pieces.append((i, s, s + n, cur.fill))
+            cur.fill += n
+            s += n
+            last_end = pos + n
+    if cur.ios:
+        chunks.append(cur)
+    return chunks
+
+
+# ---- the ring -----------------------------------------------------------------------------------
+
+class StagingRing:
+    """A page-aligned buffer of `nslots` slots of `slot_bytes`, and WORKERS threads."""
+
+    def __init__(self, staging_bytes: int, workers: int = WORKERS):
+        if staging_bytes < 2 * ALIGN:
+            raise ValueError(f"staging buffer of {staging_bytes} bytes is smaller than two {ALIGN}-byte pages")
+        self.slot_bytes = max(ALIGN, min(MAX_CHUNK_BYTES, staging_bytes // 2) // ALIGN * ALIGN)
+        self.nslots = staging_bytes // self.slot_bytes
+        self.nbytes = self.nslots * self.slot_bytes
+        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self.mv = memoryview(self._mm)
+        self.np = np.frombuffer(self._mm, dtype=np.uint8)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, self.nslots),
+                                                           thread_name_prefix="dflash2-staging")
+
+    def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T]) -> list[T]:
+        """Run job(chunk, slot_offset) for every chunk on the workers; results in chunk order.
+        Every job started is waited for before returning, also when one fails (the ring is reused)."""
+        if len(chunks) == 1:  # nothing to overlap: skip the thread hop
+            return [job(chunks[0], 0)]
+        futures: list[concurrent.futures.Future] = []
+        try:
+            for k, chunk in enumerate(chunks):
+                if k >= self.nslots:
+                    futures[k - self.nslots].result()  # its slot is free again
+                futures.append(self._pool.submit(job, chunk, (k % self.nslots) * self.slot_bytes))
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:  # after a failure: let the ring go quiet before reuse
+                f.cancel()
+            concurrent.futures.wait(futures)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.mv.release()
+        self.np = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
+        buf, offset = buf[n:], offset + n
+
+
+def pread_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise OSError(f"pread hit the end of the file at offset {offset}")
+        buf, offset = buf[n:], offset + n

@@ -1,0 +1,1 @@
+"""Benchmark commands: each prints JSON figures (`dflash2 bench NAME --json`)."""

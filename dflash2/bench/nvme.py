@@ -1,0 +1,153 @@
+"""`dflash2 bench nvme`: the NVMe tier's batched block I/O against raw sequential O_DIRECT I/O.
+
+Both run in the same process on the same filesystem (a scratch folder under --dir, removed after):
+raw = 8 MiB sequential pwrite/pread of --size-mb into a preallocated file; tier = write_blocks /
+read_blocks of the same bytes as --block-kb blocks in batches of --batch, at sequential slot offsets
+(as the block table hands them out on a fresh tier), with checksums. Phases alternate (raw write,
+tier write, raw read, tier read) so that drift of a shared disk hits both sides alike; with --repeat N the best of N
+rounds counts for each phase. Where the
+filesystem refuses O_DIRECT both sides use buffered I/O, the page cache is dropped before reading,
+and the JSON says `"direct_io": false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from dflash2.arena import nvme as nvme_arena
+from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.staging import pread_all, pwrite_all
+
+RAW_IO_BYTES = 8 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-mb", type=int, default=2048, help="bytes moved in each phase (MiB)")
+    parser.add_argument("--dir", default=".", help="folder on the filesystem to measure (default: cwd)")
+    parser.add_argument("--block-kb", type=int, default=1024, help="block size of the tier phases (KiB)")
+    parser.add_argument("--batch", type=int, default=64, help="blocks per write_blocks/read_blocks call")
+    parser.add_argument("--staging-mb", type=int, default=64, help="the tier's staging buffer (MiB)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the four phases; the best of each counts")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _drop_cache(path: str) -> None:
+    """Buffered I/O only: write back and drop the file's pages, so reads come from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class _Raw:
+    def __init__(self, path: str, size: int, direct: bool):
+        self.size = size
+        self.fd = os.open(path, os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0), 0o600)
+        os.posix_fallocate(self.fd, 0, size)
+        self.buf = mmap.mmap(-1, RAW_IO_BYTES)
+        self.buf.write(np.random.default_rng(1).integers(0, 256, RAW_IO_BYTES, dtype=np.uint8).tobytes())
+
+    def write(self) -> float:
+        mv = memoryview(self.buf)
+        t = time.perf_counter()
+        for off in range(0, self.size, RAW_IO_BYTES):
+            pwrite_all(self.fd, mv[:min(RAW_IO_BYTES, self.size - off)], off)
+        return time.perf_counter() - t
+
+    def read(self) -> float:
+        mv = memoryview(self.buf)
+        t = time.perf_counter()
+        for off in range(0, self.size, RAW_IO_BYTES):
+            pread_all(self.fd, mv[:min(RAW_IO_BYTES, self.size - off)], off)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.buf.close()
+
+
+class _Tier:
+    def __init__(self, path: str, size: int, block: int, batch: int, staging: int):
+        self.arena = NvmeArena(path, size, staging_bytes=staging)
+        self.block, self.batch = block, batch
+        self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
+        rng = np.random.default_rng(2)
+        # One batch of distinct source blocks (reused for every batch) and one of destinations.
+        self.srcs = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(batch)]
+        self.dsts = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
+        self.misses = 0
+
+    def _batches(self):
+        for k in range(0, len(self.offsets), self.batch):
+            offs = self.offsets[k:k + self.batch]
+            yield offs, len(offs)
+
+    def write(self) -> float:
+        t = time.perf_counter()
+        for offs, n in self._batches():
+            self.arena.write_blocks(offs, self.srcs[:n])
+        return time.perf_counter() - t
+
+    def read(self) -> float:
+        t = time.perf_counter()
+        for offs, n in self._batches():
+            ok = self.arena.read_blocks(offs, self.dsts[:n])
+            self.misses += int(n - ok.sum())
+        return time.perf_counter() - t
+
+
+def run(args: argparse.Namespace) -> dict:
+    size = args.size_mb << 20
+    block = args.block_kb << 10
+    if block % nvme_arena.ALIGN or block > size:
+        raise ValueError(f"--block-kb {args.block_kb} must be a multiple of 4 and at most --size-mb")
+    folder = tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(args.dir))
+    raw = tier = None
+    try:
+        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20)
+        direct = tier.arena.direct_io
+        raw = _Raw(os.path.join(folder, "raw.bin"), size, direct)
+        raw_w = tier_w = raw_r = tier_r = float("inf")
+        for _ in range(max(1, args.repeat)):
+            raw_w = min(raw_w, raw.write())
+            tier_w = min(tier_w, tier.write())
+            if not direct:
+                _drop_cache(os.path.join(folder, "raw.bin"))
+                _drop_cache(tier.arena.path)
+            raw_r = min(raw_r, raw.read())
+            tier_r = min(tier_r, tier.read())
+        moved = len(tier.offsets) * block
+        return {
+            "tier_write_gbps": _gbps(moved, tier_w),
+            "raw_write_gbps": _gbps(size, raw_w),
+            "tier_read_gbps": _gbps(moved, tier_r),
+            "raw_read_gbps": _gbps(size, raw_r),
+            "write_ratio": round((moved / tier_w) / (size / raw_w), 3),
+            "read_ratio": round((moved / tier_r) / (size / raw_r), 3),
+            "tier_read_misses": tier.misses,
+            "size_mb": args.size_mb,
+            "block_kb": args.block_kb,
+            "batch": args.batch,
+            "staging_mb": args.staging_mb,
+            "repeat": args.repeat,
+            "direct_io": direct,
+            "path": folder,
+        }
+    finally:
+        if raw is not None:
+            raw.close()
+        if tier is not None:
+            tier.arena.close()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""`dflash2`: the operator's command. Subcommands are entries of `SUBCOMMANDS`.
+
+`dflash2 bench NAME [--json] ...` runs `dflash2/bench/NAME.py`, which exposes
+`add_arguments(parser)` and `run(args) -> dict | list[dict]`. Bench modules are imported only when
+asked for, so a missing or heavy one never slows or breaks the others.
+
+To add a subcommand (`status`, `history`, ...): write `configure(parser)` and `handler(args) -> int`
+and add a `Subcommand` to `SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import Callable
+
+BENCHES = ("table", "nvme", "policy", "transfer", "control")
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A command the user can fix: printed as one `dflash2: error:` line, exit 2."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# bench
+
+
+def _configure_bench(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=BENCHES, help="which benchmark")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="the benchmark's own options (see `dflash2 bench NAME --help`)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    module = _import_bench(args.name)
+    parser = argparse.ArgumentParser(prog=f"dflash2 bench {args.name}", description=module.__doc__)
+    parser.add_argument("--json", action="store_true", help="print each result as one JSON line")
+    module.add_arguments(parser)
+    bench_args = parser.parse_args(args.bench_args)
+    result = module.run(bench_args)
+    records = result if isinstance(result, list) else [result]
+    for i, record in enumerate(records):
+        if bench_args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            if i:
+                print()
+            for key, value in record.items():
+                print(f"{key}: {value}")
+    return EXIT_OK
+
+
+def _import_bench(name: str):
+    module_name = f"dflash2.bench.{name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            raise UsageError(f"bench {name!r} is not available: module {module_name} is not built yet") from None
+        raise UsageError(f"bench {name!r} needs the module {exc.name!r}, which is not installed") from None
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "bench": Subcommand("run a benchmark and print its figures", _configure_bench, _run_bench),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2", description="Operate and measure dflash2.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, sub in SUBCOMMANDS.items():
+        sub.configure(subparsers.add_parser(name, help=sub.help, description=sub.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return SUBCOMMANDS[args.command].handler(args)
+    except UsageError as exc:
+        print(f"dflash2: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

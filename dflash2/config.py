@@ -1,0 +1,499 @@
+"""The configuration file (`dflash2_config.json`): strict, frozen pydantic models, one per section.
+
+Every key has bounds and a description; unknown keys are an error that names the full dotted key;
+values are never coerced or rewritten (`"512"` is not 512, `1` is not `true`). Paths are kept as the
+user wrote them and resolved on demand against the config file's folder (`Config.resolved_*`).
+
+Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_enabled(cfg)`,
+`config_warnings(cfg)`, `check_environment(environ)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Annotated, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from dflash2.errors import ConfigError, DisabledError, LayoutError
+from dflash2.layout import DTYPE_BITS, Layout
+
+MB = 1 << 20
+# Above this share of the machine's memory, a DRAM tier starves the serving processes themselves.
+DRAM_WARN_FRACTION = 0.8
+# Above this, nearly every block is "cold" and the daemon demotes constantly.
+COLD_THRESHOLD_WARN = 0.95
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _Section(BaseModel):
+    model_config = _STRICT
+
+
+class DeviceConfig(_Section):
+    """Which memory stands in for the HBM tier."""
+
+    kind: Literal["auto", "cuda", "host"] = Field(
+        "auto", description="`cuda`: GPU memory; `host`: host shared memory stands in for HBM; "
+                            "`auto`: cuda when a GPU is visible, else host.")
+    gpu_ids: Optional[list[Annotated[int, Field(ge=0, le=1023)]]] = Field(
+        None, min_length=1, max_length=64,
+        description="CUDA device ordinals to manage (after CUDA_VISIBLE_DEVICES); null = every visible GPU.")
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _unique_ids(cls, ids: Optional[list[int]]) -> Optional[list[int]]:
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError(f"GPU ids must be unique, got {ids}")
+        return ids
+
+
+class MemoryConfig(_Section):
+    """Sizes of the three tier arenas and of the staging buffer."""
+
+    hbm_reserve_mb: int = Field(
+        ..., ge=0, le=1 << 24, description="MB of each GPU's memory left to weights and activations.")
+    hbm_capacity_mb: Optional[int] = Field(
+        None, gt=0, le=1 << 24,
+        description="Cap on the HBM tier per GPU; on a host-only machine the size of the host-memory "
+                    "stand-in for HBM (then required).")
+    dram_capacity_mb: int = Field(..., ge=0, le=1 << 26, description="MB of pinned host memory for the DRAM tier.")
+    nvme_capacity_mb: int = Field(
+        0, ge=0, le=1 << 30, description="MB of the preallocated NVMe file; 0 = no NVMe tier.")
+    nvme_path: Optional[str] = Field(
+        None, min_length=1,
+        description="Path of the preallocated NVMe file; `~` expands, relative paths resolve against "
+                    "the config file's folder. Required when nvme_capacity_mb > 0.")
+    staging_buffer_size_mb: int = Field(
+        64, gt=0, le=1 << 16, description="MB of pinned staging buffer that batch moves go through.")
+    page_kb: int = Field(
+        2048, ge=64, le=1 << 20,
+        description="Arena page size (KB) for slot allocation; a power of two.")
+
+    @field_validator("page_kb")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "MemoryConfig":
+        if self.nvme_capacity_mb > 0 and self.nvme_path is None:
+            raise ConfigError("memory.nvme_path", "required when memory.nvme_capacity_mb > 0")
+        return self
+
+
+class KVBlockConfig(_Section):
+    """Block geometry and read-ahead."""
+
+    block_size: int = Field(256, ge=16, le=4096, description="Tokens of KV per block (all layers of one layout).")
+    prefetch_window: int = Field(
+        4, ge=0, le=65536,
+        description="Blocks ahead of a request's read position promoted before they are needed.")
+
+
+class LayoutConfig(_Section):
+    """One KV layout to plan for; clients register more when they attach."""
+
+    num_layers: int = Field(..., gt=0, le=4096, description="Transformer layers.")
+    num_kv_heads: int = Field(0, ge=0, le=4096, description="KV heads per layer (ignored for MLA).")
+    head_dim: int = Field(0, ge=0, le=8192, description="Elements per head (ignored for MLA).")
+    dtype: str = Field(..., description=f"Element type: one of {sorted(DTYPE_BITS)}.")
+    tokens_per_block: Optional[int] = Field(
+        None, ge=1, le=4096, description="Tokens per block; null = kv_block.block_size.")
+    mla_latent_dim: int = Field(0, ge=0, le=65536, description="MLA latent size; > 0 makes this an MLA layout.")
+    mla_rope_dim: int = Field(0, ge=0, le=65536, description="MLA rotary part stored next to the latent.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_BITS:
+            raise ValueError(f"must be one of {sorted(DTYPE_BITS)}")
+        return value
+
+
+class Watermark(_Section):
+    """Fill fractions of one tier: demotion starts above `high` and stops at `low`."""
+
+    high: float = Field(..., gt=0, le=1, description="Start demoting above this fill fraction.")
+    low: float = Field(..., gt=0, lt=1, description="Stop demoting at this fill fraction; < high.")
+
+    @field_validator("low")
+    @classmethod
+    def _below_high(cls, low: float, info) -> float:
+        high = info.data.get("high")
+        if high is not None and not low < high:
+            raise ValueError(f"must be below high ({high})")
+        return low
+
+
+class Watermarks(_Section):
+    """Watermarks per tier."""
+
+    hbm: Watermark = Field(Watermark(high=0.95, low=0.85), description="HBM tier.")
+    dram: Watermark = Field(Watermark(high=0.90, low=0.80), description="DRAM tier.")
+    nvme: Watermark = Field(Watermark(high=0.95, low=0.85), description="NVMe tier.")
+
+
+class HeatWeights(_Section):
+    """Weights of the heat policy's terms; only their ratios matter."""
+
+    frequency: float = Field(1.0, ge=0, le=1e6, description="Access count with exponential decay.")
+    recency: float = Field(1.0, ge=0, le=1e6, description="Time since last access.")
+    priority: float = Field(1.0, ge=0, le=1e6, description="Priority of the owning request.")
+    sharing: float = Field(1.0, ge=0, le=1e6, description="Live requests referencing the block.")
+    fanout: float = Field(0.5, ge=0, le=1e6, description="Cached blocks descending from it.")
+    stage: float = Field(1.0, ge=0, le=1e6, description="Stage of the request (decoding > finished).")
+
+
+class PolicyConfig(_Section):
+    """Which blocks move, when, and in what batches."""
+
+    name: str = Field("lru", min_length=1, max_length=64, description="Policy looked up by name in the registry.")
+    cold_threshold: float = Field(
+        0.5, ge=0, le=1, description="A block is cold below this heat percentile of its tier.")
+    swap_batch_size: int = Field(1024, ge=1, le=65536, description="Most blocks in one batch move.")
+    rescore_interval_ms: int = Field(100, gt=0, le=3_600_000, description="Period of heat re-scoring.")
+    decay_half_life_s: float = Field(60.0, gt=0, le=1e7, description="Half-life of the decayed access count.")
+    watermarks: Watermarks = Field(Watermarks(), description="High/low watermarks per tier.")
+    weights: HeatWeights = Field(HeatWeights(), description="Weights of the heat policy.")
+
+
+class AdmissionConfig(_Section):
+    """Reservations before a request runs."""
+
+    smoothing_window_ms: int = Field(
+        200, gt=0, le=600_000, description="Low-pass window over reservation demand, so bursts do not "
+                                           "set off demotion storms.")
+    reservation_ttl_s: float = Field(30.0, gt=0, le=86400, description="A reservation expires after this.")
+    max_deferred: int = Field(1024, gt=0, le=1_000_000, description="Most reservations waiting in the queue.")
+    preemption: bool = Field(True, description="A higher-priority reservation may demote lower-priority blocks.")
+
+
+class DaemonConfig(_Section):
+    """The daemon process: control endpoint, state folder, client leases."""
+
+    endpoint: Optional[str] = Field(
+        None, min_length=1,
+        description="ZeroMQ endpoint, `ipc://PATH` or `tcp://HOST:PORT`; null = ipc socket in the runtime "
+                    "folder ($XDG_RUNTIME_DIR/dflash2/dflash2.sock or /tmp/dflash2-$UID/dflash2.sock).")
+    state_dir: Optional[str] = Field(
+        None, min_length=1,
+        description="Folder for daemon state (history); resolved like nvme_path; null = "
+                    "$XDG_STATE_HOME/dflash2 or ~/.local/state/dflash2.")
+    lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")
+    request_timeout_s: float = Field(5.0, gt=0, le=3600, description="Every control request times out after this.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _scheme(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            endpoint_parts(value)
+        return value
+
+    @field_validator("heartbeat_interval_s")
+    @classmethod
+    def _below_lease(cls, value: float, info) -> float:
+        lease = info.data.get("lease_timeout_s")
+        if lease is not None and not value < lease:
+            raise ValueError(f"must be below daemon.lease_timeout_s ({lease})")
+        return value
+
+
+class MetricsConfig(_Section):
+    """Prometheus `/metrics` endpoint."""
+
+    port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 = off.")
+    host: str = Field("127.0.0.1", min_length=1, description="Address to listen on.")
+
+
+class LoggingConfig(_Section):
+    """Daemon logs."""
+
+    format: Literal["json", "text"] = Field("json", description="Structured JSON lines or plain text.")
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Least severe level logged.")
+
+
+class Config(_Section):
+    """The whole file. Frozen after load; `source_path` is the file it came from."""
+
+    enable: bool = Field(..., description="Must be true to run the daemon.")
+    history_enabled: bool = Field(False, description="Keep a time series of metrics to read back later.")
+    device: DeviceConfig = Field(DeviceConfig(), description="Device selection.")
+    memory: MemoryConfig = Field(..., description="Tier and staging sizes.")
+    kv_block: KVBlockConfig = Field(KVBlockConfig(), description="Block geometry.")
+    layouts: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")], LayoutConfig] = Field(
+        {}, description="Layouts to plan for, by name.")
+    policy: PolicyConfig = Field(PolicyConfig(), description="Placement policy.")
+    admission: AdmissionConfig = Field(AdmissionConfig(), description="Reservations and admission.")
+    daemon: DaemonConfig = Field(DaemonConfig(), description="Daemon process.")
+    metrics: MetricsConfig = Field(MetricsConfig(), description="Prometheus metrics.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="Logging.")
+
+    _source_path: Optional[Path] = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _layouts_are_whole(self) -> "Config":
+        staging = self.memory.staging_buffer_size_mb * MB
+        for name, layout in self.layout_objects().items():
+            if layout.block_bytes > staging:
+                raise ConfigError("memory.staging_buffer_size_mb",
+                                  f"{self.memory.staging_buffer_size_mb} MB cannot hold one block of layout "
+                                  f"{name!r} ({layout.block_bytes / MB:.1f} MB); raise it or lower the block size")
+        if self.device.kind == "host" and self.memory.hbm_capacity_mb is None:
+            raise ConfigError("memory.hbm_capacity_mb", HOST_NEEDS_HBM_CAPACITY)
+        return self
+
+    def layout_objects(self) -> dict[str, Layout]:
+        """The configured layouts as `Layout`s; a malformed one raises ConfigError naming `layouts.NAME`."""
+        out = {}
+        for name, spec in self.layouts.items():
+            fields = spec.model_dump()
+            if fields["tokens_per_block"] is None:
+                fields["tokens_per_block"] = self.kv_block.block_size
+            try:
+                out[name] = Layout(name=name, **fields)
+            except LayoutError as exc:
+                raise ConfigError(f"layouts.{name}", str(exc)) from None
+        return out
+
+    @property
+    def source_path(self) -> Optional[Path]:
+        """The file this config was loaded from (absolute), or None when built from a dict."""
+        return self._source_path
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative paths resolve against this: the config file's folder, else the working directory."""
+        return self._source_path.parent if self._source_path else Path.cwd()
+
+    def resolve_path(self, raw: str) -> Path:
+        path = Path(raw).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    @property
+    def resolved_nvme_path(self) -> Optional[Path]:
+        return None if self.memory.nvme_path is None else self.resolve_path(self.memory.nvme_path)
+
+    def resolved_state_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
+        if self.daemon.state_dir is not None:
+            return self.resolve_path(self.daemon.state_dir)
+        base = environ.get("XDG_STATE_HOME") or str(Path("~/.local/state").expanduser())
+        return Path(base) / "dflash2"
+
+    def resolved_endpoint(self, environ: Mapping[str, str] = os.environ) -> str:
+        """The endpoint to bind/connect: a relative ipc path resolves like nvme_path."""
+        if self.daemon.endpoint is None:
+            return default_endpoint(environ)
+        scheme, rest = endpoint_parts(self.daemon.endpoint)
+        if scheme == "ipc":
+            return f"ipc://{self.resolve_path(rest)}"
+        return self.daemon.endpoint
+
+
+HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it is the size of the "
+                           "host-memory stand-in for HBM")
+
+
+def endpoint_parts(endpoint: str) -> tuple[str, str]:
+    """Split and check `ipc://PATH` or `tcp://HOST:PORT`; ValueError says what is wrong."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ValueError(f"{endpoint!r} must start with ipc:// or tcp://")
+    if not rest:
+        raise ValueError(f"{endpoint!r} has no {'path' if scheme == 'ipc' else 'host:port'}")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
+    return scheme, rest
+
+
+def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
+    return f"ipc://{folder / 'dflash2.sock'}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a config file; any problem is one ConfigError naming the key (or the file)."""
+    path = Path(path).expanduser().absolute()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "config file not found") from None
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read the config file: {exc.strerror}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(str(path), f"key {exc.args[0]!r} appears twice in one object") from None
+    return parse_config(data, source_path=path)
+
+
+def parse_config(data: object, source_path: Optional[Path] = None) -> Config:
+    """Validate already-parsed JSON; relative paths will resolve against `source_path`'s folder."""
+    where = str(source_path) if source_path else "config"
+    if not isinstance(data, dict):
+        raise ConfigError(where, "the top level must be a JSON object")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+    cfg._source_path = source_path
+    return cfg
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _first_error(exc: ValidationError) -> ConfigError:
+    """One ConfigError from pydantic's list: the first problem, keyed by its dotted path."""
+    # A misspelt key also shows up as a missing one: name the misspelling first, it is the cause.
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = first["loc"]
+    key = _dotted(loc)
+    if first["type"] == "extra_forbidden":
+        problem = "unknown key" + _suggestion(loc)
+    elif first["type"] == "missing":
+        problem = "required key is missing"
+    else:
+        problem = first["msg"].removeprefix("Value error, ")
+        if "input" in first and not isinstance(first["input"], (dict, list)):
+            problem += f" (got {json.dumps(first['input'])})"
+    if len(errors) > 1:
+        problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return ConfigError(key or "config", problem)
+
+
+def _dotted(loc: tuple) -> str:
+    key = ""
+    for part in loc:
+        if part == "[key]":  # pydantic's marker for a bad dict key: the key itself is already named
+            continue
+        if isinstance(part, int):
+            key += f"[{part}]"
+        else:
+            key += f".{part}" if key else str(part)
+    return key
+
+
+def _suggestion(loc: tuple) -> str:
+    """`; did you mean `x`?` for a misspelt key, using the model that the key was found in."""
+    model: object = Config
+    parts = list(loc[:-1])
+    while parts:
+        part = parts.pop(0)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return ""
+        annotation = model.model_fields[part].annotation
+        if typing.get_origin(annotation) is dict and parts:
+            parts.pop(0)  # the dict key (a layout name) is not a field
+        model = _model_in(annotation)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _model_in(annotation: object) -> object:
+    """The pydantic model inside Optional[...] / dict[str, ...], if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def require_enabled(cfg: Config) -> None:
+    """Raise DisabledError unless `enable` is true."""
+    if not cfg.enable:
+        where = cfg.source_path or "the configuration"
+        raise DisabledError(f"DFlash2 is disabled: `enable` is false in {where}; set it to true to run the daemon")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Warnings: legal but probably wrong
+
+
+def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None) -> list[str]:
+    """One line per legal-but-suspect value; `mem_total_bytes` defaults to /proc/meminfo's MemTotal."""
+    warnings = []
+    if cfg.policy.cold_threshold > COLD_THRESHOLD_WARN:
+        warnings.append(
+            f"policy.cold_threshold is {cfg.policy.cold_threshold}: above {COLD_THRESHOLD_WARN} nearly every "
+            "block counts as cold and the daemon will churn, demoting blocks that are about to be read")
+    if mem_total_bytes is None:
+        mem_total_bytes = machine_memory_bytes()
+    dram = cfg.memory.dram_capacity_mb * MB
+    if mem_total_bytes and dram > DRAM_WARN_FRACTION * mem_total_bytes:
+        warnings.append(
+            f"memory.dram_capacity_mb is {cfg.memory.dram_capacity_mb} MB, more than "
+            f"{DRAM_WARN_FRACTION:.0%} of this machine's {mem_total_bytes // MB} MB of memory; "
+            "the serving processes and the OS need the rest")
+    return warnings
+
+
+def machine_memory_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """MemTotal in bytes, or None where /proc/meminfo is not available."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# First-generation environment variables and the config key that replaced each.
+LEGACY_ENV = {
+    "DFLASH_OFFLOAD_ENABLE": "enable",
+    "DFLASH_DRAM_LIMIT": "memory.dram_capacity_mb",
+    "DFLASH_HBM_RESERVE": "memory.hbm_reserve_mb",
+    "DFLASH_NVME_PATH": "memory.nvme_path",
+    "DFLASH_NVME_LIMIT": "memory.nvme_capacity_mb",
+    "DFLASH_BLOCK_SIZE": "kv_block.block_size",
+    "DFLASH_SWAP_BATCH": "policy.swap_batch_size",
+}
+
+
+def check_environment(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """One warning per first-generation `DFLASH_*` variable that is set: they have no effect."""
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith("DFLASH_"):
+            continue
+        key = LEGACY_ENV.get(name)
+        if key:
+            warnings.append(f"environment variable {name} is ignored; set `{key}` in the config file instead")
+        else:
+            warnings.append(f"environment variable {name} has no effect; dflash2 is configured only by its "
+                            "config file (dflash2d --config FILE)")
+    return warnings

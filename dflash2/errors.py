@@ -1,0 +1,70 @@
+"""Every error dflash2 raises on purpose, in one place.
+
+A broken invariant raises one of these; an expected shortfall (no room) is a return value the caller
+must handle, never an exception.
+"""
+
+
+class DFlash2Error(Exception):
+    """Base of every error dflash2 raises on purpose."""
+
+
+class ConfigError(DFlash2Error):
+    """The configuration is invalid; the message names the key and what is wrong."""
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")
+
+
+class DisabledError(DFlash2Error):
+    """The configuration says `enable` is not true."""
+
+
+class LayoutError(DFlash2Error):
+    """A KV layout is malformed or does not fit the arena it is asked to live in."""
+
+
+class IllegalTransition(DFlash2Error):
+    """A block state transition that the state machine does not allow."""
+
+
+class UnknownBlock(DFlash2Error):
+    """A virtual block id that is not live (never allocated, freed, or from an older generation)."""
+
+
+class NotOwner(DFlash2Error):
+    """A client touched a private block of another client, or dropped a reference it does not hold."""
+
+
+class PinnedBlock(DFlash2Error):
+    """An operation would move or free a block that a client has pinned."""
+
+
+class ImmutableBlock(DFlash2Error):
+    """A committed block was asked to change its bytes or content key."""
+
+
+class UnknownClient(DFlash2Error):
+    """A client id that is not attached (never was, detached, or its lease lapsed)."""
+
+
+class UnknownLayout(DFlash2Error):
+    """A layout id that no client has registered."""
+
+
+class UnknownPolicy(DFlash2Error):
+    """A policy name that is not in the registry; the message lists the valid names."""
+
+
+class ArenaError(DFlash2Error):
+    """A tier arena could not be created, mapped or used."""
+
+
+class CapacityError(ArenaError):
+    """Start-up could not take a tier's region: the message gives the bytes needed and available."""
+
+
+class ReservationError(DFlash2Error):
+    """A reservation id that is unknown, expired, or used beyond what it granted."""

@@ -1,0 +1,79 @@
+"""The block table's invariants, recomputed from scratch. Tests call this after every step; the
+daemon can run it on demand (`check_invariants`). A violation raises InvariantViolation listing
+every problem found, never a count clamped into place."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from dflash2.errors import DFlash2Error
+from dflash2.table import BlockState, BlockTable
+from dflash2.table.columns import NO_CLIENT, NO_ROW
+
+
+class InvariantViolation(DFlash2Error):
+    """The block table contradicts itself: a bug in dflash2, never a client's fault."""
+
+
+def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> None:
+    problems: list[str] = []
+    c = table.cols
+    live = table.live_rows()
+    st = c.state[live]
+    if (c.tier[live] < 0).any():
+        problems.append("a live block has no tier")
+    free_rows = np.flatnonzero(c.state == int(BlockState.FREE))
+    if (c.tier[free_rows] >= 0).any():
+        problems.append("a free row still names a tier")
+    # Tier usage adds up: allocator bytes == slots of the rows in each tier (+ moves in flight).
+    for tier, alloc in table.allocators.items():
+        here = live[c.tier[live] == int(tier)]
+        want = sum(table.slot_bytes(int(l), tier) for l in c.layout[here].tolist())
+        want += (in_flight_bytes or {}).get(tier, 0)
+        if alloc.used_bytes != want:
+            problems.append(f"{tier.label}: allocator says {alloc.used_bytes} bytes used, blocks hold {want}")
+        offs = c.offset[here]
+        if len(np.unique(offs)) != len(offs):
+            problems.append(f"{tier.label}: two blocks share a slot")
+    # Refs and pins equal the per-client sums.
+    refs, pins = Counter(), Counter()
+    for holder in table.clients.values():
+        refs.update(holder.refs)
+        pins.update(holder.pins)
+    for name, want_counts in (("refs", refs), ("pins", pins)):
+        arr = getattr(c, name)
+        want = np.zeros(c.capacity, dtype=np.int64)
+        for r, n in want_counts.items():
+            want[r] = n
+        bad = np.flatnonzero(arr != want)
+        if len(bad):
+            problems.append(f"{name} of row {int(bad[0])} is {int(arr[bad[0]])}, clients hold {int(want[bad[0]])}")
+    if (c.refs[live] < 0).any() or (c.pins[live] < 0).any():
+        problems.append("a negative reference or pin count")
+    # Private blocks have an owner; published ones are keyed and indexed.
+    private = live[c.key[live] == 0]
+    pending = np.fromiter(table.pending_frees(), dtype=np.int64)
+    leaked = private[(c.refs[private] == 0) & ~np.isin(private, pending)]
+    if len(leaked):
+        problems.append(f"private block row {int(leaked[0])} has no reference left but was not freed (leaked)")
+    if (c.owner[private] == NO_CLIENT).any():
+        problems.append("a private block has no owner")
+    published = live[c.key[live] != 0]
+    if len(table.keys) != len(published):
+        problems.append(f"key index holds {len(table.keys)} keys, {len(published)} blocks are published")
+    if len(published):
+        found = table.keys.lookup(c.key[published])
+        if (found != published).any():
+            problems.append("a published block is not found by its own key")
+    # kids[t, p] equals the number of children of p in tier t.
+    kids = np.zeros_like(c.kids)
+    linked = live[c.parent[live] != NO_ROW]
+    np.add.at(kids, (c.tier[linked], c.parent[linked]), 1)
+    if (kids != c.kids).any() or (kids.sum(axis=0) != c.nkids).any():
+        problems.append("child counts per tier do not match the parent links")
+    if (c.state[c.parent[linked]] == int(BlockState.FREE)).any():
+        problems.append("a cached block's parent was freed before it")
+    if problems:
+        raise InvariantViolation("; ".join(problems))

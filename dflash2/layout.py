@@ -1,0 +1,99 @@
+"""KV layouts: the geometry an engine registers when it attaches; block bytes follow from it exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from dflash2.errors import LayoutError
+
+# Bits per element. 4-bit values are packed two to a byte.
+DTYPE_BITS: dict[str, int] = {
+    "fp32": 32,
+    "fp16": 16,
+    "bf16": 16,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "int8": 8,
+    "int4": 4,
+    "fp4": 4,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """KV geometry of one model at one precision.
+
+    A block holds `tokens_per_block` tokens of KV for every layer. Standard attention stores K and V
+    (`num_kv_heads * head_dim` each) per token per layer; MLA stores one latent vector of
+    `mla_latent_dim` (+ `mla_rope_dim`) per token per layer and ignores heads.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_block: int
+    mla_latent_dim: int = 0
+    mla_rope_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise LayoutError("layout name must not be empty")
+        if self.dtype not in DTYPE_BITS:
+            raise LayoutError(f"layout {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BITS)}")
+        for field in ("num_layers", "tokens_per_block"):
+            if getattr(self, field) <= 0:
+                raise LayoutError(f"layout {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        if self.is_mla:
+            if self.mla_latent_dim < 0 or self.mla_rope_dim < 0:
+                raise LayoutError(f"layout {self.name!r}: MLA dims must be >= 0")
+        else:
+            if self.num_kv_heads <= 0 or self.head_dim <= 0:
+                raise LayoutError(
+                    f"layout {self.name!r}: num_kv_heads and head_dim must be > 0 (or set mla_latent_dim for MLA)"
+                )
+        if Fraction(self.elements_per_block * DTYPE_BITS[self.dtype], 8).denominator != 1:
+            raise LayoutError(f"layout {self.name!r}: a block of {self.dtype} is not a whole number of bytes")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_latent_dim > 0
+
+    @property
+    def elements_per_token_layer(self) -> int:
+        if self.is_mla:
+            return self.mla_latent_dim + self.mla_rope_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def elements_per_block(self) -> int:
+        return self.num_layers * self.tokens_per_block * self.elements_per_token_layer
+
+    @property
+    def block_bytes(self) -> int:
+        """Exact bytes of one block: no padding here; arenas round up and measure the waste."""
+        return self.elements_per_block * DTYPE_BITS[self.dtype] // 8
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape of a block's tensor view: (layers, K/V or latent, tokens, heads, head_dim)."""
+        if self.is_mla:
+            return (self.num_layers, self.tokens_per_block, self.elements_per_token_layer)
+        return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Layout":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise LayoutError(f"unknown layout field(s) {unknown}; valid: {sorted(known)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise LayoutError(f"layout is missing field(s) {missing}")
+        return cls(**data)

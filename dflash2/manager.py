@@ -1,0 +1,233 @@
+"""The block manager: the one object the daemon wraps.
+
+It composes the metadata-only core (block table, slot allocators, policy, placement, admission) with
+the memory (tier arenas) and the copies (a transfer backend). Without arenas it runs metadata only:
+the policy replay and the table bench use it that way, and so do most tests.
+
+    config ─▶ BlockManager ─┬─ BlockTable ── SlotAllocator per tier
+                            ├─ Placement ── Policy (by name) ── Mover ── TransferBackend ── Arenas
+                            └─ Admission (reservations)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dflash2.alloc import SlotAllocator
+from dflash2.arena.base import Arena, MemoryArena, StorageArena
+from dflash2.errors import ArenaError
+from dflash2.invariants import check_invariants
+from dflash2.layout import Layout
+from dflash2.mover import Mover
+from dflash2.placement import Placement, Watermark
+from dflash2.policy import Policy, make_policy
+from dflash2.reservations import Admission, AdmissionSettings, Decision
+from dflash2.table import BlockState, BlockTable
+from dflash2.tiers import Tier
+from dflash2.transfer.base import TransferBackend
+
+DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.95, 0.85),
+                      Tier.NVME: Watermark(0.95, 0.90)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSpec:
+    """One tier: its capacity and how its slots are cut (page size, alignment)."""
+
+    tier: Tier
+    capacity_bytes: int
+    page_bytes: int
+    alignment: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a block's bytes are now."""
+
+    vid: int
+    tier: Tier
+    offset: int
+    nbytes: int
+    layout_id: int
+
+
+@dataclasses.dataclass
+class AccessStats:
+    """Block reads by where they were served from. HBM hit rate = reads served from HBM without
+    waiting for a swap-in / all block reads."""
+
+    reads: Counter = dataclasses.field(default_factory=Counter)  # tier -> blocks read from it
+    misses: int = 0  # asked for, not cached anywhere (lookup stopped short)
+    lookups: int = 0
+    lookup_blocks_found: int = 0
+
+    @property
+    def hbm_hit_ratio(self) -> float | None:
+        total = sum(self.reads.values())
+        return self.reads[Tier.HBM] / total if total else None
+
+
+class BlockManager:
+    def __init__(self, specs: Sequence[TierSpec], *, policy: Policy | str = "lru",
+                 swap_batch_size: int = 1024, cold_threshold: float = 0.5,
+                 watermarks: dict[Tier, Watermark] | None = None,
+                 admission: AdmissionSettings | None = None,
+                 arenas: dict[Tier, Arena] | None = None, backend: TransferBackend | None = None,
+                 clock: Callable[[], float] = time.monotonic, table_capacity: int = 1024):
+        if Tier.HBM not in {s.tier for s in specs}:
+            raise ArenaError("the HBM tier (or its host-memory stand-in) is required")
+        self.specs = {s.tier: s for s in specs if s.capacity_bytes > 0}
+        allocators = {t: SlotAllocator(s.capacity_bytes, s.page_bytes, s.alignment) for t, s in self.specs.items()}
+        self.table = BlockTable(allocators, clock=clock, capacity=table_capacity)
+        self.arenas = dict(arenas or {})
+        missing = [t.label for t in self.specs if self.arenas and t not in self.arenas]
+        if missing:
+            raise ArenaError(f"arenas given for some tiers but not for {missing}")
+        self.backend = backend
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.mover = Mover(self.table, backend, swap_batch_size)
+        self.placement = Placement(self.table, self.mover, self.policy, list(self.specs),
+                                   {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
+        self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
+        self.access = AccessStats()
+        self.table.on_slots_freed = self._forget_slots
+
+    # -- clients and layouts ---------------------------------------------------------------
+    def attach(self, name: str) -> int:
+        return self.table.add_client(name)
+
+    def detach(self, client: int) -> dict:
+        """Release everything the client holds (also what a lapsed lease does)."""
+        self.table.client(client)
+        reservations = self.admission.remove_client(client)
+        released = self.table.remove_client(client)
+        self.admission.tick()
+        return {"reservations": reservations, **released}
+
+    def register_layout(self, layout: Layout) -> int:
+        return self.table.register_layout(layout)
+
+    # -- reservations ----------------------------------------------------------------------
+    def reserve(self, client: int, layout_id: int, tokens: int, **kw) -> Decision:
+        return self.admission.reserve(client, layout_id, tokens, **kw)
+
+    def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
+        return self.admission.take(client, reservation_id, n)
+
+    def cancel(self, client: int, reservation_id: int) -> None:
+        self.admission.cancel(client, reservation_id)
+
+    # -- block life ------------------------------------------------------------------------
+    def allocate(self, client: int, layout_id: int, n: int, *, request: int = 0,
+                 priority: int = 0) -> np.ndarray | None:
+        """n private HBM blocks to write, outside any reservation: idle blocks are demoted to make
+        room when needed. None when HBM cannot hold them (the caller reserves and waits instead)."""
+        vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
+        if vids is None:
+            need = n * self.table.slot_bytes(layout_id, Tier.HBM)
+            self.placement.make_room(Tier.HBM, need, idle_only=True, below_priority=priority + 1)
+            vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
+        if vids is not None:
+            self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
+        return vids
+
+    def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
+        return self.table.commit(client, vids, keys, parent)
+
+    def free(self, client: int, vids) -> int:
+        n = self.table.free(client, vids)
+        self.admission.tick()
+        return n
+
+    def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> list[Place]:
+        """The longest cached prefix of a chain of content keys, and where each block lies."""
+        rows = self.table.lookup(keys, layout_id)
+        self.access.lookups += 1
+        self.access.lookup_blocks_found += len(rows)
+        self.access.misses += len(keys) - len(rows)
+        return self._places(rows)
+
+    def acquire(self, client: int, vids) -> list[Place] | None:
+        """Pin blocks for use in HBM, promoting them (prefix first) when they lie below. All or
+        nothing: None when HBM cannot be given room for them (nothing is pinned then)."""
+        rows = self.table._usable_rows(client, vids)  # validates before anything moves
+        tiers = self.table.cols.tier[rows]
+        now = self.table.clock()
+        for t, n in zip(*np.unique(tiers, return_counts=True)):
+            self.access.reads[Tier(int(t))] += int(n)
+        self.table.touch(rows, now)
+        self.policy.on_access(self.table, rows, now)
+        if (tiers > int(Tier.HBM)).any():
+            ok = self.placement.promote(rows, Tier.HBM)
+            if not ok.all():
+                return None
+        self.table.pin(client, vids)
+        return self._places(rows)
+
+    def release(self, client: int, vids) -> None:
+        self.table.unpin(client, vids)
+
+    def add_ref(self, client: int, vids) -> None:
+        self.table.add_ref(client, vids)
+
+    # -- bytes (host arenas) ---------------------------------------------------------------
+    def place(self, vid: int) -> Place:
+        return self._places(self.table.rows([vid]))[0]
+
+    def view(self, vid: int) -> np.ndarray:
+        """A zero-copy uint8 view of a block in a memory tier (not NVMe: acquire it first)."""
+        p = self.place(vid)
+        arena = self.arenas.get(p.tier)
+        if not isinstance(arena, MemoryArena):
+            raise ArenaError(f"block {vid:#x} lies in {p.tier.label}, which has no memory view; acquire it first")
+        return arena.view(p.offset, p.nbytes)
+
+    # -- background ------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One background step: expire and grant reservations, rebalance the tiers."""
+        self.admission.tick()
+        self.placement.rebalance()
+
+    def check_invariants(self) -> None:
+        check_invariants(self.table)
+
+    def stats(self) -> dict:
+        tiers = {}
+        blocks = self.table.tier_blocks()
+        for t, alloc in self.table.allocators.items():
+            tiers[t.label] = {**alloc.stats(), "blocks": blocks[t]}
+        return {
+            "tiers": tiers,
+            "reads": {Tier(t).label: n for t, n in self.access.reads.items()},
+            "hbm_hit_ratio": self.access.hbm_hit_ratio,
+            "lookups": self.access.lookups,
+            "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
+            "placement": dataclasses.asdict(self.placement.stats),
+            "reservations": self.admission.snapshot(),
+            "clients": len(self.table.clients),
+            "policy": self.policy.describe(),
+        }
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+        for arena in self.arenas.values():
+            arena.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _places(self, rows: np.ndarray) -> list[Place]:
+        c = self.table.cols
+        vids = self.table.vids(rows)
+        return [Place(int(v), Tier(int(t)), int(o), self.table.layouts[l].block_bytes, int(l))
+                for v, t, o, l in zip(vids.tolist(), c.tier[rows].tolist(), c.offset[rows].tolist(),
+                                      c.layout[rows].tolist())]
+
+    def _forget_slots(self, tier: Tier, offsets: np.ndarray) -> None:
+        arena = self.arenas.get(tier)
+        if isinstance(arena, StorageArena):
+            arena.forget(offsets.tolist())

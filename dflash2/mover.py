@@ -1,0 +1,110 @@
+"""Moves blocks between tiers in batches, two-phase: prepare in the table, copy, complete.
+
+Mechanism only: which blocks move is decided elsewhere (placement.py, asking the policy). A batch is
+at most `swap_batch_size` blocks from one tier to another. Prepare marks the blocks MIGRATING and
+takes destination slots; the transfer backend copies; complete puts each block where its copy
+succeeded, and leaves it where it was otherwise (a failed move loses nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from dflash2.table import BlockTable
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+
+log = logging.getLogger("dflash2.swap")
+
+
+@dataclasses.dataclass
+class DirectionStats:
+    batches: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failed_blocks: int = 0
+
+
+@dataclasses.dataclass
+class PreparedMove:
+    """A batch between prepare and complete: the table holds these rows MIGRATING."""
+
+    rows: np.ndarray
+    src: Tier
+    dst: Tier
+    dst_offsets: np.ndarray
+    job: CopyJob | None
+    started: float
+    nbytes: int
+
+
+class Mover:
+    def __init__(self, table: BlockTable, backend: TransferBackend | None, swap_batch_size: int):
+        """`backend` None means metadata only (simulation and policy replay): copies succeed at once."""
+        self.table = table
+        self.backend = backend
+        self.swap_batch_size = swap_batch_size
+        self.stats: dict[tuple[Tier, Tier], DirectionStats] = defaultdict(DirectionStats)
+
+    def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
+        """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) > self.swap_batch_size:
+            raise ValueError(f"a batch of {len(rows)} blocks exceeds swap_batch_size {self.swap_batch_size}")
+        cols = self.table.cols
+        src_tiers = np.unique(cols.tier[rows])
+        if len(src_tiers) != 1:
+            raise ValueError("one batch moves blocks out of one tier")
+        src = Tier(int(src_tiers[0]))
+        dst_offsets = self.table.begin_move(rows, dst)
+        if dst_offsets is None:
+            return None
+        nbytes = np.array([self.table.layouts[lid].block_bytes for lid in cols.layout[rows].tolist()],
+                          dtype=np.int64)
+        job = None
+        if self.backend is not None:
+            batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
+            job = self.backend.start(batch)
+        return PreparedMove(rows, src, dst, dst_offsets, job, time.perf_counter(), int(nbytes.sum()))
+
+    def complete(self, move: PreparedMove) -> np.ndarray:
+        """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
+        ok = np.ones(len(move.rows), dtype=bool) if move.job is None else move.job.wait()
+        self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
+        seconds = time.perf_counter() - move.started
+        st = self.stats[(move.src, move.dst)]
+        st.batches += 1
+        st.blocks += int(ok.sum())
+        st.failed_blocks += int((~ok).sum())
+        st.bytes += move.nbytes
+        st.seconds += seconds
+        if self.backend is not None:
+            log.info("dflash2_swap", extra={"event": "dflash2_swap", "direction": f"{move.src.label}->{move.dst.label}",
+                                            "blocks": len(move.rows), "failed": int((~ok).sum()),
+                                            "bytes": move.nbytes, "seconds": round(seconds, 6)})
+        return ok
+
+    def move(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+        """Move rows (any source tiers) to dst in batches; all batches are in flight together.
+        Returns a mask of the rows now in dst. Rows that found no room stay where they were."""
+        rows = np.asarray(rows, dtype=np.int64)
+        done = np.zeros(len(rows), dtype=bool)
+        prepared: list[tuple[np.ndarray, PreparedMove]] = []
+        tiers = self.table.cols.tier[rows]
+        for src in np.unique(tiers).tolist():
+            idx = np.flatnonzero(tiers == src)
+            for start in range(0, len(idx), self.swap_batch_size):
+                part = idx[start: start + self.swap_batch_size]
+                move = self.prepare(rows[part], dst)
+                if move is None:
+                    break
+                prepared.append((part, move))
+        for part, move in prepared:
+            done[part] = self.complete(move)
+        return done

@@ -1,0 +1,250 @@
+"""Placement mechanism: watermarks, demotion down the tiers, promotion on access, prefix order.
+
+Policy apart from mechanism: the policy only scores blocks (policy/base.py). This module decides how
+many bytes must leave a tier, which blocks may leave (unpinned, RESIDENT, no child in this tier or
+a faster one: descendants leave a tier before their ancestors), and asks the mover to move them; a
+promotion brings the prefix (ancestors) first.
+
+A block is *cold* when its score's percentile among the blocks of its tier is below
+`cold_threshold`. Background rebalancing moves only cold blocks, and only while a tier is above its
+high watermark (down to its low watermark). Making room for an allocation may take any movable
+block: the request would otherwise not run at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dflash2.mover import Mover
+from dflash2.policy.base import Policy
+from dflash2.table import BlockState, BlockTable
+from dflash2.table.columns import NO_CLIENT
+from dflash2.tiers import Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class Watermark:
+    high: float
+    low: float
+
+
+@dataclasses.dataclass
+class PlacementStats:
+    demoted: int = 0
+    evicted: int = 0
+    promoted: int = 0
+    not_admitted: int = 0
+
+
+class Placement:
+    # Selection rounds per call: each round can free the parents of the previous round's victims.
+    MAX_ROUNDS = 64
+
+    def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
+                 watermarks: dict[Tier, Watermark], cold_threshold: float):
+        self.table = table
+        self.mover = mover
+        self.policy = policy
+        self.tiers = sorted(tiers)  # present tiers, fastest first
+        self.watermarks = watermarks
+        self.cold_threshold = cold_threshold
+        self.stats = PlacementStats()
+        self._keyed: np.ndarray | None = None
+
+    # -- tier figures ----------------------------------------------------------------------
+    def lower(self, tier: Tier) -> Tier | None:
+        below = [t for t in self.tiers if t > tier]
+        return below[0] if below else None
+
+    def used_fraction(self, tier: Tier) -> float:
+        alloc = self.table.allocators[tier]
+        return alloc.used_bytes / alloc.capacity_bytes if alloc.capacity_bytes else 1.0
+
+    def free_bytes(self, tier: Tier) -> int:
+        return self.table.allocators[tier].free_bytes
+
+    # -- choosing victims ------------------------------------------------------------------
+    def movable(self, tier: Tier, *, evict: bool, protect: np.ndarray | None = None,
+                below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
+        """Mask over every row: may leave `tier` now. Whole-array operations, no gathers: this runs
+        over a million blocks. Demotion needs no child in this tier or a faster one (descendants
+        leave first); eviction needs no cached child at all and nobody holding the block."""
+        c = self.table.cols
+        mask = (c.tier == int(tier)) & (c.state == int(BlockState.RESIDENT))
+        if evict:
+            # Nobody holds it, no cached child anywhere, and published (a published block has no
+            # owner: cheaper to test than the 64-bit key).
+            mask &= ((c.refs | c.pins | c.nkids) == 0) & (c.owner == NO_CLIENT)
+            return self._unprotected(mask, protect, below_priority)
+        kids = c.kids[0]
+        for t in range(1, tier + 1):
+            kids = kids | c.kids[t]
+        mask &= (kids | c.pins) == 0
+        if idle_only:
+            mask &= c.refs == 0
+        return self._unprotected(mask, protect, below_priority)
+
+    def _unprotected(self, mask: np.ndarray, protect: np.ndarray | None, below_priority: int | None) -> np.ndarray:
+        if below_priority is not None:
+            mask &= self.table.cols.priority < below_priority
+        if protect is not None and len(protect):
+            mask[protect] = False
+        return mask
+
+    def select(self, tier: Tier, need_bytes: int, *, evict: bool, cold_only: bool,
+               protect: np.ndarray | None = None, below_priority: int | None = None,
+               idle_only: bool = False) -> np.ndarray:
+        """Lowest-scored movable rows of `tier` whose slots add up to at least need_bytes (or all of
+        them when there are not enough), in eviction order."""
+        mask = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
+                            idle_only=idle_only)
+        n_cand = int(np.count_nonzero(mask))
+        if not n_cand or need_bytes <= 0:
+            return np.empty(0, dtype=np.int64)
+        scores = self.policy.scores_all(self.table, self.table.clock())
+        if cold_only:
+            mask &= self._cold_mask(tier, scores)
+            n_cand = int(np.count_nonzero(mask))
+            if not n_cand:
+                return np.empty(0, dtype=np.int64)
+        keyed = self._scratch(len(scores))
+        keyed.fill(np.inf)
+        np.copyto(keyed, scores, where=mask)
+        sizes = self._slot_sizes(tier)
+        k = min(n_cand, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
+        part = np.argpartition(keyed, k - 1)[:k] if k < len(keyed) else np.flatnonzero(mask)
+        part = part[mask[part]]
+        slot = sizes[self.table.cols.layout[part]]
+        if slot.min() == slot.max():
+            # One slot size: the k lowest are the answer, in any order (all are movable now).
+            return part[: -(-need_bytes // int(slot[0]))].astype(np.int64)
+        order = np.argsort(keyed[part], kind="stable")
+        taken = int(np.searchsorted(np.cumsum(slot[order]), need_bytes)) + 1
+        return part[order[:taken]].astype(np.int64)
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """A reused float64 buffer: a fresh 8 MB array per pass costs its page faults every time."""
+        if self._keyed is None or len(self._keyed) != n:
+            self._keyed = np.empty(n, dtype=np.float64)
+        return self._keyed
+
+    def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
+        """Mask of the rows whose score's percentile among all the tier's blocks is below the
+        threshold (ties at the cutoff count as cold)."""
+        in_tier = self.table.cols.tier == int(tier)
+        tier_scores = scores[in_tier]
+        k = int(self.cold_threshold * len(tier_scores))
+        if k <= 0:
+            return np.zeros(len(scores), dtype=bool)
+        cutoff = np.partition(tier_scores, k - 1)[k - 1]
+        return in_tier & (scores <= cutoff)
+
+    def _slot_sizes(self, tier: Tier) -> np.ndarray:
+        """Slot bytes in `tier` per layout id."""
+        return np.array([self.table.slot_bytes(l, tier) for l in range(len(self.table.layouts))], dtype=np.int64)
+
+    def _slot_bytes(self, tier: Tier, rows: np.ndarray) -> np.ndarray:
+        return self._slot_sizes(tier)[self.table.cols.layout[rows]]
+
+    # -- making room -----------------------------------------------------------------------
+    def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
+                  protect: np.ndarray | None = None, below_priority: int | None = None,
+                  idle_only: bool = False) -> bool:
+        """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier`. True on success."""
+        pick = dict(cold_only=cold_only, protect=protect, below_priority=below_priority, idle_only=idle_only)
+        for _ in range(self.MAX_ROUNDS):
+            short = need_bytes - self.free_bytes(tier)
+            if short <= 0:
+                return True
+            if not self._free_some(tier, short, pick):
+                break
+        return self.free_bytes(tier) >= need_bytes
+
+    def _free_some(self, tier: Tier, short: int, pick: dict) -> bool:
+        lower = self.lower(tier)
+        protect = pick["protect"]
+        victims = self.select(tier, short, evict=lower is None, **pick)
+        if not len(victims):
+            # Nothing movable down: drop cached blocks nobody holds, if any.
+            return self._evict(self.select(tier, short, evict=True, **pick))
+        if lower is None:
+            return self._evict(victims)
+        return self._demote(victims, tier, lower, protect)
+
+    def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect) -> bool:
+        now = self.table.clock()
+        admitted = self.policy.admit(self.table, victims, lower, now)
+        refused = victims[~admitted]
+        progress = False
+        if len(refused):
+            # Not worth a place below: drop them if nobody holds them, else demote anyway.
+            drop = refused[self.table.evictable(refused)]
+            self.stats.not_admitted += len(drop)
+            progress |= self._evict(drop)
+            victims = np.concatenate([victims[admitted], refused[~np.isin(refused, drop)]])
+        if not len(victims):
+            return progress
+        need_below = int(self._slot_bytes(lower, victims).sum())
+        self.make_room(lower, need_below, protect=protect)
+        moved = self.mover.move(victims, lower)
+        self.stats.demoted += int(moved.sum())
+        if moved.any():
+            self.policy.on_insert(self.table, victims[moved], now)
+            return True
+        # The tier below is full of blocks that cannot move: drop what may be dropped here.
+        return self._evict(victims[self.table.evictable(victims)]) or progress
+
+    def _evict(self, rows: np.ndarray) -> bool:
+        if not len(rows):
+            return False
+        self.policy.on_remove(self.table, rows)
+        self.table.evict(rows)
+        self.stats.evicted += len(rows)
+        return True
+
+    # -- background and promotion ----------------------------------------------------------
+    def rebalance(self) -> None:
+        """Bring every tier above its high watermark down to its low watermark, moving cold blocks
+        only. Slowest tier first, so that demotions find room below."""
+        for tier in reversed(self.tiers):
+            wm = self.watermarks[tier]
+            if self.used_fraction(tier) <= wm.high:
+                continue
+            alloc = self.table.allocators[tier]
+            target_free = int((1.0 - wm.low) * alloc.capacity_bytes)
+            self.make_room(tier, target_free, cold_only=True)
+
+    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM) -> np.ndarray:
+        """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`
+        that are in dst afterwards; the rest could not be given room."""
+        rows = np.asarray(rows, dtype=np.int64)
+        c = self.table.cols
+        chain = self._with_ancestors(rows, dst)
+        # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
+        away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
+        if len(away):
+            need = int(self._slot_bytes(dst, away).sum())
+            self.make_room(dst, need, protect=chain)
+            # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
+            moved = self.mover.move(away, dst)
+            self.stats.promoted += int(moved.sum())
+            if moved.any():
+                self.policy.on_insert(self.table, away[moved], self.table.clock())
+        return c.tier[rows] <= int(dst)
+
+    def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+        c = self.table.cols
+        seen: dict[int, None] = {}
+        for r in rows.tolist():
+            path = []
+            p = r
+            while p >= 0 and p not in seen:
+                path.append(p)
+                p = int(c.parent[p])
+                if p >= 0 and c.tier[p] <= int(dst):
+                    break
+            for q in reversed(path):
+                seen[q] = None
+        return np.fromiter(seen, dtype=np.int64, count=len(seen))

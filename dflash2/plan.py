@@ -1,0 +1,255 @@
+"""The resolved plan of a config: what each tier arena will be, and how many blocks of each layout fit.
+
+`resolve_plan(cfg)` turns the config into numbers without taking any memory: the device kind
+(`auto` resolved), each tier's capacity in bytes, alignment and page size, blocks per configured
+layout, the staging size, the NVMe file and the endpoint. `dflash2d --check` prints it.
+
+GPU memory is probed through the CUDA driver (libcuda via ctypes), else torch when it is installed;
+torch stays optional and is never imported at module level. Where neither answers, a GPU tier's
+capacity is "unknown until start-up".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from dflash2.alloc import blocks_that_fit, slot_bytes
+from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
+from dflash2.errors import ConfigError
+from dflash2.layout import Layout
+from dflash2.tiers import Tier
+
+MEMORY_ALIGNMENT = 256  # bytes; every memory-tier slot starts on this boundary (coalesced GPU access)
+NVME_ALIGNMENT = 4096  # bytes; O_DIRECT needs offsets and sizes on the logical block size
+UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+UNKNOWN = "unknown until start-up"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    total_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPlan:
+    """One arena. `capacity_bytes` is None when it can only be known at start-up (GPU not probed)."""
+
+    tier: Tier
+    where: str  # "cuda:0", "host" (shared memory standing in for HBM), "pinned host", "file"
+    capacity_bytes: Optional[int]
+    alignment: int
+    page_bytes: int
+    blocks: dict[str, Optional[int]]  # layout name -> blocks that fit when that layout has the arena alone
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier.label, "where": self.where, "capacity_bytes": self.capacity_bytes,
+                "alignment": self.alignment, "page_bytes": self.page_bytes, "blocks": dict(self.blocks)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    source_path: Optional[Path]
+    device_kind: str  # "cuda" or "host": `auto` resolved
+    tiers: tuple[TierPlan, ...]
+    layouts: dict[str, Layout]
+    staging_bytes: int
+    nvme_path: Optional[Path]
+    endpoint: str
+    state_dir: Path
+    notes: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> Optional[int]:
+        """Bytes of every tier together (the virtual cache size), or None while a GPU tier is unknown."""
+        sizes = [t.capacity_bytes for t in self.tiers]
+        return None if None in sizes else sum(sizes)
+
+    def to_dict(self) -> dict:
+        return {
+            "source_path": str(self.source_path) if self.source_path else None,
+            "device_kind": self.device_kind,
+            "tiers": [t.to_dict() for t in self.tiers],
+            "layouts": {name: {"block_bytes": lay.block_bytes, "tokens_per_block": lay.tokens_per_block}
+                        for name, lay in self.layouts.items()},
+            "staging_bytes": self.staging_bytes,
+            "nvme_path": str(self.nvme_path) if self.nvme_path else None,
+            "endpoint": self.endpoint,
+            "state_dir": str(self.state_dir),
+            "total_bytes": self.total_bytes,
+            "notes": list(self.notes),
+        }
+
+    def render_text(self) -> str:
+        return "\n".join(_render_lines(self))
+
+
+def resolve_plan(cfg: Config) -> Plan:
+    """The plan for `cfg` on this machine; a config that cannot run here raises ConfigError."""
+    notes: list[str] = []
+    kind, gpus = _resolve_device(cfg, notes)
+    layouts = cfg.layout_objects()
+    page = cfg.memory.page_kb * 1024
+    mem = cfg.memory
+    tiers = [*_hbm_tiers(cfg, kind, gpus, notes),
+             _tier(Tier.DRAM, "pinned host", mem.dram_capacity_mb * MB, MEMORY_ALIGNMENT, page, layouts),
+             _tier(Tier.NVME, "file", mem.nvme_capacity_mb * MB, NVME_ALIGNMENT, page, layouts)]
+    if not layouts:
+        notes.append("no layouts configured: blocks per layout are known once clients attach")
+    return Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
+                staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
+                endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes))
+
+
+def _tier(tier: Tier, where: str, capacity: Optional[int], alignment: int, page: int,
+          layouts: dict[str, Layout]) -> TierPlan:
+    blocks = {name: None if capacity is None else blocks_that_fit(capacity, page, alignment, lay.block_bytes)
+              for name, lay in layouts.items()}
+    return TierPlan(tier, where, capacity, alignment, page, blocks)
+
+
+def _resolve_device(cfg: Config, notes: list[str]) -> tuple[str, Optional[list[Gpu]]]:
+    """("cuda" | "host", the GPUs to use or None when they cannot be probed here)."""
+    kind = cfg.device.kind
+    gpus = probe_gpus() if kind != "host" else []
+    if kind == "auto":
+        kind = "cuda" if gpus else "host"
+        notes.append(f"device.kind auto resolved to {kind}"
+                     + ("" if gpus else ": no GPU visible, host memory stands in for HBM"))
+    if kind == "host":
+        if cfg.memory.hbm_capacity_mb is None:
+            raise ConfigError("memory.hbm_capacity_mb", HOST_NEEDS_HBM_CAPACITY)
+        return kind, []
+    if not gpus:
+        notes.append("no GPU is visible on this machine: the HBM tier is " + UNKNOWN)
+        return kind, None
+    if cfg.device.gpu_ids is None:
+        return kind, gpus
+    visible = {g.index: g for g in gpus}
+    for index in cfg.device.gpu_ids:
+        if index not in visible:
+            raise ConfigError("device.gpu_ids", f"GPU {index} is not visible; visible GPUs: {sorted(visible)}")
+    return kind, [visible[i] for i in cfg.device.gpu_ids]
+
+
+def _hbm_tiers(cfg: Config, kind: str, gpus: Optional[list[Gpu]], notes: list[str]) -> list[TierPlan]:
+    mem, page, layouts = cfg.memory, cfg.memory.page_kb * 1024, cfg.layout_objects()
+    if kind == "host":
+        return [_tier(Tier.HBM, "host", mem.hbm_capacity_mb * MB, MEMORY_ALIGNMENT, page, layouts)]
+    if gpus is None:
+        return [_tier(Tier.HBM, "cuda", None, MEMORY_ALIGNMENT, page, layouts)]
+    tiers = []
+    for gpu in gpus:
+        capacity = gpu.total_bytes - mem.hbm_reserve_mb * MB
+        if capacity <= 0:
+            raise ConfigError("memory.hbm_reserve_mb",
+                              f"{mem.hbm_reserve_mb} MB leaves nothing of GPU {gpu.index}'s "
+                              f"{gpu.total_bytes // MB} MB ({gpu.name})")
+        if mem.hbm_capacity_mb is not None:
+            capacity = min(capacity, mem.hbm_capacity_mb * MB)
+        tiers.append(_tier(Tier.HBM, f"cuda:{gpu.index}", capacity, MEMORY_ALIGNMENT, page, layouts))
+    notes.append("HBM capacity is device memory minus the reserve; start-up takes it from free memory")
+    return tiers
+
+
+def _checked_endpoint(cfg: Config) -> str:
+    endpoint = cfg.resolved_endpoint()
+    if endpoint.startswith("ipc://") and len(endpoint[len("ipc://"):].encode()) > UNIX_SOCKET_PATH_MAX:
+        raise ConfigError("daemon.endpoint", f"the socket path {endpoint[6:]!r} is longer than "
+                                             f"{UNIX_SOCKET_PATH_MAX} bytes, the Unix limit")
+    return endpoint
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU probing
+
+
+def probe_gpus() -> Optional[list[Gpu]]:
+    """Visible GPUs (after CUDA_VISIBLE_DEVICES), [] when there are none, None when nothing can tell."""
+    found = _probe_driver()
+    return found if found is not None else _probe_torch()
+
+
+def _probe_driver() -> Optional[list[Gpu]]:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    status = cuda.cuInit(0)
+    if status == 100:  # CUDA_ERROR_NO_DEVICE
+        return []
+    count = ctypes.c_int()
+    if status != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
+    gpus = []
+    for index in range(count.value):
+        device, total, name = ctypes.c_int(), ctypes.c_size_t(), ctypes.create_string_buffer(256)
+        if (cuda.cuDeviceGet(ctypes.byref(device), index) != 0
+                or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0):
+            return None
+        cuda.cuDeviceGetName(name, len(name), device)
+        gpus.append(Gpu(index, name.value.decode(errors="replace"), total.value))
+    return gpus
+
+
+def _probe_torch() -> Optional[list[Gpu]]:
+    try:
+        import torch  # optional: only asked when the driver library cannot be loaded directly
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return []
+    return [Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Text rendering
+
+
+def human_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return UNKNOWN
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _render_lines(plan: Plan) -> list[str]:
+    lines = [f"dflash2 plan for {plan.source_path or 'an in-memory config'}",
+             f"  device:      {plan.device_kind}",
+             f"  endpoint:    {plan.endpoint}",
+             f"  state dir:   {plan.state_dir}",
+             f"  nvme file:   {plan.nvme_path or '(no NVMe tier)'}",
+             f"  staging:     {human_bytes(plan.staging_bytes)}",
+             f"  total cache: {human_bytes(plan.total_bytes)}", ""]
+    if plan.layouts:
+        lines.append("layouts:")
+        for name, lay in plan.layouts.items():
+            lines.append(f"  {name}: {human_bytes(lay.block_bytes)} per block "
+                         f"({lay.tokens_per_block} tokens, {lay.num_layers} layers, {lay.dtype}); slot "
+                         f"{human_bytes(slot_bytes(lay.block_bytes, MEMORY_ALIGNMENT))} in memory, "
+                         f"{human_bytes(slot_bytes(lay.block_bytes, NVME_ALIGNMENT))} on NVMe")
+        lines.append("")
+    lines.extend(_table(plan))
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return lines
+
+
+def _table(plan: Plan) -> list[str]:
+    names = list(plan.layouts)
+    header = ["tier", "where", "capacity", "align", "page", *(f"blocks {n}" for n in names)]
+    rows = [header]
+    for t in plan.tiers:
+        blocks = ["-" if t.capacity_bytes is None else str(t.blocks[n]) for n in names]
+        capacity = "unknown" if t.capacity_bytes is None else ("off" if t.capacity_bytes == 0
+                                                               else human_bytes(t.capacity_bytes))
+        rows.append([t.tier.label, t.where, capacity, str(t.alignment), human_bytes(t.page_bytes), *blocks])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

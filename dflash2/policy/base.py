@@ -1,0 +1,86 @@
+"""The policy interface: a policy only ranks blocks; the placement mechanism moves and frees them.
+
+`scores(table, rows, now)` returns one float per row: higher means keep (hotter). The mechanism turns
+scores into percentiles within a tier (for `policy.cold_threshold`), and picks victims among the
+blocks it is allowed to move (unpinned, descendants before ancestors) in ascending score order.
+`admit` may refuse a block a place in a tier (a block used once only pushes out blocks that would
+have been reused); the default admits everything.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from dflash2.errors import UnknownPolicy
+
+if TYPE_CHECKING:
+    from dflash2.table import BlockTable
+    from dflash2.tiers import Tier
+
+
+class Policy(abc.ABC):
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def scores(self, table: "BlockTable", rows: np.ndarray, now: float) -> np.ndarray:
+        """Heat of each row (float64, higher = keep). Must be vectorised: it runs over every block."""
+
+    def scores_all(self, table: "BlockTable", now: float) -> np.ndarray:
+        """Heat of every row of the table (free rows included: the caller masks them). Override when
+        a policy can answer without gathering rows (one pass over a million blocks matters)."""
+        return self.scores(table, np.arange(table.cols.capacity), now)
+
+    def on_access(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
+        """Blocks were read (a lookup hit, an acquire). The table already updated last_access/hits."""
+
+    def on_insert(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
+        """Blocks were written or arrived in a tier."""
+
+    def on_remove(self, table: "BlockTable", rows: np.ndarray) -> None:
+        """Blocks left the cache (evicted or freed)."""
+
+    def admit(self, table: "BlockTable", rows: np.ndarray, tier: "Tier", now: float) -> np.ndarray:
+        """Mask of the rows that deserve a place in `tier` (default: all)."""
+        return np.ones(len(rows), dtype=bool)
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Change weights at run time. Policies without weights refuse any."""
+        if weights:
+            raise ValueError(f"policy {self.name!r} has no weights (got {sorted(weights)})")
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if cls.name in _REGISTRY:
+        raise ValueError(f"policy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """A fresh policy instance by name; UnknownPolicy lists the valid names."""
+    _load_builtin()
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise UnknownPolicy(f"unknown policy {name!r}; valid: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(**kwargs)
+
+
+def _load_builtin() -> None:
+    # Importing registers them; kept lazy so that base.py has no import cycle with its policies.
+    import dflash2.policy.lfu  # noqa: F401
+    import dflash2.policy.lru  # noqa: F401

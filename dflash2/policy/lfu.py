@@ -1,0 +1,24 @@
+"""Least frequently used, ties broken by recency."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2.policy.base import Policy, register
+
+
+@register
+class LFUPolicy(Policy):
+    name = "lfu"
+
+    def scores(self, table, rows, now):
+        return self._score(table.cols.hits[rows], table.cols.last_access[rows], now)
+
+    def scores_all(self, table, now):
+        return self._score(table.cols.hits, table.cols.last_access, now)
+
+    @staticmethod
+    def _score(hits: np.ndarray, last: np.ndarray, now: float) -> np.ndarray:
+        # Recency squashed into [0, 1) only breaks ties between equal counts (age 0 -> 0.999...).
+        age = np.maximum(now - last, 0.0)
+        return hits.astype(np.float64) + 1.0 / (2.0 + age)

@@ -1,0 +1,266 @@
+"""Reservations and admission: HBM capacity is handed out before a request runs.
+
+A reservation asks for enough HBM blocks for a request's expected tokens. The answer is
+
+- GRANTED: the blocks are taken now (state RESERVED, in HBM) and handed to the request by `take`;
+- DEFERRED: queued (priority first, then arrival), with its position and an estimated wait;
+- REJECTED: it can never fit, the client's share forbids it, the queue is full, or it expired.
+
+Making room demotes idle blocks (no references) of equal or lower priority; a higher-priority
+reservation may also demote the blocks of running lower-priority requests (preemption). Pinned blocks
+never move.
+
+Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
+of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
+spike of arrivals is paced over the window instead of setting off a storm of demotions; what the
+bucket cannot pay for now waits in the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+
+import numpy as np
+
+from dflash2.errors import NotOwner, ReservationError
+from dflash2.placement import Placement
+from dflash2.table import BlockState, BlockTable
+from dflash2.tiers import Tier
+
+
+class Outcome(enum.Enum):
+    GRANTED = "granted"
+    DEFERRED = "deferred"
+    REJECTED = "rejected"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionSettings:
+    smoothing_window_s: float = 0.1
+    burst_fraction: float = 0.1
+    reservation_ttl_s: float = 60.0
+    max_deferred: int = 1024
+    preemption: bool = True
+    max_client_share: float = 1.0
+
+
+@dataclasses.dataclass
+class Reservation:
+    id: int
+    client: int
+    layout_id: int
+    blocks: int
+    priority: int
+    expires: float
+    request: int
+    created: float
+    vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
+    taken: int = 0
+    granted: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.vids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    reservation_id: int | None
+    reason: str = ""
+    position: int | None = None  # deferred: 0 = next in line
+    est_wait_s: float | None = None  # deferred: None when no estimate can be made
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["outcome"] = self.outcome.value
+        return d
+
+
+class Admission:
+    def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
+        self.table = table
+        self.placement = placement
+        self.settings = settings
+        self.granted: dict[int, Reservation] = {}
+        self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
+        self._ids = itertools.count(1)
+        hbm = table.allocators[Tier.HBM].capacity_bytes
+        self._bucket_cap = settings.burst_fraction * hbm
+        self._bucket = self._bucket_cap
+        self._rate = 0.0  # low-pass filtered demand, bytes/s
+        self._last = table.clock()
+        self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0}
+        self.wait_seconds_total = 0.0
+
+    # -- public ----------------------------------------------------------------------------
+    def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
+                deadline: float | None = None, request: int = 0) -> Decision:
+        self.table.client(client)
+        layout = self.table.layout(layout_id)
+        if tokens <= 0:
+            raise ValueError(f"a reservation needs a positive token count, got {tokens}")
+        now = self._advance()
+        blocks = math.ceil(tokens / layout.tokens_per_block)
+        need = blocks * self.table.slot_bytes(layout_id, Tier.HBM)
+        self._rate += need / self.settings.smoothing_window_s
+        hbm = self.table.allocators[Tier.HBM].capacity_bytes
+        if need > hbm:
+            return self._reject(f"needs {need} bytes of HBM ({blocks} blocks); the HBM tier holds {hbm}")
+        held = self._client_hbm_bytes(client)
+        if held + need > self.settings.max_client_share * hbm:
+            return self._reject(f"client would hold {held + need} bytes of HBM, over its share "
+                                f"{self.settings.max_client_share} of {hbm}")
+        expires = deadline if deadline is not None else now + self.settings.reservation_ttl_s
+        if expires <= now:
+            return self._reject("deadline already passed")
+        res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now)
+        if not self.deferred or priority > self.deferred[0].priority:
+            if self._try_grant(res):
+                return Decision(Outcome.GRANTED, res.id)
+        if len(self.deferred) >= self.settings.max_deferred:
+            return self._reject(f"the deferred queue is full ({self.settings.max_deferred})")
+        self._enqueue(res)
+        self.counters["deferred"] += 1
+        return self._deferred_decision(res)
+
+    def status(self, reservation_id: int) -> Decision:
+        """Where a reservation stands now (a deferred one re-reports its position and wait)."""
+        if reservation_id in self.granted:
+            return Decision(Outcome.GRANTED, reservation_id)
+        for res in self.deferred:
+            if res.id == reservation_id:
+                return self._deferred_decision(res)
+        raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+
+    def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
+        """Hand n of a granted reservation's blocks to its request (RESERVED → WRITING)."""
+        res = self._owned(client, reservation_id)
+        if not res.granted:
+            raise ReservationError(f"reservation {reservation_id} is deferred, not granted yet")
+        if n > res.remaining:
+            raise ReservationError(f"reservation {reservation_id} has {res.remaining} blocks left, asked for {n}")
+        vids, res.vids = res.vids[:n], res.vids[n:]
+        res.taken += n
+        self.table.open_write(client, vids)
+        if not res.vids:
+            del self.granted[res.id]
+        return np.asarray(vids, dtype=np.int64)
+
+    def cancel(self, client: int, reservation_id: int) -> None:
+        res = self._owned(client, reservation_id)
+        self._drop(res)
+        self.counters["cancelled"] += 1
+        self.tick()
+
+    def tick(self) -> list[int]:
+        """Expire what is due, then grant deferred reservations in order while they fit.
+        Returns the ids granted now."""
+        now = self._advance()
+        for res in [r for r in self.granted.values() if r.expires <= now]:
+            self._drop(res)
+            self.counters["expired"] += 1
+        for res in [r for r in self.deferred if r.expires <= now]:
+            self.deferred.remove(res)
+            self.counters["expired"] += 1
+        granted = []
+        while self.deferred and self._try_grant(self.deferred[0]):
+            res = self.deferred.pop(0)
+            self.wait_seconds_total += now - res.created
+            granted.append(res.id)
+        return granted
+
+    def remove_client(self, client: int) -> int:
+        """The client is gone: its reservations die with it. Returns how many."""
+        mine = [r for r in self.granted.values() if r.client == client]
+        mine += [r for r in self.deferred if r.client == client]
+        for res in mine:
+            self._drop(res)
+        return len(mine)
+
+    def snapshot(self) -> dict:
+        return {"granted": len(self.granted), "deferred": len(self.deferred),
+                "reserved_blocks": sum(r.remaining for r in self.granted.values()),
+                "bucket_bytes": self._bucket, "demand_rate_bps": self._rate, **{f"total_{k}": v for k, v in self.counters.items()}}
+
+    # -- internals -------------------------------------------------------------------------
+    def _advance(self) -> float:
+        now = self.table.clock()
+        dt = max(0.0, now - self._last)
+        self._last = now
+        decay = math.exp(-dt / self.settings.smoothing_window_s)
+        # Refill at the filtered demand rate (integrated over dt), then let the rate decay.
+        self._bucket = min(self._bucket_cap_now(), self._bucket + self._rate * dt)
+        self._rate *= decay
+        return now
+
+    def _bucket_cap_now(self) -> float:
+        head = self.deferred[0].blocks * self.table.slot_bytes(self.deferred[0].layout_id, Tier.HBM) \
+            if self.deferred else 0
+        return max(self._bucket_cap, head)
+
+    def _try_grant(self, res: Reservation) -> bool:
+        need = res.blocks * self.table.slot_bytes(res.layout_id, Tier.HBM)
+        short = need - self.placement.free_bytes(Tier.HBM)
+        if short > 0:
+            if short > self._bucket:
+                return False
+            before = self.placement.free_bytes(Tier.HBM)
+            self._make_room(res, need)
+            self._bucket -= max(0, self.placement.free_bytes(Tier.HBM) - before)
+        vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,
+                                   request=res.request, priority=res.priority, state=BlockState.RESERVED)
+        if vids is None:
+            return False
+        res.vids = vids.tolist()
+        res.granted = True
+        self.granted[res.id] = res
+        self.counters["granted"] += 1
+        return True
+
+    def _make_room(self, res: Reservation, need: int) -> None:
+        # Idle blocks first (nobody references them), of this priority or lower.
+        self.placement.make_room(Tier.HBM, need, below_priority=res.priority + 1, idle_only=True)
+        if self.settings.preemption and self.placement.free_bytes(Tier.HBM) < need:
+            # Preemption: running requests of strictly lower priority give up their unpinned blocks.
+            self.placement.make_room(Tier.HBM, need, below_priority=res.priority)
+
+    def _enqueue(self, res: Reservation) -> None:
+        self.deferred.append(res)
+        self.deferred.sort(key=lambda r: (-r.priority, r.id))
+
+    def _deferred_decision(self, res: Reservation) -> Decision:
+        pos = self.deferred.index(res)
+        ahead = sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM) for r in self.deferred[: pos + 1])
+        short = ahead - self.placement.free_bytes(Tier.HBM) - self._bucket
+        wait = 0.0 if short <= 0 else (short / self._rate if self._rate > 0 else None)
+        return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
+
+    def _reject(self, reason: str) -> Decision:
+        self.counters["rejected"] += 1
+        return Decision(Outcome.REJECTED, None, reason)
+
+    def _owned(self, client: int, reservation_id: int) -> Reservation:
+        res = self.granted.get(reservation_id) or next((r for r in self.deferred if r.id == reservation_id), None)
+        if res is None:
+            raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+        if res.client != client:
+            raise NotOwner(f"reservation {reservation_id} belongs to another client")
+        return res
+
+    def _drop(self, res: Reservation) -> None:
+        if res.granted:
+            self.granted.pop(res.id, None)
+            if res.vids and res.client in self.table.clients:
+                self.table.free(res.client, res.vids)  # RESERVED → FREE
+            res.vids = []
+        elif res in self.deferred:
+            self.deferred.remove(res)
+
+    def _client_hbm_bytes(self, client: int) -> int:
+        c = self.table.cols
+        rows = np.flatnonzero((c.owner == client) & (c.tier == int(Tier.HBM)))
+        return int(sum(self.table.slot_bytes(int(l), Tier.HBM) for l in c.layout[rows].tolist()))

@@ -1,0 +1,96 @@
+"""The block table's storage: one numpy array per field (struct of arrays), indexed by row.
+
+About 90 bytes a block all told, and every policy pass is a handful of vectorised operations over
+these arrays instead of a walk over a million Python objects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2.tiers import TIERS
+
+NO_ROW = -1
+NO_CLIENT = -1
+
+# name -> (dtype, fill value for a fresh row)
+FIELDS: dict[str, tuple[np.dtype, object]] = {
+    "gen": (np.uint32, 1),  # generation (from 1, so that no virtual id is 0): bumps when a row is reused, so stale virtual ids are caught
+    "state": (np.uint8, 0),  # BlockState
+    "tier": (np.int8, -1),
+    "layout": (np.uint16, 0),
+    "refs": (np.int32, 0),  # references: the owner's, and those added by requests that share it
+    "pins": (np.int32, 0),  # pins: a pinned block is never moved or freed
+    "owner": (np.int32, NO_CLIENT),  # client of a private block; NO_CLIENT once published
+    "request": (np.int64, 0),  # owning request (client-local id)
+    "key": (np.uint64, 0),  # content key; 0 = none (private)
+    "parent": (np.int32, NO_ROW),  # row of the block holding the previous prefix block
+    "nkids": (np.int32, 0),  # cached children in any tier (== kids.sum(axis=0), kept for speed)
+    "offset": (np.int64, -1),  # slot offset in the tier's arena
+    "last_access": (np.float64, 0.0),
+    "hits": (np.float32, 0.0),  # accesses since the block was written
+    "priority": (np.int8, 0),
+    "stage": (np.int8, 0),  # RequestStage of the owning request
+}
+
+
+class Columns:
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        for name, (dtype, fill) in FIELDS.items():
+            setattr(self, name, np.full(capacity, fill, dtype=dtype))
+        # kids[tier, row]: cached children of the row that lie in each tier (prefix-aware order);
+        # tier-major so that "no child in this tier" is one contiguous comparison.
+        self.kids = np.zeros((len(TIERS), capacity), dtype=np.int32)
+        self._free_rows = np.arange(capacity - 1, -1, -1, dtype=np.int32)
+        self._n_free = capacity
+
+    @property
+    def nbytes(self) -> int:
+        total = self.kids.nbytes + self._free_rows.nbytes
+        return total + sum(getattr(self, name).nbytes for name in FIELDS)
+
+    @property
+    def live(self) -> int:
+        return self.capacity - self._n_free
+
+    def take_rows(self, n: int) -> np.ndarray:
+        while self._n_free < n:
+            self._grow()
+        self._n_free -= n
+        rows = self._free_rows[self._n_free: self._n_free + n][::-1].copy()
+        self.reset(rows)
+        return rows.astype(np.int64)
+
+    def give_rows(self, rows: np.ndarray) -> None:
+        self.gen[rows] += 1
+        self.state[rows] = 0
+        self.tier[rows] = -1
+        self._free_rows[self._n_free: self._n_free + len(rows)] = rows
+        self._n_free += len(rows)
+
+    def reset(self, rows: np.ndarray) -> None:
+        for name, (_, fill) in FIELDS.items():
+            if name != "gen":
+                getattr(self, name)[rows] = fill
+        self.kids[:, rows] = 0
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = 2 * old
+        for name, (dtype, fill) in FIELDS.items():
+            arr = np.full(new, fill, dtype=dtype)
+            arr[:old] = getattr(self, name)
+            setattr(self, name, arr)
+        kids = np.zeros((len(TIERS), new), dtype=np.int32)
+        kids[:, :old] = self.kids
+        self.kids = kids
+        free = np.empty(new, dtype=np.int32)
+        free[: self._n_free] = self._free_rows[: self._n_free]
+        added = np.arange(new - 1, old - 1, -1, dtype=np.int32)
+        # New rows go below the existing free ones so that low rows are reused first.
+        free[len(added): len(added) + self._n_free] = free[: self._n_free].copy()
+        free[: len(added)] = added
+        self._free_rows = free
+        self._n_free += len(added)
+        self.capacity = new

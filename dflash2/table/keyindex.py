@@ -1,0 +1,124 @@
+"""Content key → table row, as an open-addressing hash table in two numpy arrays.
+
+A Python dict costs about 100 bytes an entry (two int objects and the slot); this costs 24 bytes a
+block at a load factor of one half, and looks up a whole chain of keys in a few vectorised probes.
+Keys are 64-bit hashes; 0 means "no key" and is never stored. Linear probing with backward-shift
+deletion, so there are no tombstones to clean up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY = -1
+
+
+class KeyIndex:
+    def __init__(self, capacity: int = 1024):
+        size = 1 << max(4, (2 * capacity - 1).bit_length())
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._rows = np.full(size, EMPTY, dtype=np.int32)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._rows.nbytes
+
+    @property
+    def _mask(self) -> int:
+        return len(self._keys) - 1
+
+    def get(self, key: int) -> int:
+        """Row of `key`, or -1."""
+        mask = self._mask
+        pos = key & mask
+        while True:
+            row = int(self._rows[pos])
+            if row == EMPTY:
+                return EMPTY
+            if int(self._keys[pos]) == key:
+                return row
+            pos = (pos + 1) & mask
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of many keys at once (-1 where absent)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        out = np.full(len(keys), EMPTY, dtype=np.int64)
+        pos = (keys & np.uint64(self._mask)).astype(np.int64)
+        todo = np.arange(len(keys))
+        while len(todo):
+            rows = self._rows[pos[todo]]
+            hit = (self._keys[pos[todo]] == keys[todo]) & (rows != EMPTY)
+            out[todo[hit]] = rows[hit]
+            todo = todo[~hit & (rows != EMPTY)]
+            pos[todo] = (pos[todo] + 1) & self._mask
+        return out
+
+    def insert(self, key: int, row: int) -> None:
+        """Map key → row. The caller checks `get` first: a key present twice is a bug."""
+        if key == 0:
+            raise ValueError("content key 0 means 'no key' and cannot be indexed")
+        if 2 * (self._n + 1) > len(self._keys):
+            self._grow()
+        mask = self._mask
+        pos = key & mask
+        while self._rows[pos] != EMPTY:
+            if int(self._keys[pos]) == key:
+                raise KeyError(f"content key {key:#x} is already indexed")
+            pos = (pos + 1) & mask
+        self._keys[pos] = key
+        self._rows[pos] = row
+        self._n += 1
+
+    def remove(self, key: int) -> None:
+        mask = self._mask
+        pos = key & mask
+        while True:
+            if self._rows[pos] == EMPTY:
+                raise KeyError(f"content key {key:#x} is not indexed")
+            if int(self._keys[pos]) == key:
+                break
+            pos = (pos + 1) & mask
+        # Backward-shift: pull later entries of the probe run into the hole when their home allows.
+        hole = pos
+        nxt = (hole + 1) & mask
+        while self._rows[nxt] != EMPTY:
+            home = int(self._keys[nxt]) & mask
+            if (nxt - home) & mask >= (nxt - hole) & mask:
+                self._keys[hole] = self._keys[nxt]
+                self._rows[hole] = self._rows[nxt]
+                hole = nxt
+            nxt = (nxt + 1) & mask
+        self._keys[hole] = 0
+        self._rows[hole] = EMPTY
+        self._n -= 1
+
+    def _grow(self) -> None:
+        live = self._rows != EMPTY
+        keys, rows = self._keys[live], self._rows[live]
+        size = 2 * len(self._keys)
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._rows = np.full(size, EMPTY, dtype=np.int32)
+        self._bulk_insert(keys, rows)
+
+    def _bulk_insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Vectorised insertion of distinct keys into a table with room: each round places, for every
+        free target slot, the first pending key that probes it."""
+        mask = np.uint64(self._mask)
+        pos = (keys & mask).astype(np.int64)
+        todo = np.arange(len(keys))
+        while len(todo):
+            free = self._rows[pos[todo]] == EMPTY
+            cand = todo[free]
+            _, first = np.unique(pos[cand], return_index=True)
+            placed = cand[first]
+            self._keys[pos[placed]] = keys[placed]
+            self._rows[pos[placed]] = rows[placed]
+            done = np.zeros(len(keys), dtype=bool)
+            done[placed] = True
+            todo = todo[~done[todo]]
+            pos[todo] = (pos[todo] + 1) & self._mask
+        self._n = int((self._rows != EMPTY).sum())

@@ -1,0 +1,417 @@
+"""The unified virtual block table: every block of every layout in every tier, metadata only.
+
+A block's virtual id is `(generation << 32) | row`: 64 bits, stable while the block moves between
+tiers, and a stale id (its row freed and reused) is caught by the generation check. Bytes live in the
+tier arenas; this table only knows each block's (tier, slot offset), handed out by one
+`SlotAllocator` per tier.
+
+Invariants (checked by `check_invariants`, relied on everywhere):
+- a live row is in exactly one tier and holds exactly one slot there (two while MIGRATING: the
+  destination slot is held by the move record, not the row);
+- each tier allocator's used bytes equal the slots of the rows in that tier plus in-flight moves'
+  destination slots;
+- refs and pins equal the sums of the per-client counts; a pinned block never changes tier or state;
+- kids[t, p] counts the published children of p that lie in tier t: descendants leave a tier before
+  their ancestors, so a block with children in its own tier or a faster one is never demoted, and a
+  block with any cached child is never evicted;
+- a content key is indexed iff its row is live and published.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dflash2.alloc import SlotAllocator
+from dflash2.errors import (ImmutableBlock, NotOwner, PinnedBlock, UnknownBlock, UnknownClient,
+                            UnknownLayout)
+from dflash2.layout import Layout
+from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
+from dflash2.table.keyindex import EMPTY, KeyIndex
+from dflash2.table.states import BlockState, check_transition
+from dflash2.tiers import Tier
+
+ROW_MASK = 0xFFFFFFFF
+S = BlockState
+
+
+def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    return (gen.astype(np.int64) << 32) | rows.astype(np.int64)
+
+
+class ClientRefs:
+    """What one attached client holds: references and pins per row."""
+
+    def __init__(self, client_id: int, name: str):
+        self.client_id = client_id
+        self.name = name
+        self.refs: Counter[int] = Counter()
+        self.pins: Counter[int] = Counter()
+
+
+class BlockTable:
+    def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
+                 capacity: int = 1024):
+        self.allocators = allocators
+        self.clock = clock
+        self.cols = Columns(capacity)
+        self.keys = KeyIndex(capacity)
+        self.layouts: list[Layout] = []
+        self.clients: dict[int, ClientRefs] = {}
+        self._next_client = 1
+        self._free_after_move: set[int] = set()  # private blocks whose last reference went mid-move
+
+    # -- layouts and clients ---------------------------------------------------------------
+    def register_layout(self, layout: Layout) -> int:
+        """Id of this layout; the same geometry registered twice gets the same id."""
+        for i, known in enumerate(self.layouts):
+            if known == layout:
+                return i
+        self.layouts.append(layout)
+        return len(self.layouts) - 1
+
+    def layout(self, layout_id: int) -> Layout:
+        if not 0 <= layout_id < len(self.layouts):
+            raise UnknownLayout(f"layout id {layout_id} is not registered ({len(self.layouts)} are)")
+        return self.layouts[layout_id]
+
+    def add_client(self, name: str) -> int:
+        cid = self._next_client
+        self._next_client += 1
+        self.clients[cid] = ClientRefs(cid, name)
+        return cid
+
+    def client(self, client_id: int) -> ClientRefs:
+        try:
+            return self.clients[client_id]
+        except KeyError:
+            raise UnknownClient(f"client {client_id} is not attached") from None
+
+    # -- addressing ------------------------------------------------------------------------
+    def rows(self, vids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows of live blocks; UnknownBlock names the first id that is not live."""
+        vids = np.asarray(vids, dtype=np.int64).reshape(-1)
+        rows = vids & ROW_MASK
+        gens = (vids >> 32) & ROW_MASK
+        inside = rows < self.cols.capacity
+        ok = inside.copy()
+        ok[inside] = (self.cols.gen[rows[inside]] == gens[inside]) & (self.cols.state[rows[inside]] != int(S.FREE))
+        if not ok.all():
+            bad = int(vids[int(np.argmin(ok))])
+            raise UnknownBlock(f"block {bad:#x} is not live (never allocated, freed, or stale)")
+        return rows
+
+    def vids(self, rows: np.ndarray) -> np.ndarray:
+        return vids_of(self.cols.gen[rows], rows)
+
+    def slot_bytes(self, layout_id: int, tier: Tier) -> int:
+        return self.allocators[tier].slot_for(self.layout(layout_id).block_bytes)
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
+                 request: int = 0, priority: int = 0, stage: int = 0,
+                 state: BlockState = S.WRITING) -> np.ndarray | None:
+        """n private blocks of the client in `tier`, in state WRITING (or RESERVED for a reservation).
+        None when the tier has no room: nothing changes and the caller makes room or defers."""
+        holder = self.client(client_id)
+        layout = self.layout(layout_id)
+        if state not in (S.RESERVED, S.WRITING):
+            raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
+        offsets = self.allocators[tier].alloc(layout.block_bytes, n)
+        if offsets is None:
+            return None
+        c = self.cols
+        rows = c.take_rows(n)
+        c.state[rows] = state
+        c.tier[rows] = tier
+        c.layout[rows] = layout_id
+        c.offset[rows] = offsets
+        c.owner[rows] = client_id
+        c.request[rows] = request
+        c.priority[rows] = priority
+        c.stage[rows] = stage
+        c.refs[rows] = 1
+        c.last_access[rows] = self.clock()
+        for r in rows.tolist():
+            holder.refs[r] += 1
+        return self.vids(rows)
+
+    def open_write(self, client_id: int, vids) -> None:
+        """RESERVED → WRITING: a reservation's blocks are handed to its request."""
+        rows = self._owned_rows(client_id, vids)
+        check_transition(self.cols.state[rows], S.WRITING, vids)
+        self.cols.state[rows] = S.WRITING
+
+    def commit(self, client_id: int, vids, keys: Sequence[int] | None = None,
+               parent: int | None = None) -> np.ndarray:
+        """WRITING → RESIDENT: the bytes are final. With content keys the blocks are published (any
+        client can find them by key) and chained: block i's parent is block i-1, the first one's is
+        `parent` (a published block's vid). A key that is already cached deduplicates: the client's
+        new block is freed and it gets a reference to the cached one instead. Returns the vids the
+        client holds now, in order."""
+        rows = self._owned_rows(client_id, vids)
+        c = self.cols
+        check_transition(c.state[rows], S.RESIDENT, vids)
+        if keys is None:
+            c.state[rows] = S.RESIDENT
+            return self.vids(rows)
+        if len(keys) != len(rows):
+            raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
+        if any(int(k) == 0 for k in keys):
+            raise ValueError("content key 0 is reserved for 'no key'")
+        prev = self.rows([parent])[0] if parent is not None else NO_ROW
+        if prev != NO_ROW and c.key[prev] == 0:
+            raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
+        out = np.empty(len(rows), dtype=np.int64)
+        for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
+            key = int(key)
+            existing = self.keys.get(key)
+            if existing != EMPTY:
+                self._adopt_duplicate(client_id, row, existing)
+                row = existing
+            else:
+                c.state[row] = S.RESIDENT
+                c.key[row] = key
+                c.owner[row] = NO_CLIENT
+                self.keys.insert(key, row)
+                self._link(row, prev)
+            out[i] = row
+            prev = row
+        return self.vids(out)
+
+    def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
+        """The client wrote a block that is already cached: move its ref and pins to the cached one."""
+        holder = self.clients[client_id]
+        pins = holder.pins.pop(row, 0)
+        if pins:
+            holder.pins[existing] += pins
+            self.cols.pins[existing] += pins
+            self.cols.pins[row] -= pins
+        self._drop_refs(holder, np.array([row]))
+        holder.refs[existing] += 1
+        self.cols.refs[existing] += 1
+
+    def _link(self, row: int, parent: int) -> None:
+        if parent == NO_ROW:
+            return
+        self.cols.parent[row] = parent
+        self.cols.kids[self.cols.tier[row], parent] += 1
+        self.cols.nkids[parent] += 1
+
+    # -- references and pins ---------------------------------------------------------------
+    def add_ref(self, client_id: int, vids) -> None:
+        """A request of this client shares these blocks (they count as referenced, and are never
+        evicted while referenced)."""
+        holder = self.client(client_id)
+        rows = self._usable_rows(client_id, vids)
+        np.add.at(self.cols.refs, rows, 1)
+        for r in rows.tolist():
+            holder.refs[r] += 1
+
+    def free(self, client_id: int, vids) -> int:
+        """Drop one reference of this client per block. A private block whose last reference goes is
+        freed; a published one stays cached. Returns the number of blocks freed."""
+        holder = self.client(client_id)
+        rows = self.rows(vids)
+        dropping = Counter(rows.tolist())
+        for r, n in dropping.items():
+            if holder.refs[r] < n:
+                raise NotOwner(f"client {client_id} holds no reference to block {int(self.vids(np.array([r]))[0]):#x}"
+                               " (double free, or another client's block)")
+            c = self.cols
+            if c.key[r] == 0 and c.refs[r] == n and c.pins[r] > 0:
+                raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} is pinned; release it before freeing")
+        return self._drop_refs(holder, rows)
+
+    def _drop_refs(self, holder: ClientRefs, rows: np.ndarray) -> int:
+        c = self.cols
+        freeing = []
+        for r in rows.tolist():
+            holder.refs[r] -= 1
+            if holder.refs[r] == 0:
+                del holder.refs[r]
+            c.refs[r] -= 1
+            if c.refs[r] == 0 and c.key[r] == 0:
+                freeing.append(r)
+        if freeing:
+            f = np.array(freeing, dtype=np.int64)
+            # A block in flight is freed when its move completes (end_move), never under the mover.
+            in_flight = c.state[f] == int(S.MIGRATING)
+            self._free_after_move.update(f[in_flight].tolist())
+            self._release_rows(f[~in_flight])
+        return len(freeing)
+
+    def pin(self, client_id: int, vids) -> np.ndarray:
+        """Pin blocks for use: they will not move or be freed until unpinned. Returns the rows."""
+        holder = self.client(client_id)
+        rows = self._usable_rows(client_id, vids)
+        np.add.at(self.cols.pins, rows, 1)
+        for r in rows.tolist():
+            holder.pins[r] += 1
+        return rows
+
+    def unpin(self, client_id: int, vids) -> None:
+        holder = self.client(client_id)
+        rows = self.rows(vids)
+        if any(holder.pins[r] <= 0 for r in rows.tolist()):
+            raise NotOwner(f"client {client_id} did not pin one of these blocks")
+        np.subtract.at(self.cols.pins, rows, 1)
+        for r in rows.tolist():
+            holder.pins[r] -= 1
+            if holder.pins[r] == 0:
+                del holder.pins[r]
+
+    def _owned_rows(self, client_id: int, vids) -> np.ndarray:
+        self.client(client_id)
+        rows = self.rows(vids)
+        foreign = self.cols.owner[rows] != client_id
+        if foreign.any():
+            raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is not a private block of client {client_id}")
+        return rows
+
+    def _usable_rows(self, client_id: int, vids) -> np.ndarray:
+        """Rows this client may reference or pin: published blocks, and its own private ones."""
+        rows = self.rows(vids)
+        owner = self.cols.owner[rows]
+        foreign = (owner != client_id) & (owner != NO_CLIENT)
+        if foreign.any():
+            raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
+        return rows
+
+    # -- lookup ----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> np.ndarray:
+        """Rows of the longest cached prefix of a chain of content keys (stops at the first miss)."""
+        found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
+        ok = found != EMPTY
+        if layout_id is not None and ok.any():
+            ok[ok] = self.cols.layout[found[ok]] == layout_id
+        state = self.cols.state[np.where(ok, found, 0)]
+        ok &= (state == int(S.RESIDENT)) | (state == int(S.MIGRATING))
+        n = len(ok) if ok.all() else int(np.argmin(ok))
+        return found[:n]
+
+    def touch(self, rows: np.ndarray, now: float | None = None) -> None:
+        """Record an access (for the policy)."""
+        self.cols.last_access[rows] = self.clock() if now is None else now
+        self.cols.hits[rows] += 1
+
+    # -- eviction --------------------------------------------------------------------------
+    def evictable(self, rows: np.ndarray) -> np.ndarray:
+        """Mask: cached blocks nobody holds, with no cached child (descendants go first)."""
+        c = self.cols
+        return ((c.state[rows] == int(S.RESIDENT)) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
+                & (c.key[rows] != 0) & (c.nkids[rows] == 0))
+
+    def evict(self, rows: np.ndarray) -> None:
+        """Drop cached blocks from the cache entirely (their bytes are gone)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        ok = self.evictable(rows)
+        if not ok.all():
+            r = int(rows[int(np.argmin(ok))])
+            raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} cannot be evicted: it is referenced, "
+                              "pinned, not cached, migrating, or has cached children")
+        self._release_rows(rows)
+
+    def _release_rows(self, rows: np.ndarray) -> None:
+        """Free rows (any legal state → FREE): unindex keys, unlink parents, give slots back."""
+        c = self.cols
+        check_transition(c.state[rows], S.FREE, self.vids(rows))
+        for r in rows.tolist():
+            if c.key[r]:
+                self.keys.remove(int(c.key[r]))
+            p = int(c.parent[r])
+            if p != NO_ROW:
+                c.kids[c.tier[r], p] -= 1
+                c.nkids[p] -= 1
+        for tier in self.allocators:
+            here = rows[c.tier[rows] == int(tier)]
+            self._free_slots(tier, here, c.offset[here])
+        c.give_rows(rows.astype(np.int32))
+
+    # -- moves (two-phase; the mover drives these) ----------------------------------------
+    def begin_move(self, rows: np.ndarray, dst: Tier) -> np.ndarray | None:
+        """RESIDENT → MIGRATING and destination slots, or None (no room at dst; nothing changed)."""
+        c = self.cols
+        if (c.pins[rows] > 0).any():
+            raise PinnedBlock("a pinned block cannot be moved")
+        check_transition(c.state[rows], S.MIGRATING, self.vids(rows))
+        lids = c.layout[rows]
+        dst_off = np.empty(len(rows), dtype=np.int64)
+        taken: list[tuple[int, np.ndarray]] = []
+        for lid in np.unique(lids).tolist():
+            sel = lids == lid
+            got = self.allocators[dst].alloc(self.layouts[lid].block_bytes, int(sel.sum()))
+            if got is None:
+                for l2, off in taken:
+                    self.allocators[dst].free(self.layouts[l2].block_bytes, off)
+                return None
+            taken.append((lid, got))
+            dst_off[sel] = got
+        c.state[rows] = S.MIGRATING
+        return dst_off
+
+    def end_move(self, rows: np.ndarray, dst: Tier, dst_offsets: np.ndarray, ok: np.ndarray) -> None:
+        """MIGRATING → RESIDENT. Where ok, the block now lives at dst (the source slot is freed);
+        elsewhere it stays where it was (the destination slot is freed)."""
+        c = self.cols
+        check_transition(c.state[rows], S.RESIDENT, self.vids(rows))
+        c.state[rows] = S.RESIDENT
+        moved, failed = rows[ok], rows[~ok]
+        self._free_slots(dst, failed, dst_offsets[~ok])
+        if len(moved):
+            src = c.tier[moved].copy()
+            for t in np.unique(src).tolist():
+                sel = moved[src == t]
+                self._free_slots(Tier(t), sel, c.offset[sel])
+            parents = c.parent[moved]
+            linked = parents != NO_ROW
+            np.subtract.at(c.kids, (src[linked], parents[linked]), 1)
+            np.add.at(c.kids, (np.full(int(linked.sum()), int(dst)), parents[linked]), 1)
+            c.tier[moved] = dst
+            c.offset[moved] = dst_offsets[ok]
+        orphans = [r for r in rows.tolist() if r in self._free_after_move]
+        if orphans:
+            self._free_after_move.difference_update(orphans)
+            self._release_rows(np.array(orphans, dtype=np.int64))
+
+    def on_slots_freed(self, tier: Tier, offsets: np.ndarray) -> None:
+        """Hook for arenas that keep per-slot state (the NVMe checksums); the manager sets it."""
+
+    def _free_slots(self, tier: Tier, rows: np.ndarray, offsets: np.ndarray) -> None:
+        if not len(rows):
+            return
+        lids = self.cols.layout[rows]
+        for lid in np.unique(lids).tolist():
+            sel = lids == lid
+            self.allocators[tier].free(self.layouts[lid].block_bytes, offsets[sel])
+        self.on_slots_freed(tier, offsets)
+
+    # -- client death ----------------------------------------------------------------------
+    def remove_client(self, client_id: int) -> dict:
+        """Release everything a client holds: pins, references; its private blocks are freed,
+        its published blocks stay cached. Blocks in flight are left to their move's completion."""
+        holder = self.client(client_id)
+        c = self.cols
+        pinned = np.array(list(holder.pins.elements()), dtype=np.int64)
+        if len(pinned):
+            np.subtract.at(c.pins, pinned, 1)
+        holder.pins.clear()
+        refs = np.array(list(holder.refs.elements()), dtype=np.int64)
+        freed = self._drop_refs(holder, refs) if len(refs) else 0
+        del self.clients[client_id]
+        return {"unpinned": len(pinned), "dereferenced": len(refs), "freed": freed}
+
+    # -- accounting ------------------------------------------------------------------------
+    def pending_frees(self) -> frozenset[int]:
+        """Private blocks that lost their last reference mid-move; freed when the move completes."""
+        return frozenset(self._free_after_move)
+
+    def live_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.cols.state != int(S.FREE))
+
+    def tier_blocks(self) -> dict[Tier, int]:
+        counts = np.bincount(self.cols.tier[self.cols.tier >= 0], minlength=len(Tier))
+        return {t: int(counts[t]) for t in Tier}

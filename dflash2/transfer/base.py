@@ -1,0 +1,65 @@
+"""The transfer-backend interface: moves a batch of blocks between two tier arenas.
+
+The mover (mechanism, in dflash2/mover.py) does the two-phase bookkeeping in the block table:
+prepare marks the blocks MIGRATING and allocates destination slots, then asks a backend to `start`
+the copy, then `wait`s and completes each block with success or failure (a failed block stays where
+it was). A backend only copies bytes: it never touches the block table.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+from dflash2.tiers import Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBatch:
+    """One batch move: block i goes from src_offsets[i] in the src arena to dst_offsets[i] in the dst
+    arena and is nbytes[i] long. Arrays are int64 and of equal length."""
+
+    src_tier: Tier
+    dst_tier: Tier
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.src_offsets)
+        if len(self.dst_offsets) != n or len(self.nbytes) != n:
+            raise ValueError("CopyBatch arrays must have equal lengths")
+        if self.src_tier == self.dst_tier:
+            raise ValueError(f"CopyBatch from {self.src_tier.label} to itself")
+
+    def __len__(self) -> int:
+        return len(self.src_offsets)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+class CopyJob(abc.ABC):
+    """A started copy. `wait` returns a bool array: True where the block's bytes arrived intact."""
+
+    batch: CopyBatch
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True when `wait` would not block."""
+
+    @abc.abstractmethod
+    def wait(self) -> np.ndarray:
+        """Block until the copy finishes; per-block success. Never raises for a per-block failure."""
+
+
+class TransferBackend(abc.ABC):
+    @abc.abstractmethod
+    def start(self, batch: CopyBatch) -> CopyJob:
+        """Begin copying a batch. The source bytes must stay untouched until the job is waited for."""
+
+    def close(self) -> None:
+        """Release streams, threads and buffers."""

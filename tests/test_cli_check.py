@@ -1,0 +1,166 @@
+"""`dflash2d --check` as a subprocess, and the `dflash2` command's bench dispatch."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from dflash2 import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = {
+    "enable": True,
+    "device": {"kind": "host"},
+    "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64,
+               "nvme_capacity_mb": 128, "nvme_path": "data/nvme.bin"},
+    "kv_block": {"block_size": 256},
+    "layouts": {"llama3-8b-bf16": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}},
+}
+
+
+def dflash2d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-m", "dflash2.daemon.main", *args], cwd=cwd, env=clean,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def write(tmp_path):
+    def write(data, name="cfg.json") -> Path:
+        path = tmp_path / "conf" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+        return path
+    return write
+
+
+def error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dflash2d: error: ")
+    return lines[0]
+
+
+def test_good_config_prints_plan_with_blocks_per_layout(write, tmp_path):
+    result = dflash2d("--config", str(write(GOOD)), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "llama3-8b-bf16" in result.stdout
+    hbm = next(line for line in result.stdout.splitlines() if line.startswith("hbm"))
+    assert hbm.split()[-1] == "2"  # 64 MiB of 32 MiB blocks
+
+
+def test_json_plan_and_relative_nvme_path_resolves_against_config_folder(write, tmp_path):
+    config = write(GOOD)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = dflash2d("--config", str(config), "--check", "--json", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["nvme_path"] == str(config.parent / "data" / "nvme.bin")
+    assert [t["blocks"]["llama3-8b-bf16"] for t in plan["tiers"]] == [2, 2, 4]
+
+
+def test_default_config_file_is_read_from_cwd(write, tmp_path):
+    write(GOOD, name="dflash2_config.json")
+    result = dflash2d("--check", cwd=tmp_path / "conf")
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_key_is_named_with_its_dotted_path(write, tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["memory"]["dram_capacity"] = 5
+    result = dflash2d("--config", str(write(data)), "--check", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "memory.dram_capacity: unknown key" in error_line(result)
+
+
+def test_bad_bound_names_the_key(write, tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["policy"] = {"swap_batch_size": 0}
+    result = dflash2d("--config", str(write(data)), "--check", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "policy.swap_batch_size: " in error_line(result)
+
+
+def test_bad_json_names_file_and_line(write, tmp_path):
+    path = write('{\n  "enable": true,\n  "memory": {\n}}}\n')
+    result = dflash2d("--config", str(path), "--check", cwd=tmp_path)
+    assert result.returncode == 2
+    line = error_line(result)
+    assert str(path) in line and "line 4" in line
+
+
+def test_missing_file(tmp_path):
+    result = dflash2d("--config", "absent.json", "--check", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "absent.json: config file not found" in error_line(result)
+
+
+def test_disabled_exits_3_with_message(write, tmp_path):
+    result = dflash2d("--config", str(write({**GOOD, "enable": False})), "--check", cwd=tmp_path)
+    assert result.returncode == 3
+    assert "DFlash2 is disabled: `enable` is false in" in result.stderr
+
+
+def test_first_generation_env_vars_warn(write, tmp_path):
+    env = {"DFLASH_DRAM_LIMIT": "64G", "DFLASH_BLOCK_SIZE": "16", "DFLASH_OTHER": "1"}
+    result = dflash2d("--config", str(write(GOOD)), "--check", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 3
+    assert any("DFLASH_DRAM_LIMIT" in w and "memory.dram_capacity_mb" in w for w in warnings)
+    assert any("DFLASH_BLOCK_SIZE" in w and "kv_block.block_size" in w for w in warnings)
+    assert any("DFLASH_OTHER" in w and "no effect" in w for w in warnings)
+
+
+def test_config_warnings_are_printed(write, tmp_path):
+    data = {**GOOD, "policy": {"cold_threshold": 0.99}}
+    result = dflash2d("--config", str(write(data)), "--check", cwd=tmp_path)
+    assert result.returncode == 0
+    assert "warning: policy.cold_threshold" in result.stderr
+
+
+def test_shipped_default_config_checks(tmp_path):
+    result = dflash2d("--config", str(ROOT / "dflash2_config.json"), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "llama3-8b-bf16" in result.stdout and "llama3-8b-fp8" in result.stdout
+
+
+# --- the `dflash2` command ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    module = types.ModuleType("dflash2.bench.table")
+    module.add_arguments = lambda parser: parser.add_argument("--blocks", type=int, default=10)
+    module.run = lambda args: [{"blocks": args.blocks, "x": 1.5}, {"blocks": args.blocks, "x": 2}]
+    monkeypatch.setitem(sys.modules, "dflash2.bench.table", module)
+
+
+def test_bench_prints_json_lines(fake_bench, capsys):
+    assert cli.main(["bench", "table", "--blocks", "7", "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [{"blocks": 7, "x": 1.5}, {"blocks": 7, "x": 2}]
+
+
+def test_bench_prints_key_value_without_json(fake_bench, capsys):
+    assert cli.main(["bench", "table"]) == 0
+    assert "blocks: 10" in capsys.readouterr().out
+
+
+def test_missing_bench_module_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(cli.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ModuleNotFoundError(name=name)))
+    assert cli.main(["bench", "control"]) == 2
+    assert "dflash2.bench.control is not built yet" in capsys.readouterr().err
+
+
+def test_unknown_bench_name_is_rejected():
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "nope"])
+    assert info.value.code == 2

@@ -1,0 +1,121 @@
+"""HostTransferBackend: batches between shm and NVMe arenas on a worker thread."""
+
+import logging
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.shm import SharedMemoryArena
+from dflash2.errors import ArenaError
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch
+from dflash2.transfer.host import HostTransferBackend
+
+CAP = 4 << 20
+
+
+def _shm(tier):
+    return SharedMemoryArena.create(f"dflash2-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", CAP, tier)
+
+
+@pytest.fixture
+def arenas(tmp_path):
+    hbm, dram = _shm(Tier.HBM), _shm(Tier.DRAM)
+    nv = NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=64 << 10)
+    yield {Tier.HBM: hbm, Tier.DRAM: dram, Tier.NVME: nv}
+    hbm.close()
+    dram.close()
+    nv.remove()
+
+
+@pytest.fixture
+def backend(arenas):
+    b = HostTransferBackend(arenas)
+    yield b
+    b.close()
+
+
+def _batch(src, dst, src_offsets, dst_offsets, nbytes):
+    a = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    return CopyBatch(src, dst, a(src_offsets), a(dst_offsets), a(nbytes))
+
+
+def _fill(arena, offsets, nbytes, seed):
+    rng = np.random.default_rng(seed)
+    for o, n in zip(offsets, nbytes):
+        arena.view(o, n)[:] = rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def test_shm_to_shm(arenas, backend):
+    offs, sizes = [0, 8192, 65536], [5000, 8192, 100_000]
+    _fill(arenas[Tier.HBM], offs, sizes, 0)
+    dst_offs = [1 << 20, 0, 300_032]
+    job = backend.start(_batch(Tier.HBM, Tier.DRAM, offs, dst_offs, sizes))
+    assert job.wait().tolist() == [True] * 3 and job.done()
+    for s, d, n in zip(offs, dst_offs, sizes):
+        assert np.array_equal(arenas[Tier.HBM].view(s, n), arenas[Tier.DRAM].view(d, n))
+
+
+def test_shm_to_nvme_to_shm_bit_exact(arenas, backend):
+    sizes = [1, 4095, 4097, 200_000, 12_800] * 4
+    offs = np.cumsum([0] + [-(-n // 4096) * 4096 for n in sizes[:-1]])
+    _fill(arenas[Tier.DRAM], offs, sizes, 1)
+    # a different placement on disk: the blocks in reverse order
+    nv_offs = np.cumsum([0] + [-(-n // 4096) * 4096 for n in sizes[::-1][:-1]])[::-1]
+    down = backend.start(_batch(Tier.DRAM, Tier.NVME, offs, nv_offs, sizes))
+    up = backend.start(_batch(Tier.NVME, Tier.HBM, nv_offs, offs, sizes))  # queued behind `down`
+    assert down.wait().all()
+    assert up.wait().all()
+    for o, n in zip(offs, sizes):
+        assert np.array_equal(arenas[Tier.DRAM].view(o, n), arenas[Tier.HBM].view(o, n))
+
+
+def test_corrupt_block_reads_as_false(arenas, backend):
+    _fill(arenas[Tier.DRAM], [0, 8192], [5000, 5000], 2)
+    assert backend.start(_batch(Tier.DRAM, Tier.NVME, [0, 8192], [0, 8192], [5000, 5000])).wait().all()
+    arenas[Tier.NVME].corrupt_for_test(8192)
+    ok = backend.start(_batch(Tier.NVME, Tier.HBM, [0, 8192], [0, 8192], [5000, 5000])).wait()
+    assert ok.tolist() == [True, False]
+
+
+def test_failure_gives_false_not_exception(backend, caplog):
+    bad = _batch(Tier.HBM, Tier.DRAM, [0, CAP - 10], [0, 0], [100, 100])  # second block out of range
+    with caplog.at_level(logging.ERROR, logger="dflash2.transfer.host"):
+        ok = backend.start(bad).wait()
+    assert ok.tolist() == [False, False]
+    assert any("failed" in r.getMessage() for r in caplog.records)
+    # the worker survives
+    assert backend.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10])).wait().all()
+
+
+def test_read_of_never_written_block_is_false(backend):
+    assert backend.start(_batch(Tier.NVME, Tier.DRAM, [0], [0], [100])).wait().tolist() == [False]
+
+
+@pytest.fixture
+def two_storage_backend(tmp_path):
+    nv1 = NvmeArena(tmp_path / "a.bin", CAP, staging_bytes=64 << 10)
+    nv2 = NvmeArena(tmp_path / "b.bin", CAP, staging_bytes=64 << 10, tier=Tier.DRAM)
+    b = HostTransferBackend({Tier.NVME: nv1, Tier.DRAM: nv2})
+    yield b
+    b.close()
+    nv1.remove()
+    nv2.remove()
+
+
+def test_storage_to_storage_and_missing_tier_rejected(two_storage_backend):
+    with pytest.raises(ValueError, match="storage to storage"):
+        two_storage_backend.start(_batch(Tier.DRAM, Tier.NVME, [0], [0], [10]))
+    with pytest.raises(ValueError, match="no arena for tier hbm"):
+        two_storage_backend.start(_batch(Tier.HBM, Tier.NVME, [0], [0], [10]))
+
+
+def test_start_after_close_raises(arenas):
+    b = HostTransferBackend(arenas)
+    b.close()
+    b.close()
+    with pytest.raises(ArenaError, match="closed"):
+        b.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10]))
