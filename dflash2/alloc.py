@@ -25,19 +25,27 @@ def slot_bytes(block_bytes: int, alignment: int) -> int:
 MAX_SLAB_STRETCH = 4
 
 
-def slab_shape(slot: int, page_bytes: int) -> tuple[int, int]:
+# ... and never past this fraction of the arena, so that small arenas stay shareable.
+MAX_SLAB_SHARE = 16
+
+
+def slab_shape(slot: int, page_bytes: int, arena_pages: int | None = None) -> tuple[int, int]:
     """(pages per slab, slots per slab) for one slot size: the run of contiguous pages, among the
     shortest few that hold a slot, whose unusable tail is the smallest fraction of it."""
     base = max(1, -(-slot // page_bytes))
-    best = min(range(base, base * MAX_SLAB_STRETCH + 1),
+    longest = base * MAX_SLAB_STRETCH
+    if arena_pages is not None:
+        longest = max(base, min(longest, arena_pages // MAX_SLAB_SHARE))
+    best = min(range(base, longest + 1),
                key=lambda k: ((k * page_bytes) % slot / (k * page_bytes), k))
     return best, (best * page_bytes) // slot
 
 
 def blocks_that_fit(capacity_bytes: int, page_bytes: int, alignment: int, block_bytes: int) -> int:
     """How many blocks of one layout an empty arena holds when that layout has it alone."""
-    pages, per_slab = slab_shape(slot_bytes(block_bytes, alignment), page_bytes)
-    whole_slabs = (capacity_bytes // page_bytes) // pages
+    arena_pages = capacity_bytes // page_bytes
+    pages, per_slab = slab_shape(slot_bytes(block_bytes, alignment), page_bytes, arena_pages)
+    whole_slabs = arena_pages // pages
     return whole_slabs * per_slab
 
 
@@ -167,7 +175,7 @@ class SlotAllocator:
 
     # -- slabs -------------------------------------------------------------------------------
     def _slab_shape(self, slot: int) -> tuple[int, int]:
-        return slab_shape(slot, self.page_bytes)
+        return slab_shape(slot, self.page_bytes, self.n_pages)
 
     def _head_of(self, offsets: np.ndarray) -> np.ndarray:
         return self._page_head[offsets // self.page_bytes]

@@ -174,6 +174,10 @@ class AdmissionConfig(_Section):
     reservation_ttl_s: float = Field(30.0, gt=0, le=86400, description="A reservation expires after this.")
     max_deferred: int = Field(1024, gt=0, le=1_000_000, description="Most reservations waiting in the queue.")
     preemption: bool = Field(True, description="A higher-priority reservation may demote lower-priority blocks.")
+    burst_fraction: float = Field(
+        0.1, gt=0, le=1, description="Fraction of the HBM tier that admission may demote at once before "
+                                     "pacing further demotions at the smoothed demand rate.")
+    max_client_share: float = Field(1.0, gt=0, le=1, description="Most of the HBM tier one client may hold.")
 
 
 class DaemonConfig(_Section):

@@ -58,8 +58,9 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     leaked = private[(c.refs[private] == 0) & ~np.isin(private, pending)]
     if len(leaked):
         problems.append(f"private block row {int(leaked[0])} has no reference left but was not freed (leaked)")
-    if (c.owner[private] == NO_CLIENT).any():
-        problems.append("a private block has no owner")
+    ownerless = private[c.owner[private] == NO_CLIENT]
+    if len(ownerless) and not set(ownerless.tolist()) <= table.lost:
+        problems.append("a private block has no owner (and was not dropped as lost)")
     published = live[c.key[live] != 0]
     if len(table.keys) != len(published):
         problems.append(f"key index holds {len(table.keys)} keys, {len(published)} blocks are published")

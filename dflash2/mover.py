@@ -51,6 +51,9 @@ class Mover:
         self.backend = backend
         self.swap_batch_size = swap_batch_size
         self.stats: dict[tuple[Tier, Tier], DirectionStats] = defaultdict(DirectionStats)
+        # Rows whose read back from NVMe failed (checksum or I/O): their stored bytes are not to be
+        # trusted, so the caller drops them from the cache (a miss, never wrong data).
+        self.lost: list[int] = []
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -77,6 +80,8 @@ class Mover:
         """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
         ok = np.ones(len(move.rows), dtype=bool) if move.job is None else move.job.wait()
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
+        if move.src == Tier.NVME and not ok.all():
+            self.lost.extend(move.rows[~ok].tolist())
         seconds = time.perf_counter() - move.started
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
@@ -89,6 +94,10 @@ class Mover:
                                             "blocks": len(move.rows), "failed": int((~ok).sum()),
                                             "bytes": move.nbytes, "seconds": round(seconds, 6)})
         return ok
+
+    def take_lost(self) -> np.ndarray:
+        lost, self.lost = self.lost, []
+        return np.asarray(sorted(set(lost)), dtype=np.int64)
 
     def move(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """Move rows (any source tiers) to dst in batches; all batches are in flight together.

@@ -34,6 +34,7 @@ class Watermark:
 class PlacementStats:
     demoted: int = 0
     evicted: int = 0
+    lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
     promoted: int = 0
     not_admitted: int = 0
 
@@ -189,6 +190,7 @@ class Placement:
         need_below = int(self._slot_bytes(lower, victims).sum())
         self.make_room(lower, need_below, protect=protect)
         moved = self.mover.move(victims, lower)
+        self.table.drop_lost(self.mover.take_lost())
         self.stats.demoted += int(moved.sum())
         if moved.any():
             self.policy.on_insert(self.table, victims[moved], now)
@@ -229,6 +231,7 @@ class Placement:
             self.make_room(dst, need, protect=chain)
             # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
             moved = self.mover.move(away, dst)
+            self.table.drop_lost(self.mover.take_lost())
             self.stats.promoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, away[moved], self.table.clock())

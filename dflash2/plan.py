@@ -22,7 +22,8 @@ from dflash2.errors import ConfigError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
-MEMORY_ALIGNMENT = 256  # bytes; every memory-tier slot starts on this boundary (coalesced GPU access)
+MEMORY_ALIGNMENT = 256  # bytes; every HBM slot starts on this boundary (coalesced GPU access)
+DRAM_ALIGNMENT = 4096  # bytes; page-aligned DRAM slots can go to and from NVMe by O_DIRECT without a copy
 NVME_ALIGNMENT = 4096  # bytes; O_DIRECT needs offsets and sizes on the logical block size
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 UNKNOWN = "unknown until start-up"
@@ -96,7 +97,8 @@ def resolve_plan(cfg: Config) -> Plan:
     page = cfg.memory.page_kb * 1024
     mem = cfg.memory
     tiers = [*_hbm_tiers(cfg, kind, gpus, notes),
-             _tier(Tier.DRAM, "pinned host", mem.dram_capacity_mb * MB, MEMORY_ALIGNMENT, page, layouts),
+             _tier(Tier.DRAM, "pinned host" if kind == "cuda" else "host shared memory",
+                   mem.dram_capacity_mb * MB, DRAM_ALIGNMENT, page, layouts),
              _tier(Tier.NVME, "file", mem.nvme_capacity_mb * MB, NVME_ALIGNMENT, page, layouts)]
     if not layouts:
         notes.append("no layouts configured: blocks per layout are known once clients attach")

@@ -110,7 +110,7 @@ class Admission:
         hbm = self.table.allocators[Tier.HBM].capacity_bytes
         if need > hbm:
             return self._reject(f"needs {need} bytes of HBM ({blocks} blocks); the HBM tier holds {hbm}")
-        held = self._client_hbm_bytes(client)
+        held = self._client_hbm_bytes(client) if self.settings.max_client_share < 1.0 else 0
         if held + need > self.settings.max_client_share * hbm:
             return self._reject(f"client would hold {held + need} bytes of HBM, over its share "
                                 f"{self.settings.max_client_share} of {hbm}")

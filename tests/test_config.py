@@ -233,7 +233,7 @@ def test_host_plan_counts_blocks_per_layout():
     assert block == 32 * 1024
     assert [t.tier.label for t in plan.tiers] == ["hbm", "dram", "nvme"]
     assert [t.blocks["small"] for t in plan.tiers] == [64 * 32, 128 * 32, 256 * 32]
-    assert [t.alignment for t in plan.tiers] == [256, 256, 4096]
+    assert [t.alignment for t in plan.tiers] == [256, 4096, 4096]
     assert plan.total_bytes == (64 + 128 + 256) << 20
     assert plan.to_dict()["tiers"][0]["blocks"] == {"small": 2048}
     assert "small" in plan.render_text()

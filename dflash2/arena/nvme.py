@@ -1,15 +1,22 @@
-"""The NVMe tier: one preallocated cache file, batched aligned I/O through a staging ring.
+"""The NVMe tier: one preallocated cache file, batched aligned I/O, zero-copy where buffers allow.
 
 Each block lies at a slot offset (a multiple of ALIGN) given by the block table; its length need
 not be a multiple of ALIGN: the rest of its slot's last page is padding. Every written block has a
 crc32 recorded in memory; a read whose crc does not match — or of a block never written, or
 forgotten — is a miss, never wrong data.
 
+A block whose buffer is page-aligned (address and length multiples of ALIGN, as the views of a
+memory arena with 4096-aligned slots are) moves straight between its buffer and the file, several
+adjacent blocks per vectored I/O; any other block goes through the staging ring (see staging.py).
+One batch may mix both.
+
 Invariants:
 - the checksum table is the only truth about what the file holds: it lives in memory only, so a
   restarted daemon sees an empty tier (the file is a cache; no fsync is needed);
 - a block's checksum is recorded only after all of its batch's I/O succeeded, and dropped before its
-  slot is overwritten.
+  slot is overwritten;
+- a direct read lands in the caller's buffer before its checksum is known: on a miss those bytes
+  are garbage, which the StorageArena contract allows (the caller must not use them).
 
 Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed by offset // ALIGN.
 """
@@ -26,8 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
-from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, StagingRing, crc32_combine, plan_chunks,
-                                   pread_all, pwrite_all)
+from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
+                                   plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
 
@@ -38,7 +45,9 @@ MAX_BLOCK_BYTES = (1 << 32) - 1  # lengths are kept as uint32; 0 means "nothing 
 
 def _as_bytes(buf, writable: bool) -> np.ndarray:
     """A 1-D uint8 view of a contiguous buffer (numpy array of any dtype, memoryview, bytes)."""
-    if isinstance(buf, np.ndarray):
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        arr = buf  # the common case (memory arena views): no new view object
+    elif isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ArenaError("NVMe tier block buffers must be C-contiguous")
         arr = buf.reshape(-1).view(np.uint8)
@@ -57,6 +66,12 @@ def _free_bytes(folder: str) -> int:
 def _open_direct(path: str) -> int:
     """Open the file with O_DIRECT. Raises OSError (EINVAL) where the filesystem refuses it."""
     return os.open(path, os.O_RDWR | os.O_DIRECT)
+
+
+def _direct_mask(arrays: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
+    """Which buffers can move straight to and from the file: page-aligned address and length."""
+    addrs = np.fromiter((a.__array_interface__["data"][0] for a in arrays), dtype=np.uint64, count=len(arrays))
+    return ((addrs % ALIGN) == 0) & ((lens % ALIGN) == 0)
 
 
 def _block_crcs(chunk_pieces: list[list[tuple[int, int, int, int]]], nblocks: int) -> np.ndarray:
@@ -175,6 +190,13 @@ class NvmeArena(StorageArena):
             raise ArenaError("NVMe batch has overlapping blocks")
         return offs, arrays, lens, extents, order
 
+    def _plan(self, arrays, lens, offs, extents, order, bridge: int) -> tuple[list[Run], list[Chunk]]:
+        """Direct runs for the page-aligned buffers, staged chunks for the others (`order` sorted)."""
+        direct = _direct_mask(arrays, lens)[order]
+        runs = plan_runs(order[direct], offs, lens)
+        chunks = plan_chunks(order[~direct], offs, extents, self._ring.slot_bytes, bridge=bridge)
+        return runs, chunks
+
     def write_blocks(self, offsets: Sequence[int], sources: Sequence) -> None:
         offs, srcs, lens, extents, order = self._check_batch(offsets, sources, writable=False)
         if not len(offs):
@@ -198,10 +220,15 @@ class NvmeArena(StorageArena):
                     pwrite_all(self._fd, ring.mv[base + b:base + b + n], f)
                 return crcs
 
+            def write_run(run: Run) -> list[tuple[int, int, int, int]]:
+                bufs = [srcs[i][s:e] for i, s, e in run.pieces]
+                pwritev_all(self._fd, bufs, run.offset)
+                return [(i, s, e - s, zlib.crc32(b)) for (i, s, e), b in zip(run.pieces, bufs)]
+
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
-            chunks = plan_chunks(order, offs, extents, ring.slot_bytes, bridge=0)
+            runs, chunks = self._plan(srcs, lens, offs, extents, order, bridge=0)
             try:
-                pieces = ring.run(chunks, fill_and_write)
+                pieces = ring.run(chunks, fill_and_write, runs, write_run)
             except OSError as e:
                 raise ArenaError(f"NVMe tier write to {self.path} failed: {e}") from e
             self._crc[idx] = _block_crcs(pieces, len(offs))
@@ -233,9 +260,14 @@ class NvmeArena(StorageArena):
                         dsts[i][s:d] = src
                 return crcs
 
-            chunks = plan_chunks(want, offs, extents, ring.slot_bytes, bridge=READ_BRIDGE_BYTES)
+            def read_run(run: Run) -> list[tuple[int, int, int, int]]:
+                bufs = [dsts[i][s:e] for i, s, e in run.pieces]
+                preadv_all(self._fd, bufs, run.offset)
+                return [(i, s, e - s, zlib.crc32(b)) for (i, s, e), b in zip(run.pieces, bufs)]
+
+            runs, chunks = self._plan(dsts, lens, offs, extents, want, bridge=READ_BRIDGE_BYTES)
             try:
-                pieces = ring.run(chunks, read_and_drain)
+                pieces = ring.run(chunks, read_and_drain, runs, read_run)
             except OSError as e:
                 raise ArenaError(f"NVMe tier read from {self.path} failed: {e}") from e
         ok[want] = _block_crcs(pieces, len(offs))[want] == expected[want]

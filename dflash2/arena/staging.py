@@ -1,10 +1,16 @@
-"""The staging buffer of a storage arena: chunk planning, a ring of slots and its worker threads.
+"""The I/O plans of a storage arena: direct runs, staged chunks, and the ring that runs them.
 
-A batch of blocks is cut into chunks that each fill one slot of a page-aligned ring buffer
-(anonymous mmap). Each chunk is one job on a small pool of worker threads — write: copy the blocks'
-bytes into the slot, checksum them, pwrite; read: pread, checksum, copy out — so that while one
-worker waits on the disk another copies and checksums. `os.pwrite`/`os.preadv`, numpy copies and
-`zlib.crc32` all release the GIL, so the workers run in parallel.
+A batch's blocks take one of two paths:
+- **direct** (zero copy): a block whose buffer address and length are multiples of ALIGN (the views
+  of a memory arena with 4096-aligned slots) is written from / read into its own buffer. Adjacent
+  such blocks form a *run*: one `os.pwritev`/`os.preadv` over their buffers (at most
+  MAX_DIRECT_IO_BYTES and IOV_MAX buffers); a larger block is split over several runs;
+- **staged**: any other block is cut into chunks that each fill one slot of a page-aligned ring
+  buffer (anonymous mmap) — write: copy into the slot, checksum, pwrite; read: pread, checksum,
+  copy out.
+Each run and each chunk is one job on a small pool of worker threads, so that while one worker waits
+on the disk another checksums (and copies). `os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32`
+all release the GIL, so the workers run in parallel.
 
 Invariants:
 - every I/O piece has a file offset, a slot offset and a length that are multiples of ALIGN, so the
@@ -13,7 +19,9 @@ Invariants:
 - a write never touches file bytes outside the batch's blocks' padded extents (other live blocks may
   lie in the gaps); a read may read across small gaps, which is harmless;
 - a block no larger than a slot lies in one chunk; a larger one is split and its checksum is
-  assembled from its pieces' checksums in order (`crc32_combine`).
+  assembled from its pieces' checksums in order (`crc32_combine`);
+- a direct run's pieces are whole pages of the blocks' own buffers (address, length and file offset
+  multiples of ALIGN): O_DIRECT takes them as they are, and no byte outside a block is written.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ READ_BRIDGE_BYTES = 1 << 20
 # One chunk is at most this long: large enough for full device throughput, small enough that the
 # pipeline fills and drains fast at the ends of a batch.
 MAX_CHUNK_BYTES = 8 << 20
+# One direct run moves at most this much (a vectored I/O of many blocks' buffers).
+MAX_DIRECT_IO_BYTES = 8 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # Workers: while some copy and checksum (CPU), others wait on the disk (measured best on 2 cores).
 WORKERS = 4
 
@@ -134,6 +145,35 @@ def plan_chunks(order: np.ndarray, offsets: np.ndarray, extents: np.ndarray, chu
     return chunks
 
 
+@dataclasses.dataclass
+class Run:
+    """One vectored I/O straight between the file (from `offset` on, contiguous) and the blocks' own
+    buffers: `pieces` are (block_index, block_start, block_end) byte ranges, in file order."""
+
+    offset: int
+    pieces: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+
+
+def plan_runs(order: np.ndarray, offsets: np.ndarray, lens: np.ndarray, max_bytes: int = MAX_DIRECT_IO_BYTES,
+              max_iov: int = IOV_MAX) -> list[Run]:
+    """Group the blocks `order` (sorted by offset; lengths multiples of ALIGN) into runs of adjacent
+    blocks of at most `max_bytes` and `max_iov` pieces; a larger block is split over runs."""
+    runs: list[Run] = []
+    cur: Run | None = None
+    end = fill = 0  # file offset where `cur` ends, and its bytes
+    for i, off, n in zip(order.tolist(), offsets[order].tolist(), lens[order].tolist()):
+        s = 0
+        while s < n:
+            if cur is None or off + s != end or fill >= max_bytes or len(cur.pieces) >= max_iov:
+                cur, fill = Run(off + s), 0
+                runs.append(cur)
+            k = min(n - s, max_bytes - fill)
+            cur.pieces.append((i, s, s + k))
+            fill, s = fill + k, s + k
+            end = off + s
+    return runs
+
+
 # ---- the ring -----------------------------------------------------------------------------------
 
 class StagingRing:
@@ -151,17 +191,23 @@ class StagingRing:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, self.nslots),
                                                            thread_name_prefix="dflash2-staging")
 
-    def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T]) -> list[T]:
-        """Run job(chunk, slot_offset) for every chunk on the workers; results in chunk order.
-        Every job started is waited for before returning, also when one fails (the ring is reused)."""
-        if len(chunks) == 1:  # nothing to overlap: skip the thread hop
-            return [job(chunks[0], 0)]
+    def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
+            runs: list[Run] = (), run_job: Callable[[Run], T] | None = None) -> list[T]:
+        """Run run_job(run) for every direct run and job(chunk, slot_offset) for every staged chunk on
+        the workers; results of the runs then of the chunks, each in order. Every job started is
+        waited for before returning, also when one fails (the ring is reused)."""
+        if len(chunks) + len(runs) == 1:  # nothing to overlap: skip the thread hop
+            return [run_job(runs[0])] if runs else [job(chunks[0], 0)]
         futures: list[concurrent.futures.Future] = []
         try:
+            # Direct runs need no slot: all queue at once, the pool bounds how many are in flight.
+            futures.extend(self._pool.submit(run_job, r) for r in runs)
+            staged: list[concurrent.futures.Future] = []
             for k, chunk in enumerate(chunks):
                 if k >= self.nslots:
-                    futures[k - self.nslots].result()  # its slot is free again
-                futures.append(self._pool.submit(job, chunk, (k % self.nslots) * self.slot_bytes))
+                    staged[k - self.nslots].result()  # its slot is free again
+                staged.append(self._pool.submit(job, chunk, (k % self.nslots) * self.slot_bytes))
+                futures.append(staged[-1])
             return [f.result() for f in futures]
         finally:
             for f in futures:  # after a failure: let the ring go quiet before reuse
@@ -192,3 +238,33 @@ def pread_all(fd: int, buf: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"pread hit the end of the file at offset {offset}")
         buf, offset = buf[n:], offset + n
+
+
+def _advance(bufs: list, n: int) -> list:
+    """The buffers left after the first n bytes of `bufs` (1-D byte buffers) were transferred."""
+    k = 0
+    while k < len(bufs) and n >= len(bufs[k]):
+        n -= len(bufs[k])
+        k += 1
+    rest = bufs[k:]
+    if rest and n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    """Write the 1-D byte buffers `bufs` back to back from `offset` (one pwritev, more if short)."""
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(f"pwritev wrote {n} bytes at offset {offset}")
+        bufs, offset = _advance(bufs, n), offset + n
+
+
+def preadv_all(fd: int, bufs: list, offset: int) -> None:
+    """Fill the 1-D byte buffers `bufs` back to back from `offset` (one preadv, more if short)."""
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(f"preadv hit the end of the file at offset {offset}")
+        bufs, offset = _advance(bufs, n), offset + n

@@ -84,3 +84,5 @@ def _load_builtin() -> None:
     # Importing registers them; kept lazy so that base.py has no import cycle with its policies.
     import dflash2.policy.lfu  # noqa: F401
     import dflash2.policy.lru  # noqa: F401
+    import dflash2.policy.belady  # noqa: F401
+    import dflash2.policy.heat  # noqa: F401

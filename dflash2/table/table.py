@@ -63,6 +63,7 @@ class BlockTable:
         self.clients: dict[int, ClientRefs] = {}
         self._next_client = 1
         self._free_after_move: set[int] = set()  # private blocks whose last reference went mid-move
+        self.lost: set[int] = set()  # unpublished after a failed checksum, still referenced
 
     # -- layouts and clients ---------------------------------------------------------------
     def register_layout(self, layout: Layout) -> int:
@@ -329,7 +330,36 @@ class BlockTable:
         for tier in self.allocators:
             here = rows[c.tier[rows] == int(tier)]
             self._free_slots(tier, here, c.offset[here])
+        self.lost.difference_update(rows.tolist())
         c.give_rows(rows.astype(np.int32))
+
+    def drop_lost(self, rows: np.ndarray) -> None:
+        """These blocks' stored bytes failed their checksum: they must never be found again. Each is
+        unpublished and cut out of the prefix tree (its cached descendants become unreachable, so
+        those nobody holds are evicted too); one still referenced stays until its last reference."""
+        c = self.cols
+        for r in np.asarray(rows, dtype=np.int64).tolist():
+            if c.state[r] == S.FREE:
+                continue
+            self.lost.add(r)
+            if c.key[r]:
+                self.keys.remove(int(c.key[r]))
+                c.key[r] = 0
+            p = int(c.parent[r])
+            if p != NO_ROW:
+                c.kids[c.tier[r], p] -= 1
+                c.nkids[p] -= 1
+                c.parent[r] = NO_ROW
+            kids = np.flatnonzero((c.parent == r) & (c.state != int(S.FREE)))
+            c.parent[kids] = NO_ROW
+            c.kids[:, r] = 0
+            c.nkids[r] = 0
+            if c.refs[r] == 0 and c.pins[r] == 0:
+                self.lost.discard(r)
+                self._release_rows(np.array([r], dtype=np.int64))
+            orphans = kids[self.evictable(kids)] if len(kids) else kids
+            if len(orphans):
+                self.drop_lost(orphans)
 
     # -- moves (two-phase; the mover drives these) ----------------------------------------
     def begin_move(self, rows: np.ndarray, dst: Tier) -> np.ndarray | None:

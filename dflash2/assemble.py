@@ -1,0 +1,88 @@
+"""Builds a running BlockManager from a validated config: takes every tier's region once.
+
+Start-up fails with a specific error when a region cannot be had (CapacityError names the bytes
+needed and available). On a machine without a GPU, host shared memory stands in for HBM; the CUDA
+arenas come with the GPU path and plug in here behind the same arena interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from dflash2.arena.base import Arena
+from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.shm import SharedMemoryArena
+from dflash2.config import Config
+from dflash2.errors import ArenaError
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.placement import Watermark
+from dflash2.plan import Plan, resolve_plan
+from dflash2.reservations import AdmissionSettings
+from dflash2.tiers import Tier
+from dflash2.transfer.host import HostTransferBackend
+
+log = logging.getLogger("dflash2.assemble")
+
+
+def watermarks(cfg: Config) -> dict[Tier, Watermark]:
+    wm = cfg.policy.watermarks
+    return {Tier.HBM: Watermark(wm.hbm.high, wm.hbm.low), Tier.DRAM: Watermark(wm.dram.high, wm.dram.low),
+            Tier.NVME: Watermark(wm.nvme.high, wm.nvme.low)}
+
+
+def admission_settings(cfg: Config) -> AdmissionSettings:
+    a = cfg.admission
+    return AdmissionSettings(smoothing_window_s=a.smoothing_window_ms / 1000.0, burst_fraction=a.burst_fraction,
+                             reservation_ttl_s=a.reservation_ttl_s, max_deferred=a.max_deferred,
+                             preemption=a.preemption, max_client_share=a.max_client_share)
+
+
+def tier_specs(plan: Plan) -> list[TierSpec]:
+    specs = []
+    for tp in plan.tiers:
+        if tp.capacity_bytes is None:
+            raise ArenaError(f"the {tp.tier.label} tier's size is unknown ({tp.where}); cannot start")
+        if tp.capacity_bytes > 0:
+            specs.append(TierSpec(tp.tier, tp.capacity_bytes, tp.page_bytes, tp.alignment))
+    return specs
+
+
+def build_manager(cfg: Config, *, instance: str | None = None, plan: Plan | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> BlockManager:
+    """Take the arenas of `cfg` and return the manager that owns them (close() gives them back).
+    `instance` names the shared-memory segments (default: dflash2-<pid>)."""
+    plan = plan or resolve_plan(cfg)
+    if plan.device_kind != "host":
+        raise ArenaError("device.kind resolved to cuda, but this build has no CUDA arenas yet; "
+                         "set device.kind to \"host\" (host memory then stands in for HBM)")
+    if len([t for t in plan.tiers if t.tier == Tier.HBM]) != 1:
+        raise ArenaError("exactly one HBM arena is supported by the host path")
+    instance = instance or f"dflash2-{os.getpid()}"
+    specs = tier_specs(plan)
+    arenas: dict[Tier, Arena] = {}
+    try:
+        for spec in specs:
+            arenas[spec.tier] = _open_arena(spec, plan, instance)
+        backend = HostTransferBackend(arenas)
+    except BaseException:
+        for arena in arenas.values():
+            arena.close()
+        raise
+    return BlockManager(specs, policy=cfg.policy.name, swap_batch_size=cfg.policy.swap_batch_size,
+                        cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
+                        admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
+
+
+def _open_arena(spec: TierSpec, plan: Plan, instance: str) -> Arena:
+    if spec.tier == Tier.NVME:
+        if plan.nvme_path is None:
+            raise ArenaError("memory.nvme_path is not set but the NVMe tier has a capacity")
+        return NvmeArena.create(plan.nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
+    arena = SharedMemoryArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
+                                     alignment=spec.alignment)
+    log.info("took %s tier: %d bytes of host shared memory (%s)", spec.tier.label, spec.capacity_bytes,
+             arena.describe().get("name"))
+    return arena

@@ -1,0 +1,175 @@
+"""`dflash2 bench policy`: replay a Mooncake-format trace through the real block manager.
+
+Metadata only (no arenas): the trace's timestamps (ms) drive a virtual clock; a block is 512 tokens
+and a request's `hash_ids` are its prefix block keys, in order (used as content keys, +1 so that none
+is 0, chained by commit's parent). Per request, in arrival order:
+
+1. lookup: the leading run of cached blocks is the request's prefix hit (`prefix_hit_rate` counts it
+   in any tier, `hbm_prefix_hit_rate` only the blocks already in HBM on arrival);
+2. read the hit blocks in order, `--chunk` blocks at a time (acquire: promoted to HBM, prefix first,
+   and pinned), with the prefetcher keeping its window ahead of the read position;
+3. allocate, commit (chained to the last hit block) and free the missing blocks: they stay cached,
+   and the policy decides what leaves HBM (to DRAM, NVMe, or out) to make room for them.
+
+One JSON line per policy with the fields the policy issue defines (plus moves and read ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.policy import make_policy
+from dflash2.prefetch import Prefetcher
+from dflash2.tiers import Tier
+
+TOKENS_PER_BLOCK = 512
+# 128 KiB blocks cut into pages of exactly one block: N blocks of capacity hold exactly N blocks.
+LAYOUT = Layout("replay", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16",
+                tokens_per_block=TOKENS_PER_BLOCK)
+SLOT = LAYOUT.block_bytes
+ALIGN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    t_s: float
+    keys: tuple[int, ...]
+
+
+def load_trace(path: str, limit: int | None = None) -> list[Request]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            out.append(Request(rec["timestamp"] / 1000.0, tuple(int(h) + 1 for h in rec["hash_ids"])))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class Tally:
+    refs: int = 0
+    hits: int = 0
+    hbm_hits: int = 0
+    uncached: int = 0  # blocks of requests larger than HBM: served, never cached
+
+
+def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_blocks: int = 0,
+           nvme_blocks: int = 0, prefetch_window: int = 4, chunk: int = 16) -> dict:
+    clock = VirtualClock()
+    specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)]
+    specs += [TierSpec(t, n * SLOT, SLOT, ALIGN) for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n]
+    pol = make_policy(policy)
+    capacity = 1 << max(10, int(np.ceil(np.log2(hbm_blocks + dram_blocks + nvme_blocks + 1024))))
+    mgr = BlockManager(specs, policy=pol, clock=clock, table_capacity=capacity)
+    lid = mgr.register_layout(LAYOUT)
+    client = mgr.attach("replay")
+    prefetch = Prefetcher(mgr, prefetch_window)
+    if hasattr(pol, "set_future"):
+        pol.set_future([r.keys for r in requests])
+    tally = Tally()
+    t0 = time.perf_counter()
+    for i, req in enumerate(requests):
+        clock.now = req.t_s
+        if hasattr(pol, "advance"):
+            pol.advance(i)
+        _serve(mgr, prefetch, client, lid, req, i, tally, chunk)
+    elapsed = time.perf_counter() - t0
+    mgr.check_invariants()
+    return _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
+
+
+def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: Request, index: int,
+           tally: Tally, chunk: int) -> None:
+    keys = req.keys
+    places = mgr.lookup(keys, lid)
+    tally.refs += len(keys)
+    tally.hits += len(places)
+    tally.hbm_hits += sum(p.tier == Tier.HBM for p in places)
+    hit_vids = [p.vid for p in places]
+    held: list[int] = []
+    # Read the cached prefix in order; the prefetcher runs its window ahead of the read position.
+    # While one chunk is read (computed on), the next window's blocks come up.
+    for start in range(0, len(hit_vids), chunk):
+        part = hit_vids[start: start + chunk]
+        prefetch.reading(part)
+        if mgr.acquire(client, part) is None:
+            break  # HBM cannot hold the prefix (request larger than the tier): recompute the rest
+        held += part
+        prefetch.ahead(hit_vids, start + len(part))
+    prefetch.finish()
+    missing = keys[len(held):] if len(held) < len(places) else keys[len(places):]
+    parent = held[-1] if held else None
+    if missing:
+        vids = mgr.allocate(client, lid, len(missing), request=index)
+        if vids is None:
+            tally.uncached += len(missing)
+        else:
+            vids = mgr.commit(client, vids, missing, parent)
+            mgr.free(client, vids)
+    if held:
+        mgr.release(client, held)
+
+
+def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, n_req: int,
+            hbm: int, dram: int, nvme: int, elapsed: float) -> dict:
+    s = mgr.placement.stats
+    reads = mgr.access.reads
+    total_reads = sum(reads.values())
+    return {
+        "policy": policy,
+        "hbm_blocks": hbm,
+        "dram_blocks": dram,
+        "nvme_blocks": nvme,
+        "requests": n_req,
+        "block_refs": tally.refs,
+        "prefix_hit_rate": round(tally.hits / max(1, tally.refs), 4),
+        "hbm_prefix_hit_rate": round(tally.hbm_hits / max(1, tally.refs), 4),
+        "hbm_read_ratio": round(reads[Tier.HBM] / total_reads, 4) if total_reads else None,
+        "reads_by_tier": {Tier(t).label: n for t, n in sorted(reads.items())},
+        "promotions": s.promoted,
+        "demotions": s.demoted,
+        "evictions": s.evicted,
+        "not_admitted": s.not_admitted,
+        "prefetch_useful": prefetch.useful,
+        "prefetch_wasted": prefetch.wasted,
+        "uncached_blocks": tally.uncached,
+        "replay_s": round(elapsed, 2),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--hbm-blocks", type=int, required=True, help="HBM capacity in 512-token blocks")
+    parser.add_argument("--dram-blocks", type=int, default=0, help="DRAM capacity in blocks (0 = none)")
+    parser.add_argument("--nvme-blocks", type=int, default=0, help="NVMe capacity in blocks (0 = none)")
+    parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names")
+    parser.add_argument("--prefetch-window", type=int, default=4, help="kv_block.prefetch_window (blocks)")
+    parser.add_argument("--chunk", type=int, default=16, help="blocks read per step of a request")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+
+
+def run(args) -> list[dict]:
+    requests = load_trace(args.trace, args.limit)
+    return [replay(requests, name.strip(), args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
+                   args.prefetch_window, args.chunk)
+            for name in args.policies.split(",") if name.strip()]

@@ -1,0 +1,98 @@
+"""Shared fixtures: a fake clock, small metadata-only managers, and small real (host) managers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.tiers import Tier
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+# 2 layers x 2 (K,V) x 16 tokens x 2 heads x 64 dims x 2 bytes = 16 KiB
+SMALL = Layout("small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+# the same geometry in fp8: 8 KiB; and an MLA layout of 2 x 16 x (64 + 16) x 2 = 5 KiB
+SMALL_FP8 = Layout("small-fp8", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp8_e4m3", tokens_per_block=16)
+MLA = Layout("mla", num_layers=2, num_kv_heads=0, head_dim=0, dtype="bf16", tokens_per_block=16,
+             mla_latent_dim=64, mla_rope_dim=16)
+
+
+def specs(hbm_blocks: int, dram_blocks: int = 0, nvme_blocks: int = 0, block: int = 16 * KIB) -> list[TierSpec]:
+    """Tier specs sized in 16 KiB blocks, one block per page (no page tails)."""
+    out = [TierSpec(Tier.HBM, hbm_blocks * block, block, 256)]
+    if dram_blocks:
+        out.append(TierSpec(Tier.DRAM, dram_blocks * block, block, 4096))
+    if nvme_blocks:
+        out.append(TierSpec(Tier.NVME, nvme_blocks * block, block, 4096))
+    return out
+
+
+@pytest.fixture
+def make_manager(clock):
+    """Metadata-only manager factory."""
+    made = []
+
+    def make(hbm_blocks=16, dram_blocks=0, nvme_blocks=0, **kw):
+        kw.setdefault("clock", clock)
+        mgr = BlockManager(specs(hbm_blocks, dram_blocks, nvme_blocks), **kw)
+        made.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in made:
+        mgr.close()
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    """Writes a small host-only config into tmp_path and returns its path; kwargs override sections."""
+
+    def write(**sections) -> str:
+        cfg = {
+            "enable": True,
+            "device": {"kind": "host"},
+            "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16,
+                       "nvme_capacity_mb": 32, "nvme_path": "nvme.cache", "staging_buffer_size_mb": 4,
+                       "page_kb": 64},
+            "kv_block": {"block_size": 16, "prefetch_window": 2},
+            "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
+            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"},
+            "logging": {"format": "text", "level": "info"},
+        }
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key].update(value)
+            else:
+                cfg[key] = value
+        path = tmp_path / "dflash2_config.json"
+        path.write_text(json.dumps(cfg))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
+def instance_name() -> str:
+    return f"dflash2-test-{uuid.uuid4().hex[:8]}"

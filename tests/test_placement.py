@@ -1,0 +1,142 @@
+import numpy as np
+import pytest
+
+from dflash2.errors import UnknownPolicy
+from dflash2.placement import Watermark
+from dflash2.policy import make_policy, policy_names
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+
+def fill(mgr, client, lid, keys, clock=None, parent=None):
+    """Commit one published block per key, chained, and drop the client's references (cached)."""
+    vids = mgr.commit(client, mgr.allocate(client, lid, len(keys)), keys=keys, parent=parent)
+    mgr.free(client, vids)
+    return vids
+
+
+def tier_of(mgr, vid):
+    return mgr.place(int(vid)).tier
+
+
+def test_registry_lists_valid_names():
+    assert {"lru", "lfu"} <= set(policy_names())
+    with pytest.raises(UnknownPolicy, match="valid: .*lfu.*lru"):
+        make_policy("nope")
+
+
+def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, clock):
+    mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.9,
+                       watermarks={Tier.HBM: Watermark(0.75, 0.5)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, 10):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 9
+    mgr.tick()
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 5
+    # the oldest went down (LRU); the newest stayed
+    assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM
+    assert tier_of(mgr, mgr.lookup([9], lid)[0].vid) == Tier.HBM
+    mgr.tick()  # below the high watermark now: nothing moves
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 5
+    mgr.check_invariants()
+
+
+def test_cold_threshold_limits_each_pass(make_manager, clock):
+    mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.2,
+                       watermarks={Tier.HBM: Watermark(0.5, 0.1)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, 11):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    mgr.placement.make_room(Tier.HBM, 10 * 16384, cold_only=True)
+    # every round re-ranks, but only the coldest fifth of the tier is ever eligible in a round
+    assert mgr.placement.stats.demoted > 0
+    cold = mgr.placement._cold_mask(Tier.HBM, mgr.policy.scores_all(mgr.table, clock()))
+    assert cold.sum() <= 0.2 * max(1, mgr.stats()["tiers"]["hbm"]["blocks"]) + 1e-9
+
+
+def test_descendants_leave_a_tier_before_their_ancestors(make_manager, clock):
+    mgr = make_manager(hbm_blocks=6, dram_blocks=20)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3, 4])
+    clock.advance(10)
+    # touch the root and the leaf: by LRU the middle blocks would go first; prefix order forbids
+    # a parent leaving before its child, so the leaf (newest!) must leave before its ancestors.
+    mgr.table.touch(mgr.table.rows(chain[[0, 3]]))
+    mgr.placement.make_room(Tier.HBM, 6 * 16384 - 2 * 16384 + 16384)  # free 3 blocks
+    tiers = [tier_of(mgr, v) for v in chain]
+    assert tiers == [Tier.HBM, Tier.DRAM, Tier.DRAM, Tier.DRAM]
+    mgr.check_invariants()
+
+
+def test_eviction_on_the_last_tier_drops_leaves_first(make_manager, clock):
+    mgr = make_manager(hbm_blocks=4)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    fill(mgr, a, lid, [1, 2, 3, 4])
+    mgr.placement.make_room(Tier.HBM, 2 * 16384)
+    assert len(mgr.lookup([1, 2, 3, 4], lid)) == 2, "the two leaves went, the prefix stayed"
+    assert mgr.placement.stats.evicted == 2
+    mgr.check_invariants()
+
+
+def test_promotion_brings_the_prefix_first(make_manager, clock):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3])
+    rows = mgr.table.rows(chain)
+    mgr.mover.move(rows[::-1][:3], Tier.DRAM)
+    mgr.mover.move(rows, Tier.NVME)
+    assert {tier_of(mgr, v) for v in chain} == {Tier.NVME}
+    got = mgr.acquire(a, chain[2:])  # asks for the leaf only
+    assert got is not None and got[0].tier == Tier.HBM
+    assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 3, "ancestors came up too"
+    assert mgr.access.reads[Tier.NVME] == 1 and mgr.access.hbm_hit_ratio == 0.0
+    mgr.release(a, chain[2:])
+    mgr.acquire(a, chain)
+    assert mgr.access.hbm_hit_ratio == 3 / 4
+    mgr.check_invariants()
+
+
+def test_lru_and_lfu_choose_differently(make_manager, clock):
+    victims = {}
+    for name in ("lru", "lfu"):
+        mgr = make_manager(hbm_blocks=3, policy=name)
+        a = mgr.attach("a")
+        lid = mgr.register_layout(SMALL)
+        v1 = fill(mgr, a, lid, [1])
+        for _ in range(5):  # block 1 is used often, long ago
+            mgr.acquire(a, v1)
+            mgr.release(a, v1)
+        clock.advance(5)
+        fill(mgr, a, lid, [2])
+        clock.advance(5)
+        fill(mgr, a, lid, [3])
+        mgr.placement.make_room(Tier.HBM, 16384)
+        victims[name] = [k for k in (1, 2, 3) if not mgr.lookup([k], lid)]
+    assert victims == {"lru": [1], "lfu": [2]}
+
+
+def test_admission_refusal_drops_instead_of_demoting(make_manager, clock):
+    from dflash2.policy.lru import LRUPolicy
+
+    class NoDram(LRUPolicy):
+        name = "test-no-dram"
+
+        def admit(self, table, rows, tier, now):
+            return np.zeros(len(rows), dtype=bool)
+
+    mgr = make_manager(hbm_blocks=2, dram_blocks=4, policy=NoDram())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    fill(mgr, a, lid, [1, 2])
+    mgr.placement.make_room(Tier.HBM, 16384 * 2)
+    assert mgr.stats()["tiers"]["dram"]["blocks"] == 0
+    assert mgr.placement.stats.not_admitted == 2

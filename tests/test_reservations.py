@@ -1,0 +1,149 @@
+import pytest
+
+from dflash2.errors import NotOwner, ReservationError
+from dflash2.reservations import AdmissionSettings, Outcome
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+BLOCK = 16384
+
+
+def settings(**kw):
+    base = dict(smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0, max_deferred=8)
+    base.update(kw)
+    return AdmissionSettings(**base)
+
+
+def test_granted_blocks_are_reserved_then_taken(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=40)  # 16 tokens per block -> 3 blocks
+    assert d.outcome is Outcome.GRANTED
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 3
+    vids = mgr.take(a, d.reservation_id, 2)
+    mgr.commit(a, vids)
+    with pytest.raises(ReservationError, match="1 blocks left"):
+        mgr.take(a, d.reservation_id, 2)
+    mgr.check_invariants()
+
+
+def test_reject_when_it_can_never_fit_and_names_why(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=16 * 9)
+    assert d.outcome is Outcome.REJECTED and "HBM tier holds" in d.reason
+    with pytest.raises(ValueError):
+        mgr.reserve(a, lid, tokens=0)
+
+
+def test_client_share_is_enforced(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(a, lid, tokens=16 * 4).outcome is Outcome.GRANTED
+    d = mgr.reserve(a, lid, tokens=16)
+    assert d.outcome is Outcome.REJECTED and "share" in d.reason
+
+
+def test_deferred_when_full_then_granted_after_release(make_manager):
+    mgr = make_manager(hbm_blocks=4, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.allocate(a, lid, 4)  # private blocks being written: not movable
+    d = mgr.reserve(b, lid, tokens=32)
+    assert d.outcome is Outcome.DEFERRED and d.position == 0
+    d2 = mgr.reserve(b, lid, tokens=16)
+    assert d2.outcome is Outcome.DEFERRED and d2.position == 1
+    mgr.free(a, held[:2])  # frees two blocks; the queue is served in order
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.admission.status(d2.reservation_id).outcome is Outcome.DEFERRED
+    mgr.free(a, held[2:])
+    assert mgr.admission.status(d2.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_idle_cached_blocks_are_demoted_to_make_room(make_manager):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 4), keys=[1, 2, 3, 4]))
+    d = mgr.reserve(a, lid, tokens=32)
+    assert d.outcome is Outcome.GRANTED
+    assert mgr.stats()["tiers"]["dram"]["blocks"] == 2
+    mgr.check_invariants()
+
+
+def test_priority_preempts_running_lower_priority_blocks(make_manager):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    lo, hi = mgr.attach("lo"), mgr.attach("hi")
+    lid = mgr.register_layout(SMALL)
+    running = mgr.commit(lo, mgr.allocate(lo, lid, 4, priority=0))  # referenced, committed, unpinned
+    same = mgr.reserve(lo, lid, tokens=16, priority=0)
+    assert same.outcome is Outcome.DEFERRED, "equal priority does not preempt running requests"
+    mgr.cancel(lo, same.reservation_id)
+    d = mgr.reserve(hi, lid, tokens=32, priority=5)
+    assert d.outcome is Outcome.GRANTED
+    assert sorted(mgr.place(int(v)).tier for v in running).count(Tier.DRAM) == 2
+    mgr.check_invariants()
+
+
+def test_pinned_blocks_are_never_preempted(make_manager):
+    mgr = make_manager(hbm_blocks=2, dram_blocks=8, admission=settings())
+    lo, hi = mgr.attach("lo"), mgr.attach("hi")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(lo, mgr.allocate(lo, lid, 2))
+    mgr.acquire(lo, v)
+    assert mgr.reserve(hi, lid, tokens=16, priority=9).outcome is Outcome.DEFERRED
+
+
+def test_burst_is_smoothed(make_manager, clock):
+    """A spike of reservations that each need demotions is paced, not granted all at once."""
+    mgr = make_manager(hbm_blocks=40, dram_blocks=80,
+                       admission=settings(burst_fraction=0.1, smoothing_window_s=1.0))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 40), keys=list(range(1, 41))))
+    outcomes = [mgr.reserve(a, lid, tokens=32).outcome for _ in range(10)]
+    granted_now = outcomes.count(Outcome.GRANTED)
+    assert 1 <= granted_now < 10, outcomes
+    demoted_at_once = mgr.placement.stats.demoted
+    assert demoted_at_once <= 0.1 * 40 * 1.5
+    deferred = [r.id for r in mgr.admission.deferred]
+    d = mgr.admission.status(deferred[0])
+    assert d.est_wait_s is not None and d.est_wait_s > 0
+    for _ in range(20):
+        clock.advance(0.5)
+        mgr.tick()
+    assert not mgr.admission.deferred, "all granted as the bucket refilled"
+    mgr.check_invariants()
+
+
+def test_expiry_and_client_death(make_manager, clock):
+    mgr = make_manager(hbm_blocks=4, admission=settings(reservation_ttl_s=5))
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    g = mgr.reserve(a, lid, tokens=32)
+    d = mgr.reserve(b, lid, tokens=48, deadline=clock() + 100)
+    assert g.outcome is Outcome.GRANTED and d.outcome is Outcome.DEFERRED
+    clock.advance(6)
+    mgr.tick()  # a's reservation expired: its blocks went back, b's fits now
+    with pytest.raises(ReservationError):
+        mgr.take(a, g.reservation_id, 1)
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    with pytest.raises(NotOwner):
+        mgr.cancel(a, d.reservation_id)
+    assert mgr.detach(b)["reservations"] == 1
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 0
+    mgr.check_invariants()
+
+
+def test_deferred_queue_has_a_limit(make_manager):
+    mgr = make_manager(hbm_blocks=1, admission=settings(max_deferred=2))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(a, lid, 1)
+    assert [mgr.reserve(a, lid, tokens=16).outcome for _ in range(3)] == [
+        Outcome.DEFERRED, Outcome.DEFERRED, Outcome.REJECTED]

@@ -1,0 +1,156 @@
+import numpy as np
+import pytest
+
+from dflash2.errors import IllegalTransition, ImmutableBlock, NotOwner, PinnedBlock, UnknownBlock, UnknownClient
+from dflash2.table import BlockState
+from dflash2.tiers import Tier
+
+from conftest import MLA, SMALL, SMALL_FP8
+
+
+@pytest.fixture
+def mgr(make_manager):
+    return make_manager(hbm_blocks=32)
+
+
+def test_virtual_ids_are_64_bit_stable_and_never_zero(mgr):
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = mgr.allocate(c, lid, 4)
+    assert all(v > 0 for v in vids.tolist())
+    assert len(set(vids.tolist())) == 4
+
+
+def test_stale_ids_are_caught_after_reuse(mgr):
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    old = mgr.allocate(c, lid, 1)
+    mgr.free(c, old)
+    new = mgr.allocate(c, lid, 1)
+    assert (int(new[0]) & 0xFFFFFFFF) == (int(old[0]) & 0xFFFFFFFF), "the row is reused"
+    with pytest.raises(UnknownBlock, match=hex(int(old[0]))):
+        mgr.free(c, old)
+    with pytest.raises(UnknownBlock):
+        mgr.table.rows([0x7FFF_FFFF_0000_0001])
+
+
+def test_illegal_transitions_raise(mgr):
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.allocate(c, lid, 1)
+    mgr.commit(c, v)
+    with pytest.raises(IllegalTransition, match="RESIDENT -> RESIDENT"):
+        mgr.commit(c, v)
+    with pytest.raises(IllegalTransition):
+        mgr.table.open_write(c, v)
+    assert mgr.table.cols.state[mgr.table.rows(v)][0] == BlockState.RESIDENT
+
+
+def test_commit_publishes_and_lookup_finds_the_longest_prefix(mgr):
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(a, mgr.allocate(a, lid, 3), keys=[11, 12, 13])
+    found = mgr.lookup([11, 12, 13, 14], lid)
+    assert [p.vid for p in found] == v.tolist()
+    assert [p.vid for p in mgr.lookup([11, 99, 13], lid)] == v.tolist()[:1]
+    assert mgr.lookup([12, 13], lid) != [] and mgr.lookup([99], lid) == []
+    # another layout never matches these keys
+    other = mgr.register_layout(SMALL_FP8)
+    assert mgr.lookup([11], other) == []
+    # b may pin a published block, and a's private blocks are off-limits to b
+    mgr.acquire(b, v[:1])
+    priv = mgr.allocate(a, lid, 1)
+    with pytest.raises(NotOwner):
+        mgr.acquire(b, priv)
+    with pytest.raises(NotOwner):
+        mgr.free(b, priv)
+    with pytest.raises(NotOwner):
+        mgr.commit(b, priv)
+    mgr.check_invariants()
+
+
+def test_commit_of_a_cached_key_deduplicates(mgr):
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    first = mgr.commit(a, mgr.allocate(a, lid, 2), keys=[1, 2])
+    used = mgr.table.allocators[Tier.HBM].used_bytes
+    second = mgr.commit(b, mgr.allocate(b, lid, 2), keys=[1, 2])
+    assert second.tolist() == first.tolist()
+    assert mgr.table.allocators[Tier.HBM].used_bytes == used, "one copy kept"
+    assert mgr.table.cols.refs[mgr.table.rows(first)].tolist() == [2, 2]
+    mgr.check_invariants()
+
+
+def test_double_free_and_foreign_free(mgr):
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.allocate(a, lid, 1)
+    mgr.free(a, v)
+    with pytest.raises(UnknownBlock):
+        mgr.free(a, v)
+    w = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[5])
+    mgr.free(a, w)  # published: stays cached
+    with pytest.raises(NotOwner, match="double free"):
+        mgr.free(a, w)
+    assert mgr.lookup([5], lid)[0].vid == int(w[0])
+    with pytest.raises(UnknownClient):
+        mgr.free(99, w)
+    mgr.check_invariants()
+
+
+def test_pinned_blocks_are_not_freed_or_moved(make_manager):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(a, mgr.allocate(a, lid, 1))
+    mgr.acquire(a, v)
+    with pytest.raises(PinnedBlock):
+        mgr.free(a, v)
+    with pytest.raises(PinnedBlock):
+        mgr.mover.move(mgr.table.rows(v), Tier.DRAM)
+    assert mgr.place(int(v[0])).tier == Tier.HBM
+    mgr.release(a, v)
+    with pytest.raises(NotOwner):
+        mgr.release(a, v)
+    mgr.free(a, v)
+    mgr.check_invariants()
+
+
+def test_client_death_frees_private_and_keeps_published(mgr):
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    pub = mgr.commit(a, mgr.allocate(a, lid, 2), keys=[7, 8])
+    priv = mgr.allocate(a, lid, 3)
+    mgr.acquire(a, pub)
+    out = mgr.detach(a)
+    assert out["freed"] == 3 and out["unpinned"] == 2
+    with pytest.raises(UnknownBlock):
+        mgr.table.rows(priv)
+    assert [p.vid for p in mgr.lookup([7, 8], lid)] == pub.tolist()
+    assert mgr.acquire(b, pub) is not None
+    mgr.check_invariants()
+
+
+def test_mixed_layouts_share_hbm(mgr):
+    a = mgr.attach("a")
+    ids = [mgr.register_layout(x) for x in (SMALL, SMALL_FP8, MLA)]
+    assert mgr.register_layout(SMALL) == ids[0]
+    got = [mgr.allocate(a, lid, 4) for lid in ids]
+    assert all(g is not None for g in got)
+    st = mgr.stats()["tiers"]["hbm"]
+    assert st["block_bytes"] == 4 * (16384 + 8192 + MLA.block_bytes)
+    assert st["rounding_waste_bytes"] == st["used_bytes"] - st["block_bytes"]
+    mgr.check_invariants()
+
+
+def test_chained_commit_links_parents(mgr):
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    first = mgr.commit(a, mgr.allocate(a, lid, 2), keys=[1, 2])
+    more = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[3], parent=int(first[-1]))
+    rows = mgr.table.rows(np.concatenate([first, more]))
+    assert mgr.table.cols.parent[rows].tolist() == [-1, rows[0], rows[1]]
+    assert mgr.table.cols.nkids[rows].tolist() == [1, 1, 0]
+    priv = mgr.commit(a, mgr.allocate(a, lid, 1))
+    with pytest.raises(ImmutableBlock):
+        mgr.commit(a, mgr.allocate(a, lid, 1), keys=[9], parent=int(priv[0]))
