@@ -41,7 +41,7 @@ class PlacementStats:
 
 class Placement:
     # Selection rounds per call: each round can free the parents of the previous round's victims.
-    MAX_ROUNDS = 64
+    MAX_ROUNDS = 4096  # a round may free one level of a chain only (see select)
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -68,24 +68,38 @@ class Placement:
 
     # -- choosing victims ------------------------------------------------------------------
     def movable(self, tier: Tier, *, evict: bool, protect: np.ndarray | None = None,
-                below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
+                below_priority: int | None = None, idle_only: bool = False,
+                leaves_only: bool = True) -> np.ndarray:
         """Mask over every row: may leave `tier` now. Whole-array operations, no gathers: this runs
         over a million blocks. Demotion needs no child in this tier or a faster one (descendants
-        leave first); eviction needs no cached child at all and nobody holding the block."""
+        leave first); eviction needs no cached child at all and nobody holding the block.
+        leaves_only=False drops the child condition: the rows that may leave once their
+        descendants have."""
         c = self.table.cols
         mask = (c.tier == int(tier)) & (c.state == int(BlockState.RESIDENT))
         if evict:
             # Nobody holds it, no cached child anywhere, and published (a published block has no
             # owner: cheaper to test than the 64-bit key).
-            mask &= ((c.refs | c.pins | c.nkids) == 0) & (c.owner == NO_CLIENT)
+            held = (c.refs | c.pins | c.nkids) if leaves_only else (c.refs | c.pins)
+            mask &= (held == 0) & (c.owner == NO_CLIENT)
             return self._unprotected(mask, protect, below_priority)
-        kids = c.kids[0]
-        for t in range(1, tier + 1):
+        kids = c.kids[0] if leaves_only else 0
+        for t in range(1, tier + 1 if leaves_only else 0):
             kids = kids | c.kids[t]
         mask &= (kids | c.pins) == 0
         if idle_only:
             mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
+
+    def _childless(self, tier: Tier, evict: bool) -> np.ndarray:
+        """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion)."""
+        c = self.table.cols
+        if evict:
+            return c.nkids == 0
+        kids = c.kids[0]
+        for t in range(1, tier + 1):
+            kids = kids | c.kids[t]
+        return kids == 0
 
     def _unprotected(self, mask: np.ndarray, protect: np.ndarray | None, below_priority: int | None) -> np.ndarray:
         if below_priority is not None:
@@ -98,29 +112,39 @@ class Placement:
                protect: np.ndarray | None = None, below_priority: int | None = None,
                idle_only: bool = False) -> np.ndarray:
         """Lowest-scored movable rows of `tier` whose slots add up to at least need_bytes (or all of
-        them when there are not enough), in eviction order."""
-        mask = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
-                            idle_only=idle_only)
-        n_cand = int(np.count_nonzero(mask))
-        if not n_cand or need_bytes <= 0:
+        them when there are not enough), in eviction order.
+
+        Prefix order lets only leaves leave, but the victims must be the lowest-scored blocks of the
+        tier, not the lowest-scored leaves (that would push out a hot leaf while a cold chain waits
+        above its own cold leaf). So the cut is the k-th lowest score among every row that could
+        leave once its descendants have, and only the leaves at or below it are taken now; the
+        caller's next round (make_room) takes their parents."""
+        reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
+                             idle_only=idle_only, leaves_only=False)
+        n_reach = int(np.count_nonzero(reach))
+        if not n_reach or need_bytes <= 0:
             return np.empty(0, dtype=np.int64)
         scores = self.policy.scores_all(self.table, self.table.clock())
         if cold_only:
-            mask &= self._cold_mask(tier, scores)
-            n_cand = int(np.count_nonzero(mask))
-            if not n_cand:
+            reach &= self._cold_mask(tier, scores)
+            n_reach = int(np.count_nonzero(reach))
+            if not n_reach:
                 return np.empty(0, dtype=np.int64)
         keyed = self._scratch(len(scores))
         keyed.fill(np.inf)
-        np.copyto(keyed, scores, where=mask)
+        np.copyto(keyed, scores, where=reach)
         sizes = self._slot_sizes(tier)
-        k = min(n_cand, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        part = np.argpartition(keyed, k - 1)[:k] if k < len(keyed) else np.flatnonzero(mask)
-        part = part[mask[part]]
+        k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
+        cut = np.partition(keyed, k - 1)[k - 1] if k < len(keyed) else np.inf
+        leaves = reach & self._childless(tier, evict)
+        part = np.flatnonzero(leaves & (keyed <= cut))
+        if not len(part):
+            # Everything below the cut waits on a child that cannot leave (pinned, held): take the
+            # lowest leaves instead.
+            part = np.flatnonzero(leaves)
+            if not len(part):
+                return np.empty(0, dtype=np.int64)
         slot = sizes[self.table.cols.layout[part]]
-        if slot.min() == slot.max():
-            # One slot size: the k lowest are the answer, in any order (all are movable now).
-            return part[: -(-need_bytes // int(slot[0]))].astype(np.int64)
         order = np.argsort(keyed[part], kind="stable")
         taken = int(np.searchsorted(np.cumsum(slot[order]), need_bytes)) + 1
         return part[order[:taken]].astype(np.int64)
@@ -235,7 +259,8 @@ class Placement:
             self.stats.promoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, away[moved], self.table.clock())
-        return c.tier[rows] <= int(dst)
+        # A row freed on the way (its NVMe copy failed its checksum) has tier -1: not in dst.
+        return (c.tier[rows] >= 0) & (c.tier[rows] <= int(dst))
 
     def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         c = self.table.cols

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -154,10 +154,12 @@ class Run:
     pieces: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
 
-def plan_runs(order: np.ndarray, offsets: np.ndarray, lens: np.ndarray, max_bytes: int = MAX_DIRECT_IO_BYTES,
+def plan_runs(order: np.ndarray, offsets: np.ndarray, lens: np.ndarray, max_bytes: int | None = None,
               max_iov: int = IOV_MAX) -> list[Run]:
     """Group the blocks `order` (sorted by offset; lengths multiples of ALIGN) into runs of adjacent
-    blocks of at most `max_bytes` and `max_iov` pieces; a larger block is split over runs."""
+    blocks of at most `max_bytes` (MAX_DIRECT_IO_BYTES) and `max_iov` pieces; a larger block is split
+    over runs."""
+    max_bytes = max_bytes or MAX_DIRECT_IO_BYTES
     runs: list[Run] = []
     cur: Run | None = None
     end = fill = 0  # file offset where `cur` ends, and its bytes
@@ -192,16 +194,17 @@ class StagingRing:
                                                            thread_name_prefix="dflash2-staging")
 
     def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
-            runs: list[Run] = (), run_job: Callable[[Run], T] | None = None) -> list[T]:
-        """Run run_job(run) for every direct run and job(chunk, slot_offset) for every staged chunk on
-        the workers; results of the runs then of the chunks, each in order. Every job started is
-        waited for before returning, also when one fails (the ring is reused)."""
-        if len(chunks) + len(runs) == 1:  # nothing to overlap: skip the thread hop
-            return [run_job(runs[0])] if runs else [job(chunks[0], 0)]
+            tasks: Sequence[Callable[[], T]] = ()) -> list[T]:
+        """Run every slot-free task() (direct runs' I/O and checksums) and job(chunk, slot_offset)
+        for every staged chunk on the workers; results of the tasks then of the chunks, each in
+        order. Every job started is waited for before returning, also when one fails (the ring is
+        reused)."""
+        if len(chunks) + len(tasks) == 1:  # nothing to overlap: skip the thread hop
+            return [tasks[0]()] if tasks else [job(chunks[0], 0)]
         futures: list[concurrent.futures.Future] = []
         try:
-            # Direct runs need no slot: all queue at once, the pool bounds how many are in flight.
-            futures.extend(self._pool.submit(run_job, r) for r in runs)
+            # Tasks need no slot: all queue at once, the pool bounds how many are in flight.
+            futures.extend(self._pool.submit(t) for t in tasks)
             staged: list[concurrent.futures.Future] = []
             for k, chunk in enumerate(chunks):
                 if k >= self.nslots:

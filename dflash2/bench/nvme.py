@@ -3,7 +3,12 @@
 Both run in the same process on the same filesystem (a scratch folder under --dir, removed after):
 raw = 8 MiB sequential pwrite/pread of --size-mb into a preallocated file; tier = write_blocks /
 read_blocks of the same bytes as --block-kb blocks in batches of --batch, at sequential slot offsets
-(as the block table hands them out on a fresh tier), with checksums. Phases alternate (raw write,
+(as the block table hands them out on a fresh tier), with checksums — the same public calls that the
+host transfer backend makes. Sources and destinations are views into a SharedMemoryArena (the DRAM
+tier) at 4096-aligned slot offsets, as the block manager hands them out, so the tier takes its
+zero-copy path (`"aligned_sources": true`); with --unaligned every view is shifted by 64 bytes, which
+measures the staging path instead. After the last round the destinations are compared with the
+sources (`"verified"`). Phases alternate (raw write,
 tier write, raw read, tier read) so that drift of a shared disk hits both sides alike; with --repeat N the best of N
 rounds counts for each phase. Where the
 filesystem refuses O_DIRECT both sides use buffered I/O, the page cache is dropped before reading,
@@ -23,7 +28,9 @@ import numpy as np
 
 from dflash2.arena import nvme as nvme_arena
 from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.shm import SharedMemoryArena
 from dflash2.arena.staging import pread_all, pwrite_all
+from dflash2.tiers import Tier
 
 RAW_IO_BYTES = 8 << 20
 
@@ -35,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="blocks per write_blocks/read_blocks call")
     parser.add_argument("--staging-mb", type=int, default=64, help="the tier's staging buffer (MiB)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the four phases; the best of each counts")
+    parser.add_argument("--unaligned", action="store_true",
+                        help="shift the DRAM views off page alignment (measures the staging path)")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -78,15 +87,24 @@ class _Raw:
         self.buf.close()
 
 
+UNALIGNED_SHIFT = 64
+
+
 class _Tier:
-    def __init__(self, path: str, size: int, block: int, batch: int, staging: int):
+    def __init__(self, path: str, size: int, block: int, batch: int, staging: int, aligned: bool):
         self.arena = NvmeArena(path, size, staging_bytes=staging)
         self.block, self.batch = block, batch
         self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
+        # One batch of distinct source blocks (reused for every batch) and one of destinations, as
+        # views into a DRAM-tier arena: slots of `stride` bytes from 4096-aligned offsets.
+        shift, stride = (0, block) if aligned else (UNALIGNED_SHIFT, block + nvme_arena.ALIGN)
+        self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
+                                             Tier.DRAM, alignment=nvme_arena.ALIGN)
+        self.srcs = [self.dram.view(k * stride + shift, block) for k in range(batch)]
+        self.dsts = [self.dram.view((batch + k) * stride + shift, block) for k in range(batch)]
         rng = np.random.default_rng(2)
-        # One batch of distinct source blocks (reused for every batch) and one of destinations.
-        self.srcs = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(batch)]
-        self.dsts = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
+        for v in self.srcs:
+            v[:] = rng.integers(0, 256, block, dtype=np.uint8)
         self.misses = 0
 
     def _batches(self):
@@ -107,6 +125,16 @@ class _Tier:
             self.misses += int(n - ok.sum())
         return time.perf_counter() - t
 
+    def verified(self) -> bool:
+        """The last read batch's destinations hold its sources' bytes."""
+        n = len(self.offsets) - (len(self.offsets) - 1) // self.batch * self.batch
+        return all(np.array_equal(s, d) for s, d in zip(self.srcs[:n], self.dsts[:n]))
+
+    def close(self) -> None:
+        self.arena.close()
+        self.srcs = self.dsts = []
+        self.dram.close()
+
 
 def run(args: argparse.Namespace) -> dict:
     size = args.size_mb << 20
@@ -116,7 +144,8 @@ def run(args: argparse.Namespace) -> dict:
     folder = tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(args.dir))
     raw = tier = None
     try:
-        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20)
+        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20,
+                     aligned=not args.unaligned)
         direct = tier.arena.direct_io
         raw = _Raw(os.path.join(folder, "raw.bin"), size, direct)
         raw_w = tier_w = raw_r = tier_r = float("inf")
@@ -137,6 +166,8 @@ def run(args: argparse.Namespace) -> dict:
             "write_ratio": round((moved / tier_w) / (size / raw_w), 3),
             "read_ratio": round((moved / tier_r) / (size / raw_r), 3),
             "tier_read_misses": tier.misses,
+            "verified": tier.verified(),
+            "aligned_sources": not args.unaligned,
             "size_mb": args.size_mb,
             "block_kb": args.block_kb,
             "batch": args.batch,
@@ -149,5 +180,5 @@ def run(args: argparse.Namespace) -> dict:
         if raw is not None:
             raw.close()
         if tier is not None:
-            tier.arena.close()
+            tier.close()
         shutil.rmtree(folder, ignore_errors=True)

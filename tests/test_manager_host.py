@@ -1,0 +1,73 @@
+"""The block manager over real host arenas, built from a config as the daemon builds it."""
+
+import numpy as np
+import pytest
+
+from dflash2.assemble import build_manager
+from dflash2.config import load_config
+from dflash2.errors import CapacityError
+from dflash2.layout import Layout
+from dflash2.tiers import Tier
+
+LAYOUT = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_block=16)  # 16 KiB
+
+
+@pytest.fixture
+def mgr(config_file, instance_name):
+    m = build_manager(load_config(config_file()), instance=instance_name)
+    yield m
+    m.close()
+
+
+def write(mgr, client, lid, n, seed, keys=None):
+    vids = mgr.allocate(client, lid, n)
+    data = []
+    for i, v in enumerate(vids.tolist()):
+        b = np.random.default_rng(seed + i).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
+        mgr.view(v)[:] = b
+        data.append(b)
+    return mgr.commit(client, vids, keys=keys), data
+
+
+def test_bytes_survive_hbm_dram_nvme_and_back(mgr):
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    vids, data = write(mgr, a, lid, 8, seed=1, keys=list(range(1, 9)))
+    rows = mgr.table.rows(vids)
+    assert mgr.mover.move(rows, Tier.DRAM).all()
+    assert mgr.mover.move(rows, Tier.NVME).all()
+    assert {mgr.place(int(v)).tier for v in vids} == {Tier.NVME}
+    places = mgr.acquire(a, vids)
+    assert [p.tier for p in places] == [Tier.HBM] * 8
+    for v, b in zip(vids.tolist(), data):
+        assert bytes(mgr.view(v)) == b.tobytes()
+    mgr.check_invariants()
+
+
+def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr):
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    vids, _ = write(mgr, a, lid, 3, seed=7, keys=[101, 102, 103])
+    mgr.free(a, vids)  # cached, nobody holds them
+    rows = mgr.table.rows(vids)
+    mgr.mover.move(rows, Tier.NVME)
+    mgr.arenas[Tier.NVME].corrupt_for_test(mgr.place(int(vids[1])).offset)
+    assert mgr.acquire(a, vids) is None, "the chain cannot be served whole"
+    found = mgr.lookup([101, 102, 103], lid)
+    assert [p.vid for p in found] == [int(vids[0])], "the corrupt block and what hangs below it are gone"
+    assert mgr.mover.stats[(Tier.NVME, Tier.HBM)].failed_blocks == 1
+    mgr.check_invariants()
+
+
+def test_start_up_fails_clearly_when_the_disk_is_short(config_file, instance_name):
+    cfg = load_config(config_file(memory={"nvme_capacity_mb": 1 << 26}))  # 64 TB
+    with pytest.raises(CapacityError, match="needs .* bytes"):
+        build_manager(cfg, instance=instance_name)
+
+
+def test_tiers_are_sized_from_the_config(mgr):
+    st = mgr.stats()["tiers"]
+    assert st["hbm"]["capacity_bytes"] == 8 << 20
+    assert st["dram"]["capacity_bytes"] == 16 << 20
+    assert st["nvme"]["capacity_bytes"] == 32 << 20
+    assert mgr.arenas[Tier.HBM].describe()["name"].endswith("-hbm")
