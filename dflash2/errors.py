@@ -68,3 +68,23 @@ class CapacityError(ArenaError):
 
 class ReservationError(DFlash2Error):
     """A reservation id that is unknown, expired, or used beyond what it granted."""
+
+
+class ProtocolError(DFlash2Error):
+    """A control message that cannot be understood: malformed frames, unknown op, bad arguments."""
+
+
+class VersionMismatch(ProtocolError):
+    """Client and daemon speak different protocol versions."""
+
+
+class DaemonUnavailable(DFlash2Error):
+    """The daemon does not answer (not running, gone, or the call timed out)."""
+
+
+class DaemonError(DFlash2Error):
+    """The daemon answered a call with an error; `kind` names the daemon-side error type."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(f"{kind}: {message}")

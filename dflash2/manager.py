@@ -137,7 +137,9 @@ class BlockManager:
         return vids
 
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
-        return self.table.commit(client, vids, keys, parent)
+        out = self.table.commit(client, vids, keys, parent)
+        self.policy.on_commit(self.table, self.table.rows(out), self.table.clock())
+        return out
 
     def free(self, client: int, vids) -> int:
         n = self.table.free(client, vids)

@@ -231,7 +231,13 @@ class NvmeArena(StorageArena):
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
             runs, chunks = self._plan(srcs, lens, offs, extents, order, bridge=0)
             # A direct run's checksum needs no I/O: it runs beside the writes, on the other core.
-            tasks = [t for r in runs for t in (functools.partial(write_run, r), functools.partial(crc_run, r))]
+            _M = os.environ.get("NVX_MODE", "split")
+            if _M == "split":
+                tasks = [t for r in runs for t in (functools.partial(write_run, r), functools.partial(crc_run, r))]
+            elif _M == "crcfirst":
+                tasks = [functools.partial(lambda r: (crc_run(r), write_run(r))[0], r) for r in runs]
+            else:
+                tasks = [functools.partial(lambda r: (write_run(r), crc_run(r))[1], r) for r in runs]
             try:
                 pieces = ring.run(chunks, fill_and_write, tasks)
             except OSError as e:

@@ -39,6 +39,9 @@ class Policy(abc.ABC):
     def on_insert(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
         """Blocks were written or arrived in a tier."""
 
+    def on_commit(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
+        """Blocks were committed (published under their content keys when they have them)."""
+
     def on_remove(self, table: "BlockTable", rows: np.ndarray) -> None:
         """Blocks left the cache (evicted or freed)."""
 

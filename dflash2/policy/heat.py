@@ -1,5 +1,170 @@
-from dflash2.policy.lru import LRUPolicy
-from dflash2.policy.base import register
+"""The heat policy: keep the blocks that will earn the most hits for the space they hold.
+
+Heat is a learned *hit density* (LHD, NSDI'18) — expected hits per block per unit of time it stays —
+plus weighted request features:
+
+    heat = w_frequency·log2 density[class, age]  +  w_recency·recency  +  w_priority·priority
+         + w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)  +  w_stage·stage
+
+- *class* is the block's decayed access frequency, log2-bucketed. The count comes from a frequency
+  sketch keyed by content key (admission.py), so a block that was evicted and is written again
+  (recomputed) comes back with its history: in KV caches most reuse distances exceed the cache, so
+  a per-block counter would forget exactly the blocks that return.
+- *age* is the time since the block's last access, in the policy's own logical clock (block reads
+  and writes), log-binned: the policy adapts to load instead of to wall-clock seconds.
+- density[class, age] is learned online from what happened to earlier blocks: hits and evictions
+  are counted per (class, age) bin, and density = hits still to come / space-time still to spend,
+  for a block that has reached that age (LHD). Histograms decay, so the model follows the workload.
+  A block used once and idle since (the bulk of most traces) sinks below a block whose class keeps
+  returning, and an old popular block sinks once its class's hits at that age dry up.
+- Prefix chains: the mechanism only lets leaves leave, and picks the tier's lowest-scored blocks
+  (placement.select), so a cold chain leaves from its tail while a shared system prompt, which is
+  read by every session, keeps a high class and stays.
+
+Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`); accessed
+or written blocks are re-scored at once. All per-block state lives in numpy arrays that grow with
+the table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2.policy.admission import FrequencySketch, SecondHitFilter
+from dflash2.policy.base import Policy, register
+from dflash2.policy.density import HitDensityModel, age_bin, freq_class
+from dflash2.table import BlockState
+from dflash2.tiers import Tier
+
+WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
+DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
+                   "stage": 1.0}
+
+
 @register
-class HeatPolicy(LRUPolicy):
+class HeatPolicy(Policy):
     name = "heat"
+
+    def __init__(self, weights: dict[str, float] | None = None, *, decay_half_life_s: float = 60.0,
+                 rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18):
+        self.weights = dict(DEFAULT_WEIGHTS)
+        self.set_weights(weights or {})
+        self.decay_half_life_s = decay_half_life_s
+        self.rescore_interval_s = rescore_interval_s
+        self.sketch = FrequencySketch(sketch_width)
+        self.filter = SecondHitFilter(self.sketch)
+        self.model = HitDensityModel()
+        self.tick = 0.0  # logical clock: block reads and writes so far
+        self._cap = 0
+        self._last = np.zeros(0)  # logical time of each row's last access (or write)
+        self._cls = np.zeros(0, dtype=np.int64)
+        self._cache: np.ndarray | None = None
+        self._cache_at = -np.inf
+
+    # -- per-row state ---------------------------------------------------------------------
+    def _ensure(self, table) -> None:
+        cap = table.cols.capacity
+        if cap == self._cap:
+            return
+        last = np.zeros(cap)
+        last[: self._cap] = self._last
+        cls = np.zeros(cap, dtype=np.int64)
+        cls[: self._cap] = self._cls
+        self._last, self._cls, self._cap = last, cls, cap
+        self._cache = None
+
+    # -- events ----------------------------------------------------------------------------
+    def on_insert(self, table, rows, now):
+        self._ensure(table)
+        rows = np.asarray(rows, dtype=np.int64)
+        new = rows[table.cols.state[rows] != int(BlockState.RESIDENT)]  # written, not moved
+        if len(new):
+            self.tick += len(new)
+            self._last[new] = self.tick
+            self._cls[new] = 0
+            self._patch(table, new, now)
+
+    def on_commit(self, table, rows, now):
+        """Blocks were published under content keys: their class is the key's recent frequency."""
+        self._ensure(table)
+        rows = np.asarray(rows, dtype=np.int64)
+        self._reference(table, rows)
+        self._patch(table, rows, now)
+
+    def on_access(self, table, rows, now):
+        self._ensure(table)
+        rows = np.asarray(rows, dtype=np.int64)
+        self.tick += len(rows)
+        self._reference(table, rows)
+        self._patch(table, rows, now)
+
+    def _reference(self, table, rows: np.ndarray) -> None:
+        keys = table.cols.key[rows]
+        keyed = keys != 0
+        rows, keys = rows[keyed], keys[keyed]
+        self._last[rows] = self.tick
+        if not len(rows):
+            return
+        cls = freq_class(self.sketch.add(keys) - 1)  # references before this one
+        self._cls[rows] = cls
+        self.model.observe(keys, cls, self.tick)
+
+    def admit(self, table, rows, tier, now):
+        """A demoted block gets a place in `tier` while the tier has room, else only when its key
+        was referenced at least twice lately (a second hit): once-used blocks are dropped."""
+        alloc = table.allocators[tier]
+        return self.filter.admit(table.cols.key[rows], alloc.free_bytes > 0)
+
+    # -- scores ----------------------------------------------------------------------------
+    def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
+        c = table.cols
+        w = self.weights
+        ages = self.tick - self._last[rows]
+        heat = w["frequency"] * self.model.log_density[self._cls[rows], age_bin(ages)]
+        if w["recency"]:
+            heat += w["recency"] * (1.0 / (1.0 + ages))  # ties only: newer first
+        if w["priority"]:
+            heat += w["priority"] * c.priority[rows]
+        if w["sharing"]:
+            heat += w["sharing"] * np.log2(1.0 + c.refs[rows])
+        if w["fanout"]:
+            heat += w["fanout"] * np.log2(1.0 + c.nkids[rows])
+        if w["stage"]:
+            heat += w["stage"] * c.stage[rows]
+        return heat
+
+    def scores(self, table, rows, now):
+        self._ensure(table)
+        return self._score(table, np.asarray(rows, dtype=np.int64), now)
+
+    def scores_all(self, table, now):
+        self._ensure(table)
+        if self._cache is None or now - self._cache_at >= self.rescore_interval_s or now < self._cache_at:
+            self.rescore(table, now)
+        return self._cache
+
+    def rescore(self, table, now: float) -> np.ndarray:
+        """One full scoring pass over every row (also what the timer does)."""
+        self._ensure(table)
+        self._cache = self._score(table, slice(None), now)
+        self._cache_at = now
+        return self._cache
+
+    def _patch(self, table, rows: np.ndarray, now: float) -> None:
+        if self._cache is not None and len(rows):
+            self._cache[rows] = self._score(table, rows, now)
+
+    # -- run-time settings -----------------------------------------------------------------
+    def set_weights(self, weights: dict[str, float]) -> None:
+        unknown = sorted(set(weights) - set(WEIGHTS))
+        if unknown:
+            raise ValueError(f"unknown heat weights {unknown}; valid: {', '.join(WEIGHTS)}")
+        bad = {k: v for k, v in weights.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"heat weights must be >= 0, got {bad}")
+        self.weights.update({k: float(v) for k, v in weights.items()})
+        self._cache = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "weights": dict(self.weights), "tick": self.tick,
+                "rescore_interval_s": self.rescore_interval_s}

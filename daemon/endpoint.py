@@ -1,0 +1,70 @@
+"""The daemon's control endpoint: an owner-only ipc:// socket by default, one daemon per endpoint.
+
+A lock file beside the socket (flock) proves which daemon owns an endpoint: a second daemon on the
+same endpoint refuses to start with a message naming the first one's pid; a socket file left by a
+daemon that died is replaced. tcp:// endpoints are bound as configured (loopback unless the config
+names another address) and refused by the OS when taken.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from dflash2.errors import DFlash2Error
+
+
+class EndpointBusy(DFlash2Error):
+    """Another daemon serves this endpoint."""
+
+
+class EndpointLock:
+    def __init__(self, endpoint: str, state_dir: Path):
+        self.endpoint = endpoint
+        if endpoint.startswith("ipc://"):
+            self.socket_path: Path | None = Path(endpoint[len("ipc://"):])
+            self.lock_path = self.socket_path.with_name(self.socket_path.name + ".lock")
+        else:
+            self.socket_path = None
+            safe = endpoint.replace("://", "_").replace(":", "_").replace("/", "_").replace("*", "any")
+            self.lock_path = state_dir / f"{safe}.lock"
+        self._fd = -1
+
+    def acquire(self) -> None:
+        folder = self.lock_path.parent
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.socket_path is not None:
+            os.chmod(folder, 0o700)  # the runtime folder is the client's only way in: owner-only
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise EndpointBusy(f"another dflash2d (pid {holder}) is serving {self.endpoint}; "
+                               "stop it first or configure another daemon.endpoint") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        if self.socket_path is not None and self.socket_path.exists():
+            self.socket_path.unlink()  # left by a daemon that died: we hold the lock now
+
+    def secure_socket(self) -> None:
+        """After bind: only the owner may connect."""
+        if self.socket_path is not None:
+            os.chmod(self.socket_path, 0o600)
+
+    def release(self) -> None:
+        if self.socket_path is not None:
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        if self._fd >= 0:
+            try:
+                self.lock_path.unlink()
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = -1

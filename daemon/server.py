@@ -1,0 +1,133 @@
+"""dflash2d: takes the arenas once, serves the control endpoint, runs rescoring and moves in the
+background, and shuts down cleanly on SIGTERM/SIGINT.
+
+One thread owns the block manager: it reads a request, handles it, replies, and between requests
+runs the periodic work (lease expiry, reservation ticks, rebalancing). Moves are finished or rolled
+back before a request returns, so shutdown never leaves a block half-moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from dflash2.assemble import build_manager
+from dflash2.config import Config
+from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
+from dflash2.daemon.service import Service
+from dflash2.errors import ArenaError, CapacityError
+from dflash2.plan import Plan, resolve_plan
+from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.daemon")
+
+EXIT_START_FAILED = 4
+GB = 1e9
+
+
+class Server:
+    def __init__(self, service: Service, endpoint: str, tick_interval_s: float):
+        self.service = service
+        self.endpoint = endpoint
+        self.tick_interval_s = tick_interval_s
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects keeps its identity
+        self._sock.bind(endpoint)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            if poller.poll(min(timeout_ms, 200)):
+                self._drain()
+            if time.monotonic() >= next_tick:
+                self._tick()
+                next_tick = time.monotonic() + self.tick_interval_s
+
+    def _drain(self, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            reply = self.service.handle_frames(body)
+            try:
+                self._sock.send_multipart([identity, *reply], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("dropped a reply: the client's queue is full")
+
+    def _tick(self) -> None:
+        try:
+            self.service.expire_leases()
+            self.service.manager.tick()
+        except Exception:
+            log.exception("background tick failed; the daemon keeps serving")
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def startup_line(plan: Plan, manager) -> str:
+    total = sum(s.capacity_bytes for s in manager.specs.values())
+    memory = sum(s.capacity_bytes for t, s in manager.specs.items() if t != Tier.NVME)
+    line = f"DFlash2: enabled, total virtual cache size {total / GB:.1f}GB, committed {memory / GB:.1f}GB"
+    if plan.device_kind == "host":
+        line += " (no GPU: the device tier is in host memory)"
+    return line
+
+
+def run(cfg: Config) -> int:
+    _configure_logging(cfg)
+    plan = resolve_plan(cfg)
+    lock = EndpointLock(plan.endpoint, plan.state_dir)
+    try:
+        lock.acquire()
+    except EndpointBusy as e:
+        print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_START_FAILED
+    manager = server = None
+    try:
+        try:
+            manager = build_manager(cfg, plan=plan)
+        except (CapacityError, ArenaError) as e:
+            print(f"dflash2d: error: cannot start: {e}", file=sys.stderr, flush=True)
+            return EXIT_START_FAILED
+        service = Service(manager, lease_timeout_s=cfg.daemon.lease_timeout_s,
+                          heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind)
+        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0)
+        lock.secure_socket()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+        print(startup_line(plan, manager), flush=True)
+        log.info("serving %s (policy %s)", plan.endpoint, manager.policy.name)
+        server.serve_forever()
+        log.info("shutting down: releasing %d clients", len(service.sessions))
+        service.shutdown()
+        return 0
+    finally:
+        if server is not None:
+            server.close()
+        if manager is not None:
+            manager.close()
+        lock.release()
+        log.info("stopped")
+
+
+def _configure_logging(cfg: Config) -> None:
+    level = getattr(logging, cfg.logging.level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,289 @@
+"""The daemon's request handling, without sockets: decode → validate → call the manager → reply.
+
+Every request is answered: a malformed message, an unknown op, bad arguments, a foreign or stale
+block id all get an error reply naming the problem, and change nothing. Leases: a client that sends
+nothing (heartbeats included) for `lease_timeout_s`, or whose process is gone, is detached: its
+reservations and pins are released and its private blocks freed; what it published stays cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dflash2 import protocol as P
+from dflash2.errors import DFlash2Error, LayoutError, ProtocolError, UnknownClient
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager
+from dflash2.protocol import Op, Reply, Request, arg
+from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.daemon")
+
+
+@dataclasses.dataclass
+class Session:
+    client: int
+    name: str
+    pid: int
+    last_seen: float
+    attached_at: float
+    same_pid_namespace: bool  # only then does the pid name the client's process here
+
+
+class Service:
+    def __init__(self, manager: BlockManager, *, lease_timeout_s: float, heartbeat_interval_s: float,
+                 device: str = "host", clock: Callable[[], float] = time.monotonic,
+                 pid_alive: Callable[[int], bool] | None = None):
+        self.manager = manager
+        self.lease_timeout_s = lease_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.device = device
+        self.clock = clock
+        self.pid_alive = pid_alive or _pid_alive
+        self.sessions: dict[int, Session] = {}
+        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0}
+        self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
+        self._handlers: dict[Op, Callable[[Request], tuple[dict, list[bytes]]]] = {
+            Op.PING: self._ping, Op.ATTACH: self._attach, Op.HEARTBEAT: self._heartbeat,
+            Op.DETACH: self._detach, Op.REGISTER_LAYOUT: self._register_layout, Op.RESERVE: self._reserve,
+            Op.RESERVATION: self._reservation, Op.TAKE: self._take, Op.CANCEL: self._cancel,
+            Op.ALLOCATE: self._allocate, Op.COMMIT: self._commit, Op.LOOKUP: self._lookup,
+            Op.ACQUIRE: self._acquire, Op.RELEASE: self._release, Op.FREE: self._free,
+            Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
+            Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check,
+        }
+
+    # -- entry points ----------------------------------------------------------------------
+    def handle_frames(self, frames: list[bytes]) -> list[bytes]:
+        """One message in, one reply out; never raises."""
+        self.counters["requests"] += 1
+        try:
+            req = P.decode_request(frames)
+        except DFlash2Error as e:
+            self.counters["errors"] += 1
+            return P.encode_reply(P.error_reply(P.peek_call_id(frames), e))
+        return P.encode_reply(self.handle(req))
+
+    def handle(self, req: Request) -> Reply:
+        started = time.perf_counter()
+        try:
+            if req.op in P.NEEDS_CLIENT:
+                self._touch(req.client)
+            result, arrays = self._handlers[req.op](req)
+            reply = Reply(req.call_id, True, result, arrays=arrays)
+        except (DFlash2Error, ValueError, KeyError, TypeError) as e:
+            self.counters["errors"] += 1
+            reply = P.error_reply(req.call_id, e)
+        except Exception as e:  # a bug: say so, keep serving the others
+            self.counters["errors"] += 1
+            log.exception("internal error handling %s", req.op.value)
+            reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+        stat = self.latency.setdefault(req.op.value, [0, 0.0])
+        stat[0] += 1
+        stat[1] += time.perf_counter() - started
+        return reply
+
+    def expire_leases(self) -> list[int]:
+        """Detach clients whose lease lapsed or whose process is gone. Returns their ids."""
+        now = self.clock()
+        gone = [s for s in self.sessions.values()
+                if now - s.last_seen > self.lease_timeout_s
+                or (s.same_pid_namespace and not self.pid_alive(s.pid))]
+        for s in gone:
+            released = self._drop_session(s.client)
+            self.counters["leases_expired"] += 1
+            log.warning("client %d (%s, pid %d) lease lapsed: released %s", s.client, s.name, s.pid, released)
+        return [s.client for s in gone]
+
+    def shutdown(self) -> None:
+        for client in list(self.sessions):
+            self._drop_session(client)
+
+    # -- sessions --------------------------------------------------------------------------
+    def _touch(self, client: int) -> Session:
+        session = self.sessions.get(client)
+        if session is None:
+            raise UnknownClient(f"client {client} is not attached (detached, or its lease lapsed: attach again)")
+        session.last_seen = self.clock()
+        return session
+
+    def _drop_session(self, client: int) -> dict:
+        self.sessions.pop(client, None)
+        try:
+            return self.manager.detach(client)
+        except UnknownClient:
+            return {}
+
+    # -- handlers --------------------------------------------------------------------------
+    def _ping(self, req):
+        return {"version": P.VERSION, "pid": os.getpid()}, []
+
+    def _attach(self, req):
+        name = arg(req, "name", str)
+        pid = arg(req, "pid", int, lo=0)
+        specs = arg(req, "layouts", list, default=[])
+        pid_ns = arg(req, "pid_namespace", int, default=None)
+        layouts = [self._layout(d) for d in specs]  # validate all before changing anything
+        client = self.manager.attach(name)
+        ids = [self.manager.register_layout(lay) for lay in layouts]
+        now = self.clock()
+        self.sessions[client] = Session(client, name, pid, now, now,
+                                        pid_ns is not None and pid_ns == pid_namespace())
+        log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
+        return {"client": client, "layouts": ids, "arenas": self._arenas(),
+                "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
+                "device": self.device}, []
+
+    def _heartbeat(self, req):
+        return {"lease_timeout_s": self.lease_timeout_s}, []
+
+    def _detach(self, req):
+        released = self._drop_session(req.client)
+        log.info("client %d detached: released %s", req.client, released)
+        return {"released": released}, []
+
+    def _register_layout(self, req):
+        return {"layout": self.manager.register_layout(self._layout(arg(req, "layout", dict)))}, []
+
+    def _reserve(self, req):
+        deadline_s = arg(req, "deadline_s", (int, float), default=None, lo=0)
+        d = self.manager.reserve(
+            req.client, self._layout_id(req), arg(req, "tokens", int, lo=1, hi=1 << 40),
+            priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
+            deadline=None if deadline_s is None else self.manager.table.clock() + deadline_s,
+            request=arg(req, "request", int, default=0))
+        return d.to_dict(), []
+
+    def _reservation(self, req):
+        d = self.manager.admission.status(arg(req, "reservation", int))
+        res = self.manager.admission.granted.get(d.reservation_id)
+        if res is not None and res.client != req.client:
+            raise ProtocolError("that reservation belongs to another client")
+        return d.to_dict(), []
+
+    def _take(self, req):
+        vids = self.manager.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
+        return {}, [self._places_of(vids)]
+
+    def _cancel(self, req):
+        self.manager.cancel(req.client, arg(req, "reservation", int))
+        return {}, []
+
+    def _allocate(self, req):
+        vids = self.manager.allocate(req.client, self._layout_id(req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
+                                     request=arg(req, "request", int, default=0),
+                                     priority=arg(req, "priority", int, default=0, lo=-128, hi=127))
+        if vids is None:
+            return {"allocated": False, "reason": "HBM is full of blocks that cannot move; reserve and wait"}, [b""]
+        return {"allocated": True}, [self._places_of(vids)]
+
+    def _commit(self, req):
+        vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        keys = req.array(1, P.KEYS_DTYPE, "content keys") if len(req.arrays) > 1 and req.arrays[1] else None
+        if keys is not None and len(keys) != len(vids):
+            raise ProtocolError(f"commit: {len(vids)} block ids but {len(keys)} content keys")
+        parent = arg(req, "parent", int, default=None)
+        out = self.manager.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
+        return {}, [np.asarray(out, dtype=P.VIDS_DTYPE).tobytes()]
+
+    def _lookup(self, req):
+        keys = req.array(0, P.KEYS_DTYPE, "content keys")
+        layout = arg(req, "layout", int, default=None)
+        return {}, [P.places_array(self.manager.lookup(keys, layout))]
+
+    def _acquire(self, req):
+        places = self.manager.acquire(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        if places is None:
+            return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
+        return {"acquired": True}, [P.places_array(places)]
+
+    def _release(self, req):
+        self.manager.release(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        return {}, []
+
+    def _free(self, req):
+        return {"freed": self.manager.free(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))}, []
+
+    def _add_ref(self, req):
+        self.manager.add_ref(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        return {}, []
+
+    def _places(self, req):
+        vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        self.manager.table.rows(vids)  # UnknownBlock for any that is not live
+        return {}, [self._places_of(vids)]
+
+    def _stats(self, req):
+        st = self.manager.stats()
+        st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid,
+                          "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
+        st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
+                        "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
+                                    for op, (n, t) in self.latency.items()}}
+        return st, []
+
+    def _set_weights(self, req):
+        weights = arg(req, "weights", dict)
+        bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
+        if bad:
+            raise ProtocolError(f"set_weights: weights {bad} must be numbers")
+        self.manager.policy.set_weights({k: float(v) for k, v in weights.items()})
+        return {"policy": self.manager.policy.describe()}, []
+
+    def _check(self, req):
+        self.manager.check_invariants()
+        return {}, []
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _layout(self, data) -> Layout:
+        if not isinstance(data, dict):
+            raise ProtocolError("a layout must be a JSON object")
+        try:
+            return Layout.from_dict(data)
+        except TypeError as e:
+            raise LayoutError(f"bad layout field types: {e}") from None
+
+    def _layout_id(self, req) -> int:
+        lid = arg(req, "layout", int, lo=0)
+        self.manager.table.layout(lid)
+        return lid
+
+    def _places_of(self, vids) -> bytes:
+        return P.places_array(self.manager._places(self.manager.table.rows(vids)))
+
+    def _arenas(self) -> list[dict]:
+        out = []
+        for tier, arena in self.manager.arenas.items():
+            if tier == Tier.NVME:
+                continue  # not mappable: clients reach NVMe blocks by acquiring them
+            d = arena.describe()
+            out.append({"tier": tier.label, "kind": "shm", "name": d.get("name"),
+                        "capacity_bytes": arena.capacity_bytes, "alignment": arena.alignment})
+        return out
+
+
+def pid_namespace() -> int | None:
+    """Inode of this process's pid namespace: equal in two processes iff their pids are comparable."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    """False only when the process certainly does not exist (pid 0 = unknown: assume alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,79 @@
+"""Frequency sketch for admission (TinyLFU): how often a content key was asked for lately.
+
+Most KV blocks are used once (more than half on the Mooncake traces) and only push out blocks that
+would have been reused. The sketch remembers how often each content key was referenced, including
+keys whose blocks were evicted long ago, so that a block recomputed for the third time is known to
+be popular the moment it is written again. It is a count-min sketch: `depth` rows of small
+counters indexed by independent hashes of the key; an estimate is the minimum over the rows (never
+an undercount until aging). Every `sample` increments all counters are halved, so the counts decay
+and old popularity fades. All operations are vectorised over numpy arrays of keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Odd 64-bit multipliers (splitmix64 constants and friends): one independent hash per sketch row.
+_SEEDS = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93],
+                  dtype=np.uint64)
+COUNTER_MAX = 15  # 4-bit counters, as in Caffeine's FrequencySketch
+
+
+class FrequencySketch:
+    def __init__(self, width: int = 1 << 16, depth: int = 4, sample_factor: int = 10):
+        if width <= 0 or width & (width - 1):
+            raise ValueError(f"sketch width must be a power of two, got {width}")
+        if not 1 <= depth <= len(_SEEDS):
+            raise ValueError(f"sketch depth must be 1..{len(_SEEDS)}, got {depth}")
+        self.width = width
+        self.depth = depth
+        self.sample = sample_factor * width  # halve all counters after this many increments
+        self.table = np.zeros((depth, width), dtype=np.uint8)
+        self._shift = np.uint64(64 - int(np.log2(width)))
+        self.additions = 0
+
+    def _index(self, keys: np.ndarray) -> np.ndarray:
+        k = np.asarray(keys, dtype=np.uint64).reshape(1, -1)
+        with np.errstate(over="ignore"):
+            h = (k ^ (k >> np.uint64(31))) * _SEEDS[: self.depth, None]
+        return (h >> self._shift).astype(np.int64)  # top bits: the best-mixed ones
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        """Approximate recent reference count of each key (0 for a key never seen)."""
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        idx = self._index(keys)
+        rows = np.arange(self.depth)[:, None]
+        return self.table[rows, idx].min(axis=0).astype(np.int64)
+
+    def add(self, keys: np.ndarray) -> np.ndarray:
+        """Count one reference of each key; returns the estimates after counting."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        idx = self._index(keys)
+        rows = np.broadcast_to(np.arange(self.depth)[:, None], idx.shape)
+        # Conservative update: only the counters at the current minimum grow (less overcounting).
+        est = self.table[rows, idx].min(axis=0)
+        grow = (self.table[rows, idx] == est[None, :]) & (est[None, :] < COUNTER_MAX)
+        np.add.at(self.table, (rows[grow], idx[grow]), 1)
+        np.minimum(self.table, COUNTER_MAX, out=self.table)
+        self.additions += len(keys)
+        if self.additions >= self.sample:
+            self.table >>= 1
+            self.additions //= 2
+        return np.minimum(est.astype(np.int64) + 1, COUNTER_MAX)
+
+
+class SecondHitFilter:
+    """Admission by frequency: a block deserves a place once its key was referenced at least
+    `min_count` times lately (2 = the second-hit filter), or while the tier has room anyway."""
+
+    def __init__(self, sketch: FrequencySketch, min_count: int = 2):
+        self.sketch = sketch
+        self.min_count = min_count
+
+    def admit(self, keys: np.ndarray, tier_has_room: bool) -> np.ndarray:
+        if tier_has_room:
+            return np.ones(len(keys), dtype=bool)
+        return self.sketch.estimate(keys) >= self.min_count

@@ -1,0 +1,93 @@
+"""Hit density learned from the reuse distances of content keys (uncensored LHD).
+
+LHD (NSDI'18) ranks a block by its expected hits per unit of space-time, conditioned on its class
+and age, learned from the hits and evictions the cache itself observes. Learned that way the model
+is censored by its own decisions: a block the cache evicts at age a never shows the hit it would
+have had at age 2a, so the model never learns that waiting pays and keeps evicting at age a. In a
+KV cache most reuse distances exceed the cache (multi-turn sessions come back minutes later), so
+this matters.
+
+Here the evidence comes from the reference stream instead: a small hashed *ghost* table remembers,
+for each content key, the logical time and class of its last reference, whether or not the block is
+still cached. Each reference of a key seen before is a reuse at a known age; each reference starts
+a new life. Lives that are never reused are counted as ending at the horizon (the oldest reuse age
+seen). density[c, a] = reuses still to come after age a / space-time those lives still spend.
+Histograms decay so the model follows the workload. Ages are logical (block references), so the
+model adapts to load instead of wall-clock rates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BINS_PER_OCTAVE = 4
+N_AGE = BINS_PER_OCTAVE * 40  # logical ages up to 2^40 block references
+N_CLASS = 6  # frequency classes: 0, 1, 2-3, 4-7, 8-15, 16+ prior references
+FLOOR = 1e-15
+
+
+def age_bin(age: np.ndarray) -> np.ndarray:
+    return np.minimum((BINS_PER_OCTAVE * np.log2(1.0 + np.maximum(age, 0.0))).astype(np.int64), N_AGE - 1)
+
+
+def freq_class(count: np.ndarray) -> np.ndarray:
+    return np.minimum(np.log2(1.0 + np.asarray(count, dtype=np.float64)).astype(np.int64), N_CLASS - 1)
+
+
+_EDGES = 2.0 ** (np.arange(N_AGE + 1) / BINS_PER_OCTAVE) - 1.0
+_WIDTH = np.diff(_EDGES)
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+class HitDensityModel:
+    def __init__(self, ghost_bits: int = 20, period: int = 8192, decay: float = 0.95):
+        self.period = period
+        self.decay = decay
+        self._shift = np.uint64(64 - ghost_bits)
+        self.ghost_key = np.zeros(1 << ghost_bits, dtype=np.uint64)
+        self.ghost_tick = np.zeros(1 << ghost_bits)
+        self.ghost_cls = np.zeros(1 << ghost_bits, dtype=np.int8)
+        self.reuses = np.zeros((N_CLASS, N_AGE))
+        self.lives = np.zeros(N_CLASS)
+        self._since_fit = 0
+        # Before any evidence: density falls with age and rises with class (LRU, then LFU).
+        self.log_density = np.log2((1.0 + np.arange(N_CLASS))[:, None] / (1.0 + _EDGES[None, :-1])) - 10.0
+
+    def observe(self, keys: np.ndarray, classes: np.ndarray, tick: float) -> None:
+        """References of content keys (non-zero) at logical time `tick`, with the class each key has
+        now (after counting this reference)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not len(keys):
+            return
+        with np.errstate(over="ignore"):
+            slot = ((keys * _MULT) >> self._shift).astype(np.int64)
+        seen = self.ghost_key[slot] == keys
+        if seen.any():
+            s = slot[seen]
+            np.add.at(self.reuses, (self.ghost_cls[s].astype(np.int64), age_bin(tick - self.ghost_tick[s])), 1.0)
+        self.ghost_key[slot] = keys
+        self.ghost_tick[slot] = tick
+        self.ghost_cls[slot] = classes
+        np.add.at(self.lives, classes, 1.0)
+        self._since_fit += len(keys)
+        if self._since_fit >= self.period:
+            self.fit()
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        reused = self.reuses.sum(axis=1)
+        if not reused.sum():
+            return
+        ends = self.reuses.copy()
+        horizon = int(np.flatnonzero(self.reuses.sum(axis=0))[-1])
+        # Lives never reused (so far) end at the horizon: the oldest reuse age on record.
+        ends[:, horizon] += np.maximum(self.lives - reused, 0.0)
+        hits_above = np.cumsum(self.reuses[:, ::-1], axis=1)[:, ::-1]
+        alive_above = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1]
+        life_above = np.cumsum((alive_above * _WIDTH)[:, ::-1], axis=1)[:, ::-1]
+        density = hits_above / np.maximum(life_above, 1e-300)
+        # A class without evidence keeps its prior, shifted to the learned scale.
+        known = alive_above[:, 0] > 0
+        self.log_density[known] = np.log2(np.maximum(density[known], FLOOR))
+        self.reuses *= self.decay
+        self.lives *= self.decay

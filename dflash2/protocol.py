@@ -1,0 +1,225 @@
+"""The control protocol between dflash2d and its clients: one module both sides import.
+
+Transport: ZeroMQ, a ROUTER socket in the daemon and a DEALER per client socket. Every message is a
+list of frames whose first three never change between versions, so that a mismatched peer always
+gets a clear error instead of a hang:
+
+    [MAGIC, VERSION (ASCII decimal), HEADER (JSON object), *ARRAYS (raw little-endian numpy bytes)]
+
+Request header: {"op": name, "id": call id, "client": id or null, "args": {...}}
+Reply header:   {"id": call id, "ok": true, "result": {...}}
+           or   {"id": call id, "ok": false, "error": {"type": name, "message": text}}
+
+Hot operations take and return whole batches; their arrays travel as binary frames (keys as
+uint64, block ids as int64, places as PLACE_DTYPE records), never as JSON lists. New fields are only
+ever appended; an op whose arguments change gets a new name.
+
+Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE records):
+
+    ping             {}                                        → {version, pid}
+    attach           {name, pid, layouts: [layout dict]}       → {client, layouts: [id], arenas: [{tier,
+                                                                  kind, name, capacity_bytes, alignment}],
+                                                                  lease_timeout_s, heartbeat_interval_s, device}
+    heartbeat        {}                                        → {lease_timeout_s}
+    detach           {}                                        → {released: {...}}
+    register_layout  {layout: layout dict}                     → {layout: id}
+    reserve          {layout, tokens, priority=0, deadline_s=null (from now), request=0}
+                                                               → decision {outcome, reservation_id, reason,
+                                                                  position, est_wait_s}
+    reservation      {reservation}                             → decision
+    take             {reservation, n}                          → [places] (blocks to write)
+    cancel           {reservation}                             → {}
+    allocate         {layout, n, request=0, priority=0}        → {allocated: bool} [places]
+    commit           {parent=null} [vids, keys or empty]       → [vids] (the ids now held: a key that was
+                                                                  cached already deduplicates)
+    lookup           {layout=null} [keys]                      → [places] of the longest cached prefix
+    acquire          {} [vids]                                 → {acquired: bool} [places] (pinned, in HBM)
+    release / add_ref{} [vids]                                 → {}
+    free             {} [vids]                                 → {freed: n}
+    places           {} [vids]                                 → [places]
+    stats            {}                                        → tiers, hit rates, moves, clients, reservations
+    set_weights      {weights: {name: value}}                  → {policy}
+    check            {}                                        → {} (or the invariant violation as error)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+import numpy as np
+
+from dflash2.errors import ProtocolError, VersionMismatch
+
+MAGIC = b"DFLASH2"
+VERSION = 1
+MAX_BATCH = 65536  # most ids or keys in one call
+MAX_HEADER_BYTES = 1 << 20
+
+KEYS_DTYPE = np.dtype("<u8")
+VIDS_DTYPE = np.dtype("<i8")
+# Where a block lies: enough to build a zero-copy view once the client has mapped the arenas.
+PLACE_DTYPE = np.dtype([("vid", "<i8"), ("tier", "i1"), ("offset", "<i8"), ("nbytes", "<i8"),
+                        ("layout", "<i4")])
+
+
+class Op(str, enum.Enum):
+    PING = "ping"
+    ATTACH = "attach"
+    HEARTBEAT = "heartbeat"
+    DETACH = "detach"
+    REGISTER_LAYOUT = "register_layout"
+    RESERVE = "reserve"
+    RESERVATION = "reservation"  # status of a reservation (deferred ones report position/wait)
+    TAKE = "take"  # blocks of a granted reservation
+    CANCEL = "cancel"
+    ALLOCATE = "allocate"
+    COMMIT = "commit"
+    LOOKUP = "lookup"
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    FREE = "free"
+    ADD_REF = "add_ref"
+    PLACES = "places"
+    STATS = "stats"
+    SET_WEIGHTS = "set_weights"
+    CHECK = "check"  # run the table's invariant check (tests, operators)
+
+
+# Ops that need an attached client (the header's "client"); the rest do not.
+NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK}
+
+
+@dataclasses.dataclass
+class Request:
+    op: Op
+    call_id: int
+    client: int | None
+    args: dict
+    arrays: list[bytes]
+
+    def array(self, index: int, dtype: np.dtype, name: str) -> np.ndarray:
+        """The index-th binary frame as an array; ProtocolError names the missing or bad argument."""
+        if index >= len(self.arrays):
+            raise ProtocolError(f"{self.op.value}: missing array frame {index} ({name})")
+        raw = self.arrays[index]
+        if len(raw) % dtype.itemsize:
+            raise ProtocolError(f"{self.op.value}: {name} frame is {len(raw)} bytes, not a whole number "
+                                f"of {dtype.itemsize}-byte items")
+        arr = np.frombuffer(raw, dtype=dtype)
+        if len(arr) > MAX_BATCH:
+            raise ProtocolError(f"{self.op.value}: {len(arr)} {name} in one call, more than {MAX_BATCH}")
+        return arr
+
+
+@dataclasses.dataclass
+class Reply:
+    call_id: int
+    ok: bool
+    result: dict
+    error_type: str = ""
+    error_message: str = ""
+    arrays: list[bytes] = dataclasses.field(default_factory=list)
+
+
+def _frames_head(frames: list[bytes]) -> dict:
+    if len(frames) < 3:
+        raise ProtocolError(f"a message needs at least 3 frames (magic, version, header), got {len(frames)}")
+    if bytes(frames[0]) != MAGIC:
+        raise ProtocolError("not a dflash2 message (bad magic frame)")
+    try:
+        version = int(bytes(frames[1]).decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError("the version frame is not a decimal number") from None
+    if version != VERSION:
+        raise VersionMismatch(f"protocol version mismatch: this side speaks {VERSION}, the peer {version}; "
+                              "upgrade the older of daemon and client")
+    if len(frames[2]) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(frames[2])} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(bytes(frames[2]))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a JSON object")
+    return header
+
+
+def peek_call_id(frames: list[bytes]) -> int:
+    """Best-effort call id of a message that failed to decode (0 when unknown), for the error reply."""
+    try:
+        header = json.loads(bytes(frames[2]))
+        cid = header.get("id", 0)
+        return cid if isinstance(cid, int) else 0
+    except Exception:
+        return 0
+
+
+def encode_request(op: Op, call_id: int, client: int | None, args: dict | None = None,
+                   arrays: list[bytes] | None = None, version: int = VERSION) -> list[bytes]:
+    header = {"op": op.value, "id": call_id, "client": client, "args": args or {}}
+    return [MAGIC, str(version).encode(), json.dumps(header, separators=(",", ":")).encode(), *(arrays or [])]
+
+
+def decode_request(frames: list[bytes]) -> Request:
+    header = _frames_head(frames)
+    try:
+        op = Op(header.get("op"))
+    except ValueError:
+        raise ProtocolError(f"unknown op {header.get('op')!r}; valid: {', '.join(o.value for o in Op)}") from None
+    call_id, client, args = header.get("id"), header.get("client"), header.get("args", {})
+    if not isinstance(call_id, int) or isinstance(call_id, bool):
+        raise ProtocolError("header.id must be an integer call id")
+    if client is not None and (not isinstance(client, int) or isinstance(client, bool)):
+        raise ProtocolError("header.client must be an integer or null")
+    if op in NEEDS_CLIENT and client is None:
+        raise ProtocolError(f"{op.value} needs an attached client (header.client)")
+    if not isinstance(args, dict):
+        raise ProtocolError("header.args must be a JSON object")
+    return Request(op, call_id, client, args, [bytes(f) for f in frames[3:]])
+
+
+def encode_reply(reply: Reply) -> list[bytes]:
+    if reply.ok:
+        header = {"id": reply.call_id, "ok": True, "result": reply.result}
+    else:
+        header = {"id": reply.call_id, "ok": False,
+                  "error": {"type": reply.error_type, "message": reply.error_message}}
+    return [MAGIC, str(VERSION).encode(), json.dumps(header, separators=(",", ":")).encode(), *reply.arrays]
+
+
+def decode_reply(frames: list[bytes]) -> Reply:
+    header = _frames_head(frames)
+    call_id = header.get("id")
+    if header.get("ok") is True:
+        return Reply(call_id, True, header.get("result") or {}, arrays=[bytes(f) for f in frames[3:]])
+    err = header.get("error") or {}
+    return Reply(call_id, False, {}, str(err.get("type", "Error")), str(err.get("message", "")))
+
+
+def error_reply(call_id: int, exc: BaseException) -> Reply:
+    return Reply(call_id, False, {}, type(exc).__name__, str(exc))
+
+
+def arg(req: Request, name: str, kind: type | tuple, *, default=..., lo=None, hi=None):
+    """A typed argument; ProtocolError names the op, the argument and what is wrong."""
+    if name not in req.args:
+        if default is ...:
+            raise ProtocolError(f"{req.op.value}: missing argument {name!r}")
+        return default
+    value = req.args[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise ProtocolError(f"{req.op.value}: argument {name!r} must be {names}, got {type(value).__name__}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        raise ProtocolError(f"{req.op.value}: argument {name!r}={value!r} is outside [{lo}, {hi}]")
+    return value
+
+
+def places_array(places) -> bytes:
+    arr = np.zeros(len(places), dtype=PLACE_DTYPE)
+    for i, p in enumerate(places):
+        arr[i] = (p.vid, int(p.tier), p.offset, p.nbytes, p.layout_id)
+    return arr.tobytes()
