@@ -195,13 +195,13 @@ class Service:
     def _lookup(self, req):
         keys = req.array(0, P.KEYS_DTYPE, "content keys")
         layout = arg(req, "layout", int, default=None)
-        return {}, [P.places_array(self.manager.lookup(keys, layout))]
+        return {}, [self._records(self.manager.lookup_rows(keys, layout))]
 
     def _acquire(self, req):
-        places = self.manager.acquire(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
-        if places is None:
+        rows = self.manager.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
-        return {"acquired": True}, [P.places_array(places)]
+        return {"acquired": True}, [self._records(rows)]
 
     def _release(self, req):
         self.manager.release(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
@@ -255,7 +255,20 @@ class Service:
         return lid
 
     def _places_of(self, vids) -> bytes:
-        return P.places_array(self.manager._places(self.manager.table.rows(vids)))
+        return self._records(self.manager.table.rows(vids))
+
+    def _records(self, rows: np.ndarray) -> bytes:
+        """PLACE_DTYPE records of rows, built from the table's columns without a Python loop."""
+        table = self.manager.table
+        c = table.cols
+        block_bytes = np.array([lay.block_bytes for lay in table.layouts] or [0], dtype=np.int64)
+        rec = np.empty(len(rows), dtype=P.PLACE_DTYPE)
+        rec["vid"] = table.vids(rows)
+        rec["tier"] = c.tier[rows]
+        rec["offset"] = c.offset[rows]
+        rec["layout"] = c.layout[rows]
+        rec["nbytes"] = block_bytes[c.layout[rows]]
+        return rec.tobytes()
 
     def _arenas(self) -> list[dict]:
         out = []

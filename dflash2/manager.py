@@ -148,16 +148,23 @@ class BlockManager:
 
     def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> list[Place]:
         """The longest cached prefix of a chain of content keys, and where each block lies."""
+        return self.places_of_rows(self.lookup_rows(keys, layout_id))
+
+    def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None) -> np.ndarray:
         rows = self.table.lookup(keys, layout_id)
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
-        return self._places(rows)
+        return rows
 
     def acquire(self, client: int, vids) -> list[Place] | None:
         """Pin blocks for use in HBM, promoting them (prefix first) when they lie below. All or
         nothing: None when HBM cannot be given room for them (nothing is pinned then)."""
-        rows = self.table._usable_rows(client, vids)  # validates before anything moves
+        rows = self.acquire_rows(client, vids)
+        return None if rows is None else self.places_of_rows(rows)
+
+    def acquire_rows(self, client: int, vids) -> np.ndarray | None:
+        rows = self.table.usable_rows(client, vids)  # validates before anything moves
         tiers = self.table.cols.tier[rows]
         now = self.table.clock()
         for t, n in zip(*np.unique(tiers, return_counts=True)):
@@ -169,7 +176,7 @@ class BlockManager:
             if not ok.all():
                 return None
         self.table.pin(client, vids)
-        return self._places(rows)
+        return rows
 
     def release(self, client: int, vids) -> None:
         self.table.unpin(client, vids)
@@ -179,7 +186,7 @@ class BlockManager:
 
     # -- bytes (host arenas) ---------------------------------------------------------------
     def place(self, vid: int) -> Place:
-        return self._places(self.table.rows([vid]))[0]
+        return self.places_of_rows(self.table.rows([vid]))[0]
 
     def view(self, vid: int) -> np.ndarray:
         """A zero-copy uint8 view of a block in a memory tier (not NVMe: acquire it first)."""
@@ -222,7 +229,7 @@ class BlockManager:
             arena.close()
 
     # -- internals -------------------------------------------------------------------------
-    def _places(self, rows: np.ndarray) -> list[Place]:
+    def places_of_rows(self, rows: np.ndarray) -> list[Place]:
         c = self.table.cols
         vids = self.table.vids(rows)
         return [Place(int(v), Tier(int(t)), int(o), self.table.layouts[l].block_bytes, int(l))

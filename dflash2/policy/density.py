@@ -49,6 +49,7 @@ class HitDensityModel:
         self.ghost_cls = np.zeros(1 << ghost_bits, dtype=np.int8)
         self.reuses = np.zeros((N_CLASS, N_AGE))
         self.lives = np.zeros(N_CLASS)
+        self.evictions = np.zeros((N_CLASS, N_AGE))  # ages at which the cache let blocks go
         self._since_fit = 0
         # Before any evidence: density falls with age and rises with class (LRU, then LFU).
         self.log_density = np.log2((1.0 + np.arange(N_CLASS))[:, None] / (1.0 + _EDGES[None, :-1])) - 10.0
@@ -73,15 +74,26 @@ class HitDensityModel:
         if self._since_fit >= self.period:
             self.fit()
 
+    def evicted(self, classes: np.ndarray, ages: np.ndarray) -> None:
+        """Blocks left the cache at these ages: where the lives that are never reused end."""
+        np.add.at(self.evictions, (np.asarray(classes, dtype=np.int64), age_bin(ages)), 1.0)
+
     def fit(self) -> None:
         self._since_fit = 0
         reused = self.reuses.sum(axis=1)
         if not reused.sum():
             return
         ends = self.reuses.copy()
+        never = np.maximum(self.lives - reused, 0.0)
+        # Lives never reused end where the cache lets such blocks go (its eviction ages for the
+        # class); a class never evicted yet ends at the horizon, the oldest reuse age on record.
         horizon = int(np.flatnonzero(self.reuses.sum(axis=0))[-1])
-        # Lives never reused (so far) end at the horizon: the oldest reuse age on record.
-        ends[:, horizon] += np.maximum(self.lives - reused, 0.0)
+        evicted = self.evictions.sum(axis=1)
+        for c in range(N_CLASS):
+            if evicted[c] > 0:
+                ends[c] += never[c] * self.evictions[c] / evicted[c]
+            else:
+                ends[c, horizon] += never[c]
         hits_above = np.cumsum(self.reuses[:, ::-1], axis=1)[:, ::-1]
         alive_above = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1]
         life_above = np.cumsum((alive_above * _WIDTH)[:, ::-1], axis=1)[:, ::-1]
@@ -91,3 +103,4 @@ class HitDensityModel:
         self.log_density[known] = np.log2(np.maximum(density[known], FLOOR))
         self.reuses *= self.decay
         self.lives *= self.decay
+        self.evictions *= self.decay

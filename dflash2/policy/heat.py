@@ -109,6 +109,11 @@ class HeatPolicy(Policy):
         self._cls[rows] = cls
         self.model.observe(keys, cls, self.tick)
 
+    def on_remove(self, table, rows):
+        self._ensure(table)
+        rows = np.asarray(rows, dtype=np.int64)
+        self.model.evicted(self._cls[rows], self.tick - self._last[rows])
+
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room, else only when its key
         was referenced at least twice lately (a second hit): once-used blocks are dropped."""

@@ -207,7 +207,7 @@ class BlockTable:
         """A request of this client shares these blocks (they count as referenced, and are never
         evicted while referenced)."""
         holder = self.client(client_id)
-        rows = self._usable_rows(client_id, vids)
+        rows = self.usable_rows(client_id, vids)
         np.add.at(self.cols.refs, rows, 1)
         for r in rows.tolist():
             holder.refs[r] += 1
@@ -248,7 +248,7 @@ class BlockTable:
     def pin(self, client_id: int, vids) -> np.ndarray:
         """Pin blocks for use: they will not move or be freed until unpinned. Returns the rows."""
         holder = self.client(client_id)
-        rows = self._usable_rows(client_id, vids)
+        rows = self.usable_rows(client_id, vids)
         np.add.at(self.cols.pins, rows, 1)
         for r in rows.tolist():
             holder.pins[r] += 1
@@ -273,7 +273,7 @@ class BlockTable:
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is not a private block of client {client_id}")
         return rows
 
-    def _usable_rows(self, client_id: int, vids) -> np.ndarray:
+    def usable_rows(self, client_id: int, vids) -> np.ndarray:
         """Rows this client may reference or pin: published blocks, and its own private ones."""
         rows = self.rows(vids)
         owner = self.cols.owner[rows]
