@@ -19,8 +19,10 @@ import zmq
 from dflash2.assemble import build_manager
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
+from dflash2.daemon.observe import Observers, log_fallbacks
 from dflash2.daemon.service import Service
 from dflash2.errors import ArenaError, CapacityError
+from dflash2.logs import configure as configure_logging, event
 from dflash2.plan import Plan, resolve_plan
 from dflash2.tiers import Tier
 
@@ -31,8 +33,9 @@ GB = 1e9
 
 
 class Server:
-    def __init__(self, service: Service, endpoint: str, tick_interval_s: float):
+    def __init__(self, service: Service, endpoint: str, tick_interval_s: float, observers: Observers | None = None):
         self.service = service
+        self.observers = observers
         self.endpoint = endpoint
         self.tick_interval_s = tick_interval_s
         self._stop = threading.Event()
@@ -54,7 +57,7 @@ class Server:
             if poller.poll(min(timeout_ms, 200)):
                 self._drain()
             if time.monotonic() >= next_tick:
-                self._tick()
+                self._tick(late_s=time.monotonic() - next_tick)
                 next_tick = time.monotonic() + self.tick_interval_s
 
     def _drain(self, budget: int = 256) -> None:
@@ -70,12 +73,18 @@ class Server:
             except zmq.Again:
                 log.warning("dropped a reply: the client's queue is full")
 
-    def _tick(self) -> None:
+    def _tick(self, late_s: float = 0.0) -> None:
+        started = time.perf_counter()
         try:
             self.service.expire_leases()
             self.service.manager.tick()
         except Exception:
             log.exception("background tick failed; the daemon keeps serving")
+        if self.observers is not None:
+            try:
+                self.observers.after_tick(late_s, time.perf_counter() - started)
+            except Exception:
+                log.exception("metrics/history sampling failed; the daemon keeps serving")
 
     def close(self) -> None:
         self._sock.close(0)
@@ -100,7 +109,8 @@ def run(cfg: Config) -> int:
     except EndpointBusy as e:
         print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
-    manager = server = None
+    manager = server = observers = None
+    started = time.monotonic()
     try:
         try:
             manager = build_manager(cfg, plan=plan)
@@ -109,17 +119,32 @@ def run(cfg: Config) -> int:
             return EXIT_START_FAILED
         service = Service(manager, lease_timeout_s=cfg.daemon.lease_timeout_s,
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind)
-        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0)
+        try:
+            observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
+        except OSError as e:
+            print(f"dflash2d: error: cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}",
+                  file=sys.stderr, flush=True)
+            return EXIT_START_FAILED
+        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
         lock.secure_socket()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
         print(startup_line(plan, manager), flush=True)
-        log.info("serving %s (policy %s)", plan.endpoint, manager.policy.name)
+        log_fallbacks(cfg, plan)
+        event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",
+              endpoint=plan.endpoint, device=plan.device_kind,
+              total_bytes=sum(s.capacity_bytes for s in manager.specs.values()),
+              committed_bytes=sum(s.capacity_bytes for t, s in manager.specs.items() if t != Tier.NVME),
+              policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
-        log.info("shutting down: releasing %d clients", len(service.sessions))
+        clients = len(service.sessions)
         service.shutdown()
+        event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,
+              uptime_s=round(time.monotonic() - started, 3))
         return 0
     finally:
+        if observers is not None:
+            observers.close()
         if server is not None:
             server.close()
         if manager is not None:
@@ -129,5 +154,4 @@ def run(cfg: Config) -> int:
 
 
 def _configure_logging(cfg: Config) -> None:
-    level = getattr(logging, cfg.logging.level.upper())
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.logging.format, cfg.logging.level)  # dflash2/logs.py

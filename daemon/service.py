@@ -49,6 +49,8 @@ class Service:
         self.sessions: dict[int, Session] = {}
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
+        self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
+        self.history = None  # a dflash2.history.History when history_enabled
         self._handlers: dict[Op, Callable[[Request], tuple[dict, list[bytes]]]] = {
             Op.PING: self._ping, Op.ATTACH: self._attach, Op.HEARTBEAT: self._heartbeat,
             Op.DETACH: self._detach, Op.REGISTER_LAYOUT: self._register_layout, Op.RESERVE: self._reserve,
@@ -56,7 +58,7 @@ class Service:
             Op.ALLOCATE: self._allocate, Op.COMMIT: self._commit, Op.LOOKUP: self._lookup,
             Op.ACQUIRE: self._acquire, Op.RELEASE: self._release, Op.FREE: self._free,
             Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
-            Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check,
+            Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check, Op.HISTORY: self._history,
         }
 
     # -- entry points ----------------------------------------------------------------------
@@ -84,9 +86,12 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+        elapsed = time.perf_counter() - started
         stat = self.latency.setdefault(req.op.value, [0, 0.0])
         stat[0] += 1
-        stat[1] += time.perf_counter() - started
+        stat[1] += elapsed
+        if self.on_request is not None:
+            self.on_request(req.op.value, elapsed)
         return reply
 
     def expire_leases(self) -> list[int]:
@@ -220,13 +225,25 @@ class Service:
         return {}, [self._places_of(vids)]
 
     def _stats(self, req):
+        return self.stats(), []
+
+    def stats(self) -> dict:
+        """Manager figures plus clients and daemon counters (the `stats` op, metrics and history)."""
         st = self.manager.stats()
         st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
                                     for op, (n, t) in self.latency.items()}}
-        return st, []
+        return st
+
+    def _history(self, req):
+        since_s = arg(req, "since_s", (int, float), default=None, lo=0)
+        if self.history is None:
+            return {"enabled": False, "interval_s": None, "count": 0}, [b""]
+        samples = self.history.since(since_s)
+        return ({"enabled": True, "interval_s": self.history.interval_s, "count": len(samples)},
+                [self.history.encode(samples)])
 
     def _set_weights(self, req):
         weights = arg(req, "weights", dict)
@@ -276,8 +293,13 @@ class Service:
             if tier == Tier.NVME:
                 continue  # not mappable: clients reach NVMe blocks by acquiring them
             d = arena.describe()
-            out.append({"tier": tier.label, "kind": "shm", "name": d.get("name"),
-                        "capacity_bytes": arena.capacity_bytes, "alignment": arena.alignment})
+            entry = {"tier": tier.label, "kind": d.get("kind", "shm"), "capacity_bytes": arena.capacity_bytes,
+                     "alignment": arena.alignment}
+            if entry["kind"] == "cuda":  # mapped by the client with cudaIpcOpenMemHandle
+                entry.update(device=d["device"], ipc_handle=arena.ipc_handle().hex())
+            else:
+                entry["name"] = d.get("name")
+            out.append(entry)
         return out
 
 

@@ -55,18 +55,19 @@ def build_manager(cfg: Config, *, instance: str | None = None, plan: Plan | None
     """Take the arenas of `cfg` and return the manager that owns them (close() gives them back).
     `instance` names the shared-memory segments (default: dflash2-<pid>)."""
     plan = plan or resolve_plan(cfg)
-    if plan.device_kind != "host":
-        raise ArenaError("device.kind resolved to cuda, but this build has no CUDA arenas yet; "
-                         "set device.kind to \"host\" (host memory then stands in for HBM)")
-    if len([t for t in plan.tiers if t.tier == Tier.HBM]) != 1:
-        raise ArenaError("exactly one HBM arena is supported by the host path")
+    hbm_plans = [t for t in plan.tiers if t.tier == Tier.HBM]
+    if len(hbm_plans) != 1:
+        raise ArenaError(f"{len(hbm_plans)} GPUs selected; this daemon serves one: set device.gpu_ids to one GPU "
+                         "(run one daemon per GPU, each with its own endpoint)")
     instance = instance or f"dflash2-{os.getpid()}"
     specs = tier_specs(plan)
+    cuda = plan.device_kind == "cuda"
+    device = int(hbm_plans[0].where.split(":")[1]) if cuda else None
     arenas: dict[Tier, Arena] = {}
     try:
         for spec in specs:
-            arenas[spec.tier] = _open_arena(spec, plan, instance)
-        backend = HostTransferBackend(arenas)
+            arenas[spec.tier] = _open_arena(spec, plan, instance, device)
+        backend = _backend(arenas, plan) if cuda else HostTransferBackend(arenas)
     except BaseException:
         for arena in arenas.values():
             arena.close()
@@ -76,11 +77,29 @@ def build_manager(cfg: Config, *, instance: str | None = None, plan: Plan | None
                         admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
 
 
-def _open_arena(spec: TierSpec, plan: Plan, instance: str) -> Arena:
+def _backend(arenas: dict[Tier, Arena], plan: Plan):
+    from dflash2.transfer.cuda import CudaTransferBackend
+
+    dram = arenas.get(Tier.DRAM)
+    return CudaTransferBackend(arenas, getattr(dram, "region", None), plan.staging_bytes)
+
+
+def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None) -> Arena:
     if spec.tier == Tier.NVME:
         if plan.nvme_path is None:
             raise ArenaError("memory.nvme_path is not set but the NVMe tier has a capacity")
         return NvmeArena.create(plan.nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
+    if device is not None:
+        from dflash2.cuda.arena import CudaArena, PinnedHostArena
+
+        if spec.tier == Tier.HBM:
+            arena = CudaArena.create(device, spec.capacity_bytes, spec.alignment)
+            log.info("took hbm tier: %d bytes of GPU %d memory", spec.capacity_bytes, device)
+            return arena
+        arena = PinnedHostArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
+                                       alignment=spec.alignment)
+        log.info("took %s tier: %d bytes of pinned host shared memory", spec.tier.label, spec.capacity_bytes)
+        return arena
     arena = SharedMemoryArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
                                      alignment=spec.alignment)
     log.info("took %s tier: %d bytes of host shared memory (%s)", spec.tier.label, spec.capacity_bytes,

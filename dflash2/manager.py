@@ -215,6 +215,8 @@ class BlockManager:
             "reads": {Tier(t).label: n for t, n in self.access.reads.items()},
             "hbm_hit_ratio": self.access.hbm_hit_ratio,
             "lookups": self.access.lookups,
+            "lookup_blocks_found": self.access.lookup_blocks_found,
+            "lookup_misses": self.access.misses,
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
             "placement": dataclasses.asdict(self.placement.stats),
             "reservations": self.admission.snapshot(),

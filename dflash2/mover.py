@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +55,8 @@ class Mover:
         # Rows whose read back from NVMe failed (checksum or I/O): their stored bytes are not to be
         # trusted, so the caller drops them from the cache (a miss, never wrong data).
         self.lost: list[int] = []
+        # Observer of each finished batch (src, dst, seconds): the metrics histogram hooks in here.
+        self.on_batch: Callable[[Tier, Tier, float], None] | None = None
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -89,6 +92,8 @@ class Mover:
         st.failed_blocks += int((~ok).sum())
         st.bytes += move.nbytes
         st.seconds += seconds
+        if self.on_batch is not None:
+            self.on_batch(move.src, move.dst, seconds)
         if self.backend is not None:
             log.info("dflash2_swap", extra={"event": "dflash2_swap", "direction": f"{move.src.label}->{move.dst.label}",
                                             "blocks": len(move.rows), "failed": int((~ok).sum()),

@@ -40,6 +40,8 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     stats            {}                                        → tiers, hit rates, moves, clients, reservations
     set_weights      {weights: {name: value}}                  → {policy}
     check            {}                                        → {} (or the invariant violation as error)
+    history          {since_s=null (all kept)}                 → {interval_s, count, enabled} [samples as
+                                                                  JSON lines] (dflash2/history.py)
 """
 
 from __future__ import annotations
@@ -85,10 +87,11 @@ class Op(str, enum.Enum):
     STATS = "stats"
     SET_WEIGHTS = "set_weights"
     CHECK = "check"  # run the table's invariant check (tests, operators)
+    HISTORY = "history"  # the daemon's time series of key figures (history_enabled)
 
 
 # Ops that need an attached client (the header's "client"); the rest do not.
-NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK}
+NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTORY}
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -95,6 +96,7 @@ class Admission:
         self._last = table.clock()
         self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0}
         self.wait_seconds_total = 0.0
+        self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
 
     # -- public ----------------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
@@ -170,6 +172,8 @@ class Admission:
         while self.deferred and self._try_grant(self.deferred[0]):
             res = self.deferred.pop(0)
             self.wait_seconds_total += now - res.created
+            if self.on_wait is not None:
+                self.on_wait(now - res.created)
             granted.append(res.id)
         return granted
 

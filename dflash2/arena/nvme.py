@@ -164,7 +164,8 @@ class NvmeArena(StorageArena):
                 os.close(fd)
                 reason = e
         log.warning("O_DIRECT is unavailable on the filesystem of %s (%s); the NVMe tier uses buffered I/O",
-                    self.path, reason)
+                    self.path, reason, extra={"event": "dflash2_fallback", "what": "nvme_io",
+                                              "asked": "o_direct", "using": "buffered", "reason": str(reason)})
         self._fd = os.dup(self._lock_fd)
         return False
 
@@ -231,13 +232,12 @@ class NvmeArena(StorageArena):
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
             runs, chunks = self._plan(srcs, lens, offs, extents, order, bridge=0)
             # A direct run's checksum needs no I/O: it runs beside the writes, on the other core.
-            _M = os.environ.get("NVX_MODE", "split")
-            if _M == "split":
-                tasks = [t for r in runs for t in (functools.partial(write_run, r), functools.partial(crc_run, r))]
-            elif _M == "crcfirst":
-                tasks = [functools.partial(lambda r: (crc_run(r), write_run(r))[0], r) for r in runs]
-            else:
-                tasks = [functools.partial(lambda r: (write_run(r), crc_run(r))[1], r) for r in runs]
+            L = int(os.environ.get("NVX_L", 1)); C = int(os.environ.get("NVX_C", 1))
+
+            def lane(fn, rs):
+                return [p for r in rs for p in fn(r)]
+            tasks = ([functools.partial(lane, write_run, runs[j::L]) for j in range(min(L, len(runs)))]
+                     + [functools.partial(lane, crc_run, runs[j::C]) for j in range(min(C, len(runs)))])
             try:
                 pieces = ring.run(chunks, fill_and_write, tasks)
             except OSError as e:

@@ -40,7 +40,7 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
 class HitDensityModel:
-    def __init__(self, ghost_bits: int = 20, period: int = 8192, decay: float = 0.95):
+    def __init__(self, ghost_bits: int = 20, period: int = 1024, decay: float = 0.99):
         self.period = period
         self.decay = decay
         self._shift = np.uint64(64 - ghost_bits)

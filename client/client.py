@@ -1,0 +1,301 @@
+"""The synchronous dflash2 client: attach, renew the lease in the background, call every op, and
+view daemon-owned blocks with zero copies.
+
+    with Client.connect(config="dflash2_config.json", name="engine-0", layouts=[layout]) as c:
+        lay = c.layouts[0]
+        d = c.reserve(lay, tokens=4096)                   # granted / deferred / rejected
+        places = c.take(d.reservation_id, 4)              # blocks to write, in HBM
+        c.view(places[0]).copy_(kv)                        # a torch tensor over the block's bytes
+        c.commit(places["vid"], keys=chain_keys(tokens, 16, "llama3-8b"))
+
+Every call has a timeout (DaemonUnavailable names the endpoint and the op); an error reply raises
+DaemonError whose `.kind` is the daemon's error type (NotOwner, UnknownBlock, ...). Calls are
+serialised by a lock, so one client may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash2 import protocol as P
+from dflash2.client.transport import Transport, check_endpoint, pid_namespace
+from dflash2.client.views import ArenaMap, tensor_view
+from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
+from dflash2.layout import Layout
+from dflash2.protocol import Op
+
+log = logging.getLogger("dflash2.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """The daemon's decision on a reservation (mirrors `reservations.Decision`)."""
+
+    outcome: str  # "granted" | "deferred" | "rejected"
+    reservation_id: int | None
+    reason: str = ""
+    position: int | None = None
+    est_wait_s: float | None = None
+
+    @property
+    def granted(self) -> bool:
+        return self.outcome == "granted"
+
+    @property
+    def deferred(self) -> bool:
+        return self.outcome == "deferred"
+
+    @property
+    def rejected(self) -> bool:
+        return self.outcome == "rejected"
+
+
+def resolve_endpoint(endpoint: str | None, config) -> str:
+    """The endpoint given, else the config's `daemon.endpoint` (a path or a loaded Config), else the
+    config's default (the runtime-folder ipc socket)."""
+    if endpoint:
+        return endpoint
+    from dflash2.config import Config, load_config
+
+    cfg = config if isinstance(config, Config) else load_config(config or "dflash2_config.json")
+    return cfg.resolved_endpoint()
+
+
+def _vids(vids) -> bytes:
+    return np.ascontiguousarray(vids, dtype=P.VIDS_DTYPE).tobytes()
+
+
+def _keys(keys) -> bytes:
+    return np.ascontiguousarray(np.asarray(keys, dtype=np.uint64), dtype=P.KEYS_DTYPE).tobytes()
+
+
+def _places(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=P.PLACE_DTYPE)
+
+
+class Client:
+    def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
+                 heartbeat: bool = True):
+        check_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.name = name
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._transport = Transport(endpoint, timeout_s)
+        self._layouts: dict[int, Layout] = {}
+        self._held: dict[int, np.void] = {}  # vid -> place, for blocks this client may view now
+        self._arenas: ArenaMap | None = None
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self.lease_lost = False
+        self.client_id: int | None = None
+        self._attach(layouts, heartbeat)
+
+    @classmethod
+    def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,
+                layouts: Sequence[Layout] = (), timeout_s: float = 5.0, heartbeat: bool = True) -> "Client":
+        return cls(resolve_endpoint(endpoint, config), name or f"pid-{os.getpid()}", layouts, timeout_s, heartbeat)
+
+    # -- life ------------------------------------------------------------------------------
+    def _attach(self, layouts: Sequence[Layout], heartbeat: bool) -> None:
+        reply = self._call(Op.ATTACH, {"name": self.name, "pid": os.getpid(), "pid_namespace": pid_namespace(),
+                                       "layouts": [lay.to_dict() for lay in layouts]})
+        r = reply.result
+        self.client_id = int(r["client"])
+        self.layout_ids: list[int] = [int(i) for i in r["layouts"]]
+        self._layouts.update(zip(self.layout_ids, layouts))
+        self.lease_timeout_s = float(r["lease_timeout_s"])
+        self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
+        self.device = r.get("device")
+        try:
+            self._arenas = ArenaMap(r.get("arenas", []))
+        except Exception:
+            self.detach()
+            raise
+        if heartbeat:
+            self._heartbeat_thread = threading.Thread(target=self._beat, name=f"dflash2-heartbeat-{self.client_id}",
+                                                      daemon=True)
+            self._heartbeat_thread.start()
+
+    def _beat(self) -> None:
+        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s))
+        try:
+            while not self._stop.wait(self.heartbeat_interval_s):
+                try:
+                    transport.call(Op.HEARTBEAT, self.client_id)
+                except DaemonUnavailable as e:
+                    log.warning("dflash2 heartbeat: %s", e)
+                except DaemonError as e:
+                    log.error("dflash2 lease lost (%s); attach again", e)
+                    self.lease_lost = True
+                    return
+        finally:
+            transport.close()
+
+    def detach(self) -> dict:
+        """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
+        the arena mappings stay valid for views still alive, then go with them."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.timeout_s)
+            self._heartbeat_thread = None
+        released = {}
+        with self._lock:
+            if not self._transport.closed and self.client_id is not None:
+                try:
+                    released = self._transport.call(Op.DETACH, self.client_id).result.get("released", {})
+                except (DaemonUnavailable, DaemonError) as e:
+                    log.warning("dflash2 detach: %s", e)
+                self.client_id = None
+            self._transport.close()
+            if self._arenas is not None:
+                self._arenas.close()
+                self._arenas = None
+            self._held.clear()
+        return released
+
+    close = detach
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _call(self, op: Op, args: dict | None = None, arrays: list[bytes] | None = None,
+              timeout_s: float | None = None) -> P.Reply:
+        with self._lock:
+            return self._transport.call(op, self.client_id, args, arrays, timeout_s)
+
+    # -- layouts ---------------------------------------------------------------------------
+    @property
+    def layouts(self) -> list[int]:
+        """Ids of the layouts registered at attach, in order."""
+        return list(self.layout_ids)
+
+    def register_layout(self, layout: Layout) -> int:
+        lid = int(self._call(Op.REGISTER_LAYOUT, {"layout": layout.to_dict()}).result["layout"])
+        self._layouts[lid] = layout
+        return lid
+
+    def layout(self, layout_id: int) -> Layout:
+        try:
+            return self._layouts[int(layout_id)]
+        except KeyError:
+            raise ArenaError(f"layout id {layout_id} was not registered by this client; register_layout it "
+                             "to view its blocks") from None
+
+    # -- reservations ----------------------------------------------------------------------
+    def reserve(self, layout: int, tokens: int, priority: int = 0, deadline_s: float | None = None,
+                request: int = 0) -> Reservation:
+        args = {"layout": int(layout), "tokens": int(tokens), "priority": int(priority), "request": int(request)}
+        if deadline_s is not None:
+            args["deadline_s"] = float(deadline_s)
+        return Reservation(**self._call(Op.RESERVE, args).result)
+
+    def reservation(self, reservation_id: int) -> Reservation:
+        return Reservation(**self._call(Op.RESERVATION, {"reservation": int(reservation_id)}).result)
+
+    def take(self, reservation_id: int, n: int) -> np.ndarray:
+        """n blocks of a granted reservation, to write (their places; views are valid until commit)."""
+        reply = self._call(Op.TAKE, {"reservation": int(reservation_id), "n": int(n)})
+        return self._hold(_places(reply.arrays[0]))
+
+    def cancel(self, reservation_id: int) -> None:
+        self._call(Op.CANCEL, {"reservation": int(reservation_id)})
+
+    # -- blocks ----------------------------------------------------------------------------
+    def allocate(self, layout: int, n: int, request: int = 0, priority: int = 0) -> np.ndarray | None:
+        """n private HBM blocks to write, outside any reservation; None when HBM has no room now."""
+        reply = self._call(Op.ALLOCATE, {"layout": int(layout), "n": int(n), "request": int(request),
+                                         "priority": int(priority)})
+        if not reply.result.get("allocated"):
+            return None
+        return self._hold(_places(reply.arrays[0]))
+
+    def commit(self, vids, keys=None, parent: int | None = None) -> np.ndarray:
+        """Make blocks final (and, with content keys, shareable). Returns the vids now held: a key
+        already cached deduplicates to the cached block."""
+        args = {} if parent is None else {"parent": int(parent)}
+        arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
+        out = np.frombuffer(self._call(Op.COMMIT, args, arrays).arrays[0], dtype=P.VIDS_DTYPE)
+        self._forget(vids)
+        return out
+
+    def lookup(self, keys, layout: int | None = None) -> np.ndarray:
+        """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing)."""
+        args = {} if layout is None else {"layout": int(layout)}
+        return _places(self._call(Op.LOOKUP, args, [_keys(keys)]).arrays[0])
+
+    def acquire(self, vids) -> np.ndarray | None:
+        """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now."""
+        reply = self._call(Op.ACQUIRE, {}, [_vids(vids)])
+        if not reply.result.get("acquired"):
+            return None
+        return self._hold(_places(reply.arrays[0]))
+
+    def release(self, vids) -> None:
+        self._call(Op.RELEASE, {}, [_vids(vids)])
+        self._forget(vids)
+
+    def free(self, vids) -> int:
+        n = int(self._call(Op.FREE, {}, [_vids(vids)]).result["freed"])
+        self._forget(vids)
+        return n
+
+    def add_ref(self, vids) -> None:
+        self._call(Op.ADD_REF, {}, [_vids(vids)])
+
+    def places(self, vids) -> np.ndarray:
+        return _places(self._call(Op.PLACES, {}, [_vids(vids)]).arrays[0])
+
+    # -- daemon ----------------------------------------------------------------------------
+    def ping(self) -> dict:
+        return self._call(Op.PING).result
+
+    def stats(self) -> dict:
+        return self._call(Op.STATS).result
+
+    def set_weights(self, weights: dict[str, float]) -> dict:
+        return self._call(Op.SET_WEIGHTS, {"weights": dict(weights)}).result["policy"]
+
+    def check(self) -> None:
+        """The daemon's invariant check; DaemonError names the violation."""
+        self._call(Op.CHECK)
+
+    # -- zero-copy views -------------------------------------------------------------------
+    def view_bytes(self, place) -> np.ndarray:
+        """A numpy uint8 view of a block's bytes in the daemon's arena (no copy)."""
+        if self._arenas is None:
+            raise ArenaError("this client is detached: its arena mappings are gone")
+        return self._arenas.bytes_view(self._place(place))
+
+    def view(self, place):
+        """A torch tensor over a block's bytes, typed and shaped by its layout (no copy). `place` is
+        a PLACE_DTYPE record, or the vid of a block this client writes or has acquired."""
+        p = self._place(place)
+        return tensor_view(self.view_bytes(p), self.layout(int(p["layout"])))
+
+    def _place(self, place):
+        if isinstance(place, (int, np.integer)):
+            try:
+                return self._held[int(place)]
+            except KeyError:
+                raise ArenaError(f"block {int(place):#x} is not being written or acquired by this client; "
+                                 "pass its place record, or acquire it first") from None
+        return place
+
+    def _hold(self, places: np.ndarray) -> np.ndarray:
+        for p in places:
+            self._held[int(p["vid"])] = p
+        return places
+
+    def _forget(self, vids) -> None:
+        for v in np.asarray(vids, dtype=np.int64).reshape(-1).tolist():
+            self._held.pop(v, None)

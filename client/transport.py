@@ -1,0 +1,103 @@
+"""One request/reply channel to dflash2d: a DEALER socket, call ids, a timeout on every call.
+
+Replies are matched by call id. After a timeout the socket is thrown away and a new one made (a new
+identity), so a late reply to the timed-out call can never be taken for the answer to a later one.
+Not thread-safe on its own: the client serialises calls with a lock, and the heartbeat thread has a
+transport of its own (ZeroMQ sockets must not be shared between threads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import zmq
+
+from dflash2 import protocol as P
+from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Fail fast (DaemonUnavailable) when an ipc endpoint has no socket file: no daemon there."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not os.path.exists(path):
+            raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
+                                    "(is the daemon running? `dflash2d --config FILE`)")
+
+
+def pid_namespace() -> int | None:
+    """Inode of this process's pid namespace, sent at attach: when it equals the daemon's, the
+    daemon can see at once that our pid is gone instead of waiting for the lease to lapse."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class Transport:
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, *, context: zmq.Context | None = None,
+                 version: int = P.VERSION):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.version = version  # only tests speak another version
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._open()
+
+    def _open(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._sock = sock
+
+    def reset(self) -> None:
+        """A fresh socket: whatever the old one still had coming is dropped with it."""
+        if self._sock is not None:
+            self._sock.close(0)
+        self._open()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def call(self, op: P.Op, client: int | None = None, args: dict | None = None,
+             arrays: list[bytes] | None = None, timeout_s: float | None = None) -> P.Reply:
+        """Send one request and wait for its reply. DaemonUnavailable on timeout, DaemonError (or
+        VersionMismatch) on an error reply."""
+        if self._sock is None:
+            raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
+        call_id = next(self._ids)
+        frames = P.encode_request(op, call_id, client, args, arrays, version=self.version)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as e:
+            self.reset()
+            raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}") from None
+        while True:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                self.reset()
+                raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
+                                        f"{timeout:g}s (daemon gone or stuck)")
+            reply_frames = self._sock.recv_multipart(copy=True)
+            try:
+                reply = P.decode_reply(reply_frames)
+            except VersionMismatch as e:
+                raise VersionMismatch(f"{op.value}: {e}") from None
+            if reply.call_id != call_id:
+                continue  # a late reply to an earlier call: not ours
+            if not reply.ok:
+                if reply.error_type == "VersionMismatch":
+                    raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
+                raise DaemonError(reply.error_type, reply.error_message)
+            return reply

@@ -1,0 +1,60 @@
+"""The daemon's observers: Prometheus metrics and history, fed by the thread that owns the manager.
+
+    Server._tick ─▶ Observers.after_tick ─┬─ DaemonMetrics (snapshot for /metrics, histograms)
+                                          └─ History (one sample per interval, JSON lines file)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from dflash2.config import Config
+from dflash2.history import make_history
+from dflash2.logs import event
+from dflash2.metrics import DaemonMetrics
+
+log = logging.getLogger("dflash2.daemon")
+
+
+class Observers:
+    def __init__(self, service, metrics: DaemonMetrics | None, history):
+        self.service = service
+        self.metrics = metrics
+        self.history = history
+
+    @classmethod
+    def start(cls, cfg: Config, service, state_dir: Path, device: str) -> "Observers":
+        """Hook metrics and history into the service; serve /metrics when metrics.port is set.
+        OSError when the metrics port cannot be bound (the daemon refuses to start then)."""
+        metrics = None
+        if cfg.metrics.port:
+            metrics = DaemonMetrics(service, device=device)
+            metrics.attach()
+            metrics.refresh(force=True)
+            metrics.serve(cfg.metrics.host, cfg.metrics.port)
+        history = make_history(cfg, state_dir)
+        service.history = history
+        obs = cls(service, metrics, history)
+        obs.after_tick(0.0, 0.0)
+        return obs
+
+    def after_tick(self, late_s: float, seconds: float) -> None:
+        """Owner thread, after each background step."""
+        if self.metrics is not None:
+            self.metrics.after_tick(late_s, seconds)
+        if self.history is not None and self.history.due():
+            self.history.record(self.service.stats())
+
+    def close(self) -> None:
+        if self.history is not None:
+            self.history.record(self.service.stats())  # the last figures before the daemon stops
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def log_fallbacks(cfg: Config, plan) -> None:
+    """One `dflash2_fallback` event per part the config asked for that this node cannot give."""
+    if plan.device_kind == "host" and cfg.device.kind != "host":
+        event(log, "dflash2_fallback", "no GPU: the device tier is in host memory", level=logging.WARNING,
+              what="device", asked=cfg.device.kind, using="host", reason="; ".join(plan.notes))

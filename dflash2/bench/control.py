@@ -1,0 +1,203 @@
+"""Control-path latency: the real dflash2d against a bare ZeroMQ echo server, in the same run.
+
+Starts `dflash2d` on a temporary host-only config (ipc:// endpoint in a temporary folder) and a bare
+pyzmq ROUTER echo server on an ipc:// endpoint beside it, then measures:
+
+- floor_p50_us / floor_p99_us: echo round trip of a message the size of a one-key lookup;
+- p50_us / p99_us: a single-block lookup round trip through the client library (the headline), and
+  per op (lookup, reserve, cancel, acquire, release) under `ops`;
+- batch_lookup_1000_us: p50 of one lookup of a 1000-key chain (all cached);
+- ops_per_s: single lookups per second with 1 and with 4 client processes.
+
+Targets (issue 4): p50_us <= 1.5 x floor_p50_us; batch_lookup_1000_us <= 4 x the single lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from dflash2 import protocol as P
+from dflash2.layout import Layout
+
+# 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
+LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=16)
+STARTUP_TIMEOUT_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iterations", type=int, default=3000, help="round trips per measured op")
+    parser.add_argument("--batch-iterations", type=int, default=300, help="1000-key lookups to time")
+    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each ops_per_s run")
+    parser.add_argument("--processes", type=int, default=4, help="client processes of the second ops_per_s run")
+
+
+def run(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
+        daemon_ep, echo_ep = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
+        daemon = _start_daemon(Path(tmp), daemon_ep)
+        echo = _start(["-c", f"from dflash2.bench.control import echo_server; echo_server({echo_ep!r})"], "ready",
+                      Path(tmp) / "echo.log")
+        try:
+            return _measure(args, daemon_ep, echo_ep)
+        finally:
+            for proc in (echo, daemon):
+                _stop(proc)
+
+
+def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
+    from dflash2.client import Client, chain_keys
+
+    out: dict = {"bench": "control", "endpoint_kind": "ipc", "iterations": args.iterations}
+    floor = echo_floor(echo_ep, args.iterations)
+    out["floor_p50_us"], out["floor_p99_us"] = floor
+    with Client.connect(daemon_ep, name="bench", layouts=[LAYOUT]) as client:
+        lid = client.layouts[0]
+        keys = chain_keys(range(16 * 1000), LAYOUT.tokens_per_block, "bench")
+        places = client.allocate(lid, 1000)
+        client.commit(places["vid"], keys=keys)
+        ops = _op_latencies(client, lid, keys, args.iterations)
+        batch = _timed(lambda: client.lookup(keys), args.batch_iterations)
+        assert len(client.lookup(keys)) == 1000
+        daemon_side = {op: v["mean_us"] for op, v in client.stats()["daemon"]["latency"].items()}
+    out["ops"] = ops
+    out["p50_us"], out["p99_us"] = ops["lookup"]["p50_us"], ops["lookup"]["p99_us"]
+    out["batch_lookup_1000_us"] = _pct(batch, 50)
+    out["daemon_handle_mean_us"] = daemon_side
+    out["ops_per_s"] = {str(n): _throughput(daemon_ep, keys[:1], n, args.seconds) for n in (1, args.processes)}
+    out["ratio_single_vs_floor"] = round(out["p50_us"] / out["floor_p50_us"], 2)
+    out["ratio_batch1000_vs_single"] = round(out["batch_lookup_1000_us"] / out["p50_us"], 2)
+    out["targets_met"] = {"single_le_1.5x_floor": out["ratio_single_vs_floor"] <= 1.5,
+                          "batch1000_le_4x_single": out["ratio_batch1000_vs_single"] <= 4.0}
+    return out
+
+
+def _op_latencies(client, lid: int, keys: list[int], n: int) -> dict:
+    samples: dict[str, list[float]] = {k: [] for k in ("lookup", "reserve", "cancel", "acquire", "release")}
+    one, vid = keys[:1], client.lookup(keys[:1])["vid"]
+    for _ in range(n):
+        samples["lookup"].append(_once(lambda: client.lookup(one)))
+        t0 = time.perf_counter()
+        d = client.reserve(lid, LAYOUT.tokens_per_block)
+        t1 = time.perf_counter()
+        client.cancel(d.reservation_id)
+        t2 = time.perf_counter()
+        samples["reserve"].append(t1 - t0)
+        samples["cancel"].append(t2 - t1)
+        samples["acquire"].append(_once(lambda: client.acquire(vid)))
+        samples["release"].append(_once(lambda: client.release(vid)))
+    return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}
+
+
+def echo_floor(endpoint: str, n: int) -> tuple[float, float]:
+    """Round trip of a one-key lookup's frames through a bare ROUTER echo (send, poll, receive)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    frames = P.encode_request(P.Op.LOOKUP, 1, 1, {}, [np.ones(1, P.KEYS_DTYPE).tobytes()])
+
+    def once():
+        sock.send_multipart(frames, copy=False)
+        if not sock.poll(5000, zmq.POLLIN):
+            raise TimeoutError("echo server did not answer")
+        sock.recv_multipart(copy=True)
+
+    for _ in range(200):
+        once()
+    samples = [_once(once) for _ in range(n)]
+    sock.close(0)
+    return _pct(samples, 50), _pct(samples, 99)
+
+
+def echo_server(endpoint: str) -> None:
+    """A bare ZeroMQ ROUTER that sends every message back: the floor of any request/reply."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    print("ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=True))
+
+
+def _throughput(endpoint: str, keys: list[int], processes: int, seconds: float) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 1.0 + 0.3 * processes  # spawned interpreters need a moment
+    with ctx.Pool(processes) as pool:
+        counts = pool.starmap(_worker, [(endpoint, keys, start_at, seconds)] * processes)
+    return round(sum(counts) / seconds, 1)
+
+
+def _worker(endpoint: str, keys: list[int], start_at: float, seconds: float) -> int:
+    from dflash2.client import Client
+
+    with Client.connect(endpoint, name=f"bench-{os.getpid()}") as client:
+        time.sleep(max(0.0, start_at - time.time()))
+        end, n = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            client.lookup(keys)
+            n += 1
+    return n
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _timed(fn, n: int) -> list[float]:
+    fn()
+    return [_once(fn) for _ in range(n)]
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(samples) * 1e6, q)), 1)
+
+
+def _start_daemon(folder: Path, endpoint: str) -> subprocess.Popen:
+    cfg = {"enable": True, "device": {"kind": "host"},
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 16, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                      "staging_buffer_size_mb": 4, "page_kb": 64},
+           "kv_block": {"block_size": 16, "prefetch_window": 2},
+           "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
+           "daemon": {"endpoint": endpoint}, "logging": {"format": "text", "level": "warning"}}
+    path = folder / "dflash2_config.json"
+    path.write_text(json.dumps(cfg))
+    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
+
+
+def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
+    """Start a Python child and wait for its ready line; its stderr goes to a file (a pipe nobody
+    reads would fill up and stall it)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if ready in line:
+            return proc
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"{argv} exited with {proc.returncode}: {log_path.read_text().strip()[-2000:]}")
+    _stop(proc)
+    raise RuntimeError(f"{argv} did not print {ready!r} within {STARTUP_TIMEOUT_S}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

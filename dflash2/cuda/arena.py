@@ -1,0 +1,169 @@
+"""Device (HBM) arenas taken with one plain cudaMalloc each — never managed memory — and exported
+to clients by CUDA IPC handle; and pinning of a host shared-memory segment so that the GPU reads
+and writes the DRAM tier directly (mapped, page-locked).
+
+A client maps a device arena once with `CudaArena.attach(handle, device)`; `view()` then returns a
+CuPy array over the block's bytes (torch.from_dlpack makes it a torch tensor, no copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash2.arena.base import MemoryArena
+from dflash2.cuda import cupy
+from dflash2.errors import ArenaError, CapacityError
+from dflash2.tiers import Tier
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_HOST_REGISTER_MAPPED = 2
+CUDA_IPC_LAZY_PEER_ACCESS = 1
+
+
+class CudaArena(MemoryArena):
+    """One device allocation of `capacity_bytes` on `device`."""
+
+    def __init__(self, device: int, ptr: int, capacity_bytes: int, alignment: int, owner: bool):
+        self.tier = Tier.HBM
+        self.device = device
+        self.ptr = ptr
+        self.capacity_bytes = capacity_bytes
+        self.alignment = alignment
+        self.owner = owner
+        cp = cupy()
+        with cp.cuda.Device(device):
+            mem = cp.cuda.UnownedMemory(ptr, capacity_bytes, self, device_id=device)
+            self._bytes = cp.ndarray((capacity_bytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    @classmethod
+    def create(cls, device: int, capacity_bytes: int, alignment: int = 256) -> "CudaArena":
+        """cudaMalloc the whole arena now. CapacityError gives the bytes asked and free."""
+        cp = cupy()
+        with cp.cuda.Device(device):
+            free, total = cp.cuda.runtime.memGetInfo()
+            if capacity_bytes > free:
+                raise CapacityError(f"HBM tier on GPU {device} needs {capacity_bytes} bytes, only {free} of "
+                                    f"{total} are free (raise memory.hbm_reserve_mb or set memory.hbm_capacity_mb)")
+            try:
+                ptr = cp.cuda.runtime.malloc(capacity_bytes)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                raise CapacityError(f"HBM tier on GPU {device}: cudaMalloc of {capacity_bytes} bytes failed "
+                                    f"({e}); {free} bytes were free") from None
+        return cls(device, ptr, capacity_bytes, alignment, owner=True)
+
+    @classmethod
+    def attach(cls, handle: bytes, device: int, capacity_bytes: int, alignment: int = 256) -> "CudaArena":
+        """Map another process's arena by its IPC handle (a client)."""
+        cp = cupy()
+        with cp.cuda.Device(device):
+            try:
+                ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                raise ArenaError(f"cannot map the HBM arena of GPU {device} by IPC handle: {e}") from None
+        return cls(device, ptr, capacity_bytes, alignment, owner=False)
+
+    def ipc_handle(self) -> bytes:
+        with cupy().cuda.Device(self.device):
+            return bytes(cupy().cuda.runtime.ipcGetMemHandle(self.ptr))
+
+    def view(self, offset: int, nbytes: int):
+        if self._bytes is None:
+            raise ArenaError(f"HBM arena of GPU {self.device} is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
+            raise ArenaError(f"view [{offset}, {offset + nbytes}) is outside the HBM arena of "
+                             f"{self.capacity_bytes} bytes")
+        return self._bytes[offset:offset + nbytes]
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kind": "cuda", "device": self.device}
+
+    def close(self) -> None:
+        if self._bytes is None:
+            return
+        self._bytes = None
+        cp = cupy()
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.deviceSynchronize()
+            if self.owner:
+                cp.cuda.runtime.free(self.ptr)
+            else:
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+@dataclasses.dataclass
+class PinnedRegion:
+    """Host memory page-locked and mapped into the GPU's address space."""
+
+    host_ptr: int
+    nbytes: int
+    device_ptr: int
+    _registered: bool = True
+
+    @classmethod
+    def register(cls, host_ptr: int, nbytes: int) -> "PinnedRegion":
+        cp = cupy()
+        try:
+            cp.cuda.runtime.hostRegister(host_ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise CapacityError(f"cannot pin {nbytes} bytes of host memory for the GPU: {e} "
+                                "(check ulimit -l / the container's memlock limit)") from None
+        return cls(host_ptr, nbytes, cp.cuda.runtime.hostGetDevicePointer(host_ptr, 0))
+
+    def unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            cupy().cuda.runtime.hostUnregister(self.host_ptr)
+
+
+class PinnedBuffer:
+    """A page-locked, mapped host buffer of our own (the GPU staging buffer for NVMe moves)."""
+
+    def __init__(self, nbytes: int):
+        cp = cupy()
+        self.nbytes = nbytes
+        self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        self.device_ptr = cp.cuda.runtime.hostGetDevicePointer(self.host_ptr, 0)
+        import ctypes
+
+        import numpy as np
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.host_ptr))
+
+    def close(self) -> None:
+        if self.host_ptr:
+            ptr, self.host_ptr = self.host_ptr, 0
+            self.array = None
+            cupy().cuda.runtime.freeHost(ptr)
+
+
+class PinnedHostArena(MemoryArena):
+    """A host shared-memory segment (so that clients can map it too) page-locked and mapped for
+    the GPU: the DRAM tier of a CUDA node. The GPU reaches it at `region.device_ptr`."""
+
+    def __init__(self, shm, region: PinnedRegion):
+        self.shm = shm
+        self.region = region
+        self.tier = shm.tier
+        self.capacity_bytes = shm.capacity_bytes
+        self.alignment = shm.alignment
+
+    @classmethod
+    def create(cls, name: str, capacity_bytes: int, tier: Tier, alignment: int = 4096) -> "PinnedHostArena":
+        from dflash2.arena.shm import SharedMemoryArena
+
+        shm = SharedMemoryArena.create(name, capacity_bytes, tier, alignment=alignment)
+        try:
+            region = PinnedRegion.register(int(shm.view(0, capacity_bytes).ctypes.data), capacity_bytes)
+        except BaseException:
+            shm.close()
+            raise
+        return cls(shm, region)
+
+    def view(self, offset: int, nbytes: int):
+        return self.shm.view(offset, nbytes)
+
+    def describe(self) -> dict:
+        return {**self.shm.describe(), "pinned": True}
+
+    def close(self) -> None:
+        self.region.unregister()
+        self.shm.close()

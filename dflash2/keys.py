@@ -1,0 +1,36 @@
+"""Content keys: a chained 64-bit hash per block of token ids, shared by clients and tests.
+
+Block i's key hashes block i-1's key with block i's token ids, so a key names a block *and its
+whole prefix*: two requests share block i only when they share every token before it. The chain
+is seeded by a namespace (the model, or model + KV precision), so that two models never share a key.
+Key 0 means "no key" on the wire and is never produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+
+
+def _seed(namespace: str) -> bytes:
+    return hashlib.blake2b(namespace.encode("utf-8"), digest_size=8, person=b"dflash2-ns").digest()
+
+
+def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int, namespace: str) -> list[int]:
+    """Keys of the full blocks of `token_ids` (a trailing partial block has no key: it is not
+    shareable until it is full)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+    tokens = np.asarray(token_ids, dtype="<i8")
+    parent = _seed(namespace)
+    keys = []
+    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        digest = hashlib.blake2b(parent + tokens[start:start + tokens_per_block].tobytes(), digest_size=8).digest()
+        key = int.from_bytes(digest, "little") or 1  # 0 is "no key" on the wire
+        keys.append(key)
+        parent = digest
+    return keys

@@ -1,0 +1,88 @@
+"""The daemon's logs: one JSON object per line for machines, or plain text for a terminal.
+
+`logging.format: json` (the default) writes lines such as
+
+    {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "dflash2.swap",
+     "event": "dflash2_swap", "msg": "dflash2_swap", "direction": "hbm->dram", "blocks": 64, ...}
+
+Every record carries `event`: the name of a structured event, or `log` for a plain message. Fields
+passed in `extra=` become top-level keys. The events the daemon emits:
+
+    dflash2_start     endpoint, device, total_bytes, committed_bytes, policy, metrics_port, history
+    dflash2_fallback  what, reason          (a part the config asked for is not used: e.g. no GPU)
+    dflash2_swap      direction, blocks, failed, bytes, seconds   (one per batch move, mover.py)
+    dflash2_shutdown  clients_released, uptime_s
+
+`logging.format: text` writes `TIME LEVEL LOGGER: MESSAGE key=value ...` with the same fields.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import sys
+from typing import IO
+
+# Attributes every LogRecord has; whatever else a record carries came from `extra=`.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+def record_fields(record: logging.LogRecord) -> dict:
+    """The structured fields a record was given through `extra=` (`event` included)."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    t = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line; never raises on an odd field (it is repr'd)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = record_fields(record)
+        out = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
+               "event": fields.pop("event", "log"), "msg": record.getMessage()}
+        out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=repr, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    """`TIME LEVEL LOGGER: MESSAGE key=value ...` for someone reading a terminal."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = record_fields(record)
+        fields.pop("event", None)
+        if fields:
+            extra = " ".join(f"{k}={v}" for k, v in fields.items())
+            head, sep, tail = line.partition("\n")  # keep a traceback below the fields
+            line = f"{head} {extra}{sep}{tail}"
+        return line
+
+
+def configure(fmt: str, level: str, stream: IO[str] | None = None) -> logging.Handler:
+    """Route every logger of this process to one handler on `stream` (stderr) in `fmt`.
+
+    The daemon is a process of its own, so it owns the root logger; earlier handlers are replaced."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    return handler
+
+
+def event(logger: logging.Logger, name: str, message: str | None = None, *, level: int = logging.INFO,
+          **fields) -> None:
+    """Log the structured event `name` with `fields` as top-level keys."""
+    logger.log(level, message or name, extra={"event": name, **fields})

@@ -1,0 +1,262 @@
+"""Prometheus metrics of the daemon, served on `/metrics` (`metrics.host:metrics.port`; port 0 = off).
+
+Two sources, no double bookkeeping:
+
+- **State**, read from the manager and the service. The thread that owns the block manager takes a
+  snapshot (`Service.stats()`, the same figures as the `stats` op) every `snapshot_interval_s`; a
+  custom collector turns the latest snapshot into metric families at scrape time. The scrape thread
+  never touches the manager: its tables are not safe to read while the owner changes them.
+- **Events**, observed where they happen into histograms: request latency per op (Service.handle),
+  seconds per batch move (Mover.complete), admission wait (Admission.tick), the background step.
+
+Labels are bounded: tier (hbm|dram|nvme), direction (`hbm->dram`, ...), op (the protocol's ops),
+state, outcome, action, kind. Never a block, request or client id.
+
+| metric | type | what |
+| --- | --- | --- |
+| dflash2_tier_capacity_bytes{tier} | gauge | bytes the tier holds |
+| dflash2_tier_used_bytes{tier} | gauge | bytes in slots given to blocks |
+| dflash2_tier_free_bytes{tier} | gauge | bytes free for new slots |
+| dflash2_tier_blocks{tier} | gauge | blocks in the tier |
+| dflash2_tier_waste_bytes{tier,kind} | gauge | slot rounding / page tails |
+| dflash2_cache_hits_total{tier} | counter | blocks acquired that were found in this tier |
+| dflash2_cache_misses_total{tier} | counter | blocks acquired that were not in this tier or a faster one (they came from a slower tier) |
+| dflash2_lookup_blocks_total{result} | counter | lookup keys found cached (hit) or not cached anywhere (miss) |
+| dflash2_hbm_hit_ratio | gauge | hits in HBM / blocks acquired, since start (NaN before the first) |
+| dflash2_swap_blocks_total{direction} | counter | blocks moved (failed ones not counted) |
+| dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed (left where they were) |
+| dflash2_swap_bytes_total{direction} | counter | bytes copied |
+| dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
+| dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted |
+| dflash2_reservations{state} | gauge | reservations now granted (not all taken) / deferred |
+| dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
+| dflash2_reservations_total{outcome} | counter | granted, deferred, rejected, expired, cancelled |
+| dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
+| dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
+| dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due (a busy request loop delays it) |
+| dflash2_request_latency_seconds{op} | histogram | handling time per control op |
+| dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
+| dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
+| dflash2_clients | gauge | clients attached |
+| dflash2_gpu_memory_utilization | gauge | used / capacity of the device (HBM) tier that dflash2 manages; on a host-only daemon, of its host-memory stand-in |
+| dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw |
+| dflash2_info{device,policy,version} | gauge | 1 |
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dflash2 import protocol as P
+from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.metrics")
+
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0)
+SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
+WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
+PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted")
+RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
+
+
+class DaemonMetrics:
+    """The metrics of one daemon, in a registry of its own (no process-global state)."""
+
+    def __init__(self, service, *, device: str = "host", snapshot_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.service = service
+        self.device = device
+        self.snapshot_interval_s = snapshot_interval_s
+        self.clock = clock
+        self.snapshot: dict | None = None  # replaced whole by the owner thread: readers see one or the other
+        self.snapshot_at = -math.inf
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_seconds = Histogram("dflash2_request_latency_seconds", "Handling time per control op.",
+                                         ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.swap_seconds = Histogram("dflash2_swap_seconds", "Seconds per batch move between two tiers.",
+                                      ["direction"], buckets=SWAP_BUCKETS, registry=r)
+        self.admission_wait = Histogram("dflash2_admission_wait_seconds",
+                                        "Seconds from reserve to grant, for reservations that were deferred.",
+                                        buckets=WAIT_BUCKETS, registry=r)
+        self.rescore_seconds = Histogram("dflash2_rescore_seconds",
+                                         "Seconds per background step (expiry, admission, rescoring, rebalancing).",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.scheduler_latency = Histogram("dflash2_scheduler_latency_microseconds",
+                                           "Microseconds the background step started after it was due.",
+                                           buckets=SCHEDULER_BUCKETS_US, registry=r)
+        for op in P.Op:
+            self.request_seconds.labels(op.value)
+        tiers = sorted(service.manager.specs)
+        for a, b in itertools.permutations(tiers, 2):
+            self.swap_seconds.labels(direction(a, b))
+        r.register(_StateCollector(self))
+        self._server = None
+
+    # -- wiring ----------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Hook the event histograms into the service, the mover and admission."""
+        self.service.on_request = self.request_seconds_observe
+        manager = self.service.manager
+        manager.mover.on_batch = self.swap_observe
+        manager.admission.on_wait = self.admission_wait.observe
+
+    def request_seconds_observe(self, op: str, seconds: float) -> None:
+        self.request_seconds.labels(op).observe(seconds)
+
+    def swap_observe(self, src: Tier, dst: Tier, seconds: float) -> None:
+        self.swap_seconds.labels(direction(src, dst)).observe(seconds)
+
+    def after_tick(self, late_s: float, seconds: float) -> None:
+        """Called by the owner thread after each background step."""
+        self.scheduler_latency.observe(max(0.0, late_s) * 1e6)
+        self.rescore_seconds.observe(seconds)
+        self.refresh()
+
+    def refresh(self, force: bool = False) -> dict | None:
+        """Take a new snapshot when the last is older than the interval (owner thread only)."""
+        now = self.clock()
+        if force or now - self.snapshot_at >= self.snapshot_interval_s:
+            self.snapshot = self.service.stats()
+            self.snapshot_at = now
+        return self.snapshot
+
+    # -- HTTP ------------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics from a daemon thread. OSError when the port cannot be bound."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def direction(src: Tier, dst: Tier) -> str:
+    return f"{src.label}->{dst.label}"
+
+
+class _StateCollector(Collector):
+    """Metric families from the latest snapshot, built at scrape time."""
+
+    def __init__(self, metrics: DaemonMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # names depend on the snapshot; nothing to check at registration
+
+    def collect(self):
+        m = self.metrics
+        st = m.snapshot
+        if st is None:
+            return
+        yield from _tier_families(st)
+        yield from _access_families(st)
+        yield from _swap_families(st)
+        yield from _reservation_families(st)
+        yield from _daemon_families(st, m.device, m.clock() - m.snapshot_at)
+
+
+def _gauge(name, doc, labels=(), samples=()):
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    for label_values, value in samples:
+        g.add_metric(list(label_values), value)
+    return g
+
+
+def _counter(name, doc, labels=(), samples=()):
+    c = CounterMetricFamily(name, doc, labels=list(labels))
+    for label_values, value in samples:
+        c.add_metric(list(label_values), value)
+    return c
+
+
+def _tier_families(st: dict):
+    tiers = st["tiers"]
+    yield _gauge("dflash2_tier_capacity_bytes", "Bytes the tier holds.", ["tier"],
+                 [((t,), s["capacity_bytes"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_used_bytes", "Bytes in slots given to blocks.", ["tier"],
+                 [((t,), s["used_bytes"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_free_bytes", "Bytes free for new slots.", ["tier"],
+                 [((t,), s["free_bytes"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_blocks", "Blocks in the tier.", ["tier"],
+                 [((t,), s["blocks"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_waste_bytes", "Bytes lost to slot rounding and page tails.", ["tier", "kind"],
+                 [((t, k), s[f"{k}_waste_bytes"]) for t, s in tiers.items() for k in ("rounding", "page_tail")])
+    hbm = tiers.get(Tier.HBM.label)
+    if hbm is not None and hbm["capacity_bytes"]:
+        yield _gauge("dflash2_gpu_memory_utilization",
+                     "Used / capacity of the device (HBM) tier dflash2 manages (host stand-in without a GPU).",
+                     samples=[((), hbm["used_bytes"] / hbm["capacity_bytes"])])
+
+
+def _access_families(st: dict):
+    present = [t for t in Tier if t.label in st["tiers"]]
+    reads = {t: st["reads"].get(t.label, 0) for t in present}
+    yield _counter("dflash2_cache_hits", "Blocks acquired that were found in this tier.", ["tier"],
+                   [((t.label,), reads[t]) for t in present])
+    # A miss at tier t: the block was in none of the tiers up to t, so it came from a slower one.
+    yield _counter("dflash2_cache_misses", "Blocks acquired that were not in this tier or a faster one.",
+                   ["tier"], [((t.label,), sum(n for u, n in reads.items() if u > t)) for t in present])
+    found = st.get("lookup_blocks_found", 0)
+    yield _counter("dflash2_lookup_blocks", "Lookup keys found cached (hit) or cached nowhere (miss).",
+                   ["result"], [(("hit",), found), (("miss",), st.get("lookup_misses", 0))])
+    ratio = st["hbm_hit_ratio"]
+    yield _gauge("dflash2_hbm_hit_ratio", "Blocks acquired found in HBM / all blocks acquired, since start.",
+                 samples=[((), math.nan if ratio is None else ratio)])
+    yield _counter("dflash2_placement_blocks", "Blocks moved by placement, by action.", ["action"],
+                   [((a,), st["placement"].get(a, 0)) for a in PLACEMENT_ACTIONS])
+
+
+def _swap_families(st: dict):
+    tiers = [t for t in Tier if t.label in st["tiers"]]
+    moves = st["moves"]
+    dirs = [direction(a, b) for a, b in itertools.permutations(tiers, 2)]
+
+    def per_dir(field):
+        return [((d,), moves.get(d, {}).get(field, 0)) for d in dirs]
+
+    yield _counter("dflash2_swap_blocks", "Blocks moved between tiers.", ["direction"], per_dir("blocks"))
+    yield _counter("dflash2_swap_failed_blocks", "Blocks whose copy failed (they stayed where they were).",
+                   ["direction"], per_dir("failed_blocks"))
+    yield _counter("dflash2_swap_bytes", "Bytes copied between tiers.", ["direction"], per_dir("bytes"))
+
+
+def _reservation_families(st: dict):
+    res = st["reservations"]
+    yield _gauge("dflash2_reservations", "Reservations now granted (blocks not all taken) or deferred.",
+                 ["state"], [(("granted",), res["granted"]), (("deferred",), res["deferred"])])
+    yield _gauge("dflash2_reserved_blocks", "HBM blocks granted to reservations and not yet taken.",
+                 samples=[((), res["reserved_blocks"])])
+    yield _counter("dflash2_reservations", "Reservation decisions and endings, by outcome.", ["outcome"],
+                   [((o,), res.get(f"total_{o}", 0)) for o in RESERVATION_OUTCOMES])
+
+
+def _daemon_families(st: dict, device: str, age_s: float):
+    d = st["daemon"]
+    yield _gauge("dflash2_clients", "Clients attached.", samples=[((), len(st["clients"]))])
+    yield _counter("dflash2_requests", "Control messages received.", samples=[((), d["requests"])])
+    yield _counter("dflash2_request_errors", "Control messages answered with an error.", samples=[((), d["errors"])])
+    yield _counter("dflash2_leases_expired", "Clients detached because their lease lapsed.",
+                   samples=[((), d["leases_expired"])])
+    yield _gauge("dflash2_snapshot_age_seconds", "Age of the daemon state this scrape saw.",
+                 samples=[((), max(0.0, age_s))])
+    policy = st.get("policy", {})
+    name = policy.get("name", "") if isinstance(policy, dict) else str(policy)
+    yield _gauge("dflash2_info", "The daemon: device kind, policy, protocol version.",
+                 ["device", "policy", "version"], [((device, name, str(P.VERSION)), 1)])

@@ -1,0 +1,159 @@
+"""The CUDA transfer backend: HBM↔DRAM batches in one copy-kernel launch each, on their own streams
+(one per direction, so both directions overlap), completion by events. Moves that touch NVMe go
+through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
+file in one batch; NVMe→HBM reads into it and scatters from it. DRAM↔NVMe is host I/O, done by the
+host backend.
+
+Invariant: `start` only queues work; the source bytes stay untouched until the job is waited for
+(the mover keeps the blocks MIGRATING, which nobody may free or write).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from dflash2.arena.base import Arena, StorageArena
+from dflash2.cuda import cupy
+from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
+from dflash2.cuda.kernels import CopyKernel
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+from dflash2.transfer.host import HostTransferBackend
+
+log = logging.getLogger("dflash2.transfer.cuda")
+
+
+class KernelJob(CopyJob):
+    """A batch queued on a stream; done when its event has passed."""
+
+    def __init__(self, batch: CopyBatch, event, keep_alive):
+        self.batch = batch
+        self._event = event
+        self._keep = keep_alive
+
+    def done(self) -> bool:
+        return self._event.done
+
+    def wait(self) -> np.ndarray:
+        try:
+            self._event.synchronize()
+        except Exception:  # a launch that failed: the whole batch failed, the blocks stay put
+            log.exception("copy kernel of %d blocks failed", len(self.batch))
+            return np.zeros(len(self.batch), dtype=bool)
+        self._keep = None
+        return np.ones(len(self.batch), dtype=bool)
+
+
+class StagedJob(CopyJob):
+    """A batch between HBM and NVMe, run through the staging buffer on a worker thread."""
+
+    def __init__(self, batch: CopyBatch):
+        self.batch = batch
+        self._done = threading.Event()
+        self._ok = np.zeros(len(batch), dtype=bool)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> np.ndarray:
+        self._done.wait()
+        return self._ok
+
+
+class CudaTransferBackend(TransferBackend):
+    def __init__(self, arenas: dict[Tier, Arena], dram_region: PinnedRegion | None, staging_bytes: int):
+        cp = cupy()
+        hbm = arenas[Tier.HBM]
+        if not isinstance(hbm, CudaArena):
+            raise TypeError("the CUDA backend needs a CudaArena for the HBM tier")
+        self.hbm = hbm
+        self.device = hbm.device
+        self.arenas = arenas
+        self.dram = dram_region
+        self.kernel = CopyKernel(self.device)
+        with cp.cuda.Device(self.device):
+            self.d2h = cp.cuda.Stream(non_blocking=True)
+            self.h2d = cp.cuda.Stream(non_blocking=True)
+        self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
+        self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
+        self._staging_lock = threading.Lock()
+
+    def start(self, batch: CopyBatch) -> CopyJob:
+        pair = (batch.src_tier, batch.dst_tier)
+        if Tier.HBM not in pair:
+            return self.host.start(batch)
+        if Tier.NVME in pair:
+            job = StagedJob(batch)
+            threading.Thread(target=self._staged, args=(job,), name="dflash2-staged", daemon=True).start()
+            return job
+        if self.dram is None:
+            raise ValueError("no pinned DRAM region: HBM<->DRAM moves are unavailable")
+        to_host = batch.src_tier == Tier.HBM
+        stream = self.d2h if to_host else self.h2d
+        src = self.hbm.ptr if to_host else self.dram.device_ptr
+        dst = self.dram.device_ptr if to_host else self.hbm.ptr
+        keep = self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
+        cp = cupy()
+        with cp.cuda.Device(self.device):
+            event = cp.cuda.Event(disable_timing=True)
+            event.record(stream)
+        return KernelJob(batch, event, keep)
+
+    # -- NVMe through the staging buffer -----------------------------------------------------
+    def _staged(self, job: StagedJob) -> None:
+        try:
+            with self._staging_lock:
+                for part in self._chunks(job.batch):
+                    job._ok[part] = self._staged_chunk(job.batch, part)
+        except Exception:
+            log.exception("staged move of %d blocks failed", len(job.batch))
+            job._ok[:] = False
+        finally:
+            job._done.set()
+
+    def _chunks(self, batch: CopyBatch):
+        """Index runs of the batch whose blocks fit the staging buffer together (a block larger
+        than the buffer cannot move this way and fails alone)."""
+        start, used = 0, 0
+        for i, n in enumerate(batch.nbytes.tolist()):
+            size = -(-n // 4096) * 4096
+            if used + size > self.staging.nbytes and i > start:
+                yield np.arange(start, i)
+                start, used = i, 0
+            used += size
+        if start < len(batch):
+            yield np.arange(start, len(batch))
+
+    def _staged_chunk(self, batch: CopyBatch, part: np.ndarray) -> np.ndarray:
+        cp = cupy()
+        nbytes = batch.nbytes[part]
+        slots = -(-nbytes // 4096) * 4096
+        if slots.sum() > self.staging.nbytes:
+            return np.zeros(len(part), dtype=bool)
+        stage_off = np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(np.int64)
+        views = [self.staging.array[o:o + n] for o, n in zip(stage_off.tolist(), nbytes.tolist())]
+        nvme: StorageArena = self.arenas[Tier.NVME]
+        if batch.src_tier == Tier.HBM:
+            self.kernel.launch(self.d2h, self.hbm.ptr, self.staging.device_ptr, batch.src_offsets[part], stage_off, nbytes)
+            with cp.cuda.Device(self.device):
+                self.d2h.synchronize()
+            nvme.write_blocks(batch.dst_offsets[part].tolist(), views)
+            return np.ones(len(part), dtype=bool)
+        ok = nvme.read_blocks(batch.src_offsets[part].tolist(), views)
+        good = np.flatnonzero(ok)
+        self.kernel.launch(self.h2d, self.staging.device_ptr, self.hbm.ptr, stage_off[good],
+                           batch.dst_offsets[part][good], nbytes[good])
+        with cp.cuda.Device(self.device):
+            self.h2d.synchronize()
+        return ok
+
+    def close(self) -> None:
+        self.host.close()
+        cp = cupy()
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.deviceSynchronize()
+        if self.staging is not None:
+            self.staging.close()

@@ -1,0 +1,203 @@
+"""The CUDA path, run on a GPU machine (`bash .gpu/run-gpu-suite.sh`); skipped cleanly elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from dflash2.cuda import cuda_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CUDA and CuPy (run on the GPU machine)")]
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cuda_config(tmp_path):
+    def write(**memory) -> str:
+        mem = {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64, "nvme_capacity_mb": 128,
+               "nvme_path": "nvme.cache", "staging_buffer_size_mb": 8, "page_kb": 256}
+        mem.update(memory)
+        cfg = {"enable": True, "device": {"kind": "cuda", "gpu_ids": [0]}, "memory": mem,
+               "kv_block": {"block_size": 16, "prefetch_window": 2},
+               "policy": {"name": "lru", "swap_batch_size": 64},
+               "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 2.0,
+                          "heartbeat_interval_s": 0.5},
+               "logging": {"format": "text"}}
+        path = tmp_path / "cfg.json"
+        path.write_text(json.dumps(cfg))
+        return str(path)
+    return write
+
+
+def _manager(path):
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+    return build_manager(load_config(path), instance=f"dflash2-gpu-{uuid.uuid4().hex[:8]}")
+
+
+def _fill(view, seed):
+    import cupy as cp
+    data = cp.asarray(np.random.default_rng(seed).integers(0, 256, view.size, dtype=np.uint8))
+    view[:] = data
+    # Writers finish before they commit (a client synchronizes its stream first): the daemon's
+    # copy streams do not wait for other streams.
+    cp.cuda.runtime.deviceSynchronize()
+    return cp.asnumpy(data)
+
+
+def test_ipc_view_across_processes():
+    """The daemon's arena written in one process, read through an IPC mapping in another."""
+    from dflash2.cuda.arena import CudaArena
+    arena = CudaArena.create(0, 8 * MIB)
+    try:
+        expected = _fill(arena.view(MIB, MIB), seed=3)
+        arena.view(0, 16)[:] = 0
+        code = f"""
+import sys, numpy as np, cupy as cp
+from dflash2.cuda.arena import CudaArena
+a = CudaArena.attach(bytes.fromhex("{arena.ipc_handle().hex()}"), 0, {8 * MIB})
+data = cp.asnumpy(a.view({MIB}, {MIB}))
+a.view(0, 16)[:] = 7
+cp.cuda.runtime.deviceSynchronize()
+sys.stdout.write(str(int(data.astype(np.int64).sum())))
+a.close()
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == int(expected.astype(np.int64).sum())
+        import cupy as cp
+        assert cp.asnumpy(arena.view(0, 16)).tolist() == [7] * 16, "the child's write is visible here"
+    finally:
+        arena.close()
+
+
+def test_mixed_layouts_round_trip_every_tier_bit_exact(cuda_config):
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    mgr = _manager(cuda_config())
+    try:
+        a = mgr.attach("t")
+        bf16 = mgr.register_layout(Layout("bf16", 4, 2, 64, "bf16", 16))
+        fp8 = mgr.register_layout(Layout("fp8", 4, 2, 64, "fp8_e4m3", 16))
+        vids, data = [], {}
+        for lid, seed in ((bf16, 1), (fp8, 2), (bf16, 3)):
+            got = mgr.allocate(a, lid, 8)
+            for i, v in enumerate(got.tolist()):
+                data[v] = _fill(mgr.view(v), seed * 100 + i)
+            vids += mgr.commit(a, got).tolist()
+        rows = mgr.table.rows(vids)
+        assert mgr.mover.move(rows, Tier.DRAM).all()
+        for v in vids:
+            assert bytes(mgr.view(v)) == data[v].tobytes(), "HBM -> DRAM"
+        assert mgr.mover.move(rows, Tier.NVME).all()
+        assert mgr.acquire(a, vids) is not None
+        for v in vids:
+            p = mgr.place(v)
+            assert p.tier == Tier.HBM
+            assert (cp.asnumpy(mgr.view(v)) == data[v]).all(), "NVMe -> HBM"
+        mgr.release(a, vids)
+        # HBM -> NVMe directly (through the staging buffer) and back
+        assert mgr.mover.move(rows, Tier.NVME).all()
+        assert mgr.acquire(a, vids) is not None
+        for v in vids:
+            assert (cp.asnumpy(mgr.view(v)) == data[v]).all(), "HBM -> NVMe -> HBM"
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
+def test_reads_of_pinned_blocks_stay_exact_while_others_move(cuda_config):
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    mgr = _manager(cuda_config())
+    try:
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("bf16", 4, 2, 64, "bf16", 16))
+        mine = mgr.commit(a, mgr.allocate(a, lid, 4))
+        expected = {v: _fill(mgr.view(v), v % 1000) for v in mine.tolist()}
+        mgr.acquire(a, mine)
+        others = mgr.commit(a, mgr.allocate(a, lid, 200))
+        for v in others.tolist():
+            _fill(mgr.view(v), 7)
+        bad, stop = [], threading.Event()
+
+        def reader():
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                while not stop.is_set():
+                    for v, want in expected.items():
+                        if not (cp.asnumpy(mgr.view(v), stream=stream) == want).all():
+                            bad.append(v)
+        t = threading.Thread(target=reader)
+        t.start()
+        rows = mgr.table.rows(others)
+        for _ in range(10):
+            assert mgr.mover.move(rows, Tier.DRAM).all()
+            assert mgr.mover.move(rows, Tier.HBM).all()
+        stop.set()
+        t.join()
+        assert not bad
+        for v, want in expected.items():
+            assert mgr.place(v).tier == Tier.HBM
+    finally:
+        mgr.close()
+
+
+def test_startup_fails_clearly_when_the_reserve_leaves_no_room(cuda_config):
+    path = cuda_config(hbm_reserve_mb=10_000_000, hbm_capacity_mb=None)
+    out = subprocess.run(["dflash2d", "--config", path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "memory.hbm_reserve_mb" in out.stderr and "leaves nothing" in out.stderr
+
+
+def test_startup_fails_clearly_when_the_gpu_is_short(cuda_config):
+    import cupy as cp
+    free, _ = cp.cuda.runtime.memGetInfo()
+    path = cuda_config(hbm_capacity_mb=int(free // MIB) + 4096)
+    out = subprocess.run(["dflash2d", "--config", path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 4
+    assert "needs" in out.stderr and "free" in out.stderr
+
+
+def test_daemon_serves_cuda_ipc_handles(cuda_config):
+    """The real daemon on a GPU: attach returns the HBM arena's IPC handle, a second process maps it."""
+    import zmq
+    from dflash2 import protocol as P
+    path = cuda_config()
+    proc = subprocess.Popen(["dflash2d", "--config", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("DFlash2: enabled"), line
+        endpoint = json.load(open(path))["daemon"]["endpoint"]
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(endpoint)
+        s.send_multipart(P.encode_request(P.Op.ATTACH, 1, None, {"name": "t", "pid": os.getpid()}))
+        assert s.poll(30000)
+        reply = P.decode_reply(s.recv_multipart())
+        assert reply.ok, reply.error_message
+        hbm = [a for a in reply.result["arenas"] if a["tier"] == "hbm"][0]
+        assert hbm["kind"] == "cuda" and len(bytes.fromhex(hbm["ipc_handle"])) == 64
+        from dflash2.cuda.arena import CudaArena
+        import time
+        t0 = time.perf_counter()
+        mapped = CudaArena.attach(bytes.fromhex(hbm["ipc_handle"]), hbm["device"], hbm["capacity_bytes"])
+        attach_s = time.perf_counter() - t0
+        print(f"ipc map took {attach_s:.3f} s")
+        mapped.close()
+        s.close(0)
+        ctx.term()
+    finally:
+        proc.terminate()
+        proc.wait(30)

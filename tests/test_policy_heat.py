@@ -1,0 +1,164 @@
+"""The heat policy, its frequency sketch and admission filter, prefix-aware victim choice, prefetch."""
+
+import numpy as np
+import pytest
+
+from dflash2.bench.policy import Request, replay
+from dflash2.errors import UnknownPolicy
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.policy import make_policy, policy_names
+from dflash2.policy.admission import FrequencySketch, SecondHitFilter
+from dflash2.prefetch import Prefetcher
+from dflash2.tiers import Tier
+
+LAYOUT = Layout("t", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)  # 16 KiB
+SLOT = LAYOUT.block_bytes
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def manager(hbm_blocks, policy="heat", dram_blocks=0, clock=None):
+    specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, 256)]
+    if dram_blocks:
+        specs.append(TierSpec(Tier.DRAM, dram_blocks * SLOT, SLOT, 256))
+    mgr = BlockManager(specs, policy=policy, clock=clock or Clock())
+    return mgr, mgr.register_layout(LAYOUT), mgr.attach("c")
+
+
+def cache_chain(mgr, lid, client, keys, parent=None):
+    vids = mgr.commit(client, mgr.allocate(client, lid, len(keys)), keys, parent)
+    mgr.free(client, vids)
+    return vids
+
+
+def test_registered_by_name():
+    assert {"heat", "belady", "lru", "lfu"} <= set(policy_names())
+    assert make_policy("heat").name == "heat"
+    with pytest.raises(UnknownPolicy, match="heat"):
+        make_policy("hot")
+
+
+def test_weights_change_at_run_time_and_are_checked():
+    mgr, lid, c = manager(16)
+    cache_chain(mgr, lid, c, [1, 2])
+    pol = mgr.policy
+    rows = mgr.table.rows(cache_chain(mgr, lid, c, [3]))
+    mgr.table.cols.priority[rows] = 5
+    before = pol.scores(mgr.table, rows, 0.0)
+    pol.set_weights({"priority": 3.0})
+    assert pol.scores(mgr.table, rows, 0.0)[0] == pytest.approx(before[0] + 10.0)
+    with pytest.raises(ValueError, match="unknown heat weights"):
+        pol.set_weights({"temperature": 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        pol.set_weights({"recency": -1.0})
+
+
+def test_scores_all_matches_scores_and_rescores_on_access():
+    mgr, lid, c = manager(64)
+    vids = cache_chain(mgr, lid, c, list(range(1, 11)))
+    pol, table = mgr.policy, mgr.table
+    rows = table.rows(vids)
+    assert np.allclose(pol.scores_all(table, 0.0)[rows], pol.scores(table, rows, 0.0))
+    before = pol.scores_all(table, 0.0)[rows[0]]
+    mgr.acquire(c, vids[:1])
+    mgr.release(c, vids[:1])
+    # The cached pass is patched for the accessed block at once (no wait for the next rescore).
+    assert pol.scores_all(table, 0.0)[rows[0]] == pytest.approx(pol.scores(table, rows[:1], 0.0)[0])
+    assert pol.scores_all(table, 0.0)[rows[0]] != before
+
+
+def test_fanout_and_sharing_raise_heat():
+    mgr, lid, c = manager(64)
+    root = cache_chain(mgr, lid, c, [1])
+    lone = cache_chain(mgr, lid, c, [2])
+    for k in (10, 11, 12):
+        cache_chain(mgr, lid, c, [k], parent=int(root[0]))
+    s = mgr.policy.scores(mgr.table, mgr.table.rows([root[0], lone[0]]), 0.0)
+    assert s[0] > s[1]
+    mgr.add_ref(c, lone)
+    s2 = mgr.policy.scores(mgr.table, mgr.table.rows([lone[0]]), 0.0)
+    assert s2[0] > s[1]
+
+
+def test_sketch_counts_and_ages():
+    sk = FrequencySketch(width=1 << 10, sample_factor=1)
+    keys = np.array([7, 7, 7, 9], dtype=np.uint64)
+    sk.add(keys)
+    est = sk.estimate(np.array([7, 9, 11], dtype=np.uint64))
+    assert est.tolist() == [3, 1, 0]
+    sk.add(np.arange(100, 100 + 1100, dtype=np.uint64))  # past the sample size: all counters halve
+    assert sk.estimate(np.array([7], dtype=np.uint64))[0] <= 1
+
+
+def test_second_hit_filter():
+    sk = FrequencySketch(width=1 << 10)
+    f = SecondHitFilter(sk)
+    sk.add(np.array([1, 1, 2], dtype=np.uint64))
+    assert f.admit(np.array([1, 2, 3], dtype=np.uint64), tier_has_room=False).tolist() == [True, False, False]
+    assert f.admit(np.array([3], dtype=np.uint64), tier_has_room=True).all()
+
+
+def test_victims_are_the_lowest_blocks_of_the_tier_not_the_lowest_leaves():
+    # A cold chain of 3 and a hot single block; room for 3 more. Only two are leaves (the chain's
+    # tail and the hot block): taking the 3 lowest *leaves* would take the hot one. The cold chain
+    # leaves instead, tail first over several rounds, and the hot block stays.
+    mgr, lid, c = manager(4, policy="lru")
+    clock = mgr.table.clock
+    clock.now = 1.0
+    cold = cache_chain(mgr, lid, c, [1, 2, 3])
+    clock.now = 2.0
+    hot = cache_chain(mgr, lid, c, [9])
+    mgr.table.cols.last_access[mgr.table.rows(cold)] = [0.1, 0.2, 0.3]
+    clock.now = 3.0
+    cache_chain(mgr, lid, c, [20, 21, 22])
+    assert [p.vid for p in mgr.lookup([9])] == [int(hot[0])]
+    assert mgr.lookup([1]) == []
+    mgr.check_invariants()
+
+
+def workload_hot_prefix_and_scan(n=400, prefix=8, scan=20, every=6):
+    """Every `every`-th request reads a shared prefix (a system prompt plus a short question);
+    the others are scans of blocks never seen again."""
+    reqs, nxt = [], 1000
+    for i in range(n):
+        if i % every == 0:
+            keys = tuple(range(1, prefix + 1)) + (nxt,)
+            nxt += 1
+        else:
+            keys = tuple(range(nxt, nxt + scan))
+            nxt += scan
+        reqs.append(Request(i * 0.05, keys))
+    return reqs
+
+
+def test_heat_beats_lru_on_hot_prefix_with_scans():
+    reqs = workload_hot_prefix_and_scan()
+    heat = replay(reqs, "heat", hbm_blocks=64)
+    lru = replay(reqs, "lru", hbm_blocks=64)
+    assert heat["prefix_hit_rate"] > lru["prefix_hit_rate"]
+    assert heat["prefix_hit_rate"] >= 0.8 * replay(reqs, "belady", hbm_blocks=64)["prefix_hit_rate"]
+
+
+def test_prefetch_window_doubles_with_room_and_falls_back_under_pressure():
+    mgr, lid, c = manager(100, policy="lru", dram_blocks=100)
+    pf = Prefetcher(mgr, 2)
+    vids = cache_chain(mgr, lid, c, list(range(1, 41)))
+    assert mgr.mover.move(mgr.table.rows(vids)[::-1], Tier.DRAM).all()  # all of it down in DRAM
+    assert pf.ahead(vids, 0) == 4  # HBM nearly empty: the window doubled (2 -> 4)
+    assert pf.ahead(vids, 4) == 8
+    pf.reading(vids[:6])
+    assert (pf.useful, pf.wasted) == (6, 0)
+    pf.finish()
+    assert pf.wasted == 6  # promoted, never read
+    filler = mgr.allocate(c, lid, 85)  # HBM above its high watermark: back to the configured window
+    pf.ahead(vids, 20)
+    assert pf.window == 2
+    mgr.free(c, filler)
+    mgr.check_invariants()
