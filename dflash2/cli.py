@@ -74,6 +74,10 @@ def _import_bench(name: str):
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "bench": Subcommand("run a benchmark and print its figures", _configure_bench, _run_bench),
+    # dflash2/history_cli.py, imported when used
+    "history": Subcommand("print or plot the daemon's history of its key figures",
+                          lambda p: importlib.import_module("dflash2.history_cli").configure(p),
+                          lambda a: importlib.import_module("dflash2.history_cli").handler(a)),
 }
 
 

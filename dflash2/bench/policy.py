@@ -106,6 +106,8 @@ def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: 
     tally.hits += len(places)
     tally.hbm_hits += sum(p.tier == Tier.HBM for p in places)
     hit_vids = [p.vid for p in places]
+    if hit_vids:
+        mgr.add_ref(client, hit_vids)  # the request holds its prefix: demotable, never dropped
     held: list[int] = []
     # Read the cached prefix in order; the prefetcher runs its window ahead of the read position.
     # While one chunk is read (computed on), the next window's blocks come up.
@@ -128,6 +130,8 @@ def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: 
             mgr.free(client, vids)
     if held:
         mgr.release(client, held)
+    if hit_vids:
+        mgr.free(client, hit_vids)
 
 
 def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, n_req: int,

@@ -40,8 +40,11 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
 class HitDensityModel:
-    def __init__(self, ghost_bits: int = 20, period: int = 1024, decay: float = 0.99):
-        self.period = period
+    def __init__(self, ghost_bits: int = 20, period: int = 8192, decay: float = 0.95):
+        # Refit after 256 references, then twice as many each time up to `period`: a young cache
+        # learns fast, a warm one keeps a long memory (decay per fit).
+        self.max_period = period
+        self.period = min(256, period)
         self.decay = decay
         self._shift = np.uint64(64 - ghost_bits)
         self.ghost_key = np.zeros(1 << ghost_bits, dtype=np.uint64)
@@ -80,6 +83,7 @@ class HitDensityModel:
 
     def fit(self) -> None:
         self._since_fit = 0
+        self.period = min(2 * self.period, self.max_period)
         reused = self.reuses.sum(axis=1)
         if not reused.sum():
             return

@@ -36,6 +36,7 @@ from dflash2.policy.density import HitDensityModel, age_bin, freq_class
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
+RECENCY_SLOPE = 0.05  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
 DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
                    "stage": 1.0}
@@ -127,7 +128,9 @@ class HeatPolicy(Policy):
         ages = self.tick - self._last[rows]
         heat = w["frequency"] * self.model.log_density[self._cls[rows], age_bin(ages)]
         if w["recency"]:
-            heat += w["recency"] * (1.0 / (1.0 + ages))  # ties only: newer first
+            # Scale-free recency: a small slope in log-age, so that within a density level the
+            # newer block wins (LRU), whatever the workload's time scale.
+            heat -= w["recency"] * RECENCY_SLOPE * np.log2(1.0 + ages)
         if w["priority"]:
             heat += w["priority"] * c.priority[rows]
         if w["sharing"]:
