@@ -113,8 +113,9 @@ class Client:
         self.lease_timeout_s = float(r["lease_timeout_s"])
         self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
         self.device = r.get("device")
+        self.arena_info: list[dict] = list(r.get("arenas", []))  # [{tier, kind, name, capacity_bytes, alignment}]
         try:
-            self._arenas = ArenaMap(r.get("arenas", []))
+            self._arenas = ArenaMap(self.arena_info)
         except Exception:
             self.detach()
             raise

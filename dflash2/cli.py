@@ -78,6 +78,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "history": Subcommand("print or plot the daemon's history of its key figures",
                           lambda p: importlib.import_module("dflash2.history_cli").configure(p),
                           lambda a: importlib.import_module("dflash2.history_cli").handler(a)),
+    # dflash2/status.py, imported when used
+    "status": Subcommand("show what a running daemon holds: tiers, hit rates, moves, clients, reservations",
+                         lambda p: importlib.import_module("dflash2.status").configure(p),
+                         lambda a: importlib.import_module("dflash2.status").handler(a)),
 }
 
 

@@ -20,6 +20,19 @@ CUDA_HOST_REGISTER_MAPPED = 2
 CUDA_IPC_LAZY_PEER_ACCESS = 1
 
 
+def device_pointer(host_ptr: int) -> int:
+    """The GPU's address of mapped, page-locked host memory (cuMemHostGetDevicePointer: CuPy does
+    not wrap it). Needs the current device's context, which CuPy has made by then."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    out = ctypes.c_uint64()
+    status = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(host_ptr), ctypes.c_uint(0))
+    if status != 0:
+        raise ArenaError(f"cuMemHostGetDevicePointer failed with CUDA error {status} for host memory at {host_ptr:#x}")
+    return out.value
+
+
 class CudaArena(MemoryArena):
     """One device allocation of `capacity_bytes` on `device`."""
 
@@ -107,7 +120,7 @@ class PinnedRegion:
         except cp.cuda.runtime.CUDARuntimeError as e:
             raise CapacityError(f"cannot pin {nbytes} bytes of host memory for the GPU: {e} "
                                 "(check ulimit -l / the container's memlock limit)") from None
-        return cls(host_ptr, nbytes, cp.cuda.runtime.hostGetDevicePointer(host_ptr, 0))
+        return cls(host_ptr, nbytes, device_pointer(host_ptr))
 
     def unregister(self) -> None:
         if self._registered:
@@ -122,7 +135,7 @@ class PinnedBuffer:
         cp = cupy()
         self.nbytes = nbytes
         self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        self.device_ptr = cp.cuda.runtime.hostGetDevicePointer(self.host_ptr, 0)
+        self.device_ptr = device_pointer(self.host_ptr)
         import ctypes
 
         import numpy as np

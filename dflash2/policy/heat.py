@@ -36,7 +36,7 @@ from dflash2.policy.density import HitDensityModel, age_bin, freq_class
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
-RECENCY_SLOPE = 0.05  # heat lost per doubling of age, at weight 1 (log2 density units)
+RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
 DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
                    "stage": 1.0}
