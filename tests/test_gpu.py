@@ -177,8 +177,11 @@ def test_daemon_serves_cuda_ipc_handles(cuda_config):
     path = cuda_config()
     proc = subprocess.Popen(["dflash2d", "--config", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("DFlash2: enabled"), line
+        lines = []
+        while not (lines and lines[-1].startswith("DFlash2: enabled")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        assert "committed" in lines[-1]
         endpoint = json.load(open(path))["daemon"]["endpoint"]
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
@@ -201,3 +204,32 @@ def test_daemon_serves_cuda_ipc_handles(cuda_config):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_copy_kernel_handles_odd_sizes_and_many_chunks():
+    import cupy as cp
+    from dflash2.cuda.arena import CudaArena, PinnedBuffer
+    from dflash2.cuda.kernels import CopyKernel
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 200_000, 300).astype(np.int64)
+    slots = (-(-sizes // 256) * 256).astype(np.int64)
+    src_off = np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(np.int64)
+    perm = rng.permutation(len(sizes))
+    dst_off = np.zeros_like(src_off)
+    dst_off[perm] = np.concatenate([[0], np.cumsum(slots[perm])[:-1]])
+    total = int(slots.sum())
+    hbm = CudaArena.create(0, total)
+    host = PinnedBuffer(total)
+    try:
+        data = rng.integers(0, 256, total, dtype=np.uint8)
+        hbm.view(0, total)[:] = cp.asarray(data)
+        cp.cuda.runtime.deviceSynchronize()
+        kernel = CopyKernel(0)
+        stream = cp.cuda.Stream(non_blocking=True)
+        kernel.launch(stream, hbm.ptr, host.device_ptr, src_off, dst_off, sizes)
+        stream.synchronize()
+        for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+            assert (host.array[d:d + n] == data[s:s + n]).all()
+    finally:
+        host.close()
+        hbm.close()

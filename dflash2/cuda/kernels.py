@@ -1,11 +1,15 @@
 """The batched copy kernel: a whole batch of scattered blocks in one launch.
 
-Each thread block walks the batch's blocks (block b for b = blockIdx.x, + gridDim.x, ...) and copies
-it in 16-byte words, four in flight per thread, then any tail bytes. Source and destination are
-device pointers; a pinned, mapped host buffer's device pointer works the same, so one kernel moves
-HBM→DRAM (gather into host memory), DRAM→HBM (scatter from it) and HBM↔staging.
+The batch is cut into chunks of CHUNK bytes (a block of 64 KiB is four chunks); thread block w
+copies chunks w, w + gridDim.x, ... Each thread loads UNROLL 16-byte words before storing any, so
+that many reads are in flight: a kernel that reads host memory over PCIe is latency-bound otherwise.
+Source and destination are device pointers; a pinned, mapped host buffer's device pointer works the
+same, so one kernel moves HBM→DRAM (gather into host memory), DRAM→HBM (scatter from it) and
+HBM↔staging.
 
-Invariant: every offset is a multiple of 16 (arena alignments are 256 and 4096).
+The batch's offsets travel to the device by an async copy from a pinned buffer on the same stream
+(no synchronous upload per batch). Invariant: every offset is a multiple of 16 (arena alignments
+are 256 and 4096); a pinned metadata buffer is reused only after the copy that read it finished.
 """
 
 from __future__ import annotations
@@ -14,32 +18,91 @@ import numpy as np
 
 from dflash2.cuda import cupy
 
+THREADS = 128
+UNROLL = 8
+CHUNK = THREADS * UNROLL * 16  # 16 KiB
+GRID_PER_SM = 4  # leaves room for the other direction's kernel to run alongside
+META_RING = 8
+
 SOURCE = r"""
-extern "C" __global__ void dflash2_copy_blocks(
+#define THREADS %(threads)d
+#define UNROLL %(unroll)d
+#define CHUNK %(chunk)d
+extern "C" __global__ void __launch_bounds__(THREADS) dflash2_copy_chunks(
         const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
-        const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
-        const long long* __restrict__ nbytes, const int n) {
-    for (int b = blockIdx.x; b < n; b += gridDim.x) {
-        const unsigned char* s = src + src_off[b];
-        unsigned char* d = dst + dst_off[b];
-        const long long len = nbytes[b];
-        const long long nvec = len >> 4;
+        const long long* __restrict__ meta, const int n) {
+    const long long* src_off = meta;
+    const long long* dst_off = meta + n;
+    const long long* nbytes = meta + 2 * n;
+    const long long* chunk_start = meta + 3 * n;  /* n + 1 entries */
+    const long long total = chunk_start[n];
+    for (long long w = blockIdx.x; w < total; w += gridDim.x) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (chunk_start[mid] <= w) lo = mid; else hi = mid - 1;
+        }
+        const long long base = (w - chunk_start[lo]) * CHUNK;
+        const long long rest = nbytes[lo] - base;
+        const long long len = rest < CHUNK ? rest : CHUNK;
+        const unsigned char* s = src + src_off[lo] + base;
+        unsigned char* d = dst + dst_off[lo] + base;
         const uint4* s4 = reinterpret_cast<const uint4*>(s);
         uint4* d4 = reinterpret_cast<uint4*>(d);
-        const long long step = (long long)blockDim.x * 4;
-        long long i = threadIdx.x;
-        for (; i + 3 * blockDim.x < nvec; i += step) {
-            uint4 a = s4[i], b1 = s4[i + blockDim.x], c = s4[i + 2 * blockDim.x], e = s4[i + 3 * blockDim.x];
-            d4[i] = a; d4[i + blockDim.x] = b1; d4[i + 2 * blockDim.x] = c; d4[i + 3 * blockDim.x] = e;
+        const long long nvec = len >> 4;
+        uint4 r[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long i = threadIdx.x + (long long)u * THREADS;
+            if (i < nvec) r[u] = s4[i];
         }
-        for (; i < nvec; i += blockDim.x) d4[i] = s4[i];
-        for (long long t = (nvec << 4) + threadIdx.x; t < len; t += blockDim.x) d[t] = s[t];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long i = threadIdx.x + (long long)u * THREADS;
+            if (i < nvec) d4[i] = r[u];
+        }
+        for (long long t = (nvec << 4) + threadIdx.x; t < len; t += THREADS) d[t] = s[t];
     }
 }
-"""
+""" % {"threads": THREADS, "unroll": UNROLL, "chunk": CHUNK}
 
-THREADS = 512
-MAX_GRID = 264  # two resident thread blocks per SM on an H200's 132 SMs
+
+def pack_meta(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """[src offsets, dst offsets, sizes, chunk starts (n + 1)] as one int64 array."""
+    chunks = -(-nbytes // CHUNK)
+    start = np.zeros(len(nbytes) + 1, dtype=np.int64)
+    np.cumsum(chunks, out=start[1:])
+    return np.concatenate([src_off, dst_off, nbytes, start]).astype(np.int64, copy=False)
+
+
+class _StreamMeta:
+    """Pinned host buffers (a ring) and one device buffer for one stream's batch metadata."""
+
+    def __init__(self, cp, stream):
+        self.stream = stream
+        self.host: list = [None] * META_RING
+        self.events: list = [None] * META_RING
+        self.next = 0
+        self.device = None
+
+    def upload(self, cp, meta: np.ndarray):
+        slot = self.next
+        self.next = (slot + 1) % META_RING
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # the copy that last read this pinned buffer is done
+        if self.host[slot] is None or self.host[slot].size < meta.size:
+            self.host[slot] = cp.cuda.alloc_pinned_memory(meta.nbytes * 2)
+        host = np.frombuffer(self.host[slot], dtype=np.int64, count=meta.size)
+        host[:] = meta
+        if self.device is None or self.device.size < meta.size:
+            self.stream.synchronize()  # the old device buffer may still be read by a queued kernel
+            self.device = cp.empty(meta.size * 2, dtype=cp.int64)
+        cp.cuda.runtime.memcpyAsync(self.device.data.ptr, host.ctypes.data, meta.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        event = cp.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        self.events[slot] = event
+        return self.device
 
 
 class CopyKernel:
@@ -47,21 +110,24 @@ class CopyKernel:
         cp = cupy()
         self.device = device
         with cp.cuda.Device(device):
-            self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_blocks")
+            self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_chunks")
+            self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        self._meta: dict[int, _StreamMeta] = {}
 
     def launch(self, stream, src_ptr: int, dst_ptr: int, src_off: np.ndarray, dst_off: np.ndarray,
-               nbytes: np.ndarray):
-        """Queue one launch on `stream`; returns the device arrays of offsets (keep them alive until
-        the stream passes this point)."""
+               nbytes: np.ndarray) -> None:
+        """Queue one launch on `stream` for the whole batch."""
         cp = cupy()
         n = len(nbytes)
         if n == 0:
-            return ()
-        if ((src_off | dst_off) & 15).any():
+            return
+        if ((np.asarray(src_off) | np.asarray(dst_off)) & 15).any():
             raise ValueError("copy offsets must be multiples of 16 bytes")
-        with cp.cuda.Device(self.device), stream:
-            meta = cp.asarray(np.stack([src_off, dst_off, nbytes]).astype(np.int64))
-            grid = (min(n, MAX_GRID),)
-            self._kernel(grid, (THREADS,), (cp.uint64(src_ptr), cp.uint64(dst_ptr), meta[0], meta[1], meta[2],
-                                            np.int32(n)))
-        return (meta,)
+        meta = pack_meta(np.asarray(src_off), np.asarray(dst_off), np.asarray(nbytes))
+        total_chunks = int(meta[-1])
+        with cp.cuda.Device(self.device):
+            ring = self._meta.setdefault(stream.ptr, _StreamMeta(cp, stream))
+            device_meta = ring.upload(cp, meta)
+            grid = (max(1, min(total_chunks, GRID_PER_SM * self._sms)),)
+            self._kernel(grid, (THREADS,), (cp.uint64(src_ptr), cp.uint64(dst_ptr), device_meta, np.int32(n)),
+                         stream=stream)

@@ -1,29 +1,29 @@
 """The heat policy: keep the blocks that will earn the most hits for the space they hold.
 
-Heat is a learned *hit density* (LHD, NSDI'18) — expected hits per block per unit of time it stays —
-plus weighted request features:
+    heat = w_frequency·log2 density[class, age]  −  w_recency·0.2·log2(1 + age)
+         + w_priority·priority  +  w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)
+         + w_stage·stage
 
-    heat = w_frequency·log2 density[class, age]  +  w_recency·recency  +  w_priority·priority
-         + w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)  +  w_stage·stage
-
-- *class* is the block's decayed access frequency, log2-bucketed. The count comes from a frequency
-  sketch keyed by content key (admission.py), so a block that was evicted and is written again
-  (recomputed) comes back with its history: in KV caches most reuse distances exceed the cache, so
-  a per-block counter would forget exactly the blocks that return.
-- *age* is the time since the block's last access, in the policy's own logical clock (block reads
-  and writes), log-binned: the policy adapts to load instead of to wall-clock seconds.
-- density[class, age] is learned online from what happened to earlier blocks: hits and evictions
-  are counted per (class, age) bin, and density = hits still to come / space-time still to spend,
-  for a block that has reached that age (LHD). Histograms decay, so the model follows the workload.
-  A block used once and idle since (the bulk of most traces) sinks below a block whose class keeps
-  returning, and an old popular block sinks once its class's hits at that age dry up.
-- Prefix chains: the mechanism only lets leaves leave, and picks the tier's lowest-scored blocks
-  (placement.select), so a cold chain leaves from its tail while a shared system prompt, which is
-  read by every session, keeps a high class and stays.
+- *class*: the content key's recent (decayed) reference count, log2-bucketed, from a frequency
+  sketch (admission.py). A block that was evicted and is written again (recomputed) comes back with
+  its history: most KV reuse distances exceed the cache, so a per-block counter would forget exactly
+  the blocks that return.
+- *age*: time since the block's last access in the policy's own logical clock (block reads and
+  writes), so the policy follows load rather than wall-clock rates.
+- density[class, age]: expected hits per unit of space-time (LHD), learned from the reuse distances
+  of content keys (density.py). A block used once and idle since sinks below one whose class keeps
+  returning; the small log-age slope orders blocks of equal density by recency (LRU within a class).
+- priority, sharing (live references), fan-out (cached children: a shared system prompt is hot even
+  while each session is idle) and stage (decoding > finished) come from the block table, weighted
+  by `policy.weights`, changeable at run time (`set_weights`).
+- Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
+  (placement.select), so a cold chain leaves from its tail.
+- Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
+  has room, else only on a second hit (its key referenced at least twice lately).
 
 Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`); accessed
-or written blocks are re-scored at once. All per-block state lives in numpy arrays that grow with
-the table.
+or written blocks are re-scored at once. Per-block state lives in numpy arrays that grow with the
+table: a logical timestamp (8 B) and a class (8 B) per row.
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing":
 class HeatPolicy(Policy):
     name = "heat"
 
-    def __init__(self, weights: dict[str, float] | None = None, *, decay_half_life_s: float = 60.0,
+    def __init__(self, weights: dict[str, float] | None = None, *,
                  rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18):
         self.weights = dict(DEFAULT_WEIGHTS)
         self.set_weights(weights or {})
-        self.decay_half_life_s = decay_half_life_s
         self.rescore_interval_s = rescore_interval_s
         self.sketch = FrequencySketch(sketch_width)
         self.filter = SecondHitFilter(self.sketch)

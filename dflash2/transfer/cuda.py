@@ -29,10 +29,9 @@ log = logging.getLogger("dflash2.transfer.cuda")
 class KernelJob(CopyJob):
     """A batch queued on a stream; done when its event has passed."""
 
-    def __init__(self, batch: CopyBatch, event, keep_alive):
+    def __init__(self, batch: CopyBatch, event):
         self.batch = batch
         self._event = event
-        self._keep = keep_alive
 
     def done(self) -> bool:
         return self._event.done
@@ -43,7 +42,6 @@ class KernelJob(CopyJob):
         except Exception:  # a launch that failed: the whole batch failed, the blocks stay put
             log.exception("copy kernel of %d blocks failed", len(self.batch))
             return np.zeros(len(self.batch), dtype=bool)
-        self._keep = None
         return np.ones(len(self.batch), dtype=bool)
 
 
@@ -95,12 +93,12 @@ class CudaTransferBackend(TransferBackend):
         stream = self.d2h if to_host else self.h2d
         src = self.hbm.ptr if to_host else self.dram.device_ptr
         dst = self.dram.device_ptr if to_host else self.hbm.ptr
-        keep = self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
+        self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
         cp = cupy()
         with cp.cuda.Device(self.device):
             event = cp.cuda.Event(disable_timing=True)
             event.record(stream)
-        return KernelJob(batch, event, keep)
+        return KernelJob(batch, event)
 
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:

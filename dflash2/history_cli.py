@@ -1,0 +1,207 @@
+"""`dflash2 history`: read the daemon's history and print it, as JSON lines, or as a plot.
+
+    dflash2 history [--config F | --endpoint E | --file STATE_DIR/history.jsonl]
+                    [--since 30m] [--json] [--rows N] [--plot FILE.png]
+
+The plot (matplotlib, `pip install 'dflash2[plot]'`) has three panels over time: tier use, the HBM
+hit ratio per interval, and swap bandwidth per direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+from pathlib import Path
+
+import zmq
+
+from dflash2 import protocol as P
+from dflash2.history import decode, rates, read_file
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class HistoryError(Exception):
+    """Something the user can fix (no daemon, history off, bad duration)."""
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 6h or 1d")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present)")
+    src.add_argument("--endpoint", metavar="E", help="the daemon's control endpoint (ipc://... or tcp://...)")
+    src.add_argument("--file", metavar="PATH", help="read a history file offline (STATE_DIR/history.jsonl)")
+    parser.add_argument("--since", type=parse_duration, default=None, metavar="DUR",
+                        help="only the last DUR (e.g. 30m, 6h); default: all that is kept")
+    parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
+    parser.add_argument("--rows", type=int, default=30, metavar="N", help="text table rows at most (default 30)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the daemon")
+
+
+def handler(args: argparse.Namespace) -> int:
+    from dflash2.cli import UsageError
+
+    try:
+        samples = load(args)
+    except HistoryError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        for s in samples:
+            print(json.dumps(s, separators=(",", ":")))
+    else:
+        print(render(samples, args.rows))
+    if args.plot:
+        try:
+            plot(samples, args.plot)
+        except ModuleNotFoundError:
+            raise UsageError("--plot needs matplotlib: pip install 'dflash2[plot]'") from None
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return EXIT_OK
+
+
+# -- reading -------------------------------------------------------------------------------------
+def load(args: argparse.Namespace) -> list[dict]:
+    if args.file:
+        path = Path(args.file)
+        if not path.exists():
+            raise HistoryError(f"no history file at {path}")
+        samples = read_file(path)
+        if args.since is not None and samples:
+            cutoff = samples[-1]["t"] - args.since
+            samples = [s for s in samples if s["t"] >= cutoff]
+        return samples
+    return fetch(resolve_endpoint(args), args.since, args.timeout)
+
+
+def resolve_endpoint(args: argparse.Namespace) -> str:
+    from dflash2.config import default_endpoint, load_config
+    from dflash2.errors import ConfigError
+
+    if args.endpoint:
+        return args.endpoint
+    path = args.config or ("dflash2_config.json" if os.path.exists("dflash2_config.json") else None)
+    if path is None:
+        return default_endpoint(os.environ)
+    try:
+        return load_config(path).resolved_endpoint()
+    except ConfigError as e:
+        raise HistoryError(str(e)) from None
+
+
+def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
+    """The daemon's samples over the control protocol (raw: needs no attached client)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        args = {} if since_s is None else {"since_s": since_s}
+        sock.send_multipart(P.encode_request(P.Op.HISTORY, 1, None, args))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise HistoryError(f"no answer from a daemon at {endpoint} within {timeout_s:g}s; is dflash2d running?")
+        reply = P.decode_reply(sock.recv_multipart())
+    finally:
+        sock.close(0)
+    if not reply.ok:
+        raise HistoryError(f"the daemon refused: {reply.error_type}: {reply.error_message}")
+    if not reply.result.get("enabled"):
+        raise HistoryError("the daemon keeps no history: set history_enabled: true in its config and restart it")
+    return decode(reply.arrays[0]) if reply.arrays else []
+
+
+# -- text ----------------------------------------------------------------------------------------
+def render(samples: list[dict], max_rows: int = 30) -> str:
+    if not samples:
+        return "no samples yet"
+    tiers = list(samples[-1]["tiers"])
+    head = ["time"] + [f"{t} use" for t in tiers] + ["hbm hit", "swap out MB/s", "swap in MB/s", "clients", "deferred"]
+    step = max(1, -(-len(samples) // max_rows))
+    picked = samples[::step]
+    if picked[-1] is not samples[-1]:
+        picked.append(samples[-1])
+    rows = []
+    for a, b in zip([None, *picked], picked):
+        rows.append([_clock(b["t"])] + [_pct(b["tiers"][t]) for t in tiers] + _interval(a, b)
+                    + [str(b["clients"]), str(b["reservations"]["deferred"])])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+    span = samples[-1]["t"] - samples[0]["t"]
+    lines.append(f"{len(samples)} samples over {span:.0f}s; hit ratio and bandwidth are per row's interval")
+    return "\n".join(lines)
+
+
+def _interval(a: dict | None, b: dict) -> list[str]:
+    if a is None:
+        return ["-", "-", "-"]
+    r = rates([a, b])
+    if not r:
+        return ["(restart)", "-", "-"]
+    r = r[0]
+    out_bps = sum(v for d, v in r["swap_bps"].items() if _rank(d) > 0)
+    in_bps = sum(v for d, v in r["swap_bps"].items() if _rank(d) < 0)
+    hit = "-" if r["hbm_hit_ratio"] is None else f"{100 * r['hbm_hit_ratio']:.1f}%"
+    return [hit, f"{out_bps / 1e6:.1f}", f"{in_bps / 1e6:.1f}"]
+
+
+def _rank(d: str) -> int:
+    """>0 for a move to a slower tier (out of the fast ones), <0 for a move to a faster one."""
+    order = {"hbm": 0, "dram": 1, "nvme": 2}
+    src, dst = d.split("->")
+    return order[dst] - order[src]
+
+
+def _pct(t: dict) -> str:
+    return f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}%" if t["capacity_bytes"] else "-"
+
+
+def _clock(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+# -- plot ----------------------------------------------------------------------------------------
+def plot(samples: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_use, ax_hit, ax_bw) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    times = [_dt.datetime.fromtimestamp(s["t"]) for s in samples]
+    for tier in (samples[-1]["tiers"] if samples else []):
+        ax_use.plot(times, [100 * s["tiers"][tier]["used_bytes"] / max(1, s["tiers"][tier]["capacity_bytes"])
+                            if tier in s["tiers"] else float("nan") for s in samples], label=tier)
+    ax_use.set_ylabel("tier use (%)")
+    ax_use.set_ylim(0, 105)
+    r = rates(samples)
+    rt = [_dt.datetime.fromtimestamp(x["t"]) for x in r]
+    ax_hit.plot(rt, [float("nan") if x["hbm_hit_ratio"] is None else x["hbm_hit_ratio"] for x in r],
+                label="per interval")
+    ax_hit.plot(times, [float("nan") if s["hbm_hit_ratio"] is None else s["hbm_hit_ratio"] for s in samples],
+                label="since start", linestyle="--")
+    ax_hit.axhline(0.95, color="red", linewidth=0.8, label="alert (0.95)")
+    ax_hit.set_ylabel("HBM hit ratio")
+    ax_hit.set_ylim(0, 1.05)
+    for d in sorted({d for x in r for d in x["swap_bps"]}):
+        ax_bw.plot(rt, [x["swap_bps"].get(d, 0) / 1e6 for x in r], label=d)
+    ax_bw.set_ylabel("swap MB/s")
+    for ax in (ax_use, ax_hit, ax_bw):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", fontsize="small")
+    fig.suptitle("dflash2 history")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""`dflash2 status [--config FILE | --endpoint E] [--json]`: what a running daemon holds.
+
+Tiers (capacity, used, blocks), hit rates, moves, clients and reservations: a table for people, or
+the daemon's `stats` reply as JSON for scripts. Status does not attach (it is not a client of the
+cache); it sends one `stats` request. No daemon → exit 1 with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable
+
+EXIT_OK = 0
+EXIT_UNAVAILABLE = 1
+EXIT_USAGE = 2
+TIMEOUT_S = 3.0
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--config", metavar="FILE", default=None,
+                       help="config whose daemon.endpoint to ask (default: dflash2_config.json here)")
+    where.add_argument("--endpoint", metavar="E", default=None, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
+    parser.add_argument("--json", action="store_true", help="print the daemon's stats as JSON")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon")
+
+
+def handler(args: argparse.Namespace) -> int:
+    from dflash2.client.client import resolve_endpoint
+    from dflash2.client.transport import Transport, check_endpoint
+    from dflash2.protocol import Op
+
+    try:
+        endpoint = resolve_endpoint(args.endpoint, args.config)
+    except (ConfigError, OSError) as e:
+        print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        check_endpoint(endpoint)
+        transport = Transport(endpoint, args.timeout)
+        try:
+            stats = transport.call(Op.STATS).result
+        finally:
+            transport.close()
+    except (DaemonUnavailable, DaemonError) as e:
+        print(f"dflash2 status: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    stats["endpoint"] = endpoint
+    print(json.dumps(stats, indent=2) if args.json else render(stats))
+    return EXIT_OK
+
+
+def render(st: dict) -> str:
+    d = st.get("daemon", {})
+    lines = [f"dflash2d pid {d.get('pid')} at {st.get('endpoint', '?')} (device: {d.get('device')}, "
+             f"policy: {st.get('policy', {}).get('name')}); requests {d.get('requests', 0)}, "
+             f"errors {d.get('errors', 0)}, leases expired {d.get('leases_expired', 0)}", ""]
+    rows = [("tier", "capacity", "used", "used %", "blocks")]
+    for name, t in st.get("tiers", {}).items():
+        cap, used = t.get("capacity_bytes", 0), t.get("used_bytes", 0)
+        rows.append((name, _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-", str(t.get("blocks", 0))))
+    lines += _table(rows)
+    ratio = st.get("hbm_hit_ratio")
+    reads = ", ".join(f"{k} {v}" for k, v in st.get("reads", {}).items()) or "none"
+    lines += ["", f"hbm hit ratio: {'-' if ratio is None else f'{100 * ratio:.1f}%'} (block reads: {reads}); "
+                  f"lookups {st.get('lookups', 0)}"]
+    moves = st.get("moves", {})
+    lines.append("moves: " + ("; ".join(f"{k} {_brief(v)}" for k, v in moves.items()) if moves else "none"))
+    placement = st.get("placement", {})
+    if placement:
+        lines.append("placement: " + _brief(placement))
+    res = st.get("reservations", {})
+    lines.append(f"reservations: granted {res.get('granted', 0)}, deferred {res.get('deferred', 0)}, "
+                 f"reserved blocks {res.get('reserved_blocks', 0)}; totals: "
+                 + _brief({k[len('total_'):]: v for k, v in res.items() if k.startswith("total_")}))
+    clients = st.get("clients", [])
+    lines += ["", f"clients: {len(clients)}"]
+    if clients:
+        lines += _table([("id", "name", "pid", "idle s")]
+                        + [(str(c["client"]), str(c["name"]), str(c["pid"]), f"{c['idle_s']:.1f}") for c in clients])
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+            for r in rows]
+
+
+def _brief(d) -> str:
+    if not isinstance(d, dict):
+        return str(d)
+    return ", ".join(f"{k} {round(v, 3) if isinstance(v, float) else v}" for k, v in d.items())
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,60 @@
+"""A real dflash2d subprocess for integration tests (started on a config file, stopped at teardown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class DaemonProcess:
+    def __init__(self, config_path: str):
+        self.config_path = config_path
+        cfg = json.loads(Path(config_path).read_text())
+        self.endpoint = cfg["daemon"]["endpoint"]
+        self.socket_path = Path(self.endpoint[len("ipc://"):])
+        self.log_path = Path(config_path).with_name(f"dflash2d-{time.monotonic_ns()}.log")
+        self.proc: subprocess.Popen | None = None
+        self.startup_line = ""
+
+    def start(self) -> "DaemonProcess":
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", self.config_path],
+                                         stdout=subprocess.PIPE, stderr=log, text=True,
+                                         cwd=str(Path(self.config_path).parent))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("DFlash2: enabled"):
+                self.startup_line = line.strip()
+                return self
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"dflash2d exited with {self.proc.returncode}: {self.log()}")
+        self.stop()
+        raise RuntimeError(f"dflash2d did not start within {STARTUP_TIMEOUT_S}s: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.terminate()
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -1,0 +1,257 @@
+"""Integration: the real dflash2d subprocess on an ipc:// endpoint in tmp_path, and the real client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client, DaemonError, DaemonUnavailable, Transport, VersionMismatch, chain_keys
+from dflash2.layout import Layout
+from dflash2.protocol import Op
+
+SMALL = Layout("small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+LEASE = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.3}
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def connect(daemon):
+    made = []
+
+    def make(name="test", layouts=(SMALL,), **kw):
+        c = Client.connect(daemon.endpoint, name=name, layouts=list(layouts), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def run_child(script: str, *args, timeout=30) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+READER = """
+    import json, sys
+    from dflash2.client import Client
+    from dflash2.layout import Layout
+    endpoint, layout, keys = sys.argv[1], Layout.from_dict(json.loads(sys.argv[2])), json.loads(sys.argv[3])
+    with Client.connect(endpoint, name="reader", layouts=[layout]) as c:
+        found = c.lookup(keys)
+        places = c.acquire(found["vid"])
+        firsts = [float(c.view(p).flatten()[0]) for p in places]
+        c.view(places[0]).flatten()[1] = -7.0  # the writer sees this byte change too
+        c.release(found["vid"])
+        print(json.dumps({"found": len(found), "firsts": firsts, "vids": found["vid"].tolist()}))
+"""
+
+
+def test_startup_line_says_host_memory(daemon):
+    assert "no GPU" in daemon.startup_line and "committed" in daemon.startup_line
+
+
+def test_two_processes_share_a_prefix_by_content_key(connect, daemon):
+    writer = connect("writer")
+    lid = writer.layouts[0]
+    places = writer.allocate(lid, 3)
+    for i, p in enumerate(places):
+        t = writer.view(p)
+        assert t.shape == SMALL.shape and t.dtype == torch.float16
+        t.fill_(float(i + 1))
+    keys = chain_keys(range(3 * 16), 16, "small-model")
+    vids = writer.commit(places["vid"], keys=keys)
+    got = run_child(READER, daemon.endpoint, json.dumps(SMALL.to_dict()), json.dumps(keys))
+    assert got == {"found": 3, "firsts": [1.0, 2.0, 3.0], "vids": vids.tolist()}
+    # The reader's write through its own view is in our mapping and in the daemon's segment file.
+    pinned = writer.acquire(vids[:1])
+    assert float(writer.view(pinned[0]).flatten()[1]) == -7.0
+    arena = next(a for a in writer.arena_info if a["tier"] == "hbm")
+    with open(f"/dev/shm/{arena['name']}", "rb") as f:
+        f.seek(int(pinned[0]["offset"]))
+        raw = np.frombuffer(f.read(SMALL.block_bytes), dtype=np.float16)
+    assert raw[0] == 1.0 and raw[1] == -7.0
+    assert np.shares_memory(writer.view_bytes(pinned[0]), writer.view_bytes(int(vids[0])))
+    writer.release(vids[:1])
+    writer.check()
+
+
+def test_views_cover_every_dtype(connect):
+    layouts = [Layout(f"l-{d}", 2, 2, 64, d, 16) for d in ("bf16", "fp32", "int8", "fp8_e4m3", "fp8_e5m2", "int4")]
+    c = connect("dtypes", layouts=layouts)
+    expected = [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8]
+    for lid, lay, dtype in zip(c.layouts, layouts, expected):
+        p = c.allocate(lid, 1)[0]
+        t = c.view(p)
+        assert t.dtype == dtype and t.untyped_storage().nbytes() == lay.block_bytes
+        assert t.shape == (lay.shape if lay.dtype != "int4" else (*lay.shape[:-1], 32))
+
+
+def test_reservation_deferred_until_another_client_frees(connect):
+    hog, waiter = connect("hog"), connect("waiter")
+    lid = hog.layouts[0]
+    held = []
+    while (p := hog.allocate(lid, 32)) is not None:  # private blocks being written: they cannot move
+        held.append(p["vid"])
+    d = waiter.reserve(lid, tokens=4 * 16)
+    assert d.deferred and d.position == 0, d
+    hog.free(np.concatenate(held)[:8])
+    deadline = time.monotonic() + 5
+    while not (d2 := waiter.reservation(d.reservation_id)).granted:
+        assert time.monotonic() < deadline, d2
+        time.sleep(0.05)
+    places = waiter.take(d.reservation_id, 4)
+    assert len(places) == 4 and (places["tier"] == 0).all()
+    waiter.check()
+
+
+def test_error_replies_keep_the_daemon_error_kind(connect):
+    a, b = connect("a"), connect("b")
+    p = a.allocate(a.layouts[0], 2)
+    with pytest.raises(DaemonError) as e:
+        b.free(p["vid"])
+    assert e.value.kind == "NotOwner"
+    assert a.free(p["vid"][:1]) == 1
+    with pytest.raises(DaemonError) as e:
+        a.free(p["vid"][:1])
+    assert e.value.kind in ("NotOwner", "UnknownBlock")
+    with pytest.raises(DaemonError) as e:
+        a.reserve(99, 16)
+    assert e.value.kind == "UnknownLayout"
+    a.check()
+
+
+CRASHER = """
+    import json, sys, time
+    from dflash2.client import Client, chain_keys
+    from dflash2.layout import Layout
+    endpoint, layout = sys.argv[1], Layout.from_dict(json.loads(sys.argv[2]))
+    c = Client.connect(endpoint, name="crasher", layouts=[layout])
+    lid = c.layouts[0]
+    c.allocate(lid, 2)                                  # private, being written
+    pub = c.allocate(lid, 2)
+    keys = chain_keys(range(32), 16, "crash")
+    vids = c.commit(pub["vid"], keys=keys)              # published
+    c.acquire(vids)                                     # pinned
+    d = c.reserve(lid, 64)                              # 4 blocks reserved
+    print(json.dumps({"keys": keys, "reserved": d.granted}), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_sigkilled_client_resources_come_back_within_the_lease(connect, daemon):
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CRASHER), daemon.endpoint,
+                              json.dumps(SMALL.to_dict())], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(child.stdout.readline())
+        assert info["reserved"]
+        observer = connect("observer")
+        st = observer.stats()
+        assert st["tiers"]["hbm"]["blocks"] == 8 and st["reservations"]["granted"] == 1
+        os.kill(child.pid, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        child.kill()
+        child.wait()
+    while True:
+        st = observer.stats()
+        if [c["name"] for c in st["clients"]] == ["observer"]:
+            break
+        assert time.monotonic() - killed < LEASE["lease_timeout_s"] + 1.0, st["clients"]
+        time.sleep(0.05)
+    assert st["reservations"]["granted"] == 0 and st["reservations"]["reserved_blocks"] == 0
+    assert st["tiers"]["hbm"]["blocks"] == 2  # only the published blocks stay
+    found = observer.lookup(info["keys"])
+    assert len(found) == 2
+    places = observer.acquire(found["vid"])  # usable, and no longer pinned by the dead client
+    assert places is not None
+    observer.release(found["vid"])
+    observer.free(observer.allocate(observer.layouts[0], 1)["vid"])
+    observer.check()
+
+
+def test_silent_client_loses_its_lease(connect):
+    quiet = connect("quiet", heartbeat=False)
+    quiet.allocate(quiet.layouts[0], 1)
+    time.sleep(LEASE["lease_timeout_s"] + 0.5)
+    with pytest.raises(DaemonError) as e:
+        quiet.allocate(quiet.layouts[0], 1)
+    assert e.value.kind == "UnknownClient"
+    beating = connect("beating")
+    time.sleep(LEASE["lease_timeout_s"] + 0.5)
+    assert beating.allocate(beating.layouts[0], 1) is not None and not beating.lease_lost
+
+
+def test_version_mismatch_is_a_clear_error(daemon):
+    t = Transport(daemon.endpoint, timeout_s=2.0, version=99)
+    started = time.monotonic()
+    with pytest.raises(VersionMismatch, match="version mismatch"):
+        t.call(Op.PING)
+    assert time.monotonic() - started < 1.0
+    t.close()
+
+
+def test_second_daemon_on_the_endpoint_refuses(daemon):
+    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", daemon.config_path],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 4
+    assert f"another dflash2d (pid {daemon.pid})" in out.stderr and daemon.endpoint in out.stderr
+    Transport(daemon.endpoint).call(Op.PING)  # the first one still serves
+
+
+def test_sigterm_removes_socket_and_segments(connect, daemon):
+    c = connect("leaver")
+    segments = [Path(f"/dev/shm/{a['name']}") for a in c.arena_info]
+    assert segments and all(s.exists() for s in segments) and daemon.socket_path.exists()
+    assert daemon.terminate() == 0
+    assert not daemon.socket_path.exists()
+    assert not any(s.exists() for s in segments)
+    with pytest.raises(DaemonUnavailable, match="ping"):
+        c._transport.timeout_s = 0.3
+        c.ping()
+
+
+def test_daemon_gone_is_daemon_unavailable(tmp_path):
+    with pytest.raises(DaemonUnavailable, match="does not exist"):
+        Client.connect(f"ipc://{tmp_path}/none.sock")
+
+
+def test_status_table_and_json(connect, daemon, capsys):
+    from dflash2.cli import main
+
+    c = connect("engine-7")
+    c.allocate(c.layouts[0], 2)
+    assert main(["status", "--config", daemon.config_path]) == 0
+    table = capsys.readouterr().out
+    assert "hbm" in table and "engine-7" in table and "reservations" in table and "hit ratio" in table
+    assert main(["status", "--endpoint", daemon.endpoint, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["tiers"]["hbm"]["blocks"] == 2 and st["clients"][0]["name"] == "engine-7"
+
+
+def test_status_without_daemon_exits_1(tmp_path, config_file, capsys):
+    from dflash2.cli import main
+
+    assert main(["status", "--config", config_file()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no dflash2d" in err

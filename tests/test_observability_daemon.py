@@ -1,0 +1,225 @@
+"""The real dflash2d under a small load: its history reads back what happened, its JSON logs carry
+the start-up, swap and shutdown events, and a real Prometheus scraping it answers every PromQL
+expression of the Grafana dashboard and of the alert rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash2 import protocol as P
+from dflash2.history import decode, read_file, rates
+from dflash2.history_cli import fetch
+from observe_helpers import RawClient, fill_then_reuse, free_port, running_daemon
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+pytestmark = pytest.mark.slow
+
+
+def _endpoint(tmp_path) -> str:
+    return f"ipc://{tmp_path}/d.sock"
+
+
+def _wait_for_sample(client: RawClient, after: float, timeout_s: float = 5.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = client.call(P.Op.HISTORY)
+        samples = decode(reply.arrays[0])
+        if samples and samples[-1]["t"] > after:
+            return samples
+        time.sleep(0.1)
+    raise AssertionError(f"no history sample after t={after}")
+
+
+def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, config_file):
+    cfg = config_file(history_enabled=True, daemon={"endpoint": _endpoint(tmp_path), "state_dir": str(tmp_path / "state")},
+                      logging={"format": "json", "level": "info"})
+    log_path = tmp_path / "daemon.log"
+    with running_daemon(cfg, str(log_path)):
+        c = RawClient(_endpoint(tmp_path))
+        c.attach()
+        # Phase 1: 128 blocks written and cached in HBM, nothing read yet.
+        vids = c.allocate(128)
+        c.commit(vids, list(range(1000, 1128)))
+        phase1 = _wait_for_sample(c, time.time())
+        # Phase 2: the fill-and-reuse load (demotions to DRAM, promotions back).
+        fill_then_reuse(c)
+        truth = c.stats()
+        samples = _wait_for_sample(c, time.time())
+        reply = c.call(P.Op.HISTORY, {"since_s": 3600})
+        assert reply.result == {"enabled": True, "interval_s": 1.0, "count": len(decode(reply.arrays[0]))}
+        over_cli = fetch(_endpoint(tmp_path), since_s=None)
+        c.close()
+
+    seen1 = phase1[-1]
+    assert seen1["tiers"]["hbm"]["blocks"] == 128 and seen1["tiers"]["hbm"]["used_bytes"] == 128 * 16384
+    assert seen1["reads"] == {} and seen1["swaps"] == {} and seen1["clients"] == 1
+    last = samples[-1]
+    for tier, s in truth["tiers"].items():
+        assert last["tiers"][tier] == {k: s[k] for k in ("used_bytes", "capacity_bytes", "blocks")}
+    assert last["reads"] == truth["reads"] and last["reads"].get("dram", 0) > 0
+    assert last["hbm_hit_ratio"] == pytest.approx(truth["hbm_hit_ratio"]) and last["hbm_hit_ratio"] < 1
+    assert {d: m["bytes"] for d, m in last["swaps"].items()} == {d: m["bytes"] for d, m in truth["moves"].items()}
+    assert last["swaps"]["hbm->dram"]["blocks"] > 0 and last["swaps"]["dram->hbm"]["blocks"] > 0
+    # Per-interval rates add up to the totals: every byte moved shows up in exactly one interval.
+    moved = sum(r["swap_bps"].get("dram->hbm", 0) * r["dt"] for r in rates(samples))
+    assert moved == pytest.approx(truth["moves"]["dram->hbm"]["bytes"])
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
+    assert over_cli[: len(samples)] == samples[: len(over_cli)]
+
+    # The file under the state folder holds the same series, plus the last sample taken at shutdown.
+    on_disk = read_file(tmp_path / "state" / "history.jsonl")
+    assert on_disk[: len(samples)] == samples and on_disk[-1]["clients"] == 0
+
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("dflash2_start") == 1 and kinds[-2:].count("dflash2_shutdown") + kinds[-1:].count("dflash2_shutdown") >= 1
+    swaps = [e for e in events if e["event"] == "dflash2_swap"]
+    assert sum(e["blocks"] for e in swaps) == sum(m["blocks"] + m["failed_blocks"] for m in truth["moves"].values())
+    assert sum(e["bytes"] for e in swaps) == sum(m["bytes"] for m in truth["moves"].values())
+    assert all({"ts", "level", "logger", "direction", "seconds"} <= set(e) for e in swaps)
+
+
+# -- Prometheus -------------------------------------------------------------------------------------
+COMPARISON = re.compile(r"^(?P<measure>.*\S)\s*(==|!=|>=|<=|>|<)\s*[-+0-9.eE]+\s*$", re.S)
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def grafana_to_promql(expr: str) -> str:
+    """Grafana's variables as Prometheus sees them once the dashboard picks 'All' nodes."""
+    return expr.replace("$__rate_interval", "1m").replace('"$instance"', '".*"')
+
+
+class PromAPI:
+    def __init__(self, base: str):
+        self.base = base
+
+    def get(self, path: str, **params) -> dict:
+        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}" if params else f"{self.base}{path}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.get("/api/v1/query", query=expr)["result"]
+
+    def wait_for(self, expr: str, ok, timeout_s: float = 30.0) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(expr)
+            if ok(result):
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting on {expr}: {result}")
+            time.sleep(0.25)
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.skip("the prometheus server binary is not installed (.ci/run installs Debian's `prometheus`)")
+    return path
+
+
+@pytest.fixture
+def prometheus(tmp_path, prometheus_binary):
+    """Start Prometheus with deploy/'s scrape config and rules, scraping `target`; yields a starter."""
+    procs = []
+
+    def start(target: str) -> PromAPI:
+        scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+        scrape["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        job = scrape["scrape_configs"][0]
+        job.update(scrape_interval="1s", scrape_timeout="900ms", static_configs=[{"targets": [target]}])
+        scrape["rule_files"] = [str(DEPLOY / "prometheus" / "dflash2_alerts.yml")]
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump(scrape))
+        port = free_port()
+        log = open(tmp_path / "prometheus.log", "w")
+        proc = subprocess.Popen([prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+        api = PromAPI(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{api.base}/-/ready", timeout=2).read()
+                return api
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+                time.sleep(0.2)
+
+    yield start
+    for proc, log in procs:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_prometheus_answers_every_dashboard_and_alert_expression(tmp_path, config_file, prometheus):
+    port = free_port()
+    cfg = config_file(metrics={"port": port, "host": "127.0.0.1"}, daemon={"endpoint": _endpoint(tmp_path)},
+                      logging={"format": "json", "level": "warning"})
+    with running_daemon(cfg, str(tmp_path / "daemon.log")):
+        api = prometheus(f"127.0.0.1:{port}")
+        api.wait_for('count_over_time(up{job="dflash2"}[1m])', lambda r: r and float(r[0]["value"][1]) >= 2)
+        c = RawClient(_endpoint(tmp_path))
+        c.attach()
+        fill_then_reuse(c)
+        granted = c.call(P.Op.RESERVE, {"layout": c.layout, "tokens": 64})
+        assert granted.result["outcome"] == "granted"
+        truth = c.stats()
+        # Wait until a scrape after the load is stored, plus a couple more for rate() windows.
+        api.wait_for('dflash2_swap_bytes_total{direction="dram->hbm"}',
+                     lambda r: r and float(r[0]["value"][1]) == truth["moves"]["dram->hbm"]["bytes"])
+        time.sleep(2.5)
+
+        assert float(api.query('up{job="dflash2"}')[0]["value"][1]) == 1
+        empty = []
+        for expr in dashboard_exprs():
+            if not api.query(grafana_to_promql(expr)):
+                empty.append(expr)
+        for rule in alert_rules():
+            m = COMPARISON.match(rule["expr"].strip())
+            assert m, f"alert {rule['alert']}: expression is not MEASURE OP THRESHOLD: {rule['expr']}"
+            if not api.query(m.group("measure")):
+                empty.append(f"{rule['alert']}: {m.group('measure')}")
+        assert not empty, "expressions that returned no data:\n" + "\n".join(empty)
+
+        # The figures agree with the daemon, and the hit-ratio alert condition holds (75% < 95%).
+        used = api.query('dflash2_tier_used_bytes{tier="hbm"}')
+        assert float(used[0]["value"][1]) == truth["tiers"]["hbm"]["used_bytes"]
+        ratio = api.query('dflash2_hbm_hit_ratio')
+        assert float(ratio[0]["value"][1]) == pytest.approx(truth["hbm_hit_ratio"])
+        hit_alert = next(r for r in alert_rules() if r["alert"] == "DFlash2HbmHitRatioLow")
+        assert api.query(hit_alert["expr"]), "the hit ratio under load is below 0.95: the condition must hold"
+        rules = api.get("/api/v1/rules")["groups"][0]["rules"]
+        assert {r["name"] for r in rules} == {r["alert"] for r in alert_rules()}
+        assert all(r["health"] == "ok" for r in rules), rules
+        c.close()

@@ -1,0 +1,57 @@
+"""`dflash2 bench policy`: the replay, Belady's optimum and the output fields."""
+
+import json
+
+import pytest
+
+from dflash2.bench.policy import Request, load_trace, replay
+from dflash2.cli import main
+
+FIELDS = {"policy", "hbm_blocks", "dram_blocks", "nvme_blocks", "requests", "prefix_hit_rate",
+          "hbm_prefix_hit_rate", "promotions", "demotions", "prefetch_useful", "prefetch_wasted"}
+
+
+def reqs(*chains):
+    return [Request(float(i), tuple(c)) for i, c in enumerate(chains)]
+
+
+def test_belady_is_optimal_on_a_hand_checked_trace():
+    # Cache of 2 blocks. Chains A=[1], B=[2], C=[3]. Order: A B C A B A. A missing block is written
+    # into HBM (no bypass), so C needs a slot: the optimum gives it B's (used later than A), then
+    # drops C (never used again) for B: hits A@3 and A@5 = 2 of 6. LRU drops A for C, B for A,
+    # C for B: one hit (A@5).
+    trace = reqs([1], [2], [3], [1], [2], [1])
+    best = replay(trace, "belady", hbm_blocks=2)
+    assert best["prefix_hit_rate"] == pytest.approx(2 / 6, abs=1e-4)
+    assert replay(trace, "lru", hbm_blocks=2)["prefix_hit_rate"] == pytest.approx(1 / 6, abs=1e-4)
+    for name in ("lru", "lfu", "heat"):
+        assert replay(trace, name, hbm_blocks=2)["prefix_hit_rate"] <= best["prefix_hit_rate"]
+
+
+def test_prefix_hits_count_only_the_leading_run():
+    # [1,2,3] then [1,9,3]: only block 1 is a prefix hit (3 is cached but behind a miss).
+    r = replay(reqs([1, 2, 3], [1, 9, 3]), "lru", hbm_blocks=16)
+    assert r["prefix_hit_rate"] == pytest.approx(1 / 6, abs=1e-4)
+
+
+def test_fields_exist_and_are_consistent_with_lower_tiers():
+    trace = [Request(i * 0.1, tuple(range(1 + (i % 7) * 10, 1 + (i % 7) * 10 + 6 + i % 3))) for i in range(120)]
+    for name in ("heat", "lru", "lfu", "belady"):
+        r = replay(trace, name, hbm_blocks=12, dram_blocks=16, nvme_blocks=32)
+        assert FIELDS <= set(r)
+        assert r["policy"] == name and r["requests"] == 120
+        assert (r["hbm_blocks"], r["dram_blocks"], r["nvme_blocks"]) == (12, 16, 32)
+        assert 0 <= r["hbm_prefix_hit_rate"] <= r["prefix_hit_rate"] <= 1
+        assert r["demotions"] > 0 and r["promotions"] > 0
+        assert r["prefetch_useful"] >= 0 and r["prefetch_wasted"] >= 0
+
+
+def test_cli_prints_one_json_line_per_policy(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 8,
+                                           "hash_ids": [0, 1, 2 + i % 3]}) for i in range(20)) + "\n")
+    assert [r.keys for r in load_trace(str(trace))][0] == (1, 2, 3)  # +1: no key is 0
+    assert main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "4", "--policies", "heat,lru", "--json"]) == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert [l["policy"] for l in lines] == ["heat", "lru"]
+    assert all(FIELDS <= set(l) for l in lines)
