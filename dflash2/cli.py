@@ -80,8 +80,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                           lambda a: importlib.import_module("dflash2.history_cli").handler(a)),
     # dflash2/status.py, imported when used
     "status": Subcommand("show what a running daemon holds: tiers, hit rates, moves, clients, reservations",
-                         lambda p: importlib.import_module("dflash2.status").configure(p),
-                         lambda a: importlib.import_module("dflash2.status").handler(a)),
+                         # --watch: dflash2/status_watch.py wraps dflash2/status.py
+                         lambda p: importlib.import_module("dflash2.status_watch").configure(p),
+                         lambda a: importlib.import_module("dflash2.status_watch").handler(a)),
 }
 
 

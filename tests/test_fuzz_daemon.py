@@ -156,6 +156,5 @@ def test_fuzzed_frames_get_replies_and_the_daemon_survives(daemon):
     t.call(P.Op.CHECK)
     st = t.call(P.Op.STATS).result
     t.close()
-    # Every client is gone: only published blocks may remain, and nothing is reserved or pinned.
+    # The clients that held anything are gone: nothing stays reserved.
     assert st["reservations"]["granted"] == 0 and st["reservations"]["reserved_blocks"] == 0
-    assert st["clients"] == [] or all(c["name"].startswith("fuzz") for c in st["clients"]) or True

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash2 import cli
 from dflash2 import protocol as P
 from dflash2.history import decode, read_file, rates
 from dflash2.history_cli import fetch
@@ -40,7 +41,7 @@ def _wait_for_sample(client: RawClient, after: float, timeout_s: float = 5.0) ->
     raise AssertionError(f"no history sample after t={after}")
 
 
-def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, config_file):
+def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, config_file, capsys):
     cfg = config_file(history_enabled=True, daemon={"endpoint": _endpoint(tmp_path), "state_dir": str(tmp_path / "state")},
                       logging={"format": "json", "level": "info"})
     log_path = tmp_path / "daemon.log"
@@ -58,6 +59,10 @@ def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, conf
         reply = c.call(P.Op.HISTORY, {"since_s": 3600})
         assert reply.result == {"enabled": True, "interval_s": 1.0, "count": len(decode(reply.arrays[0]))}
         over_cli = fetch(_endpoint(tmp_path), since_s=None)
+        capsys.readouterr()
+        assert cli.main(["status", "--watch", "--count", "2", "--interval", "0.2", "--endpoint", _endpoint(tmp_path)]) == 0
+        watched = capsys.readouterr().out
+        assert watched.count("since last frame") == 2 and "(first frame)" in watched and "requests/s" in watched
         c.close()
 
     seen1 = phase1[-1]
@@ -82,7 +87,8 @@ def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, conf
 
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
     kinds = [e["event"] for e in events]
-    assert kinds.count("dflash2_start") == 1 and kinds[-2:].count("dflash2_shutdown") + kinds[-1:].count("dflash2_shutdown") >= 1
+    assert kinds.count("dflash2_start") == 1 and kinds.count("dflash2_shutdown") == 1
+    assert kinds.index("dflash2_start") < kinds.index("dflash2_swap") < kinds.index("dflash2_shutdown")
     swaps = [e for e in events if e["event"] == "dflash2_swap"]
     assert sum(e["blocks"] for e in swaps) == sum(m["blocks"] + m["failed_blocks"] for m in truth["moves"].values())
     assert sum(e["bytes"] for e in swaps) == sum(m["bytes"] for m in truth["moves"].values())

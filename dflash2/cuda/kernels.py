@@ -80,7 +80,7 @@ class _StreamMeta:
 
     def __init__(self, cp, stream):
         self.stream = stream
-        self.host: list = [None] * META_RING
+        self.host: list[np.ndarray | None] = [None] * META_RING  # views of pinned buffers
         self.events: list = [None] * META_RING
         self.next = 0
         self.device = None
@@ -91,8 +91,9 @@ class _StreamMeta:
         if self.events[slot] is not None:
             self.events[slot].synchronize()  # the copy that last read this pinned buffer is done
         if self.host[slot] is None or self.host[slot].size < meta.size:
-            self.host[slot] = cp.cuda.alloc_pinned_memory(meta.nbytes * 2)
-        host = np.frombuffer(self.host[slot], dtype=np.int64, count=meta.size)
+            pinned = cp.cuda.alloc_pinned_memory(meta.nbytes * 2)
+            self.host[slot] = np.frombuffer(pinned, dtype=np.int64, count=meta.size * 2)
+        host = self.host[slot][: meta.size]
         host[:] = meta
         if self.device is None or self.device.size < meta.size:
             self.stream.synchronize()  # the old device buffer may still be read by a queued kernel
