@@ -72,6 +72,18 @@ def _import_bench(name: str):
         raise UsageError(f"bench {name!r} needs the module {exc.name!r}, which is not installed") from None
 
 
+def _configure_status(parser: argparse.ArgumentParser) -> None:
+    from dflash2.status import configure  # light: the client is imported only when status runs
+
+    configure(parser)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from dflash2.status import handler
+
+    return handler(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "bench": Subcommand("run a benchmark and print its figures", _configure_bench, _run_bench),
     # dflash2/history_cli.py, imported when used

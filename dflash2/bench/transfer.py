@@ -1,7 +1,9 @@
 """`dflash2 bench transfer` (on a GPU): the swap path against the link's limit and the naive way.
 
-For each block size, a batch of `--blocks` blocks at scattered offsets goes HBM→DRAM (d2h), DRAM→HBM
-(h2d) and both at once (bidir) through the CUDA transfer backend, the same path the mover uses.
+For each block size, batches of `--blocks` blocks at scattered offsets go HBM→DRAM (d2h), DRAM→HBM
+(h2d) and both at once (bidir) through the CUDA transfer backend, the same path the mover uses. The
+mover starts every batch of a move before it waits for any, so the main figures keep `--inflight`
+batches in flight; `*_single_gbps` start one batch and wait for it (latency included).
 In the same run: one contiguous pinned copy of the same bytes each way and both ways at once on two
 streams (contig_*: the link's limit), and one cudaMemcpyAsync per block (per_block_copy_gbps).
 """
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-kib", default="16,64,256,1024", help="block sizes in KiB (comma separated)")
     parser.add_argument("--blocks", type=int, default=1024, help="blocks per batch (default 1024)")
     parser.add_argument("--repeat", type=int, default=10, help="timed batches per figure (default 10)")
+    parser.add_argument("--inflight", type=int, default=4, help="batches in flight (default 4)")
     parser.add_argument("--device", type=int, default=0)
 
 
@@ -59,22 +62,28 @@ def run(args) -> list[dict]:
             def scattered():
                 return (rng.permutation(slots)[:n] * size).astype(np.int64)
             nb = np.full(n, size, dtype=np.int64)
-            down = CopyBatch(Tier.HBM, Tier.DRAM, scattered(), scattered(), nb)
-            up = CopyBatch(Tier.DRAM, Tier.HBM, scattered(), scattered(), nb)
+            k = args.inflight
+            downs = [CopyBatch(Tier.HBM, Tier.DRAM, scattered(), scattered(), nb) for _ in range(k)]
+            ups = [CopyBatch(Tier.DRAM, Tier.HBM, scattered(), scattered(), nb) for _ in range(k)]
             total = n * size
-            d2h = _time(lambda: backend.start(down).wait(), args.repeat)
-            h2d = _time(lambda: backend.start(up).wait(), args.repeat)
 
-            def both():
-                a, b = backend.start(down), backend.start(up)
-                a.wait()
-                b.wait()
-            bidir = _time(both, args.repeat)
+            def run_batches(*groups):
+                jobs = [backend.start(b) for group in groups for b in group]
+                for job in jobs:
+                    job.wait()
+            d2h = _time(lambda: run_batches(downs), args.repeat)
+            h2d = _time(lambda: run_batches(ups), args.repeat)
+            bidir = _time(lambda: run_batches(downs, ups), args.repeat)
+            d2h_single = _time(lambda: run_batches(downs[:1]), args.repeat)
+            h2d_single = _time(lambda: run_batches(ups[:1]), args.repeat)
             contig = _contiguous(cp, hbm, dram, total, args.repeat)
-            per_block = _per_block(cp, hbm, dram, down, args.repeat)
-            row = {"block_kib": size // KIB, "blocks": n,
-                   "d2h_gbps": _gbps(total * args.repeat, d2h), "h2d_gbps": _gbps(total * args.repeat, h2d),
-                   "bidir_gbps": _gbps(2 * total * args.repeat, bidir), **contig,
+            per_block = _per_block(cp, hbm, dram, downs[0], args.repeat)
+            moved = total * args.repeat * k
+            row = {"block_kib": size // KIB, "blocks": n, "inflight": k,
+                   "d2h_gbps": _gbps(moved, d2h), "h2d_gbps": _gbps(moved, h2d),
+                   "bidir_gbps": _gbps(2 * moved, bidir),
+                   "d2h_single_gbps": _gbps(total * args.repeat, d2h_single),
+                   "h2d_single_gbps": _gbps(total * args.repeat, h2d_single), **contig,
                    "per_block_copy_gbps": _gbps(total * args.repeat, per_block)}
             row["d2h_vs_contig"] = round(row["d2h_gbps"] / row["contig_d2h_gbps"], 3)
             row["h2d_vs_contig"] = round(row["h2d_gbps"] / row["contig_h2d_gbps"], 3)
