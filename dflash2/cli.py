@@ -72,29 +72,36 @@ def _import_bench(name: str):
         raise UsageError(f"bench {name!r} needs the module {exc.name!r}, which is not installed") from None
 
 
-def _configure_status(parser: argparse.ArgumentParser) -> None:
-    from dflash2.status import configure  # light: the client is imported only when status runs
+def _configure_history(parser: argparse.ArgumentParser) -> None:
+    from dflash2.history_cli import configure  # dflash2/history_cli.py
 
     configure(parser)
 
 
-def _run_status(args: argparse.Namespace) -> int:
-    from dflash2.status import handler
+def _run_history(args: argparse.Namespace) -> int:
+    from dflash2.history_cli import handler
+
+    return handler(args)
+
+
+def _configure_status_watch(parser: argparse.ArgumentParser) -> None:
+    from dflash2.status_watch import configure  # adds --watch/--interval/--count to status's options
+
+    configure(parser)
+
+
+def _run_status_watch(args: argparse.Namespace) -> int:
+    from dflash2.status_watch import handler
 
     return handler(args)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "bench": Subcommand("run a benchmark and print its figures", _configure_bench, _run_bench),
-    # dflash2/history_cli.py, imported when used
-    "history": Subcommand("print or plot the daemon's history of its key figures",
-                          lambda p: importlib.import_module("dflash2.history_cli").configure(p),
-                          lambda a: importlib.import_module("dflash2.history_cli").handler(a)),
-    # dflash2/status.py, imported when used
+    "history": Subcommand("print or plot the daemon's history of its key figures", _configure_history, _run_history),
+    # `status --watch`: dflash2/status_watch.py wraps dflash2/status.py (without --watch, status runs as is)
     "status": Subcommand("show what a running daemon holds: tiers, hit rates, moves, clients, reservations",
-                         # --watch: dflash2/status_watch.py wraps dflash2/status.py
-                         lambda p: importlib.import_module("dflash2.status_watch").configure(p),
-                         lambda a: importlib.import_module("dflash2.status_watch").handler(a)),
+                         _configure_status_watch, _run_status_watch),
 }
 
 

@@ -199,3 +199,157 @@ def test_plan_keeps_small_blocks_whole_and_bridges_read_gaps():
     chunks = plan_chunks(order, offsets, extents, 16 * ALIGN, bridge=8 * ALIGN)
     assert [c.ios for c in chunks] == [[(0, 0, 12 * ALIGN)]]
     assert chunks[0].pieces[2] == (2, 0, 2 * ALIGN, 10 * ALIGN)
+
+
+# ---- the direct (zero-copy) path: page-aligned buffers move straight to and from the file -------
+
+import mmap  # noqa: E402
+
+import dflash2.arena.staging as staging  # noqa: E402
+from dflash2.arena.shm import SharedMemoryArena  # noqa: E402
+from dflash2.arena.staging import plan_runs  # noqa: E402
+from dflash2.tiers import Tier  # noqa: E402
+
+
+def _aligned(n):
+    """A page-aligned uint8 buffer of n bytes (anonymous mmap)."""
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts bytes moved by the direct path's vectored I/O and by the staged path's plain I/O."""
+    seen = {"direct": 0, "staged": 0}
+    for name, kind in (("pwritev_all", "direct"), ("preadv_all", "direct"),
+                       ("pwrite_all", "staged"), ("pread_all", "staged")):
+        real = getattr(nvme, name)
+
+        def wrapped(fd, bufs, off, _real=real, _kind=kind):
+            seen[_kind] += sum(len(b) for b in bufs) if isinstance(bufs, list) else len(bufs)
+            return _real(fd, bufs, off)
+        monkeypatch.setattr(nvme, name, wrapped)
+    return seen
+
+
+def test_aligned_buffers_take_the_direct_path(arena, spy):
+    rng = np.random.default_rng(10)
+    lengths = [ALIGN, 3 * ALIGN, STAGING, 5 * STAGING, ALIGN]
+    offsets, data = _blocks(rng, lengths)
+    srcs = [_aligned(n) for n in lengths]
+    for s, d in zip(srcs, data):
+        s[:] = d
+    arena.write_blocks(offsets, srcs)
+    assert spy == {"direct": sum(lengths), "staged": 0}
+    dsts = [_aligned(n) for n in lengths]
+    assert arena.read_blocks(offsets, dsts).all()
+    assert spy == {"direct": 2 * sum(lengths), "staged": 0}
+    assert all(np.array_equal(s, d) for s, d in zip(data, dsts))
+
+
+def test_shared_memory_views_take_the_direct_path(arena, spy):
+    shm = SharedMemoryArena.create(f"dflash2-test-nvme-{os.getpid()}", 1 << 20, Tier.DRAM, alignment=ALIGN)
+    try:
+        srcs = [shm.view(k * 8 * ALIGN, 8 * ALIGN) for k in range(8)]
+        dsts = [shm.view((8 + k) * 8 * ALIGN, 8 * ALIGN) for k in range(8)]
+        for k, v in enumerate(srcs):
+            v[:] = np.random.default_rng(k).integers(0, 256, v.size, dtype=np.uint8)
+        offsets = [k * 8 * ALIGN for k in range(8)]
+        arena.write_blocks(offsets, srcs)
+        assert arena.read_blocks(offsets, dsts).all()
+        assert spy["staged"] == 0 and all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+        del srcs, dsts
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("max_direct", [None, 2 * ALIGN])
+def test_mixed_aligned_and_unaligned_batches(arena, spy, monkeypatch, max_direct):
+    """Aligned and unaligned buffers in one unsorted batch; written one way, read back the other."""
+    if max_direct:
+        monkeypatch.setattr(staging, "MAX_DIRECT_IO_BYTES", max_direct)  # split large blocks over runs
+    rng = np.random.default_rng(11)
+    lengths = [ALIGN, 5000, 4 * ALIGN, STAGING + ALIGN, 3 * STAGING, 100_003, 2 * ALIGN, 7 * ALIGN]
+    offsets, data = _blocks(rng, lengths, gap_pages=1)
+
+    def bufs(aligned_first):
+        out = []
+        for k, d in enumerate(data):
+            aligned = (k % 2 == 0) == aligned_first and d.size % ALIGN == 0
+            b = _aligned(d.size) if aligned else _aligned(d.size + 64)[64:]  # shifted off a page
+            out.append(b)
+        return out
+
+    srcs = bufs(True)
+    for s, d in zip(srcs, data):
+        s[:] = d
+    perm = rng.permutation(len(lengths))
+    arena.write_blocks([offsets[i] for i in perm], [srcs[i] for i in perm])
+    assert spy["direct"] > 0 and spy["staged"] > 0
+    for aligned_first in (True, False):
+        dsts = bufs(aligned_first)
+        assert arena.read_blocks(offsets, dsts).all()
+        assert all(np.array_equal(s, d) for s, d in zip(data, dsts))
+
+
+def test_direct_checksum_mismatch_is_a_miss(arena):
+    rng = np.random.default_rng(12)
+    lengths = [2 * ALIGN, 3 * ALIGN, 2 * ALIGN]
+    offsets, data = _blocks(rng, lengths)
+    srcs = [_aligned(n) for n in lengths]
+    for s, d in zip(srcs, data):
+        s[:] = d
+    arena.write_blocks(offsets, srcs)
+    arena.corrupt_for_test(offsets[1])
+    direct = [_aligned(n) for n in lengths]
+    assert arena.read_blocks(offsets, direct).tolist() == [True, False, True]
+    staged = [np.zeros(n + 1, np.uint8)[1:] for n in lengths]
+    assert arena.read_blocks(offsets, staged).tolist() == [True, False, True]
+    assert np.array_equal(direct[2], data[2]) and np.array_equal(staged[0], data[0])
+
+
+def test_direct_write_error_fails_the_batch(arena, monkeypatch):
+    src = _aligned(2 * ALIGN)
+    src[:] = 7
+    arena.write_blocks([0], [src])
+
+    def broken(fd, bufs, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(nvme, "pwritev_all", broken)
+    with pytest.raises(ArenaError, match="write .* failed"):
+        arena.write_blocks([0, 2 * ALIGN], [src, src])
+    assert not arena.read_blocks([0], [_aligned(2 * ALIGN)]).any()
+
+
+def test_short_vectored_io_is_resumed(tmp_path):
+    """pwritev/preadv may move fewer bytes than asked: the rest follows, across buffer bounds."""
+    fd = os.open(tmp_path / "short.bin", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        bufs = [np.full(n, k + 1, np.uint8) for k, n in enumerate([3, 5, 7])]
+        real = os.pwritev
+        calls = []
+
+        def short(fd, bs, off):
+            calls.append(off)
+            return real(fd, [memoryview(bs[0])[:2]], off)  # at most 2 bytes a call
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "pwritev", short)
+            staging.pwritev_all(fd, list(bufs), 10)
+        out = [np.zeros(n, np.uint8) for n in (3, 5, 7)]
+        staging.preadv_all(fd, out, 10)
+        assert all(np.array_equal(a, b) for a, b in zip(bufs, out)) and len(calls) == 9
+    finally:
+        os.close(fd)
+
+
+def test_plan_runs_merges_adjacent_blocks_and_splits_large_ones():
+    offsets = np.array([0, 2 * ALIGN, 6 * ALIGN, 8 * ALIGN], dtype=np.int64)
+    lens = np.array([2 * ALIGN, 2 * ALIGN, 2 * ALIGN, 5 * ALIGN], dtype=np.int64)
+    runs = plan_runs(np.arange(4), offsets, lens, max_bytes=4 * ALIGN)
+    assert [(r.offset, r.pieces) for r in runs] == [
+        (0, [(0, 0, 2 * ALIGN), (1, 0, 2 * ALIGN)]),
+        (6 * ALIGN, [(2, 0, 2 * ALIGN), (3, 0, 2 * ALIGN)]),
+        (10 * ALIGN, [(3, 2 * ALIGN, 5 * ALIGN)]),
+    ]
+    assert len(plan_runs(np.arange(4), offsets, lens, max_bytes=1 << 30, max_iov=1)) == 4

@@ -236,7 +236,7 @@ class NvmeArena(StorageArena):
             # on the other core (two lanes), rather than in front of or behind each write.
             tasks = [functools.partial(write_lane, runs), functools.partial(crc_lane, runs)] if runs else []
             try:
-                pieces = ring.run(chunks, fill_and_write, tasks, inline_first=True)
+                pieces = ring.run(chunks, fill_and_write, tasks)
             except OSError as e:
                 raise ArenaError(f"NVMe tier write to {self.path} failed: {e}") from e
             self._crc[idx] = _block_crcs(pieces, len(offs))

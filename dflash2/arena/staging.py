@@ -194,7 +194,7 @@ class StagingRing:
                                                            thread_name_prefix="dflash2-staging")
 
     def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
-            tasks: Sequence[Callable[[], T]] = (), inline_first: bool = False) -> list[T]:
+            tasks: Sequence[Callable[[], T]] = ()) -> list[T]:
         """Run every slot-free task() (direct runs' I/O and checksums) and job(chunk, slot_offset)
         for every staged chunk on the workers; results of the tasks then of the chunks, each in
         order. Every job started is waited for before returning, also when one fails (the ring is
@@ -203,18 +203,15 @@ class StagingRing:
             return [tasks[0]()] if tasks else [job(chunks[0], 0)]
         futures: list[concurrent.futures.Future] = []
         try:
-            # Tasks need no slot: all queue at once, the pool bounds how many are in flight; with
-            # `inline_first` the caller runs the first task itself (one thread hop less).
-            first = tasks[0] if inline_first and tasks and not chunks else None
-            futures.extend(self._pool.submit(t) for t in tasks[1 if first else 0:])
+            # Tasks need no slot: all queue at once, the pool bounds how many are in flight.
+            futures.extend(self._pool.submit(t) for t in tasks)
             staged: list[concurrent.futures.Future] = []
             for k, chunk in enumerate(chunks):
                 if k >= self.nslots:
                     staged[k - self.nslots].result()  # its slot is free again
                 staged.append(self._pool.submit(job, chunk, (k % self.nslots) * self.slot_bytes))
                 futures.append(staged[-1])
-            head = [first()] if first else []
-            return head + [f.result() for f in futures]
+            return [f.result() for f in futures]
         finally:
             for f in futures:  # after a failure: let the ring go quiet before reuse
                 f.cancel()

@@ -1,0 +1,98 @@
+"""`dflash2 status --watch [--interval S] [--count N]`: a live terminal view for someone on the node.
+
+Every S seconds it asks the daemon for its `stats` (as `dflash2 status` does, dflash2/status.py),
+redraws that view, and adds what changed since the previous frame: the HBM hit ratio of the blocks
+acquired in between, swap bandwidth per direction and requests per second. A daemon that goes
+away is reported on the frame and asked again on the next one; Ctrl-C ends the view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dflash2 import status
+from dflash2.history import rates, sample_of
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    status.configure(parser)
+    parser.add_argument("--watch", action="store_true", help="redraw the view every --interval seconds (Ctrl-C ends)")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="with --watch: seconds between frames")
+    parser.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: stop after N frames (0 = never)")
+
+
+def handler(args: argparse.Namespace) -> int:
+    if not args.watch:
+        return status.handler(args)
+    from dflash2.client.client import resolve_endpoint
+    from dflash2.errors import ConfigError
+
+    try:
+        endpoint = resolve_endpoint(args.endpoint, args.config)
+    except (ConfigError, OSError) as e:
+        print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
+        return status.EXIT_USAGE
+    try:
+        watch(endpoint, args.interval, args.count, args.timeout, clear=sys.stdout.isatty())
+    except KeyboardInterrupt:
+        pass
+    return status.EXIT_OK
+
+
+def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = status.TIMEOUT_S,
+          clear: bool = True) -> None:
+    prev = None
+    frame = 0
+    while True:
+        stats, error = _ask(endpoint, timeout_s)
+        now = time.time()
+        out = [CLEAR] if clear else []
+        out.append(time.strftime("%H:%M:%S", time.localtime(now)) + f"  every {interval_s:g}s  (Ctrl-C ends)")
+        if stats is None:
+            out.append(f"daemon unavailable at {endpoint}: {error}; asking again")
+            prev = None
+        else:
+            stats["endpoint"] = endpoint
+            out.append(status.render(stats))
+            cur = sample_of(stats, now)
+            out.append(changes(prev, cur))
+            prev = cur
+        print("\n".join(out), flush=True)
+        frame += 1
+        if count and frame >= count:
+            return
+        time.sleep(interval_s)
+
+
+def changes(prev: dict | None, cur: dict) -> str:
+    """One line: what changed between two frames."""
+    if prev is None:
+        return "\nsince last frame: (first frame)"
+    r = rates([prev, cur])
+    if not r:
+        return "\nsince last frame: (the daemon restarted)"
+    r = r[0]
+    hit = "-" if r["hbm_hit_ratio"] is None else f"{100 * r['hbm_hit_ratio']:.1f}%"
+    swaps = ", ".join(f"{d} {bps / 1e6:.1f} MB/s" for d, bps in r["swap_bps"].items() if bps) or "none"
+    req = (cur["requests"] - prev["requests"]) / r["dt"]
+    return f"\nsince last frame: hbm hit {hit} of {r['reads']} blocks read; swaps {swaps}; {req:.0f} requests/s"
+
+
+def _ask(endpoint: str, timeout_s: float) -> tuple[dict | None, str]:
+    from dflash2.client.transport import Transport, check_endpoint
+    from dflash2.errors import DaemonError, DaemonUnavailable
+    from dflash2.protocol import Op
+
+    try:
+        check_endpoint(endpoint)
+        transport = Transport(endpoint, timeout_s)
+        try:
+            return transport.call(Op.STATS).result, ""
+        finally:
+            transport.close()
+    except (DaemonUnavailable, DaemonError) as e:
+        return None, str(e)

@@ -1,0 +1,95 @@
+"""deploy/: promtool accepts the rules and the scrape config; the dashboard, DaemonSet, systemd unit
+and container file are well formed and agree with the daemon (job name, port, config schema)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash2.config import load_config
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+@pytest.fixture
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool is not installed (.ci/run installs Debian's `prometheus`)")
+    return path
+
+
+def _check(promtool: str, *args: str) -> str:
+    r = subprocess.run([promtool, "check", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def test_promtool_accepts_the_alert_rules(promtool):
+    assert "SUCCESS: 4 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+
+
+def test_promtool_accepts_the_scrape_config(promtool):
+    _check(promtool, "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
+
+
+def test_the_alerts_asked_for_are_there():
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
+    rules = {r["alert"]: r for g in doc["groups"] for r in g["rules"]}
+    assert "< 0.95" in rules["DFlash2HbmHitRatioLow"]["expr"] and rules["DFlash2HbmHitRatioLow"]["for"] == "10m"
+    assert "dflash2_gpu_memory_utilization" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
+    assert "> 0.95" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
+    assert 'tier="nvme"' in rules["DFlash2NvmeTierNearlyFull"]["expr"] and "> 0.9" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
+    assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
+    assert all(r["annotations"]["summary"] for r in rules.values())
+
+
+def test_dashboard_has_the_panels_and_unique_ids():
+    dash = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
+    titles = [p["title"] for p in dash["panels"]]
+    for want in ("Tier use", "HBM hit ratio", "Swap bandwidth", "Reservations", "Admission wait",
+                 "Request latency p99 by op", "GPU memory utilization (device tier)"):
+        assert want in titles
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    for p in dash["panels"]:
+        assert p["targets"], p["title"]
+        assert all("dflash2_" in t["expr"] or t["expr"].startswith("up{") for t in p["targets"]), p["title"]
+
+
+def test_daemonset_runs_one_daemon_per_gpu_node_with_host_ipc_shm_nvme_and_metrics(tmp_path):
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is True and pod["nodeSelector"]
+    c = pod["containers"][0]
+    assert {"containerPort": 9464, "name": "metrics", "protocol": "TCP"} in c["ports"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/dev/shm"]]["hostPath"]["path"] == "/dev/shm"
+    assert "hostPath" in volumes[mounts["/var/lib/dflash2"]]
+    # The config in the ConfigMap is a valid dflash2 config whose files lie on the NVMe hostPath.
+    path = tmp_path / "dflash2_config.json"
+    path.write_text(docs["ConfigMap"]["data"]["dflash2_config.json"])
+    cfg = load_config(path)
+    assert cfg.metrics.port == 9464 and str(cfg.resolved_nvme_path).startswith("/var/lib/dflash2/")
+    assert cfg.logging.format == "json" and cfg.history_enabled
+
+
+def test_production_config_loads_and_matches_the_scrape_port():
+    cfg = load_config(DEPLOY / "dflash2_config.production.json")
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = scrape["scrape_configs"][0]
+    assert job["job_name"] == "dflash2"
+    assert job["static_configs"][0]["targets"][0].endswith(f":{cfg.metrics.port}")
+
+
+def test_systemd_unit_and_dockerfile_run_dflash2d():
+    unit = (DEPLOY / "systemd" / "dflash2d.service").read_text()
+    assert "ExecStart=/usr/local/bin/dflash2d --config /etc/dflash2/dflash2_config.json" in unit
+    assert "KillSignal=SIGTERM" in unit and "RestartPreventExitStatus=2 3" in unit
+    docker = (DEPLOY / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["dflash2d"]' in docker and "EXPOSE 9464" in docker

@@ -1,0 +1,197 @@
+"""Metrics, history, logs and `dflash2 history` in-process, over a small real host manager."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dflash2 import cli
+from dflash2 import protocol as P
+from dflash2.daemon.service import Service
+from dflash2.history import History, decode, rates, read_file, sample_of
+from dflash2.logs import JsonFormatter, TextFormatter, configure, event
+from dflash2.metrics import DaemonMetrics
+from dflash2.tiers import Tier
+from conftest import SMALL
+
+BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
+                  "device", "policy", "version"}
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16)
+    return Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+
+
+def _call(service, op, client=None, args=None, arrays=None):
+    reply = service.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays)))
+    assert reply.ok, reply.error_message
+    return reply
+
+
+def _load(service) -> int:
+    """Six blocks cached, four pushed to DRAM by a later allocation, then all six acquired."""
+    c = _call(service, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
+    m = service.manager
+    vids = m.allocate(c, 0, 6)
+    m.commit(c, vids, list(range(1, 7)))
+    m.free(c, vids)
+    m.free(c, m.allocate(c, 0, 6))
+    found = [p.vid for p in m.lookup(list(range(1, 7)), 0)]
+    m.add_ref(c, found)
+    assert m.acquire(c, found) is not None
+    return c
+
+
+def _scrape(metrics: DaemonMetrics) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in fam.samples:
+            assert set(s.labels) <= BOUNDED_LABELS, (s.name, s.labels)
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_mirror_the_stats_and_observe_events(service):
+    metrics = DaemonMetrics(service)
+    metrics.attach()
+    _load(service)
+    metrics.after_tick(late_s=0.002, seconds=0.0005)
+    st = service.stats()
+    got = _scrape(metrics)
+    assert all(name.startswith("dflash2_") for name, _ in got)
+    for tier, t in st["tiers"].items():
+        assert got[("dflash2_tier_used_bytes", (("tier", tier),))] == t["used_bytes"]
+        assert got[("dflash2_tier_blocks", (("tier", tier),))] == t["blocks"]
+    reads = st["reads"]
+    assert reads["dram"] > 0
+    assert got[("dflash2_cache_hits_total", (("tier", "hbm"),))] == reads["hbm"]
+    assert got[("dflash2_cache_misses_total", (("tier", "hbm"),))] == reads["dram"]
+    assert got[("dflash2_cache_misses_total", (("tier", "dram"),))] == 0
+    assert got[("dflash2_hbm_hit_ratio", ())] == pytest.approx(st["hbm_hit_ratio"])
+    hbm = st["tiers"]["hbm"]
+    assert got[("dflash2_gpu_memory_utilization", ())] == hbm["used_bytes"] / hbm["capacity_bytes"]
+    moved = st["moves"]["hbm->dram"]
+    assert got[("dflash2_swap_bytes_total", (("direction", "hbm->dram"),))] == moved["bytes"]
+    assert got[("dflash2_swap_seconds_count", (("direction", "hbm->dram"),))] == moved["batches"]
+    assert got[("dflash2_request_latency_seconds_count", (("op", "attach"),))] == 1
+    assert got[("dflash2_scheduler_latency_microseconds_sum", ())] == pytest.approx(2000)
+    assert got[("dflash2_rescore_seconds_count", ())] == 1
+    assert got[("dflash2_clients", ())] == 1
+
+
+def test_the_scrape_reads_the_snapshot_not_the_manager(service):
+    metrics = DaemonMetrics(service, snapshot_interval_s=3600)
+    metrics.refresh(force=True)
+    _load(service)  # changes after the snapshot are not seen until the owner refreshes it
+    assert _scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] == 0
+    metrics.refresh(force=True)
+    assert _scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] > 0
+
+
+def test_hit_ratio_is_nan_before_any_read(service):
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    assert math.isnan(_scrape(metrics)[("dflash2_hbm_hit_ratio", ())])
+
+
+def test_history_is_bounded_persisted_and_reloaded(service, tmp_path, clock):
+    path = tmp_path / "history.jsonl"
+    h = History(interval_s=1.0, max_samples=3, path=path, clock=clock)
+    for _ in range(5):
+        assert h.due()
+        h.record(service.stats())
+        assert not h.due()
+        clock.advance(1.0)
+    assert [s["t"] for s in h.since()] == [1002.0, 1003.0, 1004.0]
+    assert [s["t"] for s in h.since(1.5)] == [1004.0]
+    assert decode(History.encode(h.since())) == h.since()
+    assert len(read_file(path)) == 5
+    again = History(max_samples=3, path=path, clock=clock)
+    assert again.since() == h.since()
+
+
+def test_history_op_answers_when_off_and_on(service, clock):
+    reply = _call(service, P.Op.HISTORY)
+    assert reply.result == {"enabled": False, "interval_s": None, "count": 0}
+    service.history = History(clock=clock)
+    service.history.record(service.stats())
+    reply = _call(service, P.Op.HISTORY, args={"since_s": 60})
+    assert reply.result["count"] == 1 and decode(reply.arrays[0])[0]["t"] == clock.now
+
+
+def test_rates_skip_a_restart_and_give_bandwidth():
+    def s(t, hbm_reads, dram_reads, moved):
+        return {"t": t, "reads": {"hbm": hbm_reads, "dram": dram_reads},
+                "swaps": {"dram->hbm": {"bytes": moved}}}
+
+    r = rates([s(0, 0, 0, 0), s(2, 30, 10, 4000), s(3, 0, 0, 0), s(4, 5, 0, 0)])
+    assert [x["t"] for x in r] == [2, 4]
+    assert r[0]["hbm_hit_ratio"] == 0.75 and r[0]["swap_bps"] == {"dram->hbm": 2000.0}
+    assert r[1]["hbm_hit_ratio"] == 1.0
+
+
+def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, clock, capsys):
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    h.record(service.stats())
+    _load(service)
+    clock.advance(1)
+    h.record(service.stats())
+    assert cli.main(["history", "--file", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "hbm use" in text and "2 samples" in text
+    assert cli.main(["history", "--file", str(path), "--json", "--since", "10m"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines == read_file(path)
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "h.png"
+    assert cli.main(["history", "--file", str(path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
+    assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.2"]) == 2
+    assert "no answer from a daemon" in capsys.readouterr().err
+
+
+def _record(msg, **extra):
+    rec = logging.LogRecord("dflash2.swap", logging.INFO, __file__, 1, msg, None, None)
+    rec.__dict__.update(extra)
+    return rec
+
+
+def test_json_log_lines_carry_the_event_and_its_fields():
+    line = JsonFormatter().format(_record("dflash2_swap", event="dflash2_swap", direction="hbm->dram",
+                                          blocks=4, bytes=65536, seconds=0.001))
+    d = json.loads(line)
+    assert d["event"] == "dflash2_swap" and d["direction"] == "hbm->dram" and d["blocks"] == 4
+    assert d["level"] == "info" and d["logger"] == "dflash2.swap" and d["ts"].endswith("Z")
+    assert json.loads(JsonFormatter().format(_record("plain")))["event"] == "log"
+
+
+def test_text_log_lines_put_fields_after_the_message():
+    line = TextFormatter().format(_record("dflash2_swap", event="dflash2_swap", blocks=4))
+    assert line.endswith("dflash2.swap: dflash2_swap blocks=4")
+
+
+def test_configure_routes_events_to_one_handler():
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure("json", "info", stream)
+        event(logging.getLogger("dflash2.daemon"), "dflash2_start", endpoint="ipc://x")
+        logging.getLogger("dflash2.daemon").debug("hidden")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert lines == [{**lines[0], "event": "dflash2_start", "endpoint": "ipc://x"}] and len(lines) == 1

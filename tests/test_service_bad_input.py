@@ -1,0 +1,161 @@
+"""Service without sockets: bad input gets an error reply naming the problem and changes nothing;
+leases lapse on a fake clock; and the client transport never mistakes a late reply for a new one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+from conftest import SMALL
+
+from dflash2 import protocol as P
+from dflash2.client import DaemonUnavailable, Transport
+from dflash2.daemon.service import Service
+from dflash2.keys import chain_keys
+from dflash2.protocol import Op
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    dead: set[int] = set()
+    svc = Service(make_manager(hbm_blocks=16, dram_blocks=16), lease_timeout_s=10.0, heartbeat_interval_s=2.0,
+                  clock=clock, pid_alive=lambda pid: pid not in dead)
+    svc.dead_pids = dead
+    return svc
+
+
+def call(svc, op, client=None, args=None, arrays=None, version=P.VERSION):
+    return P.decode_reply(svc.handle_frames(P.encode_request(op, 7, client, args, arrays, version=version)))
+
+
+def attach(svc, name="c", pid=0, pid_ns=None):
+    args = {"name": name, "pid": pid, "layouts": [SMALL.to_dict()]}
+    if pid_ns is not None:
+        args["pid_namespace"] = pid_ns
+    return call(svc, Op.ATTACH, args=args).result["client"]
+
+
+def vids(*v):
+    return [np.asarray(v, dtype=P.VIDS_DTYPE).tobytes()]
+
+
+@pytest.mark.parametrize("frames, problem", [
+    ([b"DFLASH2", b"1"], "at least 3 frames"),
+    ([b"NOTDFL", b"1", b"{}"], "bad magic"),
+    ([P.MAGIC, b"x", b"{}"], "not a decimal"),
+    ([P.MAGIC, b"1", b"{not json"], "not valid JSON"),
+    ([P.MAGIC, b"1", b"[1]"], "JSON object"),
+    ([P.MAGIC, b"1", b'{"op": "teleport", "id": 1}'], "unknown op"),
+    ([P.MAGIC, b"1", b'{"op": "free", "id": 1, "client": null}'], "needs an attached client"),
+    ([P.MAGIC, b"1", b'{"op": "ping", "id": "one"}'], "call id"),
+])
+def test_malformed_frames_get_a_named_error(service, frames, problem):
+    reply = P.decode_reply(service.handle_frames(frames))
+    assert not reply.ok and problem in reply.error_message
+
+
+def test_version_mismatch_reply(service):
+    reply = call(service, Op.PING, version=2)
+    assert reply.error_type == "VersionMismatch" and "version mismatch" in reply.error_message
+
+
+def test_bad_arguments_change_nothing(service):
+    c = attach(service)
+    before = call(service, Op.STATS).result["tiers"]
+    bad = [
+        (Op.ALLOCATE, {"layout": 0, "n": "3"}, None, "must be int"),
+        (Op.ALLOCATE, {"layout": 0, "n": -1}, None, "outside"),
+        (Op.ALLOCATE, {"layout": 0, "n": 10**30}, None, "outside"),
+        (Op.RESERVE, {"layout": 0, "tokens": True}, None, "must be int"),
+        (Op.RESERVE, {"layout": 5, "tokens": 16}, None, "layout id 5"),
+        (Op.LOOKUP, {}, [np.zeros(P.MAX_BATCH + 1, P.KEYS_DTYPE).tobytes()], "more than"),
+        (Op.FREE, {}, [b"\x01\x02\x03"], "whole number"),
+        (Op.FREE, {}, None, "missing array"),
+        (Op.FREE, {}, vids(12345), "not live"),
+        (Op.SET_WEIGHTS, {"weights": {"recency": "hot"}}, None, "must be numbers"),
+    ]
+    for op, args, arrays, problem in bad:
+        reply = call(service, op, c, args, arrays)
+        assert not reply.ok, (op, args)
+        assert problem in reply.error_message or problem in reply.error_type, (op, reply.error_message)
+    assert call(service, Op.STATS).result["tiers"] == before
+    assert call(service, Op.CHECK).ok
+
+
+def test_foreign_blocks_and_double_free(service):
+    a, b = attach(service, "a"), attach(service, "b")
+    reply = call(service, Op.ALLOCATE, a, {"layout": 0, "n": 2})
+    mine = np.frombuffer(reply.arrays[0], P.PLACE_DTYPE)["vid"]
+    for op in (Op.FREE, Op.ACQUIRE, Op.ADD_REF, Op.COMMIT):
+        reply = call(service, op, b, {}, [mine.tobytes()])
+        assert reply.error_type == "NotOwner", (op, reply)
+    assert call(service, Op.FREE, a, {}, [mine[:1].tobytes()]).result == {"freed": 1}
+    reply = call(service, Op.FREE, a, {}, [mine[:1].tobytes()])
+    assert not reply.ok and reply.error_type in ("UnknownBlock", "NotOwner")
+    assert call(service, Op.CHECK).ok
+
+
+def test_reserve_beyond_every_tier_is_rejected(service):
+    c = attach(service)
+    d = call(service, Op.RESERVE, c, {"layout": 0, "tokens": 10**9}).result
+    assert d["outcome"] == "rejected" and "HBM" in d["reason"]
+
+
+def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
+    from dflash2.daemon.service import pid_namespace
+
+    quiet = attach(service, "quiet", pid=4242)
+    dying = attach(service, "dying", pid=4343, pid_ns=pid_namespace())
+    keys = chain_keys(range(32), 16, "lease")
+    placed = np.frombuffer(call(service, Op.ALLOCATE, dying, {"layout": 0, "n": 2}).arrays[0], P.PLACE_DTYPE)
+    published = np.frombuffer(call(service, Op.COMMIT, dying, {}, [placed["vid"].tobytes(),
+                                    np.asarray(keys, P.KEYS_DTYPE).tobytes()]).arrays[0], P.VIDS_DTYPE)
+    call(service, Op.ACQUIRE, dying, {}, [published.tobytes()])
+    assert call(service, Op.RESERVE, dying, {"layout": 0, "tokens": 32}).result["outcome"] == "granted"
+    service.dead_pids.add(4343)
+    assert service.expire_leases() == [dying]  # a dead pid in our namespace: at once
+    assert len(np.frombuffer(call(service, Op.LOOKUP, quiet, {}, [np.asarray(keys, P.KEYS_DTYPE).tobytes()])
+                             .arrays[0], P.PLACE_DTYPE)) == 2  # published blocks stay
+    assert call(service, Op.STATS).result["reservations"]["granted"] == 0
+    clock.advance(10.5)
+    assert service.expire_leases() == [quiet]  # a silent one: after the lease timeout
+    assert call(service, Op.HEARTBEAT, quiet).error_type == "UnknownClient"
+    assert call(service, Op.CHECK).ok
+
+
+def test_transport_drops_late_replies_after_a_timeout(tmp_path):
+    """A server that answers the first call too late: that reply must never answer the second."""
+    endpoint = f"ipc://{tmp_path}/slow.sock"
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def serve():
+        first = True
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, *frames = router.recv_multipart()
+            req = P.decode_request(frames)
+            if first:
+                time.sleep(0.4)
+                first = False
+            router.send_multipart([ident, *P.encode_reply(P.Reply(req.call_id, True, {"op": req.op.value}))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        t = Transport(endpoint, timeout_s=0.2)
+        with pytest.raises(DaemonUnavailable, match=f"stats: no reply from dflash2d at {endpoint}"):
+            t.call(Op.STATS)
+        time.sleep(0.4)  # the late reply to `stats` is sent now, to the old socket
+        assert t.call(Op.PING).result == {"op": "ping"}
+        t.close()
+    finally:
+        stop.set()
+        thread.join()
+        router.close(0)
