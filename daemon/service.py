@@ -278,6 +278,10 @@ class Service:
         """PLACE_DTYPE records of rows, built from the table's columns without a Python loop."""
         table = self.manager.table
         c = table.cols
+        if len(rows) <= table.SMALL:
+            return np.array([((int(c.gen[r]) << 32) | r, int(c.tier[r]), int(c.offset[r]),
+                              table.layouts[int(c.layout[r])].block_bytes, int(c.layout[r])) for r in rows.tolist()],
+                            dtype=P.PLACE_DTYPE).tobytes()
         block_bytes = np.array([lay.block_bytes for lay in table.layouts] or [0], dtype=np.int64)
         rec = np.empty(len(rows), dtype=P.PLACE_DTYPE)
         rec["vid"] = table.vids(rows)

@@ -167,15 +167,16 @@ class BlockManager:
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         tiers = self.table.cols.tier[rows]
         now = self.table.clock()
-        for t, n in zip(*np.unique(tiers, return_counts=True)):
-            self.access.reads[Tier(int(t))] += int(n)
+        for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()):
+            if n:
+                self.access.reads[Tier(t)] += n
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(Tier.HBM)).any():
             ok = self.placement.promote(rows, Tier.HBM)
             if not ok.all():
                 return None
-        self.table.pin(client, vids)
+        self.table.pin_rows(client, rows)
         return rows
 
     def release(self, client: int, vids) -> None:

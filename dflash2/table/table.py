@@ -92,8 +92,14 @@ class BlockTable:
             raise UnknownClient(f"client {client_id} is not attached") from None
 
     # -- addressing ------------------------------------------------------------------------
+    # Calls with at most this many ids or keys take a scalar path: for one block, a dozen numpy
+    # operations on one-element arrays cost more than the control round trip itself.
+    SMALL = 8
+
     def rows(self, vids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows of live blocks; UnknownBlock names the first id that is not live."""
+        if len(vids) <= self.SMALL:
+            return self._rows_small(vids)
         vids = np.asarray(vids, dtype=np.int64).reshape(-1)
         rows = vids & ROW_MASK
         gens = (vids >> 32) & ROW_MASK
@@ -104,6 +110,17 @@ class BlockTable:
             bad = int(vids[int(np.argmin(ok))])
             raise UnknownBlock(f"block {bad:#x} is not live (never allocated, freed, or stale)")
         return rows
+
+    def _rows_small(self, vids) -> np.ndarray:
+        c = self.cols
+        out = []
+        for vid in vids:
+            vid = int(vid)
+            row, gen = vid & ROW_MASK, (vid >> 32) & ROW_MASK
+            if row >= c.capacity or int(c.gen[row]) != gen or int(c.state[row]) == S.FREE:
+                raise UnknownBlock(f"block {vid:#x} is not live (never allocated, freed, or stale)")
+            out.append(row)
+        return np.array(out, dtype=np.int64)
 
     def vids(self, rows: np.ndarray) -> np.ndarray:
         return vids_of(self.cols.gen[rows], rows)
@@ -247,20 +264,30 @@ class BlockTable:
 
     def pin(self, client_id: int, vids) -> np.ndarray:
         """Pin blocks for use: they will not move or be freed until unpinned. Returns the rows."""
-        holder = self.client(client_id)
         rows = self.usable_rows(client_id, vids)
-        np.add.at(self.cols.pins, rows, 1)
-        for r in rows.tolist():
-            holder.pins[r] += 1
+        self.pin_rows(client_id, rows)
         return rows
+
+    def pin_rows(self, client_id: int, rows: np.ndarray) -> None:
+        """Pin rows that `usable_rows` already validated for this client."""
+        holder = self.client(client_id)
+        if len(rows) > self.SMALL:
+            np.add.at(self.cols.pins, rows, 1)
+        for r in rows.tolist():
+            if len(rows) <= self.SMALL:
+                self.cols.pins[r] += 1
+            holder.pins[r] += 1
 
     def unpin(self, client_id: int, vids) -> None:
         holder = self.client(client_id)
         rows = self.rows(vids)
-        if any(holder.pins[r] <= 0 for r in rows.tolist()):
+        if any(holder.pins[r] < n for r, n in Counter(rows.tolist()).items()):
             raise NotOwner(f"client {client_id} did not pin one of these blocks")
-        np.subtract.at(self.cols.pins, rows, 1)
+        if len(rows) > self.SMALL:
+            np.subtract.at(self.cols.pins, rows, 1)
         for r in rows.tolist():
+            if len(rows) <= self.SMALL:
+                self.cols.pins[r] -= 1
             holder.pins[r] -= 1
             if holder.pins[r] == 0:
                 del holder.pins[r]
@@ -285,6 +312,8 @@ class BlockTable:
     # -- lookup ----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> np.ndarray:
         """Rows of the longest cached prefix of a chain of content keys (stops at the first miss)."""
+        if len(keys) <= self.SMALL:
+            return self._lookup_small(keys, layout_id)
         found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
         ok = found != EMPTY
         if layout_id is not None and ok.any():
@@ -293,6 +322,18 @@ class BlockTable:
         ok &= (state == int(S.RESIDENT)) | (state == int(S.MIGRATING))
         n = len(ok) if ok.all() else int(np.argmin(ok))
         return found[:n]
+
+    def _lookup_small(self, keys, layout_id: int | None) -> np.ndarray:
+        c = self.cols
+        out = []
+        for key in keys:
+            row = self.keys.get(int(key))
+            if row == EMPTY or (layout_id is not None and int(c.layout[row]) != layout_id):
+                break
+            if int(c.state[row]) not in (S.RESIDENT, S.MIGRATING):
+                break
+            out.append(row)
+        return np.array(out, dtype=np.int64)
 
     def touch(self, rows: np.ndarray, now: float | None = None) -> None:
         """Record an access (for the policy)."""
