@@ -5,7 +5,8 @@ A view stays valid while the block cannot move: while the client has it pinned (
 writing it (blocks from `allocate` / `take`, before `commit`). Unpinned blocks may be demoted and
 their slot reused.
 
-torch is optional: `bytes_view` returns numpy; `tensor_view` imports torch on first use.
+torch is optional: `bytes_view` returns numpy (CuPy for a GPU's HBM arena, mapped by its CUDA IPC
+handle); `tensor_view` imports torch on first use.
 """
 
 from __future__ import annotations
@@ -26,18 +27,25 @@ class ArenaMap:
     """The daemon's memory arenas, mapped into this process (one mapping per tier)."""
 
     def __init__(self, described: list[dict]):
-        self.arenas: dict[int, SharedMemoryArena] = {}
+        self.arenas: dict[int, object] = {}  # SharedMemoryArena, or CudaArena for a GPU's HBM
         try:
             for d in described:
-                if d.get("kind") != "shm":
-                    continue  # CUDA IPC arenas arrive with the GPU backend, behind the same calls
                 tier = Tier[str(d["tier"]).upper()]
+                if d.get("kind") == "cuda":
+                    from dflash2.cuda.arena import CudaArena  # only on a GPU node
+
+                    self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), int(d["device"]),
+                                                              int(d["capacity_bytes"]), int(d.get("alignment", 256)))
+                    continue
+                if d.get("kind") != "shm":
+                    raise ArenaError(f"the daemon offers a {d.get('kind')!r} arena this client cannot map")
                 self.arenas[int(tier)] = SharedMemoryArena.attach(d["name"], tier, int(d.get("alignment", 256)))
         except Exception:
             self.close()
             raise
 
-    def bytes_view(self, place) -> np.ndarray:
+    def bytes_view(self, place):
+        """uint8 view of one block: numpy for host memory, CuPy for a GPU arena."""
         tier = int(place["tier"])
         arena = self.arenas.get(tier)
         if arena is None:
@@ -68,5 +76,8 @@ def tensor_view(raw: np.ndarray, layout: Layout):
 
     if raw.nbytes != layout.block_bytes:
         raise ArenaError(f"a block of layout {layout.name!r} is {layout.block_bytes} bytes, the view has {raw.nbytes}")
-    flat = torch.frombuffer(raw, dtype=torch.uint8)  # shares the mapping; keeps `raw` alive
+    if isinstance(raw, np.ndarray):
+        flat = torch.frombuffer(raw, dtype=torch.uint8)  # shares the mapping; keeps `raw` alive
+    else:
+        flat = torch.from_dlpack(raw)  # a CuPy view of GPU memory: a CUDA tensor, no copy
     return flat.view(getattr(torch, TORCH_DTYPES[layout.dtype])).view(tensor_shape(layout))

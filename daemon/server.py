@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from dflash2.assemble import build_manager
+from dflash2.assemble import build_managers
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.observe import Observers, log_fallbacks
@@ -76,7 +76,8 @@ class Server:
         started = time.perf_counter()
         try:
             self.service.expire_leases()
-            self.service.manager.tick()
+            for manager in self.service.managers.values():
+                manager.tick()
         except Exception:
             log.exception("background tick failed; the daemon keeps serving")
         if self.observers is not None:
@@ -90,12 +91,19 @@ class Server:
         self._ctx.term()
 
 
-def startup_line(plan: Plan, manager) -> str:
-    total = sum(s.capacity_bytes for s in manager.specs.values())
-    memory = sum(s.capacity_bytes for t, s in manager.specs.items() if t != Tier.NVME)
+def cache_bytes(managers: dict) -> tuple[int, int]:
+    """(total virtual cache bytes over every tier and GPU, bytes of memory committed: HBM + DRAM)."""
+    specs = [s for m in managers.values() for s in m.specs.values()]
+    return sum(s.capacity_bytes for s in specs), sum(s.capacity_bytes for s in specs if s.tier != Tier.NVME)
+
+
+def startup_line(plan: Plan, managers: dict) -> str:
+    total, memory = cache_bytes(managers)
     line = f"DFlash2: enabled, total virtual cache size {total / GB:.1f}GB, committed {memory / GB:.1f}GB"
     if plan.device_kind == "host":
         line += " (no GPU: the device tier is in host memory)"
+    elif len(managers) > 1:
+        line += f" ({len(managers)} GPUs: one block pool each)"
     return line
 
 
@@ -108,15 +116,17 @@ def run(cfg: Config) -> int:
     except EndpointBusy as e:
         print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
-    manager = server = observers = None
+    managers: dict = {}
+    server = observers = None
     started = time.monotonic()
     try:
         try:
-            manager = build_manager(cfg, plan=plan)
+            managers = build_managers(cfg, plan=plan)
         except (CapacityError, ArenaError) as e:
             print(f"dflash2d: error: cannot start: {e}", file=sys.stderr, flush=True)
             return EXIT_START_FAILED
-        service = Service(manager, lease_timeout_s=cfg.daemon.lease_timeout_s,
+        manager = next(iter(managers.values()))
+        service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind)
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
@@ -128,12 +138,11 @@ def run(cfg: Config) -> int:
         lock.secure_socket()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())
-        print(startup_line(plan, manager), flush=True)
+        print(startup_line(plan, managers), flush=True)
         log_fallbacks(cfg, plan)
         event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",
               endpoint=plan.endpoint, device=plan.device_kind,
-              total_bytes=sum(s.capacity_bytes for s in manager.specs.values()),
-              committed_bytes=sum(s.capacity_bytes for t, s in manager.specs.items() if t != Tier.NVME),
+              total_bytes=cache_bytes(managers)[0], committed_bytes=cache_bytes(managers)[1],
               policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
         clients = len(service.sessions)
@@ -146,7 +155,7 @@ def run(cfg: Config) -> int:
             observers.close()
         if server is not None:
             server.close()
-        if manager is not None:
+        for manager in managers.values():
             manager.close()
         lock.release()
         log.info("stopped")

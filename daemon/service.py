@@ -34,13 +34,17 @@ class Session:
     last_seen: float
     attached_at: float
     same_pid_namespace: bool  # only then does the pid name the client's process here
+    device: int = 0  # which GPU's block pool the client uses
 
 
 class Service:
-    def __init__(self, manager: BlockManager, *, lease_timeout_s: float, heartbeat_interval_s: float,
-                 device: str = "host", clock: Callable[[], float] = time.monotonic,
+    def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
+                 heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
                  pid_alive: Callable[[int], bool] | None = None):
-        self.manager = manager
+        # One block pool per GPU (device index -> manager); a client says which device it serves at
+        # attach and every call it makes goes to that pool only, so no move ever crosses GPUs.
+        self.managers = managers if isinstance(managers, dict) else {0: managers}
+        self._next_client = 1  # client ids are daemon-wide, whichever pool a client uses
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.device = device
@@ -60,6 +64,14 @@ class Service:
             Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
             Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check, Op.HISTORY: self._history,
         }
+
+    @property
+    def manager(self) -> BlockManager:
+        """The first device's pool (the only one on a host or one-GPU node)."""
+        return next(iter(self.managers.values()))
+
+    def _mgr(self, req: Request) -> BlockManager:
+        return self.managers[self.sessions[req.client].device]
 
     # -- entry points ----------------------------------------------------------------------
     def handle_frames(self, frames: list[bytes]) -> list[bytes]:
@@ -119,9 +131,11 @@ class Service:
         return session
 
     def _drop_session(self, client: int) -> dict:
-        self.sessions.pop(client, None)
+        session = self.sessions.pop(client, None)
+        if session is None:
+            return {}
         try:
-            return self.manager.detach(client)
+            return self.managers[session.device].detach(client)
         except UnknownClient:
             return {}
 
@@ -134,16 +148,21 @@ class Service:
         pid = arg(req, "pid", int, lo=0)
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)
+        device = arg(req, "device", int, default=next(iter(self.managers)))
+        if device not in self.managers:
+            raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
         layouts = [self._layout(d) for d in specs]  # validate all before changing anything
-        client = self.manager.attach(name)
-        ids = [self.manager.register_layout(lay) for lay in layouts]
+        m = self.managers[device]
+        client = m.attach(name, client_id=self._next_client)
+        self._next_client += 1
+        ids = [m.register_layout(lay) for lay in layouts]
         now = self.clock()
         self.sessions[client] = Session(client, name, pid, now, now,
-                                        pid_ns is not None and pid_ns == pid_namespace())
+                                        pid_ns is not None and pid_ns == pid_namespace(), device)
         log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
-        return {"client": client, "layouts": ids, "arenas": self._arenas(),
+        return {"client": client, "layouts": ids, "arenas": self._arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "device": self.device}, []
+                "device": self.device, "gpu": device if self.device == "cuda" else None}, []
 
     def _heartbeat(self, req):
         return {"lease_timeout_s": self.lease_timeout_s}, []
@@ -154,75 +173,88 @@ class Service:
         return {"released": released}, []
 
     def _register_layout(self, req):
-        return {"layout": self.manager.register_layout(self._layout(arg(req, "layout", dict)))}, []
+        m = self._mgr(req)
+        return {"layout": m.register_layout(self._layout(arg(req, "layout", dict)))}, []
 
     def _reserve(self, req):
+        m = self._mgr(req)
         deadline_s = arg(req, "deadline_s", (int, float), default=None, lo=0)
-        d = self.manager.reserve(
-            req.client, self._layout_id(req), arg(req, "tokens", int, lo=1, hi=1 << 40),
+        d = m.reserve(
+            req.client, self._layout_id(m, req), arg(req, "tokens", int, lo=1, hi=1 << 40),
             priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
-            deadline=None if deadline_s is None else self.manager.table.clock() + deadline_s,
+            deadline=None if deadline_s is None else m.table.clock() + deadline_s,
             request=arg(req, "request", int, default=0))
         return d.to_dict(), []
 
     def _reservation(self, req):
-        d = self.manager.admission.status(arg(req, "reservation", int))
-        res = self.manager.admission.granted.get(d.reservation_id)
+        m = self._mgr(req)
+        d = m.admission.status(arg(req, "reservation", int))
+        res = m.admission.granted.get(d.reservation_id)
         if res is not None and res.client != req.client:
             raise ProtocolError("that reservation belongs to another client")
         return d.to_dict(), []
 
     def _take(self, req):
-        vids = self.manager.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
-        return {}, [self._places_of(vids)]
+        m = self._mgr(req)
+        vids = m.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
+        return {}, [self._places_of(m, vids)]
 
     def _cancel(self, req):
-        self.manager.cancel(req.client, arg(req, "reservation", int))
+        m = self._mgr(req)
+        m.cancel(req.client, arg(req, "reservation", int))
         return {}, []
 
     def _allocate(self, req):
-        vids = self.manager.allocate(req.client, self._layout_id(req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
+        m = self._mgr(req)
+        vids = m.allocate(req.client, self._layout_id(m, req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
                                      request=arg(req, "request", int, default=0),
                                      priority=arg(req, "priority", int, default=0, lo=-128, hi=127))
         if vids is None:
             return {"allocated": False, "reason": "HBM is full of blocks that cannot move; reserve and wait"}, [b""]
-        return {"allocated": True}, [self._places_of(vids)]
+        return {"allocated": True}, [self._places_of(m, vids)]
 
     def _commit(self, req):
+        m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
         keys = req.array(1, P.KEYS_DTYPE, "content keys") if len(req.arrays) > 1 and req.arrays[1] else None
         if keys is not None and len(keys) != len(vids):
             raise ProtocolError(f"commit: {len(vids)} block ids but {len(keys)} content keys")
         parent = arg(req, "parent", int, default=None)
-        out = self.manager.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
+        out = m.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
         return {}, [np.asarray(out, dtype=P.VIDS_DTYPE).tobytes()]
 
     def _lookup(self, req):
+        m = self._mgr(req)
         keys = req.array(0, P.KEYS_DTYPE, "content keys")
         layout = arg(req, "layout", int, default=None)
-        return {}, [self._records(self.manager.lookup_rows(keys, layout))]
+        return {}, [self._records(m, m.lookup_rows(keys, layout))]
 
     def _acquire(self, req):
-        rows = self.manager.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        m = self._mgr(req)
+        rows = m.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
-        return {"acquired": True}, [self._records(rows)]
+        return {"acquired": True}, [self._records(m, rows)]
 
     def _release(self, req):
-        self.manager.release(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        m = self._mgr(req)
+        m.release(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
         return {}, []
 
     def _free(self, req):
-        return {"freed": self.manager.free(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))}, []
+        m = self._mgr(req)
+        return {"freed": m.free(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))}, []
 
     def _add_ref(self, req):
-        self.manager.add_ref(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        m = self._mgr(req)
+        m.add_ref(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
         return {}, []
 
     def _places(self, req):
+        m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        self.manager.table.rows(vids)  # UnknownBlock for any that is not live
-        return {}, [self._places_of(vids)]
+        m.table.rows(vids)  # UnknownBlock for any that is not live
+        return {}, [self._places_of(m, vids)]
 
     def _stats(self, req):
         return self.stats(), []
@@ -230,7 +262,9 @@ class Service:
     def stats(self) -> dict:
         """Manager figures plus clients and daemon counters (the `stats` op, metrics and history)."""
         st = self.manager.stats()
-        st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid,
+        if len(self.managers) > 1:  # top level: the first GPU's pool; every pool under "devices"
+            st["devices"] = {str(d): m.stats() for d, m in self.managers.items()}
+        st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid, "device": s.device,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
@@ -250,11 +284,13 @@ class Service:
         bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
         if bad:
             raise ProtocolError(f"set_weights: weights {bad} must be numbers")
-        self.manager.policy.set_weights({k: float(v) for k, v in weights.items()})
+        for m in self.managers.values():
+            m.policy.set_weights({k: float(v) for k, v in weights.items()})
         return {"policy": self.manager.policy.describe()}, []
 
     def _check(self, req):
-        self.manager.check_invariants()
+        for m in self.managers.values():
+            m.check_invariants()
         return {}, []
 
     # -- helpers ---------------------------------------------------------------------------
@@ -266,17 +302,17 @@ class Service:
         except TypeError as e:
             raise LayoutError(f"bad layout field types: {e}") from None
 
-    def _layout_id(self, req) -> int:
+    def _layout_id(self, m: BlockManager, req) -> int:
         lid = arg(req, "layout", int, lo=0)
-        self.manager.table.layout(lid)
+        m.table.layout(lid)
         return lid
 
-    def _places_of(self, vids) -> bytes:
-        return self._records(self.manager.table.rows(vids))
+    def _places_of(self, m: BlockManager, vids) -> bytes:
+        return self._records(m, m.table.rows(vids))
 
-    def _records(self, rows: np.ndarray) -> bytes:
+    def _records(self, m: BlockManager, rows: np.ndarray) -> bytes:
         """PLACE_DTYPE records of rows, built from the table's columns without a Python loop."""
-        table = self.manager.table
+        table = m.table
         c = table.cols
         if len(rows) <= table.SMALL:
             return np.array([((int(c.gen[r]) << 32) | r, int(c.tier[r]), int(c.offset[r]),
@@ -291,9 +327,9 @@ class Service:
         rec["nbytes"] = block_bytes[c.layout[rows]]
         return rec.tobytes()
 
-    def _arenas(self) -> list[dict]:
+    def _arenas(self, m: BlockManager) -> list[dict]:
         out = []
-        for tier, arena in self.manager.arenas.items():
+        for tier, arena in m.arenas.items():
             if tier == Tier.NVME:
                 continue  # not mappable: clients reach NVMe blocks by acquiring them
             d = arena.describe()

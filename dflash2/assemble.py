@@ -19,7 +19,7 @@ from dflash2.config import Config
 from dflash2.errors import ArenaError
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.placement import Watermark
-from dflash2.plan import Plan, resolve_plan
+from dflash2.plan import Plan, TierPlan, resolve_plan
 from dflash2.reservations import AdmissionSettings
 from dflash2.tiers import Tier
 from dflash2.transfer.host import HostTransferBackend
@@ -40,34 +40,66 @@ def admission_settings(cfg: Config) -> AdmissionSettings:
                              preemption=a.preemption, max_client_share=a.max_client_share)
 
 
-def tier_specs(plan: Plan) -> list[TierSpec]:
+def tier_specs(plan: Plan, hbm: TierPlan | None = None, share: int = 1) -> list[TierSpec]:
+    """The tiers of one block pool: `hbm` (default: the plan's only one) and 1/share of the others,
+    rounded down to whole pages."""
     specs = []
+    hbm = hbm or next(t for t in plan.tiers if t.tier == Tier.HBM)
     for tp in plan.tiers:
+        if tp.tier == Tier.HBM and tp is not hbm:
+            continue
         if tp.capacity_bytes is None:
             raise ArenaError(f"the {tp.tier.label} tier's size is unknown ({tp.where}); cannot start")
-        if tp.capacity_bytes > 0:
-            specs.append(TierSpec(tp.tier, tp.capacity_bytes, tp.page_bytes, tp.alignment))
+        capacity = tp.capacity_bytes if tp.tier == Tier.HBM else tp.capacity_bytes // share // tp.page_bytes * tp.page_bytes
+        if capacity > 0:
+            specs.append(TierSpec(tp.tier, capacity, tp.page_bytes, tp.alignment))
     return specs
 
 
-def build_manager(cfg: Config, *, instance: str | None = None, plan: Plan | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> BlockManager:
-    """Take the arenas of `cfg` and return the manager that owns them (close() gives them back).
+def build_managers(cfg: Config, *, instance: str | None = None, plan: Plan | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> dict[int, BlockManager]:
+    """Take the arenas of `cfg`: one block manager per GPU, keyed by device index ({0: ...} on a
+    machine without a GPU). Each GPU has its own HBM arena and block pool; the DRAM and NVMe tiers
+    are split evenly between the GPUs (a segment and a file each), so no move ever crosses GPUs.
     `instance` names the shared-memory segments (default: dflash2-<pid>)."""
     plan = plan or resolve_plan(cfg)
-    hbm_plans = [t for t in plan.tiers if t.tier == Tier.HBM]
-    if len(hbm_plans) != 1:
-        raise ArenaError(f"{len(hbm_plans)} GPUs selected; this daemon serves one: set device.gpu_ids to one GPU "
-                         "(run one daemon per GPU, each with its own endpoint)")
     instance = instance or f"dflash2-{os.getpid()}"
-    specs = tier_specs(plan)
-    cuda = plan.device_kind == "cuda"
-    device = int(hbm_plans[0].where.split(":")[1]) if cuda else None
+    hbm_plans = [t for t in plan.tiers if t.tier == Tier.HBM]
+    managers: dict[int, BlockManager] = {}
+    try:
+        for hp in hbm_plans:
+            device = int(hp.where.split(":")[1]) if plan.device_kind == "cuda" else None
+            key = 0 if device is None else device
+            managers[key] = _build_one(cfg, plan, hp, device, len(hbm_plans), instance, clock)
+    except BaseException:
+        for manager in managers.values():
+            manager.close()
+        raise
+    return managers
+
+
+def build_manager(cfg: Config, **kwargs) -> BlockManager:
+    """The single block manager of a one-GPU (or host-only) config."""
+    managers = build_managers(cfg, **kwargs)
+    if len(managers) != 1:
+        for manager in managers.values():
+            manager.close()
+        raise ArenaError(f"{len(managers)} GPUs selected: use build_managers")
+    return next(iter(managers.values()))
+
+
+def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share: int, instance: str,
+               clock: Callable[[], float]) -> BlockManager:
+    specs = tier_specs(plan, hbm, share)
+    name = instance if share == 1 else f"{instance}-gpu{device}"
+    nvme_path = plan.nvme_path
+    if nvme_path is not None and share > 1:
+        nvme_path = nvme_path.with_name(f"{nvme_path.name}.gpu{device}")
     arenas: dict[Tier, Arena] = {}
     try:
         for spec in specs:
-            arenas[spec.tier] = _open_arena(spec, plan, instance, device)
-        backend = _backend(arenas, plan) if cuda else HostTransferBackend(arenas)
+            arenas[spec.tier] = _open_arena(spec, plan, name, device, nvme_path)
+        backend = _backend(arenas, plan) if device is not None else HostTransferBackend(arenas)
     except BaseException:
         for arena in arenas.values():
             arena.close()
@@ -84,11 +116,11 @@ def _backend(arenas: dict[Tier, Arena], plan: Plan):
     return CudaTransferBackend(arenas, getattr(dram, "region", None), plan.staging_bytes)
 
 
-def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None) -> Arena:
+def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None, nvme_path) -> Arena:
     if spec.tier == Tier.NVME:
-        if plan.nvme_path is None:
+        if nvme_path is None:
             raise ArenaError("memory.nvme_path is not set but the NVMe tier has a capacity")
-        return NvmeArena.create(plan.nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
+        return NvmeArena.create(nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
     if device is not None:
         from dflash2.cuda.arena import CudaArena, PinnedHostArena
 

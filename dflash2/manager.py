@@ -98,8 +98,8 @@ class BlockManager:
         self.table.on_slots_freed = self._forget_slots
 
     # -- clients and layouts ---------------------------------------------------------------
-    def attach(self, name: str) -> int:
-        return self.table.add_client(name)
+    def attach(self, name: str, client_id: int | None = None) -> int:
+        return self.table.add_client(name, client_id)
 
     def detach(self, client: int) -> dict:
         """Release everything the client holds (also what a lapsed lease does)."""

@@ -233,3 +233,58 @@ def test_copy_kernel_handles_odd_sizes_and_many_chunks():
     finally:
         host.close()
         hbm.close()
+
+
+def test_clients_share_blocks_through_cuda_views(cuda_config):
+    """Two client processes and the real daemon: one writes a prefix through its CUDA tensor views
+    and commits it by content key; the other maps the arena by IPC handle, finds the prefix, and
+    reads the same bytes through its own views. Attaching (IPC mapping included) takes < 0.5 s."""
+    import time
+
+    import torch
+    from dflash2.client import Client
+    from dflash2.layout import Layout
+    path = cuda_config()
+    proc = subprocess.Popen(["dflash2d", "--config", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("DFlash2: enabled")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        layout = Layout("bf16", 4, 2, 64, "bf16", 16)
+        with Client.connect(config=path, name="writer", layouts=[layout]) as w:
+            lid = w.layout_ids[0]
+            places = w.allocate(lid, 3)
+            torch.manual_seed(0)
+            written = []
+            for p in places:
+                t = w.view(p)
+                assert t.is_cuda and t.dtype == torch.bfloat16 and tuple(t.shape) == layout.shape
+                t.copy_(torch.randn(layout.shape, dtype=torch.bfloat16, device=t.device))
+                written.append(t.float().sum().item())
+            torch.cuda.synchronize()
+            w.commit(places["vid"], keys=[11, 12, 13])
+            code = f"""
+import time, json, torch
+from dflash2.client import Client
+from dflash2.layout import Layout
+t0 = time.perf_counter()
+c = Client.connect(config={path!r}, name="reader", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)])
+attach_s = time.perf_counter() - t0
+found = c.lookup([11, 12, 13, 14])
+got = c.acquire(found["vid"])
+sums = [c.view(p).float().sum().item() for p in got]
+c.release(found["vid"])
+c.close()
+print(json.dumps({{"attach_s": attach_s, "found": len(found), "sums": sums}}))
+"""
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            print("attach with IPC mapping:", res["attach_s"], "s")
+            assert res["found"] == 3
+            assert res["sums"] == written
+            assert res["attach_s"] <= 0.5
+    finally:
+        proc.terminate()
+        proc.wait(30)

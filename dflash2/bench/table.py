@@ -62,6 +62,7 @@ def run(args) -> dict:
     live = mgr.table.live_rows()
     mgr.table.cols.last_access[live] = rng.random(len(live))  # a realistic spread of ages
     mgr.table.cols.hits[live] = rng.integers(0, 20, len(live))
+    mgr.policy.on_access(mgr.table, rng.permutation(live), 0.0)  # the policy's own state, spread too
     need = (n // 100) * slot
     rescore = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False), args.repeat)
     baseline_data = rng.random(n).astype(np.float32)

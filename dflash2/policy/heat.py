@@ -79,8 +79,7 @@ class HeatPolicy(Policy):
         rows = np.asarray(rows, dtype=np.int64)
         new = rows[table.cols.state[rows] != int(BlockState.RESIDENT)]  # written, not moved
         if len(new):
-            self.tick += len(new)
-            self._last[new] = self.tick
+            self._stamp(new)
             self._cls[new] = 0
             self._patch(table, new, now)
 
@@ -94,15 +93,21 @@ class HeatPolicy(Policy):
     def on_access(self, table, rows, now):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
-        self.tick += len(rows)
+        self._stamp(rows)
         self._reference(table, rows)
         self._patch(table, rows, now)
+
+    def _stamp(self, rows: np.ndarray) -> None:
+        """One logical tick per block read or written. Rows come in chain order (ancestors first);
+        the first gets the newest stamp, so that an ancestor is never older than its descendants."""
+        n = len(rows)
+        self._last[rows] = self.tick + np.arange(n, 0, -1)
+        self.tick += n
 
     def _reference(self, table, rows: np.ndarray) -> None:
         keys = table.cols.key[rows]
         keyed = keys != 0
         rows, keys = rows[keyed], keys[keyed]
-        self._last[rows] = self.tick
         if not len(rows):
             return
         cls = freq_class(self.sketch.add(keys) - 1)  # references before this one

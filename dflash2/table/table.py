@@ -79,9 +79,12 @@ class BlockTable:
             raise UnknownLayout(f"layout id {layout_id} is not registered ({len(self.layouts)} are)")
         return self.layouts[layout_id]
 
-    def add_client(self, name: str) -> int:
-        cid = self._next_client
-        self._next_client += 1
+    def add_client(self, name: str, client_id: int | None = None) -> int:
+        """Register a client; the daemon passes its own daemon-wide id, tests let the table pick."""
+        if client_id is not None and client_id in self.clients:
+            raise ValueError(f"client id {client_id} is already attached")
+        cid = self._next_client if client_id is None else client_id
+        self._next_client = max(self._next_client, cid) + 1
         self.clients[cid] = ClientRefs(cid, name)
         return cid
 
