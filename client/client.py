@@ -81,9 +81,10 @@ def _places(raw: bytes) -> np.ndarray:
 
 class Client:
     def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
-                 heartbeat: bool = True):
+                 heartbeat: bool = True, device: int | None = None):
         check_endpoint(endpoint)
         self.endpoint = endpoint
+        self.gpu = device  # the GPU this client serves (None: the daemon's first)
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -99,13 +100,20 @@ class Client:
 
     @classmethod
     def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,
-                layouts: Sequence[Layout] = (), timeout_s: float = 5.0, heartbeat: bool = True) -> "Client":
-        return cls(resolve_endpoint(endpoint, config), name or f"pid-{os.getpid()}", layouts, timeout_s, heartbeat)
+                layouts: Sequence[Layout] = (), timeout_s: float = 5.0, heartbeat: bool = True,
+                device: int | None = None) -> "Client":
+        """Attach to the daemon. `device` names the GPU this process serves: its blocks live in that
+        GPU's pool and views map that GPU's arena."""
+        return cls(resolve_endpoint(endpoint, config), name or f"pid-{os.getpid()}", layouts, timeout_s, heartbeat,
+                   device)
 
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool) -> None:
-        reply = self._call(Op.ATTACH, {"name": self.name, "pid": os.getpid(), "pid_namespace": pid_namespace(),
-                                       "layouts": [lay.to_dict() for lay in layouts]})
+        args = {"name": self.name, "pid": os.getpid(), "pid_namespace": pid_namespace(),
+                "layouts": [lay.to_dict() for lay in layouts]}
+        if self.gpu is not None:
+            args["device"] = self.gpu
+        reply = self._call(Op.ATTACH, args)
         r = reply.result
         self.client_id = int(r["client"])
         self.layout_ids: list[int] = [int(i) for i in r["layouts"]]
@@ -113,6 +121,7 @@ class Client:
         self.lease_timeout_s = float(r["lease_timeout_s"])
         self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
         self.device = r.get("device")
+        self.gpu = r.get("gpu", self.gpu)
         self.arena_info: list[dict] = list(r.get("arenas", []))  # [{tier, kind, name, capacity_bytes, alignment}]
         try:
             self._arenas = ArenaMap(self.arena_info)

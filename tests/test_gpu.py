@@ -288,3 +288,56 @@ print(json.dumps({{"attach_s": attach_s, "found": len(found), "sums": sums}}))
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _two_gpus() -> bool:
+    try:
+        import cupy as cp
+        return cp.cuda.runtime.getDeviceCount() >= 2
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs (run on nvidia-h200-x2)")
+def test_one_daemon_keeps_one_pool_per_gpu(tmp_path):
+    """A daemon on two GPUs: each client's blocks live in the pool of the GPU it serves, views map
+    that GPU's arena, and a move never crosses GPUs."""
+    import torch
+    from dflash2.client import Client
+    from dflash2.layout import Layout
+    cfg = {"enable": True, "device": {"kind": "cuda", "gpu_ids": [0, 1]},
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64, "nvme_capacity_mb": 128,
+                      "nvme_path": "nvme.cache", "staging_buffer_size_mb": 8, "page_kb": 256},
+           "kv_block": {"block_size": 16, "prefetch_window": 2}, "policy": {"swap_batch_size": 64},
+           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"}, "logging": {"format": "text"}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    proc = subprocess.Popen(["dflash2d", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("DFlash2: enabled")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        assert "2 GPUs" in lines[-1]
+        layout = Layout("bf16", 4, 2, 64, "bf16", 16)
+        with Client.connect(config=str(path), name="g0", layouts=[layout], device=0) as c0, \
+                Client.connect(config=str(path), name="g1", layouts=[layout], device=1) as c1:
+            assert c0.gpu == 0 and c1.gpu == 1
+            places = c1.allocate(c1.layout_ids[0], 4)
+            for p in places:
+                t = c1.view(p)
+                assert t.is_cuda and t.device.index == 1
+                t.fill_(1.5)
+            torch.cuda.synchronize(1)
+            c1.commit(places["vid"], keys=[21, 22, 23, 24])
+            assert len(c1.lookup([21, 22, 23, 24])) == 4
+            assert len(c0.lookup([21, 22, 23, 24])) == 0, "GPU 0's pool does not hold GPU 1's blocks"
+            st = c0.stats()
+            assert set(st["devices"]) == {"0", "1"}
+            assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 4
+            assert st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
+            c1.check()
+    finally:
+        proc.terminate()
+        proc.wait(30)
