@@ -129,7 +129,11 @@ class BlockManager:
         room when needed. None when HBM cannot hold them (the caller reserves and waits instead)."""
         vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
         if vids is None:
-            need = n * self.table.slot_bytes(layout_id, Tier.HBM)
+            slot = self.table.slot_bytes(layout_id, Tier.HBM)
+            # Make room for a whole batch at once, not block by block: a stream of one-block
+            # allocations would otherwise cost one swap batch (and one copy launch) per block.
+            need = max(n, self.mover.swap_batch_size) * slot
+            need = min(need, max(n * slot, self._free_bytes_at_low_watermark(Tier.HBM)))
             self.placement.make_room(Tier.HBM, need, idle_only=True, below_priority=priority + 1)
             vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
         if vids is not None:
@@ -232,6 +236,11 @@ class BlockManager:
             arena.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
+        """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""
+        alloc = self.table.allocators[tier]
+        return int((1.0 - self.placement.watermarks[tier].low) * alloc.capacity_bytes)
+
     def places_of_rows(self, rows: np.ndarray) -> list[Place]:
         c = self.table.cols
         vids = self.table.vids(rows)
