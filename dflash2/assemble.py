@@ -19,6 +19,7 @@ from dflash2.config import Config
 from dflash2.errors import ArenaError
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.placement import Watermark
+from dflash2.policy.base import policy_class
 from dflash2.plan import Plan, TierPlan, resolve_plan
 from dflash2.reservations import AdmissionSettings
 from dflash2.tiers import Tier
@@ -104,7 +105,9 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         for arena in arenas.values():
             arena.close()
         raise
-    return BlockManager(specs, policy=cfg.policy.name, swap_batch_size=cfg.policy.swap_batch_size,
+    policy = policy_class(cfg.policy.name).from_config(cfg.policy)
+    return BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
+                        swap_batch_size=cfg.policy.swap_batch_size,
                         cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
                         admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
 

@@ -26,6 +26,7 @@ from dflash2.layout import Layout
 from dflash2.mover import Mover
 from dflash2.placement import Placement, Watermark
 from dflash2.policy import Policy, make_policy
+from dflash2.prefetch import Prefetcher
 from dflash2.reservations import Admission, AdmissionSettings, Decision
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -78,7 +79,8 @@ class BlockManager:
                  watermarks: dict[Tier, Watermark] | None = None,
                  admission: AdmissionSettings | None = None,
                  arenas: dict[Tier, Arena] | None = None, backend: TransferBackend | None = None,
-                 clock: Callable[[], float] = time.monotonic, table_capacity: int = 1024):
+                 clock: Callable[[], float] = time.monotonic, table_capacity: int = 1024,
+                 prefetch_window: int = 0):
         if Tier.HBM not in {s.tier for s in specs}:
             raise ArenaError("the HBM tier (or its host-memory stand-in) is required")
         self.specs = {s.tier: s for s in specs if s.capacity_bytes > 0}
@@ -95,6 +97,9 @@ class BlockManager:
                                    {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.access = AccessStats()
+        # A lookup is followed by the request reading its prefix from the start: the first window's
+        # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).
+        self.prefetcher = Prefetcher(self, prefetch_window)
         self.table.on_slots_freed = self._forget_slots
 
     # -- clients and layouts ---------------------------------------------------------------
@@ -159,6 +164,8 @@ class BlockManager:
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
+        if len(rows) and self.prefetcher.base:
+            self.prefetcher.ahead(self.table.vids(rows), 0)
         return rows
 
     def acquire(self, client: int, vids) -> list[Place] | None:
@@ -174,6 +181,8 @@ class BlockManager:
         for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()):
             if n:
                 self.access.reads[Tier(t)] += n
+        if self.prefetcher.pending:
+            self.prefetcher.reading(self.table.vids(rows).tolist())
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(Tier.HBM)).any():
@@ -206,6 +215,7 @@ class BlockManager:
         """One background step: expire and grant reservations, rebalance the tiers."""
         self.admission.tick()
         self.placement.rebalance()
+        self.prefetcher.settle()
 
     def check_invariants(self) -> None:
         check_invariants(self.table)
@@ -224,6 +234,8 @@ class BlockManager:
             "lookup_misses": self.access.misses,
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
             "placement": dataclasses.asdict(self.placement.stats),
+            "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,
+                         "wasted": self.prefetcher.wasted},
             "reservations": self.admission.snapshot(),
             "clients": len(self.table.clients),
             "policy": self.policy.describe(),

@@ -77,6 +77,20 @@ class Prefetcher:
         self.wasted += len(mine) - int(in_hbm.sum())
         self._pending.difference_update(mine)
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def settle(self) -> None:
+        """Between reads (the daemon's tick): a prefetched block that left HBM unread was wasted."""
+        if not self._pending:
+            return
+        mine = list(self._pending)
+        rows, live = self._rows(mine)
+        gone = ~(live & (self.manager.table.cols.tier[rows] == int(Tier.HBM)))
+        self.wasted += int(gone.sum())
+        self._pending.difference_update(v for v, g in zip(mine, gone.tolist()) if g)
+
     def finish(self) -> None:
         """The request is done reading: whatever it did not read was prefetched for nothing."""
         self.wasted += len(self._pending)

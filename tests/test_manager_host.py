@@ -71,3 +71,17 @@ def test_tiers_are_sized_from_the_config(mgr):
     assert st["dram"]["capacity_bytes"] == 16 << 20
     assert st["nvme"]["capacity_bytes"] == 32 << 20
     assert mgr.arenas[Tier.HBM].describe()["name"].endswith("-hbm")
+
+
+def test_heat_policy_takes_its_weights_and_interval_from_the_config(config_file, instance_name):
+    cfg = load_config(config_file(policy={"name": "heat", "rescore_interval_ms": 250,
+                                          "weights": {"frequency": 2.0, "priority": 0.0}},
+                                  kv_block={"block_size": 16, "prefetch_window": 3}))
+    m = build_manager(cfg, instance=instance_name)
+    try:
+        assert m.policy.name == "heat"
+        assert m.policy.weights["frequency"] == 2.0 and m.policy.weights["priority"] == 0.0
+        assert m.policy.rescore_interval_s == 0.25
+        assert m.prefetcher.base == 3
+    finally:
+        m.close()

@@ -140,3 +140,27 @@ def test_admission_refusal_drops_instead_of_demoting(make_manager, clock):
     mgr.placement.make_room(Tier.HBM, 16384 * 2)
     assert mgr.stats()["tiers"]["dram"]["blocks"] == 0
     assert mgr.placement.stats.not_admitted == 2
+
+
+def test_lookup_prefetches_the_first_window_and_reads_count_it(make_manager, clock):
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=2)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3, 4])
+    mgr.mover.move(mgr.table.rows(chain[::-1]), Tier.DRAM)
+    # HBM is nearly empty (below its low watermark): the window of 2 doubles to 4 on first use
+    found = mgr.lookup([1, 2, 3, 4, 5], lid)
+    assert [p.vid for p in found] == chain.tolist()
+    assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 4
+    mgr.acquire(a, chain)
+    assert mgr.access.reads[Tier.HBM] == 4, "every read was served from HBM without waiting"
+    assert mgr.stats()["prefetch"] == {"window": 4, "useful": 4, "wasted": 0}
+    mgr.release(a, chain)
+    # HBM full above its high watermark: back to the configured window
+    filler = mgr.allocate(a, lid, 4)
+    mgr.mover.move(mgr.table.rows(chain[::-1]), Tier.DRAM)
+    mgr.commit(a, mgr.allocate(a, lid, 4))
+    mgr.lookup([1, 2, 3, 4], lid)
+    assert mgr.prefetcher.window == 2
+    assert filler is not None
+    mgr.check_invariants()

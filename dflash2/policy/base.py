@@ -49,6 +49,12 @@ class Policy(abc.ABC):
         """Mask of the rows that deserve a place in `tier` (default: all)."""
         return np.ones(len(rows), dtype=bool)
 
+    @classmethod
+    def from_config(cls, policy_config) -> "Policy":
+        """An instance set up from the config's `policy` section (weights, intervals); policies
+        without settings ignore it."""
+        return cls()
+
     def set_weights(self, weights: dict[str, float]) -> None:
         """Change weights at run time. Policies without weights refuse any."""
         if weights:
@@ -73,14 +79,18 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_policy(name: str, **kwargs) -> Policy:
-    """A fresh policy instance by name; UnknownPolicy lists the valid names."""
+def policy_class(name: str) -> type[Policy]:
+    """The registered class of `name`; UnknownPolicy lists the valid names."""
     _load_builtin()
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise UnknownPolicy(f"unknown policy {name!r}; valid: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**kwargs)
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """A fresh policy instance by name; UnknownPolicy lists the valid names."""
+    return policy_class(name)(**kwargs)
 
 
 def _load_builtin() -> None:

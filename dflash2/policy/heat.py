@@ -46,6 +46,12 @@ DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing":
 class HeatPolicy(Policy):
     name = "heat"
 
+    @classmethod
+    def from_config(cls, policy_config) -> "HeatPolicy":
+        """Weights from `policy.weights`, rescoring every `policy.rescore_interval_ms`."""
+        return cls(policy_config.weights.model_dump(),
+                   rescore_interval_s=policy_config.rescore_interval_ms / 1000.0)
+
     def __init__(self, weights: dict[str, float] | None = None, *,
                  rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18):
         self.weights = dict(DEFAULT_WEIGHTS)
