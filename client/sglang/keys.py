@@ -1,0 +1,87 @@
+"""sglang page keys -> dflash2 content keys, namespaced so that only compatible pages are shared.
+
+sglang names a page by a string: a chained hash of the page's tokens and its whole prefix
+(`get_hash_str`). The same string names *different bytes* in different processes when they hold a
+different shard or format of the KV, so the dflash2 key hashes the string together with a namespace:
+
+- the model (two models never share a page);
+- the shard: TP rank and size for standard attention (each rank holds its own KV heads), none for
+  MLA (the latent is replicated on every TP rank, so every rank may read the writer's page);
+  pipeline stage, attention context-parallel and decode context-parallel ranks where used;
+- the page format: the host pool's memory layout (page_first, layer_first, ...), its storage
+  format tag, and the page geometry (dtype, layers, heads, tokens per page).
+
+Invariant: a TP rank never reads another rank's shard, and a page is only ever read into a host
+pool whose byte format is the one it was written from. Key 0 is "no key" on the wire and is never
+produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+NO_KEY = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which slice of a model's KV one sglang process (rank) holds; the fields of sglang's
+    `HiCacheStorageConfig` that decide it."""
+
+    model: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    is_mla: bool = False
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
+
+    @classmethod
+    def from_storage_config(cls, cfg) -> "Shard":
+        return cls(model=cfg.model_name or "", tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, is_mla=bool(cfg.is_mla_model),
+                   pp_rank=cfg.pp_rank, pp_size=cfg.pp_size, attn_cp_rank=cfg.attn_cp_rank,
+                   attn_cp_size=cfg.attn_cp_size, dcp_rank=getattr(cfg, "dcp_rank", 0),
+                   dcp_size=getattr(cfg, "dcp_size", 1))
+
+    def tag(self) -> str:
+        """The shard part of the namespace. MLA pages are the same on every TP rank: no TP rank."""
+        parts = [f"model={self.model}"]
+        parts.append("mla" if self.is_mla else f"tp={self.tp_rank}/{self.tp_size}")
+        if self.pp_size > 1:
+            parts.append(f"pp={self.pp_rank}/{self.pp_size}")
+        if self.attn_cp_size > 1:
+            parts.append(f"cp={self.attn_cp_rank}/{self.attn_cp_size}")
+        if self.dcp_size > 1:
+            parts.append(f"dcp={self.dcp_rank}/{self.dcp_size}")
+        return ",".join(parts)
+
+
+def namespace(shard: Shard, page_format: str) -> str:
+    """The full namespace: shard + page byte format (see the module docstring)."""
+    return f"sglang|{shard.tag()}|{page_format}"
+
+
+def _seed(ns: str) -> bytes:
+    return hashlib.blake2b(ns.encode("utf-8"), digest_size=16, person=b"dflash2-sglang").digest()
+
+
+class KeyMapper:
+    """Maps sglang page keys to dflash2 content keys within one namespace (cached per string)."""
+
+    def __init__(self, ns: str):
+        self.namespace = ns
+        self._salt = _seed(ns)
+
+    def key(self, page_key: str) -> int:
+        digest = hashlib.blake2b(page_key.encode("utf-8"), digest_size=8, key=self._salt).digest()
+        return int.from_bytes(digest, "little") or 1  # 0 is "no key"
+
+    def keys(self, page_keys: Sequence[str]) -> np.ndarray:
+        return np.fromiter((self.key(k) for k in page_keys), dtype=np.uint64, count=len(page_keys))

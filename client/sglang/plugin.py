@@ -1,0 +1,151 @@
+"""The sglang plugin: `--dflash2-config FILE` turns on sglang's hierarchical cache with dflash2 as its
+storage backend.
+
+sglang loads every entry point of the group `sglang.srt.plugins` (ours: `dflash2`, registered in
+pyproject.toml) before it parses its command line (`python -m sglang.launch_server`, `sglang serve`,
+`sglang.Engine`) and again in each scheduler process. `register()` hooks two methods of
+`ServerArgs` through sglang's own HookRegistry:
+
+- after `add_cli_args(parser)`: the parser knows `--dflash2-config FILE`;
+- before `from_cli_args(args)`: `rewrite_args(args)` turns the flag into
+  `--enable-hierarchical-cache --hicache-storage-backend dynamic
+  --hicache-storage-backend-extra-config '{"backend_name": "dflash2", "module_path":
+  "dflash2.client.sglang.backend", "class_name": "DFlash2Storage", "interface_v1": 1,
+  "dflash2_config": FILE}'` (the user's own extra-config keys are kept).
+
+Fallback: when the config's `enable` is not true, the config is invalid, or the daemon does not
+answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
+says `dflash2: fallback to default ...` and why. A flag that contradicts ours (another storage
+backend) is a usage error, never silently overridden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from dflash2.errors import DFlash2Error
+
+log = logging.getLogger("dflash2.sglang")
+
+FLAG = "--dflash2-config"
+BACKEND_NAME = "dflash2"
+BACKEND_MODULE = "dflash2.client.sglang.backend"
+BACKEND_CLASS = "DFlash2Storage"
+# How long the start-up check waits for the daemon before falling back.
+PROBE_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether this process may use dflash2; `reason` says why not."""
+
+    ok: bool
+    reason: str = ""
+    endpoint: str = ""
+
+
+def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdict:
+    """Load the config, require `enable`, and ping the daemon (no attach)."""
+    from dflash2.client.transport import Transport
+    from dflash2.config import load_config, require_enabled
+    from dflash2.protocol import Op
+
+    try:
+        cfg = load_config(config_path)
+        require_enabled(cfg)
+        endpoint = cfg.resolved_endpoint()
+    except DFlash2Error as e:
+        return Verdict(False, str(e))
+    transport = None
+    try:
+        transport = Transport(endpoint, timeout_s)
+        transport.call(Op.PING)
+    except DFlash2Error as e:
+        return Verdict(False, f"the dflash2 daemon cannot be reached: {e}", endpoint)
+    finally:
+        if transport is not None:
+            transport.close()
+    return Verdict(True, endpoint=endpoint)
+
+
+def fallback_line(reason: str) -> str:
+    return f"dflash2: fallback to default (sglang's own KV cache, no dflash2): {reason}"
+
+
+def backend_extra_config(config_path: str, user_extra: str | None) -> str:
+    """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours."""
+    extra: dict = {}
+    if user_extra:
+        if user_extra.startswith("@"):
+            raise ValueError(f"{FLAG} cannot be combined with --hicache-storage-backend-extra-config "
+                             f"from a file ({user_extra}); pass the keys inline as JSON")
+        extra = json.loads(user_extra)
+    ours = {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS}
+    for key, value in ours.items():
+        if key in extra and extra[key] != value:
+            raise ValueError(f"{FLAG} sets the storage backend's {key} to {value!r}, but "
+                             f"--hicache-storage-backend-extra-config gives {extra[key]!r}")
+    extra.update(ours)
+    extra["interface_v1"] = 1  # the zero-copy batch_get_v1 / batch_set_v1 path
+    extra["dflash2_config"] = os.path.abspath(config_path)
+    return json.dumps(extra)
+
+
+def rewrite_args(args, check=check_dflash2) -> Verdict | None:
+    """Rewrite a parsed sglang namespace in place (see the module docstring). None when the flag is
+    absent; else the verdict (not ok: the namespace is unchanged and the fallback was logged)."""
+    path = getattr(args, "dflash2_config", None)
+    if not path:
+        return None
+    backend = getattr(args, "hicache_storage_backend", None)
+    if backend not in (None, "dynamic"):
+        raise ValueError(f"{FLAG} makes dflash2 the hierarchical cache's storage backend; remove "
+                         f"--hicache-storage-backend {backend}")
+    verdict = check(path)
+    if not verdict.ok:
+        log.warning(fallback_line(verdict.reason))
+        return verdict
+    args.hicache_storage_backend_extra_config = backend_extra_config(
+        path, getattr(args, "hicache_storage_backend_extra_config", None))
+    args.enable_hierarchical_cache = True
+    args.hicache_storage_backend = "dynamic"
+    log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",
+             verdict.endpoint, os.path.abspath(path))
+    return verdict
+
+
+# ----------------------------------------------------------------------------------------------------
+# sglang hooks (this part needs sglang)
+
+
+def _add_flag(_result, parser, *args, **kwargs):
+    """AFTER ServerArgs.add_cli_args(parser)."""
+    if any(FLAG in action.option_strings for action in parser._actions):
+        return None  # the parser was extended already
+    parser.add_argument(FLAG, type=str, default=None, metavar="FILE",
+                        help="dflash2_config.json: keep this server's KV cache in the node's dflash2 daemon "
+                             "(shared, tiered, deduplicated); falls back to sglang's own cache when dflash2 "
+                             "is disabled or its daemon cannot be reached")
+    return None
+
+
+def _before_from_cli_args(*args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args(cls, namespace): rewrite the namespace in place."""
+    namespace = args[-1] if args else kwargs.get("args")
+    rewrite_args(namespace)
+    return None
+
+
+HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args",
+                "sglang.srt.server_args.ServerArgs.from_cli_args")
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: register the hooks (sglang applies them)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGETS[0], _add_flag, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS[1], _before_from_cli_args, HookType.BEFORE)
