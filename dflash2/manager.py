@@ -164,7 +164,7 @@ class BlockManager:
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
-        if len(rows) and self.prefetcher.base:
+        if self.prefetcher.base and self._below_hbm(rows[: self.prefetcher.max_window]):
             self.prefetcher.ahead(self.table.vids(rows), 0)
         return rows
 
@@ -248,6 +248,13 @@ class BlockManager:
             arena.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _below_hbm(self, rows: np.ndarray) -> bool:
+        """Whether any of these rows lies below HBM (a cheap test before any prefetch work)."""
+        tier = self.table.cols.tier
+        if len(rows) <= self.table.SMALL:
+            return any(int(tier[r]) > int(Tier.HBM) for r in rows.tolist())
+        return bool((tier[rows] > int(Tier.HBM)).any())
+
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""
         alloc = self.table.allocators[tier]

@@ -1,0 +1,12 @@
+"""dflash2 for sglang: `--dflash2-config FILE` keeps sglang's hierarchical KV cache (its L3 storage)
+in the node's dflash2 daemon, shared and deduplicated by every sglang process on the node.
+
+    plugin.py   the `sglang.srt.plugins` entry point: adds the flag, rewrites it into sglang's
+                hierarchical cache with the `dynamic` storage backend, or falls back
+    backend.py  DFlash2Storage, the HiCacheStorage subclass sglang creates (imports sglang)
+    pages.py    one host page <-> one dflash2 block: layout and copies (torch, no sglang import)
+    keys.py     sglang page keys -> namespaced dflash2 content keys (no torch, no sglang)
+
+Layers import only downward: backend -> pages, keys, plugin (for the fallback line); nothing here
+is imported by the rest of dflash2.
+"""

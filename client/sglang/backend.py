@@ -1,0 +1,326 @@
+"""`DFlash2Storage`: sglang's HiCache storage backend (L3) kept in the node's dflash2 daemon.
+
+sglang creates it through its storage-backend factory (`--hicache-storage-backend dynamic`, which
+`plugin.py` sets up) and then registers its host KV pool. Each sglang page is one dflash2 block,
+committed with a content key (`keys.py`), so every sglang process on the node that holds the same
+shard in the same format finds it, and the daemon keeps one copy:
+
+    batch_set_v1   lookup (the prefix already cached is skipped) -> allocate -> copy pages into the
+                   blocks -> commit with keys (a key cached meanwhile deduplicates) -> free our
+                   reference (published blocks stay cached; the daemon demotes them by heat)
+    batch_get_v1   lookup -> acquire (pins, promotes to the HBM tier) -> copy into the host pages
+                   -> release
+    batch_exists   lookup: the length of the cached prefix
+
+Failure is a miss, never an error in sglang's hot path: when the daemon is gone, calls return
+misses / failed writes for RETRY_S and then try again (reattaching when the lease was lost). When the
+backend cannot start (dflash2 disabled, daemon down, a page format it cannot hold) it logs one
+`dflash2: fallback to default` line and stays a backend that stores nothing, so sglang runs on its
+own host cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from dflash2.client.client import Client
+from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
+from dflash2.client.sglang.pages import PageFormatError, load_page, page_format, page_layout, store_page
+from dflash2.client.sglang.plugin import fallback_line
+from dflash2.errors import DaemonError, DaemonUnavailable, DFlash2Error
+
+log = logging.getLogger("dflash2.sglang")
+
+# After the daemon stopped answering, calls are misses for this long before the next try: a gone
+# daemon must not cost every prefetch a full request timeout.
+RETRY_S = 10.0
+# Pages per allocate / acquire, at most; also at most a quarter of the HBM tier (pinned while copied).
+MAX_CHUNK_PAGES = 64
+CALL_TIMEOUT_S = 5.0
+
+
+class DFlash2Storage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.extra = dict(storage_config.extra_config or {})
+        self.shard = Shard.from_storage_config(storage_config)
+        self.is_writer = storage_config.is_storage_writer  # MLA: one writer per replicated shard
+        self.client: Client | None = None
+        self.layout_id: int | None = None
+        self.keys: KeyMapper | None = None
+        self.fallback_reason: str | None = None
+        self.chunk_pages = MAX_CHUNK_PAGES
+        self.page_bytes = 0
+        self._down_until = 0.0
+        self._reattach = threading.Lock()
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
+                         "failed_calls": 0}
+        try:
+            self.client = self._attach()
+        except DFlash2Error as e:
+            self._fall_back(str(e))
+
+    # -- life ------------------------------------------------------------------------------
+    def _attach(self) -> Client:
+        from dflash2.config import load_config, require_enabled
+
+        path = self.extra.get("dflash2_config")
+        if not path:
+            raise DaemonUnavailable("no `dflash2_config` in the storage backend's extra config")
+        cfg = load_config(path)
+        require_enabled(cfg)
+        name = f"sglang:{self.shard.model}:tp{self.shard.tp_rank}"
+        timeout_s = float(self.extra.get("dflash2_timeout_s", CALL_TIMEOUT_S))
+        return Client.connect(config=cfg, name=name, timeout_s=timeout_s)
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        log.warning(fallback_line(reason))
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.client is None:
+            return
+        try:
+            layout = page_layout(mem_pool_host, self.shard.model)
+            self.layout_id = self.client.register_layout(layout)
+        except (PageFormatError, DFlash2Error) as e:
+            self._fall_back(f"sglang's host pages cannot be stored: {e}")
+            return
+        self.page_bytes = layout.block_bytes
+        self.keys = KeyMapper(namespace(self.shard, f"{page_format(mem_pool_host)}/{layout.name}"))
+        hbm = [a for a in self.client.arena_info if str(a.get("tier")).lower() == "hbm"]
+        if hbm:
+            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, hbm[0]["capacity_bytes"] // (4 * layout.block_bytes))))
+        log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
+                 layout.name, layout.block_bytes, self.keys.namespace)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None and self.keys is not None
+
+    def _ready(self) -> Client | None:
+        """The client to use now, or None (fallen back, or the daemon is down for now)."""
+        if not self.active or time.monotonic() < self._down_until:
+            return None
+        if self.client.lease_lost:
+            with self._reattach:
+                if self.client.lease_lost:
+                    try:
+                        fresh = self._attach()
+                        fresh.register_layout(self.client.layout(self.layout_id))
+                    except DFlash2Error as e:
+                        self._daemon_down(e)
+                        return None
+                    old, self.client = self.client, fresh
+                    old.close()
+        return self.client
+
+    def _daemon_down(self, error: Exception) -> None:
+        self.counters["failed_calls"] += 1
+        self._down_until = time.monotonic() + RETRY_S
+        log.warning("dflash2: %s; sglang's storage reads miss and writes fail for %gs", error, RETRY_S)
+
+    def _guarded(self, default, fn: Callable[[Client], Any], fallen_back=None):
+        """fn(client), or `default` while the daemon is down; `fallen_back` (default: `default`) once
+        this backend has fallen back for good."""
+        if not self.active:
+            return default if fallen_back is None else fallen_back
+        client = self._ready()
+        if client is None:
+            return default
+        try:
+            return fn(client)
+        except DaemonUnavailable as e:
+            self._daemon_down(e)
+            return default
+
+    # -- the two data paths ----------------------------------------------------------------
+    def _store(self, client: Client, page_keys: Sequence[str], write: Callable[[int, Any], None],
+               extra_info: Optional[HiCacheStorageExtraInfo]) -> List[bool]:
+        """Pages not cached yet become blocks; True for each page cached afterwards."""
+        n = len(page_keys)
+        ok = [False] * n
+        ckeys = self.keys.keys(page_keys)
+        found = client.lookup(ckeys, self.layout_id)
+        start = len(found)
+        ok[:start] = [True] * start
+        self.counters["pages_deduplicated"] += start
+        parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
+        for lo in range(start, n, self.chunk_pages):
+            hi = min(n, lo + self.chunk_pages)
+            places = client.allocate(self.layout_id, hi - lo)
+            if places is None:
+                log.warning("dflash2: no room for %d pages now; sglang keeps them in its host cache", n - lo)
+                break
+            try:
+                for place, i in zip(places, range(lo, hi)):
+                    write(i, client.view_bytes(place))
+            except BaseException:
+                client.free(places["vid"])
+                raise
+            held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
+            client.free(held)
+            parent = int(held[-1])
+            ok[lo:hi] = [True] * (hi - lo)
+            self.counters["pages_set"] += hi - lo
+        return ok
+
+    def _prefix_parent(self, client: Client, extra_info) -> int | None:
+        """The block of the page just before this batch, when cached: the chain's parent, so that the
+        daemon knows the prefix (descendants leave a tier before their ancestors)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if not prefix:
+            return None
+        found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id)
+        return int(found["vid"][0]) if len(found) else None
+
+    @staticmethod
+    def _commit(client: Client, vids, ckeys, parent: int | None) -> np.ndarray:
+        if parent is not None:
+            try:
+                return client.commit(vids, ckeys, parent)
+            except DaemonError:  # the parent was evicted meanwhile: publish without the link
+                pass
+        return client.commit(vids, ckeys)
+
+    def _load(self, client: Client, page_keys: Sequence[str], read: Callable[[int, Any], None]) -> List[bool]:
+        """Copy the cached prefix of `page_keys` out; True for each page read."""
+        n = len(page_keys)
+        ok = [False] * n
+        found = client.lookup(self.keys.keys(page_keys), self.layout_id)
+        for lo in range(0, len(found), self.chunk_pages):
+            vids = found["vid"][lo:lo + self.chunk_pages]
+            places = client.acquire(vids)
+            if places is None:  # evicted meanwhile or no room in HBM: the rest is a miss
+                break
+            by_vid = {int(p["vid"]): p for p in places}
+            try:
+                for j, vid in enumerate(vids.tolist()):
+                    read(lo + j, client.view_bytes(by_vid[vid]))
+            finally:
+                client.release(vids)
+            ok[lo:lo + len(vids)] = [True] * len(vids)
+        got = sum(ok)
+        self.counters["pages_got"] += got
+        self.counters["page_misses"] += n - got
+        return ok
+
+    def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
+        page = self.mem_pool_host.page_size
+        if host_indices.numel() != n * page:
+            raise ValueError(f"{n} page keys but {host_indices.numel()} host indices (page size {page})")
+        return host_indices[::page].tolist()
+
+    def _timed(self, kind: str, n: int, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        if self.storage_config.enable_storage_metrics and n:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            self._metrics[f"{kind}_pgs"].append(n)
+            self._metrics[f"{kind}_bandwidth"].append(n * self.page_bytes / dt / 1e9)
+        return result
+
+    # -- HiCacheStorage: zero-copy v1 ------------------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        return self._guarded(0, lambda c: len(c.lookup(self.keys.keys(keys), self.layout_id)))
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        pages = self._host_pages(host_indices, len(keys))
+        pool = self.mem_pool_host
+        return self._timed("prefetch", len(keys), lambda: self._guarded(
+            [False] * len(keys), lambda c: self._load(c, keys, lambda i, raw: load_page(pool, pages[i], raw))))
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        if not self.is_writer:
+            return [True] * len(keys)  # a replicated (MLA) page: its writer rank stores it
+        pages = self._host_pages(host_indices, len(keys))
+        pool = self.mem_pool_host
+        # Fallen back for good: accept and drop (a cache may forget; reads miss), so that sglang does
+        # not log a failed backup for every batch.
+        return self._timed("backup", len(keys), lambda: self._guarded(
+            [False] * len(keys),
+            lambda c: self._store(c, keys, lambda i, raw: store_page(pool, pages[i], raw), extra_info),
+            fallen_back=[True] * len(keys)))
+
+    # -- HiCacheStorage: generic (flat page tensors) ---------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        targets = list(target_locations or [])
+        if len(targets) != len(keys):
+            raise ValueError(f"batch_get: {len(keys)} keys but {len(targets)} target tensors")
+
+        def read(i, raw):
+            _flat_bytes(targets[i]).copy_(torch.from_numpy(np.asarray(raw)) if isinstance(raw, np.ndarray)
+                                          else torch.from_dlpack(raw))
+
+        ok = self._guarded([False] * len(keys), lambda c: self._load(c, keys, read))
+        return [t if hit else None for t, hit in zip(targets, ok)]
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        if target_location is None:
+            target_location = self.mem_pool_host.get_dummy_flat_data_page()
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        values = list(values or [])
+        if len(values) != len(keys):
+            raise ValueError(f"batch_set: {len(keys)} keys but {len(values)} values")
+        if not self.is_writer:
+            return True
+
+        def write(i, raw):
+            dst = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
+            dst.copy_(_flat_bytes(values[i]))
+
+        return all(self._guarded([False] * len(keys), lambda c: self._store(c, keys, write, None),
+                                 fallen_back=[True] * len(keys)))
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def clear(self) -> bool:
+        """Nothing of the node's shared cache is this process's alone: the pages it stored are
+        published and shared (this backend holds no reference after a write), and the daemon evicts
+        them by heat. Clearing them for everyone would take other processes' hits away."""
+        log.info("dflash2: clear() leaves the node's shared cache as it is (the daemon evicts by heat)")
+        return True
+
+    def get_stats(self):
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        for name, values in self._metrics.items():
+            getattr(metrics, name).extend(values)
+            values.clear()
+        return metrics
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (a copy only when it is not contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8)

@@ -1,0 +1,248 @@
+"""dflash2 as sglang's HiCache storage backend, against the real sglang package (0.5.23) and the real
+daemon subprocess, on the CPU: sglang's own host KV pool, its own storage-backend factory (`dynamic`)
+and its own plugin loader.
+
+sglang pins a torch of its own (about 11 GB with its dependencies), so these tests run in a separate
+environment; see README, "sglang". Where sglang is not importable the whole module is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+except Exception as exc:  # not installed, or installed without its dependencies
+    pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
+                "environment (README, 'sglang')", allow_module_level=True)
+
+from dflash2.client.sglang.backend import DFlash2Storage
+from dflash2.client.sglang.plugin import backend_extra_config
+from tests.daemon_proc import DaemonProcess
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
+PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2  # bf16
+
+
+def host_pool(layout: str = "page_first", tokens: int = 64) -> MHATokenToKVPoolHost:
+    """sglang's host KV pool on the CPU (not pinned), over a CPU device pool."""
+    dev = MHATokenToKVPool(tokens, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
+                           start_layer=0, end_layer=LAYERS - 1)
+    info = dev.get_device_pool_infos()[0]
+    return MHATokenToKVPoolHost(info.buffer_info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                end_layer=dev.end_layer)
+
+
+def storage_config(config_path: str, tp_rank: int = 0, tp_size: int = 1, **extra) -> HiCacheStorageConfig:
+    extra_config = json.loads(backend_extra_config(config_path, None))
+    extra_config.update(dflash2_timeout_s=1.0, **extra)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=True,
+                                is_page_first_layout=True, model_name="test/llama", extra_config=extra_config)
+
+
+def make_backend(config_path: str, pool, **kw):
+    """Through sglang's factory, then registered with the pool, as sglang's cache controller does."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(config_path, **kw), pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def fill(pool, pages: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in pages:
+        page = pool.get_data_page(p * PAGE, flat=False)
+        page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+def page_bytes(pool, p: int) -> bytes:
+    return pool.get_data_page(p * PAGE, flat=True).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def daemon(config_file):
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    yield path, proc
+    proc.stop()
+
+
+@pytest.fixture
+def backends():
+    made = []
+    yield made
+    for b in made:
+        b.close()
+
+
+KEYS = [f"page-{i:04d}" for i in range(8)]
+
+
+def test_round_trip_through_sglang_factory(daemon, backends):
+    path, _ = daemon
+    pool = host_pool()
+    backend = make_backend(path, pool)
+    backends.append(backend)
+    assert isinstance(backend, DFlash2Storage) and backend.fallback_reason is None
+    src = [1, 2, 3, 4, 5, 6, 7, 8]
+    fill(pool, src, seed=1)
+    want = [page_bytes(pool, p) for p in src]
+    assert backend.batch_exists(KEYS) == 0
+    assert backend.batch_set_v1(KEYS, indices(src)) == [True] * 8
+    assert backend.batch_exists(KEYS) == 8
+    assert backend.batch_exists(KEYS[:3] + ["missing"] + KEYS[4:]) == 3  # the cached prefix
+    dst = [9, 10, 11, 12, 13, 14, 15, 3]  # into other host pages (the last overwrites a source page)
+    assert backend.batch_get_v1(KEYS, indices(dst)) == [True] * 8
+    assert [page_bytes(pool, p) for p in dst] == want
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [8] and stats.prefetch_pgs == [8]
+
+
+def test_generic_calls(daemon, backends):
+    path, _ = daemon
+    pool = host_pool()
+    backend = make_backend(path, pool)
+    backends.append(backend)
+    fill(pool, [1, 2], seed=2)
+    values = [pool.get_data_page(p * PAGE, flat=True) for p in (1, 2)]
+    assert not backend.exists("a")
+    assert backend.set("a", values[0]) and backend.batch_set(["a", "b"], values)
+    assert backend.exists("a") and backend.exists("b")
+    got = backend.get("b")
+    assert torch.equal(got, values[1])
+    targets = [pool.get_dummy_flat_data_page() for _ in range(3)]
+    out = backend.batch_get(["a", "b", "c"], targets)
+    assert torch.equal(out[0], values[0]) and torch.equal(out[1], values[1]) and out[2] is None
+    assert backend.clear()
+
+
+def test_two_instances_share_one_copy(daemon, backends):
+    path, proc = daemon
+    pool_a, pool_b = host_pool(), host_pool()
+    a, b = make_backend(path, pool_a), make_backend(path, pool_b)
+    backends += [a, b]
+    fill(pool_a, [1, 2, 3, 4], seed=3)
+    want = [page_bytes(pool_a, p) for p in (1, 2, 3, 4)]
+    assert a.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    assert b.batch_exists(KEYS[:4]) == 4  # the second instance finds the first one's pages
+    assert b.batch_get_v1(KEYS[:4], indices([5, 6, 7, 8])) == [True] * 4
+    assert [page_bytes(pool_b, p) for p in (5, 6, 7, 8)] == want
+    fill(pool_b, [1, 2, 3, 4], seed=3)  # the same content computed again by the second instance
+    assert b.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    assert b.counters["pages_deduplicated"] == 4 and b.counters["pages_set"] == 0
+    stats = a.client.stats()
+    assert sum(t["blocks"] for t in stats["tiers"].values()) == 4  # one copy in the daemon
+    a.client.check()
+
+
+def test_tp_ranks_and_layouts_never_share(daemon, backends):
+    path, _ = daemon
+    pool0, pool1, pool_lf = host_pool(), host_pool(), host_pool("layer_first")
+    rank0 = make_backend(path, pool0, tp_rank=0, tp_size=2)
+    rank1 = make_backend(path, pool1, tp_rank=1, tp_size=2)
+    layer_first = make_backend(path, pool_lf, tp_rank=0, tp_size=2)
+    backends += [rank0, rank1, layer_first]
+    fill(pool0, [1, 2], seed=4)
+    assert rank0.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert rank1.batch_exists(KEYS[:2]) == 0  # another rank's shard
+    assert layer_first.batch_exists(KEYS[:2]) == 0  # another byte format
+
+
+def test_fallback_when_the_daemon_is_down(config_file, caplog):
+    path = config_file()  # no daemon started on its endpoint
+    pool = host_pool()
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        backend = make_backend(path, pool)
+    assert backend.fallback_reason and "fallback to default" in caplog.text
+    assert backend.batch_exists(KEYS) == 0
+    assert backend.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]  # accepted and dropped
+    assert backend.batch_get_v1(KEYS[:2], indices([1, 2])) == [False, False]
+
+
+def test_fallback_when_disabled(config_file, caplog):
+    path = config_file(enable=False)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        backend = make_backend(path, host_pool())
+    assert "fallback to default" in caplog.text and "disabled" in backend.fallback_reason
+
+
+def test_daemon_gone_mid_run_is_a_miss(daemon, backends):
+    path, proc = daemon
+    pool = host_pool()
+    backend = make_backend(path, pool)
+    backends.append(backend)
+    fill(pool, [1], seed=5)
+    assert backend.batch_set_v1(KEYS[:1], indices([1])) == [True]
+    proc.stop()
+    assert backend.batch_get_v1(KEYS[:1], indices([2])) == [False]
+    assert backend.batch_exists(KEYS[:1]) == 0  # within RETRY_S: no call at all
+    assert backend.counters["failed_calls"] == 1
+
+
+def test_hicache_file_reads_what_it_wrote(tmp_path):
+    """The bench's baseline: sglang's own file backend on the same pool (sanity of the harness)."""
+    pool = host_pool()
+    cfg = storage_config(str(tmp_path / "unused.json"))
+    file_backend = HiCacheFile(cfg, file_path=str(tmp_path / "hicache"))
+    fill(pool, [1], seed=6)
+    assert file_backend.set("k", pool.get_data_page(PAGE, flat=True))
+    assert torch.equal(file_backend.get("k", pool.get_dummy_flat_data_page()), pool.get_data_page(PAGE, flat=True))
+
+
+# -- the flag, through sglang's real plugin loading ---------------------------------------------------
+
+PLUGIN_SCRIPT = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(["--model-path", "/nonexistent/model", "--dflash2-config", sys.argv[1]])
+print("RESULT " + json.dumps([args.enable_hierarchical_cache, args.hicache_storage_backend,
+                              args.hicache_storage_backend_extra_config]))
+"""
+
+
+def run_plugin(config_path: str) -> tuple[list, str]:
+    env = {**os.environ, "SGLANG_PLUGINS": "dflash2"}
+    out = subprocess.run([sys.executable, "-c", PLUGIN_SCRIPT, config_path], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), out.stdout + out.stderr
+
+
+def test_flag_turns_on_hicache_with_dflash2(daemon):
+    path, _ = daemon
+    (enabled, backend, extra), _ = run_plugin(path)
+    assert enabled is True and backend == "dynamic"
+    extra = json.loads(extra)
+    assert extra["module_path"] == "dflash2.client.sglang.backend" and extra["class_name"] == "DFlash2Storage"
+    assert extra["interface_v1"] == 1 and extra["dflash2_config"] == os.path.abspath(path)
+
+
+def test_flag_falls_back_when_the_daemon_is_down(config_file):
+    (enabled, backend, extra), output = run_plugin(config_file())
+    assert (enabled, backend, extra) == (False, None, None)
+    assert output.count("fallback to default") == 1 and "cannot be reached" in output
+
+
+def test_help_shows_the_flag():
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "SGLANG_PLUGINS": "dflash2"})
+    assert "--dflash2-config" in out.stdout
