@@ -34,6 +34,9 @@ FIELDS: dict[str, tuple[np.dtype, object]] = {
 }
 
 
+_RESET = [(name, spec) for name, spec in FIELDS.items() if name != "gen"]
+
+
 class Columns:
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
@@ -70,9 +73,14 @@ class Columns:
         self._n_free += len(rows)
 
     def reset(self, rows: np.ndarray) -> None:
-        for name, (_, fill) in FIELDS.items():
-            if name != "gen":
-                getattr(self, name)[rows] = fill
+        if len(rows) <= 4:  # scalar stores beat sixteen fancy-index assignments for a few rows
+            for r in rows.tolist():
+                for name, (_, fill) in _RESET:
+                    getattr(self, name)[r] = fill
+                self.kids[:, r] = 0
+            return
+        for name, (_, fill) in _RESET:
+            getattr(self, name)[rows] = fill
         self.kids[:, rows] = 0
 
     def _grow(self) -> None:

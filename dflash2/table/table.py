@@ -458,9 +458,12 @@ class BlockTable:
         if not len(rows):
             return
         lids = self.cols.layout[rows]
-        for lid in np.unique(lids).tolist():
-            sel = lids == lid
-            self.allocators[tier].free(self.layouts[lid].block_bytes, offsets[sel])
+        if len(self.layouts) == 1 or (lids == lids[0]).all():
+            self.allocators[tier].free(self.layouts[int(lids[0])].block_bytes, offsets)
+        else:
+            for lid in np.unique(lids).tolist():
+                sel = lids == lid
+                self.allocators[tier].free(self.layouts[lid].block_bytes, offsets[sel])
         self.on_slots_freed(tier, offsets)
 
     # -- client death ----------------------------------------------------------------------
