@@ -212,7 +212,9 @@ class BlockManager:
 
     # -- background ------------------------------------------------------------------------
     def tick(self) -> None:
-        """One background step: expire and grant reservations, rebalance the tiers."""
+        """One background step: rescore (policies that cache scores), expire and grant
+        reservations, rebalance the tiers, settle prefetches."""
+        self.policy.on_tick(self.table, self.table.clock())
         self.admission.tick()
         self.placement.rebalance()
         self.prefetcher.settle()

@@ -28,7 +28,7 @@ except Exception as exc:  # not installed, or installed without its dependencies
 
 from dflash2.client.sglang.backend import DFlash2Storage
 from dflash2.client.sglang.plugin import backend_extra_config
-from tests.daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2  # bf16

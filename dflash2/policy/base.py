@@ -33,6 +33,15 @@ class Policy(abc.ABC):
         a policy can answer without gathering rows (one pass over a million blocks matters)."""
         return self.scores(table, np.arange(table.cols.capacity), now)
 
+    def rescore(self, table: "BlockTable", now: float) -> np.ndarray:
+        """One full scoring pass over every row. Policies that cache their scores refresh the cache
+        here (the daemon's timer calls it every `policy.rescore_interval_ms`)."""
+        return self.scores_all(table, now)
+
+    def on_tick(self, table: "BlockTable", now: float) -> None:
+        """The daemon's periodic step (every `policy.rescore_interval_ms`): policies that cache
+        scores rescore here; the others have nothing to do."""
+
     def on_access(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
         """Blocks were read (a lookup hit, an acquire). The table already updated last_access/hits."""
 

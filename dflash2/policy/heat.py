@@ -161,6 +161,9 @@ class HeatPolicy(Policy):
             self.rescore(table, now)
         return self._cache
 
+    def on_tick(self, table, now: float) -> None:
+        self.rescore(table, now)
+
     def rescore(self, table, now: float) -> np.ndarray:
         """One full scoring pass over every row (also what the timer does)."""
         self._ensure(table)

@@ -1,0 +1,95 @@
+"""The sglang integration's pure parts, without sglang: key namespacing, the flag's rewriting and
+its fallback verdicts (against the real daemon subprocess). The parts that need sglang are in
+test_sglang.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+
+from daemon_proc import DaemonProcess
+from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
+from dflash2.client.sglang.plugin import Verdict, backend_extra_config, check_dflash2, rewrite_args
+
+
+def mapper(**shard) -> KeyMapper:
+    return KeyMapper(namespace(Shard(model=shard.pop("model", "llama"), **shard), "MHA/page_first"))
+
+
+def test_keys_are_nonzero_stable_and_namespaced():
+    a = mapper(tp_rank=0, tp_size=2)
+    keys = a.keys(["p0", "p1"])
+    assert keys.dtype.name == "uint64" and all(int(k) != 0 for k in keys)
+    assert list(keys) == list(mapper(tp_rank=0, tp_size=2).keys(["p0", "p1"]))  # another process
+    assert a.key("p0") != mapper(tp_rank=1, tp_size=2).key("p0")  # another rank's shard
+    assert a.key("p0") != mapper(model="qwen", tp_rank=0, tp_size=2).key("p0")
+    assert a.key("p0") != KeyMapper(namespace(Shard("llama", 0, 2), "MHA/layer_first")).key("p0")
+
+
+def test_mla_pages_are_shared_by_every_tp_rank_but_not_across_stages():
+    assert mapper(is_mla=True, tp_rank=0, tp_size=4).key("p") == mapper(is_mla=True, tp_rank=3, tp_size=4).key("p")
+    assert mapper(is_mla=True, pp_rank=0, pp_size=2).key("p") != mapper(is_mla=True, pp_rank=1, pp_size=2).key("p")
+    assert mapper(is_mla=True).key("p") != mapper().key("p")
+
+
+def sglang_args(**kw) -> argparse.Namespace:
+    base = {"dflash2_config": "cfg.json", "enable_hierarchical_cache": False, "hicache_storage_backend": None,
+            "hicache_storage_backend_extra_config": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_rewrite_turns_the_flag_into_the_dynamic_backend(tmp_path):
+    args = sglang_args(dflash2_config=str(tmp_path / "c.json"),
+                       hicache_storage_backend_extra_config='{"prefetch_threshold": 256}')
+    verdict = rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x"))
+    assert verdict.ok and args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+    assert extra == {"prefetch_threshold": 256, "backend_name": "dflash2", "class_name": "DFlash2Storage",
+                     "module_path": "dflash2.client.sglang.backend", "interface_v1": 1,
+                     "dflash2_config": str(tmp_path / "c.json")}
+
+
+def test_rewrite_without_the_flag_changes_nothing():
+    args = sglang_args(dflash2_config=None)
+    assert rewrite_args(args, check=pytest.fail) is None and args.hicache_storage_backend is None
+
+
+def test_rewrite_refuses_another_storage_backend():
+    with pytest.raises(ValueError, match="--hicache-storage-backend file"):
+        rewrite_args(sglang_args(hicache_storage_backend="file"), check=pytest.fail)
+    with pytest.raises(ValueError, match="class_name"):
+        backend_extra_config("c.json", '{"class_name": "Other"}')
+
+
+def test_fallback_logs_one_line_and_leaves_the_args(caplog):
+    args = sglang_args()
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        verdict = rewrite_args(args, check=lambda path: Verdict(False, "the daemon is asleep"))
+    assert not verdict.ok and args == sglang_args()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "fallback to default" in lines[0] and "the daemon is asleep" in lines[0]
+
+
+def test_check_disabled_config(config_file):
+    verdict = check_dflash2(config_file(enable=False))
+    assert not verdict.ok and "disabled" in verdict.reason
+
+
+def test_check_invalid_config(config_file):
+    verdict = check_dflash2(config_file(bogus_key=1))
+    assert not verdict.ok and "bogus_key" in verdict.reason
+
+
+def test_check_daemon_down_then_up(config_file):
+    path = config_file()
+    down = check_dflash2(path, timeout_s=0.5)
+    assert not down.ok and "cannot be reached" in down.reason
+    proc = DaemonProcess(path).start()
+    try:
+        up = check_dflash2(path)
+        assert up.ok and up.endpoint == proc.endpoint
+    finally:
+        proc.stop()
