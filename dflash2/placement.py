@@ -130,7 +130,7 @@ class Placement:
             n_reach = int(np.count_nonzero(reach))
             if not n_reach:
                 return np.empty(0, dtype=np.int64)
-        keyed = self._scratch(len(scores))
+        keyed = self._scratch(len(scores), scores.dtype)
         keyed.fill(np.inf)
         np.copyto(keyed, scores, where=reach)
         sizes = self._slot_sizes(tier)
@@ -149,10 +149,10 @@ class Placement:
         taken = int(np.searchsorted(np.cumsum(slot[order]), need_bytes)) + 1
         return part[order[:taken]].astype(np.int64)
 
-    def _scratch(self, n: int) -> np.ndarray:
-        """A reused float64 buffer: a fresh 8 MB array per pass costs its page faults every time."""
-        if self._keyed is None or len(self._keyed) != n:
-            self._keyed = np.empty(n, dtype=np.float64)
+    def _scratch(self, n: int, dtype) -> np.ndarray:
+        """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
+        if self._keyed is None or len(self._keyed) != n or self._keyed.dtype != dtype:
+            self._keyed = np.empty(n, dtype=dtype)
         return self._keyed
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ import numpy as np
 
 from dflash2.policy.admission import FrequencySketch, SecondHitFilter
 from dflash2.policy.base import Policy, register
-from dflash2.policy.density import HitDensityModel, age_bin, freq_class
+from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, HitDensityModel, freq_class
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
@@ -40,6 +40,10 @@ RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density 
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
 DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
                    "stage": 1.0}
+
+
+def _log2_1p(counts: np.ndarray) -> np.ndarray:
+    return np.log2(counts.astype(np.float32) + np.float32(1.0))
 
 
 @register
@@ -133,23 +137,38 @@ class HeatPolicy(Policy):
 
     # -- scores ----------------------------------------------------------------------------
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
+        """Vectorised over every row in one pass, in float32 (a million-block pass is dominated by
+        transcendental and conversion passes: float32 halves both): log-age once (it gives the
+        density's age bin and the recency slope), the density by one flat gather, and the terms whose
+        inputs are all zero (no references, no priorities, ...) skipped after a cheap test."""
         c = table.cols
         w = self.weights
-        ages = self.tick - self._last[rows]
-        heat = w["frequency"] * self.model.log_density[self._cls[rows], age_bin(ages)]
+        ages = (self.tick - self._last[rows]).astype(np.float32)
+        np.maximum(ages, 0.0, out=ages)
+        log_age = np.log2(ages + np.float32(1.0))
+        idx = (log_age * np.float32(BINS_PER_OCTAVE)).astype(np.int64)
+        np.minimum(idx, N_AGE - 1, out=idx)
+        idx += self._cls[rows] * N_AGE
+        heat = np.take(self._log_density32(), idx)
+        if w["frequency"] != 1.0:
+            heat *= np.float32(w["frequency"])
         if w["recency"]:
             # Scale-free recency: a small slope in log-age, so that within a density level the
             # newer block wins (LRU), whatever the workload's time scale.
-            heat -= w["recency"] * RECENCY_SLOPE * np.log2(1.0 + ages)
-        if w["priority"]:
-            heat += w["priority"] * c.priority[rows]
-        if w["sharing"]:
-            heat += w["sharing"] * np.log2(1.0 + c.refs[rows])
-        if w["fanout"]:
-            heat += w["fanout"] * np.log2(1.0 + c.nkids[rows])
-        if w["stage"]:
-            heat += w["stage"] * c.stage[rows]
+            log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
+            heat -= log_age
+        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, _log2_1p),
+                                 ("fanout", c.nkids, _log2_1p), ("stage", c.stage, None)):
+            if not w[name]:
+                continue
+            values = column[rows]
+            if not values.any():
+                continue
+            heat += np.float32(w[name]) * (values if fn is None else fn(values))
         return heat
+
+    def _log_density32(self) -> np.ndarray:
+        return self.model.log_density.astype(np.float32).ravel()
 
     def scores(self, table, rows, now):
         self._ensure(table)
