@@ -116,8 +116,9 @@ class CopyKernel:
         self._meta: dict[int, _StreamMeta] = {}
 
     def launch(self, stream, src_ptr: int, dst_ptr: int, src_off: np.ndarray, dst_off: np.ndarray,
-               nbytes: np.ndarray) -> None:
-        """Queue one launch on `stream` for the whole batch."""
+               nbytes: np.ndarray, max_blocks: int | None = None) -> None:
+        """Queue one launch on `stream` for the whole batch, on at most `max_blocks` thread blocks
+        (default GRID_PER_SM per multiprocessor)."""
         cp = cupy()
         n = len(nbytes)
         if n == 0:
@@ -129,6 +130,7 @@ class CopyKernel:
         with cp.cuda.Device(self.device):
             ring = self._meta.setdefault(stream.ptr, _StreamMeta(cp, stream))
             device_meta = ring.upload(cp, meta)
-            grid = (max(1, min(total_chunks, GRID_PER_SM * self._sms)),)
+            limit = GRID_PER_SM * self._sms if max_blocks is None else max_blocks
+            grid = (max(1, min(total_chunks, limit)),)
             self._kernel(grid, (THREADS,), (cp.uint64(src_ptr), cp.uint64(dst_ptr), device_meta, np.int32(n)),
                          stream=stream)
