@@ -221,10 +221,14 @@ class Client:
         self._call(Op.CANCEL, {"reservation": int(reservation_id)})
 
     # -- blocks ----------------------------------------------------------------------------
-    def allocate(self, layout: int, n: int, request: int = 0, priority: int = 0) -> np.ndarray | None:
-        """n private HBM blocks to write, outside any reservation; None when HBM has no room now."""
-        reply = self._call(Op.ALLOCATE, {"layout": int(layout), "n": int(n), "request": int(request),
-                                         "priority": int(priority)})
+    def allocate(self, layout: int, n: int, request: int = 0, priority: int = 0,
+                 tier: str = "hbm") -> np.ndarray | None:
+        """n private blocks to write (in HBM, or tier="dram" for a host-side writer), outside any
+        reservation; None when that tier has no room now."""
+        args = {"layout": int(layout), "n": int(n), "request": int(request), "priority": int(priority)}
+        if tier != "hbm":
+            args["tier"] = tier
+        reply = self._call(Op.ALLOCATE, args)
         if not reply.result.get("allocated"):
             return None
         return self._hold(_places(reply.arrays[0]))
@@ -243,9 +247,10 @@ class Client:
         args = {} if layout is None else {"layout": int(layout)}
         return _places(self._call(Op.LOOKUP, args, [_keys(keys)]).arrays[0])
 
-    def acquire(self, vids) -> np.ndarray | None:
-        """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now."""
-        reply = self._call(Op.ACQUIRE, {}, [_vids(vids)])
+    def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:
+        """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now.
+        tier="dram": a host-side reader pins blocks in DRAM where they are (only NVMe ones move up)."""
+        reply = self._call(Op.ACQUIRE, {} if tier == "hbm" else {"tier": tier}, [_vids(vids)])
         if not reply.result.get("acquired"):
             return None
         return self._hold(_places(reply.arrays[0]))

@@ -207,10 +207,11 @@ class Service:
     def _allocate(self, req):
         m = self._mgr(req)
         vids = m.allocate(req.client, self._layout_id(m, req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
-                                     request=arg(req, "request", int, default=0),
-                                     priority=arg(req, "priority", int, default=0, lo=-128, hi=127))
+                          request=arg(req, "request", int, default=0),
+                          priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
+                          tier=self._memory_tier(req))
         if vids is None:
-            return {"allocated": False, "reason": "HBM is full of blocks that cannot move; reserve and wait"}, [b""]
+            return {"allocated": False, "reason": "the tier is full of blocks that cannot move; reserve and wait"}, [b""]
         return {"allocated": True}, [self._places_of(m, vids)]
 
     def _commit(self, req):
@@ -231,7 +232,7 @@ class Service:
 
     def _acquire(self, req):
         m = self._mgr(req)
-        rows = m.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        rows = m.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"), self._memory_tier(req))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
         return {"acquired": True}, [self._records(m, rows)]
@@ -301,6 +302,12 @@ class Service:
             return Layout.from_dict(data)
         except TypeError as e:
             raise LayoutError(f"bad layout field types: {e}") from None
+
+    def _memory_tier(self, req) -> Tier:
+        tier = arg(req, "tier", str, default="hbm")
+        if tier not in ("hbm", "dram"):
+            raise ProtocolError(f"{req.op.value}: tier must be 'hbm' or 'dram', got {tier!r}")
+        return Tier[tier.upper()]
 
     def _layout_id(self, m: BlockManager, req) -> int:
         lid = arg(req, "layout", int, lo=0)

@@ -129,18 +129,22 @@ class BlockManager:
 
     # -- block life ------------------------------------------------------------------------
     def allocate(self, client: int, layout_id: int, n: int, *, request: int = 0,
-                 priority: int = 0) -> np.ndarray | None:
-        """n private HBM blocks to write, outside any reservation: idle blocks are demoted to make
-        room when needed. None when HBM cannot hold them (the caller reserves and waits instead)."""
-        vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
+                 priority: int = 0, tier: Tier = Tier.HBM) -> np.ndarray | None:
+        """n private blocks to write in `tier` (HBM by default; a host-side writer such as sglang's
+        storage backend writes to DRAM), outside any reservation: idle blocks are demoted to make
+        room when needed. None when the tier cannot hold them (the caller reserves and waits)."""
+        if tier == Tier.NVME or tier not in self.specs:
+            raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
+        kw = dict(tier=tier, request=request, priority=priority)
+        vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
-            slot = self.table.slot_bytes(layout_id, Tier.HBM)
+            slot = self.table.slot_bytes(layout_id, tier)
             # Make room for a whole batch at once, not block by block: a stream of one-block
             # allocations would otherwise cost one swap batch (and one copy launch) per block.
             need = max(n, self.mover.swap_batch_size) * slot
-            need = min(need, max(n * slot, self._free_bytes_at_low_watermark(Tier.HBM)))
-            self.placement.make_room(Tier.HBM, need, idle_only=True, below_priority=priority + 1)
-            vids = self.table.allocate(client, layout_id, n, request=request, priority=priority)
+            need = min(need, max(n * slot, self._free_bytes_at_low_watermark(tier)))
+            self.placement.make_room(tier, need, idle_only=True, below_priority=priority + 1)
+            vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is not None:
             self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
@@ -168,13 +172,17 @@ class BlockManager:
             self.prefetcher.ahead(self.table.vids(rows), 0)
         return rows
 
-    def acquire(self, client: int, vids) -> list[Place] | None:
-        """Pin blocks for use in HBM, promoting them (prefix first) when they lie below. All or
-        nothing: None when HBM cannot be given room for them (nothing is pinned then)."""
-        rows = self.acquire_rows(client, vids)
+    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM) -> list[Place] | None:
+        """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
+        below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
+        for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
+        be given room for them (nothing is pinned then)."""
+        rows = self.acquire_rows(client, vids, up_to)
         return None if rows is None else self.places_of_rows(rows)
 
-    def acquire_rows(self, client: int, vids) -> np.ndarray | None:
+    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM) -> np.ndarray | None:
+        if up_to == Tier.NVME or up_to not in self.specs:
+            raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         tiers = self.table.cols.tier[rows]
         now = self.table.clock()
@@ -185,8 +193,8 @@ class BlockManager:
             self.prefetcher.reading(self.table.vids(rows).tolist())
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
-        if (tiers > int(Tier.HBM)).any():
-            ok = self.placement.promote(rows, Tier.HBM)
+        if (tiers > int(up_to)).any():
+            ok = self.placement.promote(rows, up_to)
             if not ok.all():
                 return None
         self.table.pin_rows(client, rows)

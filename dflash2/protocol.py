@@ -29,11 +29,13 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     reservation      {reservation}                             → decision
     take             {reservation, n}                          → [places] (blocks to write)
     cancel           {reservation}                             → {}
-    allocate         {layout, n, request=0, priority=0}        → {allocated: bool} [places]
+    allocate         {layout, n, request=0, priority=0, tier="hbm"}
+                                                               → {allocated: bool} [places]
     commit           {parent=null} [vids, keys or empty]       → [vids] (the ids now held: a key that was
                                                                   cached already deduplicates)
     lookup           {layout=null} [keys]                      → [places] of the longest cached prefix
-    acquire          {} [vids]                                 → {acquired: bool} [places] (pinned, in HBM)
+    acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
+                                                                  or a faster one; "dram": read where they are)
     release / add_ref{} [vids]                                 → {}
     free             {} [vids]                                 → {freed: n}
     places           {} [vids]                                 → [places]

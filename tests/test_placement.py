@@ -164,3 +164,20 @@ def test_lookup_prefetches_the_first_window_and_reads_count_it(make_manager, clo
     assert mgr.prefetcher.window == 2
     assert filler is not None
     mgr.check_invariants()
+
+
+def test_host_side_readers_write_and_pin_in_dram(make_manager, clock):
+    """A host-side client (sglang's storage backend) writes blocks into DRAM and pins them where
+    they are; only blocks on NVMe move (up to DRAM, not HBM)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, nvme_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = mgr.commit(a, mgr.allocate(a, lid, 3, tier=Tier.DRAM), keys=[1, 2, 3])
+    assert [tier_of(mgr, v) for v in vids] == [Tier.DRAM] * 3
+    mgr.mover.move(mgr.table.rows(vids[2:]), Tier.NVME)
+    places = mgr.acquire(a, vids, up_to=Tier.DRAM)
+    assert [p.tier for p in places] == [Tier.DRAM] * 3
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 0
+    with pytest.raises(ValueError, match="memory tier"):
+        mgr.allocate(a, lid, 1, tier=Tier.NVME)
+    mgr.check_invariants()

@@ -8,7 +8,7 @@ shard in the same format finds it, and the daemon keeps one copy:
     batch_set_v1   lookup (the prefix already cached is skipped) -> allocate -> copy pages into the
                    blocks -> commit with keys (a key cached meanwhile deduplicates) -> free our
                    reference (published blocks stay cached; the daemon demotes them by heat)
-    batch_get_v1   lookup -> acquire (pins, promotes to the HBM tier) -> copy into the host pages
+    batch_get_v1   lookup -> acquire in DRAM (pins; only NVMe pages move up) -> copy into the host pages
                    -> release
     batch_exists   lookup: the length of the cached prefix
 
@@ -42,7 +42,10 @@ log = logging.getLogger("dflash2.sglang")
 # After the daemon stopped answering, calls are misses for this long before the next try: a gone
 # daemon must not cost every prefetch a full request timeout.
 RETRY_S = 10.0
-# Pages per allocate / acquire, at most; also at most a quarter of the HBM tier (pinned while copied).
+# sglang's pages live in host memory: ours are written to, and read from, the daemon's DRAM tier (a
+# block found in HBM is read there too); nothing is pulled into HBM on its behalf.
+HOST_TIER = "dram"
+# Pages per allocate / acquire, at most; also at most a quarter of their tier (pinned while copied).
 MAX_CHUNK_PAGES = 64
 CALL_TIMEOUT_S = 5.0
 
@@ -58,6 +61,7 @@ class DFlash2Storage(HiCacheStorage):
         self.keys: KeyMapper | None = None
         self.fallback_reason: str | None = None
         self.chunk_pages = MAX_CHUNK_PAGES
+        self.tier = HOST_TIER
         self.page_bytes = 0
         self._down_until = 0.0
         self._reattach = threading.Lock()
@@ -101,9 +105,14 @@ class DFlash2Storage(HiCacheStorage):
             return
         self.page_bytes = layout.block_bytes
         self.keys = KeyMapper(namespace(self.shard, f"{page_format(mem_pool_host)}/{layout.name}"))
-        hbm = [a for a in self.client.arena_info if str(a.get("tier")).lower() == "hbm"]
-        if hbm:
-            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, hbm[0]["capacity_bytes"] // (4 * layout.block_bytes))))
+        tiers = {str(a.get("tier")).lower(): a for a in self.client.arena_info}
+        # Pages go to the daemon's DRAM tier; a daemon configured without one takes them in HBM.
+        self.tier = HOST_TIER if HOST_TIER in tiers else "hbm"
+        if self.tier != HOST_TIER:
+            log.warning("dflash2: the daemon has no DRAM tier: sglang pages are written to its HBM tier")
+        if self.tier in tiers:
+            cap = tiers[self.tier]["capacity_bytes"]
+            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // (4 * layout.block_bytes))))
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
 
@@ -166,7 +175,7 @@ class DFlash2Storage(HiCacheStorage):
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
-            places = client.allocate(self.layout_id, hi - lo)
+            places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
             if places is None:
                 log.warning("dflash2: no room for %d pages now; sglang keeps them in its host cache", n - lo)
                 break
@@ -208,8 +217,8 @@ class DFlash2Storage(HiCacheStorage):
         found = client.lookup(self.keys.keys(page_keys), self.layout_id)
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
-            places = client.acquire(vids)
-            if places is None:  # evicted meanwhile or no room in HBM: the rest is a miss
+            places = client.acquire(vids, tier=self.tier)
+            if places is None:  # evicted meanwhile or no room: the rest is a miss
                 break
             by_vid = {int(p["vid"]): p for p in places}
             try:
