@@ -139,10 +139,12 @@ class BlockManager:
         vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
             slot = self.table.slot_bytes(layout_id, tier)
-            # Make room for a whole batch at once, not block by block: a stream of one-block
-            # allocations would otherwise cost one swap batch (and one copy launch) per block.
-            need = max(n, self.mover.swap_batch_size) * slot
-            need = min(need, max(n * slot, self._free_bytes_at_low_watermark(tier)))
+            need = n * slot
+            if self.placement.lower(tier) is not None:
+                # Demote a whole batch at once, not block by block: a stream of one-block
+                # allocations would otherwise cost one swap batch (and one copy launch) per block.
+                # (On the last tier making room drops blocks: never more than asked.)
+                need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
             self.placement.make_room(tier, need, idle_only=True, below_priority=priority + 1)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is not None:
