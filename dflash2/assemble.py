@@ -92,6 +92,7 @@ def build_manager(cfg: Config, **kwargs) -> BlockManager:
 def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share: int, instance: str,
                clock: Callable[[], float]) -> BlockManager:
     specs = tier_specs(plan, hbm, share)
+    policy = policy_class(cfg.policy.name).from_config(cfg.policy)  # before any region is taken
     name = instance if share == 1 else f"{instance}-gpu{device}"
     nvme_path = plan.nvme_path
     if nvme_path is not None and share > 1:
@@ -105,7 +106,6 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         for arena in arenas.values():
             arena.close()
         raise
-    policy = policy_class(cfg.policy.name).from_config(cfg.policy)
     return BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
                         swap_batch_size=cfg.policy.swap_batch_size,
                         cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),

@@ -32,8 +32,9 @@ from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
 
-DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.95, 0.85),
-                      Tier.NVME: Watermark(0.95, 0.90)}
+# The config's defaults (dflash2/config.py, policy.watermarks), for managers built without a config.
+DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.90, 0.80),
+                      Tier.NVME: Watermark(0.95, 0.85)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,12 @@ class Mover:
         job = None
         if self.backend is not None:
             batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
-            job = self.backend.start(batch)
+            try:
+                job = self.backend.start(batch)
+            except BaseException:
+                # The copy never started: the blocks stay where they were, the destination slots go back.
+                self.table.end_move(rows, dst, dst_offsets, np.zeros(len(rows), dtype=bool))
+                raise
         return PreparedMove(rows, src, dst, dst_offsets, job, time.perf_counter(), int(nbytes.sum()))
 
     def complete(self, move: PreparedMove) -> np.ndarray:
@@ -105,20 +110,28 @@ class Mover:
         return np.asarray(sorted(set(lost)), dtype=np.int64)
 
     def move(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
-        """Move rows (any source tiers) to dst in batches; all batches are in flight together.
-        Returns a mask of the rows now in dst. Rows that found no room stay where they were."""
+        """Move rows to dst in batches, all in flight together. Batches follow the rows' order (a
+        batch ends where the source tier changes), and the first batch that finds no room stops the
+        rest: callers list ancestors first, so a partial move never puts a block above its prefix.
+        Returns a mask of the rows now in dst; the others stay where they were."""
         rows = np.asarray(rows, dtype=np.int64)
         done = np.zeros(len(rows), dtype=bool)
         prepared: list[tuple[np.ndarray, PreparedMove]] = []
-        tiers = self.table.cols.tier[rows]
-        for src in np.unique(tiers).tolist():
-            idx = np.flatnonzero(tiers == src)
-            for start in range(0, len(idx), self.swap_batch_size):
-                part = idx[start: start + self.swap_batch_size]
+        try:
+            for part in self._batches(self.table.cols.tier[rows]):
                 move = self.prepare(rows[part], dst)
                 if move is None:
                     break
                 prepared.append((part, move))
-        for part, move in prepared:
-            done[part] = self.complete(move)
+        finally:
+            # Every prepared batch is completed, even when preparing a later one raised.
+            for part, move in prepared:
+                done[part] = self.complete(move)
         return done
+
+    def _batches(self, tiers: np.ndarray):
+        """Index runs of consecutive rows from one source tier, at most swap_batch_size long."""
+        cuts = np.flatnonzero(np.diff(tiers)) + 1
+        for run in np.split(np.arange(len(tiers)), cuts):
+            for start in range(0, len(run), self.swap_batch_size):
+                yield run[start: start + self.swap_batch_size]

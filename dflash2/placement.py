@@ -214,13 +214,18 @@ class Placement:
         need_below = int(self._slot_bytes(lower, victims).sum())
         self.make_room(lower, need_below, protect=protect)
         moved = self.mover.move(victims, lower)
-        self.table.drop_lost(self.mover.take_lost())
+        self._drop_lost()
         self.stats.demoted += int(moved.sum())
         if moved.any():
             self.policy.on_insert(self.table, victims[moved], now)
             return True
         # The tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
+
+    def _drop_lost(self) -> None:
+        lost = self.mover.take_lost()
+        self.stats.lost += len(lost)
+        self.table.drop_lost(lost)
 
     def _evict(self, rows: np.ndarray) -> bool:
         if not len(rows):
@@ -255,7 +260,7 @@ class Placement:
             self.make_room(dst, need, protect=chain)
             # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
             moved = self.mover.move(away, dst)
-            self.table.drop_lost(self.mover.take_lost())
+            self._drop_lost()
             self.stats.promoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, away[moved], self.table.clock())

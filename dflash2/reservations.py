@@ -145,9 +145,10 @@ class Admission:
             raise ReservationError(f"reservation {reservation_id} is deferred, not granted yet")
         if n > res.remaining:
             raise ReservationError(f"reservation {reservation_id} has {res.remaining} blocks left, asked for {n}")
-        vids, res.vids = res.vids[:n], res.vids[n:]
+        vids = res.vids[:n]
+        self.table.open_write(client, vids)  # validates before the reservation gives them up
+        res.vids = res.vids[n:]
         res.taken += n
-        self.table.open_write(client, vids)
         if not res.vids:
             del self.granted[res.id]
         return np.asarray(vids, dtype=np.int64)
@@ -219,6 +220,7 @@ class Admission:
                                    request=res.request, priority=res.priority, state=BlockState.RESERVED)
         if vids is None:
             return False
+        self.placement.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         res.vids = vids.tolist()
         res.granted = True
         self.granted[res.id] = res

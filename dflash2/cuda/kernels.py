@@ -14,6 +14,8 @@ are 256 and 4096); a pinned metadata buffer is reused only after the copy that r
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from dflash2.cuda import cupy
@@ -114,6 +116,9 @@ class CopyKernel:
             self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_chunks")
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._meta: dict[int, _StreamMeta] = {}
+        # A stream's metadata upload and its launch must not interleave with another thread's on
+        # the same stream (the staged NVMe moves run on their own threads).
+        self._lock = threading.Lock()
 
     def launch(self, stream, src_ptr: int, dst_ptr: int, src_off: np.ndarray, dst_off: np.ndarray,
                nbytes: np.ndarray, max_blocks: int | None = None) -> None:
@@ -127,7 +132,7 @@ class CopyKernel:
             raise ValueError("copy offsets must be multiples of 16 bytes")
         meta = pack_meta(np.asarray(src_off), np.asarray(dst_off), np.asarray(nbytes))
         total_chunks = int(meta[-1])
-        with cp.cuda.Device(self.device):
+        with self._lock, cp.cuda.Device(self.device):
             ring = self._meta.setdefault(stream.ptr, _StreamMeta(cp, stream))
             device_meta = ring.upload(cp, meta)
             limit = GRID_PER_SM * self._sms if max_blocks is None else max_blocks

@@ -38,6 +38,11 @@ ROW_MASK = 0xFFFFFFFF
 S = BlockState
 
 
+def _no_repeats(rows: np.ndarray, op: str) -> None:
+    if len(np.unique(rows)) != len(rows):
+        raise ValueError(f"{op}: the same block is listed twice")
+
+
 def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (gen.astype(np.int64) << 32) | rows.astype(np.int64)
 
@@ -163,6 +168,7 @@ class BlockTable:
     def open_write(self, client_id: int, vids) -> None:
         """RESERVED → WRITING: a reservation's blocks are handed to its request."""
         rows = self._owned_rows(client_id, vids)
+        _no_repeats(rows, "open_write")
         check_transition(self.cols.state[rows], S.WRITING, vids)
         self.cols.state[rows] = S.WRITING
 
@@ -174,6 +180,7 @@ class BlockTable:
         new block is freed and it gets a reference to the cached one instead. Returns the vids the
         client holds now, in order."""
         rows = self._owned_rows(client_id, vids)
+        _no_repeats(rows, "commit")
         c = self.cols
         check_transition(c.state[rows], S.RESIDENT, vids)
         if keys is None:
@@ -186,6 +193,11 @@ class BlockTable:
         prev = self.rows([parent])[0] if parent is not None else NO_ROW
         if prev != NO_ROW and c.key[prev] == 0:
             raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
+        found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
+        clash = (found != EMPTY) & (c.layout[np.where(found != EMPTY, found, 0)] != c.layout[rows])
+        if clash.any():
+            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached for another layout: "
+                                 "content keys must be namespaced per layout (model, precision, shard)")
         out = np.empty(len(rows), dtype=np.int64)
         for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
             key = int(key)
@@ -379,8 +391,9 @@ class BlockTable:
 
     def drop_lost(self, rows: np.ndarray) -> None:
         """These blocks' stored bytes failed their checksum: they must never be found again. Each is
-        unpublished and cut out of the prefix tree (its cached descendants become unreachable, so
-        those nobody holds are evicted too); one still referenced stays until its last reference."""
+        unpublished and cut out of the prefix tree; its cached children become roots nobody can
+        reach by lookup: the childless ones nobody holds are evicted now, the others go through the
+        policy like any cold block. One still referenced stays until its last reference."""
         c = self.cols
         for r in np.asarray(rows, dtype=np.int64).tolist():
             if c.state[r] == S.FREE:
