@@ -61,10 +61,13 @@ def resolve_endpoint(endpoint: str | None, config) -> str:
     config's default (the runtime-folder ipc socket)."""
     if endpoint:
         return endpoint
+    return _config(config).resolved_endpoint()
+
+
+def _config(config):
     from dflash2.config import Config, load_config
 
-    cfg = config if isinstance(config, Config) else load_config(config or "dflash2_config.json")
-    return cfg.resolved_endpoint()
+    return config if isinstance(config, Config) else load_config(config or "dflash2_config.json")
 
 
 def _vids(vids) -> bytes:
@@ -100,12 +103,17 @@ class Client:
 
     @classmethod
     def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,
-                layouts: Sequence[Layout] = (), timeout_s: float = 5.0, heartbeat: bool = True,
+                layouts: Sequence[Layout] = (), timeout_s: float | None = None, heartbeat: bool = True,
                 device: int | None = None) -> "Client":
         """Attach to the daemon. `device` names the GPU this process serves: its blocks live in that
-        GPU's pool and views map that GPU's arena."""
-        return cls(resolve_endpoint(endpoint, config), name or f"pid-{os.getpid()}", layouts, timeout_s, heartbeat,
-                   device)
+        GPU's pool and views map that GPU's arena. Every call times out after `timeout_s` (default:
+        the config's `daemon.request_timeout_s`, or 5 s when only an endpoint is given)."""
+        if endpoint is None or (config is not None and timeout_s is None):
+            cfg = _config(config)
+            endpoint = endpoint or cfg.resolved_endpoint()
+            timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
+        return cls(endpoint, name or f"pid-{os.getpid()}", layouts, 5.0 if timeout_s is None else timeout_s,
+                   heartbeat, device)
 
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool) -> None:
@@ -157,7 +165,9 @@ class Client:
             self._heartbeat_thread = None
         released = {}
         with self._lock:
-            if not self._transport.closed and self.client_id is not None:
+            # A lost lease means the daemon no longer knows this id (it may even be another
+            # client's now, after a restart): nothing to detach.
+            if not self._transport.closed and self.client_id is not None and not self.lease_lost:
                 try:
                     released = self._transport.call(Op.DETACH, self.client_id).result.get("released", {})
                 except (DaemonUnavailable, DaemonError) as e:
@@ -242,9 +252,12 @@ class Client:
         self._forget(vids)
         return out
 
-    def lookup(self, keys, layout: int | None = None) -> np.ndarray:
-        """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing)."""
+    def lookup(self, keys, layout: int | None = None, tier: str = "hbm") -> np.ndarray:
+        """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing).
+        tier="dram": a host-side reader; the daemon prefetches nothing into HBM for it."""
         args = {} if layout is None else {"layout": int(layout)}
+        if tier != "hbm":
+            args["tier"] = tier
         return _places(self._call(Op.LOOKUP, args, [_keys(keys)]).arrays[0])
 
     def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:

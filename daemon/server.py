@@ -42,7 +42,6 @@ class Server:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects keeps its identity
         self._sock.bind(endpoint)
 
     def stop(self) -> None:
@@ -72,12 +71,12 @@ class Server:
 
     def _tick(self, late_s: float = 0.0) -> None:
         started = time.perf_counter()
-        try:
-            self.service.expire_leases()
-            for manager in self.service.managers.values():
-                manager.tick()
-        except Exception:
-            log.exception("background tick failed; the daemon keeps serving")
+        # Each step on its own: one that fails must not stop the others from running.
+        for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
+            try:
+                step()
+            except Exception:
+                log.exception("background step %s failed; the daemon keeps serving", getattr(step, "__qualname__", step))
         if self.observers is not None:
             try:
                 self.observers.after_tick(late_s, time.perf_counter() - started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 
@@ -44,7 +45,9 @@ class Service:
         # One block pool per GPU (device index -> manager); a client says which device it serves at
         # attach and every call it makes goes to that pool only, so no move ever crosses GPUs.
         self.managers = managers if isinstance(managers, dict) else {0: managers}
-        self._next_client = 1  # client ids are daemon-wide, whichever pool a client uses
+        # Client ids are daemon-wide (whichever pool a client uses) and start at a random base, so
+        # that a client of a previous daemon on this endpoint cannot pass for a new one's client.
+        self._next_client = secrets.randbelow(1 << 30) + 1
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.device = device
@@ -145,7 +148,7 @@ class Service:
 
     def _attach(self, req):
         name = arg(req, "name", str)
-        pid = arg(req, "pid", int, lo=0)
+        pid = arg(req, "pid", int, lo=0, hi=PID_MAX)
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)
         device = arg(req, "device", int, default=next(iter(self.managers)))
@@ -227,8 +230,8 @@ class Service:
     def _lookup(self, req):
         m = self._mgr(req)
         keys = req.array(0, P.KEYS_DTYPE, "content keys")
-        layout = arg(req, "layout", int, default=None)
-        return {}, [self._records(m, m.lookup_rows(keys, layout))]
+        layout = arg(req, "layout", int, default=None, lo=0)
+        return {}, [self._records(m, m.lookup_rows(keys, layout, reader=self._memory_tier(req)))]
 
     def _acquire(self, req):
         m = self._mgr(req)
@@ -358,6 +361,9 @@ def pid_namespace() -> int | None:
         return None
 
 
+PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
+
+
 def _pid_alive(pid: int) -> bool:
     """False only when the process certainly does not exist (pid 0 = unknown: assume alive)."""
     if pid <= 0:
@@ -366,6 +372,6 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True

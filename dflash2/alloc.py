@@ -116,14 +116,23 @@ class SlotAllocator:
         return self._n_free_pages * self.page_bytes + sum(c.n_free * c.slot for c in self._classes.values())
 
     def can_fit(self, block_bytes: int, n: int) -> bool:
+        return self.blocks_free(block_bytes, enough=n) >= n
+
+    def blocks_free(self, block_bytes: int, enough: int | None = None) -> int:
+        """How many more blocks of this size fit now: free slots of their size, plus slabs from free
+        pages and from other sizes' empty slabs (free slots of other sizes do not count)."""
         slot = self.slot_for(block_bytes)
         cls = self._classes.get(slot)
         have = cls.n_free if cls else 0
-        if have >= n:
-            return True
+        if enough is not None and have >= enough:
+            return have
         slab_pages, per_slab = self._slab_shape(slot)
         spare_pages = self._n_free_pages + self._reclaimable_pages(exclude=slot)
-        return have + (spare_pages // slab_pages) * per_slab >= n
+        return have + (spare_pages // slab_pages) * per_slab
+
+    def room_for(self, block_bytes: int) -> int:
+        """Bytes of slots that blocks of this size could take now (see blocks_free)."""
+        return self.blocks_free(block_bytes) * self.slot_for(block_bytes)
 
     def stats(self) -> dict:
         used = self.used_bytes

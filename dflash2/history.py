@@ -117,6 +117,9 @@ def read_file(path: Path, max_samples: int | None = None) -> list[dict]:
             lines = p.read_text().splitlines()
         except FileNotFoundError:
             continue
+        except (OSError, UnicodeDecodeError) as e:  # unreadable: start without it, and say so
+            logging.getLogger("dflash2.history").warning("history file %s cannot be read (%s): skipped", p, e)
+            continue
         for line in lines:
             try:
                 out.append(json.loads(line))

@@ -146,7 +146,8 @@ class BlockManager:
                 # allocations would otherwise cost one swap batch (and one copy launch) per block.
                 # (On the last tier making room drops blocks: never more than asked.)
                 need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
-            self.placement.make_room(tier, need, idle_only=True, below_priority=priority + 1)
+            self.placement.make_room(tier, need, idle_only=True, below_priority=priority + 1,
+                                     block_bytes=self.table.layout(layout_id).block_bytes)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is not None:
             self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
@@ -166,12 +167,16 @@ class BlockManager:
         """The longest cached prefix of a chain of content keys, and where each block lies."""
         return self.places_of_rows(self.lookup_rows(keys, layout_id))
 
-    def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None) -> np.ndarray:
+    def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None, *,
+                    reader: Tier = Tier.HBM) -> np.ndarray:
+        """Rows of the longest cached prefix. A reader that reads from HBM gets the first window's
+        blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie."""
         rows = self.table.lookup(keys, layout_id)
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
-        if self.prefetcher.base and self._below_hbm(rows[: self.prefetcher.max_window]):
+        if (reader == Tier.HBM and self.prefetcher.base
+                and self._below_hbm(rows[: self.prefetcher.max_window])):
             self.prefetcher.ahead(self.table.vids(rows), 0)
         return rows
 

@@ -28,7 +28,7 @@ state, outcome, action, kind. Never a block, request or client id.
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted |
-| dflash2_reservations{state} | gauge | reservations now granted (not all taken) / deferred |
+| dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
 | dflash2_reservations_total{outcome} | counter | granted, deferred, rejected, expired, cancelled |
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
@@ -239,7 +239,7 @@ def _swap_families(st: dict):
 
 def _reservation_families(st: dict):
     res = st["reservations"]
-    yield _gauge("dflash2_reservations", "Reservations now granted (blocks not all taken) or deferred.",
+    yield _gauge("dflash2_reservations_active", "Reservations now granted (blocks not all taken) or deferred.",
                  ["state"], [(("granted",), res["granted"]), (("deferred",), res["deferred"])])
     yield _gauge("dflash2_reserved_blocks", "HBM blocks granted to reservations and not yet taken.",
                  samples=[((), res["reserved_blocks"])])

@@ -63,8 +63,11 @@ class Placement:
         alloc = self.table.allocators[tier]
         return alloc.used_bytes / alloc.capacity_bytes if alloc.capacity_bytes else 1.0
 
-    def free_bytes(self, tier: Tier) -> int:
-        return self.table.allocators[tier].free_bytes
+    def free_bytes(self, tier: Tier, block_bytes: int | None = None) -> int:
+        """Free bytes of the tier; with block_bytes, only what blocks of that size can use (free
+        slots of other sizes do not hold them)."""
+        alloc = self.table.allocators[tier]
+        return alloc.free_bytes if block_bytes is None else alloc.room_for(block_bytes)
 
     # -- choosing victims ------------------------------------------------------------------
     def movable(self, tier: Tier, *, evict: bool, protect: np.ndarray | None = None,
@@ -176,16 +179,17 @@ class Placement:
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
-                  idle_only: bool = False) -> bool:
-        """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier`. True on success."""
+                  idle_only: bool = False, block_bytes: int | None = None) -> bool:
+        """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
+        blocks of `block_bytes` when given). True on success."""
         pick = dict(cold_only=cold_only, protect=protect, below_priority=below_priority, idle_only=idle_only)
         for _ in range(self.MAX_ROUNDS):
-            short = need_bytes - self.free_bytes(tier)
+            short = need_bytes - self.free_bytes(tier, block_bytes)
             if short <= 0:
                 return True
             if not self._free_some(tier, short, pick):
                 break
-        return self.free_bytes(tier) >= need_bytes
+        return self.free_bytes(tier, block_bytes) >= need_bytes
 
     def _free_some(self, tier: Tier, short: int, pick: dict) -> bool:
         lower = self.lower(tier)

@@ -33,7 +33,8 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                → {allocated: bool} [places]
     commit           {parent=null} [vids, keys or empty]       → [vids] (the ids now held: a key that was
                                                                   cached already deduplicates)
-    lookup           {layout=null} [keys]                      → [places] of the longest cached prefix
+    lookup           {layout=null, tier="hbm"} [keys]          → [places] of the longest cached prefix
+                                                                  (tier "dram": a host reader, no prefetch)
     acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
     release / add_ref{} [vids]                                 → {}
@@ -51,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 
 import numpy as np
 
@@ -60,6 +62,7 @@ MAGIC = b"DFLASH2"
 VERSION = 1
 MAX_BATCH = 65536  # most ids or keys in one call
 MAX_HEADER_BYTES = 1 << 20
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 KEYS_DTYPE = np.dtype("<u8")
 VIDS_DTYPE = np.dtype("<i8")
@@ -218,13 +221,13 @@ def arg(req: Request, name: str, kind: type | tuple, *, default=..., lo=None, hi
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = "/".join(k.__name__ for k in kinds)
         raise ProtocolError(f"{req.op.value}: argument {name!r} must be {names}, got {type(value).__name__}")
-    if lo is not None and value < lo or hi is not None and value > hi:
-        raise ProtocolError(f"{req.op.value}: argument {name!r}={value!r} is outside [{lo}, {hi}]")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{req.op.value}: argument {name!r} must be a finite number, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # Every number the daemon stores is at most 64-bit: a larger one is refused here, before
+        # any state changes, whatever bounds the caller gave.
+        lo = INT64_MIN if lo is None else max(lo, INT64_MIN)
+        hi = INT64_MAX if hi is None else min(hi, INT64_MAX)
+        if value < lo or value > hi:
+            raise ProtocolError(f"{req.op.value}: argument {name!r}={value!r} is outside [{lo}, {hi}]")
     return value
-
-
-def places_array(places) -> bytes:
-    arr = np.zeros(len(places), dtype=PLACE_DTYPE)
-    for i, p in enumerate(places):
-        arr[i] = (p.vid, int(p.tier), p.offset, p.nbytes, p.layout_id)
-    return arr.tobytes()

@@ -209,13 +209,13 @@ class Admission:
 
     def _try_grant(self, res: Reservation) -> bool:
         need = res.blocks * self.table.slot_bytes(res.layout_id, Tier.HBM)
-        short = need - self.placement.free_bytes(Tier.HBM)
+        short = need - self._room(res)
         if short > 0:
             if short > self._bucket:
                 return False
-            before = self.placement.free_bytes(Tier.HBM)
+            before = self._room(res)
             self._make_room(res, need)
-            self._bucket -= max(0, self.placement.free_bytes(Tier.HBM) - before)
+            self._bucket -= max(0, self._room(res) - before)
         vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,
                                    request=res.request, priority=res.priority, state=BlockState.RESERVED)
         if vids is None:
@@ -227,12 +227,17 @@ class Admission:
         self.counters["granted"] += 1
         return True
 
+    def _room(self, res: Reservation) -> int:
+        """HBM bytes that this reservation's blocks could take now (slots of their size)."""
+        return self.placement.free_bytes(Tier.HBM, self.table.layout(res.layout_id).block_bytes)
+
     def _make_room(self, res: Reservation, need: int) -> None:
+        size = self.table.layout(res.layout_id).block_bytes
         # Idle blocks first (nobody references them), of this priority or lower.
-        self.placement.make_room(Tier.HBM, need, below_priority=res.priority + 1, idle_only=True)
-        if self.settings.preemption and self.placement.free_bytes(Tier.HBM) < need:
+        self.placement.make_room(Tier.HBM, need, below_priority=res.priority + 1, idle_only=True, block_bytes=size)
+        if self.settings.preemption and self._room(res) < need:
             # Preemption: running requests of strictly lower priority give up their unpinned blocks.
-            self.placement.make_room(Tier.HBM, need, below_priority=res.priority)
+            self.placement.make_room(Tier.HBM, need, below_priority=res.priority, block_bytes=size)
 
     def _enqueue(self, res: Reservation) -> None:
         self.deferred.append(res)
@@ -241,7 +246,7 @@ class Admission:
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos = self.deferred.index(res)
         ahead = sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM) for r in self.deferred[: pos + 1])
-        short = ahead - self.placement.free_bytes(Tier.HBM) - self._bucket
+        short = ahead - self._room(res) - self._bucket
         wait = 0.0 if short <= 0 else (short / self._rate if self._rate > 0 else None)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
 

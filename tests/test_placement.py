@@ -181,3 +181,59 @@ def test_host_side_readers_write_and_pin_in_dram(make_manager, clock):
     with pytest.raises(ValueError, match="memory tier"):
         mgr.allocate(a, lid, 1, tier=Tier.NVME)
     mgr.check_invariants()
+
+
+def test_a_copy_that_cannot_start_leaves_every_block_where_it_was(make_manager, tmp_path, instance_name):
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.errors import ArenaError
+    from dflash2.manager import BlockManager
+    from dflash2.transfer.host import HostTransferBackend
+    from conftest import specs
+    sp = specs(4, 8)
+    arenas = {Tier.HBM: SharedMemoryArena.create(f"{instance_name}-h", sp[0].capacity_bytes, Tier.HBM),
+              Tier.DRAM: SharedMemoryArena.create(f"{instance_name}-d", sp[1].capacity_bytes, Tier.DRAM, alignment=4096)}
+    backend = HostTransferBackend(arenas)
+    mgr = BlockManager(sp, arenas=arenas, backend=backend)
+    try:
+        a = mgr.attach("a")
+        lid = mgr.register_layout(SMALL)
+        vids = mgr.commit(a, mgr.allocate(a, lid, 3))
+        backend.close()  # a real backend that refuses new work
+        with pytest.raises(ArenaError):
+            mgr.mover.move(mgr.table.rows(vids), Tier.DRAM)
+        assert [tier_of(mgr, v) for v in vids] == [Tier.HBM] * 3
+        assert mgr.table.cols.state[mgr.table.rows(vids)].tolist() == [3, 3, 3]
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
+def test_a_partial_promotion_never_puts_a_block_above_its_prefix(make_manager, clock):
+    mgr = make_manager(hbm_blocks=3, dram_blocks=8, nvme_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3])
+    rows = mgr.table.rows(chain)
+    mgr.mover.move(rows[::-1], Tier.DRAM)
+    mgr.mover.move(rows[2:], Tier.NVME)  # P1, P2 in DRAM, C on NVMe
+    held = mgr.commit(a, mgr.allocate(a, lid, 2))  # HBM keeps one free slot
+    mgr.acquire(a, held)  # pinned: cannot make room
+    mgr.placement.promote(rows[2:], Tier.HBM)
+    tiers = [tier_of(mgr, v) for v in chain]
+    assert tiers == sorted(tiers), f"a block above its prefix: {tiers}"
+    mgr.check_invariants()
+
+
+def test_blocks_of_a_second_layout_get_room_among_scattered_holes(make_manager, clock):
+    """Free slots of one size do not hold blocks of another: room is made for the size asked."""
+    from conftest import SMALL_FP8
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16)
+    a = mgr.attach("a")
+    l16, l8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    vids = [int(fill(mgr, a, l8, [k])[0]) for k in range(1, 17)]  # 16 fp8 blocks fill every page
+    for v in vids[::2]:  # holes in every page: fp8 slots free, no page empty
+        mgr.table.evict(mgr.table.rows([v]))
+    assert mgr.placement.free_bytes(Tier.HBM) > 0 and mgr.placement.free_bytes(Tier.HBM, SMALL.block_bytes) == 0
+    got = mgr.allocate(a, l16, 2)
+    assert got is not None
+    mgr.check_invariants()

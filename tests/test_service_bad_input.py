@@ -159,3 +159,40 @@ def test_transport_drops_late_replies_after_a_timeout(tmp_path):
         stop.set()
         thread.join()
         router.close(0)
+
+
+@pytest.mark.parametrize("op,args", [
+    (Op.ALLOCATE, {"layout": 0, "n": 1, "request": 1 << 70}),
+    (Op.RESERVE, {"layout": 0, "tokens": 16, "request": -(1 << 70)}),
+    (Op.RESERVE, {"layout": 0, "tokens": 16, "deadline_s": float("nan")}),
+    (Op.RESERVE, {"layout": 0, "tokens": 16, "deadline_s": float("inf")}),
+    (Op.LOOKUP, {"layout": 1 << 64}),
+])
+def test_out_of_range_numbers_are_refused_before_any_change(service, op, args):
+    c = attach(service)
+    arrays = [np.ones(1, P.KEYS_DTYPE).tobytes()] if op is Op.LOOKUP else None
+    reply = call(service, op, client=c, args=args, arrays=arrays)
+    assert not reply.ok and reply.error_type == "ProtocolError"
+    assert service.manager.stats()["tiers"]["hbm"]["blocks"] == 0
+    assert not service.manager.admission.deferred
+    assert call(service, Op.CHECK).ok
+
+
+def test_an_absurd_pid_is_refused_and_the_background_step_survives(service):
+    reply = call(service, Op.ATTACH, args={"name": "x", "pid": 1 << 40, "layouts": []})
+    assert not reply.ok and "pid" in reply.error_message
+    assert service.expire_leases() == []
+
+
+def test_host_readers_get_no_prefetch_into_hbm(make_manager, clock):
+    svc = Service(make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=2), lease_timeout_s=10.0,
+                  heartbeat_interval_s=2.0, clock=clock)
+    c = attach(svc)
+    placed = call(svc, Op.ALLOCATE, client=c, args={"layout": 0, "n": 3, "tier": "dram"})
+    vids = np.frombuffer(placed.arrays[0], P.PLACE_DTYPE)["vid"]
+    call(svc, Op.COMMIT, client=c, arrays=[vids.tobytes(), np.array([1, 2, 3], P.KEYS_DTYPE).tobytes()])
+    keys = np.array([1, 2, 3], P.KEYS_DTYPE).tobytes()
+    found = call(svc, Op.LOOKUP, client=c, args={"tier": "dram"}, arrays=[keys])
+    assert set(np.frombuffer(found.arrays[0], P.PLACE_DTYPE)["tier"].tolist()) == {1}, "still in DRAM"
+    call(svc, Op.LOOKUP, client=c, arrays=[keys])  # an HBM reader: the window comes up
+    assert svc.manager.stats()["tiers"]["hbm"]["blocks"] > 0

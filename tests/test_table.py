@@ -154,3 +154,25 @@ def test_chained_commit_links_parents(mgr):
     priv = mgr.commit(a, mgr.allocate(a, lid, 1))
     with pytest.raises(ImmutableBlock):
         mgr.commit(a, mgr.allocate(a, lid, 1), keys=[9], parent=int(priv[0]))
+
+
+def test_a_block_listed_twice_in_a_commit_is_refused_and_nothing_changes(mgr):
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.allocate(a, lid, 1)
+    with pytest.raises(ValueError, match="twice"):
+        mgr.commit(a, [int(v[0]), int(v[0])], keys=[11, 22])
+    assert mgr.lookup([11], lid) == [] and mgr.lookup([22], lid) == []
+    mgr.commit(a, v, keys=[11])
+    mgr.check_invariants()
+
+
+def test_a_key_cached_for_another_layout_is_not_deduplicated(mgr):
+    a = mgr.attach("a")
+    l16, l8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.commit(a, mgr.allocate(a, l16, 1), keys=[5])
+    other = mgr.allocate(a, l8, 1)
+    with pytest.raises(ImmutableBlock, match="another layout"):
+        mgr.commit(a, other, keys=[5])
+    assert mgr.table.cols.state[mgr.table.rows(other)][0] == BlockState.WRITING
+    mgr.check_invariants()

@@ -132,13 +132,17 @@ class DFlash2Storage(HiCacheStorage):
         if self.client.lease_lost:
             with self._reattach:
                 if self.client.lease_lost:
+                    fresh = None
                     try:
                         fresh = self._attach()
-                        fresh.register_layout(self.client.layout(self.layout_id))
+                        # The new daemon numbers layouts afresh: use the id it gives.
+                        layout_id = fresh.register_layout(self.client.layout(self.layout_id))
                     except DFlash2Error as e:
+                        if fresh is not None:
+                            fresh.close()
                         self._daemon_down(e)
                         return None
-                    old, self.client = self.client, fresh
+                    old, self.client, self.layout_id = self.client, fresh, layout_id
                     old.close()
         return self.client
 
@@ -160,6 +164,14 @@ class DFlash2Storage(HiCacheStorage):
         except DaemonUnavailable as e:
             self._daemon_down(e)
             return default
+        except DFlash2Error as e:
+            # Never an exception into sglang's threads: a page evicted between lookup and acquire,
+            # or a daemon that restarted and no longer knows us, is a miss (or a failed write).
+            if getattr(e, "kind", "") == "UnknownClient":
+                client.lease_lost = True
+            self.counters["failed_calls"] += 1
+            log.warning("dflash2: %s; treated as a miss", e)
+            return default
 
     # -- the two data paths ----------------------------------------------------------------
     def _store(self, client: Client, page_keys: Sequence[str], write: Callable[[int, Any], None],
@@ -168,7 +180,7 @@ class DFlash2Storage(HiCacheStorage):
         n = len(page_keys)
         ok = [False] * n
         ckeys = self.keys.keys(page_keys)
-        found = client.lookup(ckeys, self.layout_id)
+        found = client.lookup(ckeys, self.layout_id, tier=self.tier)
         start = len(found)
         ok[:start] = [True] * start
         self.counters["pages_deduplicated"] += start
@@ -198,7 +210,7 @@ class DFlash2Storage(HiCacheStorage):
         prefix = getattr(extra_info, "prefix_keys", None)
         if not prefix:
             return None
-        found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id)
+        found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id, tier=self.tier)
         return int(found["vid"][0]) if len(found) else None
 
     @staticmethod
@@ -214,7 +226,7 @@ class DFlash2Storage(HiCacheStorage):
         """Copy the cached prefix of `page_keys` out; True for each page read."""
         n = len(page_keys)
         ok = [False] * n
-        found = client.lookup(self.keys.keys(page_keys), self.layout_id)
+        found = client.lookup(self.keys.keys(page_keys), self.layout_id, tier=self.tier)
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
             places = client.acquire(vids, tier=self.tier)
@@ -249,7 +261,7 @@ class DFlash2Storage(HiCacheStorage):
 
     # -- HiCacheStorage: zero-copy v1 ------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._guarded(0, lambda c: len(c.lookup(self.keys.keys(keys), self.layout_id)))
+        return self._guarded(0, lambda c: len(c.lookup(self.keys.keys(keys), self.layout_id, tier=self.tier)))
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
