@@ -265,9 +265,12 @@ class Service:
 
     def stats(self) -> dict:
         """Manager figures plus clients and daemon counters (the `stats` op, metrics and history)."""
-        st = self.manager.stats()
-        if len(self.managers) > 1:  # top level: the first GPU's pool; every pool under "devices"
-            st["devices"] = {str(d): m.stats() for d, m in self.managers.items()}
+        if len(self.managers) == 1:
+            st = self.manager.stats()
+        else:  # top level: the node's totals over every GPU's pool; each pool under "devices"
+            per_device = {str(d): m.stats() for d, m in self.managers.items()}
+            st = sum_stats(list(per_device.values()))
+            st["devices"] = per_device
         st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid, "device": s.device,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
@@ -351,6 +354,24 @@ class Service:
                 entry["name"] = d.get("name")
             out.append(entry)
         return out
+
+
+def sum_stats(parts: list[dict]) -> dict:
+    """Node totals of several pools' stats: numbers add up, ratios are recomputed from the sums,
+    anything else (names, settings) is taken from the first pool."""
+    def merge(values: list):
+        first = values[0]
+        if isinstance(first, dict):
+            keys = dict.fromkeys(k for v in values for k in v)
+            return {k: merge([v[k] for v in values if k in v]) for k in keys}
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return sum(v for v in values if isinstance(v, (int, float)))
+        return first
+    total = merge(parts)
+    reads = total.get("reads", {})
+    all_reads = sum(reads.values())
+    total["hbm_hit_ratio"] = reads.get("hbm", 0) / all_reads if all_reads else None
+    return total
 
 
 def pid_namespace() -> int | None:

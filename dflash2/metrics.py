@@ -106,9 +106,9 @@ class DaemonMetrics:
     def attach(self) -> None:
         """Hook the event histograms into the service, the mover and admission."""
         self.service.on_request = self.request_seconds_observe
-        manager = self.service.manager
-        manager.mover.on_batch = self.swap_observe
-        manager.admission.on_wait = self.admission_wait.observe
+        for manager in self.service.managers.values():  # every GPU's pool, summed
+            manager.mover.on_batch = self.swap_observe
+            manager.admission.on_wait = self.admission_wait.observe
 
     def request_seconds_observe(self, op: str, seconds: float) -> None:
         self.request_seconds.labels(op).observe(seconds)

@@ -196,3 +196,26 @@ def test_host_readers_get_no_prefetch_into_hbm(make_manager, clock):
     assert set(np.frombuffer(found.arrays[0], P.PLACE_DTYPE)["tier"].tolist()) == {1}, "still in DRAM"
     call(svc, Op.LOOKUP, client=c, arrays=[keys])  # an HBM reader: the window comes up
     assert svc.manager.stats()["tiers"]["hbm"]["blocks"] > 0
+
+
+def test_two_pools_route_by_device_and_stats_add_up(make_manager, clock):
+    """The multi-GPU routing on a CPU: one pool per device, a client's calls reach its pool only,
+    and the top-level figures are the node's totals."""
+    svc = Service({0: make_manager(hbm_blocks=8), 1: make_manager(hbm_blocks=8)}, lease_timeout_s=10.0,
+                  heartbeat_interval_s=2.0, clock=clock)
+    c0 = call(svc, Op.ATTACH, args={"name": "g0", "pid": 0, "layouts": [SMALL.to_dict()], "device": 0}).result
+    c1 = call(svc, Op.ATTACH, args={"name": "g1", "pid": 0, "layouts": [SMALL.to_dict()], "device": 1}).result
+    assert c0["client"] != c1["client"]
+    placed = call(svc, Op.ALLOCATE, client=c1["client"], args={"layout": 0, "n": 3})
+    vids = np.frombuffer(placed.arrays[0], P.PLACE_DTYPE)["vid"]
+    call(svc, Op.COMMIT, client=c1["client"], arrays=[vids.tobytes(), np.array([7, 8, 9], P.KEYS_DTYPE).tobytes()])
+    keys = np.array([7, 8, 9], P.KEYS_DTYPE).tobytes()
+    assert len(np.frombuffer(call(svc, Op.LOOKUP, client=c1["client"], arrays=[keys]).arrays[0], P.PLACE_DTYPE)) == 3
+    assert len(np.frombuffer(call(svc, Op.LOOKUP, client=c0["client"], arrays=[keys]).arrays[0], P.PLACE_DTYPE)) == 0
+    bad = call(svc, Op.FREE, client=c0["client"], arrays=[vids.tobytes()])
+    assert not bad.ok, "a block of GPU 1's pool is unknown to GPU 0's client"
+    st = call(svc, Op.STATS).result
+    assert st["tiers"]["hbm"]["blocks"] == 3 and st["tiers"]["hbm"]["capacity_bytes"] == 2 * 8 * 16384
+    assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 3 and st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
+    assert not call(svc, Op.ATTACH, args={"name": "x", "pid": 0, "device": 5}).ok
+    assert call(svc, Op.CHECK).ok
