@@ -50,7 +50,12 @@ class Transport:
     def _open(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise DaemonUnavailable(f"cannot connect to {self.endpoint!r}: {e} (an endpoint is ipc://PATH or "
+                                    "tcp://HOST:PORT)") from None
         self._sock = sock
 
     def reset(self) -> None:

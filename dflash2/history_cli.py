@@ -16,7 +16,6 @@ import os
 import re
 from pathlib import Path
 
-import zmq
 
 from dflash2 import protocol as P
 from dflash2.history import decode, rates, read_file
@@ -102,21 +101,19 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
 
 
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
-    """The daemon's samples over the control protocol (raw: needs no attached client)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    """The daemon's samples over the control protocol (needs no attached client)."""
+    from dflash2.client.transport import Transport
+    from dflash2.errors import DFlash2Error
+
+    args = {} if since_s is None else {"since_s": since_s}
     try:
-        sock.connect(endpoint)
-        args = {} if since_s is None else {"since_s": since_s}
-        sock.send_multipart(P.encode_request(P.Op.HISTORY, 1, None, args))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise HistoryError(f"no answer from a daemon at {endpoint} within {timeout_s:g}s; is dflash2d running?")
-        reply = P.decode_reply(sock.recv_multipart())
-    finally:
-        sock.close(0)
-    if not reply.ok:
-        raise HistoryError(f"the daemon refused: {reply.error_type}: {reply.error_message}")
+        transport = Transport(endpoint, timeout_s)
+        try:
+            reply = transport.call(P.Op.HISTORY, None, args)
+        finally:
+            transport.close()
+    except DFlash2Error as e:
+        raise HistoryError(f"{e}; is dflash2d running?") from None
     if not reply.result.get("enabled"):
         raise HistoryError("the daemon keeps no history: set history_enabled: true in its config and restart it")
     return decode(reply.arrays[0]) if reply.arrays else []

@@ -159,7 +159,7 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
 
 def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
     assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.2"]) == 2
-    assert "no answer from a daemon" in capsys.readouterr().err
+    assert "no reply from dflash2d" in capsys.readouterr().err
 
 
 def _record(msg, **extra):
