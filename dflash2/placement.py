@@ -71,27 +71,20 @@ class Placement:
 
     # -- choosing victims ------------------------------------------------------------------
     def movable(self, tier: Tier, *, evict: bool, protect: np.ndarray | None = None,
-                below_priority: int | None = None, idle_only: bool = False,
-                leaves_only: bool = True) -> np.ndarray:
-        """Mask over every row: may leave `tier` now. Whole-array operations, no gathers: this runs
-        over a million blocks. Demotion needs no child in this tier or a faster one (descendants
-        leave first); eviction needs no cached child at all and nobody holding the block.
-        leaves_only=False drops the child condition: the rows that may leave once their
-        descendants have."""
+                below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
+        """Mask over every row: may leave `tier` once its descendants have (`_childless` says which
+        may leave now). Whole-array operations, no gathers: this runs over a million blocks.
+        Demotion needs the block unpinned (and nobody referencing it when idle_only); eviction needs
+        it published and nobody holding it."""
         c = self.table.cols
         mask = (c.tier == int(tier)) & (c.state == int(BlockState.RESIDENT))
         if evict:
-            # Nobody holds it, no cached child anywhere, and published (a published block has no
-            # owner: cheaper to test than the 64-bit key).
-            held = (c.refs | c.pins | c.nkids) if leaves_only else (c.refs | c.pins)
-            mask &= (held == 0) & (c.owner == NO_CLIENT)
-            return self._unprotected(mask, protect, below_priority)
-        kids = c.kids[0] if leaves_only else 0
-        for t in range(1, tier + 1 if leaves_only else 0):
-            kids = kids | c.kids[t]
-        mask &= (kids | c.pins) == 0
-        if idle_only:
-            mask &= c.refs == 0
+            # A published block has no owner: cheaper to test than the 64-bit key.
+            mask &= ((c.refs | c.pins) == 0) & (c.owner == NO_CLIENT)
+        else:
+            mask &= c.pins == 0
+            if idle_only:
+                mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
     def _childless(self, tier: Tier, evict: bool) -> np.ndarray:
@@ -123,7 +116,7 @@ class Placement:
         leave once its descendants have, and only the leaves at or below it are taken now; the
         caller's next round (make_room) takes their parents."""
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
-                             idle_only=idle_only, leaves_only=False)
+                             idle_only=idle_only)
         n_reach = int(np.count_nonzero(reach))
         if not n_reach or need_bytes <= 0:
             return np.empty(0, dtype=np.int64)

@@ -45,13 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         daemon_ep, echo_ep = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
-        daemon = _start_daemon(Path(tmp), daemon_ep)
-        echo = _start(["-c", f"from dflash2.bench.control import echo_server; echo_server({echo_ep!r})"], "ready",
-                      Path(tmp) / "echo.log")
+        procs = []
         try:
+            procs.append(_start_daemon(Path(tmp), daemon_ep))
+            procs.append(_start(["-c", f"from dflash2.bench.control import echo_server; echo_server({echo_ep!r})"],
+                                "ready", Path(tmp) / "echo.log"))
             return _measure(args, daemon_ep, echo_ep)
         finally:
-            for proc in (echo, daemon):
+            for proc in reversed(procs):
                 _stop(proc)
 
 
