@@ -8,7 +8,7 @@ from dflash2.errors import UnknownPolicy
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy, policy_names
-from dflash2.policy.admission import FrequencySketch, SecondHitFilter
+from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.prefetch import Prefetcher
 from dflash2.tiers import Tier
 
@@ -97,12 +97,15 @@ def test_sketch_counts_and_ages():
     assert sk.estimate(np.array([7], dtype=np.uint64))[0] <= 1
 
 
-def test_second_hit_filter():
+def test_frequency_admission_compares_newcomers_with_the_blocks_they_push_out():
     sk = FrequencySketch(width=1 << 10)
-    f = SecondHitFilter(sk)
-    sk.add(np.array([1, 1, 2], dtype=np.uint64))
-    assert f.admit(np.array([1, 2, 3], dtype=np.uint64), tier_has_room=False).tolist() == [True, False, False]
-    assert f.admit(np.array([3], dtype=np.uint64), tier_has_room=True).all()
+    f = FrequencyAdmission(sk)
+    sk.add(np.array([1, 1, 1, 2, 5, 5, 6], dtype=np.uint64))  # 1: 3 refs, 2: 1, 3: 0; victims 5: 2, 6: 1
+    cand, victims = np.array([1, 2, 3], dtype=np.uint64), np.array([5, 6], dtype=np.uint64)
+    # the two most frequent candidates meet the two weakest victims: 1 (3) beats 6 (1), 2 (1) loses
+    # to 5 (2); candidate 3 is beyond the victims (the tier had room for it)
+    assert f.admit(cand, victims).tolist() == [True, False, True]
+    assert f.admit(cand, victims[:0]).all()
 
 
 def test_victims_are_the_lowest_blocks_of_the_tier_not_the_lowest_leaves():

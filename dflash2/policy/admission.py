@@ -65,15 +65,22 @@ class FrequencySketch:
         return np.minimum(est.astype(np.int64) + 1, COUNTER_MAX)
 
 
-class SecondHitFilter:
-    """Admission by frequency: a block deserves a place once its key was referenced at least
-    `min_count` times lately (2 = the second-hit filter), or while the tier has room anyway."""
+class FrequencyAdmission:
+    """TinyLFU's rule: a block enters a full tier only when its key was referenced more often lately
+    than the block it would push out (the tier's coldest). Unlike a fixed second-hit bar it adapts:
+    when the tier's coldest blocks are once-used too, a once-used newcomer (more recent) gets in."""
 
-    def __init__(self, sketch: FrequencySketch, min_count: int = 2):
+    def __init__(self, sketch: FrequencySketch):
         self.sketch = sketch
-        self.min_count = min_count
 
-    def admit(self, keys: np.ndarray, tier_has_room: bool) -> np.ndarray:
-        if tier_has_room:
-            return np.ones(len(keys), dtype=bool)
-        return self.sketch.estimate(keys) >= self.min_count
+    def admit(self, keys: np.ndarray, victim_keys: np.ndarray) -> np.ndarray:
+        """Mask over `keys`: the i-th most frequent candidate is admitted when it beats the i-th
+        least frequent victim; candidates beyond the victims (the tier has room) are admitted."""
+        cand = self.sketch.estimate(keys)
+        ok = np.ones(len(keys), dtype=bool)
+        if not len(victim_keys) or not len(keys):
+            return ok
+        order = np.argsort(-cand, kind="stable")[: len(victim_keys)]
+        weakest = np.sort(self.sketch.estimate(victim_keys))[: len(order)]
+        ok[order] = cand[order] >= weakest
+        return ok

@@ -19,7 +19,8 @@
 - Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
-  has room, else only on a second hit (its key referenced at least twice lately).
+  has room; in a full tier only when its key was referenced at least as often lately as the
+  tier's coldest blocks that it would push out (TinyLFU's rule).
 
 Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`); accessed
 or written blocks are re-scored at once. Per-block state lives in numpy arrays that grow with the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.policy.admission import FrequencySketch, SecondHitFilter
+from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, HitDensityModel, freq_class
 from dflash2.table import BlockState
@@ -62,7 +63,7 @@ class HeatPolicy(Policy):
         self.set_weights(weights or {})
         self.rescore_interval_s = rescore_interval_s
         self.sketch = FrequencySketch(sketch_width)
-        self.filter = SecondHitFilter(self.sketch)
+        self.freq_admission = FrequencyAdmission(self.sketch)
         self.model = HitDensityModel()
         self.tick = 0.0  # logical clock: block reads and writes so far
         self._cap = 0
@@ -130,10 +131,25 @@ class HeatPolicy(Policy):
         self.model.evicted(self._cls[rows], self.tick - self._last[rows])
 
     def admit(self, table, rows, tier, now):
-        """A demoted block gets a place in `tier` while the tier has room, else only when its key
-        was referenced at least twice lately (a second hit): once-used blocks are dropped."""
+        """A demoted block gets a place in `tier` while the tier has room; in a full tier only when
+        its key was referenced at least as often lately as the coldest blocks it would push out
+        (TinyLFU's rule against the tier's lowest-scored published blocks)."""
         alloc = table.allocators[tier]
-        return self.filter.admit(table.cols.key[rows], alloc.free_bytes > 0)
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return np.ones(0, dtype=bool)
+        biggest = max(table.layouts[int(lid)].block_bytes for lid in np.unique(table.cols.layout[rows]))
+        spare = alloc.blocks_free(biggest)
+        if spare >= len(rows):
+            return np.ones(len(rows), dtype=bool)
+        c = table.cols
+        here = np.flatnonzero((c.tier == int(tier)) & (c.key != 0) & (c.pins == 0))
+        if not len(here):
+            return np.ones(len(rows), dtype=bool)
+        k = min(len(here), len(rows) - spare)
+        scores = self.scores(table, here, now) if self._cache is None else self._cache[here]
+        victims = here[np.argpartition(scores, k - 1)[:k]] if k < len(here) else here
+        return self.freq_admission.admit(c.key[rows], c.key[victims])
 
     # -- scores ----------------------------------------------------------------------------
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
