@@ -167,3 +167,16 @@ def test_prefetch_window_doubles_with_room_and_falls_back_under_pressure():
     assert pf.window == 2
     mgr.free(c, filler)
     mgr.check_invariants()
+
+
+def test_access_counts_halve_every_half_life_on_the_tick():
+    from dflash2.policy.heat import HeatPolicy
+    mgr, lid, c = manager(4, policy=HeatPolicy(decay_half_life_s=10.0))
+    keys = np.array([42], dtype=np.uint64)
+    mgr.policy.sketch.add(np.repeat(keys, 8))
+    mgr.table.clock.now = 100.0
+    mgr.tick()  # starts the half-life clock
+    assert mgr.policy.sketch.estimate(keys)[0] == 8
+    mgr.table.clock.now = 125.0  # two half-lives later
+    mgr.tick()
+    assert mgr.policy.sketch.estimate(keys)[0] == 2

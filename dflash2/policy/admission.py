@@ -60,9 +60,13 @@ class FrequencySketch:
         np.minimum(self.table, COUNTER_MAX, out=self.table)
         self.additions += len(keys)
         if self.additions >= self.sample:
-            self.table >>= 1
-            self.additions //= 2
+            self.halve()
         return np.minimum(est.astype(np.int64) + 1, COUNTER_MAX)
+
+    def halve(self) -> None:
+        """Age every count by half (after `sample` additions, and every half-life of the policy)."""
+        self.table >>= 1
+        self.additions //= 2
 
 
 class FrequencyAdmission:

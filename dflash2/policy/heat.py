@@ -55,13 +55,19 @@ class HeatPolicy(Policy):
     def from_config(cls, policy_config) -> "HeatPolicy":
         """Weights from `policy.weights`, rescoring every `policy.rescore_interval_ms`."""
         return cls(policy_config.weights.model_dump(),
-                   rescore_interval_s=policy_config.rescore_interval_ms / 1000.0)
+                   rescore_interval_s=policy_config.rescore_interval_ms / 1000.0,
+                   decay_half_life_s=policy_config.decay_half_life_s)
 
     def __init__(self, weights: dict[str, float] | None = None, *,
-                 rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18):
+                 rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18,
+                 decay_half_life_s: float | None = None):
         self.weights = dict(DEFAULT_WEIGHTS)
         self.set_weights(weights or {})
         self.rescore_interval_s = rescore_interval_s
+        # Access counts (the frequency sketch) halve every half-life of wall time, on the daemon's
+        # tick, besides halving after a sample of references; None: by references only (replays).
+        self.decay_half_life_s = decay_half_life_s
+        self._halved_at: float | None = None
         self.sketch = FrequencySketch(sketch_width)
         self.freq_admission = FrequencyAdmission(self.sketch)
         self.model = HitDensityModel()
@@ -197,6 +203,12 @@ class HeatPolicy(Policy):
         return self._cache
 
     def on_tick(self, table, now: float) -> None:
+        if self.decay_half_life_s is not None:
+            if self._halved_at is None:
+                self._halved_at = now
+            while now - self._halved_at >= self.decay_half_life_s:
+                self.sketch.halve()
+                self._halved_at += self.decay_half_life_s
         self.rescore(table, now)
 
     def rescore(self, table, now: float) -> np.ndarray:
@@ -223,4 +235,4 @@ class HeatPolicy(Policy):
 
     def describe(self) -> dict:
         return {"name": self.name, "weights": dict(self.weights), "tick": self.tick,
-                "rescore_interval_s": self.rescore_interval_s}
+                "rescore_interval_s": self.rescore_interval_s, "decay_half_life_s": self.decay_half_life_s}
