@@ -21,7 +21,6 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     problems: list[str] = []
     c = table.cols
     live = table.live_rows()
-    st = c.state[live]
     if (c.tier[live] < 0).any():
         problems.append("a live block has no tier")
     free_rows = np.flatnonzero(c.state == int(BlockState.FREE))

@@ -28,7 +28,7 @@ from dflash2.placement import Placement, Watermark
 from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.reservations import Admission, AdmissionSettings, Decision
-from dflash2.table import BlockState, BlockTable
+from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
 

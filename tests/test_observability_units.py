@@ -14,10 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from dflash2 import cli
 from dflash2 import protocol as P
 from dflash2.daemon.service import Service
-from dflash2.history import History, decode, rates, read_file, sample_of
+from dflash2.history import History, decode, rates, read_file
 from dflash2.logs import JsonFormatter, TextFormatter, configure, event
 from dflash2.metrics import DaemonMetrics
-from dflash2.tiers import Tier
 from conftest import SMALL
 
 BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",

@@ -12,10 +12,12 @@ to an arena. Two kinds exist:
 from __future__ import annotations
 
 import abc
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
+from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 
 
@@ -44,6 +46,16 @@ class MemoryArena(Arena):
     @abc.abstractmethod
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A writable uint8 view of [offset, offset + nbytes): no copy. Raises ArenaError out of range."""
+
+    def _slice(self, whole, offset: int, nbytes: int, what: str):
+        """[offset, offset + nbytes) of `whole` (the mapped arena), checked: the one bounds rule of
+        every memory arena's `view`."""
+        offset, nbytes = operator.index(offset), operator.index(nbytes)
+        if whole is None:
+            raise ArenaError(f"{what} is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
+            raise ArenaError(f"view [{offset}, {offset + nbytes}) is outside {what} of {self.capacity_bytes} bytes")
+        return whole[offset:offset + nbytes]
 
 
 class StorageArena(Arena):

@@ -14,7 +14,6 @@ Invariant: only the creator unlinks the segment; views handed out stay valid unt
 from __future__ import annotations
 
 import mmap
-import operator
 import os
 
 import numpy as np
@@ -126,13 +125,7 @@ class SharedMemoryArena(MemoryArena):
         return self._mm is None
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
-        offset, nbytes = operator.index(offset), operator.index(nbytes)
-        if self._bytes is None:
-            raise ArenaError(f"segment {self.name!r} is closed")
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
-            raise ArenaError(f"view [{offset}, {offset + nbytes}) is outside segment {self.name!r} "
-                             f"of {self.capacity_bytes} bytes")
-        return self._bytes[offset:offset + nbytes]
+        return self._slice(self._bytes, offset, nbytes, f"segment {self.name!r}")
 
     def describe(self) -> dict:
         return {**super().describe(), "kind": "shm", "name": self.name, "path": self.path}

@@ -80,12 +80,7 @@ class CudaArena(MemoryArena):
             return bytes(cupy().cuda.runtime.ipcGetMemHandle(self.ptr))
 
     def view(self, offset: int, nbytes: int):
-        if self._bytes is None:
-            raise ArenaError(f"HBM arena of GPU {self.device} is closed")
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes:
-            raise ArenaError(f"view [{offset}, {offset + nbytes}) is outside the HBM arena of "
-                             f"{self.capacity_bytes} bytes")
-        return self._bytes[offset:offset + nbytes]
+        return self._slice(self._bytes, offset, nbytes, f"the HBM arena of GPU {self.device}")
 
     def describe(self) -> dict:
         return {**super().describe(), "kind": "cuda", "device": self.device}

@@ -35,7 +35,6 @@ from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, HitDensityModel, freq_class
 from dflash2.table import BlockState
-from dflash2.tiers import Tier
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
