@@ -306,3 +306,34 @@ def test_one_daemon_keeps_one_pool_per_gpu(tmp_path):
             assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 4
             assert st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
             c1.check()
+
+
+def test_large_blocks_take_the_copy_engines_bit_exact(cuda_config):
+    """Blocks of 512 KiB go through cuMemcpyBatchAsync (small ones through the kernel): both
+    directions, at once, bit for bit."""
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.cuda import COPY_ENGINE_MIN_BLOCK
+    mgr = _manager(cuda_config())
+    try:
+        assert mgr.backend.engines.available
+        a = mgr.attach("t")
+        big = mgr.register_layout(Layout("big", 8, 8, 128, "bf16", 16))
+        assert mgr.table.layout(big).block_bytes >= COPY_ENGINE_MIN_BLOCK
+        down = mgr.commit(a, mgr.allocate(a, big, 16))
+        data = {v: _fill(mgr.view(v), v % 977) for v in down.tolist()}
+        up = mgr.commit(a, mgr.allocate(a, big, 16))
+        data.update({v: _fill(mgr.view(v), v % 991) for v in up.tolist()})
+        assert mgr.mover.move(mgr.table.rows(up), Tier.DRAM).all()
+        # both directions in flight together
+        m1 = mgr.mover.prepare(mgr.table.rows(down), Tier.DRAM)
+        m2 = mgr.mover.prepare(mgr.table.rows(up), Tier.HBM)
+        assert mgr.mover.complete(m1).all() and mgr.mover.complete(m2).all()
+        for v in down.tolist():
+            assert mgr.place(v).tier == Tier.DRAM and bytes(mgr.view(v)) == data[v].tobytes()
+        for v in up.tolist():
+            assert mgr.place(v).tier == Tier.HBM and (cp.asnumpy(mgr.view(v)) == data[v]).all()
+        mgr.check_invariants()
+    finally:
+        mgr.close()

@@ -1,5 +1,6 @@
-"""The CUDA transfer backend: HBM↔DRAM batches in one copy-kernel launch each, on their own streams
-(one per direction, so both directions overlap), completion by events. Moves that touch NVMe go
+"""The CUDA transfer backend: an HBM↔DRAM batch is one launch of the copy kernel (small blocks) or
+one batched copy-engine call (large blocks), on a stream per direction so both directions overlap,
+completion by events. Moves that touch NVMe go
 through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
 file in one batch; NVMe→HBM reads into it and scatters from it. DRAM↔NVMe is host I/O, done by the
 host backend.
@@ -18,6 +19,7 @@ import numpy as np
 from dflash2.arena.base import Arena, StorageArena
 from dflash2.cuda import cupy
 from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
+from dflash2.cuda.copy_engine import CopyEngineBatch
 from dflash2.cuda.kernels import CopyKernel
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
@@ -25,13 +27,19 @@ from dflash2.transfer.host import HostTransferBackend
 
 log = logging.getLogger("dflash2.transfer.cuda")
 
+# Blocks at least this large go through the copy engines (cuMemcpyBatchAsync), smaller ones through
+# the copy kernel: measured on an H200, the engines match the kernel one way from 256 KiB and beat
+# it by far with both directions at once (98 vs 78 GB/s), but fall to 4-16 GB/s for 16 KiB blocks.
+COPY_ENGINE_MIN_BLOCK = 128 << 10
+
 
 class KernelJob(CopyJob):
     """A batch queued on a stream; done when its event has passed."""
 
-    def __init__(self, batch: CopyBatch, event):
+    def __init__(self, batch: CopyBatch, event, keep=()):
         self.batch = batch
         self._event = event
+        self._keep = keep  # buffers the queued copy still reads
 
     def done(self) -> bool:
         return self._event.done
@@ -42,6 +50,7 @@ class KernelJob(CopyJob):
         except Exception:  # a launch that failed: the whole batch failed, the blocks stay put
             log.exception("copy kernel of %d blocks failed", len(self.batch))
             return np.zeros(len(self.batch), dtype=bool)
+        self._keep = ()
         return np.ones(len(self.batch), dtype=bool)
 
 
@@ -72,6 +81,7 @@ class CudaTransferBackend(TransferBackend):
         self.arenas = arenas
         self.dram = dram_region
         self.kernel = CopyKernel(self.device)
+        self.engines = CopyEngineBatch()
         with cp.cuda.Device(self.device):
             self.d2h = cp.cuda.Stream(non_blocking=True)
             self.h2d = cp.cuda.Stream(non_blocking=True)
@@ -93,12 +103,19 @@ class CudaTransferBackend(TransferBackend):
         stream = self.d2h if to_host else self.h2d
         src = self.hbm.ptr if to_host else self.dram.device_ptr
         dst = self.dram.device_ptr if to_host else self.hbm.ptr
-        self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
+        keep = ()
+        if self.engines.available and len(batch) and int(batch.nbytes.min()) >= COPY_ENGINE_MIN_BLOCK:
+            # Large blocks: the copy engines (both directions at once reach the link's duplex limit).
+            with cupy().cuda.Device(self.device):
+                keep = self.engines.launch(stream.ptr, dst, src, batch.dst_offsets, batch.src_offsets,
+                                           batch.nbytes)
+        else:
+            self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
         cp = cupy()
         with cp.cuda.Device(self.device):
             event = cp.cuda.Event(disable_timing=True)
             event.record(stream)
-        return KernelJob(batch, event)
+        return KernelJob(batch, event, keep)
 
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:

@@ -1,0 +1,69 @@
+"""Batched copies on the GPU's copy engines: cuMemcpyBatchAsync (CUDA >= 12.8), one driver call for
+a whole batch of scattered blocks, no multiprocessors used.
+
+Measured on an H200 (PCIe Gen5): for blocks of 256 KiB and more it moves 53-55 GB/s each way and,
+unlike two copy kernels, 98 GB/s with both directions at once; for 16 KiB blocks it is far slower
+than the copy kernel (4-16 GB/s). The CUDA backend therefore uses it for large blocks only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+
+log = logging.getLogger("dflash2.cuda")
+
+SRC_ACCESS_ORDER_STREAM = 1  # the sources are read in stream order, like any async copy
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Location), ("dstLocHint", _Location),
+                ("flags", ctypes.c_uint)]
+
+
+class CopyEngineBatch:
+    """The driver's batched copy, or unavailable (`available` False, said once in the log)."""
+
+    def __init__(self):
+        self._fn = None
+        self._v2 = False
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            lib = None
+        for name, v2 in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
+            if lib is not None and hasattr(lib, name):
+                self._fn, self._v2 = getattr(lib, name), v2
+                break
+        if self._fn is None:
+            log.warning("the driver has no cuMemcpyBatchAsync (CUDA < 12.8): every move uses the copy kernel")
+        self._attr = _Attributes(SRC_ACCESS_ORDER_STREAM, _Location(0, 0), _Location(0, 0), 0)
+        self._first = (ctypes.c_size_t * 1)(0)
+
+    @property
+    def available(self) -> bool:
+        return self._fn is not None
+
+    def launch(self, stream_ptr: int, dst_base: int, src_base: int, dst_off: np.ndarray, src_off: np.ndarray,
+               nbytes: np.ndarray) -> tuple:
+        """Queue the batch on the stream. Returns the pointer arrays: keep them until the stream
+        has passed this point."""
+        dsts = (np.uint64(dst_base) + dst_off.astype(np.uint64))
+        srcs = (np.uint64(src_base) + src_off.astype(np.uint64))
+        sizes = nbytes.astype(np.uint64)
+        args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
+                ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(len(sizes)), ctypes.byref(self._attr),
+                self._first, ctypes.c_size_t(1)]
+        if not self._v2:
+            fail = ctypes.c_size_t(0)
+            args.append(ctypes.byref(fail))
+        status = self._fn(*args, ctypes.c_void_p(stream_ptr))
+        if status != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status}")
+        return dsts, srcs, sizes
