@@ -73,7 +73,8 @@ class HeatPolicy(Policy):
         self.tick = 0.0  # logical clock: block reads and writes so far
         self._cap = 0
         self._last = np.zeros(0)  # logical time of each row's last access (or write)
-        self._cls = np.zeros(0, dtype=np.int64)
+        self._cls = np.zeros(0, dtype=np.int32)
+        self._buffers: dict[str, np.ndarray] = {}  # scratch of the full pass, reused (no page faults)
         self._cache: np.ndarray | None = None
         self._cache_at = -np.inf
 
@@ -84,7 +85,7 @@ class HeatPolicy(Policy):
             return
         last = np.zeros(cap)
         last[: self._cap] = self._last
-        cls = np.zeros(cap, dtype=np.int64)
+        cls = np.zeros(cap, dtype=np.int32)
         cls[: self._cap] = self._cls
         self._last, self._cls, self._cap = last, cls, cap
         self._cache = None
@@ -157,6 +158,50 @@ class HeatPolicy(Policy):
         return self.freq_admission.admit(c.key[rows], c.key[victims])
 
     # -- scores ----------------------------------------------------------------------------
+    def _scratch(self, name: str, dtype) -> np.ndarray:
+        buf = self._buffers.get(name)
+        if buf is None or len(buf) != self._cap:
+            buf = self._buffers[name] = np.empty(self._cap, dtype=dtype)
+        return buf
+
+    def _score_all(self, table) -> np.ndarray:
+        """The full pass (every row), the same formula as `_score` computed in reused float32 and
+        int32 buffers: on a million blocks a fresh array per step costs as much as the step."""
+        c = table.cols
+        w = self.weights
+        log_age = self._scratch("log_age", np.float32)
+        np.subtract(self.tick, self._last, out=log_age, casting="same_kind")
+        np.maximum(log_age, 0.0, out=log_age)
+        log_age += np.float32(1.0)
+        np.log2(log_age, out=log_age)
+        scaled, idx, base = (self._scratch("scaled", np.float32), self._scratch("idx", np.int32),
+                             self._scratch("base", np.int32))
+        np.multiply(log_age, np.float32(BINS_PER_OCTAVE), out=scaled)
+        np.copyto(idx, scaled, casting="unsafe")  # truncation, as astype
+        np.minimum(idx, N_AGE - 1, out=idx)
+        np.multiply(self._cls, np.int32(N_AGE), out=base)
+        idx += base
+        heat = np.take(self._log_density32(), idx)  # a fresh array: it becomes the cache
+        if w["frequency"] != 1.0:
+            heat *= np.float32(w["frequency"])
+        if w["recency"]:
+            log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
+            heat -= log_age
+        self._add_terms(heat, c, slice(None))
+        return heat
+
+    def _add_terms(self, heat: np.ndarray, c, rows) -> None:
+        """Priority, sharing, fan-out and stage, each skipped when its inputs are all zero."""
+        w = self.weights
+        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, _log2_1p),
+                                 ("fanout", c.nkids, _log2_1p), ("stage", c.stage, None)):
+            if not w[name]:
+                continue
+            values = column[rows]
+            if not values.any():
+                continue
+            heat += np.float32(w[name]) * (values if fn is None else fn(values))
+
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
         """Vectorised over every row in one pass, in float32 (a million-block pass is dominated by
         transcendental and conversion passes: float32 halves both): log-age once (it gives the
@@ -178,14 +223,7 @@ class HeatPolicy(Policy):
             # newer block wins (LRU), whatever the workload's time scale.
             log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
             heat -= log_age
-        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, _log2_1p),
-                                 ("fanout", c.nkids, _log2_1p), ("stage", c.stage, None)):
-            if not w[name]:
-                continue
-            values = column[rows]
-            if not values.any():
-                continue
-            heat += np.float32(w[name]) * (values if fn is None else fn(values))
+        self._add_terms(heat, c, rows)
         return heat
 
     def _log_density32(self) -> np.ndarray:
@@ -213,7 +251,7 @@ class HeatPolicy(Policy):
     def rescore(self, table, now: float) -> np.ndarray:
         """One full scoring pass over every row (also what the timer does)."""
         self._ensure(table)
-        self._cache = self._score(table, slice(None), now)
+        self._cache = self._score_all(table)
         self._cache_at = now
         return self._cache
 
