@@ -194,10 +194,10 @@ class DFlash2Storage(HiCacheStorage):
             try:
                 for place, i in zip(places, range(lo, hi)):
                     write(i, client.view_bytes(place))
+                held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
             except BaseException:
-                client.free(places["vid"])
+                client.free(places["vid"])  # written or not, never committed: give them back
                 raise
-            held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
             client.free(held)
             parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
