@@ -262,11 +262,14 @@ def test_shared_memory_views_take_the_direct_path(arena, spy):
         shm.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.parametrize("max_direct", [None, 2 * ALIGN])
-def test_mixed_aligned_and_unaligned_batches(arena, spy, monkeypatch, max_direct):
-    """Aligned and unaligned buffers in one unsorted batch; written one way, read back the other."""
+def test_mixed_aligned_and_unaligned_batches(arena, spy, monkeypatch, max_direct, lanes):
+    """Aligned and unaligned buffers in one unsorted batch; written one way, read back the other.
+    With three checksum lanes the pieces of a block split over runs are checksummed out of order."""
     if max_direct:
         monkeypatch.setattr(staging, "MAX_DIRECT_IO_BYTES", max_direct)  # split large blocks over runs
+    monkeypatch.setattr(nvme, "_crc_lanes", lambda ring: lanes)
     rng = np.random.default_rng(11)
     lengths = [ALIGN, 5000, 4 * ALIGN, STAGING + ALIGN, 3 * STAGING, 100_003, 2 * ALIGN, 7 * ALIGN]
     offsets, data = _blocks(rng, lengths, gap_pages=1)
@@ -319,6 +322,29 @@ def test_direct_write_error_fails_the_batch(arena, monkeypatch):
     with pytest.raises(ArenaError, match="write .* failed"):
         arena.write_blocks([0, 2 * ALIGN], [src, src])
     assert not arena.read_blocks([0], [_aligned(2 * ALIGN)]).any()
+
+
+def test_direct_read_error_fails_the_batch_and_the_arena_stays_usable(arena, monkeypatch):
+    srcs = [_aligned(ALIGN) for _ in range(3)]
+    for k, s in enumerate(srcs):
+        s[:] = k + 1
+    offsets = [0, 4 * ALIGN, 8 * ALIGN]  # three runs: the read lane fails on the second
+    arena.write_blocks(offsets, srcs)
+    real, calls = nvme.preadv_all, []
+
+    def fails_second(fd, bufs, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        real(fd, bufs, offset)
+
+    monkeypatch.setattr(nvme, "preadv_all", fails_second)
+    with pytest.raises(ArenaError, match="read .* failed"):
+        arena.read_blocks(offsets, [_aligned(ALIGN) for _ in range(3)])
+    monkeypatch.setattr(nvme, "preadv_all", real)
+    dsts = [_aligned(ALIGN) for _ in range(3)]
+    assert arena.read_blocks(offsets, dsts).all()
+    assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
 
 
 def test_short_vectored_io_is_resumed(tmp_path):

@@ -27,6 +27,7 @@ import fcntl
 import functools
 import logging
 import os
+import queue
 import threading
 import zlib
 from collections.abc import Sequence
@@ -76,12 +77,29 @@ def _direct_mask(arrays: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
 
 
 def _block_crcs(chunk_pieces: list[list[tuple[int, int, int, int]]], nblocks: int) -> np.ndarray:
-    """Each block's crc32 from its pieces' (block, start, nbytes, crc), given in file order."""
+    """Each block's crc32 from its pieces' (block, start, nbytes, crc), in any order (checksum
+    lanes finish out of order): a split block's pieces are combined in byte order."""
     crcs = np.zeros(nblocks, dtype=np.uint32)
-    for pieces in chunk_pieces:
-        for i, s, n, crc in pieces:
-            crcs[i] = crc if s == 0 else crc32_combine(int(crcs[i]), crc, n)
+    for i, s, n, crc in sorted(p for pieces in chunk_pieces for p in pieces):
+        crcs[i] = crc if s == 0 else crc32_combine(int(crcs[i]), crc, n)
     return crcs
+
+
+CRC_PIECE_BYTES = 1 << 20  # a read's checksums are dealt out over the lanes in pieces this large
+
+
+def _crc_pieces(pieces: list[tuple[int, int, int]]):
+    """(block, start, end) ranges cut to at most CRC_PIECE_BYTES, so that the lanes share the
+    checksums of the last run of a batch instead of one lane doing it while the disk idles."""
+    for i, s, e in pieces:
+        for a in range(s, e, CRC_PIECE_BYTES):
+            yield i, a, min(e, a + CRC_PIECE_BYTES)
+
+
+def _crc_lanes(ring: StagingRing) -> int:
+    """Checksum lanes beside the one I/O lane: as many as spare cores and workers allow. zlib's
+    crc32 runs at 2-7 GB/s a core, no faster than a fast disk, so one lane can hold the I/O back."""
+    return max(1, min(ring.workers - 1, (os.cpu_count() or 2) - 1))
 
 
 class NvmeArena(StorageArena):
@@ -233,8 +251,11 @@ class NvmeArena(StorageArena):
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
             runs, chunks = self._plan(srcs, lens, offs, extents, order, bridge=0)
             # Direct runs: a write needs no checksum first, so the checksums run beside the writes,
-            # on the other core (two lanes), rather than in front of or behind each write.
-            tasks = [functools.partial(write_lane, runs), functools.partial(crc_lane, runs)] if runs else []
+            # on the other cores (the runs dealt out over the checksum lanes), rather than in front
+            # of or behind each write.
+            lanes = _crc_lanes(ring)
+            tasks = ([functools.partial(write_lane, runs)]
+                     + [functools.partial(crc_lane, runs[j::lanes]) for j in range(lanes)]) if runs else []
             try:
                 pieces = ring.run(chunks, fill_and_write, tasks)
             except OSError as e:
@@ -268,14 +289,33 @@ class NvmeArena(StorageArena):
                         dsts[i][s:d] = src
                 return crcs
 
-            def read_run(run: Run) -> list[tuple[int, int, int, int]]:
-                bufs = [dsts[i][s:e] for i, s, e in run.pieces]
-                preadv_all(self._fd, bufs, run.offset)
-                return [(i, s, e - s, zlib.crc32(b)) for (i, s, e), b in zip(run.pieces, bufs)]
-
             runs, chunks = self._plan(dsts, lens, offs, extents, want, bridge=READ_BRIDGE_BYTES)
+            # Direct runs: one lane reads them one at a time in file order (the pattern of a raw
+            # sequential read); the checksum lanes take each run as soon as it has landed.
+            landed: queue.SimpleQueue = queue.SimpleQueue()
+
+            def read_lane() -> list:
+                try:
+                    for run in runs:
+                        preadv_all(self._fd, [dsts[i][s:e] for i, s, e in run.pieces], run.offset)
+                        for piece in _crc_pieces(run.pieces):
+                            landed.put(piece)
+                finally:
+                    landed.put(None)  # done, or failed: the checksum lanes must not wait forever
+                return []
+
+            def crc_lane() -> list[tuple[int, int, int, int]]:
+                out = []
+                while (piece := landed.get()) is not None:
+                    i, s, e = piece
+                    out.append((i, s, e - s, zlib.crc32(dsts[i][s:e])))
+                landed.put(None)  # for the next lane
+                return out
+
+            # The read lane is queued first, so it holds a worker before a checksum lane waits on it.
+            tasks = [read_lane] + [crc_lane] * _crc_lanes(ring) if runs else []
             try:
-                pieces = ring.run(chunks, read_and_drain, [functools.partial(read_run, r) for r in runs])
+                pieces = ring.run(chunks, read_and_drain, tasks)
             except OSError as e:
                 raise ArenaError(f"NVMe tier read from {self.path} failed: {e}") from e
         ok[want] = _block_crcs(pieces, len(offs))[want] == expected[want]

@@ -8,8 +8,10 @@ A batch's blocks take one of two paths:
 - **staged**: any other block is cut into chunks that each fill one slot of a page-aligned ring
   buffer (anonymous mmap) — write: copy into the slot, checksum, pwrite; read: pread, checksum,
   copy out.
-Each run and each chunk is one job on a small pool of worker threads, so that while one worker waits
-on the disk another checksums (and copies). `os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32`
+The direct runs of a batch go through lanes on a small pool of worker threads: one does their I/O
+one at a time in file order (the pattern of raw sequential I/O), the others checksum them (a read's
+as each run lands); each staged chunk is one job on the same pool, so that while one worker
+waits on the disk another checksums (and copies). `os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32`
 all release the GIL, so the workers run in parallel.
 
 Invariants:
@@ -190,7 +192,8 @@ class StagingRing:
         self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.mv = memoryview(self._mm)
         self.np = np.frombuffer(self._mm, dtype=np.uint8)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, self.nslots),
+        self.workers = min(workers, self.nslots)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.workers,
                                                            thread_name_prefix="dflash2-staging")
 
     def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
