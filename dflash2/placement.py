@@ -79,8 +79,11 @@ class Placement:
         c = self.table.cols
         mask = (c.tier == int(tier)) & (c.state == int(BlockState.RESIDENT))
         if evict:
-            # A published block has no owner: cheaper to test than the 64-bit key.
-            mask &= ((c.refs | c.pins) == 0) & (c.owner == NO_CLIENT)
+            # A published block has no owner: cheaper to test than the 64-bit key. (Two compares
+            # cost less than one `refs | pins`, which writes a 32-bit temporary.)
+            mask &= c.refs == 0
+            mask &= c.pins == 0
+            mask &= c.owner == NO_CLIENT
         else:
             mask &= c.pins == 0
             if idle_only:
@@ -126,22 +129,29 @@ class Placement:
             n_reach = int(np.count_nonzero(reach))
             if not n_reach:
                 return np.empty(0, dtype=np.int64)
-        keyed = self._scratch(len(scores), scores.dtype)
-        keyed.fill(np.inf)
-        np.copyto(keyed, scores, where=reach)
         sizes = self._slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        cut = np.partition(keyed, k - 1)[k - 1] if k < len(keyed) else np.inf
+        if k < len(scores):
+            # The k-th lowest reachable score: the unreachable rows set to +inf in a scratch copy,
+            # partitioned in place (it is only needed for the cut; rows are read from `scores`).
+            keyed = self._scratch(len(scores), scores.dtype)
+            np.copyto(keyed, scores)
+            np.copyto(keyed, np.inf, where=~reach)
+            keyed.partition(k - 1)
+            cut = keyed[k - 1]
+        else:
+            cut = np.inf
         leaves = reach & self._childless(tier, evict)
-        part = np.flatnonzero(leaves & (keyed <= cut))
+        leaves &= scores <= cut
+        part = np.flatnonzero(leaves)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
-            part = np.flatnonzero(leaves)
+            part = np.flatnonzero(reach & self._childless(tier, evict))
             if not len(part):
                 return np.empty(0, dtype=np.int64)
         slot = sizes[self.table.cols.layout[part]]
-        order = np.argsort(keyed[part], kind="stable")
+        order = np.argsort(scores[part], kind="stable")
         taken = int(np.searchsorted(np.cumsum(slot[order]), need_bytes)) + 1
         return part[order[:taken]].astype(np.int64)
 

@@ -180,3 +180,54 @@ def test_access_counts_halve_every_half_life_on_the_tick():
     mgr.table.clock.now = 125.0  # two half-lives later
     mgr.tick()
     assert mgr.policy.sketch.estimate(keys)[0] == 2
+
+
+@pytest.mark.parametrize("children", [3, 40])  # fan-out folded into the lookup, and beyond FUSE_FANOUT
+def test_full_pass_matches_per_row_scores_with_fanout_weights_and_refits(children):
+    from dflash2.policy.heat import FUSE_FANOUT
+
+    mgr, lid, c = manager(256)
+    pol, table = mgr.policy, mgr.table
+    root = cache_chain(mgr, lid, c, [1])
+    for k in range(children):
+        cache_chain(mgr, lid, c, [100 + k, 1000 + k], parent=root[0])
+    assert (table.cols.nkids.max() > FUSE_FANOUT) == (children > FUSE_FANOUT)
+    rows = table.live_rows()
+
+    def check():
+        full = pol.rescore(table, 0.0)[rows]
+        assert np.allclose(full, pol.scores(table, rows, 0.0), rtol=1e-6, atol=1e-5)
+        return full
+
+    base = check()
+    pol.set_weights({"fanout": 2.0, "frequency": 0.5})
+    check()
+    # The root's heat follows the fan-out weight in the full pass (not a stale table).
+    r = table.rows(root)[0]
+    i = int(np.flatnonzero(rows == r)[0])
+    assert pol.rescore(table, 0.0)[r] != base[i]
+    pol.set_weights({"fanout": 0.0, "frequency": 1.0})
+    check()
+    # A refit changes the density: the full pass must use the new one.
+    pol.set_weights({"fanout": 0.5})
+    before = pol.rescore(table, 0.0)[rows].copy()
+    pol.model.log_density[:] += 3.0
+    pol.model.version += 1
+    after = check()
+    assert np.allclose(after, before + 3.0, atol=1e-4)
+
+
+def test_select_takes_the_lowest_scored_leaves_and_keeps_scores_intact():
+    mgr, lid, c = manager(64)
+    pol, table = mgr.policy, mgr.table
+    chains = [cache_chain(mgr, lid, c, [10 * k + 1, 10 * k + 2]) for k in range(5)]
+    for k in (0, 2, 4):  # these chains are read again: hotter
+        mgr.acquire(c, chains[k])
+        mgr.release(c, chains[k])
+    scores = pol.rescore(table, 0.0)
+    kept = scores.copy()
+    victims = mgr.placement.select(Tier.HBM, 2 * SLOT, evict=True, cold_only=False)
+    assert np.array_equal(scores, kept)  # the choice works on a copy of the scores
+    leaves = [table.rows(ch)[1] for ch in chains]
+    assert sorted(victims.tolist()) == sorted(sorted(leaves, key=lambda r: scores[r])[:2])
+    assert all(v in [table.rows(chains[k])[1] for k in (1, 3)] for v in victims)

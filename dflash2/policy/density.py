@@ -54,6 +54,7 @@ class HitDensityModel:
         self.lives = np.zeros(N_CLASS)
         self.evictions = np.zeros((N_CLASS, N_AGE))  # ages at which the cache let blocks go
         self._since_fit = 0
+        self.version = 0  # bumped whenever log_density changes (users cache tables built from it)
         # Before any evidence: density falls with age and rises with class (LRU, then LFU).
         self.log_density = np.log2((1.0 + np.arange(N_CLASS))[:, None] / (1.0 + _EDGES[None, :-1])) - 10.0
 
@@ -105,6 +106,7 @@ class HitDensityModel:
         # A class without evidence keeps its prior, shifted to the learned scale.
         known = alive_above[:, 0] > 0
         self.log_density[known] = np.log2(np.maximum(density[known], FLOOR))
+        self.version += 1
         self.reuses *= self.decay
         self.lives *= self.decay
         self.evictions *= self.decay

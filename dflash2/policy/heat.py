@@ -33,13 +33,22 @@ import numpy as np
 
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
-from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, HitDensityModel, freq_class
+from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, N_CLASS, HitDensityModel, freq_class
 from dflash2.table import BlockState
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
 DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
                    "stage": 1.0}
+
+
+# Age bins per class in the scoring lookup table: the density's N_AGE bins, the last one repeated up
+# to the largest bin a float32 log-age can give (log2 of the largest float32 is 128), so that the
+# full pass needs no clipping of the bin index (the same values as clipping to N_AGE - 1).
+ROW = BINS_PER_OCTAVE * 129
+# While no block has more cached children than this, the full pass folds fan-out into the density
+# lookup (one gather instead of two); beyond it, a separate gather of its own table.
+FUSE_FANOUT = 15
 
 
 def _log2_1p(counts: np.ndarray) -> np.ndarray:
@@ -73,7 +82,13 @@ class HeatPolicy(Policy):
         self.tick = 0.0  # logical clock: block reads and writes so far
         self._cap = 0
         self._last = np.zeros(0)  # logical time of each row's last access (or write)
-        self._cls = np.zeros(0, dtype=np.int32)
+        # Each row's frequency class, stored as its offset in the scoring lookup table (class * ROW):
+        # the full pass adds it to the age bin as it is (no multiply per pass).
+        self._off = np.zeros(0, dtype=np.int32)
+        self._lut_key: tuple | None = None  # (model version, weights, fan-out) the table was built for
+        self._lut = np.zeros(0, dtype=np.float32)
+        self._fan_lut: tuple[float, np.ndarray] | None = None
+        self._flip = 0  # which of the two score buffers the next full pass writes
         self._buffers: dict[str, np.ndarray] = {}  # scratch of the full pass, reused (no page faults)
         self._cache: np.ndarray | None = None
         self._cache_at = -np.inf
@@ -85,9 +100,9 @@ class HeatPolicy(Policy):
             return
         last = np.zeros(cap)
         last[: self._cap] = self._last
-        cls = np.zeros(cap, dtype=np.int32)
-        cls[: self._cap] = self._cls
-        self._last, self._cls, self._cap = last, cls, cap
+        off = np.zeros(cap, dtype=np.int32)
+        off[: self._cap] = self._off
+        self._last, self._off, self._cap = last, off, cap
         self._cache = None
 
     # -- events ----------------------------------------------------------------------------
@@ -97,7 +112,7 @@ class HeatPolicy(Policy):
         new = rows[table.cols.state[rows] != int(BlockState.RESIDENT)]  # written, not moved
         if len(new):
             self._stamp(new)
-            self._cls[new] = 0
+            self._off[new] = 0
             self._patch(table, new, now)
 
     def on_commit(self, table, rows, now):
@@ -128,13 +143,13 @@ class HeatPolicy(Policy):
         if not len(rows):
             return
         cls = freq_class(self.sketch.add(keys) - 1)  # references before this one
-        self._cls[rows] = cls
+        self._off[rows] = cls * ROW
         self.model.observe(keys, cls, self.tick)
 
     def on_remove(self, table, rows):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
-        self.model.evicted(self._cls[rows], self.tick - self._last[rows])
+        self.model.evicted(self._off[rows] // ROW, self.tick - self._last[rows])
 
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full tier only when
@@ -165,25 +180,38 @@ class HeatPolicy(Policy):
         return buf
 
     def _score_all(self, table) -> np.ndarray:
-        """The full pass (every row), the same formula as `_score` computed in reused float32 and
-        int32 buffers: on a million blocks a fresh array per step costs as much as the step."""
+        """The full pass (every row): the same formula as `_score`, in reused float32 and int32
+        buffers (on a million blocks a fresh array per step costs as much as the step), with as few
+        passes as the formula allows: log-age once (it gives the age bin and the recency slope); the
+        bin plus the row's stored class offset (plus, while no block has more than FUSE_FANOUT
+        cached children, the fan-out times the table's stride) indexes one lookup table that holds
+        w_frequency·log2 density (+ w_fanout·log2(1 + children)), padded so that no bin needs
+        clipping. Ages are never negative (`_stamp` only stamps up to the clock): no clamp either."""
         c = table.cols
         w = self.weights
         log_age = self._scratch("log_age", np.float32)
-        np.subtract(self.tick, self._last, out=log_age, casting="same_kind")
-        np.maximum(log_age, 0.0, out=log_age)
-        log_age += np.float32(1.0)
+        np.subtract(self.tick + 1.0, self._last, out=log_age, casting="same_kind")
         np.log2(log_age, out=log_age)
-        scaled, idx, base = (self._scratch("scaled", np.float32), self._scratch("idx", np.int32),
-                             self._scratch("base", np.int32))
+        scaled, idx = self._scratch("scaled", np.float32), self._scratch("idx", np.int32)
         np.multiply(log_age, np.float32(BINS_PER_OCTAVE), out=scaled)
         np.copyto(idx, scaled, casting="unsafe")  # truncation, as astype
-        np.minimum(idx, N_AGE - 1, out=idx)
-        np.multiply(self._cls, np.int32(N_AGE), out=base)
-        idx += base
-        heat = np.take(self._log_density32(), idx)  # a fresh array: it becomes the cache
-        if w["frequency"] != 1.0:
-            heat *= np.float32(w["frequency"])
+        idx += self._off
+        most = int(c.nkids.max()) if w["fanout"] and self._cap else 0
+        fused = 0 < most <= FUSE_FANOUT
+        if fused:
+            kids = self._scratch("kids", np.int32)
+            np.multiply(c.nkids, np.int32(N_CLASS * ROW), out=kids)
+            idx += kids
+        # Two score buffers used in turn: a pass never writes the array the previous one returned
+        # (callers use scores at once; none keeps them across two passes).
+        self._flip ^= 1
+        heat = self._scratch(f"heat{self._flip}", np.float32)
+        # mode="clip": with `out`, the default mode writes through a temporary copy (3x slower); the
+        # indices are in range by construction.
+        np.take(self._lookup(most if fused else 0), idx, out=heat, mode="clip")
+        if most > FUSE_FANOUT:
+            np.take(self._fanout_lut(most), c.nkids, out=scaled, mode="clip")
+            heat += scaled
         if w["recency"]:
             log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
             heat -= log_age
@@ -191,10 +219,11 @@ class HeatPolicy(Policy):
         return heat
 
     def _add_terms(self, heat: np.ndarray, c, rows) -> None:
-        """Priority, sharing, fan-out and stage, each skipped when its inputs are all zero."""
+        """Priority, sharing and stage (fan-out is added with the density), each skipped when its
+        inputs are all zero."""
         w = self.weights
         for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, _log2_1p),
-                                 ("fanout", c.nkids, _log2_1p), ("stage", c.stage, None)):
+                                 ("stage", c.stage, None)):
             if not w[name]:
                 continue
             values = column[rows]
@@ -202,22 +231,32 @@ class HeatPolicy(Policy):
                 continue
             heat += np.float32(w[name]) * (values if fn is None else fn(values))
 
+    def _fanout_lut(self, most: int) -> np.ndarray:
+        """w_fanout·log2(1 + n) for n = 0..most (at least 0..255), float32 as `_score` computes it."""
+        w = self.weights["fanout"]
+        if self._fan_lut is None or self._fan_lut[0] != w or len(self._fan_lut[1]) <= most:
+            n = max(256, 1 << int(most).bit_length())
+            self._fan_lut = (w, np.float32(w) * _log2_1p(np.arange(n, dtype=np.int64)))
+        return self._fan_lut[1]
+
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
-        """Vectorised over every row in one pass, in float32 (a million-block pass is dominated by
+        """Vectorised over the given rows, in float32 (a million-block pass is dominated by
         transcendental and conversion passes: float32 halves both): log-age once (it gives the
         density's age bin and the recency slope), the density by one flat gather, and the terms whose
         inputs are all zero (no references, no priorities, ...) skipped after a cheap test."""
         c = table.cols
         w = self.weights
-        ages = (self.tick - self._last[rows]).astype(np.float32)
-        np.maximum(ages, 0.0, out=ages)
-        log_age = np.log2(ages + np.float32(1.0))
+        ages = (self.tick + 1.0 - self._last[rows]).astype(np.float32)
+        np.maximum(ages, np.float32(1.0), out=ages)
+        log_age = np.log2(ages)
         idx = (log_age * np.float32(BINS_PER_OCTAVE)).astype(np.int64)
-        np.minimum(idx, N_AGE - 1, out=idx)
-        idx += self._cls[rows] * N_AGE
-        heat = np.take(self._log_density32(), idx)
-        if w["frequency"] != 1.0:
-            heat *= np.float32(w["frequency"])
+        np.minimum(idx, ROW - 1, out=idx)
+        idx += self._off[rows]
+        heat = np.take(self._lookup(0), idx)
+        if w["fanout"]:
+            kids = c.nkids[rows]
+            if kids.any():
+                heat += np.float32(w["fanout"]) * _log2_1p(kids)
         if w["recency"]:
             # Scale-free recency: a small slope in log-age, so that within a density level the
             # newer block wins (LRU), whatever the workload's time scale.
@@ -226,8 +265,28 @@ class HeatPolicy(Policy):
         self._add_terms(heat, c, rows)
         return heat
 
-    def _log_density32(self) -> np.ndarray:
-        return self.model.log_density.astype(np.float32).ravel()
+    def _lookup(self, fanout: int) -> np.ndarray:
+        """w_frequency·log2 density as float32, one row of ROW age bins per class (the last bin
+        repeated); with fanout > 0, (at least) fanout + 1 such tables in a row, the n-th plus
+        w_fanout·log2(1 + n). Rebuilt only when the model refits, a weight changes or more fan-out
+        levels are needed."""
+        w = self.weights
+        key = (self.model.version, w["frequency"], w["fanout"])
+        have = len(self._lut) // (N_CLASS * ROW) - 1  # fan-out levels the current table holds
+        if self._lut_key != key or have < fanout:
+            # The plain table is the first block of the fused one: one table serves both.
+            fanout = max(fanout, have) if self._lut_key == key else fanout
+            src = self.model.log_density.astype(np.float32)
+            if w["frequency"] != 1.0:
+                src *= np.float32(w["frequency"])
+            lut = np.empty((fanout + 1, N_CLASS, ROW), dtype=np.float32)
+            lut[0, :, :N_AGE] = src
+            lut[0, :, N_AGE:] = src[:, N_AGE - 1: N_AGE]
+            if fanout:
+                fan = self._fanout_lut(fanout)[1: fanout + 1]
+                lut[1:] = lut[0][None] + fan[:, None, None]
+            self._lut, self._lut_key = lut.ravel(), key
+        return self._lut
 
     def scores(self, table, rows, now):
         self._ensure(table)
