@@ -262,14 +262,16 @@ def test_shared_memory_views_take_the_direct_path(arena, spy):
         shm.close()
 
 
-@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("readers,lanes", [(1, 1), (2, 3), (3, 1)])
 @pytest.mark.parametrize("max_direct", [None, 2 * ALIGN])
-def test_mixed_aligned_and_unaligned_batches(arena, spy, monkeypatch, max_direct, lanes):
+def test_mixed_aligned_and_unaligned_batches(arena, spy, monkeypatch, max_direct, readers, lanes):
     """Aligned and unaligned buffers in one unsorted batch; written one way, read back the other.
-    With three checksum lanes the pieces of a block split over runs are checksummed out of order."""
+    With several read and checksum lanes, the pieces of a block split over runs are read and
+    checksummed out of order."""
     if max_direct:
         monkeypatch.setattr(staging, "MAX_DIRECT_IO_BYTES", max_direct)  # split large blocks over runs
-    monkeypatch.setattr(nvme, "_crc_lanes", lambda ring: lanes)
+    monkeypatch.setattr(nvme, "READ_LANES", readers)
+    monkeypatch.setattr(nvme, "_crc_lanes", lambda ring, io_lanes: lanes)
     rng = np.random.default_rng(11)
     lengths = [ALIGN, 5000, 4 * ALIGN, STAGING + ALIGN, 3 * STAGING, 100_003, 2 * ALIGN, 7 * ALIGN]
     offsets, data = _blocks(rng, lengths, gap_pages=1)

@@ -85,6 +85,7 @@ def _block_crcs(chunk_pieces: list[list[tuple[int, int, int, int]]], nblocks: in
     return crcs
 
 
+READ_LANES = 2  # direct reads in flight at once
 CRC_PIECE_BYTES = 1 << 20  # a read's checksums are dealt out over the lanes in pieces this large
 
 
@@ -96,10 +97,10 @@ def _crc_pieces(pieces: list[tuple[int, int, int]]):
             yield i, a, min(e, a + CRC_PIECE_BYTES)
 
 
-def _crc_lanes(ring: StagingRing) -> int:
-    """Checksum lanes beside the one I/O lane: as many as spare cores and workers allow. zlib's
-    crc32 runs at 2-7 GB/s a core, no faster than a fast disk, so one lane can hold the I/O back."""
-    return max(1, min(ring.workers - 1, (os.cpu_count() or 2) - 1))
+def _crc_lanes(ring: StagingRing, io_lanes: int) -> int:
+    """Checksum lanes beside the I/O lanes: as many as spare cores and workers allow. zlib's crc32
+    runs at 2-7 GB/s a core, no faster than a fast disk, so one lane can hold the I/O back."""
+    return max(1, min(ring.workers - io_lanes, (os.cpu_count() or 2) - 1))
 
 
 class NvmeArena(StorageArena):
@@ -253,7 +254,7 @@ class NvmeArena(StorageArena):
             # Direct runs: a write needs no checksum first, so the checksums run beside the writes,
             # on the other cores (the runs dealt out over the checksum lanes), rather than in front
             # of or behind each write.
-            lanes = _crc_lanes(ring)
+            lanes = _crc_lanes(ring, 1)
             tasks = ([functools.partial(write_lane, runs)]
                      + [functools.partial(crc_lane, runs[j::lanes]) for j in range(lanes)]) if runs else []
             try:
@@ -290,13 +291,16 @@ class NvmeArena(StorageArena):
                 return crcs
 
             runs, chunks = self._plan(dsts, lens, offs, extents, want, bridge=READ_BRIDGE_BYTES)
-            # Direct runs: one lane reads them one at a time in file order (the pattern of a raw
-            # sequential read); the checksum lanes take each run as soon as it has landed.
+            # Direct runs: READ_LANES lanes read them (lane r takes runs r, r + READ_LANES, ... in
+            # file order), the checksum lanes take each run's pieces as soon as they have landed.
             landed: queue.SimpleQueue = queue.SimpleQueue()
+            readers = min(READ_LANES, len(runs))
+            finished = [0]  # read lanes done, counted by the checksum lanes under finished_lock
+            finished_lock = threading.Lock()
 
-            def read_lane() -> list:
+            def read_lane(mine: list[Run]) -> list:
                 try:
-                    for run in runs:
+                    for run in mine:
                         preadv_all(self._fd, [dsts[i][s:e] for i, s, e in run.pieces], run.offset)
                         for piece in _crc_pieces(run.pieces):
                             landed.put(piece)
@@ -306,14 +310,22 @@ class NvmeArena(StorageArena):
 
             def crc_lane() -> list[tuple[int, int, int, int]]:
                 out = []
-                while (piece := landed.get()) is not None:
+                while True:
+                    piece = landed.get()
+                    if piece is None:
+                        with finished_lock:
+                            finished[0] += 1
+                            last = finished[0] >= readers
+                        if last:
+                            landed.put(None)  # wakes the next checksum lane: every reader is done
+                            return out
+                        continue
                     i, s, e = piece
                     out.append((i, s, e - s, zlib.crc32(dsts[i][s:e])))
-                landed.put(None)  # for the next lane
-                return out
 
-            # The read lane is queued first, so it holds a worker before a checksum lane waits on it.
-            tasks = [read_lane] + [crc_lane] * _crc_lanes(ring) if runs else []
+            # The read lanes are queued first, so they hold workers before a checksum lane waits.
+            tasks = ([functools.partial(read_lane, runs[r::readers]) for r in range(readers)]
+                     + [crc_lane] * _crc_lanes(ring, readers)) if runs else []
             try:
                 pieces = ring.run(chunks, read_and_drain, tasks)
             except OSError as e:

@@ -8,9 +8,9 @@ A batch's blocks take one of two paths:
 - **staged**: any other block is cut into chunks that each fill one slot of a page-aligned ring
   buffer (anonymous mmap) — write: copy into the slot, checksum, pwrite; read: pread, checksum,
   copy out.
-The direct runs of a batch go through lanes on a small pool of worker threads: one does their I/O
-one at a time in file order (the pattern of raw sequential I/O), the others checksum them (a read's
-as each run lands); each staged chunk is one job on the same pool, so that while one worker
+The direct runs of a batch go through lanes on a small pool of worker threads: their I/O runs in
+file order on one lane for writes (the pattern of raw sequential I/O) and on nvme.READ_LANES lanes
+for reads; the other lanes checksum them (a read's as each run lands); each staged chunk is one job on the same pool, so that while one worker
 waits on the disk another checksums (and copies). `os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32`
 all release the GIL, so the workers run in parallel.
 
