@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 
 import pytest
@@ -13,6 +14,25 @@ from dflash2.tiers import Tier
 
 KIB = 1 << 10
 MIB = 1 << 20
+
+
+def _installed(binary: str) -> str:
+    """The binary's path; the test is skipped when it is not installed (.ci/run installs Debian's
+    `prometheus`, which brings both the server and promtool)."""
+    path = shutil.which(binary)
+    if path is None:
+        pytest.skip(f"{binary} is not installed (.ci/run installs Debian's `prometheus`)")
+    return path
+
+
+@pytest.fixture
+def promtool() -> str:
+    return _installed("promtool")
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    return _installed("prometheus")
 
 
 class FakeClock:

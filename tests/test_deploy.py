@@ -4,24 +4,14 @@ and container file are well formed and agree with the daemon (job name, port, co
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from dflash2.config import load_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-
-
-@pytest.fixture
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool is not installed (.ci/run installs Debian's `prometheus`)")
-    return path
 
 
 def _check(promtool: str, *args: str) -> str:

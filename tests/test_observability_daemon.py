@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -15,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from observe_helpers import RawClient, fill_then_reuse, free_port, running_daemon
 
 from dflash2 import cli
 from dflash2 import protocol as P
-from dflash2.history import decode, read_file, rates
+from dflash2.history import decode, rates, read_file
 from dflash2.history_cli import fetch
-from observe_helpers import RawClient, fill_then_reuse, free_port, running_daemon
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 pytestmark = pytest.mark.slow
@@ -137,14 +136,6 @@ class PromAPI:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting on {expr}: {result}")
             time.sleep(0.25)
-
-
-@pytest.fixture
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.skip("the prometheus server binary is not installed (.ci/run installs Debian's `prometheus`)")
-    return path
 
 
 @pytest.fixture

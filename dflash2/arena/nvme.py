@@ -295,37 +295,36 @@ class NvmeArena(StorageArena):
             # file order), the checksum lanes take each run's pieces as soon as they have landed.
             landed: queue.SimpleQueue = queue.SimpleQueue()
             readers = min(READ_LANES, len(runs))
-            finished = [0]  # read lanes done, counted by the checksum lanes under finished_lock
-            finished_lock = threading.Lock()
+            checkers = _crc_lanes(ring, readers)
+            readers_done = 0
+            done_lock = threading.Lock()
 
             def read_lane(mine: list[Run]) -> list:
+                nonlocal readers_done
                 try:
                     for run in mine:
                         preadv_all(self._fd, [dsts[i][s:e] for i, s, e in run.pieces], run.offset)
                         for piece in _crc_pieces(run.pieces):
                             landed.put(piece)
                 finally:
-                    landed.put(None)  # done, or failed: the checksum lanes must not wait forever
+                    with done_lock:
+                        readers_done += 1
+                        last = readers_done == readers
+                    if last:  # every reader is done, or failed: no checksum lane may wait forever
+                        for _ in range(checkers):
+                            landed.put(None)
                 return []
 
             def crc_lane() -> list[tuple[int, int, int, int]]:
                 out = []
-                while True:
-                    piece = landed.get()
-                    if piece is None:
-                        with finished_lock:
-                            finished[0] += 1
-                            last = finished[0] >= readers
-                        if last:
-                            landed.put(None)  # wakes the next checksum lane: every reader is done
-                            return out
-                        continue
+                while (piece := landed.get()) is not None:
                     i, s, e = piece
                     out.append((i, s, e - s, zlib.crc32(dsts[i][s:e])))
+                return out
 
             # The read lanes are queued first, so they hold workers before a checksum lane waits.
             tasks = ([functools.partial(read_lane, runs[r::readers]) for r in range(readers)]
-                     + [crc_lane] * _crc_lanes(ring, readers)) if runs else []
+                     + [crc_lane] * checkers) if runs else []
             try:
                 pieces = ring.run(chunks, read_and_drain, tasks)
             except OSError as e:

@@ -231,19 +231,11 @@ class StagingRing:
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
-        buf, offset = buf[n:], offset + n
+    pwritev_all(fd, [buf], offset)
 
 
 def pread_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n <= 0:
-            raise OSError(f"pread hit the end of the file at offset {offset}")
-        buf, offset = buf[n:], offset + n
+    preadv_all(fd, [buf], offset)
 
 
 def _advance(bufs: list, n: int) -> list:
@@ -258,19 +250,20 @@ def _advance(bufs: list, n: int) -> list:
     return rest
 
 
+def _vectored_all(op, fd: int, bufs: list, offset: int) -> None:
+    """Run os.pwritev / os.preadv until every byte of `bufs` moved (more calls if one is short)."""
+    while bufs:
+        n = op(fd, bufs, offset)
+        if n <= 0:  # a read past the end of the file, or a write the device refused
+            raise OSError(f"{op.__name__} moved {n} bytes at offset {offset}")
+        bufs, offset = _advance(bufs, n), offset + n
+
+
 def pwritev_all(fd: int, bufs: list, offset: int) -> None:
     """Write the 1-D byte buffers `bufs` back to back from `offset` (one pwritev, more if short)."""
-    while bufs:
-        n = os.pwritev(fd, bufs, offset)
-        if n <= 0:
-            raise OSError(f"pwritev wrote {n} bytes at offset {offset}")
-        bufs, offset = _advance(bufs, n), offset + n
+    _vectored_all(os.pwritev, fd, bufs, offset)
 
 
 def preadv_all(fd: int, bufs: list, offset: int) -> None:
     """Fill the 1-D byte buffers `bufs` back to back from `offset` (one preadv, more if short)."""
-    while bufs:
-        n = os.preadv(fd, bufs, offset)
-        if n <= 0:
-            raise OSError(f"preadv hit the end of the file at offset {offset}")
-        bufs, offset = _advance(bufs, n), offset + n
+    _vectored_all(os.preadv, fd, bufs, offset)
