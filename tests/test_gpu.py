@@ -308,32 +308,61 @@ def test_one_daemon_keeps_one_pool_per_gpu(tmp_path):
             c1.check()
 
 
-def test_large_blocks_take_the_copy_engines_bit_exact(cuda_config):
-    """Blocks of 512 KiB go through cuMemcpyBatchAsync (small ones through the kernel): both
-    directions, at once, bit for bit."""
+def _hold(stream, seconds: float) -> None:
+    """Queue a kernel that keeps `stream` busy for about `seconds`."""
+    import cupy as cp
+    spin = cp.RawKernel(r'''extern "C" __global__ void hold(long long cycles) {
+        const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }''', "hold")
+    khz = cp.cuda.Device().attributes["ClockRate"]
+    spin((1,), (1,), (np.int64(seconds * khz * 1000),), stream=stream)
+
+
+@pytest.mark.parametrize("layers, block_kib", [(8, 512), (1, 64)])
+def test_copy_engine_batches_both_ways_bit_exact(cuda_config, layers, block_kib):
+    """Both directions in flight together, bit for bit, on the mechanism `route` names: 512 KiB
+    blocks take the copy engines each way; 64 KiB blocks take them host to device always, device to
+    host only while the other direction is busy (the kernel when it is idle)."""
     import cupy as cp
     from dflash2.layout import Layout
     from dflash2.tiers import Tier
-    from dflash2.transfer.cuda import COPY_ENGINE_MIN_BLOCK
+    from dflash2.transfer.route import Mechanism
     mgr = _manager(cuda_config())
     try:
-        assert mgr.backend.engines.available
+        backend = mgr.backend
+        assert backend.engines.available
         a = mgr.attach("t")
-        big = mgr.register_layout(Layout("big", 8, 8, 128, "bf16", 16))
-        assert mgr.table.layout(big).block_bytes >= COPY_ENGINE_MIN_BLOCK
-        down = mgr.commit(a, mgr.allocate(a, big, 16))
-        data = {v: _fill(mgr.view(v), v % 977) for v in down.tolist()}
-        up = mgr.commit(a, mgr.allocate(a, big, 16))
-        data.update({v: _fill(mgr.view(v), v % 991) for v in up.tolist()})
-        assert mgr.mover.move(mgr.table.rows(up), Tier.DRAM).all()
-        # both directions in flight together
-        m1 = mgr.mover.prepare(mgr.table.rows(down), Tier.DRAM)
-        m2 = mgr.mover.prepare(mgr.table.rows(up), Tier.HBM)
-        assert mgr.mover.complete(m1).all() and mgr.mover.complete(m2).all()
-        for v in down.tolist():
+        lid = mgr.register_layout(Layout("blk", layers, 8, 128, "bf16", 16))
+        assert mgr.table.layout(lid).block_bytes == block_kib << 10
+        per = 4 if block_kib > 64 else 16
+        down = [mgr.commit(a, mgr.allocate(a, lid, per)) for _ in range(3)]
+        data = {v: _fill(mgr.view(v), v % 977) for d in down for v in d.tolist()}
+        up = [mgr.commit(a, mgr.allocate(a, lid, per)) for _ in range(3)]
+        data.update({v: _fill(mgr.view(v), v % 991) for u in up for v in u.tolist()})
+        for u in up:
+            assert mgr.mover.move(mgr.table.rows(u), Tier.DRAM).all()
+        backend.launches.clear()
+        # The other direction idle: 64 KiB device to host takes the kernel.
+        lone = mgr.commit(a, mgr.allocate(a, lid, per))
+        data.update({v: _fill(mgr.view(v), v % 983) for v in lone.tolist()})
+        assert mgr.mover.move(mgr.table.rows(lone), Tier.DRAM).all()
+        lone_mech = Mechanism.ENGINES if block_kib >= 128 else Mechanism.KERNEL
+        assert backend.launches == {(True, lone_mech): 1}, backend.launches
+        # The up batches queue behind a held stream, so every down batch finds them in flight.
+        backend.launches.clear()
+        with cp.cuda.Device(backend.device):
+            _hold(backend.h2d, 0.3)
+        moves = []
+        for d, u in zip(down, up):  # all in flight before any is waited for
+            moves.append(mgr.mover.prepare(mgr.table.rows(u), Tier.HBM))
+            moves.append(mgr.mover.prepare(mgr.table.rows(d), Tier.DRAM))
+        for m in moves:
+            assert mgr.mover.complete(m).all()
+        assert backend.launches == {(False, Mechanism.ENGINES): 3, (True, Mechanism.ENGINES): 3}, backend.launches
+        for v in np.concatenate(down + [lone]).tolist():
             assert mgr.place(v).tier == Tier.DRAM and bytes(mgr.view(v)) == data[v].tobytes()
-        for v in up.tolist():
-            assert mgr.place(v).tier == Tier.HBM and (cp.asnumpy(mgr.view(v)) == data[v]).all()
+        for u in up:
+            for v in u.tolist():
+                assert mgr.place(v).tier == Tier.HBM and (cp.asnumpy(mgr.view(v)) == data[v]).all()
         mgr.check_invariants()
     finally:
         mgr.close()

@@ -4,6 +4,7 @@ For each block size, batches of `--blocks` blocks at scattered offsets go HBM→
 (h2d) and both at once (bidir) through the CUDA transfer backend, the same path the mover uses. The
 mover starts every batch of a move before it waits for any, so the main figures keep `--inflight`
 batches in flight; `*_single_gbps` start one batch and wait for it (latency included).
+`*_via` count the batches each direction sent through the copy kernel and the copy engines.
 In the same run: one contiguous pinned copy of the same bytes each way and both ways at once on two
 streams (contig_*: the link's limit), and one cudaMemcpyAsync per block (per_block_copy_gbps).
 """
@@ -70,13 +71,20 @@ def run(args) -> list[dict]:
             def run_batches(*groups):
                 # Both directions at once: started alternately, as a mover swapping blocks out and
                 # in would (starting all of one direction first would idle the other while the
-                # CPU queues them: a copy-engine batch costs the driver ~0.4 ms a 1024 blocks).
+                # CPU queues them: a copy-engine batch costs the driver ~0.45 ms a 1024 blocks).
                 jobs = [backend.start(b) for pair in zip(*groups) for b in pair]
                 for job in jobs:
                     job.wait()
-            d2h = _time(lambda: run_batches(downs), args.repeat)
-            h2d = _time(lambda: run_batches(ups), args.repeat)
-            bidir = _time(lambda: run_batches(downs, ups), args.repeat)
+            via = {}
+
+            def timed(name, *groups):
+                backend.launches.clear()
+                seconds = _time(lambda: run_batches(*groups), args.repeat)
+                via[name + "_via"] = _mechanisms(backend.launches)
+                return seconds
+            d2h = timed("d2h", downs)
+            h2d = timed("h2d", ups)
+            bidir = timed("bidir", downs, ups)
             d2h_single = _time(lambda: run_batches(downs[:1]), args.repeat)
             h2d_single = _time(lambda: run_batches(ups[:1]), args.repeat)
             contig = _contiguous(cp, hbm, dram, total, args.repeat)
@@ -87,7 +95,7 @@ def run(args) -> list[dict]:
                    "bidir_gbps": _gbps(2 * moved, bidir),
                    "d2h_single_gbps": _gbps(total * args.repeat, d2h_single),
                    "h2d_single_gbps": _gbps(total * args.repeat, h2d_single), **contig,
-                   "per_block_copy_gbps": _gbps(total * args.repeat, per_block)}
+                   "per_block_copy_gbps": _gbps(total * args.repeat, per_block), **via}
             row["d2h_vs_contig"] = round(row["d2h_gbps"] / row["contig_d2h_gbps"], 3)
             row["h2d_vs_contig"] = round(row["h2d_gbps"] / row["contig_h2d_gbps"], 3)
             row["bidir_vs_contig"] = round(row["bidir_gbps"] / row["contig_bidir_gbps"], 3)
@@ -96,6 +104,14 @@ def run(args) -> list[dict]:
         backend.close()
         dram.close()
         hbm.close()
+    return out
+
+
+def _mechanisms(launches) -> dict:
+    """{"d2h"|"h2d": {"kernel"|"engines": batches}} from the backend's launch counts."""
+    out: dict = {}
+    for (to_host, mechanism), count in sorted(launches.items(), key=lambda kv: (not kv[0][0], kv[0][1].value)):
+        out.setdefault("d2h" if to_host else "h2d", {})[mechanism.value] = count
     return out
 
 

@@ -1,6 +1,6 @@
-"""The CUDA transfer backend: an HBM↔DRAM batch is one launch of the copy kernel (small blocks) or
-one batched copy-engine call (large blocks), on a stream per direction so both directions overlap,
-completion by events. Moves that touch NVMe go
+"""The CUDA transfer backend: an HBM↔DRAM batch is one launch of the copy kernel or one batched
+copy-engine submission (`dflash2.transfer.route` picks by block size, direction and whether the other
+direction is busy), on a stream per direction so both directions overlap, completion by events. Moves that touch NVMe go
 through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
 file in one batch; NVMe→HBM reads into it and scatters from it. DRAM↔NVMe is host I/O, done by the
 host backend.
@@ -11,8 +11,10 @@ Invariant: `start` only queues work; the source bytes stay untouched until the j
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -22,15 +24,11 @@ from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
 from dflash2.cuda.copy_engine import CopyEngineBatch
 from dflash2.cuda.kernels import CopyKernel
 from dflash2.tiers import Tier
+from dflash2.transfer import route
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
 from dflash2.transfer.host import HostTransferBackend
 
 log = logging.getLogger("dflash2.transfer.cuda")
-
-# Blocks at least this large go through the copy engines (cuMemcpyBatchAsync), smaller ones through
-# the copy kernel: measured on an H200, the engines match the kernel one way from 256 KiB and beat
-# it by far with both directions at once (98 vs 78 GB/s), but fall to 4-16 GB/s for 16 KiB blocks.
-COPY_ENGINE_MIN_BLOCK = 128 << 10
 
 
 class KernelJob(CopyJob):
@@ -85,6 +83,10 @@ class CudaTransferBackend(TransferBackend):
         with cp.cuda.Device(self.device):
             self.d2h = cp.cuda.Stream(non_blocking=True)
             self.h2d = cp.cuda.Stream(non_blocking=True)
+        # per direction (device to host?): the event of its last batch and when that batch started
+        self._last: dict[bool, tuple[object, float]] = {}
+        # batches started, by (device to host?, mechanism)
+        self.launches: collections.Counter = collections.Counter()
         self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
         self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
         self._staging_lock = threading.Lock()
@@ -104,17 +106,23 @@ class CudaTransferBackend(TransferBackend):
         src = self.hbm.ptr if to_host else self.dram.device_ptr
         dst = self.dram.device_ptr if to_host else self.hbm.ptr
         keep = ()
-        if self.engines.available and len(batch) and int(batch.nbytes.min()) >= COPY_ENGINE_MIN_BLOCK:
-            # Large blocks: the copy engines (both directions at once reach the link's duplex limit).
-            with cupy().cuda.Device(self.device):
-                keep = self.engines.launch(stream.ptr, dst, src, batch.dst_offsets, batch.src_offsets,
-                                           batch.nbytes)
-        else:
-            self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
         cp = cupy()
         with cp.cuda.Device(self.device):
+            now = time.monotonic()
+            other = self._last.get(not to_host)
+            busy = route.other_busy(other is not None and not other[0].done,
+                                    None if other is None else now - other[1])
+            mechanism = route.choose(int(batch.nbytes.min()) if len(batch) else 0, to_host, busy,
+                                     self.engines.available)
+            self.launches[(to_host, mechanism)] += 1
+            if mechanism is route.Mechanism.ENGINES:
+                keep = self.engines.launch(stream.ptr, dst, src, batch.dst_offsets, batch.src_offsets,
+                                           batch.nbytes)
+            else:
+                self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
             event = cp.cuda.Event(disable_timing=True)
             event.record(stream)
+        self._last[to_host] = (event, now)
         return KernelJob(batch, event, keep)
 
     # -- NVMe through the staging buffer -----------------------------------------------------

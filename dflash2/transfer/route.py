@@ -1,0 +1,56 @@
+"""Which GPU mechanism moves an HBM<->DRAM batch: the copy kernel (on the multiprocessors) or the
+copy engines (cuMemcpyBatchAsync). Policy only: no CUDA here, so it is tested on a CPU.
+
+Measured on an H200 (PCIe Gen5, batches of 1024 scattered blocks, `.exp`-style runs of four
+batches in flight; GB/s):
+
+| block  | kernel d2h | engines d2h | kernel h2d | engines h2d | kernels both ways | engines both ways |
+| 16 KiB | 49.8       | 27-32       | 48.4       | 4-11        | 66.5              | 8                 |
+| 64 KiB | 51.8       | 48.5        | 50.5       | 54.3        | 75.0              | 93.4              |
+
+So blocks under 64 KiB always take the kernel; from 64 KiB the engines take the host-to-device
+direction, the device-to-host direction from 128 KiB, and both directions whenever the other one
+has a batch in flight: multiprocessor loads and stores of host memory travel in small PCIe packets,
+so two kernels share the link's two directions poorly, while the engines fill both. A kernel one way
+with the engines the other way is worse still (55 GB/s at 64 KiB), but passes: once one direction
+runs on the engines, every later batch of the other finds it busy and takes them too. To keep a
+short lull from sending one batch back to the kernel (and into that mix), the other direction counts
+as busy for DUPLEX_HOLD_S after it last started a batch: a mover swapping both ways starts batches of
+both within milliseconds; one moving one way has not started the other for much longer.
+"""
+
+from __future__ import annotations
+
+import enum
+
+KIB = 1024
+
+KERNEL_MAX_BLOCK = 64 * KIB  # below this the engines lose in every case measured
+ENGINE_MIN_BLOCK_D2H = 128 * KIB  # the other direction idle, device to host
+ENGINE_MIN_BLOCK_H2D = 64 * KIB  # the other direction idle, host to device
+DUPLEX_HOLD_S = 0.005  # about four 1024-block batches of 64 KiB; the bench's lull between rounds is ~1 ms
+
+
+class Mechanism(enum.Enum):
+    KERNEL = "kernel"
+    ENGINES = "engines"
+
+
+def other_busy(in_flight: bool, seconds_since_start: float | None) -> bool:
+    """Whether the other direction counts as busy: a batch in flight, or one started within
+    DUPLEX_HOLD_S (None: it never started one)."""
+    return in_flight or (seconds_since_start is not None and seconds_since_start < DUPLEX_HOLD_S)
+
+
+def choose(smallest_block: int, to_host: bool, other_direction_busy: bool,
+           engines_available: bool = True) -> Mechanism:
+    """The mechanism for a batch whose smallest block is `smallest_block` bytes, going device to
+    host when `to_host`; `other_direction_busy`: the other direction has a batch in flight."""
+    if smallest_block < 0:
+        raise ValueError(f"smallest_block must be >= 0, got {smallest_block}")
+    if not engines_available or smallest_block < KERNEL_MAX_BLOCK:
+        return Mechanism.KERNEL
+    if other_direction_busy:
+        return Mechanism.ENGINES
+    threshold = ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D
+    return Mechanism.ENGINES if smallest_block >= threshold else Mechanism.KERNEL
