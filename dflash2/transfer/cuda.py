@@ -1,7 +1,7 @@
 """The CUDA transfer backend: an HBM↔DRAM batch is one launch of the copy kernel or one batched
-copy-engine submission (`dflash2.transfer.route` picks by block size, direction and whether the other
-direction is busy), on a stream per direction so both directions overlap, completion by events. Moves that touch NVMe go
-through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
+copy-engine submission (`dflash2.transfer.route` picks by block size, direction and whether the
+other direction is busy), on a stream per direction so both directions overlap, completion by
+events. Moves that touch NVMe go through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
 file in one batch; NVMe→HBM reads into it and scatters from it. DRAM↔NVMe is host I/O, done by the
 host backend.
 
@@ -114,12 +114,12 @@ class CudaTransferBackend(TransferBackend):
                                     None if other is None else now - other[1])
             mechanism = route.choose(int(batch.nbytes.min()) if len(batch) else 0, to_host, busy,
                                      self.engines.available)
-            self.launches[(to_host, mechanism)] += 1
             if mechanism is route.Mechanism.ENGINES:
                 keep = self.engines.launch(stream.ptr, dst, src, batch.dst_offsets, batch.src_offsets,
                                            batch.nbytes)
             else:
                 self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
+            self.launches[(to_host, mechanism)] += 1
             event = cp.cuda.Event(disable_timing=True)
             event.record(stream)
         self._last[to_host] = (event, now)

@@ -45,7 +45,7 @@ def other_busy(in_flight: bool, seconds_since_start: float | None) -> bool:
 def choose(smallest_block: int, to_host: bool, other_direction_busy: bool,
            engines_available: bool = True) -> Mechanism:
     """The mechanism for a batch whose smallest block is `smallest_block` bytes, going device to
-    host when `to_host`; `other_direction_busy`: the other direction has a batch in flight."""
+    host when `to_host`; `other_direction_busy`: what `other_busy` says of the other direction."""
     if smallest_block < 0:
         raise ValueError(f"smallest_block must be >= 0, got {smallest_block}")
     if not engines_available or smallest_block < KERNEL_MAX_BLOCK:
