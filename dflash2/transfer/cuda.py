@@ -1,9 +1,9 @@
 """The CUDA transfer backend: an HBM↔DRAM batch is one launch of the copy kernel or one batched
 copy-engine submission (`dflash2.transfer.route` picks by block size, direction and whether the
 other direction is busy), on a stream per direction so both directions overlap, completion by
-events. Moves that touch NVMe go through a pinned staging buffer: HBM→NVMe gathers into it with the kernel and then writes it to the
-file in one batch; NVMe→HBM reads into it and scatters from it. DRAM↔NVMe is host I/O, done by the
-host backend.
+events. Moves that touch NVMe go through a pinned staging buffer: HBM→NVMe gathers into it with
+the kernel and then writes it to the file in one batch; NVMe→HBM reads into it and scatters from it.
+DRAM↔NVMe is host I/O, done by the host backend.
 
 Invariant: `start` only queues work; the source bytes stay untouched until the job is waited for
 (the mover keeps the blocks MIGRATING, which nobody may free or write).
