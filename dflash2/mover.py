@@ -109,16 +109,26 @@ class Mover:
         lost, self.lost = self.lost, []
         return np.asarray(sorted(set(lost)), dtype=np.int64)
 
-    def move(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+    def move(self, rows: np.ndarray, dst: Tier,
+             before_batch: Callable[[np.ndarray], object] | None = None,
+             max_batch_bytes: int | None = None) -> np.ndarray:
         """Move rows to dst in batches, all in flight together. Batches follow the rows' order (a
         batch ends where the source tier changes), and the first batch that finds no room stops the
         rest: callers list ancestors first, so a partial move never puts a block above its prefix.
+        `before_batch(batch_rows)`, when given, runs before each batch is prepared, while the
+        earlier batches are in flight: a promotion makes room with it batch by batch, so that its
+        demotions (the other direction of the link) run while its earlier batches come up.
+        `max_batch_bytes` also ends a batch before its blocks pass that many bytes (a batch always
+        holds at least one block).
         Returns a mask of the rows now in dst; the others stay where they were."""
         rows = np.asarray(rows, dtype=np.int64)
         done = np.zeros(len(rows), dtype=bool)
         prepared: list[tuple[np.ndarray, PreparedMove]] = []
         try:
-            for part in self._batches(self.table.cols.tier[rows]):
+            sizes = None if max_batch_bytes is None else self._block_bytes(rows)
+            for part in self._batches(self.table.cols.tier[rows], sizes, max_batch_bytes):
+                if before_batch is not None:
+                    before_batch(rows[part])
                 move = self.prepare(rows[part], dst)
                 if move is None:
                     break
@@ -129,9 +139,20 @@ class Mover:
                 done[part] = self.complete(move)
         return done
 
-    def _batches(self, tiers: np.ndarray):
-        """Index runs of consecutive rows from one source tier, at most swap_batch_size long."""
+    def _block_bytes(self, rows: np.ndarray) -> np.ndarray:
+        per_layout = np.array([lay.block_bytes for lay in self.table.layouts], dtype=np.int64)
+        return per_layout[self.table.cols.layout[rows]]
+
+    def _batches(self, tiers: np.ndarray, sizes: np.ndarray | None = None, max_bytes: int | None = None):
+        """Index runs of consecutive rows from one source tier, at most swap_batch_size long and,
+        when given, at most max_bytes of `sizes` (but never empty)."""
         cuts = np.flatnonzero(np.diff(tiers)) + 1
         for run in np.split(np.arange(len(tiers)), cuts):
-            for start in range(0, len(run), self.swap_batch_size):
-                yield run[start: start + self.swap_batch_size]
+            start = 0
+            while start < len(run):
+                stop = min(len(run), start + self.swap_batch_size)
+                if max_bytes is not None:
+                    within = np.cumsum(sizes[run[start:stop]]) <= max_bytes
+                    stop = start + max(1, int(np.count_nonzero(within)))
+                yield run[start:stop]
+                start = stop

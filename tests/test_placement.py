@@ -237,3 +237,70 @@ def test_blocks_of_a_second_layout_get_room_among_scattered_holes(make_manager, 
     got = mgr.allocate(a, l16, 2)
     assert got is not None
     mgr.check_invariants()
+
+
+def test_a_promotion_demotes_while_its_earlier_batches_come_up(tmp_path, instance_name, clock):
+    """Promoting into a full HBM makes room batch by batch: the demotions that free room for one
+    batch start while the previous batch is still coming up (both directions of the link at once),
+    and every byte still lands where it belongs."""
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.manager import BlockManager
+    from dflash2.transfer.base import TransferBackend
+    from dflash2.transfer.host import HostTransferBackend
+    from conftest import specs
+
+    class Recording(TransferBackend):
+        """The real host backend, with a log of when each batch starts and is waited for."""
+
+        def __init__(self, inner):
+            self.inner, self.log = inner, []
+
+        def start(self, batch):
+            job = self.inner.start(batch)
+            name = f"{'up' if batch.dst_tier < batch.src_tier else 'down'}{len(self.log)}"
+            self.log.append(("start", name))
+            wait = job.wait
+
+            def logged_wait():
+                self.log.append(("wait", name))
+                return wait()
+            job.wait = logged_wait
+            return job
+
+        def close(self):
+            self.inner.close()
+
+    sp = specs(4, 16)
+    arenas = {Tier.HBM: SharedMemoryArena.create(f"{instance_name}-h", sp[0].capacity_bytes, Tier.HBM),
+              Tier.DRAM: SharedMemoryArena.create(f"{instance_name}-d", sp[1].capacity_bytes, Tier.DRAM, alignment=4096)}
+    backend = Recording(HostTransferBackend(arenas))
+    mgr = BlockManager(sp, arenas=arenas, backend=backend, clock=clock)
+    mgr.placement.PROMOTE_PIECE_BYTES = 2 * SMALL.block_bytes  # pieces of two blocks
+    try:
+        a = mgr.attach("a")
+        lid = mgr.register_layout(SMALL)
+        data = {}
+
+        def written(vids):
+            for v in vids:
+                view = mgr.view(v)
+                view[:] = np.random.default_rng(v).integers(0, 256, view.size, dtype=np.uint8)
+                data[v] = bytes(view)
+            return vids
+        chain = written(mgr.commit(a, mgr.allocate(a, lid, 4), keys=[11, 12, 13, 14]).tolist())
+        mgr.mover.move(mgr.table.rows(chain)[::-1], Tier.DRAM)  # the chain waits in DRAM
+        for k in range(1, 5):  # and HBM fills up
+            written(mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k]).tolist())
+        assert mgr.placement.free_bytes(Tier.HBM) < SMALL.block_bytes
+        backend.log.clear()
+        assert mgr.placement.promote(mgr.table.rows(chain), Tier.HBM).all()
+        log = backend.log
+        first_up = next(name for what, name in log if what == "start" and name.startswith("up"))
+        up_waited = log.index(("wait", first_up))
+        assert any(what == "start" and name.startswith("down") for what, name in log[log.index(("start", first_up)):up_waited]), log
+        assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 4
+        for v, b in data.items():
+            assert bytes(mgr.view(v)) == b, f"block {v} changed on its way"
+        mgr.check_invariants()
+    finally:
+        mgr.close()

@@ -119,3 +119,13 @@ def test_start_after_close_raises(arenas):
     b.close()
     with pytest.raises(ArenaError, match="closed"):
         b.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10]))
+
+
+def test_mover_batches_end_at_tier_changes_the_count_limit_and_the_byte_limit():
+    from dflash2.mover import Mover
+    m = Mover.__new__(Mover)  # _batches reads only swap_batch_size
+    m.swap_batch_size = 4
+    tiers = np.array([0, 0, 0, 0, 0, 0, 1, 1, 0])
+    assert [p.tolist() for p in m._batches(tiers)] == [[0, 1, 2, 3], [4, 5], [6, 7], [8]]
+    sizes = np.array([3, 3, 3, 10, 1, 1, 2, 2, 5])
+    assert [p.tolist() for p in m._batches(tiers, sizes, 6)] == [[0, 1], [2], [3], [4, 5], [6, 7], [8]]
