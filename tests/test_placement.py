@@ -239,10 +239,11 @@ def test_blocks_of_a_second_layout_get_room_among_scattered_holes(make_manager, 
     mgr.check_invariants()
 
 
-def test_a_promotion_demotes_while_its_earlier_batches_come_up(tmp_path, instance_name, clock):
-    """Promoting into a full HBM makes room batch by batch: the demotions that free room for one
-    batch start while the previous batch is still coming up (both directions of the link at once),
-    and every byte still lands where it belongs."""
+@pytest.mark.parametrize("pieces", [True, False])
+def test_a_promotion_demotes_while_its_earlier_pieces_come_up(tmp_path, instance_name, clock, pieces):
+    """Promoting large blocks into a full HBM makes room piece by piece: the demotions that free
+    room for one piece start while the previous piece is still coming up (both directions of the
+    link at once). Small blocks make all the room first. Every byte lands where it belongs."""
     from dflash2.arena.shm import SharedMemoryArena
     from dflash2.manager import BlockManager
     from dflash2.transfer.base import TransferBackend
@@ -276,6 +277,9 @@ def test_a_promotion_demotes_while_its_earlier_batches_come_up(tmp_path, instanc
     backend = Recording(HostTransferBackend(arenas))
     mgr = BlockManager(sp, arenas=arenas, backend=backend, clock=clock)
     mgr.placement.PROMOTE_PIECE_BYTES = 2 * SMALL.block_bytes  # pieces of two blocks
+    assert SMALL.block_bytes < mgr.placement.PROMOTE_PIECES_MIN_BLOCK
+    if pieces:
+        mgr.placement.PROMOTE_PIECES_MIN_BLOCK = SMALL.block_bytes
     try:
         a = mgr.attach("a")
         lid = mgr.register_layout(SMALL)
@@ -297,7 +301,9 @@ def test_a_promotion_demotes_while_its_earlier_batches_come_up(tmp_path, instanc
         log = backend.log
         first_up = next(name for what, name in log if what == "start" and name.startswith("up"))
         up_waited = log.index(("wait", first_up))
-        assert any(what == "start" and name.startswith("down") for what, name in log[log.index(("start", first_up)):up_waited]), log
+        downs_during_up = [name for what, name in log[log.index(("start", first_up)):up_waited]
+                           if what == "start" and name.startswith("down")]
+        assert bool(downs_during_up) == pieces, log
         assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 4
         for v, b in data.items():
             assert bytes(mgr.view(v)) == b, f"block {v} changed on its way"
