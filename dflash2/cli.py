@@ -17,7 +17,7 @@ import json
 import sys
 from collections.abc import Callable
 
-BENCHES = ("table", "nvme", "policy", "transfer", "control", "sglang")
+BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "sglang")
 EXIT_OK = 0
 EXIT_USAGE = 2
 

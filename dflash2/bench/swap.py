@@ -1,0 +1,115 @@
+"""`dflash2 bench swap`: a promotion into a full HBM, which must demote as many bytes as it brings up.
+
+For each block size, `--mb` MB of blocks wait in DRAM while HBM is full of other blocks; promoting
+them (placement.promote, the path of `acquire` and the prefetcher) demotes as many bytes to DRAM.
+Promotions alternate between two ways of making room, each timed `--repeat` times (median):
+`room_first_ms` makes all the room (the demotions) and then moves the blocks up; `pieces_ms` moves in
+pieces and makes room for each while the previous piece comes up (both directions of the link at
+once). `default` names the one placement uses for that block size, `swap_gbps_*` count the bytes
+moved both ways. Runs on the GPU (CUDA arenas and backend) where one is visible, else on the
+host-memory stand-ins (shared memory, copy threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+import uuid
+
+from dflash2.layout import Layout
+from dflash2.tiers import Tier
+
+KIB = 1024
+MB = 1 << 20
+LAYER_BYTES = 64 * KIB  # one layer of the bench layout: 8 KV heads x 128 x bf16 x 16 tokens, K and V
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes-kib", default="64,256,2048",
+                        help="block sizes in KiB, multiples of 64 (comma separated)")
+    parser.add_argument("--mb", type=int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
+    parser.add_argument("--repeat", type=int, default=3, help="promotions per way of making room (default 3)")
+    parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto")
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = []
+    for item in text.split(","):
+        kib = int(item)
+        if kib <= 0 or kib * KIB % LAYER_BYTES:
+            raise ValueError(f"--sizes-kib: {kib} is not a positive multiple of 64")
+        sizes.append(kib * KIB)
+    return sizes
+
+
+def run(args) -> list[dict]:
+    if args.mb <= 0 or args.repeat <= 0:
+        raise ValueError("--mb and --repeat must be positive")
+    return [_one(size, args) for size in _sizes(args.sizes_kib)]
+
+
+def _one(block_bytes: int, args) -> dict:
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+
+    per = max(1, args.mb * MB // block_bytes)  # blocks per promotion
+    hbm_mb = -(-2 * per * block_bytes // MB)
+    sets = 2 * args.repeat
+    dram_mb = -(-(sets + 2) * per * block_bytes // MB)
+    with tempfile.TemporaryDirectory(prefix="dflash2-bench-swap-") as tmp:
+        cfg = {"enable": True, "device": {"kind": args.device},
+               "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
+                          "page_kb": max(64, block_bytes // KIB)},
+               "kv_block": {"block_size": 16, "prefetch_window": 0},
+               "policy": {"name": "lru"},
+               "logging": {"format": "text", "level": "warning"}}
+        path = pathlib.Path(tmp) / "bench.json"
+        path.write_text(json.dumps(cfg))
+        mgr = build_manager(load_config(str(path)), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
+        try:
+            return _measure(mgr, block_bytes, per, sets)
+        finally:
+            mgr.close()
+
+
+def _measure(mgr, block_bytes: int, per: int, sets: int) -> dict:
+    lid = mgr.register_layout(Layout("bench", block_bytes // LAYER_BYTES, 8, 128, "bf16", 16))
+    if mgr.table.layout(lid).block_bytes != block_bytes:
+        raise RuntimeError(f"the bench layout has {mgr.table.layout(lid).block_bytes} bytes a block, not {block_bytes}")
+    client = mgr.attach("bench-swap")
+    placement = mgr.placement
+    default = "pieces" if block_bytes >= placement.PROMOTE_PIECES_MIN_BLOCK else "room_first"
+    waiting = []
+    for _ in range(sets):  # written in HBM, then moved down: they wait in DRAM
+        vids = mgr.commit(client, mgr.allocate(client, lid, per))
+        if not mgr.mover.move(mgr.table.rows(vids), Tier.DRAM).all():
+            raise RuntimeError("the DRAM tier could not take the bench's blocks")
+        waiting.append(vids)
+    hbm_blocks = placement.free_bytes(Tier.HBM, block_bytes) // block_bytes
+    mgr.commit(client, mgr.allocate(client, lid, hbm_blocks))  # HBM is full
+    times: dict[str, list[float]] = {"room_first": [], "pieces": []}
+    for i, vids in enumerate(waiting):
+        way = "pieces" if i % 2 else "room_first"
+        placement.PROMOTE_PIECES_MIN_BLOCK = 0 if way == "pieces" else 1 << 62
+        t = time.perf_counter()
+        ok = placement.promote(mgr.table.rows(vids), Tier.HBM)
+        times[way].append(time.perf_counter() - t)
+        if not ok.all():
+            raise RuntimeError(f"a promotion of {per} blocks found no room")
+    del placement.PROMOTE_PIECES_MIN_BLOCK  # back to the class's value
+    mgr.check_invariants()
+    moved = 2 * per * block_bytes
+    from dflash2.transfer.host import HostTransferBackend
+    row = {"device": "host" if isinstance(mgr.backend, HostTransferBackend) else "cuda",
+           "block_kib": block_bytes // KIB, "blocks": per, "mb_each_way": per * block_bytes // MB,
+           "default": default}
+    for way, seconds in times.items():
+        median = statistics.median(seconds)
+        row[f"{way}_ms"] = round(median * 1e3, 2)
+        row[f"swap_gbps_{way}"] = round(moved / median / 1e9, 2)
+    row["pieces_vs_room_first"] = round(row["room_first_ms"] / row["pieces_ms"], 3)
+    return row
