@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block sizes in KiB, multiples of 64 (comma separated)")
     parser.add_argument("--mb", type=int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
     parser.add_argument("--repeat", type=int, default=3, help="promotions per way of making room (default 3)")
-    parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
+                        help="auto: the GPU where one is visible, else the host stand-ins")
+    parser.add_argument("--gpu", type=int, default=0, help="which GPU (default 0)")
 
 
 def _sizes(text: str) -> list[int]:
@@ -56,12 +58,16 @@ def _one(block_bytes: int, args) -> dict:
     from dflash2.assemble import build_manager
     from dflash2.config import load_config
 
+    from dflash2.cuda import cuda_available
+
+    kind = args.device if args.device != "auto" else ("cuda" if cuda_available() else "host")
+    device = {"kind": kind} if kind == "host" else {"kind": kind, "gpu_ids": [args.gpu]}
     per = max(1, args.mb * MB // block_bytes)  # blocks per promotion
     hbm_mb = -(-2 * per * block_bytes // MB)
     sets = 2 * args.repeat
     dram_mb = -(-(sets + 2) * per * block_bytes // MB)
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-swap-") as tmp:
-        cfg = {"enable": True, "device": {"kind": args.device},
+        cfg = {"enable": True, "device": device,
                "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
                           "page_kb": max(64, block_bytes // KIB)},
                "kv_block": {"block_size": 16, "prefetch_window": 0},
