@@ -108,6 +108,29 @@ def test_frequency_admission_compares_newcomers_with_the_blocks_they_push_out():
     assert f.admit(cand, victims[:0]).all()
 
 
+def test_heat_refuses_rarely_used_blocks_only_at_the_last_tier():
+    """A full DRAM with an NVMe tier below admits a once-used block (what it pushes out moves down);
+    the full last tier refuses it when its coldest blocks were asked for more often."""
+    specs = [TierSpec(t, 2 * SLOT, SLOT, 256) for t in (Tier.HBM, Tier.DRAM, Tier.NVME)]
+    clock = Clock()
+    mgr = BlockManager(specs, policy="heat", clock=clock)
+    try:
+        lid = mgr.register_layout(LAYOUT)
+        c = mgr.attach("c")
+        pol = mgr.placement.policy
+        popular = [cache_chain(mgr, lid, c, [k])[0] for k in (1, 2, 3, 4)]
+        pol.sketch.add(np.array([1, 2, 3, 4] * 5, dtype=np.uint64))  # asked for often
+        mgr.mover.move(mgr.table.rows(popular[:2]), Tier.NVME)
+        mgr.mover.move(mgr.table.rows(popular[2:]), Tier.DRAM)  # DRAM and NVMe full
+        new = cache_chain(mgr, lid, c, [50])  # once-used, in HBM
+        rows = mgr.table.rows(new)
+        assert pol.admit(mgr.table, rows, Tier.DRAM, clock.now).tolist() == [True]
+        assert pol.admit(mgr.table, rows, Tier.NVME, clock.now).tolist() == [False]
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
 def test_victims_are_the_lowest_blocks_of_the_tier_not_the_lowest_leaves():
     # A cold chain of 3 and a hot single block; room for 3 more. Only two are leaves (the chain's
     # tail and the hot block): taking the 3 lowest *leaves* would take the hot one. The cold chain

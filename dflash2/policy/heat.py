@@ -19,8 +19,9 @@
 - Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
-  has room; in a full tier only when its key was referenced at least as often lately as the
-  tier's coldest blocks that it would push out (TinyLFU's rule).
+  has room; in the full last tier only when its key was referenced at least as often lately as the
+  tier's coldest blocks that it would push out (TinyLFU's rule); a tier with another below admits
+  every block (what it pushes out moves down, not out).
 
 Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`); accessed
 or written blocks are re-scored at once. Per-block state lives in numpy arrays that grow with the
@@ -152,13 +153,19 @@ class HeatPolicy(Policy):
         self.model.evicted(self._off[rows] // ROW, self.tick - self._last[rows])
 
     def admit(self, table, rows, tier, now):
-        """A demoted block gets a place in `tier` while the tier has room; in a full tier only when
-        its key was referenced at least as often lately as the coldest blocks it would push out
-        (TinyLFU's rule against the tier's lowest-scored published blocks)."""
+        """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
+        when its key was referenced at least as often lately as the coldest blocks it would push out
+        (TinyLFU's rule against the tier's lowest-scored published blocks). A tier with another
+        below it admits every block: what it pushes out moves down rather than out, and a block
+        refused there would be lost although the tier below could keep it (replayed on the Mooncake
+        synthetic and conversation traces, refusing at every tier cost 0.4-0.7 points of prefix
+        hit rate against refusing at the last one only)."""
         alloc = table.allocators[tier]
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
             return np.ones(0, dtype=bool)
+        if int(tier) != max(int(t) for t in table.allocators):
+            return np.ones(len(rows), dtype=bool)
         biggest = max(table.layouts[int(lid)].block_bytes for lid in np.unique(table.cols.layout[rows]))
         spare = alloc.blocks_free(biggest)
         if spare >= len(rows):
