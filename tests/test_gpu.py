@@ -186,6 +186,50 @@ def test_startup_fails_clearly_when_the_gpu_is_short(cuda_config):
     assert "needs" in out.stderr and "free" in out.stderr
 
 
+def test_neighbouring_blocks_move_as_one_copy_bit_exact():
+    """Runs of 16 KiB blocks side by side in both arenas go as one copy each: on the copy engines
+    once a run reaches 128 KiB; scattered 16 KiB blocks take the kernel. Both ways, byte for byte."""
+    import cupy as cp
+    from dflash2.cuda.arena import CudaArena, PinnedHostArena
+    from dflash2.tiers import Tier
+    from dflash2.transfer.base import CopyBatch
+    from dflash2.transfer.cuda import CudaTransferBackend
+    from dflash2.transfer.route import Mechanism
+    k, n = 16 << 10, 64
+    hbm = CudaArena.create(0, 4 * n * k)
+    dram = PinnedHostArena.create(f"dflash2-gpu-{uuid.uuid4().hex[:8]}", 4 * n * k, Tier.DRAM)
+    backend = CudaTransferBackend({Tier.HBM: hbm, Tier.DRAM: dram}, dram.region, staging_bytes=0)
+    try:
+        rng = np.random.default_rng(3)
+        data = rng.integers(0, 256, 4 * n * k, dtype=np.uint8)
+        hbm.view(0, 4 * n * k)[:] = cp.asarray(data)
+        cp.cuda.runtime.deviceSynchronize()
+        runs = np.concatenate([np.arange(16) + 16 * r for r in rng.permutation(2 * n // 16)[: n // 16]])
+        dst_runs = np.concatenate([np.arange(16) + 16 * r for r in rng.permutation(2 * n // 16)[: n // 16]])
+        scattered, dst_scattered = rng.permutation(2 * n)[:n] + 2 * n, rng.permutation(2 * n)[:n] + 2 * n
+        for src, dst, mech in ((runs, dst_runs, Mechanism.ENGINES), (scattered, dst_scattered, Mechanism.KERNEL)):
+            backend.launches.clear()
+            job = backend.start(CopyBatch(Tier.HBM, Tier.DRAM, src * k, dst * k, np.full(n, k)))
+            assert job.wait().all()
+            assert backend.launches == {(True, mech): 1}, backend.launches
+            got = dram.view(0, 4 * n * k)
+            for s_, d_ in zip(src.tolist(), dst.tolist()):
+                assert (got[d_ * k:(d_ + 1) * k] == data[s_ * k:(s_ + 1) * k]).all()
+        # and back up, from the runs just written, into fresh HBM places
+        up_dst = np.arange(n) + 2 * n
+        hbm.view(0, 4 * n * k)[2 * n * k:] = 0
+        backend.launches.clear()
+        job = backend.start(CopyBatch(Tier.DRAM, Tier.HBM, dst_runs * k, up_dst * k, np.full(n, k)))
+        assert job.wait().all() and backend.launches == {(False, Mechanism.ENGINES): 1}
+        back = cp.asnumpy(hbm.view(0, 4 * n * k))
+        for s_, d_ in zip(runs.tolist(), up_dst.tolist()):
+            assert (back[d_ * k:(d_ + 1) * k] == data[s_ * k:(s_ + 1) * k]).all()
+    finally:
+        backend.close()
+        dram.close()
+        hbm.close()
+
+
 def test_copy_kernel_handles_odd_sizes_and_many_chunks():
     import cupy as cp
     from dflash2.cuda.arena import CudaArena, PinnedBuffer
@@ -341,8 +385,9 @@ def test_copy_engine_batches_both_ways_bit_exact(cuda_config, layers, block_kib)
         for u in up:
             assert mgr.mover.move(mgr.table.rows(u), Tier.DRAM).all()
         backend.launches.clear()
-        # The other direction idle: 64 KiB device to host takes the kernel.
-        lone = mgr.commit(a, mgr.allocate(a, lid, per))
+        # The other direction idle: 64 KiB device to host takes the kernel (every other block of an
+        # allocation: no two are neighbours, which the backend would move as one larger copy).
+        lone = mgr.commit(a, mgr.allocate(a, lid, 2 * per))[::2]
         data.update({v: _fill(mgr.view(v), v % 983) for v in lone.tolist()})
         assert mgr.mover.move(mgr.table.rows(lone), Tier.DRAM).all()
         lone_mech = Mechanism.ENGINES if block_kib >= 128 else Mechanism.KERNEL

@@ -59,3 +59,25 @@ def test_the_other_direction_stays_busy_for_the_hold_after_its_last_start():
     assert not other_busy(False, None)  # never started a batch
     assert other_busy(False, 0.0) and other_busy(False, DUPLEX_HOLD_S / 2)
     assert not other_busy(False, DUPLEX_HOLD_S) and not other_busy(False, 1.0)
+
+
+def test_coalesce_merges_runs_contiguous_on_both_sides_only():
+    import numpy as np
+    from dflash2.transfer.route import coalesce
+    k = 16 * KIB
+    src = np.array([0, k, 2 * k, 10 * k, 11 * k, 20 * k, 30 * k])
+    dst = np.array([5 * k, 6 * k, 7 * k, 0, 9 * k, 1 * k, 2 * k])
+    nb = np.full(7, k)
+    s, d, n = coalesce(src, dst, nb)
+    # 0-2 contiguous both sides; 3-4 contiguous in src only; 5-6 in dst only
+    assert s.tolist() == [0, 10 * k, 11 * k, 20 * k, 30 * k]
+    assert d.tolist() == [5 * k, 0, 9 * k, 1 * k, 2 * k]
+    assert n.tolist() == [3 * k, k, k, k, k]
+    assert n.sum() == nb.sum()
+    # mixed sizes join when they abut; nothing to join leaves the arrays as they were
+    s, d, n = coalesce(np.array([0, 100]), np.array([50, 150]), np.array([100, 16]))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0], [50], [116])
+    s, d, n = coalesce(np.array([0]), np.array([0]), np.array([8]))
+    assert n.tolist() == [8]
+    s, d, n = coalesce(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    assert len(n) == 0

@@ -4,7 +4,8 @@ For each block size, batches of `--blocks` blocks at scattered offsets go HBM→
 (h2d) and both at once (bidir) through the CUDA transfer backend, the same path the mover uses. The
 mover starts every batch of a move before it waits for any, so the main figures keep `--inflight`
 batches in flight; `*_single_gbps` start one batch and wait for it (latency included).
-`*_via` count the batches each direction sent through the copy kernel and the copy engines.
+`--run-blocks R` places the blocks in runs of R neighbouring slots on both sides (the backend moves
+a run as one copy). `*_via` count the batches each direction sent through the copy kernel and the copy engines.
 In the same run: one contiguous pinned copy of the same bytes each way and both ways at once on two
 streams (contig_*: the link's limit), and one cudaMemcpyAsync per block (per_block_copy_gbps).
 """
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=10, help="timed batches per figure (default 10)")
     parser.add_argument("--inflight", type=int, default=4, help="batches in flight (default 4)")
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--run-blocks", type=int, default=1,
+                        help="blocks per run of neighbouring slots on both sides (default 1: every block scattered; "
+                             "a request's blocks are usually allocated side by side and move as one copy)")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -44,6 +48,8 @@ def _time(fn, repeat: int) -> float:
 
 
 def run(args) -> list[dict]:
+    if not 1 <= args.run_blocks <= args.blocks:
+        raise ValueError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
     from dflash2.cuda import cupy
     from dflash2.cuda.arena import CudaArena, PinnedHostArena
     from dflash2.transfer.cuda import CudaTransferBackend
@@ -60,8 +66,11 @@ def run(args) -> list[dict]:
     try:
         for size in sizes:
             slots = 2 * n * largest // size
+            run = args.run_blocks
+
             def scattered():
-                return (rng.permutation(slots)[:n] * size).astype(np.int64)
+                starts = rng.permutation(slots // run)[: -(-n // run)] * run
+                return ((starts[:, None] + np.arange(run)[None, :]).ravel()[:n] * size).astype(np.int64)
             nb = np.full(n, size, dtype=np.int64)
             k = args.inflight
             downs = [CopyBatch(Tier.HBM, Tier.DRAM, scattered(), scattered(), nb) for _ in range(k)]
@@ -90,7 +99,7 @@ def run(args) -> list[dict]:
             contig = _contiguous(cp, hbm, dram, total, args.repeat)
             per_block = _per_block(cp, hbm, dram, downs[0], args.repeat)
             moved = total * args.repeat * k
-            row = {"block_kib": size // KIB, "blocks": n, "inflight": k,
+            row = {"block_kib": size // KIB, "blocks": n, "run_blocks": run, "inflight": k,
                    "d2h_gbps": _gbps(moved, d2h), "h2d_gbps": _gbps(moved, h2d),
                    "bidir_gbps": _gbps(2 * moved, bidir),
                    "d2h_single_gbps": _gbps(total * args.repeat, d2h_single),

@@ -107,18 +107,19 @@ class CudaTransferBackend(TransferBackend):
         dst = self.dram.device_ptr if to_host else self.hbm.ptr
         keep = ()
         cp = cupy()
+        # blocks side by side in both arenas move as one copy
+        src_off, dst_off, nbytes = route.coalesce(batch.src_offsets, batch.dst_offsets, batch.nbytes)
         with cp.cuda.Device(self.device):
             now = time.monotonic()
             other = self._last.get(not to_host)
             busy = route.other_busy(other is not None and not other[0].done,
                                     None if other is None else now - other[1])
-            mechanism = route.choose(int(batch.nbytes.min()) if len(batch) else 0, to_host, busy,
+            mechanism = route.choose(int(nbytes.min()) if len(nbytes) else 0, to_host, busy,
                                      self.engines.available)
             if mechanism is route.Mechanism.ENGINES:
-                keep = self.engines.launch(stream.ptr, dst, src, batch.dst_offsets, batch.src_offsets,
-                                           batch.nbytes)
+                keep = self.engines.launch(stream.ptr, dst, src, dst_off, src_off, nbytes)
             else:
-                self.kernel.launch(stream, src, dst, batch.src_offsets, batch.dst_offsets, batch.nbytes)
+                self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
             self.launches[(to_host, mechanism)] += 1
             event = cp.cuda.Event(disable_timing=True)
             event.record(stream)

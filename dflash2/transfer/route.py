@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 KIB = 1024
 
 KERNEL_MAX_BLOCK = 64 * KIB  # below this the engines lose in every case measured
@@ -54,3 +56,19 @@ def choose(smallest_block: int, to_host: bool, other_direction_busy: bool,
         return Mechanism.ENGINES
     threshold = ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D
     return Mechanism.ENGINES if smallest_block >= threshold else Mechanism.KERNEL
+
+
+def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive blocks whose source and destination are both contiguous into one copy.
+    A request's blocks are usually allocated side by side and move together, so a batch of small
+    blocks often is a few long runs: one engine descriptor (or kernel entry) per run instead of per
+    block, and the mechanism is chosen on the runs' sizes. The order of the copies is kept."""
+    src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64) for a in (src_off, dst_off, nbytes))
+    if len(nbytes) < 2:
+        return src_off, dst_off, nbytes
+    joins = (src_off[1:] == src_off[:-1] + nbytes[:-1]) & (dst_off[1:] == dst_off[:-1] + nbytes[:-1])
+    if not joins.any():
+        return src_off, dst_off, nbytes
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return src_off[starts], dst_off[starts], np.add.reduceat(nbytes, starts)
