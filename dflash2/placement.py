@@ -228,8 +228,7 @@ class Placement:
             victims = np.concatenate([victims[admitted], refused[~np.isin(refused, drop)]])
         if not len(victims):
             return progress
-        need_below = int(self._slot_bytes(lower, victims).sum())
-        self.make_room(lower, need_below, protect=protect)
+        self._make_room_for_rows(lower, victims, protect)
         moved = self.mover.move(victims, lower)
         self._drop_lost()
         self.stats.demoted += int(moved.sum())
@@ -273,23 +272,45 @@ class Placement:
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
         if len(away):
-            sizes = self._slot_bytes(dst, away)
-            if int(sizes.min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
-                def room_for(part: np.ndarray) -> None:
-                    self.make_room(dst, int(self._slot_bytes(dst, part).sum()), protect=chain)
+            def room_for(part: np.ndarray) -> None:
+                self._make_room_for_rows(dst, part, chain)
+            if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
                 # Room is made piece by piece while the earlier pieces come up, so the demotions
                 # (device to host) overlap the promotions (host to device): both ways of the link.
                 # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
                 moved = self.mover.move(away, dst, before_batch=room_for, max_batch_bytes=self.PROMOTE_PIECE_BYTES)
             else:
-                self.make_room(dst, int(sizes.sum()), protect=chain)
+                room_for(away)
                 moved = self.mover.move(away, dst)
+                if not moved.all():
+                    # Blocks of several sizes: the room made for the whole may not have been
+                    # usable by every size once the first batches took their slots. Once more for
+                    # the rest, against the tier as it is now (not for blocks whose read failed:
+                    # they are dropped first).
+                    self._drop_lost()
+                    rest = np.flatnonzero(~moved)
+                    still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
+                    if len(still):
+                        room_for(away[still])
+                        moved[still] = self.mover.move(away[still], dst)
             self._drop_lost()
             self.stats.promoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, away[moved], self.table.clock())
         # A row freed on the way (its NVMe copy failed its checksum) has tier -1: not in dst.
         return (c.tier[rows] >= 0) & (c.tier[rows] <= int(dst))
+
+    def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray) -> None:
+        """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
+        blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
+        asking for its own slots plus those of the larger sizes (they may take the same pages)."""
+        c = self.table.cols
+        block = np.array([lay.block_bytes for lay in self.table.layouts], dtype=np.int64)[c.layout[rows]]
+        slot = self._slot_bytes(tier, rows)
+        need = 0
+        for size in sorted(set(block.tolist()), reverse=True):
+            need += int(slot[block == size].sum())
+            self.make_room(tier, need, protect=protect, block_bytes=size)
 
     def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         c = self.table.cols

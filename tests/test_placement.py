@@ -310,3 +310,58 @@ def test_a_promotion_demotes_while_its_earlier_pieces_come_up(tmp_path, instance
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("pieces", [True, False])
+def test_random_promotions_keep_every_byte(tmp_path, instance_name, clock, pieces):
+    """Three real tiers (shared memory and an NVMe file), HBM kept full, blocks of two sizes: random
+    groups of blocks go down and come back up together, in pieces of one block making room as they
+    go, or with all room made first. Room is always found (free slots of one size do not hold the
+    other), every block keeps its bytes and the table stays consistent after every step."""
+    from dflash2.arena.nvme import NvmeArena
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.manager import BlockManager
+    from dflash2.transfer.host import HostTransferBackend
+    from conftest import SMALL_FP8, specs
+    sp = specs(8, 12, 24)
+    arenas = {Tier.HBM: SharedMemoryArena.create(f"{instance_name}-h", sp[0].capacity_bytes, Tier.HBM),
+              Tier.DRAM: SharedMemoryArena.create(f"{instance_name}-d", sp[1].capacity_bytes, Tier.DRAM, alignment=4096),
+              Tier.NVME: NvmeArena.create(str(tmp_path / "nvme.cache"), sp[2].capacity_bytes, staging_bytes=64 * 1024)}
+    mgr = BlockManager(sp, arenas=arenas, backend=HostTransferBackend(arenas), clock=clock, swap_batch_size=3)
+    if pieces:
+        mgr.placement.PROMOTE_PIECES_MIN_BLOCK = 0
+        mgr.placement.PROMOTE_PIECE_BYTES = SMALL.block_bytes
+    rng = np.random.default_rng(11)
+    try:
+        a = mgr.attach("a")
+        lids = [mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)]
+        data, key = {}, 1
+        for _ in range(30):  # fill the tiers: HBM fills, older blocks go down
+            lid = lids[int(rng.integers(2))]
+            got = mgr.allocate(a, lid, 1)
+            if got is None:
+                size = mgr.table.layout(lid).block_bytes
+                assert mgr.placement.make_room(Tier.HBM, size, block_bytes=size)
+                got = mgr.allocate(a, lid, 1)
+            v = int(mgr.commit(a, got, keys=[key])[0])
+            key += 1
+            view = mgr.view(v)
+            view[:] = rng.integers(0, 256, view.size, dtype=np.uint8)
+            data[v] = bytes(view)
+        c = mgr.table.cols
+        pieces_seen = 0
+        for _ in range(60):
+            group = rng.choice(list(data), size=int(rng.integers(2, 6)), replace=False)
+            rows = mgr.table.rows(group.tolist())
+            below = Tier.NVME if rng.random() < 0.5 else Tier.DRAM
+            mgr.mover.move(rows[c.tier[rows] < int(below)], below)
+            up = rows[c.tier[rows] > int(Tier.HBM)]
+            pieces_seen += len(up) > 1
+            assert mgr.placement.promote(up, Tier.HBM).all(), "room could be made for every block"
+            mgr.check_invariants()
+            for v, b in data.items():  # the ones in memory tiers (the promoted ones among them)
+                if mgr.place(v).tier != Tier.NVME:
+                    assert bytes(mgr.view(v)) == b, f"block {v:#x} changed"
+        assert pieces_seen > 20  # the loop did promote several blocks at once
+    finally:
+        mgr.close()

@@ -1,6 +1,7 @@
 """Model-based test of the block manager with real host arenas (shared memory + an NVMe file).
 
-Random sequences of attach, reserve, allocate, write, commit, pin, promote, demote, free, tick and
+Random sequences of attach, reserve, allocate, write, commit, pin, promote (all room first or in
+pieces), demote, free, tick and
 client death; after every step: the table's invariants hold (no block lost or owned twice, tier
 usage adds up), no pinned block moved, and every block's bytes read back equal the bytes written.
 """
@@ -182,6 +183,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.mgr.placement.promote(row, to)
         else:
             self.mgr.mover.move(row, to)
+
+    @precondition(lambda self: self.expected)
+    @rule(picks=st.lists(st.integers(0, 50), min_size=2, max_size=6), below=st.sampled_from([Tier.DRAM, Tier.NVME]),
+          pieces=st.booleans())
+    def demote_then_promote_several(self, picks, below, pieces):
+        """Several blocks down, then up together: in pieces of one small block, making room for
+        each while the previous one comes up (the path of large blocks), or all room first (that of
+        small ones)."""
+        c = self.mgr.table.cols
+        live = self._live()
+        if not live:
+            return
+        rows = self.mgr.table.rows(sorted({live[i % len(live)] for i in picks}))
+        rows = rows[(c.pins[rows] == 0) & (c.state[rows] == 3)]
+        self.mgr.mover.move(rows[c.tier[rows] < int(below)], below)
+        rows = rows[(c.tier[rows] > int(Tier.HBM)) & (c.state[rows] == 3)]
+        if not len(rows):
+            return
+        placement = self.mgr.placement
+        placement.PROMOTE_PIECES_MIN_BLOCK = 0 if pieces else type(placement).PROMOTE_PIECES_MIN_BLOCK
+        placement.PROMOTE_PIECE_BYTES = SMALL.block_bytes
+        try:
+            placement.promote(rows, Tier.HBM)
+        finally:
+            del placement.PROMOTE_PIECES_MIN_BLOCK, placement.PROMOTE_PIECE_BYTES
 
     @rule(seconds=st.floats(0, 5))
     def tick(self, seconds):
