@@ -71,8 +71,7 @@ class Mover:
         dst_offsets = self.table.begin_move(rows, dst)
         if dst_offsets is None:
             return None
-        nbytes = np.array([self.table.layouts[lid].block_bytes for lid in cols.layout[rows].tolist()],
-                          dtype=np.int64)
+        nbytes = self.table.block_bytes(rows)
         job = None
         if self.backend is not None:
             batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
@@ -125,7 +124,7 @@ class Mover:
         done = np.zeros(len(rows), dtype=bool)
         prepared: list[tuple[np.ndarray, PreparedMove]] = []
         try:
-            sizes = None if max_batch_bytes is None else self._block_bytes(rows)
+            sizes = None if max_batch_bytes is None else self.table.block_bytes(rows)
             for part in self._batches(self.table.cols.tier[rows], sizes, max_batch_bytes):
                 if before_batch is not None:
                     before_batch(rows[part])
@@ -138,10 +137,6 @@ class Mover:
             for part, move in prepared:
                 done[part] = self.complete(move)
         return done
-
-    def _block_bytes(self, rows: np.ndarray) -> np.ndarray:
-        per_layout = np.array([lay.block_bytes for lay in self.table.layouts], dtype=np.int64)
-        return per_layout[self.table.cols.layout[rows]]
 
     def _batches(self, tiers: np.ndarray, sizes: np.ndarray | None = None, max_bytes: int | None = None):
         """Index runs of consecutive rows from one source tier, at most swap_batch_size long and,

@@ -48,9 +48,10 @@ class Placement:
     # while the previous piece moves.
     PROMOTE_PIECE_BYTES = 256 << 20
     # ... but only when its blocks are at least this large. Smaller blocks are bound by the CPU
-    # (~3 us of bookkeeping a block each way against 1.3 us of link time at 64 KiB): measured on an
-    # H200, a 1 GiB swap of 64 KiB blocks took 44 ms room first and 75 ms in pieces (more selection
-    # passes and engine submissions); of 256 KiB blocks 41 vs 37 ms; of 2 MiB blocks 41 vs 29 ms.
+    # (~3 us of bookkeeping a block each way against 1.3 us of link time at 64 KiB): `dflash2 bench
+    # swap` on an H200, 1 GiB each way, room first vs in pieces: 64 KiB blocks 48-63 vs 63-109 ms
+    # (more selection passes and engine submissions), 128 KiB 45 vs 46, 256 KiB 46 vs 45, 2 MiB
+    # 42 vs 30-31.
     PROMOTE_PIECES_MIN_BLOCK = 256 << 10
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
@@ -304,8 +305,7 @@ class Placement:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
         blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
         asking for its own slots plus those of the larger sizes (they may take the same pages)."""
-        c = self.table.cols
-        block = np.array([lay.block_bytes for lay in self.table.layouts], dtype=np.int64)[c.layout[rows]]
+        block = self.table.block_bytes(rows)
         slot = self._slot_bytes(tier, rows)
         need = 0
         for size in sorted(set(block.tolist()), reverse=True):

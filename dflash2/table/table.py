@@ -136,6 +136,11 @@ class BlockTable:
     def slot_bytes(self, layout_id: int, tier: Tier) -> int:
         return self.allocators[tier].slot_for(self.layout(layout_id).block_bytes)
 
+    def block_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """Bytes of each row's block (its layout's), int64."""
+        per_layout = np.array([lay.block_bytes for lay in self.layouts], dtype=np.int64)
+        return per_layout[self.cols.layout[rows]]
+
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
                  request: int = 0, priority: int = 0, stage: int = 0,
