@@ -20,7 +20,7 @@ import numpy as np
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.table import BlockState, BlockTable
-from dflash2.table.columns import NO_CLIENT
+from dflash2.table.columns import NO_CLIENT, NO_ROW
 from dflash2.tiers import Tier
 
 
@@ -41,7 +41,7 @@ class PlacementStats:
 
 class Placement:
     # Selection rounds per call: each round can free the parents of the previous round's victims.
-    MAX_ROUNDS = 4096  # a round may free one level of a chain only (see select)
+    MAX_ROUNDS = 4096  # an eviction round frees one level of a chain only (see select)
     # A promotion into a full tier moves in pieces of at most this many bytes, making room for each
     # while the previous one comes up: only the first piece's demotions run alone. 256 MiB is ~5 ms
     # of PCIe Gen5 one way, longer than a selection pass over a million blocks (~2 ms), which runs
@@ -127,8 +127,9 @@ class Placement:
         Prefix order lets only leaves leave, but the victims must be the lowest-scored blocks of the
         tier, not the lowest-scored leaves (that would push out a hot leaf while a cold chain waits
         above its own cold leaf). So the cut is the k-th lowest score among every row that could
-        leave once its descendants have, and only the leaves at or below it are taken now; the
-        caller's next round (make_room) takes their parents."""
+        leave once its descendants have. A demotion takes every row at or below it whose descendants
+        in this tier and faster ones all are too (`_subtrees`: leaves first); an eviction takes
+        only the leaves at or below it, and the caller's next round (make_room) their parents."""
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
                              idle_only=idle_only)
         n_reach = int(np.count_nonzero(reach))
@@ -152,19 +153,51 @@ class Placement:
             cut = keyed[k - 1]
         else:
             cut = np.inf
-        leaves = reach & self._childless(tier, evict)
-        leaves &= scores <= cut
-        part = np.flatnonzero(leaves)
-        if not len(part):
+        below = reach & (scores <= cut)
+        if evict:
+            # Eviction takes one level per round (the table drops a block only once it has no
+            # cached child): no copies, so rounds cost only selection passes.
+            levels = [np.flatnonzero(below & self._childless(tier, evict))]
+        else:
+            levels = self._subtrees(tier, below)
+        if not sum(len(level) for level in levels):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
-            part = np.flatnonzero(reach & self._childless(tier, evict))
-            if not len(part):
+            levels = [np.flatnonzero(reach & self._childless(tier, evict))]
+            if not len(levels[0]):
                 return np.empty(0, dtype=np.int64)
+        # Leaves first, each level lowest score first; cut once the bytes are reached.
+        part = np.concatenate([level[np.argsort(scores[level], kind="stable")] for level in levels])
         slot = sizes[self.table.cols.layout[part]]
-        order = np.argsort(scores[part], kind="stable")
-        taken = int(np.searchsorted(np.cumsum(slot[order]), need_bytes)) + 1
-        return part[order[:taken]].astype(np.int64)
+        taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
+        return part[:taken].astype(np.int64)
+
+    def _subtrees(self, tier: Tier, below: np.ndarray) -> list[np.ndarray]:
+        """The rows of `below` (a mask of movable rows of `tier` at or under the cut) that can leave
+        `tier` together with their descendants: a row qualifies once every child it has in `tier`
+        or a faster one qualifies. Returned level by level, leaves first (the order a demotion
+        moves them in, so that a move cut short leaves no parent below its child). One demotion
+        then takes a cold chain whole, in one move of many blocks, instead of one level per round
+        (a round per level made the demotions of a prefix-tree workload batches of one or two
+        blocks: `bench policy` with tiers, median batch 1)."""
+        c = self.table.cols
+        remaining = c.kids[0].astype(np.int32)
+        for t in range(1, int(tier) + 1):
+            remaining += c.kids[t]
+        rows = np.flatnonzero(below)
+        levels = []
+        front = rows[remaining[rows] == 0]
+        while len(front):
+            levels.append(front)
+            up = c.parent[front]
+            up = up[up != NO_ROW]
+            up = up[below[up]]
+            if not len(up):
+                break
+            np.subtract.at(remaining, up, 1)
+            up = np.unique(up)
+            front = up[remaining[up] == 0]
+        return levels
 
     def _scratch(self, n: int, dtype) -> np.ndarray:
         """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
@@ -222,11 +255,17 @@ class Placement:
         refused = victims[~admitted]
         progress = False
         if len(refused):
-            # Not worth a place below: drop them if nobody holds them, else demote anyway.
-            drop = refused[self.table.evictable(refused)]
-            self.stats.not_admitted += len(drop)
-            progress |= self._evict(drop)
-            victims = np.concatenate([victims[admitted], refused[~np.isin(refused, drop)]])
+            # Not worth a place below: drop them if nobody holds them, else demote anyway. Leaves
+            # first: a refused parent can go once its refused children have.
+            kept = refused
+            while len(kept):
+                drop = kept[self.table.evictable(kept)]
+                if not len(drop):
+                    break
+                self.stats.not_admitted += len(drop)
+                progress |= self._evict(drop)
+                kept = kept[~np.isin(kept, drop)]
+            victims = victims[admitted | np.isin(victims, kept)]  # in their order: leaves first
         if not len(victims):
             return progress
         self._make_room_for_rows(lower, victims, protect)

@@ -34,3 +34,15 @@ def test_swap_bench_reports_both_ways_of_making_room():
 def test_swap_bench_rejects_block_sizes_it_cannot_lay_out(sizes):
     with pytest.raises(ValueError, match="--sizes-kib"):
         swap.run(_args(sizes_kib=sizes))
+
+
+def test_swap_bench_with_cached_chains_demotes_them_whole():
+    """--chain L: HBM is full of cached prefix chains; the promotions' demotions take them whole."""
+    rows = swap.run(_args(sizes_kib="64", chain=16))
+    assert rows[0]["chain"] == 16 and rows[0]["room_first_ms"] > 0 and rows[0]["pieces_ms"] > 0
+
+
+@pytest.mark.parametrize("field", ["chain", "mb", "repeat"])
+def test_swap_bench_rejects_non_positive_counts(field):
+    with pytest.raises(ValueError, match=f"--{field}"):
+        swap.run(_args(**{field: 0}))

@@ -75,6 +75,36 @@ def test_descendants_leave_a_tier_before_their_ancestors(make_manager, clock):
     mgr.check_invariants()
 
 
+def test_a_cold_chain_is_demoted_whole_in_one_batch(make_manager, clock):
+    """A demotion takes a cold chain with its descendants in one move (one batch), leaves first,
+    not one level per round: per-level rounds made the demotions of prefix-tree workloads batches
+    of one or two blocks, each a copy launch of its own."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=32)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    cold = fill(mgr, a, lid, [1, 2, 3, 4, 5, 6, 7, 8])
+    clock.advance(10)
+    # a second chain whose root is cold but whose leaf is hot: the leaf holds its ancestors up
+    held = fill(mgr, a, lid, [11, 12, 13])
+    clock.advance(10)
+    warm = fill(mgr, a, lid, [21, 22, 23, 24])
+    mgr.table.touch(mgr.table.rows(held[[2]]))
+    order = []
+    move = mgr.mover.move
+
+    def recording(rows, dst, **kw):
+        order.append([int(v) for v in mgr.table.vids(np.asarray(rows))])
+        return move(rows, dst, **kw)
+    mgr.mover.move = recording
+    mgr.placement.make_room(Tier.HBM, mgr.placement.free_bytes(Tier.HBM) + 8 * 16384)
+    assert [tier_of(mgr, v) for v in cold] == [Tier.DRAM] * 8
+    assert [tier_of(mgr, v) for v in held] == [Tier.HBM] * 3, "the hot leaf keeps its chain up"
+    assert [tier_of(mgr, v) for v in warm] == [Tier.HBM] * 4
+    assert order == [[int(v) for v in cold[::-1]]], "one move, leaves first"
+    assert mgr.mover.stats[(Tier.HBM, Tier.DRAM)].batches == 1
+    mgr.check_invariants()
+
+
 def test_eviction_on_the_last_tier_drops_leaves_first(make_manager, clock):
     mgr = make_manager(hbm_blocks=4)
     a = mgr.attach("a")

@@ -6,7 +6,8 @@ Promotions alternate between two ways of making room, each timed `--repeat` time
 `room_first_ms` makes all the room (the demotions) and then moves the blocks up; `pieces_ms` moves in
 pieces and makes room for each while the previous piece comes up (both directions of the link at
 once). `default` names the one placement uses for that block size, `swap_gbps_*` count the bytes
-moved both ways. Runs on the GPU (CUDA arenas and backend) where one is visible, else on the
+moved both ways. With `--chain L` the blocks that fill HBM are cached prefix chains of L blocks (as
+served requests leave them) instead of loose blocks: making room then demotes whole chains. Runs on the GPU (CUDA arenas and backend) where one is visible, else on the
 host-memory stand-ins (shared memory, copy threads).
 """
 
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
                         help="auto: the GPU where one is visible, else the host stand-ins")
     parser.add_argument("--gpu", type=int, default=0, help="which GPU (default 0)")
+    parser.add_argument("--chain", type=int, default=1,
+                        help="blocks per cached prefix chain filling HBM (default 1: loose blocks a client holds)")
 
 
 def _sizes(text: str) -> list[int]:
@@ -49,8 +52,8 @@ def _sizes(text: str) -> list[int]:
 
 
 def run(args) -> list[dict]:
-    if args.mb <= 0 or args.repeat <= 0:
-        raise ValueError("--mb and --repeat must be positive")
+    if args.mb <= 0 or args.repeat <= 0 or args.chain <= 0:
+        raise ValueError("--mb, --repeat and --chain must be positive")
     return [_one(size, args) for size in _sizes(args.sizes_kib)]
 
 
@@ -77,12 +80,12 @@ def _one(block_bytes: int, args) -> dict:
         path.write_text(json.dumps(cfg))
         mgr = build_manager(load_config(str(path)), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
         try:
-            return _measure(mgr, block_bytes, per, sets)
+            return _measure(mgr, block_bytes, per, sets, args.chain)
         finally:
             mgr.close()
 
 
-def _measure(mgr, block_bytes: int, per: int, sets: int) -> dict:
+def _measure(mgr, block_bytes: int, per: int, sets: int, chain: int = 1) -> dict:
     lid = mgr.register_layout(Layout("bench", block_bytes // LAYER_BYTES, 8, 128, "bf16", 16))
     if mgr.table.layout(lid).block_bytes != block_bytes:
         raise RuntimeError(f"the bench layout has {mgr.table.layout(lid).block_bytes} bytes a block, not {block_bytes}")
@@ -96,7 +99,14 @@ def _measure(mgr, block_bytes: int, per: int, sets: int) -> dict:
             raise RuntimeError("the DRAM tier could not take the bench's blocks")
         waiting.append(vids)
     hbm_blocks = placement.free_bytes(Tier.HBM, block_bytes) // block_bytes
-    mgr.commit(client, mgr.allocate(client, lid, hbm_blocks))  # HBM is full
+    filler = mgr.allocate(client, lid, hbm_blocks)  # HBM is full
+    if chain == 1:
+        mgr.commit(client, filler)
+    else:
+        for start in range(0, hbm_blocks, chain):  # published chains, held by nobody: cached
+            part = filler[start:start + chain]
+            mgr.commit(client, part, keys=range(start + 1, start + 1 + len(part)))
+        mgr.free(client, filler)
     times: dict[str, list[float]] = {"room_first": [], "pieces": []}
     for i, vids in enumerate(waiting):
         way = "pieces" if i % 2 else "room_first"
@@ -112,7 +122,7 @@ def _measure(mgr, block_bytes: int, per: int, sets: int) -> dict:
     from dflash2.transfer.host import HostTransferBackend
     row = {"device": "host" if isinstance(mgr.backend, HostTransferBackend) else "cuda",
            "block_kib": block_bytes // KIB, "blocks": per, "mb_each_way": per * block_bytes // MB,
-           "default": default}
+           "default": default, "chain": chain}
     for way, seconds in times.items():
         median = statistics.median(seconds)
         row[f"{way}_ms"] = round(median * 1e3, 2)
