@@ -44,6 +44,18 @@ def test_fields_exist_and_are_consistent_with_lower_tiers():
         assert 0 <= r["hbm_prefix_hit_rate"] <= r["prefix_hit_rate"] <= 1
         assert r["demotions"] > 0 and r["promotions"] > 0
         assert r["prefetch_useful"] >= 0 and r["prefetch_wasted"] >= 0
+        down = sum(v["blocks"] for k, v in r["move_batches"].items() if k in ("hbm->dram", "dram->nvme"))
+        up = sum(v["blocks"] for k, v in r["move_batches"].items() if k in ("dram->hbm", "nvme->hbm", "nvme->dram"))
+        assert (down, up) == (r["demotions"], r["promotions"])
+
+
+def test_a_cold_request_leaves_hbm_in_one_batch():
+    """Requests of 8 blocks through 16 HBM blocks over DRAM: each write demotes a whole cold
+    request (8 blocks) in one batch, not one level of its chain per batch."""
+    trace = [Request(float(i), tuple(range(100 * i + 1, 100 * i + 9))) for i in range(10)]
+    r = replay(trace, "lru", hbm_blocks=16, dram_blocks=128, prefetch_window=0)
+    down = r["move_batches"]["hbm->dram"]
+    assert down["blocks"] == 64 and down["batches"] == 8
 
 
 def test_cli_prints_one_json_line_per_policy(tmp_path, capsys):

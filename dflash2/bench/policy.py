@@ -154,6 +154,10 @@ def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, 
         "demotions": s.demoted,
         "evictions": s.evicted,
         "not_admitted": s.not_admitted,
+        # batches the moves took (each one copy launch on a GPU): many blocks per batch keep the
+        # link busy, one or two per batch pay a launch and a wait for each
+        "move_batches": {f"{a.label}->{b.label}": {"batches": st.batches, "blocks": st.blocks}
+                         for (a, b), st in sorted(mgr.mover.stats.items()) if st.batches},
         "prefetch_useful": prefetch.useful,
         "prefetch_wasted": prefetch.wasted,
         "uncached_blocks": tally.uncached,
