@@ -41,7 +41,7 @@ class PlacementStats:
 
 class Placement:
     # Selection rounds per call: each round can free the parents of the previous round's victims.
-    MAX_ROUNDS = 4096  # an eviction round frees one level of a chain only (see select)
+    MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
     # A promotion into a full tier moves in pieces of at most this many bytes, making room for each
     # while the previous one comes up: only the first piece's demotions run alone. 256 MiB is ~5 ms
     # of PCIe Gen5 one way, longer than a selection pass over a million blocks (~2 ms), which runs
@@ -127,9 +127,9 @@ class Placement:
         Prefix order lets only leaves leave, but the victims must be the lowest-scored blocks of the
         tier, not the lowest-scored leaves (that would push out a hot leaf while a cold chain waits
         above its own cold leaf). So the cut is the k-th lowest score among every row that could
-        leave once its descendants have. A demotion takes every row at or below it whose descendants
-        in this tier and faster ones all are too (`_subtrees`: leaves first); an eviction takes
-        only the leaves at or below it, and the caller's next round (make_room) their parents."""
+        leave once its descendants have, and the rows at or below it whose descendants that hold them
+        back are at or below it too are taken (`_subtrees`: leaves first). What lies under the cut
+        but is held back by a hotter descendant waits for the caller's next round (make_room)."""
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
                              idle_only=idle_only)
         n_reach = int(np.count_nonzero(reach))
@@ -153,13 +153,7 @@ class Placement:
             cut = keyed[k - 1]
         else:
             cut = np.inf
-        below = reach & (scores <= cut)
-        if evict:
-            # Eviction takes one level per round (the table drops a block only once it has no
-            # cached child): no copies, so rounds cost only selection passes.
-            levels = [np.flatnonzero(below & self._childless(tier, evict))]
-        else:
-            levels = self._subtrees(tier, below)
+        levels = self._subtrees(tier, below=reach & (scores <= cut), evict=evict)
         if not sum(len(level) for level in levels):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
@@ -172,18 +166,22 @@ class Placement:
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
 
-    def _subtrees(self, tier: Tier, below: np.ndarray) -> list[np.ndarray]:
-        """The rows of `below` (a mask of movable rows of `tier` at or under the cut) that can leave
-        `tier` together with their descendants: a row qualifies once every child it has in `tier`
-        or a faster one qualifies. Returned level by level, leaves first (the order a demotion
-        moves them in, so that a move cut short leaves no parent below its child). One demotion
-        then takes a cold chain whole, in one move of many blocks, instead of one level per round
-        (a round per level made the demotions of a prefix-tree workload batches of one or two
-        blocks: `bench policy` with tiers, median batch 1)."""
+    def _subtrees(self, tier: Tier, below: np.ndarray, evict: bool) -> list[np.ndarray]:
+        """The rows of `below` (a mask of rows of `tier` that may leave, at or under the cut) that
+        can leave together with their descendants: a row qualifies once every child that holds it
+        back qualifies (for a demotion its children in `tier` or a faster one, for an eviction every
+        cached child). Returned level by level, leaves first: the order a demotion moves them in (a
+        move cut short leaves no parent below its child) and an eviction drops them in. So a cold
+        chain leaves whole, in one move of many blocks, instead of one level per round: a round per
+        level made the demotions of a prefix-tree workload batches of one or two blocks (`bench
+        policy` with tiers, median 1), and cost a selection pass per level."""
         c = self.table.cols
-        remaining = c.kids[0].astype(np.int32)
-        for t in range(1, int(tier) + 1):
-            remaining += c.kids[t]
+        if evict:
+            remaining = c.nkids.copy()
+        else:
+            remaining = c.kids[0].astype(np.int32)
+            for t in range(1, int(tier) + 1):
+                remaining += c.kids[t]
         rows = np.flatnonzero(below)
         levels = []
         front = rows[remaining[rows] == 0]
@@ -284,10 +282,17 @@ class Placement:
         self.table.drop_lost(lost)
 
     def _evict(self, rows: np.ndarray) -> bool:
+        """Drop these cached blocks; a parent among them goes once its children among them have
+        (the table drops only blocks without a cached child)."""
         if not len(rows):
             return False
         self.policy.on_remove(self.table, rows)
-        self.table.evict(rows)
+        left = rows
+        while len(left):
+            ready = self.table.evictable(left)
+            # None ready: evict raises, naming a block that cannot go.
+            self.table.evict(left[ready] if ready.any() else left)
+            left = left[~ready]
         self.stats.evicted += len(rows)
         return True
 
