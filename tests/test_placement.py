@@ -105,6 +105,28 @@ def test_a_cold_chain_is_demoted_whole_in_one_batch(make_manager, clock):
     mgr.check_invariants()
 
 
+def test_a_cold_chain_is_evicted_whole_in_one_selection(make_manager, clock):
+    """On the last tier a cold chain goes in one selection pass (dropped leaves first), not one
+    pass per level: each pass scans the whole table."""
+    mgr = make_manager(hbm_blocks=12)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    cold = fill(mgr, a, lid, [1, 2, 3, 4, 5, 6, 7, 8])
+    clock.advance(10)
+    warm = fill(mgr, a, lid, [11, 12, 13, 14])
+    passes = []
+    select = mgr.placement.select
+
+    def counting(*args, **kw):
+        passes.append(1)
+        return select(*args, **kw)
+    mgr.placement.select = counting
+    assert mgr.placement.make_room(Tier.HBM, 8 * 16384)
+    assert mgr.lookup([1], lid) == [] and len(mgr.lookup([11, 12, 13, 14], lid)) == 4
+    assert mgr.placement.stats.evicted == 8 and len(passes) == 1
+    mgr.check_invariants()
+
+
 def test_eviction_on_the_last_tier_drops_leaves_first(make_manager, clock):
     mgr = make_manager(hbm_blocks=4)
     a = mgr.attach("a")
