@@ -173,8 +173,9 @@ class Placement:
         cached child). Returned level by level, leaves first: the order a demotion moves them in (a
         move cut short leaves no parent below its child) and an eviction drops them in. So a cold
         chain leaves whole, in one move of many blocks, instead of one level per round: a round per
-        level made the demotions of a prefix-tree workload batches of one or two blocks (`bench
-        policy` with tiers, median 1), and cost a selection pass per level."""
+        level made the demotions of a prefix-tree workload batches of one or two blocks (the tiered
+        replays of `bench policy`: 2.5 blocks a batch, median 1; now 25-73, its `move_batches`), and
+        cost a selection pass per level."""
         c = self.table.cols
         if evict:
             remaining = c.nkids.copy()
