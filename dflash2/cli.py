@@ -49,7 +49,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     parser.add_argument("--json", action="store_true", help="print each result as one JSON line")
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.bench_args)
-    result = module.run(bench_args)
+    try:
+        result = module.run(bench_args)
+    except ValueError as exc:  # a bad option value, named by the benchmark
+        parser.error(str(exc))
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):
         if bench_args.json:

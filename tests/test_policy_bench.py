@@ -1,6 +1,7 @@
 """`dflash2 bench policy`: the replay, Belady's optimum and the output fields."""
 
 import json
+import re
 
 import pytest
 
@@ -67,3 +68,34 @@ def test_cli_prints_one_json_line_per_policy(tmp_path, capsys):
     lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert [l["policy"] for l in lines] == ["heat", "lru"]
     assert all(FIELDS <= set(l) for l in lines)
+
+
+def _trace_file(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 8,
+                                           "hash_ids": [0, 1 + i % 5, 9 + i % 4]}) for i in range(40)) + "\n")
+    return str(trace)
+
+
+def test_weights_option_changes_the_heat_policy_only(tmp_path, capsys):
+    base = ["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "3", "--policies", "heat,lru", "--json"]
+    assert main(base + ["--weights", "recency=2, fanout=0"]) == 0
+    heat, lru = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert heat["weights"]["recency"] == 2.0 and heat["weights"]["fanout"] == 0.0
+    assert "weights" not in lru
+
+
+@pytest.mark.parametrize("weights, policies, message", [
+    ("recency", "heat", "'recency' is not NAME=NUMBER"),
+    ("=2", "heat", "'=2' is not NAME=NUMBER"),
+    ("recency=x", "heat", "'recency=x' is not NAME=NUMBER"),
+    ("rec=2", "heat", "unknown heat weights \\['rec'\\]"),
+    ("recency=-1", "heat", "must be >= 0"),
+    ("recency=2", "lru", "--policies does not list"),
+])
+def test_bad_weights_are_named(tmp_path, capsys, weights, policies, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "3", "--policies", policies,
+              "--weights", weights])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

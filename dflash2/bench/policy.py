@@ -74,11 +74,17 @@ class Tally:
 
 
 def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_blocks: int = 0,
-           nvme_blocks: int = 0, prefetch_window: int = 4, chunk: int = 16) -> dict:
+           nvme_blocks: int = 0, prefetch_window: int = 4, chunk: int = 16,
+           weights: dict[str, float] | None = None) -> dict:
+    """`weights`: the heat policy's weights to change (`policy.weights`); only for `heat`."""
     clock = VirtualClock()
     specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)]
     specs += [TierSpec(t, n * SLOT, SLOT, ALIGN) for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n]
     pol = make_policy(policy)
+    if weights:
+        if not hasattr(pol, "set_weights"):
+            raise ValueError(f"--weights: policy {policy!r} has no weights (only heat has)")
+        pol.set_weights(weights)
     capacity = 1 << max(10, int(np.ceil(np.log2(hbm_blocks + dram_blocks + nvme_blocks + 1024))))
     mgr = BlockManager(specs, policy=pol, clock=clock, table_capacity=capacity)
     lid = mgr.register_layout(LAYOUT)
@@ -95,7 +101,10 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
         _serve(mgr, prefetch, client, lid, req, i, tally, chunk)
     elapsed = time.perf_counter() - t0
     mgr.check_invariants()
-    return _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
+    out = _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
+    if weights:
+        out["weights"] = dict(pol.weights)
+    return out
 
 
 def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: Request, index: int,
@@ -174,10 +183,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-window", type=int, default=4, help="kv_block.prefetch_window (blocks)")
     parser.add_argument("--chunk", type=int, default=16, help="blocks read per step of a request")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--weights", default="",
+                        help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
+                             "applied to the heat policy, the others replay as they are")
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """'recency=2,fanout=0' -> {'recency': 2.0, 'fanout': 0.0}; names are checked by the policy."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        try:
+            if not eq or not name.strip():
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--weights: {item!r} is not NAME=NUMBER") from None
+    return out
 
 
 def run(args) -> list[dict]:
+    weights = parse_weights(args.weights)
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    if weights and "heat" not in names:
+        raise ValueError("--weights applies to the heat policy, which --policies does not list")
     requests = load_trace(args.trace, args.limit)
-    return [replay(requests, name.strip(), args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
-                   args.prefetch_window, args.chunk)
-            for name in args.policies.split(",") if name.strip()]
+    return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
+                   args.prefetch_window, args.chunk, weights if name == "heat" else None)
+            for name in names]
