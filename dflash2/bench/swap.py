@@ -7,8 +7,9 @@ Promotions alternate between two ways of making room, each timed `--repeat` time
 pieces and makes room for each while the previous piece comes up (both directions of the link at
 once). `default` names the one placement uses for that block size, `swap_gbps_*` count the bytes
 moved both ways. With `--chain L` the blocks that fill HBM are cached prefix chains of L blocks (as
-served requests leave them) instead of loose blocks: making room then demotes whole chains. Runs on the GPU (CUDA arenas and backend) where one is visible, else on the
-host-memory stand-ins (shared memory, copy threads).
+served requests leave them) instead of loose blocks: making room then demotes whole chains. Runs on
+the GPU (CUDA arenas and backend) where one is visible, else on the host-memory stand-ins (shared
+memory, copy threads).
 """
 
 from __future__ import annotations
