@@ -43,7 +43,7 @@ def test_dashboard_has_the_panels_and_unique_ids():
     dash = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
     titles = [p["title"] for p in dash["panels"]]
     for want in ("Tier use", "HBM hit ratio", "Swap bandwidth", "Reservations", "Admission wait",
-                 "Request latency p99 by op", "GPU memory utilization (device tier)"):
+                 "Request latency p99 by op", "GPU memory utilization (device tier)", "Blocks per swap batch"):
         assert want in titles
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     for p in dash["panels"]:
