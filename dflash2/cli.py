@@ -17,6 +17,8 @@ import json
 import sys
 from collections.abc import Callable
 
+from dflash2.bench import OptionError  # light: imports no benchmark
+
 BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "sglang")
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -51,7 +53,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     bench_args = parser.parse_args(args.bench_args)
     try:
         result = module.run(bench_args)
-    except ValueError as exc:  # a bad option value, named by the benchmark
+    except OptionError as exc:  # a bad option value, named by the benchmark
         parser.error(str(exc))
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):

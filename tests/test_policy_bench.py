@@ -99,3 +99,14 @@ def test_bad_weights_are_named(tmp_path, capsys, weights, policies, message):
               "--weights", weights])
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_bug_inside_a_bench_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only OptionError reads as a usage error; any other exception is a bug and propagates."""
+    import dflash2.bench.policy as bench
+
+    def broken(*args, **kw):
+        raise ValueError("internal")
+    monkeypatch.setattr(bench, "replay", broken)
+    with pytest.raises(ValueError, match="internal"):
+        main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "3", "--policies", "lru"])

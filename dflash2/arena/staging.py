@@ -10,9 +10,10 @@ A batch's blocks take one of two paths:
   copy out.
 The direct runs of a batch go through lanes on a small pool of worker threads: their I/O runs in
 file order on one lane for writes (the pattern of raw sequential I/O) and on nvme.READ_LANES lanes
-for reads; the other lanes checksum them (a read's as each run lands); each staged chunk is one job on the same pool, so that while one worker
-waits on the disk another checksums (and copies). `os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32`
-all release the GIL, so the workers run in parallel.
+for reads; the other lanes checksum them (a read's as each run lands); each staged chunk is one job
+on the same pool, so that while one worker waits on the disk another checksums (and copies).
+`os.pwritev`/`os.preadv`, numpy copies and `zlib.crc32` all release the GIL, so the workers run in
+parallel.
 
 Invariants:
 - every I/O piece has a file offset, a slot offset and a length that are multiples of ALIGN, so the

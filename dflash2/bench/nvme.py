@@ -37,6 +37,7 @@ from dflash2.arena import nvme as nvme_arena
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.arena.staging import pread_all, pwrite_all
+from dflash2.bench import OptionError
 from dflash2.tiers import Tier
 
 RAW_IO_BYTES = 8 << 20
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     size = args.size_mb << 20
     block = args.block_kb << 10
     if block % nvme_arena.ALIGN or block > size:
-        raise ValueError(f"--block-kb {args.block_kb} must be a multiple of 4 and at most --size-mb")
+        raise OptionError(f"--block-kb {args.block_kb} must be a multiple of 4 and at most --size-mb")
     folder = tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(args.dir))
     raw = tier = None
     try:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflash2.bench import OptionError
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
@@ -83,8 +84,11 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     pol = make_policy(policy)
     if weights:
         if not hasattr(pol, "set_weights"):
-            raise ValueError(f"--weights: policy {policy!r} has no weights (only heat has)")
-        pol.set_weights(weights)
+            raise OptionError(f"--weights: policy {policy!r} has no weights (only heat has)")
+        try:
+            pol.set_weights(weights)
+        except ValueError as exc:  # an unknown name or a negative weight, as the policy says
+            raise OptionError(f"--weights: {exc}") from None
     capacity = 1 << max(10, int(np.ceil(np.log2(hbm_blocks + dram_blocks + nvme_blocks + 1024))))
     mgr = BlockManager(specs, policy=pol, clock=clock, table_capacity=capacity)
     lid = mgr.register_layout(LAYOUT)
@@ -198,7 +202,7 @@ def parse_weights(text: str) -> dict[str, float]:
                 raise ValueError
             out[name.strip()] = float(value)
         except ValueError:
-            raise ValueError(f"--weights: {item!r} is not NAME=NUMBER") from None
+            raise OptionError(f"--weights: {item!r} is not NAME=NUMBER") from None
     return out
 
 
@@ -206,7 +210,7 @@ def run(args) -> list[dict]:
     weights = parse_weights(args.weights)
     names = [name.strip() for name in args.policies.split(",") if name.strip()]
     if weights and "heat" not in names:
-        raise ValueError("--weights applies to the heat policy, which --policies does not list")
+        raise OptionError("--weights applies to the heat policy, which --policies does not list")
     requests = load_trace(args.trace, args.limit)
     return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
                    args.prefetch_window, args.chunk, weights if name == "heat" else None)

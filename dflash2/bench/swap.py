@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 
+from dflash2.bench import OptionError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -45,16 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _sizes(text: str) -> list[int]:
     sizes = []
     for item in text.split(","):
-        kib = int(item)
+        try:
+            kib = int(item)
+        except ValueError:
+            raise OptionError(f"--sizes-kib: {item!r} is not a number") from None
         if kib <= 0 or kib * KIB % LAYER_BYTES:
-            raise ValueError(f"--sizes-kib: {kib} is not a positive multiple of 64")
+            raise OptionError(f"--sizes-kib: {kib} is not a positive multiple of 64")
         sizes.append(kib * KIB)
     return sizes
 
 
 def run(args) -> list[dict]:
     if args.mb <= 0 or args.repeat <= 0 or args.chain <= 0:
-        raise ValueError("--mb, --repeat and --chain must be positive")
+        raise OptionError("--mb, --repeat and --chain must be positive")
     return [_one(size, args) for size in _sizes(args.sizes_kib)]
 
 

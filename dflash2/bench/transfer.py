@@ -18,6 +18,7 @@ import uuid
 
 import numpy as np
 
+from dflash2.bench import OptionError
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
@@ -49,7 +50,7 @@ def _time(fn, repeat: int) -> float:
 
 def run(args) -> list[dict]:
     if not 1 <= args.run_blocks <= args.blocks:
-        raise ValueError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
+        raise OptionError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
     from dflash2.cuda import cupy
     from dflash2.cuda.arena import CudaArena, PinnedHostArena
     from dflash2.transfer.cuda import CudaTransferBackend
