@@ -33,9 +33,13 @@ class EndpointLock:
 
     def acquire(self) -> None:
         folder = self.lock_path.parent
+        made = not folder.exists()
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.socket_path is not None:
-            os.chmod(folder, 0o700)  # the runtime folder is the client's only way in: owner-only
+        if self.socket_path is not None and made:
+            # A runtime folder of our own making is owner-only (mkdir's mode is cut by the umask).
+            # A folder that was there before keeps its mode: it may be /run or a home folder that
+            # others need; the socket itself is made owner-only after bind (secure_socket).
+            os.chmod(folder, 0o700)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,6 +4,7 @@ Exit codes:
   0  ran and stopped cleanly, or `--check` found the config valid
   2  the config (or the command line) is wrong: one line `dflash2d: error: KEY: PROBLEM` on stderr
   3  the config says `enable: false`: the daemon is disabled and says so
+  4  start-up failed: the endpoint, a tier's region or the metrics port cannot be had
 """
 
 from __future__ import annotations
@@ -11,15 +12,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
+import stat
 import sys
+from pathlib import Path
 
 from dflash2.config import Config, check_environment, config_warnings, load_config, require_enabled
-from dflash2.errors import ConfigError, DisabledError
-from dflash2.plan import resolve_plan
+from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
+from dflash2.plan import Plan, resolve_plan
+from dflash2.policy.base import policy_class, policy_names
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_DISABLED = 3
+EXIT_START_FAILED = 4  # the server's code: a region, the endpoint or the metrics port cannot be had
+
+# Registered policies that the daemon cannot run: they exist for the benches.
+BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exists for `dflash2 bench policy` only"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         require_enabled(cfg)
         for warning in config_warnings(cfg):
             _warn(warning)
+        check_policy(cfg)
         plan = resolve_plan(cfg)
+        check_paths(plan)
     except ConfigError as exc:
         return _fail(str(exc))
     except DisabledError as exc:
@@ -55,6 +67,59 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(cfg)
 
 
+def check_policy(cfg: Config) -> None:
+    """`policy.name` must name a policy the daemon can run (the same check for --check and start-up)."""
+    try:
+        policy_class(cfg.policy.name)
+    except UnknownPolicy:
+        valid = ", ".join(name for name in policy_names() if name not in BENCH_ONLY_POLICIES)
+        raise ConfigError("policy.name", f"unknown policy {cfg.policy.name!r}; valid: {valid}") from None
+    if cfg.policy.name in BENCH_ONLY_POLICIES:
+        raise ConfigError("policy.name", f"{cfg.policy.name!r} cannot run in the daemon: "
+                                         f"{BENCH_ONLY_POLICIES[cfg.policy.name]}")
+
+
+def check_paths(plan: Plan) -> None:
+    """The endpoint's files must be the daemon's to make: a file at the socket path is replaced and
+    the lock file sits beside it, so a shared folder (/tmp: anyone could have planted either) or a
+    file that is not a socket is refused here, before anything is touched; a tcp endpoint's lock
+    file lives in the state folder."""
+    if plan.endpoint.startswith("ipc://"):
+        socket = Path(plan.endpoint[len("ipc://"):])
+        _check_folder("daemon.endpoint", socket.parent)
+        if socket.parent.is_dir():
+            st = socket.parent.stat()
+            if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
+                raise ConfigError("daemon.endpoint", (
+                    f"the socket's folder {socket.parent} is shared (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
+                    f"{st.st_uid}); put the socket in a folder of the daemon's own, e.g. "
+                    f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}"))
+        if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
+            raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
+    else:
+        _check_folder("daemon.state_dir", plan.state_dir)
+
+
+def _check_folder(key: str, folder: Path) -> None:
+    """`folder` is a folder, or can be made: its nearest existing ancestor is a folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(key, f"{folder} is not a folder" if existing == folder
+                          else f"{existing} is not a folder, so the folder {folder} cannot be made")
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT during start-up: unwinds start-up, so that every region taken is given back."""
+
+
+def _stop_during_startup(signum: int, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # one unwind: a second signal must not cut its clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def _serve(cfg: Config) -> int:
     try:
         # Imported here: the server is heavy, and --check must work without it.
@@ -63,7 +128,21 @@ def _serve(cfg: Config) -> int:
         if exc.name != "dflash2.daemon.server":
             raise
         return _fail("the daemon server (dflash2.daemon.server) is not built yet; only --check works")
-    result = server.run(cfg)
+    import zmq
+
+    # Until the server installs its own handlers (once it serves), a stop signal unwinds start-up:
+    # killed outright, the daemon would leave its shared-memory segments and lock file behind.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_during_startup)
+    try:
+        result = server.run(cfg)
+    except _Stopped as exc:
+        print(f"dflash2d: stopped by {exc} during start-up", file=sys.stderr)
+        return EXIT_OK
+    except zmq.ZMQError as exc:  # the endpoint cannot be bound: taken by another program, or no such address
+        print(f"dflash2d: error: cannot serve daemon.endpoint {cfg.resolved_endpoint()}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_START_FAILED
     return EXIT_OK if result is None else int(result)
 
 

@@ -131,4 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m dflash2.cli`: run the module that subcommands import (`from dflash2.cli import
+    # UsageError`), not this __main__ copy, whose UsageError is another class that main() would not catch.
+    from dflash2 import cli
+
+    sys.exit(cli.main())

@@ -88,6 +88,16 @@ class MemoryConfig(_Section):
             raise ConfigError("memory.nvme_path", "required when memory.nvme_capacity_mb > 0")
         return self
 
+    @model_validator(mode="after")
+    def _tiers_hold_a_page(self) -> "MemoryConfig":
+        # Arenas are cut into whole pages: a tier smaller than one page would hold no block at all.
+        for key in ("hbm_capacity_mb", "dram_capacity_mb", "nvme_capacity_mb"):
+            value = getattr(self, key)
+            if value and value * MB < self.page_kb * 1024:
+                raise ConfigError(f"memory.{key}", f"{value} MB is less than one page (memory.page_kb is "
+                                                   f"{self.page_kb} KB): the tier would hold no block")
+        return self
+
 
 class KVBlockConfig(_Section):
     """Block geometry and read-ahead."""
@@ -339,6 +349,9 @@ def load_config(path: str | os.PathLike) -> Config:
         raise ConfigError(str(path), "config file not found") from None
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read the config file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"the config file is not UTF-8 text: byte {exc.object[exc.start]:#04x} "
+                                     f"at offset {exc.start}") from None
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:

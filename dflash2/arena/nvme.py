@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
+from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import ArenaError, CapacityError
@@ -103,6 +104,19 @@ def _crc_lanes(ring: StagingRing, io_lanes: int) -> int:
     return max(1, min(ring.workers - io_lanes, (os.cpu_count() or 2) - 1))
 
 
+def _staging_ring(staging_bytes: int) -> StagingRing:
+    """The staging ring, its memory taken now: CapacityError (not an OOM kill) when it cannot be had."""
+    available = mem_available_bytes()
+    if staging_bytes > available:
+        raise CapacityError(f"NVMe tier's staging buffer needs {staging_bytes} bytes of memory "
+                            f"(memory.staging_buffer_size_mb), only {available} available (MemAvailable)")
+    try:
+        return StagingRing(staging_bytes)
+    except OSError as e:
+        raise CapacityError(f"NVMe tier's staging buffer could not take {staging_bytes} bytes of memory "
+                            f"(memory.staging_buffer_size_mb): {e}") from e
+
+
 class NvmeArena(StorageArena):
     alignment = ALIGN
 
@@ -118,10 +132,10 @@ class NvmeArena(StorageArena):
         self._lock = threading.Lock()  # one batch at a time owns the staging ring
         self._preallocate()
         try:
-            self._ring = StagingRing(staging_bytes)
+            self._ring = _staging_ring(staging_bytes)
             self.staging_bytes = self._ring.nbytes
             self.direct_io = self._open_for_io()
-        except Exception:
+        except BaseException:
             self.close()
             raise
         nslots = self.capacity_bytes // ALIGN

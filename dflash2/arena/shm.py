@@ -90,19 +90,23 @@ class SharedMemoryArena(MemoryArena):
         except FileExistsError:
             raise ArenaError(f"shared-memory segment {path} already exists (another daemon, or one that "
                              f"did not shut down cleanly: remove the file if no daemon runs)") from None
+        # Every failure from here on removes the segment, an interruption too (a stop signal during
+        # start-up): a segment left behind holds its memory until someone deletes the file.
         try:
             os.ftruncate(fd, capacity_bytes)
             if populate:
                 # fallocate takes the tmpfs pages now (ENOSPC here, not SIGBUS at a later write).
                 os.posix_fallocate(fd, 0, capacity_bytes)
-        except OSError as e:
+        except BaseException as e:
             os.close(fd)
             os.unlink(path)
+            if not isinstance(e, OSError):
+                raise
             raise CapacityError(f"{tier.label} tier could not take {capacity_bytes} bytes of shared memory "
                                 f"for segment {name!r}: {e}") from e
         try:
             return cls(name, fd, capacity_bytes, tier, alignment, owner=True, populate=populate)
-        except Exception:
+        except BaseException:
             os.unlink(path)
             raise
 

@@ -1,0 +1,285 @@
+"""Configuring and starting dflash2d on a machine without a GPU: every bad input is one clear line
+that names what is wrong (no traceback), `--check` agrees with start-up, and nothing is left behind
+or destroyed on the way."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash2.arena import nvme as nvme_module
+from dflash2.arena import shm as shm_module
+from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.shm import SharedMemoryArena
+from dflash2.config import load_config, parse_config
+from dflash2.errors import CapacityError, ConfigError
+from dflash2.tiers import Tier
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def config(tmp_path: Path, **sections) -> Path:
+    """A small host-only config in tmp_path; kwargs update its sections."""
+    cfg = {
+        "enable": True,
+        "device": {"kind": "host"},
+        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                   "staging_buffer_size_mb": 4, "page_kb": 64},
+        "kv_block": {"block_size": 16},
+        "policy": {"name": "lru"},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")},
+        "logging": {"format": "text", "level": "info"},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    path = tmp_path / "dflash2_config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_daemon(path: Path, *args: str) -> tuple[int, str, bool]:
+    """Run `dflash2d --config path [args]` to its end: (exit code, stderr, whether it started
+    serving). A daemon that starts is stopped by SIGTERM at once."""
+    err_path = path.with_name(f"stderr-{time.monotonic_ns()}.txt")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path), *args],
+                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(path.parent))
+    started = False
+    try:
+        for line in proc.stdout:
+            if line.startswith("DFlash2: enabled"):
+                started = True
+                proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=STARTUP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    return rc, err_path.read_text(), started
+
+
+def one_error_line(stderr: str, prefix: str = "dflash2d: error: ") -> str:
+    lines = [line for line in stderr.splitlines() if " INFO " not in line]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith(prefix), stderr
+    return lines[0]
+
+
+# ---- policy.name ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [("--check",), ()])
+def test_unknown_policy_name_is_a_config_error_for_check_and_start(tmp_path, args):
+    rc, err, started = run_daemon(config(tmp_path, policy={"name": "hot"}), *args)
+    assert not started and rc == 2
+    assert "policy.name: unknown policy 'hot'; valid: heat, lfu, lru" in one_error_line(err)
+
+
+def test_bench_only_policy_is_refused_by_the_daemon(tmp_path):
+    rc, err, started = run_daemon(config(tmp_path, policy={"name": "belady"}), "--check")
+    assert not started and rc == 2
+    assert "policy.name: 'belady' cannot run in the daemon" in one_error_line(err)
+
+
+# ---- the config file --------------------------------------------------------------------------------
+
+
+def test_config_file_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"enable": true, "memory": {"nvme_path": "caf\xe9"}}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8") as info:
+        load_config(path)
+    assert info.value.key == str(path)
+    rc, err, _ = run_daemon(path, "--check")
+    assert rc == 2 and str(path) in one_error_line(err)
+
+
+def test_tier_smaller_than_one_page_is_an_error():
+    data = {"enable": True, "device": {"kind": "host"},
+            "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 1, "page_kb": 2048}}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "memory.dram_capacity_mb" and "less than one page" in info.value.problem
+    data["memory"].update(dram_capacity_mb=64, nvme_capacity_mb=1, nvme_path="n.bin")
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "memory.nvme_capacity_mb"
+    data["memory"].update(nvme_capacity_mb=2, hbm_capacity_mb=1)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "memory.hbm_capacity_mb"
+
+
+# ---- the endpoint -----------------------------------------------------------------------------------
+
+
+def test_tcp_endpoint_taken_by_another_program_exits_4_with_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        path = config(tmp_path, daemon={"endpoint": endpoint})
+        rc, err, started = run_daemon(path)
+    assert not started and rc == 4
+    line = one_error_line(err)
+    assert endpoint in line and "Address already in use" in line
+    assert not glob.glob(f"{tmp_path}/state/*.lock")
+
+
+def test_socket_in_a_shared_folder_is_refused_and_the_folder_keeps_its_mode(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    path = config(tmp_path, daemon={"endpoint": f"ipc://{shared}/dflash2.sock"})
+    for args in (("--check",), ()):
+        rc, err, started = run_daemon(path, *args)
+        assert (oct(shared.stat().st_mode & 0o7777), started, rc) == ("0o1777", False, 2), err
+        assert f"daemon.endpoint: the socket's folder {shared} is shared" in one_error_line(err)
+
+
+def test_an_existing_socket_folder_keeps_its_mode_and_a_new_one_is_owner_only(tmp_path):
+    # /run or a home folder holding the socket must not become owner-only (root's daemon would lock
+    # everyone out of /run); a folder the daemon makes for its socket is owner-only.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    mine.chmod(0o755)
+    rc, err, started = run_daemon(config(tmp_path, daemon={"endpoint": f"ipc://{mine}/dflash2.sock"}))
+    assert (started, rc, oct(mine.stat().st_mode & 0o777)) == (True, 0, "0o755"), err
+    fresh = tmp_path / "fresh" / "run"
+    rc, err, started = run_daemon(config(tmp_path, daemon={"endpoint": f"ipc://{fresh}/dflash2.sock"}))
+    assert (started, rc, oct(fresh.stat().st_mode & 0o777)) == (True, 0, "0o700"), err
+
+
+def test_endpoint_on_a_regular_file_leaves_the_file_alone(tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    rc, err, started = run_daemon(config(tmp_path, daemon={"endpoint": f"ipc://{precious}"}))
+    assert precious.read_text() == "keep me"
+    assert not started and rc == 2
+    assert f"daemon.endpoint: {precious} exists and is not a socket" in one_error_line(err)
+
+
+def test_endpoint_on_a_folder_is_one_line_and_leaves_no_lock_file(tmp_path):
+    folder = tmp_path / "sockdir"
+    folder.mkdir()
+    rc, err, started = run_daemon(config(tmp_path, daemon={"endpoint": f"ipc://{folder}"}))
+    assert not started and rc == 2
+    assert "daemon.endpoint" in one_error_line(err)
+    assert folder.is_dir() and not (tmp_path / "sockdir.lock").exists()
+
+
+@pytest.mark.parametrize("key", ["endpoint", "state_dir"])
+def test_folder_under_a_file_is_a_config_error(tmp_path, key):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    daemon = ({"endpoint": f"ipc://{afile}/d.sock"} if key == "endpoint"
+              else {"endpoint": "tcp://127.0.0.1:5555", "state_dir": str(afile / "state")})
+    rc, err, started = run_daemon(config(tmp_path, daemon=daemon), "--check")
+    assert not started and rc == 2
+    assert f"daemon.{key}: {afile} is not a folder" in one_error_line(err)
+
+
+# ---- start-up interrupted ---------------------------------------------------------------------------
+
+
+def test_sigterm_during_startup_gives_back_every_segment(tmp_path):
+    """SIGTERM while the daemon holds its arenas but does not serve yet (here: blocked reading its
+    history file, a FIFO this test holds open) must not leave the segments in /dev/shm."""
+    state = tmp_path / "state"
+    state.mkdir()
+    fifo = state / "history.jsonl.1"  # the history reads its rotated file first
+    os.mkfifo(fifo)
+    path = config(tmp_path, history_enabled=True)
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
+                                stdout=out, stderr=err, cwd=str(tmp_path))
+    writer = -1
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while writer < 0:
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO until the daemon opens it
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                assert proc.poll() is None, err_path.read_text()
+                assert "DFlash2: enabled" not in out_path.read_text(), "the daemon did not read its history"
+                assert time.monotonic() < deadline, "the daemon never opened its history file"
+                time.sleep(0.01)
+        segments = [Path(f"/dev/shm/dflash2-{proc.pid}-{tier}") for tier in ("hbm", "dram")]
+        assert all(s.exists() for s in segments)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=STARTUP_TIMEOUT_S)
+        assert [s for s in segments if s.exists()] == [] and rc == 0, err_path.read_text()
+        assert not (tmp_path / "d.sock.lock").exists() and not (tmp_path / "d.sock").exists()
+        assert "Traceback" not in err_path.read_text()
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for leaked in glob.glob(f"/dev/shm/dflash2-{proc.pid}-*"):
+            os.unlink(leaked)
+
+
+@pytest.mark.parametrize("step", ["fallocate", "mmap"])
+def test_interrupted_segment_creation_removes_the_segment(monkeypatch, instance_name, step):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if step == "fallocate":
+        monkeypatch.setattr(shm_module.os, "posix_fallocate", interrupted)
+    else:
+        monkeypatch.setattr(shm_module.mmap, "mmap", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            SharedMemoryArena.create(instance_name, 1 << 20, Tier.DRAM)
+        monkeypatch.undo()
+        assert not os.path.exists(f"/dev/shm/{instance_name}")
+    finally:
+        if os.path.exists(f"/dev/shm/{instance_name}"):
+            os.unlink(f"/dev/shm/{instance_name}")
+
+
+# ---- the staging buffer -----------------------------------------------------------------------------
+
+
+def test_staging_buffer_that_cannot_be_had_is_a_capacity_error(tmp_path, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(nvme_module, "StagingRing", no_memory)
+    with pytest.raises(CapacityError, match="staging buffer .*memory.staging_buffer_size_mb"):
+        NvmeArena.create(tmp_path / "nvme.bin", 1 << 20, staging_bytes=1 << 20)
+
+
+def test_staging_buffer_above_available_memory_is_refused_before_it_is_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme_module, "mem_available_bytes", lambda: 1 << 20, raising=False)
+    with pytest.raises(CapacityError, match=f"needs {8 << 20} bytes .*only {1 << 20} available"):
+        NvmeArena.create(tmp_path / "nvme.bin", 1 << 20, staging_bytes=8 << 20)
+
+
+# ---- the operator command ---------------------------------------------------------------------------
+
+
+def test_python_m_cli_reports_a_bad_config_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--config", str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "config file not found" in one_error_line(out.stderr, prefix="dflash2: error: ")
