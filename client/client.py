@@ -91,6 +91,7 @@ class Client:
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process that attached: the only one that may use this client
         self._transport = Transport(endpoint, timeout_s)
         self._layouts: dict[int, Layout] = {}
         self._held: dict[int, np.void] = {}  # vid -> place, for blocks this client may view now
@@ -117,8 +118,10 @@ class Client:
 
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool) -> None:
-        args = {"name": self.name, "pid": os.getpid(), "pid_namespace": pid_namespace(),
-                "layouts": [lay.to_dict() for lay in layouts]}
+        args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
+        ns = pid_namespace()
+        if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
+            args["pid_namespace"] = ns
         if self.gpu is not None:
             args["device"] = self.gpu
         reply = self._call(Op.ATTACH, args)
@@ -166,8 +169,10 @@ class Client:
         released = {}
         with self._lock:
             # A lost lease means the daemon no longer knows this id (it may even be another
-            # client's now, after a restart): nothing to detach.
-            if not self._transport.closed and self.client_id is not None and not self.lease_lost:
+            # client's now, after a restart): nothing to detach. A forked child must not detach
+            # its parent's session either: it only drops its copy.
+            if (not self._transport.closed and self.client_id is not None and not self.lease_lost
+                    and not self._forked()):
                 try:
                     released = self._transport.call(Op.DETACH, self.client_id).result.get("released", {})
                 except (DaemonUnavailable, DaemonError) as e:
@@ -188,8 +193,17 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.detach()
 
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
     def _call(self, op: Op, args: dict | None = None, arrays: list[bytes] | None = None,
               timeout_s: float | None = None) -> P.Reply:
+        if self._forked():
+            # ZeroMQ sockets do not survive fork: a call from a forked child would wait forever,
+            # past any timeout, and speak for the parent's session. Say so instead.
+            raise DaemonUnavailable(f"{op.value}: this client was attached by process {self._pid}; process "
+                                    f"{os.getpid()} is a fork of it and cannot use it (ZeroMQ sockets do not "
+                                    "survive fork): connect a new Client in the child")
         with self._lock:
             return self._transport.call(op, self.client_id, args, arrays, timeout_s)
 
@@ -234,7 +248,8 @@ class Client:
     def allocate(self, layout: int, n: int, request: int = 0, priority: int = 0,
                  tier: str = "hbm") -> np.ndarray | None:
         """n private blocks to write (in HBM, or tier="dram" for a host-side writer), outside any
-        reservation; None when that tier has no room now."""
+        reservation; None when that tier has no room now (DaemonError of kind NeverFits when n
+        blocks exceed the whole tier)."""
         args = {"layout": int(layout), "n": int(n), "request": int(request), "priority": int(priority)}
         if tier != "hbm":
             args["tier"] = tier
@@ -261,8 +276,9 @@ class Client:
         return _places(self._call(Op.LOOKUP, args, [_keys(keys)]).arrays[0])
 
     def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:
-        """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now.
-        tier="dram": a host-side reader pins blocks in DRAM where they are (only NVMe ones move up)."""
+        """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now
+        (DaemonError of kind NeverFits when they exceed the whole tier). tier="dram": a host-side
+        reader pins blocks in DRAM where they are (only NVMe ones move up)."""
         reply = self._call(Op.ACQUIRE, {} if tier == "hbm" else {"tier": tier}, [_vids(vids)])
         if not reply.result.get("acquired"):
             return None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
-from dflash2.errors import DFlash2Error, LayoutError, ProtocolError, UnknownClient
+from dflash2.errors import DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
@@ -191,10 +191,13 @@ class Service:
 
     def _reservation(self, req):
         m = self._mgr(req)
-        d = m.admission.status(arg(req, "reservation", int))
-        res = m.admission.granted.get(d.reservation_id)
+        rid = arg(req, "reservation", int)
+        d = m.admission.status(rid)
+        # Only its own client may see a reservation, granted or still waiting in the queue (as
+        # with take and cancel): a wrong id must not silently report another client's place.
+        res = m.admission.granted.get(rid) or next((r for r in m.admission.deferred if r.id == rid), None)
         if res is not None and res.client != req.client:
-            raise ProtocolError("that reservation belongs to another client")
+            raise NotOwner(f"reservation {rid} belongs to another client")
         return d.to_dict(), []
 
     def _take(self, req):
@@ -231,6 +234,8 @@ class Service:
         m = self._mgr(req)
         keys = req.array(0, P.KEYS_DTYPE, "content keys")
         layout = arg(req, "layout", int, default=None, lo=0)
+        if layout is not None:
+            m.table.layout(layout)  # an unknown layout id is an error, never an empty (all-miss) answer
         return {}, [self._records(m, m.lookup_rows(keys, layout, reader=self._memory_tier(req)))]
 
     def _acquire(self, req):

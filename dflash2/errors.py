@@ -66,6 +66,11 @@ class CapacityError(ArenaError):
     """Start-up could not take a tier's region: the message gives the bytes needed and available."""
 
 
+class NeverFits(DFlash2Error):
+    """Blocks asked for in a tier exceed that tier's whole capacity: no amount of demotion could
+    make room, so the answer is this error, not "no room now" (None)."""
+
+
 class ReservationError(DFlash2Error):
     """A reservation id that is unknown, expired, or used beyond what it granted."""
 

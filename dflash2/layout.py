@@ -7,6 +7,8 @@ from fractions import Fraction
 
 from dflash2.errors import LayoutError
 
+MAX_BLOCK_BYTES = (1 << 63) - 1  # a block's bytes must fit the daemon's int64 columns
+
 # Bits per element. 4-bit values are packed two to a byte.
 DTYPE_BITS: dict[str, int] = {
     "fp32": 32,
@@ -96,4 +98,18 @@ class Layout:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise LayoutError(f"layout is missing field(s) {missing}")
-        return cls(**data)
+        # A layout from the wire is checked field by field before any arithmetic: a bool, float or
+        # string where a count belongs, or a name that is not a string, is named here (never coerced).
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                continue
+            value, want = data[f.name], (str if f.type == "str" else int)
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise LayoutError(f"layout field {f.name!r} must be {want.__name__}, got {type(value).__name__}")
+        layout = cls(**data)
+        # Every number the daemon stores is 64-bit (its columns and the place records): a block of
+        # more bytes than that would break every client's batch calls, not only this one's.
+        if layout.block_bytes > MAX_BLOCK_BYTES:
+            raise LayoutError(f"layout {layout.name!r}: a block of {layout.block_bytes} bytes (num_layers, "
+                              f"tokens_per_block, heads, dims) exceeds {MAX_BLOCK_BYTES}")
+        return layout

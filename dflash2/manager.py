@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError
+from dflash2.errors import ArenaError, NeverFits
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -133,9 +133,13 @@ class BlockManager:
                  priority: int = 0, tier: Tier = Tier.HBM) -> np.ndarray | None:
         """n private blocks to write in `tier` (HBM by default; a host-side writer such as sglang's
         storage backend writes to DRAM), outside any reservation: idle blocks are demoted to make
-        room when needed. None when the tier cannot hold them (the caller reserves and waits)."""
+        room when needed. None when the tier cannot hold them now (the caller reserves and waits);
+        NeverFits when they exceed the whole tier."""
         if tier == Tier.NVME or tier not in self.specs:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
+        # Refused before any room is made: demoting (or, on the last tier, dropping) every other
+        # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
+        self._refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
         kw = dict(tier=tier, request=request, priority=priority)
         vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
@@ -159,6 +163,7 @@ class BlockManager:
         return out
 
     def free(self, client: int, vids) -> int:
+        self.table.refuse_reserved(self.table.rows(vids))  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
         self.admission.tick()
         return n
@@ -184,7 +189,8 @@ class BlockManager:
         """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
         below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
         for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
-        be given room for them (nothing is pinned then)."""
+        be given room for them now (nothing is pinned then); NeverFits when the blocks that must come
+        up exceed the whole tier."""
         rows = self.acquire_rows(client, vids, up_to)
         return None if rows is None else self.places_of_rows(rows)
 
@@ -193,6 +199,13 @@ class BlockManager:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         tiers = self.table.cols.tier[rows]
+        if (tiers > int(up_to)).any():
+            # Every block at or below `up_to` must lie in it at once: when they cannot, refuse
+            # before promoting any (which would push other clients' blocks out for nothing).
+            there = np.unique(rows[tiers >= int(up_to)])
+            lids, counts = np.unique(self.table.cols.layout[there], return_counts=True)
+            self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
+                                    f"acquire of {len(there)} blocks")
         now = self.table.clock()
         for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()):
             if n:
@@ -272,6 +285,15 @@ class BlockManager:
         if len(rows) <= self.table.SMALL:
             return any(int(tier[r]) > int(Tier.HBM) for r in rows.tolist())
         return bool((tier[rows] > int(Tier.HBM)).any())
+
+    def _refuse_never_fits(self, tier: Tier, blocks: dict[int, int], what: str) -> None:
+        """NeverFits when these blocks ({layout id: count}) exceed the tier's whole capacity: no
+        amount of demotion could ever make room, so "no room now" would be a lie."""
+        need = sum(n * self.table.slot_bytes(lid, tier) for lid, n in blocks.items())
+        capacity = self.table.allocators[tier].capacity_bytes
+        if need > capacity:
+            raise NeverFits(f"{what} needs {need} bytes of {tier.label}, more than the whole {tier.label} tier "
+                             f"({capacity} bytes): they can never fit")
 
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""

@@ -50,6 +50,15 @@ def test_fields_exist_and_are_consistent_with_lower_tiers():
         assert (down, up) == (r["demotions"], r["promotions"])
 
 
+def test_a_request_larger_than_hbm_is_served_uncached():
+    # 6 blocks against an HBM of 4: the manager refuses them (NeverFits); the replay counts them as
+    # served but never cached, and the requests around it are cached as usual.
+    for name in ("lru", "heat"):
+        r = replay(reqs([1, 2], list(range(10, 16)), [1, 2]), name, hbm_blocks=4)
+        assert r["uncached_blocks"] == 6
+        assert r["prefix_hit_rate"] == pytest.approx(2 / 10, abs=1e-4)
+
+
 def test_a_cold_request_leaves_hbm_in_one_batch():
     """Requests of 8 blocks through 16 HBM blocks over DRAM: each write demotes a whole cold
     request (8 blocks) in one batch, not one level of its chain per batch."""

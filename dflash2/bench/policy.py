@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.bench import OptionError
+from dflash2.errors import NeverFits
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
@@ -127,7 +128,11 @@ def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: 
     for start in range(0, len(hit_vids), chunk):
         part = hit_vids[start: start + chunk]
         prefetch.reading(part)
-        if mgr.acquire(client, part) is None:
+        try:
+            acquired = mgr.acquire(client, part)
+        except NeverFits:  # a chunk larger than HBM
+            acquired = None
+        if acquired is None:
             break  # HBM cannot hold the prefix (request larger than the tier): recompute the rest
         held += part
         prefetch.ahead(hit_vids, start + len(part))
@@ -135,7 +140,10 @@ def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: 
     missing = keys[len(held):] if len(held) < len(places) else keys[len(places):]
     parent = held[-1] if held else None
     if missing:
-        vids = mgr.allocate(client, lid, len(missing), request=index)
+        try:
+            vids = mgr.allocate(client, lid, len(missing), request=index)
+        except NeverFits:  # a request larger than HBM: served, never cached
+            vids = None
         if vids is None:
             tally.uncached += len(missing)
         else:

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.alloc import SlotAllocator
-from dflash2.errors import (ImmutableBlock, NotOwner, PinnedBlock, UnknownBlock, UnknownClient,
-                            UnknownLayout)
+from dflash2.errors import (ImmutableBlock, NotOwner, PinnedBlock, ReservationError, UnknownBlock,
+                            UnknownClient, UnknownLayout)
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -327,7 +327,17 @@ class BlockTable:
         foreign = (owner != client_id) & (owner != NO_CLIENT)
         if foreign.any():
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
+        self.refuse_reserved(rows)
         return rows
+
+    def refuse_reserved(self, rows: np.ndarray) -> None:
+        """A RESERVED block belongs to its reservation until `take` hands it out: no client may pin,
+        reference or free it by id, or the reservation would later hand out or free a block it no
+        longer holds alone (and its client's detach would fail half-way, leaking everything)."""
+        reserved = self.cols.state[rows] == int(S.RESERVED)
+        if reserved.any():
+            raise ReservationError(f"block {int(self.vids(rows[reserved][:1])[0]):#x} is still in a reservation: "
+                                   "take it from the reservation before using it")
 
     # -- lookup ----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> np.ndarray:
