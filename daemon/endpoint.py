@@ -30,6 +30,9 @@ class EndpointLock:
             safe = endpoint.replace("://", "_").replace(":", "_").replace("/", "_").replace("*", "any")
             self.lock_path = state_dir / f"{safe}.lock"
         self._fd = -1
+        # pid of the daemon that held this endpoint before and did not shut down cleanly (a clean
+        # shutdown removes the lock file): its shared-memory segments may be left behind.
+        self.previous_pid: int | None = None
 
     def acquire(self) -> None:
         folder = self.lock_path.parent
@@ -48,6 +51,10 @@ class EndpointLock:
             os.close(fd)
             raise EndpointBusy(f"another dflash2d (pid {holder}) is serving {self.endpoint}; "
                                "stop it first or configure another daemon.endpoint") from None
+        previous = os.read(fd, 32).decode(errors="replace").strip()
+        if previous.isdigit() and int(previous) != os.getpid():
+            self.previous_pid = int(previous)
+        os.lseek(fd, 0, os.SEEK_SET)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd

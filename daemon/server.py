@@ -16,7 +16,8 @@ import time
 
 import zmq
 
-from dflash2.assemble import build_managers
+from dflash2.arena.shm import remove_stale_segments
+from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.observe import Observers, log_fallbacks
@@ -113,6 +114,10 @@ def run(cfg: Config) -> int:
     except EndpointBusy as e:
         print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
+    if lock.previous_pid is not None:
+        # The last daemon on this endpoint was killed: give back the shared memory it left (each
+        # segment only when no process holds it; logged one by one).
+        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")
     managers: dict = {}
     server = observers = None
     started = time.monotonic()

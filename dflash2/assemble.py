@@ -57,6 +57,11 @@ def tier_specs(plan: Plan, hbm: TierPlan | None = None, share: int = 1) -> list[
     return specs
 
 
+def instance_name(pid: int) -> str:
+    """The prefix of the shared-memory segments of the daemon with this pid."""
+    return f"dflash2-{pid}"
+
+
 def build_managers(cfg: Config, *, instance: str | None = None, plan: Plan | None = None,
                    clock: Callable[[], float] = time.monotonic) -> dict[int, BlockManager]:
     """Take the arenas of `cfg`: one block manager per GPU, keyed by device index ({0: ...} on a
@@ -64,7 +69,7 @@ def build_managers(cfg: Config, *, instance: str | None = None, plan: Plan | Non
     are split evenly between the GPUs (a segment and a file each), so no move ever crosses GPUs.
     `instance` names the shared-memory segments (default: dflash2-<pid>)."""
     plan = plan or resolve_plan(cfg)
-    instance = instance or f"dflash2-{os.getpid()}"
+    instance = instance or instance_name(os.getpid())
     hbm_plans = [t for t in plan.tiers if t.tier == Tier.HBM]
     managers: dict[int, BlockManager] = {}
     try:

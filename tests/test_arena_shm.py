@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from dflash2.arena.shm import SharedMemoryArena
+from dflash2.arena.shm import SharedMemoryArena, remove_stale, remove_stale_segments
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
 
@@ -47,7 +47,7 @@ def test_create_view_and_describe(arena, name):
 def test_writes_visible_to_a_client_process(arena, name):
     arena.view(0, 4)[:] = [1, 2, 3, 4]
     child = textwrap.dedent(f"""
-        from dflash2.arena.shm import SharedMemoryArena
+        from dflash2.arena.shm import SharedMemoryArena, remove_stale, remove_stale_segments
         from dflash2.tiers import Tier
         a = SharedMemoryArena.attach({name!r}, Tier.DRAM)
         assert a.capacity_bytes == {CAP}
@@ -83,8 +83,27 @@ def test_close_unlinks_and_is_idempotent(name):
 
 
 def test_create_twice_raises(arena, name):
-    with pytest.raises(ArenaError, match="already exists"):
+    with pytest.raises(ArenaError, match="already exists and a running process holds it"):
         SharedMemoryArena.create(name, CAP, Tier.DRAM)
+
+
+def test_a_segment_nobody_holds_is_replaced_and_a_held_one_never(name, caplog):
+    # A killed daemon's segment: there, sized, but no process holds it.
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 3 * CAP)
+    os.close(fd)
+    with caplog.at_level("WARNING", logger="dflash2.arena.shm"):
+        a = SharedMemoryArena.create(name, CAP, Tier.DRAM)
+    assert os.stat(path).st_size == CAP
+    assert f"removed shared-memory segment {name} ({3 * CAP} bytes)" in caplog.text
+    # A live one (its creator holds it) is never removed, by create or by the sweep.
+    assert remove_stale(path) is None and remove_stale_segments(name) == []
+    with pytest.raises(ArenaError, match="a running process holds it"):
+        SharedMemoryArena.create(name, CAP, Tier.DRAM)
+    assert os.stat(path).st_size == CAP
+    a.close()
+    assert not os.path.exists(path)
 
 
 def test_attach_missing_raises(name):

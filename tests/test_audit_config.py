@@ -196,6 +196,32 @@ def test_folder_under_a_file_is_a_config_error(tmp_path, key):
 # ---- start-up interrupted ---------------------------------------------------------------------------
 
 
+def test_a_killed_daemons_segments_are_given_back_by_the_next_one(tmp_path):
+    # SIGKILL (the OOM killer) leaves the daemon's shared memory behind; the next daemon on the same
+    # endpoint finds the dead one's pid in the lock file and removes the segments nobody holds.
+    path = config(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+    try:
+        for line in proc.stdout:
+            if line.startswith("DFlash2: enabled"):
+                break
+        proc.kill()
+        proc.wait(timeout=STARTUP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    left = sorted(glob.glob(f"/dev/shm/dflash2-{proc.pid}-*"))
+    assert left, "the killed daemon left no segment: nothing to test"
+    rc, err, started = run_daemon(path)
+    assert (started, rc) == (True, 0), err
+    assert glob.glob(f"/dev/shm/dflash2-{proc.pid}-*") == []
+    for segment in left:
+        assert f"removed shared-memory segment {os.path.basename(segment)}" in err
+
+
 def test_sigterm_during_startup_gives_back_every_segment(tmp_path):
     """SIGTERM while the daemon holds its arenas but does not serve yet (here: blocked reading its
     history file, a FIFO this test holds open) must not leave the segments in /dev/shm."""

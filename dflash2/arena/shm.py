@@ -8,11 +8,16 @@ GPU.
 We do not use `multiprocessing.shared_memory`: its resource tracker unlinks segments that it thinks
 are leaked, behind the daemon's back.
 
-Invariant: only the creator unlinks the segment; views handed out stay valid until `close`.
+Invariant: only the creator unlinks the segment; views handed out stay valid until `close`. The
+creator holds a shared flock on the segment while it lives: a segment nobody holds was left by a
+daemon that was killed (SIGKILL, the OOM killer), and `remove_stale` may delete it to give its memory
+back; a held one is never touched.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 
@@ -24,11 +29,46 @@ from dflash2.tiers import Tier
 
 SHM_DIR = "/dev/shm"
 
+log = logging.getLogger("dflash2.arena.shm")
+
 
 def _segment_path(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
         raise ArenaError(f"shared-memory segment name {name!r} must be a non-empty file name without '/'")
     return os.path.join(SHM_DIR, name)
+
+
+def remove_stale(path: str) -> int | None:
+    """Delete the segment at `path` when no process holds it (its creator died without unlinking
+    it). Returns the bytes given back (0 when it was already gone), or None when it is held (alive)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        size = os.fstat(fd).st_size
+        os.unlink(path)
+        return size
+    finally:
+        os.close(fd)
+
+
+def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
+    """Remove every segment whose name starts with `prefix` that no process holds (the segments of a
+    daemon that was killed); (name, bytes) of each one removed, each also logged."""
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if name.startswith(prefix):
+            size = remove_stale(os.path.join(SHM_DIR, name))
+            if size is not None:
+                log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was "
+                            "left by a daemon that was killed", name, size)
+                removed.append((name, size))
+    return removed
 
 
 def mem_available_bytes() -> int:
@@ -60,13 +100,14 @@ class SharedMemoryArena(MemoryArena):
     """Use `create` (daemon) or `attach` (client); the constructor takes an already-mapped segment."""
 
     def __init__(self, name: str, fd: int, capacity_bytes: int, tier: Tier, alignment: int,
-                 owner: bool, populate: bool):
+                 owner: bool, populate: bool, hold_fd: int = -1):
         self.name = name
         self.path = _segment_path(name)
         self.tier = tier
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         self.owner = owner
+        self._hold_fd = hold_fd  # the creator's flock on the segment (see the module docstring)
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
             self._mm: mmap.mmap | None = mmap.mmap(fd, capacity_bytes, flags=flags,
@@ -88,26 +129,39 @@ class SharedMemoryArena(MemoryArena):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except FileExistsError:
-            raise ArenaError(f"shared-memory segment {path} already exists (another daemon, or one that "
-                             f"did not shut down cleanly: remove the file if no daemon runs)") from None
+            # A killed daemon's segment under the same name (a container's daemon is pid 1 every
+            # time) is given back and the name reused; one that a live process holds is an error.
+            size = remove_stale(path)
+            if size is None:
+                raise ArenaError(f"shared-memory segment {path} already exists and a running process holds "
+                                 f"it (another daemon with the same segment names?)") from None
+            log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was left by a "
+                        "daemon that was killed", name, size)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         # Every failure from here on removes the segment, an interruption too (a stop signal during
         # start-up): a segment left behind holds its memory until someone deletes the file.
+        hold = -1
         try:
+            hold = os.open(path, os.O_RDONLY)
+            fcntl.flock(hold, fcntl.LOCK_SH)  # held for the segment's life: it is alive
             os.ftruncate(fd, capacity_bytes)
             if populate:
                 # fallocate takes the tmpfs pages now (ENOSPC here, not SIGBUS at a later write).
                 os.posix_fallocate(fd, 0, capacity_bytes)
         except BaseException as e:
             os.close(fd)
+            if hold >= 0:
+                os.close(hold)
             os.unlink(path)
             if not isinstance(e, OSError):
                 raise
             raise CapacityError(f"{tier.label} tier could not take {capacity_bytes} bytes of shared memory "
                                 f"for segment {name!r}: {e}") from e
         try:
-            return cls(name, fd, capacity_bytes, tier, alignment, owner=True, populate=populate)
+            return cls(name, fd, capacity_bytes, tier, alignment, owner=True, populate=populate, hold_fd=hold)
         except BaseException:
             os.unlink(path)
+            os.close(hold)
             raise
 
     @classmethod
@@ -149,3 +203,6 @@ class SharedMemoryArena(MemoryArena):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._hold_fd >= 0:
+            os.close(self._hold_fd)
+            self._hold_fd = -1
