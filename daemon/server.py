@@ -18,6 +18,7 @@ import zmq
 
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
+from dflash2 import protocol as P
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.observe import Observers, log_fallbacks
@@ -43,6 +44,7 @@ class Server:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
         self._sock.bind(endpoint)
 
     def stop(self) -> None:

@@ -62,6 +62,11 @@ MAGIC = b"DFLASH2"
 VERSION = 1
 MAX_BATCH = 65536  # most ids or keys in one call
 MAX_HEADER_BYTES = 1 << 20
+# Largest frame the daemon accepts (ZMQ_MAXMSGSIZE on its socket; a peer that sends a larger one is
+# disconnected without a reply). A valid request's frames are at most MAX_HEADER_BYTES (the header)
+# or MAX_BATCH 8-byte ids or keys: the bound only stops a peer from making the daemon, and every
+# client waiting on it, copy and parse a huge frame before the batch check could refuse it.
+MAX_FRAME_BYTES = 4 << 20
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 KEYS_DTYPE = np.dtype("<u8")
@@ -167,7 +172,12 @@ def peek_call_id(frames: list[bytes]) -> int:
 def encode_request(op: Op, call_id: int, client: int | None, args: dict | None = None,
                    arrays: list[bytes] | None = None, version: int = VERSION) -> list[bytes]:
     header = {"op": op.value, "id": call_id, "client": client, "args": args or {}}
-    return [MAGIC, str(version).encode(), json.dumps(header, separators=(",", ":")).encode(), *(arrays or [])]
+    frames = [MAGIC, str(version).encode(), json.dumps(header, separators=(",", ":")).encode(), *(arrays or [])]
+    big = max(memoryview(f).nbytes for f in frames)
+    if big > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{op.value}: a frame of {big} bytes is more than the daemon accepts ({MAX_FRAME_BYTES}; "
+                            f"a call carries at most {MAX_BATCH} ids or keys)")
+    return frames
 
 
 def decode_request(frames: list[bytes]) -> Request:

@@ -206,3 +206,29 @@ def test_reservation_status_of_another_clients_reservation_is_refused(connect):
         other.reservation(deferred.reservation_id)
     assert e.value.kind == "NotOwner"
     assert waiter.reservation(deferred.reservation_id).deferred
+
+
+def test_a_frame_larger_than_the_daemon_takes_never_reaches_it(connect, daemon):
+    x = connect("x")
+    keys = chain_keys(range(20 * 16), 16, "kept")
+    publish(x, keys)
+    huge = np.arange(1, 2 * P.MAX_FRAME_BYTES // 8, dtype=np.uint64)  # 8 MiB of keys
+    # Our client refuses at once, naming the bound (no send, no wait for a timeout).
+    with pytest.raises(P.ProtocolError, match=f"more than the daemon accepts \\({P.MAX_FRAME_BYTES}"):
+        x.lookup(huge)
+    # A peer that sends one anyway is dropped by the daemon's socket without a reply; the daemon
+    # never copies or parses it, and serves everyone else as before.
+    import zmq
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    header = b'{"op":"lookup","id":1,"client":null,"args":{}}'
+    raw.send_multipart([P.MAGIC, str(P.VERSION).encode(), header, huge.tobytes()])
+    assert len(x.lookup(keys)) == 20
+    assert raw.poll(500, zmq.POLLIN) == 0, "the daemon answered a frame larger than MAX_FRAME_BYTES"
+    raw.close()
+    ctx.term()
+    assert x.stats()["daemon"]["errors"] == 0  # neither frame was ever parsed (parsing would refuse it)
+    x.check()
