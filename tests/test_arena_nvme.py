@@ -32,7 +32,9 @@ def _blocks(rng, lengths, gap_pages=0):
 
 
 def test_file_is_preallocated(arena):
-    assert os.path.getsize(arena.path) == CAP
+    assert os.path.getsize(arena.path) == nvme.HEADER_BYTES + CAP
+    with open(arena.path, "rb") as f:
+        assert f.read(len(nvme.HEADER)) == nvme.HEADER
     assert arena.describe()["path"] == arena.path
 
 
@@ -125,7 +127,8 @@ def test_capacity_error_when_disk_is_short(tmp_path):
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
     need = round_up(free + (1 << 30))
-    with pytest.raises(CapacityError, match=rf"NVMe tier needs {need} bytes at .*, only \d+ free"):
+    with pytest.raises(CapacityError, match=rf"NVMe tier needs {need + nvme.HEADER_BYTES} bytes at .* \({need} "
+                                            rf"for blocks and a {nvme.HEADER_BYTES}-byte header\), only \d+ free"):
         NvmeArena(tmp_path / "big.bin", need, staging_bytes=STAGING)
 
 
@@ -138,13 +141,40 @@ def test_close_keeps_the_file(tmp_path):
     a = NvmeArena(tmp_path / "keep.bin", CAP, staging_bytes=STAGING)
     a.close()
     a.close()
-    assert os.path.getsize(tmp_path / "keep.bin") == CAP
+    assert os.path.getsize(tmp_path / "keep.bin") == nvme.HEADER_BYTES + CAP
     with pytest.raises(ArenaError, match="closed"):
         a.write_blocks([0], [np.ones(1, np.uint8)])
     b = NvmeArena(tmp_path / "keep.bin", CAP, staging_bytes=STAGING)  # reopens: an empty tier
     assert not b.read_blocks([0], [np.zeros(1, np.uint8)]).any()
     b.remove()
     assert not (tmp_path / "keep.bin").exists()
+
+
+@pytest.mark.parametrize("contents", [b"precious data\n" * 1000, b"\0" * 8192])
+def test_a_file_that_is_not_a_cache_file_is_never_overwritten(tmp_path, contents):
+    # A mistyped memory.nvme_path pointing at someone's file (or an old cache file without the
+    # header): refused with the path named, the file left exactly as it was.
+    victim = tmp_path / "data.bin"
+    victim.write_bytes(contents)
+    with pytest.raises(ArenaError, match=f"{victim} exists and is not a dflash2 NVMe cache file"):
+        NvmeArena(victim, CAP, staging_bytes=STAGING)
+    assert victim.read_bytes() == contents
+
+
+def test_a_cache_file_is_reused_and_an_empty_file_becomes_one(tmp_path):
+    path = tmp_path / "cache.bin"
+    path.touch()
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    a.write_blocks([0], [np.full(ALIGN, 7, np.uint8)])
+    a.close()
+    b = NvmeArena(path, CAP, staging_bytes=STAGING)  # ours: reused, as an empty tier
+    try:
+        assert not b.read_blocks([0], [np.zeros(ALIGN, np.uint8)]).any()
+        b.write_blocks([0], [np.full(ALIGN, 9, np.uint8)])
+        out = np.zeros(ALIGN, np.uint8)
+        assert b.read_blocks([0], [out]).all() and (out == 9).all()
+    finally:
+        b.remove()
 
 
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):

@@ -19,6 +19,10 @@ Invariants:
   are garbage, which the StorageArena contract allows (the caller must not use them).
 
 Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed by offset // ALIGN.
+
+The file starts with one ALIGN-byte header page (HEADER: what the file is) and block offsets count
+from the page after it. A file already at the path is reused only when it starts with that header:
+any other file is refused, never overwritten (a mistyped memory.nvme_path must not destroy data).
 """
 
 from __future__ import annotations
@@ -117,6 +121,11 @@ def _staging_ring(staging_bytes: int) -> StagingRing:
                             f"(memory.staging_buffer_size_mb): {e}") from e
 
 
+# The first page of every cache file: its magic line, zero-padded to ALIGN bytes.
+HEADER = b"dflash2 NVMe cache file; its contents are valid only while the daemon that wrote it runs\n"
+HEADER_BYTES = ALIGN
+
+
 class NvmeArena(StorageArena):
     alignment = ALIGN
 
@@ -164,18 +173,24 @@ class NvmeArena(StorageArena):
             except BlockingIOError:
                 raise ArenaError(f"NVMe tier file {self.path} is in use by another process") from None
             st = os.fstat(fd)
-            have = min(st.st_blocks * 512, self.capacity_bytes)  # already allocated, reused
+            if st.st_size and os.pread(fd, len(HEADER), 0) != HEADER:
+                raise ArenaError(f"{self.path} exists and is not a dflash2 NVMe cache file: the NVMe tier "
+                                 f"would overwrite it (remove it if it is an old cache file, or set "
+                                 f"memory.nvme_path to another file)")
+            total = HEADER_BYTES + self.capacity_bytes
+            have = min(st.st_blocks * 512, total)  # already allocated, reused
             free = _free_bytes(folder)
-            if self.capacity_bytes - have > free:
-                raise CapacityError(f"NVMe tier needs {self.capacity_bytes} bytes at {self.path}, "
-                                    f"only {free + have} free")
-            if st.st_size > self.capacity_bytes:
-                os.ftruncate(fd, self.capacity_bytes)
+            if total - have > free:
+                raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
+                                    f"and a {HEADER_BYTES}-byte header), only {free + have} free")
+            if st.st_size > total:
+                os.ftruncate(fd, total)
             try:
-                os.posix_fallocate(fd, 0, self.capacity_bytes)
+                os.posix_fallocate(fd, 0, total)
             except OSError as e:
-                raise CapacityError(f"NVMe tier needs {self.capacity_bytes} bytes at {self.path}, "
+                raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, "
                                     f"preallocation failed: {e}") from e
+            os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
         except BaseException:
             os.close(fd)
             raise
@@ -190,7 +205,9 @@ class NvmeArena(StorageArena):
             reason = e
         else:
             try:
-                pwrite_all(fd, self._ring.mv[:ALIGN], 0)  # the file holds nothing valid yet
+                # The test write is the header page itself (the blocks after it hold nothing valid yet).
+                self._ring.np[:HEADER_BYTES] = np.frombuffer(HEADER.ljust(HEADER_BYTES, b"\0"), dtype=np.uint8)
+                pwrite_all(fd, self._ring.mv[:HEADER_BYTES], 0)
                 self._fd = fd
                 return True
             except OSError as e:
@@ -264,7 +281,7 @@ class NvmeArena(StorageArena):
                 return [(i, s, e - s, zlib.crc32(srcs[i][s:e])) for run in lane for i, s, e in run.pieces]
 
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
-            runs, chunks = self._plan(srcs, lens, offs, extents, order, bridge=0)
+            runs, chunks = self._plan(srcs, lens, offs + HEADER_BYTES, extents, order, bridge=0)
             # Direct runs: a write needs no checksum first, so the checksums run beside the writes,
             # on the other cores (the runs dealt out over the checksum lanes), rather than in front
             # of or behind each write.
@@ -304,7 +321,7 @@ class NvmeArena(StorageArena):
                         dsts[i][s:d] = src
                 return crcs
 
-            runs, chunks = self._plan(dsts, lens, offs, extents, want, bridge=READ_BRIDGE_BYTES)
+            runs, chunks = self._plan(dsts, lens, offs + HEADER_BYTES, extents, want, bridge=READ_BRIDGE_BYTES)
             # Direct runs: READ_LANES lanes read them (lane r takes runs r, r + READ_LANES, ... in
             # file order), the checksum lanes take each run's pieces as soon as they have landed.
             landed: queue.SimpleQueue = queue.SimpleQueue()
@@ -360,9 +377,9 @@ class NvmeArena(StorageArena):
         tests can prove a checksum mismatch reads as a miss."""
         with self._lock:
             page = self._ring.mv[:ALIGN]
-            pread_all(self._fd, page, offset)
+            pread_all(self._fd, page, HEADER_BYTES + offset)
             page[0] ^= 0xFF
-            pwrite_all(self._fd, page, offset)
+            pwrite_all(self._fd, page, HEADER_BYTES + offset)
 
     def describe(self) -> dict:
         return {**super().describe(), "kind": "nvme", "path": self.path, "direct_io": self.direct_io,
