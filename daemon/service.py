@@ -101,6 +101,10 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+        if req.op in P.NEEDS_CLIENT and req.client in self.sessions:
+            # Heard from at the end of its call too: a call that ran longer than the lease (a
+            # large promotion) must not let its own client's lease lapse while it waited.
+            self.sessions[req.client].last_seen = self.clock()
         elapsed = time.perf_counter() - started
         stat = self.latency.setdefault(req.op.value, [0, 0.0])
         stat[0] += 1

@@ -126,6 +126,43 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     assert call(service, Op.CHECK).ok
 
 
+def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path):
+    """A call that runs past the lease (a large promotion from NVMe): neither its own client nor one
+    whose heartbeat queued up meanwhile may lapse. The clock is the service's fake one; the long call
+    advances it and holds the server until the other client's heartbeat is waiting on its socket."""
+    from dflash2.daemon.server import Server
+
+    server = Server(service, f"ipc://{tmp_path}/d.sock", tick_interval_s=0.001)
+    slow, waiting = attach(service, "slow", pid=1), attach(service, "waiting", pid=2)
+    plain = service._handlers[Op.LOOKUP]
+
+    def long_call(req):
+        assert server._sock.poll(10_000, zmq.POLLIN), "the heartbeat never reached the daemon"
+        clock.advance(3 * service.lease_timeout_s)
+        return plain(req)
+
+    service._handlers[Op.LOOKUP] = long_call
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    a, b = Transport(server.endpoint, timeout_s=10.0), Transport(server.endpoint, timeout_s=10.0)
+    try:
+        first = threading.Thread(target=lambda: a.call(Op.LOOKUP, slow, {}, [b""]))
+        first.start()
+        while service.counters["requests"] < 3:  # two attaches, then the long call has begun
+            time.sleep(0.001)
+        assert b.call(Op.HEARTBEAT, waiting).ok
+        first.join()
+        server.stop()
+        thread.join()
+    finally:
+        server.stop()
+        a.close()
+        b.close()
+        server.close()
+    assert service.counters["leases_expired"] == 0
+    assert set(service.sessions) == {slow, waiting}
+
+
 def test_transport_drops_late_replies_after_a_timeout(tmp_path):
     """A server that answers the first call too late: that reply must never answer the second."""
     endpoint = f"ipc://{tmp_path}/slow.sock"
