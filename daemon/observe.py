@@ -56,5 +56,6 @@ class Observers:
 def log_fallbacks(cfg: Config, plan) -> None:
     """One `dflash2_fallback` event per part the config asked for that this node cannot give."""
     if plan.device_kind == "host" and cfg.device.kind != "host":
-        event(log, "dflash2_fallback", "no GPU: the device tier is in host memory", level=logging.WARNING,
+        ignored = "" if cfg.device.gpu_ids is None else f" (device.gpu_ids {cfg.device.gpu_ids} ignored)"
+        event(log, "dflash2_fallback", f"no GPU: the device tier is in host memory{ignored}", level=logging.WARNING,
               what="device", asked=cfg.device.kind, using="host", reason="; ".join(plan.notes))

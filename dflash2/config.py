@@ -466,13 +466,20 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None) -> list[
         warnings.append(
             f"policy.cold_threshold is {cfg.policy.cold_threshold}: above {COLD_THRESHOLD_WARN} nearly every "
             "block counts as cold and the daemon will churn, demoting blocks that are about to be read")
+    if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
+        warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
     if mem_total_bytes is None:
         mem_total_bytes = machine_memory_bytes()
-    dram = cfg.memory.dram_capacity_mb * MB
-    if mem_total_bytes and dram > DRAM_WARN_FRACTION * mem_total_bytes:
+    dram_mb = cfg.memory.dram_capacity_mb
+    # With device.kind host the HBM stand-in is host memory too.
+    stand_in_mb = (cfg.memory.hbm_capacity_mb or 0) if cfg.device.kind == "host" else 0
+    host_mb = dram_mb + stand_in_mb
+    if mem_total_bytes and host_mb * MB > DRAM_WARN_FRACTION * mem_total_bytes:
+        what = (f"memory.dram_capacity_mb is {dram_mb} MB" if not stand_in_mb else
+                f"memory.dram_capacity_mb ({dram_mb} MB) and the host stand-in for HBM (memory.hbm_capacity_mb, "
+                f"{stand_in_mb} MB) come to {host_mb} MB")
         warnings.append(
-            f"memory.dram_capacity_mb is {cfg.memory.dram_capacity_mb} MB, more than "
-            f"{DRAM_WARN_FRACTION:.0%} of this machine's {mem_total_bytes // MB} MB of memory; "
+            f"{what}, more than {DRAM_WARN_FRACTION:.0%} of this machine's {mem_total_bytes // MB} MB of memory; "
             "the serving processes and the OS need the rest")
     return warnings
 

@@ -309,3 +309,22 @@ def test_python_m_cli_reports_a_bad_config_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "config file not found" in one_error_line(out.stderr, prefix="dflash2: error: ")
+
+
+def test_the_no_gpu_fallback_is_logged_with_what_it_ignores(caplog):
+    # device.kind auto on a machine without a GPU: the fallback to host memory is said, and so are
+    # the GPU ids it cannot honour (no silent fallback).
+    import logging
+
+    from dflash2.daemon.observe import log_fallbacks
+    from dflash2.plan import resolve_plan
+
+    cfg = parse_config({"enable": True, "device": {"kind": "auto", "gpu_ids": [0]},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16,
+                                   "nvme_capacity_mb": 0}})
+    plan = resolve_plan(cfg)
+    if plan.device_kind != "host":
+        pytest.skip("a GPU is visible here: no fallback to log")
+    with caplog.at_level(logging.WARNING):
+        log_fallbacks(cfg, plan)
+    assert "no GPU: the device tier is in host memory (device.gpu_ids [0] ignored)" in caplog.text

@@ -214,6 +214,17 @@ def test_config_warnings():
     assert len(big) == 1 and "memory.dram_capacity_mb" in big[0] and "80%" in big[0]
 
 
+def test_config_warnings_count_the_host_stand_in_and_name_ignored_gpu_ids():
+    # 64 MB of DRAM alone is under 80% of 150 MB, but the 64 MB HBM stand-in is host memory too.
+    both = config_warnings(parse_config(with_("memory.dram_capacity_mb", 64)), mem_total_bytes=150 << 20)
+    assert len(both) == 1 and "come to 128 MB" in both[0] and "memory.hbm_capacity_mb" in both[0]
+    cuda = with_("memory.dram_capacity_mb", 64)
+    cuda["device"] = {"kind": "cuda"}
+    assert config_warnings(parse_config(cuda), mem_total_bytes=150 << 20) == []  # HBM is GPU memory there
+    ids = config_warnings(parse_config(with_("device.gpu_ids", [0, 1])), mem_total_bytes=1 << 40)
+    assert ids == ["device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)"]
+
+
 def test_check_environment_names_the_key_to_use():
     env = {"DFLASH_DRAM_LIMIT": "64G", "DFLASH_OFFLOAD_ENABLE": "1", "DFLASH_SOMETHING": "x", "PATH": "/bin"}
     warnings = check_environment(env)
