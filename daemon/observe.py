@@ -49,6 +49,7 @@ class Observers:
     def close(self) -> None:
         if self.history is not None:
             self.history.record(self.service.stats())  # the last figures before the daemon stops
+            self.history.close()
         if self.metrics is not None:
             self.metrics.close()
 

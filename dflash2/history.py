@@ -20,6 +20,7 @@ Read it over the control protocol (op `history`, samples as JSON lines in one bi
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger("dflash2.history")
 
 FILE_NAME = "history.jsonl"
+LOCK_NAME = "history.lock"  # held by the daemon that writes FILE_NAME
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_MAX_SAMPLES = 3 * 3600
 DEFAULT_MAX_FILE_BYTES = 64 << 20
@@ -67,9 +69,16 @@ class History:
         self.path = path
         self.max_file_bytes = max_file_bytes
         self.clock = clock
+        self.lock_fd = -1  # the state folder's history lock, when this daemon holds it (make_history)
         self._next = -float("inf")
         if path is not None:
             self.samples.extend(read_file(path, max_samples))
+
+    def close(self) -> None:
+        """Give the state folder's history lock back (the file stays)."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
     def due(self) -> bool:
         return self.clock() >= self._next
@@ -150,13 +159,33 @@ def rates(samples: list[dict]) -> list[dict]:
 
 
 def make_history(cfg, state_dir: Path, **kw) -> History | None:
-    """The daemon's history per the config (None when off); the file lives in the state folder."""
+    """The daemon's history per the config (None when off); the file lives in the state folder.
+    One daemon writes a state folder's file: it holds a lock beside it (`LOCK_NAME`) while it runs,
+    and a second daemon given the same folder keeps its history in memory only, and says so
+    (two daemons appending to one file would interleave their samples)."""
     if not cfg.history_enabled:
         return None
-    path = None
+    path, lock_fd = None, -1
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        path = state_dir / FILE_NAME
+        lock_fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(lock_fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(lock_fd)
+            lock_fd = -1
+            log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
+                        "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
+        else:
+            os.ftruncate(lock_fd, 0)
+            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
+            path = state_dir / FILE_NAME
     except OSError as e:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+            lock_fd = -1
         log.warning("history: cannot create %s (%s); keeping it in memory only", state_dir, e)
-    return History(path=path, **kw)
+    history = History(path=path, **kw)
+    history.lock_fd = lock_fd
+    return history

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import os
 
 import pytest
 from prometheus_client import generate_latest
@@ -115,6 +116,26 @@ def test_history_is_bounded_persisted_and_reloaded(service, tmp_path, clock):
     assert len(read_file(path)) == 5
     again = History(max_samples=3, path=path, clock=clock)
     assert again.since() == h.since()
+
+
+def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
+    # Two daemons given one daemon.state_dir: the second keeps its history in memory and says why,
+    # rather than interleaving its samples into the first one's file.
+    from types import SimpleNamespace
+
+    from dflash2.history import make_history
+
+    cfg = SimpleNamespace(history_enabled=True)
+    first = make_history(cfg, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        second = make_history(cfg, tmp_path)
+    assert first.path == tmp_path / "history.jsonl" and second.path is None
+    assert f"written by another daemon (pid {os.getpid()})" in caplog.text
+    first.close()
+    third = make_history(cfg, tmp_path)  # the folder is free again once the first one stops
+    assert third.path == tmp_path / "history.jsonl"
+    third.close()
+    second.close()
 
 
 def test_history_op_answers_when_off_and_on(service, clock):
