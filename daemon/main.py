@@ -62,9 +62,53 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return EXIT_DISABLED
     if args.check:
-        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render_text())
+        now = room_now(plan)
+        if args.json:
+            print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
+        else:
+            print(plan.render_text())
+            for line in now:
+                print(f"now: {line}")
         return EXIT_OK
     return _serve(cfg)
+
+
+def room_now(plan: Plan) -> list[str]:
+    """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
+    take at start-up are free now (when they are not, start-up fails with exit 4). The config may
+    still be right for the machine it is meant for: these are lines to read, not errors."""
+    from dflash2.arena.nvme import HEADER, HEADER_BYTES
+    from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
+    from dflash2.tiers import Tier
+
+    def verdict(need: int, have: int) -> str:
+        return "fits" if need <= have else "start-up would fail now (exit 4)"
+
+    lines = []
+    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
+    if host:
+        shm, avail = shm_free_bytes(), mem_available_bytes()
+        lines.append(f"host memory tiers take {host} bytes of shared memory; /dev/shm has {shm} free and "
+                     f"MemAvailable is {avail}: {verdict(host, min(shm, avail))}")
+    nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
+    if nvme is not None and plan.nvme_path is not None and nvme.capacity_bytes:
+        path, held = plan.nvme_path, 0
+        if path.is_file():
+            with open(path, "rb") as f:
+                if f.read(len(HEADER)) != HEADER:
+                    lines.append(f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it "
+                                 f"(exit 4)")
+                    return lines
+            held = path.stat().st_blocks * 512  # reused by the tier
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize + held
+        need = nvme.capacity_bytes + HEADER_BYTES
+        lines.append(f"the NVMe file needs {need} bytes at {path}; {free} are free there (with what the file "
+                     f"already holds): {verdict(need, free)}")
+    return lines
 
 
 def check_policy(cfg: Config) -> None:

@@ -328,3 +328,24 @@ def test_the_no_gpu_fallback_is_logged_with_what_it_ignores(caplog):
     with caplog.at_level(logging.WARNING):
         log_fallbacks(cfg, plan)
     assert "no GPU: the device tier is in host memory (device.gpu_ids [0] ignored)" in caplog.text
+
+
+def test_check_says_whether_the_tiers_fit_this_machine_now(tmp_path):
+    def check(path):
+        out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path), "--check"],
+                             capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr  # the config is valid: these are lines to read
+        return [line for line in out.stdout.splitlines() if line.startswith("now: ")]
+
+    small = check(config(tmp_path))
+    assert len(small) == 1 and small[0].startswith("now: host memory tiers take") and small[0].endswith(": fits")
+    huge_mb = 4 * shm_module.mem_available_bytes() // (1 << 20)
+    huge = check(config(tmp_path, memory={"dram_capacity_mb": huge_mb}))
+    assert huge[0].endswith("start-up would fail now (exit 4)")
+    foreign = tmp_path / "data.bin"
+    foreign.write_bytes(b"not a cache")
+    nvme = check(config(tmp_path, memory={"nvme_capacity_mb": 4, "nvme_path": str(foreign)}))
+    assert nvme[-1] == f"now: {foreign} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)"
+    assert foreign.read_bytes() == b"not a cache"
+    fresh = check(config(tmp_path, memory={"nvme_capacity_mb": 4, "nvme_path": str(tmp_path / "c" / "nvme.bin")}))
+    assert fresh[-1].startswith("now: the NVMe file needs") and fresh[-1].endswith(": fits")
