@@ -12,6 +12,7 @@ the policy replay and the table bench use it that way, and so do most tests.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,9 +29,11 @@ from dflash2.placement import Placement, Watermark
 from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.reservations import Admission, AdmissionSettings, Decision
-from dflash2.table import BlockTable
+from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
+
+log = logging.getLogger("dflash2.manager")
 
 # The config's defaults (dflash2/config.py, policy.watermarks), for managers built without a config.
 DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.90, 0.80),
@@ -112,7 +115,7 @@ class BlockManager:
         self.table.client(client)
         reservations = self.admission.remove_client(client)
         released = self.table.remove_client(client)
-        self.admission.tick()
+        self._follow_up("granting waiting reservations after a detach", self.admission.tick)
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:
@@ -165,8 +168,18 @@ class BlockManager:
     def free(self, client: int, vids) -> int:
         self.table.refuse_reserved(self.table.rows(vids))  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
-        self.admission.tick()
+        self._follow_up("granting waiting reservations after a free", self.admission.tick)
         return n
+
+    @staticmethod
+    def _follow_up(what: str, step: Callable[[], object]) -> None:
+        """A step that follows a call's own work (granting reservations that wait, a prefetch): its
+        failure is logged and left to the next tick, never reported as the call's (whose work is
+        done: a client retrying a free that had succeeded would get a double-free error)."""
+        try:
+            step()
+        except Exception:
+            log.exception("%s failed (the call itself succeeded; the next tick tries again)", what)
 
     def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> list[Place]:
         """The longest cached prefix of a chain of content keys, and where each block lies."""
@@ -177,12 +190,19 @@ class BlockManager:
         """Rows of the longest cached prefix. A reader that reads from HBM gets the first window's
         blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie."""
         rows = self.table.lookup(keys, layout_id)
+        if (reader == Tier.HBM and self.prefetcher.base
+                and self._below_hbm(rows[: self.prefetcher.max_window])):
+            self._follow_up("the prefetch of a lookup", lambda: self.prefetcher.ahead(self.table.vids(rows), 0))
+            # The prefetch may have dropped blocks of the prefix (an NVMe read that failed, and what
+            # hung below it; or room made below HBM): the answer names only blocks still cached,
+            # never a freed row (no tier; its vid would be the next block's in that row).
+            c = self.table.cols
+            cached = (c.state[rows] != int(BlockState.FREE)) & (c.key[rows] != 0)
+            if not cached.all():
+                rows = rows[: int(np.argmin(cached))]
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
-        if (reader == Tier.HBM and self.prefetcher.base
-                and self._below_hbm(rows[: self.prefetcher.max_window])):
-            self.prefetcher.ahead(self.table.vids(rows), 0)
         return rows
 
     def acquire(self, client: int, vids, up_to: Tier = Tier.HBM) -> list[Place] | None:

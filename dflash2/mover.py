@@ -52,8 +52,10 @@ class Mover:
         self.backend = backend
         self.swap_batch_size = swap_batch_size
         self.stats: dict[tuple[Tier, Tier], DirectionStats] = defaultdict(DirectionStats)
-        # Rows whose read back from NVMe failed (checksum or I/O): their stored bytes are not to be
-        # trusted, so the caller drops them from the cache (a miss, never wrong data).
+        # Blocks whose read back from NVMe failed (checksum or I/O): their stored bytes are not to be
+        # trusted, so the caller drops them from the cache (a miss, never wrong data). Kept as vids,
+        # not rows: a caller cut short by an exception drains them later, when a row may have been
+        # freed and reused by another block, which must not be dropped in its place.
         self.lost: list[int] = []
         # Observer of each finished batch (src, dst, seconds): the metrics histogram hooks in here.
         self.on_batch: Callable[[Tier, Tier, float], None] | None = None
@@ -86,9 +88,10 @@ class Mover:
     def complete(self, move: PreparedMove) -> np.ndarray:
         """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
         ok = np.ones(len(move.rows), dtype=bool) if move.job is None else move.job.wait()
-        self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
         if move.src == Tier.NVME and not ok.all():
-            self.lost.extend(move.rows[~ok].tolist())
+            # Named before end_move, which frees a block whose last reference went mid-move.
+            self.lost.extend(self.table.vids(move.rows[~ok]).tolist())
+        self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
         seconds = time.perf_counter() - move.started
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
@@ -105,8 +108,11 @@ class Mover:
         return ok
 
     def take_lost(self) -> np.ndarray:
+        """Rows of the blocks whose read failed since the last call, those still live: a block
+        freed since (its row perhaps reused by another block) was dropped already."""
         lost, self.lost = self.lost, []
-        return np.asarray(sorted(set(lost)), dtype=np.int64)
+        rows, live = self.table.liveness(np.asarray(sorted(set(lost)), dtype=np.int64))
+        return rows[live]
 
     def move(self, rows: np.ndarray, dst: Tier,
              before_batch: Callable[[np.ndarray], object] | None = None,

@@ -268,8 +268,10 @@ class Placement:
         if not len(victims):
             return progress
         self._make_room_for_rows(lower, victims, protect)
-        moved = self.mover.move(victims, lower)
-        self._drop_lost()
+        try:
+            moved = self.mover.move(victims, lower)
+        finally:
+            self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
         self.stats.demoted += int(moved.sum())
         if moved.any():
             self.policy.on_insert(self.table, victims[moved], now)
@@ -320,31 +322,40 @@ class Placement:
         if len(away):
             def room_for(part: np.ndarray) -> None:
                 self._make_room_for_rows(dst, part, chain)
-            if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
-                # Room is made piece by piece while the earlier pieces come up, so the demotions
-                # (device to host) overlap the promotions (host to device): both ways of the link.
-                # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
-                moved = self.mover.move(away, dst, before_batch=room_for, max_batch_bytes=self.PROMOTE_PIECE_BYTES)
-            else:
-                room_for(away)
-                moved = self.mover.move(away, dst)
-                if not moved.all():
-                    # Blocks of several sizes: the room made for the whole may not have been
-                    # usable by every size once the first batches took their slots. Once more for
-                    # the rest, against the tier as it is now (not for blocks whose read failed:
-                    # they are dropped first).
-                    self._drop_lost()
-                    rest = np.flatnonzero(~moved)
-                    still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
-                    if len(still):
-                        room_for(away[still])
-                        moved[still] = self.mover.move(away[still], dst)
-            self._drop_lost()
+            try:
+                moved = self._promote_away(away, dst, room_for)
+            finally:
+                # Also when a batch (or the room made for it) raised: a block whose read failed
+                # is unpublished now, never found again (a miss, never wrong data).
+                self._drop_lost()
             self.stats.promoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, away[moved], self.table.clock())
         # A row freed on the way (its NVMe copy failed its checksum) has tier -1: not in dst.
         return (c.tier[rows] >= 0) & (c.tier[rows] <= int(dst))
+
+    def _promote_away(self, away: np.ndarray, dst: Tier, room_for) -> np.ndarray:
+        """Move `away` (ancestors first) up to dst, making room with `room_for`; the moved mask."""
+        c = self.table.cols
+        if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
+            # Room is made piece by piece while the earlier pieces come up, so the demotions
+            # (device to host) overlap the promotions (host to device): both ways of the link.
+            # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
+            return self.mover.move(away, dst, before_batch=room_for, max_batch_bytes=self.PROMOTE_PIECE_BYTES)
+        room_for(away)
+        moved = self.mover.move(away, dst)
+        if not moved.all():
+            # Blocks of several sizes: the room made for the whole may not have been
+            # usable by every size once the first batches took their slots. Once more for
+            # the rest, against the tier as it is now (not for blocks whose read failed:
+            # they are dropped first).
+            self._drop_lost()
+            rest = np.flatnonzero(~moved)
+            still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
+            if len(still):
+                room_for(away[still])
+                moved[still] = self.mover.move(away[still], dst)
+        return moved
 
     def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray) -> None:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold

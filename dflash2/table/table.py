@@ -109,15 +109,21 @@ class BlockTable:
         if len(vids) <= self.SMALL:
             return self._rows_small(vids)
         vids = np.asarray(vids, dtype=np.int64).reshape(-1)
+        rows, ok = self.liveness(vids)
+        if not ok.all():
+            bad = int(vids[int(np.argmin(ok))])
+            raise UnknownBlock(f"block {bad:#x} is not live (never allocated, freed, or stale)")
+        return rows
+
+    def liveness(self, vids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, live mask) of int64 vids: live = the row holds that very block (same generation,
+        not free); a row outside the table is reported as 0 and not live."""
         rows = vids & ROW_MASK
         gens = (vids >> 32) & ROW_MASK
         inside = rows < self.cols.capacity
         ok = inside.copy()
         ok[inside] = (self.cols.gen[rows[inside]] == gens[inside]) & (self.cols.state[rows[inside]] != int(S.FREE))
-        if not ok.all():
-            bad = int(vids[int(np.argmin(ok))])
-            raise UnknownBlock(f"block {bad:#x} is not live (never allocated, freed, or stale)")
-        return rows
+        return np.where(inside, rows, 0), ok
 
     def _rows_small(self, vids) -> np.ndarray:
         c = self.cols

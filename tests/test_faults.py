@@ -1,0 +1,219 @@
+"""Fault injection on the host data path: I/O errors, corrupt blocks, copies that fail or never start.
+
+Every test runs a real host manager (shared-memory HBM and DRAM stand-ins, an NVMe file in tmp_path)
+whose blocks hold distinct bytes, injects a failure at the lowest level (the staging I/O wrappers,
+the transfer backend), and then checks the rules: a failed read is a miss, never wrong data; a
+failure loses nothing that was not already lost; the table's invariants hold; nothing leaks.
+"""
+
+import numpy as np
+import pytest
+
+from dflash2.arena import nvme
+from dflash2.assemble import build_manager
+from dflash2.config import load_config
+from dflash2.layout import Layout
+from dflash2.mover import Mover
+from dflash2.tiers import Tier
+
+LAYOUT = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_block=16)  # 16 KiB
+
+
+@pytest.fixture
+def make_mgr(config_file, instance_name):
+    """Real host managers: 1 MiB of HBM and DRAM (64 blocks each), 2 MiB of NVMe."""
+    made = []
+
+    def make(prefetch_window=0):
+        cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                              "staging_buffer_size_mb": 1},
+                                      kv_block={"block_size": 16, "prefetch_window": prefetch_window}))
+        made.append(build_manager(cfg, instance=instance_name))
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()
+
+
+@pytest.fixture
+def mgr(make_mgr):
+    return make_mgr()
+
+
+def pattern(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
+
+
+def publish(m, client, lid, keys, chained=True) -> np.ndarray:
+    """Blocks holding pattern(key), published (one chain, or each its own root), held by nobody."""
+    groups = [keys] if chained else [[k] for k in keys]
+    out = []
+    for group in groups:
+        vids = m.allocate(client, lid, len(group))
+        for v, k in zip(vids.tolist(), group):
+            m.view(v)[:] = pattern(k)
+        vids = m.commit(client, vids, keys=group)
+        m.free(client, vids)
+        out.append(vids)
+    return np.concatenate(out)
+
+
+def stored_bytes(m, vid: int) -> np.ndarray | None:
+    """A block's bytes wherever it lies; None when its NVMe copy reads as a miss."""
+    p = m.place(vid)
+    if p.tier == Tier.NVME:
+        buf = np.zeros(p.nbytes, np.uint8)
+        return buf if m.arenas[Tier.NVME].read_blocks([p.offset], [buf])[0] else None
+    return np.array(m.view(vid))
+
+
+def to_nvme(m, vids) -> None:
+    rows = m.table.rows(vids)[::-1]  # leaves first
+    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+
+
+def assert_intact(m, vids, keys) -> None:
+    """Invariants hold, and each block is still found by its key, holding its own bytes."""
+    m.check_invariants()
+    for v, k in zip(np.asarray(vids).tolist(), keys):
+        assert [p.vid for p in m.lookup([k])] == [v], f"block of key {k} was lost"
+        got = stored_bytes(m, v)
+        assert got is not None and np.array_equal(got, pattern(k)), f"block of key {k} holds wrong bytes"
+
+
+def start_fails_at(m, monkeypatch, nth: int) -> None:
+    """The backend's `start` raises on its nth call (before any copy of that batch begins)."""
+    real, calls = m.backend.start, []
+
+    def start(batch):
+        calls.append(batch)
+        if len(calls) == nth:
+            raise RuntimeError("injected: copy could not be started")
+        return real(batch)
+
+    monkeypatch.setattr(m.backend, "start", start)
+
+
+# -- bugs found by injection ----------------------------------------------------------------------
+
+def test_a_failed_read_is_dropped_even_when_a_later_batch_fails_to_start(mgr, monkeypatch):
+    """A promotion whose first batch read a corrupt block and whose next batch's start raised used
+    to leave the corrupt block published (found by lookup) and its row in the mover's lost list; the
+    next promotion or demotion dropped whatever block held that row by then: a block that had never
+    failed, written after the failure, was lost."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    keys = list(range(1, 7))
+    vids = publish(mgr, a, lid, keys, chained=False)
+    rows = mgr.table.rows(vids)
+    assert mgr.mover.move(rows, Tier.DRAM).all() and mgr.mover.move(rows, Tier.NVME).all()
+    mgr.arenas[Tier.NVME].corrupt_for_test(mgr.place(int(vids[3])).offset)
+    mgr.mover.swap_batch_size = 2  # three batches: [1, 2], [3, 4 (corrupt)], [5, 6 (start raises)]
+    start_fails_at(mgr, monkeypatch, 3)
+    with pytest.raises(RuntimeError, match="injected"):
+        mgr.acquire(a, vids, up_to=Tier.DRAM)
+    monkeypatch.undo()
+    mgr.check_invariants()
+    assert mgr.lookup([4]) == [], "the block whose read failed is a miss at once"
+    assert mgr.placement.stats.lost == 1
+    # A new block is written (in the row the corrupt one had, had it been freed), then blocks move.
+    new = publish(mgr, a, lid, [99])
+    assert mgr.acquire(a, vids[4:], up_to=Tier.DRAM) is not None
+    mgr.release(a, vids[4:])
+    assert_intact(mgr, np.concatenate([vids[[0, 1, 2, 4, 5]], new]), [1, 2, 3, 5, 6, 99])
+    assert mgr.placement.stats.lost == 1
+
+
+def test_the_movers_lost_blocks_are_not_confused_with_a_reused_row(mgr, monkeypatch):
+    """Mover.take_lost names blocks, not rows: a lost block freed before its caller drained the list
+    (the caller was cut short by an exception) must not make the block that reuses its row a loss."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    vids = publish(mgr, a, lid, [1, 2], chained=False)
+    rows = mgr.table.rows(vids)
+    mover = Mover(mgr.table, mgr.backend, swap_batch_size=1)
+    assert mover.move(rows, Tier.DRAM).all() and mover.move(rows, Tier.NVME).all()
+    mgr.arenas[Tier.NVME].corrupt_for_test(mgr.place(int(vids[0])).offset)
+    start_fails_at(mgr, monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="injected"):
+        mover.move(rows, Tier.DRAM)  # the first block's read fails, the second batch never starts
+    monkeypatch.undo()
+    mgr.placement._evict(rows[:1])  # the corrupt block leaves the cache some other way
+    new = publish(mgr, a, lid, [99])
+    assert mgr.table.rows(new)[0] == rows[0], "the freed row is reused (the case under test)"
+    assert len(mover.take_lost()) == 0
+    assert_intact(mgr, np.concatenate([vids[1:], new]), [2, 99])
+
+
+def test_a_lookup_whose_prefetch_reads_a_corrupt_block_answers_the_prefix_before_it(make_mgr):
+    """The prefetch that a lookup starts drops a block whose NVMe read fails (and what hangs below
+    it). The lookup's answer was computed before: it named the freed rows, and building its places
+    raised `ValueError: -1 is not a valid Tier`; the daemon's records of those rows (lookup_rows)
+    gave tier -1 and the vid that the row's next block would get."""
+    m = make_mgr(prefetch_window=2)
+    a = m.attach("a")
+    lid = m.register_layout(LAYOUT)
+    keys = list(range(1, 7))
+    vids = publish(m, a, lid, keys)
+    to_nvme(m, vids)
+    m.arenas[Tier.NVME].corrupt_for_test(m.place(int(vids[1])).offset)
+    assert [p.vid for p in m.lookup(keys, lid)] == [int(vids[0])], "the prefix up to the corrupt block"
+    assert m.placement.stats.lost == 1
+    assert m.table.lookup(keys, lid).tolist() == m.table.rows(vids[:1]).tolist()
+    rows = m.lookup_rows(keys, lid)
+    assert (m.table.cols.tier[rows] >= 0).all()
+    assert_intact(m, vids[:1], keys[:1])
+    assert m.acquire(a, vids[:1]) is not None and np.array_equal(m.view(int(vids[0])), pattern(1))
+
+
+def test_a_lookup_whose_prefetch_makes_room_answers_only_blocks_still_cached(make_mgr):
+    """The same without a fault: the room a lookup's prefetch makes in full tiers may evict the
+    prefix's own cold tail from NVMe; the answer used to name those freed rows (tier -1)."""
+    m = make_mgr(prefetch_window=2)
+    a = m.attach("a")
+    lid = m.register_layout(LAYOUT)
+    keys = list(range(1, 21))
+    vids = publish(m, a, lid, keys)
+    to_nvme(m, vids)
+    key = 1000
+    for tier, free_blocks in ((Tier.NVME, 128 - 20), (Tier.DRAM, 64), (Tier.HBM, 64)):
+        while free_blocks:
+            n = min(free_blocks, 32)
+            more = publish(m, a, lid, list(range(key, key + n)), chained=False)
+            key += n
+            free_blocks -= n
+            if tier != Tier.HBM:
+                assert m.mover.move(m.table.rows(more), Tier.DRAM).all()
+            if tier == Tier.NVME:
+                assert m.mover.move(m.table.rows(more), Tier.NVME).all()
+    others = np.setdiff1d(m.table.live_rows(), m.table.rows(vids))
+    m.table.touch(others, m.table.clock() + 3600)  # everything but the prefix is hot
+    rows = m.lookup_rows(keys, lid)
+    assert (m.table.cols.tier[rows] >= 0).all(), "only live blocks in the answer"
+    assert len(rows) < len(keys), "the prefetch's room-making took the cold tail (the case under test)"
+    assert_intact(m, m.table.vids(rows), keys[:len(rows)])
+
+
+def test_a_call_whose_own_work_is_done_succeeds_when_a_follow_up_fails(make_mgr, monkeypatch, caplog):
+    # free's own work (the blocks are freed) is done before it grants waiting reservations, and a
+    # lookup's answer is known before its prefetch: a failure in those is logged, not the call's.
+    mgr = make_mgr(prefetch_window=4)
+    client, lid = mgr.attach("c"), mgr.register_layout(LAYOUT)
+    vids = mgr.allocate(client, lid, 2)
+
+    def broken():
+        raise RuntimeError("injected: follow-up failed")
+
+    monkeypatch.setattr(mgr.admission, "tick", broken)
+    with caplog.at_level("ERROR", logger="dflash2.manager"):
+        assert mgr.free(client, vids) == 2
+    assert "granting waiting reservations after a free failed" in caplog.text
+    keys = list(range(100, 104))
+    published = publish(mgr, client, lid, keys)
+    to_nvme(mgr, published)
+    monkeypatch.setattr(mgr.prefetcher, "ahead", lambda *a, **k: broken())
+    with caplog.at_level("ERROR", logger="dflash2.manager"):
+        assert [p.vid for p in mgr.lookup(keys, lid)] == published.tolist()
+    assert "the prefetch of a lookup failed" in caplog.text
+    mgr.check_invariants()
