@@ -16,9 +16,9 @@ import time
 
 import zmq
 
+from dflash2 import protocol as P
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
-from dflash2 import protocol as P
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.observe import Observers, log_fallbacks
@@ -32,8 +32,6 @@ log = logging.getLogger("dflash2.daemon")
 
 EXIT_START_FAILED = 4
 GB = 1e9
-
-
 DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
 
 

@@ -65,10 +65,14 @@ def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
         if name.startswith(prefix):
             size = remove_stale(os.path.join(SHM_DIR, name))
             if size is not None:
-                log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was "
-                            "left by a daemon that was killed", name, size)
+                _say_removed(name, size)
                 removed.append((name, size))
     return removed
+
+
+def _say_removed(name: str, size: int) -> None:
+    log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was left by a daemon "
+                "that was killed", name, size)
 
 
 def mem_available_bytes() -> int:
@@ -135,8 +139,7 @@ class SharedMemoryArena(MemoryArena):
             if size is None:
                 raise ArenaError(f"shared-memory segment {path} already exists and a running process holds "
                                  f"it (another daemon with the same segment names?)") from None
-            log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was left by a "
-                        "daemon that was killed", name, size)
+            _say_removed(name, size)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         # Every failure from here on removes the segment, an interruption too (a stop signal during
         # start-up): a segment left behind holds its memory until someone deletes the file.
