@@ -13,7 +13,10 @@ never move.
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
 spike of arrivals is paced over the window instead of setting off a storm of demotions; what the
-bucket cannot pay for now waits in the queue.
+bucket cannot pay for now waits in the queue. Demand is what was admitted (granted or queued), not
+what was rejected; and a reservation still waiting is demand still there: while the queue is not
+empty the bucket refills at least at its head's bytes (or the burst) per window, so a reservation
+that only the bucket holds back is never left waiting on demand that has died down.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.alloc import blocks_that_fit
 from dflash2.errors import NotOwner, ReservationError
 from dflash2.placement import Placement
 from dflash2.table import BlockState, BlockTable
@@ -108,10 +112,15 @@ class Admission:
         now = self._advance()
         blocks = math.ceil(tokens / layout.tokens_per_block)
         need = blocks * self.table.slot_bytes(layout_id, Tier.HBM)
-        self._rate += need / self.settings.smoothing_window_s
-        hbm = self.table.allocators[Tier.HBM].capacity_bytes
-        if need > hbm:
-            return self._reject(f"needs {need} bytes of HBM ({blocks} blocks); the HBM tier holds {hbm}")
+        alloc = self.table.allocators[Tier.HBM]
+        hbm = alloc.capacity_bytes
+        # Whole slabs of this layout's slots, not bytes: page tails hold no block, so a reservation
+        # under the tier's bytes may still never fit, and deferred it would wait at the head of the
+        # queue (holding back everything behind it) until it expired.
+        fit = blocks_that_fit(hbm, alloc.page_bytes, alloc.alignment, layout.block_bytes)
+        if blocks > fit:
+            return self._reject(f"needs {need} bytes of HBM ({blocks} blocks); the HBM tier holds {hbm} "
+                                f"bytes, {fit} blocks of this layout")
         held = self._client_hbm_bytes(client) if self.settings.max_client_share < 1.0 else 0
         if held + need > self.settings.max_client_share * hbm:
             return self._reject(f"client would hold {held + need} bytes of HBM, over its share "
@@ -120,12 +129,17 @@ class Admission:
         if expires <= now:
             return self._reject("deadline already passed")
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now)
+        # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
+        # demotes anything, and counted it would let the next burst demote at once.
+        demand = need / self.settings.smoothing_window_s
         if not self.deferred or priority > self.deferred[0].priority:
             if self._try_grant(res):
+                self._rate += demand
                 return Decision(Outcome.GRANTED, res.id)
         if len(self.deferred) >= self.settings.max_deferred:
             return self._reject(f"the deferred queue is full ({self.settings.max_deferred})")
         self._enqueue(res)
+        self._rate += demand
         self.counters["deferred"] += 1
         return self._deferred_decision(res)
 
@@ -198,9 +212,19 @@ class Admission:
         self._last = now
         decay = math.exp(-dt / self.settings.smoothing_window_s)
         # Refill at the filtered demand rate (integrated over dt), then let the rate decay.
-        self._bucket = min(self._bucket_cap_now(), self._bucket + self._rate * dt)
+        self._bucket = min(self._bucket_cap_now(), self._bucket + self._refill_rate() * dt)
         self._rate *= decay
         return now
+
+    def _refill_rate(self) -> float:
+        """Bytes/s the bucket refills at: the filtered demand rate, and while reservations wait at least
+        the cap (the head's bytes, or the burst) per smoothing window. Liveness: the demand that queued
+        them decays, and what it paid in while the head waited on something other than the bucket (a
+        writer's blocks) was cut at the cap, so without the floor a deferred reservation could wait
+        forever although demoting idle blocks would make its room."""
+        if not self.deferred:
+            return self._rate
+        return max(self._rate, self._bucket_cap_now() / self.settings.smoothing_window_s)
 
     def _bucket_cap_now(self) -> float:
         head = self.deferred[0].blocks * self.table.slot_bytes(self.deferred[0].layout_id, Tier.HBM) \
@@ -247,7 +271,8 @@ class Admission:
         pos = self.deferred.index(res)
         ahead = sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM) for r in self.deferred[: pos + 1])
         short = ahead - self._room(res) - self._bucket
-        wait = 0.0 if short <= 0 else (short / self._rate if self._rate > 0 else None)
+        rate = self._refill_rate()
+        wait = 0.0 if short <= 0 else (short / rate if rate > 0 else None)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
 
     def _reject(self, reason: str) -> Decision:
@@ -272,6 +297,14 @@ class Admission:
             self.deferred.remove(res)
 
     def _client_hbm_bytes(self, client: int) -> int:
+        """HBM bytes the client holds or has asked for: the blocks it references or pins there (its
+        private blocks, and published ones: a request's blocks are published at commit and still held),
+        and its reservations still in the queue (each within the share alone, together they would be
+        granted past it)."""
+        holder = self.table.client(client)
         c = self.table.cols
-        rows = np.flatnonzero((c.owner == client) & (c.tier == int(Tier.HBM)))
-        return int(sum(self.table.slot_bytes(int(l), Tier.HBM) for l in c.layout[rows].tolist()))
+        rows = np.fromiter(set(holder.refs) | set(holder.pins), dtype=np.int64)
+        rows = rows[c.tier[rows] == int(Tier.HBM)]
+        slots = np.array([self.table.slot_bytes(l, Tier.HBM) for l in range(len(self.table.layouts))], dtype=np.int64)
+        held = int(slots[c.layout[rows]].sum()) if len(rows) else 0
+        return held + sum(int(slots[r.layout_id]) * r.blocks for r in self.deferred if r.client == client)

@@ -1,0 +1,149 @@
+"""Audit of reservation and admission semantics: each test failed before its fix (dflash2/reservations.py).
+
+Metadata-only managers on the fake clock; no timing assertions."""
+
+from __future__ import annotations
+
+from dflash2.alloc import blocks_that_fit
+from dflash2.reservations import AdmissionSettings, Outcome
+from dflash2.tiers import Tier
+
+from conftest import MLA, SMALL
+
+BLOCK = 16384  # SMALL's block and slot in the specs of conftest (one block per page)
+
+
+def settings(**kw):
+    base = dict(smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0, max_deferred=8)
+    base.update(kw)
+    return AdmissionSettings(**base)
+
+
+def hbm_blocks_held(mgr, client) -> int:
+    """Blocks in HBM that the client references or pins (its own, and published ones it holds)."""
+    holder = mgr.table.clients[client]
+    rows = set(holder.refs) | set(holder.pins)
+    return sum(1 for r in rows if mgr.table.cols.tier[r] == int(Tier.HBM))
+
+
+# -- max_client_share ------------------------------------------------------------------------
+
+def test_deferred_reservations_of_a_client_count_toward_its_share(make_manager):
+    """Each reservation within the share alone, but together past it: the second is rejected, not
+    queued to be granted later with the first (a client then held the whole tier at share 0.5)."""
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
+    a, w = mgr.attach("a"), mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    writing = mgr.allocate(w, lid, 8)  # the tier is full of another client's blocks being written
+    first = mgr.reserve(a, lid, tokens=16 * 4)
+    assert first.outcome is Outcome.DEFERRED
+    second = mgr.reserve(a, lid, tokens=16 * 4)
+    assert second.outcome is Outcome.REJECTED and "share" in second.reason
+    mgr.free(w, writing)
+    assert mgr.admission.status(first.reservation_id).outcome is Outcome.GRANTED
+    assert hbm_blocks_held(mgr, a) <= 4
+    snap = mgr.stats()["reservations"]
+    assert (snap["granted"], snap["deferred"], snap["reserved_blocks"]) == (1, 0, 4)
+    mgr.check_invariants()
+
+
+def test_published_blocks_a_running_request_holds_count_toward_the_share(make_manager):
+    """The normal flow publishes a request's blocks at commit (content keys) while the request still
+    references them: they are held all the same, and a second reservation past the share is rejected."""
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=16 * 4)
+    assert d.outcome is Outcome.GRANTED
+    mgr.commit(a, mgr.take(a, d.reservation_id, 4), keys=[11, 12, 13, 14])
+    assert hbm_blocks_held(mgr, a) == 4
+    more = mgr.reserve(a, lid, tokens=16)
+    assert more.outcome is Outcome.REJECTED and "share" in more.reason
+    mgr.check_invariants()
+
+
+def test_share_frees_up_when_the_client_lets_go_of_its_blocks(make_manager):
+    """The share counts what is held: once the request frees its (published) blocks they stay cached
+    but no longer count, and the client may reserve again."""
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=16 * 4)
+    vids = mgr.commit(a, mgr.take(a, d.reservation_id, 4), keys=[21, 22, 23, 24])
+    mgr.free(a, vids)
+    assert mgr.reserve(a, lid, tokens=16 * 4).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+# -- reservations that can never fit -----------------------------------------------------------
+
+def test_reservation_beyond_the_blocks_the_tier_holds_is_rejected_not_queued(make_manager):
+    """MLA blocks of 5 KiB take 3 slots of a 16 KiB page (the tail holds none): 64 pages hold 192
+    blocks, though 200 blocks' bytes are under the tier's. Such a reservation can never be granted:
+    it is rejected with the reason, instead of waiting at the head of the queue (est. wait 0) and
+    holding back a one-block reservation of another client in an empty tier."""
+    mgr = make_manager(hbm_blocks=64, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    mla = mgr.register_layout(MLA)
+    small = mgr.register_layout(SMALL)
+    fit = blocks_that_fit(64 * BLOCK, BLOCK, 256, MLA.block_bytes)
+    assert fit == 192 and 200 * mgr.table.slot_bytes(mla, Tier.HBM) <= 64 * BLOCK
+    d = mgr.reserve(a, mla, tokens=16 * 200)
+    assert d.outcome is Outcome.REJECTED and "HBM tier holds" in d.reason and "192 blocks" in d.reason
+    one = mgr.reserve(b, small, tokens=16)
+    assert one.outcome is Outcome.GRANTED
+    mgr.cancel(b, one.reservation_id)
+    assert mgr.reserve(a, mla, tokens=16 * fit).outcome is Outcome.GRANTED  # what does fit is granted
+    mgr.check_invariants()
+
+
+# -- pacing: the token bucket ------------------------------------------------------------------
+
+def test_deferred_reservation_is_granted_once_idle_blocks_can_make_its_room(make_manager, clock):
+    """A small and a large reservation wait while a writer fills HBM. The writer finishes (its blocks
+    are idle cache now, DRAM is empty): the small one is granted, and so must the large one be, within
+    a few windows. The demand that queued them had decayed and what it paid in was cut at the cap
+    while the small one waited, so the large one waited until it expired (est. wait ~1e14 s)."""
+    mgr = make_manager(hbm_blocks=40, dram_blocks=80,
+                       admission=settings(smoothing_window_s=0.2, burst_fraction=0.1, reservation_ttl_s=30.0))
+    w, a = mgr.attach("w"), mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    writing = mgr.allocate(w, lid, 40)
+    small = mgr.reserve(a, lid, tokens=16 * 2)
+    large = mgr.reserve(a, lid, tokens=16 * 20)
+    assert (small.outcome, large.outcome) == (Outcome.DEFERRED, Outcome.DEFERRED)
+    for _ in range(20):  # the writer takes 2 s
+        clock.advance(0.1)
+        mgr.tick()
+    mgr.free(w, mgr.commit(w, writing, keys=list(range(1, 41))))
+    assert mgr.admission.status(small.reservation_id).outcome is Outcome.GRANTED
+    waiting = mgr.admission.status(large.reservation_id)
+    assert waiting.outcome is Outcome.DEFERRED and waiting.est_wait_s is not None
+    assert waiting.est_wait_s <= 10 * 0.2, waiting
+    for _ in range(20):  # 2 s: ten smoothing windows, far within the reservation's 30 s
+        clock.advance(0.1)
+        mgr.tick()
+    assert mgr.admission.status(large.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.stats()["reservations"]["reserved_blocks"] == 22
+    mgr.check_invariants()
+
+
+def test_a_rejected_reservation_does_not_refill_the_bucket(make_manager, clock):
+    """Only admitted demand paces demotions: a reservation rejected (here: larger than the tier) adds
+    nothing to the demand rate, so it does not let the next reservation demote at once what the
+    bucket has not refilled yet."""
+    mgr = make_manager(hbm_blocks=40, dram_blocks=80,
+                       admission=settings(smoothing_window_s=1.0, burst_fraction=0.1))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 40), keys=list(range(1, 41))))  # HBM full of idle cache
+    assert mgr.reserve(a, lid, tokens=16 * 4).outcome is Outcome.GRANTED  # spends the burst (4 blocks)
+    rate = mgr.stats()["reservations"]["demand_rate_bps"]
+    assert mgr.reserve(a, lid, tokens=16 * 1000).outcome is Outcome.REJECTED
+    assert mgr.stats()["reservations"]["demand_rate_bps"] == rate
+    clock.advance(0.1)
+    demoted = mgr.placement.stats.demoted
+    assert mgr.reserve(a, lid, tokens=16 * 4).outcome is Outcome.DEFERRED
+    assert mgr.placement.stats.demoted == demoted
+    mgr.check_invariants()
+
