@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflash2.alloc import SlotAllocator
+from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.errors import ArenaError, NeverFits
 from dflash2.invariants import check_invariants
@@ -309,11 +309,18 @@ class BlockManager:
     def _refuse_never_fits(self, tier: Tier, blocks: dict[int, int], what: str) -> None:
         """NeverFits when these blocks ({layout id: count}) exceed the tier's whole capacity: no
         amount of demotion could ever make room, so "no room now" would be a lie."""
+        alloc = self.table.allocators[tier]
         need = sum(n * self.table.slot_bytes(lid, tier) for lid, n in blocks.items())
-        capacity = self.table.allocators[tier].capacity_bytes
+        capacity = alloc.capacity_bytes
         if need > capacity:
             raise NeverFits(f"{what} needs {need} bytes of {tier.label}, more than the whole {tier.label} tier "
                              f"({capacity} bytes): they can never fit")
+        for lid, n in blocks.items():
+            # Whole slabs, not bytes: page tails hold no block of this layout.
+            fit = blocks_that_fit(capacity, alloc.page_bytes, alloc.alignment, self.table.layout(lid).block_bytes)
+            if n > fit:
+                raise NeverFits(f"{what} needs {n} blocks of layout {self.table.layout(lid).name!r} in "
+                                 f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
 
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""

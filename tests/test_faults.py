@@ -217,3 +217,18 @@ def test_a_call_whose_own_work_is_done_succeeds_when_a_follow_up_fails(make_mgr,
         assert [p.vid for p in mgr.lookup(keys, lid)] == published.tolist()
     assert "the prefetch of a lookup failed" in caplog.text
     mgr.check_invariants()
+
+
+def test_an_allocation_that_only_page_tails_could_hold_is_never_fits(make_manager):
+    # 64 HBM pages of 16 KiB hold 192 blocks of 5 KiB (three a page; the 1 KiB tails hold none): 200
+    # are under the tier's bytes but can never fit. NeverFits at once, not None ("no room now").
+    from conftest import MLA
+
+    from dflash2.errors import NeverFits
+
+    m = make_manager(hbm_blocks=64)
+    client, lid = m.attach("c"), m.register_layout(MLA)
+    assert 200 * MLA.block_bytes < m.table.allocators[Tier.HBM].capacity_bytes
+    with pytest.raises(NeverFits, match="the whole tier holds 192 of them"):
+        m.allocate(client, lid, 200)
+    assert len(m.allocate(client, lid, 192)) == 192
