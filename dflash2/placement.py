@@ -14,6 +14,7 @@ block: the request would otherwise not run at all.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,6 +65,11 @@ class Placement:
         self.cold_threshold = cold_threshold
         self.stats = PlacementStats()
         self._keyed: np.ndarray | None = None
+        # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
+        # for a reader that has not read them yet (the prefetcher registers itself). Their scores
+        # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
+        # after a prefetch would send them straight back down before their read.
+        self.awaiting_read: list[Callable[[], np.ndarray]] = []
 
     # -- tier figures ----------------------------------------------------------------------
     def lower(self, tier: Tier) -> Tier | None:
@@ -270,6 +276,13 @@ class Placement:
         self._make_room_for_rows(lower, victims, protect)
         try:
             moved = self.mover.move(victims, lower)
+            if not moved.any():
+                # A batch moves whole or not at all, but the tier below may hold some of the
+                # victims (the rest of it held): a block is dropped only when the tier below has
+                # no room for it. Leaves come first, so the leading ones leave no parent below its child.
+                fit = self._leading_that_fit(victims, lower)
+                if fit:
+                    moved[:fit] = self.mover.move(victims[:fit], lower)
         finally:
             self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
         self.stats.demoted += int(moved.sum())
@@ -278,6 +291,20 @@ class Placement:
             return True
         # The tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
+
+    def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
+        """How many of the leading rows `tier` has free slots for now, size by size."""
+        alloc = self.table.allocators[tier]
+        left: dict[int, int] = {}
+        n = 0
+        for size in self.table.block_bytes(rows).tolist():
+            if size not in left:
+                left[size] = alloc.blocks_free(size)
+            if not left[size]:
+                break
+            left[size] -= 1
+            n += 1
+        return n
 
     def _drop_lost(self) -> None:
         lost = self.mover.take_lost()
@@ -302,26 +329,33 @@ class Placement:
     # -- background and promotion ----------------------------------------------------------
     def rebalance(self) -> None:
         """Bring every tier above its high watermark down to its low watermark, moving cold blocks
-        only. Slowest tier first, so that demotions find room below."""
+        only. Slowest tier first, so that demotions find room below. Blocks awaiting their read
+        (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
+        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+        protect = np.concatenate(held) if held else None
         for tier in reversed(self.tiers):
             wm = self.watermarks[tier]
             if self.used_fraction(tier) <= wm.high:
                 continue
             alloc = self.table.allocators[tier]
             target_free = int((1.0 - wm.low) * alloc.capacity_bytes)
-            self.make_room(tier, target_free, cold_only=True)
+            self.make_room(tier, target_free, cold_only=True, protect=protect)
 
-    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM) -> np.ndarray:
+    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None) -> np.ndarray:
         """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`
-        that are in dst afterwards; the rest could not be given room."""
+        that are in dst afterwards; the rest could not be given room. The room is never made by
+        moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
+        blocks above their prefix, and their reader waiting for the prefix to come back up; nor
+        from `protect` (a prefetch's reader: the rest of the chain it is about to read)."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
         chain = self._with_ancestors(rows, dst)
+        keep = chain if protect is None else np.union1d(chain, np.asarray(protect, dtype=np.int64))
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
         if len(away):
             def room_for(part: np.ndarray) -> None:
-                self._make_room_for_rows(dst, part, chain)
+                self._make_room_for_rows(dst, part, keep)
             try:
                 moved = self._promote_away(away, dst, room_for)
             finally:
@@ -369,6 +403,9 @@ class Placement:
             self.make_room(tier, need, protect=protect, block_bytes=size)
 
     def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+        """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
+        kept in the list too: it is what the room made for the others protects, and an ancestor
+        demoted to make that room would leave its promoted descendants above their prefix."""
         c = self.table.cols
         seen: dict[int, None] = {}
         for r in rows.tolist():
@@ -377,8 +414,6 @@ class Placement:
             while p >= 0 and p not in seen:
                 path.append(p)
                 p = int(c.parent[p])
-                if p >= 0 and c.tier[p] <= int(dst):
-                    break
             for q in reversed(path):
                 seen[q] = None
         return np.fromiter(seen, dtype=np.int64, count=len(seen))

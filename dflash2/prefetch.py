@@ -8,7 +8,9 @@ as HBM is above its high watermark: prefetching into a full tier only pushes out
 requests are about to read.
 
 Accounting: a prefetched block is *useful* when it is read while still in HBM, *wasted* when it left
-HBM (demoted, evicted) before its read or was never read.
+HBM (demoted, evicted) before its read or was never read; each prefetch counts once either way.
+A block prefetched since the last tick is left in HBM by that tick's rebalance (its score is old: a
+prefetch is not a read), so that the read it was brought up for finds it there.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class Prefetcher:
         self.useful = 0
         self.wasted = 0
         self._pending: set[int] = set()  # vids promoted by the prefetcher, not yet read
+        # vids prefetched since the last settle (the daemon's tick): the tick's rebalance leaves
+        # them in HBM for their read. One tick only: a block nobody reads is cold like any other.
+        self._fresh: set[int] = set()
+        manager.placement.awaiting_read.append(self._fresh_rows)
 
     # -- window ----------------------------------------------------------------------------
     def _adapt(self) -> int:
@@ -61,9 +67,16 @@ class Prefetcher:
                     & (c.state[rows] == int(BlockState.RESIDENT))]
         if not len(want):
             return 0
-        ok = self.manager.placement.promote(want, Tier.HBM)
+        # promote keeps the window's prefix (the blocks read first, already in HBM) in place, and
+        # the room it makes never takes the rest of the chain this reader is about to read.
+        ahead_rows, ahead_live = self._rows(list(vids[position:]))
+        ok = self.manager.placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live])
         done = table.vids(want[ok]).tolist()
+        # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
+        # settle between): that one was wasted, once; this one is counted on its own.
+        self.wasted += sum(1 for v in done if v in self._pending)
         self._pending.update(done)
+        self._fresh.update(done)
         return len(done)
 
     def reading(self, vids: Sequence[int]) -> None:
@@ -83,6 +96,7 @@ class Prefetcher:
 
     def settle(self) -> None:
         """Between reads (the daemon's tick): a prefetched block that left HBM unread was wasted."""
+        self._fresh.clear()
         if not self._pending:
             return
         mine = list(self._pending)
@@ -95,6 +109,16 @@ class Prefetcher:
         """The request is done reading: whatever it did not read was prefetched for nothing."""
         self.wasted += len(self._pending)
         self._pending.clear()
+        self._fresh.clear()
+
+    def _fresh_rows(self) -> np.ndarray:
+        """Rows of the blocks prefetched since the last settle, not yet read and still in HBM."""
+        mine = [v for v in self._fresh if v in self._pending]
+        if not mine:
+            return np.empty(0, dtype=np.int64)
+        rows, live = self._rows(mine)
+        rows = rows[live]
+        return rows[self.manager.table.cols.tier[rows] == int(Tier.HBM)]
 
     def _rows(self, vids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of the vids and a mask of those still live (an evicted block's vid is stale)."""

@@ -167,9 +167,10 @@ def test_a_lookup_whose_prefetch_reads_a_corrupt_block_answers_the_prefix_before
     assert m.acquire(a, vids[:1]) is not None and np.array_equal(m.view(int(vids[0])), pattern(1))
 
 
-def test_a_lookup_whose_prefetch_makes_room_answers_only_blocks_still_cached(make_mgr):
-    """The same without a fault: the room a lookup's prefetch makes in full tiers may evict the
-    prefix's own cold tail from NVMe; the answer used to name those freed rows (tier -1)."""
+def test_a_lookup_whose_prefetch_makes_room_keeps_its_own_chain(make_mgr):
+    """The same without a fault: the room a lookup's prefetch makes in full tiers used to evict the
+    prefix's own cold tail from NVMe, and the answer named those freed rows (tier -1). The chain the
+    reader is about to read is now kept: the room comes from other blocks."""
     m = make_mgr(prefetch_window=2)
     a = m.attach("a")
     lid = m.register_layout(LAYOUT)
@@ -191,8 +192,8 @@ def test_a_lookup_whose_prefetch_makes_room_answers_only_blocks_still_cached(mak
     m.table.touch(others, m.table.clock() + 3600)  # everything but the prefix is hot
     rows = m.lookup_rows(keys, lid)
     assert (m.table.cols.tier[rows] >= 0).all(), "only live blocks in the answer"
-    assert len(rows) < len(keys), "the prefetch's room-making took the cold tail (the case under test)"
-    assert_intact(m, m.table.vids(rows), keys[:len(rows)])
+    assert len(rows) == len(keys), "the prefetch's room-making took the chain's own cold tail"
+    assert_intact(m, vids, keys)
 
 
 def test_a_call_whose_own_work_is_done_succeeds_when_a_follow_up_fails(make_mgr, monkeypatch, caplog):

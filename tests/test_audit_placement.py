@@ -1,0 +1,123 @@
+"""Audit of placement and prefetch: promotions and prefetches that push out the very prefix they
+serve, demotions that drop blocks the tier below has room for, prefetched blocks sent straight back
+down by the next rebalance, and prefetch waste that went uncounted."""
+
+import numpy as np
+
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+
+def fill(mgr, client, lid, keys, parent=None):
+    """Commit one published block per key, chained, and drop the client's references (cached)."""
+    vids = mgr.commit(client, mgr.allocate(client, lid, len(keys)), keys=keys, parent=parent)
+    mgr.free(client, vids)
+    return vids
+
+
+def tiers_of(mgr, vids):
+    rows, live = mgr.table.liveness(np.asarray(vids, dtype=np.int64))
+    return [Tier(int(mgr.table.cols.tier[r])).label if ok else "gone" for r, ok in zip(rows.tolist(), live.tolist())]
+
+
+def prefix_ordered(labels):
+    order = {"hbm": 0, "dram": 1, "nvme": 2}
+    ranks = [order[t] for t in labels]
+    return ranks == sorted(ranks)
+
+
+def test_a_promotion_never_demotes_the_prefix_of_the_blocks_it_brings_up(make_manager, clock):
+    """Acquiring the tail of a chain whose head lies (unpinned) in a full HBM: the room for the tail
+    must not be made by demoting its own head, which would put the tail above its prefix."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3, 4])  # the oldest blocks (LRU)
+    mgr.mover.move(mgr.table.rows(chain[2:])[::-1], Tier.DRAM)  # head in HBM, tail in DRAM
+    clock.advance(1)
+    fill(mgr, a, lid, [10, 11])  # HBM full, these newer than the head
+    assert mgr.acquire(a, chain[2:]) is not None
+    labels = tiers_of(mgr, chain)
+    assert prefix_ordered(labels), f"a block above its prefix: {labels}"
+    assert labels == ["hbm", "hbm", "hbm", "hbm"]
+    mgr.check_invariants()
+
+
+def test_a_lookup_prefetch_never_demotes_the_blocks_of_its_own_window(make_manager, clock):
+    """The window's head already lies in HBM; making room for the rest of the window must push out
+    other blocks, not the head the request reads first."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, a, lid, [1, 2, 3, 4])
+    mgr.mover.move(mgr.table.rows(chain[2:])[::-1], Tier.DRAM)
+    clock.advance(1)
+    fill(mgr, a, lid, [10, 11, 12, 13, 14, 15])  # HBM full (window stays 4)
+    found = mgr.lookup([1, 2, 3, 4], lid)
+    assert [p.vid for p in found] == chain.tolist()
+    assert [p.tier for p in found] == [Tier.HBM] * 4, tiers_of(mgr, chain)
+    mgr.check_invariants()
+
+
+def test_a_demotion_keeps_what_the_tier_below_has_room_for(make_manager, clock):
+    """The tier below can take only some of the victims (the rest of it is held): those move
+    down, only the others are dropped. A batch that does not fit whole used to drop them all."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.commit(b, mgr.allocate(b, lid, 2), keys=[100, 101])  # b keeps its references
+    mgr.mover.move(mgr.table.rows(held)[::-1], Tier.DRAM)  # DRAM: 2 of 4 slots held, 2 free
+    cached = [int(fill(mgr, a, lid, [k])[0]) for k in range(1, 5)]  # HBM full of cached blocks
+    assert mgr.allocate(a, lid, 4) is not None
+    labels = tiers_of(mgr, cached)
+    assert labels.count("dram") == 2 and labels.count("gone") == 2, labels
+    assert mgr.placement.stats.evicted == 2  # the tier's two free slots kept two of the four
+    mgr.check_invariants()
+
+
+def test_a_prefetched_block_is_not_sent_back_down_by_the_next_rebalance(make_manager, clock):
+    """A lookup's prefetch fills HBM past its high watermark; the tick that follows before the read
+    must demote other cold blocks, not the prefetched ones (whose scores are old: the prefetch is
+    not a read) — that would send them straight back down and make the read wait for them again."""
+    for policy in ("lru", "heat"):
+        mgr = make_manager(hbm_blocks=20, dram_blocks=40, prefetch_window=4, policy=policy)
+        a = mgr.attach("a")
+        lid = mgr.register_layout(SMALL)
+        chain = fill(mgr, a, lid, [1, 2, 3, 4])
+        mgr.mover.move(mgr.table.rows(chain)[::-1], Tier.DRAM)
+        for k in range(18):  # HBM between its watermarks (0.9): the window stays 4
+            clock.advance(1)
+            fill(mgr, a, lid, [100 + k])
+        found = mgr.lookup([1, 2, 3, 4], lid)
+        assert [p.tier for p in found] == [Tier.HBM] * 4
+        clock.advance(0.1)
+        mgr.tick()  # HBM is full: rebalance demotes down to the low watermark
+        assert mgr.stats()["tiers"]["hbm"]["blocks"] <= 17
+        assert tiers_of(mgr, chain) == ["hbm"] * 4, policy
+        assert mgr.acquire(a, chain) is not None
+        assert mgr.access.reads[Tier.HBM] == 4, policy
+        assert (mgr.prefetcher.useful, mgr.prefetcher.wasted) == (4, 0), policy
+        mgr.check_invariants()
+
+
+def test_a_block_prefetched_again_after_leaving_hbm_unread_counts_one_waste(make_manager, clock):
+    """Prefetched, pushed out unread (no tick in between to settle it), prefetched again, then read:
+    two prefetches, one useful and one wasted. The second prefetch used to hide the first."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, prefetch_window=1)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    block = fill(mgr, a, lid, [1])
+    mgr.mover.move(mgr.table.rows(block), Tier.DRAM)
+    clock.advance(1)
+    fill(mgr, a, lid, [10, 11, 12])  # HBM: 3 of 4 used
+    assert mgr.lookup([1], lid)[0].tier == Tier.HBM  # prefetched into the free slot
+    assert mgr.prefetcher.pending == 1
+    mgr.placement.make_room(Tier.HBM, 4 * 16384)  # another request needs all of HBM: it goes down
+    assert tiers_of(mgr, block) == ["dram"]
+    assert mgr.lookup([1], lid)[0].tier == Tier.HBM  # prefetched again
+    assert mgr.acquire(a, block) is not None
+    assert (mgr.prefetcher.useful, mgr.prefetcher.wasted) == (1, 1)
+    assert mgr.prefetcher.pending == 0
+    assert b is not None
+    mgr.check_invariants()
