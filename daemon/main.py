@@ -26,7 +26,7 @@ from dflash2.policy.base import policy_class, policy_names
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_DISABLED = 3
-EXIT_START_FAILED = 4  # the server's code: a region, the endpoint or the metrics port cannot be had
+EXIT_START_FAILED = 4  # a region, the endpoint or the metrics port cannot be had (the server's code too)
 
 # Registered policies that the daemon cannot run: they exist for the benches.
 BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exists for `dflash2 bench policy` only"}
@@ -77,7 +77,7 @@ def room_now(plan: Plan) -> list[str]:
     """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
-    from dflash2.arena.nvme import HEADER, HEADER_BYTES
+    from dflash2.arena.nvme import HEADER, HEADER_BYTES, is_foreign
     from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
@@ -95,15 +95,12 @@ def room_now(plan: Plan) -> list[str]:
         path, held = plan.nvme_path, 0
         if path.is_file():
             with open(path, "rb") as f:
-                if f.read(len(HEADER)) != HEADER:
+                if is_foreign(f.read(len(HEADER))):
                     lines.append(f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it "
                                  f"(exit 4)")
                     return lines
             held = path.stat().st_blocks * 512  # reused by the tier
-        folder = path.parent
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        st = os.statvfs(folder)
+        st = os.statvfs(_nearest_existing(path.parent))
         free = st.f_bavail * st.f_frsize + held
         need = nvme.capacity_bytes + HEADER_BYTES
         lines.append(f"the NVMe file needs {need} bytes at {path}; {free} are free there (with what the file "
@@ -144,11 +141,16 @@ def check_paths(plan: Plan) -> None:
         _check_folder("daemon.state_dir", plan.state_dir)
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _check_folder(key: str, folder: Path) -> None:
     """`folder` is a folder, or can be made: its nearest existing ancestor is a folder."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(folder)
     if not existing.is_dir():
         raise ConfigError(key, f"{folder} is not a folder" if existing == folder
                           else f"{existing} is not a folder, so the folder {folder} cannot be made")

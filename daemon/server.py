@@ -21,6 +21,7 @@ from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
+from dflash2.daemon.main import EXIT_START_FAILED
 from dflash2.daemon.observe import Observers, log_fallbacks
 from dflash2.daemon.service import Service
 from dflash2.errors import ArenaError, CapacityError
@@ -30,7 +31,6 @@ from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
 
-EXIT_START_FAILED = 4
 GB = 1e9
 DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
 

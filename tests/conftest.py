@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -85,34 +88,53 @@ def make_manager(clock):
         mgr.close()
 
 
+def write_config(tmp_path: Path, **sections) -> str:
+    """A small host-only config written into tmp_path; kwargs override sections (a dict updates
+    that section, anything else replaces it). Returns its path."""
+    cfg = {
+        "enable": True,
+        "device": {"kind": "host"},
+        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16,
+                   "nvme_capacity_mb": 32, "nvme_path": "nvme.cache", "staging_buffer_size_mb": 4,
+                   "page_kb": 64},
+        "kv_block": {"block_size": 16, "prefetch_window": 2},
+        "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"},
+        "logging": {"format": "text", "level": "info"},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    path = tmp_path / "dflash2_config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
 @pytest.fixture
 def config_file(tmp_path):
-    """Writes a small host-only config into tmp_path and returns its path; kwargs override sections."""
-
-    def write(**sections) -> str:
-        cfg = {
-            "enable": True,
-            "device": {"kind": "host"},
-            "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16,
-                       "nvme_capacity_mb": 32, "nvme_path": "nvme.cache", "staging_buffer_size_mb": 4,
-                       "page_kb": 64},
-            "kv_block": {"block_size": 16, "prefetch_window": 2},
-            "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
-            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"},
-            "logging": {"format": "text", "level": "info"},
-        }
-        for key, value in sections.items():
-            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-                cfg[key].update(value)
-            else:
-                cfg[key] = value
-        path = tmp_path / "dflash2_config.json"
-        path.write_text(json.dumps(cfg))
-        return str(path)
-
-    return write
+    """write_config into this test's tmp_path."""
+    return functools.partial(write_config, tmp_path)
 
 
 @pytest.fixture
 def instance_name() -> str:
     return f"dflash2-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def connect(daemon):
+    """Clients of the test module's `daemon` fixture (a DaemonProcess), closed at the end."""
+    from dflash2.client import Client
+
+    made = []
+
+    def make(name="test", layouts=(SMALL,), **kw):
+        c = Client.connect(daemon.endpoint, name=name, layouts=list(layouts), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

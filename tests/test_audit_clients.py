@@ -27,20 +27,6 @@ def daemon(config_file, tmp_path):
     proc.stop()
 
 
-@pytest.fixture
-def connect(daemon):
-    made = []
-
-    def make(name="test", layouts=(SMALL,), **kw):
-        c = Client.connect(daemon.endpoint, name=name, layouts=list(layouts), **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
 def tiers_of(client, keys) -> list[int]:
     return client.lookup(keys, tier="dram")["tier"].tolist()  # a host reader: nothing moves
 

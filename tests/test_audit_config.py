@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import os
 import signal
 import socket
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_config
 
 from dflash2.arena import nvme as nvme_module
 from dflash2.arena import shm as shm_module
@@ -29,25 +29,12 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 def config(tmp_path: Path, **sections) -> Path:
-    """A small host-only config in tmp_path; kwargs update its sections."""
-    cfg = {
-        "enable": True,
-        "device": {"kind": "host"},
-        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
-                   "staging_buffer_size_mb": 4, "page_kb": 64},
-        "kv_block": {"block_size": 16},
-        "policy": {"name": "lru"},
-        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")},
-        "logging": {"format": "text", "level": "info"},
-    }
+    """conftest's small host config without an NVMe tier and with its own state folder; kwargs
+    update its sections."""
+    merged: dict = {"memory": {"nvme_capacity_mb": 0}, "daemon": {"state_dir": str(tmp_path / "state")}}
     for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key].update(value)
-        else:
-            cfg[key] = value
-    path = tmp_path / "dflash2_config.json"
-    path.write_text(json.dumps(cfg))
-    return path
+        merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
+    return Path(write_config(tmp_path, **merged))
 
 
 def run_daemon(path: Path, *args: str) -> tuple[int, str, bool]:

@@ -31,20 +31,6 @@ def daemon(config_file, tmp_path):
     proc.stop()
 
 
-@pytest.fixture
-def connect(daemon):
-    made = []
-
-    def make(name="test", layouts=(SMALL,), **kw):
-        c = Client.connect(daemon.endpoint, name=name, layouts=list(layouts), **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
 def run_child(script: str, *args, timeout=30) -> dict:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
                          capture_output=True, text=True, timeout=timeout)

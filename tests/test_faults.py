@@ -9,7 +9,6 @@ failure loses nothing that was not already lost; the table's invariants hold; no
 import numpy as np
 import pytest
 
-from dflash2.arena import nvme
 from dflash2.assemble import build_manager
 from dflash2.config import load_config
 from dflash2.layout import Layout
@@ -71,6 +70,15 @@ def stored_bytes(m, vid: int) -> np.ndarray | None:
 def to_nvme(m, vids) -> None:
     rows = m.table.rows(vids)[::-1]  # leaves first
     assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+
+
+def chain_on_nvme(m, keys):
+    """A client, the layout and one published chain of `keys` moved down to NVMe: (client, layout, vids)."""
+    a = m.attach("a")
+    lid = m.register_layout(LAYOUT)
+    vids = publish(m, a, lid, keys)
+    to_nvme(m, vids)
+    return a, lid, vids
 
 
 def assert_intact(m, vids, keys) -> None:
@@ -152,11 +160,8 @@ def test_a_lookup_whose_prefetch_reads_a_corrupt_block_answers_the_prefix_before
     raised `ValueError: -1 is not a valid Tier`; the daemon's records of those rows (lookup_rows)
     gave tier -1 and the vid that the row's next block would get."""
     m = make_mgr(prefetch_window=2)
-    a = m.attach("a")
-    lid = m.register_layout(LAYOUT)
     keys = list(range(1, 7))
-    vids = publish(m, a, lid, keys)
-    to_nvme(m, vids)
+    a, lid, vids = chain_on_nvme(m, keys)
     m.arenas[Tier.NVME].corrupt_for_test(m.place(int(vids[1])).offset)
     assert [p.vid for p in m.lookup(keys, lid)] == [int(vids[0])], "the prefix up to the corrupt block"
     assert m.placement.stats.lost == 1
@@ -172,11 +177,8 @@ def test_a_lookup_whose_prefetch_makes_room_keeps_its_own_chain(make_mgr):
     prefix's own cold tail from NVMe, and the answer named those freed rows (tier -1). The chain the
     reader is about to read is now kept: the room comes from other blocks."""
     m = make_mgr(prefetch_window=2)
-    a = m.attach("a")
-    lid = m.register_layout(LAYOUT)
     keys = list(range(1, 21))
-    vids = publish(m, a, lid, keys)
-    to_nvme(m, vids)
+    a, lid, vids = chain_on_nvme(m, keys)
     key = 1000
     for tier, free_blocks in ((Tier.NVME, 128 - 20), (Tier.DRAM, 64), (Tier.HBM, 64)):
         while free_blocks:

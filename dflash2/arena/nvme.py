@@ -126,6 +126,12 @@ HEADER = b"dflash2 NVMe cache file; its contents are valid only while the daemon
 HEADER_BYTES = ALIGN
 
 
+def is_foreign(head: bytes) -> bool:
+    """Whether a file whose first len(HEADER) bytes are `head` is someone else's: not empty, and
+    not a dflash2 cache file. Such a file is refused, never overwritten."""
+    return bool(head) and head != HEADER
+
+
 class NvmeArena(StorageArena):
     alignment = ALIGN
 
@@ -173,7 +179,7 @@ class NvmeArena(StorageArena):
             except BlockingIOError:
                 raise ArenaError(f"NVMe tier file {self.path} is in use by another process") from None
             st = os.fstat(fd)
-            if st.st_size and os.pread(fd, len(HEADER), 0) != HEADER:
+            if is_foreign(os.pread(fd, len(HEADER), 0)):
                 raise ArenaError(f"{self.path} exists and is not a dflash2 NVMe cache file: the NVMe tier "
                                  f"would overwrite it (remove it if it is an old cache file, or set "
                                  f"memory.nvme_path to another file)")
