@@ -84,7 +84,8 @@ def _places(raw: bytes) -> np.ndarray:
 
 class Client:
     def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
-                 heartbeat: bool = True, device: int | None = None):
+                 heartbeat: bool = True, device: int | None = None,
+                 prefill_tokens_per_s: Sequence[float | None] | None = None):
         check_endpoint(endpoint)
         self.endpoint = endpoint
         self.gpu = device  # the GPU this client serves (None: the daemon's first)
@@ -100,25 +101,31 @@ class Client:
         self._heartbeat_thread: threading.Thread | None = None
         self.lease_lost = False
         self.client_id: int | None = None
-        self._attach(layouts, heartbeat)
+        self._attach(layouts, heartbeat, prefill_tokens_per_s)
 
     @classmethod
     def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,
                 layouts: Sequence[Layout] = (), timeout_s: float | None = None, heartbeat: bool = True,
-                device: int | None = None) -> "Client":
+                device: int | None = None, prefill_tokens_per_s: Sequence[float | None] | None = None) -> "Client":
         """Attach to the daemon. `device` names the GPU this process serves: its blocks live in that
         GPU's pool and views map that GPU's arena. Every call times out after `timeout_s` (default:
-        the config's `daemon.request_timeout_s`, or 5 s when only an endpoint is given)."""
+        the config's `daemon.request_timeout_s`, or 5 s when only an endpoint is given).
+        `prefill_tokens_per_s`, one per layout (None where unknown): how fast this engine recomputes
+        KV of that layout; lookups then offer only blocks that load faster than that (cost-aware
+        reuse; `set_prefill_rate` changes it later)."""
         if endpoint is None or (config is not None and timeout_s is None):
             cfg = _config(config)
             endpoint = endpoint or cfg.resolved_endpoint()
             timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
         return cls(endpoint, name or f"pid-{os.getpid()}", layouts, 5.0 if timeout_s is None else timeout_s,
-                   heartbeat, device)
+                   heartbeat, device, prefill_tokens_per_s)
 
     # -- life ------------------------------------------------------------------------------
-    def _attach(self, layouts: Sequence[Layout], heartbeat: bool) -> None:
+    def _attach(self, layouts: Sequence[Layout], heartbeat: bool,
+                prefill_tokens_per_s: Sequence[float | None] | None) -> None:
         args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
+        if prefill_tokens_per_s is not None:
+            args["prefill_tokens_per_s"] = list(prefill_tokens_per_s)
         ns = pid_namespace()
         if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
             args["pid_namespace"] = ns
@@ -213,10 +220,17 @@ class Client:
         """Ids of the layouts registered at attach, in order."""
         return list(self.layout_ids)
 
-    def register_layout(self, layout: Layout) -> int:
-        lid = int(self._call(Op.REGISTER_LAYOUT, {"layout": layout.to_dict()}).result["layout"])
+    def register_layout(self, layout: Layout, prefill_tokens_per_s: float | None = None) -> int:
+        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": prefill_tokens_per_s}
+        lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
         self._layouts[lid] = layout
         return lid
+
+    def set_prefill_rate(self, layout: int, tokens_per_s: float | None) -> None:
+        """This engine recomputes KV of `layout` at `tokens_per_s` (None withdraws the rate): the
+        daemon's lookups for this client then stop a prefix before the first block whose read back
+        would take longer than recomputing it."""
+        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": tokens_per_s})
 
     def layout(self, layout_id: int) -> Layout:
         try:
@@ -269,11 +283,19 @@ class Client:
 
     def lookup(self, keys, layout: int | None = None, tier: str = "hbm") -> np.ndarray:
         """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing).
-        tier="dram": a host-side reader; the daemon prefetches nothing into HBM for it."""
+        tier="dram": a host-side reader; the daemon prefetches nothing into HBM for it. With a
+        prefill rate given for the layout, the prefix ends before the first block that loads more
+        slowly than this engine recomputes it."""
+        return self.lookup_with_cost(keys, layout, tier)[0]
+
+    def lookup_with_cost(self, keys, layout: int | None = None, tier: str = "hbm") -> tuple[np.ndarray, int]:
+        """`lookup`, and how many cached blocks past the answer were withheld because reading them
+        back would cost more than recomputing them (0 without a prefill rate)."""
         args = {} if layout is None else {"layout": int(layout)}
         if tier != "hbm":
             args["tier"] = tier
-        return _places(self._call(Op.LOOKUP, args, [_keys(keys)]).arrays[0])
+        reply = self._call(Op.LOOKUP, args, [_keys(keys)])
+        return _places(reply.arrays[0]), int(reply.result.get("withheld", 0))
 
     def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:
         """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import time
@@ -66,6 +67,7 @@ class Service:
             Op.ACQUIRE: self._acquire, Op.RELEASE: self._release, Op.FREE: self._free,
             Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
             Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check, Op.HISTORY: self._history,
+            Op.PREFILL_RATE: self._set_prefill_rate,
         }
 
     @property
@@ -159,10 +161,17 @@ class Service:
         if device not in self.managers:
             raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
         layouts = [self._layout(d) for d in specs]  # validate all before changing anything
+        rates = arg(req, "prefill_tokens_per_s", list, default=[None] * len(layouts))
+        if len(rates) != len(layouts):
+            raise ProtocolError(f"attach: {len(rates)} prefill rates for {len(layouts)} layouts (one per "
+                                "layout, null where unknown)")
+        rates = [self._rate(req, r) for r in rates]
         m = self.managers[device]
         client = m.attach(name, client_id=self._next_client)
         self._next_client += 1
         ids = [m.register_layout(lay) for lay in layouts]
+        for lid, rate in zip(ids, rates):
+            m.set_prefill_rate(client, lid, rate)
         now = self.clock()
         self.sessions[client] = Session(client, name, pid, now, now,
                                         pid_ns is not None and pid_ns == pid_namespace(), device)
@@ -181,7 +190,19 @@ class Service:
 
     def _register_layout(self, req):
         m = self._mgr(req)
-        return {"layout": m.register_layout(self._layout(arg(req, "layout", dict)))}, []
+        layout = self._layout(arg(req, "layout", dict))
+        rate = self._rate(req, req.args.get("prefill_tokens_per_s"))
+        lid = m.register_layout(layout)
+        m.set_prefill_rate(req.client, lid, rate)
+        return {"layout": lid}, []
+
+    def _set_prefill_rate(self, req):
+        m = self._mgr(req)
+        lid = self._layout_id(m, req)
+        if "tokens_per_s" not in req.args:
+            raise ProtocolError("prefill_rate: missing argument 'tokens_per_s' (a number, or null to withdraw it)")
+        m.set_prefill_rate(req.client, lid, self._rate(req, req.args["tokens_per_s"]))
+        return {}, []
 
     def _reserve(self, req):
         m = self._mgr(req)
@@ -240,7 +261,9 @@ class Service:
         layout = arg(req, "layout", int, default=None, lo=0)
         if layout is not None:
             m.table.layout(layout)  # an unknown layout id is an error, never an empty (all-miss) answer
-        return {}, [self._records(m, m.lookup_rows(keys, layout, reader=self._memory_tier(req)))]
+        withheld = m.access.withheld
+        rows = m.lookup_rows(keys, layout, reader=self._memory_tier(req), client=req.client)
+        return {"withheld": m.access.withheld - withheld}, [self._records(m, rows)]
 
     def _acquire(self, req):
         m = self._mgr(req)
@@ -317,6 +340,16 @@ class Service:
             return Layout.from_dict(data)
         except TypeError as e:
             raise LayoutError(f"bad layout field types: {e}") from None
+
+    @staticmethod
+    def _rate(req, value) -> float | None:
+        """A prefill rate from the wire: null, or a positive finite number of tokens per second."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ProtocolError(f"{req.op.value}: a prefill rate must be a positive number of tokens per "
+                                f"second or null, got {value!r}")
+        return float(value)
 
     def _memory_tier(self, req) -> Tier:
         tier = arg(req, "tier", str, default="hbm")

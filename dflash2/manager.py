@@ -28,6 +28,7 @@ from dflash2.mover import Mover
 from dflash2.placement import Placement, Watermark
 from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
+from dflash2.readcost import ReadCost
 from dflash2.reservations import Admission, AdmissionSettings, Decision
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -70,6 +71,9 @@ class AccessStats:
     misses: int = 0  # asked for, not cached anywhere (lookup stopped short)
     lookups: int = 0
     lookup_blocks_found: int = 0
+    # Cached blocks a lookup did not offer: reading them to the reader costs more than the client's
+    # engine recomputing them (also counted in `misses`: the engine recomputes them).
+    withheld: int = 0
 
     @property
     def hbm_hit_ratio(self) -> float | None:
@@ -99,6 +103,10 @@ class BlockManager:
         self.mover = Mover(self.table, backend, swap_batch_size)
         self.placement = Placement(self.table, self.mover, self.policy, list(self.specs),
                                    {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
+        # Cost-aware reuse: read bandwidth measured from the mover's batches, engines' prefill rates.
+        self.read_cost = ReadCost()
+        self.mover.read_cost = self.read_cost
+        self.placement.read_cost = self.read_cost
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.access = AccessStats()
         # A lookup is followed by the request reading its prefix from the start: the first window's
@@ -113,6 +121,7 @@ class BlockManager:
     def detach(self, client: int) -> dict:
         """Release everything the client holds (also what a lapsed lease does)."""
         self.table.client(client)
+        self.read_cost.drop_client(client)
         reservations = self.admission.remove_client(client)
         released = self.table.remove_client(client)
         self._follow_up("granting waiting reservations after a detach", self.admission.tick)
@@ -120,6 +129,14 @@ class BlockManager:
 
     def register_layout(self, layout: Layout) -> int:
         return self.table.register_layout(layout)
+
+    def set_prefill_rate(self, client: int, layout_id: int, tokens_per_s: float | None) -> None:
+        """The client's engine recomputes this layout's blocks at `tokens_per_s` (None: unknown).
+        Its lookups then offer only blocks that load faster than that, and placement keeps the
+        layout's blocks only in tiers that read back faster than its slowest engine recomputes."""
+        self.table.client(client)
+        self.table.layout(layout_id)
+        self.read_cost.set_rate(client, layout_id, tokens_per_s)
 
     # -- reservations ----------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, **kw) -> Decision:
@@ -186,10 +203,19 @@ class BlockManager:
         return self.places_of_rows(self.lookup_rows(keys, layout_id))
 
     def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None, *,
-                    reader: Tier = Tier.HBM) -> np.ndarray:
+                    reader: Tier = Tier.HBM, client: int | None = None) -> np.ndarray:
         """Rows of the longest cached prefix. A reader that reads from HBM gets the first window's
-        blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie."""
+        blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie. For a
+        client whose engine gave its prefill rate, the prefix ends before the first block that
+        would load to `reader` more slowly than the engine recomputes it (not offered as a hit)."""
         rows = self.table.lookup(keys, layout_id)
+        if client is not None and len(rows):
+            c = self.table.cols
+            worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
+            if not worth.all():
+                cut = int(np.argmin(worth))
+                self.access.withheld += len(rows) - cut
+                rows = rows[:cut]
         if (reader == Tier.HBM and self.prefetcher.base
                 and self._below_hbm(rows[: self.prefetcher.max_window])):
             self._follow_up("the prefetch of a lookup", lambda: self.prefetcher.ahead(self.table.vids(rows), 0))
@@ -283,6 +309,8 @@ class BlockManager:
             "lookups": self.access.lookups,
             "lookup_blocks_found": self.access.lookup_blocks_found,
             "lookup_misses": self.access.misses,
+            "lookup_withheld": self.access.withheld,
+            "read_cost": self.read_cost.describe(),
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
             "placement": dataclasses.asdict(self.placement.stats),
             "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,

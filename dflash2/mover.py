@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.readcost import ReadCost
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
@@ -59,6 +60,9 @@ class Mover:
         self.lost: list[int] = []
         # Observer of each finished batch (src, dst, seconds): the metrics histogram hooks in here.
         self.on_batch: Callable[[Tier, Tier, float], None] | None = None
+        # Where each finished batch's bytes and time go to measure the tiers' read bandwidth
+        # (dflash2/readcost.py); None: not measured (metadata-only replays have no copies to time).
+        self.read_cost: ReadCost | None = None
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -92,7 +96,11 @@ class Mover:
             # Named before end_move, which frees a block whose last reference went mid-move.
             self.lost.extend(self.table.vids(move.rows[~ok]).tolist())
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
-        seconds = time.perf_counter() - move.started
+        finished = time.perf_counter()
+        seconds = finished - move.started
+        if self.read_cost is not None and move.job is not None and ok.any():
+            arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
+            self.read_cost.observe(move.src, move.dst, arrived, move.started, finished)
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
         st.blocks += int(ok.sum())

@@ -20,6 +20,7 @@ import numpy as np
 
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
+from dflash2.readcost import ReadCost
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT, NO_ROW
 from dflash2.tiers import Tier
@@ -38,6 +39,7 @@ class PlacementStats:
     lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
     promoted: int = 0
     not_admitted: int = 0
+    not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
 
 
 class Placement:
@@ -70,6 +72,10 @@ class Placement:
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
         # after a prefetch would send them straight back down before their read.
         self.awaiting_read: list[Callable[[], np.ndarray]] = []
+        # Whether a tier is worth holding a layout's blocks (cost-aware reuse, dflash2/readcost.py):
+        # a block whose read back from the tier below would cost more than its engine recomputing it
+        # is dropped instead of demoted there. None: every tier holds every block.
+        self.read_cost: ReadCost | None = None
 
     # -- tier figures ----------------------------------------------------------------------
     def lower(self, tier: Tier) -> Tier | None:
@@ -257,6 +263,10 @@ class Placement:
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect) -> bool:
         now = self.table.clock()
         admitted = self.policy.admit(self.table, victims, lower, now)
+        too_slow = np.zeros(len(victims), dtype=bool)
+        if self.read_cost is not None:
+            too_slow = ~self.read_cost.keeps(self.table.layouts, self.table.cols.layout[victims], lower)
+            admitted &= ~too_slow
         refused = victims[~admitted]
         progress = False
         if len(refused):
@@ -267,7 +277,9 @@ class Placement:
                 drop = kept[self.table.evictable(kept)]
                 if not len(drop):
                     break
-                self.stats.not_admitted += len(drop)
+                slow = int(np.isin(drop, victims[too_slow]).sum())
+                self.stats.not_kept += slow
+                self.stats.not_admitted += len(drop) - slow
                 progress |= self._evict(drop)
                 kept = kept[~np.isin(kept, drop)]
             victims = victims[admitted | np.isin(victims, kept)]  # in their order: leaves first

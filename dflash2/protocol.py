@@ -17,12 +17,17 @@ ever appended; an op whose arguments change gets a new name.
 Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE records):
 
     ping             {}                                        → {version, pid}
-    attach           {name, pid, layouts: [layout dict]}       → {client, layouts: [id], arenas: [{tier,
+    attach           {name, pid, layouts: [layout dict], prefill_tokens_per_s=[rate or null per layout]}
+                                                               → {client, layouts: [id], arenas: [{tier,
                                                                   kind, name, capacity_bytes, alignment}],
                                                                   lease_timeout_s, heartbeat_interval_s, device}
     heartbeat        {}                                        → {lease_timeout_s}
     detach           {}                                        → {released: {...}}
-    register_layout  {layout: layout dict}                     → {layout: id}
+    register_layout  {layout: layout dict, prefill_tokens_per_s=null}
+                                                               → {layout: id}
+    prefill_rate     {layout, tokens_per_s (null: withdrawn)}  → {} (this client's engine recomputes the
+                                                                  layout's blocks at this rate: lookups offer
+                                                                  only blocks that load faster)
     reserve          {layout, tokens, priority=0, deadline_s=null (from now), request=0}
                                                                → decision {outcome, reservation_id, reason,
                                                                   position, est_wait_s}
@@ -35,6 +40,7 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                   cached already deduplicates)
     lookup           {layout=null, tier="hbm"} [keys]          → [places] of the longest cached prefix
                                                                   (tier "dram": a host reader, no prefetch)
+                                                                  that loads faster than a recompute
     acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
     release / add_ref{} [vids]                                 → {}
@@ -98,6 +104,7 @@ class Op(str, enum.Enum):
     SET_WEIGHTS = "set_weights"
     CHECK = "check"  # run the table's invariant check (tests, operators)
     HISTORY = "history"  # the daemon's time series of key figures (history_enabled)
+    PREFILL_RATE = "prefill_rate"  # the client's engine's prefill rate for a layout (cost-aware reuse)
 
 
 # Ops that need an attached client (the header's "client"); the rest do not.

@@ -1,0 +1,151 @@
+"""Cost-aware reuse: is reading a cached block back cheaper than recomputing it?
+
+Reading a block back costs its bytes over the measured bandwidth of the path from its tier to the
+reader; recomputing it costs its tokens over the engine's prefill rate. On the reference machine a
+32k-token KV loads from pinned DRAM 12-18x faster than it is recomputed, but from a local disk more
+slowly: such a block is not worth offering as a hit, nor worth sending to that tier.
+
+- Bandwidth is measured from the daemon's own moves, never assumed: the mover reports each finished
+  batch (source, destination, bytes that arrived, seconds of wall time that batch had the path to
+  itself, i.e. since its start or the previous batch on the path finished, whichever was later).
+  Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
+  A path never measured has no figure: its blocks are offered, and the stats say "unmeasured".
+- Prefill rates are registered by the engines, per client and layout (tokens per second). A layout
+  without a registered rate is never judged: its blocks are always offered and kept.
+
+Mechanism only: the lookup cuts its answer where `worth` says no, and placement drops instead of
+demoting where `keeps` says no. Nothing here holds block data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dflash2.layout import Layout
+from dflash2.tiers import Tier
+
+DECAY = 0.9  # weight of the past per finished batch on a path
+MIN_SAMPLE_BYTES = 1 << 20  # a path is measured once this many bytes have crossed it
+
+
+class ReadCost:
+    def __init__(self, decay: float = DECAY):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must lie in [0, 1), got {decay}")
+        self.decay = decay
+        self._bytes: dict[tuple[Tier, Tier], float] = {}
+        self._seconds: dict[tuple[Tier, Tier], float] = {}
+        self._seen: dict[tuple[Tier, Tier], int] = {}  # bytes ever measured on the path (not decayed)
+        self._busy_until: dict[tuple[Tier, Tier], float] = {}
+        self._rates: dict[tuple[int, int], float | None] = {}  # (client, layout id) -> tokens per second
+
+    # -- measurement -------------------------------------------------------------------------
+    def observe(self, src: Tier, dst: Tier, nbytes: int, started: float, finished: float) -> None:
+        """A batch moved `nbytes` (those that arrived) from src to dst between these clock readings
+        (perf_counter). Batches in flight together share the path: each counts only the time since
+        the previous one on the path finished."""
+        path = (src, dst)
+        begin = max(started, self._busy_until.get(path, -math.inf))
+        self._busy_until[path] = max(finished, self._busy_until.get(path, -math.inf))
+        seconds = finished - begin
+        if nbytes <= 0 or seconds <= 0.0:
+            return
+        self._bytes[path] = self.decay * self._bytes.get(path, 0.0) + nbytes
+        self._seconds[path] = self.decay * self._seconds.get(path, 0.0) + seconds
+        self._seen[path] = self._seen.get(path, 0) + nbytes
+
+    def bandwidth(self, src: Tier, dst: Tier) -> float | None:
+        """Bytes per second measured from src to dst; None while unmeasured."""
+        path = (src, dst)
+        if self._seen.get(path, 0) < MIN_SAMPLE_BYTES:
+            return None
+        return self._bytes[path] / self._seconds[path]
+
+    def seconds_per_byte(self, src: Tier, reader: Tier) -> float | None:
+        """Time to bring one byte from src to the reader's tier: the direct path when measured
+        (promotions move straight there), else the sum of the measured hops; None when unknown."""
+        if src <= reader:
+            return 0.0
+        direct = self.bandwidth(src, reader)
+        if direct is not None:
+            return 1.0 / direct
+        total = 0.0
+        for hop in range(int(src), int(reader), -1):
+            bw = self.bandwidth(Tier(hop), Tier(hop - 1))
+            if bw is None:
+                return None
+            total += 1.0 / bw
+        return total
+
+    # -- engines' prefill rates ----------------------------------------------------------------
+    def set_rate(self, client: int, layout_id: int, tokens_per_s: float | None) -> None:
+        """The client's engine recomputes blocks of this layout at this many tokens per second
+        (None: it does not say; its blocks of the layout are then never judged)."""
+        if tokens_per_s is not None:
+            if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) \
+                    or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+                raise ValueError(f"prefill rate for layout {layout_id} must be a positive number of tokens "
+                                  f"per second, got {tokens_per_s!r}")
+            tokens_per_s = float(tokens_per_s)
+        self._rates[(client, layout_id)] = tokens_per_s
+
+    def rate(self, client: int, layout_id: int) -> float | None:
+        return self._rates.get((client, layout_id))
+
+    def drop_client(self, client: int) -> None:
+        for key in [k for k in self._rates if k[0] == client]:
+            del self._rates[key]
+
+    def keeping_rate(self, layout_id: int) -> float | None:
+        """The rate placement judges a layout by: the slowest engine's (it gains most from a read
+        back), and None (never judged) while any client of the layout has not given one."""
+        rates = [r for (_, lid), r in self._rates.items() if lid == layout_id]
+        if not rates or any(r is None for r in rates):
+            return None
+        return min(rates)
+
+    # -- decisions -----------------------------------------------------------------------------
+    @staticmethod
+    def recompute_seconds(layout: Layout, tokens_per_s: float) -> float:
+        return layout.tokens_per_block / tokens_per_s
+
+    def load_seconds(self, layout: Layout, src: Tier, reader: Tier) -> float | None:
+        spb = self.seconds_per_byte(src, reader)
+        return None if spb is None else spb * layout.block_bytes
+
+    def _worth(self, layout: Layout, tokens_per_s: float | None, src: Tier, reader: Tier) -> bool:
+        if tokens_per_s is None:
+            return True
+        load = self.load_seconds(layout, src, reader)
+        return load is None or load < self.recompute_seconds(layout, tokens_per_s)
+
+    def worth(self, client: int | None, layouts: list[Layout], layout_ids: np.ndarray, tiers: np.ndarray,
+              reader: Tier) -> np.ndarray:
+        """Per block (layout id, tier): is reading it to `reader` cheaper than the client's engine
+        recomputing it? True where nothing is known (no rate, or an unmeasured path)."""
+        ok = np.ones(len(tiers), dtype=bool)
+        if client is None or not len(tiers):
+            return ok
+        for lid, tier in set(zip(layout_ids.tolist(), tiers.tolist())):
+            rate = self.rate(client, lid)
+            if not self._worth(layouts[lid], rate, Tier(tier), reader):
+                ok[(layout_ids == lid) & (tiers == tier)] = False
+        return ok
+
+    def keeps(self, layouts: list[Layout], layout_ids: np.ndarray, tier: Tier) -> np.ndarray:
+        """Per block: is `tier` worth holding it, i.e. is reading it back from there to HBM cheaper
+        than recomputing it for the slowest engine of its layout?"""
+        ok = np.ones(len(layout_ids), dtype=bool)
+        for lid in np.unique(layout_ids).tolist():
+            if not self._worth(layouts[lid], self.keeping_rate(lid), tier, Tier.HBM):
+                ok[layout_ids == lid] = False
+        return ok
+
+    def describe(self) -> dict:
+        paths = {}
+        for (a, b) in sorted(set(self._seen)):
+            bw = self.bandwidth(a, b)
+            paths[f"{a.label}->{b.label}"] = None if bw is None else round(bw / 1e9, 3)
+        return {"read_gbps": paths, "prefill_rates": len([r for r in self._rates.values() if r is not None])}
