@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import secrets
 import time
@@ -23,6 +22,7 @@ from dflash2.errors import DFlash2Error, LayoutError, NotOwner, ProtocolError, U
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
+from dflash2.readcost import MAX_PREFILL_RATE
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -346,10 +346,10 @@ class Service:
         """A prefill rate from the wire: null, or a positive finite number of tokens per second."""
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ProtocolError(f"{req.op.value}: a prefill rate must be a positive number of tokens per "
-                                f"second or null, got {value!r}")
-        return float(value)
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= MAX_PREFILL_RATE:
+            return float(value)  # also refuses NaN (no comparison holds) and integers beyond a float
+        raise ProtocolError(f"{req.op.value}: a prefill rate must be a positive number of tokens per second "
+                            f"(at most {MAX_PREFILL_RATE:g}) or null, got {value!r}")
 
     def _memory_tier(self, req) -> Tier:
         tier = arg(req, "tier", str, default="hbm")

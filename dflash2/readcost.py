@@ -28,6 +28,7 @@ from dflash2.tiers import Tier
 
 DECAY = 0.9  # weight of the past per finished batch on a path
 MIN_SAMPLE_BYTES = 1 << 20  # a path is measured once this many bytes have crossed it
+MAX_PREFILL_RATE = 1e18  # tokens per second: any real engine is far below; bounds what a client may say
 
 
 class ReadCost:
@@ -85,9 +86,9 @@ class ReadCost:
         (None: it does not say; its blocks of the layout are then never judged)."""
         if tokens_per_s is not None:
             if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) \
-                    or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+                    or not 0 < tokens_per_s <= MAX_PREFILL_RATE:  # NaN fails every comparison
                 raise ValueError(f"prefill rate for layout {layout_id} must be a positive number of tokens "
-                                  f"per second, got {tokens_per_s!r}")
+                                 f"per second (at most {MAX_PREFILL_RATE:g}), got {tokens_per_s!r}")
             tokens_per_s = float(tokens_per_s)
         self._rates[(client, layout_id)] = tokens_per_s
 

@@ -58,7 +58,7 @@ class Fuzzer:
 
     def args(self) -> dict:
         names = ["layout", "tokens", "n", "reservation", "parent", "priority", "deadline_s", "request", "name",
-                 "pid", "layouts", "weights", "pid_namespace", "bogus"]
+                 "pid", "layouts", "weights", "pid_namespace", "tokens_per_s", "prefill_tokens_per_s", "bogus"]
         out = {name: self.value() for name in self.rng.sample(names, self.rng.randint(0, 5))}
         if self.rng.random() < 0.2:
             out["layout"] = SMALL.to_dict() if self.rng.random() < 0.5 else {"name": 3, "dtype": "fp99"}

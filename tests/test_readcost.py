@@ -89,7 +89,7 @@ def test_placement_judges_a_layout_by_its_slowest_engine_and_only_when_all_gave_
     assert rc.keeping_rate(0) == FAST_ENGINE
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "fast"])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 10**400, True, "fast"])
 def test_a_bad_prefill_rate_is_refused(bad):
     with pytest.raises(ValueError, match="prefill rate"):
         ReadCost().set_rate(1, 0, bad)
@@ -200,7 +200,8 @@ def test_an_engine_gives_its_prefill_rate_and_lookups_withhold_slow_blocks(conne
 
 
 @pytest.mark.parametrize("rates, message", [
-    ([0], "positive number"), (["fast"], "positive number"), ([1.0, 2.0], "2 prefill rates for 1 layouts"),
+    ([0], "positive number"), (["fast"], "positive number"), ([10**400], "positive number"),
+    ([1.0, 2.0], "2 prefill rates for 1 layouts"),
 ])
 def test_a_bad_prefill_rate_at_attach_is_refused_with_its_reason(connect, rates, message):
     with pytest.raises(DaemonError, match=message):
