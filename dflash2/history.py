@@ -3,7 +3,9 @@
 With `history_enabled: true` the daemon's owner thread samples once per `interval_s` (1 s) from the
 same snapshot the metrics use, keeps the last `max_samples` (3 hours) in memory, and appends each
 sample as one JSON line to `STATE_DIR/history.jsonl` (rotated to `history.jsonl.1` past 64 MiB).
-On start it reloads what that file still holds, so a restarted daemon still has the night before.
+On start it reloads the newest `max_samples` lines that file still holds, so a restarted daemon
+still has the night before; a line that is not a sample (torn by a crash, or foreign) is skipped and
+the count logged.
 
 A sample holds gauges as they were and counters as running totals since the daemon started (a
 restart shows as a counter going down; `rates` skips that interval):
@@ -11,7 +13,8 @@ restart shows as a counter going down; `rates` skips that interval):
     {"t": unix seconds, "tiers": {tier: {used_bytes, capacity_bytes, blocks}},
      "reads": {tier: blocks acquired from it}, "hbm_hit_ratio": since start or null,
      "lookup_misses": n, "swaps": {"hbm->dram": {blocks, bytes, seconds, failed_blocks}, ...},
-     "reservations": {granted, deferred, reserved_blocks}, "clients": n, "requests": n, "errors": n}
+     "reservations": {granted, deferred, reserved_blocks}, "clients": n, "requests": n, "errors": n,
+     "pid": the daemon's pid}
 
 Read it over the control protocol (op `history`, samples as JSON lines in one binary frame) or with
 `dflash2 history [--since 30m] [--json] [--plot FILE.png]`, which also reads the file offline.
@@ -55,7 +58,18 @@ def sample_of(stats: dict, t: float) -> dict:
         "clients": len(clients) if isinstance(clients, list) else clients,  # Service.stats() lists them
         "requests": daemon.get("requests", 0),
         "errors": daemon.get("errors", 0),
+        "pid": daemon.get("pid"),
     }
+
+
+# What the readers (rates, `dflash2 history`, the plot) index in every sample.
+SAMPLE_KEYS = ("t", "tiers", "reads", "hbm_hit_ratio", "swaps", "reservations", "clients")
+
+
+def is_sample(obj) -> bool:
+    return (isinstance(obj, dict) and all(k in obj for k in SAMPLE_KEYS)
+            and isinstance(obj["t"], (int, float)) and not isinstance(obj["t"], bool)
+            and all(isinstance(obj[k], dict) for k in ("tiers", "reads", "swaps", "reservations")))
 
 
 class History:
@@ -71,8 +85,10 @@ class History:
         self.clock = clock
         self.lock_fd = -1  # the state folder's history lock, when this daemon holds it (make_history)
         self._next = -float("inf")
+        self._torn_tail = False  # the file ends in a line a crash cut short: the next write starts a new line
         if path is not None:
             self.samples.extend(read_file(path, max_samples))
+            self._torn_tail = _ends_torn(path)
 
     def close(self) -> None:
         """Give the state folder's history lock back (the file stays)."""
@@ -81,7 +97,9 @@ class History:
             self.lock_fd = -1
 
     def due(self) -> bool:
-        return self.clock() >= self._next
+        now = self.clock()
+        # A wall clock set back (an NTP step, a resumed VM) must not stop sampling until it catches up.
+        return now >= self._next or now < self._next - self.interval_s
 
     def record(self, stats: dict) -> dict:
         """Append a sample of `stats` now (and to the file)."""
@@ -107,8 +125,11 @@ class History:
         try:
             if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            line = json.dumps(sample, separators=(",", ":")) + "\n"
             with open(self.path, "a") as f:
-                f.write(json.dumps(sample, separators=(",", ":")) + "\n")
+                # Appended to a torn line, this sample would be unreadable too.
+                f.write("\n" + line if self._torn_tail else line)
+            self._torn_tail = False
         except OSError as e:  # a full disk must not stop the daemon: keep the in-memory series
             log.warning("history: cannot write %s (%s); keeping it in memory only", self.path, e)
             self.path = None
@@ -119,28 +140,54 @@ def decode(raw: bytes) -> list[dict]:
 
 
 def read_file(path: Path, max_samples: int | None = None) -> list[dict]:
-    """Samples from a history file (and its rotated predecessor), oldest first; a torn last line is skipped."""
-    out: collections.deque[dict] = collections.deque(maxlen=max_samples)
+    """The samples among the newest `max_samples` lines of a history file (and its rotated
+    predecessor), oldest first. Lines are streamed and only the kept ones parsed: a full file pair is
+    128 MiB. A line that is not a sample (torn, foreign) is skipped and the count logged; an
+    unreadable file is skipped and logged."""
+    lines: collections.deque[bytes] = collections.deque(maxlen=max_samples)
     for p in (path.with_name(path.name + ".1"), path):
         try:
-            lines = p.read_text().splitlines()
+            with open(p, "rb") as f:
+                lines.extend(f)
         except FileNotFoundError:
             continue
-        except (OSError, UnicodeDecodeError) as e:  # unreadable: start without it, and say so
-            logging.getLogger("dflash2.history").warning("history file %s cannot be read (%s): skipped", p, e)
+        except OSError as e:  # unreadable: start without it, and say so
+            log.warning("history file %s cannot be read (%s): skipped", p, e)
+    out, skipped = [], 0
+    for line in lines:
+        if not line.strip():
             continue
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return list(out)
+        try:
+            sample = json.loads(line)
+        except (ValueError, RecursionError):
+            sample = None
+        if is_sample(sample):
+            out.append(sample)
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("history file %s: %d lines are not samples (torn by a crash, or not history): skipped",
+                    path, skipped)
+    return out
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether the file ends in a line without its newline (a write a crash or a full disk cut short)."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def rates(samples: list[dict]) -> list[dict]:
     """Per-interval figures between consecutive samples: HBM hit ratio of the blocks acquired in the
-    interval, and swap bandwidth (bytes/s) per direction. A counter that went down (restart) gives
-    no row for that interval."""
+    interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples (the
+    pid changed, or a counter went down: in a container the pid is the same) gives no row for that
+    interval."""
     out = []
     for a, b in zip(samples, samples[1:]):
         dt = b["t"] - a["t"]
@@ -150,6 +197,8 @@ def rates(samples: list[dict]) -> list[dict]:
         dirs = set(a["swaps"]) | set(b["swaps"])
         moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0) for d in dirs}
         if any(v < 0 for v in reads.values()) or any(v < 0 for v in moved.values()):
+            continue
+        if a.get("pid") != b.get("pid") or b.get("requests", 0) < a.get("requests", 0):
             continue
         total = sum(reads.values())
         out.append({"t": b["t"], "dt": dt, "reads": total,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 
 from dflash2 import protocol as P
-from dflash2.history import decode, rates, read_file
+from dflash2.history import FILE_NAME, decode, rates, read_file
+from dflash2.status import positive_seconds
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -36,6 +37,16 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return n
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present)")
@@ -44,9 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--since", type=parse_duration, default=None, metavar="DUR",
                         help="only the last DUR (e.g. 30m, 6h); default: all that is kept")
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
-    parser.add_argument("--rows", type=int, default=30, metavar="N", help="text table rows at most (default 30)")
+    parser.add_argument("--rows", type=positive_int, default=30, metavar="N", help="text table rows at most (default 30)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="S", help="seconds to wait for the daemon")
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -66,6 +77,8 @@ def handler(args: argparse.Namespace) -> int:
             plot(samples, args.plot)
         except ModuleNotFoundError:
             raise UsageError("--plot needs matplotlib: pip install 'dflash2[plot]'") from None
+        except OSError as e:
+            raise UsageError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
         if not args.json:
             print(f"plot written to {args.plot}")
     return EXIT_OK
@@ -77,7 +90,14 @@ def load(args: argparse.Namespace) -> list[dict]:
         path = Path(args.file)
         if not path.exists():
             raise HistoryError(f"no history file at {path}")
+        try:
+            with open(path, "rb") as f:
+                has_lines = bool(f.read(1))
+        except OSError as e:
+            raise HistoryError(f"cannot read the history file {path}: {e.strerror or e}") from None
         samples = read_file(path)
+        if has_lines and not samples:
+            raise HistoryError(f"{path} holds no dflash2 history samples (a daemon's is STATE_DIR/{FILE_NAME})")
         if args.since is not None and samples:
             cutoff = samples[-1]["t"] - args.since
             samples = [s for s in samples if s["t"] >= cutoff]
@@ -131,7 +151,8 @@ def render(samples: list[dict], max_rows: int = 30) -> str:
         picked.append(samples[-1])
     rows = []
     for a, b in zip([None, *picked], picked):
-        rows.append([_clock(b["t"])] + [_pct(b["tiers"][t]) for t in tiers] + _interval(a, b)
+        # A tier the daemon had not before a restart (nvme_capacity_mb raised) shows as "-" there.
+        rows.append([_clock(b["t"])] + [_pct(b["tiers"].get(t)) for t in tiers] + _interval(a, b)
                     + [str(b["clients"]), str(b["reservations"]["deferred"])])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
@@ -160,8 +181,8 @@ def _rank(d: str) -> int:
     return order[dst] - order[src]
 
 
-def _pct(t: dict) -> str:
-    return f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}%" if t["capacity_bytes"] else "-"
+def _pct(t: dict | None) -> str:
+    return f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}%" if t and t["capacity_bytes"] else "-"
 
 
 def _clock(t: float) -> str:

@@ -60,8 +60,13 @@ from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.metrics")
 
-LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0)
-SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The top buckets reach past the slowest figure worth telling apart, since histogram_quantile can
+# answer no more than the largest finite bucket: a request up to `daemon.request_timeout_s` (5 s; a
+# client gives up then), a batch move of swap_batch_size production blocks to NVMe (1024 x 32 MiB =
+# 32 GiB: about 30 s at 1 GB/s).
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0,
+                   2.5, 5.0, 10.0)
+SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted")

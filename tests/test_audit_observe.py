@@ -1,0 +1,175 @@
+"""History, `dflash2 history` and `dflash2 status --watch` under misuse and faults: corrupt and torn
+history files, restarts that change the tier set or the counters, a wall clock set back, bad
+arguments. Real daemons (tests/observe_helpers.py) wherever a daemon is involved."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from observe_helpers import RawClient, fill_then_reuse, running_daemon
+
+from dflash2 import protocol as P
+from dflash2.history import History, read_file, sample_of
+from dflash2.status_watch import changes
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash2.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+
+
+def _history_config(config_file, tmp_path, **memory):
+    return config_file(history_enabled=True, memory=memory,
+                       daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")})
+
+
+def _one_sample(config_file, tmp_path) -> str:
+    """One real sample line, written by a daemon that ran and stopped."""
+    cfg = _history_config(config_file, tmp_path)
+    with running_daemon(cfg, str(tmp_path / "first.log")):
+        pass
+    return (tmp_path / "state" / "history.jsonl").read_text().splitlines()[-1]
+
+
+def _fail_cleanly(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    last = r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr and last.startswith("dflash2") and "error:" in last, r.stderr
+    for w in words:
+        assert w in last, r.stderr
+
+
+def test_a_reloaded_history_with_lines_that_are_not_samples_still_reads_back(tmp_path, config_file):
+    # A history file that holds JSON lines that are not samples (a foreign line, `null`) and a torn
+    # last line: the daemon reloads the samples and says how many lines it skipped; reading the
+    # history back neither fails in the daemon nor in the command.
+    sample = _one_sample(config_file, tmp_path)
+    path = tmp_path / "state" / "history.jsonl"
+    path.write_text(f'{sample}\n{{"x": 1}}\nnull\n[1, 2]\n{sample}\n{{"t": 5')
+    cfg = _history_config(config_file, tmp_path)
+    log = tmp_path / "second.log"
+    with running_daemon(cfg, str(log)):
+        endpoint = f"ipc://{tmp_path}/d.sock"
+        for args in ([], ["--since", "1d"], ["--json"]):
+            r = _cli("history", "--endpoint", endpoint, *args)
+            assert r.returncode == 0, (args, r.stderr)
+    assert "4 lines are not samples" in log.read_text()
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_daemons_first_sample(tmp_path, config_file):
+    # A daemon killed mid-write leaves a line without its newline: the next daemon must start its
+    # samples on a line of their own, or its first sample is glued to the torn one and lost.
+    sample = _one_sample(config_file, tmp_path)
+    path = tmp_path / "state" / "history.jsonl"
+    path.write_text(f"{sample}\n{sample[:40]}")
+    before = len(read_file(path))
+    cfg = _history_config(config_file, tmp_path)
+    with running_daemon(cfg, str(tmp_path / "second.log")):
+        c = RawClient(f"ipc://{tmp_path}/d.sock")
+        in_memory = len(json_lines(c.call(P.Op.HISTORY).arrays[0]))
+        c.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == sample[:40], "the torn line must stay as it was, alone"
+    assert len(read_file(path)) >= in_memory >= before + 1
+
+
+def json_lines(raw: bytes) -> list[dict]:
+    return [json.loads(x) for x in raw.decode().splitlines() if x.strip()]
+
+
+def test_one_bad_byte_loses_one_line_not_the_whole_history(tmp_path, config_file):
+    sample = _one_sample(config_file, tmp_path)
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(f"{sample}\n".encode() + b'{"t": 1, "\xff"}\n' + f"{sample}\n".encode())
+    assert len(read_file(path)) == 2
+
+
+def test_history_keeps_sampling_after_the_wall_clock_is_set_back(clock):
+    # The sample time is wall-clock time; an NTP step back of an hour must not stop the sampling for
+    # that hour.
+    h = History(interval_s=1.0, clock=clock)
+    stats = {"tiers": {}, "reads": {}, "hbm_hit_ratio": None, "moves": {},
+             "reservations": {"granted": 0, "deferred": 0, "reserved_blocks": 0}}
+    h.record(stats)
+    clock.advance(-3600)
+    assert h.due()
+    h.record(stats)
+    assert not h.due()
+    clock.advance(1.0)
+    assert h.due()
+
+
+def test_history_command_rejects_bad_arguments_in_one_line(tmp_path, config_file):
+    sample = _one_sample(config_file, tmp_path)
+    path = tmp_path / "state" / "history.jsonl"
+    path.write_text(f"{sample}\n{sample}\n")
+    _fail_cleanly(_cli("history", "--file", str(path), "--rows", "0"), "--rows")
+    _fail_cleanly(_cli("history", "--endpoint", f"ipc://{tmp_path}/d.sock", "--timeout", "0"), "--timeout")
+    _fail_cleanly(_cli("history", "--file", str(tmp_path)), str(tmp_path))
+    config = tmp_path / "dflash2_config.json"
+    _fail_cleanly(_cli("history", "--file", str(config)), "no dflash2 history samples")
+    one_line = tmp_path / "one.json"
+    one_line.write_text('{"enable": true}\n')
+    _fail_cleanly(_cli("history", "--file", str(one_line)), "no dflash2 history samples")
+    pytest.importorskip("matplotlib")
+    _fail_cleanly(_cli("history", "--file", str(path), "--plot", str(tmp_path / "no" / "such" / "h.png")),
+                  "cannot write")
+
+
+def test_history_command_reads_across_a_restart_that_added_the_nvme_tier(tmp_path, config_file):
+    # nvme_capacity_mb raised between two runs: the older samples have no nvme tier.
+    state = {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}
+    before = config_file(history_enabled=True, memory={"nvme_capacity_mb": 0, "nvme_path": None}, daemon=state)
+    with running_daemon(before, str(tmp_path / "first.log")):
+        pass
+    after = config_file(history_enabled=True, daemon=state)
+    with running_daemon(after, str(tmp_path / "second.log")):
+        r = _cli("history", "--endpoint", state["endpoint"])
+    assert r.returncode == 0, r.stderr
+    assert "nvme use" in r.stdout and "(restart)" in r.stdout
+
+
+def test_status_watch_tells_a_restart_from_negative_rates(tmp_path, config_file):
+    # An idle daemon restarted between two frames: no reads, no swaps, but its request counter
+    # starts again. The frame must say it restarted, not show negative requests per second; so too
+    # in a container, where every daemon is pid 1 (same pid, counters down).
+    cfg = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})
+    frames = []
+    for run in range(2):
+        with running_daemon(cfg, str(tmp_path / f"run{run}.log")):
+            c = RawClient(f"ipc://{tmp_path}/d.sock")
+            for _ in range(5 if run == 0 else 1):
+                stats = c.stats()
+            frames.append(sample_of(stats, 1000.0 + run))
+            c.close()
+    line = changes(frames[0], frames[1])
+    assert "restarted" in line and "-" not in line.split("requests/s")[0].split(";")[-1], line
+    same_pid = {**frames[1], "pid": frames[0].get("pid")}
+    assert "restarted" in changes(frames[0], same_pid)
+
+
+def test_status_watch_after_a_load_gives_the_rates_of_the_interval(tmp_path, config_file):
+    # The same daemon between two frames: a row with the interval's reads and a rate >= 0.
+    cfg = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})
+    with running_daemon(cfg, str(tmp_path / "d.log")):
+        c = RawClient(f"ipc://{tmp_path}/d.sock")
+        c.attach()
+        first = sample_of(c.stats(), 1000.0)
+        fill_then_reuse(c)
+        second = sample_of(c.stats(), 1002.0)
+        c.close()
+    line = changes(first, second)
+    assert "restarted" not in line and "of 256 blocks read" in line, line
+
+
+def test_status_watch_rejects_an_interval_or_count_that_cannot_work(tmp_path):
+    endpoint = f"ipc://{tmp_path}/none.sock"
+    for bad in (["--interval", "-1"], ["--interval", "0"], ["--count", "-1"], ["--timeout", "-1"]):
+        r = _cli("status", "--endpoint", endpoint, "--watch", "--count", "2", *bad)
+        _fail_cleanly(r, bad[0])
