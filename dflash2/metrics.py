@@ -27,7 +27,9 @@ state, outcome, action, kind. Never a block, request or client id.
 | dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed (left where they were) |
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
-| dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted |
+| dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted, not_kept (dropped: the tier below reads back slower than a recompute) |
+| dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
+| dflash2_read_bandwidth_bytes_per_second{direction} | gauge | read bandwidth measured on the daemon's own moves (absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
 | dflash2_reservations_total{outcome} | counter | granted, deferred, rejected, expired, cancelled |
@@ -69,7 +71,7 @@ LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e
 SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
-PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted")
+PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
 
 
@@ -226,6 +228,12 @@ def _access_families(st: dict):
                  samples=[((), math.nan if ratio is None else ratio)])
     yield _counter("dflash2_placement_blocks", "Blocks moved by placement, by action.", ["action"],
                    [((a,), st["placement"].get(a, 0)) for a in PLACEMENT_ACTIONS])
+    yield _counter("dflash2_lookup_withheld_blocks",
+                   "Cached blocks a lookup did not offer: loading them costs more than recomputing them.",
+                   samples=[((), st.get("lookup_withheld", 0))])
+    measured = st.get("read_cost", {}).get("bytes_per_s", {})
+    yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves.",
+                 ["direction"], [((d,), bw) for d, bw in measured.items() if bw is not None])
 
 
 def _swap_families(st: dict):

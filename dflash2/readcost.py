@@ -145,8 +145,5 @@ class ReadCost:
         return ok
 
     def describe(self) -> dict:
-        paths = {}
-        for (a, b) in sorted(set(self._seen)):
-            bw = self.bandwidth(a, b)
-            paths[f"{a.label}->{b.label}"] = None if bw is None else round(bw / 1e9, 3)
-        return {"read_gbps": paths, "prefill_rates": len([r for r in self._rates.values() if r is not None])}
+        paths = {f"{a.label}->{b.label}": self.bandwidth(a, b) for (a, b) in sorted(set(self._seen))}
+        return {"bytes_per_s": paths, "prefill_rates": len([r for r in self._rates.values() if r is not None])}

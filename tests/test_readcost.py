@@ -11,6 +11,7 @@ from dflash2.assemble import build_manager
 from dflash2.client import DaemonError, chain_keys
 from dflash2.config import load_config
 from dflash2.layout import Layout
+from dflash2.metrics import _access_families
 from dflash2.readcost import MIN_SAMPLE_BYTES, ReadCost
 from dflash2.tiers import Tier
 
@@ -122,7 +123,7 @@ def test_a_lookup_stops_before_blocks_that_load_slower_than_a_recompute(mgr):
     assert mgr.acquire(a, vids[:70]) is not None  # 70 x 16 KiB come up: the DRAM path is measured
     mgr.release(a, vids[:70])
     assert mgr.read_cost.bandwidth(Tier.DRAM, Tier.HBM) is not None
-    assert mgr.stats()["read_cost"]["read_gbps"]["dram->hbm"] > 0
+    assert mgr.stats()["read_cost"]["bytes_per_s"]["dram->hbm"] > 0
 
     assert len(mgr.lookup_rows(keys, lid, client=a)) == 80, "no rate given: everything is offered"
     mgr.set_prefill_rate(a, lid, FAST_ENGINE)
@@ -133,6 +134,12 @@ def test_a_lookup_stops_before_blocks_that_load_slower_than_a_recompute(mgr):
     mgr.set_prefill_rate(a, lid, SLOW_ENGINE)
     assert len(mgr.lookup_rows(keys, lid, client=a)) == 80
     mgr.check_invariants()
+
+    # What Prometheus sees (the families built from the same stats snapshot the daemon serves).
+    families = {f.name: f for f in _access_families(mgr.stats())}
+    assert [s.value for s in families["dflash2_lookup_withheld_blocks"].samples if s.name.endswith("_total")] == [10]
+    bandwidth = {s.labels["direction"]: s.value for s in families["dflash2_read_bandwidth_bytes_per_second"].samples}
+    assert bandwidth["dram->hbm"] == mgr.read_cost.bandwidth(Tier.DRAM, Tier.HBM) > 0
 
 
 def test_blocks_are_dropped_instead_of_demoted_to_a_tier_too_slow_for_their_engines(mgr):
@@ -181,7 +188,7 @@ def test_an_engine_gives_its_prefill_rate_and_lookups_withhold_slow_blocks(conne
     assert c.acquire(vids[:70]) is not None  # brought up: the daemon measures its DRAM path
     c.release(vids[:70])
     c.free(vids)
-    assert c.stats()["read_cost"]["read_gbps"]["dram->hbm"] > 0
+    assert c.stats()["read_cost"]["bytes_per_s"]["dram->hbm"] > 0
 
     found, withheld = c.lookup_with_cost(keys, lid)
     assert (len(found), withheld) == (80, 0)
