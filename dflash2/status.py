@@ -84,6 +84,11 @@ def render(st: dict) -> str:
     placement = st.get("placement", {})
     if placement:
         lines.append("placement: " + _brief(placement))
+    measured = st.get("read_cost", {}).get("bytes_per_s", {})
+    if measured or st.get("lookup_withheld"):
+        paths = "; ".join(f"{k} {'unmeasured' if v is None else _size(v) + '/s'}" for k, v in measured.items())
+        lines.append(f"read back: {paths or 'unmeasured'}; lookup blocks withheld (slower to load than to "
+                     f"recompute) {st.get('lookup_withheld', 0)}")
     res = st.get("reservations", {})
     lines.append(f"reservations: granted {res.get('granted', 0)}, deferred {res.get('deferred', 0)}, "
                  f"reserved blocks {res.get('reserved_blocks', 0)}; totals: "

@@ -13,6 +13,7 @@ from dflash2.config import load_config
 from dflash2.layout import Layout
 from dflash2.metrics import _access_families
 from dflash2.readcost import MIN_SAMPLE_BYTES, ReadCost
+from dflash2.status import render
 from dflash2.tiers import Tier
 
 from conftest import SMALL
@@ -196,6 +197,8 @@ def test_an_engine_gives_its_prefill_rate_and_lookups_withhold_slow_blocks(conne
     found, withheld = c.lookup_with_cost(keys, lid)
     assert (len(found), withheld) == (70, 10)
     assert c.stats()["lookup_withheld"] == 10
+    view = render(c.stats())
+    assert "read back: dram->hbm " in view and "withheld (slower to load than to recompute) 10" in view
     c.set_prefill_rate(lid, None)
     assert len(c.lookup(keys, lid)) == 80
 
