@@ -58,7 +58,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):
         if bench_args.json:
-            print(json.dumps(record), flush=True)
+            # allow_nan=False: NaN or Infinity is no JSON; a figure that is not a number is a bug
+            print(json.dumps(record, allow_nan=False), flush=True)
         else:
             if i:
                 print()

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from dflash2 import protocol as P
+from dflash2.bench import positive_float, positive_int
 from dflash2.layout import Layout
 
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
@@ -36,10 +37,10 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=3000, help="round trips per measured op")
-    parser.add_argument("--batch-iterations", type=int, default=300, help="1000-key lookups to time")
-    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each ops_per_s run")
-    parser.add_argument("--processes", type=int, default=4, help="client processes of the second ops_per_s run")
+    parser.add_argument("--iterations", type=positive_int, default=3000, help="round trips per measured op")
+    parser.add_argument("--batch-iterations", type=positive_int, default=300, help="1000-key lookups to time")
+    parser.add_argument("--seconds", type=positive_float, default=1.5, help="duration of each ops_per_s run")
+    parser.add_argument("--processes", type=positive_int, default=4, help="client processes of the second ops_per_s run")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -75,7 +76,7 @@ def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
     out["p50_us"], out["p99_us"] = ops["lookup"]["p50_us"], ops["lookup"]["p99_us"]
     out["batch_lookup_1000_us"] = _pct(batch, 50)
     out["daemon_handle_mean_us"] = daemon_side
-    out["ops_per_s"] = {str(n): _throughput(daemon_ep, keys[:1], n, args.seconds) for n in (1, args.processes)}
+    out["ops_per_s"] = {str(n): _throughput(daemon_ep, keys[:1], n, args.seconds) for n in sorted({1, args.processes})}
     out["ratio_single_vs_floor"] = round(out["p50_us"] / out["floor_p50_us"], 2)
     out["ratio_batch1000_vs_single"] = round(out["batch_lookup_1000_us"] / out["p50_us"], 2)
     out["targets_met"] = {"single_le_1.5x_floor": out["ratio_single_vs_floor"] <= 1.5,

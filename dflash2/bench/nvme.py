@@ -37,20 +37,20 @@ from dflash2.arena import nvme as nvme_arena
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.arena.staging import pread_all, pwrite_all
-from dflash2.bench import OptionError
+from dflash2.bench import OptionError, non_negative_int, positive_int
 from dflash2.tiers import Tier
 
 RAW_IO_BYTES = 8 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mb", type=int, default=2048, help="bytes moved in each phase (MiB)")
+    parser.add_argument("--size-mb", type=positive_int, default=2048, help="bytes moved in each phase (MiB)")
     parser.add_argument("--dir", default=".", help="folder on the filesystem to measure (default: cwd)")
-    parser.add_argument("--block-kb", type=int, default=1024, help="block size of the tier phases (KiB)")
-    parser.add_argument("--batch", type=int, default=64, help="blocks per write_blocks/read_blocks call")
-    parser.add_argument("--staging-mb", type=int, default=64, help="the tier's staging buffer (MiB)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds of the four phases; the best of each counts")
-    parser.add_argument("--raw-buffer-mb", type=int, default=0,
+    parser.add_argument("--block-kb", type=positive_int, default=1024, help="block size of the tier phases (KiB)")
+    parser.add_argument("--batch", type=positive_int, default=64, help="blocks per write_blocks/read_blocks call")
+    parser.add_argument("--staging-mb", type=positive_int, default=64, help="the tier's staging buffer (MiB)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds of the four phases; the best of each counts")
+    parser.add_argument("--raw-buffer-mb", type=non_negative_int, default=0,
                         help="memory the raw phases cycle through (MiB); default: one tier batch")
     parser.add_argument("--raw-memory", choices=("shm", "anon"), default="shm",
                         help="memory the raw phases move: a shared-memory segment like the DRAM tier "
@@ -164,12 +164,24 @@ class _Tier:
         self.dram.close()
 
 
+def _scratch_folder(where: str, nbytes: int) -> str:
+    """A new folder under `where` with room for `nbytes` (the tier's file and the raw one)."""
+    try:
+        free = shutil.disk_usage(where).free
+        if free < nbytes:
+            raise OptionError(f"--dir {where}: {free >> 20} MiB free, the bench needs {nbytes >> 20} "
+                              "(two files of --size-mb)")
+        return tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(where))
+    except OSError as exc:
+        raise OptionError(f"--dir {where}: cannot make a scratch folder there: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> dict:
     size = args.size_mb << 20
     block = args.block_kb << 10
     if block % nvme_arena.ALIGN or block > size:
         raise OptionError(f"--block-kb {args.block_kb} must be a multiple of 4 and at most --size-mb")
-    folder = tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(args.dir))
+    folder = _scratch_folder(args.dir, 2 * size)
     raw = tier = None
     try:
         tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20,
@@ -178,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
         raw = _Raw(os.path.join(folder, "raw.bin"), size, direct, (args.raw_buffer_mb << 20) or args.batch * block,
                    args.raw_memory)
         raw_w = tier_w = raw_r = tier_r = float("inf")
-        for k in range(max(1, args.repeat)):
+        for k in range(args.repeat):
             # Odd rounds run the tier first: a virtual disk that writes back through its host's page
             # cache slows whichever side writes right after the other.
             first, second = (raw, tier) if k % 2 == 0 else (tier, raw)

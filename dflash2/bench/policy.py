@@ -19,16 +19,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from dflash2.bench import OptionError
+from dflash2.bench import OptionError, non_negative_int, positive_int
 from dflash2.errors import NeverFits
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
-from dflash2.policy import make_policy
+from dflash2.policy import make_policy, policy_names
 from dflash2.prefetch import Prefetcher
 from dflash2.tiers import Tier
 
@@ -46,17 +47,63 @@ class Request:
     keys: tuple[int, ...]
 
 
+MAX_HASH_ID = (1 << 64) - 2  # content keys are uint64 and the replay adds 1 (0 means "no key")
+
+
 def load_trace(path: str, limit: int | None = None) -> list[Request]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            out.append(Request(rec["timestamp"] / 1000.0, tuple(int(h) + 1 for h in rec["hash_ids"])))
-            if limit is not None and len(out) >= limit:
-                break
+    """The trace's requests, checked: OptionError names the file and line of anything the replay
+    cannot use (the file missing or empty, a line that is not a request, timestamps that go back,
+    a hash id that is not a uint64 or recurs within its request)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = _requests(f, path, limit)
+    except OSError as exc:
+        raise OptionError(f"--trace: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise OptionError(f"--trace {path}: not UTF-8 text (a JSONL trace, one request a line)") from None
+    if not out:
+        raise OptionError(f"--trace {path} holds no requests")
     return out
+
+
+def _requests(lines, path: str, limit: int | None) -> list[Request]:
+    out: list[Request] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        req = _request(line, f"--trace {path}, line {number}")
+        if out and req.t_s < out[-1].t_s:
+            raise OptionError(f"--trace {path}, line {number}: timestamp {req.t_s * 1000:g} is earlier "
+                              f"than the line before's ({out[-1].t_s * 1000:g}); the replay needs "
+                              "arrival order (sort the trace by timestamp)")
+        out.append(req)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _request(line: str, where: str) -> Request:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise OptionError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(rec, dict):
+        raise OptionError(f"{where}: not a JSON object (a Mooncake request: timestamp, hash_ids)")
+    for field in ("timestamp", "hash_ids"):
+        if field not in rec:
+            raise OptionError(f"{where}: the request has no {field!r} (a Mooncake request: timestamp, hash_ids)")
+    ts, ids = rec["timestamp"], rec["hash_ids"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise OptionError(f"{where}: timestamp {ts!r} is not a number of milliseconds")
+    if not isinstance(ids, list):
+        raise OptionError(f"{where}: hash_ids {ids!r} is not a list")
+    for h in ids:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID:
+            raise OptionError(f"{where}: hash id {h!r} is not an integer in 0..2**64-2")
+    if len(set(ids)) < len(ids):  # a prefix block hash names its whole prefix: it cannot recur in it
+        twice = sorted({h for h in ids if ids.count(h) > 1})
+        raise OptionError(f"{where}: hash ids {twice} occur twice in one request; hash_ids are prefix block hashes")
+    return Request(ts / 1000.0, tuple(h + 1 for h in ids))
 
 
 class VirtualClock:
@@ -82,14 +129,7 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     clock = VirtualClock()
     specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)]
     specs += [TierSpec(t, n * SLOT, SLOT, ALIGN) for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n]
-    pol = make_policy(policy)
-    if weights:
-        if not hasattr(pol, "set_weights"):
-            raise OptionError(f"--weights: policy {policy!r} has no weights (only heat has)")
-        try:
-            pol.set_weights(weights)
-        except ValueError as exc:  # an unknown name or a negative weight, as the policy says
-            raise OptionError(f"--weights: {exc}") from None
+    pol = _make_policy(policy, weights)
     capacity = 1 << max(10, int(np.ceil(np.log2(hbm_blocks + dram_blocks + nvme_blocks + 1024))))
     mgr = BlockManager(specs, policy=pol, clock=clock, table_capacity=capacity)
     lid = mgr.register_layout(LAYOUT)
@@ -110,6 +150,18 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     if weights:
         out["weights"] = dict(pol.weights)
     return out
+
+
+def _make_policy(policy: str, weights: dict[str, float] | None):
+    pol = make_policy(policy)
+    if weights:
+        if not hasattr(pol, "set_weights"):
+            raise OptionError(f"--weights: policy {policy!r} has no weights (only heat has)")
+        try:
+            pol.set_weights(weights)
+        except ValueError as exc:  # an unknown name or a negative weight, as the policy says
+            raise OptionError(f"--weights: {exc}") from None
+    return pol
 
 
 def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: Request, index: int,
@@ -188,13 +240,13 @@ def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--hbm-blocks", type=int, required=True, help="HBM capacity in 512-token blocks")
-    parser.add_argument("--dram-blocks", type=int, default=0, help="DRAM capacity in blocks (0 = none)")
-    parser.add_argument("--nvme-blocks", type=int, default=0, help="NVMe capacity in blocks (0 = none)")
+    parser.add_argument("--hbm-blocks", type=positive_int, required=True, help="HBM capacity in 512-token blocks")
+    parser.add_argument("--dram-blocks", type=non_negative_int, default=0, help="DRAM capacity in blocks (0 = none)")
+    parser.add_argument("--nvme-blocks", type=non_negative_int, default=0, help="NVMe capacity in blocks (0 = none)")
     parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names")
-    parser.add_argument("--prefetch-window", type=int, default=4, help="kv_block.prefetch_window (blocks)")
-    parser.add_argument("--chunk", type=int, default=16, help="blocks read per step of a request")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks)")
+    parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request")
+    parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     parser.add_argument("--weights", default="",
                         help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
                              "applied to the heat policy, the others replay as they are")
@@ -206,19 +258,39 @@ def parse_weights(text: str) -> dict[str, float]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = item.partition("=")
         try:
-            if not eq or not name.strip():
+            if not eq or not name.strip() or not math.isfinite(float(value)):
                 raise ValueError
-            out[name.strip()] = float(value)
         except ValueError:
             raise OptionError(f"--weights: {item!r} is not NAME=NUMBER") from None
+        if name.strip() in out:
+            raise OptionError(f"--weights names {name.strip()!r} twice")
+        out[name.strip()] = float(value)
     return out
+
+
+def parse_policies(text: str) -> list[str]:
+    """'heat,lru' -> ['heat', 'lru'], checked before any replay (a bad name found after an hour of
+    replaying the others would lose that hour)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    valid = policy_names()
+    if not names:
+        raise OptionError(f"--policies names no policy; valid: {', '.join(valid)}")
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise OptionError(f"--policies: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise OptionError(f"--policies names {', '.join(map(repr, twice))} more than once")
+    return names
 
 
 def run(args) -> list[dict]:
     weights = parse_weights(args.weights)
-    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    names = parse_policies(args.policies)
     if weights and "heat" not in names:
         raise OptionError("--weights applies to the heat policy, which --policies does not list")
+    if weights:
+        _make_policy("heat", weights)  # names and values checked before any replay, not after the others
     requests = load_trace(args.trace, args.limit)
     return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
                    args.prefetch_window, args.chunk, weights if name == "heat" else None)

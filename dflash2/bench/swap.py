@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 
-from dflash2.bench import OptionError
+from dflash2.bench import OptionError, non_negative_int, visible_gpu
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="promotions per way of making room (default 3)")
     parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
                         help="auto: the GPU where one is visible, else the host stand-ins")
-    parser.add_argument("--gpu", type=int, default=0, help="which GPU (default 0)")
+    parser.add_argument("--gpu", type=non_negative_int, default=0, help="which GPU (default 0)")
     parser.add_argument("--chain", type=int, default=1,
                         help="blocks per cached prefix chain filling HBM (default 1: loose blocks a client holds)")
 
@@ -59,12 +59,18 @@ def _sizes(text: str) -> list[int]:
 def run(args) -> list[dict]:
     if args.mb <= 0 or args.repeat <= 0 or args.chain <= 0:
         raise OptionError("--mb, --repeat and --chain must be positive")
-    return [_one(size, args) for size in _sizes(args.sizes_kib)]
+    sizes = _sizes(args.sizes_kib)
+    from dflash2.cuda import cuda_available
+
+    if args.device == "cuda" or (args.device == "auto" and cuda_available()):
+        visible_gpu(args.gpu, "bench swap")  # --gpu names a GPU CUDA sees (host stand-ins need none)
+    return [_one(size, args) for size in sizes]
 
 
 def _one(block_bytes: int, args) -> dict:
     from dflash2.assemble import build_manager
     from dflash2.config import load_config
+    from dflash2.errors import CapacityError, ConfigError
 
     from dflash2.cuda import cuda_available
 
@@ -83,7 +89,10 @@ def _one(block_bytes: int, args) -> dict:
                "logging": {"format": "text", "level": "warning"}}
         path = pathlib.Path(tmp) / "bench.json"
         path.write_text(json.dumps(cfg))
-        mgr = build_manager(load_config(str(path)), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
+        try:
+            mgr = build_manager(load_config(str(path)), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
+        except (CapacityError, ConfigError) as exc:  # the tiers --mb and --repeat ask for do not fit
+            raise OptionError(f"--mb {args.mb} --repeat {args.repeat}: {exc}") from None
         try:
             return _measure(mgr, block_bytes, per, sets, args.chain)
         finally:

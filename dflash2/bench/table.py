@@ -17,18 +17,20 @@ import tracemalloc
 
 import numpy as np
 
+from dflash2.bench import OptionError, positive_int
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
+from dflash2.policy import policy_names
 from dflash2.tiers import Tier
 
 LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=1_000_000, help="cached blocks to build (default 1e6)")
+    parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="cached blocks to build (default 1e6)")
     parser.add_argument("--policy", default="lru", help="policy to score with (default lru)")
-    parser.add_argument("--batch", type=int, default=32, help="blocks per allocate/free call (default 32)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--batch", type=positive_int, default=32, help="blocks per allocate/free call (default 32)")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="timed repeats; the median is reported")
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -41,6 +43,8 @@ def _median_ms(fn, repeat: int) -> float:
 
 
 def run(args) -> dict:
+    if args.policy not in policy_names():
+        raise OptionError(f"--policy: unknown {args.policy!r}; valid: {', '.join(policy_names())}")
     n = args.blocks
     slot = LAYOUT.block_bytes  # 16 KiB: a multiple of the alignment, so no rounding
     chunk = 1024

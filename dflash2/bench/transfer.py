@@ -18,7 +18,7 @@ import uuid
 
 import numpy as np
 
-from dflash2.bench import OptionError
+from dflash2.bench import OptionError, non_negative_int, positive_int, visible_gpu
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
@@ -27,11 +27,11 @@ KIB = 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-kib", default="16,64,256,1024", help="block sizes in KiB (comma separated)")
-    parser.add_argument("--blocks", type=int, default=1024, help="blocks per batch (default 1024)")
-    parser.add_argument("--repeat", type=int, default=10, help="timed batches per figure (default 10)")
-    parser.add_argument("--inflight", type=int, default=4, help="batches in flight (default 4)")
-    parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--run-blocks", type=int, default=1,
+    parser.add_argument("--blocks", type=positive_int, default=1024, help="blocks per batch (default 1024)")
+    parser.add_argument("--repeat", type=positive_int, default=10, help="timed batches per figure (default 10)")
+    parser.add_argument("--inflight", type=positive_int, default=4, help="batches in flight (default 4)")
+    parser.add_argument("--device", type=non_negative_int, default=0, help="which GPU (default 0)")
+    parser.add_argument("--run-blocks", type=positive_int, default=1,
                         help="blocks per run of neighbouring slots on both sides (default 1: every block scattered; "
                              "a request's blocks are usually allocated side by side and move as one copy)")
 
@@ -48,15 +48,27 @@ def _time(fn, repeat: int) -> float:
     return time.perf_counter() - t
 
 
+def _sizes(text: str) -> list[int]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            kib = int(item)
+        except ValueError:
+            raise OptionError(f"--sizes-kib: {item!r} is not a number") from None
+        if kib <= 0:
+            raise OptionError(f"--sizes-kib: {kib} is not a positive size")
+        sizes.append(kib * KIB)
+    return sizes
+
+
 def run(args) -> list[dict]:
-    if not 1 <= args.run_blocks <= args.blocks:
+    if args.run_blocks > args.blocks:
         raise OptionError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
-    from dflash2.cuda import cupy
+    sizes = _sizes(args.sizes_kib)  # every option is checked before the GPU is looked for
+    cp = visible_gpu(args.device, "bench transfer")
     from dflash2.cuda.arena import CudaArena, PinnedHostArena
     from dflash2.transfer.cuda import CudaTransferBackend
 
-    cp = cupy()
-    sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
     n, largest = args.blocks, max(sizes)
     # Two batches' worth of slots on each side so that the bidirectional run uses disjoint blocks.
     hbm = CudaArena.create(args.device, 2 * n * largest)

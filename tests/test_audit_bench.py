@@ -1,0 +1,233 @@
+"""`dflash2 bench ...` with bad options and bad traces: exit 2 with one error line naming what is
+wrong (no traceback, no silently empty or wrong run); and the figures' JSON stays JSON."""
+
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+
+from dflash2 import cli
+from dflash2.bench import policy as policy_bench
+from dflash2.cuda import cuda_available
+
+TRACE = "/work/shared/traces/synthetic_trace.jsonl"
+
+
+def usage_error(capsys, *argv: str) -> str:
+    """Run `dflash2 bench ...`; it must exit 2 printing nothing on stdout. Returns the error line."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = err.strip().splitlines()[-1]
+    assert "error:" in line
+    return line
+
+
+def write_trace(tmp_path, lines) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return str(path)
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return write_trace(tmp_path, [{"timestamp": i * 10, "hash_ids": [0, 1 + i % 3]} for i in range(12)])
+
+
+# ---- bench policy: options ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, value", [
+    ("--hbm-blocks", "0"), ("--hbm-blocks", "-5"), ("--dram-blocks", "-1"), ("--nvme-blocks", "-1"),
+    ("--chunk", "0"), ("--prefetch-window", "-1"), ("--limit", "0"),
+])
+def test_policy_counts_out_of_range_are_usage_errors(capsys, trace, option, value):
+    argv = ["policy", "--trace", trace, "--hbm-blocks", "4", "--policies", "lru", option, value]
+    assert f"argument {option}: must be" in usage_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("policies, message", [
+    ("lru,nope", "unknown 'nope'; valid: belady, heat, lfu, lru"),
+    (" , ", "names no policy"),
+    ("lru,heat,lru", "'lru' more than once"),
+])
+def test_policy_names_are_checked_before_any_replay(capsys, monkeypatch, trace, policies, message):
+    replayed = []
+    real = policy_bench.replay
+    monkeypatch.setattr(policy_bench, "replay", lambda reqs, name, *a: replayed.append(name) or real(reqs, name, *a))
+    assert message in usage_error(capsys, "policy", "--trace", trace, "--hbm-blocks", "4", "--policies", policies)
+    assert replayed == []
+
+
+@pytest.mark.parametrize("weights, message", [
+    ("rec=2", "unknown heat weights"),
+    ("recency=inf", "'recency=inf' is not NAME=NUMBER"),
+    ("recency=1,recency=2", "names 'recency' twice"),
+])
+def test_policy_weights_are_checked_before_any_replay(capsys, monkeypatch, trace, weights, message):
+    replayed = []
+    real = policy_bench.replay
+    monkeypatch.setattr(policy_bench, "replay", lambda reqs, name, *a: replayed.append(name) or real(reqs, name, *a))
+    argv = ["policy", "--trace", trace, "--hbm-blocks", "4", "--policies", "lru,heat", "--weights", weights]
+    assert message in usage_error(capsys, *argv)
+    assert replayed == []
+
+
+# ---- bench policy: traces -----------------------------------------------------------------------
+
+def ok(i, ids):
+    return {"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "holds no requests"),
+    (["", "  "], "holds no requests"),
+    ([ok(0, [0]), "not json"], "line 2: not JSON"),
+    (["[1, 2]"], "line 1: not a JSON object"),
+    ([{"timestamp": 0}], "line 1: the request has no 'hash_ids'"),
+    ([{"hash_ids": [1]}], "line 1: the request has no 'timestamp'"),
+    ([{"timestamp": "x", "hash_ids": [1]}], "line 1: timestamp 'x' is not a number"),
+    ([{"timestamp": 0, "hash_ids": 5}], "line 1: hash_ids 5 is not a list"),
+    ([ok(0, ["a"])], "line 1: hash id 'a' is not an integer"),
+    ([ok(0, [1.7])], "line 1: hash id 1.7 is not an integer"),  # was truncated to 1 silently
+    ([ok(0, [-1])], "line 1: hash id -1 is not an integer"),  # was content key 0
+    ([ok(0, [True])], "line 1: hash id True is not an integer"),
+    ([ok(0, [2 ** 64 - 1])], "is not an integer in 0..2**64-2"),
+    ([ok(10, [1]), ok(5, [2])], "line 2: timestamp 5 is earlier than the line before's (10)"),
+    ([ok(0, [1]), ok(1, [1, 2, 1])], "line 2: hash ids [1] occur twice in one request"),
+    (['{"timestamp": NaN, "hash_ids": [1]}'], "line 1: timestamp nan is not a number"),
+])
+def test_bad_traces_are_named_with_their_line(capsys, tmp_path, lines, message):
+    path = write_trace(tmp_path, lines)
+    line = usage_error(capsys, "policy", "--trace", path, "--hbm-blocks", "4", "--policies", "lru")
+    assert message in line and path in line
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", ".", "binary.jsonl"])
+def test_unreadable_trace_files_are_usage_errors(capsys, tmp_path, name):
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    line = usage_error(capsys, "policy", "--trace", str(tmp_path / name), "--hbm-blocks", "4", "--policies", "lru")
+    assert "--trace" in line
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the shipped Mooncake trace is not here")
+def test_the_shipped_mooncake_trace_passes_the_checks():
+    requests = policy_bench.load_trace(TRACE)
+    assert len(requests) == 3993 and sum(len(r.keys) for r in requests) == 121877
+
+
+# ---- bench table --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--blocks", "0"], "argument --blocks: must be a positive integer"),
+    (["--blocks", "1000", "--batch", "0"], "argument --batch: must be a positive integer"),
+    (["--blocks", "1000", "--repeat", "0"], "argument --repeat: must be a positive integer"),  # was NaN
+    (["--blocks", "1000", "--policy", "nope"], "--policy: unknown 'nope'; valid: belady, heat, lfu, lru"),
+])
+def test_table_bad_options(capsys, argv, message):
+    assert message in usage_error(capsys, "table", *argv)
+
+
+# ---- bench nvme ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-kb", "0"], "argument --block-kb: must be a positive integer"),
+    (["--batch", "0"], "argument --batch: must be a positive integer"),
+    (["--staging-mb", "0"], "argument --staging-mb: must be a positive integer"),
+    (["--repeat", "0"], "argument --repeat: must be a positive integer"),  # ran one round, said 0
+    (["--raw-buffer-mb", "-1"], "argument --raw-buffer-mb: must be an integer >= 0"),
+    (["--size-mb", "-1"], "argument --size-mb: must be a positive integer"),
+])
+def test_nvme_bad_counts(capsys, tmp_path, argv, message):
+    assert message in usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--dir", str(tmp_path), *argv)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["missing", "a_file"])
+def test_nvme_dir_that_cannot_hold_the_files(capsys, tmp_path, where):
+    (tmp_path / "a_file").write_text("x")
+    line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--dir", str(tmp_path / where))
+    assert f"--dir {tmp_path / where}: cannot make a scratch folder there" in line
+
+
+# ---- GPU benches on a machine without a GPU -----------------------------------------------------
+
+no_gpu = pytest.mark.skipif(cuda_available(), reason="a GPU is visible: the benches would run")
+
+
+@no_gpu
+def test_transfer_without_a_gpu_says_so(capsys):
+    assert "bench transfer runs on a GPU" in usage_error(capsys, "transfer", "--sizes-kib", "16")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes-kib", "16,x"], "--sizes-kib: 'x' is not a number"),
+    (["--sizes-kib", "0"], "--sizes-kib: 0 is not a positive size"),
+    (["--repeat", "0"], "argument --repeat: must be a positive integer"),
+    (["--inflight", "0"], "argument --inflight: must be a positive integer"),
+    (["--device", "-1"], "argument --device: must be an integer >= 0"),
+])
+def test_transfer_options_are_checked_before_the_gpu(capsys, argv, message):
+    assert message in usage_error(capsys, "transfer", *argv)
+
+
+@no_gpu
+def test_swap_on_cuda_without_a_gpu_says_so(capsys):
+    line = usage_error(capsys, "swap", "--device", "cuda", "--sizes-kib", "64", "--mb", "8", "--repeat", "1")
+    assert "bench swap runs on a GPU" in line
+
+
+def test_swap_gpu_index_must_not_be_negative(capsys):
+    line = usage_error(capsys, "swap", "--gpu", "-1", "--sizes-kib", "64", "--mb", "8", "--repeat", "1")
+    assert "argument --gpu: must be an integer >= 0" in line
+
+
+@pytest.mark.parametrize("mb, message", [
+    (4 << 20, "hbm tier needs"),  # 4 TiB a promotion: refused by the arena's room check, nothing mapped
+    (10 << 20, "memory.hbm_capacity_mb"),  # beyond what the config allows a tier
+])
+def test_swap_larger_than_the_machine_is_a_usage_error(capsys, mb, message):
+    line = usage_error(capsys, "swap", "--device", "host", "--sizes-kib", "2048", "--mb", str(mb), "--repeat", "1")
+    assert f"--mb {mb} --repeat 1: " in line and message in line
+
+
+# ---- bench control ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--iterations", "0"], "argument --iterations: must be a positive integer"),
+    (["--batch-iterations", "0"], "argument --batch-iterations: must be a positive integer"),
+    (["--seconds", "0"], "argument --seconds: must be a positive number"),
+    (["--seconds", "nan"], "argument --seconds: must be a positive number"),
+    (["--processes", "0"], "argument --processes: must be a positive integer"),
+])
+def test_control_bad_counts(capsys, argv, message):
+    assert message in usage_error(capsys, "control", *argv)
+
+
+def test_control_with_one_process_measures_one_client_once(capsys, monkeypatch):
+    from dflash2.bench import control
+
+    runs = []
+    real = control._throughput
+    monkeypatch.setattr(control, "_throughput", lambda ep, keys, n, s: runs.append(n) or real(ep, keys, n, s))
+    argv = ["bench", "control", "--iterations", "20", "--batch-iterations", "5", "--seconds", "0.2",
+            "--processes", "1", "--json"]
+    assert cli.main(argv) == 0
+    assert runs == [1]
+    assert list(json.loads(capsys.readouterr().out)["ops_per_s"]) == ["1"]
+
+
+# ---- the command's JSON -------------------------------------------------------------------------
+
+def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, capsys):
+    module = types.ModuleType("dflash2.bench.table")
+    module.add_arguments = lambda parser: None
+    module.run = lambda args: {"ratio": math.nan}
+    monkeypatch.setitem(sys.modules, "dflash2.bench.table", module)
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        cli.main(["bench", "table", "--json"])
+    assert "NaN" not in capsys.readouterr().out
