@@ -71,6 +71,10 @@ def build_managers(cfg: Config, *, instance: str | None = None, plan: Plan | Non
     plan = plan or resolve_plan(cfg)
     instance = instance or instance_name(os.getpid())
     hbm_plans = [t for t in plan.tiers if t.tier == Tier.HBM]
+    if plan.device_kind == "cuda" and any(hp.capacity_bytes is None for hp in hbm_plans):
+        # The plan could not probe a GPU (none visible, or no driver): there is no HBM to take.
+        raise ArenaError("device.kind is cuda but no GPU is visible here (check the driver and "
+                         "CUDA_VISIBLE_DEVICES, or set device.kind to auto or host)")
     managers: dict[int, BlockManager] = {}
     try:
         for hp in hbm_plans:

@@ -127,6 +127,15 @@ def test_tcp_endpoint_taken_by_another_program_exits_4_with_one_line(tmp_path):
     assert not glob.glob(f"{tmp_path}/state/*.lock")
 
 
+def test_cuda_asked_for_where_no_gpu_is_visible_exits_4_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, also on the GPU machine
+    path = config(tmp_path, device={"kind": "cuda"}, memory={"hbm_capacity_mb": None})
+    rc, err, started = run_daemon(path)
+    assert not started and rc == 4
+    assert "device.kind is cuda but no GPU is visible" in one_error_line(err)
+    assert not glob.glob(f"{tmp_path}/state/*.lock")
+
+
 def test_socket_in_a_shared_folder_is_refused_and_the_folder_keeps_its_mode(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
