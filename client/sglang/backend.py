@@ -14,9 +14,9 @@ shard in the same format finds it, and the daemon keeps one copy:
 
 Failure is a miss, never an error in sglang's hot path: when the daemon is gone, calls return
 misses / failed writes for RETRY_S and then try again (reattaching when the lease was lost). When the
-backend cannot start (dflash2 disabled, daemon down, a page format it cannot hold) it logs one
-`dflash2: fallback to default` line and stays a backend that stores nothing, so sglang runs on its
-own host cache.
+backend cannot start (dflash2 disabled, daemon down, a page format it cannot hold, a hybrid model's
+host pools beside the KV pages) it logs one `dflash2: fallback to default` line and stays a backend
+that stores nothing, so sglang runs on its own host cache.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ from typing import Any, List, Optional
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+                                                  PoolTransfer, PoolTransferResult)
 
 from dflash2.client.client import Client
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
-from dflash2.client.sglang.pages import PageFormatError, load_page, page_format, page_layout, store_page
+from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, page_format, page_layout,
+                                         store_page)
 from dflash2.client.sglang.plugin import fallback_line
 from dflash2.errors import DaemonError, DaemonUnavailable, DFlash2Error
+from dflash2.protocol import MAX_BATCH
 
 log = logging.getLogger("dflash2.sglang")
 
@@ -116,6 +119,16 @@ class DFlash2Storage(HiCacheStorage):
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """sglang's hybrid cache controller registers every host pool of the model here, the KV pool
+        (already ours, by register_mem_pool_host) too. Any other pool (SWA, Mamba state, an indexer,
+        a draft model's KV) comes with the v2 calls, which this backend does not store: sglang's own
+        cache, rather than KV pages without the state they need."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool is not getattr(self, "mem_pool_host", None) and self.client is not None:
+            self._fall_back(f"sglang's {host_pool_name} host pool (a hybrid model's pool beside the KV pages) "
+                            "cannot be stored: dflash2 stores KV pages only")
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
@@ -180,7 +193,7 @@ class DFlash2Storage(HiCacheStorage):
         n = len(page_keys)
         ok = [False] * n
         ckeys = self.keys.keys(page_keys)
-        found = client.lookup(ckeys, self.layout_id, tier=self.tier)
+        found = self._cached_prefix(client, ckeys)
         start = len(found)
         ok[:start] = [True] * start
         self.counters["pages_deduplicated"] += start
@@ -204,6 +217,17 @@ class DFlash2Storage(HiCacheStorage):
             self.counters["pages_set"] += hi - lo
         return ok
 
+    def _cached_prefix(self, client: Client, ckeys: np.ndarray) -> np.ndarray:
+        """Places of the cached prefix of `ckeys`, looked up MAX_BATCH keys a call (the most one call
+        carries): sglang's hit query passes every page of a prompt at once (65,536 pages is a
+        65,536-token prompt at sglang's default page size of 1)."""
+        found = [client.lookup(ckeys[:MAX_BATCH], self.layout_id, tier=self.tier)]
+        for lo in range(MAX_BATCH, len(ckeys), MAX_BATCH):
+            if len(found[-1]) < MAX_BATCH:
+                break
+            found.append(client.lookup(ckeys[lo:lo + MAX_BATCH], self.layout_id, tier=self.tier))
+        return found[0] if len(found) == 1 else np.concatenate(found)
+
     def _prefix_parent(self, client: Client, extra_info) -> int | None:
         """The block of the page just before this batch, when cached: the chain's parent, so that the
         daemon knows the prefix (descendants leave a tier before their ancestors)."""
@@ -226,7 +250,7 @@ class DFlash2Storage(HiCacheStorage):
         """Copy the cached prefix of `page_keys` out; True for each page read."""
         n = len(page_keys)
         ok = [False] * n
-        found = client.lookup(self.keys.keys(page_keys), self.layout_id, tier=self.tier)
+        found = self._cached_prefix(client, self.keys.keys(page_keys))
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
             places = client.acquire(vids, tier=self.tier)
@@ -261,7 +285,7 @@ class DFlash2Storage(HiCacheStorage):
 
     # -- HiCacheStorage: zero-copy v1 ------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._guarded(0, lambda c: len(c.lookup(self.keys.keys(keys), self.layout_id, tier=self.tier)))
+        return self._guarded(0, lambda c: len(self._cached_prefix(c, self.keys.keys(keys))))
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -283,6 +307,19 @@ class DFlash2Storage(HiCacheStorage):
             lambda c: self._store(c, keys, lambda i, raw: store_page(pool, pages[i], raw), extra_info),
             fallen_back=[True] * len(keys)))
 
+    # -- HiCacheStorage: v2 (hybrid models; only ever called after the fallback above) ----------
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return {t.name: [True] * len(t.keys or []) for t in transfers}  # accepted and dropped, as v1
+
     # -- HiCacheStorage: generic (flat page tensors) ---------------------------------------
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -292,10 +329,11 @@ class DFlash2Storage(HiCacheStorage):
         targets = list(target_locations or [])
         if len(targets) != len(keys):
             raise ValueError(f"batch_get: {len(keys)} keys but {len(targets)} target tensors")
+        self._check_pages("batch_get", keys, targets)
 
         def read(i, raw):
-            _flat_bytes(targets[i]).copy_(torch.from_numpy(np.asarray(raw)) if isinstance(raw, np.ndarray)
-                                          else torch.from_dlpack(raw))
+            # Into the target itself (a strided target too): never into a contiguous copy of it.
+            targets[i].copy_(block_tensor(raw, targets[i].dtype).view(targets[i].shape))
 
         ok = self._guarded([False] * len(keys), lambda c: self._load(c, keys, read))
         return [t if hit else None for t, hit in zip(targets, ok)]
@@ -313,6 +351,7 @@ class DFlash2Storage(HiCacheStorage):
             raise ValueError(f"batch_set: {len(keys)} keys but {len(values)} values")
         if not self.is_writer:
             return True
+        self._check_pages("batch_set", keys, values)
 
         def write(i, raw):
             dst = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
@@ -320,6 +359,19 @@ class DFlash2Storage(HiCacheStorage):
 
         return all(self._guarded([False] * len(keys), lambda c: self._store(c, keys, write, None),
                                  fallen_back=[True] * len(keys)))
+
+    def _check_pages(self, call: str, keys: Sequence[str], tensors: Sequence[Any]) -> None:
+        """Each tensor holds exactly one page's bytes: a copy into or out of a block of another size
+        would broadcast or fail halfway."""
+        if not self.active:
+            return  # fallen back: nothing is copied
+        for key, t in zip(keys, tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{call}: the tensor for key {key!r} is a {type(t).__name__}, not a torch.Tensor")
+            nbytes = t.numel() * t.element_size()
+            if nbytes != self.page_bytes:
+                raise ValueError(f"{call}: the tensor for key {key!r} holds {nbytes} bytes ({tuple(t.shape)} "
+                                 f"{t.dtype}); a page of this host pool holds {self.page_bytes}")
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:

@@ -82,7 +82,12 @@ def backend_extra_config(config_path: str, user_extra: str | None) -> str:
         if user_extra.startswith("@"):
             raise ValueError(f"{FLAG} cannot be combined with --hicache-storage-backend-extra-config "
                              f"from a file ({user_extra}); pass the keys inline as JSON")
-        extra = json.loads(user_extra)
+        try:
+            extra = json.loads(user_extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hicache-storage-backend-extra-config is not JSON ({e}): {user_extra!r}") from None
+        if not isinstance(extra, dict):
+            raise ValueError(f"--hicache-storage-backend-extra-config must be a JSON object, not {user_extra!r}")
     ours = {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS}
     for key, value in ours.items():
         if key in extra and extra[key] != value:

@@ -1,0 +1,131 @@
+"""dflash2 as sglang's storage backend under misuse and sglang's real calling conventions (sglang
+0.5.23, the real daemon subprocess): a hit query longer than one protocol call, tensors that are not
+one page, a strided target, and a hybrid model's extra host pools. Runs where sglang is importable
+(README, "sglang"), like test_sglang.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+except Exception as exc:  # not installed, or installed without its dependencies
+    pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
+                "environment (README, 'sglang')", allow_module_level=True)
+
+from daemon_proc import DaemonProcess
+from dflash2.protocol import MAX_BATCH
+from test_sglang import PAGE, fill, host_pool, indices, make_backend
+
+KEYS = [f"page-{i:04d}" for i in range(4)]
+
+
+@pytest.fixture
+def daemon(config_file):
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    yield path
+    proc.stop()
+
+
+@pytest.fixture
+def backends():
+    made = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def page_of_4k(tokens: int) -> MHATokenToKVPoolHost:
+    """A host pool of 4 KiB pages (2 layers x K,V x 4 tokens x 2 heads x 64 dims x bf16): one
+    aligned block each, so that a DRAM tier of 288 MiB holds more pages than one call carries."""
+    dev = MHATokenToKVPool(tokens, PAGE, torch.bfloat16, 2, 64, 2, "cpu", False, start_layer=0, end_layer=1)
+    info = dev.get_device_pool_infos()[0]
+    return MHATokenToKVPoolHost(info.buffer_info, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=dev.size, start_layer=0, end_layer=1)
+
+
+def test_hit_query_longer_than_one_call_counts_every_cached_page(config_file, backends):
+    """sglang 0.5.23's HybridCacheController (every model's cache controller) asks `batch_exists` for
+    all the pages of a prompt in one call (hybrid_cache_controller.py, `_storage_hit_query`: one
+    `batch_exists(hash_value, extra_info)`); at its default page size of 1 a 70,000-token prompt is
+    70,000 keys, more than one dflash2 call carries."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 288, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        pool = page_of_4k(1024)
+        backend = make_backend(path, pool)
+        backends.append(backend)
+        keys = [f"long-{i}" for i in range(MAX_BATCH + 2)]
+        src = indices(list(range(1, 129)))
+        for lo in range(0, len(keys), 128):  # stored as sglang's backup does: 128 pages a call
+            batch = keys[lo:lo + 128]
+            assert all(backend.batch_set_v1(batch, src[:len(batch) * PAGE]))
+        assert backend.batch_exists(keys + ["never-stored"]) == MAX_BATCH + 2
+        assert backend.batch_exists(keys[:3] + ["never-stored"] * MAX_BATCH) == 3
+        assert backend.counters["failed_calls"] == 0
+    finally:
+        proc.stop()
+
+
+def test_batch_set_refuses_a_value_that_is_not_one_page(daemon, backends):
+    pool = host_pool()
+    backend = make_backend(daemon, pool)
+    backends.append(backend)
+    fill(pool, [1], seed=1)
+    page = pool.get_data_page(PAGE, flat=True)
+    with pytest.raises(ValueError, match=r"'one-byte'.* 1 bytes .*holds 1024"):
+        backend.batch_set(["one-byte"], [torch.ones(1, dtype=torch.uint8)])  # would broadcast to a page
+    with pytest.raises(ValueError, match=r"'as-fp32'.* 2048 bytes .*torch.float32.*holds 1024"):
+        backend.batch_set(["as-fp32"], [page.float()])
+    with pytest.raises(TypeError, match=r"'none'.* NoneType"):
+        backend.set("none", None)
+    assert backend.batch_exists(["one-byte"]) == 0 and backend.batch_exists(["as-fp32"]) == 0
+    assert backend.client.stats()["tiers"]["dram"]["blocks"] == 0  # nothing allocated and left behind
+
+
+def test_batch_get_fills_a_strided_target(daemon, backends):
+    pool = host_pool()
+    backend = make_backend(daemon, pool)
+    backends.append(backend)
+    fill(pool, [1], seed=2)
+    page = pool.get_data_page(PAGE, flat=True)
+    assert backend.batch_set(["k"], [page])
+    target = torch.zeros(2 * page.numel(), dtype=page.dtype)[::2]  # a strided view of a larger buffer
+    out = backend.batch_get(["k"], [target])
+    assert out[0] is target and torch.equal(target, page)
+    with pytest.raises(ValueError, match=r"'k'.* 512 bytes"):
+        backend.batch_get(["k"], [torch.zeros(page.numel() // 2, dtype=page.dtype)])
+
+
+def test_hybrid_model_pools_fall_back_and_v2_calls_answer(daemon, backends, caplog):
+    """The calls sglang 0.5.23's HybridCacheController makes (hybrid_cache_controller.py): at attach,
+    `register_mem_host_pool_v2(entry.host_pool, entry.name)` for every entry of its host pool group,
+    the KV anchor first; with extra pools, `batch_exists_v2(hash_value, pool_transfers, extra_info)`,
+    `batch_set_v2(transfers, extra_info=...)` and `batch_get_v2(transfers, extra_info=...)`."""
+    kv_only = host_pool()
+    plain = make_backend(daemon, kv_only)
+    backends.append(plain)
+    plain.register_mem_host_pool_v2(kv_only, PoolName.KV)  # a KV-only model: its anchor alone
+    assert plain.fallback_reason is None and plain.active
+
+    kv, swa = host_pool(), host_pool()
+    hybrid = make_backend(daemon, kv)
+    backends.append(hybrid)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        hybrid.register_mem_host_pool_v2(kv, PoolName.KV)
+        hybrid.register_mem_host_pool_v2(swa, PoolName.SWA)
+    assert "fallback to default" in caplog.text and "swa host pool" in hybrid.fallback_reason
+    transfers = [PoolTransfer(name=PoolName.SWA, host_indices=indices([1, 2]), keys=KEYS[:2])]
+    info = HiCacheStorageExtraInfo()
+    assert hybrid.batch_set_v2(transfers, extra_info=info) == {PoolName.SWA: [True, True]}
+    assert hybrid.batch_set_v1(KEYS[:2], indices([1, 2]), info) == [True, True]  # accepted and dropped
+    assert hybrid.batch_exists_v2(KEYS[:2], transfers, info).kv_hit_pages == 0
+    assert hybrid.batch_get_v2(transfers, extra_info=info) == {PoolName.SWA: [False, False]}
