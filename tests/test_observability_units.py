@@ -215,3 +215,19 @@ def test_configure_routes_events_to_one_handler():
         root.setLevel(saved[1])
     lines = [json.loads(x) for x in stream.getvalue().splitlines()]
     assert lines == [{**lines[0], "event": "dflash2_start", "endpoint": "ipc://x"}] and len(lines) == 1
+
+
+def test_node_totals_add_counts_but_not_settings_or_per_link_bandwidth(make_manager):
+    from dflash2.daemon.service import Service
+    from dflash2.policy.heat import HeatPolicy
+    from dflash2.tiers import Tier
+    pools = {0: make_manager(policy=HeatPolicy({"recency": 2.0}), prefetch_window=4),
+             1: make_manager(policy=HeatPolicy({"recency": 2.0}), prefetch_window=4)}
+    pools[1].prefetcher.window = 16  # grown on one GPU only
+    for m in pools.values():
+        m.access.reads[Tier.HBM] += 3
+    st = Service(pools, lease_timeout_s=10.0, heartbeat_interval_s=2.0).stats()
+    assert st["reads"]["hbm"] == 6
+    assert st["policy"]["weights"]["recency"] == 2.0, "a weight is a setting, not a count"
+    assert st["prefetch"]["window"] == 4
+    assert "read_cost" not in st and "read_cost" in st["devices"]["1"], "bandwidth is per GPU link"
