@@ -95,17 +95,18 @@ class Mover:
         if move.src == Tier.NVME and not ok.all():
             # Named before end_move, which frees a block whose last reference went mid-move.
             self.lost.extend(self.table.vids(move.rows[~ok]).tolist())
+        # Sized before end_move, which frees a block whose last reference went mid-move.
+        arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
         finished = time.perf_counter()
         seconds = finished - move.started
-        if self.read_cost is not None and move.job is not None and ok.any():
-            arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
+        if self.read_cost is not None and move.job is not None and arrived:
             self.read_cost.observe(move.src, move.dst, arrived, move.started, finished)
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
         st.blocks += int(ok.sum())
         st.failed_blocks += int((~ok).sum())
-        st.bytes += move.nbytes
+        st.bytes += arrived  # bytes of the blocks that arrived: a failed copy moved nothing usable
         st.seconds += seconds
         if self.on_batch is not None:
             self.on_batch(move.src, move.dst, seconds)

@@ -56,6 +56,8 @@ def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr):
     found = mgr.lookup([101, 102, 103], lid)
     assert [p.vid for p in found] == [int(vids[0])], "the corrupt block and what hangs below it are gone"
     assert mgr.mover.stats[(Tier.NVME, Tier.HBM)].failed_blocks == 1
+    moved = mgr.mover.stats[(Tier.NVME, Tier.HBM)]
+    assert moved.bytes == moved.blocks * LAYOUT.block_bytes, "a failed copy's bytes are not bytes moved"
     mgr.check_invariants()
 
 
