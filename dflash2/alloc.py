@@ -53,6 +53,18 @@ import dataclasses  # noqa: E402  (kept below the pure helpers the CLI imports)
 
 import numpy as np  # noqa: E402
 
+from dflash2.errors import ArenaError  # noqa: E402
+
+
+def slabs_in_runs(free: np.ndarray, slab_pages: int) -> int:
+    """Slabs of `slab_pages` contiguous pages that the pages marked in `free` hold, first fit: each
+    maximal run of free pages holds its length // slab_pages (free pages scattered between used ones
+    hold no slab longer than a page)."""
+    if slab_pages == 1:
+        return int(np.count_nonzero(free))
+    edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
+    return int(((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)) // slab_pages).sum())
+
 
 @dataclasses.dataclass
 class _SizeClass:
@@ -62,6 +74,7 @@ class _SizeClass:
     slab_pages: int  # pages one slab (a contiguous run) spans
     slots_per_slab: int
     free: np.ndarray
+    used: np.ndarray  # used[offset // slot]: the slot is handed out (catches a double free)
     n_free: int = 0
     n_used: int = 0
     block_bytes_used: int = 0  # exact bytes of the blocks in used slots (for the rounding waste)
@@ -120,15 +133,17 @@ class SlotAllocator:
 
     def blocks_free(self, block_bytes: int, enough: int | None = None) -> int:
         """How many more blocks of this size fit now: free slots of their size, plus slabs from free
-        pages and from other sizes' empty slabs (free slots of other sizes do not count)."""
+        pages and from other sizes' empty slabs (free slots of other sizes do not count). A slab of
+        several pages needs them contiguous: scattered free pages are not counted as its room."""
         slot = self.slot_for(block_bytes)
         cls = self._classes.get(slot)
         have = cls.n_free if cls else 0
         if enough is not None and have >= enough:
             return have
         slab_pages, per_slab = self._slab_shape(slot)
-        spare_pages = self._n_free_pages + self._reclaimable_pages(exclude=slot)
-        return have + (spare_pages // slab_pages) * per_slab
+        if slab_pages == 1:
+            return have + (self._n_free_pages + self._reclaimable_pages(exclude=slot)) * per_slab
+        return have + slabs_in_runs(self._spare_pages(exclude=slot), slab_pages) * per_slab
 
     def room_for(self, block_bytes: int) -> int:
         """Bytes of slots that blocks of this size could take now (see blocks_free)."""
@@ -159,28 +174,62 @@ class SlotAllocator:
         if not self.can_fit(block_bytes, n):
             return None
         cls = self._class(slot)
+        short = n - cls.n_free
+        if (short > 0 and cls.slab_pages > 1
+                and slabs_in_runs(self._page_free, cls.slab_pages) * cls.slots_per_slab < short):
+            # Free pages alone are too scattered: merge other sizes' empty slabs into the page pool
+            # first, so that the slabs are cut from the runs `blocks_free` counted (claiming from the
+            # free pages first could split such a run and leave too little).
+            self._reclaim(exclude=slot)
         while cls.n_free < n:
             if not self._claim_slab(cls):
                 self._reclaim(exclude=slot)
                 if not self._claim_slab(cls):  # can_fit said yes: a contiguous run must exist
                     return None
         offsets = cls.pop(n)
+        cls.used[offsets // slot] = True
         np.add.at(self._page_used, self._head_of(offsets), 1)
         cls.n_used += n
         cls.block_bytes_used += n * block_bytes
         return offsets
 
     def free(self, block_bytes: int, offsets: np.ndarray) -> None:
-        """Return slots; the caller (the block table's state machine) guarantees each is in use once."""
+        """Return slots. Each must be a slot of this size handed out by `alloc` and not freed since:
+        a slot freed twice would later be handed to two blocks (their bytes overwriting each other),
+        so a double free, or an offset that is not such a slot, raises ArenaError and frees none."""
         if len(offsets) == 0:
             return
         slot = self.slot_for(block_bytes)
-        cls = self._classes[slot]
         offsets = np.asarray(offsets, dtype=np.int64)
+        cls = self._classes.get(slot)
+        if cls is None:
+            raise ArenaError(f"free of {len(offsets)} slots of {slot} bytes: no slot of that size was handed out")
+        self._check_in_use(cls, offsets)
+        cls.used[offsets // slot] = False
         np.subtract.at(self._page_used, self._head_of(offsets), 1)
         cls.push(offsets)
         cls.n_used -= len(offsets)
         cls.block_bytes_used -= len(offsets) * block_bytes
+
+    def _check_in_use(self, cls: _SizeClass, offsets: np.ndarray) -> None:
+        """ArenaError naming the first offset that is not a handed-out slot of this class."""
+        page = offsets // self.page_bytes
+        ok = (offsets >= 0) & (page < self.n_pages)
+        page = np.where(ok, page, 0)
+        head = self._page_head[page]
+        # In a claimed page of a slab of this size (a free page's head is stale), on a slot's start.
+        ok &= ~self._page_free[page] & (self._page_class[head] == cls.slot) & (page - head < cls.slab_pages)
+        ok &= (offsets - head * self.page_bytes) % cls.slot == 0
+        ok[ok] = cls.used[offsets[ok] // cls.slot]
+        if not ok.all():
+            bad = int(offsets[int(np.argmin(ok))])
+        else:
+            uniq, counts = np.unique(offsets, return_counts=True)
+            if (counts == 1).all():
+                return
+            bad = int(uniq[int(np.argmax(counts > 1))])
+        raise ArenaError(f"free of slot {bad} ({cls.slot} bytes): it is not in use (freed twice, "
+                         "never handed out, or a slot of another size or tier)")
 
     # -- slabs -------------------------------------------------------------------------------
     def _slab_shape(self, slot: int) -> tuple[int, int]:
@@ -194,7 +243,7 @@ class SlotAllocator:
         if cls is None:
             pages, per_slab = self._slab_shape(slot)
             cls = _SizeClass(slot=slot, slab_pages=pages, slots_per_slab=per_slab,
-                             free=np.empty(64, dtype=np.int64))
+                             free=np.empty(64, dtype=np.int64), used=np.zeros(0, dtype=bool))
             self._classes[slot] = cls
         return cls
 
@@ -207,6 +256,11 @@ class SlotAllocator:
         self._page_class[head] = cls.slot
         self._page_head[head: head + cls.slab_pages] = head
         base = head * self.page_bytes
+        end = (base + cls.slab_pages * self.page_bytes) // cls.slot + 1
+        if end > len(cls.used):  # the in-use map covers the slabs claimed so far
+            used = np.zeros(max(end, 2 * len(cls.used)), dtype=bool)
+            used[: len(cls.used)] = cls.used
+            cls.used = used
         # Push in reverse so that pops hand out ascending offsets (sequential I/O on fresh tiers).
         cls.push(base + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64))
         return True
@@ -217,14 +271,26 @@ class SlotAllocator:
             return -1
         if length == 1:
             return int(np.argmax(self._page_free))
-        free = self._page_free.astype(np.int8)
-        window = np.convolve(free, np.ones(length, dtype=np.int8), mode="valid") if len(free) >= length else []
-        hits = np.flatnonzero(np.asarray(window) == length)
+        # Free pages in each window of `length`, from a running count (int64: a sum in the pages'
+        # own small type would wrap for slabs of 128 pages or more, and no such slab would be found).
+        count = np.concatenate(([0], np.cumsum(self._page_free, dtype=np.int64)))
+        hits = np.flatnonzero(count[length:] - count[:-length] == length)
         return int(hits[0]) if len(hits) else -1
 
     def _empty_slab_heads(self, cls: _SizeClass) -> np.ndarray:
         heads = np.flatnonzero((self._page_class == cls.slot) & (self._page_used == 0) & ~self._page_free)
         return heads
+
+    def _spare_pages(self, exclude: int) -> np.ndarray:
+        """Mask of the pages a slab of size `exclude` could take: free ones and those of other sizes'
+        empty slabs (which `_reclaim` gives back)."""
+        spare = self._page_free.copy()
+        for s, c in self._classes.items():
+            if s != exclude:
+                heads = self._empty_slab_heads(c)
+                if len(heads):
+                    spare[(heads[:, None] + np.arange(c.slab_pages)).ravel()] = True
+        return spare
 
     def _reclaimable_pages(self, exclude: int) -> int:
         return sum(len(self._empty_slab_heads(c)) * c.slab_pages

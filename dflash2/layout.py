@@ -48,10 +48,13 @@ class Layout:
         for field in ("num_layers", "tokens_per_block"):
             if getattr(self, field) <= 0:
                 raise LayoutError(f"layout {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        if self.is_mla:
-            if self.mla_latent_dim < 0 or self.mla_rope_dim < 0:
-                raise LayoutError(f"layout {self.name!r}: MLA dims must be >= 0")
-        else:
+        # Checked whatever the kind: a negative latent size would otherwise pass as "not MLA".
+        if self.mla_latent_dim < 0 or self.mla_rope_dim < 0:
+            raise LayoutError(f"layout {self.name!r}: MLA dims must be >= 0")
+        if self.mla_rope_dim and not self.is_mla:
+            raise LayoutError(f"layout {self.name!r}: mla_rope_dim is set but mla_latent_dim is not "
+                              "(the rope part is stored next to an MLA latent; it would be ignored)")
+        if not self.is_mla:
             if self.num_kv_heads <= 0 or self.head_dim <= 0:
                 raise LayoutError(
                     f"layout {self.name!r}: num_kv_heads and head_dim must be > 0 (or set mla_latent_dim for MLA)"

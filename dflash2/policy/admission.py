@@ -56,17 +56,21 @@ class FrequencySketch:
         # Conservative update: only the counters at the current minimum grow (less overcounting).
         est = self.table[rows, idx].min(axis=0)
         grow = (self.table[rows, idx] == est[None, :]) & (est[None, :] < COUNTER_MAX)
-        np.add.at(self.table, (rows[grow], idx[grow]), 1)
-        np.minimum(self.table, COUNTER_MAX, out=self.table)
+        # One saturating add per counter, however many keys of the batch hit it: counted in uint8
+        # (np.add.at), 256 references of one key in a batch would wrap its counters to 0.
+        cells, times = np.unique(rows[grow] * self.width + idx[grow], return_counts=True)
+        flat = self.table.reshape(-1)
+        flat[cells] = np.minimum(flat[cells] + times, COUNTER_MAX)
         self.additions += len(keys)
         if self.additions >= self.sample:
             self.halve()
         return np.minimum(est.astype(np.int64) + 1, COUNTER_MAX)
 
-    def halve(self) -> None:
-        """Age every count by half (after `sample` additions, and every half-life of the policy)."""
-        self.table >>= 1
-        self.additions //= 2
+    def halve(self, times: int = 1) -> None:
+        """Age every count by half, `times` over (after `sample` additions, and every half-life of the
+        policy): one shift, however many half-lives went by."""
+        self.table >>= min(times, 8)  # eight clear any uint8 counter
+        self.additions >>= min(times, 63)
 
 
 class FrequencyAdmission:

@@ -41,6 +41,9 @@ RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density 
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
 DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
                    "stage": 1.0}
+# The config's bound on each weight (policy.weights), kept at run time: every term stays far inside
+# float32 (a weight of inf, or one that float32 rounds to inf, turns 0 · inf into NaN scores).
+MAX_WEIGHT = 1e6
 
 
 # Age bins per class in the scoring lookup table: the density's N_AGE bins, the last one repeated up
@@ -310,9 +313,12 @@ class HeatPolicy(Policy):
         if self.decay_half_life_s is not None:
             if self._halved_at is None:
                 self._halved_at = now
-            while now - self._halved_at >= self.decay_half_life_s:
-                self.sketch.halve()
-                self._halved_at += self.decay_half_life_s
+            # Counted, not looped one half-life at a time: a short half-life after a long pause (or
+            # a clock jump) would otherwise halve the sketch billions of times in one tick.
+            due = (now - self._halved_at) // self.decay_half_life_s
+            if due >= 1:
+                self.sketch.halve(int(min(due, 64)))
+                self._halved_at += due * self.decay_half_life_s
         self.rescore(table, now)
 
     def rescore(self, table, now: float) -> np.ndarray:
@@ -331,9 +337,9 @@ class HeatPolicy(Policy):
         unknown = sorted(set(weights) - set(WEIGHTS))
         if unknown:
             raise ValueError(f"unknown heat weights {unknown}; valid: {', '.join(WEIGHTS)}")
-        bad = {k: v for k, v in weights.items() if not v >= 0}
+        bad = {k: v for k, v in weights.items() if not 0 <= v <= MAX_WEIGHT}
         if bad:
-            raise ValueError(f"heat weights must be >= 0, got {bad}")
+            raise ValueError(f"heat weights must be >= 0 and <= {MAX_WEIGHT:g}, got {bad}")
         self.weights.update({k: float(v) for k, v in weights.items()})
         self._cache = None
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.alloc import SlotAllocator
-from dflash2.errors import (ImmutableBlock, NotOwner, PinnedBlock, ReservationError, UnknownBlock,
-                            UnknownClient, UnknownLayout)
+from dflash2.errors import (IllegalTransition, ImmutableBlock, NotOwner, PinnedBlock, ReservationError,
+                            UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -147,6 +147,17 @@ class BlockTable:
         per_layout = np.array([lay.block_bytes for lay in self.layouts], dtype=np.int64)
         return per_layout[self.cols.layout[rows]]
 
+    def _require(self, rows: np.ndarray, state: BlockState, op: str) -> None:
+        """IllegalTransition unless every row is in `state`. For a target that several states may
+        reach (RESIDENT: from WRITING by a commit, from MIGRATING by a move's end) the transition
+        table alone is not enough: a commit of a block in flight would end its move under the
+        mover, an end_move of a block being written would publish it in another tier unwritten."""
+        wrong = self.cols.state[rows] != int(state)
+        if wrong.any():
+            r = rows[wrong][:1]
+            raise IllegalTransition(f"{op} of block {int(self.vids(r)[0]):#x}: it is "
+                                    f"{BlockState(int(self.cols.state[r][0])).name}, not {state.name}")
+
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
                  request: int = 0, priority: int = 0, stage: int = 0,
@@ -157,6 +168,8 @@ class BlockTable:
         layout = self.layout(layout_id)
         if state not in (S.RESERVED, S.WRITING):
             raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
+        if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
+            raise ValueError(f"cannot allocate {n} blocks")
         offsets = self.allocators[tier].alloc(layout.block_bytes, n)
         if offsets is None:
             return None
@@ -194,6 +207,7 @@ class BlockTable:
         _no_repeats(rows, "commit")
         c = self.cols
         check_transition(c.state[rows], S.RESIDENT, vids)
+        self._require(rows, S.WRITING, "commit")
         if keys is None:
             c.state[rows] = S.RESIDENT
             return self.vids(rows)
@@ -334,6 +348,17 @@ class BlockTable:
         if foreign.any():
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
         self.refuse_reserved(rows)
+        if self._free_after_move or self.lost:
+            # Dead to new holders, though their rows are not free yet: a private block whose last
+            # reference went mid-move (freed when the move ends: a new reference or pin would
+            # outlive its row and later stand for the row's next block), and a block whose bytes
+            # failed their checksum (kept only for the references held before; a pin taken now
+            # would not stop its last reference from freeing it).
+            dead = np.fromiter(self._free_after_move | self.lost, dtype=np.int64)
+            gone = np.isin(rows, dead)
+            if gone.any():
+                raise UnknownBlock(f"block {int(self.vids(rows[gone][:1])[0]):#x} is not live (freed while "
+                                   "in flight, or its bytes failed their checksum)")
         return rows
 
     def refuse_reserved(self, rows: np.ndarray) -> None:
@@ -443,6 +468,7 @@ class BlockTable:
     def begin_move(self, rows: np.ndarray, dst: Tier) -> np.ndarray | None:
         """RESIDENT → MIGRATING and destination slots, or None (no room at dst; nothing changed)."""
         c = self.cols
+        _no_repeats(rows, "begin_move")  # one destination slot per block, one source slot freed
         if (c.pins[rows] > 0).any():
             raise PinnedBlock("a pinned block cannot be moved")
         check_transition(c.state[rows], S.MIGRATING, self.vids(rows))
@@ -465,7 +491,7 @@ class BlockTable:
         """MIGRATING → RESIDENT. Where ok, the block now lives at dst (the source slot is freed);
         elsewhere it stays where it was (the destination slot is freed)."""
         c = self.cols
-        check_transition(c.state[rows], S.RESIDENT, self.vids(rows))
+        self._require(rows, S.MIGRATING, "end_move")
         c.state[rows] = S.RESIDENT
         moved, failed = rows[ok], rows[~ok]
         self._free_slots(dst, failed, dst_offsets[~ok])

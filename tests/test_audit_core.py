@@ -1,0 +1,245 @@
+"""Audit of the metadata core: the slot allocator, the block table's state machine around moves,
+heat weights and decay, the frequency sketch, and layout validation. Each test names the invariant
+it holds the code to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash2.alloc import SlotAllocator, blocks_that_fit
+from dflash2.errors import ArenaError, IllegalTransition, LayoutError, UnknownBlock
+from dflash2.layout import Layout
+from dflash2.policy.admission import FrequencySketch
+from dflash2.policy.heat import HeatPolicy
+from dflash2.table import BlockState
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+PAGE = 64 * 1024
+
+
+# -- slot allocator ------------------------------------------------------------------------------
+@pytest.mark.parametrize("pages", [127, 128, 200])
+def test_a_slab_of_128_pages_or_more_is_found(pages):
+    """A free arena holds a block that spans many pages: the search for a run of free pages must not
+    wrap its count (it summed in int8, so no run of 128 pages or more was ever found)."""
+    a = SlotAllocator(1024 * PAGE, PAGE, 256)
+    block = pages * PAGE
+    assert a.blocks_free(block) >= 1
+    got = a.alloc(block, 1)
+    assert got is not None and a.used_bytes == block
+    assert blocks_that_fit(1024 * PAGE, PAGE, 256, block) >= 1
+
+
+def test_scattered_free_pages_are_not_counted_as_room_for_a_multi_page_slab():
+    """blocks_free promises what alloc delivers: a slab of several pages needs them contiguous."""
+    a = SlotAllocator(10 * PAGE, PAGE, 256)
+    one_page = a.alloc(PAGE, 10)
+    a.free(PAGE, one_page[::2])  # frees pages 0, 2, 4, 6, 8: empty one-page slabs, none adjacent
+    big = PAGE + PAGE // 4  # 80 KiB: slabs of several pages
+    assert a._slab_shape(a.slot_for(big))[0] > 1
+    assert a.blocks_free(big) == 0
+    assert not a.can_fit(big, 1)
+    assert a.alloc(big, 1) is None
+
+
+def test_alloc_uses_the_contiguous_room_that_blocks_free_counted():
+    """Free pages and other sizes' empty slabs that together form one run: alloc must merge them
+    before cutting slabs (cutting from the free pages first split the run and fell short)."""
+    a = SlotAllocator(4 * PAGE, PAGE, 256)
+    one_page = a.alloc(PAGE, 4)  # pages 0..3 in one-page slabs
+    a.free(PAGE, one_page[:3])
+    half = a.alloc(PAGE // 2, 1)  # takes pages 0..2 back into the pool, and page 0 for itself
+    a.free(PAGE // 2, half)
+    a.free(PAGE, one_page[3:])
+    # Page 0: an empty slab of half pages; pages 1, 2: free; page 3: an empty slab of whole pages.
+    two_pages = 2 * PAGE - 4096
+    assert a._slab_shape(a.slot_for(two_pages)) == (2, 1)
+    assert a.blocks_free(two_pages) == 2
+    got = a.alloc(two_pages, 2)
+    assert got is not None and sorted(got.tolist()) == [0, 2 * PAGE]
+
+
+def test_free_refuses_a_double_free_and_changes_nothing():
+    """A slot freed twice would be handed to two blocks: the second free raises and frees nothing."""
+    a = SlotAllocator(4 * PAGE, PAGE, 256)
+    got = a.alloc(16 * 1024, 3)
+    a.free(16 * 1024, got[:1])
+    before = a.stats()
+    with pytest.raises(ArenaError, match=str(int(got[0]))):
+        a.free(16 * 1024, got[:2])
+    assert a.stats() == before
+    with pytest.raises(ArenaError):
+        a.free(16 * 1024, np.array([got[1], got[1]]))  # the same slot twice in one call
+    assert a.stats() == before
+    taken = a.alloc(16 * 1024, a.blocks_free(16 * 1024))
+    assert len(np.unique(np.concatenate([taken, got[1:]]))) == len(taken) + 2, "a slot was handed out twice"
+
+
+def test_free_refuses_offsets_that_are_not_its_slots():
+    a = SlotAllocator(4 * PAGE, PAGE, 256)
+    got = a.alloc(16 * 1024, 2)
+    with pytest.raises(ArenaError):
+        a.free(16 * 1024, got + 256)  # inside a slot, not its start
+    with pytest.raises(ArenaError):
+        a.free(16 * 1024, np.array([3 * PAGE]))  # a free page
+    with pytest.raises(ArenaError):
+        a.free(8 * 1024, got)  # another size (a slot of another layout)
+    with pytest.raises(ArenaError):
+        a.free(16 * 1024, np.array([100 * PAGE]))  # past the arena (another tier's offset)
+    a.free(16 * 1024, got)
+    assert a.used_bytes == 0
+
+
+# -- block table: the state machine around moves -------------------------------------------------
+@pytest.fixture
+def mgr(make_manager):
+    return make_manager(hbm_blocks=8, dram_blocks=8)
+
+
+def test_a_block_in_flight_cannot_be_committed(mgr):
+    """commit is WRITING → RESIDENT only: MIGRATING → RESIDENT is the end of a move, not a commit
+    (the block was published and made RESIDENT under the mover)."""
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(c, mgr.allocate(c, lid, 1))
+    rows = t.rows(v)
+    dst = t.begin_move(rows, Tier.DRAM)
+    with pytest.raises(IllegalTransition, match="MIGRATING"):
+        t.commit(c, v, keys=[5])
+    assert t.cols.state[rows][0] == BlockState.MIGRATING and len(t.keys) == 0
+    t.end_move(rows, Tier.DRAM, dst, np.ones(1, dtype=bool))
+    mgr.check_invariants()
+
+
+def test_end_move_requires_a_block_in_flight(mgr):
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.allocate(c, lid, 1)  # WRITING
+    rows = t.rows(v)
+    with pytest.raises(IllegalTransition, match="WRITING"):
+        t.end_move(rows, Tier.DRAM, np.array([0]), np.ones(1, dtype=bool))
+    assert t.cols.state[rows][0] == BlockState.WRITING and t.cols.tier[rows][0] == Tier.HBM
+
+
+def test_a_block_freed_mid_move_takes_no_new_reference_or_pin(mgr):
+    """A private block whose last reference went mid-move is freed when the move ends; a reference
+    or pin taken meanwhile would outlive the row and later stand for the row's next block."""
+    t = mgr.table
+    c, other = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(c, mgr.allocate(c, lid, 1))
+    rows = t.rows(v)
+    dst = t.begin_move(rows, Tier.DRAM)
+    t.free(c, v)
+    with pytest.raises(UnknownBlock):
+        t.add_ref(c, v)
+    with pytest.raises(UnknownBlock):
+        t.pin(c, v)
+    t.end_move(rows, Tier.DRAM, dst, np.ones(1, dtype=bool))
+    mgr.check_invariants()
+    reused = mgr.allocate(other, lid, 1)
+    assert int(t.rows(reused)[0]) == int(rows[0]), "the row is reused"
+    assert int(rows[0]) not in t.clients[c].refs
+    mgr.check_invariants()
+
+
+def test_a_lost_block_takes_no_new_pin_that_its_last_reference_would_free(mgr):
+    """A block whose bytes failed their checksum stays only for the references held before; a pin
+    taken on it then did not keep it: the last reference's holder dying freed it under the pin."""
+    t = mgr.table
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7])  # a holds a reference
+    t.drop_lost(t.rows(v))
+    with pytest.raises(UnknownBlock):
+        t.pin(b, v)
+    with pytest.raises(UnknownBlock):
+        t.add_ref(b, v)
+    mgr.detach(a)
+    assert t.cols.live == 0 and t.cols.pins.sum() == 0
+    mgr.check_invariants()
+
+
+def test_a_move_of_a_block_listed_twice_is_refused(mgr):
+    """One destination slot per block: a repeated row took two and later freed its source twice."""
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    v = mgr.commit(c, mgr.allocate(c, lid, 1))
+    rows = np.repeat(t.rows(v), 2)
+    with pytest.raises(ValueError, match="twice"):
+        t.begin_move(rows, Tier.DRAM)
+    assert t.cols.state[rows[0]] == BlockState.RESIDENT
+    mgr.check_invariants()
+
+
+def test_a_negative_block_count_is_refused(mgr):
+    """take_rows(-1) put a live row back on the free list: the next allocation handed it out again."""
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    first = t.allocate(c, lid, 2)
+    with pytest.raises(ValueError):
+        t.allocate(c, lid, -1)
+    again = t.allocate(c, lid, 1)
+    assert not set(t.rows(again).tolist()) & set(t.rows(first).tolist())
+    assert t.cols.live == 3
+
+
+# -- heat ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight", [float("inf"), 1e39, float("nan"), -1.0])
+def test_heat_weights_stay_finite(weight):
+    """A weight of inf (or one that float32 rounds to inf) made 0 · inf = NaN scores."""
+    pol = HeatPolicy()
+    with pytest.raises(ValueError, match=">= 0"):
+        pol.set_weights({"recency": weight})
+    assert pol.weights["recency"] == 1.0
+    pol.set_weights({"recency": 1e6, "priority": 0.0})  # the config's bounds are accepted
+
+
+def test_decay_after_a_long_pause_clears_counts_at_once(make_manager):
+    """Half-lives that went by are counted, not looped one at a time: a half-life below the clock's
+    resolution never advanced the loop (an endless tick)."""
+    mgr = make_manager(hbm_blocks=4)
+    pol = HeatPolicy(decay_half_life_s=1e-12)
+    keys = np.array([42], dtype=np.uint64)
+    pol.sketch.add(np.repeat(keys, 8))
+    pol.on_tick(mgr.table, 1000.0)
+    assert pol.sketch.estimate(keys)[0] == 8
+    pol.on_tick(mgr.table, 2000.0)
+    assert pol.sketch.estimate(keys)[0] == 0
+    pol.on_tick(mgr.table, 1500.0)  # the clock went back: nothing halves
+    pol.sketch.add(keys)
+    pol.on_tick(mgr.table, 1999.0)
+    assert pol.sketch.estimate(keys)[0] == 1
+
+
+@pytest.mark.parametrize("n", [15, 256, 300])
+def test_sketch_counters_saturate_instead_of_wrapping(n):
+    """Counters are 4-bit: many references of one key in one batch saturate at 15, never wrap."""
+    s = FrequencySketch(1 << 10)
+    key = np.array([12345], dtype=np.uint64)
+    s.add(np.repeat(key, n))
+    assert s.estimate(key)[0] == 15
+    assert s.table.max() == 15
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+def test_negative_or_lone_mla_dims_are_refused():
+    with pytest.raises(LayoutError, match="MLA dims"):
+        Layout("m", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16,
+               mla_latent_dim=-1)
+    with pytest.raises(LayoutError, match="mla_rope_dim"):
+        Layout("m", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16,
+               mla_rope_dim=64)
+    ok = Layout("m", num_layers=1, num_kv_heads=0, head_dim=0, dtype="fp4", tokens_per_block=2,
+                mla_latent_dim=3, mla_rope_dim=0)
+    assert ok.block_bytes == 3  # 6 four-bit elements
+    with pytest.raises(LayoutError, match="whole number of bytes"):
+        Layout("m", num_layers=1, num_kv_heads=0, head_dim=0, dtype="int4", tokens_per_block=1,
+               mla_latent_dim=3)
