@@ -411,3 +411,38 @@ def test_copy_engine_batches_both_ways_bit_exact(cuda_config, layers, block_kib)
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+def test_read_bandwidth_is_measured_on_the_cuda_path_and_slow_tiers_are_withheld(cuda_config):
+    """Cost-aware reuse on a GPU: the daemon measures DRAM->HBM and NVMe->HBM on its own moves, and an
+    engine whose recompute lies between the two is offered the blocks in DRAM but not those on NVMe."""
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    mgr = _manager(cuda_config())
+    try:
+        a = mgr.attach("engine")
+        layout = Layout("l", 8, 2, 64, "bf16", 16)  # 64 KiB
+        lid = mgr.register_layout(layout)
+        keys = list(range(1, 129))
+        vids = mgr.commit(a, mgr.allocate(a, lid, 128), keys=keys)
+        rows = mgr.table.rows(vids)
+        for _ in range(3):  # 8 MiB each way per round: both paths measured, past their first batch
+            assert mgr.mover.move(rows, Tier.DRAM).all()
+            assert mgr.mover.move(rows[64:], Tier.NVME).all()
+            assert mgr.acquire(a, vids) is not None
+            mgr.release(a, vids)
+        dram = mgr.read_cost.bandwidth(Tier.DRAM, Tier.HBM)
+        nvme = mgr.read_cost.bandwidth(Tier.NVME, Tier.HBM)
+        print(f"\nmeasured read bandwidth: dram->hbm {dram / 1e9:.2f} GB/s, nvme->hbm {nvme / 1e9:.2f} GB/s")
+        assert dram > nvme > 0
+        assert mgr.mover.move(rows, Tier.DRAM).all()
+        assert mgr.mover.move(rows[64:], Tier.NVME).all()
+        # Recomputing a block takes as long as reading it at the geometric mean of the two paths.
+        rate = layout.tokens_per_block * (dram * nvme) ** 0.5 / layout.block_bytes
+        mgr.set_prefill_rate(a, lid, rate)
+        found = mgr.lookup_rows(keys, lid, client=a)
+        assert mgr.table.vids(found).tolist() == vids[:64].tolist()
+        assert mgr.access.withheld == 64
+        mgr.check_invariants()
+    finally:
+        mgr.close()
