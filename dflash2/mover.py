@@ -79,6 +79,7 @@ class Mover:
             return None
         nbytes = self.table.block_bytes(rows)
         job = None
+        started = time.perf_counter()
         if self.backend is not None:
             batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
             try:
@@ -87,7 +88,7 @@ class Mover:
                 # The copy never started: the blocks stay where they were, the destination slots go back.
                 self.table.end_move(rows, dst, dst_offsets, np.zeros(len(rows), dtype=bool))
                 raise
-        return PreparedMove(rows, src, dst, dst_offsets, job, time.perf_counter(), int(nbytes.sum()))
+        return PreparedMove(rows, src, dst, dst_offsets, job, started, int(nbytes.sum()))
 
     def complete(self, move: PreparedMove) -> np.ndarray:
         """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
@@ -100,8 +101,8 @@ class Mover:
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
         finished = time.perf_counter()
         seconds = finished - move.started
-        if self.read_cost is not None and move.job is not None and arrived:
-            self.read_cost.observe(move.src, move.dst, arrived, move.started, finished)
+        if self.read_cost is not None and move.job is not None and move.job.seconds and arrived:
+            self.read_cost.observe(move.src, move.dst, arrived, move.job.seconds)
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
         st.blocks += int(ok.sum())

@@ -6,9 +6,10 @@ reader; recomputing it costs its tokens over the engine's prefill rate. On the r
 slowly: such a block is not worth offering as a hit, nor worth sending to that tier.
 
 - Bandwidth is measured from the daemon's own moves, never assumed: the mover reports each finished
-  batch (source, destination, bytes that arrived, seconds of wall time that batch had the path to
-  itself, i.e. since its start or the previous batch on the path finished, whichever was later).
-  Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
+  batch (source, destination, bytes that arrived, and the seconds the copy itself took by the
+  transfer backend's measure: CUDA events around a kernel or copy-engine batch, the copying
+  thread's clock for host and staged NVMe copies; a batch's time queued behind others is not its
+  own). Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
   A path never measured has no figure: its blocks are offered, and the stats say "unmeasured".
 - Prefill rates are registered by the engines, per client and layout (tokens per second). A layout
   without a registered rate is never judged: its blocks are always offered and kept.
@@ -18,8 +19,6 @@ demoting where `keeps` says no. Nothing here holds block data.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -39,20 +38,15 @@ class ReadCost:
         self._bytes: dict[tuple[Tier, Tier], float] = {}
         self._seconds: dict[tuple[Tier, Tier], float] = {}
         self._seen: dict[tuple[Tier, Tier], int] = {}  # bytes ever measured on the path (not decayed)
-        self._busy_until: dict[tuple[Tier, Tier], float] = {}
         self._rates: dict[tuple[int, int], float | None] = {}  # (client, layout id) -> tokens per second
 
     # -- measurement -------------------------------------------------------------------------
-    def observe(self, src: Tier, dst: Tier, nbytes: int, started: float, finished: float) -> None:
-        """A batch moved `nbytes` (those that arrived) from src to dst between these clock readings
-        (perf_counter). Batches in flight together share the path: each counts only the time since
-        the previous one on the path finished."""
-        path = (src, dst)
-        begin = max(started, self._busy_until.get(path, -math.inf))
-        self._busy_until[path] = max(finished, self._busy_until.get(path, -math.inf))
-        seconds = finished - begin
-        if nbytes <= 0 or seconds <= 0.0:
+    def observe(self, src: Tier, dst: Tier, nbytes: int, seconds: float) -> None:
+        """A batch moved `nbytes` (those that arrived) from src to dst in `seconds` of its own (the
+        transfer backend's measure: not counting the time it queued behind other batches)."""
+        if nbytes <= 0 or not seconds > 0.0:
             return
+        path = (src, dst)
         self._bytes[path] = self.decay * self._bytes.get(path, 0.0) + nbytes
         self._seconds[path] = self.decay * self._seconds.get(path, 0.0) + seconds
         self._seen[path] = self._seen.get(path, 0) + nbytes

@@ -3,6 +3,8 @@ that do not offer blocks slower to load than to recompute, placement that does n
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from daemon_proc import DaemonProcess
@@ -29,41 +31,55 @@ def test_an_unmeasured_path_has_no_figure_and_judges_nothing():
     rc.set_rate(1, 0, FAST_ENGINE)
     assert rc.bandwidth(Tier.DRAM, Tier.HBM) is None
     assert rc.worth(1, [SMALL], np.array([0]), np.array([int(Tier.DRAM)]), Tier.HBM).all()
-    rc.observe(Tier.DRAM, Tier.HBM, MIN_SAMPLE_BYTES - 1, 0.0, 1.0)  # below the sample floor
+    rc.observe(Tier.DRAM, Tier.HBM, MIN_SAMPLE_BYTES - 1, 1.0)  # below the sample floor
     assert rc.bandwidth(Tier.DRAM, Tier.HBM) is None
 
 
-def test_batches_in_flight_together_share_the_path_time():
-    rc = ReadCost(decay=0.5)
-    # Two 1 MiB batches started together; the second finished 1 s after the first: the path moved
-    # 2 MiB in 2 s, not in the 3 s their start-to-finish times add up to.
-    rc.observe(Tier.NVME, Tier.HBM, MIB, 0.0, 1.0)
-    rc.observe(Tier.NVME, Tier.HBM, MIB, 0.0, 2.0)
-    assert rc.bandwidth(Tier.NVME, Tier.HBM) == pytest.approx((0.5 * MIB + MIB) / (0.5 * 1.0 + 1.0))
+def test_each_copy_reports_its_own_time_not_the_time_it_queued(tmp_path, instance_name):
+    """The host backend copies one batch at a time: a batch started behind another reports only
+    its own copy time, so the two reports add up to no more than the wall time of both."""
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.transfer.base import CopyBatch
+    from dflash2.transfer.host import HostTransferBackend
+    arenas = {t: SharedMemoryArena.create(f"{instance_name}-{t.label}", 64 * MIB, t) for t in (Tier.HBM, Tier.DRAM)}
+    backend = HostTransferBackend(arenas)
+    try:
+        offsets = np.arange(256, dtype=np.int64) * (256 << 10)
+        sizes = np.full(256, 256 << 10, dtype=np.int64)
+        t0 = time.perf_counter()
+        jobs = [backend.start(CopyBatch(Tier.DRAM, Tier.HBM, offsets, offsets, sizes)) for _ in range(2)]
+        assert all(job.wait().all() for job in jobs)
+        wall = time.perf_counter() - t0
+        assert all(job.seconds > 0 for job in jobs)
+        assert jobs[0].seconds + jobs[1].seconds <= wall
+    finally:
+        backend.close()
+        for arena in arenas.values():
+            arena.close()
 
 
 def test_the_figure_follows_the_machine():
     rc = ReadCost(decay=0.5)
-    for i in range(20):
-        rc.observe(Tier.DRAM, Tier.HBM, MIB, float(i), i + 0.001)  # 1 MiB per ms
-    for i in range(20):
-        rc.observe(Tier.DRAM, Tier.HBM, MIB, 100.0 + i, 100.0 + i + 0.01)  # ten times slower now
+    for _ in range(20):
+        rc.observe(Tier.DRAM, Tier.HBM, MIB, 0.001)  # 1 MiB per ms
+    for _ in range(20):
+        rc.observe(Tier.DRAM, Tier.HBM, MIB, 0.01)  # ten times slower now
     assert rc.bandwidth(Tier.DRAM, Tier.HBM) == pytest.approx(MIB / 0.01, rel=1e-3)
 
 
 def test_a_read_from_two_tiers_down_adds_the_hops_when_the_direct_path_is_unmeasured():
     rc = ReadCost()
-    rc.observe(Tier.NVME, Tier.DRAM, 2 * MIB, 0.0, 1.0)
-    rc.observe(Tier.DRAM, Tier.HBM, 4 * MIB, 0.0, 1.0)
+    rc.observe(Tier.NVME, Tier.DRAM, 2 * MIB, 1.0)
+    rc.observe(Tier.DRAM, Tier.HBM, 4 * MIB, 1.0)
     assert rc.seconds_per_byte(Tier.NVME, Tier.HBM) == pytest.approx(1 / (2 * MIB) + 1 / (4 * MIB))
-    rc.observe(Tier.NVME, Tier.HBM, 8 * MIB, 0.0, 1.0)
+    rc.observe(Tier.NVME, Tier.HBM, 8 * MIB, 1.0)
     assert rc.seconds_per_byte(Tier.NVME, Tier.HBM) == pytest.approx(1 / (8 * MIB))
     assert rc.seconds_per_byte(Tier.HBM, Tier.HBM) == 0.0
 
 
 def test_a_block_is_offered_when_it_loads_faster_than_it_is_recomputed():
     rc = ReadCost()
-    rc.observe(Tier.DRAM, Tier.HBM, 16 * MIB, 0.0, 1.0)  # 16 MiB/s: a 16 KiB block loads in 1/1024 s
+    rc.observe(Tier.DRAM, Tier.HBM, 16 * MIB, 1.0)  # 16 MiB/s: a 16 KiB block loads in 1/1024 s
     load = SMALL.block_bytes / (16 * MIB)
     recompute_rate = SMALL.tokens_per_block / load  # the rate at which recomputing takes as long
     tiers = np.array([int(Tier.HBM), int(Tier.DRAM)])
@@ -78,7 +94,7 @@ def test_a_block_is_offered_when_it_loads_faster_than_it_is_recomputed():
 
 def test_placement_judges_a_layout_by_its_slowest_engine_and_only_when_all_gave_a_rate():
     rc = ReadCost()
-    rc.observe(Tier.NVME, Tier.HBM, 16 * MIB, 0.0, 1.0)
+    rc.observe(Tier.NVME, Tier.HBM, 16 * MIB, 1.0)
     lids = np.array([0])
     rc.set_rate(1, 0, FAST_ENGINE)
     assert not rc.keeps([SMALL], lids, Tier.NVME).any()

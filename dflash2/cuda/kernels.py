@@ -114,6 +114,9 @@ class CopyKernel:
         self.device = device
         with cp.cuda.Device(device):
             self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_chunks")
+            # Compiled now, at start-up: left to the first launch, the compile (hundreds of ms on a
+            # fresh machine) would stall the first move a client waits for.
+            self._kernel.compile()
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._meta: dict[int, _StreamMeta] = {}
         # A stream's metadata upload and its launch must not interleave with another thread's on

@@ -34,9 +34,10 @@ log = logging.getLogger("dflash2.transfer.cuda")
 class KernelJob(CopyJob):
     """A batch queued on a stream; done when its event has passed."""
 
-    def __init__(self, batch: CopyBatch, event, keep=()):
+    def __init__(self, batch: CopyBatch, event, keep=(), began=None):
         self.batch = batch
         self._event = event
+        self._began = began  # recorded on the stream just before the copy: the device times it
         self._keep = keep  # buffers the queued copy still reads
 
     def done(self) -> bool:
@@ -49,6 +50,8 @@ class KernelJob(CopyJob):
             log.exception("copy kernel of %d blocks failed", len(self.batch))
             return np.zeros(len(self.batch), dtype=bool)
         self._keep = ()
+        if self._began is not None and self.seconds is None:
+            self.seconds = cupy().cuda.get_elapsed_time(self._began, self._event) / 1e3
         return np.ones(len(self.batch), dtype=bool)
 
 
@@ -110,6 +113,8 @@ class CudaTransferBackend(TransferBackend):
         # blocks side by side in both arenas move as one copy
         src_off, dst_off, nbytes = route.coalesce(batch.src_offsets, batch.dst_offsets, batch.nbytes)
         with cp.cuda.Device(self.device):
+            began = cp.cuda.Event()
+            began.record(stream)
             now = time.monotonic()
             other = self._last.get(not to_host)
             busy = route.other_busy(other is not None and not other[0].done,
@@ -121,17 +126,19 @@ class CudaTransferBackend(TransferBackend):
             else:
                 self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
             self.launches[(to_host, mechanism)] += 1
-            event = cp.cuda.Event(disable_timing=True)
+            event = cp.cuda.Event()  # timing: with `began`, the copy's own time on the device
             event.record(stream)
         self._last[to_host] = (event, now)
-        return KernelJob(batch, event, keep)
+        return KernelJob(batch, event, keep, began)
 
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:
         try:
             with self._staging_lock:
+                started = time.perf_counter()  # once the staging buffer is this batch's alone
                 for part in self._chunks(job.batch):
                     job._ok[part] = self._staged_chunk(job.batch, part)
+                job.seconds = time.perf_counter() - started
         except Exception:
             log.exception("staged move of %d blocks failed", len(job.batch))
             job._ok[:] = False

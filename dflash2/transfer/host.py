@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -69,6 +70,7 @@ class HostTransferBackend(TransferBackend):
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
+            started = time.perf_counter()
             try:
                 ok = self._copy(job.batch)
             except Exception:
@@ -76,6 +78,7 @@ class HostTransferBackend(TransferBackend):
                 log.exception("host copy of %d blocks (%d bytes) %s → %s failed; the whole batch is a miss",
                               len(b), b.total_bytes, b.src_tier.label, b.dst_tier.label)
                 ok = np.zeros(len(job.batch), dtype=bool)
+            job.seconds = time.perf_counter() - started  # one batch at a time: all of it is this batch's
             job._finish(ok)
 
     def _copy(self, batch: CopyBatch) -> np.ndarray:
