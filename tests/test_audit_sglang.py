@@ -14,13 +14,14 @@ try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName, PoolTransfer
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 except Exception as exc:  # not installed, or installed without its dependencies
     pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
                 "environment (README, 'sglang')", allow_module_level=True)
 
 from daemon_proc import DaemonProcess
 from dflash2.protocol import MAX_BATCH
-from test_sglang import PAGE, fill, host_pool, indices, make_backend
+from test_sglang import PAGE, fill, host_pool, indices, make_backend, storage_config
 
 KEYS = [f"page-{i:04d}" for i in range(4)]
 
@@ -129,3 +130,23 @@ def test_hybrid_model_pools_fall_back_and_v2_calls_answer(daemon, backends, capl
     assert hybrid.batch_set_v1(KEYS[:2], indices([1, 2]), info) == [True, True]  # accepted and dropped
     assert hybrid.batch_exists_v2(KEYS[:2], transfers, info).kv_hit_pages == 0
     assert hybrid.batch_get_v2(transfers, extra_info=info) == {PoolName.SWA: [False, False]}
+
+
+def test_the_engines_prefill_rate_reaches_the_daemon_and_a_bad_one_falls_back(daemon, backends, caplog):
+    """`dflash2_prefill_tokens_per_s` in the extra config: the daemon's lookups for this backend then
+    offer no page that reads back more slowly than sglang recomputes it (cost-aware reuse)."""
+    backend = make_backend(daemon, host_pool(), dflash2_prefill_tokens_per_s=20000.0)
+    backends.append(backend)
+    assert backend.active and backend.prefill_rate == 20000.0
+    assert backend.client.stats()["read_cost"]["prefill_rates"] == 1
+    for bad in (0, -3.0, "fast", True):
+        with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+            broken = make_backend(daemon, host_pool(), dflash2_prefill_tokens_per_s=bad)
+        backends.append(broken)
+        assert not broken.active
+        assert "dflash2_prefill_tokens_per_s: must be a positive number" in broken.fallback_reason
+    config = storage_config(daemon)
+    config.extra_config["dflash2_timeout_s"] = "soon"
+    broken = StorageBackendFactory.create_backend("dynamic", config, host_pool())
+    backends.append(broken)
+    assert "dflash2_timeout_s: must be a positive number" in broken.fallback_reason

@@ -37,7 +37,7 @@ from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, page_format, page_layout,
                                          store_page)
 from dflash2.client.sglang.plugin import fallback_line
-from dflash2.errors import DaemonError, DaemonUnavailable, DFlash2Error
+from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
 from dflash2.protocol import MAX_BATCH
 
 log = logging.getLogger("dflash2.sglang")
@@ -63,6 +63,7 @@ class DFlash2Storage(HiCacheStorage):
         self.layout_id: int | None = None
         self.keys: KeyMapper | None = None
         self.fallback_reason: str | None = None
+        self.prefill_rate: float | None = None
         self.chunk_pages = MAX_CHUNK_PAGES
         self.tier = HOST_TIER
         self.page_bytes = 0
@@ -86,8 +87,20 @@ class DFlash2Storage(HiCacheStorage):
         cfg = load_config(path)
         require_enabled(cfg)
         name = f"sglang:{self.shard.model}:tp{self.shard.tp_rank}"
-        timeout_s = float(self.extra.get("dflash2_timeout_s", CALL_TIMEOUT_S))
+        timeout_s = self._positive("dflash2_timeout_s", CALL_TIMEOUT_S)
+        # How fast this engine recomputes a page's tokens: the daemon then offers no page whose
+        # read back (from NVMe, into host memory) is slower than that (cost-aware reuse).
+        self.prefill_rate = self._positive("dflash2_prefill_tokens_per_s", None)
         return Client.connect(config=cfg, name=name, timeout_s=timeout_s)
+
+    def _positive(self, key: str, default: float | None) -> float | None:
+        value = self.extra.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"--hicache-storage-backend-extra-config {key}",
+                              f"must be a positive number, got {value!r}")
+        return float(value)
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
@@ -102,7 +115,7 @@ class DFlash2Storage(HiCacheStorage):
             return
         try:
             layout = page_layout(mem_pool_host, self.shard.model)
-            self.layout_id = self.client.register_layout(layout)
+            self.layout_id = self.client.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
         except (PageFormatError, DFlash2Error) as e:
             self._fall_back(f"sglang's host pages cannot be stored: {e}")
             return
