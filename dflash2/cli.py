@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from dflash2.bench import OptionError  # light: imports no benchmark
 BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "sglang")
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # as a shell reports a command killed by SIGPIPE (128 + 13)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"dflash2: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`dflash2 bench ... --json | head -1`): what it read is all it wanted.
+        # Point stdout at /dev/null so that the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -231,3 +231,23 @@ def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, cap
     with pytest.raises(ValueError, match="not JSON compliant"):
         cli.main(["bench", "table", "--json"])
     assert "NaN" not in capsys.readouterr().out
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path):
+    """`dflash2 bench ... --json | head -1`: the pipe's reader is gone when the figures are printed."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read: the first write fails with EPIPE
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1, "hash_ids": [1, 2, 3]}\n')
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dflash2.cli", "bench", "policy", "--trace", str(trace),
+                               "--hbm-blocks", "4", "--policies", "lru", "--json"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

@@ -255,8 +255,8 @@ class DFlash2Storage(HiCacheStorage):
         if parent is not None:
             try:
                 return client.commit(vids, ckeys, parent)
-            except DaemonError:  # the parent was evicted meanwhile: publish without the link
-                pass
+            except DaemonError as e:  # the parent was evicted meanwhile: publish without the link
+                log.debug("dflash2: pages committed without their parent link (%s)", e)
         return client.commit(vids, ckeys)
 
     def _load(self, client: Client, page_keys: Sequence[str], read: Callable[[int, Any], None]) -> List[bool]:
