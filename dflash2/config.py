@@ -263,7 +263,22 @@ class Config(_Section):
                                   f"{name!r} ({layout.block_bytes / MB:.1f} MB); raise it or lower the block size")
         if self.device.kind == "host" and self.memory.hbm_capacity_mb is None:
             raise ConfigError("memory.hbm_capacity_mb", HOST_NEEDS_HBM_CAPACITY)
+        self._metrics_port_is_free_of_the_endpoint()
         return self
+
+    def _metrics_port_is_free_of_the_endpoint(self) -> None:
+        """The metrics server and a tcp control endpoint cannot listen on one port of one address (a
+        wildcard address overlaps every other): caught here, not as a failed start-up."""
+        if not self.metrics.port or self.daemon.endpoint is None:
+            return
+        scheme, rest = endpoint_parts(self.daemon.endpoint)
+        if scheme != "tcp":
+            return
+        host, _, port = rest.rpartition(":")
+        wildcard = {"*", "0.0.0.0", "::", "[::]", ""}
+        if int(port) == self.metrics.port and (host == self.metrics.host or {host, self.metrics.host} & wildcard):
+            raise ConfigError("metrics.port", f"{self.metrics.port} is daemon.endpoint's port too "
+                                              f"({self.daemon.endpoint}); give metrics another port")
 
     def layout_objects(self) -> dict[str, Layout]:
         """The configured layouts as `Layout`s; a malformed one raises ConfigError naming `layouts.NAME`."""

@@ -304,3 +304,18 @@ def test_shipped_configs_are_valid():
     for name in ("dflash2_config.json", "deploy/dflash2_config.production.json"):
         cfg = load_config(root / name)
         assert isinstance(cfg, Config) and cfg.enable
+
+
+@pytest.mark.parametrize("endpoint, host, clash", [
+    ("tcp://127.0.0.1:9464", "127.0.0.1", True), ("tcp://0.0.0.0:9464", "127.0.0.1", True),
+    ("tcp://127.0.0.1:9464", "0.0.0.0", True), ("tcp://10.0.0.5:9464", "127.0.0.1", False),
+    ("tcp://127.0.0.1:5555", "127.0.0.1", False), ("ipc:///tmp/d.sock", "127.0.0.1", False),
+])
+def test_metrics_on_the_control_endpoints_port_is_a_config_error(endpoint, host, clash):
+    data = with_("daemon.endpoint", endpoint)
+    data["metrics"] = {"port": 9464, "host": host}
+    if clash:
+        err = error_of(data)
+        assert err.key == "metrics.port" and "daemon.endpoint's port" in str(err)
+    else:
+        parse_config(data)
