@@ -234,7 +234,7 @@ def test_full_pass_matches_per_row_scores_with_fanout_weights_and_refits(childre
     # A refit changes the density: the full pass must use the new one.
     pol.set_weights({"fanout": 0.5})
     before = pol.rescore(table, 0.0)[rows].copy()
-    pol.model.log_density[:] += 3.0
+    pol.model.tier_log_density[:] += 3.0
     pol.model.version += 1
     after = check()
     assert np.allclose(after, before + 3.0, atol=1e-4)
@@ -254,3 +254,44 @@ def test_select_takes_the_lowest_scored_leaves_and_keeps_scores_intact():
     leaves = [table.rows(ch)[1] for ch in chains]
     assert sorted(victims.tolist()) == sorted(sorted(leaves, key=lambda r: scores[r])[:2])
     assert all(v in [table.rows(chains[k])[1] for k in (1, 3)] for v in victims)
+
+
+def test_a_lower_tier_ranks_by_its_own_lifetimes():
+    """Reuses are the same for every tier; the lives never reused end where each tier lets blocks
+    go. A tier that lets blocks go young wastes less space on them, so its density at young ages is
+    higher than the whole cache's, whose blocks linger until they are dropped much older."""
+    from dflash2.policy.density import HitDensityModel, age_bin
+    model = HitDensityModel(tiers=3, period=1 << 20)
+    keys = np.arange(1, 2001, dtype=np.uint64)
+    cls = np.zeros(len(keys), dtype=np.int64)
+    model.observe(keys, cls, 0.0)
+    model.observe(keys[:500], cls[:500], 100.0)  # a quarter come back at age 100, the rest never
+    model.left_tier(1, cls[:1500], np.full(1500, 50.0))  # DRAM lets blocks go at age 50
+    model.evicted(cls[:1500], np.full(1500, 5000.0))  # the whole cache drops them at 5000
+    model.fit()
+    young = age_bin(np.array([10.0]))[0]
+    assert model.tier_log_density[1, 0, young] > model.log_density[0, young]
+    assert (model.tier_log_density[0] == model.log_density).all(), "HBM keeps the whole cache's ends"
+    assert (model.tier_log_density[2] == model.log_density).all(), "no block left NVMe yet: the cache's"
+
+
+def test_blocks_demoted_from_a_tier_teach_that_tiers_density_only():
+    specs = [TierSpec(t, 4 * SLOT, SLOT, 256) for t in (Tier.HBM, Tier.DRAM, Tier.NVME)]
+    mgr = BlockManager(specs, policy="heat", clock=Clock())
+    try:
+        lid = mgr.register_layout(LAYOUT)
+        c = mgr.attach("c")
+        pol = mgr.placement.policy
+        vids = [cache_chain(mgr, lid, c, [k])[0] for k in range(1, 5)]
+        rows = mgr.table.rows(vids)
+        assert mgr.placement.mover.move(rows, Tier.DRAM).all()
+        pol.on_insert(mgr.table, rows, 0.0)  # as placement reports a demotion
+        assert pol.model.tier_exits[1].sum() == 0, "nothing left DRAM yet"
+        assert pol.model.tier_exits[0].sum() == 0, "HBM's exits are not counted (it ranks by the cache's)"
+        assert mgr.placement.mover.move(rows, Tier.NVME).all()
+        pol.on_insert(mgr.table, rows, 0.0)
+        assert pol.model.tier_exits[1].sum() == 4
+        assert (pol._tier[rows] == int(Tier.NVME)).all()
+        mgr.check_invariants()
+    finally:
+        mgr.close()

@@ -14,6 +14,12 @@ a new life. Lives that are never reused are counted as ending at the horizon (th
 seen). density[c, a] = reuses still to come after age a / space-time those lives still spend.
 Histograms decay so the model follows the workload. Ages are logical (block references), so the
 model adapts to load instead of wall-clock rates.
+
+Tiers below the first rank by their own lifetimes: a tier's density ends the lives that are never
+reused where *that tier* lets blocks go (demoted further down, or dropped), not where the whole
+cache does, so DRAM ranks by how long a block lasts in DRAM. The reuses are the same for every tier.
+The first tier (HBM) keeps the whole cache's ends: ranked by its own demotion ages it served fewer
+reads from HBM (`dflash2 bench policy` replays with DRAM and NVMe below, README "Policies").
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
 class HitDensityModel:
-    def __init__(self, ghost_bits: int = 20, period: int = 8192, decay: float = 0.95):
+    def __init__(self, ghost_bits: int = 20, period: int = 8192, decay: float = 0.95, tiers: int = 1):
         # Refit after 256 references, then twice as many each time up to `period`: a young cache
         # learns fast, a warm one keeps a long memory (decay per fit).
         self.max_period = period
@@ -53,10 +59,13 @@ class HitDensityModel:
         self.reuses = np.zeros((N_CLASS, N_AGE))
         self.lives = np.zeros(N_CLASS)
         self.evictions = np.zeros((N_CLASS, N_AGE))  # ages at which the cache let blocks go
+        self.tier_exits = np.zeros((tiers, N_CLASS, N_AGE))  # ages at which each tier let blocks go
         self._since_fit = 0
         self.version = 0  # bumped whenever log_density changes (users cache tables built from it)
         # Before any evidence: density falls with age and rises with class (LRU, then LFU).
         self.log_density = np.log2((1.0 + np.arange(N_CLASS))[:, None] / (1.0 + _EDGES[None, :-1])) - 10.0
+        # Per tier: the first is always `log_density`; a lower tier has its own once it has let blocks go.
+        self.tier_log_density = np.repeat(self.log_density[None], tiers, axis=0)
 
     def observe(self, keys: np.ndarray, classes: np.ndarray, tick: float) -> None:
         """References of content keys (non-zero) at logical time `tick`, with the class each key has
@@ -82,31 +91,49 @@ class HitDensityModel:
         """Blocks left the cache at these ages: where the lives that are never reused end."""
         np.add.at(self.evictions, (np.asarray(classes, dtype=np.int64), age_bin(ages)), 1.0)
 
+    def left_tier(self, tier: int, classes: np.ndarray, ages: np.ndarray) -> None:
+        """Blocks left `tier` at these ages (moved down, or dropped from it)."""
+        if 0 < tier < len(self.tier_exits):
+            np.add.at(self.tier_exits[tier], (np.asarray(classes, dtype=np.int64), age_bin(ages)), 1.0)
+
     def fit(self) -> None:
         self._since_fit = 0
         self.period = min(2 * self.period, self.max_period)
-        reused = self.reuses.sum(axis=1)
-        if not reused.sum():
+        if not self.reuses.sum():
             return
+        self.log_density = self._density(self.evictions, self.log_density)
+        self.tier_log_density[0] = self.log_density
+        for t in range(1, len(self.tier_exits)):
+            if self.tier_exits[t].sum():
+                self.tier_log_density[t] = self._density(self.tier_exits[t], self.log_density)
+            else:  # nothing has left the tier yet: the whole cache's ends are the best guess
+                self.tier_log_density[t] = self.log_density
+        self.version += 1
+        self.reuses *= self.decay
+        self.lives *= self.decay
+        self.evictions *= self.decay
+        self.tier_exits *= self.decay
+
+    def _density(self, exits: np.ndarray, previous: np.ndarray) -> np.ndarray:
+        """log2 density per (class, age bin) with the lives that are never reused ending as `exits`
+        says; a class without evidence keeps its `previous` row."""
+        reused = self.reuses.sum(axis=1)
         ends = self.reuses.copy()
         never = np.maximum(self.lives - reused, 0.0)
         # Lives never reused end where the cache lets such blocks go (its eviction ages for the
         # class); a class never evicted yet ends at the horizon, the oldest reuse age on record.
         horizon = int(np.flatnonzero(self.reuses.sum(axis=0))[-1])
-        evicted = self.evictions.sum(axis=1)
+        exited = exits.sum(axis=1)
         for c in range(N_CLASS):
-            if evicted[c] > 0:
-                ends[c] += never[c] * self.evictions[c] / evicted[c]
+            if exited[c] > 0:
+                ends[c] += never[c] * exits[c] / exited[c]
             else:
                 ends[c, horizon] += never[c]
         hits_above = np.cumsum(self.reuses[:, ::-1], axis=1)[:, ::-1]
         alive_above = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1]
         life_above = np.cumsum((alive_above * _WIDTH)[:, ::-1], axis=1)[:, ::-1]
         density = hits_above / np.maximum(life_above, 1e-300)
-        # A class without evidence keeps its prior, shifted to the learned scale.
+        out = previous.copy()
         known = alive_above[:, 0] > 0
-        self.log_density[known] = np.log2(np.maximum(density[known], FLOOR))
-        self.version += 1
-        self.reuses *= self.decay
-        self.lives *= self.decay
-        self.evictions *= self.decay
+        out[known] = np.log2(np.maximum(density[known], FLOOR))
+        return out

@@ -36,6 +36,7 @@ from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, N_CLASS, HitDensityModel, freq_class
 from dflash2.table import BlockState
+from dflash2.tiers import Tier
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
@@ -50,6 +51,7 @@ MAX_WEIGHT = 1e6
 # to the largest bin a float32 log-age can give (log2 of the largest float32 is 128), so that the
 # full pass needs no clipping of the bin index (the same values as clipping to N_AGE - 1).
 ROW = BINS_PER_OCTAVE * 129
+TIERS = len(Tier)  # the lookup table holds one density per tier (lower tiers rank by their own lifetimes)
 # While no block has more cached children than this, the full pass folds fan-out into the density
 # lookup (one gather instead of two); beyond it, a separate gather of its own table.
 FUSE_FANOUT = 15
@@ -82,12 +84,14 @@ class HeatPolicy(Policy):
         self._halved_at: float | None = None
         self.sketch = FrequencySketch(sketch_width)
         self.freq_admission = FrequencyAdmission(self.sketch)
-        self.model = HitDensityModel()
+        self.model = HitDensityModel(tiers=TIERS)
         self.tick = 0.0  # logical clock: block reads and writes so far
         self._cap = 0
         self._last = np.zeros(0)  # logical time of each row's last access (or write)
-        # Each row's frequency class, stored as its offset in the scoring lookup table (class * ROW):
-        # the full pass adds it to the age bin as it is (no multiply per pass).
+        # Each row's frequency class and tier, and from them its offset in the scoring lookup table
+        # ((tier * N_CLASS + class) * ROW): the full pass adds it to the age bin as it is.
+        self._cls = np.zeros(0, dtype=np.int8)
+        self._tier = np.zeros(0, dtype=np.int8)
         self._off = np.zeros(0, dtype=np.int32)
         self._lut_key: tuple | None = None  # (model version, weights, fan-out) the table was built for
         self._lut = np.zeros(0, dtype=np.float32)
@@ -106,17 +110,40 @@ class HeatPolicy(Policy):
         last[: self._cap] = self._last
         off = np.zeros(cap, dtype=np.int32)
         off[: self._cap] = self._off
-        self._last, self._off, self._cap = last, off, cap
+        cls = np.zeros(cap, dtype=np.int8)
+        cls[: self._cap] = self._cls
+        tier = np.zeros(cap, dtype=np.int8)
+        tier[: self._cap] = self._tier
+        self._last, self._off, self._cls, self._tier, self._cap = last, off, cls, tier, cap
         self._cache = None
+
+    def _place(self, rows: np.ndarray) -> None:
+        """Rows' lookup-table offsets from their class and tier."""
+        self._off[rows] = (self._tier[rows].astype(np.int32) * N_CLASS + self._cls[rows]) * ROW
 
     # -- events ----------------------------------------------------------------------------
     def on_insert(self, table, rows, now):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
-        new = rows[table.cols.state[rows] != int(BlockState.RESIDENT)]  # written, not moved
+        c = table.cols
+        written = c.state[rows] != int(BlockState.RESIDENT)
+        moved = rows[~written]
+        if len(moved):
+            # Moved to another tier: one moved down left its tier at its age (that tier's density).
+            was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
+            down = moved[now_in > was]
+            for t in np.unique(self._tier[down]).tolist():
+                left = down[self._tier[down] == t]
+                self.model.left_tier(t, self._cls[left], self.tick - self._last[left])
+            self._tier[moved] = now_in
+            self._place(moved)
+            self._patch(table, moved, now)
+        new = rows[written]
         if len(new):
             self._stamp(new)
-            self._off[new] = 0
+            self._cls[new] = 0
+            self._tier[new] = c.tier[new]
+            self._place(new)
             self._patch(table, new, now)
 
     def on_commit(self, table, rows, now):
@@ -147,13 +174,18 @@ class HeatPolicy(Policy):
         if not len(rows):
             return
         cls = freq_class(self.sketch.add(keys) - 1)  # references before this one
-        self._off[rows] = cls * ROW
+        self._cls[rows] = cls
+        self._place(rows)
         self.model.observe(keys, cls, self.tick)
 
     def on_remove(self, table, rows):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
-        self.model.evicted(self._off[rows] // ROW, self.tick - self._last[rows])
+        ages = self.tick - self._last[rows]
+        self.model.evicted(self._cls[rows], ages)
+        for t in np.unique(self._tier[rows]).tolist():
+            here = self._tier[rows] == t
+            self.model.left_tier(t, self._cls[rows][here], ages[here])
 
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
@@ -211,7 +243,7 @@ class HeatPolicy(Policy):
         fused = 0 < most <= FUSE_FANOUT
         if fused:
             kids = self._scratch("kids", np.int32)
-            np.multiply(c.nkids, np.int32(N_CLASS * ROW), out=kids)
+            np.multiply(c.nkids, np.int32(TIERS * N_CLASS * ROW), out=kids)
             idx += kids
         # Two score buffers used in turn: a pass never writes the array the previous one returned
         # (callers use scores at once; none keeps them across two passes).
@@ -277,25 +309,25 @@ class HeatPolicy(Policy):
         return heat
 
     def _lookup(self, fanout: int) -> np.ndarray:
-        """w_frequency·log2 density as float32, one row of ROW age bins per class (the last bin
-        repeated); with fanout > 0, (at least) fanout + 1 such tables in a row, the n-th plus
-        w_fanout·log2(1 + n). Rebuilt only when the model refits, a weight changes or more fan-out
-        levels are needed."""
+        """w_frequency·log2 density as float32: per tier (its own density, density.py), one row of
+        ROW age bins per class (the last bin repeated); with fanout > 0, (at least) fanout + 1 such
+        tables in a row, the n-th plus w_fanout·log2(1 + n). Rebuilt only when the model refits, a
+        weight changes or more fan-out levels are needed."""
         w = self.weights
         key = (self.model.version, w["frequency"], w["fanout"])
-        have = len(self._lut) // (N_CLASS * ROW) - 1  # fan-out levels the current table holds
+        have = len(self._lut) // (TIERS * N_CLASS * ROW) - 1  # fan-out levels the current table holds
         if self._lut_key != key or have < fanout:
             # The plain table is the first block of the fused one: one table serves both.
             fanout = max(fanout, have) if self._lut_key == key else fanout
-            src = self.model.log_density.astype(np.float32)
+            src = self.model.tier_log_density.astype(np.float32)
             if w["frequency"] != 1.0:
                 src *= np.float32(w["frequency"])
-            lut = np.empty((fanout + 1, N_CLASS, ROW), dtype=np.float32)
-            lut[0, :, :N_AGE] = src
-            lut[0, :, N_AGE:] = src[:, N_AGE - 1: N_AGE]
+            lut = np.empty((fanout + 1, TIERS, N_CLASS, ROW), dtype=np.float32)
+            lut[0, :, :, :N_AGE] = src
+            lut[0, :, :, N_AGE:] = src[:, :, N_AGE - 1: N_AGE]
             if fanout:
                 fan = self._fanout_lut(fanout)[1: fanout + 1]
-                lut[1:] = lut[0][None] + fan[:, None, None]
+                lut[1:] = lut[0][None] + fan[:, None, None, None]
             self._lut, self._lut_key = lut.ravel(), key
         return self._lut
 
