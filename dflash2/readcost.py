@@ -7,9 +7,9 @@ slowly: such a block is not worth offering as a hit, nor worth sending to that t
 
 - Bandwidth is measured from the daemon's own moves, never assumed: the mover reports each finished
   batch (source, destination, bytes that arrived, and the seconds the copy itself took by the
-  transfer backend's measure: CUDA events around a kernel or copy-engine batch, the copying
-  thread's clock for host and staged NVMe copies; a batch's time queued behind others is not its
-  own). Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
+  transfer backend's measure: CUDA events around a kernel or copy-engine batch, at most one
+  batch per direction a second, the copying thread's clock for host and staged NVMe copies; a batch's time
+  queued behind others is not its own). Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
   A path not yet measured (MIN_SAMPLE_BYTES moved) has no figure (null in the stats, "unmeasured"
   in `dflash2 status`): its blocks are offered.
 - Prefill rates are registered by the engines, per client and layout (tokens per second). A layout

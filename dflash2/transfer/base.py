@@ -46,7 +46,7 @@ class CopyJob(abc.ABC):
     """A started copy. `wait` returns a bool array: True where the block's bytes arrived intact.
     After `wait`, `seconds` is how long the copy itself took by the backend's own measure (the
     device's events, the copying thread's clock), not counting the time it queued behind other
-    copies; None where the backend cannot tell."""
+    copies; None where the backend did not time it."""
 
     batch: CopyBatch
     seconds: float | None = None
