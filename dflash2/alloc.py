@@ -74,7 +74,11 @@ class _SizeClass:
     slab_pages: int  # pages one slab (a contiguous run) spans
     slots_per_slab: int
     free: np.ndarray
-    used: np.ndarray  # used[offset // slot]: the slot is handed out (catches a double free)
+    # held[offset // slot] == offset % slot while the slot at that offset is handed out, else -1:
+    # catches a double free and any offset that is not a slot start of this size (distinct slots of
+    # one size never share offset // slot, and an offset inside a slot has another remainder than
+    # the slot that shares its quotient). int32 while slots are under 2 GiB: 4 bytes per slot.
+    held: np.ndarray
     n_free: int = 0
     n_used: int = 0
     block_bytes_used: int = 0  # exact bytes of the blocks in used slots (for the rounding waste)
@@ -187,7 +191,7 @@ class SlotAllocator:
                 if not self._claim_slab(cls):  # can_fit said yes: a contiguous run must exist
                     return None
         offsets = cls.pop(n)
-        cls.used[offsets // slot] = True
+        cls.held[offsets // slot] = offsets % slot
         np.add.at(self._page_used, self._head_of(offsets), 1)
         cls.n_used += n
         cls.block_bytes_used += n * block_bytes
@@ -204,30 +208,31 @@ class SlotAllocator:
         cls = self._classes.get(slot)
         if cls is None:
             raise ArenaError(f"free of {len(offsets)} slots of {slot} bytes: no slot of that size was handed out")
-        self._check_in_use(cls, offsets)
-        cls.used[offsets // slot] = False
+        self._release_held(cls, offsets)
         np.subtract.at(self._page_used, self._head_of(offsets), 1)
         cls.push(offsets)
         cls.n_used -= len(offsets)
         cls.block_bytes_used -= len(offsets) * block_bytes
 
-    def _check_in_use(self, cls: _SizeClass, offsets: np.ndarray) -> None:
-        """ArenaError naming the first offset that is not a handed-out slot of this class."""
-        page = offsets // self.page_bytes
-        ok = (offsets >= 0) & (page < self.n_pages)
-        page = np.where(ok, page, 0)
-        head = self._page_head[page]
-        # In a claimed page of a slab of this size (a free page's head is stale), on a slot's start.
-        ok &= ~self._page_free[page] & (self._page_class[head] == cls.slot) & (page - head < cls.slab_pages)
-        ok &= (offsets - head * self.page_bytes) % cls.slot == 0
-        ok[ok] = cls.used[offsets[ok] // cls.slot]
-        if not ok.all():
-            bad = int(offsets[int(np.argmin(ok))])
-        else:
-            uniq, counts = np.unique(offsets, return_counts=True)
-            if (counts == 1).all():
+    @staticmethod
+    def _release_held(cls: _SizeClass, offsets: np.ndarray) -> None:
+        """Mark the slots free; ArenaError naming the first offset that is not a handed-out slot of
+        this class (or that comes twice), and then nothing is marked."""
+        idx, rem = np.divmod(offsets, cls.slot)
+        ok = (offsets >= 0) & (idx < len(cls.held))
+        ok[ok] = cls.held[idx[ok]] == rem[ok]
+        if ok.all():
+            # Each position writes its own tag: a slot listed twice keeps only its last tag.
+            tags = (-2 - np.arange(len(offsets))).astype(cls.held.dtype)
+            cls.held[idx] = tags
+            if (cls.held[idx] == tags).all():
+                cls.held[idx] = -1
                 return
+            cls.held[idx] = rem  # a slot listed twice: every slot stays as it was
+            uniq, counts = np.unique(offsets, return_counts=True)
             bad = int(uniq[int(np.argmax(counts > 1))])
+        else:
+            bad = int(offsets[int(np.argmin(ok))])
         raise ArenaError(f"free of slot {bad} ({cls.slot} bytes): it is not in use (freed twice, "
                          "never handed out, or a slot of another size or tier)")
 
@@ -243,7 +248,8 @@ class SlotAllocator:
         if cls is None:
             pages, per_slab = self._slab_shape(slot)
             cls = _SizeClass(slot=slot, slab_pages=pages, slots_per_slab=per_slab,
-                             free=np.empty(64, dtype=np.int64), used=np.zeros(0, dtype=bool))
+                             free=np.empty(64, dtype=np.int64),
+                             held=np.zeros(0, dtype=np.int32 if slot < 1 << 31 else np.int64))
             self._classes[slot] = cls
         return cls
 
@@ -257,10 +263,10 @@ class SlotAllocator:
         self._page_head[head: head + cls.slab_pages] = head
         base = head * self.page_bytes
         end = (base + cls.slab_pages * self.page_bytes) // cls.slot + 1
-        if end > len(cls.used):  # the in-use map covers the slabs claimed so far
-            used = np.zeros(max(end, 2 * len(cls.used)), dtype=bool)
-            used[: len(cls.used)] = cls.used
-            cls.used = used
+        if end > len(cls.held):  # the map covers the slabs claimed so far
+            held = np.full(max(end, 2 * len(cls.held)), -1, dtype=cls.held.dtype)
+            held[: len(cls.held)] = cls.held
+            cls.held = held
         # Push in reverse so that pops hand out ascending offsets (sequential I/O on fresh tiers).
         cls.push(base + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64))
         return True
