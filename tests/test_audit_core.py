@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
-from dflash2.errors import ArenaError, IllegalTransition, LayoutError, UnknownBlock
+from dflash2.errors import ArenaError, IllegalTransition, LayoutError, NotOwner, UnknownBlock
 from dflash2.layout import Layout
 from dflash2.policy.admission import FrequencySketch
 from dflash2.policy.heat import HeatPolicy
@@ -243,3 +243,22 @@ def test_negative_or_lone_mla_dims_are_refused():
     with pytest.raises(LayoutError, match="whole number of bytes"):
         Layout("m", num_layers=1, num_kv_heads=0, head_dim=0, dtype="int4", tokens_per_block=1,
                mla_latent_dim=3)
+
+
+def test_a_duplicate_commit_moves_every_reference_and_frees_the_copy(make_manager):
+    """A client that took a second reference to the block it is writing, then commits it under a
+    key already cached: both references move to the cached block and the copy is freed."""
+    mgr = make_manager(hbm_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7])
+    mgr.free(a, cached)
+    copy = mgr.allocate(a, lid, 1)
+    mgr.add_ref(a, copy)
+    used = mgr.table.allocators[Tier.HBM].used_bytes
+    assert mgr.commit(a, copy, keys=[7]).tolist() == cached.tolist()
+    assert mgr.table.allocators[Tier.HBM].used_bytes < used, "the copy's slot is given back"
+    assert mgr.free(a, cached) == 0 and mgr.free(a, cached) == 0  # both references moved
+    with pytest.raises(NotOwner):
+        mgr.free(a, cached)
+    mgr.check_invariants()

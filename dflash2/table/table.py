@@ -241,16 +241,19 @@ class BlockTable:
         return self.vids(out)
 
     def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
-        """The client wrote a block that is already cached: move its ref and pins to the cached one."""
+        """The client wrote a block that is already cached: move its references and pins to the
+        cached one (all of them: a reference left behind would keep the unpublished copy alive,
+        WRITING, until the client detaches). Only the writing client holds a private block."""
         holder = self.clients[client_id]
         pins = holder.pins.pop(row, 0)
         if pins:
             holder.pins[existing] += pins
             self.cols.pins[existing] += pins
             self.cols.pins[row] -= pins
-        self._drop_refs(holder, np.array([row]))
-        holder.refs[existing] += 1
-        self.cols.refs[existing] += 1
+        refs = holder.refs.get(row, 0)
+        self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
+        holder.refs[existing] += refs
+        self.cols.refs[existing] += refs
 
     def _link(self, row: int, parent: int) -> None:
         if parent == NO_ROW:
