@@ -39,6 +39,8 @@ _RESET = [(name, spec) for name, spec in FIELDS.items() if name != "gen"]
 
 class Columns:
     def __init__(self, capacity: int = 1024):
+        if capacity < 1:  # growth doubles the capacity: from 0 it would never grow
+            raise ValueError(f"a block table needs a capacity of at least 1 row, got {capacity}")
         self.capacity = capacity
         for name, (dtype, fill) in FIELDS.items():
             setattr(self, name, np.full(capacity, fill, dtype=dtype))
