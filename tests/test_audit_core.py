@@ -262,3 +262,9 @@ def test_a_duplicate_commit_moves_every_reference_and_frees_the_copy(make_manage
     with pytest.raises(NotOwner):
         mgr.free(a, cached)
     mgr.check_invariants()
+
+
+def test_a_table_without_rows_is_refused():
+    from dflash2.table.columns import Columns
+    with pytest.raises(ValueError, match="at least 1 row"):
+        Columns(0)
