@@ -38,9 +38,11 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                → {allocated: bool} [places]
     commit           {parent=null} [vids, keys or empty]       → [vids] (the ids now held: a key that was
                                                                   cached already deduplicates)
-    lookup           {layout=null, tier="hbm"} [keys]          → [places] of the longest cached prefix
-                                                                  (tier "dram": a host reader, no prefetch)
-                                                                  that loads faster than a recompute
+    lookup           {layout=null, tier="hbm"} [keys]          → {withheld} [places] of the longest cached
+                                                                  prefix (tier "dram": a host reader, no
+                                                                  prefetch) that loads faster than this
+                                                                  client's engine recomputes it; withheld:
+                                                                  cached blocks past it that do not
     acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
     release / add_ref{} [vids]                                 → {}
