@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 
@@ -27,7 +28,11 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class HistoryError(Exception):
-    """Something the user can fix (no daemon, history off, bad duration)."""
+    """Something the user can fix (history off, bad duration, a file that is not history)."""
+
+
+class DaemonNotAnswering(HistoryError):
+    """No daemon answers at the endpoint: exit 1, as `dflash2 status` (not a usage error)."""
 
 
 def parse_duration(text: str) -> float:
@@ -65,6 +70,9 @@ def handler(args: argparse.Namespace) -> int:
 
     try:
         samples = load(args)
+    except DaemonNotAnswering as e:
+        print(f"dflash2 history: {e}", file=sys.stderr)
+        return EXIT_FAIL
     except HistoryError as e:
         raise UsageError(str(e)) from None
     if args.json:
@@ -122,18 +130,19 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
 
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
-    from dflash2.client.transport import Transport
+    from dflash2.client.transport import Transport, check_endpoint
     from dflash2.errors import DFlash2Error
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
+        check_endpoint(endpoint)  # no socket file: say so at once instead of waiting out the timeout
         transport = Transport(endpoint, timeout_s)
         try:
             reply = transport.call(P.Op.HISTORY, None, args)
         finally:
             transport.close()
     except DFlash2Error as e:
-        raise HistoryError(f"{e}; is dflash2d running?") from None
+        raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
     if not reply.result.get("enabled"):
         raise HistoryError("the daemon keeps no history: set history_enabled: true in its config and restart it")
     return decode(reply.arrays[0]) if reply.arrays else []

@@ -178,7 +178,14 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
 
 
 def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
-    assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.2"]) == 2
+    # No socket file: said at once (as `dflash2 status` does), exit 1 like status, not a usage error.
+    assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/none.sock"]) == 1
+    assert "the socket file does not exist" in capsys.readouterr().err
+    # A socket file nobody answers on: the call times out.
+    import socket
+    with socket.socket(socket.AF_UNIX) as stale:
+        stale.bind(str(tmp_path / "stale.sock"))
+        assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/stale.sock", "--timeout", "0.2"]) == 1
     assert "no reply from dflash2d" in capsys.readouterr().err
 
 
