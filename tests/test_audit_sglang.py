@@ -150,3 +150,48 @@ def test_the_engines_prefill_rate_reaches_the_daemon_and_a_bad_one_falls_back(da
     broken = StorageBackendFactory.create_backend("dynamic", config, host_pool())
     backends.append(broken)
     assert "dflash2_timeout_s: must be a positive number" in broken.fallback_reason
+
+
+def test_a_later_chunk_that_fails_keeps_the_pages_already_stored_and_read(config_file, backends):
+    """The daemon dies between two chunks of one call: the pages of the first chunk were stored (or
+    read), and the answer says so, instead of False for every page."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    pool = host_pool()
+    fill(pool, [1, 2, 3, 4], seed=5)
+    pages = [pool.get_data_page(p * PAGE, flat=True) for p in (1, 2, 3, 4)]
+    keys = [f"chunked-{i}" for i in range(4)]
+
+    def attached(proc):
+        backend = make_backend(path, pool)
+        backends.append(backend)
+        backend.chunk_pages = 2
+        return backend
+
+    def write(proc):
+        def copy(i, raw):
+            if proc is not None and i == 2:
+                proc.stop()  # after the first chunk's commit, before the second's
+            torch.from_dlpack(raw).view(pages[i].dtype).copy_(pages[i])
+        return copy
+
+    def read(proc):
+        def check(i, raw):
+            if i == 2:
+                proc.stop()  # after the first chunk's release, before the second's
+            assert bytes(torch.from_dlpack(raw).view(torch.uint8).numpy()) == bytes(pages[i].view(torch.uint8).numpy())
+        return check
+
+    proc = DaemonProcess(path).start()
+    try:
+        backend = attached(proc)
+        assert backend._store(backend.client, keys, write(proc), None) == [True, True, False, False]
+    finally:
+        proc.stop()
+    proc = DaemonProcess(path).start()
+    try:
+        backend = attached(proc)
+        assert backend._store(backend.client, keys, write(None), None) == [True] * 4
+        assert backend._load(backend.client, keys, read(proc)) == [True, True, False, False]
+    finally:
+        proc.stop()

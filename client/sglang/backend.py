@@ -187,17 +187,20 @@ class DFlash2Storage(HiCacheStorage):
             return default
         try:
             return fn(client)
-        except DaemonUnavailable as e:
-            self._daemon_down(e)
-            return default
         except DFlash2Error as e:
-            # Never an exception into sglang's threads: a page evicted between lookup and acquire,
-            # or a daemon that restarted and no longer knows us, is a miss (or a failed write).
-            if getattr(e, "kind", "") == "UnknownClient":
-                client.lease_lost = True
-            self.counters["failed_calls"] += 1
-            log.warning("dflash2: %s; treated as a miss", e)
+            self._failed(client, e)
             return default
+
+    def _failed(self, client: Client, e: DFlash2Error) -> None:
+        """Never an exception into sglang's threads: a page evicted between lookup and acquire, or a
+        daemon that restarted and no longer knows us, is a miss (or a failed write)."""
+        if isinstance(e, DaemonUnavailable):
+            self._daemon_down(e)
+            return
+        if getattr(e, "kind", "") == "UnknownClient":
+            client.lease_lost = True
+        self.counters["failed_calls"] += 1
+        log.warning("dflash2: %s; treated as a miss", e)
 
     # -- the two data paths ----------------------------------------------------------------
     def _store(self, client: Client, page_keys: Sequence[str], write: Callable[[int, Any], None],
@@ -213,18 +216,24 @@ class DFlash2Storage(HiCacheStorage):
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
-            places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
-            if places is None:
-                log.warning("dflash2: no room for %d pages now; sglang keeps them in its host cache", n - lo)
-                break
             try:
-                for place, i in zip(places, range(lo, hi)):
-                    write(i, client.view_bytes(place))
-                held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
-            except BaseException:
-                client.free(places["vid"])  # written or not, never committed: give them back
-                raise
-            client.free(held)
+                places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
+                if places is None:
+                    log.warning("dflash2: no room for %d pages now; sglang keeps them in its host cache", n - lo)
+                    break
+                try:
+                    for place, i in zip(places, range(lo, hi)):
+                        write(i, client.view_bytes(place))
+                    held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
+                except BaseException:
+                    client.free(places["vid"])  # written or not, never committed: give them back
+                    raise
+                client.free(held)
+            except DFlash2Error as e:
+                if not any(ok):
+                    raise  # nothing stored: the call failed as a whole
+                self._failed(client, e)  # the pages stored so far stay stored, and say so
+                break
             parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
             self.counters["pages_set"] += hi - lo
@@ -266,15 +275,21 @@ class DFlash2Storage(HiCacheStorage):
         found = self._cached_prefix(client, self.keys.keys(page_keys))
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
-            places = client.acquire(vids, tier=self.tier)
-            if places is None:  # evicted meanwhile or no room: the rest is a miss
-                break
-            by_vid = {int(p["vid"]): p for p in places}
             try:
-                for j, vid in enumerate(vids.tolist()):
-                    read(lo + j, client.view_bytes(by_vid[vid]))
-            finally:
-                client.release(vids)
+                places = client.acquire(vids, tier=self.tier)
+                if places is None:  # evicted meanwhile or no room: the rest is a miss
+                    break
+                by_vid = {int(p["vid"]): p for p in places}
+                try:
+                    for j, vid in enumerate(vids.tolist()):
+                        read(lo + j, client.view_bytes(by_vid[vid]))
+                finally:
+                    client.release(vids)
+            except DFlash2Error as e:
+                if not lo:
+                    raise  # nothing read: the call failed as a whole
+                self._failed(client, e)  # the pages read so far are hits; the rest a miss
+                break
             ok[lo:lo + len(vids)] = [True] * len(vids)
         got = sum(ok)
         self.counters["pages_got"] += got
