@@ -156,6 +156,8 @@ class HeatWeights(_Section):
 
     frequency: float = Field(1.0, ge=0, le=1e6, description="Access count with exponential decay.")
     recency: float = Field(1.0, ge=0, le=1e6, description="Time since last access.")
+    recency_below: float = Field(1.0, ge=0, le=1e6,
+                                 description="Extra weight of the time since last access for blocks below HBM.")
     priority: float = Field(1.0, ge=0, le=1e6, description="Priority of the owning request.")
     sharing: float = Field(1.0, ge=0, le=1e6, description="Live requests referencing the block.")
     fanout: float = Field(0.5, ge=0, le=1e6, description="Cached blocks descending from it.")

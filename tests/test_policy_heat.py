@@ -295,3 +295,30 @@ def test_blocks_demoted_from_a_tier_teach_that_tiers_density_only():
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+def test_blocks_below_hbm_lose_heat_with_age_faster_by_recency_below():
+    specs = [TierSpec(Tier.HBM, 64 * SLOT, SLOT, 256), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, 256)]
+    clock = Clock()
+    mgr = BlockManager(specs, policy="heat", clock=clock)
+    try:
+        lid = mgr.register_layout(LAYOUT)
+        c = mgr.attach("c")
+        pol = mgr.placement.policy
+        up, down = (cache_chain(mgr, lid, c, [k])[0] for k in (1, 2))
+        rows = mgr.table.rows([up, down])
+        assert mgr.mover.move(rows[1:], Tier.DRAM).all()
+        pol.on_insert(mgr.table, rows[1:], clock.now)  # as placement reports the demotion
+        pol.on_access(mgr.table, np.asarray(rows), clock.now)  # same age, same class
+        for _ in range(50):  # both age alike
+            cache_chain(mgr, lid, c, [1000 + _])
+        gap = lambda: float(np.diff(pol.rescore(mgr.table, clock.now)[rows])[0])  # noqa: E731
+        pol.set_weights({"recency_below": 0.0})
+        same = gap()
+        pol.set_weights({"recency_below": 1.0})
+        assert gap() < same, "the block below HBM is colder by the extra recency"
+        assert [p.tier for p in mgr.places_of_rows(rows)] == [Tier.HBM, Tier.DRAM]
+        assert mgr.stats()["policy"]["weights"]["recency_below"] == 1.0
+        mgr.check_invariants()
+    finally:
+        mgr.close()

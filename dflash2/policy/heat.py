@@ -1,6 +1,6 @@
 """The heat policy: keep the blocks that will earn the most hits for the space they hold.
 
-    heat = w_frequency·log2 density[class, age]  −  w_recency·0.2·log2(1 + age)
+    heat = w_frequency·log2 density[class, age]  −  (w_recency [+ w_recency_below below HBM])·0.2·log2(1 + age)
          + w_priority·priority  +  w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)
          + w_stage·stage
 
@@ -39,9 +39,9 @@ from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
-WEIGHTS = ("frequency", "recency", "priority", "sharing", "fanout", "stage")
-DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "priority": 1.0, "sharing": 1.0, "fanout": 0.5,
-                   "stage": 1.0}
+WEIGHTS = ("frequency", "recency", "recency_below", "priority", "sharing", "fanout", "stage")
+DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "recency_below": 1.0, "priority": 1.0, "sharing": 1.0,
+                   "fanout": 0.5, "stage": 1.0}
 # The config's bound on each weight (policy.weights), kept at run time: every term stays far inside
 # float32 (a weight of inf, or one that float32 rounds to inf, turns 0 · inf into NaN scores).
 MAX_WEIGHT = 1e6
@@ -76,6 +76,7 @@ class HeatPolicy(Policy):
                  rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18,
                  decay_half_life_s: float | None = None):
         self.weights = dict(DEFAULT_WEIGHTS)
+        self._cap = 0  # rows of per-row state (grown with the table)
         self.set_weights(weights or {})
         self.rescore_interval_s = rescore_interval_s
         # Access counts (the frequency sketch) halve every half-life of wall time, on the daemon's
@@ -86,13 +87,14 @@ class HeatPolicy(Policy):
         self.freq_admission = FrequencyAdmission(self.sketch)
         self.model = HitDensityModel(tiers=TIERS)
         self.tick = 0.0  # logical clock: block reads and writes so far
-        self._cap = 0
         self._last = np.zeros(0)  # logical time of each row's last access (or write)
         # Each row's frequency class and tier, and from them its offset in the scoring lookup table
         # ((tier * N_CLASS + class) * ROW): the full pass adds it to the age bin as it is.
         self._cls = np.zeros(0, dtype=np.int8)
         self._tier = np.zeros(0, dtype=np.int8)
         self._off = np.zeros(0, dtype=np.int32)
+        # Each row's recency slope: w_recency (+ w_recency_below below HBM) · RECENCY_SLOPE.
+        self._slope = np.zeros(0, dtype=np.float32)
         self._lut_key: tuple | None = None  # (model version, weights, fan-out) the table was built for
         self._lut = np.zeros(0, dtype=np.float32)
         self._fan_lut: tuple[float, np.ndarray] | None = None
@@ -114,12 +116,18 @@ class HeatPolicy(Policy):
         cls[: self._cap] = self._cls
         tier = np.zeros(cap, dtype=np.int8)
         tier[: self._cap] = self._tier
-        self._last, self._off, self._cls, self._tier, self._cap = last, off, cls, tier, cap
+        slope = np.zeros(cap, dtype=np.float32)
+        slope[: self._cap] = self._slope
+        self._last, self._off, self._cls, self._tier, self._slope, self._cap = last, off, cls, tier, slope, cap
         self._cache = None
 
-    def _place(self, rows: np.ndarray) -> None:
-        """Rows' lookup-table offsets from their class and tier."""
-        self._off[rows] = (self._tier[rows].astype(np.int32) * N_CLASS + self._cls[rows]) * ROW
+    def _place(self, rows) -> None:
+        """Rows' lookup-table offsets from their class and tier, and their recency slopes."""
+        tier = self._tier[rows]
+        self._off[rows] = (tier.astype(np.int32) * N_CLASS + self._cls[rows]) * ROW
+        w = self.weights
+        self._slope[rows] = np.float32(RECENCY_SLOPE) * (np.float32(w["recency"])
+                                                         + np.float32(w["recency_below"]) * (tier > 0))
 
     # -- events ----------------------------------------------------------------------------
     def on_insert(self, table, rows, now):
@@ -255,8 +263,8 @@ class HeatPolicy(Policy):
         if most > FUSE_FANOUT:
             np.take(self._fanout_lut(most), c.nkids, out=scaled, mode="clip")
             heat += scaled
-        if w["recency"]:
-            log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
+        if w["recency"] or w["recency_below"]:
+            log_age *= self._slope  # per row: blocks below HBM may lose heat with age faster
             heat -= log_age
         self._add_terms(heat, c, slice(None))
         return heat
@@ -300,10 +308,10 @@ class HeatPolicy(Policy):
             kids = c.nkids[rows]
             if kids.any():
                 heat += np.float32(w["fanout"]) * _log2_1p(kids)
-        if w["recency"]:
+        if w["recency"] or w["recency_below"]:
             # Scale-free recency: a small slope in log-age, so that within a density level the
             # newer block wins (LRU), whatever the workload's time scale.
-            log_age *= np.float32(w["recency"] * RECENCY_SLOPE)
+            log_age *= self._slope[rows]
             heat -= log_age
         self._add_terms(heat, c, rows)
         return heat
@@ -373,6 +381,8 @@ class HeatPolicy(Policy):
         if bad:
             raise ValueError(f"heat weights must be >= 0 and <= {MAX_WEIGHT:g}, got {bad}")
         self.weights.update({k: float(v) for k, v in weights.items()})
+        if self._cap and ({"recency", "recency_below"} & set(weights)):
+            self._place(slice(None))
         self._cache = None
 
     def describe(self) -> dict:
