@@ -269,8 +269,7 @@ class BlockTable:
         holder = self.client(client_id)
         rows = self.usable_rows(client_id, vids)
         np.add.at(self.cols.refs, rows, 1)
-        for r in rows.tolist():
-            holder.refs[r] += 1
+        holder.refs.update(rows.tolist())
 
     def free(self, client_id: int, vids) -> int:
         """Drop one reference of this client per block. A private block whose last reference goes is
@@ -314,26 +313,29 @@ class BlockTable:
     def pin_rows(self, client_id: int, rows: np.ndarray) -> None:
         """Pin rows that `usable_rows` already validated for this client."""
         holder = self.client(client_id)
+        listed = rows.tolist()
         if len(rows) > self.SMALL:
             np.add.at(self.cols.pins, rows, 1)
-        for r in rows.tolist():
-            if len(rows) <= self.SMALL:
+        else:
+            for r in listed:
                 self.cols.pins[r] += 1
-            holder.pins[r] += 1
+        holder.pins.update(listed)  # counted in C, not one Python step per row
 
     def unpin(self, client_id: int, vids) -> None:
         holder = self.client(client_id)
         rows = self.rows(vids)
-        if any(holder.pins[r] < n for r, n in Counter(rows.tolist()).items()):
+        counts = Counter(rows.tolist())
+        pins = holder.pins
+        if any(pins[r] < n for r, n in counts.items()):
             raise NotOwner(f"client {client_id} did not pin one of these blocks")
         if len(rows) > self.SMALL:
             np.subtract.at(self.cols.pins, rows, 1)
-        for r in rows.tolist():
-            if len(rows) <= self.SMALL:
+        else:
+            for r in rows.tolist():
                 self.cols.pins[r] -= 1
-            holder.pins[r] -= 1
-            if holder.pins[r] == 0:
-                del holder.pins[r]
+        pins.subtract(counts)
+        for r in [r for r in counts if not pins[r]]:
+            del pins[r]
 
     def _owned_rows(self, client_id: int, vids) -> np.ndarray:
         self.client(client_id)
