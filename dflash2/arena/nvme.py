@@ -27,6 +27,7 @@ any other file is refused, never overwritten (a mistyped memory.nvme_path must n
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import logging
@@ -166,11 +167,21 @@ class NvmeArena(StorageArena):
     # ---- start-up -------------------------------------------------------------------------------
 
     def _preallocate(self) -> None:
-        """Create (or reuse) the cache file at full size, after checking that the disk has room."""
+        """Create (or reuse) the cache file at full size, after checking that the disk has room.
+
+        The header goes in before the preallocation: a preallocation that fails part way (ext4 keeps
+        what it allocated when the disk fills) or is interrupted must not leave a file of zeros that
+        the next start refuses as someone else's. A file this call created is removed again on any
+        failure, so that a failed start gives its disk space back."""
         folder = os.path.dirname(os.path.abspath(self.path))
         try:
             os.makedirs(folder, exist_ok=True)
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR)
+                created = False
         except OSError as e:
             raise ArenaError(f"NVMe tier cannot create its file at {self.path}: {e}") from e
         try:
@@ -178,30 +189,44 @@ class NvmeArena(StorageArena):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise ArenaError(f"NVMe tier file {self.path} is in use by another process") from None
-            st = os.fstat(fd)
-            if is_foreign(os.pread(fd, len(HEADER), 0)):
-                raise ArenaError(f"{self.path} exists and is not a dflash2 NVMe cache file: the NVMe tier "
-                                 f"would overwrite it (remove it if it is an old cache file, or set "
-                                 f"memory.nvme_path to another file)")
-            total = HEADER_BYTES + self.capacity_bytes
-            have = min(st.st_blocks * 512, total)  # already allocated, reused
-            free = _free_bytes(folder)
-            if total - have > free:
-                raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
-                                    f"and a {HEADER_BYTES}-byte header), only {free + have} free")
-            if st.st_size > total:
-                os.ftruncate(fd, total)
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError as e:
-                raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, "
-                                    f"preallocation failed: {e}") from e
-            os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
         except BaseException:
+            os.close(fd)  # another process may hold a file we just created: never unlink it then
+            raise
+        try:
+            self._prepare_file(fd, folder)
+        except BaseException as e:
             os.close(fd)
+            if created:
+                os.unlink(self.path)
+            if isinstance(e, OSError):
+                kind = CapacityError if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ArenaError
+                raise kind(f"NVMe tier cannot prepare its file at {self.path} "
+                           f"({HEADER_BYTES + self.capacity_bytes} bytes): {e}") from e
             raise
         # This fd keeps the lock for the arena's life; the I/O fd may be a second, O_DIRECT one.
         self._lock_fd = fd
+
+    def _prepare_file(self, fd: int, folder: str) -> None:
+        """Refuse a foreign file, write the header, take the disk space (the file is locked)."""
+        st = os.fstat(fd)
+        if is_foreign(os.pread(fd, len(HEADER), 0)):
+            raise ArenaError(f"{self.path} exists and is not a dflash2 NVMe cache file: the NVMe tier "
+                             f"would overwrite it (remove it if it is an old cache file, or set "
+                             f"memory.nvme_path to another file)")
+        total = HEADER_BYTES + self.capacity_bytes
+        have = min(st.st_blocks * 512, total)  # already allocated, reused
+        free = _free_bytes(folder)
+        if total - have > free:
+            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
+                                f"and a {HEADER_BYTES}-byte header), only {free + have} free")
+        if st.st_size > total:
+            os.ftruncate(fd, total)
+        os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)  # ours from here on, even if cut short below
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, "
+                                f"preallocation failed: {e}") from e
 
     def _open_for_io(self) -> bool:
         """Use O_DIRECT where an aligned test write succeeds; otherwise buffered I/O, said once."""
@@ -248,6 +273,13 @@ class NvmeArena(StorageArena):
             raise ArenaError("NVMe batch has overlapping blocks")
         return offs, arrays, lens, extents, order
 
+    def _open_ring(self) -> StagingRing:
+        """The staging ring, under self._lock: a close() that ran since _check_batch makes the
+        batch an ArenaError, not an AttributeError halfway through."""
+        if self._ring is None:
+            raise ArenaError(f"NVMe tier at {self.path} is closed")
+        return self._ring
+
     def _plan(self, arrays, lens, offs, extents, order, bridge: int) -> tuple[list[Run], list[Chunk]]:
         """Direct runs for the page-aligned buffers, staged chunks for the others (`order` sorted)."""
         direct = _direct_mask(arrays, lens)[order]
@@ -261,7 +293,7 @@ class NvmeArena(StorageArena):
             return
         idx = offs // ALIGN
         with self._lock:
-            ring = self._ring
+            ring = self._open_ring()
 
             def fill_and_write(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
                 crcs = []
@@ -308,7 +340,7 @@ class NvmeArena(StorageArena):
             return ok
         idx = offs // ALIGN
         with self._lock:
-            ring = self._ring
+            ring = self._open_ring()
             known = self._len[idx] == lens  # never written, forgotten or another length: a miss
             want = order[known[order]]
             if not len(want):

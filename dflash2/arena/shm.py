@@ -162,10 +162,15 @@ class SharedMemoryArena(MemoryArena):
                                 f"for segment {name!r}: {e}") from e
         try:
             return cls(name, fd, capacity_bytes, tier, alignment, owner=True, populate=populate, hold_fd=hold)
-        except BaseException:
+        except BaseException as e:
             os.unlink(path)
             os.close(hold)
-            raise
+            if not isinstance(e, OSError):
+                raise
+            # mmap refuses the mapping (ENOMEM: an address-space limit such as ulimit -v, which
+            # batch schedulers set): a start-up failure that names the tier, not a traceback.
+            raise CapacityError(f"{tier.label} tier could not map {capacity_bytes} bytes of shared memory "
+                                f"for segment {name!r}: {e}") from e
 
     @classmethod
     def attach(cls, name: str, tier: Tier, alignment: int = 256) -> SharedMemoryArena:
