@@ -446,3 +446,25 @@ def test_read_bandwidth_is_measured_on_the_cuda_path_and_slow_tiers_are_withheld
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
+    """A staged HBM->NVMe move still running when the backend closes finishes first: its thread
+    uses the pinned staging buffer that close() frees."""
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.base import CopyBatch
+    mgr = _manager(cuda_config())
+    try:
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
+        vids = mgr.commit(a, mgr.allocate(a, lid, 64))
+        rows = mgr.table.rows(vids)
+        c = mgr.table.cols
+        nbytes = mgr.table.block_bytes(rows)
+        offsets = np.arange(64, dtype=np.int64) * int(nbytes[0])
+        job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+        mgr.backend.close()  # at once, while the staged thread runs
+        assert job.done() and job.wait().all()
+    finally:
+        mgr.close()

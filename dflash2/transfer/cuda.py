@@ -96,6 +96,7 @@ class CudaTransferBackend(TransferBackend):
         self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
         self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
         self._staging_lock = threading.Lock()
+        self._workers: list[threading.Thread] = []  # staged moves' threads (close waits for them)
 
     def start(self, batch: CopyBatch) -> CopyJob:
         pair = (batch.src_tier, batch.dst_tier)
@@ -103,7 +104,11 @@ class CudaTransferBackend(TransferBackend):
             return self.host.start(batch)
         if Tier.NVME in pair:
             job = StagedJob(batch)
-            threading.Thread(target=self._staged, args=(job,), name="dflash2-staged", daemon=True).start()
+            worker = threading.Thread(target=self._staged, args=(job,), name="dflash2-staged", daemon=True)
+            # Kept until close(), which waits for them: the staging buffer must outlive every move using it.
+            self._workers = [t for t in self._workers if t.is_alive()]
+            self._workers.append(worker)
+            worker.start()
             return job
         if self.dram is None:
             raise ValueError("no pinned DRAM region: HBM<->DRAM moves are unavailable")
@@ -192,6 +197,11 @@ class CudaTransferBackend(TransferBackend):
         return ok
 
     def close(self) -> None:
+        """Finish the moves already started (staged ones too: their thread uses the staging buffer
+        freed below), then release streams and buffers."""
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
         self.host.close()
         cp = cupy()
         with cp.cuda.Device(self.device):
