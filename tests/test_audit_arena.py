@@ -125,3 +125,35 @@ def test_a_segment_that_cannot_be_mapped_is_a_capacity_error_and_leaves_nothing(
     finally:
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_client_that_cannot_map_a_segment_gets_an_arena_error():
+    # A serving process under an address-space limit attaches to a daemon's segment: the engine
+    # integration falls back on a dflash2 error; a raw OSError would escape into the engine.
+    size = 256 << 20
+    if shm_free_bytes() < 2 * size:
+        pytest.skip("/dev/shm is too small for this test")
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.tiers import Tier
+    name = f"dflash2-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    arena = SharedMemoryArena.create(name, size, Tier.DRAM, populate=False)
+    script = textwrap.dedent(f"""
+        import resource
+        from dflash2.arena.shm import SharedMemoryArena
+        from dflash2.errors import ArenaError
+        from dflash2.tiers import Tier
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+        try:
+            SharedMemoryArena.attach({name!r}, Tier.DRAM)
+        except ArenaError as e:
+            print("ArenaError:", e)
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"ArenaError: dram tier: shared-memory segment /dev/shm/{name} ({size} bytes) cannot be mapped" \
+            in out.stdout
+    finally:
+        arena.close()

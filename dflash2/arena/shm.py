@@ -180,11 +180,19 @@ class SharedMemoryArena(MemoryArena):
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise ArenaError(f"shared-memory segment {path} does not exist (is the daemon running?)") from None
+        except OSError as e:  # permissions (another user's daemon), too many open files
+            raise ArenaError(f"shared-memory segment {path} cannot be opened: {e}") from e
         size = os.fstat(fd).st_size
         if size <= 0:
             os.close(fd)
             raise ArenaError(f"shared-memory segment {path} is empty")
-        return cls(name, fd, size, tier, alignment, owner=False, populate=False)
+        try:
+            return cls(name, fd, size, tier, alignment, owner=False, populate=False)
+        except OSError as e:
+            # mmap refuses the mapping (an address-space limit such as ulimit -v): the client's
+            # caller (an engine integration) gets a dflash2 error it falls back on, not a raw OSError.
+            raise ArenaError(f"{tier.label} tier: shared-memory segment {path} ({size} bytes) cannot be "
+                             f"mapped in this process: {e}") from e
 
     @property
     def closed(self) -> bool:
