@@ -22,7 +22,7 @@ from dflash2.errors import DFlash2Error, LayoutError, NotOwner, ProtocolError, U
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
-from dflash2.readcost import MAX_PREFILL_RATE
+from dflash2.readcost import checked_rate
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -343,13 +343,11 @@ class Service:
 
     @staticmethod
     def _rate(req, value) -> float | None:
-        """A prefill rate from the wire: null, or a positive finite number of tokens per second."""
-        if value is None:
-            return None
-        if not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= MAX_PREFILL_RATE:
-            return float(value)  # also refuses NaN (no comparison holds) and integers beyond a float
-        raise ProtocolError(f"{req.op.value}: a prefill rate must be a positive number of tokens per second "
-                            f"(at most {MAX_PREFILL_RATE:g}) or null, got {value!r}")
+        """A prefill rate from the wire (readcost.checked_rate), refused as the op's ProtocolError."""
+        try:
+            return checked_rate(value)
+        except ValueError as e:
+            raise ProtocolError(f"{req.op.value}: {e}") from None
 
     def _memory_tier(self, req) -> Tier:
         tier = arg(req, "tier", str, default="hbm")

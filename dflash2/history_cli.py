@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash2 import protocol as P
 from dflash2.history import FILE_NAME, decode, rates, read_file
-from dflash2.status import positive_seconds
+from dflash2.argtypes import positive_float, positive_int
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -42,16 +42,6 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return n
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present)")
@@ -62,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
     parser.add_argument("--rows", type=positive_int, default=30, metavar="N", help="text table rows at most (default 30)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
-    parser.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="S", help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=positive_float, default=5.0, metavar="S", help="seconds to wait for the daemon")
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -31,6 +31,17 @@ MIN_SAMPLE_BYTES = 1 << 20  # a path is measured once this many bytes have cross
 MAX_PREFILL_RATE = 1e18  # tokens per second: any real engine is far below; bounds what a client may say
 
 
+def checked_rate(tokens_per_s) -> float | None:
+    """A prefill rate as given (None: not given); ValueError naming what is wrong otherwise."""
+    if tokens_per_s is None:
+        return None
+    if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) \
+            or not 0 < tokens_per_s <= MAX_PREFILL_RATE:  # NaN fails every comparison
+        raise ValueError(f"a prefill rate must be a positive number of tokens per second (at most "
+                         f"{MAX_PREFILL_RATE:g}) or null, got {tokens_per_s!r}")
+    return float(tokens_per_s)
+
+
 class ReadCost:
     def __init__(self, decay: float = DECAY):
         if not 0.0 <= decay < 1.0:
@@ -79,13 +90,7 @@ class ReadCost:
     def set_rate(self, client: int, layout_id: int, tokens_per_s: float | None) -> None:
         """The client's engine recomputes blocks of this layout at this many tokens per second
         (None: it does not say; its blocks of the layout are then never judged)."""
-        if tokens_per_s is not None:
-            if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) \
-                    or not 0 < tokens_per_s <= MAX_PREFILL_RATE:  # NaN fails every comparison
-                raise ValueError(f"prefill rate for layout {layout_id} must be a positive number of tokens "
-                                 f"per second (at most {MAX_PREFILL_RATE:g}), got {tokens_per_s!r}")
-            tokens_per_s = float(tokens_per_s)
-        self._rates[(client, layout_id)] = tokens_per_s
+        self._rates[(client, layout_id)] = checked_rate(tokens_per_s)
 
     def rate(self, client: int, layout_id: int) -> float | None:
         return self._rates.get((client, layout_id))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
+from dflash2.argtypes import positive_float
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable
 
 EXIT_OK = 0
@@ -20,24 +20,13 @@ EXIT_USAGE = 2
 TIMEOUT_S = 3.0
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: seconds above 0 (a timeout or interval of 0 or less cannot work)."""
-    try:
-        s = float(text)
-    except ValueError:
-        s = math.nan
-    if not 0 < s < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
-    return s
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--config", metavar="FILE", default=None,
                        help="config whose daemon.endpoint to ask (default: dflash2_config.json here)")
     where.add_argument("--endpoint", metavar="E", default=None, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
     parser.add_argument("--json", action="store_true", help="print the daemon's stats as JSON")
-    parser.add_argument("--timeout", type=positive_seconds, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=positive_float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon")
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -13,26 +13,17 @@ import sys
 import time
 
 from dflash2 import status
+from dflash2.argtypes import non_negative_int, positive_float
 from dflash2.history import rates, sample_of
 
 CLEAR = "\x1b[H\x1b[2J"
 
 
-def frame_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of frames (0 = never stop)")
-    return n
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     status.configure(parser)
     parser.add_argument("--watch", action="store_true", help="redraw the view every --interval seconds (Ctrl-C ends)")
-    parser.add_argument("--interval", type=status.positive_seconds, default=1.0, metavar="S", help="with --watch: seconds between frames")
-    parser.add_argument("--count", type=frame_count, default=0, metavar="N", help="with --watch: stop after N frames (0 = never)")
+    parser.add_argument("--interval", type=positive_float, default=1.0, metavar="S", help="with --watch: seconds between frames")
+    parser.add_argument("--count", type=non_negative_int, default=0, metavar="N", help="with --watch: stop after N frames (0 = never)")
 
 
 def handler(args: argparse.Namespace) -> int:

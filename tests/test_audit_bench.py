@@ -50,15 +50,21 @@ def test_policy_counts_out_of_range_are_usage_errors(capsys, trace, option, valu
     assert f"argument {option}: must be" in usage_error(capsys, *argv)
 
 
+@pytest.fixture
+def replayed(monkeypatch) -> list[str]:
+    """Names of the policies `bench policy` replays in the test (the real replay still runs)."""
+    names: list[str] = []
+    real = policy_bench.replay
+    monkeypatch.setattr(policy_bench, "replay", lambda reqs, name, *a: names.append(name) or real(reqs, name, *a))
+    return names
+
+
 @pytest.mark.parametrize("policies, message", [
     ("lru,nope", "unknown 'nope'; valid: belady, heat, lfu, lru"),
     (" , ", "names no policy"),
     ("lru,heat,lru", "'lru' more than once"),
 ])
-def test_policy_names_are_checked_before_any_replay(capsys, monkeypatch, trace, policies, message):
-    replayed = []
-    real = policy_bench.replay
-    monkeypatch.setattr(policy_bench, "replay", lambda reqs, name, *a: replayed.append(name) or real(reqs, name, *a))
+def test_policy_names_are_checked_before_any_replay(capsys, replayed, trace, policies, message):
     assert message in usage_error(capsys, "policy", "--trace", trace, "--hbm-blocks", "4", "--policies", policies)
     assert replayed == []
 
@@ -68,10 +74,7 @@ def test_policy_names_are_checked_before_any_replay(capsys, monkeypatch, trace, 
     ("recency=inf", "'recency=inf' is not NAME=NUMBER"),
     ("recency=1,recency=2", "names 'recency' twice"),
 ])
-def test_policy_weights_are_checked_before_any_replay(capsys, monkeypatch, trace, weights, message):
-    replayed = []
-    real = policy_bench.replay
-    monkeypatch.setattr(policy_bench, "replay", lambda reqs, name, *a: replayed.append(name) or real(reqs, name, *a))
+def test_policy_weights_are_checked_before_any_replay(capsys, replayed, trace, weights, message):
     argv = ["policy", "--trace", trace, "--hbm-blocks", "4", "--policies", "lru,heat", "--weights", weights]
     assert message in usage_error(capsys, *argv)
     assert replayed == []

@@ -53,6 +53,13 @@ class TableMachine(RuleBasedStateMachine):
     def _pick(self, rows: np.ndarray, i: int) -> int:
         return int(rows[i % len(rows)])
 
+    def _held(self, ci: int, i: int, kind: str) -> tuple[int, int]:
+        """A client holding references (or pins), and one of the rows it holds them on."""
+        holders = [c for c in self.clients if getattr(self.t.clients[c], kind)]
+        c = holders[ci % len(holders)]
+        rows = sorted(getattr(self.t.clients[c], kind))
+        return c, rows[i % len(rows)]
+
     def _in_flight(self) -> set[int]:
         return {int(r) for rows, _, _ in self.moves for r in rows}
 
@@ -125,10 +132,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.t.clients[c].refs for c in self.clients))
     @rule(ci=st.integers(0, 7), i=st.integers(0, 99))
     def free(self, ci, i):
-        holders = [c for c in self.clients if self.t.clients[c].refs]
-        c = holders[ci % len(holders)]
-        rows = sorted(self.t.clients[c].refs)
-        r = rows[i % len(rows)]
+        c, r = self._held(ci, i, "refs")
         if self.t.cols.state[r] == int(S.RESERVED):
             return  # only its reservation frees a RESERVED block (the manager refuses it)
         try:
@@ -158,10 +162,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.t.clients[c].pins for c in self.clients))
     @rule(ci=st.integers(0, 7), i=st.integers(0, 99))
     def unpin(self, ci, i):
-        holders = [c for c in self.clients if self.t.clients[c].pins]
-        c = holders[ci % len(holders)]
-        rows = sorted(self.t.clients[c].pins)
-        r = rows[i % len(rows)]
+        c, r = self._held(ci, i, "pins")
         self.t.unpin(c, self.t.vids(np.array([r])))
         if self.t.cols.pins[r] == 0:
             self.pinned_at.pop(r, None)

@@ -21,26 +21,19 @@ except Exception as exc:  # not installed, or installed without its dependencies
 
 from daemon_proc import DaemonProcess
 from dflash2.protocol import MAX_BATCH
+from test_sglang import backends, daemon  # noqa: F401  (fixtures)
 from test_sglang import PAGE, fill, host_pool, indices, make_backend, storage_config
 
 KEYS = [f"page-{i:04d}" for i in range(4)]
 
 
-@pytest.fixture
-def daemon(config_file):
-    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
-                               "nvme_path": None, "page_kb": 64})
-    proc = DaemonProcess(path).start()
-    yield path
-    proc.stop()
-
-
-@pytest.fixture
-def backends():
-    made = []
-    yield made
-    for b in made:
-        b.close()
+def one_page(daemon, backends, seed: int):
+    """A backend over test_sglang's daemon, and page 1 of its host pool filled from `seed`."""
+    pool = host_pool()
+    backend = make_backend(daemon[0], pool)
+    backends.append(backend)
+    fill(pool, [1], seed=seed)
+    return backend, pool.get_data_page(PAGE, flat=True)
 
 
 def page_of_4k(tokens: int) -> MHATokenToKVPoolHost:
@@ -77,11 +70,7 @@ def test_hit_query_longer_than_one_call_counts_every_cached_page(config_file, ba
 
 
 def test_batch_set_refuses_a_value_that_is_not_one_page(daemon, backends):
-    pool = host_pool()
-    backend = make_backend(daemon, pool)
-    backends.append(backend)
-    fill(pool, [1], seed=1)
-    page = pool.get_data_page(PAGE, flat=True)
+    backend, page = one_page(daemon, backends, seed=1)
     with pytest.raises(ValueError, match=r"'one-byte'.* 1 bytes .*holds 1024"):
         backend.batch_set(["one-byte"], [torch.ones(1, dtype=torch.uint8)])  # would broadcast to a page
     with pytest.raises(ValueError, match=r"'as-fp32'.* 2048 bytes .*torch.float32.*holds 1024"):
@@ -93,11 +82,7 @@ def test_batch_set_refuses_a_value_that_is_not_one_page(daemon, backends):
 
 
 def test_batch_get_fills_a_strided_target(daemon, backends):
-    pool = host_pool()
-    backend = make_backend(daemon, pool)
-    backends.append(backend)
-    fill(pool, [1], seed=2)
-    page = pool.get_data_page(PAGE, flat=True)
+    backend, page = one_page(daemon, backends, seed=2)
     assert backend.batch_set(["k"], [page])
     target = torch.zeros(2 * page.numel(), dtype=page.dtype)[::2]  # a strided view of a larger buffer
     out = backend.batch_get(["k"], [target])
@@ -112,13 +97,13 @@ def test_hybrid_model_pools_fall_back_and_v2_calls_answer(daemon, backends, capl
     the KV anchor first; with extra pools, `batch_exists_v2(hash_value, pool_transfers, extra_info)`,
     `batch_set_v2(transfers, extra_info=...)` and `batch_get_v2(transfers, extra_info=...)`."""
     kv_only = host_pool()
-    plain = make_backend(daemon, kv_only)
+    plain = make_backend(daemon[0], kv_only)
     backends.append(plain)
     plain.register_mem_host_pool_v2(kv_only, PoolName.KV)  # a KV-only model: its anchor alone
     assert plain.fallback_reason is None and plain.active
 
     kv, swa = host_pool(), host_pool()
-    hybrid = make_backend(daemon, kv)
+    hybrid = make_backend(daemon[0], kv)
     backends.append(hybrid)
     with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
         hybrid.register_mem_host_pool_v2(kv, PoolName.KV)
@@ -135,17 +120,17 @@ def test_hybrid_model_pools_fall_back_and_v2_calls_answer(daemon, backends, capl
 def test_the_engines_prefill_rate_reaches_the_daemon_and_a_bad_one_falls_back(daemon, backends, caplog):
     """`dflash2_prefill_tokens_per_s` in the extra config: the daemon's lookups for this backend then
     offer no page that reads back more slowly than sglang recomputes it (cost-aware reuse)."""
-    backend = make_backend(daemon, host_pool(), dflash2_prefill_tokens_per_s=20000.0)
+    backend = make_backend(daemon[0], host_pool(), dflash2_prefill_tokens_per_s=20000.0)
     backends.append(backend)
     assert backend.active and backend.prefill_rate == 20000.0
     assert backend.client.stats()["read_cost"]["prefill_rates"] == 1
     for bad in (0, -3.0, "fast", True):
         with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
-            broken = make_backend(daemon, host_pool(), dflash2_prefill_tokens_per_s=bad)
+            broken = make_backend(daemon[0], host_pool(), dflash2_prefill_tokens_per_s=bad)
         backends.append(broken)
         assert not broken.active
         assert "dflash2_prefill_tokens_per_s: must be a positive number" in broken.fallback_reason
-    config = storage_config(daemon)
+    config = storage_config(daemon[0])
     config.extra_config["dflash2_timeout_s"] = "soon"
     broken = StorageBackendFactory.create_backend("dynamic", config, host_pool())
     backends.append(broken)

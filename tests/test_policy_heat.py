@@ -298,12 +298,9 @@ def test_blocks_demoted_from_a_tier_teach_that_tiers_density_only():
 
 
 def test_blocks_below_hbm_lose_heat_with_age_faster_by_recency_below():
-    specs = [TierSpec(Tier.HBM, 64 * SLOT, SLOT, 256), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, 256)]
     clock = Clock()
-    mgr = BlockManager(specs, policy="heat", clock=clock)
+    mgr, lid, c = manager(64, dram_blocks=4, clock=clock)
     try:
-        lid = mgr.register_layout(LAYOUT)
-        c = mgr.attach("c")
         pol = mgr.placement.policy
         up, down = (cache_chain(mgr, lid, c, [k])[0] for k in (1, 2))
         rows = mgr.table.rows([up, down])

@@ -1,6 +1,7 @@
 """Benchmark commands: each prints JSON figures (`dflash2 bench NAME --json`)."""
 
-import argparse
+# The argparse types every bench uses (`from dflash2.bench import positive_int, ...`).
+from dflash2.argtypes import non_negative_int, positive_float, positive_int  # noqa: F401
 
 
 class OptionError(ValueError):
@@ -8,31 +9,22 @@ class OptionError(ValueError):
     error (exit 2). Any other exception is a bug and keeps its traceback."""
 
 
-# argparse `type=` of counts and sizes: a bad value is a usage error naming the option (exit 2), not
-# a ZeroDivisionError (or a silently empty run) deep inside the benchmark.
-def positive_int(text: str) -> int:
-    return _bounded(int, text, 1, "a positive integer")
+KIB = 1024
 
 
-def non_negative_int(text: str) -> int:
-    return _bounded(int, text, 0, "an integer >= 0")
-
-
-def positive_float(text: str) -> float:
-    value = _bounded(float, text, 0.0, "a positive number")
-    if not 0 < value < float("inf"):  # 0, inf and nan are no durations
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _bounded(kind, text: str, low, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
+def sizes_kib(text: str, multiple_kib: int = 1) -> list[int]:
+    """--sizes-kib: comma-separated sizes in KiB, each a positive multiple of `multiple_kib`; bytes."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            kib = int(item)
+        except ValueError:
+            raise OptionError(f"--sizes-kib: {item!r} is not a number") from None
+        if kib <= 0 or kib % multiple_kib:
+            what = "size" if multiple_kib == 1 else f"multiple of {multiple_kib}"
+            raise OptionError(f"--sizes-kib: {kib} is not a positive {what}")
+        sizes.append(kib * KIB)
+    return sizes
 
 
 def visible_gpu(device: int, what: str):

@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 
-from dflash2.bench import OptionError, non_negative_int, visible_gpu
+from dflash2.bench import OptionError, non_negative_int, sizes_kib, visible_gpu
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -43,23 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks per cached prefix chain filling HBM (default 1: loose blocks a client holds)")
 
 
-def _sizes(text: str) -> list[int]:
-    sizes = []
-    for item in text.split(","):
-        try:
-            kib = int(item)
-        except ValueError:
-            raise OptionError(f"--sizes-kib: {item!r} is not a number") from None
-        if kib <= 0 or kib * KIB % LAYER_BYTES:
-            raise OptionError(f"--sizes-kib: {kib} is not a positive multiple of 64")
-        sizes.append(kib * KIB)
-    return sizes
-
-
 def run(args) -> list[dict]:
     if args.mb <= 0 or args.repeat <= 0 or args.chain <= 0:
         raise OptionError("--mb, --repeat and --chain must be positive")
-    sizes = _sizes(args.sizes_kib)
+    sizes = sizes_kib(args.sizes_kib, LAYER_BYTES // KIB)
     from dflash2.cuda import cuda_available
 
     if args.device == "cuda" or (args.device == "auto" and cuda_available()):

@@ -18,7 +18,7 @@ import uuid
 
 import numpy as np
 
-from dflash2.bench import OptionError, non_negative_int, positive_int, visible_gpu
+from dflash2.bench import OptionError, non_negative_int, positive_int, sizes_kib, visible_gpu
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
@@ -48,23 +48,10 @@ def _time(fn, repeat: int) -> float:
     return time.perf_counter() - t
 
 
-def _sizes(text: str) -> list[int]:
-    sizes = []
-    for item in text.split(","):
-        try:
-            kib = int(item)
-        except ValueError:
-            raise OptionError(f"--sizes-kib: {item!r} is not a number") from None
-        if kib <= 0:
-            raise OptionError(f"--sizes-kib: {kib} is not a positive size")
-        sizes.append(kib * KIB)
-    return sizes
-
-
 def run(args) -> list[dict]:
     if args.run_blocks > args.blocks:
         raise OptionError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
-    sizes = _sizes(args.sizes_kib)  # every option is checked before the GPU is looked for
+    sizes = sizes_kib(args.sizes_kib)  # every option is checked before the GPU is looked for
     cp = visible_gpu(args.device, "bench transfer")
     from dflash2.cuda.arena import CudaArena, PinnedHostArena
     from dflash2.transfer.cuda import CudaTransferBackend

@@ -1,0 +1,32 @@
+"""argparse `type=` functions of the operator commands (`dflash2 bench`, `history`, `status`): a bad
+count, size or duration is a usage error naming the option (exit 2), not a ZeroDivisionError, a
+negative sleep or a silently empty run deep inside the command."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    return _bounded(int, text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _bounded(int, text, 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    value = _bounded(float, text, 0.0, "a positive number")
+    if not 0 < value < float("inf"):  # 0, inf and nan are no durations
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _bounded(kind, text: str, low, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
