@@ -191,6 +191,44 @@ def test_a_negative_block_count_is_refused(mgr):
     assert t.cols.live == 3
 
 
+def test_a_block_in_flight_cannot_be_pinned(mgr):
+    """A pinned block never changes tier or state: pinning one between begin_move and end_move
+    would let the move's end carry it to another tier under the pin."""
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = t.allocate(c, lid, 2)
+    t.commit(c, vids, keys=[11, 12])
+    rows = t.rows(vids)
+    t.begin_move(rows[1:], Tier.DRAM)
+    with pytest.raises(IllegalTransition, match="moving between tiers"):
+        t.pin(c, vids)
+    assert t.cols.pins[rows].sum() == 0 and not t.client(c).pins
+
+
+def test_a_row_whose_generation_runs_out_is_retired(mgr):
+    """A row's uint32 generation must never wrap: one more reuse would make it 0 again, and an id
+    handed out 2**32 reuses ago would name the row's next block. The row is retired instead."""
+    from dflash2.table.columns import GEN_LAST
+
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    old = t.allocate(c, lid, 1)
+    row = int(t.rows(old)[0])
+    t.cols.gen[row] = GEN_LAST - 1
+    last = t.vids(np.array([row]))
+    t.free(c, last)
+    assert t.cols.retired == 1 and t.cols.live == 0
+    fresh = t.allocate(c, lid, 4)
+    assert row not in t.rows(fresh).tolist()
+    for stale in (old, last):
+        with pytest.raises(UnknownBlock):
+            t.rows(stale)
+    assert t.cols.live == 4
+    mgr.check_invariants()
+
+
 # -- heat ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("weight", [float("inf"), 1e39, float("nan"), -1.0])
 def test_heat_weights_stay_finite(weight):

@@ -12,6 +12,9 @@ from dflash2.tiers import TIERS
 
 NO_ROW = -1
 NO_CLIENT = -1
+# A row whose generation reaches this is retired, never handed out again: one more reuse would wrap
+# the uint32 generation back to 0 and an id from 2**32 reuses ago would name the row's new block.
+GEN_LAST = np.iinfo(np.uint32).max
 
 # name -> (dtype, fill value for a fresh row)
 FIELDS: dict[str, tuple[np.dtype, object]] = {
@@ -49,6 +52,7 @@ class Columns:
         self.kids = np.zeros((len(TIERS), capacity), dtype=np.int32)
         self._free_rows = np.arange(capacity - 1, -1, -1, dtype=np.int32)
         self._n_free = capacity
+        self.retired = 0  # rows whose generation ran out (GEN_LAST): neither live nor free
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +61,7 @@ class Columns:
 
     @property
     def live(self) -> int:
-        return self.capacity - self._n_free
+        return self.capacity - self._n_free - self.retired
 
     def take_rows(self, n: int) -> np.ndarray:
         while self._n_free < n:
@@ -71,6 +75,10 @@ class Columns:
         self.gen[rows] += 1
         self.state[rows] = 0
         self.tier[rows] = -1
+        spent = self.gen[rows] == GEN_LAST
+        if spent.any():  # invariant: a generation never wraps (see GEN_LAST)
+            self.retired += int(spent.sum())
+            rows = rows[~spent]
         self._free_rows[self._n_free: self._n_free + len(rows)] = rows
         self._n_free += len(rows)
 

@@ -313,6 +313,13 @@ class BlockTable:
     def pin_rows(self, client_id: int, rows: np.ndarray) -> None:
         """Pin rows that `usable_rows` already validated for this client."""
         holder = self.client(client_id)
+        # Invariant: a pinned block never changes tier or state, so a block in flight cannot be
+        # pinned (its move's end would move it under the pin). Moves end inside the manager call
+        # that starts them, so only a caller of the table between begin_move and end_move sees this.
+        moving = self.cols.state[rows] == int(S.MIGRATING)
+        if moving.any():
+            raise IllegalTransition(f"block {int(self.vids(rows[moving][:1])[0]):#x} is moving between tiers; "
+                                    "pin it once its move has ended")
         listed = rows.tolist()
         if len(rows) > self.SMALL:
             np.add.at(self.cols.pins, rows, 1)
