@@ -121,6 +121,35 @@ def test_start_after_close_raises(arenas):
         b.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10]))
 
 
+def test_a_start_racing_close_is_refused_or_run_never_stranded(arenas, monkeypatch):
+    """close() from another thread between start's closed check and its queueing put the batch
+    behind the worker's stop marker: nobody ran it and its wait hung. Now it is one or the other."""
+    import threading
+
+    import dflash2.transfer.host as host
+
+    b = HostTransferBackend(arenas)
+    closer = threading.Thread(target=b.close)
+
+    class RacingJob(host.HostCopyJob):
+        def __init__(self, batch):
+            super().__init__(batch)
+            closer.start()  # close runs now, between the check and the put (old code) ...
+            closer.join(0.5)  # ... and finishes unless start holds it off
+
+    monkeypatch.setattr(host, "HostCopyJob", RacingJob)
+    try:
+        job = b.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10]))
+    except ArenaError as e:
+        assert "closed" in str(e)
+    else:
+        closer.join(5)
+        assert job._done.wait(5), "a batch start accepted was never run"
+        assert job.wait().tolist() == [True]
+    closer.join(5)
+    assert not closer.is_alive()
+
+
 def test_mover_batches_end_at_tier_changes_the_count_limit_and_the_byte_limit():
     from dflash2.mover import Mover
     m = Mover.__new__(Mover)  # _batches reads only swap_batch_size

@@ -7,7 +7,9 @@ checksums: a mismatch is a miss).
 
 Invariants: `start` returns at once; batches run one at a time in the order they were started; an
 exception during a copy fails the whole batch (every block False) and is logged, never lost and
-never raised from `wait`.
+never raised from `wait`; every batch `start` accepted is run before `close` returns (a start racing
+close from another thread is either refused or queued ahead of the worker's stop marker, never
+behind it, where nobody would run it and its `wait` would hang).
 """
 
 from __future__ import annotations
@@ -51,12 +53,11 @@ class HostTransferBackend(TransferBackend):
         self._arenas = dict(arenas)
         self._queue: queue.Queue[HostCopyJob | None] = queue.Queue()
         self._closed = False
+        self._gate = threading.Lock()  # makes "not closed, so queue it" one step against close()
         self._thread = threading.Thread(target=self._serve, name="dflash2-host-transfer", daemon=True)
         self._thread.start()
 
     def start(self, batch: CopyBatch) -> HostCopyJob:
-        if self._closed:
-            raise ArenaError("host transfer backend is closed")
         for tier in (batch.src_tier, batch.dst_tier):
             if tier not in self._arenas:
                 raise ValueError(f"host transfer backend has no arena for tier {tier.label}")
@@ -65,7 +66,10 @@ class HostTransferBackend(TransferBackend):
             raise ValueError(f"storage to storage copies ({batch.src_tier.label} → {batch.dst_tier.label}) "
                              f"are not supported: go through a memory tier")
         job = HostCopyJob(batch)
-        self._queue.put(job)
+        with self._gate:
+            if self._closed:
+                raise ArenaError("host transfer backend is closed")
+            self._queue.put(job)
         return job
 
     def _serve(self) -> None:
@@ -98,7 +102,9 @@ class HostTransferBackend(TransferBackend):
 
     def close(self) -> None:
         """Finish the batches already started, then stop the worker. Idempotent."""
-        if not self._closed:
+        with self._gate:
+            if self._closed:
+                return
             self._closed = True
             self._queue.put(None)
-            self._thread.join()
+        self._thread.join()
