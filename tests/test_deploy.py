@@ -21,7 +21,7 @@ def _check(promtool: str, *args: str) -> str:
 
 
 def test_promtool_accepts_the_alert_rules(promtool):
-    assert "SUCCESS: 4 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+    assert "SUCCESS: 5 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
 
 
 def test_promtool_accepts_the_scrape_config(promtool):
@@ -36,6 +36,7 @@ def test_the_alerts_asked_for_are_there():
     assert "> 0.95" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert 'tier="nvme"' in rules["DFlash2NvmeTierNearlyFull"]["expr"] and "> 0.9" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
     assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
+    assert 'absent(up{job="dflash2"})' in rules["DFlash2NotScraped"]["expr"]
     assert all(r["annotations"]["summary"] for r in rules.values())
 
 

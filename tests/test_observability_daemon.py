@@ -143,11 +143,13 @@ def prometheus(tmp_path, prometheus_binary):
     """Start Prometheus with deploy/'s scrape config and rules, scraping `target`; yields a starter."""
     procs = []
 
-    def start(target: str) -> PromAPI:
+    def start(target: str | None) -> PromAPI:
+        """None: the job has no target at all (service discovery lists no daemon)."""
         scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
         scrape["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
         job = scrape["scrape_configs"][0]
-        job.update(scrape_interval="1s", scrape_timeout="900ms", static_configs=[{"targets": [target]}])
+        job.update(scrape_interval="1s", scrape_timeout="900ms",
+                   static_configs=[{"targets": [] if target is None else [target]}])
         scrape["rule_files"] = [str(DEPLOY / "prometheus" / "dflash2_alerts.yml")]
         config = tmp_path / "prometheus.yml"
         config.write_text(yaml.safe_dump(scrape))
@@ -205,7 +207,10 @@ def test_prometheus_answers_every_dashboard_and_alert_expression(tmp_path, confi
         for rule in alert_rules():
             m = COMPARISON.match(rule["expr"].strip())
             assert m, f"alert {rule['alert']}: expression is not MEASURE OP THRESHOLD: {rule['expr']}"
-            if not api.query(m.group("measure")):
+            got = api.query(m.group("measure"))
+            if m.group("measure").startswith("absent("):
+                assert not got, f"{rule['alert']} holds while the daemon is scraped: {got}"
+            elif not got:
                 empty.append(f"{rule['alert']}: {m.group('measure')}")
         assert not empty, "expressions that returned no data:\n" + "\n".join(empty)
 
@@ -226,3 +231,16 @@ def test_prometheus_answers_every_dashboard_and_alert_expression(tmp_path, confi
         assert {r["name"] for r in rules} == {r["alert"] for r in alert_rules()}
         assert all(r["health"] == "ok" for r in rules), rules
         c.close()
+
+
+def test_the_not_scraped_alert_fires_when_the_job_has_no_target(prometheus):
+    """DFlash2DaemonDown needs an `up` series that is 0; with no dflash2 target at all there is none,
+    and only DFlash2NotScraped's absent() sees it."""
+    api = prometheus(None)
+    down = next(r for r in alert_rules() if r["alert"] == "DFlash2DaemonDown")
+    rule = next(r for r in alert_rules() if r["alert"] == "DFlash2NotScraped")
+    got = api.wait_for(rule["expr"], lambda r: bool(r), timeout_s=30)
+    assert float(got[0]["value"][1]) == 1
+    assert not api.query(down["expr"])
+    alerts = api.wait_for("ALERTS", lambda r: any(a["metric"]["alertname"] == "DFlash2NotScraped" for a in r))
+    assert {a["metric"]["alertname"] for a in alerts} == {"DFlash2NotScraped"}
