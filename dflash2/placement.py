@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.forest import subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.readcost import ReadCost
@@ -140,7 +141,7 @@ class Placement:
         tier, not the lowest-scored leaves (that would push out a hot leaf while a cold chain waits
         above its own cold leaf). So the cut is the k-th lowest score among every row that could
         leave once its descendants have, and the rows at or below it whose descendants that hold them
-        back are at or below it too are taken (`_subtrees`: leaves first). What lies under the cut
+        back are at or below it too are taken (`_leaving`: leaves first). What lies under the cut
         but is held back by a hotter descendant waits for the caller's next round (make_room)."""
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
                              idle_only=idle_only)
@@ -165,50 +166,55 @@ class Placement:
             cut = keyed[k - 1]
         else:
             cut = np.inf
-        levels = self._subtrees(tier, below=reach & (scores <= cut), evict=evict)
-        if not sum(len(level) for level in levels):
+        part = self._leaving(tier, reach & (scores <= cut), evict, scores)
+        if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
-            levels = [np.flatnonzero(reach & self._childless(tier, evict))]
-            if not len(levels[0]):
+            part = np.flatnonzero(reach & self._childless(tier, evict))
+            if not len(part):
                 return np.empty(0, dtype=np.int64)
-        # Leaves first, each level lowest score first; cut once the bytes are reached.
-        part = np.concatenate([level[np.argsort(scores[level], kind="stable")] for level in levels])
+            part = part[np.argsort(scores[part], kind="stable")]
         slot = sizes[self.table.cols.layout[part]]
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
 
-    def _subtrees(self, tier: Tier, below: np.ndarray, evict: bool) -> list[np.ndarray]:
+    def _leaving(self, tier: Tier, below: np.ndarray, evict: bool, scores: np.ndarray | None) -> np.ndarray:
         """The rows of `below` (a mask of rows of `tier` that may leave, at or under the cut) that
-        can leave together with their descendants: a row qualifies once every child that holds it
-        back qualifies (for a demotion its children in `tier` or a faster one, for an eviction every
-        cached child). Returned level by level, leaves first: the order a demotion moves them in (a
-        move cut short leaves no parent below its child) and an eviction drops them in. So a cold
-        chain leaves whole, in one move of many blocks, instead of one level per round: a round per
-        level made the demotions of a prefix-tree workload batches of one or two blocks (the tiered
-        replays of `bench policy`: 2.5 blocks a batch, median 1; now 25-73, its `move_batches`), and
-        cost a selection pass per level."""
+        can leave together with their descendants, in the order they leave: a row qualifies when
+        every child that holds it back qualifies (for a demotion its children in `tier` or a faster
+        one, for an eviction every cached child). Ordered leaves first, by height in the subtree
+        that leaves (then lowest score when `scores` are given, then row): the order a demotion
+        moves them in (a move cut
+        short leaves no parent below its child) and an eviction drops them in. So a cold chain
+        leaves whole, in one move of many blocks, instead of one level per round: a round per level
+        made the demotions of a prefix-tree workload batches of one or two blocks (the tiered
+        replays of `bench policy`: 2.5 blocks a batch, median 1; then 25-73, its `move_batches`).
+        The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
+        numpy calls, not 1,024."""
         c = self.table.cols
-        if evict:
-            remaining = c.nkids.copy()
-        else:
-            remaining = c.kids[0].astype(np.int32)
-            for t in range(1, int(tier) + 1):
-                remaining += c.kids[t]
         rows = np.flatnonzero(below)
-        levels = []
-        front = rows[remaining[rows] == 0]
-        while len(front):
-            levels.append(front)
-            up = c.parent[front]
-            up = up[up != NO_ROW]
-            up = up[below[up]]
-            if not len(up):
-                break
-            np.subtract.at(remaining, up, 1)
-            up = np.unique(up)
-            front = up[remaining[up] == 0]
-        return levels
+        if not len(rows):
+            return rows
+        if evict:
+            holding = c.nkids[rows]
+        else:
+            holding = c.kids[0, rows].astype(np.int64)
+            for t in range(1, int(tier) + 1):
+                holding += c.kids[t, rows]
+        # Each row's parent among `rows` (rows is sorted: a binary search), or -1.
+        up = c.parent[rows]
+        at = np.minimum(np.searchsorted(rows, up), len(rows) - 1)
+        inside = (up != NO_ROW) & (rows[at] == up)
+        parent = np.where(inside, at, -1)
+        # Every row of `below` lies in `tier` and is a cached child of its parent, so it holds its
+        # parent back; a row with more holding children than it has in `below` waits on one outside.
+        blocked = holding > np.bincount(parent[inside], minlength=len(rows))
+        height = subtree_heights(parent, blocked)
+        go = height >= 0
+        rows, height = rows[go], height[go]
+        if scores is None:
+            return rows[np.lexsort((rows, height))]
+        return rows[np.lexsort((rows, scores[rows], height))]
 
     def _scratch(self, n: int, dtype) -> np.ndarray:
         """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
@@ -270,18 +276,15 @@ class Placement:
         refused = victims[~admitted]
         progress = False
         if len(refused):
-            # Not worth a place below: drop them if nobody holds them, else demote anyway. Leaves
-            # first: a refused parent can go once its refused children have.
-            kept = refused
-            while len(kept):
-                drop = kept[self.table.evictable(kept)]
-                if not len(drop):
-                    break
+            # Not worth a place below: drop those nobody holds, else demote them anyway. A refused
+            # parent goes with its children when they are all refused and droppable too (one call).
+            drop = self._droppable(refused)
+            if len(drop):
                 slow = int(np.isin(drop, victims[too_slow]).sum())
                 self.stats.not_kept += slow
                 self.stats.not_admitted += len(drop) - slow
                 progress |= self._evict(drop)
-                kept = kept[~np.isin(kept, drop)]
+            kept = refused[~np.isin(refused, drop)]
             victims = victims[admitted | np.isin(victims, kept)]  # in their order: leaves first
         if not len(victims):
             return progress
@@ -323,18 +326,24 @@ class Placement:
         self.stats.lost += len(lost)
         self.table.drop_lost(lost)
 
+    def _droppable(self, rows: np.ndarray) -> np.ndarray:
+        """The rows that can be dropped now together: cached, nobody holds them, and each of their
+        cached children among them and droppable too (leaves first)."""
+        c = self.table.cols
+        rows = np.asarray(rows, dtype=np.int64)
+        free = ((c.state[rows] == int(BlockState.RESIDENT)) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
+                & (c.key[rows] != 0))
+        mask = np.zeros(c.capacity, dtype=bool)
+        mask[rows[free]] = True
+        return self._leaving(Tier.HBM, mask, True, None)  # evicting: every tier's children hold
+
     def _evict(self, rows: np.ndarray) -> bool:
-        """Drop these cached blocks; a parent among them goes once its children among them have
-        (the table drops only blocks without a cached child)."""
+        """Drop these cached blocks, in one table call: a parent among them goes with its children
+        among them (the table refuses a block with a cached child left behind)."""
         if not len(rows):
             return False
         self.policy.on_remove(self.table, rows)
-        left = rows
-        while len(left):
-            ready = self.table.evictable(left)
-            # None ready: evict raises, naming a block that cannot go.
-            self.table.evict(left[ready] if ready.any() else left)
-            left = left[~ready]
+        self.table.evict(rows)
         self.stats.evicted += len(rows)
         return True
 

@@ -3,6 +3,9 @@
 - bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced),
   with a million blocks committed under content keys and released (the steady state of a cache);
 - select_ms: the choice alone, from the policy's current scores (what a demotion costs between passes);
+- chain_select_ms: the same choice when the coldest blocks are whole prefix chains 1,024 blocks deep
+  (each commit of the build is one chain; the chains are then read in a random order): what making
+  room for a long prompt's prefix costs, victims taken whole, leaves first;
 - rescore_ms: one full scoring pass of the policy over every block plus the choice of 1% of them as
   victims (placement's own selection), against baseline_ms: numpy argpartition of as many float32;
 - alloc_free_per_s: blocks allocated and freed again per second, in calls of `--batch` blocks, on the
@@ -74,6 +77,14 @@ def run(args) -> dict:
         mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False)
     rescore = _median_ms(full_pass, args.repeat)
     select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False), args.repeat)
+    # Chains as the coldest blocks: each chunk of the build is one chain (block i's parent is i-1).
+    starts = np.arange(0, n, chunk)
+    for i, start in enumerate(rng.permutation(starts).tolist()):
+        rows = mgr.table.keys.lookup(np.arange(start + 1, min(start + chunk, n) + 1, dtype=np.uint64))
+        mgr.table.touch(rows, now=2.0 + i)
+        mgr.policy.on_access(mgr.table, rows, 2.0 + i)
+    mgr.policy.rescore(mgr.table, mgr.table.clock())
+    chain_select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False), args.repeat)
     baseline_data = rng.random(n).astype(np.float32)
     baseline = _median_ms(lambda: np.argpartition(baseline_data, n // 100), args.repeat)
     cycles = max(1, 200_000 // args.batch)
@@ -89,6 +100,7 @@ def run(args) -> dict:
         "build_s": round(build_s, 2),
         "rescore_ms": round(rescore, 2),
         "select_ms": round(select, 2),
+        "chain_select_ms": round(chain_select, 2),
         "baseline_ms": round(baseline, 2),
         "rescore_over_baseline": round(rescore / baseline, 2),
         "alloc_free_per_s": round(alloc_free),

@@ -421,14 +421,34 @@ class BlockTable:
                 & (c.key[rows] != 0) & (c.nkids[rows] == 0))
 
     def evict(self, rows: np.ndarray) -> None:
-        """Drop cached blocks from the cache entirely (their bytes are gone)."""
+        """Drop cached blocks from the cache entirely (their bytes are gone). All of them or none:
+        each must be cached with nobody holding it, and each cached child of one must be among
+        `rows` (so a chain goes in one call, in any order)."""
         rows = np.asarray(rows, dtype=np.int64)
-        ok = self.evictable(rows)
+        _no_repeats(rows, "evict")
+        c = self.cols
+        ok = ((c.state[rows] == int(S.RESIDENT)) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
+              & (c.key[rows] != 0))
+        if len(rows) > 1:
+            ok &= c.nkids[rows] == self._children_among(rows)
+        else:
+            ok &= c.nkids[rows] == 0
         if not ok.all():
             r = int(rows[int(np.argmin(ok))])
             raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} cannot be evicted: it is referenced, "
-                              "pinned, not cached, migrating, or has cached children")
+                              "pinned, not cached, migrating, or has cached children that stay")
         self._release_rows(rows)
+
+    def _children_among(self, rows: np.ndarray) -> np.ndarray:
+        """Per row of `rows` (distinct), how many of `rows` are its children."""
+        order = np.argsort(rows)
+        ranked = rows[order]
+        up = self.cols.parent[rows]
+        at = np.minimum(np.searchsorted(ranked, up), len(rows) - 1)
+        inside = (up != NO_ROW) & (ranked[at] == up)
+        counts = np.empty(len(rows), dtype=np.int64)
+        counts[order] = np.bincount(at[inside], minlength=len(rows))
+        return counts
 
     def _release_rows(self, rows: np.ndarray) -> None:
         """Free rows (any legal state → FREE): unindex keys, unlink parents, give slots back."""

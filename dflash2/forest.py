@@ -1,0 +1,55 @@
+"""Passes over a set of prefix-tree nodes in O(log depth) vectorised rounds (pointer jumping).
+
+A prefix chain is as deep as its prompt is long in blocks (a 256k-token prompt of 256-token blocks
+is 1,024 deep), so a pass that walks the tree one level per round costs one round of numpy calls
+per block of the chain: making room for one long prefix took ~10 ms of selection for a copy of
+~1 ms. Here every round doubles how far each node sees up its chain (node -> parent -> grandparent
+-> 4th ancestor ...), so a chain of depth D takes ceil(log2 D) rounds whatever its length.
+
+Nodes are local indices 0..n-1; `parent[i]` is i's parent among them, or -1 when i's parent is not
+in the set (a root here). Pure numpy: no table, no policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def subtree_heights(parent: np.ndarray, blocked: np.ndarray) -> np.ndarray:
+    """Per node, the length of the longest path down from it to a leaf of its subtree (0 for a
+    leaf), or -1 when the node or any node below it is `blocked` (held back by something outside
+    the set). So a node's height is >= 0 exactly when its whole subtree can go, and the heights
+    order the nodes leaves first: a node's height exceeds each of its children's."""
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
+    if len(blocked) != n:
+        raise ValueError(f"subtree_heights: {len(blocked)} blocked flags for {n} nodes")
+    if n and (parent.min() < -1 or parent.max() >= n):
+        raise ValueError("subtree_heights: a parent index lies outside the set")
+    held = np.array(blocked, dtype=bool)
+    depth = (parent >= 0).astype(np.int64)  # distance to jump[i]; 0 at a root
+    jump = parent.copy()  # i's 2**k-th ancestor in round k (-1: past the root)
+    rounds = []
+    for _ in range(64):  # 2**64 levels: a parent array with a cycle is refused below instead of looping
+        has = np.flatnonzero(jump >= 0)
+        if not len(has):
+            break
+        up = jump[has]
+        rounds.append((has, up))
+        # Held back below => held back: after round k every ancestor within 2**(k+1) - 1 of a blocked
+        # node is marked.
+        held[up[held[has]]] = True
+        # Wyllie's list ranking: distances add along the jump, then the jump doubles (both from
+        # the old values).
+        depth[has] += depth[up]
+        jump[has] = jump[up]
+    else:
+        raise ValueError("subtree_heights: the parent links form a cycle")
+    # Deepest leaf under each node, pushed up the same jumps: after round k each node has seen its
+    # descendants within 2**(k+1) - 1 levels.
+    deepest = depth.copy()
+    for has, up in rounds:
+        np.maximum.at(deepest, up, deepest[has])
+    heights = deepest - depth
+    heights[held] = -1
+    return heights

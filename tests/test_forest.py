@@ -1,0 +1,215 @@
+"""forest.subtree_heights (pointer jumping) and the leaving order it gives placement: the same
+victims, in the same order, as a walk of the tree one level per round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash2.forest import subtree_heights
+from dflash2.table.columns import NO_ROW
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+
+def heights_by_recursion(parent, blocked):
+    """The definition, one node at a time."""
+    n = len(parent)
+    kids = [[] for _ in range(n)]
+    for i, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(i)
+
+    def h(i):
+        below = [h(k) for k in kids[i]]
+        if blocked[i] or any(b < 0 for b in below):
+            return -1
+        return 1 + max(below) if below else 0
+    return [h(i) for i in range(n)]
+
+
+def test_a_chain_counts_down_to_its_leaf_and_a_block_holds_everything_above_it():
+    chain = np.array([-1, 0, 1, 2, 3])
+    assert subtree_heights(chain, np.zeros(5, bool)).tolist() == [4, 3, 2, 1, 0]
+    held = np.zeros(5, bool)
+    held[3] = True
+    assert subtree_heights(chain, held).tolist() == [-1, -1, -1, -1, 0]
+
+
+def test_a_deep_chain_takes_logarithmic_rounds_and_the_right_heights():
+    n = 5000
+    parent = np.arange(-1, n - 1)
+    assert (subtree_heights(parent, np.zeros(n, bool)) == np.arange(n - 1, -1, -1)).all()
+
+
+def test_branches_take_the_longest_path_down():
+    #      0
+    #    1   2
+    #   3     4
+    #         5
+    parent = np.array([-1, 0, 0, 1, 2, 4])
+    assert subtree_heights(parent, np.zeros(6, bool)).tolist() == [3, 1, 2, 0, 1, 0]
+
+
+def test_bad_parent_arrays_are_refused():
+    with pytest.raises(ValueError, match="cycle"):
+        subtree_heights(np.array([1, 0]), np.zeros(2, bool))
+    with pytest.raises(ValueError, match="outside"):
+        subtree_heights(np.array([-1, 5]), np.zeros(2, bool))
+    with pytest.raises(ValueError, match="blocked flags"):
+        subtree_heights(np.array([-1, 0]), np.zeros(3, bool))
+
+
+@st.composite
+def forests(draw):
+    n = draw(st.integers(0, 60))
+    # parents point to lower indices: a forest, with chains, branches and several roots
+    parent = [draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]
+    blocked = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    # relabel at random so that parents are not always lower than their children
+    perm = draw(st.permutations(range(n)))
+    inv = {old: new for new, old in enumerate(perm)}
+    out_parent = [-1] * n
+    out_blocked = [False] * n
+    for old in range(n):
+        out_parent[inv[old]] = inv[parent[old]] if parent[old] >= 0 else -1
+        out_blocked[inv[old]] = blocked[old]
+    return np.array(out_parent, dtype=np.int64), np.array(out_blocked, dtype=bool)
+
+
+@settings(max_examples=300, deadline=None)
+@given(forests())
+def test_heights_match_the_definition(forest):
+    parent, blocked = forest
+    assert subtree_heights(parent, blocked).tolist() == heights_by_recursion(parent.tolist(), blocked.tolist())
+
+
+def leaving_by_levels(placement, tier, below, evict, scores):
+    """The walk placement used before: one round of numpy calls per tree level."""
+    c = placement.table.cols
+    if evict:
+        remaining = c.nkids.copy()
+    else:
+        remaining = c.kids[0].astype(np.int32)
+        for t in range(1, int(tier) + 1):
+            remaining += c.kids[t]
+    rows = np.flatnonzero(below)
+    levels = []
+    front = rows[remaining[rows] == 0]
+    while len(front):
+        levels.append(front)
+        up = c.parent[front]
+        up = up[up != NO_ROW]
+        up = up[below[up]]
+        if not len(up):
+            break
+        np.subtract.at(remaining, up, 1)
+        up = np.unique(up)
+        front = up[remaining[up] == 0]
+    if not levels:
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate([level[np.argsort(scores[level], kind="stable")] for level in levels])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_placement_leaves_in_the_order_of_the_level_walk(make_manager, clock, seed):
+    """Random prefix trees over two tiers (some blocks pinned, some children already below): every
+    cut of the scores picks the same rows in the same order as the walk a level per round."""
+    rng = np.random.default_rng(seed)
+    mgr = make_manager(hbm_blocks=120, dram_blocks=200)
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    t = mgr.table
+    made = []
+    for _ in range(50):
+        parent = None
+        if made and rng.random() < 0.8:
+            parent = int(made[rng.integers(len(made))])
+        n = int(rng.integers(1, 6))
+        vids = mgr.allocate(c, lid, n)
+        if vids is None:
+            break
+        keys = [int(k) for k in rng.integers(1, 2**62, size=n)]
+        t.commit(c, vids, keys=keys, parent=parent)
+        mgr.free(c, vids)
+        made.extend(int(v) for v in vids)
+        clock.advance(float(rng.random()))
+    rows = t.rows(np.array(made, dtype=np.int64))
+    down = rows[rng.random(len(rows)) < 0.15]
+    mgr.placement.mover.move(down[t.evictable(down) & (t.cols.nkids[down] == 0)], Tier.DRAM)
+    pinned = rows[rng.random(len(rows)) < 0.05]
+    t.pin(c, t.vids(pinned))
+    scores = rng.integers(0, 6, size=t.cols.capacity).astype(np.float32)  # many ties
+    for tier in (Tier.HBM, Tier.DRAM):
+        for evict in (False, True):
+            reach = mgr.placement.movable(tier, evict=evict)
+            for cut in range(6):
+                below = reach & (scores <= cut)
+                want = leaving_by_levels(mgr.placement, tier, below, evict, scores)
+                got = mgr.placement._leaving(tier, below, evict, scores)
+                assert got.tolist() == want.tolist(), (tier, evict, cut)
+    mgr.check_invariants()
+
+
+def _chain(mgr, client, lid, keys, parent=None):
+    vids = mgr.allocate(client, lid, len(keys))
+    vids = mgr.commit(client, vids, keys=keys, parent=parent)
+    mgr.free(client, vids)
+    return vids
+
+
+def test_a_chain_is_evicted_in_one_table_call_in_any_order_or_not_at_all(make_manager):
+    """evict drops a parent with its children in one call (it took a call per level); a set that
+    leaves a cached child behind, or holds a pinned block, is refused whole: nothing is dropped."""
+    from dflash2.errors import PinnedBlock
+
+    mgr = make_manager(hbm_blocks=16)
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    t = mgr.table
+    chain = _chain(mgr, c, lid, [1, 2, 3, 4, 5])
+    side = _chain(mgr, c, lid, [6], parent=int(chain[1]))
+    rows = t.rows(chain)
+    with pytest.raises(PinnedBlock, match="cached children that stay"):
+        t.evict(rows[[1, 3, 0, 2, 4]])  # block 2's child 6 is not among them
+    assert len(mgr.lookup([1, 2, 3, 4, 5], lid)) == 5
+    t.pin(c, side)
+    with pytest.raises(PinnedBlock):
+        t.evict(np.concatenate([rows, t.rows(side)]))
+    t.unpin(c, side)
+    with pytest.raises(ValueError, match="twice"):
+        t.evict(np.concatenate([rows, rows[:1]]))
+    t.evict(np.concatenate([rows[[1, 3, 0, 2, 4]], t.rows(side)]))
+    assert mgr.lookup([1], lid) == [] and t.cols.live == 0
+    mgr.check_invariants()
+
+
+def test_a_refused_chain_is_dropped_in_one_eviction(make_manager, clock):
+    """Admission refusing a whole cold chain (demoted into the full last tier) drops it in one call
+    (it took a round per level); a refused parent whose child is admitted is demoted with it."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8, policy="heat")
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    hot = _chain(mgr, c, lid, list(range(100, 108)))
+    for _ in range(3):  # DRAM's blocks are referenced more often than the chain that will come
+        mgr.acquire(c, hot)
+        mgr.release(c, hot)
+    clock.advance(1)
+    mgr.placement.make_room(Tier.HBM, 8 * 16384)  # hot chain to DRAM, DRAM now full
+    cold = _chain(mgr, c, lid, list(range(1, 9)))
+    calls = []
+    evict = mgr.table.evict
+
+    def counting(rows):
+        calls.append(len(rows))
+        return evict(rows)
+    mgr.table.evict = counting
+    clock.advance(1)
+    assert mgr.placement.make_room(Tier.HBM, 8 * 16384)
+    assert mgr.lookup(list(range(1, 9)), lid) == []
+    assert len(mgr.lookup(list(range(100, 108)), lid)) == 8
+    assert calls == [8] and mgr.placement.stats.not_admitted == 8
+    mgr.check_invariants()
