@@ -358,7 +358,9 @@ class BlockManager:
     def places_of_rows(self, rows: np.ndarray) -> list[Place]:
         c = self.table.cols
         vids = self.table.vids(rows)
-        return [Place(int(v), Tier(int(t)), int(o), self.table.layouts[l].block_bytes, int(l))
+        tiers = tuple(Tier)  # indexed by value: Tier(t) and Layout.block_bytes per block cost more than the rest
+        sizes = [layout.block_bytes for layout in self.table.layouts]
+        return [Place(v, tiers[t], o, sizes[l], l)
                 for v, t, o, l in zip(vids.tolist(), c.tier[rows].tolist(), c.offset[rows].tolist(),
                                       c.layout[rows].tolist())]
 
