@@ -468,3 +468,76 @@ def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
         assert job.done() and job.wait().all()
     finally:
         mgr.close()
+
+
+def test_views_of_a_closed_cuda_arena_stay_valid_until_the_last_dies():
+    """close() with a view alive (a client detaching while its engine still holds tensors over
+    blocks) leaves the view readable, as a shared-memory view stays: through an IPC mapping in a
+    client process, and in the owner, whose allocation goes back when the last view dies. Each side
+    runs in a process of its own: a read of unmapped memory would end that process's CUDA context."""
+    from dflash2.cuda.arena import CudaArena
+    arena = CudaArena.create(0, 8 * MIB)
+    try:
+        expected = _fill(arena.view(MIB, MIB), seed=4)
+        client = f"""
+import sys, numpy as np, cupy as cp
+from dflash2.cuda.arena import CudaArena
+a = CudaArena.attach(bytes.fromhex("{arena.ipc_handle().hex()}"), 0, {8 * MIB})
+v = a.view({MIB}, {MIB})
+a.close()
+sys.stdout.write(str(int(cp.asnumpy(v).astype(np.int64).sum())))
+"""
+        out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == int(expected.astype(np.int64).sum())
+    finally:
+        arena.close()
+    owner = f"""
+import gc, sys, cupy as cp
+from dflash2.cuda.arena import CudaArena
+free0 = cp.cuda.runtime.memGetInfo()[0]
+a = CudaArena.create(0, {512 * MIB})
+v = a.view({MIB}, 4096)
+v[:] = 7
+cp.cuda.runtime.deviceSynchronize()
+a.close()
+assert cp.asnumpy(v).tolist() == [7] * 4096, "the view reads its bytes after close()"
+assert cp.cuda.runtime.memGetInfo()[0] < free0 - {256 * MIB}, "held while a view lives"
+del v
+gc.collect()
+assert cp.cuda.runtime.memGetInfo()[0] > free0 - {256 * MIB}, "freed with the last view"
+"""
+    out = subprocess.run([sys.executable, "-c", owner], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_staging_buffer_that_cannot_be_had_is_a_capacity_error():
+    """Start-up reports it (exit 4, naming the key), not a CuPy traceback."""
+    from dflash2.cuda.arena import PinnedBuffer
+    from dflash2.errors import CapacityError
+    with pytest.raises(CapacityError, match="memory.staging_buffer_size_mb"):
+        PinnedBuffer(1 << 50)  # 1 PiB: past any machine's memory and the 47-bit address space
+
+
+def test_a_copy_kernel_that_does_not_compile_is_an_arena_error(monkeypatch):
+    """NVRTC missing or refusing at start-up is a named error the daemon reports (exit 4)."""
+    from dflash2.cuda import kernels
+    from dflash2.errors import ArenaError
+    monkeypatch.setattr(kernels, "SOURCE", 'extern "C" __global__ void dflash2_copy_chunks() { not cuda }')
+    with pytest.raises(ArenaError, match="cannot compile the copy kernel for GPU 0"):
+        kernels.CopyKernel(0)
+
+
+def test_a_copy_engine_batch_the_driver_refuses_is_an_arena_error():
+    """The driver refuses a batch on the legacy default stream: a named error (the mover then
+    leaves the blocks where they were), not a bare RuntimeError."""
+    import cupy as cp
+    from dflash2.cuda.copy_engine import CopyEngineBatch
+    from dflash2.errors import ArenaError
+    engines = CopyEngineBatch()
+    if not engines.available:
+        pytest.skip("the driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
+    src, dst = cp.zeros(1 << 20, dtype=cp.uint8), cp.zeros(1 << 20, dtype=cp.uint8)
+    offs, sizes = np.arange(4, dtype=np.int64) << 16, np.full(4, 1 << 16, dtype=np.int64)
+    with pytest.raises(ArenaError, match="cuMemcpyBatchAsync failed"):
+        engines.launch(0, dst.data.ptr, src.data.ptr, offs, offs, sizes)

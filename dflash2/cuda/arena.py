@@ -9,6 +9,9 @@ CuPy array over the block's bytes (torch.from_dlpack makes it a torch tensor, no
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import weakref
 
 from dflash2.arena.base import MemoryArena
 from dflash2.cuda import cupy
@@ -18,6 +21,8 @@ from dflash2.tiers import Tier
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 CUDA_IPC_LAZY_PEER_ACCESS = 1
+
+log = logging.getLogger("dflash2.cuda")
 
 
 def device_pointer(host_ptr: int) -> int:
@@ -33,8 +38,35 @@ def device_pointer(host_ptr: int) -> int:
     return out.value
 
 
+class _Hold:
+    """What every view of a CudaArena keeps alive (CuPy's owner of the memory): the memory goes back
+    when the arena is closed and the last view has died, never under a live view."""
+
+
+def _release(device: int, ptr: int, owner: bool, pid: int) -> None:
+    """Free an arena's allocation (owner) or close its IPC mapping (client), once nothing uses it.
+    Only in the process that took it: a forked child's copy took nothing, and CUDA is unusable there."""
+    if os.getpid() != pid:
+        return
+    try:
+        cp = cupy()
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.deviceSynchronize()  # no queued kernel or copy still reads or writes it
+            if owner:
+                cp.cuda.runtime.free(ptr)
+            else:
+                cp.cuda.runtime.ipcCloseMemHandle(ptr)
+    except Exception:  # run by the garbage collector: nobody to raise to
+        log.exception("releasing the HBM arena of GPU %d at %#x failed", device, ptr)
+
+
 class CudaArena(MemoryArena):
-    """One device allocation of `capacity_bytes` on `device`."""
+    """One device allocation of `capacity_bytes` on `device`.
+
+    Invariant: views stay valid after close(), as a shared-memory segment's do (a client detaches
+    while its engine still holds tensors over blocks; unmapping them would make the engine's next
+    access an illegal-address error, which kills its CUDA context). close() drops the arena's own
+    hold; the allocation is freed, or the IPC mapping closed, when the last view dies."""
 
     def __init__(self, device: int, ptr: int, capacity_bytes: int, alignment: int, owner: bool):
         self.tier = Tier.HBM
@@ -44,8 +76,10 @@ class CudaArena(MemoryArena):
         self.alignment = alignment
         self.owner = owner
         cp = cupy()
+        hold = _Hold()
+        weakref.finalize(hold, _release, device, ptr, owner, os.getpid()).atexit = False  # exit frees all
         with cp.cuda.Device(device):
-            mem = cp.cuda.UnownedMemory(ptr, capacity_bytes, self, device_id=device)
+            mem = cp.cuda.UnownedMemory(ptr, capacity_bytes, hold, device_id=device)
             self._bytes = cp.ndarray((capacity_bytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
 
     @classmethod
@@ -86,16 +120,8 @@ class CudaArena(MemoryArena):
         return {**super().describe(), "kind": "cuda", "device": self.device}
 
     def close(self) -> None:
-        if self._bytes is None:
-            return
+        """Drop the arena's hold: with no view alive the memory goes now, else with the last view."""
         self._bytes = None
-        cp = cupy()
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.deviceSynchronize()
-            if self.owner:
-                cp.cuda.runtime.free(self.ptr)
-            else:
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 @dataclasses.dataclass
@@ -115,7 +141,11 @@ class PinnedRegion:
         except cp.cuda.runtime.CUDARuntimeError as e:
             raise CapacityError(f"cannot pin {nbytes} bytes of host memory for the GPU: {e} "
                                 "(check ulimit -l / the container's memlock limit)") from None
-        return cls(host_ptr, nbytes, device_pointer(host_ptr))
+        try:
+            return cls(host_ptr, nbytes, device_pointer(host_ptr))
+        except BaseException:
+            cp.cuda.runtime.hostUnregister(host_ptr)  # not left pinned under a segment about to go
+            raise
 
     def unregister(self) -> None:
         if self._registered:
@@ -129,8 +159,17 @@ class PinnedBuffer:
     def __init__(self, nbytes: int):
         cp = cupy()
         self.nbytes = nbytes
-        self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        self.device_ptr = device_pointer(self.host_ptr)
+        try:
+            self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            # At start-up: a named error, which the daemon reports and exits 4 on (not a traceback).
+            raise CapacityError(f"cannot take {nbytes} bytes of pinned host memory for the GPU staging buffer "
+                                f"(memory.staging_buffer_size_mb): {e}") from None
+        try:
+            self.device_ptr = device_pointer(self.host_ptr)
+        except BaseException:
+            cp.cuda.runtime.freeHost(self.host_ptr)
+            raise
         import ctypes
 
         import numpy as np

@@ -18,6 +18,8 @@ import logging
 
 import numpy as np
 
+from dflash2.errors import ArenaError
+
 log = logging.getLogger("dflash2.cuda")
 
 SRC_ACCESS_ORDER_STREAM = 1  # the sources are read in stream order, like any async copy
@@ -69,7 +71,8 @@ class CopyEngineBatch:
     def launch(self, stream_ptr: int, dst_base: int, src_base: int, dst_off: np.ndarray, src_off: np.ndarray,
                nbytes: np.ndarray) -> tuple:
         """Queue the batch on the stream. Returns the pointer arrays: keep them until the stream
-        has passed this point."""
+        has passed this point. ArenaError when the driver refuses a slice (the slices before it
+        have landed by then: nothing of the batch is left in flight)."""
         dsts = (np.uint64(dst_base) + dst_off.astype(np.uint64))
         srcs = (np.uint64(src_base) + src_off.astype(np.uint64))
         sizes = nbytes.astype(np.uint64)
@@ -87,6 +90,6 @@ class CopyEngineBatch:
                 # the caller hands back when this raises: let them land first.
                 if lo:
                     self._lib.cuStreamSynchronize(ctypes.c_void_p(stream_ptr))
-                raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status} "
-                                   f"(blocks {lo}..{hi - 1} of {len(sizes)})")
+                raise ArenaError(f"cuMemcpyBatchAsync failed with CUDA error {status} "
+                                 f"(blocks {lo}..{hi - 1} of {len(sizes)}); the batch did not move")
         return dsts, srcs, sizes

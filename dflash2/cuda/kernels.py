@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from dflash2.cuda import cupy
+from dflash2.errors import ArenaError
 
 THREADS = 128
 UNROLL = 8
@@ -116,7 +117,12 @@ class CopyKernel:
             self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_chunks")
             # Compiled now, at start-up: left to the first launch, the compile (hundreds of ms on a
             # fresh machine) would stall the first move a client waits for.
-            self._kernel.compile()
+            try:
+                self._kernel.compile()
+            except Exception as e:  # NVRTC missing or refusing (CuPy raises several kinds): named
+                raise ArenaError(f"cannot compile the copy kernel for GPU {device} ({type(e).__name__}: {e}); "
+                                 "CuPy compiles it with NVRTC, from the CUDA toolkit or the "
+                                 "nvidia-cuda-nvrtc package matching your cupy-cuda* wheel") from None
             self._sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         self._meta: dict[int, _StreamMeta] = {}
         # A stream's metadata upload and its launch must not interleave with another thread's on

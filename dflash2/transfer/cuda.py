@@ -31,6 +31,33 @@ from dflash2.transfer.host import HostTransferBackend
 log = logging.getLogger("dflash2.transfer.cuda")
 
 TIMED_EVERY_S = 1.0  # seconds per direction between two batches timed on the device
+STAGE_ALIGN = 4096  # each block's place in the staging buffer (the NVMe tier's O_DIRECT I/O lands there)
+
+
+def staged_parts(nbytes: np.ndarray, staging_bytes: int) -> list[np.ndarray]:
+    """Index runs of a batch whose blocks fit the staging buffer together, in batch order, each block
+    at a STAGE_ALIGN-aligned place. A block larger than the whole buffer cannot move between HBM and
+    NVMe: it is in no run, so it fails and stays where it was (read back from NVMe, a miss), and an
+    error line says so and names the key to raise: never a silent failure."""
+    parts, run, used, too_big = [], [], 0, []
+    for i, n in enumerate(np.asarray(nbytes).tolist()):
+        size = -(-n // STAGE_ALIGN) * STAGE_ALIGN
+        if size > staging_bytes:
+            too_big.append(n)
+            continue
+        if used + size > staging_bytes:
+            parts.append(np.asarray(run, dtype=np.int64))
+            run, used = [], 0
+        run.append(i)
+        used += size
+    if run:
+        parts.append(np.asarray(run, dtype=np.int64))
+    if too_big:
+        log.error("%d blocks of %d bytes or more cannot move between HBM and NVMe: each is larger than the GPU "
+                  "staging buffer of %d bytes (raise memory.staging_buffer_size_mb); they stay where they were "
+                  "(those on NVMe are dropped: a miss)",
+                  len(too_big), min(too_big), staging_bytes)
+    return parts
 
 
 class KernelJob(CopyJob):
@@ -93,8 +120,9 @@ class CudaTransferBackend(TransferBackend):
         # batches started, by (device to host?, mechanism)
         self.launches: collections.Counter = collections.Counter()
         self._timed_at = {True: -float("inf"), False: -float("inf")}  # when a batch was last timed
-        self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
+        # The staging buffer first: when it cannot be had (CapacityError), no host thread is left running.
         self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
+        self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
         self._staging_lock = threading.Lock()
         self._workers: list[threading.Thread] = []  # staged moves' threads (close waits for them)
 
@@ -151,7 +179,7 @@ class CudaTransferBackend(TransferBackend):
         try:
             with self._staging_lock:
                 started = time.perf_counter()  # once the staging buffer is this batch's alone
-                for part in self._chunks(job.batch):
+                for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
                     job._ok[part] = self._staged_chunk(job.batch, part)
                 job.seconds = time.perf_counter() - started
         except Exception:
@@ -160,25 +188,11 @@ class CudaTransferBackend(TransferBackend):
         finally:
             job._done.set()
 
-    def _chunks(self, batch: CopyBatch):
-        """Index runs of the batch whose blocks fit the staging buffer together (a block larger
-        than the buffer cannot move this way and fails alone)."""
-        start, used = 0, 0
-        for i, n in enumerate(batch.nbytes.tolist()):
-            size = -(-n // 4096) * 4096
-            if used + size > self.staging.nbytes and i > start:
-                yield np.arange(start, i)
-                start, used = i, 0
-            used += size
-        if start < len(batch):
-            yield np.arange(start, len(batch))
-
     def _staged_chunk(self, batch: CopyBatch, part: np.ndarray) -> np.ndarray:
+        """One run from staged_parts: its blocks fit the staging buffer together."""
         cp = cupy()
         nbytes = batch.nbytes[part]
-        slots = -(-nbytes // 4096) * 4096
-        if slots.sum() > self.staging.nbytes:
-            return np.zeros(len(part), dtype=bool)
+        slots = -(-nbytes // STAGE_ALIGN) * STAGE_ALIGN
         stage_off = np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(np.int64)
         views = [self.staging.array[o:o + n] for o, n in zip(stage_off.tolist(), nbytes.tolist())]
         nvme: StorageArena = self.arenas[Tier.NVME]
