@@ -82,6 +82,20 @@ def _places(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=P.PLACE_DTYPE)
 
 
+def _uuid_of_local_device(device: int) -> str | None:
+    """The UUID of this process's CUDA device `device`, or None where this process has no CUDA (no
+    CuPy, no driver, no such device): then the daemon takes `device` as its own number."""
+    from dflash2.cuda import visible_uuids
+
+    seen = visible_uuids()
+    if not seen:
+        return None
+    if not 0 <= device < len(seen):
+        raise ArenaError(f"device {device}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES); "
+                         f"name one of 0..{len(seen) - 1}")
+    return seen[device]
+
+
 class Client:
     def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
                  heartbeat: bool = True, device: int | None = None,
@@ -130,7 +144,14 @@ class Client:
         if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
             args["pid_namespace"] = ns
         if self.gpu is not None:
-            args["device"] = self.gpu
+            # `device` is this process's device number; the daemon may number its GPUs differently
+            # (CUDA_VISIBLE_DEVICES), so the GPU goes by its UUID where this process can see it.
+            # Without CUDA here (a host-only client) the number is the daemon's own.
+            uuid = _uuid_of_local_device(self.gpu)
+            if uuid is not None:
+                args["gpu_uuid"] = uuid
+            else:
+                args["device"] = self.gpu
         reply = self._call(Op.ATTACH, args)
         r = reply.result
         self.client_id = int(r["client"])
@@ -139,7 +160,8 @@ class Client:
         self.lease_timeout_s = float(r["lease_timeout_s"])
         self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
         self.device = r.get("device")
-        self.gpu = r.get("gpu", self.gpu)
+        self.gpu = r.get("gpu", self.gpu)  # the daemon's number of the GPU whose pool this client uses
+        self.gpu_uuid = r.get("gpu_uuid")
         self.arena_info: list[dict] = list(r.get("arenas", []))  # [{tier, kind, name, capacity_bytes, alignment}]
         try:
             self._arenas = ArenaMap(self.arena_info)

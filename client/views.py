@@ -34,7 +34,7 @@ class ArenaMap:
                 if d.get("kind") == "cuda":
                     from dflash2.cuda.arena import CudaArena  # only on a GPU node
 
-                    self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), int(d["device"]),
+                    self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), _local_device(d),
                                                               int(d["capacity_bytes"]), int(d.get("alignment", 256)))
                     continue
                 if d.get("kind") != "shm":
@@ -58,6 +58,23 @@ class ArenaMap:
         for arena in self.arenas.values():
             arena.close()  # only unmaps (never unlinks); live views keep their mapping
         self.arenas.clear()
+
+
+def _local_device(arena: dict) -> int:
+    """This process's number of the GPU that holds a daemon's HBM arena: found by its UUID (the
+    daemon's number names another GPU, or none, where CUDA_VISIBLE_DEVICES differs). Mapping it on
+    another GPU would work over peer access, slowly and with tensors on the wrong device: refused."""
+    uuid = arena.get("uuid")
+    if uuid is None:  # a daemon of a version that did not say
+        return int(arena["device"])
+    from dflash2.cuda import local_device, visible_uuids
+
+    here = local_device(uuid)
+    if here is None:
+        raise ArenaError(f"the daemon's HBM arena lies on GPU {uuid} (its device {arena.get('device')}), which this "
+                         f"process does not see (it sees {visible_uuids() or 'no GPU'}): run the client with that GPU "
+                         "visible (CUDA_VISIBLE_DEVICES), or attach with the device this process serves")
+    return here
 
 
 def tensor_shape(layout: Layout) -> tuple[int, ...]:

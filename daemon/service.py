@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.errors import DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient
+from dflash2.gpuid import device_of, uuid_text
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
@@ -157,9 +158,7 @@ class Service:
         pid = arg(req, "pid", int, lo=0, hi=PID_MAX)
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)
-        device = arg(req, "device", int, default=next(iter(self.managers)))
-        if device not in self.managers:
-            raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
+        device = self._device_of(req)
         layouts = [self._layout(d) for d in specs]  # validate all before changing anything
         rates = arg(req, "prefill_tokens_per_s", list, default=[None] * len(layouts))
         if len(rates) != len(layouts):
@@ -178,7 +177,39 @@ class Service:
         log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
         return {"client": client, "layouts": ids, "arenas": self._arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "device": self.device, "gpu": device if self.device == "cuda" else None}, []
+                "device": self.device, "gpu": device if self.device == "cuda" else None,
+                "gpu_uuid": self._gpu_uuids().get(device)}, []
+
+    def _gpu_uuids(self) -> dict[int, str]:
+        """Each GPU pool's GPU UUID (none on a host daemon)."""
+        out = {}
+        for device, m in self.managers.items():
+            hbm = m.arenas.get(Tier.HBM)
+            uuid = getattr(hbm, "uuid", None)
+            if uuid is not None:
+                out[device] = uuid
+        return out
+
+    def _device_of(self, req) -> int:
+        """The pool an attaching client uses: by `gpu_uuid` (the GPU it serves, which the daemon may
+        number differently: CUDA_VISIBLE_DEVICES differs between containers and processes), else by
+        `device` (the daemon's own number), else the first. A host daemon has one pool and no GPU:
+        a `gpu_uuid` names nothing here and the client gets that pool (the reply says "host")."""
+        first = next(iter(self.managers))
+        uuid = arg(req, "gpu_uuid", str, default=None)
+        if uuid is not None and "device" in req.args:
+            raise ProtocolError("attach: give `gpu_uuid` or `device`, not both")
+        if uuid is not None:
+            uuids = self._gpu_uuids()
+            try:
+                want = uuid_text(uuid)  # a malformed one is refused on any daemon
+                return device_of(uuids, want) if uuids else first
+            except ValueError as e:
+                raise ProtocolError(f"attach: argument 'gpu_uuid': {e}") from None
+        device = arg(req, "device", int, default=first)
+        if device not in self.managers:
+            raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
+        return device
 
     def _heartbeat(self, req):
         return {"lease_timeout_s": self.lease_timeout_s}, []
@@ -389,7 +420,7 @@ class Service:
             entry = {"tier": tier.label, "kind": d.get("kind", "shm"), "capacity_bytes": arena.capacity_bytes,
                      "alignment": arena.alignment}
             if entry["kind"] == "cuda":  # mapped by the client with cudaIpcOpenMemHandle
-                entry.update(device=d["device"], ipc_handle=arena.ipc_handle().hex())
+                entry.update(device=d["device"], uuid=d["uuid"], ipc_handle=arena.ipc_handle().hex())
             else:
                 entry["name"] = d.get("name")
             out.append(entry)

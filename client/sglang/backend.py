@@ -91,7 +91,9 @@ class DFlash2Storage(HiCacheStorage):
         # How fast this engine recomputes a page's tokens: the daemon then offers no page whose
         # read back (from NVMe, into host memory) is slower than that (cost-aware reuse).
         self.prefill_rate = self._positive("dflash2_prefill_tokens_per_s", None)
-        return Client.connect(config=cfg, name=name, timeout_s=timeout_s)
+        # Each tensor-parallel rank serves its own GPU: its blocks live in that GPU's pool (without
+        # `device` every rank would share the first GPU's pool and its share of DRAM).
+        return Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=_serving_device())
 
     def _positive(self, key: str, default: float | None) -> float | None:
         value = self.extra.get(key, default)
@@ -425,3 +427,9 @@ class DFlash2Storage(HiCacheStorage):
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (a copy only when it is not contiguous)."""
     return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _serving_device() -> int | None:
+    """The CUDA device this engine process serves (its tensor-parallel rank's, as sglang set it), or
+    None without CUDA (the daemon's first pool: a host-only node has only that one)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None

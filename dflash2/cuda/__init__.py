@@ -5,6 +5,7 @@ dflash2 never imports this package unless the config asks for a CUDA device."""
 from __future__ import annotations
 
 from dflash2.errors import ArenaError
+from dflash2.gpuid import uuid_text
 
 
 def cupy():
@@ -22,3 +23,25 @@ def cuda_available() -> bool:
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+def gpu_uuid(device: int) -> str:
+    """The UUID of this process's CUDA device `device`: the same GPU has the same UUID in every
+    process, whatever CUDA_VISIBLE_DEVICES numbers it there."""
+    return uuid_text(cupy().cuda.runtime.getDeviceProperties(device)["uuid"])
+
+
+def visible_uuids() -> list[str]:
+    """The UUIDs of the GPUs this process sees, by its device number (empty without CUDA)."""
+    try:
+        cp = cupy()
+        return [gpu_uuid(d) for d in range(cp.cuda.runtime.getDeviceCount())]
+    except Exception:  # no CuPy, no driver, or no device visible: no GPU here
+        return []
+
+
+def local_device(uuid: str) -> int | None:
+    """This process's device number of the GPU with this UUID, or None when it is not visible here."""
+    want = uuid_text(uuid)
+    seen = visible_uuids()
+    return seen.index(want) if want in seen else None

@@ -75,6 +75,7 @@ class CudaArena(MemoryArena):
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         self.owner = owner
+        self._uuid: str | None = None
         cp = cupy()
         hold = _Hold()
         weakref.finalize(hold, _release, device, ptr, owner, os.getpid()).atexit = False  # exit frees all
@@ -117,7 +118,15 @@ class CudaArena(MemoryArena):
         return self._slice(self._bytes, offset, nbytes, f"the HBM arena of GPU {self.device}")
 
     def describe(self) -> dict:
-        return {**super().describe(), "kind": "cuda", "device": self.device}
+        return {**super().describe(), "kind": "cuda", "device": self.device, "uuid": self.uuid}
+
+    @property
+    def uuid(self) -> str:
+        """The GPU's UUID: how a client finds the same GPU under its own device numbering."""
+        if self._uuid is None:
+            from dflash2.cuda import gpu_uuid
+            self._uuid = gpu_uuid(self.device)
+        return self._uuid
 
     def close(self) -> None:
         """Drop the arena's hold: with no view alive the memory goes now, else with the last view."""

@@ -1,0 +1,72 @@
+"""GPUs named by UUID between the daemon and its clients (their device numbers differ with
+CUDA_VISIBLE_DEVICES): the text form, the daemon's choice of pool, and a host-only client. The
+CUDA side (real UUIDs, a client that cannot see the daemon's GPU) is in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SMALL
+
+from dflash2.gpuid import device_of, uuid_text
+from dflash2.protocol import Op
+
+from dflash2.daemon.service import Service
+
+from test_service_bad_input import call
+
+RAW = bytes.fromhex("365351b90e0163a6d71c6b58a3727dcc")
+TEXT = "GPU-365351b9-0e01-63a6-d71c-6b58a3727dcc"
+
+
+def test_every_form_of_a_uuid_reads_the_same():
+    """CuPy's 16 bytes, torch's text without the prefix, nvidia-smi's, in any case."""
+    for form in (RAW, "365351b9-0e01-63a6-d71c-6b58a3727dcc", TEXT, TEXT.upper(), " " + TEXT + "\n"):
+        assert uuid_text(form) == TEXT
+
+
+@pytest.mark.parametrize("bad", [b"short", "GPU-xyz", "", "GPU-365351b9-0e01-63a6-d71c-6b58a3727dc"])
+def test_malformed_uuids_are_refused(bad):
+    with pytest.raises(ValueError):
+        uuid_text(bad)
+
+
+def test_the_pool_is_the_gpu_with_that_uuid_whatever_its_number():
+    other = "GPU-00000000-0000-0000-0000-000000000001"
+    assert device_of({0: other, 1: TEXT}, TEXT.upper()) == 1
+    with pytest.raises(ValueError, match=f"not served here; this daemon serves {other} \\(device 0\\)"):
+        device_of({0: other}, TEXT)
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    return Service(make_manager(hbm_blocks=16), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock)
+
+
+def _attach(svc, **extra):
+    return call(svc, Op.ATTACH, args={"name": "c", "pid": 0, "layouts": [SMALL.to_dict()], **extra})
+
+
+def test_a_host_daemon_gives_a_gpu_client_its_one_pool(service):
+    reply = _attach(service, gpu_uuid=TEXT)
+    assert reply.ok and reply.result["device"] == "host" and reply.result["gpu_uuid"] is None
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"gpu_uuid": "GPU-nope"}, "not a GPU UUID"),
+    ({"gpu_uuid": 7}, "must be str"),
+    ({"gpu_uuid": TEXT, "device": 0}, "not both"),
+])
+def test_bad_gpu_names_at_attach_are_refused_and_attach_nobody(service, extra, problem):
+    reply = _attach(service, **extra)
+    assert not reply.ok and problem in reply.error_message
+    assert not service.sessions
+
+
+def test_a_client_without_cuda_sends_its_device_number():
+    """No CUDA in the client process (no CuPy, or no GPU visible): the number goes as the daemon's."""
+    from dflash2.client import client as client_mod
+    from dflash2.cuda import cuda_available
+
+    if cuda_available():
+        pytest.skip("this process sees a GPU (tests/test_gpu.py covers that side)")
+    assert client_mod._uuid_of_local_device(1) is None
