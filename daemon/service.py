@@ -166,6 +166,8 @@ class Service:
                                 "layout, null where unknown)")
         rates = [self._rate(req, r) for r in rates]
         m = self.managers[device]
+        for lay in layouts:
+            m.check_layout(lay)  # before anything changes: a refused layout attaches nobody
         client = m.attach(name, client_id=self._next_client)
         self._next_client += 1
         ids = [m.register_layout(lay) for lay in layouts]

@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError, NeverFits
+from dflash2.errors import ArenaError, LayoutError, NeverFits
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -128,7 +128,17 @@ class BlockManager:
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:
+        self.check_layout(layout)
         return self.table.register_layout(layout)
+
+    def check_layout(self, layout: Layout) -> None:
+        """LayoutError when this node cannot move the layout's blocks between its tiers (a block
+        larger than the GPU's staging buffer, on a node with an NVMe tier)."""
+        limit = getattr(self.backend, "max_block_bytes", None)
+        if limit is not None and layout.block_bytes > limit:
+            raise LayoutError(f"layout {layout.name!r}: a block of {layout.block_bytes} bytes cannot move between "
+                              f"HBM and NVMe here: the staging buffer holds {limit} bytes "
+                              "(raise memory.staging_buffer_size_mb, or use fewer tokens per block)")
 
     def set_prefill_rate(self, client: int, layout_id: int, tokens_per_s: float | None) -> None:
         """The client's engine recomputes this layout's blocks at `tokens_per_s` (None: unknown).

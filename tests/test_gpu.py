@@ -406,6 +406,26 @@ def test_a_client_finds_the_daemons_gpu_by_uuid_whatever_its_numbering(cuda_conf
             assert f"ERROR: the daemon's HBM arena lies on GPU {uuid}" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_layout_whose_blocks_exceed_the_staging_buffer_is_refused_when_registered(cuda_config):
+    """On a GPU node with NVMe, HBM<->NVMe moves go through the staging buffer whole: a layout with
+    larger blocks is refused at attach (nobody attached) and at register_layout, where its moves used
+    to fail at run time (and blocks read back from NVMe were dropped)."""
+    from dflash2.client import Client
+    from dflash2.errors import DaemonError
+    from dflash2.layout import Layout
+    path = cuda_config(staging_buffer_size_mb=8)
+    big = Layout("big", 64, 8, 128, "bf16", 64)  # 16 MiB blocks
+    with _daemon(path):
+        with pytest.raises(DaemonError, match="raise memory.staging_buffer_size_mb"):
+            Client.connect(config=path, name="big", layouts=[big])
+        with Client.connect(config=path, name="ok", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)]) as c:
+            assert [s["name"] for s in c.stats()["clients"]] == ["ok"]
+            with pytest.raises(DaemonError, match="cannot move between HBM and NVMe"):
+                c.register_layout(big)
+            with pytest.raises(DaemonError, match="layout id 1 is not registered"):
+                c.allocate(1, 1)
+
+
 def _hold(stream, seconds: float) -> None:
     """Queue a kernel that keeps `stream` busy for about `seconds`."""
     import cupy as cp
@@ -462,6 +482,44 @@ def test_copy_engine_batches_both_ways_bit_exact(cuda_config, layers, block_kib)
         for u in up:
             for v in u.tolist():
                 assert mgr.place(v).tier == Tier.HBM and (cp.asnumpy(mgr.view(v)) == data[v]).all()
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
+def test_when_the_copy_engines_fail_the_kernel_moves_the_batch_and_every_later_one(cuda_config, caplog):
+    """A platform whose driver refuses the engines' batches: the batch that hit it still moves (by the
+    kernel), bit for bit, and so does every later one, with one error line; before, every batch of
+    64 KiB or more failed and its blocks stayed where they were."""
+    import logging
+
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.route import Mechanism
+    mgr = _manager(cuda_config())
+    try:
+        backend = mgr.backend
+        if not backend.engines.available:
+            pytest.skip("the driver has no cuMemcpyBatchAsync")
+        real = backend.engines.launch
+        # The driver's own refusal: the legacy default stream, which cuMemcpyBatchAsync refuses.
+        backend.engines.launch = lambda stream, *rest: real(0, *rest)
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("blk", 8, 8, 128, "bf16", 16))  # 512 KiB: the engines' size
+        first, second = (mgr.commit(a, mgr.allocate(a, lid, 4)) for _ in range(2))
+        data = {v: _fill(mgr.view(v), v % 971) for v in np.concatenate([first, second]).tolist()}
+        with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
+            assert mgr.mover.move(mgr.table.rows(first), Tier.DRAM).all()
+            assert mgr.mover.move(mgr.table.rows(second), Tier.DRAM).all()
+            assert mgr.mover.move(mgr.table.rows(first), Tier.HBM).all()
+        assert caplog.text.count("the copy engines failed") == 1
+        assert not backend.engines.available
+        assert set(backend.launches) == {(True, Mechanism.KERNEL), (False, Mechanism.KERNEL)}, backend.launches
+        for v in second.tolist():
+            assert bytes(mgr.view(v)) == data[v].tobytes()
+        for v in first.tolist():
+            assert (cp.asnumpy(mgr.view(v)) == data[v]).all()
         mgr.check_invariants()
     finally:
         mgr.close()

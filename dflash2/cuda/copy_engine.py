@@ -68,6 +68,10 @@ class CopyEngineBatch:
     def available(self) -> bool:
         return self._fn is not None
 
+    def withdraw(self) -> None:
+        """No longer offered (`available` False): the driver refused a batch, and would refuse the next."""
+        self._fn = None
+
     def launch(self, stream_ptr: int, dst_base: int, src_base: int, dst_off: np.ndarray, src_off: np.ndarray,
                nbytes: np.ndarray) -> tuple:
         """Queue the batch on the stream. Returns the pointer arrays: keep them until the stream

@@ -61,6 +61,10 @@ class CopyJob(abc.ABC):
 
 
 class TransferBackend(abc.ABC):
+    # The largest block this backend can move between every pair of its tiers (None: any size). A
+    # layout with larger blocks is refused when it is registered, not when its first move fails.
+    max_block_bytes: int | None = None
+
     @abc.abstractmethod
     def start(self, batch: CopyBatch) -> CopyJob:
         """Begin copying a batch. The source bytes must stay untouched until the job is waited for."""

@@ -23,6 +23,7 @@ from dflash2.cuda import cupy
 from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
 from dflash2.cuda.copy_engine import CopyEngineBatch
 from dflash2.cuda.kernels import CopyKernel
+from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 from dflash2.transfer import route
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
@@ -123,6 +124,8 @@ class CudaTransferBackend(TransferBackend):
         # The staging buffer first: when it cannot be had (CapacityError), no host thread is left running.
         self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
         self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
+        if self.staging is not None:  # HBM<->NVMe moves go through the staging buffer, whole blocks
+            self.max_block_bytes = self.staging.nbytes // STAGE_ALIGN * STAGE_ALIGN
         self._staging_lock = threading.Lock()
         self._workers: list[threading.Thread] = []  # staged moves' threads (close waits for them)
 
@@ -165,8 +168,16 @@ class CudaTransferBackend(TransferBackend):
             mechanism = route.choose(int(nbytes.min()) if len(nbytes) else 0, to_host, busy,
                                      self.engines.available)
             if mechanism is route.Mechanism.ENGINES:
-                keep = self.engines.launch(stream.ptr, dst, src, dst_off, src_off, nbytes)
-            else:
+                try:
+                    keep = self.engines.launch(stream.ptr, dst, src, dst_off, src_off, nbytes)
+                except ArenaError as e:
+                    # The driver refused it: the kernel moves this batch (slices that landed before
+                    # the refusal are copied again, the same bytes) and every later one, said once.
+                    log.error("the copy engines failed (%s): this and every later HBM<->DRAM batch of GPU %d "
+                              "moves with the copy kernel", e, self.device)
+                    self.engines.withdraw()
+                    mechanism = route.Mechanism.KERNEL
+            if mechanism is route.Mechanism.KERNEL:
                 self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
             self.launches[(to_host, mechanism)] += 1
             event = cp.cuda.Event(disable_timing=not timed)  # timed: with `began`, the copy's own time
