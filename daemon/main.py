@@ -27,6 +27,7 @@ EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_DISABLED = 3
 EXIT_START_FAILED = 4  # a region, the endpoint or the metrics port cannot be had (the server's code too)
+EXIT_GPU_LOST = 5  # a GPU's CUDA context was lost while serving: exit so that the supervisor restarts it
 
 # Registered policies that the daemon cannot run: they exist for the benches.
 BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exists for `dflash2 bench policy` only"}
@@ -35,7 +36,8 @@ BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exist
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash2d", description="The dflash2 daemon: one tiered KV-cache memory manager per node.",
-        epilog="exit codes: 0 ok, 2 bad config or arguments, 3 disabled (`enable` is false)")
+        epilog="exit codes: 0 ok, 2 bad config or arguments, 3 disabled (`enable` is false), 4 cannot start "
+               "(memory, disk, endpoint or metrics port), 5 a GPU's CUDA context was lost while serving")
     parser.add_argument("--config", default="dflash2_config.json", metavar="FILE",
                         help="config file (default: dflash2_config.json in the working directory)")
     parser.add_argument("--check", action="store_true",

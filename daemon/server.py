@@ -21,7 +21,7 @@ from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
-from dflash2.daemon.main import EXIT_START_FAILED
+from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import Observers, log_fallbacks
 from dflash2.daemon.service import Service
 from dflash2.errors import ArenaError, CapacityError
@@ -42,6 +42,7 @@ class Server:
         self.endpoint = endpoint
         self.tick_interval_s = tick_interval_s
         self._stop = threading.Event()
+        self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -77,6 +78,10 @@ class Server:
                     self._answer(frames)
                 self._tick(late_s=now - next_tick)
                 next_tick = time.monotonic() + self.tick_interval_s
+            lost = self.service.fatal()
+            if lost:  # every later move would fail: a restarted daemon serves again, a zombie never
+                self.failed = lost
+                return
 
     def _answer(self, frames: list[bytes]) -> None:
         reply = self.service.handle_frames(frames[1:])
@@ -162,6 +167,13 @@ def run(cfg: Config) -> int:
               total_bytes=cache_bytes(managers)[0], committed_bytes=cache_bytes(managers)[1],
               policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
+        if server.failed:
+            print(f"dflash2d: error: {server.failed}; exiting (code {EXIT_GPU_LOST}) so that the supervisor "
+                  "restarts the daemon; clients fall back to their own cache, then attach again", file=sys.stderr,
+                  flush=True)
+            event(log, "dflash2_gpu_lost", server.failed, clients=len(service.sessions),
+                  uptime_s=round(time.monotonic() - started, 3))
+            return EXIT_GPU_LOST
         clients = len(service.sessions)
         service.shutdown()
         event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,

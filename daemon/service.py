@@ -128,6 +128,15 @@ class Service:
             log.warning("client %d (%s, pid %d) lease lapsed: released %s", s.client, s.name, s.pid, released)
         return [s.client for s in gone]
 
+    def fatal(self) -> str | None:
+        """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA
+        context is lost), else None."""
+        for m in self.managers.values():
+            reason = getattr(m.backend, "fatal", None)
+            if reason:
+                return reason
+        return None
+
     def shutdown(self) -> None:
         for client in list(self.sessions):
             self._drop_session(client)
@@ -339,6 +348,7 @@ class Service:
         st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid, "device": s.device,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
+                        "gpus": {str(d): u for d, u in self._gpu_uuids().items()},  # pool -> GPU UUID
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
                                     for op, (n, t) in self.latency.items()}}
         return st

@@ -331,10 +331,15 @@ class BlockManager:
         }
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close()
-        for arena in self.arenas.values():
-            arena.close()
+        """Close the backend, then every arena: each step on its own (one that fails is logged, the
+        others still run: a GPU whose context is lost must not keep the host arenas open)."""
+        parts = ([("transfer backend", self.backend)] if self.backend is not None else [])
+        parts += [(f"{tier.label} arena", arena) for tier, arena in self.arenas.items()]
+        for name, part in parts:
+            try:
+                part.close()
+            except Exception:
+                log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
     def _below_hbm(self, rows: np.ndarray) -> bool:

@@ -199,7 +199,7 @@ def test_a_refused_chain_is_dropped_in_one_eviction(make_manager, clock):
         mgr.release(c, hot)
     clock.advance(1)
     mgr.placement.make_room(Tier.HBM, 8 * 16384)  # hot chain to DRAM, DRAM now full
-    cold = _chain(mgr, c, lid, list(range(1, 9)))
+    _chain(mgr, c, lid, list(range(1, 9)))  # the cold chain admission will refuse
     calls = []
     evict = mgr.table.evict
 

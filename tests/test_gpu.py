@@ -392,6 +392,7 @@ def test_a_client_finds_the_daemons_gpu_by_uuid_whatever_its_numbering(cuda_conf
         with Client.connect(config=path, name="here", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)], device=0) as c:
             assert c.gpu == 0 and c.gpu_uuid == uuid
             assert [a["uuid"] for a in c.arena_info if a["kind"] == "cuda"] == [uuid]
+            assert c.stats()["daemon"]["gpus"] == {"0": uuid}
         seen = cp.cuda.runtime.getDeviceCount()
         with pytest.raises(ArenaError, match=f"this process sees {seen} GPU"):
             Client.connect(config=path, name="past", device=seen)
@@ -578,8 +579,41 @@ def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
         job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
         mgr.backend.close()  # at once, while the staged thread runs
         assert job.done() and job.wait().all()
+        from dflash2.errors import ArenaError
+        with pytest.raises(ArenaError, match="closed"):  # its staging buffer is gone
+            mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+        mgr.backend.close()  # idempotent
     finally:
         mgr.close()
+
+
+def test_a_lost_cuda_context_makes_the_backend_fatal_and_close_still_frees_the_host_memory(cuda_config):
+    """A copy that faults (an illegal address: the sticky kind, after which every CUDA call of the
+    process fails; a 16 KiB block, which the copy kernel moves: the copy engines' driver call
+    crashes the process on an address it cannot resolve, which the allocator's offsets never are)
+    fails its batch and marks the backend dead, which the daemon exits on (exit 5);
+    closing the manager then still gives back the DRAM tier's shared memory. In a process of its own:
+    the fault ends that process's CUDA context."""
+    import os
+    path = cuda_config()
+    code = f"""
+import glob, numpy as np
+from dflash2.assemble import build_manager
+from dflash2.config import load_config
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch
+mgr = build_manager(load_config({path!r}), instance="dflash2-gpu-lost-{os.getpid()}")
+b = mgr.backend
+assert b.fatal is None
+ok = b.start(CopyBatch(Tier.DRAM, Tier.HBM, np.array([0]), np.array([1 << 46]), np.array([16384]))).wait()
+print("BATCH", ok.tolist(), "FATAL", b.fatal)
+mgr.close()
+print("LEFT", glob.glob("/dev/shm/dflash2-gpu-lost-{os.getpid()}*"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BATCH [False] FATAL GPU 0: the CUDA context is lost" in out.stdout, out.stdout + out.stderr
+    assert "LEFT []" in out.stdout, out.stdout + out.stderr
 
 
 def test_views_of_a_closed_cuda_arena_stay_valid_until_the_last_dies():

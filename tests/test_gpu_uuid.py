@@ -49,6 +49,7 @@ def _attach(svc, **extra):
 def test_a_host_daemon_gives_a_gpu_client_its_one_pool(service):
     reply = _attach(service, gpu_uuid=TEXT)
     assert reply.ok and reply.result["device"] == "host" and reply.result["gpu_uuid"] is None
+    assert service.stats()["daemon"]["gpus"] == {}
 
 
 @pytest.mark.parametrize("extra, problem", [
@@ -70,3 +71,13 @@ def test_a_client_without_cuda_sends_its_device_number():
     if cuda_available():
         pytest.skip("this process sees a GPU (tests/test_gpu.py covers that side)")
     assert client_mod._uuid_of_local_device(1) is None
+
+
+def test_status_names_each_pools_gpu():
+    from dflash2.status import render
+
+    st = {"daemon": {"pid": 1, "device": "cuda", "gpus": {"0": TEXT, "1": "GPU-00000000-0000-0000-0000-000000000001"}},
+          "tiers": {}, "reads": {}}
+    lines = render(st).splitlines()
+    assert lines[1] == f"GPUs: 0 {TEXT}, 1 GPU-00000000-0000-0000-0000-000000000001"
+    assert not any(line.startswith("GPUs") for line in render({"daemon": {"gpus": {}}}).splitlines())

@@ -221,5 +221,7 @@ class PinnedHostArena(MemoryArena):
         return {**self.shm.describe(), "pinned": True}
 
     def close(self) -> None:
-        self.region.unregister()
-        self.shm.close()
+        try:
+            self.region.unregister()  # fails where the GPU's context is lost ...
+        finally:
+            self.shm.close()  # ... and the segment still goes (it is the node's memory, not the GPU's)

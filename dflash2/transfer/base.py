@@ -64,6 +64,9 @@ class TransferBackend(abc.ABC):
     # The largest block this backend can move between every pair of its tiers (None: any size). A
     # layout with larger blocks is refused when it is registered, not when its first move fails.
     max_block_bytes: int | None = None
+    # Why this backend can never move anything again (a GPU whose CUDA context is lost: an illegal
+    # address, an uncorrectable ECC error, a GPU fallen off the bus), else None. The daemon exits on it.
+    fatal: str | None = None
 
     @abc.abstractmethod
     def start(self, batch: CopyBatch) -> CopyJob:

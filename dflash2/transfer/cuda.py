@@ -64,8 +64,9 @@ def staged_parts(nbytes: np.ndarray, staging_bytes: int) -> list[np.ndarray]:
 class KernelJob(CopyJob):
     """A batch queued on a stream; done when its event has passed."""
 
-    def __init__(self, batch: CopyBatch, event, keep=(), began=None):
+    def __init__(self, batch: CopyBatch, event, keep=(), began=None, on_error=None):
         self.batch = batch
+        self._on_error = on_error  # the backend's check of the GPU after a failure
         self._event = event
         self._began = began  # recorded on the stream just before the copy: the device times it
         self._keep = keep  # buffers the queued copy still reads
@@ -76,8 +77,10 @@ class KernelJob(CopyJob):
     def wait(self) -> np.ndarray:
         try:
             self._event.synchronize()
-        except Exception:  # a launch that failed: the whole batch failed, the blocks stay put
+        except Exception as e:  # a launch that failed: the whole batch failed, the blocks stay put
             log.exception("copy kernel of %d blocks failed", len(self.batch))
+            if self._on_error is not None:
+                self._on_error(e)
             return np.zeros(len(self.batch), dtype=bool)
         self._keep = ()
         if self._began is not None and self.seconds is None:
@@ -128,8 +131,11 @@ class CudaTransferBackend(TransferBackend):
             self.max_block_bytes = self.staging.nbytes // STAGE_ALIGN * STAGE_ALIGN
         self._staging_lock = threading.Lock()
         self._workers: list[threading.Thread] = []  # staged moves' threads (close waits for them)
+        self._closed = False  # the daemon starts and closes from one thread: no race to guard
 
     def start(self, batch: CopyBatch) -> CopyJob:
+        if self._closed:  # its staging buffer is freed: a staged move would write through a dangling pointer
+            raise ArenaError("CUDA transfer backend is closed")
         pair = (batch.src_tier, batch.dst_tier)
         if Tier.HBM not in pair:
             return self.host.start(batch)
@@ -147,8 +153,6 @@ class CudaTransferBackend(TransferBackend):
         stream = self.d2h if to_host else self.h2d
         src = self.hbm.ptr if to_host else self.dram.device_ptr
         dst = self.dram.device_ptr if to_host else self.hbm.ptr
-        keep = ()
-        cp = cupy()
         # blocks side by side in both arenas move as one copy
         src_off, dst_off, nbytes = route.coalesce(batch.src_offsets, batch.dst_offsets, batch.nbytes)
         # At most one batch per direction and TIMED_EVERY_S is timed on the device (the read-cost
@@ -157,6 +161,19 @@ class CudaTransferBackend(TransferBackend):
         timed = now - self._timed_at[to_host] >= TIMED_EVERY_S
         if timed:
             self._timed_at[to_host] = now
+        try:
+            event, keep, began = self._launch(to_host, stream, src, dst, src_off, dst_off, nbytes, timed, now)
+        except Exception as e:
+            self._after_error(e)
+            raise
+        self._last[to_host] = (event, now)
+        return KernelJob(batch, event, keep, began, self._after_error)
+
+    def _launch(self, to_host, stream, src, dst, src_off, dst_off, nbytes, timed, now):
+        """Queue one HBM<->DRAM batch on its direction's stream: (its end event, buffers it reads, its
+        start event when timed)."""
+        cp = cupy()
+        keep = ()
         with cp.cuda.Device(self.device):
             began = None
             if timed:
@@ -171,6 +188,9 @@ class CudaTransferBackend(TransferBackend):
                 try:
                     keep = self.engines.launch(stream.ptr, dst, src, dst_off, src_off, nbytes)
                 except ArenaError as e:
+                    self._after_error(e)
+                    if self.fatal is not None:  # the GPU failed, not the engines
+                        raise
                     # The driver refused it: the kernel moves this batch (slices that landed before
                     # the refusal are copied again, the same bytes) and every later one, said once.
                     log.error("the copy engines failed (%s): this and every later HBM<->DRAM batch of GPU %d "
@@ -182,8 +202,21 @@ class CudaTransferBackend(TransferBackend):
             self.launches[(to_host, mechanism)] += 1
             event = cp.cuda.Event(disable_timing=not timed)  # timed: with `began`, the copy's own time
             event.record(stream)
-        self._last[to_host] = (event, now)
-        return KernelJob(batch, event, keep, began)
+        return event, keep, began
+
+    def _after_error(self, error: BaseException) -> None:
+        """A copy failed: is the GPU's CUDA context still usable? After a sticky error (an illegal
+        address, an uncorrectable ECC error, a GPU fallen off the bus) every later CUDA call fails
+        the same way: the backend is dead (`fatal`), and the daemon exits so that its supervisor
+        restarts it. A failure that leaves the context usable (a refused launch, a disk error) is not."""
+        if self.fatal is not None:
+            return
+        try:
+            with cupy().cuda.Device(self.device):
+                cupy().cuda.runtime.deviceSynchronize()
+        except Exception as probe:
+            self.fatal = f"GPU {self.device}: the CUDA context is lost ({probe}; the first failure: {error})"
+            log.critical("%s: no move can run on this GPU any more", self.fatal)
 
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:
@@ -193,9 +226,10 @@ class CudaTransferBackend(TransferBackend):
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
                     job._ok[part] = self._staged_chunk(job.batch, part)
                 job.seconds = time.perf_counter() - started
-        except Exception:
+        except Exception as e:
             log.exception("staged move of %d blocks failed", len(job.batch))
             job._ok[:] = False
+            self._after_error(e)
         finally:
             job._done.set()
 
@@ -223,13 +257,21 @@ class CudaTransferBackend(TransferBackend):
 
     def close(self) -> None:
         """Finish the moves already started (staged ones too: their thread uses the staging buffer
-        freed below), then release streams and buffers."""
+        freed below), then release streams and buffers. Idempotent; a later start is refused."""
+        if self._closed:
+            return
+        self._closed = True
         for worker in self._workers:
             worker.join()
         self._workers = []
         self.host.close()
         cp = cupy()
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.deviceSynchronize()
-        if self.staging is not None:
-            self.staging.close()
+        try:
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.deviceSynchronize()
+            if self.staging is not None:
+                self.staging.close()
+        except Exception:
+            if self.fatal is None:
+                raise
+            log.warning("GPU %d: streams and staging buffer not released (its CUDA context is lost)", self.device)

@@ -1,0 +1,50 @@
+"""A pool whose transfer backend can never move again (a GPU whose CUDA context is lost: the CUDA
+backend detects it, tests/test_gpu.py) stops the daemon with exit 5, so that its supervisor restarts
+it, instead of serving on with every move failing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from conftest import write_config
+
+from dflash2.config import load_config
+
+
+def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypatch, capsys):
+    import dflash2.daemon.server as srv
+    from dflash2.client import Client
+
+    made: dict = {}
+    real = srv.build_managers
+
+    def keep(*args, **kw):  # the daemon's own managers, kept to reach the backend
+        made.update(real(*args, **kw))
+        return made
+    monkeypatch.setattr(srv, "build_managers", keep)
+    path = write_config(tmp_path)
+    cfg = load_config(path)
+    seen = {}
+
+    def lose_the_gpu():
+        deadline = time.monotonic() + 30
+        while not (made and os.path.exists(tmp_path / "d.sock")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with Client.connect(config=path, name="before") as c:
+            seen["served"] = c.ping()["version"]
+        # What the CUDA backend sets when its probe after a failed copy finds the context gone.
+        next(iter(made.values())).backend.fatal = "GPU 0: the CUDA context is lost (injected)"
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=lose_the_gpu, daemon=True).start()
+    try:
+        assert srv.run(cfg) == 5
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert seen["served"]
+    err = capsys.readouterr().err
+    assert "dflash2d: error: GPU 0: the CUDA context is lost (injected); exiting (code 5)" in err
