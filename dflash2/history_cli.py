@@ -44,7 +44,7 @@ def parse_duration(text: str) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present)")
+    src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present, else the default endpoint)")
     src.add_argument("--endpoint", metavar="E", help="the daemon's control endpoint (ipc://... or tcp://...)")
     src.add_argument("--file", metavar="PATH", help="read a history file offline (STATE_DIR/history.jsonl)")
     parser.add_argument("--since", type=parse_duration, default=None, metavar="DUR",
@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
     parser.add_argument("--rows", type=positive_int, default=30, metavar="N", help="text table rows at most (default 30)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
-    parser.add_argument("--timeout", type=positive_float, default=5.0, metavar="S", help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=positive_float, default=5.0, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
 def handler(args: argparse.Namespace) -> int:

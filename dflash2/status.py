@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="config whose daemon.endpoint to ask (default: dflash2_config.json here)")
     where.add_argument("--endpoint", metavar="E", default=None, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
     parser.add_argument("--json", action="store_true", help="print the daemon's stats as JSON")
-    parser.add_argument("--timeout", type=positive_float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=positive_float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ CLEAR = "\x1b[H\x1b[2J"
 def configure(parser: argparse.ArgumentParser) -> None:
     status.configure(parser)
     parser.add_argument("--watch", action="store_true", help="redraw the view every --interval seconds (Ctrl-C ends)")
-    parser.add_argument("--interval", type=positive_float, default=1.0, metavar="S", help="with --watch: seconds between frames")
+    parser.add_argument("--interval", type=positive_float, default=1.0, metavar="S", help="with --watch: seconds between frames (default %(default)g)")
     parser.add_argument("--count", type=non_negative_int, default=0, metavar="N", help="with --watch: stop after N frames (0 = never)")
 
 

@@ -37,10 +37,10 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=positive_int, default=3000, help="round trips per measured op")
-    parser.add_argument("--batch-iterations", type=positive_int, default=300, help="1000-key lookups to time")
-    parser.add_argument("--seconds", type=positive_float, default=1.5, help="duration of each ops_per_s run")
-    parser.add_argument("--processes", type=positive_int, default=4, help="client processes of the second ops_per_s run")
+    parser.add_argument("--iterations", type=positive_int, default=3000, help="round trips per measured op (default %(default)s)")
+    parser.add_argument("--batch-iterations", type=positive_int, default=300, help="1000-key lookups to time (default %(default)s)")
+    parser.add_argument("--seconds", type=positive_float, default=1.5, help="seconds of each ops_per_s run (default %(default)s)")
+    parser.add_argument("--processes", type=positive_int, default=4, help="client processes of the second ops_per_s run (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:

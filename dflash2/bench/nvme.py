@@ -44,12 +44,12 @@ RAW_IO_BYTES = 8 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mb", type=positive_int, default=2048, help="bytes moved in each phase (MiB)")
+    parser.add_argument("--size-mb", type=positive_int, default=2048, help="bytes moved in each phase (MiB; default %(default)s)")
     parser.add_argument("--dir", default=".", help="folder on the filesystem to measure (default: cwd)")
-    parser.add_argument("--block-kb", type=positive_int, default=1024, help="block size of the tier phases (KiB)")
-    parser.add_argument("--batch", type=positive_int, default=64, help="blocks per write_blocks/read_blocks call")
-    parser.add_argument("--staging-mb", type=positive_int, default=64, help="the tier's staging buffer (MiB)")
-    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds of the four phases; the best of each counts")
+    parser.add_argument("--block-kb", type=positive_int, default=1024, help="block size of the tier phases (KiB; default %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=64, help="blocks per write_blocks/read_blocks call (default %(default)s)")
+    parser.add_argument("--staging-mb", type=positive_int, default=64, help="the tier's staging buffer (MiB; default %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds of the four phases; the best of each counts (default %(default)s)")
     parser.add_argument("--raw-buffer-mb", type=non_negative_int, default=0,
                         help="memory the raw phases cycle through (MiB); default: one tier batch")
     parser.add_argument("--raw-memory", choices=("shm", "anon"), default="shm",

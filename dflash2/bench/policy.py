@@ -243,10 +243,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hbm-blocks", type=positive_int, required=True, help="HBM capacity in 512-token blocks")
     parser.add_argument("--dram-blocks", type=non_negative_int, default=0, help="DRAM capacity in blocks (0 = none)")
     parser.add_argument("--nvme-blocks", type=non_negative_int, default=0, help="NVMe capacity in blocks (0 = none)")
-    parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names")
-    parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks)")
-    parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request")
-    parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
+    parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names (default %(default)s)")
+    parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
+    parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
     parser.add_argument("--weights", default="",
                         help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
                              "applied to the heat policy, the others replay as they are")

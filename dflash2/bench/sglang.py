@@ -22,29 +22,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+from dflash2.bench import OptionError, positive_int
+
 LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
 PAGE_TOKENS = 64
+ARENA_PAGE_MB = 2  # memory.page_kb of the daemon's config (_write_config)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pages", type=int, default=128, help="pages set and got per round (8 MiB each)")
-    parser.add_argument("--dir", default=".", help="folder on the disk to use (scratch folder removed after)")
-    parser.add_argument("--hbm-mb", type=int, default=256, help="the daemon's HBM stand-in (host shared memory)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best of each phase counts")
+    parser.add_argument("--pages", type=positive_int, default=128,
+                        help="pages set and got per round (8 MiB each; default 128)")
+    parser.add_argument("--dir", default=".", help="folder on the disk to use (scratch folder removed after; default: cwd)")
+    parser.add_argument("--hbm-mb", type=positive_int, default=256,
+                        help=f"the daemon's HBM stand-in (host shared memory; at least {ARENA_PAGE_MB}, default 256)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="rounds; the best of each phase counts (default 3)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch  # noqa: F401  (sglang needs it; fail here with a clear message if absent)
-    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+    if args.hbm_mb < ARENA_PAGE_MB:  # a tier smaller than one arena page holds nothing (the config is refused)
+        raise OptionError(f"--hbm-mb: {args.hbm_mb} is less than one arena page ({ARENA_PAGE_MB} MB)")
+    try:
+        import torch  # noqa: F401  (sglang needs it)
+        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+    except ModuleNotFoundError as exc:
+        raise OptionError(f"bench sglang needs {exc.name!r}, which is not installed here: run it in sglang's own "
+                          "environment (pip install -e '.[sglang]'; README, \"sglang\")") from None
 
     from dflash2.bench.control import _start, _stop
 
-    scratch = Path(tempfile.mkdtemp(prefix=".dflash2-bench-sglang-", dir=args.dir))
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=".dflash2-bench-sglang-", dir=os.path.abspath(args.dir)))
+    except OSError as exc:
+        raise OptionError(f"--dir {args.dir}: cannot make a scratch folder there: {exc.strerror}") from None
     page_mb = _page_bytes() >> 20
     daemon = None
     try:
@@ -145,7 +160,7 @@ def _write_config(folder: Path, hbm_mb: int, dram_mb: int) -> Path:
     cfg = {"enable": True, "device": {"kind": "host"},
            "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
                       "nvme_capacity_mb": 256, "nvme_path": "nvme.cache", "staging_buffer_size_mb": 64,
-                      "page_kb": 2048},
+                      "page_kb": ARENA_PAGE_MB * 1024},
            "kv_block": {"block_size": PAGE_TOKENS, "prefetch_window": 2},
            "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
            "daemon": {"endpoint": f"ipc://{folder.resolve()}/d.sock"},

@@ -33,7 +33,7 @@ LAYER_BYTES = 64 * KIB  # one layer of the bench layout: 8 KV heads x 128 x bf16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-kib", default="64,256,2048",
-                        help="block sizes in KiB, multiples of 64 (comma separated)")
+                        help="block sizes in KiB, multiples of 64 (comma separated; default %(default)s)")
     parser.add_argument("--mb", type=int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
     parser.add_argument("--repeat", type=int, default=3, help="promotions per way of making room (default 3)")
     parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",

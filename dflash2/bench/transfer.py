@@ -26,7 +26,7 @@ KIB = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes-kib", default="16,64,256,1024", help="block sizes in KiB (comma separated)")
+    parser.add_argument("--sizes-kib", default="16,64,256,1024", help="block sizes in KiB (comma separated; default %(default)s)")
     parser.add_argument("--blocks", type=positive_int, default=1024, help="blocks per batch (default 1024)")
     parser.add_argument("--repeat", type=positive_int, default=10, help="timed batches per figure (default 10)")
     parser.add_argument("--inflight", type=positive_int, default=4, help="batches in flight (default 4)")

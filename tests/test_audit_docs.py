@@ -1,0 +1,37 @@
+"""README audit: `dflash2 bench sglang` keeps the README's promise for every bench (a bad option
+value, or a bench that cannot run here, exits 2 with one error line; no traceback)."""
+
+import importlib.util
+
+import pytest
+
+from dflash2 import cli
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.parametrize("option", [["--pages", "0"], ["--repeat", "0"], ["--hbm-mb", "-1"], ["--hbm-mb", "1"]])
+def test_bench_sglang_bad_option_is_a_usage_error(option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "sglang", *option])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dflash2 bench sglang: error:") and option[0] in err
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="sglang is installed: the bench runs")
+def test_bench_sglang_without_sglang_says_so(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "sglang", "--json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "needs 'sglang'" in err and ".[sglang]" in err
+
+
+def test_bench_sglang_bad_dir_is_a_usage_error(tmp_path, capsys):
+    if not HAVE_SGLANG:
+        pytest.skip("without sglang the bench stops before it makes its scratch folder")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "sglang", "--dir", str(tmp_path / "missing")])
+    assert exc.value.code == 2
+    assert "--dir" in capsys.readouterr().err
