@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.json and not args.check:  # it would start the daemon and ignore --json
+        parser.error("--json only goes with --check (the daemon itself logs as logging.format says)")
     for warning in check_environment():
         _warn(warning)
     try:

@@ -164,3 +164,10 @@ def test_unknown_bench_name_is_rejected():
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "nope"])
     assert info.value.code == 2
+
+
+def test_json_without_check_is_a_usage_error_not_a_start(tmp_path):
+    """`dflash2d --json` started the daemon and ignored --json."""
+    result = dflash2d("--config", "absent.json", "--json", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--json only goes with --check" in result.stderr
