@@ -22,6 +22,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def endpoint(text: str) -> str:
+    """ipc://PATH or tcp://HOST:PORT (what `daemon.endpoint` accepts)."""
+    from dflash2.config import endpoint_parts
+
+    try:
+        endpoint_parts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _bounded(kind, text: str, low, what: str):
     try:
         value = kind(text)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash2 import protocol as P
 from dflash2.history import FILE_NAME, decode, rates, read_file
-from dflash2.argtypes import positive_float, positive_int
+from dflash2.argtypes import endpoint, positive_float, positive_int
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -45,7 +45,7 @@ def parse_duration(text: str) -> float:
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present, else the default endpoint)")
-    src.add_argument("--endpoint", metavar="E", help="the daemon's control endpoint (ipc://... or tcp://...)")
+    src.add_argument("--endpoint", metavar="E", type=endpoint, help="the daemon's control endpoint (ipc://... or tcp://...)")
     src.add_argument("--file", metavar="PATH", help="read a history file offline (STATE_DIR/history.jsonl)")
     parser.add_argument("--since", type=parse_duration, default=None, metavar="DUR",
                         help="only the last DUR (e.g. 30m, 6h); default: all that is kept")

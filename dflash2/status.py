@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from dflash2.argtypes import positive_float
+from dflash2.argtypes import endpoint, positive_float
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable
 
 EXIT_OK = 0
@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--config", metavar="FILE", default=None,
                        help="config whose daemon.endpoint to ask (default: dflash2_config.json here)")
-    where.add_argument("--endpoint", metavar="E", default=None, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
+    where.add_argument("--endpoint", metavar="E", default=None, type=endpoint, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
     parser.add_argument("--json", action="store_true", help="print the daemon's stats as JSON")
     parser.add_argument("--timeout", type=positive_float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 

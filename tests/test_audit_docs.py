@@ -35,3 +35,13 @@ def test_bench_sglang_bad_dir_is_a_usage_error(tmp_path, capsys):
         cli.main(["bench", "sglang", "--dir", str(tmp_path / "missing")])
     assert exc.value.code == 2
     assert "--dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "history"])
+@pytest.mark.parametrize("bad", ["bogus", "tcp://host", "tcp://host:0", "ipc://"])
+def test_a_malformed_endpoint_is_a_usage_error(command, bad, capsys):
+    """`dflash2 status --endpoint bogus` said no daemon answers (exit 1): the option is wrong (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--endpoint", bad])
+    assert exc.value.code == 2
+    assert "--endpoint" in capsys.readouterr().err
