@@ -423,11 +423,32 @@ class Placement:
             need += int(slot[block == size].sum())
             self.make_room(tier, need, protect=protect, block_bytes=size)
 
+    def _closed_upward(self, rows: np.ndarray) -> bool:
+        """Whether `rows` (distinct) already hold each one's parent, ahead of it: then they are their
+        own list with ancestors, in the order the walk below would give, found without a Python
+        step per block."""
+        n = len(rows)
+        if n == 0:
+            return True
+        order = np.argsort(rows, kind="stable")
+        ranked = rows[order]
+        if (ranked[1:] == ranked[:-1]).any():
+            return False
+        up = self.table.cols.parent[rows]
+        linked = up != NO_ROW
+        at = np.minimum(np.searchsorted(ranked, up[linked]), n - 1)
+        if not (ranked[at] == up[linked]).all():
+            return False  # an ancestor outside the list: the walk adds it
+        return bool((order[at] < np.flatnonzero(linked)).all())  # each parent ahead of its child
+
     def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
         kept in the list too: it is what the room made for the others protects, and an ancestor
         demoted to make that room would leave its promoted descendants above their prefix."""
         c = self.table.cols
+        rows = np.asarray(rows, dtype=np.int64)
+        if self._closed_upward(rows):
+            return rows  # a request's prefix as it reads it: already ancestors first, nothing to add
         seen: dict[int, None] = {}
         for r in rows.tolist():
             path = []

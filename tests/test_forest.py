@@ -213,3 +213,46 @@ def test_a_refused_chain_is_dropped_in_one_eviction(make_manager, clock):
     assert len(mgr.lookup(list(range(100, 108)), lid)) == 8
     assert calls == [8] and mgr.placement.stats.not_admitted == 8
     mgr.check_invariants()
+
+
+def ancestors_by_walk(cols, rows):
+    """The walk promotion used for every list: each row's path up to a row already listed."""
+    seen: dict[int, None] = {}
+    for r in rows:
+        path, p = [], r
+        while p >= 0 and p not in seen:
+            path.append(p)
+            p = int(cols.parent[p])
+        for q in reversed(path):
+            seen[q] = None
+    return list(seen)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_prefix_listed_ancestors_first_is_its_own_list_and_others_are_walked(make_manager, seed):
+    """Promotion brings each block's cached ancestors first. A list that already holds every parent
+    ahead of its child (a request's prefix as it reads it) is returned as it is, without the walk;
+    any other list (a parent missing, after its child, or listed twice) is walked: the same result."""
+    rng = np.random.default_rng(seed)
+    mgr = make_manager(hbm_blocks=200)
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    made = []
+    for _ in range(30):
+        parent = int(made[rng.integers(len(made))]) if made and rng.random() < 0.7 else None
+        made.extend(int(v) for v in _chain(mgr, c, lid, [int(k) for k in rng.integers(1, 2**62, 4)], parent))
+    t = mgr.table
+    rows = t.rows(np.array(made, dtype=np.int64))
+    walked = 0
+    for _ in range(40):
+        leaf = int(rows[rng.integers(len(rows))])
+        prefix = ancestors_by_walk(t.cols, [leaf])  # root first: closed upward
+        cases = [prefix, prefix[1:], prefix[::-1], prefix + prefix[-1:],
+                 rng.permutation(rows[:20]).tolist(), sorted(rows[:20].tolist())]
+        for case in cases:
+            arr = np.array(case, dtype=np.int64)
+            want = ancestors_by_walk(t.cols, case)
+            assert mgr.placement._with_ancestors(arr, Tier.HBM).tolist() == want
+            walked += not mgr.placement._closed_upward(arr)
+    assert mgr.placement._closed_upward(np.array(ancestors_by_walk(t.cols, [int(rows[-1])]), dtype=np.int64))
+    assert walked  # the walk itself ran too
