@@ -537,7 +537,7 @@ class BlockTable:
             if linked.any():  # each moved child now counts in its parent's kids of dst, not of src
                 flat = c.kids.reshape(-1)  # tier-major: (tier, row) is tier * capacity + row
                 for cells, delta in ((src[linked].astype(np.int64) * c.capacity + parents[linked], -1),
-                                     (int(dst) * c.capacity + parents[linked], 1)):
+                                     (int(dst) * c.capacity + parents[linked].astype(np.int64), 1)):
                     # np.unique + one fancy add: several times faster than np.add.at on 2-D cells
                     cells, counts = np.unique(cells, return_counts=True)
                     flat[cells] += delta * counts.astype(flat.dtype)
