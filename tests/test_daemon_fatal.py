@@ -1,9 +1,11 @@
 """A pool whose transfer backend can never move again (a GPU whose CUDA context is lost: the CUDA
 backend detects it, tests/test_gpu.py) stops the daemon with exit 5, so that its supervisor restarts
-it, instead of serving on with every move failing."""
+it, instead of serving on with every move failing; and it still cleans up: the endpoint's lock file
+and socket go (the next daemon starts as after a clean stop), and so do the tiers' shared memory."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import threading
@@ -11,6 +13,7 @@ import time
 
 from conftest import write_config
 
+from dflash2.assemble import instance_name
 from dflash2.config import load_config
 
 
@@ -27,6 +30,8 @@ def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypat
     monkeypatch.setattr(srv, "build_managers", keep)
     path = write_config(tmp_path)
     cfg = load_config(path)
+    segments = f"/dev/shm/{instance_name(os.getpid())}-*"
+    before = set(glob.glob(segments))
     seen = {}
 
     def lose_the_gpu():
@@ -35,6 +40,9 @@ def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypat
             time.sleep(0.01)
         with Client.connect(config=path, name="before") as c:
             seen["served"] = c.ping()["version"]
+        seen["segments"] = set(glob.glob(segments)) - before
+        seen["lock"] = os.path.exists(tmp_path / "d.sock.lock")
+        seen["at"] = time.monotonic()
         # What the CUDA backend sets when its probe after a failed copy finds the context gone.
         next(iter(made.values())).backend.fatal = "GPU 0: the CUDA context is lost (injected)"
 
@@ -46,5 +54,9 @@ def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypat
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert seen["served"]
+    assert time.monotonic() - seen["at"] < 5  # the loop sees it within a receive timeout or so
+    assert seen["segments"] and seen["lock"]  # they were there while serving ...
+    assert not (set(glob.glob(segments)) - before)  # ... and went
+    assert not os.path.exists(tmp_path / "d.sock.lock") and not os.path.exists(tmp_path / "d.sock")
     err = capsys.readouterr().err
     assert "dflash2d: error: GPU 0: the CUDA context is lost (injected); exiting (code 5)" in err
