@@ -184,11 +184,11 @@ class Placement:
         every child that holds it back qualifies (for a demotion its children in `tier` or a faster
         one, for an eviction every cached child). Ordered leaves first, by height in the subtree
         that leaves (then lowest score when `scores` are given, then row): the order a demotion
-        moves them in (a move cut
-        short leaves no parent below its child) and an eviction drops them in. So a cold chain
-        leaves whole, in one move of many blocks, instead of one level per round: a round per level
-        made the demotions of a prefix-tree workload batches of one or two blocks (the tiered
-        replays of `bench policy`: 2.5 blocks a batch, median 1; then 25-73, its `move_batches`).
+        moves them in (a move cut short leaves no parent below its child) and an eviction drops
+        them in. So a cold chain leaves whole, in one move of many blocks, instead of one level per
+        round: a round per level made the demotions of a prefix-tree workload batches of one or two
+        blocks (the tiered replays of `bench policy`: 2.5 blocks a batch, median 1; then 25-73, its
+        `move_batches`).
         The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
         numpy calls, not 1,024."""
         c = self.table.cols

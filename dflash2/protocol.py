@@ -67,7 +67,9 @@ import numpy as np
 from dflash2.errors import ProtocolError, VersionMismatch
 
 MAGIC = b"DFLASH2"
-VERSION = 1
+# 2: attach names the client's GPU by UUID (`gpu_uuid`); a version-1 daemon would ignore it and hand
+# every such client its first GPU's pool, so the two refuse each other with a clear error instead.
+VERSION = 2
 MAX_BATCH = 65536  # most ids or keys in one call
 MAX_HEADER_BYTES = 1 << 20
 # Largest frame the daemon accepts (ZMQ_MAXMSGSIZE on its socket; a peer that sends a larger one is

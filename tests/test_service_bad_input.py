@@ -38,6 +38,9 @@ def attach(svc, name="c", pid=0, pid_ns=None):
     return call(svc, Op.ATTACH, args=args).result["client"]
 
 
+V = str(P.VERSION).encode()  # frames of this version: their other faults are the ones named
+
+
 def vids(*v):
     return [np.asarray(v, dtype=P.VIDS_DTYPE).tobytes()]
 
@@ -46,19 +49,21 @@ def vids(*v):
     ([b"DFLASH2", b"1"], "at least 3 frames"),
     ([b"NOTDFL", b"1", b"{}"], "bad magic"),
     ([P.MAGIC, b"x", b"{}"], "not a decimal"),
-    ([P.MAGIC, b"1", b"{not json"], "not valid JSON"),
-    ([P.MAGIC, b"1", b"[1]"], "JSON object"),
-    ([P.MAGIC, b"1", b'{"op": "teleport", "id": 1}'], "unknown op"),
-    ([P.MAGIC, b"1", b'{"op": "free", "id": 1, "client": null}'], "needs an attached client"),
-    ([P.MAGIC, b"1", b'{"op": "ping", "id": "one"}'], "call id"),
+    ([P.MAGIC, V, b"{not json"], "not valid JSON"),
+    ([P.MAGIC, V, b"[1]"], "JSON object"),
+    ([P.MAGIC, V, b'{"op": "teleport", "id": 1}'], "unknown op"),
+    ([P.MAGIC, V, b'{"op": "free", "id": 1, "client": null}'], "needs an attached client"),
+    ([P.MAGIC, V, b'{"op": "ping", "id": "one"}'], "call id"),
 ])
 def test_malformed_frames_get_a_named_error(service, frames, problem):
     reply = P.decode_reply(service.handle_frames(frames))
     assert not reply.ok and problem in reply.error_message
 
 
-def test_version_mismatch_reply(service):
-    reply = call(service, Op.PING, version=2)
+@pytest.mark.parametrize("version", [1, P.VERSION + 1])
+def test_version_mismatch_reply(service, version):
+    """Version 1 clients (before GPUs went by UUID) and newer ones get a named error, not a wrong pool."""
+    reply = call(service, Op.PING, version=version)
     assert reply.error_type == "VersionMismatch" and "version mismatch" in reply.error_message
 
 
