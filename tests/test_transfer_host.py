@@ -150,6 +150,27 @@ def test_a_start_racing_close_is_refused_or_run_never_stranded(arenas, monkeypat
     assert not closer.is_alive()
 
 
+def test_every_close_waits_for_the_batches_already_started(arenas, monkeypatch):
+    """A second close() while the first drains returned at once, before the batches had run."""
+    import threading
+
+    b = HostTransferBackend(arenas)
+    gate = threading.Event()
+    copy = b._copy
+    monkeypatch.setattr(b, "_copy", lambda batch: (gate.wait(10), copy(batch))[1])  # a slow batch
+    job = b.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10]))
+    closers = [threading.Thread(target=b.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(0.3)
+    assert all(t.is_alive() for t in closers) and not job.done()
+    gate.set()
+    for t in closers:
+        t.join(10)
+    assert not any(t.is_alive() for t in closers) and job.wait().tolist() == [True]
+
+
 def test_mover_batches_end_at_tier_changes_the_count_limit_and_the_byte_limit():
     from dflash2.mover import Mover
     m = Mover.__new__(Mover)  # _batches reads only swap_batch_size

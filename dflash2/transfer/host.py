@@ -101,10 +101,10 @@ class HostTransferBackend(TransferBackend):
         return np.ones(len(batch), dtype=bool)
 
     def close(self) -> None:
-        """Finish the batches already started, then stop the worker. Idempotent."""
+        """Finish the batches already started, then stop the worker. Idempotent: every call returns
+        only once the worker has stopped (a second caller does not return while batches still run)."""
         with self._gate:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(None)
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
         self._thread.join()
