@@ -206,6 +206,28 @@ def test_a_block_in_flight_cannot_be_pinned(mgr):
     assert t.cols.pins[rows].sum() == 0 and not t.client(c).pins
 
 
+def test_a_lost_block_held_only_by_a_pin_goes_with_its_last_pin(mgr):
+    """A published block pinned (acquired) but not referenced whose bytes are then found bad: it is
+    kept while pinned, and the last unpin frees it; it stayed forever, keyless and unreachable."""
+    t = mgr.table
+    c = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = t.allocate(c, lid, 2)
+    t.commit(c, vids, keys=[41, 42])
+    t.free(c, vids)  # published, nobody references them
+    rows = t.rows(vids)
+    t.pin(c, vids[1:])
+    t.pin(c, vids[1:])
+    t.drop_lost(rows[1:])
+    assert t.cols.state[rows[1]] != BlockState.FREE, "kept while pinned"
+    t.unpin(c, vids[1:])
+    assert t.cols.state[rows[1]] != BlockState.FREE
+    t.unpin(c, vids[1:])
+    assert t.cols.state[rows[1]] == BlockState.FREE and not t.lost
+    assert t.cols.live == 1
+    mgr.check_invariants()
+
+
 def test_a_row_whose_generation_runs_out_is_retired(mgr):
     """A row's uint32 generation must never wrap: one more reuse would make it 0 again, and an id
     handed out 2**32 reuses ago would name the row's next block. The row is retired instead."""

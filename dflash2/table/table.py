@@ -343,6 +343,13 @@ class BlockTable:
         pins.subtract(counts)
         for r in [r for r in counts if not pins[r]]:
             del pins[r]
+        if self.lost:
+            # A block whose bytes failed their checksum was kept only for its holders: the last pin
+            # of one nobody references frees it (it has no key, so nothing else ever would).
+            c = self.cols
+            done = [r for r in counts if r in self.lost and c.pins[r] == 0 and c.refs[r] == 0]
+            if done:
+                self._release_rows(np.array(done, dtype=np.int64))
 
     def _owned_rows(self, client_id: int, vids) -> np.ndarray:
         self.client(client_id)
