@@ -15,6 +15,27 @@ from __future__ import annotations
 import numpy as np
 
 
+def ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, rows[order]): `rows` sorted, and where each sorted one stands in `rows`."""
+    order = np.argsort(rows, kind="stable")
+    return order, rows[order]
+
+
+def local_parents(rows: np.ndarray, parents: np.ndarray,
+                  rank: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Per row of `rows` (distinct table rows), the index in `rows` of its parent `parents[i]` (a
+    table row, or any negative value for none), or -1 where the parent is not among `rows`: the
+    `parent` array the passes here take. `rank`: `ranked(rows)` when the caller has it already."""
+    rows = np.asarray(rows, dtype=np.int64)
+    n = len(rows)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    order, ranked_rows = ranked(rows) if rank is None else rank
+    parents = np.asarray(parents, dtype=np.int64)
+    at = np.minimum(np.searchsorted(ranked_rows, parents), n - 1)
+    return np.where((parents >= 0) & (ranked_rows[at] == parents), order[at], -1)
+
+
 def subtree_heights(parent: np.ndarray, blocked: np.ndarray) -> np.ndarray:
     """Per node, the length of the longest path down from it to a leaf of its subtree (0 for a
     leaf), or -1 when the node or any node below it is `blocked` (held back by something outside

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dflash2.forest import subtree_heights
+from dflash2.forest import local_parents, ranked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.readcost import ReadCost
@@ -201,14 +201,10 @@ class Placement:
             holding = c.kids[0, rows].astype(np.int64)
             for t in range(1, int(tier) + 1):
                 holding += c.kids[t, rows]
-        # Each row's parent among `rows` (rows is sorted: a binary search), or -1.
-        up = c.parent[rows]
-        at = np.minimum(np.searchsorted(rows, up), len(rows) - 1)
-        inside = (up != NO_ROW) & (rows[at] == up)
-        parent = np.where(inside, at, -1)
+        parent = local_parents(rows, c.parent[rows], rank=(np.arange(len(rows)), rows))  # already sorted
         # Every row of `below` lies in `tier` and is a cached child of its parent, so it holds its
         # parent back; a row with more holding children than it has in `below` waits on one outside.
-        blocked = holding > np.bincount(parent[inside], minlength=len(rows))
+        blocked = holding > np.bincount(parent[parent >= 0], minlength=len(rows))
         height = subtree_heights(parent, blocked)
         go = height >= 0
         rows, height = rows[go], height[go]
@@ -427,19 +423,15 @@ class Placement:
         """Whether `rows` (distinct) already hold each one's parent, ahead of it: then they are their
         own list with ancestors, in the order the walk below would give, found without a Python
         step per block."""
-        n = len(rows)
-        if n == 0:
-            return True
-        order = np.argsort(rows, kind="stable")
-        ranked = rows[order]
-        if (ranked[1:] == ranked[:-1]).any():
-            return False
+        rank = ranked(rows)
+        if (rank[1][1:] == rank[1][:-1]).any():
+            return False  # listed twice: the walk lists it once
         up = self.table.cols.parent[rows]
+        parent = local_parents(rows, up, rank)
         linked = up != NO_ROW
-        at = np.minimum(np.searchsorted(ranked, up[linked]), n - 1)
-        if not (ranked[at] == up[linked]).all():
+        if (parent[linked] < 0).any():
             return False  # an ancestor outside the list: the walk adds it
-        return bool((order[at] < np.flatnonzero(linked)).all())  # each parent ahead of its child
+        return bool((parent[linked] < np.flatnonzero(linked)).all())  # each parent ahead of its child
 
     def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """The rows and all their cached ancestors, ancestors first. Those already in `dst` are

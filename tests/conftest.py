@@ -138,3 +138,22 @@ def connect(daemon):
     yield make
     for c in made:
         c.close()
+
+
+# The GPU tests' daemon config (tests/test_gpu*.py): small tiers on GPU 0; keyword args override `memory`.
+@pytest.fixture
+def cuda_config(tmp_path):
+    def write(**memory) -> str:
+        mem = {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64, "nvme_capacity_mb": 128,
+               "nvme_path": "nvme.cache", "staging_buffer_size_mb": 8, "page_kb": 256}
+        mem.update(memory)
+        cfg = {"enable": True, "device": {"kind": "cuda", "gpu_ids": [0]}, "memory": mem,
+               "kv_block": {"block_size": 16, "prefetch_window": 2},
+               "policy": {"name": "lru", "swap_batch_size": 64},
+               "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 2.0,
+                          "heartbeat_interval_s": 0.5},
+               "logging": {"format": "text"}}
+        path = tmp_path / "cfg.json"
+        path.write_text(json.dumps(cfg))
+        return str(path)
+    return write

@@ -1,5 +1,5 @@
 """A pool whose transfer backend can never move again (a GPU whose CUDA context is lost: the CUDA
-backend detects it, tests/test_gpu.py) stops the daemon with exit 5, so that its supervisor restarts
+backend detects it, tests/test_gpu_faults.py) stops the daemon with exit 5, so that its supervisor restarts
 it, instead of serving on with every move failing; and it still cleans up: the endpoint's lock file
 and socket go (the next daemon starts as after a clean stop), and so do the tiers' shared memory."""
 

@@ -1,6 +1,6 @@
 """GPUs named by UUID between the daemon and its clients (their device numbers differ with
 CUDA_VISIBLE_DEVICES): the text form, the daemon's choice of pool, and a host-only client. The
-CUDA side (real UUIDs, a client that cannot see the daemon's GPU) is in tests/test_gpu.py."""
+CUDA side (real UUIDs, a client that cannot see the daemon's GPU) is in tests/test_gpu_nodes.py."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_a_client_without_cuda_sends_its_device_number():
     from dflash2.cuda import cuda_available
 
     if cuda_available():
-        pytest.skip("this process sees a GPU (tests/test_gpu.py covers that side)")
+        pytest.skip("this process sees a GPU (tests/test_gpu_nodes.py covers that side)")
     assert client_mod._uuid_of_local_device(1) is None
 
 

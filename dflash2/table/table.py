@@ -28,6 +28,7 @@ import numpy as np
 from dflash2.alloc import SlotAllocator
 from dflash2.errors import (IllegalTransition, ImmutableBlock, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
+from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -448,14 +449,8 @@ class BlockTable:
 
     def _children_among(self, rows: np.ndarray) -> np.ndarray:
         """Per row of `rows` (distinct), how many of `rows` are its children."""
-        order = np.argsort(rows)
-        ranked = rows[order]
-        up = self.cols.parent[rows]
-        at = np.minimum(np.searchsorted(ranked, up), len(rows) - 1)
-        inside = (up != NO_ROW) & (ranked[at] == up)
-        counts = np.empty(len(rows), dtype=np.int64)
-        counts[order] = np.bincount(at[inside], minlength=len(rows))
-        return counts
+        parent = local_parents(rows, self.cols.parent[rows])
+        return np.bincount(parent[parent >= 0], minlength=len(rows))
 
     def _release_rows(self, rows: np.ndarray) -> None:
         """Free rows (any legal state → FREE): unindex keys, unlink parents, give slots back."""

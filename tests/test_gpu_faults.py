@@ -1,0 +1,217 @@
+"""The CUDA path when something fails (run on a GPU machine): start-up short of memory, layouts the
+staging buffer cannot hold, copy engines the driver refuses, a lost CUDA context, closing under
+live views or moves, named errors instead of CuPy tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpu_helpers import GPU, MIB, daemon_on, fill, gpu_manager
+
+pytestmark = GPU
+
+
+def test_startup_fails_clearly_when_the_reserve_leaves_no_room(cuda_config):
+    path = cuda_config(hbm_reserve_mb=10_000_000, hbm_capacity_mb=None)
+    out = subprocess.run(["dflash2d", "--config", path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "memory.hbm_reserve_mb" in out.stderr and "leaves nothing" in out.stderr
+
+
+def test_startup_fails_clearly_when_the_gpu_is_short(cuda_config):
+    import cupy as cp
+    free, _ = cp.cuda.runtime.memGetInfo()
+    path = cuda_config(hbm_capacity_mb=int(free // MIB) + 4096)
+    out = subprocess.run(["dflash2d", "--config", path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 4
+    assert "needs" in out.stderr and "free" in out.stderr
+
+
+def test_a_layout_whose_blocks_exceed_the_staging_buffer_is_refused_when_registered(cuda_config):
+    """On a GPU node with NVMe, HBM<->NVMe moves go through the staging buffer whole: a layout with
+    larger blocks is refused at attach (nobody attached) and at register_layout, where its moves used
+    to fail at run time (and blocks read back from NVMe were dropped)."""
+    from dflash2.client import Client
+    from dflash2.errors import DaemonError
+    from dflash2.layout import Layout
+    path = cuda_config(staging_buffer_size_mb=8)
+    big = Layout("big", 64, 8, 128, "bf16", 64)  # 16 MiB blocks
+    with daemon_on(path):
+        with pytest.raises(DaemonError, match="raise memory.staging_buffer_size_mb"):
+            Client.connect(config=path, name="big", layouts=[big])
+        with Client.connect(config=path, name="ok", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)]) as c:
+            assert [s["name"] for s in c.stats()["clients"]] == ["ok"]
+            with pytest.raises(DaemonError, match="cannot move between HBM and NVMe"):
+                c.register_layout(big)
+            with pytest.raises(DaemonError, match="layout id 1 is not registered"):
+                c.allocate(1, 1)
+
+
+def test_when_the_copy_engines_fail_the_kernel_moves_the_batch_and_every_later_one(cuda_config, caplog):
+    """A platform whose driver refuses the engines' batches: the batch that hit it still moves (by the
+    kernel), bit for bit, and so does every later one, with one error line; before, every batch of
+    64 KiB or more failed and its blocks stayed where they were."""
+    import logging
+
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.route import Mechanism
+    mgr = gpu_manager(cuda_config())
+    try:
+        backend = mgr.backend
+        if not backend.engines.available:
+            pytest.skip("the driver has no cuMemcpyBatchAsync")
+        real = backend.engines.launch
+        # The driver's own refusal: the legacy default stream, which cuMemcpyBatchAsync refuses.
+        backend.engines.launch = lambda stream, *rest: real(0, *rest)
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("blk", 8, 8, 128, "bf16", 16))  # 512 KiB: the engines' size
+        first, second = (mgr.commit(a, mgr.allocate(a, lid, 4)) for _ in range(2))
+        data = {v: fill(mgr.view(v), v % 971) for v in np.concatenate([first, second]).tolist()}
+        with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
+            assert mgr.mover.move(mgr.table.rows(first), Tier.DRAM).all()
+            assert mgr.mover.move(mgr.table.rows(second), Tier.DRAM).all()
+            assert mgr.mover.move(mgr.table.rows(first), Tier.HBM).all()
+        assert caplog.text.count("the copy engines failed") == 1
+        assert not backend.engines.available
+        assert set(backend.launches) == {(True, Mechanism.KERNEL), (False, Mechanism.KERNEL)}, backend.launches
+        for v in second.tolist():
+            assert bytes(mgr.view(v)) == data[v].tobytes()
+        for v in first.tolist():
+            assert (cp.asnumpy(mgr.view(v)) == data[v]).all()
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
+def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
+    """A staged HBM->NVMe move still running when the backend closes finishes first: its thread
+    uses the pinned staging buffer that close() frees."""
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.base import CopyBatch
+    mgr = gpu_manager(cuda_config())
+    try:
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
+        vids = mgr.commit(a, mgr.allocate(a, lid, 64))
+        rows = mgr.table.rows(vids)
+        c = mgr.table.cols
+        nbytes = mgr.table.block_bytes(rows)
+        offsets = np.arange(64, dtype=np.int64) * int(nbytes[0])
+        job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+        mgr.backend.close()  # at once, while the staged thread runs
+        assert job.done() and job.wait().all()
+        from dflash2.errors import ArenaError
+        with pytest.raises(ArenaError, match="closed"):  # its staging buffer is gone
+            mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+        mgr.backend.close()  # idempotent
+    finally:
+        mgr.close()
+
+
+def test_a_lost_cuda_context_makes_the_backend_fatal_and_close_still_frees_the_host_memory(cuda_config):
+    """A copy that faults (an illegal address: the sticky kind, after which every CUDA call of the
+    process fails; a 16 KiB block, which the copy kernel moves: the copy engines' driver call
+    crashes the process on an address it cannot resolve, which the allocator's offsets never are)
+    fails its batch and marks the backend dead, which the daemon exits on (exit 5);
+    closing the manager then still gives back the DRAM tier's shared memory. In a process of its own:
+    the fault ends that process's CUDA context."""
+    import os
+    path = cuda_config()
+    code = f"""
+import glob, numpy as np
+from dflash2.assemble import build_manager
+from dflash2.config import load_config
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch
+mgr = build_manager(load_config({path!r}), instance="dflash2-gpu-lost-{os.getpid()}")
+b = mgr.backend
+assert b.fatal is None
+ok = b.start(CopyBatch(Tier.DRAM, Tier.HBM, np.array([0]), np.array([1 << 46]), np.array([16384]))).wait()
+print("BATCH", ok.tolist(), "FATAL", b.fatal)
+mgr.close()
+print("LEFT", glob.glob("/dev/shm/dflash2-gpu-lost-{os.getpid()}*"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BATCH [False] FATAL GPU 0: the CUDA context is lost" in out.stdout, out.stdout + out.stderr
+    assert "LEFT []" in out.stdout, out.stdout + out.stderr
+
+
+def test_views_of_a_closed_cuda_arena_stay_valid_until_the_last_dies():
+    """close() with a view alive (a client detaching while its engine still holds tensors over
+    blocks) leaves the view readable, as a shared-memory view stays: through an IPC mapping in a
+    client process, and in the owner, whose allocation goes back when the last view dies. Each side
+    runs in a process of its own: a read of unmapped memory would end that process's CUDA context."""
+    from dflash2.cuda.arena import CudaArena
+    arena = CudaArena.create(0, 8 * MIB)
+    try:
+        expected = fill(arena.view(MIB, MIB), seed=4)
+        client = f"""
+import sys, numpy as np, cupy as cp
+from dflash2.cuda.arena import CudaArena
+a = CudaArena.attach(bytes.fromhex("{arena.ipc_handle().hex()}"), 0, {8 * MIB})
+v = a.view({MIB}, {MIB})
+a.close()
+sys.stdout.write(str(int(cp.asnumpy(v).astype(np.int64).sum())))
+"""
+        out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == int(expected.astype(np.int64).sum())
+    finally:
+        arena.close()
+    owner = f"""
+import gc, sys, cupy as cp
+from dflash2.cuda.arena import CudaArena
+free0 = cp.cuda.runtime.memGetInfo()[0]
+a = CudaArena.create(0, {512 * MIB})
+v = a.view({MIB}, 4096)
+v[:] = 7
+cp.cuda.runtime.deviceSynchronize()
+a.close()
+assert cp.asnumpy(v).tolist() == [7] * 4096, "the view reads its bytes after close()"
+assert cp.cuda.runtime.memGetInfo()[0] < free0 - {256 * MIB}, "held while a view lives"
+del v
+gc.collect()
+assert cp.cuda.runtime.memGetInfo()[0] > free0 - {256 * MIB}, "freed with the last view"
+"""
+    out = subprocess.run([sys.executable, "-c", owner], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_staging_buffer_that_cannot_be_had_is_a_capacity_error():
+    """Start-up reports it (exit 4, naming the key), not a CuPy traceback."""
+    from dflash2.cuda.arena import PinnedBuffer
+    from dflash2.errors import CapacityError
+    with pytest.raises(CapacityError, match="memory.staging_buffer_size_mb"):
+        PinnedBuffer(1 << 50)  # 1 PiB: past any machine's memory and the 47-bit address space
+
+
+def test_a_copy_kernel_that_does_not_compile_is_an_arena_error(monkeypatch):
+    """NVRTC missing or refusing at start-up is a named error the daemon reports (exit 4)."""
+    from dflash2.cuda import kernels
+    from dflash2.errors import ArenaError
+    monkeypatch.setattr(kernels, "SOURCE", 'extern "C" __global__ void dflash2_copy_chunks() { not cuda }')
+    with pytest.raises(ArenaError, match="cannot compile the copy kernel for GPU 0"):
+        kernels.CopyKernel(0)
+
+
+def test_a_copy_engine_batch_the_driver_refuses_is_an_arena_error():
+    """The driver refuses a batch on the legacy default stream: a named error (the mover then
+    leaves the blocks where they were), not a bare RuntimeError."""
+    import cupy as cp
+    from dflash2.cuda.copy_engine import CopyEngineBatch
+    from dflash2.errors import ArenaError
+    engines = CopyEngineBatch()
+    if not engines.available:
+        pytest.skip("the driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
+    src, dst = cp.zeros(1 << 20, dtype=cp.uint8), cp.zeros(1 << 20, dtype=cp.uint8)
+    offs, sizes = np.arange(4, dtype=np.int64) << 16, np.full(4, 1 << 16, dtype=np.int64)
+    with pytest.raises(ArenaError, match="cuMemcpyBatchAsync failed"):
+        engines.launch(0, dst.data.ptr, src.data.ptr, offs, offs, sizes)

@@ -1,0 +1,113 @@
+"""GPU nodes with clients in other processes: one pool per GPU, and GPUs found by UUID whatever
+each process numbers them (run on a GPU machine; the two-GPU test on a two-GPU one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gpu_helpers import GPU, daemon_on
+
+pytestmark = GPU
+
+
+def two_gpus() -> bool:
+    try:
+        import cupy as cp
+        return cp.cuda.runtime.getDeviceCount() >= 2
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not two_gpus(), reason="needs two GPUs (run on nvidia-h200-x2)")
+def test_one_daemon_keeps_one_pool_per_gpu(tmp_path):
+    """A daemon on two GPUs: each client's blocks live in the pool of the GPU it serves, views map
+    that GPU's arena, and a move never crosses GPUs."""
+    import torch
+    from dflash2.client import Client
+    from dflash2.layout import Layout
+    cfg = {"enable": True, "device": {"kind": "cuda", "gpu_ids": [0, 1]},
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64, "nvme_capacity_mb": 128,
+                      "nvme_path": "nvme.cache", "staging_buffer_size_mb": 8, "page_kb": 256},
+           "kv_block": {"block_size": 16, "prefetch_window": 2}, "policy": {"swap_batch_size": 64},
+           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"}, "logging": {"format": "text"}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    with daemon_on(path) as line:
+        assert "2 GPUs" in line
+        layout = Layout("bf16", 4, 2, 64, "bf16", 16)
+        with Client.connect(config=str(path), name="g0", layouts=[layout], device=0) as c0, \
+                Client.connect(config=str(path), name="g1", layouts=[layout], device=1) as c1:
+            assert c0.gpu == 0 and c1.gpu == 1
+            places = c1.allocate(c1.layout_ids[0], 4)
+            for p in places:
+                t = c1.view(p)
+                assert t.is_cuda and t.device.index == 1
+                t.fill_(1.5)
+            torch.cuda.synchronize(1)
+            c1.commit(places["vid"], keys=[21, 22, 23, 24])
+            assert len(c1.lookup([21, 22, 23, 24])) == 4
+            assert len(c0.lookup([21, 22, 23, 24])) == 0, "GPU 0's pool does not hold GPU 1's blocks"
+            st = c0.stats()
+            assert set(st["devices"]) == {"0", "1"}
+            assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 4
+            assert st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
+            c1.check()
+            # A process that sees only the daemon's GPU 1 calls it device 0: it gets GPU 1's pool.
+            out = client_in("1", str(path), 0, "print('POOL', c.gpu, len(c.lookup([21, 22, 23, 24])))")
+            assert out.returncode == 0 and "POOL 1 4" in out.stdout, out.stdout + out.stderr
+
+
+def client_in(env_gpus: str, config: str, device, code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh process that sees only `env_gpus` (CUDA_VISIBLE_DEVICES), after it
+    attached as `c` (ArenaError's text is printed as ERROR: ...)."""
+    import os
+    script = f"""
+from dflash2.client import Client
+from dflash2.errors import ArenaError
+from dflash2.layout import Layout
+try:
+    c = Client.connect(config={config!r}, name="sub", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)],
+                       device={device!r})
+except ArenaError as e:
+    print("ERROR:", e)
+    raise SystemExit(0)
+{code}
+c.close()
+"""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": env_gpus}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_a_client_finds_the_daemons_gpu_by_uuid_whatever_its_numbering(cuda_config):
+    """A client names the GPU it serves by its own device number; the daemon may number its GPUs
+    differently (CUDA_VISIBLE_DEVICES), so the GPU goes by UUID both ways. A client that cannot see
+    the daemon's GPU is refused with a named error (mapping it through another GPU would work, slowly,
+    with tensors on the wrong device)."""
+    import cupy as cp
+    from dflash2.client import Client
+    from dflash2.errors import ArenaError
+    from dflash2.gpuid import uuid_text
+    from dflash2.layout import Layout
+    path = cuda_config()
+    uuid = uuid_text(cp.cuda.runtime.getDeviceProperties(0)["uuid"])
+    with daemon_on(path):
+        with Client.connect(config=path, name="here", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)], device=0) as c:
+            assert c.gpu == 0 and c.gpu_uuid == uuid
+            assert [a["uuid"] for a in c.arena_info if a["kind"] == "cuda"] == [uuid]
+            assert c.stats()["daemon"]["gpus"] == {"0": uuid}
+        seen = cp.cuda.runtime.getDeviceCount()
+        with pytest.raises(ArenaError, match=f"this process sees {seen} GPU"):
+            Client.connect(config=path, name="past", device=seen)
+        # Seen by UUID in a process whose only GPU is that one: its device 0.
+        out = client_in(uuid, path, 0, "p = c.allocate(c.layout_ids[0], 1)[0]\n"
+                                         "t = c.view(p)\nprint('OK', c.gpu, t.device)")
+        assert out.returncode == 0 and "OK 0 cuda:0" in out.stdout, out.stdout + out.stderr
+        # A process that sees no GPU: refused, naming the GPU it would need (with or without a device).
+        for device in (None, 0):
+            out = client_in("", path, device, "print('MAPPED')")
+            assert out.returncode == 0, out.stderr
+            assert f"ERROR: the daemon's HBM arena lies on GPU {uuid}" in out.stdout, out.stdout + out.stderr
