@@ -170,6 +170,9 @@ def test_transfer_without_a_gpu_says_so(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--sizes-kib", "16,x"], "--sizes-kib: 'x' is not a number"),
     (["--sizes-kib", "0"], "--sizes-kib: 0 is not a positive size"),
+    (["--sizes-kib", "16+x"], "--sizes-kib: 'x' is not a number"),
+    (["--sizes-kib", "16,,64"], "--sizes-kib: '' is not a number"),
+    (["--sizes-kib", "16+256", "--run-blocks", "2"], "--run-blocks > 1 needs one block size per batch"),
     (["--repeat", "0"], "argument --repeat: must be a positive integer"),
     (["--inflight", "0"], "argument --inflight: must be a positive integer"),
     (["--device", "-1"], "argument --device: must be an integer >= 0"),

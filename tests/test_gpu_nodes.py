@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from gpu_helpers import GPU, daemon_on
+from gpu_helpers import GPU, daemon_on, fill
 
 pytestmark = GPU
 
@@ -59,6 +62,106 @@ def test_one_daemon_keeps_one_pool_per_gpu(tmp_path):
             # A process that sees only the daemon's GPU 1 calls it device 0: it gets GPU 1's pool.
             out = client_in("1", str(path), 0, "print('POOL', c.gpu, len(c.lookup([21, 22, 23, 24])))")
             assert out.returncode == 0 and "POOL 1 4" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not two_gpus(), reason="needs two GPUs (run on nvidia-h200-x2)")
+def test_moves_on_two_gpus_at_once_stay_on_their_gpu_bit_exact(cuda_config):
+    """Each GPU's pool moves its own blocks through DRAM and NVMe (its own share of each) while the
+    other GPU's pool moves at the same time, by the copy kernel and the copy engines: every byte
+    comes back, on the GPU it left from."""
+    import threading
+
+    from dflash2.assemble import build_managers
+    from dflash2.config import load_config
+    from dflash2.tiers import Tier
+    one = Path(cuda_config())
+    cfg = json.loads(one.read_text())
+    cfg["device"]["gpu_ids"] = [0, 1]
+    two = one.with_name("two.json")
+    two.write_text(json.dumps(cfg))
+    managers = build_managers(load_config(str(two)), instance=f"dflash2-two-{uuid.uuid4().hex[:8]}")
+    try:
+        assert sorted(managers) == [0, 1]
+        hbm = {d: m.arenas[Tier.HBM] for d, m in managers.items()}
+        assert {d: a.device for d, a in hbm.items()} == {0: 0, 1: 1}
+        assert managers[0].arenas[Tier.NVME].path != managers[1].arenas[Tier.NVME].path
+        failures: list[str] = []
+
+        threads = [threading.Thread(target=churn, args=(managers[d], d, failures)) for d in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not failures, failures
+        for d, m in managers.items():
+            churned(m, d)
+    finally:
+        for m in managers.values():
+            m.close()
+
+
+def test_the_churn_on_one_gpu(cuda_config):
+    """What the two-GPU test runs on each GPU, here on one (so that a one-GPU machine checks it)."""
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+    mgr = build_manager(load_config(cuda_config()), instance=f"dflash2-one-{uuid.uuid4().hex[:8]}")
+    try:
+        failures: list[str] = []
+        churn(mgr, 0, failures)
+        assert not failures, failures
+        churned(mgr, 0)
+    finally:
+        mgr.close()
+
+
+def churned(mgr, device: int) -> None:
+    """After `churn`: every block is back in HBM, and both mechanisms moved some."""
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 96, device
+    mechanisms = {mech.name for (_, mech) in mgr.backend.launches}
+    assert mechanisms == {"KERNEL", "ENGINES"} or not mgr.backend.engines.available, (device, mgr.backend.launches)
+
+
+def churn(mgr, device: int, failures: list[str]) -> None:
+    """Fill blocks of three layouts on `device` and move them through every tier five times, by the
+    copy kernel and the copy engines, checking every byte each round (`failures` says what broke)."""
+    import cupy as cp
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    try:
+        with cp.cuda.Device(device):
+            a = mgr.attach(f"gpu{device}")
+            bf16 = mgr.register_layout(Layout("bf16", 4, 2, 64, "bf16", 16))
+            fp8 = mgr.register_layout(Layout("fp8", 4, 2, 64, "fp8_e4m3", 16))
+            # 256 KiB blocks: the copy engines move them (the others go by the copy kernel)
+            big = mgr.register_layout(Layout("big", 4, 4, 128, "bf16", 16))
+            vids, data, groups = [], {}, []
+            for lids, seed, count in (((bf16, fp8), 1, 40), ((big,), 3, 16)):
+                group = []
+                for lid in lids:
+                    got = mgr.allocate(a, lid, count)
+                    for i, v in enumerate(got.tolist()):
+                        view = mgr.view(v)
+                        assert view.device.id == device, f"GPU {device}'s block {v} is on GPU {view.device.id}"
+                        data[v] = fill(view, device * 10_000 + seed * 100 + lid * 1000 + i)
+                    group += mgr.commit(a, got).tolist()
+                vids += group
+                # Shuffled, so that neighbouring blocks do not coalesce into large copies (which
+                # the engines would take); the large blocks move in batches of their own.
+                groups.append(mgr.table.rows(np.random.default_rng(device).permutation(group)))
+            for round_ in range(5):
+                for tier in (Tier.DRAM, Tier.NVME, Tier.HBM, Tier.NVME, Tier.DRAM, Tier.HBM):
+                    for rows in groups:
+                        if not mgr.mover.move(rows, tier).all():
+                            failures.append(f"GPU {device}: a move to {tier.name} failed in round {round_}")
+                            return
+                for v in vids:
+                    view = mgr.view(v)
+                    if view.device.id != device or not (cp.asnumpy(view) == data[v]).all():
+                        failures.append(f"GPU {device}: block {v} changed in round {round_}")
+                        return
+            mgr.check_invariants()
+    except Exception as e:  # reported by the test's thread
+        failures.append(f"GPU {device}: {type(e).__name__}: {e}")
 
 
 def client_in(env_gpus: str, config: str, device, code: str) -> subprocess.CompletedProcess:

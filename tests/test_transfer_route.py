@@ -3,10 +3,11 @@ cut into driver calls."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dflash2.cuda.copy_engine import FIRST_SLICE, slices
-from dflash2.transfer.route import Mechanism, choose
+from dflash2.transfer.route import Mechanism, choose, split
 
 KIB = 1024
 
@@ -37,8 +38,36 @@ def test_no_engines_means_the_kernel_everywhere():
 
 
 def test_negative_block_size_is_an_error():
-    with pytest.raises(ValueError, match="smallest_block"):
+    with pytest.raises(ValueError, match="block size must be >= 0, got -1"):
         choose(-1, True, False)
+    with pytest.raises(ValueError, match="block sizes must be >= 0, got -5"):
+        split(np.array([16 * KIB, -5]), True, False)
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_batch_goes_whole_where_its_smallest_copy_goes_when_that_is_the_engines(to_host, busy):
+    for sizes_kib in ([256, 1024], [64, 256], [128, 128], [512]):
+        sizes = np.array(sizes_kib) * KIB
+        whole = choose(int(sizes.min()), to_host, busy) is Mechanism.ENGINES
+        assert split(sizes, to_host, busy).tolist() == [whole] * len(sizes), sizes_kib
+    assert split(np.array([], dtype=np.int64), to_host, busy).tolist() == []
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_mixed_batch_sends_its_large_copies_to_the_engines_only_beside_kernel_only_ones(to_host, busy):
+    """Two layouts in one batch (16 KiB and 256 KiB blocks), or singles beside coalesced runs: the
+    copies of 256 KiB and more take the engines, the small ones the kernel. A mix whose small
+    copies the engines could take as well (64 KiB) is not split: it goes where its smallest goes."""
+    sizes = np.array([16, 256, 32, 1024, 300, 63]) * KIB
+    assert split(sizes, to_host, busy).tolist() == [False, True, False, True, True, False]
+    assert not split(np.array([16, 128, 200]) * KIB, to_host, busy).any(), "nothing of 256 KiB: all kernel"
+    mixed_64 = np.array([16, 64, 256]) * KIB
+    assert not split(mixed_64, to_host, busy).any(), "a 64 KiB copy and a 16 KiB one: whole, on the kernel"
+    whole = choose(64 * KIB, to_host, busy) is Mechanism.ENGINES
+    assert split(np.array([64, 256]) * KIB, to_host, busy).tolist() == [whole, whole]
+    assert not split(sizes, to_host, busy, engines_available=False).any()
 
 
 @pytest.mark.parametrize("n", [0, 1, FIRST_SLICE - 1, FIRST_SLICE, FIRST_SLICE + 1, 1000, 1024, 4097])

@@ -5,7 +5,8 @@ For each block size, batches of `--blocks` blocks at scattered offsets go HBM→
 mover starts every batch of a move before it waits for any, so the main figures keep `--inflight`
 batches in flight; `*_single_gbps` start one batch and wait for it (latency included).
 `--run-blocks R` places the blocks in runs of R neighbouring slots on both sides (the backend moves
-a run as one copy). `*_via` count the batches each direction sent through the copy kernel and the copy engines.
+a run as one copy). A size given as `16+256` makes batches that mix those sizes (block i of size
+i mod k): a node serving two layouts, whose batches the backend splits between its mechanisms. `*_via` count the batches each direction sent through the copy kernel and the copy engines.
 In the same run: one contiguous pinned copy of the same bytes each way and both ways at once on two
 streams (contig_*: the link's limit), and one cudaMemcpyAsync per block (per_block_copy_gbps).
 """
@@ -26,7 +27,9 @@ KIB = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes-kib", default="16,64,256,1024", help="block sizes in KiB (comma separated; default %(default)s)")
+    parser.add_argument("--sizes-kib", default="16,64,256,1024",
+                        help="block sizes in KiB (comma separated; sizes joined by + make mixed batches, "
+                             "e.g. 16+256; default %(default)s)")
     parser.add_argument("--blocks", type=positive_int, default=1024, help="blocks per batch (default 1024)")
     parser.add_argument("--repeat", type=positive_int, default=10, help="timed batches per figure (default 10)")
     parser.add_argument("--inflight", type=positive_int, default=4, help="batches in flight (default 4)")
@@ -48,15 +51,23 @@ def _time(fn, repeat: int) -> float:
     return time.perf_counter() - t
 
 
+def size_mixes(text: str) -> list[tuple[int, ...]]:
+    """--sizes-kib: each comma-separated item one block size, or sizes joined by + (a mixed
+    batch); bytes."""
+    return [tuple(sizes_kib(item.replace("+", ","))) for item in text.split(",")]
+
+
 def run(args) -> list[dict]:
     if args.run_blocks > args.blocks:
         raise OptionError(f"--run-blocks must be 1..--blocks ({args.blocks}), got {args.run_blocks}")
-    sizes = sizes_kib(args.sizes_kib)  # every option is checked before the GPU is looked for
+    mixes = size_mixes(args.sizes_kib)  # every option is checked before the GPU is looked for
+    if args.run_blocks > 1 and any(len(mix) > 1 for mix in mixes):
+        raise OptionError("--run-blocks > 1 needs one block size per batch (mixed sizes do not form runs)")
     cp = visible_gpu(args.device, "bench transfer")
     from dflash2.cuda.arena import CudaArena, PinnedHostArena
     from dflash2.transfer.cuda import CudaTransferBackend
 
-    n, largest = args.blocks, max(sizes)
+    n, largest = args.blocks, max(max(mix) for mix in mixes)
     # Two batches' worth of slots on each side so that the bidirectional run uses disjoint blocks.
     hbm = CudaArena.create(args.device, 2 * n * largest)
     dram = PinnedHostArena.create(f"dflash2-bench-{uuid.uuid4().hex[:8]}", 2 * n * largest, Tier.DRAM)
@@ -64,18 +75,19 @@ def run(args) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
     try:
-        for size in sizes:
+        for mix in mixes:
+            size = max(mix)  # a mixed batch's blocks lie in slots of its largest size
             slots = 2 * n * largest // size
             run = args.run_blocks
 
             def scattered():
                 starts = rng.permutation(slots // run)[: -(-n // run)] * run
                 return ((starts[:, None] + np.arange(run)[None, :]).ravel()[:n] * size).astype(np.int64)
-            nb = np.full(n, size, dtype=np.int64)
+            nb = np.array(mix, dtype=np.int64)[np.arange(n) % len(mix)]
             k = args.inflight
             downs = [CopyBatch(Tier.HBM, Tier.DRAM, scattered(), scattered(), nb) for _ in range(k)]
             ups = [CopyBatch(Tier.DRAM, Tier.HBM, scattered(), scattered(), nb) for _ in range(k)]
-            total = n * size
+            total = int(nb.sum())
 
             def run_batches(*groups):
                 # Both directions at once: started alternately, as a mover swapping blocks out and
@@ -99,7 +111,9 @@ def run(args) -> list[dict]:
             contig = _contiguous(cp, hbm, dram, total, args.repeat)
             per_block = _per_block(cp, hbm, dram, downs[0], args.repeat)
             moved = total * args.repeat * k
-            row = {"block_kib": size // KIB, "blocks": n, "run_blocks": run, "inflight": k,
+            kib = {"block_kib": size // KIB} if len(mix) == 1 else {"block_kib": None,
+                                                                    "mixed_kib": [m // KIB for m in mix]}
+            row = {**kib, "blocks": n, "run_blocks": run, "inflight": k,
                    "d2h_gbps": _gbps(moved, d2h), "h2d_gbps": _gbps(moved, h2d),
                    "bidir_gbps": _gbps(2 * moved, bidir),
                    "d2h_single_gbps": _gbps(total * args.repeat, d2h_single),

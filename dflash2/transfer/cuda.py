@@ -182,11 +182,15 @@ class CudaTransferBackend(TransferBackend):
             other = self._last.get(not to_host)
             busy = route.other_busy(other is not None and not other[0].done,
                                     None if other is None else now - other[1])
-            mechanism = route.choose(int(nbytes.min()) if len(nbytes) else 0, to_host, busy,
-                                     self.engines.available)
-            if mechanism is route.Mechanism.ENGINES:
+            # Each copy by its own size: the engines take the large ones, the kernel the rest, one
+            # after the other on the direction's stream (so the batch's end event covers both).
+            engines = route.split(nbytes, to_host, busy, self.engines.available)
+            kernel = ~engines
+            if engines.any():
                 try:
-                    keep = self.engines.launch(stream.ptr, dst, src, dst_off, src_off, nbytes)
+                    keep = self.engines.launch(stream.ptr, dst, src, dst_off[engines], src_off[engines],
+                                               nbytes[engines])
+                    self.launches[(to_host, route.Mechanism.ENGINES)] += 1
                 except ArenaError as e:
                     self._after_error(e)
                     if self.fatal is not None:  # the GPU failed, not the engines
@@ -196,10 +200,10 @@ class CudaTransferBackend(TransferBackend):
                     log.error("the copy engines failed (%s): this and every later HBM<->DRAM batch of GPU %d "
                               "moves with the copy kernel", e, self.device)
                     self.engines.withdraw()
-                    mechanism = route.Mechanism.KERNEL
-            if mechanism is route.Mechanism.KERNEL:
-                self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
-            self.launches[(to_host, mechanism)] += 1
+                    kernel = np.ones(len(nbytes), dtype=bool)
+            if kernel.any():
+                self.kernel.launch(stream, src, dst, src_off[kernel], dst_off[kernel], nbytes[kernel])
+                self.launches[(to_host, route.Mechanism.KERNEL)] += 1
             event = cp.cuda.Event(disable_timing=not timed)  # timed: with `began`, the copy's own time
             event.record(stream)
         return event, keep, began

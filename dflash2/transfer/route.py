@@ -8,7 +8,7 @@ batches in flight; GB/s):
 | 16 KiB | 49.8       | 27-32       | 48.4       | 4-11        | 66.5              | 8                 |
 | 64 KiB | 51.8       | 48.5        | 50.5       | 54.3        | 75.0              | 93.4              |
 
-So blocks under 64 KiB always take the kernel; from 64 KiB the engines take the host-to-device
+So copies under 64 KiB always take the kernel; from 64 KiB the engines take the host-to-device
 direction, the device-to-host direction from 128 KiB, and both directions whenever the other one
 has a batch in flight: multiprocessor loads and stores of host memory travel in small PCIe packets,
 so two kernels share the link's two directions poorly, while the engines fill both. A kernel one way
@@ -17,6 +17,15 @@ runs on the engines, every later batch of the other finds it busy and takes them
 short lull from sending one batch back to the kernel (and into that mix), the other direction counts
 as busy for DUPLEX_HOLD_S after it last started a batch: a mover swapping both ways starts batches of
 both within milliseconds; one moving one way has not started the other for much longer.
+
+A batch that mixes sizes (two layouts, or runs of neighbouring blocks coalesced into one copy) is
+split: copies of 256 KiB or more take the engines and the others, all under 64 KiB, the kernel,
+one after the other on the direction's stream. Measured on a two-GPU H200 host (batches alternating
+two sizes, fraction of the contiguous copy, d2h / h2d / both ways, two runs each, against the whole
+batch on the mechanism its smallest copy takes, here the kernel): 16+256 KiB 0.94-0.95 / 0.97-0.98 / 0.75-0.76 (kernel 0.93-0.94 / 0.91 /
+0.75-0.77), 16+1024 KiB 0.99 / 0.99 / 0.81-0.84 (0.94 / 0.92 / 0.79). Splitting a mix whose small
+copies the engines could take as well did worse both ways: 64+256 KiB 0.57-0.60 (whole 0.83-0.84),
+16+64 KiB 0.62 (0.69-0.70); such a batch goes whole where its smallest copy goes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ KIB = 1024
 KERNEL_MAX_BLOCK = 64 * KIB  # below this the engines lose in every case measured
 ENGINE_MIN_BLOCK_D2H = 128 * KIB  # the other direction idle, device to host
 ENGINE_MIN_BLOCK_H2D = 64 * KIB  # the other direction idle, host to device
+SPLIT_MIN_BLOCK = 256 * KIB  # the smallest copy that leaves a mixed batch for the engines
 DUPLEX_HOLD_S = 0.005  # about four 1024-block batches of 64 KiB; the bench's lull between rounds is ~1 ms
 
 
@@ -44,18 +54,44 @@ def other_busy(in_flight: bool, seconds_since_start: float | None) -> bool:
     return in_flight or (seconds_since_start is not None and seconds_since_start < DUPLEX_HOLD_S)
 
 
-def choose(smallest_block: int, to_host: bool, other_direction_busy: bool,
-           engines_available: bool = True) -> Mechanism:
-    """The mechanism for a batch whose smallest block is `smallest_block` bytes, going device to
-    host when `to_host`; `other_direction_busy`: what `other_busy` says of the other direction."""
-    if smallest_block < 0:
-        raise ValueError(f"smallest_block must be >= 0, got {smallest_block}")
-    if not engines_available or smallest_block < KERNEL_MAX_BLOCK:
-        return Mechanism.KERNEL
+def engine_threshold(to_host: bool, other_direction_busy: bool) -> int:
+    """The smallest copy (bytes) that the engines take; `other_direction_busy`: what `other_busy`
+    says of the other direction."""
     if other_direction_busy:
+        return KERNEL_MAX_BLOCK
+    return max(KERNEL_MAX_BLOCK, ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D)
+
+
+def choose(block: int, to_host: bool, other_direction_busy: bool, engines_available: bool = True) -> Mechanism:
+    """The mechanism for one copy of `block` bytes, going device to host when `to_host`."""
+    if block < 0:
+        raise ValueError(f"block size must be >= 0, got {block}")
+    if engines_available and block >= engine_threshold(to_host, other_direction_busy):
         return Mechanism.ENGINES
-    threshold = ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D
-    return Mechanism.ENGINES if smallest_block >= threshold else Mechanism.KERNEL
+    return Mechanism.KERNEL
+
+
+def split(nbytes: np.ndarray, to_host: bool, other_direction_busy: bool,
+          engines_available: bool = True) -> np.ndarray:
+    """Which copies of a batch the engines take (a mask; the kernel takes the rest). A batch whose
+    every copy `choose` sends to the engines goes there whole. Otherwise the engines take only its
+    copies of SPLIT_MIN_BLOCK or more, and only when every other copy is one that the kernel always
+    moves (under KERNEL_MAX_BLOCK): a batch of a 16 KiB layout's blocks and of another layout's
+    large ones (or of runs of neighbouring blocks, coalesced into one large copy). A mix with copies
+    of 64-255 KiB goes whole where its smallest copy goes: split, it moved both ways at 0.57-0.62
+    of the link against 0.69-0.84 whole (measured; module docstring)."""
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    if len(nbytes) and int(nbytes.min()) < 0:
+        raise ValueError(f"block sizes must be >= 0, got {int(nbytes.min())}")
+    none = np.zeros(len(nbytes), dtype=bool)
+    if not engines_available or not len(nbytes):
+        return none
+    if int(nbytes.min()) >= engine_threshold(to_host, other_direction_busy):
+        return ~none
+    large = nbytes >= SPLIT_MIN_BLOCK
+    if ((nbytes < KERNEL_MAX_BLOCK) | large).all():
+        return large
+    return none
 
 
 def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray
