@@ -219,7 +219,7 @@ class BlockManager:
         client whose engine gave its prefill rate, the prefix ends before the first block that
         would load to `reader` more slowly than the engine recomputes it (not offered as a hit)."""
         rows = self.table.lookup(keys, layout_id)
-        if client is not None and len(rows):
+        if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
             if not worth.all():

@@ -51,6 +51,7 @@ class ReadCost:
         self._seconds: dict[tuple[Tier, Tier], float] = {}
         self._seen: dict[tuple[Tier, Tier], int] = {}  # bytes ever measured on the path (not decayed)
         self._rates: dict[tuple[int, int], float | None] = {}  # (client, layout id) -> tokens per second
+        self._rated: set[int] = set()  # clients with a rate for some layout (the others are never judged)
 
     # -- measurement -------------------------------------------------------------------------
     def observe(self, src: Tier, dst: Tier, nbytes: int, seconds: float) -> None:
@@ -91,6 +92,11 @@ class ReadCost:
         """The client's engine recomputes blocks of this layout at this many tokens per second
         (None: it does not say; its blocks of the layout are then never judged)."""
         self._rates[(client, layout_id)] = checked_rate(tokens_per_s)
+        self._rated = {c for (c, _), r in self._rates.items() if r is not None}
+
+    def judges(self, client: int | None) -> bool:
+        """Whether `client` gave a rate for some layout: only such a client's reads are judged."""
+        return client in self._rated
 
     def rate(self, client: int, layout_id: int) -> float | None:
         return self._rates.get((client, layout_id))
@@ -98,6 +104,7 @@ class ReadCost:
     def drop_client(self, client: int) -> None:
         for key in [k for k in self._rates if k[0] == client]:
             del self._rates[key]
+        self._rated.discard(client)
 
     def keeping_rate(self, layout_id: int) -> float | None:
         """The rate placement judges a layout by: the slowest engine's (it gains most from a read
@@ -127,7 +134,9 @@ class ReadCost:
         """Per block (layout id, tier): is reading it to `reader` cheaper than the client's engine
         recomputing it? True where nothing is known (no rate, or an unmeasured path)."""
         ok = np.ones(len(tiers), dtype=bool)
-        if client is None or not len(tiers):
+        if not self.judges(client) or not len(tiers):  # the common case: no rate given, nothing judged
+            return ok
+        if int(tiers.max()) <= int(reader):  # all already where the reader reads: nothing to load
             return ok
         for lid, tier in set(zip(layout_ids.tolist(), tiers.tolist())):
             rate = self.rate(client, lid)

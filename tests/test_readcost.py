@@ -90,6 +90,14 @@ def test_a_block_is_offered_when_it_loads_faster_than_it_is_recomputed():
     # Another client without a rate, and a host-side reader already in DRAM, are not judged.
     assert rc.worth(2, [SMALL], np.zeros(2, dtype=np.int64), tiers, Tier.HBM).all()
     assert rc.worth(1, [SMALL], np.zeros(2, dtype=np.int64), tiers, Tier.DRAM).all()
+    # Only a client that gave a rate is judged (lookups of the others skip the check): a rate
+    # withdrawn (None) or a client gone is no longer judged, and its blocks are offered again.
+    assert rc.judges(1) and not rc.judges(2) and not rc.judges(None)
+    rc.set_rate(1, 0, None)
+    assert not rc.judges(1) and rc.worth(1, [SMALL], np.zeros(2, dtype=np.int64), tiers, Tier.HBM).all()
+    rc.set_rate(1, 0, recompute_rate * 1.1)
+    rc.drop_client(1)
+    assert not rc.judges(1) and rc.worth(1, [SMALL], np.zeros(2, dtype=np.int64), tiers, Tier.HBM).all()
 
 
 def test_placement_judges_a_layout_by_its_slowest_engine_and_only_when_all_gave_a_rate():
