@@ -322,6 +322,7 @@ class BlockManager:
             "lookup_withheld": self.access.withheld,
             "read_cost": self.read_cost.describe(),
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
+            "copy_batches": {} if self.backend is None else self.backend.copy_batches(),
             "placement": dataclasses.asdict(self.placement.stats),
             "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,
                          "wasted": self.prefetcher.wasted},

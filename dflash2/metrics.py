@@ -10,7 +10,7 @@ Two sources, no double bookkeeping:
   seconds per batch move (Mover.complete), admission wait (Admission.tick), the background step.
 
 Labels are bounded: tier (hbm|dram|nvme), direction (`hbm->dram`, ...), op (the protocol's ops),
-state, outcome, action, kind. Never a block, request or client id.
+state, outcome, action, kind, mechanism (kernel|engines). Never a block, request or client id.
 
 | metric | type | what |
 | --- | --- | --- |
@@ -27,6 +27,7 @@ state, outcome, action, kind. Never a block, request or client id.
 | dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed (left where they were) |
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
+| dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted, not_kept (dropped: the tier below reads back slower than a recompute) |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{direction} | gauge | read bandwidth measured on the daemon's own moves (absent until 1 MiB has moved that way) |
@@ -248,6 +249,11 @@ def _swap_families(st: dict):
     yield _counter("dflash2_swap_failed_blocks", "Blocks whose copy failed (they stayed where they were).",
                    ["direction"], per_dir("failed_blocks"))
     yield _counter("dflash2_swap_bytes", "Bytes copied between tiers.", ["direction"], per_dir("bytes"))
+    batches = st.get("copy_batches", {})
+    if batches:  # a GPU node: HBM<->DRAM batches by the mechanism that moved them
+        yield _counter("dflash2_copy_batches", "HBM<->DRAM batches started, by the GPU mechanism that moved them "
+                       "(a batch split between them counts once under each).", ["direction", "mechanism"],
+                       [((d, m), n) for d, per in batches.items() for m, n in per.items()])
 
 
 def _reservation_families(st: dict):

@@ -72,6 +72,9 @@ def render(st: dict) -> str:
                   f"lookups {st.get('lookups', 0)}"]
     moves = st.get("moves", {})
     lines.append("moves: " + ("; ".join(f"{k} {_brief(v)}" for k, v in moves.items()) if moves else "none"))
+    batches = st.get("copy_batches", {})
+    if batches:  # a GPU node: how its HBM<->DRAM batches were moved
+        lines.append("GPU copy batches: " + "; ".join(f"{d} {_brief(per)}" for d, per in batches.items()))
     placement = st.get("placement", {})
     if placement:
         lines.append("placement: " + _brief(placement))

@@ -233,6 +233,10 @@ def test_status_table_and_json(connect, daemon, capsys):
     assert main(["status", "--endpoint", daemon.endpoint, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["tiers"]["hbm"]["blocks"] == 2 and st["clients"][0]["name"] == "engine-7"
+    assert "GPU copy batches" not in table, "a host daemon moves one way only"
+    from dflash2.status import render
+    st["copy_batches"] = {"hbm->dram": {"kernel": 3, "engines": 2}}  # what a GPU pool reports
+    assert "GPU copy batches: hbm->dram kernel 3, engines 2" in render(st)
 
 
 def test_status_without_daemon_exits_1(tmp_path, config_file, capsys):

@@ -117,8 +117,10 @@ def test_the_churn_on_one_gpu(cuda_config):
 def churned(mgr, device: int) -> None:
     """After `churn`: every block is back in HBM, and both mechanisms moved some."""
     assert mgr.stats()["tiers"]["hbm"]["blocks"] == 96, device
-    mechanisms = {mech.name for (_, mech) in mgr.backend.launches}
-    assert mechanisms == {"KERNEL", "ENGINES"} or not mgr.backend.engines.available, (device, mgr.backend.launches)
+    batches = mgr.stats()["copy_batches"]  # what dflash2_copy_batches_total exports
+    assert set(batches) == {"hbm->dram", "dram->hbm"}, batches
+    mechanisms = {m for per in batches.values() for m in per}
+    assert mechanisms == {"kernel", "engines"} or not mgr.backend.engines.available, (device, batches)
 
 
 def churn(mgr, device: int, failures: list[str]) -> None:

@@ -21,7 +21,7 @@ from dflash2.metrics import DaemonMetrics
 from conftest import SMALL
 
 BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
-                  "device", "policy", "version"}
+                  "device", "policy", "version", "mechanism"}
 
 
 @pytest.fixture
@@ -85,6 +85,24 @@ def test_metrics_mirror_the_stats_and_observe_events(service):
     assert got[("dflash2_scheduler_latency_microseconds_sum", ())] == pytest.approx(2000)
     assert got[("dflash2_rescore_seconds_count", ())] == 1
     assert got[("dflash2_clients", ())] == 1
+
+
+def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
+    """A host pool moves one way (no family); a GPU pool's stats name each direction's batches by
+    mechanism (tests/test_gpu_nodes.py checks them on a GPU), summed over the node's pools."""
+    from dflash2.daemon.service import sum_stats
+    metrics = DaemonMetrics(service)
+    _load(service)
+    metrics.refresh(force=True)
+    assert service.stats()["copy_batches"] == {}
+    assert not [k for k in _scrape(metrics) if k[0].startswith("dflash2_copy_batches")]
+    gpu0 = {"hbm->dram": {"kernel": 3, "engines": 2}, "dram->hbm": {"engines": 4}}
+    gpu1 = {"hbm->dram": {"kernel": 1}}
+    metrics.snapshot["copy_batches"] = sum_stats([{"copy_batches": gpu0}, {"copy_batches": gpu1}])["copy_batches"]
+    got = _scrape(metrics)
+    assert got[("dflash2_copy_batches_total", (("direction", "hbm->dram"), ("mechanism", "kernel")))] == 4
+    assert got[("dflash2_copy_batches_total", (("direction", "hbm->dram"), ("mechanism", "engines")))] == 2
+    assert got[("dflash2_copy_batches_total", (("direction", "dram->hbm"), ("mechanism", "engines")))] == 4
 
 
 def test_the_scrape_reads_the_snapshot_not_the_manager(service):

@@ -72,5 +72,10 @@ class TransferBackend(abc.ABC):
     def start(self, batch: CopyBatch) -> CopyJob:
         """Begin copying a batch. The source bytes must stay untouched until the job is waited for."""
 
+    def copy_batches(self) -> dict[str, dict[str, int]]:
+        """Batches started so far by direction ("hbm->dram") and mechanism ("kernel", "engines"):
+        how a GPU backend moved HBM<->DRAM batches. Empty where there is one way only (host copies)."""
+        return {}
+
     def close(self) -> None:
         """Release streams, threads and buffers."""

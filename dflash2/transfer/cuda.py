@@ -216,6 +216,12 @@ class CudaTransferBackend(TransferBackend):
             event.record(stream)
         return event, keep, began
 
+    def copy_batches(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (to_host, mechanism), n in sorted(self.launches.items(), key=lambda kv: (not kv[0][0], kv[0][1].value)):
+            out.setdefault("hbm->dram" if to_host else "dram->hbm", {})[mechanism.value] = n
+        return out
+
     def _after_error(self, error: BaseException) -> None:
         """A copy failed: is the GPU's CUDA context still usable? After a sticky error (an illegal
         address, an uncorrectable ECC error, a GPU fallen off the bus) every later CUDA call fails
