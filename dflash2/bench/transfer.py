@@ -6,7 +6,8 @@ mover starts every batch of a move before it waits for any, so the main figures 
 batches in flight; `*_single_gbps` start one batch and wait for it (latency included).
 `--run-blocks R` places the blocks in runs of R neighbouring slots on both sides (the backend moves
 a run as one copy). A size given as `16+256` makes batches that mix those sizes (block i of size
-i mod k): a node serving two layouts, whose batches the backend splits between its mechanisms. `*_via` count the batches each direction sent through the copy kernel and the copy engines.
+i mod k): a node serving two layouts, whose batches the backend splits between its mechanisms.
+`*_via` count the batches each direction sent through the copy kernel and the copy engines.
 In the same run: one contiguous pinned copy of the same bytes each way and both ways at once on two
 streams (contig_*: the link's limit), and one cudaMemcpyAsync per block (per_block_copy_gbps).
 """

@@ -21,11 +21,13 @@ both within milliseconds; one moving one way has not started the other for much 
 A batch that mixes sizes (two layouts, or runs of neighbouring blocks coalesced into one copy) is
 split: copies of 256 KiB or more take the engines and the others, all under 64 KiB, the kernel,
 one after the other on the direction's stream. Measured on a two-GPU H200 host (batches alternating
-two sizes, fraction of the contiguous copy, d2h / h2d / both ways, two runs each, against the whole
-batch on the mechanism its smallest copy takes, here the kernel): 16+256 KiB 0.94-0.95 / 0.97-0.98 / 0.75-0.76 (kernel 0.93-0.94 / 0.91 /
-0.75-0.77), 16+1024 KiB 0.99 / 0.99 / 0.81-0.84 (0.94 / 0.92 / 0.79). Splitting a mix whose small
-copies the engines could take as well did worse both ways: 64+256 KiB 0.57-0.60 (whole 0.83-0.84),
-16+64 KiB 0.62 (0.69-0.70); such a batch goes whole where its smallest copy goes.
+two sizes; fraction of the contiguous copy d2h / h2d / both ways; split against the whole batch on
+the kernel, where its smallest copy sends it; two or three runs each, alternated in one process):
+16+256 KiB 0.94-0.95 / 0.97-0.98 / 0.75-0.76 against 0.93-0.94 / 0.91-0.92 / 0.75-0.79;
+16+1024 KiB 0.99 / 0.98-0.99 / 0.81-0.84 against 0.94-0.95 / 0.92 / 0.77-0.81. Splitting a mix
+whose small copies the engines could take as well did worse both ways: 64+256 KiB 0.57-0.60 (whole,
+on the engines but for a batch whose other direction was idle: 0.83-0.86), 16+64 KiB 0.60-0.62
+(whole 0.65-0.71); such a batch goes whole where its smallest copy goes.
 """
 
 from __future__ import annotations
