@@ -185,10 +185,12 @@ class SlotAllocator:
             # first, so that the slabs are cut from the runs `blocks_free` counted (claiming from the
             # free pages first could split such a run and leave too little).
             self._reclaim(exclude=slot)
-        while cls.n_free < n:
-            if not self._claim_slab(cls):
+        if cls.n_free < n:
+            want = -(-(n - cls.n_free) // cls.slots_per_slab)  # slabs still needed
+            want -= self._claim_slabs(cls, want)
+            if want:
                 self._reclaim(exclude=slot)
-                if not self._claim_slab(cls):  # can_fit said yes: a contiguous run must exist
+                if self._claim_slabs(cls, want) < want:  # can_fit said yes: the runs must exist
                     return None
         offsets = cls.pop(n)
         cls.held[offsets // slot] = offsets % slot
@@ -253,35 +255,45 @@ class SlotAllocator:
             self._classes[slot] = cls
         return cls
 
-    def _claim_slab(self, cls: _SizeClass) -> bool:
-        head = self._find_run(cls.slab_pages)
-        if head < 0:
-            return False
-        self._page_free[head: head + cls.slab_pages] = False
-        self._n_free_pages -= cls.slab_pages
-        self._page_class[head] = cls.slot
-        self._page_head[head: head + cls.slab_pages] = head
-        base = head * self.page_bytes
-        end = (base + cls.slab_pages * self.page_bytes) // cls.slot + 1
+    def _claim_slabs(self, cls: _SizeClass, k: int) -> int:
+        """Claim up to `k` slabs for the class, first fit (the same slabs, in the same order, as `k`
+        claims one at a time); how many were claimed. One pass over the page map for all of them: a
+        promotion of blocks as large as a page claims a slab per block."""
+        heads = self._find_runs(cls.slab_pages, k)
+        if not len(heads):
+            return 0
+        pages = (heads[:, None] + np.arange(cls.slab_pages)).ravel()
+        self._page_free[pages] = False
+        self._n_free_pages -= len(pages)
+        self._page_class[heads] = cls.slot
+        self._page_head[pages] = np.repeat(heads, cls.slab_pages)
+        base = heads * self.page_bytes
+        end = int(base[-1] + cls.slab_pages * self.page_bytes) // cls.slot + 1
         if end > len(cls.held):  # the map covers the slabs claimed so far
             held = np.full(max(end, 2 * len(cls.held)), -1, dtype=cls.held.dtype)
             held[: len(cls.held)] = cls.held
             cls.held = held
-        # Push in reverse so that pops hand out ascending offsets (sequential I/O on fresh tiers).
-        cls.push(base + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64))
-        return True
+        # Each slab's slots pushed in reverse, slab after slab, so that pops hand out ascending
+        # offsets (sequential I/O on fresh tiers).
+        cls.push((base[:, None] + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64)).ravel())
+        return len(heads)
 
-    def _find_run(self, length: int) -> int:
-        """Head page of the first run of `length` free pages, or -1."""
-        if self._n_free_pages < length:
-            return -1
+    def _find_runs(self, length: int, k: int) -> np.ndarray:
+        """Head pages of the first `k` disjoint runs of `length` free pages, in page order (fewer
+        when there are not so many): what `k` first-fit searches, each after claiming the last, find."""
+        if k <= 0 or self._n_free_pages < length:
+            return np.empty(0, dtype=np.int64)
         if length == 1:
-            return int(np.argmax(self._page_free))
+            return np.flatnonzero(self._page_free)[:k].astype(np.int64)
         # Free pages in each window of `length`, from a running count (int64: a sum in the pages'
         # own small type would wrap for slabs of 128 pages or more, and no such slab would be found).
         count = np.concatenate(([0], np.cumsum(self._page_free, dtype=np.int64)))
         hits = np.flatnonzero(count[length:] - count[:-length] == length)
-        return int(hits[0]) if len(hits) else -1
+        heads, i = [], 0
+        while len(heads) < k and i < len(hits):
+            heads.append(int(hits[i]))
+            i = int(np.searchsorted(hits, hits[i] + length))  # the next run that does not overlap
+        return np.asarray(heads, dtype=np.int64)
 
     def _empty_slab_heads(self, cls: _SizeClass) -> np.ndarray:
         heads = np.flatnonzero((self._page_class == cls.slot) & (self._page_used == 0) & ~self._page_free)

@@ -61,3 +61,52 @@ def test_blocks_that_fit_matches_real_allocation(block):
 def test_slab_shape_keeps_tail_waste_small():
     pages, per = slab_shape(slot_bytes(5 * MIB, 256), 2 * MIB)
     assert per * 5 * MIB >= 0.95 * pages * 2 * MIB
+
+
+def _first_fit_one_at_a_time(free: np.ndarray, length: int, k: int) -> list[int]:
+    """The reference: k first-fit searches, each after the pages of the last run are taken."""
+    free, heads = free.copy(), []
+    for _ in range(k):
+        head = next((h for h in range(len(free) - length + 1) if free[h: h + length].all()), None)
+        if head is None:
+            break
+        heads.append(head)
+        free[head: head + length] = False
+    return heads
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 7])
+def test_many_slabs_are_claimed_in_one_pass_as_one_at_a_time_would(length):
+    """A promotion of blocks as large as a page claims a slab per block: all at once, the same
+    slabs in the same order as claiming them one by one (first fit)."""
+    rng = np.random.default_rng(length)
+    for _ in range(30):
+        a = SlotAllocator(200 * MIB, MIB, 256)
+        a._page_free[:] = rng.random(200) < rng.uniform(0.2, 0.95)
+        a._n_free_pages = int(a._page_free.sum())
+        k = int(rng.integers(1, 40))
+        want = _first_fit_one_at_a_time(a._page_free, length, k)
+        assert a._find_runs(length, k).tolist() == want
+
+
+def test_a_large_allocation_of_page_sized_blocks_fills_scattered_pages_exactly():
+    """Free pages scattered through a full tier: one alloc takes them all, each slot once, and
+    a further block does not fit (all or nothing); freeing and allocating again gives them back."""
+    a = SlotAllocator(64 * MIB, MIB, 256)
+    everything = a.alloc(MIB, 64)
+    freed = everything[np.random.default_rng(0).permutation(64)[:20]]
+    a.free(MIB, freed)
+    a._reclaim(exclude=-1)  # their empty slabs back to the page pool, as a tier under pressure does
+    got = a.alloc(MIB, 20)
+    assert sorted(got.tolist()) == sorted(freed.tolist())
+    assert a.alloc(MIB, 1) is None and a.used_bytes == 64 * MIB
+    a.free(MIB, got)
+    assert sorted(a.alloc(MIB, 20).tolist()) == sorted(freed.tolist())
+    # Two-page slabs (a 1.5 MiB slot): only whole free runs count, and a shortfall changes nothing.
+    b = SlotAllocator(16 * MIB, MIB, 256)
+    b._page_free[:] = np.array([1, 1, 0, 1, 0, 1, 1, 1, 1, 0, 1, 1, 0, 0, 1, 0], dtype=bool)
+    b._n_free_pages = int(b._page_free.sum())
+    assert b._find_runs(2, 10).tolist() == [0, 5, 7, 10]
+    assert b.alloc(3 * MIB // 2, 5) is None
+    assert int(b._page_free.sum()) == 10 and b.used_bytes == 0
+    assert b.alloc(3 * MIB // 2, 4) is not None
