@@ -194,7 +194,7 @@ class SlotAllocator:
                     return None
         offsets = cls.pop(n)
         cls.held[offsets // slot] = offsets % slot
-        np.add.at(self._page_used, self._head_of(offsets), 1)
+        self._count_used(cls, offsets, 1)
         cls.n_used += n
         cls.block_bytes_used += n * block_bytes
         return offsets
@@ -211,10 +211,18 @@ class SlotAllocator:
         if cls is None:
             raise ArenaError(f"free of {len(offsets)} slots of {slot} bytes: no slot of that size was handed out")
         self._release_held(cls, offsets)
-        np.subtract.at(self._page_used, self._head_of(offsets), 1)
+        self._count_used(cls, offsets, -1)
         cls.push(offsets)
         cls.n_used -= len(offsets)
         cls.block_bytes_used -= len(offsets) * block_bytes
+
+    def _count_used(self, cls: _SizeClass, offsets: np.ndarray, delta: int) -> None:
+        """Add `delta` to the used-slot count of each offset's slab (offsets distinct)."""
+        heads = self._head_of(offsets)
+        if cls.slots_per_slab == 1:  # a slab per slot: every head once, a plain indexed add
+            self._page_used[heads] += delta
+        else:
+            np.add.at(self._page_used, heads, delta)
 
     @staticmethod
     def _release_held(cls: _SizeClass, offsets: np.ndarray) -> None:
