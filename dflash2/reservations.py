@@ -80,9 +80,9 @@ class Decision:
     est_wait_s: float | None = None  # deferred: None when no estimate can be made
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["outcome"] = self.outcome.value
-        return d
+        # Field by field: dataclasses.asdict (a deep copy) cost each reserve reply ~60 us.
+        return {"outcome": self.outcome.value, "reservation_id": self.reservation_id, "reason": self.reason,
+                "position": self.position, "est_wait_s": self.est_wait_s}
 
 
 class Admission:

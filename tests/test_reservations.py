@@ -147,3 +147,15 @@ def test_deferred_queue_has_a_limit(make_manager):
     mgr.allocate(a, lid, 1)
     assert [mgr.reserve(a, lid, tokens=16).outcome for _ in range(3)] == [
         Outcome.DEFERRED, Outcome.DEFERRED, Outcome.REJECTED]
+
+
+def test_a_decision_on_the_wire_carries_every_field():
+    """The reply of reserve / reservation: every field of the decision, the outcome by its value."""
+    import dataclasses
+
+    from dflash2.reservations import Decision
+    d = Decision(Outcome.DEFERRED, 7, "HBM is full", position=2, est_wait_s=0.5)
+    wire = d.to_dict()
+    assert set(wire) == {f.name for f in dataclasses.fields(Decision)}
+    assert wire == {"outcome": "deferred", "reservation_id": 7, "reason": "HBM is full", "position": 2,
+                    "est_wait_s": 0.5}
