@@ -92,6 +92,7 @@ def test_moves_on_two_gpus_at_once_stay_on_their_gpu_bit_exact(cuda_config):
             t.start()
         for t in threads:
             t.join(300)
+        assert not any(t.is_alive() for t in threads), "a GPU's moves did not finish in 5 minutes"
         assert not failures, failures
         for d, m in managers.items():
             churned(m, d)
