@@ -53,6 +53,7 @@ import dataclasses  # noqa: E402  (kept below the pure helpers the CLI imports)
 
 import numpy as np  # noqa: E402
 
+from dflash2.counts import add_at  # noqa: E402
 from dflash2.errors import ArenaError  # noqa: E402
 
 
@@ -217,12 +218,9 @@ class SlotAllocator:
         cls.block_bytes_used -= len(offsets) * block_bytes
 
     def _count_used(self, cls: _SizeClass, offsets: np.ndarray, delta: int) -> None:
-        """Add `delta` to the used-slot count of each offset's slab (offsets distinct)."""
-        heads = self._head_of(offsets)
-        if cls.slots_per_slab == 1:  # a slab per slot: every head once, a plain indexed add
-            self._page_used[heads] += delta
-        else:
-            np.add.at(self._page_used, heads, delta)
+        """Add `delta` to the used-slot count of each offset's slab (offsets distinct: with one slot
+        per slab, so are their slabs)."""
+        add_at(self._page_used, self._head_of(offsets), delta, distinct=cls.slots_per_slab == 1)
 
     @staticmethod
     def _release_held(cls: _SizeClass, offsets: np.ndarray) -> None:

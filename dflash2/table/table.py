@@ -28,6 +28,7 @@ import numpy as np
 from dflash2.alloc import SlotAllocator
 from dflash2.errors import (IllegalTransition, ImmutableBlock, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
+from dflash2.counts import add_at
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
@@ -538,11 +539,8 @@ class BlockTable:
             linked = parents != NO_ROW
             if linked.any():  # each moved child now counts in its parent's kids of dst, not of src
                 flat = c.kids.reshape(-1)  # tier-major: (tier, row) is tier * capacity + row
-                for cells, delta in ((src[linked].astype(np.int64) * c.capacity + parents[linked], -1),
-                                     (int(dst) * c.capacity + parents[linked].astype(np.int64), 1)):
-                    # np.unique + one fancy add: several times faster than np.add.at on 2-D cells
-                    cells, counts = np.unique(cells, return_counts=True)
-                    flat[cells] += delta * counts.astype(flat.dtype)
+                add_at(flat, src[linked].astype(np.int64) * c.capacity + parents[linked], -1)
+                add_at(flat, int(dst) * c.capacity + parents[linked].astype(np.int64), 1)
             c.tier[moved] = dst
             c.offset[moved] = dst_offsets[ok]
         orphans = [r for r in rows.tolist() if r in self._free_after_move] if self._free_after_move else []

@@ -56,21 +56,16 @@ def other_busy(in_flight: bool, seconds_since_start: float | None) -> bool:
     return in_flight or (seconds_since_start is not None and seconds_since_start < DUPLEX_HOLD_S)
 
 
-def engine_threshold(to_host: bool, other_direction_busy: bool) -> int:
-    """The smallest copy (bytes) that the engines take; `other_direction_busy`: what `other_busy`
-    says of the other direction."""
-    if other_direction_busy:
-        return KERNEL_MAX_BLOCK
-    return max(KERNEL_MAX_BLOCK, ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D)
-
-
 def choose(block: int, to_host: bool, other_direction_busy: bool, engines_available: bool = True) -> Mechanism:
-    """The mechanism for one copy of `block` bytes, going device to host when `to_host`."""
+    """The mechanism for one copy of `block` bytes, going device to host when `to_host`;
+    `other_direction_busy`: what `other_busy` says of the other direction."""
     if block < 0:
         raise ValueError(f"block size must be >= 0, got {block}")
-    if engines_available and block >= engine_threshold(to_host, other_direction_busy):
-        return Mechanism.ENGINES
-    return Mechanism.KERNEL
+    if other_direction_busy:
+        threshold = KERNEL_MAX_BLOCK
+    else:
+        threshold = max(KERNEL_MAX_BLOCK, ENGINE_MIN_BLOCK_D2H if to_host else ENGINE_MIN_BLOCK_H2D)
+    return Mechanism.ENGINES if engines_available and block >= threshold else Mechanism.KERNEL
 
 
 def split(nbytes: np.ndarray, to_host: bool, other_direction_busy: bool,
@@ -81,14 +76,14 @@ def split(nbytes: np.ndarray, to_host: bool, other_direction_busy: bool,
     moves (under KERNEL_MAX_BLOCK): a batch of a 16 KiB layout's blocks and of another layout's
     large ones (or of runs of neighbouring blocks, coalesced into one large copy). A mix with copies
     of 64-255 KiB goes whole where its smallest copy goes: split, it moved both ways at 0.57-0.62
-    of the link against 0.69-0.84 whole (measured; module docstring)."""
+    of the link against 0.65-0.86 whole (measured; module docstring)."""
     nbytes = np.asarray(nbytes, dtype=np.int64)
     if len(nbytes) and int(nbytes.min()) < 0:
         raise ValueError(f"block sizes must be >= 0, got {int(nbytes.min())}")
     none = np.zeros(len(nbytes), dtype=bool)
     if not engines_available or not len(nbytes):
         return none
-    if int(nbytes.min()) >= engine_threshold(to_host, other_direction_busy):
+    if choose(int(nbytes.min()), to_host, other_direction_busy) is Mechanism.ENGINES:
         return ~none
     large = nbytes >= SPLIT_MIN_BLOCK
     if ((nbytes < KERNEL_MAX_BLOCK) | large).all():
