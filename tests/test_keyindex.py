@@ -1,7 +1,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from dflash2.table.keyindex import KeyIndex
+from dflash2.table.keyindex import EMPTY, KeyIndex
 
 
 @settings(max_examples=60, deadline=None)
@@ -31,3 +31,21 @@ def test_growth_keeps_everything():
         ki.insert(int(k), i)
     assert ki.lookup(keys).tolist() == list(range(5000))
     assert ki.nbytes <= 12 * 4 * 5000
+
+
+def test_consecutive_keys_spread_over_the_table():
+    """Keys that are not hashes (a trace's block ids, counters) must not pile into one probe run:
+    a lookup of an absent key and every removal walk the run they land in."""
+    index = KeyIndex(16)
+    keys = np.arange(1, 8193, dtype=np.uint64)
+    for i, k in enumerate(keys.tolist()):
+        index.insert(k, i)
+    used = np.concatenate([index._rows != EMPTY, [False]])
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8)])))
+    longest = int(np.max(edges[1::2] - edges[::2]))
+    assert longest < 100, f"a probe run of {longest} slots"
+    assert np.array_equal(index.lookup(keys), np.arange(8192))
+    for k in keys[::2].tolist():
+        index.remove(k)
+    assert np.array_equal(index.lookup(keys[1::2]), np.arange(1, 8192, 2))
+    assert (index.lookup(keys[::2]) == EMPTY).all()
