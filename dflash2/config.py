@@ -154,13 +154,15 @@ class Watermarks(_Section):
 class HeatWeights(_Section):
     """Weights of the heat policy's terms; only their ratios matter."""
 
-    frequency: float = Field(1.0, ge=0, le=1e6, description="Access count with exponential decay.")
+    frequency: float = Field(0.0, ge=0, le=1e6, description=(
+        "Learned hit density of the access-count class (0: the count only splits first-timers from "
+        "returning blocks)."))
     recency: float = Field(1.0, ge=0, le=1e6, description="Time since last access.")
     recency_below: float = Field(1.0, ge=0, le=1e6,
                                  description="Extra weight of the time since last access for blocks below HBM.")
     priority: float = Field(1.0, ge=0, le=1e6, description="Priority of the owning request.")
     sharing: float = Field(1.0, ge=0, le=1e6, description="Live requests referencing the block.")
-    fanout: float = Field(0.5, ge=0, le=1e6, description="Cached blocks descending from it.")
+    fanout: float = Field(0.0, ge=0, le=1e6, description="Cached blocks descending from it.")
     stage: float = Field(1.0, ge=0, le=1e6, description="Stage of the request (decoding > finished).")
 
 

@@ -76,6 +76,7 @@ def test_scores_all_matches_scores_and_rescores_on_access():
 
 def test_fanout_and_sharing_raise_heat():
     mgr, lid, c = manager(64)
+    mgr.policy.set_weights({"fanout": 0.5})  # 0 by default (README, Policies)
     root = cache_chain(mgr, lid, c, [1])
     lone = cache_chain(mgr, lid, c, [2])
     for k in (10, 11, 12):
@@ -243,6 +244,9 @@ def test_full_pass_matches_per_row_scores_with_fanout_weights_and_refits(childre
 def test_select_takes_the_lowest_scored_leaves_and_keeps_scores_intact():
     mgr, lid, c = manager(64)
     pol, table = mgr.policy, mgr.table
+    # Cached children keep a parent above its leaf (with recency alone a chain's parent, stamped
+    # with its leaf, would be among the two lowest and leave with it).
+    pol.set_weights({"fanout": 0.5})
     chains = [cache_chain(mgr, lid, c, [10 * k + 1, 10 * k + 2]) for k in range(5)]
     for k in (0, 2, 4):  # these chains are read again: hotter
         mgr.acquire(c, chains[k])

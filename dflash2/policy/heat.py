@@ -2,7 +2,7 @@
 
     heat = w_frequency·log2 density[class, age]  −  (w_recency [+ w_recency_below below HBM])·0.2·log2(1 + age)
          + w_priority·priority  +  w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)
-         + w_stage·stage
+         + w_stage·stage  +  SPLIT_BONUS if the block's list keeps its blocks in its tier (split.py)
 
 - *class*: the content key's recent (decayed) reference count, log2-bucketed, from a frequency
   sketch (admission.py). A block that was evicted and is written again (recomputed) comes back with
@@ -13,9 +13,16 @@
 - density[class, age]: expected hits per unit of space-time (LHD), learned from the reuse distances
   of content keys (density.py). A block used once and idle since sinks below one whose class keeps
   returning; the small log-age slope orders blocks of equal density by recency (LRU within a class).
+  Its weight and fan-out's are 0 by default (DEFAULT_WEIGHTS): within the split's lists, recency.
 - priority, sharing (live references), fan-out (cached children: a shared system prompt is hot even
   while each session is idle) and stage (decoding > finished) come from the block table, weighted
   by `policy.weights`, changeable at run time (`set_weights`).
+- The adaptive split (split.py, ARC's): a tier's blocks whose key was never referenced before
+  (first-timers) and the others (returning) each hold a share of the tier that ghosts of recently
+  departed keys move; the list over its share gives up blocks first (SPLIT_BONUS lifts the other
+  list above it in the lookup table), and the terms above order the blocks within a list. It is
+  what serves a small cache (a second-hit filter against one-time blocks) and a large one (room
+  for a session's newest turn, which its next turn reads) from one policy.
 - Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
@@ -23,9 +30,12 @@
   tier's coldest blocks that it would push out (TinyLFU's rule); a tier with another below admits
   every block (what it pushes out moves down, not out).
 
-Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`); accessed
-or written blocks are re-scored at once. Per-block state lives in numpy arrays that grow with the
-table: a logical timestamp (8 B) and a class (8 B) per row.
+Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`), and after a
+tier's split changes side; accessed or written blocks are re-scored at once. Per-block state lives
+in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and a split list
+(1 B each), a lookup offset and a recency slope (4 B each) per row; the split's ghosts take 9 B per
+slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
+blocks have left.
 """
 
 from __future__ import annotations
@@ -35,13 +45,18 @@ import numpy as np
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, N_CLASS, HitDensityModel, freq_class
+from dflash2.policy.split import AdaptiveSplit
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "recency_below", "priority", "sharing", "fanout", "stage")
-DEFAULT_WEIGHTS = {"frequency": 1.0, "recency": 1.0, "recency_below": 1.0, "priority": 1.0, "sharing": 1.0,
-                   "fanout": 0.5, "stage": 1.0}
+# frequency and fanout are 0 by default: with the adaptive split deciding which list gives up
+# blocks, ranking within a list by the learned density or by cached children instead of recency cost
+# large caches hits (README, Policies: the Mooncake conversation trace at 16,000 blocks, 0.2725 with
+# both at 0, 0.2598 with fan-out at 0.5, 0.2446 with both on).
+DEFAULT_WEIGHTS = {"frequency": 0.0, "recency": 1.0, "recency_below": 1.0, "priority": 1.0, "sharing": 1.0,
+                   "fanout": 0.0, "stage": 1.0}
 # The config's bound on each weight (policy.weights), kept at run time: every term stays far inside
 # float32 (a weight of inf, or one that float32 rounds to inf, turns 0 · inf into NaN scores).
 MAX_WEIGHT = 1e6
@@ -52,6 +67,10 @@ MAX_WEIGHT = 1e6
 # full pass needs no clipping of the bin index (the same values as clipping to N_AGE - 1).
 ROW = BINS_PER_OCTAVE * 129
 TIERS = len(Tier)  # the lookup table holds one density per tier (lower tiers rank by their own lifetimes)
+# Added to the blocks of the list that keeps its blocks (split.py): above any score the other terms
+# give at sensible weights (log2 densities reach -50, the recency term -8), small enough that float32
+# keeps recency steps of a thousandth within it.
+SPLIT_BONUS = 1024.0
 # While no block has more cached children than this, the full pass folds fan-out into the density
 # lookup (one gather instead of two); beyond it, a separate gather of its own table.
 FUSE_FANOUT = 15
@@ -95,7 +114,10 @@ class HeatPolicy(Policy):
         self._off = np.zeros(0, dtype=np.int32)
         # Each row's recency slope: w_recency (+ w_recency_below below HBM) · RECENCY_SLOPE.
         self._slope = np.zeros(0, dtype=np.float32)
-        self._lut_key: tuple | None = None  # (model version, weights, fan-out) the table was built for
+        # Each row's list in the adaptive split (tier * 2 + list, -1: not counted: no key, or gone).
+        self._code = np.zeros(0, dtype=np.int8)
+        self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
+        self._lut_key: tuple | None = None  # (model version, weights, split sides) the table was built for
         self._lut = np.zeros(0, dtype=np.float32)
         self._fan_lut: tuple[float, np.ndarray] | None = None
         self._flip = 0  # which of the two score buffers the next full pass writes
@@ -118,7 +140,12 @@ class HeatPolicy(Policy):
         tier[: self._cap] = self._tier
         slope = np.zeros(cap, dtype=np.float32)
         slope[: self._cap] = self._slope
+        code = np.full(cap, -1, dtype=np.int8)
+        code[: self._cap] = self._code
         self._last, self._off, self._cls, self._tier, self._slope, self._cap = last, off, cls, tier, slope, cap
+        self._code = code
+        if self.split is None:
+            self.split = AdaptiveSplit(TIERS, cap)
         self._cache = None
 
     def _place(self, rows) -> None:
@@ -137,7 +164,12 @@ class HeatPolicy(Policy):
         written = c.state[rows] != int(BlockState.RESIDENT)
         moved = rows[~written]
         if len(moved):
-            # Moved to another tier: one moved down left its tier at its age (that tier's density).
+            # Moved to another tier: it left one tier's list and arrives in the other's.
+            keys = c.key[moved]
+            self.split.left(self._code[moved], keys)
+            for t in np.unique(c.tier[moved]).tolist():
+                self.split.arrived(t, keys[(c.tier[moved] == t) & (keys != 0)])
+            # One moved down left its tier at its age (that tier's density).
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             down = moved[now_in > was]
             for t in np.unique(self._tier[down]).tolist():
@@ -145,9 +177,11 @@ class HeatPolicy(Policy):
                 self.model.left_tier(t, self._cls[left], self.tick - self._last[left])
             self._tier[moved] = now_in
             self._place(moved)
+            self._recode(table, moved)
             self._patch(table, moved, now)
         new = rows[written]
         if len(new):
+            self._forget(new)  # a reused row: its previous life may still be counted
             self._stamp(new)
             self._cls[new] = 0
             self._tier[new] = c.tier[new]
@@ -158,7 +192,12 @@ class HeatPolicy(Policy):
         """Blocks were published under content keys: their class is the key's recent frequency."""
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
+        c = table.cols
+        keys = c.key[rows]
+        for t in np.unique(c.tier[rows]).tolist():
+            self.split.arrived(t, keys[(c.tier[rows] == t) & (keys != 0)])
         self._reference(table, rows)
+        self._recode(table, rows)
         self._patch(table, rows, now)
 
     def on_access(self, table, rows, now):
@@ -166,6 +205,7 @@ class HeatPolicy(Policy):
         rows = np.asarray(rows, dtype=np.int64)
         self._stamp(rows)
         self._reference(table, rows)
+        self._recode(table, rows)
         self._patch(table, rows, now)
 
     def _stamp(self, rows: np.ndarray) -> None:
@@ -188,12 +228,46 @@ class HeatPolicy(Policy):
 
     def on_remove(self, table, rows):
         self._ensure(table)
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        self.split.left(self._code[rows], table.cols.key[rows])
+        self._forget(rows)
         ages = self.tick - self._last[rows]
         self.model.evicted(self._cls[rows], ages)
         for t in np.unique(self._tier[rows]).tolist():
             here = self._tier[rows] == t
             self.model.left_tier(t, self._cls[rows][here], ages[here])
+
+    # -- the adaptive split (split.py) ------------------------------------------------------
+    def _recode(self, table, rows: np.ndarray) -> None:
+        """Count rows in the list they belong to now: keyed and cached, by tier and by whether
+        their key was referenced before (class > 0)."""
+        c = table.cols
+        new = np.where((c.key[rows] != 0) & (c.state[rows] != int(BlockState.FREE)),
+                       c.tier[rows].astype(np.int8) * 2 + (self._cls[rows] > 0), -1).astype(np.int8)
+        changed = new != self._code[rows]
+        if not changed.any():
+            return
+        rows = rows[changed]
+        if len(rows) > 1:  # a row named twice must count once
+            rows, first = np.unique(rows, return_index=True)
+            new = new[changed][first]
+        else:
+            new = new[changed]
+        self.split.recount(self._code[rows], new)
+        self._code[rows] = new
+        self._sides()
+
+    def _forget(self, rows: np.ndarray) -> None:
+        old = self._code[rows]
+        if (old >= 0).any():
+            self.split.recount(old, np.full(len(rows), -1, dtype=np.int8))
+            self._code[rows] = -1
+            self._sides()
+
+    def _sides(self) -> None:
+        """A tier whose side changed (which list gives up blocks first) needs every score anew."""
+        if self.split.update_sides():
+            self._cache = None
 
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
@@ -322,7 +396,8 @@ class HeatPolicy(Policy):
         tables in a row, the n-th plus w_fanout·log2(1 + n). Rebuilt only when the model refits, a
         weight changes or more fan-out levels are needed."""
         w = self.weights
-        key = (self.model.version, w["frequency"], w["fanout"])
+        sides = tuple(self.split.first_out.tolist()) if self.split is not None else ()
+        key = (self.model.version, w["frequency"], w["fanout"], sides)
         have = len(self._lut) // (TIERS * N_CLASS * ROW) - 1  # fan-out levels the current table holds
         if self._lut_key != key or have < fanout:
             # The plain table is the first block of the fused one: one table serves both.
@@ -333,6 +408,13 @@ class HeatPolicy(Policy):
             lut = np.empty((fanout + 1, TIERS, N_CLASS, ROW), dtype=np.float32)
             lut[0, :, :, :N_AGE] = src
             lut[0, :, :, N_AGE:] = src[:, :, N_AGE - 1: N_AGE]
+            if self.split is not None:
+                # The list that keeps its blocks in each tier: returning blocks while first-timers
+                # are over their target, first-timers otherwise.
+                keep = np.zeros((TIERS, N_CLASS), dtype=np.float32)
+                keep[self.split.first_out, 1:] = SPLIT_BONUS
+                keep[~self.split.first_out, 0] = SPLIT_BONUS
+                lut[0] += keep[:, :, None]
             if fanout:
                 fan = self._fanout_lut(fanout)[1: fanout + 1]
                 lut[1:] = lut[0][None] + fan[:, None, None, None]
@@ -387,4 +469,5 @@ class HeatPolicy(Policy):
 
     def describe(self) -> dict:
         return {"name": self.name, "weights": dict(self.weights), "tick": self.tick,
-                "rescore_interval_s": self.rescore_interval_s, "decay_half_life_s": self.decay_half_life_s}
+                "rescore_interval_s": self.rescore_interval_s, "decay_half_life_s": self.decay_half_life_s,
+                "split": self.split.describe() if self.split is not None else []}

@@ -1,0 +1,162 @@
+"""ARC's adaptive split: how much of a tier blocks seen for the first time may hold.
+
+A tier's keyed blocks fall in two lists: *first-timers* (frequency class 0: their content key had no
+recent reference before the write that made them) and *returning* blocks (class 1 and up: read
+again while cached, or written again after they left). ARC (Megiddo and Modha, FAST '03) keeps a
+target size for the first list and learns it from *ghosts*, the keys that recently left each list:
+a key that comes back soon after it left as a first-timer says first-timers deserved more room (the
+target grows); one that comes back soon after it left as a returning block says the returning ones
+did (the target shrinks). While the first list holds more than its target it gives up blocks first;
+otherwise the returning list does. The ranking policy orders blocks within a list.
+
+So a cache that is small for its workload keeps what was asked for twice (most first-timers are never
+asked for again: a second-hit filter), and one that holds most of the reuse keeps the first-timers
+that come back (a multi-turn session's newest turn) instead of thrashing them.
+
+Per tier: the target (a share of the tier's capacity in blocks, the most keyed blocks it has held),
+the lists' sizes (kept by the policy from its events), and a hashed ghost table: per slot a 32-bit
+tag of the key, the list it left and its departure number in that list. A key is in a list's ghost
+while no more departures than the tier's capacity minus that list's size followed it (ARC's
+|T1| + |B1| <= c, and the same for the second list); a slot taken by another key forgets the older
+one (a missed adaptation step, never a wrong answer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2.invariants import InvariantViolation
+from dflash2.tiers import Tier
+
+FIRST, RETURNING = 0, 1
+START_SHARE = 0.0  # first-timers' target share of a tier before any ghost has spoken (ARC's)
+# The side that gives up blocks changes only once the first list is this share of the tier (and at
+# least one block) past its target: each change rescores every block, and ARC's own per-eviction
+# alternation would change it at every eviction near the target.
+HYSTERESIS = 0.01
+# ARC moves the target by about one block per ghost hit: a tier of c blocks then needs c hits to
+# cross, more than a large cache sees in hours (the Mooncake conversation trace, 32,000 blocks:
+# 11,000 in the whole trace, and the target had not got halfway). Steps are scaled so that the
+# same crossing takes about STEP_BLOCKS hits in a tier of any size (unit steps up to that size).
+STEP_BLOCKS = 512
+MIN_GHOST_BITS, MAX_GHOST_BITS = 12, 22
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+class AdaptiveSplit:
+    def __init__(self, tiers: int, rows: int, start_share: float | None = None):
+        start_share = START_SHARE if start_share is None else start_share
+        if not 0.0 <= start_share <= 1.0:
+            raise ValueError(f"start_share must be within [0, 1], got {start_share}")
+        self.tiers = tiers
+        self.share = np.full(tiers, float(start_share))
+        self.sizes = np.zeros((tiers, 2), dtype=np.int64)  # keyed blocks per (tier, list)
+        self.capacity = np.zeros(tiers, dtype=np.int64)  # most keyed blocks each tier has held
+        self.first_out = np.ones(tiers, dtype=bool)  # per tier: first-timers give up blocks first
+        self.ghost_hits = np.zeros((tiers, 2), dtype=np.int64)
+        self.departures = np.zeros((tiers, 2), dtype=np.uint32)
+        # Per tier, made when a block first leaves it: twice as many slots as the table has rows, to
+        # the next power of two (4096 to 4M): a tier's ghosts are at most its capacity in keys (a
+        # tier holds at most every row), and a table only as full as that keeps collisions rare.
+        bits = int(np.clip(int(np.ceil(np.log2(max(rows, 1)))) + 1, MIN_GHOST_BITS, MAX_GHOST_BITS))
+        self.slots = 1 << bits
+        self._shift = np.uint64(64 - bits)
+        self._ghosts: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * tiers
+
+    def _ghost(self, tier: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tag, list, departure number) per slot of `tier`'s ghost table."""
+        g = self._ghosts[tier]
+        if g is None:
+            g = self._ghosts[tier] = (np.zeros(self.slots, dtype=np.uint32), np.zeros(self.slots, dtype=np.int8),
+                                      np.zeros(self.slots, dtype=np.uint32))
+        return g
+
+    def _slot_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = np.asarray(keys, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            h = (k ^ (k >> np.uint64(29))) * _MULT
+        # Tag 0 marks an empty slot: a key whose tag is 0 is stored as 1 (a rare false match).
+        tag = np.maximum((k & np.uint64(0xFFFFFFFF)).astype(np.uint32), np.uint32(1))
+        return (h >> self._shift).astype(np.int64), tag
+
+    # -- list sizes ----------------------------------------------------------------------------
+    def recount(self, old: np.ndarray, new: np.ndarray) -> None:
+        """Rows changed list or tier: `old` and `new` codes (tier * 2 + list, -1: not counted)."""
+        n = 2 * self.tiers
+        flat = self.sizes.reshape(-1)
+        flat -= np.bincount(old[old >= 0], minlength=n)
+        flat += np.bincount(new[new >= 0], minlength=n)
+        if (flat < 0).any():  # invariant: each counted row is uncounted once, under its own code
+            raise InvariantViolation(f"adaptive split: a list size went negative ({self.sizes.tolist()}): "
+                                     "a row was uncounted twice")
+        np.maximum(self.capacity, self.sizes.sum(axis=1), out=self.capacity)
+
+    # -- ghosts --------------------------------------------------------------------------------
+    def left(self, codes: np.ndarray, keys: np.ndarray) -> None:
+        """Keyed blocks left their tier (moved away or dropped), with the codes they were counted
+        under: their keys become ghosts of that tier's list."""
+        counted = codes >= 0
+        codes, keys = codes[counted], keys[counted]
+        for code in np.unique(codes).tolist():
+            tier, lst = divmod(code, 2)
+            mine = keys[codes == code]
+            slot, tag = self._slot_tag(mine)
+            seq = self.departures[tier, lst] + np.arange(1, len(mine) + 1, dtype=np.uint32)
+            self.departures[tier, lst] += np.uint32(len(mine))
+            ghost_tag, ghost_list, ghost_seq = self._ghost(tier)
+            ghost_tag[slot] = tag
+            ghost_list[slot] = lst
+            ghost_seq[slot] = seq
+
+    def arrived(self, tier: int, keys: np.ndarray) -> None:
+        """Keyed blocks arrived in `tier` (written, or moved in): ghosts of its lists among them move
+        the first-timers' target, by ARC's steps."""
+        cap = int(self.capacity[tier])
+        if not len(keys) or cap == 0 or self._ghosts[tier] is None:
+            return
+        ghost_tag, ghost_list, ghost_seq = self._ghosts[tier]
+        slot, tag = self._slot_tag(keys)
+        found = ghost_tag[slot] == tag
+        if not found.any():
+            return
+        slot = slot[found]
+        lst = ghost_list[slot].astype(np.int64)
+        ghosts = np.maximum(cap - self.sizes[tier], 1)  # |B1|, |B2| as ARC bounds them
+        # Departures since each left (uint32 arithmetic wraps with the counters). One more than the
+        # ghost list holds: the write that brings a key back has made its room already, so its own
+        # eviction is among them (ARC checks its ghosts before it makes room).
+        since = self.departures[tier, lst] - ghost_seq[slot]
+        recent = since <= ghosts[lst]
+        ghost_tag[slot] = 0  # a ghost speaks once
+        hits = np.bincount(lst[recent], minlength=2)
+        if not hits.any():
+            return
+        self.ghost_hits[tier] += hits
+        scale = max(1.0, cap / STEP_BLOCKS)
+        grow = scale * hits[FIRST] * max(1.0, ghosts[RETURNING] / ghosts[FIRST])
+        shrink = scale * hits[RETURNING] * max(1.0, ghosts[FIRST] / ghosts[RETURNING])
+        target = float(np.clip(self.share[tier] * cap + grow - shrink, 0.0, cap))
+        self.share[tier] = target / cap
+
+    # -- the side that gives up blocks ---------------------------------------------------------
+    def update_sides(self) -> bool:
+        """Recompute, per tier, which list gives up blocks first; True when one changed."""
+        target = self.share * self.capacity
+        margin = np.maximum(1.0, HYSTERESIS * self.capacity)
+        first = self.sizes[:, FIRST]
+        out = self.first_out.copy()
+        out[first > target + margin] = True
+        out[first < target - margin] = False
+        changed = bool((out != self.first_out).any())
+        self.first_out = out
+        return changed
+
+    def describe(self) -> list[dict]:
+        """Per tier that has held blocks: the first-timers' target and the lists' sizes, the ghost
+        hits so far, and which list gives up blocks now."""
+        return [{"tier": Tier(t).label, "first_timer_target": round(float(self.share[t] * self.capacity[t]), 1),
+                 "first_timers": int(self.sizes[t, FIRST]), "returning": int(self.sizes[t, RETURNING]),
+                 "ghost_hits": {"first_timers": int(self.ghost_hits[t, FIRST]),
+                                "returning": int(self.ghost_hits[t, RETURNING])},
+                 "first_timers_leave_first": bool(self.first_out[t])}
+                for t in range(self.tiers) if self.capacity[t]]

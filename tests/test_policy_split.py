@@ -1,0 +1,205 @@
+"""ARC's adaptive split (policy/split.py) on its own, and inside the heat policy."""
+
+import numpy as np
+import pytest
+
+from dflash2.invariants import InvariantViolation
+from dflash2.policy.split import FIRST, HYSTERESIS, RETURNING, AdaptiveSplit
+
+from test_policy_heat import cache_chain, manager
+
+
+def code(tier, lst):
+    return tier * 2 + lst
+
+
+def filled(capacity=100, first=60, share=0.5):
+    """A split whose tier 0 holds `capacity` blocks, `first` of them first-timers."""
+    s = AdaptiveSplit(tiers=3, rows=1024, start_share=share)
+    s.recount(np.full(0, -1, np.int8), np.array([code(0, FIRST)] * first + [code(0, RETURNING)] * (capacity - first),
+                                                dtype=np.int8))
+    return s
+
+
+def test_list_sizes_follow_recounts_and_capacity_is_the_most_held():
+    s = filled(100, 60)
+    assert s.sizes[0].tolist() == [60, 40] and s.capacity[0] == 100
+    # Ten first-timers read again (they return); five leave.
+    s.recount(np.array([code(0, FIRST)] * 10, np.int8), np.array([code(0, RETURNING)] * 10, np.int8))
+    s.recount(np.array([code(0, FIRST)] * 5, np.int8), np.full(5, -1, np.int8))
+    assert s.sizes[0].tolist() == [45, 50] and s.capacity[0] == 100
+    with pytest.raises(InvariantViolation, match="went negative"):
+        s.recount(np.array([code(1, FIRST)], np.int8), np.full(1, -1, np.int8))
+
+
+def test_a_first_timer_back_soon_after_it_left_grows_their_target_by_arcs_step():
+    s = filled(100, 60)  # ghosts: B1 = 100 - 60 = 40, B2 = 100 - 40 = 60
+    s.left(np.array([code(0, FIRST)] * 3, np.int8), np.array([11, 12, 13], np.uint64))
+    s.arrived(0, np.array([12], np.uint64))
+    assert s.share[0] * 100 == pytest.approx(50 + 60 / 40)  # one step of max(1, |B2| / |B1|)
+    assert s.ghost_hits[0].tolist() == [1, 0]
+    s.arrived(0, np.array([12], np.uint64))  # a ghost speaks once
+    assert s.ghost_hits[0].tolist() == [1, 0]
+    # Other tiers have ghosts of their own.
+    s.arrived(1, np.array([11], np.uint64))
+    assert s.ghost_hits[1].tolist() == [0, 0]
+
+
+def test_a_returning_block_back_soon_after_it_left_shrinks_the_target():
+    s = filled(100, 60)
+    s.left(np.array([code(0, RETURNING)], np.int8), np.array([7], np.uint64))
+    s.arrived(0, np.array([7, 8], np.uint64))  # 8 was never a ghost
+    assert s.share[0] * 100 == pytest.approx(50 - 1)  # max(1, |B1| / |B2|) = max(1, 40 / 60)
+    assert s.ghost_hits[0].tolist() == [0, 1]
+
+
+def test_a_ghost_older_than_its_list_allows_says_nothing():
+    s = filled(100, 60)  # B1 holds 40 first-timer departures
+    keys = np.arange(1, 43, dtype=np.uint64)
+    s.left(np.full(len(keys), code(0, FIRST), np.int8), keys)  # 42 left: 41 followed key 1
+    s.arrived(0, np.array([1], np.uint64))
+    assert s.ghost_hits[0].tolist() == [0, 0] and s.share[0] == 0.5
+    s.arrived(0, np.array([2], np.uint64))  # 40 followed it: still a ghost
+    assert s.ghost_hits[0].tolist() == [1, 0]
+
+
+def test_the_target_stays_within_the_tier():
+    s = filled(100, 60, share=0.99)
+    s.left(np.full(30, code(0, FIRST), np.int8), np.arange(1, 31, dtype=np.uint64))
+    s.arrived(0, np.arange(1, 31, dtype=np.uint64))
+    assert s.share[0] == 1.0
+    s = filled(100, 60, share=0.0)
+    s.left(np.full(30, code(0, RETURNING), np.int8), np.arange(1, 31, dtype=np.uint64))
+    s.arrived(0, np.arange(1, 31, dtype=np.uint64))
+    assert s.share[0] == 0.0
+
+
+def test_the_side_changes_only_past_the_hysteresis():
+    s = filled(1000, 500, share=0.5)
+    margin = HYSTERESIS * 1000
+    assert not s.update_sides() and s.first_out[0]  # at the target: unchanged
+    move = int(margin) + 1
+    s.recount(np.full(move, code(0, FIRST), np.int8), np.full(move, code(0, RETURNING), np.int8))
+    assert s.update_sides() and not s.first_out[0]  # first-timers under target: they keep their blocks
+    s.recount(np.full(move, code(0, RETURNING), np.int8), np.full(move, code(0, FIRST), np.int8))
+    assert not s.update_sides() and not s.first_out[0]  # back at the target: no flip-flop
+    s.recount(np.full(move, code(0, RETURNING), np.int8), np.full(move, code(0, FIRST), np.int8))
+    assert s.update_sides() and s.first_out[0]
+
+
+def test_bad_start_share_is_refused():
+    with pytest.raises(ValueError, match="start_share"):
+        AdaptiveSplit(tiers=1, rows=16, start_share=1.5)
+
+
+# -- inside the heat policy ------------------------------------------------------------------
+
+def read(mgr, lid, client, keys):
+    vids = [p.vid for p in mgr.lookup(keys, lid)]
+    assert mgr.acquire(client, vids) is not None
+    mgr.release(client, vids)
+
+
+def cached_keys(mgr):
+    c = mgr.table.cols
+    return set(c.key[(c.key != 0) & (c.state != 0)].tolist())
+
+
+def test_the_list_over_its_target_gives_up_blocks_first_whatever_their_age():
+    mgr, lid, c = manager(8)
+    clock = mgr.table.clock
+    for k in (1, 2, 3, 4):  # four chains of one block, each read again: returning
+        cache_chain(mgr, lid, c, [k])
+        read(mgr, lid, c, [k])
+    for k in (5, 6, 7, 8):  # newer, never read again: first-timers
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+    split = mgr.policy.split
+    assert split.sizes[0].tolist() == [4, 4] and split.capacity[0] == 8
+    split.share[0] = 0.0  # as after returning blocks' ghosts spoke: first-timers are over target
+    mgr.policy._sides()
+    assert split.first_out[0]
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [9])
+    # One first-timer goes, although every returning block is older (LRU would drop block 1).
+    assert cached_keys(mgr) == {1, 2, 3, 4, 6, 7, 8, 9}
+    # With room for every first-timer, the returning blocks give way instead.
+    split.share[0] = 1.0
+    mgr.policy._sides()
+    assert not split.first_out[0]
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [10])
+    assert cached_keys(mgr) & {6, 7, 8, 9, 10} == {6, 7, 8, 9, 10}
+    assert len(cached_keys(mgr) & {1, 2, 3, 4}) == 3
+    mgr.check_invariants()
+
+
+def test_heat_feeds_ghosts_from_evictions_and_moves():
+    mgr, lid, c = manager(4)
+    clock = mgr.table.clock
+    for k in (1, 2):  # returning blocks: ARC's ghosts of first-timers have room only beside them
+        cache_chain(mgr, lid, c, [k])
+        read(mgr, lid, c, [k])
+    split = mgr.policy.split
+    split.share[0] = 1.0  # first-timers under target: the returning blocks go first
+    mgr.policy._sides()
+    for k in (3, 4, 5, 6):
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+    assert cached_keys(mgr) == {3, 4, 5, 6} and split.departures[0].tolist() == [0, 2]
+    split.share[0] = 0.0  # and now the first-timers
+    mgr.policy._sides()
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [7])
+    assert cached_keys(mgr) == {4, 5, 6, 7} and split.departures[0].tolist() == [1, 2]
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [3])  # written again soon after it left: a first-timer's ghost
+    assert split.ghost_hits[0].tolist() == [1, 0] and split.share[0] > 0.0
+    cache_chain(mgr, lid, c, [2])  # a returning block's ghost; the target cannot go below 0
+    assert split.ghost_hits[0].tolist() == [1, 1]
+    # A block demoted to DRAM leaves HBM's list; promoted back, it is HBM's ghost that speaks.
+    mgr, lid, c = manager(2, dram_blocks=4)
+    clock = mgr.table.clock
+    for k in (1, 2, 3):
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+    split = mgr.policy.split
+    assert mgr.table.cols.tier[mgr.table.rows([p.vid for p in mgr.lookup([1], lid)])][0] == 1
+    assert split.departures[0].tolist() == [1, 0] and split.sizes[1].tolist() == [1, 0]
+    read(mgr, lid, c, [1])  # promoted into HBM
+    assert split.ghost_hits[0].sum() == 1
+    mgr.check_invariants()
+
+
+def test_heat_counts_every_cached_keyed_block_in_one_list():
+    mgr, lid, c = manager(16, dram_blocks=16)
+    pol = mgr.policy
+    cache_chain(mgr, lid, c, [1, 2, 3, 4])
+    split = pol.split
+    assert split.sizes[0].tolist() == [4, 0]
+    read(mgr, lid, c, [1, 2, 3, 4])  # read again: returning
+    assert split.sizes[0].tolist() == [0, 4]
+    for start in range(100, 140, 8):  # 40 blocks more through 32 slots: demotions, evictions
+        cache_chain(mgr, lid, c, list(range(start, start + 8)))
+    read(mgr, lid, c, [100, 101])
+    c_ = mgr.table.cols
+    held = (c_.key != 0) & (c_.state != 0)
+    for tier in (0, 1):
+        here = held & (c_.tier == tier)
+        returning = here & (pol._cls > 0)
+        assert split.sizes[tier].tolist() == [int((here & ~returning).sum()), int(returning.sum())]
+    assert split.capacity[0] == 16 and split.capacity[1] == 16
+    mgr.check_invariants()
+
+
+def test_the_split_is_in_the_stats_as_json():
+    import json
+
+    mgr, lid, c = manager(8, dram_blocks=8)
+    for k in range(1, 13):
+        cache_chain(mgr, lid, c, [k])
+    split = json.loads(json.dumps(mgr.stats()))["policy"]["split"]
+    assert [t["tier"] for t in split] == ["hbm", "dram"]
+    assert split[0]["first_timers"] + split[0]["returning"] == 8
+    assert split[1]["first_timers"] == 4
+    assert set(split[0]["ghost_hits"]) == {"first_timers", "returning"}
