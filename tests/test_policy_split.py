@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflash2.invariants import InvariantViolation
-from dflash2.policy.split import FIRST, HYSTERESIS, RETURNING, AdaptiveSplit
+from dflash2.policy.split import FIRST, HYSTERESIS, RETURNING, STEP_BLOCKS, AdaptiveSplit
 
 from test_policy_heat import cache_chain, manager
 
@@ -43,6 +43,15 @@ def test_a_first_timer_back_soon_after_it_left_grows_their_target_by_arcs_step()
     # Other tiers have ghosts of their own.
     s.arrived(1, np.array([11], np.uint64))
     assert s.ghost_hits[1].tolist() == [0, 0]
+
+
+def test_steps_scale_with_a_tier_larger_than_step_blocks():
+    s = filled(4 * STEP_BLOCKS, 2 * STEP_BLOCKS)  # both ghost lists hold 2 * STEP_BLOCKS
+    s.left(np.array([code(0, FIRST)], np.int8), np.array([5], np.uint64))
+    s.arrived(0, np.array([5], np.uint64))
+    # ARC's step (1 here) times capacity / STEP_BLOCKS: the tier is crossed in as many hits as a
+    # tier of STEP_BLOCKS blocks.
+    assert s.share[0] * 4 * STEP_BLOCKS == pytest.approx(2 * STEP_BLOCKS + 4)
 
 
 def test_a_returning_block_back_soon_after_it_left_shrinks_the_target():
