@@ -14,6 +14,19 @@ from collections.abc import Sequence
 import numpy as np
 
 _MASK = (1 << 64) - 1
+FIB = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: Fibonacci hashing
+
+
+def fib_slot(key: int, bits: int) -> int:
+    """Slot of a 64-bit key in a table of 2**bits slots: the top bits of key × FIB (mod 2^64), so
+    that keys which are not hashes (consecutive ids, counters) spread over the table."""
+    return ((key * FIB) & _MASK) >> (64 - bits)
+
+
+def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
+    """`fib_slot` of many keys at once (int64 slots)."""
+    with np.errstate(over="ignore"):
+        return ((np.asarray(keys, dtype=np.uint64) * np.uint64(FIB)) >> np.uint64(64 - bits)).astype(np.int64)
 
 
 def _seed(namespace: str) -> bytes:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.keys import fib_slots
+
 BINS_PER_OCTAVE = 4
 N_AGE = BINS_PER_OCTAVE * 40  # logical ages up to 2^40 block references
 N_CLASS = 6  # frequency classes: 0, 1, 2-3, 4-7, 8-15, 16+ prior references
@@ -42,7 +44,6 @@ def freq_class(count: np.ndarray) -> np.ndarray:
 
 _EDGES = 2.0 ** (np.arange(N_AGE + 1) / BINS_PER_OCTAVE) - 1.0
 _WIDTH = np.diff(_EDGES)
-_MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
 class HitDensityModel:
@@ -52,7 +53,7 @@ class HitDensityModel:
         self.max_period = period
         self.period = min(256, period)
         self.decay = decay
-        self._shift = np.uint64(64 - ghost_bits)
+        self._ghost_bits = ghost_bits
         self.ghost_key = np.zeros(1 << ghost_bits, dtype=np.uint64)
         self.ghost_tick = np.zeros(1 << ghost_bits)
         self.ghost_cls = np.zeros(1 << ghost_bits, dtype=np.int8)
@@ -73,8 +74,7 @@ class HitDensityModel:
         keys = np.asarray(keys, dtype=np.uint64)
         if not len(keys):
             return
-        with np.errstate(over="ignore"):
-            slot = ((keys * _MULT) >> self._shift).astype(np.int64)
+        slot = fib_slots(keys, self._ghost_bits)
         seen = self.ghost_key[slot] == keys
         if seen.any():
             s = slot[seen]

@@ -167,8 +167,7 @@ class HeatPolicy(Policy):
             # Moved to another tier: it left one tier's list and arrives in the other's.
             keys = c.key[moved]
             self.split.left(self._code[moved], keys)
-            for t in np.unique(c.tier[moved]).tolist():
-                self.split.arrived(t, keys[(c.tier[moved] == t) & (keys != 0)])
+            self.split.arrived_rows(c.tier[moved], keys)
             # One moved down left its tier at its age (that tier's density).
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             down = moved[now_in > was]
@@ -192,10 +191,7 @@ class HeatPolicy(Policy):
         """Blocks were published under content keys: their class is the key's recent frequency."""
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
-        c = table.cols
-        keys = c.key[rows]
-        for t in np.unique(c.tier[rows]).tolist():
-            self.split.arrived(t, keys[(c.tier[rows] == t) & (keys != 0)])
+        self.split.arrived_rows(table.cols.tier[rows], table.cols.key[rows])
         self._reference(table, rows)
         self._recode(table, rows)
         self._patch(table, rows, now)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.invariants import InvariantViolation
+from dflash2.keys import fib_slots
 from dflash2.tiers import Tier
 
 FIRST, RETURNING = 0, 1
@@ -40,7 +41,6 @@ HYSTERESIS = 0.01
 # same crossing takes about STEP_BLOCKS hits in a tier of any size (unit steps up to that size).
 STEP_BLOCKS = 512
 MIN_GHOST_BITS, MAX_GHOST_BITS = 12, 22
-_MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
 class AdaptiveSplit:
@@ -60,7 +60,7 @@ class AdaptiveSplit:
         # tier holds at most every row), and a table only as full as that keeps collisions rare.
         bits = int(np.clip(int(np.ceil(np.log2(max(rows, 1)))) + 1, MIN_GHOST_BITS, MAX_GHOST_BITS))
         self.slots = 1 << bits
-        self._shift = np.uint64(64 - bits)
+        self._bits = bits
         self._ghosts: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * tiers
 
     def _ghost(self, tier: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,11 +73,9 @@ class AdaptiveSplit:
 
     def _slot_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         k = np.asarray(keys, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            h = (k ^ (k >> np.uint64(29))) * _MULT
         # Tag 0 marks an empty slot: a key whose tag is 0 is stored as 1 (a rare false match).
         tag = np.maximum((k & np.uint64(0xFFFFFFFF)).astype(np.uint32), np.uint32(1))
-        return (h >> self._shift).astype(np.int64), tag
+        return fib_slots(k ^ (k >> np.uint64(29)), self._bits), tag
 
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
@@ -107,6 +105,13 @@ class AdaptiveSplit:
             ghost_tag[slot] = tag
             ghost_list[slot] = lst
             ghost_seq[slot] = seq
+
+    def arrived_rows(self, tiers: np.ndarray, keys: np.ndarray) -> None:
+        """`arrived` for blocks of several tiers, each with its tier (key 0: unkeyed, ignored)."""
+        keyed = keys != 0
+        tiers, keys = tiers[keyed], keys[keyed]
+        for tier in np.unique(tiers).tolist():
+            self.arrived(tier, keys[tiers == tier])
 
     def arrived(self, tier: int, keys: np.ndarray) -> None:
         """Keyed blocks arrived in `tier` (written, or moved in): ghosts of its lists among them move

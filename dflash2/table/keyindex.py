@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.keys import fib_slot, fib_slots
+
 EMPTY = -1
-_MULT = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
-_M64 = (1 << 64) - 1
 
 
 class KeyIndex:
@@ -24,18 +24,16 @@ class KeyIndex:
         self._keys = np.zeros(size, dtype=np.uint64)
         self._rows = np.full(size, EMPTY, dtype=np.int32)
         self._n = 0
-        self._set_shift()
 
-    def _set_shift(self) -> None:
-        self._shift = 64 - (len(self._keys).bit_length() - 1)
-        self._shift_u = np.uint64(self._shift)
+    @property
+    def _bits(self) -> int:
+        return len(self._keys).bit_length() - 1
 
     def _home(self, key: int) -> int:
-        return ((key * _MULT) & _M64) >> self._shift
+        return fib_slot(key, self._bits)
 
     def _homes(self, keys: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return ((keys * np.uint64(_MULT)) >> self._shift_u).astype(np.int64)
+        return fib_slots(keys, self._bits)
 
     def __len__(self) -> int:
         return self._n
@@ -119,7 +117,6 @@ class KeyIndex:
         size = 2 * len(self._keys)
         self._keys = np.zeros(size, dtype=np.uint64)
         self._rows = np.full(size, EMPTY, dtype=np.int32)
-        self._set_shift()
         self._bulk_insert(keys, rows)
 
     def _bulk_insert(self, keys: np.ndarray, rows: np.ndarray) -> None:

@@ -190,8 +190,8 @@ class CudaTransferBackend(TransferBackend):
             other = self._last.get(not to_host)
             busy = route.other_busy(other is not None and not other[0].done,
                                     None if other is None else now - other[1])
-            # Each copy by its own size: the engines take the large ones, the kernel the rest, one
-            # after the other on the direction's stream (so the batch's end event covers both).
+            # route.split: the engines take the batch, or a mix's large copies, and the kernel the
+            # rest, one after the other on the direction's stream (the batch's end event covers both).
             engines = route.split(nbytes, to_host, busy, self.engines.available)
             kernel = ~engines
             if engines.any():
