@@ -35,20 +35,20 @@ def test_list_sizes_follow_recounts_and_capacity_is_the_most_held():
 def test_a_first_timer_back_soon_after_it_left_grows_their_target_by_arcs_step():
     s = filled(100, 60)  # ghosts: B1 = 100 - 60 = 40, B2 = 100 - 40 = 60
     s.left(np.array([code(0, FIRST)] * 3, np.int8), np.array([11, 12, 13], np.uint64))
-    s.arrived(0, np.array([12], np.uint64))
+    s.referenced(0, np.array([12], np.uint64))
     assert s.share[0] * 100 == pytest.approx(50 + 60 / 40)  # one step of max(1, |B2| / |B1|)
     assert s.ghost_hits[0].tolist() == [1, 0]
-    s.arrived(0, np.array([12], np.uint64))  # a ghost speaks once
+    s.referenced(0, np.array([12], np.uint64))  # a ghost speaks once
     assert s.ghost_hits[0].tolist() == [1, 0]
     # Other tiers have ghosts of their own.
-    s.arrived(1, np.array([11], np.uint64))
+    s.referenced(1, np.array([11], np.uint64))
     assert s.ghost_hits[1].tolist() == [0, 0]
 
 
 def test_steps_scale_with_a_tier_larger_than_step_blocks():
     s = filled(4 * STEP_BLOCKS, 2 * STEP_BLOCKS)  # both ghost lists hold 2 * STEP_BLOCKS
     s.left(np.array([code(0, FIRST)], np.int8), np.array([5], np.uint64))
-    s.arrived(0, np.array([5], np.uint64))
+    s.referenced(0, np.array([5], np.uint64))
     # ARC's step (1 here) times capacity / STEP_BLOCKS: the tier is crossed in as many hits as a
     # tier of STEP_BLOCKS blocks.
     assert s.share[0] * 4 * STEP_BLOCKS == pytest.approx(2 * STEP_BLOCKS + 4)
@@ -57,7 +57,7 @@ def test_steps_scale_with_a_tier_larger_than_step_blocks():
 def test_a_returning_block_back_soon_after_it_left_shrinks_the_target():
     s = filled(100, 60)
     s.left(np.array([code(0, RETURNING)], np.int8), np.array([7], np.uint64))
-    s.arrived(0, np.array([7, 8], np.uint64))  # 8 was never a ghost
+    s.referenced(0, np.array([7, 8], np.uint64))  # 8 was never a ghost
     assert s.share[0] * 100 == pytest.approx(50 - 1)  # max(1, |B1| / |B2|) = max(1, 40 / 60)
     assert s.ghost_hits[0].tolist() == [0, 1]
 
@@ -66,20 +66,20 @@ def test_a_ghost_older_than_its_list_allows_says_nothing():
     s = filled(100, 60)  # B1 holds 40 first-timer departures
     keys = np.arange(1, 43, dtype=np.uint64)
     s.left(np.full(len(keys), code(0, FIRST), np.int8), keys)  # 42 left: 41 followed key 1
-    s.arrived(0, np.array([1], np.uint64))
+    s.referenced(0, np.array([1], np.uint64))
     assert s.ghost_hits[0].tolist() == [0, 0] and s.share[0] == 0.5
-    s.arrived(0, np.array([2], np.uint64))  # 40 followed it: still a ghost
+    s.referenced(0, np.array([2], np.uint64))  # 40 followed it: still a ghost
     assert s.ghost_hits[0].tolist() == [1, 0]
 
 
 def test_the_target_stays_within_the_tier():
     s = filled(100, 60, share=0.99)
     s.left(np.full(30, code(0, FIRST), np.int8), np.arange(1, 31, dtype=np.uint64))
-    s.arrived(0, np.arange(1, 31, dtype=np.uint64))
+    s.referenced(0, np.arange(1, 31, dtype=np.uint64))
     assert s.share[0] == 1.0
     s = filled(100, 60, share=0.0)
     s.left(np.full(30, code(0, RETURNING), np.int8), np.arange(1, 31, dtype=np.uint64))
-    s.arrived(0, np.arange(1, 31, dtype=np.uint64))
+    s.referenced(0, np.arange(1, 31, dtype=np.uint64))
     assert s.share[0] == 0.0
 
 
@@ -177,6 +177,25 @@ def test_heat_feeds_ghosts_from_evictions_and_moves():
     assert split.departures[0].tolist() == [1, 0] and split.sizes[1].tolist() == [1, 0]
     read(mgr, lid, c, [1])  # promoted into HBM
     assert split.ghost_hits[0].sum() == 1
+    mgr.check_invariants()
+
+
+def test_a_key_back_after_it_left_the_last_tier_is_that_tiers_ghost():
+    # A key that left the last tier comes back by a write into HBM, never by arriving in that
+    # tier: its ghost must speak on the reference, or the last tier's target never moves.
+    mgr, lid, c = manager(2, dram_blocks=2)
+    clock = mgr.table.clock
+    for k in (1, 2, 3, 4, 5):
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+    split = mgr.policy.split
+    assert 1 not in cached_keys(mgr) and split.departures[1].sum() == 1
+    cache_chain(mgr, lid, c, [1])  # recomputed and written into HBM
+    assert split.ghost_hits[1].tolist() == [1, 0] and split.share[1] > 0.0
+    # A block read from DRAM speaks to HBM's ghosts only: DRAM still holds it until it moves.
+    before = split.ghost_hits[1].copy()
+    read(mgr, lid, c, [4])
+    assert split.ghost_hits[1].tolist() == before.tolist()
     mgr.check_invariants()
 
 

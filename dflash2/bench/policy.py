@@ -147,6 +147,9 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     elapsed = time.perf_counter() - t0
     mgr.check_invariants()
     out = _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
+    gate = getattr(pol, "gate", None)
+    if gate is not None and (gate.counts["refused"] or gate.counts["admitted_against_rule"]):
+        out["admission_gate"] = gate.describe()  # heat: what the last tier's admission rule won and lost
     if weights:
         out["weights"] = dict(pol.weights)
     return out

@@ -106,16 +106,26 @@ class AdaptiveSplit:
             ghost_list[slot] = lst
             ghost_seq[slot] = seq
 
-    def arrived_rows(self, tiers: np.ndarray, keys: np.ndarray) -> None:
-        """`arrived` for blocks of several tiers, each with its tier (key 0: unkeyed, ignored)."""
-        keyed = keys != 0
-        tiers, keys = tiers[keyed], keys[keyed]
-        for tier in np.unique(tiers).tolist():
-            self.arrived(tier, keys[tiers == tier])
+    def referenced_from(self, sources: np.ndarray, keys: np.ndarray) -> None:
+        """Keyed blocks were referenced again, each found in tier `sources[i]` (a read from a lower
+        tier) or nowhere (`self.tiers`: written again after it left the cache): the ghosts of every
+        tier above the one it was found in speak (key 0: unkeyed, ignored).
 
-    def arrived(self, tier: int, keys: np.ndarray) -> None:
-        """Keyed blocks arrived in `tier` (written, or moved in): ghosts of its lists among them move
-        the first-timers' target, by ARC's steps."""
+        A ghost speaks when its key is referenced, not when the key next arrives in its tier: a key
+        that left the last tier comes back by a write into HBM, and one that left DRAM by a read from
+        NVMe into HBM; neither arrives in the tier it left, whose target then never moved (`bench
+        policy`, Mooncake conversation trace, HBM 1000 / DRAM 4000 / NVMe 8000: 0.2362 of references
+        found in some tier with ghosts checked on arrival, 0.2430 on reference, LRU 0.2394)."""
+        keyed = keys != 0
+        sources, keys = np.asarray(sources)[keyed], keys[keyed]
+        for source in np.unique(sources).tolist():
+            mine = keys[sources == source]
+            for tier in range(min(int(source), self.tiers)):
+                self.referenced(tier, mine)
+
+    def referenced(self, tier: int, keys: np.ndarray) -> None:
+        """Keyed blocks that are not in `tier` or a faster one were referenced: ghosts of `tier`'s
+        lists among them move its first-timers' target, by ARC's steps."""
         cap = int(self.capacity[tier])
         if not len(keys) or cap == 0 or self._ghosts[tier] is None:
             return
