@@ -147,4 +147,6 @@ class AdmissionGate:
         self._stay[slot] = self.capacity if stays is None else np.asarray(stays)[keyed]
 
     def describe(self) -> dict:
-        return {"rule_on": self.on, "gained": round(self.gained, 1), "lost": round(self.lost, 1), **self.counts}
+        """The rule's state, the decayed counts that decide it, and totals since start."""
+        return {"rule_on": self.on, "gained_recently": round(self.gained, 1),
+                "lost_recently": round(self.lost, 1), **self.counts}
