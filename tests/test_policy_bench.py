@@ -124,13 +124,13 @@ def test_a_bug_inside_a_bench_keeps_its_traceback(tmp_path, monkeypatch):
 def test_heat_reports_what_its_admission_gate_won_and_lost():
     # Four hot chains of four blocks, read in turn, fill HBM (4) and DRAM (14, the last tier);
     # between them come one-time chains, pushed down into the full DRAM and refused there
-    # (TinyLFU's rule). The spared hot blocks are read again: the gate counts those gains and keeps
-    # the rule on. LRU lets the one-time chains push the hot ones out and finds nothing.
+    # (TinyLFU's rule). No refused block comes back, while hot blocks that left the tier do: the
+    # gate keeps the rule on. LRU lets the one-time chains push the hot ones out and finds nothing.
     hot = [tuple(range(1 + 10 * h, 5 + 10 * h)) for h in range(4)]
     trace = [Request(i * 0.1, hot[(i // 2) % 4] if i % 2 else (1000 + 8 * i, 1001 + 8 * i)) for i in range(300)]
     r = replay(trace, "heat", hbm_blocks=4, dram_blocks=14)
     gate = r["admission_gate"]
     assert r["not_admitted"] > 0 and gate["refused"] >= r["not_admitted"]
-    assert gate["gained"] > gate["lost"] and gate["rule_on"] is True
+    assert gate["refused_return_rate"] < gate["departed_return_rate"] and gate["rule_on"] is True
     lru = replay(trace, "lru", hbm_blocks=4, dram_blocks=14)
     assert "admission_gate" not in lru and r["prefix_hit_rate"] > lru["prefix_hit_rate"]

@@ -1,10 +1,11 @@
-"""The admission gate (policy/gate.py): TinyLFU's rule on while its refusals gain more than they lose."""
+"""The admission gate (policy/gate.py): TinyLFU's rule on while the blocks it refuses come back less
+often than the blocks the tier lets go."""
 
 import json
 
 import numpy as np
 
-from dflash2.policy.gate import AGAINST, DOOMED, NONE, SPARED, AdmissionGate
+from dflash2.policy.gate import AdmissionGate
 
 from test_policy_heat import cache_chain, manager
 
@@ -13,78 +14,48 @@ def keys(*k):
     return np.array(k, dtype=np.uint64)
 
 
-def rows(*r):
-    return np.array(r, dtype=np.int64)
-
-
-def test_refusals_mark_the_spared_blocks_and_remember_the_refused_keys():
+def test_on_at_start_and_while_refused_blocks_return_less_often_than_departed_ones():
     g = AdmissionGate(64)
     assert g.on
-    admitted = g.decide(rows(1, 2), keys(101, 102), np.array([True, False]), rows(10, 11, 12), capacity=8)
-    assert admitted.tolist() == [True, False]
-    # One refusal: the best-scored of the blocks it would have pushed out keeps its place.
-    assert g.mark[10] == SPARED and g.mark[11] == NONE and g.counts["refused"] == 1
-    g.read(rows(10))  # the spared block is read: a hit the refusal won
-    assert g.gained == 1 and g.mark[10] == NONE
-    g.read(rows(10))  # counted once
-    assert g.gained == 1
-    g.written(keys(102))  # the refused key is recomputed soon after: a hit the refusal lost
-    assert g.lost == 1
-    g.written(keys(102))  # a ghost speaks once
-    assert g.lost == 1 and g.on  # 1 >= 1: still on
+    admitted = g.decide(keys(101, 102), np.array([True, False]), capacity=8)
+    assert admitted.tolist() == [True, False] and g.counts["refused"] == 1
+    g.left(keys(1, 2, 3, 4))  # four blocks leave the tier; one of them is asked for again
+    g.referenced(keys(2))
+    assert g.describe()["departed_return_rate"] == 0.25 and g.on  # no refused block came back
+    g.referenced(keys(2))  # a ghost speaks once
+    assert g.counts["departed_back"] == 1
+    g.referenced(keys(102))  # the refused block comes back: 1 of 1 against 1 of 4
+    assert g.describe()["refused_return_rate"] == 1.0 and not g.on
 
 
-def test_the_rule_goes_off_when_refusals_lose_and_is_measured_while_off():
+def test_while_off_every_block_is_admitted_and_the_rule_still_measured():
     g = AdmissionGate(64)
-    g.decide(rows(1, 2), keys(101, 102), np.array([False, False]), rows(10, 11), capacity=8)
-    g.written(keys(101, 102))
-    assert g.lost == 2 and not g.on
-    # Off: every block is admitted, and the rule's verdicts are kept as marks.
-    admitted = g.decide(rows(3, 4), keys(103, 104), np.array([False, True]), rows(12, 13), capacity=8)
-    assert admitted.tolist() == [True, True] and g.counts["admitted_against_rule"] == 1
-    assert g.mark[3] == AGAINST and g.mark[12] == DOOMED and g.mark[4] == NONE
-    g.read(rows(3))  # a block the rule would have refused is read: refusing would have lost it
-    assert g.lost == 3
-    # The block pushed out instead of being spared leaves, and comes back soon: a refusal's gain.
-    g.left(rows(12), keys(112))
-    g.written(keys(112))
-    assert g.gained == 1 and g.lost == 3 and not g.on
-    # More such gains turn the rule back on.
-    for i in range(8):
-        if g.on:
-            break
-        g.decide(rows(5), keys(105), np.array([False]), rows(14), capacity=64)
-        g.left(rows(14), keys(200 + i))
-        g.written(keys(200 + i))
-    assert g.on and g.gained >= g.lost
+    g.decide(keys(101), np.array([False]), capacity=8)
+    g.left(keys(1, 2))
+    g.referenced(keys(101))
+    assert not g.on
+    admitted = g.decide(keys(103, 104, 105), np.array([False, True, False]), capacity=8)
+    assert admitted.tolist() == [True, True, True] and g.counts["admitted_against_rule"] == 2
+    # Departed blocks come back more often than the blocks admitted against the rule: on again.
+    g.left(keys(3, 4, 5))
+    g.referenced(keys(1, 2, 3, 4, 5))
+    assert g.describe()["refused_return_rate"] == round(1 / 3, 4) and g.on
 
 
 def test_a_ghost_older_than_the_tier_says_nothing_and_counts_decay():
     g = AdmissionGate(64)
-    g.decide(rows(1), keys(101), np.array([False]), rows(10), capacity=4)
-    g.read(rows(10))
-    assert g.gained == 1
-    g.left(rows(20, 21, 22, 23, 24), keys(1, 2, 3, 4, 5))  # five departures from a tier of four
-    assert g.gained == 0.5  # halved once the tier's capacity left
-    g.written(keys(101))
-    assert g.lost == 0 and g.on
+    g.decide(keys(101), np.array([False]), capacity=4)
+    g.left(keys(1, 2, 3, 4, 5))  # five departures from a tier of four
+    g.referenced(keys(101, 1))  # 101 left its window; 1 too (five departures since)
+    assert g.counts["refused_back"] == 0 and g.counts["departed_back"] == 0
+    assert g.seen.tolist() == [0.5, 2.5]  # halved once the tier's capacity had left
+    assert json.loads(json.dumps(g.describe()))["departed"] == 5
 
 
-def test_marks_clear_when_rows_leave_another_way_and_grow_with_the_table():
-    g = AdmissionGate(4)
-    g.decide(rows(1), keys(101), np.array([False]), rows(2), capacity=4)
-    g.clear(rows(2))
-    g.read(rows(2))
-    assert g.gained == 0
-    g.grow(16)
-    assert len(g.mark) == 16 and g.mark[2] == NONE
-    assert json.loads(json.dumps(g.describe()))["refused"] == 1
-
-
-def test_heat_admits_what_the_rule_refuses_once_refusals_lost():
+def test_heat_admits_what_the_rule_refuses_once_refused_blocks_come_back_more():
     # HBM 2, DRAM (the last tier) 2. Keys read twice fill DRAM; once-used blocks demoted into it
     # are refused (TinyLFU: asked for less often than the blocks they would push out), and each
-    # is asked for again at once: the refusals lose, and the rule goes off.
+    # is asked for again at once, while what leaves the tier never comes back: the rule goes off.
     mgr, lid, c = manager(2, dram_blocks=2)
     clock = mgr.table.clock
     pol = mgr.policy
@@ -108,7 +79,7 @@ def test_heat_admits_what_the_rule_refuses_once_refusals_lost():
         written.append(k)
         for gone in [w for w in written if not mgr.lookup([w], lid)]:
             cache_chain(mgr, lid, c, [gone])
-    assert pol.gate.counts["refused"] >= 1 and pol.gate.counts["lost"] >= 1
+    assert pol.gate.counts["refused"] >= 1 and pol.gate.counts["refused_back"] >= 1
     assert not pol.gate.on
     before = mgr.placement.stats.not_admitted
     for k in range(100, 104):

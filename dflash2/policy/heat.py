@@ -27,16 +27,16 @@
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
   has room; in the full last tier only when its key was referenced at least as often lately as the
-  tier's coldest blocks that it would push out (TinyLFU's rule), while that rule's refusals gain
-  at least as many hits as they lose on this workload (gate.py); a tier with another below admits every
-  block (what it pushes out moves down, not out).
+  tier's coldest blocks that it would push out (TinyLFU's rule), while the blocks that rule refuses
+  come back no more often than the blocks the tier lets go (gate.py); a tier with another below
+  admits every block (what it pushes out moves down, not out).
 
 Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`), and after a
 tier's split changes side; accessed or written blocks are re-scored at once. Per-block state lives
 in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and a split list
 (1 B each), a lookup offset and a recency slope (4 B each) per row; the split's ghosts take 9 B per
 slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
-blocks have left; the admission gate a mark per row (1 B) and 13 B per ghost slot (as many slots).
+blocks have left; the admission gate two ghost tables of as many slots, 12 B per slot.
 """
 
 from __future__ import annotations
@@ -150,7 +150,6 @@ class HeatPolicy(Policy):
         if self.split is None:
             self.split = AdaptiveSplit(TIERS, cap)
             self.gate = AdmissionGate(cap)
-        self.gate.grow(cap)
         self._cache = None
 
     def _place(self, rows) -> None:
@@ -176,7 +175,7 @@ class HeatPolicy(Policy):
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             up = now_in < was
             self.split.referenced_from(was[up], keys[up])
-            self.gate.read(moved[up & (was == self._last_tier(table))])
+            self.gate.referenced(keys[up & (was == self._last_tier(table))])
             # One moved down left its tier at its age (that tier's density).
             down = moved[now_in > was]
             for t in np.unique(self._tier[down]).tolist():
@@ -189,7 +188,6 @@ class HeatPolicy(Policy):
         new = rows[written]
         if len(new):
             self._forget(new)  # a reused row: its previous life may still be counted
-            self.gate.clear(new)
             self._stamp(new)
             self._cls[new] = 0
             self._tier[new] = c.tier[new]
@@ -202,7 +200,7 @@ class HeatPolicy(Policy):
         rows = np.asarray(rows, dtype=np.int64)
         # Written: the key was cached nowhere, so the ghosts of every tier speak.
         self.split.referenced_from(np.full(len(rows), TIERS), table.cols.key[rows])
-        self.gate.written(table.cols.key[rows])
+        self.gate.referenced(table.cols.key[rows])
         self._reference(table, rows)
         self._recode(table, rows)
         self._patch(table, rows, now)
@@ -237,9 +235,7 @@ class HeatPolicy(Policy):
         self._ensure(table)
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         self.split.left(self._code[rows], table.cols.key[rows])
-        last = self._tier[rows] == self._last_tier(table)
-        self.gate.left(rows[last], table.cols.key[rows[last]])
-        self.gate.clear(rows[~last])
+        self.gate.left(table.cols.key[rows[self._tier[rows] == self._last_tier(table)]])
         self._forget(rows)
         ages = self.tick - self._last[rows]
         self.model.evicted(self._cls[rows], ages)
@@ -286,11 +282,11 @@ class HeatPolicy(Policy):
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
         when its key was referenced at least as often lately as the coldest blocks it would push out
-        (TinyLFU's rule against the tier's lowest-scored published blocks), while the rule's
-        refusals gain at least as many hits as they lose (the gate, gate.py: on the Mooncake
-        conversation trace with HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone refused
-        65,000 blocks and found 0.3410 of references in some tier, LRU 0.3553; gated, 0.3548). A
-        tier with another below it admits every block: what it pushes out moves down rather than out, and a block
+        (TinyLFU's rule against the tier's lowest-scored published blocks), while the blocks the
+        rule refuses come back no more often than those the tier lets go (the gate, gate.py: on the
+        Mooncake conversation trace with HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone
+        refused 65,000 blocks and found 0.3410 of references in some tier, LRU 0.3553; gated,
+        0.3537). A tier with another below it admits every block: what it pushes out moves down rather than out, and a block
         refused there would be lost although the tier below could keep it (`bench policy` on the
         Mooncake synthetic and conversation traces with DRAM and NVMe below HBM: refusing at every
         full tier gave 0.7 and 0.4 points less prefix hit rate than refusing at the last one only;
@@ -311,17 +307,10 @@ class HeatPolicy(Policy):
             return np.ones(len(rows), dtype=bool)
         k = min(len(here), len(rows) - spare)
         scores = self.scores(table, here, now) if self._cache is None else self._cache[here]
-        lowest = np.argpartition(scores, k - 1)[:k] if k < len(here) else np.arange(len(here))
-        victims = here[lowest[np.argsort(-scores[lowest], kind="stable")]]  # best-scored first
+        victims = here[np.argpartition(scores, k - 1)[:k]] if k < len(here) else here
         keys = c.key[rows]
         rule = self.freq_admission.admit(keys, c.key[victims])
-        # Admitted, a block would have outlasted as many departures as its list holds while that
-        # list gives up blocks first (its newest block is the last of it to go), else the tier's.
-        first = self._cls[rows] == 0
-        t = int(tier)
-        gives_up = np.where(first, self.split.first_out[t], ~self.split.first_out[t])
-        stays = np.where(gives_up, self.split.sizes[t, np.where(first, 0, 1)], len(here) + spare)
-        return self.gate.decide(rows, keys, rule, victims, len(here) + spare, stays)
+        return self.gate.decide(keys, rule, len(here) + spare)
 
     # -- scores ----------------------------------------------------------------------------
     def _scratch(self, name: str, dtype) -> np.ndarray:
