@@ -89,3 +89,20 @@ def test_heat_admits_what_the_rule_refuses_once_refused_blocks_come_back_more():
     assert pol.gate.counts["admitted_against_rule"] >= 1
     assert mgr.stats()["policy"]["admission"]["rule_on"] is False
     mgr.check_invariants()
+
+
+def test_rates_within_the_hysteresis_band_change_nothing():
+    g = AdmissionGate(4096)
+    g.decide(np.arange(1000, 1010, dtype=np.uint64), np.zeros(10, dtype=bool), capacity=4096)
+    g.left(np.arange(1, 101, dtype=np.uint64))
+    g.referenced(np.arange(1, 11, dtype=np.uint64))  # departed blocks: 10 of 100 came back
+    g.referenced(keys(1000))  # refused: 1 of 10, the same rate
+    assert g.on
+    g.referenced(np.arange(11, 13, dtype=np.uint64))  # departed 12 of 100: refused 0.1, within the band
+    assert g.on
+    g.referenced(keys(1001))  # 2 of 10: twice the departed rate, past the band
+    assert not g.on
+    g.referenced(np.arange(11, 16, dtype=np.uint64))  # departed blocks: 15 of 100
+    assert not g.on  # refused 0.2 against departed 0.15: not 25% under it, the rule stays off
+    g.referenced(np.arange(16, 41, dtype=np.uint64))  # departed 40 of 100: refused now 50% under
+    assert g.on

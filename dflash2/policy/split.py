@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.invariants import InvariantViolation
-from dflash2.keys import fib_slots
+from dflash2.keys import ghost_bits, ghost_slots
 from dflash2.tiers import Tier
 
 FIRST, RETURNING = 0, 1
@@ -40,7 +40,6 @@ HYSTERESIS = 0.01
 # 11,000 in the whole trace, and the target had not got halfway). Steps are scaled so that the
 # same crossing takes about STEP_BLOCKS hits in a tier of any size (unit steps up to that size).
 STEP_BLOCKS = 512
-MIN_GHOST_BITS, MAX_GHOST_BITS = 12, 22
 
 
 class AdaptiveSplit:
@@ -55,12 +54,9 @@ class AdaptiveSplit:
         self.first_out = np.ones(tiers, dtype=bool)  # per tier: first-timers give up blocks first
         self.ghost_hits = np.zeros((tiers, 2), dtype=np.int64)
         self.departures = np.zeros((tiers, 2), dtype=np.uint32)
-        # Per tier, made when a block first leaves it: twice as many slots as the table has rows, to
-        # the next power of two (4096 to 4M): a tier's ghosts are at most its capacity in keys (a
-        # tier holds at most every row), and a table only as full as that keeps collisions rare.
-        bits = int(np.clip(int(np.ceil(np.log2(max(rows, 1)))) + 1, MIN_GHOST_BITS, MAX_GHOST_BITS))
-        self.slots = 1 << bits
-        self._bits = bits
+        # Per tier, made when a block first leaves it (keys.ghost_bits: twice the table's rows).
+        self._bits = ghost_bits(rows)
+        self.slots = 1 << self._bits
         self._ghosts: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * tiers
 
     def _ghost(self, tier: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -70,12 +66,6 @@ class AdaptiveSplit:
             g = self._ghosts[tier] = (np.zeros(self.slots, dtype=np.uint32), np.zeros(self.slots, dtype=np.int8),
                                       np.zeros(self.slots, dtype=np.uint32))
         return g
-
-    def _slot_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k = np.asarray(keys, dtype=np.uint64)
-        # Tag 0 marks an empty slot: a key whose tag is 0 is stored as 1 (a rare false match).
-        tag = np.maximum((k & np.uint64(0xFFFFFFFF)).astype(np.uint32), np.uint32(1))
-        return fib_slots(k ^ (k >> np.uint64(29)), self._bits), tag
 
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
@@ -98,7 +88,7 @@ class AdaptiveSplit:
         for code in np.unique(codes).tolist():
             tier, lst = divmod(code, 2)
             mine = keys[codes == code]
-            slot, tag = self._slot_tag(mine)
+            slot, tag = ghost_slots(mine, self._bits)
             seq = self.departures[tier, lst] + np.arange(1, len(mine) + 1, dtype=np.uint32)
             self.departures[tier, lst] += np.uint32(len(mine))
             ghost_tag, ghost_list, ghost_seq = self._ghost(tier)
@@ -130,7 +120,7 @@ class AdaptiveSplit:
         if not len(keys) or cap == 0 or self._ghosts[tier] is None:
             return
         ghost_tag, ghost_list, ghost_seq = self._ghosts[tier]
-        slot, tag = self._slot_tag(keys)
+        slot, tag = ghost_slots(keys, self._bits)
         found = ghost_tag[slot] == tag
         if not found.any():
             return
