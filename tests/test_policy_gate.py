@@ -100,7 +100,7 @@ def test_rates_within_the_hysteresis_band_change_nothing():
     assert g.on
     g.referenced(np.arange(11, 13, dtype=np.uint64))  # departed 12 of 100: refused 0.1, within the band
     assert g.on
-    g.referenced(keys(1001))  # 2 of 10: twice the departed rate, past the band
+    g.referenced(keys(1001))  # refused 2 of 10 against departed 0.12: past the band
     assert not g.on
     g.referenced(np.arange(11, 16, dtype=np.uint64))  # departed blocks: 15 of 100
     assert not g.on  # refused 0.2 against departed 0.15: not 25% under it, the rule stays off

@@ -13,8 +13,8 @@ is on while
 
     returns of refused blocks / refused blocks  <=  returns of departed blocks / departed blocks
 
-(on at start, as TinyLFU; with a hysteresis band, HYSTERESIS). All four counts halve each time as many blocks left the tier as it
-holds, so the gate follows the workload.
+(on at start, as TinyLFU), past a hysteresis band (HYSTERESIS). All four counts halve each time as
+many blocks left the tier as it holds, so the gate follows the workload.
 
 Neither estimate is exact: on the Mooncake synthetic trace refused blocks came back more often than
 departed ones (0.44 against 0.30 of them within the window, HBM 1000 / DRAM 4000 / NVMe 8000),
@@ -139,5 +139,5 @@ class AdmissionGate:
     def describe(self) -> dict:
         """The rule's state, the decayed return rates that decide it, and totals since start."""
         rate = [round(float(b / s), 4) if s else None for b, s in zip(self.back, self.seen)]
-        return {"rule_on": self.on, "refused_return_rate": rate[REFUSED], "departed_return_rate": rate[DEPARTED],
-                **self.counts}
+        return {"rule_on": self.on, "refused_return_rate": rate[REFUSED],
+                "departed_return_rate": rate[DEPARTED], **self.counts}

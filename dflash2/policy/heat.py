@@ -286,8 +286,9 @@ class HeatPolicy(Policy):
         rule refuses come back no more often than those the tier lets go (the gate, gate.py: on the
         Mooncake conversation trace with HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone
         refused 65,000 blocks and found 0.3410 of references in some tier, LRU 0.3553; gated,
-        0.3537). A tier with another below it admits every block: what it pushes out moves down rather than out, and a block
-        refused there would be lost although the tier below could keep it (`bench policy` on the
+        0.3537). A tier with another below it admits every block: what it pushes out moves down
+        rather than out, and a block refused there would be lost although the tier below could keep
+        it (`bench policy` on the
         Mooncake synthetic and conversation traces with DRAM and NVMe below HBM: refusing at every
         full tier gave 0.7 and 0.4 points less prefix hit rate than refusing at the last one only;
         with DRAM alone below, no difference)."""
