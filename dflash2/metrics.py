@@ -10,7 +10,8 @@ Two sources, no double bookkeeping:
   seconds per batch move (Mover.complete), admission wait (Admission.tick), the background step.
 
 Labels are bounded: tier (hbm|dram|nvme), direction (`hbm->dram`, ...), op (the protocol's ops),
-state, outcome, action, kind, mechanism (kernel|engines). Never a block, request or client id.
+state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1, ...), list
+(first_timers|returning). Never a block, request or client id.
 
 | metric | type | what |
 | --- | --- | --- |
@@ -44,6 +45,12 @@ state, outcome, action, kind, mechanism (kernel|engines). Never a block, request
 | dflash2_gpu_memory_utilization | gauge | used / capacity of the device (HBM) tier that dflash2 manages; on a host-only daemon, of its host-memory stand-in |
 | dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw |
 | dflash2_info{device,policy,version} | gauge | 1 |
+| dflash2_policy_first_timer_target_blocks{gpu,tier} | gauge | heat only: the adaptive split's target for first-timers (blocks whose key had no recent reference) |
+| dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
+| dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
+| dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off |
+| dflash2_policy_admission_blocks_total{gpu,outcome} | counter | heat only: blocks the rule refused (refused) or would have refused (admitted_against_rule) |
+| dflash2_policy_admission_return_ratio{gpu,kind} | gauge | heat only: share of refused and of departed blocks asked for again within a turnover of the tier |
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
+SPLIT_LISTS = ("first_timers", "returning")
 
 
 class DaemonMetrics:
@@ -177,6 +185,7 @@ class _StateCollector(Collector):
         yield from _access_families(st)
         yield from _swap_families(st)
         yield from _reservation_families(st)
+        yield from _policy_families(st)
         yield from _daemon_families(st, m.device, m.clock() - m.snapshot_at)
 
 
@@ -264,6 +273,44 @@ def _reservation_families(st: dict):
                  samples=[((), res["reserved_blocks"])])
     yield _counter("dflash2_reservations", "Reservation decisions and endings, by outcome.", ["outcome"],
                    [((o,), res.get(f"total_{o}", 0)) for o in RESERVATION_OUTCOMES])
+
+
+def _policy_families(st: dict):
+    """The heat policy's state per GPU pool (a node's totals hold only the first pool's policy):
+    each tier's adaptive split and the last tier's admission gate. Absent for policies without them."""
+    pools = st.get("devices") or {"0": st}
+    split, gate = [], []
+    for gpu, pool in pools.items():
+        policy = pool.get("policy")
+        if not isinstance(policy, dict):
+            continue
+        split += [(gpu, t) for t in policy.get("split") or []]
+        if policy.get("admission"):
+            gate.append((gpu, policy["admission"]))
+    if split:
+        yield _gauge("dflash2_policy_first_timer_target_blocks",
+                     "Heat's adaptive split: blocks the first-timers may hold in the tier before they give way first.",
+                     ["gpu", "tier"], [((g, t["tier"]), t["first_timer_target"]) for g, t in split])
+        yield _gauge("dflash2_policy_list_blocks", "Heat's adaptive split: keyed blocks per tier and list.",
+                     ["gpu", "tier", "list"],
+                     [((g, t["tier"], lst), t[lst]) for g, t in split for lst in SPLIT_LISTS])
+        yield _counter("dflash2_policy_ghost_hits",
+                       "Heat's adaptive split: keys asked for again soon after they left the tier, by the list they left.",
+                       ["gpu", "tier", "list"],
+                       [((g, t["tier"], lst), t["ghost_hits"][lst]) for g, t in split for lst in SPLIT_LISTS])
+    if gate:
+        yield _gauge("dflash2_policy_admission_rule_on",
+                     "1 while the last tier's admission rule (TinyLFU's) applies, 0 while the gate holds it off.",
+                     ["gpu"], [((g, ), int(a["rule_on"])) for g, a in gate])
+        yield _counter("dflash2_policy_admission_blocks",
+                       "Blocks the last tier's admission rule refused: refused, or admitted while the gate held it off.",
+                       ["gpu", "outcome"],
+                       [((g, o), a[o]) for g, a in gate for o in ("refused", "admitted_against_rule")])
+        yield _gauge("dflash2_policy_admission_return_ratio",
+                     "Of the blocks the rule refused (would refuse) and of those that left the tier, the share "
+                     "asked for again within a turnover of the tier (decayed).", ["gpu", "kind"],
+                     [((g, k), a[f"{k}_return_rate"]) for g, a in gate for k in ("refused", "departed")
+                      if a.get(f"{k}_return_rate") is not None])
 
 
 def _daemon_families(st: dict, device: str, age_s: float):

@@ -187,8 +187,9 @@ GPU_ONLY_METRICS = ("dflash2_copy_batches_total",)
 
 def test_prometheus_answers_every_dashboard_and_alert_expression(tmp_path, config_file, prometheus):
     port = free_port()
+    # The heat policy (the shipped config's), so that its split and admission panels answer too.
     cfg = config_file(metrics={"port": port, "host": "127.0.0.1"}, daemon={"endpoint": _endpoint(tmp_path)},
-                      logging={"format": "json", "level": "warning"})
+                      logging={"format": "json", "level": "warning"}, policy={"name": "heat"})
     with running_daemon(cfg, str(tmp_path / "daemon.log")):
         api = prometheus(f"127.0.0.1:{port}")
         api.wait_for('count_over_time(up{job="dflash2"}[1m])', lambda r: r and float(r[0]["value"][1]) >= 2)

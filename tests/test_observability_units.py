@@ -21,7 +21,7 @@ from dflash2.metrics import DaemonMetrics
 from conftest import SMALL
 
 BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
-                  "device", "policy", "version", "mechanism"}
+                  "device", "policy", "version", "mechanism", "gpu", "list"}
 
 
 @pytest.fixture
@@ -85,6 +85,45 @@ def test_metrics_mirror_the_stats_and_observe_events(service):
     assert got[("dflash2_scheduler_latency_microseconds_sum", ())] == pytest.approx(2000)
     assert got[("dflash2_rescore_seconds_count", ())] == 1
     assert got[("dflash2_clients", ())] == 1
+
+
+def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make_manager, clock):
+    service = Service(make_manager(hbm_blocks=8, dram_blocks=16, policy="heat"), lease_timeout_s=10,
+                      heartbeat_interval_s=1, clock=clock)
+    metrics = DaemonMetrics(service)
+    _load(service)
+    metrics.refresh(force=True)
+    policy = service.stats()["policy"]
+    assert policy["name"] == "heat"
+    got = _scrape(metrics)
+    for t in policy["split"]:
+        tier = ("tier", t["tier"])
+        assert got[("dflash2_policy_first_timer_target_blocks", (("gpu", "0"), tier))] == t["first_timer_target"]
+        for lst in ("first_timers", "returning"):
+            assert got[("dflash2_policy_list_blocks", (("gpu", "0"), ("list", lst), tier))] == t[lst]
+            assert got[("dflash2_policy_ghost_hits_total", (("gpu", "0"), ("list", lst), tier))] == t["ghost_hits"][lst]
+    assert {t["tier"] for t in policy["split"]} == {"hbm", "dram"}
+    gate = policy["admission"]
+    assert got[("dflash2_policy_admission_rule_on", (("gpu", "0"),))] == int(gate["rule_on"])
+    assert got[("dflash2_policy_admission_blocks_total", (("gpu", "0"), ("outcome", "refused")))] == gate["refused"]
+    # A node of two GPU pools: each pool's policy under its own label, not the first pool's twice.
+    one = json.loads(json.dumps(service.stats()))
+    other = json.loads(json.dumps(one))
+    other["policy"]["admission"].update(rule_on=False, refused=7, refused_return_rate=0.5, departed_return_rate=0.1)
+    metrics.snapshot["devices"] = {"0": one, "1": other}
+    got = _scrape(metrics)
+    assert got[("dflash2_policy_admission_rule_on", (("gpu", "1"),))] == 0
+    assert got[("dflash2_policy_admission_blocks_total", (("gpu", "1"), ("outcome", "refused")))] == 7
+    assert got[("dflash2_policy_admission_return_ratio", (("gpu", "1"), ("kind", "departed")))] == 0.1
+    assert ("dflash2_policy_admission_return_ratio", (("gpu", "0"), ("kind", "refused"))) not in got  # none yet
+
+
+def test_policies_without_a_split_have_no_policy_families(service):
+    assert service.stats()["policy"]["name"] == "lru"
+    metrics = DaemonMetrics(service)
+    _load(service)
+    metrics.refresh(force=True)
+    assert not [k for k in _scrape(metrics) if k[0].startswith("dflash2_policy_")]
 
 
 def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
