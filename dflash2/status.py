@@ -1,7 +1,7 @@
 """`dflash2 status [--config FILE | --endpoint E] [--json]`: what a running daemon holds.
 
-Tiers (capacity, used, blocks), hit rates, moves, clients and reservations: a table for people, or
-the daemon's `stats` reply as JSON for scripts. Status does not attach (it is not a client of the
+Tiers (capacity, used, blocks), hit rates, moves, the heat policy's split and admission gate, clients
+and reservations: a table for people, or the daemon's `stats` reply as JSON for scripts. Status does not attach (it is not a client of the
 cache); it sends one `stats` request. No daemon → exit 1 with one line on stderr.
 """
 
@@ -78,6 +78,7 @@ def render(st: dict) -> str:
     placement = st.get("placement", {})
     if placement:
         lines.append("placement: " + _brief(placement))
+    lines += _policy_lines(st)
     measured = st.get("read_cost", {}).get("bytes_per_s", {})
     if measured or st.get("lookup_withheld"):
         paths = "; ".join(f"{k} {'unmeasured' if v is None else _size(v) + '/s'}" for k, v in measured.items())
@@ -93,6 +94,31 @@ def render(st: dict) -> str:
         lines += _table([("id", "name", "pid", "idle s")]
                         + [(str(c["client"]), str(c["name"]), str(c["pid"]), f"{c['idle_s']:.1f}") for c in clients])
     return "\n".join(lines)
+
+
+def _policy_lines(st: dict) -> list[str]:
+    """The heat policy's adaptive split per tier and its admission gate at the last tier, per GPU
+    pool on a node of several (a node's totals hold only the first pool's policy)."""
+    pools = st.get("devices") or {None: st}
+    lines = []
+    for gpu, pool in pools.items():
+        policy = pool.get("policy")
+        if not isinstance(policy, dict):
+            continue
+        where = "" if gpu is None else f" (GPU {gpu})"
+        split = policy.get("split") or []
+        if split:
+            lines.append(f"heat split{where}: " + "; ".join(
+                f"{t['tier']} first-timers {t['first_timers']} (target {t['first_timer_target']:.0f}), "
+                f"returning {t['returning']}" for t in split))
+        gate = policy.get("admission") or {}
+        if gate:
+            rates = ", ".join(f"{k} {gate[f'{k}_return_rate']:.3f}" for k in ("refused", "departed")
+                              if gate.get(f"{k}_return_rate") is not None)
+            lines.append(f"last-tier admission{where}: rule {'on' if gate['rule_on'] else 'off (gate)'}; "
+                         f"refused {gate['refused']}, admitted against the rule {gate['admitted_against_rule']}"
+                         + (f"; asked for again: {rates}" if rates else ""))
+    return lines
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

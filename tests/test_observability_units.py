@@ -295,3 +295,24 @@ def test_node_totals_add_counts_but_not_settings_or_per_link_bandwidth(make_mana
     assert st["policy"]["weights"]["recency"] == 2.0, "a weight is a setting, not a count"
     assert st["prefetch"]["window"] == 4
     assert "read_cost" not in st and "read_cost" in st["devices"]["1"], "bandwidth is per GPU link"
+
+
+def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager, clock):
+    from dflash2.status import render
+    service = Service(make_manager(hbm_blocks=8, dram_blocks=16, policy="heat"), lease_timeout_s=10,
+                      heartbeat_interval_s=1, clock=clock)
+    _load(service)
+    st = json.loads(json.dumps(service.stats()))
+    hbm = st["policy"]["split"][0]
+    view = render(st)
+    assert (f"heat split: hbm first-timers {hbm['first_timers']} (target {hbm['first_timer_target']:.0f}), "
+            f"returning {hbm['returning']}; dram ") in view
+    assert "last-tier admission: rule on; refused 0, admitted against the rule 0" in view
+    other = json.loads(json.dumps(st))
+    other["policy"]["admission"].update(rule_on=False, refused=7, refused_return_rate=0.5, departed_return_rate=0.1)
+    st["devices"] = {"0": json.loads(json.dumps(st)), "1": other}
+    view = render(st)
+    assert "heat split (GPU 0): hbm" in view and "heat split (GPU 1): hbm" in view
+    assert ("last-tier admission (GPU 1): rule off (gate); refused 7, admitted against the rule 0; "
+            "asked for again: refused 0.500, departed 0.100") in view
+    assert "heat split" not in render({**st, "devices": None, "policy": {"name": "lru"}})
