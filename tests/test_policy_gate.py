@@ -106,3 +106,13 @@ def test_rates_within_the_hysteresis_band_change_nothing():
     assert not g.on  # refused 0.2 against departed 0.15: not 25% under it, the rule stays off
     g.referenced(np.arange(16, 41, dtype=np.uint64))  # departed 40 of 100: refused now 50% under
     assert g.on
+
+
+def test_departure_numbers_wrap_past_32_bits():
+    g = AdmissionGate(64)
+    g.decide(keys(5), np.array([False]), capacity=10)
+    g.departures = (1 << 32) - 3
+    g.left(keys(7))
+    g.left(keys(100, 101, 102, 103))  # the count passes 2**32
+    g.referenced(keys(7))
+    assert g.counts["departed_back"] == 1  # five departures since, within the window of ten

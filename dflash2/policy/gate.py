@@ -50,7 +50,8 @@ class AdmissionGate:
     def __init__(self, rows: int):
         self._bits = ghost_bits(rows)  # keys.ghost_bits: twice the table's rows
         self._tag = np.zeros((2, 1 << self._bits), dtype=np.uint32)
-        self._seq = np.zeros((2, 1 << self._bits), dtype=np.int64)  # departure number when remembered
+        # Departure number when remembered, mod 2**32 (differences in uint32 arithmetic wrap with it).
+        self._seq = np.zeros((2, 1 << self._bits), dtype=np.uint32)
         self.departures = 0  # blocks that left the cache from the tier
         self.capacity = 0  # the tier's blocks, as the last decision saw them (the ghosts' window)
         self._since_halving = 0
@@ -116,7 +117,8 @@ class AdmissionGate:
             return
         slot, tag = ghost_slots(keys, self._bits)
         for kind, name in ((REFUSED, "refused_back"), (DEPARTED, "departed_back")):
-            found = (self._tag[kind, slot] == tag) & (self.departures - self._seq[kind, slot] <= self.window)
+            since = np.uint32(self.departures & 0xFFFFFFFF) - self._seq[kind, slot]
+            found = (self._tag[kind, slot] == tag) & (since <= self.window)
             if not found.any():
                 continue
             self._tag[kind, slot[found]] = 0  # a ghost speaks once
@@ -133,7 +135,7 @@ class AdmissionGate:
             return
         slot, tag = ghost_slots(keys, self._bits)
         self._tag[kind, slot] = tag
-        self._seq[kind, slot] = self.departures
+        self._seq[kind, slot] = self.departures & 0xFFFFFFFF
         self.seen[kind] += len(keys)
 
     def describe(self) -> dict:

@@ -36,7 +36,7 @@ tier's split changes side; accessed or written blocks are re-scored at once. Per
 in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and a split list
 (1 B each), a lookup offset and a recency slope (4 B each) per row; the split's ghosts take 9 B per
 slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
-blocks have left; the admission gate two ghost tables of as many slots, 12 B per slot.
+blocks have left; the admission gate two ghost tables of as many slots, 8 B per slot.
 """
 
 from __future__ import annotations
