@@ -29,26 +29,6 @@ def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
         return ((np.asarray(keys, dtype=np.uint64) * np.uint64(FIB)) >> np.uint64(64 - bits)).astype(np.int64)
 
 
-# Ghost tables (keys that left, hashed by key: policy/split.py, policy/gate.py): twice as many slots as
-# the block table has rows, to the next power of two, 4096 to 4M. A table's ghosts are at most the
-# keys of its tier (a tier holds at most every row), and a table only as full as that keeps
-# collisions rare.
-MIN_GHOST_BITS, MAX_GHOST_BITS = 12, 22
-
-
-def ghost_bits(rows: int) -> int:
-    """log2 of the slots of a ghost table for a block table of `rows` rows."""
-    return int(np.clip(int(np.ceil(np.log2(max(rows, 1)))) + 1, MIN_GHOST_BITS, MAX_GHOST_BITS))
-
-
-def ghost_slots(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(slot, tag) of each key in a ghost table of 2**bits slots: the tag is the key's low 32 bits.
-    Tag 0 marks an empty slot, so a key whose tag is 0 is stored as 1 (a rare false match)."""
-    k = np.asarray(keys, dtype=np.uint64)
-    tag = np.maximum((k & np.uint64(0xFFFFFFFF)).astype(np.uint32), np.uint32(1))
-    return fib_slots(k ^ (k >> np.uint64(29)), bits), tag
-
-
 def _seed(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode("utf-8"), digest_size=8, person=b"dflash2-ns").digest()
 

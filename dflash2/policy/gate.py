@@ -26,15 +26,14 @@ Counting a ghost only once its window has passed (no lag between refusals and th
 the rule on for 48,000 refusals on the conversation trace with 52,000 blocks, a window being a
 large part of that trace.
 
-Ghosts are hashed (a 32-bit tag, the departure number, one slot per key; a slot taken by another key
-forgets the older one: a missed count, never a wrong one), two tables: refused and departed.
+Two ghost tables (ghosts.py): the refused keys and the departed ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dflash2.keys import ghost_bits, ghost_slots
+from dflash2.policy.ghosts import GhostTable
 
 REFUSED, DEPARTED = 0, 1
 WINDOW = 1.0  # a ghost speaks within this many times the tier's capacity in departures
@@ -48,10 +47,7 @@ HYSTERESIS = 0.25
 
 class AdmissionGate:
     def __init__(self, rows: int):
-        self._bits = ghost_bits(rows)  # keys.ghost_bits: twice the table's rows
-        self._tag = np.zeros((2, 1 << self._bits), dtype=np.uint32)
-        # Departure number when remembered, mod 2**32 (differences in uint32 arithmetic wrap with it).
-        self._seq = np.zeros((2, 1 << self._bits), dtype=np.uint32)
+        self._ghosts = (GhostTable(rows), GhostTable(rows))  # refused, departed
         self.departures = 0  # blocks that left the cache from the tier
         self.capacity = 0  # the tier's blocks, as the last decision saw them (the ghosts' window)
         self._since_halving = 0
@@ -115,14 +111,12 @@ class AdmissionGate:
         keys = keys[keys != 0]
         if not len(keys) or not self.capacity:
             return
-        slot, tag = ghost_slots(keys, self._bits)
+        now = np.uint32(self.departures & 0xFFFFFFFF)
         for kind, name in ((REFUSED, "refused_back"), (DEPARTED, "departed_back")):
-            since = np.uint32(self.departures & 0xFFFFFFFF) - self._seq[kind, slot]
-            found = (self._tag[kind, slot] == tag) & (since <= self.window)
-            if not found.any():
+            ghost = self._ghosts[kind]
+            n = int(np.count_nonzero(now - ghost.seq[ghost.recall(keys)] <= self.window))
+            if not n:
                 continue
-            self._tag[kind, slot[found]] = 0  # a ghost speaks once
-            n = int(found.sum())
             self.back[kind] += n
             self.counts[name] += n
         self._update()
@@ -133,9 +127,7 @@ class AdmissionGate:
         keys = keys[keys != 0]
         if not len(keys):
             return
-        slot, tag = ghost_slots(keys, self._bits)
-        self._tag[kind, slot] = tag
-        self._seq[kind, slot] = self.departures & 0xFFFFFFFF
+        self._ghosts[kind].remember(keys, self.departures & 0xFFFFFFFF)
         self.seen[kind] += len(keys)
 
     def describe(self) -> dict:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.invariants import InvariantViolation
-from dflash2.keys import ghost_bits, ghost_slots
+from dflash2.policy.ghosts import GhostTable
 from dflash2.tiers import Tier
 
 FIRST, RETURNING = 0, 1
@@ -54,18 +54,14 @@ class AdaptiveSplit:
         self.first_out = np.ones(tiers, dtype=bool)  # per tier: first-timers give up blocks first
         self.ghost_hits = np.zeros((tiers, 2), dtype=np.int64)
         self.departures = np.zeros((tiers, 2), dtype=np.uint32)
-        # Per tier, made when a block first leaves it (keys.ghost_bits: twice the table's rows).
-        self._bits = ghost_bits(rows)
-        self.slots = 1 << self._bits
-        self._ghosts: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * tiers
+        # Per tier, made when a block first leaves it: the list each key left as its payload.
+        self._rows = rows
+        self._ghosts: list[GhostTable | None] = [None] * tiers
 
-    def _ghost(self, tier: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tag, list, departure number) per slot of `tier`'s ghost table."""
-        g = self._ghosts[tier]
-        if g is None:
-            g = self._ghosts[tier] = (np.zeros(self.slots, dtype=np.uint32), np.zeros(self.slots, dtype=np.int8),
-                                      np.zeros(self.slots, dtype=np.uint32))
-        return g
+    def _ghost(self, tier: int) -> GhostTable:
+        if self._ghosts[tier] is None:
+            self._ghosts[tier] = GhostTable(self._rows, payload=True)
+        return self._ghosts[tier]
 
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
@@ -88,13 +84,9 @@ class AdaptiveSplit:
         for code in np.unique(codes).tolist():
             tier, lst = divmod(code, 2)
             mine = keys[codes == code]
-            slot, tag = ghost_slots(mine, self._bits)
             seq = self.departures[tier, lst] + np.arange(1, len(mine) + 1, dtype=np.uint32)
             self.departures[tier, lst] += np.uint32(len(mine))
-            ghost_tag, ghost_list, ghost_seq = self._ghost(tier)
-            ghost_tag[slot] = tag
-            ghost_list[slot] = lst
-            ghost_seq[slot] = seq
+            self._ghost(tier).remember(mine, seq, lst)
 
     def referenced_from(self, sources: np.ndarray, keys: np.ndarray) -> None:
         """Keyed blocks were referenced again, each found in tier `sources[i]` (a read from a lower
@@ -119,20 +111,17 @@ class AdaptiveSplit:
         cap = int(self.capacity[tier])
         if not len(keys) or cap == 0 or self._ghosts[tier] is None:
             return
-        ghost_tag, ghost_list, ghost_seq = self._ghosts[tier]
-        slot, tag = ghost_slots(keys, self._bits)
-        found = ghost_tag[slot] == tag
-        if not found.any():
+        ghost = self._ghosts[tier]
+        slot = ghost.recall(keys)
+        if not len(slot):
             return
-        slot = slot[found]
-        lst = ghost_list[slot].astype(np.int64)
+        lst = ghost.payload[slot].astype(np.int64)
         ghosts = np.maximum(cap - self.sizes[tier], 1)  # |B1|, |B2| as ARC bounds them
         # Departures since each left (uint32 arithmetic wraps with the counters). One more than the
         # ghost list holds: the write that brings a key back has made its room already, so its own
         # eviction is among them (ARC checks its ghosts before it makes room).
-        since = self.departures[tier, lst] - ghost_seq[slot]
+        since = self.departures[tier, lst] - ghost.seq[slot]
         recent = since <= ghosts[lst]
-        ghost_tag[slot] = 0  # a ghost speaks once
         hits = np.bincount(lst[recent], minlength=2)
         if not hits.any():
             return
