@@ -48,6 +48,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_first_timer_target_blocks{gpu,tier} | gauge | heat only: the adaptive split's target for first-timers (blocks whose key had no recent reference) |
 | dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
 | dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
+| dflash2_policy_departures_total{gpu,tier,list} | counter | heat only: keyed blocks that left the tier, by list (ghost hits over departures: each list's return rate, what moves the target) |
 | dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off |
 | dflash2_policy_admission_blocks_total{gpu,outcome} | counter | heat only: blocks the rule refused (refused) or would have refused (admitted_against_rule) |
 | dflash2_policy_admission_return_ratio{gpu,kind} | gauge | heat only: share of refused and of departed blocks asked for again within a turnover of the tier |
@@ -298,6 +299,10 @@ def _policy_families(st: dict):
                        "Heat's adaptive split: keys asked for again soon after they left the tier, by the list they left.",
                        ["gpu", "tier", "list"],
                        [((g, t["tier"], lst), t["ghost_hits"][lst]) for g, t in split for lst in SPLIT_LISTS])
+        yield _counter("dflash2_policy_departures",
+                       "Heat's adaptive split: keyed blocks that left the tier, by the list they left.",
+                       ["gpu", "tier", "list"],
+                       [((g, t["tier"], lst), t["departures"][lst]) for g, t in split for lst in SPLIT_LISTS])
     if gate:
         yield _gauge("dflash2_policy_admission_rule_on",
                      "1 while the last tier's admission rule (TinyLFU's) applies, 0 while the gate holds it off.",

@@ -110,7 +110,7 @@ def _policy_lines(st: dict) -> list[str]:
         if split:
             lines.append(f"heat split{where}: " + "; ".join(
                 f"{t['tier']} first-timers {t['first_timers']} (target {t['first_timer_target']:.0f}), "
-                f"returning {t['returning']}" for t in split))
+                f"returning {t['returning']}" + _return_rates(t) for t in split))
         gate = policy.get("admission") or {}
         if gate:
             rates = ", ".join(f"{k} {gate[f'{k}_return_rate']:.3f}" for k in ("refused", "departed")
@@ -119,6 +119,15 @@ def _policy_lines(st: dict) -> list[str]:
                          f"refused {gate['refused']}, admitted against the rule {gate['admitted_against_rule']}"
                          + (f"; asked for again: {rates}" if rates else ""))
     return lines
+
+
+def _return_rates(tier: dict) -> str:
+    """Of each list's departures from the tier, the share asked for again soon after (what moves the
+    split's target); nothing before a block has left."""
+    left, hits = tier.get("departures") or {}, tier.get("ghost_hits") or {}
+    rates = [f"{name} {hits[lst] / left[lst]:.3f}" for lst, name in (("first_timers", "first-timers"),
+                                                                    ("returning", "returning")) if left.get(lst)]
+    return f" (back soon after leaving: {', '.join(rates)})" if rates else ""
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

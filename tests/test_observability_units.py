@@ -102,6 +102,7 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
         for lst in ("first_timers", "returning"):
             assert got[("dflash2_policy_list_blocks", (("gpu", "0"), ("list", lst), tier))] == t[lst]
             assert got[("dflash2_policy_ghost_hits_total", (("gpu", "0"), ("list", lst), tier))] == t["ghost_hits"][lst]
+            assert got[("dflash2_policy_departures_total", (("gpu", "0"), ("list", lst), tier))] == t["departures"][lst]
     assert {t["tier"] for t in policy["split"]} == {"hbm", "dram"}
     gate = policy["admission"]
     assert got[("dflash2_policy_admission_rule_on", (("gpu", "0"),))] == int(gate["rule_on"])
@@ -305,8 +306,12 @@ def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager,
     st = json.loads(json.dumps(service.stats()))
     hbm = st["policy"]["split"][0]
     view = render(st)
+    left, hits = hbm["departures"], hbm["ghost_hits"]
+    # The load pushes first-timers out of HBM and no returning block: a rate only where blocks left.
+    assert left["first_timers"] and not left["returning"]
     assert (f"heat split: hbm first-timers {hbm['first_timers']} (target {hbm['first_timer_target']:.0f}), "
-            f"returning {hbm['returning']}; dram ") in view
+            f"returning {hbm['returning']} (back soon after leaving: "
+            f"first-timers {hits['first_timers'] / left['first_timers']:.3f}); dram ") in view
     assert "last-tier admission: rule on; refused 0, admitted against the rule 0" in view
     other = json.loads(json.dumps(st))
     other["policy"]["admission"].update(rule_on=False, refused=7, refused_return_rate=0.5, departed_return_rate=0.1)

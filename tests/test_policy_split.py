@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflash2.invariants import InvariantViolation
-from dflash2.policy.split import FIRST, HYSTERESIS, RETURNING, STEP_BLOCKS, AdaptiveSplit
+from dflash2.policy.split import FIRST, HYSTERESIS, MAX_HIT_WEIGHT, RETURNING, STEP_BLOCKS, WINDOW_SHARE, AdaptiveSplit
 
 from test_policy_heat import cache_chain, manager
 
@@ -32,11 +32,12 @@ def test_list_sizes_follow_recounts_and_capacity_is_the_most_held():
         s.recount(np.array([code(1, FIRST)], np.int8), np.full(1, -1, np.int8))
 
 
-def test_a_first_timer_back_soon_after_it_left_grows_their_target_by_arcs_step():
-    s = filled(100, 60)  # ghosts: B1 = 100 - 60 = 40, B2 = 100 - 40 = 60
+def test_a_first_timer_back_soon_after_it_left_grows_their_target():
+    s = filled(100, 60)
     s.left(np.array([code(0, FIRST)] * 3, np.int8), np.array([11, 12, 13], np.uint64))
     s.referenced(0, np.array([12], np.uint64))
-    assert s.share[0] * 100 == pytest.approx(50 + 60 / 40)  # one step of max(1, |B2| / |B1|)
+    # One step, weighed by the mean of the lists' departures (3 and, at least, 1) over its own list's.
+    assert s.share[0] * 100 == pytest.approx(50 + 2 / 3)
     assert s.ghost_hits[0].tolist() == [1, 0]
     s.referenced(0, np.array([12], np.uint64))  # a ghost speaks once
     assert s.ghost_hits[0].tolist() == [1, 0]
@@ -46,11 +47,11 @@ def test_a_first_timer_back_soon_after_it_left_grows_their_target_by_arcs_step()
 
 
 def test_steps_scale_with_a_tier_larger_than_step_blocks():
-    s = filled(4 * STEP_BLOCKS, 2 * STEP_BLOCKS)  # both ghost lists hold 2 * STEP_BLOCKS
+    s = filled(4 * STEP_BLOCKS, 2 * STEP_BLOCKS)
     s.left(np.array([code(0, FIRST)], np.int8), np.array([5], np.uint64))
     s.referenced(0, np.array([5], np.uint64))
-    # ARC's step (1 here) times capacity / STEP_BLOCKS: the tier is crossed in as many hits as a
-    # tier of STEP_BLOCKS blocks.
+    # A step of weight 1 (each list let at most one block go) times capacity / STEP_BLOCKS: the tier
+    # is crossed in as many hits as a tier of STEP_BLOCKS blocks.
     assert s.share[0] * 4 * STEP_BLOCKS == pytest.approx(2 * STEP_BLOCKS + 4)
 
 
@@ -58,17 +59,48 @@ def test_a_returning_block_back_soon_after_it_left_shrinks_the_target():
     s = filled(100, 60)
     s.left(np.array([code(0, RETURNING)], np.int8), np.array([7], np.uint64))
     s.referenced(0, np.array([7, 8], np.uint64))  # 8 was never a ghost
-    assert s.share[0] * 100 == pytest.approx(50 - 1)  # max(1, |B1| / |B2|) = max(1, 40 / 60)
+    assert s.share[0] * 100 == pytest.approx(50 - 1)
     assert s.ghost_hits[0].tolist() == [0, 1]
 
 
-def test_a_ghost_older_than_its_list_allows_says_nothing():
-    s = filled(100, 60)  # B1 holds 40 first-timer departures
-    keys = np.arange(1, 43, dtype=np.uint64)
-    s.left(np.full(len(keys), code(0, FIRST), np.int8), keys)  # 42 left: 41 followed key 1
-    s.referenced(0, np.array([1], np.uint64))
+def test_return_rates_per_departure_move_the_target_not_hit_counts():
+    # 30 first-timers and 3 returning blocks left; 3 and 1 of them come back: first-timers come back
+    # a tenth of the time and returning blocks a third, so returning blocks win the room although
+    # their ghosts hit less often (ARC's counts would grow the first-timers' target).
+    s = filled(100, 60)
+    s.left(np.full(30, code(0, FIRST), np.int8), np.arange(1, 31, dtype=np.uint64))
+    s.left(np.full(3, code(0, RETURNING), np.int8), np.arange(101, 104, dtype=np.uint64))
+    s.referenced(0, np.array([28, 29, 30, 103], np.uint64))
+    mean = (30 + 3) / 2
+    assert s.share[0] * 100 == pytest.approx(50 + 3 * mean / 30 - mean / 3)
+    assert s.share[0] < 0.5 and s.ghost_hits[0].tolist() == [3, 1]
+
+
+def test_a_hit_weighs_at_most_max_hit_weight():
+    s = filled(10_000, 6_000)
+    s.left(np.full(1, code(0, RETURNING), np.int8), np.array([7], np.uint64))
+    s.left(np.full(500, code(0, FIRST), np.int8), np.arange(1000, 1500, dtype=np.uint64))
+    s.referenced(0, np.array([7], np.uint64))  # weight (500 + 1) / 2 over 1, bounded
+    assert s.share[0] * 10_000 == pytest.approx(5_000 - MAX_HIT_WEIGHT * 10_000 / STEP_BLOCKS)
+
+
+def test_recent_departures_halve_once_a_capacity_has_left():
+    s = filled(100, 60)
+    s.left(np.full(60, code(0, FIRST), np.int8), np.arange(1, 61, dtype=np.uint64))
+    s.left(np.full(39, code(0, RETURNING), np.int8), np.arange(101, 140, dtype=np.uint64))
+    assert s.recent_departures[0].tolist() == [60, 39]
+    s.left(np.full(1, code(0, RETURNING), np.int8), np.array([140], np.uint64))  # the 100th
+    assert s.recent_departures[0].tolist() == [30, 20] and s.departures[0].tolist() == [60, 40]
+
+
+def test_a_ghost_that_many_departures_of_either_list_followed_says_nothing():
+    s = filled(100, 60)  # a ghost speaks while at most WINDOW_SHARE * 100 departures followed it
+    assert WINDOW_SHARE * 100 == 50
+    s.left(np.full(2, code(0, FIRST), np.int8), np.array([1, 2], dtype=np.uint64))
+    s.left(np.full(50, code(0, RETURNING), np.int8), np.arange(101, 151, dtype=np.uint64))
+    s.referenced(0, np.array([1], np.uint64))  # 51 followed it, returning blocks among them
     assert s.ghost_hits[0].tolist() == [0, 0] and s.share[0] == 0.5
-    s.referenced(0, np.array([2], np.uint64))  # 40 followed it: still a ghost
+    s.referenced(0, np.array([2], np.uint64))  # 50 followed it: still a ghost
     assert s.ghost_hits[0].tolist() == [1, 0]
 
 
@@ -146,7 +178,7 @@ def test_the_list_over_its_target_gives_up_blocks_first_whatever_their_age():
 def test_heat_feeds_ghosts_from_evictions_and_moves():
     mgr, lid, c = manager(4)
     clock = mgr.table.clock
-    for k in (1, 2):  # returning blocks: ARC's ghosts of first-timers have room only beside them
+    for k in (1, 2):  # read again: returning blocks
         cache_chain(mgr, lid, c, [k])
         read(mgr, lid, c, [k])
     split = mgr.policy.split
@@ -162,10 +194,11 @@ def test_heat_feeds_ghosts_from_evictions_and_moves():
     cache_chain(mgr, lid, c, [7])
     assert cached_keys(mgr) == {4, 5, 6, 7} and split.departures[0].tolist() == [1, 2]
     clock.now += 1.0
-    cache_chain(mgr, lid, c, [3])  # written again soon after it left: a first-timer's ghost
-    assert split.ghost_hits[0].tolist() == [1, 0] and split.share[0] > 0.0
+    # A ghost speaks while at most two departures (half the tier) followed it: 2 left before 3.
     cache_chain(mgr, lid, c, [2])  # a returning block's ghost; the target cannot go below 0
-    assert split.ghost_hits[0].tolist() == [1, 1]
+    assert split.ghost_hits[0].tolist() == [0, 1] and split.share[0] == 0.0
+    cache_chain(mgr, lid, c, [3])  # written again soon after it left: a first-timer's ghost
+    assert split.ghost_hits[0].tolist() == [1, 1] and split.share[0] > 0.0
     # A block demoted to DRAM leaves HBM's list; promoted back, it is HBM's ghost that speaks.
     mgr, lid, c = manager(2, dram_blocks=4)
     clock = mgr.table.clock
