@@ -54,8 +54,8 @@ HYSTERESIS = 0.01
 # same crossing takes about STEP_BLOCKS hits in a tier of any size (unit steps up to that size).
 STEP_BLOCKS = 512
 # A ghost speaks while no more departures from its tier than this share of the tier's capacity
-# followed it ("soon after it left"; `bench policy` on both Mooncake traces: 0.25, 0.5 and 1 within 0.4% of
-# each other at 2,000–52,000 blocks, 2 lower at 2,000 blocks of the conversation trace).
+# followed it ("soon after it left"; an experiment replaying both Mooncake traces at 2,000–52,000
+# blocks: 0.25, 0.5 and 1 within 0.5% of each other, 2 lower at 2,000 blocks of the conversation trace).
 WINDOW_SHARE = 0.5
 # A hit weighs the mean of the lists' recent departures over its own list's, within these bounds: a
 # list that let (almost) no block go lately has no measured rate, and its first returns must move the
