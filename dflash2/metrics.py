@@ -49,6 +49,10 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
 | dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
 | dflash2_policy_departures_total{gpu,tier,list} | counter | heat only: keyed blocks that left the tier, by list (ghost hits over departures: each list's return rate, what moves the target) |
+| dflash2_policy_seen_2_3_target_blocks{gpu,tier} | gauge | heat only: the returning blocks' split: the target for those whose key was referenced 2–3 times (the others 4 or more) |
+| dflash2_policy_returning_list_blocks{gpu,tier,list} | gauge | heat only: returning blocks per list of their split (seen_2_3, seen_4_plus) |
+| dflash2_policy_returning_ghost_hits_total{gpu,tier,list} | counter | heat only: returning blocks asked for again soon after they left the tier, by the list they left |
+| dflash2_policy_returning_departures_total{gpu,tier,list} | counter | heat only: returning blocks that left the tier, by list |
 | dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off |
 | dflash2_policy_admission_blocks_total{gpu,outcome} | counter | heat only: blocks the rule refused (refused) or would have refused (admitted_against_rule) |
 | dflash2_policy_admission_return_ratio{gpu,kind} | gauge | heat only: share of refused and of departed blocks asked for again within a turnover of the tier |
@@ -83,6 +87,7 @@ SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 5
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
 SPLIT_LISTS = ("first_timers", "returning")
+INNER_LISTS = ("seen_2_3", "seen_4_plus")  # the returning blocks' split (policy/heat.py)
 
 
 class DaemonMetrics:
@@ -280,29 +285,21 @@ def _policy_families(st: dict):
     """The heat policy's state per GPU pool (a node's totals hold only the first pool's policy):
     each tier's adaptive split and the last tier's admission gate. Absent for policies without them."""
     pools = st.get("devices") or {"0": st}
-    split, gate = [], []
+    split, inner, gate = [], [], []
     for gpu, pool in pools.items():
         policy = pool.get("policy")
         if not isinstance(policy, dict):
             continue
         split += [(gpu, t) for t in policy.get("split") or []]
+        inner += [(gpu, t) for t in policy.get("returning_split") or []]
         if policy.get("admission"):
             gate.append((gpu, policy["admission"]))
-    if split:
-        yield _gauge("dflash2_policy_first_timer_target_blocks",
-                     "Heat's adaptive split: blocks the first-timers may hold in the tier before they give way first.",
-                     ["gpu", "tier"], [((g, t["tier"]), t["first_timer_target"]) for g, t in split])
-        yield _gauge("dflash2_policy_list_blocks", "Heat's adaptive split: keyed blocks per tier and list.",
-                     ["gpu", "tier", "list"],
-                     [((g, t["tier"], lst), t[lst]) for g, t in split for lst in SPLIT_LISTS])
-        yield _counter("dflash2_policy_ghost_hits",
-                       "Heat's adaptive split: keys asked for again soon after they left the tier, by the list they left.",
-                       ["gpu", "tier", "list"],
-                       [((g, t["tier"], lst), t["ghost_hits"][lst]) for g, t in split for lst in SPLIT_LISTS])
-        yield _counter("dflash2_policy_departures",
-                       "Heat's adaptive split: keyed blocks that left the tier, by the list they left.",
-                       ["gpu", "tier", "list"],
-                       [((g, t["tier"], lst), t["departures"][lst]) for g, t in split for lst in SPLIT_LISTS])
+    yield from _split_families(split, "", SPLIT_LISTS, "first_timer_target",
+                               "blocks the first-timers may hold in the tier before they give way first",
+                               "Heat's adaptive split")
+    yield from _split_families(inner, "returning_", INNER_LISTS, "seen_2_3_target",
+                               "blocks the returning blocks referenced 2-3 times may hold in the tier before they "
+                               "give way first (among returning blocks)", "Heat's split of the returning blocks")
     if gate:
         yield _gauge("dflash2_policy_admission_rule_on",
                      "1 while the last tier's admission rule (TinyLFU's) applies, 0 while the gate holds it off.",
@@ -316,6 +313,25 @@ def _policy_families(st: dict):
                      "asked for again within a turnover of the tier (decayed).", ["gpu", "kind"],
                      [((g, k), a[f"{k}_return_rate"]) for g, a in gate for k in ("refused", "departed")
                       if a.get(f"{k}_return_rate") is not None])
+
+
+def _split_families(split: list, prefix: str, lists: tuple, target: str, target_doc: str, what: str):
+    """One split's families (the first-timers' split, or the returning blocks' split into those whose
+    key was referenced 2-3 times and 4 or more): its first list's target, the lists' sizes, ghost hits and
+    departures per GPU pool and tier."""
+    if not split:
+        return
+    yield _gauge(f"dflash2_policy_{target}_blocks", f"{what}: {target_doc}.",
+                 ["gpu", "tier"], [((g, t["tier"]), t[target]) for g, t in split])
+    yield _gauge(f"dflash2_policy_{prefix}list_blocks", f"{what}: keyed blocks per tier and list.",
+                 ["gpu", "tier", "list"], [((g, t["tier"], lst), t[lst]) for g, t in split for lst in lists])
+    yield _counter(f"dflash2_policy_{prefix}ghost_hits",
+                   f"{what}: keys asked for again soon after they left the tier, by the list they left.",
+                   ["gpu", "tier", "list"],
+                   [((g, t["tier"], lst), t["ghost_hits"][lst]) for g, t in split for lst in lists])
+    yield _counter(f"dflash2_policy_{prefix}departures", f"{what}: keyed blocks that left the tier, by the list they left.",
+                   ["gpu", "tier", "list"],
+                   [((g, t["tier"], lst), t["departures"][lst]) for g, t in split for lst in lists])
 
 
 def _daemon_families(st: dict, device: str, age_s: float):

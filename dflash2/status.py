@@ -110,7 +110,12 @@ def _policy_lines(st: dict) -> list[str]:
         if split:
             lines.append(f"heat split{where}: " + "; ".join(
                 f"{t['tier']} first-timers {t['first_timers']} (target {t['first_timer_target']:.0f}), "
-                f"returning {t['returning']}" + _return_rates(t) for t in split))
+                f"returning {t['returning']}" + _return_rates(t, SPLIT_NAMES) for t in split))
+        inner = policy.get("returning_split") or []
+        if inner:
+            lines.append(f"returning blocks' split{where}: " + "; ".join(
+                f"{t['tier']} seen 2-3 times {t['seen_2_3']} (target {t['seen_2_3_target']:.0f}), "
+                f"seen 4+ times {t['seen_4_plus']}" + _return_rates(t, INNER_NAMES) for t in inner))
         gate = policy.get("admission") or {}
         if gate:
             rates = ", ".join(f"{k} {gate[f'{k}_return_rate']:.3f}" for k in ("refused", "departed")
@@ -121,12 +126,15 @@ def _policy_lines(st: dict) -> list[str]:
     return lines
 
 
-def _return_rates(tier: dict) -> str:
+SPLIT_NAMES = (("first_timers", "first-timers"), ("returning", "returning"))
+INNER_NAMES = (("seen_2_3", "seen 2-3 times"), ("seen_4_plus", "seen 4+ times"))
+
+
+def _return_rates(tier: dict, names) -> str:
     """Of each list's departures from the tier, the share asked for again soon after (what moves the
     split's target); nothing before a block has left."""
     left, hits = tier.get("departures") or {}, tier.get("ghost_hits") or {}
-    rates = [f"{name} {hits[lst] / left[lst]:.3f}" for lst, name in (("first_timers", "first-timers"),
-                                                                    ("returning", "returning")) if left.get(lst)]
+    rates = [f"{name} {hits[lst] / left[lst]:.3f}" for lst, name in names if left.get(lst)]
     return f" (back soon after leaving: {', '.join(rates)})" if rates else ""
 
 

@@ -104,6 +104,17 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
             assert got[("dflash2_policy_ghost_hits_total", (("gpu", "0"), ("list", lst), tier))] == t["ghost_hits"][lst]
             assert got[("dflash2_policy_departures_total", (("gpu", "0"), ("list", lst), tier))] == t["departures"][lst]
     assert {t["tier"] for t in policy["split"]} == {"hbm", "dram"}
+    inner = policy["returning_split"]
+    assert inner and sum(t["seen_2_3"] for t in inner) == 6, "the load reads every block again"
+    for t in inner:
+        tier = ("tier", t["tier"])
+        assert got[("dflash2_policy_seen_2_3_target_blocks", (("gpu", "0"), tier))] == t["seen_2_3_target"]
+        for lst in ("seen_2_3", "seen_4_plus"):
+            assert got[("dflash2_policy_returning_list_blocks", (("gpu", "0"), ("list", lst), tier))] == t[lst]
+            assert got[("dflash2_policy_returning_ghost_hits_total", (("gpu", "0"), ("list", lst), tier))] \
+                == t["ghost_hits"][lst]
+            assert got[("dflash2_policy_returning_departures_total", (("gpu", "0"), ("list", lst), tier))] \
+                == t["departures"][lst]
     gate = policy["admission"]
     assert got[("dflash2_policy_admission_rule_on", (("gpu", "0"),))] == int(gate["rule_on"])
     assert got[("dflash2_policy_admission_blocks_total", (("gpu", "0"), ("outcome", "refused")))] == gate["refused"]
@@ -312,6 +323,9 @@ def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager,
     assert (f"heat split: hbm first-timers {hbm['first_timers']} (target {hbm['first_timer_target']:.0f}), "
             f"returning {hbm['returning']} (back soon after leaving: "
             f"first-timers {hits['first_timers'] / left['first_timers']:.3f}); dram ") in view
+    inner = st["policy"]["returning_split"][0]
+    assert (f"returning blocks' split: {inner['tier']} seen 2-3 times {inner['seen_2_3']} "
+            f"(target {inner['seen_2_3_target']:.0f}), seen 4+ times {inner['seen_4_plus']}") in view
     assert "last-tier admission: rule on; refused 0, admitted against the rule 0" in view
     other = json.loads(json.dumps(st))
     other["policy"]["admission"].update(rule_on=False, refused=7, refused_return_rate=0.5, departed_return_rate=0.1)

@@ -6,6 +6,8 @@ import pytest
 from dflash2.invariants import InvariantViolation
 from dflash2.policy.split import FIRST, HYSTERESIS, MAX_HIT_WEIGHT, RETURNING, STEP_BLOCKS, WINDOW_SHARE, AdaptiveSplit
 
+from dflash2.policy.heat import INNER_CLASS
+
 from test_policy_heat import cache_chain, manager
 
 
@@ -175,6 +177,75 @@ def test_the_list_over_its_target_gives_up_blocks_first_whatever_their_age():
     mgr.check_invariants()
 
 
+def test_returning_blocks_seen_two_or_three_times_give_way_before_the_others_while_over_their_target():
+    mgr, lid, c = manager(8)
+    clock = mgr.table.clock
+    for k in (3, 4):  # older, read three times: referenced four times (frequency class 2)
+        cache_chain(mgr, lid, c, [k])
+        for _ in range(3):
+            read(mgr, lid, c, [k])
+    for k in (1, 2):  # newer, read once: referenced twice (class 1)
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+        read(mgr, lid, c, [k])
+    for k in (5, 6, 7, 8):  # first-timers
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+    pol = mgr.policy
+    assert pol.split.sizes[0].tolist() == [4, 4] and pol.inner.sizes[0].tolist() == [2, 2]
+    pol.split.share[0] = 1.0  # first-timers under their target: returning blocks give way first
+    pol.inner.share[0] = 0.0  # and of those, the ones seen 2-3 times (over their target)
+    pol._sides()
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [9])
+    # Block 1 goes, although blocks 3 and 4 are older (recency alone would drop block 3).
+    assert cached_keys(mgr) == {2, 3, 4, 5, 6, 7, 8, 9}
+    assert pol.inner.departures[0].tolist() == [1, 0] and pol.split.departures[0].tolist() == [0, 1]
+    pol.inner.share[0] = 1.0  # room for all seen 2-3 times: those seen more often give way first
+    pol._sides()
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [10])
+    assert cached_keys(mgr) == {2, 4, 5, 6, 7, 8, 9, 10}
+    assert pol.inner.departures[0].tolist() == [1, 1]
+    # First-timers over their target go before any returning block, whatever the inner split says.
+    pol.split.share[0] = 0.0
+    pol._sides()
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [11])
+    assert cached_keys(mgr) == {2, 4, 6, 7, 8, 9, 10, 11}
+    # Block 1, written again soon after it left the seen-2-3 list: that list's ghost speaks.
+    clock.now += 1.0
+    cache_chain(mgr, lid, c, [1])
+    assert pol.inner.ghost_hits[0].tolist() == [1, 0]
+    mgr.check_invariants()
+
+
+def test_below_hbm_returning_blocks_are_one_list():
+    mgr, lid, c = manager(4, dram_blocks=4)
+    pol = mgr.policy
+    for k in (1, 2):
+        cache_chain(mgr, lid, c, [k])
+        read(mgr, lid, c, [k])  # returning, in HBM: counted in the inner split
+    assert pol.inner.sizes.tolist() == [[2, 0]]
+    for k in (3, 4):  # HBM full
+        cache_chain(mgr, lid, c, [k])
+    pol.split.share[0] = 1.0  # returning blocks give way first: block 1 goes down to DRAM
+    pol._sides()
+    cache_chain(mgr, lid, c, [5])
+    row = mgr.table.rows([p.vid for p in mgr.lookup([1], lid)])[0]
+    assert mgr.table.cols.tier[row] == 1 and pol.split.sizes[1].tolist() == [0, 1]
+    assert pol.inner.sizes.tolist() == [[1, 0]] and pol.inner.departures.tolist() == [[1, 0]]
+    # Ranks (0 gives way first) of first-timers, returning blocks seen 2-3 times and seen more often:
+    # below HBM the two returning lists share one rank.
+    pol.split.first_out[:] = [True, False, True]
+    pol.inner.first_out[:] = [False]
+    assert pol._keep_ranks().tolist() == [[0, 2, 1], [1, 0, 0], [0, 1, 1]]
+    pol.split.first_out[:] = [False, True, False]
+    pol.inner.first_out[:] = [True]
+    assert pol._keep_ranks().tolist() == [[2, 0, 1], [0, 1, 1], [1, 0, 0]]
+    mgr.check_invariants()
+
+
 def test_heat_feeds_ghosts_from_evictions_and_moves():
     mgr, lid, c = manager(4)
     clock = mgr.table.clock
@@ -243,12 +314,19 @@ def test_heat_counts_every_cached_keyed_block_in_one_list():
     for start in range(100, 140, 8):  # 40 blocks more through 32 slots: demotions, evictions
         cache_chain(mgr, lid, c, list(range(start, start + 8)))
     read(mgr, lid, c, [100, 101])
+    read(mgr, lid, c, [100, 101])
+    read(mgr, lid, c, [100, 101])  # referenced four times: the inner split's second list
     c_ = mgr.table.cols
     held = (c_.key != 0) & (c_.state != 0)
     for tier in (0, 1):
         here = held & (c_.tier == tier)
         returning = here & (pol._cls > 0)
         assert split.sizes[tier].tolist() == [int((here & ~returning).sum()), int(returning.sum())]
+    # HBM's returning blocks, and only those, in the inner split's lists.
+    hbm_returning = held & (c_.tier == 0) & (pol._cls > 0)
+    often = hbm_returning & (pol._cls >= INNER_CLASS)
+    assert pol.inner.sizes.tolist() == [[int((hbm_returning & ~often).sum()), int(often.sum())]]
+    assert often.any(), "some blocks must be in the inner split's second list"
     assert split.capacity[0] == 16 and split.capacity[1] == 16
     mgr.check_invariants()
 

@@ -30,7 +30,7 @@ from dflash2.keys import fib_slots
 
 BINS_PER_OCTAVE = 4
 N_AGE = BINS_PER_OCTAVE * 40  # logical ages up to 2^40 block references
-N_CLASS = 6  # frequency classes: 0, 1, 2-3, 4-7, 8-15, 16+ prior references
+N_CLASS = 6  # frequency classes (log2(1 + count)): 0, 1-2, 3-6, 7-14, 15-30, 31+ prior references
 FLOOR = 1e-15
 
 

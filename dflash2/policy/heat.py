@@ -2,7 +2,7 @@
 
     heat = w_frequency·log2 density[class, age]  −  (w_recency [+ w_recency_below below HBM])·0.2·log2(1 + age)
          + w_priority·priority  +  w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)
-         + w_stage·stage  +  SPLIT_BONUS if the block's list keeps its blocks in its tier (split.py)
+         + w_stage·stage  +  SPLIT_BONUS · the rank of the block's list in its tier (split.py)
 
 - *class*: the content key's recent (decayed) reference count, log2-bucketed, from a frequency
   sketch (admission.py). A block that was evicted and is written again (recomputed) comes back with
@@ -22,7 +22,14 @@
   departed keys move; the list over its share gives up blocks first (SPLIT_BONUS lifts the other
   list above it in the lookup table), and the terms above order the blocks within a list. It is
   what serves a small cache (a second-hit filter against one-time blocks) and a large one (room
-  for a session's newest turn, which its next turn reads) from one policy.
+  for a session's newest turn, which its next turn reads) from one policy. In HBM a second split
+  of the same kind divides the returning blocks into those whose key was referenced 2-3 times and
+  those referenced more often (INNER_CLASS), so that frequently used prefixes (a shared system
+  prompt, a popular document) outlast blocks read once more only while that pays: in the bench's
+  replays of the Mooncake conversation trace it served 15-35% more references from an HBM of
+  500-2,000 blocks than the one split (README, Policies). Below HBM the returning blocks stay one
+  list (there the second split cost blocks found in some tier). Ranks: the list that gives way
+  first scores lowest, each rank SPLIT_BONUS above the one before.
 - Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
@@ -33,10 +40,11 @@
 
 Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`), and after a
 tier's split changes side; accessed or written blocks are re-scored at once. Per-block state lives
-in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and a split list
-(1 B each), a lookup offset and a recency slope (4 B each) per row; the split's ghosts take 9 B per
-slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
-blocks have left; the admission gate two ghost tables of as many slots, 8 B per slot.
+in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and two split
+lists (1 B each), a lookup offset and a recency slope (4 B each) per row; the splits' ghosts take 9 B
+per slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
+blocks have left (and one more table for HBM's returning blocks); the admission gate two ghost
+tables of as many slots, 8 B per slot.
 """
 
 from __future__ import annotations
@@ -69,10 +77,15 @@ MAX_WEIGHT = 1e6
 # full pass needs no clipping of the bin index (the same values as clipping to N_AGE - 1).
 ROW = BINS_PER_OCTAVE * 129
 TIERS = len(Tier)  # the lookup table holds one density per tier (lower tiers rank by their own lifetimes)
-# Added to the blocks of the list that keeps its blocks (split.py): above any score the other terms
-# give at sensible weights (log2 densities reach -50, the recency term -8), small enough that float32
-# keeps recency steps of a thousandth within it.
+# Per rank of a block's list (0: the list that gives way first; split.py): above any score the other
+# terms give at sensible weights (log2 densities reach -50, the recency term -8), small enough that
+# float32 keeps recency steps of a thousandth within two of it.
 SPLIT_BONUS = 1024.0
+# Returning blocks of this frequency class and above (three or more references before: freq_class is
+# log2(1 + count)) form the inner split's second list: seen four times or more; classes 1 below it,
+# seen two or three times, the first.
+INNER_CLASS = 2
+INNER_LISTS = ("seen_2_3", "seen_4_plus")
 # While no block has more cached children than this, the full pass folds fan-out into the density
 # lookup (one gather instead of two); beyond it, a separate gather of its own table.
 FUSE_FANOUT = 15
@@ -118,7 +131,11 @@ class HeatPolicy(Policy):
         self._slope = np.zeros(0, dtype=np.float32)
         # Each row's list in the adaptive split (tier * 2 + list, -1: not counted: no key, or gone).
         self._code = np.zeros(0, dtype=np.int8)
+        # Each returning row's list in the returning blocks' own split (tier * 2 + (seen four times
+        # or more), -1: not counted: a first-timer, no key, or gone).
+        self._code2 = np.zeros(0, dtype=np.int8)
         self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
+        self.inner: AdaptiveSplit | None = None
         self.gate: AdmissionGate | None = None  # whether admission's refusals pay (made with the split)
         self._lut_key: tuple | None = None  # (model version, weights, split sides) the table was built for
         self._lut = np.zeros(0, dtype=np.float32)
@@ -145,10 +162,13 @@ class HeatPolicy(Policy):
         slope[: self._cap] = self._slope
         code = np.full(cap, -1, dtype=np.int8)
         code[: self._cap] = self._code
+        code2 = np.full(cap, -1, dtype=np.int8)
+        code2[: self._cap] = self._code2
         self._last, self._off, self._cls, self._tier, self._slope, self._cap = last, off, cls, tier, slope, cap
-        self._code = code
+        self._code, self._code2 = code, code2
         if self.split is None:
             self.split = AdaptiveSplit(TIERS, cap)
+            self.inner = AdaptiveSplit(1, cap, lists=INNER_LISTS, target="seen_2_3_target")  # HBM's only
             self.gate = AdmissionGate(cap)
         self._cache = None
 
@@ -172,9 +192,11 @@ class HeatPolicy(Policy):
             # One moved up was read from a lower tier: the ghosts of the tiers above it speak.
             keys = c.key[moved]
             self.split.left(self._code[moved], keys)
+            self.inner.left(self._code2[moved], keys)
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             up = now_in < was
             self.split.referenced_from(was[up], keys[up])
+            self.inner.referenced_from(was[up], keys[up])
             self.gate.referenced(keys[up & (was == self._last_tier(table))])
             # One moved down left its tier at its age (that tier's density).
             down = moved[now_in > was]
@@ -200,6 +222,7 @@ class HeatPolicy(Policy):
         rows = np.asarray(rows, dtype=np.int64)
         # Written: the key was cached nowhere, so the ghosts of every tier speak.
         self.split.referenced_from(np.full(len(rows), TIERS), table.cols.key[rows])
+        self.inner.referenced_from(np.full(len(rows), TIERS), table.cols.key[rows])
         self.gate.referenced(table.cols.key[rows])
         self._reference(table, rows)
         self._recode(table, rows)
@@ -235,6 +258,7 @@ class HeatPolicy(Policy):
         self._ensure(table)
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         self.split.left(self._code[rows], table.cols.key[rows])
+        self.inner.left(self._code2[rows], table.cols.key[rows])
         self.gate.left(table.cols.key[rows[self._tier[rows] == self._last_tier(table)]])
         self._forget(rows)
         ages = self.tick - self._last[rows]
@@ -248,31 +272,36 @@ class HeatPolicy(Policy):
         """Count rows in the list they belong to now: keyed and cached, by tier and by whether
         their key was referenced before (class > 0)."""
         c = table.cols
-        new = np.where((c.key[rows] != 0) & (c.state[rows] != int(BlockState.FREE)),
-                       c.tier[rows].astype(np.int8) * 2 + (self._cls[rows] > 0), -1).astype(np.int8)
-        changed = new != self._code[rows]
+        held = (c.key[rows] != 0) & (c.state[rows] != int(BlockState.FREE))
+        tier2, cls = c.tier[rows].astype(np.int8) * 2, self._cls[rows]
+        new = np.where(held, tier2 + (cls > 0), -1).astype(np.int8)
+        new2 = np.where(held & (cls > 0) & (tier2 == 0), cls >= INNER_CLASS, -1).astype(np.int8)
+        if self._recount(self.split, self._code, rows, new) | self._recount(self.inner, self._code2, rows, new2):
+            self._sides()
+
+    @staticmethod
+    def _recount(split, codes: np.ndarray, rows: np.ndarray, new: np.ndarray) -> bool:
+        changed = new != codes[rows]
         if not changed.any():
-            return
+            return False
         rows = rows[changed]
         if len(rows) > 1:  # a row named twice must count once
             rows, first = np.unique(rows, return_index=True)
             new = new[changed][first]
         else:
             new = new[changed]
-        self.split.recount(self._code[rows], new)
-        self._code[rows] = new
-        self._sides()
+        split.recount(codes[rows], new)
+        codes[rows] = new
+        return True
 
     def _forget(self, rows: np.ndarray) -> None:
-        old = self._code[rows]
-        if (old >= 0).any():
-            self.split.recount(old, np.full(len(rows), -1, dtype=np.int8))
-            self._code[rows] = -1
+        gone = np.full(len(rows), -1, dtype=np.int8)
+        if self._recount(self.split, self._code, rows, gone) | self._recount(self.inner, self._code2, rows, gone):
             self._sides()
 
     def _sides(self) -> None:
         """A tier whose side changed (which list gives up blocks first) needs every score anew."""
-        if self.split.update_sides():
+        if self.split.update_sides() | self.inner.update_sides():
             self._cache = None
 
     @staticmethod
@@ -412,7 +441,8 @@ class HeatPolicy(Policy):
         tables in a row, the n-th plus w_fanout·log2(1 + n). Rebuilt only when the model refits, a
         weight changes or more fan-out levels are needed."""
         w = self.weights
-        sides = tuple(self.split.first_out.tolist()) if self.split is not None else ()
+        sides = (tuple(self.split.first_out.tolist()), tuple(self.inner.first_out.tolist())) \
+            if self.split is not None else ()
         key = (self.model.version, w["frequency"], w["fanout"], sides)
         have = len(self._lut) // (TIERS * N_CLASS * ROW) - 1  # fan-out levels the current table holds
         if self._lut_key != key or have < fanout:
@@ -428,14 +458,32 @@ class HeatPolicy(Policy):
                 # The list that keeps its blocks in each tier: returning blocks while first-timers
                 # are over their target, first-timers otherwise.
                 keep = np.zeros((TIERS, N_CLASS), dtype=np.float32)
-                keep[self.split.first_out, 1:] = SPLIT_BONUS
-                keep[~self.split.first_out, 0] = SPLIT_BONUS
+                ranks = self._keep_ranks()
+                keep[:, 0] = ranks[:, 0] * SPLIT_BONUS
+                keep[:, 1:INNER_CLASS] = ranks[:, 1:2] * SPLIT_BONUS
+                keep[:, INNER_CLASS:] = ranks[:, 2:3] * SPLIT_BONUS
                 lut[0] += keep[:, :, None]
             if fanout:
                 fan = self._fanout_lut(fanout)[1: fanout + 1]
                 lut[1:] = lut[0][None] + fan[:, None, None, None]
             self._lut, self._lut_key = lut.ravel(), key
         return self._lut
+
+    def _keep_ranks(self) -> np.ndarray:
+        """Per tier, the order in which first-timers, returning blocks seen 2-3 times and those seen
+        more often give up blocks (0: first, each rank worth SPLIT_BONUS): the outer split puts
+        first-timers before or after the returning blocks; in HBM the inner split orders those two
+        lists, below HBM they are one (the same rank)."""
+        first_out = self.split.first_out.astype(np.int64)
+        ranks = np.empty((TIERS, 3), dtype=np.int64)
+        ranks[:, 0] = np.where(first_out, 0, 1)
+        ranks[:, 1] = ranks[:, 2] = first_out
+        # HBM: first-timers first (0) or last (2); the inner split's first list next or first.
+        twice_first = int(self.inner.first_out[0])
+        ranks[0, 0] = 0 if first_out[0] else 2
+        ranks[0, 1] = first_out[0] + 1 - twice_first
+        ranks[0, 2] = first_out[0] + twice_first
+        return ranks
 
     def scores(self, table, rows, now):
         self._ensure(table)
@@ -487,4 +535,5 @@ class HeatPolicy(Policy):
         return {"name": self.name, "weights": dict(self.weights), "tick": self.tick,
                 "rescore_interval_s": self.rescore_interval_s, "decay_half_life_s": self.decay_half_life_s,
                 "split": self.split.describe() if self.split is not None else [],
+                "returning_split": self.inner.describe() if self.inner is not None else [],
                 "admission": self.gate.describe() if self.gate is not None else {}}

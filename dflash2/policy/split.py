@@ -64,10 +64,14 @@ MAX_HIT_WEIGHT = 64.0
 
 
 class AdaptiveSplit:
-    def __init__(self, tiers: int, rows: int, start_share: float | None = None):
+    def __init__(self, tiers: int, rows: int, start_share: float | None = None,
+                 lists: tuple[str, str] = ("first_timers", "returning"), target: str = "first_timer_target"):
+        """`lists`: the names of the first list (the one with a target) and the second in `describe`;
+        `target`: the name of the first list's target there."""
         start_share = START_SHARE if start_share is None else start_share
         if not 0.0 <= start_share <= 1.0:
             raise ValueError(f"start_share must be within [0, 1], got {start_share}")
+        self.lists, self.target_name = lists, target
         self.tiers = tiers
         self.share = np.full(tiers, float(start_share))
         self.sizes = np.zeros((tiers, 2), dtype=np.int64)  # keyed blocks per (tier, list)
@@ -176,14 +180,13 @@ class AdaptiveSplit:
         return changed
 
     def describe(self) -> list[dict]:
-        """Per tier that has held blocks: the first-timers' target and the lists' sizes, the ghost
+        """Per tier that has held blocks: the first list's target and the lists' sizes, the ghost
         hits and departures so far (hits per departure: each list's return rate, what moves the
-        target), and which list gives up blocks now."""
-        return [{"tier": Tier(t).label, "first_timer_target": round(float(self.share[t] * self.capacity[t]), 1),
-                 "first_timers": int(self.sizes[t, FIRST]), "returning": int(self.sizes[t, RETURNING]),
-                 "ghost_hits": {"first_timers": int(self.ghost_hits[t, FIRST]),
-                                "returning": int(self.ghost_hits[t, RETURNING])},
-                 "departures": {"first_timers": int(self.departures[t, FIRST]),
-                                "returning": int(self.departures[t, RETURNING])},
-                 "first_timers_leave_first": bool(self.first_out[t])}
+        target), and whether the first list gives up blocks first now."""
+        first, second = self.lists
+        return [{"tier": Tier(t).label, self.target_name: round(float(self.share[t] * self.capacity[t]), 1),
+                 first: int(self.sizes[t, FIRST]), second: int(self.sizes[t, RETURNING]),
+                 "ghost_hits": {first: int(self.ghost_hits[t, FIRST]), second: int(self.ghost_hits[t, RETURNING])},
+                 "departures": {first: int(self.departures[t, FIRST]), second: int(self.departures[t, RETURNING])},
+                 f"{first}_leave_first": bool(self.first_out[t])}
                 for t in range(self.tiers) if self.capacity[t]]
