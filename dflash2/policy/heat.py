@@ -131,8 +131,8 @@ class HeatPolicy(Policy):
         self._slope = np.zeros(0, dtype=np.float32)
         # Each row's list in the adaptive split (tier * 2 + list, -1: not counted: no key, or gone).
         self._code = np.zeros(0, dtype=np.int8)
-        # Each returning row's list in the returning blocks' own split (tier * 2 + (seen four times
-        # or more), -1: not counted: a first-timer, no key, or gone).
+        # Each HBM returning row's list in HBM's split of the returning blocks (0: referenced 2-3
+        # times, 1: more often; -1: not counted: a first-timer, below HBM, no key, or gone).
         self._code2 = np.zeros(0, dtype=np.int8)
         self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
         self.inner: AdaptiveSplit | None = None
@@ -270,7 +270,8 @@ class HeatPolicy(Policy):
     # -- the adaptive split (split.py) ------------------------------------------------------
     def _recode(self, table, rows: np.ndarray) -> None:
         """Count rows in the list they belong to now: keyed and cached, by tier and by whether
-        their key was referenced before (class > 0)."""
+        their key was referenced before (class > 0); HBM's returning rows also in the inner split's
+        lists, by whether their class reaches INNER_CLASS."""
         c = table.cols
         held = (c.key[rows] != 0) & (c.state[rows] != int(BlockState.FREE))
         tier2, cls = c.tier[rows].astype(np.int8) * 2, self._cls[rows]
@@ -281,6 +282,8 @@ class HeatPolicy(Policy):
 
     @staticmethod
     def _recount(split, codes: np.ndarray, rows: np.ndarray, new: np.ndarray) -> bool:
+        """Rows whose code (`codes`, the split's list per row) changes to `new` move between the
+        split's lists; True when any did."""
         changed = new != codes[rows]
         if not changed.any():
             return False
@@ -455,8 +458,8 @@ class HeatPolicy(Policy):
             lut[0, :, :, :N_AGE] = src
             lut[0, :, :, N_AGE:] = src[:, :, N_AGE - 1: N_AGE]
             if self.split is not None:
-                # The list that keeps its blocks in each tier: returning blocks while first-timers
-                # are over their target, first-timers otherwise.
+                # Each list's rank in its tier (_keep_ranks): the list that gives way first scores
+                # lowest.
                 keep = np.zeros((TIERS, N_CLASS), dtype=np.float32)
                 ranks = self._keep_ranks()
                 keep[:, 0] = ranks[:, 0] * SPLIT_BONUS

@@ -27,6 +27,9 @@ blocks that left came back 56% of the time and first-timers 10%, yet the first-t
 more often (1,197 against 977: they left seven times as often), ARC's target swung between 10,000
 and 31,000 blocks, and heat found 0.6218 of references, below LRU's 0.6281 (README, Policies).
 
+The heat policy uses a second split of this kind in HBM, between returning blocks whose key was
+referenced 2-3 times (its first list) and those referenced more often (`lists` names them).
+
 Per tier: the target (a share of the tier's capacity in blocks, the most keyed blocks it has held),
 the lists' sizes (kept by the policy from its events), each list's departures (in all, and decayed:
 halved each time a capacity's worth left the tier), and a hashed ghost table: per slot a 32-bit tag
@@ -76,7 +79,7 @@ class AdaptiveSplit:
         self.share = np.full(tiers, float(start_share))
         self.sizes = np.zeros((tiers, 2), dtype=np.int64)  # keyed blocks per (tier, list)
         self.capacity = np.zeros(tiers, dtype=np.int64)  # most keyed blocks each tier has held
-        self.first_out = np.ones(tiers, dtype=bool)  # per tier: first-timers give up blocks first
+        self.first_out = np.ones(tiers, dtype=bool)  # per tier: the first list gives up blocks first
         self.ghost_hits = np.zeros((tiers, 2), dtype=np.int64)
         self.departures = np.zeros((tiers, 2), dtype=np.int64)  # per (tier, list), in all
         # Per (tier, list), halved each time `capacity` blocks left the tier (the hits' weights).
