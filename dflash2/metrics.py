@@ -71,6 +71,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dflash2 import protocol as P
+from dflash2.policy.heat import INNER_LISTS
+from dflash2.policy.split import LISTS as SPLIT_LISTS
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.metrics")
@@ -86,8 +88,6 @@ WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
-SPLIT_LISTS = ("first_timers", "returning")
-INNER_LISTS = ("seen_2_3", "seen_4_plus")  # the returning blocks' split (policy/heat.py)
 
 
 class DaemonMetrics:

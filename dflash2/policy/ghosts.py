@@ -1,5 +1,5 @@
 """Ghost tables: keys that recently left, for the policies that learn from their return (split.py's
-ARC targets, gate.py's admission gate).
+targets, gate.py's admission gate).
 
 Hashed, one slot per key (ghost_bits: twice the block table's rows): a 32-bit tag of the key,
 its departure number mod 2**32 (differences in uint32 arithmetic wrap with the counters) and

@@ -64,11 +64,12 @@ WINDOW_SHARE = 0.5
 # list that let (almost) no block go lately has no measured rate, and its first returns must move the
 # target without one of them crossing the tier.
 MAX_HIT_WEIGHT = 64.0
+LISTS = ("first_timers", "returning")  # the lists' names in `describe` (stats, metrics labels)
 
 
 class AdaptiveSplit:
     def __init__(self, tiers: int, rows: int, start_share: float | None = None,
-                 lists: tuple[str, str] = ("first_timers", "returning"), target: str = "first_timer_target"):
+                 lists: tuple[str, str] = LISTS, target: str = "first_timer_target"):
         """`lists`: the names of the first list (the one with a target) and the second in `describe`;
         `target`: the name of the first list's target there."""
         start_share = START_SHARE if start_share is None else start_share
@@ -85,7 +86,6 @@ class AdaptiveSplit:
         # Per (tier, list), halved each time `capacity` blocks left the tier (the hits' weights).
         self.recent_departures = np.zeros((tiers, 2))
         self._since_halved = np.zeros(tiers, dtype=np.int64)
-        self._departed = np.zeros(tiers, dtype=np.uint32)  # per tier: the ghosts' departure numbers
         # Per tier, made when a block first leaves it: the list each key left as its payload.
         self._rows = rows
         self._ghosts: list[GhostTable | None] = [None] * tiers
@@ -117,8 +117,7 @@ class AdaptiveSplit:
             tier, lst = divmod(code, 2)
             mine = keys[codes == code]
             n = len(mine)
-            seq = self._departed[tier] + np.arange(1, n + 1, dtype=np.uint32)
-            self._departed[tier] += np.uint32(n)
+            seq = self._departed(tier) + np.arange(1, n + 1, dtype=np.uint32)
             self.departures[tier, lst] += n
             self.recent_departures[tier, lst] += n
             self._since_halved[tier] += n
@@ -126,6 +125,10 @@ class AdaptiveSplit:
                 self.recent_departures[tier] *= 0.5
                 self._since_halved[tier] = 0
             self._ghost(tier).remember(mine, seq, lst)
+
+    def _departed(self, tier: int) -> np.uint32:
+        """The tier's departures so far, mod 2**32: the ghosts' departure numbers."""
+        return np.uint32(int(self.departures[tier].sum()) & 0xFFFFFFFF)
 
     def referenced_from(self, sources: np.ndarray, keys: np.ndarray) -> None:
         """Keyed blocks were referenced again, each found in tier `sources[i]` (a read from a lower
@@ -157,7 +160,7 @@ class AdaptiveSplit:
             return
         lst = ghost.payload[slot].astype(np.int64)
         # Departures from the tier since each left (uint32 arithmetic wraps with the counter).
-        since = self._departed[tier] - ghost.seq[slot]
+        since = self._departed(tier) - ghost.seq[slot]
         recent = since <= max(1.0, WINDOW_SHARE * cap)
         hits = np.bincount(lst[recent], minlength=2)
         if not hits.any():
