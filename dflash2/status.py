@@ -131,10 +131,18 @@ INNER_NAMES = (("seen_2_3", "seen 2-3 times"), ("seen_4_plus", "seen 4+ times"))
 
 
 def _return_rates(tier: dict, names) -> str:
-    """Of each list's departures from the tier, the share asked for again soon after (what moves the
-    split's target); nothing before a block has left."""
+    """Of each list's departures from the tier, the share asked for again soon after; once known,
+    the recent rates that decide whose ghosts move the split's target (policy/split.py, RATE_BAND)
+    and the lists whose ghosts do not move it now; nothing before a block has left."""
     left, hits = tier.get("departures") or {}, tier.get("ghost_hits") or {}
     rates = [f"{name} {hits[lst] / left[lst]:.3f}" for lst, name in names if left.get(lst)]
+    recent = tier.get("recent_return_rate") or {}
+    if all(recent.get(lst) is not None for lst, _ in names):
+        rates.append("lately " + ", ".join(f"{name} {recent[lst]:.3f}" for lst, name in names))
+        moving = tier.get("ghosts_move_target") or {}
+        held = [name for lst, name in names if moving.get(lst) is False]
+        if held:
+            rates.append(f"ghosts not moving the target: {', '.join(held)}")
     return f" (back soon after leaving: {', '.join(rates)})" if rates else ""
 
 

@@ -103,6 +103,10 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
             assert got[("dflash2_policy_list_blocks", (("gpu", "0"), ("list", lst), tier))] == t[lst]
             assert got[("dflash2_policy_ghost_hits_total", (("gpu", "0"), ("list", lst), tier))] == t["ghost_hits"][lst]
             assert got[("dflash2_policy_departures_total", (("gpu", "0"), ("list", lst), tier))] == t["departures"][lst]
+            assert got[("dflash2_policy_ghosts_move_target", (("gpu", "0"), ("list", lst), tier))] == 1
+            # Too few departures have left their window for a rate: NaN (not a made-up 0).
+            assert t["recent_return_rate"][lst] is None
+            assert math.isnan(got[("dflash2_policy_recent_return_ratio", (("gpu", "0"), ("list", lst), tier))])
     assert {t["tier"] for t in policy["split"]} == {"hbm", "dram"}
     inner = policy["returning_split"]
     assert inner and sum(t["seen_2_3"] for t in inner) == 6, "the load reads every block again"
@@ -122,8 +126,13 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
     one = json.loads(json.dumps(service.stats()))
     other = json.loads(json.dumps(one))
     other["policy"]["admission"].update(rule_on=False, refused=7, refused_return_rate=0.5, departed_return_rate=0.1)
+    other["policy"]["split"][0].update(recent_return_rate={"first_timers": 0.05, "returning": 0.4},
+                                       ghosts_move_target={"first_timers": False, "returning": True})
     metrics.snapshot["devices"] = {"0": one, "1": other}
     got = _scrape(metrics)
+    hbm1 = (("gpu", "1"), ("list", "first_timers"), ("tier", "hbm"))
+    assert got[("dflash2_policy_recent_return_ratio", hbm1)] == 0.05
+    assert got[("dflash2_policy_ghosts_move_target", hbm1)] == 0
     assert got[("dflash2_policy_admission_rule_on", (("gpu", "1"),))] == 0
     assert got[("dflash2_policy_admission_blocks_total", (("gpu", "1"), ("outcome", "refused")))] == 7
     assert got[("dflash2_policy_admission_return_ratio", (("gpu", "1"), ("kind", "departed")))] == 0.1
@@ -334,4 +343,11 @@ def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager,
     assert "heat split (GPU 0): hbm" in view and "heat split (GPU 1): hbm" in view
     assert ("last-tier admission (GPU 1): rule off (gate); refused 7, admitted against the rule 0; "
             "asked for again: refused 0.500, departed 0.100") in view
+    # Once both lists' recent rates are known, they show, with the lists whose ghosts are held.
+    other["policy"]["split"][0].update(departures={"first_timers": 100, "returning": 10},
+                                       ghost_hits={"first_timers": 5, "returning": 4},
+                                       recent_return_rate={"first_timers": 0.05, "returning": 0.4},
+                                       ghosts_move_target={"first_timers": False, "returning": True})
+    assert ("(back soon after leaving: first-timers 0.050, returning 0.400, lately first-timers 0.050, "
+            "returning 0.400, ghosts not moving the target: first-timers)") in render(st)
     assert "heat split" not in render({**st, "devices": None, "policy": {"name": "lru"}})

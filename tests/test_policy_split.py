@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from dflash2.invariants import InvariantViolation
-from dflash2.policy.split import FIRST, HYSTERESIS, MAX_HIT_WEIGHT, RETURNING, STEP_BLOCKS, WINDOW_SHARE, AdaptiveSplit
+from dflash2.policy.split import (FIRST, HYSTERESIS, MAX_HIT_WEIGHT, MIN_RESOLVED, RATE_BAND, RETURNING, STEP_BLOCKS,
+                                  WINDOW_SHARE, AdaptiveSplit)
 
 from dflash2.policy.heat import INNER_CLASS
 
@@ -95,6 +96,75 @@ def test_recent_departures_halve_once_a_capacity_has_left():
     assert s.recent_departures[0].tolist() == [30, 20] and s.departures[0].tolist() == [60, 40]
 
 
+def rated(first_back: int, returning_back: int) -> AdaptiveSplit:
+    """A 1,000-block tier whose lists each let 100 blocks go (keys 1-100 first-timers, 101-200
+    returning), the given numbers of them asked for again, and then 500 first-timers (keys
+    1001-1500): a window (500 departures) after the first 200, whose rates are then known."""
+    s = filled(1000, 600)
+    assert WINDOW_SHARE * 1000 == 500 and MIN_RESOLVED <= 100
+    s.left(np.full(100, code(0, FIRST), np.int8), np.arange(1, 101, dtype=np.uint64))
+    s.left(np.full(100, code(0, RETURNING), np.int8), np.arange(101, 201, dtype=np.uint64))
+    s.referenced(0, np.arange(1, 1 + first_back, dtype=np.uint64))
+    s.referenced(0, np.arange(101, 101 + returning_back, dtype=np.uint64))
+    assert s.recent_rates(0) is None  # none of the departures' windows has closed yet
+    s.left(np.full(500, code(0, FIRST), np.int8), np.arange(1001, 1501, dtype=np.uint64))
+    assert s.resolved[0].tolist() == [100, 100]  # the 500 just gone are still in their window
+    return s
+
+
+def test_ghosts_of_a_list_that_comes_back_far_less_often_do_not_move_the_target():
+    # First-timers come back 5% of the time, returning blocks 40%: below RATE_BAND of it.
+    s = rated(5, 40)
+    assert s.recent_rates(0).tolist() == [0.05, 0.4] and 0.05 < RATE_BAND * 0.4
+    before = s.share[0]
+    s.referenced(0, np.array([1200, 1300], np.uint64))  # two first-timers back soon after they left
+    assert s.share[0] == before  # counted, but the target stays
+    assert s.ghost_hits[0].tolist() == [7, 40] and s.recent_returns[0].tolist() == [7, 40]
+    d = s.describe()[0]
+    assert d["recent_return_rate"] == {"first_timers": 0.07, "returning": 0.4}
+    assert d["ghosts_move_target"] == {"first_timers": False, "returning": True}
+    s.left(np.full(1, code(0, RETURNING), np.int8), np.array([9], np.uint64))
+    s.referenced(0, np.array([9], np.uint64))  # a returning block back: the target shrinks
+    assert s.share[0] < before
+
+
+def test_ghosts_of_both_lists_move_the_target_while_their_rates_are_within_the_band():
+    s = rated(30, 40)  # 30% against 40%: within RATE_BAND
+    before = s.share[0]
+    s.referenced(0, np.array([1200], np.uint64))
+    assert s.share[0] > before
+    assert s.describe()[0]["ghosts_move_target"] == {"first_timers": True, "returning": True}
+
+
+def test_without_a_band_every_ghost_moves_the_target():
+    s = rated(5, 40)
+    s.rate_band[:] = 0.0  # as in the heat policy's split of the returning blocks and below HBM
+    before = s.share[0]
+    s.referenced(0, np.array([1200], np.uint64))
+    assert s.share[0] > before
+
+
+def test_rates_are_unknown_until_both_lists_have_min_resolved_departures():
+    s = filled(1000, 600)
+    s.left(np.full(100, code(0, FIRST), np.int8), np.arange(1, 101, dtype=np.uint64))
+    s.left(np.full(MIN_RESOLVED - 1, code(0, RETURNING), np.int8), np.arange(101, 100 + MIN_RESOLVED, dtype=np.uint64))
+    s.left(np.full(600, code(0, FIRST), np.int8), np.arange(1001, 1601, dtype=np.uint64))
+    assert s.resolved[0, RETURNING] == MIN_RESOLVED - 1 and s.recent_rates(0) is None
+    assert s.describe()[0]["recent_return_rate"] == {"first_timers": None, "returning": None}
+    before = s.share[0]
+    s.referenced(0, np.array([1500], np.uint64))  # no rates: every ghost moves the target
+    assert s.share[0] > before
+
+
+def test_rates_halve_with_the_departures_and_keep_a_quiet_lists_rate():
+    s = rated(5, 40)
+    # 300 more first-timers: the tier's 1,000th departure halves every recent count; the returning
+    # list, which let nothing go meanwhile, keeps its rate.
+    s.left(np.full(300, code(0, FIRST), np.int8), np.arange(2001, 2301, dtype=np.uint64))
+    assert s.recent_departures[0, RETURNING] == 50 and s.recent_returns[0].tolist() == [2.5, 20]
+    assert s.recent_rates(0)[RETURNING] == 0.4
+
+
 def test_a_ghost_that_many_departures_of_either_list_followed_says_nothing():
     s = filled(100, 60)  # a ghost speaks while at most WINDOW_SHARE * 100 departures followed it
     assert WINDOW_SHARE * 100 == 50
@@ -133,6 +203,10 @@ def test_the_side_changes_only_past_the_hysteresis():
 def test_bad_start_share_is_refused():
     with pytest.raises(ValueError, match="start_share"):
         AdaptiveSplit(tiers=1, rows=16, start_share=1.5)
+    with pytest.raises(ValueError, match="rate_band"):
+        AdaptiveSplit(tiers=1, rows=16, rate_band=-0.1)
+    with pytest.raises(ValueError, match="one per tier"):
+        AdaptiveSplit(tiers=3, rows=16, rate_band=[0.5, 0.0])
 
 
 # -- inside the heat policy ------------------------------------------------------------------
@@ -226,6 +300,9 @@ def test_below_hbm_returning_blocks_are_one_list():
     for k in (1, 2):
         cache_chain(mgr, lid, c, [k])
         read(mgr, lid, c, [k])  # returning, in HBM: counted in the inner split
+    # The rate band holds ghosts in HBM's outer split only (README, Policies: the band elsewhere
+    # cost the conversation trace's largest tiered row its lead over LRU).
+    assert pol.split.rate_band.tolist() == [RATE_BAND, 0.0, 0.0] and pol.inner.rate_band.tolist() == [0.0]
     assert pol.inner.sizes.tolist() == [[2, 0]]
     for k in (3, 4):  # HBM full
         cache_chain(mgr, lid, c, [k])

@@ -27,12 +27,19 @@ blocks that left came back 56% of the time and first-timers 10%, yet the first-t
 more often (1,197 against 977: they left seven times as often), ARC's target swung between 10,000
 and 31,000 blocks, and heat found 0.6218 of references, below LRU's 0.6281 (README, Policies).
 
+A second difference: a list whose departures lately came back less than RATE_BAND times as often as
+the other list's (per departure whose window has closed) has its ghosts held: they count, but do
+not move the target. A list that lets no block go has silent ghosts, and without the band the
+other list's ghosts would grow its room unopposed whatever the rates said when both lists last let
+blocks go.
+
 The heat policy uses a second split of this kind in HBM, between returning blocks whose key was
 referenced 2-3 times (its first list) and those referenced more often (`lists` names them).
 
 Per tier: the target (a share of the tier's capacity in blocks, the most keyed blocks it has held),
 the lists' sizes (kept by the policy from its events), each list's departures (in all, and decayed:
-halved each time a capacity's worth left the tier), and a hashed ghost table: per slot a 32-bit tag
+halved each time a capacity's worth left the tier), its recent ghost hits and departures whose
+window has closed (halved at the same time), and a hashed ghost table: per slot a 32-bit tag
 of the key, the list it left and the tier's departure number; a slot taken by another key forgets
 the older one (a missed adaptation step, never a wrong answer).
 """
@@ -64,14 +71,32 @@ WINDOW_SHARE = 0.5
 # list that let (almost) no block go lately has no measured rate, and its first returns must move the
 # target without one of them crossing the tier.
 MAX_HIT_WEIGHT = 64.0
+# A list's ghosts move the target only while its departures come back at least RATE_BAND times as
+# often as the other list's lately (per departure whose window has closed, decayed like the weights'
+# departures, so that a list that stopped leaving keeps its last rate). Without it, while one list
+# lets no block go its ghosts stay silent and the other's grow its room unopposed: on the Mooncake
+# synthetic trace at 20,000 blocks returning blocks that left came back 32% of the time and
+# first-timers 13%, yet the target rose from 0 to 3,000-6,000 blocks again and again, and each
+# time bursts of returning blocks left. The band keeps a list whose rate is about the other's
+# moving (the conversation trace at 16,000 blocks: 5.4% against 5.6%).
+RATE_BAND = 0.5
+# Until both lists have this many (decayed) departures whose window has closed, every ghost moves it.
+MIN_RESOLVED = 32
 LISTS = ("first_timers", "returning")  # the lists' names in `describe` (stats, metrics labels)
 
 
 class AdaptiveSplit:
     def __init__(self, tiers: int, rows: int, start_share: float | None = None,
-                 lists: tuple[str, str] = LISTS, target: str = "first_timer_target"):
+                 lists: tuple[str, str] = LISTS, target: str = "first_timer_target",
+                 rate_band: float | list[float] = RATE_BAND):
         """`lists`: the names of the first list (the one with a target) and the second in `describe`;
-        `target`: the name of the first list's target there."""
+        `target`: the name of the first list's target there; `rate_band`: RATE_BAND for every tier, or
+        one per tier (0: every ghost moves the target)."""
+        band = np.broadcast_to(np.asarray(rate_band, dtype=float), (tiers,)).copy() \
+            if np.ndim(rate_band) == 0 or len(rate_band) == tiers else None
+        if band is None or not ((band >= 0.0) & (band <= 1.0)).all():
+            raise ValueError(f"rate_band must be within [0, 1], one value or one per tier ({tiers}), got {rate_band}")
+        self.rate_band = band
         start_share = START_SHARE if start_share is None else start_share
         if not 0.0 <= start_share <= 1.0:
             raise ValueError(f"start_share must be within [0, 1], got {start_share}")
@@ -86,6 +111,12 @@ class AdaptiveSplit:
         # Per (tier, list), halved each time `capacity` blocks left the tier (the hits' weights).
         self.recent_departures = np.zeros((tiers, 2))
         self._since_halved = np.zeros(tiers, dtype=np.int64)
+        # Per (tier, list), halved with `recent_departures`: ghost hits, and departures whose window
+        # has closed (RATE_BAND's rates); per (tier, list), the departures still in their window as
+        # [first departure number, count] runs, oldest first.
+        self.recent_returns = np.zeros((tiers, 2))
+        self.resolved = np.zeros((tiers, 2))
+        self._open: list[tuple[list, list]] = [([], []) for _ in range(tiers)]
         # Per tier, made when a block first leaves it: the list each key left as its payload.
         self._rows = rows
         self._ghosts: list[GhostTable | None] = [None] * tiers
@@ -118,13 +149,52 @@ class AdaptiveSplit:
             mine = keys[codes == code]
             n = len(mine)
             seq = self._departed(tier) + np.arange(1, n + 1, dtype=np.uint32)
+            self._open_run(tier, lst, int(self.departures[tier].sum()) + 1, n)
             self.departures[tier, lst] += n
             self.recent_departures[tier, lst] += n
             self._since_halved[tier] += n
             if self._since_halved[tier] >= max(1, self.capacity[tier]):
                 self.recent_departures[tier] *= 0.5
+                self.recent_returns[tier] *= 0.5
+                self.resolved[tier] *= 0.5
                 self._since_halved[tier] = 0
+            self._close_windows(tier)
             self._ghost(tier).remember(mine, seq, lst)
+
+    def _window(self, tier: int) -> float:
+        """Departures from the tier after which a ghost no longer speaks."""
+        return max(1.0, WINDOW_SHARE * self.capacity[tier])
+
+    def _open_run(self, tier: int, lst: int, first: int, n: int) -> None:
+        """`n` departures from `lst`, numbered from `first`, enter their window; runs that began
+        within a 64th of a window merge (a departure may count as closed that much early), so a list
+        keeps at most about 65 runs."""
+        runs = self._open[tier][lst]
+        if runs and first - runs[-1][0] < self._window(tier) / 64:
+            runs[-1][1] += n
+        else:
+            runs.append([first, n])
+
+    def _close_windows(self, tier: int) -> None:
+        """Departures that a window's worth of departures followed count in their list's rate."""
+        done = int(self.departures[tier].sum()) - self._window(tier)
+        for lst, runs in enumerate(self._open[tier]):
+            while runs and runs[0][0] < done:
+                self.resolved[tier, lst] += runs.pop(0)[1]
+
+    def recent_rates(self, tier: int) -> np.ndarray | None:
+        """Each list's recent return rate (ghost hits per departure whose window has closed), or
+        None while either list has fewer than MIN_RESOLVED such departures."""
+        if (self.resolved[tier] < MIN_RESOLVED).any():
+            return None
+        return self.recent_returns[tier] / self.resolved[tier]
+
+    def _moving(self, tier: int) -> np.ndarray:
+        """Per list: whether its ghosts move the target now (RATE_BAND)."""
+        rate = self.recent_rates(tier)
+        if rate is None:
+            return np.ones(2, dtype=bool)
+        return rate >= self.rate_band[tier] * rate[::-1]
 
     def _departed(self, tier: int) -> np.uint32:
         """The tier's departures so far, mod 2**32: the ghosts' departure numbers."""
@@ -161,13 +231,15 @@ class AdaptiveSplit:
         lst = ghost.payload[slot].astype(np.int64)
         # Departures from the tier since each left (uint32 arithmetic wraps with the counter).
         since = self._departed(tier) - ghost.seq[slot]
-        recent = since <= max(1.0, WINDOW_SHARE * cap)
+        recent = since <= self._window(tier)
         hits = np.bincount(lst[recent], minlength=2)
         if not hits.any():
             return
         self.ghost_hits[tier] += hits
+        self.recent_returns[tier] += hits
         left = np.maximum(self.recent_departures[tier], 1.0)
         weight = np.clip(left.mean() / left, 1.0 / MAX_HIT_WEIGHT, MAX_HIT_WEIGHT)
+        weight *= self._moving(tier)
         scale = max(1.0, cap / STEP_BLOCKS)
         step = scale * (hits[FIRST] * weight[FIRST] - hits[RETURNING] * weight[RETURNING])
         self.share[tier] = float(np.clip(self.share[tier] * cap + step, 0.0, cap)) / cap
@@ -187,12 +259,21 @@ class AdaptiveSplit:
 
     def describe(self) -> list[dict]:
         """Per tier that has held blocks: the first list's target and the lists' sizes, the ghost
-        hits and departures so far (hits per departure: each list's return rate, what moves the
-        target), and whether the first list gives up blocks first now."""
+        hits and departures so far (hits per departure: each list's return rate), the recent return
+        rates that decide whose ghosts move the target (None until known, RATE_BAND) and whether
+        each list's do now, and whether the first list gives up blocks first now."""
         first, second = self.lists
-        return [{"tier": Tier(t).label, self.target_name: round(float(self.share[t] * self.capacity[t]), 1),
-                 first: int(self.sizes[t, FIRST]), second: int(self.sizes[t, RETURNING]),
-                 "ghost_hits": {first: int(self.ghost_hits[t, FIRST]), second: int(self.ghost_hits[t, RETURNING])},
-                 "departures": {first: int(self.departures[t, FIRST]), second: int(self.departures[t, RETURNING])},
-                 f"{first}_leave_first": bool(self.first_out[t])}
-                for t in range(self.tiers) if self.capacity[t]]
+        out = []
+        for t in range(self.tiers):
+            if not self.capacity[t]:
+                continue
+            rate, moving = self.recent_rates(t), self._moving(t)
+            out.append({"tier": Tier(t).label, self.target_name: round(float(self.share[t] * self.capacity[t]), 1),
+                        first: int(self.sizes[t, FIRST]), second: int(self.sizes[t, RETURNING]),
+                        "ghost_hits": {first: int(self.ghost_hits[t, FIRST]), second: int(self.ghost_hits[t, RETURNING])},
+                        "departures": {first: int(self.departures[t, FIRST]), second: int(self.departures[t, RETURNING])},
+                        "recent_return_rate": {name: None if rate is None else round(float(rate[i]), 4)
+                                               for i, name in enumerate(self.lists)},
+                        "ghosts_move_target": {name: bool(moving[i]) for i, name in enumerate(self.lists)},
+                        f"{first}_leave_first": bool(self.first_out[t])})
+        return out
