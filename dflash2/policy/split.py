@@ -81,6 +81,8 @@ MAX_HIT_WEIGHT = 64.0
 # moving (the conversation trace at 16,000 blocks: 5.4% against 5.6%).
 RATE_BAND = 0.5
 # Until both lists have this many (decayed) departures whose window has closed, every ghost moves it.
+# The counts halve each capacity of departures, so in a tier of fewer than MIN_RESOLVED / 2 blocks
+# they never get there, and the band never holds a ghost.
 MIN_RESOLVED = 32
 LISTS = ("first_timers", "returning")  # the lists' names in `describe` (stats, metrics labels)
 
