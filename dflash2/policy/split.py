@@ -168,9 +168,10 @@ class AdaptiveSplit:
         return max(1.0, WINDOW_SHARE * self.capacity[tier])
 
     def _open_run(self, tier: int, lst: int, first: int, n: int) -> None:
-        """`n` departures from `lst`, numbered from `first`, enter their window; runs that began
-        within a 64th of a window merge (a departure may count as closed that much early), so a list
-        keeps at most about 65 runs."""
+        """`n` departures from `lst`, numbered from `first`, enter their window. A run counts as
+        closed once its first departure's window has closed (a batch that left at once closes at
+        once), and runs that began within a 64th of a window merge, so a list keeps at most about 65
+        runs and a departure counts as closed at most that much, or its batch's length, early."""
         runs = self._open[tier][lst]
         if runs and first - runs[-1][0] < self._window(tier) / 64:
             runs[-1][1] += n
