@@ -144,6 +144,21 @@ def test_without_a_band_every_ghost_moves_the_target():
     assert s.share[0] > before
 
 
+def test_a_batch_of_departures_closes_with_its_first():
+    s = filled(100, 60)  # a window of 50 departures
+    s.left(np.full(40, code(0, FIRST), np.int8), np.arange(1, 41, dtype=np.uint64))  # one batch: 1-40
+    s.left(np.full(30, code(0, RETURNING), np.int8), np.arange(101, 131, dtype=np.uint64))  # 41-70
+    # More than 50 departures followed the batch's first: the whole batch counts (README, Policies:
+    # closing one departure at a time cost the conversation trace's largest tiered row).
+    assert s.resolved[0].tolist() == [40, 0]
+    s.left(np.full(20, code(0, FIRST), np.int8), np.arange(41, 61, dtype=np.uint64))  # 71-90
+    assert s.resolved[0].tolist() == [40, 0]  # the returning batch began at 41: 49 followed it
+    s.left(np.full(1, code(0, FIRST), np.int8), np.array([61], np.uint64))  # 91: 50 followed, still a ghost's window
+    assert s.resolved[0].tolist() == [40, 0]
+    s.left(np.full(1, code(0, FIRST), np.int8), np.array([62], np.uint64))  # 92: past it
+    assert s.resolved[0].tolist() == [40, 30]
+
+
 def test_rates_are_unknown_until_both_lists_have_min_resolved_departures():
     s = filled(1000, 600)
     s.left(np.full(100, code(0, FIRST), np.int8), np.arange(1, 101, dtype=np.uint64))
