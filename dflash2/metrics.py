@@ -50,7 +50,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
 | dflash2_policy_departures_total{gpu,tier,list} | counter | heat only: keyed blocks that left the tier, by list (ghost hits over departures: each list's return rate, what moves the target) |
 | dflash2_policy_recent_return_ratio{gpu,tier,list} | gauge | heat only: ghost hits per departure whose window has closed, recent (decayed): the rates that decide whose ghosts move the target (NaN until both lists have 32 such departures) |
-| dflash2_policy_ghosts_move_target{gpu,tier,list} | gauge | heat only: 1 while the list's ghosts move the target, 0 while its recent return ratio is below half the other list's |
+| dflash2_policy_ghosts_move_target{gpu,tier,list} | gauge | heat only: 1 while the list's ghosts move the target, 0 while they are held (its recent return ratio below the split's rate band times the other list's: half, in HBM's split of first-timers and returning blocks) |
 | dflash2_policy_seen_2_3_target_blocks{gpu,tier} | gauge | heat only: the returning blocks' split: the target for those whose key was referenced 2–3 times (the others 4 or more) |
 | dflash2_policy_returning_list_blocks{gpu,tier,list} | gauge | heat only: returning blocks per list of their split (seen_2_3, seen_4_plus) |
 | dflash2_policy_returning_ghost_hits_total{gpu,tier,list} | counter | heat only: returning blocks asked for again soon after they left the tier, by the list they left |
@@ -342,8 +342,8 @@ def _split_families(split: list, prefix: str, lists: tuple, target: str, target_
                  [((g, t["tier"], lst), math.nan if t["recent_return_rate"][lst] is None else t["recent_return_rate"][lst])
                   for g, t in split for lst in lists])
     yield _gauge(f"dflash2_policy_{prefix}ghosts_move_target",
-                 f"{what}: 1 while the list's ghosts move the target, 0 while its recent return ratio is "
-                 "below half the other list's.", ["gpu", "tier", "list"],
+                 f"{what}: 1 while the list's ghosts move the target, 0 while they are held (its recent "
+                 "return ratio below the split's rate band times the other list's).", ["gpu", "tier", "list"],
                  [((g, t["tier"], lst), int(t["ghosts_move_target"][lst])) for g, t in split for lst in lists])
 
 

@@ -13,6 +13,8 @@ import sys
 
 from dflash2.argtypes import endpoint, positive_float
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable
+from dflash2.policy.heat import INNER_LISTS
+from dflash2.policy.split import LISTS
 
 EXIT_OK = 0
 EXIT_UNAVAILABLE = 1
@@ -126,8 +128,9 @@ def _policy_lines(st: dict) -> list[str]:
     return lines
 
 
-SPLIT_NAMES = (("first_timers", "first-timers"), ("returning", "returning"))
-INNER_NAMES = (("seen_2_3", "seen 2-3 times"), ("seen_4_plus", "seen 4+ times"))
+# The lists' keys in the policy's stats, with the words shown for them.
+SPLIT_NAMES = tuple(zip(LISTS, ("first-timers", "returning")))
+INNER_NAMES = tuple(zip(INNER_LISTS, ("seen 2-3 times", "seen 4+ times")))
 
 
 def _return_rates(tier: dict, names) -> str:

@@ -201,8 +201,7 @@ class HeatPolicy(Policy):
             self.inner.left(self._code2[moved], keys)
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             up = now_in < was
-            self.split.referenced_from(was[up], keys[up])
-            self.inner.referenced_from(was[up], keys[up])
+            self._split_referenced(was[up], keys[up])
             self.gate.referenced(keys[up & (was == self._last_tier(table))])
             # One moved down left its tier at its age (that tier's density).
             down = moved[now_in > was]
@@ -227,8 +226,7 @@ class HeatPolicy(Policy):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
         # Written: the key was cached nowhere, so the ghosts of every tier speak.
-        self.split.referenced_from(np.full(len(rows), TIERS), table.cols.key[rows])
-        self.inner.referenced_from(np.full(len(rows), TIERS), table.cols.key[rows])
+        self._split_referenced(np.full(len(rows), TIERS), table.cols.key[rows])
         self.gate.referenced(table.cols.key[rows])
         self._reference(table, rows)
         self._recode(table, rows)
@@ -274,6 +272,11 @@ class HeatPolicy(Policy):
             self.model.left_tier(t, self._cls[rows][here], ages[here])
 
     # -- the adaptive split (split.py) ------------------------------------------------------
+    def _split_referenced(self, sources: np.ndarray, keys: np.ndarray) -> None:
+        """Keys referenced again, found in tier `sources[i]` (TIERS: nowhere): both splits' ghosts."""
+        self.split.referenced_from(sources, keys)
+        self.inner.referenced_from(sources, keys)
+
     def _recode(self, table, rows: np.ndarray) -> None:
         """Count rows in the list they belong to now: keyed and cached, by tier and by whether
         their key was referenced before (class > 0); HBM's returning rows also in the inner split's

@@ -149,9 +149,9 @@ class AdaptiveSplit:
         for code in np.unique(codes).tolist():
             tier, lst = divmod(code, 2)
             mine = keys[codes == code]
-            n = len(mine)
-            seq = self._departed(tier) + np.arange(1, n + 1, dtype=np.uint32)
-            self._open_run(tier, lst, int(self.departures[tier].sum()) + 1, n)
+            n, before = len(mine), self._total(tier)
+            seq = np.uint32(before & 0xFFFFFFFF) + np.arange(1, n + 1, dtype=np.uint32)
+            self._open_run(tier, lst, before + 1, n)
             self.departures[tier, lst] += n
             self.recent_departures[tier, lst] += n
             self._since_halved[tier] += n
@@ -160,7 +160,7 @@ class AdaptiveSplit:
                 self.recent_returns[tier] *= 0.5
                 self.resolved[tier] *= 0.5
                 self._since_halved[tier] = 0
-            self._close_windows(tier)
+            self._close_windows(tier, before + n)
             self._ghost(tier).remember(mine, seq, lst)
 
     def _window(self, tier: int) -> float:
@@ -178,9 +178,10 @@ class AdaptiveSplit:
         else:
             runs.append([first, n])
 
-    def _close_windows(self, tier: int) -> None:
-        """Departures that a window's worth of departures followed count in their list's rate."""
-        done = int(self.departures[tier].sum()) - self._window(tier)
+    def _close_windows(self, tier: int, total: int) -> None:
+        """Departures that a window's worth of departures followed count in their list's rate
+        (`total`: the tier's departures so far)."""
+        done = total - self._window(tier)
         for lst, runs in enumerate(self._open[tier]):
             while runs and runs[0][0] < done:
                 self.resolved[tier, lst] += runs.pop(0)[1]
@@ -199,9 +200,13 @@ class AdaptiveSplit:
             return np.ones(2, dtype=bool)
         return rate >= self.rate_band[tier] * rate[::-1]
 
+    def _total(self, tier: int) -> int:
+        """The tier's departures so far (either list)."""
+        return int(self.departures[tier].sum())
+
     def _departed(self, tier: int) -> np.uint32:
         """The tier's departures so far, mod 2**32: the ghosts' departure numbers."""
-        return np.uint32(int(self.departures[tier].sum()) & 0xFFFFFFFF)
+        return np.uint32(self._total(tier) & 0xFFFFFFFF)
 
     def referenced_from(self, sources: np.ndarray, keys: np.ndarray) -> None:
         """Keyed blocks were referenced again, each found in tier `sources[i]` (a read from a lower
