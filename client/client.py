@@ -303,19 +303,23 @@ class Client:
         self._forget(vids)
         return out
 
-    def lookup(self, keys, layout: int | None = None, tier: str = "hbm") -> np.ndarray:
+    def lookup(self, keys, layout: int | None = None, tier: str = "hbm", *, probe: bool = False) -> np.ndarray:
         """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing).
         tier="dram": a host-side reader; the daemon prefetches nothing into HBM for it. With a
         prefill rate given for the layout, the prefix ends before the first block that loads more
-        slowly than this engine recomputes it."""
-        return self.lookup_with_cost(keys, layout, tier)[0]
+        slowly than this engine recomputes it. probe=True: a question about blocks (is the page
+        before mine cached?) rather than a request's prefix, which the heat policy's duel replays."""
+        return self.lookup_with_cost(keys, layout, tier, probe=probe)[0]
 
-    def lookup_with_cost(self, keys, layout: int | None = None, tier: str = "hbm") -> tuple[np.ndarray, int]:
+    def lookup_with_cost(self, keys, layout: int | None = None, tier: str = "hbm", *,
+                         probe: bool = False) -> tuple[np.ndarray, int]:
         """`lookup`, and how many cached blocks past the answer were withheld because reading them
         back would cost more than recomputing them (0 without a prefill rate)."""
         args = {} if layout is None else {"layout": int(layout)}
         if tier != "hbm":
             args["tier"] = tier
+        if probe:
+            args["probe"] = True
         reply = self._call(Op.LOOKUP, args, [_keys(keys)])
         return _places(reply.arrays[0]), int(reply.result.get("withheld", 0))
 

@@ -303,8 +303,9 @@ class Service:
         layout = arg(req, "layout", int, default=None, lo=0)
         if layout is not None:
             m.table.layout(layout)  # an unknown layout id is an error, never an empty (all-miss) answer
+        probe = arg(req, "probe", bool, default=False)
         withheld = m.access.withheld
-        rows = m.lookup_rows(keys, layout, reader=self._memory_tier(req), client=req.client)
+        rows = m.lookup_rows(keys, layout, reader=self._memory_tier(req), client=req.client, probe=probe)
         return {"withheld": m.access.withheld - withheld}, [self._records(m, rows)]
 
     def _acquire(self, req):
@@ -442,7 +443,7 @@ class Service:
 # Per-pool figures that do not add up over pools: settings (the policy's weights, the prefetch
 # window) are the first pool's; measured read bandwidth is per GPU's link, under "devices" only.
 SETTINGS_STATS = frozenset({"policy", "window"})
-PER_POOL_STATS = frozenset({"read_cost"})
+PER_POOL_STATS = frozenset({"read_cost", "duel"})  # per GPU only: rates that do not add up
 
 
 def sum_stats(parts: list[dict]) -> dict:

@@ -16,6 +16,7 @@ from dflash2.arena.base import Arena
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.config import Config
+from dflash2.duel import Duel
 from dflash2.errors import ArenaError
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.placement import Watermark
@@ -115,10 +116,25 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         for arena in arenas.values():
             arena.close()
         raise
-    return BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
-                        swap_batch_size=cfg.policy.swap_batch_size,
-                        cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
-                        admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
+    manager = BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
+                           swap_batch_size=cfg.policy.swap_batch_size,
+                           cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
+                           admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
+    _attach_duel(cfg, manager)
+    return manager
+
+
+def _attach_duel(cfg: Config, manager: BlockManager) -> None:
+    """The heat policy's duel (duel.py), unless `policy.duel_sample` is 0; other policies rank as
+    they are named (said in the log when the config asked for a duel explicitly)."""
+    sample = cfg.policy.duel_sample
+    if not sample:
+        return
+    if hasattr(manager.policy, "follow"):
+        Duel(manager, sample)
+    elif "duel_sample" in cfg.policy.model_fields_set:
+        log.info("policy.duel_sample is %d, but policy %r ranks as it is named: only heat follows a duel",
+                 sample, cfg.policy.name)
 
 
 def _backend(arenas: dict[Tier, Arena], plan: Plan):

@@ -27,6 +27,8 @@ MB = 1 << 20
 DRAM_WARN_FRACTION = 0.8
 # Above this, nearly every block is "cold" and the daemon demotes constantly.
 COLD_THRESHOLD_WARN = 0.95
+# policy.duel_sample's default: the heat policy's duel replays 1 in 8 content keys (dflash2/duel.py).
+DEFAULT_DUEL_SAMPLE = 8
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -177,6 +179,17 @@ class PolicyConfig(_Section):
     decay_half_life_s: float = Field(60.0, gt=0, le=1e7, description="Half-life of the decayed access count.")
     watermarks: Watermarks = Field(Watermarks(), description="High/low watermarks per tier.")
     weights: HeatWeights = Field(HeatWeights(), description="Weights of the heat policy.")
+    duel_sample: int = Field(
+        DEFAULT_DUEL_SAMPLE, ge=0, le=1 << 20,
+        description="Heat policy: rank as the best of heat, LRU and LFU, judged by miniature replays of 1 in "
+                    "N content keys (dflash2/duel.py); 0 = off.")
+
+    @field_validator("duel_sample")
+    @classmethod
+    def _sample(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("1 would replay every key at full size: give N >= 2 (1 in N keys), or 0 for off")
+        return value
 
 
 class AdmissionConfig(_Section):

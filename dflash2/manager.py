@@ -113,6 +113,9 @@ class BlockManager:
         # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).
         self.prefetcher = Prefetcher(self, prefetch_window)
         self.table.on_slots_freed = self._forget_slots
+        # The duel (duel.py), when whoever built this manager attached one: lookups feed its
+        # miniature replays, the tick serves them, and the policy follows the one that finds most.
+        self.duel = None
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -213,11 +216,15 @@ class BlockManager:
         return self.places_of_rows(self.lookup_rows(keys, layout_id))
 
     def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None, *,
-                    reader: Tier = Tier.HBM, client: int | None = None) -> np.ndarray:
+                    reader: Tier = Tier.HBM, client: int | None = None, probe: bool = False) -> np.ndarray:
         """Rows of the longest cached prefix. A reader that reads from HBM gets the first window's
         blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie. For a
         client whose engine gave its prefill rate, the prefix ends before the first block that
-        would load to `reader` more slowly than the engine recomputes it (not offered as a hit)."""
+        would load to `reader` more slowly than the engine recomputes it (not offered as a hit).
+        `probe`: a question about single blocks (is the page before mine cached?), not a request
+        reading its prefix: the duel does not replay it."""
+        if self.duel is not None and not probe:
+            self.duel.offer(keys, layout_id)
         rows = self.table.lookup(keys, layout_id)
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
@@ -298,7 +305,9 @@ class BlockManager:
     # -- background ------------------------------------------------------------------------
     def tick(self) -> None:
         """One background step: rescore (policies that cache scores), expire and grant
-        reservations, rebalance the tiers, settle prefetches."""
+        reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups."""
+        if self.duel is not None:
+            self.duel.run(self.duel.tick_budget_s)
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.tick()
         self.placement.rebalance()
@@ -329,6 +338,7 @@ class BlockManager:
             "reservations": self.admission.snapshot(),
             "clients": len(self.table.clients),
             "policy": self.policy.describe(),
+            "duel": None if self.duel is None else self.duel.describe(),
         }
 
     def close(self) -> None:

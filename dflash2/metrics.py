@@ -11,7 +11,7 @@ Two sources, no double bookkeeping:
 
 Labels are bounded: tier (hbm|dram|nvme), direction (`hbm->dram`, ...), op (the protocol's ops),
 state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1, ...), list
-(first_timers|returning). Never a block, request or client id.
+(first_timers|returning), policy (the policies' names). Never a block, request or client id.
 
 | metric | type | what |
 | --- | --- | --- |
@@ -59,6 +59,10 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off |
 | dflash2_policy_admission_blocks_total{gpu,outcome} | counter | heat only: blocks the rule refused (refused) or would have refused (admitted_against_rule) |
 | dflash2_policy_admission_return_ratio{gpu,kind} | gauge | heat only: share of refused and of departed blocks asked for again within a turnover of the tier |
+| dflash2_policy_ranking{gpu,policy} | gauge | heat only: 1 for the ranking heat follows now (heat, lru, lfu; the duel chooses), 0 for the others |
+| dflash2_policy_duel_on{gpu} | gauge | heat with `policy.duel_sample` > 0: 1 while the duel runs (warming up or judging), 0 once it stopped (the log and `dflash2 status` say why) |
+| dflash2_policy_duel_hit_ratio{gpu,policy} / dflash2_policy_duel_hbm_hit_ratio{gpu,policy} | gauge | heat's duel: each candidate's miniature prefix hit rate in some tier / in HBM, recent (decayed; NaN before the first sampled lookup) |
+| dflash2_policy_duel_requests_total{gpu} / dflash2_policy_duel_dropped_total{gpu} / dflash2_policy_duel_switches_total{gpu} | counter | heat's duel: sampled lookups its miniatures served / dropped from a full queue / changes of the ranking followed |
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dflash2 import protocol as P
-from dflash2.policy.heat import INNER_LISTS
+from dflash2.policy.heat import INNER_LISTS, RANKINGS
 from dflash2.policy.split import LISTS as SPLIT_LISTS
 from dflash2.tiers import Tier
 
@@ -288,11 +292,15 @@ def _policy_families(st: dict):
     """The heat policy's state per GPU pool (a node's totals hold only the first pool's policy):
     each tier's adaptive split and the last tier's admission gate. Absent for policies without them."""
     pools = st.get("devices") or {"0": st}
-    split, inner, gate = [], [], []
+    split, inner, gate, ranking, duels = [], [], [], [], []
     for gpu, pool in pools.items():
+        if isinstance(pool.get("duel"), dict):
+            duels.append((gpu, pool["duel"]))
         policy = pool.get("policy")
         if not isinstance(policy, dict):
             continue
+        if policy.get("ranking"):
+            ranking.append((gpu, policy["ranking"]))
         split += [(gpu, t) for t in policy.get("split") or []]
         inner += [(gpu, t) for t in policy.get("returning_split") or []]
         if policy.get("admission"):
@@ -316,6 +324,28 @@ def _policy_families(st: dict):
                      "asked for again within a turnover of the tier (decayed).", ["gpu", "kind"],
                      [((g, k), a[f"{k}_return_rate"]) for g, a in gate for k in ("refused", "departed")
                       if a.get(f"{k}_return_rate") is not None])
+    if ranking:
+        yield _gauge("dflash2_policy_ranking", "1 for the ranking the heat policy follows now (the duel chooses), "
+                     "0 for the others.", ["gpu", "policy"],
+                     [((g, name), int(name == r)) for g, r in ranking for name in RANKINGS])
+    yield from _duel_families(duels)
+
+
+def _duel_families(duels: list):
+    """The heat policy's duel per GPU pool (dflash2/duel.py): its miniatures' hit rates and counts."""
+    if not duels:
+        return
+    yield _gauge("dflash2_policy_duel_on", "1 while the heat policy's duel runs, 0 once it stopped (the log says why).",
+                 ["gpu"], [((g,), int(d["state"] != "off")) for g, d in duels])
+    for key, name, what in (("hit_rate", "hit_ratio", "in some tier"), ("hbm_hit_rate", "hbm_hit_ratio", "in HBM")):
+        yield _gauge(f"dflash2_policy_duel_{name}",
+                     f"Each candidate's miniature prefix hit rate {what}, recent (decayed; NaN before the first "
+                     "sampled lookup).", ["gpu", "policy"],
+                     [((g, c), math.nan if r is None else r) for g, d in duels for c, r in d[key].items()])
+    for key, doc in (("requests", "Sampled lookups the duel's miniatures served."),
+                     ("dropped", "Sampled lookups the duel dropped from its full queue (its tick budget could not keep up)."),
+                     ("switches", "Changes of the ranking the heat policy follows.")):
+        yield _counter(f"dflash2_policy_duel_{key}", doc, ["gpu"], [((g,), d[key]) for g, d in duels])
 
 
 def _split_families(split: list, prefix: str, lists: tuple, target: str, target_doc: str, what: str):

@@ -38,11 +38,14 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                → {allocated: bool} [places]
     commit           {parent=null} [vids, keys or empty]       → [vids] (the ids now held: a key that was
                                                                   cached already deduplicates)
-    lookup           {layout=null, tier="hbm"} [keys]          → {withheld} [places] of the longest cached
+    lookup           {layout=null, tier="hbm", probe=false} [keys]
+                                                               → {withheld} [places] of the longest cached
                                                                   prefix (tier "dram": a host reader, no
                                                                   prefetch) that loads faster than this
                                                                   client's engine recomputes it; withheld:
-                                                                  cached blocks past it that do not
+                                                                  cached blocks past it that do not; probe:
+                                                                  a question about blocks, not a request's
+                                                                  prefix (heat's duel does not replay it)
     acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
     release / add_ref{} [vids]                                 → {}

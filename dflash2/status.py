@@ -108,6 +108,8 @@ def _policy_lines(st: dict) -> list[str]:
         if not isinstance(policy, dict):
             continue
         where = "" if gpu is None else f" (GPU {gpu})"
+        if isinstance(pool.get("duel"), dict):
+            lines.append(f"duel{where}: " + _duel_line(pool["duel"], policy.get("ranking")))
         split = policy.get("split") or []
         if split:
             lines.append(f"heat split{where}: " + "; ".join(
@@ -126,6 +128,21 @@ def _policy_lines(st: dict) -> list[str]:
                          f"refused {gate['refused']}, admitted against the rule {gate['admitted_against_rule']}"
                          + (f"; asked for again: {rates}" if rates else ""))
     return lines
+
+
+def _duel_line(d: dict, ranking: str | None) -> str:
+    """What the heat policy's duel (dflash2/duel.py) decided and on what figures."""
+    head = f"heat ranks as {ranking}" if ranking else f"following {d['following']}"
+    if d["state"] == "off":
+        return f"off ({d['off_reason']}); {head}"
+    rates = d["hit_rate"]
+    found = (", ".join(f"{c} {r:.3f}" for c, r in rates.items()) if all(r is not None for r in rates.values())
+             else "none yet")
+    hbm = d.get("hbm_hit_rate") or {}
+    if hbm and all(r is not None for r in hbm.values()) and hbm != rates:
+        found += " (in HBM " + ", ".join(f"{c} {r:.3f}" for c, r in hbm.items()) + ")"
+    return (f"{head} ({d['state']}, {d['switches']} switches); miniatures of 1 in {d['sample']} keys found {found}; "
+            f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped")
 
 
 # The lists' keys in the policy's stats, with the words shown for them.

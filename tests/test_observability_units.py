@@ -351,3 +351,54 @@ def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager,
     assert ("(back soon after leaving: first-timers 0.050, returning 0.400, lately first-timers 0.050, "
             "returning 0.400, ghosts not moving the target: first-timers)") in render(st)
     assert "heat split" not in render({**st, "devices": None, "policy": {"name": "lru"}})
+
+
+def test_metrics_and_status_show_the_duel_per_gpu_pool():
+    from test_duel import chat
+    from dflash2.bench.policy import ALIGN, LAYOUT, SLOT
+    from dflash2.duel import Duel
+    from dflash2.manager import BlockManager, TierSpec
+    from dflash2.prefetch import Prefetcher
+    from dflash2.replay import Tally, serve
+    from dflash2.status import render
+    from dflash2.tiers import Tier
+
+    mgr = BlockManager([TierSpec(Tier.HBM, 256 * SLOT, SLOT, ALIGN)], policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    service = Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1)
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    got = _scrape(metrics)
+    assert got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
+    assert math.isnan(got[("dflash2_policy_duel_hit_ratio", (("gpu", "0"), ("policy", "lru")))])  # none yet
+    assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "heat")))] == 1
+    assert "duel: heat ranks as heat (warming up, 0 switches); miniatures of 1 in 2 keys found none yet" \
+        in render(json.loads(json.dumps(service.stats())))
+    client = mgr.attach("c")
+    for i, req in enumerate(chat(300)):  # the chat shape served through the real manager
+        serve(mgr, Prefetcher(mgr, 0), client, lid, req, i, Tally(), 16)
+    duel.run()
+    mgr.policy.follow("lfu")  # as if the duel had chosen it, to see the gauge move
+    metrics.refresh(force=True)
+    got = _scrape(metrics)
+    d = duel.describe()
+    for c in ("heat", "lru", "lfu"):
+        assert got[("dflash2_policy_duel_hit_ratio", (("gpu", "0"), ("policy", c)))] == pytest.approx(d["hit_rate"][c])
+        assert got[("dflash2_policy_duel_hbm_hit_ratio", (("gpu", "0"), ("policy", c)))] == pytest.approx(d["hbm_hit_rate"][c])
+    assert got[("dflash2_policy_duel_requests_total", (("gpu", "0"),))] == d["requests"] > 0
+    assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "lfu")))] == 1
+    assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "heat")))] == 0
+    st = json.loads(json.dumps(service.stats()))
+    rates = ", ".join(f"{c} {d['hit_rate'][c]:.3f}" for c in ("heat", "lru", "lfu"))
+    assert f"duel: heat ranks as lfu ({d['state']}, {d['switches']} switches); miniatures of 1 in 2 keys found {rates}" \
+        in render(st)
+    # A node of two GPU pools: each pool's duel under its own label; the node's totals hold none.
+    other = json.loads(json.dumps(st))
+    other["duel"].update(state="off", off_reason="a miniature replay failed (see the log)")
+    st["devices"] = {"0": json.loads(json.dumps(st)), "1": other}
+    assert "duel (GPU 1): off (a miniature replay failed (see the log)); heat ranks as lfu" in render(st)
+    metrics.snapshot = st
+    got = _scrape(metrics)
+    assert got[("dflash2_policy_duel_on", (("gpu", "1"),))] == 0 and got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
+

@@ -258,7 +258,7 @@ class DFlash2Storage(HiCacheStorage):
         prefix = getattr(extra_info, "prefix_keys", None)
         if not prefix:
             return None
-        found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id, tier=self.tier)
+        found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id, tier=self.tier, probe=True)
         return int(found["vid"][0]) if len(found) else None
 
     @staticmethod

@@ -2,14 +2,10 @@
 
 Metadata only (no arenas): the trace's timestamps (ms) drive a virtual clock; a block is 512 tokens
 and a request's `hash_ids` are its prefix block keys, in order (used as content keys, +1 so that none
-is 0, chained by commit's parent). Per request, in arrival order:
-
-1. lookup: the leading run of cached blocks is the request's prefix hit (`prefix_hit_rate` counts it
-   in any tier, `hbm_prefix_hit_rate` only the blocks already in HBM on arrival);
-2. read the hit blocks in order, `--chunk` blocks at a time (acquire: promoted to HBM, prefix first,
-   and pinned), with the prefetcher keeping its window ahead of the read position;
-3. allocate, commit (chained to the last hit block) and free the missing blocks: they stay cached,
-   and the policy decides what leaves HBM (to DRAM, NVMe, or out) to make room for them.
+is 0, chained by commit's parent). Each request, in arrival order, is served as replay.py serves it
+(lookup, read the hit prefix `--chunk` blocks at a time, write the rest): `prefix_hit_rate` counts its
+leading run of cached blocks in any tier, `hbm_prefix_hit_rate` only the blocks already in HBM on
+arrival. With `heat`, its duel (duel.py) serves its miniatures after every request.
 
 One JSON line per policy with the fields the policy issue defines (plus moves and read ratios).
 """
@@ -17,7 +13,6 @@ One JSON line per policy with the fields the policy issue defines (plus moves an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -26,11 +21,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.bench import OptionError, non_negative_int, positive_int
-from dflash2.errors import NeverFits
+from dflash2.config import DEFAULT_DUEL_SAMPLE
+from dflash2.duel import Duel
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy, policy_names
 from dflash2.prefetch import Prefetcher
+from dflash2.replay import Request, Tally, serve
 from dflash2.tiers import Tier
 
 TOKENS_PER_BLOCK = 512
@@ -39,12 +36,6 @@ LAYOUT = Layout("replay", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16
                 tokens_per_block=TOKENS_PER_BLOCK)
 SLOT = LAYOUT.block_bytes
 ALIGN = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    t_s: float
-    keys: tuple[int, ...]
 
 
 MAX_HASH_ID = (1 << 64) - 2  # content keys are uint64 and the replay adds 1 (0 means "no key")
@@ -114,18 +105,12 @@ class VirtualClock:
         return self.now
 
 
-@dataclasses.dataclass
-class Tally:
-    refs: int = 0
-    hits: int = 0
-    hbm_hits: int = 0
-    uncached: int = 0  # blocks of requests larger than HBM: served, never cached
-
-
 def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_blocks: int = 0,
            nvme_blocks: int = 0, prefetch_window: int = 4, chunk: int = 16,
-           weights: dict[str, float] | None = None) -> dict:
-    """`weights`: the heat policy's weights to change (`policy.weights`); only for `heat`."""
+           weights: dict[str, float] | None = None, duel_sample: int = DEFAULT_DUEL_SAMPLE) -> dict:
+    """`weights`: the heat policy's weights to change (`policy.weights`); only for `heat`.
+    `duel_sample`: heat follows the best of heat, LRU and LFU in miniature replays of 1 in N keys
+    (dflash2/duel.py, `policy.duel_sample`); 0: heat ranks as heat throughout."""
     clock = VirtualClock()
     specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)]
     specs += [TierSpec(t, n * SLOT, SLOT, ALIGN) for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n]
@@ -135,6 +120,7 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     lid = mgr.register_layout(LAYOUT)
     client = mgr.attach("replay")
     prefetch = Prefetcher(mgr, prefetch_window)
+    duel = Duel(mgr, duel_sample) if duel_sample and hasattr(pol, "follow") else None
     if hasattr(pol, "set_future"):
         pol.set_future([r.keys for r in requests])
     tally = Tally()
@@ -143,7 +129,9 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
         clock.now = req.t_s
         if hasattr(pol, "advance"):
             pol.advance(i)
-        _serve(mgr, prefetch, client, lid, req, i, tally, chunk)
+        serve(mgr, prefetch, client, lid, req, i, tally, chunk)
+        if duel is not None:
+            duel.run()  # what the daemon's ticks do, as if they always kept up
     elapsed = time.perf_counter() - t0
     mgr.check_invariants()
     out = _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
@@ -152,6 +140,8 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
         out["admission_gate"] = gate.describe()  # heat: what the last tier's admission rule won and lost
     if weights:
         out["weights"] = dict(pol.weights)
+    if duel is not None:
+        out["duel"] = duel.describe()
     return out
 
 
@@ -165,49 +155,6 @@ def _make_policy(policy: str, weights: dict[str, float] | None):
         except ValueError as exc:  # an unknown name or a negative weight, as the policy says
             raise OptionError(f"--weights: {exc}") from None
     return pol
-
-
-def _serve(mgr: BlockManager, prefetch: Prefetcher, client: int, lid: int, req: Request, index: int,
-           tally: Tally, chunk: int) -> None:
-    keys = req.keys
-    places = mgr.lookup(keys, lid)
-    tally.refs += len(keys)
-    tally.hits += len(places)
-    tally.hbm_hits += sum(p.tier == Tier.HBM for p in places)
-    hit_vids = [p.vid for p in places]
-    if hit_vids:
-        mgr.add_ref(client, hit_vids)  # the request holds its prefix: demotable, never dropped
-    held: list[int] = []
-    # Read the cached prefix in order; the prefetcher runs its window ahead of the read position.
-    # While one chunk is read (computed on), the next window's blocks come up.
-    for start in range(0, len(hit_vids), chunk):
-        part = hit_vids[start: start + chunk]
-        prefetch.reading(part)
-        try:
-            acquired = mgr.acquire(client, part)
-        except NeverFits:  # a chunk larger than HBM
-            acquired = None
-        if acquired is None:
-            break  # HBM cannot hold the prefix (request larger than the tier): recompute the rest
-        held += part
-        prefetch.ahead(hit_vids, start + len(part))
-    prefetch.finish()
-    missing = keys[len(held):] if len(held) < len(places) else keys[len(places):]
-    parent = held[-1] if held else None
-    if missing:
-        try:
-            vids = mgr.allocate(client, lid, len(missing), request=index)
-        except NeverFits:  # a request larger than HBM: served, never cached
-            vids = None
-        if vids is None:
-            tally.uncached += len(missing)
-        else:
-            vids = mgr.commit(client, vids, missing, parent)
-            mgr.free(client, vids)
-    if held:
-        mgr.release(client, held)
-    if hit_vids:
-        mgr.free(client, hit_vids)
 
 
 def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, n_req: int,
@@ -250,9 +197,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
     parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
+    parser.add_argument("--duel-sample", type=duel_sample, default=DEFAULT_DUEL_SAMPLE,
+                        help="heat follows the best of heat, LRU and LFU replayed in miniature on 1 in N content "
+                             "keys (policy.duel_sample; default %(default)s; 0: off)")
     parser.add_argument("--weights", default="",
                         help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
                              "applied to the heat policy, the others replay as they are")
+
+
+def duel_sample(text: str) -> int:
+    n = non_negative_int(text)
+    if n == 1:
+        raise argparse.ArgumentTypeError("1 would replay every key: give N >= 2 (1 in N keys), or 0 for off")
+    return n
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -296,5 +253,5 @@ def run(args) -> list[dict]:
         _make_policy("heat", weights)  # names and values checked before any replay, not after the others
     requests = load_trace(args.trace, args.limit)
     return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
-                   args.prefetch_window, args.chunk, weights if name == "heat" else None)
+                   args.prefetch_window, args.chunk, weights if name == "heat" else None, args.duel_sample)
             for name in names]

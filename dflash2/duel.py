@@ -1,0 +1,301 @@
+"""The duel: the heat policy ranks as whichever of heat, LRU and LFU serves this node's requests best.
+
+No one policy wins everywhere (README, Policies): heat where most blocks are used once and sessions
+return (the Mooncake traces: up to +92% over LRU), LRU where every live session re-reads its whole
+history (a chat shape: 0.5-1.9% ahead of heat), LFU where popularity does not change (document QA:
+0.3-4.6% ahead). The duel finds out which, on the node's own requests, by replaying them in
+miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENIX ATC '17):
+
+- each lookup's content keys are sampled by a hash of the key, 1 in `policy.duel_sample`, so that a
+  sampled key is sampled in every request that names it;
+- one small block manager per candidate, each tier 1/`duel_sample` of the real tier's bytes, serves
+  the sampled chain as the real manager serves the full one (replay.py: lookup, read the hit prefix,
+  write the rest), metadata only. A candidate is what the real policy does while it follows it: heat
+  itself, or heat ranking HBM as LRU or LFU and the tiers below as heat (with HBM alone, plain LRU
+  and LFU: the same order, at less cost);
+- each candidate's prefix hit rate, decayed with a half-life of HALF_LIFE miniature capacities of
+  sampled references, estimates what it would find at full size;
+- after WARMUP capacities of references, the candidate the real policy follows changes when another
+  finds more blocks (by MARGIN, relative, and by Z standard deviations of their paired per-request
+  difference) and no fewer in HBM, or as many blocks and more in HBM (`_judge`; with tiers below HBM,
+  LRU's miniature found more in some tier on the Mooncake conversation trace while it found far
+  fewer in HBM: following it, the full-size cache lost both);
+- the real heat policy then ranks its HBM blocks as that candidate (HeatPolicy.follow) and keeps
+  learning its own state meanwhile, so that following heat again takes effect at once;
+- a miniature HBM of fewer than MIN_BLOCKS blocks (of the first layout looked up) would judge by
+  noise: the duel stops, says so in the log, and heat ranks as heat.
+
+The bench's replays with the duel on and off are in the README (Policies, *the duel*).
+
+Cost: the three miniatures take about as much CPU per request as the real manager (their chains are
+short, but a call costs what it costs). A lookup only samples and queues (`offer`); the daemon
+serves the queue on its tick within TICK_BUDGET_S per GPU, and a queue over QUEUE_LIMIT drops its
+oldest requests, counted and logged (the miniatures then see fewer requests than the node serves:
+their figures lean toward a larger cache). The bench serves the queue after every request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.policy import make_policy
+from dflash2.prefetch import Prefetcher
+from dflash2.replay import Request, Tally, serve
+from dflash2.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("heat", "lru", "lfu")
+# A challenger must lead the followed candidate by 3% of its hit rate... (heat's miniature trails
+# full-size heat: its constants are absolute counts, which a miniature reaches 1/sample as often. On
+# the Mooncake conversation trace at 32,000 and 52,000 blocks LRU's miniature led heat's by 2.0-2.7%
+# while full-size heat found 0.4% more than LRU at 32,000: with a margin of 2% heat followed LRU
+# there and found LRU's 0.3320 instead of its own 0.3332.)
+MARGIN = 0.03
+Z = 2.0  # ...and by 2 standard deviations of their paired per-request difference
+HALF_LIFE = 32  # miniature capacities (blocks, all tiers) of sampled references
+WARMUP = 2  # miniature capacities of sampled references before the first judgement
+MIN_BLOCKS = 32  # a miniature HBM holding fewer blocks than this would judge by noise
+QUEUE_LIMIT = 4096  # sampled lookups waiting for the miniatures
+TICK_BUDGET_S = 0.01  # the daemon's tick serves the queue this long per GPU (10% of a 100 ms tick)
+DROP_LOG_INTERVAL_S = 60.0
+CHUNK = 16  # blocks read per step of a miniature request (as the bench's default)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def sampled(keys: np.ndarray, sample: int) -> np.ndarray:
+    """The keys (uint64) whose hash falls in the sample, 1 in `sample` (splitmix64's finalizer: content
+    keys from a client need not be uniform in their low bits)."""
+    x = keys ^ (keys >> np.uint64(30))
+    x = x * _MIX1
+    x ^= x >> np.uint64(27)
+    x = x * _MIX2
+    x ^= x >> np.uint64(31)
+    return keys[x % np.uint64(sample) == 0]
+
+
+def _leads(found: np.ndarray, sq: np.ndarray, a: int, b: int) -> bool:
+    """Candidate a finds more than b: by MARGIN of b's figure and by Z standard deviations of the
+    paired per-request difference (`sq`: its decayed squares)."""
+    return found[a] > found[b] * (1 + MARGIN) and found[a] - found[b] > Z * math.sqrt(sq[a, b])
+
+
+class _Mini:
+    """One candidate's miniature: a block manager of 1/sample of the real tiers, serving sampled chains."""
+
+    def __init__(self, name: str, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int):
+        self.name = name
+        self.manager = BlockManager(specs, policy=policy, clock=clock, table_capacity=capacity_rows)
+        self.prefetch = Prefetcher(self.manager, 4)
+        self.client = self.manager.attach("duel")
+        self.layouts: dict[int, int] = {}  # the real manager's layout id -> this manager's
+
+    def serve(self, keys: tuple[int, ...], layout, layout_id: int, now: float, index: int) -> tuple[int, int]:
+        """(blocks found in some tier, blocks found in HBM) of the request's sampled chain."""
+        lid = self.layouts.get(layout_id)
+        if lid is None:
+            lid = self.layouts[layout_id] = self.manager.register_layout(layout)
+        tally = Tally()
+        serve(self.manager, self.prefetch, self.client, lid, Request(now, keys), index, tally, CHUNK)
+        return tally.hits, tally.hbm_hits
+
+
+class Duel:
+    """Attached to a block manager whose policy can follow another's ranking (heat): `offer` on
+    every lookup, `run` to serve what was offered (the manager's tick does)."""
+
+    def __init__(self, manager: BlockManager, sample: int):
+        if not isinstance(sample, int) or isinstance(sample, bool) or sample < 2:
+            raise ValueError(f"duel sample must be an integer >= 2 (1 in N keys), got {sample!r}")
+        if not hasattr(manager.policy, "follow"):
+            raise ValueError(f"policy {manager.policy.name!r} cannot follow another ranking (only heat can)")
+        self.manager = manager
+        self.sample = sample
+        self.policy = manager.policy
+        self.tick_budget_s = TICK_BUDGET_S
+        self.following = 0  # index in CANDIDATES
+        self.off: str | None = None  # why the duel stopped (None while it runs)
+        self._queue: collections.deque = collections.deque()
+        self._now = 0.0
+        self._minis: list[_Mini] | None = None  # made at the first sampled lookup (its layout sizes them)
+        self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of the first layout
+        self._hits = np.zeros(len(CANDIDATES))  # decayed hits per candidate (blocks found in some tier)
+        self._hbm_hits = np.zeros(len(CANDIDATES))  # decayed blocks found in HBM per candidate
+        self._refs = 0.0  # decayed sampled references
+        # Decayed squares of the paired per-request differences between candidates (both counts)
+        self._sq = np.zeros((len(CANDIDATES), len(CANDIDATES)))
+        self._hbm_sq = np.zeros((len(CANDIDATES), len(CANDIDATES)))
+        self.requests = 0  # sampled lookups served by the miniatures
+        self.sampled_refs = 0
+        self.dropped = 0
+        self.unlabelled = 0  # lookups without a layout on a manager of several layouts: not sampled
+        self.switches = 0
+        self.last_switch: dict | None = None  # when (sampled lookups served) and on what figures
+        self._dropped_logged = 0
+        self._drop_logged_at = -math.inf
+        manager.duel = self
+
+    # -- intake (on the lookup path: cheap) -------------------------------------------------
+    def offer(self, keys: Sequence[int], layout_id: int | None) -> None:
+        """A lookup of `keys` (a request's prefix chain): its sampled keys join the queue."""
+        if self.off is not None or not len(keys):
+            return
+        if layout_id is None:
+            layouts = self.manager.table.layouts
+            if len(layouts) != 1:
+                self.unlabelled += 1
+                return
+            layout_id = 0  # the only one
+        picked = sampled(np.asarray(keys, dtype=np.uint64), self.sample)
+        if not len(picked):
+            return
+        self._queue.append((self.manager.table.clock(), layout_id, tuple(picked.tolist())))
+        if len(self._queue) > QUEUE_LIMIT:
+            self._queue.popleft()
+            self.dropped += 1
+
+    # -- the miniatures ---------------------------------------------------------------------
+    def run(self, budget_s: float | None = None) -> None:
+        """Serve the queued lookups through the miniatures (all of them, or for about `budget_s`),
+        judging after each. A miniature that fails stops the duel (logged) and heat ranks as heat."""
+        self._log_drops()
+        if self.off is not None:
+            return
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        try:
+            while self._queue and (deadline is None or time.perf_counter() < deadline):
+                self._serve(*self._queue.popleft())
+        except Exception:
+            log.exception("duel: a miniature replay failed; the duel stops and heat ranks as heat")
+            self._stop("a miniature replay failed (see the log)")
+
+    def _serve(self, now: float, layout_id: int, keys: tuple[int, ...]) -> None:
+        if self._minis is None:
+            self._build(layout_id)
+            if self.off is not None:
+                return
+        self._now = now
+        layout = self.manager.table.layout(layout_id)
+        self._sync_weights()
+        found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
+        hits, hbm = found[:, 0], found[:, 1]
+        decay = 0.5 ** (len(keys) / (HALF_LIFE * self._capacity_blocks))
+        self._hits = (self._hits + hits) * decay
+        self._hbm_hits = (self._hbm_hits + hbm) * decay
+        self._sq = (self._sq + np.square(hits[:, None] - hits[None, :])) * decay
+        self._hbm_sq = (self._hbm_sq + np.square(hbm[:, None] - hbm[None, :])) * decay
+        self._refs = (self._refs + len(keys)) * decay
+        self.requests += 1
+        self.sampled_refs += len(keys)
+        self._judge()
+
+    def _build(self, layout_id: int) -> None:
+        layout = self.manager.table.layout(layout_id)
+        specs = []
+        for spec in self.manager.specs.values():
+            nbytes = spec.capacity_bytes // self.sample // spec.page_bytes * spec.page_bytes
+            if nbytes:
+                specs.append(TierSpec(spec.tier, nbytes, spec.page_bytes, spec.alignment))
+        hbm = sum(s.capacity_bytes for s in specs if s.tier == Tier.HBM) // layout.block_bytes
+        if hbm < MIN_BLOCKS:
+            self._stop(f"1/{self.sample} of HBM holds {hbm} blocks of layout {layout.name!r}, fewer than {MIN_BLOCKS}: "
+                       "too small a miniature to judge by (lower policy.duel_sample, or 0 to turn the duel off)")
+            return
+        self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)
+        rows = 1 << max(10, math.ceil(math.log2(self._capacity_blocks * 2 + 1024)))
+        self._minis = [_Mini(name, self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
+        log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
+                 self.sample, self._capacity_blocks, layout.name)
+
+    def _candidate(self, name: str, tiered: bool):
+        """What the real policy does while it follows `name`: heat ranking HBM as `name` and the
+        tiers below as heat (HeatPolicy.follow); with HBM alone that is `name`'s own policy, which
+        costs the miniature less."""
+        if name != "heat" and not tiered:
+            return make_policy(name)
+        policy = type(self.policy)(dict(self.policy.weights))
+        policy.follow(name)
+        return policy
+
+    def _clock(self) -> float:
+        return self._now
+
+    def _sync_weights(self) -> None:
+        for mini in self._minis:
+            policy = mini.manager.policy
+            if hasattr(policy, "set_weights") and getattr(policy, "weights", None) not in (None, self.policy.weights):
+                policy.set_weights(self.policy.weights)  # changed at run time
+
+    def _judge(self) -> None:
+        """Follow another candidate when it finds more blocks (in some tier) without finding fewer in
+        HBM, or as many blocks and more of them in HBM (with tiers below HBM all three often find
+        everything, and then where they find it is what differs); "more" is by MARGIN and by Z
+        standard deviations of the paired per-request difference. With HBM alone both tests are one."""
+        if self.sampled_refs < WARMUP * self._capacity_blocks or self._refs <= 0:
+            return
+        now, hits, hbm = self.following, self._hits, self._hbm_hits
+        for lead in sorted(range(len(CANDIDATES)), key=lambda c: (-hits[c], -hbm[c])):
+            if lead == now:
+                return  # none ahead of the followed one qualifies
+            found_more = _leads(hits, self._sq, lead, now) and hbm[lead] >= hbm[now]
+            nearer = hits[lead] >= hits[now] and _leads(hbm, self._hbm_sq, lead, now)
+            if found_more or nearer:
+                break
+        else:
+            return
+        self.following = lead
+        self.switches += 1
+        self.last_switch = {"request": self.requests, "to": CANDIDATES[lead], "hit_rate": self.hit_rates(),
+                            "hbm_hit_rate": self.hit_rates(hbm=True)}
+        self.policy.follow(CANDIDATES[lead])
+        log.info("duel: heat now ranks as %s (miniature prefix hit rates %s; in HBM %s)", CANDIDATES[lead],
+                 ", ".join(f"{n} {r / self._refs:.4f}" for n, r in zip(CANDIDATES, hits)),
+                 ", ".join(f"{n} {r / self._refs:.4f}" for n, r in zip(CANDIDATES, hbm)))
+
+    def _stop(self, why: str) -> None:
+        if self.off is None:
+            log.warning("duel off: %s", why)
+        self.off = why
+        self._queue.clear()
+        self.following = 0
+        self.policy.follow("heat")
+
+    def _log_drops(self) -> None:
+        now = time.monotonic()
+        if self.dropped > self._dropped_logged and now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
+            log.warning("duel: %d sampled lookups dropped so far (%d since the last report): the tick's %g ms "
+                        "cannot keep up, so the miniatures see fewer requests than the node serves",
+                        self.dropped, self.dropped - self._dropped_logged, TICK_BUDGET_S * 1000)
+            self._dropped_logged = self.dropped
+            self._drop_logged_at = now
+
+    # -- reporting --------------------------------------------------------------------------
+    def hit_rates(self, hbm: bool = False) -> dict[str, float | None]:
+        """Each candidate's decayed miniature prefix hit rate, in some tier or (`hbm`) in HBM (None
+        before the first sampled reference)."""
+        if self._refs <= 0:
+            return {name: None for name in CANDIDATES}
+        return {name: float(h / self._refs) for name, h in zip(CANDIDATES, self._hbm_hits if hbm else self._hits)}
+
+    def describe(self) -> dict:
+        if self.off is not None:
+            state = "off"
+        elif self._minis is None or self.sampled_refs < WARMUP * self._capacity_blocks:
+            state = "warming up"
+        else:
+            state = "judging"
+        return {"sample": self.sample, "state": state, "off_reason": self.off,
+                "following": CANDIDATES[self.following], "hit_rate": self.hit_rates(),
+                "hbm_hit_rate": self.hit_rates(hbm=True),
+                "requests": self.requests, "sampled_refs": self.sampled_refs, "queued": len(self._queue),
+                "dropped": self.dropped, "unlabelled": self.unlabelled, "switches": self.switches,
+                "last_switch": self.last_switch,
+                "capacity_blocks": self._capacity_blocks}

@@ -1,0 +1,79 @@
+"""Serving one request of a trace through a block manager, as a serving engine does it.
+
+What `dflash2 bench policy` replays at full size and what the duel (duel.py) replays in miniature:
+per request, in arrival order,
+
+1. lookup: the leading run of cached blocks is the request's prefix hit (counted in any tier, and
+   in HBM: the blocks already there on arrival);
+2. read the hit blocks in order, `chunk` blocks at a time (acquire: promoted to HBM, prefix first,
+   and pinned), with the prefetcher keeping its window ahead of the read position;
+3. allocate, commit (chained to the last hit block) and free the missing blocks: they stay cached,
+   and the policy decides what leaves HBM (to DRAM, NVMe, or out) to make room for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash2.errors import NeverFits
+from dflash2.prefetch import Prefetcher
+from dflash2.tiers import Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    t_s: float
+    keys: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Tally:
+    refs: int = 0
+    hits: int = 0
+    hbm_hits: int = 0
+    uncached: int = 0  # blocks of requests larger than HBM: served, never cached
+
+
+def serve(mgr, prefetch: Prefetcher, client: int, lid: int, req: Request, index: int,
+          tally: Tally, chunk: int) -> None:
+    """Serve `req` (the `index`-th request) through `mgr` for `client`, blocks of layout `lid`;
+    adds its references and hits to `tally`."""
+    keys = req.keys
+    places = mgr.lookup(keys, lid)
+    tally.refs += len(keys)
+    tally.hits += len(places)
+    tally.hbm_hits += sum(p.tier == Tier.HBM for p in places)
+    hit_vids = [p.vid for p in places]
+    if hit_vids:
+        mgr.add_ref(client, hit_vids)  # the request holds its prefix: demotable, never dropped
+    held: list[int] = []
+    # Read the cached prefix in order; the prefetcher runs its window ahead of the read position.
+    # While one chunk is read (computed on), the next window's blocks come up.
+    for start in range(0, len(hit_vids), chunk):
+        part = hit_vids[start: start + chunk]
+        prefetch.reading(part)
+        try:
+            acquired = mgr.acquire(client, part)
+        except NeverFits:  # a chunk larger than HBM
+            acquired = None
+        if acquired is None:
+            break  # HBM cannot hold the prefix (request larger than the tier): recompute the rest
+        held += part
+        prefetch.ahead(hit_vids, start + len(part))
+    prefetch.finish()
+    missing = keys[len(held):] if len(held) < len(places) else keys[len(places):]
+    parent = held[-1] if held else None
+    if missing:
+        try:
+            vids = mgr.allocate(client, lid, len(missing), request=index)
+        except NeverFits:  # a request larger than HBM: served, never cached
+            vids = None
+        if vids is None:
+            tally.uncached += len(missing)
+        else:
+            vids = mgr.commit(client, vids, missing, parent)
+            mgr.free(client, vids)
+    if held:
+        mgr.release(client, held)
+    if hit_vids:
+        mgr.free(client, hit_vids)

@@ -1,0 +1,328 @@
+"""The duel (dflash2/duel.py): heat ranks as the best of heat, LRU and LFU in miniature replays."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import dflash2.duel as D
+from dflash2.bench.policy import ALIGN, LAYOUT, SLOT, replay
+from dflash2.cli import main
+from dflash2.config import parse_config
+from dflash2.duel import Duel, sampled
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
+from dflash2.policy import make_policy
+from dflash2.replay import Request
+from dflash2.tiers import Tier
+
+
+def chat(n: int, live: int = 24, seed: int = 3) -> list[Request]:
+    """Live sessions that re-read their whole history each turn and add 2-6 blocks (the README's
+    chat shape, smaller): LRU finds more than heat's split here, which sends a session's newest
+    turn (first-timers) out before its older returning blocks."""
+    rng = np.random.default_rng(seed)
+    nid = [1000]
+
+    def fresh(k):
+        nid[0] += k
+        return tuple(range(nid[0] - k, nid[0]))
+
+    system, sessions, out = fresh(4), [], []
+    while len(out) < n:
+        while len(sessions) < live:
+            sessions.append([system + fresh(int(rng.integers(2, 7))), int(rng.integers(2, 13))])
+        i = int(rng.integers(len(sessions)))
+        out.append(Request(len(out) * 0.05, sessions[i][0]))
+        sessions[i][0] += fresh(int(rng.integers(2, 7)))
+        sessions[i][1] -= 1
+        if sessions[i][1] == 0:
+            sessions.pop(i)
+    return out
+
+
+def scans(n: int, seed: int = 3) -> list[Request]:
+    """30 hot 8-block prefixes, and a one-time 40-block prompt every third request: heat's
+    second-hit split keeps the hot set where LRU lets the scans flush it."""
+    rng = np.random.default_rng(seed)
+    hot = [tuple(range(1000 + 8 * i, 1008 + 8 * i)) for i in range(30)]
+    return [Request(i * 0.05, hot[int(rng.integers(30))] if i % 3 else tuple(range(10**6 + 40 * i, 10**6 + 40 * i + 40)))
+            for i in range(n)]
+
+
+CONFIG = {"enable": True, "device": {"kind": "host"},
+          "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 0, "nvme_capacity_mb": 0},
+          "kv_block": {"block_size": 16},
+          "layouts": {"small": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bf16"}}}
+
+
+def manager(hbm_blocks: int, policy="heat", **kw) -> BlockManager:
+    kw.setdefault("clock", lambda: 0.0)
+    return BlockManager([TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)], policy=policy, **kw)
+
+
+def test_the_sample_is_a_fixed_fraction_of_keys_chosen_by_key():
+    keys = np.arange(1, 200_001, dtype=np.uint64)
+    picked = sampled(keys, 8)
+    assert 0.115 < len(picked) / len(keys) < 0.135  # 1 in 8, from consecutive keys (low bits alone would be exact)
+    assert np.array_equal(sampled(picked, 8), picked)  # a key sampled once is sampled in every chain naming it
+    assert len(np.intersect1d(picked, sampled(keys, 16))) < len(picked)
+
+
+def test_heat_follows_lru_where_lru_finds_more():
+    trace = chat(1500)
+    alone = replay(trace, "heat", 200, duel_sample=0)
+    lru = replay(trace, "lru", 200)
+    duel = replay(trace, "heat", 200, duel_sample=2)
+    assert lru["prefix_hit_rate"] > alone["prefix_hit_rate"] * 1.02  # the shape does what it is for
+    d = duel["duel"]
+    assert d["following"] == "lru" and d["switches"] >= 1 and d["state"] == "judging"
+    assert d["hit_rate"]["lru"] > d["hit_rate"]["heat"]
+    # Following LRU, the real cache finds close to what LRU finds, well above heat alone.
+    assert duel["prefix_hit_rate"] > alone["prefix_hit_rate"] * 1.02
+    assert duel["prefix_hit_rate"] > lru["prefix_hit_rate"] * 0.98
+    assert d["requests"] > 1000 and d["queued"] == 0 and d["dropped"] == 0
+
+
+def test_heat_stays_heat_where_it_leads():
+    trace = scans(1500)
+    alone = replay(trace, "heat", 200, duel_sample=0)
+    duel = replay(trace, "heat", 200, duel_sample=2)
+    d = duel["duel"]
+    assert d["following"] == "heat" and d["switches"] == 0 and d["state"] == "judging"
+    assert d["hit_rate"]["heat"] > d["hit_rate"]["lru"]
+    assert duel["prefix_hit_rate"] == alone["prefix_hit_rate"]  # same blocks kept, to the last one
+
+
+def test_following_ranks_hbm_as_the_followed_policy_and_lower_tiers_as_heat():
+    mgr = BlockManager([TierSpec(Tier.HBM, 8 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 64 * SLOT, SLOT, ALIGN)],
+                       policy="heat", clock=lambda: 5.0)
+    lid = mgr.register_layout(LAYOUT)
+    client = mgr.attach("c")
+    vids = mgr.allocate(client, lid, 8)
+    mgr.commit(client, vids, list(range(1, 9)))
+    mgr.free(client, vids)
+    mgr.acquire(client, vids[:3])
+    mgr.release(client, vids[:3])
+    mgr.placement.make_room(Tier.HBM, 3 * SLOT)  # HBM is full: three blocks down to DRAM
+    pol, table, c = mgr.policy, mgr.table, mgr.table.cols
+    rows = table.rows(vids)
+    hbm, dram = rows[c.tier[rows] == int(Tier.HBM)], rows[c.tier[rows] == int(Tier.DRAM)]
+    assert len(hbm) == 5 and len(dram) == 3
+    heat = pol.rescore(table, 5.0).copy()
+    lfu = make_policy("lfu").scores(table, hbm, 5.0)
+    for name, expected in (("lru", c.last_access[hbm] - 5.0), ("lfu", lfu)):
+        pol.follow(name)
+        for scores in (pol.scores_all(table, 5.0)[rows], pol.scores(table, rows, 5.0)):
+            assert np.allclose(scores[np.isin(rows, hbm)], expected, rtol=0, atol=1e-3)
+            assert np.array_equal(scores[np.isin(rows, dram)], heat[dram])  # heat's below HBM
+        assert pol.describe()["ranking"] == name
+    pol.follow("heat")
+    assert np.array_equal(pol.scores_all(table, 5.0)[rows], heat[rows])
+    with pytest.raises(ValueError, match="heat can rank as heat, lru, lfu, not 'belady'"):
+        pol.follow("belady")
+
+
+def test_an_lru_ranking_keeps_its_order_on_a_clock_of_days():
+    # A daemon's clock is seconds since boot: float32 scores of raw timestamps would tie whole seconds.
+    mgr = manager(64, clock=lambda: 9e6)
+    lid = mgr.register_layout(LAYOUT)
+    client = mgr.attach("c")
+    vids = mgr.allocate(client, lid, 4)
+    mgr.commit(client, vids, [1, 2, 3, 4])
+    mgr.free(client, vids)
+    rows = mgr.table.rows(vids)
+    mgr.table.cols.last_access[rows] = 9e6 - np.array([0.1, 0.2, 0.3, 0.4])  # the last row is the oldest
+    mgr.policy.follow("lru")
+    assert list(np.argsort(mgr.policy.rescore(mgr.table, 9e6)[rows], kind="stable")) == [3, 2, 1, 0]
+
+
+def test_bad_samples_and_policies_are_refused():
+    for bad in (0, 1, -3, 2.5, True):
+        with pytest.raises(ValueError, match="duel sample must be an integer >= 2"):
+            Duel(manager(64), bad)
+    with pytest.raises(ValueError, match="policy 'lru' cannot follow another ranking"):
+        Duel(manager(64, "lru"), 8)
+
+
+def test_a_miniature_too_small_to_judge_turns_the_duel_off(caplog):
+    mgr = manager(100)
+    duel = Duel(mgr, 4)  # 25 blocks
+    lid = mgr.register_layout(LAYOUT)
+    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+        mgr.lookup(list(range(1, 200)), lid)
+        duel.run()
+    assert duel.off.startswith("1/4 of HBM holds 25 blocks of layout 'replay', fewer than 32")
+    assert "duel off: 1/4 of HBM holds 25 blocks" in caplog.text
+    assert duel.describe()["state"] == "off" and mgr.policy.ranking == "heat"
+    mgr.lookup(list(range(1, 200)), lid)
+    assert duel.describe()["queued"] == 0  # off: nothing more is sampled
+
+
+def test_a_full_queue_drops_its_oldest_lookups_counted_and_logged(caplog, monkeypatch):
+    monkeypatch.setattr(D, "QUEUE_LIMIT", 5)
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    for i in range(12):
+        mgr.lookup(list(range(100 * i + 1, 100 * i + 40)), lid)
+    assert duel.describe()["queued"] == 5 and duel.dropped == 7
+    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+        duel.run(0.0)  # no time this tick: nothing served, the drops are reported
+    assert "7 sampled lookups dropped so far (7 since the last report)" in caplog.text
+    duel.run()
+    assert duel.requests == 5 and duel.describe()["queued"] == 0
+
+
+def test_the_managers_tick_serves_the_queue_within_its_budget():
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    for i in range(50):
+        mgr.lookup(list(range(100 * i + 1, 100 * i + 40)), lid)
+    duel.tick_budget_s = 0.0
+    mgr.tick()
+    assert duel.requests == 0
+    duel.tick_budget_s = 60.0
+    mgr.tick()
+    assert duel.requests == 50
+    assert mgr.stats()["duel"]["sampled_refs"] == duel.sampled_refs > 0
+
+
+def test_a_lookup_naming_no_layout_among_several_is_not_sampled():
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    mgr.register_layout(LAYOUT)
+    mgr.lookup(list(range(1, 40)))  # one layout: it is that one's
+    assert duel.describe()["queued"] == 1
+    duel.run()
+    assert duel.off is None and duel.requests == 1 and duel.sampled_refs > 0
+    mgr.lookup(list(range(1, 40)))
+    mgr.register_layout(Layout("other", num_layers=1, num_kv_heads=1, head_dim=32, dtype="fp16", tokens_per_block=512))
+    mgr.lookup(list(range(1, 40)))
+    assert duel.unlabelled == 1 and duel.describe()["queued"] == 1
+    duel.run()
+    assert duel.off is None and duel.requests == 2
+
+
+def test_a_failing_miniature_stops_the_duel_and_heat_ranks_as_heat(caplog):
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    mgr.lookup(list(range(1, 40)), lid)
+    duel.run()
+    mgr.policy.follow("lru")  # as if the duel had switched
+    duel.following = 1
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    duel._minis[2].serve = broken
+    mgr.lookup(list(range(1, 40)), lid)
+    with caplog.at_level(logging.ERROR, logger="dflash2.duel"):
+        duel.run()
+    assert "a miniature replay failed; the duel stops and heat ranks as heat" in caplog.text
+    assert duel.off == "a miniature replay failed (see the log)"
+    assert mgr.policy.ranking == "heat" and duel.describe()["following"] == "heat"
+
+
+def test_run_time_weights_reach_the_heat_miniature():
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    mgr.lookup(list(range(1, 40)), lid)
+    duel.run()
+    mgr.policy.set_weights({"frequency": 1.0})
+    mgr.lookup(list(range(1, 40)), lid)
+    duel.run()
+    assert duel._minis[0].manager.policy.weights["frequency"] == 1.0
+
+
+def test_config_turns_the_duel_on_for_heat_only(tmp_path, caplog):
+    from dflash2.assemble import build_manager
+
+    base = CONFIG
+    cfg = parse_config({**base, "policy": {"name": "heat"}})
+    assert cfg.policy.duel_sample == 8
+    m = build_manager(cfg, instance=f"duel-{tmp_path.name}")
+    try:
+        assert m.duel is not None and m.duel.sample == 8
+    finally:
+        m.close()
+    for policy, text in (({"name": "heat", "duel_sample": 0}, None),
+                         ({"name": "lru", "duel_sample": 4}, "policy.duel_sample is 4, but policy 'lru' ranks as it is named")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dflash2.assemble"):
+            m = build_manager(parse_config({**base, "policy": policy}), instance=f"duel-{tmp_path.name}")
+        try:
+            assert m.duel is None
+            assert (text is None) or text in caplog.text
+        finally:
+            m.close()
+
+
+def test_config_refuses_a_sample_of_one():
+    from dflash2.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({**CONFIG, "policy": {"duel_sample": 1}})
+    assert info.value.key == "policy.duel_sample" and "1 would replay every key at full size" in str(info.value)
+
+
+def test_bench_option(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {i}, "hash_ids": [{i % 5}, {i % 5 + 10}]}}\n' for i in range(40)))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "8", "--duel-sample", "1", "--json"])
+    assert exc.value.code == 2 and "1 would replay every key" in capsys.readouterr().err
+
+
+
+def test_a_probe_lookup_is_answered_but_not_replayed(clock):
+    from dflash2 import protocol as P
+    from dflash2.daemon.service import Service
+
+    mgr = manager(1024, clock=clock)
+    duel = Duel(mgr, 2)
+    svc = Service(mgr, lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock)
+
+    def call(args, keys):
+        return P.decode_reply(svc.handle_frames(P.encode_request(
+            P.Op.LOOKUP, 7, client, args, [np.asarray(keys, dtype=P.KEYS_DTYPE).tobytes()])))
+
+    attach = P.encode_request(P.Op.ATTACH, 1, None, {"name": "c", "pid": 0, "layouts": [LAYOUT.to_dict()]}, [])
+    client = P.decode_reply(svc.handle_frames(attach)).result["client"]
+    keys = list(range(1, 40))
+    assert call({"layout": 0}, keys).ok and duel.describe()["queued"] == 1
+    assert call({"layout": 0, "probe": True}, keys).ok and duel.describe()["queued"] == 1
+    bad = call({"layout": 0, "probe": "yes"}, keys)
+    assert not bad.ok and "lookup: argument 'probe' must be bool, got str" in bad.error_message
+    assert duel.describe()["queued"] == 1
+
+
+@pytest.mark.parametrize("hits, hbm, follows", [
+    # (heat, lru, lfu) decayed blocks found in some tier / in HBM, over 1000 sampled references
+    ((500, 520, 400), (500, 520, 400), "lru"),  # HBM alone: 4% more
+    ((500, 505, 400), (500, 505, 400), "heat"),  # 1%: under the margin
+    ((500, 520, 400), (300, 200, 100), "heat"),  # more in some tier, far fewer in HBM: not followed
+    ((900, 900, 900), (700, 760, 600), "lru"),  # all find everything: more in HBM decides
+    ((900, 899, 900), (700, 760, 600), "heat"),  # ...but never for fewer found
+    ((500, 480, 530), (400, 300, 420), "lfu"),
+])
+def test_the_judgement_wants_more_found_or_as_many_and_more_in_hbm(hits, hbm, follows):
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    duel._capacity_blocks, duel.sampled_refs, duel._refs = 100, 1000, 1000.0
+    duel._hits, duel._hbm_hits = np.array(hits, dtype=float), np.array(hbm, dtype=float)
+    duel._sq = duel._hbm_sq = np.full((3, 3), 1.0)  # a steady difference: the margin decides
+    duel._judge()
+    assert duel.describe()["following"] == mgr.policy.ranking == follows
+    duel._sq = duel._hbm_sq = np.full((3, 3), 1e6)  # the same figures from a noisy difference
+    duel.following, duel.switches = 0, 0
+    mgr.policy.follow("heat")
+    duel._judge()
+    assert mgr.policy.ranking == "heat" and duel.switches == 0
+    duel.sampled_refs = 150  # before WARMUP capacities of references: no judgement
+    duel._sq = duel._hbm_sq = np.full((3, 3), 1.0)
+    duel._judge()
+    assert mgr.policy.ranking == "heat"
