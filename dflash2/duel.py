@@ -16,11 +16,11 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - each candidate's prefix hit rate, decayed with a half-life of HALF_LIFE miniature capacities of
   sampled references, estimates what it would find at full size;
 - once every miniature has let go as many blocks as it holds (before that all three find whatever
-  was asked for before),
-  the candidate the real policy follows changes when another finds more blocks (by MARGIN,
-  relative, and by Z standard deviations of their paired per-request difference) and no fewer in
-  HBM (`_judge`; with tiers below HBM, LRU's miniature found more in some tier on the Mooncake
-  conversation trace while it found far fewer in HBM: following it, the full-size cache lost both);
+  was asked for before), the candidate the real policy follows changes when another finds more
+  blocks (by MARGIN, relative, and by Z standard deviations of their paired per-request difference)
+  and no fewer in HBM (`_judge`; with tiers below HBM, LRU's miniature found more in some tier on
+  the Mooncake conversation trace while it found far fewer in HBM: following it, the full-size cache
+  lost both);
 - the real heat policy then ranks its HBM blocks as that candidate (HeatPolicy.follow) and keeps
   learning its own state meanwhile, so that following heat again takes effect at once;
 - a miniature HBM of fewer than MIN_BLOCKS blocks (of the first layout looked up) would judge by

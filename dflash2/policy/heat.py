@@ -30,6 +30,9 @@
   500-2,000 blocks than the one split (README, Policies). Below HBM the returning blocks stay one
   list (there the second split cost blocks found in some tier). Ranks: the list that gives way
   first scores lowest, each rank SPLIT_BONUS above the one before.
+- Following (`follow`): HBM's blocks may be ranked as LRU or LFU instead, while the duel
+  (dflash2/duel.py) finds that one serves this node's requests better in its miniature replays;
+  the tiers below keep heat's ranking and admission, and the state above keeps learning.
 - Prefix chains: the mechanism lets only leaves leave and takes the tier's lowest-scored blocks
   (placement.select), so a cold chain leaves from its tail.
 - Admission (`admit`, consulted on demotion): a block gets a place in a lower tier while that tier
@@ -571,8 +574,8 @@ class HeatPolicy(Policy):
 
     def follow(self, ranking: str) -> None:
         """Rank HBM's blocks as `ranking` does: "heat", "lru" or "lfu" (lower tiers keep heat's
-        ranking and admission). The heat state
-        keeps learning from every event meanwhile, so that following "heat" again ranks by it at once."""
+        ranking and admission). The heat state keeps learning from every event meanwhile, so that
+        following "heat" again ranks by it at once."""
         if ranking not in RANKINGS:
             raise ValueError(f"heat can rank as {', '.join(RANKINGS)}, not {ranking!r}")
         if ranking != self.ranking:
