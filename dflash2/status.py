@@ -141,7 +141,8 @@ def _duel_line(d: dict, ranking: str | None) -> str:
     hbm = d.get("hbm_hit_rate") or {}
     if hbm and all(r is not None for r in hbm.values()) and hbm != rates:
         found += " (in HBM " + ", ".join(f"{c} {r:.3f}" for c, r in hbm.items()) + ")"
-    return (f"{head} ({d['state']}, {d['switches']} switches); miniatures of 1 in {d['sample']} keys found {found}; "
+    switches = f"{d['switches']} switch" + ("" if d["switches"] == 1 else "es")
+    return (f"{head} ({d['state']}, {switches}); miniatures of 1 in {d['sample']} keys found {found}; "
             f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped")
 
 

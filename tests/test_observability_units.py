@@ -391,7 +391,8 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "heat")))] == 0
     st = json.loads(json.dumps(service.stats()))
     rates = ", ".join(f"{c} {d['hit_rate'][c]:.3f}" for c in ("heat", "lru", "lfu"))
-    assert f"duel: heat ranks as lfu ({d['state']}, {d['switches']} switches); miniatures of 1 in 2 keys found {rates}" \
+    switches = "1 switch" if d["switches"] == 1 else f"{d['switches']} switches"
+    assert f"duel: heat ranks as lfu ({d['state']}, {switches}); miniatures of 1 in 2 keys found {rates}" \
         in render(st)
     # A node of two GPU pools: each pool's duel under its own label; the node's totals hold none.
     other = json.loads(json.dumps(st))
