@@ -29,6 +29,8 @@ DRAM_WARN_FRACTION = 0.8
 COLD_THRESHOLD_WARN = 0.95
 # policy.duel_sample's default: the heat policy's duel replays 1 in 8 content keys (dflash2/duel.py).
 DEFAULT_DUEL_SAMPLE = 8
+# Why a duel sample of 1 is refused (the config's key and the bench's --duel-sample say the same).
+DUEL_SAMPLE_OF_ONE = "1 would replay every key at full size: give N >= 2 (1 in N keys), or 0 for off"
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -188,7 +190,7 @@ class PolicyConfig(_Section):
     @classmethod
     def _sample(cls, value: int) -> int:
         if value == 1:
-            raise ValueError("1 would replay every key at full size: give N >= 2 (1 in N keys), or 0 for off")
+            raise ValueError(DUEL_SAMPLE_OF_ONE)
         return value
 
 

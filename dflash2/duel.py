@@ -91,8 +91,7 @@ def _leads(found: np.ndarray, sq: np.ndarray, a: int, b: int) -> bool:
 class _Mini:
     """One candidate's miniature: a block manager of 1/sample of the real tiers, serving sampled chains."""
 
-    def __init__(self, name: str, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int):
-        self.name = name
+    def __init__(self, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int):
         self.manager = BlockManager(specs, policy=policy, clock=clock, table_capacity=capacity_rows)
         self.prefetch = Prefetcher(self.manager, 4)
         self.client = self.manager.attach("duel")
@@ -163,11 +162,13 @@ class Duel:
     # -- the miniatures ---------------------------------------------------------------------
     def run(self, budget_s: float | None = None) -> None:
         """Serve the queued lookups through the miniatures (all of them, or for about `budget_s`),
-        judging after each. A miniature that fails stops the duel (logged) and heat ranks as heat."""
+        judging after each; heat's weights changed at run time reach heat's miniature first. A miniature that fails stops the duel (logged) and heat ranks as heat."""
         self._log_drops()
         if self.off is not None:
             return
         deadline = None if budget_s is None else time.perf_counter() + budget_s
+        if self._minis is not None:
+            self._sync_weights()
         try:
             while self._queue and (deadline is None or time.perf_counter() < deadline):
                 self._serve(*self._queue.popleft())
@@ -182,7 +183,6 @@ class Duel:
                 return
         self._now = now
         layout = self.manager.table.layout(layout_id)
-        self._sync_weights()
         found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
         hits, hbm = found[:, 0], found[:, 1]
         decay = 0.5 ** (len(keys) / (HALF_LIFE * self._capacity_blocks))
@@ -208,7 +208,7 @@ class Duel:
             return
         self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)
         rows = 1 << max(10, math.ceil(math.log2(self._capacity_blocks * 2 + 1024)))
-        self._minis = [_Mini(name, self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
+        self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
         log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
                  self.sample, self._capacity_blocks, layout.name)
 
@@ -279,7 +279,7 @@ class Duel:
         if self.dropped > self._dropped_logged and now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
             log.warning("duel: %d sampled lookups dropped so far (%d since the last report): the tick's %g ms "
                         "cannot keep up, so the miniatures see fewer requests than the node serves",
-                        self.dropped, self.dropped - self._dropped_logged, TICK_BUDGET_S * 1000)
+                        self.dropped, self.dropped - self._dropped_logged, self.tick_budget_s * 1000)
             self._dropped_logged = self.dropped
             self._drop_logged_at = now
 

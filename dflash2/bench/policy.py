@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.bench import OptionError, non_negative_int, positive_int
-from dflash2.config import DEFAULT_DUEL_SAMPLE
+from dflash2.config import DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE
 from dflash2.duel import Duel
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
@@ -197,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
     parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
-    parser.add_argument("--duel-sample", type=duel_sample, default=DEFAULT_DUEL_SAMPLE,
+    parser.add_argument("--duel-sample", type=sample_arg, default=DEFAULT_DUEL_SAMPLE,
                         help="heat follows the best of heat, LRU and LFU replayed in miniature on 1 in N content "
                              "keys (policy.duel_sample; default %(default)s; 0: off)")
     parser.add_argument("--weights", default="",
@@ -205,10 +205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "applied to the heat policy, the others replay as they are")
 
 
-def duel_sample(text: str) -> int:
+def sample_arg(text: str) -> int:
+    """--duel-sample: as `policy.duel_sample`, 0 or N >= 2."""
     n = non_negative_int(text)
     if n == 1:
-        raise argparse.ArgumentTypeError("1 would replay every key: give N >= 2 (1 in N keys), or 0 for off")
+        raise argparse.ArgumentTypeError(DUEL_SAMPLE_OF_ONE)
     return n
 
 

@@ -510,7 +510,10 @@ class HeatPolicy(Policy):
 
     def scores(self, table, rows, now):
         self._ensure(table)
-        rows = np.asarray(rows, dtype=np.int64)
+        return self._scores_of(table, np.asarray(rows, dtype=np.int64), now)
+
+    def _scores_of(self, table, rows: np.ndarray, now: float) -> np.ndarray:
+        """`scores` of rows whose per-row state is in place: heat, HBM's rows by the ranking followed."""
         out = self._score(table, rows, now)
         if self.ranking != "heat":
             hbm = table.cols.tier[rows] == int(Tier.HBM)
@@ -557,7 +560,7 @@ class HeatPolicy(Policy):
 
     def _patch(self, table, rows: np.ndarray, now: float) -> None:
         if self._cache is not None and len(rows):
-            self._cache[rows] = self.scores(table, rows, now)
+            self._cache[rows] = self._scores_of(table, rows, now)
 
     # -- run-time settings -----------------------------------------------------------------
     def set_weights(self, weights: dict[str, float]) -> None:
