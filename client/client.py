@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2 import protocol as P
+from dflash2 import threads
 from dflash2.client.transport import Transport, check_endpoint, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
@@ -171,7 +172,8 @@ class Client:
         if heartbeat:
             self._heartbeat_thread = threading.Thread(target=self._beat, name=f"dflash2-heartbeat-{self.client_id}",
                                                       daemon=True)
-            self._heartbeat_thread.start()
+            # SIGTERM and SIGINT stay the serving process's main thread's (dflash2/threads.py).
+            threads.start(self._heartbeat_thread)
 
     def _beat(self) -> None:
         transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s))

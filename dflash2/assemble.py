@@ -108,6 +108,10 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
     if nvme_path is not None and share > 1:
         nvme_path = nvme_path.with_name(f"{nvme_path.name}.gpu{device}")
     arenas: dict[Tier, Arena] = {}
+    if device is not None:
+        from dflash2.cuda import start_device
+
+        start_device(device)
     try:
         for spec in specs:
             arenas[spec.tier] = _open_arena(spec, plan, name, device, nvme_path)

@@ -78,6 +78,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dflash2 import protocol as P
+from dflash2 import threads
 from dflash2.policy.heat import INNER_LISTS, RANKINGS
 from dflash2.policy.split import LISTS as SPLIT_LISTS
 from dflash2.tiers import Tier
@@ -162,7 +163,8 @@ class DaemonMetrics:
     # -- HTTP ------------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> None:
         """Serve /metrics from a daemon thread. OSError when the port cannot be bound."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        with threads.stop_signals_blocked():  # its threads leave stop signals to the main thread (threads.py)
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     @property

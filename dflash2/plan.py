@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+from dflash2 import threads
 from dflash2.alloc import blocks_that_fit, slot_bytes
 from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
 from dflash2.errors import ConfigError
@@ -171,9 +172,12 @@ def _checked_endpoint(cfg: Config) -> str:
 
 
 def probe_gpus() -> Optional[list[Gpu]]:
-    """Visible GPUs (after CUDA_VISIBLE_DEVICES), [] when there are none, None when nothing can tell."""
-    found = _probe_driver()
-    return found if found is not None else _probe_torch()
+    """Visible GPUs (after CUDA_VISIBLE_DEVICES), [] when there are none, None when nothing can tell.
+    The driver starts a thread of its own at cuInit: it inherits SIGTERM and SIGINT blocked, so that
+    they reach the main thread (threads.py)."""
+    with threads.stop_signals_blocked():
+        found = _probe_driver()
+        return found if found is not None else _probe_torch()
 
 
 def _probe_driver() -> Optional[list[Gpu]]:

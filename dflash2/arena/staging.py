@@ -39,6 +39,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from dflash2 import threads
+
 T = TypeVar("T")
 
 ALIGN = 4096
@@ -195,7 +197,8 @@ class StagingRing:
         self.np = np.frombuffer(self._mm, dtype=np.uint8)
         self.workers = min(workers, self.nslots)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.workers,
-                                                           thread_name_prefix="dflash2-staging")
+                                                           thread_name_prefix="dflash2-staging",
+                                                           initializer=threads.block_stop_signals)
 
     def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
             tasks: Sequence[Callable[[], T]] = ()) -> list[T]:

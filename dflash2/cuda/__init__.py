@@ -4,6 +4,7 @@ dflash2 never imports this package unless the config asks for a CUDA device."""
 
 from __future__ import annotations
 
+from dflash2 import threads
 from dflash2.errors import ArenaError
 from dflash2.gpuid import uuid_text
 
@@ -15,6 +16,15 @@ def cupy():
     except ImportError as e:
         raise ArenaError(f"the CUDA path needs CuPy (pip install 'dflash2[gpu]'): {e}") from None
     return cp
+
+
+def start_device(device: int) -> None:
+    """Make `device`'s CUDA context now, before anything else uses the device: the threads the driver
+    starts with a context (cuda-EvtHandlr) inherit SIGTERM and SIGINT blocked, so that they reach
+    the main thread (dflash2/threads.py). Does nothing when the context exists."""
+    cp = cupy()
+    with threads.stop_signals_blocked(), cp.cuda.Device(device):
+        cp.cuda.runtime.free(0)  # cudaFree(0): makes the device's primary context, frees nothing
 
 
 def cuda_available() -> bool:

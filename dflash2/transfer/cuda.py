@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from dflash2 import threads
 from dflash2.arena.base import Arena, StorageArena
 from dflash2.cuda import cupy
 from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
@@ -153,7 +154,7 @@ class CudaTransferBackend(TransferBackend):
             # Kept until close(), which waits for them: the staging buffer must outlive every move using it.
             self._workers = [t for t in self._workers if t.is_alive()]
             self._workers.append(worker)
-            worker.start()
+            threads.start(worker)
             return job
         if self.dram is None:
             raise ValueError("no pinned DRAM region: HBM<->DRAM moves are unavailable")

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dflash2 import threads
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
@@ -55,7 +56,7 @@ class HostTransferBackend(TransferBackend):
         self._closed = False
         self._gate = threading.Lock()  # makes "not closed, so queue it" one step against close()
         self._thread = threading.Thread(target=self._serve, name="dflash2-host-transfer", daemon=True)
-        self._thread.start()
+        threads.start(self._thread)  # stop signals go to the main thread (threads.py)
 
     def start(self, batch: CopyBatch) -> HostCopyJob:
         for tier in (batch.src_tier, batch.dst_tier):
