@@ -117,5 +117,19 @@ def test_every_thread_of_a_gpu_daemon_but_the_main_one_blocks_stop_signals(tmp_p
     assert proc.returncode == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA and CuPy (run on the GPU machine)")
+def test_a_gpu_whose_context_cannot_be_made_is_named():
+    import cupy
+
+    from dflash2.cuda import start_device
+    from dflash2.errors import ArenaError
+
+    missing, before = cupy.cuda.runtime.getDeviceCount(), own_mask()
+    with pytest.raises(ArenaError, match=f"cannot make a CUDA context on GPU {missing}"):
+        start_device(missing)
+    assert own_mask() == before  # the block ended with the failure
+
+
 if not Path("/proc/self/task").is_dir():  # the masks are read from Linux's /proc
     pytestmark = pytest.mark.skip(reason="needs Linux /proc")

@@ -21,10 +21,14 @@ def cupy():
 def start_device(device: int) -> None:
     """Make `device`'s CUDA context now, before anything else uses the device: the threads the driver
     starts with a context (cuda-EvtHandlr) inherit SIGTERM and SIGINT blocked, so that they reach
-    the main thread (dflash2/threads.py). Does nothing when the context exists."""
+    the main thread (dflash2/threads.py). Does nothing when the context exists. ArenaError names the
+    GPU when its context cannot be made."""
     cp = cupy()
-    with threads.stop_signals_blocked(), cp.cuda.Device(device):
-        cp.cuda.runtime.free(0)  # cudaFree(0): makes the device's primary context, frees nothing
+    try:
+        with threads.stop_signals_blocked(), cp.cuda.Device(device):
+            cp.cuda.runtime.free(0)  # cudaFree(0): makes the device's primary context, frees nothing
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        raise ArenaError(f"cannot make a CUDA context on GPU {device}: {e}") from None
 
 
 def cuda_available() -> bool:
