@@ -10,39 +10,13 @@ from pathlib import Path
 
 import pytest
 from conftest import SMALL
+from mask_helpers import STOP_BITS, blocked_mask, other_threads, own_mask, taking_stop_signals
 from observe_helpers import RawClient, fill_then_reuse, free_port, running_daemon
 
 from dflash2 import threads
 from dflash2.arena.staging import StagingRing
 from dflash2.client import Client
-from dflash2.cuda import cuda_available
 from dflash2.transfer.host import HostTransferBackend
-
-STOP_BITS = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
-
-
-def blocked_mask(pid: int | str, tid: int | str) -> int:
-    """A thread's blocked signals, from /proc (SigBlk, a hex bit mask: signal n is bit n - 1)."""
-    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-        if line.startswith("SigBlk:"):
-            return int(line.split()[1], 16)
-    raise AssertionError(f"no SigBlk line for thread {tid} of process {pid}")
-
-
-def other_threads(pid: int) -> list[int]:
-    """The thread ids of process `pid` but its main thread's."""
-    return sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir() if t.name.isdigit() and int(t.name) != pid)
-
-
-def taking_stop_signals(pid: int, tids: list[int]) -> list[str]:
-    """'tid (name)' of each of these threads that does not block both SIGTERM and SIGINT."""
-    return [f"{t} ({Path(f'/proc/{pid}/task/{t}/comm').read_text().strip()})" for t in tids
-            if blocked_mask(pid, t) & STOP_BITS != STOP_BITS]
-
-
-def own_mask() -> set[int]:
-    return set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
-
 
 def test_a_started_thread_blocks_stop_signals_and_the_caller_keeps_its_mask():
     before = own_mask()
@@ -100,35 +74,6 @@ def test_every_thread_of_a_serving_daemon_but_the_main_one_blocks_stop_signals(t
         with Client.connect(endpoint, name="heartbeats", layouts=[SMALL]) as client:  # a serving process's side
             assert blocked_mask("self", client._heartbeat_thread.native_id) & STOP_BITS == STOP_BITS
     assert proc.returncode == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_available(), reason="needs CUDA and CuPy (run on the GPU machine)")
-def test_every_thread_of_a_gpu_daemon_but_the_main_one_blocks_stop_signals(tmp_path, cuda_config):
-    """The same on the CUDA path: the driver's threads, the copy streams' and the staging buffer's."""
-    path = cuda_config(hbm_capacity_mb=8)
-    endpoint = f"ipc://{tmp_path}/d.sock"
-    with running_daemon(path, str(tmp_path / "daemon.log")) as proc:
-        c = RawClient(endpoint)
-        c.attach()
-        fill_then_reuse(c)  # 576 blocks of 16 KiB through an HBM of 512: moves both ways
-        assert taking_stop_signals(proc.pid, other_threads(proc.pid)) == []
-        c.close()
-    assert proc.returncode == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_available(), reason="needs CUDA and CuPy (run on the GPU machine)")
-def test_a_gpu_whose_context_cannot_be_made_is_named():
-    import cupy
-
-    from dflash2.cuda import start_device
-    from dflash2.errors import ArenaError
-
-    missing, before = cupy.cuda.runtime.getDeviceCount(), own_mask()
-    with pytest.raises(ArenaError, match=f"cannot make a CUDA context on GPU {missing}"):
-        start_device(missing)
-    assert own_mask() == before  # the block ended with the failure
 
 
 if not Path("/proc/self/task").is_dir():  # the masks are read from Linux's /proc
