@@ -4,7 +4,7 @@ Linux delivers a signal sent to a process to any of its threads that does not bl
 its handlers in the main thread only, and a signal taken by another thread does not interrupt the
 main thread's system call: a daemon blocked in start-up (reading its history file, a FIFO in
 tests/test_audit_config.py) then never sees its SIGTERM and never gives back its shared memory. That
-test hung in 2 of 137 runs under load (none in 360 since), every signal caught and none pending,
+test hung in 2 of 138 runs under load (none in 360 since), every signal caught and none pending,
 the main thread still in `read`.
 
 Invariant: every thread the daemon starts blocks SIGTERM and SIGINT, so the kernel hands them to the
