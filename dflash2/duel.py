@@ -253,12 +253,11 @@ class Duel:
             return
         self.following = lead
         self.switches += 1
-        self.last_switch = {"request": self.requests, "to": CANDIDATES[lead], "hit_rate": self.hit_rates(),
-                            "hbm_hit_rate": self.hit_rates(hbm=True)}
+        found, in_hbm = self.hit_rates(), self.hit_rates(hbm=True)
+        self.last_switch = {"request": self.requests, "to": CANDIDATES[lead], "hit_rate": found, "hbm_hit_rate": in_hbm}
         self.policy.follow(CANDIDATES[lead])
         log.info("duel: heat now ranks as %s (miniature prefix hit rates %s; in HBM %s)", CANDIDATES[lead],
-                 ", ".join(f"{n} {r / self._refs:.4f}" for n, r in zip(CANDIDATES, hits)),
-                 ", ".join(f"{n} {r / self._refs:.4f}" for n, r in zip(CANDIDATES, hbm)))
+                 *(", ".join(f"{n} {r:.4f}" for n, r in rates.items()) for rates in (found, in_hbm)))
 
     def _turned_over(self) -> bool:
         """Every miniature has let go (evicted) as many blocks as it holds: its figures now say what
