@@ -156,6 +156,8 @@ class Client:
         reply = self._call(Op.ATTACH, args)
         r = reply.result
         self.client_id = int(r["client"])
+        self._token = str(r["token"])
+        self._transport.token = self._token
         self.layout_ids: list[int] = [int(i) for i in r["layouts"]]
         self._layouts.update(zip(self.layout_ids, layouts))
         self.lease_timeout_s = float(r["lease_timeout_s"])
@@ -177,6 +179,7 @@ class Client:
 
     def _beat(self) -> None:
         transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s))
+        transport.token = self._token
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
                 try:

@@ -2,6 +2,9 @@
 
 Replies are matched by call id. After a timeout the socket is thrown away and a new one made (a new
 identity), so a late reply to the timed-out call can never be taken for the answer to a later one.
+A timed-out call that hands its client something (protocol.UNDOABLE: blocks, a reservation, pins)
+may still run in a daemon that was only slow; the client never learns what it got, so the new socket
+first tells the daemon to `forget` the call: given back if it ran, refused if it arrives later.
 Not thread-safe on its own: the client serialises calls with a lock, and the heartbeat thread has a
 transport of its own (ZeroMQ sockets must not be shared between threads).
 """
@@ -15,7 +18,7 @@ import time
 import zmq
 
 from dflash2 import protocol as P
-from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
+from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, VersionMismatch
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -44,12 +47,14 @@ class Transport:
         self.version = version  # only tests speak another version
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
+        self.token: str | None = None  # the session token attach returned, sent with every call
         self._sock: zmq.Socket | None = None
         self._open()
 
     def _open(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # a tcp://[::1]:PORT endpoint (IPv4 ones still work)
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
@@ -73,6 +78,17 @@ class Transport:
     def closed(self) -> bool:
         return self._sock is None
 
+    def _forget(self, client: int, call_id: int) -> bool:
+        """Queue `forget` of a timed-out call on the fresh socket, without waiting: its reply, if
+        any, is skipped like any late one. False when it cannot even be queued."""
+        frames = P.encode_request(P.Op.FORGET, next(self._ids), client, {"call": call_id},
+                                  version=self.version, token=self.token)
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        return True
+
     def call(self, op: P.Op, client: int | None = None, args: dict | None = None,
              arrays: list[bytes] | None = None, timeout_s: float | None = None) -> P.Reply:
         """Send one request and wait for its reply. DaemonUnavailable on timeout, DaemonError (or
@@ -80,7 +96,7 @@ class Transport:
         if self._sock is None:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         call_id = next(self._ids)
-        frames = P.encode_request(op, call_id, client, args, arrays, version=self.version)
+        frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         try:
@@ -92,13 +108,19 @@ class Transport:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
                 self.reset()
+                undo = ""
+                if op in P.UNDOABLE and client is not None and self._forget(client, call_id):
+                    undo = "; asked it to give back whatever the call handed out, should it run"
                 raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
-                                        f"{timeout:g}s (daemon gone or stuck)")
+                                        f"{timeout:g}s (daemon gone or stuck{undo})")
             reply_frames = self._sock.recv_multipart(copy=True)
             try:
                 reply = P.decode_reply(reply_frames)
             except VersionMismatch as e:
                 raise VersionMismatch(f"{op.value}: {e}") from None
+            except ProtocolError as e:
+                raise DaemonError("ProtocolError", f"{op.value}: the reply of dflash2d at {self.endpoint} cannot be "
+                                  f"read: {e}") from None
             if reply.call_id != call_id:
                 continue  # a late reply to an earlier call: not ours
             if not reply.ok:

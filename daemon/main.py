@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         require_enabled(cfg)
-        for warning in config_warnings(cfg):
-            _warn(warning)
         check_policy(cfg)
         plan = resolve_plan(cfg)
+        for warning in config_warnings(cfg, device_kind=plan.device_kind):  # `auto` resolved
+            _warn(warning)
         check_paths(plan)
     except ConfigError as exc:
         return _fail(str(exc))
@@ -88,7 +88,7 @@ def room_now(plan: Plan) -> list[str]:
     """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
-    from dflash2.arena.nvme import HEADER, HEADER_BYTES, is_foreign
+    from dflash2.arena.nvme import HEADER_BYTES
     from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
@@ -96,27 +96,53 @@ def room_now(plan: Plan) -> list[str]:
         return "fits" if need <= have else "start-up would fail now (exit 4)"
 
     lines = []
-    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
-    if host:
-        shm, avail = shm_free_bytes(), mem_available_bytes()
-        lines.append(f"host memory tiers take {host} bytes of shared memory; /dev/shm has {shm} free and "
-                     f"MemAvailable is {avail}: {verdict(host, min(shm, avail))}")
     nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
-    if nvme is not None and plan.nvme_path is not None and nvme.capacity_bytes:
-        path, held = plan.nvme_path, 0
-        if path.is_file():
-            with open(path, "rb") as f:
-                if is_foreign(f.read(len(HEADER))):
-                    lines.append(f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it "
-                                 f"(exit 4)")
-                    return lines
-            held = path.stat().st_blocks * 512  # reused by the tier
-        st = os.statvfs(_nearest_existing(path.parent))
-        free = st.f_bavail * st.f_frsize + held
-        need = nvme.capacity_bytes + HEADER_BYTES
-        lines.append(f"the NVMe file needs {need} bytes at {path}; {free} are free there (with what the file "
-                     f"already holds): {verdict(need, free)}")
+    has_nvme = nvme is not None and plan.nvme_path is not None and bool(nvme.capacity_bytes)
+    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
+    staging = plan.staging_bytes if has_nvme else 0  # the NVMe tier's staging ring, taken at start-up too
+    if host or staging:
+        shm, avail = shm_free_bytes(), mem_available_bytes()
+        takes = f"host memory tiers take {host} bytes of shared memory"
+        if staging:
+            takes += f" and the staging buffer {staging} bytes of memory"
+        fits = host <= shm and host + staging <= avail
+        lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
+                     f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
+    if has_nvme:
+        try:
+            lines.append(_nvme_now(plan.nvme_path, nvme.capacity_bytes + HEADER_BYTES, verdict))
+        except OSError as e:
+            lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
+                         "would fail now (exit 4)")
     return lines
+
+
+def _nvme_now(path: Path, need: int, verdict) -> str:
+    """The `now:` line of the NVMe file: whether start-up could create or reuse it, and whether the
+    disk has room for it."""
+    from dflash2.arena.nvme import HEADER, is_foreign
+
+    fail = "start-up would fail now (exit 4)"
+    held = 0
+    if path.exists():
+        if not path.is_file():
+            return f"{path} exists and is not a regular file: {fail}"
+        if not os.access(path, os.R_OK | os.W_OK):
+            return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}"
+        with open(path, "rb") as f:
+            if is_foreign(f.read(len(HEADER))):
+                return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)"
+        held = path.stat().st_blocks * 512  # reused by the tier
+    else:
+        existing = _nearest_existing(path.parent)
+        if not existing.is_dir():
+            return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}"
+    st = os.statvfs(_nearest_existing(path.parent))
+    free = st.f_bavail * st.f_frsize + held
+    return (f"the NVMe file needs {need} bytes at {path}; {free} are free there (with what the file already "
+            f"holds): {verdict(need, free)}")
 
 
 def check_policy(cfg: Config) -> None:
@@ -160,11 +186,19 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_folder(key: str, folder: Path) -> None:
-    """`folder` is a folder, or can be made: its nearest existing ancestor is a folder."""
-    existing = _nearest_existing(folder)
-    if not existing.is_dir():
+    """`folder` is a folder the daemon can make files in, or can be made: its nearest existing
+    ancestor is a folder the daemon's user may write."""
+    try:
+        existing = _nearest_existing(folder)
+        is_dir = existing.is_dir()
+    except OSError as e:  # a folder above it that the daemon's user may not search
+        raise ConfigError(key, f"cannot look at {folder}: {e.strerror or e}") from None
+    if not is_dir:
         raise ConfigError(key, f"{folder} is not a folder" if existing == folder
                           else f"{existing} is not a folder, so the folder {folder} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing} "
+                               "(permission denied): give a folder it may write, or run it as a user who may")
 
 
 class _Stopped(BaseException):

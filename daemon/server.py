@@ -47,6 +47,7 @@ class Server:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
+        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
         self._sock.bind(endpoint)
 
     def stop(self) -> None:
@@ -133,6 +134,10 @@ def run(cfg: Config) -> int:
         lock.acquire()
     except EndpointBusy as e:
         print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_START_FAILED
+    except OSError as e:  # the folder changed since the start-up check (main.check_paths)
+        print(f"dflash2d: error: cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: "
+              f"{e.strerror or e}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
     if lock.previous_pid is not None:
         # The last daemon on this endpoint was killed: give back the shared memory it left (each

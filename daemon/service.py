@@ -4,21 +4,31 @@ Every request is answered: a malformed message, an unknown op, bad arguments, a 
 block id all get an error reply naming the problem, and change nothing. Leases: a client that sends
 nothing (heartbeats included) for `lease_timeout_s`, or whose process is gone, is detached: its
 reservations and pins are released and its private blocks freed; what it published stays cached.
+
+Sessions: attach returns a random token that every later call of that client carries; a call with
+the client's id and another token is refused (WrongToken), so a process that read the id from
+`stats` cannot release the client's pins or detach it. A client that timed out on a call that hands
+it something (protocol.UNDOABLE) sends `forget`: if the call ran, what it handed out is given back;
+if it has not arrived yet (it came on the client's previous socket), it is refused when it does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
+import math
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from dflash2 import protocol as P
-from dflash2.errors import DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient
+from dflash2.errors import (CallForgotten, DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient,
+                            WrongToken)
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
@@ -38,6 +48,15 @@ class Session:
     attached_at: float
     same_pid_namespace: bool  # only then does the pid name the client's process here
     device: int = 0  # which GPU's block pool the client uses
+    token: str = ""  # the credential attach returned; every call of this client carries it
+    # How to give back what each of the client's last UNDOABLE calls handed out (call id -> undo),
+    # and the ids of calls it gave up on before they arrived. A client makes one call at a time,
+    # so only its last few calls can be in flight when it times out: both are bounded to KEEP_CALLS.
+    undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+
+
+KEEP_CALLS = 8
 
 
 class Service:
@@ -56,7 +75,7 @@ class Service:
         self.clock = clock
         self.pid_alive = pid_alive or _pid_alive
         self.sessions: dict[int, Session] = {}
-        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0}
+        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
         self.history = None  # a dflash2.history.History when history_enabled
@@ -68,7 +87,7 @@ class Service:
             Op.ACQUIRE: self._acquire, Op.RELEASE: self._release, Op.FREE: self._free,
             Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
             Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check, Op.HISTORY: self._history,
-            Op.PREFILL_RATE: self._set_prefill_rate,
+            Op.PREFILL_RATE: self._set_prefill_rate, Op.FORGET: self._forget,
         }
 
     @property
@@ -88,13 +107,23 @@ class Service:
         except DFlash2Error as e:
             self.counters["errors"] += 1
             return P.encode_reply(P.error_reply(P.peek_call_id(frames), e))
+        except Exception as e:  # a bug in decoding: say so, keep serving the others
+            self.counters["errors"] += 1
+            log.exception("internal error decoding a message")
+            return P.encode_reply(Reply(P.peek_call_id(frames), False, {}, "InternalError", f"{type(e).__name__}: {e}"))
         return P.encode_reply(self.handle(req))
 
     def handle(self, req: Request) -> Reply:
         started = time.perf_counter()
         try:
             if req.op in P.NEEDS_CLIENT:
-                self._touch(req.client)
+                session = self._touch(req.client, req.token)
+                # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
+                # ids, counted apart, must never match one.)
+                if req.op in P.UNDOABLE and session.forgotten.pop(req.call_id, None) is not None:
+                    self.counters["calls_refused_forgotten"] += 1
+                    raise CallForgotten(f"{req.op.value}: call {req.call_id} of client {req.client} arrived after "
+                                        "its client gave up on it: not run")
             result, arrays = self._handlers[req.op](req)
             reply = Reply(req.call_id, True, result, arrays=arrays)
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
@@ -104,7 +133,7 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
-        if req.op in P.NEEDS_CLIENT and req.client in self.sessions:
+        if req.op in P.NEEDS_CLIENT and self._owns(req):
             # Heard from at the end of its call too: a call that ran longer than the lease (a
             # large promotion) must not let its own client's lease lapse while it waited.
             self.sessions[req.client].last_seen = self.clock()
@@ -142,12 +171,28 @@ class Service:
             self._drop_session(client)
 
     # -- sessions --------------------------------------------------------------------------
-    def _touch(self, client: int) -> Session:
+    def _touch(self, client: int, token: str | None) -> Session:
+        """The session of a call's client, renewed: UnknownClient when there is none, WrongToken when
+        the call does not carry that session's token (checked before the lease is renewed)."""
         session = self.sessions.get(client)
         if session is None:
             raise UnknownClient(f"client {client} is not attached (detached, or its lease lapsed: attach again)")
+        if not hmac.compare_digest(session.token, token or ""):
+            raise WrongToken(f"client {client}: the call does not carry that client's session token (a client id "
+                             "is used only by the process that attached it)")
         session.last_seen = self.clock()
         return session
+
+    def _owns(self, req: Request) -> bool:
+        session = self.sessions.get(req.client)
+        return session is not None and hmac.compare_digest(session.token, req.token or "")
+
+    def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
+        """Remember how to give back what this call handed out, should its client forget it."""
+        kept = self.sessions[req.client].undo
+        kept[req.call_id] = (req.op.value, undo)
+        while len(kept) > KEEP_CALLS:
+            kept.popitem(last=False)
 
     def _drop_session(self, client: int) -> dict:
         session = self.sessions.pop(client, None)
@@ -164,6 +209,8 @@ class Service:
 
     def _attach(self, req):
         name = arg(req, "name", str)
+        if len(name) > P.MAX_NAME_CHARS:
+            raise ProtocolError(f"attach: argument 'name' has {len(name)} characters, more than {P.MAX_NAME_CHARS}")
         pid = arg(req, "pid", int, lo=0, hi=PID_MAX)
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)
@@ -183,13 +230,14 @@ class Service:
         for lid, rate in zip(ids, rates):
             m.set_prefill_rate(client, lid, rate)
         now = self.clock()
+        token = secrets.token_hex(P.TOKEN_CHARS // 2)
         self.sessions[client] = Session(client, name, pid, now, now,
-                                        pid_ns is not None and pid_ns == pid_namespace(), device)
+                                        pid_ns is not None and pid_ns == pid_namespace(), device, token)
         log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
         return {"client": client, "layouts": ids, "arenas": self._arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
-                "gpu_uuid": self._gpu_uuids().get(device)}, []
+                "gpu_uuid": self._gpu_uuids().get(device), "token": token}, []
 
     def _gpu_uuids(self) -> dict[int, str]:
         """Each GPU pool's GPU UUID (none on a host daemon)."""
@@ -254,6 +302,8 @@ class Service:
             priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
             deadline=None if deadline_s is None else m.table.clock() + deadline_s,
             request=arg(req, "request", int, default=0))
+        if d.reservation_id is not None:
+            self._undoable(req, lambda: m.cancel(req.client, d.reservation_id))
         return d.to_dict(), []
 
     def _reservation(self, req):
@@ -270,6 +320,7 @@ class Service:
     def _take(self, req):
         m = self._mgr(req)
         vids = m.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
+        self._undoable(req, lambda: m.free(req.client, vids))
         return {}, [self._places_of(m, vids)]
 
     def _cancel(self, req):
@@ -285,6 +336,7 @@ class Service:
                           tier=self._memory_tier(req))
         if vids is None:
             return {"allocated": False, "reason": "the tier is full of blocks that cannot move; reserve and wait"}, [b""]
+        self._undoable(req, lambda: m.free(req.client, vids))
         return {"allocated": True}, [self._places_of(m, vids)]
 
     def _commit(self, req):
@@ -310,9 +362,11 @@ class Service:
 
     def _acquire(self, req):
         m = self._mgr(req)
-        rows = m.acquire_rows(req.client, req.array(0, P.VIDS_DTYPE, "block ids"), self._memory_tier(req))
+        vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        rows = m.acquire_rows(req.client, vids, self._memory_tier(req))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
+        self._undoable(req, lambda: m.release(req.client, vids))
         return {"acquired": True}, [self._records(m, rows)]
 
     def _release(self, req):
@@ -326,8 +380,34 @@ class Service:
 
     def _add_ref(self, req):
         m = self._mgr(req)
-        m.add_ref(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        m.add_ref(req.client, vids)
+        self._undoable(req, lambda: m.free(req.client, vids))
         return {}, []
+
+    def _forget(self, req):
+        """The client gave up waiting on its call `call`: give back what it handed out if it ran;
+        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
+        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
+        session = self.sessions[req.client]
+        kept = session.undo.pop(call, None)
+        if kept is None:
+            session.forgotten[call] = True
+            while len(session.forgotten) > KEEP_CALLS:
+                session.forgotten.popitem(last=False)
+            log.info("client %d gave up on call %d before it arrived: it will not run", req.client, call)
+            return {"undone": False}, []
+        op, undo = kept
+        try:
+            undo()
+        except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
+            log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
+                        req.client, op, call, e)
+            return {"undone": False}, []
+        self.counters["calls_undone"] += 1
+        log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
+                    req.client, op, call)
+        return {"undone": True}, []
 
     def _places(self, req):
         m = self._mgr(req)
@@ -367,8 +447,12 @@ class Service:
         bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
         if bad:
             raise ProtocolError(f"set_weights: weights {bad} must be numbers")
+        # An integer past float's range (JSON allows 10**400) is taken as infinite: the policy's
+        # own bounds check then names the weight and its bound.
+        floats = {k: float(v) if abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf)
+                  for k, v in weights.items()}
         for m in self.managers.values():
-            m.policy.set_weights({k: float(v) for k, v in weights.items()})
+            m.policy.set_weights(floats)
         return {"policy": self.manager.policy.describe()}, []
 
     def _check(self, req):

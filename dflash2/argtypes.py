@@ -22,6 +22,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_SECONDS = 1e6  # about eleven days: longer waits are typing mistakes (and overflow sleep and poll)
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: positive and at most MAX_SECONDS."""
+    value = positive_float(text)
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_SECONDS:g}], got {text!r}")
+    return value
+
+
 def endpoint(text: str) -> str:
     """ipc://PATH or tcp://HOST:PORT (what `daemon.endpoint` accepts)."""
     from dflash2.config import endpoint_parts

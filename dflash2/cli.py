@@ -42,12 +42,15 @@ class UsageError(Exception):
 
 
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=BENCHES, help="which benchmark")
+    # Optional to argparse only so that a missing name is named alone (a REMAINDER would be listed too).
+    parser.add_argument("name", choices=BENCHES, nargs="?", help="which benchmark")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="the benchmark's own options (see `dflash2 bench NAME --help`)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.name is None:
+        raise UsageError(f"bench: name the benchmark, one of {', '.join(BENCHES)} (`dflash2 bench NAME --help`)")
     module = _import_bench(args.name)
     parser = argparse.ArgumentParser(prog=f"dflash2 bench {args.name}", description=module.__doc__)
     parser.add_argument("--json", action="store_true", help="print each result as one JSON line")

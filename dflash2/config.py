@@ -295,7 +295,8 @@ class Config(_Section):
             return
         host, _, port = rest.rpartition(":")
         wildcard = {"*", "0.0.0.0", "::", "[::]", ""}
-        if int(port) == self.metrics.port and (host == self.metrics.host or {host, self.metrics.host} & wildcard):
+        if int(port) == self.metrics.port and (_same_host(host, self.metrics.host)
+                                               or {host, self.metrics.host} & wildcard):
             raise ConfigError("metrics.port", f"{self.metrics.port} is daemon.endpoint's port too "
                                               f"({self.daemon.endpoint}); give metrics another port")
 
@@ -322,18 +323,19 @@ class Config(_Section):
         """Relative paths resolve against this: the config file's folder, else the working directory."""
         return self._source_path.parent if self._source_path else Path.cwd()
 
-    def resolve_path(self, raw: str) -> Path:
-        path = Path(raw).expanduser()
+    def resolve_path(self, raw: str, key: str) -> Path:
+        path = expand_user(raw, key)
         return path if path.is_absolute() else (self.base_dir / path).resolve()
 
     @property
     def resolved_nvme_path(self) -> Optional[Path]:
-        return None if self.memory.nvme_path is None else self.resolve_path(self.memory.nvme_path)
+        return None if self.memory.nvme_path is None else self.resolve_path(self.memory.nvme_path, "memory.nvme_path")
 
     def resolved_state_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         if self.daemon.state_dir is not None:
-            return self.resolve_path(self.daemon.state_dir)
-        base = environ.get("XDG_STATE_HOME") or str(Path("~/.local/state").expanduser())
+            return self.resolve_path(self.daemon.state_dir, "daemon.state_dir")
+        base = environ.get("XDG_STATE_HOME") or str(expand_user("~/.local/state", "daemon.state_dir (not set: "
+                                                                "the default ~/.local/state/dflash2)"))
         return Path(base) / "dflash2"
 
     def resolved_endpoint(self, environ: Mapping[str, str] = os.environ) -> str:
@@ -342,12 +344,33 @@ class Config(_Section):
             return default_endpoint(environ)
         scheme, rest = endpoint_parts(self.daemon.endpoint)
         if scheme == "ipc":
-            return f"ipc://{self.resolve_path(rest)}"
+            return f"ipc://{self.resolve_path(rest, 'daemon.endpoint')}"
         return self.daemon.endpoint
+
+
+def expand_user(raw: str, key: str) -> Path:
+    """`raw` with a leading ~ or ~user expanded; ConfigError naming `key` when it cannot be (no such
+    user, or no home directory: a uid without a passwd entry and no $HOME, as in some containers)."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:
+        user = raw[1:].split("/", 1)[0]
+        who = f"user {user!r}" if user else "this user (no $HOME and no passwd entry)"
+        raise ConfigError(key, f"cannot expand {raw.split('/', 1)[0]!r} in {raw!r}: {who} has no home directory "
+                               "here; give an absolute path") from None
 
 
 HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it is the size of the "
                            "host-memory stand-in for HBM")
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two host names name one address, as far as can be told without asking a resolver:
+    equal, or both this machine's loopback."""
+    loopback = {"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"}
+    a, b = a.lower(), b.lower()
+    return a == b or (a in loopback and b in loopback) or (a.startswith("127.") and b in loopback) \
+        or (b.startswith("127.") and a in loopback)
 
 
 def endpoint_parts(endpoint: str) -> tuple[str, str]:
@@ -359,7 +382,7 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         raise ValueError(f"{endpoint!r} has no {'path' if scheme == 'ipc' else 'host:port'}")
     if scheme == "tcp":
         host, _, port = rest.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
     return scheme, rest
 
@@ -376,7 +399,7 @@ def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
 
 def load_config(path: str | os.PathLike) -> Config:
     """Read and validate a config file; any problem is one ConfigError naming the key (or the file)."""
-    path = Path(path).expanduser().absolute()
+    path = expand_user(str(path), "--config").absolute()
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -390,6 +413,9 @@ def load_config(path: str | os.PathLike) -> Config:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:  # a number of over 4300 digits; nesting deeper than the stack
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        raise ConfigError(str(path), f"invalid JSON: {what}") from None
     except _DuplicateKey as exc:
         raise ConfigError(str(path), f"key {exc.args[0]!r} appears twice in one object") from None
     return parse_config(data, source_path=path)
@@ -429,7 +455,9 @@ def _first_error(exc: ValidationError) -> ConfigError:
     loc = first["loc"]
     key = _dotted(loc)
     if first["type"] == "extra_forbidden":
-        problem = "unknown key" + _suggestion(loc)
+        problem = "unknown key" + _suggestion(loc) + _nesting_hint(loc)
+        if len(loc) == 1 and key != loc[0]:  # quoted: say where it is, so that it cannot read as a path
+            key += " (at the top level)"
     elif first["type"] == "missing":
         problem = "required key is missing"
     else:
@@ -449,8 +477,27 @@ def _dotted(loc: tuple) -> str:
         if isinstance(part, int):
             key += f"[{part}]"
         else:
-            key += f".{part}" if key else str(part)
+            part = _key_text(str(part))
+            key += f".{part}" if key else part
     return key
+
+
+def _key_text(part: str) -> str:
+    """A key as it goes into a dotted path: as is when that is unambiguous, else JSON-quoted (an
+    empty key, one with a dot, a quote, spaces at its ends or a character that does not print:
+    the error stays one line and names exactly the key in the file)."""
+    plain = part and part.isprintable() and part.strip() == part and not any(c in part for c in '."\\')
+    return part if plain else json.dumps(part)
+
+
+def _nesting_hint(loc: tuple) -> str:
+    """For a dotted key written flat (`"memory.dram_capacity_mb": 5`): how to write it nested."""
+    last = loc[-1]
+    if not isinstance(last, str) or "." not in last.strip(".") or not last.isprintable():
+        return ""
+    parts = last.split(".")
+    nested = "".join(f'{{"{p}": ' for p in parts) + "..." + "}" * len(parts)
+    return f"; keys are nested objects, not dotted names: write {nested}"
 
 
 def _suggestion(loc: tuple) -> str:
@@ -493,8 +540,10 @@ def require_enabled(cfg: Config) -> None:
 # Warnings: legal but probably wrong
 
 
-def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None) -> list[str]:
-    """One line per legal-but-suspect value; `mem_total_bytes` defaults to /proc/meminfo's MemTotal."""
+def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_kind: Optional[str] = None) -> list[str]:
+    """One line per legal-but-suspect value; `mem_total_bytes` defaults to /proc/meminfo's MemTotal,
+    `device_kind` (cuda or host: `auto` resolved, as the plan does) to the configured kind."""
+    kind = device_kind or cfg.device.kind
     warnings = []
     if cfg.policy.cold_threshold > COLD_THRESHOLD_WARN:
         warnings.append(
@@ -505,8 +554,8 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None) -> list[
     if mem_total_bytes is None:
         mem_total_bytes = machine_memory_bytes()
     dram_mb = cfg.memory.dram_capacity_mb
-    # With device.kind host the HBM stand-in is host memory too.
-    stand_in_mb = (cfg.memory.hbm_capacity_mb or 0) if cfg.device.kind == "host" else 0
+    # On a host device (configured, or `auto` without a GPU) the HBM stand-in is host memory too.
+    stand_in_mb = (cfg.memory.hbm_capacity_mb or 0) if kind == "host" else 0
     host_mb = dram_mb + stand_in_mb
     if mem_total_bytes and host_mb * MB > DRAM_WARN_FRACTION * mem_total_bytes:
         what = (f"memory.dram_capacity_mb is {dram_mb} MB" if not stand_in_mb else

@@ -79,6 +79,16 @@ class ProtocolError(DFlash2Error):
     """A control message that cannot be understood: malformed frames, unknown op, bad arguments."""
 
 
+class WrongToken(DFlash2Error):
+    """A call named an attached client without that client's session token (another process, or a
+    client of a previous daemon): refused, so that no process can act for another's session."""
+
+
+class CallForgotten(DFlash2Error):
+    """A call its client had already given up on (timed out and sent `forget`) arrived afterwards:
+    not run, so that nothing is held that the client does not know of."""
+
+
 class VersionMismatch(ProtocolError):
     """Client and daemon speak different protocol versions."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash2 import protocol as P
 from dflash2.history import FILE_NAME, decode, rates, read_file
-from dflash2.argtypes import endpoint, positive_float, positive_int
+from dflash2.argtypes import endpoint, positive_int, seconds
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -35,11 +35,17 @@ class DaemonNotAnswering(HistoryError):
     """No daemon answers at the endpoint: exit 1, as `dflash2 status` (not a usage error)."""
 
 
+MAX_SINCE_S = 100 * 365 * 86400  # a century: anything longer asks for everything kept anyway
+
+
 def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 6h or 1d")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    value = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if value > MAX_SINCE_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than {MAX_SINCE_S // 86400}d")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
     parser.add_argument("--rows", type=positive_int, default=30, metavar="N", help="text table rows at most (default 30)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
-    parser.add_argument("--timeout", type=positive_float, default=5.0, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
+    parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -121,7 +127,7 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
     from dflash2.client.transport import Transport, check_endpoint
-    from dflash2.errors import DFlash2Error
+    from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
@@ -131,8 +137,12 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[
             reply = transport.call(P.Op.HISTORY, None, args)
         finally:
             transport.close()
-    except DFlash2Error as e:
+    except DaemonUnavailable as e:
         raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
+    except VersionMismatch as e:  # a daemon of another version answers: not one this command can ask
+        raise DaemonNotAnswering(str(e)) from None
+    except DaemonError as e:  # it answered: the question was at fault (or the daemon names its own problem)
+        raise HistoryError(f"dflash2d at {endpoint} refused the history call: {e}") from None
     if not reply.result.get("enabled"):
         raise HistoryError("the daemon keeps no history: set history_enabled: true in its config and restart it")
     return decode(reply.arrays[0]) if reply.arrays else []

@@ -67,7 +67,12 @@ class AccessStats:
     """Block reads by where they were served from. HBM hit rate = reads served from HBM without
     waiting for a swap-in / all block reads."""
 
-    reads: Counter = dataclasses.field(default_factory=Counter)  # tier -> blocks read from it
+    # tier -> blocks that HBM readers (the engines' attention) read from it. A block a reader's own
+    # lookup promoted counts under the tier it came from: the reader waited for that copy.
+    reads: Counter = dataclasses.field(default_factory=Counter)
+    # tier -> blocks that host-side readers (tier "dram": sglang's host pool) read where they lie:
+    # served where they were asked for, so neither HBM hits nor misses.
+    host_reads: Counter = dataclasses.field(default_factory=Counter)
     misses: int = 0  # asked for, not cached anywhere (lookup stopped short)
     lookups: int = 0
     lookup_blocks_found: int = 0
@@ -235,7 +240,8 @@ class BlockManager:
                 rows = rows[:cut]
         if (reader == Tier.HBM and self.prefetcher.base
                 and self._below_hbm(rows[: self.prefetcher.max_window])):
-            self._follow_up("the prefetch of a lookup", lambda: self.prefetcher.ahead(self.table.vids(rows), 0))
+            self._follow_up("the prefetch of a lookup",
+                            lambda: self.prefetcher.ahead(self.table.vids(rows), 0, reader=client))
             # The prefetch may have dropped blocks of the prefix (an NVMe read that failed, and what
             # hung below it; or room made below HBM): the answer names only blocks still cached,
             # never a freed row (no tier; its vid would be the next block's in that row).
@@ -270,11 +276,12 @@ class BlockManager:
             self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
         now = self.table.clock()
-        for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()):
-            if n:
-                self.access.reads[Tier(t)] += n
+        counts = Counter({Tier(t): n for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()) if n})
         if self.prefetcher.pending:
-            self.prefetcher.reading(self.table.vids(rows).tolist())
+            for origin, n in self.prefetcher.reading(self.table.vids(rows).tolist(), client).items():
+                counts[Tier.HBM] -= n
+                counts[origin] += n
+        (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(up_to)).any():
@@ -324,6 +331,7 @@ class BlockManager:
         return {
             "tiers": tiers,
             "reads": {Tier(t).label: n for t, n in self.access.reads.items()},
+            "host_reads": {Tier(t).label: n for t, n in self.access.host_reads.items()},
             "hbm_hit_ratio": self.access.hbm_hit_ratio,
             "lookups": self.access.lookups,
             "lookup_blocks_found": self.access.lookup_blocks_found,

@@ -20,8 +20,9 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_tier_free_bytes{tier} | gauge | bytes free for new slots |
 | dflash2_tier_blocks{tier} | gauge | blocks in the tier |
 | dflash2_tier_waste_bytes{tier,kind} | gauge | slot rounding / page tails |
-| dflash2_cache_hits_total{tier} | counter | blocks acquired that were found in this tier |
-| dflash2_cache_misses_total{tier} | counter | blocks acquired that were not in this tier or a faster one (they came from a slower tier) |
+| dflash2_cache_hits_total{tier} | counter | blocks acquired for HBM that were found in this tier (a block the reader's own lookup brought up counts under the tier it came from: the reader waited for it) |
+| dflash2_cache_misses_total{tier} | counter | blocks acquired for HBM that were not in this tier or a faster one (they came from a slower tier) |
+| dflash2_host_reads_total{tier} | counter | blocks acquired by host-side readers (tier dram: sglang's host pool), by the tier they were read from; not in the HBM hit ratio |
 | dflash2_lookup_blocks_total{result} | counter | lookup keys found cached (hit) or not cached anywhere (miss) |
 | dflash2_hbm_hit_ratio | gauge | hits in HBM / blocks acquired, since start (NaN before the first) |
 | dflash2_swap_blocks_total{direction} | counter | blocks moved (failed ones not counted) |
@@ -34,7 +35,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_read_bandwidth_bytes_per_second{direction} | gauge | read bandwidth measured on the daemon's own moves (absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
-| dflash2_reservations_total{outcome} | counter | granted, deferred, rejected, expired, cancelled |
+| dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed) |
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
 | dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
 | dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due (a busy request loop delays it) |
@@ -42,7 +43,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
 | dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
 | dflash2_clients | gauge | clients attached |
-| dflash2_gpu_memory_utilization | gauge | used / capacity of the device (HBM) tier that dflash2 manages; on a host-only daemon, of its host-memory stand-in |
+| dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
 | dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw |
 | dflash2_info{device,policy,version} | gauge | 1 |
 | dflash2_policy_first_timer_target_blocks{gpu,tier} | gauge | heat only: the adaptive split's target for first-timers (blocks whose key had no recent reference) |
@@ -95,7 +96,7 @@ SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 
 WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept")
-RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled")
+RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled", "released")
 
 
 class DaemonMetrics:
@@ -230,11 +231,14 @@ def _tier_families(st: dict):
                  [((t,), s["blocks"]) for t, s in tiers.items()])
     yield _gauge("dflash2_tier_waste_bytes", "Bytes lost to slot rounding and page tails.", ["tier", "kind"],
                  [((t, k), s[f"{k}_waste_bytes"]) for t, s in tiers.items() for k in ("rounding", "page_tail")])
-    hbm = tiers.get(Tier.HBM.label)
-    if hbm is not None and hbm["capacity_bytes"]:
-        yield _gauge("dflash2_gpu_memory_utilization",
-                     "Used / capacity of the device (HBM) tier dflash2 manages (host stand-in without a GPU).",
-                     samples=[((), hbm["used_bytes"] / hbm["capacity_bytes"])])
+    # Per GPU pool, not the node's total: each GPU's pool fills on its own (no move crosses GPUs),
+    # and one full GPU beside an empty one would read as half full.
+    pools = st.get("devices") or {"0": st}
+    used = [(gpu, pool["tiers"].get(Tier.HBM.label)) for gpu, pool in pools.items()]
+    samples = [((gpu,), hbm["used_bytes"] / hbm["capacity_bytes"]) for gpu, hbm in used if hbm and hbm["capacity_bytes"]]
+    if samples:
+        yield _gauge("dflash2_gpu_memory_utilization", "Used / capacity of each GPU pool's device (HBM) tier "
+                     "(the host stand-in without a GPU: gpu 0).", ["gpu"], samples)
 
 
 def _access_families(st: dict):
@@ -248,6 +252,10 @@ def _access_families(st: dict):
     found = st.get("lookup_blocks_found", 0)
     yield _counter("dflash2_lookup_blocks", "Lookup keys found cached (hit) or cached nowhere (miss).",
                    ["result"], [(("hit",), found), (("miss",), st.get("lookup_misses", 0))])
+    host = st.get("host_reads", {})
+    yield _counter("dflash2_host_reads", "Blocks acquired by host-side readers (tier dram), by the tier they were "
+                   "read from: not in the HBM hits, misses or ratio.", ["tier"],
+                   [((t.label,), host.get(t.label, 0)) for t in present])
     ratio = st["hbm_hit_ratio"]
     yield _gauge("dflash2_hbm_hit_ratio", "Blocks acquired found in HBM / all blocks acquired, since start.",
                  samples=[((), math.nan if ratio is None else ratio)])

@@ -103,9 +103,26 @@ def resolve_plan(cfg: Config) -> Plan:
              _tier(Tier.NVME, "file", mem.nvme_capacity_mb * MB, NVME_ALIGNMENT, page, layouts)]
     if not layouts:
         notes.append("no layouts configured: blocks per layout are known once clients attach")
+    _layouts_fit(tiers, layouts, notes)
     return Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
                 staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
                 endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes))
+
+
+def _layouts_fit(tiers: list[TierPlan], layouts: dict[str, Layout], notes: list[str]) -> None:
+    """A configured layout must fit at least one block in some tier (ConfigError naming it); one that
+    fits none in HBM gets a note: only host-side writers (tier "dram") can use it."""
+    for name, lay in layouts.items():
+        known = [t for t in tiers if t.capacity_bytes]  # a GPU tier not probed here, or a tier of 0 bytes: left out
+        if known and all(t.blocks[name] == 0 for t in known):
+            largest = max(known, key=lambda t: t.capacity_bytes)
+            raise ConfigError(f"layouts.{name}", f"a block of {lay.block_bytes} bytes fits in no tier (the largest, "
+                                                 f"{largest.tier.label}, holds {largest.capacity_bytes} bytes in pages "
+                                                 f"of {largest.page_bytes}); lower tokens_per_block or raise the tiers")
+        hbm = [t for t in known if t.tier == Tier.HBM]
+        if hbm and all(t.blocks[name] == 0 for t in hbm):
+            notes.append(f"layouts.{name}: no block of {lay.block_bytes} bytes fits in HBM: only host-side writers "
+                         "(tier dram) can use it")
 
 
 def _tier(tier: Tier, where: str, capacity: Optional[int], alignment: int, page: int,

@@ -9,12 +9,15 @@ requests are about to read.
 
 Accounting: a prefetched block is *useful* when it is read while still in HBM, *wasted* when it left
 HBM (demoted, evicted) before its read or was never read; each prefetch counts once either way.
+A block that a reader's own lookup brought up (the lookup waited for the copy) is, for the HBM hit
+rate, a read from the tier it came from: `reading` says which those are.
 A block prefetched since the last tick is left in HBM by that tick's rebalance (its score is old: a
 prefetch is not a read), so that the read it was brought up for finds it there.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,7 +37,9 @@ class Prefetcher:
         self.max_window = window * max_factor
         self.useful = 0
         self.wasted = 0
-        self._pending: set[int] = set()  # vids promoted by the prefetcher, not yet read
+        # vids promoted by the prefetcher, not yet read -> (the tier each came from, the reader whose
+        # lookup promoted it, None when unknown)
+        self._pending: dict[int, tuple[int, int | None]] = {}
         # vids prefetched since the last settle (the daemon's tick): the tick's rebalance leaves
         # them in HBM for their read. One tick only: a block nobody reads is cold like any other.
         self._fresh: set[int] = set()
@@ -53,9 +58,10 @@ class Prefetcher:
         return self.window
 
     # -- the request's read loop -----------------------------------------------------------
-    def ahead(self, vids: Sequence[int], position: int) -> int:
+    def ahead(self, vids: Sequence[int], position: int, reader: int | None = None) -> int:
         """The request will read vids[position:] next: bring the window's blocks up to HBM.
-        Returns the number of blocks promoted."""
+        `reader`: the client whose lookup asks (its reads of them are not HBM hits). Returns the
+        number of blocks promoted."""
         if not self.base or position >= len(vids):
             return 0
         window = list(vids[position: position + self._adapt()])
@@ -70,25 +76,33 @@ class Prefetcher:
         # promote keeps the window's prefix (the blocks read first, already in HBM) in place, and
         # the room it makes never takes the rest of the chain this reader is about to read.
         ahead_rows, ahead_live = self._rows(list(vids[position:]))
+        origin = c.tier[want]  # read before the promotion moves them
         ok = self.manager.placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live])
         done = table.vids(want[ok]).tolist()
         # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
         # settle between): that one was wasted, once; this one is counted on its own.
         self.wasted += sum(1 for v in done if v in self._pending)
-        self._pending.update(done)
+        self._pending.update((v, (t, reader)) for v, t in zip(done, origin[ok].tolist()))
         self._fresh.update(done)
         return len(done)
 
-    def reading(self, vids: Sequence[int]) -> None:
-        """The request is about to read these blocks: settle the prefetches among them."""
+    def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
+        """The request is about to read these blocks: settle the prefetches among them. Returns,
+        by the tier they came from, how many of them `reader`'s own lookup brought up to HBM (it
+        waited for those copies: they are no HBM hits)."""
+        own: Counter = Counter()
         mine = [v for v in vids if v in self._pending]
         if not mine:
-            return
+            return own
         rows, live = self._rows(mine)
         in_hbm = live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))
         self.useful += int(in_hbm.sum())
         self.wasted += len(mine) - int(in_hbm.sum())
-        self._pending.difference_update(mine)
+        for v, there in zip(mine, in_hbm.tolist()):
+            origin, by = self._pending.pop(v)
+            if there and reader is not None and by == reader:
+                own[Tier(origin)] += 1
+        return own
 
     @property
     def pending(self) -> int:
@@ -103,7 +117,9 @@ class Prefetcher:
         rows, live = self._rows(mine)
         gone = ~(live & (self.manager.table.cols.tier[rows] == int(Tier.HBM)))
         self.wasted += int(gone.sum())
-        self._pending.difference_update(v for v, g in zip(mine, gone.tolist()) if g)
+        for v, g in zip(mine, gone.tolist()):
+            if g:
+                del self._pending[v]
 
     def finish(self) -> None:
         """The request is done reading: whatever it did not read was prefetched for nothing."""

@@ -6,7 +6,8 @@ gets a clear error instead of a hang:
 
     [MAGIC, VERSION (ASCII decimal), HEADER (JSON object), *ARRAYS (raw little-endian numpy bytes)]
 
-Request header: {"op": name, "id": call id, "client": id or null, "args": {...}}
+Request header: {"op": name, "id": call id, "client": id or null, "token": session token or null,
+                 "args": {...}}
 Reply header:   {"id": call id, "ok": true, "result": {...}}
            or   {"id": call id, "ok": false, "error": {"type": name, "message": text}}
 
@@ -20,7 +21,8 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     attach           {name, pid, layouts: [layout dict], prefill_tokens_per_s=[rate or null per layout]}
                                                                → {client, layouts: [id], arenas: [{tier,
                                                                   kind, name, capacity_bytes, alignment}],
-                                                                  lease_timeout_s, heartbeat_interval_s, device}
+                                                                  lease_timeout_s, heartbeat_interval_s, device,
+                                                                  token}
     heartbeat        {}                                        → {lease_timeout_s}
     detach           {}                                        → {released: {...}}
     register_layout  {layout: layout dict, prefill_tokens_per_s=null}
@@ -54,6 +56,9 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     stats            {}                                        → tiers, hit rates, moves, clients, reservations
     set_weights      {weights: {name: value}}                  → {policy}
     check            {}                                        → {} (or the invariant violation as error)
+    forget           {call}                                    → {undone: bool} (the client gave up waiting on
+                                                                  its call `call`: undone if it ran, never run
+                                                                  if it had not; see UNDOABLE)
     history          {since_s=null (all kept)}                 → {interval_s, count, enabled} [samples as
                                                                   JSON lines] (dflash2/history.py)
 """
@@ -72,9 +77,14 @@ from dflash2.errors import ProtocolError, VersionMismatch
 MAGIC = b"DFLASH2"
 # 2: attach names the client's GPU by UUID (`gpu_uuid`); a version-1 daemon would ignore it and hand
 # every such client its first GPU's pool, so the two refuse each other with a clear error instead.
-VERSION = 2
+# 3: a session token (attach returns it; every call of an attached client carries it in the header:
+# a client id, which `stats` lists, no longer lets another process act for that client) and `forget`.
+VERSION = 3
 MAX_BATCH = 65536  # most ids or keys in one call
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 1 << 20  # of a request: the daemon's own replies (stats of many clients) may be larger
+MAX_REPLY_HEADER_BYTES = 64 << 20
+MAX_NAME_CHARS = 128  # a client's name at attach (it is listed in every `stats` reply)
+TOKEN_CHARS = 32  # a session token: 16 random bytes in hex
 # Largest frame the daemon accepts (ZMQ_MAXMSGSIZE on its socket; a peer that sends a larger one is
 # disconnected without a reply). A valid request's frames are at most MAX_HEADER_BYTES (the header)
 # or MAX_BATCH 8-byte ids or keys: the bound only stops a peer from making the daemon, and every
@@ -112,10 +122,15 @@ class Op(str, enum.Enum):
     CHECK = "check"  # run the table's invariant check (tests, operators)
     HISTORY = "history"  # the daemon's time series of key figures (history_enabled)
     PREFILL_RATE = "prefill_rate"  # the client's engine's prefill rate for a layout (cost-aware reuse)
+    FORGET = "forget"  # the client timed out on one of its calls: undo it if it ran, skip it if not
 
 
 # Ops that need an attached client (the header's "client"); the rest do not.
 NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTORY}
+# Calls that give their client something it must give back (blocks, a reservation, pins,
+# references). A client that timed out on one never learned what it got, so it sends `forget`
+# and the daemon gives it back; the other calls leave nothing held that the client does not know of.
+UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF})
 
 
 @dataclasses.dataclass
@@ -125,6 +140,7 @@ class Request:
     client: int | None
     args: dict
     arrays: list[bytes]
+    token: str | None = None
 
     def array(self, index: int, dtype: np.dtype, name: str) -> np.ndarray:
         """The index-th binary frame as an array; ProtocolError names the missing or bad argument."""
@@ -150,7 +166,7 @@ class Reply:
     arrays: list[bytes] = dataclasses.field(default_factory=list)
 
 
-def _frames_head(frames: list[bytes]) -> dict:
+def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES) -> dict:
     if len(frames) < 3:
         raise ProtocolError(f"a message needs at least 3 frames (magic, version, header), got {len(frames)}")
     if bytes(frames[0]) != MAGIC:
@@ -162,12 +178,14 @@ def _frames_head(frames: list[bytes]) -> dict:
     if version != VERSION:
         raise VersionMismatch(f"protocol version mismatch: this side speaks {VERSION}, the peer {version}; "
                               "upgrade the older of daemon and client")
-    if len(frames[2]) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(frames[2])} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(frames[2]) > max_header:
+        raise ProtocolError(f"header of {len(frames[2])} bytes exceeds {max_header}")
     try:
         header = json.loads(bytes(frames[2]))
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"header is not valid JSON: {e}") from None
+    except RecursionError:  # a few kilobytes of "[[[[..." exhaust the parser's stack
+        raise ProtocolError("header is not valid JSON: nested too deeply") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a JSON object")
     return header
@@ -176,6 +194,8 @@ def _frames_head(frames: list[bytes]) -> dict:
 def peek_call_id(frames: list[bytes]) -> int:
     """Best-effort call id of a message that failed to decode (0 when unknown), for the error reply."""
     try:
+        if len(frames[2]) > MAX_HEADER_BYTES:
+            return 0
         header = json.loads(bytes(frames[2]))
         cid = header.get("id", 0)
         return cid if isinstance(cid, int) else 0
@@ -184,8 +204,8 @@ def peek_call_id(frames: list[bytes]) -> int:
 
 
 def encode_request(op: Op, call_id: int, client: int | None, args: dict | None = None,
-                   arrays: list[bytes] | None = None, version: int = VERSION) -> list[bytes]:
-    header = {"op": op.value, "id": call_id, "client": client, "args": args or {}}
+                   arrays: list[bytes] | None = None, version: int = VERSION, token: str | None = None) -> list[bytes]:
+    header = {"op": op.value, "id": call_id, "client": client, "token": token, "args": args or {}}
     frames = [MAGIC, str(version).encode(), json.dumps(header, separators=(",", ":")).encode(), *(arrays or [])]
     big = max(memoryview(f).nbytes for f in frames)
     if big > MAX_FRAME_BYTES:
@@ -201,15 +221,20 @@ def decode_request(frames: list[bytes]) -> Request:
     except ValueError:
         raise ProtocolError(f"unknown op {header.get('op')!r}; valid: {', '.join(o.value for o in Op)}") from None
     call_id, client, args = header.get("id"), header.get("client"), header.get("args", {})
+    token = header.get("token")
     if not isinstance(call_id, int) or isinstance(call_id, bool):
         raise ProtocolError("header.id must be an integer call id")
     if client is not None and (not isinstance(client, int) or isinstance(client, bool)):
         raise ProtocolError("header.client must be an integer or null")
     if op in NEEDS_CLIENT and client is None:
         raise ProtocolError(f"{op.value} needs an attached client (header.client)")
+    if token is not None and (not isinstance(token, str) or len(token) > TOKEN_CHARS):
+        raise ProtocolError(f"header.token must be the session token attach returned ({TOKEN_CHARS} hex characters)")
+    if op in NEEDS_CLIENT and token is None:
+        raise ProtocolError(f"{op.value} needs the session token attach returned (header.token)")
     if not isinstance(args, dict):
         raise ProtocolError("header.args must be a JSON object")
-    return Request(op, call_id, client, args, [bytes(f) for f in frames[3:]])
+    return Request(op, call_id, client, args, [bytes(f) for f in frames[3:]], token)
 
 
 def encode_reply(reply: Reply) -> list[bytes]:
@@ -222,7 +247,7 @@ def encode_reply(reply: Reply) -> list[bytes]:
 
 
 def decode_reply(frames: list[bytes]) -> Reply:
-    header = _frames_head(frames)
+    header = _frames_head(frames, MAX_REPLY_HEADER_BYTES)
     call_id = header.get("id")
     if header.get("ok") is True:
         return Reply(call_id, True, header.get("result") or {}, arrays=[bytes(f) for f in frames[3:]])

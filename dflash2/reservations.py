@@ -98,7 +98,8 @@ class Admission:
         self._bucket = self._bucket_cap
         self._rate = 0.0  # low-pass filtered demand, bytes/s
         self._last = table.clock()
-        self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0}
+        # released: ended because its client detached or its lease lapsed
+        self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0, "released": 0}
         self.wait_seconds_total = 0.0
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
 
@@ -198,6 +199,7 @@ class Admission:
         mine += [r for r in self.deferred if r.client == client]
         for res in mine:
             self._drop(res)
+        self.counters["released"] += len(mine)
         return len(mine)
 
     def snapshot(self) -> dict:
@@ -270,10 +272,30 @@ class Admission:
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos = self.deferred.index(res)
         ahead = sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM) for r in self.deferred[: pos + 1])
-        short = ahead - self._room(res) - self._bucket
+        room = self._room(res)
+        if ahead > room and ahead > room + self._movable_bytes(res):
+            # Demoting cannot make the room: it waits on blocks that cannot move now, until their
+            # clients commit, release or free them; when that happens cannot be known here.
+            return Decision(Outcome.DEFERRED, res.id, "HBM is held by blocks that cannot move now (being written, "
+                            "pinned, or of higher priority): waits for their clients to release them",
+                            position=pos, est_wait_s=None)
+        short = ahead - room - self._bucket
         rate = self._refill_rate()
         wait = 0.0 if short <= 0 else (short / rate if rate > 0 else None)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
+
+    def _movable_bytes(self, res: Reservation) -> int:
+        """HBM bytes that making room for this reservation could free for its blocks: idle blocks
+        of its priority or lower, and with preemption running requests' blocks of lower priority
+        (as `_make_room` picks them), counting only slots its blocks can use (of its block size)."""
+        hbm = self.placement
+        mask = hbm.movable(Tier.HBM, evict=False, below_priority=res.priority + 1, idle_only=True)
+        if self.settings.preemption:
+            mask |= hbm.movable(Tier.HBM, evict=False, below_priority=res.priority)
+        size = self.table.layout(res.layout_id).block_bytes
+        same = [lid for lid, lay in enumerate(self.table.layouts) if lay.block_bytes == size]
+        n = int(np.isin(self.table.cols.layout[mask], same).sum())
+        return n * self.table.slot_bytes(res.layout_id, Tier.HBM)
 
     def _reject(self, reason: str) -> Decision:
         self.counters["rejected"] += 1

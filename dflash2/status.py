@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from dflash2.argtypes import endpoint, positive_float
-from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable
+from dflash2.argtypes import endpoint, seconds
+from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, VersionMismatch
 from dflash2.policy.heat import INNER_LISTS
 from dflash2.policy.split import LISTS
 
@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="config whose daemon.endpoint to ask (default: dflash2_config.json here)")
     where.add_argument("--endpoint", metavar="E", default=None, type=endpoint, help="ask this endpoint (ipc://PATH or tcp://HOST:PORT)")
     parser.add_argument("--json", action="store_true", help="print the daemon's stats as JSON")
-    parser.add_argument("--timeout", type=positive_float, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
+    parser.add_argument("--timeout", type=seconds, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def handler(args: argparse.Namespace) -> int:
             stats = transport.call(Op.STATS).result
         finally:
             transport.close()
-    except (DaemonUnavailable, DaemonError) as e:
+    except (DaemonUnavailable, DaemonError, VersionMismatch) as e:
         print(f"dflash2 status: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     stats["endpoint"] = endpoint
@@ -72,6 +72,9 @@ def render(st: dict) -> str:
     reads = ", ".join(f"{k} {v}" for k, v in st.get("reads", {}).items()) or "none"
     lines += ["", f"hbm hit ratio: {'-' if ratio is None else f'{100 * ratio:.1f}%'} (block reads: {reads}); "
                   f"lookups {st.get('lookups', 0)}"]
+    host = st.get("host_reads", {})
+    if host:  # host-side readers (tier dram): read where blocks lie, not in the HBM ratio
+        lines.append("host-side reads: " + ", ".join(f"{k} {v}" for k, v in host.items()))
     moves = st.get("moves", {})
     lines.append("moves: " + ("; ".join(f"{k} {_brief(v)}" for k, v in moves.items()) if moves else "none"))
     batches = st.get("copy_batches", {})

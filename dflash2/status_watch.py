@@ -13,7 +13,7 @@ import sys
 import time
 
 from dflash2 import status
-from dflash2.argtypes import non_negative_int, positive_float
+from dflash2.argtypes import non_negative_int, seconds
 from dflash2.history import rates, sample_of
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -22,12 +22,16 @@ CLEAR = "\x1b[H\x1b[2J"
 def configure(parser: argparse.ArgumentParser) -> None:
     status.configure(parser)
     parser.add_argument("--watch", action="store_true", help="redraw the view every --interval seconds (Ctrl-C ends)")
-    parser.add_argument("--interval", type=positive_float, default=1.0, metavar="S", help="with --watch: seconds between frames (default %(default)g)")
-    parser.add_argument("--count", type=non_negative_int, default=0, metavar="N", help="with --watch: stop after N frames (0 = never)")
+    parser.add_argument("--interval", type=seconds, default=None, metavar="S", help="with --watch: seconds between frames (default 1)")
+    parser.add_argument("--count", type=non_negative_int, default=None, metavar="N", help="with --watch: stop after N frames (0 = never)")
 
 
 def handler(args: argparse.Namespace) -> int:
     if not args.watch:
+        given = [o for o, v in (("--interval", args.interval), ("--count", args.count)) if v is not None]
+        if given:  # not silently ignored: the user meant a live view
+            print(f"dflash2 status: error: {' and '.join(given)} only go with --watch", file=sys.stderr)
+            return status.EXIT_USAGE
         return status.handler(args)
     from dflash2.client.client import resolve_endpoint
     from dflash2.errors import ConfigError
@@ -38,25 +42,31 @@ def handler(args: argparse.Namespace) -> int:
         print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
         return status.EXIT_USAGE
     try:
-        watch(endpoint, args.interval, args.count, args.timeout, clear=sys.stdout.isatty())
+        answered = watch(endpoint, 1.0 if args.interval is None else args.interval, args.count or 0, args.timeout,
+                         clear=sys.stdout.isatty())
     except KeyboardInterrupt:
-        pass
-    return status.EXIT_OK
+        return status.EXIT_OK
+    # A view with a frame count is a probe too: like `dflash2 status`, exit 1 when no frame got an answer.
+    return status.EXIT_OK if answered else status.EXIT_UNAVAILABLE
 
 
 def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = status.TIMEOUT_S,
-          clear: bool = True) -> None:
+          clear: bool = True) -> bool:
+    """Frames until `count` (0: until Ctrl-C); whether any frame got the daemon's answer."""
     prev = None
     frame = 0
+    answered = False
     while True:
         stats, error = _ask(endpoint, timeout_s)
+        last = bool(count) and frame + 1 >= count
         now = time.time()
         out = [CLEAR] if clear else []
         out.append(time.strftime("%H:%M:%S", time.localtime(now)) + f"  every {interval_s:g}s  (Ctrl-C ends)")
         if stats is None:
-            out.append(f"daemon unavailable at {endpoint}: {error}; asking again")
+            out.append(f"daemon unavailable at {endpoint}: {error}" + ("" if last else "; asking again"))
             prev = None
         else:
+            answered = True
             stats["endpoint"] = endpoint
             out.append(status.render(stats))
             cur = sample_of(stats, now)
@@ -64,8 +74,8 @@ def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = s
             prev = cur
         print("\n".join(out), flush=True)
         frame += 1
-        if count and frame >= count:
-            return
+        if last:
+            return answered
         time.sleep(interval_s)
 
 
@@ -85,7 +95,7 @@ def changes(prev: dict | None, cur: dict) -> str:
 
 def _ask(endpoint: str, timeout_s: float) -> tuple[dict | None, str]:
     from dflash2.client.transport import Transport, check_endpoint
-    from dflash2.errors import DaemonError, DaemonUnavailable
+    from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
     from dflash2.protocol import Op
 
     try:
@@ -95,5 +105,5 @@ def _ask(endpoint: str, timeout_s: float) -> tuple[dict | None, str]:
             return transport.call(Op.STATS).result, ""
         finally:
             transport.close()
-    except (DaemonUnavailable, DaemonError) as e:
+    except (DaemonUnavailable, DaemonError, VersionMismatch) as e:
         return None, str(e)

@@ -38,10 +38,11 @@ class RawClient:
         self._ids = iter(range(1, 1 << 62))
         self.timeout_s = timeout_s
         self.client: int | None = None
+        self.token: str | None = None  # the session token attach returned
 
     def call(self, op: P.Op, args: dict | None = None, arrays: list[bytes] | None = None) -> P.Reply:
         cid = next(self._ids)
-        self._sock.send_multipart(P.encode_request(op, cid, self.client, args, arrays))
+        self._sock.send_multipart(P.encode_request(op, cid, self.client, args, arrays, token=self.token))
         if not self._sock.poll(int(self.timeout_s * 1000)):
             raise TimeoutError(f"{op.value}: no reply in {self.timeout_s}s")
         reply = P.decode_reply(self._sock.recv_multipart())
@@ -53,6 +54,7 @@ class RawClient:
     def attach(self, name: str = "load") -> int:
         r = self.call(P.Op.ATTACH, {"name": name, "pid": os.getpid(), "layouts": [LAYOUT]})
         self.client = r.result["client"]
+        self.token = r.result["token"]
         self.layout = r.result["layouts"][0]
         return self.client
 

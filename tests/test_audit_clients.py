@@ -117,7 +117,8 @@ def test_malformed_layouts_are_refused_and_other_clients_keep_working(connect, d
         with pytest.raises(DaemonError) as e:
             t.call(Op.ATTACH, None, {"name": "evil", "pid": 0, "layouts": [bad]})
         assert e.value.kind == "LayoutError" and field in str(e.value)
-        client = t.call(Op.ATTACH, None, {"name": "evil", "pid": 0, "layouts": []}).result["client"]
+        attached = t.call(Op.ATTACH, None, {"name": "evil", "pid": 0, "layouts": []}).result
+        client, t.token = attached["client"], attached["token"]
         with pytest.raises(DaemonError) as e:
             t.call(Op.REGISTER_LAYOUT, client, {"layout": bad})
         assert e.value.kind == "LayoutError" and field in str(e.value)

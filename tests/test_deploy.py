@@ -35,6 +35,7 @@ def test_the_alerts_asked_for_are_there():
     assert "dflash2_gpu_memory_utilization" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert "> 0.95" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert 'tier="nvme"' in rules["DFlash2NvmeTierNearlyFull"]["expr"] and "> 0.9" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
+    assert "max by (instance, gpu)" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
     assert 'absent(up{job="dflash2"})' in rules["DFlash2NotScraped"]["expr"]
     assert all(r["annotations"]["summary"] for r in rules.values())
@@ -78,9 +79,45 @@ def test_production_config_loads_and_matches_the_scrape_port():
     assert job["static_configs"][0]["targets"][0].endswith(f":{cfg.metrics.port}")
 
 
+def test_the_nvme_alert_sits_on_the_shipped_high_watermark():
+    """A full last tier is a cache's steady state: the daemon keeps it at its high watermark. The
+    alert's threshold must not be under it, or it fires on every healthy, idle node."""
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
+    expr = next(r["expr"] for g in doc["groups"] for r in g["rules"] if r["alert"] == "DFlash2NvmeTierNearlyFull")
+    threshold = float(expr.rsplit(">", 1)[1])
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
+    for text in (docs["ConfigMap"]["data"]["dflash2_config.json"], (DEPLOY / "dflash2_config.production.json").read_text()):
+        assert json.loads(text)["policy"]["watermarks"]["nvme"]["high"] <= threshold
+
+
+def test_every_reader_of_the_production_config_finds_the_systemd_daemon(monkeypatch):
+    """The endpoint is named, not left to each process's XDG_RUNTIME_DIR: an operator's shell and a
+    serving process resolve the socket the unit's daemon serves ($RUNTIME_DIRECTORY/dflash2.sock)."""
+    unit = (DEPLOY / "systemd" / "dflash2d.service").read_text()
+    assert "RuntimeDirectory=dflash2" in unit
+    for runtime in ("/run", "/run/user/1000", None):
+        if runtime is None:
+            monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        else:
+            monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+        assert load_config(DEPLOY / "dflash2_config.production.json").resolved_endpoint() == \
+            "ipc:///run/dflash2/dflash2.sock"
+
+
+def test_the_probes_wait_longer_than_the_command_does():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
+    [c] = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    for probe in (c["readinessProbe"], c["livenessProbe"]):
+        cmd = probe["exec"]["command"]
+        timeout = float(cmd[cmd.index("--timeout") + 1])
+        assert probe["timeoutSeconds"] >= timeout + 2, probe  # and the interpreter's start
+
+
 def test_systemd_unit_and_dockerfile_run_dflash2d():
     unit = (DEPLOY / "systemd" / "dflash2d.service").read_text()
-    assert "ExecStart=/usr/local/bin/dflash2d --config /etc/dflash2/dflash2_config.json" in unit
+    # The unit runs the daemon from the virtual environment its own install steps make.
+    assert "python3 -m venv /opt/dflash2 && /opt/dflash2/bin/pip install" in unit
+    assert "ExecStart=/opt/dflash2/bin/dflash2d --config /etc/dflash2/dflash2_config.json" in unit
     assert "KillSignal=SIGTERM" in unit and "RestartPreventExitStatus=2 3" in unit
     docker = (DEPLOY / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["dflash2d"]' in docker and "EXPOSE 9464" in docker

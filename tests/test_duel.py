@@ -288,7 +288,8 @@ def test_a_probe_lookup_is_answered_but_not_replayed(clock):
 
     def call(args, keys):
         return P.decode_reply(svc.handle_frames(P.encode_request(
-            P.Op.LOOKUP, 7, client, args, [np.asarray(keys, dtype=P.KEYS_DTYPE).tobytes()])))
+            P.Op.LOOKUP, 7, client, args, [np.asarray(keys, dtype=P.KEYS_DTYPE).tobytes()],
+            token=svc.sessions[client].token)))
 
     attach = P.encode_request(P.Op.ATTACH, 1, None, {"name": "c", "pid": 0, "layouts": [LAYOUT.to_dict()]}, [])
     client = P.decode_reply(svc.handle_frames(attach)).result["client"]

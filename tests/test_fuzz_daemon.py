@@ -31,9 +31,10 @@ def daemon(config_file, tmp_path):
 
 
 class Fuzzer:
-    def __init__(self, rng: random.Random, client_ids: list[int], vids: list[int], keys: list[int]):
+    def __init__(self, rng: random.Random, tokens: dict[int, str], vids: list[int], keys: list[int]):
         self.rng = rng
-        self.clients = client_ids
+        self.tokens = tokens  # client id -> its session token
+        self.clients = list(tokens)
         self.vids = vids
         self.keys = keys
 
@@ -73,7 +74,10 @@ class Fuzzer:
         op = r.choice([o for o in P.Op if o not in (P.Op.DETACH,)])
         client = r.choice(self.clients + [None, 0, 999, -3])
         arrays = [self.array() for _ in range(r.randint(0, 3))]
-        return P.encode_request(op, call_id, client, self.args(), arrays)
+        token = self.tokens.get(client) if r.random() < 0.9 else None
+        if token is None or r.random() < 0.05:  # missing, wrong or another client's token
+            token = r.choice([None, "0" * P.TOKEN_CHARS, "x" * 40, *self.tokens.values()])
+        return P.encode_request(op, call_id, client, self.args(), arrays, token=token)
 
     def mutate(self, frames: list[bytes]) -> list[bytes]:
         r = self.rng
@@ -117,7 +121,7 @@ def test_fuzzed_frames_get_replies_and_the_daemon_survives(daemon):
     private = owner.allocate(lid, 3)["vid"]
     freed = other.allocate(lid, 2)["vid"]
     other.free(freed)  # stale ids
-    fuzz = Fuzzer(rng, [owner.client_id, other.client_id], [int(v) for v in (*published, *private, *freed)], keys)
+    fuzz = Fuzzer(rng, {c.client_id: c._token for c in (owner, other)}, [int(v) for v in (*published, *private, *freed)], keys)
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

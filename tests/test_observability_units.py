@@ -20,6 +20,8 @@ from dflash2.logs import JsonFormatter, TextFormatter, configure, event
 from dflash2.metrics import DaemonMetrics
 from conftest import SMALL
 
+from dflash2.tiers import Tier
+
 BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
                   "device", "policy", "version", "mechanism", "gpu", "list"}
 
@@ -31,7 +33,8 @@ def service(make_manager, clock):
 
 
 def _call(service, op, client=None, args=None, arrays=None):
-    reply = service.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays)))
+    token = service.sessions[client].token if client is not None else None
+    reply = service.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays, token=token)))
     assert reply.ok, reply.error_message
     return reply
 
@@ -77,7 +80,7 @@ def test_metrics_mirror_the_stats_and_observe_events(service):
     assert got[("dflash2_cache_misses_total", (("tier", "dram"),))] == 0
     assert got[("dflash2_hbm_hit_ratio", ())] == pytest.approx(st["hbm_hit_ratio"])
     hbm = st["tiers"]["hbm"]
-    assert got[("dflash2_gpu_memory_utilization", ())] == hbm["used_bytes"] / hbm["capacity_bytes"]
+    assert got[("dflash2_gpu_memory_utilization", (("gpu", "0"),))] == hbm["used_bytes"] / hbm["capacity_bytes"]
     moved = st["moves"]["hbm->dram"]
     assert got[("dflash2_swap_bytes_total", (("direction", "hbm->dram"),))] == moved["bytes"]
     assert got[("dflash2_swap_seconds_count", (("direction", "hbm->dram"),))] == moved["batches"]
@@ -403,3 +406,84 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     got = _scrape(metrics)
     assert got[("dflash2_policy_duel_on", (("gpu", "1"),))] == 0 and got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
 
+
+
+def _chain_in_dram(m, c, n=4, first_key=100) -> list[int]:
+    """n published blocks of one chain, all in DRAM (pushed there by a later allocation)."""
+    vids = m.allocate(c, 0, n)
+    keys = list(range(first_key, first_key + n))
+    m.commit(c, vids, keys)
+    m.free(c, vids)
+    filler = m.allocate(c, 0, 8)  # HBM full of private blocks: the chain goes down
+    m.free(c, filler)
+    assert all(p.tier.label == "dram" for p in m.places_of_rows(m.table.lookup(keys, 0)))
+    return keys
+
+
+def test_host_side_reads_are_neither_hbm_hits_nor_misses(service):
+    """A host reader (tier dram, sglang's host pool) reads blocks where they lie: counted apart, so
+    that the HBM hit ratio and its alert speak of the HBM readers only."""
+    m = service.manager
+    c = m.attach("host-reader")
+    m.register_layout(SMALL)
+    keys = _chain_in_dram(m, c)
+    metrics = DaemonMetrics(service)
+    before = dict(m.access.reads)
+    found = m.table.vids(m.lookup_rows(keys, 0, reader=Tier.DRAM, client=c)).tolist()
+    assert m.acquire_rows(c, found, Tier.DRAM) is not None
+    assert dict(m.access.reads) == before and m.access.host_reads == {Tier.DRAM: 4}
+    metrics.refresh(force=True)
+    got = _scrape(metrics)
+    assert got[("dflash2_host_reads_total", (("tier", "dram"),))] == 4
+    assert got[("dflash2_cache_misses_total", (("tier", "hbm"),))] == before.get(Tier.DRAM, 0)
+    assert service.stats()["host_reads"] == {"dram": 4}
+
+
+def test_blocks_the_readers_own_lookup_swapped_in_are_not_hbm_hits(make_manager, clock):
+    """The lookup's prefetch brought them up while the reader waited: for the HBM hit ratio they
+    were read from DRAM. Another client reading them afterwards finds them in HBM: hits."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    keys = _chain_in_dram(m, a)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    assert all(p.tier.label == "hbm" for p in m.places_of_rows(m.table.lookup(keys, 0))), "prefetched"
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.DRAM: 4} and m.prefetcher.useful == 4
+    m.release(a, found)
+    assert m.acquire_rows(b, found) is not None
+    assert m.access.reads == {Tier.DRAM: 4, Tier.HBM: 4}
+    # Prefetched for one reader, read first by another: that one did not wait, a hit.
+    m.release(b, found)
+    keys2 = _chain_in_dram(m, a, first_key=200)
+    found2 = m.table.vids(m.lookup_rows(keys2, 0, client=a)).tolist()
+    assert m.acquire_rows(b, found2) is not None
+    assert m.access.reads[Tier.HBM] == 8
+
+
+def test_gpu_memory_utilization_is_per_gpu_pool(make_manager, clock):
+    service = Service({0: make_manager(hbm_blocks=8), 1: make_manager(hbm_blocks=8)}, lease_timeout_s=10,
+                      heartbeat_interval_s=1, clock=clock)
+    m0 = service.managers[0]
+    c = m0.attach("full")
+    m0.register_layout(SMALL)
+    assert m0.allocate(c, 0, 8) is not None  # GPU 0 full, GPU 1 empty
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    got = _scrape(metrics)
+    assert got[("dflash2_gpu_memory_utilization", (("gpu", "0"),))] == 1.0
+    assert got[("dflash2_gpu_memory_utilization", (("gpu", "1"),))] == 0.0
+    assert got[("dflash2_tier_used_bytes", (("tier", "hbm"),))] == 8 * SMALL.block_bytes  # the node's total
+
+
+def test_reservations_that_end_with_their_client_are_counted(service):
+    m = service.manager
+    c = m.attach("leaving")
+    m.register_layout(SMALL)
+    assert m.reserve(c, 0, tokens=32).outcome.value == "granted"
+    m.detach(c)
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    got = _scrape(metrics)
+    assert got[("dflash2_reservations_total", (("outcome", "granted"),))] == 1
+    assert got[("dflash2_reservations_total", (("outcome", "released"),))] == 1

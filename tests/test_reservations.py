@@ -65,6 +65,23 @@ def test_deferred_when_full_then_granted_after_release(make_manager):
     mgr.check_invariants()
 
 
+def test_a_reservation_behind_blocks_that_cannot_move_has_no_wait_estimate(make_manager):
+    """HBM full of blocks being written: demotion cannot make room, so no wait can be estimated
+    (the bucket's credit says nothing about it) and the reason says what it waits for."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.allocate(a, lid, 4)
+    d = mgr.reserve(b, lid, tokens=32)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    assert "cannot move now" in d.reason and "waits for their clients to release them" in d.reason
+    mgr.commit(a, held[:2])
+    mgr.free(a, held[:2])  # two idle blocks now: demoting them makes the room
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    d = mgr.reserve(b, lid, tokens=16)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None  # the other two are still written
+
+
 def test_idle_cached_blocks_are_demoted_to_make_room(make_manager):
     mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
     a = mgr.attach("a")

@@ -27,8 +27,16 @@ def service(make_manager, clock):
     return svc
 
 
-def call(svc, op, client=None, args=None, arrays=None, version=P.VERSION):
-    return P.decode_reply(svc.handle_frames(P.encode_request(op, 7, client, args, arrays, version=version)))
+def token_of(svc, client):
+    """The session token of an attached client (a well-formed wrong one for any other id)."""
+    session = svc.sessions.get(client)
+    return session.token if session is not None else (None if client is None else "0" * P.TOKEN_CHARS)
+
+
+def call(svc, op, client=None, args=None, arrays=None, version=P.VERSION, call_id=7, token=...):
+    token = token_of(svc, client) if token is ... else token
+    return P.decode_reply(svc.handle_frames(P.encode_request(op, call_id, client, args, arrays, version=version,
+                                                             token=token)))
 
 
 def attach(svc, name="c", pid=0, pid_ns=None):
@@ -54,6 +62,9 @@ def vids(*v):
     ([P.MAGIC, V, b'{"op": "teleport", "id": 1}'], "unknown op"),
     ([P.MAGIC, V, b'{"op": "free", "id": 1, "client": null}'], "needs an attached client"),
     ([P.MAGIC, V, b'{"op": "ping", "id": "one"}'], "call id"),
+    ([P.MAGIC, V, b"[" * 100_000 + b"]" * 100_000], "nested too deeply"),  # 200 KB: under the header bound
+    ([P.MAGIC, V, b'{"op": "ping", "id": 1, "args": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"],
+     "nested too deeply"),
 ])
 def test_malformed_frames_get_a_named_error(service, frames, problem):
     reply = P.decode_reply(service.handle_frames(frames))
@@ -81,6 +92,7 @@ def test_bad_arguments_change_nothing(service):
         (Op.FREE, {}, None, "missing array"),
         (Op.FREE, {}, vids(12345), "not live"),
         (Op.SET_WEIGHTS, {"weights": {"recency": "hot"}}, None, "must be numbers"),
+        (Op.SET_WEIGHTS, {"weights": {"recency": 10**400}}, None, "recency"),  # past float's range
     ]
     for op, args, arrays, problem in bad:
         reply = call(service, op, c, args, arrays)
@@ -150,6 +162,7 @@ def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     a, b = Transport(server.endpoint, timeout_s=10.0), Transport(server.endpoint, timeout_s=10.0)
+    a.token, b.token = token_of(service, slow), token_of(service, waiting)
     try:
         first = threading.Thread(target=lambda: a.call(Op.LOOKUP, slow, {}, [b""]))
         first.start()
@@ -261,3 +274,43 @@ def test_two_pools_route_by_device_and_stats_add_up(make_manager, clock):
     assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 3 and st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
     assert not call(svc, Op.ATTACH, args={"name": "x", "pid": 0, "device": 5}).ok
     assert call(svc, Op.CHECK).ok
+
+
+def test_a_client_name_is_bounded(service):
+    """Every `stats` reply lists every client's name: an unbounded one would make it unreadable."""
+    reply = call(service, Op.ATTACH, args={"name": "x" * (P.MAX_NAME_CHARS + 1), "pid": 0})
+    assert not reply.ok and f"argument 'name' has {P.MAX_NAME_CHARS + 1} characters, more than" in reply.error_message
+    assert not service.sessions
+    assert call(service, Op.ATTACH, args={"name": "x" * P.MAX_NAME_CHARS, "pid": 0}).ok
+
+
+def test_a_reply_larger_than_a_request_may_be_still_reads():
+    big = P.Reply(1, True, {"clients": ["x" * 1000] * 2000})  # 2 MB: the stats of many clients
+    assert len(P.encode_reply(big)[2]) > P.MAX_HEADER_BYTES
+    assert P.decode_reply(P.encode_reply(big)).result == big.result
+
+
+def test_an_unreadable_reply_is_a_daemon_error_naming_the_op(tmp_path):
+    """A reply this side cannot decode raises DaemonError (which every command reports in one line),
+    never a bare ProtocolError with a traceback."""
+    from dflash2.client import DaemonError
+
+    endpoint = f"ipc://{tmp_path}/odd.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(endpoint)
+
+    def serve():
+        ident, *_ = router.recv_multipart()
+        router.send_multipart([ident, P.MAGIC, str(P.VERSION).encode(), b"[" * 100_000])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    t = Transport(endpoint, timeout_s=5.0)
+    try:
+        with pytest.raises(DaemonError, match=f"stats: the reply of dflash2d at {endpoint} cannot be read") as e:
+            t.call(Op.STATS)
+        assert e.value.kind == "ProtocolError"
+    finally:
+        t.close()
+        thread.join()
+        router.close(0)

@@ -107,7 +107,8 @@ def echo_floor(endpoint: str, n: int) -> tuple[float, float]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    frames = P.encode_request(P.Op.LOOKUP, 1, 1, {}, [np.ones(1, P.KEYS_DTYPE).tobytes()])
+    frames = P.encode_request(P.Op.LOOKUP, 1, 1, {}, [np.ones(1, P.KEYS_DTYPE).tobytes()],
+                              token="0" * P.TOKEN_CHARS)  # a real call's size
 
     def once():
         sock.send_multipart(frames, copy=False)

@@ -78,6 +78,8 @@ def _request(line: str, where: str) -> Request:
         rec = json.loads(line)
     except json.JSONDecodeError as exc:
         raise OptionError(f"{where}: not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:  # a number of over 4300 digits; nesting deeper than the stack
+        raise OptionError(f"{where}: not JSON ({'nested too deeply' if isinstance(exc, RecursionError) else str(exc).split(';')[0]})") from None
     if not isinstance(rec, dict):
         raise OptionError(f"{where}: not a JSON object (a Mooncake request: timestamp, hash_ids)")
     for field in ("timestamp", "hash_ids"):

@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 
-from dflash2.bench import OptionError, non_negative_int, sizes_kib, visible_gpu
+from dflash2.bench import OptionError, non_negative_int, positive_int, sizes_kib, visible_gpu
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -34,18 +34,16 @@ LAYER_BYTES = 64 * KIB  # one layer of the bench layout: 8 KV heads x 128 x bf16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-kib", default="64,256,2048",
                         help="block sizes in KiB, multiples of 64 (comma separated; default %(default)s)")
-    parser.add_argument("--mb", type=int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
-    parser.add_argument("--repeat", type=int, default=3, help="promotions per way of making room (default 3)")
+    parser.add_argument("--mb", type=positive_int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="promotions per way of making room (default 3)")
     parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
                         help="auto: the GPU where one is visible, else the host stand-ins")
     parser.add_argument("--gpu", type=non_negative_int, default=0, help="which GPU (default 0)")
-    parser.add_argument("--chain", type=int, default=1,
+    parser.add_argument("--chain", type=positive_int, default=1,
                         help="blocks per cached prefix chain filling HBM (default 1: loose blocks a client holds)")
 
 
 def run(args) -> list[dict]:
-    if args.mb <= 0 or args.repeat <= 0 or args.chain <= 0:
-        raise OptionError("--mb, --repeat and --chain must be positive")
     sizes = sizes_kib(args.sizes_kib, LAYER_BYTES // KIB)
     from dflash2.cuda import cuda_available
 

@@ -1,0 +1,204 @@
+"""Sessions: a client id is not a credential (every call carries the token attach returned), and a
+call its client gave up on (timed out) leaves nothing held that the client does not know of."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2 import protocol as P
+from dflash2.client import Client, DaemonUnavailable, Transport
+from dflash2.daemon.service import KEEP_CALLS, Service
+from dflash2.keys import chain_keys
+from dflash2.protocol import Op
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    return Service(make_manager(hbm_blocks=16, dram_blocks=16), lease_timeout_s=10.0, heartbeat_interval_s=2.0,
+                   clock=clock)
+
+
+def call(svc, op, client=None, args=None, arrays=None, *, call_id=1, token=...):
+    if token is ...:
+        token = svc.sessions[client].token if client is not None else None
+    return P.decode_reply(svc.handle_frames(P.encode_request(op, call_id, client, args, arrays, token=token)))
+
+
+def attach(svc, name="c") -> int:
+    reply = call(svc, Op.ATTACH, args={"name": name, "pid": 0, "layouts": [SMALL.to_dict()]})
+    assert reply.ok and len(reply.result["token"]) == P.TOKEN_CHARS
+    return reply.result["client"]
+
+
+def vids_frame(vids) -> list[bytes]:
+    return [np.asarray(vids, dtype=P.VIDS_DTYPE).tobytes()]
+
+
+def hbm_used(svc) -> int:
+    return svc.manager.stats()["tiers"]["hbm"]["blocks"]
+
+
+def pins(svc) -> int:
+    return int(svc.manager.table.cols.pins.sum())
+
+
+def published(svc, client, n=4) -> np.ndarray:
+    m = svc.manager
+    vids = m.allocate(client, 0, n)
+    out = m.commit(client, vids, chain_keys(range(16 * n), 16, "sessions"))
+    m.free(client, out)
+    return out
+
+
+# -- tokens ----------------------------------------------------------------------------------
+def test_another_processs_token_cannot_act_for_a_client(service, clock):
+    victim, other = attach(service, "victim"), attach(service, "other")
+    vids = published(service, victim)
+    assert call(service, Op.ACQUIRE, victim, {}, vids_frame(vids)).ok
+    pinned = pins(service)
+    seen = service.sessions[victim].last_seen
+    clock.advance(5.0)
+    for token in ("0" * P.TOKEN_CHARS, service.sessions[other].token, ""):
+        for op, arrays in ((Op.RELEASE, vids_frame(vids)), (Op.DETACH, None), (Op.HEARTBEAT, None)):
+            reply = call(service, op, victim, {}, arrays, token=token)
+            assert not reply.ok and reply.error_type == "WrongToken", (op, token, reply)
+            assert f"client {victim}" in reply.error_message
+    assert victim in service.sessions and pins(service) == pinned == len(vids)
+    assert service.sessions[victim].last_seen == seen  # a refused call renews no lease
+    assert call(service, Op.RELEASE, victim, {}, vids_frame(vids)).ok  # its own token still works
+
+
+def test_a_call_without_a_token_is_refused_by_name(service):
+    c = attach(service)
+    reply = call(service, Op.HEARTBEAT, c, token=None)
+    assert not reply.ok and "heartbeat needs the session token attach returned (header.token)" in reply.error_message
+    reply = call(service, Op.HEARTBEAT, c, token=7)
+    assert not reply.ok and "header.token must be the session token" in reply.error_message
+
+
+def test_stats_lists_clients_without_their_tokens(service):
+    c = attach(service)
+    st = call(service, Op.STATS).result
+    assert [x["client"] for x in st["clients"]] == [c]
+    assert service.sessions[c].token not in str(st)
+
+
+# -- forget ----------------------------------------------------------------------------------
+def test_a_forgotten_call_that_ran_is_given_back(service):
+    c = attach(service)
+    lid = 0
+    cached = published(service, c)
+    used = hbm_used(service)
+    calls = [
+        (Op.ALLOCATE, {"layout": lid, "n": 3}, None),
+        (Op.RESERVE, {"layout": lid, "tokens": 16 * 2}, None),
+        (Op.ACQUIRE, {}, vids_frame(cached)),
+        (Op.ADD_REF, {}, vids_frame(cached[:1])),
+    ]
+    for i, (op, args, arrays) in enumerate(calls, start=10):
+        assert call(service, op, c, args, arrays, call_id=i).ok
+    assert hbm_used(service) > used
+    assert pins(service) == len(cached) and service.manager.stats()["reservations"]["granted"] == 1
+    for i, _ in enumerate(calls, start=10):
+        assert call(service, Op.FORGET, c, {"call": i}, call_id=100 + i).result == {"undone": True}
+    assert hbm_used(service) == used and pins(service) == 0
+    assert service.manager.stats()["reservations"]["granted"] == 0
+    assert not +service.manager.table.client(c).refs  # the add_ref's reference is dropped
+    assert service.counters["calls_undone"] == 4
+    service.manager.check_invariants()
+
+
+def test_a_taken_block_is_given_back(service):
+    c = attach(service)
+    rid = call(service, Op.RESERVE, c, {"layout": 0, "tokens": 32}, call_id=1).result["reservation_id"]
+    assert call(service, Op.TAKE, c, {"reservation": rid, "n": 2}, call_id=2).ok
+    assert call(service, Op.FORGET, c, {"call": 2}, call_id=3).result == {"undone": True}
+    assert hbm_used(service) == 0
+    service.manager.check_invariants()
+
+
+def test_a_call_that_arrives_after_its_forget_is_not_run(service):
+    c = attach(service)
+    assert call(service, Op.FORGET, c, {"call": 5}, call_id=6).result == {"undone": False}
+    reply = call(service, Op.ALLOCATE, c, {"layout": 0, "n": 3}, call_id=5)
+    assert not reply.ok and reply.error_type == "CallForgotten" and "call 5" in reply.error_message
+    assert hbm_used(service) == 0
+    assert service.counters["calls_refused_forgotten"] == 1
+    # The heartbeat thread counts its call ids apart: one that matches a forgotten id still runs.
+    assert call(service, Op.FORGET, c, {"call": 9}, call_id=7).ok
+    assert call(service, Op.HEARTBEAT, c, call_id=9).ok
+    assert call(service, Op.ALLOCATE, c, {"layout": 0, "n": 1}, call_id=9).error_type == "CallForgotten"
+
+
+def test_forget_keeps_a_bounded_memory(service):
+    c = attach(service)
+    for i in range(1, 3 * KEEP_CALLS):
+        assert call(service, Op.ALLOCATE, c, {"layout": 0, "n": 1}, call_id=i).ok
+        assert call(service, Op.FORGET, c, {"call": 1000 + i}, call_id=500 + i).ok
+    session = service.sessions[c]
+    assert len(session.undo) == KEEP_CALLS and len(session.forgotten) == KEEP_CALLS
+    # The oldest call is no longer kept: forgetting it undoes nothing (and says so).
+    assert call(service, Op.FORGET, c, {"call": 1}, call_id=999).result == {"undone": False}
+
+
+def test_an_undo_that_no_longer_applies_is_logged_not_raised(service, caplog):
+    c = attach(service)
+    places = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 2}, call_id=1).arrays[0],
+                           dtype=P.PLACE_DTYPE)
+    assert call(service, Op.FREE, c, {}, vids_frame(places["vid"]), call_id=2).ok
+    reply = call(service, Op.FORGET, c, {"call": 1}, call_id=3)
+    assert reply.ok and reply.result == {"undone": False}
+    assert "giving back what it handed out failed" in caplog.text
+    service.manager.check_invariants()
+
+
+# -- end to end: a daemon that is only slow --------------------------------------------------
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    yield proc
+    proc.stop()
+
+
+def _held(endpoint) -> tuple[int, int]:
+    t = Transport(endpoint)
+    try:
+        st = t.call(Op.STATS).result
+    finally:
+        t.close()
+    return st["tiers"]["hbm"]["blocks"], st["daemon"]["calls_undone"] + st["daemon"]["calls_refused_forgotten"]
+
+
+@pytest.mark.parametrize("what", ["allocate", "reserve"])
+def test_a_timed_out_call_of_a_stopped_daemon_leaves_nothing_held(daemon, what):
+    """The daemon is stopped (SIGSTOP) while the call is on its way, so the client times out; once
+    it runs again, the call either runs and is given back, or arrives after its `forget` and is
+    refused. Either way the client holds nothing it does not know of."""
+    c = Client.connect(daemon.endpoint, name="impatient", layouts=[SMALL], timeout_s=5.0, heartbeat=False)
+    try:
+        lid = c.layouts[0]
+        assert _held(daemon.endpoint) == (0, 0)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable, match="asked it to give back whatever the call handed out"):
+                if what == "allocate":
+                    c._call(Op.ALLOCATE, {"layout": lid, "n": 8}, timeout_s=0.3)
+                else:
+                    c._call(Op.RESERVE, {"layout": lid, "tokens": 16 * 8}, timeout_s=0.3)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while _held(daemon.endpoint)[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _held(daemon.endpoint) == (0, 1)
+        assert c.allocate(lid, 2) is not None  # the client goes on as before
+        assert _held(daemon.endpoint)[0] == 2
+    finally:
+        c.close()
