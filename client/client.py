@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -110,7 +111,7 @@ class Client:
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
         self._transport = Transport(endpoint, timeout_s)
         self._layouts: dict[int, Layout] = {}
-        self._held: dict[int, np.void] = {}  # vid -> place, for blocks this client may view now
+        self._held = HeldPlaces()  # the blocks this client may view by vid now
         self._arenas: ArenaMap | None = None
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -216,7 +217,7 @@ class Client:
             if self._arenas is not None:
                 self._arenas.close()
                 self._arenas = None
-            self._held.clear()
+            self._held = HeldPlaces()
         return released
 
     close = detach
@@ -280,7 +281,7 @@ class Client:
     def take(self, reservation_id: int, n: int) -> np.ndarray:
         """n blocks of a granted reservation, to write (their places; views are valid until commit)."""
         reply = self._call(Op.TAKE, {"reservation": int(reservation_id), "n": int(n)})
-        return self._hold(_places(reply.arrays[0]))
+        return self._held.writing(_places(reply.arrays[0]))
 
     def cancel(self, reservation_id: int) -> None:
         self._call(Op.CANCEL, {"reservation": int(reservation_id)})
@@ -297,7 +298,7 @@ class Client:
         reply = self._call(Op.ALLOCATE, args)
         if not reply.result.get("allocated"):
             return None
-        return self._hold(_places(reply.arrays[0]))
+        return self._held.writing(_places(reply.arrays[0]))
 
     def commit(self, vids, keys=None, parent: int | None = None) -> np.ndarray:
         """Make blocks final (and, with content keys, shareable). Returns the vids now held: a key
@@ -305,7 +306,7 @@ class Client:
         args = {} if parent is None else {"parent": int(parent)}
         arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
         out = np.frombuffer(self._call(Op.COMMIT, args, arrays).arrays[0], dtype=P.VIDS_DTYPE)
-        self._forget(vids)
+        self._held.written(vids)
         return out
 
     def lookup(self, keys, layout: int | None = None, tier: str = "hbm", *, probe: bool = False) -> np.ndarray:
@@ -330,20 +331,23 @@ class Client:
 
     def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:
         """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now
-        (DaemonError of kind NeverFits when they exceed the whole tier). tier="dram": a host-side
-        reader pins blocks in DRAM where they are (only NVMe ones move up)."""
+        (DaemonError of kind NeverFits when they exceed the whole tier; of kind PinnedBlock when one
+        of them must move up but a host-side reader has it pinned where it lies: it can move once
+        released). tier="dram": a host-side reader pins blocks in DRAM where they are (only NVMe ones
+        move up). Each acquire is one pin per block, as many as the daemon counts: a block stays
+        viewable by vid until its last pin is released."""
         reply = self._call(Op.ACQUIRE, {} if tier == "hbm" else {"tier": tier}, [_vids(vids)])
         if not reply.result.get("acquired"):
             return None
-        return self._hold(_places(reply.arrays[0]))
+        return self._held.pinned(_places(reply.arrays[0]))
 
     def release(self, vids) -> None:
         self._call(Op.RELEASE, {}, [_vids(vids)])
-        self._forget(vids)
+        self._held.released(vids)
 
     def free(self, vids) -> int:
         n = int(self._call(Op.FREE, {}, [_vids(vids)]).result["freed"])
-        self._forget(vids)
+        self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
         return n
 
     def add_ref(self, vids) -> None:
@@ -381,18 +385,65 @@ class Client:
 
     def _place(self, place):
         if isinstance(place, (int, np.integer)):
-            try:
-                return self._held[int(place)]
-            except KeyError:
+            found = self._held.place(int(place))
+            if found is None:
                 raise ArenaError(f"block {int(place):#x} is not being written or acquired by this client; "
-                                 "pass its place record, or acquire it first") from None
+                                 "pass its place record, or acquire it first")
+            return found
         return place
 
-    def _hold(self, places: np.ndarray) -> np.ndarray:
-        for p in places:
-            self._held[int(p["vid"])] = p
+
+class HeldPlaces:
+    """The places of the blocks a client may view by vid: those it writes (allocate, take; until it
+    commits or frees them) and those it has pinned (acquire; counted per pin, as the daemon counts
+    them, until the last release). Thread-safe: threads of one engine share a Client."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._places: dict[int, np.void] = {}
+        self._writing: set[int] = set()
+        self._pins: Counter[int] = Counter()
+
+    def writing(self, places: np.ndarray) -> np.ndarray:
+        with self._lock:
+            for p in places:
+                v = int(p["vid"])
+                self._places[v] = p
+                self._writing.add(v)
         return places
 
-    def _forget(self, vids) -> None:
-        for v in np.asarray(vids, dtype=np.int64).reshape(-1).tolist():
-            self._held.pop(v, None)
+    def pinned(self, places: np.ndarray) -> np.ndarray:
+        with self._lock:
+            for p in places:
+                v = int(p["vid"])
+                self._places[v] = p
+                self._pins[v] += 1
+        return places
+
+    def written(self, vids) -> None:
+        """Committed or freed: no longer being written (still viewable while pinned)."""
+        with self._lock:
+            for v in _vid_list(vids):
+                self._writing.discard(v)
+                self._drop_if_unheld(v)
+
+    def released(self, vids) -> None:
+        with self._lock:
+            for v in _vid_list(vids):
+                if self._pins[v] > 1:
+                    self._pins[v] -= 1
+                else:
+                    self._pins.pop(v, None)
+                    self._drop_if_unheld(v)
+
+    def place(self, vid: int):
+        with self._lock:
+            return self._places.get(vid)
+
+    def _drop_if_unheld(self, v: int) -> None:
+        if v not in self._writing and v not in self._pins:
+            self._places.pop(v, None)
+
+
+def _vid_list(vids) -> list[int]:
+    return np.asarray(vids, dtype=np.int64).reshape(-1).tolist()

@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError, LayoutError, NeverFits
+from dflash2.errors import ArenaError, LayoutError, NeverFits, PinnedBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -268,6 +268,15 @@ class BlockManager:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         tiers = self.table.cols.tier[rows]
+        held = (tiers > int(up_to)) & (self.table.cols.pins[rows] > 0)
+        if held.any():
+            # A pinned block never moves: one a host-side reader pinned in DRAM cannot come up to
+            # HBM until it is released. Said so, not "no room now" (None) with HBM perhaps empty.
+            r = rows[held][:1]
+            raise PinnedBlock(f"block {int(self.table.vids(r)[0]):#x} lies in {Tier(int(tiers[held][0])).label}, "
+                              f"pinned there by a reader of that tier (a host-side reader: acquire with tier "
+                              f"'dram'); it can move up to {up_to.label} once released: try again then, or "
+                              "read it where it lies (tier 'dram')")
         if (tiers > int(up_to)).any():
             # Every block at or below `up_to` must lie in it at once: when they cannot, refuse
             # before promoting any (which would push other clients' blocks out for nothing).

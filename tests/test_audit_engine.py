@@ -1,0 +1,111 @@
+"""An engine's use of the client: views by vid follow the daemon's pin counts, and a block pinned
+below HBM by a host-side reader is named when a GPU reader asks for it, not answered "no room"."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.client import DaemonError, chain_keys
+from dflash2.client.client import HeldPlaces
+from dflash2.errors import ArenaError
+from dflash2.protocol import PLACE_DTYPE
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    yield proc
+    proc.stop()
+
+
+def published(client, n=2, namespace="engine") -> np.ndarray:
+    keys = chain_keys(range(16 * n), 16, namespace)
+    vids = client.commit(client.allocate(client.layouts[0], n)["vid"], keys=keys)
+    client.free(vids)
+    return vids
+
+
+def test_a_block_stays_viewable_until_its_last_pin_goes(connect):
+    c = connect("engine")
+    [vid] = published(c, 1)
+    c.acquire([vid])
+    c.acquire([vid])  # a second thread of the engine reads the same prefix
+    c.view_bytes(int(vid))[:4] = np.frombuffer(b"KV!!", np.uint8)
+    c.release([vid])
+    assert bytes(c.view_bytes(int(vid))[:4]) == b"KV!!", "one pin is still held"
+    c.release([vid])
+    with pytest.raises(ArenaError, match="not being written or acquired by this client"):
+        c.view(int(vid))
+
+
+def test_freeing_a_reference_leaves_a_pinned_block_viewable(connect):
+    c = connect("engine")
+    [vid] = published(c, 1)
+    c.add_ref([vid])
+    c.acquire([vid])
+    c.free([vid])  # the request's reference goes; its pin stays
+    assert c.view(int(vid)) is not None
+    c.release([vid])
+    with pytest.raises(ArenaError):
+        c.view(int(vid))
+
+
+def test_threads_sharing_a_client_keep_each_others_pins(connect):
+    c = connect("engine")
+    vids = published(c, 4)
+    errors = []
+
+    def reader():
+        try:
+            for _ in range(50):
+                c.acquire(vids)
+                for v in vids:
+                    c.view_bytes(int(v))  # still pinned by this thread, whatever the others released
+                c.release(vids)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    c.check()
+
+
+def test_held_places_count_pins_and_writes():
+    held = HeldPlaces()
+    rec = np.zeros(1, dtype=PLACE_DTYPE)
+    rec["vid"] = 7
+    held.writing(rec)
+    held.pinned(rec)
+    held.written([7])
+    assert held.place(7) is not None  # pinned
+    held.released([7])
+    assert held.place(7) is None
+    held.released([7])  # a release the client never pinned here: nothing to drop
+    assert held.place(7) is None
+
+
+def test_a_block_pinned_in_dram_by_a_host_reader_is_named_to_a_gpu_reader(connect):
+    host, gpu = connect("host-reader"), connect("gpu-engine")
+    lid = host.layouts[0]
+    keys = chain_keys(range(32), 16, "host")
+    vids = host.commit(host.allocate(lid, 2, tier="dram")["vid"], keys=keys)
+    host.free(vids)
+    assert host.acquire(vids, tier="dram") is not None  # pinned where they lie, in DRAM
+    with pytest.raises(DaemonError) as e:
+        gpu.acquire(vids)
+    assert e.value.kind == "PinnedBlock"
+    assert f"block {int(vids[0]):#x} lies in dram, pinned there by a reader of that tier" in str(e.value)
+    gpu.check()
+    host.release(vids)
+    places = gpu.acquire(vids)
+    assert places is not None and set(places["tier"].tolist()) == {0}  # in HBM now
+    gpu.release(vids)
