@@ -4,7 +4,9 @@ Replies are matched by call id. After a timeout the socket is thrown away and a 
 identity), so a late reply to the timed-out call can never be taken for the answer to a later one.
 A timed-out call that hands its client something (protocol.UNDOABLE: blocks, a reservation, pins)
 may still run in a daemon that was only slow; the client never learns what it got, so the new socket
-first tells the daemon to `forget` the call: given back if it ran, refused if it arrives later.
+first tells the daemon to `forget` the call: given back if it ran, refused if it arrives later. A
+`forget` is sent again on every new socket until the daemon answers it: one queued on a socket that
+the next timeout throws away would otherwise be lost with it.
 Not thread-safe on its own: the client serialises calls with a lock, and the heartbeat thread has a
 transport of its own (ZeroMQ sockets must not be shared between threads).
 """
@@ -39,6 +41,9 @@ def pid_namespace() -> int | None:
         return None
 
 
+MAX_FORGETS = 8  # unanswered `forget`s kept to send again (daemon.service.KEEP_CALLS)
+
+
 class Transport:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, *, context: zmq.Context | None = None,
                  version: int = P.VERSION):
@@ -48,6 +53,8 @@ class Transport:
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self.token: str | None = None  # the session token attach returned, sent with every call
+        # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten)
+        self._forgets: dict[int, tuple[int, int]] = {}
         self._sock: zmq.Socket | None = None
         self._open()
 
@@ -78,13 +85,14 @@ class Transport:
     def closed(self) -> bool:
         return self._sock is None
 
-    def _forget(self, client: int, call_id: int) -> bool:
-        """Queue `forget` of a timed-out call on the fresh socket, without waiting: its reply, if
-        any, is skipped like any late one. False when it cannot even be queued."""
-        frames = P.encode_request(P.Op.FORGET, next(self._ids), client, {"call": call_id},
-                                  version=self.version, token=self.token)
+    def _send_forgets(self) -> bool:
+        """Queue every `forget` not yet answered on the (fresh) socket, without waiting: their
+        answers are taken off as they come (`call`). False when they cannot even be queued."""
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            for fid, (owner, call) in self._forgets.items():
+                self._sock.send_multipart(P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
+                                                           version=self.version, token=self.token),
+                                          zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
         return True
@@ -103,14 +111,20 @@ class Transport:
             self._sock.send_multipart(frames, copy=False)
         except zmq.ZMQError as e:
             self.reset()
+            self._send_forgets()
             raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}") from None
         while True:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
                 self.reset()
                 undo = ""
-                if op in P.UNDOABLE and client is not None and self._forget(client, call_id):
+                if op in P.UNDOABLE and client is not None:
+                    self._forgets[next(self._ids)] = (client, call_id)
+                    while len(self._forgets) > MAX_FORGETS:  # the daemon keeps no more than that either
+                        del self._forgets[next(iter(self._forgets))]
                     undo = "; asked it to give back whatever the call handed out, should it run"
+                if self._forgets and not self._send_forgets():
+                    undo = ""
                 raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
                                         f"{timeout:g}s (daemon gone or stuck{undo})")
             reply_frames = self._sock.recv_multipart(copy=True)
@@ -122,6 +136,7 @@ class Transport:
                 raise DaemonError("ProtocolError", f"{op.value}: the reply of dflash2d at {self.endpoint} cannot be "
                                   f"read: {e}") from None
             if reply.call_id != call_id:
+                self._forgets.pop(reply.call_id, None)  # a `forget` the daemon has taken
                 continue  # a late reply to an earlier call: not ours
             if not reply.ok:
                 if reply.error_type == "VersionMismatch":

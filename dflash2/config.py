@@ -365,12 +365,11 @@ HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it i
 
 
 def _same_host(a: str, b: str) -> bool:
-    """Whether two host names name one address, as far as can be told without asking a resolver:
-    equal, or both this machine's loopback."""
-    loopback = {"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"}
+    """Whether two hosts may name one address, as far as can be told without asking a resolver:
+    equal, or a loopback name and a loopback address it stands for (127.0.0.2 is another address)."""
+    names, addresses = {"localhost", "ip6-localhost"}, {"127.0.0.1", "::1", "[::1]"}
     a, b = a.lower(), b.lower()
-    return a == b or (a in loopback and b in loopback) or (a.startswith("127.") and b in loopback) \
-        or (b.startswith("127.") and a in loopback)
+    return a == b or ({a, b} <= names | addresses and bool({a, b} & names))
 
 
 def endpoint_parts(endpoint: str) -> tuple[str, str]:

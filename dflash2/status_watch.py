@@ -30,7 +30,8 @@ def handler(args: argparse.Namespace) -> int:
     if not args.watch:
         given = [o for o, v in (("--interval", args.interval), ("--count", args.count)) if v is not None]
         if given:  # not silently ignored: the user meant a live view
-            print(f"dflash2 status: error: {' and '.join(given)} only go with --watch", file=sys.stderr)
+            print(f"dflash2 status: error: {' and '.join(given)} only {'go' if len(given) > 1 else 'goes'} with "
+                  "--watch", file=sys.stderr)
             return status.EXIT_USAGE
         return status.handler(args)
     from dflash2.client.client import resolve_endpoint

@@ -197,11 +197,17 @@ def test_a_port_in_other_digits_is_refused(endpoint):
         parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
-@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.0.0.2", "::1"])
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):
         parse_config({**base(), "daemon": {"endpoint": "tcp://localhost:9511"},
                       "metrics": {"port": 9511, "host": host}})
+
+
+def test_metrics_on_another_loopback_address_may_share_the_port():
+    cfg = parse_config({**base(), "daemon": {"endpoint": "tcp://127.0.0.1:9511"},
+                        "metrics": {"port": 9511, "host": "127.0.0.2"}})
+    assert cfg.metrics.port == 9511
 
 
 def test_the_memory_warning_counts_the_stand_in_of_auto_resolved_to_host():
@@ -258,7 +264,7 @@ def test_bench_without_a_name_names_only_the_name(capsys):
 @pytest.mark.parametrize("option", [("--interval", "5"), ("--count", "3")])
 def test_watch_options_without_watch_are_refused(capsys, tmp_path, option):
     rc, _, err = run_cli(capsys, "status", "--endpoint", f"ipc://{tmp_path}/none.sock", *option)
-    assert rc == 2 and f"dflash2 status: error: {option[0]} only go with --watch" in err
+    assert rc == 2 and f"dflash2 status: error: {option[0]} only goes with --watch" in err
 
 
 def test_a_watch_that_never_got_an_answer_exits_1(capsys, tmp_path):
