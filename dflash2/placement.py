@@ -131,11 +131,12 @@ class Placement:
             mask[protect] = False
         return mask
 
-    def select(self, tier: Tier, need_bytes: int, *, evict: bool, cold_only: bool,
+    def select(self, tier: Tier, need_bytes: int, *, evict: bool, cold: np.ndarray | None = None,
                protect: np.ndarray | None = None, below_priority: int | None = None,
                idle_only: bool = False) -> np.ndarray:
         """Lowest-scored movable rows of `tier` whose slots add up to at least need_bytes (or all of
-        them when there are not enough), in eviction order.
+        them when there are not enough), in eviction order. `cold`: a mask of the rows that may go
+        (the tier's cold blocks, fixed by the caller for the whole making of room); None: any.
 
         Prefix order lets only leaves leave, but the victims must be the lowest-scored blocks of the
         tier, not the lowest-scored leaves (that would push out a hot leaf while a cold chain waits
@@ -149,8 +150,8 @@ class Placement:
         if not n_reach or need_bytes <= 0:
             return np.empty(0, dtype=np.int64)
         scores = self.policy.scores_all(self.table, self.table.clock())
-        if cold_only:
-            reach &= self._cold_mask(tier, scores)
+        if cold is not None:
+            reach &= cold
             n_reach = int(np.count_nonzero(reach))
             if not n_reach:
                 return np.empty(0, dtype=np.int64)
@@ -241,8 +242,14 @@ class Placement:
                   protect: np.ndarray | None = None, below_priority: int | None = None,
                   idle_only: bool = False, block_bytes: int | None = None) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
-        blocks of `block_bytes` when given). True on success."""
-        pick = dict(cold_only=cold_only, protect=protect, below_priority=below_priority, idle_only=idle_only)
+        blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
+        the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
+        over what is left after each round (that would call the coldest of the rest cold, round
+        after round, and the threshold would only set how many batches the same demotion takes)."""
+        cold = None
+        if cold_only:
+            cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
+        pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
         for _ in range(self.MAX_ROUNDS):
             short = need_bytes - self.free_bytes(tier, block_bytes)
             if short <= 0:

@@ -183,6 +183,9 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
             got = self.mgr.acquire(c, vids)
         except NeverFits:  # a chain longer than HBM holds
             return
+        except PinnedBlock:  # a block of it is pinned below HBM (a host reader's): it cannot come up now
+            assert ((cols.tier[path] > int(Tier.HBM)) & (cols.pins[path] > 0)).any()
+            return
         if got is None:
             return
         if not promoting:  # all in HBM already: nothing moves (a parent below stays there)

@@ -253,7 +253,7 @@ def test_select_takes_the_lowest_scored_leaves_and_keeps_scores_intact():
         mgr.release(c, chains[k])
     scores = pol.rescore(table, 0.0)
     kept = scores.copy()
-    victims = mgr.placement.select(Tier.HBM, 2 * SLOT, evict=True, cold_only=False)
+    victims = mgr.placement.select(Tier.HBM, 2 * SLOT, evict=True)
     assert np.array_equal(scores, kept)  # the choice works on a copy of the scores
     leaves = [table.rows(ch)[1] for ch in chains]
     assert sorted(victims.tolist()) == sorted(sorted(leaves, key=lambda r: scores[r])[:2])

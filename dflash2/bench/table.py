@@ -74,9 +74,9 @@ def run(args) -> dict:
     need = (n // 100) * slot
     def full_pass():  # a fresh scoring pass over every block, then the choice of 1% as victims
         mgr.policy.rescore(mgr.table, mgr.table.clock())
-        mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False)
+        mgr.placement.select(Tier.HBM, need, evict=True)
     rescore = _median_ms(full_pass, args.repeat)
-    select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False), args.repeat)
+    select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True), args.repeat)
     # Chains as the coldest blocks: each chunk of the build is one chain (block i's parent is i-1).
     starts = np.arange(0, n, chunk)
     for i, start in enumerate(rng.permutation(starts).tolist()):
@@ -84,7 +84,7 @@ def run(args) -> dict:
         mgr.table.touch(rows, now=2.0 + i)
         mgr.policy.on_access(mgr.table, rows, 2.0 + i)
     mgr.policy.rescore(mgr.table, mgr.table.clock())
-    chain_select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True, cold_only=False), args.repeat)
+    chain_select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True), args.repeat)
     baseline_data = rng.random(n).astype(np.float32)
     baseline = _median_ms(lambda: np.argpartition(baseline_data, n // 100), args.repeat)
     cycles = max(1, 200_000 // args.batch)
