@@ -90,6 +90,7 @@ class Server:
             self._sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply: the client's queue is full")
+        self.service.after_reply()
 
     def _tick(self, late_s: float = 0.0) -> None:
         started = time.perf_counter()

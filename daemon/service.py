@@ -145,6 +145,11 @@ class Service:
             self.on_request(req.op.value, elapsed)
         return reply
 
+    def after_reply(self) -> None:
+        """Work a call left for after its answer (a reader's prefetch window, `run_prefetch`)."""
+        for m in self.managers.values():
+            m.run_prefetch()
+
     def expire_leases(self) -> list[int]:
         """Detach clients whose lease lapsed or whose process is gone. Returns their ids."""
         now = self.clock()

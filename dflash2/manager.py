@@ -130,6 +130,7 @@ class BlockManager:
         """Release everything the client holds (also what a lapsed lease does)."""
         self.table.client(client)
         self.read_cost.drop_client(client)
+        self.prefetcher.drop(client)
         reservations = self.admission.remove_client(client)
         released = self.table.remove_client(client)
         self._follow_up("granting waiting reservations after a detach", self.admission.tick)
@@ -249,6 +250,8 @@ class BlockManager:
             cached = (c.state[rows] != int(BlockState.FREE)) & (c.key[rows] != 0)
             if not cached.all():
                 rows = rows[: int(np.argmin(cached))]
+        if reader == Tier.HBM and client is not None and len(rows):
+            self.prefetcher.follow(client, self.table.vids(rows).tolist())  # the window follows its reads
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
@@ -298,7 +301,15 @@ class BlockManager:
             if not ok.all():
                 return None
         self.table.pin_rows(client, rows)
+        if up_to == Tier.HBM:
+            self.prefetcher.read_to(client, self.table.vids(rows).tolist())  # runs after the reply
         return rows
+
+    def run_prefetch(self) -> None:
+        """The windows due since the last acquires (`Prefetcher.read_to`): the daemon runs this once
+        it has answered the acquire, so that the reader computes while they come up; the tick too."""
+        if self.prefetcher.due:
+            self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
 
     def release(self, client: int, vids) -> None:
         self.table.unpin(client, vids)
@@ -324,6 +335,7 @@ class BlockManager:
         reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups."""
         if self.duel is not None:
             self.duel.run(self.duel.tick_budget_s)
+        self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.tick()
         self.placement.rebalance()

@@ -2,7 +2,10 @@
 
 While a request reads its cached prefix, the prefetcher keeps `kv_block.prefetch_window` blocks
 beyond the read position on their way up to HBM, so the next read is served from HBM without
-waiting for a swap-in. The window doubles (up to `max_factor` × the configured value) each time it
+waiting for a swap-in. In the daemon a reader's lookup names the chain it will read (`follow`);
+each of its acquires moves its read position (`read_to`), and the window beyond it comes up once
+the acquire is answered (`run_queued`: after the reply, or at the next tick), while the engine
+computes on what it read. The window doubles (up to `max_factor` × the configured value) each time it
 is used while HBM is filled below its low watermark, and falls back to the configured value as soon
 as HBM is above its high watermark: prefetching into a full tier only pushes out blocks that other
 requests are about to read.
@@ -17,7 +20,7 @@ prefetch is not a read), so that the read it was brought up for finds it there.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +28,9 @@ import numpy as np
 from dflash2.table import BlockState
 from dflash2.table.table import ROW_MASK
 from dflash2.tiers import Tier
+
+
+CHAINS_PER_READER = 16  # chains followed per reader: the requests an engine reads at once
 
 
 class Prefetcher:
@@ -44,6 +50,12 @@ class Prefetcher:
         # them in HBM for their read. One tick only: a block nobody reads is cold like any other.
         self._fresh: set[int] = set()
         manager.placement.awaiting_read.append(self._fresh_rows)
+        # The chains each reader (client) reads, from its last CHAINS_PER_READER lookups (an engine
+        # serves several requests at once): their vids and positions; and the windows due
+        # ((reader, chain) -> read position), run after the reply.
+        self._chains: dict[int, OrderedDict[int, tuple[list[int], dict[int, int]]]] = {}
+        self._queued: dict[tuple[int, int], int] = {}
+        self._next_chain = 0
 
     # -- window ----------------------------------------------------------------------------
     def _adapt(self) -> int:
@@ -85,6 +97,58 @@ class Prefetcher:
         self._pending.update((v, (t, reader)) for v, t in zip(done, origin[ok].tolist()))
         self._fresh.update(done)
         return len(done)
+
+    def follow(self, reader: int, vids: Sequence[int]) -> None:
+        """`reader`'s lookup found this chain: a request of it reads it from the start next."""
+        if not self.base:
+            return
+        chain = [int(v) for v in vids]
+        chains = self._chains.setdefault(reader, OrderedDict())
+        self._next_chain += 1
+        chains[self._next_chain] = (chain, {v: i for i, v in enumerate(chain)})
+        while len(chains) > CHAINS_PER_READER:
+            self._queued.pop((reader, next(iter(chains))), None)
+            chains.popitem(last=False)
+
+    def read_to(self, reader: int, vids: Sequence[int]) -> None:
+        """`reader` has read (acquired) these blocks: the window beyond the furthest of them, on the
+        newest of its chains that holds them, is due."""
+        chains = self._chains.get(reader)
+        if not chains:
+            return
+        for key in reversed(chains):
+            chain, index = chains[key]
+            at = [index[v] for v in vids if v in index]
+            if at:
+                break
+        else:
+            return
+        position = max(at) + 1
+        if position >= len(chain):  # read to its end: nothing more to bring up for it
+            del chains[key]
+            self._queued.pop((reader, key), None)
+        else:
+            self._queued[(reader, key)] = position
+
+    def run_queued(self) -> int:
+        """Bring up the due windows (the readers did not wait for these: their reads of them are
+        HBM hits). Returns the blocks promoted."""
+        done = 0
+        while self._queued:
+            (reader, key), position = self._queued.popitem()
+            followed = self._chains.get(reader, {}).get(key)
+            if followed is not None:
+                done += self.ahead(followed[0], position)
+        return done
+
+    @property
+    def due(self) -> bool:
+        return bool(self._queued)
+
+    def drop(self, reader: int) -> None:
+        """The reader left (detached, lease lapsed)."""
+        for key in self._chains.pop(reader, {}):
+            self._queued.pop((reader, key), None)
 
     def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
         """The request is about to read these blocks: settle the prefetches among them. Returns,

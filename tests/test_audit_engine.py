@@ -109,3 +109,25 @@ def test_a_block_pinned_in_dram_by_a_host_reader_is_named_to_a_gpu_reader(connec
     places = gpu.acquire(vids)
     assert places is not None and set(places["tier"].tolist()) == {0}  # in HBM now
     gpu.release(vids)
+
+
+def test_the_daemon_brings_up_the_window_ahead_of_each_read(connect):
+    """Over the socket: once an acquire is answered, the blocks beyond it on the chain the reader
+    looked up come up to HBM (the config's prefetch window), before the reader asks for them."""
+    c = connect("engine")
+    lid = c.layouts[0]
+    keys = chain_keys(range(16 * 12), 16, "window")
+    vids = c.commit(c.allocate(lid, 12)["vid"], keys=keys)
+    c.free(vids)
+    hbm_blocks = c.stats()["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+    filler = c.allocate(lid, hbm_blocks)  # every idle block of HBM goes down to DRAM for these
+    c.free(filler["vid"])
+    assert set(c.places(vids)["tier"].tolist()) == {1}, "the chain lies in DRAM"
+    found = c.lookup(keys)["vid"]
+    first = c.stats()["prefetch"]["window"]
+    assert (c.places(found[:first])["tier"] == 0).all()  # the first window, at the lookup
+    assert (c.places(found[first:])["tier"] == 1).all()
+    assert c.acquire(found[:first]) is not None
+    c.release(found[:first])
+    ahead = found[first: first + c.stats()["prefetch"]["window"]]
+    assert len(ahead) and (c.places(ahead)["tier"] == 0).all(), "the window beyond the read came up after the reply"

@@ -134,7 +134,11 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
         if (c, vid) in self.pinned:
             return
         if up:
-            got = self.mgr.acquire(c, [vid])  # a promotion: may leave a pinned parent below it
+            try:
+                got = self.mgr.acquire(c, [vid])  # a promotion: may leave a pinned parent below it
+            except PinnedBlock:  # the block itself is pinned below HBM: it cannot come up now
+                assert self.t.cols.pins[self.t.rows([vid])[0]] > 0
+                return
             if got is None:
                 return
             assert got[0].tier == Tier.HBM
@@ -153,7 +157,12 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
             return
         vids = self.t.vids(np.asarray(subtree(self.t, int(rows[i % len(rows)]))[:4], dtype=np.int64)).tolist()
         for _ in range(times):
-            if self.mgr.acquire(c, vids) is None:
+            try:
+                if self.mgr.acquire(c, vids) is None:
+                    return
+            except PinnedBlock:  # a block of the chain is pinned below HBM
+                rows = self.t.rows(vids)
+                assert ((self.t.cols.tier[rows] > int(Tier.HBM)) & (self.t.cols.pins[rows] > 0)).any()
                 return
             self.mgr.release(c, vids)
             self.clock.advance(0.01)

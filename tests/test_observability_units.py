@@ -8,6 +8,7 @@ import logging
 import math
 import os
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -487,3 +488,57 @@ def test_reservations_that_end_with_their_client_are_counted(service):
     got = _scrape(metrics)
     assert got[("dflash2_reservations_total", (("outcome", "granted"),))] == 1
     assert got[("dflash2_reservations_total", (("outcome", "released"),))] == 1
+
+
+def test_the_window_follows_the_readers_position(make_manager, clock):
+    """A reader's acquires move its read position along the chain its lookup found: the window
+    beyond it comes up once the acquire is answered (not waited for: those reads are HBM hits), and
+    it doubles while HBM is below its low watermark."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("reader")
+    m.register_layout(SMALL)
+    keys = list(range(300, 324))
+    vids = m.allocate(a, 0, len(keys))
+    m.free(a, m.commit(a, vids, keys))
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # the whole chain down to DRAM
+    rows = m.table.lookup(keys, 0)
+    assert (m.table.cols.tier[rows] == int(Tier.DRAM)).all()
+    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    first = int(np.count_nonzero(m.table.cols.tier[rows] == int(Tier.HBM)))
+    assert first == m.prefetcher.window  # the first window, while the reader waited
+    read = 0
+    while read < len(chain):
+        part = chain[read: read + 4]
+        assert m.acquire_rows(a, part) is not None
+        m.release(a, part)
+        read += len(part)
+        m.run_prefetch()  # what the daemon does once it has answered
+        ahead = chain[read: read + m.prefetcher.window]
+        if ahead:
+            assert (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all(), read
+    assert m.prefetcher.window > 2  # doubled: HBM stayed below its low watermark
+    # Only the first window was waited for (read from DRAM); everything after it was a hit.
+    assert m.access.reads[Tier.DRAM] == first and m.access.reads[Tier.HBM] == len(chain) - first
+    assert m.prefetcher.useful == len(chain) and m.prefetcher.wasted == 0
+
+
+def test_the_window_follows_each_of_a_clients_requests(make_manager, clock):
+    """An engine reads several requests' prefixes at once: an acquire moves the window of the
+    chain that holds its blocks, whichever was looked up last."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("engine")
+    m.register_layout(SMALL)
+    chains = []
+    for first in (400, 500):
+        keys = list(range(first, first + 12))
+        m.free(a, m.commit(a, m.allocate(a, 0, 12), keys))
+        chains.append(keys)
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # both chains down to DRAM
+    one, two = (m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist() for keys in chains)
+    two_before = m.table.cols.tier[m.table.rows(two)].copy()
+    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(one)] == int(Tier.HBM)))
+    assert m.acquire_rows(a, one[:first]) is not None  # the first request reads on, past its first window
+    m.run_prefetch()
+    ahead = one[first:first + m.prefetcher.window]
+    assert ahead and (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all()
+    assert (m.table.cols.tier[m.table.rows(two)] == two_before).all()  # the other request's chain: untouched

@@ -114,6 +114,26 @@ def test_round_trip_through_sglang_factory(daemon, backends):
     assert stats.backup_pgs == [8] and stats.prefetch_pgs == [8]
 
 
+def test_calls_time_out_as_the_config_says_unless_the_server_sets_its_own(config_file, backends):
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64}, daemon={"request_timeout_s": 1.25})
+    proc = DaemonProcess(path).start()
+    try:
+        for own, want in ((None, 1.25), (0.75, 0.75)):
+            config = storage_config(path)
+            if own is None:
+                del config.extra_config["dflash2_timeout_s"]
+            else:
+                config.extra_config["dflash2_timeout_s"] = own
+            pool = host_pool()
+            backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+            backends.append(backend)
+            backend.register_mem_pool_host(pool)
+            assert backend.fallback_reason is None and backend.client.timeout_s == want
+    finally:
+        proc.stop()
+
+
 def test_generic_calls(daemon, backends):
     path, _ = daemon
     pool = host_pool()

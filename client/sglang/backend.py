@@ -50,7 +50,6 @@ RETRY_S = 10.0
 HOST_TIER = "dram"
 # Pages per allocate / acquire, at most; also at most a quarter of their tier (pinned while copied).
 MAX_CHUNK_PAGES = 64
-CALL_TIMEOUT_S = 5.0
 
 
 class DFlash2Storage(HiCacheStorage):
@@ -87,7 +86,9 @@ class DFlash2Storage(HiCacheStorage):
         cfg = load_config(path)
         require_enabled(cfg)
         name = f"sglang:{self.shard.model}:tp{self.shard.tp_rank}"
-        timeout_s = self._positive("dflash2_timeout_s", CALL_TIMEOUT_S)
+        # Every call times out after the config's daemon.request_timeout_s, unless the extra config
+        # gives this server its own (`dflash2_timeout_s`).
+        timeout_s = self._positive("dflash2_timeout_s", cfg.daemon.request_timeout_s)
         # How fast this engine recomputes a page's tokens: the daemon then offers no page whose
         # read back (from NVMe, into host memory) is slower than that (cost-aware reuse).
         self.prefill_rate = self._positive("dflash2_prefill_tokens_per_s", None)

@@ -1,8 +1,9 @@
 """`dflash2 bench nvme`: the NVMe tier's batched block I/O against raw sequential O_DIRECT I/O.
 
 Both run in the same process on the same filesystem (a scratch folder under --dir, removed after):
-raw = 8 MiB sequential pwrite/pread of --size-mb into a preallocated file, cycling through a memory
-buffer as large as one tier batch (--batch × --block-kb, at least 8 MiB; `raw_buffer_mb`), so that
+raw = sequential pwrite/pread of up to 8 MiB each of --size-mb into a preallocated file, cycling
+through a memory buffer as large as one tier batch (--batch × --block-kb, at least 8 MiB; or exactly
+--raw-buffer-mb; `raw_buffer_mb`), so that
 both sides move the same memory footprint — on a VM whose disk path copies through the host, an
 8 MiB buffer that stays in the CPU cache writes ~25% faster than any real batch of blocks can
 (--raw-buffer-mb 8 gives that figure) — and of the same kind, a shared-memory segment like the DRAM
@@ -78,7 +79,9 @@ class _Raw:
         self.size = size
         self.fd = os.open(path, os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0), 0o600)
         os.posix_fallocate(self.fd, 0, size)
-        self.nbytes = max(RAW_IO_BYTES, buffer_bytes // RAW_IO_BYTES * RAW_IO_BYTES)
+        # Exactly the memory asked for (rounded up to O_DIRECT's 4 KiB), never rounded to whole raw
+        # I/Os: the raw side cycles through as much memory as the tier side does.
+        self.nbytes = -(-buffer_bytes // 4096) * 4096
         self.shm = None
         if memory == "shm":  # the kind of memory the tier moves: a DRAM-tier shared-memory segment
             self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
@@ -89,10 +92,15 @@ class _Raw:
         memoryview(self.buf)[:] = np.random.default_rng(1).integers(0, 256, self.nbytes, dtype=np.uint8).tobytes()
 
     def _ios(self):
+        """Sequential I/Os of at most RAW_IO_BYTES, each from the buffer's next bytes (one that would
+        run past the buffer's end stops there; the next starts again at its beginning)."""
         mv = memoryview(self.buf)
-        for off in range(0, self.size, RAW_IO_BYTES):
+        off = 0
+        while off < self.size:
             b = off % self.nbytes
-            yield mv[b:b + min(RAW_IO_BYTES, self.size - off)], off
+            n = min(RAW_IO_BYTES, self.size - off, self.nbytes - b)
+            yield mv[b:b + n], off
+            off += n
 
     def write(self) -> float:
         t = time.perf_counter()
@@ -187,8 +195,8 @@ def run(args: argparse.Namespace) -> dict:
         tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20,
                      aligned=not args.unaligned)
         direct = tier.arena.direct_io
-        raw = _Raw(os.path.join(folder, "raw.bin"), size, direct, (args.raw_buffer_mb << 20) or args.batch * block,
-                   args.raw_memory)
+        raw = _Raw(os.path.join(folder, "raw.bin"), size, direct,
+                   (args.raw_buffer_mb << 20) or max(RAW_IO_BYTES, args.batch * block), args.raw_memory)
         raw_w = tier_w = raw_r = tier_r = float("inf")
         for k in range(args.repeat):
             # Odd rounds run the tier first: a virtual disk that writes back through its host's page
@@ -213,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
             "tier_read_misses": tier.misses,
             "verified": tier.verified(),
             "aligned_sources": not args.unaligned,
-            "raw_buffer_mb": raw.nbytes >> 20,
+            "raw_buffer_mb": round(raw.nbytes / (1 << 20), 3),
             "raw_memory": args.raw_memory,
             "size_mb": args.size_mb,
             "block_kb": args.block_kb,

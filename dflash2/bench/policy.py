@@ -255,6 +255,11 @@ def run(args) -> list[dict]:
     if weights:
         _make_policy("heat", weights)  # names and values checked before any replay, not after the others
     requests = load_trace(args.trace, args.limit)
-    return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
-                   args.prefetch_window, args.chunk, weights if name == "heat" else None, args.duel_sample)
-            for name in names]
+    try:
+        return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
+                       args.prefetch_window, args.chunk, weights if name == "heat" else None, args.duel_sample)
+                for name in names]
+    except MemoryError as e:  # the tiers' slot records do not fit: say which sizes, not a traceback
+        raise OptionError(f"--hbm-blocks {args.hbm_blocks} --dram-blocks {args.dram_blocks} --nvme-blocks "
+                          f"{args.nvme_blocks}: the tiers' metadata does not fit in this machine's memory "
+                          f"({e})") from None

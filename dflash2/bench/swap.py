@@ -34,7 +34,8 @@ LAYER_BYTES = 64 * KIB  # one layer of the bench layout: 8 KV heads x 128 x bf16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-kib", default="64,256,2048",
                         help="block sizes in KiB, multiples of 64 (comma separated; default %(default)s)")
-    parser.add_argument("--mb", type=positive_int, default=1024, help="MB promoted (and demoted) per promotion (default 1024)")
+    parser.add_argument("--mb", type=positive_int, default=1024, help="MiB (2^20 bytes) promoted, and demoted, per promotion; `mb_each_way` in the output, also MiB "
+                             "(default 1024)")
     parser.add_argument("--repeat", type=positive_int, default=3, help="promotions per way of making room (default 3)")
     parser.add_argument("--device", choices=("auto", "cuda", "host"), default="auto",
                         help="auto: the GPU where one is visible, else the host stand-ins")

@@ -2,6 +2,9 @@
 
 - bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced),
   with a million blocks committed under content keys and released (the steady state of a cache);
+  policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
+  (traced in the same build; heat's per-row state, LRU's and LFU's none to speak of);
+- build_s: that build timed in a build of its own, untraced (tracing allocations slows it 5-7x);
 - select_ms: the choice alone, from the policy's current scores (what a demotion costs between passes);
 - chain_select_ms: the same choice when the coldest blocks are whole prefix chains 1,024 blocks deep
   (each commit of the build is one chain; the chains are then read in a random order): what making
@@ -45,27 +48,61 @@ def _median_ms(fn, repeat: int) -> float:
     return float(np.median(times))
 
 
-def run(args) -> dict:
-    if args.policy not in policy_names():
-        raise OptionError(f"--policy: unknown {args.policy!r}; valid: {', '.join(policy_names())}")
-    n = args.blocks
+CHUNK = 1024  # blocks per commit of the build: one prefix chain each
+
+
+def _empty(n: int, policy: str) -> tuple[BlockManager, int, int]:
+    """(manager, layout id, client) for a table of n blocks. Metadata only: the tier's capacity is
+    bytes of address space, nothing lies behind it."""
     slot = LAYOUT.block_bytes  # 16 KiB: a multiple of the alignment, so no rounding
-    chunk = 1024
-    # Metadata only: capacities are bytes of address space, nothing is allocated behind them.
-    mgr = BlockManager([TierSpec(Tier.HBM, 2 * n * slot + (64 << 20), 2 << 20, 256)], policy=args.policy)
-    lid = mgr.register_layout(LAYOUT)
-    client = mgr.attach("bench")
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    t0 = time.perf_counter()
-    for start in range(0, n, chunk):
-        k = min(chunk, n - start)
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * n * slot + (64 << 20), 2 << 20, 256)], policy=policy)
+    return mgr, mgr.register_layout(LAYOUT), mgr.attach("bench")
+
+
+def _fill(mgr: BlockManager, lid: int, client: int, n: int) -> None:
+    """n cached blocks, committed under content keys and released."""
+    for start in range(0, n, CHUNK):
+        k = min(CHUNK, n - start)
         vids = mgr.table.allocate(client, lid, k)
         vids = mgr.table.commit(client, vids, keys=range(start + 1, start + k + 1))
         mgr.table.free(client, vids)
+
+
+def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
+    """(table bytes per block, policy bytes per block after its first scoring pass), traced."""
+    mgr, lid, client = _empty(n, policy)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        _fill(mgr, lid, client, n)
+        table = tracemalloc.get_traced_memory()[0] - before
+        mgr.policy.rescore(mgr.table, mgr.table.clock())  # heat sizes its per-row state here
+        kept = tracemalloc.get_traced_memory()[0] - before - table
+    finally:
+        tracemalloc.stop()
+    mgr.close()
+    return table / n, kept / n
+
+
+def run(args) -> dict:
+    if args.policy not in policy_names():
+        raise OptionError(f"--policy: unknown {args.policy!r}; valid: {', '.join(policy_names())}")
+    if args.policy == "belady":  # without a trace it has no future to rank by: every block ties
+        raise OptionError("--policy belady ranks blocks by a trace's future: it runs in `bench policy` only")
+    try:
+        return _run(args)
+    except MemoryError as e:
+        raise OptionError(f"--blocks {args.blocks}: the table does not fit in this machine's memory ({e})") from None
+
+
+def _run(args) -> dict:
+    n = args.blocks
+    slot = LAYOUT.block_bytes
+    table_bytes, policy_bytes = _traced_bytes(n, args.policy)
+    mgr, lid, client = _empty(n, args.policy)
+    t0 = time.perf_counter()
+    _fill(mgr, lid, client, n)
     build_s = time.perf_counter() - t0
-    grown = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
     rng = np.random.default_rng(0)
     live = mgr.table.live_rows()
     mgr.table.cols.last_access[live] = rng.random(len(live))  # a realistic spread of ages
@@ -78,9 +115,9 @@ def run(args) -> dict:
     rescore = _median_ms(full_pass, args.repeat)
     select = _median_ms(lambda: mgr.placement.select(Tier.HBM, need, evict=True), args.repeat)
     # Chains as the coldest blocks: each chunk of the build is one chain (block i's parent is i-1).
-    starts = np.arange(0, n, chunk)
+    starts = np.arange(0, n, CHUNK)
     for i, start in enumerate(rng.permutation(starts).tolist()):
-        rows = mgr.table.keys.lookup(np.arange(start + 1, min(start + chunk, n) + 1, dtype=np.uint64))
+        rows = mgr.table.keys.lookup(np.arange(start + 1, min(start + CHUNK, n) + 1, dtype=np.uint64))
         mgr.table.touch(rows, now=2.0 + i)
         mgr.policy.on_access(mgr.table, rows, 2.0 + i)
     mgr.policy.rescore(mgr.table, mgr.table.clock())
@@ -96,7 +133,8 @@ def run(args) -> dict:
     return {
         "blocks": n,
         "policy": args.policy,
-        "bytes_per_block": round(grown / n, 1),
+        "bytes_per_block": round(table_bytes, 1),
+        "policy_bytes_per_block": round(policy_bytes, 1),
         "build_s": round(build_s, 2),
         "rescore_ms": round(rescore, 2),
         "select_ms": round(select, 2),

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block sizes in KiB (comma separated; sizes joined by + make mixed batches, "
                              "e.g. 16+256; default %(default)s)")
     parser.add_argument("--blocks", type=positive_int, default=1024, help="blocks per batch (default 1024)")
-    parser.add_argument("--repeat", type=positive_int, default=10, help="timed batches per figure (default 10)")
+    parser.add_argument("--repeat", type=positive_int, default=10,
+                        help="timed rounds per figure, each of --inflight batches per direction (default 10)")
     parser.add_argument("--inflight", type=positive_int, default=4, help="batches in flight (default 4)")
     parser.add_argument("--device", type=non_negative_int, default=0, help="which GPU (default 0)")
     parser.add_argument("--run-blocks", type=positive_int, default=1,
@@ -70,25 +71,30 @@ def run(args) -> list[dict]:
     from dflash2.transfer.cuda import CudaTransferBackend
 
     n, largest = args.blocks, max(max(mix) for mix in mixes)
-    # Two batches' worth of slots on each side so that the bidirectional run uses disjoint blocks.
-    hbm = CudaArena.create(args.device, 2 * n * largest)
-    dram = PinnedHostArena.create(f"dflash2-bench-{uuid.uuid4().hex[:8]}", 2 * n * largest, Tier.DRAM)
+    whole = -(-n // args.run_blocks) * args.run_blocks  # slots a batch spans: whole runs
+    # Two batches' worth of slots on each side: the batches out of HBM use the first half of each
+    # arena, those into HBM the second, so that the run both ways at once reads no slot that it
+    # writes. (The --inflight batches of one direction share their half: they may overlap.)
+    hbm = CudaArena.create(args.device, 2 * whole * largest)
+    dram = PinnedHostArena.create(f"dflash2-bench-{uuid.uuid4().hex[:8]}", 2 * whole * largest, Tier.DRAM)
     backend = CudaTransferBackend({Tier.HBM: hbm, Tier.DRAM: dram}, dram.region, staging_bytes=0)
     rng = np.random.default_rng(0)
     out = []
     try:
         for mix in mixes:
             size = max(mix)  # a mixed batch's blocks lie in slots of its largest size
-            slots = 2 * n * largest // size
+            slots = 2 * whole * largest // size
             run = args.run_blocks
 
-            def scattered():
-                starts = rng.permutation(slots // run)[: -(-n // run)] * run
+            half = slots // 2 // run * run  # at least `whole` slots, in whole runs
+
+            def scattered(second: bool):
+                starts = rng.permutation(half // run)[: -(-n // run)] * run + (half if second else 0)
                 return ((starts[:, None] + np.arange(run)[None, :]).ravel()[:n] * size).astype(np.int64)
             nb = np.array(mix, dtype=np.int64)[np.arange(n) % len(mix)]
             k = args.inflight
-            downs = [CopyBatch(Tier.HBM, Tier.DRAM, scattered(), scattered(), nb) for _ in range(k)]
-            ups = [CopyBatch(Tier.DRAM, Tier.HBM, scattered(), scattered(), nb) for _ in range(k)]
+            downs = [CopyBatch(Tier.HBM, Tier.DRAM, scattered(False), scattered(False), nb) for _ in range(k)]
+            ups = [CopyBatch(Tier.DRAM, Tier.HBM, scattered(True), scattered(True), nb) for _ in range(k)]
             total = int(nb.sum())
 
             def run_batches(*groups):
