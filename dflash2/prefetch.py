@@ -51,9 +51,9 @@ class Prefetcher:
         self._fresh: set[int] = set()
         manager.placement.awaiting_read.append(self._fresh_rows)
         # The chains each reader (client) reads, from its last CHAINS_PER_READER lookups (an engine
-        # serves several requests at once): their vids and positions; and the windows due
-        # ((reader, chain) -> read position), run after the reply.
-        self._chains: dict[int, OrderedDict[int, tuple[list[int], dict[int, int]]]] = {}
+        # serves several requests at once), as int64 vids (8 bytes each: a lookup may name 65,536);
+        # and the windows due ((reader, chain) -> read position), run after the reply.
+        self._chains: dict[int, OrderedDict[int, np.ndarray]] = {}
         self._queued: dict[tuple[int, int], int] = {}
         self._next_chain = 0
 
@@ -102,10 +102,9 @@ class Prefetcher:
         """`reader`'s lookup found this chain: a request of it reads it from the start next."""
         if not self.base:
             return
-        chain = [int(v) for v in vids]
         chains = self._chains.setdefault(reader, OrderedDict())
         self._next_chain += 1
-        chains[self._next_chain] = (chain, {v: i for i, v in enumerate(chain)})
+        chains[self._next_chain] = np.array(vids, dtype=np.int64)
         while len(chains) > CHAINS_PER_READER:
             self._queued.pop((reader, next(iter(chains))), None)
             chains.popitem(last=False)
@@ -116,14 +115,15 @@ class Prefetcher:
         chains = self._chains.get(reader)
         if not chains:
             return
+        read = np.asarray(vids, dtype=np.int64)
         for key in reversed(chains):
-            chain, index = chains[key]
-            at = [index[v] for v in vids if v in index]
-            if at:
+            chain = chains[key]
+            at = np.flatnonzero(np.isin(chain, read))
+            if len(at):
                 break
         else:
             return
-        position = max(at) + 1
+        position = int(at[-1]) + 1
         if position >= len(chain):  # read to its end: nothing more to bring up for it
             del chains[key]
             self._queued.pop((reader, key), None)
@@ -136,9 +136,9 @@ class Prefetcher:
         done = 0
         while self._queued:
             (reader, key), position = self._queued.popitem()
-            followed = self._chains.get(reader, {}).get(key)
-            if followed is not None:
-                done += self.ahead(followed[0], position)
+            chain = self._chains.get(reader, {}).get(key)
+            if chain is not None:
+                done += self.ahead(chain.tolist(), position)
         return done
 
     @property
