@@ -342,13 +342,21 @@ class Client:
         return self._held.pinned(_places(reply.arrays[0]))
 
     def release(self, vids) -> None:
-        self._call(Op.RELEASE, {}, [_vids(vids)])
-        self._held.released(vids)
+        """Give up one pin per block. Whatever the answer, the pins are given up here: a release
+        that timed out may have run, and a block no longer pinned may move under a view by vid
+        (release again to be sure: NotOwner then says the daemon had let it go)."""
+        try:
+            self._call(Op.RELEASE, {}, [_vids(vids)])
+        finally:
+            self._held.released(vids)
 
     def free(self, vids) -> int:
-        n = int(self._call(Op.FREE, {}, [_vids(vids)]).result["freed"])
-        self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
-        return n
+        """Drop one reference per block (a block being written is freed); as with `release`, the
+        blocks are no longer viewable by vid as written ones here, whatever the answer."""
+        try:
+            return int(self._call(Op.FREE, {}, [_vids(vids)]).result["freed"])
+        finally:
+            self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
 
     def add_ref(self, vids) -> None:
         self._call(Op.ADD_REF, {}, [_vids(vids)])

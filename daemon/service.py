@@ -182,7 +182,7 @@ class Service:
         session = self.sessions.get(client)
         if session is None:
             raise UnknownClient(f"client {client} is not attached (detached, or its lease lapsed: attach again)")
-        if not hmac.compare_digest(session.token, token or ""):
+        if not _same_token(session, token):
             raise WrongToken(f"client {client}: the call does not carry that client's session token (a client id "
                              "is used only by the process that attached it)")
         session.last_seen = self.clock()
@@ -190,7 +190,7 @@ class Service:
 
     def _owns(self, req: Request) -> bool:
         session = self.sessions.get(req.client)
-        return session is not None and hmac.compare_digest(session.token, req.token or "")
+        return session is not None and _same_token(session, req.token)
 
     def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
         """Remember how to give back what this call handed out, should its client forget it."""
@@ -560,6 +560,11 @@ def pid_namespace() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
+
+
+def _same_token(session: Session, token: str | None) -> bool:
+    """Constant-time comparison, of bytes: any string from the wire compares without raising."""
+    return hmac.compare_digest(session.token.encode(), (token or "").encode("utf-8", "surrogatepass"))
 
 
 PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)

@@ -239,7 +239,8 @@ class BlockManager:
                 cut = int(np.argmin(worth))
                 self.access.withheld += len(rows) - cut
                 rows = rows[:cut]
-        if (reader == Tier.HBM and self.prefetcher.base
+        # A probe asks about blocks; no request reads them next: neither prefetched nor followed.
+        if (reader == Tier.HBM and not probe and self.prefetcher.base
                 and self._below_hbm(rows[: self.prefetcher.max_window])):
             self._follow_up("the prefetch of a lookup",
                             lambda: self.prefetcher.ahead(self.table.vids(rows), 0, reader=client))
@@ -250,7 +251,7 @@ class BlockManager:
             cached = (c.state[rows] != int(BlockState.FREE)) & (c.key[rows] != 0)
             if not cached.all():
                 rows = rows[: int(np.argmin(cached))]
-        if reader == Tier.HBM and client is not None and len(rows):
+        if reader == Tier.HBM and not probe and client is not None and len(rows):
             self.prefetcher.follow(client, self.table.vids(rows).tolist())  # the window follows its reads
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)

@@ -370,11 +370,16 @@ class Placement:
         that are in dst afterwards; the rest could not be given room. The room is never made by
         moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
         blocks above their prefix, and their reader waiting for the prefix to come back up; nor
-        from `protect` (a prefetch's reader: the rest of the chain it is about to read)."""
+        from `protect` (a prefetch's reader: the rest of the chain it is about to read); nor from
+        the blocks brought up for a read that has not come yet (`awaiting_read`: another reader's
+        window, whose score is old and would make it the first to go)."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
         chain = self._with_ancestors(rows, dst)
-        keep = chain if protect is None else np.union1d(chain, np.asarray(protect, dtype=np.int64))
+        kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
+        if protect is not None:
+            kept.append(np.asarray(protect, dtype=np.int64))
+        keep = np.unique(np.concatenate(kept)) if len(kept) > 1 else chain
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
         if len(away):

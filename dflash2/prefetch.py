@@ -31,6 +31,24 @@ from dflash2.tiers import Tier
 
 
 CHAINS_PER_READER = 16  # chains followed per reader: the requests an engine reads at once
+PROTECT_WINDOWS = 4  # windows past the read position kept out of the room a prefetch makes
+
+
+class Chain:
+    """A followed chain: its vids in read order, and a sorted copy to find reads in (log time)."""
+
+    def __init__(self, vids: np.ndarray):
+        self.vids = vids
+        self._order = np.argsort(vids, kind="stable")
+        self._sorted = vids[self._order]
+
+    def furthest(self, read: np.ndarray) -> int | None:
+        """The furthest position among `read` on this chain, or None when none lies on it."""
+        at = np.searchsorted(self._sorted, read)
+        inside = at < len(self._sorted)  # a read past every vid of the chain is not on it
+        at = at[inside]
+        hit = at[self._sorted[at] == read[inside]]
+        return int(self._order[hit].max()) if len(hit) else None
 
 
 class Prefetcher:
@@ -51,9 +69,9 @@ class Prefetcher:
         self._fresh: set[int] = set()
         manager.placement.awaiting_read.append(self._fresh_rows)
         # The chains each reader (client) reads, from its last CHAINS_PER_READER lookups (an engine
-        # serves several requests at once), as int64 vids (8 bytes each: a lookup may name 65,536);
+        # serves several requests at once): each as a Chain of int64 vids (a lookup may name 65,536);
         # and the windows due ((reader, chain) -> read position), run after the reply.
-        self._chains: dict[int, OrderedDict[int, np.ndarray]] = {}
+        self._chains: dict[int, OrderedDict[int, Chain]] = {}
         self._queued: dict[tuple[int, int], int] = {}
         self._next_chain = 0
 
@@ -104,7 +122,7 @@ class Prefetcher:
             return
         chains = self._chains.setdefault(reader, OrderedDict())
         self._next_chain += 1
-        chains[self._next_chain] = np.array(vids, dtype=np.int64)
+        chains[self._next_chain] = Chain(np.array(vids, dtype=np.int64))
         while len(chains) > CHAINS_PER_READER:
             self._queued.pop((reader, next(iter(chains))), None)
             chains.popitem(last=False)
@@ -118,13 +136,13 @@ class Prefetcher:
         read = np.asarray(vids, dtype=np.int64)
         for key in reversed(chains):
             chain = chains[key]
-            at = np.flatnonzero(np.isin(chain, read))
-            if len(at):
+            furthest = chain.furthest(read)
+            if furthest is not None:
                 break
         else:
             return
-        position = int(at[-1]) + 1
-        if position >= len(chain):  # read to its end: nothing more to bring up for it
+        position = furthest + 1
+        if position >= len(chain.vids):  # read to its end: nothing more to bring up for it
             del chains[key]
             self._queued.pop((reader, key), None)
         else:
@@ -138,7 +156,10 @@ class Prefetcher:
             (reader, key), position = self._queued.popitem()
             chain = self._chains.get(reader, {}).get(key)
             if chain is not None:
-                done += self.ahead(chain.tolist(), position)
+                # The window and what follows it closely: its room is never made from those (O(window)
+                # per read, not O(chain): a 65,536-block prefix is read in many acquires).
+                near = chain.vids[position: position + PROTECT_WINDOWS * max(1, self.max_window)]
+                done += self.ahead(near.tolist(), 0)
         return done
 
     @property
@@ -155,7 +176,7 @@ class Prefetcher:
         by the tier they came from, how many of them `reader`'s own lookup brought up to HBM (it
         waited for those copies: they are no HBM hits)."""
         own: Counter = Counter()
-        mine = [v for v in vids if v in self._pending]
+        mine = list(dict.fromkeys(v for v in vids if v in self._pending))  # a vid read twice settles once
         if not mine:
             return own
         rows, live = self._rows(mine)

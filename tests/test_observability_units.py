@@ -542,3 +542,61 @@ def test_the_window_follows_each_of_a_clients_requests(make_manager, clock):
     ahead = one[first:first + m.prefetcher.window]
     assert ahead and (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all()
     assert (m.table.cols.tier[m.table.rows(two)] == two_before).all()  # the other request's chain: untouched
+
+
+def _down_chain(m, a, first_key, n):
+    keys = list(range(first_key, first_key + n))
+    m.free(a, m.commit(a, m.allocate(a, 0, n), keys))
+    return keys
+
+
+def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manager, clock):
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("reader")
+    m.register_layout(SMALL)
+    keys = _down_chain(m, a, 600, 4)
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    assert m.prefetcher.pending
+    assert m.acquire_rows(a, [found[0], found[0]]) is not None  # one pin per occurrence
+    assert m.table.cols.pins[m.table.rows([found[0]])[0]] == 2 and m.prefetcher.useful == 1
+
+
+def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock):
+    """A window brought up for a read that has not come yet keeps its old score: without being kept
+    out of the room another reader's prefetch makes, it would be the first block to go."""
+    m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
+    assert m.placement.make_room(Tier.HBM, 16 * SMALL.block_bytes)
+    filler = _down_chain(m, a, 900, 16)  # HBM full of idle blocks read just now
+    assert m.stats()["tiers"]["hbm"]["blocks"] == 16
+    chain_a = m.table.vids(m.lookup_rows(one, 0, client=a)).tolist()
+    assert m.acquire_rows(a, chain_a[:2]) is not None
+    m.release(a, chain_a[:2])
+    m.run_prefetch()
+    window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
+    assert window, "a's window came up"
+    chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
+    assert m.acquire_rows(b, chain_b[:2]) is not None
+    m.run_prefetch()
+    assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
+    assert filler
+
+
+def test_probe_lookups_are_not_followed(make_manager, clock):
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("engine")
+    m.register_layout(SMALL)
+    keys = _down_chain(m, a, 1000, 12)
+    probes = [_down_chain(m, a, 2000 + 10 * i, 1) for i in range(20)]
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
+    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    for p in probes:  # "is the page before mine cached?", twenty times
+        m.lookup_rows(p, 0, client=a, probe=True)
+    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(chain)] == int(Tier.HBM)))
+    assert m.acquire_rows(a, chain[:first]) is not None
+    m.run_prefetch()
+    assert m.table.cols.tier[m.table.rows([chain[first]])[0]] == int(Tier.HBM), "the request's window still follows"
+    assert all(m.table.cols.tier[m.table.rows(m.table.vids(m.table.lookup(p, 0)))[0]] == int(Tier.DRAM) for p in probes)

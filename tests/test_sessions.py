@@ -13,8 +13,9 @@ from conftest import SMALL
 from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
-from dflash2.client import Client, DaemonUnavailable, Transport
+from dflash2.client import Client, DaemonError, DaemonUnavailable, Transport
 from dflash2.daemon.service import KEEP_CALLS, Service
+from dflash2.errors import ArenaError
 from dflash2.keys import chain_keys
 from dflash2.protocol import Op
 
@@ -202,5 +203,39 @@ def test_a_timed_out_call_of_a_stopped_daemon_leaves_nothing_held(daemon, what, 
         assert not c._transport._forgets, "every forget answered"
         assert c.allocate(lid, 2) is not None  # the client goes on as before
         assert _held(daemon.endpoint)[0] == 2
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("token", ["é" * 8, "\udcff", "0" * 31 + "G", "x" * P.TOKEN_CHARS])
+def test_a_token_that_is_not_hex_is_refused_and_the_service_keeps_serving(service, token):
+    c = attach(service)
+    frames = P.encode_request(Op.HEARTBEAT, 1, c, {}, token=token)
+    reply = P.decode_reply(service.handle_frames(frames))  # never raises
+    assert not reply.ok and reply.error_type == "ProtocolError" and "header.token must be" in reply.error_message
+    assert call(service, Op.HEARTBEAT, c).ok
+
+
+def test_a_release_that_timed_out_leaves_no_view_by_vid(daemon):
+    """It may have run: a block no longer pinned may move, so the client gives up its pin whatever
+    the answer (a second release is how to be sure; NotOwner then says the daemon had let it go)."""
+    c = Client.connect(daemon.endpoint, name="reader", layouts=[SMALL], timeout_s=5.0, heartbeat=False)
+    try:
+        keys = chain_keys(range(16), 16, "timed-out-release")
+        [vid] = c.commit(c.allocate(c.layouts[0], 1)["vid"], keys=keys)
+        c.free([vid])
+        c.acquire([vid])
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            c._transport.timeout_s = 0.3
+            with pytest.raises(DaemonUnavailable):
+                c.release([vid])
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+            c._transport.timeout_s = 5.0
+        with pytest.raises(ArenaError, match="not being written or acquired"):
+            c.view(int(vid))
+        with pytest.raises(DaemonError, match="NotOwner"):
+            c.release([vid])  # it had run once the daemon went on
     finally:
         c.close()
