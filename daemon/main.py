@@ -202,11 +202,11 @@ def _check_folder(key: str, folder: Path) -> None:
 
 
 class _Stopped(BaseException):
-    """SIGTERM or SIGINT during start-up: unwinds start-up, so that every region taken is given back."""
+    """SIGTERM, SIGINT or SIGHUP during start-up: unwinds start-up, so that every region taken is given back."""
 
 
 def _stop_during_startup(signum: int, frame) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):  # one unwind: a second signal must not cut its clean-up short
+    for sig in threads.STOP_SIGNALS:  # one unwind: a second signal must not cut its clean-up short
         signal.signal(sig, signal.SIG_IGN)
     raise _Stopped(signal.Signals(signum).name)
 
@@ -223,8 +223,10 @@ def _serve(cfg: Config) -> int:
 
     # Until the server installs its own handlers (once it serves), a stop signal unwinds start-up:
     # killed outright, the daemon would leave its shared-memory segments and lock file behind.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in threads.STOP_SIGNALS:
         signal.signal(sig, _stop_during_startup)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # meaningless here; their default kills without clean-up
+        signal.signal(sig, signal.SIG_IGN)
     try:
         result = server.run(cfg)
     except _Stopped as exc:

@@ -9,6 +9,7 @@ back before a request returns, so shutdown never leaves a block half-moved.
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 import zmq
 
 from dflash2 import protocol as P
+from dflash2 import threads
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
@@ -127,8 +129,43 @@ def startup_line(plan: Plan, managers: dict) -> str:
     return line
 
 
+# Signals whose default action ends the process but that mean nothing to the daemon: logged and
+# ignored, so that one sent by mistake does not leave its shared memory, socket and lock behind.
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _ignored(signum: int, frame) -> None:
+    log.warning("%s ignored: dflash2d stops on SIGTERM, SIGINT or SIGHUP and has nothing to do on %s",
+                signal.Signals(signum).name, signal.Signals(signum).name)
+
+
+# Each attached client holds two connections (its calls, its heartbeat), each a descriptor here; and
+# libzmq aborts the whole process when an ipc accept finds no descriptor left.
+FEW_OPEN_FILES = 4096
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard one (as far as it goes), and warn when
+    it stays low. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open files limit raised from %d to %d (each client holds two connections)", soft, want)
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("open files limit %d could not be raised to %d: %s", soft, want, e)
+    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
+        log.warning("open files limit is %d (hard limit %s): about %d clients can attach before connections are "
+                    "refused; raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (soft - 64) // 2))
+    return soft
+
+
 def run(cfg: Config) -> int:
     _configure_logging(cfg)
+    raise_open_files_limit()
     plan = resolve_plan(cfg)
     lock = EndpointLock(plan.endpoint, plan.state_dir)
     try:
@@ -164,8 +201,10 @@ def run(cfg: Config) -> int:
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
         lock.secure_socket()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in threads.STOP_SIGNALS:
             signal.signal(sig, lambda *_: server.stop())
+        for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
+            signal.signal(sig, _ignored)
         print(startup_line(plan, managers), flush=True)
         log_fallbacks(cfg, plan)
         event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",

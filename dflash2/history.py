@@ -86,6 +86,9 @@ class History:
         self.lock_fd = -1  # the state folder's history lock, when this daemon holds it (make_history)
         self._next = -float("inf")
         self._torn_tail = False  # the file ends in a line a crash cut short: the next write starts a new line
+        # Samples not in the file yet: a write failed (a full disk). Each sample tries again, these
+        # first, so that the file catches up once there is room (at most as many as are kept).
+        self._unwritten: collections.deque[dict] = collections.deque(maxlen=max_samples)
         if path is not None:
             self.samples.extend(read_file(path, max_samples))
             self._torn_tail = _ends_torn(path)
@@ -122,17 +125,25 @@ class History:
         return "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in samples).encode()
 
     def _persist(self, sample: dict) -> None:
+        self._unwritten.append(sample)
         try:
             if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            line = json.dumps(sample, separators=(",", ":")) + "\n"
+            lines = self.encode(self._unwritten).decode()
             with open(self.path, "a") as f:
-                # Appended to a torn line, this sample would be unreadable too.
-                f.write("\n" + line if self._torn_tail else line)
+                # Appended to a torn line, these samples would be unreadable too.
+                f.write("\n" + lines if self._torn_tail else lines)
             self._torn_tail = False
         except OSError as e:  # a full disk must not stop the daemon: keep the in-memory series
-            log.warning("history: cannot write %s (%s); keeping it in memory only", self.path, e)
-            self.path = None
+            # A failed append may have left part of a line: the next one starts on a line of its own.
+            self._torn_tail = True
+            if len(self._unwritten) == 1:  # the first failure of a streak: said once, not per sample
+                log.warning("history: cannot write %s (%s); keeping samples in memory and trying again with "
+                            "each one", self.path, e)
+            return
+        if len(self._unwritten) > 1:
+            log.info("history: %s written again (%d samples that had waited)", self.path, len(self._unwritten))
+        self._unwritten.clear()
 
 
 def decode(raw: bytes) -> list[dict]:

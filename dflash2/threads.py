@@ -21,7 +21,8 @@ import signal
 import threading
 from collections.abc import Iterator
 
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+# SIGHUP too: a terminal that hangs up on a daemon started from it (and `kill -HUP`) stops it cleanly.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def block_stop_signals() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-STOP_BITS = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+STOP_BITS = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGHUP - 1))
 
 
 def blocked_mask(pid: int | str, tid: int | str) -> int:
@@ -22,7 +22,7 @@ def other_threads(pid: int) -> list[int]:
 
 
 def taking_stop_signals(pid: int, tids: list[int]) -> list[str]:
-    """'tid (name)' of each of these threads that does not block both SIGTERM and SIGINT."""
+    """'tid (name)' of each of these threads that does not block SIGTERM, SIGINT and SIGHUP."""
     return [f"{t} ({Path(f'/proc/{pid}/task/{t}/comm').read_text().strip()})" for t in tids
             if blocked_mask(pid, t) & STOP_BITS != STOP_BITS]
 

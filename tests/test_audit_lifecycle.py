@@ -1,0 +1,125 @@
+"""The daemon's life under an operator's hands: signals that used to kill it without its clean-up, a
+low open-files limit that let libzmq abort it, and a history file that stopped after one failed write."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from daemon_proc import DaemonProcess
+
+from dflash2 import protocol as P
+from dflash2.client import Transport
+from dflash2.history import History
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    yield proc
+    proc.stop()
+
+
+def _ping(endpoint: str) -> dict:
+    t = Transport(endpoint, timeout_s=5.0)
+    try:
+        return t.call(P.Op.PING).result
+    finally:
+        t.close()
+
+
+def test_sigusr_is_ignored_and_sighup_stops_cleanly(daemon):
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        os.kill(daemon.pid, sig)
+    assert _ping(daemon.endpoint)["pid"] == daemon.pid  # still serving
+    os.kill(daemon.pid, signal.SIGHUP)
+    assert daemon.proc.wait(timeout=15) == 0
+    assert not daemon.socket_path.exists()
+    assert not glob.glob(f"/dev/shm/dflash2-{daemon.pid}-*"), "every segment given back"
+    log = daemon.log()
+    assert "SIGUSR1 ignored" in log and "SIGUSR2 ignored" in log
+
+
+def test_a_low_open_files_limit_is_raised_so_many_connections_do_not_abort_it(config_file, tmp_path):
+    """Each client holds two connections; libzmq aborts the process when an ipc accept finds no
+    descriptor left. Started with a soft limit of 128 (the hard one higher), the daemon raises it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard limit here is {hard}")
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})
+    log_path = tmp_path / "d.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", path], stdout=subprocess.PIPE,
+                                stderr=log, text=True, cwd=tmp_path,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard)))
+    ctx = zmq.Context()
+    socks = []
+    try:
+        assert proc.stdout.readline().startswith("DFlash2: enabled"), log_path.read_text()
+        endpoint = f"ipc://{tmp_path}/d.sock"
+        for i in range(300):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            s.send_multipart(P.encode_request(P.Op.PING, i + 1, None))
+            socks.append(s)
+        for s in socks:
+            assert s.poll(10_000), "every connection answered"
+            s.recv_multipart()
+        assert proc.poll() is None, log_path.read_text()
+        assert _ping(endpoint)["pid"] == proc.pid
+        assert "open files limit raised from 128" in log_path.read_text()
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+
+
+def test_a_low_hard_limit_is_warned_about():
+    code = ("import logging, resource; logging.basicConfig(level=logging.INFO); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)); "
+            "from dflash2.daemon.server import raise_open_files_limit; print(raise_open_files_limit())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "200"
+    assert "open files limit is 200 (hard limit 200): about 68 clients can attach" in out.stderr
+
+
+def test_history_catches_up_after_a_failed_write(tmp_path, monkeypatch, caplog):
+    """A full disk for a while: the samples wait in memory and reach the file once there is room,
+    in order, with no torn line between; the failure is logged once, the recovery once."""
+    now = [1000.0]
+    h = History(interval_s=1.0, path=tmp_path / "history.jsonl", clock=lambda: now[0])
+    stats = {"tiers": {}, "reads": {}, "moves": {}, "hbm_hit_ratio": None,
+             "reservations": {"granted": 0, "deferred": 0, "reserved_blocks": 0}}
+    real_open = open
+    full = [False]
+
+    def open_(file, mode="r", *a, **k):
+        if full[0] and str(file) == str(tmp_path / "history.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", open_)
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        for i in range(6):
+            full[0] = 2 <= i <= 4
+            now[0] += 1.0
+            h.record(stats)
+    lines = (tmp_path / "history.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines if line.strip()]
+    assert [s["t"] for s in samples] == [1001.0, 1002.0, 1003.0, 1004.0, 1005.0, 1006.0]
+    assert caplog.text.count("cannot write") == 1 and "written again (4 samples that had waited)" in caplog.text
