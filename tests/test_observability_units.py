@@ -550,12 +550,19 @@ def _down_chain(m, a, first_key, n):
     return keys
 
 
-def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manager, clock):
+def _reader_of_dram_chains(make_manager, *chains: tuple[int, int]):
+    """A manager (HBM 64, DRAM 64, window 2), a reader, and chains of (first key, length) it
+    published, all pushed down to DRAM: (manager, reader, keys of each chain)."""
     m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
     a = m.attach("reader")
     m.register_layout(SMALL)
-    keys = _down_chain(m, a, 600, 4)
+    keys = [_down_chain(m, a, first, n) for first, n in chains]
     assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
+    return m, a, keys
+
+
+def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manager, clock):
+    m, a, [keys] = _reader_of_dram_chains(make_manager, (600, 4))
     found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
     assert m.prefetcher.pending
     assert m.acquire_rows(a, [found[0], found[0]]) is not None  # one pin per occurrence
@@ -586,12 +593,7 @@ def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clo
 
 
 def test_probe_lookups_are_not_followed(make_manager, clock):
-    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
-    a = m.attach("engine")
-    m.register_layout(SMALL)
-    keys = _down_chain(m, a, 1000, 12)
-    probes = [_down_chain(m, a, 2000 + 10 * i, 1) for i in range(20)]
-    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
+    m, a, [keys, *probes] = _reader_of_dram_chains(make_manager, (1000, 12), *((2000 + 10 * i, 1) for i in range(20)))
     chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
     for p in probes:  # "is the page before mine cached?", twenty times
         m.lookup_rows(p, 0, client=a, probe=True)
