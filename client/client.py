@@ -175,7 +175,7 @@ class Client:
         if heartbeat:
             self._heartbeat_thread = threading.Thread(target=self._beat, name=f"dflash2-heartbeat-{self.client_id}",
                                                       daemon=True)
-            # SIGTERM and SIGINT stay the serving process's main thread's (dflash2/threads.py).
+            # The stop signals stay the serving process's main thread's (dflash2/threads.py).
             threads.start(self._heartbeat_thread)
 
     def _beat(self) -> None:

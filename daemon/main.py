@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash2 import threads
 
 # Native thread pools that these imports start (numpy's BLAS pool) inherit the stop signals blocked,
-# so that SIGTERM and SIGINT reach the main thread, which runs Python's handlers (threads.py). The
+# so that the stop signals reach the main thread, which runs Python's handlers (threads.py). The
 # importer's own mask is restored after them: importing this module changes no signal mask.
 with threads.stop_signals_blocked():
     from dflash2.config import Config, check_environment, config_warnings, load_config, require_enabled

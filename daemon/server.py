@@ -135,8 +135,8 @@ IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _ignored(signum: int, frame) -> None:
-    log.warning("%s ignored: dflash2d stops on SIGTERM, SIGINT or SIGHUP and has nothing to do on %s",
-                signal.Signals(signum).name, signal.Signals(signum).name)
+    log.warning("%s ignored: it means nothing to dflash2d (SIGTERM, SIGINT or SIGHUP stop it)",
+                signal.Signals(signum).name)
 
 
 # Each attached client holds two connections (its calls, its heartbeat), each a descriptor here; and

@@ -10,15 +10,14 @@ Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_ena
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import typing
 from pathlib import Path
 from typing import Annotated, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from dflash2.config_errors import first_error
 from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout
 
@@ -428,7 +427,7 @@ def parse_config(data: object, source_path: Optional[Path] = None) -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise _first_error(exc) from None
+        raise first_error(exc, Config) from None
     cfg._source_path = source_path
     return cfg
 
@@ -444,88 +443,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
             raise _DuplicateKey(key)
         out[key] = value
     return out
-
-
-def _first_error(exc: ValidationError) -> ConfigError:
-    """One ConfigError from pydantic's list: the first problem, keyed by its dotted path."""
-    # A misspelt key also shows up as a missing one: name the misspelling first, it is the cause.
-    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    loc = first["loc"]
-    key = _dotted(loc)
-    if first["type"] == "extra_forbidden":
-        problem = "unknown key" + _suggestion(loc) + _nesting_hint(loc)
-        if len(loc) == 1 and key != loc[0]:  # quoted: say where it is, so that it cannot read as a path
-            key += " (at the top level)"
-    elif first["type"] == "missing":
-        problem = "required key is missing"
-    else:
-        problem = first["msg"].removeprefix("Value error, ")
-        if "input" in first and not isinstance(first["input"], (dict, list)):
-            problem += f" (got {json.dumps(first['input'])})"
-    if len(errors) > 1:
-        problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return ConfigError(key or "config", problem)
-
-
-def _dotted(loc: tuple) -> str:
-    key = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad dict key: the key itself is already named
-            continue
-        if isinstance(part, int):
-            key += f"[{part}]"
-        else:
-            part = _key_text(str(part))
-            key += f".{part}" if key else part
-    return key
-
-
-def _key_text(part: str) -> str:
-    """A key as it goes into a dotted path: as is when that is unambiguous, else JSON-quoted (an
-    empty key, one with a dot, a quote, spaces at its ends or a character that does not print:
-    the error stays one line and names exactly the key in the file)."""
-    plain = part and part.isprintable() and part.strip() == part and not any(c in part for c in '."\\')
-    return part if plain else json.dumps(part)
-
-
-def _nesting_hint(loc: tuple) -> str:
-    """For a dotted key written flat (`"memory.dram_capacity_mb": 5`): how to write it nested."""
-    last = loc[-1]
-    if not isinstance(last, str) or "." not in last.strip(".") or not last.isprintable():
-        return ""
-    parts = last.split(".")
-    nested = "".join(f'{{"{p}": ' for p in parts) + "..." + "}" * len(parts)
-    return f"; keys are nested objects, not dotted names: write {nested}"
-
-
-def _suggestion(loc: tuple) -> str:
-    """`; did you mean `x`?` for a misspelt key, using the model that the key was found in."""
-    model: object = Config
-    parts = list(loc[:-1])
-    while parts:
-        part = parts.pop(0)
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return ""
-        annotation = model.model_fields[part].annotation
-        if typing.get_origin(annotation) is dict and parts:
-            parts.pop(0)  # the dict key (a layout name) is not a field
-        model = _model_in(annotation)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-    return f"; did you mean `{close[0]}`?" if close else ""
-
-
-def _model_in(annotation: object) -> object:
-    """The pydantic model inside Optional[...] / dict[str, ...], if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def require_enabled(cfg: Config) -> None:

@@ -233,8 +233,7 @@ def _tier_families(st: dict):
                  [((t, k), s[f"{k}_waste_bytes"]) for t, s in tiers.items() for k in ("rounding", "page_tail")])
     # Per GPU pool, not the node's total: each GPU's pool fills on its own (no move crosses GPUs),
     # and one full GPU beside an empty one would read as half full.
-    pools = st.get("devices") or {"0": st}
-    used = [(gpu, pool["tiers"].get(Tier.HBM.label)) for gpu, pool in pools.items()]
+    used = [(gpu, pool["tiers"].get(Tier.HBM.label)) for gpu, pool in _pools(st).items()]
     samples = [((gpu,), hbm["used_bytes"] / hbm["capacity_bytes"]) for gpu, hbm in used if hbm and hbm["capacity_bytes"]]
     if samples:
         yield _gauge("dflash2_gpu_memory_utilization", "Used / capacity of each GPU pool's device (HBM) tier "
@@ -298,12 +297,16 @@ def _reservation_families(st: dict):
                    [((o,), res.get(f"total_{o}", 0)) for o in RESERVATION_OUTCOMES])
 
 
+def _pools(st: dict) -> dict:
+    """Each GPU pool's stats by GPU label ("0", "1", ...): a node's `devices`, or the one pool."""
+    return st.get("devices") or {"0": st}
+
+
 def _policy_families(st: dict):
     """The heat policy's state per GPU pool (a node's totals hold only the first pool's policy):
     each tier's adaptive split and the last tier's admission gate. Absent for policies without them."""
-    pools = st.get("devices") or {"0": st}
     split, inner, gate, ranking, duels = [], [], [], [], []
-    for gpu, pool in pools.items():
+    for gpu, pool in _pools(st).items():
         if isinstance(pool.get("duel"), dict):
             duels.append((gpu, pool["duel"]))
         policy = pool.get("policy")

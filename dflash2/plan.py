@@ -190,7 +190,7 @@ def _checked_endpoint(cfg: Config) -> str:
 
 def probe_gpus() -> Optional[list[Gpu]]:
     """Visible GPUs (after CUDA_VISIBLE_DEVICES), [] when there are none, None when nothing can tell.
-    The driver starts a thread of its own at cuInit: it inherits SIGTERM and SIGINT blocked, so that
+    The driver starts a thread of its own at cuInit: it inherits the stop signals blocked, so that
     they reach the main thread (threads.py)."""
     with threads.stop_signals_blocked():
         found = _probe_driver()

@@ -1,4 +1,4 @@
-"""Threads that leave the stop signals (SIGTERM, SIGINT) to the main thread.
+"""Threads that leave the stop signals (SIGTERM, SIGINT, SIGHUP) to the main thread.
 
 Linux delivers a signal sent to a process to any of its threads that does not block it. Python runs
 its handlers in the main thread only, and a signal taken by another thread does not interrupt the
@@ -7,7 +7,7 @@ tests/test_audit_config.py) then never sees its SIGTERM and never gives back its
 test hung in 2 of 138 runs under load (none in 360 since), every signal caught and none pending,
 the main thread still in `read`.
 
-Invariant: every thread the daemon starts blocks SIGTERM and SIGINT, so the kernel hands them to the
+Invariant: every thread the daemon starts blocks the stop signals, so the kernel hands them to the
 main thread. A thread inherits its creator's signal mask, so a thread started inside
 `stop_signals_blocked()` blocks them from its first instruction; a signal that arrives meanwhile
 waits, pending, and reaches the main thread when the block ends. Pools that start their threads
@@ -26,13 +26,13 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def block_stop_signals() -> None:
-    """The calling thread no longer takes SIGTERM or SIGINT (a thread pool's initializer)."""
+    """The calling thread no longer takes the stop signals (a thread pool's initializer)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Threads started inside block SIGTERM and SIGINT from their start; the caller's mask is restored
+    """Threads started inside block the stop signals from their start; the caller's mask is restored
     on the way out (a stop signal that arrived meanwhile is then taken)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -42,7 +42,7 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 def start(thread: threading.Thread) -> threading.Thread:
-    """`thread.start()`, the new thread blocking SIGTERM and SIGINT."""
+    """`thread.start()`, the new thread blocking the stop signals."""
     with stop_signals_blocked():
         thread.start()
     return thread

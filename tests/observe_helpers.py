@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import zmq
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflash2 import protocol as P
 
@@ -125,3 +127,17 @@ def fill_then_reuse(c: RawClient, chain: int = 256, extra: int = 320) -> dict:
     assert r.result["acquired"], r.result
     c.vids_call(P.Op.RELEASE, found["vid"])
     return {"chain": chain, "extra": extra, "found": len(found)}
+
+
+BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
+                  "device", "policy", "version", "mechanism", "gpu", "list"}
+
+
+def scrape(metrics) -> dict:
+    """A DaemonMetrics' scrape as {(name, sorted labels): value}; every label is a bounded one."""
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in fam.samples:
+            assert set(s.labels) <= BOUNDED_LABELS, (s.name, s.labels)
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

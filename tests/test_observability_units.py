@@ -8,10 +8,7 @@ import logging
 import math
 import os
 
-import numpy as np
 import pytest
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from dflash2 import cli
 from dflash2 import protocol as P
@@ -19,12 +16,10 @@ from dflash2.daemon.service import Service
 from dflash2.history import History, decode, rates, read_file
 from dflash2.logs import JsonFormatter, TextFormatter, configure, event
 from dflash2.metrics import DaemonMetrics
-from conftest import SMALL
-
 from dflash2.tiers import Tier
+from conftest import SMALL
+from observe_helpers import scrape
 
-BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
-                  "device", "policy", "version", "mechanism", "gpu", "list"}
 
 
 @pytest.fixture
@@ -54,22 +49,13 @@ def _load(service) -> int:
     return c
 
 
-def _scrape(metrics: DaemonMetrics) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
-        for s in fam.samples:
-            assert set(s.labels) <= BOUNDED_LABELS, (s.name, s.labels)
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_metrics_mirror_the_stats_and_observe_events(service):
     metrics = DaemonMetrics(service)
     metrics.attach()
     _load(service)
     metrics.after_tick(late_s=0.002, seconds=0.0005)
     st = service.stats()
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert all(name.startswith("dflash2_") for name, _ in got)
     for tier, t in st["tiers"].items():
         assert got[("dflash2_tier_used_bytes", (("tier", tier),))] == t["used_bytes"]
@@ -99,7 +85,7 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
     metrics.refresh(force=True)
     policy = service.stats()["policy"]
     assert policy["name"] == "heat"
-    got = _scrape(metrics)
+    got = scrape(metrics)
     for t in policy["split"]:
         tier = ("tier", t["tier"])
         assert got[("dflash2_policy_first_timer_target_blocks", (("gpu", "0"), tier))] == t["first_timer_target"]
@@ -133,7 +119,7 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
     other["policy"]["split"][0].update(recent_return_rate={"first_timers": 0.05, "returning": 0.4},
                                        ghosts_move_target={"first_timers": False, "returning": True})
     metrics.snapshot["devices"] = {"0": one, "1": other}
-    got = _scrape(metrics)
+    got = scrape(metrics)
     hbm1 = (("gpu", "1"), ("list", "first_timers"), ("tier", "hbm"))
     assert got[("dflash2_policy_recent_return_ratio", hbm1)] == 0.05
     assert got[("dflash2_policy_ghosts_move_target", hbm1)] == 0
@@ -148,7 +134,7 @@ def test_policies_without_a_split_have_no_policy_families(service):
     metrics = DaemonMetrics(service)
     _load(service)
     metrics.refresh(force=True)
-    assert not [k for k in _scrape(metrics) if k[0].startswith("dflash2_policy_")]
+    assert not [k for k in scrape(metrics) if k[0].startswith("dflash2_policy_")]
 
 
 def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
@@ -159,11 +145,11 @@ def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
     _load(service)
     metrics.refresh(force=True)
     assert service.stats()["copy_batches"] == {}
-    assert not [k for k in _scrape(metrics) if k[0].startswith("dflash2_copy_batches")]
+    assert not [k for k in scrape(metrics) if k[0].startswith("dflash2_copy_batches")]
     gpu0 = {"hbm->dram": {"kernel": 3, "engines": 2}, "dram->hbm": {"engines": 4}}
     gpu1 = {"hbm->dram": {"kernel": 1}}
     metrics.snapshot["copy_batches"] = sum_stats([{"copy_batches": gpu0}, {"copy_batches": gpu1}])["copy_batches"]
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert got[("dflash2_copy_batches_total", (("direction", "hbm->dram"), ("mechanism", "kernel")))] == 4
     assert got[("dflash2_copy_batches_total", (("direction", "hbm->dram"), ("mechanism", "engines")))] == 2
     assert got[("dflash2_copy_batches_total", (("direction", "dram->hbm"), ("mechanism", "engines")))] == 4
@@ -173,15 +159,15 @@ def test_the_scrape_reads_the_snapshot_not_the_manager(service):
     metrics = DaemonMetrics(service, snapshot_interval_s=3600)
     metrics.refresh(force=True)
     _load(service)  # changes after the snapshot are not seen until the owner refreshes it
-    assert _scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] == 0
+    assert scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] == 0
     metrics.refresh(force=True)
-    assert _scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] > 0
+    assert scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] > 0
 
 
 def test_hit_ratio_is_nan_before_any_read(service):
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
-    assert math.isnan(_scrape(metrics)[("dflash2_hbm_hit_ratio", ())])
+    assert math.isnan(scrape(metrics)[("dflash2_hbm_hit_ratio", ())])
 
 
 def test_history_is_bounded_persisted_and_reloaded(service, tmp_path, clock):
@@ -373,7 +359,7 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     service = Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1)
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
     assert math.isnan(got[("dflash2_policy_duel_hit_ratio", (("gpu", "0"), ("policy", "lru")))])  # none yet
     assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "heat")))] == 1
@@ -385,7 +371,7 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     duel.run()
     mgr.policy.follow("lfu")  # as if the duel had chosen it, to see the gauge move
     metrics.refresh(force=True)
-    got = _scrape(metrics)
+    got = scrape(metrics)
     d = duel.describe()
     for c in ("heat", "lru", "lfu"):
         assert got[("dflash2_policy_duel_hit_ratio", (("gpu", "0"), ("policy", c)))] == pytest.approx(d["hit_rate"][c])
@@ -404,62 +390,9 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     st["devices"] = {"0": json.loads(json.dumps(st)), "1": other}
     assert "duel (GPU 1): off (a miniature replay failed (see the log)); heat ranks as lfu" in render(st)
     metrics.snapshot = st
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert got[("dflash2_policy_duel_on", (("gpu", "1"),))] == 0 and got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
 
-
-
-def _chain_in_dram(m, c, n=4, first_key=100) -> list[int]:
-    """n published blocks of one chain, all in DRAM (pushed there by a later allocation)."""
-    vids = m.allocate(c, 0, n)
-    keys = list(range(first_key, first_key + n))
-    m.commit(c, vids, keys)
-    m.free(c, vids)
-    filler = m.allocate(c, 0, 8)  # HBM full of private blocks: the chain goes down
-    m.free(c, filler)
-    assert all(p.tier.label == "dram" for p in m.places_of_rows(m.table.lookup(keys, 0)))
-    return keys
-
-
-def test_host_side_reads_are_neither_hbm_hits_nor_misses(service):
-    """A host reader (tier dram, sglang's host pool) reads blocks where they lie: counted apart, so
-    that the HBM hit ratio and its alert speak of the HBM readers only."""
-    m = service.manager
-    c = m.attach("host-reader")
-    m.register_layout(SMALL)
-    keys = _chain_in_dram(m, c)
-    metrics = DaemonMetrics(service)
-    before = dict(m.access.reads)
-    found = m.table.vids(m.lookup_rows(keys, 0, reader=Tier.DRAM, client=c)).tolist()
-    assert m.acquire_rows(c, found, Tier.DRAM) is not None
-    assert dict(m.access.reads) == before and m.access.host_reads == {Tier.DRAM: 4}
-    metrics.refresh(force=True)
-    got = _scrape(metrics)
-    assert got[("dflash2_host_reads_total", (("tier", "dram"),))] == 4
-    assert got[("dflash2_cache_misses_total", (("tier", "hbm"),))] == before.get(Tier.DRAM, 0)
-    assert service.stats()["host_reads"] == {"dram": 4}
-
-
-def test_blocks_the_readers_own_lookup_swapped_in_are_not_hbm_hits(make_manager, clock):
-    """The lookup's prefetch brought them up while the reader waited: for the HBM hit ratio they
-    were read from DRAM. Another client reading them afterwards finds them in HBM: hits."""
-    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
-    a, b = m.attach("a"), m.attach("b")
-    m.register_layout(SMALL)
-    keys = _chain_in_dram(m, a)
-    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
-    assert all(p.tier.label == "hbm" for p in m.places_of_rows(m.table.lookup(keys, 0))), "prefetched"
-    assert m.acquire_rows(a, found) is not None
-    assert m.access.reads == {Tier.DRAM: 4} and m.prefetcher.useful == 4
-    m.release(a, found)
-    assert m.acquire_rows(b, found) is not None
-    assert m.access.reads == {Tier.DRAM: 4, Tier.HBM: 4}
-    # Prefetched for one reader, read first by another: that one did not wait, a hit.
-    m.release(b, found)
-    keys2 = _chain_in_dram(m, a, first_key=200)
-    found2 = m.table.vids(m.lookup_rows(keys2, 0, client=a)).tolist()
-    assert m.acquire_rows(b, found2) is not None
-    assert m.access.reads[Tier.HBM] == 8
 
 
 def test_gpu_memory_utilization_is_per_gpu_pool(make_manager, clock):
@@ -471,7 +404,7 @@ def test_gpu_memory_utilization_is_per_gpu_pool(make_manager, clock):
     assert m0.allocate(c, 0, 8) is not None  # GPU 0 full, GPU 1 empty
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert got[("dflash2_gpu_memory_utilization", (("gpu", "0"),))] == 1.0
     assert got[("dflash2_gpu_memory_utilization", (("gpu", "1"),))] == 0.0
     assert got[("dflash2_tier_used_bytes", (("tier", "hbm"),))] == 8 * SMALL.block_bytes  # the node's total
@@ -485,120 +418,6 @@ def test_reservations_that_end_with_their_client_are_counted(service):
     m.detach(c)
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
-    got = _scrape(metrics)
+    got = scrape(metrics)
     assert got[("dflash2_reservations_total", (("outcome", "granted"),))] == 1
     assert got[("dflash2_reservations_total", (("outcome", "released"),))] == 1
-
-
-def test_the_window_follows_the_readers_position(make_manager, clock):
-    """A reader's acquires move its read position along the chain its lookup found: the window
-    beyond it comes up once the acquire is answered (not waited for: those reads are HBM hits), and
-    it doubles while HBM is below its low watermark."""
-    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
-    a = m.attach("reader")
-    m.register_layout(SMALL)
-    keys = list(range(300, 324))
-    vids = m.allocate(a, 0, len(keys))
-    m.free(a, m.commit(a, vids, keys))
-    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # the whole chain down to DRAM
-    rows = m.table.lookup(keys, 0)
-    assert (m.table.cols.tier[rows] == int(Tier.DRAM)).all()
-    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
-    first = int(np.count_nonzero(m.table.cols.tier[rows] == int(Tier.HBM)))
-    assert first == m.prefetcher.window  # the first window, while the reader waited
-    read = 0
-    while read < len(chain):
-        part = chain[read: read + 4]
-        assert m.acquire_rows(a, part) is not None
-        m.release(a, part)
-        read += len(part)
-        m.run_prefetch()  # what the daemon does once it has answered
-        ahead = chain[read: read + m.prefetcher.window]
-        if ahead:
-            assert (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all(), read
-    assert m.prefetcher.window > 2  # doubled: HBM stayed below its low watermark
-    # Only the first window was waited for (read from DRAM); everything after it was a hit.
-    assert m.access.reads[Tier.DRAM] == first and m.access.reads[Tier.HBM] == len(chain) - first
-    assert m.prefetcher.useful == len(chain) and m.prefetcher.wasted == 0
-
-
-def test_the_window_follows_each_of_a_clients_requests(make_manager, clock):
-    """An engine reads several requests' prefixes at once: an acquire moves the window of the
-    chain that holds its blocks, whichever was looked up last."""
-    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
-    a = m.attach("engine")
-    m.register_layout(SMALL)
-    chains = []
-    for first in (400, 500):
-        keys = list(range(first, first + 12))
-        m.free(a, m.commit(a, m.allocate(a, 0, 12), keys))
-        chains.append(keys)
-    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # both chains down to DRAM
-    one, two = (m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist() for keys in chains)
-    two_before = m.table.cols.tier[m.table.rows(two)].copy()
-    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(one)] == int(Tier.HBM)))
-    assert m.acquire_rows(a, one[:first]) is not None  # the first request reads on, past its first window
-    m.run_prefetch()
-    ahead = one[first:first + m.prefetcher.window]
-    assert ahead and (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all()
-    assert (m.table.cols.tier[m.table.rows(two)] == two_before).all()  # the other request's chain: untouched
-
-
-def _down_chain(m, a, first_key, n):
-    keys = list(range(first_key, first_key + n))
-    m.free(a, m.commit(a, m.allocate(a, 0, n), keys))
-    return keys
-
-
-def _reader_of_dram_chains(make_manager, *chains: tuple[int, int]):
-    """A manager (HBM 64, DRAM 64, window 2), a reader, and chains of (first key, length) it
-    published, all pushed down to DRAM: (manager, reader, keys of each chain)."""
-    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
-    a = m.attach("reader")
-    m.register_layout(SMALL)
-    keys = [_down_chain(m, a, first, n) for first, n in chains]
-    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
-    return m, a, keys
-
-
-def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manager, clock):
-    m, a, [keys] = _reader_of_dram_chains(make_manager, (600, 4))
-    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
-    assert m.prefetcher.pending
-    assert m.acquire_rows(a, [found[0], found[0]]) is not None  # one pin per occurrence
-    assert m.table.cols.pins[m.table.rows([found[0]])[0]] == 2 and m.prefetcher.useful == 1
-
-
-def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock):
-    """A window brought up for a read that has not come yet keeps its old score: without being kept
-    out of the room another reader's prefetch makes, it would be the first block to go."""
-    m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2)
-    a, b = m.attach("a"), m.attach("b")
-    m.register_layout(SMALL)
-    one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
-    assert m.placement.make_room(Tier.HBM, 16 * SMALL.block_bytes)
-    filler = _down_chain(m, a, 900, 16)  # HBM full of idle blocks read just now
-    assert m.stats()["tiers"]["hbm"]["blocks"] == 16
-    chain_a = m.table.vids(m.lookup_rows(one, 0, client=a)).tolist()
-    assert m.acquire_rows(a, chain_a[:2]) is not None
-    m.release(a, chain_a[:2])
-    m.run_prefetch()
-    window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
-    assert window, "a's window came up"
-    chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
-    assert m.acquire_rows(b, chain_b[:2]) is not None
-    m.run_prefetch()
-    assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
-    assert filler
-
-
-def test_probe_lookups_are_not_followed(make_manager, clock):
-    m, a, [keys, *probes] = _reader_of_dram_chains(make_manager, (1000, 12), *((2000 + 10 * i, 1) for i in range(20)))
-    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
-    for p in probes:  # "is the page before mine cached?", twenty times
-        m.lookup_rows(p, 0, client=a, probe=True)
-    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(chain)] == int(Tier.HBM)))
-    assert m.acquire_rows(a, chain[:first]) is not None
-    m.run_prefetch()
-    assert m.table.cols.tier[m.table.rows([chain[first]])[0]] == int(Tier.HBM), "the request's window still follows"
-    assert all(m.table.cols.tier[m.table.rows(m.table.vids(m.table.lookup(p, 0)))[0]] == int(Tier.DRAM) for p in probes)

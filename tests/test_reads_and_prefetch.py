@@ -1,0 +1,187 @@
+"""Block reads and the prefetch window over a real host manager: which reads are HBM hits (a host
+reader's are not; a block the reader's own lookup swapped in is not), and how the window follows
+each reader's position on the chains its lookups found."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import SMALL
+from observe_helpers import scrape
+
+from dflash2.daemon.service import Service
+from dflash2.metrics import DaemonMetrics
+from dflash2.tiers import Tier
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    return Service(make_manager(hbm_blocks=8, dram_blocks=16), lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+
+
+def _chain_in_dram(m, c, n=4, first_key=100) -> list[int]:
+    """n published blocks of one chain, all in DRAM (pushed there by a later allocation)."""
+    vids = m.allocate(c, 0, n)
+    keys = list(range(first_key, first_key + n))
+    m.commit(c, vids, keys)
+    m.free(c, vids)
+    filler = m.allocate(c, 0, 8)  # HBM full of private blocks: the chain goes down
+    m.free(c, filler)
+    assert all(p.tier.label == "dram" for p in m.places_of_rows(m.table.lookup(keys, 0)))
+    return keys
+
+
+def test_host_side_reads_are_neither_hbm_hits_nor_misses(service):
+    """A host reader (tier dram, sglang's host pool) reads blocks where they lie: counted apart, so
+    that the HBM hit ratio and its alert speak of the HBM readers only."""
+    m = service.manager
+    c = m.attach("host-reader")
+    m.register_layout(SMALL)
+    keys = _chain_in_dram(m, c)
+    metrics = DaemonMetrics(service)
+    before = dict(m.access.reads)
+    found = m.table.vids(m.lookup_rows(keys, 0, reader=Tier.DRAM, client=c)).tolist()
+    assert m.acquire_rows(c, found, Tier.DRAM) is not None
+    assert dict(m.access.reads) == before and m.access.host_reads == {Tier.DRAM: 4}
+    metrics.refresh(force=True)
+    got = scrape(metrics)
+    assert got[("dflash2_host_reads_total", (("tier", "dram"),))] == 4
+    assert got[("dflash2_cache_misses_total", (("tier", "hbm"),))] == before.get(Tier.DRAM, 0)
+    assert service.stats()["host_reads"] == {"dram": 4}
+
+
+def test_blocks_the_readers_own_lookup_swapped_in_are_not_hbm_hits(make_manager, clock):
+    """The lookup's prefetch brought them up while the reader waited: for the HBM hit ratio they
+    were read from DRAM. Another client reading them afterwards finds them in HBM: hits."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    keys = _chain_in_dram(m, a)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    assert all(p.tier.label == "hbm" for p in m.places_of_rows(m.table.lookup(keys, 0))), "prefetched"
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.DRAM: 4} and m.prefetcher.useful == 4
+    m.release(a, found)
+    assert m.acquire_rows(b, found) is not None
+    assert m.access.reads == {Tier.DRAM: 4, Tier.HBM: 4}
+    # Prefetched for one reader, read first by another: that one did not wait, a hit.
+    m.release(b, found)
+    keys2 = _chain_in_dram(m, a, first_key=200)
+    found2 = m.table.vids(m.lookup_rows(keys2, 0, client=a)).tolist()
+    assert m.acquire_rows(b, found2) is not None
+    assert m.access.reads[Tier.HBM] == 8
+
+
+def test_the_window_follows_the_readers_position(make_manager, clock):
+    """A reader's acquires move its read position along the chain its lookup found: the window
+    beyond it comes up once the acquire is answered (not waited for: those reads are HBM hits), and
+    it doubles while HBM is below its low watermark."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("reader")
+    m.register_layout(SMALL)
+    keys = list(range(300, 324))
+    vids = m.allocate(a, 0, len(keys))
+    m.free(a, m.commit(a, vids, keys))
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # the whole chain down to DRAM
+    rows = m.table.lookup(keys, 0)
+    assert (m.table.cols.tier[rows] == int(Tier.DRAM)).all()
+    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    first = int(np.count_nonzero(m.table.cols.tier[rows] == int(Tier.HBM)))
+    assert first == m.prefetcher.window  # the first window, while the reader waited
+    read = 0
+    while read < len(chain):
+        part = chain[read: read + 4]
+        assert m.acquire_rows(a, part) is not None
+        m.release(a, part)
+        read += len(part)
+        m.run_prefetch()  # what the daemon does once it has answered
+        ahead = chain[read: read + m.prefetcher.window]
+        if ahead:
+            assert (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all(), read
+    assert m.prefetcher.window > 2  # doubled: HBM stayed below its low watermark
+    # Only the first window was waited for (read from DRAM); everything after it was a hit.
+    assert m.access.reads[Tier.DRAM] == first and m.access.reads[Tier.HBM] == len(chain) - first
+    assert m.prefetcher.useful == len(chain) and m.prefetcher.wasted == 0
+
+
+def test_the_window_follows_each_of_a_clients_requests(make_manager, clock):
+    """An engine reads several requests' prefixes at once: an acquire moves the window of the
+    chain that holds its blocks, whichever was looked up last."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("engine")
+    m.register_layout(SMALL)
+    chains = []
+    for first in (400, 500):
+        keys = list(range(first, first + 12))
+        m.free(a, m.commit(a, m.allocate(a, 0, 12), keys))
+        chains.append(keys)
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # both chains down to DRAM
+    one, two = (m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist() for keys in chains)
+    two_before = m.table.cols.tier[m.table.rows(two)].copy()
+    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(one)] == int(Tier.HBM)))
+    assert m.acquire_rows(a, one[:first]) is not None  # the first request reads on, past its first window
+    m.run_prefetch()
+    ahead = one[first:first + m.prefetcher.window]
+    assert ahead and (m.table.cols.tier[m.table.rows(ahead)] == int(Tier.HBM)).all()
+    assert (m.table.cols.tier[m.table.rows(two)] == two_before).all()  # the other request's chain: untouched
+
+
+def _down_chain(m, a, first_key, n):
+    keys = list(range(first_key, first_key + n))
+    m.free(a, m.commit(a, m.allocate(a, 0, n), keys))
+    return keys
+
+
+def _reader_of_dram_chains(make_manager, *chains: tuple[int, int]):
+    """A manager (HBM 64, DRAM 64, window 2), a reader, and chains of (first key, length) it
+    published, all pushed down to DRAM: (manager, reader, keys of each chain)."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a = m.attach("reader")
+    m.register_layout(SMALL)
+    keys = [_down_chain(m, a, first, n) for first, n in chains]
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)
+    return m, a, keys
+
+
+def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manager, clock):
+    m, a, [keys] = _reader_of_dram_chains(make_manager, (600, 4))
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    assert m.prefetcher.pending
+    assert m.acquire_rows(a, [found[0], found[0]]) is not None  # one pin per occurrence
+    assert m.table.cols.pins[m.table.rows([found[0]])[0]] == 2 and m.prefetcher.useful == 1
+
+
+def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock):
+    """A window brought up for a read that has not come yet keeps its old score: without being kept
+    out of the room another reader's prefetch makes, it would be the first block to go."""
+    m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
+    assert m.placement.make_room(Tier.HBM, 16 * SMALL.block_bytes)
+    filler = _down_chain(m, a, 900, 16)  # HBM full of idle blocks read just now
+    assert m.stats()["tiers"]["hbm"]["blocks"] == 16
+    chain_a = m.table.vids(m.lookup_rows(one, 0, client=a)).tolist()
+    assert m.acquire_rows(a, chain_a[:2]) is not None
+    m.release(a, chain_a[:2])
+    m.run_prefetch()
+    window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
+    assert window, "a's window came up"
+    chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
+    assert m.acquire_rows(b, chain_b[:2]) is not None
+    m.run_prefetch()
+    assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
+    assert filler
+
+
+def test_probe_lookups_are_not_followed(make_manager, clock):
+    m, a, [keys, *probes] = _reader_of_dram_chains(make_manager, (1000, 12), *((2000 + 10 * i, 1) for i in range(20)))
+    chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    for p in probes:  # "is the page before mine cached?", twenty times
+        m.lookup_rows(p, 0, client=a, probe=True)
+    first = int(np.count_nonzero(m.table.cols.tier[m.table.rows(chain)] == int(Tier.HBM)))
+    assert m.acquire_rows(a, chain[:first]) is not None
+    m.run_prefetch()
+    assert m.table.cols.tier[m.table.rows([chain[first]])[0]] == int(Tier.HBM), "the request's window still follows"
+    assert all(m.table.cols.tier[m.table.rows(m.table.vids(m.table.lookup(p, 0)))[0]] == int(Tier.DRAM) for p in probes)
+
