@@ -54,7 +54,10 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     # Private blocks have an owner; published ones are keyed and indexed.
     private = live[c.key[live] == 0]
     pending = np.fromiter(table.pending_frees(), dtype=np.int64)
-    leaked = private[(c.refs[private] == 0) & ~np.isin(private, pending)]
+    kept = np.fromiter(table.pinned_copies, dtype=np.int64)
+    if len(kept) and ((c.pins[kept] == 0) | (c.refs[kept] != 0) | (c.key[kept] != 0)).any():
+        problems.append("a deduplicated copy is kept although unpinned, referenced or published")
+    leaked = private[(c.refs[private] == 0) & ~np.isin(private, pending) & ~np.isin(private, kept)]
     if len(leaked):
         problems.append(f"private block row {int(leaked[0])} has no reference left but was not freed (leaked)")
     ownerless = private[c.owner[private] == NO_CLIENT]

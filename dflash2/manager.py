@@ -198,7 +198,11 @@ class BlockManager:
 
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
         out = self.table.commit(client, vids, keys, parent)
-        self.policy.on_commit(self.table, self.table.rows(out), self.table.clock())
+        now = self.table.clock()
+        recast = self.table.take_recast()
+        if len(recast):  # a cached twin took its writer's faster slot: a move, for the policy
+            self.policy.on_insert(self.table, recast, now)
+        self.policy.on_commit(self.table, self.table.rows(out), now)
         return out
 
     def free(self, client: int, vids) -> int:

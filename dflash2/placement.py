@@ -41,6 +41,7 @@ class PlacementStats:
     promoted: int = 0
     not_admitted: int = 0
     not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
+    past_full: int = 0  # demoted past a tier that had no room it could make (counted in `demoted` too)
 
 
 class Placement:
@@ -271,26 +272,57 @@ class Placement:
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect) -> bool:
         now = self.table.clock()
+        victims, progress = self._admitted(victims, lower, now)
+        if not len(victims):
+            return progress
+        moved = self._move_down(victims, lower, protect)
+        target = lower
+        while not moved.any() and self.lower(target) is not None:
+            # `target` has no room it can make: every block in it is pinned or held there by a
+            # descendant in a faster tier (a chain extended in HBM under a parent just demoted
+            # leaves DRAM runs each followed by HBM blocks; none of those runs may go down first).
+            # Dropping the victims would lose them while a slower tier has room: they go past it.
+            # Prefix order holds: a block only ever lands below its parent's tier or in it.
+            target = self.lower(target)
+            victims, dropped = self._admitted(victims, target, now)
+            progress |= dropped
+            if not len(victims):
+                return progress
+            moved = self._move_down(victims, target, protect)
+            self.stats.past_full += int(moved.sum())
+        self.stats.demoted += int(moved.sum())
+        if moved.any():
+            self.policy.on_insert(self.table, victims[moved], now)
+            return True
+        # Every tier below is full of blocks that cannot move: drop what may be dropped here.
+        return self._evict(victims[self.table.evictable(victims)]) or progress
+
+    def _admitted(self, victims: np.ndarray, lower: Tier, now: float) -> tuple[np.ndarray, bool]:
+        """The victims that go down to `lower` (in their order: leaves first), and whether any were
+        dropped instead: those the policy does not admit there, or whose read back from there
+        would cost more than a recompute (`read_cost`). A refused block that nobody holds is dropped;
+        one that is held goes down anyway. A refused parent goes with its children when they are all
+        refused and droppable too (one call)."""
         admitted = self.policy.admit(self.table, victims, lower, now)
         too_slow = np.zeros(len(victims), dtype=bool)
         if self.read_cost is not None:
             too_slow = ~self.read_cost.keeps(self.table.layouts, self.table.cols.layout[victims], lower)
             admitted &= ~too_slow
         refused = victims[~admitted]
+        if not len(refused):
+            return victims, False
         progress = False
-        if len(refused):
-            # Not worth a place below: drop those nobody holds, else demote them anyway. A refused
-            # parent goes with its children when they are all refused and droppable too (one call).
-            drop = self._droppable(refused)
-            if len(drop):
-                slow = int(np.isin(drop, victims[too_slow]).sum())
-                self.stats.not_kept += slow
-                self.stats.not_admitted += len(drop) - slow
-                progress |= self._evict(drop)
-            kept = refused[~np.isin(refused, drop)]
-            victims = victims[admitted | np.isin(victims, kept)]  # in their order: leaves first
-        if not len(victims):
-            return progress
+        drop = self._droppable(refused)
+        if len(drop):
+            slow = int(np.isin(drop, victims[too_slow]).sum())
+            self.stats.not_kept += slow
+            self.stats.not_admitted += len(drop) - slow
+            progress = self._evict(drop)
+        kept = refused[~np.isin(refused, drop)]
+        return victims[admitted | np.isin(victims, kept)], progress
+
+    def _move_down(self, victims: np.ndarray, lower: Tier, protect) -> np.ndarray:
+        """Move the victims (leaves first) down to `lower`, room made there first; the moved mask."""
         self._make_room_for_rows(lower, victims, protect)
         try:
             moved = self.mover.move(victims, lower)
@@ -303,12 +335,7 @@ class Placement:
                     moved[:fit] = self.mover.move(victims[:fit], lower)
         finally:
             self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
-        self.stats.demoted += int(moved.sum())
-        if moved.any():
-            self.policy.on_insert(self.table, victims[moved], now)
-            return True
-        # The tier below is full of blocks that cannot move: drop what may be dropped here.
-        return self._evict(victims[self.table.evictable(victims)]) or progress
+        return moved
 
     def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
         """How many of the leading rows `tier` has free slots for now, size by size."""

@@ -328,3 +328,98 @@ def test_a_table_without_rows_is_refused():
     from dflash2.table.columns import Columns
     with pytest.raises(ValueError, match="at least 1 row"):
         Columns(0)
+
+
+def test_a_pinned_copy_committed_under_a_cached_key_stays_where_its_writer_views_it(make_manager, clock):
+    """An engine pins the block it writes (to keep reading it after commit) and commits it under a
+    key that is already cached, in NVMe: its copy must stay where it views it, and its release (by
+    the id it pinned) must work and free the copy. Before, the pin moved to the cached twin in NVMe
+    (a pinned block below the memory tiers) and the copy's slot was freed under the view."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=8)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7])
+    mgr.free(a, cached)
+    for k in range(100, 112):  # push key 7 down to NVMe
+        clock.advance(1)
+        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k]))
+    assert mgr.place(int(cached[0])).tier == Tier.NVME
+    copy = mgr.allocate(b, lid, 1)
+    [viewed] = mgr.acquire(b, copy)
+    assert mgr.commit(b, copy, keys=[7]).tolist() == cached.tolist()
+    assert mgr.place(int(copy[0])) == viewed, "the pinned copy stays where its writer views it"
+    assert mgr.table.cols.pins[mgr.table.rows(cached)[0]] == 0, "no pin lands on the twin in NVMe"
+    mgr.check_invariants()
+    for again in (mgr.acquire, mgr.add_ref):  # the copy is dead to new holders: the twin is the block
+        with pytest.raises(UnknownBlock, match="already cached.*use the id commit returned"):
+            again(b, copy)
+    used = mgr.table.allocators[Tier.HBM].used_bytes
+    mgr.release(b, copy)
+    assert mgr.table.allocators[Tier.HBM].used_bytes < used, "the last pin frees the copy"
+    with pytest.raises(UnknownBlock):
+        mgr.place(int(copy[0]))
+    assert mgr.free(b, cached) == 0  # b's reference moved to the twin
+    mgr.check_invariants()
+
+
+def test_a_pinned_copy_is_freed_when_its_writer_detaches(make_manager):
+    mgr = make_manager(hbm_blocks=8)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7]))
+    copy = mgr.allocate(b, lid, 1)
+    mgr.acquire(b, copy)
+    mgr.commit(b, copy, keys=[7])
+    used = mgr.table.allocators[Tier.HBM].used_bytes
+    mgr.detach(b)
+    assert mgr.table.allocators[Tier.HBM].used_bytes < used
+    assert not mgr.table.pinned_copies
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_a_recomputed_block_keeps_its_fast_slot_and_the_slow_twin_is_freed(make_manager, clock, policy):
+    """A block recomputed in HBM (its cached twin was too slow to read back, or not looked up) and
+    committed under the twin's key: the twin takes the fresh copy's HBM slot (same bytes) and its NVMe
+    slot is freed. Dropping the fresh copy would leave the block where it is withheld again."""
+    from dflash2.policy import make_policy
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=8, policy=make_policy(policy))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    parent = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[6])
+    cached = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7], parent=int(parent[0]))
+    mgr.free(a, [*parent, *cached])
+    for k in range(100, 112):
+        clock.advance(1)
+        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k]))
+    assert mgr.place(int(cached[0])).tier == Tier.NVME
+    fresh = mgr.allocate(a, lid, 1)
+    slot = mgr.place(int(fresh[0]))
+    nvme_used = mgr.table.allocators[Tier.NVME].used_bytes
+    assert mgr.commit(a, fresh, keys=[7], parent=int(parent[0])).tolist() == cached.tolist()
+    twin = mgr.place(int(cached[0]))
+    assert (twin.tier, twin.offset) == (Tier.HBM, slot.offset)
+    assert mgr.table.allocators[Tier.NVME].used_bytes < nvme_used
+    mgr.check_invariants()  # the parent's child counts per tier follow the twin
+    mgr.free(a, cached)
+    mgr.tick()
+    mgr.check_invariants()
+
+
+def test_a_twin_pinned_where_it_lies_keeps_its_place(make_manager, clock):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7])
+    mgr.free(a, cached)
+    for k in range(100, 106):
+        clock.advance(1)
+        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k]))
+    [held] = mgr.acquire(reader, cached, up_to=Tier.DRAM)  # a host-side reader views it in DRAM
+    assert held.tier == Tier.DRAM
+    fresh = mgr.allocate(a, lid, 1)
+    mgr.commit(a, fresh, keys=[7])
+    assert mgr.place(int(cached[0])) == held
+    with pytest.raises(UnknownBlock):
+        mgr.place(int(fresh[0]))  # the fresh copy was freed instead
+    mgr.check_invariants()

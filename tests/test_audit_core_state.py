@@ -110,10 +110,8 @@ class TableMachine(RuleBasedStateMachine):
         if keyed and chain and len(published):
             parent = int(self.t.vids(np.array([self._pick(published, i + 1)]))[0])
         self.t.commit(owner, vids, keys, parent)
-        # A deduplicated block's pins go to the cached block it is replaced by.
-        for r in np.flatnonzero(c.pins > 0).tolist():
-            self.pinned_at.setdefault(r, (int(c.tier[r]), int(c.offset[r])))
-        self.pinned_at = {r: p for r, p in self.pinned_at.items() if c.pins[r] > 0}
+        # A deduplicated copy its writer pinned stays where it is, pinned, until released: no pin
+        # moves to another row (pinned_blocks_stay_put holds every pinned row to its place).
 
     @precondition(lambda self: len(self._live(S.MIGRATING)))
     @rule(i=st.integers(0, 99))

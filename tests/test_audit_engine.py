@@ -111,6 +111,29 @@ def test_a_block_pinned_in_dram_by_a_host_reader_is_named_to_a_gpu_reader(connec
     gpu.release(vids)
 
 
+def test_an_engine_keeps_reading_its_pinned_block_after_commit_deduplicates_it(connect):
+    """Two engines compute the same block; the second pins its own copy (to keep reading it after
+    commit), writes it and commits after the first: its view keeps its bytes, its release by the id
+    it pinned succeeds, and the copy is freed then (the cached block stays)."""
+    first, second = connect("first"), connect("second")
+    lid = first.layouts[0]
+    keys = chain_keys(range(16), 16, "shared")
+    [cached] = first.commit(first.allocate(lid, 1)["vid"], keys=keys)
+    first.free([cached])
+    [copy] = second.allocate(lid, 1)["vid"]
+    assert second.acquire([copy]) is not None
+    second.view_bytes(int(copy))[:4] = np.frombuffer(b"mine", np.uint8)
+    [held] = second.commit([copy], keys=keys)
+    assert held == cached
+    free_before = second.stats()["tiers"]["hbm"]["free_bytes"]
+    assert bytes(second.view_bytes(int(copy))[:4]) == b"mine", "the pinned copy is where it was"
+    second.release([copy])
+    assert second.stats()["tiers"]["hbm"]["free_bytes"] > free_before, "the copy's slot is given back"
+    second.free([held])
+    assert len(second.lookup(keys)) == 1  # the cached block stays
+    second.check()
+
+
 def test_the_daemon_brings_up_the_window_ahead_of_each_read(connect):
     """Over the socket: once an acquire is answered, the blocks beyond it on the chain the reader
     looked up come up to HBM (the config's prefetch window), before the reader asks for them."""

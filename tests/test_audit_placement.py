@@ -121,3 +121,31 @@ def test_a_block_prefetched_again_after_leaving_hbm_unread_counts_one_waste(make
     assert mgr.prefetcher.pending == 0
     assert b is not None
     mgr.check_invariants()
+
+
+def test_a_chain_extended_in_batches_is_demoted_past_a_stuck_tier_not_dropped(make_manager, clock):
+    """A chain written batch by batch, each batch committed under the last block of the one before
+    and then freed (cached only): making room for a batch demotes the chain's tail, so the next batch
+    lies in HBM under a parent in DRAM. DRAM fills with runs each followed by HBM blocks, and none of
+    them may go down first (prefix order). Blocks must then go past DRAM to NVMe, which has room,
+    instead of being dropped (the lifecycle audit: the 256 newest blocks dropped with NVMe 99% free)."""
+    mgr = make_manager(hbm_blocks=64, dram_blocks=64, nvme_blocks=256)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    keys = list(range(1, 1 + 20 * 16))
+    parent = None
+    for start in range(0, len(keys), 16):
+        clock.advance(1)
+        placed = mgr.allocate(a, lid, 16)
+        assert placed is not None, f"no room for the batch at block {start}"
+        vids = mgr.commit(a, placed, keys=keys[start:start + 16], parent=parent)
+        mgr.free(a, vids)
+        parent = int(vids[-1])
+        mgr.check_invariants()
+    stats = mgr.placement.stats
+    assert stats.evicted == 0 and stats.not_admitted == 0  # 320 blocks, 384 slots: all kept
+    assert stats.past_full > 0  # DRAM got stuck on the way, and blocks went past it
+    found = mgr.lookup(keys, lid)
+    assert len(found) == len(keys)  # the whole chain is still found, in order
+    tiers = tiers_of(mgr, [f.vid for f in found])
+    assert tiers.count("nvme") == len(keys) - 128  # HBM and DRAM full, the rest below

@@ -112,3 +112,9 @@ class Columns:
         self._free_rows = free
         self._n_free += len(added)
         self.capacity = new
+
+
+def no_repeats(rows: np.ndarray, op: str) -> None:
+    """A call that changes each listed block once refuses a block listed twice."""
+    if len(np.unique(rows)) != len(rows):
+        raise ValueError(f"{op}: the same block is listed twice")

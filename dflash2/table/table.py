@@ -26,23 +26,19 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.alloc import SlotAllocator
-from dflash2.errors import (IllegalTransition, ImmutableBlock, NotOwner, PinnedBlock, ReservationError,
+from dflash2.errors import (IllegalTransition, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.counts import add_at
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
-from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns
+from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
 from dflash2.table.keyindex import EMPTY, KeyIndex
+from dflash2.table.publish import Publishing
 from dflash2.table.states import BlockState, check_transition
 from dflash2.tiers import Tier
 
 ROW_MASK = 0xFFFFFFFF
 S = BlockState
-
-
-def _no_repeats(rows: np.ndarray, op: str) -> None:
-    if len(np.unique(rows)) != len(rows):
-        raise ValueError(f"{op}: the same block is listed twice")
 
 
 def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -59,7 +55,7 @@ class ClientRefs:
         self.pins: Counter[int] = Counter()
 
 
-class BlockTable:
+class BlockTable(Publishing):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
                  capacity: int = 1024):
         self.allocators = allocators
@@ -71,6 +67,13 @@ class BlockTable:
         self._next_client = 1
         self._free_after_move: set[int] = set()  # private blocks whose last reference went mid-move
         self.lost: set[int] = set()  # unpublished after a failed checksum, still referenced
+        # Private copies that a commit deduplicated while their writer had them pinned: the cached
+        # twin took the references, but the writer still views these bytes where they are. Never
+        # moved (pinned), freed at their last unpin (the writer's release, or its detach).
+        self.pinned_copies: set[int] = set()
+        # Rows a commit's deduplication moved to another tier (the cached twin taking the writer's
+        # faster slot): the manager tells the policy, as after a move. Drained by `take_recast`.
+        self._recast: list[int] = []
 
     # -- layouts and clients ---------------------------------------------------------------
     def register_layout(self, layout: Layout) -> int:
@@ -194,75 +197,9 @@ class BlockTable:
     def open_write(self, client_id: int, vids) -> None:
         """RESERVED → WRITING: a reservation's blocks are handed to its request."""
         rows = self._owned_rows(client_id, vids)
-        _no_repeats(rows, "open_write")
+        no_repeats(rows, "open_write")
         check_transition(self.cols.state[rows], S.WRITING, vids)
         self.cols.state[rows] = S.WRITING
-
-    def commit(self, client_id: int, vids, keys: Sequence[int] | None = None,
-               parent: int | None = None) -> np.ndarray:
-        """WRITING → RESIDENT: the bytes are final. With content keys the blocks are published (any
-        client can find them by key) and chained: block i's parent is block i-1, the first one's is
-        `parent` (a published block's vid). A key that is already cached deduplicates: the client's
-        new block is freed and it gets a reference to the cached one instead. Returns the vids the
-        client holds now, in order."""
-        rows = self._owned_rows(client_id, vids)
-        _no_repeats(rows, "commit")
-        c = self.cols
-        check_transition(c.state[rows], S.RESIDENT, vids)
-        self._require(rows, S.WRITING, "commit")
-        if keys is None:
-            c.state[rows] = S.RESIDENT
-            return self.vids(rows)
-        if len(keys) != len(rows):
-            raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
-        if any(int(k) == 0 for k in keys):
-            raise ValueError("content key 0 is reserved for 'no key'")
-        prev = self.rows([parent])[0] if parent is not None else NO_ROW
-        if prev != NO_ROW and c.key[prev] == 0:
-            raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
-        found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
-        clash = (found != EMPTY) & (c.layout[np.where(found != EMPTY, found, 0)] != c.layout[rows])
-        if clash.any():
-            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached for another layout: "
-                                 "content keys must be namespaced per layout (model, precision, shard)")
-        out = np.empty(len(rows), dtype=np.int64)
-        for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
-            key = int(key)
-            existing = self.keys.get(key)
-            if existing != EMPTY:
-                self._adopt_duplicate(client_id, row, existing)
-                row = existing
-            else:
-                c.state[row] = S.RESIDENT
-                c.key[row] = key
-                c.owner[row] = NO_CLIENT
-                self.keys.insert(key, row)
-                self._link(row, prev)
-            out[i] = row
-            prev = row
-        return self.vids(out)
-
-    def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
-        """The client wrote a block that is already cached: move its references and pins to the
-        cached one (all of them: a reference left behind would keep the unpublished copy alive,
-        WRITING, until the client detaches). Only the writing client holds a private block."""
-        holder = self.clients[client_id]
-        pins = holder.pins.pop(row, 0)
-        if pins:
-            holder.pins[existing] += pins
-            self.cols.pins[existing] += pins
-            self.cols.pins[row] -= pins
-        refs = holder.refs.get(row, 0)
-        self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
-        holder.refs[existing] += refs
-        self.cols.refs[existing] += refs
-
-    def _link(self, row: int, parent: int) -> None:
-        if parent == NO_ROW:
-            return
-        self.cols.parent[row] = parent
-        self.cols.kids[self.cols.tier[row], parent] += 1
-        self.cols.nkids[parent] += 1
 
     # -- references and pins ---------------------------------------------------------------
     def add_ref(self, client_id: int, vids) -> None:
@@ -345,13 +282,19 @@ class BlockTable:
         pins.subtract(counts)
         for r in [r for r in counts if not pins[r]]:
             del pins[r]
-        if self.lost:
-            # A block whose bytes failed their checksum was kept only for its holders: the last pin
-            # of one nobody references frees it (it has no key, so nothing else ever would).
-            c = self.cols
-            done = [r for r in counts if r in self.lost and c.pins[r] == 0 and c.refs[r] == 0]
-            if done:
-                self._release_rows(np.array(done, dtype=np.int64))
+        self._free_unheld(counts)
+
+    def _free_unheld(self, rows) -> None:
+        """Rows kept only for their holders (a block whose bytes failed their checksum; a pinned
+        copy a commit deduplicated): the last pin of one nobody references frees it (it has no key,
+        so nothing else ever would)."""
+        if not (self.lost or self.pinned_copies):
+            return
+        c = self.cols
+        kept = self.lost | self.pinned_copies
+        done = [r for r in rows if r in kept and c.pins[r] == 0 and c.refs[r] == 0]
+        if done:
+            self._release_rows(np.array(done, dtype=np.int64))
 
     def _owned_rows(self, client_id: int, vids) -> np.ndarray:
         self.client(client_id)
@@ -369,17 +312,21 @@ class BlockTable:
         if foreign.any():
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
         self.refuse_reserved(rows)
-        if self._free_after_move or self.lost:
+        if self._free_after_move or self.lost or self.pinned_copies:
             # Dead to new holders, though their rows are not free yet: a private block whose last
             # reference went mid-move (freed when the move ends: a new reference or pin would
-            # outlive its row and later stand for the row's next block), and a block whose bytes
+            # outlive its row and later stand for the row's next block), a block whose bytes
             # failed their checksum (kept only for the references held before; a pin taken now
-            # would not stop its last reference from freeing it).
-            dead = np.fromiter(self._free_after_move | self.lost, dtype=np.int64)
+            # would not stop its last reference from freeing it), and a pinned copy a commit
+            # deduplicated (kept only for the pins taken before; the cached twin is the block now).
+            dead = np.fromiter(self._free_after_move | self.lost | self.pinned_copies, dtype=np.int64)
             gone = np.isin(rows, dead)
             if gone.any():
-                raise UnknownBlock(f"block {int(self.vids(rows[gone][:1])[0]):#x} is not live (freed while "
-                                   "in flight, or its bytes failed their checksum)")
+                row = int(rows[gone][0])
+                why = ("it was committed under a content key already cached, and is kept only until "
+                       "your pins on it are released: use the id commit returned for it"
+                       if row in self.pinned_copies else "freed while in flight, or its bytes failed their checksum")
+                raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
         return rows
 
     def refuse_reserved(self, rows: np.ndarray) -> None:
@@ -434,7 +381,7 @@ class BlockTable:
         each must be cached with nobody holding it, and each cached child of one must be among
         `rows` (so a chain goes in one call, in any order)."""
         rows = np.asarray(rows, dtype=np.int64)
-        _no_repeats(rows, "evict")
+        no_repeats(rows, "evict")
         c = self.cols
         ok = ((c.state[rows] == int(S.RESIDENT)) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
               & (c.key[rows] != 0))
@@ -468,6 +415,7 @@ class BlockTable:
             here = rows[c.tier[rows] == int(tier)]
             self._free_slots(tier, here, c.offset[here])
         self.lost.difference_update(rows.tolist())
+        self.pinned_copies.difference_update(rows.tolist())
         c.give_rows(rows.astype(np.int32))
 
     def drop_lost(self, rows: np.ndarray) -> None:
@@ -503,7 +451,7 @@ class BlockTable:
     def begin_move(self, rows: np.ndarray, dst: Tier) -> np.ndarray | None:
         """RESIDENT → MIGRATING and destination slots, or None (no room at dst; nothing changed)."""
         c = self.cols
-        _no_repeats(rows, "begin_move")  # one destination slot per block, one source slot freed
+        no_repeats(rows, "begin_move")  # one destination slot per block, one source slot freed
         if (c.pins[rows] > 0).any():
             raise PinnedBlock("a pinned block cannot be moved")
         check_transition(c.state[rows], S.MIGRATING, self.vids(rows))
@@ -572,9 +520,11 @@ class BlockTable:
         pinned = np.array(list(holder.pins.elements()), dtype=np.int64)
         if len(pinned):
             np.subtract.at(c.pins, pinned, 1)
+        unpinned = list(holder.pins)
         holder.pins.clear()
         refs = np.array(list(holder.refs.elements()), dtype=np.int64)
         freed = self._drop_refs(holder, refs) if len(refs) else 0
+        self._free_unheld(unpinned)
         del self.clients[client_id]
         return {"unpinned": len(pinned), "dereferenced": len(refs), "freed": freed}
 

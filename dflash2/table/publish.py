@@ -1,0 +1,121 @@
+"""Publishing written blocks: `commit` makes a block's bytes final and, with content keys, indexes
+it and chains it under its parent; a key already cached deduplicates. A part of BlockTable (a
+mixin over its columns, key index and client counts), apart because the deduplication's cases
+(a pinned copy, a cached twin in a slower tier) are a job of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflash2.errors import ImmutableBlock
+from dflash2.table.columns import NO_CLIENT, NO_ROW, no_repeats
+from dflash2.table.keyindex import EMPTY
+from dflash2.table.states import BlockState, check_transition
+
+S = BlockState
+
+
+class Publishing:
+    """BlockTable's commit (the attributes it uses are BlockTable's)."""
+
+    def commit(self, client_id: int, vids, keys: Sequence[int] | None = None,
+               parent: int | None = None) -> np.ndarray:
+        """WRITING → RESIDENT: the bytes are final. With content keys the blocks are published (any
+        client can find them by key) and chained: block i's parent is block i-1, the first one's is
+        `parent` (a published block's vid). A key that is already cached deduplicates: the client's
+        new block is freed and it gets a reference to the cached one instead. Returns the vids the
+        client holds now, in order."""
+        rows = self._owned_rows(client_id, vids)
+        no_repeats(rows, "commit")
+        c = self.cols
+        check_transition(c.state[rows], S.RESIDENT, vids)
+        self._require(rows, S.WRITING, "commit")
+        if keys is None:
+            c.state[rows] = S.RESIDENT
+            return self.vids(rows)
+        if len(keys) != len(rows):
+            raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
+        if any(int(k) == 0 for k in keys):
+            raise ValueError("content key 0 is reserved for 'no key'")
+        prev = self.rows([parent])[0] if parent is not None else NO_ROW
+        if prev != NO_ROW and c.key[prev] == 0:
+            raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
+        found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
+        clash = (found != EMPTY) & (c.layout[np.where(found != EMPTY, found, 0)] != c.layout[rows])
+        if clash.any():
+            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached for another layout: "
+                                 "content keys must be namespaced per layout (model, precision, shard)")
+        out = np.empty(len(rows), dtype=np.int64)
+        for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
+            key = int(key)
+            existing = self.keys.get(key)
+            if existing != EMPTY:
+                self._adopt_duplicate(client_id, row, existing)
+                row = existing
+            else:
+                c.state[row] = S.RESIDENT
+                c.key[row] = key
+                c.owner[row] = NO_CLIENT
+                self.keys.insert(key, row)
+                self._link(row, prev)
+            out[i] = row
+            prev = row
+        return self.vids(out)
+
+    def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
+        """The client wrote a block that is already cached: move its references to the cached one
+        (all of them: a reference left behind would keep the unpublished copy alive, WRITING, until
+        the client detaches). Only the writing client holds a private block.
+
+        Where the client's copy lies matters in two cases:
+        - it is pinned: the client views those bytes there, through the id it pinned. The copy
+          stays, private and RESIDENT, until its last pin goes (`pinned_copies`); moving the pins
+          to the cached twin instead would leave the view over a freed slot, and the client's
+          release naming an id that no longer exists;
+        - it is unpinned and lies in a faster tier than the cached twin (a block recomputed because
+          reading it back from below was too slow, or not looked up): the twin takes the copy's
+          slot, whose bytes are the same, and the twin's slower slot is freed. Dropping the fresh
+          copy would leave the block where reading it back costs more than recomputing it again.
+        """
+        holder = self.clients[client_id]
+        c = self.cols
+        refs = holder.refs.get(row, 0)
+        if holder.pins.get(row, 0):
+            c.state[row] = S.RESIDENT  # final bytes, never to be committed again
+            self.pinned_copies.add(row)
+            holder.refs.pop(row, None)
+            c.refs[row] -= refs
+        else:
+            if (c.tier[row] < c.tier[existing] and c.state[existing] == int(S.RESIDENT)
+                    and c.pins[existing] == 0):
+                self._swap_slots(row, existing)
+            self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
+        holder.refs[existing] += refs
+        c.refs[existing] += refs
+
+    def _swap_slots(self, row: int, existing: int) -> None:
+        """`existing` (published, unpinned, RESIDENT) takes `row`'s slot and `row` (private, no
+        parent, no children) takes `existing`'s: same content key, same bytes."""
+        c = self.cols
+        up, down = int(c.tier[row]), int(c.tier[existing])
+        c.offset[row], c.offset[existing] = c.offset[existing], c.offset[row]
+        c.tier[row], c.tier[existing] = down, up
+        p = int(c.parent[existing])
+        if p != NO_ROW:  # the twin now counts among its parent's children of the faster tier
+            c.kids[down, p] -= 1
+            c.kids[up, p] += 1
+        self._recast.append(existing)
+
+    def take_recast(self) -> np.ndarray:
+        """Rows that commits' deduplications moved to another tier since the last call."""
+        rows, self._recast = np.array(self._recast, dtype=np.int64), []
+        return rows
+
+    def _link(self, row: int, parent: int) -> None:
+        if parent == NO_ROW:
+            return
+        self.cols.parent[row] = parent
+        self.cols.kids[self.cols.tier[row], parent] += 1
+        self.cols.nkids[parent] += 1
