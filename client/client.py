@@ -329,14 +329,19 @@ class Client:
         reply = self._call(Op.LOOKUP, args, [_keys(keys)])
         return _places(reply.arrays[0]), int(reply.result.get("withheld", 0))
 
-    def acquire(self, vids, tier: str = "hbm") -> np.ndarray | None:
+    def acquire(self, vids, tier: str = "hbm", priority: int = 0) -> np.ndarray | None:
         """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now
         (DaemonError of kind NeverFits when they exceed the whole tier; of kind PinnedBlock when one
         of them must move up but a host-side reader has it pinned where it lies: it can move once
         released). tier="dram": a host-side reader pins blocks in DRAM where they are (only NVMe ones
         move up). Each acquire is one pin per block, as many as the daemon counts: a block stays
-        viewable by vid until its last pin is released."""
-        reply = self._call(Op.ACQUIRE, {} if tier == "hbm" else {"tier": tier}, [_vids(vids)])
+        viewable by vid until its last pin is released. `priority`: the reading request's; the room
+        a promotion needs comes from idle blocks first, then from running requests of that priority
+        or lower, never from a higher-priority request's blocks."""
+        args = {} if tier == "hbm" else {"tier": tier}
+        if priority:
+            args["priority"] = int(priority)
+        reply = self._call(Op.ACQUIRE, args, [_vids(vids)])
         if not reply.result.get("acquired"):
             return None
         return self._held.pinned(_places(reply.arrays[0]))

@@ -34,7 +34,10 @@ from dflash2.tiers import Tier
 log = logging.getLogger("dflash2.daemon")
 
 GB = 1e9
-DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
+DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs ...
+# ... and most time spent answering them, in tick intervals: a count alone let 1,024 slow requests
+# (24 busy clients, or a flood of calls never read back) hold the tick off for seconds.
+DRAIN_BUDGET_TICKS = 1.0
 
 
 class Server:
@@ -61,25 +64,36 @@ class Server:
         sock = self._sock
         sock.setsockopt(zmq.RCVTIMEO, max(1, min(200, int(self.tick_interval_s * 1000))))
         next_tick = time.monotonic()
+        # When the request queue was last seen empty: every message sent before then has been
+        # answered, so a lease is judged as of then (a heartbeat still queued is not yet seen).
+        caught_up = next_tick
         while not self._stop.is_set():
             try:
                 frames = sock.recv_multipart(copy=True)
             except zmq.Again:
                 frames = None
+                caught_up = time.monotonic()
             if frames is not None:
                 self._answer(frames)
             now = time.monotonic()
             if now >= next_tick:
                 # What queued up while the last request ran (a long promotion from NVMe) is read
                 # first: the heartbeats in it are what keep those clients' leases, which the tick
-                # is about to check. Bounded, so that a flood of requests cannot hold the tick off.
+                # is about to check. Bounded in count and in time, so that a flood of requests
+                # cannot hold the tick off; leases are judged as of the last empty queue, so a
+                # heartbeat left queued by the bound never lapses its client's lease.
+                budget = now + DRAIN_BUDGET_TICKS * self.tick_interval_s
                 for _ in range(DRAIN_BEFORE_TICK):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
+                        caught_up = time.monotonic()
                         break
                     self._answer(frames)
-                self._tick(late_s=now - next_tick)
+                    if time.monotonic() >= budget:
+                        break
+                started = time.monotonic()
+                self._tick(late_s=started - next_tick, behind_s=started - caught_up)
                 next_tick = time.monotonic() + self.tick_interval_s
             lost = self.service.fatal()
             if lost:  # every later move would fail: a restarted daemon serves again, a zombie never
@@ -94,10 +108,13 @@ class Server:
             log.warning("dropped a reply: the client's queue is full")
         self.service.after_reply()
 
-    def _tick(self, late_s: float = 0.0) -> None:
+    def _tick(self, late_s: float = 0.0, behind_s: float = 0.0) -> None:
+        """The background step, `late_s` after it was due; the request queue was last seen empty
+        `behind_s` ago (leases are judged as of then)."""
         started = time.perf_counter()
+        self.service.note_tick(late_s, behind_s)
         # Each step on its own: one that fails must not stop the others from running.
-        for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
+        for step in (lambda: self.service.expire_leases(behind_s), *(m.tick for m in self.service.managers.values())):
             try:
                 step()
             except Exception:

@@ -14,6 +14,7 @@ if it has not arrived yet (it came on the client's previous socket), it is refus
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import logging
@@ -77,6 +78,10 @@ class Service:
         self.sessions: dict[int, Session] = {}
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
+        # How late the background step started, the last time and the most over its last 64 runs,
+        # and how far behind the request queue was then (the server notes each run).
+        self._late: collections.deque[float] = collections.deque(maxlen=64)
+        self._behind_s = 0.0
         self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
         self.history = None  # a dflash2.history.History when history_enabled
         self._handlers: dict[Op, Callable[[Request], tuple[dict, list[bytes]]]] = {
@@ -150,9 +155,17 @@ class Service:
         for m in self.managers.values():
             m.run_prefetch()
 
-    def expire_leases(self) -> list[int]:
-        """Detach clients whose lease lapsed or whose process is gone. Returns their ids."""
-        now = self.clock()
+    def note_tick(self, late_s: float, behind_s: float) -> None:
+        """The background step ran `late_s` after it was due, with the queue last empty `behind_s` ago."""
+        self._late.append(max(0.0, late_s))
+        self._behind_s = max(0.0, behind_s)
+
+    def expire_leases(self, behind_s: float = 0.0) -> list[int]:
+        """Detach clients whose lease lapsed or whose process is gone. Returns their ids.
+        `behind_s`: how long ago the request queue was last empty. Every message sent before then
+        has been answered, so a lease is judged as of then: a heartbeat still queued behind a
+        busy loop never lapses a live client's lease (the queue's backlog delays expiry instead)."""
+        now = self.clock() - max(0.0, behind_s)
         gone = [s for s in self.sessions.values()
                 if now - s.last_seen > self.lease_timeout_s
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]
@@ -340,7 +353,7 @@ class Service:
                           priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
                           tier=self._memory_tier(req))
         if vids is None:
-            return {"allocated": False, "reason": "the tier is full of blocks that cannot move; reserve and wait"}, [b""]
+            return {"allocated": False, "reason": m.allocate_refusal}, [b""]
         self._undoable(req, lambda: m.free(req.client, vids))
         return {"allocated": True}, [self._places_of(m, vids)]
 
@@ -368,7 +381,8 @@ class Service:
     def _acquire(self, req):
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        rows = m.acquire_rows(req.client, vids, self._memory_tier(req))
+        rows = m.acquire_rows(req.client, vids, self._memory_tier(req),
+                              priority=arg(req, "priority", int, default=0, lo=-128, hi=127))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
         self._undoable(req, lambda: m.release(req.client, vids))
@@ -436,7 +450,10 @@ class Service:
         st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
                         "gpus": {str(d): u for d, u in self._gpu_uuids().items()},  # pool -> GPU UUID
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
-                                    for op, (n, t) in self.latency.items()}}
+                                    for op, (n, t) in self.latency.items()},
+                        "background": {"late_s": round(self._late[-1], 4) if self._late else None,
+                                       "late_max_s": round(max(self._late), 4) if self._late else None,
+                                       "queue_behind_s": round(self._behind_s, 4)}}
         return st
 
     def _history(self, req):
@@ -571,7 +588,9 @@ PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
 
 
 def _pid_alive(pid: int) -> bool:
-    """False only when the process certainly does not exist (pid 0 = unknown: assume alive)."""
+    """False only when the process certainly does not run: it does not exist, or it has exited
+    and waits for its parent to reap it (a zombie: its memory and sockets are gone). pid 0 =
+    unknown: assume alive."""
     if pid <= 0:
         return True
     try:
@@ -580,4 +599,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except (PermissionError, OverflowError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no procfs here, or it went between the two calls: the next tick sees it
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"

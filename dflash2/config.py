@@ -199,13 +199,16 @@ class AdmissionConfig(_Section):
     smoothing_window_ms: int = Field(
         200, gt=0, le=600_000, description="Low-pass window over reservation demand, so bursts do not "
                                            "set off demotion storms.")
-    reservation_ttl_s: float = Field(30.0, gt=0, le=86400, description="A reservation expires after this.")
+    reservation_ttl_s: float = Field(30.0, gt=0, le=86400, description=(
+        "A reservation expires after this (a client deadline may shorten it, never lengthen it)."))
     max_deferred: int = Field(1024, gt=0, le=1_000_000, description="Most reservations waiting in the queue.")
-    preemption: bool = Field(True, description="A higher-priority reservation may demote lower-priority blocks.")
+    preemption: bool = Field(True, description=(
+        "A higher-priority reservation may demote running lower-priority requests' blocks."))
     burst_fraction: float = Field(
         0.1, gt=0, le=1, description="Fraction of the HBM tier that admission may demote at once before "
                                      "pacing further demotions at the smoothed demand rate.")
-    max_client_share: float = Field(1.0, gt=0, le=1, description="Most of the HBM tier one client may hold.")
+    max_client_share: float = Field(1.0, gt=0, le=1, description=(
+        "Most of the HBM tier one client may hold (reserve rejected, allocate refused beyond it)."))
 
 
 class DaemonConfig(_Section):

@@ -71,6 +71,10 @@ class NeverFits(DFlash2Error):
     make room, so the answer is this error, not "no room now" (None)."""
 
 
+class QuotaExceeded(DFlash2Error):
+    """The client would hold more of HBM than its share (admission.max_client_share)."""
+
+
 class ReservationError(DFlash2Error):
     """A reservation id that is unknown, expired, or used beyond what it granted."""
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError, LayoutError, NeverFits, PinnedBlock
+from dflash2.errors import ArenaError, LayoutError, NeverFits, PinnedBlock, UnknownBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -113,6 +113,7 @@ class BlockManager:
         self.mover.read_cost = self.read_cost
         self.placement.read_cost = self.read_cost
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
+        self.allocate_refusal = ""  # why the last allocate answered None (the daemon's reply says it)
         self.access = AccessStats()
         # A lookup is followed by the request reading its prefix from the start: the first window's
         # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).
@@ -172,28 +173,41 @@ class BlockManager:
                  priority: int = 0, tier: Tier = Tier.HBM) -> np.ndarray | None:
         """n private blocks to write in `tier` (HBM by default; a host-side writer such as sglang's
         storage backend writes to DRAM), outside any reservation: idle blocks are demoted to make
-        room when needed. None when the tier cannot hold them now (the caller reserves and waits);
-        NeverFits when they exceed the whole tier."""
+        room when needed. None when the tier cannot hold them now (the caller reserves and waits;
+        `allocate_refusal` says why); NeverFits when they exceed the whole tier; QuotaExceeded when
+        the client would hold more of HBM than `admission.max_client_share`. In HBM the room that
+        reservations waiting at this priority or above need is left to them (they are ahead)."""
         if tier == Tier.NVME or tier not in self.specs:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
         # Refused before any room is made: demoting (or, on the last tier, dropping) every other
         # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
         self._refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
+        slot = self.table.slot_bytes(layout_id, tier)
+        held = 0
+        if tier == Tier.HBM:
+            self.admission.check_share(client, n * slot)
+            held = self.admission.held_for_queue(priority)
         kw = dict(tier=tier, request=request, priority=priority)
-        vids = self.table.allocate(client, layout_id, n, **kw)
+        size = self.table.layout(layout_id).block_bytes
+        vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
         if vids is None:
-            slot = self.table.slot_bytes(layout_id, tier)
-            need = n * slot
+            need = n * slot + held
             if self.placement.lower(tier) is not None:
                 # Demote a whole batch at once, not block by block: a stream of one-block
                 # allocations would otherwise cost one swap batch (and one copy launch) per block.
                 # (On the last tier making room drops blocks: never more than asked.)
                 need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
-            self.placement.make_room(tier, need, idle_only=True, below_priority=priority + 1,
-                                     block_bytes=self.table.layout(layout_id).block_bytes)
+            self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
+            if held and self.placement.free_bytes(tier, size) < n * slot + held:
+                waiting = sum(1 for r in self.admission.deferred if r.priority >= priority)
+                self.allocate_refusal = (f"HBM is held for {waiting} reservation(s) waiting at priority {priority} "
+                                         f"or above ({held} bytes): they are served first; reserve and wait")
+                return None
             vids = self.table.allocate(client, layout_id, n, **kw)
-        if vids is not None:
-            self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
+        if vids is None:
+            self.allocate_refusal = f"{tier.label} is full of blocks that cannot move now; reserve and wait"
+            return None
+        self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
 
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
@@ -262,16 +276,19 @@ class BlockManager:
         self.access.misses += len(keys) - len(rows)
         return rows
 
-    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM) -> list[Place] | None:
+    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int = 0) -> list[Place] | None:
         """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
         below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
         for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
         be given room for them now (nothing is pinned then); NeverFits when the blocks that must come
         up exceed the whole tier."""
-        rows = self.acquire_rows(client, vids, up_to)
+        rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
-    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM) -> np.ndarray | None:
+    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int = 0) -> np.ndarray | None:
+        """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
+        then from running requests' blocks of the reader's `priority` or lower: never from a
+        higher-priority request's (its own reservation could not take them either)."""
         if up_to == Tier.NVME or up_to not in self.specs:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
@@ -302,8 +319,15 @@ class BlockManager:
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(up_to)).any():
-            ok = self.placement.promote(rows, up_to)
+            ok = self.placement.promote(rows, up_to, priority=priority)
             if not ok.all():
+                c = self.table.cols
+                lost = rows[~ok & ((c.tier[rows] < 0) | np.isin(rows, list(self.table.lost)))]
+                if len(lost):
+                    # Not "no room now" (None): a retry of these ids could never succeed.
+                    raise UnknownBlock(f"block {int(vids[int(np.flatnonzero(rows == lost[0])[0])]):#x} failed its "
+                                       "checksum on the read back from NVMe and was dropped from the cache (a miss): "
+                                       "look the chain up again and recompute from there")
                 return None
         self.table.pin_rows(client, rows)
         if up_to == Tier.HBM:

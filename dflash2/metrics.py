@@ -38,7 +38,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed) |
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
 | dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
-| dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due (a busy request loop delays it) |
+| dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due, the requests answered ahead of it included (a busy request loop delays it) |
 | dflash2_request_latency_seconds{op} | histogram | handling time per control op |
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
 | dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
@@ -94,7 +94,8 @@ LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e
                    2.5, 5.0, 10.0)
 SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000)
+SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000,
+                        2500000, 5000000, 10000000, 30000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept", "past_full")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled", "released")
 

@@ -93,9 +93,22 @@ class Mover:
     def complete(self, move: PreparedMove) -> np.ndarray:
         """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
         ok = np.ones(len(move.rows), dtype=bool) if move.job is None else move.job.wait()
-        if move.src == Tier.NVME and not ok.all():
-            # Named before end_move, which frees a block whose last reference went mid-move.
-            self.lost.extend(self.table.vids(move.rows[~ok]).tolist())
+        if not ok.all():
+            failed = move.rows[~ok]
+            vids = self.table.vids(failed)
+            offsets = self.table.cols.offset[failed]
+            if move.src == Tier.NVME:
+                # Named before end_move, which frees a block whose last reference went mid-move.
+                self.lost.extend(vids.tolist())
+                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (block %#x at "
+                            "offset %d of the NVMe file%s): dropped from the cache, a miss each, never wrong "
+                            "data; many of these mean the disk under memory.nvme_path is failing",
+                            len(failed), len(move.rows), int(vids[0]), int(offsets[0]),
+                            "" if len(failed) == 1 else f", and {len(failed) - 1} more")
+            else:
+                log.warning("%d of %d blocks failed to move %s->%s (block %#x at offset %d%s): they stay where they were",
+                            len(failed), len(move.rows), move.src.label, move.dst.label, int(vids[0]), int(offsets[0]),
+                            "" if len(failed) == 1 else f", and {len(failed) - 1} more")
         # Sized before end_move, which frees a block whose last reference went mid-move.
         arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)

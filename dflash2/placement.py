@@ -115,13 +115,14 @@ class Placement:
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
-    def _childless(self, tier: Tier, evict: bool) -> np.ndarray:
-        """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion)."""
+    def _childless(self, tier: Tier, evict: bool, through: Tier | None = None) -> np.ndarray:
+        """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion;
+        `through`: none down to that tier either, for a demotion that passes it)."""
         c = self.table.cols
         if evict:
             return c.nkids == 0
         kids = c.kids[0]
-        for t in range(1, tier + 1):
+        for t in range(1, max(tier, through or tier) + 1):
             kids = kids | c.kids[t]
         return kids == 0
 
@@ -134,7 +135,7 @@ class Placement:
 
     def select(self, tier: Tier, need_bytes: int, *, evict: bool, cold: np.ndarray | None = None,
                protect: np.ndarray | None = None, below_priority: int | None = None,
-               idle_only: bool = False) -> np.ndarray:
+               idle_only: bool = False, through: Tier | None = None) -> np.ndarray:
         """Lowest-scored movable rows of `tier` whose slots add up to at least need_bytes (or all of
         them when there are not enough), in eviction order. `cold`: a mask of the rows that may go
         (the tier's cold blocks, fixed by the caller for the whole making of room); None: any.
@@ -168,11 +169,11 @@ class Placement:
             cut = keyed[k - 1]
         else:
             cut = np.inf
-        part = self._leaving(tier, reach & (scores <= cut), evict, scores)
+        part = self._leaving(tier, reach & (scores <= cut), evict, scores, through)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
-            part = np.flatnonzero(reach & self._childless(tier, evict))
+            part = np.flatnonzero(reach & self._childless(tier, evict, through))
             if not len(part):
                 return np.empty(0, dtype=np.int64)
             part = part[np.argsort(scores[part], kind="stable")]
@@ -180,7 +181,8 @@ class Placement:
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
 
-    def _leaving(self, tier: Tier, below: np.ndarray, evict: bool, scores: np.ndarray | None) -> np.ndarray:
+    def _leaving(self, tier: Tier, below: np.ndarray, evict: bool, scores: np.ndarray | None,
+                 through: Tier | None = None) -> np.ndarray:
         """The rows of `below` (a mask of rows of `tier` that may leave, at or under the cut) that
         can leave together with their descendants, in the order they leave: a row qualifies when
         every child that holds it back qualifies (for a demotion its children in `tier` or a faster
@@ -201,7 +203,7 @@ class Placement:
             holding = c.nkids[rows]
         else:
             holding = c.kids[0, rows].astype(np.int64)
-            for t in range(1, int(tier) + 1):
+            for t in range(1, max(int(tier), int(through or tier)) + 1):
                 holding += c.kids[t, rows]
         parent = local_parents(rows, c.parent[rows], rank=(np.arange(len(rows)), rows))  # already sorted
         # Every row of `below` lies in `tier` and is a cached child of its parent, so it holds its
@@ -241,12 +243,13 @@ class Placement:
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
-                  idle_only: bool = False, block_bytes: int | None = None) -> bool:
+                  idle_only: bool = False, block_bytes: int | None = None, past_full: bool = True) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
         blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
         the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
         over what is left after each round (that would call the coldest of the rest cold, round
-        after round, and the threshold would only set how many batches the same demotion takes)."""
+        after round, and the threshold would only set how many batches the same demotion takes).
+        `past_full`: victims may go past a tier below that has no room it can make (`_demote`)."""
         cold = None
         if cold_only:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
@@ -255,11 +258,11 @@ class Placement:
             short = need_bytes - self.free_bytes(tier, block_bytes)
             if short <= 0:
                 return True
-            if not self._free_some(tier, short, pick):
+            if not self._free_some(tier, short, pick, past_full):
                 break
         return self.free_bytes(tier, block_bytes) >= need_bytes
 
-    def _free_some(self, tier: Tier, short: int, pick: dict) -> bool:
+    def _free_some(self, tier: Tier, short: int, pick: dict, past_full: bool) -> bool:
         lower = self.lower(tier)
         protect = pick["protect"]
         victims = self.select(tier, short, evict=lower is None, **pick)
@@ -268,41 +271,49 @@ class Placement:
             return self._evict(self.select(tier, short, evict=True, **pick))
         if lower is None:
             return self._evict(victims)
-        return self._demote(victims, tier, lower, protect)
-
-    def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect) -> bool:
-        now = self.table.clock()
-        victims, progress = self._admitted(victims, lower, now)
-        if not len(victims):
-            return progress
-        moved = self._move_down(victims, lower, protect)
+        moved, progress = self._demote(victims, tier, lower, protect)
         target = lower
-        while not moved.any() and self.lower(target) is not None:
+        while past_full and not (moved or progress) and self.lower(target) is not None:
             # `target` has no room it can make: every block in it is pinned or held there by a
             # descendant in a faster tier (a chain extended in HBM under a parent just demoted
             # leaves DRAM runs each followed by HBM blocks; none of those runs may go down first).
-            # Dropping the victims would lose them while a slower tier has room: they go past it.
-            # Prefix order holds: a block only ever lands below its parent's tier or in it.
-            target = self.lower(target)
-            victims, dropped = self._admitted(victims, target, now)
-            progress |= dropped
-            if not len(victims):
-                return progress
-            moved = self._move_down(victims, target, protect)
-            self.stats.past_full += int(moved.sum())
-        self.stats.demoted += int(moved.sum())
-        if moved.any():
-            self.policy.on_insert(self.table, victims[moved], now)
+            # Dropping the victims would lose them while a slower tier has room: blocks go past it.
+            # Prefix order holds: they are chosen as if the passed tiers were this one (no victim
+            # has a cached child there, so none lands below its child), and go only where they
+            # would have gone (`hold_refused`: the policy admits them there, and reading them back
+            # from there beats a recompute; the others stay).
+            passed, target = target, self.lower(target)
+            passing = self.select(tier, short, evict=False, through=passed, **pick)
+            if len(passing):
+                moved, progress = self._demote(passing, tier, target, protect, hold_refused=True)
+                self.stats.past_full += moved
+        if moved:
             return True
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
 
-    def _admitted(self, victims: np.ndarray, lower: Tier, now: float) -> tuple[np.ndarray, bool]:
+    def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
+                hold_refused: bool = False) -> tuple[int, bool]:
+        """Move the victims down to `lower` (those it admits: `_admitted`). Returns how many moved,
+        and whether any were dropped instead (refused)."""
+        now = self.table.clock()
+        victims, progress = self._admitted(victims, lower, now, hold_refused)
+        if not len(victims):
+            return 0, progress
+        moved = self._move_down(victims, lower, protect)
+        self.stats.demoted += int(moved.sum())
+        if moved.any():
+            self.policy.on_insert(self.table, victims[moved], now)
+        return int(moved.sum()), progress
+
+    def _admitted(self, victims: np.ndarray, lower: Tier, now: float,
+                  hold_refused: bool = False) -> tuple[np.ndarray, bool]:
         """The victims that go down to `lower` (in their order: leaves first), and whether any were
         dropped instead: those the policy does not admit there, or whose read back from there
         would cost more than a recompute (`read_cost`). A refused block that nobody holds is dropped;
-        one that is held goes down anyway. A refused parent goes with its children when they are all
-        refused and droppable too (one call)."""
+        one that is held goes down anyway, or with `hold_refused` stays where it is (and so do its
+        ancestors among the victims: a parent never lands below its child). A refused parent goes
+        with its children when they are all refused and droppable too (one call)."""
         admitted = self.policy.admit(self.table, victims, lower, now)
         too_slow = np.zeros(len(victims), dtype=bool)
         if self.read_cost is not None:
@@ -319,7 +330,26 @@ class Placement:
             self.stats.not_admitted += len(drop) - slow
             progress = self._evict(drop)
         kept = refused[~np.isin(refused, drop)]
-        return victims[admitted | np.isin(victims, kept)], progress
+        if not hold_refused:
+            return victims[admitted | np.isin(victims, kept)], progress
+        going = victims[admitted]
+        if len(kept):
+            going = self._without_ancestors_of(going, kept)
+        return going, progress
+
+    def _without_ancestors_of(self, rows: np.ndarray, staying: np.ndarray) -> np.ndarray:
+        """`rows` (leaves first) less the ancestors of `staying` among them."""
+        c = self.table.cols
+        index = {int(v): i for i, v in enumerate(rows.tolist())}
+        out = np.ones(len(rows), dtype=bool)
+        frontier = [int(c.parent[r]) for r in staying.tolist()]
+        while frontier:
+            p = frontier.pop()
+            i = index.get(p)
+            if i is not None and out[i]:
+                out[i] = False
+                frontier.append(int(c.parent[p]))
+        return rows[out]
 
     def _move_down(self, victims: np.ndarray, lower: Tier, protect) -> np.ndarray:
         """Move the victims (leaves first) down to `lower`, room made there first; the moved mask."""
@@ -392,14 +422,17 @@ class Placement:
             target_free = int((1.0 - wm.low) * alloc.capacity_bytes)
             self.make_room(tier, target_free, cold_only=True, protect=protect)
 
-    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None) -> np.ndarray:
+    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
+                priority: int | None = 0) -> np.ndarray:
         """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`
         that are in dst afterwards; the rest could not be given room. The room is never made by
         moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
         blocks above their prefix, and their reader waiting for the prefix to come back up; nor
         from `protect` (a prefetch's reader: the rest of the chain it is about to read); nor from
         the blocks brought up for a read that has not come yet (`awaiting_read`: another reader's
-        window, whose score is old and would make it the first to go)."""
+        window, whose score is old and would make it the first to go). It is made from idle blocks
+        first, then from running requests' blocks of the reader's `priority` or lower, never a
+        higher-priority request's; `priority` None (a prefetch, a guess): idle blocks only."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
         chain = self._with_ancestors(rows, dst)
@@ -411,7 +444,11 @@ class Placement:
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
         if len(away):
             def room_for(part: np.ndarray) -> None:
-                self._make_room_for_rows(dst, part, keep)
+                # No pass-through here: the tier below is short only of the blocks this promotion
+                # is about to take out of it, and a read must not wait on NVMe writes.
+                self._make_room_for_rows(dst, part, keep, idle_only=True, past_full=False)
+                if priority is not None:
+                    self._make_room_for_rows(dst, part, keep, below_priority=priority + 1, past_full=False)
             try:
                 moved = self._promote_away(away, dst, room_for)
             finally:
@@ -447,16 +484,17 @@ class Placement:
                 moved[still] = self.mover.move(away[still], dst)
         return moved
 
-    def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray) -> None:
+    def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray, **pick) -> None:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
         blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
-        asking for its own slots plus those of the larger sizes (they may take the same pages)."""
+        asking for its own slots plus those of the larger sizes (they may take the same pages).
+        `pick`: which blocks may go (make_room's idle_only, below_priority)."""
         block = self.table.block_bytes(rows)
         slot = self._slot_bytes(tier, rows)
         need = 0
         for size in sorted(set(block.tolist()), reverse=True):
             need += int(slot[block == size].sum())
-            self.make_room(tier, need, protect=protect, block_bytes=size)
+            self.make_room(tier, need, protect=protect, block_bytes=size, **pick)
 
     def _closed_upward(self, rows: np.ndarray) -> bool:
         """Whether `rows` (distinct) already hold each one's parent, ahead of it: then they are their

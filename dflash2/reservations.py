@@ -6,9 +6,17 @@ A reservation asks for enough HBM blocks for a request's expected tokens. The an
 - DEFERRED: queued (priority first, then arrival), with its position and an estimated wait;
 - REJECTED: it can never fit, the client's share forbids it, the queue is full, or it expired.
 
-Making room demotes idle blocks (no references) of equal or lower priority; a higher-priority
-reservation may also demote the blocks of running lower-priority requests (preemption). Pinned blocks
-never move.
+Making room demotes idle blocks (nobody references them: cache, whatever the priority of the request
+that wrote them, since a finished request's priority protects nothing and its blocks would otherwise
+shut every lower priority out of HBM for as long as they stay cached; the policy's ranking decides
+which go first); a higher-priority reservation may also demote the blocks of running lower-priority
+requests (preemption). Pinned blocks never move. On a node whose HBM is its last tier, making room
+drops idle blocks only: a referenced block is never dropped.
+
+The queue holds room against `allocate` too (`held_for_queue`): an allocation outside any
+reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
+stream of small allocations cannot pass a deferred reservation until it expires. A reservation lives
+at most `reservation_ttl_s` untaken: a client's deadline may shorten that, never lengthen it.
 
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
@@ -30,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.alloc import blocks_that_fit
-from dflash2.errors import NotOwner, ReservationError
+from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.placement import Placement
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -126,7 +134,9 @@ class Admission:
         if held + need > self.settings.max_client_share * hbm:
             return self._reject(f"client would hold {held + need} bytes of HBM, over its share "
                                 f"{self.settings.max_client_share} of {hbm}")
-        expires = deadline if deadline is not None else now + self.settings.reservation_ttl_s
+        expires = now + self.settings.reservation_ttl_s
+        if deadline is not None:
+            expires = min(expires, deadline)  # the operator's TTL bounds what a client may hold
         if expires <= now:
             return self._reject("deadline already passed")
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now)
@@ -259,8 +269,8 @@ class Admission:
 
     def _make_room(self, res: Reservation, need: int) -> None:
         size = self.table.layout(res.layout_id).block_bytes
-        # Idle blocks first (nobody references them), of this priority or lower.
-        self.placement.make_room(Tier.HBM, need, below_priority=res.priority + 1, idle_only=True, block_bytes=size)
+        # Idle blocks first (nobody references them), whatever their writer's priority.
+        self.placement.make_room(Tier.HBM, need, idle_only=True, block_bytes=size)
         if self.settings.preemption and self._room(res) < need:
             # Preemption: running requests of strictly lower priority give up their unpinned blocks.
             self.placement.make_room(Tier.HBM, need, below_priority=res.priority, block_bytes=size)
@@ -285,12 +295,15 @@ class Admission:
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
 
     def _movable_bytes(self, res: Reservation) -> int:
-        """HBM bytes that making room for this reservation could free for its blocks: idle blocks
-        of its priority or lower, and with preemption running requests' blocks of lower priority
-        (as `_make_room` picks them), counting only slots its blocks can use (of its block size)."""
+        """HBM bytes that making room for this reservation could free for its blocks: idle blocks,
+        and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
+        counting only slots its blocks can use (of its block size). With no tier below HBM, making
+        room drops blocks, and only idle published ones may be dropped: a running request's are not
+        movable there, whatever their priority."""
         hbm = self.placement
-        mask = hbm.movable(Tier.HBM, evict=False, below_priority=res.priority + 1, idle_only=True)
-        if self.settings.preemption:
+        last = hbm.lower(Tier.HBM) is None
+        mask = hbm.movable(Tier.HBM, evict=last, idle_only=True)
+        if self.settings.preemption and not last:
             mask |= hbm.movable(Tier.HBM, evict=False, below_priority=res.priority)
         size = self.table.layout(res.layout_id).block_bytes
         same = [lid for lid, lay in enumerate(self.table.layouts) if lay.block_bytes == size]
@@ -317,6 +330,23 @@ class Admission:
             res.vids = []
         elif res in self.deferred:
             self.deferred.remove(res)
+
+    def held_for_queue(self, priority: int) -> int:
+        """HBM bytes the reservations waiting at `priority` or above still need: an allocation
+        outside any reservation leaves them that room (they are ahead of it)."""
+        return sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM)
+                   for r in self.deferred if r.priority >= priority)
+
+    def check_share(self, client: int, need: int) -> None:
+        """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
+        more bytes (an `allocate` outside any reservation: reserve refuses the same as REJECTED)."""
+        if self.settings.max_client_share >= 1.0:
+            return
+        hbm = self.table.allocators[Tier.HBM].capacity_bytes
+        held = self._client_hbm_bytes(client)
+        if held + need > self.settings.max_client_share * hbm:
+            raise QuotaExceeded(f"client would hold {held + need} bytes of HBM, over its share "
+                                f"{self.settings.max_client_share} of {hbm} (admission.max_client_share)")
 
     def _client_hbm_bytes(self, client: int) -> int:
         """HBM bytes the client holds or has asked for: the blocks it references or pins there (its

@@ -89,6 +89,11 @@ def render(st: dict) -> str:
         paths = "; ".join(f"{k} {'unmeasured' if v is None else _size(v) + '/s'}" for k, v in measured.items())
         lines.append(f"read back: {paths or 'unmeasured'}; lookup blocks withheld (slower to load than to "
                      f"recompute) {st.get('lookup_withheld', 0)}")
+    late = d.get("background") or {}
+    if late.get("late_s") is not None:
+        lines.append(f"background step: started {1000 * late['late_s']:.1f} ms late the last time, at most "
+                     f"{1000 * late['late_max_s']:.1f} ms over its last 64 runs; request queue "
+                     f"{1000 * late['queue_behind_s']:.1f} ms behind (leases are judged as of then)")
     res = st.get("reservations", {})
     lines.append(f"reservations: granted {res.get('granted', 0)}, deferred {res.get('deferred', 0)}, "
                  f"reserved blocks {res.get('reserved_blocks', 0)}; totals: "

@@ -423,3 +423,39 @@ def test_a_twin_pinned_where_it_lies_keeps_its_place(make_manager, clock):
     with pytest.raises(UnknownBlock):
         mgr.place(int(fresh[0]))  # the fresh copy was freed instead
     mgr.check_invariants()
+
+
+def test_one_key_for_two_layouts_in_one_commit_is_refused_before_anything_changes(make_manager):
+    """The same content key given twice in one commit, to blocks of two layouts (16 KiB in DRAM, then
+    8 KiB in HBM): refused as a clash, nothing changed. Before, the second deduplicated onto the first
+    (another layout's block), and with the slot swap two slots of different sizes were exchanged:
+    the allocators broke and a later block overlapped the published one (the review of 40f6549)."""
+    from conftest import SMALL_FP8
+    from dflash2.errors import ImmutableBlock
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=8)
+    a = mgr.attach("a")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    x = mgr.allocate(a, big, 1, tier=Tier.DRAM)
+    y = mgr.allocate(a, small, 1)
+    with pytest.raises(ImmutableBlock, match="given in this commit, for another layout"):
+        mgr.commit(a, [*x, *y], keys=[7, 7])
+    assert mgr.table.cols.state[mgr.table.rows([*x, *y])].tolist() == [int(BlockState.WRITING)] * 2
+    assert not len(mgr.table.take_recast())
+    mgr.check_invariants()
+    assert mgr.commit(a, [*x, *y], keys=[7, 8]).tolist() == [*x, *y]  # namespaced keys: fine
+    mgr.check_invariants()
+
+
+def test_dead_rows_are_found_by_either_path(make_manager):
+    """usable_rows checks a call's rows against the rows dead to new holders by set membership when
+    the call is small, or one vectorised pass when it is large: both find the same rows."""
+    mgr = make_manager(hbm_blocks=8)
+    t = mgr.table
+    t.pinned_copies.update({3, 5})
+    t.lost.add(7)
+    few = np.array([1, 3, 7], dtype=np.int64)
+    many = np.arange(8, dtype=np.int64)
+    assert t._dead_rows(few).tolist() == [3, 7]
+    assert t._dead_rows(many).tolist() == [3, 5, 7]
+    t.pinned_copies.clear()
+    t.lost.clear()

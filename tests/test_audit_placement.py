@@ -149,3 +149,70 @@ def test_a_chain_extended_in_batches_is_demoted_past_a_stuck_tier_not_dropped(ma
     assert len(found) == len(keys)  # the whole chain is still found, in order
     tiers = tiers_of(mgr, [f.vid for f in found])
     assert tiers.count("nvme") == len(keys) - 128  # HBM and DRAM full, the rest below
+
+
+def test_a_block_never_passes_below_its_own_child(make_manager, clock):
+    """P in HBM has its child C in DRAM, pinned there by a host-side reader, and DRAM is full of
+    pinned blocks: P may not go past DRAM to NVMe (it would lie below its child). The allocation
+    that needs P's slot finds no room, as before the pass-through (the review of 40f6549)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=2, nvme_blocks=8)
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    p = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[1])
+    child = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[2], parent=int(p[0]))
+    other = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[3])
+    mgr.free(a, [*p, *child, *other])
+    clock.advance(1)
+    mgr.acquire(reader, p)
+    mgr.release(reader, p)  # P is hotter than its child
+    clock.advance(1)
+    mgr.free(a, mgr.allocate(a, lid, 3))  # the child and `other` go down to DRAM
+    assert tiers_of(mgr, [*p, *child, *other]) == ["hbm", "dram", "dram"]
+    mgr.acquire(reader, [int(child[0]), int(other[0])], up_to=Tier.DRAM)  # DRAM: all pinned
+    clock.advance(1)
+    assert mgr.allocate(a, lid, 4) is None
+    assert tiers_of(mgr, [*p, *child]) == ["hbm", "dram"]
+    assert mgr.placement.stats.past_full == 0
+    mgr.check_invariants()
+
+
+def test_a_promotion_does_not_send_its_room_past_dram(make_manager, clock):
+    """A reader brings up a chain that fills DRAM while HBM is full: DRAM is short only of the
+    blocks about to leave it, so HBM's victims are not written to NVMe on the read's path."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=16)
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    chain = mgr.commit(a, mgr.allocate(a, lid, 4), keys=[1, 2, 3, 4])
+    mgr.free(a, chain)
+    clock.advance(1)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 4), keys=[100, 101, 102, 103]))  # the chain to DRAM
+    clock.advance(1)
+    assert mgr.acquire(reader, chain) is not None
+    assert "hbm->nvme" not in mgr.stats()["moves"]
+    mgr.check_invariants()
+
+
+def test_blocks_pass_a_stuck_tier_only_to_a_tier_that_keeps_them(make_manager, clock):
+    """NVMe reads back slower than the engine recomputes (cost-aware reuse: placement drops rather
+    than demotes there), DRAM is full of pinned blocks, and HBM's victim P has a cached child in
+    NVMe (so it cannot be dropped): P must stay, not go past DRAM into NVMe, where lookups would
+    never offer it (the review of 40f6549: its whole chain became unofferable)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=2, nvme_blocks=8)
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    p = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[1])
+    child = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[2], parent=int(p[0]))
+    mgr.free(a, [*p, *child])
+    assert mgr.mover.move(mgr.table.rows(child), Tier.NVME).all()
+    pinned = [mgr.commit(a, mgr.allocate(a, lid, 1, tier=Tier.DRAM), keys=[k]) for k in (3, 4)]
+    for v in pinned:
+        mgr.free(a, v)
+        mgr.acquire(reader, v, up_to=Tier.DRAM)  # DRAM: all pinned by a host-side reader
+    mgr.read_cost.observe(Tier.NVME, Tier.HBM, 16 << 20, 1.0)  # 16 MiB/s measured
+    mgr.set_prefill_rate(a, lid, 1e12)  # recomputing is faster than any read from NVMe
+    assert not mgr.read_cost.keeps(mgr.table.layouts, np.array([lid]), Tier.NVME)[0]
+    clock.advance(1)
+    assert mgr.allocate(a, lid, 4) is None
+    assert tiers_of(mgr, [*p, *child]) == ["hbm", "nvme"]
+    assert mgr.placement.stats.past_full == 0
+    mgr.check_invariants()

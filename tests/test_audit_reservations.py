@@ -32,9 +32,10 @@ def test_deferred_reservations_of_a_client_count_toward_its_share(make_manager):
     """Each reservation within the share alone, but together past it: the second is rejected, not
     queued to be granted later with the first (a client then held the whole tier at share 0.5)."""
     mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
-    a, w = mgr.attach("a"), mgr.attach("w")
+    a, w, v = mgr.attach("a"), mgr.attach("w"), mgr.attach("v")
     lid = mgr.register_layout(SMALL)
-    writing = mgr.allocate(w, lid, 8)  # the tier is full of another client's blocks being written
+    # The tier is full of other clients' blocks being written (each within its share).
+    writing, other = mgr.allocate(w, lid, 4), mgr.allocate(v, lid, 4)
     first = mgr.reserve(a, lid, tokens=16 * 4)
     assert first.outcome is Outcome.DEFERRED
     second = mgr.reserve(a, lid, tokens=16 * 4)

@@ -1,11 +1,13 @@
 """The block manager over real host arenas, built from a config as the daemon builds it."""
 
+import logging
+
 import numpy as np
 import pytest
 
 from dflash2.assemble import build_manager
 from dflash2.config import load_config
-from dflash2.errors import CapacityError
+from dflash2.errors import CapacityError, UnknownBlock
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -44,7 +46,7 @@ def test_bytes_survive_hbm_dram_nvme_and_back(mgr):
     mgr.check_invariants()
 
 
-def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr):
+def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr, caplog):
     a = mgr.attach("a")
     lid = mgr.register_layout(LAYOUT)
     vids, _ = write(mgr, a, lid, 3, seed=7, keys=[101, 102, 103])
@@ -52,7 +54,11 @@ def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr):
     rows = mgr.table.rows(vids)
     mgr.mover.move(rows, Tier.NVME)
     mgr.arenas[Tier.NVME].corrupt_for_test(mgr.place(int(vids[1])).offset)
-    assert mgr.acquire(a, vids) is None, "the chain cannot be served whole"
+    with caplog.at_level(logging.WARNING, logger="dflash2.swap"):
+        # Not None ("no room now": HBM has room, and a retry could never succeed): named.
+        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its checksum.*look the chain up again"):
+            mgr.acquire(a, vids)
+    assert f"1 of 3 blocks read back from NVMe failed their checksum or read (block {int(vids[1]):#x}" in caplog.text
     found = mgr.lookup([101, 102, 103], lid)
     assert [p.vid for p in found] == [int(vids[0])], "the corrupt block and what hangs below it are gone"
     assert mgr.mover.stats[(Tier.NVME, Tier.HBM)].failed_blocks == 1

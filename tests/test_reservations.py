@@ -139,13 +139,14 @@ def test_burst_is_smoothed(make_manager, clock):
 
 
 def test_expiry_and_client_death(make_manager, clock):
-    mgr = make_manager(hbm_blocks=4, admission=settings(reservation_ttl_s=5))
+    mgr = make_manager(hbm_blocks=4, admission=settings(reservation_ttl_s=10))
     a, b = mgr.attach("a"), mgr.attach("b")
     lid = mgr.register_layout(SMALL)
     g = mgr.reserve(a, lid, tokens=32)
-    d = mgr.reserve(b, lid, tokens=48, deadline=clock() + 100)
+    clock.advance(3)
+    d = mgr.reserve(b, lid, tokens=48, deadline=clock() + 100)  # the TTL bounds it: 10 s from now
     assert g.outcome is Outcome.GRANTED and d.outcome is Outcome.DEFERRED
-    clock.advance(6)
+    clock.advance(8)
     mgr.tick()  # a's reservation expired: its blocks went back, b's fits now
     with pytest.raises(ReservationError):
         mgr.take(a, g.reservation_id, 1)

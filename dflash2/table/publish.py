@@ -42,11 +42,20 @@ class Publishing:
         prev = self.rows([parent])[0] if parent is not None else NO_ROW
         if prev != NO_ROW and c.key[prev] == 0:
             raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
-        found = self.keys.lookup(np.asarray(keys, dtype=np.uint64))
-        clash = (found != EMPTY) & (c.layout[np.where(found != EMPTY, found, 0)] != c.layout[rows])
+        ukeys = np.asarray(keys, dtype=np.uint64)
+        found = self.keys.lookup(ukeys)
+        # The layout a key stands for: the cached block's, else the first block given it in this call
+        # (a key listed twice dedupes onto its first occurrence). Checked for every block before
+        # anything changes: a block deduplicated onto another layout's would swap slots of two sizes.
+        first = {}
+        owner_row = np.where(found != EMPTY, found, -1)
+        for i, k in enumerate(ukeys.tolist()):
+            if owner_row[i] < 0:
+                owner_row[i] = first.setdefault(k, int(rows[i]))
+        clash = c.layout[owner_row] != c.layout[rows]
         if clash.any():
-            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached for another layout: "
-                                 "content keys must be namespaced per layout (model, precision, shard)")
+            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
+                                 "for another layout: content keys must be namespaced per layout (model, precision, shard)")
         out = np.empty(len(rows), dtype=np.int64)
         for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
             key = int(key)
@@ -89,7 +98,7 @@ class Publishing:
             c.refs[row] -= refs
         else:
             if (c.tier[row] < c.tier[existing] and c.state[existing] == int(S.RESIDENT)
-                    and c.pins[existing] == 0):
+                    and c.pins[existing] == 0 and c.layout[row] == c.layout[existing]):
                 self._swap_slots(row, existing)
             self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
         holder.refs[existing] += refs

@@ -291,8 +291,7 @@ class BlockTable(Publishing):
         if not (self.lost or self.pinned_copies):
             return
         c = self.cols
-        kept = self.lost | self.pinned_copies
-        done = [r for r in rows if r in kept and c.pins[r] == 0 and c.refs[r] == 0]
+        done = [r for r in rows if (r in self.lost or r in self.pinned_copies) and c.pins[r] == 0 and c.refs[r] == 0]
         if done:
             self._release_rows(np.array(done, dtype=np.int64))
 
@@ -319,15 +318,22 @@ class BlockTable(Publishing):
             # failed their checksum (kept only for the references held before; a pin taken now
             # would not stop its last reference from freeing it), and a pinned copy a commit
             # deduplicated (kept only for the pins taken before; the cached twin is the block now).
-            dead = np.fromiter(self._free_after_move | self.lost | self.pinned_copies, dtype=np.int64)
-            gone = np.isin(rows, dead)
-            if gone.any():
-                row = int(rows[gone][0])
+            gone = self._dead_rows(rows)
+            if len(gone):
+                row = int(gone[0])
                 why = ("it was committed under a content key already cached, and is kept only until "
                        "your pins on it are released: use the id commit returned for it"
                        if row in self.pinned_copies else "freed while in flight, or its bytes failed their checksum")
                 raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
         return rows
+
+    def _dead_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The rows among `rows` that are dead to new holders, in O(min(len(rows), dead)) set
+        operations: a call of a few blocks must not pay for every pinned copy kept meanwhile."""
+        sets = (self._free_after_move, self.lost, self.pinned_copies)
+        if len(rows) <= sum(len(d) for d in sets):
+            return np.array([r for r in rows.tolist() if any(r in d for d in sets)], dtype=np.int64)
+        return rows[np.isin(rows, np.fromiter(set().union(*sets), dtype=np.int64))]
 
     def refuse_reserved(self, rows: np.ndarray) -> None:
         """A RESERVED block belongs to its reservation until `take` hands it out: no client may pin,

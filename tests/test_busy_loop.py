@@ -1,0 +1,114 @@
+"""A busy daemon (the load audit): the background step is not held off by a long queue of requests,
+a lease is judged as of the last time the queue was empty (a heartbeat still queued never lapses a
+live client), a client that exited but was not yet reaped (a zombie) counts as gone, and the
+step's lateness counts the requests answered ahead of it and shows in `dflash2 status`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import zmq
+
+from dflash2 import protocol as P
+from dflash2.daemon import server as server_mod
+from dflash2.daemon.server import Server
+from dflash2.daemon.service import Service, _pid_alive
+from dflash2.protocol import Op
+from dflash2.status import render
+
+from conftest import SMALL
+
+
+def test_a_lease_is_judged_as_of_the_last_empty_queue(make_manager, clock):
+    svc = Service(make_manager(hbm_blocks=4), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                  pid_alive=lambda pid: True)
+    reply = P.decode_reply(svc.handle_frames(P.encode_request(
+        Op.ATTACH, 1, None, {"name": "c", "pid": 0, "layouts": [SMALL.to_dict()]})))
+    client = reply.result["client"]
+    clock.advance(10.5)
+    # The loop was busy: the queue was last empty 3 s ago, and the client's heartbeat may be in it.
+    assert svc.expire_leases(behind_s=3.0) == []
+    assert svc.expire_leases(behind_s=0.0) == [client]  # caught up, and still nothing from it
+
+
+def test_a_zombie_client_counts_as_gone():
+    child = subprocess.Popen(["sleep", "0"])
+    try:
+        for _ in range(500):  # until it has exited (unreaped: Popen has not waited for it)
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                if b") Z" in f.read():
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child did not exit")
+        assert not _pid_alive(child.pid)
+    finally:
+        child.wait()
+    assert not _pid_alive(child.pid)  # reaped: gone as before
+    assert _pid_alive(os.getpid())  # a running process stays alive
+
+
+class _Recorder:
+    """A stand-in service that records what the server's loop does, in order."""
+
+    managers: dict = {}
+
+    def __init__(self):
+        self.events: list[str] = []
+
+    def handle_frames(self, frames):
+        self.events.append("request")
+        return P.encode_reply(P.Reply(P.peek_call_id(frames), True, {}))
+
+    def after_reply(self):
+        pass
+
+    def note_tick(self, late_s, behind_s):
+        pass
+
+    def expire_leases(self, behind_s=0.0):
+        self.events.append("tick")
+
+    def fatal(self):
+        return None
+
+
+def test_a_long_queue_does_not_hold_the_background_step_off(tmp_path, monkeypatch):
+    """40 requests queued at once, a step due all the time, and a drain budget of zero: the step
+    must run before the queue is through (a count bound of 1,024 ran it after all 40)."""
+    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0, raising=False)
+    rec = _Recorder()
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    srv = Server(rec, endpoint, tick_interval_s=1e-6)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(endpoint)
+    for i in range(40):
+        peer.send_multipart(P.encode_request(Op.PING, i + 1, None, {}))
+    time.sleep(0.2)  # all of them queued before the loop starts
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    try:
+        for _ in range(40):
+            assert peer.poll(5000), "a reply did not come"
+            peer.recv_multipart()
+    finally:
+        srv.stop()
+        loop.join(5)
+        srv.close()
+        peer.close(0)
+        ctx.term()
+    requests = [i for i, e in enumerate(rec.events) if e == "request"]
+    first_tick = rec.events.index("tick")
+    assert first_tick < requests[-1], "the step waited for the whole queue"
+
+
+def test_status_shows_how_late_the_background_step_runs():
+    st = {"daemon": {"pid": 1, "background": {"late_s": 1.25, "late_max_s": 2.5, "queue_behind_s": 0.75}}}
+    text = render(st)
+    assert "background step: started 1250.0 ms late the last time, at most 2500.0 ms" in text
+    assert "request queue 750.0 ms behind" in text

@@ -1,0 +1,213 @@
+"""Several serving processes on one daemon (the multi-tenant audit): priority protects running
+requests, not cache; the deferred queue holds its room against `allocate`; the operator's TTL and
+share bound every client. Metadata-only managers on the fake clock; each test failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash2.errors import QuotaExceeded, ReservationError
+from dflash2.reservations import AdmissionSettings, Outcome
+from dflash2.tiers import Tier
+
+from conftest import SMALL
+
+
+def settings(**kw):
+    base = dict(smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0, max_deferred=8)
+    base.update(kw)
+    return AdmissionSettings(**base)
+
+
+def cached(mgr, client, lid, keys, priority=0):
+    """A finished request's blocks: written at `priority`, published, its references dropped."""
+    vids = mgr.commit(client, mgr.allocate(client, lid, len(keys), priority=priority), keys=keys)
+    mgr.free(client, vids)
+    return vids
+
+
+def tiers(mgr, vids):
+    return [Tier(int(mgr.table.cols.tier[r])).label for r in mgr.table.rows(vids)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_a_finished_high_priority_requests_cache_does_not_shut_lower_priorities_out(make_manager, clock, policy):
+    """A priority-1 tenant fills HBM with one-shot requests and detaches: a priority-0 tenant must
+    still get HBM, by allocate and by reserve (its idle blocks are cache, not a running request)."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, policy=policy, admission=settings())
+    high, low = mgr.attach("high"), mgr.attach("low")
+    lid = mgr.register_layout(SMALL)
+    for k in range(2):
+        clock.advance(1)
+        cached(mgr, high, lid, [10 * k + i for i in range(1, 5)], priority=1)
+    mgr.detach(high)
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 8
+    assert mgr.allocate(low, lid, 4, priority=0) is not None
+    assert mgr.reserve(low, lid, tokens=16 * 4, priority=0).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_a_running_higher_priority_request_keeps_its_blocks_against_a_lower_reservation(make_manager):
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings())
+    high, low = mgr.attach("high"), mgr.attach("low")
+    lid = mgr.register_layout(SMALL)
+    running = mgr.commit(high, mgr.allocate(high, lid, 8, priority=5), keys=list(range(1, 9)))  # still referenced
+    d = mgr.reserve(low, lid, tokens=16 * 4, priority=0)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    assert mgr.allocate(low, lid, 1, priority=0) is None
+    assert set(tiers(mgr, running)) == {"hbm"}
+
+
+def test_an_acquire_does_not_demote_a_higher_priority_running_request(make_manager, clock):
+    """A priority-0 reader's promotion takes room from idle blocks and from running requests of its
+    priority or lower; a running priority-5 request's blocks stay (its own reserve could not take them)."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings())
+    high, low = mgr.attach("high"), mgr.attach("low")
+    lid = mgr.register_layout(SMALL)
+    mine = cached(mgr, low, lid, [101, 102])
+    clock.advance(1)
+    running = mgr.commit(high, mgr.allocate(high, lid, 8, priority=5), keys=list(range(1, 9)))
+    assert set(tiers(mgr, mine)) == {"dram"}
+    assert mgr.acquire(low, mine, priority=0) is None  # no room it may take: no answer rather than preemption
+    assert set(tiers(mgr, running)) == {"hbm"}
+    assert mgr.acquire(low, mine, priority=5) is not None  # a reader of that priority may
+    assert set(tiers(mgr, mine)) == {"hbm"}
+    mgr.check_invariants()
+
+
+def test_an_acquire_takes_idle_blocks_before_a_running_requests(make_manager, clock):
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    wanted = cached(mgr, a, lid, [101, 102])
+    clock.advance(1)
+    running = mgr.commit(b, mgr.allocate(b, lid, 4), keys=[1, 2, 3, 4])  # older than the idle ones
+    clock.advance(1)
+    idle = cached(mgr, a, lid, [201, 202, 203, 204])
+    assert set(tiers(mgr, wanted)) == {"dram"}
+    assert mgr.acquire(a, wanted) is not None
+    assert set(tiers(mgr, running)) == {"hbm"}, "the idle blocks made the room"
+    assert tiers(mgr, idle).count("dram") == 2
+
+
+def test_a_prefetch_never_demotes_a_running_request(make_manager, clock):
+    """A prefetch is a guess: its room comes from idle blocks only. HBM holds a running request's
+    blocks and nothing idle: the window ahead of a reader stays below, the request's blocks stay."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=32, prefetch_window=4, admission=settings())
+    reader, busy = mgr.attach("reader"), mgr.attach("busy")
+    lid = mgr.register_layout(SMALL)
+    keys = list(range(1000, 1008))
+    mgr.free(reader, mgr.commit(reader, mgr.allocate(reader, lid, len(keys)), keys))
+    assert mgr.placement.make_room(Tier.HBM, 8 * SMALL.block_bytes)  # the whole chain down to DRAM
+    clock.advance(1)
+    running = mgr.commit(busy, mgr.allocate(busy, lid, 6), keys=list(range(2, 8)))
+    chain = mgr.table.vids(mgr.lookup_rows(keys, lid, client=reader)).tolist()
+    assert len(chain) == 8
+    assert mgr.acquire_rows(reader, chain[:2]) is not None  # a read: it may take the 2 free slots
+    mgr.run_prefetch()
+    assert set(tiers(mgr, running)) == {"hbm"}
+    assert set(tiers(mgr, chain[2:])) == {"dram"}
+    mgr.check_invariants()
+
+
+def test_allocate_leaves_a_deferred_reservation_its_room(make_manager):
+    """Two tenants free and allocate in turn, with a reservation of their priority waiting: their
+    allocations must not take the room it waits for, or it is passed until it expires."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    g1, g2, b, filler = (mgr.attach(n) for n in ("g1", "g2", "b", "filler"))
+    lid = mgr.register_layout(SMALL)
+    hold = mgr.allocate(filler, lid, 4)
+    one, two = mgr.allocate(g1, lid, 2), mgr.allocate(g2, lid, 2)
+    d = mgr.reserve(b, lid, tokens=16 * 4)
+    assert d.outcome is Outcome.DEFERRED and d.position == 0
+    mgr.free(g1, one)
+    refused = mgr.allocate(g1, lid, 2)
+    assert refused is None and "waiting" in mgr.allocate_refusal
+    mgr.free(g2, two)  # now the reservation's room is free: granted on the free
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.allocate(g1, lid, 2) is None  # the tier is full: the filler still writes
+    mgr.free(filler, hold)
+    assert mgr.allocate(g1, lid, 2) is not None  # no reservation waits: allocate as before
+    mgr.check_invariants()
+
+
+def test_a_higher_priority_allocate_is_not_held_back_by_a_lower_reservation(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    w, b, urgent = mgr.attach("w"), mgr.attach("b"), mgr.attach("urgent")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(w, lid, 6)
+    assert mgr.reserve(b, lid, tokens=16 * 4, priority=0).outcome is Outcome.DEFERRED
+    assert mgr.allocate(urgent, lid, 2, priority=1) is not None
+
+
+def test_a_clients_deadline_cannot_outlive_the_operators_ttl(make_manager, clock):
+    mgr = make_manager(hbm_blocks=8, admission=settings(reservation_ttl_s=2))
+    x, z = mgr.attach("x"), mgr.attach("z")
+    lid = mgr.register_layout(SMALL)
+    g = mgr.reserve(x, lid, tokens=16 * 6, deadline=clock() + 3600)
+    assert g.outcome is Outcome.GRANTED
+    clock.advance(3)
+    mgr.tick()
+    assert mgr.stats()["reservations"]["reserved_blocks"] == 0, "the TTL freed the untaken blocks"
+    assert mgr.reserve(z, lid, tokens=16 * 8).outcome is Outcome.GRANTED
+    short = mgr.reserve(x, lid, tokens=16, deadline=clock() + 0.5)  # a deadline may shorten it
+    clock.advance(1)
+    mgr.tick()
+    with pytest.raises(ReservationError, match="expired"):
+        mgr.admission.status(short.reservation_id)
+
+
+def test_the_share_bounds_allocate_too(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.25))
+    x, y = mgr.attach("x"), mgr.attach("y")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.allocate(x, lid, 2) is not None
+    with pytest.raises(QuotaExceeded, match="over its share 0.25.*admission.max_client_share"):
+        mgr.allocate(x, lid, 1)
+    assert mgr.reserve(y, lid, tokens=16 * 2).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_an_hbm_only_reservation_behind_referenced_blocks_has_no_wait_estimate(make_manager):
+    """With no tier below, referenced blocks can never make room (making room drops, and only idle
+    published blocks may be dropped): the wait has no estimate, and the reason says why."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    low, high = mgr.attach("low"), mgr.attach("high")
+    lid = mgr.register_layout(SMALL)
+    mgr.commit(low, mgr.allocate(low, lid, 6), keys=list(range(1, 7)))  # a running request's blocks
+    d = mgr.reserve(high, lid, tokens=16 * 4, priority=5)
+    assert d.outcome is Outcome.DEFERRED
+    assert d.est_wait_s is None and "cannot move" in d.reason
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    from daemon_proc import DaemonProcess
+    proc = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"},
+                                     admission={"max_client_share": 0.5})).start()
+    yield proc
+    proc.stop()
+
+
+def test_the_daemon_says_why_and_carries_a_readers_priority(connect):
+    """Over the wire: allocate past the share is a QuotaExceeded error naming the setting, an
+    allocate held back by a waiting reservation says so, and acquire carries the reader's priority."""
+    from dflash2.client import DaemonError, chain_keys
+    a, b, c, d = connect("a"), connect("b"), connect("c"), connect("d")
+    lid = a.layouts[0]
+    probe = a.allocate(lid, 1)
+    a.free(probe["vid"])
+    blocks = a.stats()["tiers"]["hbm"]["capacity_bytes"] // int(probe["nbytes"][0]) // 2  # a share each
+    with pytest.raises(DaemonError) as e:
+        a.allocate(lid, blocks + 1)
+    assert e.value.kind == "QuotaExceeded" and "admission.max_client_share" in str(e.value)
+    held = [a.allocate(lid, blocks)["vid"], b.allocate(lid, blocks)["vid"]]  # HBM full, being written
+    r = c.reserve(lid, tokens=16)
+    assert r.outcome == "deferred"
+    b.free(held[1][:1])
+    assert d.allocate(lid, 1) is None  # the freed slot is the waiting reservation's
+    assert c.reservation(r.reservation_id).outcome == "granted"
+    keys = chain_keys(range(16), 16, "c")
+    [vid] = c.commit(c.take(r.reservation_id, 1)["vid"], keys=keys)
+    assert c.acquire([vid], priority=3) is not None
+    c.release([vid])
