@@ -329,17 +329,17 @@ class Client:
         reply = self._call(Op.LOOKUP, args, [_keys(keys)])
         return _places(reply.arrays[0]), int(reply.result.get("withheld", 0))
 
-    def acquire(self, vids, tier: str = "hbm", priority: int = 0) -> np.ndarray | None:
+    def acquire(self, vids, tier: str = "hbm", priority: int | None = None) -> np.ndarray | None:
         """Pin blocks in HBM (promoting them first); their places, or None when HBM has no room now
         (DaemonError of kind NeverFits when they exceed the whole tier; of kind PinnedBlock when one
         of them must move up but a host-side reader has it pinned where it lies: it can move once
         released). tier="dram": a host-side reader pins blocks in DRAM where they are (only NVMe ones
         move up). Each acquire is one pin per block, as many as the daemon counts: a block stays
-        viewable by vid until its last pin is released. `priority`: the reading request's; the room
-        a promotion needs comes from idle blocks first, then from running requests of that priority
-        or lower, never from a higher-priority request's blocks."""
+        viewable by vid until its last pin is released. The room a promotion needs comes from idle
+        blocks first, then from running requests' blocks; with `priority` (the reading request's),
+        only from those of that priority or lower, and the blocks read carry at least it."""
         args = {} if tier == "hbm" else {"tier": tier}
-        if priority:
+        if priority is not None:
             args["priority"] = int(priority)
         reply = self._call(Op.ACQUIRE, args, [_vids(vids)])
         if not reply.result.get("acquired"):
@@ -363,8 +363,10 @@ class Client:
         finally:
             self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
 
-    def add_ref(self, vids) -> None:
-        self._call(Op.ADD_REF, {}, [_vids(vids)])
+    def add_ref(self, vids, priority: int | None = None) -> None:
+        """A request of this client shares these blocks; with its `priority`, they are protected as
+        a running request of that priority (a shared prefix, as the highest-priority user's)."""
+        self._call(Op.ADD_REF, {} if priority is None else {"priority": int(priority)}, [_vids(vids)])
 
     def places(self, vids) -> np.ndarray:
         return _places(self._call(Op.PLACES, {}, [_vids(vids)]).arrays[0])

@@ -48,6 +48,7 @@ class Server:
         self.tick_interval_s = tick_interval_s
         self._stop = threading.Event()
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
+        self._last_tick_s = 0.0  # how long the last background step took
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -82,7 +83,9 @@ class Server:
                 # is about to check. Bounded in count and in time, so that a flood of requests
                 # cannot hold the tick off; leases are judged as of the last empty queue, so a
                 # heartbeat left queued by the bound never lapses its client's lease.
-                budget = now + DRAIN_BUDGET_TICKS * self.tick_interval_s
+                # At least as long as the step itself took last time: with a tiny interval and a
+                # slow step, requests would otherwise get a fraction of the loop.
+                budget = now + max(DRAIN_BUDGET_TICKS * self.tick_interval_s, self._last_tick_s)
                 for _ in range(DRAIN_BEFORE_TICK):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -94,6 +97,7 @@ class Server:
                         break
                 started = time.monotonic()
                 self._tick(late_s=started - next_tick, behind_s=started - caught_up)
+                self._last_tick_s = time.monotonic() - started
                 next_tick = time.monotonic() + self.tick_interval_s
             lost = self.service.fatal()
             if lost:  # every later move would fail: a restarted daemon serves again, a zombie never

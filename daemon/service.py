@@ -15,19 +15,18 @@ if it has not arrived yet (it came on the client's previous socket), it is refus
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hmac
 import logging
 import math
 import os
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from dflash2 import protocol as P
+from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, pid_namespace, same_token
+from dflash2.daemon.sessions import pid_alive as process_alive
 from dflash2.errors import (CallForgotten, DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient,
                             WrongToken)
 from dflash2.gpuid import device_of, uuid_text
@@ -38,26 +37,6 @@ from dflash2.readcost import checked_rate
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
-
-
-@dataclasses.dataclass
-class Session:
-    client: int
-    name: str
-    pid: int
-    last_seen: float
-    attached_at: float
-    same_pid_namespace: bool  # only then does the pid name the client's process here
-    device: int = 0  # which GPU's block pool the client uses
-    token: str = ""  # the credential attach returned; every call of this client carries it
-    # How to give back what each of the client's last UNDOABLE calls handed out (call id -> undo),
-    # and the ids of calls it gave up on before they arrived. A client makes one call at a time,
-    # so only its last few calls can be in flight when it times out: both are bounded to KEEP_CALLS.
-    undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-    forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-
-
-KEEP_CALLS = 8
 
 
 class Service:
@@ -74,7 +53,7 @@ class Service:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.device = device
         self.clock = clock
-        self.pid_alive = pid_alive or _pid_alive
+        self.pid_alive = pid_alive or process_alive
         self.sessions: dict[int, Session] = {}
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
@@ -165,7 +144,9 @@ class Service:
         `behind_s`: how long ago the request queue was last empty. Every message sent before then
         has been answered, so a lease is judged as of then: a heartbeat still queued behind a
         busy loop never lapses a live client's lease (the queue's backlog delays expiry instead)."""
-        now = self.clock() - max(0.0, behind_s)
+        # The credit is at most one lease: a backlog that never empties (a client pipelining calls)
+        # delays expiry by a lease at most, instead of stopping it.
+        now = self.clock() - min(max(0.0, behind_s), self.lease_timeout_s)
         gone = [s for s in self.sessions.values()
                 if now - s.last_seen > self.lease_timeout_s
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]
@@ -195,7 +176,7 @@ class Service:
         session = self.sessions.get(client)
         if session is None:
             raise UnknownClient(f"client {client} is not attached (detached, or its lease lapsed: attach again)")
-        if not _same_token(session, token):
+        if not same_token(session, token):
             raise WrongToken(f"client {client}: the call does not carry that client's session token (a client id "
                              "is used only by the process that attached it)")
         session.last_seen = self.clock()
@@ -203,7 +184,7 @@ class Service:
 
     def _owns(self, req: Request) -> bool:
         session = self.sessions.get(req.client)
-        return session is not None and _same_token(session, req.token)
+        return session is not None and same_token(session, req.token)
 
     def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
         """Remember how to give back what this call handed out, should its client forget it."""
@@ -382,7 +363,7 @@ class Service:
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
         rows = m.acquire_rows(req.client, vids, self._memory_tier(req),
-                              priority=arg(req, "priority", int, default=0, lo=-128, hi=127))
+                              priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
         self._undoable(req, lambda: m.release(req.client, vids))
@@ -400,7 +381,7 @@ class Service:
     def _add_ref(self, req):
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        m.add_ref(req.client, vids)
+        m.add_ref(req.client, vids, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
         self._undoable(req, lambda: m.free(req.client, vids))
         return {}, []
 
@@ -569,40 +550,3 @@ def sum_stats(parts: list[dict]) -> dict:
     all_reads = sum(reads.values())
     total["hbm_hit_ratio"] = reads.get("hbm", 0) / all_reads if all_reads else None
     return total
-
-
-def pid_namespace() -> int | None:
-    """Inode of this process's pid namespace: equal in two processes iff their pids are comparable."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _same_token(session: Session, token: str | None) -> bool:
-    """Constant-time comparison, of bytes: any string from the wire compares without raising."""
-    return hmac.compare_digest(session.token.encode(), (token or "").encode("utf-8", "surrogatepass"))
-
-
-PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
-
-
-def _pid_alive(pid: int) -> bool:
-    """False only when the process certainly does not run: it does not exist, or it has exited
-    and waits for its parent to reap it (a zombie: its memory and sockets are gone). pid 0 =
-    unknown: assume alive."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True  # no procfs here, or it went between the two calls: the next tick sees it
-    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"

@@ -186,7 +186,11 @@ class BlockManager:
         held = 0
         if tier == Tier.HBM:
             self.admission.check_share(client, n * slot)
-            held = self.admission.held_for_queue(priority)
+            if not self._running(client, request):
+                # A new request queues behind the reservations waiting ahead of it. One already
+                # running may grow: held back, it could never finish and free the room a waiting
+                # reservation may be waiting for.
+                held = self.admission.held_for_queue(priority, client, self.table.layout(layout_id).block_bytes)
         kw = dict(tier=tier, request=request, priority=priority)
         size = self.table.layout(layout_id).block_bytes
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
@@ -276,7 +280,7 @@ class BlockManager:
         self.access.misses += len(keys) - len(rows)
         return rows
 
-    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int = 0) -> list[Place] | None:
+    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> list[Place] | None:
         """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
         below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
         for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
@@ -285,10 +289,11 @@ class BlockManager:
         rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
-    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int = 0) -> np.ndarray | None:
+    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
-        then from running requests' blocks of the reader's `priority` or lower: never from a
-        higher-priority request's (its own reservation could not take them either)."""
+        then from running requests' blocks; with the reading request's `priority` given, only those
+        of that priority or lower (never a higher-priority request's: its own reservation could not
+        take them either), and the blocks read carry at least that priority while held."""
         if up_to == Tier.NVME or up_to not in self.specs:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
@@ -319,7 +324,7 @@ class BlockManager:
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(up_to)).any():
-            ok = self.placement.promote(rows, up_to, priority=priority)
+            ok = self.placement.promote(rows, up_to, below_priority=None if priority is None else priority + 1)
             if not ok.all():
                 c = self.table.cols
                 lost = rows[~ok & ((c.tier[rows] < 0) | np.isin(rows, list(self.table.lost)))]
@@ -330,6 +335,8 @@ class BlockManager:
                                        "look the chain up again and recompute from there")
                 return None
         self.table.pin_rows(client, rows)
+        if priority is not None:
+            self.table.raise_priority(rows, priority)
         if up_to == Tier.HBM:
             self.prefetcher.read_to(client, self.table.vids(rows).tolist())  # runs after the reply
         return rows
@@ -343,8 +350,12 @@ class BlockManager:
     def release(self, client: int, vids) -> None:
         self.table.unpin(client, vids)
 
-    def add_ref(self, client: int, vids) -> None:
+    def add_ref(self, client: int, vids, priority: int | None = None) -> None:
+        """A request of this client shares these blocks; with its `priority`, they carry at least
+        that priority (a shared prefix is protected as the highest-priority request using it is)."""
         self.table.add_ref(client, vids)
+        if priority is not None:
+            self.table.raise_priority(self.table.rows(vids), priority)
 
     # -- bytes (host arenas) ---------------------------------------------------------------
     def place(self, vid: int) -> Place:
@@ -433,6 +444,16 @@ class BlockManager:
             if n > fit:
                 raise NeverFits(f"{what} needs {n} blocks of layout {self.table.layout(lid).name!r} in "
                                  f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
+
+    def _running(self, client: int, request: int) -> bool:
+        """Whether an allocate of `request` grows a running request: the client references blocks
+        of that request. An unnamed request (0) cannot be told apart: a client that references any
+        block counts as running one (held back, a request it is growing could deadlock against the
+        queue; engines that name their requests get the queue's fairness for their new ones)."""
+        rows = np.fromiter(self.table.client(client).refs, dtype=np.int64)
+        if not len(rows):
+            return False
+        return request == 0 or bool((self.table.cols.request[rows] == request).any())
 
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""

@@ -243,13 +243,13 @@ class Placement:
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
-                  idle_only: bool = False, block_bytes: int | None = None, past_full: bool = True) -> bool:
+                  idle_only: bool = False, block_bytes: int | None = None) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
         blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
         the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
         over what is left after each round (that would call the coldest of the rest cold, round
         after round, and the threshold would only set how many batches the same demotion takes).
-        `past_full`: victims may go past a tier below that has no room it can make (`_demote`)."""
+        Victims go past a tier below that has no room it can make (`_free_some`)."""
         cold = None
         if cold_only:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
@@ -258,11 +258,11 @@ class Placement:
             short = need_bytes - self.free_bytes(tier, block_bytes)
             if short <= 0:
                 return True
-            if not self._free_some(tier, short, pick, past_full):
+            if not self._free_some(tier, short, pick):
                 break
         return self.free_bytes(tier, block_bytes) >= need_bytes
 
-    def _free_some(self, tier: Tier, short: int, pick: dict, past_full: bool) -> bool:
+    def _free_some(self, tier: Tier, short: int, pick: dict) -> bool:
         lower = self.lower(tier)
         protect = pick["protect"]
         victims = self.select(tier, short, evict=lower is None, **pick)
@@ -273,7 +273,8 @@ class Placement:
             return self._evict(victims)
         moved, progress = self._demote(victims, tier, lower, protect)
         target = lower
-        while past_full and not (moved or progress) and self.lower(target) is not None:
+        while (not (moved or progress) and self.lower(target) is not None
+               and not self._short_of_its_own(target, protect)):
             # `target` has no room it can make: every block in it is pinned or held there by a
             # descendant in a faster tier (a chain extended in HBM under a parent just demoted
             # leaves DRAM runs each followed by HBM blocks; none of those runs may go down first).
@@ -291,6 +292,16 @@ class Placement:
             return True
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
+
+    def _short_of_its_own(self, tier: Tier, protect: np.ndarray | None) -> bool:
+        """Whether `tier` holds movable blocks of `protect` (a promotion's own chain, about to leave
+        it): then it is short of room only until they have left, and is not passed (a read must not
+        wait on NVMe writes for room that the read itself frees)."""
+        if protect is None or not len(protect):
+            return False
+        c = self.table.cols
+        return bool(((c.tier[protect] == int(tier)) & (c.state[protect] == int(BlockState.RESIDENT))
+                     & (c.pins[protect] == 0)).any())
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:
@@ -423,7 +434,7 @@ class Placement:
             self.make_room(tier, target_free, cold_only=True, protect=protect)
 
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
-                priority: int | None = 0) -> np.ndarray:
+                below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
         """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`
         that are in dst afterwards; the rest could not be given room. The room is never made by
         moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
@@ -431,8 +442,8 @@ class Placement:
         from `protect` (a prefetch's reader: the rest of the chain it is about to read); nor from
         the blocks brought up for a read that has not come yet (`awaiting_read`: another reader's
         window, whose score is old and would make it the first to go). It is made from idle blocks
-        first, then from running requests' blocks of the reader's `priority` or lower, never a
-        higher-priority request's; `priority` None (a prefetch, a guess): idle blocks only."""
+        first, then (unless `idle_only`: a prefetch, a guess) from running requests' blocks, only
+        those under `below_priority` when given."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
         chain = self._with_ancestors(rows, dst)
@@ -444,11 +455,9 @@ class Placement:
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
         if len(away):
             def room_for(part: np.ndarray) -> None:
-                # No pass-through here: the tier below is short only of the blocks this promotion
-                # is about to take out of it, and a read must not wait on NVMe writes.
-                self._make_room_for_rows(dst, part, keep, idle_only=True, past_full=False)
-                if priority is not None:
-                    self._make_room_for_rows(dst, part, keep, below_priority=priority + 1, past_full=False)
+                self._make_room_for_rows(dst, part, keep, idle_only=True)
+                if not idle_only:
+                    self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
             try:
                 moved = self._promote_away(away, dst, room_for)
             finally:

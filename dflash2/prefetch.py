@@ -108,7 +108,7 @@ class Prefetcher:
         ahead_rows, ahead_live = self._rows(list(vids[position:]))
         origin = c.tier[want]  # read before the promotion moves them
         # A guess: its room comes from idle blocks only, never from a running request's.
-        ok = self.manager.placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], priority=None)
+        ok = self.manager.placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], idle_only=True)
         done = table.vids(want[ok]).tolist()
         # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
         # settle between): that one was wasted, once; this one is counted on its own.

@@ -15,8 +15,10 @@ drops idle blocks only: a referenced block is never dropped.
 
 The queue holds room against `allocate` too (`held_for_queue`): an allocation outside any
 reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
-stream of small allocations cannot pass a deferred reservation until it expires. A reservation lives
-at most `reservation_ttl_s` untaken: a client's deadline may shorten that, never lengthen it.
+stream of small allocations cannot pass a deferred reservation until it expires (a client writing
+blocks, whose request runs, is not held back: it could never finish and free that room). A
+reservation lives at most `reservation_ttl_s` untaken: a client's deadline may shorten that, never
+lengthen it.
 
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
@@ -331,11 +333,14 @@ class Admission:
         elif res in self.deferred:
             self.deferred.remove(res)
 
-    def held_for_queue(self, priority: int) -> int:
+    def held_for_queue(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> int:
         """HBM bytes the reservations waiting at `priority` or above still need: an allocation
-        outside any reservation leaves them that room (they are ahead of it)."""
+        outside any reservation leaves them that room (they are ahead of it). Not `client`'s own
+        (they wait for its own allocation anyway), and only those of `block_bytes` when given
+        (slots of another size are no room for them)."""
         return sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM)
-                   for r in self.deferred if r.priority >= priority)
+                   for r in self.deferred if r.priority >= priority and r.client != client
+                   and (block_bytes is None or self.table.layout(r.layout_id).block_bytes == block_bytes))
 
     def check_share(self, client: int, need: int) -> None:
         """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
@@ -349,13 +354,14 @@ class Admission:
                                 f"{self.settings.max_client_share} of {hbm} (admission.max_client_share)")
 
     def _client_hbm_bytes(self, client: int) -> int:
-        """HBM bytes the client holds or has asked for: the blocks it references or pins there (its
-        private blocks, and published ones: a request's blocks are published at commit and still held),
-        and its reservations still in the queue (each within the share alone, together they would be
+        """HBM bytes the client holds or has asked for: the blocks it references there (its private
+        blocks, and published ones: a request's blocks are published at commit and still held; not
+        the cached blocks it only pins to read, such as a prefix many clients share), and its
+        reservations still in the queue (each within the share alone, together they would be
         granted past it)."""
         holder = self.table.client(client)
         c = self.table.cols
-        rows = np.fromiter(set(holder.refs) | set(holder.pins), dtype=np.int64)
+        rows = np.fromiter(holder.refs, dtype=np.int64)
         rows = rows[c.tier[rows] == int(Tier.HBM)]
         slots = np.array([self.table.slot_bytes(l, Tier.HBM) for l in range(len(self.table.layouts))], dtype=np.int64)
         held = int(slots[c.layout[rows]].sum()) if len(rows) else 0

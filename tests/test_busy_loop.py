@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +17,8 @@ import zmq
 from dflash2 import protocol as P
 from dflash2.daemon import server as server_mod
 from dflash2.daemon.server import Server
-from dflash2.daemon.service import Service, _pid_alive
+from dflash2.daemon.service import Service
+from dflash2.daemon.sessions import pid_alive as _pid_alive
 from dflash2.protocol import Op
 from dflash2.status import render
 
@@ -35,16 +37,20 @@ def test_a_lease_is_judged_as_of_the_last_empty_queue(make_manager, clock):
     assert svc.expire_leases(behind_s=0.0) == [client]  # caught up, and still nothing from it
 
 
+def wait_for_zombie(pid: int, why: str) -> None:
+    """Until /proc shows the process (its leader) as a zombie."""
+    for _ in range(500):
+        with open(f"/proc/{pid}/status", "rb") as f:
+            if b"State:\tZ" in f.read():
+                return
+        time.sleep(0.01)
+    pytest.fail(why)
+
+
 def test_a_zombie_client_counts_as_gone():
     child = subprocess.Popen(["sleep", "0"])
     try:
-        for _ in range(500):  # until it has exited (unreaped: Popen has not waited for it)
-            with open(f"/proc/{child.pid}/stat", "rb") as f:
-                if b") Z" in f.read():
-                    break
-            time.sleep(0.01)
-        else:
-            pytest.fail("the child did not exit")
+        wait_for_zombie(child.pid, "the child did not exit")  # unreaped: Popen has not waited for it
         assert not _pid_alive(child.pid)
     finally:
         child.wait()
@@ -77,23 +83,20 @@ class _Recorder:
         return None
 
 
-def test_a_long_queue_does_not_hold_the_background_step_off(tmp_path, monkeypatch):
-    """40 requests queued at once, a step due all the time, and a drain budget of zero: the step
-    must run before the queue is through (a count bound of 1,024 ran it after all 40)."""
-    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0, raising=False)
-    rec = _Recorder()
+def run_queued(rec, tmp_path, n: int) -> None:
+    """Queue n requests on a server over `rec` (a step due all the time), then serve them all."""
     endpoint = f"ipc://{tmp_path}/d.sock"
     srv = Server(rec, endpoint, tick_interval_s=1e-6)
     ctx = zmq.Context()
     peer = ctx.socket(zmq.DEALER)
     peer.connect(endpoint)
-    for i in range(40):
+    for i in range(n):
         peer.send_multipart(P.encode_request(Op.PING, i + 1, None, {}))
     time.sleep(0.2)  # all of them queued before the loop starts
     loop = threading.Thread(target=srv.serve_forever)
     loop.start()
     try:
-        for _ in range(40):
+        for _ in range(n):
             assert peer.poll(5000), "a reply did not come"
             peer.recv_multipart()
     finally:
@@ -102,6 +105,14 @@ def test_a_long_queue_does_not_hold_the_background_step_off(tmp_path, monkeypatc
         srv.close()
         peer.close(0)
         ctx.term()
+
+
+def test_a_long_queue_does_not_hold_the_background_step_off(tmp_path, monkeypatch):
+    """40 requests queued at once, a step due all the time, and a drain budget of zero: the step
+    must run before the queue is through (a count bound of 1,024 ran it after all 40)."""
+    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0, raising=False)
+    rec = _Recorder()
+    run_queued(rec, tmp_path, 40)
     requests = [i for i, e in enumerate(rec.events) if e == "request"]
     first_tick = rec.events.index("tick")
     assert first_tick < requests[-1], "the step waited for the whole queue"
@@ -112,3 +123,47 @@ def test_status_shows_how_late_the_background_step_runs():
     text = render(st)
     assert "background step: started 1250.0 ms late the last time, at most 2500.0 ms" in text
     assert "request queue 750.0 ms behind" in text
+
+
+def test_a_process_whose_main_thread_exited_but_others_run_is_alive(tmp_path):
+    """Linux shows such a process as a zombie (its leader's state), but a client in a worker thread
+    still runs there: it must not be detached."""
+    script = tmp_path / "leader_exits.py"
+    script.write_text("import ctypes, sys, threading, time\n"
+                      "threading.Thread(target=time.sleep, args=(5,)).start()\n"
+                      "print('ready', flush=True)\n"
+                      "ctypes.CDLL(None).pthread_exit(None)\n")
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        wait_for_zombie(child.pid, "the main thread did not exit")
+        assert _pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_backlog_that_never_empties_delays_expiry_by_a_lease_at_most(make_manager, clock):
+    svc = Service(make_manager(hbm_blocks=4), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                  pid_alive=lambda pid: True)
+    reply = P.decode_reply(svc.handle_frames(P.encode_request(
+        Op.ATTACH, 1, None, {"name": "c", "pid": 0, "layouts": [SMALL.to_dict()]})))
+    clock.advance(20.5)
+    assert svc.expire_leases(behind_s=1e6) == [reply.result["client"]]
+
+
+class _SlowStep(_Recorder):
+    def expire_leases(self, behind_s=0.0):
+        super().expire_leases(behind_s)
+        time.sleep(0.05)
+
+
+def test_requests_get_at_least_as_long_as_the_last_step_took(tmp_path, monkeypatch):
+    """A tiny interval and a slow step: the drain before the next step lasts at least as long as the
+    last step did, so requests are not left a sliver of the loop (one request per step before)."""
+    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0)
+    rec = _SlowStep()
+    run_queued(rec, tmp_path, 20)
+    ticks = [i for i, e in enumerate(rec.events) if e == "tick"] + [len(rec.events)]
+    most = max(rec.events[a + 1:b].count("request") for a, b in zip(ticks, ticks[1:]))
+    assert most >= 10, rec.events  # the rest of the queue in one drain, not one or two per step

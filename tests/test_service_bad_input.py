@@ -122,7 +122,7 @@ def test_reserve_beyond_every_tier_is_rejected(service):
 
 
 def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
-    from dflash2.daemon.service import pid_namespace
+    from dflash2.daemon.sessions import pid_namespace
 
     quiet = attach(service, "quiet", pid=4242)
     dying = attach(service, "dying", pid=4343, pid_ns=pid_namespace())

@@ -14,7 +14,8 @@ from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
 from dflash2.client import Client, DaemonError, DaemonUnavailable, Transport
-from dflash2.daemon.service import KEEP_CALLS, Service
+from dflash2.daemon.service import Service
+from dflash2.daemon.sessions import KEEP_CALLS
 from dflash2.errors import ArenaError
 from dflash2.keys import chain_keys
 from dflash2.protocol import Op

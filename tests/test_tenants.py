@@ -211,3 +211,107 @@ def test_the_daemon_says_why_and_carries_a_readers_priority(connect):
     [vid] = c.commit(c.take(r.reservation_id, 1)["vid"], keys=keys)
     assert c.acquire([vid], priority=3) is not None
     c.release([vid])
+
+
+def test_a_running_request_may_grow_past_a_waiting_reservation(make_manager):
+    """A reservation waits on a running request's blocks; that request needs more to finish. Held
+    back by the queue it could never finish, and the reservation would wait until it expired: a
+    client writing blocks (a request of it running) is not held back."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    running, waiting, newcomer = mgr.attach("running"), mgr.attach("waiting"), mgr.attach("new")
+    lid = mgr.register_layout(SMALL)
+    first = mgr.allocate(running, lid, 4)
+    d = mgr.reserve(waiting, lid, tokens=16 * 8)
+    assert d.outcome is Outcome.DEFERRED
+    assert mgr.allocate(newcomer, lid, 2) is None  # a new request queues behind the reservation
+    more = mgr.allocate(running, lid, 2)
+    assert more is not None, "the running request grows"
+    mgr.free(running, mgr.commit(running, [*first, *more], keys=list(range(1, 7))))
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+# -- the review of 73f6fc6 ---------------------------------------------------------------------
+def test_a_clients_own_reservation_and_other_block_sizes_do_not_hold_its_allocate(make_manager):
+    from conftest import SMALL_FP8
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a, w, small = mgr.attach("a"), mgr.attach("w"), mgr.attach("small")
+    lid, lid8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.allocate(w, lid, 5)
+    assert mgr.reserve(a, lid, tokens=16 * 6).outcome is Outcome.DEFERRED
+    assert mgr.allocate(a, lid, 1, request=7) is not None  # its own reservation is not ahead of it
+    assert mgr.allocate(small, lid8, 1) is not None  # 8 KiB slots are no room for 16 KiB blocks
+    mgr.check_invariants()
+
+
+def test_a_named_running_request_grows_and_a_named_new_one_queues(make_manager):
+    """A request whose blocks are all committed (referenced, resident: between decode blocks) is
+    running too; one the client names anew queues behind the reservation."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    mgr.commit(a, mgr.allocate(a, lid, 5, request=1), keys=[1, 2, 3, 4, 5])  # running, all committed
+    assert mgr.reserve(b, lid, tokens=16 * 6).outcome is Outcome.DEFERRED
+    assert mgr.allocate(a, lid, 1, request=1) is not None
+    assert mgr.allocate(a, lid, 1, request=2) is None and "waiting" in mgr.allocate_refusal
+
+
+def test_an_acquire_without_a_priority_may_still_take_running_requests_room(make_manager, clock):
+    """Engines that give no priority (every caller before it existed), all at priority 1: their
+    acquire may demote running requests as before, not answer None."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    mine = cached(mgr, a, lid, [101, 102], priority=1)
+    clock.advance(1)
+    running = mgr.commit(b, mgr.allocate(b, lid, 4, priority=1), keys=[1, 2, 3, 4])
+    assert set(tiers(mgr, mine)) == {"dram"}
+    assert mgr.acquire(a, mine) is not None
+    assert tiers(mgr, running).count("dram") == 2
+
+
+def test_a_shared_prefix_is_protected_as_its_highest_priority_user(make_manager, clock):
+    """A priority-5 request shares (add_ref) a prefix written at priority 0: a priority-0 reader's
+    promotion and a priority-1 reservation must not demote it while that request runs."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings())
+    writer, high, low = mgr.attach("writer"), mgr.attach("high"), mgr.attach("low")
+    lid = mgr.register_layout(SMALL)
+    mine = cached(mgr, low, lid, [101, 102])
+    clock.advance(1)
+    prefix = cached(mgr, writer, lid, [1, 2, 3, 4], priority=0)
+    mgr.add_ref(high, prefix, priority=5)
+    own = mgr.commit(high, mgr.allocate(high, lid, 4, priority=5), keys=[5, 6, 7, 8], parent=int(prefix[-1]))
+    assert set(tiers(mgr, mine)) == {"dram"}
+    assert mgr.acquire(low, mine, priority=0) is None
+    assert mgr.reserve(low, lid, tokens=16 * 2, priority=1).outcome is Outcome.DEFERRED
+    assert set(tiers(mgr, [*prefix, *own])) == {"hbm"}
+    mgr.check_invariants()
+
+
+def test_a_promotion_from_nvme_passes_a_dram_full_of_pinned_blocks(make_manager, clock):
+    """The blocks come up from NVMe and DRAM is full of blocks a host reader pinned: HBM's victims
+    go past DRAM to NVMe (which has room), not dropped, and the acquire succeeds."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=16, admission=settings())
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    wanted = cached(mgr, a, lid, [101, 102])
+    assert mgr.mover.move(mgr.table.rows(wanted), Tier.NVME).all()
+    pinned = [mgr.commit(a, mgr.allocate(a, lid, 1, tier=Tier.DRAM), keys=[k]) for k in (11, 12, 13, 14)]
+    for v in pinned:
+        mgr.free(a, v)
+        mgr.acquire(reader, v, up_to=Tier.DRAM)
+    clock.advance(1)
+    idle = cached(mgr, a, lid, [1, 2, 3, 4])
+    assert mgr.acquire(reader, wanted) is not None
+    assert tiers(mgr, idle).count("nvme") == 2 and mgr.placement.stats.past_full == 2
+    assert len(mgr.lookup([1, 2, 3, 4], lid)) == 4  # none dropped
+    mgr.check_invariants()
+
+
+def test_pinning_a_shared_prefix_does_not_count_toward_the_share(make_manager):
+    mgr = make_manager(hbm_blocks=8, admission=settings(max_client_share=0.5))
+    writer, a = mgr.attach("writer"), mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    prefix = cached(mgr, writer, lid, [1, 2, 3, 4])
+    mgr.acquire(a, prefix)  # reads the shared prefix: half of HBM
+    assert mgr.allocate(a, lid, 1) is not None

@@ -90,6 +90,7 @@ class Publishing:
         """
         holder = self.clients[client_id]
         c = self.cols
+        c.priority[existing] = max(c.priority[existing], c.priority[row])  # its writer's request uses it now
         refs = holder.refs.get(row, 0)
         if holder.pins.get(row, 0):
             c.state[row] = S.RESIDENT  # final bytes, never to be committed again

@@ -210,6 +210,12 @@ class BlockTable(Publishing):
         np.add.at(self.cols.refs, rows, 1)
         holder.refs.update(rows.tolist())
 
+    def raise_priority(self, rows: np.ndarray, priority: int) -> None:
+        """Blocks used by a request of `priority` carry at least it. It is not lowered when that
+        request lets go: an idle block's priority guards nothing (room is made from idle blocks
+        whatever their priority), and only the heat policy's ranking still reads it."""
+        np.maximum.at(self.cols.priority, rows, np.int8(max(-128, min(127, int(priority)))))
+
     def free(self, client_id: int, vids) -> int:
         """Drop one reference of this client per block. A private block whose last reference goes is
         freed; a published one stays cached. Returns the number of blocks freed."""

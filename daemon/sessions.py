@@ -1,0 +1,67 @@
+"""A client's session in the daemon: its lease, its token, the calls it may still `forget`; and
+whether the process behind a session still runs (a pid seen through this pid namespace)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+from collections import OrderedDict
+
+
+@dataclasses.dataclass
+class Session:
+    client: int
+    name: str
+    pid: int
+    last_seen: float
+    attached_at: float
+    same_pid_namespace: bool  # only then does the pid name the client's process here
+    device: int = 0  # which GPU's block pool the client uses
+    token: str = ""  # the credential attach returned; every call of this client carries it
+    # How to give back what each of the client's last UNDOABLE calls handed out (call id -> undo),
+    # and the ids of calls it gave up on before they arrived. A client makes one call at a time,
+    # so only its last few calls can be in flight when it times out: both are bounded to KEEP_CALLS.
+    undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+
+
+KEEP_CALLS = 8
+
+
+def pid_namespace() -> int | None:
+    """Inode of this process's pid namespace: equal in two processes iff their pids are comparable."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def same_token(session: Session, token: str | None) -> bool:
+    """Constant-time comparison, of bytes: any string from the wire compares without raising."""
+    return hmac.compare_digest(session.token.encode(), (token or "").encode("utf-8", "surrogatepass"))
+
+
+PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
+
+
+def pid_alive(pid: int) -> bool:
+    """False only when the process certainly does not run: it does not exist, or it has exited
+    and waits for its parent to reap it (a zombie with no thread left: its memory and sockets are
+    gone). pid 0 = unknown: assume alive."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except OSError:
+        return True  # no procfs here, or it went between the two calls: the next tick sees it
+    # A zombie whose threads are all gone (Threads 1: the leader's exit status alone). A leader
+    # that exited while other threads run on (a client in a worker thread) shows Z too: alive.
+    return not (status.get(b"State", b"").strip().startswith(b"Z") and status.get(b"Threads", b"").strip() == b"1")
