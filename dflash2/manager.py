@@ -186,10 +186,12 @@ class BlockManager:
         held = 0
         if tier == Tier.HBM:
             self.admission.check_share(client, n * slot)
-            if not self._running(client, request):
-                # A new request queues behind the reservations waiting ahead of it. One already
-                # running may grow: held back, it could never finish and free the room a waiting
-                # reservation may be waiting for.
+            if not self.table.client(client).refs:
+                # A client with nothing running (it references no block) queues its new request
+                # behind the reservations waiting ahead of it. One that references blocks may be
+                # growing a running request: held back, that request could never finish and free
+                # the room a waiting reservation may be waiting for (the request id cannot tell:
+                # a request's blocks may be another request's, deduplicated or found cached).
                 held = self.admission.held_for_queue(priority, client, self.table.layout(layout_id).block_bytes)
         kw = dict(tier=tier, request=request, priority=priority)
         size = self.table.layout(layout_id).block_bytes
@@ -444,16 +446,6 @@ class BlockManager:
             if n > fit:
                 raise NeverFits(f"{what} needs {n} blocks of layout {self.table.layout(lid).name!r} in "
                                  f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
-
-    def _running(self, client: int, request: int) -> bool:
-        """Whether an allocate of `request` grows a running request: the client references blocks
-        of that request. An unnamed request (0) cannot be told apart: a client that references any
-        block counts as running one (held back, a request it is growing could deadlock against the
-        queue; engines that name their requests get the queue's fairness for their new ones)."""
-        rows = np.fromiter(self.table.client(client).refs, dtype=np.int64)
-        if not len(rows):
-            return False
-        return request == 0 or bool((self.table.cols.request[rows] == request).any())
 
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""

@@ -273,8 +273,7 @@ class Placement:
             return self._evict(victims)
         moved, progress = self._demote(victims, tier, lower, protect)
         target = lower
-        while (not (moved or progress) and self.lower(target) is not None
-               and not self._short_of_its_own(target, protect)):
+        while not (moved or progress) and self.lower(target) is not None:
             # `target` has no room it can make: every block in it is pinned or held there by a
             # descendant in a faster tier (a chain extended in HBM under a parent just demoted
             # leaves DRAM runs each followed by HBM blocks; none of those runs may go down first).
@@ -292,16 +291,6 @@ class Placement:
             return True
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
-
-    def _short_of_its_own(self, tier: Tier, protect: np.ndarray | None) -> bool:
-        """Whether `tier` holds movable blocks of `protect` (a promotion's own chain, about to leave
-        it): then it is short of room only until they have left, and is not passed (a read must not
-        wait on NVMe writes for room that the read itself frees)."""
-        if protect is None or not len(protect):
-            return False
-        c = self.table.cols
-        return bool(((c.tier[protect] == int(tier)) & (c.state[protect] == int(BlockState.RESIDENT))
-                     & (c.pins[protect] == 0)).any())
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:

@@ -15,10 +15,10 @@ drops idle blocks only: a referenced block is never dropped.
 
 The queue holds room against `allocate` too (`held_for_queue`): an allocation outside any
 reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
-stream of small allocations cannot pass a deferred reservation until it expires (a client writing
-blocks, whose request runs, is not held back: it could never finish and free that room). A
-reservation lives at most `reservation_ttl_s` untaken: a client's deadline may shorten that, never
-lengthen it.
+stream of small allocations cannot pass a deferred reservation until it expires (a client that
+references blocks may be growing a running request and is not held back: that request could never
+finish and free the room). A reservation lives at most `reservation_ttl_s` untaken: a client's
+deadline may shorten that, never lengthen it.
 
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a

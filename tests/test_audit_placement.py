@@ -176,9 +176,11 @@ def test_a_block_never_passes_below_its_own_child(make_manager, clock):
     mgr.check_invariants()
 
 
-def test_a_promotion_does_not_send_its_room_past_dram(make_manager, clock):
-    """A reader brings up a chain that fills DRAM while HBM is full: DRAM is short only of the
-    blocks about to leave it, so HBM's victims are not written to NVMe on the read's path."""
+def test_a_promotion_keeps_the_blocks_it_makes_room_from(make_manager, clock):
+    """A reader brings up a chain that fills DRAM while HBM is full of other cached blocks: DRAM has
+    room only once the chain has left it, so HBM's blocks go past it to NVMe (a write on the read's
+    path) instead of being dropped (a recompute for their next reader). Two reviews weighed the two;
+    losing cache while NVMe has room is the worse."""
     mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=16)
     a, reader = mgr.attach("a"), mgr.attach("reader")
     lid = mgr.register_layout(SMALL)
@@ -188,7 +190,30 @@ def test_a_promotion_does_not_send_its_room_past_dram(make_manager, clock):
     mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 4), keys=[100, 101, 102, 103]))  # the chain to DRAM
     clock.advance(1)
     assert mgr.acquire(reader, chain) is not None
-    assert "hbm->nvme" not in mgr.stats()["moves"]
+    assert len(mgr.lookup([100, 101, 102, 103], lid)) == 4 and mgr.placement.stats.evicted == 0
+    mgr.check_invariants()
+
+
+def test_a_promotion_with_one_block_in_a_pinned_dram_keeps_hbms_blocks(make_manager, clock):
+    """The review of 6dea78d: the chain comes up from NVMe and one block of it lies in a DRAM
+    otherwise full of pinned blocks; HBM's idle blocks go past DRAM, not dropped."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=16)
+    a, reader = mgr.attach("a"), mgr.attach("reader")
+    lid = mgr.register_layout(SMALL)
+    chain = mgr.commit(a, mgr.allocate(a, lid, 3), keys=[1, 2, 3])
+    mgr.free(a, chain)
+    rows = mgr.table.rows(chain)
+    assert mgr.mover.move(rows[1:], Tier.NVME).all() and mgr.mover.move(rows[:1], Tier.DRAM).all()
+    for k in (11, 12, 13):
+        v = mgr.commit(a, mgr.allocate(a, lid, 1, tier=Tier.DRAM), keys=[k])
+        mgr.free(a, v)
+        mgr.acquire(reader, v, up_to=Tier.DRAM)
+    clock.advance(1)
+    idle = mgr.commit(a, mgr.allocate(a, lid, 4), keys=[100, 101, 102, 103])
+    mgr.free(a, idle)
+    clock.advance(1)
+    assert mgr.acquire(reader, chain) is not None
+    assert len(mgr.lookup([100, 101, 102, 103], lid)) == 4 and mgr.placement.stats.evicted == 0
     mgr.check_invariants()
 
 

@@ -244,16 +244,20 @@ def test_a_clients_own_reservation_and_other_block_sizes_do_not_hold_its_allocat
     mgr.check_invariants()
 
 
-def test_a_named_running_request_grows_and_a_named_new_one_queues(make_manager):
-    """A request whose blocks are all committed (referenced, resident: between decode blocks) is
-    running too; one the client names anew queues behind the reservation."""
+def test_a_running_request_grows_whatever_its_blocks_request_ids_and_an_idle_client_queues(make_manager):
+    """A request whose blocks are all committed (referenced, resident: between decode blocks), or
+    are another request's (deduplicated, found cached), is running: it grows past the waiting
+    reservation (the review of 6dea78d: tied to the blocks' request ids it was held until the TTL).
+    A client that references nothing has nothing running: its new request queues."""
     mgr = make_manager(hbm_blocks=8, admission=settings())
-    a, b = mgr.attach("a"), mgr.attach("b")
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
     lid = mgr.register_layout(SMALL)
-    mgr.commit(a, mgr.allocate(a, lid, 5, request=1), keys=[1, 2, 3, 4, 5])  # running, all committed
+    shared = mgr.commit(c, mgr.allocate(c, lid, 3, request=9), keys=[1, 2, 3])
+    mgr.free(c, shared)
+    mgr.add_ref(a, shared)  # a's request 1 found this prefix cached (written by c's request 9)
     assert mgr.reserve(b, lid, tokens=16 * 6).outcome is Outcome.DEFERRED
     assert mgr.allocate(a, lid, 1, request=1) is not None
-    assert mgr.allocate(a, lid, 1, request=2) is None and "waiting" in mgr.allocate_refusal
+    assert mgr.allocate(c, lid, 1, request=10) is None and "waiting" in mgr.allocate_refusal
 
 
 def test_an_acquire_without_a_priority_may_still_take_running_requests_room(make_manager, clock):
