@@ -192,7 +192,8 @@ class BlockManager:
                 # growing a running request: held back, that request could never finish and free
                 # the room a waiting reservation may be waiting for (the request id cannot tell:
                 # a request's blocks may be another request's, deduplicated or found cached).
-                held = self.admission.held_for_queue(priority, client, self.table.layout(layout_id).block_bytes)
+                ahead = self.admission.ahead_of(priority, client, self.table.layout(layout_id).block_bytes)
+                held = sum(r.blocks * slot for r in ahead)
         kw = dict(tier=tier, request=request, priority=priority)
         size = self.table.layout(layout_id).block_bytes
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
@@ -205,8 +206,7 @@ class BlockManager:
                 need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
             self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
-                waiting = sum(1 for r in self.admission.deferred if r.priority >= priority)
-                self.allocate_refusal = (f"HBM is held for {waiting} reservation(s) waiting at priority {priority} "
+                self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "
                                          f"or above ({held} bytes): they are served first; reserve and wait")
                 return None
             vids = self.table.allocate(client, layout_id, n, **kw)

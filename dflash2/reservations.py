@@ -13,7 +13,7 @@ which go first); a higher-priority reservation may also demote the blocks of run
 requests (preemption). Pinned blocks never move. On a node whose HBM is its last tier, making room
 drops idle blocks only: a referenced block is never dropped.
 
-The queue holds room against `allocate` too (`held_for_queue`): an allocation outside any
+The queue holds room against `allocate` too (`ahead_of`): an allocation outside any
 reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
 stream of small allocations cannot pass a deferred reservation until it expires (a client that
 references blocks may be growing a running request and is not held back: that request could never
@@ -333,14 +333,13 @@ class Admission:
         elif res in self.deferred:
             self.deferred.remove(res)
 
-    def held_for_queue(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> int:
-        """HBM bytes the reservations waiting at `priority` or above still need: an allocation
-        outside any reservation leaves them that room (they are ahead of it). Not `client`'s own
-        (they wait for its own allocation anyway), and only those of `block_bytes` when given
-        (slots of another size are no room for them)."""
-        return sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM)
-                   for r in self.deferred if r.priority >= priority and r.client != client
-                   and (block_bytes is None or self.table.layout(r.layout_id).block_bytes == block_bytes))
+    def ahead_of(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> list:
+        """The reservations waiting at `priority` or above, which an allocation outside any
+        reservation leaves their room to: not `client`'s own (they wait for its own allocation
+        anyway), and only those of `block_bytes` when given (slots of another size are no room
+        for them)."""
+        return [r for r in self.deferred if r.priority >= priority and r.client != client
+                and (block_bytes is None or self.table.layout(r.layout_id).block_bytes == block_bytes)]
 
     def check_share(self, client: int, need: int) -> None:
         """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
