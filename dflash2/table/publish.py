@@ -24,9 +24,9 @@ class Publishing:
                parent: int | None = None) -> np.ndarray:
         """WRITING → RESIDENT: the bytes are final. With content keys the blocks are published (any
         client can find them by key) and chained: block i's parent is block i-1, the first one's is
-        `parent` (a published block's vid). A key that is already cached deduplicates: the client's
-        new block is freed and it gets a reference to the cached one instead. Returns the vids the
-        client holds now, in order."""
+        `parent` (a published block's vid). A key that is already cached deduplicates: the client
+        gets a reference to the cached block instead, and its copy is freed (or kept until released,
+        when it is pinned: `_adopt_duplicate`). Returns the vids the client holds now, in order."""
         rows = self._owned_rows(client_id, vids)
         no_repeats(rows, "commit")
         c = self.cols
