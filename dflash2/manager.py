@@ -183,6 +183,7 @@ class BlockManager:
         # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
         self._refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
         slot = self.table.slot_bytes(layout_id, tier)
+        size = self.table.layout(layout_id).block_bytes
         held = 0
         if tier == Tier.HBM:
             self.admission.check_share(client, n * slot)
@@ -192,10 +193,9 @@ class BlockManager:
                 # growing a running request: held back, that request could never finish and free
                 # the room a waiting reservation may be waiting for (the request id cannot tell:
                 # a request's blocks may be another request's, deduplicated or found cached).
-                ahead = self.admission.ahead_of(priority, client, self.table.layout(layout_id).block_bytes)
+                ahead = self.admission.ahead_of(priority, client, size)
                 held = sum(r.blocks * slot for r in ahead)
         kw = dict(tier=tier, request=request, priority=priority)
-        size = self.table.layout(layout_id).block_bytes
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
         if vids is None:
             need = n * slot + held

@@ -96,19 +96,17 @@ class Mover:
         if not ok.all():
             failed = move.rows[~ok]
             vids = self.table.vids(failed)
-            offsets = self.table.cols.offset[failed]
+            which = (f"block {int(vids[0]):#x} at offset {int(self.table.cols.offset[failed[0]])}"
+                     + ("" if len(failed) == 1 else f", and {len(failed) - 1} more"))
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
-                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (block %#x at "
-                            "offset %d of the NVMe file%s): dropped from the cache, a miss each, never wrong "
-                            "data; many of these mean the disk under memory.nvme_path is failing",
-                            len(failed), len(move.rows), int(vids[0]), int(offsets[0]),
-                            "" if len(failed) == 1 else f", and {len(failed) - 1} more")
+                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s of the NVMe "
+                            "file): dropped from the cache, a miss each, never wrong data; many of these mean "
+                            "the disk under memory.nvme_path is failing", len(failed), len(move.rows), which)
             else:
-                log.warning("%d of %d blocks failed to move %s->%s (block %#x at offset %d%s): they stay where they were",
-                            len(failed), len(move.rows), move.src.label, move.dst.label, int(vids[0]), int(offsets[0]),
-                            "" if len(failed) == 1 else f", and {len(failed) - 1} more")
+                log.warning("%d of %d blocks failed to move %s->%s (%s): they stay where they were",
+                            len(failed), len(move.rows), move.src.label, move.dst.label, which)
         # Sized before end_move, which frees a block whose last reference went mid-move.
         arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)

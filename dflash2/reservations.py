@@ -132,10 +132,9 @@ class Admission:
         if blocks > fit:
             return self._reject(f"needs {need} bytes of HBM ({blocks} blocks); the HBM tier holds {hbm} "
                                 f"bytes, {fit} blocks of this layout")
-        held = self._client_hbm_bytes(client) if self.settings.max_client_share < 1.0 else 0
-        if held + need > self.settings.max_client_share * hbm:
-            return self._reject(f"client would hold {held + need} bytes of HBM, over its share "
-                                f"{self.settings.max_client_share} of {hbm}")
+        over = self._over_share(client, need)
+        if over:
+            return self._reject(over)
         expires = now + self.settings.reservation_ttl_s
         if deadline is not None:
             expires = min(expires, deadline)  # the operator's TTL bounds what a client may hold
@@ -344,13 +343,19 @@ class Admission:
     def check_share(self, client: int, need: int) -> None:
         """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
         more bytes (an `allocate` outside any reservation: reserve refuses the same as REJECTED)."""
+        over = self._over_share(client, need)
+        if over:
+            raise QuotaExceeded(f"{over} (admission.max_client_share)")
+
+    def _over_share(self, client: int, need: int) -> str:
+        """Why `need` more bytes would take the client past its share of HBM, or "" when they would not."""
         if self.settings.max_client_share >= 1.0:
-            return
+            return ""
         hbm = self.table.allocators[Tier.HBM].capacity_bytes
         held = self._client_hbm_bytes(client)
-        if held + need > self.settings.max_client_share * hbm:
-            raise QuotaExceeded(f"client would hold {held + need} bytes of HBM, over its share "
-                                f"{self.settings.max_client_share} of {hbm} (admission.max_client_share)")
+        if held + need <= self.settings.max_client_share * hbm:
+            return ""
+        return f"client would hold {held + need} bytes of HBM, over its share {self.settings.max_client_share} of {hbm}"
 
     def _client_hbm_bytes(self, client: int) -> int:
         """HBM bytes the client holds or has asked for: the blocks it references there (its private
