@@ -65,15 +65,17 @@ class Server:
         sock = self._sock
         sock.setsockopt(zmq.RCVTIMEO, max(1, min(200, int(self.tick_interval_s * 1000))))
         next_tick = time.monotonic()
-        # When the request queue was last seen empty: every message sent before then has been
-        # answered, so a lease is judged as of then (a heartbeat still queued is not yet seen).
-        caught_up = next_tick
+        # Nothing could be answered before the loop ran: leases are judged as of its start until
+        # the queue is first seen empty (a heartbeat queued before then lapses nobody).
+        self.service.queue_empty()
         while not self._stop.is_set():
             try:
                 frames = sock.recv_multipart(copy=True)
             except zmq.Again:
                 frames = None
-                caught_up = time.monotonic()
+                # Every message sent before now is answered: leases are judged as of then (a
+                # heartbeat still queued is not yet seen).
+                self.service.queue_empty()
             if frames is not None:
                 self._answer(frames)
             now = time.monotonic()
@@ -90,13 +92,13 @@ class Server:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
-                        caught_up = time.monotonic()
+                        self.service.queue_empty()
                         break
                     self._answer(frames)
                     if time.monotonic() >= budget:
                         break
                 started = time.monotonic()
-                self._tick(late_s=started - next_tick, behind_s=started - caught_up)
+                self._tick(late_s=started - next_tick)
                 self._last_tick_s = time.monotonic() - started
                 next_tick = time.monotonic() + self.tick_interval_s
             lost = self.service.fatal()
@@ -112,13 +114,13 @@ class Server:
             log.warning("dropped a reply: the client's queue is full")
         self.service.after_reply()
 
-    def _tick(self, late_s: float = 0.0, behind_s: float = 0.0) -> None:
-        """The background step, `late_s` after it was due; the request queue was last seen empty
-        `behind_s` ago (leases are judged as of then)."""
+    def _tick(self, late_s: float = 0.0) -> None:
+        """The background step, `late_s` after it was due (leases are judged as of the last time
+        the request queue was seen empty: `Service.queue_empty`)."""
         started = time.perf_counter()
-        self.service.note_tick(late_s, behind_s)
+        self.service.note_tick(late_s)
         # Each step on its own: one that fails must not stop the others from running.
-        for step in (lambda: self.service.expire_leases(behind_s), *(m.tick for m in self.service.managers.values())):
+        for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
             try:
                 step()
             except Exception:

@@ -61,6 +61,10 @@ class Service:
         # and how far behind the request queue was then (the server notes each run).
         self._late: collections.deque[float] = collections.deque(maxlen=64)
         self._behind_s = 0.0
+        # When the server last saw its request queue empty (this service's clock; None without a
+        # server), and the longest call answered since: what leases are judged by (expire_leases).
+        self._caught_up: float | None = None
+        self._longest_call_s = 0.0
         self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
         self.history = None  # a dflash2.history.History when history_enabled
         self._handlers: dict[Op, Callable[[Request], tuple[dict, list[bytes]]]] = {
@@ -98,7 +102,7 @@ class Service:
         return P.encode_reply(self.handle(req))
 
     def handle(self, req: Request) -> Reply:
-        started = time.perf_counter()
+        started, began = time.perf_counter(), self.clock()
         try:
             if req.op in P.NEEDS_CLIENT:
                 session = self._touch(req.client, req.token)
@@ -122,6 +126,7 @@ class Service:
             # large promotion) must not let its own client's lease lapse while it waited.
             self.sessions[req.client].last_seen = self.clock()
         elapsed = time.perf_counter() - started
+        self._longest_call_s = max(self._longest_call_s, self.clock() - began)
         stat = self.latency.setdefault(req.op.value, [0, 0.0])
         stat[0] += 1
         stat[1] += elapsed
@@ -134,19 +139,37 @@ class Service:
         for m in self.managers.values():
             m.run_prefetch()
 
-    def note_tick(self, late_s: float, behind_s: float) -> None:
-        """The background step ran `late_s` after it was due, with the queue last empty `behind_s` ago."""
-        self._late.append(max(0.0, late_s))
-        self._behind_s = max(0.0, behind_s)
+    def queue_empty(self) -> None:
+        """The server found its request queue empty: every message sent before now is answered."""
+        self._caught_up = self.clock()
+        self._longest_call_s = 0.0
 
-    def expire_leases(self, behind_s: float = 0.0) -> list[int]:
+    def queue_behind_s(self) -> float:
+        """How long ago the request queue was last seen empty (0 without a server)."""
+        return 0.0 if self._caught_up is None else max(0.0, self.clock() - self._caught_up)
+
+    def note_tick(self, late_s: float) -> None:
+        """The background step ran `late_s` after it was due (and the queue as far behind as it is now)."""
+        self._late.append(max(0.0, late_s))
+        self._behind_s = self.queue_behind_s()
+
+    def expire_leases(self, behind_s: float | None = None, longest_call_s: float | None = None) -> list[int]:
         """Detach clients whose lease lapsed or whose process is gone. Returns their ids.
-        `behind_s`: how long ago the request queue was last empty. Every message sent before then
-        has been answered, so a lease is judged as of then: a heartbeat still queued behind a
-        busy loop never lapses a live client's lease (the queue's backlog delays expiry instead)."""
-        # The credit is at most one lease: a backlog that never empties (a client pipelining calls)
-        # delays expiry by a lease at most, instead of stopping it.
-        now = self.clock() - min(max(0.0, behind_s), self.lease_timeout_s)
+        `behind_s`: how long ago the request queue was last empty; `longest_call_s`: the longest
+        call answered since (both default to what the server last reported: `queue_empty`).
+        Every message sent before the queue was last empty has been answered, so a lease is judged
+        as of then: a heartbeat still queued behind a busy loop never lapses a live client's lease
+        (the queue's backlog delays expiry instead)."""
+        if behind_s is None:
+            behind_s = self.queue_behind_s()
+        if longest_call_s is None:
+            longest_call_s = self._longest_call_s
+        # The credit is at most one lease past the longest call: a backlog that never empties (a
+        # client pipelining calls) delays expiry by a lease at most instead of stopping it, and a
+        # call longer than the lease (a large promotion from NVMe), which held every heartbeat
+        # queued meanwhile, lapses nobody.
+        credit = min(max(0.0, behind_s), self.lease_timeout_s + max(0.0, longest_call_s))
+        now = self.clock() - credit
         gone = [s for s in self.sessions.values()
                 if now - s.last_seen > self.lease_timeout_s
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]

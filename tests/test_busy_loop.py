@@ -73,10 +73,13 @@ class _Recorder:
     def after_reply(self):
         pass
 
-    def note_tick(self, late_s, behind_s):
+    def queue_empty(self):
         pass
 
-    def expire_leases(self, behind_s=0.0):
+    def note_tick(self, late_s):
+        pass
+
+    def expire_leases(self):
         self.events.append("tick")
 
     def fatal(self):
@@ -153,8 +156,8 @@ def test_a_backlog_that_never_empties_delays_expiry_by_a_lease_at_most(make_mana
 
 
 class _SlowStep(_Recorder):
-    def expire_leases(self, behind_s=0.0):
-        super().expire_leases(behind_s)
+    def expire_leases(self):
+        super().expire_leases()
         time.sleep(0.05)
 
 

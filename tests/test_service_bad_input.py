@@ -143,13 +143,17 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     assert call(service, Op.CHECK).ok
 
 
-def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path):
+def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, monkeypatch):
     """A call that runs past the lease (a large promotion from NVMe): neither its own client nor one
     whose heartbeat queued up meanwhile may lapse. The clock is the service's fake one; the long call
-    advances it and holds the server until the other client's heartbeat is waiting on its socket."""
+    advances it and holds the server until the other client's heartbeat is waiting on its socket.
+    The long call is read by the drain before a due step, whose time budget it overruns, so the step
+    runs with the heartbeat still queued (a lease credit capped at one lease lapsed that client)."""
+    from dflash2.daemon import server as server_mod
     from dflash2.daemon.server import Server
 
-    server = Server(service, f"ipc://{tmp_path}/d.sock", tick_interval_s=0.001)
+    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0)
+    server = Server(service, f"ipc://{tmp_path}/d.sock", tick_interval_s=1e-6)
     slow, waiting = attach(service, "slow", pid=1), attach(service, "waiting", pid=2)
     plain = service._handlers[Op.LOOKUP]
 
@@ -159,26 +163,42 @@ def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path):
         return plain(req)
 
     service._handlers[Op.LOOKUP] = long_call
+    # One peer queues a ping and then the long call before the loop starts (one pipe: in that
+    # order): the loop's first receive answers the ping, the drain before the due step the call.
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(server.endpoint)
+    peer.send_multipart(P.encode_request(Op.PING, 1, None, {}))
+    peer.send_multipart(P.encode_request(Op.LOOKUP, 2, slow, {}, [b""], token=token_of(service, slow)))
+    time.sleep(0.2)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    a, b = Transport(server.endpoint, timeout_s=10.0), Transport(server.endpoint, timeout_s=10.0)
-    a.token, b.token = token_of(service, slow), token_of(service, waiting)
+    b = Transport(server.endpoint, timeout_s=10.0)
+    b.token = token_of(service, waiting)
     try:
-        first = threading.Thread(target=lambda: a.call(Op.LOOKUP, slow, {}, [b""]))
-        first.start()
-        while service.counters["requests"] < 3:  # two attaches, then the long call has begun
+        thread.start()
+        while service.counters["requests"] < 4:  # two attaches, the ping, then the long call has begun
             time.sleep(0.001)
         assert b.call(Op.HEARTBEAT, waiting).ok
-        first.join()
+        replies = [P.decode_reply(peer.recv_multipart()) for _ in range(2) if peer.poll(10_000)]
+        assert [r.ok for r in replies] == [True, True]
         server.stop()
         thread.join()
     finally:
         server.stop()
-        a.close()
         b.close()
+        peer.close(0)
+        ctx.term()
         server.close()
     assert service.counters["leases_expired"] == 0
     assert set(service.sessions) == {slow, waiting}
+
+
+def test_a_lease_credit_covers_the_longest_call_and_one_lease_more(service, clock):
+    quiet = attach(service, "quiet", pid=1)
+    clock.advance(45.0)  # lease 10 s: silent for 45 s, the queue last empty 45 s ago
+    assert service.expire_leases(behind_s=45.0, longest_call_s=40.0) == []  # held up by a 40 s call
+    # A 20 s call: judged as of 30 s ago (the call and a lease), silent 15 s before then.
+    assert service.expire_leases(behind_s=45.0, longest_call_s=20.0) == [quiet]
 
 
 def test_transport_drops_late_replies_after_a_timeout(tmp_path):
