@@ -70,6 +70,12 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         found = table.keys.lookup(c.key[published])
         if (found != published).any():
             problems.append("a published block is not found by its own key")
+    # A published block nobody holds carries its writer's priority (what holders raised it to lapsed).
+    unheld = published[(c.refs[published] == 0) & (c.pins[published] == 0)]
+    raised = unheld[c.priority[unheld] != c.base_priority[unheld]]
+    if len(raised):
+        problems.append(f"published block row {int(raised[0])} is held by nobody but keeps priority "
+                        f"{int(c.priority[raised[0]])} (its writer's is {int(c.base_priority[raised[0]])})")
     # kids[t, p] equals the number of children of p in tier t.
     kids = np.zeros_like(c.kids)
     linked = live[c.parent[live] != NO_ROW]

@@ -75,9 +75,9 @@ class TableMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.clients)
     @rule(ci=st.integers(0, 7), li=st.integers(0, 3), n=st.integers(0, 4),
-          tier=st.sampled_from([Tier.HBM, Tier.DRAM]), reserved=st.booleans())
-    def allocate(self, ci, li, n, tier, reserved):
-        self.t.allocate(self._client(ci), self.lids[li], n, tier=tier,
+          tier=st.sampled_from([Tier.HBM, Tier.DRAM]), reserved=st.booleans(), prio=st.integers(0, 3))
+    def allocate(self, ci, li, n, tier, reserved, prio):
+        self.t.allocate(self._client(ci), self.lids[li], n, tier=tier, priority=prio,
                         state=S.RESERVED if reserved else S.WRITING)
 
     @precondition(lambda self: len(self._live(S.RESERVED)))
@@ -139,8 +139,8 @@ class TableMachine(RuleBasedStateMachine):
             assert self.t.cols.pins[r] > 0
 
     @precondition(lambda self: self.clients and len(self._live()))
-    @rule(ci=st.integers(0, 7), i=st.integers(0, 99), pin=st.booleans())
-    def reference_or_pin(self, ci, i, pin):
+    @rule(ci=st.integers(0, 7), i=st.integers(0, 99), pin=st.booleans(), prio=st.none() | st.integers(0, 7))
+    def reference_or_pin(self, ci, i, pin, prio):
         c = self._client(ci)
         r = self._pick(self._live(), i)
         if pin and self.t.cols.state[r] == int(S.MIGRATING):
@@ -156,6 +156,9 @@ class TableMachine(RuleBasedStateMachine):
             return
         except Exception as e:  # a RESERVED block: its reservation's alone
             assert self.t.cols.state[r] == int(S.RESERVED), e
+            return
+        if prio is not None:  # a request of that priority holds it now (lapses when nobody does)
+            self.t.raise_priority(np.array([r]), prio)
 
     @precondition(lambda self: any(self.t.clients[c].pins for c in self.clients))
     @rule(ci=st.integers(0, 7), i=st.integers(0, 99))

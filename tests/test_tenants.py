@@ -319,3 +319,35 @@ def test_pinning_a_shared_prefix_does_not_count_toward_the_share(make_manager):
     prefix = cached(mgr, writer, lid, [1, 2, 3, 4])
     mgr.acquire(a, prefix)  # reads the shared prefix: half of HBM
     assert mgr.allocate(a, lid, 1) is not None
+
+
+def test_a_raised_priority_lapses_when_its_request_lets_go(make_manager, clock):
+    """A priority-5 request shares a prefix written at priority 0, then finishes; a priority-0
+    request uses the prefix next: a priority-1 reservation may preempt it as it may any priority-0
+    request's blocks (the prefix kept priority 5 for as long as it stayed cached). A reader's pin
+    with a priority lapses alike at its release."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings(preemption=True))
+    writer, high, low, other = (mgr.attach(n) for n in ("writer", "high", "low", "other"))
+    lid = mgr.register_layout(SMALL)
+    prefix = cached(mgr, writer, lid, [1, 2, 3, 4], priority=0)
+    rows = mgr.table.rows(prefix)
+    mgr.add_ref(high, prefix, priority=5)
+    assert mgr.table.cols.priority[rows].tolist() == [5] * 4
+    mgr.free(high, prefix)
+    assert mgr.table.cols.priority[rows].tolist() == [0] * 4
+    assert mgr.acquire(high, prefix, priority=7) is not None
+    assert mgr.table.cols.priority[rows].tolist() == [7] * 4
+    mgr.release(high, prefix)
+    assert mgr.table.cols.priority[rows].tolist() == [0] * 4
+    reader = mgr.attach("reader")  # a reader that detaches holding its pins, and references
+    mgr.add_ref(reader, prefix[:2], priority=6)
+    assert mgr.acquire(reader, prefix, priority=6) is not None
+    mgr.detach(reader)
+    assert mgr.table.cols.priority[rows].tolist() == [0] * 4
+    mgr.check_invariants()
+    mgr.add_ref(low, prefix, priority=0)
+    own = mgr.commit(low, mgr.allocate(low, lid, 4, priority=0), keys=[5, 6, 7, 8], parent=int(prefix[-1]))
+    assert set(tiers(mgr, [*prefix, *own])) == {"hbm"}
+    assert mgr.reserve(other, lid, tokens=16 * 8, priority=1).outcome is Outcome.GRANTED
+    assert set(tiers(mgr, [*prefix, *own])) == {"dram"}
+    mgr.check_invariants()

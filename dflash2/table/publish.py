@@ -91,6 +91,7 @@ class Publishing:
         holder = self.clients[client_id]
         c = self.cols
         c.priority[existing] = max(c.priority[existing], c.priority[row])  # its writer's request uses it now
+        c.base_priority[existing] = max(c.base_priority[existing], c.base_priority[row])  # written by both
         refs = holder.refs.get(row, 0)
         if holder.pins.get(row, 0):
             c.state[row] = S.RESIDENT  # final bytes, never to be committed again

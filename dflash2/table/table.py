@@ -11,6 +11,8 @@ Invariants (checked by `check_invariants`, relied on everywhere):
 - each tier allocator's used bytes equal the slots of the rows in that tier plus in-flight moves'
   destination slots;
 - refs and pins equal the sums of the per-client counts; a pinned block never changes tier or state;
+- a published block that nobody references or pins carries its writer's priority (base_priority):
+  what the requests that held it raised it to lasts only while one of them holds it;
 - kids[t, p] counts the published children of p that lie in tier t: descendants leave a tier before
   their ancestors, so a block with children in its own tier or a faster one is never demoted, and a
   block with any cached child is never evicted;
@@ -187,6 +189,7 @@ class BlockTable(Publishing):
         c.owner[rows] = client_id
         c.request[rows] = request
         c.priority[rows] = priority
+        c.base_priority[rows] = priority
         c.stage[rows] = stage
         c.refs[rows] = 1
         c.last_access[rows] = self.clock()
@@ -211,10 +214,18 @@ class BlockTable(Publishing):
         holder.refs.update(rows.tolist())
 
     def raise_priority(self, rows: np.ndarray, priority: int) -> None:
-        """Blocks used by a request of `priority` carry at least it. It is not lowered when that
-        request lets go: an idle block's priority guards nothing (room is made from idle blocks
-        whatever their priority), and only the heat policy's ranking still reads it."""
+        """Blocks used by a request of `priority` carry at least it, until nobody references or
+        pins them (`_settle_priority`). While several requests hold a block it keeps the highest
+        priority any of them raised it to: the table counts holders per client, not per request."""
         np.maximum.at(self.cols.priority, rows, np.int8(max(-128, min(127, int(priority)))))
+
+    def _settle_priority(self, rows) -> None:
+        """Published blocks among `rows` that nobody references or pins go back to their writer's
+        priority: a request that raised it no longer holds them."""
+        c = self.cols
+        r = np.asarray(rows, dtype=np.int64)
+        idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
+        c.priority[idle] = c.base_priority[idle]
 
     def free(self, client_id: int, vids) -> int:
         """Drop one reference of this client per block. A private block whose last reference goes is
@@ -241,6 +252,7 @@ class BlockTable(Publishing):
             c.refs[r] -= 1
             if c.refs[r] == 0 and c.key[r] == 0:
                 freeing.append(r)
+        self._settle_priority(rows)
         if freeing:
             f = np.array(freeing, dtype=np.int64)
             # A block in flight is freed when its move completes (end_move), never under the mover.
@@ -288,6 +300,7 @@ class BlockTable(Publishing):
         pins.subtract(counts)
         for r in [r for r in counts if not pins[r]]:
             del pins[r]
+        self._settle_priority(list(counts))
         self._free_unheld(counts)
 
     def _free_unheld(self, rows) -> None:
@@ -536,6 +549,7 @@ class BlockTable(Publishing):
         holder.pins.clear()
         refs = np.array(list(holder.refs.elements()), dtype=np.int64)
         freed = self._drop_refs(holder, refs) if len(refs) else 0
+        self._settle_priority(unpinned)
         self._free_unheld(unpinned)
         del self.clients[client_id]
         return {"unpinned": len(pinned), "dereferenced": len(refs), "freed": freed}
