@@ -112,6 +112,10 @@ class Admission:
         self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0, "released": 0}
         self.wait_seconds_total = 0.0
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
+        # The deferred decisions' movable HBM bytes, per (priority preempted below, block size): a
+        # scan of the whole table (tens of ms at a million blocks), so the polls of waiting clients
+        # read the figure of the last background step, which clears it (`tick`).
+        self._movable_memo: dict[tuple[int | None, int], int] = {}
 
     # -- public ----------------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
@@ -188,6 +192,7 @@ class Admission:
     def tick(self) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
         Returns the ids granted now."""
+        self._movable_memo.clear()
         now = self._advance()
         for res in [r for r in self.granted.values() if r.expires <= now]:
             self._drop(res)
@@ -300,16 +305,19 @@ class Admission:
         and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
         counting only slots its blocks can use (of its block size). With no tier below HBM, making
         room drops blocks, and only idle published ones may be dropped: a running request's are not
-        movable there, whatever their priority."""
+        movable there, whatever their priority. As of the last background step (`_movable_memo`)."""
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
-        mask = hbm.movable(Tier.HBM, evict=last, idle_only=True)
-        if self.settings.preemption and not last:
-            mask |= hbm.movable(Tier.HBM, evict=False, below_priority=res.priority)
+        preempts = self.settings.preemption and not last
         size = self.table.layout(res.layout_id).block_bytes
-        same = [lid for lid, lay in enumerate(self.table.layouts) if lay.block_bytes == size]
-        n = int(np.isin(self.table.cols.layout[mask], same).sum())
-        return n * self.table.slot_bytes(res.layout_id, Tier.HBM)
+        memo = (res.priority if preempts else None, size)
+        if memo not in self._movable_memo:
+            mask = hbm.movable(Tier.HBM, evict=last, idle_only=True)
+            if preempts:
+                mask |= hbm.movable(Tier.HBM, evict=False, below_priority=res.priority)
+            same = [lid for lid, lay in enumerate(self.table.layouts) if lay.block_bytes == size]
+            self._movable_memo[memo] = int(np.isin(self.table.cols.layout[mask], same).sum())
+        return self._movable_memo[memo] * self.table.slot_bytes(res.layout_id, Tier.HBM)
 
     def _reject(self, reason: str) -> Decision:
         self.counters["rejected"] += 1

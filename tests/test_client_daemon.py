@@ -40,6 +40,8 @@ def run_child(script: str, *args, timeout=30) -> dict:
 
 READER = """
     import json, sys
+    import torch  # before attaching: loading it holds the GIL, and on a loaded machine that starved
+                  # the heartbeat thread past this module's 1 s lease (views import it on first use)
     from dflash2.client import Client
     from dflash2.layout import Layout
     endpoint, layout, keys = sys.argv[1], Layout.from_dict(json.loads(sys.argv[2])), json.loads(sys.argv[3])

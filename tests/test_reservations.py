@@ -177,3 +177,28 @@ def test_a_decision_on_the_wire_carries_every_field():
     assert set(wire) == {f.name for f in dataclasses.fields(Decision)}
     assert wire == {"outcome": "deferred", "reservation_id": 7, "reason": "HBM is full", "position": 2,
                     "est_wait_s": 0.5}
+
+
+def test_polls_of_a_deferred_reservation_scan_the_table_once_per_background_step(make_manager, monkeypatch):
+    """Counting the blocks that could move scans the whole table (tens of ms at a million blocks):
+    a client polling its deferred reservation reads the count of the last step, not a new scan per
+    poll, and the next step counts again (and sees what changed)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.allocate(a, lid, 4)
+    mgr.commit(a, held[:2], keys=[1, 2])  # published, still referenced
+    scans = []
+    movable = mgr.placement.movable
+    monkeypatch.setattr(mgr.placement, "movable", lambda *args, **kw: scans.append(1) or movable(*args, **kw))
+    d = mgr.reserve(b, lid, tokens=32)
+    assert d.est_wait_s is None
+    first = len(scans)
+    assert first > 0
+    for _ in range(10):
+        assert mgr.admission.status(d.reservation_id).est_wait_s is None
+    assert len(scans) == first
+    mgr.table.free(a, held[:2])  # idle now, behind the manager's back: no step has run
+    assert mgr.admission.status(d.reservation_id).est_wait_s is None  # the last step's count
+    mgr.admission.tick()
+    assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
