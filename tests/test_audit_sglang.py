@@ -180,3 +180,22 @@ def test_a_later_chunk_that_fails_keeps_the_pages_already_stored_and_read(config
         assert backend._load(backend.client, keys, read(proc)) == [True, True, False, False]
     finally:
         proc.stop()
+
+
+def test_pages_whose_parent_was_evicted_meanwhile_are_stored_unlinked_and_counted(daemon, backends, caplog,
+                                                                                  monkeypatch):
+    """The parent found for a batch is gone by its commit (evicted in between: here a block freed
+    before): the pages are stored without the link, and the fallback is logged and counted."""
+    pool = host_pool()
+    backend = make_backend(daemon[0], pool)
+    backends.append(backend)
+    client = backend.client
+    gone = client.allocate(backend.layout_id, 1, tier=backend.tier)["vid"]
+    client.free(gone)
+    monkeypatch.setattr(backend, "_prefix_parent", lambda client, extra_info: int(gone[0]))
+    fill(pool, [1, 2], seed=5)
+    with caplog.at_level(logging.INFO, logger="dflash2.sglang"):
+        assert backend.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert backend.counters["commits_unlinked"] == 1
+    assert "2 pages committed without their parent link" in caplog.text
+    assert backend.batch_exists(KEYS[:2]) == 2

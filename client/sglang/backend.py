@@ -70,7 +70,7 @@ class DFlash2Storage(HiCacheStorage):
         self._reattach = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
-                         "failed_calls": 0}
+                         "failed_calls": 0, "commits_unlinked": 0}
         try:
             self.client = self._attach()
         except DFlash2Error as e:
@@ -262,13 +262,14 @@ class DFlash2Storage(HiCacheStorage):
         found = client.lookup(self.keys.keys(prefix[-1:]), self.layout_id, tier=self.tier, probe=True)
         return int(found["vid"][0]) if len(found) else None
 
-    @staticmethod
-    def _commit(client: Client, vids, ckeys, parent: int | None) -> np.ndarray:
+    def _commit(self, client: Client, vids, ckeys, parent: int | None) -> np.ndarray:
         if parent is not None:
             try:
                 return client.commit(vids, ckeys, parent)
             except DaemonError as e:  # the parent was evicted meanwhile: publish without the link
-                log.debug("dflash2: pages committed without their parent link (%s)", e)
+                self.counters["commits_unlinked"] += 1
+                log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
+                         "know they extend that prefix", len(vids), e)
         return client.commit(vids, ckeys)
 
     def _load(self, client: Client, page_keys: Sequence[str], read: Callable[[int, Any], None]) -> List[bool]:
