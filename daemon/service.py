@@ -334,7 +334,7 @@ class Service:
         d = m.admission.status(rid)
         # Only its own client may see a reservation, granted or still waiting in the queue (as
         # with take and cancel): a wrong id must not silently report another client's place.
-        res = m.admission.granted.get(rid) or next((r for r in m.admission.deferred if r.id == rid), None)
+        res = m.admission.find(rid)
         if res is not None and res.client != req.client:
             raise NotOwner(f"reservation {rid} belongs to another client")
         return d.to_dict(), []

@@ -129,6 +129,11 @@ class SlotAllocator:
         return sum(c.n_used * c.slot for c in self._classes.values())
 
     @property
+    def used_slots(self) -> int:
+        """Slots handed out, of every size."""
+        return sum(c.n_used for c in self._classes.values())
+
+    @property
     def free_bytes(self) -> int:
         """Bytes that could still be handed out: free pages plus free slots in claimed slabs."""
         return self._n_free_pages * self.page_bytes + sum(c.n_free * c.slot for c in self._classes.values())

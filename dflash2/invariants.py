@@ -27,15 +27,19 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     if (c.tier[free_rows] >= 0).any():
         problems.append("a free row still names a tier")
     # Tier usage adds up: allocator bytes == slots of the rows in each tier (+ moves in flight).
+    moving = any((in_flight_bytes or {}).values())
     for tier, alloc in table.allocators.items():
         here = live[c.tier[live] == int(tier)]
-        want = sum(table.slot_bytes(int(l), tier) for l in c.layout[here].tolist())
+        slots = np.array([table.slot_bytes(lid, tier) for lid in range(len(table.layouts))], dtype=np.int64)
+        want = int(np.bincount(c.layout[here], minlength=len(slots)) @ slots) if len(slots) else 0
         want += (in_flight_bytes or {}).get(tier, 0)
         if alloc.used_bytes != want:
             problems.append(f"{tier.label}: allocator says {alloc.used_bytes} bytes used, blocks hold {want}")
         offs = c.offset[here]
         if len(np.unique(offs)) != len(offs):
             problems.append(f"{tier.label}: two blocks share a slot")
+        if not moving and table.tier_blocks()[tier] != len(here):
+            problems.append(f"{tier.label}: tier_blocks says {table.tier_blocks()[tier]} blocks, {len(here)} lie there")
     # Refs and pins equal the per-client sums.
     refs, pins = Counter(), Counter()
     for holder in table.clients.values():

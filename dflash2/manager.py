@@ -129,12 +129,14 @@ class BlockManager:
 
     def detach(self, client: int) -> dict:
         """Release everything the client holds (also what a lapsed lease does)."""
-        self.table.client(client)
+        holder = self.table.client(client)
+        held = np.fromiter(set(holder.refs) | set(holder.pins), dtype=np.int64)
         self.read_cost.drop_client(client)
         self.prefetcher.drop(client)
         reservations = self.admission.remove_client(client)
         released = self.table.remove_client(client)
-        self._follow_up("granting waiting reservations after a detach", self.admission.tick)
+        idle = self._left_idle(held)
+        self._follow_up("granting waiting reservations after a detach", lambda: self.admission.tick(make_room=idle))
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:
@@ -226,10 +228,19 @@ class BlockManager:
         return out
 
     def free(self, client: int, vids) -> int:
-        self.table.refuse_reserved(self.table.rows(vids))  # only its reservation frees a RESERVED block
+        rows = self.table.rows(vids)
+        self.table.refuse_reserved(rows)  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
-        self._follow_up("granting waiting reservations after a free", self.admission.tick)
+        idle = self._left_idle(rows)
+        self._follow_up("granting waiting reservations after a free", lambda: self.admission.tick(make_room=idle))
         return n
+
+    def _left_idle(self, rows: np.ndarray) -> bool:
+        """Whether cached blocks among `rows` are idle now (a call let go of them): only then may
+        the queue make room again. The slots a call freed are room as they are, and room-making
+        after every free would scan the whole table for what the last attempt could not move."""
+        c = self.table.cols
+        return bool(((c.key[rows] != 0) & (c.refs[rows] == 0) & (c.pins[rows] == 0)).any())
 
     @staticmethod
     def _follow_up(what: str, step: Callable[[], object]) -> None:
@@ -379,12 +390,14 @@ class BlockManager:
             self.duel.run(self.duel.tick_budget_s)
         self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
+        self.admission.new_step()
         self.admission.tick()
         self.placement.rebalance()
         self.prefetcher.settle()
 
     def check_invariants(self) -> None:
         check_invariants(self.table)
+        self.admission.check_invariants()
 
     def stats(self) -> dict:
         tiers = {}

@@ -31,6 +31,7 @@ that only the bucket holds back is never left waiting on demand that has died do
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import itertools
@@ -41,6 +42,7 @@ import numpy as np
 
 from dflash2.alloc import blocks_that_fit
 from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
+from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -62,7 +64,7 @@ class AdmissionSettings:
     max_client_share: float = 1.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one reservation is itself only: the queue finds it by identity
 class Reservation:
     id: int
     client: int
@@ -72,6 +74,7 @@ class Reservation:
     expires: float
     request: int
     created: float
+    hbm_bytes: int = 0  # what its blocks take of HBM (slots of its layout)
     vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
     taken: int = 0
     granted: bool = False
@@ -102,6 +105,7 @@ class Admission:
         self.settings = settings
         self.granted: dict[int, Reservation] = {}
         self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
+        self._waiting: dict[int, Reservation] = {}  # the deferred ones by id
         self._ids = itertools.count(1)
         hbm = table.allocators[Tier.HBM].capacity_bytes
         self._bucket_cap = settings.burst_fraction * hbm
@@ -114,7 +118,7 @@ class Admission:
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
         # The deferred decisions' movable HBM bytes, per (priority preempted below, block size): a
         # scan of the whole table (tens of ms at a million blocks), so the polls of waiting clients
-        # read the figure of the last background step, which clears it (`tick`).
+        # read the figure of the last background step, which clears it (`new_step`).
         self._movable_memo: dict[tuple[int | None, int], int] = {}
 
     # -- public ----------------------------------------------------------------------------
@@ -144,7 +148,7 @@ class Admission:
             expires = min(expires, deadline)  # the operator's TTL bounds what a client may hold
         if expires <= now:
             return self._reject("deadline already passed")
-        res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now)
+        res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
@@ -163,10 +167,14 @@ class Admission:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
         if reservation_id in self.granted:
             return Decision(Outcome.GRANTED, reservation_id)
-        for res in self.deferred:
-            if res.id == reservation_id:
-                return self._deferred_decision(res)
-        raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+        res = self._waiting.get(reservation_id)
+        if res is None:
+            raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+        return self._deferred_decision(res)
+
+    def find(self, reservation_id: int) -> Reservation | None:
+        """A reservation granted or waiting, by id (None when unknown, expired or cancelled)."""
+        return self.granted.get(reservation_id) or self._waiting.get(reservation_id)
 
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         """Hand n of a granted reservation's blocks to its request (RESERVED → WRITING)."""
@@ -187,22 +195,31 @@ class Admission:
         res = self._owned(client, reservation_id)
         self._drop(res)
         self.counters["cancelled"] += 1
-        self.tick()
+        self.tick(make_room=False)  # its slots are free room: nothing to demote for that
 
-    def tick(self) -> list[int]:
-        """Expire what is due, then grant deferred reservations in order while they fit.
-        Returns the ids granted now."""
+    def new_step(self) -> None:
+        """The background step: which blocks could move is counted anew (`_movable_memo`)."""
         self._movable_memo.clear()
+
+    def tick(self, make_room: bool = True) -> list[int]:
+        """Expire what is due, then grant deferred reservations in order while they fit.
+        Returns the ids granted now. `make_room` False: grant only from room already free (after a
+        call that freed slots but left no block movable that was not before: making room again
+        would scan the whole table for what the last attempt could not move)."""
         now = self._advance()
         for res in [r for r in self.granted.values() if r.expires <= now]:
             self._drop(res)
             self.counters["expired"] += 1
-        for res in [r for r in self.deferred if r.expires <= now]:
-            self.deferred.remove(res)
-            self.counters["expired"] += 1
+        due = [r for r in self.deferred if r.expires <= now]
+        if due:
+            self.deferred = [r for r in self.deferred if r.expires > now]
+            for res in due:
+                del self._waiting[res.id]
+            self.counters["expired"] += len(due)
         granted = []
-        while self.deferred and self._try_grant(self.deferred[0]):
+        while self.deferred and self._try_grant(self.deferred[0], make_room):
             res = self.deferred.pop(0)
+            del self._waiting[res.id]
             self.wait_seconds_total += now - res.created
             if self.on_wait is not None:
                 self.on_wait(now - res.created)
@@ -245,15 +262,14 @@ class Admission:
         return max(self._rate, self._bucket_cap_now() / self.settings.smoothing_window_s)
 
     def _bucket_cap_now(self) -> float:
-        head = self.deferred[0].blocks * self.table.slot_bytes(self.deferred[0].layout_id, Tier.HBM) \
-            if self.deferred else 0
+        head = self.deferred[0].hbm_bytes if self.deferred else 0
         return max(self._bucket_cap, head)
 
-    def _try_grant(self, res: Reservation) -> bool:
-        need = res.blocks * self.table.slot_bytes(res.layout_id, Tier.HBM)
+    def _try_grant(self, res: Reservation, make_room: bool = True) -> bool:
+        need = res.hbm_bytes
         short = need - self._room(res)
         if short > 0:
-            if short > self._bucket:
+            if short > self._bucket or not make_room:
                 return False
             before = self._room(res)
             self._make_room(res, need)
@@ -282,12 +298,12 @@ class Admission:
             self.placement.make_room(Tier.HBM, need, below_priority=res.priority, block_bytes=size)
 
     def _enqueue(self, res: Reservation) -> None:
-        self.deferred.append(res)
-        self.deferred.sort(key=lambda r: (-r.priority, r.id))
+        bisect.insort(self.deferred, res, key=lambda r: (-r.priority, r.id))
+        self._waiting[res.id] = res
 
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos = self.deferred.index(res)
-        ahead = sum(r.blocks * self.table.slot_bytes(r.layout_id, Tier.HBM) for r in self.deferred[: pos + 1])
+        ahead = sum(r.hbm_bytes for r in self.deferred[: pos + 1])
         room = self._room(res)
         if ahead > room and ahead > room + self._movable_bytes(res):
             # Demoting cannot make the room: it waits on blocks that cannot move now, until their
@@ -319,12 +335,26 @@ class Admission:
             self._movable_memo[memo] = int(np.isin(self.table.cols.layout[mask], same).sum())
         return self._movable_memo[memo] * self.table.slot_bytes(res.layout_id, Tier.HBM)
 
+    def check_invariants(self) -> None:
+        """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is
+        both granted and waiting."""
+        order = [(-r.priority, r.id) for r in self.deferred]
+        problems = []
+        if order != sorted(order):
+            problems.append("the deferred queue is out of order")
+        if {r.id: r for r in self.deferred} != self._waiting:
+            problems.append("the deferred queue's index does not match the queue")
+        if self._waiting.keys() & self.granted.keys():
+            problems.append("a reservation is both granted and waiting")
+        if problems:
+            raise InvariantViolation("; ".join(problems))
+
     def _reject(self, reason: str) -> Decision:
         self.counters["rejected"] += 1
         return Decision(Outcome.REJECTED, None, reason)
 
     def _owned(self, client: int, reservation_id: int) -> Reservation:
-        res = self.granted.get(reservation_id) or next((r for r in self.deferred if r.id == reservation_id), None)
+        res = self.find(reservation_id)
         if res is None:
             raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
         if res.client != client:
@@ -337,7 +367,7 @@ class Admission:
             if res.vids and res.client in self.table.clients:
                 self.table.free(res.client, res.vids)  # RESERVED → FREE
             res.vids = []
-        elif res in self.deferred:
+        elif self._waiting.pop(res.id, None) is not None:
             self.deferred.remove(res)
 
     def ahead_of(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> list:
@@ -377,4 +407,4 @@ class Admission:
         rows = rows[c.tier[rows] == int(Tier.HBM)]
         slots = np.array([self.table.slot_bytes(l, Tier.HBM) for l in range(len(self.table.layouts))], dtype=np.int64)
         held = int(slots[c.layout[rows]].sum()) if len(rows) else 0
-        return held + sum(int(slots[r.layout_id]) * r.blocks for r in self.deferred if r.client == client)
+        return held + sum(r.hbm_bytes for r in self.deferred if r.client == client)

@@ -74,6 +74,30 @@ def test_scores_all_matches_scores_and_rescores_on_access():
     assert pol.scores_all(table, 0.0)[rows[0]] != before
 
 
+def test_with_a_background_step_a_calls_scores_are_not_rescored_while_the_step_is_due(monkeypatch):
+    """The step rescores every interval; a client's call in the window between the cache's expiry
+    and the step that is due must not pay for a full pass the step then repeats (tens of ms at a
+    million blocks). Without steps (a replay), scores are rescored on demand each interval."""
+    clock = Clock()
+    mgr, lid, c = manager(64, clock=clock)
+    cache_chain(mgr, lid, c, list(range(1, 11)))
+    pol, table = mgr.policy, mgr.table
+    passes = []
+    rescore = pol.rescore
+    monkeypatch.setattr(pol, "rescore", lambda *a: passes.append(1) or rescore(*a))
+    interval = pol.rescore_interval_s
+    pol.scores_all(table, 0.0)
+    pol.scores_all(table, 1.5 * interval)
+    assert len(passes) == 2  # no step yet: on demand, each interval
+    mgr.tick()  # the step rescores
+    stepped = len(passes)
+    at = clock.now
+    pol.scores_all(table, at + 1.5 * interval)  # the next step is due: not a pass of the call's own
+    assert len(passes) == stepped
+    pol.scores_all(table, at + 2.5 * interval)  # the steps stopped: the call rescores
+    assert len(passes) == stepped + 1
+
+
 def test_fanout_and_sharing_raise_heat():
     mgr, lid, c = manager(64)
     mgr.policy.set_weights({"fanout": 0.5})  # 0 by default (README, Policies)

@@ -182,9 +182,10 @@ def test_a_decision_on_the_wire_carries_every_field():
 def test_polls_of_a_deferred_reservation_scan_the_table_once_per_background_step(make_manager, monkeypatch):
     """Counting the blocks that could move scans the whole table (tens of ms at a million blocks):
     a client polling its deferred reservation reads the count of the last step, not a new scan per
-    poll, and the next step counts again (and sees what changed)."""
+    poll (nor per free, cancel or detach of other clients), and the next step counts again (and
+    sees what changed)."""
     mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
-    a, b = mgr.attach("a"), mgr.attach("b")
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
     lid = mgr.register_layout(SMALL)
     held = mgr.allocate(a, lid, 4)
     mgr.commit(a, held[:2], keys=[1, 2])  # published, still referenced
@@ -198,7 +199,31 @@ def test_polls_of_a_deferred_reservation_scan_the_table_once_per_background_step
     for _ in range(10):
         assert mgr.admission.status(d.reservation_id).est_wait_s is None
     assert len(scans) == first
+    mgr.detach(c)  # another client's call that grants what fits: not a new count
+    assert mgr.admission.status(d.reservation_id).est_wait_s is None
+    assert len(scans) == first
     mgr.table.free(a, held[:2])  # idle now, behind the manager's back: no step has run
     assert mgr.admission.status(d.reservation_id).est_wait_s is None  # the last step's count
-    mgr.admission.tick()
+    mgr.tick()
     assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+
+
+def test_a_free_makes_room_for_the_queue_only_when_it_left_cached_blocks_idle(make_manager, monkeypatch):
+    """The head reservation waits on blocks being written: a free of another private block is room
+    as it is (no room-making: that would scan the whole table, on every free, for blocks it could
+    not move), while a free that leaves a cached block idle makes room from it at once."""
+    mgr = make_manager(hbm_blocks=6, dram_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    writing = mgr.allocate(a, lid, 4)
+    shared = mgr.commit(a, mgr.allocate(a, lid, 2), keys=[1, 2])  # cached, still referenced
+    d = mgr.reserve(b, lid, tokens=16 * 3)
+    assert d.outcome is Outcome.DEFERRED
+    made = []
+    make_room = mgr.placement.make_room
+    monkeypatch.setattr(mgr.placement, "make_room", lambda *args, **kw: made.append(1) or make_room(*args, **kw))
+    mgr.free(a, writing[:1])  # one slot free: not enough, and nothing newly movable
+    assert made == [] and mgr.admission.status(d.reservation_id).outcome is Outcome.DEFERRED
+    mgr.free(a, shared)  # two cached blocks idle: demoted for the reservation now, not at the next step
+    assert made and mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()

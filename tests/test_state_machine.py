@@ -102,10 +102,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.held[c].append(v)
 
     @precondition(lambda self: self.clients)
-    @rule(ci=st.integers(0, 7), tokens=st.integers(1, 64))
-    def reserve_and_take(self, ci, tokens):
+    @rule(ci=st.integers(0, 7), tokens=st.integers(1, 64), prio=st.integers(0, 2))
+    def reserve_and_take(self, ci, tokens, prio):
         c = self.clients[ci % len(self.clients)]
-        d = self.mgr.reserve(c, self.layouts[0], tokens)
+        d = self.mgr.reserve(c, self.layouts[0], tokens, priority=prio)
         if d.outcome is Outcome.GRANTED:
             vids = self.mgr.take(c, d.reservation_id, 1)
             for v in vids.tolist():
