@@ -14,6 +14,7 @@ block: the request would otherwise not run at all.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -58,6 +59,13 @@ class Placement:
     # (more selection passes and engine submissions), 128 KiB 45 vs 46, 256 KiB 46 vs 45, 2 MiB
     # 42 vs 30-31.
     PROMOTE_PIECES_MIN_BLOCK = 256 << 10
+    # The background rebalance runs at most this long a step (seconds), in pieces of REBALANCE_PIECE
+    # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
+    # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
+    # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
+    # until it is down to its low one. Each tier gets one piece a step whatever the time.
+    REBALANCE_BUDGET_S = 0.05
+    REBALANCE_PIECE = 0.01
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -69,6 +77,7 @@ class Placement:
         self.cold_threshold = cold_threshold
         self.stats = PlacementStats()
         self._keyed: np.ndarray | None = None
+        self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -243,15 +252,16 @@ class Placement:
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
-                  idle_only: bool = False, block_bytes: int | None = None) -> bool:
+                  idle_only: bool = False, block_bytes: int | None = None,
+                  cold: np.ndarray | None = None) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
         blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
         the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
         over what is left after each round (that would call the coldest of the rest cold, round
         after round, and the threshold would only set how many batches the same demotion takes).
-        Victims go past a tier below that has no room it can make (`_free_some`)."""
-        cold = None
-        if cold_only:
+        Victims go past a tier below that has no room it can make (`_free_some`). `cold`: that cut,
+        taken already (a rebalance in pieces takes it once a step)."""
+        if cold_only and cold is None:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
         pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
         for _ in range(self.MAX_ROUNDS):
@@ -409,18 +419,36 @@ class Placement:
 
     # -- background and promotion ----------------------------------------------------------
     def rebalance(self) -> None:
-        """Bring every tier above its high watermark down to its low watermark, moving cold blocks
-        only. Slowest tier first, so that demotions find room below. Blocks awaiting their read
+        """Bring every tier that went above its high watermark down to its low watermark, moving
+        cold blocks only, for at most REBALANCE_BUDGET_S this step (the rest in the next steps).
+        Slowest tier first, so that demotions find room below. Blocks awaiting their read
         (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
         held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
         protect = np.concatenate(held) if held else None
+        deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
         for tier in reversed(self.tiers):
             wm = self.watermarks[tier]
-            if self.used_fraction(tier) <= wm.high:
+            if self.used_fraction(tier) > wm.high:
+                self.draining.add(tier)
+            if tier not in self.draining:
                 continue
-            alloc = self.table.allocators[tier]
-            target_free = int((1.0 - wm.low) * alloc.capacity_bytes)
-            self.make_room(tier, target_free, cold_only=True, protect=protect)
+            capacity = self.table.allocators[tier].capacity_bytes
+            target_free = int((1.0 - wm.low) * capacity)
+            piece = max(1, int(self.REBALANCE_PIECE * capacity))
+            cold = None  # the cold cut, taken once a step: per piece, the threshold would limit nothing
+            while True:
+                free = self.free_bytes(tier)
+                if free >= target_free:
+                    self.draining.discard(tier)  # down to its low watermark
+                    break
+                if cold is not None and time.perf_counter() >= deadline:
+                    break  # one piece done: the rest in the next steps
+                if cold is None:
+                    cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
+                if not self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
+                                      protect=protect):
+                    self.draining.discard(tier)  # nothing more may go now: over the high mark again starts anew
+                    break
 
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
                 below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:

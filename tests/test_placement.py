@@ -45,6 +45,33 @@ def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, c
     mgr.check_invariants()
 
 
+def test_a_rebalance_drains_in_pieces_step_after_step(make_manager, clock, monkeypatch):
+    """Over its high watermark, a tier drains a piece at a time (a hundredth of it) while the step's
+    time lasts, and goes on in the next steps until it is down to its low watermark: 10% of a tier
+    in one step held the daemon's loop for seconds when DRAM went down to NVMe. With no time left,
+    each draining tier still gets one piece a step."""
+    monkeypatch.setattr(type(make_manager(hbm_blocks=1).placement), "REBALANCE_BUDGET_S", 0.0)
+    mgr = make_manager(hbm_blocks=100, dram_blocks=200, cold_threshold=0.9,
+                       watermarks={Tier.HBM: Watermark(0.95, 0.85)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, 101):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    hbm = lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
+    mgr.tick()
+    assert hbm() == 99 and Tier.HBM in mgr.placement.draining
+    for left in range(98, 84, -1):  # under the high watermark now, and still draining
+        mgr.tick()
+        assert hbm() == left
+    assert Tier.HBM not in mgr.placement.draining
+    mgr.tick()  # at the low watermark: nothing moves
+    assert hbm() == 85
+    assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM  # the oldest went first (LRU)
+    assert tier_of(mgr, mgr.lookup([100], lid)[0].vid) == Tier.HBM
+    mgr.check_invariants()
+
+
 def test_cold_threshold_limits_each_pass(make_manager, clock):
     mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.2,
                        watermarks={Tier.HBM: Watermark(0.5, 0.1)})
