@@ -64,6 +64,10 @@ Z = 2.0  # ...and by 2 standard deviations of their paired per-request differenc
 HALF_LIFE = 32  # miniature capacities (blocks, all tiers) of sampled references
 MIN_BLOCKS = 32  # a miniature HBM holding fewer blocks than this would judge by noise
 QUEUE_LIMIT = 4096  # sampled lookups waiting for the miniatures
+# ... and sampled keys waiting, all lookups together (8 bytes each, kept as uint64 arrays): a lookup
+# may name 65,536 keys, so a queue bounded by lookups alone could hold 4096 x 8,192 keys (over a
+# GiB as Python ints) whenever the tick cannot keep up.
+QUEUE_KEYS_LIMIT = 1 << 20
 TICK_BUDGET_S = 0.01  # the daemon's tick serves the queue this long per GPU (10% of a 100 ms tick)
 DROP_LOG_INTERVAL_S = 60.0
 CHUNK = 16  # blocks read per step of a miniature request (as the bench's default)
@@ -122,7 +126,8 @@ class Duel:
         self.tick_budget_s = TICK_BUDGET_S
         self.following = 0  # index in CANDIDATES
         self.off: str | None = None  # why the duel stopped (None while it runs)
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque = collections.deque()  # (clock, layout id, uint64 sampled keys)
+        self._queued_keys = 0
         self._now = 0.0
         self._minis: list[_Mini] | None = None  # made at the first sampled lookup (its layout sizes them)
         self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of the first layout
@@ -154,9 +159,10 @@ class Duel:
         picked = sampled(np.asarray(keys, dtype=np.uint64), self.sample)
         if not len(picked):
             return
-        self._queue.append((self.manager.table.clock(), layout_id, tuple(picked.tolist())))
-        if len(self._queue) > QUEUE_LIMIT:
-            self._queue.popleft()
+        self._queue.append((self.manager.table.clock(), layout_id, picked))
+        self._queued_keys += len(picked)
+        while len(self._queue) > QUEUE_LIMIT or (self._queued_keys > QUEUE_KEYS_LIMIT and len(self._queue) > 1):
+            self._queued_keys -= len(self._queue.popleft()[2])
             self.dropped += 1
 
     # -- the miniatures ---------------------------------------------------------------------
@@ -171,7 +177,9 @@ class Duel:
             self._sync_weights()
         try:
             while self._queue and (deadline is None or time.perf_counter() < deadline):
-                self._serve(*self._queue.popleft())
+                now, layout_id, keys = self._queue.popleft()
+                self._queued_keys -= len(keys)
+                self._serve(now, layout_id, tuple(keys.tolist()))
         except Exception:
             log.exception("duel: a miniature replay failed; the duel stops and heat ranks as heat")
             self._stop("a miniature replay failed (see the log)")
@@ -218,7 +226,8 @@ class Duel:
         costs the miniature less."""
         if name != "heat" and not tiered:
             return make_policy(name)
-        policy = type(self.policy)(dict(self.policy.weights))
+        sizes = self.policy.miniature_sizes(self.sample) if hasattr(self.policy, "miniature_sizes") else {}
+        policy = type(self.policy)(dict(self.policy.weights), **sizes)
         policy.follow(name)
         return policy
 
@@ -270,6 +279,7 @@ class Duel:
             log.warning("duel off: %s", why)
         self.off = why
         self._queue.clear()
+        self._queued_keys = 0
         self.following = 0
         self.policy.follow("heat")
 

@@ -174,6 +174,40 @@ def test_a_full_queue_drops_its_oldest_lookups_counted_and_logged(caplog, monkey
     assert duel.requests == 5 and duel.describe()["queued"] == 0
 
 
+def test_the_queue_is_bounded_by_sampled_keys_too(monkeypatch):
+    """A lookup may name 65,536 keys: bounded by lookups alone, a queue the tick cannot keep up
+    with held 4096 such chains' sampled keys as Python ints (over a GiB). The keys wait as uint64
+    arrays, and past QUEUE_KEYS_LIMIT of them the oldest lookups are dropped and counted."""
+    monkeypatch.setattr(D, "QUEUE_KEYS_LIMIT", 250)
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    for i in range(12):
+        mgr.lookup(list(range(1000 * i + 1, 1000 * i + 200)), lid)
+    queued = list(duel._queue)
+    assert all(isinstance(k, np.ndarray) and k.dtype == np.uint64 for _, _, k in queued)
+    assert sum(len(k) for _, _, k in queued) == duel._queued_keys <= 250
+    assert duel.dropped == 12 - len(queued) > 0
+    duel.run()
+    assert duel.requests == len(queued) and duel._queued_keys == 0 and duel.describe()["queued"] == 0
+
+
+def test_heat_miniatures_are_sized_for_the_keys_they_see():
+    """Each heat miniature sees 1 in `sample` keys: its sketch and density ghosts are cut by that
+    factor (at full size three miniatures held 3 x 18 MiB once enough keys came)."""
+    mgr = manager(1024)
+    duel = Duel(mgr, 8)
+    lid = mgr.register_layout(LAYOUT)
+    mgr.lookup(list(range(1, 400)), lid)
+    duel.run()
+    full = mgr.policy
+    for mini in duel._minis:
+        pol = mini.manager.policy
+        if pol.name == "heat":
+            assert pol.sketch.width == full.sketch.width // 8
+            assert len(pol.model.ghost_key) == len(full.model.ghost_key) // 8
+
+
 def test_the_managers_tick_serves_the_queue_within_its_budget():
     mgr = manager(1024)
     duel = Duel(mgr, 2)

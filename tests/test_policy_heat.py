@@ -9,6 +9,7 @@ from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy, policy_names
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
+from dflash2.policy.ghosts import ghost_bits
 from dflash2.prefetch import Prefetcher
 from dflash2.tiers import Tier
 
@@ -96,6 +97,22 @@ def test_with_a_background_step_a_calls_scores_are_not_rescored_while_the_step_i
     assert len(passes) == stepped
     pol.scores_all(table, at + 2.5 * interval)  # the steps stopped: the call rescores
     assert len(passes) == stepped + 1
+
+
+def test_ghost_tables_grow_with_the_table():
+    """The daemon's table starts small and doubles as the tiers fill: the learners' ghost tables
+    (twice the table's rows) are made anew at each doubling, not left at the first size (4096
+    slots: a sliver of a large cache's departures)."""
+    mgr, lid, c = manager(8192)
+    pol = mgr.policy
+    cache_chain(mgr, lid, c, [1])
+    small = pol.gate._ghosts[0].bits
+    for k in range(2, 6002, 1000):
+        cache_chain(mgr, lid, c, list(range(k, k + 1000)))
+    grown = ghost_bits(mgr.table.cols.capacity)
+    assert grown > small
+    assert pol.gate._ghosts[0].bits == pol.gate._ghosts[1].bits == grown
+    assert all(g is None or g.bits == grown for g in pol.split._ghosts + pol.inner._ghosts)
 
 
 def test_fanout_and_sharing_raise_heat():

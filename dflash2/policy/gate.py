@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.policy.ghosts import GhostTable
+from dflash2.policy.ghosts import GhostTable, ghost_bits
 
 REFUSED, DEPARTED = 0, 1
 WINDOW = 1.0  # a ghost speaks within this many times the tier's capacity in departures
@@ -47,6 +47,7 @@ HYSTERESIS = 0.25
 
 class AdmissionGate:
     def __init__(self, rows: int):
+        self._rows = rows
         self._ghosts = (GhostTable(rows), GhostTable(rows))  # refused, departed
         self.departures = 0  # blocks that left the cache from the tier
         self.capacity = 0  # the tier's blocks, as the last decision saw them (the ghosts' window)
@@ -57,6 +58,14 @@ class AdmissionGate:
         self.back = np.zeros(2)
         self.counts = {"refused": 0, "admitted_against_rule": 0, "refused_back": 0, "departed": 0,
                        "departed_back": 0}
+
+    def grow(self, rows: int) -> None:
+        """The block table grew to `rows`: ghost tables sized for it, made anew (the refused and
+        departed keys so far are forgotten, once per doubling; the decayed rates stay)."""
+        if ghost_bits(rows) <= ghost_bits(self._rows):
+            return
+        self._rows = rows
+        self._ghosts = (GhostTable(rows), GhostTable(rows))
 
     def _update(self) -> None:
         """Compare the return rates (back[R] / seen[R] against back[D] / seen[D], multiplied out: no

@@ -101,6 +101,13 @@ INNER_LISTS = ("seen_2_3", "seen_4_plus")
 FUSE_FANOUT = 15
 
 
+# The density's ghost table (density.py): 2**20 slots of 17 bytes (17 MiB); a miniature of the duel
+# that sees 1 in N keys takes 1/N of it (miniature_sizes), down to these floors.
+DENSITY_GHOST_BITS = 20
+MIN_DENSITY_GHOST_BITS = 12
+MIN_SKETCH_WIDTH = 1 << 10
+
+
 def _log2_1p(counts: np.ndarray) -> np.ndarray:
     return np.log2(counts.astype(np.float32) + np.float32(1.0))
 
@@ -118,7 +125,7 @@ class HeatPolicy(Policy):
 
     def __init__(self, weights: dict[str, float] | None = None, *,
                  rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18,
-                 decay_half_life_s: float | None = None):
+                 decay_half_life_s: float | None = None, density_ghost_bits: int = DENSITY_GHOST_BITS):
         self.weights = dict(DEFAULT_WEIGHTS)
         self._cap = 0  # rows of per-row state (grown with the table)
         self.set_weights(weights or {})
@@ -129,7 +136,7 @@ class HeatPolicy(Policy):
         self._halved_at: float | None = None
         self.sketch = FrequencySketch(sketch_width)
         self.freq_admission = FrequencyAdmission(self.sketch)
-        self.model = HitDensityModel(tiers=TIERS)
+        self.model = HitDensityModel(ghost_bits=density_ghost_bits, tiers=TIERS)
         self.tick = 0.0  # logical clock: block reads and writes so far
         self._last = np.zeros(0)  # logical time of each row's last access (or write)
         # Each row's frequency class and tier, and from them its offset in the scoring lookup table
@@ -158,6 +165,15 @@ class HeatPolicy(Policy):
         self.ranking = "heat"  # RANKINGS: what HBM's blocks are ranked by (follow)
 
     # -- per-row state ---------------------------------------------------------------------
+    def miniature_sizes(self, sample: int) -> dict:
+        """Sizes for a miniature of this policy that sees 1 in `sample` content keys (the duel's,
+        duel.py): the frequency sketch and the density's ghost table cut by the same factor, so that
+        they remember as many of the real workload's keys as this policy's do, and take 1/sample
+        of its memory (at full size each miniature held 18 MiB, resident once enough keys came)."""
+        shift = max(0, int(sample).bit_length() - 1)  # log2, rounded down
+        return {"sketch_width": max(MIN_SKETCH_WIDTH, self.sketch.width >> shift),
+                "density_ghost_bits": max(MIN_DENSITY_GHOST_BITS, self.model._ghost_bits - shift)}
+
     def _ensure(self, table) -> None:
         cap = table.cols.capacity
         if cap == self._cap:
@@ -188,6 +204,11 @@ class HeatPolicy(Policy):
             # 0.2798 without; `bench policy`, HBM alone).
             self.inner = AdaptiveSplit(1, cap, lists=INNER_LISTS, target="seen_2_3_target", rate_band=0.0)
             self.gate = AdmissionGate(cap)
+        else:
+            # The daemon's table starts small and doubles as clients fill the tiers: ghosts sized
+            # for its first rows (4096 slots) would remember a sliver of a large cache's departures.
+            for learner in (self.split, self.inner, self.gate):
+                learner.grow(cap)
         self._cache = None
 
     def _place(self, rows) -> None:

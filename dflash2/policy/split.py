@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.invariants import InvariantViolation
-from dflash2.policy.ghosts import GhostTable
+from dflash2.policy.ghosts import GhostTable, ghost_bits
 from dflash2.tiers import Tier
 
 FIRST, RETURNING = 0, 1
@@ -127,6 +127,16 @@ class AdaptiveSplit:
         if self._ghosts[tier] is None:
             self._ghosts[tier] = GhostTable(self._rows, payload=True)
         return self._ghosts[tier]
+
+    def grow(self, rows: int) -> None:
+        """The block table grew to `rows`: ghost tables sized for it (twice its rows), made anew.
+        Their keys cannot be moved over (a slot keeps a 32-bit tag, not the key), so the recent
+        departures are forgotten, once per doubling of the table: missed ghost hits for a while,
+        never wrong ones; the targets and rates learned so far stay."""
+        if ghost_bits(rows) <= ghost_bits(self._rows):
+            return
+        self._rows = rows
+        self._ghosts = [None if g is None else GhostTable(rows, payload=True) for g in self._ghosts]
 
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
