@@ -120,11 +120,13 @@ class Server:
         started = time.perf_counter()
         self.service.note_tick(late_s)
         # Each step on its own: one that fails must not stop the others from running.
-        for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
-            try:
-                step()
-            except Exception:
-                log.exception("background step %s failed; the daemon keeps serving", getattr(step, "__qualname__", step))
+        with self.service.busy():
+            for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
+                try:
+                    step()
+                except Exception:
+                    log.exception("background step %s failed; the daemon keeps serving",
+                                  getattr(step, "__qualname__", step))
         if self.observers is not None:
             try:
                 self.observers.after_tick(late_s, time.perf_counter() - started)

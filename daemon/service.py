@@ -15,6 +15,7 @@ if it has not arrived yet (it came on the client's previous socket), it is refus
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -62,8 +63,10 @@ class Service:
         self._late: collections.deque[float] = collections.deque(maxlen=64)
         self._behind_s = 0.0
         # When the server last saw its request queue empty (this service's clock; None without a
-        # server), and the longest call answered since: what leases are judged by (expire_leases).
+        # server), and the longest stretch since that read no request (a call, the work after its
+        # reply, the background step: `busy`): what leases are judged by (expire_leases).
         self._caught_up: float | None = None
+        self._replying: int | None = None  # the client whose call was answered last
         self._longest_call_s = 0.0
         self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
         self.history = None  # a dflash2.history.History when history_enabled
@@ -90,6 +93,7 @@ class Service:
     def handle_frames(self, frames: list[bytes]) -> list[bytes]:
         """One message in, one reply out; never raises."""
         self.counters["requests"] += 1
+        self._replying = None
         try:
             req = P.decode_request(frames)
         except DFlash2Error as e:
@@ -121,12 +125,14 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+        self._replying = None
         if req.op in P.NEEDS_CLIENT and self._owns(req):
             # Heard from at the end of its call too: a call that ran longer than the lease (a
             # large promotion) must not let its own client's lease lapse while it waited.
             self.sessions[req.client].last_seen = self.clock()
+            self._replying = req.client
         elapsed = time.perf_counter() - started
-        self._longest_call_s = max(self._longest_call_s, self.clock() - began)
+        self._note_busy(began)
         stat = self.latency.setdefault(req.op.value, [0, 0.0])
         stat[0] += 1
         stat[1] += elapsed
@@ -136,8 +142,26 @@ class Service:
 
     def after_reply(self) -> None:
         """Work a call left for after its answer (a reader's prefetch window, `run_prefetch`)."""
-        for m in self.managers.values():
-            m.run_prefetch()
+        with self.busy():
+            for m in self.managers.values():
+                m.run_prefetch()
+        session = self.sessions.get(self._replying)
+        if session is not None:  # heard from at the end of its call's work too (as at its reply)
+            session.last_seen = self.clock()
+
+    @contextlib.contextmanager
+    def busy(self):
+        """A stretch of the loop that reads no request (a call, the work after its reply, the
+        background step): the longest since the queue was last empty extends the lease credit,
+        since every heartbeat sent meanwhile waited behind it."""
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self._note_busy(began)
+
+    def _note_busy(self, began: float) -> None:
+        self._longest_call_s = max(self._longest_call_s, self.clock() - began)
 
     def queue_empty(self) -> None:
         """The server found its request queue empty: every message sent before now is answered."""

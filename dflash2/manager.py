@@ -236,11 +236,12 @@ class BlockManager:
         return n
 
     def _left_idle(self, rows: np.ndarray) -> bool:
-        """Whether cached blocks among `rows` are idle now (a call let go of them): only then may
+        """Whether cached blocks in HBM among `rows` are idle now (a call let go of them): only then may
         the queue make room again. The slots a call freed are room as they are, and room-making
         after every free would scan the whole table for what the last attempt could not move."""
         c = self.table.cols
-        return bool(((c.key[rows] != 0) & (c.refs[rows] == 0) & (c.pins[rows] == 0)).any())
+        return bool(((c.key[rows] != 0) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
+                     & (c.tier[rows] == int(Tier.HBM))).any())  # the queue's room is HBM's
 
     @staticmethod
     def _follow_up(what: str, step: Callable[[], object]) -> None:

@@ -78,6 +78,9 @@ class Placement:
         self.stats = PlacementStats()
         self._keyed: np.ndarray | None = None
         self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
+        # Per draining tier, its cold cut when the drain began (rows and their generations): the
+        # drain moves only those blocks, however many steps it takes.
+        self._cuts: dict[Tier, tuple[np.ndarray, np.ndarray]] = {}
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -420,35 +423,40 @@ class Placement:
     # -- background and promotion ----------------------------------------------------------
     def rebalance(self) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
-        cold blocks only, for at most REBALANCE_BUDGET_S this step (the rest in the next steps).
-        Slowest tier first, so that demotions find room below. Blocks awaiting their read
+        only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
+        again over what is left), for at most REBALANCE_BUDGET_S this step (the rest in the next
+        steps). Slowest tier first, so that demotions find room below. Blocks awaiting their read
         (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
         held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
         protect = np.concatenate(held) if held else None
         deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
+        c = self.table.cols
         for tier in reversed(self.tiers):
             wm = self.watermarks[tier]
-            if self.used_fraction(tier) > wm.high:
+            if self.used_fraction(tier) > wm.high and tier not in self.draining:
                 self.draining.add(tier)
+                cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
+                self._cuts[tier] = (cut, c.gen[cut].copy())
             if tier not in self.draining:
                 continue
             capacity = self.table.allocators[tier].capacity_bytes
             target_free = int((1.0 - wm.low) * capacity)
             piece = max(1, int(self.REBALANCE_PIECE * capacity))
-            cold = None  # the cold cut, taken once a step: per piece, the threshold would limit nothing
-            while True:
+            rows, gens = self._cuts[tier]
+            cold = np.zeros(c.capacity, dtype=bool)
+            cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
+            done = self.free_bytes(tier) >= target_free
+            while not done:
                 free = self.free_bytes(tier)
-                if free >= target_free:
-                    self.draining.discard(tier)  # down to its low watermark
-                    break
-                if cold is not None and time.perf_counter() >= deadline:
-                    break  # one piece done: the rest in the next steps
-                if cold is None:
-                    cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
-                if not self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
-                                      protect=protect):
-                    self.draining.discard(tier)  # nothing more may go now: over the high mark again starts anew
-                    break
+                # Down to its low watermark, or the cut is used up: done until it goes over again.
+                done = (not self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
+                                           protect=protect)
+                        or self.free_bytes(tier) >= target_free)
+                if time.perf_counter() >= deadline:
+                    break  # the rest in the next steps (each draining tier gets a piece a step)
+            if done:
+                self.draining.discard(tier)
+                del self._cuts[tier]
 
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
                 below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:

@@ -120,6 +120,9 @@ class Admission:
         # scan of the whole table (tens of ms at a million blocks), so the polls of waiting clients
         # read the figure of the last background step, which clears it (`new_step`).
         self._movable_memo: dict[tuple[int | None, int], int] = {}
+        # The reservation that room was last made for: a call that leaves nothing newly movable
+        # (tick with make_room False) still makes room once for a new head of the queue.
+        self._room_tried: int | None = None
 
     # -- public ----------------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
@@ -205,7 +208,8 @@ class Admission:
         """Expire what is due, then grant deferred reservations in order while they fit.
         Returns the ids granted now. `make_room` False: grant only from room already free (after a
         call that freed slots but left no block movable that was not before: making room again
-        would scan the whole table for what the last attempt could not move)."""
+        would scan the whole table for what the last attempt could not move), unless the head is
+        one that room was not yet made for (its turn came by this call: a cancel ahead of it)."""
         now = self._advance()
         for res in [r for r in self.granted.values() if r.expires <= now]:
             self._drop(res)
@@ -217,7 +221,8 @@ class Admission:
                 del self._waiting[res.id]
             self.counters["expired"] += len(due)
         granted = []
-        while self.deferred and self._try_grant(self.deferred[0], make_room):
+        while self.deferred and self._try_grant(self.deferred[0],
+                                                make_room or self.deferred[0].id != self._room_tried):
             res = self.deferred.pop(0)
             del self._waiting[res.id]
             self.wait_seconds_total += now - res.created
@@ -272,6 +277,7 @@ class Admission:
             if short > self._bucket or not make_room:
                 return False
             before = self._room(res)
+            self._room_tried = res.id
             self._make_room(res, need)
             self._bucket -= max(0, self._room(res) - before)
         vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,

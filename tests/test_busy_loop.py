@@ -5,6 +5,7 @@ step's lateness counts the requests answered ahead of it and shows in `dflash2 s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -75,6 +76,9 @@ class _Recorder:
 
     def queue_empty(self):
         pass
+
+    def busy(self):
+        return contextlib.nullcontext()
 
     def note_tick(self, late_s):
         pass

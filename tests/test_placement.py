@@ -50,9 +50,9 @@ def test_a_rebalance_drains_in_pieces_step_after_step(make_manager, clock, monke
     time lasts, and goes on in the next steps until it is down to its low watermark: 10% of a tier
     in one step held the daemon's loop for seconds when DRAM went down to NVMe. With no time left,
     each draining tier still gets one piece a step."""
-    monkeypatch.setattr(type(make_manager(hbm_blocks=1).placement), "REBALANCE_BUDGET_S", 0.0)
     mgr = make_manager(hbm_blocks=100, dram_blocks=200, cold_threshold=0.9,
                        watermarks={Tier.HBM: Watermark(0.95, 0.85)})
+    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
     for k in range(1, 101):
@@ -69,6 +69,26 @@ def test_a_rebalance_drains_in_pieces_step_after_step(make_manager, clock, monke
     assert hbm() == 85
     assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM  # the oldest went first (LRU)
     assert tier_of(mgr, mgr.lookup([100], lid)[0].vid) == Tier.HBM
+    mgr.check_invariants()
+
+
+def test_a_drain_over_several_steps_moves_only_the_blocks_cold_when_it_began(make_manager, clock, monkeypatch):
+    """cold_threshold 0.2: the drain that starts over the high watermark moves the coldest fifth of
+    the tier as it was then, over as many steps as that takes, and stops there (a new cut each step
+    would call the coldest of the rest cold, and drain warm blocks down to the low watermark)."""
+    mgr = make_manager(hbm_blocks=100, dram_blocks=200, cold_threshold=0.2,
+                       watermarks={Tier.HBM: Watermark(0.95, 0.5)})
+    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)  # one piece (one block) a step
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, 101):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    for _ in range(40):
+        mgr.tick()
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 80
+    assert Tier.HBM not in mgr.placement.draining
+    assert {tier_of(mgr, mgr.lookup([k], lid)[0].vid) for k in range(1, 21)} == {Tier.DRAM}
     mgr.check_invariants()
 
 

@@ -227,3 +227,39 @@ def test_a_free_makes_room_for_the_queue_only_when_it_left_cached_blocks_idle(ma
     mgr.free(a, shared)  # two cached blocks idle: demoted for the reservation now, not at the next step
     assert made and mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
     mgr.check_invariants()
+
+
+def test_a_cancel_ahead_makes_room_for_the_next_in_line_at_once(make_manager):
+    """The head waits on blocks being written; the next in line needs room that demoting idle
+    blocks makes. A cancel of the head grants the next one in that call, not a step later (the
+    calls that make no block newly movable make room only for a head it was not yet made for)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.allocate(a, lid, 4)
+    published = mgr.commit(a, held[:2], keys=[1, 2])
+    first = mgr.reserve(b, lid, tokens=16 * 4)
+    second = mgr.reserve(c, lid, tokens=16 * 2)
+    assert first.outcome is second.outcome is Outcome.DEFERRED
+    mgr.table.free(a, published)  # idle now, behind the manager's back (no call has made room since)
+    mgr.cancel(b, first.reservation_id)
+    assert mgr.admission.status(second.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_a_free_of_blocks_below_hbm_makes_no_room_for_the_queue(make_manager, monkeypatch):
+    """A host-side writer (sglang's store: DRAM blocks committed, then freed) leaves cached blocks
+    idle in DRAM: no HBM room comes of them, so the queue's head is not tried again for it."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a, b, host = mgr.attach("a"), mgr.attach("b"), mgr.attach("host")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(a, lid, 4)
+    assert mgr.reserve(b, lid, tokens=16 * 2).outcome is Outcome.DEFERRED
+    made = []
+    make_room = mgr.placement.make_room
+    monkeypatch.setattr(mgr.placement, "make_room", lambda *args, **kw: made.append(1) or make_room(*args, **kw))
+    for k in range(3):
+        stored = mgr.commit(host, mgr.allocate(host, lid, 2, tier=Tier.DRAM), keys=[10 + 2 * k, 11 + 2 * k])
+        mgr.free(host, stored)
+    assert made == []
+    mgr.check_invariants()

@@ -143,12 +143,14 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     assert call(service, Op.CHECK).ok
 
 
-def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, monkeypatch):
-    """A call that runs past the lease (a large promotion from NVMe): neither its own client nor one
-    whose heartbeat queued up meanwhile may lapse. The clock is the service's fake one; the long call
-    advances it and holds the server until the other client's heartbeat is waiting on its socket.
-    The long call is read by the drain before a due step, whose time budget it overruns, so the step
-    runs with the heartbeat still queued (a lease credit capped at one lease lapsed that client)."""
+@pytest.mark.parametrize("where", ["call", "after_reply"])
+def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, monkeypatch, where):
+    """A call that runs past the lease (a large promotion from NVMe), or the work after its reply (a
+    reader's prefetch window): neither its own client nor one whose heartbeat queued up meanwhile
+    may lapse. The clock is the service's fake one; the stall advances it and holds the server until
+    the other client's heartbeat is waiting on its socket. The call is read by the drain before a
+    due step, whose time budget it overruns, so the step runs with the heartbeat still queued (a
+    lease credit capped at one lease lapsed that client)."""
     from dflash2.daemon import server as server_mod
     from dflash2.daemon.server import Server
 
@@ -157,12 +159,25 @@ def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, m
     slow, waiting = attach(service, "slow", pid=1), attach(service, "waiting", pid=2)
     plain = service._handlers[Op.LOOKUP]
 
-    def long_call(req):
+    def stall():
         assert server._sock.poll(10_000, zmq.POLLIN), "the heartbeat never reached the daemon"
         clock.advance(3 * service.lease_timeout_s)
+
+    def long_call(req):
+        if where == "call":
+            stall()
         return plain(req)
 
+    prefetch, stalled = service.manager.run_prefetch, []
+
+    def long_prefetch():
+        if where == "after_reply" and service.counters["requests"] >= 4 and not stalled:
+            stalled.append(1)
+            stall()
+        prefetch()
+
     service._handlers[Op.LOOKUP] = long_call
+    monkeypatch.setattr(service.manager, "run_prefetch", long_prefetch)
     # One peer queues a ping and then the long call before the loop starts (one pipe: in that
     # order): the loop's first receive answers the ping, the drain before the due step the call.
     ctx = zmq.Context()

@@ -263,14 +263,18 @@ class DFlash2Storage(HiCacheStorage):
         return int(found["vid"][0]) if len(found) else None
 
     def _commit(self, client: Client, vids, ckeys, parent: int | None) -> np.ndarray:
+        unlinked = None
         if parent is not None:
             try:
                 return client.commit(vids, ckeys, parent)
             except DaemonError as e:  # the parent was evicted meanwhile: publish without the link
-                self.counters["commits_unlinked"] += 1
-                log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
-                         "know they extend that prefix", len(vids), e)
-        return client.commit(vids, ckeys)
+                unlinked = e
+        out = client.commit(vids, ckeys)
+        if unlinked is not None:
+            self.counters["commits_unlinked"] += 1
+            log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
+                     "know they extend that prefix", len(vids), unlinked)
+        return out
 
     def _load(self, client: Client, page_keys: Sequence[str], read: Callable[[int, Any], None]) -> List[bool]:
         """Copy the cached prefix of `page_keys` out; True for each page read."""
