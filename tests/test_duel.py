@@ -159,13 +159,19 @@ def test_a_miniature_too_small_to_judge_turns_the_duel_off(caplog):
     assert duel.describe()["queued"] == 0  # off: nothing more is sampled
 
 
-def test_a_full_queue_drops_its_oldest_lookups_counted_and_logged(caplog, monkeypatch):
-    monkeypatch.setattr(D, "QUEUE_LIMIT", 5)
+def queued_lookups(monkeypatch, bound: str, value: int, width: int) -> Duel:
+    """A duel (1 key in 2) whose queue bound `bound` is `value`, after 12 lookups of `width` keys."""
+    monkeypatch.setattr(D, bound, value)
     mgr = manager(1024)
     duel = Duel(mgr, 2)
     lid = mgr.register_layout(LAYOUT)
     for i in range(12):
-        mgr.lookup(list(range(100 * i + 1, 100 * i + 40)), lid)
+        mgr.lookup(list(range(1000 * i + 1, 1000 * i + width)), lid)
+    return duel
+
+
+def test_a_full_queue_drops_its_oldest_lookups_counted_and_logged(caplog, monkeypatch):
+    duel = queued_lookups(monkeypatch, "QUEUE_LIMIT", 5, 40)
     assert duel.describe()["queued"] == 5 and duel.dropped == 7
     with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
         duel.run(0.0)  # no time this tick: nothing served, the drops are reported
@@ -178,12 +184,7 @@ def test_the_queue_is_bounded_by_sampled_keys_too(monkeypatch):
     """A lookup may name 65,536 keys: bounded by lookups alone, a queue the tick cannot keep up
     with held 4096 such chains' sampled keys as Python ints (over a GiB). The keys wait as uint64
     arrays, and past QUEUE_KEYS_LIMIT of them the oldest lookups are dropped and counted."""
-    monkeypatch.setattr(D, "QUEUE_KEYS_LIMIT", 250)
-    mgr = manager(1024)
-    duel = Duel(mgr, 2)
-    lid = mgr.register_layout(LAYOUT)
-    for i in range(12):
-        mgr.lookup(list(range(1000 * i + 1, 1000 * i + 200)), lid)
+    duel = queued_lookups(monkeypatch, "QUEUE_KEYS_LIMIT", 250, 200)
     queued = list(duel._queue)
     assert all(isinstance(k, np.ndarray) and k.dtype == np.uint64 for _, _, k in queued)
     assert sum(len(k) for _, _, k in queued) == duel._queued_keys <= 250

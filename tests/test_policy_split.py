@@ -8,6 +8,7 @@ from dflash2.policy.split import (FIRST, HYSTERESIS, MAX_HIT_WEIGHT, MIN_RESOLVE
                                   WINDOW_SHARE, AdaptiveSplit)
 
 from dflash2.policy.heat import INNER_CLASS
+from dflash2.policy.heat_lut import keep_ranks
 
 from test_policy_heat import cache_chain, manager
 
@@ -331,10 +332,10 @@ def test_below_hbm_returning_blocks_are_one_list():
     # below HBM the two returning lists share one rank.
     pol.split.first_out[:] = [True, False, True]
     pol.inner.first_out[:] = [False]
-    assert pol._keep_ranks().tolist() == [[0, 2, 1], [1, 0, 0], [0, 1, 1]]
+    assert keep_ranks(pol.split, pol.inner).tolist() == [[0, 2, 1], [1, 0, 0], [0, 1, 1]]
     pol.split.first_out[:] = [False, True, False]
     pol.inner.first_out[:] = [True]
-    assert pol._keep_ranks().tolist() == [[2, 0, 1], [0, 1, 1], [1, 0, 0]]
+    assert keep_ranks(pol.split, pol.inner).tolist() == [[2, 0, 1], [0, 1, 1], [1, 0, 0]]
     mgr.check_invariants()
 
 

@@ -56,8 +56,9 @@ import numpy as np
 
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
-from dflash2.policy.density import BINS_PER_OCTAVE, N_AGE, N_CLASS, HitDensityModel, freq_class
+from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
+from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables, log2_1p
 from dflash2.policy.lfu import lfu_score
 from dflash2.policy.split import RATE_BAND, AdaptiveSplit
 from dflash2.table import BlockState
@@ -82,19 +83,6 @@ MAX_WEIGHT = 1e6
 RANKINGS = ("heat", "lru", "lfu")
 
 
-# Age bins per class in the scoring lookup table: the density's N_AGE bins, the last one repeated up
-# to the largest bin a float32 log-age can give (log2 of the largest float32 is 128), so that the
-# full pass needs no clipping of the bin index (the same values as clipping to N_AGE - 1).
-ROW = BINS_PER_OCTAVE * 129
-TIERS = len(Tier)  # the lookup table holds one density per tier (lower tiers rank by their own lifetimes)
-# Per rank of a block's list (0: the list that gives way first; split.py): above any score the other
-# terms give at sensible weights (log2 densities reach -50, the recency term -8), small enough that
-# float32 keeps recency steps of a thousandth within two of it.
-SPLIT_BONUS = 1024.0
-# Returning blocks of this frequency class and above (three or more references before: freq_class is
-# log2(1 + count)) form the inner split's second list: seen four times or more; classes 1 below it,
-# seen two or three times, the first.
-INNER_CLASS = 2
 INNER_LISTS = ("seen_2_3", "seen_4_plus")
 # While no block has more cached children than this, the full pass folds fan-out into the density
 # lookup (one gather instead of two); beyond it, a separate gather of its own table.
@@ -106,10 +94,6 @@ FUSE_FANOUT = 15
 DENSITY_GHOST_BITS = 20
 MIN_DENSITY_GHOST_BITS = 12
 MIN_SKETCH_WIDTH = 1 << 10
-
-
-def _log2_1p(counts: np.ndarray) -> np.ndarray:
-    return np.log2(counts.astype(np.float32) + np.float32(1.0))
 
 
 @register
@@ -154,9 +138,7 @@ class HeatPolicy(Policy):
         self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
         self.inner: AdaptiveSplit | None = None
         self.gate: AdmissionGate | None = None  # whether admission's refusals pay (made with the split)
-        self._lut_key: tuple | None = None  # (model version, weights, split sides) the table was built for
-        self._lut = np.zeros(0, dtype=np.float32)
-        self._fan_lut: tuple[float, np.ndarray] | None = None
+        self.tables = ScoreTables()  # the scoring lookup tables (heat_lut.py)
         self._flip = 0  # which of the two score buffers the next full pass writes
         self._buffers: dict[str, np.ndarray] = {}  # scratch of the full pass, reused (no page faults)
         self._cache: np.ndarray | None = None
@@ -425,7 +407,7 @@ class HeatPolicy(Policy):
         # indices are in range by construction.
         np.take(self._lookup(most if fused else 0), idx, out=heat, mode="clip")
         if most > FUSE_FANOUT:
-            np.take(self._fanout_lut(most), c.nkids, out=scaled, mode="clip")
+            np.take(self.tables.fanout(self.weights["fanout"], most), c.nkids, out=scaled, mode="clip")
             heat += scaled
         if w["recency"] or w["recency_below"]:
             log_age *= self._slope  # per row: blocks below HBM may lose heat with age faster
@@ -437,7 +419,7 @@ class HeatPolicy(Policy):
         """Priority, sharing and stage (fan-out is added with the density), each skipped when its
         inputs are all zero."""
         w = self.weights
-        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, _log2_1p),
+        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, log2_1p),
                                  ("stage", c.stage, None)):
             if not w[name]:
                 continue
@@ -445,14 +427,6 @@ class HeatPolicy(Policy):
             if not values.any():
                 continue
             heat += np.float32(w[name]) * (values if fn is None else fn(values))
-
-    def _fanout_lut(self, most: int) -> np.ndarray:
-        """w_fanout·log2(1 + n) for n = 0..most (at least 0..255), float32 as `_score` computes it."""
-        w = self.weights["fanout"]
-        if self._fan_lut is None or self._fan_lut[0] != w or len(self._fan_lut[1]) <= most:
-            n = max(256, 1 << int(most).bit_length())
-            self._fan_lut = (w, np.float32(w) * _log2_1p(np.arange(n, dtype=np.int64)))
-        return self._fan_lut[1]
 
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
         """Vectorised over the given rows, in float32 (a million-block pass is dominated by
@@ -471,7 +445,7 @@ class HeatPolicy(Policy):
         if w["fanout"]:
             kids = c.nkids[rows]
             if kids.any():
-                heat += np.float32(w["fanout"]) * _log2_1p(kids)
+                heat += np.float32(w["fanout"]) * log2_1p(kids)
         if w["recency"] or w["recency_below"]:
             # Scale-free recency: a small slope in log-age, so that within a density level the
             # newer block wins (LRU), whatever the workload's time scale.
@@ -481,54 +455,7 @@ class HeatPolicy(Policy):
         return heat
 
     def _lookup(self, fanout: int) -> np.ndarray:
-        """w_frequency·log2 density as float32: per tier (its own density, density.py), one row of
-        ROW age bins per class (the last bin repeated); with fanout > 0, (at least) fanout + 1 such
-        tables in a row, the n-th plus w_fanout·log2(1 + n). Rebuilt only when the model refits, a
-        weight changes or more fan-out levels are needed."""
-        w = self.weights
-        sides = (tuple(self.split.first_out.tolist()), tuple(self.inner.first_out.tolist())) \
-            if self.split is not None else ()
-        key = (self.model.version, w["frequency"], w["fanout"], sides)
-        have = len(self._lut) // (TIERS * N_CLASS * ROW) - 1  # fan-out levels the current table holds
-        if self._lut_key != key or have < fanout:
-            # The plain table is the first block of the fused one: one table serves both.
-            fanout = max(fanout, have) if self._lut_key == key else fanout
-            src = self.model.tier_log_density.astype(np.float32)
-            if w["frequency"] != 1.0:
-                src *= np.float32(w["frequency"])
-            lut = np.empty((fanout + 1, TIERS, N_CLASS, ROW), dtype=np.float32)
-            lut[0, :, :, :N_AGE] = src
-            lut[0, :, :, N_AGE:] = src[:, :, N_AGE - 1: N_AGE]
-            if self.split is not None:
-                # Each list's rank in its tier (_keep_ranks): the list that gives way first scores
-                # lowest.
-                keep = np.zeros((TIERS, N_CLASS), dtype=np.float32)
-                ranks = self._keep_ranks()
-                keep[:, 0] = ranks[:, 0] * SPLIT_BONUS
-                keep[:, 1:INNER_CLASS] = ranks[:, 1:2] * SPLIT_BONUS
-                keep[:, INNER_CLASS:] = ranks[:, 2:3] * SPLIT_BONUS
-                lut[0] += keep[:, :, None]
-            if fanout:
-                fan = self._fanout_lut(fanout)[1: fanout + 1]
-                lut[1:] = lut[0][None] + fan[:, None, None, None]
-            self._lut, self._lut_key = lut.ravel(), key
-        return self._lut
-
-    def _keep_ranks(self) -> np.ndarray:
-        """Per tier, the order in which first-timers, returning blocks seen 2-3 times and those seen
-        more often give up blocks (0: first, each rank worth SPLIT_BONUS): the outer split puts
-        first-timers before or after the returning blocks; in HBM the inner split orders those two
-        lists, below HBM they are one (the same rank)."""
-        first_out = self.split.first_out.astype(np.int64)
-        ranks = np.empty((TIERS, 3), dtype=np.int64)
-        ranks[:, 0] = np.where(first_out, 0, 1)
-        ranks[:, 1] = ranks[:, 2] = first_out
-        # HBM: first-timers first (0) or last (2); the inner split's first list next or first.
-        twice_first = int(self.inner.first_out[0])
-        ranks[0, 0] = 0 if first_out[0] else 2
-        ranks[0, 1] = first_out[0] + 1 - twice_first
-        ranks[0, 2] = first_out[0] + twice_first
-        return ranks
+        return self.tables.lookup(self.model, self.weights, self.split, self.inner, fanout)
 
     def scores(self, table, rows, now):
         self._ensure(table)
