@@ -180,7 +180,8 @@ class Service:
     def expire_leases(self, behind_s: float | None = None, longest_call_s: float | None = None) -> list[int]:
         """Detach clients whose lease lapsed or whose process is gone. Returns their ids.
         `behind_s`: how long ago the request queue was last empty; `longest_call_s`: the longest
-        call answered since (both default to what the server last reported: `queue_empty`).
+        busy stretch since (`busy`: a call, the work after its reply, the background step); both
+        default to what the server last reported (`queue_empty`).
         Every message sent before the queue was last empty has been answered, so a lease is judged
         as of then: a heartbeat still queued behind a busy loop never lapses a live client's lease
         (the queue's backlog delays expiry instead)."""
@@ -188,10 +189,10 @@ class Service:
             behind_s = self.queue_behind_s()
         if longest_call_s is None:
             longest_call_s = self._longest_call_s
-        # The credit is at most one lease past the longest call: a backlog that never empties (a
-        # client pipelining calls) delays expiry by a lease at most instead of stopping it, and a
-        # call longer than the lease (a large promotion from NVMe), which held every heartbeat
-        # queued meanwhile, lapses nobody.
+        # The credit is at most one lease past the longest busy stretch: a backlog that never
+        # empties (a client pipelining calls) delays expiry by a lease at most instead of stopping
+        # it, and a call longer than the lease (a large promotion from NVMe), which held every
+        # heartbeat queued meanwhile, lapses nobody.
         credit = min(max(0.0, behind_s), self.lease_timeout_s + max(0.0, longest_call_s))
         now = self.clock() - credit
         gone = [s for s in self.sessions.values()

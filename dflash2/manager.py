@@ -130,7 +130,8 @@ class BlockManager:
     def detach(self, client: int) -> dict:
         """Release everything the client holds (also what a lapsed lease does)."""
         holder = self.table.client(client)
-        held = np.fromiter(set(holder.refs) | set(holder.pins), dtype=np.int64)
+        held = np.concatenate([np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs)),
+                               np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))])
         self.read_cost.drop_client(client)
         self.prefetcher.drop(client)
         reservations = self.admission.remove_client(client)

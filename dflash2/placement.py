@@ -263,7 +263,7 @@ class Placement:
         over what is left after each round (that would call the coldest of the rest cold, round
         after round, and the threshold would only set how many batches the same demotion takes).
         Victims go past a tier below that has no room it can make (`_free_some`). `cold`: that cut,
-        taken already (a rebalance in pieces takes it once a step)."""
+        taken already (a rebalance in pieces takes it once, when the tier's drain begins)."""
         if cold_only and cold is None:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
         pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
