@@ -28,6 +28,7 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         problems.append("a free row still names a tier")
     # Tier usage adds up: allocator bytes == slots of the rows in each tier (+ moves in flight).
     moving = any((in_flight_bytes or {}).values())
+    counted = table.tier_blocks()
     for tier, alloc in table.allocators.items():
         here = live[c.tier[live] == int(tier)]
         slots = np.array([table.slot_bytes(lid, tier) for lid in range(len(table.layouts))], dtype=np.int64)
@@ -38,8 +39,8 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         offs = c.offset[here]
         if len(np.unique(offs)) != len(offs):
             problems.append(f"{tier.label}: two blocks share a slot")
-        if not moving and table.tier_blocks()[tier] != len(here):
-            problems.append(f"{tier.label}: tier_blocks says {table.tier_blocks()[tier]} blocks, {len(here)} lie there")
+        if not moving and counted[tier] != len(here):
+            problems.append(f"{tier.label}: tier_blocks says {counted[tier]} blocks, {len(here)} lie there")
     # Refs and pins equal the per-client sums.
     refs, pins = Counter(), Counter()
     for holder in table.clients.values():
