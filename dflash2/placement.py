@@ -63,9 +63,14 @@ class Placement:
     # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
     # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
     # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
-    # until it is down to its low one. Each tier gets one piece a step whatever the time.
+    # until it is down to its low one. Each tier gets one piece a step whatever the time. A piece is
+    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget, and
+    # is at most REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is 1.3 GB of NVMe writes,
+    # half a second of the loop at 2.3 GB/s. Until a tier's rate is known (its first piece) a piece
+    # is at most REBALANCE_FIRST_PIECE_BYTES (28 ms of such writes).
     REBALANCE_BUDGET_S = 0.05
     REBALANCE_PIECE = 0.01
+    REBALANCE_FIRST_PIECE_BYTES = 64 << 20
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -81,6 +86,9 @@ class Placement:
         # Per draining tier, its cold cut when the drain began (rows and their generations): the
         # drain moves only those blocks, however many steps it takes.
         self._cuts: dict[Tier, tuple[np.ndarray, np.ndarray]] = {}
+        # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
+        # the next pieces (`_piece_bytes`).
+        self._drain_rate: dict[Tier, float] = {}
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -439,24 +447,37 @@ class Placement:
                 self._cuts[tier] = (cut, c.gen[cut].copy())
             if tier not in self.draining:
                 continue
-            capacity = self.table.allocators[tier].capacity_bytes
-            target_free = int((1.0 - wm.low) * capacity)
-            piece = max(1, int(self.REBALANCE_PIECE * capacity))
+            target_free = int((1.0 - wm.low) * self.table.allocators[tier].capacity_bytes)
             rows, gens = self._cuts[tier]
             cold = np.zeros(c.capacity, dtype=bool)
             cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
             done = self.free_bytes(tier) >= target_free
             while not done:
                 free = self.free_bytes(tier)
+                started = time.perf_counter()
                 # Down to its low watermark, or the cut is used up: done until it goes over again.
-                done = (not self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
-                                           protect=protect)
+                done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier)), cold_only=True,
+                                           cold=cold, protect=protect)
                         or self.free_bytes(tier) >= target_free)
-                if time.perf_counter() >= deadline:
+                now = time.perf_counter()
+                freed = self.free_bytes(tier) - free
+                if freed > 0:
+                    self._drain_rate[tier] = freed / max(now - started, 1e-6)
+                if now >= deadline:
                     break  # the rest in the next steps (each draining tier gets a piece a step)
             if done:
                 self.draining.discard(tier)
                 del self._cuts[tier]
+
+    def _piece_bytes(self, tier: Tier) -> int:
+        """Bytes the next rebalance piece of `tier` frees: what its last pieces' rate frees in half
+        the step's budget, within one slot and REBALANCE_PIECE of the tier (REBALANCE_FIRST_PIECE_BYTES
+        at most while no rate is known)."""
+        capacity = self.table.allocators[tier].capacity_bytes
+        most = max(1, int(self.REBALANCE_PIECE * capacity))
+        rate = self._drain_rate.get(tier)
+        piece = self.REBALANCE_FIRST_PIECE_BYTES if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
+        return max(1, min(most, piece))
 
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
                 below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:

@@ -466,3 +466,33 @@ def test_random_promotions_keep_every_byte(tmp_path, instance_name, clock, piece
         assert pieces_seen > 20  # the loop did promote several blocks at once
     finally:
         mgr.close()
+
+
+def test_a_drain_sizes_its_pieces_by_its_measured_rate(make_manager, clock, monkeypatch):
+    """A rebalance piece takes at most half the step's budget at the rate the tier drained last, and
+    before any rate is known at most REBALANCE_FIRST_PIECE_BYTES: 1% of a large DRAM tier written to
+    NVMe held the daemon's loop for half a second in its first piece, whatever the budget."""
+    mgr = make_manager(hbm_blocks=1000, dram_blocks=2000, cold_threshold=0.9,
+                       watermarks={Tier.HBM: Watermark(0.95, 0.5)})
+    pl = mgr.placement
+    block = 16384
+    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 0.0)  # one piece a step
+    monkeypatch.setattr(pl, "REBALANCE_FIRST_PIECE_BYTES", 3 * block)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, 1001):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    hbm = lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
+    mgr.tick()
+    assert hbm() == 997  # the first piece: 3 blocks, not 1% (10)
+    assert Tier.HBM in pl._drain_rate
+    # Half a budget of 0.1 s at 200 blocks a second: 10 blocks, within the 1% bound.
+    pl._drain_rate[Tier.HBM] = 200.0 * block
+    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 0.1)
+    assert pl._piece_bytes(Tier.HBM) == 10 * block
+    pl._drain_rate[Tier.HBM] = 40.0 * block  # 2 blocks in half the budget
+    assert pl._piece_bytes(Tier.HBM) == 2 * block
+    pl._drain_rate[Tier.HBM] = 1e12  # a fast tier: still at most 1% of it
+    assert pl._piece_bytes(Tier.HBM) == 10 * block
+    mgr.check_invariants()
