@@ -110,3 +110,19 @@ def test_coalesce_merges_runs_contiguous_on_both_sides_only():
     assert n.tolist() == [8]
     s, d, n = coalesce(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64))
     assert len(n) == 0
+
+
+def test_kernel_metadata_is_packed_into_the_upload_buffer_as_the_kernel_reads_it():
+    """[sources, destinations, sizes, chunk starts]: written straight into the pinned buffer (larger
+    than needed, as the ring's are), each copy's chunks counted up (a partial chunk is one)."""
+    from dflash2.cuda.kernels import CHUNK, meta_words, pack_meta
+
+    src = np.array([0, 4096, 1 << 20], dtype=np.int64)
+    dst = np.array([32, 16, 48], dtype=np.int64)
+    nbytes = np.array([CHUNK, 3 * CHUNK + 16, 16], dtype=np.int64)
+    buffer = np.full(2 * meta_words(3), -1, dtype=np.int64)
+    meta = pack_meta(src, dst, nbytes, out=buffer)
+    assert meta.base is buffer or np.shares_memory(meta, buffer)
+    assert meta.tolist() == [*src, *dst, *nbytes, 0, 1, 5, 6]
+    assert (buffer[meta_words(3):] == -1).all(), "nothing written past the batch's words"
+    assert pack_meta(src, dst, nbytes).tolist() == meta.tolist()

@@ -70,38 +70,54 @@ extern "C" __global__ void __launch_bounds__(THREADS) dflash2_copy_chunks(
 """ % {"threads": THREADS, "unroll": UNROLL, "chunk": CHUNK}
 
 
-def pack_meta(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """[src offsets, dst offsets, sizes, chunk starts (n + 1)] as one int64 array."""
-    chunks = -(-nbytes // CHUNK)
-    start = np.zeros(len(nbytes) + 1, dtype=np.int64)
-    np.cumsum(chunks, out=start[1:])
-    return np.concatenate([src_off, dst_off, nbytes, start]).astype(np.int64, copy=False)
+def meta_words(n: int) -> int:
+    """int64 words of a batch's metadata: three per copy, and n + 1 chunk starts."""
+    return 4 * n + 1
+
+
+def pack_meta(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """[src offsets, dst offsets, sizes, chunk starts (n + 1)] as one int64 array, written into
+    `out` (meta_words(n) words or more: the pinned upload buffer, no temporary in between) when given."""
+    n = len(nbytes)
+    meta = np.empty(meta_words(n), dtype=np.int64) if out is None else out[: meta_words(n)]
+    meta[:n] = src_off
+    meta[n:2 * n] = dst_off
+    meta[2 * n:3 * n] = nbytes
+    meta[3 * n] = 0
+    starts = meta[3 * n + 1:]
+    np.floor_divide(meta[2 * n:3 * n] + (CHUNK - 1), CHUNK, out=starts)  # chunks per copy ...
+    np.cumsum(starts, out=starts)  # ... summed: where each copy's chunks end
+    return meta
 
 
 class _StreamMeta:
     """Pinned host buffers (a ring) and one device buffer for one stream's batch metadata."""
 
-    def __init__(self, cp, stream):
+    def __init__(self, stream):
         self.stream = stream
         self.host: list[np.ndarray | None] = [None] * META_RING  # views of pinned buffers
         self.events: list = [None] * META_RING
         self.next = 0
         self.device = None
 
-    def upload(self, cp, meta: np.ndarray):
+    def buffer(self, cp, words: int) -> tuple[int, np.ndarray]:
+        """The next pinned buffer of the ring, free to fill (the copy that last read it is done)."""
         slot = self.next
         self.next = (slot + 1) % META_RING
         if self.events[slot] is not None:
-            self.events[slot].synchronize()  # the copy that last read this pinned buffer is done
-        if self.host[slot] is None or self.host[slot].size < meta.size:
-            pinned = cp.cuda.alloc_pinned_memory(meta.nbytes * 2)
-            self.host[slot] = np.frombuffer(pinned, dtype=np.int64, count=meta.size * 2)
-        host = self.host[slot][: meta.size]
-        host[:] = meta
-        if self.device is None or self.device.size < meta.size:
+            self.events[slot].synchronize()
+        if self.host[slot] is None or self.host[slot].size < words:
+            pinned = cp.cuda.alloc_pinned_memory(words * 8 * 2)
+            self.host[slot] = np.frombuffer(pinned, dtype=np.int64, count=words * 2)
+        return slot, self.host[slot][:words]
+
+    def upload(self, cp, slot: int, host: np.ndarray):
+        """Queue the copy of a filled buffer to the device on the stream; the device buffer."""
+        if self.device is None or self.device.size < host.size:
             self.stream.synchronize()  # the old device buffer may still be read by a queued kernel
-            self.device = cp.empty(meta.size * 2, dtype=cp.int64)
-        cp.cuda.runtime.memcpyAsync(self.device.data.ptr, host.ctypes.data, meta.nbytes,
+            self.device = cp.empty(host.size * 2, dtype=cp.int64)
+        cp.cuda.runtime.memcpyAsync(self.device.data.ptr, host.ctypes.data, host.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         event = cp.cuda.Event(disable_timing=True)
         event.record(self.stream)
@@ -137,13 +153,16 @@ class CopyKernel:
         n = len(nbytes)
         if n == 0:
             return
-        if ((np.asarray(src_off) | np.asarray(dst_off)) & 15).any():
-            raise ValueError("copy offsets must be multiples of 16 bytes")
-        meta = pack_meta(np.asarray(src_off), np.asarray(dst_off), np.asarray(nbytes))
-        total_chunks = int(meta[-1])
         with self._lock, cp.cuda.Device(self.device):
-            ring = self._meta.setdefault(stream.ptr, _StreamMeta(cp, stream))
-            device_meta = ring.upload(cp, meta)
+            ring = self._meta.get(stream.ptr)
+            if ring is None:
+                ring = self._meta[stream.ptr] = _StreamMeta(stream)
+            slot, host = ring.buffer(cp, meta_words(n))
+            meta = pack_meta(src_off, dst_off, nbytes, out=host)
+            if (meta[:2 * n] & 15).any():  # the buffer is refilled by the next batch: nothing was queued
+                raise ValueError("copy offsets must be multiples of 16 bytes")
+            total_chunks = int(meta[-1])
+            device_meta = ring.upload(cp, slot, meta)
             limit = GRID_PER_SM * self._sms if max_blocks is None else max_blocks
             grid = (max(1, min(total_chunks, limit)),)
             self._kernel(grid, (THREADS,), (cp.uint64(src_ptr), cp.uint64(dst_ptr), device_meta, np.int32(n)),

@@ -78,13 +78,18 @@ def split(nbytes: np.ndarray, to_host: bool, other_direction_busy: bool,
     of 64-255 KiB goes whole where its smallest copy goes: split, it moved both ways at 0.57-0.62
     of the link against 0.65-0.86 whole (measured; module docstring)."""
     nbytes = np.asarray(nbytes, dtype=np.int64)
-    if len(nbytes) and int(nbytes.min()) < 0:
-        raise ValueError(f"block sizes must be >= 0, got {int(nbytes.min())}")
+    if not len(nbytes):
+        return np.zeros(0, dtype=bool)
+    smallest, largest = int(nbytes.min()), int(nbytes.max())
+    if smallest < 0:
+        raise ValueError(f"block sizes must be >= 0, got {smallest}")
     none = np.zeros(len(nbytes), dtype=bool)
-    if not engines_available or not len(nbytes):
+    if not engines_available:
         return none
-    if choose(int(nbytes.min()), to_host, other_direction_busy) is Mechanism.ENGINES:
+    if choose(smallest, to_host, other_direction_busy) is Mechanism.ENGINES:
         return ~none
+    if largest < SPLIT_MIN_BLOCK:
+        return none  # no copy the engines take out of a mix (the common case: one layout's blocks)
     large = nbytes >= SPLIT_MIN_BLOCK
     if ((nbytes < KERNEL_MAX_BLOCK) | large).all():
         return large
