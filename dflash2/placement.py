@@ -64,13 +64,15 @@ class Placement:
     # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
     # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
     # until it is down to its low one. Each tier gets one piece a step whatever the time. A piece is
-    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget, and
-    # is at most REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is 1.3 GB of NVMe writes,
-    # half a second of the loop at 2.3 GB/s. Until a tier's rate is known (its first piece) a piece
-    # is at most REBALANCE_FIRST_PIECE_BYTES (28 ms of such writes).
+    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget,
+    # between REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is
+    # 1.3 GB of NVMe writes, half a second of the loop at 2.3 GB/s; a sixteenth of that, 35 ms. The
+    # floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
+    # table) alone outlasts half the budget: sized by rate alone, each piece would then be smaller
+    # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor.
     REBALANCE_BUDGET_S = 0.05
     REBALANCE_PIECE = 0.01
-    REBALANCE_FIRST_PIECE_BYTES = 64 << 20
+    REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -81,7 +83,12 @@ class Placement:
         self.watermarks = watermarks
         self.cold_threshold = cold_threshold
         self.stats = PlacementStats()
-        self._keyed: np.ndarray | None = None
+        # (tier, evict, idle_only) -> the tier's `movable_epoch` when nothing could leave it that
+        # way (before protect and priority, which only narrow the mask): until a call may have made
+        # one of its blocks movable, a selection there finds nothing without a pass over every row
+        # (a refused allocate, one held behind the queue, a promotion into an HBM all held, each
+        # retried by its client, paid two or four such passes a call).
+        self._nothing_movable: dict[tuple[int, bool, bool], int] = {}
         self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
         # Per draining tier, its cold cut when the drain began (rows and their generations): the
         # drain moves only those blocks, however many steps it takes.
@@ -166,9 +173,15 @@ class Placement:
         leave once its descendants have, and the rows at or below it whose descendants that hold them
         back are at or below it too are taken (`_leaving`: leaves first). What lies under the cut
         but is held back by a hotter descendant waits for the caller's next round (make_room)."""
+        way = (int(tier), evict, idle_only)
+        epoch = int(self.table.movable_epoch[int(tier)])
+        if self._nothing_movable.get(way) == epoch:
+            return np.empty(0, dtype=np.int64)
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
                              idle_only=idle_only)
         n_reach = int(np.count_nonzero(reach))
+        if not n_reach and protect is None and below_priority is None:
+            self._nothing_movable[way] = epoch
         if not n_reach or need_bytes <= 0:
             return np.empty(0, dtype=np.int64)
         scores = self.policy.scores_all(self.table, self.table.clock())
@@ -179,17 +192,14 @@ class Placement:
                 return np.empty(0, dtype=np.int64)
         sizes = self._slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        if k < len(scores):
-            # The k-th lowest reachable score: the unreachable rows set to +inf in a scratch copy,
-            # partitioned in place (it is only needed for the cut; rows are read from `scores`).
-            keyed = self._scratch(len(scores), scores.dtype)
-            np.copyto(keyed, scores)
-            np.copyto(keyed, np.inf, where=~reach)
-            keyed.partition(k - 1)
-            cut = keyed[k - 1]
-        else:
-            cut = np.inf
-        part = self._leaving(tier, reach & (scores <= cut), evict, scores, through)
+        rows = np.flatnonzero(reach)
+        # The k-th lowest reachable score, partitioned among the reachable rows alone (a tier's
+        # share of the table, not every row with the others set to +inf: the same k-th value,
+        # since k <= n_reach, at a tenth of the work when HBM holds a tenth of the blocks).
+        cut = np.partition(scores[rows], k - 1)[k - 1] if k < len(scores) else np.inf
+        below = np.zeros(len(reach), dtype=bool)
+        below[rows[scores[rows] <= cut]] = True
+        part = self._leaving(tier, below, evict, scores, through)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
@@ -235,12 +245,6 @@ class Placement:
         if scores is None:
             return rows[np.lexsort((rows, height))]
         return rows[np.lexsort((rows, scores[rows], height))]
-
-    def _scratch(self, n: int, dtype) -> np.ndarray:
-        """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
-        if self._keyed is None or len(self._keyed) != n or self._keyed.dtype != dtype:
-            self._keyed = np.empty(n, dtype=dtype)
-        return self._keyed
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
         """Mask of the rows whose score's percentile among all the tier's blocks is below the
@@ -470,14 +474,15 @@ class Placement:
                 del self._cuts[tier]
 
     def _piece_bytes(self, tier: Tier) -> int:
-        """Bytes the next rebalance piece of `tier` frees: what its last pieces' rate frees in half
-        the step's budget, within one slot and REBALANCE_PIECE of the tier (REBALANCE_FIRST_PIECE_BYTES
-        at most while no rate is known)."""
+        """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in half
+        the step's budget, within REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier (and one byte:
+        at least one block); the floor while no rate is known."""
         capacity = self.table.allocators[tier].capacity_bytes
-        most = max(1, int(self.REBALANCE_PIECE * capacity))
+        least = max(1, int(self.REBALANCE_MIN_PIECE * capacity))
+        most = max(least, int(self.REBALANCE_PIECE * capacity))
         rate = self._drain_rate.get(tier)
-        piece = self.REBALANCE_FIRST_PIECE_BYTES if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
-        return max(1, min(most, piece))
+        piece = least if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
+        return max(least, min(most, piece))
 
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
                 below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
