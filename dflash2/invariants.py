@@ -54,6 +54,12 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         bad = np.flatnonzero(arr != want)
         if len(bad):
             problems.append(f"{name} of row {int(bad[0])} is {int(arr[bad[0]])}, clients hold {int(want[bad[0]])}")
+    for holder in table.clients.values():  # the share check's bound, kept as references change
+        rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
+        counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
+        if holder.ref_slot_bytes != table.ref_slots(np.repeat(rows, counts)):
+            problems.append(f"client {holder.client_id} counts {holder.ref_slot_bytes} bytes of references, "
+                            f"its references take {table.ref_slots(np.repeat(rows, counts))}")
     if (c.refs[live] < 0).any() or (c.pins[live] < 0).any():
         problems.append("a negative reference or pin count")
     # Private blocks have an owner; published ones are keyed and indexed.

@@ -200,6 +200,11 @@ class BlockManager:
                 held = sum(r.blocks * slot for r in ahead)
         kw = dict(tier=tier, request=request, priority=priority)
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
+        if held and self.placement.free_bytes(tier, size) < held:
+            # The room of the reservations ahead is not there yet: admission makes it, paced by its
+            # token bucket (a burst of demand must not set off a storm of demotions). Made here, one
+            # allocate of one block demoted the whole queue's room at once.
+            return self._held_back(ahead, priority, held)
         if vids is None:
             need = n * slot + held
             if self.placement.lower(tier) is not None:
@@ -209,15 +214,18 @@ class BlockManager:
                 need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
             self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
-                self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "
-                                         f"or above ({held} bytes): they are served first; reserve and wait")
-                return None
+                return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
             self.allocate_refusal = f"{tier.label} is full of blocks that cannot move now; reserve and wait"
             return None
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
+
+    def _held_back(self, ahead: list, priority: int, held: int) -> None:
+        self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "
+                                 f"or above ({held} bytes): they are served first; reserve and wait")
+        return None
 
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
         out = self.table.commit(client, vids, keys, parent)

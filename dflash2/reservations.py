@@ -396,21 +396,25 @@ class Admission:
         if self.settings.max_client_share >= 1.0:
             return ""
         hbm = self.table.allocators[Tier.HBM].capacity_bytes
-        held = self._client_hbm_bytes(client)
-        if held + need <= self.settings.max_client_share * hbm:
+        share = self.settings.max_client_share * hbm
+        queued = sum(r.hbm_bytes for r in self.deferred if r.client == client)
+        if self.table.client(client).ref_slot_bytes + queued + need <= share:
+            return ""  # under the share even if every block it references lay in HBM: no walk over them
+        held = self._client_hbm_bytes(client) + queued
+        if held + need <= share:
             return ""
         return f"client would hold {held + need} bytes of HBM, over its share {self.settings.max_client_share} of {hbm}"
 
     def _client_hbm_bytes(self, client: int) -> int:
-        """HBM bytes the client holds or has asked for: the blocks it references there (its private
-        blocks, and published ones: a request's blocks are published at commit and still held; not
-        the cached blocks it only pins to read, such as a prefix many clients share), and its
-        reservations still in the queue (each within the share alone, together they would be
-        granted past it)."""
+        """HBM bytes the client holds: the blocks it references there (its private blocks, and
+        published ones: a request's blocks are published at commit and still held; not the cached
+        blocks it only pins to read, such as a prefix many clients share). Its reservations still
+        in the queue count too (`_over_share`: each within the share alone, together they would be
+        granted past it). A walk over every reference: only when their bound
+        (`ClientRefs.ref_slot_bytes`) does not settle it."""
         holder = self.table.client(client)
         c = self.table.cols
         rows = np.fromiter(holder.refs, dtype=np.int64)
         rows = rows[c.tier[rows] == int(Tier.HBM)]
         slots = np.array([self.table.slot_bytes(l, Tier.HBM) for l in range(len(self.table.layouts))], dtype=np.int64)
-        held = int(slots[c.layout[rows]].sum()) if len(rows) else 0
-        return held + sum(r.hbm_bytes for r in self.deferred if r.client == client)
+        return int(slots[c.layout[rows]].sum()) if len(rows) else 0

@@ -76,6 +76,34 @@ def test_share_frees_up_when_the_client_lets_go_of_its_blocks(make_manager):
     mgr.check_invariants()
 
 
+def test_the_share_walks_a_clients_references_only_when_their_bound_does_not_settle_it(make_manager, monkeypatch):
+    """Each allocate and reserve under max_client_share < 1 walked every block the client references
+    (3-5 ms a call at 100k references): the HBM slot bytes of what it references, kept as references
+    change, bound what it holds of HBM from above. Under that bound no walk; past it, the walk
+    decides as before (blocks referenced below HBM do not count)."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=16, admission=settings(max_client_share=0.5))
+    a, host = mgr.attach("a"), mgr.attach("host")
+    lid = mgr.register_layout(SMALL)
+    walks = []
+    walk = mgr.admission._client_hbm_bytes
+    monkeypatch.setattr(mgr.admission, "_client_hbm_bytes", lambda client: walks.append(client) or walk(client))
+    running = mgr.allocate(a, lid, 3)
+    mgr.commit(a, running[:2], keys=[1, 2])  # published, still referenced: held
+    assert mgr.reserve(a, lid, tokens=16 * 2).outcome is Outcome.GRANTED  # 5 of 8 blocks
+    assert walks == []
+    below = mgr.commit(host, mgr.allocate(host, lid, 6, tier=Tier.DRAM), keys=[10, 11, 12, 13, 14, 15])
+    mgr.add_ref(a, below)  # referenced in DRAM: not held in HBM, but the bound counts them
+    assert mgr.reserve(a, lid, tokens=16 * 3).outcome is Outcome.GRANTED  # 3 + 2 + 3 in HBM: the walk says so
+    assert walks == [a]
+    assert mgr.reserve(a, lid, tokens=16).outcome is Outcome.REJECTED
+    mgr.free(a, below)
+    mgr.free(a, running)
+    walks.clear()
+    assert mgr.allocate(a, lid, 1) is not None  # 2 + 3 reserved + 1: under the bound again
+    assert walks == []
+    mgr.check_invariants()
+
+
 # -- reservations that can never fit -----------------------------------------------------------
 
 def test_reservation_beyond_the_blocks_the_tier_holds_is_rejected_not_queued(make_manager):
@@ -148,3 +176,58 @@ def test_a_rejected_reservation_does_not_refill_the_bucket(make_manager, clock):
     assert mgr.placement.stats.demoted == demoted
     mgr.check_invariants()
 
+
+
+def test_an_allocate_held_behind_the_queue_scans_for_room_only_when_blocks_may_have_become_movable(
+        make_manager, monkeypatch):
+    """The head waits on blocks being written; a client with nothing running allocates, leaving the
+    head's room to it, and makes room for both: a pass over every row for blocks that cannot move,
+    on every retry (3.4 ms a call at a million blocks). Until a call lets blocks go (here a free
+    that leaves cached blocks idle; not a free of a private block) the tier is known to have none."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8, admission=settings())
+    w, b, f = mgr.attach("w"), mgr.attach("b"), mgr.attach("f")
+    lid = mgr.register_layout(SMALL)
+    writing = mgr.allocate(w, lid, 6)
+    scans = []
+    movable = mgr.placement.movable
+    monkeypatch.setattr(mgr.placement, "movable", lambda *args, **kw: scans.append(1) or movable(*args, **kw))
+    assert mgr.reserve(b, lid, tokens=16 * 4).outcome is Outcome.DEFERRED  # its room-making found none
+    assert mgr.allocate(f, lid, 1) is None and "held for 1 reservation" in mgr.allocate_refusal
+    first = len(scans)
+    assert first > 0
+    for _ in range(5):
+        assert mgr.allocate(f, lid, 1) is None
+    mgr.free(w, writing[:1])  # a private block freed: room as it is, nothing newly movable
+    assert mgr.allocate(f, lid, 1) is None
+    assert len(scans) == first
+    mgr.free(w, mgr.commit(w, writing[1:3], keys=[1, 2]))  # two cached blocks idle: room can be made
+    assert mgr.allocate(f, lid, 1) is not None  # 3 free + 2 demoted: the head's 4 and this one
+    assert len(scans) > first
+    assert mgr.stats()["placement"]["demoted"] == 2
+    mgr.check_invariants()
+
+
+
+
+def test_an_allocate_behind_the_queue_does_not_make_the_queues_room_past_the_bucket(make_manager, clock):
+    """A reservation waits for room that admission's token bucket pays out over its window; an
+    allocate by a client with nothing running queues behind it. Before, that allocate made room for
+    itself and the whole queue at once (31 blocks demoted by one allocate of one block, the bucket
+    holding 10): the storm of demotions the smoothing is there to prevent. Now it is refused until
+    the queue's room is there, and the room comes at the bucket's pace."""
+    mgr = make_manager(hbm_blocks=100, dram_blocks=200, admission=settings(burst_fraction=0.1))
+    a, b, f = mgr.attach("a"), mgr.attach("b"), mgr.attach("f")
+    lid = mgr.register_layout(SMALL)
+    for k in range(90):  # HBM 90% full of idle cached blocks
+        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k + 1]))
+    waiting = mgr.reserve(b, lid, tokens=16 * 40)
+    assert waiting.outcome is Outcome.DEFERRED
+    demoted = mgr.placement.stats.demoted
+    assert mgr.allocate(f, lid, 1) is None and "held for 1 reservation" in mgr.allocate_refusal
+    assert mgr.placement.stats.demoted == demoted, "no room made for the queue outside the bucket"
+    for _ in range(40):  # the window passes: the bucket pays, the reservation is granted
+        clock.advance(0.1)
+        mgr.tick()
+    assert mgr.admission.status(waiting.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.allocate(f, lid, 1) is not None
+    mgr.check_invariants()

@@ -34,6 +34,7 @@ class Publishing:
         self._require(rows, S.WRITING, "commit")
         if keys is None:
             c.state[rows] = S.RESIDENT
+            self._may_move(rows)
             return self.vids(rows)
         if len(keys) != len(rows):
             raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
@@ -71,6 +72,7 @@ class Publishing:
                 self._link(row, prev)
             out[i] = row
             prev = row
+        self._may_move(out)  # RESIDENT and ownerless (a twin: a reference of it moved, its slot may have)
         return self.vids(out)
 
     def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
@@ -98,12 +100,14 @@ class Publishing:
             self.pinned_copies.add(row)
             holder.refs.pop(row, None)
             c.refs[row] -= refs
+            holder.ref_slot_bytes -= self.ref_slots(np.full(refs, row, dtype=np.int64))
         else:
             if (c.tier[row] < c.tier[existing] and c.state[existing] == int(S.RESIDENT)
                     and c.pins[existing] == 0 and c.layout[row] == c.layout[existing]):
                 self._swap_slots(row, existing)
             self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
         holder.refs[existing] += refs
+        holder.ref_slot_bytes += self.ref_slots(np.full(refs, existing, dtype=np.int64))
         c.refs[existing] += refs
 
     def _swap_slots(self, row: int, existing: int) -> None:
@@ -113,6 +117,7 @@ class Publishing:
         up, down = int(c.tier[row]), int(c.tier[existing])
         c.offset[row], c.offset[existing] = c.offset[existing], c.offset[row]
         c.tier[row], c.tier[existing] = down, up
+        self._may_move([row, existing])
         p = int(c.parent[existing])
         if p != NO_ROW:  # the twin now counts among its parent's children of the faster tier
             c.kids[down, p] -= 1

@@ -35,6 +35,7 @@ from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
 from dflash2.table.keyindex import EMPTY, KeyIndex
+from dflash2.table.lost import LostBlocks
 from dflash2.table.publish import Publishing
 from dflash2.table.states import BlockState, check_transition
 from dflash2.tiers import Tier
@@ -55,9 +56,13 @@ class ClientRefs:
         self.name = name
         self.refs: Counter[int] = Counter()
         self.pins: Counter[int] = Counter()
+        # Invariant: the HBM slot bytes of the blocks in `refs` (each counted as often as
+        # referenced), wherever they lie: kept as refs change, never by a walk over them. It bounds
+        # what the client holds of HBM from above, so a share check under it needs no walk.
+        self.ref_slot_bytes = 0
 
 
-class BlockTable(Publishing):
+class BlockTable(Publishing, LostBlocks):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
                  capacity: int = 1024):
         self.allocators = allocators
@@ -76,6 +81,10 @@ class BlockTable(Publishing):
         # Rows a commit's deduplication moved to another tier (the cached twin taking the writer's
         # faster slot): the manager tells the policy, as after a move. Drained by `take_recast`.
         self._recast: list[int] = []
+        # Per tier, a count of the calls that may have made one of its blocks movable (a commit, a
+        # move's end, a reference or pin let go: `_may_move`). Placement remembers a tier in which
+        # no block could move only until its count changes (`Placement._nothing_movable`).
+        self.movable_epoch = np.zeros(len(Tier) + 1, dtype=np.int64)  # the last for tier -1 (freed rows)
 
     # -- layouts and clients ---------------------------------------------------------------
     def register_layout(self, layout: Layout) -> int:
@@ -85,6 +94,15 @@ class BlockTable(Publishing):
                 return i
         self.layouts.append(layout)
         return len(self.layouts) - 1
+
+    def ref_slots(self, rows: np.ndarray) -> int:
+        """HBM slot bytes of these rows' blocks (a row listed twice counts twice), wherever they
+        lie: what `ClientRefs.ref_slot_bytes` adds up. 0 on a table with no HBM tier."""
+        hbm = self.allocators.get(Tier.HBM)
+        if hbm is None or not len(rows):
+            return 0
+        slots = np.array([hbm.slot_for(lay.block_bytes) for lay in self.layouts], dtype=np.int64)
+        return int(slots[self.cols.layout[rows]].sum())
 
     def layout(self, layout_id: int) -> Layout:
         if not 0 <= layout_id < len(self.layouts):
@@ -195,6 +213,7 @@ class BlockTable(Publishing):
         c.last_access[rows] = self.clock()
         for r in rows.tolist():
             holder.refs[r] += 1
+        holder.ref_slot_bytes += self.ref_slots(rows[:1]) * n
         return self.vids(rows)
 
     def open_write(self, client_id: int, vids) -> None:
@@ -212,6 +231,7 @@ class BlockTable(Publishing):
         rows = self.usable_rows(client_id, vids)
         np.add.at(self.cols.refs, rows, 1)
         holder.refs.update(rows.tolist())
+        holder.ref_slot_bytes += self.ref_slots(rows)
 
     def raise_priority(self, rows: np.ndarray, priority: int) -> None:
         """Blocks used by a request of `priority` carry at least it, until nobody references or
@@ -249,6 +269,7 @@ class BlockTable(Publishing):
             if holder.refs[r] == 0:
                 del holder.refs[r]
             c.refs[r] -= 1
+        holder.ref_slot_bytes -= self.ref_slots(rows)
         return self._after_refs_dropped(np.unique(rows))
 
     def _drop_all_refs(self, holder: ClientRefs) -> int:
@@ -257,13 +278,20 @@ class BlockTable(Publishing):
         rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
         counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
         holder.refs.clear()
+        holder.ref_slot_bytes = 0
         self.cols.refs[rows] -= counts.astype(self.cols.refs.dtype)  # distinct rows: no repeats to add up
         return self._after_refs_dropped(rows)
+
+    def _may_move(self, rows) -> None:
+        """These rows may have become movable (entered RESIDENT, a tier, or lost a reference, a pin
+        or their owner): the tiers they lie in count a change (`movable_epoch`)."""
+        self.movable_epoch[self.cols.tier[rows]] += 1
 
     def _after_refs_dropped(self, rows: np.ndarray) -> int:
         """`rows` (distinct) lost references: private ones nobody references any more are freed,
         published ones nobody holds go back to their writer's priority. Returns how many were freed."""
         c = self.cols
+        self._may_move(rows[c.key[rows] != 0])  # a private block let go is freed, never moved
         self._settle_priority(rows)
         f = rows[(c.refs[rows] == 0) & (c.key[rows] == 0)]
         if len(f):
@@ -312,6 +340,7 @@ class BlockTable(Publishing):
         pins.subtract(counts)
         for r in [r for r in counts if not pins[r]]:
             del pins[r]
+        self._may_move(rows)
         self._settle_priority(list(counts))
         self._free_unheld(counts)
 
@@ -455,35 +484,6 @@ class BlockTable(Publishing):
         self.pinned_copies.difference_update(rows.tolist())
         c.give_rows(rows.astype(np.int32))
 
-    def drop_lost(self, rows: np.ndarray) -> None:
-        """These blocks' stored bytes failed their checksum: they must never be found again. Each is
-        unpublished and cut out of the prefix tree; its cached children become roots nobody can
-        reach by lookup: the childless ones nobody holds are evicted now, the others go through the
-        policy like any cold block. One still referenced stays until its last reference."""
-        c = self.cols
-        for r in np.asarray(rows, dtype=np.int64).tolist():
-            if c.state[r] == S.FREE:
-                continue
-            self.lost.add(r)
-            if c.key[r]:
-                self.keys.remove(int(c.key[r]))
-                c.key[r] = 0
-            p = int(c.parent[r])
-            if p != NO_ROW:
-                c.kids[c.tier[r], p] -= 1
-                c.nkids[p] -= 1
-                c.parent[r] = NO_ROW
-            kids = np.flatnonzero((c.parent == r) & (c.state != int(S.FREE)))
-            c.parent[kids] = NO_ROW
-            c.kids[:, r] = 0
-            c.nkids[r] = 0
-            if c.refs[r] == 0 and c.pins[r] == 0:
-                self.lost.discard(r)
-                self._release_rows(np.array([r], dtype=np.int64))
-            orphans = kids[self.evictable(kids)] if len(kids) else kids
-            if len(orphans):
-                self.drop_lost(orphans)
-
     # -- moves (two-phase; the mover drives these) ----------------------------------------
     def begin_move(self, rows: np.ndarray, dst: Tier) -> np.ndarray | None:
         """RESIDENT → MIGRATING and destination slots, or None (no room at dst; nothing changed)."""
@@ -528,6 +528,7 @@ class BlockTable(Publishing):
                 add_at(flat, int(dst) * c.capacity + parents[linked].astype(np.int64), 1)
             c.tier[moved] = dst
             c.offset[moved] = dst_offsets[ok]
+        self._may_move(rows)  # RESIDENT again: in dst, or where they were
         orphans = [r for r in rows.tolist() if r in self._free_after_move] if self._free_after_move else []
         if orphans:
             self._free_after_move.difference_update(orphans)
@@ -557,6 +558,7 @@ class BlockTable(Publishing):
         unpinned = np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))
         pins = np.fromiter(holder.pins.values(), dtype=np.int64, count=len(holder.pins))
         c.pins[unpinned] -= pins.astype(c.pins.dtype)  # distinct rows: no repeats to add up
+        self._may_move(unpinned)
         holder.pins.clear()
         dereferenced = sum(holder.refs.values())
         freed = self._drop_all_refs(holder)
