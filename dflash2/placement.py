@@ -14,7 +14,6 @@ block: the request would otherwise not run at all.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -23,6 +22,7 @@ from dflash2.forest import local_parents, ranked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.readcost import ReadCost
+from dflash2.rebalance import Rebalancing
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT, NO_ROW
 from dflash2.tiers import Tier
@@ -45,7 +45,7 @@ class PlacementStats:
     past_full: int = 0  # demoted past a tier that had no room it could make (counted in `demoted` too)
 
 
-class Placement:
+class Placement(Rebalancing):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
     # A promotion into a full tier moves in pieces of at most this many bytes, making room for each
@@ -59,20 +59,9 @@ class Placement:
     # (more selection passes and engine submissions), 128 KiB 45 vs 46, 256 KiB 46 vs 45, 2 MiB
     # 42 vs 30-31.
     PROMOTE_PIECES_MIN_BLOCK = 256 << 10
-    # The background rebalance runs at most this long a step (seconds), in pieces of REBALANCE_PIECE
-    # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
-    # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
-    # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
-    # until it is down to its low one. Each tier gets one piece a step whatever the time. A piece is
-    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget,
-    # between REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is
-    # 1.3 GB of NVMe writes, half a second of the loop at 2.3 GB/s; a sixteenth of that, 35 ms. The
-    # floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
-    # table) alone outlasts half the budget: sized by rate alone, each piece would then be smaller
-    # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor.
-    REBALANCE_BUDGET_S = 0.05
-    REBALANCE_PIECE = 0.01
-    REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
+    # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
+    # table, and partitions every score otherwise (`_at_or_below_cut`).
+    GATHER_BELOW = 4
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -83,19 +72,14 @@ class Placement:
         self.watermarks = watermarks
         self.cold_threshold = cold_threshold
         self.stats = PlacementStats()
+        self._keyed: np.ndarray | None = None  # `_scratch`
         # (tier, evict, idle_only) -> the tier's `movable_epoch` when nothing could leave it that
         # way (before protect and priority, which only narrow the mask): until a call may have made
         # one of its blocks movable, a selection there finds nothing without a pass over every row
         # (a refused allocate, one held behind the queue, a promotion into an HBM all held, each
         # retried by its client, paid two or four such passes a call).
         self._nothing_movable: dict[tuple[int, bool, bool], int] = {}
-        self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
-        # Per draining tier, its cold cut when the drain began (rows and their generations): the
-        # drain moves only those blocks, however many steps it takes.
-        self._cuts: dict[Tier, tuple[np.ndarray, np.ndarray]] = {}
-        # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
-        # the next pieces (`_piece_bytes`).
-        self._drain_rate: dict[Tier, float] = {}
+        self._init_rebalancing()
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -192,14 +176,7 @@ class Placement:
                 return np.empty(0, dtype=np.int64)
         sizes = self._slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        rows = np.flatnonzero(reach)
-        # The k-th lowest reachable score, partitioned among the reachable rows alone (a tier's
-        # share of the table, not every row with the others set to +inf: the same k-th value,
-        # since k <= n_reach, at a tenth of the work when HBM holds a tenth of the blocks).
-        cut = np.partition(scores[rows], k - 1)[k - 1] if k < len(scores) else np.inf
-        below = np.zeros(len(reach), dtype=bool)
-        below[rows[scores[rows] <= cut]] = True
-        part = self._leaving(tier, below, evict, scores, through)
+        part = self._leaving(tier, self._at_or_below_cut(reach, n_reach, scores, k), evict, scores, through)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
@@ -210,6 +187,33 @@ class Placement:
         slot = sizes[self.table.cols.layout[part]]
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
+
+    def _at_or_below_cut(self, reach: np.ndarray, n_reach: int, scores: np.ndarray, k: int) -> np.ndarray:
+        """Mask of the reachable rows scored at or below the k-th lowest reachable score (k <=
+        n_reach). Where the reachable rows are a small share of the table (a tier's blocks among
+        every tier's), they alone are gathered and partitioned; where they are most of it, every
+        score is partitioned in a scratch copy with the others set to +inf (gathering them costs
+        more there: 4-5 ms against 8-9 for a million rows all in one tier, `bench table`). Both
+        give the same cut, so the same victims."""
+        if k >= len(scores):
+            return reach
+        if n_reach * self.GATHER_BELOW <= len(scores):
+            rows = np.flatnonzero(reach)
+            cut = np.partition(scores[rows], k - 1)[k - 1]
+            below = np.zeros(len(reach), dtype=bool)
+            below[rows[scores[rows] <= cut]] = True
+            return below
+        keyed = self._scratch(len(scores), scores.dtype)
+        np.copyto(keyed, scores)
+        np.copyto(keyed, np.inf, where=~reach)
+        keyed.partition(k - 1)
+        return reach & (scores <= keyed[k - 1])
+
+    def _scratch(self, n: int, dtype) -> np.ndarray:
+        """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
+        if self._keyed is None or len(self._keyed) != n or self._keyed.dtype != dtype:
+            self._keyed = np.empty(n, dtype=dtype)
+        return self._keyed
 
     def _leaving(self, tier: Tier, below: np.ndarray, evict: bool, scores: np.ndarray | None,
                  through: Tier | None = None) -> np.ndarray:
@@ -432,58 +436,7 @@ class Placement:
         self.stats.evicted += len(rows)
         return True
 
-    # -- background and promotion ----------------------------------------------------------
-    def rebalance(self) -> None:
-        """Bring every tier that went above its high watermark down to its low watermark, moving
-        only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
-        again over what is left), for at most REBALANCE_BUDGET_S this step (the rest in the next
-        steps). Slowest tier first, so that demotions find room below. Blocks awaiting their read
-        (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
-        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
-        protect = np.concatenate(held) if held else None
-        deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
-        c = self.table.cols
-        for tier in reversed(self.tiers):
-            wm = self.watermarks[tier]
-            if self.used_fraction(tier) > wm.high and tier not in self.draining:
-                self.draining.add(tier)
-                cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
-                self._cuts[tier] = (cut, c.gen[cut].copy())
-            if tier not in self.draining:
-                continue
-            target_free = int((1.0 - wm.low) * self.table.allocators[tier].capacity_bytes)
-            rows, gens = self._cuts[tier]
-            cold = np.zeros(c.capacity, dtype=bool)
-            cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
-            done = self.free_bytes(tier) >= target_free
-            while not done:
-                free = self.free_bytes(tier)
-                started = time.perf_counter()
-                # Down to its low watermark, or the cut is used up: done until it goes over again.
-                done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier)), cold_only=True,
-                                           cold=cold, protect=protect)
-                        or self.free_bytes(tier) >= target_free)
-                now = time.perf_counter()
-                freed = self.free_bytes(tier) - free
-                if freed > 0:
-                    self._drain_rate[tier] = freed / max(now - started, 1e-6)
-                if now >= deadline:
-                    break  # the rest in the next steps (each draining tier gets a piece a step)
-            if done:
-                self.draining.discard(tier)
-                del self._cuts[tier]
-
-    def _piece_bytes(self, tier: Tier) -> int:
-        """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in half
-        the step's budget, within REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier (and one byte:
-        at least one block); the floor while no rate is known."""
-        capacity = self.table.allocators[tier].capacity_bytes
-        least = max(1, int(self.REBALANCE_MIN_PIECE * capacity))
-        most = max(least, int(self.REBALANCE_PIECE * capacity))
-        rate = self._drain_rate.get(tier)
-        piece = least if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
-        return max(least, min(most, piece))
-
+    # -- promotion -------------------------------------------------------------------------
     def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
                 below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
         """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`

@@ -525,3 +525,23 @@ def test_a_selection_ranks_only_the_rows_that_may_leave(make_manager, clock, mon
     rows = mgr.table.rows([v for v in hbm if v != hbm[6]])
     scores = mgr.policy.scores_all(mgr.table, clock())[rows]
     assert victims.tolist() == rows[np.lexsort((rows, scores))][:3].tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_both_ways_of_finding_the_cut_take_the_same_rows(make_manager, monkeypatch, seed):
+    """The cut is the k-th lowest reachable score, found by gathering the reachable rows (a small
+    share of the table) or by partitioning every score with the others at +inf (most of it): the
+    same rows either way, ties at the cut included."""
+    pl = make_manager(hbm_blocks=8).placement
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 20, size=4000).astype(np.float32)  # many ties
+    for share in (0.05, 0.6, 1.0):
+        reach = rng.random(4000) < share
+        n_reach = int(reach.sum())
+        for k in (1, 7, max(1, n_reach // 2), n_reach):
+            masks = []
+            for gather_below in (1, 10 ** 9):  # gather the reachable rows / partition every score
+                monkeypatch.setattr(pl, "GATHER_BELOW", gather_below)
+                masks.append(pl._at_or_below_cut(reach.copy(), n_reach, scores, k))
+            assert (masks[0] == masks[1]).all(), (share, k)
+            assert masks[0].sum() >= k and not (masks[0] & ~reach).any()

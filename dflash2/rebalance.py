@@ -1,0 +1,91 @@
+"""The background rebalance: a tier that went over its high watermark drains its cold blocks down to
+its low watermark, in pieces, over as many background steps as that takes. A part of Placement (a
+mixin over its tiers, watermarks and room-making), apart because the pacing of a drain (its cold cut,
+its pieces, its time budget) is a job of its own."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dflash2.tiers import Tier
+
+
+class Rebalancing:
+    """Placement's rebalance (the attributes it uses are Placement's)."""
+
+    # The background rebalance runs at most this long a step (seconds), in pieces of REBALANCE_PIECE
+    # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
+    # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
+    # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
+    # until it is down to its low one. Each tier gets one piece a step whatever the time. A piece is
+    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget,
+    # between REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is
+    # 1.3 GB of NVMe writes, half a second of the loop at 2.3 GB/s; a sixteenth of that, 35 ms. The
+    # floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
+    # table) alone outlasts half the budget: sized by rate alone, each piece would then be smaller
+    # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor.
+    REBALANCE_BUDGET_S = 0.05
+    REBALANCE_PIECE = 0.01
+    REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
+
+    def _init_rebalancing(self) -> None:
+        self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
+        # Per draining tier, its cold cut when the drain began (rows and their generations): the
+        # drain moves only those blocks, however many steps it takes.
+        self._cuts: dict[Tier, tuple[np.ndarray, np.ndarray]] = {}
+        # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
+        # the next pieces (`_piece_bytes`).
+        self._drain_rate: dict[Tier, float] = {}
+
+    def rebalance(self) -> None:
+        """Bring every tier that went above its high watermark down to its low watermark, moving
+        only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
+        again over what is left), for at most REBALANCE_BUDGET_S this step (the rest in the next
+        steps). Slowest tier first, so that demotions find room below. Blocks awaiting their read
+        (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
+        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+        protect = np.concatenate(held) if held else None
+        deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
+        c = self.table.cols
+        for tier in reversed(self.tiers):
+            wm = self.watermarks[tier]
+            if self.used_fraction(tier) > wm.high and tier not in self.draining:
+                self.draining.add(tier)
+                cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
+                self._cuts[tier] = (cut, c.gen[cut].copy())
+            if tier not in self.draining:
+                continue
+            target_free = int((1.0 - wm.low) * self.table.allocators[tier].capacity_bytes)
+            rows, gens = self._cuts[tier]
+            cold = np.zeros(c.capacity, dtype=bool)
+            cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
+            done = self.free_bytes(tier) >= target_free
+            while not done:
+                free = self.free_bytes(tier)
+                started = time.perf_counter()
+                # Down to its low watermark, or the cut is used up: done until it goes over again.
+                done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier)), cold_only=True,
+                                           cold=cold, protect=protect)
+                        or self.free_bytes(tier) >= target_free)
+                now = time.perf_counter()
+                freed = self.free_bytes(tier) - free
+                if freed > 0:
+                    self._drain_rate[tier] = freed / max(now - started, 1e-6)
+                if now >= deadline:
+                    break  # the rest in the next steps (each draining tier gets a piece a step)
+            if done:
+                self.draining.discard(tier)
+                del self._cuts[tier]
+
+    def _piece_bytes(self, tier: Tier) -> int:
+        """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in half
+        the step's budget, within REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier (and one byte:
+        at least one block); the floor while no rate is known."""
+        capacity = self.table.allocators[tier].capacity_bytes
+        least = max(1, int(self.REBALANCE_MIN_PIECE * capacity))
+        most = max(least, int(self.REBALANCE_PIECE * capacity))
+        rate = self._drain_rate.get(tier)
+        piece = least if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
+        return max(least, min(most, piece))
