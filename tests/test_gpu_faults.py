@@ -215,3 +215,23 @@ def test_a_copy_engine_batch_the_driver_refuses_is_an_arena_error():
     offs, sizes = np.arange(4, dtype=np.int64) << 16, np.full(4, 1 << 16, dtype=np.int64)
     with pytest.raises(ArenaError, match="cuMemcpyBatchAsync failed"):
         engines.launch(0, dst.data.ptr, src.data.ptr, offs, offs, sizes)
+
+
+def test_a_copy_kernel_launch_the_driver_refuses_is_an_arena_error():
+    """The copy kernel goes to the driver's cuLaunchKernel directly: a launch it refuses (here a
+    thread block larger than any GPU allows) is a named error with the driver's code, and the GPU
+    stays usable (such a refusal is not sticky)."""
+    import cupy as cp
+    from dflash2.cuda.kernels import CopyKernel
+    from dflash2.errors import ArenaError
+    with cp.cuda.Device(0):
+        kernel = CopyKernel(0)
+        stream = cp.cuda.Stream(non_blocking=True)
+        with pytest.raises(ArenaError, match=r"cuLaunchKernel of the copy kernel failed with CUDA error \d+ "
+                                              r"\(grid 1, block 4096\)"):
+            kernel._launcher.launch(1, 4096, stream.ptr, kernel._args.params)
+        src = cp.arange(4096, dtype=cp.uint8)
+        dst = cp.zeros(4096, dtype=cp.uint8)
+        kernel.launch(stream, src.data.ptr, dst.data.ptr, np.array([0]), np.array([0]), np.array([4096]))
+        stream.synchronize()
+        assert (dst == src).all()
