@@ -45,20 +45,27 @@ def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, c
     mgr.check_invariants()
 
 
+def full_of_aged_blocks(make_manager, clock, monkeypatch, blocks: int, low: float, cold_threshold: float = 0.9):
+    """A manager whose HBM of `blocks` blocks is full of cached blocks aged one tick apart (the
+    oldest first), its high watermark at 0.95, and no time budget for a rebalance: one piece a
+    step. Returns it, its layout and a count of HBM's blocks."""
+    mgr = make_manager(hbm_blocks=blocks, dram_blocks=2 * blocks, cold_threshold=cold_threshold,
+                       watermarks={Tier.HBM: Watermark(0.95, low)})
+    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, blocks + 1):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    return mgr, lid, lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
+
+
 def test_a_rebalance_drains_in_pieces_step_after_step(make_manager, clock, monkeypatch):
     """Over its high watermark, a tier drains a piece at a time (a hundredth of it) while the step's
     time lasts, and goes on in the next steps until it is down to its low watermark: 10% of a tier
     in one step held the daemon's loop for seconds when DRAM went down to NVMe. With no time left,
     each draining tier still gets one piece a step."""
-    mgr = make_manager(hbm_blocks=100, dram_blocks=200, cold_threshold=0.9,
-                       watermarks={Tier.HBM: Watermark(0.95, 0.85)})
-    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(1, 101):
-        clock.advance(1)
-        fill(mgr, a, lid, [k])
-    hbm = lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
+    mgr, lid, hbm = full_of_aged_blocks(make_manager, clock, monkeypatch, 100, low=0.85)
     mgr.tick()
     assert hbm() == 99 and Tier.HBM in mgr.placement.draining
     for left in range(98, 84, -1):  # under the high watermark now, and still draining
@@ -76,14 +83,7 @@ def test_a_drain_over_several_steps_moves_only_the_blocks_cold_when_it_began(mak
     """cold_threshold 0.2: the drain that starts over the high watermark moves the coldest fifth of
     the tier as it was then, over as many steps as that takes, and stops there (a new cut each step
     would call the coldest of the rest cold, and drain warm blocks down to the low watermark)."""
-    mgr = make_manager(hbm_blocks=100, dram_blocks=200, cold_threshold=0.2,
-                       watermarks={Tier.HBM: Watermark(0.95, 0.5)})
-    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)  # one piece (one block) a step
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(1, 101):
-        clock.advance(1)
-        fill(mgr, a, lid, [k])
+    mgr, lid, _ = full_of_aged_blocks(make_manager, clock, monkeypatch, 100, low=0.5, cold_threshold=0.2)
     for _ in range(40):
         mgr.tick()
     assert mgr.stats()["tiers"]["hbm"]["blocks"] == 80
@@ -474,17 +474,9 @@ def test_a_drain_sizes_its_pieces_by_its_measured_rate(make_manager, clock, monk
     daemon's loop for half a second whatever the budget. A tier's first piece is the floor, and so
     is every piece while a piece's fixed cost alone outlasts half the budget (by rate alone the
     pieces would shrink to one block a step)."""
-    mgr = make_manager(hbm_blocks=3200, dram_blocks=6400, cold_threshold=0.9,
-                       watermarks={Tier.HBM: Watermark(0.95, 0.5)})
+    mgr, _, hbm = full_of_aged_blocks(make_manager, clock, monkeypatch, 3200, low=0.5)
     pl = mgr.placement
     block = 16384
-    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 0.0)  # one piece a step
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(1, 3201):
-        clock.advance(1)
-        fill(mgr, a, lid, [k])
-    hbm = lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
     mgr.tick()
     assert hbm() == 3198  # the first piece: 2 blocks (a sixteenth of 1%), not 1% (32)
     assert Tier.HBM in pl._drain_rate
