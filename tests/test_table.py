@@ -180,7 +180,7 @@ def test_a_key_cached_for_another_layout_is_not_deduplicated(mgr):
 
 def test_drop_lost_finds_the_children_of_a_batch_in_one_pass(mgr, monkeypatch):
     """A failed NVMe batch loses up to a swap batch of blocks: their children are found in one pass
-    over the parent column for the whole call (one per lost block held the loop ~0.7 s at a million
+    over the parent column for the whole call (one per lost block held the loop ~0.5 s for 1,024 at a million
     blocks), and the outcome is the per-block one: children cut loose, childless orphans dropped,
     held ones kept, the rest of each chain still cached."""
     t = mgr.table

@@ -23,7 +23,8 @@ class LostBlocks:
         policy like any cold block. One still referenced stays until its last reference.
         The children are found in one pass over the parent column for the whole call
         (`_children_of`), not one per lost block: a failed NVMe batch is up to a swap batch of
-        blocks, and a pass per block held the loop for ~0.7 s at a million blocks."""
+        blocks, and a pass per block held the loop for about half a second for 1,024 of them at a
+        million blocks (476 us a block in the scale audit)."""
         c = self.cols
         rows = np.asarray(rows, dtype=np.int64)
         children = self._children_of(rows)
