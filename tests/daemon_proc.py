@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,16 +30,29 @@ class DaemonProcess:
             self.proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", self.config_path],
                                          stdout=subprocess.PIPE, stderr=log, text=True,
                                          cwd=str(Path(self.config_path).parent))
+        # Lines are read on a thread: a daemon that hangs at start-up printing nothing would block a
+        # readline here past the deadline, and with it the whole test run.
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, args=(lines,), daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
             if line.startswith("DFlash2: enabled"):
                 self.startup_line = line.strip()
                 return self
-            if not line and self.proc.poll() is not None:
+            if not line:  # end of output: the daemon exited
+                self.proc.wait(timeout=10)
                 raise RuntimeError(f"dflash2d exited with {self.proc.returncode}: {self.log()}")
         self.stop()
         raise RuntimeError(f"dflash2d did not start within {STARTUP_TIMEOUT_S}s: {self.log()}")
+
+    def _read_lines(self, lines: "queue.Queue[str]") -> None:
+        for line in self.proc.stdout:
+            lines.put(line)
+        lines.put("")
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
