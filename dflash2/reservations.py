@@ -75,6 +75,7 @@ class Reservation:
     request: int
     created: float
     hbm_bytes: int = 0  # what its blocks take of HBM (slots of its layout)
+    block_bytes: int = 0  # its layout's block size (`ahead_of` asks it of every waiting reservation)
     vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
     taken: int = 0
     granted: bool = False
@@ -151,7 +152,8 @@ class Admission:
             expires = min(expires, deadline)  # the operator's TTL bounds what a client may hold
         if expires <= now:
             return self._reject("deadline already passed")
-        res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need)
+        res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
+                          layout.block_bytes)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
@@ -343,7 +345,7 @@ class Admission:
 
     def check_invariants(self) -> None:
         """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is
-        both granted and waiting."""
+        both granted and waiting; each waiting one's block size is its layout's."""
         order = [(-r.priority, r.id) for r in self.deferred]
         problems = []
         if order != sorted(order):
@@ -352,6 +354,8 @@ class Admission:
             problems.append("the deferred queue's index does not match the queue")
         if self._waiting.keys() & self.granted.keys():
             problems.append("a reservation is both granted and waiting")
+        if any(r.block_bytes != self.table.layout(r.layout_id).block_bytes for r in self.deferred):
+            problems.append("a waiting reservation's block size is not its layout's")
         if problems:
             raise InvariantViolation("; ".join(problems))
 
@@ -382,7 +386,7 @@ class Admission:
         anyway), and only those of `block_bytes` when given (slots of another size are no room
         for them)."""
         return [r for r in self.deferred if r.priority >= priority and r.client != client
-                and (block_bytes is None or self.table.layout(r.layout_id).block_bytes == block_bytes)]
+                and (block_bytes is None or r.block_bytes == block_bytes)]
 
     def check_share(self, client: int, need: int) -> None:
         """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
