@@ -31,7 +31,7 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     counted = table.tier_blocks()
     for tier, alloc in table.allocators.items():
         here = live[c.tier[live] == int(tier)]
-        slots = np.array([table.slot_bytes(lid, tier) for lid in range(len(table.layouts))], dtype=np.int64)
+        slots = table.slot_sizes(tier)
         want = int(np.bincount(c.layout[here], minlength=len(slots)) @ slots) if len(slots) else 0
         want += (in_flight_bytes or {}).get(tier, 0)
         if alloc.used_bytes != want:
@@ -57,9 +57,10 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     for holder in table.clients.values():  # the share check's bound, kept as references change
         rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
         counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
-        if holder.ref_slot_bytes != table.ref_slots(np.repeat(rows, counts)):
+        taken = table.ref_slots(np.repeat(rows, counts))
+        if holder.ref_slot_bytes != taken:
             problems.append(f"client {holder.client_id} counts {holder.ref_slot_bytes} bytes of references, "
-                            f"its references take {table.ref_slots(np.repeat(rows, counts))}")
+                            f"its references take {taken}")
     if (c.refs[live] < 0).any() or (c.pins[live] < 0).any():
         problems.append("a negative reference or pin count")
     # Private blocks have an owner; published ones are keyed and indexed.

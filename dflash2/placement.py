@@ -174,7 +174,7 @@ class Placement(Rebalancing):
             n_reach = int(np.count_nonzero(reach))
             if not n_reach:
                 return np.empty(0, dtype=np.int64)
-        sizes = self._slot_sizes(tier)
+        sizes = self.table.slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
         part = self._leaving(tier, self._at_or_below_cut(reach, n_reach, scores, k), evict, scores, through)
         if not len(part):
@@ -261,12 +261,8 @@ class Placement(Rebalancing):
         cutoff = np.partition(tier_scores, k - 1)[k - 1]
         return in_tier & (scores <= cutoff)
 
-    def _slot_sizes(self, tier: Tier) -> np.ndarray:
-        """Slot bytes in `tier` per layout id."""
-        return np.array([self.table.slot_bytes(l, tier) for l in range(len(self.table.layouts))], dtype=np.int64)
-
     def _slot_bytes(self, tier: Tier, rows: np.ndarray) -> np.ndarray:
-        return self._slot_sizes(tier)[self.table.cols.layout[rows]]
+        return self.table.slot_sizes(tier)[self.table.cols.layout[rows]]
 
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,

@@ -295,10 +295,10 @@ class Admission:
 
     def _room(self, res: Reservation) -> int:
         """HBM bytes that this reservation's blocks could take now (slots of their size)."""
-        return self.placement.free_bytes(Tier.HBM, self.table.layout(res.layout_id).block_bytes)
+        return self.placement.free_bytes(Tier.HBM, res.block_bytes)
 
     def _make_room(self, res: Reservation, need: int) -> None:
-        size = self.table.layout(res.layout_id).block_bytes
+        size = res.block_bytes
         # Idle blocks first (nobody references them), whatever their writer's priority.
         self.placement.make_room(Tier.HBM, need, idle_only=True, block_bytes=size)
         if self.settings.preemption and self._room(res) < need:
@@ -333,7 +333,7 @@ class Admission:
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
         preempts = self.settings.preemption and not last
-        size = self.table.layout(res.layout_id).block_bytes
+        size = res.block_bytes
         memo = (res.priority if preempts else None, size)
         if memo not in self._movable_memo:
             mask = hbm.movable(Tier.HBM, evict=last, idle_only=True)
@@ -416,9 +416,5 @@ class Admission:
         in the queue count too (`_over_share`: each within the share alone, together they would be
         granted past it). A walk over every reference: only when their bound
         (`ClientRefs.ref_slot_bytes`) does not settle it."""
-        holder = self.table.client(client)
-        c = self.table.cols
-        rows = np.fromiter(holder.refs, dtype=np.int64)
-        rows = rows[c.tier[rows] == int(Tier.HBM)]
-        slots = np.array([self.table.slot_bytes(l, Tier.HBM) for l in range(len(self.table.layouts))], dtype=np.int64)
-        return int(slots[c.layout[rows]].sum()) if len(rows) else 0
+        rows = np.fromiter(self.table.client(client).refs, dtype=np.int64)
+        return self.table.ref_slots(rows[self.table.cols.tier[rows] == int(Tier.HBM)])

@@ -98,11 +98,9 @@ class BlockTable(Publishing, LostBlocks):
     def ref_slots(self, rows: np.ndarray) -> int:
         """HBM slot bytes of these rows' blocks (a row listed twice counts twice), wherever they
         lie: what `ClientRefs.ref_slot_bytes` adds up. 0 on a table with no HBM tier."""
-        hbm = self.allocators.get(Tier.HBM)
-        if hbm is None or not len(rows):
+        if Tier.HBM not in self.allocators or not len(rows):
             return 0
-        slots = np.array([hbm.slot_for(lay.block_bytes) for lay in self.layouts], dtype=np.int64)
-        return int(slots[self.cols.layout[rows]].sum())
+        return int(self.slot_sizes(Tier.HBM)[self.cols.layout[rows]].sum())
 
     def layout(self, layout_id: int) -> Layout:
         if not 0 <= layout_id < len(self.layouts):
@@ -166,6 +164,10 @@ class BlockTable(Publishing, LostBlocks):
 
     def slot_bytes(self, layout_id: int, tier: Tier) -> int:
         return self.allocators[tier].slot_for(self.layout(layout_id).block_bytes)
+
+    def slot_sizes(self, tier: Tier) -> np.ndarray:
+        """Slot bytes in `tier` per layout id (index it with the layout column)."""
+        return np.array([self.allocators[tier].slot_for(lay.block_bytes) for lay in self.layouts], dtype=np.int64)
 
     def block_bytes(self, rows: np.ndarray) -> np.ndarray:
         """Bytes of each row's block (its layout's), int64."""
