@@ -19,12 +19,15 @@ class Rebalancing:
     # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
     # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
     # waiting behind it. A tier that went over its high watermark keeps draining, step after step,
-    # until it is down to its low one. Each tier gets one piece a step whatever the time. A piece is
-    # sized by how fast the tier drained last (`_drain_rate`) to take at most half the budget,
-    # between REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is
-    # 1.3 GB of NVMe writes, half a second of the loop at 2.3 GB/s; a sixteenth of that, 35 ms. The
-    # floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
-    # table) alone outlasts half the budget: sized by rate alone, each piece would then be smaller
+    # until it is down to its low one. The draining tiers share the budget: each, slowest first,
+    # gets an equal part of what is left of it, and one piece whatever the time. A piece is sized by
+    # how fast the tier drained last (`_drain_rate`) to take at most half its part, between
+    # REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier: 1% of a 128 GB DRAM tier is 1.3 GB of
+    # NVMe writes, half a second of the loop at 2.3 GB/s; a sixteenth of that, 35 ms. (With every
+    # tier full and draining at a million blocks, pieces sized to half the whole budget each took
+    # 80-110 ms a step: NVMe's evictions used the budget, and DRAM and HBM then had a piece each.)
+    # The floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
+    # table) alone outlasts half its part: sized by rate alone, each piece would then be smaller
     # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor.
     REBALANCE_BUDGET_S = 0.05
     REBALANCE_PIECE = 0.01
@@ -42,50 +45,60 @@ class Rebalancing:
     def rebalance(self) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
         only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
-        again over what is left), for at most REBALANCE_BUDGET_S this step (the rest in the next
-        steps). Slowest tier first, so that demotions find room below. Blocks awaiting their read
-        (`awaiting_read`) stay: demoting them now would only bring them back up for the read."""
-        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
-        protect = np.concatenate(held) if held else None
+        again over what is left), for at most REBALANCE_BUDGET_S this step, shared by the draining
+        tiers (the rest in the next steps). Slowest tier first, so that demotions find room below.
+        Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only bring them
+        back up for the read."""
         deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
         c = self.table.cols
-        for tier in reversed(self.tiers):
-            wm = self.watermarks[tier]
-            if self.used_fraction(tier) > wm.high and tier not in self.draining:
+        for tier in self.tiers:
+            if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
                 self.draining.add(tier)
                 cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
                 self._cuts[tier] = (cut, c.gen[cut].copy())
-            if tier not in self.draining:
-                continue
-            target_free = int((1.0 - wm.low) * self.table.allocators[tier].capacity_bytes)
-            rows, gens = self._cuts[tier]
-            cold = np.zeros(c.capacity, dtype=bool)
-            cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
-            done = self.free_bytes(tier) >= target_free
-            while not done:
-                free = self.free_bytes(tier)
-                started = time.perf_counter()
-                # Down to its low watermark, or the cut is used up: done until it goes over again.
-                done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier)), cold_only=True,
-                                           cold=cold, protect=protect)
-                        or self.free_bytes(tier) >= target_free)
-                now = time.perf_counter()
-                freed = self.free_bytes(tier) - free
-                if freed > 0:
-                    self._drain_rate[tier] = freed / max(now - started, 1e-6)
-                if now >= deadline:
-                    break  # the rest in the next steps (each draining tier gets a piece a step)
-            if done:
+        order = [tier for tier in reversed(self.tiers) if tier in self.draining]
+        if not order:
+            return
+        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+        protect = np.concatenate(held) if held else None
+        for left, tier in zip(range(len(order), 0, -1), order):
+            part = max(0.0, deadline - time.perf_counter()) / left  # its share of what is left
+            if self._drain(tier, part, protect):
                 self.draining.discard(tier)
                 del self._cuts[tier]
 
-    def _piece_bytes(self, tier: Tier) -> int:
-        """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in half
-        the step's budget, within REBALANCE_MIN_PIECE and REBALANCE_PIECE of the tier (and one byte:
-        at least one block); the floor while no rate is known."""
+    def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None) -> bool:
+        """Drain `tier`'s cold cut for about `seconds` (at least one piece). True when it is done:
+        down to its low watermark, or its cut used up."""
+        c = self.table.cols
+        target_free = int((1.0 - self.watermarks[tier].low) * self.table.allocators[tier].capacity_bytes)
+        rows, gens = self._cuts[tier]
+        cold = np.zeros(c.capacity, dtype=bool)
+        cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
+        if self.free_bytes(tier) >= target_free:
+            return True
+        until = time.perf_counter() + seconds
+        while True:
+            free = self.free_bytes(tier)
+            started = time.perf_counter()
+            done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
+                                       cold_only=True, cold=cold, protect=protect)
+                    or self.free_bytes(tier) >= target_free)
+            now = time.perf_counter()
+            freed = self.free_bytes(tier) - free
+            if freed > 0:
+                self._drain_rate[tier] = freed / max(now - started, 1e-6)
+            if done or now >= until:
+                return done  # the rest in the next steps (each draining tier gets a piece a step)
+
+    def _piece_bytes(self, tier: Tier, seconds: float) -> int:
+        """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in
+        `seconds` (half the tier's part of the step's budget), within REBALANCE_MIN_PIECE and
+        REBALANCE_PIECE of the tier (and one byte: at least one block); the floor while no rate is
+        known."""
         capacity = self.table.allocators[tier].capacity_bytes
         least = max(1, int(self.REBALANCE_MIN_PIECE * capacity))
         most = max(least, int(self.REBALANCE_PIECE * capacity))
         rate = self._drain_rate.get(tier)
-        piece = least if rate is None else int(rate * self.REBALANCE_BUDGET_S / 2)
+        piece = least if rate is None else int(rate * seconds)
         return max(least, min(most, piece))

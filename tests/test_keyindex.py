@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -49,3 +50,39 @@ def test_consecutive_keys_spread_over_the_table():
         index.remove(k)
     assert np.array_equal(index.lookup(keys[1::2]), np.arange(1, 8192, 2))
     assert (index.lookup(keys[::2]) == EMPTY).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 80), min_size=1, max_size=200, unique=True), st.data())
+def test_removing_many_at_once_matches_a_dict(inserted, data):
+    """Keys crowd a few home slots (small range) so that removed keys sit inside and at the ends of
+    long probe runs, several in one run, and runs wrap around the table's end."""
+    ki, ref = KeyIndex(4), {}
+    for i, k in enumerate(inserted):
+        key = k << 40 | 1 if k % 3 else k
+        ki.insert(key, i)
+        ref[key] = i
+    gone = data.draw(st.lists(st.sampled_from(sorted(ref)), unique=True, max_size=len(ref)))
+    ki.remove_many(np.array(gone, dtype=np.uint64))
+    for key in gone:
+        del ref[key]
+    assert len(ki) == len(ref)
+    assert int((ki._rows != EMPTY).sum()) == len(ref)
+    for key, row in ref.items():
+        assert ki.get(key) == row
+    assert (ki.lookup(np.array(gone, dtype=np.uint64)) == EMPTY).all()
+    for key in list(ref)[::2]:  # single removals still work on what remove_many left
+        ki.remove(key)
+        del ref[key]
+    assert ki.lookup(np.array(sorted(ref), dtype=np.uint64)).tolist() == [ref[k] for k in sorted(ref)]
+
+
+def test_removing_many_refuses_an_absent_or_repeated_key_and_removes_nothing():
+    ki = KeyIndex(16)
+    for i, k in enumerate((5, 6, 7)):
+        ki.insert(k, i)
+    with pytest.raises(KeyError, match="0x9 is not indexed"):
+        ki.remove_many(np.array([5, 9], dtype=np.uint64))
+    with pytest.raises(KeyError, match="given twice"):
+        ki.remove_many(np.array([6, 6], dtype=np.uint64))
+    assert len(ki) == 3 and ki.lookup(np.array([5, 6, 7], dtype=np.uint64)).tolist() == [0, 1, 2]

@@ -480,14 +480,60 @@ def test_a_drain_sizes_its_pieces_by_its_measured_rate(make_manager, clock, monk
     mgr.tick()
     assert hbm() == 3198  # the first piece: 2 blocks (a sixteenth of 1%), not 1% (32)
     assert Tier.HBM in pl._drain_rate
-    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 0.1)
-    for per_s, blocks in ((400, 20), (80, 4), (1e12, 32), (1, 2)):  # half a budget of 0.1 s at that rate
+    for per_s, blocks in ((400, 20), (80, 4), (1e12, 32), (1, 2)):  # 0.05 s at that rate
         pl._drain_rate[Tier.HBM] = per_s * block
-        assert pl._piece_bytes(Tier.HBM) == blocks * block, per_s
+        assert pl._piece_bytes(Tier.HBM, 0.05) == blocks * block, per_s
     pl._drain_rate[Tier.HBM] = 1.0  # a slow rate: one piece a step, at the floor
-    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 0.0)
     mgr.tick()
     assert hbm() == 3196  # the floor again
+    mgr.check_invariants()
+
+
+def test_draining_tiers_share_the_steps_budget(make_manager, clock, monkeypatch):
+    """Every tier over its high watermark drains in the same step, slowest first, each for an equal
+    part of what is left of the budget (and one piece whatever the time). Before, the first tier's
+    pieces ran until the whole budget was spent and each later one still had its piece: with every
+    tier full at a million blocks a step took 80-110 ms of a 50 ms budget. Here every piece takes
+    10 ms (a fake clock): NVMe gets 50/3 ms (two pieces), DRAM half of the 30 left (two), HBM the
+    last 10 (one), so the step ends at the budget, not at 70 ms."""
+    import dflash2.rebalance as rebalance
+
+    mgr = make_manager(hbm_blocks=40, dram_blocks=40, nvme_blocks=400, policy="lru", cold_threshold=0.9,
+                       watermarks={t: Watermark(0.9, 0.2) for t in (Tier.HBM, Tier.DRAM, Tier.NVME)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    key = 1
+    for tier, rounds in ((Tier.NVME, 10), (Tier.DRAM, 1), (Tier.HBM, 1)):
+        for _ in range(rounds):  # 40 blocks written in a memory tier, to NVMe 40 at a time
+            vids = []
+            for _ in range(40):
+                clock.advance(1)
+                written = min(tier, Tier.DRAM)
+                vids += mgr.commit(a, mgr.allocate(a, lid, 1, tier=written), keys=[key]).tolist()
+                mgr.free(a, vids[-1:])
+                key += 1
+            if tier == Tier.NVME:
+                assert mgr.mover.move(mgr.table.rows(vids), Tier.NVME).all()
+    now = [0.0]
+    monkeypatch.setattr(rebalance.time, "perf_counter", lambda: now[0])
+    pl = mgr.placement
+    make_room, pieces = pl.make_room, []
+
+    def timed(tier, *args, **kw):
+        if not pieces or pieces[-1][1] is not None:  # a piece of the rebalance, not the room it makes below
+            pieces.append((tier, None))
+            now[0] += 0.010
+            try:
+                return make_room(tier, *args, **kw)
+            finally:
+                pieces[-1] = (tier, now[0])
+        return make_room(tier, *args, **kw)
+    monkeypatch.setattr(pl, "make_room", timed)
+    for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
+        pl._drain_rate[tier] = 1.0  # slow: every piece at the floor, so the tiers keep draining
+    mgr.tick()
+    assert [t for t, _ in pieces] == [Tier.NVME, Tier.NVME, Tier.DRAM, Tier.DRAM, Tier.HBM]
+    assert now[0] == pytest.approx(pl.REBALANCE_BUDGET_S)
     mgr.check_invariants()
 
 

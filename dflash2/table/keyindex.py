@@ -111,17 +111,59 @@ class KeyIndex:
         self._rows[hole] = EMPTY
         self._n -= 1
 
+    def remove_many(self, keys: np.ndarray) -> None:
+        """Remove many distinct keys at once (an eviction's whole batch): the slots of the keys are
+        emptied, then every entry in the probe run after each emptied slot (up to the next empty
+        one) is taken out and inserted again from its home. An entry that stays put has no emptied
+        slot between its home and itself (the nearest such slot before it would have its run
+        followed through the entry), so every key stays reachable, as with backward shifts. One key
+        at a time cost about 3 us a key at a million blocks, half of an NVMe eviction's time.
+        All or nothing: a key that is not indexed (or given twice) is a KeyError, nothing removed."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not len(keys):
+            return
+        mask = self._mask
+        pos = self._homes(keys)
+        found = np.full(len(keys), EMPTY, dtype=np.int64)
+        todo = np.arange(len(keys))
+        while len(todo):
+            rows = self._rows[pos[todo]]
+            hit = (self._keys[pos[todo]] == keys[todo]) & (rows != EMPTY)
+            found[todo[hit]] = pos[todo[hit]]
+            todo = todo[~hit & (rows != EMPTY)]
+            pos[todo] = (pos[todo] + 1) & mask
+        if (found == EMPTY).any():
+            raise KeyError(f"content key {int(keys[int(np.argmax(found == EMPTY))]):#x} is not indexed")
+        if len(np.unique(found)) != len(found):
+            raise KeyError("a content key is given twice to remove_many")
+        self._keys[found] = 0
+        self._rows[found] = EMPTY
+        # The probe runs after the emptied slots: their entries may have probed past one of them.
+        moved = []
+        front = (found + 1) & mask
+        while len(front):
+            front = front[self._rows[front] != EMPTY]
+            moved.append(front)
+            front = (front + 1) & mask
+        run = np.unique(np.concatenate(moved))
+        run_keys, run_rows = self._keys[run].copy(), self._rows[run].copy()
+        self._keys[run] = 0
+        self._rows[run] = EMPTY
+        self._bulk_insert(run_keys, run_rows)
+        self._n -= len(keys)
+
     def _grow(self) -> None:
         live = self._rows != EMPTY
         keys, rows = self._keys[live], self._rows[live]
         size = 2 * len(self._keys)
         self._keys = np.zeros(size, dtype=np.uint64)
         self._rows = np.full(size, EMPTY, dtype=np.int32)
-        self._bulk_insert(keys, rows)
+        self._bulk_insert(keys, rows)  # the same entries: the count stands
 
     def _bulk_insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Vectorised insertion of distinct keys into a table with room: each round places, for every
-        free target slot, the first pending key that probes it."""
+        """Vectorised insertion of distinct keys, none indexed, into a table with room: each round
+        places, for every free target slot, the first pending key that probes it. The caller keeps
+        the count (`_n`): both callers put back entries they took out."""
         pos = self._homes(keys)
         todo = np.arange(len(keys))
         while len(todo):
@@ -135,4 +177,3 @@ class KeyIndex:
             done[placed] = True
             todo = todo[~done[todo]]
             pos[todo] = (pos[todo] + 1) & self._mask
-        self._n = int((self._rows != EMPTY).sum())

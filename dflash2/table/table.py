@@ -472,13 +472,14 @@ class BlockTable(Publishing, LostBlocks):
         """Free rows (any legal state → FREE): unindex keys, unlink parents, give slots back."""
         c = self.cols
         check_transition(c.state[rows], S.FREE, self.vids(rows))
-        for r in rows.tolist():
-            if c.key[r]:
-                self.keys.remove(int(c.key[r]))
-            p = int(c.parent[r])
-            if p != NO_ROW:
-                c.kids[c.tier[r], p] -= 1
-                c.nkids[p] -= 1
+        # Whole-array steps (a Python step per row cost about 5 us a block of an NVMe eviction at a
+        # million blocks); the rows are distinct (their callers check), their keys too (one row a key).
+        keyed = c.key[rows]
+        self.keys.remove_many(keyed[keyed != 0])
+        linked = rows[c.parent[rows] != NO_ROW]
+        parents = c.parent[linked].astype(np.int64)
+        np.subtract.at(c.kids, (c.tier[linked].astype(np.int64), parents), 1)
+        np.subtract.at(c.nkids, parents, 1)
         for tier in self.allocators:
             here = rows[c.tier[rows] == int(tier)]
             self._free_slots(tier, here, c.offset[here])
