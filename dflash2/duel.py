@@ -26,7 +26,7 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - a miniature HBM of fewer than MIN_BLOCKS blocks (of the first layout looked up) would judge by
   noise: the duel stops, says so in the log, and heat ranks as heat.
 
-The bench's replays with the duel on and off are in the README (Policies, *the duel*).
+The bench's replays with the duel on and off are in docs/policy-experiments.md (the duel's figures).
 
 Cost: the three miniatures take about as much CPU per request as the real manager (their chains are
 short, but a call costs what it costs). A lookup only samples and queues (`offer`); the daemon

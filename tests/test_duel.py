@@ -341,9 +341,9 @@ def test_a_probe_lookup_is_answered_but_not_replayed(clock):
     ((500, 520, 400), (500, 520, 400), "lru"),  # HBM alone: 4% more
     ((500, 505, 400), (500, 505, 400), "heat"),  # 1%: under the margin
     ((500, 520, 400), (300, 200, 100), "heat"),  # more in some tier, far fewer in HBM: not followed
-    ((500, 520, 400), (300, 303, 100), "heat"),  # ...nor with 1% more in HBM (README: the duel)
+    ((500, 520, 400), (300, 303, 100), "heat"),  # ...nor with 1% more in HBM (docs/policy-experiments.md)
     ((500, 520, 400), (300, 310, 100), "lru"),
-    ((900, 900, 900), (700, 760, 600), "heat"),  # as many found, more in HBM: not followed (README)
+    ((900, 900, 900), (700, 760, 600), "heat"),  # as many found, more in HBM: not followed (the same)
     ((500, 480, 530), (400, 300, 420), "lfu"),
 ])
 def test_the_judgement_wants_more_found_in_some_tier_and_in_hbm(hits, hbm, follows):

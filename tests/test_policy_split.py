@@ -149,8 +149,9 @@ def test_a_batch_of_departures_closes_with_its_first():
     s = filled(100, 60)  # a window of 50 departures
     s.left(np.full(40, code(0, FIRST), np.int8), np.arange(1, 41, dtype=np.uint64))  # one batch: 1-40
     s.left(np.full(30, code(0, RETURNING), np.int8), np.arange(101, 131, dtype=np.uint64))  # 41-70
-    # More than 50 departures followed the batch's first: the whole batch counts (README, Policies:
-    # closing one departure at a time cost the conversation trace's largest tiered row).
+    # More than 50 departures followed the batch's first: the whole batch counts
+    # (docs/policy-experiments.md: closing one departure at a time cost the conversation trace's
+    # largest tiered row).
     assert s.resolved[0].tolist() == [40, 0]
     s.left(np.full(20, code(0, FIRST), np.int8), np.arange(41, 61, dtype=np.uint64))  # 71-90
     assert s.resolved[0].tolist() == [40, 0]  # the returning batch began at 41: 49 followed it
@@ -316,8 +317,8 @@ def test_below_hbm_returning_blocks_are_one_list():
     for k in (1, 2):
         cache_chain(mgr, lid, c, [k])
         read(mgr, lid, c, [k])  # returning, in HBM: counted in the inner split
-    # The rate band holds ghosts in HBM's outer split only (README, Policies: the band elsewhere
-    # cost the conversation trace's largest tiered row its lead over LRU).
+    # The rate band holds ghosts in HBM's outer split only (docs/policy-experiments.md: the
+    # band elsewhere cost the conversation trace's largest tiered row its lead over LRU).
     assert pol.split.rate_band.tolist() == [RATE_BAND, 0.0, 0.0] and pol.inner.rate_band.tolist() == [0.0]
     assert pol.inner.sizes.tolist() == [[2, 0]]
     for k in (3, 4):  # HBM full

@@ -19,7 +19,8 @@ Tiers below the first rank by their own lifetimes: a tier's density ends the liv
 reused where *that tier* lets blocks go (demoted further down, or dropped), not where the whole
 cache does, so DRAM ranks by how long a block lasts in DRAM. The reuses are the same for every tier.
 The first tier (HBM) keeps the whole cache's ends: ranked by its own demotion ages it served fewer
-reads from HBM (`dflash2 bench policy` replays with DRAM and NVMe below, README "Policies").
+reads from HBM (`dflash2 bench policy` replays with DRAM and NVMe below,
+docs/policy-experiments.md).
 """
 
 from __future__ import annotations

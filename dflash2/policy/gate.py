@@ -19,7 +19,7 @@ many blocks left the tier as it holds, so the gate follows the workload.
 Neither estimate is exact: on the Mooncake synthetic trace refused blocks came back more often than
 departed ones (0.44 against 0.30 of them within the window, HBM 1000 / DRAM 4000 / NVMe 8000),
 yet the rule was worth 0.5 points of prefix hit rate there; the gate kept it on for most of that
-replay (README, Policies). Measuring the gain instead by the one block a refusal spared (read before
+replay (docs/policy-experiments.md). Measuring the gain instead by the one block a refusal spared (read before
 it leaves) counted 216 gains against 725 losses over 9,293 refusals on that replay, and turned the
 rule off for most of it: a refusal spares every block of the tier a departure, not one block many.
 Counting a ghost only once its window has passed (no lag between refusals and their returns) kept

@@ -27,7 +27,7 @@
   those referenced more often (INNER_CLASS), so that frequently used prefixes (a shared system
   prompt, a popular document) outlast blocks read once more only while that pays: in the bench's
   replays of the Mooncake conversation trace it served 15-35% more references from an HBM of
-  500-2,000 blocks than the one split (README, Policies). Below HBM the returning blocks stay one
+  500-2,000 blocks than the one split (docs/policy-experiments.md). Below HBM the returning blocks stay one
   list (there the second split cost blocks found in some tier). Ranks: the list that gives way
   first scores lowest, each rank SPLIT_BONUS above the one before.
 - Following (`follow`): HBM's blocks may be ranked as LRU or LFU instead, while the duel
@@ -68,7 +68,7 @@ RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density 
 WEIGHTS = ("frequency", "recency", "recency_below", "priority", "sharing", "fanout", "stage")
 # frequency and fanout are 0 by default: with the adaptive split deciding which list gives up
 # blocks, ranking within a list by the learned density or by cached children instead of recency cost
-# large caches hits (README, Policies: the Mooncake conversation trace at 16,000 blocks, 0.2725 with
+# large caches hits (docs/policy-experiments.md: the Mooncake conversation trace at 16,000 blocks, 0.2725 with
 # both at 0, 0.2598 with fan-out at 0.5, 0.2446 with both on).
 DEFAULT_WEIGHTS = {"frequency": 0.0, "recency": 1.0, "recency_below": 1.0, "priority": 1.0, "sharing": 1.0,
                    "fanout": 0.0, "stage": 1.0}

@@ -25,7 +25,8 @@ window spans a far longer time, and its hits count the same as the other's. On t
 synthetic trace with 32,000 blocks of HBM (an experiment following ARC's evictions), returning
 blocks that left came back 56% of the time and first-timers 10%, yet the first-timers' ghosts hit
 more often (1,197 against 977: they left seven times as often), ARC's target swung between 10,000
-and 31,000 blocks, and heat found 0.6218 of references, below LRU's 0.6281 (README, Policies).
+and 31,000 blocks, and heat found 0.6218 of references, below LRU's 0.6281
+(docs/policy-experiments.md).
 
 A second difference: a list whose departures lately came back less than RATE_BAND times as often as
 the other list's (per departure whose window has closed) has its ghosts held: they count, but do
