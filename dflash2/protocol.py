@@ -69,6 +69,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 
 import numpy as np
 
@@ -85,7 +86,7 @@ MAX_HEADER_BYTES = 1 << 20  # of a request: the daemon's own replies (stats of m
 MAX_REPLY_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 128  # a client's name at attach (it is listed in every `stats` reply)
 TOKEN_CHARS = 32  # a session token: 16 random bytes in hex
-HEX_DIGITS = frozenset("0123456789abcdef")
+_HEX_RUN = re.compile("[0-9a-f]*")  # a token's characters: one match, not a Python step per character
 # Largest frame the daemon accepts (ZMQ_MAXMSGSIZE on its socket; a peer that sends a larger one is
 # disconnected without a reply). A valid request's frames are at most MAX_HEADER_BYTES (the header)
 # or MAX_BATCH 8-byte ids or keys: the bound only stops a peer from making the daemon, and every
@@ -230,7 +231,7 @@ def decode_request(frames: list[bytes]) -> Request:
     if op in NEEDS_CLIENT and client is None:
         raise ProtocolError(f"{op.value} needs an attached client (header.client)")
     if token is not None and (not isinstance(token, str) or len(token) > TOKEN_CHARS
-                              or not all(c in HEX_DIGITS for c in token)):
+                              or not _HEX_RUN.fullmatch(token)):
         raise ProtocolError(f"header.token must be the session token attach returned ({TOKEN_CHARS} hex characters)")
     if op in NEEDS_CLIENT and token is None:
         raise ProtocolError(f"{op.value} needs the session token attach returned (header.token)")

@@ -9,7 +9,7 @@ import dflash2.duel as D
 from dflash2.bench.policy import ALIGN, LAYOUT, SLOT, replay
 from dflash2.cli import main
 from dflash2.config import parse_config
-from dflash2.duel import Duel, sampled
+from dflash2.duel import SMALL_LOOKUP, Duel, sampled
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
@@ -368,3 +368,20 @@ def test_the_judgement_wants_more_found_in_some_tier_and_in_hbm(hits, hbm, follo
     duel._sq = np.full((3, 3), 1.0)
     duel._judge()
     assert mgr.policy.ranking == "heat"
+
+
+def test_a_few_keys_are_sampled_as_an_array_of_them_would_be():
+    """`sampled` hashes a lookup of a few keys as Python ints (the numpy steps cost a tenth of a
+    one-key lookup's handling): the same keys must come out as from the array path, whatever the
+    keys' bits, the sample and the count."""
+    rng = np.random.default_rng(5)
+    keys = np.concatenate([rng.integers(0, 2**63, 4000, dtype=np.uint64) * np.uint64(2) + np.uint64(1),
+                           np.arange(4000, dtype=np.uint64), np.array([0, 2**64 - 1], dtype=np.uint64)])
+    for sample in (1, 2, 8, 1000):
+        whole = set(sampled(keys, sample).tolist())  # the array path: more keys than SMALL_LOOKUP
+        for n in range(SMALL_LOOKUP + 1):
+            for start in range(0, len(keys) - n, 97):
+                part = keys[start:start + n]
+                got = sampled(part, sample)
+                assert got.dtype == np.uint64
+                assert got.tolist() == [k for k in part.tolist() if k in whole], (sample, n, start)
