@@ -227,6 +227,30 @@ def test_control_with_one_process_measures_one_client_once(capsys, monkeypatch):
     assert list(json.loads(capsys.readouterr().out)["ops_per_s"]) == ["1"]
 
 
+def test_control_samples_its_floor_between_the_ops_rounds(capsys, monkeypatch):
+    """The echo floor is sampled once before each round of the ops, not all before them: on a shared
+    machine a floor measured apart drifted from the ops (and kept both processes awake between its
+    round trips, where the ops' calls find the daemon idle). Back-to-back figures come apart
+    (hot_*), alternating in blocks."""
+    from dflash2.bench import control
+    from dflash2.client import Client
+
+    calls = []
+    once, lookup = control.Echo.once, Client.lookup
+    monkeypatch.setattr(control.Echo, "once", lambda self: calls.append("echo") or once(self))
+    monkeypatch.setattr(Client, "lookup", lambda self, keys, *a, **kw: calls.append(len(keys)) or lookup(self, keys, *a, **kw))
+    argv = ["bench", "control", "--iterations", "200", "--batch-iterations", "2", "--seconds", "0.2",
+            "--processes", "1", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rounds = calls[200:200 + 2 * 200 + 1]  # after the echo's warm-up: one-key lookup (its vid), then the rounds
+    assert rounds[0] == 1 and rounds[1:] == ["echo", 1] * 200
+    hot = calls[201 + 400:201 + 400 + 400]
+    assert hot == ["echo"] * 100 + [1] * 100 + ["echo"] * 100 + [1] * 100
+    for key in ("floor_p50_us", "hot_floor_p50_us", "hot_lookup_p50_us", "ratio_hot", "ratio_single_vs_floor"):
+        assert out[key] > 0, key
+
+
 # ---- the command's JSON -------------------------------------------------------------------------
 
 def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, capsys):

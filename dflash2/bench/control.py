@@ -3,7 +3,12 @@
 Starts `dflash2d` on a temporary host-only config (ipc:// endpoint in a temporary folder) and a bare
 pyzmq ROUTER echo server on an ipc:// endpoint beside it, then measures:
 
-- floor_p50_us / floor_p99_us: echo round trip of a message the size of a one-key lookup;
+- floor_p50_us / floor_p99_us: echo round trip of a message the size of a one-key lookup, one
+  sample before each round of the ops below, so that floor and ops see the same machine and the
+  same rhythm (a floor measured alone, back to back before the ops, kept both processes awake
+  between round trips where the ops' calls find the daemon idle);
+- hot_floor_p50_us, hot_lookup_p50_us, ratio_hot: the echo and the single lookup each timed back
+  to back, alternating in blocks of 100;
 - p50_us / p99_us: a single-block lookup round trip through the client library (the headline), and
   per op (lookup, reserve, cancel, acquire, release) under `ops`;
 - batch_lookup_1000_us: p50 of one lookup of a 1000-key chain (all cached);
@@ -61,33 +66,41 @@ def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
     from dflash2.client import Client, chain_keys
 
     out: dict = {"bench": "control", "endpoint_kind": "ipc", "iterations": args.iterations}
-    floor = echo_floor(echo_ep, args.iterations)
-    out["floor_p50_us"], out["floor_p99_us"] = floor
-    with Client.connect(daemon_ep, name="bench", layouts=[LAYOUT]) as client:
+    with Client.connect(daemon_ep, name="bench", layouts=[LAYOUT]) as client, Echo(echo_ep) as echo:
         lid = client.layouts[0]
         keys = chain_keys(range(16 * 1000), LAYOUT.tokens_per_block, "bench")
         places = client.allocate(lid, 1000)
         client.commit(places["vid"], keys=keys)
-        ops = _op_latencies(client, lid, keys, args.iterations)
+        ops, floor = _op_latencies(client, lid, keys, args.iterations, echo)
+        hot_floor, hot_lookup = [], []
+        for _ in range(max(1, args.iterations // 100)):
+            hot_floor += [_once(echo.once) for _ in range(100)]
+            hot_lookup += [_once(lambda: client.lookup(keys[:1])) for _ in range(100)]
         batch = _timed(lambda: client.lookup(keys), args.batch_iterations)
         assert len(client.lookup(keys)) == 1000
         daemon_side = {op: v["mean_us"] for op, v in client.stats()["daemon"]["latency"].items()}
+    out["floor_p50_us"], out["floor_p99_us"] = _pct(floor, 50), _pct(floor, 99)
     out["ops"] = ops
     out["p50_us"], out["p99_us"] = ops["lookup"]["p50_us"], ops["lookup"]["p99_us"]
     out["batch_lookup_1000_us"] = _pct(batch, 50)
     out["daemon_handle_mean_us"] = daemon_side
     out["ops_per_s"] = {str(n): _throughput(daemon_ep, keys[:1], n, args.seconds) for n in sorted({1, args.processes})}
     out["ratio_single_vs_floor"] = round(out["p50_us"] / out["floor_p50_us"], 2)
+    out["hot_floor_p50_us"], out["hot_lookup_p50_us"] = _pct(hot_floor, 50), _pct(hot_lookup, 50)
+    out["ratio_hot"] = round(out["hot_lookup_p50_us"] / out["hot_floor_p50_us"], 2)
     out["ratio_batch1000_vs_single"] = round(out["batch_lookup_1000_us"] / out["p50_us"], 2)
     out["targets_met"] = {"single_le_1.5x_floor": out["ratio_single_vs_floor"] <= 1.5,
                           "batch1000_le_4x_single": out["ratio_batch1000_vs_single"] <= 4.0}
     return out
 
 
-def _op_latencies(client, lid: int, keys: list[int], n: int) -> dict:
+def _op_latencies(client, lid: int, keys: list[int], n: int, echo: "Echo") -> tuple[dict, list[float]]:
+    """Per op, its round trips; and the echo floor, one sample before each round of the ops."""
     samples: dict[str, list[float]] = {k: [] for k in ("lookup", "reserve", "cancel", "acquire", "release")}
+    floor: list[float] = []
     one, vid = keys[:1], client.lookup(keys[:1])["vid"]
     for _ in range(n):
+        floor.append(_once(echo.once))
         samples["lookup"].append(_once(lambda: client.lookup(one)))
         t0 = time.perf_counter()
         d = client.reserve(lid, LAYOUT.tokens_per_block)
@@ -98,29 +111,32 @@ def _op_latencies(client, lid: int, keys: list[int], n: int) -> dict:
         samples["cancel"].append(t2 - t1)
         samples["acquire"].append(_once(lambda: client.acquire(vid)))
         samples["release"].append(_once(lambda: client.release(vid)))
-    return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}
+    return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}, floor
 
 
-def echo_floor(endpoint: str, n: int) -> tuple[float, float]:
-    """Round trip of a one-key lookup's frames through a bare ROUTER echo (send, poll, receive)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    frames = P.encode_request(P.Op.LOOKUP, 1, 1, {}, [np.ones(1, P.KEYS_DTYPE).tobytes()],
-                              token="0" * P.TOKEN_CHARS)  # a real call's size
+class Echo:
+    """Round trips of a one-key lookup's frames through the bare ROUTER echo (send, poll, receive)."""
 
-    def once():
-        sock.send_multipart(frames, copy=False)
-        if not sock.poll(5000, zmq.POLLIN):
+    def __init__(self, endpoint: str):
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._frames = P.encode_request(P.Op.LOOKUP, 1, 1, {}, [np.ones(1, P.KEYS_DTYPE).tobytes()],
+                                        token="0" * P.TOKEN_CHARS)  # a real call's size
+        for _ in range(200):  # warm-up
+            self.once()
+
+    def once(self) -> None:
+        self._sock.send_multipart(self._frames, copy=False)
+        if not self._sock.poll(5000, zmq.POLLIN):
             raise TimeoutError("echo server did not answer")
-        sock.recv_multipart(copy=True)
+        self._sock.recv_multipart(copy=True)
 
-    for _ in range(200):
-        once()
-    samples = [_once(once) for _ in range(n)]
-    sock.close(0)
-    return _pct(samples, 50), _pct(samples, 99)
+    def __enter__(self) -> "Echo":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sock.close(0)
 
 
 def echo_server(endpoint: str) -> None:
