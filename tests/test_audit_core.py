@@ -371,9 +371,10 @@ def test_a_pinned_copy_is_freed_when_its_writer_detaches(make_manager):
     mgr.acquire(b, copy)
     mgr.commit(b, copy, keys=[7])
     used = mgr.table.allocators[Tier.HBM].used_bytes
-    mgr.detach(b)
+    released = mgr.detach(b)
     assert mgr.table.allocators[Tier.HBM].used_bytes < used
     assert not mgr.table.pinned_copies
+    assert released["freed"] == 1, released  # the copy freed at the detach is counted (it was 0)
     mgr.check_invariants()
 
 

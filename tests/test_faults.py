@@ -235,3 +235,42 @@ def test_an_allocation_that_only_page_tails_could_hold_is_never_fits(make_manage
     with pytest.raises(NeverFits, match="the whole tier holds 192 of them"):
         m.allocate(client, lid, 200)
     assert len(m.allocate(client, lid, 192)) == 192
+
+
+@pytest.mark.parametrize("policy", ["heat", "lru"])
+def test_allocations_evict_idle_blocks_while_nvme_writes_fail(config_file, instance_name, monkeypatch, policy):
+    """A full (or failing) disk under the NVMe tier fails every write, so nothing moves down from
+    DRAM, and nothing from HBM into a full DRAM. The blocks there are idle cached copies: room is
+    made by dropping them. Before, room-making tried to drop only the blocks it had chosen to
+    demote, which are often parents of cached blocks above (not droppable), and so refused every
+    allocation ("hbm is full of blocks that cannot move now") while the disk stayed full."""
+    import errno
+    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                          "staging_buffer_size_mb": 1},
+                                  kv_block={"block_size": 16, "prefetch_window": 0}, policy={"name": policy}))
+    m = build_manager(cfg, instance=instance_name)
+    try:
+        a = m.attach("a")
+        lid = m.register_layout(LAYOUT)
+        for c in range(12):  # 192 blocks in chains of 16: HBM and DRAM full, NVMe half
+            publish(m, a, lid, [1000 * c + i + 1 for i in range(16)])
+        m.tick()
+
+        def full_disk(offsets, sources):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(m.arenas[Tier.NVME], "write_blocks", full_disk)
+        refused = 0
+        for c in range(12, 24):
+            vids = m.allocate(a, lid, 16)
+            if vids is None:
+                refused += 1
+                continue
+            keys = [1000 * c + i + 1 for i in range(16)]
+            for v, k in zip(vids.tolist(), keys):
+                m.view(v)[:] = pattern(k)
+            m.free(a, m.commit(a, vids, keys=keys))
+            m.tick()
+        assert refused == 0, f"{refused} of 12 allocations refused while every cached block was idle"
+        m.check_invariants()
+    finally:
+        m.close()

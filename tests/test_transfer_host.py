@@ -91,6 +91,18 @@ def test_failure_gives_false_not_exception(backend, caplog):
     assert backend.start(_batch(Tier.HBM, Tier.DRAM, [0], [0], [10])).wait().all()
 
 
+def test_a_failure_that_repeats_is_logged_once_not_once_per_batch(backend, caplog):
+    """A disk that fails every write (full, failing) fails every batch the background step retries:
+    one traceback per batch filled the daemon's log (a soak: 10,127 tracebacks, 27.9 MB, in 45 s)."""
+    bad = _batch(Tier.HBM, Tier.DRAM, [0, CAP - 10], [0, 0], [100, 100])
+    with caplog.at_level(logging.ERROR, logger="dflash2.transfer.host"):
+        for _ in range(50):
+            assert backend.start(bad).wait().tolist() == [False, False]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "dflash2.transfer.host"]
+    assert len(errors) == 1, len(errors)
+    assert errors[0].exc_info is not None  # the first one keeps its traceback
+
+
 def test_read_of_never_written_block_is_false(backend):
     assert backend.start(_batch(Tier.NVME, Tier.DRAM, [0], [0], [100])).wait().tolist() == [False]
 

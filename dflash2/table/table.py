@@ -346,16 +346,17 @@ class BlockTable(Publishing, LostBlocks):
         self._settle_priority(list(counts))
         self._free_unheld(counts)
 
-    def _free_unheld(self, rows) -> None:
+    def _free_unheld(self, rows) -> int:
         """Rows kept only for their holders (a block whose bytes failed their checksum; a pinned
         copy a commit deduplicated): the last pin of one nobody references frees it (it has no key,
-        so nothing else ever would)."""
+        so nothing else ever would). Returns how many it freed."""
         if not (self.lost or self.pinned_copies):
-            return
+            return 0
         c = self.cols
         done = [r for r in rows if (r in self.lost or r in self.pinned_copies) and c.pins[r] == 0 and c.refs[r] == 0]
         if done:
             self._release_rows(np.array(done, dtype=np.int64))
+        return len(done)
 
     def _owned_rows(self, client_id: int, vids) -> np.ndarray:
         self.client(client_id)
@@ -566,7 +567,7 @@ class BlockTable(Publishing, LostBlocks):
         dereferenced = sum(holder.refs.values())
         freed = self._drop_all_refs(holder)
         self._settle_priority(unpinned)
-        self._free_unheld(unpinned.tolist())
+        freed += self._free_unheld(unpinned.tolist())  # pinned copies and lost blocks it alone held
         del self.clients[client_id]
         return {"unpinned": int(pins.sum()), "dereferenced": dereferenced, "freed": freed}
 
