@@ -31,6 +31,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
 | dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
+| dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{direction} | gauge | read bandwidth measured on the daemon's own moves (absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
@@ -261,6 +262,8 @@ def _access_families(st: dict):
                  samples=[((), math.nan if ratio is None else ratio)])
     yield _counter("dflash2_placement_blocks", "Blocks moved by placement, by action.", ["action"],
                    [((a,), st["placement"].get(a, 0)) for a in PLACEMENT_ACTIONS])
+    yield _counter("dflash2_write_backoffs", "Times NVMe writes failed and NVMe took no blocks for a while.",
+                   samples=[((), st["placement"].get("write_backoffs", 0))])
     yield _counter("dflash2_lookup_withheld_blocks",
                    "Cached blocks a lookup did not offer: loading them costs more than recomputing them.",
                    samples=[((), st.get("lookup_withheld", 0))])

@@ -128,6 +128,10 @@ class Mover:
                                             "bytes": move.nbytes, "seconds": round(seconds, 6)})
         return ok
 
+    def failed_into(self, dst: Tier) -> int:
+        """Blocks whose copy into `dst` failed, since start (every source tier)."""
+        return sum(st.failed_blocks for (_, to), st in self.stats.items() if to == dst)
+
     def take_lost(self) -> np.ndarray:
         """Rows of the blocks whose read failed since the last call, those still live: a block
         freed since (its row perhaps reused by another block) was dropped already."""

@@ -14,6 +14,8 @@ block: the request would otherwise not run at all.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -26,6 +28,8 @@ from dflash2.rebalance import Rebalancing
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT, NO_ROW
 from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.placement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class PlacementStats:
     not_admitted: int = 0
     not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
     past_full: int = 0  # demoted past a tier that had no room it could make (counted in `demoted` too)
+    write_backoffs: int = 0  # times a tier's writes failed and it took no blocks for a while (`lower`)
 
 
 class Placement(Rebalancing):
@@ -62,6 +67,14 @@ class Placement(Rebalancing):
     # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
     # table, and partitions every score otherwise (`_at_or_below_cut`).
     GATHER_BELOW = 4
+    # A storage tier whose writes failed (a full or failing disk: ENOSPC, EIO) takes no blocks for
+    # this long, doubled after each failure that follows the last (up to WRITE_BACKOFF_MAX_S) and
+    # reset by a write that works. Meanwhile the tier above is the last (what leaves it is
+    # dropped). Before, every room-making retried the writes: a failed batch a few milliseconds,
+    # HBM and DRAM refused every allocation (their demotion victims, parents of blocks below, may
+    # not be dropped), and the log took a traceback a batch.
+    WRITE_BACKOFF_S = 1.0
+    WRITE_BACKOFF_MAX_S = 60.0
 
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
@@ -80,6 +93,10 @@ class Placement(Rebalancing):
         # retried by its client, paid two or four such passes a call).
         self._nothing_movable: dict[tuple[int, bool, bool], int] = {}
         self._init_rebalancing()
+        # Storage tiers whose writes failed: tier -> (monotonic time until which it takes no blocks,
+        # the back-off's length). Cleared by a write that works there.
+        self.write_backoff: dict[Tier, tuple[float, float]] = {}
+        self.monotonic: Callable[[], float] = time.monotonic  # the back-off's clock (tests set it)
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -92,8 +109,15 @@ class Placement(Rebalancing):
 
     # -- tier figures ----------------------------------------------------------------------
     def lower(self, tier: Tier) -> Tier | None:
-        below = [t for t in self.tiers if t > tier]
+        """The tier that blocks leaving `tier` go down to: the next one that takes writes now (a
+        storage tier whose writes failed takes none while it backs off), or None (they are dropped)."""
+        below = [t for t in self.tiers if t > tier and self.writable(t)]
         return below[0] if below else None
+
+    def writable(self, tier: Tier) -> bool:
+        """Whether blocks may go down into `tier` now (not backing off after failed writes)."""
+        off = self.write_backoff.get(tier)
+        return off is None or self.monotonic() >= off[0]
 
     def used_fraction(self, tier: Tier) -> float:
         alloc = self.table.allocators[tier]
@@ -296,6 +320,7 @@ class Placement(Rebalancing):
             return self._evict(self.select(tier, short, evict=True, **pick))
         if lower is None:
             return self._evict(victims)
+        backoffs = self.stats.write_backoffs
         moved, progress = self._demote(victims, tier, lower, protect)
         target = lower
         while not (moved or progress) and self.lower(target) is not None:
@@ -312,8 +337,8 @@ class Placement(Rebalancing):
             if len(passing):
                 moved, progress = self._demote(passing, tier, target, protect, hold_refused=True)
                 self.stats.past_full += moved
-        if moved:
-            return True
+        if moved or self.stats.write_backoffs > backoffs:
+            return True  # (a tier below failed its writes just now: the next round plans without it)
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         return self._evict(victims[self.table.evictable(victims)]) or progress
 
@@ -379,9 +404,10 @@ class Placement(Rebalancing):
     def _move_down(self, victims: np.ndarray, lower: Tier, protect) -> np.ndarray:
         """Move the victims (leaves first) down to `lower`, room made there first; the moved mask."""
         self._make_room_for_rows(lower, victims, protect)
+        failed = self.mover.failed_into(lower)
         try:
             moved = self.mover.move(victims, lower)
-            if not moved.any():
+            if not moved.any() and self.mover.failed_into(lower) == failed:
                 # A batch moves whole or not at all, but the tier below may hold some of the
                 # victims (the rest of it held): a block is dropped only when the tier below has
                 # no room for it. Leaves come first, so the leading ones leave no parent below its child.
@@ -390,7 +416,26 @@ class Placement(Rebalancing):
                     moved[:fit] = self.mover.move(victims[:fit], lower)
         finally:
             self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
+        self._note_writes(lower, self.mover.failed_into(lower) - failed, int(moved.sum()))
         return moved
+
+    def _note_writes(self, tier: Tier, failed: int, moved: int) -> None:
+        """After a move down into `tier`: NVMe writes that all failed start (or lengthen) its
+        back-off (`lower`); one that worked ends it."""
+        if tier != Tier.NVME:
+            return  # memory tiers' copies do not fail for want of room (a lost GPU is fatal: fatal())
+        if failed and not moved:
+            _, period = self.write_backoff.get(tier, (0.0, 0.0))
+            period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
+            self.write_backoff[tier] = (self.monotonic() + period, period)
+            self.stats.write_backoffs += 1
+            log.warning("writes to %s failed (%d blocks; the transfer log names the error): %s takes no blocks "
+                        "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
+                        "for again (a full or failing disk under memory.nvme_path?)",
+                        tier.label, failed, tier.label, period)
+        elif moved and tier in self.write_backoff:
+            del self.write_backoff[tier]
+            log.info("writes to %s work again: it takes blocks again", tier.label)
 
     def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
         """How many of the leading rows `tier` has free slots for now, size by size."""

@@ -21,7 +21,7 @@ def _check(promtool: str, *args: str) -> str:
 
 
 def test_promtool_accepts_the_alert_rules(promtool):
-    assert "SUCCESS: 5 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+    assert "SUCCESS: 6 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
 
 
 def test_promtool_accepts_the_scrape_config(promtool):

@@ -6,6 +6,8 @@ the transfer backend), and then checks the rules: a failed read is a miss, never
 failure loses nothing that was not already lost; the table's invariants hold; nothing leaks.
 """
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -274,3 +276,61 @@ def test_allocations_evict_idle_blocks_while_nvme_writes_fail(config_file, insta
         m.check_invariants()
     finally:
         m.close()
+
+
+def test_a_tier_whose_writes_fail_takes_no_blocks_until_its_back_off_ends(mgr, monkeypatch, caplog):
+    """NVMe writes that fail (a full disk) start a back-off: no block goes down to NVMe for a
+    second (DRAM is then the last tier: what leaves it is dropped), the next failure doubles it, and
+    a write that works ends it. Before, every room-making retried the writes (a failed batch
+    each time, a traceback each in the log)."""
+    import errno
+
+    now = [0.0]
+    pl = mgr.placement
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    for c in range(12):  # HBM and DRAM full, NVMe half
+        publish(mgr, a, lid, [1000 * c + i + 1 for i in range(16)])
+    nvme = mgr.arenas[Tier.NVME]
+    write, writes, failing = nvme.write_blocks, [], [True]
+
+    def disk(offsets, sources):
+        writes.append(len(offsets))
+        if failing[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(offsets, sources)
+    monkeypatch.setattr(nvme, "write_blocks", disk)
+    key = [100000]
+
+    def one_request():
+        vids = mgr.allocate(a, lid, 16)
+        assert vids is not None, "every cached block is idle: room can be made"
+        keys = list(range(key[0], key[0] + 16))
+        key[0] += 16
+        for v, k in zip(vids.tolist(), keys):
+            mgr.view(v)[:] = pattern(k)
+        mgr.free(a, mgr.commit(a, vids, keys=keys))
+
+    with caplog.at_level(logging.INFO, logger="dflash2.placement"):
+        one_request()
+        assert len(writes) == 1 and pl.write_backoff[Tier.NVME] == (1.0, 1.0)
+        assert pl.lower(Tier.DRAM) is None and pl.lower(Tier.HBM) == Tier.DRAM
+        for _ in range(5):
+            one_request()
+            mgr.tick()
+        assert len(writes) == 1, "no write tried while NVMe backs off"
+        now[0] = 1.5  # the back-off is over: the next room-making writes, fails, backs off twice as long
+        for _ in range(3):
+            one_request()
+        assert len(writes) == 2 and pl.write_backoff[Tier.NVME] == (3.5, 2.0)
+        failing[0] = False
+        now[0] = 4.0
+        for _ in range(3):
+            one_request()
+        assert len(writes) >= 3 and Tier.NVME not in pl.write_backoff and pl.lower(Tier.DRAM) == Tier.NVME
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "dflash2.placement"]
+    assert len(warned) == 2 and "nvme takes no blocks for 1 s" in warned[0] and "for 2 s" in warned[1], warned
+    assert any("writes to nvme work again" in r.getMessage() for r in caplog.records)
+    assert mgr.stats()["placement"]["write_backoffs"] == 2
+    mgr.check_invariants()
