@@ -340,7 +340,17 @@ class Placement(Rebalancing):
         if moved or self.stats.write_backoffs > backoffs:
             return True  # (a tier below failed its writes just now: the next round plans without it)
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
-        return self._evict(victims[self.table.evictable(victims)]) or progress
+        if self._evict(victims[self.table.evictable(victims)]):
+            return True
+        if any(t > tier and not self.writable(t) for t in self.tiers):
+            # ... and a storage tier below backs off: the tiers between may be full of parents of
+            # blocks on it, which may not be dropped nor go down, and stay so while its disk is
+            # full. Drop the blocks here that may be dropped (as when nothing could move at all),
+            # or this tier takes nothing until the disk has room. (Not otherwise: where the tiers
+            # below are held by their clients, keeping this tier's blocks finds more, as the
+            # tiered replays show.)
+            return self._evict(self.select(tier, short, evict=True, **pick)) or progress
+        return progress
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:

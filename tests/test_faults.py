@@ -334,3 +334,41 @@ def test_a_tier_whose_writes_fail_takes_no_blocks_until_its_back_off_ends(mgr, m
     assert any("writes to nvme work again" in r.getMessage() for r in caplog.records)
     assert mgr.stats()["placement"]["write_backoffs"] == 2
     mgr.check_invariants()
+
+
+def test_while_nvme_backs_off_a_tier_above_parents_of_nvme_blocks_drops_its_own_leaves(mgr, monkeypatch, clock):
+    """DRAM full of parents of blocks on NVMe, HBM full of their parents and of a few leaves, and
+    NVMe writes failing: no block may go down (DRAM's may neither be dropped nor written), so HBM
+    makes room by dropping its leaves. Before, while the back-off lasted, every allocation in HBM was
+    refused (the soak's disk-full run got 64 of 128 HBM blocks)."""
+    import errno
+
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    mover = mgr.mover
+
+    def chain(keys, tiers):
+        clock.advance(1)
+        vids = publish(mgr, a, lid, keys)
+        for v, t in reversed(list(zip(vids.tolist(), tiers))):  # leaves first
+            if t != Tier.HBM:
+                assert mover.move(mgr.table.rows([v]), t).all()
+        return vids
+
+    for b in range(4):
+        chain([500 + 2 * b, 501 + 2 * b], [Tier.DRAM, Tier.NVME])
+    roots = [chain([1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i], [Tier.HBM, Tier.DRAM, Tier.NVME])[0] for i in range(60)]
+    leaves = np.concatenate([chain([9000 + k], [Tier.HBM]) for k in range(4)])
+    tiers = {k: v["blocks"] for k, v in mgr.stats()["tiers"].items()}
+    assert tiers == {"hbm": 64, "dram": 64, "nvme": 64}, tiers
+
+    def full_disk(offsets, sources):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(mgr.arenas[Tier.NVME], "write_blocks", full_disk)
+    got = mgr.allocate(a, lid, 2)
+    assert got is not None, mgr.allocate_refusal
+    assert not mgr.placement.writable(Tier.NVME)
+    assert not mgr.table.liveness(leaves)[1].any()  # the leaves made the room (a batch's worth: all four)
+    assert mgr.table.liveness(np.array(roots))[1].all()  # the chains stay whole
+    assert {k: v["blocks"] for k, v in mgr.stats()["tiers"].items()} == {"hbm": 62, "dram": 64, "nvme": 64}
+    mgr.check_invariants()
