@@ -60,14 +60,18 @@ class KeyIndex:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Rows of many keys at once (-1 where absent)."""
-        keys = np.asarray(keys, dtype=np.uint64)
+        at = self._slots(np.asarray(keys, dtype=np.uint64))
+        return np.where(at == EMPTY, EMPTY, self._rows[at].astype(np.int64))
+
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each of many keys (uint64), -1 where absent: all probed at once."""
         out = np.full(len(keys), EMPTY, dtype=np.int64)
         pos = self._homes(keys)
         todo = np.arange(len(keys))
         while len(todo):
             rows = self._rows[pos[todo]]
             hit = (self._keys[pos[todo]] == keys[todo]) & (rows != EMPTY)
-            out[todo[hit]] = rows[hit]
+            out[todo[hit]] = pos[todo[hit]]
             todo = todo[~hit & (rows != EMPTY)]
             pos[todo] = (pos[todo] + 1) & self._mask
         return out
@@ -123,15 +127,7 @@ class KeyIndex:
         if not len(keys):
             return
         mask = self._mask
-        pos = self._homes(keys)
-        found = np.full(len(keys), EMPTY, dtype=np.int64)
-        todo = np.arange(len(keys))
-        while len(todo):
-            rows = self._rows[pos[todo]]
-            hit = (self._keys[pos[todo]] == keys[todo]) & (rows != EMPTY)
-            found[todo[hit]] = pos[todo[hit]]
-            todo = todo[~hit & (rows != EMPTY)]
-            pos[todo] = (pos[todo] + 1) & mask
+        found = self._slots(keys)
         if (found == EMPTY).any():
             raise KeyError(f"content key {int(keys[int(np.argmax(found == EMPTY))]):#x} is not indexed")
         if len(np.unique(found)) != len(found):
