@@ -115,6 +115,40 @@ def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
         mgr.close()
 
 
+def test_a_disk_that_fails_every_staged_write_is_logged_once_not_once_per_batch(cuda_config, caplog):
+    """HBM->NVMe through the staging buffer on a full disk: every batch fails (a miss), the GPU stays
+    usable, and the log has one traceback, not one per batch (the host path's soak: 10,127 in 45 s)."""
+    import errno
+    import logging
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+    from dflash2.transfer.base import CopyBatch
+    mgr = gpu_manager(cuda_config())
+    try:
+        a = mgr.attach("t")
+        lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
+        vids = mgr.commit(a, mgr.allocate(a, lid, 16))
+        rows = mgr.table.rows(vids)
+        nbytes = mgr.table.block_bytes(rows)
+        offsets = np.arange(16, dtype=np.int64) * int(nbytes[0])
+        nvme = mgr.backend.arenas[Tier.NVME]
+
+        def full(*_a, **_k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        nvme.write_blocks = full
+        with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
+            for _ in range(20):
+                job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, mgr.table.cols.offset[rows].copy(), offsets,
+                                                  nbytes))
+                assert not job.wait().any()
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "dflash2.transfer.cuda"]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+        assert errors[0].exc_info is not None and "staged move of 16 blocks" in errors[0].getMessage()
+        assert mgr.backend.fatal is None  # a disk error leaves the GPU usable
+    finally:
+        mgr.close()
+
+
 def test_a_lost_cuda_context_makes_the_backend_fatal_and_close_still_frees_the_host_memory(cuda_config):
     """A copy that faults (an illegal address: the sticky kind, after which every CUDA call of the
     process fails; a 16 KiB block, which the copy kernel moves: the copy engines' driver call

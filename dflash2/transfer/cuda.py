@@ -28,6 +28,7 @@ from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 from dflash2.transfer import route
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+from dflash2.transfer.failures import FailureLog
 from dflash2.transfer.host import HostTransferBackend
 
 log = logging.getLogger("dflash2.transfer.cuda")
@@ -136,6 +137,7 @@ class CudaTransferBackend(TransferBackend):
         if self.staging is not None:  # HBM<->NVMe moves go through the staging buffer, whole blocks
             self.max_block_bytes = self.staging.nbytes // STAGE_ALIGN * STAGE_ALIGN
         self._staging_lock = threading.Lock()
+        self._staged_failures = FailureLog(log, "staged move")
         # One queueing onto the streams at a time: a timed batch's start event, its copies and its end
         # event go on its stream with no staged kernel (another thread) between them.
         self._queue_lock = threading.Lock()
@@ -249,7 +251,7 @@ class CudaTransferBackend(TransferBackend):
                     job._ok[part] = self._staged_chunk(job.batch, part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:
-            log.exception("staged move of %d blocks failed", len(job.batch))
+            self._staged_failures.failed(job.batch, e)  # a full disk fails every retry: not a traceback each
             job._ok[:] = False
             self._after_error(e)
         finally:

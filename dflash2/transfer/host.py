@@ -27,10 +27,9 @@ from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+from dflash2.transfer.failures import FailureLog
 
 log = logging.getLogger("dflash2.transfer.host")
-
-REPEAT_LOG_S = 60.0  # a failure of the same kind is logged with its traceback at most this often
 
 
 class HostCopyJob(CopyJob):
@@ -57,7 +56,7 @@ class HostTransferBackend(TransferBackend):
         self._queue: queue.Queue[HostCopyJob | None] = queue.Queue()
         self._closed = False
         self._gate = threading.Lock()  # makes "not closed, so queue it" one step against close()
-        self._failures: dict[tuple, tuple[float, int]] = {}  # kind of failure -> (last logged, not logged since)
+        self._failures = FailureLog(log, "host copy")  # one traceback a minute per kind of failure
         self._thread = threading.Thread(target=self._serve, name="dflash2-host-transfer", daemon=True)
         threads.start(self._thread)  # stop signals go to the main thread (threads.py)
 
@@ -82,27 +81,10 @@ class HostTransferBackend(TransferBackend):
             try:
                 ok = self._copy(job.batch)
             except Exception as e:
-                self._log_failure(job.batch, e)
+                self._failures.failed(job.batch, e)
                 ok = np.zeros(len(job.batch), dtype=bool)
             job.seconds = time.perf_counter() - started  # one batch at a time: all of it is this batch's
             job._finish(ok)
-
-    def _log_failure(self, b: CopyBatch, e: BaseException) -> None:
-        """Log a failed batch, with its traceback, once per REPEAT_LOG_S for each kind of failure
-        (direction, exception type, errno): a failing disk (ENOSPC, EIO) fails every batch the
-        background step retries, several a second, and one traceback each filled the log (27.9 MB
-        in 45 s of a full disk). Called from the `except` block (log.exception)."""
-        cause = e.__cause__ if e.__cause__ is not None else e
-        key = (b.src_tier, b.dst_tier, type(cause).__name__, getattr(cause, "errno", None))
-        now = time.monotonic()
-        last, quiet = self._failures.get(key, (None, 0))
-        if last is not None and now - last < REPEAT_LOG_S:
-            self._failures[key] = (last, quiet + 1)
-            return
-        self._failures[key] = (now, 0)
-        more = f" ({quiet} more such failures in the last {REPEAT_LOG_S:g} s were not logged)" if quiet else ""
-        log.exception("host copy of %d blocks (%d bytes) %s → %s failed; the whole batch is a miss%s",
-                      len(b), b.total_bytes, b.src_tier.label, b.dst_tier.label, more)
 
     def _copy(self, batch: CopyBatch) -> np.ndarray:
         src, dst = self._arenas[batch.src_tier], self._arenas[batch.dst_tier]

@@ -1,0 +1,51 @@
+"""FailureLog: a failed batch's traceback is logged once per REPEAT_LOG_S for each kind of failure,
+and the next line of that kind counts those left out."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import numpy as np
+
+from dflash2.tiers import Tier
+from dflash2.transfer import failures
+from dflash2.transfer.base import CopyBatch
+from dflash2.transfer.failures import REPEAT_LOG_S, FailureLog
+
+log = logging.getLogger("dflash2.test.failures")
+
+
+def _batch(src, dst):
+    one = np.zeros(1, dtype=np.int64)
+    return CopyBatch(src, dst, one, one.copy(), np.full(1, 4096, dtype=np.int64))
+
+
+def _fail(fl, batch, error):
+    try:
+        raise error
+    except OSError as e:
+        fl.failed(batch, e)
+
+
+def test_each_kind_is_logged_once_a_minute_and_the_next_line_counts_the_rest(monkeypatch, caplog):
+    now = [1000.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])
+    fl = FailureLog(log, "host copy")
+    down = _batch(Tier.DRAM, Tier.NVME)
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        for _ in range(30):
+            _fail(fl, down, OSError(errno.ENOSPC, "full"))
+        _fail(fl, down, OSError(errno.EIO, "bad sector"))          # another errno: its own kind
+        _fail(fl, _batch(Tier.NVME, Tier.DRAM), OSError(errno.ENOSPC, "full"))  # another direction
+        assert len(caplog.records) == 3
+        assert all(r.exc_info is not None for r in caplog.records)
+        now[0] += REPEAT_LOG_S - 1
+        _fail(fl, down, OSError(errno.ENOSPC, "full"))
+        assert len(caplog.records) == 3
+        now[0] += 1
+        _fail(fl, down, OSError(errno.ENOSPC, "full"))
+    assert len(caplog.records) == 4
+    last = caplog.records[-1].getMessage()
+    assert "host copy of 1 blocks (4096 bytes) dram → nvme failed" in last
+    assert "(30 more such failures in the last 60 s were not logged)" in last, last
