@@ -74,3 +74,30 @@ def subtree_heights(parent: np.ndarray, blocked: np.ndarray) -> np.ndarray:
     heights = deepest - depth
     heights[held] = -1
     return heights
+
+
+def reaches_marked(parent: np.ndarray, marked: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Per node of `nodes` (indices into `parent`), whether it or an ancestor is `marked`, walking up
+    only through `nodes`: a parent outside them is looked at (marked or not) but not climbed past.
+    `parent`: every index's parent, or any negative value for none (a table's parent column).
+    Pointer jumping over the whole index space: a chain of depth D costs ceil(log2 D) rounds of
+    gathers over `nodes`, not a round per level."""
+    nodes = np.asarray(nodes, dtype=np.int64)
+    if len(marked) != len(parent):
+        raise ValueError(f"reaches_marked: {len(marked)} marks for {len(parent)} parents")
+    hit = np.array(marked, dtype=bool)
+    jump = np.full(len(parent), -1, dtype=np.int64)  # the 2**k-th ancestor in round k, through `nodes`
+    jump[nodes] = parent[nodes]
+    live = nodes[~hit[nodes]]
+    for _ in range(64):  # 2**64 levels: a cycle through `nodes` is refused below instead of looping
+        live = live[jump[live] >= 0]
+        if not len(live):
+            break
+        up = jump[live]
+        seen, further = hit[up], jump[up]  # both from this round's old values (Wyllie)
+        hit[live] |= seen
+        jump[live] = further
+        live = live[~hit[live]]
+    else:
+        raise ValueError("reaches_marked: the parent links form a cycle")
+    return hit[nodes]

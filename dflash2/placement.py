@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.backoff import WriteBackoff
 from dflash2.forest import local_parents, ranked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
@@ -50,7 +50,7 @@ class PlacementStats:
     write_backoffs: int = 0  # times a tier's writes failed and it took no blocks for a while (`lower`)
 
 
-class Placement(Rebalancing):
+class Placement(Rebalancing, WriteBackoff):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
     # A promotion into a full tier moves in pieces of at most this many bytes, making room for each
@@ -67,15 +67,6 @@ class Placement(Rebalancing):
     # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
     # table, and partitions every score otherwise (`_at_or_below_cut`).
     GATHER_BELOW = 4
-    # A storage tier whose writes failed (a full or failing disk: ENOSPC, EIO) takes no blocks for
-    # this long, doubled after each failure that follows the last (up to WRITE_BACKOFF_MAX_S) and
-    # reset by a write that works. Meanwhile the tier above is the last (what leaves it is
-    # dropped). Before, every room-making retried the writes: a failed batch a few milliseconds,
-    # HBM and DRAM refused every allocation (their demotion victims, parents of blocks below, may
-    # not be dropped), and the log took a traceback a batch.
-    WRITE_BACKOFF_S = 1.0
-    WRITE_BACKOFF_MAX_S = 60.0
-
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
         self.table = table
@@ -93,10 +84,7 @@ class Placement(Rebalancing):
         # retried by its client, paid two or four such passes a call).
         self._nothing_movable: dict[tuple[int, bool, bool], int] = {}
         self._init_rebalancing()
-        # Storage tiers whose writes failed: tier -> (monotonic time until which it takes no blocks,
-        # the back-off's length). Cleared by a write that works there.
-        self.write_backoff: dict[Tier, tuple[float, float]] = {}
-        self.monotonic: Callable[[], float] = time.monotonic  # the back-off's clock (tests set it)
+        self._init_backoff()  # write_backoff, monotonic (backoff.py)
         # Sources of rows that background rebalancing leaves where they are: blocks just prefetched
         # for a reader that has not read them yet (the prefetcher registers itself). Their scores
         # are old (a prefetch is not a read), so they would be the tier's coldest, and the tick
@@ -113,11 +101,6 @@ class Placement(Rebalancing):
         storage tier whose writes failed takes none while it backs off), or None (they are dropped)."""
         below = [t for t in self.tiers if t > tier and self.writable(t)]
         return below[0] if below else None
-
-    def writable(self, tier: Tier) -> bool:
-        """Whether blocks may go down into `tier` now (not backing off after failed writes)."""
-        off = self.write_backoff.get(tier)
-        return off is None or self.monotonic() >= off[0]
 
     def used_fraction(self, tier: Tier) -> float:
         alloc = self.table.allocators[tier]
@@ -316,8 +299,10 @@ class Placement(Rebalancing):
         protect = pick["protect"]
         victims = self.select(tier, short, evict=lower is None, **pick)
         if not len(victims):
-            # Nothing movable down: drop cached blocks nobody holds, if any.
-            return self._evict(self.select(tier, short, evict=True, **pick))
+            # Nothing movable down: drop cached blocks nobody holds, if any (while a tier below backs
+            # off, with their descendants there: backoff.py).
+            return (self._evict(self.select(tier, short, evict=True, **pick))
+                    or self._drop_while_backing_off(tier, short, pick))
         if lower is None:
             return self._evict(victims)
         backoffs = self.stats.write_backoffs
@@ -342,15 +327,8 @@ class Placement(Rebalancing):
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         if self._evict(victims[self.table.evictable(victims)]):
             return True
-        if any(t > tier and not self.writable(t) for t in self.tiers):
-            # ... and a storage tier below backs off: the tiers between may be full of parents of
-            # blocks on it, which may not be dropped nor go down, and stay so while its disk is
-            # full. Drop the blocks here that may be dropped (as when nothing could move at all),
-            # or this tier takes nothing until the disk has room. (Not otherwise: where the tiers
-            # below are held by their clients, keeping this tier's blocks finds more, as the
-            # tiered replays show.)
-            return self._evict(self.select(tier, short, evict=True, **pick)) or progress
-        return progress
+        # ... and while a storage tier below backs off, drop what may be dropped here (backoff.py).
+        return self._drop_while_backing_off(tier, short, pick) or progress
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:
@@ -428,24 +406,6 @@ class Placement(Rebalancing):
             self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
         self._note_writes(lower, self.mover.failed_into(lower) - failed, int(moved.sum()))
         return moved
-
-    def _note_writes(self, tier: Tier, failed: int, moved: int) -> None:
-        """After a move down into `tier`: NVMe writes that all failed start (or lengthen) its
-        back-off (`lower`); one that worked ends it."""
-        if tier != Tier.NVME:
-            return  # memory tiers' copies do not fail for want of room (a lost GPU is fatal: fatal())
-        if failed and not moved:
-            _, period = self.write_backoff.get(tier, (0.0, 0.0))
-            period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
-            self.write_backoff[tier] = (self.monotonic() + period, period)
-            self.stats.write_backoffs += 1
-            log.warning("writes to %s failed (%d blocks; the transfer log names the error): %s takes no blocks "
-                        "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
-                        "for again (a full or failing disk under memory.nvme_path?)",
-                        tier.label, failed, tier.label, period)
-        elif moved and tier in self.write_backoff:
-            del self.write_backoff[tier]
-            log.info("writes to %s work again: it takes blocks again", tier.label)
 
     def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
         """How many of the leading rows `tier` has free slots for now, size by size."""

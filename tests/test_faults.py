@@ -336,11 +336,13 @@ def test_a_tier_whose_writes_fail_takes_no_blocks_until_its_back_off_ends(mgr, m
     mgr.check_invariants()
 
 
-def test_while_nvme_backs_off_a_tier_above_parents_of_nvme_blocks_drops_its_own_leaves(mgr, monkeypatch, clock):
-    """DRAM full of parents of blocks on NVMe, HBM full of their parents and of a few leaves, and
-    NVMe writes failing: no block may go down (DRAM's may neither be dropped nor written), so HBM
-    makes room by dropping its leaves. Before, while the back-off lasted, every allocation in HBM was
-    refused (the soak's disk-full run got 64 of 128 HBM blocks)."""
+def test_while_nvme_backs_off_room_is_made_by_dropping_the_coldest_chains_not_hot_leaves(mgr, monkeypatch, clock):
+    """DRAM full of parents of blocks on NVMe, HBM full of their parents and of a few leaves written
+    last, and NVMe writes failing: no DRAM block may go down, nor be dropped alone. DRAM drops its
+    coldest blocks with their descendants on NVMe, and HBM's coldest blocks go down into the room
+    (the policy's victims); the hot leaves stay. Before, while the back-off lasted, every allocation
+    in HBM was refused (the soak's disk-full run got 64 of 128 HBM blocks); then HBM dropped its
+    leaves, the newest blocks, because they alone could be dropped."""
     import errno
 
     a = mgr.attach("a")
@@ -368,7 +370,61 @@ def test_while_nvme_backs_off_a_tier_above_parents_of_nvme_blocks_drops_its_own_
     got = mgr.allocate(a, lid, 2)
     assert got is not None, mgr.allocate_refusal
     assert not mgr.placement.writable(Tier.NVME)
-    assert not mgr.table.liveness(leaves)[1].any()  # the leaves made the room (a batch's worth: all four)
-    assert mgr.table.liveness(np.array(roots))[1].all()  # the chains stay whole
+    assert mgr.table.liveness(leaves)[1].all(), "the hot leaves stay"
+    assert mgr.table.liveness(np.array(roots))[1].all(), "HBM's blocks went down, none was dropped"
+    placed = mgr.stats()["placement"]
+    assert placed["demoted"] >= 2 and placed["evicted"] >= 2, placed
+    tiers = {k: v["blocks"] for k, v in mgr.stats()["tiers"].items()}
+    assert tiers["nvme"] == 64 - placed["evicted"] // 2, (tiers, placed)  # each DRAM block dropped took its tail
+    mgr.check_invariants()  # no block outlives its parent
+
+
+def test_while_nvme_backs_off_chains_whose_tails_lie_on_nvme_are_dropped_whole(mgr, monkeypatch, clock):
+    """Every HBM block a parent of one in DRAM, every DRAM block a parent of one on NVMe, and NVMe
+    writes failing: no tier has a block it may drop alone, nor one that may go down. Room is made by
+    dropping DRAM blocks together with their descendants on NVMe (dropping a block there needs no
+    write), so HBM's blocks can go down. Before, every allocation in HBM was refused until the
+    back-off ended (the soak's disk-full run: a probe got 96 of 128 HBM blocks)."""
+    import errno
+
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    mover = mgr.mover
+    for b in range(2):  # two chains wholly below HBM
+        vids = publish(mgr, a, lid, [500 + 2 * b, 501 + 2 * b])
+        for v, t in ((vids[1], Tier.NVME), (vids[0], Tier.DRAM)):
+            assert mover.move(mgr.table.rows([v]), t).all()
+    chains = []
+    for i in range(62):
+        clock.advance(1)
+        vids, parent = [], None
+        for k, t in zip(range(1000 + 3 * i, 1003 + 3 * i), (Tier.HBM, Tier.DRAM, Tier.NVME)):
+            # a block at a time, each moved down before the next is written: HBM holds the heads only
+            v = mgr.allocate(a, lid, 1)
+            mgr.view(int(v[0]))[:] = pattern(k)
+            v = mgr.commit(a, v, keys=[k], parent=parent)
+            mgr.free(a, v)
+            parent = int(v[0])
+            vids.append(parent)
+            if t != Tier.HBM:
+                assert mover.move(mgr.table.rows(v), t).all(), (i, mgr.stats()["tiers"])
+        chains.append(np.array(vids))
     assert {k: v["blocks"] for k, v in mgr.stats()["tiers"].items()} == {"hbm": 62, "dram": 64, "nvme": 64}
+    pinned = chains[7]
+    mgr.table.pin(a, pinned[2:])  # a reader holds one tail on NVMe: its chain's DRAM block stays
+
+    def full_disk(offsets, sources):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(mgr.arenas[Tier.NVME], "write_blocks", full_disk)
+    got = mgr.allocate(a, lid, 4)  # room for two more in HBM
+    assert got is not None, mgr.allocate_refusal
+    assert not mgr.placement.writable(Tier.NVME)
+    tails = np.array([c[2] for c in chains])
+    middles = np.array([c[1] for c in chains])
+    alive_mid, alive_tail = mgr.table.liveness(middles)[1], mgr.table.liveness(tails)[1]
+    assert not alive_mid.all(), "DRAM blocks were dropped to make room"
+    assert (alive_tail <= alive_mid).all(), "a tail on NVMe never outlives its parent"
+    assert alive_mid[7] and alive_tail[7], "the held tail and its parent stay"
+    assert mgr.table.liveness(np.array([c[0] for c in chains]))[1].all(), "HBM's blocks went down, none dropped"
     mgr.check_invariants()
+    mgr.table.unpin(a, pinned[2:])
