@@ -38,6 +38,9 @@ DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
 # ... and most time spent answering them, in tick intervals: a count alone let 1,024 slow requests
 # (24 busy clients, or a flood of calls never read back) hold the tick off for seconds.
 DRAIN_BUDGET_TICKS = 1.0
+# While a tier drains (rebalance) and no request waits, the loop runs rebalance pieces of this long
+# between background steps: a request that arrives meanwhile waits about this long at most.
+IDLE_DRAIN_S = 0.01
 
 
 class Server:
@@ -49,6 +52,7 @@ class Server:
         self._stop = threading.Event()
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._last_tick_s = 0.0  # how long the last background step took
+        self._idle_drain = True  # rebalance pieces while the queue is empty (off after one failed, until a step)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -69,13 +73,17 @@ class Server:
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
         while not self._stop.is_set():
+            # While a tier drains, an empty queue is time for its next piece: no waiting on it.
+            draining = self._idle_drain and any(m.draining() for m in self.service.managers.values())
             try:
-                frames = sock.recv_multipart(copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK if draining else 0, copy=True)
             except zmq.Again:
                 frames = None
                 # Every message sent before now is answered: leases are judged as of then (a
                 # heartbeat still queued is not yet seen).
                 self.service.queue_empty()
+                if draining:
+                    self._drain_while_idle()
             if frames is not None:
                 self._answer(frames)
             now = time.monotonic()
@@ -98,6 +106,7 @@ class Server:
                     if time.monotonic() >= budget:
                         break
                 started = time.monotonic()
+                self._idle_drain = True  # (after a failed idle piece, from the next step on)
                 self._tick(late_s=started - next_tick)
                 self._last_tick_s = time.monotonic() - started
                 next_tick = time.monotonic() + self.tick_interval_s
@@ -105,6 +114,20 @@ class Server:
             if lost:  # every later move would fail: a restarted daemon serves again, a zombie never
                 self.failed = lost
                 return
+
+    def _drain_while_idle(self) -> None:
+        """A rebalance piece of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_while_idle`)."""
+        with self.service.busy():
+            for manager in self.service.managers.values():
+                if not manager.draining():
+                    continue
+                try:
+                    manager.drain_while_idle(IDLE_DRAIN_S)
+                except Exception:
+                    # Not again before the next background step, which runs (and logs) it anyway:
+                    # one that fails each time would otherwise fill the log as fast as the loop spins.
+                    self._idle_drain = False
+                    log.exception("a rebalance piece between background steps failed; drains wait for the steps")
 
     def _answer(self, frames: list[bytes]) -> None:
         reply = self.service.handle_frames(frames[1:])

@@ -42,14 +42,14 @@ class Rebalancing:
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
 
-    def rebalance(self) -> None:
+    def rebalance(self, budget_s: float | None = None) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
         only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
-        again over what is left), for at most REBALANCE_BUDGET_S this step, shared by the draining
-        tiers (the rest in the next steps). Slowest tier first, so that demotions find room below.
-        Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only bring them
-        back up for the read."""
-        deadline = time.perf_counter() + self.REBALANCE_BUDGET_S
+        again over what is left), for at most `budget_s` (REBALANCE_BUDGET_S) this step, shared by
+        the draining tiers (the rest in the next steps). Slowest tier first, so that demotions find
+        room below. Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only
+        bring them back up for the read."""
+        deadline = time.perf_counter() + (self.REBALANCE_BUDGET_S if budget_s is None else budget_s)
         c = self.table.cols
         for tier in self.tiers:
             if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
