@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.forest import subtree_heights
+from dflash2.forest import reaches_marked, subtree_heights
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
 
@@ -256,3 +256,34 @@ def test_a_prefix_listed_ancestors_first_is_its_own_list_and_others_are_walked(m
             walked += not mgr.placement._closed_upward(arr)
     assert mgr.placement._closed_upward(np.array(ancestors_by_walk(t.cols, [int(rows[-1])]), dtype=np.int64))
     assert walked  # the walk itself ran too
+
+
+@st.composite
+def forests_with_marks(draw):
+    n = draw(st.integers(1, 60))
+    parent = [draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]  # parents before children: no cycle
+    marked = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    nodes = sorted(set(draw(st.lists(st.integers(0, n - 1), max_size=n))))
+    return np.array(parent), np.array(marked), np.array(nodes, dtype=np.int64)
+
+
+@given(forests_with_marks())
+@settings(max_examples=300, deadline=None)
+def test_reaches_marked_walks_up_through_the_nodes_only(case):
+    parent, marked, nodes = case
+    inside = set(nodes.tolist())
+
+    def reaches(i):  # the definition: climb while inside the set, look at the first node outside
+        while True:
+            if marked[i]:
+                return True
+            if i not in inside or parent[i] < 0:
+                return False
+            i = parent[i]
+    got = reaches_marked(parent, marked, nodes)
+    assert got.tolist() == [reaches(i) for i in nodes.tolist()]
+
+
+def test_reaches_marked_refuses_a_cycle():
+    with pytest.raises(ValueError, match="cycle"):
+        reaches_marked(np.array([1, 0]), np.zeros(2, dtype=bool), np.array([0, 1]))
