@@ -89,27 +89,31 @@ def test_when_the_copy_engines_fail_the_kernel_moves_the_batch_and_every_later_o
         mgr.close()
 
 
-def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
-    """A staged HBM->NVMe move still running when the backend closes finishes first: its thread
-    uses the pinned staging buffer that close() frees."""
+def _hbm_to_nvme_batch(mgr, n: int):
+    """n committed 64 KiB blocks in HBM, as one HBM->NVMe batch to the first n NVMe slots."""
     from dflash2.layout import Layout
     from dflash2.tiers import Tier
     from dflash2.transfer.base import CopyBatch
+    a = mgr.attach("t")
+    lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
+    rows = mgr.table.rows(mgr.commit(a, mgr.allocate(a, lid, n)))
+    nbytes = mgr.table.block_bytes(rows)
+    offsets = np.arange(n, dtype=np.int64) * int(nbytes[0])
+    return CopyBatch(Tier.HBM, Tier.NVME, mgr.table.cols.offset[rows].copy(), offsets, nbytes)
+
+
+def test_closing_the_backend_waits_for_a_staged_move_in_flight(cuda_config):
+    """A staged HBM->NVMe move still running when the backend closes finishes first: its thread
+    uses the pinned staging buffer that close() frees."""
     mgr = gpu_manager(cuda_config())
     try:
-        a = mgr.attach("t")
-        lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
-        vids = mgr.commit(a, mgr.allocate(a, lid, 64))
-        rows = mgr.table.rows(vids)
-        c = mgr.table.cols
-        nbytes = mgr.table.block_bytes(rows)
-        offsets = np.arange(64, dtype=np.int64) * int(nbytes[0])
-        job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+        batch = _hbm_to_nvme_batch(mgr, 64)
+        job = mgr.backend.start(batch)
         mgr.backend.close()  # at once, while the staged thread runs
         assert job.done() and job.wait().all()
         from dflash2.errors import ArenaError
         with pytest.raises(ArenaError, match="closed"):  # its staging buffer is gone
-            mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, c.offset[rows].copy(), offsets, nbytes))
+            mgr.backend.start(batch)
         mgr.backend.close()  # idempotent
     finally:
         mgr.close()
@@ -120,17 +124,10 @@ def test_a_disk_that_fails_every_staged_write_is_logged_once_not_once_per_batch(
     usable, and the log has one traceback, not one per batch (the host path's soak: 10,127 in 45 s)."""
     import errno
     import logging
-    from dflash2.layout import Layout
     from dflash2.tiers import Tier
-    from dflash2.transfer.base import CopyBatch
     mgr = gpu_manager(cuda_config())
     try:
-        a = mgr.attach("t")
-        lid = mgr.register_layout(Layout("l", 8, 2, 64, "bf16", 16))  # 64 KiB
-        vids = mgr.commit(a, mgr.allocate(a, lid, 16))
-        rows = mgr.table.rows(vids)
-        nbytes = mgr.table.block_bytes(rows)
-        offsets = np.arange(16, dtype=np.int64) * int(nbytes[0])
+        batch = _hbm_to_nvme_batch(mgr, 16)
         nvme = mgr.backend.arenas[Tier.NVME]
 
         def full(*_a, **_k):
@@ -138,8 +135,7 @@ def test_a_disk_that_fails_every_staged_write_is_logged_once_not_once_per_batch(
         nvme.write_blocks = full
         with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
             for _ in range(20):
-                job = mgr.backend.start(CopyBatch(Tier.HBM, Tier.NVME, mgr.table.cols.offset[rows].copy(), offsets,
-                                                  nbytes))
+                job = mgr.backend.start(batch)
                 assert not job.wait().any()
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "dflash2.transfer.cuda"]
         assert len(errors) == 1, [r.getMessage() for r in errors]
