@@ -213,3 +213,38 @@ def test_a_drain_goes_on_between_background_steps_while_no_request_waits(tmp_pat
     assert mgr.stats()["tiers"]["hbm"]["blocks"] <= int(low * 64), mgr.stats()["tiers"]["hbm"]
     assert mgr.stats()["moves"]["hbm->dram"]["batches"] > 1  # in pieces, not one step's worth
     mgr.check_invariants()
+
+
+def test_a_drain_piece_that_fails_between_steps_is_not_retried_until_the_next_step(tmp_path, make_manager, clock,
+                                                                                 monkeypatch, caplog):
+    """An idle rebalance piece that raises is logged once and not run again before the next
+    background step: retried each time the queue is empty, it would fill the log as fast as the
+    loop spins."""
+    import logging
+
+    mgr = make_manager(hbm_blocks=16, dram_blocks=32)
+    monkeypatch.setattr(mgr, "draining", lambda: True)
+    calls = []
+
+    def broken(budget_s):
+        calls.append(budget_s)
+        raise RuntimeError("injected")
+    monkeypatch.setattr(mgr, "drain_while_idle", broken)
+    steps = []
+    tick = mgr.tick
+    monkeypatch.setattr(mgr, "tick", lambda: (steps.append(1), tick()))
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    with caplog.at_level(logging.ERROR, logger="dflash2.daemon"):
+        loop.start()
+        try:
+            time.sleep(0.5)  # the loop spins many times meanwhile; one step ran at its start
+        finally:
+            srv.stop()
+            loop.join(5)
+            srv.close()
+    assert len(steps) == 1
+    assert len(calls) == 2, len(calls)  # one before the step, one after it: then none until the next step
+    failed = [r for r in caplog.records if "rebalance piece between background steps failed" in r.getMessage()]
+    assert len(failed) == 2 and failed[0].exc_info is not None
