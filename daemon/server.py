@@ -2,7 +2,8 @@
 background, and shuts down cleanly on SIGTERM/SIGINT.
 
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
-runs the periodic work (lease expiry, reservation ticks, rebalancing). Moves are finished or rolled
+runs the periodic work (lease expiry, reservation ticks, rebalancing), and while a tier drains and
+no request waits, more pieces of its drain. Moves are finished or rolled
 back before a request returns, so shutdown never leaves a block half-moved.
 """
 
@@ -38,8 +39,9 @@ DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
 # ... and most time spent answering them, in tick intervals: a count alone let 1,024 slow requests
 # (24 busy clients, or a flood of calls never read back) hold the tick off for seconds.
 DRAIN_BUDGET_TICKS = 1.0
-# While a tier drains (rebalance) and no request waits, the loop runs rebalance pieces of this long
-# between background steps: a request that arrives meanwhile waits about this long at most.
+# While a tier drains (rebalance) and no request waits, the loop runs rebalance steps of this budget
+# between background steps (each a piece sized to take half of it, or the tier's floor piece): a
+# request that arrives meanwhile waits for that piece at most.
 IDLE_DRAIN_S = 0.01
 
 
