@@ -489,9 +489,8 @@ class Service:
         since_s = arg(req, "since_s", (int, float), default=None, lo=0)
         if self.history is None:
             return {"enabled": False, "interval_s": None, "count": 0}, [b""]
-        samples = self.history.since(since_s)
-        return ({"enabled": True, "interval_s": self.history.interval_s, "count": len(samples)},
-                [self.history.encode(samples)])
+        count, lines = self.history.encoded(since_s)
+        return {"enabled": True, "interval_s": self.history.interval_s, "count": count}, [lines]
 
     def _set_weights(self, req):
         weights = arg(req, "weights", dict)
