@@ -3,10 +3,11 @@
 With `history_enabled: true` the daemon's owner thread samples once per `interval_s` (1 s) from the
 same snapshot the metrics use, keeps the last `max_samples` (3 hours) in memory, and appends each
 sample as one JSON line to `STATE_DIR/history.jsonl` (rotated to `history.jsonl.1` past 64 MiB).
-In memory each sample is kept as that line (about 1 KB on a three-tier node), not as the nested
-dicts it is built from (about 4.4 KB, 5.5 KB reloaded: 48-60 MB for 3 hours, by which the daemon's
-resident memory grew through its first three hours after every start); readers get the dicts back
-(`since`), the `history` op the lines as they are (`encoded`).
+In memory each sample is kept as that line, not as the nested dicts it is built from: those took
+4.4 KB a sample on a loaded three-tier node (5.5 KB reloaded; 48-60 MB for 3 hours, by which the
+daemon's resident memory grew through its first three hours after every start), and a third to a
+quarter of that as lines (an idle three-tier pool's 3 hours: 18.9 MB as dicts, 5.7 MB as lines);
+readers get the dicts back (`since`), the `history` op the lines as they are (`encoded`).
 On start it reloads the newest `max_samples` lines that file still holds, so a restarted daemon
 still has the night before; a line that is not a sample (torn by a crash, or foreign) is skipped and
 the count logged.
