@@ -124,12 +124,16 @@ class Server:
                 if not manager.draining():
                     continue
                 try:
-                    manager.drain_while_idle(IDLE_DRAIN_S)
+                    manager.drain_while_idle(IDLE_DRAIN_S, self._request_waits)
                 except Exception:
                     # Not again before the next background step, which runs (and logs) it anyway:
                     # one that fails each time would otherwise fill the log as fast as the loop spins.
                     self._idle_drain = False
                     log.exception("a rebalance piece between background steps failed; drains wait for the steps")
+
+    def _request_waits(self) -> bool:
+        """Whether a request is queued (a poll, no wait): an idle drain stops after its piece."""
+        return bool(self._sock.poll(0, zmq.POLLIN))
 
     def _answer(self, frames: list[bytes]) -> None:
         reply = self.service.handle_frames(frames[1:])

@@ -6,9 +6,11 @@ its pieces, its time budget) is a job of its own."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.forest import reaches_marked
 from dflash2.tiers import Tier
 
 
@@ -42,19 +44,21 @@ class Rebalancing:
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
 
-    def rebalance(self, budget_s: float | None = None) -> None:
+    def rebalance(self, budget_s: float | None = None, yield_to: Callable[[], bool] | None = None) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
         only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
         again over what is left), for at most `budget_s` (REBALANCE_BUDGET_S) this step, shared by
         the draining tiers (the rest in the next steps). Slowest tier first, so that demotions find
         room below. Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only
-        bring them back up for the read."""
+        bring them back up for the read. `yield_to`: asked after each piece; True ends the call there
+        (a request waits: the server's idle drain), the rest in the next calls."""
         deadline = time.perf_counter() + (self.REBALANCE_BUDGET_S if budget_s is None else budget_s)
         c = self.table.cols
         for tier in self.tiers:
             if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
                 self.draining.add(tier)
-                cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
+                cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
+                cut = np.flatnonzero(self._with_descendants_in(tier, cold))
                 self._cuts[tier] = (cut, c.gen[cut].copy())
         order = [tier for tier in reversed(self.tiers) if tier in self.draining]
         if not order:
@@ -63,11 +67,28 @@ class Rebalancing:
         protect = np.concatenate(held) if held else None
         for left, tier in zip(range(len(order), 0, -1), order):
             part = max(0.0, deadline - time.perf_counter()) / left  # its share of what is left
-            if self._drain(tier, part, protect):
+            if self._drain(tier, part, protect, yield_to):
                 self.draining.discard(tier)
                 del self._cuts[tier]
+            if yield_to is not None and yield_to():
+                return
 
-    def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None) -> bool:
+    def _with_descendants_in(self, tier: Tier, cold: np.ndarray) -> np.ndarray:
+        """`cold` (a mask of `tier`'s cold blocks) with their descendants in `tier`. A block leaves
+        a tier only after its descendants there, and a chain written root first is colder at its
+        root under every policy (older, read as often): a cut of its cold root side alone could
+        never move, and the tier stayed above its high watermark. A block hanging under a cold
+        prefix is read only through that prefix, so it goes with it (leaves first, as always)."""
+        c = self.table.cols
+        nodes = np.flatnonzero(c.tier == int(tier))
+        if not len(nodes) or not cold.any():
+            return cold
+        out = cold.copy()
+        out[nodes[reaches_marked(c.parent, cold, nodes)]] = True
+        return out
+
+    def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None,
+               yield_to: Callable[[], bool] | None = None) -> bool:
         """Drain `tier`'s cold cut for about `seconds` (at least one piece). True when it is done:
         down to its low watermark, or its cut used up."""
         c = self.table.cols
@@ -88,7 +109,7 @@ class Rebalancing:
             freed = self.free_bytes(tier) - free
             if freed > 0:
                 self._drain_rate[tier] = freed / max(now - started, 1e-6)
-            if done or now >= until:
+            if done or now >= until or (yield_to is not None and yield_to()):
                 return done  # the rest in the next steps (each draining tier gets a piece a step)
 
     def _piece_bytes(self, tier: Tier, seconds: float) -> int:

@@ -583,3 +583,25 @@ def test_both_ways_of_finding_the_cut_take_the_same_rows(make_manager, monkeypat
                 masks.append(pl._at_or_below_cut(reach.copy(), n_reach, scores, k))
             assert (masks[0] == masks[1]).all(), (share, k)
             assert masks[0].sum() >= k and not (masks[0] & ~reach).any()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "heat"])
+def test_a_chain_written_root_first_drains_down_to_the_low_watermark(make_manager, clock, policy):
+    """One long chain written over time, its root first: every policy ranks its root side colder
+    than its leaf side, so the cold cut a drain takes is the root side, whose blocks may leave only
+    after their descendants, which are not in it. The drain moved nothing, and the tier stayed above
+    its high watermark for good (soak2: a 512 MB DRAM tier at 97% of idle cached blocks, demoted 0)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=40, nvme_blocks=80, policy=policy,
+                       watermarks={Tier.DRAM: Watermark(0.9, 0.5)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    pieces = []
+    for _ in range(38):
+        clock.advance(1)
+        pieces.append(mgr.allocate(a, lid, 1, tier=Tier.DRAM))
+    mgr.free(a, mgr.commit(a, np.concatenate(pieces), keys=list(range(1, 39))))
+    for _ in range(50):
+        clock.advance(0.1)
+        mgr.tick()
+    assert mgr.stats()["tiers"]["dram"]["blocks"] <= 20
+    mgr.check_invariants()

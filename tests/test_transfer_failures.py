@@ -48,4 +48,23 @@ def test_each_kind_is_logged_once_a_minute_and_the_next_line_counts_the_rest(mon
     assert len(caplog.records) == 4
     last = caplog.records[-1].getMessage()
     assert "host copy of 1 blocks (4096 bytes) dram → nvme failed" in last
-    assert "(30 more such failures in the last 60 s were not logged)" in last, last
+    assert "(30 more such failures since the last one logged, 60 s ago, were not logged)" in last, last
+
+
+def test_the_count_of_failures_left_out_does_not_claim_they_were_in_the_last_minute(monkeypatch, caplog):
+    """A failure an hour after the last one logged, with one left out in between, 30 s after it: the
+    line said "1 more such failures in the last 60 s" (soak2: every such line came 60-80 s after the
+    previous one, and on a disk that fails once an hour it would be an hour)."""
+    now = [1000.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])
+    fl = FailureLog(log, "host copy")
+    down = _batch(Tier.DRAM, Tier.NVME)
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        _fail(fl, down, OSError(errno.ENOSPC, "full"))
+        now[0] += 30
+        _fail(fl, down, OSError(errno.ENOSPC, "full"))
+        now[0] += 3570
+        _fail(fl, down, OSError(errno.ENOSPC, "full"))
+    last = caplog.records[-1].getMessage()
+    assert "in the last 60 s" not in last, last
+    assert "(1 more such failures since the last one logged, 3600 s ago, were not logged)" in last, last

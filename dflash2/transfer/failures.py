@@ -39,6 +39,7 @@ class FailureLog:
                 self._seen[key] = (last, quiet + 1)
                 return
             self._seen[key] = (now, 0)
-        more = f" ({quiet} more such failures in the last {REPEAT_LOG_S:g} s were not logged)" if quiet else ""
+        more = (f" ({quiet} more such failures since the last one logged, {now - last:.0f} s ago, were not logged)"
+                if quiet else "")
         self._log.exception("%s of %d blocks (%d bytes) %s → %s failed; the whole batch is a miss%s", self._what,
                             len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, more)
