@@ -406,8 +406,9 @@ class BlockManager:
         self.prefetcher.settle()
 
     def draining(self) -> bool:
-        """Whether a tier is still draining down to its low watermark (rebalance)."""
-        return bool(self.placement.draining)
+        """Whether a tier is still draining down to its low watermark and may go on now (rebalance:
+        not one whose storage tier below backs off)."""
+        return self.placement.drain_pending()
 
     def drain_while_idle(self, budget_s: float, yield_to=None) -> None:
         """One more rebalance piece between background steps, while no request waits (the server's

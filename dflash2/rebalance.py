@@ -60,7 +60,7 @@ class Rebalancing:
                 cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
                 cut = np.flatnonzero(self._with_descendants_in(tier, cold))
                 self._cuts[tier] = (cut, c.gen[cut].copy())
-        order = [tier for tier in reversed(self.tiers) if tier in self.draining]
+        order = self._drainable()
         if not order:
             return
         held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
@@ -72,6 +72,18 @@ class Rebalancing:
                 del self._cuts[tier]
             if yield_to is not None and yield_to():
                 return
+
+    def _drainable(self) -> list[Tier]:
+        """The draining tiers whose drain may run now, slowest first. One with a storage tier below it
+        that backs off after failed writes waits (keeping its cut): what leaves it would be dropped
+        (`lower`), and a drain, which no request asked for, then turned one failed batch into the loss
+        of a tenth of DRAM and those blocks' descendants on NVMe (soak 2). Allocations still make the
+        room they need meanwhile (backoff.py)."""
+        return [tier for tier in reversed(self.tiers) if tier in self.draining and not self._backing_off_below(tier)]
+
+    def drain_pending(self) -> bool:
+        """Whether a drain may run now (`_drainable`): the server's loop runs more of it while idle."""
+        return bool(self._drainable())
 
     def _with_descendants_in(self, tier: Tier, cold: np.ndarray) -> np.ndarray:
         """`cold` (a mask of `tier`'s cold blocks) with their descendants in `tier`. A block leaves

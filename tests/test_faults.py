@@ -428,3 +428,32 @@ def test_while_nvme_backs_off_chains_whose_tails_lie_on_nvme_are_dropped_whole(m
     assert mgr.table.liveness(np.array([c[0] for c in chains]))[1].all(), "HBM's blocks went down, none dropped"
     mgr.check_invariants()
     mgr.table.unpin(a, pinned[2:])
+
+
+def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_asked_for(mgr, monkeypatch, clock):
+    """DRAM over its high watermark of idle cached blocks and NVMe backing off after a failed write:
+    the background drain would drop (DRAM is the last tier meanwhile) down to the low watermark,
+    blocks and their NVMe descendants that no allocation asked for (soak 2: one failed batch dropped
+    DRAM from 0.969 to 0.50). It waits, keeping its cut, and moves them once NVMe takes writes again."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    for k in range(62):
+        clock.advance(1)
+        vids = mgr.allocate(a, lid, 1, tier=Tier.DRAM)
+        mgr.view(int(vids[0]))[:] = pattern(k + 1)
+        mgr.free(a, mgr.commit(a, vids, keys=[k + 1]))
+    pl = mgr.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl.write_backoff[Tier.NVME] = (101.0, 1.0)  # as after a failed write
+    assert pl.lower(Tier.DRAM) is None
+    mgr.tick()
+    assert Tier.DRAM in pl.draining and not mgr.draining(), "draining, but waiting: the idle loop must not spin"
+    assert mgr.stats()["placement"]["evicted"] == 0 and mgr.stats()["tiers"]["dram"]["blocks"] == 62
+    now[0] = 101.5  # the back-off is over
+    assert mgr.draining()
+    mgr.tick()
+    placed = mgr.stats()["placement"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
+    assert mgr.stats()["tiers"]["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].low * 64) + 1
+    mgr.check_invariants()
