@@ -3,7 +3,8 @@
 Every request is answered: a malformed message, an unknown op, bad arguments, a foreign or stale
 block id all get an error reply naming the problem, and change nothing. Leases: a client that sends
 nothing (heartbeats included) for `lease_timeout_s`, or whose process is gone, is detached: its
-reservations and pins are released and its private blocks freed; what it published stays cached.
+reservations and pins are released and its private blocks freed (those of a process that may still
+run, once it is gone or after a while: sessions.SetAside); what it published stays cached.
 
 Sessions: attach returns a random token that every later call of that client carries; a call with
 the client's id and another token is refused (WrongToken), so a process that read the id from
@@ -26,7 +27,8 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
-from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, pid_namespace, same_token
+from dflash2.daemon.poolstats import sum_stats
+from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
 from dflash2.errors import (CallForgotten, DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient,
                             WrongToken)
@@ -56,6 +58,8 @@ class Service:
         self.clock = clock
         self.pid_alive = pid_alive or process_alive
         self.sessions: dict[int, Session] = {}
+        # Lapsed clients whose process may still write their private blocks (asked through self, which tests set)
+        self.set_aside = SetAside(lease_timeout_s, lambda pid: self.pid_alive(pid), lambda: self.clock())
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         # How late the background step started, the last time and the most over its last 64 runs,
@@ -199,9 +203,13 @@ class Service:
                 if now - s.last_seen > self.lease_timeout_s
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]
         for s in gone:
-            released = self._drop_session(s.client)
+            # A process that may still run keeps its private blocks a while (sessions.SetAside).
+            released = self._drop_session(s.client, set_aside=not s.same_pid_namespace or self.pid_alive(s.pid))
             self.counters["leases_expired"] += 1
             log.warning("client %d (%s, pid %d) lease lapsed: released %s", s.client, s.name, s.pid, released)
+        for s in self.set_aside.due():
+            log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
+                     self.managers[s.device].detach(s.client))
         return [s.client for s in gone]
 
     def fatal(self) -> str | None:
@@ -216,6 +224,8 @@ class Service:
     def shutdown(self) -> None:
         for client in list(self.sessions):
             self._drop_session(client)
+        for s, _ in self.set_aside.sessions.values():
+            self.managers[s.device].detach(s.client)
 
     # -- sessions --------------------------------------------------------------------------
     def _touch(self, client: int, token: str | None) -> Session:
@@ -241,11 +251,15 @@ class Service:
         while len(kept) > KEEP_CALLS:
             kept.popitem(last=False)
 
-    def _drop_session(self, client: int) -> dict:
+    def _drop_session(self, client: int, set_aside: bool = False) -> dict:
         session = self.sessions.pop(client, None)
         if session is None:
             return {}
         try:
+            if set_aside:
+                released = self.managers[session.device].set_aside(client)
+                self.set_aside.add(session)
+                return released
             return self.managers[session.device].detach(client)
         except UnknownClient:
             return {}
@@ -572,28 +586,3 @@ class Service:
                 entry["name"] = d.get("name")
             out.append(entry)
         return out
-
-
-# Per-pool figures that do not add up over pools: settings (the policy's weights, the prefetch
-# window) are the first pool's; measured read bandwidth is per GPU's link, under "devices" only.
-SETTINGS_STATS = frozenset({"policy", "window"})
-PER_POOL_STATS = frozenset({"read_cost", "duel"})  # per GPU only: rates that do not add up
-
-
-def sum_stats(parts: list[dict]) -> dict:
-    """Node totals of several pools' stats: counts add up, ratios are recomputed from the sums,
-    anything else (names, settings) is taken from the first pool."""
-    def merge(values: list):
-        first = values[0]
-        if isinstance(first, dict):
-            keys = [k for k in dict.fromkeys(k for v in values for k in v) if k not in PER_POOL_STATS]
-            return {k: first[k] if k in SETTINGS_STATS and k in first else merge([v[k] for v in values if k in v])
-                    for k in keys}
-        if isinstance(first, (int, float)) and not isinstance(first, bool):
-            return sum(v for v in values if isinstance(v, (int, float)))
-        return first
-    total = merge(parts)
-    reads = total.get("reads", {})
-    all_reads = sum(reads.values())
-    total["hbm_hit_ratio"] = reads.get("hbm", 0) / all_reads if all_reads else None
-    return total

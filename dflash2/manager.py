@@ -114,6 +114,7 @@ class BlockManager:
         self.placement.read_cost = self.read_cost
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.allocate_refusal = ""  # why the last allocate answered None (the daemon's reply says it)
+        self.set_aside_clients: set[int] = set()  # lapsed, their private blocks kept (set_aside) until detach
         self.access = AccessStats()
         # A lookup is followed by the request reading its prefix from the start: the first window's
         # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).
@@ -136,8 +137,24 @@ class BlockManager:
         self.prefetcher.drop(client)
         reservations = self.admission.remove_client(client)
         released = self.table.remove_client(client)
+        self.set_aside_clients.discard(client)
         idle = self._left_idle(held)
         self._follow_up("granting waiting reservations after a detach", lambda: self.admission.tick(make_room=idle))
+        return {"reservations": reservations, **released}
+
+    def set_aside(self, client: int) -> dict:
+        """A client whose lease lapsed while its process may live: release what `detach` releases
+        but its private blocks, which it may still be writing (table/departure.py); `detach` frees
+        them once the daemon knows the process cannot write any more (daemon/service.py)."""
+        holder = self.table.client(client)
+        held = np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))
+        self.read_cost.drop_client(client)
+        self.prefetcher.drop(client)
+        reservations = self.admission.remove_client(client)
+        released = self.table.set_aside_client(client)
+        self.set_aside_clients.add(client)
+        idle = self._left_idle(held)
+        self._follow_up("granting waiting reservations after a lease lapsed", lambda: self.admission.tick(make_room=idle))
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:
@@ -443,7 +460,9 @@ class BlockManager:
             "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,
                          "wasted": self.prefetcher.wasted},
             "reservations": self.admission.snapshot(),
-            "clients": len(self.table.clients),
+            "clients": len(self.table.clients) - len(self.set_aside_clients),
+            "set_aside": {"clients": len(self.set_aside_clients),
+                          "blocks": sum(len(self.table.clients[c].refs) for c in self.set_aside_clients)},
             "policy": self.policy.describe(),
             "duel": None if self.duel is None else self.duel.describe(),
         }

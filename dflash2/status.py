@@ -100,6 +100,10 @@ def render(st: dict) -> str:
                  + _brief({k[len('total_'):]: v for k, v in res.items() if k.startswith("total_")}))
     clients = st.get("clients", [])
     lines += ["", f"clients: {len(clients)}"]
+    aside = st.get("set_aside") or {}
+    if aside.get("clients"):  # lapsed while their process may still write: kept out of reuse
+        lines.append(f"set aside: {aside['blocks']} private blocks of {aside['clients']} lapsed client(s) "
+                     "whose process may still write them")
     if clients:
         lines += _table([("id", "name", "pid", "idle s")]
                         + [(str(c["client"]), str(c["name"]), str(c["pid"]), f"{c['idle_s']:.1f}") for c in clients])

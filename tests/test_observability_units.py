@@ -140,7 +140,7 @@ def test_policies_without_a_split_have_no_policy_families(service):
 def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
     """A host pool moves one way (no family); a GPU pool's stats name each direction's batches by
     mechanism (tests/test_gpu_nodes.py checks them on a GPU), summed over the node's pools."""
-    from dflash2.daemon.service import sum_stats
+    from dflash2.daemon.poolstats import sum_stats
     metrics = DaemonMetrics(service)
     _load(service)
     metrics.refresh(force=True)
@@ -421,6 +421,23 @@ def test_reservations_that_end_with_their_client_are_counted(service):
     got = scrape(metrics)
     assert got[("dflash2_reservations_total", (("outcome", "granted"),))] == 1
     assert got[("dflash2_reservations_total", (("outcome", "released"),))] == 1
+
+
+def test_blocks_set_aside_for_a_lapsed_client_are_a_gauge(service):
+    m = service.manager
+    c = m.attach("stalled")
+    m.register_layout(SMALL)
+    m.allocate(c, 0, 3)
+    m.set_aside(c)
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    assert scrape(metrics)[("dflash2_set_aside_blocks", ())] == 3
+    from dflash2.status import render
+    assert "set aside: 3 private blocks of 1 lapsed client(s)" in render(service.stats())
+    m.detach(c)
+    metrics.refresh(force=True)
+    assert scrape(metrics)[("dflash2_set_aside_blocks", ())] == 0
+    m.check_invariants()
 
 
 def test_history_keeps_each_sample_compact_in_memory(make_manager, clock):

@@ -143,6 +143,72 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     assert call(service, Op.CHECK).ok
 
 
+def _hbm_free(svc) -> int:
+    hbm = call(svc, Op.STATS).result["tiers"]["hbm"]
+    return hbm["capacity_bytes"] - hbm["used_bytes"]
+
+
+@pytest.mark.parametrize("pid_ns", ["ours", "another"])
+def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_reuse(service, clock, pid_ns):
+    """A client that stopped answering but whose process lives (or cannot be seen: another pid
+    namespace) may resume the writes it was making into its allocated blocks. Freed at once, their
+    slots went to other blocks, which the resumed writes then overwrote: cached blocks every client
+    read as hits (soak 2: 16 of 16 wrong in a repro). They stay set aside until the process is gone,
+    or SET_ASIDE_LEASES leases; what it published and its pins are released as before."""
+    from dflash2.daemon.sessions import SET_ASIDE_LEASES, pid_namespace
+
+    ns = pid_namespace() if pid_ns == "ours" else None
+    stalled = attach(service, "stalled", pid=4444, pid_ns=ns)
+    keys = chain_keys(range(32), 16, "kept")
+    placed = np.frombuffer(call(service, Op.ALLOCATE, stalled, {"layout": 0, "n": 2}).arrays[0], P.PLACE_DTYPE)
+    published = np.frombuffer(call(service, Op.COMMIT, stalled, {}, [placed["vid"].tobytes(),
+                                    np.asarray(keys, P.KEYS_DTYPE).tobytes()]).arrays[0], P.VIDS_DTYPE)
+    call(service, Op.ACQUIRE, stalled, {}, [published.tobytes()])
+    writing = np.frombuffer(call(service, Op.ALLOCATE, stalled, {"layout": 0, "n": 3}).arrays[0], P.PLACE_DTYPE)
+    free_before = _hbm_free(service)
+    clock.advance(10.5)
+    assert service.expire_leases() == [stalled]
+    assert call(service, Op.HEARTBEAT, stalled).error_type == "UnknownClient"
+    st = call(service, Op.STATS).result
+    assert st["set_aside"] == {"clients": 1, "blocks": 3}, st["set_aside"]
+    assert _hbm_free(service) == free_before, "the blocks it was writing stay taken"
+    other = attach(service, "other", pid=0)
+    got = np.frombuffer(call(service, Op.ALLOCATE, other, {"layout": 0, "n": 13}).arrays[0], P.PLACE_DTYPE)
+    assert not set(got["offset"].tolist()) & set(writing["offset"].tolist()), "a set-aside slot was reused"
+    assert call(service, Op.CHECK).ok
+    free_then = _hbm_free(service)
+
+    def later(seconds):  # `other` keeps its lease
+        clock.advance(seconds)
+        call(service, Op.HEARTBEAT, other)
+        service.expire_leases()
+    if pid_ns == "ours":
+        later(10.0)
+        assert call(service, Op.STATS).result["set_aside"]["clients"] == 1, "its process still runs"
+        service.dead_pids.add(4444)  # ... until it is gone
+        later(0.0)
+    else:
+        for _ in range(SET_ASIDE_LEASES - 1):
+            later(10.0)
+        later(9.0)
+        assert call(service, Op.STATS).result["set_aside"]["clients"] == 1, "cannot be seen: held a while"
+        later(1.0)
+    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert _hbm_free(service) == free_then + 3 * SMALL.block_bytes
+    assert call(service, Op.CHECK).ok
+
+
+def test_a_lapsed_client_whose_process_is_gone_is_freed_at_once(service, clock):
+    from dflash2.daemon.sessions import pid_namespace
+
+    gone = attach(service, "gone", pid=4545, pid_ns=pid_namespace())
+    call(service, Op.ALLOCATE, gone, {"layout": 0, "n": 3})
+    service.dead_pids.add(4545)
+    assert service.expire_leases() == [gone]
+    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert call(service, Op.STATS).result["tiers"]["hbm"]["used_bytes"] == 0
+
+
 @pytest.mark.parametrize("where", ["call", "after_reply"])
 def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, monkeypatch, where):
     """A call that runs past the lease (a large promotion from NVMe), or the work after its reply (a

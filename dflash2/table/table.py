@@ -34,6 +34,7 @@ from dflash2.counts import add_at
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
+from dflash2.table.departure import Departures
 from dflash2.table.keyindex import EMPTY, KeyIndex
 from dflash2.table.lost import LostBlocks
 from dflash2.table.publish import Publishing
@@ -62,7 +63,7 @@ class ClientRefs:
         self.ref_slot_bytes = 0
 
 
-class BlockTable(Publishing, LostBlocks):
+class BlockTable(Publishing, LostBlocks, Departures):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
                  capacity: int = 1024):
         self.allocators = allocators
@@ -554,23 +555,6 @@ class BlockTable(Publishing, LostBlocks):
         self.on_slots_freed(tier, offsets)
 
     # -- client death ----------------------------------------------------------------------
-    def remove_client(self, client_id: int) -> dict:
-        """Release everything a client holds: pins, references; its private blocks are freed,
-        its published blocks stay cached. Blocks in flight are left to their move's completion."""
-        holder = self.client(client_id)
-        c = self.cols
-        unpinned = np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))
-        pins = np.fromiter(holder.pins.values(), dtype=np.int64, count=len(holder.pins))
-        c.pins[unpinned] -= pins.astype(c.pins.dtype)  # distinct rows: no repeats to add up
-        self._may_move(unpinned)
-        holder.pins.clear()
-        dereferenced = sum(holder.refs.values())
-        freed = self._drop_all_refs(holder)
-        self._settle_priority(unpinned)
-        freed += self._free_unheld(unpinned.tolist())  # pinned copies and lost blocks it alone held
-        del self.clients[client_id]
-        return {"unpinned": int(pins.sum()), "dereferenced": dereferenced, "freed": freed}
-
     # -- accounting ------------------------------------------------------------------------
     def pending_frees(self) -> frozenset[int]:
         """Private blocks that lost their last reference mid-move; freed when the move completes."""

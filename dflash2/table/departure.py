@@ -1,0 +1,65 @@
+"""A client leaving the table: `remove_client` releases everything it holds; `set_aside_client`
+releases everything but its private blocks, which a process that stopped answering may still be
+writing. A part of BlockTable (a mixin over its columns and clients), apart because what a client's
+departure frees, and when, is a job of its own.
+
+Why set aside: a lease lapses when a client stops answering, but its process may be alive (a long
+pause: a GC or swap storm, SIGSTOP, a frozen cgroup) and resume the writes it was making into the
+blocks it had allocated. Freed at once, their slots went to other blocks (promotions, other clients'
+commits), and the resumed writes overwrote cached blocks that every client then read as hits (soak 2:
+759 wrong reads from 6 blocks; a deterministic repro: 16 of 16). Its private blocks are therefore kept,
+still referenced by the client, until its process is gone or its quarantine ends (daemon/service.py).
+Invariant: a set-aside client holds references to its private blocks only, and no pin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Departures:
+    """BlockTable's client departures (the attributes they use are BlockTable's)."""
+
+    def remove_client(self, client_id: int) -> dict:
+        """Release everything a client holds: pins, references; its private blocks are freed,
+        its published blocks stay cached. Blocks in flight are left to their move's completion."""
+        holder = self.client(client_id)
+        unpinned, pins = self._unpin_all(holder)
+        dereferenced = sum(holder.refs.values())
+        freed = self._drop_all_refs(holder) + self._after_unpin(unpinned)
+        del self.clients[client_id]
+        return {"unpinned": pins, "dereferenced": dereferenced, "freed": freed}
+
+    def set_aside_client(self, client_id: int) -> dict:
+        """Release a client's pins and its references to published blocks, and keep its references
+        to its private blocks (it may still be writing them): `remove_client` frees those later.
+        Returns what it released, and how many blocks it keeps (`set_aside`)."""
+        holder = self.client(client_id)
+        c = self.cols
+        unpinned, pins = self._unpin_all(holder)
+        rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
+        counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
+        mine = (c.key[rows] == 0) & (c.owner[rows] == client_id)
+        others, n = rows[~mine], counts[~mine]
+        for r in others.tolist():
+            del holder.refs[r]
+        holder.ref_slot_bytes -= self.ref_slots(np.repeat(others, n))
+        c.refs[others] -= n.astype(c.refs.dtype)  # distinct rows: no repeats to add up
+        freed = self._after_refs_dropped(others) + self._after_unpin(unpinned)
+        return {"unpinned": pins, "dereferenced": int(n.sum()), "freed": freed, "set_aside": int(mine.sum())}
+
+    def _unpin_all(self, holder) -> tuple[np.ndarray, int]:
+        """Drop every pin of the client: (the rows it pinned, how many pins)."""
+        c = self.cols
+        unpinned = np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))
+        pins = np.fromiter(holder.pins.values(), dtype=np.int64, count=len(holder.pins))
+        c.pins[unpinned] -= pins.astype(c.pins.dtype)  # distinct rows: no repeats to add up
+        self._may_move(unpinned)
+        holder.pins.clear()
+        return unpinned, int(pins.sum())
+
+    def _after_unpin(self, unpinned: np.ndarray) -> int:
+        """After the pins (and references) are gone: priorities settle, and the rows kept only for
+        their holders that nobody holds now are freed (pinned copies, lost blocks). How many freed."""
+        self._settle_priority(unpinned)
+        return self._free_unheld(unpinned.tolist())
