@@ -240,7 +240,12 @@ class Client:
                                     f"{os.getpid()} is a fork of it and cannot use it (ZeroMQ sockets do not "
                                     "survive fork): connect a new Client in the child")
         with self._lock:
-            return self._transport.call(op, self.client_id, args, arrays, timeout_s)
+            try:
+                return self._transport.call(op, self.client_id, args, arrays, timeout_s)
+            except DaemonError as e:
+                if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
+                    self.lease_lost = True
+                raise
 
     # -- layouts ---------------------------------------------------------------------------
     @property
@@ -390,6 +395,10 @@ class Client:
         """A numpy uint8 view of a block's bytes in the daemon's arena (no copy)."""
         if self._arenas is None:
             raise ArenaError("this client is detached: its arena mappings are gone")
+        if self.lease_lost:
+            # Its blocks are no longer its own: the daemon frees them once this process is gone (or
+            # after 30 leases), and then gives their slots to other blocks. No new view of them.
+            raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
         return self._arenas.bytes_view(self._place(place))
 
     def view(self, place):

@@ -17,6 +17,7 @@ import torch
 from daemon_proc import DaemonProcess
 
 from dflash2.client import Client, DaemonError, DaemonUnavailable, Transport, VersionMismatch, chain_keys
+from dflash2.errors import ArenaError
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -180,11 +181,15 @@ def test_sigkilled_client_resources_come_back_within_the_lease(connect, daemon):
 
 def test_silent_client_loses_its_lease(connect):
     quiet = connect("quiet", heartbeat=False)
-    quiet.allocate(quiet.layouts[0], 1)
+    placed = quiet.allocate(quiet.layouts[0], 1)
+    quiet.view_bytes(placed[0])
     time.sleep(LEASE["lease_timeout_s"] + 0.5)
     with pytest.raises(DaemonError) as e:
         quiet.allocate(quiet.layouts[0], 1)
     assert e.value.kind == "UnknownClient"
+    assert quiet.lease_lost
+    with pytest.raises(ArenaError, match="lease lapsed"):  # its blocks are no longer its own: no new view
+        quiet.view_bytes(placed[0])
     beating = connect("beating")
     time.sleep(LEASE["lease_timeout_s"] + 0.5)
     assert beating.allocate(beating.layouts[0], 1) is not None and not beating.lease_lost
