@@ -256,11 +256,10 @@ class Service:
         if session is None:
             return {}
         try:
+            released = self.managers[session.device].detach(client, set_aside=set_aside)
             if set_aside:
-                released = self.managers[session.device].set_aside(client)
                 self.set_aside.add(session)
-                return released
-            return self.managers[session.device].detach(client)
+            return released
         except UnknownClient:
             return {}
 

@@ -128,33 +128,25 @@ class BlockManager:
     def attach(self, name: str, client_id: int | None = None) -> int:
         return self.table.add_client(name, client_id)
 
-    def detach(self, client: int) -> dict:
-        """Release everything the client holds (also what a lapsed lease does)."""
+    def detach(self, client: int, set_aside: bool = False) -> dict:
+        """Release everything the client holds (also what a lapsed lease does). `set_aside`: a client
+        whose lease lapsed while its process may live keeps its private blocks, which it may still be
+        writing (table/departure.py), until a `detach` once the process cannot write any more
+        (daemon/sessions.py, SetAside)."""
         holder = self.table.client(client)
         held = np.concatenate([np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs)),
                                np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))])
         self.read_cost.drop_client(client)
         self.prefetcher.drop(client)
         reservations = self.admission.remove_client(client)
-        released = self.table.remove_client(client)
-        self.set_aside_clients.discard(client)
+        if set_aside:
+            released = self.table.set_aside_client(client)
+            self.set_aside_clients.add(client)
+        else:
+            released = self.table.remove_client(client)
+            self.set_aside_clients.discard(client)
         idle = self._left_idle(held)
         self._follow_up("granting waiting reservations after a detach", lambda: self.admission.tick(make_room=idle))
-        return {"reservations": reservations, **released}
-
-    def set_aside(self, client: int) -> dict:
-        """A client whose lease lapsed while its process may live: release what `detach` releases
-        but its private blocks, which it may still be writing (table/departure.py); `detach` frees
-        them once the daemon knows the process cannot write any more (daemon/service.py)."""
-        holder = self.table.client(client)
-        held = np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))
-        self.read_cost.drop_client(client)
-        self.prefetcher.drop(client)
-        reservations = self.admission.remove_client(client)
-        released = self.table.set_aside_client(client)
-        self.set_aside_clients.add(client)
-        idle = self._left_idle(held)
-        self._follow_up("granting waiting reservations after a lease lapsed", lambda: self.admission.tick(make_room=idle))
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:

@@ -177,6 +177,17 @@ def test_requests_get_at_least_as_long_as_the_last_step_took(tmp_path, monkeypat
     assert most >= 10, rec.events  # the rest of the queue in one drain, not one or two per step
 
 
+def full_hbm(make_manager, clock, blocks: int):
+    """A metadata-only manager whose HBM of `blocks` is full of idle cached blocks (DRAM twice that, empty)."""
+    mgr = make_manager(hbm_blocks=blocks, dram_blocks=2 * blocks)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(blocks):
+        clock.advance(1)
+        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k + 1]))
+    return mgr
+
+
 def test_a_drain_goes_on_between_background_steps_while_no_request_waits(tmp_path, make_manager, clock, monkeypatch):
     """HBM over its high watermark, one rebalance piece per background step (a budget of zero) and
     steps 30 s apart: the drain reaches the low watermark before the second step, in pieces run while
@@ -186,12 +197,7 @@ def test_a_drain_goes_on_between_background_steps_while_no_request_waits(tmp_pat
 
     monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 0.0)
     monkeypatch.setattr(server_mod, "IDLE_DRAIN_S", 0.0)  # one piece (at least a block) each time
-    mgr = make_manager(hbm_blocks=64, dram_blocks=128)
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(64):
-        clock.advance(1)
-        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k + 1]))
+    mgr = full_hbm(make_manager, clock, 64)
     steps = []
     tick = mgr.tick
     monkeypatch.setattr(mgr, "tick", lambda: (steps.append(time.monotonic()), tick()))
@@ -260,12 +266,7 @@ def test_a_request_that_arrives_while_a_tier_drains_waits_for_one_piece_not_the_
 
     monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 0.0)
     monkeypatch.setattr(server_mod, "IDLE_DRAIN_S", 1.0)
-    mgr = make_manager(hbm_blocks=400, dram_blocks=800)
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(400):
-        clock.advance(1)
-        mgr.free(a, mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k + 1]))
+    mgr = full_hbm(make_manager, clock, 400)
     pieces = []
     make_room = mgr.placement.make_room
 

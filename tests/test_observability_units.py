@@ -428,7 +428,7 @@ def test_blocks_set_aside_for_a_lapsed_client_are_a_gauge(service):
     c = m.attach("stalled")
     m.register_layout(SMALL)
     m.allocate(c, 0, 3)
-    m.set_aside(c)
+    m.detach(c, set_aside=True)
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_set_aside_blocks", ())] == 3
