@@ -226,6 +226,7 @@ class Service:
             self._drop_session(client)
         for s, _ in self.set_aside.sessions.values():
             self.managers[s.device].detach(s.client)
+        self.set_aside.sessions.clear()
 
     # -- sessions --------------------------------------------------------------------------
     def _touch(self, client: int, token: str | None) -> Session:

@@ -74,7 +74,7 @@ SET_ASIDE_LEASES = 30
 class SetAside:
     """Clients whose lease lapsed while their process may still run (alive, or in another pid
     namespace, where the daemon cannot tell): their private blocks are kept out of reuse
-    (BlockManager.set_aside), because a process that stopped answering (a long GC or swap storm,
+    (BlockManager.detach with set_aside), because a process that stopped answering (a long GC or swap storm,
     SIGSTOP, a frozen cgroup) may resume the writes it was making into them, and a reused slot then
     held another block's bytes, read as a hit by every client. `due` names those whose process is
     gone, or that were set aside SET_ASIDE_LEASES leases ago: a process stalled longer than that

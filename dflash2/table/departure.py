@@ -7,8 +7,9 @@ Why set aside: a lease lapses when a client stops answering, but its process may
 pause: a GC or swap storm, SIGSTOP, a frozen cgroup) and resume the writes it was making into the
 blocks it had allocated. Freed at once, their slots went to other blocks (promotions, other clients'
 commits), and the resumed writes overwrote cached blocks that every client then read as hits (soak 2:
-759 wrong reads from 6 blocks; a deterministic repro: 16 of 16). Its private blocks are therefore kept,
-still referenced by the client, until its process is gone or its quarantine ends (daemon/service.py).
+1,263 wrong reads from 9 cached blocks in 30 minutes; a repro: 8 of 8). Its private blocks are therefore
+kept, still referenced by the client, until its process is gone or its time set aside ends
+(daemon/sessions.py, SetAside). Blocks being written (WRITING) never move, so their slots stay theirs.
 Invariant: a set-aside client holds references to its private blocks only, and no pin.
 """
 

@@ -554,7 +554,6 @@ class BlockTable(Publishing, LostBlocks, Departures):
                 self.allocators[tier].free(self.layouts[lid].block_bytes, offsets[sel])
         self.on_slots_freed(tier, offsets)
 
-    # -- client death ----------------------------------------------------------------------
     # -- accounting ------------------------------------------------------------------------
     def pending_frees(self) -> frozenset[int]:
         """Private blocks that lost their last reference mid-move; freed when the move completes."""
