@@ -3,13 +3,14 @@ background, and shuts down cleanly on SIGTERM/SIGINT.
 
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
 runs the periodic work (lease expiry, reservation ticks, rebalancing), and while a tier drains and
-no request waits, more pieces of its drain. Moves are finished or rolled
+no request has come for IDLE_AFTER_S, more pieces of its drain. Moves are finished or rolled
 back before a request returns, so shutdown never leaves a block half-moved.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import signal
 import sys
@@ -43,6 +44,10 @@ DRAIN_BUDGET_TICKS = 1.0
 # between background steps (each a piece sized to take half of it, or the tier's floor piece): a
 # request that arrives meanwhile waits for that piece at most.
 IDLE_DRAIN_S = 0.01
+# ... once no request has come for this long: a client in mid-conversation (calls back to back) is
+# not made to wait for pieces (a 2 GB DRAM drain: lookups at p50 5.1-5.4 ms during it, 0.25 ms
+# without pieces between the steps: experiment scripts, README), a quiet daemon drains faster.
+IDLE_AFTER_S = 0.005
 
 
 class Server:
@@ -55,6 +60,7 @@ class Server:
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._last_tick_s = 0.0  # how long the last background step took
         self._idle_drain = True  # rebalance pieces while the queue is empty (off after one failed, until a step)
+        self._last_answer = 0.0  # when the last request was answered (monotonic)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -75,9 +81,12 @@ class Server:
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
         while not self._stop.is_set():
-            # While a tier drains, an empty queue is time for its next piece: no waiting on it.
+            # While a tier drains, a queue empty for IDLE_AFTER_S is time for its next piece.
             draining = self._idle_drain and any(m.draining() for m in self.service.managers.values())
             try:
+                if draining and not sock.poll(max(0, math.ceil(1000 * (self._last_answer + IDLE_AFTER_S
+                                                                       - time.monotonic()))), zmq.POLLIN):
+                    raise zmq.Again()
                 frames = sock.recv_multipart(zmq.NOBLOCK if draining else 0, copy=True)
             except zmq.Again:
                 frames = None
@@ -142,6 +151,7 @@ class Server:
         except zmq.Again:
             log.warning("dropped a reply: the client's queue is full")
         self.service.after_reply()
+        self._last_answer = time.monotonic()
 
     def _tick(self, late_s: float = 0.0) -> None:
         """The background step, `late_s` after it was due (leases are judged as of the last time

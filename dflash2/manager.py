@@ -420,9 +420,9 @@ class BlockManager:
         return self.placement.drain_pending()
 
     def drain_while_idle(self, budget_s: float, yield_to=None) -> None:
-        """One more rebalance piece between background steps, while no request waits (the server's
-        loop): a drain paced by the steps alone wrote DRAM down to NVMe at about a third of the
-        disk's speed (a 50 ms piece a 100 ms step, each piece half its part), and what it left
+        """More rebalance pieces between background steps, while no request has come for a while (the
+        server's loop): a drain paced by the steps alone wrote DRAM down to NVMe at about a third of
+        the disk's speed (a 50 ms piece a 100 ms step, each piece half its part), and what it left
         undone the next allocations did on their request path. `yield_to` (a request waits?) is asked
         after each piece: a request that arrives waits for that piece only, not the whole budget."""
         self.placement.rebalance(budget_s, yield_to)
