@@ -397,7 +397,7 @@ class Client:
             raise ArenaError("this client is detached: its arena mappings are gone")
         if self.lease_lost:
             # Its blocks are no longer its own: the daemon frees them once this process is gone (or
-            # after 30 leases), and then gives their slots to other blocks. No new view of them.
+            # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.
             raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
         return self._arenas.bytes_view(self._place(place))
 

@@ -256,7 +256,8 @@ def run(cfg: Config) -> int:
             return EXIT_START_FAILED
         manager = next(iter(managers.values()))
         service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
-                          heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind)
+                          heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
+                          set_aside_leases=cfg.daemon.set_aside_leases)
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
         except OSError as e:

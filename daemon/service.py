@@ -45,7 +45,7 @@ log = logging.getLogger("dflash2.daemon")
 class Service:
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
-                 pid_alive: Callable[[int], bool] | None = None):
+                 pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30):
         # One block pool per GPU (device index -> manager); a client says which device it serves at
         # attach and every call it makes goes to that pool only, so no move ever crosses GPUs.
         self.managers = managers if isinstance(managers, dict) else {0: managers}
@@ -59,7 +59,8 @@ class Service:
         self.pid_alive = pid_alive or process_alive
         self.sessions: dict[int, Session] = {}
         # Lapsed clients whose process may still write their private blocks (asked through self, which tests set)
-        self.set_aside = SetAside(lease_timeout_s, lambda pid: self.pid_alive(pid), lambda: self.clock())
+        self.set_aside = SetAside(lease_timeout_s, set_aside_leases, lambda pid: self.pid_alive(pid),
+                                  lambda: self.clock())
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         # How late the background step started, the last time and the most over its last 64 runs,
@@ -204,7 +205,8 @@ class Service:
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]
         for s in gone:
             # A process that may still run keeps its private blocks a while (sessions.SetAside).
-            released = self._drop_session(s.client, set_aside=not s.same_pid_namespace or self.pid_alive(s.pid))
+            released = self._drop_session(s.client, set_aside=self.set_aside.hold_s > 0
+                                          and (not s.same_pid_namespace or self.pid_alive(s.pid)))
             self.counters["leases_expired"] += 1
             log.warning("client %d (%s, pid %d) lease lapsed: released %s", s.client, s.name, s.pid, released)
         for s in self.set_aside.due():

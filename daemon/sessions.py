@@ -67,21 +67,17 @@ def pid_alive(pid: int) -> bool:
     return not (status.get(b"State", b"").strip().startswith(b"Z") and status.get(b"Threads", b"").strip() == b"1")
 
 
-# A lapsed client whose process may live keeps its private blocks this many leases at most.
-SET_ASIDE_LEASES = 30
-
-
 class SetAside:
     """Clients whose lease lapsed while their process may still run (alive, or in another pid
     namespace, where the daemon cannot tell): their private blocks are kept out of reuse
     (BlockManager.detach with set_aside), because a process that stopped answering (a long GC or swap storm,
     SIGSTOP, a frozen cgroup) may resume the writes it was making into them, and a reused slot then
     held another block's bytes, read as a hit by every client. `due` names those whose process is
-    gone, or that were set aside SET_ASIDE_LEASES leases ago: a process stalled longer than that
-    which then resumes its writes is not protected."""
+    gone, or that were set aside `leases` leases ago (`daemon.set_aside_leases`; 0: none is held): a
+    process stalled longer than that which then resumes its writes is not protected."""
 
-    def __init__(self, lease_timeout_s: float, pid_alive, clock):
-        self.hold_s = SET_ASIDE_LEASES * lease_timeout_s
+    def __init__(self, lease_timeout_s: float, leases: int, pid_alive, clock):
+        self.hold_s = leases * lease_timeout_s
         self.pid_alive = pid_alive
         self.clock = clock
         self.sessions: dict[int, tuple[Session, float]] = {}  # client -> (its session, set aside until)

@@ -225,6 +225,11 @@ class DaemonConfig(_Section):
     lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")
     request_timeout_s: float = Field(5.0, gt=0, le=3600, description="Every control request times out after this.")
+    set_aside_leases: int = Field(
+        30, ge=0, le=100000,
+        description="A client whose lease lapsed while its process may still run (or runs in another pid "
+                    "namespace) keeps the blocks it was writing out of reuse until the process is gone, or "
+                    "this many leases; 0 frees them at once (a resumed write can then overwrite cached blocks).")
 
     @field_validator("endpoint")
     @classmethod

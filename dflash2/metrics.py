@@ -403,7 +403,7 @@ def _daemon_families(st: dict, device: str, age_s: float):
                    samples=[((), d["leases_expired"])])
     aside = st.get("set_aside", {"clients": 0, "blocks": 0})
     yield _gauge("dflash2_set_aside_blocks", "Private blocks of lapsed clients whose process may still write them, "
-                 "kept out of reuse until it is gone (or 30 leases).", samples=[((), aside["blocks"])])
+                 "kept out of reuse until it is gone (or daemon.set_aside_leases leases).", samples=[((), aside["blocks"])])
     yield _gauge("dflash2_snapshot_age_seconds", "Age of the daemon state this scrape saw.",
                  samples=[((), max(0.0, age_s))])
     policy = st.get("policy", {})

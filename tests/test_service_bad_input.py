@@ -154,8 +154,8 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
     namespace) may resume the writes it was making into its allocated blocks. Freed at once, their
     slots went to other blocks, which the resumed writes then overwrote: cached blocks every client
     read as hits (soak 2: 16 of 16 wrong in a repro). They stay set aside until the process is gone,
-    or SET_ASIDE_LEASES leases; what it published and its pins are released as before."""
-    from dflash2.daemon.sessions import SET_ASIDE_LEASES, pid_namespace
+    or `daemon.set_aside_leases` (30) leases; what it published and its pins are released as before."""
+    from dflash2.daemon.sessions import pid_namespace
 
     ns = pid_namespace() if pid_ns == "ours" else None
     stalled = attach(service, "stalled", pid=4444, pid_ns=ns)
@@ -188,7 +188,7 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
         service.dead_pids.add(4444)  # ... until it is gone
         later(0.0)
     else:
-        for _ in range(SET_ASIDE_LEASES - 1):
+        for _ in range(30 - 1):
             later(10.0)
         later(9.0)
         assert call(service, Op.STATS).result["set_aside"]["clients"] == 1, "cannot be seen: held a while"
@@ -196,6 +196,17 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
     assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
     assert _hbm_free(service) == free_then + 3 * SMALL.block_bytes
     assert call(service, Op.CHECK).ok
+
+
+def test_set_aside_leases_0_frees_a_lapsed_clients_blocks_at_once(make_manager, clock):
+    svc = Service(make_manager(hbm_blocks=16), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                  pid_alive=lambda pid: True, set_aside_leases=0)
+    stalled = attach(svc, "stalled", pid=4646)
+    call(svc, Op.ALLOCATE, stalled, {"layout": 0, "n": 3})
+    clock.advance(10.5)
+    assert svc.expire_leases() == [stalled]
+    assert call(svc, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert call(svc, Op.STATS).result["tiers"]["hbm"]["used_bytes"] == 0
 
 
 def test_a_lapsed_client_whose_process_is_gone_is_freed_at_once(service, clock):
