@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dflash2.forest import reaches_marked
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
@@ -83,16 +82,12 @@ class WriteBackoff:
         if self._evict(self.select(tier, short, evict=True, **pick)):
             return True
         heads = self.select(tier, short, evict=False, **pick)
-        return bool(len(heads)) and self._evict(self._droppable(self._with_descendants_below(heads, tier)))
-
-    def _with_descendants_below(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
-        """`rows` (blocks of `tier`) and every cached descendant of theirs in the tiers below it.
-        (A descendant lies in its parent's tier or a slower one, so those below are found walking
-        up from the slower tiers' blocks: `reaches_marked`, log2 of a chain's depth in rounds.)"""
+        if not len(heads):
+            return False
         c = self.table.cols
-        below = np.flatnonzero((c.tier > int(tier)) & (c.state != int(BlockState.FREE)))
-        if not len(below):
-            return rows
         marked = np.zeros(c.capacity, dtype=bool)
-        marked[rows] = True
-        return np.concatenate([rows, below[reaches_marked(c.parent, marked, below)]])
+        marked[heads] = True
+        # A descendant lies in its parent's tier or a slower one: those below are found walking up
+        # from the slower tiers' blocks.
+        below = (c.tier > int(tier)) & (c.state != int(BlockState.FREE))
+        return self._evict(self._droppable(np.flatnonzero(self._with_descendants(marked, below))))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
-from dflash2.forest import local_parents, ranked, subtree_heights
+from dflash2.forest import local_parents, ranked, reaches_marked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.readcost import ReadCost
@@ -267,6 +267,17 @@ class Placement(Rebalancing, WriteBackoff):
             return np.zeros(len(scores), dtype=bool)
         cutoff = np.partition(tier_scores, k - 1)[k - 1]
         return in_tier & (scores <= cutoff)
+
+    def _with_descendants(self, marked: np.ndarray, among: np.ndarray) -> np.ndarray:
+        """Mask: `marked` (a mask over every row) and the rows of `among` (a mask) that descend from
+        a marked row through rows of `among` (`forest.reaches_marked`: log2 of a chain's depth in
+        rounds). A drain's cold cut takes its blocks' descendants in the tier (rebalance.py); a drop
+        while a storage tier backs off takes theirs on the tiers below (backoff.py)."""
+        nodes = np.flatnonzero(among)
+        out = marked.copy()
+        if len(nodes) and marked.any():
+            out[nodes[reaches_marked(self.table.cols.parent, marked, nodes)]] = True
+        return out
 
     def _slot_bytes(self, tier: Tier, rows: np.ndarray) -> np.ndarray:
         return self.table.slot_sizes(tier)[self.table.cols.layout[rows]]

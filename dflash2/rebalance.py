@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dflash2.forest import reaches_marked
 from dflash2.tiers import Tier
 
 
@@ -57,8 +56,12 @@ class Rebalancing:
         for tier in self.tiers:
             if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
                 self.draining.add(tier)
+                # With the cold blocks' descendants in the tier: a block leaves only after those, and a
+                # chain written root first is colder at its root under every policy (older, read as
+                # often), so a cut of its cold root side alone could never move and the tier stayed
+                # above its high watermark. A block under a cold prefix is read only through it.
                 cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
-                cut = np.flatnonzero(self._with_descendants_in(tier, cold))
+                cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
                 self._cuts[tier] = (cut, c.gen[cut].copy())
         order = self._drainable()
         if not order:
@@ -84,20 +87,6 @@ class Rebalancing:
     def drain_pending(self) -> bool:
         """Whether a drain may run now (`_drainable`): the server's loop runs more of it while idle."""
         return bool(self._drainable())
-
-    def _with_descendants_in(self, tier: Tier, cold: np.ndarray) -> np.ndarray:
-        """`cold` (a mask of `tier`'s cold blocks) with their descendants in `tier`. A block leaves
-        a tier only after its descendants there, and a chain written root first is colder at its
-        root under every policy (older, read as often): a cut of its cold root side alone could
-        never move, and the tier stayed above its high watermark. A block hanging under a cold
-        prefix is read only through that prefix, so it goes with it (leaves first, as always)."""
-        c = self.table.cols
-        nodes = np.flatnonzero(c.tier == int(tier))
-        if not len(nodes) or not cold.any():
-            return cold
-        out = cold.copy()
-        out[nodes[reaches_marked(c.parent, cold, nodes)]] = True
-        return out
 
     def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None,
                yield_to: Callable[[], bool] | None = None) -> bool:

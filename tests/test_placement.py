@@ -26,72 +26,6 @@ def test_registry_lists_valid_names():
         make_policy("nope")
 
 
-def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, clock):
-    mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.9,
-                       watermarks={Tier.HBM: Watermark(0.75, 0.5)})
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(1, 10):
-        clock.advance(1)
-        fill(mgr, a, lid, [k])
-    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 9
-    mgr.tick()
-    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 5
-    # the oldest went down (LRU); the newest stayed
-    assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM
-    assert tier_of(mgr, mgr.lookup([9], lid)[0].vid) == Tier.HBM
-    mgr.tick()  # below the high watermark now: nothing moves
-    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 5
-    mgr.check_invariants()
-
-
-def full_of_aged_blocks(make_manager, clock, monkeypatch, blocks: int, low: float, cold_threshold: float = 0.9):
-    """A manager whose HBM of `blocks` blocks is full of cached blocks aged one tick apart (the
-    oldest first), its high watermark at 0.95, and no time budget for a rebalance: one piece a
-    step. Returns it, its layout and a count of HBM's blocks."""
-    mgr = make_manager(hbm_blocks=blocks, dram_blocks=2 * blocks, cold_threshold=cold_threshold,
-                       watermarks={Tier.HBM: Watermark(0.95, low)})
-    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 0.0)
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    for k in range(1, blocks + 1):
-        clock.advance(1)
-        fill(mgr, a, lid, [k])
-    return mgr, lid, lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
-
-
-def test_a_rebalance_drains_in_pieces_step_after_step(make_manager, clock, monkeypatch):
-    """Over its high watermark, a tier drains a piece at a time (a hundredth of it) while the step's
-    time lasts, and goes on in the next steps until it is down to its low watermark: 10% of a tier
-    in one step held the daemon's loop for seconds when DRAM went down to NVMe. With no time left,
-    each draining tier still gets one piece a step."""
-    mgr, lid, hbm = full_of_aged_blocks(make_manager, clock, monkeypatch, 100, low=0.85)
-    mgr.tick()
-    assert hbm() == 99 and Tier.HBM in mgr.placement.draining
-    for left in range(98, 84, -1):  # under the high watermark now, and still draining
-        mgr.tick()
-        assert hbm() == left
-    assert Tier.HBM not in mgr.placement.draining
-    mgr.tick()  # at the low watermark: nothing moves
-    assert hbm() == 85
-    assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM  # the oldest went first (LRU)
-    assert tier_of(mgr, mgr.lookup([100], lid)[0].vid) == Tier.HBM
-    mgr.check_invariants()
-
-
-def test_a_drain_over_several_steps_moves_only_the_blocks_cold_when_it_began(make_manager, clock, monkeypatch):
-    """cold_threshold 0.2: the drain that starts over the high watermark moves the coldest fifth of
-    the tier as it was then, over as many steps as that takes, and stops there (a new cut each step
-    would call the coldest of the rest cold, and drain warm blocks down to the low watermark)."""
-    mgr, lid, _ = full_of_aged_blocks(make_manager, clock, monkeypatch, 100, low=0.5, cold_threshold=0.2)
-    for _ in range(40):
-        mgr.tick()
-    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 80
-    assert Tier.HBM not in mgr.placement.draining
-    assert {tier_of(mgr, mgr.lookup([k], lid)[0].vid) for k in range(1, 21)} == {Tier.DRAM}
-    mgr.check_invariants()
-
-
 def test_cold_threshold_limits_each_pass(make_manager, clock):
     mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.2,
                        watermarks={Tier.HBM: Watermark(0.5, 0.1)})
@@ -468,75 +402,6 @@ def test_random_promotions_keep_every_byte(tmp_path, instance_name, clock, piece
         mgr.close()
 
 
-def test_a_drain_sizes_its_pieces_by_its_measured_rate(make_manager, clock, monkeypatch):
-    """A rebalance piece takes at most half the step's budget at the rate the tier drained last,
-    within a sixteenth of 1% of the tier and 1%: 1% of a large DRAM tier written to NVMe held the
-    daemon's loop for half a second whatever the budget. A tier's first piece is the floor, and so
-    is every piece while a piece's fixed cost alone outlasts half the budget (by rate alone the
-    pieces would shrink to one block a step)."""
-    mgr, _, hbm = full_of_aged_blocks(make_manager, clock, monkeypatch, 3200, low=0.5)
-    pl = mgr.placement
-    block = 16384
-    mgr.tick()
-    assert hbm() == 3198  # the first piece: 2 blocks (a sixteenth of 1%), not 1% (32)
-    assert Tier.HBM in pl._drain_rate
-    for per_s, blocks in ((400, 20), (80, 4), (1e12, 32), (1, 2)):  # 0.05 s at that rate
-        pl._drain_rate[Tier.HBM] = per_s * block
-        assert pl._piece_bytes(Tier.HBM, 0.05) == blocks * block, per_s
-    pl._drain_rate[Tier.HBM] = 1.0  # a slow rate: one piece a step, at the floor
-    mgr.tick()
-    assert hbm() == 3196  # the floor again
-    mgr.check_invariants()
-
-
-def test_draining_tiers_share_the_steps_budget(make_manager, clock, monkeypatch):
-    """Every tier over its high watermark drains in the same step, slowest first, each for an equal
-    part of what is left of the budget (and one piece whatever the time). Before, the first tier's
-    pieces ran until the whole budget was spent and each later one still had its piece: with every
-    tier full at a million blocks a step took 80-110 ms of a 50 ms budget. Here every piece takes
-    10 ms (a fake clock): NVMe gets 50/3 ms (two pieces), DRAM half of the 30 left (two), HBM the
-    last 10 (one), so the step ends at the budget, not at 70 ms."""
-    import dflash2.rebalance as rebalance
-
-    mgr = make_manager(hbm_blocks=40, dram_blocks=40, nvme_blocks=400, policy="lru", cold_threshold=0.9,
-                       watermarks={t: Watermark(0.9, 0.2) for t in (Tier.HBM, Tier.DRAM, Tier.NVME)})
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    key = 1
-    for tier, rounds in ((Tier.NVME, 10), (Tier.DRAM, 1), (Tier.HBM, 1)):
-        for _ in range(rounds):  # 40 blocks written in a memory tier, to NVMe 40 at a time
-            vids = []
-            for _ in range(40):
-                clock.advance(1)
-                written = min(tier, Tier.DRAM)
-                vids += mgr.commit(a, mgr.allocate(a, lid, 1, tier=written), keys=[key]).tolist()
-                mgr.free(a, vids[-1:])
-                key += 1
-            if tier == Tier.NVME:
-                assert mgr.mover.move(mgr.table.rows(vids), Tier.NVME).all()
-    now = [0.0]
-    monkeypatch.setattr(rebalance.time, "perf_counter", lambda: now[0])
-    pl = mgr.placement
-    make_room, pieces = pl.make_room, []
-
-    def timed(tier, *args, **kw):
-        if not pieces or pieces[-1][1] is not None:  # a piece of the rebalance, not the room it makes below
-            pieces.append((tier, None))
-            now[0] += 0.010
-            try:
-                return make_room(tier, *args, **kw)
-            finally:
-                pieces[-1] = (tier, now[0])
-        return make_room(tier, *args, **kw)
-    monkeypatch.setattr(pl, "make_room", timed)
-    for tier in (Tier.HBM, Tier.DRAM, Tier.NVME):
-        pl._drain_rate[tier] = 1.0  # slow: every piece at the floor, so the tiers keep draining
-    mgr.tick()
-    assert [t for t, _ in pieces] == [Tier.NVME, Tier.NVME, Tier.DRAM, Tier.DRAM, Tier.HBM]
-    assert now[0] == pytest.approx(pl.REBALANCE_BUDGET_S)
-    mgr.check_invariants()
-
-
 def test_a_selection_ranks_only_the_rows_that_may_leave(make_manager, clock, monkeypatch):
     """A promotion or reservation into a full HBM makes exactly its room: one selection a call. Its
     cut partitioned every row's score (the others set to +inf), ~10 ms at a million blocks of which
@@ -585,23 +450,3 @@ def test_both_ways_of_finding_the_cut_take_the_same_rows(make_manager, monkeypat
             assert masks[0].sum() >= k and not (masks[0] & ~reach).any()
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "heat"])
-def test_a_chain_written_root_first_drains_down_to_the_low_watermark(make_manager, clock, policy):
-    """One long chain written over time, its root first: every policy ranks its root side colder
-    than its leaf side, so the cold cut a drain takes is the root side, whose blocks may leave only
-    after their descendants, which are not in it. The drain moved nothing, and the tier stayed above
-    its high watermark for good (soak2: a 512 MB DRAM tier at 97% of idle cached blocks, demoted 0)."""
-    mgr = make_manager(hbm_blocks=4, dram_blocks=40, nvme_blocks=80, policy=policy,
-                       watermarks={Tier.DRAM: Watermark(0.9, 0.5)})
-    a = mgr.attach("a")
-    lid = mgr.register_layout(SMALL)
-    pieces = []
-    for _ in range(38):
-        clock.advance(1)
-        pieces.append(mgr.allocate(a, lid, 1, tier=Tier.DRAM))
-    mgr.free(a, mgr.commit(a, np.concatenate(pieces), keys=list(range(1, 39))))
-    for _ in range(50):
-        clock.advance(0.1)
-        mgr.tick()
-    assert mgr.stats()["tiers"]["dram"]["blocks"] <= 20
-    mgr.check_invariants()

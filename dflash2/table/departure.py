@@ -38,16 +38,11 @@ class Departures:
         holder = self.client(client_id)
         c = self.cols
         unpinned, pins = self._unpin_all(holder)
-        rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
-        counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
-        mine = (c.key[rows] == 0) & (c.owner[rows] == client_id)
-        others, n = rows[~mine], counts[~mine]
-        for r in others.tolist():
-            del holder.refs[r]
-        holder.ref_slot_bytes -= self.ref_slots(np.repeat(others, n))
-        c.refs[others] -= n.astype(c.refs.dtype)  # distinct rows: no repeats to add up
-        freed = self._after_refs_dropped(others) + self._after_unpin(unpinned)
-        return {"unpinned": pins, "dereferenced": int(n.sum()), "freed": freed, "set_aside": int(mine.sum())}
+        held = sum(holder.refs.values())
+        freed = self._drop_all_refs(holder, keep=lambda rows: (c.key[rows] == 0) & (c.owner[rows] == client_id))
+        freed += self._after_unpin(unpinned)
+        kept = sum(holder.refs.values())
+        return {"unpinned": pins, "dereferenced": held - kept, "freed": freed, "set_aside": len(holder.refs)}
 
     def _unpin_all(self, holder) -> tuple[np.ndarray, int]:
         """Drop every pin of the client: (the rows it pinned, how many pins)."""

@@ -275,13 +275,21 @@ class BlockTable(Publishing, LostBlocks, Departures):
         holder.ref_slot_bytes -= self.ref_slots(rows)
         return self._after_refs_dropped(np.unique(rows))
 
-    def _drop_all_refs(self, holder: ClientRefs) -> int:
+    def _drop_all_refs(self, holder: ClientRefs, keep=None) -> int:
         """Every reference of a client that is going away, in whole-array steps (a client holding
-        100k references detached in 0.3 s one reference at a time: the daemon's loop stood still)."""
+        100k references detached in 0.3 s one reference at a time: the daemon's loop stood still).
+        `keep(rows)`: a mask of the rows whose references stay. Returns how many blocks it freed."""
         rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
         counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
-        holder.refs.clear()
-        holder.ref_slot_bytes = 0
+        if keep is None:
+            holder.refs.clear()
+            holder.ref_slot_bytes = 0
+        else:
+            going = ~keep(rows)
+            rows, counts = rows[going], counts[going]
+            for r in rows.tolist():
+                del holder.refs[r]
+            holder.ref_slot_bytes -= self.ref_slots(np.repeat(rows, counts))
         self.cols.refs[rows] -= counts.astype(self.cols.refs.dtype)  # distinct rows: no repeats to add up
         return self._after_refs_dropped(rows)
 
@@ -480,8 +488,8 @@ class BlockTable(Publishing, LostBlocks, Departures):
         self.keys.remove_many(keyed[keyed != 0])
         linked = rows[c.parent[rows] != NO_ROW]
         parents = c.parent[linked].astype(np.int64)
-        np.subtract.at(c.kids, (c.tier[linked].astype(np.int64), parents), 1)
-        np.subtract.at(c.nkids, parents, 1)
+        add_at(c.kids.reshape(-1), c.tier[linked].astype(np.int64) * c.capacity + parents, -1)  # tier-major
+        add_at(c.nkids, parents, -1)
         for tier in self.allocators:
             here = rows[c.tier[rows] == int(tier)]
             self._free_slots(tier, here, c.offset[here])
