@@ -2,13 +2,15 @@
 background, and shuts down cleanly on SIGTERM/SIGINT.
 
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
-runs the periodic work (lease expiry, reservation ticks, rebalancing), and while a tier drains and
-no request has come for IDLE_AFTER_S, more pieces of its drain. Moves are finished or rolled
-back before a request returns, so shutdown never leaves a block half-moved.
+runs the periodic work (lease expiry, reservation ticks), and a draining tier's pieces: each step's
+share of the drain (REBALANCE_BUDGET_S) one piece at a time between requests, and more while no
+request has come for IDLE_AFTER_S. Moves are finished or rolled back before a request returns, so
+shutdown never leaves a block half-moved.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import resource
@@ -40,13 +42,18 @@ DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs
 # ... and most time spent answering them, in tick intervals: a count alone let 1,024 slow requests
 # (24 busy clients, or a flood of calls never read back) hold the tick off for seconds.
 DRAIN_BUDGET_TICKS = 1.0
-# While a tier drains (rebalance) and no request waits, the loop runs rebalance steps of this budget
-# between background steps (each a piece sized to take half of it, or the tier's floor piece): a
-# request that arrives meanwhile waits for that piece at most.
+# While a tier drains (rebalance), the loop runs rebalance slices of this budget between requests
+# (each a piece sized to take half of it, or the tier's floor piece): a request that arrives
+# meanwhile waits for that piece at most. Each background step's share of the drain
+# (REBALANCE_BUDGET_S a pool) runs so while requests come, a piece no sooner than its own length
+# after the last one ended (requests get at least half the loop), and at once while none waits. Run
+# inside the step in one stretch, it held every call that came meanwhile: calls at random times
+# waited 3-5 ms at p50 and up to 65 ms while DRAM drained to NVMe (an experiment script).
 IDLE_DRAIN_S = 0.01
-# ... once no request has come for this long: a client in mid-conversation (calls back to back) is
-# not made to wait for pieces (a 2 GB DRAM drain: lookups at p50 5.1-5.4 ms during it, 0.25 ms
-# without pieces between the steps: experiment scripts, README), a quiet daemon drains faster.
+# ... and beyond the step's share, once no request has come for this long: a client in
+# mid-conversation (calls back to back) is not made to wait for pieces (a 2 GB DRAM drain: lookups at
+# p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
+# quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
 
 
@@ -60,6 +67,9 @@ class Server:
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._last_tick_s = 0.0  # how long the last background step took
         self._idle_drain = True  # rebalance pieces while the queue is empty (off after one failed, until a step)
+        self._drain_owed_s = 0.0  # what is left of this step's share of the drain (seconds)
+        self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
+        self._piece_s = 0.0  # ... and how long it took
         self._last_answer = 0.0  # when the last request was answered (monotonic)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -81,11 +91,12 @@ class Server:
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
         while not self._stop.is_set():
-            # While a tier drains, a queue empty for IDLE_AFTER_S is time for its next piece.
+            # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
+            # and, while the step's share lasts, after a request answered once it is due.
             draining = self._idle_drain and any(m.draining() for m in self.service.managers.values())
             try:
-                if draining and not sock.poll(max(0, math.ceil(1000 * (self._last_answer + IDLE_AFTER_S
-                                                                       - time.monotonic()))), zmq.POLLIN):
+                if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
+                                              zmq.POLLIN):
                     raise zmq.Again()
                 frames = sock.recv_multipart(zmq.NOBLOCK if draining else 0, copy=True)
             except zmq.Again:
@@ -94,9 +105,11 @@ class Server:
                 # heartbeat still queued is not yet seen).
                 self.service.queue_empty()
                 if draining:
-                    self._drain_while_idle()
+                    self._drain_slice()
             if frames is not None:
                 self._answer(frames)
+                if draining and self._drain_owed_s > 0 and time.monotonic() >= self._piece_ended + self._piece_s:
+                    self._drain_slice()
             now = time.monotonic()
             if now >= next_tick:
                 # What queued up while the last request ran (a long promotion from NVMe) is read
@@ -126,8 +139,18 @@ class Server:
                 self.failed = lost
                 return
 
-    def _drain_while_idle(self) -> None:
-        """A rebalance piece of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_while_idle`)."""
+    def _next_slice(self) -> float:
+        """When the next drain slice is due (monotonic): once no request has come for IDLE_AFTER_S;
+        sooner while the step's share lasts, as long after the last slice ended as that slice took."""
+        due = self._last_answer + IDLE_AFTER_S
+        if self._drain_owed_s > 0:
+            due = min(due, self._piece_ended + self._piece_s)
+        return due
+
+    def _drain_slice(self) -> None:
+        """A rebalance slice of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_while_idle`;
+        one piece when a request waits), counted against the step's share."""
+        started = time.monotonic()
         with self.service.busy():
             for manager in self.service.managers.values():
                 if not manager.draining():
@@ -135,10 +158,14 @@ class Server:
                 try:
                     manager.drain_while_idle(IDLE_DRAIN_S, self._request_waits)
                 except Exception:
-                    # Not again before the next background step, which runs (and logs) it anyway:
-                    # one that fails each time would otherwise fill the log as fast as the loop spins.
+                    # Not again before the next background step: one that fails each time would
+                    # otherwise fill the log as fast as the loop spins.
                     self._idle_drain = False
-                    log.exception("a rebalance piece between background steps failed; drains wait for the steps")
+                    log.exception("a rebalance piece between requests failed; drains wait for the next "
+                                  "background step")
+        self._piece_ended = time.monotonic()
+        self._piece_s = self._piece_ended - started
+        self._drain_owed_s -= self._piece_s
 
     def _request_waits(self) -> bool:
         """Whether a request is queued (a poll, no wait): an idle drain stops after its piece."""
@@ -160,12 +187,17 @@ class Server:
         self.service.note_tick(late_s)
         # Each step on its own: one that fails must not stop the others from running.
         with self.service.busy():
-            for step in (self.service.expire_leases, *(m.tick for m in self.service.managers.values())):
+            # A pool's step begins its drains; the loop runs their pieces (_drain_slice).
+            steps = [("Service.expire_leases", self.service.expire_leases),
+                     *((f"BlockManager.tick (pool {pool})", functools.partial(m.tick, drain=False))
+                       for pool, m in self.service.managers.items())]
+            for name, step in steps:
                 try:
                     step()
                 except Exception:
-                    log.exception("background step %s failed; the daemon keeps serving",
-                                  getattr(step, "__qualname__", step))
+                    log.exception("background step %s failed; the daemon keeps serving", name)
+        # This step's share of the drain, each pool's REBALANCE_BUDGET_S (what the last step's left undone lapses).
+        self._drain_owed_s = sum(m.placement.REBALANCE_BUDGET_S for m in self.service.managers.values())
         if self.observers is not None:
             try:
                 self.observers.after_tick(late_s, time.perf_counter() - started)

@@ -402,16 +402,22 @@ class BlockManager:
         return arena.view(p.offset, p.nbytes)
 
     # -- background ------------------------------------------------------------------------
-    def tick(self) -> None:
+    def tick(self, drain: bool = True) -> None:
         """One background step: rescore (policies that cache scores), expire and grant
-        reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups."""
+        reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups.
+        `drain` False: a tier over its high watermark begins its drain, but its pieces are left
+        to the caller (`drain_while_idle`): the server runs them between requests, so that a
+        request waits for one piece, not the step's whole share of the drain."""
         if self.duel is not None:
             self.duel.run(self.duel.tick_budget_s)
         self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.new_step()
         self.admission.tick()
-        self.placement.rebalance()
+        if drain:
+            self.placement.rebalance()
+        else:
+            self.placement.start_drains()
         self.prefetcher.settle()
 
     def draining(self) -> bool:
@@ -420,11 +426,12 @@ class BlockManager:
         return self.placement.drain_pending()
 
     def drain_while_idle(self, budget_s: float, yield_to=None) -> None:
-        """More rebalance pieces between background steps, while no request has come for a while (the
-        server's loop): a drain paced by the steps alone wrote DRAM down to NVMe at about a third of
-        the disk's speed (a 50 ms piece a 100 ms step, each piece half its part), and what it left
-        undone the next allocations did on their request path. `yield_to` (a request waits?) is asked
-        after each piece: a request that arrives waits for that piece only, not the whole budget."""
+        """Rebalance pieces for `budget_s` between requests (the server's loop: the step's share of
+        the drain, and more while no request has come for a while): a drain paced by the steps alone
+        wrote DRAM down to NVMe at about a third of the disk's speed (a 50 ms piece a 100 ms step,
+        each piece half its part), and what it left undone the next allocations did on their request
+        path. `yield_to` (a request waits?) is asked after each piece: a request that arrives waits
+        for that piece only, not the whole budget."""
         self.placement.rebalance(budget_s, yield_to)
 
     def check_invariants(self) -> None:

@@ -52,17 +52,7 @@ class Rebalancing:
         bring them back up for the read. `yield_to`: asked after each piece; True ends the call there
         (a request waits: the server's idle drain), the rest in the next calls."""
         deadline = time.perf_counter() + (self.REBALANCE_BUDGET_S if budget_s is None else budget_s)
-        c = self.table.cols
-        for tier in self.tiers:
-            if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
-                self.draining.add(tier)
-                # With the cold blocks' descendants in the tier: a block leaves only after those, and a
-                # chain written root first is colder at its root under every policy (older, read as
-                # often), so a cut of its cold root side alone could never move and the tier stayed
-                # above its high watermark. A block under a cold prefix is read only through it.
-                cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
-                cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
-                self._cuts[tier] = (cut, c.gen[cut].copy())
+        self.start_drains()
         order = self._drainable()
         if not order:
             return
@@ -75,6 +65,21 @@ class Rebalancing:
                 del self._cuts[tier]
             if yield_to is not None and yield_to():
                 return
+
+    def start_drains(self) -> None:
+        """Begin the drain of each tier that went over its high watermark: its cold cut is taken
+        now; its pieces run in `rebalance` calls (the server's loop runs them between requests)."""
+        c = self.table.cols
+        for tier in self.tiers:
+            if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
+                self.draining.add(tier)
+                # With the cold blocks' descendants in the tier: a block leaves only after those, and a
+                # chain written root first is colder at its root under every policy (older, read as
+                # often), so a cut of its cold root side alone could never move and the tier stayed
+                # above its high watermark. A block under a cold prefix is read only through it.
+                cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
+                cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
+                self._cuts[tier] = (cut, c.gen[cut].copy())
 
     def _drainable(self) -> list[Tier]:
         """The draining tiers whose drain may run now, slowest first. One with a storage tier below it

@@ -76,10 +76,15 @@ def test_a_demotion_keeps_what_the_tier_below_has_room_for(make_manager, clock):
     mgr.check_invariants()
 
 
-def test_a_prefetched_block_is_not_sent_back_down_by_the_next_rebalance(make_manager, clock):
+def test_a_prefetched_block_is_not_sent_back_down_by_the_next_rebalance(make_manager, clock, monkeypatch):
     """A lookup's prefetch fills HBM past its high watermark; the tick that follows before the read
     must demote other cold blocks, not the prefetched ones (whose scores are old: the prefetch is
-    not a read) — that would send them straight back down and make the read wait for them again."""
+    not a read) — that would send them straight back down and make the read wait for them again.
+    The step's budget is ample: on a loaded machine a step of 50 ms could end after its first piece
+    (a flaky failure, 19 blocks left in HBM), and the next step no longer protects them (one tick)."""
+    from dflash2.placement import Placement
+
+    monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 30.0)
     for policy in ("lru", "heat"):
         mgr = make_manager(hbm_blocks=20, dram_blocks=40, prefetch_window=4, policy=policy)
         a = mgr.attach("a")

@@ -200,7 +200,7 @@ def test_a_drain_goes_on_between_background_steps_while_no_request_waits(tmp_pat
     mgr = full_hbm(make_manager, clock, 64)
     steps = []
     tick = mgr.tick
-    monkeypatch.setattr(mgr, "tick", lambda: (steps.append(time.monotonic()), tick()))
+    monkeypatch.setattr(mgr, "tick", lambda **kw: (steps.append(time.monotonic()), tick(**kw)))
     svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
     srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
     loop = threading.Thread(target=srv.serve_forever)
@@ -238,7 +238,7 @@ def test_a_drain_piece_that_fails_between_steps_is_not_retried_until_the_next_st
     monkeypatch.setattr(mgr, "drain_while_idle", broken)
     steps = []
     tick = mgr.tick
-    monkeypatch.setattr(mgr, "tick", lambda: (steps.append(1), tick()))
+    monkeypatch.setattr(mgr, "tick", lambda **kw: (steps.append(1), tick(**kw)))
     svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
     srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
     loop = threading.Thread(target=srv.serve_forever)
@@ -252,7 +252,7 @@ def test_a_drain_piece_that_fails_between_steps_is_not_retried_until_the_next_st
             srv.close()
     assert len(steps) == 1
     assert len(calls) == 2, len(calls)  # one before the step, one after it: then none until the next step
-    failed = [r for r in caplog.records if "rebalance piece between background steps failed" in r.getMessage()]
+    failed = [r for r in caplog.records if "rebalance piece between requests failed" in r.getMessage()]
     assert len(failed) == 2 and failed[0].exc_info is not None
 
 
@@ -312,4 +312,60 @@ def test_a_request_that_arrives_while_a_tier_drains_waits_for_one_piece_not_the_
         loop.join(10)
         srv.close()
     assert max(waits) < 0.3, [round(w, 3) for w in waits]  # a piece is 50 ms; the budget 1 s
+    mgr.check_invariants()
+
+
+def test_a_steps_share_of_the_drain_runs_between_requests_not_in_one_stretch(tmp_path, make_manager, clock,
+                                                                             monkeypatch):
+    """A step's share of a drain of 1 s, in pieces of 50 ms, and a call every 5 ms: each call waits
+    for one piece at most, and the share still runs between the calls. Before, the step ran its
+    share in one stretch: a call that came meanwhile waited for all of it (lookups at random times
+    up to 65 ms while DRAM drained to NVMe, an experiment script), and no piece ran between calls
+    closer than IDLE_AFTER_S."""
+    from dflash2.placement import Placement
+
+    monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 1.0)
+    monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no piece for being idle: the step's share only
+    mgr = full_hbm(make_manager, clock, 400)
+    pieces = []
+    make_room = mgr.placement.make_room
+
+    def slow_piece(*args, **kw):  # a piece of a slow disk's drain; each frees a block or so
+        pieces.append(time.monotonic())
+        time.sleep(0.05)
+        return make_room(*args, **kw)
+    monkeypatch.setattr(mgr.placement, "make_room", slow_piece)
+    monkeypatch.setattr(mgr.placement, "_piece_bytes", lambda tier, seconds: 1)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{tmp_path}/d.sock")
+    waits = []
+    try:
+        deadline = time.monotonic() + 10.0
+        while not mgr.draining() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        while len(waits) < 120:  # a call every 5 ms or so, for about 0.6 s
+            time.sleep(0.005)
+            started = time.monotonic()
+            sock.send_multipart(P.encode_request(Op.PING, 0, None, {}))
+            assert sock.poll(5000), "no reply"
+            sock.recv_multipart()
+            waits.append(time.monotonic() - started)
+            if len(waits) == 1:
+                first_reply = time.monotonic()
+        between = [t for t in pieces if first_reply < t < time.monotonic()]
+        assert mgr.draining(), "the drain ended before the calls: the test proves nothing"
+    finally:
+        sock.close(0)
+        ctx.term()
+        srv.stop()
+        loop.join(10)
+        srv.close()
+    assert max(waits) < 0.3, [round(w, 3) for w in waits]  # a piece is 50 ms; the step's share 1 s
+    assert len(between) >= 3, len(between)  # a piece every 100 ms or so: the share runs under load
     mgr.check_invariants()
