@@ -26,9 +26,11 @@ def full_of_aged_blocks(make_manager, clock, monkeypatch, blocks: int, low: floa
     return mgr, lid, lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
 
 
-def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, clock):
+def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, clock, monkeypatch):
     mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.9,
                        watermarks={Tier.HBM: Watermark(0.75, 0.5)})
+    # The whole drain in one step, whatever the machine's load (a 50 ms step could end after a piece).
+    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 30.0)
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
     for k in range(1, 10):
