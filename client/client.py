@@ -186,6 +186,8 @@ class Client:
                 try:
                     transport.call(Op.HEARTBEAT, self.client_id)
                 except DaemonUnavailable as e:
+                    if self._daemon_gone():
+                        return
                     log.warning("dflash2 heartbeat: %s", e)
                 except DaemonError as e:
                     log.error("dflash2 lease lost (%s); attach again", e)
@@ -193,6 +195,21 @@ class Client:
                     return
         finally:
             transport.close()
+
+    def _daemon_gone(self) -> bool:
+        """After a call that no daemon answered: whether the daemon this client attached to has ended
+        (killed, or stopped). Its session ended with it, so the lease is lost, and the mappings of its
+        memory are let go (views still alive keep theirs): a restarted daemon takes its tiers anew, and
+        while its clients held the dead one's segments a restart could fail for room (exit 4)."""
+        arenas = self._arenas
+        if arenas is None or not arenas.daemon_gone():
+            return False
+        if not self.lease_lost:
+            log.error("dflash2: the daemon at %s has ended (its shared memory has no owner left); this "
+                      "client's session ended with it: attach again", self.endpoint)
+        self.lease_lost = True
+        arenas.close()
+        return True
 
     def detach(self) -> dict:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
@@ -245,6 +262,9 @@ class Client:
             except DaemonError as e:
                 if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
                     self.lease_lost = True
+                raise
+            except DaemonUnavailable:
+                self._daemon_gone()
                 raise
 
     # -- layouts ---------------------------------------------------------------------------

@@ -54,6 +54,11 @@ class ArenaMap:
                              "has not mapped (acquire it to bring it to HBM first)")
         return arena.view(int(place["offset"]), int(place["nbytes"]))
 
+    def daemon_gone(self) -> bool:
+        """Whether the daemon that mapped these arenas has ended (its shared-memory segments have no
+        holder left: `SharedMemoryArena.creator_gone`). False where no arena can tell (a GPU's HBM)."""
+        return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
+
     def close(self) -> None:
         for arena in self.arenas.values():
             arena.close()  # only unmaps (never unlinks); live views keep their mapping

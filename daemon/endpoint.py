@@ -33,6 +33,7 @@ class EndpointLock:
         # pid of the daemon that held this endpoint before and did not shut down cleanly (a clean
         # shutdown removes the lock file): its shared-memory segments may be left behind.
         self.previous_pid: int | None = None
+        self.replaced_socket = False  # a socket file that such a daemon left was replaced
 
     def acquire(self) -> None:
         folder = self.lock_path.parent
@@ -43,16 +44,26 @@ class EndpointLock:
             # A folder that was there before keeps its mode: it may be /run or a home folder that
             # others need; the socket itself is made owner-only after bind (secure_socket).
             os.chmod(folder, 0o700)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise EndpointBusy(f"another dflash2d (pid {holder}) is serving {self.endpoint}; "
+                                   "stop it first or configure another daemon.endpoint") from None
+            if _is_at(fd, self.lock_path):
+                break
+            # The daemon before us removed this file (it stopped) between our open and our lock: a
+            # lock on it proves nothing, since the next daemon would make a new file. Lock the one at
+            # the path now.
             os.close(fd)
-            raise EndpointBusy(f"another dflash2d (pid {holder}) is serving {self.endpoint}; "
-                               "stop it first or configure another daemon.endpoint") from None
         previous = os.read(fd, 32).decode(errors="replace").strip()
-        if previous.isdigit() and int(previous) != os.getpid():
+        if previous.isdigit():
+            # Our own pid too: a container's daemon is pid 1 every time. Its segments, named by that
+            # pid, are a killed predecessor's all the same (this daemon has taken none yet), and
+            # those of a tier the config no longer has would otherwise be left for good.
             self.previous_pid = int(previous)
         os.lseek(fd, 0, os.SEEK_SET)
         os.ftruncate(fd, 0)
@@ -60,6 +71,7 @@ class EndpointLock:
         self._fd = fd
         if self.socket_path is not None and self.socket_path.exists():
             self.socket_path.unlink()  # left by a daemon that died: we hold the lock now
+            self.replaced_socket = True
 
     def secure_socket(self) -> None:
         """After bind: only the owner may connect."""
@@ -79,3 +91,13 @@ class EndpointLock:
                 pass
             os.close(self._fd)
             self._fd = -1
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the file now at `path`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)

@@ -276,6 +276,9 @@ def run(cfg: Config) -> int:
     if lock.previous_pid is not None:
         # The last daemon on this endpoint was killed: give back the shared memory it left (each
         # segment only when no process holds it; logged one by one).
+        log.warning("the last dflash2d on %s (pid %d) did not shut down cleanly (killed?)%s; removing the "
+                    "shared memory it left", plan.endpoint, lock.previous_pid,
+                    ": its socket file was replaced" if lock.replaced_socket else "")
         remove_stale_segments(f"{instance_name(lock.previous_pid)}-")
     managers: dict = {}
     server = observers = None

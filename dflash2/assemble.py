@@ -152,7 +152,10 @@ def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None, n
     if spec.tier == Tier.NVME:
         if nvme_path is None:
             raise ArenaError("memory.nvme_path is not set but the NVMe tier has a capacity")
-        return NvmeArena.create(nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
+        arena = NvmeArena.create(nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
+        log.info("took nvme tier: %d bytes of %s (%s)", spec.capacity_bytes, nvme_path,
+                 "an earlier daemon's file, reused: what it held is dropped" if arena.reused else "a new file")
+        return arena
     if device is not None:
         from dflash2.cuda.arena import CudaArena, PinnedHostArena
 

@@ -98,6 +98,8 @@ class History:
         if path is not None:
             self.samples.extend((s["t"], _line(s)) for s in read_file(path, max_samples))
             self._torn_tail = _ends_torn(path)
+            if self.samples:
+                log.info("history: %d samples read back from %s", len(self.samples), path)
 
     def close(self) -> None:
         """Give the state folder's history lock back (the file stays)."""

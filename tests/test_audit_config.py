@@ -345,3 +345,31 @@ def test_check_says_whether_the_tiers_fit_this_machine_now(tmp_path):
     assert foreign.read_bytes() == b"not a cache"
     fresh = check(config(tmp_path, memory={"nvme_capacity_mb": 4, "nvme_path": str(tmp_path / "c" / "nvme.bin")}))
     assert fresh[-1].startswith("now: the NVMe file needs") and fresh[-1].endswith(": fits")
+
+
+def test_a_restart_after_a_kill_says_what_it_found(tmp_path):
+    # What the killed daemon left is named on the restart, never taken over silently: the daemon
+    # itself (its pid), its socket file, its NVMe file (reused, its blocks dropped), its history.
+    path = config(tmp_path, history_enabled=True, memory={"nvme_capacity_mb": 4, "nvme_path": "nvme.cache"})
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+    try:
+        for line in proc.stdout:
+            if line.startswith("DFlash2: enabled"):
+                break
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (tmp_path / "state" / "history.jsonl").exists() or not (tmp_path / "state" / "history.jsonl").stat().st_size:
+            assert time.monotonic() < deadline, "no history sample written"
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(timeout=STARTUP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    rc, err, started = run_daemon(path)
+    assert (started, rc) == (True, 0), err
+    assert f"(pid {proc.pid}) did not shut down cleanly (killed?): its socket file was replaced" in err
+    assert "took nvme tier: 4194304 bytes of" in err and "an earlier daemon's file, reused" in err
+    assert "samples read back from" in err

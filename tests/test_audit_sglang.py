@@ -6,6 +6,7 @@ one page, a strided target, and a hybrid model's extra host pools. Runs where sg
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -199,3 +200,36 @@ def test_pages_whose_parent_was_evicted_meanwhile_are_stored_unlinked_and_counte
     assert backend.counters["commits_unlinked"] == 1
     assert "2 pages committed without their parent link" in caplog.text
     assert backend.batch_exists(KEYS[:2]) == 2
+
+
+def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(config_file, backends, monkeypatch):
+    """A daemon killed and restarted with a changed config (here without its DRAM tier): the backend
+    attaches again and writes pages where the new daemon can take them, with its prefill rate;
+    before, it kept asking for the old DRAM tier, and every write and read failed until sglang
+    restarted."""
+    from dflash2.client.sglang import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "RETRY_S", 0.2)
+    memory = {"hbm_capacity_mb": 8, "nvme_capacity_mb": 0, "nvme_path": None, "page_kb": 64}
+    with_dram = config_file(memory={**memory, "dram_capacity_mb": 16})
+    proc = DaemonProcess(with_dram).start()
+    try:
+        pool = host_pool()
+        backend = make_backend(with_dram, pool, dflash2_prefill_tokens_per_s=20000.0)
+        backends.append(backend)
+        assert backend.tier == "dram"
+        proc.proc.kill()
+        proc.proc.wait()
+        config_file(memory={**memory, "dram_capacity_mb": 0})  # the same file, rewritten
+        proc = DaemonProcess(with_dram).start()
+        fill(pool, [1, 2], seed=5)
+        deadline = time.monotonic() + 10
+        while backend.batch_set_v1(KEYS[:2], indices([1, 2])) != [True, True]:
+            assert time.monotonic() < deadline, backend.counters
+            time.sleep(0.1)
+        assert backend.tier == "hbm"
+        assert backend.batch_get_v1(KEYS[:2], indices([3, 4])) == [True, True]
+        assert torch.equal(pool.get_data_page(3 * PAGE, flat=True), pool.get_data_page(PAGE, flat=True))
+        assert backend.client.stats()["read_cost"]["prefill_rates"] == 1
+    finally:
+        proc.stop()

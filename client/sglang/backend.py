@@ -124,16 +124,22 @@ class DFlash2Storage(HiCacheStorage):
             return
         self.page_bytes = layout.block_bytes
         self.keys = KeyMapper(namespace(self.shard, f"{page_format(mem_pool_host)}/{layout.name}"))
-        tiers = {str(a.get("tier")).lower(): a for a in self.client.arena_info}
+        self._fit_tiers(self.client, layout)
+        log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
+                 layout.name, layout.block_bytes, self.keys.namespace)
+
+    def _fit_tiers(self, client: Client, layout) -> None:
+        """The tier pages go to and the pages per call, for the daemon `client` is attached to (a
+        restarted daemon may have other tiers: its config changed)."""
+        tiers = {str(a.get("tier")).lower(): a for a in client.arena_info}
         # Pages go to the daemon's DRAM tier; a daemon configured without one takes them in HBM.
         self.tier = HOST_TIER if HOST_TIER in tiers else "hbm"
         if self.tier != HOST_TIER:
             log.warning("dflash2: the daemon has no DRAM tier: sglang pages are written to its HBM tier")
+        self.chunk_pages = MAX_CHUNK_PAGES
         if self.tier in tiers:
             cap = tiers[self.tier]["capacity_bytes"]
             self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // (4 * layout.block_bytes))))
-        log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
-                 layout.name, layout.block_bytes, self.keys.namespace)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """sglang's hybrid cache controller registers every host pool of the model here, the KV pool
@@ -164,8 +170,11 @@ class DFlash2Storage(HiCacheStorage):
                     fresh = None
                     try:
                         fresh = self._attach()
-                        # The new daemon numbers layouts afresh: use the id it gives.
-                        layout_id = fresh.register_layout(self.client.layout(self.layout_id))
+                        # The new daemon numbers layouts afresh: use the id it gives. Its config
+                        # may have changed too: pages go to the tiers it has now.
+                        layout = self.client.layout(self.layout_id)
+                        layout_id = fresh.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
+                        self._fit_tiers(fresh, layout)
                     except DFlash2Error as e:
                         if fresh is not None:
                             fresh.close()

@@ -205,6 +205,7 @@ class NvmeArena(StorageArena):
             raise
         # This fd keeps the lock for the arena's life; the I/O fd may be a second, O_DIRECT one.
         self._lock_fd = fd
+        self.reused = not created  # an earlier daemon's file (what it held is not valid here: dropped)
 
     def _prepare_file(self, fd: int, folder: str) -> None:
         """Refuse a foreign file, write the header, take the disk space (the file is locked)."""

@@ -11,7 +11,8 @@ are leaked, behind the daemon's back.
 Invariant: only the creator unlinks the segment; views handed out stay valid until `close`. The
 creator holds a shared flock on the segment while it lives: a segment nobody holds was left by a
 daemon that was killed (SIGKILL, the OOM killer), and `remove_stale` may delete it to give its memory
-back; a held one is never touched.
+back; a held one is never touched. A client tests the same lock (`creator_gone`) to learn that its
+daemon died: its mapping then holds the dead daemon's memory, which a restarted daemon needs.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
 
 def _say_removed(name: str, size: int) -> None:
     log.warning("removed shared-memory segment %s (%d bytes): no process held it, it was left by a daemon "
-                "that was killed", name, size)
+                "that was killed (its memory comes back once its clients, which learn it at their next "
+                "heartbeat, no longer map it)", name, size)
 
 
 def mem_available_bytes() -> int:
@@ -111,7 +113,9 @@ class SharedMemoryArena(MemoryArena):
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         self.owner = owner
-        self._hold_fd = hold_fd  # the creator's flock on the segment (see the module docstring)
+        # The creator's flock on the segment; a client's descriptor of it, to test that flock (see
+        # the module docstring)
+        self._hold_fd = hold_fd
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
             self._mm: mmap.mmap | None = mmap.mmap(fd, capacity_bytes, flags=flags,
@@ -187,12 +191,24 @@ class SharedMemoryArena(MemoryArena):
             os.close(fd)
             raise ArenaError(f"shared-memory segment {path} is empty")
         try:
-            return cls(name, fd, size, tier, alignment, owner=False, populate=False)
+            return cls(name, fd, size, tier, alignment, owner=False, populate=False, hold_fd=os.dup(fd))
         except OSError as e:
             # mmap refuses the mapping (an address-space limit such as ulimit -v): the client's
             # caller (an engine integration) gets a dflash2 error it falls back on, not a raw OSError.
             raise ArenaError(f"{tier.label} tier: shared-memory segment {path} ({size} bytes) cannot be "
                              f"mapped in this process: {e}") from e
+
+    def creator_gone(self) -> bool:
+        """(A client's mapping) whether the process that created the segment, its daemon, has ended:
+        nobody holds its flock any more. The test takes the lock and gives it back at once."""
+        if self.owner or self._hold_fd < 0:
+            return False
+        try:
+            fcntl.flock(self._hold_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self._hold_fd, fcntl.LOCK_UN)
+        return True
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,72 @@
+"""Integration: a daemon killed (SIGKILL, the OOM killer) or stopped under its clients, and the next
+daemon on the same endpoint: what the clients learn, and what of the dead daemon's memory is held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.arena.shm import remove_stale_segments
+from dflash2.client import Client, DaemonUnavailable
+from dflash2.errors import ArenaError
+
+QUICK = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "request_timeout_s": 0.5}
+
+
+def mapped(names: list[str]) -> list[str]:
+    """The segments among `names` that this process maps now."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return [n for n in names if f"/dev/shm/{n}" in maps]
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **QUICK})).start()
+    yield proc
+    proc.stop()
+    remove_stale_segments(f"dflash2-{proc.pid}-")  # a killed daemon's: no next daemon here removes them
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_dead_daemons_clients_let_go_of_its_memory(daemon, how):
+    # A restarted daemon takes its tiers anew: while the clients of the dead one still map its
+    # segments (unlinked, their memory held), a restart whose tiers take more than half of /dev/shm
+    # failed for room (exit 4), and the clients let go only once a new daemon answered them.
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL])
+    try:
+        names = [a["name"] for a in c.arena_info]
+        c.view_bytes(c.allocate(c.layouts[0], 1)[0])[:] = 1
+        assert mapped(names) == names
+        if how == "kill":
+            os.kill(daemon.pid, signal.SIGKILL)
+            daemon.proc.wait()
+        else:
+            assert daemon.terminate() == 0
+        deadline = time.monotonic() + 5.0
+        while not c.lease_lost or mapped(names):
+            assert time.monotonic() < deadline, (c.lease_lost, mapped(names))
+            time.sleep(0.05)
+        with pytest.raises(ArenaError):
+            c.view_bytes(0)
+    finally:
+        c.close()
+
+
+def test_a_client_without_heartbeat_learns_it_on_its_next_call(daemon):
+    c = Client.connect(config=daemon.config_path, name="quiet", layouts=[SMALL], heartbeat=False)
+    try:
+        names = [a["name"] for a in c.arena_info]
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait()
+        with pytest.raises(DaemonUnavailable):
+            c.lookup([1])
+        assert c.lease_lost and mapped(names) == []
+    finally:
+        c.close()

@@ -1,0 +1,66 @@
+"""The endpoint's lock file (daemon/endpoint.py): which daemon serves an endpoint, and which one
+before it did not shut down cleanly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
+
+
+def test_a_lock_file_left_by_a_killed_daemon_names_it(tmp_path):
+    lock = EndpointLock(f"ipc://{tmp_path}/d.sock", tmp_path)
+    lock.lock_path.write_text("4242")
+    lock.acquire()
+    try:
+        assert lock.previous_pid == 4242
+        assert lock.lock_path.read_text() == str(os.getpid())
+        with pytest.raises(EndpointBusy, match=f"pid {os.getpid()}"):
+            EndpointLock(f"ipc://{tmp_path}/d.sock", tmp_path).acquire()
+    finally:
+        lock.release()
+    assert not lock.lock_path.exists()
+
+
+def test_a_lock_file_naming_our_own_pid_is_a_killed_predecessors(tmp_path):
+    # A container's daemon is pid 1 every time: the lock file its killed predecessor left names our
+    # own pid, and that predecessor's segments (dflash2-1-*) are still to be removed; before, only
+    # those the new daemon happened to create again under the same name were, and a tier the config
+    # no longer has kept its segment for good.
+    lock = EndpointLock(f"ipc://{tmp_path}/d.sock", tmp_path)
+    lock.lock_path.write_text(str(os.getpid()))
+    lock.acquire()
+    try:
+        assert lock.previous_pid == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_lock_taken_on_a_file_its_owner_removed_meanwhile_is_taken_again(tmp_path, monkeypatch):
+    # The daemon that held the endpoint stops (removes its lock file, then lets go) just as the next
+    # one opens that file and locks it: the lock it then holds is on a file no longer at the path, and
+    # a third daemon would make a new one and serve the endpoint too (replacing the socket).
+    from dflash2.daemon import endpoint
+
+    endpoint_ = f"ipc://{tmp_path}/d.sock"
+    first = EndpointLock(endpoint_, tmp_path)
+    first.acquire()
+    real_flock = endpoint.fcntl.flock
+
+    def flock_after_the_first_stops(fd, op):
+        if first._fd >= 0:
+            first.release()  # between our open and our lock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(endpoint.fcntl, "flock", flock_after_the_first_stops)
+    second = EndpointLock(endpoint_, tmp_path)
+    second.acquire()
+    monkeypatch.setattr(endpoint.fcntl, "flock", real_flock)
+    try:
+        assert second.lock_path.read_text() == str(os.getpid())
+        with pytest.raises(EndpointBusy):
+            EndpointLock(endpoint_, tmp_path).acquire()
+    finally:
+        second.release()
