@@ -352,7 +352,6 @@ class BlockManager:
             for origin, n in self.prefetcher.reading(self.table.vids(rows).tolist(), client).items():
                 counts[Tier.HBM] -= n
                 counts[origin] += n
-        (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(up_to)).any():
@@ -366,6 +365,9 @@ class BlockManager:
                                        "checksum on the read back from NVMe and was dropped from the cache (a miss): "
                                        "look the chain up again and recompute from there")
                 return None
+        # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
+        # no room (None) served nothing, and its retry would count the same blocks again.
+        (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
         self.table.pin_rows(client, rows)
         if priority is not None:
             self.table.raise_priority(rows, priority)

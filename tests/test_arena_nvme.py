@@ -356,7 +356,7 @@ def test_direct_write_error_fails_the_batch(arena, monkeypatch):
     assert not arena.read_blocks([0], [_aligned(2 * ALIGN)]).any()
 
 
-def test_direct_read_error_fails_the_batch_and_the_arena_stays_usable(arena, monkeypatch):
+def test_a_direct_read_error_is_read_again_block_by_block_and_the_arena_stays_usable(arena, monkeypatch):
     srcs = [_aligned(ALIGN) for _ in range(3)]
     for k, s in enumerate(srcs):
         s[:] = k + 1
@@ -371,12 +371,49 @@ def test_direct_read_error_fails_the_batch_and_the_arena_stays_usable(arena, mon
         real(fd, bufs, offset)
 
     monkeypatch.setattr(nvme, "preadv_all", fails_second)
-    with pytest.raises(ArenaError, match="read .* failed"):
+    dsts = [_aligned(ALIGN) for _ in range(3)]
+    assert arena.read_blocks(offsets, dsts).all(), "a passing error: each block read again alone succeeds"
+    assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+    monkeypatch.setattr(nvme, "preadv_all", lambda fd, bufs, offset: (_ for _ in ()).throw(OSError(5, "EIO")))
+    monkeypatch.setattr(nvme, "pread_all", lambda fd, buf, offset: (_ for _ in ()).throw(OSError(5, "EIO")))
+    with pytest.raises(ArenaError, match="read .* failed"):  # nothing readable: the batch fails
         arena.read_blocks(offsets, [_aligned(ALIGN) for _ in range(3)])
-    monkeypatch.setattr(nvme, "preadv_all", real)
+    monkeypatch.undo()
     dsts = [_aligned(ALIGN) for _ in range(3)]
     assert arena.read_blocks(offsets, dsts).all()
     assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["direct", "staged"])
+def test_an_unreadable_block_is_a_miss_alone_not_its_batch(arena, monkeypatch, caplog, aligned):
+    """A bad sector (EIO on every read of one block's extent) used to fail the whole batch: every
+    block in it was dropped from the cache, a recompute each, though their bytes read fine."""
+    lengths = [ALIGN, 3 * ALIGN, ALIGN, 2 * ALIGN, STAGING + ALIGN]
+    offsets, data = _blocks(np.random.default_rng(11), lengths)
+    srcs = [_aligned(n) if aligned else np.empty(n + 1, np.uint8)[1:] for n in lengths]  # [1:]: unaligned
+    for s, d in zip(srcs, data):
+        s[:] = d
+    arena.write_blocks(offsets, srcs)
+    bad = nvme.HEADER_BYTES + offsets[2], nvme.HEADER_BYTES + offsets[2] + lengths[2]
+
+    def failing(real):
+        def io(fd, bufs, offset):
+            n = sum(memoryview(b).nbytes for b in bufs) if isinstance(bufs, list) else memoryview(bufs).nbytes
+            if offset < bad[1] and offset + n > bad[0]:
+                raise OSError(5, "Input/output error")
+            return real(fd, bufs, offset)
+        return io
+
+    monkeypatch.setattr(nvme, "preadv_all", failing(nvme.preadv_all))
+    monkeypatch.setattr(nvme, "pread_all", failing(nvme.pread_all))
+    dsts = [_aligned(n) if aligned else np.zeros(n + 1, np.uint8)[1:] for n in lengths]
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena.nvme"):
+        ok = arena.read_blocks(offsets, dsts)
+        arena.read_blocks(offsets, dsts)
+    assert ok.tolist() == [True, True, False, True, True]
+    assert all(np.array_equal(d, x) for d, x, good in zip(dsts, data, ok) if good)
+    logged = [r for r in caplog.records if "read again one by one" in r.getMessage()]
+    assert len(logged) == 1 and "Input/output error" in logged[0].getMessage(), "once a minute, naming the error"
 
 
 def test_short_vectored_io_is_resumed(tmp_path):

@@ -47,7 +47,11 @@ def test_each_kind_is_logged_once_a_minute_and_the_next_line_counts_the_rest(mon
         _fail(fl, down, OSError(errno.ENOSPC, "full"))
     assert len(caplog.records) == 4
     last = caplog.records[-1].getMessage()
-    assert "host copy of 1 blocks (4096 bytes) dram → nvme failed" in last
+    assert "host copy of 1 blocks (4096 bytes) dram → nvme failed as a whole; its blocks stay where they were" in last
+    # A failed read back from NVMe is what drops its blocks (a write's stay where they were: the
+    # line said "the whole batch is a miss" for both).
+    up = [r.getMessage() for r in caplog.records if "nvme → dram" in r.getMessage()]
+    assert up and "its blocks are dropped from the cache, a miss each" in up[0], up
     assert "(30 more such failures since the last one logged, 60 s ago, were not logged)" in last, last
 
 

@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, Staging
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
+from dflash2.transfer.failures import REPEAT_LOG_S
 
 log = logging.getLogger("dflash2.arena.nvme")
 
@@ -157,6 +159,7 @@ class NvmeArena(StorageArena):
         nslots = self.capacity_bytes // ALIGN
         self._crc = np.zeros(nslots, dtype=np.uint32)
         self._len = np.zeros(nslots, dtype=np.uint32)
+        self._read_failure_logged, self._read_failures_quiet = -REPEAT_LOG_S, 0  # _read_failed
 
     @classmethod
     def create(cls, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
@@ -398,9 +401,46 @@ class NvmeArena(StorageArena):
             try:
                 pieces = ring.run(chunks, read_and_drain, tasks)
             except OSError as e:
-                raise ArenaError(f"NVMe tier read from {self.path} failed: {e}") from e
+                # An unreadable extent (a bad sector: EIO) fails the batch's I/O, not its other
+                # blocks: each is read again alone, and only those that still fail are misses. A
+                # batch none of whose blocks can be read (a dead disk) raises as before.
+                for i in want.tolist():
+                    ok[i] = self._read_alone(ring, int(offs[i]), dsts[i], int(lens[i]), int(expected[i]))
+                if not ok.any():
+                    raise ArenaError(f"NVMe tier read from {self.path} failed: {e}") from e
+                self._read_failed(e, len(want) - int(ok.sum()), len(want))
+                return ok
         ok[want] = _block_crcs(pieces, len(offs))[want] == expected[want]
         return ok
+
+    def _read_alone(self, ring: StagingRing, offset: int, dst: np.ndarray, n: int, expected: int) -> bool:
+        """One block read by itself through the ring's first slot (the ring is quiet: its batch
+        failed): whether its bytes could be read and match their checksum."""
+        crc, pos, end = 0, 0, (n + ALIGN - 1) // ALIGN * ALIGN
+        try:
+            while pos < end:
+                m = min(ring.slot_bytes, end - pos)
+                pread_all(self._fd, ring.mv[:m], HEADER_BYTES + offset + pos)
+                d = min(m, n - pos)
+                if d > 0:
+                    crc = zlib.crc32(ring.np[:d], crc)
+                    dst[pos:pos + d] = ring.np[:d]
+                pos += m
+        except OSError:
+            return False
+        return crc == expected
+
+    def _read_failed(self, error: OSError, unreadable: int, blocks: int) -> None:
+        """Log a batch read that failed in part, once a minute (REPEAT_LOG_S) with the count left out."""
+        now = time.monotonic()
+        if now - self._read_failure_logged < REPEAT_LOG_S:
+            self._read_failures_quiet += 1
+            return
+        more = (f" ({self._read_failures_quiet} more such batches since the last one logged were not logged)"
+                if self._read_failures_quiet else "")
+        self._read_failure_logged, self._read_failures_quiet = now, 0
+        log.warning("NVMe tier read from %s failed (%s): its %d blocks were read again one by one, %d of them "
+                    "unreadable (misses)%s", self.path, error, blocks, unreadable, more)
 
     def forget(self, offsets: Sequence[int]) -> None:
         offs = np.asarray(offsets, dtype=np.int64).reshape(-1)

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
 REPEAT_LOG_S = 60.0  # a failure of the same kind is logged with its traceback at most this often
@@ -41,5 +42,9 @@ class FailureLog:
             self._seen[key] = (now, 0)
         more = (f" ({quiet} more such failures since the last one logged, {now - last:.0f} s ago, were not logged)"
                 if quiet else "")
-        self._log.exception("%s of %d blocks (%d bytes) %s → %s failed; the whole batch is a miss%s", self._what,
-                            len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, more)
+        # What the mover does with a failed batch (mover.py): a read back from NVMe is a miss, since
+        # its stored bytes are not to be trusted; any other copy leaves its blocks where they were.
+        then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
+                else "its blocks stay where they were")
+        self._log.exception("%s of %d blocks (%d bytes) %s → %s failed as a whole; %s%s", self._what, len(batch),
+                            batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, then, more)
