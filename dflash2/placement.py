@@ -286,22 +286,25 @@ class Placement(Rebalancing, WriteBackoff):
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
                   idle_only: bool = False, block_bytes: int | None = None,
-                  cold: np.ndarray | None = None) -> bool:
+                  cold: np.ndarray | None = None, until_backoff: bool = False) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
         blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
         the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
         over what is left after each round (that would call the coldest of the rest cold, round
         after round, and the threshold would only set how many batches the same demotion takes).
         Victims go past a tier below that has no room it can make (`_free_some`). `cold`: that cut,
-        taken already (a rebalance in pieces takes it once, when the tier's drain begins)."""
+        taken already (a rebalance in pieces takes it once, when the tier's drain begins).
+        `until_backoff`: stop when a tier below begins to back off after failed writes (a drain,
+        which no request asked for: the next rounds would drop what would have gone down there)."""
         if cold_only and cold is None:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
         pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
+        backoffs = self.stats.write_backoffs
         for _ in range(self.MAX_ROUNDS):
             short = need_bytes - self.free_bytes(tier, block_bytes)
             if short <= 0:
                 return True
-            if not self._free_some(tier, short, pick):
+            if not self._free_some(tier, short, pick) or (until_backoff and self.stats.write_backoffs > backoffs):
                 break
         return self.free_bytes(tier, block_bytes) >= need_bytes
 

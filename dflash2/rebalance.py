@@ -108,9 +108,14 @@ class Rebalancing:
         while True:
             free = self.free_bytes(tier)
             started = time.perf_counter()
-            done = (not self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
-                                       cold_only=True, cold=cold, protect=protect)
-                    or self.free_bytes(tier) >= target_free)
+            room = self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
+                                  cold_only=True, cold=cold, protect=protect, until_backoff=True)
+            if self._backing_off_below(tier):
+                # Its writes failed just now: the drain waits, keeping its cut (_drainable), and
+                # drops nothing meanwhile (the piece's next rounds dropped what was to go down: with
+                # NVMe on a full disk, DRAM fell from 1.0 to 0.5 over the back-off's retries).
+                return False
+            done = not room or self.free_bytes(tier) >= target_free
             now = time.perf_counter()
             freed = self.free_bytes(tier) - free
             if freed > 0:

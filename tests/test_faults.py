@@ -466,6 +466,44 @@ def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_
     mgr.check_invariants()
 
 
+
+def test_a_drain_whose_writes_fail_as_it_runs_drops_nothing(mgr, monkeypatch, clock):
+    """DRAM over its high watermark of idle cached blocks, NVMe's disk full: the drain's first batch
+    down fails and NVMe begins to back off; the same piece's next rounds then dropped the blocks
+    that were to go down (DRAM the last tier meanwhile), and so again at each retry after a back-off
+    (an experiment script, NVMe on a full ext4: DRAM from 1.0 to 0.5 with no request asking for
+    room). The drain stops there, keeping its cut, and goes on once NVMe takes writes again."""
+    import errno
+
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    for k in range(62):
+        clock.advance(1)
+        vids = mgr.allocate(a, lid, 1, tier=Tier.DRAM)
+        mgr.view(int(vids[0]))[:] = pattern(k + 1)
+        mgr.free(a, mgr.commit(a, vids, keys=[k + 1]))
+    pl = mgr.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    nvme = mgr.arenas[Tier.NVME]
+    write = nvme.write_blocks
+
+    def full_disk(offsets, sources):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(nvme, "write_blocks", full_disk)
+    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 30.0)  # time enough to drain all of it in one step
+    mgr.tick()
+    assert pl.stats.write_backoffs == 1
+    assert mgr.stats()["placement"]["evicted"] == 0 and mgr.stats()["tiers"]["dram"]["blocks"] == 62
+    assert Tier.DRAM in pl.draining and not mgr.draining(), "waiting, keeping its cut"
+    monkeypatch.setattr(nvme, "write_blocks", write)
+    now[0] += 2.0  # the back-off is over, the disk has room again
+    mgr.tick()
+    placed = mgr.stats()["placement"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
+    assert mgr.stats()["tiers"]["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].low * 64) + 1
+    mgr.check_invariants()
+
 # -- I/O errors (EIO) under the NVMe tier (found with a failing block device under the tier) -------
 
 def eio_at(m, monkeypatch, vids) -> None:
