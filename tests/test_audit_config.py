@@ -192,16 +192,19 @@ def test_folder_under_a_file_is_a_config_error(tmp_path, key):
 # ---- start-up interrupted ---------------------------------------------------------------------------
 
 
-def test_a_killed_daemons_segments_are_given_back_by_the_next_one(tmp_path):
-    # SIGKILL (the OOM killer) leaves the daemon's shared memory behind; the next daemon on the same
-    # endpoint finds the dead one's pid in the lock file and removes the segments nobody holds.
-    path = config(tmp_path)
+def killed_daemon(path, folder, until=None) -> int:
+    """Start the daemon on `path` (in `folder`), wait for its start-up line (and for `until()`, when
+    given), SIGKILL it; its pid."""
     proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(folder))
     try:
         for line in proc.stdout:
             if line.startswith("DFlash2: enabled"):
                 break
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while until is not None and not until():
+            assert time.monotonic() < deadline, "the daemon never came to the state asked for"
+            time.sleep(0.1)
         proc.kill()
         proc.wait(timeout=STARTUP_TIMEOUT_S)
     finally:
@@ -209,11 +212,19 @@ def test_a_killed_daemons_segments_are_given_back_by_the_next_one(tmp_path):
             proc.kill()
             proc.wait()
         proc.stdout.close()
-    left = sorted(glob.glob(f"/dev/shm/dflash2-{proc.pid}-*"))
+    return proc.pid
+
+
+def test_a_killed_daemons_segments_are_given_back_by_the_next_one(tmp_path):
+    # SIGKILL (the OOM killer) leaves the daemon's shared memory behind; the next daemon on the same
+    # endpoint finds the dead one's pid in the lock file and removes the segments nobody holds.
+    path = config(tmp_path)
+    pid = killed_daemon(path, tmp_path)
+    left = sorted(glob.glob(f"/dev/shm/dflash2-{pid}-*"))
     assert left, "the killed daemon left no segment: nothing to test"
     rc, err, started = run_daemon(path)
     assert (started, rc) == (True, 0), err
-    assert glob.glob(f"/dev/shm/dflash2-{proc.pid}-*") == []
+    assert glob.glob(f"/dev/shm/dflash2-{pid}-*") == []
     for segment in left:
         assert f"removed shared-memory segment {os.path.basename(segment)}" in err
 
@@ -351,25 +362,10 @@ def test_a_restart_after_a_kill_says_what_it_found(tmp_path):
     # What the killed daemon left is named on the restart, never taken over silently: the daemon
     # itself (its pid), its socket file, its NVMe file (reused, its blocks dropped), its history.
     path = config(tmp_path, history_enabled=True, memory={"nvme_capacity_mb": 4, "nvme_path": "nvme.cache"})
-    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path))
-    try:
-        for line in proc.stdout:
-            if line.startswith("DFlash2: enabled"):
-                break
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (tmp_path / "state" / "history.jsonl").exists() or not (tmp_path / "state" / "history.jsonl").stat().st_size:
-            assert time.monotonic() < deadline, "no history sample written"
-            time.sleep(0.1)
-        proc.kill()
-        proc.wait(timeout=STARTUP_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+    history = tmp_path / "state" / "history.jsonl"
+    pid = killed_daemon(path, tmp_path, until=lambda: history.exists() and history.stat().st_size > 0)
     rc, err, started = run_daemon(path)
     assert (started, rc) == (True, 0), err
-    assert f"(pid {proc.pid}) did not shut down cleanly (killed?): its socket file was replaced" in err
+    assert f"(pid {pid}) did not shut down cleanly (killed?): its socket file was replaced" in err
     assert "took nvme tier: 4194304 bytes of" in err and "an earlier daemon's file, reused" in err
     assert "samples read back from" in err

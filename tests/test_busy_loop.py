@@ -256,6 +256,50 @@ def test_a_drain_piece_that_fails_between_steps_is_not_retried_until_the_next_st
     assert len(failed) == 2 and failed[0].exc_info is not None
 
 
+@contextlib.contextmanager
+def slow_drain(tmp_path, make_manager, clock, monkeypatch):
+    """A served manager whose HBM (400 blocks) drains in pieces of 50 ms that free a block or so each
+    (a slow disk's): yields (manager, start times of its pieces, a ping that returns its wait), once
+    the drain began."""
+    mgr = full_hbm(make_manager, clock, 400)
+    pieces = []
+    make_room = mgr.placement.make_room
+
+    def slow_piece(*args, **kw):
+        pieces.append(time.monotonic())
+        time.sleep(0.05)
+        return make_room(*args, **kw)
+    monkeypatch.setattr(mgr.placement, "make_room", slow_piece)
+    monkeypatch.setattr(mgr.placement, "_piece_bytes", lambda tier, seconds: 1)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{tmp_path}/d.sock")
+
+    def ping() -> float:
+        started = time.monotonic()
+        sock.send_multipart(P.encode_request(Op.PING, 0, None, {}))
+        assert sock.poll(5000), "no reply"
+        sock.recv_multipart()
+        return time.monotonic() - started
+    try:
+        deadline = time.monotonic() + 10.0
+        while not mgr.draining() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        yield mgr, pieces, ping
+    finally:
+        sock.close(0)
+        ctx.term()
+        srv.stop()
+        loop.join(10)
+        srv.close()
+    mgr.check_invariants()
+
+
 @pytest.mark.parametrize("calls", ["apart", "back_to_back"])
 def test_a_request_that_arrives_while_a_tier_drains_waits_for_one_piece_not_the_whole_idle_budget(
         tmp_path, make_manager, clock, monkeypatch, calls):
@@ -269,50 +313,18 @@ def test_a_request_that_arrives_while_a_tier_drains_waits_for_one_piece_not_the_
     monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 0.0)
     monkeypatch.setattr(server_mod, "IDLE_DRAIN_S", 1.0)
     monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 0.05)  # far above the gap between calls back to back
-    mgr = full_hbm(make_manager, clock, 400)
-    pieces = []
-    make_room = mgr.placement.make_room
-
-    def slow_piece(*args, **kw):  # a piece of a slow disk's drain; each frees a block or so
-        pieces.append(time.monotonic())
-        time.sleep(0.05)
-        return make_room(*args, **kw)
-    monkeypatch.setattr(mgr.placement, "make_room", slow_piece)
-    monkeypatch.setattr(mgr.placement, "_piece_bytes", lambda tier, seconds: 1)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
-    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{tmp_path}/d.sock")
     waits = []
-    try:
-        deadline = time.monotonic() + 10.0
-        while not mgr.draining() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with slow_drain(tmp_path, make_manager, clock, monkeypatch) as (mgr, pieces, ping):
         for _ in range(5 if calls == "apart" else 40):
             if calls == "apart":
                 time.sleep(0.13)
-            started = time.monotonic()
-            sock.send_multipart(P.encode_request(Op.PING, 0, None, {}))
-            assert sock.poll(5000), "no reply"
-            sock.recv_multipart()
-            waits.append(time.monotonic() - started)
+            waits.append(ping())
             if len(waits) == 1:
                 first_reply = time.monotonic()
         assert mgr.draining(), "the drain ended before the requests: the test proves nothing"
         if calls == "back_to_back":  # none started after the first reply, until the last call was answered
             assert not [t for t in pieces if first_reply < t < time.monotonic()], "a piece ran between calls"
-    finally:
-        sock.close(0)
-        ctx.term()
-        srv.stop()
-        loop.join(10)
-        srv.close()
     assert max(waits) < 0.3, [round(w, 3) for w in waits]  # a piece is 50 ms; the budget 1 s
-    mgr.check_invariants()
 
 
 def test_a_steps_share_of_the_drain_runs_between_requests_not_in_one_stretch(tmp_path, make_manager, clock,
@@ -326,46 +338,14 @@ def test_a_steps_share_of_the_drain_runs_between_requests_not_in_one_stretch(tmp
 
     monkeypatch.setattr(Placement, "REBALANCE_BUDGET_S", 1.0)
     monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no piece for being idle: the step's share only
-    mgr = full_hbm(make_manager, clock, 400)
-    pieces = []
-    make_room = mgr.placement.make_room
-
-    def slow_piece(*args, **kw):  # a piece of a slow disk's drain; each frees a block or so
-        pieces.append(time.monotonic())
-        time.sleep(0.05)
-        return make_room(*args, **kw)
-    monkeypatch.setattr(mgr.placement, "make_room", slow_piece)
-    monkeypatch.setattr(mgr.placement, "_piece_bytes", lambda tier, seconds: 1)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, clock=clock, pid_alive=lambda pid: True)
-    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{tmp_path}/d.sock")
     waits = []
-    try:
-        deadline = time.monotonic() + 10.0
-        while not mgr.draining() and time.monotonic() < deadline:
-            time.sleep(0.001)
+    with slow_drain(tmp_path, make_manager, clock, monkeypatch) as (mgr, pieces, ping):
         while len(waits) < 120:  # a call every 5 ms or so, for about 0.6 s
             time.sleep(0.005)
-            started = time.monotonic()
-            sock.send_multipart(P.encode_request(Op.PING, 0, None, {}))
-            assert sock.poll(5000), "no reply"
-            sock.recv_multipart()
-            waits.append(time.monotonic() - started)
+            waits.append(ping())
             if len(waits) == 1:
                 first_reply = time.monotonic()
         between = [t for t in pieces if first_reply < t < time.monotonic()]
         assert mgr.draining(), "the drain ended before the calls: the test proves nothing"
-    finally:
-        sock.close(0)
-        ctx.term()
-        srv.stop()
-        loop.join(10)
-        srv.close()
     assert max(waits) < 0.3, [round(w, 3) for w in waits]  # a piece is 50 ms; the step's share 1 s
     assert len(between) >= 3, len(between)  # a piece every 100 ms or so: the share runs under load
-    mgr.check_invariants()

@@ -437,11 +437,8 @@ def test_while_nvme_backs_off_chains_whose_tails_lie_on_nvme_are_dropped_whole(m
     mgr.table.unpin(a, pinned[2:])
 
 
-def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_asked_for(mgr, monkeypatch, clock):
-    """DRAM over its high watermark of idle cached blocks and NVMe backing off after a failed write:
-    the background drain would drop (DRAM is the last tier meanwhile) down to the low watermark,
-    blocks and their NVMe descendants that no allocation asked for (soak 2: one failed batch dropped
-    DRAM from 0.969 to 0.50). It waits, keeping its cut, and moves them once NVMe takes writes again."""
+def dram_full_of_idle_blocks(mgr, clock) -> None:
+    """62 of DRAM's 64 blocks cached (over its high watermark), idle, aged one tick apart."""
     a = mgr.attach("a")
     lid = mgr.register_layout(LAYOUT)
     for k in range(62):
@@ -449,6 +446,14 @@ def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_
         vids = mgr.allocate(a, lid, 1, tier=Tier.DRAM)
         mgr.view(int(vids[0]))[:] = pattern(k + 1)
         mgr.free(a, mgr.commit(a, vids, keys=[k + 1]))
+
+
+def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_asked_for(mgr, monkeypatch, clock):
+    """DRAM over its high watermark of idle cached blocks and NVMe backing off after a failed write:
+    the background drain would drop (DRAM is the last tier meanwhile) down to the low watermark,
+    blocks and their NVMe descendants that no allocation asked for (soak 2: one failed batch dropped
+    DRAM from 0.969 to 0.50). It waits, keeping its cut, and moves them once NVMe takes writes again."""
+    dram_full_of_idle_blocks(mgr, clock)
     pl = mgr.placement
     now = [100.0]
     monkeypatch.setattr(pl, "monotonic", lambda: now[0])
@@ -475,13 +480,7 @@ def test_a_drain_whose_writes_fail_as_it_runs_drops_nothing(mgr, monkeypatch, cl
     room). The drain stops there, keeping its cut, and goes on once NVMe takes writes again."""
     import errno
 
-    a = mgr.attach("a")
-    lid = mgr.register_layout(LAYOUT)
-    for k in range(62):
-        clock.advance(1)
-        vids = mgr.allocate(a, lid, 1, tier=Tier.DRAM)
-        mgr.view(int(vids[0]))[:] = pattern(k + 1)
-        mgr.free(a, mgr.commit(a, vids, keys=[k + 1]))
+    dram_full_of_idle_blocks(mgr, clock)
     pl = mgr.placement
     now = [100.0]
     monkeypatch.setattr(pl, "monotonic", lambda: now[0])
