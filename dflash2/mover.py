@@ -20,7 +20,7 @@ from dflash2.readcost import ReadCost
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
-from dflash2.transfer.failures import REPEAT_LOG_S
+from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.swap")
 
@@ -64,8 +64,10 @@ class Mover:
         # Where each finished batch's bytes and time go to measure the tiers' read bandwidth
         # (dflash2/readcost.py); None: not measured (metadata-only replays have no copies to time).
         self.read_cost: ReadCost | None = None
-        # Failed batches' warnings, per direction: (last logged, batches and blocks not logged since).
-        self._failure_log: dict[tuple[Tier, Tier], tuple[float, int, int]] = {}
+        # Failed batches' warnings, once a minute per direction: a failing disk fails every batch that
+        # reads it (a flaky one: 5,342 warnings in 4 minutes); the counts are in `stats` and the
+        # metrics all the same.
+        self._failure_log = RepeatLimit("batches")
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -104,7 +106,7 @@ class Mover:
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
-            more = self._quieted(move.src, move.dst, len(failed))
+            more = self._failure_log.due((move.src, move.dst), blocks=len(failed))
             if more is None:
                 pass  # one of its direction was logged in the last REPEAT_LOG_S: counted in the next
             elif move.src == Tier.NVME:
@@ -134,20 +136,6 @@ class Mover:
                                             "blocks": len(move.rows), "failed": int((~ok).sum()),
                                             "bytes": move.nbytes, "seconds": round(seconds, 6)})
         return ok
-
-    def _quieted(self, src: Tier, dst: Tier, blocks: int) -> str | None:
-        """A failing disk fails every batch that reads it (a flaky one: 5,400 warnings in 4 minutes):
-        a batch's failure is logged once per REPEAT_LOG_S for each direction, and the next one logged
-        says how many were not (the counts are in `stats` and the metrics all the same). None: not
-        to be logged now; otherwise the suffix of the line that is."""
-        now = time.monotonic()
-        last, batches, lost = self._failure_log.get((src, dst), (None, 0, 0))
-        if last is not None and now - last < REPEAT_LOG_S:
-            self._failure_log[(src, dst)] = (last, batches + 1, lost + blocks)
-            return None
-        self._failure_log[(src, dst)] = (now, 0, 0)
-        return (f" ({batches} more such batches, {lost} blocks, in the {now - last:.0f} s since the last one "
-                f"logged were not logged)" if batches else "")
 
     def failed_into(self, dst: Tier) -> int:
         """Blocks whose copy into `dst` failed, since start (every source tier)."""

@@ -9,13 +9,10 @@ failure loses nothing that was not already lost; the table's invariants hold; no
 import errno
 import logging
 import os
-import time
-import types
 
 import numpy as np
 import pytest
 
-import dflash2.mover as mover_module
 from dflash2.arena.nvme import HEADER_BYTES
 from dflash2.assemble import build_manager
 from dflash2.config import load_config
@@ -23,6 +20,7 @@ from dflash2.errors import UnknownBlock
 from dflash2.layout import Layout
 from dflash2.mover import Mover
 from dflash2.tiers import Tier
+from dflash2.transfer import failures
 
 LAYOUT = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_block=16)  # 16 KiB
 
@@ -561,8 +559,7 @@ def test_failed_nvme_reads_are_logged_once_a_minute_with_the_count_left_out(mgr,
     to_nvme(mgr, vids)
     eio_at(mgr, monkeypatch, vids)
     now = [1000.0]
-    monkeypatch.setattr(mover_module, "time", types.SimpleNamespace(monotonic=lambda: now[0],
-                                                                    perf_counter=time.perf_counter))
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])  # the repeat limit's clock
     with caplog.at_level(logging.WARNING, logger="dflash2.swap"):
         for v in vids[:3].tolist():
             with pytest.raises(UnknownBlock):
@@ -572,5 +569,5 @@ def test_failed_nvme_reads_are_logged_once_a_minute_with_the_count_left_out(mgr,
             mgr.acquire(a, vids[3:])
     lines = [r.getMessage() for r in caplog.records if "read back from NVMe failed" in r.getMessage()]
     assert len(lines) == 2, lines
-    assert "(2 more such batches, 2 blocks, in the 60 s since the last one logged were not logged)" in lines[1]
+    assert "(2 more such batches (2 blocks) since the last one logged, 60 s ago, were not logged)" in lines[1]
     assert mgr.placement.stats.lost == 4, "every failure is counted all the same"

@@ -46,7 +46,7 @@ from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, Staging
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
-from dflash2.transfer.failures import REPEAT_LOG_S
+from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.arena.nvme")
 
@@ -159,7 +159,7 @@ class NvmeArena(StorageArena):
         nslots = self.capacity_bytes // ALIGN
         self._crc = np.zeros(nslots, dtype=np.uint32)
         self._len = np.zeros(nslots, dtype=np.uint32)
-        self._read_failure_logged, self._read_failures_quiet = -REPEAT_LOG_S, 0  # _read_failed
+        self._read_failures = RepeatLimit("batches")  # reads retried block by block: logged once a minute
 
     @classmethod
     def create(cls, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
@@ -431,16 +431,11 @@ class NvmeArena(StorageArena):
         return crc == expected
 
     def _read_failed(self, error: OSError, unreadable: int, blocks: int) -> None:
-        """Log a batch read that failed in part, once a minute (REPEAT_LOG_S) with the count left out."""
-        now = time.monotonic()
-        if now - self._read_failure_logged < REPEAT_LOG_S:
-            self._read_failures_quiet += 1
-            return
-        more = (f" ({self._read_failures_quiet} more such batches since the last one logged were not logged)"
-                if self._read_failures_quiet else "")
-        self._read_failure_logged, self._read_failures_quiet = now, 0
-        log.warning("NVMe tier read from %s failed (%s): its %d blocks were read again one by one, %d of them "
-                    "unreadable (misses)%s", self.path, error, blocks, unreadable, more)
+        """Log a batch read that failed in part, once a minute with the count left out."""
+        more = self._read_failures.due("read", blocks=unreadable)
+        if more is not None:
+            log.warning("NVMe tier read from %s failed (%s): its %d blocks were read again one by one, %d of them "
+                        "unreadable (misses)%s", self.path, error, blocks, unreadable, more)
 
     def forget(self, offsets: Sequence[int]) -> None:
         offs = np.asarray(offsets, dtype=np.int64).reshape(-1)

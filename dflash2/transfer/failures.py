@@ -3,7 +3,9 @@
 A failing disk (ENOSPC, EIO) fails every batch the background step retries, several a second; one
 traceback per batch filled the daemon's log (a soak: 10,127 tracebacks, 27.9 MB, in 45 s of a full
 disk). A `FailureLog` logs a failure with its traceback once per REPEAT_LOG_S for each kind
-(direction, exception type, errno), and the next one it logs says how many it left out.
+(direction, exception type, errno), and the next one it logs says how many it left out. The same
+limit (`RepeatLimit`) serves the mover's warnings about failed batches and the NVMe tier's about
+reads it had to retry block by block.
 
 Invariant: every failure is either logged or counted in the next logged line of its kind; none is
 dropped unsaid.
@@ -21,27 +23,45 @@ from dflash2.transfer.base import CopyBatch
 REPEAT_LOG_S = 60.0  # a failure of the same kind is logged with its traceback at most this often
 
 
+class RepeatLimit:
+    """Once per REPEAT_LOG_S for each kind (any hashable key): `due(kind)` says whether a line of that
+    kind is to be logged now, and if so the suffix it ends with, counting what was left out since
+    the last one logged (None: not now; it is counted for the next). Thread-safe (the CUDA backend's
+    staged moves fail on their own threads)."""
+
+    def __init__(self, noun: str):
+        self._noun = noun  # what is counted: "failures", "batches"
+        self._lock = threading.Lock()
+        self._seen: dict = {}  # kind -> (last logged, left out since, their blocks)
+
+    def due(self, kind, blocks: int | None = None) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            last, quiet, quiet_blocks = self._seen.get(kind, (None, 0, 0))
+            if last is not None and now - last < REPEAT_LOG_S:
+                self._seen[kind] = (last, quiet + 1, quiet_blocks + (blocks or 0))
+                return None
+            self._seen[kind] = (now, 0, 0)
+        if not quiet:
+            return ""
+        of = "" if blocks is None else f" ({quiet_blocks} blocks)"
+        return (f" ({quiet} more such {self._noun}{of} since the last one logged, {now - last:.0f} s ago, "
+                "were not logged)")
+
+
 class FailureLog:
     def __init__(self, logger: logging.Logger, what: str):
         self._log = logger
         self._what = what  # names the copy in the message: "host copy", "staged move"
-        self._lock = threading.Lock()  # the CUDA backend's staged moves fail on their own threads
-        self._seen: dict[tuple, tuple[float, int]] = {}  # kind of failure -> (last logged, not logged since)
+        self._limit = RepeatLimit("failures")
 
     def failed(self, batch: CopyBatch, error: BaseException) -> None:
         """Log `batch`'s failure unless one of its kind was logged in the last REPEAT_LOG_S. Called
         from the `except` block that caught `error` (log.exception keeps its traceback)."""
         cause = error.__cause__ if error.__cause__ is not None else error
-        key = (batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None))
-        now = time.monotonic()
-        with self._lock:
-            last, quiet = self._seen.get(key, (None, 0))
-            if last is not None and now - last < REPEAT_LOG_S:
-                self._seen[key] = (last, quiet + 1)
-                return
-            self._seen[key] = (now, 0)
-        more = (f" ({quiet} more such failures since the last one logged, {now - last:.0f} s ago, were not logged)"
-                if quiet else "")
+        more = self._limit.due((batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None)))
+        if more is None:
+            return
         # What the mover does with a failed batch (mover.py): a read back from NVMe is a miss, since
         # its stored bytes are not to be trusted; any other copy leaves its blocks where they were.
         then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
