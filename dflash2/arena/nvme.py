@@ -34,7 +34,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import zlib
 from collections.abc import Sequence
 
