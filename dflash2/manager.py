@@ -433,8 +433,10 @@ class BlockManager:
         wrote DRAM down to NVMe at about a third of the disk's speed (a 50 ms piece a 100 ms step,
         each piece half its part), and what it left undone the next allocations did on their request
         path. `yield_to` (a request waits?) is asked after each piece: a request that arrives waits
-        for that piece only, not the whole budget."""
-        self.placement.rebalance(budget_s, yield_to)
+        for that piece only, not the whole budget. Drains begin at the steps only (`tick`): a tier
+        whose drain could not move its cold cut (held or pinned blocks) is not cut again every slice
+        while another tier drains (a pass over the whole table each: 1.5 ms at a million rows)."""
+        self.placement.rebalance(budget_s, yield_to, start=False)
 
     def check_invariants(self) -> None:
         check_invariants(self.table)

@@ -43,16 +43,20 @@ class Rebalancing:
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
 
-    def rebalance(self, budget_s: float | None = None, yield_to: Callable[[], bool] | None = None) -> None:
+    def rebalance(self, budget_s: float | None = None, yield_to: Callable[[], bool] | None = None,
+                  start: bool = True) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
         only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
         again over what is left), for at most `budget_s` (REBALANCE_BUDGET_S) this step, shared by
         the draining tiers (the rest in the next steps). Slowest tier first, so that demotions find
         room below. Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only
         bring them back up for the read. `yield_to`: asked after each piece; True ends the call there
-        (a request waits: the server's idle drain), the rest in the next calls."""
+        (a request waits: the server's idle drain), the rest in the next calls. `start` False: only
+        the drains begun already go on (the server's slices between requests: a tier that could not
+        drain, its cold cut held or pinned, is not cut again every slice, only at the next step)."""
         deadline = time.perf_counter() + (self.REBALANCE_BUDGET_S if budget_s is None else budget_s)
-        self.start_drains()
+        if start:
+            self.start_drains()
         order = self._drainable()
         if not order:
             return

@@ -168,3 +168,30 @@ def test_a_chain_written_root_first_drains_down_to_the_low_watermark(make_manage
         mgr.tick()
     assert mgr.stats()["tiers"]["dram"]["blocks"] <= 20
     mgr.check_invariants()
+
+
+def test_drain_slices_between_steps_take_no_new_cold_cut(make_manager, clock):
+    """The server runs a drain's pieces between requests (`drain_while_idle`), many a step. A tier
+    over its high watermark whose cut cannot move (every HBM block held by a writer) ends its
+    drain at once; it must not be cut again (a pass over the whole table) in every slice that
+    another tier's drain runs, only at the next step."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=2000, nvme_blocks=4000,
+                       watermarks={Tier.DRAM: Watermark(0.9, 0.5)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(0, 1940, 20):  # DRAM at 97% of idle cached blocks
+        clock.advance(0.01)
+        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
+        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+    mgr.allocate(a, lid, 16)  # every HBM block held (being written): HBM's drain cannot move a block
+    cuts = []
+    cold_mask = mgr.placement._cold_mask
+    mgr.placement._cold_mask = lambda tier, scores: cuts.append(Tier(tier)) or cold_mask(tier, scores)
+    clock.advance(0.1)
+    mgr.tick(drain=False)  # the step begins both drains: one cut each
+    assert sorted(cuts) == [Tier.HBM, Tier.DRAM]
+    cuts.clear()
+    for _ in range(10):  # slices of one piece per draining tier (no time left after it)
+        mgr.drain_while_idle(0.0)
+    assert mgr.draining()  # DRAM still draining: the slices ran its pieces
+    assert cuts == []
