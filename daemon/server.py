@@ -45,11 +45,16 @@ DRAIN_BUDGET_TICKS = 1.0
 # While a tier drains (rebalance), the loop runs rebalance slices of this budget between requests
 # (each a piece sized to take half of it, or the tier's floor piece): a request that arrives
 # meanwhile waits for that piece at most. Each background step's share of the drain
-# (REBALANCE_BUDGET_S a pool) runs so while requests come, a piece no sooner than its own length
-# after the last one ended (requests get at least half the loop), and at once while none waits. Run
-# inside the step in one stretch, it held every call that came meanwhile: calls at random times
-# waited 3-5 ms at p50 and up to 65 ms while DRAM drained to NVMe (an experiment script).
+# (REBALANCE_BUDGET_S a pool) runs so while requests come, a piece no sooner than PIECE_SPACING times
+# its own length after the last one ended, and at once while none waits. Run inside the step in one
+# stretch, it held every call that came meanwhile: calls at random times waited 22-30 ms at p50 and
+# up to 100 ms while DRAM drained to NVMe (an experiment script, docs/measured-figures.md). Slices of
+# 20 ms made those waits longer again (p50 25-117 ms: requests queue up behind longer pieces).
 IDLE_DRAIN_S = 0.01
+# Requests get at least twice a piece's length before the next piece while they come: the drain takes
+# at most a third of a busy loop, as the stretch did (50 ms in a cycle of 150). At half (a piece's
+# length), a client calling back to back alongside three writers made 20% fewer lookups (soak3).
+PIECE_SPACING = 2.0
 # ... and beyond the step's share, once no request has come for this long: a client in
 # mid-conversation (calls back to back) is not made to wait for pieces (a 2 GB DRAM drain: lookups at
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
@@ -108,7 +113,7 @@ class Server:
                     self._drain_slice()
             if frames is not None:
                 self._answer(frames)
-                if draining and self._drain_owed_s > 0 and time.monotonic() >= self._piece_ended + self._piece_s:
+                if draining and self._drain_owed_s > 0 and time.monotonic() >= self._next_slice():
                     self._drain_slice()
             now = time.monotonic()
             if now >= next_tick:
@@ -141,10 +146,11 @@ class Server:
 
     def _next_slice(self) -> float:
         """When the next drain slice is due (monotonic): once no request has come for IDLE_AFTER_S;
-        sooner while the step's share lasts, as long after the last slice ended as that slice took."""
+        sooner while the step's share lasts, PIECE_SPACING times as long after the last slice ended as
+        that slice took."""
         due = self._last_answer + IDLE_AFTER_S
         if self._drain_owed_s > 0:
-            due = min(due, self._piece_ended + self._piece_s)
+            due = min(due, self._piece_ended + PIECE_SPACING * self._piece_s)
         return due
 
     def _drain_slice(self) -> None:
