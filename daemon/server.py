@@ -71,7 +71,7 @@ class Server:
         self._stop = threading.Event()
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._last_tick_s = 0.0  # how long the last background step took
-        self._idle_drain = True  # rebalance pieces while the queue is empty (off after one failed, until a step)
+        self._slices_on = True  # drain slices between requests (off after one failed, until the next step)
         self._drain_owed_s = 0.0  # what is left of this step's share of the drain (seconds)
         self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
         self._piece_s = 0.0  # ... and how long it took
@@ -98,7 +98,7 @@ class Server:
         while not self._stop.is_set():
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
             # and, while the step's share lasts, after a request answered once it is due.
-            draining = self._idle_drain and any(m.draining() for m in self.service.managers.values())
+            draining = self._slices_on and any(m.draining() for m in self.service.managers.values())
             try:
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):
@@ -135,7 +135,7 @@ class Server:
                     if time.monotonic() >= budget:
                         break
                 started = time.monotonic()
-                self._idle_drain = True  # (after a failed idle piece, from the next step on)
+                self._slices_on = True  # (after a failed slice, from the next step on)
                 self._tick(late_s=started - next_tick)
                 self._last_tick_s = time.monotonic() - started
                 next_tick = time.monotonic() + self.tick_interval_s
@@ -154,7 +154,7 @@ class Server:
         return due
 
     def _drain_slice(self) -> None:
-        """A rebalance slice of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_while_idle`;
+        """A rebalance slice of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_slice`;
         one piece when a request waits), counted against the step's share."""
         started = time.monotonic()
         with self.service.busy():
@@ -162,11 +162,11 @@ class Server:
                 if not manager.draining():
                     continue
                 try:
-                    manager.drain_while_idle(IDLE_DRAIN_S, self._request_waits)
+                    manager.drain_slice(IDLE_DRAIN_S, self._request_waits)
                 except Exception:
                     # Not again before the next background step: one that fails each time would
                     # otherwise fill the log as fast as the loop spins.
-                    self._idle_drain = False
+                    self._slices_on = False
                     log.exception("a rebalance piece between requests failed; drains wait for the next "
                                   "background step")
         self._piece_ended = time.monotonic()

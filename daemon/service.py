@@ -226,9 +226,8 @@ class Service:
     def shutdown(self) -> None:
         for client in list(self.sessions):
             self._drop_session(client)
-        for s, _ in self.set_aside.sessions.values():
+        for s in self.set_aside.take_all():
             self.managers[s.device].detach(s.client)
-        self.set_aside.sessions.clear()
 
     # -- sessions --------------------------------------------------------------------------
     def _touch(self, client: int, token: str | None) -> Session:

@@ -93,3 +93,9 @@ class SetAside:
         for s in out:
             del self.sessions[s.client]
         return out
+
+    def take_all(self) -> list[Session]:
+        """Every set-aside session, removed from the set (shutdown: nothing writes any more)."""
+        out = [s for s, _ in self.sessions.values()]
+        self.sessions.clear()
+        return out

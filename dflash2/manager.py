@@ -408,7 +408,7 @@ class BlockManager:
         """One background step: rescore (policies that cache scores), expire and grant
         reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups.
         `drain` False: a tier over its high watermark begins its drain, but its pieces are left
-        to the caller (`drain_while_idle`): the server runs them between requests, so that a
+        to the caller (`drain_slice`): the server runs them between requests, so that a
         request waits for one piece, not the step's whole share of the drain."""
         if self.duel is not None:
             self.duel.run(self.duel.tick_budget_s)
@@ -427,7 +427,7 @@ class BlockManager:
         not one whose storage tier below backs off)."""
         return self.placement.drain_pending()
 
-    def drain_while_idle(self, budget_s: float, yield_to=None) -> None:
+    def drain_slice(self, budget_s: float, yield_to=None) -> None:
         """Rebalance pieces for `budget_s` between requests (the server's loop: the step's share of
         the drain, and more while no request has come for a while): a drain paced by the steps alone
         wrote DRAM down to NVMe at about a third of the disk's speed (a 50 ms piece a 100 ms step,

@@ -106,14 +106,13 @@ class Mover:
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
+            # None: one of its direction was logged in the last minute; counted in the next.
             more = self._failure_log.due((move.src, move.dst), blocks=len(failed))
-            if more is None:
-                pass  # one of its direction was logged in the last REPEAT_LOG_S: counted in the next
-            elif move.src == Tier.NVME:
+            if more is not None and move.src == Tier.NVME:
                 log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s of the NVMe "
                             "file): dropped from the cache, a miss each, never wrong data; many of these mean "
                             "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
-            else:
+            elif more is not None:
                 log.warning("%d of %d blocks failed to move %s->%s (%s): they stay where they were%s",
                             len(failed), len(move.rows), move.src.label, move.dst.label, which, more)
         # Sized before end_move, which frees a block whose last reference went mid-move.

@@ -235,7 +235,7 @@ def test_a_drain_piece_that_fails_between_steps_is_not_retried_until_the_next_st
     def broken(budget_s, yield_to=None):
         calls.append(budget_s)
         raise RuntimeError("injected")
-    monkeypatch.setattr(mgr, "drain_while_idle", broken)
+    monkeypatch.setattr(mgr, "drain_slice", broken)
     steps = []
     tick = mgr.tick
     monkeypatch.setattr(mgr, "tick", lambda **kw: (steps.append(1), tick(**kw)))

@@ -171,7 +171,7 @@ def test_a_chain_written_root_first_drains_down_to_the_low_watermark(make_manage
 
 
 def test_drain_slices_between_steps_take_no_new_cold_cut(make_manager, clock):
-    """The server runs a drain's pieces between requests (`drain_while_idle`), many a step. A tier
+    """The server runs a drain's pieces between requests (`drain_slice`), many a step. A tier
     over its high watermark whose cut cannot move (every HBM block held by a writer) ends its
     drain at once; it must not be cut again (a pass over the whole table) in every slice that
     another tier's drain runs, only at the next step."""
@@ -192,6 +192,6 @@ def test_drain_slices_between_steps_take_no_new_cold_cut(make_manager, clock):
     assert sorted(cuts) == [Tier.HBM, Tier.DRAM]
     cuts.clear()
     for _ in range(10):  # slices of one piece per draining tier (no time left after it)
-        mgr.drain_while_idle(0.0)
+        mgr.drain_slice(0.0)
     assert mgr.draining()  # DRAM still draining: the slices ran its pieces
     assert cuts == []
