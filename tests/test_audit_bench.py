@@ -251,6 +251,30 @@ def test_control_samples_its_floor_between_the_ops_rounds(capsys, monkeypatch):
         assert out[key] > 0, key
 
 
+# ---- bench drain --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dram-mb", "0"], "argument --dram-mb: must be a positive integer"),
+    (["--gap-ms", "0"], "argument --gap-ms: must be a positive number"),
+    (["--seconds", "inf"], "argument --seconds: must be a positive number"),
+])
+def test_drain_bad_options(capsys, argv, message):
+    assert message in usage_error(capsys, "drain", *argv)
+
+
+def test_drain_times_lookups_back_to_back_and_at_random_times_while_dram_drains(capsys):
+    """Two phases, each filling DRAM over its high watermark and timing lookups until it is down to
+    its low one: a line each, with the drain seen through (a drain that never ended would say
+    drained false and the phase would last its --seconds)."""
+    argv = ["bench", "drain", "--dram-mb", "64", "--seconds", "60", "--json"]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["phase"] for r in rows] == ["back_to_back", "random_times"]
+    for r in rows:
+        assert r["drained"] and r["dram_end"] <= 0.51 and r["n"] > 0, r
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"], r
+
+
 # ---- the command's JSON -------------------------------------------------------------------------
 
 def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, capsys):

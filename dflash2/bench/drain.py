@@ -1,0 +1,143 @@
+"""`dflash2 bench drain`: lookups while a tier drains, the latency a serving engine sees then.
+
+Starts `dflash2d` on a temporary host-only config (DRAM of `--dram-mb`, NVMe twice that in the
+temporary folder, blocks of 64 KiB, DRAM's watermarks 0.9 / 0.5), and for each phase fills DRAM to
+0.97 with idle cached blocks and times a one-key lookup until the drain has brought DRAM down to
+its low watermark (or `--seconds` passed):
+
+- `back_to_back`: each lookup sent when the last was answered;
+- `random_times`: lookups due at Poisson times `--gap-ms` apart on average, each timed from when it
+  was due (a late one makes the next late, as an engine's requests would be).
+
+One line per phase: `n`, `p50_ms`, `p90_ms`, `p99_ms`, `max_ms`, `mean_ms`, `drain_s` (until DRAM
+was at 0.51 or less, or the phase's time was up: `drained` says which) and `dram_end`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash2.bench import positive_float, positive_int
+from dflash2.bench.control import _start, _stop
+from dflash2.layout import Layout
+
+LAYOUT = Layout("bench-drain", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=64)  # 64 KiB
+FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
+DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
+STATS_EVERY = 200  # lookups between two looks at DRAM's fill (a stats call)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dram-mb", type=positive_int, default=1024, help="DRAM tier in MB (default %(default)s); "
+                        "the NVMe file takes twice that in a temporary folder")
+    parser.add_argument("--gap-ms", type=positive_float, default=1.0,
+                        help="mean gap between lookups at random times, in ms (default %(default)s)")
+    parser.add_argument("--seconds", type=positive_float, default=30.0,
+                        help="most seconds a phase lasts if its drain does not end first (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from dflash2.client import Client
+
+    with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
+        folder = Path(tmp)
+        endpoint = f"ipc://{folder}/d.sock"
+        daemon = _start_daemon(folder, endpoint, args.dram_mb)
+        try:
+            with Client.connect(endpoint, name="bench-writer", layouts=[LAYOUT]) as writer:
+                probe = _probe(writer)
+                rows = []
+                for phase in ("back_to_back", "random_times"):
+                    _fill(writer, args.dram_mb)
+                    with Client.connect(endpoint, name="bench-looker", layouts=[LAYOUT]) as looker:
+                        rows.append({"phase": phase, "dram_mb": args.dram_mb,
+                                     **_lookups(looker, probe, phase == "random_times", args)})
+                    _wait_drained(writer, args.seconds)
+                return rows
+        finally:
+            _stop(daemon)
+
+
+def _start_daemon(folder: Path, endpoint: str, dram_mb: int):
+    cfg = {"enable": True, "device": {"kind": "host"},
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 32, "dram_capacity_mb": dram_mb,
+                      "nvme_capacity_mb": 2 * dram_mb, "nvme_path": str(folder / "nvme.cache"),
+                      "staging_buffer_size_mb": 8, "page_kb": 256},
+           "kv_block": {"block_size": LAYOUT.tokens_per_block, "prefetch_window": 4},
+           "policy": {"name": "heat", "watermarks": {"dram": {"high": 0.9, "low": 0.5}}},
+           "daemon": {"endpoint": endpoint, "state_dir": str(folder / "state")},
+           "logging": {"format": "text", "level": "warning"}}
+    path = folder / "dflash2_config.json"
+    path.write_text(json.dumps(cfg))
+    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
+
+
+def _dram_used(client) -> float:
+    tier = client.stats()["tiers"]["dram"]
+    return tier["used_bytes"] / tier["capacity_bytes"]
+
+
+def _probe(writer) -> list[int]:
+    """One cached block in HBM: the key every lookup asks for."""
+    from dflash2.client import chain_keys
+
+    keys = chain_keys(np.arange(LAYOUT.tokens_per_block) + 99, LAYOUT.tokens_per_block, "bench-drain-probe")
+    placed = writer.allocate(writer.layouts[0], 1)
+    writer.view_bytes(placed[0])[:] = 1
+    writer.free(writer.commit(placed["vid"], keys=keys))
+    return keys
+
+
+def _fill(writer, dram_mb: int) -> None:
+    """DRAM up to FILL with idle cached blocks (their bytes are not written: the drain copies what is there)."""
+    from dflash2.client import chain_keys
+
+    lid = writer.layouts[0]
+    want = (int(dram_mb * FILL) << 20) // LAYOUT.block_bytes - (int(_dram_used(writer) * dram_mb) << 20) // LAYOUT.block_bytes
+    keys = chain_keys(np.arange(LAYOUT.tokens_per_block * max(want, 0)) + time.monotonic_ns(),
+                      LAYOUT.tokens_per_block, "bench-drain-fill")
+    for start in range(0, max(want, 0), 8192):
+        n = min(8192, want - start)
+        placed = writer.allocate(lid, n, tier="dram")
+        if placed is None or len(placed) != n:
+            raise RuntimeError(f"bench drain: DRAM took {0 if placed is None else len(placed)} of {n} blocks")
+        writer.free(writer.commit(placed["vid"], keys=keys[start:start + n]))
+
+
+def _lookups(client, keys: list[int], random_times: bool, args) -> dict:
+    rng = np.random.default_rng(1)
+    waits, used = [], _dram_used(client)
+    started = due = time.perf_counter()
+    while time.perf_counter() - started < args.seconds and used > DRAINED:
+        if random_times:
+            due += rng.exponential(args.gap_ms / 1000)
+            ahead = due - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+        sent = due if random_times else time.perf_counter()
+        client.lookup(keys)
+        waits.append(time.perf_counter() - sent)
+        if len(waits) % STATS_EVERY == 0:
+            used = _dram_used(client)
+    ms = np.asarray(waits) * 1e3
+    return {"n": len(ms), "p50_ms": _r(np.percentile(ms, 50)), "p90_ms": _r(np.percentile(ms, 90)),
+            "p99_ms": _r(np.percentile(ms, 99)), "max_ms": _r(ms.max()), "mean_ms": _r(ms.mean()),
+            "drain_s": round(time.perf_counter() - started, 2), "drained": used <= DRAINED,
+            "dram_end": round(used, 3)}
+
+
+def _wait_drained(client, seconds: float) -> None:
+    """Before the next phase fills DRAM again: the drain of this one ends (or its time is up)."""
+    deadline = time.monotonic() + seconds
+    while _dram_used(client) > DRAINED and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _r(x) -> float:
+    return round(float(x), 3)
