@@ -168,7 +168,9 @@ class Client:
         self.gpu_uuid = r.get("gpu_uuid")
         self.arena_info: list[dict] = list(r.get("arenas", []))  # [{tier, kind, name, capacity_bytes, alignment}]
         try:
-            self._arenas = ArenaMap(self.arena_info)
+            # The daemon's liveness object (absent from an older daemon) comes with the mappings: it
+            # tells when they are a dead daemon's (_daemon_gone).
+            self._arenas = ArenaMap(self.arena_info, r.get("liveness"))
         except Exception:
             self.detach()
             raise
@@ -198,15 +200,17 @@ class Client:
 
     def _daemon_gone(self) -> bool:
         """After a call that no daemon answered: whether the daemon this client attached to has ended
-        (killed, or stopped). Its session ended with it, so the lease is lost, and the mappings of its
-        memory are let go (views still alive keep theirs): a restarted daemon takes its tiers anew, and
-        while its clients held the dead one's segments a restart could fail for room (exit 4)."""
+        (killed, or stopped): nothing holds its liveness object or its shared-memory segments any more.
+        Its session ended with it, so the lease is lost, and the mappings of its memory (segments and a
+        GPU's HBM, mapped by CUDA IPC) are let go, views still alive keeping theirs: a restarted daemon
+        takes its tiers anew, and while its clients held the dead one's a restart could fail for room
+        (exit 4)."""
         arenas = self._arenas
         if arenas is None or not arenas.daemon_gone():
             return False
         if not self.lease_lost:
-            log.error("dflash2: the daemon at %s has ended (its shared memory has no owner left); this "
-                      "client's session ended with it: attach again", self.endpoint)
+            log.error("dflash2: the daemon at %s has ended (nothing holds its liveness object or shared memory "
+                      "any more); this client's session ended with it: attach again", self.endpoint)
         self.lease_lost = True
         arenas.close()
         return True

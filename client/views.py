@@ -11,8 +11,11 @@ handle); `tensor_view` imports torch on first use.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from dflash2.arena.liveness import DaemonLiveness, check_name
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.errors import ArenaError
 from dflash2.layout import DTYPE_BITS, Layout
@@ -22,12 +25,17 @@ from dflash2.tiers import Tier
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8",
                 "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int4": "uint8", "fp4": "uint8"}
 
+log = logging.getLogger("dflash2.client")
+
 
 class ArenaMap:
-    """The daemon's memory arenas, mapped into this process (one mapping per tier)."""
+    """The daemon's memory arenas, mapped into this process (one mapping per tier), and its liveness
+    object (dflash2/arena/liveness.py), which tells when they are a dead daemon's."""
 
-    def __init__(self, described: list[dict]):
+    def __init__(self, described: list[dict], liveness: str | None = None):
         self.arenas: dict[int, object] = {}  # SharedMemoryArena, or CudaArena for a GPU's HBM
+        self.liveness: DaemonLiveness | None = None
+        name = check_name(liveness)  # a bad name refuses the attach before anything is mapped
         try:
             for d in described:
                 tier = Tier[str(d["tier"]).upper()]
@@ -43,6 +51,7 @@ class ArenaMap:
         except Exception:
             self.close()
             raise
+        self.liveness = _open_liveness(name)
 
     def bytes_view(self, place):
         """uint8 view of one block: numpy for host memory, CuPy for a GPU arena."""
@@ -55,14 +64,39 @@ class ArenaMap:
         return arena.view(int(place["offset"]), int(place["nbytes"]))
 
     def daemon_gone(self) -> bool:
-        """Whether the daemon that mapped these arenas has ended (its shared-memory segments have no
-        holder left: `SharedMemoryArena.creator_gone`). False where no arena can tell (a GPU's HBM)."""
+        """Whether the daemon that mapped these arenas has ended: nothing holds its liveness object,
+        or one of its shared-memory segments (`SharedMemoryArena.creator_gone`), any more. False
+        where neither can tell (a GPU's HBM alone, from a daemon that names no liveness object)."""
+        liveness = self.liveness
+        if liveness is not None and liveness.gone():
+            return True
         return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
 
     def close(self) -> None:
         for arena in self.arenas.values():
-            arena.close()  # only unmaps (never unlinks); live views keep their mapping
+            # Only unmaps (never unlinks). Live views keep their mapping; without any, a segment is
+            # unmapped now and a GPU arena's CUDA IPC mapping closed now (CudaArena's last hold).
+            arena.close()
         self.arenas.clear()
+        if self.liveness is not None:
+            self.liveness.close()
+            self.liveness = None
+
+
+def _open_liveness(name: str | None) -> DaemonLiveness | None:
+    """The daemon's liveness object, opened; None (said in the log) when there is none or it cannot
+    be opened: the attach still works, without that way of finding the daemon dead."""
+    if name is None:
+        log.info("dflash2: the daemon names no liveness object (a dflash2d older than this client): a dead "
+                 "daemon is found by its shared-memory segments only (none where a GPU daemon has HBM alone)")
+        return None
+    try:
+        return DaemonLiveness.open(name)
+    except ArenaError as e:
+        log.error("dflash2: %s; dead-daemon detection is off for this client (but for the daemon's shared-memory "
+                  "segments, if it has any): a killed daemon is found only when a restarted one answers "
+                  "UnknownClient, and its memory stays mapped here until then", e)
+        return None
 
 
 def _local_device(arena: dict) -> int:

@@ -4,8 +4,10 @@ background, and shuts down cleanly on SIGTERM/SIGINT.
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
 runs the periodic work (lease expiry, reservation ticks), and a draining tier's pieces: each step's
 share of the drain (REBALANCE_BUDGET_S) one piece at a time between requests, and more while no
-request has come for IDLE_AFTER_S. Moves are finished or rolled back before a request returns, so
-shutdown never leaves a block half-moved.
+request has come for IDLE_AFTER_S. A piece's copies run while the loop answers requests (its blocks
+stay where they were until the copies have ended: `BlockManager.drain_slice`); every other move is
+finished or rolled back before its request returns, and shutdown settles what is in flight first,
+so it never leaves a block half-moved.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import resource
 import signal
 import sys
@@ -23,6 +26,7 @@ import zmq
 
 from dflash2 import protocol as P
 from dflash2 import threads
+from dflash2.arena.liveness import DaemonLiveness, liveness_name
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
@@ -109,12 +113,12 @@ class Server:
                 # Every message sent before now is answered: leases are judged as of then (a
                 # heartbeat still queued is not yet seen).
                 self.service.queue_empty()
-                if draining:
-                    self._drain_slice()
+                if draining and time.monotonic() < next_tick:
+                    self._drain_slice(wait=True)
             if frames is not None:
                 self._answer(frames)
-                if draining and self._drain_owed_s > 0 and time.monotonic() >= self._next_slice():
-                    self._drain_slice()
+                if draining and self._drain_owed_s > 0 and self._next_slice() <= time.monotonic() < next_tick:
+                    self._drain_slice(wait=False)
             now = time.monotonic()
             if now >= next_tick:
                 # What queued up while the last request ran (a long promotion from NVMe) is read
@@ -134,6 +138,8 @@ class Server:
                     self._answer(frames)
                     if time.monotonic() >= budget:
                         break
+                if not self._copies_ended():
+                    continue  # a request waits while a drain piece's copies run: it goes first
                 started = time.monotonic()
                 self._slices_on = True  # (after a failed slice, from the next step on)
                 self._tick(late_s=started - next_tick)
@@ -153,16 +159,21 @@ class Server:
             due = min(due, self._piece_ended + PIECE_SPACING * self._piece_s)
         return due
 
-    def _drain_slice(self) -> None:
+    def _drain_slice(self, wait: bool) -> None:
         """A rebalance slice of IDLE_DRAIN_S for each pool still draining (`BlockManager.drain_slice`;
-        one piece when a request waits), counted against the step's share."""
+        one piece when a request waits), counted against the step's share. `wait` False (right after
+        an answer): a pool whose last piece's copies still run is left alone (the slice would only
+        wait for them, the step's share spent on waiting); True (no request came): the slice waits
+        for them, watching for a request meanwhile. No slice begins once the step is due: the step
+        settles the copies in flight, and a new piece's would hold it off (serve_forever)."""
         started = time.monotonic()
+        waited = 0.0  # for copies to end, watching for a request: idle time, not the drain's
         with self.service.busy():
             for manager in self.service.managers.values():
-                if not manager.draining():
+                if not manager.draining() or (not wait and manager.copies_running()):
                     continue
                 try:
-                    manager.drain_slice(IDLE_DRAIN_S, self._request_waits)
+                    waited += manager.drain_slice(IDLE_DRAIN_S, self._request_waits)
                 except Exception:
                     # Not again before the next background step: one that fails each time would
                     # otherwise fill the log as fast as the loop spins.
@@ -170,12 +181,21 @@ class Server:
                     log.exception("a rebalance piece between requests failed; drains wait for the next "
                                   "background step")
         self._piece_ended = time.monotonic()
-        self._piece_s = self._piece_ended - started
+        self._piece_s = max(0.0, self._piece_ended - started - waited)
         self._drain_owed_s -= self._piece_s
 
-    def _request_waits(self) -> bool:
-        """Whether a request is queued (a poll, no wait): an idle drain stops after its piece."""
-        return bool(self._sock.poll(0, zmq.POLLIN))
+    def _copies_ended(self) -> bool:
+        """Before the background step (which settles them: it rescores and may move blocks): whether
+        the drain copies in flight have ended and are settled. While they run it waits for them, but
+        gives way to a request that arrives (False: the step comes at the loop's next turn), which
+        must not wait for the disk; at most a tick interval."""
+        until = time.perf_counter() + self.tick_interval_s
+        return all(m.placement.settle_when_done(self._request_waits, until) for m in self.service.managers.values())
+
+    def _request_waits(self, within_s: float = 0.0) -> bool:
+        """Whether a request is queued, or comes within `within_s` (a poll; 0: no wait): an idle drain
+        stops after its piece, and a slice waiting for its piece's copies gives way to it."""
+        return bool(self._sock.poll(math.ceil(within_s * 1000) if within_s > 0 else 0, zmq.POLLIN))
 
     def _answer(self, frames: list[bytes]) -> None:
         reply = self.service.handle_frames(frames[1:])
@@ -285,12 +305,16 @@ def run(cfg: Config) -> int:
         log.warning("the last dflash2d on %s (pid %d) did not shut down cleanly (killed?)%s; removing the "
                     "shared memory it left", plan.endpoint, lock.previous_pid,
                     ": its socket file was replaced" if lock.replaced_socket else "")
-        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")
+        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")  # its liveness object too
     managers: dict = {}
-    server = observers = None
+    server = observers = alive = None
     started = time.monotonic()
     try:
         try:
+            # Held for the daemon's whole life, whatever its tiers (arena/liveness.py): how its
+            # clients learn that it died. Created after the predecessor's clean-up above, which
+            # removes a killed pid-1 predecessor's file of this very name.
+            alive = DaemonLiveness.create(liveness_name(instance_name(os.getpid())))
             managers = build_managers(cfg, plan=plan)
         except (CapacityError, ArenaError) as e:
             print(f"dflash2d: error: cannot start: {e}", file=sys.stderr, flush=True)
@@ -298,7 +322,7 @@ def run(cfg: Config) -> int:
         manager = next(iter(managers.values()))
         service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
-                          set_aside_leases=cfg.daemon.set_aside_leases)
+                          set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name)
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
         except OSError as e:
@@ -337,6 +361,8 @@ def run(cfg: Config) -> int:
             server.close()
         for manager in managers.values():
             manager.close()
+        if alive is not None:  # before the endpoint lock: a next daemon finds nothing of ours left
+            alive.close()
         lock.release()
         log.info("stopped")
 

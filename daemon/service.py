@@ -45,7 +45,8 @@ log = logging.getLogger("dflash2.daemon")
 class Service:
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
-                 pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30):
+                 pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30,
+                 liveness: str | None = None):
         # One block pool per GPU (device index -> manager); a client says which device it serves at
         # attach and every call it makes goes to that pool only, so no move ever crosses GPUs.
         self.managers = managers if isinstance(managers, dict) else {0: managers}
@@ -55,6 +56,7 @@ class Service:
         self.lease_timeout_s = lease_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.device = device
+        self.liveness = liveness  # the name of the daemon's liveness object, given at attach (arena/liveness.py)
         self.clock = clock
         self.pid_alive = pid_alive or process_alive
         self.sessions: dict[int, Session] = {}
@@ -299,7 +301,7 @@ class Service:
         return {"client": client, "layouts": ids, "arenas": self._arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
-                "gpu_uuid": self._gpu_uuids().get(device), "token": token}, []
+                "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness}, []
 
     def _gpu_uuids(self) -> dict[int, str]:
         """Each GPU pool's GPU UUID (none on a host daemon)."""
@@ -476,6 +478,7 @@ class Service:
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
         m.table.rows(vids)  # UnknownBlock for any that is not live
+        m.settle()  # a block whose drain copy is in flight lies where that copy ends
         return {}, [self._places_of(m, vids)]
 
     def _stats(self, req):

@@ -104,15 +104,21 @@ class SlotAllocator:
     Invariant: a page is free, or belongs to exactly one size class; the sum over classes of used
     slots times slot bytes equals `used_bytes`. Allocation is all-or-nothing: `alloc` returns None
     (no room; the caller must make room or defer) and changes nothing visible to the caller.
+
+    A slot whose storage cannot be written (a bad region of the disk under NVMe) is quarantined: out
+    of the free pool for the allocator's life, never handed out again. Its slab counts it as taken,
+    so the slab never goes back to the page pool (no other size is cut from its pages).
     """
 
     def __init__(self, capacity_bytes: int, page_bytes: int, alignment: int):
         if page_bytes % alignment:
             raise ValueError(f"page size {page_bytes} is not a multiple of the alignment {alignment}")
-        self.capacity_bytes = capacity_bytes
+        self.arena_bytes = capacity_bytes  # the arena's size; `capacity_bytes` is what blocks can use of it
         self.page_bytes = page_bytes
         self.alignment = alignment
         self.n_pages = capacity_bytes // page_bytes
+        self.quarantined_bytes = 0
+        self._quarantined: list[np.ndarray] = []  # offsets of the quarantined slots, batch by batch
         self._page_free = np.ones(self.n_pages, dtype=bool)
         self._n_free_pages = self.n_pages
         self._page_used = np.zeros(self.n_pages, dtype=np.int32)  # used slots in the slab headed here
@@ -121,6 +127,21 @@ class SlotAllocator:
         self._classes: dict[int, _SizeClass] = {}
 
     # -- queries -----------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes blocks can use: the arena less its quarantined slots. Quarantined bytes reduce the
+        capacity rather than count as used: they can never hold a block, and counted as used they
+        would hold a tier with a bad region above its high watermark for good (its drain moving
+        blocks out, round after round, for room that never comes). So used + free + waste still add
+        up to the capacity, and the watermarks' used fraction is of what can hold blocks."""
+        return self.arena_bytes - self.quarantined_bytes
+
+    def quarantined_offsets(self) -> np.ndarray:
+        """Offsets of every quarantined slot (any size; distinct: a slot is quarantined once)."""
+        if not self._quarantined:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(self._quarantined)
+
     def slot_for(self, block_bytes: int) -> int:
         return slot_bytes(block_bytes, self.alignment)
 
@@ -170,9 +191,10 @@ class SlotAllocator:
             "block_bytes": block_bytes,
             "claimed_bytes": claimed,
             "rounding_waste_bytes": used - block_bytes,
-            "page_tail_waste_bytes": claimed - used - free_in_slabs,
+            "page_tail_waste_bytes": claimed - used - free_in_slabs - self.quarantined_bytes,
             "free_in_claimed_bytes": free_in_slabs,
             "free_bytes": self.free_bytes,
+            "quarantined_bytes": self.quarantined_bytes,  # taken out of capacity_bytes (see there)
         }
 
     # -- allocation --------------------------------------------------------------------------
@@ -221,6 +243,31 @@ class SlotAllocator:
         cls.push(offsets)
         cls.n_used -= len(offsets)
         cls.block_bytes_used -= len(offsets) * block_bytes
+
+    def quarantine(self, block_bytes: int, offsets: np.ndarray) -> int:
+        """Take these free slots (of blocks of `block_bytes`) out of the free pool for good: their
+        storage failed a write of its own. Each must be a free slot of that size (as after `free`),
+        listed once; otherwise ArenaError naming the first that is not, and nothing changes.
+        Returns the bytes set aside."""
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if not len(offsets):
+            return 0
+        slot = self.slot_for(block_bytes)
+        cls = self._classes.get(slot)
+        live = np.empty(0, dtype=np.int64) if cls is None else cls.free[: cls.n_free]
+        uniq, counts = np.unique(offsets, return_counts=True)
+        missing = offsets[~np.isin(offsets, live)]
+        if len(missing) or (counts > 1).any():
+            which = int(missing[0]) if len(missing) else int(uniq[int(np.argmax(counts > 1))])
+            raise ArenaError(f"quarantine of slot {which} ({slot} bytes): it is not a free slot of that size "
+                             f"(in use, quarantined already, listed twice, or never cut)")
+        keep = live[~np.isin(live, offsets)]  # the free stack's order kept: pops still hand out ascending offsets
+        cls.free[: len(keep)] = keep
+        cls.n_free = len(keep)
+        self._count_used(cls, offsets, 1)  # its slab is never empty again: never reclaimed for other sizes
+        self._quarantined.append(offsets.copy())
+        self.quarantined_bytes += len(offsets) * slot
+        return len(offsets) * slot
 
     def _count_used(self, cls: _SizeClass, offsets: np.ndarray, delta: int) -> None:
         """Add `delta` to the used-slot count of each offset's slab (offsets distinct: with one slot

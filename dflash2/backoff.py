@@ -5,9 +5,15 @@ changes is a job of its own.
 A storage tier whose writes failed (a full or failing disk: ENOSPC, EIO) takes no blocks for
 WRITE_BACKOFF_S, doubled after each failure that follows the last (up to WRITE_BACKOFF_MAX_S) and
 ended by a write that works. Meanwhile the tier above it is the last (`Placement.lower`): what leaves
-it is dropped. Before, every room-making retried the writes (a failed batch a few milliseconds),
-HBM and DRAM refused every allocation (their demotion victims, parents of blocks below, may not be
+it is dropped. Before, every room-making retried the writes (a failed batch a few milliseconds), HBM
+and DRAM refused every allocation (their demotion victims, parents of blocks below, may not be
 dropped), and the log took a traceback a batch.
+
+While it backs off, the background step probes it (`probe_writes`): one block moved down into it,
+at most every WRITE_PROBE_EVERY_S. A probe that arrives ends the back-off, so a disk that has room
+again takes blocks within about a second, not when a back-off of up to a minute runs out (the
+drains above waited all of it). A write that fails because its slot alone is bad (EIO there) starts
+no back-off: the slot is set aside for good and the next batch goes elsewhere (quarantine.py).
 
 While a tier below backs off, a tier whose room cannot be made by moving blocks down drops what may
 be dropped (`_drop_while_backing_off`): its own blocks nobody holds with no cached child, and failing
@@ -34,12 +40,20 @@ class WriteBackoff:
 
     WRITE_BACKOFF_S = 1.0
     WRITE_BACKOFF_MAX_S = 60.0
+    # While a storage tier backs off, a write is tried there at most this often (seconds since the
+    # last failed one): `probe_writes`, one block. A disk that has room again (a full disk emptied)
+    # then takes blocks within about this long; one still full costs one failed block write this often.
+    WRITE_PROBE_EVERY_S = 1.0
 
     def _init_backoff(self) -> None:
         # Storage tiers whose writes failed: tier -> (monotonic time until which it takes no blocks,
         # the back-off's length). Cleared by a write that works there.
         self.write_backoff: dict[Tier, tuple[float, float]] = {}
         self.monotonic: Callable[[], float] = time.monotonic  # the back-off's clock (tests set it)
+        # Per tier in write_backoff: when its writes began to fail (the first failure since the last
+        # write that worked), and when a write was last tried there (a failed batch or a probe).
+        self._backoff_since: dict[Tier, float] = {}
+        self._write_tried: dict[Tier, float] = {}
 
     def writable(self, tier: Tier) -> bool:
         """Whether blocks may go down into `tier` now (not backing off after failed writes)."""
@@ -57,15 +71,81 @@ class WriteBackoff:
         if failed and not moved:
             _, period = self.write_backoff.get(tier, (0.0, 0.0))
             period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
-            self.write_backoff[tier] = (self.monotonic() + period, period)
+            now = self.monotonic()
+            self.write_backoff[tier] = (now + period, period)
+            self._backoff_since.setdefault(tier, now)
+            self._write_tried[tier] = now
             self.stats.write_backoffs += 1
             log.warning("writes to %s failed (%d blocks; the transfer log names the error): %s takes no blocks "
                         "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
                         "for again (a full or failing disk under memory.nvme_path?)",
                         tier.label, failed, tier.label, period)
         elif moved and tier in self.write_backoff:
-            del self.write_backoff[tier]
-            log.info("writes to %s work again: it takes blocks again", tier.label)
+            self._writes_work_again(tier, "")
+
+    def _writes_work_again(self, tier: Tier, how: str) -> None:
+        """End `tier`'s back-off: a write there worked (`how` says which, when not a move's)."""
+        del self.write_backoff[tier]
+        self._write_tried.pop(tier, None)
+        since = self._backoff_since.pop(tier, self.monotonic())
+        log.info("writes to %s work again after %.1f s backing off%s: it takes blocks again", tier.label,
+                 self.monotonic() - since, how)
+
+    # -- probes ----------------------------------------------------------------------------
+    def probe_writes(self) -> None:
+        """While a storage tier backs off, at most every WRITE_PROBE_EVERY_S (the background step
+        calls this): try one real write there, a block moved down by the mover as any other (the
+        transfer backend, the tier's own I/O path). One that arrives ends the back-off. One whose
+        write fails stays where it was (a failed move loses nothing), and the back-off goes on as it
+        was: not lengthened (that is for the writes of moves asked for) and not logged again (the
+        mover and the transfer backend say failed batches once a minute)."""
+        now = self.monotonic()
+        for tier in self.tiers:
+            # (A back-off with no write tried on record, set by hand, is probed a period after it is seen.)
+            if self.writable(tier) or now - self._write_tried.setdefault(tier, now) < self.WRITE_PROBE_EVERY_S:
+                continue
+            self._write_tried[tier] = now
+            if self._probe(tier):
+                self._writes_work_again(tier, " (a probe of one block's write worked)")
+
+    def _probe(self, tier: Tier) -> bool:
+        """Move one block down into `tier` from the tier just above it: the coldest there that may go
+        alone (`_probe_block`), into a free slot. Where `tier` has no free slot of its size, its
+        coldest block nobody holds is dropped for one (what the next move down would drop; the slot
+        stays free for the next probe when this one fails). Whether the block arrived; False also
+        when no block may go (then the back-off runs out as it would have)."""
+        above = [t for t in self.tiers if t < tier]
+        if not above:
+            return False
+        src = above[-1]
+        rows = self._probe_block(src, tier)
+        if not len(rows):
+            return False
+        size = int(self.table.block_bytes(rows)[0])
+        if not self.make_room(tier, int(self._slot_bytes(tier, rows)[0]), block_bytes=size):
+            return False
+        if not self.policy.admit(self.table, rows, tier, self.table.clock()).all():
+            return False  # (a tier with a free slot admits every block under every policy so far)
+        moved = self.mover.move(rows, tier)
+        if not moved.all():
+            return False
+        self.stats.demoted += 1
+        self.policy.on_insert(self.table, rows, self.table.clock())
+        return True
+
+    def _probe_block(self, src: Tier, dst: Tier) -> np.ndarray:
+        """The coldest block of `src` that may go down to `dst` alone now, as a one-row array (empty
+        when none): resident, unpinned, held by nobody, not awaiting its read (`awaiting_read`), with
+        no cached child in `src` or a faster tier (prefix order: a parent never lands below its
+        child), and one that `dst` keeps (`read_cost`: a block it would drop instead is no probe)."""
+        held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+        protect = np.concatenate(held) if held else None
+        rows = self.select(src, 1, evict=False, idle_only=True, protect=protect)
+        rows = rows[self._childless(src, evict=False)[rows]][:1]
+        if len(rows) and self.read_cost is not None:
+            if not self.read_cost.keeps(self.table.layouts, self.table.cols.layout[rows], dst).all():
+                return rows[:0]
+        return rows
 
     def _drop_while_backing_off(self, tier: Tier, short: int, pick: dict) -> bool:
         """While a tier below `tier` backs off, and no block can go down from `tier`: drop about

@@ -39,6 +39,9 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         offs = c.offset[here]
         if len(np.unique(offs)) != len(offs):
             problems.append(f"{tier.label}: two blocks share a slot")
+        # A quarantined slot (its write failed by itself: quarantine.py) is never handed out again.
+        if alloc.quarantined_bytes and np.isin(offs, alloc.quarantined_offsets()).any():
+            problems.append(f"{tier.label}: a block lies in a quarantined slot")
         if not moving and counted[tier] != len(here):
             problems.append(f"{tier.label}: tier_blocks says {counted[tier]} blocks, {len(here)} lie there")
     # Refs and pins equal the per-client sums.

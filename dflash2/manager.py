@@ -12,6 +12,7 @@ the policy replay and the table bench use it that way, and so do most tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -39,6 +40,18 @@ log = logging.getLogger("dflash2.manager")
 # The config's defaults (dflash2/config.py, policy.watermarks), for managers built without a config.
 DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.90, 0.80),
                       Tier.NVME: Watermark(0.95, 0.85)}
+
+
+def settled(method):
+    """(A BlockManager call that may pin, move, evict or free blocks) the drain copies left in flight
+    end first (`Placement.settle`, rebalance.py): their blocks are MIGRATING until then, which a pin,
+    a move or an eviction must not meet, nor a free that the table would defer."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.placement.in_flight:
+            self.placement.settle()
+        return method(self, *args, **kwargs)
+    return call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +141,7 @@ class BlockManager:
     def attach(self, name: str, client_id: int | None = None) -> int:
         return self.table.add_client(name, client_id)
 
+    @settled
     def detach(self, client: int, set_aside: bool = False) -> dict:
         """Release everything the client holds (also what a lapsed lease does). `set_aside`: a client
         whose lease lapsed while its process may live keeps its private blocks, which it may still be
@@ -171,16 +185,20 @@ class BlockManager:
         self.read_cost.set_rate(client, layout_id, tokens_per_s)
 
     # -- reservations ----------------------------------------------------------------------
+    @settled
     def reserve(self, client: int, layout_id: int, tokens: int, **kw) -> Decision:
         return self.admission.reserve(client, layout_id, tokens, **kw)
 
+    @settled
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         return self.admission.take(client, reservation_id, n)
 
+    @settled
     def cancel(self, client: int, reservation_id: int) -> None:
         self.admission.cancel(client, reservation_id)
 
     # -- block life ------------------------------------------------------------------------
+    @settled
     def allocate(self, client: int, layout_id: int, n: int, *, request: int = 0,
                  priority: int = 0, tier: Tier = Tier.HBM) -> np.ndarray | None:
         """n private blocks to write in `tier` (HBM by default; a host-side writer such as sglang's
@@ -236,6 +254,7 @@ class BlockManager:
                                  f"or above ({held} bytes): they are served first; reserve and wait")
         return None
 
+    @settled
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
         out = self.table.commit(client, vids, keys, parent)
         now = self.table.clock()
@@ -245,6 +264,7 @@ class BlockManager:
         self.policy.on_commit(self.table, self.table.rows(out), now)
         return out
 
+    @settled
     def free(self, client: int, vids) -> int:
         rows = self.table.rows(vids)
         self.table.refuse_reserved(rows)  # only its reservation frees a RESERVED block
@@ -286,6 +306,9 @@ class BlockManager:
         if self.duel is not None and not probe:
             self.duel.offer(keys, layout_id)
         rows = self.table.lookup(keys, layout_id)
+        if self.placement.in_flight and self._meets_flight(rows, reader, probe):
+            self.placement.settle()  # (`settled`) it answers where they are, and may prefetch them
+            rows = self.table.lookup(keys, layout_id)
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
@@ -321,6 +344,7 @@ class BlockManager:
         rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
+    @settled
     def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
@@ -377,13 +401,17 @@ class BlockManager:
 
     def run_prefetch(self) -> None:
         """The windows due since the last acquires (`Prefetcher.read_to`): the daemon runs this once
-        it has answered the acquire, so that the reader computes while they come up; the tick too."""
+        it has answered the acquire, so that the reader computes while they come up; the tick too.
+        (After every reply: it settles the drain copies in flight only when a window is due.)"""
         if self.prefetcher.due:
+            self.settle()  # a prefetch promotes (`settled`)
             self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
 
+    @settled
     def release(self, client: int, vids) -> None:
         self.table.unpin(client, vids)
 
+    @settled
     def add_ref(self, client: int, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they carry at least
         that priority (a shared prefix is protected as the highest-priority request using it is)."""
@@ -392,9 +420,11 @@ class BlockManager:
             self.table.raise_priority(self.table.rows(vids), priority)
 
     # -- bytes (host arenas) ---------------------------------------------------------------
+    @settled
     def place(self, vid: int) -> Place:
         return self.places_of_rows(self.table.rows([vid]))[0]
 
+    @settled
     def view(self, vid: int) -> np.ndarray:
         """A zero-copy uint8 view of a block in a memory tier (not NVMe: acquire it first)."""
         p = self.place(vid)
@@ -404,9 +434,11 @@ class BlockManager:
         return arena.view(p.offset, p.nbytes)
 
     # -- background ------------------------------------------------------------------------
+    @settled
     def tick(self, drain: bool = True) -> None:
-        """One background step: rescore (policies that cache scores), expire and grant
-        reservations, rebalance the tiers, settle prefetches; serve the duel's queued lookups.
+        """One background step: rescore (policies that cache scores), probe a storage tier that
+        backs off after failed writes (backoff.py), expire and grant reservations, rebalance the
+        tiers, settle prefetches; serve the duel's queued lookups.
         `drain` False: a tier over its high watermark begins its drain, but its pieces are left
         to the caller (`drain_slice`): the server runs them between requests, so that a
         request waits for one piece, not the step's whole share of the drain."""
@@ -415,6 +447,7 @@ class BlockManager:
         self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.new_step()
+        self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
         self.admission.tick()
         if drain:
             self.placement.rebalance()
@@ -427,19 +460,36 @@ class BlockManager:
         not one whose storage tier below backs off)."""
         return self.placement.drain_pending()
 
-    def drain_slice(self, budget_s: float, yield_to=None) -> None:
+    def drain_slice(self, budget_s: float, yield_to=None) -> float:
         """Rebalance pieces for `budget_s` between requests (the server's loop: the step's share of
         the drain, and more while no request has come for a while): a drain paced by the steps alone
         wrote DRAM down to NVMe at about a third of the disk's speed (a 50 ms piece a 100 ms step,
         each piece half its part), and what it left undone the next allocations did on their request
-        path. `yield_to` (a request waits?) is asked after each piece: a request that arrives waits
+        path. `yield_to(seconds)` (a request waits, or comes within that long?) is asked after each
+        piece, and while a piece's copies run (`Placement.settle_when_done`): a request that arrives waits
         for that piece only, not the whole budget. Drains begin at the steps only (`tick`): a tier
         whose drain could not move its cold cut (held or pinned blocks) is not cut again every slice
-        while another tier drains (a pass over the whole table each: 1.5 ms at a million rows)."""
-        self.placement.rebalance(budget_s, yield_to, start=False)
+        while another tier drains (a pass over the whole table each: 1.5 ms at a million rows).
+        The last piece's copies are left in flight, and the loop answers requests while they run:
+        the next slice ends them first (once they have ended: until then it gives way to a waiting
+        request, `Placement.settle_when_done`), as does any call that may touch their blocks
+        (`settled`, which waits for them). Returns the seconds it spent waiting for copies to end
+        (watching for a request meanwhile): the loop's idle time, not the drain's."""
+        waited = self.placement.waited_s
+        if self.placement.settle_when_done(yield_to, time.perf_counter() + budget_s):
+            self.placement.rebalance(budget_s, yield_to, start=False, defer=self.backend is not None)
+        return self.placement.waited_s - waited
+
+    def settle(self) -> None:
+        """End the drain copies in flight now (`drain_slice`), waiting for those not done."""
+        self.placement.settle()
+
+    def copies_running(self) -> bool:
+        """Whether a drain piece's copies are in flight and not all done yet."""
+        return self.placement.in_flight and not self.placement.flights_done()
 
     def check_invariants(self) -> None:
-        check_invariants(self.table)
+        check_invariants(self.table, self.placement.in_flight_slot_bytes())  # drain copies in flight too
         self.admission.check_invariants()
 
     def stats(self) -> dict:
@@ -470,6 +520,7 @@ class BlockManager:
             "duel": None if self.duel is None else self.duel.describe(),
         }
 
+    @settled
     def close(self) -> None:
         """Close the backend, then every arena: each step on its own (one that fails is logged, the
         others still run: a GPU whose context is lost must not keep the host arenas open)."""
@@ -482,6 +533,16 @@ class BlockManager:
                 log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
+    def _meets_flight(self, rows: np.ndarray, reader: Tier, probe: bool) -> bool:
+        """Whether a lookup that found `rows` must wait for the drain copies in flight: one of them
+        is in flight (the answer says where each block lies), or it would prefetch (a promotion)."""
+        if not len(rows):
+            return False
+        if (self.table.cols.state[rows] == int(BlockState.MIGRATING)).any():
+            return True
+        return reader == Tier.HBM and not probe and bool(self.prefetcher.base) and self._below_hbm(
+            rows[: self.prefetcher.max_window])
+
     def _below_hbm(self, rows: np.ndarray) -> bool:
         """Whether any of these rows lies below HBM (a cheap test before any prefetch work)."""
         tier = self.table.cols.tier

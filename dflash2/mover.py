@@ -3,7 +3,8 @@
 Mechanism only: which blocks move is decided elsewhere (placement.py, asking the policy). A batch is
 at most `swap_batch_size` blocks from one tier to another. Prepare marks the blocks MIGRATING and
 takes destination slots; the transfer backend copies; complete puts each block where its copy
-succeeded, and leaves it where it was otherwise (a failed move loses nothing).
+succeeded, and leaves it where it was otherwise (a failed move loses nothing); a destination slot
+that the storage could not write by itself (EIO) is then set aside for good (quarantine.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.quarantine import Quarantine
 from dflash2.readcost import ReadCost
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
@@ -32,6 +34,9 @@ class DirectionStats:
     bytes: int = 0
     seconds: float = 0.0
     failed_blocks: int = 0
+    # ... of which their destination slot alone was to blame (set aside, quarantine.py): no sign of
+    # a full or failing disk, so no back-off (backoff.py)
+    slot_failed_blocks: int = 0
 
 
 @dataclasses.dataclass
@@ -45,6 +50,27 @@ class PreparedMove:
     job: CopyJob | None
     started: float
     nbytes: int
+
+
+@dataclasses.dataclass
+class Flight:
+    """The batches of one `Mover.start`, between start and finish: `prepared` pairs each batch with
+    the indices of `rows` it holds (the batches stop at the first that found no room)."""
+
+    rows: np.ndarray
+    prepared: list[tuple[np.ndarray, PreparedMove]]
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(part) for part, _ in self.prepared)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(move.nbytes for _, move in self.prepared)
+
+    def done(self) -> bool:
+        """Whether every copy of the flight has ended (`finish` then waits for nothing)."""
+        return all(move.job is None or move.job.done() for _, move in self.prepared)
 
 
 class Mover:
@@ -68,6 +94,9 @@ class Mover:
         # reads it (a flaky one: 5,342 warnings in 4 minutes); the counts are in `stats` and the
         # metrics all the same.
         self._failure_log = RepeatLimit("batches")
+        # Destination slots whose own write failed with an I/O error (a bad region of the disk): set
+        # aside for good, so that no later batch takes them again (dflash2/quarantine.py).
+        self.quarantine = Quarantine(table)
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -117,7 +146,16 @@ class Mover:
                             len(failed), len(move.rows), move.src.label, move.dst.label, which, more)
         # Sized before end_move, which frees a block whose last reference went mid-move.
         arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
+        unwritable = None if move.job is None or move.job.unwritable is None else move.job.unwritable & ~ok
+        bad_sizes = None
+        if unwritable is not None and unwritable.any():
+            bad_sizes = self.table.block_bytes(move.rows[unwritable])
         self.table.end_move(move.rows, move.dst, move.dst_offsets, ok)
+        slot_failed = 0
+        if bad_sizes is not None:
+            # Freed by end_move just now, and taken out of the free pool before anything else runs.
+            if self.quarantine.set_aside(move.dst, move.dst_offsets[unwritable], bad_sizes):
+                slot_failed = len(bad_sizes)
         finished = time.perf_counter()
         seconds = finished - move.started
         if self.read_cost is not None and move.job is not None and move.job.seconds and arrived:
@@ -126,6 +164,7 @@ class Mover:
         st.batches += 1
         st.blocks += int(ok.sum())
         st.failed_blocks += int((~ok).sum())
+        st.slot_failed_blocks += slot_failed
         st.bytes += arrived  # bytes of the blocks that arrived: a failed copy moved nothing usable
         st.seconds += seconds
         if self.on_batch is not None:
@@ -139,6 +178,10 @@ class Mover:
     def failed_into(self, dst: Tier) -> int:
         """Blocks whose copy into `dst` failed, since start (every source tier)."""
         return sum(st.failed_blocks for (_, to), st in self.stats.items() if to == dst)
+
+    def disk_failed_into(self, dst: Tier) -> int:
+        """Those of `failed_into` that a slot set aside does not explain (a full disk, a failing one)."""
+        return sum(st.failed_blocks - st.slot_failed_blocks for (_, to), st in self.stats.items() if to == dst)
 
     def take_lost(self) -> np.ndarray:
         """Rows of the blocks whose read failed since the last call, those still live: a block
@@ -159,8 +202,14 @@ class Mover:
         `max_batch_bytes` also ends a batch before its blocks pass that many bytes (a batch always
         holds at least one block).
         Returns a mask of the rows now in dst; the others stay where they were."""
+        return self.finish(self.start(rows, dst, before_batch, max_batch_bytes))
+
+    def start(self, rows: np.ndarray, dst: Tier,
+              before_batch: Callable[[np.ndarray], object] | None = None,
+              max_batch_bytes: int | None = None) -> Flight:
+        """`move`'s first half: every batch prepared and its copy started; `finish` ends them. Until
+        then the batches' blocks are MIGRATING (a drain piece leaves them so between requests)."""
         rows = np.asarray(rows, dtype=np.int64)
-        done = np.zeros(len(rows), dtype=bool)
         prepared: list[tuple[np.ndarray, PreparedMove]] = []
         try:
             sizes = None if max_batch_bytes is None else self.table.block_bytes(rows)
@@ -171,10 +220,18 @@ class Mover:
                 if move is None:
                     break
                 prepared.append((part, move))
-        finally:
+        except BaseException:
             # Every prepared batch is completed, even when preparing a later one raised.
-            for part, move in prepared:
-                done[part] = self.complete(move)
+            self.finish(Flight(rows, prepared))
+            raise
+        return Flight(rows, prepared)
+
+    def finish(self, flight: Flight) -> np.ndarray:
+        """`move`'s second half: wait for each batch of `flight` and settle its blocks. Returns the
+        mask of its rows now in their destination."""
+        done = np.zeros(len(flight.rows), dtype=bool)
+        for part, move in flight.prepared:
+            done[part] = self.complete(move)
         return done
 
     def _batches(self, tiers: np.ndarray, sizes: np.ndarray | None = None, max_bytes: int | None = None):

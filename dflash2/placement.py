@@ -301,12 +301,12 @@ class Placement(Rebalancing, WriteBackoff):
         pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
         backoffs = self.stats.write_backoffs
         for _ in range(self.MAX_ROUNDS):
-            short = need_bytes - self.free_bytes(tier, block_bytes)
+            short = need_bytes - self._free_or_leaving(tier, block_bytes)
             if short <= 0:
                 return True
             if not self._free_some(tier, short, pick) or (until_backoff and self.stats.write_backoffs > backoffs):
                 break
-        return self.free_bytes(tier, block_bytes) >= need_bytes
+        return self._free_or_leaving(tier, block_bytes) >= need_bytes
 
     def _free_some(self, tier: Tier, short: int, pick: dict) -> bool:
         lower = self.lower(tier)
@@ -319,7 +319,7 @@ class Placement(Rebalancing, WriteBackoff):
                     or self._drop_while_backing_off(tier, short, pick))
         if lower is None:
             return self._evict(victims)
-        backoffs = self.stats.write_backoffs
+        backoffs, set_aside = self.stats.write_backoffs, self.mover.quarantine.slots
         moved, progress = self._demote(victims, tier, lower, protect)
         target = lower
         while not (moved or progress) and self.lower(target) is not None:
@@ -336,8 +336,8 @@ class Placement(Rebalancing, WriteBackoff):
             if len(passing):
                 moved, progress = self._demote(passing, tier, target, protect, hold_refused=True)
                 self.stats.past_full += moved
-        if moved or self.stats.write_backoffs > backoffs:
-            return True  # (a tier below failed its writes just now: the next round plans without it)
+        if moved or self.stats.write_backoffs > backoffs or self.mover.quarantine.slots > set_aside:
+            return True  # (a tier below failed its writes just now, or set bad slots aside: the next round plans again)
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         if self._evict(victims[self.table.evictable(victims)]):
             return True
@@ -346,17 +346,18 @@ class Placement(Rebalancing, WriteBackoff):
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:
-        """Move the victims down to `lower` (those it admits: `_admitted`). Returns how many moved,
-        and whether any were dropped instead (refused)."""
-        now = self.table.clock()
-        victims, progress = self._admitted(victims, lower, now, hold_refused)
+        """Move the victims down to `lower` (those it admits: `_admitted`). Returns how many moved
+        (in a drain piece between requests, how many are on their way: `_move_down`), and whether
+        any were dropped instead (refused)."""
+        victims, progress = self._admitted(victims, lower, self.table.clock(), hold_refused)
         if not len(victims):
             return 0, progress
-        moved = self._move_down(victims, lower, protect)
-        self.stats.demoted += int(moved.sum())
-        if moved.any():
-            self.policy.on_insert(self.table, victims[moved], now)
-        return int(moved.sum()), progress
+
+        def landed(moved: np.ndarray) -> None:
+            self.stats.demoted += int(moved.sum())
+            if moved.any():
+                self.policy.on_insert(self.table, victims[moved], self.table.clock())
+        return int(self._move_down(victims, lower, protect, landed).sum()), progress
 
     def _admitted(self, victims: np.ndarray, lower: Tier, now: float,
                   hold_refused: bool = False) -> tuple[np.ndarray, bool]:
@@ -403,23 +404,45 @@ class Placement(Rebalancing, WriteBackoff):
                 frontier.append(int(c.parent[p]))
         return rows[out]
 
-    def _move_down(self, victims: np.ndarray, lower: Tier, protect) -> np.ndarray:
-        """Move the victims (leaves first) down to `lower`, room made there first; the moved mask."""
-        self._make_room_for_rows(lower, victims, protect)
-        failed = self.mover.failed_into(lower)
+    def _move_down(self, victims: np.ndarray, lower: Tier, protect,
+                   landed: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Move the victims (leaves first) down to `lower`, room made there first; the moved mask,
+        once `landed(moved)` ran. In a drain piece between requests (`_deferring`, rebalance.py) the
+        copies are left in flight: the mask is of the victims on their way, and what follows their
+        end (`landed` too) runs when they are settled."""
+        deferring, self._deferring = self._deferring, False  # the room below is made now, its copies ended
         try:
-            moved = self.mover.move(victims, lower)
-            if not moved.any() and self.mover.failed_into(lower) == failed:
+            self._make_room_for_rows(lower, victims, protect)
+        finally:
+            self._deferring = deferring
+        try:
+            flight = self.mover.start(victims, lower)
+            if not flight.prepared:
                 # A batch moves whole or not at all, but the tier below may hold some of the
                 # victims (the rest of it held): a block is dropped only when the tier below has
                 # no room for it. Leaves come first, so the leading ones leave no parent below its child.
                 fit = self._leading_that_fit(victims, lower)
                 if fit:
-                    moved[:fit] = self.mover.move(victims[:fit], lower)
-        finally:
-            self._drop_lost()  # also when a batch raised: a block whose read failed is never found again
-        self._note_writes(lower, self.mover.failed_into(lower) - failed, int(moved.sum()))
-        return moved
+                    flight = self.mover.start(victims[:fit], lower)
+        except BaseException:
+            self._drop_lost()  # a block whose read failed is never found again
+            raise
+
+        def end() -> np.ndarray:
+            disk_failed = self.mover.disk_failed_into(lower)  # (a slot set aside is no failure of the disk)
+            try:
+                arrived = self.mover.finish(flight)
+            finally:
+                self._drop_lost()  # also when a batch raised
+            moved = np.zeros(len(victims), dtype=bool)
+            moved[:len(arrived)] = arrived
+            self._note_writes(lower, self.mover.disk_failed_into(lower) - disk_failed, int(arrived.sum()))
+            if landed is not None:
+                landed(moved)
+            return moved
+        if deferring and flight.prepared:
+            return self._leave_in_flight(flight, end, len(victims))
+        return end()
 
     def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
         """How many of the leading rows `tier` has free slots for now, size by size."""

@@ -22,7 +22,10 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                → {client, layouts: [id], arenas: [{tier,
                                                                   kind, name, capacity_bytes, alignment}],
                                                                   lease_timeout_s, heartbeat_interval_s, device,
-                                                                  token}
+                                                                  token, liveness: the name of the daemon's
+                                                                  liveness object in /dev/shm, locked while it
+                                                                  lives (arena/liveness.py); absent or null from
+                                                                  an older daemon, which has none}
     heartbeat        {}                                        → {lease_timeout_s}
     detach           {}                                        → {released: {...}}
     register_layout  {layout: layout dict, prefill_tokens_per_s=null}

@@ -5,12 +5,16 @@ its pieces, its time budget) is a job of its own."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.mover import Flight
 from dflash2.tiers import Tier
+
+log = logging.getLogger("dflash2.placement")
 
 
 class Rebalancing:
@@ -33,6 +37,10 @@ class Rebalancing:
     REBALANCE_BUDGET_S = 0.05
     REBALANCE_PIECE = 0.01
     REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
+    # How often a drain slice whose piece's copies are still in flight looks whether they have ended
+    # (seconds), waiting meanwhile for a request (the server's poll: one that arrives is answered at
+    # once). Copies end unseen for up to this long: a millisecond, the poll's resolution.
+    FLIGHT_POLL_S = 0.001
 
     def _init_rebalancing(self) -> None:
         self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
@@ -42,18 +50,35 @@ class Rebalancing:
         # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
+        # A drain piece between requests (`rebalance(defer=True)`) leaves its copies in flight: the
+        # loop answers requests while the disk writes, where it waited for them (about half of a
+        # piece of DRAM drained to NVMe: docs/measured-figures.md). `_deferring` is set while such
+        # a piece makes room; `_in_flight` holds what ends each piece's copies (`settle`), and
+        # `_leaving_bytes` the bytes they take out of each tier. Invariant: no placement work runs while
+        # copies are in flight: the next piece settles them first, and so does every BlockManager
+        # call that may pin, move, evict or free a block (manager.py `settled`), a lookup only when
+        # it finds a block in flight or would prefetch. Between, the blocks are MIGRATING: readable
+        # where they were, pinned, freed or moved by nobody.
+        self._deferring = False
+        self._in_flight: list[tuple[Flight, Callable[[], object]]] = []
+        self._leaving_bytes: dict[Tier, int] = {}
+        # Seconds `settle_when_done` has spent waiting for copies to end, watching for a request: the
+        # loop's idle time, not the drain's (the server does not count it against the step's share).
+        self.waited_s = 0.0
 
-    def rebalance(self, budget_s: float | None = None, yield_to: Callable[[], bool] | None = None,
-                  start: bool = True) -> None:
+    def rebalance(self, budget_s: float | None = None, yield_to: Callable[[float], bool] | None = None,
+                  start: bool = True, defer: bool = False) -> None:
         """Bring every tier that went above its high watermark down to its low watermark, moving
         only the blocks cold when it went over (`cold_threshold`: the cut is taken then, once, not
         again over what is left), for at most `budget_s` (REBALANCE_BUDGET_S) this step, shared by
         the draining tiers (the rest in the next steps). Slowest tier first, so that demotions find
         room below. Blocks awaiting their read (`awaiting_read`) stay: demoting them now would only
-        bring them back up for the read. `yield_to`: asked after each piece; True ends the call there
+        bring them back up for the read. `yield_to(seconds)`: whether a request waits (looking for
+        up to that long); asked after each piece, True ends the call there
         (a request waits: the server's idle drain), the rest in the next calls. `start` False: only
         the drains begun already go on (the server's slices between requests: a tier that could not
-        drain, its cold cut held or pinned, is not cut again every slice, only at the next step)."""
+        drain, its cold cut held or pinned, is not cut again every slice, only at the next step).
+        `defer`: the last piece's copies are left in flight (`settle` ends them)."""
         deadline = time.perf_counter() + (self.REBALANCE_BUDGET_S if budget_s is None else budget_s)
         if start:
             self.start_drains()
@@ -64,10 +89,10 @@ class Rebalancing:
         protect = np.concatenate(held) if held else None
         for left, tier in zip(range(len(order), 0, -1), order):
             part = max(0.0, deadline - time.perf_counter()) / left  # its share of what is left
-            if self._drain(tier, part, protect, yield_to):
+            if self._drain(tier, part, protect, yield_to, defer):
                 self.draining.discard(tier)
                 del self._cuts[tier]
-            if yield_to is not None and yield_to():
+            if yield_to is not None and yield_to(0.0):
                 return
 
     def start_drains(self) -> None:
@@ -94,38 +119,128 @@ class Rebalancing:
         return [tier for tier in reversed(self.tiers) if tier in self.draining and not self._backing_off_below(tier)]
 
     def drain_pending(self) -> bool:
-        """Whether a drain may run now (`_drainable`): the server's loop runs more of it while idle."""
-        return bool(self._drainable())
+        """Whether a drain may run now (`_drainable`), or a piece's copies are in flight: the server's
+        loop runs more of it (and settles them) between requests."""
+        return bool(self._drainable()) or self.in_flight
 
     def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None,
-               yield_to: Callable[[], bool] | None = None) -> bool:
+               yield_to: Callable[[float], bool] | None = None, defer: bool = False) -> bool:
         """Drain `tier`'s cold cut for about `seconds` (at least one piece). True when it is done:
-        down to its low watermark, or its cut used up."""
+        down to its low watermark, or its cut used up. `defer`: the last piece's copies are left in
+        flight; each piece settles the one before it first."""
         c = self.table.cols
         target_free = int((1.0 - self.watermarks[tier].low) * self.table.allocators[tier].capacity_bytes)
         rows, gens = self._cuts[tier]
         cold = np.zeros(c.capacity, dtype=bool)
         cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
-        if self.free_bytes(tier) >= target_free:
-            return True
         until = time.perf_counter() + seconds
         while True:
-            free = self.free_bytes(tier)
-            started = time.perf_counter()
-            room = self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
-                                  cold_only=True, cold=cold, protect=protect, until_backoff=True)
+            if not self.settle_when_done(yield_to if defer else None, until):
+                return False  # a request waits, or the time is up, while the last piece's copies run
             if self._backing_off_below(tier):
                 # Its writes failed just now: the drain waits, keeping its cut (_drainable), and
                 # drops nothing meanwhile (the piece's next rounds dropped what was to go down: with
                 # NVMe on a full disk, DRAM fell from 1.0 to 0.5 over the back-off's retries).
                 return False
-            done = not room or self.free_bytes(tier) >= target_free
+            free = self.free_bytes(tier)
+            if free >= target_free:
+                return True
+            started = time.perf_counter()
+            self._deferring = defer
+            try:
+                room = self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
+                                      cold_only=True, cold=cold, protect=protect, until_backoff=True)
+            finally:
+                self._deferring = False
+            freed = self.free_bytes(tier) + self._leaving_bytes.get(tier, 0) - free
+            if self._backing_off_below(tier):
+                return False
+            # No room made means the cut is used up, unless copies are in flight: a chain's parents
+            # leave only once its tail, on its way, has landed (the next call settles it first).
+            done = (not room and not self._in_flight) or free + freed >= target_free
             now = time.perf_counter()
-            freed = self.free_bytes(tier) - free
             if freed > 0:
                 self._drain_rate[tier] = freed / max(now - started, 1e-6)
-            if done or now >= until or (yield_to is not None and yield_to()):
-                return done  # the rest in the next steps (each draining tier gets a piece a step)
+            if done or now >= until or self._in_flight or (yield_to is not None and yield_to(0.0)):
+                # The rest in the next calls (each draining tier gets a piece a step); one piece a call
+                # while its copies run (the next call waits for them, or gives way to a request).
+                return done
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a drain piece's copies are in flight (`settle` ends them)."""
+        return bool(self._in_flight)
+
+    def flights_done(self) -> bool:
+        """Whether every copy left in flight has ended (`settle` then waits for nothing)."""
+        return all(flight.done() for flight, _ in self._in_flight)
+
+    def settle(self) -> None:
+        """End the copies that drain pieces left in flight, in the order they began (waiting for
+        those not done): each block lands where its copy succeeded and stays where it was
+        otherwise, as a move that ended at once would have left it. One that fails to end is logged
+        and the others still end: the call that settles them is not theirs to fail."""
+        while self._in_flight:
+            _, end = self._in_flight.pop(0)
+            try:
+                end()
+            except Exception:
+                log.exception("ending a drain piece's copies failed; its blocks stay where the failure left them")
+
+    def settle_when_done(self, yield_to: Callable[[float], bool] | None, until: float) -> bool:
+        """`settle` once the copies in flight have ended; meanwhile return False as soon as a
+        request waits (`yield_to`, which waits up to FLIGHT_POLL_S for one) or `until` (perf_counter)
+        has passed, leaving them in flight. A drain between requests so never holds a request
+        behind a copy. True once settled (at once when nothing is in flight)."""
+        while self._in_flight and not self.flights_done():
+            began = time.perf_counter()
+            left = until - began
+            if left <= 0:
+                return False
+            if yield_to is None:
+                time.sleep(min(left, self.FLIGHT_POLL_S))
+                arrived = False
+            else:
+                arrived = yield_to(min(left, self.FLIGHT_POLL_S))
+            self.waited_s += time.perf_counter() - began
+            if arrived:
+                return False
+        self.settle()
+        return True
+
+    def in_flight_slot_bytes(self) -> dict[Tier, int]:
+        """Bytes of the destination slots that the copies in flight hold, by tier (the invariants
+        count them as used there while their blocks still lie in their source tier)."""
+        held: dict[Tier, int] = {}
+        for flight, _ in self._in_flight:
+            for _, move in flight.prepared:
+                slots = self.table.slot_sizes(move.dst)[self.table.cols.layout[move.rows]]
+                held[move.dst] = held.get(move.dst, 0) + int(slots.sum())
+        return held
+
+    def _leave_in_flight(self, flight: Flight, end: Callable[[], object], n: int) -> np.ndarray:
+        """(`_move_down` in a drain piece) keep `flight` for `settle`, which calls `end`; the mask of
+        the `n` victims on their way."""
+        leaving: dict[Tier, int] = {}
+        on_way = np.zeros(n, dtype=bool)
+        for part, move in flight.prepared:
+            leaving[move.src] = leaving.get(move.src, 0) + move.nbytes
+            on_way[part] = True
+        for t, nbytes in leaving.items():
+            self._leaving_bytes[t] = self._leaving_bytes.get(t, 0) + nbytes
+
+        def landed() -> None:
+            for t, nbytes in leaving.items():
+                self._leaving_bytes[t] -= nbytes
+            end()
+        self._in_flight.append((flight, landed))
+        return on_way
+
+    def _free_or_leaving(self, tier: Tier, block_bytes: int | None = None) -> int:
+        """Free bytes of `tier` (usable by blocks of `block_bytes`); in a drain piece between requests,
+        with those its copies in flight will free: its room is made once they are on their way."""
+        free = self.free_bytes(tier, block_bytes)
+        return free + self._leaving_bytes.get(tier, 0) if self._deferring else free
 
     def _piece_bytes(self, tier: Tier, seconds: float) -> int:
         """Bytes the next rebalance piece of `tier` frees: what its last piece's rate frees in

@@ -73,3 +73,26 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+# Leases, heartbeats and calls short enough for a test to see a dead daemon within a second or two.
+QUICK = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "request_timeout_s": 0.5}
+
+
+def quick_daemon(config_file, tmp_path):
+    """A fixture's body: a host daemon without NVMe and with QUICK leases, yielded; stopped after,
+    and the segments of one the test killed removed (no next daemon here removes them)."""
+    from dflash2.arena.shm import remove_stale_segments
+
+    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **QUICK})).start()
+    yield proc
+    proc.stop()
+    remove_stale_segments(f"dflash2-{proc.pid}-")
+
+
+def mapped(names: list[str]) -> list[str]:
+    """The shared-memory segments among `names` that this process maps now."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return [n for n in names if f"/dev/shm/{n}" in maps]

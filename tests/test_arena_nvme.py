@@ -110,16 +110,65 @@ def test_read_only_destination_raises(arena):
         arena.read_blocks([0], [d])
 
 
-def test_io_error_fails_the_batch(arena, monkeypatch):
+def test_a_full_disk_fails_the_batch(arena, monkeypatch):
+    arena.write_blocks([0], [np.ones(10, np.uint8)])
+
+    def broken(fd, buf, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nvme, "pwrite_all", broken)
+    with pytest.raises(ArenaError, match="write .* failed"):
+        arena.write_blocks([0, ALIGN], [np.ones(10, np.uint8), np.ones(10, np.uint8)])
+    # the overwritten slot no longer counts as written
+    assert not arena.read_blocks([0], [np.zeros(10, np.uint8)]).any()
+
+
+def test_an_io_error_on_every_slot_refuses_each_block_and_raises_nothing(arena, monkeypatch):
+    """EIO (a bad region) is the slots' fault, not the batch's: each block is written again alone,
+    and those that still fail are named (False) for the caller to set their slots aside."""
     arena.write_blocks([0], [np.ones(10, np.uint8)])
 
     def broken(fd, buf, offset):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(nvme, "pwrite_all", broken)
-    with pytest.raises(ArenaError, match="write .* failed"):
-        arena.write_blocks([0, ALIGN], [np.ones(10, np.uint8), np.ones(10, np.uint8)])
+    assert arena.write_blocks([0, ALIGN], [np.ones(10, np.uint8), np.ones(10, np.uint8)]).tolist() == [False, False]
     # the overwritten slot no longer counts as written
+    assert not arena.read_blocks([0], [np.zeros(10, np.uint8)]).any()
+
+
+def test_an_io_error_at_one_slot_refuses_that_block_alone(arena, monkeypatch):
+    """A batch whose I/O fails with EIO where one slot lies: written again block by block, the
+    others are written (readable, their checksums recorded), the bad one is refused, a miss."""
+    rng = np.random.default_rng(3)
+    offsets, srcs = _blocks(rng, [ALIGN, 3000, 2 * ALIGN + 5, 700])
+    bad = offsets[2] + nvme.HEADER_BYTES
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if fd == arena._fd and offset < bad + ALIGN and offset + n > bad:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    assert arena.write_blocks(offsets, srcs).tolist() == [True, True, False, True]
+    monkeypatch.undo()
+    dsts = [np.zeros(len(s), np.uint8) for s in srcs]
+    assert arena.read_blocks(offsets, dsts).tolist() == [True, True, False, True]
+    assert all(np.array_equal(d, s) for k, (d, s) in enumerate(zip(dsts, srcs)) if k != 2)
+
+
+def test_an_error_other_than_eio_while_writing_block_by_block_fails_the_batch(arena, monkeypatch):
+    arena.write_blocks([0], [np.ones(10, np.uint8)])
+    errors = iter([5] + [28] * 10)  # the batch: EIO; then, block by block, the disk is full
+
+    def broken(fd, buf, offset):
+        raise OSError(next(errors), "injected")
+
+    monkeypatch.setattr(nvme, "pwrite_all", broken)
+    with pytest.raises(ArenaError, match="written again block by block"):
+        arena.write_blocks([0, ALIGN], [np.ones(10, np.uint8), np.ones(10, np.uint8)])
     assert not arena.read_blocks([0], [np.zeros(10, np.uint8)]).any()
 
 
@@ -348,7 +397,7 @@ def test_direct_write_error_fails_the_batch(arena, monkeypatch):
     arena.write_blocks([0], [src])
 
     def broken(fd, bufs, offset):
-        raise OSError(5, "Input/output error")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(nvme, "pwritev_all", broken)
     with pytest.raises(ArenaError, match="write .* failed"):

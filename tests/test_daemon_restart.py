@@ -9,29 +9,14 @@ import time
 
 import pytest
 from conftest import SMALL
-from daemon_proc import DaemonProcess
+from daemon_proc import mapped, quick_daemon
 
-from dflash2.arena.shm import remove_stale_segments
 from dflash2.client import Client, DaemonUnavailable
 from dflash2.errors import ArenaError
 
-QUICK = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "request_timeout_s": 0.5}
-
-
-def mapped(names: list[str]) -> list[str]:
-    """The segments among `names` that this process maps now."""
-    with open("/proc/self/maps") as f:
-        maps = f.read()
-    return [n for n in names if f"/dev/shm/{n}" in maps]
-
-
 @pytest.fixture
 def daemon(config_file, tmp_path):
-    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
-                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **QUICK})).start()
-    yield proc
-    proc.stop()
-    remove_stale_segments(f"dflash2-{proc.pid}-")  # a killed daemon's: no next daemon here removes them
+    yield from quick_daemon(config_file, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["kill", "term"])

@@ -73,12 +73,12 @@ def test_a_cold_chain_is_demoted_whole_in_one_batch(make_manager, clock):
     warm = fill(mgr, a, lid, [21, 22, 23, 24])
     mgr.table.touch(mgr.table.rows(held[[2]]))
     order = []
-    move = mgr.mover.move
+    start = mgr.mover.start
 
-    def recording(rows, dst, **kw):
+    def recording(rows, dst, *args):
         order.append([int(v) for v in mgr.table.vids(np.asarray(rows))])
-        return move(rows, dst, **kw)
-    mgr.mover.move = recording
+        return start(rows, dst, *args)
+    mgr.mover.start = recording
     mgr.placement.make_room(Tier.HBM, mgr.placement.free_bytes(Tier.HBM) + 8 * 16384)
     assert [tier_of(mgr, v) for v in cold] == [Tier.DRAM] * 8
     assert [tier_of(mgr, v) for v in held] == [Tier.HBM] * 3, "the hot leaf keeps its chain up"

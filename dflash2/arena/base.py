@@ -60,9 +60,12 @@ class MemoryArena(Arena):
 
 class StorageArena(Arena):
     @abc.abstractmethod
-    def write_blocks(self, offsets: Sequence[int], sources: Sequence[memoryview | np.ndarray]) -> None:
+    def write_blocks(self, offsets: Sequence[int], sources: Sequence[memoryview | np.ndarray]) -> np.ndarray:
         """Write each source buffer at its offset (one batch, through the staging buffer) and record
-        its checksum. Raises ArenaError on an I/O error; then no block of the batch counts as written."""
+        its checksum. Returns a bool array: False where the block's slot could not be written by
+        itself (an I/O error there, EIO: a bad region; the slot is not to be used again), True where
+        the block is written. Raises ArenaError on any other error (a full disk: ENOSPC); then no
+        block of the batch counts as written, and no slot is to blame."""
 
     @abc.abstractmethod
     def read_blocks(self, offsets: Sequence[int], dests: Sequence[memoryview | np.ndarray]) -> np.ndarray:

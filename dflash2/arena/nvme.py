@@ -13,8 +13,11 @@ One batch may mix both.
 Invariants:
 - the checksum table is the only truth about what the file holds: it lives in memory only, so a
   restarted daemon sees an empty tier (the file is a cache; no fsync is needed);
-- a block's checksum is recorded only after all of its batch's I/O succeeded, and dropped before its
-  slot is overwritten;
+- a block's checksum is recorded only after all of its batch's I/O succeeded (or, after a batch
+  write failed with EIO, its own write alone did), and dropped before its slot is overwritten;
+- a batch I/O that fails with EIO (a bad region of the disk) is done again block by block: only the
+  blocks whose own I/O fails are misses (reads) or refused (writes: `write_blocks` says which, and
+  the caller never uses those slots again);
 - a direct read lands in the caller's buffer before its checksum is known: on a miss those bytes
   are garbage, which the StorageArena contract allows (the caller must not use them).
 
@@ -158,7 +161,8 @@ class NvmeArena(StorageArena):
         nslots = self.capacity_bytes // ALIGN
         self._crc = np.zeros(nslots, dtype=np.uint32)
         self._len = np.zeros(nslots, dtype=np.uint32)
-        self._read_failures = RepeatLimit("batches")  # reads retried block by block: logged once a minute
+        # Batches retried block by block after an I/O error (reads, writes): logged once a minute each way.
+        self._partial_failures = RepeatLimit("batches")
 
     @classmethod
     def create(cls, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
@@ -290,10 +294,10 @@ class NvmeArena(StorageArena):
         chunks = plan_chunks(order[~direct], offs, extents, self._ring.slot_bytes, bridge=bridge)
         return runs, chunks
 
-    def write_blocks(self, offsets: Sequence[int], sources: Sequence) -> None:
+    def write_blocks(self, offsets: Sequence[int], sources: Sequence) -> np.ndarray:
         offs, srcs, lens, extents, order = self._check_batch(offsets, sources, writable=False)
         if not len(offs):
-            return
+            return np.ones(0, dtype=bool)
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
@@ -332,9 +336,56 @@ class NvmeArena(StorageArena):
             try:
                 pieces = ring.run(chunks, fill_and_write, tasks)
             except OSError as e:
-                raise ArenaError(f"NVMe tier write to {self.path} failed: {e}") from e
+                if e.errno != errno.EIO:  # a full disk (ENOSPC) and the rest: no slot is to blame
+                    raise ArenaError(f"NVMe tier write to {self.path} failed: {e}") from e
+                # A bad region (EIO) fails the batch's I/O, not its other blocks: each is written
+                # again alone, and only the slots that still fail are refused (the caller sets them
+                # aside: a slot handed out again would fail the next batch the same way).
+                return self._write_each(ring, e, offs, srcs, lens)
             self._crc[idx] = _block_crcs(pieces, len(offs))
             self._len[idx] = lens
+        return np.ones(len(offs), dtype=bool)
+
+    def _write_each(self, ring: StagingRing, error: OSError, offs: np.ndarray, srcs: list[np.ndarray],
+                    lens: np.ndarray) -> np.ndarray:
+        """After a batch write failed with EIO: each block written again by itself; the mask of
+        those written. Their checksums are recorded only once every block was tried: an error other
+        than EIO on the way fails the whole batch (ArenaError), none of it counting as written."""
+        crcs = np.zeros(len(offs), dtype=np.uint32)
+        ok = np.zeros(len(offs), dtype=bool)
+        for i in range(len(offs)):
+            try:
+                crcs[i] = self._write_alone(ring, int(offs[i]), srcs[i], int(lens[i]))
+                ok[i] = True
+            except OSError as e:
+                if e.errno != errno.EIO:
+                    raise ArenaError(f"NVMe tier write to {self.path} failed: {error}; written again block by "
+                                     f"block: {e}") from e
+        idx = offs[ok] // ALIGN
+        self._crc[idx] = crcs[ok]
+        self._len[idx] = lens[ok]
+        more = self._partial_failures.due("write", blocks=len(offs) - int(ok.sum()))
+        if more is not None:
+            log.warning("NVMe tier write to %s failed (%s): its %d blocks were written again one by one, %d of "
+                        "them unwritable (their slots are set aside)%s", self.path, error, len(offs),
+                        len(offs) - int(ok.sum()), more)
+        return ok
+
+    def _write_alone(self, ring: StagingRing, offset: int, src: np.ndarray, n: int) -> int:
+        """One block written by itself through the ring's first slot (the ring is quiet: its batch
+        failed), through the batch's file descriptor (O_DIRECT where the tier uses it), its slot's
+        padding zeros: its crc32. An I/O error raises OSError."""
+        crc, pos, end = 0, 0, (n + ALIGN - 1) // ALIGN * ALIGN
+        while pos < end:
+            m = min(ring.slot_bytes, end - pos)
+            d = max(0, min(m, n - pos))
+            if d:
+                ring.np[:d] = src[pos:pos + d]
+                crc = zlib.crc32(ring.np[:d], crc)
+            ring.np[d:m] = 0
+            pwrite_all(self._fd, ring.mv[:m], HEADER_BYTES + offset + pos)
+            pos += m
+        return crc
 
     def read_blocks(self, offsets: Sequence[int], dests: Sequence) -> np.ndarray:
         offs, dsts, lens, extents, order = self._check_batch(offsets, dests, writable=True)
@@ -431,7 +482,7 @@ class NvmeArena(StorageArena):
 
     def _read_failed(self, error: OSError, unreadable: int, blocks: int) -> None:
         """Log a batch read that failed in part, once a minute with the count left out."""
-        more = self._read_failures.due("read", blocks=unreadable)
+        more = self._partial_failures.due("read", blocks=unreadable)
         if more is not None:
             log.warning("NVMe tier read from %s failed (%s): its %d blocks were read again one by one, %d of them "
                         "unreadable (misses)%s", self.path, error, blocks, unreadable, more)

@@ -58,6 +58,18 @@ def remove_stale(path: str) -> int | None:
         os.close(fd)
 
 
+def nobody_holds(fd: int) -> bool:
+    """Whether no process holds a flock on the file open at `fd` (the test takes the lock and gives
+    it back at once): a daemon holds one on each of its segments, and on its liveness object, while
+    it lives."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
 def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
     """Remove every segment whose name starts with `prefix` that no process holds (the segments of a
     daemon that was killed); (name, bytes) of each one removed, each also logged."""
@@ -203,12 +215,7 @@ class SharedMemoryArena(MemoryArena):
         nobody holds its flock any more. The test takes the lock and gives it back at once."""
         if self.owner or self._hold_fd < 0:
             return False
-        try:
-            fcntl.flock(self._hold_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(self._hold_fd, fcntl.LOCK_UN)
-        return True
+        return nobody_holds(self._hold_fd)
 
     @property
     def closed(self) -> bool:

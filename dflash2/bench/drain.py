@@ -10,7 +10,9 @@ its low watermark (or `--seconds` passed):
   was due (a late one makes the next late, as an engine's requests would be).
 
 One line per phase: `n`, `p50_ms`, `p90_ms`, `p99_ms`, `max_ms`, `mean_ms`, `drain_s` (until DRAM
-was at 0.51 or less, or the phase's time was up: `drained` says which) and `dram_end`.
+was at 0.51 or less, or the phase's time was up: `drained` says which) and `dram_end`; and from the
+daemon's stats over the phase, `moved_mb` and `batches` (DRAM to NVMe) and `step_late_max_ms` (the
+latest its background step ran after it was due, over its last steps).
 """
 
 from __future__ import annotations
@@ -110,9 +112,16 @@ def _fill(writer, dram_mb: int) -> None:
         writer.free(writer.commit(placed["vid"], keys=keys[start:start + n]))
 
 
+def _moved(client) -> tuple[int, int]:
+    """(bytes, batches) the daemon has moved from DRAM to NVMe."""
+    st = client.stats()["moves"].get("dram->nvme", {})
+    return st.get("bytes", 0), st.get("batches", 0)
+
+
 def _lookups(client, keys: list[int], random_times: bool, args) -> dict:
     rng = np.random.default_rng(1)
     waits, used = [], _dram_used(client)
+    moved, batches = _moved(client)
     started = due = time.perf_counter()
     while time.perf_counter() - started < args.seconds and used > DRAINED:
         if random_times:
@@ -126,10 +135,13 @@ def _lookups(client, keys: list[int], random_times: bool, args) -> dict:
         if len(waits) % STATS_EVERY == 0:
             used = _dram_used(client)
     ms = np.asarray(waits) * 1e3
+    moved_now, batches_now = _moved(client)
+    late = client.stats()["daemon"]["background"]["late_max_s"]
     return {"n": len(ms), "p50_ms": _r(np.percentile(ms, 50)), "p90_ms": _r(np.percentile(ms, 90)),
             "p99_ms": _r(np.percentile(ms, 99)), "max_ms": _r(ms.max()), "mean_ms": _r(ms.mean()),
             "drain_s": round(time.perf_counter() - started, 2), "drained": used <= DRAINED,
-            "dram_end": round(used, 3)}
+            "dram_end": round(used, 3), "moved_mb": round((moved_now - moved) / 2**20, 1),
+            "batches": batches_now - batches, "step_late_max_ms": None if late is None else _r(late * 1e3)}
 
 
 def _wait_drained(client, seconds: float) -> None:

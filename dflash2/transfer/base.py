@@ -50,6 +50,11 @@ class CopyJob(abc.ABC):
 
     batch: CopyBatch
     seconds: float | None = None
+    # After `wait`, for a batch into a storage tier: the mask of the blocks whose destination slot
+    # could not be written by itself (an I/O error there, EIO: StorageArena.write_blocks), which the
+    # mover sets aside for good (dflash2/quarantine.py); those blocks failed too. None: no slot is
+    # to blame (a batch that failed as a whole, ENOSPC; or one into memory).
+    unwritable: np.ndarray | None = None
 
     @abc.abstractmethod
     def done(self) -> bool:

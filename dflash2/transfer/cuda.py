@@ -29,7 +29,7 @@ from dflash2.tiers import Tier
 from dflash2.transfer import route
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
 from dflash2.transfer.failures import FailureLog
-from dflash2.transfer.host import HostTransferBackend
+from dflash2.transfer.host import HostTransferBackend, written_mask
 
 log = logging.getLogger("dflash2.transfer.cuda")
 
@@ -248,7 +248,7 @@ class CudaTransferBackend(TransferBackend):
             with self._staging_lock:
                 started = time.perf_counter()  # once the staging buffer is this batch's alone
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
-                    job._ok[part] = self._staged_chunk(job.batch, part)
+                    job._ok[part] = self._staged_chunk(job, part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:
             self._staged_failures.failed(job.batch, e)  # a full disk fails every retry: not a traceback each
@@ -257,9 +257,9 @@ class CudaTransferBackend(TransferBackend):
         finally:
             job._done.set()
 
-    def _staged_chunk(self, batch: CopyBatch, part: np.ndarray) -> np.ndarray:
+    def _staged_chunk(self, job: StagedJob, part: np.ndarray) -> np.ndarray:
         """One run from staged_parts: its blocks fit the staging buffer together."""
-        cp = cupy()
+        batch = job.batch
         nbytes = batch.nbytes[part]
         slots = -(-nbytes // STAGE_ALIGN) * STAGE_ALIGN
         stage_off = np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(np.int64)
@@ -268,8 +268,11 @@ class CudaTransferBackend(TransferBackend):
         if batch.src_tier == Tier.HBM:
             self._staged_copy(self.d2h, self.hbm.ptr, self.staging.device_ptr, batch.src_offsets[part], stage_off,
                               nbytes)
-            nvme.write_blocks(batch.dst_offsets[part].tolist(), views)
-            return np.ones(len(part), dtype=bool)
+            written = written_mask(nvme.write_blocks(batch.dst_offsets[part].tolist(), views), len(part))
+            if job.unwritable is None:
+                job.unwritable = np.zeros(len(batch), dtype=bool)
+            job.unwritable[part] = ~written
+            return written
         ok = nvme.read_blocks(batch.src_offsets[part].tolist(), views)
         good = np.flatnonzero(ok)
         self._staged_copy(self.h2d, self.staging.device_ptr, self.hbm.ptr, stage_off[good],

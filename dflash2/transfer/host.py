@@ -1,7 +1,8 @@
 """The host transfer backend: copies batches between host arenas on one worker thread.
 
 memory → memory: numpy copies between views, block by block (fine on a host);
-memory → storage: one `write_blocks` call for the whole batch;
+memory → storage: one `write_blocks` call for the whole batch (blocks whose own slot could not be
+written, EIO, fail: `CopyJob.unwritable`);
 storage → memory: one `read_blocks` call into the destination views (per-block success from the
 checksums: a mismatch is a miss).
 
@@ -30,6 +31,14 @@ from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
 from dflash2.transfer.failures import FailureLog
 
 log = logging.getLogger("dflash2.transfer.host")
+
+
+def written_mask(written, n: int) -> np.ndarray:
+    """StorageArena.write_blocks' answer for a batch of n blocks, checked: one bool per block."""
+    mask = np.asarray(written) if written is not None else None
+    if mask is None or mask.dtype != bool or mask.shape != (n,):
+        raise ArenaError(f"write_blocks of {n} blocks answered {written!r}, not one bool per block")
+    return mask
 
 
 class HostCopyJob(CopyJob):
@@ -79,20 +88,22 @@ class HostTransferBackend(TransferBackend):
         while (job := self._queue.get()) is not None:
             started = time.perf_counter()
             try:
-                ok = self._copy(job.batch)
+                ok = self._copy(job)
             except Exception as e:
                 self._failures.failed(job.batch, e)
                 ok = np.zeros(len(job.batch), dtype=bool)
             job.seconds = time.perf_counter() - started  # one batch at a time: all of it is this batch's
             job._finish(ok)
 
-    def _copy(self, batch: CopyBatch) -> np.ndarray:
+    def _copy(self, job: HostCopyJob) -> np.ndarray:
+        batch = job.batch
         src, dst = self._arenas[batch.src_tier], self._arenas[batch.dst_tier]
         sizes = batch.nbytes.tolist()
         if isinstance(dst, StorageArena):
             srcs = [src.view(o, n) for o, n in zip(batch.src_offsets.tolist(), sizes)]
-            dst.write_blocks(batch.dst_offsets, srcs)
-            return np.ones(len(batch), dtype=bool)
+            written = written_mask(dst.write_blocks(batch.dst_offsets, srcs), len(batch))
+            job.unwritable = ~written
+            return written
         dsts = [dst.view(o, n) for o, n in zip(batch.dst_offsets.tolist(), sizes)]
         if isinstance(src, StorageArena):
             return np.asarray(src.read_blocks(batch.src_offsets, dsts), dtype=bool)

@@ -1,0 +1,124 @@
+"""The daemon's liveness object: a tiny file in /dev/shm, `dflash2-<pid>-alive`, that every daemon
+(host-only or GPU, with or without a DRAM tier) holds a shared flock on for its whole life.
+
+A client tests that lock, as `SharedMemoryArena.creator_gone` tests a segment's, to learn that its
+daemon has ended: a GPU daemon with HBM alone has no segment, and its clients otherwise learned it
+only when a restarted daemon answered `UnknownClient`, mapping the dead daemon's HBM (CUDA IPC) until
+then, which a restart taking most of the GPU needs.
+
+Invariants:
+- The name starts with the daemon's segment prefix (assemble.instance_name, `dflash2-<pid>`), so the
+  start-up removal of a killed predecessor's segments (`remove_stale_segments`, a pid-1 container's
+  own prefix too) removes its liveness file with them; the daemon creates its own after that removal.
+- Only a file nobody holds is removed (`remove_stale`); the daemon removes its own at clean shutdown,
+  before it lets go of the endpoint lock (a next daemon then finds nothing to clean).
+- A client opens only a name that `check_name` accepts (the daemon's reply names it): a plain file of
+  that form in /dev/shm, never a link, a FIFO or another path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import stat
+import threading
+
+from dflash2.arena.shm import _say_removed, _segment_path, nobody_holds, remove_stale
+from dflash2.errors import ArenaError, ProtocolError
+
+SUFFIX = "-alive"
+_NAME = re.compile(r"dflash2-[0-9]{1,10}" + re.escape(SUFFIX))
+
+
+def liveness_name(instance: str) -> str:
+    """The liveness object of the daemon whose segments are named `instance`-* (dflash2-<pid>)."""
+    return f"{instance}{SUFFIX}"
+
+
+def check_name(name) -> str | None:
+    """`name` from an attach reply: None (a daemon that names none: an older one), or a liveness
+    object's name. ProtocolError for anything else, before any file is opened."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ProtocolError(f"attach: the daemon names {name!r} as its liveness object, not a name of the form "
+                            f"dflash2-<pid>{SUFFIX}: refused (no file is opened for it)")
+    return name
+
+
+class DaemonLiveness:
+    """Use `create` (the daemon: holds the lock) or `open` (a client: tests it with `gone`)."""
+
+    def __init__(self, name: str, fd: int, owner: bool):
+        self.name = name
+        self.path = _segment_path(name)
+        self.owner = owner
+        self._fd = fd
+        # gone() and close() run on a client's call thread and its heartbeat thread: a descriptor
+        # closed by one must never be flock'ed by the other (its number may name another file by then).
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, name: str) -> DaemonLiveness:
+        """Create the file and hold a shared lock on it. A file of that name nobody holds (a killed
+        daemon's of the same pid: a container's daemon is pid 1 every time) is replaced; ArenaError
+        when a live process holds it."""
+        path = _segment_path(name)
+        try:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                size = remove_stale(path)
+                if size is None:
+                    raise ArenaError(f"liveness object {path} exists and a running process holds it "
+                                     "(another daemon with the same pid namespace and pid?)") from None
+                _say_removed(name, size)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise ArenaError(f"cannot create the daemon's liveness object {path}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held until close: the daemon is alive
+            os.write(fd, f"{os.getpid()}\n".encode())  # for an operator looking at /dev/shm
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, fd, owner=True)
+
+    @classmethod
+    def open(cls, name: str) -> DaemonLiveness:
+        """(A client) open the daemon's liveness object to test its lock. ArenaError when it cannot
+        be opened or is not a plain file."""
+        path = _segment_path(check_name(name))
+        try:
+            # O_NOFOLLOW: /dev/shm is writable by everyone, a link planted there is not followed;
+            # O_NONBLOCK: a FIFO planted there does not hang the open (it is refused below).
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise ArenaError(f"cannot open the daemon's liveness object {path}: {e.strerror or e}") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ArenaError(f"the daemon's liveness object {path} is not a plain file")
+        return cls(name, fd, owner=False)
+
+    def gone(self) -> bool:
+        """(A client) whether the daemon has ended: nobody holds the lock any more. The test takes
+        the lock and gives it back at once. False once closed."""
+        with self._lock:
+            if self.owner or self._fd < 0:
+                return False
+            return nobody_holds(self._fd)
+
+    def close(self) -> None:
+        """The daemon's: remove the file, then let go of the lock. A client's: close its descriptor."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            if self.owner:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            os.close(self._fd)
+            self._fd = -1

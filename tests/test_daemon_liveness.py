@@ -1,0 +1,183 @@
+"""The daemon's liveness object (dflash2/arena/liveness.py): how a client finds its daemon dead when
+no shared-memory segment can tell it (a GPU daemon with HBM alone; here, on a host, the segment test
+is switched off), what a clean shutdown and the next daemon leave of it, and what a client does with
+an attach reply that names a bad one or one that cannot be opened."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess, mapped, quick_daemon
+
+from dflash2.arena.liveness import DaemonLiveness, check_name
+from dflash2.arena.shm import SharedMemoryArena
+from dflash2.client import Client, DaemonUnavailable
+from dflash2.client.client import Transport
+from dflash2.client.views import ArenaMap
+from dflash2.errors import ArenaError, ProtocolError
+from dflash2.protocol import Op
+
+
+def alive_path(pid: int) -> str:
+    return f"/dev/shm/dflash2-{pid}-alive"
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    yield from quick_daemon(config_file, tmp_path)
+
+
+@pytest.fixture
+def name():
+    """A liveness object's name that no daemon has: pids are below 2**22, this one's is 10 digits."""
+    made = f"dflash2-{4_000_000_000 + secrets.randbelow(10**9)}-alive"
+    yield made
+    if os.path.lexists(f"/dev/shm/{made}"):  # a link or a FIFO a test planted
+        os.unlink(f"/dev/shm/{made}")
+
+
+# ---- the daemon ---------------------------------------------------------------------------------------
+
+
+def test_a_daemon_holds_its_liveness_object_and_removes_it_at_a_clean_shutdown(daemon):
+    with open(alive_path(daemon.pid)) as f:
+        assert f.read().strip() == str(daemon.pid)
+    probe = DaemonLiveness.open(f"dflash2-{daemon.pid}-alive")
+    try:
+        assert not probe.gone()
+        assert daemon.terminate() == 0
+        assert not os.path.exists(alive_path(daemon.pid))
+        assert probe.gone()
+    finally:
+        probe.close()
+
+
+def test_the_next_daemon_removes_a_killed_ones_liveness_object(daemon):
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.proc.wait()
+    assert os.path.exists(alive_path(daemon.pid)), "SIGKILL leaves it: the next daemon's to remove"
+    second = DaemonProcess(daemon.config_path).start()
+    try:
+        assert not os.path.exists(alive_path(daemon.pid))
+        assert f"removed shared-memory segment dflash2-{daemon.pid}-alive" in second.log()
+        assert os.path.exists(alive_path(second.pid))
+    finally:
+        second.stop()
+    assert not os.path.exists(alive_path(second.pid))
+
+
+# ---- a client -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("finds_it", ["call", "heartbeat"])
+def test_a_killed_daemon_is_found_by_its_liveness_object_alone(daemon, monkeypatch, finds_it):
+    # As where no segment can tell (a GPU daemon with HBM alone): before, the client learned it only
+    # when a restarted daemon answered UnknownClient, and kept the dead daemon's memory mapped.
+    monkeypatch.setattr(SharedMemoryArena, "creator_gone", lambda self: False)
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=finds_it == "heartbeat")
+    try:
+        names = [a["name"] for a in c.arena_info]
+        c.view_bytes(c.allocate(c.layouts[0], 1)[0])[:] = 1
+        assert mapped(names) == names and not c._arenas.daemon_gone()
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait()
+        if finds_it == "call":
+            with pytest.raises(DaemonUnavailable):
+                c.lookup([1])
+        deadline = time.monotonic() + 5.0
+        while not c.lease_lost or mapped(names):
+            assert time.monotonic() < deadline, (c.lease_lost, mapped(names))
+            time.sleep(0.05)
+        with pytest.raises(ArenaError):
+            c.view_bytes(0)
+    finally:
+        c.close()
+
+
+def test_a_liveness_object_that_cannot_be_opened_is_said_and_the_attach_works(daemon, caplog):
+    os.unlink(alive_path(daemon.pid))  # someone cleaned /dev/shm under the daemon
+    with caplog.at_level(logging.ERROR, logger="dflash2.client"):
+        c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False)
+    try:
+        assert c.ping()["pid"] == daemon.pid
+        assert c._arenas.liveness is None
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any(alive_path(daemon.pid) in line and "dead-daemon detection is off for this client" in line
+                   for line in said), said
+    finally:
+        c.close()
+    assert daemon.terminate() == 0  # its own file already gone: a clean shutdown all the same
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../../etc/passwd", "dflash2-1-dram", "dflash2-1-alive/x",
+                                 "dflash2--alive", 7, ["dflash2-1-alive"]])
+def test_a_reply_naming_a_bad_liveness_object_is_refused(daemon, monkeypatch, bad):
+    real = Transport.call
+
+    def bad_reply(self, op, *args, **kwargs):
+        reply = real(self, op, *args, **kwargs)
+        if op == Op.ATTACH:
+            reply.result["liveness"] = bad
+        return reply
+
+    monkeypatch.setattr(Transport, "call", bad_reply)
+    with pytest.raises(ProtocolError, match="liveness object.*refused"):
+        Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False)
+    monkeypatch.undo()
+    with Client.connect(config=daemon.config_path, name="look", heartbeat=False) as look:
+        assert [s["name"] for s in look.stats()["clients"]] == ["look"]  # the refused attach was detached
+
+
+# ---- the object itself ----------------------------------------------------------------------------------
+
+
+def test_a_client_sees_the_holder_go(name):
+    held = DaemonLiveness.create(name)
+    probe = DaemonLiveness.open(name)
+    try:
+        assert not probe.gone() and not probe.gone()  # the test gives the lock back
+        held.close()
+        assert not os.path.exists(f"/dev/shm/{name}") and probe.gone()
+    finally:
+        held.close()
+        probe.close()
+    assert not probe.gone()  # closed: nothing more to tell
+
+
+def test_a_file_of_the_same_name_nobody_holds_is_replaced_and_a_held_one_refused(name):
+    # A container's daemon is pid 1 every time: its killed predecessor's file has its very name.
+    with open(f"/dev/shm/{name}", "w") as f:
+        f.write("1\n")
+    held = DaemonLiveness.create(name)
+    try:
+        with pytest.raises(ArenaError, match="a running process holds it"):
+            DaemonLiveness.create(name)
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        held.close()
+
+
+def test_a_link_or_a_fifo_under_that_name_is_not_opened(name, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    os.symlink(target, f"/dev/shm/{name}")
+    with pytest.raises(ArenaError, match="cannot open"):
+        DaemonLiveness.open(name)
+    os.unlink(f"/dev/shm/{name}")
+    os.mkfifo(f"/dev/shm/{name}")
+    with pytest.raises(ArenaError, match="not a plain file"):
+        DaemonLiveness.open(name)
+
+
+def test_an_older_daemon_names_none(caplog):
+    assert check_name(None) is None
+    with caplog.at_level(logging.INFO, logger="dflash2.client"):
+        arenas = ArenaMap([], None)
+    assert arenas.liveness is None and not arenas.daemon_gone()
+    assert any("names no liveness object" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,303 @@
+"""A disk under NVMe whose writes fail: probes that end a back-off once the disk takes writes again
+(backoff.py), and slots whose own writes fail with an I/O error set aside for good (quarantine.py).
+
+Real host managers (test_faults.py's fixtures: 64 blocks of HBM and DRAM, 128 of NVMe, 16 KiB each);
+failures are injected as test_faults.py does: NVMe's write_blocks raising (a full disk), or os.pwritev
+failing at some offsets of the NVMe file (a bad region: EIO, or ENOSPC for contrast).
+"""
+
+import errno
+import logging
+import os
+import re
+
+import numpy as np
+import pytest
+
+from dflash2.alloc import SlotAllocator
+from dflash2.arena.nvme import HEADER_BYTES
+from dflash2.errors import ArenaError
+from dflash2.table.columns import NO_ROW
+from dflash2.tiers import Tier
+from test_faults import LAYOUT, dram_full_of_idle_blocks, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
+
+SLOT = LAYOUT.block_bytes  # 16 KiB: a multiple of the NVMe alignment, so a block's slot is its size
+
+
+def full_disk(m, monkeypatch) -> tuple[list[bool], list[int]]:
+    """NVMe's writes fail with ENOSPC while `failing[0]`; `writes` lists each batch's size."""
+    nvme = m.arenas[Tier.NVME]
+    write, writes, failing = nvme.write_blocks, [], [True]
+
+    def disk(offsets, sources):
+        writes.append(len(offsets))
+        if failing[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(offsets, sources)
+
+    monkeypatch.setattr(nvme, "write_blocks", disk)
+    return failing, writes
+
+
+def backing_off_for(m, monkeypatch, seconds: float):
+    """With DRAM over its high watermark (filled by the caller) and NVMe's disk full: steps until NVMe
+    backs off for `seconds` (1, 2, 4, ...: each failed retry of the drain doubles it). Returns the
+    placement's clock (a one-item list), and full_disk's `failing` and `writes`."""
+    pl = m.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    failing, writes = full_disk(m, monkeypatch)
+    m.tick()
+    while pl.write_backoff[Tier.NVME][1] < seconds:
+        now[0] = pl.write_backoff[Tier.NVME][0]  # over: the drain writes again, fails, backs off twice as long
+        m.tick()
+    assert pl.write_backoff[Tier.NVME][1] == seconds
+    return now, failing, writes
+
+
+def assert_cached(m, keys) -> None:
+    """Invariants hold; each key is still cached, holding its own bytes (read where it lies)."""
+    m.check_invariants()
+    for k in keys:
+        found = m.lookup([k])
+        assert len(found) == 1, f"block of key {k} was lost"
+        p = found[0]
+        if p.tier == Tier.NVME:
+            buf = np.zeros(p.nbytes, np.uint8)
+            assert m.arenas[Tier.NVME].read_blocks([p.offset], [buf])[0], f"block of key {k} unreadable"
+        else:
+            buf = np.array(m.view(p.vid))
+        assert np.array_equal(buf, pattern(k)), f"block of key {k} holds wrong bytes"
+
+
+def assert_prefix_order(m) -> None:
+    """No cached block lies in a faster tier than its parent (parents leave a tier after their children)."""
+    c = m.table.cols
+    live = m.table.live_rows()
+    linked = live[c.parent[live] != NO_ROW]
+    assert (c.tier[linked] >= c.tier[c.parent[linked]]).all()
+
+
+# -- probes: a back-off ended by the first write that works, not by its clock ----------------------
+
+def test_a_probe_ends_a_long_back_off_once_the_disk_takes_writes_again(mgr, monkeypatch, clock, caplog):
+    """After failed retries NVMe backs off for 8 s (up to 60): a disk that had room again waited all
+    of it before the DRAM drain went on. The step now tries one block's write a second after the last
+    failed one; it works, the back-off ends there, and the drain goes on in the same step."""
+    dram_full_of_idle_blocks(mgr, clock)
+    pl = mgr.placement
+    now, failing, writes = backing_off_for(mgr, monkeypatch, 8.0)
+    until = pl.write_backoff[Tier.NVME][0]
+    tried = len(writes)
+    now[0] += 0.5
+    mgr.tick()
+    assert len(writes) == tried, "no write tried within WRITE_PROBE_EVERY_S of the last"
+    failing[0] = False  # the disk has room again
+    now[0] += 0.5
+    with caplog.at_level(logging.INFO, logger="dflash2.placement"):
+        mgr.tick()
+    assert now[0] < until and Tier.NVME not in pl.write_backoff and pl.lower(Tier.DRAM) == Tier.NVME
+    assert writes[tried] == 1, "the probe writes one block"
+    placed = mgr.stats()["placement"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 1, placed  # the probe's block, then the drain's
+    assert mgr.stats()["tiers"]["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].low * 64) + 1
+    said = [r.getMessage() for r in caplog.records if "work again" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"writes to nvme work again after 8\.0 s backing off \(a probe", said[0]), said
+    assert_cached(mgr, range(1, 63))
+
+
+def test_a_failing_probe_loses_nothing_and_leaves_the_back_off_as_it_was(mgr, monkeypatch, clock, caplog):
+    """While the disk stays full, a probe a second fails: its block stays in DRAM (nothing dropped,
+    nothing lost), the back-off keeps its end and length (not doubled), no warning is logged again,
+    and no probe comes sooner than a second after the last."""
+    dram_full_of_idle_blocks(mgr, clock)
+    pl = mgr.placement
+    now, failing, writes = backing_off_for(mgr, monkeypatch, 4.0)
+    off, backoffs, tried = pl.write_backoff[Tier.NVME], pl.stats.write_backoffs, len(writes)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.placement"):
+        for k in range(1, 4):
+            now[0] += 0.5
+            mgr.tick()
+            assert len(writes) == tried + k - 1, "at most one probe a second"
+            now[0] += 0.5
+            mgr.tick()
+            assert len(writes) == tried + k and writes[-1] == 1, "one probe of one block"
+            assert pl.write_backoff[Tier.NVME] == off and pl.stats.write_backoffs == backoffs
+    assert not [r for r in caplog.records if r.name == "dflash2.placement"], "a failed probe says nothing more"
+    placed = mgr.stats()["placement"]
+    assert placed["evicted"] == 0 and placed["demoted"] == 0, placed
+    assert mgr.stats()["tiers"]["dram"]["blocks"] == 62 and mgr.stats()["tiers"]["nvme"]["blocks"] == 0
+    assert_cached(mgr, range(1, 63))
+
+
+def test_a_probe_moves_a_leaf_never_a_parent_above_its_children(mgr, monkeypatch, clock):
+    """DRAM full of two-block chains whose roots are the coldest blocks: the probe's block is a
+    leaf (its parent stays in DRAM), so no block ever lies below its child."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    for c in range(31):
+        clock.advance(1)
+        vids = mgr.allocate(a, lid, 2, tier=Tier.DRAM)
+        keys = [1000 * c + 1, 1000 * c + 2]
+        for v, k in zip(vids.tolist(), keys):
+            mgr.view(v)[:] = pattern(k)
+        mgr.free(a, mgr.commit(a, vids, keys=keys))
+    pl = mgr.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl.write_backoff[Tier.NVME] = (160.0, 60.0)  # as after long failing retries
+    pl.probe_writes()  # (set by hand, no failed write on record: probed a second after it is seen)
+    assert mgr.stats()["tiers"]["nvme"]["blocks"] == 0
+    now[0] = 101.0
+    pl.probe_writes()
+    assert Tier.NVME not in pl.write_backoff
+    c = mgr.table.cols
+    on_nvme = np.flatnonzero((c.tier == int(Tier.NVME)) & (c.state != 0))
+    assert len(on_nvme) == 1 and c.parent[on_nvme[0]] != NO_ROW, "one block, a chain's leaf"
+    assert c.tier[c.parent[on_nvme[0]]] == int(Tier.DRAM)
+    assert_prefix_order(mgr)
+    assert_cached(mgr, [1000 * c + i for c in range(31) for i in (1, 2)])
+
+
+# -- quarantine: slots whose own writes fail with EIO are never handed out again -------------------
+
+def bad_slots(m, monkeypatch, offsets, err=errno.EIO) -> None:
+    """Every write that touches these NVMe slots (offsets in the tier) fails with `err`, as a disk
+    with a bad region there answers (the staging I/O wrappers call os.pwritev)."""
+    fd = m.arenas[Tier.NVME]._fd
+    bad = [(HEADER_BYTES + o, HEADER_BYTES + o + SLOT) for o in offsets]
+    real = os.pwritev
+
+    def pwritev(f, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if f == fd and any(offset < e and offset + n > s for s, e in bad):
+            raise OSError(err, os.strerror(err))
+        return real(f, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+
+def down_to_nvme(m, a, lid, keys) -> np.ndarray:
+    """Publish one block per key (roots), move them to DRAM, then to NVMe; the NVMe move's mask."""
+    rows = m.table.rows(publish(m, a, lid, keys, chained=False))
+    assert m.mover.move(rows, Tier.DRAM).all()
+    return m.mover.move(rows, Tier.NVME)
+
+
+def test_slots_whose_writes_fail_with_eio_are_never_handed_out_again(mgr, monkeypatch, caplog):
+    """Two bad slots in NVMe: the batch that takes them writes its other blocks (written again one
+    by one) and sets those two aside; filling NVMe then uses every other slot and never those two
+    again. Before, they went back to the free pool, and each batch that took them failed whole."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    bad = [2 * SLOT, 5 * SLOT]
+    bad_slots(mgr, monkeypatch, bad)
+    nvme_alloc = mgr.table.allocators[Tier.NVME]
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        moved = down_to_nvme(mgr, a, lid, list(range(1, 33)))
+    assert moved.sum() == 30
+    assert sorted(nvme_alloc.quarantined_offsets().tolist()) == bad
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash2.quarantine"]
+    assert len(lines) == 1 and lines[0].startswith("2 nvme slots (32768 bytes") and "32768 bytes (1.56% of nvme)" in lines[0]
+    tier = mgr.stats()["tiers"]["nvme"]
+    assert tier["quarantined_bytes"] == 2 * SLOT and tier["capacity_bytes"] == nvme_alloc.arena_bytes - 2 * SLOT
+    assert tier["used_bytes"] + tier["free_bytes"] == tier["capacity_bytes"], tier
+    mgr.check_invariants()
+    for r in range(1, 4):  # 96 more blocks: 94 fit in the 96 slots left
+        down_to_nvme(mgr, a, lid, list(range(1 + 32 * r, 33 + 32 * r)))
+        mgr.check_invariants()
+    stuck = mgr.table.rows([p.vid for p in mgr.lookup([3, 6])])
+    assert not mgr.mover.move(stuck, Tier.NVME).any(), "NVMe is full: no room for the two blocks left in DRAM"
+    c = mgr.table.cols
+    offsets = c.offset[np.flatnonzero((c.tier == int(Tier.NVME)) & (c.state != 0))]
+    assert len(offsets) == 126 and not np.isin(offsets, bad).any()
+    assert sorted(set(range(0, 128 * SLOT, SLOT)) - set(offsets.tolist())) == bad, "every other slot is used"
+    tier = mgr.stats()["tiers"]["nvme"]
+    assert tier["free_bytes"] == 0 and mgr.placement.used_fraction(Tier.NVME) == 1.0, tier
+    assert_cached(mgr, range(1, 129))
+    assert mgr.mover.stats[(Tier.DRAM, Tier.NVME)].failed_blocks == 2
+
+
+def test_slots_whose_writes_fail_for_a_full_disk_are_used_again(mgr, monkeypatch):
+    """ENOSPC is the disk's state, not the slot's: the batch fails whole (its blocks stay in DRAM),
+    nothing is set aside, and once the disk has room the same slots take blocks."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    bad_slots(mgr, monkeypatch, [2 * SLOT, 5 * SLOT], err=errno.ENOSPC)
+    assert not down_to_nvme(mgr, a, lid, list(range(1, 33))).any()
+    assert mgr.stats()["tiers"]["nvme"]["quarantined_bytes"] == 0
+    monkeypatch.undo()
+    rows = mgr.table.rows([p.vid for p in mgr.lookup(list(range(1, 33)))])
+    assert mgr.mover.move(rows, Tier.NVME).all()
+    assert sorted(mgr.table.cols.offset[rows].tolist()) == list(range(0, 32 * SLOT, SLOT))
+    assert_cached(mgr, range(1, 33))
+
+
+def test_a_bad_region_no_longer_makes_nvme_back_off_again_and_again(mgr, monkeypatch, clock):
+    """Requests through the manager with a bad region of four slots under NVMe: the drains' batches
+    that meet it write their other blocks, and NVMe never backs off; it fills but for those slots.
+    (Before: each such batch failed whole and started a back-off, the slots went back to the pool
+    and the next batch took them again: about a third of NVMe in use in a helper's run.)"""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    bad_slots(mgr, monkeypatch, [o * SLOT for o in (1, 40, 41, 90)])
+    for c in range(16):  # 256 blocks in chains of 16: room for 64 + 64 + 124
+        vids = mgr.allocate(a, lid, 16)
+        assert vids is not None, mgr.allocate_refusal
+        keys = [1000 * c + i + 1 for i in range(16)]
+        for v, k in zip(vids.tolist(), keys):
+            mgr.view(v)[:] = pattern(k)
+        mgr.free(a, mgr.commit(a, vids, keys=keys))
+        mgr.tick()
+    assert mgr.placement.stats.write_backoffs == 0
+    tier = mgr.stats()["tiers"]["nvme"]
+    assert tier["quarantined_bytes"] == 4 * SLOT
+    assert tier["blocks"] >= 124 - 8, tier  # full but for its low watermark's slack, at most
+    assert_prefix_order(mgr)
+    mgr.check_invariants()
+
+
+def test_past_a_twentieth_of_the_tier_set_aside_the_disk_is_failing_and_its_failures_count_again(mgr, monkeypatch,
+                                                                                                   caplog):
+    """Eight bad slots of 128 (over FAILING_FRACTION): said once, as an error. Slots that fail from
+    then on are still set aside, but their failures are the disk's again (back-offs), so that a disk
+    failing every write does not lose all of its slots within seconds."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    bad_slots(mgr, monkeypatch, [o * SLOT for o in (*range(8), 40, 41)])
+    stats = mgr.mover.stats[(Tier.DRAM, Tier.NVME)]
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        assert down_to_nvme(mgr, a, lid, list(range(1, 33))).sum() == 24
+        assert stats.slot_failed_blocks == 8 and mgr.mover.disk_failed_into(Tier.NVME) == 0
+        assert down_to_nvme(mgr, a, lid, list(range(33, 65))).sum() == 30
+    assert stats.failed_blocks == 10 and mgr.mover.disk_failed_into(Tier.NVME) == 2
+    assert mgr.stats()["tiers"]["nvme"]["quarantined_bytes"] == 10 * SLOT
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "6.2% of nvme is set aside" in errors[0] and "is failing" in errors[0], errors
+    mgr.check_invariants()
+
+
+# -- the allocator's side ---------------------------------------------------------------------------
+
+def test_quarantined_slots_leave_capacity_not_enter_used_and_bad_requests_are_refused():
+    alloc = SlotAllocator(8 * 4096, 4096, 4096)
+    got = alloc.alloc(4096, 4)
+    alloc.free(4096, got[1:3])
+    with pytest.raises(ArenaError, match="quarantine of slot 0 .*not a free slot"):
+        alloc.quarantine(4096, [0])  # in use
+    with pytest.raises(ArenaError, match=r"quarantine of slot 4096 .*listed twice"):
+        alloc.quarantine(4096, [4096, 4096])
+    assert alloc.quarantine(4096, got[1:3]) == 2 * 4096
+    with pytest.raises(ArenaError, match="not a free slot"):
+        alloc.quarantine(4096, got[1:2])  # quarantined already
+    st = alloc.stats()
+    assert st["capacity_bytes"] == 6 * 4096 and st["quarantined_bytes"] == 2 * 4096
+    assert st["used_bytes"] == 2 * 4096 and st["free_bytes"] == 4 * 4096 and st["page_tail_waste_bytes"] == 0
+    rest = alloc.alloc(4096, 4)
+    assert rest is not None and not np.isin(rest, got[1:3]).any() and alloc.alloc(4096, 1) is None
+    with pytest.raises(ArenaError, match="not in use"):
+        alloc.free(4096, got[1:2])  # never to be freed again either
+    alloc.free(4096, np.concatenate([got[[0, 3]], rest]))
+    assert alloc.blocks_free(8192) == 2, "a quarantined slot's page never goes to another size"
+    assert sorted(alloc.quarantined_offsets().tolist()) == sorted(got[1:3].tolist())
