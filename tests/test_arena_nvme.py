@@ -226,6 +226,20 @@ def test_a_cache_file_is_reused_and_an_empty_file_becomes_one(tmp_path):
         b.remove()
 
 
+@pytest.mark.parametrize("where", ["open", "test write"])
+def test_an_io_error_in_the_o_direct_probe_refuses_the_tier_instead_of_falling_back(tmp_path, monkeypatch,
+                                                                                    caplog, where):
+    """EIO while the tier tries O_DIRECT is a failing disk, not a filesystem without O_DIRECT: falling
+    back to buffered I/O (as before) hid it, the kernel failing the writes later, out of sight."""
+    def eio(*args):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(nvme, "_open_direct" if where == "open" else "pwrite_all", eio)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena.nvme"):
+        with pytest.raises(ArenaError, match="I/O error.*failing.*nvme_capacity_mb"):
+            NvmeArena(tmp_path / "failing.bin", CAP, staging_bytes=STAGING)
+    assert not [r for r in caplog.records if "O_DIRECT is unavailable" in r.getMessage()]
+
+
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
     # This kernel's tmpfs accepts O_DIRECT (Linux >= 6.6), so refuse it the way older tmpfs does.
     def refuse(path):

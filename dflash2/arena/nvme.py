@@ -137,6 +137,14 @@ def is_foreign(head: bytes) -> bool:
     return bool(head) and head != HEADER
 
 
+def _refuse_failing_disk(path: str, error: OSError) -> None:
+    """(The O_DIRECT probe) an I/O error means a failing disk, not a filesystem without O_DIRECT."""
+    if error.errno == errno.EIO:
+        raise ArenaError(f"NVMe tier: writing the header page of {path} failed with an I/O error ({error}): the "
+                         "disk under memory.nvme_path is failing; replace it, or set memory.nvme_capacity_mb "
+                         "to 0 to run without the NVMe tier") from error
+
+
 class NvmeArena(StorageArena):
     alignment = ALIGN
 
@@ -236,10 +244,13 @@ class NvmeArena(StorageArena):
                                 f"preallocation failed: {e}") from e
 
     def _open_for_io(self) -> bool:
-        """Use O_DIRECT where an aligned test write succeeds; otherwise buffered I/O, said once."""
+        """Use O_DIRECT where an aligned test write succeeds; otherwise buffered I/O, said once. An I/O
+        error (EIO) is the disk's, not O_DIRECT's: the tier is refused (ArenaError), where it used to
+        fall back to buffered I/O, whose writes the kernel would then fail later and out of sight."""
         try:
             fd = _open_direct(self.path)
         except OSError as e:
+            _refuse_failing_disk(self.path, e)
             reason = e
         else:
             try:
@@ -250,6 +261,7 @@ class NvmeArena(StorageArena):
                 return True
             except OSError as e:
                 os.close(fd)
+                _refuse_failing_disk(self.path, e)
                 reason = e
         log.warning("O_DIRECT is unavailable on the filesystem of %s (%s); the NVMe tier uses buffered I/O",
                     self.path, reason, extra={"event": "dflash2_fallback", "what": "nvme_io",
