@@ -7,7 +7,10 @@ its low watermark (or `--seconds` passed):
 
 - `back_to_back`: each lookup sent when the last was answered;
 - `random_times`: lookups due at Poisson times `--gap-ms` apart on average, each timed from when it
-  was due (a late one makes the next late, as an engine's requests would be).
+  was due (a late one makes the next late, as an engine's requests would be);
+- `allocate_back_to_back`: instead of a lookup, a one-block allocation in HBM (freed at once), each
+  sent when the last was answered: a call that may move blocks, which waits for a drain piece's
+  copies in flight (a lookup does not).
 
 One line per phase: `n`, `p50_ms`, `p90_ms`, `p99_ms`, `max_ms`, `mean_ms`, `drain_s` (until DRAM
 was at 0.51 or less, or the phase's time was up: `drained` says which) and `dram_end`; and from the
@@ -33,6 +36,7 @@ LAYOUT = Layout("bench-drain", num_layers=2, num_kv_heads=2, head_dim=64, dtype=
 FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
 DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
 STATS_EVERY = 200  # lookups between two looks at DRAM's fill (a stats call)
+PHASES = ("back_to_back", "random_times", "allocate_back_to_back")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +59,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             with Client.connect(endpoint, name="bench-writer", layouts=[LAYOUT]) as writer:
                 probe = _probe(writer)
                 rows = []
-                for phase in ("back_to_back", "random_times"):
+                for phase in PHASES:
                     _fill(writer, args.dram_mb)
                     with Client.connect(endpoint, name="bench-looker", layouts=[LAYOUT]) as looker:
-                        rows.append({"phase": phase, "dram_mb": args.dram_mb,
-                                     **_lookups(looker, probe, phase == "random_times", args)})
+                        rows.append({"phase": phase, "dram_mb": args.dram_mb, **_lookups(looker, probe, phase, args)})
                     _wait_drained(writer, args.seconds)
                 return rows
         finally:
@@ -118,8 +121,10 @@ def _moved(client) -> tuple[int, int]:
     return st.get("bytes", 0), st.get("batches", 0)
 
 
-def _lookups(client, keys: list[int], random_times: bool, args) -> dict:
+def _lookups(client, keys: list[int], phase: str, args) -> dict:
+    """The phase's calls, timed, until DRAM is drained or the phase's time is up (module doc)."""
     rng = np.random.default_rng(1)
+    random_times = phase == "random_times"
     waits, used = [], _dram_used(client)
     moved, batches = _moved(client)
     started = due = time.perf_counter()
@@ -130,8 +135,15 @@ def _lookups(client, keys: list[int], random_times: bool, args) -> dict:
             if ahead > 0:
                 time.sleep(ahead)
         sent = due if random_times else time.perf_counter()
-        client.lookup(keys)
-        waits.append(time.perf_counter() - sent)
+        if phase == "allocate_back_to_back":
+            placed = client.allocate(client.layouts[0], 1)
+            waits.append(time.perf_counter() - sent)
+            if placed is None:
+                raise RuntimeError("bench drain: HBM refused a one-block allocation")
+            client.free(placed["vid"])
+        else:
+            client.lookup(keys)
+            waits.append(time.perf_counter() - sent)
         if len(waits) % STATS_EVERY == 0:
             used = _dram_used(client)
     ms = np.asarray(waits) * 1e3
