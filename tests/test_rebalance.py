@@ -100,6 +100,21 @@ def test_a_drain_sizes_its_pieces_by_its_measured_rate(make_manager, clock, monk
     mgr.check_invariants()
 
 
+def test_a_piece_is_no_larger_than_its_copies_move_in_its_time(make_manager, clock, monkeypatch):
+    """A piece's copies may be left in flight, and a call that settles them waits for what is left:
+    sized by the loop's time alone, a piece of DRAM drained to NVMe grew to 40 MB of writes (32 ms
+    of waiting for an allocation on the H200 host). The path's measured bandwidth caps it too."""
+    mgr, _, _ = full_of_aged_blocks(make_manager, clock, monkeypatch, 3200, low=0.5)
+    pl = mgr.placement
+    block = 16384
+    pl._drain_rate[Tier.HBM] = 400 * block  # the loop's time alone: 20 blocks in 0.05 s
+    assert pl._piece_bytes(Tier.HBM, 0.05) == 20 * block
+    mgr.read_cost.observe(Tier.HBM, Tier.DRAM, 1 << 30, (1 << 30) / (100 * block))  # copies: 100 blocks/s
+    assert pl._piece_bytes(Tier.HBM, 0.05) == 5 * block
+    mgr.read_cost.observe(Tier.HBM, Tier.DRAM, 1 << 40, 1e-3)  # copies far faster than the loop
+    assert pl._piece_bytes(Tier.HBM, 0.05) == 20 * block
+
+
 def test_draining_tiers_share_the_steps_budget(make_manager, clock, monkeypatch):
     """Every tier over its high watermark drains in the same step, slowest first, each for an equal
     part of what is left of the budget (and one piece whatever the time). Before, the first tier's
