@@ -301,3 +301,18 @@ def test_quarantined_slots_leave_capacity_not_enter_used_and_bad_requests_are_re
     alloc.free(4096, np.concatenate([got[[0, 3]], rest]))
     assert alloc.blocks_free(8192) == 2, "a quarantined slot's page never goes to another size"
     assert sorted(alloc.quarantined_offsets().tolist()) == sorted(got[1:3].tolist())
+
+
+def test_quarantine_warnings_are_said_once_a_minute_per_tier(mgr, caplog):
+    """A bad region met batch after batch: one warning a minute, the rest counted in the next line
+    (soak4: 241 warnings in 90 s of drains over a bad region)."""
+    q = mgr.mover.quarantine
+    alloc = mgr.table.allocators[Tier.NVME]
+    offsets = alloc.alloc(LAYOUT.block_bytes, 4)  # (3% of the test NVMe: below FAILING_FRACTION)
+    alloc.free(LAYOUT.block_bytes, offsets)
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        for o in offsets.tolist():
+            assert q.set_aside(Tier.NVME, np.array([o]), np.array([LAYOUT.block_bytes]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash2.quarantine"]
+    assert len(lines) == 1, lines
+    assert sorted(alloc.quarantined_offsets().tolist()) == sorted(offsets.tolist())
