@@ -109,7 +109,8 @@ class Client:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
-        self._transport = Transport(endpoint, timeout_s)
+        # A call in progress when the daemon is killed ends then, not after its whole timeout.
+        self._transport = Transport(endpoint, timeout_s, gone=self._arenas_gone)
         self._layouts: dict[int, Layout] = {}
         self._held = HeldPlaces()  # the blocks this client may view by vid now
         self._arenas: ArenaMap | None = None
@@ -181,7 +182,7 @@ class Client:
             threads.start(self._heartbeat_thread)
 
     def _beat(self) -> None:
-        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s))
+        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s), gone=self._arenas_gone)
         transport.token = self._token
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
@@ -197,6 +198,12 @@ class Client:
                     return
         finally:
             transport.close()
+
+    def _arenas_gone(self) -> bool:
+        """Whether the daemon whose memory this client maps has ended (no side effects: the test a
+        waiting call makes; _daemon_gone acts on it). False before the attach has mapped anything."""
+        arenas = self._arenas
+        return arenas is not None and arenas.daemon_gone()
 
     def _daemon_gone(self) -> bool:
         """After a call that no daemon answered: whether the daemon this client attached to has ended

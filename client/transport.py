@@ -7,6 +7,9 @@ may still run in a daemon that was only slow; the client never learns what it go
 first tells the daemon to `forget` the call: given back if it ran, refused if it arrives later. A
 `forget` is sent again on every new socket until the daemon answers it: one queued on a socket that
 the next timeout throws away would otherwise be lost with it.
+A call waits in slices of GONE_CHECK_S and asks its `gone` test (the client's: nothing holds the
+daemon's liveness object or segments any more) after each: a daemon killed while a call waits ends
+the call at once instead of after the whole request_timeout_s.
 Not thread-safe on its own: the client serialises calls with a lock, and the heartbeat thread has a
 transport of its own (ZeroMQ sockets must not be shared between threads).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -42,13 +46,15 @@ def pid_namespace() -> int | None:
 
 
 MAX_FORGETS = 8  # unanswered `forget`s kept to send again (daemon.service.KEEP_CALLS)
+GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
 
 
 class Transport:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, *, context: zmq.Context | None = None,
-                 version: int = P.VERSION):
+                 version: int = P.VERSION, gone: Callable[[], bool] | None = None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
         self.version = version  # only tests speak another version
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
@@ -114,19 +120,19 @@ class Transport:
             self._send_forgets()
             raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}") from None
         while True:
-            left_ms = (deadline - time.monotonic()) * 1000
-            if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
-                self.reset()
-                undo = ""
-                if op in P.UNDOABLE and client is not None:
-                    self._forgets[next(self._ids)] = (client, call_id)
-                    while len(self._forgets) > MAX_FORGETS:  # the daemon keeps no more than that either
-                        del self._forgets[next(iter(self._forgets))]
-                    undo = "; asked it to give back whatever the call handed out, should it run"
-                if self._forgets and not self._send_forgets():
-                    undo = ""
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                undo = self._give_up(op, client, call_id)
                 raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
                                         f"{timeout:g}s (daemon gone or stuck{undo})")
+            if not self._sock.poll(max(1, int(min(left_s, GONE_CHECK_S) * 1000)), zmq.POLLIN):
+                if self.gone is not None and self.gone():
+                    waited = timeout - (deadline - time.monotonic())
+                    undo = self._give_up(op, client, call_id)
+                    raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint} ended while this call "
+                                            f"waited {waited:.2f}s for its reply (nothing holds its liveness "
+                                            f"object or shared memory any more{undo})")
+                continue
             reply_frames = self._sock.recv_multipart(copy=True)
             try:
                 reply = P.decode_reply(reply_frames)
@@ -143,3 +149,18 @@ class Transport:
                     raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
                 raise DaemonError(reply.error_type, reply.error_message)
             return reply
+
+    def _give_up(self, op: P.Op, client: int | None, call_id: int) -> str:
+        """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),
+        and, for a call that hands something out, a `forget` queued on it (module docstring). Returns
+        what the error says of that `forget` ("" when none could be queued)."""
+        self.reset()
+        undo = ""
+        if op in P.UNDOABLE and client is not None:
+            self._forgets[next(self._ids)] = (client, call_id)
+            while len(self._forgets) > MAX_FORGETS:  # the daemon keeps no more than that either
+                del self._forgets[next(iter(self._forgets))]
+            undo = "; asked it to give back whatever the call handed out, should it run"
+        if self._forgets and not self._send_forgets():
+            undo = ""
+        return undo

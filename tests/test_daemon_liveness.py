@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 
 import pytest
@@ -96,6 +97,55 @@ def test_a_killed_daemon_is_found_by_its_liveness_object_alone(daemon, monkeypat
             time.sleep(0.05)
         with pytest.raises(ArenaError):
             c.view_bytes(0)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("segments_tell", [True, False])
+def test_a_call_waiting_when_the_daemon_is_killed_ends_then_not_at_its_timeout(daemon, monkeypatch, segments_tell):
+    # Before, a call in progress waited out its whole timeout (request_timeout_s, 5 s by default)
+    # for a daemon that was already gone; the serving process's step stalled that long.
+    if not segments_tell:  # as a GPU daemon with HBM alone: the liveness object alone tells
+        monkeypatch.setattr(SharedMemoryArena, "creator_gone", lambda self: False)
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False, timeout_s=60.0)
+    names = [a["name"] for a in c.arena_info]
+    ended: list = []
+
+    def lookup() -> None:
+        start = time.monotonic()
+        try:
+            c.lookup([1])
+        except DaemonUnavailable as e:
+            ended.append((time.monotonic() - start, str(e)))
+
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)  # the call is sent and waits: nobody answers
+        waiting = threading.Thread(target=lookup)
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and not ended
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait()
+        waiting.join(timeout=30.0)
+        assert not waiting.is_alive(), "the call still waits for a daemon that was killed"
+        (took, said), = ended
+        assert took < 10.0 and "ended while this call waited" in said, (took, said)
+        assert c.lease_lost and mapped(names) == [], mapped(names)  # _daemon_gone let its mappings go
+    finally:
+        c.close()
+
+
+def test_a_stopped_daemon_is_not_taken_for_a_dead_one(daemon):
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False, timeout_s=0.5)
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable, match="no reply from dflash2d .* within 0.5s"):
+                c.lookup([1])
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert not c.lease_lost and not c._arenas_gone()
+        assert c.ping()["pid"] == daemon.pid
     finally:
         c.close()
 
