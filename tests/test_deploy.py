@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from dflash2.config import load_config
+from dflash2.quarantine import Quarantine
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -21,7 +22,41 @@ def _check(promtool: str, *args: str) -> str:
 
 
 def test_promtool_accepts_the_alert_rules(promtool):
-    assert "SUCCESS: 6 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+    assert "SUCCESS: 8 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+
+
+def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(promtool, tmp_path):
+    """promtool's rule unit test, on the shipped expressions (annotations left out: promtool compares
+    them whole; `check rules` above covers their templates). Node a sets 4 KiB of a 1 MiB tier aside,
+    b 64 KiB (over the daemon's 5%: the disk is failing), c nothing."""
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(doc))
+    mib = 1 << 20
+    series = []
+    for node, aside in (("a", 4096), ("b", 65536), ("c", 0)):
+        labels = f'job="dflash2",instance="{node}",tier="nvme"'
+        series.append({"series": f"dflash2_tier_quarantined_bytes{{{labels}}}", "values": f"0 0 {aside} {aside}"})
+        series.append({"series": f"dflash2_tier_capacity_bytes{{{labels}}}",
+                       "values": f"{mib} {mib} {mib - aside} {mib - aside}"})
+
+    def fired(alert: str, *nodes: str) -> list[dict]:
+        severity = "critical" if alert == "DFlash2NvmeDiskFailing" else "warning"
+        return [{"eval_time": "1m", "alertname": alert, "exp_alerts": []},
+                {"eval_time": "3m", "alertname": alert,
+                 "exp_alerts": [{"exp_labels": {"severity": severity, "instance": n}} for n in nodes]}]
+
+    test = {"rule_files": [str(rules)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "alert_rule_test": fired("DFlash2NvmeSlotsSetAside", "a", "b")
+                       + fired("DFlash2NvmeDiskFailing", "b")}]}
+    path = tmp_path / "test.yml"
+    path.write_text(yaml.safe_dump(test))
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_promtool_accepts_the_scrape_config(promtool):
@@ -38,6 +73,9 @@ def test_the_alerts_asked_for_are_there():
     assert "max by (instance, gpu)" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
     assert 'absent(up{job="dflash2"})' in rules["DFlash2NotScraped"]["expr"]
+    assert rules["DFlash2NvmeSlotsSetAside"]["labels"]["severity"] == "warning"
+    assert float(rules["DFlash2NvmeDiskFailing"]["expr"].rsplit(">", 1)[1]) == Quarantine.FAILING_FRACTION
+    assert rules["DFlash2NvmeDiskFailing"]["labels"]["severity"] == "critical"
     assert all(r["annotations"]["summary"] for r in rules.values())
 
 
