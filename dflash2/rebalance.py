@@ -33,7 +33,9 @@ class Rebalancing:
     # 80-110 ms a step: NVMe's evictions used the budget, and DRAM and HBM then had a piece each.)
     # The floor keeps a drain going where a piece's fixed cost (choosing its blocks: passes over the
     # table) alone outlasts half its part: sized by rate alone, each piece would then be smaller
-    # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor.
+    # than the last, down to one block a step. A tier's first piece, its rate unknown, is the floor;
+    # once a piece left in flight has measured that cost, the floor is no higher than what its copies
+    # move meanwhile (`_piece_bytes`).
     REBALANCE_BUDGET_S = 0.05
     REBALANCE_PIECE = 0.01
     REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
@@ -50,6 +52,9 @@ class Rebalancing:
         # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
+        # Seconds the last piece of each tier took of the loop with its copies left in flight (choosing
+        # its blocks, starting the copies): where the floor is needed at all (`_piece_bytes`).
+        self._piece_cost_s: dict[Tier, float] = {}
         # A drain piece between requests (`rebalance(defer=True)`) leaves its copies in flight: the
         # loop answers requests while the disk writes, where it waited for them (about half of a
         # piece of DRAM drained to NVMe: docs/measured-figures.md). `_deferring` is set while such
@@ -65,6 +70,9 @@ class Rebalancing:
         # Seconds `settle_when_done` has spent waiting for copies to end, watching for a request: the
         # loop's idle time, not the drain's (the server does not count it against the step's share).
         self.waited_s = 0.0
+        # Seconds `settle` has spent ending copies (waiting for them, landing their blocks): within a
+        # call (manager.py `settled`), the drain's use of the loop, which the server paces as a piece's.
+        self.settled_s = 0.0
 
     def rebalance(self, budget_s: float | None = None, yield_to: Callable[[float], bool] | None = None,
                   start: bool = True, defer: bool = False) -> None:
@@ -161,6 +169,8 @@ class Rebalancing:
             now = time.perf_counter()
             if freed > 0:
                 self._drain_rate[tier] = freed / max(now - started, 1e-6)
+            if defer and self._in_flight:
+                self._piece_cost_s[tier] = now - started
             if done or now >= until or self._in_flight or (yield_to is not None and yield_to(0.0)):
                 # The rest in the next calls (each draining tier gets a piece a step); one piece a call
                 # while its copies run (the next call waits for them, or gives way to a request).
@@ -180,12 +190,14 @@ class Rebalancing:
         those not done): each block lands where its copy succeeded and stays where it was
         otherwise, as a move that ended at once would have left it. One that fails to end is logged
         and the others still end: the call that settles them is not theirs to fail."""
+        began = time.perf_counter()
         while self._in_flight:
             _, end = self._in_flight.pop(0)
             try:
                 end()
             except Exception:
                 log.exception("ending a drain piece's copies failed; its blocks stay where the failure left them")
+        self.settled_s += time.perf_counter() - began
 
     def settle_when_done(self, yield_to: Callable[[float], bool] | None, until: float) -> bool:
         """`settle` once the copies in flight have ended; meanwhile return False as soon as a
@@ -249,7 +261,12 @@ class Rebalancing:
         known. Nor more than its copies move in `seconds` at the path's measured bandwidth: a piece's
         copies are left in flight, and a call that must settle them waits for what is left of them
         (sized by the loop's time alone, pieces of DRAM drained to NVMe grew to 1% of a 4 GB tier,
-        30-40 ms of writes on the H200 host)."""
+        30-40 ms of writes on the H200 host).
+        The floor is for a piece whose fixed cost (choosing its blocks: passes over the table) would
+        outlast its copies; once a piece left in flight has measured that cost, it is no higher than
+        what the copies move meanwhile. Without that, the floor, a share of the tier's bytes, set
+        every piece of a large tier of large blocks, however fast they were chosen: about 35 ms of
+        NVMe writes a piece of a 128 GB tier, 130 ms of a 512 GB one, that an allocation waited for."""
         capacity = self.table.allocators[tier].capacity_bytes
         least = max(1, int(self.REBALANCE_MIN_PIECE * capacity))
         most = max(least, int(self.REBALANCE_PIECE * capacity))
@@ -259,4 +276,7 @@ class Rebalancing:
         copy = None if lower is None or self.read_cost is None else self.read_cost.bandwidth(tier, lower)
         if copy is not None:
             piece = min(piece, int(copy * seconds))
+            cost = self._piece_cost_s.get(tier)
+            if cost is not None:
+                least = max(1, min(least, int(copy * cost)))
         return max(least, min(most, piece))

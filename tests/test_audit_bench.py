@@ -257,6 +257,9 @@ def test_control_samples_its_floor_between_the_ops_rounds(capsys, monkeypatch):
     (["--dram-mb", "0"], "argument --dram-mb: must be a positive integer"),
     (["--gap-ms", "0"], "argument --gap-ms: must be a positive number"),
     (["--seconds", "inf"], "argument --seconds: must be a positive number"),
+    (["--block-kib", "48"], "argument --block-kib: must be a power of two from 16 to 4096, not 48"),
+    (["--block-kib", "8192"], "argument --block-kib: must be a power of two from 16 to 4096, not 8192"),
+    (["--nvme-mb", "0"], "argument --nvme-mb: must be a positive integer"),
 ])
 def test_drain_bad_options(capsys, argv, message):
     assert message in usage_error(capsys, "drain", *argv)
@@ -275,6 +278,7 @@ def test_drain_times_lookups_back_to_back_and_at_random_times_while_dram_drains(
         assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"], r
         # DRAM of 64 MB from 0.97 down to 0.5: about 30 MB went to NVMe, in batches
         assert 25 <= r["moved_mb"] <= 35 and r["batches"] > 0 and r["step_late_max_ms"] >= 0, r
+        assert (r["dram_mb"], r["nvme_mb"], r["block_kib"]) == (64, 128, 64), r
 
 
 # ---- the command's JSON -------------------------------------------------------------------------

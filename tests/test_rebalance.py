@@ -115,6 +115,27 @@ def test_a_piece_is_no_larger_than_its_copies_move_in_its_time(make_manager, clo
     assert pl._piece_bytes(Tier.HBM, 0.05) == 20 * block
 
 
+def test_the_floor_holds_a_piece_only_where_choosing_it_outlasts_its_copies(make_manager, clock, monkeypatch):
+    """The floor is a share of the tier's bytes (a sixteenth of 1%), for pieces whose fixed cost
+    would outlast their copies. It set every piece of a large tier whatever that cost: 80 MB of NVMe
+    writes a piece of a 128 GB DRAM tier, 35 ms that an allocation waited for. Once a piece left in
+    flight has measured its cost, the floor is no more than its copies move in that time."""
+    mgr, _, _ = full_of_aged_blocks(make_manager, clock, monkeypatch, 3200, low=0.5)
+    pl = mgr.placement
+    block = 16384
+    pl._drain_rate[Tier.HBM] = 400 * block  # the loop's time alone: 20 blocks in 0.05 s
+    mgr.read_cost.observe(Tier.HBM, Tier.DRAM, 1 << 30, (1 << 30) / (20 * block))  # copies: 20 blocks/s
+    assert pl._piece_bytes(Tier.HBM, 0.05) == 2 * block, "no cost measured: the floor (2 blocks), over the copies' 1"
+    pl._piece_cost_s[Tier.HBM] = 0.01  # chosen in 10 ms: the copies' 0.05 s (one block) sets it
+    assert pl._piece_bytes(Tier.HBM, 0.05) == block
+    pl._piece_cost_s[Tier.HBM] = 0.075  # chosen in 75 ms: copies as long (1.5 blocks)
+    assert pl._piece_bytes(Tier.HBM, 0.05) == int(1.5 * block)
+    pl._piece_cost_s[Tier.HBM] = 10.0  # however slow the choice, never over the floor
+    assert pl._piece_bytes(Tier.HBM, 0.05) == 2 * block
+    pl._piece_cost_s[Tier.HBM] = 0.0
+    assert pl._piece_bytes(Tier.HBM, 1e-9) == 1, "at least one byte: one block"
+
+
 def test_draining_tiers_share_the_steps_budget(make_manager, clock, monkeypatch):
     """Every tier over its high watermark drains in the same step, slowest first, each for an equal
     part of what is left of the budget (and one piece whatever the time). Before, the first tier's

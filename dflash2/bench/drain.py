@@ -1,7 +1,8 @@
 """`dflash2 bench drain`: lookups while a tier drains, the latency a serving engine sees then.
 
-Starts `dflash2d` on a temporary host-only config (DRAM of `--dram-mb`, NVMe twice that in the
-temporary folder, blocks of 64 KiB, DRAM's watermarks 0.9 / 0.5), and for each phase fills DRAM to
+Starts `dflash2d` on a temporary host-only config (DRAM of `--dram-mb`, NVMe of `--nvme-mb`, twice
+DRAM by default, in the temporary folder, blocks of `--block-kib`, 64 KiB by default, DRAM's
+watermarks 0.9 / 0.5), and for each phase fills DRAM to
 0.97 with idle cached blocks and times a one-key lookup until the drain has brought DRAM down to
 its low watermark (or `--seconds` passed):
 
@@ -32,7 +33,13 @@ from dflash2.bench import positive_float, positive_int
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
 
-LAYOUT = Layout("bench-drain", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=64)  # 64 KiB
+
+
+def layout(block_kib: int) -> Layout:
+    """The bench's blocks: 1 KiB a token (2 layers, 2 KV heads of 64 fp16), `block_kib` tokens."""
+    return Layout("bench-drain", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=block_kib)
+
+
 FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
 DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
 STATS_EVERY = 200  # lookups between two looks at DRAM's fill (a stats call)
@@ -40,41 +47,57 @@ PHASES = ("back_to_back", "random_times", "allocate_back_to_back")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dram-mb", type=positive_int, default=1024, help="DRAM tier in MB (default %(default)s); "
-                        "the NVMe file takes twice that in a temporary folder")
+    parser.add_argument("--dram-mb", type=positive_int, default=1024, help="DRAM tier in MB (default %(default)s)")
+    parser.add_argument("--nvme-mb", type=positive_int, default=None,
+                        help="NVMe tier in MB, a file in a temporary folder (default: twice --dram-mb)")
+    parser.add_argument("--block-kib", type=_block_kib, default=64,
+                        help="block size in KiB, a power of two from 16 to 4096 (default %(default)s): a large "
+                        "tier of large blocks has few blocks to choose from, a drain piece's fixed cost")
     parser.add_argument("--gap-ms", type=positive_float, default=1.0,
                         help="mean gap between lookups at random times, in ms (default %(default)s)")
     parser.add_argument("--seconds", type=positive_float, default=30.0,
                         help="most seconds a phase lasts if its drain does not end first (default %(default)s)")
 
 
+def _block_kib(text: str) -> int:
+    kib = positive_int(text)
+    if kib & (kib - 1) or not 16 <= kib <= 4096:
+        raise argparse.ArgumentTypeError(f"must be a power of two from 16 to 4096, not {kib}")
+    return kib
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     from dflash2.client import Client
 
+    block_kib = args.block_kib
+    nvme_mb = 2 * args.dram_mb if args.nvme_mb is None else args.nvme_mb
+    blocks = layout(block_kib)
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         folder = Path(tmp)
         endpoint = f"ipc://{folder}/d.sock"
-        daemon = _start_daemon(folder, endpoint, args.dram_mb)
+        daemon = _start_daemon(folder, endpoint, args.dram_mb, nvme_mb, blocks)
         try:
-            with Client.connect(endpoint, name="bench-writer", layouts=[LAYOUT]) as writer:
-                probe = _probe(writer)
+            with Client.connect(endpoint, name="bench-writer", layouts=[blocks]) as writer:
+                probe = _probe(writer, blocks)
                 rows = []
                 for phase in PHASES:
-                    _fill(writer, args.dram_mb)
-                    with Client.connect(endpoint, name="bench-looker", layouts=[LAYOUT]) as looker:
-                        rows.append({"phase": phase, "dram_mb": args.dram_mb, **_lookups(looker, probe, phase, args)})
+                    _fill(writer, args.dram_mb, blocks)
+                    with Client.connect(endpoint, name="bench-looker", layouts=[blocks]) as looker:
+                        rows.append({"phase": phase, "dram_mb": args.dram_mb, "nvme_mb": nvme_mb,
+                                     "block_kib": block_kib, **_lookups(looker, probe, phase, args)})
                     _wait_drained(writer, args.seconds)
                 return rows
         finally:
             _stop(daemon)
 
 
-def _start_daemon(folder: Path, endpoint: str, dram_mb: int):
+def _start_daemon(folder: Path, endpoint: str, dram_mb: int, nvme_mb: int, blocks: Layout):
+    block_mb = blocks.block_bytes >> 20
     cfg = {"enable": True, "device": {"kind": "host"},
-           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 32, "dram_capacity_mb": dram_mb,
-                      "nvme_capacity_mb": 2 * dram_mb, "nvme_path": str(folder / "nvme.cache"),
-                      "staging_buffer_size_mb": 8, "page_kb": 256},
-           "kv_block": {"block_size": LAYOUT.tokens_per_block, "prefetch_window": 4},
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": max(32, 32 * block_mb), "dram_capacity_mb": dram_mb,
+                      "nvme_capacity_mb": nvme_mb, "nvme_path": str(folder / "nvme.cache"),
+                      "staging_buffer_size_mb": max(8, 8 * block_mb), "page_kb": max(256, blocks.block_bytes >> 10)},
+           "kv_block": {"block_size": blocks.tokens_per_block, "prefetch_window": 4},
            "policy": {"name": "heat", "watermarks": {"dram": {"high": 0.9, "low": 0.5}}},
            "daemon": {"endpoint": endpoint, "state_dir": str(folder / "state")},
            "logging": {"format": "text", "level": "warning"}}
@@ -88,25 +111,25 @@ def _dram_used(client) -> float:
     return tier["used_bytes"] / tier["capacity_bytes"]
 
 
-def _probe(writer) -> list[int]:
+def _probe(writer, blocks: Layout) -> list[int]:
     """One cached block in HBM: the key every lookup asks for."""
     from dflash2.client import chain_keys
 
-    keys = chain_keys(np.arange(LAYOUT.tokens_per_block) + 99, LAYOUT.tokens_per_block, "bench-drain-probe")
+    keys = chain_keys(np.arange(blocks.tokens_per_block) + 99, blocks.tokens_per_block, "bench-drain-probe")
     placed = writer.allocate(writer.layouts[0], 1)
     writer.view_bytes(placed[0])[:] = 1
     writer.free(writer.commit(placed["vid"], keys=keys))
     return keys
 
 
-def _fill(writer, dram_mb: int) -> None:
+def _fill(writer, dram_mb: int, blocks: Layout) -> None:
     """DRAM up to FILL with idle cached blocks (their bytes are not written: the drain copies what is there)."""
     from dflash2.client import chain_keys
 
     lid = writer.layouts[0]
-    want = (int(dram_mb * FILL) << 20) // LAYOUT.block_bytes - (int(_dram_used(writer) * dram_mb) << 20) // LAYOUT.block_bytes
-    keys = chain_keys(np.arange(LAYOUT.tokens_per_block * max(want, 0)) + time.monotonic_ns(),
-                      LAYOUT.tokens_per_block, "bench-drain-fill")
+    want = (int(dram_mb * FILL) << 20) // blocks.block_bytes - (int(_dram_used(writer) * dram_mb) << 20) // blocks.block_bytes
+    keys = chain_keys(np.arange(blocks.tokens_per_block * max(want, 0)) + time.monotonic_ns(),
+                      blocks.tokens_per_block, "bench-drain-fill")
     for start in range(0, max(want, 0), 8192):
         n = min(8192, want - start)
         placed = writer.allocate(lid, n, tier="dram")
