@@ -2,9 +2,8 @@
 
 Starts `dflash2d` on a temporary host-only config (DRAM of `--dram-mb`, NVMe of `--nvme-mb`, twice
 DRAM by default, in the temporary folder, blocks of `--block-kib`, 64 KiB by default, DRAM's
-watermarks 0.9 / 0.5), and for each phase fills DRAM to
-0.97 with idle cached blocks and times a one-key lookup until the drain has brought DRAM down to
-its low watermark (or `--seconds` passed):
+watermarks 0.9 / 0.5), and for each phase fills DRAM to 0.97 with idle cached blocks and times a
+one-key lookup until the drain has brought DRAM down to its low watermark (or `--seconds` passed):
 
 - `back_to_back`: each lookup sent when the last was answered;
 - `random_times`: lookups due at Poisson times `--gap-ms` apart on average, each timed from when it
@@ -33,17 +32,15 @@ from dflash2.bench import positive_float, positive_int
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
 
+FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
+DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
+STATS_EVERY = 200  # lookups between two looks at DRAM's fill (a stats call)
+PHASES = ("back_to_back", "random_times", "allocate_back_to_back")
 
 
 def layout(block_kib: int) -> Layout:
     """The bench's blocks: 1 KiB a token (2 layers, 2 KV heads of 64 fp16), `block_kib` tokens."""
     return Layout("bench-drain", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=block_kib)
-
-
-FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
-DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
-STATS_EVERY = 200  # lookups between two looks at DRAM's fill (a stats call)
-PHASES = ("back_to_back", "random_times", "allocate_back_to_back")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
