@@ -251,8 +251,10 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
     nvme = mgr.arenas[Tier.NVME]
     write = nvme.write_blocks
 
+    release = threading.Event()  # the disk writes the piece once the call has waited 0.2 s
+
     def slow(offsets, sources):
-        time.sleep(0.2)
+        release.wait(10)
         return write(offsets, sources)
     monkeypatch.setattr(nvme, "write_blocks", slow)
     monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no piece for being idle: the step's share only
@@ -266,6 +268,7 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
         handled = svc.handle_frames
 
         def a_call_that_settles(frames):
+            threading.Timer(0.2, release.set).start()
             mgr.settle()  # as an allocation does first (manager.py `settled`): waits for the disk
             return handled(frames)
         monkeypatch.setattr(svc, "handle_frames", a_call_that_settles)
@@ -277,7 +280,7 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
         srv._answer(frames)
         peer.close(0)
         spent = mgr.placement.settled_s - before
-        assert spent >= 0.15 and not mgr.placement.in_flight
+        assert spent >= 0.2 and not mgr.placement.in_flight
         assert srv._piece_s == pytest.approx(piece_s + spent)
         assert srv._next_slice() >= srv._last_answer + server_mod.PIECE_SPACING * spent, \
             "the next piece would begin right after the call that waited for this one's copies"
