@@ -117,6 +117,8 @@ class Client:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.lease_lost = False
+        self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
+        self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self.client_id: int | None = None
         self._attach(layouts, heartbeat, prefill_tokens_per_s)
 
@@ -202,6 +204,8 @@ class Client:
     def _arenas_gone(self) -> bool:
         """Whether the daemon whose memory this client maps has ended (no side effects: the test a
         waiting call makes; _daemon_gone acts on it). False before the attach has mapped anything."""
+        if self._ended:  # found by the other thread (call or heartbeat), which let the mappings go
+            return True
         arenas = self._arenas
         return arenas is not None and arenas.daemon_gone()
 
@@ -212,15 +216,19 @@ class Client:
         GPU's HBM, mapped by CUDA IPC) are let go, views still alive keeping theirs: a restarted daemon
         takes its tiers anew, and while its clients held the dead one's a restart could fail for room
         (exit 4)."""
-        arenas = self._arenas
-        if arenas is None or not arenas.daemon_gone():
-            return False
-        if not self.lease_lost:
-            log.error("dflash2: the daemon at %s has ended (nothing holds its liveness object or shared memory "
-                      "any more); this client's session ended with it: attach again", self.endpoint)
-        self.lease_lost = True
-        arenas.close()
-        return True
+        with self._gone_lock:  # the call thread and the heartbeat thread find a killed daemon at once
+            if self._ended:
+                return True
+            arenas = self._arenas
+            if arenas is None or not arenas.daemon_gone():
+                return False
+            if not self.lease_lost:
+                log.error("dflash2: the daemon at %s has ended (nothing holds its liveness object or shared memory "
+                          "any more); this client's session ended with it: attach again", self.endpoint)
+            self.lease_lost = True
+            self._ended = True
+            arenas.close()
+            return True
 
     def detach(self) -> dict:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;

@@ -12,6 +12,7 @@ handle); `tensor_view` imports torch on first use.
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
@@ -35,6 +36,10 @@ class ArenaMap:
     def __init__(self, described: list[dict], liveness: str | None = None):
         self.arenas: dict[int, object] = {}  # SharedMemoryArena, or CudaArena for a GPU's HBM
         self.liveness: DaemonLiveness | None = None
+        # daemon_gone() and close() run on a client's call thread and its heartbeat thread at once
+        # (both find a killed daemon within GONE_CHECK_S and both let its mappings go): close() must
+        # not iterate a dict the other thread empties, nor a gone test flock a descriptor being closed.
+        self._lock = threading.Lock()
         name = check_name(liveness)  # a bad name refuses the attach before anything is mapped
         try:
             for d in described:
@@ -67,20 +72,22 @@ class ArenaMap:
         """Whether the daemon that mapped these arenas has ended: nothing holds its liveness object,
         or one of its shared-memory segments (`SharedMemoryArena.creator_gone`), any more. False
         where neither can tell (a GPU's HBM alone, from a daemon that names no liveness object)."""
-        liveness = self.liveness
-        if liveness is not None and liveness.gone():
-            return True
-        return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
+        with self._lock:
+            liveness = self.liveness
+            if liveness is not None and liveness.gone():
+                return True
+            return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
 
     def close(self) -> None:
-        for arena in self.arenas.values():
-            # Only unmaps (never unlinks). Live views keep their mapping; without any, a segment is
-            # unmapped now and a GPU arena's CUDA IPC mapping closed now (CudaArena's last hold).
-            arena.close()
-        self.arenas.clear()
-        if self.liveness is not None:
-            self.liveness.close()
-            self.liveness = None
+        with self._lock:
+            arenas, self.arenas = list(self.arenas.values()), {}
+            for arena in arenas:
+                # Only unmaps (never unlinks). Live views keep their mapping; without any, a segment is
+                # unmapped now and a GPU arena's CUDA IPC mapping closed now (CudaArena's last hold).
+                arena.close()
+            if self.liveness is not None:
+                self.liveness.close()
+                self.liveness = None
 
 
 def _open_liveness(name: str | None) -> DaemonLiveness | None:

@@ -240,6 +240,17 @@ def test_an_io_error_in_the_o_direct_probe_refuses_the_tier_instead_of_falling_b
     assert not [r for r in caplog.records if "O_DIRECT is unavailable" in r.getMessage()]
 
 
+def test_an_io_error_that_shows_at_the_probe_flush_only_refuses_the_tier(tmp_path, monkeypatch):
+    """soak5: on a failing disk the direct test write returned success (the kernel wrote the header
+    page _prepare had written through the page cache back first, failed, and did the direct write
+    buffered); the EIO showed at fsync only, and the tier was taken."""
+    def eio(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(nvme.os, "fdatasync", eio)
+    with pytest.raises(ArenaError, match="I/O error.*failing.*nvme_capacity_mb"):
+        NvmeArena(tmp_path / "failing.bin", CAP, staging_bytes=STAGING)
+
+
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
     # This kernel's tmpfs accepts O_DIRECT (Linux >= 6.6), so refuse it the way older tmpfs does.
     def refuse(path):

@@ -150,6 +150,76 @@ def test_a_stopped_daemon_is_not_taken_for_a_dead_one(daemon):
         c.close()
 
 
+def test_the_call_thread_and_the_heartbeat_thread_finding_the_daemon_gone_at_once(daemon, monkeypatch):
+    # soak5: a call and a heartbeat that wait when the daemon is killed both find it gone within
+    # GONE_CHECK_S, and both let its mappings go (_daemon_gone): one thread's ArenaMap.close iterated
+    # the dict the other emptied, and a client call raised RuntimeError (dictionary changed size during
+    # iteration) instead of DaemonUnavailable, or the heartbeat thread died of it.
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False, timeout_s=60.0)
+    names = [a["name"] for a in c.arena_info]
+    close = SharedMemoryArena.close
+
+    def slow_close(self):  # the munmap of a large populated segment: the other thread comes in meanwhile
+        time.sleep(0.2)
+        close(self)
+
+    monkeypatch.setattr(SharedMemoryArena, "close", slow_close)
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.proc.wait()
+    found: list = []
+    failed: list = []
+
+    def gone() -> None:
+        try:
+            found.append(c._daemon_gone())
+        except Exception as e:  # noqa: BLE001
+            failed.append(repr(e))
+
+    both = [threading.Thread(target=gone) for _ in range(2)]
+    try:
+        for t in both:
+            t.start()
+            time.sleep(0.05)
+        for t in both:
+            t.join(timeout=10.0)
+        assert failed == [] and found == [True, True], (failed, found)
+        assert c.lease_lost and mapped(names) == [], mapped(names)
+    finally:
+        c.close()
+
+
+def test_a_call_waiting_when_the_heartbeat_finds_the_daemon_gone_first_ends_then(daemon, monkeypatch):
+    # soak5: the heartbeat thread's _daemon_gone let the mappings go first; the waiting call's gone
+    # test then asked a closed ArenaMap (no liveness object, no segments: "not gone") and the call
+    # waited out its whole timeout (10 of 16 calls in progress at a kill -9 in soak5's kt run).
+    from dflash2.client import transport
+
+    monkeypatch.setattr(transport, "GONE_CHECK_S", 0.5)  # the heartbeat's test comes first, surely
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False, timeout_s=5.0)
+    ended: list = []
+
+    def lookup() -> None:
+        start = time.monotonic()
+        try:
+            c.lookup([1])
+        except DaemonUnavailable as e:
+            ended.append((time.monotonic() - start, str(e)))
+
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        waiting = threading.Thread(target=lookup)
+        waiting.start()
+        time.sleep(0.1)
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait()
+        assert c._daemon_gone()  # as the heartbeat thread does after its own call found the daemon gone
+        waiting.join(timeout=30.0)
+        (took, said), = ended
+        assert took < 2.0 and "ended while this call waited" in said, (took, said)
+    finally:
+        c.close()
+
+
 def test_a_liveness_object_that_cannot_be_opened_is_said_and_the_attach_works(daemon, caplog):
     os.unlink(alive_path(daemon.pid))  # someone cleaned /dev/shm under the daemon
     with caplog.at_level(logging.ERROR, logger="dflash2.client"):

@@ -257,6 +257,11 @@ class NvmeArena(StorageArena):
                 # The test write is the header page itself (the blocks after it hold nothing valid yet).
                 self._ring.np[:HEADER_BYTES] = np.frombuffer(HEADER.ljust(HEADER_BYTES, b"\0"), dtype=np.uint8)
                 pwrite_all(fd, self._ring.mv[:HEADER_BYTES], 0)
+                # _prepare wrote the same page through the page cache: the kernel writes it back
+                # before the direct write, and when that fails (EIO) it may do the direct write
+                # buffered as well and return success (soak5, ext4 on Linux 6.18): the error
+                # shows at the flush only.
+                os.fdatasync(fd)
                 self._fd = fd
                 return True
             except OSError as e:
