@@ -190,6 +190,8 @@ class Rebalancing:
         those not done): each block lands where its copy succeeded and stays where it was
         otherwise, as a move that ended at once would have left it. One that fails to end is logged
         and the others still end: the call that settles them is not theirs to fail."""
+        if not self._in_flight:
+            return  # nothing to end: no wait for a piece's copies (`settled_s`, the server's pacing)
         began = time.perf_counter()
         while self._in_flight:
             _, end = self._in_flight.pop(0)

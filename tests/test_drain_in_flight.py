@@ -287,3 +287,46 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
     finally:
         srv.close()
     mgr.check_invariants()
+
+
+def test_a_call_that_settles_nothing_does_not_put_off_the_next_piece(mgr, monkeypatch):
+    """soak6: `settle` with no copies in flight (`places` settles unconditionally, as does a reply
+    after which a prefetch window is due: manager.py `run_prefetch`) still added its microsecond to
+    `settled_s`; the server took the answer for one that waited for a piece's copies and moved the
+    last piece's end to it, so that calls coming back to back (readers' acquires, `places`) each put
+    the next piece off by PIECE_SPACING times a piece, and the step's share of the drain never came."""
+    from dflash2.daemon import server as server_mod
+    from dflash2.daemon.server import Server
+    from dflash2.daemon.service import Service
+    import zmq
+
+    dram_over_its_high_watermark(mgr)
+    monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no piece for being idle: the step's share only
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    srv = Server(svc, "inproc://pacing-nothing", tick_interval_s=30.0)
+    try:
+        srv._tick()
+        srv._drain_slice(wait=False)  # a piece: its copies left in flight ...
+        mgr.settle()  # ... and ended (by the step, or a call) before the next request
+        assert not mgr.placement.in_flight and srv._drain_owed_s > 0
+        ended, piece_s = srv._piece_ended, srv._piece_s
+        handled = svc.handle_frames
+
+        def a_call_that_settles_nothing(frames):
+            mgr.settle()  # as `places` does (service.py `_places`), and `run_prefetch` once a window is due
+            return handled(frames)
+        monkeypatch.setattr(svc, "handle_frames", a_call_that_settles_nothing)
+        peer = srv._ctx.socket(zmq.DEALER)
+        peer.connect("inproc://pacing-nothing")
+        before = mgr.placement.settled_s
+        for _ in range(3):
+            peer.send_multipart(P.encode_request(Op.PING, 1, None, {}))
+            srv._answer(srv._sock.recv_multipart())
+        peer.close(0)
+        assert mgr.placement.settled_s == before, "settling nothing is no wait for a piece's copies"
+        assert (srv._piece_ended, srv._piece_s) == (ended, piece_s)
+        assert srv._next_slice() == ended + server_mod.PIECE_SPACING * piece_s, \
+            "calls that waited for no copies put the next piece off"
+    finally:
+        srv.close()
+    mgr.check_invariants()
