@@ -208,8 +208,8 @@ class Server:
         self._last_answer = time.monotonic()
         spent = self._settled_s() - settled
         if spent > 0:
-            # The call ended a drain piece's copies first (manager.py `settled`: an allocation, a
-            # free, an acquire): its wait is that piece's use of the loop, so the next piece comes
+            # The call ended a drain piece's copies first (manager.py `settled`, `_settle_if`: an
+            # allocation that made room, a promotion, a reservation): its wait is that piece's use of the loop, so the next piece comes
             # PIECE_SPACING times the whole of it later. Counted by the slice's time alone, a piece
             # began right after each such answer, and every call back to back waited for a piece's
             # copies (one-block allocations back to back during a 48 GB drain on the H200 host: 8.95

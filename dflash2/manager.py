@@ -45,7 +45,9 @@ DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.90
 def settled(method):
     """(A BlockManager call that may pin, move, evict or free blocks) the drain copies left in flight
     end first (`Placement.settle`, rebalance.py): their blocks are MIGRATING until then, which a pin,
-    a move or an eviction must not meet, nor a free that the table would defer."""
+    a move or an eviction must not meet, nor a free that the table would defer. The calls of a
+    serving step (allocate, commit, free, acquire, release, add_ref) settle only when they meet the
+    flight instead (`BlockManager._settle_if`): an allocation from free room waited for the disk."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if self.placement.in_flight:
@@ -198,7 +200,6 @@ class BlockManager:
         self.admission.cancel(client, reservation_id)
 
     # -- block life ------------------------------------------------------------------------
-    @settled
     def allocate(self, client: int, layout_id: int, n: int, *, request: int = 0,
                  priority: int = 0, tier: Tier = Tier.HBM) -> np.ndarray | None:
         """n private blocks to write in `tier` (HBM by default; a host-side writer such as sglang's
@@ -206,7 +207,9 @@ class BlockManager:
         room when needed. None when the tier cannot hold them now (the caller reserves and waits;
         `allocate_refusal` says why); NeverFits when they exceed the whole tier; QuotaExceeded when
         the client would hold more of HBM than `admission.max_client_share`. In HBM the room that
-        reservations waiting at this priority or above need is left to them (they are ahead)."""
+        reservations waiting at this priority or above need is left to them (they are ahead).
+        Drain copies in flight are settled only when room must be made: an allocation from room
+        already free touches no block of theirs (their destination slots are taken already)."""
         if tier == Tier.NVME or tier not in self.specs:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
         # Refused before any room is made: demoting (or, on the last tier, dropping) every other
@@ -233,6 +236,7 @@ class BlockManager:
             # allocate of one block demoted the whole queue's room at once.
             return self._held_back(ahead, priority, held)
         if vids is None:
+            self._settle_if(placing=True)  # making room moves and evicts blocks
             need = n * slot + held
             if self.placement.lower(tier) is not None:
                 # Demote a whole batch at once, not block by block: a stream of one-block
@@ -254,8 +258,12 @@ class BlockManager:
                                  f"or above ({held} bytes): they are served first; reserve and wait")
         return None
 
-    @settled
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
+        """The client's written blocks are final (table/publish.py). Drain copies in flight are
+        settled first only when the commit meets one of their blocks: a cached twin that a key
+        deduplicates onto (its slot may be swapped, its references grow), or the parent it chains under."""
+        if self.placement.in_flight and keys is not None:
+            self._settle_if(self._keyed_rows(keys, parent))
         out = self.table.commit(client, vids, keys, parent)
         now = self.table.clock()
         recast = self.table.take_recast()
@@ -264,9 +272,11 @@ class BlockManager:
         self.policy.on_commit(self.table, self.table.rows(out), now)
         return out
 
-    @settled
     def free(self, client: int, vids) -> int:
         rows = self.table.rows(vids)
+        # Settled first when a block freed is in flight (the table would defer its free), or when the
+        # follow-up may grant a waiting reservation (which may make room: placement work).
+        self._settle_if(rows, placing=bool(self.admission.deferred))
         self.table.refuse_reserved(rows)  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
         idle = self._left_idle(rows)
@@ -344,7 +354,6 @@ class BlockManager:
         rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
-    @settled
     def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
@@ -353,6 +362,9 @@ class BlockManager:
         if up_to == Tier.NVME or up_to not in self.specs:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
+        # A block in flight cannot be pinned, and a promotion is placement work: either settles the
+        # drain copies first. A read of blocks already where it reads them leaves them running.
+        self._settle_if(rows, placing=bool((self.table.cols.tier[rows] > int(up_to)).any()))
         tiers = self.table.cols.tier[rows]
         held = (tiers > int(up_to)) & (self.table.cols.pins[rows] > 0)
         if held.any():
@@ -407,14 +419,15 @@ class BlockManager:
             self.settle()  # a prefetch promotes (`settled`)
             self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
 
-    @settled
     def release(self, client: int, vids) -> None:
+        """Unpin: a pinned block is never in flight (table.py `pin_rows`), so no drain copy is met."""
         self.table.unpin(client, vids)
 
-    @settled
     def add_ref(self, client: int, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they carry at least
-        that priority (a shared prefix is protected as the highest-priority request using it is)."""
+        that priority (a shared prefix is protected as the highest-priority request using it is).
+        A block in flight is settled first: it was chosen to leave as idle."""
+        self._settle_if(self.table.rows(vids))
         self.table.add_ref(client, vids)
         if priority is not None:
             self.table.raise_priority(self.table.rows(vids), priority)
@@ -533,6 +546,30 @@ class BlockManager:
                 log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
+    def _settle_if(self, rows: np.ndarray | None = None, placing: bool = False) -> None:
+        """Settle the drain copies in flight (rebalance.py `settle`) when a call meets them: it does
+        placement work (`placing`: makes room, promotes), or one of `rows` is in flight."""
+        if not self.placement.in_flight:
+            return
+        if placing or (rows is not None and len(rows)
+                       and (self.table.cols.state[rows] == int(BlockState.MIGRATING)).any()):
+            self.placement.settle()
+
+    def _keyed_rows(self, keys: Sequence[int], parent: int | None) -> np.ndarray:
+        """Rows a commit of `keys` under `parent` may touch beside its own: the cached twins of its
+        keys and the parent. Keys or a parent that the commit will refuse touch nothing."""
+        try:
+            found = self.table.keys.lookup(np.asarray(keys, dtype=np.uint64))
+        except (OverflowError, TypeError, ValueError):
+            found = np.zeros(0, dtype=np.int64)
+        found = np.asarray(found, dtype=np.int64)
+        found = found[found >= 0]
+        if parent is not None:
+            try:
+                found = np.append(found, self.table.rows([parent]))
+            except (UnknownBlock, OverflowError, TypeError, ValueError):
+                pass  # a parent that is not live: the commit says so
+        return found
     def _meets_flight(self, rows: np.ndarray, reader: Tier, probe: bool) -> bool:
         """Whether a lookup that found `rows` must wait for the drain copies in flight: one of them
         is in flight (the answer says where each block lies), or it would prefetch (a promotion)."""

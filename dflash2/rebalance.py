@@ -61,8 +61,9 @@ class Rebalancing:
         # a piece makes room; `_in_flight` holds what ends each piece's copies (`settle`), and
         # `_leaving_bytes` the bytes they take out of each tier. Invariant: no placement work runs while
         # copies are in flight: the next piece settles them first, and so does every BlockManager
-        # call that may pin, move, evict or free a block (manager.py `settled`), a lookup only when
-        # it finds a block in flight or would prefetch. Between, the blocks are MIGRATING: readable
+        # call that meets them: one that does placement work (makes room, promotes) or touches a
+        # block in flight (manager.py `settled`, `_settle_if`), a lookup when it finds a block in
+        # flight or would prefetch. Between, the blocks are MIGRATING: readable
         # where they were, pinned, freed or moved by nobody.
         self._deferring = False
         self._in_flight: list[tuple[Flight, Callable[[], object]]] = []

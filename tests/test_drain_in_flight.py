@@ -120,10 +120,11 @@ def test_a_lookup_that_meets_a_block_in_flight_answers_where_it_landed(mgr):
     assert places[0] == mgr.place(int(moving[0]))  # (on NVMe, or prefetched from there to HBM)
 
 
-@pytest.mark.parametrize("call", ["acquire", "free", "allocate", "tick", "place", "close"])
-def test_a_call_that_may_touch_blocks_settles_the_flight_first(mgr, call):
-    """An acquire of a block in flight would pin it under its move (IllegalTransition); any call
-    that may pin, move, evict or free settles first."""
+@pytest.mark.parametrize("call", ["acquire", "promote", "add_ref", "dedupe", "chain", "allocate_room",
+                                  "free_waiting", "tick", "place", "close"])
+def test_a_call_that_meets_the_flight_settles_it_first(mgr, call):
+    """An acquire of a block in flight would pin it under its move (IllegalTransition); a call that
+    meets a block in flight, or does placement work (makes room, promotes), settles first."""
     a, lid, vids = dram_over_its_high_watermark(mgr)
     key_of = {v: k for k, v in vids.items()}
     moving = start_a_piece(mgr)
@@ -133,13 +134,32 @@ def test_a_call_that_may_touch_blocks_settles_the_flight_first(mgr, call):
         assert [p.tier for p in places] == [Tier.HBM]
         assert np.array_equal(stored_bytes(mgr, target), pattern(key_of[target]))
         mgr.release(a, [target])
-    elif call == "free":
+    elif call == "promote":  # a DRAM block not in flight, read into HBM: a promotion
+        still = next(v for v in vids.values() if v not in set(moving.tolist()) and v != vids[1000])
+        assert [p.tier for p in mgr.acquire(a, [still])] == [Tier.HBM]
+        mgr.release(a, [still])
+    elif call == "add_ref":
+        mgr.add_ref(a, [target])
+        mgr.free(a, [target])
+    elif call == "dedupe":  # the key of a block in flight, written again: deduplicated onto it
         mine = mgr.allocate(a, lid, 1, tier=Tier.HBM)
-        mgr.settle()  # (allocate settled already; the flight is gone)
-        mgr.drain_slice(0.5, lambda within_s: True)
-        mgr.free(a, mine)
-    elif call == "allocate":
-        assert len(mgr.allocate(a, lid, 1, tier=Tier.DRAM)) == 1
+        assert mgr.placement.in_flight, "an allocation from free room leaves the flight running"
+        assert mgr.commit(a, mine, keys=[key_of[target]]).tolist() == [target]
+        mgr.free(a, [target])
+    elif call == "chain":  # a new block chained under a block in flight
+        mine = mgr.allocate(a, lid, 1, tier=Tier.HBM)
+        mgr.free(a, mgr.commit(a, mine, keys=[5000], parent=target))
+    elif call == "allocate_room":  # more blocks than DRAM has free: room is made
+        free = mgr.stats()["tiers"]["dram"]["free_bytes"] // LAYOUT.block_bytes
+        assert mgr.allocate(a, lid, free + 1, tier=Tier.DRAM) is not None
+    elif call == "free_waiting":  # a reservation waits: granting it after the free may make room
+        held = mgr.allocate(a, lid, 60, tier=Tier.HBM)  # HBM's 64 blocks: 60 held, 1 idle cached
+        waiting = mgr.reserve(a, lid, 10 * LAYOUT.tokens_per_block)
+        assert waiting.outcome.value == "deferred", waiting
+        mgr.drain_slice(0.5, lambda within_s: True)  # (the reserve settled the first piece)
+        assert mgr.placement.in_flight and mgr.admission.deferred
+        mgr.free(a, held[:10])
+        mgr.free(a, held[10:])
     elif call == "tick":
         mgr.tick(drain=False)
     elif call == "place":
@@ -148,6 +168,43 @@ def test_a_call_that_may_touch_blocks_settles_the_flight_first(mgr, call):
         mgr.close()
         return
     assert not mgr.placement.in_flight
+    mgr.check_invariants()
+
+
+def test_the_calls_of_a_serving_step_leave_the_flight_running(mgr):
+    """Allocations from free room, commits of new keys, frees of private blocks, reads of blocks
+    already in HBM and their releases, references to blocks not in flight: none meets a drain
+    piece's copies, and none waits for them (each waited for the disk: one-block allocations took
+    0.8 ms on average and 15 ms at p99 beside a 48 GB drain on the H200 host). Settled afterwards,
+    the blocks in flight land intact and the table's invariants hold throughout."""
+    a, lid, vids = dram_over_its_high_watermark(mgr)
+    key_of = {v: k for k, v in vids.items()}
+    moving = start_a_piece(mgr)
+    settled_s = mgr.placement.settled_s
+    hot = vids[1000]  # in HBM
+    for i in range(5):
+        for tier in (Tier.HBM, Tier.DRAM):
+            mine = mgr.allocate(a, lid, 1, tier=tier)
+            assert mine is not None
+            # Published in HBM (64 blocks, one used); private in DRAM (full: its cached blocks would need room)
+            keyed = dict(keys=[7000 + i], parent=hot) if tier == Tier.HBM else {}
+            mine = mgr.commit(a, mine, **keyed)
+            mgr.check_invariants()
+            mgr.free(a, mine)
+        private = mgr.allocate(a, lid, 1)
+        mgr.commit(a, private)
+        mgr.free(a, private)
+        assert [p.tier for p in mgr.acquire(a, [hot])] == [Tier.HBM]
+        mgr.release(a, [hot])
+        mgr.add_ref(a, [hot])
+        mgr.free(a, [hot])
+        mgr.check_invariants()
+        assert mgr.placement.in_flight and (in_flight(mgr) == moving).all(), f"round {i} settled the flight"
+    assert mgr.placement.settled_s == settled_s
+    mgr.settle()
+    for v in moving.tolist():
+        assert mgr.place(v).tier == Tier.NVME
+        assert np.array_equal(stored_bytes(mgr, v), pattern(key_of[v]))
     mgr.check_invariants()
 
 
