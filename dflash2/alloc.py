@@ -106,8 +106,9 @@ class SlotAllocator:
     (no room; the caller must make room or defer) and changes nothing visible to the caller.
 
     A slot whose storage cannot be written (a bad region of the disk under NVMe) is quarantined: out
-    of the free pool for the allocator's life, never handed out again. Its slab counts it as taken,
-    so the slab never goes back to the page pool (no other size is cut from its pages).
+    of the free pool, never handed out again until it is given back (`give_back`, once its storage
+    passed a re-test: quarantine.py). Its slab counts it as taken, so the slab never goes back to the
+    page pool (no other size is cut from its pages) while it is quarantined.
     """
 
     def __init__(self, capacity_bytes: int, page_bytes: int, alignment: int):
@@ -118,7 +119,7 @@ class SlotAllocator:
         self.alignment = alignment
         self.n_pages = capacity_bytes // page_bytes
         self.quarantined_bytes = 0
-        self._quarantined: list[np.ndarray] = []  # offsets of the quarantined slots, batch by batch
+        self._quarantined: dict[int, int] = {}  # offset of each quarantined slot -> its slot bytes
         self._page_free = np.ones(self.n_pages, dtype=bool)
         self._n_free_pages = self.n_pages
         self._page_used = np.zeros(self.n_pages, dtype=np.int32)  # used slots in the slab headed here
@@ -138,9 +139,11 @@ class SlotAllocator:
 
     def quarantined_offsets(self) -> np.ndarray:
         """Offsets of every quarantined slot (any size; distinct: a slot is quarantined once)."""
-        if not self._quarantined:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate(self._quarantined)
+        return np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
+
+    def quarantined_slot_bytes(self, offsets: np.ndarray) -> np.ndarray:
+        """The slot size of each of these quarantined slots (KeyError for one that is not)."""
+        return np.array([self._quarantined[int(o)] for o in np.asarray(offsets).reshape(-1)], dtype=np.int64)
 
     def slot_for(self, block_bytes: int) -> int:
         return slot_bytes(block_bytes, self.alignment)
@@ -265,9 +268,40 @@ class SlotAllocator:
         cls.free[: len(keep)] = keep
         cls.n_free = len(keep)
         self._count_used(cls, offsets, 1)  # its slab is never empty again: never reclaimed for other sizes
-        self._quarantined.append(offsets.copy())
+        self._quarantined.update(dict.fromkeys(offsets.tolist(), slot))
         self.quarantined_bytes += len(offsets) * slot
         return len(offsets) * slot
+
+    def requeue_quarantined(self, offsets: np.ndarray) -> None:
+        """Move these quarantined slots to the end of `quarantined_offsets` (a re-test found them bad
+        again: the next one takes others first)."""
+        for o in np.asarray(offsets, dtype=np.int64).reshape(-1).tolist():
+            self._quarantined[o] = self._quarantined.pop(o)
+
+    def give_back(self, offsets: np.ndarray) -> int:
+        """Return quarantined slots to the free pool (their storage passed a re-test). Each must be
+        quarantined and listed once; otherwise ArenaError naming the first that is not, and nothing
+        changes. Returns the bytes given back."""
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if not len(offsets):
+            return 0
+        uniq, counts = np.unique(offsets, return_counts=True)
+        bad = [o for o in offsets.tolist() if o not in self._quarantined]
+        if bad or (counts > 1).any():
+            which = bad[0] if bad else int(uniq[int(np.argmax(counts > 1))])
+            raise ArenaError(f"give back of slot {which}: it is not a quarantined slot (never quarantined, given "
+                             "back already, or listed twice)")
+        sizes = self.quarantined_slot_bytes(offsets)
+        for slot in np.unique(sizes).tolist():
+            mine = offsets[sizes == slot]
+            cls = self._classes[slot]
+            self._count_used(cls, mine, -1)  # (the slab may now be empty: reclaimable for other sizes)
+            cls.push(mine)
+        for o in offsets.tolist():
+            del self._quarantined[o]
+        given = int(sizes.sum())
+        self.quarantined_bytes -= given
+        return given
 
     def _count_used(self, cls: _SizeClass, offsets: np.ndarray, delta: int) -> None:
         """Add `delta` to the used-slot count of each offset's slab (offsets distinct: with one slot

@@ -13,7 +13,7 @@ While it backs off, the background step probes it (`probe_writes`): one block mo
 at most every WRITE_PROBE_EVERY_S. A probe that arrives ends the back-off, so a disk that has room
 again takes blocks within about a second, not when a back-off of up to a minute runs out (the
 drains above waited all of it). A write that fails because its slot alone is bad (EIO there) starts
-no back-off: the slot is set aside for good and the next batch goes elsewhere (quarantine.py).
+no back-off: the slot is set aside (until a re-test finds it sound) and the next batch goes elsewhere (quarantine.py).
 
 While a tier below backs off, a tier whose room cannot be made by moving blocks down drops what may
 be dropped (`_drop_while_backing_off`): its own blocks nobody holds with no cached child, and failing

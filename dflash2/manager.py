@@ -461,12 +461,21 @@ class BlockManager:
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.new_step()
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
+        self._retest_set_aside()
         self.admission.tick()
         if drain:
             self.placement.rebalance()
         else:
             self.placement.start_drains()
         self.prefetcher.settle()
+
+    def _retest_set_aside(self) -> None:
+        """Re-test the slots of each storage tier set aside after I/O errors, while it takes writes
+        (quarantine.py `retest`: at most every RETEST_EVERY_S); those that pass are room again."""
+        for tier, arena in self.arenas.items():
+            if isinstance(arena, StorageArena) and self.placement.writable(tier):
+                self._follow_up(f"re-testing the {tier.label} slots set aside",
+                                lambda t=tier, a=arena: self.mover.quarantine.retest(t, a, self.placement.monotonic()))
 
     def draining(self) -> bool:
         """Whether a tier is still draining down to its low watermark and may go on now (rebalance:

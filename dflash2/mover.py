@@ -4,7 +4,7 @@ Mechanism only: which blocks move is decided elsewhere (placement.py, asking the
 at most `swap_batch_size` blocks from one tier to another. Prepare marks the blocks MIGRATING and
 takes destination slots; the transfer backend copies; complete puts each block where its copy
 succeeded, and leaves it where it was otherwise (a failed move loses nothing); a destination slot
-that the storage could not write by itself (EIO) is then set aside for good (quarantine.py).
+that the storage could not write by itself (EIO) is then set aside (quarantine.py).
 """
 
 from __future__ import annotations

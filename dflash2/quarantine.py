@@ -1,4 +1,4 @@
-"""Storage slots whose writes fail with an I/O error: set aside for the rest of the daemon's life.
+"""Storage slots whose writes fail with an I/O error: set aside until a re-test finds them sound.
 
 A bad region of the disk under NVMe (EIO at some offsets only) fails every write into it. Its slots
 went back to the free pool after each failed batch, and the next batch took them again: NVMe backed
@@ -16,6 +16,13 @@ aside, the disk is taken to be failing (said once, as an error). Its slots that 
 aside, but their failures then start back-offs as a full disk's do, so that a disk that fails every
 write (dead, or for a while) does not lose all of its slots within seconds.
 
+An EIO may pass (a controller reset, a path that failed over): every RETEST_EVERY_S the background
+step re-tests up to RETEST_SLOTS of a tier's slots set aside (`retest`, the oldest first, round the
+list), writing a pattern through the tier's own I/O path and reading it back; those that pass go back
+to the free pool (`SlotAllocator.give_back`), said once per re-test. Before, they stayed set aside
+until the daemon restarted. Not while the tier backs off after failed writes (a full disk would fail
+the test for its own reasons): the slots then wait for the next re-test after the back-off.
+
 Policy here, mechanism in the allocator: a warning with the batch's count and the total so far, once
 a minute per tier (RepeatLimit: the batches left out are counted in the next line); a bad region met
 by every drain batch logged a warning a batch (241 in 90 s in soak4's EIO run).
@@ -27,6 +34,8 @@ import logging
 
 import numpy as np
 
+from dflash2.arena.base import StorageArena
+from dflash2.errors import ArenaError
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.failures import RepeatLimit
@@ -38,10 +47,17 @@ class Quarantine:
     # Past this share of a tier's bytes set aside, the disk is taken to be failing (said once, as an
     # error): a few bad sectors are routine on a large disk, a twentieth of it is not.
     FAILING_FRACTION = 0.05
+    # A re-test of slots set aside: at most this often per tier, and this many slots at a time (a few
+    # MB of writes and reads in the background step, where a re-test of every slot of a failing disk
+    # could take seconds).
+    RETEST_EVERY_S = 300.0
+    RETEST_SLOTS = 16
 
     def __init__(self, table: BlockTable):
         self.table = table
         self.slots = 0  # set aside so far, every tier (room-making plans again after a batch that set some aside)
+        self.given_back = 0  # slots given back after passing a re-test, every tier
+        self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
 
@@ -68,7 +84,7 @@ class Quarantine:
         more = self._said.due(tier, blocks=len(offsets))
         if more is not None:
             log.warning("%d %s slots (%d bytes, the first at offset %d) failed their writes with an I/O error: set "
-                        "aside for good, never used again; %d bytes (%.2f%% of %s) set aside so far%s",
+                        "aside, not used again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
                         len(offsets), tier.label, taken, int(offsets[0]), alloc.quarantined_bytes, 100 * share,
                         tier.label, more)
         self.slots += len(offsets)
@@ -78,3 +94,48 @@ class Quarantine:
                       "under it (memory.nvme_path) is failing; replace it. Its writes that fail from now on "
                       "make it back off as a full disk does", 100 * share, tier.label, 100 * self.FAILING_FRACTION)
         return slots_to_blame
+
+    def retest(self, tier: Tier, arena: StorageArena, now: float) -> int:
+        """At most every RETEST_EVERY_S (`now`: a monotonic clock): write a pattern into up to
+        RETEST_SLOTS of the tier's slots set aside (the oldest first), read it back, and give back to
+        the free pool those that held it. Returns the slots given back. A batch write that fails for
+        the disk as a whole (ArenaError: a full disk) gives nothing back and is said; the slots wait
+        for the next re-test. The caller runs it only while the tier takes writes (not backing off)."""
+        alloc = self.table.allocators[tier]
+        if not alloc.quarantined_bytes:
+            self._retested.pop(tier, None)
+            return 0
+        if now - self._retested.setdefault(tier, now) < self.RETEST_EVERY_S:
+            return 0
+        self._retested[tier] = now
+        offsets = alloc.quarantined_offsets()[: self.RETEST_SLOTS]  # oldest first (insertion order)
+        sizes = alloc.quarantined_slot_bytes(offsets)
+        patterns = [_pattern(o, n) for o, n in zip(offsets.tolist(), sizes.tolist())]
+        try:
+            written = arena.write_blocks(offsets, patterns)
+            back = [np.empty_like(p) for p in patterns]
+            read = arena.read_blocks(offsets, back)
+        except ArenaError as e:
+            log.warning("re-test of %d %s slots set aside failed for the disk as a whole (%s): they stay set aside "
+                        "until the next re-test", len(offsets), tier.label, e)
+            return 0
+        finally:
+            arena.forget(offsets)  # a pattern is no block: never read as one
+        sound = written & read & np.array([np.array_equal(b, p) for b, p in zip(back, patterns)], dtype=bool)
+        # The ones that failed again go to the back of the list: the next re-test takes others first.
+        again = offsets[~sound]
+        alloc.requeue_quarantined(again)
+        given = alloc.give_back(offsets[sound])
+        self.given_back += int(sound.sum())
+        if not self.failing(tier):
+            self._said_failing.discard(tier)  # said again if it fails that far again
+        log.info("re-test of %d %s slots set aside after I/O errors: %d wrote and read back their pattern and are "
+                 "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
+                 len(offsets), tier.label, int(sound.sum()), given, len(again), alloc.quarantined_bytes,
+                 100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
+        return int(sound.sum())
+
+
+def _pattern(offset: int, nbytes: int) -> np.ndarray:
+    """A re-test's bytes for the slot at `offset`: neither zeros nor the same for every slot."""
+    return ((np.arange(nbytes, dtype=np.int64) * 131 + offset // 512 + 7) % 251).astype(np.uint8)

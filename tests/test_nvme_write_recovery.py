@@ -1,5 +1,5 @@
 """A disk under NVMe whose writes fail: probes that end a back-off once the disk takes writes again
-(backoff.py), and slots whose own writes fail with an I/O error set aside for good (quarantine.py).
+(backoff.py), and slots whose own writes fail with an I/O error set aside (quarantine.py) until a re-test finds them sound.
 
 Real host managers (test_faults.py's fixtures: 64 blocks of HBM and DRAM, 128 of NVMe, 16 KiB each);
 failures are injected as test_faults.py does: NVMe's write_blocks raising (a full disk), or os.pwritev
@@ -316,3 +316,104 @@ def test_quarantine_warnings_are_said_once_a_minute_per_tier(mgr, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "dflash2.quarantine"]
     assert len(lines) == 1, lines
     assert sorted(alloc.quarantined_offsets().tolist()) == sorted(offsets.tolist())
+
+
+# -- re-tests: slots set aside are given back once their storage writes and reads again ---------------
+
+def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr, monkeypatch, caplog):
+    """An EIO that passes (a controller reset): the slots it set aside stayed out of use until the
+    daemon restarted. The step re-tests them every RETEST_EVERY_S: a slot still bad stays set aside
+    (and goes to the back of the list), one that writes and reads its pattern back is room again, and
+    a block written there later reads back intact."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    q = mgr.mover.quarantine
+    now = [1000.0]
+    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
+    sound_disk = os.pwritev
+    bad_slots(mgr, monkeypatch, [2 * SLOT, 5 * SLOT, 7 * SLOT])
+    assert down_to_nvme(mgr, a, lid, list(range(1, 33))).sum() == 29
+    alloc = mgr.table.allocators[Tier.NVME]
+    assert alloc.quarantined_bytes == 3 * SLOT
+    mgr.tick()  # the re-test's clock starts when the slots are first seen set aside
+    now[0] += q.RETEST_EVERY_S - 1
+    mgr.tick()
+    assert alloc.quarantined_bytes == 3 * SLOT, "no re-test before RETEST_EVERY_S"
+    monkeypatch.setattr(os, "pwritev", sound_disk)
+    bad_slots(mgr, monkeypatch, [5 * SLOT])  # the EIO passed but for one slot
+    now[0] += 2
+    with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
+        mgr.tick()
+    assert alloc.quarantined_offsets().tolist() == [5 * SLOT] and q.given_back == 2
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
+    assert len(said) == 1 and "re-test of 3 nvme slots" in said[0] and "2 wrote and read back" in said[0] \
+        and "1 failed again" in said[0], said
+    tier = mgr.stats()["tiers"]["nvme"]
+    assert tier["capacity_bytes"] == alloc.arena_bytes - SLOT and tier["quarantined_bytes"] == SLOT
+    assert tier["used_bytes"] + tier["free_bytes"] == tier["capacity_bytes"], tier
+    mgr.check_invariants()
+    for r in range(1, 4):  # 96 more blocks: 125 on NVMe, the slots given back still free
+        down_to_nvme(mgr, a, lid, list(range(1 + 32 * r, 33 + 32 * r)))
+        mgr.check_invariants()
+    c = mgr.table.cols
+    dram = np.flatnonzero((c.tier == int(Tier.DRAM)) & (c.state != 0))
+    assert len(dram) == 3, "the first batch's three blocks whose slots failed stay in DRAM"
+    left = dram[:2]
+    assert mgr.mover.move(left, Tier.NVME).all(), "the slots given back take blocks"
+    offsets = c.offset[np.flatnonzero((c.tier == int(Tier.NVME)) & (c.state != 0))].tolist()
+    assert 2 * SLOT in offsets and 7 * SLOT in offsets and 5 * SLOT not in offsets and len(offsets) == 127
+    assert mgr.stats()["tiers"]["nvme"]["free_bytes"] == 0
+    assert_cached(mgr, range(1, 129))
+
+
+def test_a_re_test_waits_while_the_tier_backs_off_and_a_full_disk_gives_nothing_back(mgr, monkeypatch, caplog):
+    """No re-test while NVMe backs off (a full disk fails it for its own reasons); one whose batch
+    fails for the disk as a whole (ENOSPC) gives nothing back, says so, and waits a period."""
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    q = mgr.mover.quarantine
+    now = [1000.0]
+    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
+    sound_disk = os.pwritev
+    bad_slots(mgr, monkeypatch, [3 * SLOT])
+    down_to_nvme(mgr, a, lid, list(range(1, 9)))
+    alloc = mgr.table.allocators[Tier.NVME]
+    mgr.tick()
+    now[0] += q.RETEST_EVERY_S + 1
+    mgr.placement.write_backoff[Tier.NVME] = (now[0] + 30, 30.0)  # backing off
+    monkeypatch.setattr(os, "pwritev", sound_disk)
+    mgr.tick()
+    assert alloc.quarantined_bytes == SLOT, "re-tested while the tier backs off"
+    del mgr.placement.write_backoff[Tier.NVME]
+    bad_slots(mgr, monkeypatch, [3 * SLOT], err=errno.ENOSPC)
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        mgr.tick()
+    assert alloc.quarantined_bytes == SLOT and q.given_back == 0
+    assert any("failed for the disk as a whole" in r.getMessage() for r in caplog.records), caplog.records
+    monkeypatch.setattr(os, "pwritev", sound_disk)
+    mgr.tick()
+    assert alloc.quarantined_bytes == SLOT, "the next re-test comes a period later"
+    now[0] += q.RETEST_EVERY_S
+    mgr.tick()
+    assert alloc.quarantined_bytes == 0 and q.given_back == 1
+    mgr.check_invariants()
+
+
+def test_quarantined_slots_given_back_are_free_again_and_bad_requests_are_refused():
+    alloc = SlotAllocator(8 * 4096, 4096, 4096)
+    got = alloc.alloc(4096, 4)
+    alloc.free(4096, got)
+    alloc.quarantine(4096, got[1:3])
+    with pytest.raises(ArenaError, match=f"give back of slot {int(got[0])}: it is not a quarantined slot"):
+        alloc.give_back(got[:2])
+    with pytest.raises(ArenaError, match="listed twice"):
+        alloc.give_back(got[[1, 1]])
+    assert alloc.quarantined_bytes == 2 * 4096, "a refused give back changes nothing"
+    alloc.requeue_quarantined(got[1:2])
+    assert alloc.quarantined_offsets().tolist() == [int(got[2]), int(got[1])]
+    assert alloc.give_back(got[1:3]) == 2 * 4096
+    st = alloc.stats()
+    assert st["capacity_bytes"] == 8 * 4096 and st["quarantined_bytes"] == 0 and st["free_bytes"] == 8 * 4096
+    assert alloc.alloc(4096, 8) is not None, "every slot can be handed out again"
+    alloc.free(4096, np.arange(8) * 4096)
+    assert alloc.blocks_free(8192) == 4, "the slab's pages go back to other sizes once no slot is set aside"
