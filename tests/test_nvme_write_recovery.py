@@ -320,17 +320,20 @@ def test_quarantine_warnings_are_said_once_a_minute_per_tier(mgr, caplog):
 
 # -- re-tests: slots set aside are given back once their storage writes and reads again ---------------
 
+def retest_setup(m, monkeypatch):
+    """A client and layout, the quarantine, the placement's clock (a one-item list, from 1000 s) and
+    the sound os.pwritev (to heal a disk that `bad_slots` broke)."""
+    now = [1000.0]
+    monkeypatch.setattr(m.placement, "monotonic", lambda: now[0])
+    return m.attach("a"), m.register_layout(LAYOUT), m.mover.quarantine, now, os.pwritev
+
+
 def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr, monkeypatch, caplog):
     """An EIO that passes (a controller reset): the slots it set aside stayed out of use until the
     daemon restarted. The step re-tests them every RETEST_EVERY_S: a slot still bad stays set aside
     (and goes to the back of the list), one that writes and reads its pattern back is room again, and
     a block written there later reads back intact."""
-    a = mgr.attach("a")
-    lid = mgr.register_layout(LAYOUT)
-    q = mgr.mover.quarantine
-    now = [1000.0]
-    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
-    sound_disk = os.pwritev
+    a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
     bad_slots(mgr, monkeypatch, [2 * SLOT, 5 * SLOT, 7 * SLOT])
     assert down_to_nvme(mgr, a, lid, list(range(1, 33))).sum() == 29
     alloc = mgr.table.allocators[Tier.NVME]
@@ -369,12 +372,7 @@ def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr
 def test_a_re_test_waits_while_the_tier_backs_off_and_a_full_disk_gives_nothing_back(mgr, monkeypatch, caplog):
     """No re-test while NVMe backs off (a full disk fails it for its own reasons); one whose batch
     fails for the disk as a whole (ENOSPC) gives nothing back, says so, and waits a period."""
-    a = mgr.attach("a")
-    lid = mgr.register_layout(LAYOUT)
-    q = mgr.mover.quarantine
-    now = [1000.0]
-    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
-    sound_disk = os.pwritev
+    a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
     bad_slots(mgr, monkeypatch, [3 * SLOT])
     down_to_nvme(mgr, a, lid, list(range(1, 9)))
     alloc = mgr.table.allocators[Tier.NVME]
