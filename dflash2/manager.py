@@ -546,6 +546,7 @@ class BlockManager:
     def close(self) -> None:
         """Close the backend, then every arena: each step on its own (one that fails is logged, the
         others still run: a GPU whose context is lost must not keep the host arenas open)."""
+        self.mover.quarantine.close()  # a re-test's I/O (its own thread) ends first
         parts = ([("transfer backend", self.backend)] if self.backend is not None else [])
         parts += [(f"{tier.label} arena", arena) for tier, arena in self.arenas.items()]
         for name, part in parts:

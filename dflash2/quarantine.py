@@ -18,7 +18,8 @@ write (dead, or for a while) does not lose all of its slots within seconds.
 
 An EIO may pass (a controller reset, a path that failed over): every RETEST_EVERY_S the background
 step re-tests up to RETEST_SLOTS of a tier's slots set aside (`retest`, the oldest first, round the
-list), writing a pattern through the tier's own I/O path and reading it back; those that pass go back
+list), writing a pattern through the tier's own I/O path and reading it back (on a thread of its own:
+a disk slow to answer EIO holds no request); those that pass go back
 to the free pool (`SlotAllocator.give_back`), said once per re-test. Before, they stayed set aside
 until the daemon restarted. Not while the tier backs off after failed writes (a full disk would fail
 the test for its own reasons): the slots then wait for the next re-test after the back-off.
@@ -31,6 +32,7 @@ by every drain batch logged a warning a batch (241 in 90 s in soak4's EIO run).
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
@@ -52,11 +54,13 @@ class Quarantine:
     # could take seconds).
     RETEST_EVERY_S = 300.0
     RETEST_SLOTS = 16
+    RETEST_WAIT_S = 0.05  # how long a step waits for a re-test's I/O (on its own thread) before moving on
 
     def __init__(self, table: BlockTable):
         self.table = table
         self.slots = 0  # set aside so far, every tier (room-making plans again after a batch that set some aside)
         self.given_back = 0  # slots given back after passing a re-test, every tier
+        self._jobs: dict[Tier, _RetestJob] = {}  # a re-test whose I/O runs (or ran) on its own thread, per tier
         self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
@@ -100,28 +104,37 @@ class Quarantine:
         RETEST_SLOTS of the tier's slots set aside (the oldest first), read it back, and give back to
         the free pool those that held it. Returns the slots given back. A batch write that fails for
         the disk as a whole (ArenaError: a full disk) gives nothing back and is said; the slots wait
-        for the next re-test. The caller runs it only while the tier takes writes (not backing off)."""
+        for the next re-test. The caller runs it only while the tier takes writes (not backing off).
+
+        The I/O runs on a thread of its own, not in the caller (the background step runs on the
+        daemon's serving thread): a bad region that answers EIO slowly (a disk retrying a sector)
+        would otherwise hold every client for a failed batch write plus one per slot. The step waits
+        RETEST_WAIT_S for it; a re-test not done by then is settled by a later step. The slots stay
+        set aside (out of the free pool, touched by nobody else) until it is."""
         alloc = self.table.allocators[tier]
-        if not alloc.quarantined_bytes:
-            self._retested.pop(tier, None)
+        job = self._jobs.get(tier)
+        if job is None:
+            if not alloc.quarantined_bytes:
+                self._retested.pop(tier, None)
+                return 0
+            if now - self._retested.setdefault(tier, now) < self.RETEST_EVERY_S:
+                return 0
+            self._retested[tier] = now
+            offsets = alloc.quarantined_offsets()[: self.RETEST_SLOTS]  # oldest first (insertion order)
+            job = _RetestJob(arena, offsets, alloc.quarantined_slot_bytes(offsets))
+            self._jobs[tier] = job
+        if not job.done.wait(self.RETEST_WAIT_S):
             return 0
-        if now - self._retested.setdefault(tier, now) < self.RETEST_EVERY_S:
-            return 0
-        self._retested[tier] = now
-        offsets = alloc.quarantined_offsets()[: self.RETEST_SLOTS]  # oldest first (insertion order)
-        sizes = alloc.quarantined_slot_bytes(offsets)
-        patterns = [_pattern(o, n) for o, n in zip(offsets.tolist(), sizes.tolist())]
-        try:
-            written = arena.write_blocks(offsets, patterns)
-            back = [np.empty_like(p) for p in patterns]
-            read = arena.read_blocks(offsets, back)
-        except ArenaError as e:
+        del self._jobs[tier]
+        offsets = job.offsets
+        if job.error is not None:
+            # To the back of the list too: a region that fails every read would otherwise hold the
+            # same slots at the head of every re-test, and the others would never be tried.
+            alloc.requeue_quarantined(offsets)
             log.warning("re-test of %d %s slots set aside failed for the disk as a whole (%s): they stay set aside "
-                        "until the next re-test", len(offsets), tier.label, e)
+                        "until a later re-test", len(offsets), tier.label, job.error)
             return 0
-        finally:
-            arena.forget(offsets)  # a pattern is no block: never read as one
-        sound = written & read & np.array([np.array_equal(b, p) for b, p in zip(back, patterns)], dtype=bool)
+        sound = job.sound
         # The ones that failed again go to the back of the list: the next re-test takes others first.
         again = offsets[~sound]
         alloc.requeue_quarantined(again)
@@ -134,6 +147,48 @@ class Quarantine:
                  len(offsets), tier.label, int(sound.sum()), given, len(again), alloc.quarantined_bytes,
                  100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
         return int(sound.sum())
+
+    def retests_pending(self) -> bool:
+        """Whether a re-test's I/O is still running (its verdict waits for a later step)."""
+        return any(not job.done.is_set() for job in self._jobs.values())
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """(Before the arenas close) wait up to `timeout_s` for a re-test's I/O still running: closed
+        under it, the tier's file would fail its next call, or reopen its staging ring to no end."""
+        for tier, job in self._jobs.items():
+            if not job.done.wait(timeout_s):
+                log.warning("a re-test of %s slots set aside is still writing or reading after %.0f s; the tier "
+                            "closes under it (its slots stay set aside)", tier.label, timeout_s)
+
+
+class _RetestJob:
+    """One re-test's I/O on a thread of its own: `sound` (per slot) or `error` once `done` is set."""
+
+    def __init__(self, arena: StorageArena, offsets: np.ndarray, sizes: np.ndarray):
+        self.offsets = offsets
+        self.sound = np.zeros(len(offsets), dtype=bool)
+        self.error: ArenaError | None = None
+        self.done = threading.Event()
+        self._arena, self._sizes = arena, sizes
+        threading.Thread(target=self._run, name="dflash2-retest", daemon=True).start()
+
+    def _run(self) -> None:
+        arena, offsets = self._arena, self.offsets
+        try:
+            patterns = [_pattern(o, n) for o, n in zip(offsets.tolist(), self._sizes.tolist())]
+            written = arena.write_blocks(offsets, patterns)
+            back = [np.empty_like(p) for p in patterns]
+            read = arena.read_blocks(offsets, back)
+            self.sound = written & read & np.array([np.array_equal(b, p) for b, p in zip(back, patterns)], dtype=bool)
+        except ArenaError as e:
+            self.error = e
+        except Exception as e:  # anything else: nothing given back, said by the step
+            self.error = ArenaError(f"re-test failed: {e!r}")
+        finally:
+            try:
+                arena.forget(offsets)  # a pattern is no block: never read as one
+            finally:
+                self.done.set()
 
 
 def _pattern(offset: int, nbytes: int) -> np.ndarray:

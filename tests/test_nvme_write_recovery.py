@@ -10,6 +10,8 @@ import errno
 import logging
 import os
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -320,6 +322,16 @@ def test_quarantine_warnings_are_said_once_a_minute_per_tier(mgr, caplog):
 
 # -- re-tests: slots set aside are given back once their storage writes and reads again ---------------
 
+def step(m) -> None:
+    """A background step, then the step that takes a re-test's verdict if it began one (its I/O runs
+    on a thread of its own; the step waits for it only RETEST_WAIT_S)."""
+    m.tick()
+    deadline = time.monotonic() + 30
+    while m.mover.quarantine.retests_pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    m.tick()
+
+
 def retest_setup(m, monkeypatch):
     """A client and layout, the quarantine, the placement's clock (a one-item list, from 1000 s) and
     the sound os.pwritev (to heal a disk that `bad_slots` broke)."""
@@ -340,13 +352,13 @@ def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr
     assert alloc.quarantined_bytes == 3 * SLOT
     mgr.tick()  # the re-test's clock starts when the slots are first seen set aside
     now[0] += q.RETEST_EVERY_S - 1
-    mgr.tick()
+    step(mgr)
     assert alloc.quarantined_bytes == 3 * SLOT, "no re-test before RETEST_EVERY_S"
     monkeypatch.setattr(os, "pwritev", sound_disk)
     bad_slots(mgr, monkeypatch, [5 * SLOT])  # the EIO passed but for one slot
     now[0] += 2
     with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
-        mgr.tick()
+        step(mgr)
     assert alloc.quarantined_offsets().tolist() == [5 * SLOT] and q.given_back == 2
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
     assert len(said) == 1 and "re-test of 3 nvme slots" in said[0] and "2 wrote and read back" in said[0] \
@@ -380,19 +392,19 @@ def test_a_re_test_waits_while_the_tier_backs_off_and_a_full_disk_gives_nothing_
     now[0] += q.RETEST_EVERY_S + 1
     mgr.placement.write_backoff[Tier.NVME] = (now[0] + 30, 30.0)  # backing off
     monkeypatch.setattr(os, "pwritev", sound_disk)
-    mgr.tick()
+    step(mgr)
     assert alloc.quarantined_bytes == SLOT, "re-tested while the tier backs off"
     del mgr.placement.write_backoff[Tier.NVME]
     bad_slots(mgr, monkeypatch, [3 * SLOT], err=errno.ENOSPC)
     with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
-        mgr.tick()
+        step(mgr)
     assert alloc.quarantined_bytes == SLOT and q.given_back == 0
     assert any("failed for the disk as a whole" in r.getMessage() for r in caplog.records), caplog.records
     monkeypatch.setattr(os, "pwritev", sound_disk)
-    mgr.tick()
+    step(mgr)
     assert alloc.quarantined_bytes == SLOT, "the next re-test comes a period later"
     now[0] += q.RETEST_EVERY_S
-    mgr.tick()
+    step(mgr)
     assert alloc.quarantined_bytes == 0 and q.given_back == 1
     mgr.check_invariants()
 
@@ -415,3 +427,43 @@ def test_quarantined_slots_given_back_are_free_again_and_bad_requests_are_refuse
     assert alloc.alloc(4096, 8) is not None, "every slot can be handed out again"
     alloc.free(4096, np.arange(8) * 4096)
     assert alloc.blocks_free(8192) == 4, "the slab's pages go back to other sizes once no slot is set aside"
+
+
+def test_a_re_test_of_slots_still_bad_does_not_hold_the_step_on_the_disk(mgr, monkeypatch):
+    """soak8: the re-test wrote and read in the step itself, on the daemon's serving thread: a bad
+    region that answers EIO slowly (a disk retrying a sector, seconds a try) held every client for a
+    failed batch write and one more per slot. Its I/O now runs on a thread of its own; the step goes
+    on while the disk has not answered, and a later step takes the verdict."""
+    a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
+    bad = [(HEADER_BYTES + o * SLOT, HEADER_BYTES + (o + 1) * SLOT) for o in (1, 4)]
+    fd = mgr.arenas[Tier.NVME]._fd
+    answer, asked = threading.Event(), threading.Event()
+    answer.set()  # the first failures (the moves') come at once
+
+    def slow_bad_disk(f, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if f == fd and any(offset < e and offset + n > s for s, e in bad):
+            asked.set()
+            assert answer.wait(30), "the test never let the disk answer"
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return sound_disk(f, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow_bad_disk)
+    down_to_nvme(mgr, a, lid, list(range(1, 9)))
+    alloc = mgr.table.allocators[Tier.NVME]
+    assert alloc.quarantined_bytes == 2 * SLOT
+    mgr.tick()
+    now[0] += q.RETEST_EVERY_S + 1
+    answer.clear()
+    asked.clear()
+    ticking = threading.Thread(target=mgr.tick)
+    ticking.start()
+    ticking.join(10)
+    stuck = ticking.is_alive()
+    answer.set()
+    ticking.join()
+    assert asked.is_set(), "the re-test never wrote"
+    assert not stuck, "the step waited for the disk's answer to the re-test"
+    step(mgr)
+    assert alloc.quarantined_bytes == 2 * SLOT and q.given_back == 0, "slots still bad stay set aside"
+    mgr.check_invariants()
