@@ -18,8 +18,10 @@ write (dead, or for a while) does not lose all of its slots within seconds.
 
 An EIO may pass (a controller reset, a path that failed over): every RETEST_EVERY_S the background
 step re-tests up to RETEST_SLOTS of a tier's slots set aside (`retest`, the oldest first, round the
-list), writing a pattern through the tier's own I/O path and reading it back (on a thread of its own:
-a disk slow to answer EIO holds no request); those that pass go back
+list), writing a pattern into each slot and reading it back (`StorageArena.test_slots`: slot by slot,
+on a thread of its own and outside the arena's lock, so that a disk slow to answer EIO holds neither
+the daemon's loop nor the tier's copies in the daemon; a disk that serialises its I/O still queues
+them behind each slow answer); those that pass go back
 to the free pool (`SlotAllocator.give_back`), said once per re-test. Before, they stayed set aside
 until the daemon restarted. Not while the tier backs off after failed writes (a full disk would fail
 the test for its own reasons): the slots then wait for the next re-test after the back-off.
@@ -176,19 +178,15 @@ class _RetestJob:
         arena, offsets = self._arena, self.offsets
         try:
             patterns = [_pattern(o, n) for o, n in zip(offsets.tolist(), self._sizes.tolist())]
-            written = arena.write_blocks(offsets, patterns)
-            back = [np.empty_like(p) for p in patterns]
-            read = arena.read_blocks(offsets, back)
-            self.sound = written & read & np.array([np.array_equal(b, p) for b, p in zip(back, patterns)], dtype=bool)
+            # Not through write_blocks/read_blocks: those hold the arena's lock for the whole batch,
+            # and the serving thread (forget) and the transfer thread wait on that lock (soak9).
+            self.sound = np.asarray(arena.test_slots(offsets, patterns), dtype=bool)
         except ArenaError as e:
             self.error = e
         except Exception as e:  # anything else: nothing given back, said by the step
             self.error = ArenaError(f"re-test failed: {e!r}")
         finally:
-            try:
-                arena.forget(offsets)  # a pattern is no block: never read as one
-            finally:
-                self.done.set()
+            self.done.set()
 
 
 def _pattern(offset: int, nbytes: int) -> np.ndarray:

@@ -164,16 +164,30 @@ def test_a_probe_moves_a_leaf_never_a_parent_above_its_children(mgr, monkeypatch
 
 # -- quarantine: slots whose own writes fail with EIO are never handed out again -------------------
 
+def nvme_file(m):
+    """A test of whether an fd is the NVMe tier's file (by inode: the re-test writes through a
+    duplicate of the tier's descriptor, not the descriptor itself)."""
+    st = os.fstat(m.arenas[Tier.NVME]._fd)
+
+    def is_it(f) -> bool:
+        try:
+            o = os.fstat(f)
+        except OSError:
+            return False
+        return (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino)
+    return is_it
+
+
 def bad_slots(m, monkeypatch, offsets, err=errno.EIO) -> None:
     """Every write that touches these NVMe slots (offsets in the tier) fails with `err`, as a disk
     with a bad region there answers (the staging I/O wrappers call os.pwritev)."""
-    fd = m.arenas[Tier.NVME]._fd
+    ours = nvme_file(m)
     bad = [(HEADER_BYTES + o, HEADER_BYTES + o + SLOT) for o in offsets]
     real = os.pwritev
 
     def pwritev(f, bufs, offset):
         n = sum(memoryview(b).nbytes for b in bufs)
-        if f == fd and any(offset < e and offset + n > s for s, e in bad):
+        if any(offset < e and offset + n > s for s, e in bad) and ours(f):
             raise OSError(err, os.strerror(err))
         return real(f, bufs, offset)
 
@@ -429,26 +443,34 @@ def test_quarantined_slots_given_back_are_free_again_and_bad_requests_are_refuse
     assert alloc.blocks_free(8192) == 4, "the slab's pages go back to other sizes once no slot is set aside"
 
 
+def slow_bad_disk(m, monkeypatch, sound_disk, offsets):
+    """Writes into these NVMe slots fail with EIO, and while `answer` is clear only once it is set
+    (a disk retrying a bad sector): (answer, asked), `asked` set when such a write came. `answer`
+    starts set (the moves' failures come at once)."""
+    bad = [(HEADER_BYTES + o, HEADER_BYTES + o + SLOT) for o in offsets]
+    ours = nvme_file(m)
+    answer, asked = threading.Event(), threading.Event()
+    answer.set()
+
+    def disk(f, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if any(offset < e and offset + n > s for s, e in bad) and ours(f):
+            asked.set()
+            assert answer.wait(30), "the test never let the disk answer"
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return sound_disk(f, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", disk)
+    return answer, asked
+
+
 def test_a_re_test_of_slots_still_bad_does_not_hold_the_step_on_the_disk(mgr, monkeypatch):
     """soak8: the re-test wrote and read in the step itself, on the daemon's serving thread: a bad
     region that answers EIO slowly (a disk retrying a sector, seconds a try) held every client for a
     failed batch write and one more per slot. Its I/O now runs on a thread of its own; the step goes
     on while the disk has not answered, and a later step takes the verdict."""
     a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
-    bad = [(HEADER_BYTES + o * SLOT, HEADER_BYTES + (o + 1) * SLOT) for o in (1, 4)]
-    fd = mgr.arenas[Tier.NVME]._fd
-    answer, asked = threading.Event(), threading.Event()
-    answer.set()  # the first failures (the moves') come at once
-
-    def slow_bad_disk(f, bufs, offset):
-        n = sum(memoryview(b).nbytes for b in bufs)
-        if f == fd and any(offset < e and offset + n > s for s, e in bad):
-            asked.set()
-            assert answer.wait(30), "the test never let the disk answer"
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return sound_disk(f, bufs, offset)
-
-    monkeypatch.setattr(os, "pwritev", slow_bad_disk)
+    answer, asked = slow_bad_disk(mgr, monkeypatch, sound_disk, [1 * SLOT, 4 * SLOT])
     down_to_nvme(mgr, a, lid, list(range(1, 9)))
     alloc = mgr.table.allocators[Tier.NVME]
     assert alloc.quarantined_bytes == 2 * SLOT
@@ -464,6 +486,38 @@ def test_a_re_test_of_slots_still_bad_does_not_hold_the_step_on_the_disk(mgr, mo
     ticking.join()
     assert asked.is_set(), "the re-test never wrote"
     assert not stuck, "the step waited for the disk's answer to the re-test"
+    step(mgr)
+    assert alloc.quarantined_bytes == 2 * SLOT and q.given_back == 0, "slots still bad stay set aside"
+    mgr.check_invariants()
+
+
+def test_a_free_of_an_nvme_block_does_not_wait_for_a_running_re_test(mgr, monkeypatch):
+    """soak9: with the re-test's I/O on a thread of its own, it still went through write_blocks and
+    read_blocks, which hold the arena's lock for the whole batch: a failed batch write and one more
+    per slot. The serving thread's forget (any free or eviction of an NVMe slot) takes that lock, so
+    a client's free waited for every slow answer of a bad region. The re-test now writes and reads
+    its slots outside that lock."""
+    a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
+    answer, asked = slow_bad_disk(mgr, monkeypatch, sound_disk, [1 * SLOT, 4 * SLOT])
+    down_to_nvme(mgr, a, lid, list(range(1, 9)))
+    alloc = mgr.table.allocators[Tier.NVME]
+    assert alloc.quarantined_bytes == 2 * SLOT
+    vid = mgr.commit(a, mgr.allocate(a, lid, 1))  # a private block (no key), moved down to NVMe
+    rows = mgr.table.rows(vid)
+    assert mgr.mover.move(rows, Tier.DRAM).all() and mgr.mover.move(rows, Tier.NVME).all()
+    mgr.tick()
+    now[0] += q.RETEST_EVERY_S + 1
+    answer.clear()
+    asked.clear()
+    mgr.tick()  # the re-test begins; its first write waits for the disk
+    assert asked.wait(10) and q.retests_pending()
+    freeing = threading.Thread(target=mgr.free, args=(a, vid))
+    freeing.start()
+    freeing.join(3)
+    stuck = freeing.is_alive()
+    answer.set()
+    freeing.join()
+    assert not stuck, "a free of an NVMe block waited for the re-test's disk I/O"
     step(mgr)
     assert alloc.quarantined_bytes == 2 * SLOT and q.given_back == 0, "slots still bad stay set aside"
     mgr.check_invariants()

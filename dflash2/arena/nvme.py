@@ -34,6 +34,7 @@ import errno
 import fcntl
 import functools
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -510,6 +511,51 @@ class NvmeArena(StorageArena):
             raise ArenaError(f"NVMe forget: offsets must be multiples of {ALIGN} inside the tier")
         with self._lock:
             self._len[offs // ALIGN] = 0
+
+    def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
+        """The re-test's I/O (quarantine.py), slot by slot, through a duplicate of the tier's file
+        descriptor and a buffer of its own: never under self._lock. soak9: through write_blocks and
+        read_blocks it held the lock for a failed batch write and 16 more, one per slot; the serving
+        thread's forget (every free or eviction of an NVMe slot) and the transfer thread's batches
+        waited for each of a slow bad region's answers. The slots are set aside: nobody else writes
+        or reads them, and they hold no checksum (their failed writes dropped it)."""
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if len(offs) != len(patterns):
+            raise ArenaError(f"NVMe re-test has {len(offs)} offsets but {len(patterns)} patterns")
+        lens = np.fromiter((p.size for p in patterns), dtype=np.int64, count=len(patterns))
+        ext = (lens + ALIGN - 1) // ALIGN * ALIGN
+        if len(offs) and (offs.min() < 0 or (offs % ALIGN).any() or (offs + ext).max() > self.capacity_bytes):
+            raise ArenaError(f"NVMe re-test: offsets must be multiples of {ALIGN} inside the tier")
+        sound = np.zeros(len(offs), dtype=bool)
+        if not len(offs):
+            return sound
+        with self._lock:
+            if self._ring is None:
+                raise ArenaError(f"NVMe tier at {self.path} is closed")
+            fd = os.dup(self._fd)  # a close() meanwhile leaves this one open (never another file's number)
+        buf = mmap.mmap(-1, int(ext.max()))  # page-aligned: O_DIRECT takes it
+        mv = memoryview(buf)
+        a = np.frombuffer(buf, dtype=np.uint8)
+        try:
+            for i, (off, pat) in enumerate(zip(offs.tolist(), patterns)):
+                n, e = int(lens[i]), int(ext[i])
+                a[:n] = pat.reshape(-1).view(np.uint8)
+                a[n:e] = 0
+                try:
+                    pwrite_all(fd, mv[:e], HEADER_BYTES + off)
+                    a[:e] = 0xFF ^ a[:e]  # what was written must come back from the disk, not stay here
+                    pread_all(fd, mv[:e], HEADER_BYTES + off)
+                except OSError as err:
+                    if err.errno != errno.EIO:  # a full disk and the rest: no slot is to blame
+                        raise ArenaError(f"NVMe tier re-test at {self.path} failed: {err}") from err
+                    continue
+                sound[i] = np.array_equal(a[:n], pat.reshape(-1).view(np.uint8))
+        finally:
+            del a
+            mv.release()
+            buf.close()
+            os.close(fd)
+        return sound
 
     # ---- tests and life cycle -------------------------------------------------------------------
 
