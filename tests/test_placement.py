@@ -450,3 +450,40 @@ def test_both_ways_of_finding_the_cut_take_the_same_rows(make_manager, monkeypat
             assert masks[0].sum() >= k and not (masks[0] & ~reach).any()
 
 
+def test_a_move_of_two_sizes_takes_the_larger_ones_slots_first(clock):
+    """A batch of blocks of two sizes going down into a tier whose room for the larger size is an
+    empty slab of the smaller one (no free page), and whose smaller size has free slots elsewhere
+    too: room was made for each size, largest first, counting that slab for the larger. The
+    batch's slots were taken layout by layout, smaller first here: its first slot came off that
+    empty slab (freed last, on top of its free list), and the larger block found no room; the
+    retry of the same batch failed the same way, so nothing moved. The blocks could not be dropped
+    either (each a parent of a block below), so an allocation in the tier above was refused while
+    every block was idle, and every retry too (soak7's final probe: DRAM 160 of 512 blocks, its
+    141 cached blocks idle, NVMe 15 MB free)."""
+    from dflash2.layout import Layout
+    from dflash2.manager import BlockManager, TierSpec
+
+    page = 64 << 10  # a page holds 4 blocks of SMALL (16 KiB) or 2 of BIG (32 KiB)
+    big = Layout("big", num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    assert (SMALL.block_bytes, big.block_bytes) == (16 << 10, 32 << 10)
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * page, page, 256), TierSpec(Tier.DRAM, 2 * page, page, 4096),
+                        TierSpec(Tier.NVME, 2 * page, page, 4096)], clock=clock)
+    a = mgr.attach("a")
+    small_id, big_id = mgr.register_layout(SMALL), mgr.register_layout(big)  # the smaller one first
+    heads = [fill(mgr, a, big_id, [1])[0], fill(mgr, a, small_id, [2])[0]]
+    tails = [fill(mgr, a, small_id, [10 + i], parent=int(h))[0] for i, h in enumerate(heads)]
+    filler = fill(mgr, a, small_id, [20, 21, 22, 23])
+    down = mgr.table.rows(np.concatenate([tails, filler]))
+    assert mgr.mover.move(down, Tier.DRAM).all() and mgr.mover.move(down, Tier.NVME).all()
+    # NVMe: page 0 holds the two tails and two free slots, page 1 is an empty slab of SMALL.
+    mgr.placement._evict(mgr.table.rows(filler))
+    nvme = mgr.table.allocators[Tier.NVME]
+    assert nvme.free_bytes == 6 * SMALL.block_bytes and nvme.blocks_free(big.block_bytes) == 2
+    assert mgr.mover.move(mgr.table.rows(heads), Tier.DRAM).all()
+    mgr.check_invariants()
+
+    got = mgr.allocate(a, small_id, 8, tier=Tier.DRAM)  # the whole of DRAM: both heads must go down
+    assert got is not None, mgr.allocate_refusal
+    assert [tier_of(mgr, v) for v in np.concatenate([heads, tails])] == [Tier.NVME] * 4
+    mgr.check_invariants()
+    mgr.free(a, got)

@@ -509,7 +509,11 @@ class BlockTable(Publishing, LostBlocks, Departures):
         lids = c.layout[rows]
         dst_off = np.empty(len(rows), dtype=np.int64)
         taken: list[tuple[int, np.ndarray]] = []
-        for lid in np.unique(lids).tolist():
+        # Largest blocks first, as room is made for them (placement `_make_room_for_rows`): the room
+        # counted for a larger size may be an empty slab of a smaller one, which that size's slots,
+        # taken first, could cut into (its free list hands out that slab's slots first when they
+        # were freed last). The batch then found no room, nor its retries, and nothing moved.
+        for lid in sorted(np.unique(lids).tolist(), key=lambda l: -self.layouts[l].block_bytes):
             sel = lids == lid
             got = self.allocators[dst].alloc(self.layouts[lid].block_bytes, int(sel.sum()))
             if got is None:
