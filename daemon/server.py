@@ -208,12 +208,12 @@ class Server:
         self._last_answer = time.monotonic()
         spent = self._settled_s() - settled
         if spent > 0:
-            # The call ended a drain piece's copies first (manager.py `settled`, `_settle_if`: an
-            # allocation that made room, a promotion, a reservation): its wait is that piece's use of the loop, so the next piece comes
-            # PIECE_SPACING times the whole of it later. Counted by the slice's time alone, a piece
-            # began right after each such answer, and every call back to back waited for a piece's
-            # copies (one-block allocations back to back during a 48 GB drain on the H200 host: 8.95
-            # ms on average, 0.8 since; docs/measured-figures.md).
+            # The call ended a drain piece's copies first (settling.py: an allocation that made
+            # room, a promotion, a reservation): its wait is that piece's use of the loop, so the
+            # next piece comes PIECE_SPACING times the whole of it later. Counted by the slice's
+            # time alone, a piece began right after each such answer, and every call back to back
+            # waited for a piece's copies (one-block allocations back to back during a 48 GB drain
+            # on the H200 host: 8.95 ms on average, 0.8 since; docs/measured-figures.md).
             self._piece_ended = self._last_answer
             self._piece_s += spent
             self._drain_owed_s -= spent

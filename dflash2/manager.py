@@ -12,7 +12,6 @@ the policy replay and the table bench use it that way, and so do most tests.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.readcost import ReadCost
 from dflash2.reservations import Admission, AdmissionSettings, Decision
+from dflash2.settling import any_in_flight, rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
@@ -40,20 +40,6 @@ log = logging.getLogger("dflash2.manager")
 # The config's defaults (dflash2/config.py, policy.watermarks), for managers built without a config.
 DEFAULT_WATERMARKS = {Tier.HBM: Watermark(0.95, 0.85), Tier.DRAM: Watermark(0.90, 0.80),
                       Tier.NVME: Watermark(0.95, 0.85)}
-
-
-def settled(method):
-    """(A BlockManager call that may pin, move, evict or free blocks) the drain copies left in flight
-    end first (`Placement.settle`, rebalance.py): their blocks are MIGRATING until then, which a pin,
-    a move or an eviction must not meet, nor a free that the table would defer. The calls of a
-    serving step (allocate, commit, free, acquire, release, add_ref) settle only when they meet the
-    flight instead (`BlockManager._settle_if`): an allocation from free room waited for the disk."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if self.placement.in_flight:
-            self.placement.settle()
-        return method(self, *args, **kwargs)
-    return call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +222,7 @@ class BlockManager:
             # allocate of one block demoted the whole queue's room at once.
             return self._held_back(ahead, priority, held)
         if vids is None:
-            self._settle_if(placing=True)  # making room moves and evicts blocks
+            settle_if(self, placing=True)  # making room moves and evicts blocks
             need = n * slot + held
             if self.placement.lower(tier) is not None:
                 # Demote a whole batch at once, not block by block: a stream of one-block
@@ -263,7 +249,7 @@ class BlockManager:
         settled first only when the commit meets one of their blocks: a cached twin that a key
         deduplicates onto (its slot may be swapped, its references grow), or the parent it chains under."""
         if self.placement.in_flight and keys is not None:
-            self._settle_if(self._keyed_rows(keys, parent))
+            settle_if(self, rows_a_commit_meets(self.table, keys, parent))
         out = self.table.commit(client, vids, keys, parent)
         now = self.table.clock()
         recast = self.table.take_recast()
@@ -276,7 +262,7 @@ class BlockManager:
         rows = self.table.rows(vids)
         # Settled first when a block freed is in flight (the table would defer its free), or when the
         # follow-up may grant a waiting reservation (which may make room: placement work).
-        self._settle_if(rows, placing=bool(self.admission.deferred))
+        settle_if(self, rows, placing=bool(self.admission.deferred))
         self.table.refuse_reserved(rows)  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
         idle = self._left_idle(rows)
@@ -364,7 +350,7 @@ class BlockManager:
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         # A block in flight cannot be pinned, and a promotion is placement work: either settles the
         # drain copies first. A read of blocks already where it reads them leaves them running.
-        self._settle_if(rows, placing=bool((self.table.cols.tier[rows] > int(up_to)).any()))
+        settle_if(self, rows, placing=bool((self.table.cols.tier[rows] > int(up_to)).any()))
         tiers = self.table.cols.tier[rows]
         held = (tiers > int(up_to)) & (self.table.cols.pins[rows] > 0)
         if held.any():
@@ -427,7 +413,7 @@ class BlockManager:
         """A request of this client shares these blocks; with its `priority`, they carry at least
         that priority (a shared prefix is protected as the highest-priority request using it is).
         A block in flight is settled first: it was chosen to leave as idle."""
-        self._settle_if(self.table.rows(vids))
+        settle_if(self, self.table.rows(vids))
         self.table.add_ref(client, vids)
         if priority is not None:
             self.table.raise_priority(self.table.rows(vids), priority)
@@ -546,7 +532,6 @@ class BlockManager:
     def close(self) -> None:
         """Close the backend, then every arena: each step on its own (one that fails is logged, the
         others still run: a GPU whose context is lost must not keep the host arenas open)."""
-        self.mover.quarantine.close()  # a re-test's I/O (its own thread) ends first
         parts = ([("transfer backend", self.backend)] if self.backend is not None else [])
         parts += [(f"{tier.label} arena", arena) for tier, arena in self.arenas.items()]
         for name, part in parts:
@@ -556,36 +541,12 @@ class BlockManager:
                 log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
-    def _settle_if(self, rows: np.ndarray | None = None, placing: bool = False) -> None:
-        """Settle the drain copies in flight (rebalance.py `settle`) when a call meets them: it does
-        placement work (`placing`: makes room, promotes), or one of `rows` is in flight."""
-        if not self.placement.in_flight:
-            return
-        if placing or (rows is not None and len(rows)
-                       and (self.table.cols.state[rows] == int(BlockState.MIGRATING)).any()):
-            self.placement.settle()
-
-    def _keyed_rows(self, keys: Sequence[int], parent: int | None) -> np.ndarray:
-        """Rows a commit of `keys` under `parent` may touch beside its own: the cached twins of its
-        keys and the parent. Keys or a parent that the commit will refuse touch nothing."""
-        try:
-            found = self.table.keys.lookup(np.asarray(keys, dtype=np.uint64))
-        except (OverflowError, TypeError, ValueError):
-            found = np.zeros(0, dtype=np.int64)
-        found = np.asarray(found, dtype=np.int64)
-        found = found[found >= 0]
-        if parent is not None:
-            try:
-                found = np.append(found, self.table.rows([parent]))
-            except (UnknownBlock, OverflowError, TypeError, ValueError):
-                pass  # a parent that is not live: the commit says so
-        return found
     def _meets_flight(self, rows: np.ndarray, reader: Tier, probe: bool) -> bool:
         """Whether a lookup that found `rows` must wait for the drain copies in flight: one of them
         is in flight (the answer says where each block lies), or it would prefetch (a promotion)."""
         if not len(rows):
             return False
-        if (self.table.cols.state[rows] == int(BlockState.MIGRATING)).any():
+        if any_in_flight(self.table, rows):
             return True
         return reader == Tier.HBM and not probe and bool(self.prefetcher.base) and self._below_hbm(
             rows[: self.prefetcher.max_window])

@@ -38,6 +38,7 @@ import threading
 
 import numpy as np
 
+from dflash2 import threads
 from dflash2.arena.base import StorageArena
 from dflash2.errors import ArenaError
 from dflash2.table import BlockTable
@@ -154,14 +155,6 @@ class Quarantine:
         """Whether a re-test's I/O is still running (its verdict waits for a later step)."""
         return any(not job.done.is_set() for job in self._jobs.values())
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """(Before the arenas close) wait up to `timeout_s` for a re-test's I/O still running: closed
-        under it, the tier's file would fail its next call, or reopen its staging ring to no end."""
-        for tier, job in self._jobs.items():
-            if not job.done.wait(timeout_s):
-                log.warning("a re-test of %s slots set aside is still writing or reading after %.0f s; the tier "
-                            "closes under it (its slots stay set aside)", tier.label, timeout_s)
-
 
 class _RetestJob:
     """One re-test's I/O on a thread of its own: `sound` (per slot) or `error` once `done` is set."""
@@ -172,7 +165,7 @@ class _RetestJob:
         self.error: ArenaError | None = None
         self.done = threading.Event()
         self._arena, self._sizes = arena, sizes
-        threading.Thread(target=self._run, name="dflash2-retest", daemon=True).start()
+        threads.start(threading.Thread(target=self._run, name="dflash2-retest", daemon=True))  # (threads.py)
 
     def _run(self) -> None:
         arena, offsets = self._arena, self.offsets
@@ -183,7 +176,8 @@ class _RetestJob:
             self.sound = np.asarray(arena.test_slots(offsets, patterns), dtype=bool)
         except ArenaError as e:
             self.error = e
-        except Exception as e:  # anything else: nothing given back, said by the step
+        except Exception as e:  # anything else: nothing given back, said here and by the step
+            log.exception("a re-test of slots set aside failed")
             self.error = ArenaError(f"re-test failed: {e!r}")
         finally:
             self.done.set()

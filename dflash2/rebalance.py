@@ -62,9 +62,9 @@ class Rebalancing:
         # `_leaving_bytes` the bytes they take out of each tier. Invariant: no placement work runs while
         # copies are in flight: the next piece settles them first, and so does every BlockManager
         # call that meets them: one that does placement work (makes room, promotes) or touches a
-        # block in flight (manager.py `settled`, `_settle_if`), a lookup when it finds a block in
-        # flight or would prefetch. Between, the blocks are MIGRATING: readable
-        # where they were, pinned, freed or moved by nobody.
+        # block in flight (settling.py), a lookup when it finds a block in flight or would
+        # prefetch. Between, the blocks are MIGRATING: readable where they were, pinned, freed or
+        # moved by nobody.
         self._deferring = False
         self._in_flight: list[tuple[Flight, Callable[[], object]]] = []
         self._leaving_bytes: dict[Tier, int] = {}
@@ -72,7 +72,7 @@ class Rebalancing:
         # loop's idle time, not the drain's (the server does not count it against the step's share).
         self.waited_s = 0.0
         # Seconds `settle` has spent ending copies (waiting for them, landing their blocks): within a
-        # call (manager.py `settled`), the drain's use of the loop, which the server paces as a piece's.
+        # call (settling.py), the drain's use of the loop, which the server paces as a piece's.
         self.settled_s = 0.0
 
     def rebalance(self, budget_s: float | None = None, yield_to: Callable[[float], bool] | None = None,

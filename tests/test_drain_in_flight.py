@@ -1,5 +1,5 @@
 """A drain piece between requests leaves its copies in flight, and the daemon answers requests while
-the disk writes (rebalance.py `settle_when_done`, manager.py `settled`).
+the disk writes (rebalance.py `settle_when_done`, settling.py).
 
 Every test runs a real host manager (shared-memory HBM and DRAM, an NVMe file in tmp_path) whose
 DRAM is over its high watermark with idle cached blocks of distinct bytes; a drain slice
@@ -326,7 +326,7 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
 
         def a_call_that_settles(frames):
             threading.Timer(0.2, release.set).start()
-            mgr.settle()  # as an allocation does first (manager.py `settled`): waits for the disk
+            mgr.settle()  # as an allocation does first (settling.py): waits for the disk
             return handled(frames)
         monkeypatch.setattr(svc, "handle_frames", a_call_that_settles)
         peer = srv._ctx.socket(zmq.DEALER)

@@ -178,20 +178,27 @@ def nvme_file(m):
     return is_it
 
 
-def bad_slots(m, monkeypatch, offsets, err=errno.EIO) -> None:
+def bad_slots(m, monkeypatch, offsets, err=errno.EIO) -> tuple[threading.Event, threading.Event]:
     """Every write that touches these NVMe slots (offsets in the tier) fails with `err`, as a disk
-    with a bad region there answers (the staging I/O wrappers call os.pwritev)."""
+    with a bad region there answers (the staging I/O wrappers call os.pwritev). Returns (answer,
+    asked): such a write fails only once `answer` is set (it starts set; clear it for a disk that
+    retries a bad sector before it answers), and sets `asked`."""
     ours = nvme_file(m)
     bad = [(HEADER_BYTES + o, HEADER_BYTES + o + SLOT) for o in offsets]
     real = os.pwritev
+    answer, asked = threading.Event(), threading.Event()
+    answer.set()
 
     def pwritev(f, bufs, offset):
         n = sum(memoryview(b).nbytes for b in bufs)
         if any(offset < e and offset + n > s for s, e in bad) and ours(f):
+            asked.set()
+            assert answer.wait(30), "the test never let the disk answer"
             raise OSError(err, os.strerror(err))
         return real(f, bufs, offset)
 
     monkeypatch.setattr(os, "pwritev", pwritev)
+    return answer, asked
 
 
 def down_to_nvme(m, a, lid, keys) -> np.ndarray:
@@ -443,34 +450,13 @@ def test_quarantined_slots_given_back_are_free_again_and_bad_requests_are_refuse
     assert alloc.blocks_free(8192) == 4, "the slab's pages go back to other sizes once no slot is set aside"
 
 
-def slow_bad_disk(m, monkeypatch, sound_disk, offsets):
-    """Writes into these NVMe slots fail with EIO, and while `answer` is clear only once it is set
-    (a disk retrying a bad sector): (answer, asked), `asked` set when such a write came. `answer`
-    starts set (the moves' failures come at once)."""
-    bad = [(HEADER_BYTES + o, HEADER_BYTES + o + SLOT) for o in offsets]
-    ours = nvme_file(m)
-    answer, asked = threading.Event(), threading.Event()
-    answer.set()
-
-    def disk(f, bufs, offset):
-        n = sum(memoryview(b).nbytes for b in bufs)
-        if any(offset < e and offset + n > s for s, e in bad) and ours(f):
-            asked.set()
-            assert answer.wait(30), "the test never let the disk answer"
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return sound_disk(f, bufs, offset)
-
-    monkeypatch.setattr(os, "pwritev", disk)
-    return answer, asked
-
-
 def test_a_re_test_of_slots_still_bad_does_not_hold_the_step_on_the_disk(mgr, monkeypatch):
     """soak8: the re-test wrote and read in the step itself, on the daemon's serving thread: a bad
     region that answers EIO slowly (a disk retrying a sector, seconds a try) held every client for a
     failed batch write and one more per slot. Its I/O now runs on a thread of its own; the step goes
     on while the disk has not answered, and a later step takes the verdict."""
     a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
-    answer, asked = slow_bad_disk(mgr, monkeypatch, sound_disk, [1 * SLOT, 4 * SLOT])
+    answer, asked = bad_slots(mgr, monkeypatch, [1 * SLOT, 4 * SLOT])
     down_to_nvme(mgr, a, lid, list(range(1, 9)))
     alloc = mgr.table.allocators[Tier.NVME]
     assert alloc.quarantined_bytes == 2 * SLOT
@@ -498,7 +484,7 @@ def test_a_free_of_an_nvme_block_does_not_wait_for_a_running_re_test(mgr, monkey
     a client's free waited for every slow answer of a bad region. The re-test now writes and reads
     its slots outside that lock."""
     a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
-    answer, asked = slow_bad_disk(mgr, monkeypatch, sound_disk, [1 * SLOT, 4 * SLOT])
+    answer, asked = bad_slots(mgr, monkeypatch, [1 * SLOT, 4 * SLOT])
     down_to_nvme(mgr, a, lid, list(range(1, 9)))
     alloc = mgr.table.allocators[Tier.NVME]
     assert alloc.quarantined_bytes == 2 * SLOT

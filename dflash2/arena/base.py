@@ -77,15 +77,10 @@ class StorageArena(Arena):
     def forget(self, offsets: Sequence[int]) -> None:
         """The blocks at these offsets are freed: drop their checksums."""
 
+    @abc.abstractmethod
     def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
-        """(The re-test of slots set aside, on a thread of its own; the slots are owned by nobody.)
-        Write each pattern at its offset and read it back: whether each slot held it. A failure
-        for the disk as a whole raises ArenaError. This default goes through the batch path; an
-        arena whose batches hold a lock should not make the tier's other callers wait on it."""
-        try:
-            written = self.write_blocks(offsets, patterns)
-            back = [np.empty_like(p) for p in patterns]
-            read = self.read_blocks(offsets, back)
-            return written & read & np.array([np.array_equal(b, p) for b, p in zip(back, patterns)], dtype=bool)
-        finally:
-            self.forget(offsets)  # a pattern is no block: never read as one
+        """(The re-test of slots set aside, quarantine.py, on a thread of its own; nobody else uses
+        these slots.) Write each pattern at its offset and read it back, without making the tier's
+        other callers wait: whether each slot held it (False where its own I/O failed: EIO). A
+        failure for the disk as a whole (a full disk) raises ArenaError. Records no checksum: a
+        pattern is never read as a block."""

@@ -324,7 +324,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         # Invariant: a pinned block never changes tier or state, so a block in flight cannot be
         # pinned (its move's end would move it under the pin). Moves end inside the manager call
         # that starts them, or, a drain piece's between requests, before any manager call that pins
-        # one of its blocks (manager.py `_settle_if`): only a caller of the table between begin_move and end_move sees this.
+        # one of its blocks (settling.py): only a caller of the table between begin_move and end_move sees this.
         moving = self.cols.state[rows] == int(S.MIGRATING)
         if moving.any():
             raise IllegalTransition(f"block {int(self.vids(rows[moving][:1])[0]):#x} is moving between tiers; "
