@@ -487,3 +487,43 @@ def test_a_move_of_two_sizes_takes_the_larger_ones_slots_first(clock):
     assert [tier_of(mgr, v) for v in np.concatenate([heads, tails])] == [Tier.NVME] * 4
     mgr.check_invariants()
     mgr.free(a, got)
+
+
+def test_a_move_that_cannot_start_whole_moves_the_leading_blocks_that_fit(clock):
+    """Blocks of two sizes going down into a tier whose only room is one free page: the smaller
+    block leads, then the larger. Their batch needs two pages (a page is cut for one size) and
+    found no room; the retry took the leading blocks that fit counted size by size, and each size
+    counted the same free page: both, so the retry failed the same way and nothing moved. Both
+    were dropped instead (idle, cached), though the leading one fitted, and its move alone made
+    all the room the allocation needed. The retry is halved until its batch starts."""
+    from dflash2.layout import Layout
+    from dflash2.manager import BlockManager, TierSpec
+
+    page = 64 << 10  # a page holds 4 blocks of SMALL (16 KiB) or 2 of BIG (32 KiB)
+    big = Layout("big", num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    assert (SMALL.block_bytes, big.block_bytes) == (16 << 10, 32 << 10)
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 2 * page, page, 4096)],
+                       clock=clock)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    small_id, big_id = mgr.register_layout(SMALL), mgr.register_layout(big)
+    # HBM: page 0 a slab of SMALL holding `first` alone, page 1 a slab of BIG holding `second` (older
+    # first: the victims are [first, second]).
+    first = fill(mgr, a, small_id, [1])
+    clock.advance(1)
+    second = fill(mgr, a, big_id, [2])
+    # DRAM: page 0 full of b's blocks (held: never dropped), page 1 free.
+    held = mgr.allocate(b, small_id, 4, tier=Tier.DRAM)
+    dram = mgr.table.allocators[Tier.DRAM]
+    assert dram.blocks_free(SMALL.block_bytes) == 4 and dram.blocks_free(big.block_bytes) == 2
+    assert mgr.placement._leading_that_fit(mgr.table.rows(np.concatenate([first, second])), Tier.DRAM) == 2
+    mgr.check_invariants()
+
+    clock.advance(1)
+    got = mgr.allocate(a, big_id, 2)  # HBM holds one more BIG: `first`'s page must be emptied
+    assert got is not None, mgr.allocate_refusal
+    assert mgr.placement.stats.evicted == 0 and mgr.placement.stats.demoted == 1
+    assert [tier_of(mgr, v) for v in np.concatenate([first, second])] == [Tier.DRAM, Tier.HBM]
+    mgr.check_invariants()
+    mgr.free(a, got)
+    mgr.free(b, held)
+    mgr.check_invariants()
