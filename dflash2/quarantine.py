@@ -22,8 +22,12 @@ list), writing a pattern into each slot and reading it back (`StorageArena.test_
 on a thread of its own and outside the arena's lock, so that a disk slow to answer EIO holds neither
 the daemon's loop nor the tier's copies in the daemon; a disk that serialises its I/O still queues
 them behind each slow answer); those that pass go back
-to the free pool (`SlotAllocator.give_back`), said once per re-test. Before, they stayed set aside
-until the daemon restarted. Not while the tier backs off after failed writes (a full disk would fail
+to the free pool (`SlotAllocator.give_back`). Before, they stayed set aside
+until the daemon restarted. A re-test whose every slot passed says the disk answers again (the EIO
+passed): the next one comes at the next step, not a period later, until none is left or one fails
+again, and the run is said once, at its end (one at a time, RETEST_SLOTS every RETEST_EVERY_S, a
+reset that set aside the slots of a few drain batches, thousands, gave them back over hours). A
+re-test that is not such a follow-up is said at its end too (one info line). Not while the tier backs off after failed writes (a full disk would fail
 the test for its own reasons): the slots then wait for the next re-test after the back-off.
 
 Policy here, mechanism in the allocator: a warning with the batch's count and the total so far, once
@@ -65,6 +69,9 @@ class Quarantine:
         self.given_back = 0  # slots given back after passing a re-test, every tier
         self._jobs: dict[Tier, _RetestJob] = {}  # a re-test whose I/O runs (or ran) on its own thread, per tier
         self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
+        # Per tier, a run of re-tests whose every slot passed, each followed by the next at the next
+        # step: its re-tests, slots tested and given back, and bytes given back so far (said at its end).
+        self._run: dict[Tier, list[int]] = {}
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
 
@@ -103,7 +110,8 @@ class Quarantine:
         return slots_to_blame
 
     def retest(self, tier: Tier, arena: StorageArena, now: float) -> int:
-        """At most every RETEST_EVERY_S (`now`: a monotonic clock): write a pattern into up to
+        """At most every RETEST_EVERY_S (`now`: a monotonic clock), or at the next step after one whose
+        every slot passed (module docstring): write a pattern into up to
         RETEST_SLOTS of the tier's slots set aside (the oldest first), read it back, and give back to
         the free pool those that held it. Returns the slots given back. A batch write that fails for
         the disk as a whole (ArenaError: a full disk) gives nothing back and is said; the slots wait
@@ -134,6 +142,8 @@ class Quarantine:
             # To the back of the list too: a region that fails every read would otherwise hold the
             # same slots at the head of every re-test, and the others would never be tried.
             alloc.requeue_quarantined(offsets)
+            if tier in self._run:
+                self._say(tier, 0)  # the run of passing re-tests before it ends here
             log.warning("re-test of %d %s slots set aside failed for the disk as a whole (%s): they stay set aside "
                         "until a later re-test", len(offsets), tier.label, job.error)
             return 0
@@ -145,11 +155,25 @@ class Quarantine:
         self.given_back += int(sound.sum())
         if not self.failing(tier):
             self._said_failing.discard(tier)  # said again if it fails that far again
-        log.info("re-test of %d %s slots set aside after I/O errors: %d wrote and read back their pattern and are "
-                 "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
-                 len(offsets), tier.label, int(sound.sum()), given, len(again), alloc.quarantined_bytes,
-                 100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
+        run = self._run.setdefault(tier, [0, 0, 0, 0])
+        for i, n in enumerate((1, len(offsets), int(sound.sum()), given)):
+            run[i] += n
+        if sound.all() and alloc.quarantined_bytes:
+            # The disk answers again: the rest at the next step (module docstring), said at the run's end.
+            self._retested[tier] = now - self.RETEST_EVERY_S
+            return int(sound.sum())
+        self._say(tier, len(again))
         return int(sound.sum())
+
+    def _say(self, tier: Tier, failed: int) -> None:
+        """The end of a re-test, or of a run of them (`_run`), at info; `failed`: slots of its last
+        re-test that failed again."""
+        rounds, tested, passed, given = self._run.pop(tier)
+        alloc = self.table.allocators[tier]
+        log.info("re-test of %d %s slots set aside after I/O errors%s: %d wrote and read back their pattern and are "
+                 "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
+                 tested, tier.label, "" if rounds == 1 else f", in {rounds} rounds", passed, given, failed,
+                 alloc.quarantined_bytes, 100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
 
     def retests_pending(self) -> bool:
         """Whether a re-test's I/O is still running (its verdict waits for a later step)."""

@@ -402,6 +402,58 @@ def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr
     assert_cached(mgr, range(1, 129))
 
 
+def settle_re_tests(m, q, steps: int = 6) -> int:
+    """Up to `steps` background steps, the clock held, each waiting for the re-test it began (its
+    I/O on a thread of its own) before the next; the steps until a re-test's verdict left none pending."""
+    taken = 0
+    for _ in range(steps):
+        m.tick()
+        deadline = time.monotonic() + 30
+        while q.retests_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        taken += 1
+    return taken
+
+
+def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fails(mgr, monkeypatch, caplog):
+    """A passing EIO (a controller reset) set aside the slots of whole drain batches, thousands,
+    and the re-test gave back 16 every 5 minutes: hours. A re-test whose every slot passed now says
+    the disk answers again: the next follows at the next step, until none is left or one fails again
+    (then a period later, as before), and the run is said once, at its end."""
+    a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
+    monkeypatch.setattr(q, "RETEST_SLOTS", 2)
+    bad = [1, 3, 5, 7, 9, 11]  # 6 of 128 slots: under the 5% past which the disk is failing
+    bad_slots(mgr, monkeypatch, [o * SLOT for o in bad])
+    assert down_to_nvme(mgr, a, lid, list(range(1, 33))).sum() == 26
+    alloc = mgr.table.allocators[Tier.NVME]
+    order = alloc.quarantined_offsets().tolist()  # the re-tests' order, two a round
+    assert sorted(order) == [o * SLOT for o in bad]
+    mgr.tick()  # the re-test's clock starts when the slots are first seen set aside
+    monkeypatch.setattr(os, "pwritev", sound_disk)
+    bad_slots(mgr, monkeypatch, [order[3]])  # the EIO passed but for one slot, in the second round
+    now[0] += q.RETEST_EVERY_S
+    with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
+        settle_re_tests(mgr, q)
+    assert alloc.quarantined_offsets().tolist() == [order[4], order[5], order[3]], \
+        "the first round passed whole, the second followed at once and met the bad slot: the rest wait a period"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
+    assert len(said) == 1 and "re-test of 4 nvme slots set aside after I/O errors, in 2 rounds: 3 wrote" in said[0] \
+        and "1 failed again" in said[0], said
+    monkeypatch.setattr(os, "pwritev", sound_disk)
+    now[0] += q.RETEST_EVERY_S
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
+        settle_re_tests(mgr, q)
+    assert alloc.quarantined_bytes == 0 and q.given_back == 6
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
+    assert len(said) == 1 and "re-test of 3 nvme slots set aside after I/O errors, in 2 rounds: 3 wrote" in said[0] \
+        and "0 failed again" in said[0] and "0 bytes (0.00% of nvme) set aside now" in said[0], said
+    mgr.check_invariants()
+    assert mgr.mover.move(np.flatnonzero((mgr.table.cols.tier == int(Tier.DRAM)) & (mgr.table.cols.state != 0)),
+                          Tier.NVME).all(), "the slots given back take the blocks whose writes failed"
+    assert_cached(mgr, range(1, 33))
+
+
 def test_a_re_test_waits_while_the_tier_backs_off_and_a_full_disk_gives_nothing_back(mgr, monkeypatch, caplog):
     """No re-test while NVMe backs off (a full disk fails it for its own reasons); one whose batch
     fails for the disk as a whole (ENOSPC) gives nothing back, says so, and waits a period."""
