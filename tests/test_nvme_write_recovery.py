@@ -265,6 +265,12 @@ def test_a_bad_region_no_longer_makes_nvme_back_off_again_and_again(mgr, monkeyp
     a = mgr.attach("a")
     lid = mgr.register_layout(LAYOUT)
     bad_slots(mgr, monkeypatch, [o * SLOT for o in (1, 40, 41, 90)])
+    most = 0  # NVMe's blocks at most, after a step
+
+    def step() -> None:
+        nonlocal most
+        mgr.tick()
+        most = max(most, mgr.stats()["tiers"]["nvme"]["blocks"])
     for c in range(16):  # 256 blocks in chains of 16: room for 64 + 64 + 124
         vids = mgr.allocate(a, lid, 16)
         assert vids is not None, mgr.allocate_refusal
@@ -272,11 +278,16 @@ def test_a_bad_region_no_longer_makes_nvme_back_off_again_and_again(mgr, monkeyp
         for v, k in zip(vids.tolist(), keys):
             mgr.view(v)[:] = pattern(k)
         mgr.free(a, mgr.commit(a, vids, keys=keys))
-        mgr.tick()
+        step()
+    for _ in range(100):  # a step drains for its time budget: on a loaded machine, less a step
+        if not mgr.draining():
+            break
+        step()
     assert mgr.placement.stats.write_backoffs == 0
     tier = mgr.stats()["tiers"]["nvme"]
     assert tier["quarantined_bytes"] == 4 * SLOT
-    assert tier["blocks"] >= 124 - 8, tier  # full but for its low watermark's slack, at most
+    # Full but for its high watermark's slack (it drains itself from there down to its low one).
+    assert most >= int(0.95 * 124) - 1, (most, tier)
     assert_prefix_order(mgr)
     mgr.check_invariants()
 
