@@ -522,8 +522,11 @@ class BlockManager:
                          "wasted": self.prefetcher.wasted},
             "reservations": self.admission.snapshot(),
             "clients": len(self.table.clients) - len(self.set_aside_clients),
+            # blocks: their private blocks kept out of reuse; pinned: blocks they had pinned, kept
+            # pinned (never moved) for a reader that may resume (table/departure.py).
             "set_aside": {"clients": len(self.set_aside_clients),
-                          "blocks": sum(len(self.table.clients[c].refs) for c in self.set_aside_clients)},
+                          "blocks": sum(len(self.table.clients[c].refs) for c in self.set_aside_clients),
+                          "pinned": len(set().union(*(self.table.clients[c].pins for c in self.set_aside_clients)))},
             "policy": self.policy.describe(),
             "duel": None if self.duel is None else self.duel.describe(),
         }

@@ -103,7 +103,8 @@ def render(st: dict) -> str:
     aside = st.get("set_aside") or {}
     if aside.get("clients"):  # lapsed while their process may still write: kept out of reuse
         lines.append(f"set aside: {aside['blocks']} private blocks of {aside['clients']} lapsed client(s) "
-                     "whose process may still write them")
+                     "whose process may still write them"
+                     + (f", and {aside['pinned']} blocks they had pinned, kept pinned" if aside.get("pinned") else ""))
     if clients:
         lines += _table([("id", "name", "pid", "idle s")]
                         + [(str(c["client"]), str(c["name"]), str(c["pid"]), f"{c['idle_s']:.1f}") for c in clients])

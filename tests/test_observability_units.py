@@ -428,15 +428,22 @@ def test_blocks_set_aside_for_a_lapsed_client_are_a_gauge(service):
     c = m.attach("stalled")
     m.register_layout(SMALL)
     m.allocate(c, 0, 3)
+    w = m.attach("writer")
+    published = m.commit(w, m.allocate(w, 0, 2), keys=[71, 72])
+    m.free(w, published)
+    assert m.acquire(c, published) is not None  # pinned by the client about to lapse
     m.detach(c, set_aside=True)
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_set_aside_blocks", ())] == 3
+    assert scrape(metrics)[("dflash2_set_aside_pinned_blocks", ())] == 2
     from dflash2.status import render
-    assert "set aside: 3 private blocks of 1 lapsed client(s)" in render(service.stats())
+    assert ("set aside: 3 private blocks of 1 lapsed client(s) whose process may still write them, and 2 blocks "
+            "they had pinned, kept pinned") in render(service.stats())
     m.detach(c)
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_set_aside_blocks", ())] == 0
+    assert scrape(metrics)[("dflash2_set_aside_pinned_blocks", ())] == 0
     m.check_invariants()
 
 

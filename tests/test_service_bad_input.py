@@ -154,7 +154,8 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
     namespace) may resume the writes it was making into its allocated blocks. Freed at once, their
     slots went to other blocks, which the resumed writes then overwrote: cached blocks every client
     read as hits (soak 2: 16 of 16 wrong in a repro). They stay set aside until the process is gone,
-    or `daemon.set_aside_leases` (30) leases; what it published and its pins are released as before."""
+    or `daemon.set_aside_leases` (30) leases; its references to what it published are released as
+    before, and its pins are kept as long (a resumed reader: test_stalled_reader.py)."""
     from dflash2.daemon.sessions import pid_namespace
 
     ns = pid_namespace() if pid_ns == "ours" else None
@@ -170,7 +171,7 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
     assert service.expire_leases() == [stalled]
     assert call(service, Op.HEARTBEAT, stalled).error_type == "UnknownClient"
     st = call(service, Op.STATS).result
-    assert st["set_aside"] == {"clients": 1, "blocks": 3}, st["set_aside"]
+    assert st["set_aside"] == {"clients": 1, "blocks": 3, "pinned": 2}, st["set_aside"]
     assert _hbm_free(service) == free_before, "the blocks it was writing stay taken"
     other = attach(service, "other", pid=0)
     got = np.frombuffer(call(service, Op.ALLOCATE, other, {"layout": 0, "n": 13}).arrays[0], P.PLACE_DTYPE)
@@ -193,7 +194,7 @@ def test_a_lapsed_client_whose_process_may_run_keeps_its_private_blocks_out_of_r
         later(9.0)
         assert call(service, Op.STATS).result["set_aside"]["clients"] == 1, "cannot be seen: held a while"
         later(1.0)
-    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0, "pinned": 0}
     assert _hbm_free(service) == free_then + 3 * SMALL.block_bytes
     assert call(service, Op.CHECK).ok
 
@@ -205,7 +206,7 @@ def test_set_aside_leases_0_frees_a_lapsed_clients_blocks_at_once(make_manager, 
     call(svc, Op.ALLOCATE, stalled, {"layout": 0, "n": 3})
     clock.advance(10.5)
     assert svc.expire_leases() == [stalled]
-    assert call(svc, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert call(svc, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0, "pinned": 0}
     assert call(svc, Op.STATS).result["tiers"]["hbm"]["used_bytes"] == 0
 
 
@@ -216,7 +217,7 @@ def test_a_lapsed_client_whose_process_is_gone_is_freed_at_once(service, clock):
     call(service, Op.ALLOCATE, gone, {"layout": 0, "n": 3})
     service.dead_pids.add(4545)
     assert service.expire_leases() == [gone]
-    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0}
+    assert call(service, Op.STATS).result["set_aside"] == {"clients": 0, "blocks": 0, "pinned": 0}
     assert call(service, Op.STATS).result["tiers"]["hbm"]["used_bytes"] == 0
 
 

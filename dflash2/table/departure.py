@@ -10,7 +10,12 @@ commits), and the resumed writes overwrote cached blocks that every client then 
 1,263 wrong reads from 9 cached blocks in 30 minutes; a repro: 8 of 8). Its private blocks are therefore
 kept, still referenced by the client, until its process is gone or its time set aside ends
 (daemon/sessions.py, SetAside). Blocks being written (WRITING) never move, so their slots stay theirs.
-Invariant: a set-aside client holds references to its private blocks only, and no pin.
+Its pins are kept too, for the same reason on the reading side: a process that resumes reads the
+blocks it had pinned through the views it holds (an engine's attention over them), and a block
+unpinned at the lapse could move or be evicted, its slot given to another block, whose bytes the
+resumed reader then read as its own (soak10: a worker resumed after SIGCONT read another block's
+bytes through its pinned block's view). A pinned block never moves, so its bytes stay where the view is.
+Invariant: a set-aside client holds references to its private blocks only, and the pins it held.
 """
 
 from __future__ import annotations
@@ -32,17 +37,17 @@ class Departures:
         return {"unpinned": pins, "dereferenced": dereferenced, "freed": freed}
 
     def set_aside_client(self, client_id: int) -> dict:
-        """Release a client's pins and its references to published blocks, and keep its references
-        to its private blocks (it may still be writing them): `remove_client` frees those later.
-        Returns what it released, and how many blocks it keeps (`set_aside`)."""
+        """Release a client's references to published blocks, and keep its references to its private
+        blocks (it may still be writing them) and its pins (it may still be reading those blocks through
+        its views): `remove_client` releases those later. Returns what it released, and how many blocks
+        it keeps (`set_aside`: private blocks; `kept_pins`: pins)."""
         holder = self.client(client_id)
         c = self.cols
-        unpinned, pins = self._unpin_all(holder)
         held = sum(holder.refs.values())
         freed = self._drop_all_refs(holder, keep=lambda rows: (c.key[rows] == 0) & (c.owner[rows] == client_id))
-        freed += self._after_unpin(unpinned)
         kept = sum(holder.refs.values())
-        return {"unpinned": pins, "dereferenced": held - kept, "freed": freed, "set_aside": len(holder.refs)}
+        return {"unpinned": 0, "dereferenced": held - kept, "freed": freed, "set_aside": len(holder.refs),
+                "kept_pins": sum(holder.pins.values())}
 
     def _unpin_all(self, holder) -> tuple[np.ndarray, int]:
         """Drop every pin of the client: (the rows it pinned, how many pins)."""
