@@ -457,7 +457,8 @@ class BlockManager:
 
     def _retest_set_aside(self) -> None:
         """Re-test the slots of each storage tier set aside after I/O errors, while it takes writes
-        (quarantine.py `retest`: at most every RETEST_EVERY_S); those that pass are room again."""
+        (quarantine.py `retest`: RETEST_FIRST_S after they are first seen, then at most every
+        RETEST_EVERY_S); those that pass are room again."""
         for tier, arena in self.arenas.items():
             if isinstance(arena, StorageArena) and self.placement.writable(tier):
                 self._follow_up(f"re-testing the {tier.label} slots set aside",

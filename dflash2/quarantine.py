@@ -16,18 +16,23 @@ aside, the disk is taken to be failing (said once, as an error). Its slots that 
 aside, but their failures then start back-offs as a full disk's do, so that a disk that fails every
 write (dead, or for a while) does not lose all of its slots within seconds.
 
-An EIO may pass (a controller reset, a path that failed over): every RETEST_EVERY_S the background
-step re-tests up to RETEST_SLOTS of a tier's slots set aside (`retest`, the oldest first, round the
-list), writing a pattern into each slot and reading it back (`StorageArena.test_slots`: slot by slot,
-on a thread of its own and outside the arena's lock, so that a disk slow to answer EIO holds neither
-the daemon's loop nor the tier's copies in the daemon; a disk that serialises its I/O still queues
-them behind each slow answer); those that pass go back
-to the free pool (`SlotAllocator.give_back`). Before, they stayed set aside
-until the daemon restarted. A re-test whose every slot passed says the disk answers again (the EIO
-passed): the next one comes at the next step, not a period later, until none is left or one fails
-again, and the run is said once, at its end (one at a time, RETEST_SLOTS every RETEST_EVERY_S, a
-reset that set aside the slots of a few drain batches, thousands, gave them back over hours). A
-re-test that is not such a follow-up is said at its end too (one info line). Not while the tier backs off after failed writes (a full disk would fail
+An EIO may pass (a controller reset, a path that failed over): the background step re-tests up to
+RETEST_SLOTS of a tier's slots set aside (`retest`, the oldest first, round the list), writing a
+pattern into each slot and reading it back (`StorageArena.test_slots`: slot by slot, on a thread of
+its own and outside the arena's lock, so that a disk slow to answer EIO holds neither the daemon's
+loop nor the tier's copies in the daemon; a disk that serialises its I/O still queues them behind
+each slow answer); those that pass go back to the free pool (`SlotAllocator.give_back`). Before,
+they stayed set aside until the daemon restarted.
+
+When: RETEST_FIRST_S after the step first sees a tier's slots set aside, then after a wait that
+doubles with each re-test in which one failed again (or the disk as a whole), up to RETEST_EVERY_S,
+and from RETEST_FIRST_S again once none is left (a flat RETEST_EVERY_S kept a tier whose EIO passed
+at once short of its slots for 5 minutes: soak11, 251-295 s after the disk healed). A re-test whose
+every slot passed says the disk answers again: the next one comes at the next step, until none is
+left or one fails again, and the run is said once, at its end (one at a time, a reset that set aside
+the slots of a few drain batches, thousands, gave them back over hours; soak11: 801 slots in 51
+rounds in 6 s, 1,921 in 121 rounds in 15 s). A re-test that is not such a follow-up is said at its
+end too (one info line). Not while the tier backs off after failed writes (a full disk would fail
 the test for its own reasons): the slots then wait for the next re-test after the back-off.
 
 Policy here, mechanism in the allocator: a warning with the batch's count and the total so far, once
@@ -56,9 +61,11 @@ class Quarantine:
     # Past this share of a tier's bytes set aside, the disk is taken to be failing (said once, as an
     # error): a few bad sectors are routine on a large disk, a twentieth of it is not.
     FAILING_FRACTION = 0.05
-    # A re-test of slots set aside: at most this often per tier, and this many slots at a time (a few
-    # MB of writes and reads in the background step, where a re-test of every slot of a failing disk
-    # could take seconds).
+    # A re-test of slots set aside: the first this long after a tier's slots are first seen set aside,
+    # then after a wait doubled by each re-test in which one fails again, at most RETEST_EVERY_S; this
+    # many slots at a time (a few MB of writes and reads, where a re-test of every slot of a failing
+    # disk could take seconds).
+    RETEST_FIRST_S = 30.0
     RETEST_EVERY_S = 300.0
     RETEST_SLOTS = 16
     RETEST_WAIT_S = 0.05  # how long a step waits for a re-test's I/O (on its own thread) before moving on
@@ -69,6 +76,7 @@ class Quarantine:
         self.given_back = 0  # slots given back after passing a re-test, every tier
         self._jobs: dict[Tier, _RetestJob] = {}  # a re-test whose I/O runs (or ran) on its own thread, per tier
         self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
+        self._wait: dict[Tier, float] = {}  # how long each tier's next re-test waits after its last (module docstring)
         # Per tier, a run of re-tests whose every slot passed, each followed by the next at the next
         # step: its re-tests, slots tested and given back, and bytes given back so far (said at its end).
         self._run: dict[Tier, list[int]] = {}
@@ -110,8 +118,9 @@ class Quarantine:
         return slots_to_blame
 
     def retest(self, tier: Tier, arena: StorageArena, now: float) -> int:
-        """At most every RETEST_EVERY_S (`now`: a monotonic clock), or at the next step after one whose
-        every slot passed (module docstring): write a pattern into up to
+        """RETEST_FIRST_S after the tier's slots are first seen set aside, then after a wait that doubles
+        up to RETEST_EVERY_S, or at the next step after one whose every slot passed (module docstring;
+        `now`: a monotonic clock): write a pattern into up to
         RETEST_SLOTS of the tier's slots set aside (the oldest first), read it back, and give back to
         the free pool those that held it. Returns the slots given back. A batch write that fails for
         the disk as a whole (ArenaError: a full disk) gives nothing back and is said; the slots wait
@@ -127,8 +136,9 @@ class Quarantine:
         if job is None:
             if not alloc.quarantined_bytes:
                 self._retested.pop(tier, None)
+                self._wait.pop(tier, None)
                 return 0
-            if now - self._retested.setdefault(tier, now) < self.RETEST_EVERY_S:
+            if now - self._retested.setdefault(tier, now) < self._wait.setdefault(tier, self.RETEST_FIRST_S):
                 return 0
             self._retested[tier] = now
             offsets = alloc.quarantined_offsets()[: self.RETEST_SLOTS]  # oldest first (insertion order)
@@ -142,6 +152,7 @@ class Quarantine:
             # To the back of the list too: a region that fails every read would otherwise hold the
             # same slots at the head of every re-test, and the others would never be tried.
             alloc.requeue_quarantined(offsets)
+            self._wait_longer(tier)
             if tier in self._run:
                 self._say(tier, 0)  # the run of passing re-tests before it ends here
             log.warning("re-test of %d %s slots set aside failed for the disk as a whole (%s): they stay set aside "
@@ -160,10 +171,16 @@ class Quarantine:
             run[i] += n
         if sound.all() and alloc.quarantined_bytes:
             # The disk answers again: the rest at the next step (module docstring), said at the run's end.
-            self._retested[tier] = now - self.RETEST_EVERY_S
+            self._retested[tier] = now - self._wait[tier]
             return int(sound.sum())
+        if len(again):
+            self._wait_longer(tier)
         self._say(tier, len(again))
         return int(sound.sum())
+
+    def _wait_longer(self, tier: Tier) -> None:
+        """After a re-test in which a slot failed again (or the disk): the next waits twice as long."""
+        self._wait[tier] = min(2 * self._wait[tier], self.RETEST_EVERY_S)
 
     def _say(self, tier: Tier, failed: int) -> None:
         """The end of a re-test, or of a run of them (`_run`), at info; `failed`: slots of its last

@@ -374,18 +374,18 @@ def retest_setup(m, monkeypatch):
 
 def test_slots_set_aside_are_given_back_once_a_re_test_writes_and_reads_them(mgr, monkeypatch, caplog):
     """An EIO that passes (a controller reset): the slots it set aside stayed out of use until the
-    daemon restarted. The step re-tests them every RETEST_EVERY_S: a slot still bad stays set aside
-    (and goes to the back of the list), one that writes and reads its pattern back is room again, and
-    a block written there later reads back intact."""
+    daemon restarted. The step re-tests them, the first time RETEST_FIRST_S after it sees them: a
+    slot still bad stays set aside (and goes to the back of the list), one that writes and reads its
+    pattern back is room again, and a block written there later reads back intact."""
     a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
     bad_slots(mgr, monkeypatch, [2 * SLOT, 5 * SLOT, 7 * SLOT])
     assert down_to_nvme(mgr, a, lid, list(range(1, 33))).sum() == 29
     alloc = mgr.table.allocators[Tier.NVME]
     assert alloc.quarantined_bytes == 3 * SLOT
     mgr.tick()  # the re-test's clock starts when the slots are first seen set aside
-    now[0] += q.RETEST_EVERY_S - 1
+    now[0] += q.RETEST_FIRST_S - 1
     step(mgr)
-    assert alloc.quarantined_bytes == 3 * SLOT, "no re-test before RETEST_EVERY_S"
+    assert alloc.quarantined_bytes == 3 * SLOT, "no re-test before RETEST_FIRST_S"
     monkeypatch.setattr(os, "pwritev", sound_disk)
     bad_slots(mgr, monkeypatch, [5 * SLOT])  # the EIO passed but for one slot
     now[0] += 2
@@ -430,7 +430,7 @@ def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fail
     """A passing EIO (a controller reset) set aside the slots of whole drain batches, thousands,
     and the re-test gave back 16 every 5 minutes: hours. A re-test whose every slot passed now says
     the disk answers again: the next follows at the next step, until none is left or one fails again
-    (then a period later, as before), and the run is said once, at its end."""
+    (then after a wait twice as long as the last), and the run is said once, at its end."""
     a, lid, q, now, sound_disk = retest_setup(mgr, monkeypatch)
     monkeypatch.setattr(q, "RETEST_SLOTS", 2)
     bad = [1, 3, 5, 7, 9, 11]  # 6 of 128 slots: under the 5% past which the disk is failing
@@ -442,7 +442,7 @@ def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fail
     mgr.tick()  # the re-test's clock starts when the slots are first seen set aside
     monkeypatch.setattr(os, "pwritev", sound_disk)
     bad_slots(mgr, monkeypatch, [order[3]])  # the EIO passed but for one slot, in the second round
-    now[0] += q.RETEST_EVERY_S
+    now[0] += q.RETEST_FIRST_S
     with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
         settle_re_tests(mgr, q)
     assert alloc.quarantined_offsets().tolist() == [order[4], order[5], order[3]], \
@@ -451,7 +451,10 @@ def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fail
     assert len(said) == 1 and "re-test of 4 nvme slots set aside after I/O errors, in 2 rounds: 3 wrote" in said[0] \
         and "1 failed again" in said[0], said
     monkeypatch.setattr(os, "pwritev", sound_disk)
-    now[0] += q.RETEST_EVERY_S
+    now[0] += q.RETEST_FIRST_S
+    settle_re_tests(mgr, q)
+    assert alloc.quarantined_bytes == 3 * SLOT, "a slot failed again: the next re-test waits twice as long"
+    now[0] += q.RETEST_FIRST_S
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash2.quarantine"):
         settle_re_tests(mgr, q)

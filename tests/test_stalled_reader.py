@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
