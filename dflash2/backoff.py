@@ -69,6 +69,12 @@ class WriteBackoff:
         if tier != Tier.NVME:
             return  # memory tiers' copies do not fail for want of room (a lost GPU is fatal: fatal())
         if failed and not moved:
+            if not self.writable(tier):
+                # Backing off already: these writes began before it did (copies in flight, or a move
+                # whose tier below was chosen before a settle in the same call began the back-off).
+                # Each lengthened it again: two batches ending together took it from 8 s to 32 s
+                # (soak11). The back-off stands as it is; the mover has said the failure.
+                return
             _, period = self.write_backoff.get(tier, (0.0, 0.0))
             period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
             now = self.monotonic()

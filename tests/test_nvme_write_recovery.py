@@ -108,6 +108,25 @@ def test_a_probe_ends_a_long_back_off_once_the_disk_takes_writes_again(mgr, monk
     assert_cached(mgr, range(1, 63))
 
 
+def test_writes_that_began_before_a_back_off_do_not_lengthen_it(mgr, monkeypatch):
+    """soak11: two failed batches that ended together, both begun before the back-off (copies in
+    flight, or a move whose tier below was chosen before a settle in the same call began the
+    back-off), each doubled it: 8 s to 16 s to 32 s at once. A failure while the tier backs off
+    leaves the back-off as it is; one after it ran out (a retry's) doubles it."""
+    pl = mgr.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl._note_writes(Tier.NVME, failed=4, moved=0)
+    assert pl.write_backoff[Tier.NVME] == (101.0, 1.0)
+    pl._note_writes(Tier.NVME, failed=4, moved=0)  # a second batch, ending in the same call
+    assert pl.write_backoff[Tier.NVME] == (101.0, 1.0) and pl.stats.write_backoffs == 1
+    now[0] = 101.0  # run out: the next failure is a retry's
+    pl._note_writes(Tier.NVME, failed=4, moved=0)
+    assert pl.write_backoff[Tier.NVME] == (103.0, 2.0) and pl.stats.write_backoffs == 2
+    pl._note_writes(Tier.NVME, failed=0, moved=4)  # a write that works ends it
+    assert Tier.NVME not in pl.write_backoff
+
+
 def test_a_failing_probe_loses_nothing_and_leaves_the_back_off_as_it_was(mgr, monkeypatch, clock, caplog):
     """While the disk stays full, a probe a second fails: its block stays in DRAM (nothing dropped,
     nothing lost), the back-off keeps its end and length (not doubled), no warning is logged again,
