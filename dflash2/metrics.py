@@ -409,7 +409,7 @@ def _daemon_families(st: dict, device: str, age_s: float):
     yield _gauge("dflash2_set_aside_blocks", "Private blocks of lapsed clients whose process may still write them, "
                  "kept out of reuse until it is gone (or daemon.set_aside_leases leases).", samples=[((), aside["blocks"])])
     yield _gauge("dflash2_set_aside_pinned_blocks", "Blocks that lapsed clients whose process may still read them had "
-                 "pinned, kept pinned (never moved) as long.", samples=[((), aside.get("pinned", 0))])
+                 "pinned, kept pinned (never moved) as long.", samples=[((), aside["pinned"])])
     yield _gauge("dflash2_snapshot_age_seconds", "Age of the daemon state this scrape saw.",
                  samples=[((), max(0.0, age_s))])
     policy = st.get("policy", {})

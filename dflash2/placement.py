@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash2.backoff import WriteBackoff
 from dflash2.forest import local_parents, ranked, reaches_marked, subtree_heights
-from dflash2.mover import Flight, Mover
+from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.readcost import ReadCost
 from dflash2.rebalance import Rebalancing
@@ -421,7 +421,7 @@ class Placement(Rebalancing, WriteBackoff):
                 # A batch moves whole or not at all, but the tier below may hold some of the
                 # victims (the rest of it held): a block is dropped only when the tier below has
                 # no room for it. Leaves come first, so the leading ones leave no parent below its child.
-                flight = self._start_leading(victims, lower)
+                flight = self.mover.start_leading(victims, lower)
         except BaseException:
             self._drop_lost()  # a block whose read failed is never found again
             raise
@@ -441,39 +441,6 @@ class Placement(Rebalancing, WriteBackoff):
         if deferring and flight.prepared:
             return self._leave_in_flight(flight, end, len(victims))
         return end()
-
-    def _start_leading(self, victims: np.ndarray, lower: Tier) -> Flight:
-        """Start the move of a leading run of `victims` that fits in `lower`, their whole batch
-        having found no room there (a flight with nothing prepared when not even the first fits).
-        `_leading_that_fit` is exact for blocks of one size, but for several only an upper bound:
-        each size counts the free pages and empty slabs the others count too (a small block then a
-        large one, into one free page, both counted: the retry with both failed as the whole had,
-        nothing moved, and both were dropped). So the run counted is halved until its start
-        prepares a batch, in a few tries; a start that prepares none changes nothing, so the next
-        may follow it. Only a run shorter than the first batch, which failed, can prepare one (a
-        batch is at most swap_batch_size long, shorter where the victims' source tier changes)."""
-        fit = min(self._leading_that_fit(victims, lower), min(len(victims), self.mover.swap_batch_size) - 1)
-        while fit > 0:
-            flight = self.mover.start(victims[:fit], lower)
-            if flight.prepared:
-                return flight
-            fit //= 2
-        return Flight(victims, [])
-
-    def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
-        """How many of the leading rows `tier` has free slots for now, size by size: exact for
-        blocks of one size, an upper bound for several (each size counts the shared free pages)."""
-        alloc = self.table.allocators[tier]
-        left: dict[int, int] = {}
-        n = 0
-        for size in self.table.block_bytes(rows).tolist():
-            if size not in left:
-                left[size] = alloc.blocks_free(size)
-            if not left[size]:
-                break
-            left[size] -= 1
-            n += 1
-        return n
 
     def _drop_lost(self) -> None:
         lost = self.mover.take_lost()

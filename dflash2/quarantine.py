@@ -42,6 +42,7 @@ by every drain batch logged a warning a batch (241 in 90 s in soak4's EIO run).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -78,8 +79,8 @@ class Quarantine:
         self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
         self._wait: dict[Tier, float] = {}  # how long each tier's next re-test waits after its last (module docstring)
         # Per tier, a run of re-tests whose every slot passed, each followed by the next at the next
-        # step: its re-tests, slots tested and given back, and bytes given back so far (said at its end).
-        self._run: dict[Tier, list[int]] = {}
+        # step, so far (said at its end).
+        self._run: dict[Tier, _Run] = {}
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
 
@@ -166,9 +167,11 @@ class Quarantine:
         self.given_back += int(sound.sum())
         if not self.failing(tier):
             self._said_failing.discard(tier)  # said again if it fails that far again
-        run = self._run.setdefault(tier, [0, 0, 0, 0])
-        for i, n in enumerate((1, len(offsets), int(sound.sum()), given)):
-            run[i] += n
+        run = self._run.setdefault(tier, _Run())
+        run.rounds += 1
+        run.tested += len(offsets)
+        run.passed += int(sound.sum())
+        run.given_bytes += given
         if sound.all() and alloc.quarantined_bytes:
             # The disk answers again: the rest at the next step (module docstring), said at the run's end.
             self._retested[tier] = now - self._wait[tier]
@@ -185,16 +188,27 @@ class Quarantine:
     def _say(self, tier: Tier, failed: int) -> None:
         """The end of a re-test, or of a run of them (`_run`), at info; `failed`: slots of its last
         re-test that failed again."""
-        rounds, tested, passed, given = self._run.pop(tier)
+        run = self._run.pop(tier)
         alloc = self.table.allocators[tier]
         log.info("re-test of %d %s slots set aside after I/O errors%s: %d wrote and read back their pattern and are "
                  "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
-                 tested, tier.label, "" if rounds == 1 else f", in {rounds} rounds", passed, given, failed,
+                 run.tested, tier.label, "" if run.rounds == 1 else f", in {run.rounds} rounds", run.passed,
+                 run.given_bytes, failed,
                  alloc.quarantined_bytes, 100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
 
     def retests_pending(self) -> bool:
         """Whether a re-test's I/O is still running (its verdict waits for a later step)."""
         return any(not job.done.is_set() for job in self._jobs.values())
+
+
+@dataclasses.dataclass
+class _Run:
+    """Re-tests in a row whose every slot passed (the last may have failed some): how many, the slots
+    they tested, those that passed, and the bytes given back."""
+    rounds: int = 0
+    tested: int = 0
+    passed: int = 0
+    given_bytes: int = 0
 
 
 class _RetestJob:
