@@ -27,11 +27,15 @@ they stayed set aside until the daemon restarted.
 When: RETEST_FIRST_S after the step first sees a tier's slots set aside, then after a wait that
 doubles with each re-test in which one failed again (or the disk as a whole), up to RETEST_EVERY_S,
 and from RETEST_FIRST_S again once none is left (a flat RETEST_EVERY_S kept a tier whose EIO passed
-at once short of its slots for 5 minutes: soak11, 251-295 s after the disk healed). A re-test whose
-every slot passed says the disk answers again: the next one comes at the next step, until none is
-left or one fails again, and the run is said once, at its end (one at a time, a reset that set aside
-the slots of a few drain batches, thousands, gave them back over hours; soak11: 801 slots in 51
-rounds in 6 s, 1,921 in 121 rounds in 15 s). A re-test that is not such a follow-up is said at its
+at once short of its slots for 5 minutes: soak11, 251-295 s after the disk healed). A re-test that
+gave back a slot says the disk answers again, at least in part: the next one comes at the next step,
+until none is left, one gives nothing back, or the run has tested as many slots as were set aside
+when it began (a failed slot goes to the back of the list), and the run is said once, at its end
+(one at a time, a reset that set aside the slots of a few drain batches, thousands, gave them back
+over hours; soak11: 801 slots in 51 rounds in 6 s, 1,921 in 121 rounds in 15 s). Ended by the first
+slot that failed again, as before, a region healed but for some slots among the rest gave back
+about 9 slots a re-test, every 5 minutes: about 440 healed slots still set aside 200 s after the
+heal, hours of them (soak12); now all were back 28 s after it. A re-test that is not such a follow-up is said at its
 end too (one info line). Not while the tier backs off after failed writes (a full disk would fail
 the test for its own reasons): the slots then wait for the next re-test after the back-off.
 
@@ -78,8 +82,8 @@ class Quarantine:
         self._jobs: dict[Tier, _RetestJob] = {}  # a re-test whose I/O runs (or ran) on its own thread, per tier
         self._retested: dict[Tier, float] = {}  # when each tier's slots were last re-tested (or first seen set aside)
         self._wait: dict[Tier, float] = {}  # how long each tier's next re-test waits after its last (module docstring)
-        # Per tier, a run of re-tests whose every slot passed, each followed by the next at the next
-        # step, so far (said at its end).
+        # Per tier, a run of re-tests that each gave back a slot, each followed by the next at the
+        # next step, so far (said at its end).
         self._run: dict[Tier, _Run] = {}
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
@@ -120,7 +124,7 @@ class Quarantine:
 
     def retest(self, tier: Tier, arena: StorageArena, now: float) -> int:
         """RETEST_FIRST_S after the tier's slots are first seen set aside, then after a wait that doubles
-        up to RETEST_EVERY_S, or at the next step after one whose every slot passed (module docstring;
+        up to RETEST_EVERY_S, or at the next step after one that gave back a slot (module docstring;
         `now`: a monotonic clock): write a pattern into up to
         RETEST_SLOTS of the tier's slots set aside (the oldest first), read it back, and give back to
         the free pool those that held it. Returns the slots given back. A batch write that fails for
@@ -167,13 +171,16 @@ class Quarantine:
         self.given_back += int(sound.sum())
         if not self.failing(tier):
             self._said_failing.discard(tier)  # said again if it fails that far again
-        run = self._run.setdefault(tier, _Run())
+        run = self._run.setdefault(tier, _Run(lap=int(sound.sum()) + len(alloc.quarantined_offsets())))
         run.rounds += 1
         run.tested += len(offsets)
         run.passed += int(sound.sum())
         run.given_bytes += given
-        if sound.all() and alloc.quarantined_bytes:
-            # The disk answers again: the rest at the next step (module docstring), said at the run's end.
+        if sound.any() and alloc.quarantined_bytes and run.tested < run.lap:
+            # The disk answers again, at least in part: the rest at the next step (module docstring),
+            # said at the run's end, for one lap of the slots set aside when the run began at most. A
+            # region that healed but for a few slots still bad (requeued to the back, among the rest)
+            # no longer makes each round that meets one of them wait up to RETEST_EVERY_S (soak12).
             self._retested[tier] = now - self._wait[tier]
             return int(sound.sum())
         if len(again):
@@ -186,14 +193,14 @@ class Quarantine:
         self._wait[tier] = min(2 * self._wait[tier], self.RETEST_EVERY_S)
 
     def _say(self, tier: Tier, failed: int) -> None:
-        """The end of a re-test, or of a run of them (`_run`), at info; `failed`: slots of its last
-        re-test that failed again."""
+        """The end of a re-test, or of a run of them (`_run`), at info, with the slots of the run
+        that failed again (`failed`, those of its last re-test, is kept for the callers)."""
         run = self._run.pop(tier)
         alloc = self.table.allocators[tier]
         log.info("re-test of %d %s slots set aside after I/O errors%s: %d wrote and read back their pattern and are "
                  "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
                  run.tested, tier.label, "" if run.rounds == 1 else f", in {run.rounds} rounds", run.passed,
-                 run.given_bytes, failed,
+                 run.given_bytes, run.tested - run.passed,
                  alloc.quarantined_bytes, 100 * alloc.quarantined_bytes / alloc.arena_bytes, tier.label)
 
     def retests_pending(self) -> bool:
@@ -203,8 +210,9 @@ class Quarantine:
 
 @dataclasses.dataclass
 class _Run:
-    """Re-tests in a row whose every slot passed (the last may have failed some): how many, the slots
-    they tested, those that passed, and the bytes given back."""
+    """Re-tests in a row that each gave back a slot (the last may have given back none): how many, the
+    slots they tested, those that passed, and the bytes given back."""
+    lap: int = 0  # slots set aside when the run began: it follows up at most this many
     rounds: int = 0
     tested: int = 0
     passed: int = 0
