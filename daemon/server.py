@@ -5,13 +5,18 @@ One thread owns the block manager: it reads a request, handles it, replies, and 
 runs the periodic work (lease expiry, reservation ticks), and a draining tier's pieces: each step's
 share of the drain (REBALANCE_BUDGET_S) one piece at a time between requests, and more while no
 request has come for IDLE_AFTER_S. A piece's copies run while the loop answers requests (its blocks
-stay where they were until the copies have ended: `BlockManager.drain_slice`); every other move is
-finished or rolled back before its request returns, and shutdown settles what is in flight first,
-so it never leaves a block half-moved.
+stay where they were until the copies have ended: `BlockManager.drain_slice`), and so do a
+promotion's reads from NVMe (an acquire's, a prefetch's: promotion.py `promote_later`). A call that
+must wait for copies not yet ended (it meets their blocks, or does placement work) is parked, not
+waited for: the loop answers the others meanwhile, and runs it again, whole, once the copies have
+ended (`_answer_parked`; settling.py); an acquire that started the reads is parked on them. Every
+other move is finished or rolled back before its request returns, and shutdown settles what is in
+flight first (answering the calls still parked), so it never leaves a block half-moved.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -33,7 +38,7 @@ from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import Observers, log_fallbacks
-from dflash2.daemon.service import Service
+from dflash2.daemon.service import Parked, Service
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, event
 from dflash2.plan import Plan, resolve_plan
@@ -64,6 +69,9 @@ PIECE_SPACING = 2.0
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
+# While calls are parked (waiting for copies in flight to end), the loop looks whether the copies have
+# ended at least this often (seconds), between requests.
+FLIGHT_POLL_S = 0.001
 
 
 class Server:
@@ -80,6 +88,9 @@ class Server:
         self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
         self._piece_s = 0.0  # ... and how long it took
         self._last_answer = 0.0  # when the last request was answered (monotonic)
+        # Calls parked until the copies in flight end (service.Parked), in the order they came: each
+        # runs again, whole, once they have, and the loop answers other calls meanwhile.
+        self._parked: collections.deque[tuple[list[bytes], Parked]] = collections.deque()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -99,15 +110,21 @@ class Server:
         # Nothing could be answered before the loop ran: leases are judged as of its start until
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
+        self._parking(True)
         while not self._stop.is_set():
+            if self._parked and self._copies_done():
+                self._answer_parked()
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
-            # and, while the step's share lasts, after a request answered once it is due.
-            draining = self._slices_on and any(m.draining() for m in self.service.managers.values())
+            # and, while the step's share lasts, after a request answered once it is due. No slice
+            # begins while calls are parked: its copies would keep them waiting.
+            draining = self._slices_on and not self._parked and any(m.draining() for m in self.service.managers.values())
             try:
+                if self._parked and not sock.poll(math.ceil(1000 * FLIGHT_POLL_S), zmq.POLLIN):
+                    raise zmq.Again()  # (a parked call is answered once the copies end: looked at each turn)
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):
                     raise zmq.Again()
-                frames = sock.recv_multipart(zmq.NOBLOCK if draining else 0, copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK if draining or self._parked else 0, copy=True)
             except zmq.Again:
                 frames = None
                 # Every message sent before now is answered: leases are judged as of then (a
@@ -148,6 +165,31 @@ class Server:
             lost = self.service.fatal()
             if lost:  # every later move would fail: a restarted daemon serves again, a zombie never
                 self.failed = lost
+                return
+        # Stopping: the calls still parked are answered, waiting for their copies now.
+        self._parking(False)
+        while self._parked:
+            self._answer(self._parked.popleft()[0])
+
+    def _parking(self, on: bool) -> None:
+        """While the loop serves: a call that must wait for copies not yet ended is parked, and a
+        promotion's reads from NVMe are left in flight (settling.py, promotion.py)."""
+        self.service.parking = on
+        for m in self.service.managers.values():
+            m.placement.read_later = on
+
+    def _copies_done(self) -> bool:
+        """Whether no pool has copies in flight that have not ended (settling them waits for nothing)."""
+        return not any(m.copies_running() for m in self.service.managers.values())
+
+    def _answer_parked(self) -> None:
+        """Run the parked calls again, in the order they came, now that the copies have ended. One
+        that parks again (the copies a call before it started: a prefetch's reads) goes back to the
+        front, and the rest wait behind it."""
+        while self._parked:
+            frames, parked = self._parked.popleft()
+            if not self._answer(frames, again=parked):
+                self._parked.rotate(1)  # (_answer put it at the back)
                 return
 
     def _next_slice(self) -> float:
@@ -197,9 +239,14 @@ class Server:
         stops after its piece, and a slice waiting for its piece's copies gives way to it."""
         return bool(self._sock.poll(math.ceil(within_s * 1000) if within_s > 0 else 0, zmq.POLLIN))
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
+        """Handle one request and send its reply; False when the call was parked instead (no reply
+        yet: `_answer_parked` runs it again once the copies in flight have ended)."""
         settled = self._settled_s()
-        reply = self.service.handle_frames(frames[1:])
+        reply = self.service.handle_frames(frames[1:], again)
+        if isinstance(reply, Parked):
+            self._parked.append((frames, reply))
+            return False
         try:
             self._sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
         except zmq.Again:
@@ -217,6 +264,7 @@ class Server:
             self._piece_ended = self._last_answer
             self._piece_s += spent
             self._drain_owed_s -= spent
+        return True
 
     def _settled_s(self) -> float:
         """Seconds calls and slices have spent ending drain copies, every pool (rebalance.py `settled_s`)."""

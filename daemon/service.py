@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -37,9 +38,18 @@ from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
 from dflash2.readcost import checked_rate
+from dflash2.settling import CopiesRunning
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parked:
+    """(`Service.handle_frames`) the call was not run: it waits for copies in flight to end, its own
+    promotion's reads from NVMe among them when `own_reads` (run again, it reads the rest at once)."""
+
+    own_reads: bool
 
 
 class Service:
@@ -63,7 +73,11 @@ class Service:
         # Lapsed clients whose process may still write their private blocks (asked through self, which tests set)
         self.set_aside = SetAside(lease_timeout_s, set_aside_leases, lambda pid: self.pid_alive(pid),
                                   lambda: self.clock())
-        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0}
+        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0,
+                         "calls_parked": 0}
+        # Whether a call that must wait for copies not yet ended is parked (handle_frames answers
+        # `Parked`) rather than waited for: the server's loop sets it; in-process callers wait.
+        self.parking = False
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         # How late the background step started, the last time and the most over its last 64 runs,
         # and how far behind the request queue was then (the server notes each run).
@@ -97,9 +111,12 @@ class Service:
         return self.managers[self.sessions[req.client].device]
 
     # -- entry points ----------------------------------------------------------------------
-    def handle_frames(self, frames: list[bytes]) -> list[bytes]:
-        """One message in, one reply out; never raises."""
-        self.counters["requests"] += 1
+    def handle_frames(self, frames: list[bytes], again: Parked | None = None) -> list[bytes] | Parked:
+        """One message in, one reply out; never raises. With `parking` on (the server's loop), a
+        call that must wait for copies not yet ended is not run: `Parked` is returned instead, and
+        the server hands the same frames back (`again`) once they have ended."""
+        if again is None:
+            self.counters["requests"] += 1
         self._replying = None
         try:
             req = P.decode_request(frames)
@@ -110,9 +127,22 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error decoding a message")
             return P.encode_reply(Reply(P.peek_call_id(frames), False, {}, "InternalError", f"{type(e).__name__}: {e}"))
-        return P.encode_reply(self.handle(req))
+        if not self.parking:
+            return P.encode_reply(self.handle(req))
+        for m in self.managers.values():
+            m.placement.parking, m.placement.reads_waited = True, again is not None and again.own_reads
+        try:
+            reply = self.handle(req)
+        except CopiesRunning as e:
+            self.counters["calls_parked"] += 1
+            return Parked(e.own_reads or (again is not None and again.own_reads))
+        finally:
+            for m in self.managers.values():
+                m.placement.parking = m.placement.reads_waited = False
+        return P.encode_reply(reply)
 
     def handle(self, req: Request) -> Reply:
+        """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py)."""
         started, began = time.perf_counter(), self.clock()
         try:
             if req.op in P.NEEDS_CLIENT:
@@ -125,6 +155,8 @@ class Service:
                                         "its client gave up on it: not run")
             result, arrays = self._handlers[req.op](req)
             reply = Reply(req.call_id, True, result, arrays=arrays)
+        except CopiesRunning:
+            raise  # nothing changed: the server parks the call (handle_frames)
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
             self.counters["errors"] += 1
             reply = P.error_reply(req.call_id, e)
@@ -256,16 +288,24 @@ class Service:
             kept.popitem(last=False)
 
     def _drop_session(self, client: int, set_aside: bool = False) -> dict:
-        session = self.sessions.pop(client, None)
+        session = self.sessions.get(client)
         if session is None:
             return {}
         try:
             released = self.managers[session.device].detach(client, set_aside=set_aside)
-            if set_aside:
-                self.set_aside.add(session)
-            return released
         except UnknownClient:
+            released = None
+        except CopiesRunning:
+            raise  # a detach parked until copies end changed nothing: the session stays for its run
+        except BaseException:
+            del self.sessions[client]
+            raise
+        del self.sessions[client]
+        if released is None:
             return {}
+        if set_aside:
+            self.set_aside.add(session)
+        return released
 
     # -- handlers --------------------------------------------------------------------------
     def _ping(self, req):
@@ -455,20 +495,23 @@ class Service:
         refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
         call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
         session = self.sessions[req.client]
-        kept = session.undo.pop(call, None)
+        kept = session.undo.get(call)
         if kept is None:
             session.forgotten[call] = True
             while len(session.forgotten) > KEEP_CALLS:
                 session.forgotten.popitem(last=False)
-            log.info("client %d gave up on call %d before it arrived: it will not run", req.client, call)
+            log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
+                     "copies to end): it will not run", req.client, call)
             return {"undone": False}, []
         op, undo = kept
         try:
-            undo()
+            undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
         except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
+            del session.undo[call]
             log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
                         req.client, op, call, e)
             return {"undone": False}, []
+        del session.undo[call]
         self.counters["calls_undone"] += 1
         log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
                     req.client, op, call)

@@ -30,7 +30,7 @@ from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.readcost import ReadCost
 from dflash2.reservations import Admission, AdmissionSettings, Decision
-from dflash2.settling import any_in_flight, rows_a_commit_meets, settle_if, settled
+from dflash2.settling import CopiesRunning, any_in_flight, rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
@@ -299,12 +299,12 @@ class BlockManager:
         would load to `reader` more slowly than the engine recomputes it (not offered as a hit).
         `probe`: a question about single blocks (is the page before mine cached?), not a request
         reading its prefix: the duel does not replay it."""
-        if self.duel is not None and not probe:
-            self.duel.offer(keys, layout_id)
         rows = self.table.lookup(keys, layout_id)
         if self.placement.in_flight and self._meets_flight(rows, reader, probe):
             self.placement.settle()  # (`settled`) it answers where they are, and may prefetch them
             rows = self.table.lookup(keys, layout_id)
+        if self.duel is not None and not probe:  # (after the settle: a parked lookup runs again, whole)
+            self.duel.offer(keys, layout_id)
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
@@ -368,6 +368,11 @@ class BlockManager:
             lids, counts = np.unique(self.table.cols.layout[there], return_counts=True)
             self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
+        if ((tiers > int(up_to)).any() and self.placement.parking and not self.placement.reads_waited
+                and self.placement.promote_later(rows, up_to, below_priority=None if priority is None else priority + 1)):
+            # Its reads from NVMe run while the daemon answers other calls; this call is parked
+            # meanwhile and runs again, whole, once they have ended (settling.py).
+            raise CopiesRunning(own_reads=True)
         now = self.table.clock()
         counts = Counter({Tier(t): n for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()) if n})
         if self.prefetcher.pending:
@@ -402,6 +407,8 @@ class BlockManager:
         it has answered the acquire, so that the reader computes while they come up; the tick too.
         (After every reply: it settles the drain copies in flight only when a window is due.)"""
         if self.prefetcher.due:
+            if self.placement.read_later and self.copies_running():
+                return  # the loop never waits for copies here: the windows stay due until they have ended
             self.settle()  # a prefetch promotes (`settled`)
             self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
 
@@ -443,7 +450,9 @@ class BlockManager:
         request waits for one piece, not the step's whole share of the drain."""
         if self.duel is not None:
             self.duel.run(self.duel.tick_budget_s)
-        self.run_prefetch()
+        later = self.placement.read_later
+        if not later:
+            self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
         self.admission.new_step()
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
@@ -454,6 +463,10 @@ class BlockManager:
         else:
             self.placement.start_drains()
         self.prefetcher.settle()
+        if later:
+            # Last: its reads from NVMe are left in flight, and no placement work of this step (the
+            # queue's room, a drain) may run while copies are in flight (rebalance.py).
+            self.run_prefetch()
 
     def _retest_set_aside(self) -> None:
         """Re-test the slots of each storage tier set aside after I/O errors, while it takes writes

@@ -44,6 +44,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_request_latency_seconds{op} | histogram | handling time per control op |
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
 | dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
+| dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |
 | dflash2_clients | gauge | clients attached |
 | dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
 | dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw |
@@ -405,6 +406,9 @@ def _daemon_families(st: dict, device: str, age_s: float):
     yield _counter("dflash2_request_errors", "Control messages answered with an error.", samples=[((), d["errors"])])
     yield _counter("dflash2_leases_expired", "Clients detached because their lease lapsed.",
                    samples=[((), d["leases_expired"])])
+    yield _counter("dflash2_calls_parked", "Calls parked until copies in flight ended (an NVMe read, a drain's "
+                   "writes), while the loop answered the others; each ran again, whole, once they had.",
+                   samples=[((), d.get("calls_parked", 0))])
     aside = st.get("set_aside", {"clients": 0, "blocks": 0, "pinned": 0})
     yield _gauge("dflash2_set_aside_blocks", "Private blocks of lapsed clients whose process may still write them, "
                  "kept out of reuse until it is gone (or daemon.set_aside_leases leases).", samples=[((), aside["blocks"])])

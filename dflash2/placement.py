@@ -3,7 +3,7 @@
 Policy apart from mechanism: the policy only scores blocks (policy/base.py). This module decides how
 many bytes must leave a tier, which blocks may leave (unpinned, RESIDENT, no child in this tier or
 a faster one: descendants leave a tier before their ancestors), and asks the mover to move them; a
-promotion brings the prefix (ancestors) first.
+promotion (promotion.py) brings the prefix (ancestors) first.
 
 A block is *cold* when its score's percentile among the blocks of its tier is below
 `cold_threshold`. Background rebalancing moves only cold blocks, and only while a tier is above its
@@ -20,13 +20,14 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
-from dflash2.forest import local_parents, ranked, reaches_marked, subtree_heights
+from dflash2.forest import local_parents, reaches_marked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
+from dflash2.promotion import Promotion
 from dflash2.readcost import ReadCost
 from dflash2.rebalance import Rebalancing
 from dflash2.table import BlockState, BlockTable
-from dflash2.table.columns import NO_CLIENT, NO_ROW
+from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.placement")
@@ -50,20 +51,9 @@ class PlacementStats:
     write_backoffs: int = 0  # times a tier's writes failed and it took no blocks for a while (`lower`)
 
 
-class Placement(Rebalancing, WriteBackoff):
+class Placement(Rebalancing, Promotion, WriteBackoff):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
-    # A promotion into a full tier moves in pieces of at most this many bytes, making room for each
-    # while the previous one comes up: only the first piece's demotions run alone. 256 MiB is ~5 ms
-    # of PCIe Gen5 one way, longer than a selection pass over a million blocks (~2 ms), which runs
-    # while the previous piece moves.
-    PROMOTE_PIECE_BYTES = 256 << 20
-    # ... but only when its blocks are at least this large. Smaller blocks are bound by the CPU
-    # (~3 us of bookkeeping a block each way against 1.3 us of link time at 64 KiB): `dflash2 bench
-    # swap` on an H200, 1 GiB each way, room first vs in pieces: 64 KiB blocks 48-63 vs 63-109 ms
-    # (more selection passes and engine submissions), 128 KiB 45 vs 46, 256 KiB 46 vs 45, 2 MiB
-    # 42 vs 30-31.
-    PROMOTE_PIECES_MIN_BLOCK = 256 << 10
     # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
     # table, and partitions every score otherwise (`_at_or_below_cut`).
     GATHER_BELOW = 4
@@ -468,67 +458,6 @@ class Placement(Rebalancing, WriteBackoff):
         self.stats.evicted += len(rows)
         return True
 
-    # -- promotion -------------------------------------------------------------------------
-    def promote(self, rows: np.ndarray, dst: Tier = Tier.HBM, protect: np.ndarray | None = None, *,
-                below_priority: int | None = None, idle_only: bool = False) -> np.ndarray:
-        """Bring rows (and their cached ancestors, first) up to `dst`. Returns the mask of `rows`
-        that are in dst afterwards; the rest could not be given room. The room is never made by
-        moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
-        blocks above their prefix, and their reader waiting for the prefix to come back up; nor
-        from `protect` (a prefetch's reader: the rest of the chain it is about to read); nor from
-        the blocks brought up for a read that has not come yet (`awaiting_read`: another reader's
-        window, whose score is old and would make it the first to go). It is made from idle blocks
-        first, then (unless `idle_only`: a prefetch, a guess) from running requests' blocks, only
-        those under `below_priority` when given."""
-        rows = np.asarray(rows, dtype=np.int64)
-        c = self.table.cols
-        chain = self._with_ancestors(rows, dst)
-        kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
-        if protect is not None:
-            kept.append(np.asarray(protect, dtype=np.int64))
-        keep = np.unique(np.concatenate(kept)) if len(kept) > 1 else chain
-        # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
-        away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
-        if len(away):
-            def room_for(part: np.ndarray) -> None:
-                self._make_room_for_rows(dst, part, keep, idle_only=True)
-                if not idle_only:
-                    self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
-            try:
-                moved = self._promote_away(away, dst, room_for)
-            finally:
-                # Also when a batch (or the room made for it) raised: a block whose read failed
-                # is unpublished now, never found again (a miss, never wrong data).
-                self._drop_lost()
-            self.stats.promoted += int(moved.sum())
-            if moved.any():
-                self.policy.on_insert(self.table, away[moved], self.table.clock())
-        # A row freed on the way (its NVMe copy failed its checksum) has tier -1: not in dst.
-        return (c.tier[rows] >= 0) & (c.tier[rows] <= int(dst))
-
-    def _promote_away(self, away: np.ndarray, dst: Tier, room_for) -> np.ndarray:
-        """Move `away` (ancestors first) up to dst, making room with `room_for`; the moved mask."""
-        c = self.table.cols
-        if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
-            # Room is made piece by piece while the earlier pieces come up, so the demotions
-            # (device to host) overlap the promotions (host to device): both ways of the link.
-            # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
-            return self.mover.move(away, dst, before_batch=room_for, max_batch_bytes=self.PROMOTE_PIECE_BYTES)
-        room_for(away)
-        moved = self.mover.move(away, dst)
-        if not moved.all():
-            # Blocks of several sizes: the room made for the whole may not have been
-            # usable by every size once the first batches took their slots. Once more for
-            # the rest, against the tier as it is now (not for blocks whose read failed:
-            # they are dropped first).
-            self._drop_lost()
-            rest = np.flatnonzero(~moved)
-            still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
-            if len(still):
-                room_for(away[still])
-                moved[still] = self.mover.move(away[still], dst)
-        return moved
-
     def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray, **pick) -> None:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
         blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
@@ -540,36 +469,3 @@ class Placement(Rebalancing, WriteBackoff):
         for size in sorted(set(block.tolist()), reverse=True):
             need += int(slot[block == size].sum())
             self.make_room(tier, need, protect=protect, block_bytes=size, **pick)
-
-    def _closed_upward(self, rows: np.ndarray) -> bool:
-        """Whether `rows` (distinct) already hold each one's parent, ahead of it: then they are their
-        own list with ancestors, in the order the walk below would give, found without a Python
-        step per block."""
-        rank = ranked(rows)
-        if (rank[1][1:] == rank[1][:-1]).any():
-            return False  # listed twice: the walk lists it once
-        up = self.table.cols.parent[rows]
-        parent = local_parents(rows, up, rank)
-        linked = up != NO_ROW
-        if (parent[linked] < 0).any():
-            return False  # an ancestor outside the list: the walk adds it
-        return bool((parent[linked] < np.flatnonzero(linked)).all())  # each parent ahead of its child
-
-    def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
-        """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
-        kept in the list too: it is what the room made for the others protects, and an ancestor
-        demoted to make that room would leave its promoted descendants above their prefix."""
-        c = self.table.cols
-        rows = np.asarray(rows, dtype=np.int64)
-        if self._closed_upward(rows):
-            return rows  # a request's prefix as it reads it: already ancestors first, nothing to add
-        seen: dict[int, None] = {}
-        for r in rows.tolist():
-            path = []
-            p = r
-            while p >= 0 and p not in seen:
-                path.append(p)
-                p = int(c.parent[p])
-            for q in reversed(path):
-                seen[q] = None
-        return np.fromiter(seen, dtype=np.int64, count=len(seen))

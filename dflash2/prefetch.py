@@ -107,15 +107,23 @@ class Prefetcher:
         # the room it makes never takes the rest of the chain this reader is about to read.
         ahead_rows, ahead_live = self._rows(list(vids[position:]))
         origin = c.tier[want]  # read before the promotion moves them
-        # A guess: its room comes from idle blocks only, never from a running request's.
-        ok = self.manager.placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], idle_only=True)
-        done = table.vids(want[ok]).tolist()
-        # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
-        # settle between): that one was wasted, once; this one is counted on its own.
-        self.wasted += sum(1 for v in done if v in self._pending)
-        self._pending.update((v, (t, reader)) for v, t in zip(done, origin[ok].tolist()))
-        self._fresh.update(done)
-        return len(done)
+        vids_wanted = table.vids(want)
+
+        def landed(ok: np.ndarray) -> int:
+            done = vids_wanted[ok].tolist()
+            # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
+            # settle between): that one was wasted, once; this one is counted on its own.
+            self.wasted += sum(1 for v in done if v in self._pending)
+            self._pending.update((v, (t, reader)) for v, t in zip(done, origin[ok].tolist()))
+            self._fresh.update(done)
+            return len(done)
+        # A guess: its room comes from idle blocks only, never from a running request's. Blocks read
+        # from NVMe while the daemon serves come up while it answers other calls (`promote_later`):
+        # counted when they land.
+        placement = self.manager.placement
+        if placement.promote_later(want, Tier.HBM, landed, protect=ahead_rows[ahead_live], idle_only=True):
+            return 0
+        return landed(placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], idle_only=True))
 
     def follow(self, reader: int, vids: Sequence[int]) -> None:
         """`reader`'s lookup found this chain: a request of it reads it from the start next."""
@@ -151,9 +159,11 @@ class Prefetcher:
 
     def run_queued(self) -> int:
         """Bring up the due windows (the readers did not wait for these: their reads of them are
-        HBM hits). Returns the blocks promoted."""
+        HBM hits). Returns the blocks promoted (not those still on their way up from NVMe)."""
         done = 0
-        while self._queued:
+        # One window's reads at a time left in flight: the next window's room must not be made
+        # while they run (rebalance.py); the rest run after a later reply, or at the next tick.
+        while self._queued and not self.manager.placement.in_flight:
             (reader, key), position = self._queued.popitem()
             chain = self._chains.get(reader, {}).get(key)
             if chain is not None:

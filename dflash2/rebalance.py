@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.mover import Flight
+from dflash2.settling import CopiesRunning
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.placement")
@@ -66,6 +67,16 @@ class Rebalancing:
         # prefetch. Between, the blocks are MIGRATING: readable where they were, pinned, freed or
         # moved by nobody.
         self._deferring = False
+        # The same holds for a promotion's reads from NVMe while the daemon serves (`read_later`,
+        # placement.py `promote_later`): a prefetch's, or an acquire's, which the server parks
+        # meanwhile. And while it serves a call (`parking`), a settle that would wait for copies not
+        # yet ended raises CopiesRunning (settling.py): the server parks that call instead of
+        # holding every client behind the disk.
+        self.read_later = False
+        self.parking = False
+        # ... and the call served was parked on its own reads once already: it reads what is still
+        # below at once, so that no call is parked on its reads again and again.
+        self.reads_waited = False
         self._in_flight: list[tuple[Flight, Callable[[], object]]] = []
         self._leaving_bytes: dict[Tier, int] = {}
         # Seconds `settle_when_done` has spent waiting for copies to end, watching for a request: the
@@ -187,12 +198,15 @@ class Rebalancing:
         return all(flight.done() for flight, _ in self._in_flight)
 
     def settle(self) -> None:
-        """End the copies that drain pieces left in flight, in the order they began (waiting for
-        those not done): each block lands where its copy succeeded and stays where it was
+        """End the copies that drain pieces and deferred promotions left in flight, in the order
+        they began (waiting for those not done; with `parking`, CopiesRunning instead of a wait):
+        each block lands where its copy succeeded and stays where it was
         otherwise, as a move that ended at once would have left it. One that fails to end is logged
         and the others still end: the call that settles them is not theirs to fail."""
         if not self._in_flight:
             return  # nothing to end: no wait for a piece's copies (`settled_s`, the server's pacing)
+        if self.parking and not self.flights_done():
+            raise CopiesRunning()  # (a call the server parks until they have ended: settling.py)
         began = time.perf_counter()
         while self._in_flight:
             _, end = self._in_flight.pop(0)

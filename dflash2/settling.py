@@ -8,6 +8,11 @@ step settle only where they meet the flight (`settle_if`): they make room or pro
 work), or name a block in flight; a commit, the cached twins its keys deduplicate onto and the
 parent it chains under (`rows_a_commit_meets`). Before, every one of them settled: an allocation
 from free room waited for a piece's NVMe writes.
+
+While the daemon serves a call (`Placement.parking`), a settle that would wait for copies not yet
+ended raises `CopiesRunning` instead, before the call has changed anything: the server parks the
+call and answers it once the copies have ended, and answers other calls meanwhile (a disk that
+answers slowly held every client's calls behind one read).
 """
 
 from __future__ import annotations
@@ -19,6 +24,18 @@ import numpy as np
 
 from dflash2.errors import UnknownBlock
 from dflash2.table import BlockState, BlockTable
+
+
+class CopiesRunning(Exception):
+    """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
+    ended: raised before the call changed anything, so that it can run again, whole, once they have.
+    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), left in flight for
+    it; run again, it reads what is still below at once (it is never parked on its own reads twice).
+    Not a DFlash2Error: never an error reply."""
+
+    def __init__(self, own_reads: bool = False):
+        super().__init__("copies in flight have not ended")
+        self.own_reads = own_reads
 
 
 def settled(method):

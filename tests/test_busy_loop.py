@@ -69,7 +69,7 @@ class _Recorder:
     def __init__(self):
         self.events: list[str] = []
 
-    def handle_frames(self, frames):
+    def handle_frames(self, frames, again=None):
         self.events.append("request")
         return P.encode_reply(P.Reply(P.peek_call_id(frames), True, {}))
 

@@ -324,10 +324,10 @@ def test_a_call_that_waits_for_a_pieces_copies_puts_off_the_next_piece(mgr, monk
         piece_s = srv._piece_s
         handled = svc.handle_frames
 
-        def a_call_that_settles(frames):
+        def a_call_that_settles(frames, *again):
             threading.Timer(0.2, release.set).start()
             mgr.settle()  # as an allocation does first (settling.py): waits for the disk
-            return handled(frames)
+            return handled(frames, *again)
         monkeypatch.setattr(svc, "handle_frames", a_call_that_settles)
         peer = srv._ctx.socket(zmq.DEALER)
         peer.connect("inproc://pacing")
@@ -369,9 +369,9 @@ def test_a_call_that_settles_nothing_does_not_put_off_the_next_piece(mgr, monkey
         ended, piece_s = srv._piece_ended, srv._piece_s
         handled = svc.handle_frames
 
-        def a_call_that_settles_nothing(frames):
+        def a_call_that_settles_nothing(frames, *again):
             mgr.settle()  # as `places` does (service.py `_places`), and `run_prefetch` once a window is due
-            return handled(frames)
+            return handled(frames, *again)
         monkeypatch.setattr(svc, "handle_frames", a_call_that_settles_nothing)
         peer = srv._ctx.socket(zmq.DEALER)
         peer.connect("inproc://pacing-nothing")

@@ -1,0 +1,242 @@
+"""While the daemon serves, a call that must wait for copies not yet ended is parked, not waited for:
+the loop answers other calls meanwhile, and runs the parked call again, whole, once the copies have
+ended (settling.py `CopiesRunning`, server.py `_answer_parked`). A promotion's reads from NVMe are
+left in flight (promotion.py `promote_later`): an acquire of blocks on NVMe, a lookup's prefetch.
+
+Every test runs a real host manager (shared-memory HBM and DRAM, an NVMe file in tmp_path) with a
+chain of blocks of distinct bytes moved down to NVMe, and a disk whose reads wait until the test lets
+them go (the arena's own `read_blocks`, called late). Before, the loop waited for those reads, and
+every client's calls, pings included, waited with it (soak11: 1-3 s while 1.6% of the file answered
+each I/O in 1 s).
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from observe_helpers import scrape
+from serve_helpers import served
+
+from dflash2 import protocol as P
+from dflash2.assemble import build_manager
+from dflash2.client import Client
+from dflash2.config import load_config
+from dflash2.daemon.service import Parked, Service
+from dflash2.errors import DaemonUnavailable
+from dflash2.layout import Layout
+from dflash2.metrics import DaemonMetrics
+from dflash2.protocol import Op
+from dflash2.table import BlockState
+from dflash2.tiers import Tier
+
+LAYOUT = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_block=16)  # 16 KiB
+CHAIN = [11, 12, 13, 14]  # content keys, each block chained under the one before
+HOT = 1000  # a block that stays in HBM
+
+
+@pytest.fixture
+def mgr(config_file, instance_name):
+    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                          "staging_buffer_size_mb": 1},
+                                  kv_block={"block_size": 16, "prefetch_window": 2}))
+    m = build_manager(cfg, instance=instance_name)
+    yield m
+    m.close()
+
+
+def pattern(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
+
+
+def chain_on_nvme(m) -> tuple[int, dict[int, int]]:
+    """CHAIN written, committed, idle and moved down to NVMe; HOT cached in HBM. Returns (layout id,
+    key -> vid)."""
+    a = m.attach("writer")
+    lid = m.register_layout(LAYOUT)
+    vids, parent = {}, None
+    for key in CHAIN + [HOT]:
+        v = m.allocate(a, lid, 1)
+        m.view(int(v[0]))[:] = pattern(key)
+        v = m.commit(a, v, keys=[key], parent=None if key == HOT else parent)
+        m.free(a, v)
+        vids[key] = parent = int(v[0])
+    rows = m.table.rows([vids[k] for k in CHAIN])
+    assert m.mover.move(rows, Tier.NVME).all()
+    assert all(m.place(vids[k]).tier == Tier.NVME for k in CHAIN)
+    return lid, vids
+
+
+class HeldDisk:
+    """The NVMe arena's reads wait until `release` (each read is the arena's own, only later)."""
+
+    def __init__(self, m, monkeypatch):
+        nvme = m.arenas[Tier.NVME]
+        read = nvme.read_blocks
+        self.reading = threading.Event()
+        self.released = threading.Event()
+
+        def held(offsets, dests):
+            self.reading.set()
+            assert self.released.wait(30), "the test never let the disk read"
+            return read(offsets, dests)
+        monkeypatch.setattr(nvme, "read_blocks", held)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def timed(fn):
+    started = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - started
+
+
+def test_an_acquire_of_blocks_on_nvme_is_parked_while_the_daemon_answers_other_calls(mgr, tmp_path, monkeypatch):
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    with served(mgr, tmp_path) as ping:
+        endpoint = f"ipc://{tmp_path}/d.sock"
+        with Client.connect(endpoint, name="reader", layouts=[LAYOUT]) as reader, \
+                Client.connect(endpoint, name="other", layouts=[LAYOUT]) as other:
+            got = {}
+            acquiring = threading.Thread(target=lambda: got.update(places=reader.acquire([vids[k] for k in CHAIN])))
+            acquiring.start()
+            assert disk.reading.wait(10), "the acquire never read from NVMe"
+            # The read is held: the acquire is parked, and every call that does not need its blocks goes on.
+            assert ping() < 0.5
+            hot, waited = timed(lambda: other.lookup([HOT]))
+            assert waited < 0.5 and hot["tier"].tolist() == [int(Tier.HBM)]
+            (mine, waited) = timed(lambda: other.allocate(other.layouts[0], 1))
+            assert waited < 0.5 and mine is not None
+            other.view_bytes(mine[0])[:] = pattern(2000)
+            (kept, waited) = timed(lambda: other.commit(mine["vid"], keys=[2000]))
+            assert waited < 0.5
+            assert other.acquire(kept) is not None  # in HBM already: pinned at once
+            other.release(kept)
+            other.free(kept)
+            assert acquiring.is_alive(), "the acquire answered before its blocks were read"
+            assert mgr.placement.in_flight and mgr.table.cols.pins.sum() == 0, "a parked call pins nothing"
+            disk.release()
+            acquiring.join(10)
+            places = got["places"]
+            assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+            for key, place in zip(CHAIN, places):
+                assert np.array_equal(reader.view_bytes(place), pattern(key)), f"block {key} read wrong bytes"
+            reader.release(places["vid"])
+            stats = reader.stats()["daemon"]
+    assert stats["calls_parked"] >= 1
+    mgr.check_invariants()
+
+
+def test_a_call_that_meets_the_reads_waits_for_them_alone(mgr, tmp_path, monkeypatch):
+    """A lookup of the chain while its reads run names blocks in flight (their copies end first), and
+    an allocation that must make room does placement work: both are parked, answered once the
+    reads have ended, while a ping goes on."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    with served(mgr, tmp_path) as ping:
+        endpoint = f"ipc://{tmp_path}/d.sock"
+        with Client.connect(endpoint, name="reader", layouts=[LAYOUT]) as reader, \
+                Client.connect(endpoint, name="other", layouts=[LAYOUT]) as other:
+            threading.Thread(target=lambda: reader.acquire([vids[k] for k in CHAIN]), daemon=True).start()
+            assert disk.reading.wait(10)
+            found = {}
+            t1 = threading.Thread(target=lambda: found.update(chain=other.lookup(CHAIN)))
+            t1.start()
+            time.sleep(0.3)
+            assert t1.is_alive(), "a lookup of blocks in flight answered before their copies ended"
+            assert ping() < 0.5
+            disk.release()
+            t1.join(10)
+            assert len(found["chain"]) == len(CHAIN)
+            assert set(found["chain"]["tier"].tolist()) == {int(Tier.HBM)}, "it answers where they landed"
+    mgr.check_invariants()
+
+
+def test_a_lookups_prefetch_from_nvme_is_answered_before_the_disk_reads(mgr, tmp_path, monkeypatch):
+    """A lookup whose prefetch window lies on NVMe answers at once, with the blocks where they lie;
+    the acquire that follows waits for their reads (parked), and gets them from HBM."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    with served(mgr, tmp_path):
+        with Client.connect(f"ipc://{tmp_path}/d.sock", name="reader", layouts=[LAYOUT]) as reader:
+            found, waited = timed(lambda: reader.lookup(CHAIN))
+            assert disk.reading.wait(10), "the lookup's prefetch never read"
+            assert waited < 0.5 and len(found) == len(CHAIN)
+            assert set(found["tier"].tolist()) == {int(Tier.NVME)}, "named where they lie until they land"
+            threading.Timer(0.3, disk.release).start()
+            places, waited = timed(lambda: reader.acquire(found["vid"]))
+            assert waited >= 0.2, "the acquire did not wait for the blocks it reads"
+            assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+            for key, place in zip(CHAIN, places):
+                assert np.array_equal(reader.view_bytes(place), pattern(key))
+            reader.release(places["vid"])
+            prefetch = reader.stats()["prefetch"]
+    assert prefetch["useful"] >= 1, prefetch
+    mgr.check_invariants()
+
+
+def test_a_parked_acquire_whose_client_gave_up_pins_nothing(mgr, tmp_path, monkeypatch):
+    """The client's call timed out while parked, and it sent `forget`: run again once the reads end,
+    the acquire is refused (CallForgotten), and no block stays pinned for a reader that is gone."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    with served(mgr, tmp_path):
+        with Client.connect(f"ipc://{tmp_path}/d.sock", name="reader", layouts=[LAYOUT], timeout_s=0.5) as reader:
+            with pytest.raises(DaemonUnavailable):
+                reader.acquire([vids[k] for k in CHAIN])
+            assert reader.ping() is not None  # the fresh socket's first call carries the forget
+            disk.release()
+            deadline = time.monotonic() + 10
+            while mgr.placement.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            reader.ping()  # (a turn of the loop after the copies ended: the parked call ran again)
+            counters = reader.stats()["daemon"]
+    assert counters["calls_refused_forgotten"] + counters["calls_undone"] == 1, counters
+    assert mgr.table.cols.pins.sum() == 0, "a block stayed pinned for a call its client gave up on"
+    mgr.check_invariants()
+
+
+def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
+    """In process (the service as the server drives it): the acquire starts its reads and is parked
+    (`Parked(own_reads=True)`) with nothing pinned or counted; a detach meanwhile is parked too, its
+    session kept; once the reads end, both run again and do their whole work."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    svc.parking = True
+    mgr.placement.read_later = True
+
+    def call(op, client=None, token=None, args=None, arrays=(), again=None):
+        out = svc.handle_frames(P.encode_request(op, 1, client, args or {}, list(arrays), token=token), again)
+        return out if isinstance(out, Parked) else P.decode_reply(out)
+    att = call(Op.ATTACH, args={"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]})
+    cid, token = att.result["client"], att.result["token"]
+    other = call(Op.ATTACH, args={"name": "o", "pid": 1, "layouts": [LAYOUT.to_dict()]}).result
+    chain = np.array([vids[k] for k in CHAIN], dtype=P.VIDS_DTYPE).tobytes()
+    reads = mgr.access.reads.copy()
+    parked = call(Op.ACQUIRE, cid, token, arrays=[chain])
+    assert parked == Parked(own_reads=True)
+    assert disk.reading.wait(10)
+    rows = mgr.table.rows([vids[k] for k in CHAIN])
+    assert (mgr.table.cols.state[rows] == int(BlockState.MIGRATING)).all()
+    assert mgr.table.cols.pins.sum() == 0 and mgr.access.reads == reads, "a parked call pinned or counted"
+    gone = call(Op.DETACH, other["client"], other["token"])
+    assert isinstance(gone, Parked) and other["client"] in svc.sessions, "a parked detach dropped its session"
+    disk.release()
+    deadline = time.monotonic() + 10
+    while mgr.copies_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done = call(Op.ACQUIRE, cid, token, arrays=[chain], again=parked)
+    assert done.ok and done.result["acquired"], done
+    places = np.frombuffer(done.arrays[0], dtype=P.PLACE_DTYPE)
+    assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+    assert (mgr.table.cols.pins[rows] == 1).all()
+    assert call(Op.DETACH, other["client"], other["token"], again=gone).ok
+    assert other["client"] not in svc.sessions
+    assert svc.counters["calls_parked"] == 2
+    metrics = DaemonMetrics(svc)
+    metrics.refresh(force=True)
+    assert scrape(metrics)[("dflash2_calls_parked_total", ())] == 2
+    mgr.check_invariants()
