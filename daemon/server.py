@@ -117,7 +117,8 @@ class Server:
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
             # and, while the step's share lasts, after a request answered once it is due. No slice
             # begins while calls are parked: its copies would keep them waiting.
-            draining = self._slices_on and not self._parked and any(m.draining() for m in self.service.managers.values())
+            draining = (self._slices_on and not self._parked
+                        and any(m.draining() for m in self.service.managers.values()))
             try:
                 if self._parked and not sock.poll(math.ceil(1000 * FLIGHT_POLL_S), zmq.POLLIN):
                     raise zmq.Again()  # (a parked call is answered once the copies end: looked at each turn)
@@ -157,6 +158,8 @@ class Server:
                         break
                 if not self._copies_ended():
                     continue  # a request waits while a drain piece's copies run: it goes first
+                if self._parked:
+                    self.service.waiting([parked for _, parked in self._parked])
                 started = time.monotonic()
                 self._slices_on = True  # (after a failed slice, from the next step on)
                 self._tick(late_s=started - next_tick)

@@ -31,14 +31,13 @@ from dflash2 import protocol as P
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CallForgotten, DFlash2Error, LayoutError, NotOwner, ProtocolError, UnknownClient,
-                            WrongToken)
+from dflash2.errors import (CallForgotten, CopiesRunning, DFlash2Error, LayoutError, NotOwner, ProtocolError,
+                            UnknownClient, WrongToken)
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
 from dflash2.readcost import checked_rate
-from dflash2.settling import CopiesRunning
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -47,9 +46,11 @@ log = logging.getLogger("dflash2.daemon")
 @dataclasses.dataclass(frozen=True)
 class Parked:
     """(`Service.handle_frames`) the call was not run: it waits for copies in flight to end, its own
-    promotion's reads from NVMe among them when `own_reads` (run again, it reads the rest at once)."""
+    promotion's reads from NVMe among them when `own_reads` (run again, it reads the rest at once).
+    `client`: whose call it is (None for calls without one), heard from while it waits (`waiting`)."""
 
     own_reads: bool
+    client: int | None = None
 
 
 class Service:
@@ -73,8 +74,8 @@ class Service:
         # Lapsed clients whose process may still write their private blocks (asked through self, which tests set)
         self.set_aside = SetAside(lease_timeout_s, set_aside_leases, lambda pid: self.pid_alive(pid),
                                   lambda: self.clock())
-        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0, "calls_refused_forgotten": 0,
-                         "calls_parked": 0}
+        self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0,
+                         "calls_refused_forgotten": 0, "calls_parked": 0}
         # Whether a call that must wait for copies not yet ended is parked (handle_frames answers
         # `Parked`) rather than waited for: the server's loop sets it; in-process callers wait.
         self.parking = False
@@ -135,7 +136,7 @@ class Service:
             reply = self.handle(req)
         except CopiesRunning as e:
             self.counters["calls_parked"] += 1
-            return Parked(e.own_reads or (again is not None and again.own_reads))
+            return Parked(e.own_reads or (again is not None and again.own_reads), req.client)
         finally:
             for m in self.managers.values():
                 m.placement.parking = m.placement.reads_waited = False
@@ -247,6 +248,16 @@ class Service:
             log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
                      self.managers[s.device].detach(s.client))
         return [s.client for s in gone]
+
+    def waiting(self, parked: list[Parked]) -> None:
+        """These calls wait parked (the server, before each background step): their clients are
+        heard from, as a client whose call runs is (`handle`), so that none lapses for a call the
+        daemon has not answered yet (a client without heartbeats, a disk slower than a lease)."""
+        now = self.clock()
+        for p in parked:
+            session = self.sessions.get(p.client)
+            if session is not None:
+                session.last_seen = now
 
     def fatal(self) -> str | None:
         """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA

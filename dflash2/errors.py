@@ -1,7 +1,8 @@
 """Every error dflash2 raises on purpose, in one place.
 
 A broken invariant raises one of these; an expected shortfall (no room) is a return value the caller
-must handle, never an exception.
+must handle, never an exception. One more exception is no error (`CopiesRunning`): the daemon's way
+to park a call until copies in flight have ended.
 """
 
 
@@ -107,3 +108,15 @@ class DaemonError(DFlash2Error):
     def __init__(self, kind: str, message: str):
         self.kind = kind
         super().__init__(f"{kind}: {message}")
+
+
+class CopiesRunning(Exception):
+    """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
+    ended: raised before the call changed anything, so that it can run again, whole, once they have.
+    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), left in flight for
+    it; run again, it reads what is still below at once (it is never parked on its own reads twice).
+    Not a DFlash2Error: never an error reply."""
+
+    def __init__(self, own_reads: bool = False):
+        super().__init__("copies in flight have not ended")
+        self.own_reads = own_reads

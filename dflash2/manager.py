@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError, LayoutError, NeverFits, PinnedBlock, UnknownBlock
+from dflash2.errors import ArenaError, CopiesRunning, LayoutError, NeverFits, PinnedBlock, UnknownBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -30,7 +30,7 @@ from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.readcost import ReadCost
 from dflash2.reservations import Admission, AdmissionSettings, Decision
-from dflash2.settling import CopiesRunning, any_in_flight, rows_a_commit_meets, settle_if, settled
+from dflash2.settling import any_in_flight, rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
@@ -368,8 +368,9 @@ class BlockManager:
             lids, counts = np.unique(self.table.cols.layout[there], return_counts=True)
             self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
+        below = None if priority is None else priority + 1
         if ((tiers > int(up_to)).any() and self.placement.parking and not self.placement.reads_waited
-                and self.placement.promote_later(rows, up_to, below_priority=None if priority is None else priority + 1)):
+                and self.placement.promote_later(rows, up_to, below_priority=below)):
             # Its reads from NVMe run while the daemon answers other calls; this call is parked
             # meanwhile and runs again, whole, once they have ended (settling.py).
             raise CopiesRunning(own_reads=True)
@@ -382,7 +383,7 @@ class BlockManager:
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if (tiers > int(up_to)).any():
-            ok = self.placement.promote(rows, up_to, below_priority=None if priority is None else priority + 1)
+            ok = self.placement.promote(rows, up_to, below_priority=below)
             if not ok.all():
                 c = self.table.cols
                 lost = rows[~ok & ((c.tier[rows] < 0) | np.isin(rows, list(self.table.lost)))]

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.errors import CopiesRunning
 from dflash2.mover import Flight
-from dflash2.settling import CopiesRunning
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.placement")

@@ -1,6 +1,7 @@
-"""When a BlockManager call ends the drain copies left in flight first (rebalance.py `settle`).
+"""When a BlockManager call ends the copies left in flight first (rebalance.py `settle`).
 
-A drain piece between requests leaves its copies in flight; their blocks are MIGRATING until they
+A drain piece between requests leaves its copies in flight, and so does a promotion's read from NVMe
+while the daemon serves (promotion.py `promote_later`); their blocks are MIGRATING until they
 are settled: readable where they were, but a pin, a move or an eviction must not meet them, nor a
 free that the table would defer. Calls that may do any of that to blocks they cannot name up front
 (reservations, `detach`, `place`, `view`, the step) settle always (`settled`). The calls of a serving
@@ -10,9 +11,9 @@ parent it chains under (`rows_a_commit_meets`). Before, every one of them settle
 from free room waited for a piece's NVMe writes.
 
 While the daemon serves a call (`Placement.parking`), a settle that would wait for copies not yet
-ended raises `CopiesRunning` instead, before the call has changed anything: the server parks the
-call and answers it once the copies have ended, and answers other calls meanwhile (a disk that
-answers slowly held every client's calls behind one read).
+ended raises `CopiesRunning` (errors.py) instead, before the call has changed anything: the server
+parks the call and answers it once the copies have ended, and answers other calls meanwhile (a disk
+that answers slowly held every client's calls behind one read).
 """
 
 from __future__ import annotations
@@ -24,18 +25,6 @@ import numpy as np
 
 from dflash2.errors import UnknownBlock
 from dflash2.table import BlockState, BlockTable
-
-
-class CopiesRunning(Exception):
-    """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
-    ended: raised before the call changed anything, so that it can run again, whole, once they have.
-    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), left in flight for
-    it; run again, it reads what is still below at once (it is never parked on its own reads twice).
-    Not a DFlash2Error: never an error reply."""
-
-    def __init__(self, own_reads: bool = False):
-        super().__init__("copies in flight have not ended")
-        self.own_reads = own_reads
 
 
 def settled(method):

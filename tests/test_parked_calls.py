@@ -217,7 +217,7 @@ def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     chain = np.array([vids[k] for k in CHAIN], dtype=P.VIDS_DTYPE).tobytes()
     reads = mgr.access.reads.copy()
     parked = call(Op.ACQUIRE, cid, token, arrays=[chain])
-    assert parked == Parked(own_reads=True)
+    assert parked == Parked(own_reads=True, client=cid)
     assert disk.reading.wait(10)
     rows = mgr.table.rows([vids[k] for k in CHAIN])
     assert (mgr.table.cols.state[rows] == int(BlockState.MIGRATING)).all()
@@ -239,4 +239,28 @@ def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     metrics = DaemonMetrics(svc)
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_calls_parked_total", ())] == 2
+    mgr.check_invariants()
+
+
+def test_a_client_whose_call_waits_parked_keeps_its_lease(mgr, tmp_path, monkeypatch, clock):
+    """A client without heartbeats whose acquire waits parked longer than a lease (a disk slower
+    than that) is heard from while it waits, as one whose call runs is: its lease does not lapse
+    under it, and the acquire is answered. Before the loop parked calls, it waited for the disk, and
+    the step that judges leases waited with it."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    with served(mgr, tmp_path, clock=clock, tick_interval_s=0.02):
+        with Client.connect(f"ipc://{tmp_path}/d.sock", name="reader", layouts=[LAYOUT], heartbeat=False) as reader:
+            got = {}
+            acquiring = threading.Thread(target=lambda: got.update(places=reader.acquire([vids[k] for k in CHAIN])))
+            acquiring.start()
+            assert disk.reading.wait(10)
+            clock.advance(600.0)  # ten leases
+            time.sleep(0.3)  # steps run meanwhile
+            assert acquiring.is_alive()
+            mgr.table.client(reader.client_id)  # UnknownClient once its lease lapsed
+            disk.release()
+            acquiring.join(10)
+            assert got["places"]["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+            reader.release(got["places"]["vid"])
     mgr.check_invariants()
