@@ -43,6 +43,7 @@ from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, event
 from dflash2.plan import Plan, resolve_plan
 from dflash2.tiers import Tier
+from dflash2.transfer.doorbell import COMPLETIONS
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -70,7 +71,7 @@ PIECE_SPACING = 2.0
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
 # While calls are parked (waiting for copies in flight to end), the loop looks whether the copies have
-# ended at least this often (seconds), between requests.
+# ended at least this often (seconds), between requests; at once when a copy thread ends a batch.
 FLIGHT_POLL_S = 0.001
 
 
@@ -97,6 +98,9 @@ class Server:
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
         self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
         self._sock.bind(endpoint)
+        self._poller = zmq.Poller()  # requests, and the end of a copy thread's batch (`_request_or_copies_ended`)
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(COMPLETIONS.fileno(), zmq.POLLIN)
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,7 +124,7 @@ class Server:
             draining = (self._slices_on and not self._parked
                         and any(m.draining() for m in self.service.managers.values()))
             try:
-                if self._parked and not sock.poll(math.ceil(1000 * FLIGHT_POLL_S), zmq.POLLIN):
+                if self._parked and not self._request_or_copies_ended():
                     raise zmq.Again()  # (a parked call is answered once the copies end: looked at each turn)
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):
@@ -180,6 +184,14 @@ class Server:
         self.service.parking = on
         for m in self.service.managers.values():
             m.placement.read_later = on
+
+    def _request_or_copies_ended(self) -> bool:
+        """(Calls parked) wait up to FLIGHT_POLL_S for a request, waking at once when a copy thread
+        ends a batch (the doorbell: transfer/doorbell.py); whether a request waits."""
+        ready = dict(self._poller.poll(math.ceil(1000 * FLIGHT_POLL_S)))
+        if COMPLETIONS.fileno() in ready:
+            COMPLETIONS.drain()
+        return self._sock in ready
 
     def _copies_done(self) -> bool:
         """Whether no pool has copies in flight that have not ended (settling them waits for nothing)."""

@@ -264,3 +264,23 @@ def test_a_client_whose_call_waits_parked_keeps_its_lease(mgr, tmp_path, monkeyp
             assert got["places"]["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
             reader.release(got["places"]["vid"])
     mgr.check_invariants()
+
+
+def test_a_copy_thread_rings_the_doorbell_when_it_ends_a_batch(mgr):
+    """The loop learns at once that a parked call's copies have ended (transfer/doorbell.py): the
+    host copy thread rings once the job is done; draining silences the bell."""
+    import select
+
+    from dflash2.transfer.doorbell import COMPLETIONS
+
+    lid, vids = chain_on_nvme(mgr)
+    COMPLETIONS.drain()
+    assert not select.select([COMPLETIONS], [], [], 0)[0]
+    rows = mgr.table.rows([vids[k] for k in CHAIN])
+    flight = mgr.mover.start(rows, Tier.DRAM)
+    assert select.select([COMPLETIONS], [], [], 10)[0], "no ring when the batch ended"
+    assert flight.done(), "rung before the job was done"
+    mgr.mover.finish(flight)
+    COMPLETIONS.drain()
+    assert not select.select([COMPLETIONS], [], [], 0)[0]
+    mgr.check_invariants()

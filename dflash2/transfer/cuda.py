@@ -28,6 +28,7 @@ from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 from dflash2.transfer import route
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+from dflash2.transfer.doorbell import COMPLETIONS
 from dflash2.transfer.failures import FailureLog
 from dflash2.transfer.host import HostTransferBackend, written_mask
 
@@ -256,6 +257,7 @@ class CudaTransferBackend(TransferBackend):
             self._after_error(e)
         finally:
             job._done.set()
+            COMPLETIONS.ring()  # (after `done`: whoever the bell wakes finds the job done)
 
     def _staged_chunk(self, job: StagedJob, part: np.ndarray) -> np.ndarray:
         """One run from staged_parts: its blocks fit the staging buffer together."""

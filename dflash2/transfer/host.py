@@ -28,6 +28,7 @@ from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.errors import ArenaError
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
+from dflash2.transfer.doorbell import COMPLETIONS
 from dflash2.transfer.failures import FailureLog
 
 log = logging.getLogger("dflash2.transfer.host")
@@ -57,6 +58,7 @@ class HostCopyJob(CopyJob):
     def _finish(self, ok: np.ndarray) -> None:
         self._ok = ok
         self._done.set()
+        COMPLETIONS.ring()  # (after `done`: whoever the bell wakes finds the job done)
 
 
 class HostTransferBackend(TransferBackend):
