@@ -176,7 +176,7 @@ class Server:
         # Stopping: the calls still parked are answered, waiting for their copies now.
         self._parking(False)
         while self._parked:
-            self._answer(self._parked.popleft()[0])
+            self._answer(*self._parked.popleft())
 
     def _parking(self, on: bool) -> None:
         """While the loop serves: a call that must wait for copies not yet ended is parked, and a

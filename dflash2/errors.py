@@ -113,8 +113,9 @@ class DaemonError(DFlash2Error):
 class CopiesRunning(Exception):
     """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
     ended: raised before the call changed anything, so that it can run again, whole, once they have.
-    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), left in flight for
-    it; run again, it reads what is still below at once (it is never parked on its own reads twice).
+    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), started with the
+    room made for them and left in flight for it (all it did: nothing pinned, touched or counted);
+    run again, it reads what is still below at once (it is never parked on its own reads twice).
     Not a DFlash2Error: never an error reply."""
 
     def __init__(self, own_reads: bool = False):

@@ -60,7 +60,8 @@ def render(st: dict) -> str:
     d = st.get("daemon", {})
     lines = [f"dflash2d pid {d.get('pid')} at {st.get('endpoint', '?')} (device: {d.get('device')}, "
              f"policy: {st.get('policy', {}).get('name')}); requests {d.get('requests', 0)}, "
-             f"errors {d.get('errors', 0)}, leases expired {d.get('leases_expired', 0)}", ""]
+             f"errors {d.get('errors', 0)}, leases expired {d.get('leases_expired', 0)}, "
+             f"calls parked {d.get('calls_parked', 0)}", ""]
     if d.get("gpus"):  # pools by the daemon's GPU number; clients find them by UUID
         lines[-1:-1] = ["GPUs: " + ", ".join(f"{n} {u}" for n, u in d["gpus"].items())]
     rows = [("tier", "capacity", "used", "used %", "blocks")]

@@ -27,6 +27,7 @@ from dflash2.errors import DaemonUnavailable
 from dflash2.layout import Layout
 from dflash2.metrics import DaemonMetrics
 from dflash2.protocol import Op
+from dflash2.status import render
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
@@ -239,6 +240,7 @@ def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     metrics = DaemonMetrics(svc)
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_calls_parked_total", ())] == 2
+    assert "calls parked 2" in render(svc.stats())  # dflash2 status
     mgr.check_invariants()
 
 
