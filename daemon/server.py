@@ -123,8 +123,15 @@ class Server:
             # begins while calls are parked: its copies would keep them waiting.
             draining = (self._slices_on and not self._parked
                         and any(m.draining() for m in self.service.managers.values()))
+            if self._parked:
+                request = self._request_or_copies_ended()
+                if self._copies_done():
+                    # The parked calls first (the loop's next turn), the request after them: answered
+                    # first, it could start copies of its own (a prefetch's reads) that they would wait
+                    # for too, and a parked call could be overtaken again and again.
+                    continue
             try:
-                if self._parked and not self._request_or_copies_ended():
+                if self._parked and not request:
                     raise zmq.Again()  # (a parked call is answered once the copies end: looked at each turn)
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):

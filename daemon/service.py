@@ -45,11 +45,12 @@ log = logging.getLogger("dflash2.daemon")
 
 @dataclasses.dataclass(frozen=True)
 class Parked:
-    """(`Service.handle_frames`) the call was not run: it waits for copies in flight to end, its own
-    promotion's reads from NVMe among them when `own_reads` (run again, it reads the rest at once).
-    `client`: whose call it is (None for calls without one), heard from while it waits (`waiting`)."""
+    """(`Service.handle_frames`) the call was not run: it waits for copies in flight to end.
+    `own_parks`: how often it was parked on copies of its own (errors.CopiesRunning `own`: its reads
+    from NVMe, the writes its room takes), at most Placement.OWN_PARKS. `client`: whose call it is
+    (None for calls without one), heard from while it waits (`waiting`)."""
 
-    own_reads: bool
+    own_parks: int = 0
     client: int | None = None
 
 
@@ -130,16 +131,17 @@ class Service:
             return P.encode_reply(Reply(P.peek_call_id(frames), False, {}, "InternalError", f"{type(e).__name__}: {e}"))
         if not self.parking:
             return P.encode_reply(self.handle(req))
+        own_parks = 0 if again is None else again.own_parks
         for m in self.managers.values():
-            m.placement.parking, m.placement.reads_waited = True, again is not None and again.own_reads
+            m.placement.parking, m.placement.own_parks = True, own_parks
         try:
             reply = self.handle(req)
         except CopiesRunning as e:
             self.counters["calls_parked"] += 1
-            return Parked(e.own_reads or (again is not None and again.own_reads), req.client)
+            return Parked(own_parks + e.own, req.client)
         finally:
             for m in self.managers.values():
-                m.placement.parking = m.placement.reads_waited = False
+                m.placement.parking, m.placement.own_parks = False, 0
         return P.encode_reply(reply)
 
     def handle(self, req: Request) -> Reply:

@@ -113,11 +113,13 @@ class DaemonError(DFlash2Error):
 class CopiesRunning(Exception):
     """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
     ended: raised before the call changed anything, so that it can run again, whole, once they have.
-    `own_reads`: the copies are its own promotion's reads from NVMe (an acquire), started with the
-    room made for them and left in flight for it (all it did: nothing pinned, touched or counted);
-    run again, it reads what is still below at once (it is never parked on its own reads twice).
+    `own`: the copies are its own, left in flight for it: an acquire's reads from NVMe (started with
+    the room made for them), or the writes to NVMe that the room an allocation or a promotion needs
+    in HBM takes (DRAM's room) — all it did: nothing allocated, pinned, touched or counted. A call
+    is parked on its own copies at most OWN_PARKS times (`Placement.own_parks`); run again after
+    that, it does its copies at once.
     Not a DFlash2Error: never an error reply."""
 
-    def __init__(self, own_reads: bool = False):
+    def __init__(self, own: bool = False):
         super().__init__("copies in flight have not ended")
-        self.own_reads = own_reads
+        self.own = own

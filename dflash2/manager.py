@@ -124,6 +124,9 @@ class BlockManager:
         # The duel (duel.py), when whoever built this manager attached one: lookups feed its
         # miniature replays, the tick serves them, and the policy follows the one that finds most.
         self.duel = None
+        # Per client, the tiers its acquire parked on its own copies read from (vid -> tier), until
+        # it runs again (`acquire_rows`).
+        self._came_from: dict[int, dict[int, int]] = {}
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -140,6 +143,7 @@ class BlockManager:
                                np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))])
         self.read_cost.drop_client(client)
         self.prefetcher.drop(client)
+        self._came_from.pop(client, None)
         reservations = self.admission.remove_client(client)
         if set_aside:
             released = self.table.set_aside_client(client)
@@ -229,7 +233,8 @@ class BlockManager:
                 # allocations would otherwise cost one swap batch (and one copy launch) per block.
                 # (On the last tier making room drops blocks: never more than asked.)
                 need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
-            self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
+            with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
+                self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
@@ -369,13 +374,28 @@ class BlockManager:
             self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
         below = None if priority is None else priority + 1
-        if ((tiers > int(up_to)).any() and self.placement.parking and not self.placement.reads_waited
-                and self.placement.promote_later(rows, up_to, below_priority=below)):
-            # Its reads from NVMe run while the daemon answers other calls; this call is parked
-            # meanwhile and runs again, whole, once they have ended (settling.py).
-            raise CopiesRunning(own_reads=True)
+        # Where the blocks it waited for came from, when it was parked on its own copies (a call run
+        # again): for the hit rates, reads from those tiers, though they lie in `up_to` by now.
+        came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
+        self._came_from.pop(client, None)
+        if (tiers > int(up_to)).any() and self.placement.parks_own():
+            # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
+            # answers other calls; this call is parked meanwhile and runs again, whole, once they
+            # have ended (settling.py).
+            below_rows = tiers > int(up_to)
+            came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
+            self._came_from[client] = came
+            with self.placement.own_writes():
+                if self.placement.promote_later(rows, up_to, below_priority=below):
+                    raise CopiesRunning(own=True)
+            del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
         counts = Counter({Tier(t): n for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()) if n})
+        if came:
+            for tier, vid in zip(tiers.tolist(), self.table.vids(rows).tolist()):
+                if vid in came and tier <= int(up_to):
+                    counts[Tier(tier)] -= 1
+                    counts[Tier(came[vid])] += 1
         if self.prefetcher.pending:
             for origin, n in self.prefetcher.reading(self.table.vids(rows).tolist(), client).items():
                 counts[Tier.HBM] -= n

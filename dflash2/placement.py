@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
+from dflash2.errors import CopiesRunning
 from dflash2.forest import local_parents, reaches_marked, subtree_heights
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
@@ -430,6 +431,12 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             return moved
         if deferring and flight.prepared:
             return self._leave_in_flight(flight, end, len(victims))
+        if self._room_parks and lower == Tier.NVME and flight.prepared and self.parks_own():
+            # A call's own room, whose writes go to NVMe: they run while the loop answers other
+            # calls, and the call is parked on them (rebalance.py `own_writes`). Before, the loop
+            # waited: 5-16 s an allocation when writes met a slow region of the disk (soak13).
+            self._leave_in_flight(flight, end, len(victims))
+            raise CopiesRunning(own=True)
         return end()
 
     def _drop_lost(self) -> None:

@@ -66,17 +66,22 @@ class Promotion:
                       idle_only: bool = False) -> bool:
         """`promote`, its copies left in flight, where it reads from NVMe and the daemon serves
         (`read_later`): the room is made now, the blocks come up while the loop answers other calls,
-        and `settle` ends the copies (then `landed(mask of rows now in dst)` runs). False, with
-        nothing done, when nothing to move lies on a storage tier (memory copies take no disk's time:
-        the caller promotes at once), or when copies are in flight already (the room made here must
-        not meet theirs: no placement work runs while copies are in flight, rebalance.py). False
-        too when not even the first batch found room (the caller's own promotion says so)."""
+        and `settle` ends the copies (then `landed(mask of rows now in dst)` runs). False when nothing
+        to move lies on a storage tier (memory copies take no disk's time: the caller promotes at
+        once; within `own_writes`, the room is made first, which the call may be parked on), with
+        nothing done when copies are in flight already (the room made here must not meet theirs: no
+        placement work runs while copies are in flight, rebalance.py). False too when not even the
+        first batch found room (the caller's own promotion says so)."""
         if not self.read_later or self._in_flight:
             return False
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
         away, room_for = self._promotion(rows, dst, protect, below_priority, idle_only)
-        if not len(away) or not (c.tier[away] == int(Tier.NVME)).any():
+        if not len(away):
+            return False
+        if not (c.tier[away] == int(Tier.NVME)).any():
+            if self._room_parks:
+                room_for(away)  # (the call's own room, which it may be parked on: `own_writes`)
             return False
         try:
             if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:

@@ -5,6 +5,7 @@ its pieces, its time budget) is a job of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +39,10 @@ class Rebalancing:
     # once a piece left in flight has measured that cost, the floor is no higher than what its copies
     # move meanwhile (`_piece_bytes`).
     REBALANCE_BUDGET_S = 0.05
+    # A call is parked on its own copies (CopiesRunning `own`) at most this often: an acquire on the
+    # writes that make its room, then on its reads (each run again makes progress: its room is made,
+    # its blocks came up); a third time it does its copies at once.
+    OWN_PARKS = 2
     REBALANCE_PIECE = 0.01
     REBALANCE_MIN_PIECE = REBALANCE_PIECE / 16
     # How often a drain slice whose piece's copies are still in flight looks whether they have ended
@@ -74,9 +79,12 @@ class Rebalancing:
         # holding every client behind the disk.
         self.read_later = False
         self.parking = False
-        # ... and the call served was parked on its own reads once already: it reads what is still
-        # below at once, so that no call is parked on its reads again and again.
-        self.reads_waited = False
+        # ... and how often the call served was parked on its own copies already (CopiesRunning
+        # `own`): from OWN_PARKS on it does them at once, so that no call is parked again and again.
+        self.own_parks = 0
+        # Whether the room being made is a call's own that it may be parked on (`own_writes`): an
+        # allocation's, a promotion's; not a reservation's, whose queue changed before its room.
+        self._room_parks = False
         self._in_flight: list[tuple[Flight, Callable[[], object]]] = []
         self._leaving_bytes: dict[Tier, int] = {}
         # Seconds `settle_when_done` has spent waiting for copies to end, watching for a request: the
@@ -246,6 +254,21 @@ class Rebalancing:
                 slots = self.table.slot_sizes(move.dst)[self.table.cols.layout[move.rows]]
                 held[move.dst] = held.get(move.dst, 0) + int(slots.sum())
         return held
+
+    def parks_own(self) -> bool:
+        """Whether the call being served may be parked on copies of its own (CopiesRunning `own`)."""
+        return self.parking and self.read_later and self.own_parks < self.OWN_PARKS
+
+    @contextlib.contextmanager
+    def own_writes(self):
+        """The room made within is the call's own: writes to NVMe it takes (DRAM's room, for HBM's)
+        are left in flight and the call is parked on them, where it may be (`parks_own`,
+        placement.py `_move_down`). Only around room made before the call changed anything."""
+        before, self._room_parks = self._room_parks, True
+        try:
+            yield
+        finally:
+            self._room_parks = before
 
     def _leave_in_flight(self, flight: Flight, end: Callable[[], object], n: int) -> np.ndarray:
         """(`_move_down` in a drain piece) keep `flight` for `settle`, which calls `end`; the mask of

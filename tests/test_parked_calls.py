@@ -201,7 +201,7 @@ def test_a_parked_acquire_whose_client_gave_up_pins_nothing(mgr, tmp_path, monke
 
 def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     """In process (the service as the server drives it): the acquire starts its reads and is parked
-    (`Parked(own_reads=True)`) with nothing pinned or counted; a detach meanwhile is parked too, its
+    (`Parked(own_parks=1)`) with nothing pinned or counted; a detach meanwhile is parked too, its
     session kept; once the reads end, both run again and do their whole work."""
     lid, vids = chain_on_nvme(mgr)
     disk = HeldDisk(mgr, monkeypatch)
@@ -218,7 +218,7 @@ def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     chain = np.array([vids[k] for k in CHAIN], dtype=P.VIDS_DTYPE).tobytes()
     reads = mgr.access.reads.copy()
     parked = call(Op.ACQUIRE, cid, token, arrays=[chain])
-    assert parked == Parked(own_reads=True, client=cid)
+    assert parked == Parked(own_parks=1, client=cid)
     assert disk.reading.wait(10)
     rows = mgr.table.rows([vids[k] for k in CHAIN])
     assert (mgr.table.cols.state[rows] == int(BlockState.MIGRATING)).all()
@@ -285,4 +285,112 @@ def test_a_copy_thread_rings_the_doorbell_when_it_ends_a_batch(mgr):
     mgr.mover.finish(flight)
     COMPLETIONS.drain()
     assert not select.select([COMPLETIONS], [], [], 0)[0]
+    mgr.check_invariants()
+
+
+class HeldWrites:
+    """The NVMe arena's writes wait until `release` (each write is the arena's own, only later)."""
+
+    def __init__(self, m, monkeypatch):
+        nvme = m.arenas[Tier.NVME]
+        write = nvme.write_blocks
+        self.writing = threading.Event()
+        self.released = threading.Event()
+
+        def held(offsets, sources):
+            self.writing.set()
+            assert self.released.wait(30), "the test never let the disk write"
+            return write(offsets, sources)
+        monkeypatch.setattr(nvme, "write_blocks", held)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def hbm_and_dram_nearly_full(m, dram: int = 57, hbm: int = 60) -> dict[int, int]:
+    """HBM `hbm` of its free blocks and DRAM `dram`, filled with idle cached ones (each its own root,
+    key k holds pattern(k)): by default both under their high watermarks (no drain begins), too full
+    for 20 more blocks in HBM without writes to NVMe. Returns key -> vid."""
+    a = m.attach("filler")
+    lid = m.register_layout(LAYOUT)
+    vids = {}
+    for key, tier in [(k, Tier.DRAM) for k in range(3000, 3000 + dram)] + [(k, Tier.HBM) for k in range(4000, 4000 + hbm)]:
+        v = m.allocate(a, lid, 1, tier=tier)
+        m.view(int(v[0]))[:] = pattern(key)
+        v = m.commit(a, v, keys=[key])
+        m.free(a, v)
+        vids[key] = int(v[0])
+    return vids
+
+
+def test_an_allocation_whose_room_writes_to_nvme_is_parked_on_those_writes(mgr, tmp_path, monkeypatch):
+    """An allocation in a full HBM demotes to DRAM, whose room takes writes to NVMe: they run while
+    the loop answers other calls, and the allocation is parked on them (soak13: with writes meeting
+    a slow region, the loop waited 5-16 s in such an allocation). Once they end, it runs again and
+    gets its blocks; every block demoted on the way reads back its own bytes."""
+    vids = hbm_and_dram_nearly_full(mgr)
+    mgr.tick(drain=False)
+    assert not mgr.placement.draining
+    disk = HeldWrites(mgr, monkeypatch)
+    with served(mgr, tmp_path) as ping:
+        with Client.connect(f"ipc://{tmp_path}/d.sock", name="writer", layouts=[LAYOUT]) as writer:
+            got = {}
+            allocating = threading.Thread(target=lambda: got.update(places=writer.allocate(writer.layouts[0], 20)))
+            allocating.start()
+            assert disk.writing.wait(10), "the allocation never wrote to NVMe"
+            assert ping() < 0.5, "the loop waited for the allocation's writes"
+            assert allocating.is_alive()
+            disk.release()
+            allocating.join(10)
+            assert got["places"] is not None and len(got["places"]) == 20
+            assert set(got["places"]["tier"].tolist()) == {int(Tier.HBM)}
+            writer.free(got["places"]["vid"])
+            parked = writer.stats()["daemon"]["calls_parked"]
+    assert parked >= 1
+    for key, vid in vids.items():
+        place = mgr.place(vid)
+        if place.tier == Tier.NVME:
+            buf = np.zeros(place.nbytes, np.uint8)
+            assert mgr.arenas[Tier.NVME].read_blocks([place.offset], [buf])[0]
+        else:
+            buf = np.array(mgr.view(vid))
+        assert np.array_equal(buf, pattern(key)), f"block {key} ({place.tier.label}) holds other bytes"
+    assert any(mgr.place(v).tier == Tier.NVME for v in vids.values()), "nothing went down to NVMe"
+    mgr.check_invariants()
+
+
+def test_an_acquire_is_parked_on_its_rooms_writes_then_on_its_reads_and_no_more(mgr, monkeypatch):
+    """In process: an acquire of blocks on NVMe into an HBM and a DRAM both full parks first on the
+    writes its room takes (DRAM to NVMe), then on its reads; each run again makes progress, and a
+    call is parked on its own copies at most OWN_PARKS (2) times."""
+    lid, vids = chain_on_nvme(mgr)
+    hbm_and_dram_nearly_full(mgr, dram=64, hbm=63)
+    writes, reads = HeldWrites(mgr, monkeypatch), HeldDisk(mgr, monkeypatch)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    svc.parking = True
+    mgr.placement.read_later = True
+    att = P.decode_reply(svc.handle_frames(P.encode_request(
+        Op.ATTACH, 1, None, {"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]})))
+    cid, token = att.result["client"], att.result["token"]
+    frames = P.encode_request(Op.ACQUIRE, 2, cid, {}, [np.array([vids[k] for k in CHAIN], P.VIDS_DTYPE).tobytes()],
+                              token=token)
+
+    def ended(bell) -> None:
+        bell.release()
+        deadline = time.monotonic() + 10
+        while mgr.copies_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    first = svc.handle_frames(frames)
+    assert first == Parked(own_parks=1, client=cid) and writes.writing.wait(10) and not reads.reading.is_set()
+    ended(writes)
+    second = svc.handle_frames(frames, first)
+    assert second == Parked(own_parks=2, client=cid) and reads.reading.wait(10)
+    ended(reads)
+    done = P.decode_reply(svc.handle_frames(frames, second))
+    assert done.ok and done.result["acquired"], done
+    places = np.frombuffer(done.arrays[0], dtype=P.PLACE_DTYPE)
+    assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+    for key, place in zip(CHAIN, places):
+        assert np.array_equal(mgr.view(int(place["vid"])), pattern(key))
+    assert mgr.access.reads[Tier.NVME] == len(CHAIN), "read once, counted once"
     mgr.check_invariants()
