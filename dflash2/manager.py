@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflash2.access import AccessStats, reads_by_origin
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.errors import ArenaError, CopiesRunning, LayoutError, NeverFits, PinnedBlock, UnknownBlock
@@ -61,30 +61,6 @@ class Place:
     offset: int
     nbytes: int
     layout_id: int
-
-
-@dataclasses.dataclass
-class AccessStats:
-    """Block reads by where they were served from. HBM hit rate = reads served from HBM without
-    waiting for a swap-in / all block reads."""
-
-    # tier -> blocks that HBM readers (the engines' attention) read from it. A block a reader's own
-    # lookup promoted counts under the tier it came from: the reader waited for that copy.
-    reads: Counter = dataclasses.field(default_factory=Counter)
-    # tier -> blocks that host-side readers (tier "dram": sglang's host pool) read where they lie:
-    # served where they were asked for, so neither HBM hits nor misses.
-    host_reads: Counter = dataclasses.field(default_factory=Counter)
-    misses: int = 0  # asked for, not cached anywhere (lookup stopped short)
-    lookups: int = 0
-    lookup_blocks_found: int = 0
-    # Cached blocks a lookup did not offer: reading them to the reader costs more than the client's
-    # engine recomputing them (also counted in `misses`: the engine recomputes them).
-    withheld: int = 0
-
-    @property
-    def hbm_hit_ratio(self) -> float | None:
-        total = sum(self.reads.values())
-        return self.reads[Tier.HBM] / total if total else None
 
 
 class BlockManager:
@@ -390,12 +366,7 @@ class BlockManager:
                     raise CopiesRunning(own=True)
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
-        counts = Counter({Tier(t): n for t, n in enumerate(np.bincount(tiers, minlength=len(Tier)).tolist()) if n})
-        if came:
-            for tier, vid in zip(tiers.tolist(), self.table.vids(rows).tolist()):
-                if vid in came and tier <= int(up_to):
-                    counts[Tier(tier)] -= 1
-                    counts[Tier(came[vid])] += 1
+        counts = reads_by_origin(tiers, self.table.vids(rows), up_to, came)
         if self.prefetcher.pending:
             for origin, n in self.prefetcher.reading(self.table.vids(rows).tolist(), client).items():
                 counts[Tier.HBM] -= n
