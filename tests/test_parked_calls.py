@@ -69,19 +69,28 @@ def chain_on_nvme(m) -> tuple[int, dict[int, int]]:
 
 
 class HeldDisk:
-    """The NVMe arena's reads wait until `release` (each read is the arena's own, only later)."""
+    """The NVMe arena's reads (or, `what="write_blocks"`, its writes) wait until `release` (each is
+    the arena's own, only later). `started` is set once one waits."""
 
-    def __init__(self, m, monkeypatch):
+    def __init__(self, m, monkeypatch, what: str = "read_blocks"):
         nvme = m.arenas[Tier.NVME]
-        read = nvme.read_blocks
-        self.reading = threading.Event()
+        io = getattr(nvme, what)
+        self.started = threading.Event()
         self.released = threading.Event()
 
-        def held(offsets, dests):
-            self.reading.set()
-            assert self.released.wait(30), "the test never let the disk read"
-            return read(offsets, dests)
-        monkeypatch.setattr(nvme, "read_blocks", held)
+        def held(offsets, buffers):
+            self.started.set()
+            assert self.released.wait(30), f"the test never let the disk go on ({what})"
+            return io(offsets, buffers)
+        monkeypatch.setattr(nvme, what, held)
+
+    @property
+    def reading(self) -> threading.Event:
+        return self.started
+
+    @property
+    def writing(self) -> threading.Event:
+        return self.started
 
     def release(self) -> None:
         self.released.set()
@@ -288,25 +297,6 @@ def test_a_copy_thread_rings_the_doorbell_when_it_ends_a_batch(mgr):
     mgr.check_invariants()
 
 
-class HeldWrites:
-    """The NVMe arena's writes wait until `release` (each write is the arena's own, only later)."""
-
-    def __init__(self, m, monkeypatch):
-        nvme = m.arenas[Tier.NVME]
-        write = nvme.write_blocks
-        self.writing = threading.Event()
-        self.released = threading.Event()
-
-        def held(offsets, sources):
-            self.writing.set()
-            assert self.released.wait(30), "the test never let the disk write"
-            return write(offsets, sources)
-        monkeypatch.setattr(nvme, "write_blocks", held)
-
-    def release(self) -> None:
-        self.released.set()
-
-
 def hbm_and_dram_nearly_full(m, dram: int = 57, hbm: int = 60) -> dict[int, int]:
     """HBM `hbm` of its free blocks and DRAM `dram`, filled with idle cached ones (each its own root,
     key k holds pattern(k)): by default both under their high watermarks (no drain begins), too full
@@ -331,7 +321,7 @@ def test_an_allocation_whose_room_writes_to_nvme_is_parked_on_those_writes(mgr, 
     vids = hbm_and_dram_nearly_full(mgr)
     mgr.tick(drain=False)
     assert not mgr.placement.draining
-    disk = HeldWrites(mgr, monkeypatch)
+    disk = HeldDisk(mgr, monkeypatch, "write_blocks")
     with served(mgr, tmp_path) as ping:
         with Client.connect(f"ipc://{tmp_path}/d.sock", name="writer", layouts=[LAYOUT]) as writer:
             got = {}
@@ -365,7 +355,7 @@ def test_an_acquire_is_parked_on_its_rooms_writes_then_on_its_reads_and_no_more(
     call is parked on its own copies at most OWN_PARKS (2) times."""
     lid, vids = chain_on_nvme(mgr)
     hbm_and_dram_nearly_full(mgr, dram=64, hbm=63)
-    writes, reads = HeldWrites(mgr, monkeypatch), HeldDisk(mgr, monkeypatch)
+    writes, reads = HeldDisk(mgr, monkeypatch, "write_blocks"), HeldDisk(mgr, monkeypatch)
     svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
     svc.parking = True
     mgr.placement.read_later = True
