@@ -42,6 +42,7 @@ from dflash2.daemon.service import Parked, Service
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, event
 from dflash2.plan import Plan, resolve_plan
+from dflash2.rebalance import Rebalancing
 from dflash2.tiers import Tier
 from dflash2.transfer.doorbell import COMPLETIONS
 
@@ -70,9 +71,6 @@ PIECE_SPACING = 2.0
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
-# While calls are parked (waiting for copies in flight to end), the loop looks whether the copies have
-# ended at least this often (seconds), between requests; at once when a copy thread ends a batch.
-FLIGHT_POLL_S = 0.001
 
 
 class Server:
@@ -193,9 +191,10 @@ class Server:
             m.placement.read_later = on
 
     def _request_or_copies_ended(self) -> bool:
-        """(Calls parked) wait up to FLIGHT_POLL_S for a request, waking at once when a copy thread
-        ends a batch (the doorbell: transfer/doorbell.py); whether a request waits."""
-        ready = dict(self._poller.poll(math.ceil(1000 * FLIGHT_POLL_S)))
+        """(Calls parked) wait up to Rebalancing.FLIGHT_POLL_S for a request, as a drain slice waiting
+        for its piece's copies does, but waking at once when a copy thread ends a batch (the
+        doorbell: transfer/doorbell.py); whether a request waits."""
+        ready = dict(self._poller.poll(math.ceil(1000 * Rebalancing.FLIGHT_POLL_S)))
         if COMPLETIONS.fileno() in ready:
             COMPLETIONS.drain()
         return self._sock in ready

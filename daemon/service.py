@@ -28,16 +28,15 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
+from dflash2.daemon import wire
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CallForgotten, CopiesRunning, DFlash2Error, LayoutError, NotOwner, ProtocolError,
-                            UnknownClient, WrongToken)
+from dflash2.errors import (CallForgotten, CopiesRunning, DFlash2Error, NotOwner, ProtocolError, UnknownClient,
+                            WrongToken)
 from dflash2.gpuid import device_of, uuid_text
-from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
-from dflash2.readcost import checked_rate
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -332,12 +331,12 @@ class Service:
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)
         device = self._device_of(req)
-        layouts = [self._layout(d) for d in specs]  # validate all before changing anything
+        layouts = [wire.layout_of(d) for d in specs]  # validate all before changing anything
         rates = arg(req, "prefill_tokens_per_s", list, default=[None] * len(layouts))
         if len(rates) != len(layouts):
             raise ProtocolError(f"attach: {len(rates)} prefill rates for {len(layouts)} layouts (one per "
                                 "layout, null where unknown)")
-        rates = [self._rate(req, r) for r in rates]
+        rates = [wire.prefill_rate(req, r) for r in rates]
         m = self.managers[device]
         for lay in layouts:
             m.check_layout(lay)  # before anything changes: a refused layout attaches nobody
@@ -351,7 +350,7 @@ class Service:
         self.sessions[client] = Session(client, name, pid, now, now,
                                         pid_ns is not None and pid_ns == pid_namespace(), device, token)
         log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
-        return {"client": client, "layouts": ids, "arenas": self._arenas(m),
+        return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
                 "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness}, []
@@ -397,25 +396,25 @@ class Service:
 
     def _register_layout(self, req):
         m = self._mgr(req)
-        layout = self._layout(arg(req, "layout", dict))
-        rate = self._rate(req, req.args.get("prefill_tokens_per_s"))
+        layout = wire.layout_of(arg(req, "layout", dict))
+        rate = wire.prefill_rate(req, req.args.get("prefill_tokens_per_s"))
         lid = m.register_layout(layout)
         m.set_prefill_rate(req.client, lid, rate)
         return {"layout": lid}, []
 
     def _set_prefill_rate(self, req):
         m = self._mgr(req)
-        lid = self._layout_id(m, req)
+        lid = wire.layout_id(m, req)
         if "tokens_per_s" not in req.args:
             raise ProtocolError("prefill_rate: missing argument 'tokens_per_s' (a number, or null to withdraw it)")
-        m.set_prefill_rate(req.client, lid, self._rate(req, req.args["tokens_per_s"]))
+        m.set_prefill_rate(req.client, lid, wire.prefill_rate(req, req.args["tokens_per_s"]))
         return {}, []
 
     def _reserve(self, req):
         m = self._mgr(req)
         deadline_s = arg(req, "deadline_s", (int, float), default=None, lo=0)
         d = m.reserve(
-            req.client, self._layout_id(m, req), arg(req, "tokens", int, lo=1, hi=1 << 40),
+            req.client, wire.layout_id(m, req), arg(req, "tokens", int, lo=1, hi=1 << 40),
             priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
             deadline=None if deadline_s is None else m.table.clock() + deadline_s,
             request=arg(req, "request", int, default=0))
@@ -438,7 +437,7 @@ class Service:
         m = self._mgr(req)
         vids = m.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
         self._undoable(req, lambda: m.free(req.client, vids))
-        return {}, [self._places_of(m, vids)]
+        return {}, [wire.places_of(m, vids)]
 
     def _cancel(self, req):
         m = self._mgr(req)
@@ -447,14 +446,14 @@ class Service:
 
     def _allocate(self, req):
         m = self._mgr(req)
-        vids = m.allocate(req.client, self._layout_id(m, req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
+        vids = m.allocate(req.client, wire.layout_id(m, req), arg(req, "n", int, lo=1, hi=P.MAX_BATCH),
                           request=arg(req, "request", int, default=0),
                           priority=arg(req, "priority", int, default=0, lo=-128, hi=127),
-                          tier=self._memory_tier(req))
+                          tier=wire.memory_tier(req))
         if vids is None:
             return {"allocated": False, "reason": m.allocate_refusal}, [b""]
         self._undoable(req, lambda: m.free(req.client, vids))
-        return {"allocated": True}, [self._places_of(m, vids)]
+        return {"allocated": True}, [wire.places_of(m, vids)]
 
     def _commit(self, req):
         m = self._mgr(req)
@@ -474,18 +473,18 @@ class Service:
             m.table.layout(layout)  # an unknown layout id is an error, never an empty (all-miss) answer
         probe = arg(req, "probe", bool, default=False)
         withheld = m.access.withheld
-        rows = m.lookup_rows(keys, layout, reader=self._memory_tier(req), client=req.client, probe=probe)
-        return {"withheld": m.access.withheld - withheld}, [self._records(m, rows)]
+        rows = m.lookup_rows(keys, layout, reader=wire.memory_tier(req), client=req.client, probe=probe)
+        return {"withheld": m.access.withheld - withheld}, [wire.records(m, rows)]
 
     def _acquire(self, req):
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        rows = m.acquire_rows(req.client, vids, self._memory_tier(req),
+        rows = m.acquire_rows(req.client, vids, wire.memory_tier(req),
                               priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
         self._undoable(req, lambda: m.release(req.client, vids))
-        return {"acquired": True}, [self._records(m, rows)]
+        return {"acquired": True}, [wire.records(m, rows)]
 
     def _release(self, req):
         m = self._mgr(req)
@@ -535,7 +534,7 @@ class Service:
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
         m.table.rows(vids)  # UnknownBlock for any that is not live
         m.settle()  # a block whose drain copy is in flight lies where that copy ends
-        return {}, [self._places_of(m, vids)]
+        return {}, [wire.places_of(m, vids)]
 
     def _stats(self, req):
         return self.stats(), []
@@ -583,66 +582,3 @@ class Service:
         for m in self.managers.values():
             m.check_invariants()
         return {}, []
-
-    # -- helpers ---------------------------------------------------------------------------
-    def _layout(self, data) -> Layout:
-        if not isinstance(data, dict):
-            raise ProtocolError("a layout must be a JSON object")
-        try:
-            return Layout.from_dict(data)
-        except TypeError as e:
-            raise LayoutError(f"bad layout field types: {e}") from None
-
-    @staticmethod
-    def _rate(req, value) -> float | None:
-        """A prefill rate from the wire (readcost.checked_rate), refused as the op's ProtocolError."""
-        try:
-            return checked_rate(value)
-        except ValueError as e:
-            raise ProtocolError(f"{req.op.value}: {e}") from None
-
-    def _memory_tier(self, req) -> Tier:
-        tier = arg(req, "tier", str, default="hbm")
-        if tier not in ("hbm", "dram"):
-            raise ProtocolError(f"{req.op.value}: tier must be 'hbm' or 'dram', got {tier!r}")
-        return Tier[tier.upper()]
-
-    def _layout_id(self, m: BlockManager, req) -> int:
-        lid = arg(req, "layout", int, lo=0)
-        m.table.layout(lid)
-        return lid
-
-    def _places_of(self, m: BlockManager, vids) -> bytes:
-        return self._records(m, m.table.rows(vids))
-
-    def _records(self, m: BlockManager, rows: np.ndarray) -> bytes:
-        """PLACE_DTYPE records of rows, built from the table's columns without a Python loop."""
-        table = m.table
-        c = table.cols
-        if len(rows) <= table.SMALL:
-            return np.array([((int(c.gen[r]) << 32) | r, int(c.tier[r]), int(c.offset[r]),
-                              table.layouts[int(c.layout[r])].block_bytes, int(c.layout[r])) for r in rows.tolist()],
-                            dtype=P.PLACE_DTYPE).tobytes()
-        block_bytes = np.array([lay.block_bytes for lay in table.layouts] or [0], dtype=np.int64)
-        rec = np.empty(len(rows), dtype=P.PLACE_DTYPE)
-        rec["vid"] = table.vids(rows)
-        rec["tier"] = c.tier[rows]
-        rec["offset"] = c.offset[rows]
-        rec["layout"] = c.layout[rows]
-        rec["nbytes"] = block_bytes[c.layout[rows]]
-        return rec.tobytes()
-
-    def _arenas(self, m: BlockManager) -> list[dict]:
-        out = []
-        for tier, arena in m.arenas.items():
-            if tier == Tier.NVME:
-                continue  # not mappable: clients reach NVMe blocks by acquiring them
-            d = arena.describe()
-            entry = {"tier": tier.label, "kind": d.get("kind", "shm"), "capacity_bytes": arena.capacity_bytes,
-                     "alignment": arena.alignment}
-            if entry["kind"] == "cuda":  # mapped by the client with cudaIpcOpenMemHandle
-                entry.update(device=d["device"], uuid=d["uuid"], ipc_handle=arena.ipc_handle().hex())
-            else:
-                entry["name"] = d.get("name")
-            out.append(entry)
-        return out

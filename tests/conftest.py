@@ -157,3 +157,18 @@ def cuda_config(tmp_path):
         path.write_text(json.dumps(cfg))
         return str(path)
     return write
+
+
+@pytest.fixture
+def small_nvme_manager(config_file, instance_name):
+    """A real host manager with every tier small: HBM and DRAM of 1 MiB (64 blocks of 16 KiB), NVMe a
+    2 MiB file in tmp_path, a 1 MiB staging buffer, a prefetch window of 2. Closed after the test."""
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+
+    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                          "staging_buffer_size_mb": 1},
+                                  kv_block={"block_size": 16, "prefetch_window": 2}))
+    m = build_manager(cfg, instance=instance_name)
+    yield m
+    m.close()

@@ -18,8 +18,6 @@ import pytest
 from serve_helpers import served
 
 from dflash2 import protocol as P
-from dflash2.assemble import build_manager
-from dflash2.config import load_config
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 from dflash2.table import BlockState
@@ -30,13 +28,8 @@ LAYOUT = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", to
 
 
 @pytest.fixture
-def mgr(config_file, instance_name):
-    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
-                                          "staging_buffer_size_mb": 1},
-                                  kv_block={"block_size": 16, "prefetch_window": 2}))
-    m = build_manager(cfg, instance=instance_name)
-    yield m
-    m.close()
+def mgr(small_nvme_manager):
+    return small_nvme_manager
 
 
 def pattern(key: int) -> np.ndarray:

@@ -19,9 +19,7 @@ from observe_helpers import scrape
 from serve_helpers import served
 
 from dflash2 import protocol as P
-from dflash2.assemble import build_manager
 from dflash2.client import Client
-from dflash2.config import load_config
 from dflash2.daemon.service import Parked, Service
 from dflash2.errors import DaemonUnavailable
 from dflash2.layout import Layout
@@ -37,13 +35,8 @@ HOT = 1000  # a block that stays in HBM
 
 
 @pytest.fixture
-def mgr(config_file, instance_name):
-    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
-                                          "staging_buffer_size_mb": 1},
-                                  kv_block={"block_size": 16, "prefetch_window": 2}))
-    m = build_manager(cfg, instance=instance_name)
-    yield m
-    m.close()
+def mgr(small_nvme_manager):
+    return small_nvme_manager
 
 
 def pattern(key: int) -> np.ndarray:
@@ -96,6 +89,15 @@ class HeldDisk:
         self.released.set()
 
 
+def in_background(fn) -> tuple[threading.Thread, dict]:
+    """Run a client call on a thread of its own (it is parked: the test goes on meanwhile); its
+    answer lands in the dict's "out" once it returns."""
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(out=fn()), daemon=True)
+    thread.start()
+    return thread, got
+
+
 def timed(fn):
     started = time.monotonic()
     out = fn()
@@ -109,9 +111,7 @@ def test_an_acquire_of_blocks_on_nvme_is_parked_while_the_daemon_answers_other_c
         endpoint = f"ipc://{tmp_path}/d.sock"
         with Client.connect(endpoint, name="reader", layouts=[LAYOUT]) as reader, \
                 Client.connect(endpoint, name="other", layouts=[LAYOUT]) as other:
-            got = {}
-            acquiring = threading.Thread(target=lambda: got.update(places=reader.acquire([vids[k] for k in CHAIN])))
-            acquiring.start()
+            acquiring, got = in_background(lambda: reader.acquire([vids[k] for k in CHAIN]))
             assert disk.reading.wait(10), "the acquire never read from NVMe"
             # The read is held: the acquire is parked, and every call that does not need its blocks goes on.
             assert ping() < 0.5
@@ -129,7 +129,7 @@ def test_an_acquire_of_blocks_on_nvme_is_parked_while_the_daemon_answers_other_c
             assert mgr.placement.in_flight and mgr.table.cols.pins.sum() == 0, "a parked call pins nothing"
             disk.release()
             acquiring.join(10)
-            places = got["places"]
+            places = got["out"]
             assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
             for key, place in zip(CHAIN, places):
                 assert np.array_equal(reader.view_bytes(place), pattern(key)), f"block {key} read wrong bytes"
@@ -140,27 +140,24 @@ def test_an_acquire_of_blocks_on_nvme_is_parked_while_the_daemon_answers_other_c
 
 
 def test_a_call_that_meets_the_reads_waits_for_them_alone(mgr, tmp_path, monkeypatch):
-    """A lookup of the chain while its reads run names blocks in flight (their copies end first), and
-    an allocation that must make room does placement work: both are parked, answered once the
-    reads have ended, while a ping goes on."""
+    """A lookup of the chain while its reads run names blocks in flight (their copies end first): it
+    is parked, and answered once the reads have ended, while a ping goes on."""
     lid, vids = chain_on_nvme(mgr)
     disk = HeldDisk(mgr, monkeypatch)
     with served(mgr, tmp_path) as ping:
         endpoint = f"ipc://{tmp_path}/d.sock"
         with Client.connect(endpoint, name="reader", layouts=[LAYOUT]) as reader, \
                 Client.connect(endpoint, name="other", layouts=[LAYOUT]) as other:
-            threading.Thread(target=lambda: reader.acquire([vids[k] for k in CHAIN]), daemon=True).start()
+            in_background(lambda: reader.acquire([vids[k] for k in CHAIN]))
             assert disk.reading.wait(10)
-            found = {}
-            t1 = threading.Thread(target=lambda: found.update(chain=other.lookup(CHAIN)))
-            t1.start()
+            t1, found = in_background(lambda: other.lookup(CHAIN))
             time.sleep(0.3)
             assert t1.is_alive(), "a lookup of blocks in flight answered before their copies ended"
             assert ping() < 0.5
             disk.release()
             t1.join(10)
-            assert len(found["chain"]) == len(CHAIN)
-            assert set(found["chain"]["tier"].tolist()) == {int(Tier.HBM)}, "it answers where they landed"
+            assert len(found["out"]) == len(CHAIN)
+            assert set(found["out"]["tier"].tolist()) == {int(Tier.HBM)}, "it answers where they landed"
     mgr.check_invariants()
 
 
@@ -262,9 +259,7 @@ def test_a_client_whose_call_waits_parked_keeps_its_lease(mgr, tmp_path, monkeyp
     disk = HeldDisk(mgr, monkeypatch)
     with served(mgr, tmp_path, clock=clock, tick_interval_s=0.02):
         with Client.connect(f"ipc://{tmp_path}/d.sock", name="reader", layouts=[LAYOUT], heartbeat=False) as reader:
-            got = {}
-            acquiring = threading.Thread(target=lambda: got.update(places=reader.acquire([vids[k] for k in CHAIN])))
-            acquiring.start()
+            acquiring, got = in_background(lambda: reader.acquire([vids[k] for k in CHAIN]))
             assert disk.reading.wait(10)
             clock.advance(600.0)  # ten leases
             time.sleep(0.3)  # steps run meanwhile
@@ -272,8 +267,8 @@ def test_a_client_whose_call_waits_parked_keeps_its_lease(mgr, tmp_path, monkeyp
             mgr.table.client(reader.client_id)  # UnknownClient once its lease lapsed
             disk.release()
             acquiring.join(10)
-            assert got["places"]["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
-            reader.release(got["places"]["vid"])
+            assert got["out"]["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+            reader.release(got["out"]["vid"])
     mgr.check_invariants()
 
 
@@ -324,17 +319,15 @@ def test_an_allocation_whose_room_writes_to_nvme_is_parked_on_those_writes(mgr, 
     disk = HeldDisk(mgr, monkeypatch, "write_blocks")
     with served(mgr, tmp_path) as ping:
         with Client.connect(f"ipc://{tmp_path}/d.sock", name="writer", layouts=[LAYOUT]) as writer:
-            got = {}
-            allocating = threading.Thread(target=lambda: got.update(places=writer.allocate(writer.layouts[0], 20)))
-            allocating.start()
+            allocating, got = in_background(lambda: writer.allocate(writer.layouts[0], 20))
             assert disk.writing.wait(10), "the allocation never wrote to NVMe"
             assert ping() < 0.5, "the loop waited for the allocation's writes"
             assert allocating.is_alive()
             disk.release()
             allocating.join(10)
-            assert got["places"] is not None and len(got["places"]) == 20
-            assert set(got["places"]["tier"].tolist()) == {int(Tier.HBM)}
-            writer.free(got["places"]["vid"])
+            assert got["out"] is not None and len(got["out"]) == 20
+            assert set(got["out"]["tier"].tolist()) == {int(Tier.HBM)}
+            writer.free(got["out"]["vid"])
             parked = writer.stats()["daemon"]["calls_parked"]
     assert parked >= 1
     for key, vid in vids.items():
