@@ -7,9 +7,10 @@ share of the drain (REBALANCE_BUDGET_S) one piece at a time between requests, an
 request has come for IDLE_AFTER_S. A piece's copies run while the loop answers requests (its blocks
 stay where they were until the copies have ended: `BlockManager.drain_slice`), and so do a
 promotion's reads from NVMe (an acquire's, a prefetch's: promotion.py `promote_later`). A call that
-must wait for copies not yet ended (it meets their blocks, or does placement work) is parked, not
-waited for: the loop answers the others meanwhile, and runs it again, whole, once the copies have
-ended (`_answer_parked`; settling.py); an acquire that started the reads is parked on them. Every
+must wait for copies still running PARK_AFTER_S after they began (it meets their blocks, or does
+placement work) is parked, not waited for: the loop answers the others meanwhile, and runs it
+again, whole, once the copies have ended (`_answer_parked`; settling.py); an acquire that started
+the reads is parked on them. Every
 other move is finished or rolled back before its request returns, and shutdown settles what is in
 flight first (answering the calls still parked), so it never leaves a block half-moved.
 """

@@ -112,7 +112,8 @@ class DaemonError(DFlash2Error):
 
 class CopiesRunning(Exception):
     """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
-    ended: raised before the call changed anything, so that it can run again, whole, once they have.
+    ended by PARK_AFTER_S after the last of them began (rebalance.py `end_soon`): raised before the
+    call changed anything, so that it can run again, whole, once they have.
     `own`: the copies are its own, left in flight for it: an acquire's reads from NVMe (started with
     the room made for them), or the writes to NVMe that the room an allocation or a promotion needs
     in HBM takes (DRAM's room) — all it did: nothing allocated, pinned, touched or counted. A call

@@ -356,14 +356,17 @@ class BlockManager:
         self._came_from.pop(client, None)
         if (tiers > int(up_to)).any() and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
-            # answers other calls; this call is parked meanwhile and runs again, whole, once they
-            # have ended (settling.py).
+            # answers other calls; this call is parked meanwhile (unless they end within
+            # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
+            # (settling.py).
             below_rows = tiers > int(up_to)
             came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
             self._came_from[client] = came
             with self.placement.own_writes():
                 if self.placement.promote_later(rows, up_to, below_priority=below):
-                    raise CopiesRunning(own=True)
+                    if not self.placement.end_soon():
+                        raise CopiesRunning(own=True)
+                    self.placement.settle()
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
         counts = reads_by_origin(tiers, self.table.vids(rows), up_to, came)

@@ -431,10 +431,12 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             return moved
         if deferring and flight.prepared:
             return self._leave_in_flight(flight, end, len(victims))
-        if self._room_parks and lower == Tier.NVME and flight.prepared and self.parks_own():
-            # A call's own room, whose writes go to NVMe: they run while the loop answers other
-            # calls, and the call is parked on them (rebalance.py `own_writes`). Before, the loop
-            # waited: 5-16 s an allocation when writes met a slow region of the disk (soak13).
+        if (self._room_parks and lower == Tier.NVME and flight.prepared and self.parks_own()
+                and not self.end_soon([flight])):
+            # The writes to NVMe of a call's own room, still running PARK_AFTER_S after they began:
+            # they go on while the loop answers other calls, and the call is parked on them
+            # (rebalance.py `own_writes`). Before, the loop waited: 5-16 s an allocation when
+            # writes met a slow region of the disk (soak13).
             self._leave_in_flight(flight, end, len(victims))
             raise CopiesRunning(own=True)
         return end()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import numpy as np
 from dflash2.errors import CopiesRunning
 from dflash2.mover import Flight
 from dflash2.tiers import Tier
+from dflash2.transfer.doorbell import COMPLETIONS
 
 log = logging.getLogger("dflash2.placement")
 
@@ -49,6 +51,12 @@ class Rebalancing:
     # (seconds), waiting meanwhile for a request (the server's poll: one that arrives is answered at
     # once). Copies end unseen for up to this long: a millisecond, the poll's resolution.
     FLIGHT_POLL_S = 0.001
+    # A call that meets copies not yet ended (a drain piece's, a promotion's reads, the writes its
+    # own room takes) waits for them until PARK_AFTER_S after the last of them began, and is parked
+    # (CopiesRunning) only if they still run then: copies that end that soon cost the loop less than
+    # a parked call run again, whole. A disk that answers slowly holds the loop at most this long a
+    # flight: callers of a flight past it are parked at once.
+    PARK_AFTER_S = 0.005
 
     def _init_rebalancing(self) -> None:
         self.draining: set[Tier] = set()  # went over the high watermark, not yet down to the low one
@@ -207,13 +215,14 @@ class Rebalancing:
 
     def settle(self) -> None:
         """End the copies that drain pieces and deferred promotions left in flight, in the order
-        they began (waiting for those not done; with `parking`, CopiesRunning instead of a wait):
+        they began (waiting for those not done; with `parking`, CopiesRunning where they run past
+        PARK_AFTER_S: `end_soon`):
         each block lands where its copy succeeded and stays where it was
         otherwise, as a move that ended at once would have left it. One that fails to end is logged
         and the others still end: the call that settles them is not theirs to fail."""
         if not self._in_flight:
             return  # nothing to end: no wait for a piece's copies (`settled_s`, the server's pacing)
-        if self.parking and not self.flights_done():
+        if self.parking and not self.end_soon():
             raise CopiesRunning()  # (a call the server parks until they have ended: settling.py)
         began = time.perf_counter()
         while self._in_flight:
@@ -254,6 +263,28 @@ class Rebalancing:
                 slots = self.table.slot_sizes(move.dst)[self.table.cols.layout[move.rows]]
                 held[move.dst] = held.get(move.dst, 0) + int(slots.sum())
         return held
+
+    def end_soon(self, flights: list[Flight] | None = None) -> bool:
+        """Whether the copies in flight (or `flights`) have ended by PARK_AFTER_S after the last of
+        them began, waiting for them until then (`settle` then waits for nothing). The doorbell
+        wakes the wait; a ring it took is rung again for the server's poll (parked calls)."""
+        pending = [flight for flight, _ in self._in_flight] if flights is None else flights
+        if all(flight.done() for flight in pending):
+            return True
+        began = max((move.started for flight in pending for _, move in flight.prepared), default=0.0)
+        deadline = began + self.PARK_AFTER_S
+        rang = False
+        try:
+            while (left := deadline - time.perf_counter()) > 0:
+                if select.select([COMPLETIONS.fileno()], [], [], min(left, self.FLIGHT_POLL_S))[0]:
+                    COMPLETIONS.drain()
+                    rang = True
+                if all(flight.done() for flight in pending):
+                    return True
+            return False
+        finally:
+            if rang:
+                COMPLETIONS.ring()
 
     def parks_own(self) -> bool:
         """Whether the call being served may be parked on copies of its own (CopiesRunning `own`)."""

@@ -10,10 +10,13 @@ work), or name a block in flight; a commit, the cached twins its keys deduplicat
 parent it chains under (`rows_a_commit_meets`). Before, every one of them settled: an allocation
 from free room waited for a piece's NVMe writes.
 
-While the daemon serves a call (`Placement.parking`), a settle that would wait for copies not yet
-ended raises `CopiesRunning` (errors.py) instead, before the call has changed anything: the server
-parks the call and answers it once the copies have ended, and answers other calls meanwhile (a disk
-that answers slowly held every client's calls behind one read).
+While the daemon serves a call (`Placement.parking`), a settle waits for copies not yet ended only
+until PARK_AFTER_S after the last of them began (rebalance.py `end_soon`); copies that run longer
+raise `CopiesRunning` (errors.py) instead, before the call has changed anything: the server parks
+the call and answers it once the copies have ended, and answers other calls meanwhile (a disk that
+answers slowly held every client's calls behind one read). Copies that end that soon are waited
+for: parking every call that met them, and running it again, cost more at the tail with a healthy
+disk than the wait (docs/measured-figures.md).
 """
 
 from __future__ import annotations

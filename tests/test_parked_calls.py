@@ -377,3 +377,77 @@ def test_an_acquire_is_parked_on_its_rooms_writes_then_on_its_reads_and_no_more(
         assert np.array_equal(mgr.view(int(place["vid"])), pattern(key))
     assert mgr.access.reads[Tier.NVME] == len(CHAIN), "read once, counted once"
     mgr.check_invariants()
+
+
+def in_process_service(m) -> tuple[Service, object]:
+    """The service as the server drives it (parking on, reads left in flight) and a `call(op, ...)`
+    that answers a Parked or the decoded reply."""
+    svc = Service(m, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    svc.parking = True
+    m.placement.read_later = True
+
+    def call(op, client=None, token=None, args=None, arrays=(), again=None):
+        out = svc.handle_frames(P.encode_request(op, 1, client, args or {}, list(arrays), token=token), again)
+        return out if isinstance(out, Parked) else P.decode_reply(out)
+    return svc, call
+
+
+def slowed(m, monkeypatch, seconds: float) -> None:
+    """Every NVMe read and write takes `seconds` longer (a healthy disk, only slower than the file)."""
+    nvme = m.arenas[Tier.NVME]
+    for what in ("read_blocks", "write_blocks"):
+        io = getattr(nvme, what)
+        monkeypatch.setattr(nvme, what, lambda offsets, buffers, io=io: (time.sleep(seconds), io(offsets, buffers))[1])
+
+
+def test_copies_that_end_within_park_after_s_are_waited_for_not_parked(mgr, monkeypatch):
+    """An acquire whose room takes writes to NVMe and whose blocks are read from NVMe, on a disk
+    that answers each I/O in 50 ms, within PARK_AFTER_S (here 30 s): the call waits for them and
+    answers at once, parked never (with a healthy disk, parking every such call and running it again
+    cost the loop more than the copies: soaks on the 2-core VM). Counted and read as before."""
+    monkeypatch.setattr(type(mgr.placement), "PARK_AFTER_S", 30.0)
+    lid, vids = chain_on_nvme(mgr)
+    hbm_and_dram_nearly_full(mgr, dram=64, hbm=63)
+    slowed(mgr, monkeypatch, 0.05)
+    svc, call = in_process_service(mgr)
+    att = call(Op.ATTACH, args={"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]}).result
+    done = call(Op.ACQUIRE, att["client"], att["token"],
+                arrays=[np.array([vids[k] for k in CHAIN], P.VIDS_DTYPE).tobytes()])
+    assert not isinstance(done, Parked) and done.ok and done.result["acquired"], done
+    places = np.frombuffer(done.arrays[0], dtype=P.PLACE_DTYPE)
+    assert places["tier"].tolist() == [int(Tier.HBM)] * len(CHAIN)
+    for key, place in zip(CHAIN, places):
+        assert np.array_equal(mgr.view(int(place["vid"])), pattern(key))
+    assert svc.counters["calls_parked"] == 0
+    assert mgr.access.reads[Tier.NVME] == len(CHAIN), "read once, counted once"
+    assert not mgr.placement.in_flight
+    mgr.check_invariants()
+
+
+def test_callers_of_a_flight_past_park_after_s_are_parked_without_a_wait(mgr, monkeypatch):
+    """The loop waits at most PARK_AFTER_S a flight, not a call: once an acquire's reads have run
+    past it (the disk held), the next call that meets them is parked without waiting at all."""
+    import dflash2.rebalance as rebalance
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    svc, call = in_process_service(mgr)
+    reader = call(Op.ATTACH, args={"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]}).result
+    other = call(Op.ATTACH, args={"name": "o", "pid": 1, "layouts": [LAYOUT.to_dict()]}).result
+    chain = np.array([vids[k] for k in CHAIN], P.VIDS_DTYPE).tobytes()
+    first = call(Op.ACQUIRE, reader["client"], reader["token"], arrays=[chain])
+    assert first == Parked(own_parks=1, client=reader["client"]) and disk.reading.wait(10)
+    waits = []
+    real_select = rebalance.select.select
+    monkeypatch.setattr(rebalance.select, "select", lambda *a: (waits.append(a), real_select(*a))[1])
+    lookup = call(Op.LOOKUP, other["client"], other["token"], args={"layout": lid},
+                  arrays=[np.array(CHAIN, P.KEYS_DTYPE).tobytes()])
+    assert isinstance(lookup, Parked) and waits == [], "the loop waited again for a flight past its time"
+    disk.release()
+    deadline = time.monotonic() + 10
+    while mgr.copies_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert call(Op.ACQUIRE, reader["client"], reader["token"], arrays=[chain], again=first).ok
+    found = call(Op.LOOKUP, other["client"], other["token"], args={"layout": lid},
+                 arrays=[np.array(CHAIN, P.KEYS_DTYPE).tobytes()], again=lookup)
+    assert found.ok and len(np.frombuffer(found.arrays[0], dtype=P.PLACE_DTYPE)) == len(CHAIN)
+    mgr.check_invariants()
