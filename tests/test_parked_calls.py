@@ -98,6 +98,19 @@ def in_background(fn) -> tuple[threading.Thread, dict]:
     return thread, got
 
 
+def in_process_service(m) -> tuple[Service, object]:
+    """The service as the server drives it (parking on, reads left in flight) and a `call(op, ...)`
+    that answers a Parked or the decoded reply."""
+    svc = Service(m, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    svc.parking = True
+    m.placement.read_later = True
+
+    def call(op, client=None, token=None, args=None, arrays=(), again=None):
+        out = svc.handle_frames(P.encode_request(op, 1, client, args or {}, list(arrays), token=token), again)
+        return out if isinstance(out, Parked) else P.decode_reply(out)
+    return svc, call
+
+
 def timed(fn):
     started = time.monotonic()
     out = fn()
@@ -211,13 +224,7 @@ def test_a_parked_call_changed_nothing_and_runs_again_whole(mgr, monkeypatch):
     session kept; once the reads end, both run again and do their whole work."""
     lid, vids = chain_on_nvme(mgr)
     disk = HeldDisk(mgr, monkeypatch)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-    svc.parking = True
-    mgr.placement.read_later = True
-
-    def call(op, client=None, token=None, args=None, arrays=(), again=None):
-        out = svc.handle_frames(P.encode_request(op, 1, client, args or {}, list(arrays), token=token), again)
-        return out if isinstance(out, Parked) else P.decode_reply(out)
+    svc, call = in_process_service(mgr)
     att = call(Op.ATTACH, args={"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]})
     cid, token = att.result["client"], att.result["token"]
     other = call(Op.ATTACH, args={"name": "o", "pid": 1, "layouts": [LAYOUT.to_dict()]}).result
@@ -349,9 +356,7 @@ def test_an_acquire_is_parked_on_its_rooms_writes_then_on_its_reads_and_no_more(
     lid, vids = chain_on_nvme(mgr)
     hbm_and_dram_nearly_full(mgr, dram=64, hbm=63)
     writes, reads = HeldDisk(mgr, monkeypatch, "write_blocks"), HeldDisk(mgr, monkeypatch)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-    svc.parking = True
-    mgr.placement.read_later = True
+    svc, _ = in_process_service(mgr)
     att = P.decode_reply(svc.handle_frames(P.encode_request(
         Op.ATTACH, 1, None, {"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]})))
     cid, token = att.result["client"], att.result["token"]
@@ -377,19 +382,6 @@ def test_an_acquire_is_parked_on_its_rooms_writes_then_on_its_reads_and_no_more(
         assert np.array_equal(mgr.view(int(place["vid"])), pattern(key))
     assert mgr.access.reads[Tier.NVME] == len(CHAIN), "read once, counted once"
     mgr.check_invariants()
-
-
-def in_process_service(m) -> tuple[Service, object]:
-    """The service as the server drives it (parking on, reads left in flight) and a `call(op, ...)`
-    that answers a Parked or the decoded reply."""
-    svc = Service(m, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-    svc.parking = True
-    m.placement.read_later = True
-
-    def call(op, client=None, token=None, args=None, arrays=(), again=None):
-        out = svc.handle_frames(P.encode_request(op, 1, client, args or {}, list(arrays), token=token), again)
-        return out if isinstance(out, Parked) else P.decode_reply(out)
-    return svc, call
 
 
 def slowed(m, monkeypatch, seconds: float) -> None:
