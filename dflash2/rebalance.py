@@ -222,9 +222,9 @@ class Rebalancing:
         and the others still end: the call that settles them is not theirs to fail."""
         if not self._in_flight:
             return  # nothing to end: no wait for a piece's copies (`settled_s`, the server's pacing)
+        began = time.perf_counter()  # (a wait within PARK_AFTER_S is the pieces' use of the loop too)
         if self.parking and not self.end_soon():
             raise CopiesRunning()  # (a call the server parks until they have ended: settling.py)
-        began = time.perf_counter()
         while self._in_flight:
             _, end = self._in_flight.pop(0)
             try:
