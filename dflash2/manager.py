@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.access import AccessStats, reads_by_origin
-from dflash2.alloc import SlotAllocator, blocks_that_fit
+from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
-from dflash2.errors import ArenaError, CopiesRunning, LayoutError, NeverFits, PinnedBlock, UnknownBlock
+from dflash2.errors import ArenaError, CopiesRunning, LayoutError, PinnedBlock, UnknownBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -180,7 +180,7 @@ class BlockManager:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
         # Refused before any room is made: demoting (or, on the last tier, dropping) every other
         # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
-        self._refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
+        self.table.refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
         slot = self.table.slot_bytes(layout_id, tier)
         size = self.table.layout(layout_id).block_bytes
         held = 0
@@ -347,7 +347,7 @@ class BlockManager:
             # before promoting any (which would push other clients' blocks out for nothing).
             there = np.unique(rows[tiers >= int(up_to)])
             lids, counts = np.unique(self.table.cols.layout[there], return_counts=True)
-            self._refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
+            self.table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
         below = None if priority is None else priority + 1
         # Where the blocks it waited for came from, when it was parked on its own copies (a call run
@@ -569,22 +569,6 @@ class BlockManager:
         if len(rows) <= self.table.SMALL:
             return any(int(tier[r]) > int(Tier.HBM) for r in rows.tolist())
         return bool((tier[rows] > int(Tier.HBM)).any())
-
-    def _refuse_never_fits(self, tier: Tier, blocks: dict[int, int], what: str) -> None:
-        """NeverFits when these blocks ({layout id: count}) exceed the tier's whole capacity: no
-        amount of demotion could ever make room, so "no room now" would be a lie."""
-        alloc = self.table.allocators[tier]
-        need = sum(n * self.table.slot_bytes(lid, tier) for lid, n in blocks.items())
-        capacity = alloc.capacity_bytes
-        if need > capacity:
-            raise NeverFits(f"{what} needs {need} bytes of {tier.label}, more than the whole {tier.label} tier "
-                             f"({capacity} bytes): they can never fit")
-        for lid, n in blocks.items():
-            # Whole slabs, not bytes: page tails hold no block of this layout.
-            fit = blocks_that_fit(capacity, alloc.page_bytes, alloc.alignment, self.table.layout(lid).block_bytes)
-            if n > fit:
-                raise NeverFits(f"{what} needs {n} blocks of layout {self.table.layout(lid).name!r} in "
-                                 f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
 
     def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
         """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""

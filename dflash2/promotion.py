@@ -87,12 +87,9 @@ class Promotion:
             if int(self._slot_bytes(dst, away).min()) >= self.PROMOTE_PIECES_MIN_BLOCK:
                 # Room made piece by piece while earlier pieces are on their way: its writes are not
                 # a call's to be parked on (the pieces started would be waited for, uncounted).
-                parks, self._room_parks = self._room_parks, False
-                try:
+                with self.own_writes(parks=False):
                     flight = self.mover.start(away, dst, before_batch=room_for,
                                               max_batch_bytes=self.PROMOTE_PIECE_BYTES)
-                finally:
-                    self._room_parks = parks
             else:
                 room_for(away)
                 flight = self.mover.start(away, dst)

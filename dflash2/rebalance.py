@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import time
 from collections.abc import Callable
 
@@ -276,9 +275,7 @@ class Rebalancing:
         rang = False
         try:
             while (left := deadline - time.perf_counter()) > 0:
-                if select.select([COMPLETIONS.fileno()], [], [], min(left, self.FLIGHT_POLL_S))[0]:
-                    COMPLETIONS.drain()
-                    rang = True
+                rang = COMPLETIONS.wait(min(left, self.FLIGHT_POLL_S)) or rang
                 if all(flight.done() for flight in pending):
                     return True
             return False
@@ -291,11 +288,12 @@ class Rebalancing:
         return self.parking and self.read_later and self.own_parks < self.OWN_PARKS
 
     @contextlib.contextmanager
-    def own_writes(self):
+    def own_writes(self, parks: bool = True):
         """The room made within is the call's own: writes to NVMe it takes (DRAM's room, for HBM's)
         are left in flight and the call is parked on them, where it may be (`parks_own`,
-        placement.py `_move_down`). Only around room made before the call changed anything."""
-        before, self._room_parks = self._room_parks, True
+        placement.py `_move_down`). Only around room made before the call changed anything.
+        `parks` False: room made within is not the call's to be parked on."""
+        before, self._room_parks = self._room_parks, parks
         try:
             yield
         finally:

@@ -419,7 +419,7 @@ def test_copies_that_end_within_park_after_s_are_waited_for_not_parked(mgr, monk
 def test_callers_of_a_flight_past_park_after_s_are_parked_without_a_wait(mgr, monkeypatch):
     """The loop waits at most PARK_AFTER_S a flight, not a call: once an acquire's reads have run
     past it (the disk held), the next call that meets them is parked without waiting at all."""
-    import dflash2.rebalance as rebalance
+    from dflash2.transfer.doorbell import COMPLETIONS
     lid, vids = chain_on_nvme(mgr)
     disk = HeldDisk(mgr, monkeypatch)
     svc, call = in_process_service(mgr)
@@ -429,8 +429,8 @@ def test_callers_of_a_flight_past_park_after_s_are_parked_without_a_wait(mgr, mo
     first = call(Op.ACQUIRE, reader["client"], reader["token"], arrays=[chain])
     assert first == Parked(own_parks=1, client=reader["client"]) and disk.reading.wait(10)
     waits = []
-    real_select = rebalance.select.select
-    monkeypatch.setattr(rebalance.select, "select", lambda *a: (waits.append(a), real_select(*a))[1])
+    real_wait = COMPLETIONS.wait
+    monkeypatch.setattr(COMPLETIONS, "wait", lambda seconds: (waits.append(seconds), real_wait(seconds))[1])
     lookup = call(Op.LOOKUP, other["client"], other["token"], args={"layout": lid},
                   arrays=[np.array(CHAIN, P.KEYS_DTYPE).tobytes()])
     assert isinstance(lookup, Parked) and waits == [], "the loop waited again for a flight past its time"

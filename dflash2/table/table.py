@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflash2.alloc import SlotAllocator
-from dflash2.errors import (IllegalTransition, NotOwner, PinnedBlock, ReservationError,
+from dflash2.alloc import SlotAllocator, blocks_that_fit
+from dflash2.errors import (IllegalTransition, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.counts import add_at
 from dflash2.forest import local_parents
@@ -165,6 +165,22 @@ class BlockTable(Publishing, LostBlocks, Departures):
 
     def slot_bytes(self, layout_id: int, tier: Tier) -> int:
         return self.allocators[tier].slot_for(self.layout(layout_id).block_bytes)
+
+    def refuse_never_fits(self, tier: Tier, blocks: dict[int, int], what: str) -> None:
+        """NeverFits when these blocks ({layout id: count}) exceed the tier's whole capacity: no
+        amount of demotion could ever make room, so "no room now" would be a lie."""
+        alloc = self.allocators[tier]
+        need = sum(n * self.slot_bytes(lid, tier) for lid, n in blocks.items())
+        capacity = alloc.capacity_bytes
+        if need > capacity:
+            raise NeverFits(f"{what} needs {need} bytes of {tier.label}, more than the whole {tier.label} tier "
+                             f"({capacity} bytes): they can never fit")
+        for lid, n in blocks.items():
+            # Whole slabs, not bytes: page tails hold no block of this layout.
+            fit = blocks_that_fit(capacity, alloc.page_bytes, alloc.alignment, self.layout(lid).block_bytes)
+            if n > fit:
+                raise NeverFits(f"{what} needs {n} blocks of layout {self.layout(lid).name!r} in "
+                                 f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
 
     def slot_sizes(self, tier: Tier) -> np.ndarray:
         """Slot bytes in `tier` per layout id (index it with the layout column)."""

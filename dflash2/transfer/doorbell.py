@@ -14,6 +14,7 @@ the pipe is full (it is readable then anyway); whoever polls it drains it before
 from __future__ import annotations
 
 import os
+import select
 
 
 class Doorbell:
@@ -31,6 +32,14 @@ class Doorbell:
             os.write(self._write, b"\0")
         except (BlockingIOError, BrokenPipeError):
             pass  # full: readable already
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to `seconds` for a ring; whether one came (drained: ring again for another
+        poller that should see it)."""
+        if not select.select([self._read], [], [], seconds)[0]:
+            return False
+        self.drain()
+        return True
 
     def drain(self) -> None:
         try:
