@@ -24,9 +24,12 @@ def fib_slot(key: int, bits: int) -> int:
 
 
 def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
-    """`fib_slot` of many keys at once (int64 slots)."""
-    with np.errstate(over="ignore"):
-        return ((np.asarray(keys, dtype=np.uint64) * np.uint64(FIB)) >> np.uint64(64 - bits)).astype(np.int64)
+    """`fib_slot` of many keys at once (int64 slots). An array's uint64 products wrap without a
+    warning; a numpy scalar's would warn, so a 0-d input is hashed as an array of one."""
+    k = np.asarray(keys, dtype=np.uint64)
+    h = k.reshape(1) * np.uint64(FIB) if k.ndim == 0 else k * np.uint64(FIB)
+    h >>= np.uint64(64 - bits)
+    return h.astype(np.int64).reshape(k.shape)
 
 
 def _seed(namespace: str) -> bytes:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.counts import distinct
 from dflash2.quarantine import Quarantine
 from dflash2.readcost import ReadCost
 from dflash2.table import BlockTable
@@ -104,10 +105,10 @@ class Mover:
         if len(rows) > self.swap_batch_size:
             raise ValueError(f"a batch of {len(rows)} blocks exceeds swap_batch_size {self.swap_batch_size}")
         cols = self.table.cols
-        src_tiers = np.unique(cols.tier[rows])
+        src_tiers = distinct(cols.tier[rows])
         if len(src_tiers) != 1:
             raise ValueError("one batch moves blocks out of one tier")
-        src = Tier(int(src_tiers[0]))
+        src = Tier(src_tiers[0])
         dst_offsets = self.table.begin_move(rows, dst)
         if dst_offsets is None:
             return None

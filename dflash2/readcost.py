@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import distinct
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
 
@@ -148,7 +149,7 @@ class ReadCost:
         """Per block: is `tier` worth holding it, i.e. is reading it back from there to HBM cheaper
         than recomputing it for the slowest engine of its layout?"""
         ok = np.ones(len(layout_ids), dtype=bool)
-        for lid in np.unique(layout_ids).tolist():
+        for lid in distinct(layout_ids):
             if not self._worth(layouts[lid], self.keeping_rate(lid), tier, Tier.HBM):
                 ok[layout_ids == lid] = False
         return ok

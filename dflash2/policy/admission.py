@@ -29,38 +29,48 @@ class FrequencySketch:
         self.depth = depth
         self.sample = sample_factor * width  # halve all counters after this many increments
         self.table = np.zeros((depth, width), dtype=np.uint8)
+        self._flat = self.table.reshape(-1)  # a view: row r's counter c is cell r * width + c
+        self._seeds = _SEEDS[:depth, None].copy()
+        self._row_base = np.arange(depth, dtype=np.int64)[:, None] * width
         self._shift = np.uint64(64 - int(np.log2(width)))
         self.additions = 0
 
-    def _index(self, keys: np.ndarray) -> np.ndarray:
+    def _cells(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's counter in each row, as cells of the flat table (depth x keys). (An array's
+        uint64 products wrap without a warning: no `errstate` needed.)"""
         k = np.asarray(keys, dtype=np.uint64).reshape(1, -1)
-        with np.errstate(over="ignore"):
-            h = (k ^ (k >> np.uint64(31))) * _SEEDS[: self.depth, None]
-        return (h >> self._shift).astype(np.int64)  # top bits: the best-mixed ones
+        h = (k ^ (k >> np.uint64(31))) * self._seeds
+        h >>= self._shift  # top bits: the best-mixed ones
+        return h.astype(np.int64) + self._row_base
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Approximate recent reference count of each key (0 for a key never seen)."""
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
-        idx = self._index(keys)
-        rows = np.arange(self.depth)[:, None]
-        return self.table[rows, idx].min(axis=0).astype(np.int64)
+        return self._flat[self._cells(keys)].min(axis=0).astype(np.int64)
 
     def add(self, keys: np.ndarray) -> np.ndarray:
         """Count one reference of each key; returns the estimates after counting."""
         keys = np.asarray(keys, dtype=np.uint64)
         if not len(keys):
             return np.zeros(0, dtype=np.int64)
-        idx = self._index(keys)
-        rows = np.broadcast_to(np.arange(self.depth)[:, None], idx.shape)
+        cells = self._cells(keys)
+        flat = self._flat
+        counts = flat[cells]
         # Conservative update: only the counters at the current minimum grow (less overcounting).
-        est = self.table[rows, idx].min(axis=0)
-        grow = (self.table[rows, idx] == est[None, :]) & (est[None, :] < COUNTER_MAX)
-        # One saturating add per counter, however many keys of the batch hit it: counted in uint8
-        # (np.add.at), 256 references of one key in a batch would wrap its counters to 0.
-        cells, times = np.unique(rows[grow] * self.width + idx[grow], return_counts=True)
-        flat = self.table.reshape(-1)
-        flat[cells] = np.minimum(flat[cells] + times, COUNTER_MAX)
+        est = counts.min(axis=0)
+        grow = (counts == est) & (est < COUNTER_MAX)
+        cells = cells[grow]
+        ordered = np.sort(cells)
+        if len(ordered) < 2 or (ordered[1:] != ordered[:-1]).all():
+            # No counter named twice (the usual batch: distinct keys, no hash collision): each
+            # grows by one from below COUNTER_MAX, so none saturates.
+            flat[cells] = counts[grow] + 1
+        else:
+            # One saturating add per counter, however many keys of the batch hit it: counted in
+            # uint8 (np.add.at), 256 references of one key in a batch would wrap its counters to 0.
+            cells, times = np.unique(ordered, return_counts=True)
+            flat[cells] = np.minimum(flat[cells] + times, COUNTER_MAX)
         self.additions += len(keys)
         if self.additions >= self.sample:
             self.halve()

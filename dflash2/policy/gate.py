@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.policy.ghosts import GhostTable, ghost_bits
+from dflash2.policy.ghosts import GhostKeys, GhostTable, ghost_bits
 
 REFUSED, DEPARTED = 0, 1
 WINDOW = 1.0  # a ghost speaks within this many times the tier's capacity in departures
@@ -99,7 +99,7 @@ class AdmissionGate:
         return np.ones(len(keys), dtype=bool)
 
     # -- events ----------------------------------------------------------------------------------
-    def left(self, keys: np.ndarray) -> None:
+    def left(self, keys: np.ndarray | GhostKeys) -> None:
         """Blocks left the cache from the tier."""
         if not self.capacity:  # no decision yet: the tier was never full when a block came down
             return
@@ -113,13 +113,17 @@ class AdmissionGate:
             self.back /= 2
         self._update()
 
-    def referenced(self, keys: np.ndarray) -> None:
+    def referenced(self, keys: np.ndarray | GhostKeys) -> None:
         """Keys were asked for again (read from the tier, or written because they were cached
         nowhere): their ghosts within the window count a return."""
-        keys = np.asarray(keys, dtype=np.uint64)
-        keys = keys[keys != 0]
         if not len(keys) or not self.capacity:
             return
+        keys = GhostKeys.of(keys)
+        keyed = keys.keys != 0
+        if not keyed.all():
+            keys = keys.take(keyed)
+            if not len(keys):
+                return
         now = np.uint32(self.departures & 0xFFFFFFFF)
         for kind, name in ((REFUSED, "refused_back"), (DEPARTED, "departed_back")):
             ghost = self._ghosts[kind]
@@ -131,9 +135,9 @@ class AdmissionGate:
         self._update()
 
     # -- internals -------------------------------------------------------------------------------
-    def _remember(self, kind: int, keys: np.ndarray) -> None:
-        keys = np.asarray(keys, dtype=np.uint64)
-        keys = keys[keys != 0]
+    def _remember(self, kind: int, keys: np.ndarray | GhostKeys) -> None:
+        keys = GhostKeys.of(keys)
+        keys = keys.take(keys.keys != 0)
         if not len(keys):
             return
         self._ghosts[kind].remember(keys, self.departures & 0xFFFFFFFF)

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import distinct, repeats
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
+from dflash2.policy.ghosts import GhostKeys
 from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables, log2_1p
 from dflash2.policy.lfu import lfu_score
 from dflash2.policy.split import RATE_BAND, AdaptiveSplit
@@ -197,9 +199,13 @@ class HeatPolicy(Policy):
         """Rows' lookup-table offsets from their class and tier, and their recency slopes."""
         tier = self._tier[rows]
         self._off[rows] = (tier.astype(np.int32) * N_CLASS + self._cls[rows]) * ROW
+        self._slope[rows] = self._slopes[tier]
+
+    def _set_slopes(self) -> None:
+        """Each tier's recency slope, w_recency (+ w_recency_below below HBM) · RECENCY_SLOPE, in float32."""
         w = self.weights
-        self._slope[rows] = np.float32(RECENCY_SLOPE) * (np.float32(w["recency"])
-                                                         + np.float32(w["recency_below"]) * (tier > 0))
+        below = np.arange(TIERS) > 0
+        self._slopes = np.float32(RECENCY_SLOPE) * (np.float32(w["recency"]) + np.float32(w["recency_below"]) * below)
 
     # -- events ----------------------------------------------------------------------------
     def on_insert(self, table, rows, now):
@@ -211,16 +217,18 @@ class HeatPolicy(Policy):
         if len(moved):
             # Moved to another tier: it left one tier's list (and arrives in the other's, _recode).
             # One moved up was read from a lower tier: the ghosts of the tiers above it speak.
-            keys = c.key[moved]
+            keys = GhostKeys(c.key[moved])  # hashed once for every ghost table below
             self.split.left(self._code[moved], keys)
             self.inner.left(self._code2[moved], keys)
             was, now_in = self._tier[moved], c.tier[moved].astype(np.int8)
             up = now_in < was
-            self._split_referenced(was[up], keys[up])
-            self.gate.referenced(keys[up & (was == self._last_tier(table))])
+            if up.any():
+                came = keys.take(up)
+                self._split_referenced(was[up], came)
+                self.gate.referenced(came.take(was[up] == self._last_tier(table)))
             # One moved down left its tier at its age (that tier's density).
             down = moved[now_in > was]
-            for t in np.unique(self._tier[down]).tolist():
+            for t in distinct(self._tier[down]):
                 left = down[self._tier[down] == t]
                 self.model.left_tier(t, self._cls[left], self.tick - self._last[left])
             self._tier[moved] = now_in
@@ -241,8 +249,9 @@ class HeatPolicy(Policy):
         self._ensure(table)
         rows = np.asarray(rows, dtype=np.int64)
         # Written: the key was cached nowhere, so the ghosts of every tier speak.
-        self._split_referenced(np.full(len(rows), TIERS), table.cols.key[rows])
-        self.gate.referenced(table.cols.key[rows])
+        keys = GhostKeys(table.cols.key[rows])  # hashed once for every ghost table
+        self._split_referenced(np.full(len(rows), TIERS), keys)
+        self.gate.referenced(keys)
         self._reference(table, rows)
         self._recode(table, rows)
         self._patch(table, rows, now)
@@ -276,18 +285,19 @@ class HeatPolicy(Policy):
     def on_remove(self, table, rows):
         self._ensure(table)
         rows = np.unique(np.asarray(rows, dtype=np.int64))
-        self.split.left(self._code[rows], table.cols.key[rows])
-        self.inner.left(self._code2[rows], table.cols.key[rows])
-        self.gate.left(table.cols.key[rows[self._tier[rows] == self._last_tier(table)]])
+        keys = GhostKeys(table.cols.key[rows])  # hashed once for every ghost table
+        self.split.left(self._code[rows], keys)
+        self.inner.left(self._code2[rows], keys)
+        self.gate.left(keys.take(self._tier[rows] == self._last_tier(table)))
         self._forget(rows)
         ages = self.tick - self._last[rows]
         self.model.evicted(self._cls[rows], ages)
-        for t in np.unique(self._tier[rows]).tolist():
+        for t in distinct(self._tier[rows]):
             here = self._tier[rows] == t
             self.model.left_tier(t, self._cls[rows][here], ages[here])
 
     # -- the adaptive split (split.py) ------------------------------------------------------
-    def _split_referenced(self, sources: np.ndarray, keys: np.ndarray) -> None:
+    def _split_referenced(self, sources: np.ndarray, keys: GhostKeys) -> None:
         """Keys referenced again, found in tier `sources[i]` (TIERS: nowhere): both splits' ghosts."""
         self.split.referenced_from(sources, keys)
         self.inner.referenced_from(sources, keys)
@@ -311,12 +321,10 @@ class HeatPolicy(Policy):
         changed = new != codes[rows]
         if not changed.any():
             return False
-        rows = rows[changed]
-        if len(rows) > 1:  # a row named twice must count once
+        rows, new = rows[changed], new[changed]
+        if repeats(rows):  # a row named twice must count once
             rows, first = np.unique(rows, return_index=True)
-            new = new[changed][first]
-        else:
-            new = new[changed]
+            new = new[first]
         split.recount(codes[rows], new)
         codes[rows] = new
         return True
@@ -354,7 +362,7 @@ class HeatPolicy(Policy):
             return np.ones(0, dtype=bool)
         if int(tier) != self._last_tier(table):
             return np.ones(len(rows), dtype=bool)
-        biggest = max(table.layouts[int(lid)].block_bytes for lid in np.unique(table.cols.layout[rows]))
+        biggest = max(table.layouts[int(lid)].block_bytes for lid in distinct(table.cols.layout[rows]))
         spare = alloc.blocks_free(biggest)
         if spare >= len(rows):
             return np.ones(len(rows), dtype=bool)
@@ -527,6 +535,7 @@ class HeatPolicy(Policy):
         if bad:
             raise ValueError(f"heat weights must be >= 0 and <= {MAX_WEIGHT:g}, got {bad}")
         self.weights.update({k: float(v) for k, v in weights.items()})
+        self._set_slopes()
         if self._cap and ({"recency", "recency_below"} & set(weights)):
             self._place(slice(None))
         self._cache = None

@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import distinct
 from dflash2.invariants import InvariantViolation
-from dflash2.policy.ghosts import GhostTable, ghost_bits
+from dflash2.policy.ghosts import GhostKeys, GhostTable, ghost_bits
 from dflash2.tiers import Tier
 
 FIRST, RETURNING = 0, 1
@@ -142,11 +143,10 @@ class AdaptiveSplit:
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
         """Rows changed list or tier: `old` and `new` codes (tier * 2 + list, -1: not counted)."""
-        n = 2 * self.tiers
+        n = 2 * self.tiers + 1  # code -1 (not counted) in bin 0
         flat = self.sizes.reshape(-1)
-        flat -= np.bincount(old[old >= 0], minlength=n)
-        flat += np.bincount(new[new >= 0], minlength=n)
-        if (flat < 0).any():  # invariant: each counted row is uncounted once, under its own code
+        flat += (np.bincount(new + 1, minlength=n) - np.bincount(old + 1, minlength=n))[1:]
+        if flat.min() < 0:  # invariant: each counted row is uncounted once, under its own code
             raise InvariantViolation(f"adaptive split: a list size went negative ({self.sizes.tolist()}): "
                                      "a row was uncounted twice")
         np.maximum(self.capacity, self.sizes.sum(axis=1), out=self.capacity)
@@ -156,10 +156,10 @@ class AdaptiveSplit:
         """Keyed blocks left their tier (moved away or dropped), with the codes they were counted
         under: their keys become ghosts of that tier's list."""
         counted = codes >= 0
-        codes, keys = codes[counted], keys[counted]
-        for code in np.unique(codes).tolist():
+        codes, keys = codes[counted], GhostKeys.of(keys).take(counted)
+        for code in distinct(codes):
             tier, lst = divmod(code, 2)
-            mine = keys[codes == code]
+            mine = keys.take(codes == code)
             n, before = len(mine), self._total(tier)
             seq = np.uint32(before & 0xFFFFFFFF) + np.arange(1, n + 1, dtype=np.uint32)
             self._open_run(tier, lst, before + 1, n)
@@ -229,14 +229,16 @@ class AdaptiveSplit:
         NVMe into HBM; neither arrives in the tier it left, whose target then never moved (`bench
         policy`, Mooncake conversation trace, HBM 1000 / DRAM 4000 / NVMe 8000: 0.2362 of references
         found in some tier with ghosts checked on arrival, 0.2430 on reference, LRU 0.2394)."""
-        keyed = keys != 0
-        sources, keys = np.asarray(sources)[keyed], keys[keyed]
-        for source in np.unique(sources).tolist():
-            mine = keys[sources == source]
+        keys = GhostKeys.of(keys)
+        keyed = keys.keys != 0
+        sources, keys = np.asarray(sources)[keyed], keys.take(keyed)
+        found_in = distinct(sources)
+        for source in found_in:
+            mine = keys if len(found_in) == 1 else keys.take(sources == source)
             for tier in range(min(int(source), self.tiers)):
                 self.referenced(tier, mine)
 
-    def referenced(self, tier: int, keys: np.ndarray) -> None:
+    def referenced(self, tier: int, keys: np.ndarray | GhostKeys) -> None:
         """Keyed blocks that are not in `tier` or a faster one were referenced: ghosts of `tier`'s
         lists among them move its first-timers' target, each hit weighed by how few blocks its list
         lets go (a return rate per departure, above)."""
@@ -266,14 +268,16 @@ class AdaptiveSplit:
     # -- the side that gives up blocks ---------------------------------------------------------
     def update_sides(self) -> bool:
         """Recompute, per tier, which list gives up blocks first; True when one changed."""
-        target = self.share * self.capacity
-        margin = np.maximum(1.0, HYSTERESIS * self.capacity)
-        first = self.sizes[:, FIRST]
-        out = self.first_out.copy()
-        out[first > target + margin] = True
-        out[first < target - margin] = False
-        changed = bool((out != self.first_out).any())
-        self.first_out = out
+        changed = False
+        # Per tier in Python floats (float64, as numpy's): a split has one to three tiers, and this
+        # runs after every change of a list's size, where a dozen numpy steps on arrays of three
+        # cost several times more.
+        for t, (share, cap, first, out) in enumerate(zip(self.share.tolist(), self.capacity.tolist(),
+                                                         self.sizes[:, FIRST].tolist(), self.first_out.tolist())):
+            target, margin = share * cap, max(1.0, HYSTERESIS * cap)
+            if out != (first > target + margin or (out and first >= target - margin)):
+                self.first_out[t] = not out
+                changed = True
         return changed
 
     def describe(self) -> list[dict]:

@@ -92,6 +92,17 @@ class KeyIndex:
         self._rows[pos] = row
         self._n += 1
 
+    def insert_many(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Map many keys → rows at once (a commit's new blocks). The caller checked that the keys
+        are distinct and none is indexed yet (`lookup`); key 0 is refused, and nothing changes."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if (keys == 0).any():
+            raise ValueError("content key 0 means 'no key' and cannot be indexed")
+        while 2 * (self._n + len(keys)) > len(self._keys):  # as one insert after another would grow
+            self._grow()
+        self._bulk_insert(keys, np.asarray(rows, dtype=self._rows.dtype))
+        self._n += len(keys)
+
     def remove(self, key: int) -> None:
         mask = self._mask
         pos = self._home(key)

@@ -57,6 +57,15 @@ class Publishing:
         if clash.any():
             raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
                                  "for another layout: content keys must be namespaced per layout (model, precision, shard)")
+        if (owner_row == rows).all():
+            # Every key new, none given twice (the usual commit): published at once, in arrays.
+            c.state[rows] = S.RESIDENT
+            c.key[rows] = ukeys
+            c.owner[rows] = NO_CLIENT
+            self.keys.insert_many(ukeys, rows)
+            self._link_chain(rows, prev)
+            self._may_move(rows)
+            return self.vids(rows)
         out = np.empty(len(rows), dtype=np.int64)
         for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
             key = int(key)
@@ -128,6 +137,20 @@ class Publishing:
         """Rows that commits' deduplications moved to another tier since the last call."""
         rows, self._recast = np.array(self._recast, dtype=np.int64), []
         return rows
+
+    def _link_chain(self, rows: np.ndarray, parent: int) -> None:
+        """`_link` of each row under the one before it, the first under `parent` (rows distinct,
+        none of them `parent`: so is each (tier, parent) pair counted)."""
+        if not len(rows):
+            return
+        parents = np.empty(len(rows), dtype=np.int64)
+        parents[0], parents[1:] = parent, rows[:-1]
+        if parent == NO_ROW:
+            rows, parents = rows[1:], parents[1:]
+        c = self.cols
+        c.parent[rows] = parents
+        c.kids[c.tier[rows], parents] += 1
+        c.nkids[parents] += 1
 
     def _link(self, row: int, parent: int) -> None:
         if parent == NO_ROW:

@@ -30,7 +30,7 @@ import numpy as np
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.errors import (IllegalTransition, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
-from dflash2.counts import add_at
+from dflash2.counts import add_at, distinct
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
@@ -145,6 +145,8 @@ class BlockTable(Publishing, LostBlocks, Departures):
         rows = vids & ROW_MASK
         gens = (vids >> 32) & ROW_MASK
         inside = rows < self.cols.capacity
+        if inside.all():  # (the usual case: no masks needed)
+            return rows, (self.cols.gen[rows] == gens) & (self.cols.state[rows] != int(S.FREE))
         ok = inside.copy()
         ok[inside] = (self.cols.gen[rows[inside]] == gens[inside]) & (self.cols.state[rows[inside]] != int(S.FREE))
         return np.where(inside, rows, 0), ok
@@ -529,7 +531,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         # counted for a larger size may be an empty slab of a smaller one, which that size's slots,
         # taken first, could cut into (its free list hands out that slab's slots first when they
         # were freed last). The batch then found no room, nor its retries, and nothing moved.
-        for lid in sorted(np.unique(lids).tolist(), key=lambda l: -self.layouts[l].block_bytes):
+        for lid in sorted(distinct(lids), key=lambda l: -self.layouts[l].block_bytes):
             sel = lids == lid
             got = self.allocators[dst].alloc(self.layouts[lid].block_bytes, int(sel.sum()))
             if got is None:
@@ -551,7 +553,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         self._free_slots(dst, failed, dst_offsets[~ok])
         if len(moved):
             src = c.tier[moved].copy()
-            for t in np.unique(src).tolist():
+            for t in distinct(src):
                 sel = moved[src == t]
                 self._free_slots(Tier(t), sel, c.offset[sel])
             parents = c.parent[moved]
@@ -578,7 +580,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         if len(self.layouts) == 1 or (lids == lids[0]).all():
             self.allocators[tier].free(self.layouts[int(lids[0])].block_bytes, offsets)
         else:
-            for lid in np.unique(lids).tolist():
+            for lid in distinct(lids):
                 sel = lids == lid
                 self.allocators[tier].free(self.layouts[lid].block_bytes, offsets[sel])
         self.on_slots_freed(tier, offsets)
