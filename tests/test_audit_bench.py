@@ -281,6 +281,36 @@ def test_drain_times_lookups_back_to_back_and_at_random_times_while_dram_drains(
         assert (r["dram_mb"], r["nvme_mb"], r["block_kib"]) == (64, 128, 64), r
 
 
+# ---- bench churn --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--clients", "0"], "argument --clients: must be a positive integer"),
+    (["--seconds", "0"], "argument --seconds: must be a positive number"),
+    (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+    (["--nvme-mb", "-5"], "argument --nvme-mb: must be an integer >= 0"),
+    (["--policy", "belady"], "--policy: 'belady' is not a policy the daemon runs; valid: heat, lfu, lru"),
+])
+def test_churn_bad_options(capsys, argv, message):
+    assert message in usage_error(capsys, "churn", *argv)
+
+
+def test_churn_measures_the_daemons_cpu_per_request_while_two_clients_churn_a_full_cache(capsys):
+    """Tiers of a few hundred blocks: the warm-up fills them, and in the window the calls promote,
+    demote and evict; every block read is checked, and the daemon's CPU is counted over the window."""
+    argv = ["bench", "churn", "--clients", "2", "--warmup", "3", "--seconds", "3", "--docs", "400",
+            "--hbm-mb", "1", "--dram-mb", "2", "--nvme-mb", "4", "--json"]
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["requests"] > 0 and r["calls"] >= 3 * r["requests"], r
+    assert r["wrong_blocks"] == 0 and r["blocks_checked"] > 0 and 0 < r["hit_ratio"] < 1, r
+    assert r["moves"].get("hbm->dram", 0) > 0 and r["moves"].get("dram->nvme", 0) > 0, r  # the cache churned
+    assert r["daemon_cpu_ms_per_request"] > 0 and 0 < r["daemon_cpu_share"] <= 1.5, r
+    assert r["daemon_cpu_ms_per_call"] < r["daemon_cpu_ms_per_request"], r
+    assert set(r["p50_ms"]) == {"lookup", "acquire", "allocate", "commit", "free", "release"}
+    assert all(0 < r["p50_ms"][op] <= r["p99_ms"][op] for op in r["p50_ms"]), r
+    assert r["duel_served"] >= 0 and r["duel_dropped"] >= 0, r
+
+
 # ---- the command's JSON -------------------------------------------------------------------------
 
 def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, capsys):
