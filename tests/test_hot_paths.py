@@ -40,8 +40,8 @@ def test_add_at_counts_every_occurrence_of_an_index(n, delta):
 
 
 def _reference_sketch_add(table: np.ndarray, cells: np.ndarray) -> np.ndarray:
-    """Conservative update, one key after another's batch as a whole: the counters at each key's
-    minimum grow by the number of keys of the batch that name them, saturating at COUNTER_MAX."""
+    """Conservative update of a whole batch: the counters at each key's minimum (as the batch found
+    them) grow by the number of the batch's keys that name them, saturating at COUNTER_MAX."""
     counts = table.reshape(-1)[cells]
     est = counts.min(axis=0)
     grow = (counts == est) & (est < COUNTER_MAX)

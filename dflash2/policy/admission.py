@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import repeats
+
 # Odd 64-bit multipliers (splitmix64 constants and friends): one independent hash per sketch row.
 _SEEDS = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93],
                   dtype=np.uint64)
@@ -61,15 +63,14 @@ class FrequencySketch:
         est = counts.min(axis=0)
         grow = (counts == est) & (est < COUNTER_MAX)
         cells = cells[grow]
-        ordered = np.sort(cells)
-        if len(ordered) < 2 or (ordered[1:] != ordered[:-1]).all():
+        if not repeats(cells):
             # No counter named twice (the usual batch: distinct keys, no hash collision): each
             # grows by one from below COUNTER_MAX, so none saturates.
             flat[cells] = counts[grow] + 1
         else:
             # One saturating add per counter, however many keys of the batch hit it: counted in
             # uint8 (np.add.at), 256 references of one key in a batch would wrap its counters to 0.
-            cells, times = np.unique(ordered, return_counts=True)
+            cells, times = np.unique(cells, return_counts=True)
             flat[cells] = np.minimum(flat[cells] + times, COUNTER_MAX)
         self.additions += len(keys)
         if self.additions >= self.sample:

@@ -118,12 +118,9 @@ class AdmissionGate:
         nowhere): their ghosts within the window count a return."""
         if not len(keys) or not self.capacity:
             return
-        keys = GhostKeys.of(keys)
-        keyed = keys.keys != 0
-        if not keyed.all():
-            keys = keys.take(keyed)
-            if not len(keys):
-                return
+        keys = GhostKeys.of(keys).keyed()
+        if not len(keys):
+            return
         now = np.uint32(self.departures & 0xFFFFFFFF)
         for kind, name in ((REFUSED, "refused_back"), (DEPARTED, "departed_back")):
             ghost = self._ghosts[kind]
@@ -136,8 +133,7 @@ class AdmissionGate:
 
     # -- internals -------------------------------------------------------------------------------
     def _remember(self, kind: int, keys: np.ndarray | GhostKeys) -> None:
-        keys = GhostKeys.of(keys)
-        keys = keys.take(keys.keys != 0)
+        keys = GhostKeys.of(keys).keyed()
         if not len(keys):
             return
         self._ghosts[kind].remember(keys, self.departures & 0xFFFFFFFF)

@@ -49,6 +49,11 @@ class GhostKeys:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def keyed(self) -> "GhostKeys":
+        """These keys less key 0 (a block without a key has no ghost)."""
+        has = self.keys != 0
+        return self if has.all() else self.take(has)
+
     def take(self, which: np.ndarray) -> "GhostKeys":
         """The keys at `which` (a mask or indices), hashes kept."""
         return GhostKeys(self.keys[which], (self.hash[which], self.tag[which]))
