@@ -25,6 +25,7 @@ import zmq
 
 from dflash2 import protocol as P
 from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, VersionMismatch
+from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -47,6 +48,8 @@ def pid_namespace() -> int | None:
 
 MAX_FORGETS = 8  # unanswered `forget`s kept to send again (daemon.service.KEEP_CALLS)
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
+# (... by receiving with that timeout, the socket's RCVTIMEO: a poll before each receive cost a
+# call a few microseconds more, pyzmq building a poller for it.)
 
 
 class Transport:
@@ -68,6 +71,7 @@ class Transport:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # a tcp://[::1]:PORT endpoint (IPv4 ones still work)
+        sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
@@ -96,9 +100,8 @@ class Transport:
         answers are taken off as they come (`call`). False when they cannot even be queued."""
         try:
             for fid, (owner, call) in self._forgets.items():
-                self._sock.send_multipart(P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
-                                                           version=self.version, token=self.token),
-                                          zmq.NOBLOCK, copy=False)
+                send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
+                                                         version=self.version, token=self.token), NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
         return True
@@ -114,7 +117,7 @@ class Transport:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         try:
-            self._sock.send_multipart(frames, copy=False)
+            send_frames(self._sock, frames, copy=False)
         except zmq.ZMQError as e:
             self.reset()
             self._send_forgets()
@@ -125,7 +128,13 @@ class Transport:
                 undo = self._give_up(op, client, call_id)
                 raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
                                         f"{timeout:g}s (daemon gone or stuck{undo})")
-            if not self._sock.poll(max(1, int(min(left_s, GONE_CHECK_S) * 1000)), zmq.POLLIN):
+            sock = self._sock
+            last = left_s < GONE_CHECK_S  # the call's last slice: no longer than what is left of it
+            if last:
+                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left_s * 1000)))
+            try:
+                reply_frames = recv_frames(sock)
+            except zmq.Again:
                 if self.gone is not None and self.gone():
                     waited = timeout - (deadline - time.monotonic())
                     undo = self._give_up(op, client, call_id)
@@ -133,7 +142,8 @@ class Transport:
                                             f"waited {waited:.2f}s for its reply (nothing holds its liveness "
                                             f"object or shared memory any more{undo})")
                 continue
-            reply_frames = self._sock.recv_multipart(copy=True)
+            if last:
+                sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
             try:
                 reply = P.decode_reply(reply_frames)
             except VersionMismatch as e:

@@ -46,6 +46,7 @@ from dflash2.plan import Plan, resolve_plan
 from dflash2.rebalance import Rebalancing
 from dflash2.tiers import Tier
 from dflash2.transfer.doorbell import COMPLETIONS
+from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -120,8 +121,7 @@ class Server:
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
             # and, while the step's share lasts, after a request answered once it is due. No slice
             # begins while calls are parked: its copies would keep them waiting.
-            draining = (self._slices_on and not self._parked
-                        and any(m.draining() for m in self.service.managers.values()))
+            draining = self._slices_on and not self._parked and self._draining()
             if self._parked:
                 request = self._request_or_copies_ended()
                 if self._copies_done():
@@ -135,7 +135,7 @@ class Server:
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):
                     raise zmq.Again()
-                frames = sock.recv_multipart(zmq.NOBLOCK if draining or self._parked else 0, copy=True)
+                frames = recv_frames(sock, NOBLOCK if draining or self._parked else 0)
             except zmq.Again:
                 frames = None
                 # Every message sent before now is answered: leases are judged as of then (a
@@ -159,7 +159,7 @@ class Server:
                 budget = now + max(DRAIN_BUDGET_TICKS * self.tick_interval_s, self._last_tick_s)
                 for _ in range(DRAIN_BEFORE_TICK):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = recv_frames(sock, NOBLOCK)
                     except zmq.Again:
                         self.service.queue_empty()
                         break
@@ -199,6 +199,14 @@ class Server:
         if COMPLETIONS.fileno() in ready:
             COMPLETIONS.drain()
         return self._sock in ready
+
+    def _draining(self) -> bool:
+        """Whether a pool's tier drains, or a drain piece's copies are in flight (asked every turn of
+        the loop: a plain loop, where a generator cost more than the answer on an idle daemon)."""
+        for m in self.service.managers.values():
+            if m.draining():
+                return True
+        return False
 
     def _copies_done(self) -> bool:
         """Whether no pool has copies in flight that have not ended (settling them waits for nothing)."""
@@ -270,7 +278,7 @@ class Server:
             self._parked.append((frames, reply))
             return False
         try:
-            self._sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
+            send_frames(self._sock, [frames[0], *reply], NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply: the client's queue is full")
         self.service.after_reply()
@@ -290,7 +298,10 @@ class Server:
 
     def _settled_s(self) -> float:
         """Seconds calls and slices have spent ending drain copies, every pool (rebalance.py `settled_s`)."""
-        return sum(m.placement.settled_s for m in self.service.managers.values())
+        total = 0.0  # (twice a call: a plain loop, not a generator)
+        for m in self.service.managers.values():
+            total += m.placement.settled_s
+        return total
 
     def _tick(self, late_s: float = 0.0) -> None:
         """The background step, `late_s` after it was due (leases are judged as of the last time

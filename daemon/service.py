@@ -146,8 +146,10 @@ class Service:
     def handle(self, req: Request) -> Reply:
         """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py)."""
         started, began = time.perf_counter(), self.clock()
+        needs_client = req.op in P.NEEDS_CLIENT
+        session = None
         try:
-            if req.op in P.NEEDS_CLIENT:
+            if needs_client:
                 session = self._touch(req.client, req.token)
                 # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
                 # ids, counted apart, must never match one.)
@@ -166,26 +168,34 @@ class Service:
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+        now = self.clock()
         self._replying = None
-        if req.op in P.NEEDS_CLIENT and self._owns(req):
+        # (The session the call's token was checked against, still attached: a session is never
+        # replaced under its id, since ids are never reused.)
+        if session is not None and self.sessions.get(req.client) is session:
             # Heard from at the end of its call too: a call that ran longer than the lease (a
             # large promotion) must not let its own client's lease lapse while it waited.
-            self.sessions[req.client].last_seen = self.clock()
+            session.last_seen = now
             self._replying = req.client
         elapsed = time.perf_counter() - started
-        self._note_busy(began)
-        stat = self.latency.setdefault(req.op.value, [0, 0.0])
+        self._note_busy(began, now)
+        op = req.op.value
+        stat = self.latency.get(op)
+        if stat is None:
+            stat = self.latency[op] = [0, 0.0]
         stat[0] += 1
         stat[1] += elapsed
         if self.on_request is not None:
-            self.on_request(req.op.value, elapsed)
+            self.on_request(op, elapsed)
         return reply
 
     def after_reply(self) -> None:
         """Work a call left for after its answer (a reader's prefetch window, `run_prefetch`)."""
-        with self.busy():
-            for m in self.managers.values():
-                m.run_prefetch()
+        due = [m for m in self.managers.values() if m.prefetcher.due]  # (most replies leave none)
+        if due:
+            with self.busy():
+                for m in due:
+                    m.run_prefetch()
         session = self.sessions.get(self._replying)
         if session is not None:  # heard from at the end of its call's work too (as at its reply)
             session.last_seen = self.clock()
@@ -201,8 +211,8 @@ class Service:
         finally:
             self._note_busy(began)
 
-    def _note_busy(self, began: float) -> None:
-        self._longest_call_s = max(self._longest_call_s, self.clock() - began)
+    def _note_busy(self, began: float, now: float | None = None) -> None:
+        self._longest_call_s = max(self._longest_call_s, (self.clock() if now is None else now) - began)
 
     def queue_empty(self) -> None:
         """The server found its request queue empty: every message sent before now is answered."""
@@ -287,10 +297,6 @@ class Service:
                              "is used only by the process that attached it)")
         session.last_seen = self.clock()
         return session
-
-    def _owns(self, req: Request) -> bool:
-        session = self.sessions.get(req.client)
-        return session is not None and same_token(session, req.token)
 
     def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
         """Remember how to give back what this call handed out, should its client forget it."""

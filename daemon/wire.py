@@ -32,11 +32,14 @@ def prefill_rate(req, value) -> float | None:
         raise ProtocolError(f"{req.op.value}: {e}") from None
 
 
+_MEMORY_TIERS = {"hbm": Tier.HBM, "dram": Tier.DRAM}
+
+
 def memory_tier(req) -> Tier:
-    tier = arg(req, "tier", str, default="hbm")
-    if tier not in ("hbm", "dram"):
-        raise ProtocolError(f"{req.op.value}: tier must be 'hbm' or 'dram', got {tier!r}")
-    return Tier[tier.upper()]
+    tier = _MEMORY_TIERS.get(arg(req, "tier", str, default="hbm"))
+    if tier is None:
+        raise ProtocolError(f"{req.op.value}: tier must be 'hbm' or 'dram', got {req.args['tier']!r}")
+    return tier
 
 
 def layout_id(m: BlockManager, req) -> int:

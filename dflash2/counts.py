@@ -27,6 +27,13 @@ def add_at(counts: np.ndarray, index: np.ndarray, delta: int, *, distinct: bool 
     counts[cells] += delta * times.astype(counts.dtype)
 
 
+def any_true(mask: np.ndarray) -> bool:
+    """`mask.any()` for a boolean mask: count_nonzero is C all the way, where `.any()` goes through
+    numpy's Python-level reduction wrapper, several times the cost on the few-element masks of a
+    client's call."""
+    return bool(np.count_nonzero(mask))
+
+
 def repeats(values: np.ndarray) -> bool:
     """Whether some value occurs more than once in a 1-d array."""
     if len(values) < 2:

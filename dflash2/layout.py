@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from fractions import Fraction
 
 from dflash2.errors import LayoutError
@@ -76,7 +77,7 @@ class Layout:
     def elements_per_block(self) -> int:
         return self.num_layers * self.tokens_per_block * self.elements_per_token_layer
 
-    @property
+    @functools.cached_property  # (asked for every block a reply places)
     def block_bytes(self) -> int:
         """Exact bytes of one block: no padding here; arenas round up and measure the waste."""
         return self.elements_per_block * DTYPE_BITS[self.dtype] // 8

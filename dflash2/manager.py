@@ -21,6 +21,7 @@ import numpy as np
 from dflash2.access import AccessStats, reads_by_origin
 from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
+from dflash2.counts import any_true
 from dflash2.errors import ArenaError, CopiesRunning, LayoutError, PinnedBlock, UnknownBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
@@ -306,7 +307,7 @@ class BlockManager:
             if not cached.all():
                 rows = rows[: int(np.argmin(cached))]
         if reader == Tier.HBM and not probe and client is not None and len(rows):
-            self.prefetcher.follow(client, self.table.vids(rows).tolist())  # the window follows its reads
+            self.prefetcher.follow(client, self.table.vids(rows))  # the window follows its reads
         self.access.lookups += 1
         self.access.lookup_blocks_found += len(rows)
         self.access.misses += len(keys) - len(rows)
@@ -331,10 +332,12 @@ class BlockManager:
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         # A block in flight cannot be pinned, and a promotion is placement work: either settles the
         # drain copies first. A read of blocks already where it reads them leaves them running.
-        settle_if(self, rows, placing=bool((self.table.cols.tier[rows] > int(up_to)).any()))
+        settle_if(self, rows, placing=any_true(self.table.cols.tier[rows] > int(up_to)))
         tiers = self.table.cols.tier[rows]
-        held = (tiers > int(up_to)) & (self.table.cols.pins[rows] > 0)
-        if held.any():
+        below_rows = tiers > int(up_to)  # (as found: the blocks this acquire reads from below `up_to`)
+        promoting = any_true(below_rows)
+        held = below_rows & (self.table.cols.pins[rows] > 0)
+        if promoting and any_true(held):
             # A pinned block never moves: one a host-side reader pinned in DRAM cannot come up to
             # HBM until it is released. Said so, not "no room now" (None) with HBM perhaps empty.
             r = rows[held][:1]
@@ -342,7 +345,7 @@ class BlockManager:
                               f"pinned there by a reader of that tier (a host-side reader: acquire with tier "
                               f"'dram'); it can move up to {up_to.label} once released: try again then, or "
                               "read it where it lies (tier 'dram')")
-        if (tiers > int(up_to)).any():
+        if promoting:
             # Every block at or below `up_to` must lie in it at once: when they cannot, refuse
             # before promoting any (which would push other clients' blocks out for nothing).
             there = np.unique(rows[tiers >= int(up_to)])
@@ -354,12 +357,11 @@ class BlockManager:
         # again): for the hit rates, reads from those tiers, though they lie in `up_to` by now.
         came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
         self._came_from.pop(client, None)
-        if (tiers > int(up_to)).any() and self.placement.parks_own():
+        if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
             # answers other calls; this call is parked meanwhile (unless they end within
             # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
             # (settling.py).
-            below_rows = tiers > int(up_to)
             came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
             self._came_from[client] = came
             with self.placement.own_writes():
@@ -369,14 +371,15 @@ class BlockManager:
                     self.placement.settle()
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
-        counts = reads_by_origin(tiers, self.table.vids(rows), up_to, came)
+        vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
+        counts = reads_by_origin(tiers, vids_read, up_to, came)
         if self.prefetcher.pending:
-            for origin, n in self.prefetcher.reading(self.table.vids(rows).tolist(), client).items():
+            for origin, n in self.prefetcher.reading(vids_read.tolist(), client).items():
                 counts[Tier.HBM] -= n
                 counts[origin] += n
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
-        if (tiers > int(up_to)).any():
+        if promoting:
             ok = self.placement.promote(rows, up_to, below_priority=below)
             if not ok.all():
                 c = self.table.cols
@@ -394,7 +397,7 @@ class BlockManager:
         if priority is not None:
             self.table.raise_priority(rows, priority)
         if up_to == Tier.HBM:
-            self.prefetcher.read_to(client, self.table.vids(rows).tolist())  # runs after the reply
+            self.prefetcher.read_to(client, vids_read.tolist())  # runs after the reply
         return rows
 
     def run_prefetch(self) -> None:

@@ -35,15 +35,19 @@ PROTECT_WINDOWS = 4  # windows past the read position kept out of the room a pre
 
 
 class Chain:
-    """A followed chain: its vids in read order, and a sorted copy to find reads in (log time)."""
+    """A followed chain: its vids in read order, and a sorted copy to find reads in (log time),
+    made when a read is first looked for on it (a lookup whose chain is never read sorts nothing)."""
 
     def __init__(self, vids: np.ndarray):
         self.vids = vids
-        self._order = np.argsort(vids, kind="stable")
-        self._sorted = vids[self._order]
+        self._order: np.ndarray | None = None
+        self._sorted: np.ndarray | None = None
 
     def furthest(self, read: np.ndarray) -> int | None:
         """The furthest position among `read` on this chain, or None when none lies on it."""
+        if self._order is None:
+            self._order = np.argsort(self.vids, kind="stable")
+            self._sorted = self.vids[self._order]
         at = np.searchsorted(self._sorted, read)
         inside = at < len(self._sorted)  # a read past every vid of the chain is not on it
         at = at[inside]

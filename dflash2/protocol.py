@@ -96,6 +96,9 @@ _HEX_RUN = re.compile("[0-9a-f]*")  # a token's characters: one match, not a Pyt
 # client waiting on it, copy and parse a huge frame before the batch check could refuse it.
 MAX_FRAME_BYTES = 4 << 20
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+VERSION_FRAME = str(VERSION).encode()
+# One encoder for every header: json.dumps with separators builds a new one per call.
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
 
 KEYS_DTYPE = np.dtype("<u8")
 VIDS_DTYPE = np.dtype("<i8")
@@ -129,6 +132,8 @@ class Op(str, enum.Enum):
     PREFILL_RATE = "prefill_rate"  # the client's engine's prefill rate for a layout (cost-aware reuse)
     FORGET = "forget"  # the client timed out on one of its calls: undo it if it ran, skip it if not
 
+
+_OPS = {op.value: op for op in Op}  # (a dict lookup: Op(name) is an enum call, a Python function)
 
 # Ops that need an attached client (the header's "client"); the rest do not.
 NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTORY}
@@ -176,17 +181,22 @@ def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES) -> dic
         raise ProtocolError(f"a message needs at least 3 frames (magic, version, header), got {len(frames)}")
     if bytes(frames[0]) != MAGIC:
         raise ProtocolError("not a dflash2 message (bad magic frame)")
-    try:
-        version = int(bytes(frames[1]).decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        raise ProtocolError("the version frame is not a decimal number") from None
-    if version != VERSION:
-        raise VersionMismatch(f"protocol version mismatch: this side speaks {VERSION}, the peer {version}; "
-                              "upgrade the older of daemon and client")
+    if bytes(frames[1]) != VERSION_FRAME:  # (the frame every peer of this version sends: no parse)
+        try:
+            version = int(bytes(frames[1]).decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError("the version frame is not a decimal number") from None
+        if version != VERSION:
+            raise VersionMismatch(f"protocol version mismatch: this side speaks {VERSION}, the peer {version}; "
+                                  "upgrade the older of daemon and client")
     if len(frames[2]) > max_header:
         raise ProtocolError(f"header of {len(frames[2])} bytes exceeds {max_header}")
+    raw = bytes(frames[2])
     try:
-        header = json.loads(bytes(frames[2]))
+        try:
+            header = json.loads(raw.decode("utf-8"))  # (json.loads of bytes first guesses their encoding)
+        except ValueError:
+            header = json.loads(raw)  # as before: a BOM, UTF-16 or UTF-32, or the error that names what is wrong
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"header is not valid JSON: {e}") from None
     except RecursionError:  # a few kilobytes of "[[[[..." exhaust the parser's stack
@@ -211,7 +221,8 @@ def peek_call_id(frames: list[bytes]) -> int:
 def encode_request(op: Op, call_id: int, client: int | None, args: dict | None = None,
                    arrays: list[bytes] | None = None, version: int = VERSION, token: str | None = None) -> list[bytes]:
     header = {"op": op.value, "id": call_id, "client": client, "token": token, "args": args or {}}
-    frames = [MAGIC, str(version).encode(), json.dumps(header, separators=(",", ":")).encode(), *(arrays or [])]
+    frames = [MAGIC, VERSION_FRAME if version == VERSION else str(version).encode(), _encode_json(header).encode(),
+              *(arrays or [])]
     big = max(memoryview(f).nbytes for f in frames)
     if big > MAX_FRAME_BYTES:
         raise ProtocolError(f"{op.value}: a frame of {big} bytes is more than the daemon accepts ({MAX_FRAME_BYTES}; "
@@ -221,22 +232,23 @@ def encode_request(op: Op, call_id: int, client: int | None, args: dict | None =
 
 def decode_request(frames: list[bytes]) -> Request:
     header = _frames_head(frames)
-    try:
-        op = Op(header.get("op"))
-    except ValueError:
-        raise ProtocolError(f"unknown op {header.get('op')!r}; valid: {', '.join(o.value for o in Op)}") from None
+    name = header.get("op")
+    op = _OPS.get(name) if isinstance(name, str) else None
+    if op is None:
+        raise ProtocolError(f"unknown op {name!r}; valid: {', '.join(o.value for o in Op)}")
+    needs_client = op in NEEDS_CLIENT
     call_id, client, args = header.get("id"), header.get("client"), header.get("args", {})
     token = header.get("token")
     if not isinstance(call_id, int) or isinstance(call_id, bool):
         raise ProtocolError("header.id must be an integer call id")
     if client is not None and (not isinstance(client, int) or isinstance(client, bool)):
         raise ProtocolError("header.client must be an integer or null")
-    if op in NEEDS_CLIENT and client is None:
+    if needs_client and client is None:
         raise ProtocolError(f"{op.value} needs an attached client (header.client)")
     if token is not None and (not isinstance(token, str) or len(token) > TOKEN_CHARS
                               or not _HEX_RUN.fullmatch(token)):
         raise ProtocolError(f"header.token must be the session token attach returned ({TOKEN_CHARS} hex characters)")
-    if op in NEEDS_CLIENT and token is None:
+    if needs_client and token is None:
         raise ProtocolError(f"{op.value} needs the session token attach returned (header.token)")
     if not isinstance(args, dict):
         raise ProtocolError("header.args must be a JSON object")
@@ -249,7 +261,7 @@ def encode_reply(reply: Reply) -> list[bytes]:
     else:
         header = {"id": reply.call_id, "ok": False,
                   "error": {"type": reply.error_type, "message": reply.error_message}}
-    return [MAGIC, str(VERSION).encode(), json.dumps(header, separators=(",", ":")).encode(), *reply.arrays]
+    return [MAGIC, VERSION_FRAME, _encode_json(header).encode(), *reply.arrays]
 
 
 def decode_reply(frames: list[bytes]) -> Reply:

@@ -155,8 +155,9 @@ class Rebalancing:
 
     def drain_pending(self) -> bool:
         """Whether a drain may run now (`_drainable`), or a piece's copies are in flight: the server's
-        loop runs more of it (and settles them) between requests."""
-        return bool(self._drainable()) or self.in_flight
+        loop runs more of it (and settles them) between requests. (Asked after every request: the
+        usual answer, nothing draining and nothing in flight, takes no list.)"""
+        return bool(self._in_flight) or (bool(self.draining) and bool(self._drainable()))
 
     def _drain(self, tier: Tier, seconds: float, protect: np.ndarray | None,
                yield_to: Callable[[float], bool] | None = None, defer: bool = False) -> bool:

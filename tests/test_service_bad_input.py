@@ -256,6 +256,8 @@ def test_a_call_longer_than_the_lease_expires_nobody(service, clock, tmp_path, m
 
     service._handlers[Op.LOOKUP] = long_call
     monkeypatch.setattr(service.manager, "run_prefetch", long_prefetch)
+    # A window is due after every reply (the service runs the prefetch only then).
+    monkeypatch.setattr(type(service.manager.prefetcher), "due", property(lambda self: True))
     # One peer queues a ping and then the long call before the loop starts (one pipe: in that
     # order): the loop's first receive answers the ping, the drain before the due step the call.
     ctx = zmq.Context()

@@ -48,13 +48,14 @@ class KeyIndex:
 
     def get(self, key: int) -> int:
         """Row of `key`, or -1."""
-        mask = self._mask
-        pos = self._home(key)
+        keys, rows = self._keys, self._rows
+        mask = len(keys) - 1
+        pos = fib_slot(key, mask.bit_length())  # (_home, without its two property calls)
         while True:
-            row = int(self._rows[pos])
+            row = int(rows[pos])
             if row == EMPTY:
                 return EMPTY
-            if int(self._keys[pos]) == key:
+            if int(keys[pos]) == key:
                 return row
             pos = (pos + 1) & mask
 

@@ -30,7 +30,7 @@ import numpy as np
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.errors import (IllegalTransition, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
-from dflash2.counts import add_at, distinct
+from dflash2.counts import add_at, any_true, distinct
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
@@ -46,7 +46,7 @@ S = BlockState
 
 
 def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    return (gen.astype(np.int64) << 32) | rows.astype(np.int64)
+    return (gen.astype(np.int64) << 32) | (rows if rows.dtype == np.int64 else rows.astype(np.int64))
 
 
 class ClientRefs:
@@ -344,7 +344,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         # that starts them, or, a drain piece's between requests, before any manager call that pins
         # one of its blocks (settling.py): only a caller of the table between begin_move and end_move sees this.
         moving = self.cols.state[rows] == int(S.MIGRATING)
-        if moving.any():
+        if any_true(moving):
             raise IllegalTransition(f"block {int(self.vids(rows[moving][:1])[0]):#x} is moving between tiers; "
                                     "pin it once its move has ended")
         listed = rows.tolist()
@@ -399,7 +399,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         rows = self.rows(vids)
         owner = self.cols.owner[rows]
         foreign = (owner != client_id) & (owner != NO_CLIENT)
-        if foreign.any():
+        if any_true(foreign):
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
         self.refuse_reserved(rows)
         if self._free_after_move or self.lost or self.pinned_copies:
@@ -431,7 +431,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         reference or free it by id, or the reservation would later hand out or free a block it no
         longer holds alone (and its client's detach would fail half-way, leaking everything)."""
         reserved = self.cols.state[rows] == int(S.RESERVED)
-        if reserved.any():
+        if any_true(reserved):
             raise ReservationError(f"block {int(self.vids(rows[reserved][:1])[0]):#x} is still in a reservation: "
                                    "take it from the reservation before using it")
 

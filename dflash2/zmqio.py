@@ -1,0 +1,39 @@
+"""Multipart messages in and out of a ZeroMQ socket, for the control path's every call.
+
+pyzmq's `send_multipart` ORs its flags as enum members for every frame and `recv_multipart` asks
+the socket for ZMQ_RCVMORE through an enum after every frame: a few microseconds a message that a
+one-key lookup pays four times (the client's send and receive, the daemon's), on top of its own work.
+These send with plain int flags and read "more" off each received frame. Same semantics: a message
+is delivered whole or not at all, so only the first frame can wait or raise zmq.Again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0, copy: bool = True) -> None:
+    """`sock.send_multipart(frames, flags, copy=copy)`: every frame but the last with SNDMORE. The
+    frames are bytes (what protocol.py encodes): unlike send_multipart, nothing checks beforehand
+    that each one can be sent, and a frame that could not would leave the message half sent."""
+    send, more = sock.send, flags | _MORE
+    for frame in frames[:-1]:
+        send(frame, more, copy=copy)
+    send(frames[-1], flags, copy=copy)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
+    """`sock.recv_multipart(flags, copy=True)`: the message's frames as bytes (zmq.Again when
+    `flags` has NOBLOCK and none is queued, or when the socket's RCVTIMEO passes)."""
+    recv = sock.recv
+    frame = recv(flags, copy=False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = recv(flags, copy=False)
+        parts.append(frame.bytes)
+    return parts
