@@ -334,3 +334,16 @@ def test_read_bandwidth_is_measured_on_the_cuda_path_and_slow_tiers_are_withheld
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+def test_sglang_sizing_note_reads_a_gpu_daemons_hbm_tier(cuda_config):
+    """sglang's start-up check (the plugin, no sglang needed) against the real daemon on a GPU: an
+    HBM tier above HBM_NOTE_BYTES gets the warning that names its bytes; the small one does not."""
+    from dflash2.client.sglang.plugin import HBM_NOTE_BYTES, check_dflash2
+    assert 64 << 20 < HBM_NOTE_BYTES < 2048 << 20
+    with daemon_on(cuda_config()):  # 64 MB of HBM
+        small = check_dflash2(cuda_config())
+    with daemon_on(cuda_config(hbm_capacity_mb=2048)):
+        large = check_dflash2(cuda_config(hbm_capacity_mb=2048))
+    assert small.ok and small.note == ""
+    assert large.ok and "2.1 GB" in large.note and "memory.hbm_capacity_mb" in large.note

@@ -12,7 +12,7 @@ import pytest
 
 from daemon_proc import DaemonProcess
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
-from dflash2.client.sglang.plugin import Verdict, backend_extra_config, check_dflash2, rewrite_args
+from dflash2.client.sglang.plugin import HBM_NOTE_BYTES, Verdict, backend_extra_config, check_dflash2, hbm_note, rewrite_args
 
 
 def mapper(**shard) -> KeyMapper:
@@ -90,6 +90,36 @@ def test_check_daemon_down_then_up(config_file):
     proc = DaemonProcess(path).start()
     try:
         up = check_dflash2(path)
-        assert up.ok and up.endpoint == proc.endpoint
+        # (A host-only daemon: its HBM stand-in is host memory, no GPU's: no sizing warning.)
+        assert up.ok and up.endpoint == proc.endpoint and up.note == ""
     finally:
         proc.stop()
+
+
+def stats_of(device: str, *hbm_bytes: int) -> dict:
+    """The parts of a daemon's `stats` reply that `hbm_note` reads: one pool per HBM size given."""
+    pools = [{"tiers": {"hbm": {"capacity_bytes": b}, "dram": {"capacity_bytes": 8 << 30}}} for b in hbm_bytes]
+    top = {"tiers": {"hbm": {"capacity_bytes": sum(hbm_bytes)}}, "daemon": {"device": device}}
+    if len(pools) > 1:
+        top["devices"] = {str(i): pool for i, pool in enumerate(pools)}
+    return top
+
+
+def test_hbm_note_names_a_gpu_tier_that_sglang_never_uses():
+    assert hbm_note(stats_of("cuda", 256 << 20)) == ""  # the default config's cap
+    assert hbm_note(stats_of("cuda", HBM_NOTE_BYTES)) == ""
+    assert hbm_note(stats_of("host", 100 << 30)) == ""  # host memory standing in for HBM: no GPU's
+    note = hbm_note(stats_of("cuda", 120_000_000_000))
+    assert "120.0 GB" in note and "memory.hbm_capacity_mb" in note and "DRAM tier" in note
+    # Two GPUs, one pool each: the pools' own tiers count, not the node's total (0.6 GB + 0.6 GB).
+    assert hbm_note(stats_of("cuda", 600_000_000, 600_000_000)) == ""
+    assert "80.0 GB" in hbm_note(stats_of("cuda", 256 << 20, 80_000_000_000))
+
+
+def test_rewrite_logs_the_sizing_note_and_still_uses_dflash2(caplog):
+    args = sglang_args()
+    with caplog.at_level(logging.INFO, logger="dflash2.sglang"):
+        verdict = rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x", note="dflash2: too much HBM"))
+    assert verdict.ok and args.hicache_storage_backend == "dynamic"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["dflash2: too much HBM"]

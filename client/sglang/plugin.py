@@ -17,6 +17,12 @@ Fallback: when the config's `enable` is not true, the config is invalid, or the 
 answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
 says `dflash2: fallback to default ...` and why. A flag that contradicts ours (another storage
 backend) is a usage error, never silently overridden.
+
+Sizing: sglang's pages live in the daemon's DRAM tier, never in its HBM tier, while sglang sizes its
+weights' and KV pool's share of each GPU from what the daemon leaves. A daemon that holds more than
+HBM_NOTE_BYTES of a GPU as its HBM tier (a config made for engines that use that tier, such as
+deploy/dflash2_config.production.json) gets one warning line naming the bytes and the key that caps
+them (`hbm_note`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ BACKEND_MODULE = "dflash2.client.sglang.backend"
 BACKEND_CLASS = "DFlash2Storage"
 # How long the start-up check waits for the daemon before falling back.
 PROBE_TIMEOUT_S = 2.0
+# A GPU's HBM tier above this many bytes gets the sizing warning (`hbm_note`): sglang's pages never
+# use that tier. The default config caps it at 256 MB.
+HBM_NOTE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +54,12 @@ class Verdict:
     ok: bool
     reason: str = ""
     endpoint: str = ""
+    # A warning that does not stop this process from using dflash2 (`hbm_note`), or "".
+    note: str = ""
 
 
 def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdict:
-    """Load the config, require `enable`, and ping the daemon (no attach)."""
+    """Load the config, require `enable`, ping the daemon (no attach) and read its tiers (`hbm_note`)."""
     from dflash2.client.transport import Transport
     from dflash2.config import load_config, require_enabled
     from dflash2.protocol import Op
@@ -63,12 +74,31 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
     try:
         transport = Transport(endpoint, timeout_s)
         transport.call(Op.PING)
+        try:
+            note = hbm_note(transport.call(Op.STATS).result)
+        except (DFlash2Error, AttributeError, KeyError, TypeError, ValueError) as e:
+            note = f"dflash2: the daemon's HBM tier could not be read, its size is not checked: {e}"
     except DFlash2Error as e:
         return Verdict(False, f"the dflash2 daemon cannot be reached: {e}", endpoint)
     finally:
         if transport is not None:
             transport.close()
-    return Verdict(True, endpoint=endpoint)
+    return Verdict(True, endpoint=endpoint, note=note)
+
+
+def hbm_note(stats: dict) -> str:
+    """The sizing warning for a daemon (its `stats` reply) that holds more than HBM_NOTE_BYTES of a
+    GPU as its HBM tier, or "" (a host-only daemon's HBM stand-in is not a GPU's memory)."""
+    if stats["daemon"]["device"] != "cuda":
+        return ""
+    pools = stats.get("devices") or {"": stats}  # one pool per GPU; a single pool's figures are the top level
+    largest = max(int(pool["tiers"].get("hbm", {}).get("capacity_bytes", 0)) for pool in pools.values())
+    if largest <= HBM_NOTE_BYTES:
+        return ""
+    return (f"dflash2: the daemon holds {largest / 1e9:.1f} GB of a GPU as its HBM tier, which sglang's pages never "
+            "use (they live in its DRAM tier), and sglang's weights and KV pool get only what the daemon leaves of "
+            "each GPU; unless another engine on this node reads that tier, cap it with memory.hbm_capacity_mb "
+            "(the default config's 256) and restart the daemon")
 
 
 def fallback_line(reason: str) -> str:
@@ -119,6 +149,8 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
     args.hicache_storage_backend = "dynamic"
     log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",
              verdict.endpoint, os.path.abspath(path))
+    if verdict.note:
+        log.warning(verdict.note)
     return verdict
 
 
