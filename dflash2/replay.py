@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from dflash2.errors import NeverFits
 from dflash2.prefetch import Prefetcher
 from dflash2.tiers import Tier
@@ -39,11 +41,13 @@ def serve(mgr, prefetch: Prefetcher, client: int, lid: int, req: Request, index:
     """Serve `req` (the `index`-th request) through `mgr` for `client`, blocks of layout `lid`;
     adds its references and hits to `tally`."""
     keys = req.keys
-    places = mgr.lookup(keys, lid)
+    # (Rows, not the in-process API's list of places: a place object per block cost the duel's
+    # miniatures, which serve every sampled lookup this way, more than the answer itself.)
+    rows = mgr.lookup_rows(keys, lid)
     tally.refs += len(keys)
-    tally.hits += len(places)
-    tally.hbm_hits += sum(p.tier == Tier.HBM for p in places)
-    hit_vids = [p.vid for p in places]
+    tally.hits += len(rows)
+    tally.hbm_hits += int(np.count_nonzero(mgr.table.cols.tier[rows] == int(Tier.HBM)))
+    hit_vids = mgr.table.vids(rows).tolist()
     if hit_vids:
         mgr.add_ref(client, hit_vids)  # the request holds its prefix: demotable, never dropped
     held: list[int] = []
@@ -53,7 +57,7 @@ def serve(mgr, prefetch: Prefetcher, client: int, lid: int, req: Request, index:
         part = hit_vids[start: start + chunk]
         prefetch.reading(part)
         try:
-            acquired = mgr.acquire(client, part)
+            acquired = mgr.acquire_rows(client, part)
         except NeverFits:  # a chunk larger than HBM
             acquired = None
         if acquired is None:
@@ -61,7 +65,7 @@ def serve(mgr, prefetch: Prefetcher, client: int, lid: int, req: Request, index:
         held += part
         prefetch.ahead(hit_vids, start + len(part))
     prefetch.finish()
-    missing = keys[len(held):] if len(held) < len(places) else keys[len(places):]
+    missing = keys[len(held):] if len(held) < len(rows) else keys[len(rows):]
     parent = held[-1] if held else None
     if missing:
         try:

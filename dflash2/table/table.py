@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
 from dflash2.errors import (IllegalTransition, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
-from dflash2.counts import add_at, any_true, distinct
+from dflash2.counts import add_at, any_true, distinct, repeats
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
@@ -273,6 +274,8 @@ class BlockTable(Publishing, LostBlocks, Departures):
         freed; a published one stays cached. Returns the number of blocks freed."""
         holder = self.client(client_id)
         rows = self.rows(vids)
+        if len(rows) > self.SMALL and not repeats(rows):
+            return self._free_distinct(client_id, holder, rows)
         dropping = Counter(rows.tolist())
         for r, n in dropping.items():
             if holder.refs[r] < n:
@@ -283,12 +286,40 @@ class BlockTable(Publishing, LostBlocks, Departures):
                 raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} is pinned; release it before freeing")
         return self._drop_refs(holder, rows)
 
+    def _free_distinct(self, client_id: int, holder: ClientRefs, rows: np.ndarray) -> int:
+        """`free` of rows listed once each (a request's blocks: the usual large free), checked and
+        dropped in whole-array steps and one plain loop over the client's counts. The per-row
+        Counter steps of the general path cost about 0.9 ms a 1024-block free on the 2-core VM,
+        as much as the GPU copy of those blocks at 64 KiB each."""
+        listed = rows.tolist()
+        held = itemgetter(*listed)(holder.refs)  # (a Counter answers 0 for a block it lacks)
+        c = self.cols
+        unowned = np.fromiter(held, dtype=np.int64, count=len(listed)) == 0
+        pinned = (c.key[rows] == 0) & (c.refs[rows] == 1) & (c.pins[rows] > 0)
+        bad = unowned | pinned
+        if any_true(bad):  # the first bad block in the caller's order, as the general path names it
+            i = int(np.argmax(bad))
+            vid = int(self.vids(rows[i: i + 1])[0])
+            if unowned[i]:
+                raise NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
+                               "client's block)")
+            raise PinnedBlock(f"block {vid:#x} is pinned; release it before freeing")
+        refs = holder.refs
+        for r, n in zip(listed, held):
+            if n == 1:
+                refs.pop(r)  # (dict's own: Counter's `del` is a Python-level method, 0.4 us a row)
+            else:
+                refs[r] = n - 1
+        c.refs[rows] -= 1
+        holder.ref_slot_bytes -= self.ref_slots(rows)
+        return self._after_refs_dropped(np.sort(rows))  # (in row order, as `_drop_refs` hands them on)
+
     def _drop_refs(self, holder: ClientRefs, rows: np.ndarray) -> int:
         c = self.cols
         for r in rows.tolist():
             holder.refs[r] -= 1
             if holder.refs[r] == 0:
-                del holder.refs[r]
+                holder.refs.pop(r)  # (dict's own: see `_free_distinct`)
             c.refs[r] -= 1
         holder.ref_slot_bytes -= self.ref_slots(rows)
         return self._after_refs_dropped(np.unique(rows))
@@ -306,7 +337,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
             going = ~keep(rows)
             rows, counts = rows[going], counts[going]
             for r in rows.tolist():
-                del holder.refs[r]
+                holder.refs.pop(r)  # (dict's own: see `_free_distinct`)
             holder.ref_slot_bytes -= self.ref_slots(np.repeat(rows, counts))
         self.cols.refs[rows] -= counts.astype(self.cols.refs.dtype)  # distinct rows: no repeats to add up
         return self._after_refs_dropped(rows)
@@ -358,6 +389,9 @@ class BlockTable(Publishing, LostBlocks, Departures):
     def unpin(self, client_id: int, vids) -> None:
         holder = self.client(client_id)
         rows = self.rows(vids)
+        if len(rows) > self.SMALL and not repeats(rows):
+            self._unpin_distinct(client_id, holder, rows)
+            return
         counts = Counter(rows.tolist())
         pins = holder.pins
         if any(pins[r] < n for r, n in counts.items()):
@@ -369,10 +403,28 @@ class BlockTable(Publishing, LostBlocks, Departures):
                 self.cols.pins[r] -= 1
         pins.subtract(counts)
         for r in [r for r in counts if not pins[r]]:
-            del pins[r]
+            pins.pop(r)  # (dict's own: see `_free_distinct`)
         self._may_move(rows)
         self._settle_priority(list(counts))
         self._free_unheld(counts)
+
+    def _unpin_distinct(self, client_id: int, holder: ClientRefs, rows: np.ndarray) -> None:
+        """`unpin` of rows listed once each (a read's blocks: the usual large release), as
+        `_free_distinct` frees: about 1 ms a 1024-block release on the 2-core VM the general way."""
+        listed = rows.tolist()
+        pins = holder.pins
+        held = itemgetter(*listed)(pins)  # (a Counter answers 0 for a block it lacks)
+        if 0 in held:
+            raise NotOwner(f"client {client_id} did not pin one of these blocks")
+        self.cols.pins[rows] -= 1
+        for r, n in zip(listed, held):
+            if n == 1:
+                pins.pop(r)  # (dict's own, as in `_free_distinct`)
+            else:
+                pins[r] = n - 1
+        self._may_move(rows)
+        self._settle_priority(rows)
+        self._free_unheld(listed)
 
     def _free_unheld(self, rows) -> int:
         """Rows kept only for their holders (a block whose bytes failed their checksum; a pinned
