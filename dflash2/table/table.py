@@ -233,8 +233,7 @@ class BlockTable(Publishing, LostBlocks, Departures):
         c.stage[rows] = stage
         c.refs[rows] = 1
         c.last_access[rows] = self.clock()
-        for r in rows.tolist():
-            holder.refs[r] += 1
+        holder.refs.update(rows.tolist())  # (new rows: counted in C, not one Python step per row)
         holder.ref_slot_bytes += self.ref_slots(rows[:1]) * n
         return self.vids(rows)
 
