@@ -16,6 +16,7 @@ serialised by a lock, so one client may be shared by threads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -459,53 +460,64 @@ class Client:
 class HeldPlaces:
     """The places of the blocks a client may view by vid: those it writes (allocate, take; until it
     commits or frees them) and those it has pinned (acquire; counted per pin, as the daemon counts
-    them, until the last release). Thread-safe: threads of one engine share a Client."""
+    them, until the last release). Thread-safe: threads of one engine share a Client.
+
+    Each vid maps to (the reply's records, its index): the record is read only when a view asks for
+    it. Taking a record per block out of every reply, and a Python step per block that reads it,
+    cost the engine about 0.5 ms an allocate and commit of 1024 blocks, and 0.8 ms an acquire and
+    release (the 2-core VM)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._places: dict[int, np.void] = {}
+        self._places: dict[int, tuple[np.ndarray, int]] = {}
         self._writing: set[int] = set()
         self._pins: Counter[int] = Counter()
 
     def writing(self, places: np.ndarray) -> np.ndarray:
+        vids = places["vid"].tolist()
         with self._lock:
-            for p in places:
-                v = int(p["vid"])
-                self._places[v] = p
-                self._writing.add(v)
+            self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
+            self._writing.update(vids)
         return places
 
     def pinned(self, places: np.ndarray) -> np.ndarray:
+        vids = places["vid"].tolist()
         with self._lock:
-            for p in places:
-                v = int(p["vid"])
-                self._places[v] = p
-                self._pins[v] += 1
+            self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
+            self._pins.update(vids)  # (one pin each; a vid listed twice, two)
         return places
 
     def written(self, vids) -> None:
         """Committed or freed: no longer being written (still viewable while pinned)."""
+        vids = _vid_list(vids)
         with self._lock:
-            for v in _vid_list(vids):
-                self._writing.discard(v)
-                self._drop_if_unheld(v)
+            self._writing.difference_update(vids)
+            self._drop_unheld(vids)
 
     def released(self, vids) -> None:
+        vids = _vid_list(vids)
         with self._lock:
-            for v in _vid_list(vids):
-                if self._pins[v] > 1:
-                    self._pins[v] -= 1
+            pins = self._pins
+            last = []
+            for v in vids:
+                n = pins.get(v, 0)
+                if n > 1:
+                    pins[v] = n - 1
                 else:
-                    self._pins.pop(v, None)
-                    self._drop_if_unheld(v)
+                    pins.pop(v, None)
+                    last.append(v)
+            self._drop_unheld(last)
 
     def place(self, vid: int):
         with self._lock:
-            return self._places.get(vid)
+            found = self._places.get(vid)
+        return None if found is None else found[0][found[1]]
 
-    def _drop_if_unheld(self, v: int) -> None:
-        if v not in self._writing and v not in self._pins:
-            self._places.pop(v, None)
+    def _drop_unheld(self, vids: list[int]) -> None:
+        writing, pins, places = self._writing, self._pins, self._places
+        for v in vids:
+            if v not in writing and v not in pins:
+                places.pop(v, None)
 
 
 def _vid_list(vids) -> list[int]:

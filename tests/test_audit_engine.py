@@ -93,6 +93,28 @@ def test_held_places_count_pins_and_writes():
     assert held.place(7) is None
 
 
+def test_held_places_of_many_blocks_follow_each_vid():
+    """Calls of many blocks: each vid's place is its latest record, pins are counted per vid (one
+    listed twice in a call counts twice), and a vid goes once nobody writes or pins it."""
+    held = HeldPlaces()
+    recs = np.zeros(20, dtype=PLACE_DTYPE)
+    recs["vid"] = np.arange(100, 120)
+    recs["offset"] = np.arange(20) * 4096
+    held.writing(recs)
+    again = recs[:10].copy()
+    again["tier"] = 1  # the same blocks, pinned after a move: the later record wins
+    held.pinned(again)
+    held.pinned(np.concatenate([recs[:3], recs[:3]]))  # vids 100-102 pinned twice more
+    held.written(recs["vid"])
+    assert [held.place(v) is not None for v in range(100, 120)] == [True] * 10 + [False] * 10
+    assert held.place(105)["tier"] == 1 and held.place(105)["offset"] == 5 * 4096
+    assert held.place(101)["tier"] == 0  # its latest record is the second pin's
+    held.released(np.concatenate([recs["vid"][:10], recs["vid"][:3]]))  # 100-102: two pins of three
+    assert [held.place(v) is not None for v in range(100, 110)] == [True] * 3 + [False] * 7
+    held.released([100, 101, 102, 100])  # 100's last pin, then one it never had here
+    assert all(held.place(v) is None for v in range(100, 120))
+
+
 def test_a_block_pinned_in_dram_by_a_host_reader_is_named_to_a_gpu_reader(connect):
     host, gpu = connect("host-reader"), connect("gpu-engine")
     lid = host.layouts[0]
