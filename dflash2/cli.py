@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from dflash2.bench import OptionError  # light: imports no benchmark
 
-BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "drain", "churn", "sglang")
+BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "drain", "churn", "calls", "sglang")
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # as a shell reports a command killed by SIGPIPE (128 + 13)

@@ -311,6 +311,41 @@ def test_churn_measures_the_daemons_cpu_per_request_while_two_clients_churn_a_fu
     assert r["duel_served"] >= 0 and r["duel_dropped"] >= 0, r
 
 
+# ---- bench calls --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--blocks", "0"], "argument --blocks: must be a positive integer"),
+    (["--blocks", "65537"], "--blocks: 65537 is more than a call may name (65536)"),
+    (["--block-kib", "12"], "argument --block-kib: must be a power of two from 16 to 4096, not 12"),
+    (["--rounds", "0"], "argument --rounds: must be a positive integer"),
+    (["--hbm-chains", "0"], "argument --hbm-chains: must be a positive integer"),
+    (["--policy", "belady"], "--policy: 'belady' is not a policy the daemon runs; valid: heat, lfu, lru"),
+    (["--gpu", "-1"], "argument --gpu: must be an integer >= 0"),
+])
+def test_calls_bad_options(capsys, argv, message):
+    assert message in usage_error(capsys, "calls", "--device", "host", *argv)
+
+
+@pytest.mark.skipif(cuda_available(), reason="a GPU is visible: --device cuda would run")
+def test_calls_on_cuda_without_a_gpu_says_so(capsys):
+    assert "bench calls --device cuda runs on a GPU" in usage_error(capsys, "calls", "--device", "cuda")
+
+
+def test_calls_times_each_call_of_a_request_whose_prefix_lies_in_dram(capsys):
+    """Every acquire promotes the whole chain into a full HBM; each call's round trip and the
+    daemon's own time of it are figures, the daemon's no longer than the round trip's median."""
+    argv = ["bench", "calls", "--device", "host", "--blocks", "96", "--block-kib", "16", "--rounds", "5",
+            "--hbm-chains", "2", "--dram-chains", "3", "--json"]
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["device"], r["blocks"], r["block_kib"], r["rounds"]) == ("host", 96, 16, 5), r
+    assert r["promoted_per_acquire"] == 96, r  # the whole prefix came up from DRAM
+    ops = {"lookup", "acquire", "release", "allocate", "commit", "free"}
+    assert set(r["p50_ms"]) == set(r["p90_ms"]) == set(r["daemon_ms"]) == ops, r
+    assert all(0 < r["p50_ms"][op] <= r["p90_ms"][op] for op in ops), r
+    assert all(0 < r["daemon_ms"][op] <= r["p90_ms"][op] for op in ops), r
+
+
 # ---- the command's JSON -------------------------------------------------------------------------
 
 def test_a_figure_that_is_not_a_number_is_never_printed_as_json(monkeypatch, capsys):
