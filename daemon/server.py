@@ -73,6 +73,11 @@ PIECE_SPACING = 2.0
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
+# The duel's sampled lookups (duel.py) are served while no request waits: once no request has come
+# for IDLE_AFTER_S, and at each step while none waits. A step serves one whatever waits only once
+# none was served for this long while some waited: one a step held a call in ten behind a sampled
+# lookup (6-8 ms each for 1024-key lookups on the 2-core VM, `dflash2 bench calls`).
+DUEL_STARVED_S = 1.0
 
 
 class Server:
@@ -85,6 +90,9 @@ class Server:
         self.failed: str | None = None  # why serving stopped on its own (service.fatal), if it did
         self._last_tick_s = 0.0  # how long the last background step took
         self._slices_on = True  # drain slices between requests (off after one failed, until the next step)
+        self._duel_slices_on = True  # the duel's lookups between requests (likewise)
+        # Per pool, the duel's lookups served, and since when none more while some waited (_duel_step).
+        self._duel_progress: dict[int, tuple[int, float]] = {}
         self._drain_owed_s = 0.0  # what is left of this step's share of the drain (seconds)
         self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
         self._piece_s = 0.0  # ... and how long it took
@@ -122,6 +130,9 @@ class Server:
             # and, while the step's share lasts, after a request answered once it is due. No slice
             # begins while calls are parked: its copies would keep them waiting.
             draining = self._slices_on and not self._parked and self._draining()
+            # Else, while the duel's sampled lookups wait, they are served once no request has come
+            # for IDLE_AFTER_S, one at a time while none waits (_duel_slice).
+            dueling = not draining and self._duel_slices_on and not self._parked and self._duel_pending()
             if self._parked:
                 request = self._request_or_copies_ended()
                 if self._copies_done():
@@ -135,7 +146,10 @@ class Server:
                 if draining and not sock.poll(max(0, math.ceil(1000 * (self._next_slice() - time.monotonic()))),
                                               zmq.POLLIN):
                     raise zmq.Again()
-                frames = recv_frames(sock, NOBLOCK if draining or self._parked else 0)
+                if dueling and not sock.poll(max(0, math.ceil(1000 * (min(self._last_answer + IDLE_AFTER_S, next_tick)
+                                                                      - time.monotonic()))), zmq.POLLIN):
+                    raise zmq.Again()
+                frames = recv_frames(sock, NOBLOCK if draining or dueling or self._parked else 0)
             except zmq.Again:
                 frames = None
                 # Every message sent before now is answered: leases are judged as of then (a
@@ -143,6 +157,8 @@ class Server:
                 self.service.queue_empty()
                 if draining and time.monotonic() < next_tick:
                     self._drain_slice(wait=True)
+                elif dueling and time.monotonic() < next_tick:
+                    self._duel_slice()
             if frames is not None:
                 self._answer(frames)
                 if draining and self._drain_owed_s > 0 and self._next_slice() <= time.monotonic() < next_tick:
@@ -171,7 +187,7 @@ class Server:
                 if self._parked:
                     self.service.waiting([parked for _, parked in self._parked])
                 started = time.monotonic()
-                self._slices_on = True  # (after a failed slice, from the next step on)
+                self._slices_on = self._duel_slices_on = True  # (after a failed slice, from the next step on)
                 self._tick(late_s=started - next_tick)
                 self._last_tick_s = time.monotonic() - started
                 next_tick = time.monotonic() + self.tick_interval_s
@@ -207,6 +223,44 @@ class Server:
             if m.draining():
                 return True
         return False
+
+    def _duel_pending(self) -> bool:
+        """Whether a pool's duel has sampled lookups waiting (asked every turn of the loop: a plain loop)."""
+        for m in self.service.managers.values():
+            if m.duel is not None and m.duel.pending:
+                return True
+        return False
+
+    def _duel_step(self, pool: int, manager) -> None:
+        """The duel's share of a background step: its sampled lookups while no request waits (the
+        rest between requests: `_duel_slice`); and one whatever waits once it has served none for
+        DUEL_STARVED_S while some waited (a loop never idle that long would starve it)."""
+        duel = manager.duel
+        now = time.monotonic()
+        served, since = self._duel_progress.get(pool, (duel.requests, now))
+        if duel.requests != served or not duel.pending:
+            since = now
+        duel.run(duel.tick_budget_s, self._request_waits, at_least_one=now - since >= DUEL_STARVED_S)
+        if duel.requests != served:
+            since = time.monotonic()
+        self._duel_progress[pool] = (duel.requests, since)
+
+    def _duel_slice(self) -> None:
+        """Serve the duels' sampled lookups while no request waits: one at a time, IDLE_DRAIN_S at
+        most a pool (duel.py `run`): a request that comes meanwhile waits for one sampled lookup."""
+        with self.service.busy():
+            for manager in self.service.managers.values():
+                if manager.duel is None or not manager.duel.pending:
+                    continue
+                try:
+                    manager.duel.run(IDLE_DRAIN_S, self._request_waits)
+                except Exception:
+                    # Not again before the next background step (as a drain slice that fails).
+                    self._duel_slices_on = False
+                    log.exception("the duel's lookups between requests failed; they wait for the next background step")
+                    return
+                if self._request_waits():
+                    return
 
     def _copies_done(self) -> bool:
         """Whether no pool has copies in flight that have not ended (settling them waits for nothing)."""
@@ -312,8 +366,10 @@ class Server:
         with self.service.busy():
             # A pool's step begins its drains; the loop runs their pieces (_drain_slice).
             steps = [("Service.expire_leases", self.service.expire_leases),
-                     *((f"BlockManager.tick (pool {pool})", functools.partial(m.tick, drain=False))
-                       for pool, m in self.service.managers.items())]
+                     *((f"BlockManager.tick (pool {pool})", functools.partial(m.tick, drain=False, duel=False))
+                       for pool, m in self.service.managers.items()),
+                     *((f"Duel.run (pool {pool})", functools.partial(self._duel_step, pool, m))
+                       for pool, m in self.service.managers.items() if m.duel is not None)]
             for name, step in steps:
                 try:
                     step()

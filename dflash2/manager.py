@@ -439,14 +439,15 @@ class BlockManager:
 
     # -- background ------------------------------------------------------------------------
     @settled
-    def tick(self, drain: bool = True) -> None:
+    def tick(self, drain: bool = True, duel: bool = True) -> None:
         """One background step: rescore (policies that cache scores), probe a storage tier that
         backs off after failed writes (backoff.py), expire and grant reservations, rebalance the
         tiers, settle prefetches; serve the duel's queued lookups.
         `drain` False: a tier over its high watermark begins its drain, but its pieces are left
         to the caller (`drain_slice`): the server runs them between requests, so that a
-        request waits for one piece, not the step's whole share of the drain."""
-        if self.duel is not None:
+        request waits for one piece, not the step's whole share of the drain. `duel` False: the
+        duel's queue is left to the caller too (the server serves it between requests)."""
+        if self.duel is not None and duel:
             self.duel.run(self.duel.tick_budget_s)
         later = self.placement.read_later
         if not later:

@@ -331,3 +331,74 @@ def test_a_steps_share_of_the_drain_runs_between_requests_not_in_one_stretch(tmp
         assert mgr.draining(), "the drain ended before the calls: the test proves nothing"
     assert max(waits) < 0.3, [round(w, 3) for w in waits]  # a piece is 50 ms; the step's share 1 s
     assert len(between) >= 3, len(between)  # a piece every 100 ms or so: the share runs under load
+
+
+# ---- the duel's sampled lookups between requests ------------------------------------------------
+
+@contextlib.contextmanager
+def dueling(tmp_path, monkeypatch, lookups: int, serve_s: float, tick_interval_s: float):
+    """A served heat manager whose duel has `lookups` sampled lookups queued, each taking `serve_s`
+    in each of its three miniatures (a slow replay): yields (duel, ping)."""
+    from dflash2 import duel as duel_mod
+    from dflash2.bench.policy import ALIGN, LAYOUT, SLOT
+    from dflash2.manager import BlockManager, TierSpec
+
+    mgr = BlockManager([TierSpec(Tier.HBM, 1024 * SLOT, SLOT, ALIGN)], policy="heat")
+    duel = duel_mod.Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    serve = duel_mod._Mini.serve
+
+    def slow(self, *args, **kw):
+        time.sleep(serve_s)
+        return serve(self, *args, **kw)
+    monkeypatch.setattr(duel_mod._Mini, "serve", slow)
+    for i in range(lookups):
+        mgr.lookup(list(range(100 * i + 1, 100 * i + 40)), lid)
+    assert duel.pending
+    with served(mgr, tmp_path, tick_interval_s=tick_interval_s) as ping:
+        yield duel, ping
+    mgr.check_invariants()
+
+
+def test_the_duels_step_share_waits_for_no_request(tmp_path, monkeypatch):
+    """A step's share of the duel of 1 s, sampled lookups of 30 ms each (three miniatures of 10 ms),
+    steps every 50 ms, a call every 5 ms: a call waits for one sampled lookup at most. Before, the
+    step served the queue for its whole share in one stretch: 1024-block calls waited 8-12 ms at p90
+    behind 10 ms of it (`dflash2 bench calls`, 2-core VM); here a call would wait up to a second."""
+    from dflash2 import duel as duel_mod
+
+    monkeypatch.setattr(duel_mod, "TICK_BUDGET_S", 1.0)
+    monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no lookups for being idle: the steps' share only
+    monkeypatch.setattr(server_mod, "DUEL_STARVED_S", 60.0)
+    waits = []
+    with dueling(tmp_path, monkeypatch, 200, 0.01, tick_interval_s=0.05) as (duel, ping):
+        while len(waits) < 100:  # a call every 5 ms or so, for about half a second: ten steps
+            time.sleep(0.005)
+            waits.append(ping())
+        assert duel.pending, "the queue emptied before the calls: the test proves nothing"
+        served_then = duel.requests
+    assert max(waits) < 0.3, [round(w, 3) for w in waits]  # one sampled lookup is 30 ms; the share 1 s
+    assert served_then >= 2, served_then  # the share still runs between the calls
+
+
+def test_the_duels_queue_is_served_between_requests_when_none_come(tmp_path, monkeypatch):
+    """Steps 30 s apart: the queue is served in the quiet after the first step, not at the next."""
+    with dueling(tmp_path, monkeypatch, 40, 0.0, tick_interval_s=30.0) as (duel, ping):
+        ping()
+        deadline = time.monotonic() + 20.0
+        while duel.requests < 40 and time.monotonic() < deadline:  # (the loop pops a lookup, then serves it)
+            time.sleep(0.01)
+        assert not duel.pending and duel.requests == 40 and duel.dropped == 0
+
+
+def test_a_loop_never_idle_still_serves_the_duel_now_and_then(tmp_path, monkeypatch):
+    """Calls back to back, no gap for the duel between them: a step serves one sampled lookup
+    whatever waits once none was served for DUEL_STARVED_S."""
+    monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)
+    monkeypatch.setattr(server_mod, "DUEL_STARVED_S", 0.2)
+    with dueling(tmp_path, monkeypatch, 200, 0.0, tick_interval_s=0.02) as (duel, ping):
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            ping()
+        served_then = duel.requests
+    assert 2 <= served_then < 200, served_then
