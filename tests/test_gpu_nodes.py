@@ -217,3 +217,19 @@ def test_a_client_finds_the_daemons_gpu_by_uuid_whatever_its_numbering(cuda_conf
             out = client_in("", path, device, "print('MAPPED')")
             assert out.returncode == 0, out.stderr
             assert f"ERROR: the daemon's HBM arena lies on GPU {uuid}" in out.stdout, out.stdout + out.stderr
+
+
+def test_every_visible_gpus_uuid_is_nvidia_smis_whole():
+    """The UUIDs the daemon and its clients name GPUs by are the driver's, all 16 bytes, as
+    nvidia-smi lists them. CuPy's device properties end them at their first zero byte: on an H200
+    whose UUID held one, every client's attach was refused ("a GPU UUID has 16 bytes, got 13")."""
+    import subprocess
+
+    from dflash2.cuda import gpu_uuid, visible_uuids
+
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    seen = visible_uuids()
+    assert seen and len(set(seen)) == len(seen), seen
+    assert all(u in listed for u in seen), (seen, listed)
+    assert [gpu_uuid(d) for d in range(len(seen))] == seen

@@ -41,8 +41,25 @@ def cuda_available() -> bool:
 
 def gpu_uuid(device: int) -> str:
     """The UUID of this process's CUDA device `device`: the same GPU has the same UUID in every
-    process, whatever CUDA_VISIBLE_DEVICES numbers it there."""
-    return uuid_text(cupy().cuda.runtime.getDeviceProperties(device)["uuid"])
+    process, whatever CUDA_VISIBLE_DEVICES numbers it there. From the driver (cuDeviceGetUuid_v2,
+    the UUID CUDA_VISIBLE_DEVICES names, a MIG instance's included), all 16 bytes: CuPy's device
+    properties end the UUID's bytes at its first zero byte, as a C string, and a GPU whose UUID
+    holds one (about one in sixteen) was refused to every client ("a GPU UUID has 16 bytes, got
+    13", an H200)."""
+    import ctypes
+
+    cupy().cuda.runtime.getDeviceCount()  # the runtime has initialised the driver (cuInit) by now
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int()
+    status = lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device))
+    if status != 0:
+        raise ArenaError(f"cuDeviceGet({device}) failed with CUDA error {status}")
+    raw = (ctypes.c_ubyte * 16)()
+    get = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+    status = get(raw, handle)
+    if status != 0:
+        raise ArenaError(f"cuDeviceGetUuid of GPU {device} failed with CUDA error {status}")
+    return uuid_text(bytes(raw))
 
 
 def visible_uuids() -> list[str]:
