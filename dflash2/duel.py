@@ -33,8 +33,9 @@ short, but a call costs what it costs). A lookup only samples and queues (`offer
 serves the queue between requests, a sampled lookup at a time while no request waits (`run` with
 `yield_to`): at each background step at least one, and up to TICK_BUDGET_S per GPU while none
 waits; and once no request has come for a while (the server's IDLE_AFTER_S), as much as the quiet
-allows. Served in one stretch on the tick, it held every call that came meanwhile: 1024-block calls
-waited 8-12 ms at p90 against 1-2 ms with LRU (`dflash2 bench calls`, the 2-core VM). A queue over
+allows. Served in one stretch on the tick, it held every call that came meanwhile: 1024-block
+releases and commits waited 7-12 ms at p90 against 1-3 ms with LRU (`dflash2 bench calls`, the
+2-core VM). A queue over
 QUEUE_LIMIT drops its oldest requests, counted and logged (the miniatures then see fewer requests
 than the node serves: their figures lean toward a larger cache). The bench serves the queue after
 every request.
