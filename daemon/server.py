@@ -4,7 +4,8 @@ background, and shuts down cleanly on SIGTERM/SIGINT.
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
 runs the periodic work (lease expiry, reservation ticks), and a draining tier's pieces: each step's
 share of the drain (REBALANCE_BUDGET_S) one piece at a time between requests, and more while no
-request has come for IDLE_AFTER_S. A piece's copies run while the loop answers requests (its blocks
+request has come for IDLE_AFTER_S; the heat policy's duel's sampled lookups likewise, one at a time
+while no request waits (DUEL_STARVED_S). A piece's copies run while the loop answers requests (its blocks
 stay where they were until the copies have ended: `BlockManager.drain_slice`), and so do a
 promotion's reads from NVMe (an acquire's, a prefetch's: promotion.py `promote_later`). A call that
 must wait for copies still running PARK_AFTER_S after they began (it meets their blocks, or does
