@@ -74,10 +74,13 @@ PIECE_SPACING = 2.0
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
-# The duel's sampled lookups (duel.py) are served while no request waits: once no request has come
-# for IDLE_AFTER_S, and at each step while none waits. A step serves one whatever waits only once
-# none was served for this long while some waited: one a step held a call in ten behind a sampled
-# lookup (6-8 ms each for 1024-key lookups on the 2-core VM, `dflash2 bench calls`).
+# The duel's sampled lookups (duel.py) are served once no request has come for IDLE_AFTER_S, one at
+# a time while none waits; and at each step, whatever waits, those expected to take DUEL_STEP_S in
+# all (2% of a 100 ms step: the share a loop never idle gives them). One that would take longer
+# waits for a quiet loop, unless none was served for DUEL_STARVED_S while some waited: then a step
+# serves it. One sampled lookup served at every step, whatever its cost, held a call in ten behind
+# it (6-8 ms for one of a 1024-key lookup on the 2-core VM, `dflash2 bench calls`).
+DUEL_STEP_S = 0.002
 DUEL_STARVED_S = 1.0
 
 
@@ -233,15 +236,16 @@ class Server:
         return False
 
     def _duel_step(self, pool: int, manager) -> None:
-        """The duel's share of a background step: its sampled lookups while no request waits (the
-        rest between requests: `_duel_slice`); and one whatever waits once it has served none for
-        DUEL_STARVED_S while some waited (a loop never idle that long would starve it)."""
+        """The duel's share of a background step, whatever waits: the sampled lookups expected to
+        take DUEL_STEP_S in all (the rest between requests: `_duel_slice`); and one however long
+        once it has served none for DUEL_STARVED_S while some waited (a loop never idle that long
+        would starve it)."""
         duel = manager.duel
         now = time.monotonic()
         served, since = self._duel_progress.get(pool, (duel.requests, now))
         if duel.requests != served or not duel.pending:
             since = now
-        duel.run(duel.tick_budget_s, self._request_waits, at_least_one=now - since >= DUEL_STARVED_S)
+        duel.run(DUEL_STEP_S, fits=True, at_least_one=now - since >= DUEL_STARVED_S)
         if duel.requests != served:
             since = time.monotonic()
         self._duel_progress[pool] = (duel.requests, since)

@@ -30,12 +30,12 @@ The bench's replays with the duel on and off are in docs/policy-experiments.md (
 
 Cost: the three miniatures take about as much CPU per request as the real manager (their chains are
 short, but a call costs what it costs). A lookup only samples and queues (`offer`); the daemon
-serves the queue between requests, a sampled lookup at a time while no request waits (`run` with
-`yield_to`): at each background step at least one, and up to TICK_BUDGET_S per GPU while none
-waits; and once no request has come for a while (the server's IDLE_AFTER_S), as much as the quiet
-allows. Served in one stretch on the tick, it held every call that came meanwhile: 1024-block
-releases and commits waited 7-12 ms at p90 against 1-3 ms with LRU (`dflash2 bench calls`, the
-2-core VM). A queue over
+serves the queue between requests (the server's `_duel_slice` and `_duel_step`): once no request
+has come for a while, one sampled lookup at a time while none waits (`run` with `yield_to`); and at
+each background step, whatever waits, those expected to fit in a small share (`run` with `fits`,
+their cost from `cost_s`). Served in one stretch on the tick (TICK_BUDGET_S, as the in-process
+tick still does), it held every call that came meanwhile: 1024-block releases and commits waited
+7-12 ms at p90 against 1-3 ms with LRU (`dflash2 bench calls`, the 2-core VM). A queue over
 QUEUE_LIMIT drops its oldest requests, counted and logged (the miniatures then see fewer requests
 than the node serves: their figures lean toward a larger cache). The bench serves the queue after
 every request.
@@ -74,7 +74,8 @@ QUEUE_LIMIT = 4096  # sampled lookups waiting for the miniatures
 # may name 65,536 keys, so a queue bounded by lookups alone could hold 4096 x 8,192 keys (over a
 # GiB as Python ints) whenever the tick cannot keep up.
 QUEUE_KEYS_LIMIT = 1 << 20
-TICK_BUDGET_S = 0.01  # the daemon's step serves the queue up to this long per GPU while no request waits
+TICK_BUDGET_S = 0.01  # an in-process manager's tick serves the queue this long (the daemon's: server.py)
+COST_DECAY = 0.9  # `cost_s` follows about the last ten sampled lookups served
 DROP_LOG_INTERVAL_S = 60.0
 CHUNK = 16  # blocks read per step of a miniature request (as the bench's default)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -147,6 +148,8 @@ class Duel:
         self.following = 0  # index in CANDIDATES
         self.off: str | None = None  # why the duel stopped (None while it runs)
         self._queue: collections.deque = collections.deque()  # (clock, layout id, uint64 sampled keys)
+        # (seconds, sampled keys) of the lookups served lately, decayed by COST_DECAY a lookup: `cost_s`.
+        self._spent = (0.0, 0.0)
         self._queued_keys = 0
         self._now = 0.0
         self._minis: list[_Mini] | None = None  # made at the first sampled lookup (its layout sizes them)
@@ -192,13 +195,14 @@ class Duel:
         return bool(self._queue) and self.off is None
 
     def run(self, budget_s: float | None = None, yield_to: Callable[[], bool] | None = None,
-            at_least_one: bool = False) -> None:
+            at_least_one: bool = False, fits: bool = False) -> None:
         """Serve the queued lookups through the miniatures (all of them, or for about `budget_s`),
         judging after each; heat's weights changed at run time reach heat's miniature first. With
         `yield_to` (whether a request waits), each lookup only while it says no: a request that
-        comes meanwhile waits for one sampled lookup at most. `at_least_one`: the first whatever
-        the budget and `yield_to` say. A miniature that fails stops the duel (logged) and heat
-        ranks as heat."""
+        comes meanwhile waits for one sampled lookup at most. `fits`: each only while its expected
+        cost (`cost_s`) fits in what is left of `budget_s`, so that the budget bounds the time taken,
+        not only when the last lookup may begin. `at_least_one`: the first whatever they say. A
+        miniature that fails stops the duel (logged) and heat ranks as heat."""
         self._log_drops()
         if self.off is not None:
             return
@@ -207,8 +211,13 @@ class Duel:
             self._sync_weights()
         try:
             first = at_least_one
-            while self._queue and (first or ((deadline is None or time.perf_counter() < deadline)
-                                             and (yield_to is None or not yield_to()))):
+            while self._queue:
+                if not first:
+                    left = None if deadline is None else deadline - time.perf_counter()
+                    if left is not None and (left <= 0 or (fits and self.cost_s(len(self._queue[0][2])) > left)):
+                        break
+                    if yield_to is not None and yield_to():
+                        break
                 first = False
                 now, layout_id, keys = self._queue.popleft()
                 self._queued_keys -= len(keys)
@@ -217,11 +226,18 @@ class Duel:
             log.exception("duel: a miniature replay failed; the duel stops and heat ranks as heat")
             self._stop("a miniature replay failed (see the log)")
 
+    def cost_s(self, keys: int) -> float:
+        """The expected seconds of serving a sampled lookup of `keys` keys: the recent seconds per
+        sampled key (0 before the first)."""
+        seconds, served = self._spent
+        return keys * seconds / served if served else 0.0
+
     def _serve(self, now: float, layout_id: int, keys: tuple[int, ...]) -> None:
         if self._minis is None:
             self._build(layout_id)
             if self.off is not None:
                 return
+        began = time.perf_counter()  # (after the miniatures are built: their cost is not a lookup's)
         self._now = now
         layout = self.manager.table.layout(layout_id)
         found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
@@ -233,6 +249,9 @@ class Duel:
         self._refs = (self._refs + len(keys)) * decay
         self.requests += 1
         self.sampled_refs += len(keys)
+        if self.requests > 1:  # (the first warms the miniatures up: 4-8 times a later one's cost)
+            self._spent = (COST_DECAY * self._spent[0] + time.perf_counter() - began,
+                           COST_DECAY * self._spent[1] + len(keys))
         self._judge()
 
     def _build(self, layout_id: int) -> None:
@@ -319,9 +338,9 @@ class Duel:
     def _log_drops(self) -> None:
         now = time.monotonic()
         if self.dropped > self._dropped_logged and now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
-            log.warning("duel: %d sampled lookups dropped so far (%d since the last report): the tick's %g ms "
-                        "cannot keep up, so the miniatures see fewer requests than the node serves",
-                        self.dropped, self.dropped - self._dropped_logged, self.tick_budget_s * 1000)
+            log.warning("duel: %d sampled lookups dropped so far (%d since the last report): the daemon's "
+                        "loop left them too little time, so the miniatures see fewer requests than the node serves",
+                        self.dropped, self.dropped - self._dropped_logged)
             self._dropped_logged = self.dropped
             self._drop_logged_at = now
 
