@@ -474,18 +474,20 @@ class HeldPlaces:
         self._pins: Counter[int] = Counter()
 
     def writing(self, places: np.ndarray) -> np.ndarray:
-        vids = places["vid"].tolist()
         with self._lock:
-            self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
-            self._writing.update(vids)
+            self._writing.update(self._remember(places))
         return places
 
     def pinned(self, places: np.ndarray) -> np.ndarray:
-        vids = places["vid"].tolist()
         with self._lock:
-            self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
-            self._pins.update(vids)  # (one pin each; a vid listed twice, two)
+            self._pins.update(self._remember(places))  # (one pin each; a vid listed twice, two)
         return places
+
+    def _remember(self, places: np.ndarray) -> list[int]:
+        """Each vid of a reply's records maps to (the records, its index); returns the vids."""
+        vids = places["vid"].tolist()
+        self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
+        return vids
 
     def written(self, vids) -> None:
         """Committed or freed: no longer being written (still viewable while pinned)."""

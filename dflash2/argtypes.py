@@ -22,6 +22,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def block_kib(text: str) -> int:
+    """A block size in KiB for the benches that make their own blocks: a power of two from 16 to 4096."""
+    kib = positive_int(text)
+    if kib & (kib - 1) or not 16 <= kib <= 4096:
+        raise argparse.ArgumentTypeError(f"must be a power of two from 16 to 4096, not {kib}")
+    return kib
+
+
 MAX_SECONDS = 1e6  # about eleven days: longer waits are typing mistakes (and overflow sleep and poll)
 
 

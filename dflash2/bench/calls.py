@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2.argtypes import block_kib
 from dflash2.bench import OptionError, non_negative_int, positive_int, visible_gpu
 from dflash2.bench.control import _start, _stop
-from dflash2.bench.drain import _block_kib
 from dflash2.layout import Layout
 
 OPS = ("lookup", "acquire", "release", "allocate", "commit", "free")
@@ -44,7 +44,7 @@ def layout(block_kib: int) -> Layout:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=positive_int, default=1024,
                         help="blocks a call names, at most 65536 (default %(default)s)")
-    parser.add_argument("--block-kib", type=_block_kib, default=64,
+    parser.add_argument("--block-kib", type=block_kib, default=64,
                         help="block size in KiB, a power of two from 16 to 4096 (default %(default)s)")
     parser.add_argument("--rounds", type=positive_int, default=30, help="timed rounds (default %(default)s)")
     parser.add_argument("--hbm-chains", type=positive_int, default=4,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2.argtypes import block_kib
 from dflash2.bench import positive_float, positive_int
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
@@ -47,20 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-mb", type=positive_int, default=1024, help="DRAM tier in MB (default %(default)s)")
     parser.add_argument("--nvme-mb", type=positive_int, default=None,
                         help="NVMe tier in MB, a file in a temporary folder (default: twice --dram-mb)")
-    parser.add_argument("--block-kib", type=_block_kib, default=64,
+    parser.add_argument("--block-kib", type=block_kib, default=64,
                         help="block size in KiB, a power of two from 16 to 4096 (default %(default)s): a large "
                         "tier of large blocks has few blocks to choose from, a drain piece's fixed cost")
     parser.add_argument("--gap-ms", type=positive_float, default=1.0,
                         help="mean gap between lookups at random times, in ms (default %(default)s)")
     parser.add_argument("--seconds", type=positive_float, default=30.0,
                         help="most seconds a phase lasts if its drain does not end first (default %(default)s)")
-
-
-def _block_kib(text: str) -> int:
-    kib = positive_int(text)
-    if kib & (kib - 1) or not 16 <= kib <= 4096:
-        raise argparse.ArgumentTypeError(f"must be a power of two from 16 to 4096, not {kib}")
-    return kib
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -1,0 +1,149 @@
+"""Letting go of blocks: a client's `free` (one reference a block) and `unpin` (one pin a block), and
+what they free. A part of BlockTable (a mixin over its columns and client counts), apart because the
+checks and counting of a call that lets go of many blocks at once are a job of their own: a call
+that lists each block once, and more than `BlockTable.SMALL` of them, takes whole-array steps
+(`_free_distinct`, `_unpin_distinct`), any other the general per-row path."""
+
+from __future__ import annotations
+
+from collections import Counter
+from operator import itemgetter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dflash2.counts import any_true, repeats
+from dflash2.errors import NotOwner, PinnedBlock
+
+if TYPE_CHECKING:
+    from dflash2.table.table import ClientRefs
+
+
+def _count_down(counts: Counter, listed: list[int], held: tuple[int, ...]) -> None:
+    """One off each of `listed` (distinct; `held` their counts now, each at least 1): a count that
+    reaches 0 is removed. `pop` is dict's own: Counter's `del` is a Python-level method, 0.4 us a row."""
+    for r, n in zip(listed, held):
+        if n == 1:
+            counts.pop(r)
+        else:
+            counts[r] = n - 1
+
+
+class Releasing:
+    """BlockTable's free and unpin (the attributes they use are BlockTable's)."""
+
+    def free(self, client_id: int, vids) -> int:
+        """Drop one reference of this client per block. A private block whose last reference goes is
+        freed; a published one stays cached. Returns the number of blocks freed."""
+        holder = self.client(client_id)
+        rows = self.rows(vids)
+        if len(rows) > self.SMALL and not repeats(rows):
+            return self._free_distinct(client_id, holder, rows)
+        dropping = Counter(rows.tolist())
+        for r, n in dropping.items():
+            if holder.refs[r] < n:
+                raise NotOwner(f"client {client_id} holds no reference to block {int(self.vids(np.array([r]))[0]):#x}"
+                               " (double free, or another client's block)")
+            c = self.cols
+            if c.key[r] == 0 and c.refs[r] == n and c.pins[r] > 0:
+                raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} is pinned; release it before freeing")
+        return self._drop_refs(holder, rows)
+
+    def _free_distinct(self, client_id: int, holder: ClientRefs, rows: np.ndarray) -> int:
+        """`free` of rows listed once each (a request's blocks: the usual large free), checked and
+        dropped in whole-array steps and one plain loop over the client's counts. The per-row
+        Counter steps of the general path cost about 0.9 ms a 1024-block free on the 2-core VM,
+        as much as the GPU copy of those blocks at 64 KiB each."""
+        listed = rows.tolist()
+        held = itemgetter(*listed)(holder.refs)  # (a Counter answers 0 for a block it lacks)
+        c = self.cols
+        unowned = np.fromiter(held, dtype=np.int64, count=len(listed)) == 0
+        pinned = (c.key[rows] == 0) & (c.refs[rows] == 1) & (c.pins[rows] > 0)
+        bad = unowned | pinned
+        if any_true(bad):  # the first bad block in the caller's order, as the general path names it
+            i = int(np.argmax(bad))
+            vid = int(self.vids(rows[i: i + 1])[0])
+            if unowned[i]:
+                raise NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
+                               "client's block)")
+            raise PinnedBlock(f"block {vid:#x} is pinned; release it before freeing")
+        _count_down(holder.refs, listed, held)
+        c.refs[rows] -= 1
+        holder.ref_slot_bytes -= self.ref_slots(rows)
+        return self._after_refs_dropped(np.sort(rows))  # (in row order, as `_drop_refs` hands them on)
+
+    def _drop_refs(self, holder: ClientRefs, rows: np.ndarray) -> int:
+        c = self.cols
+        for r in rows.tolist():
+            holder.refs[r] -= 1
+            if holder.refs[r] == 0:
+                holder.refs.pop(r)  # (dict's own: see `_count_down`)
+            c.refs[r] -= 1
+        holder.ref_slot_bytes -= self.ref_slots(rows)
+        return self._after_refs_dropped(np.unique(rows))
+
+    def _drop_all_refs(self, holder: ClientRefs, keep=None) -> int:
+        """Every reference of a client that is going away, in whole-array steps (a client holding
+        100k references detached in 0.3 s one reference at a time: the daemon's loop stood still).
+        `keep(rows)`: a mask of the rows whose references stay. Returns how many blocks it freed."""
+        rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
+        counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
+        if keep is None:
+            holder.refs.clear()
+            holder.ref_slot_bytes = 0
+        else:
+            going = ~keep(rows)
+            rows, counts = rows[going], counts[going]
+            for r in rows.tolist():
+                holder.refs.pop(r)  # (dict's own: see `_count_down`)
+            holder.ref_slot_bytes -= self.ref_slots(np.repeat(rows, counts))
+        self.cols.refs[rows] -= counts.astype(self.cols.refs.dtype)  # distinct rows: no repeats to add up
+        return self._after_refs_dropped(rows)
+
+    def unpin(self, client_id: int, vids) -> None:
+        holder = self.client(client_id)
+        rows = self.rows(vids)
+        if len(rows) > self.SMALL and not repeats(rows):
+            self._unpin_distinct(client_id, holder, rows)
+            return
+        counts = Counter(rows.tolist())
+        pins = holder.pins
+        if any(pins[r] < n for r, n in counts.items()):
+            raise NotOwner(f"client {client_id} did not pin one of these blocks")
+        if len(rows) > self.SMALL:
+            np.subtract.at(self.cols.pins, rows, 1)
+        else:
+            for r in rows.tolist():
+                self.cols.pins[r] -= 1
+        pins.subtract(counts)
+        for r in [r for r in counts if not pins[r]]:
+            pins.pop(r)  # (dict's own: see `_count_down`)
+        self._may_move(rows)
+        self._settle_priority(list(counts))
+        self._free_unheld(counts)
+
+    def _unpin_distinct(self, client_id: int, holder: ClientRefs, rows: np.ndarray) -> None:
+        """`unpin` of rows listed once each (a read's blocks: the usual large release), as
+        `_free_distinct` frees: about 1 ms a 1024-block release on the 2-core VM the general way."""
+        listed = rows.tolist()
+        pins = holder.pins
+        held = itemgetter(*listed)(pins)  # (a Counter answers 0 for a block it lacks)
+        if 0 in held:
+            raise NotOwner(f"client {client_id} did not pin one of these blocks")
+        self.cols.pins[rows] -= 1
+        _count_down(pins, listed, held)
+        self._may_move(rows)
+        self._settle_priority(rows)
+        self._free_unheld(listed)
+
+    def _free_unheld(self, rows) -> int:
+        """Rows kept only for their holders (a block whose bytes failed their checksum; a pinned
+        copy a commit deduplicated): the last pin of one nobody references frees it (it has no key,
+        so nothing else ever would). Returns how many it freed."""
+        if not (self.lost or self.pinned_copies):
+            return 0
+        c = self.cols
+        done = [r for r in rows if (r in self.lost or r in self.pinned_copies) and c.pins[r] == 0 and c.refs[r] == 0]
+        if done:
+            self._release_rows(np.array(done, dtype=np.int64))
+        return len(done)
