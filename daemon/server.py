@@ -76,12 +76,19 @@ PIECE_SPACING = 2.0
 IDLE_AFTER_S = 0.005
 # The duel's sampled lookups (duel.py) are served once no request has come for IDLE_AFTER_S, one at
 # a time while none waits; and at each step, whatever waits, those expected to take DUEL_STEP_S in
-# all (2% of a 100 ms step: the share a loop never idle gives them). One that would take longer
-# waits for a quiet loop, unless none was served for DUEL_STARVED_S while some waited: then a step
-# serves it. One sampled lookup served at every step, whatever its cost, held a call in ten behind
-# it (6-8 ms for one of a 1024-key lookup on the 2-core VM, `dflash2 bench calls`).
+# all (2% of a 100 ms step: the share a loop never idle gives them) and what earlier steps saved. One
+# that would take longer than DUEL_SAVED_S waits for a quiet loop, unless none was served for
+# DUEL_STARVED_S while some waited: then a step serves it. One sampled lookup served at every step,
+# whatever its cost, held a call in ten behind it (6-8 ms for one of a 1024-key lookup on the 2-core
+# VM, `dflash2 bench calls`).
 DUEL_STEP_S = 0.002
 DUEL_STARVED_S = 1.0
+# A step's share not spent (no lookup that fits) is saved for the next steps, up to DUEL_SAVED_S: a
+# lookup of 2-3 ms (one or two keys replayed by three miniatures of three tiers, the 2-core VM) never
+# fit in one step's 2 ms, and a loop never idle served one a second (the starved one): 345 in 150 s
+# against about 15 a second offered (`dflash2 bench churn`, 64 MB of HBM). Saved up, each such
+# lookup is served every second step or so, a call waiting for one at most, the duel's share the same.
+DUEL_SAVED_S = 0.01
 
 
 class Server:
@@ -95,8 +102,10 @@ class Server:
         self._last_tick_s = 0.0  # how long the last background step took
         self._slices_on = True  # drain slices between requests (off after one failed, until the next step)
         self._duel_slices_on = True  # the duel's lookups between requests (likewise)
-        # Per pool, the duel's lookups served, and since when none more while some waited (_duel_step).
+        # Per pool, the duel's lookups served, and since when none more while some waited (_duel_step);
+        # and the steps' share saved up, or owed (seconds, within DUEL_SAVED_S either way).
         self._duel_progress: dict[int, tuple[int, float]] = {}
+        self._duel_saved: dict[int, float] = {}
         self._drain_owed_s = 0.0  # what is left of this step's share of the drain (seconds)
         self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
         self._piece_s = 0.0  # ... and how long it took
@@ -237,15 +246,22 @@ class Server:
 
     def _duel_step(self, pool: int, manager) -> None:
         """The duel's share of a background step, whatever waits: the sampled lookups expected to
-        take DUEL_STEP_S in all (the rest between requests: `_duel_slice`); and one however long
-        once it has served none for DUEL_STARVED_S while some waited (a loop never idle that long
-        would starve it)."""
+        take DUEL_STEP_S in all, with what earlier steps left unspent while lookups waited (up to
+        DUEL_SAVED_S: a lookup longer than one step's share is served once enough is saved); the
+        rest between requests (`_duel_slice`). And one however long once it has served none for
+        DUEL_STARVED_S while some waited (a loop never idle that long would starve it)."""
         duel = manager.duel
         now = time.monotonic()
         served, since = self._duel_progress.get(pool, (duel.requests, now))
         if duel.requests != served or not duel.pending:
             since = now
-        duel.run(DUEL_STEP_S, fits=True, at_least_one=now - since >= DUEL_STARVED_S)
+        share = min(max(DUEL_SAVED_S, DUEL_STEP_S), self._duel_saved.get(pool, 0.0) + DUEL_STEP_S)
+        began = time.perf_counter()
+        duel.run(share, fits=True, at_least_one=now - since >= DUEL_STARVED_S)
+        # What a lookup took beyond its expected cost is owed (down to -DUEL_SAVED_S): the duel's time
+        # stays its share. Nothing is saved or owed while none wait: the quiet serves them.
+        left = max(-DUEL_SAVED_S, share - (time.perf_counter() - began))
+        self._duel_saved[pool] = left if duel.pending else 0.0
         if duel.requests != served:
             since = time.monotonic()
         self._duel_progress[pool] = (duel.requests, since)

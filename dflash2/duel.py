@@ -37,8 +37,10 @@ their cost from `cost_s`). Served in one stretch on the tick (TICK_BUDGET_S, as 
 tick still does), it held every call that came meanwhile: 1024-block releases and commits waited
 7-12 ms at p90 against 1-3 ms with LRU (`dflash2 bench calls`, the 2-core VM). A queue over
 QUEUE_LIMIT drops its oldest requests, counted and logged (the miniatures then see fewer requests
-than the node serves: their figures lean toward a larger cache). The bench serves the queue after
-every request.
+than the node serves, with holes in each key's history). A loop that keeps falling behind (COARSEN_AFTER
+dropped) makes the sample coarser instead (`_coarsen`): fewer keys replayed, each with its whole
+history, in smaller miniatures, down to MIN_BLOCKS in HBM; it never grows finer again while the
+daemon runs. The bench serves the queue after every request.
 """
 
 from __future__ import annotations
@@ -69,11 +71,21 @@ MARGIN = 0.03
 Z = 2.0  # ...and by 2 standard deviations of their paired per-request difference
 HALF_LIFE = 32  # miniature capacities (blocks, all tiers) of sampled references
 MIN_BLOCKS = 32  # a miniature HBM holding fewer blocks than this would judge by noise
+MIN_PAGES = 8  # pages a miniature tier is cut into at least, while its alignment allows (`_specs`)
 QUEUE_LIMIT = 4096  # sampled lookups waiting for the miniatures
 # ... and sampled keys waiting, all lookups together (8 bytes each, kept as uint64 arrays): a lookup
 # may name 65,536 keys, so a queue bounded by lookups alone could hold 4096 x 8,192 keys (over a
 # GiB as Python ints) whenever the tick cannot keep up.
 QUEUE_KEYS_LIMIT = 1 << 20
+# Once COARSEN_AFTER sampled lookups were dropped since the sample last changed, the duel replays
+# fewer keys (`_coarsen`): 1 in `sample` times the factor (a power of two) by which the lookups
+# offered outnumbered those served meanwhile (a key in the coarser sample is in every finer one:
+# multiples of the hash). A dropped lookup leaves a hole in the miniatures' history of its keys: one
+# asked for again looks new there, and their figures lean toward misses the node did not have; a
+# coarser sample replays fewer keys, each whole. A 5-minute GPU soak (six clients, a daemon busy
+# all along) dropped 52,360 and served 2,043 at 1 in 8 keys; its miniatures never turned over.
+COARSEN_AFTER = 1024
+MAX_SAMPLE = 1 << 20  # as policy.duel_sample's bound
 TICK_BUDGET_S = 0.01  # an in-process manager's tick serves the queue this long (the daemon's: server.py)
 COST_DECAY = 0.9  # `cost_s` follows about the last ten sampled lookups served
 DROP_LOG_INTERVAL_S = 60.0
@@ -142,7 +154,10 @@ class Duel:
         if not hasattr(manager.policy, "follow"):
             raise ValueError(f"policy {manager.policy.name!r} cannot follow another ranking (only heat can)")
         self.manager = manager
-        self.sample = sample
+        self.sample = sample  # 1 in `sample` keys replayed now (coarser than `first_sample` once the loop fell behind)
+        self.first_sample = sample
+        self.coarsened = 0  # times the sample was made coarser (`_coarsen`)
+        self._since_coarsened = (0, 0)  # (requests, dropped) when the sample last changed
         self.policy = manager.policy
         self.tick_budget_s = TICK_BUDGET_S
         self.following = 0  # index in CANDIDATES
@@ -153,6 +168,8 @@ class Duel:
         self._queued_keys = 0
         self._now = 0.0
         self._minis: list[_Mini] | None = None  # made at the first sampled lookup (its layout sizes them)
+        # The layout id that sizes them: the first sampled lookup's, and the same when they are built again.
+        self._minis_layout: int | None = None
         self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of the first layout
         self._hits = np.zeros(len(CANDIDATES))  # decayed hits per candidate (blocks found in some tier)
         self._hbm_hits = np.zeros(len(CANDIDATES))  # decayed blocks found in HBM per candidate
@@ -187,6 +204,8 @@ class Duel:
         while len(self._queue) > QUEUE_LIMIT or (self._queued_keys > QUEUE_KEYS_LIMIT and len(self._queue) > 1):
             self._queued_keys -= len(self._queue.popleft()[2])
             self.dropped += 1
+            if self.dropped - self._since_coarsened[1] >= COARSEN_AFTER:
+                self._coarsen()
 
     # -- the miniatures ---------------------------------------------------------------------
     @property
@@ -232,9 +251,39 @@ class Duel:
         seconds, served = self._spent
         return keys * seconds / served if served else 0.0
 
+    def _coarsen(self) -> None:
+        """The loop served too few of the sampled lookups (COARSEN_AFTER dropped since the sample last
+        changed): replay 1 in `sample` x F keys, F the power of two that the lookups offered meanwhile
+        outnumbered those served by (at least 2), no coarser than leaves MIN_BLOCKS blocks in a
+        miniature HBM. The miniatures are built again at the new size and warm up again, and the
+        queue is dropped (counted): both are of the old sample's keys. The ranking followed stays.
+        At the coarsest sample the oldest lookups go on being dropped."""
+        served = self.requests - self._since_coarsened[0]
+        dropped = self.dropped - self._since_coarsened[1]
+        offered = served + dropped + len(self._queue)
+        factor = max(2, 1 << math.ceil(math.log2(offered / max(served, 1))))
+        if self._minis_layout is None:
+            self._minis_layout = self._queue[0][1]
+        layout = self.manager.table.layout(self._minis_layout)
+        while factor > 1 and (self.sample * factor > MAX_SAMPLE or self._hbm_blocks(self.sample * factor, layout) < MIN_BLOCKS):
+            factor //= 2
+        if factor > 1:
+            was, self.sample = self.sample, self.sample * factor
+            self.coarsened += 1
+            self.dropped += len(self._queue)
+            self._queue.clear()
+            self._queued_keys = 0
+            self._minis = None
+            self._hits[:] = self._hbm_hits[:] = self._sq[:] = 0.0
+            self._refs = 0.0
+            log.warning("duel: the daemon's loop served %d of %d sampled lookups lately; its miniatures now replay "
+                        "1 in %d keys (1 in %d before) and warm up again", served, offered, self.sample, was)
+        self._since_coarsened = (self.requests, self.dropped)
+
     def _serve(self, now: float, layout_id: int, keys: tuple[int, ...]) -> None:
-        if self._minis is None:
-            self._build(layout_id)
+        built = self._minis is None  # (the first lookup after a build warms them up: 4-8 times a later one's cost)
+        if built:
+            self._build(layout_id if self._minis_layout is None else self._minis_layout)
             if self.off is not None:
                 return
         began = time.perf_counter()  # (after the miniatures are built: their cost is not a lookup's)
@@ -249,23 +298,38 @@ class Duel:
         self._refs = (self._refs + len(keys)) * decay
         self.requests += 1
         self.sampled_refs += len(keys)
-        if self.requests > 1:  # (the first warms the miniatures up: 4-8 times a later one's cost)
+        if not built:
             self._spent = (COST_DECAY * self._spent[0] + time.perf_counter() - began,
                            COST_DECAY * self._spent[1] + len(keys))
         self._judge()
 
-    def _build(self, layout_id: int) -> None:
-        layout = self.manager.table.layout(layout_id)
+    def _specs(self, sample: int) -> list[TierSpec]:
+        """The miniatures' tiers at 1/`sample` of the real ones' bytes, in whole pages: the real
+        tier's, halved (down to its alignment) while the miniature would hold fewer than MIN_PAGES
+        (a 16 MB tier of 2 MiB pages is one page at 1/8, none at 1/16)."""
         specs = []
         for spec in self.manager.specs.values():
-            nbytes = spec.capacity_bytes // self.sample // spec.page_bytes * spec.page_bytes
+            share, page = spec.capacity_bytes // sample, spec.page_bytes
+            while share < MIN_PAGES * page and page // 2 >= spec.alignment and (page // 2) % spec.alignment == 0:
+                page //= 2
+            nbytes = share // page * page
             if nbytes:
-                specs.append(TierSpec(spec.tier, nbytes, spec.page_bytes, spec.alignment))
-        hbm = sum(s.capacity_bytes for s in specs if s.tier == Tier.HBM) // layout.block_bytes
+                specs.append(TierSpec(spec.tier, nbytes, page, spec.alignment))
+        return specs
+
+    def _hbm_blocks(self, sample: int, layout) -> int:
+        """Blocks of `layout` a miniature HBM holds at 1/`sample` of the real one."""
+        return sum(s.capacity_bytes for s in self._specs(sample) if s.tier == Tier.HBM) // layout.block_bytes
+
+    def _build(self, layout_id: int) -> None:
+        layout = self.manager.table.layout(layout_id)
+        specs = self._specs(self.sample)
+        hbm = self._hbm_blocks(self.sample, layout)
         if hbm < MIN_BLOCKS:
             self._stop(f"1/{self.sample} of HBM holds {hbm} blocks of layout {layout.name!r}, fewer than {MIN_BLOCKS}: "
                        "too small a miniature to judge by (lower policy.duel_sample, or 0 to turn the duel off)")
             return
+        self._minis_layout = layout_id
         self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)
         rows = 1 << max(10, math.ceil(math.log2(self._capacity_blocks * 2 + 1024)))
         self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
@@ -359,7 +423,7 @@ class Duel:
             state = "warming up"
         else:
             state = "judging"
-        return {"sample": self.sample, "state": state, "off_reason": self.off,
+        return {"sample": self.sample, "first_sample": self.first_sample, "coarsened": self.coarsened, "state": state, "off_reason": self.off,
                 "following": CANDIDATES[self.following], "hit_rate": self.hit_rates(),
                 "hbm_hit_rate": self.hit_rates(hbm=True),
                 "requests": self.requests, "sampled_refs": self.sampled_refs, "queued": len(self._queue),

@@ -66,7 +66,8 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_ranking{gpu,policy} | gauge | heat only: 1 for the ranking heat follows now (heat, lru, lfu; the duel chooses), 0 for the others |
 | dflash2_policy_duel_on{gpu} | gauge | heat with `policy.duel_sample` > 0: 1 while the duel runs (warming up or judging), 0 once it stopped (the log and `dflash2 status` say why) |
 | dflash2_policy_duel_hit_ratio{gpu,policy} / dflash2_policy_duel_hbm_hit_ratio{gpu,policy} | gauge | heat's duel: each candidate's miniature prefix hit rate in some tier / in HBM, recent (decayed; NaN before the first sampled lookup) |
-| dflash2_policy_duel_requests_total{gpu} / dflash2_policy_duel_dropped_total{gpu} / dflash2_policy_duel_switches_total{gpu} | counter | heat's duel: sampled lookups its miniatures served / dropped from a full queue / changes of the ranking followed |
+| dflash2_policy_duel_sample{gpu} | gauge | heat's duel: it replays 1 in this many content keys (`policy.duel_sample`, coarser once the daemon's loop fell behind: README, the duel) |
+| dflash2_policy_duel_requests_total{gpu} / dflash2_policy_duel_dropped_total{gpu} / dflash2_policy_duel_switches_total{gpu} | counter | heat's duel: sampled lookups its miniatures served / dropped (a full queue, or the queue when the sample grew coarser) / changes of the ranking followed |
 """
 
 from __future__ import annotations
@@ -364,8 +365,10 @@ def _duel_families(duels: list):
                      f"Each candidate's miniature prefix hit rate {what}, recent (decayed; NaN before the first "
                      "sampled lookup).", ["gpu", "policy"],
                      [((g, c), math.nan if r is None else r) for g, d in duels for c, r in d[key].items()])
+    yield _gauge("dflash2_policy_duel_sample", "The duel replays 1 in this many content keys (policy.duel_sample, "
+                 "or coarser once the daemon's loop fell behind).", ["gpu"], [((g,), d["sample"]) for g, d in duels])
     for key, doc in (("requests", "Sampled lookups the duel's miniatures served."),
-                     ("dropped", "Sampled lookups the duel dropped from its full queue (its tick budget could not keep up)."),
+                     ("dropped", "Sampled lookups the duel dropped (its full queue, or its queue when the sample grew coarser): the daemon's loop could not keep up."),
                      ("switches", "Changes of the ranking the heat policy follows.")):
         yield _counter(f"dflash2_policy_duel_{key}", doc, ["gpu"], [((g,), d[key]) for g, d in duels])
 

@@ -156,7 +156,9 @@ def _duel_line(d: dict, ranking: str | None) -> str:
     if hbm and all(r is not None for r in hbm.values()) and hbm != rates:
         found += " (in HBM " + ", ".join(f"{c} {r:.3f}" for c, r in hbm.items()) + ")"
     switches = f"{d['switches']} switch" + ("" if d["switches"] == 1 else "es")
-    return (f"{head} ({d['state']}, {switches}); miniatures of 1 in {d['sample']} keys found {found}; "
+    coarser = (f" (coarser than the configured 1 in {d['first_sample']}: the loop fell behind)"
+               if d.get("first_sample") not in (None, d["sample"]) else "")
+    return (f"{head} ({d['state']}, {switches}); miniatures of 1 in {d['sample']} keys{coarser} found {found}; "
             f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped")
 
 

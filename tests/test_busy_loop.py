@@ -380,6 +380,30 @@ def test_a_step_serves_the_duel_only_what_fits_its_small_share(tmp_path, monkeyp
     assert max(waits) < 0.2, [round(w, 3) for w in waits]
 
 
+def test_steps_save_their_share_for_a_lookup_longer_than_one_steps(tmp_path, monkeypatch):
+    """Sampled lookups of 4-6 ms (three miniatures of 1 ms, and their replay), a step's share of 2 ms,
+    steps every 20 ms and a call every 5 ms: no lookup fits in one step's share, but a few steps'
+    saved up do. Before, such lookups were served once a second (the starved one): a loop never idle
+    served a few a second of the fifteen a busy node offered (`dflash2 bench churn`). The duel's time
+    stays its share: no more lookups than the steps' saved time (and DUEL_SAVED_S) pays for."""
+    monkeypatch.setattr(server_mod, "IDLE_AFTER_S", 5.0)  # no lookups for being idle: the steps' share only
+    monkeypatch.setattr(server_mod, "DUEL_STARVED_S", 60.0)
+    monkeypatch.setattr(server_mod, "DUEL_SAVED_S", 0.03)  # (well above a lookup's cost on a loaded VM too)
+    waits = []
+    with dueling(tmp_path, monkeypatch, 400, 0.001, tick_interval_s=0.02) as (duel, ping):
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            time.sleep(0.005)
+            waits.append(ping())
+        served_then, elapsed, cost = duel.requests, time.monotonic() - started, duel.cost_s(20)
+    assert server_mod.DUEL_STEP_S < cost < server_mod.DUEL_SAVED_S / 2, cost  # (what the test is about)
+    paid = (elapsed / 0.02 * server_mod.DUEL_STEP_S + server_mod.DUEL_SAVED_S) / cost
+    # About what the share pays for (a loaded VM's steps come late: fewer), two more at most (the
+    # first two, whose cost was not known yet).
+    assert paid / 4 <= served_then <= paid + 2, (served_then, paid, cost)
+    assert max(waits) < 0.2, [round(w, 3) for w in waits]
+
+
 def test_a_step_serves_the_duel_small_lookups_whatever_waits(tmp_path, monkeypatch):
     """Cheap sampled lookups, a call every 5 ms and no quiet for the duel: each step serves those
     that fit in its share, so the duel keeps up with a loop never idle."""

@@ -193,6 +193,94 @@ def test_the_queue_is_bounded_by_sampled_keys_too(monkeypatch):
     assert duel.requests == len(queued) and duel._queued_keys == 0 and duel.describe()["queued"] == 0
 
 
+def busy_duel(monkeypatch, hbm_blocks: int, lookups: int, serve_every: int | None) -> tuple[Duel, BlockManager, int]:
+    """A duel (1 key in 2) whose loop serves one sampled lookup after every `serve_every` lookups
+    of 10 new keys (None: none), with room for 8 waiting and a coarser sample after 40 dropped."""
+    monkeypatch.setattr(D, "QUEUE_LIMIT", 8)
+    monkeypatch.setattr(D, "COARSEN_AFTER", 40)
+    mgr = manager(hbm_blocks)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    for i in range(lookups):
+        mgr.lookup(list(range(10 * i + 1, 10 * i + 11)), lid)
+        if serve_every and i % serve_every == 0:
+            duel.run(at_least_one=True, yield_to=lambda: True)  # one, as a step of a loop never idle
+    return duel, mgr, lid
+
+
+def test_a_duel_the_loop_cannot_keep_up_with_replays_fewer_keys(monkeypatch, caplog):
+    """Dropped lookups leave holes in the miniatures' history (a key asked for again looks new);
+    once COARSEN_AFTER were dropped, the duel samples fewer keys instead, by the factor the lookups
+    offered outnumbered those served, and its miniatures start again at the new size."""
+    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+        duel, mgr, lid = busy_duel(monkeypatch, 4096, 60, serve_every=5)
+    served, offered = duel.requests, duel.requests + duel.dropped  # (every lookup of 10 keys had one sampled)
+    assert duel.coarsened == 1 and duel.sample == 16  # 1 served in about 5 offered: 2 x 8
+    assert "served 12 of 60 sampled lookups lately; its miniatures now replay 1 in 16 keys (1 in 2 before)" in caplog.text
+    d = duel.describe()
+    assert (d["sample"], d["first_sample"], d["coarsened"], d["state"]) == (16, 2, 1, "warming up")
+    # What waits is of the new sample only; the miniatures are built again at 1/16 of HBM.
+    for i in range(60, 66):
+        mgr.lookup(list(range(10 * i + 1, 10 * i + 11)), lid)
+    assert duel._queue and all(np.array_equal(sampled(k, 16), k) for _, _, k in duel._queue)
+    duel.run()
+    assert duel.describe()["capacity_blocks"] == 4096 // 16 and duel.off is None
+    assert duel.requests > served and duel.dropped >= offered - served
+
+
+def test_the_coarsest_sample_leaves_a_miniature_hbm_to_judge_by(monkeypatch):
+    """A loop that serves nothing: the sample grows at once, but no further than a miniature HBM of
+    MIN_BLOCKS (256 blocks: 1 in 8); past that the oldest lookups are dropped, as before."""
+    duel, mgr, lid = busy_duel(monkeypatch, 256, 400, serve_every=None)
+    assert duel.sample == 8 and duel.coarsened == 1 and duel.off is None
+    assert duel.dropped > 2 * D.COARSEN_AFTER  # dropped past the coarsest sample, not coarser
+    duel.run()
+    assert duel.off is None and duel.describe()["capacity_blocks"] == 32
+
+
+def test_a_coarser_sample_keeps_the_ranking_followed(monkeypatch):
+    monkeypatch.setattr(D, "QUEUE_LIMIT", 8)
+    monkeypatch.setattr(D, "COARSEN_AFTER", 40)
+    mgr = manager(4096)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    mgr.policy.follow("lru")  # as if the duel had switched
+    duel.following = 1
+    for i in range(60):
+        mgr.lookup(list(range(10 * i + 1, 10 * i + 11)), lid)
+    assert duel.coarsened == 1
+    assert mgr.policy.ranking == "lru" and duel.describe()["following"] == "lru"
+
+
+def test_a_miniature_of_a_small_tier_in_large_pages_is_cut_in_smaller_ones():
+    """A 16 MB tier of 2 MiB pages (`dflash2 bench churn`'s HBM) is one page at 1/8 and none at
+    1/16: the miniature's pages are halved (down to the alignment) until it holds MIN_PAGES, so
+    the duel can grow coarser there. Tiers of many pages keep theirs."""
+    mib = 1 << 20
+    small = Layout("4k", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=16)
+    assert small.block_bytes == 4096
+    mgr = BlockManager([TierSpec(Tier.HBM, 16 * mib, 2 * mib, ALIGN), TierSpec(Tier.DRAM, 1024 * SLOT, SLOT, ALIGN)],
+                       policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 8)
+    hbm, dram = duel._specs(16)
+    assert (hbm.capacity_bytes, hbm.page_bytes) == (mib, mib // 8) and dram.page_bytes == SLOT
+    assert duel._specs(8)[0].page_bytes == mib // 4 and duel._hbm_blocks(64, small) == mib // 4 // 4096
+    # Cut at the alignment: no page smaller than it, and a share under one such page is no tier.
+    assert duel._specs(16 * mib // ALIGN)[0].page_bytes == ALIGN
+    assert all(s.tier != Tier.HBM for s in duel._specs(32 * mib // ALIGN))
+    duel.sample = 64  # a coarser sample's miniatures are built of those pages
+    lid = mgr.register_layout(small)
+    mgr.lookup(list(range(1, 4000)), lid)
+    duel.run()
+    assert duel.off is None and duel.describe()["capacity_blocks"] == (mib // 4 + 1024 * SLOT // 64) // 4096
+
+
+def test_a_key_in_a_coarser_sample_is_in_every_finer_one():
+    keys = np.arange(1, 100_001, dtype=np.uint64)
+    for fine, coarse in ((2, 16), (8, 64), (8, 1024)):
+        assert np.isin(sampled(keys, coarse), sampled(keys, fine)).all()
+
+
 def test_heat_miniatures_are_sized_for_the_keys_they_see():
     """Each heat miniature sees 1 in `sample` keys: its sketch and density ghosts are cut by that
     factor (at full size three miniatures held 3 x 18 MiB once enough keys came)."""

@@ -384,6 +384,12 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     switches = "1 switch" if d["switches"] == 1 else f"{d['switches']} switches"
     assert f"duel: heat ranks as lfu ({d['state']}, {switches}); miniatures of 1 in 2 keys found {rates}" \
         in render(st)
+    assert got[("dflash2_policy_duel_sample", (("gpu", "0"),))] == 2
+    coarse = json.loads(json.dumps(st))  # the loop fell behind: the duel replays fewer keys (duel.py _coarsen)
+    coarse["duel"].update(sample=16, coarsened=1)
+    assert "miniatures of 1 in 16 keys (coarser than the configured 1 in 2: the loop fell behind) found" in render(coarse)
+    metrics.snapshot = coarse
+    assert scrape(metrics)[("dflash2_policy_duel_sample", (("gpu", "0"),))] == 16
     # A node of two GPU pools: each pool's duel under its own label; the node's totals hold none.
     other = json.loads(json.dumps(st))
     other["duel"].update(state="off", off_reason="a miniature replay failed (see the log)")

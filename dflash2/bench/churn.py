@@ -20,8 +20,9 @@ per call, `p50_ms` and `p99_ms`; `hit_ratio` (blocks found over blocks asked, an
 them; they count as misses); `blocks_checked` and
 `wrong_blocks` (0, unless dflash2 has a bug); `calls_parked`;
 the daemon's `moves` (blocks per direction) over the window; and, with heat, its duel's sampled
-lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's tick could not
-keep up).
+lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's loop could not
+keep up), and at its end `duel_sample` (1 in N keys replayed: coarser than `policy.duel_sample`
+once the loop fell behind) and `duel_state` (warming up, judging, off).
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def _figures(args, results: list[dict], before: dict, after: dict, cpu_s: float 
     if duel_after:
         out["duel_served"] = duel_after.get("requests", 0) - duel_before.get("requests", 0)
         out["duel_dropped"] = duel_after.get("dropped", 0) - duel_before.get("dropped", 0)
+        out["duel_sample"], out["duel_state"] = duel_after.get("sample"), duel_after.get("state")
     return out
 
 
