@@ -37,10 +37,10 @@ their cost from `cost_s`). Served in one stretch on the tick (TICK_BUDGET_S, as 
 tick still does), it held every call that came meanwhile: 1024-block releases and commits waited
 7-12 ms at p90 against 1-3 ms with LRU (`dflash2 bench calls`, the 2-core VM). A queue over
 QUEUE_LIMIT drops its oldest requests, counted and logged (the miniatures then see fewer requests
-than the node serves, with holes in each key's history). A loop that keeps falling behind (COARSEN_AFTER
-dropped) makes the sample coarser instead (`_coarsen`): fewer keys replayed, each with its whole
-history, in smaller miniatures, down to MIN_BLOCKS in HBM; it never grows finer again while the
-daemon runs. The bench serves the queue after every request.
+than the node serves, with holes in each key's history). A loop that keeps falling behind
+(COARSEN_AFTER dropped) makes the sample coarser instead (`_coarsen`): fewer keys replayed, each
+with its whole history, in smaller miniatures, down to MIN_BLOCKS in HBM; it never grows finer
+again while the daemon runs. The bench serves the queue after every request.
 """
 
 from __future__ import annotations
@@ -265,7 +265,8 @@ class Duel:
         if self._minis_layout is None:
             self._minis_layout = self._queue[0][1]
         layout = self.manager.table.layout(self._minis_layout)
-        while factor > 1 and (self.sample * factor > MAX_SAMPLE or self._hbm_blocks(self.sample * factor, layout) < MIN_BLOCKS):
+        while factor > 1 and (self.sample * factor > MAX_SAMPLE
+                              or self._hbm_blocks(self.sample * factor, layout) < MIN_BLOCKS):
             factor //= 2
         if factor > 1:
             was, self.sample = self.sample, self.sample * factor
@@ -423,7 +424,8 @@ class Duel:
             state = "warming up"
         else:
             state = "judging"
-        return {"sample": self.sample, "first_sample": self.first_sample, "coarsened": self.coarsened, "state": state, "off_reason": self.off,
+        return {"sample": self.sample, "first_sample": self.first_sample, "coarsened": self.coarsened,
+                "state": state, "off_reason": self.off,
                 "following": CANDIDATES[self.following], "hit_rate": self.hit_rates(),
                 "hbm_hit_rate": self.hit_rates(hbm=True),
                 "requests": self.requests, "sampled_refs": self.sampled_refs, "queued": len(self._queue),
