@@ -1,7 +1,7 @@
 """`dflash2 bench churn`: what the daemon's own work costs per request while its clients churn a full cache.
 
 Starts `dflash2d` on a temporary host-only config (HBM of `--hbm-mb`, DRAM of `--dram-mb`, NVMe of
-`--nvme-mb` in the temporary folder, blocks of 16 tokens, 4 KiB each, in 2 MiB pages as the default
+`--nvme-mb` in the temporary folder, blocks of 16 tokens, 16 KiB each, in 2 MiB pages as the default
 config's (smaller for a tier under 16 MB), policy `--policy`) and
 `--clients` processes that each serve requests back to back, as an engine would: a
 request is a document (one asked for lately with probability RECENT, else any of `--docs`; every
