@@ -85,9 +85,10 @@ DUEL_STEP_S = 0.002
 DUEL_STARVED_S = 1.0
 # A step's share not spent (no lookup that fits) is saved for the next steps, up to DUEL_SAVED_S: a
 # lookup of 2-3 ms (one or two keys replayed by three miniatures of three tiers, the 2-core VM) never
-# fit in one step's 2 ms, and a loop never idle served one a second (the starved one): 345 in 150 s
-# against about 15 a second offered (`dflash2 bench churn`, 64 MB of HBM). Saved up, each such
-# lookup is served every second step or so, a call waiting for one at most, the duel's share the same.
+# fit in one step's 2 ms, and a loop never idle served about one a second (the starved one): 345 in
+# 150 s while 5,120 were dropped (`dflash2 bench churn` with 64 MB of HBM; 1,245-1,304 since, its
+# duel judging by the end). Saved up, each such lookup is served every second step or so, a call
+# waiting for one at most, the duel's share the same.
 DUEL_SAVED_S = 0.01
 
 
