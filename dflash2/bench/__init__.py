@@ -27,6 +27,18 @@ def sizes_kib(text: str, multiple_kib: int = 1) -> list[int]:
     return sizes
 
 
+def daemon_policy(name: str) -> str:
+    """`--policy` of a bench that starts a daemon: a policy the daemon runs (not a bench-only one
+    such as belady); OptionError naming the valid ones otherwise."""
+    from dflash2.daemon.main import BENCH_ONLY_POLICIES
+    from dflash2.policy import policy_names
+
+    online = [p for p in policy_names() if p not in BENCH_ONLY_POLICIES]
+    if name not in online:
+        raise OptionError(f"--policy: {name!r} is not a policy the daemon runs; valid: {', '.join(online)}")
+    return name
+
+
 def visible_gpu(device: int, what: str):
     """cupy, once CUDA sees a GPU of this index; OptionError saying what is missing otherwise (a
     GPU bench on a machine without one is a command that cannot run here, not a bug)."""

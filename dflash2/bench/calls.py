@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash2.argtypes import block_kib
-from dflash2.bench import OptionError, non_negative_int, positive_int, visible_gpu
+from dflash2.bench import OptionError, daemon_policy, non_negative_int, positive_int, visible_gpu
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
 
@@ -60,15 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dflash2.client import Client
     from dflash2.cuda import cuda_available
-    from dflash2.daemon.main import BENCH_ONLY_POLICIES
-    from dflash2.policy import policy_names
     from dflash2.protocol import MAX_BATCH
 
     if args.blocks > MAX_BATCH:
         raise OptionError(f"--blocks: {args.blocks} is more than a call may name ({MAX_BATCH})")
-    online = [name for name in policy_names() if name not in BENCH_ONLY_POLICIES]
-    if args.policy not in online:
-        raise OptionError(f"--policy: {args.policy!r} is not a policy the daemon runs; valid: {', '.join(online)}")
+    daemon_policy(args.policy)
     kind = args.device if args.device != "auto" else ("cuda" if cuda_available() else "host")
     if kind == "cuda":
         visible_gpu(args.gpu, "bench calls --device cuda")

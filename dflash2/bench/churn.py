@@ -64,14 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dflash2.bench import OptionError
+    from dflash2.bench import daemon_policy
     from dflash2.client import Client
-    from dflash2.daemon.main import BENCH_ONLY_POLICIES
-    from dflash2.policy import policy_names
 
-    online = [name for name in policy_names() if name not in BENCH_ONLY_POLICIES]
-    if args.policy not in online:
-        raise OptionError(f"--policy: {args.policy!r} is not a policy the daemon runs; valid: {', '.join(online)}")
+    daemon_policy(args.policy)
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         folder = Path(tmp)
         endpoint = f"ipc://{folder}/d.sock"

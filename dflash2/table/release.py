@@ -42,12 +42,20 @@ class Releasing:
         dropping = Counter(rows.tolist())
         for r, n in dropping.items():
             if holder.refs[r] < n:
-                raise NotOwner(f"client {client_id} holds no reference to block {int(self.vids(np.array([r]))[0]):#x}"
-                               " (double free, or another client's block)")
+                raise self._refused_free(client_id, r, unowned=True)
             c = self.cols
             if c.key[r] == 0 and c.refs[r] == n and c.pins[r] > 0:
-                raise PinnedBlock(f"block {int(self.vids(np.array([r]))[0]):#x} is pinned; release it before freeing")
+                raise self._refused_free(client_id, r, unowned=False)
         return self._drop_refs(holder, rows)
+
+    def _refused_free(self, client_id: int, row: int, unowned: bool) -> NotOwner | PinnedBlock:
+        """Why a free of `row` is refused: the client holds no reference to it, or (a private block's
+        last reference) it is pinned."""
+        vid = int(self.vids(np.array([row], dtype=np.int64))[0])
+        if unowned:
+            return NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
+                            "client's block)")
+        return PinnedBlock(f"block {vid:#x} is pinned; release it before freeing")
 
     def _free_distinct(self, client_id: int, holder: ClientRefs, rows: np.ndarray) -> int:
         """`free` of rows listed once each (a request's blocks: the usual large free), checked and
@@ -62,11 +70,7 @@ class Releasing:
         bad = unowned | pinned
         if any_true(bad):  # the first bad block in the caller's order, as the general path names it
             i = int(np.argmax(bad))
-            vid = int(self.vids(rows[i: i + 1])[0])
-            if unowned[i]:
-                raise NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
-                               "client's block)")
-            raise PinnedBlock(f"block {vid:#x} is pinned; release it before freeing")
+            raise self._refused_free(client_id, int(rows[i]), unowned=bool(unowned[i]))
         _count_down(holder.refs, listed, held)
         c.refs[rows] -= 1
         holder.ref_slot_bytes -= self.ref_slots(rows)
