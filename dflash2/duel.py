@@ -26,6 +26,12 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - a miniature HBM of fewer than MIN_BLOCKS blocks (of the first layout looked up) would judge by
   noise: the duel stops, says so in the log, and heat ranks as heat.
 
+The miniatures' capacity is counted in bytes where it paces them (the half-life of their figures,
+and when they have turned over): a node of several layouts (models) fills and turns over a cache's
+bytes, whatever blocks they come in. Counted in blocks of the first layout looked up, as it was, a
+5-minute GPU soak whose first layout was its smallest (16 KiB, most traffic 64-256 KiB) never saw
+its miniatures turn over (896 blocks of 16 KiB at 1 in 512 keys).
+
 The bench's replays with the duel on and off are in docs/policy-experiments.md (the duel's figures).
 
 Cost: the three miniatures take about as much CPU per request as the real manager (their chains are
@@ -171,6 +177,7 @@ class Duel:
         # The layout id that sizes them: the first sampled lookup's, and the same when they are built again.
         self._minis_layout: int | None = None
         self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of the first layout
+        self._unit_bytes = 0  # ... those blocks' bytes: a lookup of another layout counts by its bytes
         self._hits = np.zeros(len(CANDIDATES))  # decayed hits per candidate (blocks found in some tier)
         self._hbm_hits = np.zeros(len(CANDIDATES))  # decayed blocks found in HBM per candidate
         self._refs = 0.0  # decayed sampled references
@@ -292,7 +299,10 @@ class Duel:
         layout = self.manager.table.layout(layout_id)
         found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
         hits, hbm = found[:, 0], found[:, 1]
-        decay = 0.5 ** (len(keys) / (HALF_LIFE * self._capacity_blocks))
+        # The half-life in bytes referenced (in blocks of the first layout: a lookup of that layout
+        # counts its keys, exactly as before layouts were weighed).
+        units = len(keys) if layout.block_bytes == self._unit_bytes else len(keys) * layout.block_bytes / self._unit_bytes
+        decay = 0.5 ** (units / (HALF_LIFE * self._capacity_blocks))
         self._hits = (self._hits + hits) * decay
         self._hbm_hits = (self._hbm_hits + hbm) * decay
         self._sq = (self._sq + np.square(hits[:, None] - hits[None, :])) * decay
@@ -332,6 +342,7 @@ class Duel:
             return
         self._minis_layout = layout_id
         self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)
+        self._unit_bytes = layout.block_bytes
         rows = 1 << max(10, math.ceil(math.log2(self._capacity_blocks * 2 + 1024)))
         self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
         log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
@@ -386,10 +397,20 @@ class Duel:
                  *(", ".join(f"{n} {r:.4f}" for n, r in rates.items()) for rates in (found, in_hbm)))
 
     def _turned_over(self) -> bool:
-        """Every miniature has let go (evicted) as many blocks as it holds: its figures now say what
-        it keeps, not only what it has seen."""
+        """Every miniature has let go (evicted) as many bytes as it holds (its capacity in blocks of
+        the first layout): its figures now say what it keeps, not only what it has seen."""
+        held = self._capacity_blocks * self._unit_bytes
         return (self._minis is not None and self._refs > 0
-                and all(m.manager.placement.stats.evicted >= self._capacity_blocks for m in self._minis))
+                and all(m.manager.placement.stats.evicted_bytes >= held for m in self._minis))
+
+    def turned_over(self) -> float:
+        """How far the miniatures are from judging: the least share, among them, of the bytes each
+        holds that it has let go (1.0 once all have turned over; 0.0 before they are built). A duel
+        warming up for long says here whether it is nearly there or has barely begun."""
+        if self._minis is None:
+            return 0.0
+        held = self._capacity_blocks * self._unit_bytes
+        return min(1.0, min(m.manager.placement.stats.evicted_bytes for m in self._minis) / held)
 
     def _stop(self, why: str) -> None:
         if self.off is None:
@@ -428,6 +449,7 @@ class Duel:
                 "state": state, "off_reason": self.off,
                 "following": CANDIDATES[self.following], "hit_rate": self.hit_rates(),
                 "hbm_hit_rate": self.hit_rates(hbm=True),
+                "turned_over": round(self.turned_over(), 4),
                 "requests": self.requests, "sampled_refs": self.sampled_refs, "queued": len(self._queue),
                 "dropped": self.dropped, "unlabelled": self.unlabelled, "switches": self.switches,
                 "last_switch": self.last_switch,

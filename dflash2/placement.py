@@ -44,6 +44,7 @@ class Watermark:
 class PlacementStats:
     demoted: int = 0
     evicted: int = 0
+    evicted_bytes: int = 0  # their blocks' bytes (the duel's miniatures turn over by bytes: duel.py)
     lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
     promoted: int = 0
     not_admitted: int = 0
@@ -463,8 +464,10 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         if not len(rows):
             return False
         self.policy.on_remove(self.table, rows)
+        nbytes = int(self.table.block_bytes(rows).sum())
         self.table.evict(rows)
         self.stats.evicted += len(rows)
+        self.stats.evicted_bytes += nbytes
         return True
 
     def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray, **pick) -> None:

@@ -158,7 +158,10 @@ def _duel_line(d: dict, ranking: str | None) -> str:
     switches = f"{d['switches']} switch" + ("" if d["switches"] == 1 else "es")
     coarser = (f" (coarser than the configured 1 in {d['first_sample']}: the loop fell behind)"
                if d.get("first_sample") not in (None, d["sample"]) else "")
-    return (f"{head} ({d['state']}, {switches}); miniatures of 1 in {d['sample']} keys{coarser} found {found}; "
+    state = d["state"]
+    if state == "warming up" and d.get("turned_over") is not None:
+        state += f", {100 * d['turned_over']:.0f}% turned over"  # (judging once every miniature let go what it holds)
+    return (f"{head} ({state}, {switches}); miniatures of 1 in {d['sample']} keys{coarser} found {found}; "
             f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped")
 
 

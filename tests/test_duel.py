@@ -275,6 +275,44 @@ def test_a_miniature_of_a_small_tier_in_large_pages_is_cut_in_smaller_ones():
     assert duel.off is None and duel.describe()["capacity_blocks"] == (mib // 4 + 1024 * SLOT // 64) // 4096
 
 
+def test_miniatures_of_several_layouts_turn_over_and_forget_by_bytes():
+    """Sized in blocks of the first layout looked up (here the small one), the miniatures count a
+    lookup of a layout 4 times larger as 4 times the bytes: they have turned over once they let go
+    as many bytes as they hold (a quarter as many of the large blocks), and their figures' half-life
+    is in bytes referenced. Counted in blocks, a node whose first layout was its smallest never saw
+    its miniatures turn over in a 5-minute soak."""
+    small = LAYOUT
+    large = Layout("4x", num_layers=1, num_kv_heads=4, head_dim=64, dtype="fp16",
+                   tokens_per_block=small.tokens_per_block)
+    assert large.block_bytes == 4 * small.block_bytes
+    mgr = BlockManager([TierSpec(Tier.HBM, 1024 * large.block_bytes, large.block_bytes, ALIGN)],
+                       policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 2)
+    s_lid, l_lid = mgr.register_layout(small), mgr.register_layout(large)
+    mgr.lookup(list(range(1, 21)), s_lid)
+    duel.run()
+    capacity = duel.describe()["capacity_blocks"]
+    assert capacity == 512 * 4  # 1/2 of HBM, in blocks of the small layout
+    # One lookup of the large layout ages the figures by its bytes: 4 units a key.
+    refs, keys = duel._refs, sampled(np.arange(10**6, 10**6 + 20, dtype=np.uint64), 2)
+    mgr.lookup(list(range(10**6, 10**6 + 20)), l_lid)
+    duel.run()
+    assert duel._refs == pytest.approx((refs + len(keys)) * 0.5 ** (4 * len(keys) / (D.HALF_LIFE * capacity)))
+    # New chains of large blocks, never asked for again: every miniature fills, then lets go.
+    held = capacity * small.block_bytes
+    key = 2 * 10**6
+    turned = 0.0
+    while not all(m.manager.placement.stats.evicted_bytes >= held for m in duel._minis):
+        d = duel.describe()
+        assert d["state"] == "warming up" and turned <= d["turned_over"] < 1  # how far along, never back
+        turned = d["turned_over"]
+        mgr.lookup(list(range(key, key + 20)), l_lid)
+        duel.run()
+        key += 20
+    assert duel.describe()["state"] == "judging" and duel.describe()["turned_over"] == 1.0
+    assert all(m.manager.placement.stats.evicted < capacity for m in duel._minis)  # a quarter as many blocks
+
+
 def test_a_key_in_a_coarser_sample_is_in_every_finer_one():
     keys = np.arange(1, 100_001, dtype=np.uint64)
     for fine, coarse in ((2, 16), (8, 64), (8, 1024)):
@@ -441,7 +479,7 @@ def test_the_judgement_wants_more_found_in_some_tier_and_in_hbm(hits, hbm, follo
     mgr.lookup(list(range(1, 40)), lid)
     duel.run()  # the miniatures exist
     for mini in duel._minis:
-        mini.manager.placement.stats.evicted = 512  # each has let go as many blocks as it holds
+        mini.manager.placement.stats.evicted_bytes = 512 * SLOT  # each has let go as many bytes as it holds
     duel._refs = 1000.0
     duel._hits, duel._hbm_hits = np.array(hits, dtype=float), np.array(hbm, dtype=float)
     duel._sq = np.full((3, 3), 1.0)  # a steady difference: the margin decides
@@ -452,7 +490,7 @@ def test_the_judgement_wants_more_found_in_some_tier_and_in_hbm(hits, hbm, follo
     mgr.policy.follow("heat")
     duel._judge()
     assert mgr.policy.ranking == "heat" and duel.switches == 0
-    duel._minis[1].manager.placement.stats.evicted = 511  # one miniature has not turned over yet
+    duel._minis[1].manager.placement.stats.evicted_bytes = 511 * SLOT  # one miniature has not turned over yet
     duel._sq = np.full((3, 3), 1.0)
     duel._judge()
     assert mgr.policy.ranking == "heat"

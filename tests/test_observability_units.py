@@ -363,8 +363,9 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     assert got[("dflash2_policy_duel_on", (("gpu", "0"),))] == 1
     assert math.isnan(got[("dflash2_policy_duel_hit_ratio", (("gpu", "0"), ("policy", "lru")))])  # none yet
     assert got[("dflash2_policy_ranking", (("gpu", "0"), ("policy", "heat")))] == 1
-    assert "duel: heat ranks as heat (warming up, 0 switches); miniatures of 1 in 2 keys found none yet" \
+    assert "duel: heat ranks as heat (warming up, 0% turned over, 0 switches); miniatures of 1 in 2 keys found none yet" \
         in render(json.loads(json.dumps(service.stats())))
+    assert got[("dflash2_policy_duel_turned_over", (("gpu", "0"),))] == 0
     client = mgr.attach("c")
     for i, req in enumerate(chat(300)):  # the chat shape served through the real manager
         serve(mgr, Prefetcher(mgr, 0), client, lid, req, i, Tally(), 16)
@@ -382,8 +383,10 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     st = json.loads(json.dumps(service.stats()))
     rates = ", ".join(f"{c} {d['hit_rate'][c]:.3f}" for c in ("heat", "lru", "lfu"))
     switches = "1 switch" if d["switches"] == 1 else f"{d['switches']} switches"
-    assert f"duel: heat ranks as lfu ({d['state']}, {switches}); miniatures of 1 in 2 keys found {rates}" \
+    state = d["state"] if d["state"] == "judging" else f"warming up, {100 * d['turned_over']:.0f}% turned over"
+    assert f"duel: heat ranks as lfu ({state}, {switches}); miniatures of 1 in 2 keys found {rates}" \
         in render(st)
+    assert got[("dflash2_policy_duel_turned_over", (("gpu", "0"),))] == d["turned_over"] > 0
     assert got[("dflash2_policy_duel_sample", (("gpu", "0"),))] == 2
     coarse = json.loads(json.dumps(st))  # the loop fell behind: the duel replays fewer keys (duel.py _coarsen)
     coarse["duel"].update(sample=16, coarsened=1)
