@@ -19,6 +19,7 @@ from typing import Optional
 from dflash2 import threads
 from dflash2.alloc import blocks_that_fit, slot_bytes
 from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
+from dflash2.cudadriver import libcuda
 from dflash2.errors import ConfigError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
@@ -199,7 +200,7 @@ def probe_gpus() -> Optional[list[Gpu]]:
 
 def _probe_driver() -> Optional[list[Gpu]]:
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = libcuda()
     except OSError:
         return None
     status = cuda.cuInit(0)

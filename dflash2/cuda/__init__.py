@@ -5,6 +5,7 @@ dflash2 never imports this package unless the config asks for a CUDA device."""
 from __future__ import annotations
 
 from dflash2 import threads
+from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError
 from dflash2.gpuid import uuid_text
 
@@ -49,7 +50,7 @@ def gpu_uuid(device: int) -> str:
     import ctypes
 
     cupy().cuda.runtime.getDeviceCount()  # the runtime has initialised the driver (cuInit) by now
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = libcuda()
     handle = ctypes.c_int()
     status = lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device))
     if status != 0:

@@ -15,6 +15,7 @@ import weakref
 
 from dflash2.arena.base import MemoryArena
 from dflash2.cuda import cupy
+from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
 
@@ -30,7 +31,7 @@ def device_pointer(host_ptr: int) -> int:
     not wrap it). Needs the current device's context, which CuPy has made by then."""
     import ctypes
 
-    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda = libcuda()
     out = ctypes.c_uint64()
     status = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(host_ptr), ctypes.c_uint(0))
     if status != 0:

@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 
+from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError
 
 log = logging.getLogger("dflash2.cuda")
@@ -52,7 +53,7 @@ class CopyEngineBatch:
         self._v2 = False
         self._lib = None
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            lib = libcuda()
         except OSError:
             lib = None
         for name, v2 in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):

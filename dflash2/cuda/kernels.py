@@ -20,6 +20,7 @@ import threading
 import numpy as np
 
 from dflash2.cuda import cupy
+from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError
 
 THREADS = 128
@@ -146,7 +147,7 @@ class Launcher:
 
     def __init__(self, function_ptr: int):
         self._function = ctypes.c_void_p(function_ptr)
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        fn = libcuda().cuLaunchKernel
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         fn.restype = ctypes.c_int
         self._fn = fn
