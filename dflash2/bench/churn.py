@@ -22,7 +22,8 @@ them; they count as misses); `blocks_checked` and
 the daemon's `moves` (blocks per direction) over the window; and, with heat, its duel's sampled
 lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's loop could not
 keep up), and at its end `duel_sample` (1 in N keys replayed: coarser than `policy.duel_sample`
-once the loop fell behind) and `duel_state` (warming up, judging, off).
+once the loop fell behind), `duel_state` (warming up, judging, off) and `duel_turned_over` (how
+far along a warming duel is: it judges at 1).
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ def _figures(args, results: list[dict], before: dict, after: dict, cpu_s: float 
         out["duel_served"] = duel_after.get("requests", 0) - duel_before.get("requests", 0)
         out["duel_dropped"] = duel_after.get("dropped", 0) - duel_before.get("dropped", 0)
         out["duel_sample"], out["duel_state"] = duel_after.get("sample"), duel_after.get("state")
+        out["duel_turned_over"] = duel_after.get("turned_over")
     return out
 
 
