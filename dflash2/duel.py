@@ -399,9 +399,7 @@ class Duel:
     def _turned_over(self) -> bool:
         """Every miniature has let go (evicted) as many bytes as it holds (its capacity in blocks of
         the first layout): its figures now say what it keeps, not only what it has seen."""
-        held = self._capacity_blocks * self._unit_bytes
-        return (self._minis is not None and self._refs > 0
-                and all(m.manager.placement.stats.evicted_bytes >= held for m in self._minis))
+        return self._refs > 0 and self.turned_over() >= 1.0
 
     def turned_over(self) -> float:
         """How far the miniatures are from judging: the least share, among them, of the bytes each
