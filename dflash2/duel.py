@@ -299,9 +299,9 @@ class Duel:
         layout = self.manager.table.layout(layout_id)
         found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
         hits, hbm = found[:, 0], found[:, 1]
-        # The half-life in bytes referenced (in blocks of the first layout: a lookup of that layout
-        # counts its keys, exactly as before layouts were weighed).
-        units = len(keys) if layout.block_bytes == self._unit_bytes else len(keys) * layout.block_bytes / self._unit_bytes
+        # The half-life in bytes referenced, in blocks of the first layout (a lookup of that layout
+        # counts its keys: n * b / b is n exactly).
+        units = len(keys) * layout.block_bytes / self._unit_bytes
         decay = 0.5 ** (units / (HALF_LIFE * self._capacity_blocks))
         self._hits = (self._hits + hits) * decay
         self._hbm_hits = (self._hbm_hits + hbm) * decay

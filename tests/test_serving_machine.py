@@ -272,7 +272,7 @@ class ServingMachine(RuleBasedStateMachine):
             # Its parent: the extended chain's last block, if a lookup still finds the whole of it.
             found = self.mgr.table.lookup(keys[:at], self.layout_ids[li])
             if len(found) < at:
-                own, keys, at = own, own, 0  # the prefix is gone: a chain of its own
+                keys, at = own, 0  # the prefix is gone: a chain of its own
             else:
                 parent = int(self.mgr.table.vids(found[-1:])[0])
 
