@@ -64,7 +64,7 @@ def resolve_endpoint(endpoint: str | None, config) -> str:
     config's default (the runtime-folder ipc socket)."""
     if endpoint:
         return endpoint
-    return _config(config).resolved_endpoint()
+    return _config(config).client_endpoint()
 
 
 def _config(config):
@@ -135,7 +135,7 @@ class Client:
         reuse; `set_prefill_rate` changes it later)."""
         if endpoint is None or (config is not None and timeout_s is None):
             cfg = _config(config)
-            endpoint = endpoint or cfg.resolved_endpoint()
+            endpoint = endpoint or cfg.client_endpoint()
             timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
         return cls(endpoint, name or f"pid-{os.getpid()}", layouts, 5.0 if timeout_s is None else timeout_s,
                    heartbeat, device, prefill_tokens_per_s)
@@ -347,12 +347,18 @@ class Client:
 
     def commit(self, vids, keys=None, parent: int | None = None) -> np.ndarray:
         """Make blocks final (and, with content keys, shareable). Returns the vids now held: a key
-        already cached deduplicates to the cached block."""
+        already cached deduplicates to the cached block. A commit that timed out (DaemonUnavailable)
+        may have run: its blocks are no longer viewable by vid as written ones here (a committed
+        block may move under such a view), as after `free`; acquire them to read them."""
         args = {} if parent is None else {"parent": int(parent)}
         arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
-        out = np.frombuffer(self._call(Op.COMMIT, args, arrays).arrays[0], dtype=P.VIDS_DTYPE)
+        try:
+            reply = self._call(Op.COMMIT, args, arrays)
+        except DaemonUnavailable:
+            self._held.written(vids)
+            raise
         self._held.written(vids)
-        return out
+        return np.frombuffer(reply.arrays[0], dtype=P.VIDS_DTYPE)
 
     def lookup(self, keys, layout: int | None = None, tier: str = "hbm", *, probe: bool = False) -> np.ndarray:
         """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing).

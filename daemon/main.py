@@ -26,6 +26,7 @@ from dflash2 import threads
 with threads.stop_signals_blocked():
     from dflash2.config import Config, check_environment, config_warnings, load_config, require_enabled
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
+    from dflash2.logs import console_line
     from dflash2.plan import Plan, resolve_plan
     from dflash2.policy.base import policy_class, policy_names
 
@@ -57,21 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.json and not args.check:  # it would start the daemon and ignore --json
         parser.error("--json only goes with --check (the daemon itself logs as logging.format says)")
-    for warning in check_environment():
-        _warn(warning)
+    # Warnings wait for the config: they are printed in its logging.format (a journal of JSON
+    # lines stays one), as text for --check (a person reads it) or when the config cannot be read.
+    warnings = list(check_environment())
+    fmt = "text"
     try:
         cfg = load_config(args.config)
+        fmt = "text" if args.check else cfg.logging.format
         require_enabled(cfg)
         check_policy(cfg)
         plan = resolve_plan(cfg)
-        for warning in config_warnings(cfg, device_kind=plan.device_kind):  # `auto` resolved
-            _warn(warning)
-        check_paths(plan)
+        warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
+        check_paths(plan, history=cfg.history_enabled)
     except ConfigError as exc:
-        return _fail(str(exc))
+        _warn_all(fmt, warnings)
+        return _fail(str(exc), fmt)
     except DisabledError as exc:
-        print(exc, file=sys.stderr)
+        _warn_all(fmt, warnings)
+        print(console_line(fmt, str(exc), event="dflash2_disabled"), file=sys.stderr)
         return EXIT_DISABLED
+    _warn_all(fmt, warnings)
     if args.check:
         now = room_now(plan)
         if args.json:
@@ -157,11 +163,11 @@ def check_policy(cfg: Config) -> None:
                                          f"{BENCH_ONLY_POLICIES[cfg.policy.name]}")
 
 
-def check_paths(plan: Plan) -> None:
+def check_paths(plan: Plan, history: bool = False) -> None:
     """The endpoint's files must be the daemon's to make: a file at the socket path is replaced and
     the lock file sits beside it, so a shared folder (/tmp: anyone could have planted either) or a
     file that is not a socket is refused here, before anything is touched; a tcp endpoint's lock
-    file lives in the state folder."""
+    file lives in the state folder, and so does the history (`history`: history_enabled)."""
     if plan.endpoint.startswith("ipc://"):
         socket = Path(plan.endpoint[len("ipc://"):])
         _check_folder("daemon.endpoint", socket.parent)
@@ -174,7 +180,7 @@ def check_paths(plan: Plan) -> None:
                     f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}"))
         if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
-    else:
+    if history or not plan.endpoint.startswith("ipc://"):
         _check_folder("daemon.state_dir", plan.state_dir)
 
 
@@ -230,21 +236,22 @@ def _serve(cfg: Config) -> int:
     try:
         result = server.run(cfg)
     except _Stopped as exc:
-        print(f"dflash2d: stopped by {exc} during start-up", file=sys.stderr)
+        print(console_line(cfg.logging.format, f"dflash2d: stopped by {exc} during start-up",
+                           event="dflash2_shutdown"), file=sys.stderr)
         return EXIT_OK
     except zmq.ZMQError as exc:  # the endpoint cannot be bound: taken by another program, or no such address
-        print(f"dflash2d: error: cannot serve daemon.endpoint {cfg.resolved_endpoint()}: {exc.strerror}",
-              file=sys.stderr)
+        _fail(f"cannot serve daemon.endpoint {cfg.resolved_endpoint()}: {exc.strerror}", cfg.logging.format)
         return EXIT_START_FAILED
     return EXIT_OK if result is None else int(result)
 
 
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+def _warn_all(fmt: str, warnings: list[str]) -> None:
+    for message in warnings:
+        print(console_line(fmt, f"warning: {message}", level="warning", event="dflash2_warning"), file=sys.stderr)
 
 
-def _fail(message: str) -> int:
-    print(f"dflash2d: error: {message}", file=sys.stderr)
+def _fail(message: str, fmt: str = "text") -> int:
+    print(console_line(fmt, f"dflash2d: error: {message}", level="error", event="dflash2_error"), file=sys.stderr)
     return EXIT_CONFIG
 
 

@@ -15,6 +15,9 @@ from dflash2.logs import event
 from dflash2.metrics import DaemonMetrics
 
 log = logging.getLogger("dflash2.daemon")
+# How often the loop lets the observers sample, steps or not: the /metrics snapshot's and the
+# history's interval (README: "a snapshot the daemon's loop refreshes every second").
+SAMPLE_INTERVAL_S = 1.0
 
 
 class Observers:
@@ -43,6 +46,13 @@ class Observers:
         """Owner thread, after each background step."""
         if self.metrics is not None:
             self.metrics.after_tick(late_s, seconds)
+        self.sample()
+
+    def sample(self) -> None:
+        """Owner thread, at least every SAMPLE_INTERVAL_S whatever the step's interval (which may be
+        up to an hour): a new /metrics snapshot and a history sample, each when its own is due."""
+        if self.metrics is not None:
+            self.metrics.refresh()
         if self.history is not None and self.history.due():
             self.history.record(self.service.stats())
 

@@ -39,10 +39,10 @@ from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
-from dflash2.daemon.observe import Observers, log_fallbacks
+from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
 from dflash2.daemon.service import Parked, Service
 from dflash2.errors import ArenaError, CapacityError
-from dflash2.logs import configure as configure_logging, event
+from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
 from dflash2.rebalance import Rebalancing
 from dflash2.tiers import Tier
@@ -74,6 +74,9 @@ PIECE_SPACING = 2.0
 # p50 5.1-5.4 ms during it, 0.25 ms without pieces between the steps: experiment scripts, README), a
 # quiet daemon drains faster.
 IDLE_AFTER_S = 0.005
+# The longest the loop waits for a request when nothing else is due: how soon it sees `stop`.
+MAX_WAIT_MS = 200
+MOST_FRAMES = 1 + P.MAX_REQUEST_FRAMES  # the ROUTER's peer identity, then the request's
 # The duel's sampled lookups (duel.py) are served once no request has come for IDLE_AFTER_S, one at
 # a time while none waits; and at each step, whatever waits, those expected to take DUEL_STEP_S in
 # all (2% of a 100 ms step: the share a loop never idle gives them) and what earlier steps saved. One
@@ -131,8 +134,11 @@ class Server:
         """Blocking receive with a timeout (cheaper per request than a poller): between requests,
         and at least every tick interval, the periodic work runs."""
         sock = self._sock
-        sock.setsockopt(zmq.RCVTIMEO, max(1, min(200, int(self.tick_interval_s * 1000))))
+        timeout_ms = -1  # the socket's receive timeout as last set (it follows the step that is due)
         next_tick = time.monotonic()
+        # The observers' next sample (metrics snapshot, history), due every SAMPLE_INTERVAL_S
+        # whatever the step's interval; the step samples too (each when due).
+        next_sample = next_tick + SAMPLE_INTERVAL_S if self.observers is not None else math.inf
         # Nothing could be answered before the loop ran: leases are judged as of its start until
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
@@ -163,7 +169,17 @@ class Server:
                 if dueling and not sock.poll(max(0, math.ceil(1000 * (min(self._last_answer + IDLE_AFTER_S, next_tick)
                                                                       - time.monotonic()))), zmq.POLLIN):
                     raise zmq.Again()
-                frames = recv_frames(sock, NOBLOCK if draining or dueling or self._parked else 0)
+                # Otherwise a wait until the step is due, no longer (nor more than MAX_WAIT_MS, to
+                # see a stop): a fixed timeout overshot the step by up to its own length each time.
+                wait_ms = 0 if draining or dueling or self._parked else \
+                    min(MAX_WAIT_MS, math.ceil(1000 * (min(next_tick, next_sample) - time.monotonic())))
+                if wait_ms <= 0:
+                    frames = recv_frames(sock, NOBLOCK, MOST_FRAMES)
+                else:
+                    if wait_ms != timeout_ms:
+                        sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+                        timeout_ms = wait_ms
+                    frames = recv_frames(sock, most=MOST_FRAMES)
             except zmq.Again:
                 frames = None
                 # Every message sent before now is answered: leases are judged as of then (a
@@ -178,6 +194,9 @@ class Server:
                 if draining and self._drain_owed_s > 0 and self._next_slice() <= time.monotonic() < next_tick:
                     self._drain_slice(wait=False)
             now = time.monotonic()
+            if now >= next_sample:
+                self._sample()
+                next_sample = now + SAMPLE_INTERVAL_S
             if now >= next_tick:
                 # What queued up while the last request ran (a long promotion from NVMe) is read
                 # first: the heartbeats in it are what keep those clients' leases, which the tick
@@ -189,7 +208,7 @@ class Server:
                 budget = now + max(DRAIN_BUDGET_TICKS * self.tick_interval_s, self._last_tick_s)
                 for _ in range(DRAIN_BEFORE_TICK):
                     try:
-                        frames = recv_frames(sock, NOBLOCK)
+                        frames = recv_frames(sock, NOBLOCK, MOST_FRAMES)
                     except zmq.Again:
                         self.service.queue_empty()
                         break
@@ -405,6 +424,13 @@ class Server:
             except Exception:
                 log.exception("metrics/history sampling failed; the daemon keeps serving")
 
+    def _sample(self) -> None:
+        """The observers' sample between steps (a step's interval may be far longer than theirs)."""
+        try:
+            self.observers.sample()
+        except Exception:
+            log.exception("metrics/history sampling failed; the daemon keeps serving")
+
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
@@ -468,11 +494,10 @@ def run(cfg: Config) -> int:
     try:
         lock.acquire()
     except EndpointBusy as e:
-        print(f"dflash2d: error: {e}", file=sys.stderr, flush=True)
+        _error(cfg, str(e))
         return EXIT_START_FAILED
     except OSError as e:  # the folder changed since the start-up check (main.check_paths)
-        print(f"dflash2d: error: cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: "
-              f"{e.strerror or e}", file=sys.stderr, flush=True)
+        _error(cfg, f"cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: {e.strerror or e}")
         return EXIT_START_FAILED
     if lock.previous_pid is not None:
         # The last daemon on this endpoint was killed: give back the shared memory it left (each
@@ -492,7 +517,7 @@ def run(cfg: Config) -> int:
             alive = DaemonLiveness.create(liveness_name(instance_name(os.getpid())))
             managers = build_managers(cfg, plan=plan)
         except (CapacityError, ArenaError) as e:
-            print(f"dflash2d: error: cannot start: {e}", file=sys.stderr, flush=True)
+            _error(cfg, f"cannot start: {e}")
             return EXIT_START_FAILED
         manager = next(iter(managers.values()))
         service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
@@ -501,8 +526,7 @@ def run(cfg: Config) -> int:
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
         except OSError as e:
-            print(f"dflash2d: error: cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}",
-                  file=sys.stderr, flush=True)
+            _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}")
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
         lock.secure_socket()
@@ -510,7 +534,7 @@ def run(cfg: Config) -> int:
             signal.signal(sig, lambda *_: server.stop())
         for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
             signal.signal(sig, _ignored)
-        print(startup_line(plan, managers), flush=True)
+        print(console_line(cfg.logging.format, startup_line(plan, managers), event="dflash2_enabled"), flush=True)
         log_fallbacks(cfg, plan)
         event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",
               endpoint=plan.endpoint, device=plan.device_kind,
@@ -518,9 +542,8 @@ def run(cfg: Config) -> int:
               policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
         if server.failed:
-            print(f"dflash2d: error: {server.failed}; exiting (code {EXIT_GPU_LOST}) so that the supervisor "
-                  "restarts the daemon; clients fall back to their own cache, then attach again", file=sys.stderr,
-                  flush=True)
+            _error(cfg, f"{server.failed}; exiting (code {EXIT_GPU_LOST}) so that the supervisor restarts the "
+                        "daemon; clients fall back to their own cache, then attach again")
             event(log, "dflash2_gpu_lost", server.failed, clients=len(service.sessions),
                   uptime_s=round(time.monotonic() - started, 3))
             return EXIT_GPU_LOST
@@ -540,6 +563,13 @@ def run(cfg: Config) -> int:
             alive.close()
         lock.release()
         log.info("stopped")
+
+
+def _error(cfg: Config, message: str) -> None:
+    """Why the daemon cannot start (or goes), on stderr: `dflash2d: error: ...`, or in json format
+    that line as a JSON record (logs.console_line)."""
+    print(console_line(cfg.logging.format, f"dflash2d: error: {message}", level="error", event="dflash2_error"),
+          file=sys.stderr, flush=True)
 
 
 def _configure_logging(cfg: Config) -> None:

@@ -346,6 +346,7 @@ class Service:
         m = self.managers[device]
         for lay in layouts:
             m.check_layout(lay)  # before anything changes: a refused layout attaches nobody
+        m.table.refuse_layouts(layouts)
         client = m.attach(name, client_id=self._next_client)
         self._next_client += 1
         ids = [m.register_layout(lay) for lay in layouts]
@@ -441,8 +442,10 @@ class Service:
 
     def _take(self, req):
         m = self._mgr(req)
-        vids = m.take(req.client, arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH))
-        self._undoable(req, lambda: m.free(req.client, vids))
+        rid, n = arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH)
+        res = m.admission.find(rid)  # before a take of its last blocks forgets it
+        vids = m.take(req.client, rid, n)
+        self._undoable(req, lambda: m.untake(req.client, res, vids))
         return {}, [wire.places_of(m, vids)]
 
     def _cancel(self, req):
@@ -576,6 +579,9 @@ class Service:
         bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
         if bad:
             raise ProtocolError(f"set_weights: weights {bad} must be numbers")
+        bad = {k: v for k, v in weights.items() if isinstance(v, float) and math.isnan(v)}
+        if bad:
+            raise ProtocolError(f"set_weights: weights must be numbers >= 0, got {bad}")
         # An integer past float's range (JSON allows 10**400) is taken as infinite: the policy's
         # own bounds check then names the weight and its bound.
         floats = {k: float(v) if abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf)

@@ -10,6 +10,7 @@ Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_ena
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -302,9 +303,9 @@ class Config(_Section):
         if scheme != "tcp":
             return
         host, _, port = rest.rpartition(":")
-        wildcard = {"*", "0.0.0.0", "::", "[::]", ""}
+        wildcard = {"*", "0.0.0.0", "::", ""}
         if int(port) == self.metrics.port and (_same_host(host, self.metrics.host)
-                                               or {host, self.metrics.host} & wildcard):
+                                               or {_bare_host(host), _bare_host(self.metrics.host)} & wildcard):
             raise ConfigError("metrics.port", f"{self.metrics.port} is daemon.endpoint's port too "
                                               f"({self.daemon.endpoint}); give metrics another port")
 
@@ -355,6 +356,18 @@ class Config(_Section):
             return f"ipc://{self.resolve_path(rest, 'daemon.endpoint')}"
         return self.daemon.endpoint
 
+    def client_endpoint(self, environ: Mapping[str, str] = os.environ) -> str:
+        """The endpoint a client on this node connects to: `resolved_endpoint`, but for a daemon
+        bound to every address (tcp://*:PORT, 0.0.0.0, [::]), which nobody can connect to, the
+        loopback address of that family."""
+        endpoint = self.resolved_endpoint(environ)
+        scheme, rest = endpoint_parts(endpoint)
+        if scheme != "tcp":
+            return endpoint
+        host, _, port = rest.rpartition(":")
+        loopback = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(_bare_host(host))
+        return endpoint if loopback is None else f"tcp://{loopback}:{port}"
+
 
 def expand_user(raw: str, key: str) -> Path:
     """`raw` with a leading ~ or ~user expanded; ConfigError naming `key` when it cannot be (no such
@@ -372,11 +385,23 @@ HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it i
                            "host-memory stand-in for HBM")
 
 
+def _bare_host(host: str) -> str:
+    """A host as one spelling: lower case, an IPv6 address without the brackets an endpoint puts
+    around it, and an IP address in its canonical form (`0:0:0:0:0:0:0:1` is `::1`)."""
+    host = host.lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
 def _same_host(a: str, b: str) -> bool:
     """Whether two hosts may name one address, as far as can be told without asking a resolver:
     equal, or a loopback name and a loopback address it stands for (127.0.0.2 is another address)."""
-    names, addresses = {"localhost", "ip6-localhost"}, {"127.0.0.1", "::1", "[::1]"}
-    a, b = a.lower(), b.lower()
+    names, addresses = {"localhost", "ip6-localhost"}, {"127.0.0.1", "::1"}
+    a, b = _bare_host(a), _bare_host(b)
     return a == b or ({a, b} <= names | addresses and bool({a, b} & names))
 
 
@@ -476,6 +501,11 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
             "block counts as cold and the daemon will churn, demoting blocks that are about to be read")
     if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
         warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
+    heat_only = sorted({"weights", "decay_half_life_s"} & cfg.policy.model_fields_set)
+    if heat_only and cfg.policy.name != "heat":
+        warnings.append(f"{' and '.join(f'policy.{k}' for k in heat_only)} {'is' if len(heat_only) == 1 else 'are'} "
+                        f"ignored: only the heat policy uses {'it' if len(heat_only) == 1 else 'them'}, and "
+                        f"policy.name is {cfg.policy.name!r}")
     if mem_total_bytes is None:
         mem_total_bytes = machine_memory_bytes()
     dram_mb = cfg.memory.dram_capacity_mb

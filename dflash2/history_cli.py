@@ -119,7 +119,7 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
     if path is None:
         return default_endpoint(os.environ)
     try:
-        return load_config(path).resolved_endpoint()
+        return load_config(path).client_endpoint()
     except ConfigError as e:
         raise HistoryError(str(e)) from None
 

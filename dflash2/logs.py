@@ -8,6 +8,9 @@
 Every record carries `event`: the name of a structured event, or `log` for a plain message. Fields
 passed in `extra=` become top-level keys. The events the daemon emits:
 
+    dflash2_enabled   (the start-up line, `DFlash2: enabled, ...`, as its msg, on stdout: console_line)
+    dflash2_warning   (a warning found before logging was set up: the environment, the config)
+    dflash2_error     (why start-up failed, on stderr, before the exit code)
     dflash2_start     endpoint, device, total_bytes, committed_bytes, policy, metrics_port, history
     dflash2_fallback  what, reason          (a part the config asked for is not used: e.g. no GPU)
     dflash2_swap      direction, blocks, failed, bytes, seconds   (one per batch move, mover.py)
@@ -22,6 +25,7 @@ import datetime as _dt
 import json
 import logging
 import sys
+import time
 from typing import IO
 
 # Attributes every LogRecord has; whatever else a record carries came from `extra=`.
@@ -34,8 +38,24 @@ def record_fields(record: logging.LogRecord) -> dict:
 
 
 def _timestamp(record: logging.LogRecord) -> str:
-    t = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
+    return _iso(record.created)
+
+
+def _iso(created: float) -> str:
+    t = _dt.datetime.fromtimestamp(created, tz=_dt.timezone.utc)
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def console_line(fmt: str, message: str, *, level: str = "info", event: str = "log",
+                 logger: str = "dflash2.daemon") -> str:
+    """A line the daemon prints itself rather than logs (its start-up line on stdout; warnings and
+    errors on stderr before its logging is set up, or when start-up fails): as it is in `text`
+    format, and in `json` one JSON record with it as `msg`, so that the journal (stdout and stderr
+    together) stays one JSON object per line for `jq`."""
+    if fmt != "json":
+        return message
+    return json.dumps({"ts": _iso(time.time()), "level": level, "logger": logger, "event": event, "msg": message},
+                      separators=(",", ":"))
 
 
 class JsonFormatter(logging.Formatter):

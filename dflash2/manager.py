@@ -22,7 +22,7 @@ from dflash2.access import AccessStats, reads_by_origin
 from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.counts import any_true
-from dflash2.errors import ArenaError, CopiesRunning, LayoutError, PinnedBlock, UnknownBlock
+from dflash2.errors import ArenaError, CopiesRunning, IllegalTransition, LayoutError, PinnedBlock, UnknownBlock
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -30,7 +30,7 @@ from dflash2.placement import Placement, Watermark
 from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.readcost import ReadCost
-from dflash2.reservations import Admission, AdmissionSettings, Decision
+from dflash2.reservations import Admission, AdmissionSettings, Decision, Reservation
 from dflash2.settling import any_in_flight, rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -161,6 +161,13 @@ class BlockManager:
     @settled
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         return self.admission.take(client, reservation_id, n)
+
+    @settled
+    def untake(self, client: int, res: Reservation, vids: np.ndarray) -> None:
+        """Undo a `take` whose client gave up waiting on it: its blocks go back to the reservation,
+        or are freed when the reservation has ended since."""
+        if not self.admission.give_back(res, vids):
+            self.free(client, vids)
 
     @settled
     def cancel(self, client: int, reservation_id: int) -> None:
@@ -322,6 +329,19 @@ class BlockManager:
         rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
+    def _refuse_dropped(self, rows: np.ndarray, vids) -> None:
+        """UnknownBlock naming the first of `rows` that a read back from NVMe dropped (its checksum
+        failed) since the call looked them up: freed, or kept only for earlier holders (`lost`).
+        Not "no room now" (None): a retry of these ids could never succeed."""
+        c = self.table.cols
+        gone = c.tier[rows] < 0
+        if self.table.lost:
+            gone |= np.isin(rows, list(self.table.lost))
+        if any_true(gone):
+            vid = int(np.asarray(vids).reshape(-1)[int(np.flatnonzero(gone)[0])])
+            raise UnknownBlock(f"block {vid:#x} failed its checksum on the read back from NVMe and was dropped from "
+                               "the cache (a miss): look the chain up again and recompute from there")
+
     def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
@@ -333,6 +353,7 @@ class BlockManager:
         # A block in flight cannot be pinned, and a promotion is placement work: either settles the
         # drain copies first. A read of blocks already where it reads them leaves them running.
         settle_if(self, rows, placing=any_true(self.table.cols.tier[rows] > int(up_to)))
+        self._refuse_dropped(rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
         tiers = self.table.cols.tier[rows]
         below_rows = tiers > int(up_to)  # (as found: the blocks this acquire reads from below `up_to`)
         promoting = any_true(below_rows)
@@ -345,6 +366,16 @@ class BlockManager:
                               f"pinned there by a reader of that tier (a host-side reader: acquire with tier "
                               f"'dram'); it can move up to {up_to.label} once released: try again then, or "
                               "read it where it lies (tier 'dram')")
+        unsettled = below_rows & (self.table.cols.state[rows] != int(BlockState.RESIDENT))
+        if promoting and any_true(unsettled):
+            # Only committed blocks move between tiers: one still being written in DRAM (a
+            # host-side writer's) cannot come up until committed. Said so, not "no room now".
+            r = rows[unsettled][:1]
+            state = BlockState(int(self.table.cols.state[r][0])).name
+            raise IllegalTransition(f"block {int(self.table.vids(r)[0]):#x} lies in "
+                                    f"{Tier(int(tiers[unsettled][0])).label} and is {state}, not committed: only "
+                                    f"committed blocks move up to {up_to.label}; commit it first, or read it where "
+                                    "it lies (tier 'dram')")
         if promoting:
             # Every block at or below `up_to` must lie in it at once: when they cannot, refuse
             # before promoting any (which would push other clients' blocks out for nothing).
@@ -369,6 +400,7 @@ class BlockManager:
                     if not self.placement.end_soon():
                         raise CopiesRunning(own=True)
                     self.placement.settle()
+                    self._refuse_dropped(rows, vids)
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
@@ -382,13 +414,7 @@ class BlockManager:
         if promoting:
             ok = self.placement.promote(rows, up_to, below_priority=below)
             if not ok.all():
-                c = self.table.cols
-                lost = rows[~ok & ((c.tier[rows] < 0) | np.isin(rows, list(self.table.lost)))]
-                if len(lost):
-                    # Not "no room now" (None): a retry of these ids could never succeed.
-                    raise UnknownBlock(f"block {int(vids[int(np.flatnonzero(rows == lost[0])[0])]):#x} failed its "
-                                       "checksum on the read back from NVMe and was dropped from the cache (a miss): "
-                                       "look the chain up again and recompute from there")
+                self._refuse_dropped(rows[~ok], np.asarray(vids)[~ok])
                 return None
         # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
         # no room (None) served nothing, and its retry would count the same blocks again.

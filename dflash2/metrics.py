@@ -34,7 +34,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
-| dflash2_read_bandwidth_bytes_per_second{direction} | gauge | read bandwidth measured on the daemon's own moves (absent until 1 MiB has moved that way) |
+| dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves (absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
 | dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed) |
@@ -274,9 +274,11 @@ def _access_families(st: dict):
     yield _counter("dflash2_lookup_withheld_blocks",
                    "Cached blocks a lookup did not offer: loading them costs more than recomputing them.",
                    samples=[((), st.get("lookup_withheld", 0))])
-    measured = st.get("read_cost", {}).get("bytes_per_s", {})
+    # Per GPU pool (a node of several keeps one measurement per pool, under `devices`).
     yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves.",
-                 ["direction"], [((d,), bw) for d, bw in measured.items() if bw is not None])
+                 ["gpu", "direction"], [((gpu, d), bw) for gpu, pool in _pools(st).items()
+                                        for d, bw in pool.get("read_cost", {}).get("bytes_per_s", {}).items()
+                                        if bw is not None])
 
 
 def _swap_families(st: dict):

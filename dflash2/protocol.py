@@ -95,6 +95,11 @@ _HEX_RUN = re.compile("[0-9a-f]*")  # a token's characters: one match, not a Pyt
 # or MAX_BATCH 8-byte ids or keys: the bound only stops a peer from making the daemon, and every
 # client waiting on it, copy and parse a huge frame before the batch check could refuse it.
 MAX_FRAME_BYTES = 4 << 20
+# Array frames a request carries at most (commit's block ids and keys; every other op one or none).
+# The frame bound above is per frame: a request with more frames is refused, and the daemon's
+# receive does not copy those past the last it could use (zmqio.recv_frames `most`).
+MAX_ARRAYS = 2
+MAX_REQUEST_FRAMES = 3 + MAX_ARRAYS
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 VERSION_FRAME = str(VERSION).encode()
 # One encoder for every header: json.dumps with separators builds a new one per call.
@@ -231,6 +236,9 @@ def encode_request(op: Op, call_id: int, client: int | None, args: dict | None =
 
 
 def decode_request(frames: list[bytes]) -> Request:
+    if len(frames) > MAX_REQUEST_FRAMES:
+        raise ProtocolError(f"a request has at most {MAX_REQUEST_FRAMES} frames (magic, version, header and "
+                            f"up to {MAX_ARRAYS} arrays), got {len(frames)}")
     header = _frames_head(frames)
     name = header.get("op")
     op = _OPS.get(name) if isinstance(name, str) else None

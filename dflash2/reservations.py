@@ -79,6 +79,7 @@ class Reservation:
     vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
     taken: int = 0
     granted: bool = False
+    ended: bool = False  # cancelled, expired or its client gone (`_drop`); not merely all taken
 
     @property
     def remaining(self) -> int:
@@ -195,6 +196,19 @@ class Admission:
         if not res.vids:
             del self.granted[res.id]
         return np.asarray(vids, dtype=np.int64)
+
+    def give_back(self, res: Reservation, vids: np.ndarray) -> bool:
+        """Blocks that `take` handed out of `res` go back to it, first in line to be taken again
+        (WRITING → RESERVED): its client gave up waiting on the take and never learned which blocks
+        it got. True then; False when the reservation has ended or expired since (the caller frees
+        them: nobody will take them)."""
+        if res.ended or res.expires <= self.table.clock():
+            return False
+        self.table.close_write(res.client, vids)
+        res.vids = [int(v) for v in vids] + res.vids
+        res.taken -= len(vids)
+        self.granted[res.id] = res  # again, if the take had emptied it
+        return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
         res = self._owned(client, reservation_id)
@@ -372,6 +386,7 @@ class Admission:
         return res
 
     def _drop(self, res: Reservation) -> None:
+        res.ended = True
         if res.granted:
             self.granted.pop(res.id, None)
             if res.vids and res.client in self.table.clients:

@@ -85,9 +85,12 @@ def render(st: dict) -> str:
     if placement:
         lines.append("placement: " + _brief(placement))
     lines += _policy_lines(st)
-    measured = st.get("read_cost", {}).get("bytes_per_s", {})
-    if measured or st.get("lookup_withheld"):
-        paths = "; ".join(f"{k} {'unmeasured' if v is None else _size(v) + '/s'}" for k, v in measured.items())
+    # Measured per GPU pool (a node of several keeps them under `devices`).
+    measured = {gpu: pool.get("read_cost", {}).get("bytes_per_s", {})
+                for gpu, pool in (st.get("devices") or {None: st}).items()}
+    if any(measured.values()) or st.get("lookup_withheld"):
+        paths = "; ".join(("" if gpu is None else f"GPU {gpu} ") + f"{k} {'unmeasured' if v is None else _size(v) + '/s'}"
+                          for gpu, per in measured.items() for k, v in per.items())
         lines.append(f"read back: {paths or 'unmeasured'}; lookup blocks withheld (slower to load than to "
                      f"recompute) {st.get('lookup_withheld', 0)}")
     late = d.get("background") or {}

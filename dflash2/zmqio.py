@@ -27,13 +27,15 @@ def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0, copy:
     send(frames[-1], flags, copy=copy)
 
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
+def recv_frames(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> list[bytes]:
     """`sock.recv_multipart(flags, copy=True)`: the message's frames as bytes (zmq.Again when
-    `flags` has NOBLOCK and none is queued, or when the socket's RCVTIMEO passes)."""
+    `flags` has NOBLOCK and none is queued, or when the socket's RCVTIMEO passes). Frames past the
+    first `most` are received but not copied: each stands as b"" (the count stays, for the caller
+    to refuse the message by)."""
     recv = sock.recv
     frame = recv(flags, copy=False)
     parts = [frame.bytes]
     while frame.more:
         frame = recv(flags, copy=False)
-        parts.append(frame.bytes)
+        parts.append(frame.bytes if most is None or len(parts) < most else b"")
     return parts

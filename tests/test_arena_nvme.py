@@ -522,3 +522,53 @@ def test_plan_runs_merges_adjacent_blocks_and_splits_large_ones():
         (10 * ALIGN, [(3, 2 * ALIGN, 5 * ALIGN)]),
     ]
     assert len(plan_runs(np.arange(4), offsets, lens, max_bytes=1 << 30, max_iov=1)) == 4
+
+
+def test_forgetting_a_slot_does_not_wait_for_a_batch_in_flight(arena, monkeypatch):
+    """The serving thread forgets a slot at every free or eviction on NVMe while the transfer thread
+    writes other slots; forget waited on the lock a batch holds through its whole I/O (a slow disk
+    held a commit that deduplicated onto an NVMe twin for the length of a batch). A slot in a batch
+    is never forgotten meanwhile: its move holds it."""
+    import threading
+    rng = np.random.default_rng(5)
+    offsets, srcs = _blocks(rng, [8192, 8192, 8192, 8192])
+    arena.write_blocks(offsets[:1], srcs[:1])
+    writing, release = threading.Event(), threading.Event()
+    real = nvme.pwrite_all
+
+    def held(fd, buf, offset):
+        writing.set()
+        assert release.wait(30)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(nvme, "pwrite_all", held)
+    writer = threading.Thread(target=arena.write_blocks, args=(offsets[1:], [np.ascontiguousarray(s[1:]) for s in srcs[1:]]))
+    writer.start()
+    try:
+        assert writing.wait(10), "the batch's write began"
+        forgot = threading.Thread(target=arena.forget, args=(offsets[:1],))
+        forgot.start()
+        forgot.join(10)
+        assert not forgot.is_alive(), "forget waited for the batch's I/O"
+    finally:
+        release.set()
+        writer.join(30)
+    assert not arena.read_blocks(offsets[:1], [np.zeros(8192, np.uint8)]).any()  # forgotten: a miss
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_start_that_fails_after_preallocating_removes_only_a_file_it_created(tmp_path, monkeypatch, reused):
+    """The staging ring (or the O_DIRECT probe) failing after the file was made at full size left
+    all of `memory.nvme_capacity_mb` on the disk after a failed start; a cache file an earlier
+    daemon made stays (the next start reuses it)."""
+    path = tmp_path / "nvme.bin"
+    if reused:
+        NvmeArena(path, CAP, staging_bytes=STAGING).close()
+
+    def no_room(nbytes):
+        raise CapacityError(f"NVMe tier's staging buffer needs {nbytes} bytes of memory, only 0 available")
+
+    monkeypatch.setattr(nvme, "_staging_ring", no_room)
+    with pytest.raises(CapacityError, match="staging buffer"):
+        NvmeArena(path, CAP, staging_bytes=STAGING)
+    assert path.exists() == reused

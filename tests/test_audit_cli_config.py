@@ -204,10 +204,44 @@ def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(ho
                       "metrics": {"port": 9511, "host": host}})
 
 
+@pytest.mark.parametrize("endpoint, host", [("tcp://[::1]:9511", "::1"), ("tcp://[::1]:9511", "0:0:0:0:0:0:0:1"),
+                                            ("tcp://[::]:9511", "::1"), ("tcp://10.0.0.1:9511", "::")])
+def test_metrics_on_the_endpoints_port_of_one_ipv6_address_is_refused(endpoint, host):
+    """The endpoint's host keeps the brackets tcp:// puts around an IPv6 address, metrics.host has
+    none: they were told apart, and the daemon then failed to start (exit 4, address in use)."""
+    with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):
+        parse_config({**base(), "daemon": {"endpoint": endpoint}, "metrics": {"port": 9511, "host": host}})
+
+
+@pytest.mark.parametrize("endpoint, connect", [
+    ("tcp://*:9511", "tcp://127.0.0.1:9511"), ("tcp://0.0.0.0:9511", "tcp://127.0.0.1:9511"),
+    ("tcp://[::]:9511", "tcp://[::1]:9511"), ("tcp://10.1.2.3:9511", "tcp://10.1.2.3:9511"),
+    ("tcp://[::1]:9511", "tcp://[::1]:9511")])
+def test_clients_of_a_daemon_bound_to_every_address_connect_to_loopback(endpoint, connect):
+    """The config a daemon binds `tcp://*:PORT` from is the one its clients (sglang's flag, `dflash2
+    status --config`, Client.connect(config=)) connect with: to `*` nobody can connect."""
+    cfg = parse_config({**base(), "daemon": {"endpoint": endpoint}})
+    assert cfg.resolved_endpoint() == endpoint and cfg.client_endpoint() == connect
+
+
 def test_metrics_on_another_loopback_address_may_share_the_port():
     cfg = parse_config({**base(), "daemon": {"endpoint": "tcp://127.0.0.1:9511"},
                         "metrics": {"port": 9511, "host": "127.0.0.2"}})
     assert cfg.metrics.port == 9511
+
+
+@pytest.mark.parametrize("name, policy, warned", [
+    ("lru", {"weights": {"recency": 2.0}}, "policy.weights is ignored: only the heat policy uses it, and policy.name is 'lru'"),
+    ("lfu", {"weights": {"recency": 2.0}, "decay_half_life_s": 5.0},
+     "policy.decay_half_life_s and policy.weights are ignored: only the heat policy uses them"),
+    ("heat", {"weights": {"recency": 2.0}, "decay_half_life_s": 5.0}, None),
+    ("lru", {}, None)])
+def test_heat_settings_under_another_policy_are_warned_about(name, policy, warned):
+    """Dropped without a word before (the default policy.name is lru: a config that tunes heat's
+    weights but names no policy lost them)."""
+    cfg = parse_config({**base(), "policy": {**base().get("policy", {}), "name": name, **policy}})
+    found = [w for w in config_warnings(cfg, mem_total_bytes=1 << 50) if "only the heat policy" in w]
+    assert found == ([] if warned is None else [found[0]]) and (warned is None or warned in found[0])
 
 
 def test_the_memory_warning_counts_the_stand_in_of_auto_resolved_to_host():

@@ -178,13 +178,16 @@ def test_endpoint_on_a_folder_is_one_line_and_leaves_no_lock_file(tmp_path):
     assert folder.is_dir() and not (tmp_path / "sockdir.lock").exists()
 
 
-@pytest.mark.parametrize("key", ["endpoint", "state_dir"])
-def test_folder_under_a_file_is_a_config_error(tmp_path, key):
+@pytest.mark.parametrize("key, history", [("endpoint", False), ("state_dir", False), ("state_dir", True)])
+def test_folder_under_a_file_is_a_config_error(tmp_path, key, history):
+    """The state folder holds a tcp endpoint's lock file, and the history (with an ipc endpoint too:
+    it passed --check then, and the daemon kept its history in memory only)."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     daemon = ({"endpoint": f"ipc://{afile}/d.sock"} if key == "endpoint"
-              else {"endpoint": "tcp://127.0.0.1:5555", "state_dir": str(afile / "state")})
-    rc, err, started = run_daemon(config(tmp_path, daemon=daemon), "--check")
+              else {"endpoint": f"ipc://{tmp_path}/d.sock" if history else "tcp://127.0.0.1:5555",
+                    "state_dir": str(afile / "state")})
+    rc, err, started = run_daemon(config(tmp_path, daemon=daemon, history_enabled=history), "--check")
     assert not started and rc == 2
     assert f"daemon.{key}: {afile} is not a folder" in one_error_line(err)
 

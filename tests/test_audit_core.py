@@ -352,7 +352,7 @@ def test_a_pinned_copy_committed_under_a_cached_key_stays_where_its_writer_views
     assert mgr.table.cols.pins[mgr.table.rows(cached)[0]] == 0, "no pin lands on the twin in NVMe"
     mgr.check_invariants()
     for again in (mgr.acquire, mgr.add_ref):  # the copy is dead to new holders: the twin is the block
-        with pytest.raises(UnknownBlock, match="already cached.*use the id commit returned"):
+        with pytest.raises(UnknownBlock, match=f"already cached.*use the id commit returned for it, {int(cached[0]):#x}"):
             again(b, copy)
     used = mgr.table.allocators[Tier.HBM].used_bytes
     mgr.release(b, copy)
@@ -453,7 +453,7 @@ def test_dead_rows_are_found_by_either_path(make_manager):
     the call is small, or one vectorised pass when it is large: both find the same rows."""
     mgr = make_manager(hbm_blocks=8)
     t = mgr.table
-    t.pinned_copies.update({3, 5})
+    t.pinned_copies.update({3: 0x103, 5: 0x105})  # (each with its twin's id)
     t.lost.add(7)
     few = np.array([1, 3, 7], dtype=np.int64)
     many = np.arange(8, dtype=np.int64)

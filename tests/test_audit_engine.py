@@ -133,6 +133,22 @@ def test_a_block_pinned_in_dram_by_a_host_reader_is_named_to_a_gpu_reader(connec
     gpu.release(vids)
 
 
+def test_a_block_still_being_written_in_dram_is_named_to_a_reader_in_hbm(connect):
+    """Only committed blocks move between tiers: an acquire into HBM of a block a host-side writer
+    has not committed says so (before, "no room now" with HBM empty, which no retry could mend)."""
+    writer = connect("host-writer")
+    [vid] = writer.allocate(writer.layouts[0], 1, tier="dram")["vid"]
+    with pytest.raises(DaemonError) as e:
+        writer.acquire([vid])
+    assert e.value.kind == "IllegalTransition"
+    assert f"block {int(vid):#x} lies in dram and is WRITING, not committed" in str(e.value)
+    writer.check()
+    [vid] = writer.commit([vid], keys=chain_keys(range(16), 16, "host-writer"))
+    places = writer.acquire([vid])
+    assert places is not None and places["tier"].tolist() == [0]
+    writer.release([vid])
+
+
 def test_an_engine_keeps_reading_its_pinned_block_after_commit_deduplicates_it(connect):
     """Two engines compute the same block; the second pins its own copy (to keep reading it after
     commit), writes it and commits after the first: its view keeps its bytes, its release by the id

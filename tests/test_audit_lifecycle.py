@@ -12,8 +12,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -123,3 +121,29 @@ def test_history_catches_up_after_a_failed_write(tmp_path, monkeypatch, caplog):
     samples = [json.loads(line) for line in lines if line.strip()]
     assert [s["t"] for s in samples] == [1001.0, 1002.0, 1003.0, 1004.0, 1005.0, 1006.0]
     assert caplog.text.count("cannot write") == 1 and "written again (4 samples that had waited)" in caplog.text
+
+
+def test_in_json_format_every_line_the_daemon_writes_is_a_json_record(config_file, tmp_path):
+    """The journal takes stdout and stderr together, and README's `journalctl -u dflash2d -o cat |
+    jq ...` stops at the first line that is not JSON: the start-up line and the warnings printed
+    before logging is set up were plain text."""
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"}, logging={"format": "json", "level": "info"})
+    env = {**os.environ, "DFLASH_DRAM_LIMIT": "4G"}  # a first-generation variable: warned about, ignored
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "DFlash2: enabled" in line:
+                break
+        assert _ping(f"ipc://{tmp_path}/d.sock")["pid"] == proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    lines += out.splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]  # each line one JSON object
+    events = {r["event"]: r for r in records}
+    assert events["dflash2_enabled"]["msg"].startswith("DFlash2: enabled, total virtual cache size")
+    assert "DFLASH_DRAM_LIMIT" in events["dflash2_warning"]["msg"] and events["dflash2_warning"]["level"] == "warning"
+    assert {"dflash2_start", "dflash2_shutdown"} <= set(events) and proc.returncode == 0

@@ -439,3 +439,59 @@ def test_a_loop_never_idle_still_serves_the_duel_now_and_then(tmp_path, monkeypa
             ping()
         served_then = duel.requests
     assert 2 <= served_then < 200, served_then
+
+
+class _LateRecorder(_Recorder):
+    def __init__(self):
+        super().__init__()
+        self.late: list[float] = []
+
+    def note_tick(self, late_s):
+        self.late.append(late_s)
+
+
+def test_an_idle_loop_runs_its_step_when_due(tmp_path):
+    """The loop waits for a request until the step is due, no longer. With a fixed receive timeout
+    of min(200 ms, the interval), a 250 ms interval ran every 400 ms (each step 150 ms late on an
+    idle daemon) and the first step came a whole timeout late."""
+    rec = _LateRecorder()
+    srv = Server(rec, f"ipc://{tmp_path}/d.sock", tick_interval_s=0.25)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    try:
+        time.sleep(2.1)
+    finally:
+        srv.stop()
+        loop.join(5)
+        srv.close()
+    assert len(rec.late) >= 6, rec.late  # 9 when on time; 6 at a 400 ms period
+    assert rec.late[0] < 0.1 and sorted(rec.late)[len(rec.late) // 2] < 0.075, rec.late
+
+
+class _Observers:
+    def __init__(self):
+        self.samples = 0
+        self.steps = 0
+
+    def sample(self):
+        self.samples += 1
+
+    def after_tick(self, late_s, seconds):
+        self.steps += 1
+
+
+def test_metrics_and_history_are_sampled_every_second_whatever_the_steps_interval(tmp_path):
+    """README: the /metrics snapshot is refreshed every second, and history keeps a sample a second.
+    Both were taken only after a step: with `policy.rescore_interval_ms` at 30 s, /metrics stayed 30 s
+    old and history had one sample in 30 s."""
+    obs = _Observers()
+    srv = Server(_Recorder(), f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0, observers=obs)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    try:
+        time.sleep(3.5)
+    finally:
+        srv.stop()
+        loop.join(5)
+        srv.close()
+    assert obs.steps == 1 and 2 <= obs.samples <= 4, (obs.steps, obs.samples)

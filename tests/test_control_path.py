@@ -42,6 +42,14 @@ def test_frames_arrive_as_send_multipart_sends_them(pair, frames):
     assert b.recv_multipart() == frames
 
 
+def test_frames_past_the_most_a_caller_uses_are_received_but_not_kept(pair):
+    a, b = pair
+    send_frames(a, [b"id", b"magic", b"x" * 100, b"y" * 100_000, b"z"])
+    assert recv_frames(b, most=3) == [b"id", b"magic", b"x" * 100, b"", b""]
+    send_frames(a, [b"next"])  # the whole message was taken: the next one comes whole
+    assert recv_frames(b, most=3) == [b"next"]
+
+
 def test_a_receive_without_a_message_raises_again(pair):
     _, b = pair
     with pytest.raises(zmq.Again):

@@ -179,6 +179,28 @@ def test_a_lookup_whose_prefetch_reads_a_corrupt_block_answers_the_prefix_before
     assert m.acquire(a, vids[:1]) is not None and np.array_equal(m.view(int(vids[0])), pattern(1))
 
 
+def test_an_acquire_of_blocks_whose_prefetch_read_failed_in_flight_names_the_dropped_one(make_mgr):
+    """The daemon leaves a lookup's prefetch reads in flight (read_later): the lookup answers the
+    whole chain, and the acquire after it, which ends those reads, finds one dropped (its checksum
+    failed). It said `ValueError: 'list' argument must have no negative elements` (the dropped
+    row's tier, -1, counted as a read's origin); it names the block, as a failed promotion does."""
+    m = make_mgr(prefetch_window=2)
+    keys = list(range(1, 4))
+    a, lid, vids = chain_on_nvme(m, keys)
+    m.arenas[Tier.NVME].corrupt_for_test(m.place(int(vids[1])).offset)
+    m.placement.read_later = True
+    try:
+        found = [p.vid for p in m.lookup(keys, lid)]
+        assert found == [int(v) for v in vids] and m.placement.in_flight
+        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its checksum.*look the chain up again"):
+            m.acquire(a, found)
+    finally:
+        m.placement.read_later = False
+    m.check_invariants()
+    assert [p.vid for p in m.lookup(keys, lid)] == [int(vids[0])]  # looked up again: the prefix before it
+    assert m.acquire(a, vids[:1]) is not None and np.array_equal(m.view(int(vids[0])), pattern(1))
+
+
 def test_a_lookup_whose_prefetch_makes_room_keeps_its_own_chain(make_mgr):
     """The same without a fault: the room a lookup's prefetch makes in full tiers used to evict the
     prefix's own cold tail from NVMe, and the answer named those freed rows (tier -1). The chain the

@@ -249,3 +249,22 @@ def test_a_bad_prefill_rate_later_is_refused_and_changes_nothing(connect):
     with pytest.raises(DaemonError, match="layout"):
         c.set_prefill_rate(12345, 1.0)
     assert c.stats()["read_cost"]["prefill_rates"] == 1
+
+
+def test_a_node_of_several_pools_shows_each_pools_read_bandwidth(make_manager, clock):
+    """A node of several GPUs keeps a measurement per pool (its stats under `devices`); the gauge and
+    `dflash2 status` read only the top level, which such a node has not: they showed nothing."""
+    from dflash2.daemon.service import Service
+    from dflash2.status import render
+
+    pools = {0: make_manager(hbm_blocks=8, dram_blocks=8), 1: make_manager(hbm_blocks=8, dram_blocks=8)}
+    for gpu, m in pools.items():
+        m.read_cost.observe(Tier.DRAM, Tier.HBM, 8 << 20, 0.001 * (gpu + 1))
+    st = Service(pools, lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock).stats()
+    families = {f.name: f for f in _access_families(st)}
+    bandwidth = {(s.labels["gpu"], s.labels["direction"]): s.value
+                 for s in families["dflash2_read_bandwidth_bytes_per_second"].samples}
+    assert bandwidth == {(str(gpu), "dram->hbm"): m.read_cost.bandwidth(Tier.DRAM, Tier.HBM) for gpu, m in pools.items()}
+    assert bandwidth[("0", "dram->hbm")] > bandwidth[("1", "dram->hbm")] > 0
+    [line] = [line for line in render(st).splitlines() if line.startswith("read back:")]
+    assert "GPU 0 dram->hbm" in line and "GPU 1 dram->hbm" in line

@@ -65,6 +65,9 @@ def vids(*v):
     ([P.MAGIC, V, b"[" * 100_000 + b"]" * 100_000], "nested too deeply"),  # 200 KB: under the header bound
     ([P.MAGIC, V, b'{"op": "ping", "id": 1, "args": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"],
      "nested too deeply"),
+    # The frame bound is per frame: more frames than any op uses are refused, whatever they hold.
+    ([P.MAGIC, V, b'{"op": "ping", "id": 1}', b"", b"", b""], "at most 5 frames (magic, version, header and up "
+                                                             "to 2 arrays), got 6"),
 ])
 def test_malformed_frames_get_a_named_error(service, frames, problem):
     reply = P.decode_reply(service.handle_frames(frames))
@@ -93,6 +96,7 @@ def test_bad_arguments_change_nothing(service):
         (Op.FREE, {}, vids(12345), "not live"),
         (Op.SET_WEIGHTS, {"weights": {"recency": "hot"}}, None, "must be numbers"),
         (Op.SET_WEIGHTS, {"weights": {"recency": 10**400}}, None, "recency"),  # past float's range
+        (Op.SET_WEIGHTS, {"weights": {"recency": float("nan")}}, None, "got {'recency': nan}"),  # (was "-inf")
     ]
     for op, args, arrays, problem in bad:
         reply = call(service, op, c, args, arrays)
@@ -429,3 +433,31 @@ def test_an_unreadable_reply_is_a_daemon_error_naming_the_op(tmp_path):
         t.close()
         thread.join()
         router.close(0)
+
+
+def test_layouts_are_bounded_and_a_refused_one_changes_nothing(service):
+    """A client that registers a new layout per call (a name with a counter in it) is refused past
+    MAX_LAYOUTS by name; before, ids ran past the layout column's uint16 and an allocation then
+    failed half way, leaving two blocks on one slot."""
+    from dflash2.layout import Layout
+    from dflash2.table.table import MAX_LAYOUTS
+
+    def lay(i):
+        return Layout(f"per-call-{i}", num_layers=1, num_kv_heads=1, head_dim=8, dtype="bf16", tokens_per_block=16)
+
+    c = attach(service)
+    table = service.manager.table
+    for i in range(MAX_LAYOUTS - len(table.layouts)):
+        assert table.register_layout(lay(i)) == i + 1
+    assert table.register_layout(lay(5)) == 6  # one already known is no new one
+    reply = call(service, Op.REGISTER_LAYOUT, c, {"layout": lay(MAX_LAYOUTS).to_dict()})
+    assert not reply.ok and reply.error_type == "LayoutError"
+    assert f"past {MAX_LAYOUTS} layouts" in reply.error_message and "'per-call-1024'" in reply.error_message
+    reply = call(service, Op.ATTACH, args={"name": "late", "pid": 0, "layouts": [SMALL.to_dict(), lay(-1).to_dict()]})
+    assert not reply.ok and reply.error_type == "LayoutError"
+    assert len(table.layouts) == MAX_LAYOUTS and sorted(service.sessions) == [c]  # nobody attached
+    reply = call(service, Op.ALLOCATE, c, {"layout": MAX_LAYOUTS - 1, "n": 1})
+    assert reply.ok and reply.result["allocated"]
+    assert table.block_bytes(table.rows(np.frombuffer(reply.arrays[0], dtype=P.PLACE_DTYPE)["vid"])).tolist() == \
+        [lay(0).block_bytes]
+    service.manager.check_invariants()

@@ -67,7 +67,7 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
     try:
         cfg = load_config(config_path)
         require_enabled(cfg)
-        endpoint = cfg.resolved_endpoint()
+        endpoint = cfg.client_endpoint()
     except DFlash2Error as e:
         return Verdict(False, str(e))
     transport = None

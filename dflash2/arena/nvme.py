@@ -165,6 +165,8 @@ class NvmeArena(StorageArena):
             self.staging_bytes = self._ring.nbytes
             self.direct_io = self._open_for_io()
         except BaseException:
+            if not self.reused:  # a file this start created goes again (as in _preallocate): its disk space back
+                os.unlink(self.path)  # (still locked: nobody else has opened it)
             self.close()
             raise
         nslots = self.capacity_bytes // ALIGN
@@ -509,8 +511,13 @@ class NvmeArena(StorageArena):
         offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
         if len(offs) and (offs.min() < 0 or offs.max() >= self.capacity_bytes or (offs % ALIGN).any()):
             raise ArenaError(f"NVMe forget: offsets must be multiples of {ALIGN} inside the tier")
-        with self._lock:
-            self._len[offs // ALIGN] = 0
+        # Not under self._lock, which a batch holds for the whole of its I/O: every free or eviction
+        # of an NVMe slot on the serving thread (a commit deduplicating onto a twin there, a free,
+        # a dropped block) waited for the disk, outside any settle or parking (a batch of 1 s writes
+        # held a commit 950 ms). A slot forgotten is never one of a batch in flight (the move holds
+        # its slots until it ends), and batches read and write only their own slots' entries: one
+        # store into entries nobody else touches.
+        self._len[offs // ALIGN] = 0
 
     def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
         """The re-test's I/O (quarantine.py), slot by slot, through a duplicate of the tier's file

@@ -108,7 +108,7 @@ class Publishing:
         refs = holder.refs.get(row, 0)
         if holder.pins.get(row, 0):
             c.state[row] = S.RESIDENT  # final bytes, never to be committed again
-            self.pinned_copies.add(row)
+            self.pinned_copies[row] = int(self.vids(np.array([existing]))[0])
             holder.refs.pop(row, None)
             c.refs[row] -= refs
             holder.ref_slot_bytes -= self.ref_slots(np.full(refs, row, dtype=np.int64))

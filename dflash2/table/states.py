@@ -1,8 +1,10 @@
 """Block states and the legal transitions between them.
 
     FREE ──allocate──▶ RESERVED ──open──▶ WRITING ──commit──▶ RESIDENT ◀──complete── MIGRATING
-      ▲                    │                  │                   │  └──prepare move──▶ ▲
+      ▲                    │  ◀──give back──  │                   │  └──prepare move──▶ ▲
       └──────cancel────────┴───────free───────┴───────free/evict──┘
+
+(give back: a `take` whose client gave up waiting on it returns its blocks to the reservation.)
 
 Pins and references sit on top of the state: a pinned block is never moved or freed, and a block
 with references is never evicted. Committed (RESIDENT) blocks are immutable.
@@ -28,6 +30,7 @@ class BlockState(enum.IntEnum):
 LEGAL: frozenset[tuple[BlockState, BlockState]] = frozenset({
     (BlockState.FREE, BlockState.RESERVED),
     (BlockState.RESERVED, BlockState.WRITING),
+    (BlockState.WRITING, BlockState.RESERVED),
     (BlockState.RESERVED, BlockState.FREE),
     (BlockState.WRITING, BlockState.RESIDENT),
     (BlockState.WRITING, BlockState.FREE),

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.alloc import SlotAllocator, blocks_that_fit
-from dflash2.errors import (IllegalTransition, NeverFits, NotOwner, PinnedBlock, ReservationError,
+from dflash2.errors import (IllegalTransition, LayoutError, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.counts import add_at, any_true, distinct
 from dflash2.forest import local_parents
@@ -44,6 +44,11 @@ from dflash2.tiers import Tier
 
 ROW_MASK = 0xFFFFFFFF
 S = BlockState
+# Layouts a table registers at most. A node serves a few models at a few precisions, and a layout is
+# never dropped (blocks and clients name it by id): past this, a client is registering a new layout
+# per call (a name with a counter in it), and every lookup of per-layout figures would grow with
+# them. Far below the layout column's range (uint16), which ids must never leave.
+MAX_LAYOUTS = 1024
 
 
 def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -72,14 +77,19 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         self.cols = Columns(capacity)
         self.keys = KeyIndex(capacity)
         self.layouts: list[Layout] = []
+        self._layout_ids: dict[Layout, int] = {}  # each registered layout's id (its place in `layouts`)
+        # Per tier, slot bytes per layout id, and block bytes per layout id: kept until a layout is
+        # registered (keyed by how many there were).
+        self._per_layout: dict[object, tuple[int, np.ndarray]] = {}
         self.clients: dict[int, ClientRefs] = {}
         self._next_client = 1
         self._free_after_move: set[int] = set()  # private blocks whose last reference went mid-move
         self.lost: set[int] = set()  # unpublished after a failed checksum, still referenced
         # Private copies that a commit deduplicated while their writer had them pinned: the cached
         # twin took the references, but the writer still views these bytes where they are. Never
-        # moved (pinned), freed at their last unpin (the writer's release, or its detach).
-        self.pinned_copies: set[int] = set()
+        # moved (pinned), freed at their last unpin (the writer's release, or its detach). Each with
+        # its twin's id, which an acquire or add_ref of the copy is told to use instead.
+        self.pinned_copies: dict[int, int] = {}
         # Rows a commit's deduplication moved to another tier (the cached twin taking the writer's
         # faster slot): the manager tells the policy, as after a move. Drained by `take_recast`.
         self._recast: list[int] = []
@@ -90,12 +100,34 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
 
     # -- layouts and clients ---------------------------------------------------------------
     def register_layout(self, layout: Layout) -> int:
-        """Id of this layout; the same geometry registered twice gets the same id."""
-        for i, known in enumerate(self.layouts):
-            if known == layout:
-                return i
+        """Id of this layout; the same layout (name and geometry) registered twice gets the same id.
+        LayoutError past MAX_LAYOUTS (nothing registered)."""
+        known = self._layout_ids.get(layout)
+        if known is not None:
+            return known
+        self.refuse_layouts([layout])
         self.layouts.append(layout)
+        self._layout_ids[layout] = len(self.layouts) - 1
         return len(self.layouts) - 1
+
+    def refuse_layouts(self, layouts: Sequence[Layout]) -> None:
+        """LayoutError when registering these would take the table past MAX_LAYOUTS."""
+        new = {lay for lay in layouts if lay not in self._layout_ids}
+        if len(self.layouts) + len(new) > MAX_LAYOUTS:
+            names = ", ".join(sorted(repr(lay.name) for lay in new)[:3])
+            raise LayoutError(f"{len(new)} new layouts ({names}{', ...' if len(new) > 3 else ''}) would take this "
+                              f"block pool past {MAX_LAYOUTS} layouts ({len(self.layouts)} are registered, and none "
+                              "is ever dropped): register one layout per model and precision, under a name that "
+                              "stays the same across calls and processes")
+
+    def _layout_array(self, what, value: Callable[[Layout], int]) -> np.ndarray:
+        """`value` of every registered layout, by id (int64), kept until the next registration."""
+        kept = self._per_layout.get(what)
+        if kept is None or kept[0] != len(self.layouts):
+            values = np.array([value(lay) for lay in self.layouts], dtype=np.int64)
+            values.flags.writeable = False  # shared by every caller until the next registration
+            kept = self._per_layout[what] = (len(self.layouts), values)
+        return kept[1]
 
     def ref_slots(self, rows: np.ndarray) -> int:
         """HBM slot bytes of these rows' blocks (a row listed twice counts twice), wherever they
@@ -186,13 +218,13 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
                                  f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
 
     def slot_sizes(self, tier: Tier) -> np.ndarray:
-        """Slot bytes in `tier` per layout id (index it with the layout column)."""
-        return np.array([self.allocators[tier].slot_for(lay.block_bytes) for lay in self.layouts], dtype=np.int64)
+        """Slot bytes in `tier` per layout id (index it with the layout column; do not write to it)."""
+        alloc = self.allocators[tier]
+        return self._layout_array(tier, lambda lay: alloc.slot_for(lay.block_bytes))
 
     def block_bytes(self, rows: np.ndarray) -> np.ndarray:
         """Bytes of each row's block (its layout's), int64."""
-        per_layout = np.array([lay.block_bytes for lay in self.layouts], dtype=np.int64)
-        return per_layout[self.cols.layout[rows]]
+        return self._layout_array("block_bytes", lambda lay: lay.block_bytes)[self.cols.layout[rows]]
 
     def _require(self, rows: np.ndarray, state: BlockState, op: str) -> None:
         """IllegalTransition unless every row is in `state`. For a target that several states may
@@ -243,6 +275,18 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         no_repeats(rows, "open_write")
         check_transition(self.cols.state[rows], S.WRITING, vids)
         self.cols.state[rows] = S.WRITING
+
+    def close_write(self, client_id: int, vids) -> None:
+        """WRITING → RESERVED: blocks that `open_write` handed out go back to their reservation,
+        untouched since: IllegalTransition when one was referenced or pinned again meanwhile."""
+        rows = self._owned_rows(client_id, vids)
+        no_repeats(rows, "close_write")
+        check_transition(self.cols.state[rows], S.RESERVED, vids)
+        used = (self.cols.refs[rows] != 1) | (self.cols.pins[rows] != 0)
+        if used.any():
+            raise IllegalTransition(f"block {int(self.vids(rows[used][:1])[0]):#x} was referenced or pinned since it "
+                                    "was taken from its reservation: it cannot go back to it")
+        self.cols.state[rows] = S.RESERVED
 
     # -- references and pins ---------------------------------------------------------------
     def add_ref(self, client_id: int, vids) -> None:
@@ -338,9 +382,10 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             gone = self._dead_rows(rows)
             if len(gone):
                 row = int(gone[0])
+                twin = self.pinned_copies.get(row)
                 why = ("it was committed under a content key already cached, and is kept only until "
-                       "your pins on it are released: use the id commit returned for it"
-                       if row in self.pinned_copies else "freed while in flight, or its bytes failed their checksum")
+                       f"your pins on it are released: use the id commit returned for it, {twin:#x}"
+                       if twin is not None else "freed while in flight, or its bytes failed their checksum")
                 raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
         return rows
 
@@ -439,7 +484,8 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             here = rows[c.tier[rows] == int(tier)]
             self._free_slots(tier, here, c.offset[here])
         self.lost.difference_update(rows.tolist())
-        self.pinned_copies.difference_update(rows.tolist())
+        for r in rows.tolist() if self.pinned_copies else ():
+            self.pinned_copies.pop(r, None)
         c.give_rows(rows.astype(np.int32))
 
     # -- moves (two-phase; the mover drives these) ----------------------------------------
