@@ -450,20 +450,25 @@ class _LateRecorder(_Recorder):
         self.late.append(late_s)
 
 
+def run_idle(tmp_path, rec, seconds: float, **server) -> None:
+    """A server over `rec` that no request reaches, for `seconds`."""
+    srv = Server(rec, f"ipc://{tmp_path}/d.sock", **server)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    try:
+        time.sleep(seconds)
+    finally:
+        srv.stop()
+        loop.join(5)
+        srv.close()
+
+
 def test_an_idle_loop_runs_its_step_when_due(tmp_path):
     """The loop waits for a request until the step is due, no longer. With a fixed receive timeout
     of min(200 ms, the interval), a 250 ms interval ran every 400 ms (each step 150 ms late on an
     idle daemon) and the first step came a whole timeout late."""
     rec = _LateRecorder()
-    srv = Server(rec, f"ipc://{tmp_path}/d.sock", tick_interval_s=0.25)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    try:
-        time.sleep(2.1)
-    finally:
-        srv.stop()
-        loop.join(5)
-        srv.close()
+    run_idle(tmp_path, rec, 2.1, tick_interval_s=0.25)
     assert len(rec.late) >= 6, rec.late  # 9 when on time; 6 at a 400 ms period
     assert rec.late[0] < 0.1 and sorted(rec.late)[len(rec.late) // 2] < 0.075, rec.late
 
@@ -485,13 +490,5 @@ def test_metrics_and_history_are_sampled_every_second_whatever_the_steps_interva
     Both were taken only after a step: with `policy.rescore_interval_ms` at 30 s, /metrics stayed 30 s
     old and history had one sample in 30 s."""
     obs = _Observers()
-    srv = Server(_Recorder(), f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0, observers=obs)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    try:
-        time.sleep(3.5)
-    finally:
-        srv.stop()
-        loop.join(5)
-        srv.close()
+    run_idle(tmp_path, _Recorder(), 3.5, tick_interval_s=30.0, observers=obs)
     assert obs.steps == 1 and 2 <= obs.samples <= 4, (obs.steps, obs.samples)
