@@ -350,9 +350,28 @@ class BlockManager:
         if up_to == Tier.NVME or up_to not in self.specs:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
+        # Where the blocks it waited for came from (vid -> tier), kept while it is parked on them:
+        # for the hit rates, reads from those tiers, though they lie in `up_to` once it runs again.
+        came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
+        self._came_from.pop(client, None)
+        c = self.table.cols
+        flying = (c.state[rows] == int(BlockState.MIGRATING)) & (c.tier[rows] > int(up_to))
         # A block in flight cannot be pinned, and a promotion is placement work: either settles the
         # drain copies first. A read of blocks already where it reads them leaves them running.
-        settle_if(self, rows, placing=any_true(self.table.cols.tier[rows] > int(up_to)))
+        if any_true(flying):
+            # It waits for their copies (a prefetch's window still on its way up from NVMe, another
+            # reader's promotion): DESIGN's HBM hit is a read served "without waiting for a
+            # swap-in", so each is a read from the tier it is coming from. Parked on them, the call
+            # counts as parked on copies of its own (it runs again with `came`).
+            came.update(zip(self.table.vids(rows[flying]).tolist(), c.tier[rows[flying]].tolist()))
+            self._came_from[client] = came
+            try:
+                settle_if(self, rows, placing=True)
+            except CopiesRunning:
+                raise CopiesRunning(own=True) from None
+            del self._came_from[client]
+        else:
+            settle_if(self, rows, placing=any_true(c.tier[rows] > int(up_to)))
         self._refuse_dropped(rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
         tiers = self.table.cols.tier[rows]
         below_rows = tiers > int(up_to)  # (as found: the blocks this acquire reads from below `up_to`)
@@ -384,10 +403,6 @@ class BlockManager:
             self.table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
                                     f"acquire of {len(there)} blocks")
         below = None if priority is None else priority + 1
-        # Where the blocks it waited for came from, when it was parked on its own copies (a call run
-        # again): for the hit rates, reads from those tiers, though they lie in `up_to` by now.
-        came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
-        self._came_from.pop(client, None)
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
             # answers other calls; this call is parked meanwhile (unless they end within
@@ -404,11 +419,12 @@ class BlockManager:
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
+        # The prefetches among the blocks read: those the reader's own lookup brought up are reads
+        # from where they came from too (settled only once the read succeeds: `count` below).
+        prefetched = self.prefetcher.peek(vids_read.tolist(), client) if self.prefetcher.pending else None
+        if prefetched is not None and prefetched.own:
+            came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
         counts = reads_by_origin(tiers, vids_read, up_to, came)
-        if self.prefetcher.pending:
-            for origin, n in self.prefetcher.reading(vids_read.tolist(), client).items():
-                counts[Tier.HBM] -= n
-                counts[origin] += n
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         if promoting:
@@ -419,6 +435,8 @@ class BlockManager:
         # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
         # no room (None) served nothing, and its retry would count the same blocks again.
         (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
+        if prefetched is not None:
+            self.prefetcher.count(prefetched)
         self.table.pin_rows(client, rows)
         if priority is not None:
             self.table.raise_priority(rows, priority)

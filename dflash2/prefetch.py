@@ -20,6 +20,7 @@ prefetch is not a read), so that the read it was brought up for finds it there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -32,6 +33,17 @@ from dflash2.tiers import Tier
 
 CHAINS_PER_READER = 16  # chains followed per reader: the requests an engine reads at once
 PROTECT_WINDOWS = 4  # windows past the read position kept out of the room a prefetch makes
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchedRead:
+    """The prefetched blocks among a read (`Prefetcher.peek`): each vid, whether it was still in HBM
+    when the read came (useful) or had left (wasted), and those the reader's own lookup brought up
+    to HBM, by the tier each came from (the reader waited for those copies: no HBM hits)."""
+
+    vids: list[int]
+    in_hbm: list[bool]
+    own: dict[int, Tier]
 
 
 class Chain:
@@ -187,22 +199,39 @@ class Prefetcher:
             self._queued.pop((reader, key), None)
 
     def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
-        """The request is about to read these blocks: settle the prefetches among them. Returns,
-        by the tier they came from, how many of them `reader`'s own lookup brought up to HBM (it
-        waited for those copies: they are no HBM hits)."""
-        own: Counter = Counter()
+        """The request is about to read these blocks: settle the prefetches among them (`peek`,
+        then `count`). Returns, by the tier they came from, how many of them `reader`'s own lookup
+        brought up to HBM (it waited for those copies: they are no HBM hits)."""
+        read = self.peek(vids, reader)
+        if read is None:
+            return Counter()
+        self.count(read)
+        return Counter(read.own.values())
+
+    def peek(self, vids: Sequence[int], reader: int | None = None) -> PrefetchedRead | None:
+        """What reading these blocks would settle, nothing settled yet (`count` does, once the read
+        has succeeded: an acquire that finds no room reads nothing, and its retry must find the
+        same prefetches pending). Looked at before the reader's own promotion moves blocks up."""
         mine = list(dict.fromkeys(v for v in vids if v in self._pending))  # a vid read twice settles once
         if not mine:
-            return own
+            return None
         rows, live = self._rows(mine)
-        in_hbm = live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))
-        self.useful += int(in_hbm.sum())
-        self.wasted += len(mine) - int(in_hbm.sum())
-        for v, there in zip(mine, in_hbm.tolist()):
-            origin, by = self._pending.pop(v)
+        in_hbm = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
+        own = {}
+        for v, there in zip(mine, in_hbm):
+            origin, by = self._pending[v]
             if there and reader is not None and by == reader:
-                own[Tier(origin)] += 1
-        return own
+                own[v] = Tier(origin)
+        return PrefetchedRead(mine, in_hbm, own)
+
+    def count(self, read: PrefetchedRead) -> None:
+        """The read `peek` looked at succeeded: its prefetches were useful (in HBM when it came)
+        or wasted (they had left it), and are settled."""
+        useful = sum(read.in_hbm)
+        self.useful += useful
+        self.wasted += len(read.vids) - useful
+        for v in read.vids:
+            self._pending.pop(v, None)
 
     @property
     def pending(self) -> int:

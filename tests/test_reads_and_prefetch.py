@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import SMALL
 from observe_helpers import scrape
+from test_faults import make_mgr  # noqa: F401  (a fixture: real host managers with NVMe)
 
 from dflash2.daemon.service import Service
 from dflash2.metrics import DaemonMetrics
@@ -185,3 +186,57 @@ def test_probe_lookups_are_not_followed(make_manager, clock):
     assert m.table.cols.tier[m.table.rows([chain[first]])[0]] == int(Tier.HBM), "the request's window still follows"
     assert all(m.table.cols.tier[m.table.rows(m.table.vids(m.table.lookup(p, 0)))[0]] == int(Tier.DRAM) for p in probes)
 
+
+
+def test_a_read_that_waits_for_its_prefetch_window_in_flight_is_no_hbm_hit(make_mgr):
+    """DESIGN: an HBM hit is a read served from HBM "without waiting for a swap-in". The daemon
+    leaves the next window's NVMe reads in flight after a reply; a reader that comes before they end
+    waits for them (parked), and its reads were counted as HBM hits once they had landed."""
+    from test_faults import chain_on_nvme
+
+    from dflash2.table import BlockState
+
+    m = make_mgr(prefetch_window=2)
+    keys = list(range(1, 13))
+    a, lid, _ = chain_on_nvme(m, keys)
+    m.placement.read_later = True  # as the daemon's loop sets it while it serves
+    try:
+        chain = m.table.vids(m.lookup_rows(keys, lid, client=a)).tolist()
+        m.settle()  # the lookup's own window, which this reader waits for (its own lookup: no hits either)
+        first = [v for v in chain if m.place(v).tier == Tier.HBM]
+        assert first and m.acquire_rows(a, first) is not None
+        m.release(a, first)
+        assert m.access.reads == {Tier.NVME: len(first)}
+        m.run_prefetch()  # after the reply: the next window's reads, left in flight
+        rows = m.table.rows(chain)
+        flying = [v for v, s in zip(chain, m.table.cols.state[rows].tolist()) if s == int(BlockState.MIGRATING)]
+        assert flying and m.placement.in_flight
+        assert m.acquire_rows(a, flying) is not None  # waits for them
+        assert m.access.reads == {Tier.NVME: len(first) + len(flying)}, m.access.reads
+        assert m.prefetcher.useful == len(first) + len(flying)
+    finally:
+        m.placement.read_later = False
+    m.check_invariants()
+
+
+def test_an_acquire_that_finds_no_room_settles_no_prefetch(make_manager):
+    """An acquire answering None (no room) read nothing: it counted the reader's prefetched blocks
+    as useful and settled them, and its retry then took those its own lookup had brought up as
+    HBM hits (they came from DRAM)."""
+    m = make_manager(hbm_blocks=4, dram_blocks=16, prefetch_window=2)
+    a, b = m.attach("a"), m.attach("b")
+    lid = m.register_layout(SMALL)
+    keys = list(range(100, 104))
+    vids = m.commit(a, m.allocate(a, lid, 4), keys=keys)
+    m.free(a, vids)
+    m.placement.make_room(Tier.HBM, 4 * SMALL.block_bytes)  # all of it down to DRAM
+    found = m.table.vids(m.lookup_rows(keys, lid, client=a)).tolist()  # its prefetch brings them up
+    assert m.prefetcher.pending == 4
+    held = m.allocate(b, lid, 2)  # two of them go down again: b writes there
+    assert m.acquire_rows(a, found) is None
+    assert (m.prefetcher.useful, m.prefetcher.wasted, m.prefetcher.pending) == (0, 0, 4) and not m.access.reads
+    m.free(b, held)
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.DRAM: 4}, m.access.reads
+    assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, 2)
+    m.check_invariants()
