@@ -251,6 +251,14 @@ def test_control_samples_its_floor_between_the_ops_rounds(capsys, monkeypatch):
         assert out[key] > 0, key
 
 
+def test_control_judges_its_targets_on_unrounded_figures():
+    """The ratio was rounded to two decimals first: 1.504x the floor read 1.5, and the target met."""
+    from dflash2.bench.control import targets_met
+
+    assert targets_met(150.4, 100.0, 400.0) == {"single_le_1.5x_floor": False, "batch1000_le_4x_single": True}
+    assert targets_met(150.0, 100.0, 600.1) == {"single_le_1.5x_floor": True, "batch1000_le_4x_single": False}
+
+
 # ---- bench drain --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
@@ -279,6 +287,18 @@ def test_drain_times_lookups_back_to_back_and_at_random_times_while_dram_drains(
         # DRAM of 64 MB from 0.97 down to 0.5: about 30 MB went to NVMe, in batches
         assert 25 <= r["moved_mb"] <= 35 and r["batches"] > 0 and r["step_late_max_ms"] >= 0, r
         assert (r["dram_mb"], r["nvme_mb"], r["block_kib"]) == (64, 128, 64), r
+
+
+def test_drain_of_a_small_tier_drains_and_ends_when_it_has(capsys):
+    """A tier of 9 MB: the fill was rounded down to whole MB (8 of 9, 0.89, under the high watermark)
+    and no drain began. And a phase ended only at a look at DRAM's fill, once every 200 calls: at 50
+    ms between lookups no phase could end before 10 s, whatever the drain took."""
+    argv = ["bench", "drain", "--dram-mb", "9", "--gap-ms", "50", "--seconds", "30", "--json"]
+    assert cli.main(argv) == 0
+    rows = {r["phase"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    for r in rows.values():
+        assert r["drained"] and r["moved_mb"] > 0 and r["batches"] > 0, r
+    assert rows["random_times"]["n"] < 200 and rows["random_times"]["drain_s"] < 10, rows["random_times"]
 
 
 # ---- bench churn --------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
         keys = chain_keys(range(16 * 1000), LAYOUT.tokens_per_block, "bench")
         places = client.allocate(lid, 1000)
         client.commit(places["vid"], keys=keys)
-        ops, floor = _op_latencies(client, lid, keys, args.iterations, echo)
+        ops, floor, single = _op_latencies(client, lid, keys, args.iterations, echo)
         one = keys[:1]  # sliced once, outside the timed calls (as the ops' rounds do)
         hot_floor, hot_lookup = [], []
         for _ in range(max(1, args.iterations // 100)):
@@ -86,17 +86,25 @@ def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
     out["batch_lookup_1000_us"] = _pct(batch, 50)
     out["daemon_handle_mean_us"] = daemon_side
     out["ops_per_s"] = {str(n): _throughput(daemon_ep, keys[:1], n, args.seconds) for n in sorted({1, args.processes})}
-    out["ratio_single_vs_floor"] = round(out["p50_us"] / out["floor_p50_us"], 2)
+    # The targets are judged on the unrounded figures (rounded, 1.504x the floor read as 1.5 and "met").
+    single, floor_p50, batch1000 = _pct(single, 50, None), _pct(floor, 50, None), _pct(batch, 50, None)
+    out["ratio_single_vs_floor"] = round(single / floor_p50, 2)
     out["hot_floor_p50_us"], out["hot_lookup_p50_us"] = _pct(hot_floor, 50), _pct(hot_lookup, 50)
     out["ratio_hot"] = round(out["hot_lookup_p50_us"] / out["hot_floor_p50_us"], 2)
-    out["ratio_batch1000_vs_single"] = round(out["batch_lookup_1000_us"] / out["p50_us"], 2)
-    out["targets_met"] = {"single_le_1.5x_floor": out["ratio_single_vs_floor"] <= 1.5,
-                          "batch1000_le_4x_single": out["ratio_batch1000_vs_single"] <= 4.0}
+    out["ratio_batch1000_vs_single"] = round(batch1000 / single, 2)
+    out["targets_met"] = targets_met(single, floor_p50, batch1000)
     return out
 
 
-def _op_latencies(client, lid: int, keys: list[int], n: int, echo: "Echo") -> tuple[dict, list[float]]:
-    """Per op, its round trips; and the echo floor, one sample before each round of the ops."""
+def targets_met(single_us: float, floor_us: float, batch1000_us: float) -> dict[str, bool]:
+    """The control path's targets, judged on unrounded p50s (a ratio rounded first read 1.504x the
+    floor as 1.5, and met)."""
+    return {"single_le_1.5x_floor": single_us <= 1.5 * floor_us, "batch1000_le_4x_single": batch1000_us <= 4.0 * single_us}
+
+
+def _op_latencies(client, lid: int, keys: list[int], n: int, echo: "Echo") -> tuple[dict, list[float], list[float]]:
+    """Per op, its round trips' percentiles; the echo floor, one sample before each round of the
+    ops; and the one-key lookups' samples."""
     samples: dict[str, list[float]] = {k: [] for k in ("lookup", "reserve", "cancel", "acquire", "release")}
     floor: list[float] = []
     one, vid = keys[:1], client.lookup(keys[:1])["vid"]
@@ -112,7 +120,7 @@ def _op_latencies(client, lid: int, keys: list[int], n: int, echo: "Echo") -> tu
         samples["cancel"].append(t2 - t1)
         samples["acquire"].append(_once(lambda: client.acquire(vid)))
         samples["release"].append(_once(lambda: client.release(vid)))
-    return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}, floor
+    return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}, floor, samples["lookup"]
 
 
 class Echo:
@@ -182,8 +190,10 @@ def _timed(fn, n: int) -> list[float]:
     return [_once(fn) for _ in range(n)]
 
 
-def _pct(samples: list[float], q: float) -> float:
-    return round(float(np.percentile(np.asarray(samples) * 1e6, q)), 1)
+def _pct(samples: list[float], q: float, digits: int | None = 1) -> float:
+    """The q-th percentile in microseconds, rounded to `digits` (None: not rounded)."""
+    us = float(np.percentile(np.asarray(samples) * 1e6, q))
+    return us if digits is None else round(us, digits)
 
 
 def _start_daemon(folder: Path, endpoint: str) -> subprocess.Popen:
