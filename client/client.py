@@ -348,8 +348,9 @@ class Client:
     def commit(self, vids, keys=None, parent: int | None = None) -> np.ndarray:
         """Make blocks final (and, with content keys, shareable). Returns the vids now held: a key
         already cached deduplicates to the cached block. A commit that timed out (DaemonUnavailable)
-        may have run: its blocks are no longer viewable by vid as written ones here (a committed
-        block may move under such a view), as after `free`; acquire them to read them."""
+        is forgotten (protocol.UNDOABLE): the daemon drops what it left this writer either way (its
+        references on the blocks it returned, which stay cached, or the blocks being written, when
+        it had not run), so they are the writer's no more, and no longer viewable by vid here."""
         args = {} if parent is None else {"parent": int(parent)}
         arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
         try:

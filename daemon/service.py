@@ -37,6 +37,7 @@ from dflash2.errors import (CallForgotten, CopiesRunning, DFlash2Error, NotOwner
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
+from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -155,6 +156,8 @@ class Service:
                 # ids, counted apart, must never match one.)
                 if req.op in P.UNDOABLE and session.forgotten.pop(req.call_id, None) is not None:
                     self.counters["calls_refused_forgotten"] += 1
+                    if req.op == Op.COMMIT:
+                        self._drop_forgotten_writes(req)
                     raise CallForgotten(f"{req.op.value}: call {req.call_id} of client {req.client} arrived after "
                                         "its client gave up on it: not run")
             result, arrays = self._handlers[req.op](req)
@@ -472,7 +475,32 @@ class Service:
             raise ProtocolError(f"commit: {len(vids)} block ids but {len(keys)} content keys")
         parent = arg(req, "parent", int, default=None)
         out = m.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
+        # Forgotten: the references it leaves the writer on the returned blocks are dropped (they
+        # stay cached, published); the writer never learned their ids when a key deduplicated.
+        self._undoable(req, lambda: m.free(req.client, out))
         return {}, [np.asarray(out, dtype=P.VIDS_DTYPE).tobytes()]
+
+    def _drop_forgotten_writes(self, req) -> None:
+        """A commit whose writer gave up on it before it arrived is not run: the blocks it names that
+        are still that writer's, being written, are freed (it no longer knows whether they were
+        committed; a free it sent after the forget may be lost on a socket the daemon never read)."""
+        m = self._mgr(req)
+        try:
+            vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        except DFlash2Error:
+            return  # a malformed commit: nothing of it is the writer's to free
+        rows, live = m.table.liveness(vids)
+        c = m.table.cols
+        mine = live & (c.owner[rows] == req.client) & (c.state[rows] == int(BlockState.WRITING))
+        if mine.any():
+            try:
+                m.free(req.client, np.unique(vids[mine]))
+            except DFlash2Error as e:
+                log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
+                            req.client, req.call_id, e)
+                return
+            log.info("client %d gave up on its commit (call %d) before it arrived: its %d blocks being written "
+                     "are freed", req.client, req.call_id, int(mine.sum()))
 
     def _lookup(self, req):
         m = self._mgr(req)

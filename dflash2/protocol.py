@@ -145,7 +145,10 @@ NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTO
 # Calls that give their client something it must give back (blocks, a reservation, pins,
 # references). A client that timed out on one never learned what it got, so it sends `forget`
 # and the daemon gives it back; the other calls leave nothing held that the client does not know of.
-UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF})
+# A commit leaves the writer references on the blocks it returns, whose ids may not be the ones it
+# named (a key already cached): forgotten, those references are dropped if it ran, and the blocks
+# it named (still the writer's, being written) freed if it had not (the writer gave up on them).
+UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF, Op.COMMIT})
 
 
 @dataclasses.dataclass

@@ -233,3 +233,98 @@ def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(con
         assert backend.client.stats()["read_cost"]["prefill_rates"] == 1
     finally:
         proc.stop()
+
+
+def fp8_pool(dtype) -> MHATokenToKVPoolHost:
+    """A host pool over an fp8 device pool: sglang stores every fp8 format as uint8 on the host."""
+    dev = MHATokenToKVPool(64, PAGE, dtype, 2, 16, 2, "cpu", False, start_layer=0, end_layer=1)
+    info = dev.get_device_pool_infos()[0]
+    return MHATokenToKVPoolHost(info.buffer_info, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=dev.size, start_layer=0, end_layer=1)
+
+
+def test_fp8_formats_of_one_model_never_share_pages(daemon, backends, caplog):
+    """fp8_e4m3 and fp8_e5m2 pages of one model hold the same bytes for different values, and both
+    pools show uint8: their namespaces were equal, and an e5m2 server read e4m3 pages as hits (1.0
+    came back as 0.5). The logical dtype (`--kv-cache-dtype`, passed by the flag) keeps them apart;
+    a uint8 pool without it falls back rather than guess."""
+    e4m3, e5m2 = fp8_pool(torch.float8_e4m3fn), fp8_pool(torch.float8_e5m2)
+    a = make_backend(daemon[0], e4m3, dflash2_kv_cache_dtype="fp8_e4m3")
+    b = make_backend(daemon[0], e5m2, dflash2_kv_cache_dtype="fp8_e5m2")
+    backends += [a, b]
+    assert a.keys.namespace != b.keys.namespace and a.keys.namespace.endswith("/kv=fp8_e4m3")
+    e4m3.get_data_page(PAGE, flat=False).copy_(torch.ones(e4m3.get_data_page(PAGE, flat=False).shape)
+                                               .to(torch.float8_e4m3fn).view(torch.uint8))
+    assert a.batch_set_v1(KEYS[:1], indices([1])) == [True]
+    assert b.batch_exists(KEYS[:1]) == 0 and b.batch_get_v1(KEYS[:1], indices([2])) == [False]
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        unknown = make_backend(daemon[0], fp8_pool(torch.float8_e4m3fn))
+    backends.append(unknown)
+    assert unknown.fallback_reason and "dtype is not known" in unknown.fallback_reason
+    assert "fallback to default" in caplog.text
+
+
+def test_a_pool_without_flat_pages_falls_back_instead_of_failing_sglangs_start(daemon, backends, caplog):
+    """An asymmetric-head MHA model's host pool raises NotImplementedError from the flat-page calls:
+    it went up into sglang's attach_storage_backend and stopped the scheduler."""
+    from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost
+
+    dev = MHATokenToKVPool(64, PAGE, torch.bfloat16, 2, 16, 2, "cpu", False, v_head_dim=8, start_layer=0, end_layer=1)
+    pool = AsymmetricMHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                          pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                          start_layer=0, end_layer=1)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        backend = make_backend(daemon[0], pool)
+    backends.append(backend)
+    assert "has no flat data pages" in backend.fallback_reason and "fallback to default" in caplog.text
+    assert backend.client is None and backend.batch_exists(KEYS) == 0
+
+
+def test_a_commit_the_daemon_answers_late_leaves_no_reference(daemon, backends):
+    """The daemon stalls (SIGSTOP: slow, not dead) past the call's timeout while a batch commits; one
+    page of it was cached already by another server. The clean-up free named ids the late commit had
+    replaced, or was lost with the socket it was queued on: the writer held references on published
+    pages for its whole life. The commit is now forgotten, and the daemon drops what it left."""
+    import os
+    import signal
+    import threading
+
+    path, proc = daemon
+    pool = host_pool()
+    fill(pool, [1, 2], seed=3)
+    other = make_backend(path, pool, dflash2_timeout_s=5.0)
+    writer = make_backend(path, pool, dflash2_timeout_s=0.5)
+    backends += [other, writer]
+    assert other.batch_set_v1(KEYS[1:2], indices([2])) == [True]
+    commit = writer.client.commit
+
+    def stalled(*a, **kw):
+        os.kill(proc.pid, signal.SIGSTOP)
+        threading.Timer(1.2, lambda: os.kill(proc.pid, signal.SIGCONT)).start()
+        return commit(*a, **kw)
+
+    writer.client.commit = stalled
+    assert writer.batch_set_v1(KEYS[:2], indices([1, 2])) == [False, False]
+    writer.client.commit = commit
+    time.sleep(1.5)
+    writer.client.ping()  # after the forget, on the socket it went on
+    assert writer.client.detach()["dereferenced"] == 0
+
+
+def test_a_long_model_path_still_attaches(config_file, daemon, backends):
+    """sglang's model name is the model path by default; a local snapshot's path made the client
+    name longer than the daemon takes (128 characters), and every scheduler fell back."""
+    from dflash2.client.sglang.backend import client_name
+    from dflash2.protocol import MAX_NAME_CHARS
+
+    model = "/models/" + "snapshots/" * 12 + "Meta-Llama-3-8B-Instruct"
+    name = client_name(model, 3)
+    assert len(name) <= MAX_NAME_CHARS and name.endswith("Meta-Llama-3-8B-Instruct:tp3") and "..." in name
+    assert client_name("meta-llama/Meta-Llama-3-8B-Instruct", 0) == "sglang:meta-llama/Meta-Llama-3-8B-Instruct:tp0"
+    cfg = storage_config(daemon[0])
+    cfg.model_name = model
+    pool = host_pool()
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    backends.append(backend)
+    assert backend.fallback_reason is None and backend.active

@@ -52,6 +52,14 @@ def test_rewrite_turns_the_flag_into_the_dynamic_backend(tmp_path):
                      "dflash2_config": str(tmp_path / "c.json")}
 
 
+def test_rewrite_passes_the_servers_kv_cache_dtype_to_the_backend():
+    """fp8 host pools store every fp8 format as uint8: the backend's key namespace needs the logical
+    KV dtype (`--kv-cache-dtype`), which only the server's arguments know."""
+    args = sglang_args(kv_cache_dtype="fp8_e5m2")
+    assert rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x")).ok
+    assert json.loads(args.hicache_storage_backend_extra_config)["dflash2_kv_cache_dtype"] == "fp8_e5m2"
+
+
 def test_rewrite_without_the_flag_changes_nothing():
     args = sglang_args(dflash2_config=None)
     assert rewrite_args(args, check=pytest.fail) is None and args.hicache_storage_backend is None

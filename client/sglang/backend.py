@@ -38,7 +38,7 @@ from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_pag
                                          store_page)
 from dflash2.client.sglang.plugin import fallback_line
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
-from dflash2.protocol import MAX_BATCH
+from dflash2.protocol import MAX_BATCH, MAX_NAME_CHARS
 
 log = logging.getLogger("dflash2.sglang")
 
@@ -85,7 +85,7 @@ class DFlash2Storage(HiCacheStorage):
             raise DaemonUnavailable("no `dflash2_config` in the storage backend's extra config")
         cfg = load_config(path)
         require_enabled(cfg)
-        name = f"sglang:{self.shard.model}:tp{self.shard.tp_rank}"
+        name = client_name(self.shard.model, self.shard.tp_rank)
         # Every call times out after the config's daemon.request_timeout_s, unless the extra config
         # gives this server its own (`dflash2_timeout_s`).
         timeout_s = self._positive("dflash2_timeout_s", cfg.daemon.request_timeout_s)
@@ -118,15 +118,32 @@ class DFlash2Storage(HiCacheStorage):
             return
         try:
             layout = page_layout(mem_pool_host, self.shard.model)
+            kv = self._logical_kv_dtype(mem_pool_host)
             self.layout_id = self.client.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
         except (PageFormatError, DFlash2Error) as e:
             self._fall_back(f"sglang's host pages cannot be stored: {e}")
             return
         self.page_bytes = layout.block_bytes
-        self.keys = KeyMapper(namespace(self.shard, f"{page_format(mem_pool_host)}/{layout.name}"))
+        page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
+        self.keys = KeyMapper(namespace(self.shard, page))
         self._fit_tiers(self.client, layout)
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
+
+    def _logical_kv_dtype(self, pool) -> str | None:
+        """For a pool that stores its KV as bytes (every fp8 format, and other quantized ones, are
+        uint8 to the host pool): the server's `--kv-cache-dtype`, which the namespace must carry
+        (fp8_e4m3 and fp8_e5m2 pages of one model hold the same bytes for different values). None
+        for a pool whose dtype is the KV's own. PageFormatError when it is not known (a backend set
+        up without `--dflash2-config`, which passes it, nor `dflash2_kv_cache_dtype`)."""
+        if getattr(getattr(pool, "dtype", None), "itemsize", 2) != 1:
+            return None
+        kv = self.extra.get("dflash2_kv_cache_dtype")
+        if not isinstance(kv, str) or not kv:
+            raise PageFormatError(f"the host pool stores its KV as {pool.dtype}, and the KV's own dtype is not known: "
+                                  "pages of different fp8 formats would share keys (start sglang with "
+                                  "--dflash2-config, or give dflash2_kv_cache_dtype in the extra config)")
+        return kv
 
     def _fit_tiers(self, client: Client, layout) -> None:
         """The tier pages go to and the pages per call, for the daemon `client` is attached to (a
@@ -237,6 +254,11 @@ class DFlash2Storage(HiCacheStorage):
                     for place, i in zip(places, range(lo, hi)):
                         write(i, client.view_bytes(place))
                     held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
+                except DaemonUnavailable:
+                    # The commit timed out: the client asked the daemon to forget it, which drops
+                    # these blocks whichever way it went (protocol.UNDOABLE). A free from here could
+                    # name ids a late commit replaced, or be lost on a socket the daemon never read.
+                    raise
                 except BaseException:
                     client.free(places["vid"])  # written or not, never committed: give them back
                     raise
@@ -442,6 +464,17 @@ class DFlash2Storage(HiCacheStorage):
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (a copy only when it is not contiguous)."""
     return t.contiguous().view(-1).view(torch.uint8)
+
+
+def client_name(model: str, tp_rank: int) -> str:
+    """The name this backend attaches under (shown in `dflash2 status`): `sglang:MODEL:tpN`, the model
+    cut from the left to fit the daemon's bound on names (a model path of a local snapshot is long;
+    over the bound, every scheduler fell back)."""
+    tail = f":tp{tp_rank}"
+    room = MAX_NAME_CHARS - len("sglang:") - len(tail)
+    if len(model) > room:
+        model = "..." + model[-(room - 3):]
+    return f"sglang:{model}{tail}"
 
 
 def _serving_device() -> int | None:

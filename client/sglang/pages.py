@@ -33,8 +33,14 @@ def _dtype_name(torch_dtype) -> str:
 
 
 def page_elements(pool) -> int:
-    """Elements of one flat data page (a view of page 0: nothing is allocated)."""
-    return int(pool.get_data_page(0, flat=False).numel())
+    """Elements of one flat data page (a view of page 0: nothing is allocated). PageFormatError when
+    the pool has no flat pages: sglang's asymmetric-head MHA and MXFP8 pools raise
+    NotImplementedError there, an MLA pool of layout page_first_kv_split ValueError."""
+    try:
+        return int(pool.get_data_page(0, flat=False).numel())
+    except (NotImplementedError, ValueError, TypeError, AttributeError) as e:
+        raise PageFormatError(f"{type(pool).__name__} (layout {getattr(pool, 'layout', '?')}) has no flat data "
+                              f"pages ({type(e).__name__}: {e})") from e
 
 
 def page_layout(pool, model: str) -> Layout:

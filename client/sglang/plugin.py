@@ -105,8 +105,10 @@ def fallback_line(reason: str) -> str:
     return f"dflash2: fallback to default (sglang's own KV cache, no dflash2): {reason}"
 
 
-def backend_extra_config(config_path: str, user_extra: str | None) -> str:
-    """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours."""
+def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None) -> str:
+    """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours (with the
+    server's `--kv-cache-dtype`: the logical KV dtype, which fp8 host pools do not show: every fp8
+    format is stored as uint8)."""
     extra: dict = {}
     if user_extra:
         if user_extra.startswith("@"):
@@ -126,6 +128,8 @@ def backend_extra_config(config_path: str, user_extra: str | None) -> str:
     extra.update(ours)
     extra["interface_v1"] = 1  # the zero-copy batch_get_v1 / batch_set_v1 path
     extra["dflash2_config"] = os.path.abspath(config_path)
+    if kv_cache_dtype is not None:
+        extra["dflash2_kv_cache_dtype"] = str(kv_cache_dtype)
     return json.dumps(extra)
 
 
@@ -144,7 +148,7 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
         log.warning(fallback_line(verdict.reason))
         return verdict
     args.hicache_storage_backend_extra_config = backend_extra_config(
-        path, getattr(args, "hicache_storage_backend_extra_config", None))
+        path, getattr(args, "hicache_storage_backend_extra_config", None), getattr(args, "kv_cache_dtype", None))
     args.enable_hierarchical_cache = True
     args.hicache_storage_backend = "dynamic"
     log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",
