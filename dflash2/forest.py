@@ -36,11 +36,13 @@ def local_parents(rows: np.ndarray, parents: np.ndarray,
     return np.where((parents >= 0) & (ranked_rows[at] == parents), order[at], -1)
 
 
-def subtree_heights(parent: np.ndarray, blocked: np.ndarray) -> np.ndarray:
+def subtree_heights(parent: np.ndarray, blocked: np.ndarray, values: np.ndarray | None = None):
     """Per node, the length of the longest path down from it to a leaf of its subtree (0 for a
     leaf), or -1 when the node or any node below it is `blocked` (held back by something outside
     the set). So a node's height is >= 0 exactly when its whole subtree can go, and the heights
-    order the nodes leaves first: a node's height exceeds each of its children's."""
+    order the nodes leaves first: a node's height exceeds each of its children's. With `values`
+    (one per node), also the largest value in each node's subtree, itself included: (heights,
+    peaks), pushed up the same rounds."""
     parent = np.asarray(parent, dtype=np.int64)
     n = len(parent)
     if len(blocked) != n:
@@ -69,11 +71,14 @@ def subtree_heights(parent: np.ndarray, blocked: np.ndarray) -> np.ndarray:
     # Deepest leaf under each node, pushed up the same jumps: after round k each node has seen its
     # descendants within 2**(k+1) - 1 levels.
     deepest = depth.copy()
+    peaks = None if values is None else np.array(values, copy=True)
     for has, up in rounds:
         np.maximum.at(deepest, up, deepest[has])
+        if peaks is not None:
+            np.maximum.at(peaks, up, peaks[has])
     heights = deepest - depth
     heights[held] = -1
-    return heights
+    return heights if peaks is None else (heights, peaks)
 
 
 def reaches_marked(parent: np.ndarray, marked: np.ndarray, nodes: np.ndarray) -> np.ndarray:

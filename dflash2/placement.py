@@ -220,7 +220,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         can leave together with their descendants, in the order they leave: a row qualifies when
         every child that holds it back qualifies (for a demotion its children in `tier` or a faster
         one, for an eviction every cached child). Ordered leaves first, by height in the subtree
-        that leaves (then lowest score when `scores` are given, then row): the order a demotion
+        that leaves (then lowest score when `scores` are given, then row; for a policy of
+        `strict_order`, Belady's, by the highest score in each subtree, then height): the order a demotion
         moves them in (a move cut short leaves no parent below its child) and an eviction drops
         them in. So a cold chain leaves whole, in one move of many blocks, instead of one level per
         round: a round per level made the demotions of a prefix-tree workload batches of one or two
@@ -242,6 +243,13 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         # Every row of `below` lies in `tier` and is a cached child of its parent, so it holds its
         # parent back; a row with more holding children than it has in `below` waits on one outside.
         blocked = holding > np.bincount(parent[parent >= 0], minlength=len(rows))
+        if scores is not None and self.policy.strict_order:
+            # Strictly by score, a block no earlier than its descendants: by the highest score in
+            # its subtree (an ancestor's is never below its descendants'), leaves first among equals.
+            height, peak = subtree_heights(parent, blocked, scores[rows])
+            go = height >= 0
+            rows, height, peak = rows[go], height[go], peak[go]
+            return rows[np.lexsort((rows, height, peak))]
         height = subtree_heights(parent, blocked)
         go = height >= 0
         rows, height = rows[go], height[go]

@@ -87,6 +87,27 @@ def test_heights_match_the_definition(forest):
     assert subtree_heights(parent, blocked).tolist() == heights_by_recursion(parent.tolist(), blocked.tolist())
 
 
+@settings(max_examples=200, deadline=None)
+@given(forests(), st.data())
+def test_peaks_are_each_subtrees_largest_value(forest, data):
+    """subtree_heights' `values`: the largest value in each node's subtree, itself included (what a
+    policy of strict order takes its blocks by: placement.py `_leaving`)."""
+    parent, blocked = forest
+    n = len(parent)
+    values = np.array(data.draw(st.lists(st.integers(-50, 50), min_size=n, max_size=n)), dtype=np.float64)
+    kids = [[] for _ in range(n)]
+    for i, p in enumerate(parent.tolist()):
+        if p >= 0:
+            kids[p].append(i)
+
+    def peak(i):
+        return max([values[i]] + [peak(k) for k in kids[i]])
+
+    heights, peaks = subtree_heights(parent, blocked, values)
+    assert heights.tolist() == heights_by_recursion(parent.tolist(), blocked.tolist())
+    assert peaks.tolist() == [peak(i) for i in range(n)]
+
+
 def leaving_by_levels(placement, tier, below, evict, scores):
     """The walk placement used before: one round of numpy calls per tree level."""
     c = placement.table.cols

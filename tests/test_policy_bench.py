@@ -29,6 +29,17 @@ def test_belady_is_optimal_on_a_hand_checked_trace():
         assert replay(trace, name, hbm_blocks=2)["prefix_hit_rate"] <= best["prefix_hit_rate"]
 
 
+def test_belady_takes_blocks_by_their_next_use_across_chains():
+    """HBM of 5 blocks; A=[100,101,102] (never used again), B=[200,201], C=[300..303], then B. C's
+    four blocks need four slots. The mechanism takes the blocks under its cut leaves first across
+    chains, which sent both of B's blocks out before A's root: Belady kept A's root and missed B (0
+    of 11). Strictly by next use it drops A whole and B's leaf, and finds B's root: 1 of 11. LRU
+    keeps the leaves-first order (B goes before A's root)."""
+    trace = reqs([100, 101, 102], [200, 201], [300, 301, 302, 303], [200, 201])
+    assert replay(trace, "belady", hbm_blocks=5)["prefix_hit_rate"] == pytest.approx(1 / 11, abs=1e-4)
+    assert replay(trace, "lru", hbm_blocks=5)["prefix_hit_rate"] == 0.0
+
+
 def test_prefix_hits_count_only_the_leading_run():
     # [1,2,3] then [1,9,3]: only block 1 is a prefix hit (3 is cached but behind a miss).
     r = replay(reqs([1, 2, 3], [1, 9, 3]), "lru", hbm_blocks=16)

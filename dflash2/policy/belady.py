@@ -18,6 +18,7 @@ from dflash2.policy.base import Policy, register
 @register
 class BeladyPolicy(Policy):
     name = "belady"
+    strict_order = True  # the block used furthest ahead goes first, a leaf of another chain or not
 
     def __init__(self) -> None:
         self._keys = np.empty(0, dtype=np.uint64)  # sorted distinct content keys of the trace
