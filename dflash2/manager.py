@@ -396,12 +396,22 @@ class BlockManager:
                                     f"committed blocks move up to {up_to.label}; commit it first, or read it where "
                                     "it lies (tier 'dram')")
         if promoting:
-            # Every block at or below `up_to` must lie in it at once: when they cannot, refuse
-            # before promoting any (which would push other clients' blocks out for nothing).
-            there = np.unique(rows[tiers >= int(up_to)])
-            lids, counts = np.unique(self.table.cols.layout[there], return_counts=True)
+            # Every block at or below `up_to` must lie in it at once, and so must the cached
+            # prefix a promotion brings up first (its ancestors below `up_to`, but those pinned
+            # there, which stay): when they cannot, refuse before promoting any (which would push
+            # other clients' blocks out for nothing, and answer "no room now" to every retry).
+            chain = self.placement._with_ancestors(rows, up_to)
+            if chain is rows:  # a prefix listed root first (the usual read): nothing to add
+                there = np.unique(rows[tiers >= int(up_to)])
+            else:
+                chain_tiers = c.tier[chain]
+                there = chain[(chain_tiers == int(up_to)) | ((chain_tiers > int(up_to))
+                                                             & ((c.pins[chain] == 0) | np.isin(chain, rows)))]
+            lids, counts = np.unique(c.layout[there], return_counts=True)
+            named = len(np.unique(rows))
             self.table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
-                                    f"acquire of {len(there)} blocks")
+                                         f"acquire of {named} blocks"
+                                         + (f" (with their cached prefix, {len(there)})" if len(there) > named else ""))
         below = None if priority is None else priority + 1
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon

@@ -3,7 +3,9 @@ serve, demotions that drop blocks the tier below has room for, prefetched blocks
 down by the next rebalance, and prefetch waste that went uncounted."""
 
 import numpy as np
+import pytest
 
+from dflash2.errors import NeverFits
 from dflash2.tiers import Tier
 
 from conftest import SMALL
@@ -246,3 +248,47 @@ def test_blocks_pass_a_stuck_tier_only_to_a_tier_that_keeps_them(make_manager, c
     assert tiers_of(mgr, [*p, *child]) == ["hbm", "nvme"]
     assert mgr.placement.stats.past_full == 0
     mgr.check_invariants()
+
+
+def test_an_acquire_whose_cached_prefix_can_never_fit_is_never_fits(make_manager):
+    """The promotion brings the block's cached prefix up first: one block of a 6-block chain in DRAM
+    fits an HBM of 4, its chain never does. It answered None ("no room now") to every retry, each
+    demoting another client's idle blocks for nothing."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=16)
+    lid = mgr.register_layout(SMALL)
+    other = mgr.attach("other")
+    mgr.free(other, mgr.commit(other, mgr.allocate(other, lid, 3), [101, 102, 103]))
+    writer = mgr.attach("host-writer")
+    chain = mgr.commit(writer, mgr.allocate(writer, lid, 6, tier=Tier.DRAM), [1, 2, 3, 4, 5, 6])
+    mgr.free(writer, chain)
+    reader = mgr.attach("reader")
+    with pytest.raises(NeverFits, match=r"acquire of 1 blocks \(with their cached prefix, 6\) needs"):
+        mgr.acquire(reader, [int(chain[5])])
+    assert [p.tier for p in mgr.lookup([101, 102, 103], lid)] == [Tier.HBM] * 3, "nothing was demoted"
+    assert mgr.acquire(reader, [int(chain[1])]) is not None  # a prefix of two fits
+    mgr.check_invariants()
+
+
+def test_blocks_of_two_layouts_that_can_never_lie_together_are_never_fits(clock):
+    """A page holds blocks of one size: 5 blocks of 40 KiB and 4 of 48 KiB, each a one-page slab,
+    need 9 pages of a tier of 8, though the bytes fit and each layout alone would."""
+    from dflash2.layout import Layout
+    from dflash2.manager import BlockManager, TierSpec
+
+    kib = 1024
+    a = Layout("a", num_layers=2, num_kv_heads=5, head_dim=64, dtype="fp16", tokens_per_block=16)
+    b = Layout("b", num_layers=2, num_kv_heads=6, head_dim=64, dtype="fp16", tokens_per_block=16)
+    mgr = BlockManager([TierSpec(Tier.HBM, 8 * 64 * kib, 64 * kib, 256),
+                        TierSpec(Tier.DRAM, 64 * 64 * kib, 64 * kib, 4096)], clock=clock)
+    la, lb = mgr.register_layout(a), mgr.register_layout(b)
+    w = mgr.attach("w")
+    va = mgr.commit(w, mgr.allocate(w, la, 5, tier=Tier.DRAM), [1, 2, 3, 4, 5])
+    vb = mgr.commit(w, mgr.allocate(w, lb, 4, tier=Tier.DRAM), [11, 12, 13, 14])
+    mgr.free(w, va)
+    mgr.free(w, vb)
+    r = mgr.attach("r")
+    with pytest.raises(NeverFits, match="needs 9 pages of hbm for its blocks of 2 layouts"):
+        mgr.acquire(r, [*va.tolist(), *vb.tolist()])
+    assert mgr.acquire(r, [*va.tolist(), *vb[:3].tolist()]) is not None  # 8 pages: they fit
+    mgr.check_invariants()
+    mgr.close()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflash2.alloc import SlotAllocator, blocks_that_fit
+from dflash2.alloc import SlotAllocator, blocks_that_fit, slab_shape
 from dflash2.errors import (IllegalTransition, LayoutError, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.counts import add_at, any_true, distinct
@@ -216,6 +216,20 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             if n > fit:
                 raise NeverFits(f"{what} needs {n} blocks of layout {self.layout(lid).name!r} in "
                                  f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
+        if len(blocks) > 1:
+            # Together: a page belongs to one slot size at a time, so the slabs each size needs add
+            # up (40 and 48 KiB blocks, 5 and 4 of them, each a one-page slab: 9 pages of a tier of 8,
+            # though the bytes fit and each layout alone would).
+            by_slot: dict[int, int] = {}
+            for lid, n in blocks.items():
+                slot = self.slot_bytes(lid, tier)
+                by_slot[slot] = by_slot.get(slot, 0) + n
+            pages = sum(-(-n // per) * span for n, (span, per) in
+                        ((n, slab_shape(slot, alloc.page_bytes, alloc.n_pages)) for slot, n in by_slot.items()))
+            if pages > alloc.n_pages:
+                raise NeverFits(f"{what} needs {pages} pages of {tier.label} for its blocks of "
+                                f"{len(blocks)} layouts (a page holds blocks of one size), more than the whole "
+                                f"tier's {alloc.n_pages}: they can never lie there together")
 
     def slot_sizes(self, tier: Tier) -> np.ndarray:
         """Slot bytes in `tier` per layout id (index it with the layout column; do not write to it)."""
