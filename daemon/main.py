@@ -58,10 +58,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.json and not args.check:  # it would start the daemon and ignore --json
         parser.error("--json only goes with --check (the daemon itself logs as logging.format says)")
+    # From the first moment a stop signal unwinds start-up (README: it stops cleanly "during
+    # start-up too"): while the config was read and the GPUs probed, SIGINT raised a traceback and
+    # SIGHUP killed the process by its default action. The server installs its own once it serves.
+    before = {sig: signal.getsignal(sig) for sig in (*threads.STOP_SIGNALS, signal.SIGUSR1, signal.SIGUSR2)}
+    for sig in threads.STOP_SIGNALS:
+        signal.signal(sig, _stop_during_startup)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # meaningless here; their default kills without clean-up
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        return _main(args)
+    except _Stopped as exc:
+        fmt = "text" if args.check else _format_asked(args.config)
+        print(console_line(fmt, f"dflash2d: stopped by {exc} during start-up", event="dflash2_shutdown"),
+              file=sys.stderr)
+        return EXIT_OK
+    finally:
+        for sig, handler in before.items():  # (main called in-process, by tests: their handlers back)
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     # Warnings wait for the config: they are printed in its logging.format (a journal of JSON
-    # lines stays one), as text for --check (a person reads it) or when the config cannot be read.
+    # lines stays one), as text for --check (a person reads it) or when the file cannot be read as
+    # JSON; a config that fails validation is still read for its logging.format.
     warnings = list(check_environment())
-    fmt = "text"
+    fmt = "text" if args.check else _format_asked(args.config)
     try:
         cfg = load_config(args.config)
         fmt = "text" if args.check else cfg.logging.format
@@ -88,6 +110,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"now: {line}")
         return EXIT_OK
     return _serve(cfg)
+
+
+def _format_asked(path: str) -> str:
+    """The logging.format a config file asks for, read without validating it (its own default,
+    json, when it names none), so that an invalid config's error is a JSON record where its logs
+    would be; text when the file is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "text"
+    section = raw.get("logging") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or (section is not None and not isinstance(section, dict)):
+        return "text"
+    fmt = (section or {}).get("format", Config.model_fields["logging"].default.format)
+    return fmt if fmt in ("json", "text") else "text"
 
 
 def room_now(plan: Plan) -> list[str]:
@@ -227,12 +265,9 @@ def _serve(cfg: Config) -> int:
         return _fail("the daemon server (dflash2.daemon.server) is not built yet; only --check works")
     import zmq
 
-    # Until the server installs its own handlers (once it serves), a stop signal unwinds start-up:
-    # killed outright, the daemon would leave its shared-memory segments and lock file behind.
-    for sig in threads.STOP_SIGNALS:
-        signal.signal(sig, _stop_during_startup)
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # meaningless here; their default kills without clean-up
-        signal.signal(sig, signal.SIG_IGN)
+    # Until the server installs its own handlers (once it serves), a stop signal unwinds start-up
+    # (main installed the handlers): killed outright, the daemon would leave its shared-memory
+    # segments and lock file behind.
     try:
         result = server.run(cfg)
     except _Stopped as exc:

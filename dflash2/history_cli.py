@@ -154,10 +154,11 @@ def render(samples: list[dict], max_rows: int = 30) -> str:
         return "no samples yet"
     tiers = list(samples[-1]["tiers"])
     head = ["time"] + [f"{t} use" for t in tiers] + ["hbm hit", "swap out MB/s", "swap in MB/s", "clients", "deferred"]
-    step = max(1, -(-len(samples) // max_rows))
-    picked = samples[::step]
-    if picked[-1] is not samples[-1]:
-        picked.append(samples[-1])
+    # max_rows samples (all, when there are fewer) evenly spread from the first to the last: every
+    # step-th sample and then the last one appended gave max_rows + 1 rows.
+    k = min(len(samples), max_rows)
+    picked = [samples[i] for i in sorted({round(j * (len(samples) - 1) / (k - 1)) for j in range(k)})] \
+        if k > 1 else samples[-1:]
     rows = []
     for a, b in zip([None, *picked], picked):
         # A tier the daemon had not before a restart (nvme_capacity_mb raised) shows as "-" there.

@@ -64,8 +64,10 @@ def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = s
         out = [CLEAR] if clear else []
         out.append(time.strftime("%H:%M:%S", time.localtime(now)) + f"  every {interval_s:g}s  (Ctrl-C ends)")
         if stats is None:
+            # The last answered frame stays what the next one is compared with: a daemon restarted
+            # while frames went unanswered is said so then (its pid, or its counters going down),
+            # not taken for a first frame.
             out.append(f"daemon unavailable at {endpoint}: {error}" + ("" if last else "; asking again"))
-            prev = None
         else:
             answered = True
             stats["endpoint"] = endpoint

@@ -66,6 +66,27 @@ def one_error_line(stderr: str, prefix: str = "dflash2d: error: ") -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("logging_section", [{"format": "json", "level": "info"}, None])
+def test_an_invalid_config_in_json_format_says_so_as_a_json_record(tmp_path, logging_section):
+    """Its logs go to a journal read with jq: the error of a value out of range was plain text
+    (only errors found after validation were records), and jq stopped there. A config that names
+    no format is json's, the default."""
+    import json
+
+    path = config(tmp_path, policy={"cold_threshold": 2}, logging=logging_section)
+    if logging_section is None:
+        raw = json.loads(path.read_text())
+        del raw["logging"]
+        path.write_text(json.dumps(raw))
+    rc, err, started = run_daemon(path)
+    assert not started and rc == 2
+    [record] = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert record["event"] == "dflash2_error" and record["level"] == "error"
+    assert record["msg"].startswith("dflash2d: error: policy.cold_threshold:")
+    rc, err, _ = run_daemon(path, "--check")  # for a person: text
+    assert rc == 2 and one_error_line(err).startswith("dflash2d: error: policy.cold_threshold:")
+
+
 # ---- policy.name ------------------------------------------------------------------------------------
 
 

@@ -147,3 +147,25 @@ def test_in_json_format_every_line_the_daemon_writes_is_a_json_record(config_fil
     assert events["dflash2_enabled"]["msg"].startswith("DFlash2: enabled, total virtual cache size")
     assert "DFLASH_DRAM_LIMIT" in events["dflash2_warning"]["msg"] and events["dflash2_warning"]["level"] == "warning"
     assert {"dflash2_start", "dflash2_shutdown"} <= set(events) and proc.returncode == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_while_the_config_is_read_stops_it_cleanly(config_file, tmp_path, monkeypatch, capsys, sig):
+    """README: it stops cleanly on SIGTERM, Ctrl-C or SIGHUP "during start-up too". Before the
+    server's own start-up handlers, while the config was read and the GPUs probed (about a second
+    with device auto), SIGINT raised a traceback (exit 130) and SIGHUP killed it (exit 129)."""
+    from dflash2.daemon import main as daemon_main
+
+    real = daemon_main.resolve_plan
+
+    def plan_then_signal(cfg):
+        os.kill(os.getpid(), sig)  # as if sent while the GPUs are probed
+        return real(cfg)
+
+    monkeypatch.setattr(daemon_main, "resolve_plan", plan_then_signal)
+    before = signal.getsignal(signal.SIGINT)
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"}, logging={"format": "text", "level": "info"})
+    assert daemon_main.main(["--config", path]) == 0
+    assert f"dflash2d: stopped by {sig.name} during start-up" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handlers are back
+    assert not glob.glob(f"/dev/shm/dflash2-{os.getpid()}-*")

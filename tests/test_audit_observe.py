@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import time
 from observe_helpers import RawClient, fill_then_reuse, running_daemon
 
 from dflash2 import protocol as P
@@ -173,3 +174,42 @@ def test_status_watch_rejects_an_interval_or_count_that_cannot_work(tmp_path):
     for bad in (["--interval", "-1"], ["--interval", "0"], ["--count", "-1"], ["--timeout", "-1"]):
         r = _cli("status", "--endpoint", endpoint, "--watch", "--count", "2", *bad)
         _fail_cleanly(r, bad[0])
+
+
+def test_status_watch_tells_a_restart_across_frames_that_went_unanswered(make_manager, monkeypatch, capsys):
+    """A stop and start longer than the interval leaves frames unanswered between the two daemons:
+    the first frame of the new one said "(first frame)", not that the daemon had restarted."""
+    from dflash2 import status_watch
+    from dflash2.daemon.service import Service
+
+    def stats_of(requests):
+        svc = Service(make_manager(hbm_blocks=8), lease_timeout_s=10.0, heartbeat_interval_s=2.0)
+        for _ in range(requests):
+            svc.stats()
+            svc.counters["requests"] += 1
+        return svc.stats()
+
+    old, new = stats_of(5), stats_of(1)
+    new["daemon"]["pid"] = old["daemon"]["pid"] + 1
+    answers = iter([(old, ""), (None, "no answer within 1s"), (None, "no answer within 1s"), (new, "")])
+    monkeypatch.setattr(status_watch, "_ask", lambda endpoint, timeout_s: next(answers))
+    monkeypatch.setattr(status_watch.time, "sleep", lambda s: None)
+    assert status_watch.watch("ipc:///nowhere", 1.0, count=4, clear=False)
+    frames = capsys.readouterr().out.split("every 1s")
+    assert "(first frame)" in frames[1] and "daemon unavailable" in frames[2] and "daemon unavailable" in frames[3]
+    assert "since last frame: (the daemon restarted)" in frames[4], frames[4]
+
+
+@pytest.mark.parametrize("n, rows", [(54, 5), (4, 3), (3, 30), (30, 30), (31, 30)])
+def test_history_prints_at_most_its_rows_the_last_sample_among_them(make_manager, n, rows):
+    """`--rows N` printed N + 1 rows (every step-th sample from the first, then the last appended)."""
+    from dflash2.daemon.service import Service
+    from dflash2.history import sample_of
+    from dflash2.history_cli import render
+
+    stats = Service(make_manager(hbm_blocks=8), lease_timeout_s=10.0, heartbeat_interval_s=2.0).stats()
+    samples = [sample_of(stats, 1000.0 + i) for i in range(n)]
+    lines = render(samples, max_rows=rows).splitlines()
+    body = lines[1:-1]  # the header, then the rows, then the summary line
+    assert len(body) == min(n, rows), lines
+    assert body[-1].startswith(time.strftime("%H:%M:%S", time.localtime(samples[-1]["t"])))
