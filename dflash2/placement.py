@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -259,10 +260,13 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
         """Mask of the rows whose score's percentile among all the tier's blocks is below the
-        threshold (ties at the cutoff count as cold)."""
+        threshold (ties at the cutoff count as cold). The i-th lowest of n blocks stands at
+        percentile i/n, below the threshold t while i < t*n: ceil(t*n) blocks (rounded down, a
+        threshold of 0.05 left a tier of 16 blocks with none cold, and over its high watermark it
+        never drained). The small slack keeps 0.1 * 30 (3.0000000000000004) at 3."""
         in_tier = self.table.cols.tier == int(tier)
         tier_scores = scores[in_tier]
-        k = int(self.cold_threshold * len(tier_scores))
+        k = math.ceil(self.cold_threshold * len(tier_scores) - 1e-9)
         if k <= 0:
             return np.zeros(len(scores), dtype=bool)
         cutoff = np.partition(tier_scores, k - 1)[k - 1]

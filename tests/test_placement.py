@@ -43,6 +43,22 @@ def test_cold_threshold_limits_each_pass(make_manager, clock):
     assert (mgr.table.cols.tier[np.flatnonzero(before)] == int(Tier.DRAM)).all()
 
 
+@pytest.mark.parametrize("threshold, blocks, cold", [(0.05, 16, 1), (0.1, 16, 2), (0.1, 30, 3), (0.5, 16, 8),
+                                                     (0.2, 10, 2), (0.34, 3, 2)])
+def test_cold_blocks_are_those_below_the_threshold_percentile(make_manager, clock, threshold, blocks, cold):
+    """DESIGN: cold when a block's heat percentile in its tier is below the threshold. The i-th
+    lowest of n stands at i/n, so ceil(t*n) blocks are cold: rounded down, 0.05 of a 16-block tier
+    left none cold, and a tier over its high watermark never drained."""
+    mgr = make_manager(hbm_blocks=blocks, dram_blocks=4 * blocks, cold_threshold=threshold)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(1, blocks + 1):
+        clock.advance(1)
+        fill(mgr, a, lid, [k])
+    found = mgr.placement._cold_mask(Tier.HBM, mgr.policy.scores_all(mgr.table, clock()))
+    assert int(found.sum()) == cold
+
+
 def test_descendants_leave_a_tier_before_their_ancestors(make_manager, clock):
     mgr = make_manager(hbm_blocks=6, dram_blocks=20)
     a = mgr.attach("a")
