@@ -83,9 +83,14 @@ def _main(args: argparse.Namespace) -> int:
     # lines stays one), as text for --check (a person reads it) or when the file cannot be read as
     # JSON; a config that fails validation is still read for its logging.format.
     warnings = list(check_environment())
-    fmt = "text" if args.check else _format_asked(args.config)
+    fmt = "text"
     try:
-        cfg = load_config(args.config)
+        try:
+            cfg = load_config(args.config)
+        except ConfigError:
+            # The file read once more, only when it fails: for the logging.format it asks for.
+            fmt = "text" if args.check else _format_asked(args.config)
+            raise
         fmt = "text" if args.check else cfg.logging.format
         require_enabled(cfg)
         check_policy(cfg)

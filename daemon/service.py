@@ -9,7 +9,7 @@ run, once it is gone or after a while: sessions.SetAside); what it published sta
 Sessions: attach returns a random token that every later call of that client carries; a call with
 the client's id and another token is refused (WrongToken), so a process that read the id from
 `stats` cannot release the client's pins or detach it. A client that timed out on a call that hands
-it something (protocol.UNDOABLE) sends `forget`: if the call ran, what it handed out is given back;
+it something (protocol.UNDOABLE) sends `forget` (forgetting.py): if the call ran, what it handed out is given back;
 if it has not arrived yet (it came on the client's previous socket), it is refused when it does.
 """
 
@@ -29,15 +29,14 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.daemon import wire
+from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.poolstats import sum_stats
-from dflash2.daemon.sessions import KEEP_CALLS, PID_MAX, Session, SetAside, pid_namespace, same_token
+from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CallForgotten, CopiesRunning, DFlash2Error, NotOwner, ProtocolError, UnknownClient,
-                            WrongToken)
+from dflash2.errors import CopiesRunning, DFlash2Error, NotOwner, ProtocolError, UnknownClient, WrongToken
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
-from dflash2.table import BlockState
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -54,7 +53,7 @@ class Parked:
     client: int | None = None
 
 
-class Service:
+class Service(Forgetting):
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
                  pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30,
@@ -154,12 +153,8 @@ class Service:
                 session = self._touch(req.client, req.token)
                 # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
                 # ids, counted apart, must never match one.)
-                if req.op in P.UNDOABLE and session.forgotten.pop(req.call_id, None) is not None:
-                    self.counters["calls_refused_forgotten"] += 1
-                    if req.op == Op.COMMIT:
-                        self._drop_forgotten_writes(req)
-                    raise CallForgotten(f"{req.op.value}: call {req.call_id} of client {req.client} arrived after "
-                                        "its client gave up on it: not run")
+                if req.op in P.UNDOABLE:
+                    self._refuse_forgotten(req, session)
             result, arrays = self._handlers[req.op](req)
             reply = Reply(req.call_id, True, result, arrays=arrays)
         except CopiesRunning:
@@ -300,13 +295,6 @@ class Service:
                              "is used only by the process that attached it)")
         session.last_seen = self.clock()
         return session
-
-    def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
-        """Remember how to give back what this call handed out, should its client forget it."""
-        kept = self.sessions[req.client].undo
-        kept[req.call_id] = (req.op.value, undo)
-        while len(kept) > KEEP_CALLS:
-            kept.popitem(last=False)
 
     def _drop_session(self, client: int, set_aside: bool = False) -> dict:
         session = self.sessions.get(client)
@@ -480,28 +468,6 @@ class Service:
         self._undoable(req, lambda: m.free(req.client, out))
         return {}, [np.asarray(out, dtype=P.VIDS_DTYPE).tobytes()]
 
-    def _drop_forgotten_writes(self, req) -> None:
-        """A commit whose writer gave up on it before it arrived is not run: the blocks it names that
-        are still that writer's, being written, are freed (it no longer knows whether they were
-        committed; a free it sent after the forget may be lost on a socket the daemon never read)."""
-        m = self._mgr(req)
-        try:
-            vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        except DFlash2Error:
-            return  # a malformed commit: nothing of it is the writer's to free
-        rows, live = m.table.liveness(vids)
-        c = m.table.cols
-        mine = live & (c.owner[rows] == req.client) & (c.state[rows] == int(BlockState.WRITING))
-        if mine.any():
-            try:
-                m.free(req.client, np.unique(vids[mine]))
-            except DFlash2Error as e:
-                log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
-                            req.client, req.call_id, e)
-                return
-            log.info("client %d gave up on its commit (call %d) before it arrived: its %d blocks being written "
-                     "are freed", req.client, req.call_id, int(mine.sum()))
-
     def _lookup(self, req):
         m = self._mgr(req)
         keys = req.array(0, P.KEYS_DTYPE, "content keys")
@@ -538,33 +504,6 @@ class Service:
         m.add_ref(req.client, vids, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
         self._undoable(req, lambda: m.free(req.client, vids))
         return {}, []
-
-    def _forget(self, req):
-        """The client gave up waiting on its call `call`: give back what it handed out if it ran;
-        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
-        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
-        session = self.sessions[req.client]
-        kept = session.undo.get(call)
-        if kept is None:
-            session.forgotten[call] = True
-            while len(session.forgotten) > KEEP_CALLS:
-                session.forgotten.popitem(last=False)
-            log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
-                     "copies to end): it will not run", req.client, call)
-            return {"undone": False}, []
-        op, undo = kept
-        try:
-            undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
-        except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
-            del session.undo[call]
-            log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
-                        req.client, op, call, e)
-            return {"undone": False}, []
-        del session.undo[call]
-        self.counters["calls_undone"] += 1
-        log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
-                    req.client, op, call)
-        return {"undone": True}, []
 
     def _places(self, req):
         m = self._mgr(req)

@@ -25,7 +25,6 @@ import datetime as _dt
 import json
 import logging
 import sys
-import time
 from typing import IO
 
 # Attributes every LogRecord has; whatever else a record carries came from `extra=`.
@@ -38,11 +37,7 @@ def record_fields(record: logging.LogRecord) -> dict:
 
 
 def _timestamp(record: logging.LogRecord) -> str:
-    return _iso(record.created)
-
-
-def _iso(created: float) -> str:
-    t = _dt.datetime.fromtimestamp(created, tz=_dt.timezone.utc)
+    t = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
@@ -54,8 +49,9 @@ def console_line(fmt: str, message: str, *, level: str = "info", event: str = "l
     together) stays one JSON object per line for `jq`."""
     if fmt != "json":
         return message
-    return json.dumps({"ts": _iso(time.time()), "level": level, "logger": logger, "event": event, "msg": message},
-                      separators=(",", ":"))
+    record = logging.LogRecord(logger, getattr(logging, level.upper()), "", 0, message, None, None)
+    record.event = event
+    return JsonFormatter().format(record)
 
 
 class JsonFormatter(logging.Formatter):

@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflash2.access import AccessStats, reads_by_origin
+from dflash2.acquire_checks import refuse_dropped, refuse_never_fits, refuse_unmovable
 from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
 from dflash2.counts import any_true
-from dflash2.errors import ArenaError, CopiesRunning, IllegalTransition, LayoutError, PinnedBlock, UnknownBlock
+from dflash2.errors import ArenaError, CopiesRunning, LayoutError
 from dflash2.invariants import check_invariants
 from dflash2.layout import Layout
 from dflash2.mover import Mover
@@ -329,19 +330,6 @@ class BlockManager:
         rows = self.acquire_rows(client, vids, up_to, priority)
         return None if rows is None else self.places_of_rows(rows)
 
-    def _refuse_dropped(self, rows: np.ndarray, vids) -> None:
-        """UnknownBlock naming the first of `rows` that a read back from NVMe dropped (its checksum
-        failed) since the call looked them up: freed, or kept only for earlier holders (`lost`).
-        Not "no room now" (None): a retry of these ids could never succeed."""
-        c = self.table.cols
-        gone = c.tier[rows] < 0
-        if self.table.lost:
-            gone |= np.isin(rows, list(self.table.lost))
-        if any_true(gone):
-            vid = int(np.asarray(vids).reshape(-1)[int(np.flatnonzero(gone)[0])])
-            raise UnknownBlock(f"block {vid:#x} failed its checksum on the read back from NVMe and was dropped from "
-                               "the cache (a miss): look the chain up again and recompute from there")
-
     def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
@@ -372,46 +360,16 @@ class BlockManager:
             del self._came_from[client]
         else:
             settle_if(self, rows, placing=any_true(c.tier[rows] > int(up_to)))
-        self._refuse_dropped(rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
+        refuse_dropped(self.table, rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
         tiers = self.table.cols.tier[rows]
         below_rows = tiers > int(up_to)  # (as found: the blocks this acquire reads from below `up_to`)
         promoting = any_true(below_rows)
-        held = below_rows & (self.table.cols.pins[rows] > 0)
-        if promoting and any_true(held):
-            # A pinned block never moves: one a host-side reader pinned in DRAM cannot come up to
-            # HBM until it is released. Said so, not "no room now" (None) with HBM perhaps empty.
-            r = rows[held][:1]
-            raise PinnedBlock(f"block {int(self.table.vids(r)[0]):#x} lies in {Tier(int(tiers[held][0])).label}, "
-                              f"pinned there by a reader of that tier (a host-side reader: acquire with tier "
-                              f"'dram'); it can move up to {up_to.label} once released: try again then, or "
-                              "read it where it lies (tier 'dram')")
-        unsettled = below_rows & (self.table.cols.state[rows] != int(BlockState.RESIDENT))
-        if promoting and any_true(unsettled):
-            # Only committed blocks move between tiers: one still being written in DRAM (a
-            # host-side writer's) cannot come up until committed. Said so, not "no room now".
-            r = rows[unsettled][:1]
-            state = BlockState(int(self.table.cols.state[r][0])).name
-            raise IllegalTransition(f"block {int(self.table.vids(r)[0]):#x} lies in "
-                                    f"{Tier(int(tiers[unsettled][0])).label} and is {state}, not committed: only "
-                                    f"committed blocks move up to {up_to.label}; commit it first, or read it where "
-                                    "it lies (tier 'dram')")
         if promoting:
-            # Every block at or below `up_to` must lie in it at once, and so must the cached
-            # prefix a promotion brings up first (its ancestors below `up_to`, but those pinned
-            # there, which stay): when they cannot, refuse before promoting any (which would push
-            # other clients' blocks out for nothing, and answer "no room now" to every retry).
-            chain = self.placement._with_ancestors(rows, up_to)
-            if chain is rows:  # a prefix listed root first (the usual read): nothing to add
-                there = np.unique(rows[tiers >= int(up_to)])
-            else:
-                chain_tiers = c.tier[chain]
-                there = chain[(chain_tiers == int(up_to)) | ((chain_tiers > int(up_to))
-                                                             & ((c.pins[chain] == 0) | np.isin(chain, rows)))]
-            lids, counts = np.unique(c.layout[there], return_counts=True)
-            named = len(np.unique(rows))
-            self.table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())),
-                                         f"acquire of {named} blocks"
-                                         + (f" (with their cached prefix, {len(there)})" if len(there) > named else ""))
+            # Refused by name before anything moves, not "no room now" (None), which a retry could
+            # never mend: a block pinned below, or still being written, and a promotion (the cached
+            # prefix it brings up first included) that can never fit.
+            refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
+            refuse_never_fits(self.table, self.placement.with_ancestors(rows, up_to), rows, tiers, up_to)
         below = None if priority is None else priority + 1
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
@@ -425,7 +383,7 @@ class BlockManager:
                     if not self.placement.end_soon():
                         raise CopiesRunning(own=True)
                     self.placement.settle()
-                    self._refuse_dropped(rows, vids)
+                    refuse_dropped(self.table, rows, vids)
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
         now = self.table.clock()
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
@@ -440,7 +398,7 @@ class BlockManager:
         if promoting:
             ok = self.placement.promote(rows, up_to, below_priority=below)
             if not ok.all():
-                self._refuse_dropped(rows[~ok], np.asarray(vids)[~ok])
+                refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
                 return None
         # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
         # no room (None) served nothing, and its retry would count the same blocks again.

@@ -115,7 +115,7 @@ class Promotion:
         """What a promotion of `rows` to `dst` moves (the chain's blocks below dst that may move,
         ancestors first), and how it makes room for a part of them (`promote`)."""
         c = self.table.cols
-        chain = self._with_ancestors(rows, dst)
+        chain = self.with_ancestors(rows, dst)
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
@@ -171,7 +171,7 @@ class Promotion:
             return False  # an ancestor outside the list: the walk adds it
         return bool((parent[linked] < np.flatnonzero(linked)).all())  # each parent ahead of its child
 
-    def _with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+    def with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
         kept in the list too: it is what the room made for the others protects, and an ancestor
         demoted to make that room would leave its promoted descendants above their prefix."""

@@ -1,0 +1,89 @@
+"""`forget`: a client that timed out on a call that hands it something (protocol.UNDOABLE) tells
+the daemon to give back what the call handed out if it ran, or to refuse it when it arrives if it
+has not (the Service's share of it, as a mixin over its sessions, counters and pools)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from dflash2 import protocol as P
+from dflash2.daemon.sessions import KEEP_CALLS, Session
+from dflash2.errors import CallForgotten, DFlash2Error
+from dflash2.protocol import Op, Request, arg
+from dflash2.table import BlockState
+
+log = logging.getLogger("dflash2.daemon")
+
+
+class Forgetting:
+    """Needs `sessions` (client -> Session), `counters` and `_mgr(req)` of the Service."""
+
+    def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
+        """Remember how to give back what this call handed out, should its client forget it."""
+        kept = self.sessions[req.client].undo
+        kept[req.call_id] = (req.op.value, undo)
+        while len(kept) > KEEP_CALLS:
+            kept.popitem(last=False)
+
+    def _refuse_forgotten(self, req: Request, session: Session) -> None:
+        """CallForgotten when the client gave up on this call before it arrived (a refused commit
+        frees the blocks it names that the writer was still writing)."""
+        if session.forgotten.pop(req.call_id, None) is None:
+            return
+        self.counters["calls_refused_forgotten"] += 1
+        if req.op == Op.COMMIT:
+            self._drop_forgotten_writes(req)
+        raise CallForgotten(f"{req.op.value}: call {req.call_id} of client {req.client} arrived after its client "
+                            "gave up on it: not run")
+
+    def _drop_forgotten_writes(self, req) -> None:
+        """A commit whose writer gave up on it before it arrived is not run: the blocks it names that
+        are still that writer's, being written, are freed (it no longer knows whether they were
+        committed; a free it sent after the forget may be lost on a socket the daemon never read)."""
+        m = self._mgr(req)
+        try:
+            vids = req.array(0, P.VIDS_DTYPE, "block ids")
+        except DFlash2Error:
+            return  # a malformed commit: nothing of it is the writer's to free
+        rows, live = m.table.liveness(vids)
+        c = m.table.cols
+        mine = live & (c.owner[rows] == req.client) & (c.state[rows] == int(BlockState.WRITING))
+        if mine.any():
+            try:
+                m.free(req.client, np.unique(vids[mine]))
+            except DFlash2Error as e:
+                log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
+                            req.client, req.call_id, e)
+                return
+            log.info("client %d gave up on its commit (call %d) before it arrived: its %d blocks being written "
+                     "are freed", req.client, req.call_id, int(mine.sum()))
+
+    def _forget(self, req):
+        """The client gave up waiting on its call `call`: give back what it handed out if it ran;
+        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
+        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
+        session = self.sessions[req.client]
+        kept = session.undo.get(call)
+        if kept is None:
+            session.forgotten[call] = True
+            while len(session.forgotten) > KEEP_CALLS:
+                session.forgotten.popitem(last=False)
+            log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
+                     "copies to end): it will not run", req.client, call)
+            return {"undone": False}, []
+        op, undo = kept
+        try:
+            undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
+        except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
+            del session.undo[call]
+            log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
+                        req.client, op, call, e)
+            return {"undone": False}, []
+        del session.undo[call]
+        self.counters["calls_undone"] += 1
+        log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
+                    req.client, op, call)
+        return {"undone": True}, []
