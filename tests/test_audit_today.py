@@ -123,6 +123,14 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
         self.mgr.free(c, [vid])
         self.held[c].remove(vid)
 
+    def _assert_chain_exceeds_hbm(self, vids) -> None:
+        """NeverFits for an acquire of `vids`: they and their cached ancestors take more slots than
+        the whole HBM tier has (6432d9e: the prefix a promotion brings up counts)."""
+        chain = self.mgr.placement.with_ancestors(self.t.rows(vids), Tier.HBM)
+        layouts = self.t.cols.layout[chain]
+        too_many = int(self.t.slot_sizes(Tier.HBM)[layouts].sum()) > self.t.allocators[Tier.HBM].capacity_bytes
+        assert too_many or len(set(layouts.tolist())) > 1  # (or blocks of two sizes that share no page)
+
     @rule(ci=st.integers(0, 1), i=st.integers(0, 60), up=st.booleans())
     def pin(self, ci, i, up):
         """Pin a cached block: in HBM (acquire, its prefix first) or where it lies (table.pin)."""
@@ -138,6 +146,9 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
                 got = self.mgr.acquire(c, [vid])  # a promotion: may leave a pinned parent below it
             except PinnedBlock:  # the block itself is pinned below HBM: it cannot come up now
                 assert self.t.cols.pins[self.t.rows([vid])[0]] > 0
+                return
+            except NeverFits:  # its cached prefix, which comes up first, is longer than HBM holds
+                self._assert_chain_exceeds_hbm([vid])
                 return
             if got is None:
                 return
@@ -160,6 +171,9 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
             try:
                 if self.mgr.acquire(c, vids) is None:
                     return
+            except NeverFits:  # with its cached prefix, which comes up first, longer than HBM holds
+                self._assert_chain_exceeds_hbm(vids)
+                return
             except PinnedBlock:  # a block of the chain is pinned below HBM
                 rows = self.t.rows(vids)
                 assert ((self.t.cols.tier[rows] > int(Tier.HBM)) & (self.t.cols.pins[rows] > 0)).any()
