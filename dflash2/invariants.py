@@ -17,7 +17,8 @@ class InvariantViolation(DFlash2Error):
     """The block table contradicts itself: a bug in dflash2, never a client's fault."""
 
 
-def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> None:
+def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None,
+                     in_flight_blocks: dict | None = None) -> None:
     problems: list[str] = []
     c = table.cols
     live = table.live_rows()
@@ -27,7 +28,6 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
     if (c.tier[free_rows] >= 0).any():
         problems.append("a free row still names a tier")
     # Tier usage adds up: allocator bytes == slots of the rows in each tier (+ moves in flight).
-    moving = any((in_flight_bytes or {}).values())
     counted = table.tier_blocks()
     for tier, alloc in table.allocators.items():
         here = live[c.tier[live] == int(tier)]
@@ -42,8 +42,10 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None) -> 
         # A quarantined slot (its write failed by itself: quarantine.py) is never handed out again.
         if alloc.quarantined_bytes and np.isin(offs, alloc.quarantined_offsets()).any():
             problems.append(f"{tier.label}: a block lies in a quarantined slot")
-        if not moving and counted[tier] != len(here):
-            problems.append(f"{tier.label}: tier_blocks says {counted[tier]} blocks, {len(here)} lie there")
+        arriving = (in_flight_blocks or {}).get(tier, 0)  # destination slots of copies in flight
+        if counted[tier] - arriving != len(here):
+            problems.append(f"{tier.label}: tier_blocks says {counted[tier]} blocks ({arriving} on their way), "
+                            f"{len(here)} lie there")
     # Refs and pins equal the per-client sums.
     refs, pins = Counter(), Counter()
     for holder in table.clients.values():

@@ -522,14 +522,16 @@ class BlockManager:
         return self.placement.in_flight and not self.placement.flights_done()
 
     def check_invariants(self) -> None:
-        check_invariants(self.table, self.placement.in_flight_slot_bytes())  # drain copies in flight too
+        check_invariants(self.table, self.placement.in_flight_slot_bytes(),  # drain copies in flight too
+                         self.placement.in_flight_blocks())
         self.admission.check_invariants()
 
     def stats(self) -> dict:
         tiers = {}
-        blocks = self.table.tier_blocks()
+        blocks, arriving = self.table.tier_blocks(), self.placement.in_flight_blocks()
         for t, alloc in self.table.allocators.items():
-            tiers[t.label] = {**alloc.stats(), "blocks": blocks[t]}
+            # Each block counted where it lies: one on its way has its destination slot taken too.
+            tiers[t.label] = {**alloc.stats(), "blocks": blocks[t] - arriving.get(t, 0)}
         return {
             "tiers": tiers,
             "reads": {Tier(t).label: n for t, n in self.access.reads.items()},

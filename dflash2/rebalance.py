@@ -147,11 +147,32 @@ class Rebalancing:
 
     def _drainable(self) -> list[Tier]:
         """The draining tiers whose drain may run now, slowest first. One with a storage tier below it
-        that backs off after failed writes waits (keeping its cut): what leaves it would be dropped
-        (`lower`), and a drain, which no request asked for, then turned one failed batch into the loss
+        that backs off after failed writes waits (keeping its cut) unless the next tier down takes
+        writes and has room (`_room_below`): what leaves it would be dropped, or make room below by
+        dropping, and a drain, which no request asked for, then turned one failed batch into the loss
         of a tenth of DRAM and those blocks' descendants on NVMe (soak 2). Allocations still make the
         room they need meanwhile (backoff.py)."""
-        return [tier for tier in reversed(self.tiers) if tier in self.draining and not self._backing_off_below(tier)]
+        return [tier for tier in reversed(self.tiers) if tier in self.draining and not self._held(tier)]
+
+    def _room_below(self, tier: Tier) -> int | None:
+        """Bytes a drain of `tier` may move down now: None (no cap) while no storage tier below it
+        backs off after failed writes. While one does, what the next tier down takes up to its high
+        watermark, where it needs no room of its own (making room there would drop its blocks while
+        the tier below it backs off); 0 when the next tier down is the one backing off. Before, HBM's
+        drain waited out NVMe's back-offs (up to 60 s each, again and again on a full disk) with an
+        empty DRAM under it, and HBM stayed over its high watermark (a review's script)."""
+        if not self._backing_off_below(tier):
+            return None
+        below = self.tiers[self.tiers.index(tier) + 1]
+        if self.lower(tier) != below:
+            return 0
+        alloc = self.table.allocators[below]
+        return max(0, int(self.watermarks[below].high * alloc.capacity_bytes) - alloc.used_bytes)
+
+    def _held(self, tier: Tier) -> bool:
+        """Whether `tier`'s drain waits now (`_room_below`)."""
+        room = self._room_below(tier)
+        return room is not None and room <= 0
 
     def drain_pending(self) -> bool:
         """Whether a drain may run now (`_drainable`), or a piece's copies are in flight: the server's
@@ -173,23 +194,28 @@ class Rebalancing:
         while True:
             if not self.settle_when_done(yield_to if defer else None, until):
                 return False  # a request waits, or the time is up, while the last piece's copies run
-            if self._backing_off_below(tier):
-                # Its writes failed just now: the drain waits, keeping its cut (_drainable), and
-                # drops nothing meanwhile (the piece's next rounds dropped what was to go down: with
-                # NVMe on a full disk, DRAM fell from 1.0 to 0.5 over the back-off's retries).
+            below = self._room_below(tier)
+            if below is not None and below <= 0:
+                # Its writes failed just now, or the tier below is as full as it may be while the
+                # one under it backs off: the drain waits, keeping its cut (_drainable), and drops
+                # nothing meanwhile (the piece's next rounds dropped what was to go down: with NVMe
+                # on a full disk, DRAM fell from 1.0 to 0.5 over the back-off's retries).
                 return False
             free = self.free_bytes(tier)
             if free >= target_free:
                 return True
+            piece = self._piece_bytes(tier, seconds / 2)
+            if below is not None:
+                piece = min(piece, below)  # no more than the tier below takes without making room
             started = time.perf_counter()
             self._deferring = defer
             try:
-                room = self.make_room(tier, min(target_free, free + self._piece_bytes(tier, seconds / 2)),
+                room = self.make_room(tier, min(target_free, free + piece),
                                       cold_only=True, cold=cold, protect=protect, until_backoff=True)
             finally:
                 self._deferring = False
             freed = self.free_bytes(tier) + self._leaving_bytes.get(tier, 0) - free
-            if self._backing_off_below(tier):
+            if self._held(tier):
                 return False
             # No room made means the cut is used up, unless copies are in flight: a chain's parents
             # leave only once its tail, on its way, has landed (the next call settles it first).
@@ -262,6 +288,15 @@ class Rebalancing:
             for _, move in flight.prepared:
                 slots = self.table.slot_sizes(move.dst)[self.table.cols.layout[move.rows]]
                 held[move.dst] = held.get(move.dst, 0) + int(slots.sum())
+        return held
+
+    def in_flight_blocks(self) -> dict[Tier, int]:
+        """Blocks on their way into each tier by the copies in flight: their destination slots are
+        taken (the allocator counts them) while the blocks still lie in their source tier."""
+        held: dict[Tier, int] = {}
+        for flight, _ in self._in_flight:
+            for _, move in flight.prepared:
+                held[move.dst] = held.get(move.dst, 0) + len(move.rows)
         return held
 
     def end_soon(self, flights: list[Flight] | None = None) -> bool:

@@ -220,10 +220,12 @@ class TableMachine(RuleBasedStateMachine):
     @invariant()
     def table_is_consistent(self):
         in_flight: dict[Tier, int] = {}
+        arriving: dict[Tier, int] = {}
         for rows, dst, _ in self.moves:
             in_flight[dst] = in_flight.get(dst, 0) + sum(
                 self.t.slot_bytes(int(lid), dst) for lid in self.t.cols.layout[rows].tolist())
-        check_invariants(self.t, in_flight)
+            arriving[dst] = arriving.get(dst, 0) + len(rows)
+        check_invariants(self.t, in_flight, arriving)
 
     @invariant()
     def no_two_blocks_share_bytes(self):

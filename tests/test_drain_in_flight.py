@@ -95,6 +95,25 @@ def test_a_drain_piece_leaves_its_copies_in_flight_until_they_are_settled(mgr):
     mgr.check_invariants()
 
 
+def test_blocks_on_their_way_are_counted_once_where_they_lie(mgr):
+    """stats (the `stats` op, `dflash2 status`, dflash2_tier_blocks) counts each block in the tier
+    it lies in while its copy runs. Before, a piece left in flight between requests counted its
+    blocks in both tiers: the destination's slots are taken at the copy's start."""
+    from dflash2.metrics import _tier_families
+
+    dram_over_its_high_watermark(mgr)
+    moving = start_a_piece(mgr)
+    tiers = mgr.stats()["tiers"]
+    assert tiers["dram"]["blocks"] == 62 and tiers["hbm"]["blocks"] == 1 and tiers["nvme"]["blocks"] == 0, tiers
+    family = next(f for f in _tier_families(mgr.stats()) if f.name == "dflash2_tier_blocks")
+    assert sum(s.value for s in family.samples) == 63
+    mgr.check_invariants()
+    mgr.settle()
+    tiers = mgr.stats()["tiers"]
+    assert tiers["nvme"]["blocks"] == len(moving) and tiers["dram"]["blocks"] == 62 - len(moving), tiers
+    mgr.check_invariants()
+
+
 def test_a_lookup_that_does_not_meet_the_flight_leaves_it_running(mgr):
     a, lid, vids = dram_over_its_high_watermark(mgr)
     start_a_piece(mgr)

@@ -492,6 +492,56 @@ def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_
 
 
 
+def idle_blocks_in(mgr, clock, tier: Tier, n: int, first_key: int = 1) -> None:
+    """n cached blocks in `tier`, idle, aged one tick apart."""
+    a = mgr.attach(f"fill-{tier.label}")
+    lid = mgr.register_layout(LAYOUT)
+    for k in range(first_key, first_key + n):
+        clock.advance(1)
+        vids = mgr.allocate(a, lid, 1, tier=tier)
+        mgr.view(int(vids[0]))[:] = pattern(k)
+        mgr.free(a, mgr.commit(a, vids, keys=[k]))
+
+
+def test_hbm_drains_into_dram_while_nvme_backs_off(mgr, monkeypatch, clock):
+    """NVMe backing off after failed writes holds the drain of DRAM (above), not HBM's: HBM drains
+    into DRAM, which needs no NVMe write to take blocks. Before, HBM stayed over its high watermark
+    for the whole back-off (up to 60 s, again and again on a full disk) over an empty DRAM."""
+    idle_blocks_in(mgr, clock, Tier.HBM, 62)
+    pl = mgr.placement
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl.write_backoff[Tier.NVME] = (160.0, 60.0)  # as after long failing retries
+    mgr.tick()
+    placed, tiers = mgr.stats()["placement"], mgr.stats()["tiers"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
+    assert tiers["hbm"]["blocks"] <= int(pl.watermarks[Tier.HBM].low * 64) + 1, tiers
+    assert tiers["hbm"]["blocks"] + tiers["dram"]["blocks"] == 62
+    mgr.check_invariants()
+
+
+def test_hbm_drains_only_into_the_room_dram_has_while_nvme_backs_off(mgr, monkeypatch, clock):
+    """... and only as far as DRAM takes blocks below its high watermark: more would make room in
+    DRAM, which drops its blocks while NVMe backs off. The drain then waits, keeping its cut."""
+    pl = mgr.placement
+    in_dram = int(pl.watermarks[Tier.DRAM].high * 64) - 3  # room for 3 blocks below its high watermark
+    idle_blocks_in(mgr, clock, Tier.DRAM, in_dram)
+    idle_blocks_in(mgr, clock, Tier.HBM, 62, first_key=100)
+    now = [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl.write_backoff[Tier.NVME] = (160.0, 60.0)
+    for _ in range(5):
+        mgr.tick()
+    placed, tiers = mgr.stats()["placement"], mgr.stats()["tiers"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
+    assert tiers["hbm"]["blocks"] + tiers["dram"]["blocks"] == 62 + in_dram, "nothing dropped"
+    assert in_dram + 3 <= tiers["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].high * 64) + 1, tiers
+    assert Tier.HBM in pl.draining and not mgr.draining(), "waiting, keeping its cut"
+    now[0] = 161.0  # the back-off is over: the rest of HBM's drain goes on (DRAM making room on NVMe)
+    assert mgr.draining()
+    mgr.check_invariants()
+
+
 def test_a_drain_whose_writes_fail_as_it_runs_drops_nothing(mgr, monkeypatch, clock):
     """DRAM over its high watermark of idle cached blocks, NVMe's disk full: the drain's first batch
     down fails and NVMe begins to back off; the same piece's next rounds then dropped the blocks

@@ -580,7 +580,8 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         return np.flatnonzero(self.cols.state != int(S.FREE))
 
     def tier_blocks(self) -> dict[Tier, int]:
-        """Blocks per tier: the slots its allocator handed out (no scan of the table; stats and
-        metrics ask often). A move's destination slot counts too, but moves end inside the manager
-        call that starts them: none is in flight between calls."""
+        """Slots per tier that its allocator handed out (no scan of the table; stats and metrics
+        ask often): the blocks there, and a move's destination slot too while its copy runs
+        (drain pieces and deferred promotions leave copies in flight between calls: the manager's
+        `stats` takes those off, `Placement.in_flight_blocks`)."""
         return {t: self.allocators[t].used_slots if t in self.allocators else 0 for t in Tier}
