@@ -125,6 +125,8 @@ class Admission:
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
+        # No reservation expires before this (`_expire_due`; one that ended since may have set it).
+        self._next_expiry = math.inf
 
     # -- public ----------------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
@@ -134,6 +136,9 @@ class Admission:
         if tokens <= 0:
             raise ValueError(f"a reservation needs a positive token count, got {tokens}")
         now = self._advance()
+        # Room that reservations past their time still hold is free room for this one: they end now,
+        # not at the next background step.
+        self._expire_due(now)
         blocks = math.ceil(tokens / layout.tokens_per_block)
         need = blocks * self.table.slot_bytes(layout_id, Tier.HBM)
         alloc = self.table.allocators[Tier.HBM]
@@ -155,6 +160,7 @@ class Admission:
             return self._reject("deadline already passed")
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
                           layout.block_bytes)
+        self._next_expiry = min(self._next_expiry, expires)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
@@ -171,16 +177,23 @@ class Admission:
 
     def status(self, reservation_id: int) -> Decision:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
-        if reservation_id in self.granted:
-            return Decision(Outcome.GRANTED, reservation_id)
-        res = self._waiting.get(reservation_id)
+        res = self.find(reservation_id)
         if res is None:
             raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+        if res.granted:
+            return Decision(Outcome.GRANTED, reservation_id)
         return self._deferred_decision(res)
 
     def find(self, reservation_id: int) -> Reservation | None:
-        """A reservation granted or waiting, by id (None when unknown, expired or cancelled)."""
-        return self.granted.get(reservation_id) or self._waiting.get(reservation_id)
+        """A reservation granted or waiting, by id (None when unknown, expired or cancelled). One
+        past its expiry ends here (`_expire`), not at the next background step: until that step it
+        was still granted, and taken, past its deadline (a review's script: 1 s after a 0.2 s
+        deadline, with `policy.rescore_interval_ms` 3000)."""
+        res = self.granted.get(reservation_id) or self._waiting.get(reservation_id)
+        if res is not None and res.expires <= self.table.clock():
+            self._expire(res)
+            return None
+        return res
 
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         """Hand n of a granted reservation's blocks to its request (RESERVED → WRITING)."""
@@ -208,6 +221,7 @@ class Admission:
         res.vids = [int(v) for v in vids] + res.vids
         res.taken -= len(vids)
         self.granted[res.id] = res  # again, if the take had emptied it
+        self._next_expiry = min(self._next_expiry, res.expires)
         return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
@@ -227,15 +241,7 @@ class Admission:
         would scan the whole table for what the last attempt could not move), unless the head is
         one that room was not yet made for (its turn came by this call: a cancel ahead of it)."""
         now = self._advance()
-        for res in [r for r in self.granted.values() if r.expires <= now]:
-            self._drop(res)
-            self.counters["expired"] += 1
-        due = [r for r in self.deferred if r.expires <= now]
-        if due:
-            self.deferred = [r for r in self.deferred if r.expires > now]
-            for res in due:
-                del self._waiting[res.id]
-            self.counters["expired"] += len(due)
+        self._expire_due(now)
         granted = []
         while self.deferred and self._try_grant(self.deferred[0],
                                                 make_room or self.deferred[0].id != self._room_tried):
@@ -384,6 +390,26 @@ class Admission:
         if res.client != client:
             raise NotOwner(f"reservation {reservation_id} belongs to another client")
         return res
+
+    def _expire(self, res: Reservation) -> None:
+        self._drop(res)
+        self.counters["expired"] += 1
+
+    def _expire_due(self, now: float) -> None:
+        """End the reservations whose time is up (granted ones give their blocks back). A pass over
+        them only once the earliest expiry has come (each `reserve` asks)."""
+        if now < self._next_expiry:
+            return
+        for res in [r for r in self.granted.values() if r.expires <= now]:
+            self._expire(res)
+        due = [r for r in self.deferred if r.expires <= now]
+        if due:
+            self.deferred = [r for r in self.deferred if r.expires > now]
+            for res in due:
+                del self._waiting[res.id]
+                res.ended = True
+            self.counters["expired"] += len(due)
+        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
 
     def _drop(self, res: Reservation) -> None:
         res.ended = True

@@ -29,6 +29,20 @@ def test_granted_blocks_are_reserved_then_taken(make_manager):
     mgr.check_invariants()
 
 
+def test_a_commit_of_a_block_still_in_its_reservation_says_to_take_it_first(make_manager):
+    """As free, acquire and add_ref say (refuse_reserved); before, commit answered that RESERVED ->
+    RESIDENT is no legal transition."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=32)
+    guessed = mgr.admission.granted[d.reservation_id].vids[:1]
+    with pytest.raises(ReservationError, match="take it from the reservation"):
+        mgr.commit(a, guessed, keys=[7])
+    assert list(mgr.take(a, d.reservation_id, 2))[:1] == guessed, "still the reservation's to hand out"
+    mgr.check_invariants()
+
+
 def test_reject_when_it_can_never_fit_and_names_why(make_manager):
     mgr = make_manager(hbm_blocks=8, admission=settings())
     a = mgr.attach("a")
@@ -155,6 +169,39 @@ def test_expiry_and_client_death(make_manager, clock):
         mgr.cancel(a, d.reservation_id)
     assert mgr.detach(b)["reservations"] == 1
     assert mgr.stats()["tiers"]["hbm"]["blocks"] == 0
+    mgr.check_invariants()
+
+
+def test_a_reservation_past_its_time_ends_at_once_not_at_the_next_step(make_manager, clock):
+    """Past its deadline (or TTL) a reservation is neither granted nor taken, whenever the next
+    background step comes (`policy.rescore_interval_ms` may be minutes); its room is free for the
+    next reservation. Before, it stayed granted, and was taken, until that step."""
+    mgr = make_manager(hbm_blocks=4, admission=settings(reservation_ttl_s=10))
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    short = mgr.reserve(a, lid, tokens=32, deadline=clock() + 0.2)
+    ttl = mgr.reserve(b, lid, tokens=32)
+    assert short.outcome is Outcome.GRANTED and ttl.outcome is Outcome.GRANTED
+    clock.advance(1)
+    with pytest.raises(ReservationError, match="expired"):
+        mgr.take(a, short.reservation_id, 1)
+    with pytest.raises(ReservationError, match="expired"):
+        mgr.admission.status(short.reservation_id)
+    clock.advance(10)
+    with pytest.raises(ReservationError, match="expired"):
+        mgr.admission.status(ttl.reservation_id)
+    assert mgr.admission.counters["expired"] == 2
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] == 0, "their blocks went back"
+    mgr.check_invariants()
+
+
+def test_a_new_reservation_takes_the_room_of_one_past_its_time(make_manager, clock):
+    mgr = make_manager(hbm_blocks=4, admission=settings(reservation_ttl_s=10))
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(a, lid, tokens=64, deadline=clock() + 0.2).outcome is Outcome.GRANTED
+    clock.advance(1)
+    assert mgr.reserve(b, lid, tokens=64).outcome is Outcome.GRANTED, "no step needed to end the first"
     mgr.check_invariants()
 
 

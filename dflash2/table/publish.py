@@ -29,6 +29,7 @@ class Publishing:
         when it is pinned: `_adopt_duplicate`). Returns the vids the client holds now, in order."""
         rows = self._owned_rows(client_id, vids)
         no_repeats(rows, "commit")
+        self.refuse_reserved(rows)  # (its own reservation's: `take` hands it out first)
         c = self.cols
         check_transition(c.state[rows], S.RESIDENT, vids)
         self._require(rows, S.WRITING, "commit")
