@@ -23,12 +23,17 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
   following them, the full-size cache lost both);
 - the real heat policy then ranks its HBM blocks as that candidate (HeatPolicy.follow) and keeps
   learning its own state meanwhile, so that following heat again takes effect at once;
-- a miniature HBM of fewer than MIN_BLOCKS blocks (of the first layout looked up) would judge by
-  noise: the duel stops, says so in the log, and heat ranks as heat.
+- a miniature HBM of fewer than MIN_BLOCKS blocks (of the smallest layout registered) would judge
+  by noise: the duel stops, says so in the log, and heat ranks as heat; lookups of a layout of which
+  it holds fewer than MIN_BLOCKS blocks are not replayed;
+- nor are a host-side reader's lookups (reader=DRAM: served without HBM), those naming no layout
+  while several are registered, and those a miniature refuses (a key cached for another layout,
+  which the node refuses too): each counted by why (`not_replayed`, in `dflash2 status` and
+  dflash2_policy_duel_not_replayed_total) and logged.
 
 The miniatures' capacity is counted in bytes where it paces them (the half-life of their figures,
 and when they have turned over): a node of several layouts (models) fills and turns over a cache's
-bytes, whatever blocks they come in. Counted in blocks of the first layout looked up, as it was, a
+bytes, whatever blocks they come in. Counted in blocks of the first layout looked up, as it once was, a
 5-minute GPU soak whose first layout was its smallest (16 KiB, most traffic 64-256 KiB) never saw
 its miniatures turn over (896 blocks of 16 KiB at 1 in 512 keys).
 
@@ -59,6 +64,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflash2.errors import DFlash2Error
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
 from dflash2.prefetch import Prefetcher
@@ -100,6 +106,10 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _U64 = (1 << 64) - 1
 SMALL_LOOKUP = 8  # keys a lookup may have for `sampled` to hash them one by one
+MINI_ROWS_LOG2 = 14  # a miniature's table begins with at most 2^14 rows (it grows as it fills)
+# Why a lookup is not replayed (`Duel.not_replayed`): a host-side reader's; one naming no layout
+# while several are registered; one of a layout too large for the miniatures; one a miniature refused.
+NOT_REPLAYED = ("host_reader", "no_layout", "layout_too_large", "refused")
 
 
 def sampled(keys: np.ndarray, sample: int) -> np.ndarray:
@@ -141,13 +151,26 @@ class _Mini:
         self.layouts: dict[int, int] = {}  # the real manager's layout id -> this manager's
 
     def serve(self, keys: tuple[int, ...], layout, layout_id: int, now: float, index: int) -> tuple[int, int]:
-        """(blocks found in some tier, blocks found in HBM) of the request's sampled chain."""
+        """(blocks found in some tier, blocks found in HBM) of the request's sampled chain. One that the
+        miniature refuses (a key cached for another layout: the real node refuses that commit too)
+        raises, and leaves nothing held: its client starts again with nothing (`_forget_request`)."""
         lid = self.layouts.get(layout_id)
         if lid is None:
             lid = self.layouts[layout_id] = self.manager.register_layout(layout)
         tally = Tally()
-        serve(self.manager, self.prefetch, self.client, lid, Request(now, keys), index, tally, CHUNK)
+        try:
+            serve(self.manager, self.prefetch, self.client, lid, Request(now, keys), index, tally, CHUNK)
+        except Exception:
+            self._forget_request()
+            raise
         return tally.hits, tally.hbm_hits
+
+    def _forget_request(self) -> None:
+        """Drop what a request that failed half-way holds (its prefix's references and pins, blocks
+        it was writing): held for ever, they could never leave the miniature."""
+        self.prefetch.finish()
+        self.manager.detach(self.client)
+        self.client = self.manager.attach("duel")
 
 
 class Duel:
@@ -173,11 +196,12 @@ class Duel:
         self._spent = (0.0, 0.0)
         self._queued_keys = 0
         self._now = 0.0
-        self._minis: list[_Mini] | None = None  # made at the first sampled lookup (its layout sizes them)
-        # The layout id that sizes them: the first sampled lookup's, and the same when they are built again.
+        self._minis: list[_Mini] | None = None  # made at the first sampled lookup
+        # The layout id that sizes them (`_sizing_layout`), the same when they are built again.
         self._minis_layout: int | None = None
-        self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of the first layout
+        self._capacity_blocks = 0  # the miniatures' capacity (all tiers) in blocks of that layout
         self._unit_bytes = 0  # ... those blocks' bytes: a lookup of another layout counts by its bytes
+        self._largest_block = 0  # bytes of the largest block the miniatures replay lookups of (`_build`)
         self._hits = np.zeros(len(CANDIDATES))  # decayed hits per candidate (blocks found in some tier)
         self._hbm_hits = np.zeros(len(CANDIDATES))  # decayed blocks found in HBM per candidate
         self._refs = 0.0  # decayed sampled references
@@ -185,7 +209,10 @@ class Duel:
         self.requests = 0  # sampled lookups served by the miniatures
         self.sampled_refs = 0
         self.dropped = 0
-        self.unlabelled = 0  # lookups without a layout on a manager of several layouts: not sampled
+        # Lookups the miniatures do not replay, by why (NOT_REPLAYED), each logged when it first
+        # happens and then at most every DROP_LOG_INTERVAL_S (`_not_replayed`).
+        self.not_replayed = dict.fromkeys(NOT_REPLAYED, 0)
+        self._skip_logged: dict[str, tuple[int, float]] = {}
         self.switches = 0
         self.last_switch: dict | None = None  # when (sampled lookups served) and on what figures
         self._dropped_logged = 0
@@ -193,17 +220,26 @@ class Duel:
         manager.duel = self
 
     # -- intake (on the lookup path: cheap) -------------------------------------------------
-    def offer(self, keys: Sequence[int], layout_id: int | None) -> None:
-        """A lookup of `keys` (a request's prefix chain): its sampled keys join the queue."""
+    def offer(self, keys: Sequence[int], layout_id: int | None, host_reader: bool = False) -> None:
+        """A lookup of `keys` (a request's prefix chain): its sampled keys join the queue. Not a host-side
+        reader's (reader=DRAM: the node serves it without HBM, which is what the duel ranks), nor one
+        naming no layout while several are registered (which one its blocks are of is not known)."""
         if self.off is not None or not len(keys):
+            return
+        if host_reader:
+            self._not_replayed("host_reader", "")
             return
         if layout_id is None:
             layouts = self.manager.table.layouts
             if len(layouts) != 1:
-                self.unlabelled += 1
+                self._not_replayed("no_layout", f"it names no layout, and {len(layouts)} are registered "
+                                   "(pass the layout to lookup)")
                 return
             layout_id = 0  # the only one
-        picked = sampled(np.asarray(keys, dtype=np.uint64), self.sample)
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not keys.all():  # key 0 is "no key": nothing is cached past it (the real lookup stops there too)
+            keys = keys[:int(np.argmin(keys))]
+        picked = sampled(keys, self.sample)
         if not len(picked):
             return
         self._queue.append((self.manager.table.clock(), layout_id, picked))
@@ -270,7 +306,7 @@ class Duel:
         offered = served + dropped + len(self._queue)
         factor = max(2, 1 << math.ceil(math.log2(offered / max(served, 1))))
         if self._minis_layout is None:
-            self._minis_layout = self._queue[0][1]
+            self._minis_layout = self._sizing_layout()
         layout = self.manager.table.layout(self._minis_layout)
         while factor > 1 and (self.sample * factor > MAX_SAMPLE
                               or self._hbm_blocks(self.sample * factor, layout) < MIN_BLOCKS):
@@ -291,15 +327,27 @@ class Duel:
     def _serve(self, now: float, layout_id: int, keys: tuple[int, ...]) -> None:
         built = self._minis is None  # (the first lookup after a build warms them up: 4-8 times a later one's cost)
         if built:
-            self._build(layout_id if self._minis_layout is None else self._minis_layout)
+            self._build(self._sizing_layout() if self._minis_layout is None else self._minis_layout)
             if self.off is not None:
                 return
+        layout = self.manager.table.layout(layout_id)
+        if layout.block_bytes > self._largest_block:
+            self._not_replayed("layout_too_large", f"layout {layout.name!r}'s blocks are too large for the "
+                               f"miniatures (1/{self.sample} of HBM holds fewer than {MIN_BLOCKS} of them)")
+            return
         began = time.perf_counter()  # (after the miniatures are built: their cost is not a lookup's)
         self._now = now
-        layout = self.manager.table.layout(layout_id)
-        found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis], dtype=np.float64)
+        try:
+            found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis],
+                             dtype=np.float64)
+        except (DFlash2Error, ValueError) as e:
+            # A request the node refuses too (a key cached for another layout): skipped, not the
+            # duel's end. Before, one such lookup, answered by the node without an error, turned the
+            # duel off until a restart (a review's script).
+            self._not_replayed("refused", f"a miniature refused it ({type(e).__name__}: {e})")
+            return
         hits, hbm = found[:, 0], found[:, 1]
-        # The half-life in bytes referenced, in blocks of the first layout (a lookup of that layout
+        # The half-life in bytes referenced, in blocks of the sizing layout (a lookup of that layout
         # counts its keys: n * b / b is n exactly).
         units = len(keys) * layout.block_bytes / self._unit_bytes
         decay = 0.5 ** (units / (HALF_LIFE * self._capacity_blocks))
@@ -332,6 +380,15 @@ class Duel:
         """Blocks of `layout` a miniature HBM holds at 1/`sample` of the real one."""
         return sum(s.capacity_bytes for s in self._specs(sample) if s.tier == Tier.HBM) // layout.block_bytes
 
+    def _sizing_layout(self) -> int:
+        """The layout whose blocks size the miniatures: the smallest registered when they are first
+        built (and the same when they are built again). The first looked up, as it was, made
+        whether the duel ran at all follow the order of the first lookups: a node of 4 KiB and
+        512 KiB layouts whose first sampled lookup was of the large one stopped the duel for good,
+        and the other way round replayed the large one in a miniature of 16 such blocks."""
+        layouts = self.manager.table.layouts
+        return min(range(len(layouts)), key=lambda lid: layouts[lid].block_bytes)
+
     def _build(self, layout_id: int) -> None:
         layout = self.manager.table.layout(layout_id)
         specs = self._specs(self.sample)
@@ -343,7 +400,13 @@ class Duel:
         self._minis_layout = layout_id
         self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)
         self._unit_bytes = layout.block_bytes
-        rows = 1 << max(10, math.ceil(math.log2(self._capacity_blocks * 2 + 1024)))
+        # Lookups of a layout whose blocks a miniature HBM holds fewer than MIN_BLOCKS of are not
+        # replayed (`_serve`): they would judge by noise.
+        self._largest_block = sum(s.capacity_bytes for s in specs if s.tier == Tier.HBM) // MIN_BLOCKS
+        # Rows for what the miniatures hold, up to 2^MINI_ROWS_LOG2 to begin with (their tables grow as the
+        # real one does): sized for every tier at once, a node of 80 GB of HBM and 1 TB of DRAM in
+        # 128 KiB blocks took 1.1 s and about 530 MB at its first sampled lookup (a review's script).
+        rows = 1 << max(10, min(MINI_ROWS_LOG2, math.ceil(math.log2(self._capacity_blocks * 2 + 1024))))
         self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
         log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
                  self.sample, self._capacity_blocks, layout.name)
@@ -398,7 +461,7 @@ class Duel:
 
     def _turned_over(self) -> bool:
         """Every miniature has let go (evicted) as many bytes as it holds (its capacity in blocks of
-        the first layout): its figures now say what it keeps, not only what it has seen."""
+        the sizing layout): its figures now say what it keeps, not only what it has seen."""
         return self._refs > 0 and self.turned_over() >= 1.0
 
     def turned_over(self) -> float:
@@ -409,6 +472,25 @@ class Duel:
             return 0.0
         held = self._capacity_blocks * self._unit_bytes
         return min(1.0, min(m.manager.placement.stats.evicted_bytes for m in self._minis) / held)
+
+    def _not_replayed(self, why: str, detail: str) -> None:
+        """Count a lookup not replayed, and say so: the first of each kind at once, then how many
+        more at most every DROP_LOG_INTERVAL_S; a host-side reader's once, in the info log (a node of
+        host-side readers, sglang's, has nothing else: a warning a minute said what is by design)."""
+        self.not_replayed[why] += 1
+        now = time.monotonic()
+        logged, at = self._skip_logged.get(why, (0, -math.inf))
+        if why == "host_reader":
+            if not logged:
+                log.info("duel: lookups of host-side readers (reader=dram) are not replayed: the node serves them "
+                         "without HBM, whose ranking the duel judges (counted: dflash2 status, "
+                         "dflash2_policy_duel_not_replayed_total)")
+                self._skip_logged[why] = (1, now)
+            return
+        if now - at >= DROP_LOG_INTERVAL_S:
+            log.warning("duel: a lookup not replayed: %s; %d not replayed so far for that reason (%d since the "
+                        "last report)", detail, self.not_replayed[why], self.not_replayed[why] - logged)
+            self._skip_logged[why] = (self.not_replayed[why], now)
 
     def _stop(self, why: str) -> None:
         if self.off is None:
@@ -449,6 +531,6 @@ class Duel:
                 "hbm_hit_rate": self.hit_rates(hbm=True),
                 "turned_over": round(self.turned_over(), 4),
                 "requests": self.requests, "sampled_refs": self.sampled_refs, "queued": len(self._queue),
-                "dropped": self.dropped, "unlabelled": self.unlabelled, "switches": self.switches,
+                "dropped": self.dropped, "not_replayed": dict(self.not_replayed), "switches": self.switches,
                 "last_switch": self.last_switch,
                 "capacity_blocks": self._capacity_blocks}

@@ -294,7 +294,7 @@ class BlockManager:
             self.placement.settle()  # (`settled`) it answers where they are, and may prefetch them
             rows = self.table.lookup(keys, layout_id)
         if self.duel is not None and not probe:  # (after the settle: a parked lookup runs again, whole)
-            self.duel.offer(keys, layout_id)
+            self.duel.offer(keys, layout_id, host_reader=reader != Tier.HBM)
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)

@@ -377,6 +377,10 @@ def _duel_families(duels: list):
                      ("dropped", "Sampled lookups the duel dropped (its full queue, or its queue when the sample grew coarser): the daemon's loop could not keep up."),
                      ("switches", "Changes of the ranking the heat policy follows.")):
         yield _counter(f"dflash2_policy_duel_{key}", doc, ["gpu"], [((g,), d[key]) for g, d in duels])
+    yield _counter("dflash2_policy_duel_not_replayed", "Lookups the duel's miniatures did not replay, by why (kind): "
+                   "host_reader (reader=dram), no_layout (none named among several), layout_too_large, refused "
+                   "(by a miniature: the log says why).", ["gpu", "kind"],
+                   [((g, why), n) for g, d in duels for why, n in d["not_replayed"].items()])
 
 
 def _split_families(split: list, prefix: str, lists: tuple, target: str, target_doc: str, what: str):

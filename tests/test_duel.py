@@ -149,7 +149,7 @@ def test_a_miniature_too_small_to_judge_turns_the_duel_off(caplog):
     mgr = manager(100)
     duel = Duel(mgr, 4)  # 25 blocks
     lid = mgr.register_layout(LAYOUT)
-    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+    with caplog.at_level(logging.INFO, logger="dflash2.duel"):
         mgr.lookup(list(range(1, 200)), lid)
         duel.run()
     assert duel.off.startswith("1/4 of HBM holds 25 blocks of layout 'replay', fewer than 32")
@@ -173,7 +173,7 @@ def queued_lookups(monkeypatch, bound: str, value: int, width: int) -> Duel:
 def test_a_full_queue_drops_its_oldest_lookups_counted_and_logged(caplog, monkeypatch):
     duel = queued_lookups(monkeypatch, "QUEUE_LIMIT", 5, 40)
     assert duel.describe()["queued"] == 5 and duel.dropped == 7
-    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+    with caplog.at_level(logging.INFO, logger="dflash2.duel"):
         duel.run(0.0)  # no time this tick: nothing served, the drops are reported
     assert "7 sampled lookups dropped so far (7 since the last report)" in caplog.text
     duel.run()
@@ -212,7 +212,7 @@ def test_a_duel_the_loop_cannot_keep_up_with_replays_fewer_keys(monkeypatch, cap
     """Dropped lookups leave holes in the miniatures' history (a key asked for again looks new);
     once COARSEN_AFTER were dropped, the duel samples fewer keys instead, by the factor the lookups
     offered outnumbered those served, and its miniatures start again at the new size."""
-    with caplog.at_level(logging.WARNING, logger="dflash2.duel"):
+    with caplog.at_level(logging.INFO, logger="dflash2.duel"):
         duel, mgr, lid = busy_duel(monkeypatch, 4096, 60, serve_every=5)
     served, dropped = duel.requests, duel.dropped
     assert duel.coarsened == 1 and duel.sample == 16  # 1 served in about 5 offered: 2 x 8
@@ -361,9 +361,101 @@ def test_a_lookup_naming_no_layout_among_several_is_not_sampled():
     mgr.lookup(list(range(1, 40)))
     mgr.register_layout(Layout("other", num_layers=1, num_kv_heads=1, head_dim=32, dtype="fp16", tokens_per_block=512))
     mgr.lookup(list(range(1, 40)))
-    assert duel.unlabelled == 1 and duel.describe()["queued"] == 1
+    assert duel.not_replayed["no_layout"] == 1 and duel.describe()["queued"] == 1
     duel.run()
     assert duel.off is None and duel.requests == 2
+
+
+def test_lookups_the_duel_does_not_replay_are_counted_by_why_logged_and_shown(caplog):
+    """A host-side reader's lookup (served without HBM, which the duel ranks) and one naming no
+    layout among several are not replayed: counted by why, in the log, `status` and /metrics.
+    Before, the second was only counted where nothing showed it, and the first was replayed as
+    HBM traffic the node never had."""
+    from dflash2.metrics import _duel_families
+    from dflash2.status import _duel_line
+
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    with caplog.at_level(logging.INFO, logger="dflash2.duel"):
+        mgr.lookup_rows(list(range(1, 40)), lid, reader=Tier.DRAM)
+        mgr.register_layout(Layout("other", num_layers=1, num_kv_heads=1, head_dim=32, dtype="fp16", tokens_per_block=512))
+        mgr.lookup(list(range(1, 40)))
+        mgr.lookup(list(range(1, 40)))
+    assert duel.describe()["queued"] == 0
+    assert duel.not_replayed == {"host_reader": 1, "no_layout": 2, "layout_too_large": 0, "refused": 0}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("host-side readers" in m for m in said) == 1 and sum("names no layout" in m for m in said) == 1, said
+    assert all(r.levelno == logging.INFO for r in caplog.records if "host-side readers" in r.getMessage())
+    d = duel.describe()
+    assert "not replayed: 1 by host-side readers, 2 naming no layout among several" in _duel_line(d, "heat")
+    family = next(f for f in _duel_families([("0", d)]) if f.name == "dflash2_policy_duel_not_replayed")
+    assert {s.labels["kind"]: s.value for s in family.samples}["no_layout"] == 2
+
+
+def test_a_lookup_a_miniature_refuses_is_skipped_not_the_end_of_the_duel():
+    """Key 0 (no key) ends the chain, as the real lookup does; a key the miniatures cached for
+    another layout (the node refuses that commit too) skips that lookup, leaving nothing held in
+    the miniatures. Before, either turned the duel off until a restart, after a lookup the node
+    answered without an error."""
+    mgr = manager(1024)
+    duel = Duel(mgr, 2)
+    a = mgr.register_layout(LAYOUT)
+    b = mgr.register_layout(Layout("same-size", num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
+                                   head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, tokens_per_block=LAYOUT.tokens_per_block))
+    keys = [k for k in range(1, 400) if len(sampled(np.array([k], dtype=np.uint64), 2))][:8]
+    mgr.lookup([0] + keys, a)  # nothing past key 0
+    assert duel.describe()["queued"] == 0
+    mgr.lookup(keys, a)
+    duel.run()
+    assert duel.requests == 1
+    mgr.lookup(keys, b)  # the same keys for another layout: the miniatures' commits refuse them
+    duel.run()
+    assert duel.off is None and duel.not_replayed["refused"] == 1 and duel.requests == 1
+    for mini in duel._minis:
+        held = mini.manager.table.client(mini.client)
+        assert not held.refs and not held.pins, "a refused request leaves nothing held"
+        mini.manager.check_invariants()
+    mgr.lookup(keys, a)
+    duel.run()
+    assert duel.requests == 2
+
+
+def test_whether_the_duel_runs_does_not_follow_which_layout_is_looked_up_first():
+    """The miniatures are sized by the smallest layout registered; lookups of a layout too large
+    for them are not replayed (counted). Before, a first lookup of the large layout stopped the
+    duel for good, and a first lookup of the small one replayed the large one in a miniature of
+    a few of its blocks."""
+    big = Layout("big", num_layers=LAYOUT.num_layers * 16, num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
+                 dtype=LAYOUT.dtype, tokens_per_block=LAYOUT.tokens_per_block)
+    outcomes = []
+    for first in ("big", "small"):
+        mgr = manager(512)  # 1/4 of it: 128 small blocks, 8 big ones (fewer than MIN_BLOCKS)
+        duel = Duel(mgr, 4)
+        ids = {"small": mgr.register_layout(LAYOUT), "big": mgr.register_layout(big)}
+        order = [first, "small" if first == "big" else "big"]
+        for i in range(40):
+            mgr.lookup(list(range(1000 * i + 1, 1000 * i + 40)), ids[order[i % 2]])
+        duel.run()
+        outcomes.append((duel.off, duel.requests, duel.not_replayed["layout_too_large"]))
+    assert outcomes[0] == outcomes[1], outcomes
+    off, served, too_large = outcomes[0]
+    assert off is None and served > 0 and too_large > 0
+
+
+def test_a_miniature_table_begins_small_on_a_large_node():
+    """Sized for every tier at once, a node of 80 GB of HBM and 1 TB of DRAM took 1.1 s and about
+    530 MB at its first sampled lookup; the tables begin at MINI_ROWS_LOG2 and grow."""
+    slot = 128 * 1024
+    mgr = BlockManager([TierSpec(Tier.HBM, 80 << 30, 2 << 20, ALIGN), TierSpec(Tier.DRAM, 1 << 40, 2 << 20, ALIGN)],
+                       policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 8)
+    lid = mgr.register_layout(Layout("l", num_layers=4, num_kv_heads=8, head_dim=128, dtype="bf16", tokens_per_block=8))
+    assert mgr.table.layout(lid).block_bytes == slot
+    mgr.lookup(list(range(1, 40)), lid)
+    duel.run()
+    assert duel.requests == 1
+    assert all(m.manager.table.cols.capacity <= 1 << D.MINI_ROWS_LOG2 for m in duel._minis)
 
 
 def test_a_failing_miniature_stops_the_duel_and_heat_ranks_as_heat(caplog):
@@ -436,6 +528,9 @@ def test_bench_option(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "8", "--duel-sample", "1", "--json"])
     assert exc.value.code == 2 and "1 would replay every key" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # bounded as the config's key is
+        main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "8", "--duel-sample", str(2 << 20), "--json"])
+    assert exc.value.code == 2 and "at most 1048576 (as policy.duel_sample)" in capsys.readouterr().err
 
 
 

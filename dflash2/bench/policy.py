@@ -22,7 +22,7 @@ import numpy as np
 
 from dflash2.bench import OptionError, non_negative_int, positive_int
 from dflash2.config import DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE
-from dflash2.duel import Duel
+from dflash2.duel import MAX_SAMPLE, Duel
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy, policy_names
@@ -208,10 +208,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sample_arg(text: str) -> int:
-    """--duel-sample: as `policy.duel_sample`, 0 or N >= 2."""
+    """--duel-sample: as `policy.duel_sample`, 0 or N >= 2, at most MAX_SAMPLE."""
     n = non_negative_int(text)
     if n == 1:
         raise argparse.ArgumentTypeError(DUEL_SAMPLE_OF_ONE)
+    if n > MAX_SAMPLE:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SAMPLE} (as policy.duel_sample), got {n}")
     return n
 
 
