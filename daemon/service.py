@@ -74,6 +74,9 @@ class Service(Forgetting):
         # Lapsed clients whose process may still write their private blocks (asked through self, which tests set)
         self.set_aside = SetAside(lease_timeout_s, set_aside_leases, lambda pid: self.pid_alive(pid),
                                   lambda: self.clock())
+        # When this daemon started (unix s): readers of its figures tell a restart by it, as pid 1 in a
+        # container keeps its pid across restarts (history.py `restarted`).
+        self.started = round(time.time(), 3)
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0,
                          "calls_refused_forgotten": 0, "calls_parked": 0}
         # Whether a call that must wait for copies not yet ended is parked (handle_frames answers
@@ -166,6 +169,7 @@ class Service(Forgetting):
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
             reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+            self._check_gpus(e)
         now = self.clock()
         self._replying = None
         # (The session the call's token was checked against, still attached: a session is never
@@ -267,6 +271,18 @@ class Service(Forgetting):
             session = self.sessions.get(p.client)
             if session is not None:
                 session.last_seen = now
+
+    def _check_gpus(self, error: Exception) -> None:
+        """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU
+        faulted): each pool's backend checks its GPU, as after a failed copy; a lost CUDA context
+        makes the daemon exit (`fatal`). Before, the call's client got an InternalError and the
+        daemon served on without its GPU."""
+        if not type(error).__module__.startswith(("cupy", "cupy_backends")):
+            return
+        for m in self.managers.values():
+            check = getattr(m.backend, "check_gpu", None)
+            if check is not None:
+                check(error)
 
     def fatal(self) -> str | None:
         """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA
@@ -525,7 +541,7 @@ class Service(Forgetting):
             st["devices"] = per_device
         st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid, "device": s.device,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
-        st["daemon"] = {"pid": os.getpid(), "device": self.device, **self.counters,
+        st["daemon"] = {"pid": os.getpid(), "started": self.started, "device": self.device, **self.counters,
                         "gpus": {str(d): u for d, u in self._gpu_uuids().items()},  # pool -> GPU UUID
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
                                     for op, (n, t) in self.latency.items()},

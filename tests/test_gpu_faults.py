@@ -163,15 +163,139 @@ from dflash2.transfer.base import CopyBatch
 mgr = build_manager(load_config({path!r}), instance="dflash2-gpu-lost-{os.getpid()}")
 b = mgr.backend
 assert b.fatal is None
-ok = b.start(CopyBatch(Tier.DRAM, Tier.HBM, np.array([0]), np.array([1 << 46]), np.array([16384]))).wait()
+import time
+job = b.start(CopyBatch(Tier.DRAM, Tier.HBM, np.array([0]), np.array([1 << 46]), np.array([16384])))
+until = time.monotonic() + 10
+while not job.done() and time.monotonic() < until:  # as the loop polls a drain piece's copies
+    time.sleep(0.01)
+print("DONE", job.done())
+ok = job.wait()
 print("BATCH", ok.tolist(), "FATAL", b.fatal)
 mgr.close()
 print("LEFT", glob.glob("/dev/shm/dflash2-gpu-lost-{os.getpid()}*"))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "DONE True" in out.stdout, "a failed copy is done, not in flight for ever: " + out.stdout + out.stderr
     assert "BATCH [False] FATAL GPU 0: the CUDA context is lost" in out.stdout, out.stdout + out.stderr
     assert "LEFT []" in out.stdout, out.stdout + out.stderr
+
+
+# The daemon (srv.run in a process of its own) with its managers kept where the injected code reaches them.
+FAULTY_DAEMON = """
+import sys, numpy as np
+import dflash2.daemon.server as srv
+import dflash2.transfer.cuda as tc
+from dflash2.config import load_config
+made = {{}}
+real = srv.build_managers
+def keep(*args, **kw):
+    made.update(real(*args, **kw))
+    return made
+srv.build_managers = keep
+{inject}
+sys.exit(srv.run(load_config({path!r})))
+"""
+
+
+def run_faulty_daemon(path: str, inject: str, client_code) -> tuple[int | None, str, dict]:
+    """A daemon on `path` with `inject` run before it starts; `client_code(seen)` runs against it.
+    Returns the daemon's exit code (None: still up 60 s later, stopped), its stderr, and what the
+    client code saw."""
+    import os
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-c", FAULTY_DAEMON.format(inject=inject, path=path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict = {}
+    try:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(os.path.join(os.path.dirname(path), "d.sock")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        client_code(seen)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            code = None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, proc.stderr.read(), seen
+
+
+def test_a_gpu_lost_during_a_drain_left_in_flight_stops_the_daemon_with_exit_5(cuda_config):
+    """Every HBM->DRAM copy aimed at an unmapped address (as an Xid or an uncorrectable ECC error
+    would leave the GPU), HBM filled past its high watermark: the background drain's piece, which the
+    loop leaves in flight, fails, and the daemon exits 5 naming the GPU. Before, the failed copy
+    looked in flight for ever (CuPy's Event.done): the daemon served on, and the calls that waited
+    for the copy stalled until their clients gave up (a review's script: still up 25 s later)."""
+    from dflash2.client import Client
+    from dflash2.errors import DaemonError, DaemonUnavailable
+    from dflash2.layout import Layout
+    path = cuda_config(hbm_capacity_mb=8, nvme_capacity_mb=0)
+    inject = '''
+launch = tc.CudaTransferBackend._launch
+def faulty(self, to_host, stream, src, dst, src_off, dst_off, *rest):
+    return launch(self, to_host, stream, src, dst, src_off, dst_off + (1 << 46) if to_host else dst_off, *rest)
+tc.CudaTransferBackend._launch = faulty
+'''
+
+    def fill(seen):
+        try:
+            with Client.connect(config=path, name="filler", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)],
+                                device=0, timeout_s=5) as c:
+                lid, key = c.layout_ids[0], 1000
+                for _ in range(4):  # 248 of 256 blocks: past the high watermark; the drain runs between calls
+                    places = c.allocate(lid, 62)
+                    c.commit(places["vid"], keys=list(range(key, key + 62)))
+                    key += 62
+        except (DaemonError, DaemonUnavailable) as e:  # (the daemon may go while the client still talks)
+            seen["error"] = e
+    code, err, seen = run_faulty_daemon(path, inject, fill)
+    assert code == 5, (seen, err[-3000:])
+    assert "dflash2d: error: GPU 0: the CUDA context is lost" in err, err[-3000:]
+
+
+def test_a_cuda_error_in_a_call_checks_the_gpu_and_a_lost_one_stops_the_daemon(cuda_config):
+    """A call that fails in CUDA (attach asking for the arena's IPC handle after the GPU faulted
+    outside any copy the daemon waits for) makes the backend check its GPU: lost, the daemon exits
+    5. Before, the client got an InternalError and the daemon served on without its GPU."""
+    from dflash2.client import Client
+    from dflash2.errors import DaemonError, DaemonUnavailable
+    from dflash2.layout import Layout
+    path = cuda_config(hbm_capacity_mb=8, nvme_capacity_mb=0)
+    import os
+    trigger = os.path.join(os.path.dirname(path), "fault-now")
+    inject = f'''
+import os, threading, time
+from dflash2.tiers import Tier
+from dflash2.transfer.base import CopyBatch
+def fault():  # once told: a copy nobody waits for, into an unmapped address: the context is lost
+    while not os.path.exists({trigger!r}):
+        time.sleep(0.01)
+    backend = next(iter(made.values())).backend
+    backend.start(CopyBatch(Tier.DRAM, Tier.HBM, np.array([0]), np.array([1 << 46]), np.array([16384])))
+threading.Thread(target=fault, daemon=True).start()
+'''
+    layout = Layout("bf16", 4, 2, 64, "bf16", 16)
+
+    def attach_after_the_fault(seen):
+        import time
+        with Client.connect(config=path, name="before", layouts=[layout], device=0):
+            pass
+        open(trigger, "w").close()
+        time.sleep(1.0)
+        try:
+            Client.connect(config=path, name="after", layouts=[layout], device=0, timeout_s=5).close()
+            seen["after"] = "attached"
+        except (DaemonError, DaemonUnavailable) as e:
+            seen["after"] = f"{type(e).__name__}: {e}"
+    code, err, seen = run_faulty_daemon(path, inject, attach_after_the_fault)
+    assert code == 5, (seen, err[-3000:])
+    assert "dflash2d: error: GPU 0: the CUDA context is lost" in err, err[-3000:]
 
 
 def test_views_of_a_closed_cuda_arena_stay_valid_until_the_last_dies():

@@ -19,6 +19,23 @@ def cupy():
     return cp
 
 
+# cudaErrorNotReady: what cudaEventQuery answers while the work before the event still runs.
+CUDA_ERROR_NOT_READY = 600
+
+
+def event_passed(event) -> bool:
+    """Whether a CUDA event has passed, or never will: the work before it ended, well or with an
+    error (its `synchronize` then raises it). CuPy's `Event.done` is False for both of the last:
+    after a sticky error (an illegal address, an uncorrectable ECC error) a copy that waited on it
+    looked in flight for ever, the daemon never learned that its GPU was lost, and the calls that
+    waited for the copy stalled until their clients gave up (a review's script on an H200)."""
+    cp = cupy()
+    try:
+        return cp.cuda.runtime.eventQuery(event.ptr) != CUDA_ERROR_NOT_READY
+    except cp.cuda.runtime.CUDARuntimeError:
+        return True  # (a CuPy that raises the error instead of returning it)
+
+
 def start_device(device: int) -> None:
     """Make `device`'s CUDA context now, before anything else uses the device: the threads the driver
     starts with a context (cuda-EvtHandlr) inherit SIGTERM and SIGINT blocked, so that they reach

@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash2 import threads
 from dflash2.arena.base import Arena, StorageArena
-from dflash2.cuda import cupy
+from dflash2.cuda import cupy, event_passed
 from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
 from dflash2.cuda.copy_engine import CopyEngineBatch
 from dflash2.cuda.kernels import CopyKernel
@@ -75,7 +75,7 @@ class KernelJob(CopyJob):
         self._keep = keep  # buffers the queued copy still reads
 
     def done(self) -> bool:
-        return self._event.done
+        return event_passed(self._event)  # (failed too: `wait` then says so, and checks the GPU)
 
     def wait(self) -> np.ndarray:
         try:
@@ -176,10 +176,10 @@ class CudaTransferBackend(TransferBackend):
         try:
             event, keep, began = self._launch(to_host, stream, src, dst, src_off, dst_off, nbytes, timed, now)
         except Exception as e:
-            self._after_error(e)
+            self.check_gpu(e)
             raise
         self._last[to_host] = (event, now)
-        return KernelJob(batch, event, keep, began, self._after_error)
+        return KernelJob(batch, event, keep, began, self.check_gpu)
 
     def _launch(self, to_host, stream, src, dst, src_off, dst_off, nbytes, timed, now):
         """Queue one HBM<->DRAM batch on its direction's stream: (its end event, buffers it reads, its
@@ -192,7 +192,7 @@ class CudaTransferBackend(TransferBackend):
                 began = cp.cuda.Event()
                 began.record(stream)
             other = self._last.get(not to_host)
-            busy = route.other_busy(other is not None and not other[0].done,
+            busy = route.other_busy(other is not None and not event_passed(other[0]),
                                     None if other is None else now - other[1])
             # route.split: the engines take the batch, or a mix's large copies, and the kernel the
             # rest, one after the other on the direction's stream (the batch's end event covers both).
@@ -204,7 +204,7 @@ class CudaTransferBackend(TransferBackend):
                                                nbytes[engines])
                     self.launches[(to_host, route.Mechanism.ENGINES)] += 1
                 except ArenaError as e:
-                    self._after_error(e)
+                    self.check_gpu(e)
                     if self.fatal is not None:  # the GPU failed, not the engines
                         raise
                     # The driver refused it: the kernel moves this batch (slices that landed before
@@ -229,7 +229,7 @@ class CudaTransferBackend(TransferBackend):
             out.setdefault("hbm->dram" if to_host else "dram->hbm", {})[mechanism.value] = n
         return out
 
-    def _after_error(self, error: BaseException) -> None:
+    def check_gpu(self, error: BaseException) -> None:
         """A copy failed: is the GPU's CUDA context still usable? After a sticky error (an illegal
         address, an uncorrectable ECC error, a GPU fallen off the bus) every later CUDA call fails
         the same way: the backend is dead (`fatal`), and the daemon exits so that its supervisor
@@ -254,7 +254,7 @@ class CudaTransferBackend(TransferBackend):
         except Exception as e:
             self._staged_failures.failed(job.batch, e)  # a full disk fails every retry: not a traceback each
             job._ok[:] = False
-            self._after_error(e)
+            self.check_gpu(e)
         finally:
             job._done.set()
             COMPLETIONS.ring()  # (after `done`: whoever the bell wakes finds the job done)
