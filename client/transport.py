@@ -24,7 +24,7 @@ from collections.abc import Callable
 import zmq
 
 from dflash2 import protocol as P
-from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, VersionMismatch
+from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply, VersionMismatch
 from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
 
@@ -149,7 +149,7 @@ class Transport:
             except VersionMismatch as e:
                 raise VersionMismatch(f"{op.value}: {e}") from None
             except ProtocolError as e:
-                raise DaemonError("ProtocolError", f"{op.value}: the reply of dflash2d at {self.endpoint} cannot be "
+                raise UnreadableReply("ProtocolError", f"{op.value}: the reply from {self.endpoint} cannot be "
                                   f"read: {e}") from None
             if reply.call_id != call_id:
                 self._forgets.pop(reply.call_id, None)  # a `forget` the daemon has taken

@@ -176,6 +176,8 @@ def _nvme_now(path: Path, need: int, verdict) -> str:
     if path.exists():
         if not path.is_file():
             return f"{path} exists and is not a regular file: {fail}"
+        if _read_only(path.parent):
+            return f"{path} is on a read-only filesystem: {fail}"
         if not os.access(path, os.R_OK | os.W_OK):
             return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}"
         with open(path, "rb") as f:
@@ -186,6 +188,8 @@ def _nvme_now(path: Path, need: int, verdict) -> str:
         existing = _nearest_existing(path.parent)
         if not existing.is_dir():
             return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}"
+        if _read_only(existing):
+            return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}"
         if not os.access(existing, os.W_OK | os.X_OK):
             return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}"
     st = os.statvfs(_nearest_existing(path.parent))
@@ -245,9 +249,19 @@ def _check_folder(key: str, folder: Path) -> None:
     if not is_dir:
         raise ConfigError(key, f"{folder} is not a folder" if existing == folder
                           else f"{existing} is not a folder, so the folder {folder} cannot be made")
+    if _read_only(existing):  # (root passes os.access there: the write would fail with EROFS)
+        raise ConfigError(key, f"{existing} is on a read-only filesystem: give a folder on a writable one "
+                               "(a filesystem remounted read-only after errors needs fixing first)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(key, f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing} "
                                "(permission denied): give a folder it may write, or run it as a user who may")
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False  # (the access check below then speaks)
 
 
 class _Stopped(BaseException):

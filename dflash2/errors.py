@@ -110,6 +110,11 @@ class DaemonError(DFlash2Error):
         super().__init__(f"{kind}: {message}")
 
 
+class UnreadableReply(DaemonError):
+    """What answered at the endpoint sent a reply this side cannot read (kind ProtocolError): not
+    dflash2d's, or mangled. Not the daemon refusing a call."""
+
+
 class CopiesRunning(Exception):
     """(A call served with `Placement.parking` on) it must wait for copies in flight that have not
     ended by PARK_AFTER_S after the last of them began (rebalance.py `end_soon`): raised before the

@@ -31,7 +31,9 @@ import collections
 import fcntl
 import json
 import logging
+import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -64,17 +66,47 @@ def sample_of(stats: dict, t: float) -> dict:
         "requests": daemon.get("requests", 0),
         "errors": daemon.get("errors", 0),
         "pid": daemon.get("pid"),
+        "started": daemon.get("started"),  # the daemon's start (unix s): a restart as pid 1 keeps its pid
     }
 
 
 # What the readers (rates, `dflash2 history`, the plot) index in every sample.
 SAMPLE_KEYS = ("t", "tiers", "reads", "hbm_hit_ratio", "swaps", "reservations", "clients")
+TIER_NAMES = ("hbm", "dram", "nvme")
+# A sample's time (unix s) lies where the readers' clock conversion takes it (up to the year 9999):
+# one bad byte can make it any number (1796354471e052), which that conversion refuses.
+T_RANGE = (0.0, 253_402_300_799.0)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _direction(d) -> bool:
+    return isinstance(d, str) and len(parts := d.split("->")) == 2 and all(p in TIER_NAMES for p in parts)
 
 
 def is_sample(obj) -> bool:
-    return (isinstance(obj, dict) and all(k in obj for k in SAMPLE_KEYS)
-            and isinstance(obj["t"], (int, float)) and not isinstance(obj["t"], bool)
-            and all(isinstance(obj[k], dict) for k in ("tiers", "reads", "swaps", "reservations")))
+    """Whether a decoded line is a sample that the readers can use: every figure they index there,
+    each of its type. One bad byte in a line loses that line: before, a line that kept its top-level
+    keys but not a nested one (`"deferrad"`), or whose time became 1796354471e052, was kept, and every
+    `dflash2 history` of that daemon failed on it until the file rotated (a review's script)."""
+    try:
+        return (isinstance(obj, dict) and all(k in obj for k in SAMPLE_KEYS)
+                and _number(obj["t"]) and T_RANGE[0] <= obj["t"] <= T_RANGE[1]
+                and isinstance(obj["tiers"], dict)
+                and all(t in TIER_NAMES and _number(v["used_bytes"]) and _number(v["capacity_bytes"])
+                        for t, v in obj["tiers"].items())
+                and isinstance(obj["reads"], dict)
+                and all(t in TIER_NAMES and _number(n) for t, n in obj["reads"].items())
+                and (obj["hbm_hit_ratio"] is None or _number(obj["hbm_hit_ratio"]))
+                and isinstance(obj["swaps"], dict)
+                and all(_direction(d) and _number(m.get("bytes", 0)) for d, m in obj["swaps"].items())
+                and isinstance(obj["reservations"], dict)
+                and all(_number(obj["reservations"][k]) for k in ("granted", "deferred"))
+                and _number(obj["clients"]) and all(_number(obj.get(k, 0)) for k in ("requests", "errors")))
+    except (KeyError, TypeError, AttributeError):
+        return False
 
 
 class History:
@@ -148,13 +180,10 @@ class History:
             if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
             lines = "".join(self._unwritten)
-            with open(self.path, "a") as f:
-                # Appended to a torn line, these samples would be unreadable too.
-                f.write("\n" + lines if self._torn_tail else lines)
+            # Appended to a torn line, these samples would be unreadable too.
+            self._append(("\n" + lines if self._torn_tail else lines).encode())
             self._torn_tail = False
         except OSError as e:  # a full disk must not stop the daemon: keep the in-memory series
-            # A failed append may have left part of a line: the next one starts on a line of its own.
-            self._torn_tail = True
             if len(self._unwritten) == 1:  # the first failure of a streak: said once, not per sample
                 log.warning("history: cannot write %s (%s); keeping samples in memory and trying again with "
                             "each one", self.path, e)
@@ -162,6 +191,29 @@ class History:
         if len(self._unwritten) > 1:
             log.info("history: %s written again (%d samples that had waited)", self.path, len(self._unwritten))
         self._unwritten.clear()
+
+    def _append(self, data: bytes) -> None:
+        """Append `data` to the file, all of it or none: a write that fails part way (a full disk) is
+        cut back to where the file ended, so that the samples tried again next time are in it once.
+        Before, each retry appended every waiting sample again after those that a failed append had
+        written whole: a disk that filled up and then freed a little room held samples twice, and
+        time went back in `dflash2 history` (a review's script). OSError when it fails; the file may
+        then end in part of a line only when the cut failed too (`_torn_tail`)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            end = os.fstat(fd).st_size
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:
+                try:
+                    os.ftruncate(fd, end)
+                except OSError:
+                    self._torn_tail = True  # the next append starts on a line of its own
+                raise
+        finally:
+            os.close(fd)
 
 
 def _line(sample: dict) -> str:
@@ -181,6 +233,9 @@ def read_file(path: Path, max_samples: int | None = None) -> list[dict]:
     lines: collections.deque[bytes] = collections.deque(maxlen=max_samples)
     for p in (path.with_name(path.name + ".1"), path):
         try:
+            if not regular_file(p):
+                log.warning("history file %s is not a regular file: skipped", p)
+                continue
             with open(p, "rb") as f:
                 lines.extend(f)
         except FileNotFoundError:
@@ -205,9 +260,17 @@ def read_file(path: Path, max_samples: int | None = None) -> list[dict]:
     return out
 
 
+def regular_file(path: Path) -> bool:
+    """Whether `path` is a regular file (FileNotFoundError when there is none). Opened, a FIFO in its
+    place blocked the daemon's start-up and `dflash2 history --file` for ever (a review's script)."""
+    return stat.S_ISREG(os.stat(path).st_mode)
+
+
 def _ends_torn(path: Path) -> bool:
     """Whether the file ends in a line without its newline (a write a crash or a full disk cut short)."""
     try:
+        if not regular_file(path):
+            return False
         with open(path, "rb") as f:
             if f.seek(0, os.SEEK_END) == 0:
                 return False
@@ -217,23 +280,30 @@ def _ends_torn(path: Path) -> bool:
         return False
 
 
+def restarted(a: dict, b: dict) -> bool:
+    """Whether the daemon restarted between two samples (or frames): its start time or pid changed,
+    or a counter went down. As pid 1 in a container it keeps its pid, and a restart that served
+    more than the daemon before it showed no counter going down: its figures were taken for the
+    old daemon's (a review's script; samples before `started` was kept have none)."""
+    if a.get("started") != b.get("started") or a.get("pid") != b.get("pid"):
+        return True
+    if b.get("requests", 0) < a.get("requests", 0) or any(b["reads"].get(t, 0) < n for t, n in a["reads"].items()):
+        return True
+    return any(b["swaps"].get(d, {}).get("bytes", 0) < m.get("bytes", 0) for d, m in a["swaps"].items())
+
+
 def rates(samples: list[dict]) -> list[dict]:
     """Per-interval figures between consecutive samples: HBM hit ratio of the blocks acquired in the
-    interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples (the
-    pid changed, or a counter went down: in a container the pid is the same) gives no row for that
-    interval."""
+    interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples
+    (`restarted`) gives no row for that interval."""
     out = []
     for a, b in zip(samples, samples[1:]):
         dt = b["t"] - a["t"]
-        if dt <= 0:
+        if dt <= 0 or restarted(a, b):
             continue
         reads = {t: b["reads"].get(t, 0) - a["reads"].get(t, 0) for t in b["reads"]}
         dirs = set(a["swaps"]) | set(b["swaps"])
         moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0) for d in dirs}
-        if any(v < 0 for v in reads.values()) or any(v < 0 for v in moved.values()):
-            continue
-        if a.get("pid") != b.get("pid") or b.get("requests", 0) < a.get("requests", 0):
-            continue
         total = sum(reads.values())
         out.append({"t": b["t"], "dt": dt, "reads": total,
                     "hbm_hit_ratio": reads.get("hbm", 0) / total if total else None,
@@ -264,6 +334,13 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
             os.ftruncate(lock_fd, 0)
             os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
             path = state_dir / FILE_NAME
+            try:
+                if not regular_file(path):
+                    log.warning("history: %s is not a regular file; this daemon keeps its history in memory only "
+                                "(remove it, or give the daemon another daemon.state_dir)", path)
+                    path = None
+            except FileNotFoundError:
+                pass
     except OSError as e:
         if lock_fd >= 0:
             os.close(lock_fd)

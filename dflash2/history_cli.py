@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from dflash2 import protocol as P
-from dflash2.history import FILE_NAME, decode, rates, read_file
+from dflash2.history import FILE_NAME, decode, rates, read_file, regular_file, restarted
 from dflash2.argtypes import endpoint, positive_int, seconds
 
 EXIT_OK = 0
@@ -95,6 +95,8 @@ def load(args: argparse.Namespace) -> list[dict]:
         if not path.exists():
             raise HistoryError(f"no history file at {path}")
         try:
+            if not regular_file(path):
+                raise HistoryError(f"{path} is not a regular file (a daemon's history is STATE_DIR/{FILE_NAME})")
             with open(path, "rb") as f:
                 has_lines = bool(f.read(1))
         except OSError as e:
@@ -127,7 +129,7 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
     from dflash2.client.transport import Transport, check_endpoint
-    from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
+    from dflash2.errors import DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
@@ -140,6 +142,8 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[
     except DaemonUnavailable as e:
         raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
     except VersionMismatch as e:  # a daemon of another version answers: not one this command can ask
+        raise DaemonNotAnswering(str(e)) from None
+    except UnreadableReply as e:  # what answered is not dflash2d, or its reply is unreadable
         raise DaemonNotAnswering(str(e)) from None
     except DaemonError as e:  # it answered: the question was at fault (or the daemon names its own problem)
         raise HistoryError(f"dflash2d at {endpoint} refused the history call: {e}") from None
@@ -157,12 +161,13 @@ def render(samples: list[dict], max_rows: int = 30) -> str:
     # max_rows samples (all, when there are fewer) evenly spread from the first to the last: every
     # step-th sample and then the last one appended gave max_rows + 1 rows.
     k = min(len(samples), max_rows)
-    picked = [samples[i] for i in sorted({round(j * (len(samples) - 1) / (k - 1)) for j in range(k)})] \
-        if k > 1 else samples[-1:]
+    picked = sorted({round(j * (len(samples) - 1) / (k - 1)) for j in range(k)}) if k > 1 else [len(samples) - 1]
     rows = []
-    for a, b in zip([None, *picked], picked):
+    for a, i in zip([None, *picked], picked):
+        b = samples[i]
         # A tier the daemon had not before a restart (nvme_capacity_mb raised) shows as "-" there.
-        rows.append([_clock(b["t"])] + [_pct(b["tiers"].get(t)) for t in tiers] + _interval(a, b)
+        rows.append([_clock(b["t"])] + [_pct(b["tiers"].get(t)) for t in tiers]
+                    + _interval(None if a is None else samples[a:i + 1])
                     + [str(b["clients"]), str(b["reservations"]["deferred"])])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
@@ -171,17 +176,23 @@ def render(samples: list[dict], max_rows: int = 30) -> str:
     return "\n".join(lines)
 
 
-def _interval(a: dict | None, b: dict) -> list[str]:
-    if a is None:
+def _interval(span: list[dict] | None) -> list[str]:
+    """A row's hit ratio and bandwidths over the consecutive samples it spans (each interval
+    between them counted: the row's two ends alone skipped a restart between them, and mixed or
+    dropped two daemons' figures), "(restart)" beside them when the daemon restarted within it."""
+    if span is None:
         return ["-", "-", "-"]
-    r = rates([a, b])
+    r = rates(span)
+    restart = " (restart)" if any(restarted(a, b) for a, b in zip(span, span[1:])) else ""
     if not r:
-        return ["(restart)", "-", "-"]
-    r = r[0]
-    out_bps = sum(v for d, v in r["swap_bps"].items() if _rank(d) > 0)
-    in_bps = sum(v for d, v in r["swap_bps"].items() if _rank(d) < 0)
-    hit = "-" if r["hbm_hit_ratio"] is None else f"{100 * r['hbm_hit_ratio']:.1f}%"
-    return [hit, f"{out_bps / 1e6:.1f}", f"{in_bps / 1e6:.1f}"]
+        return [restart.strip() or "-", "-", "-"]
+    seconds = sum(x["dt"] for x in r)
+    reads = sum(x["reads"] for x in r)
+    in_hbm = sum(x["reads"] * x["hbm_hit_ratio"] for x in r if x["hbm_hit_ratio"] is not None)
+    out_bytes = sum(v * x["dt"] for x in r for d, v in x["swap_bps"].items() if _rank(d) > 0)
+    in_bytes = sum(v * x["dt"] for x in r for d, v in x["swap_bps"].items() if _rank(d) < 0)
+    hit = "-" if not reads else f"{100 * in_hbm / reads:.1f}%"
+    return [hit + restart, f"{out_bytes / seconds / 1e6:.1f}", f"{in_bytes / seconds / 1e6:.1f}"]
 
 
 def _rank(d: str) -> int:

@@ -278,10 +278,16 @@ def encode_reply(reply: Reply) -> list[bytes]:
 def decode_reply(frames: list[bytes]) -> Reply:
     header = _frames_head(frames, MAX_REPLY_HEADER_BYTES)
     call_id = header.get("id")
-    if header.get("ok") is True:
+    ok = header.get("ok")
+    if ok is True:
         return Reply(call_id, True, header.get("result") or {}, arrays=[bytes(f) for f in frames[3:]])
-    err = header.get("error") or {}
-    return Reply(call_id, False, {}, str(err.get("type", "Error")), str(err.get("message", "")))
+    err = header.get("error")
+    # A reply says ok, or names its error: anything else is not dflash2d's answer (a program that
+    # echoes frames back answered as an error with no message: `dflash2 status: Error: `).
+    if ok is not False or not isinstance(err, dict) or not isinstance(err.get("type"), str):
+        raise ProtocolError("not a dflash2d reply (its header has neither \"ok\": true nor an error): "
+                            "is another program listening on the endpoint?")
+    return Reply(call_id, False, {}, err["type"], str(err.get("message", "")))
 
 
 def error_reply(call_id: int, exc: BaseException) -> Reply:

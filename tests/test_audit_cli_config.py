@@ -4,6 +4,7 @@ fallback: each now gets one line naming what is wrong, with the documented exit 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -335,3 +336,53 @@ def test_history_tells_a_refusal_from_no_daemon(capsys, tmp_path):
     assert rc == 2
     assert f"dflash2d at {endpoint} refused the history call: ProtocolError: history: argument 'since_s' is odd" in err
     assert "is dflash2d running" not in err
+
+
+def test_history_and_status_say_when_what_answers_is_not_dflash2d(capsys, tmp_path):
+    """Another ZeroMQ program on the endpoint echoing frames back: before, `dflash2 status` said
+    `Error: ` and history that dflash2d refused the call with `Error: `."""
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(endpoint)
+
+    def echo():
+        for _ in range(2):
+            router.send_multipart(router.recv_multipart())
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        for command in (("history",), ("status",)):
+            rc, _, err = run_cli(capsys, *command, "--endpoint", endpoint, "--timeout", "5")
+            assert rc == 1 and "not a dflash2d reply" in err, (command, err)
+    finally:
+        thread.join(5)
+        router.close(0)
+
+
+def _read_only_mount(folder: Path, command: str) -> "subprocess.CompletedProcess":
+    """`command` run where `folder` is bound read-only onto itself (a mount namespace of its own:
+    root and unshare(1) needed), as a filesystem remounted read-only after errors is."""
+    import shutil
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a read-only mount")
+    script = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && {command}"
+    out = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=120)
+    if "mount:" in out.stderr:
+        pytest.skip(f"cannot mount here: {out.stderr.strip()}")
+    return out
+
+
+def test_a_state_folder_on_a_read_only_filesystem_is_named_as_that(tmp_path):
+    """Root passes the access check there, so the error said "permission denied ... run it as a user
+    who may" (a review's script); the write fails with EROFS. The NVMe file's `now:` line too."""
+    import sys
+    state = tmp_path / "state"
+    state.mkdir()
+    path = write_config(tmp_path, daemon={"state_dir": str(state)}, history_enabled=True,
+                        memory={"nvme_path": str(state / "nvme.cache")})
+    out = _read_only_mount(state, f"{sys.executable} -m dflash2.daemon.main --config {path} --check")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"daemon.state_dir: {state} is on a read-only filesystem" in out.stderr, out.stderr

@@ -3,10 +3,8 @@ low open-files limit that let libzmq abort it, and a history file that stopped a
 
 from __future__ import annotations
 
-import errno
 import glob
 import json
-import logging
 import os
 import resource
 import signal
@@ -19,7 +17,6 @@ from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
 from dflash2.client import Transport
-from dflash2.history import History
 
 
 @pytest.fixture
@@ -96,31 +93,43 @@ def test_a_low_hard_limit_is_warned_about():
     assert "open files limit is 200 (hard limit 200): about 68 clients can attach" in out.stderr
 
 
-def test_history_catches_up_after_a_failed_write(tmp_path, monkeypatch, caplog):
-    """A full disk for a while: the samples wait in memory and reach the file once there is room,
-    in order, with no torn line between; the failure is logged once, the recovery once."""
-    now = [1000.0]
-    h = History(interval_s=1.0, path=tmp_path / "history.jsonl", clock=lambda: now[0])
-    stats = {"tiers": {}, "reads": {}, "moves": {}, "hbm_hit_ratio": None,
-             "reservations": {"granted": 0, "deferred": 0, "reserved_blocks": 0}}
-    real_open = open
-    full = [False]
-
-    def open_(file, mode="r", *a, **k):
-        if full[0] and str(file) == str(tmp_path / "history.jsonl") and "a" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(file, mode, *a, **k)
-
-    monkeypatch.setattr("builtins.open", open_)
-    with caplog.at_level(logging.INFO, logger="dflash2.history"):
-        for i in range(6):
-            full[0] = 2 <= i <= 4
-            now[0] += 1.0
-            h.record(stats)
-    lines = (tmp_path / "history.jsonl").read_text().splitlines()
+def test_history_catches_up_after_a_failed_write(tmp_path):
+    """A full disk for a while (the file's size limit, RLIMIT_FSIZE, in a process of its own: the
+    write of an append fails part way, as on a disk that fills up): the samples wait in memory and
+    reach the file once there is room, each once, in order, with no torn line between; the failure
+    is logged once, the recovery once. Before, the lines that a failed append had written whole were
+    appended again with the rest once there was room: samples twice, time going back."""
+    path = tmp_path / "history.jsonl"
+    code = f"""
+import json, logging, resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from dflash2.history import History, _line
+now = [1000.0]
+h = History(interval_s=1.0, path=Path({str(path)!r}), clock=lambda: now[0])
+stats = {{"tiers": {{}}, "reads": {{}}, "moves": {{}}, "hbm_hit_ratio": None,
+         "reservations": {{"granted": 0, "deferred": 0, "reserved_blocks": 0}}}}
+_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+for i in range(7):
+    if i == 2:  # room for one more sample and half of the next
+        size = h.path.stat().st_size
+        line = len(_line(h.since()[-1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + line + line // 2, hard))
+    if i == 6:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    now[0] += 1.0
+    h.record(stats)
+"""
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).parent.parent))
+    assert out.returncode == 0, out.stderr
+    lines = path.read_text().splitlines()
     samples = [json.loads(line) for line in lines if line.strip()]
-    assert [s["t"] for s in samples] == [1001.0, 1002.0, 1003.0, 1004.0, 1005.0, 1006.0]
-    assert caplog.text.count("cannot write") == 1 and "written again (4 samples that had waited)" in caplog.text
+    assert [s["t"] for s in samples] == [1001.0 + i for i in range(7)], [s["t"] for s in samples]
+    assert out.stderr.count("cannot write") == 1, out.stderr
+    assert "written again (4 samples that had waited)" in out.stderr, out.stderr
 
 
 def test_in_json_format_every_line_the_daemon_writes_is_a_json_record(config_file, tmp_path):

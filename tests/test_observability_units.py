@@ -482,3 +482,86 @@ def test_history_keeps_each_sample_compact_in_memory(make_manager, clock):
     assert [s["t"] for s in h.since(2.5)] == [clock.now - 2, clock.now - 1, clock.now]
     count, raw = h.encoded(2.5)
     assert count == 3 and decode(raw) == h.since(2.5)
+
+
+def test_a_restart_that_keeps_the_pid_is_a_restart(service):
+    """A daemon that is pid 1 in its container keeps its pid across restarts; one that served more
+    after the restart than before showed no counter going down: its figures were taken for the old
+    daemon's. Its start time tells."""
+    def s(t, reads, started):
+        return {"t": t, "pid": 1, "started": started, "requests": reads, "reads": {"hbm": reads}, "swaps": {}}
+
+    assert rates([s(0, 10, 100.0), s(1, 600, 100.0)])[0]["reads"] == 590
+    assert rates([s(0, 10, 100.0), s(1, 600, 200.0)]) == []
+    from dflash2.history import sample_of
+    assert sample_of(service.stats(), 0.0)["started"] == service.started > 0  # in every sample and frame
+
+
+def test_a_history_row_spans_every_interval_between_its_samples_and_names_a_restart_within():
+    """A row of `dflash2 history` stands for all the samples since the row before: its figures add
+    up their intervals (the two ends alone mixed or dropped two daemons' figures when one restarted
+    between them), and a restart within it is said."""
+    from dflash2.history_cli import render
+
+    tiers = {"hbm": {"used_bytes": 1, "capacity_bytes": 2, "blocks": 1}}
+    res = {"granted": 0, "deferred": 0, "reserved_blocks": 0}
+
+    def s(t, hbm, dram, started):
+        return {"t": 1000.0 + t, "tiers": tiers, "reads": {"hbm": hbm, "dram": dram}, "hbm_hit_ratio": None,
+                "swaps": {}, "reservations": res, "clients": 0, "pid": 1, "started": started, "requests": hbm + dram}
+    # The first daemon reads 256 blocks from DRAM; the second, pid 1 again, 800 from HBM and 56 from DRAM.
+    samples = [s(0, 0, 0, 1.0), s(1, 0, 128, 1.0), s(2, 0, 256, 1.0),
+               s(3, 0, 0, 2.0), s(4, 400, 28, 2.0), s(5, 800, 56, 2.0)]
+    rows = render(samples, max_rows=2).splitlines()
+    assert "(restart)" in rows[2], rows
+    # 256 blocks read by the first daemon and 856 by the second, 800 of them from HBM: 71.9%
+    assert "71.9% (restart)" in rows[2], rows
+
+
+def test_one_bad_byte_in_a_history_line_loses_that_line_not_the_history(tmp_path, clock, service, capsys):
+    """A line that still parses but lost a figure the readers use, or whose time became a number no
+    clock takes, is not a sample: skipped (and counted), not kept to fail every `dflash2 history`."""
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    for _ in range(3):
+        h.record(service.stats())
+        clock.advance(1)
+    good = path.read_text().splitlines()
+    t = json.loads(good[1])["t"]
+    for bad in (good[1].replace(f'"t":{t}', f'"t":{t}e052', 1), good[1].replace('"deferred"', '"deferrad"', 1),
+                good[1].replace('"used_bytes"', '"used_bytez"', 1), good[1].replace('"clients":0', '"clients":NaN', 1),
+                good[1].replace('"hbm_hit_ratio":null', '"hbm_hit_ratio":"x"', 1)):
+        assert bad != good[1]
+        path.write_text("\n".join([good[0], bad, good[2]]) + "\n")
+        assert [s["t"] for s in read_file(path)] == [json.loads(good[0])["t"], json.loads(good[2])["t"]], bad
+        assert cli.main(["history", "--file", str(path)]) == 0, bad
+        assert "2 samples" in capsys.readouterr().out
+
+
+def test_a_history_file_that_is_not_a_regular_file_is_skipped_not_waited_on(tmp_path, capsys, caplog):
+    """A FIFO where history.jsonl should be: opened, it blocked the daemon's start-up and `dflash2
+    history --file` for ever. Skipped, and said."""
+    import threading
+
+    from dflash2.config import parse_config
+    from dflash2.history import make_history
+
+    fifo = tmp_path / "history.jsonl"
+    os.mkfifo(fifo)
+    made, said = [], []
+    cfg = parse_config({"enable": True, "device": {"kind": "host"}, "history_enabled": True,
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 1, "dram_capacity_mb": 0, "nvme_capacity_mb": 0,
+                                   "page_kb": 64},
+                        "daemon": {"state_dir": str(tmp_path)}})
+
+    def run():
+        made.append(make_history(cfg, tmp_path))
+        said.append(cli.main(["history", "--file", str(fifo)]))
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(10)
+    assert not worker.is_alive(), "blocked on the FIFO"
+    assert made[0].path is None and "is not a regular file" in caplog.text
+    made[0].close()
+    assert said == [2] and "is not a regular file" in capsys.readouterr().err

@@ -409,6 +409,22 @@ def test_a_reply_larger_than_a_request_may_be_still_reads():
     assert P.decode_reply(P.encode_reply(big)).result == big.result
 
 
+def test_a_reply_that_is_neither_ok_nor_an_error_is_not_dflash2ds():
+    """Another program on the endpoint that echoes frames back (zguide's simplest server) sends the
+    request itself: taken for an error reply, `dflash2 status` said `Error: ` and nothing more."""
+    import json
+
+    from dflash2.errors import ProtocolError
+    request = P.encode_request(P.Op.STATS, 7, None)
+    with pytest.raises(ProtocolError, match="not a dflash2d reply"):
+        P.decode_reply(request)
+    for header in ({"id": 1, "ok": False}, {"id": 1, "ok": "yes"}, {"id": 1, "ok": False, "error": "x"}):
+        with pytest.raises(ProtocolError, match="not a dflash2d reply"):
+            P.decode_reply([P.MAGIC, P.VERSION_FRAME, json.dumps(header).encode()])
+    reply = P.decode_reply(P.encode_reply(P.error_reply(1, ValueError("bad"))))
+    assert (reply.ok, reply.error_type, reply.error_message) == (False, "ValueError", "bad")
+
+
 def test_an_unreadable_reply_is_a_daemon_error_naming_the_op(tmp_path):
     """A reply this side cannot decode raises DaemonError (which every command reports in one line),
     never a bare ProtocolError with a traceback."""
@@ -426,7 +442,7 @@ def test_an_unreadable_reply_is_a_daemon_error_naming_the_op(tmp_path):
     thread.start()
     t = Transport(endpoint, timeout_s=5.0)
     try:
-        with pytest.raises(DaemonError, match=f"stats: the reply of dflash2d at {endpoint} cannot be read") as e:
+        with pytest.raises(DaemonError, match=f"stats: the reply from {endpoint} cannot be read") as e:
             t.call(Op.STATS)
         assert e.value.kind == "ProtocolError"
     finally:
