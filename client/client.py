@@ -228,7 +228,7 @@ class Client:
                           "any more); this client's session ended with it: attach again", self.endpoint)
             self.lease_lost = True
             self._ended = True
-            arenas.close()
+            arenas.close("its daemon has ended (attach again)")
             return True
 
     def detach(self) -> dict:
@@ -251,9 +251,9 @@ class Client:
                     log.warning("dflash2 detach: %s", e)
                 self.client_id = None
             self._transport.close()
-            if self._arenas is not None:
-                self._arenas.close()
-                self._arenas = None
+            arenas, self._arenas = self._arenas, None  # (gone for a view asked for on another thread)
+            if arenas is not None:
+                arenas.close()
             self._held = HeldPlaces()
         return released
 
@@ -440,13 +440,14 @@ class Client:
     # -- zero-copy views -------------------------------------------------------------------
     def view_bytes(self, place) -> np.ndarray:
         """A numpy uint8 view of a block's bytes in the daemon's arena (no copy)."""
-        if self._arenas is None:
+        arenas = self._arenas  # (once: detach on another thread sets it to None)
+        if arenas is None:
             raise ArenaError("this client is detached: its arena mappings are gone")
         if self.lease_lost:
             # Its blocks are no longer its own: the daemon frees them once this process is gone (or
             # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.
             raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
-        return self._arenas.bytes_view(self._place(place))
+        return arenas.bytes_view(self._place(place))
 
     def view(self, place):
         """A torch tensor over a block's bytes, typed and shaped by its layout (no copy). `place` is

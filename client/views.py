@@ -40,6 +40,9 @@ class ArenaMap:
         # (both find a killed daemon within GONE_CHECK_S and both let its mappings go): close() must
         # not iterate a dict the other thread empties, nor a gone test flock a descriptor being closed.
         self._lock = threading.Lock()
+        # Why the mappings are gone, once they are (`close`): a view asked for meanwhile on another
+        # thread says that, not that its tier "is not mapped" (a review's script: detach racing a view).
+        self.closed: str | None = None
         name = check_name(liveness)  # a bad name refuses the attach before anything is mapped
         try:
             for d in described:
@@ -62,11 +65,18 @@ class ArenaMap:
         """uint8 view of one block: numpy for host memory, CuPy for a GPU arena."""
         tier = int(place["tier"])
         arena = self.arenas.get(tier)
+        if self.closed is not None:
+            raise ArenaError(f"{self.closed}: its arena mappings are gone")
         if arena is None:
             label = Tier(tier).label if tier in Tier._value2member_map_ else str(tier)
             raise ArenaError(f"block {int(place['vid']):#x} lies in the {label} tier, which this client "
                              "has not mapped (acquire it to bring it to HBM first)")
-        return arena.view(int(place["offset"]), int(place["nbytes"]))
+        try:
+            return arena.view(int(place["offset"]), int(place["nbytes"]))
+        except ArenaError:
+            if self.closed is not None:  # closed by another thread meanwhile
+                raise ArenaError(f"{self.closed}: its arena mappings are gone") from None
+            raise
 
     def daemon_gone(self) -> bool:
         """Whether the daemon that mapped these arenas has ended: nothing holds its liveness object,
@@ -78,8 +88,9 @@ class ArenaMap:
                 return True
             return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
 
-    def close(self) -> None:
+    def close(self, why: str = "this client is detached") -> None:
         with self._lock:
+            self.closed = self.closed or why
             arenas, self.arenas = list(self.arenas.values()), {}
             for arena in arenas:
                 # Only unmaps (never unlinks). Live views keep their mapping; without any, a segment is

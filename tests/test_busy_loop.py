@@ -492,3 +492,15 @@ def test_metrics_and_history_are_sampled_every_second_whatever_the_steps_interva
     obs = _Observers()
     run_idle(tmp_path, _Recorder(), 3.5, tick_interval_s=30.0, observers=obs)
     assert obs.steps == 1 and 2 <= obs.samples <= 4, (obs.steps, obs.samples)
+
+
+def test_leases_are_judged_while_copies_in_flight_hold_the_step_off(tmp_path, monkeypatch):
+    """Copies that never all end (a slow disk, and requests that start more of them): the step
+    waits, but once STEP_LATE_MAX_S late the leases are judged anyway, every tick interval. Before,
+    a dead client kept its lease 6-18 s past a 2 s lease (NVMe reads of 1 s, a review's script)."""
+    monkeypatch.setattr(Server, "_copies_ended", lambda self: False)
+    monkeypatch.setattr(server_mod, "STEP_LATE_MAX_S", 0.3, raising=False)
+    rec = _Recorder()
+    run_idle(tmp_path, rec, 1.5, tick_interval_s=0.1)
+    judged = rec.events.count("tick")  # (the stand-in's expire_leases)
+    assert 5 <= judged <= 13, rec.events

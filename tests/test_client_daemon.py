@@ -252,3 +252,37 @@ def test_status_without_daemon_exits_1(tmp_path, config_file, capsys):
     assert main(["status", "--config", config_file()]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no dflash2d" in err
+
+
+def test_a_view_asked_for_while_another_thread_detaches_says_the_client_is_detached(daemon, connect):
+    """A view asked for on one thread while another detaches the client: "detached", never that the
+    block's tier "is not mapped (acquire it to bring it to HBM first)", which acquiring cannot help
+    (a review's script: 129 of 300 races said that)."""
+    import threading
+
+    c = connect("v")
+    place = c.allocate(c.layout_ids[0], 1)[0]
+    arenas = c._arenas  # as a viewing thread holds them while the detach runs
+    c.detach()
+    with pytest.raises(ArenaError, match="this client is detached: its arena mappings are gone"):
+        arenas.bytes_view(place)
+    said = []
+    for _ in range(30):
+        c = connect("v")
+        place = c.allocate(c.layout_ids[0], 1)[0]
+        started = threading.Event()
+
+        def view():
+            started.set()
+            while True:
+                try:
+                    c.view_bytes(place)
+                except ArenaError as e:
+                    said.append(str(e))
+                    return
+        viewer = threading.Thread(target=view)
+        viewer.start()
+        started.wait()
+        c.detach()
+        viewer.join(10)
+    assert said and all("this client is detached" in s for s in said), set(said)
