@@ -31,7 +31,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
 | dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
-| dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
+| dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, orphaned (cached children dropped with a lost parent), not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves (absent until 1 MiB has moved that way) |
@@ -101,7 +101,7 @@ SWAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 
 WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000,
                         2500000, 5000000, 10000000, 30000000)
-PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "not_admitted", "not_kept", "past_full")
+PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "orphaned", "not_admitted", "not_kept", "past_full")
 RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled", "released")
 
 

@@ -47,6 +47,7 @@ class PlacementStats:
     evicted: int = 0
     evicted_bytes: int = 0  # their blocks' bytes (the duel's miniatures turn over by bytes: duel.py)
     lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
+    orphaned: int = 0  # cached children dropped with a lost parent (nobody could find them by lookup)
     promoted: int = 0
     not_admitted: int = 0
     not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
@@ -457,7 +458,14 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
     def _drop_lost(self) -> None:
         lost = self.mover.take_lost()
         self.stats.lost += len(lost)
-        self.table.drop_lost(lost)
+
+        def leaving(rows: np.ndarray, orphans: bool) -> None:
+            # The policy lets them go as it does evicted blocks (its lists counted them on, and
+            # their keys left no ghost); the children dropped with them are counted too.
+            self.policy.on_remove(self.table, rows)
+            if orphans:
+                self.stats.orphaned += len(rows)
+        self.table.drop_lost(lost, leaving)
 
     def _droppable(self, rows: np.ndarray) -> np.ndarray:
         """The rows that can be dropped now together: cached, nobody holds them, and each of their

@@ -643,3 +643,75 @@ def test_failed_nvme_reads_are_logged_once_a_minute_with_the_count_left_out(mgr,
     assert len(lines) == 2, lines
     assert "(2 more such batches (2 blocks) since the last one logged, 60 s ago, were not logged)" in lines[1]
     assert mgr.placement.stats.lost == 4, "every failure is counted all the same"
+
+
+@pytest.fixture
+def heat_mgr(config_file, instance_name):
+    """As `mgr`, with the heat policy (its split counts the keyed blocks of each tier)."""
+    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                          "staging_buffer_size_mb": 1},
+                                  kv_block={"block_size": 16, "prefetch_window": 0}, policy={"name": "heat"}))
+    m = build_manager(cfg, instance=instance_name)
+    yield m
+    m.close()
+
+
+def shared_root_on_nvme(m) -> tuple[int, int, np.ndarray]:
+    """A root block (key 1) and three children of it (keys 2-4: sessions sharing a prefix), all on
+    NVMe: (client, layout, [root, children])."""
+    a = m.attach("a")
+    lid = m.register_layout(LAYOUT)
+    root = publish(m, a, lid, [1])
+    kids = []
+    for k in (2, 3, 4):
+        v = m.allocate(a, lid, 1)
+        m.view(int(v[0]))[:] = pattern(k)
+        kids.append(m.commit(a, v, keys=[k], parent=int(root[0])))
+        m.free(a, kids[-1])
+    vids = np.concatenate([root, *kids])
+    to_nvme(m, vids)
+    return a, lid, vids
+
+
+def keyed_blocks(m) -> int:
+    c = m.table.cols
+    return int(((c.key != 0) & (c.state != 0)).sum())
+
+
+def test_a_lost_block_and_the_children_dropped_with_it_leave_the_policy_and_are_counted(heat_mgr, monkeypatch):
+    """The root's read back fails: it is dropped, and its children with it (nobody could find them by
+    lookup). Before, neither reached the policy (its split went on counting 4 blocks that were gone,
+    until their rows were used again) and the children were counted nowhere."""
+    m = heat_mgr
+    a, _, vids = shared_root_on_nvme(m)
+    assert m.policy.split.sizes.sum() == keyed_blocks(m) == 4
+    eio_at(m, monkeypatch, vids[:1])
+    with pytest.raises(UnknownBlock):
+        m.acquire(a, vids[:1])
+    placed = m.stats()["placement"]
+    assert (placed["lost"], placed["orphaned"]) == (1, 3), placed
+    assert keyed_blocks(m) == 0 and m.policy.split.sizes.sum() == 0, m.policy.split.sizes
+    m.check_invariants()
+
+
+def test_a_lost_block_its_reader_holds_is_read_once_and_counted_once(heat_mgr, monkeypatch):
+    """A reader holding a reference to the block (lookup, add_ref, acquire) keeps it after its read
+    failed; the promotion's retry of the blocks that did not come up read it again, failed again and
+    counted it lost twice."""
+    m = heat_mgr
+    a, _, vids = shared_root_on_nvme(m)
+    eio_at(m, monkeypatch, vids[:1])
+    batches = []
+    start = m.backend.start
+
+    def counted(batch):
+        batches.append((batch.src_tier, len(batch)))
+        return start(batch)
+    monkeypatch.setattr(m.backend, "start", counted)
+    m.add_ref(a, vids[:1])
+    with pytest.raises(UnknownBlock):
+        m.acquire(a, vids[:1])
+    assert m.stats()["placement"]["lost"] == 1
+    assert batches == [(Tier.NVME, 1)], batches
+    m.free(a, vids[:1])
+    m.check_invariants()
