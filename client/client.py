@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -78,7 +80,37 @@ def _vids(vids) -> bytes:
 
 
 def _keys(keys) -> bytes:
-    return np.ascontiguousarray(np.asarray(keys, dtype=np.uint64), dtype=P.KEYS_DTYPE).tobytes()
+    """Content keys as the wire's uint64s; ValueError for any that is not an integer in [0, 2^64).
+    Before, a float key was truncated (7.9 looked up 7) and a negative numpy key wrapped around
+    (-5 became 2^64 - 5), silently; a Python int out of range raised numpy's OverflowError."""
+    arr = np.asarray(keys)
+    if arr.dtype.kind == "f" and not isinstance(keys, np.ndarray):
+        arr = np.array(list(keys), dtype=object)  # (Python ints past 2^63 beside small ones come as floats)
+    if arr.size:
+        bad = None
+        if arr.dtype.kind == "O":
+            bad = next((k for k in arr.ravel().tolist() if isinstance(k, bool) or not isinstance(k, numbers.Integral)
+                        or not 0 <= int(k) < 1 << 64), None)
+        elif arr.dtype.kind not in "iu":
+            bad = arr.ravel()[0]
+        elif arr.dtype.kind == "i" and (arr < 0).any():
+            bad = arr[arr < 0].ravel()[0]
+        if bad is not None:
+            raise ValueError(f"content keys must be integers in [0, 2^64), got {bad!r} (as {arr.dtype})")
+    if arr.dtype.kind == "O":
+        arr = np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
+    return np.ascontiguousarray(arr.astype(np.uint64, copy=False) if arr.size else np.empty(0, np.uint64),
+                                dtype=P.KEYS_DTYPE).tobytes()
+
+
+def _rate(value, what: str) -> float | None:
+    """A prefill rate as JSON takes it (None stays None); ValueError naming it when it is no number.
+    Before, a numpy float failed in the JSON encoder (`Object of type float32 is not JSON serializable`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number of tokens per second or None, got {value!r}")
+    return float(value)
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -109,6 +141,9 @@ class Client:
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
+        # Why the daemon answered this client's last `allocate` or `acquire` that returned None
+        # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
+        self.last_refusal: str | None = None
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
         # A call in progress when the daemon is killed ends then, not after its whole timeout.
         self._transport = Transport(endpoint, timeout_s, gone=self._arenas_gone)
@@ -145,7 +180,7 @@ class Client:
                 prefill_tokens_per_s: Sequence[float | None] | None) -> None:
         args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
         if prefill_tokens_per_s is not None:
-            args["prefill_tokens_per_s"] = list(prefill_tokens_per_s)
+            args["prefill_tokens_per_s"] = [_rate(r, "prefill_tokens_per_s") for r in prefill_tokens_per_s]
         ns = pid_namespace()
         if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
             args["pid_namespace"] = ns
@@ -198,6 +233,7 @@ class Client:
                 except DaemonError as e:
                     log.error("dflash2 lease lost (%s); attach again", e)
                     self.lease_lost = True
+                    self._daemon_gone()  # (a daemon restarted at once: let go of the dead one's memory)
                     return
         finally:
             transport.close()
@@ -276,16 +312,29 @@ class Client:
             raise DaemonUnavailable(f"{op.value}: this client was attached by process {self._pid}; process "
                                     f"{os.getpid()} is a fork of it and cannot use it (ZeroMQ sockets do not "
                                     "survive fork): connect a new Client in the child")
-        with self._lock:
-            try:
-                return self._transport.call(op, self.client_id, args, arrays, timeout_s)
-            except DaemonError as e:
-                if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
-                    self.lease_lost = True
-                raise
-            except DaemonUnavailable:
+        # The call's timeout counts its wait behind other threads' calls on this client: each waited
+        # for every call queued ahead of it, then its own whole timeout (eight threads on a stopped
+        # daemon: the last failed after 8 timeouts, a review's script).
+        timeout = self._transport.timeout_s if timeout_s is None else timeout_s
+        began = time.monotonic()
+        if not self._lock.acquire(timeout=timeout):
+            raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
+                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)")
+        try:
+            left = max(1e-3, timeout - (time.monotonic() - began))
+            return self._transport.call(op, self.client_id, args, arrays, left)
+        except DaemonError as e:
+            if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
+                self.lease_lost = True
+                # A daemon restarted at once answers here: the dead one's memory is let go as when
+                # none answers (before, the client kept its segments, and a GPU's HBM, mapped).
                 self._daemon_gone()
-                raise
+            raise
+        except DaemonUnavailable:
+            self._daemon_gone()
+            raise
+        finally:
+            self._lock.release()
 
     # -- layouts ---------------------------------------------------------------------------
     @property
@@ -294,7 +343,7 @@ class Client:
         return list(self.layout_ids)
 
     def register_layout(self, layout: Layout, prefill_tokens_per_s: float | None = None) -> int:
-        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": prefill_tokens_per_s}
+        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": _rate(prefill_tokens_per_s, "prefill_tokens_per_s")}
         lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
         self._layouts[lid] = layout
         return lid
@@ -303,7 +352,7 @@ class Client:
         """This engine recomputes KV of `layout` at `tokens_per_s` (None withdraws the rate): the
         daemon's lookups for this client then stop a prefix before the first block whose read back
         would take longer than recomputing it."""
-        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": tokens_per_s})
+        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": _rate(tokens_per_s, "tokens_per_s")})
 
     def layout(self, layout_id: int) -> Layout:
         try:
@@ -342,6 +391,7 @@ class Client:
             args["tier"] = tier
         reply = self._call(Op.ALLOCATE, args)
         if not reply.result.get("allocated"):
+            self.last_refusal = reply.result.get("reason")
             return None
         return self._held.writing(_places(reply.arrays[0]))
 
@@ -351,6 +401,9 @@ class Client:
         is forgotten (protocol.UNDOABLE): the daemon drops what it left this writer either way (its
         references on the blocks it returned, which stay cached, or the blocks being written, when
         it had not run), so they are the writer's no more, and no longer viewable by vid here."""
+        if keys is not None and len(keys) != len(vids):
+            # (An empty key list went as "no keys": the blocks were committed unkeyed, never found.)
+            raise ValueError(f"commit of {len(vids)} blocks with {len(keys)} content keys (keys=None: no keys)")
         args = {} if parent is None else {"parent": int(parent)}
         arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
         try:
@@ -395,6 +448,7 @@ class Client:
             args["priority"] = int(priority)
         reply = self._call(Op.ACQUIRE, args, [_vids(vids)])
         if not reply.result.get("acquired"):
+            self.last_refusal = reply.result.get("reason")
             return None
         return self._held.pinned(_places(reply.arrays[0]))
 

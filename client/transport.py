@@ -46,7 +46,10 @@ def pid_namespace() -> int | None:
         return None
 
 
-MAX_FORGETS = 8  # unanswered `forget`s kept to send again (daemon.service.KEEP_CALLS)
+# Unanswered `forget`s kept to send again (daemon/sessions.py KEEP_FORGOTTEN keeps as many of those
+# that come before their call). At 8 the oldest was dropped first: on a stopped daemon the oldest call
+# is the one it receives (sent on the socket that had connected), and its blocks stayed held.
+MAX_FORGETS = 256
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
 # (... by receiving with that timeout, the socket's RCVTIMEO: a poll before each receive cost a
 # call a few microseconds more, pyzmq building a poller for it.)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
-from dflash2.daemon.sessions import KEEP_CALLS, Session
+from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, Session
 from dflash2.errors import CallForgotten, DFlash2Error
 from dflash2.protocol import Op, Request, arg
 from dflash2.table import BlockState
@@ -33,6 +33,7 @@ class Forgetting:
         frees the blocks it names that the writer was still writing)."""
         if session.forgotten.pop(req.call_id, None) is None:
             return
+        _keep(session.settled, req.call_id)
         self.counters["calls_refused_forgotten"] += 1
         if req.op == Op.COMMIT:
             self._drop_forgotten_writes(req)
@@ -66,11 +67,11 @@ class Forgetting:
         refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
         call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
         session = self.sessions[req.client]
+        if call in session.settled or call in session.forgotten:
+            return {"undone": False}, []  # a repeat (sent again on a new socket): carried out already
         kept = session.undo.get(call)
         if kept is None:
-            session.forgotten[call] = True
-            while len(session.forgotten) > KEEP_CALLS:
-                session.forgotten.popitem(last=False)
+            _keep(session.forgotten, call)
             log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
                      "copies to end): it will not run", req.client, call)
             return {"undone": False}, []
@@ -79,11 +80,20 @@ class Forgetting:
             undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
         except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
             del session.undo[call]
+            _keep(session.settled, call)
             log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
                         req.client, op, call, e)
             return {"undone": False}, []
         del session.undo[call]
+        _keep(session.settled, call)
         self.counters["calls_undone"] += 1
         log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
                     req.client, op, call)
         return {"undone": True}, []
+
+
+def _keep(calls, call: int) -> None:
+    """Note `call` among the last KEEP_FORGOTTEN of a session's forgotten or settled calls."""
+    calls[call] = True
+    while len(calls) > KEEP_FORGOTTEN:
+        calls.popitem(last=False)

@@ -19,14 +19,22 @@ class Session:
     same_pid_namespace: bool  # only then does the pid name the client's process here
     device: int = 0  # which GPU's block pool the client uses
     token: str = ""  # the credential attach returned; every call of this client carries it
-    # How to give back what each of the client's last UNDOABLE calls handed out (call id -> undo),
-    # and the ids of calls it gave up on before they arrived. A client makes one call at a time,
-    # so only its last few calls can be in flight when it times out: both are bounded to KEEP_CALLS.
+    # How to give back what each of the client's last UNDOABLE calls handed out (call id -> undo,
+    # the last KEEP_CALLS), the ids of calls it gave up on before they arrived, and of calls whose
+    # `forget` was carried out (undone, or refused on arrival): the forget of a call is sent again on
+    # each new socket, and its repeats change nothing (the last KEEP_FORGOTTEN of each).
     undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    settled: OrderedDict = dataclasses.field(default_factory=OrderedDict)
 
 
-KEEP_CALLS = 8
+# A client's calls in flight are not one at a time: each that timed out stays queued (on a stopped or
+# slow daemon) while the client goes on, and threads share a client. With 8 of each kept, the 9th
+# call that timed out left what it handed out held (its undo, or its forget, was pushed out first:
+# blocks leaked until detach, a review's scripts). An undo holds the call's block ids (8 bytes
+# each); a forgotten or settled call id a few bytes.
+KEEP_CALLS = 64
+KEEP_FORGOTTEN = 1024
 
 
 def pid_namespace() -> int | None:

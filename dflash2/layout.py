@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from fractions import Fraction
 
 from dflash2.errors import LayoutError
@@ -44,6 +45,11 @@ class Layout:
     def __post_init__(self) -> None:
         if not self.name:
             raise LayoutError("layout name must not be empty")
+        for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "mla_latent_dim", "mla_rope_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise LayoutError(f"layout {self.name!r}: {field} must be an integer, got {value!r}")
+            object.__setattr__(self, field, int(value))  # (a numpy integer is sent as JSON: a Python int)
         if self.dtype not in DTYPE_BITS:
             raise LayoutError(f"layout {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BITS)}")
         for field in ("num_layers", "tokens_per_block"):

@@ -286,3 +286,121 @@ def test_a_view_asked_for_while_another_thread_detaches_says_the_client_is_detac
         c.detach()
         viewer.join(10)
     assert said and all("this client is detached" in s for s in said), set(said)
+
+
+def test_threads_sharing_a_client_each_fail_within_their_own_timeout(daemon, connect):
+    """Eight threads on a stopped daemon: each call fails about its timeout after it was made, its
+    wait behind the others' calls counted. Before, the last failed after eight timeouts."""
+    import threading
+
+    c = connect("t", timeout_s=0.5, heartbeat=False)
+    took = []
+
+    def one():
+        began = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            c.stats()
+        took.append(time.monotonic() - began)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert len(took) == 8 and max(took) < 1.5, took
+
+
+def test_client_arguments_are_checked_by_name_and_numpy_numbers_taken(daemon, connect):
+    """Keys that are not integers in [0, 2^64) are refused by name (a float key was truncated, a
+    negative numpy key wrapped around, silently); numpy numbers as rates and layout fields go as
+    numbers (they failed in the JSON encoder); a commit of n blocks with another number of keys is
+    refused, an empty list too (it committed the blocks unkeyed)."""
+    from dflash2.errors import LayoutError
+
+    c = connect("args", layouts=[Layout("np", np.int64(2), np.int64(2), np.int64(64), "fp16", np.int64(16))],
+                prefill_tokens_per_s=[np.float32(1e5)])
+    lid = c.layout_ids[0]
+    c.set_prefill_rate(lid, np.float64(2e5))
+    assert c.register_layout(SMALL, np.float32(3e5)) >= 0
+    for bad in ([7.9], [-5], np.array([-5], dtype=np.int64), [2**64 + 3], [True]):
+        with pytest.raises(ValueError, match="content keys must be integers"):
+            c.lookup(bad, lid)
+    assert len(c.lookup([2**64 - 1, 5], lid)) == 0 and len(c.lookup(np.array([5], dtype=np.uint64), lid)) == 0
+    places = c.allocate(lid, 2)
+    for keys in ([], [1]):
+        with pytest.raises(ValueError, match="commit of 2 blocks with"):
+            c.commit(places["vid"], keys=keys)
+    assert len(c.commit(places["vid"], keys=[1, 2])) == 2
+    with pytest.raises(LayoutError, match="num_layers must be an integer"):
+        Layout("f", 2.0, 2, 64, "fp16", 16)
+
+
+def test_an_allocation_refused_for_now_says_why(daemon, connect):
+    """README: an allocation held back for waiting reservations is told so by the reply's reason;
+    the Client returned None and dropped it."""
+    a, b = connect("a"), connect("b")
+    lid = a.layout_ids[0]
+    hbm = a.stats()["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+    held = b.allocate(lid, hbm - 2)  # b's blocks being written: nothing to demote
+    assert held is not None and b.reserve(lid, 4 * SMALL.tokens_per_block).outcome == "deferred"
+    assert a.allocate(lid, 2) is None
+    assert "reservation" in a.last_refusal, a.last_refusal
+
+
+def test_a_client_lets_go_of_a_dead_daemons_memory_when_a_restarted_one_answers(config_file, tmp_path, monkeypatch):
+    """The daemon killed and restarted at once on its endpoint (systemd Restart=always): the next call
+    reaches the new daemon (UnknownClient). The client let go of the dead daemon's mappings only when
+    no daemon answered; here it kept its segments mapped for as long as it lived. (The waiting call
+    asks whether its daemon ended every 2 s here, not 50 ms: the new daemon answers first.)"""
+    import dflash2.client.transport as transport
+    monkeypatch.setattr(transport, "GONE_CHECK_S", 2.0)
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})
+    first = DaemonProcess(path).start()
+    c = Client.connect(config=path, name="c", layouts=[SMALL], heartbeat=False)
+    try:
+        assert c._arenas.arenas
+        first.proc.kill()
+        first.proc.wait(10)
+        second = DaemonProcess(path).start()
+        try:
+            with pytest.raises(DaemonError, match="UnknownClient"):
+                c.allocate(c.layout_ids[0], 1)
+            assert c.lease_lost and not c._arenas.arenas, "the dead daemon's segments are let go"
+        finally:
+            second.stop()
+    finally:
+        c.close()
+        first.stop()
+
+
+def test_many_allocations_timed_out_on_a_stopped_daemon_leave_nothing_held(config_file, tmp_path):
+    """Twelve allocations time out while the daemon is stopped; once it runs again, the one it
+    received (the others' sockets never connected) is given back. With 8 forgets kept, the client
+    dropped the oldest, which was that one's: its block stayed held until detach. (A lease long
+    enough to outlast the stop: the heartbeats sent meanwhile are lost with their sockets.)"""
+    daemon = DaemonProcess(config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 60.0,
+                                               "heartbeat_interval_s": 0.3})).start()
+    c = Client.connect(daemon.endpoint, name="t", layouts=[SMALL], timeout_s=0.2)
+    lid = c.layout_ids[0]
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(12):
+            with pytest.raises(DaemonUnavailable):
+                c.allocate(lid, 1)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    c.timeout_s = c._transport.timeout_s = 5.0
+    deadline = time.monotonic() + 10
+    while c.stats()["tiers"]["hbm"]["blocks"] and time.monotonic() < deadline:
+        c.ping()  # (each call sends the forgets still unanswered again, and takes their answers)
+        time.sleep(0.05)
+    try:
+        assert c.stats()["tiers"]["hbm"]["blocks"] == 0
+        assert not c.lease_lost, "given back by the forgets, not by a lapsed lease"
+        assert c.detach()["freed"] == 0
+    finally:
+        c.close()
+        daemon.stop()
