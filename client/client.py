@@ -103,14 +103,13 @@ def _keys(keys) -> bytes:
                                 dtype=P.KEYS_DTYPE).tobytes()
 
 
-def _rate(value, what: str) -> float | None:
-    """A prefill rate as JSON takes it (None stays None); ValueError naming it when it is no number.
-    Before, a numpy float failed in the JSON encoder (`Object of type float32 is not JSON serializable`)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{what} must be a number of tokens per second or None, got {value!r}")
-    return float(value)
+def _rate(value):
+    """A prefill rate as JSON takes it: a numpy number as a Python one (it failed in the JSON encoder:
+    `Object of type float32 is not JSON serializable`); anything else as it is, for the daemon to
+    check and name (None withdraws the rate)."""
+    if isinstance(value, np.generic) and isinstance(value, numbers.Real) and not isinstance(value, np.bool_):
+        return value.item()
+    return value
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -180,7 +179,7 @@ class Client:
                 prefill_tokens_per_s: Sequence[float | None] | None) -> None:
         args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
         if prefill_tokens_per_s is not None:
-            args["prefill_tokens_per_s"] = [_rate(r, "prefill_tokens_per_s") for r in prefill_tokens_per_s]
+            args["prefill_tokens_per_s"] = [_rate(r) for r in prefill_tokens_per_s]
         ns = pid_namespace()
         if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
             args["pid_namespace"] = ns
@@ -321,8 +320,8 @@ class Client:
             raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
                                     f"never sent (dflash2d at {self.endpoint} slow or stuck)")
         try:
-            left = max(1e-3, timeout - (time.monotonic() - began))
-            return self._transport.call(op, self.client_id, args, arrays, left)
+            waited = min(time.monotonic() - began, timeout - 1e-3)
+            return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:
             if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
                 self.lease_lost = True
@@ -343,7 +342,7 @@ class Client:
         return list(self.layout_ids)
 
     def register_layout(self, layout: Layout, prefill_tokens_per_s: float | None = None) -> int:
-        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": _rate(prefill_tokens_per_s, "prefill_tokens_per_s")}
+        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": _rate(prefill_tokens_per_s)}
         lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
         self._layouts[lid] = layout
         return lid
@@ -352,7 +351,7 @@ class Client:
         """This engine recomputes KV of `layout` at `tokens_per_s` (None withdraws the rate): the
         daemon's lookups for this client then stop a prefix before the first block whose read back
         would take longer than recomputing it."""
-        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": _rate(tokens_per_s, "tokens_per_s")})
+        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": _rate(tokens_per_s)})
 
     def layout(self, layout_id: int) -> Layout:
         try:

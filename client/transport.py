@@ -110,15 +110,16 @@ class Transport:
         return True
 
     def call(self, op: P.Op, client: int | None = None, args: dict | None = None,
-             arrays: list[bytes] | None = None, timeout_s: float | None = None) -> P.Reply:
+             arrays: list[bytes] | None = None, timeout_s: float | None = None, waited_s: float = 0.0) -> P.Reply:
         """Send one request and wait for its reply. DaemonUnavailable on timeout, DaemonError (or
-        VersionMismatch) on an error reply."""
+        VersionMismatch) on an error reply. `waited_s`: of the timeout, what the call already spent
+        before it could be sent (behind other threads' calls on the same client)."""
         if self._sock is None:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout - waited_s
         try:
             send_frames(self._sock, frames, copy=False)
         except zmq.ZMQError as e:
