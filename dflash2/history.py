@@ -73,9 +73,10 @@ def sample_of(stats: dict, t: float) -> dict:
 # What the readers (rates, `dflash2 history`, the plot) index in every sample.
 SAMPLE_KEYS = ("t", "tiers", "reads", "hbm_hit_ratio", "swaps", "reservations", "clients")
 TIER_NAMES = ("hbm", "dram", "nvme")
-# A sample's time (unix s) lies where the readers' clock conversion takes it (up to the year 9999):
-# one bad byte can make it any number (1796354471e052), which that conversion refuses.
-T_RANGE = (0.0, 253_402_300_799.0)
+# A sample's time (unix s) lies where the readers' clock conversion takes it, in any time zone (up
+# to a day before the end of the year 9999): one bad byte can make it any number (1796354471e052),
+# which that conversion refuses.
+T_RANGE = (0.0, 253_402_300_799.0 - 2 * 86_400)
 
 
 def _number(x) -> bool:

@@ -318,6 +318,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         protect = pick["protect"]
         victims = self.select(tier, short, evict=lower is None, **pick)
         if not len(victims):
+            if self._into_room_only:
+                return False  # (a drain into the room below drops nothing)
             # Nothing movable down: drop cached blocks nobody holds, if any (while a tier below backs
             # off, with their descendants there: backoff.py).
             return (self._evict(self.select(tier, short, evict=True, **pick))
@@ -343,6 +345,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
                 self.stats.past_full += moved
         if moved or self.stats.write_backoffs > backoffs or self.mover.quarantine.slots > set_aside:
             return True  # (a tier below failed its writes just now, or set bad slots aside: the next round plans again)
+        if self._into_room_only:
+            return progress  # a drain into the room below drops nothing here: what does not fit stays
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         if self._evict(victims[self.table.evictable(victims)]):
             return True
@@ -417,7 +421,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         end (`landed` too) runs when they are settled."""
         deferring, self._deferring = self._deferring, False  # the room below is made now, its copies ended
         try:
-            self._make_room_for_rows(lower, victims, protect)
+            if not self._into_room_only:  # (a drain into the room below as it is: rebalance.py)
+                self._make_room_for_rows(lower, victims, protect)
         finally:
             self._deferring = deferring
         try:

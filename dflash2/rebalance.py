@@ -79,6 +79,9 @@ class Rebalancing:
         # prefetch. Between, the blocks are MIGRATING: readable where they were, pinned, freed or
         # moved by nobody.
         self._deferring = False
+        # A drain piece moving blocks down only into the room the tier below has (`_room_below`):
+        # no room is made there and nothing is dropped here (`_free_some`, `_move_down`).
+        self._into_room_only = False
         # The same holds for a promotion's reads from NVMe while the daemon serves (`read_later`,
         # placement.py `promote_later`): a prefetch's, or an acquire's, which the server parks
         # meanwhile. And while it serves a call (`parking`), a settle that would wait for copies not
@@ -167,7 +170,14 @@ class Rebalancing:
         if self.lower(tier) != below:
             return 0
         alloc = self.table.allocators[below]
-        return max(0, int(self.watermarks[below].high * alloc.capacity_bytes) - alloc.used_bytes)
+        room = int(self.watermarks[below].high * alloc.capacity_bytes) - alloc.used_bytes
+        # ... and slots of each size the tier holds: a tier below well under its watermark may have
+        # every page cut into slots of another size (half of it: sizes share the free pages).
+        c = self.table.cols
+        sizes = {self.table.layouts[lid].block_bytes for lid in np.unique(c.layout[c.tier == int(tier)]).tolist()}
+        for size in sizes:
+            room = min(room, alloc.room_for(size) // 2 - size)
+        return max(0, room)
 
     def _held(self, tier: Tier) -> bool:
         """Whether `tier`'s drain waits now (`_room_below`)."""
@@ -208,12 +218,12 @@ class Rebalancing:
             if below is not None:
                 piece = min(piece, below)  # no more than the tier below takes without making room
             started = time.perf_counter()
-            self._deferring = defer
+            self._deferring, self._into_room_only = defer, below is not None
             try:
                 room = self.make_room(tier, min(target_free, free + piece),
                                       cold_only=True, cold=cold, protect=protect, until_backoff=True)
             finally:
-                self._deferring = False
+                self._deferring = self._into_room_only = False
             freed = self.free_bytes(tier) + self._leaving_bytes.get(tier, 0) - free
             if self._held(tier):
                 return False

@@ -404,3 +404,11 @@ def test_many_allocations_timed_out_on_a_stopped_daemon_leave_nothing_held(confi
     finally:
         c.close()
         daemon.stop()
+
+
+def test_a_client_without_a_timeout_works(daemon):
+    """timeout_s=inf (wait as long as it takes): every call failed at the lock's wait, which takes no
+    timeout past threading.TIMEOUT_MAX, and detach failed at the heartbeat's join."""
+    c = Client.connect(daemon.endpoint, name="patient", layouts=[SMALL], timeout_s=float("inf"))
+    assert len(c.lookup([1, 2], c.layout_ids[0])) == 0
+    c.detach()

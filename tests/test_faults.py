@@ -715,3 +715,33 @@ def test_a_lost_block_its_reader_holds_is_read_once_and_counted_once(heat_mgr, m
     assert batches == [(Tier.NVME, 1)], batches
     m.free(a, vids[:1])
     m.check_invariants()
+
+
+def test_hbm_drains_into_dram_only_where_dram_has_slots_of_its_size(mgr, monkeypatch, clock):
+    """DRAM far under its high watermark in bytes, but every page of it cut into slots of a smaller
+    size (4 KiB blocks, one kept on each page), and NVMe backing off: HBM's drain has no room below
+    for its 16 KiB blocks and waits. Counted in bytes alone, it made room in DRAM, which dropped
+    DRAM's blocks (NVMe backing off: nowhere to go), the loss the wait is for (a review's script)."""
+    tiny = Layout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bf16", tokens_per_block=16)  # 4 KiB
+    a = mgr.attach("frag")
+    lid = mgr.register_layout(tiny)
+    alloc = mgr.table.allocators[Tier.DRAM]
+    vids = mgr.allocate(a, lid, alloc.capacity_bytes // tiny.block_bytes, tier=Tier.DRAM)
+    pages = {}
+    for v in vids.tolist():
+        pages.setdefault(mgr.place(v).offset // alloc.page_bytes, v)
+    keep = list(pages.values())
+    mgr.free(a, np.array([v for v in vids.tolist() if v not in set(keep)], dtype=np.int64))
+    for i, v in enumerate(keep):
+        mgr.free(a, mgr.commit(a, np.array([v]), keys=[10_000 + i]))
+    assert alloc.room_for(LAYOUT.block_bytes) == 0 and mgr.placement.used_fraction(Tier.DRAM) < 0.1
+    idle_blocks_in(mgr, clock, Tier.HBM, 62)
+    pl = mgr.placement
+    monkeypatch.setattr(pl, "monotonic", lambda: 100.0)
+    pl.write_backoff[Tier.NVME] = (160.0, 60.0)
+    for _ in range(5):
+        mgr.tick()
+    placed, tiers = mgr.stats()["placement"], mgr.stats()["tiers"]
+    assert placed["evicted"] == 0 and (tiers["hbm"]["blocks"], tiers["dram"]["blocks"]) == (62, len(keep)), placed
+    assert Tier.HBM in pl.draining and not mgr.draining(), "waiting, keeping its cut"
+    mgr.check_invariants()

@@ -565,3 +565,20 @@ def test_a_history_file_that_is_not_a_regular_file_is_skipped_not_waited_on(tmp_
     assert made[0].path is None and "is not a regular file" in caplog.text
     made[0].close()
     assert said == [2] and "is not a regular file" in capsys.readouterr().err
+
+
+def test_a_history_time_no_clock_takes_in_this_time_zone_is_not_a_sample(tmp_path, clock, service):
+    """A sample's time in the last hours of the year 9999 (UTC) passed the check but failed the
+    table's local clock east of UTC (`year 10000 is out of range`)."""
+    import subprocess
+    import sys
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    h.record(service.stats())
+    line = json.loads(path.read_text())
+    line["t"] = 253_402_290_000
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    out = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--file", str(path)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "TZ": "UTC-14"})  # (POSIX: 14 hours east of UTC)
+    assert out.returncode == 0 and "1 samples" in out.stdout and "year 10000" not in out.stderr, out.stdout + out.stderr
