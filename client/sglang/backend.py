@@ -71,6 +71,9 @@ class DFlash2Storage(HiCacheStorage):
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
                          "failed_calls": 0, "commits_unlinked": 0}
+        # Counted from sglang's threads at once: `+=` on a dict entry is a read and a write, and two
+        # threads could each add to the same old value.
+        self._count_lock = threading.Lock()
         try:
             self.client = self._attach()
         except DFlash2Error as e:
@@ -197,12 +200,21 @@ class DFlash2Storage(HiCacheStorage):
                             fresh.close()
                         self._daemon_down(e)
                         return None
-                    old, self.client, self.layout_id = self.client, fresh, layout_id
+                    # The layout id first: a thread that reads the client and then its layout id
+                    # must never pair the fresh client with the old daemon's id (another layout
+                    # there). The old client with the new id fails as the old client does anyway.
+                    old = self.client
+                    self.layout_id = layout_id
+                    self.client = fresh
                     old.close()
         return self.client
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counters[key] += n
+
     def _daemon_down(self, error: Exception) -> None:
-        self.counters["failed_calls"] += 1
+        self._count("failed_calls", 1)
         self._down_until = time.monotonic() + RETRY_S
         log.warning("dflash2: %s; sglang's storage reads miss and writes fail for %gs", error, RETRY_S)
 
@@ -228,7 +240,7 @@ class DFlash2Storage(HiCacheStorage):
             return
         if getattr(e, "kind", "") == "UnknownClient":
             client.lease_lost = True
-        self.counters["failed_calls"] += 1
+        self._count("failed_calls", 1)
         log.warning("dflash2: %s; treated as a miss", e)
 
     # -- the two data paths ----------------------------------------------------------------
@@ -241,7 +253,7 @@ class DFlash2Storage(HiCacheStorage):
         found = self._cached_prefix(client, ckeys)
         start = len(found)
         ok[:start] = [True] * start
-        self.counters["pages_deduplicated"] += start
+        self._count("pages_deduplicated", start)
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
@@ -270,7 +282,7 @@ class DFlash2Storage(HiCacheStorage):
                 break
             parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
-            self.counters["pages_set"] += hi - lo
+            self._count("pages_set", hi - lo)
         return ok
 
     def _cached_prefix(self, client: Client, ckeys: np.ndarray) -> np.ndarray:
@@ -302,7 +314,7 @@ class DFlash2Storage(HiCacheStorage):
                 unlinked = e
         out = client.commit(vids, ckeys)
         if unlinked is not None:
-            self.counters["commits_unlinked"] += 1
+            self._count("commits_unlinked", 1)
             log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
                      "know they extend that prefix", len(vids), unlinked)
         return out
@@ -331,8 +343,8 @@ class DFlash2Storage(HiCacheStorage):
                 break
             ok[lo:lo + len(vids)] = [True] * len(vids)
         got = sum(ok)
-        self.counters["pages_got"] += got
-        self.counters["page_misses"] += n - got
+        self._count("pages_got", got)
+        self._count("page_misses", n - got)
         return ok
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
