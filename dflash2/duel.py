@@ -394,8 +394,12 @@ class Duel:
         specs = self._specs(self.sample)
         hbm = self._hbm_blocks(self.sample, layout)
         if hbm < MIN_BLOCKS:
+            # (At the finest sample, 2, lowering it is no remedy: HBM is too small for the duel.)
+            remedy = ("lower policy.duel_sample, or 0 to turn the duel off" if self.sample > 2 else
+                      f"HBM needs {2 * MIN_BLOCKS} such blocks for the duel at the finest sample; policy.duel_sample "
+                      "0 turns it off")
             self._stop(f"1/{self.sample} of HBM holds {hbm} blocks of layout {layout.name!r}, fewer than {MIN_BLOCKS}: "
-                       "too small a miniature to judge by (lower policy.duel_sample, or 0 to turn the duel off)")
+                       f"too small a miniature to judge by ({remedy})")
             return
         self._minis_layout = layout_id
         self._capacity_blocks = sum(s.capacity_bytes // layout.block_bytes for s in specs)

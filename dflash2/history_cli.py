@@ -140,7 +140,8 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[
         finally:
             transport.close()
     except DaemonUnavailable as e:
-        raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
+        said = str(e)  # (a missing socket file asks already whether the daemon runs)
+        raise DaemonNotAnswering(said if "daemon running" in said else f"{said}; is dflash2d running?") from None
     except VersionMismatch as e:  # a daemon of another version answers: not one this command can ask
         raise DaemonNotAnswering(str(e)) from None
     except UnreadableReply as e:  # what answered is not dflash2d, or its reply is unreadable

@@ -99,7 +99,9 @@ def write_config(tmp_path: Path, **sections) -> str:
                    "page_kb": 64},
         "kv_block": {"block_size": 16, "prefetch_window": 2},
         "policy": {"name": "lru", "cold_threshold": 0.5, "swap_batch_size": 64},
-        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"},
+        # The state folder in the test's tmp_path: the default, ~/.local/state/dflash2, is the user's
+        # own (a test daemon with history on left its samples there, read back by the user's daemon).
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")},
         "logging": {"format": "text", "level": "info"},
     }
     for key, value in sections.items():

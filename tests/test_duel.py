@@ -606,3 +606,15 @@ def test_a_few_keys_are_sampled_as_an_array_of_them_would_be():
                 got = sampled(part, sample)
                 assert got.dtype == np.uint64
                 assert got.tolist() == [k for k in part.tolist() if k in whole], (sample, n, start)
+
+
+def test_a_duel_too_small_at_the_finest_sample_does_not_say_to_lower_it():
+    """At policy.duel_sample 2 (the finest the config takes) the advice to lower it could not be
+    followed (a fresh user on the shipped config): it says how large HBM must be instead."""
+    mgr = manager(40)
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(LAYOUT)
+    mgr.lookup(list(range(1, 40)), lid)
+    duel.run()
+    assert duel.off is not None and "lower policy.duel_sample" not in duel.off
+    assert f"HBM needs {2 * D.MIN_BLOCKS} such blocks" in duel.off, duel.off
