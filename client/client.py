@@ -88,7 +88,7 @@ def _keys(keys) -> bytes:
         # refuses a negative one or one past 2^64. (As a float array, which numpy makes of them,
         # each went through the object path: 3.5 times the cost of a 1024-key lookup.)
         try:
-            return np.array(keys, dtype=np.uint64).tobytes()
+            return np.array(keys, dtype=P.KEYS_DTYPE).tobytes()
         except OverflowError:
             bad = next(k for k in keys if not 0 <= k < 1 << 64)
             raise ValueError(f"content keys must be integers in [0, 2^64), got {bad!r}") from None
