@@ -21,7 +21,7 @@ from dflash2.arena.nvme import HEADER_BYTES
 from dflash2.errors import ArenaError
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
-from test_faults import LAYOUT, dram_full_of_idle_blocks, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
+from fault_helpers import LAYOUT, idle_blocks_in, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
 
 SLOT = LAYOUT.block_bytes  # 16 KiB: a multiple of the NVMe alignment, so a block's slot is its size
 
@@ -86,11 +86,12 @@ def test_a_probe_ends_a_long_back_off_once_the_disk_takes_writes_again(mgr, monk
     """After failed retries NVMe backs off for 8 s (up to 60): a disk that had room again waited all
     of it before the DRAM drain went on. The step now tries one block's write a second after the last
     failed one; it works, the back-off ends there, and the drain goes on in the same step."""
-    dram_full_of_idle_blocks(mgr, clock)
+    idle_blocks_in(mgr, clock, Tier.DRAM, 62)
     pl = mgr.placement
     now, failing, writes = backing_off_for(mgr, monkeypatch, 8.0)
     until = pl.write_backoff[Tier.NVME][0]
     tried = len(writes)
+    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 30.0)  # time enough to drain all of it in one step (a loaded machine)
     now[0] += 0.5
     mgr.tick()
     assert len(writes) == tried, "no write tried within WRITE_PROBE_EVERY_S of the last"
@@ -131,7 +132,7 @@ def test_a_failing_probe_loses_nothing_and_leaves_the_back_off_as_it_was(mgr, mo
     """While the disk stays full, a probe a second fails: its block stays in DRAM (nothing dropped,
     nothing lost), the back-off keeps its end and length (not doubled), no warning is logged again,
     and no probe comes sooner than a second after the last."""
-    dram_full_of_idle_blocks(mgr, clock)
+    idle_blocks_in(mgr, clock, Tier.DRAM, 62)
     pl = mgr.placement
     now, failing, writes = backing_off_for(mgr, monkeypatch, 4.0)
     off, backoffs, tried = pl.write_backoff[Tier.NVME], pl.stats.write_backoffs, len(writes)

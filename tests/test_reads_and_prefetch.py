@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import SMALL
 from observe_helpers import scrape
-from test_faults import make_mgr  # noqa: F401  (a fixture: real host managers with NVMe)
+from fault_helpers import make_mgr  # noqa: F401  (a fixture: real host managers with NVMe)
 
 from dflash2.daemon.service import Service
 from dflash2.metrics import DaemonMetrics
@@ -192,7 +192,7 @@ def test_a_read_that_waits_for_its_prefetch_window_in_flight_is_no_hbm_hit(make_
     """DESIGN: an HBM hit is a read served from HBM "without waiting for a swap-in". The daemon
     leaves the next window's NVMe reads in flight after a reply; a reader that comes before they end
     waits for them (parked), and its reads were counted as HBM hits once they had landed."""
-    from test_faults import chain_on_nvme
+    from fault_helpers import chain_on_nvme
 
     from dflash2.table import BlockState
 
