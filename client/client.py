@@ -79,6 +79,13 @@ def _vids(vids) -> bytes:
     return np.ascontiguousarray(vids, dtype=P.VIDS_DTYPE).tobytes()
 
 
+KEYS_RANGE = "content keys must be integers in [0, 2^64)"
+
+
+def _not_key(k) -> bool:
+    return isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= int(k) < 1 << 64
+
+
 def _keys(keys) -> bytes:
     """Content keys as the wire's uint64s; ValueError for any that is not an integer in [0, 2^64).
     Before, a float key was truncated (7.9 looked up 7) and a negative numpy key wrapped around
@@ -90,35 +97,22 @@ def _keys(keys) -> bytes:
         try:
             return np.array(keys, dtype=P.KEYS_DTYPE).tobytes()
         except OverflowError:
-            bad = next(k for k in keys if not 0 <= k < 1 << 64)
-            raise ValueError(f"content keys must be integers in [0, 2^64), got {bad!r}") from None
+            raise ValueError(f"{KEYS_RANGE}, got {next(k for k in keys if _not_key(k))!r}") from None
     arr = np.asarray(keys)
     if arr.dtype.kind == "f" and not isinstance(keys, np.ndarray):
         arr = np.array(list(keys), dtype=object)  # (Python ints past 2^63 beside numpy ones come as floats)
-    if arr.size:
-        bad = None
-        if arr.dtype.kind == "O":
-            bad = next((k for k in arr.ravel().tolist() if isinstance(k, bool) or not isinstance(k, numbers.Integral)
-                        or not 0 <= int(k) < 1 << 64), None)
-        elif arr.dtype.kind not in "iu":
-            bad = arr.ravel()[0]
-        elif arr.dtype.kind == "i" and (arr < 0).any():
-            bad = arr[arr < 0].ravel()[0]
-        if bad is not None:
-            raise ValueError(f"content keys must be integers in [0, 2^64), got {bad!r} (as {arr.dtype})")
+    if not arr.size:
+        return b""
     if arr.dtype.kind == "O":
-        arr = np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
-    return np.ascontiguousarray(arr.astype(np.uint64, copy=False) if arr.size else np.empty(0, np.uint64),
-                                dtype=P.KEYS_DTYPE).tobytes()
-
-
-def _rate(value):
-    """A prefill rate as JSON takes it: a numpy number as a Python one (it failed in the JSON encoder:
-    `Object of type float32 is not JSON serializable`); anything else as it is, for the daemon to
-    check and name (None withdraws the rate)."""
-    if isinstance(value, np.generic) and isinstance(value, numbers.Real) and not isinstance(value, np.bool_):
-        return value.item()
-    return value
+        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), None)
+        arr = arr if bad is not None else np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
+    elif arr.dtype.kind not in "iu":
+        bad = arr.ravel()[0]
+    else:
+        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else None
+    if bad is not None:
+        raise ValueError(f"{KEYS_RANGE}, got {bad!r} (as {arr.dtype})")
+    return np.ascontiguousarray(arr, dtype=P.KEYS_DTYPE).tobytes()
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -188,7 +182,7 @@ class Client:
                 prefill_tokens_per_s: Sequence[float | None] | None) -> None:
         args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
         if prefill_tokens_per_s is not None:
-            args["prefill_tokens_per_s"] = [_rate(r) for r in prefill_tokens_per_s]
+            args["prefill_tokens_per_s"] = list(prefill_tokens_per_s)
         ns = pid_namespace()
         if ns is not None:  # unknown (no /proc/self/ns/pid): left out, the daemon relies on the lease
             args["pid_namespace"] = ns
@@ -240,8 +234,7 @@ class Client:
                     log.warning("dflash2 heartbeat: %s", e)
                 except DaemonError as e:
                     log.error("dflash2 lease lost (%s); attach again", e)
-                    self.lease_lost = True
-                    self._daemon_gone()  # (a daemon restarted at once: let go of the dead one's memory)
+                    self._lease_lost()
                     return
         finally:
             transport.close()
@@ -254,8 +247,15 @@ class Client:
         arenas = self._arenas
         return arenas is not None and arenas.daemon_gone()
 
+    def _lease_lost(self) -> None:
+        """The daemon does not know this client (its lease lapsed, or it is a new daemon). A daemon
+        restarted at once answers so: the dead one's memory is let go as when none answers (before,
+        the client kept its segments, and a GPU's HBM, mapped)."""
+        self.lease_lost = True
+        self._daemon_gone()
+
     def _daemon_gone(self) -> bool:
-        """After a call that no daemon answered: whether the daemon this client attached to has ended
+        """After a call that no daemon answered, or that a new daemon answered UnknownClient: whether the daemon this client attached to has ended
         (killed, or stopped): nothing holds its liveness object or its shared-memory segments any more.
         Its session ended with it, so the lease is lost, and the mappings of its memory (segments and a
         GPU's HBM, mapped by CUDA IPC) are let go, views still alive keeping theirs: a restarted daemon
@@ -333,10 +333,7 @@ class Client:
             return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:
             if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
-                self.lease_lost = True
-                # A daemon restarted at once answers here: the dead one's memory is let go as when
-                # none answers (before, the client kept its segments, and a GPU's HBM, mapped).
-                self._daemon_gone()
+                self._lease_lost()
             raise
         except DaemonUnavailable:
             self._daemon_gone()
@@ -351,7 +348,7 @@ class Client:
         return list(self.layout_ids)
 
     def register_layout(self, layout: Layout, prefill_tokens_per_s: float | None = None) -> int:
-        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": _rate(prefill_tokens_per_s)}
+        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": prefill_tokens_per_s}
         lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
         self._layouts[lid] = layout
         return lid
@@ -360,7 +357,7 @@ class Client:
         """This engine recomputes KV of `layout` at `tokens_per_s` (None withdraws the rate): the
         daemon's lookups for this client then stop a prefix before the first block whose read back
         would take longer than recomputing it."""
-        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": _rate(tokens_per_s)})
+        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": tokens_per_s})
 
     def layout(self, layout_id: int) -> Layout:
         try:

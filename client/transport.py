@@ -46,8 +46,9 @@ def pid_namespace() -> int | None:
         return None
 
 
-# Unanswered `forget`s kept to send again (daemon/sessions.py KEEP_FORGOTTEN keeps as many of those
-# that come before their call). At 8 the oldest was dropped first: on a stopped daemon the oldest call
+# Unanswered `forget`s kept to send again (the daemon notes up to KEEP_FORGOTTEN, 1024, of those
+# that come before their call, and can give back what any of its last KEEP_CALLS, 64, calls handed
+# out: daemon/sessions.py). At 8 the oldest was dropped first: on a stopped daemon the oldest call
 # is the one it receives (sent on the socket that had connected), and its blocks stayed held.
 MAX_FORGETS = 256
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
@@ -153,7 +154,7 @@ class Transport:
             except VersionMismatch as e:
                 raise VersionMismatch(f"{op.value}: {e}") from None
             except ProtocolError as e:
-                raise UnreadableReply("ProtocolError", f"{op.value}: the reply from {self.endpoint} cannot be "
+                raise UnreadableReply(f"{op.value}: the reply from {self.endpoint} cannot be "
                                   f"read: {e}") from None
             if reply.call_id != call_id:
                 self._forgets.pop(reply.call_id, None)  # a `forget` the daemon has taken
@@ -172,7 +173,7 @@ class Transport:
         undo = ""
         if op in P.UNDOABLE and client is not None:
             self._forgets[next(self._ids)] = (client, call_id)
-            while len(self._forgets) > MAX_FORGETS:  # the daemon keeps no more than that either
+            while len(self._forgets) > MAX_FORGETS:
                 del self._forgets[next(iter(self._forgets))]
             undo = "; asked it to give back whatever the call handed out, should it run"
         if self._forgets and not self._send_forgets():

@@ -7,13 +7,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import numpy as np
-
 from dflash2 import protocol as P
 from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, Session
 from dflash2.errors import CallForgotten, DFlash2Error
 from dflash2.protocol import Op, Request, arg
-from dflash2.table import BlockState
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -49,18 +46,16 @@ class Forgetting:
             vids = req.array(0, P.VIDS_DTYPE, "block ids")
         except DFlash2Error:
             return  # a malformed commit: nothing of it is the writer's to free
-        rows, live = m.table.liveness(vids)
-        c = m.table.cols
-        mine = live & (c.owner[rows] == req.client) & (c.state[rows] == int(BlockState.WRITING))
-        if mine.any():
+        mine = m.table.being_written(req.client, vids)
+        if len(mine):
             try:
-                m.free(req.client, np.unique(vids[mine]))
+                m.free(req.client, mine)
             except DFlash2Error as e:
                 log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
                             req.client, req.call_id, e)
                 return
             log.info("client %d gave up on its commit (call %d) before it arrived: its %d blocks being written "
-                     "are freed", req.client, req.call_id, int(mine.sum()))
+                     "are freed", req.client, req.call_id, len(mine))
 
     def _forget(self, req):
         """The client gave up waiting on its call `call`: give back what it handed out if it ran;
@@ -79,18 +74,17 @@ class Forgetting:
         try:
             undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
         except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
-            del session.undo[call]
-            _keep(session.settled, call)
+            undone = False
             log.warning("client %d gave up on its %s (call %d); giving back what it handed out failed: %s",
                         req.client, op, call, e)
-            return {"undone": False}, []
+        else:
+            undone = True
+            self.counters["calls_undone"] += 1
+            log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
+                        req.client, op, call)
         del session.undo[call]
         _keep(session.settled, call)
-        self.counters["calls_undone"] += 1
-        log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
-                    req.client, op, call)
-        return {"undone": True}, []
-
+        return {"undone": undone}, []
 
 def _keep(calls, call: int) -> None:
     """Note `call` among the last KEEP_FORGOTTEN of a session's forgotten or settled calls."""

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(args)
     except _Stopped as exc:
-        fmt = "text" if args.check else _format_asked(args.config)
-        print(console_line(fmt, f"dflash2d: stopped by {exc} during start-up", event="dflash2_shutdown"),
+        print(console_line(_console_format(args), f"dflash2d: stopped by {exc} during start-up",
+                           event="dflash2_shutdown"),
               file=sys.stderr)
         return EXIT_OK
     finally:
@@ -89,9 +89,9 @@ def _main(args: argparse.Namespace) -> int:
             cfg = load_config(args.config)
         except ConfigError:
             # The file read once more, only when it fails: for the logging.format it asks for.
-            fmt = "text" if args.check else _format_asked(args.config)
+            fmt = _console_format(args)
             raise
-        fmt = "text" if args.check else cfg.logging.format
+        fmt = _console_format(args, cfg)
         require_enabled(cfg)
         check_policy(cfg)
         plan = resolve_plan(cfg)
@@ -115,6 +115,14 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"now: {line}")
         return EXIT_OK
     return _serve(cfg)
+
+
+def _console_format(args: argparse.Namespace, cfg: Config | None = None) -> str:
+    """How start-up speaks on the console: text for --check (a person reads it), else the config's
+    logging.format (as the file asks for it when it did not load)."""
+    if args.check:
+        return "text"
+    return cfg.logging.format if cfg is not None else _format_asked(args.config)
 
 
 def _format_asked(path: str) -> str:

@@ -75,7 +75,7 @@ class Service(Forgetting):
         self.set_aside = SetAside(lease_timeout_s, set_aside_leases, lambda pid: self.pid_alive(pid),
                                   lambda: self.clock())
         # When this daemon started (unix s): readers of its figures tell a restart by it, as pid 1 in a
-        # container keeps its pid across restarts (history.py `restarted`).
+        # container keeps its pid across restarts (history.py `change`).
         self.started = round(time.time(), 3)
         self.counters = {"requests": 0, "errors": 0, "leases_expired": 0, "calls_undone": 0,
                          "calls_refused_forgotten": 0, "calls_parked": 0}
@@ -280,9 +280,7 @@ class Service(Forgetting):
         if not type(error).__module__.startswith(("cupy", "cupy_backends")):
             return
         for m in self.managers.values():
-            check = getattr(m.backend, "check_gpu", None)
-            if check is not None:
-                check(error)
+            m.backend.check_gpu(error)
 
     def fatal(self) -> str | None:
         """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA

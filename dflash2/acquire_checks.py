@@ -14,9 +14,7 @@ from dflash2.tiers import Tier
 def refuse_dropped(table: BlockTable, rows: np.ndarray, vids) -> None:
     """UnknownBlock naming the first of `rows` that a read back from NVMe dropped (its checksum
     failed) since the call looked them up: freed, or kept only for earlier holders (`lost`)."""
-    gone = table.cols.tier[rows] < 0
-    if table.lost:
-        gone |= np.isin(rows, list(table.lost))
+    gone = (table.cols.tier[rows] < 0) | table.is_lost(rows)
     if any_true(gone):
         vid = int(np.asarray(vids).reshape(-1)[int(np.flatnonzero(gone)[0])])
         raise UnknownBlock(f"block {vid:#x} failed its checksum on the read back from NVMe and was dropped from "

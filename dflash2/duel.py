@@ -107,9 +107,12 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 _U64 = (1 << 64) - 1
 SMALL_LOOKUP = 8  # keys a lookup may have for `sampled` to hash them one by one
 MINI_ROWS_LOG2 = 14  # a miniature's table begins with at most 2^14 rows (it grows as it fills)
-# Why a lookup is not replayed (`Duel.not_replayed`): a host-side reader's; one naming no layout
-# while several are registered; one of a layout too large for the miniatures; one a miniature refused.
-NOT_REPLAYED = ("host_reader", "no_layout", "layout_too_large", "refused")
+# Why a lookup is not replayed (`Duel.not_replayed`), with the words `dflash2 status` shows: a
+# host-side reader's; one naming no layout while several are registered; one of a layout too large
+# for the miniatures; one a miniature refused.
+NOT_REPLAYED = {"host_reader": "by host-side readers", "no_layout": "naming no layout among several",
+                "layout_too_large": "of layouts too large for the miniatures",
+                "refused": "refused by a miniature (see the log)"}
 
 
 def sampled(keys: np.ndarray, sample: int) -> np.ndarray:
@@ -173,6 +176,22 @@ class _Mini:
         self.client = self.manager.attach("duel")
 
 
+class _Reported:
+    """A running count said in the log at most every DROP_LOG_INTERVAL_S, each time with how many
+    since it was last said."""
+
+    def __init__(self):
+        self._said, self._at = 0, -math.inf
+
+    def due(self, total: int) -> int | None:
+        """How many since the last time, when `total` is to be said now; else None."""
+        now = time.monotonic()
+        if total <= self._said or now - self._at < DROP_LOG_INTERVAL_S:
+            return None
+        since, self._said, self._at = total - self._said, total, now
+        return since
+
+
 class Duel:
     """Attached to a block manager whose policy can follow another's ranking (heat): `offer` on
     every lookup, `run` to serve what was offered (the manager's tick does)."""
@@ -212,11 +231,10 @@ class Duel:
         # Lookups the miniatures do not replay, by why (NOT_REPLAYED), each logged when it first
         # happens and then at most every DROP_LOG_INTERVAL_S (`_not_replayed`).
         self.not_replayed = dict.fromkeys(NOT_REPLAYED, 0)
-        self._skip_logged: dict[str, tuple[int, float]] = {}
+        self._skips_said = {why: _Reported() for why in NOT_REPLAYED}
         self.switches = 0
         self.last_switch: dict | None = None  # when (sampled lookups served) and on what figures
-        self._dropped_logged = 0
-        self._drop_logged_at = -math.inf
+        self._drops_said = _Reported()
         manager.duel = self
 
     # -- intake (on the lookup path: cheap) -------------------------------------------------
@@ -227,12 +245,12 @@ class Duel:
         if self.off is not None or not len(keys):
             return
         if host_reader:
-            self._not_replayed("host_reader", "")
+            self._not_replayed("host_reader")
             return
         if layout_id is None:
             layouts = self.manager.table.layouts
             if len(layouts) != 1:
-                self._not_replayed("no_layout", f"it names no layout, and {len(layouts)} are registered "
+                self._not_replayed("no_layout", lambda: f"it names no layout, and {len(layouts)} are registered "
                                    "(pass the layout to lookup)")
                 return
             layout_id = 0  # the only one
@@ -332,8 +350,8 @@ class Duel:
                 return
         layout = self.manager.table.layout(layout_id)
         if layout.block_bytes > self._largest_block:
-            self._not_replayed("layout_too_large", f"layout {layout.name!r}'s blocks are too large for the "
-                               f"miniatures (1/{self.sample} of HBM holds fewer than {MIN_BLOCKS} of them)")
+            self._not_replayed("layout_too_large", lambda: f"layout {layout.name!r}'s blocks are too large for "
+                               f"the miniatures (1/{self.sample} of HBM holds fewer than {MIN_BLOCKS} of them)")
             return
         began = time.perf_counter()  # (after the miniatures are built: their cost is not a lookup's)
         self._now = now
@@ -344,7 +362,7 @@ class Duel:
             # A request the node refuses too (a key cached for another layout): skipped, not the
             # duel's end. Before, one such lookup, answered by the node without an error, turned the
             # duel off until a restart (a review's script).
-            self._not_replayed("refused", f"a miniature refused it ({type(e).__name__}: {e})")
+            self._not_replayed("refused", lambda e=e: f"a miniature refused it ({type(e).__name__}: {e})")
             return
         hits, hbm = found[:, 0], found[:, 1]
         # The half-life in bytes referenced, in blocks of the sizing layout (a lookup of that layout
@@ -477,24 +495,22 @@ class Duel:
         held = self._capacity_blocks * self._unit_bytes
         return min(1.0, min(m.manager.placement.stats.evicted_bytes for m in self._minis) / held)
 
-    def _not_replayed(self, why: str, detail: str) -> None:
+    def _not_replayed(self, why: str, detail: Callable[[], str] | None = None) -> None:
         """Count a lookup not replayed, and say so: the first of each kind at once, then how many
-        more at most every DROP_LOG_INTERVAL_S; a host-side reader's once, in the info log (a node of
-        host-side readers, sglang's, has nothing else: a warning a minute said what is by design)."""
-        self.not_replayed[why] += 1
-        now = time.monotonic()
-        logged, at = self._skip_logged.get(why, (0, -math.inf))
+        more at most every DROP_LOG_INTERVAL_S (`detail` says why, built only then: this is the
+        lookup path); a host-side reader's once, in the info log (a node of host-side readers,
+        sglang's, has nothing else: a warning a minute said what is by design)."""
+        n = self.not_replayed[why] = self.not_replayed[why] + 1
         if why == "host_reader":
-            if not logged:
+            if n == 1:
                 log.info("duel: lookups of host-side readers (reader=dram) are not replayed: the node serves them "
                          "without HBM, whose ranking the duel judges (counted: dflash2 status, "
                          "dflash2_policy_duel_not_replayed_total)")
-                self._skip_logged[why] = (1, now)
             return
-        if now - at >= DROP_LOG_INTERVAL_S:
+        since = self._skips_said[why].due(n)
+        if since is not None:
             log.warning("duel: a lookup not replayed: %s; %d not replayed so far for that reason (%d since the "
-                        "last report)", detail, self.not_replayed[why], self.not_replayed[why] - logged)
-            self._skip_logged[why] = (self.not_replayed[why], now)
+                        "last report)", detail(), n, since)
 
     def _stop(self, why: str) -> None:
         if self.off is None:
@@ -506,13 +522,11 @@ class Duel:
         self.policy.follow("heat")
 
     def _log_drops(self) -> None:
-        now = time.monotonic()
-        if self.dropped > self._dropped_logged and now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
+        since = self._drops_said.due(self.dropped)
+        if since is not None:
             log.warning("duel: %d sampled lookups dropped so far (%d since the last report): the daemon's "
                         "loop left them too little time, so the miniatures see fewer requests than the node serves",
-                        self.dropped, self.dropped - self._dropped_logged)
-            self._dropped_logged = self.dropped
-            self._drop_logged_at = now
+                        self.dropped, since)
 
     # -- reporting --------------------------------------------------------------------------
     def hit_rates(self, hbm: bool = False) -> dict[str, float | None]:

@@ -114,6 +114,9 @@ class UnreadableReply(DaemonError):
     """What answered at the endpoint sent a reply this side cannot read (kind ProtocolError): not
     dflash2d's, or mangled. Not the daemon refusing a call."""
 
+    def __init__(self, message: str):
+        super().__init__("ProtocolError", message)
+
 
 class CopiesRunning(Exception):
     """(A call served with `Placement.parking` on) it must wait for copies in flight that have not

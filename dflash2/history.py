@@ -281,30 +281,35 @@ def _ends_torn(path: Path) -> bool:
         return False
 
 
-def restarted(a: dict, b: dict) -> bool:
-    """Whether the daemon restarted between two samples (or frames): its start time or pid changed,
-    or a counter went down. As pid 1 in a container it keeps its pid, and a restart that served
-    more than the daemon before it showed no counter going down: its figures were taken for the
-    old daemon's (a review's script; samples before `started` was kept have none)."""
+def change(a: dict, b: dict) -> tuple[dict[str, int], dict[str, int]] | None:
+    """(blocks read per tier, bytes moved per direction) from sample `a` to `b`, or None when the
+    daemon restarted between them: its start time or pid changed, or a counter went down. As pid 1
+    in a container it keeps its pid, and a restart that served more than the daemon before it
+    showed no counter going down: its figures were taken for the old daemon's (a review's script;
+    samples before `started` was kept have none)."""
     if a.get("started") != b.get("started") or a.get("pid") != b.get("pid"):
-        return True
-    if b.get("requests", 0) < a.get("requests", 0) or any(b["reads"].get(t, 0) < n for t, n in a["reads"].items()):
-        return True
-    return any(b["swaps"].get(d, {}).get("bytes", 0) < m.get("bytes", 0) for d, m in a["swaps"].items())
+        return None
+    if b.get("requests", 0) < a.get("requests", 0):
+        return None
+    reads = {t: b["reads"].get(t, 0) - a["reads"].get(t, 0) for t in a["reads"].keys() | b["reads"].keys()}
+    moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0)
+             for d in a["swaps"].keys() | b["swaps"].keys()}
+    if any(n < 0 for n in reads.values()) or any(n < 0 for n in moved.values()):
+        return None
+    return reads, moved
 
 
 def rates(samples: list[dict]) -> list[dict]:
     """Per-interval figures between consecutive samples: HBM hit ratio of the blocks acquired in the
     interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples
-    (`restarted`) gives no row for that interval."""
+    (`change`) gives no row for that interval."""
     out = []
     for a, b in zip(samples, samples[1:]):
         dt = b["t"] - a["t"]
-        if dt <= 0 or restarted(a, b):
+        moves = change(a, b) if dt > 0 else None
+        if moves is None:
             continue
-        reads = {t: b["reads"].get(t, 0) - a["reads"].get(t, 0) for t in b["reads"]}
-        dirs = set(a["swaps"]) | set(b["swaps"])
-        moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0) for d in dirs}
+        reads, moved = moves
         total = sum(reads.values())
         out.append({"t": b["t"], "dt": dt, "reads": total,
                     "hbm_hit_ratio": reads.get("hbm", 0) / total if total else None,

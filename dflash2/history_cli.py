@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from dflash2 import protocol as P
-from dflash2.history import FILE_NAME, decode, rates, read_file, regular_file, restarted
+from dflash2.history import FILE_NAME, change, decode, rates, read_file, regular_file
 from dflash2.argtypes import endpoint, positive_int, seconds
 
 EXIT_OK = 0
@@ -133,18 +133,20 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
-        check_endpoint(endpoint)  # no socket file: say so at once instead of waiting out the timeout
+        check_endpoint(endpoint)  # no socket file: say so at once (it asks whether the daemon runs)
+    except DaemonUnavailable as e:
+        raise DaemonNotAnswering(str(e)) from None
+    try:
         transport = Transport(endpoint, timeout_s)
         try:
             reply = transport.call(P.Op.HISTORY, None, args)
         finally:
             transport.close()
     except DaemonUnavailable as e:
-        said = str(e)  # (a missing socket file asks already whether the daemon runs)
-        raise DaemonNotAnswering(said if "daemon running" in said else f"{said}; is dflash2d running?") from None
-    except VersionMismatch as e:  # a daemon of another version answers: not one this command can ask
-        raise DaemonNotAnswering(str(e)) from None
-    except UnreadableReply as e:  # what answered is not dflash2d, or its reply is unreadable
+        raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
+    # A daemon of another version (not one this command can ask), or what answered is not dflash2d
+    # (or its reply is unreadable).
+    except (VersionMismatch, UnreadableReply) as e:
         raise DaemonNotAnswering(str(e)) from None
     except DaemonError as e:  # it answered: the question was at fault (or the daemon names its own problem)
         raise HistoryError(f"dflash2d at {endpoint} refused the history call: {e}") from None
@@ -183,15 +185,19 @@ def _interval(span: list[dict] | None) -> list[str]:
     dropped two daemons' figures), "(restart)" beside them when the daemon restarted within it."""
     if span is None:
         return ["-", "-", "-"]
-    r = rates(span)
-    restart = " (restart)" if any(restarted(a, b) for a, b in zip(span, span[1:])) else ""
-    if not r:
+    seconds, reads, in_hbm, out_bytes, in_bytes, restart = 0.0, 0, 0, 0, 0, ""
+    for a, b in zip(span, span[1:]):
+        moves = change(a, b)
+        if moves is None:
+            restart = " (restart)"
+        elif b["t"] > a["t"]:
+            seconds += b["t"] - a["t"]
+            reads += sum(moves[0].values())
+            in_hbm += moves[0].get("hbm", 0)
+            out_bytes += sum(v for d, v in moves[1].items() if _rank(d) > 0)
+            in_bytes += sum(v for d, v in moves[1].items() if _rank(d) < 0)
+    if not seconds:
         return [restart.strip() or "-", "-", "-"]
-    seconds = sum(x["dt"] for x in r)
-    reads = sum(x["reads"] for x in r)
-    in_hbm = sum(x["reads"] * x["hbm_hit_ratio"] for x in r if x["hbm_hit_ratio"] is not None)
-    out_bytes = sum(v * x["dt"] for x in r for d, v in x["swap_bps"].items() if _rank(d) > 0)
-    in_bytes = sum(v * x["dt"] for x in r for d, v in x["swap_bps"].items() if _rank(d) < 0)
     hit = "-" if not reads else f"{100 * in_hbm / reads:.1f}%"
     return [hit + restart, f"{out_bytes / seconds / 1e6:.1f}", f"{in_bytes / seconds / 1e6:.1f}"]
 

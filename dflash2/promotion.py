@@ -152,8 +152,8 @@ class Promotion:
             self._drop_lost()
             rest = np.flatnonzero(~moved)
             still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
-            if self.table.lost:  # (one kept for its references after its read failed: not read again)
-                still = still[~np.isin(away[still], np.fromiter(self.table.lost, dtype=np.int64))]
+            # (One kept for its holders after its read failed is not read again.)
+            still = still[~self.table.is_lost(away[still])]
             if len(still):
                 room_for(away[still])
                 moved[still] = self.mover.move(away[still], dst)

@@ -72,6 +72,7 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
 import re
 
 import numpy as np
@@ -104,6 +105,19 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 VERSION_FRAME = str(VERSION).encode()
 # One encoder for every header: json.dumps with separators builds a new one per call.
 _encode_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _plain_number(value):
+    """A numpy number in a request's arguments (a prefill rate computed with numpy) as the Python
+    number it is: the JSON encoder refused it (`Object of type float32 is not JSON serializable`).
+    Other values still fail there, as a TypeError naming their type."""
+    if isinstance(value, np.generic) and isinstance(value, numbers.Real) and not isinstance(value, np.bool_):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# Requests only: a reply with a numpy number in it is the daemon's bug, and fails loudly.
+_encode_request_json = json.JSONEncoder(separators=(",", ":"), default=_plain_number).encode
 
 KEYS_DTYPE = np.dtype("<u8")
 VIDS_DTYPE = np.dtype("<i8")
@@ -229,7 +243,8 @@ def peek_call_id(frames: list[bytes]) -> int:
 def encode_request(op: Op, call_id: int, client: int | None, args: dict | None = None,
                    arrays: list[bytes] | None = None, version: int = VERSION, token: str | None = None) -> list[bytes]:
     header = {"op": op.value, "id": call_id, "client": client, "token": token, "args": args or {}}
-    frames = [MAGIC, VERSION_FRAME if version == VERSION else str(version).encode(), _encode_json(header).encode(),
+    frames = [MAGIC, VERSION_FRAME if version == VERSION else str(version).encode(),
+              _encode_request_json(header).encode(),
               *(arrays or [])]
     big = max(memoryview(f).nbytes for f in frames)
     if big > MAX_FRAME_BYTES:

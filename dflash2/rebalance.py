@@ -181,8 +181,7 @@ class Rebalancing:
 
     def _held(self, tier: Tier) -> bool:
         """Whether `tier`'s drain waits now (`_room_below`)."""
-        room = self._room_below(tier)
-        return room is not None and room <= 0
+        return self._room_below(tier) == 0
 
     def drain_pending(self) -> bool:
         """Whether a drain may run now (`_drainable`), or a piece's copies are in flight: the server's
@@ -205,7 +204,7 @@ class Rebalancing:
             if not self.settle_when_done(yield_to if defer else None, until):
                 return False  # a request waits, or the time is up, while the last piece's copies run
             below = self._room_below(tier)
-            if below is not None and below <= 0:
+            if below == 0:
                 # Its writes failed just now, or the tier below is as full as it may be while the
                 # one under it backs off: the drain waits, keeping its cut (_drainable), and drops
                 # nothing meanwhile (the piece's next rounds dropped what was to go down: with NVMe
@@ -290,23 +289,27 @@ class Rebalancing:
         self.settle()
         return True
 
+    def _arriving(self):
+        """(tier, rows) of each move of the copies in flight: rows on their way into `tier`, whose
+        destination slots are taken (the allocator counts them) while they still lie in their
+        source tier."""
+        for flight, _ in self._in_flight:
+            for _, move in flight.prepared:
+                yield move.dst, move.rows
+
     def in_flight_slot_bytes(self) -> dict[Tier, int]:
         """Bytes of the destination slots that the copies in flight hold, by tier (the invariants
         count them as used there while their blocks still lie in their source tier)."""
         held: dict[Tier, int] = {}
-        for flight, _ in self._in_flight:
-            for _, move in flight.prepared:
-                slots = self.table.slot_sizes(move.dst)[self.table.cols.layout[move.rows]]
-                held[move.dst] = held.get(move.dst, 0) + int(slots.sum())
+        for dst, rows in self._arriving():
+            held[dst] = held.get(dst, 0) + int(self.table.slot_sizes(dst)[self.table.cols.layout[rows]].sum())
         return held
 
     def in_flight_blocks(self) -> dict[Tier, int]:
-        """Blocks on their way into each tier by the copies in flight: their destination slots are
-        taken (the allocator counts them) while the blocks still lie in their source tier."""
+        """Blocks on their way into each tier by the copies in flight."""
         held: dict[Tier, int] = {}
-        for flight, _ in self._in_flight:
-            for _, move in flight.prepared:
-                held[move.dst] = held.get(move.dst, 0) + len(move.rows)
+        for dst, rows in self._arriving():
+            held[dst] = held.get(dst, 0) + len(rows)
         return held
 
     def end_soon(self, flights: list[Flight] | None = None) -> bool:

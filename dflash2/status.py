@@ -12,6 +12,7 @@ import json
 import sys
 
 from dflash2.argtypes import endpoint, seconds
+from dflash2.duel import NOT_REPLAYED
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, VersionMismatch
 from dflash2.policy.heat import INNER_LISTS
 from dflash2.policy.split import LISTS
@@ -167,14 +168,8 @@ def _duel_line(d: dict, ranking: str | None) -> str:
     skipped = {why: n for why, n in (d.get("not_replayed") or {}).items() if n}
     return (f"{head} ({state}, {switches}); miniatures of 1 in {d['sample']} keys{coarser} found {found}; "
             f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped"
-            + ("; not replayed: " + ", ".join(f"{n} {NOT_REPLAYED_WORDS.get(why, why)}" for why, n in skipped.items())
+            + ("; not replayed: " + ", ".join(f"{n} {NOT_REPLAYED.get(why, why)}" for why, n in skipped.items())
                if skipped else ""))
-
-
-# Why the duel did not replay a lookup (dflash2/duel.py NOT_REPLAYED), in words.
-NOT_REPLAYED_WORDS = {"host_reader": "by host-side readers", "no_layout": "naming no layout among several",
-                      "layout_too_large": "of layouts too large for the miniatures",
-                      "refused": "refused by a miniature (see the log)"}
 
 
 # The lists' keys in the policy's stats, with the words shown for them.

@@ -297,7 +297,7 @@ def test_drain_of_a_small_tier_drains_and_ends_when_it_has(capsys):
     rows = {r["phase"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     for r in rows.values():
         assert r["drained"] and r["moved_mb"] > 0 and r["batches"] > 0, r
-    assert rows["random_times"]["n"] < 200 and rows["random_times"]["drain_s"] < 10, rows["random_times"]
+    assert rows["random_times"]["n"] < 200, rows["random_times"]  # (calls counted: no timed bound in a test)
 
 
 # ---- bench churn --------------------------------------------------------------------------------

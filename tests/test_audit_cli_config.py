@@ -386,3 +386,16 @@ def test_a_state_folder_on_a_read_only_filesystem_is_named_as_that(tmp_path):
     out = _read_only_mount(state, f"{sys.executable} -m dflash2.daemon.main --config {path} --check")
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"daemon.state_dir: {state} is on a read-only filesystem" in out.stderr, out.stderr
+
+
+def test_a_test_config_keeps_its_state_in_the_tests_folder(tmp_path):
+    """conftest's write_config puts daemon.state_dir under the test's tmp_path: a test daemon with
+    history on wrote its samples into the user's ~/.local/state/dflash2, which the user's own daemon
+    then read back as its history (a fresh user's run of the README's test command)."""
+    from conftest import write_config
+
+    from dflash2.config import load_config
+    from dflash2.plan import resolve_plan
+
+    plan = resolve_plan(load_config(write_config(tmp_path, history_enabled=True)))
+    assert str(plan.state_dir).startswith(str(tmp_path))

@@ -123,9 +123,16 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
         self.mgr.free(c, [vid])
         self.held[c].remove(vid)
 
-    def _assert_chain_exceeds_hbm(self, vids) -> None:
-        """NeverFits for an acquire of `vids`: they and their cached ancestors take more slots than
-        the whole HBM tier has (6432d9e: the prefix a promotion brings up counts)."""
+    def _where(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's tier and offset: what a refused acquire must leave as it was."""
+        return self.t.cols.tier.copy(), self.t.cols.offset.copy()
+
+    def _assert_chain_exceeds_hbm(self, vids, before) -> None:
+        """NeverFits for an acquire of `vids`: refused before anything moved (`before`: `_where`
+        taken before the call), and they and their cached ancestors take more slots than the whole
+        HBM tier has (6432d9e: the prefix a promotion brings up counts)."""
+        tier, offset = self._where()
+        assert np.array_equal(tier, before[0]) and np.array_equal(offset, before[1]), "a refused acquire moved blocks"
         chain = self.mgr.placement.with_ancestors(self.t.rows(vids), Tier.HBM)
         layouts = self.t.cols.layout[chain]
         too_many = int(self.t.slot_sizes(Tier.HBM)[layouts].sum()) > self.t.allocators[Tier.HBM].capacity_bytes
@@ -142,13 +149,14 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
         if (c, vid) in self.pinned:
             return
         if up:
+            before = self._where()
             try:
                 got = self.mgr.acquire(c, [vid])  # a promotion: may leave a pinned parent below it
             except PinnedBlock:  # the block itself is pinned below HBM: it cannot come up now
                 assert self.t.cols.pins[self.t.rows([vid])[0]] > 0
                 return
             except NeverFits:  # its cached prefix, which comes up first, is longer than HBM holds
-                self._assert_chain_exceeds_hbm([vid])
+                self._assert_chain_exceeds_hbm([vid], before)
                 return
             if got is None:
                 return
@@ -168,11 +176,12 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
             return
         vids = self.t.vids(np.asarray(subtree(self.t, int(rows[i % len(rows)]))[:4], dtype=np.int64)).tolist()
         for _ in range(times):
+            before = self._where()
             try:
                 if self.mgr.acquire(c, vids) is None:
                     return
             except NeverFits:  # with its cached prefix, which comes up first, longer than HBM holds
-                self._assert_chain_exceeds_hbm(vids)
+                self._assert_chain_exceeds_hbm(vids, before)
                 return
             except PinnedBlock:  # a block of the chain is pinned below HBM
                 rows = self.t.rows(vids)

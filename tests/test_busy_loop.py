@@ -119,7 +119,7 @@ def run_queued(rec, tmp_path, n: int) -> None:
 def test_a_long_queue_does_not_hold_the_background_step_off(tmp_path, monkeypatch):
     """40 requests queued at once, a step due all the time, and a drain budget of zero: the step
     must run before the queue is through (a count bound of 1,024 ran it after all 40)."""
-    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0, raising=False)
+    monkeypatch.setattr(server_mod, "DRAIN_BUDGET_TICKS", 0.0)
     rec = _Recorder()
     run_queued(rec, tmp_path, 40)
     requests = [i for i, e in enumerate(rec.events) if e == "request"]
@@ -499,7 +499,7 @@ def test_leases_are_judged_while_copies_in_flight_hold_the_step_off(tmp_path, mo
     waits, but once STEP_LATE_MAX_S late the leases are judged anyway, every tick interval. Before,
     a dead client kept its lease 6-18 s past a 2 s lease (NVMe reads of 1 s, a review's script)."""
     monkeypatch.setattr(Server, "_copies_ended", lambda self: False)
-    monkeypatch.setattr(server_mod, "STEP_LATE_MAX_S", 0.3, raising=False)
+    monkeypatch.setattr(server_mod, "STEP_LATE_MAX_S", 0.3)
     rec = _Recorder()
     run_idle(tmp_path, rec, 1.5, tick_interval_s=0.1)
     judged = rec.events.count("tick")  # (the stand-in's expire_leases)

@@ -477,3 +477,17 @@ def test_layouts_are_bounded_and_a_refused_one_changes_nothing(service):
     assert table.block_bytes(table.rows(np.frombuffer(reply.arrays[0], dtype=P.PLACE_DTYPE)["vid"])).tolist() == \
         [lay(0).block_bytes]
     service.manager.check_invariants()
+
+
+def test_a_request_takes_numpy_numbers_as_numbers_and_a_reply_refuses_them():
+    """A prefill rate computed with numpy goes as the number it is (the JSON encoder refused it);
+    a numpy bool, or anything else JSON has no form for, still fails in the client, by its type.
+    A reply is encoded strictly: a numpy number in one is the daemon's bug, not sent."""
+    frames = P.encode_request(P.Op.PREFILL_RATE, 1, 7, {"layout": np.int64(0), "tokens_per_s": np.float32(1e5)},
+                              token="0" * P.TOKEN_CHARS)
+    assert P.decode_request(frames).args == {"layout": 0, "tokens_per_s": 100000.0}
+    for bad in (np.bool_(True), np.datetime64("2026-01-01"), object()):
+        with pytest.raises(TypeError, match="is not JSON serializable"):
+            P.encode_request(P.Op.PREFILL_RATE, 1, 7, {"layout": 0, "tokens_per_s": bad})
+    with pytest.raises(TypeError, match="is not JSON serializable"):
+        P.encode_reply(P.Reply(1, True, {"blocks": np.int64(3)}))

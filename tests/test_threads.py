@@ -78,16 +78,3 @@ def test_every_thread_of_a_serving_daemon_but_the_main_one_blocks_stop_signals(t
 
 if not Path("/proc/self/task").is_dir():  # the masks are read from Linux's /proc
     pytestmark = pytest.mark.skip(reason="needs Linux /proc")
-
-
-def test_a_test_config_keeps_its_state_in_the_tests_folder(tmp_path):
-    """conftest's write_config puts daemon.state_dir under the test's tmp_path: a test daemon with
-    history on wrote its samples into the user's ~/.local/state/dflash2, which the user's own daemon
-    then read back as its history (a fresh user's run of the README's test command)."""
-    from conftest import write_config
-
-    from dflash2.config import load_config
-    from dflash2.plan import resolve_plan
-
-    plan = resolve_plan(load_config(write_config(tmp_path, history_enabled=True)))
-    assert str(plan.state_dir).startswith(str(tmp_path))

@@ -214,7 +214,7 @@ class DFlash2Storage(HiCacheStorage):
             self.counters[key] += n
 
     def _daemon_down(self, error: Exception) -> None:
-        self._count("failed_calls", 1)
+        self._count("failed_calls")
         self._down_until = time.monotonic() + RETRY_S
         log.warning("dflash2: %s; sglang's storage reads miss and writes fail for %gs", error, RETRY_S)
 
@@ -240,7 +240,7 @@ class DFlash2Storage(HiCacheStorage):
             return
         if getattr(e, "kind", "") == "UnknownClient":
             client.lease_lost = True
-        self._count("failed_calls", 1)
+        self._count("failed_calls")
         log.warning("dflash2: %s; treated as a miss", e)
 
     # -- the two data paths ----------------------------------------------------------------
@@ -314,7 +314,7 @@ class DFlash2Storage(HiCacheStorage):
                 unlinked = e
         out = client.commit(vids, ckeys)
         if unlinked is not None:
-            self._count("commits_unlinked", 1)
+            self._count("commits_unlinked")
             log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
                      "know they extend that prefix", len(vids), unlinked)
         return out

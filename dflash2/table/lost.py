@@ -16,7 +16,13 @@ NO_KIDS = np.empty(0, dtype=np.int64)  # read only: a row with no children to cu
 
 
 class LostBlocks:
-    """BlockTable's drop_lost (the attributes it uses are BlockTable's)."""
+    """BlockTable's drop_lost and is_lost (the attributes they use are BlockTable's)."""
+
+    def is_lost(self, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` are kept only for their holders after their read failed (`lost`)."""
+        if not self.lost:
+            return np.zeros(len(rows), dtype=bool)
+        return np.isin(rows, np.fromiter(self.lost, dtype=np.int64, count=len(self.lost)))
 
     def drop_lost(self, rows: np.ndarray, leaving: Callable[[np.ndarray, bool], None] | None = None) -> None:
         """These blocks' stored bytes failed their checksum: they must never be found again. Each is
@@ -36,8 +42,7 @@ class LostBlocks:
         c = self.cols
         if leaving is not None and len(rows):
             # (Not one found lost before and kept for its references: it left the cache then.)
-            known = np.fromiter(self.lost, dtype=np.int64, count=len(self.lost))
-            live = np.unique(rows[(c.state[rows] != int(S.FREE)) & ~np.isin(rows, known)])
+            live = np.unique(rows[(c.state[rows] != int(S.FREE)) & ~self.is_lost(rows)])
             if len(live):
                 leaving(live, orphans)
         children = self._children_of(rows)

@@ -184,6 +184,12 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         ok[inside] = (self.cols.gen[rows[inside]] == gens[inside]) & (self.cols.state[rows[inside]] != int(S.FREE))
         return np.where(inside, rows, 0), ok
 
+    def being_written(self, client: int, vids: np.ndarray) -> np.ndarray:
+        """Those of `vids` (int64) that are `client`'s blocks still being written, each once."""
+        rows, live = self.liveness(vids)
+        mine = live & (self.cols.owner[rows] == client) & (self.cols.state[rows] == int(S.WRITING))
+        return np.unique(vids[mine])
+
     def _rows_small(self, vids) -> np.ndarray:
         c = self.cols
         out = []

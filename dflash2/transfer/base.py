@@ -82,5 +82,9 @@ class TransferBackend(abc.ABC):
         how a GPU backend moved HBM<->DRAM batches. Empty where there is one way only (host copies)."""
         return {}
 
+    def check_gpu(self, error: BaseException) -> None:
+        """After a CUDA error outside a copy: whether this backend's GPU is lost (then `fatal` says
+        so). Nothing to check where there is no GPU."""
+
     def close(self) -> None:
         """Release streams, threads and buffers."""
