@@ -4,11 +4,14 @@ has not (the Service's share of it, as a mixin over its sessions, counters and p
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from dflash2 import protocol as P
-from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, Session
+from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, KEEP_UNDO_IDS, Session
 from dflash2.errors import CallForgotten, DFlash2Error
 from dflash2.protocol import Op, Request, arg
 
@@ -18,12 +21,22 @@ log = logging.getLogger("dflash2.daemon")
 class Forgetting:
     """Needs `sessions` (client -> Session), `counters` and `_mgr(req)` of the Service."""
 
-    def _undoable(self, req: Request, undo: Callable[[], object]) -> None:
-        """Remember how to give back what this call handed out, should its client forget it."""
-        kept = self.sessions[req.client].undo
-        kept[req.call_id] = (req.op.value, undo)
-        while len(kept) > KEEP_CALLS:
-            kept.popitem(last=False)
+    def _undoable(self, req: Request, give_back: Callable[..., object], *args) -> None:
+        """Remember how to give back what this call handed out, should its client forget it:
+        `give_back(client, *args)`. Its block ids are kept as an array of their own: a view of the
+        request's frame (as the lambdas that were here held, with the whole request) kept each
+        call's frames alive, commit's keys too, up to 64 calls a client (a soak: 30-37 MB a client
+        of 65,536-id calls). The last KEEP_CALLS calls are kept, holding KEEP_UNDO_IDS ids at most
+        together (the last call's always)."""
+        args = tuple(np.array(a, dtype=np.int64) if isinstance(a, np.ndarray) else a for a in args)
+        ids = sum(len(a) for a in args if isinstance(a, np.ndarray))
+        session = self.sessions[req.client]
+        kept = session.undo
+        old = kept.pop(req.call_id, None)  # (a call id used again: its earlier undo is replaced)
+        session.undo_ids += ids - (0 if old is None else old[2])
+        kept[req.call_id] = (req.op.value, functools.partial(give_back, req.client, *args), ids)
+        while len(kept) > KEEP_CALLS or (session.undo_ids > KEEP_UNDO_IDS and len(kept) > 1):
+            session.undo_ids -= kept.popitem(last=False)[1][2]
 
     def _refuse_forgotten(self, req: Request, session: Session) -> None:
         """CallForgotten when the client gave up on this call before it arrived (a refused commit
@@ -70,7 +83,7 @@ class Forgetting:
             log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
                      "copies to end): it will not run", req.client, call)
             return {"undone": False}, []
-        op, undo = kept
+        op, undo, _ = kept
         try:
             undo()  # (a `forget` parked until copies end, CopiesRunning, keeps the call to undo)
         except DFlash2Error as e:  # the client changed what the call handed out since (it cannot know it)
@@ -82,7 +95,7 @@ class Forgetting:
             self.counters["calls_undone"] += 1
             log.warning("client %d gave up waiting on its %s (call %d): what it handed out is given back",
                         req.client, op, call)
-        del session.undo[call]
+        session.undo_ids -= session.undo.pop(call)[2]
         _keep(session.settled, call)
         return {"undone": undone}, []
 

@@ -431,7 +431,7 @@ class Service(Forgetting):
             deadline=None if deadline_s is None else m.table.clock() + deadline_s,
             request=arg(req, "request", int, default=0))
         if d.reservation_id is not None:
-            self._undoable(req, lambda: m.cancel(req.client, d.reservation_id))
+            self._undoable(req, m.cancel, d.reservation_id)
         return d.to_dict(), []
 
     def _reservation(self, req):
@@ -450,7 +450,7 @@ class Service(Forgetting):
         rid, n = arg(req, "reservation", int), arg(req, "n", int, lo=1, hi=P.MAX_BATCH)
         res = m.admission.find(rid)  # before a take of its last blocks forgets it
         vids = m.take(req.client, rid, n)
-        self._undoable(req, lambda: m.untake(req.client, res, vids))
+        self._undoable(req, m.untake, res, vids)
         return {}, [wire.places_of(m, vids)]
 
     def _cancel(self, req):
@@ -466,7 +466,7 @@ class Service(Forgetting):
                           tier=wire.memory_tier(req))
         if vids is None:
             return {"allocated": False, "reason": m.allocate_refusal}, [b""]
-        self._undoable(req, lambda: m.free(req.client, vids))
+        self._undoable(req, m.free, vids)
         return {"allocated": True}, [wire.places_of(m, vids)]
 
     def _commit(self, req):
@@ -479,7 +479,7 @@ class Service(Forgetting):
         out = m.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
         # Forgotten: the references it leaves the writer on the returned blocks are dropped (they
         # stay cached, published); the writer never learned their ids when a key deduplicated.
-        self._undoable(req, lambda: m.free(req.client, out))
+        self._undoable(req, m.free, out)
         return {}, [np.asarray(out, dtype=P.VIDS_DTYPE).tobytes()]
 
     def _lookup(self, req):
@@ -500,7 +500,7 @@ class Service(Forgetting):
                               priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
         if rows is None:
             return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
-        self._undoable(req, lambda: m.release(req.client, vids))
+        self._undoable(req, m.release, vids)
         return {"acquired": True}, [wire.records(m, rows)]
 
     def _release(self, req):
@@ -516,7 +516,7 @@ class Service(Forgetting):
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
         m.add_ref(req.client, vids, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
-        self._undoable(req, lambda: m.free(req.client, vids))
+        self._undoable(req, m.free, vids)
         return {}, []
 
     def _places(self, req):

@@ -23,7 +23,8 @@ class Session:
     # the last KEEP_CALLS), the ids of calls it gave up on before they arrived, and of calls whose
     # `forget` was carried out (undone, or refused on arrival): the forget of a call is sent again on
     # each new socket, and its repeats change nothing (the last KEEP_FORGOTTEN of each).
-    undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)  # call -> (op, undo, block ids it holds)
+    undo_ids: int = 0  # block ids the undos hold together (KEEP_UNDO_IDS)
     forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     settled: OrderedDict = dataclasses.field(default_factory=OrderedDict)
 
@@ -34,6 +35,9 @@ class Session:
 # blocks leaked until detach, a review's scripts). An undo holds the call's block ids (8 bytes
 # each); a forgotten or settled call id a few bytes.
 KEEP_CALLS = 64
+# ... and their undos hold no more than 2^20 block ids together (8 MiB a client; a call's ids are
+# at most protocol.MAX_BATCH, 65,536): 16 calls of the largest batches, 64 of up to 16,384 ids.
+KEEP_UNDO_IDS = 1 << 20
 KEEP_FORGOTTEN = 1024
 
 

@@ -13,6 +13,7 @@ from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
 from dflash2.client import Client, DaemonError, DaemonUnavailable, Transport
+from dflash2.daemon import forgetting
 from dflash2.daemon.service import Service
 from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN
 from dflash2.errors import ArenaError
@@ -357,3 +358,23 @@ def test_many_calls_timed_out_at_once_are_all_given_back_and_repeats_change_noth
     assert hbm_used(service) == 0
     assert service.counters["calls_undone"] == 10 and service.counters["calls_refused_forgotten"] == 10
     assert caplog.text.count("before it ran") == 10, "a repeat is not logged again"
+
+
+def test_undos_hold_their_own_ids_and_a_bounded_number_of_them(service, monkeypatch):
+    """An undo keeps its call's block ids as an array of its own, not a view of the request's frame
+    (the lambdas kept every such call's whole request alive: 30-37 MB a client of 65,536-id calls, a
+    soak), and a client's undos hold KEEP_UNDO_IDS ids at most together, the last call's always."""
+    monkeypatch.setattr(forgetting, "KEEP_UNDO_IDS", 4)
+    c = attach(service)
+    for i in range(1, 5):
+        assert call(service, Op.ALLOCATE, c, {"layout": 0, "n": 2}, call_id=i).result["allocated"]
+    session = service.sessions[c]
+    assert list(session.undo) == [3, 4] and session.undo_ids == 4
+    for _, undo, _ in session.undo.values():
+        assert [a.base for a in undo.args if isinstance(a, np.ndarray)] == [None]
+    assert call(service, Op.FORGET, c, {"call": 4}, call_id=5).result == {"undone": True}
+    assert list(session.undo) == [3] and session.undo_ids == 2
+    big = call(service, Op.ALLOCATE, c, {"layout": 0, "n": 6}, call_id=6)  # more than the bound alone: kept
+    assert big.result["allocated"] and list(session.undo) == [6] and session.undo_ids == 6
+    assert call(service, Op.FORGET, c, {"call": 6}, call_id=7).result == {"undone": True}
+    assert session.undo_ids == 0 and hbm_used(service) == 3 * 2  # calls 1 and 2 (pushed out) and 3 hold theirs
