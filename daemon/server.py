@@ -23,7 +23,6 @@ import functools
 import logging
 import math
 import os
-import resource
 import signal
 import sys
 import threading
@@ -37,6 +36,7 @@ from dflash2.arena.liveness import DaemonLiveness, liveness_name
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
+from dflash2.daemon.descriptors import raise_open_files_limit
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
@@ -480,30 +480,6 @@ IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 def _ignored(signum: int, frame) -> None:
     log.warning("%s ignored: it means nothing to dflash2d (SIGTERM, SIGINT or SIGHUP stop it)",
                 signal.Signals(signum).name)
-
-
-# Each attached client holds two connections (its calls, its heartbeat), each a descriptor here; and
-# libzmq aborts the whole process when an ipc accept finds no descriptor left.
-FEW_OPEN_FILES = 4096
-
-
-def raise_open_files_limit() -> int:
-    """Raise the soft limit on open descriptors to the hard one (as far as it goes), and warn when
-    it stays low. Returns the soft limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            log.info("open files limit raised from %d to %d (each client holds two connections)", soft, want)
-            soft = want
-        except (ValueError, OSError) as e:
-            log.warning("open files limit %d could not be raised to %d: %s", soft, want, e)
-    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
-        log.warning("open files limit is %d (hard limit %s): about %d clients can attach before connections are "
-                    "refused; raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
-                    "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (soft - 64) // 2))
-    return soft
 
 
 def run(cfg: Config) -> int:

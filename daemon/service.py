@@ -29,11 +29,13 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.daemon import wire
+from dflash2.daemon.descriptors import ATTACH_HEADROOM, descriptors_left
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import CopiesRunning, DFlash2Error, NotOwner, ProtocolError, UnknownClient, WrongToken
+from dflash2.errors import (CopiesRunning, DFlash2Error, NotOwner, ProtocolError, TooManyClients, UnknownClient,
+                            WrongToken)
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
@@ -348,6 +350,7 @@ class Service(Forgetting):
             raise ProtocolError(f"attach: {len(rates)} prefill rates for {len(layouts)} layouts (one per "
                                 "layout, null where unknown)")
         rates = [wire.prefill_rate(req, r) for r in rates]
+        _refuse_past_descriptors(name, pid)
         m = self.managers[device]
         for lay in layouts:
             m.check_layout(lay)  # before anything changes: a refused layout attaches nobody
@@ -575,3 +578,15 @@ class Service(Forgetting):
         for m in self.managers.values():
             m.check_invariants()
         return {}, []
+
+
+def _refuse_past_descriptors(name: str, pid: int) -> None:
+    """TooManyClients when another client's connections would leave the daemon fewer than
+    ATTACH_HEADROOM descriptors (daemon/descriptors.py: out of them, libzmq ends the daemon)."""
+    left = descriptors_left()
+    if left is not None and left[0] < ATTACH_HEADROOM:
+        log.warning("attach of %s (pid %d) refused: %d of the daemon's %d open descriptors are left (each client "
+                    "holds two)", name, pid, *left)
+        raise TooManyClients(f"attach refused: the daemon has {left[0]} of its {left[1]} open descriptors left, and "
+                             f"keeps {ATTACH_HEADROOM} free (each client holds two connections); detach clients, or "
+                             "raise dflash2d's open files limit (ulimit -n, systemd LimitNOFILE, the container's nofile)")

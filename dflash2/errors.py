@@ -76,6 +76,11 @@ class QuotaExceeded(DFlash2Error):
     """The client would hold more of HBM than its share (admission.max_client_share)."""
 
 
+class TooManyClients(DFlash2Error):
+    """An attach refused: the daemon has too few open descriptors left for another client's
+    connections (daemon/descriptors.py)."""
+
+
 class ReservationError(DFlash2Error):
     """A reservation id that is unknown, expired, or used beyond what it granted."""
 

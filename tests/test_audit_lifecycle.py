@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -86,11 +87,61 @@ def test_a_low_open_files_limit_is_raised_so_many_connections_do_not_abort_it(co
 def test_a_low_hard_limit_is_warned_about():
     code = ("import logging, resource; logging.basicConfig(level=logging.INFO); "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)); "
-            "from dflash2.daemon.server import raise_open_files_limit; print(raise_open_files_limit())")
+            "from dflash2.daemon.descriptors import raise_open_files_limit; print(raise_open_files_limit())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "200"
     assert "open files limit is 200 (hard limit 200): about 68 clients can attach" in out.stderr
+
+
+def test_clients_past_the_open_files_limit_are_refused_and_the_daemon_serves_on(config_file, tmp_path):
+    """A daemon held to 160 descriptors (soft and hard: it cannot raise them): attaches are refused
+    (TooManyClients, named) while fewer than ATTACH_HEADROOM are left, and the daemon serves on, its
+    clients too; one detached makes room for another. Before, the 117th client of a daemon held to
+    256 ended it: libzmq aborted in an ipc accept that found no descriptor left (exit 134)."""
+    from dflash2.client import Client, DaemonError
+    from dflash2.daemon.descriptors import ATTACH_HEADROOM
+
+    from conftest import SMALL
+
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})
+    log_path = tmp_path / "d.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", path], stdout=subprocess.PIPE,
+                                stderr=log, text=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160)))
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    clients = []
+    try:
+        assert proc.stdout.readline().startswith("DFlash2: enabled"), log_path.read_text()
+        refused = None
+        for i in range(160):  # more than could ever fit
+            try:
+                clients.append(Client.connect(endpoint, name=f"c{i}", layouts=[SMALL], timeout_s=10.0))
+            except DaemonError as e:
+                refused = e
+                break
+        assert refused is not None and refused.kind == "TooManyClients", refused
+        assert f"keeps {ATTACH_HEADROOM} free" in str(refused) and "ulimit -n" in str(refused)
+        assert 10 <= len(clients) < (160 - ATTACH_HEADROOM) // 2 + 1, len(clients)
+        assert proc.poll() is None and _ping(endpoint)["pid"] == proc.pid
+        for c in clients:
+            assert c.ping()["pid"] == proc.pid  # every attached client still served
+        for _ in range(2):  # (their connections are closed on the daemon's side as libzmq sees them go)
+            clients.pop().close()
+        for _ in range(100):
+            try:
+                clients.append(Client.connect(endpoint, name="again", layouts=[SMALL], timeout_s=10.0))
+                break
+            except DaemonError:
+                time.sleep(0.05)
+        assert clients[-1].name == "again"
+        assert "attach of c" in log_path.read_text() and "refused" in log_path.read_text()
+    finally:
+        for c in clients:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, log_path.read_text()
 
 
 def test_history_catches_up_after_a_failed_write(tmp_path):

@@ -1,0 +1,49 @@
+"""Open descriptors. Each attached client holds two connections (its calls, its heartbeat), each a
+descriptor of the daemon's, and libzmq aborts the whole process when an ipc accept finds none left
+(every client loses the daemon at once). So the soft limit is raised at start, and an attach is
+refused (TooManyClients) while fewer than ATTACH_HEADROOM descriptors are left: the connections of
+clients still connecting, and of calls sent again on a fresh socket, take from those. Before, the
+117th client of a daemon limited to 256 ended it (`Too many open files (src/ipc_listener.cpp)`,
+exit 134, a review's script)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+log = logging.getLogger("dflash2.daemon")
+
+FEW_OPEN_FILES = 4096  # a soft limit under this is warned about
+ATTACH_HEADROOM = 64  # descriptors an attach leaves free
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard one (as far as it goes), and warn when
+    it stays low. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open files limit raised from %d to %d (each client holds two connections)", soft, want)
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("open files limit %d could not be raised to %d: %s", soft, want, e)
+    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
+        log.warning("open files limit is %d (hard limit %s): about %d clients can attach, more are refused; "
+                    "raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (soft - ATTACH_HEADROOM) // 2))
+    return soft
+
+
+def descriptors_left() -> tuple[int, int] | None:
+    """(descriptors this process may still open, its soft limit); None when it has no limit, or its
+    open descriptors cannot be counted (no /proc)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        return soft - len(os.listdir("/proc/self/fd")), soft
+    except OSError:
+        return None
