@@ -1,7 +1,8 @@
 """The daemon's observers: Prometheus metrics and history, fed by the thread that owns the manager.
 
     Server._tick ─▶ Observers.after_tick ─┬─ DaemonMetrics (snapshot for /metrics, histograms)
-                                          └─ History (one sample per interval, JSON lines file)
+                                          ├─ History (one sample per interval, JSON lines file)
+                                          └─ HitRateLog (the HBM hit rate in the log, once a minute)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from pathlib import Path
 
 from dflash2.config import Config
+from dflash2.daemon.hitlog import HitRateLog
 from dflash2.history import make_history
 from dflash2.logs import event
 from dflash2.metrics import DaemonMetrics
@@ -25,6 +27,7 @@ class Observers:
         self.service = service
         self.metrics = metrics
         self.history = history
+        self.hit_log = HitRateLog(service)
 
     @classmethod
     def start(cls, cfg: Config, service, state_dir: Path, device: str) -> "Observers":
@@ -55,6 +58,7 @@ class Observers:
             self.metrics.refresh()
         if self.history is not None and self.history.due():
             self.history.record(self.service.stats())
+        self.hit_log.sample()
 
     def close(self) -> None:
         if self.history is not None:

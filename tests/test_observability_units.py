@@ -583,3 +583,35 @@ def test_a_history_time_no_clock_takes_in_this_time_zone_is_not_a_sample(tmp_pat
     out = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--file", str(path)], capture_output=True,
                          text=True, timeout=60, env={**os.environ, "TZ": "UTC-14"})  # (POSIX: 14 hours east of UTC)
     assert out.returncode == 0 and "1 samples" in out.stdout and "year 10000" not in out.stderr, out.stdout + out.stderr
+
+
+def test_the_hbm_hit_rate_is_logged_once_a_minute_and_warned_about_below_095(service, clock, caplog):
+    """DESIGN: the HBM hit rate "is exported and logged"; it was exported only. A line a minute over
+    that minute, when blocks were read: a warning below 0.95 (HBM under pressure), else info."""
+    from dflash2.daemon.hitlog import HIT_LOG_INTERVAL_S, HitRateLog
+
+    hits = HitRateLog(service, clock=clock)
+    caplog.set_level(logging.INFO, logger="dflash2.daemon")
+    clock.advance(HIT_LOG_INTERVAL_S)
+    hits.sample()
+    assert not [r for r in caplog.records if "hit rate" in r.getMessage()], "nothing read: nothing said"
+    c = _load(service)  # six blocks acquired for HBM, four of them read from DRAM
+    clock.advance(HIT_LOG_INTERVAL_S / 2)
+    hits.sample()
+    assert not [r for r in caplog.records if "hit rate" in r.getMessage()], "not before a minute"
+    clock.advance(HIT_LOG_INTERVAL_S / 2)
+    hits.sample()
+    said = [r for r in caplog.records if "hit rate" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert said[0].getMessage() == ("HBM hit rate 0.333 over the last 60 s (6 block reads, dram 66.7%): below 0.95, "
+                                    "HBM is under pressure")
+    assert said[0].hbm_hit_ratio == 0.3333 and said[0].event == "dflash2_hbm_hit_rate"
+    m = service.manager
+    found = [p.vid for p in m.lookup(list(range(1, 7)), 0)]
+    m.release(c, found)
+    assert m.acquire(c, found) is not None  # all six in HBM now
+    clock.advance(HIT_LOG_INTERVAL_S)
+    hits.sample()
+    said = [r for r in caplog.records if "hit rate" in r.getMessage()][1:]
+    assert [(r.levelno, r.getMessage()) for r in said] == [(logging.INFO, "HBM hit rate 1.000 over the last 60 s "
+                                                                           "(6 block reads)")]
