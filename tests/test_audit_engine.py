@@ -11,7 +11,7 @@ from conftest import SMALL
 from daemon_proc import DaemonProcess
 
 from dflash2.client import DaemonError, chain_keys
-from dflash2.client.client import HeldPlaces
+from dflash2.client.held import HeldPlaces
 from dflash2.errors import ArenaError
 from dflash2.protocol import PLACE_DTYPE
 

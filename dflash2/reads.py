@@ -1,0 +1,201 @@
+"""Reading blocks: lookups of prefix chains, acquires that pin blocks in the tier a reader reads
+from (promoting, prefix first, those below it), the prefetch windows that follow a reader, and the
+hit accounting of each read. A part of BlockManager (a mixin over its table, placement, prefetcher,
+access stats and read costs), apart because a read's path is a job of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dflash2.access import reads_by_origin
+from dflash2.acquire_checks import refuse_dropped, refuse_never_fits, refuse_unmovable
+from dflash2.counts import any_true
+from dflash2.errors import CopiesRunning
+from dflash2.settling import any_in_flight, settle_if
+from dflash2.table import BlockState
+from dflash2.tiers import Tier
+
+if TYPE_CHECKING:
+    from dflash2.manager import Place
+
+
+class Reads:
+    """BlockManager's reads (the attributes they use are BlockManager's)."""
+
+    def lookup(self, keys: Sequence[int], layout_id: int | None = None) -> list[Place]:
+        """The longest cached prefix of a chain of content keys, and where each block lies."""
+        return self.places_of_rows(self.lookup_rows(keys, layout_id))
+
+    def lookup_rows(self, keys: Sequence[int], layout_id: int | None = None, *,
+                    reader: Tier = Tier.HBM, client: int | None = None, probe: bool = False) -> np.ndarray:
+        """Rows of the longest cached prefix. A reader that reads from HBM gets the first window's
+        blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie. For a
+        client whose engine gave its prefill rate, the prefix ends before the first block that
+        would load to `reader` more slowly than the engine recomputes it (not offered as a hit).
+        `probe`: a question about single blocks (is the page before mine cached?), not a request
+        reading its prefix: the duel does not replay it."""
+        rows = self.table.lookup(keys, layout_id)
+        if self.placement.in_flight and self._meets_flight(rows, reader, probe):
+            self.placement.settle()  # (`settled`) it answers where they are, and may prefetch them
+            rows = self.table.lookup(keys, layout_id)
+        if self.duel is not None and not probe:  # (after the settle: a parked lookup runs again, whole)
+            self.duel.offer(keys, layout_id, host_reader=reader != Tier.HBM)
+        if len(rows) and self.read_cost.judges(client):
+            c = self.table.cols
+            worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
+            if not worth.all():
+                cut = int(np.argmin(worth))
+                self.access.withheld += len(rows) - cut
+                rows = rows[:cut]
+        # A probe asks about blocks; no request reads them next: neither prefetched nor followed.
+        if (reader == Tier.HBM and not probe and self.prefetcher.base
+                and self._below_hbm(rows[: self.prefetcher.max_window])):
+            self._follow_up("the prefetch of a lookup",
+                            lambda: self.prefetcher.ahead(self.table.vids(rows), 0, reader=client))
+            # The prefetch may have dropped blocks of the prefix (an NVMe read that failed, and what
+            # hung below it; or room made below HBM): the answer names only blocks still cached,
+            # never a freed row (no tier; its vid would be the next block's in that row).
+            c = self.table.cols
+            cached = (c.state[rows] != int(BlockState.FREE)) & (c.key[rows] != 0)
+            if not cached.all():
+                rows = rows[: int(np.argmin(cached))]
+        if reader == Tier.HBM and not probe and client is not None and len(rows):
+            self.prefetcher.follow(client, self.table.vids(rows))  # the window follows its reads
+        self.access.lookups += 1
+        self.access.lookup_blocks_found += len(rows)
+        self.access.misses += len(keys) - len(rows)
+        return rows
+
+    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> list[Place] | None:
+        """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
+        below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
+        for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
+        be given room for them now (nothing is pinned then); NeverFits when the blocks that must come
+        up exceed the whole tier."""
+        rows = self.acquire_rows(client, vids, up_to, priority)
+        return None if rows is None else self.places_of_rows(rows)
+
+    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
+        """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
+        then from running requests' blocks; with the reading request's `priority` given, only those
+        of that priority or lower (never a higher-priority request's: its own reservation could not
+        take them either), and the blocks read carry at least that priority while held."""
+        if up_to == Tier.NVME or up_to not in self.specs:
+            raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
+        rows = self.table.usable_rows(client, vids)  # validates before anything moves
+        # Where the blocks it waited for came from (vid -> tier), kept while it is parked on them:
+        # for the hit rates, reads from those tiers, though they lie in `up_to` once it runs again.
+        came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
+        self._came_from.pop(client, None)
+        c = self.table.cols
+        flying = (c.state[rows] == int(BlockState.MIGRATING)) & (c.tier[rows] > int(up_to))
+        # A block in flight cannot be pinned, and a promotion is placement work: either settles the
+        # drain copies first. A read of blocks already where it reads them leaves them running.
+        if any_true(flying):
+            # It waits for their copies (a prefetch's window still on its way up from NVMe, another
+            # reader's promotion): DESIGN's HBM hit is a read served "without waiting for a
+            # swap-in", so each is a read from the tier it is coming from. Parked on them, the call
+            # counts as parked on copies of its own (it runs again with `came`).
+            came.update(zip(self.table.vids(rows[flying]).tolist(), c.tier[rows[flying]].tolist()))
+            self._came_from[client] = came
+            try:
+                settle_if(self, rows, placing=True)
+            except CopiesRunning:
+                raise CopiesRunning(own=True) from None
+            del self._came_from[client]
+        else:
+            settle_if(self, rows, placing=any_true(c.tier[rows] > int(up_to)))
+        refuse_dropped(self.table, rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
+        tiers = self.table.cols.tier[rows]
+        below_rows = tiers > int(up_to)  # (as found: the blocks this acquire reads from below `up_to`)
+        promoting = any_true(below_rows)
+        if promoting:
+            # Refused by name before anything moves, not "no room now" (None), which a retry could
+            # never mend: a block pinned below, or still being written, and a promotion (the cached
+            # prefix it brings up first included) that can never fit.
+            refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
+            refuse_never_fits(self.table, self.placement.with_ancestors(rows, up_to), rows, tiers, up_to)
+        below = None if priority is None else priority + 1
+        if promoting and self.placement.parks_own():
+            # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
+            # answers other calls; this call is parked meanwhile (unless they end within
+            # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
+            # (settling.py).
+            came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
+            self._came_from[client] = came
+            with self.placement.own_writes():
+                if self.placement.promote_later(rows, up_to, below_priority=below):
+                    if not self.placement.end_soon():
+                        raise CopiesRunning(own=True)
+                    self.placement.settle()
+                    refuse_dropped(self.table, rows, vids)
+            del self._came_from[client]  # (promoted at once: the tiers below say where from)
+        now = self.table.clock()
+        vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
+        # The prefetches among the blocks read: those the reader's own lookup brought up are reads
+        # from where they came from too (settled only once the read succeeds: `count` below).
+        prefetched = self.prefetcher.peek(vids_read.tolist(), client) if self.prefetcher.pending else None
+        if prefetched is not None and prefetched.own:
+            came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
+        counts = reads_by_origin(tiers, vids_read, up_to, came)
+        self.table.touch(rows, now)
+        self.policy.on_access(self.table, rows, now)
+        if promoting:
+            ok = self.placement.promote(rows, up_to, below_priority=below)
+            if not ok.all():
+                refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
+                return None
+        # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
+        # no room (None) served nothing, and its retry would count the same blocks again.
+        (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
+        if prefetched is not None:
+            self.prefetcher.count(prefetched)
+        self.table.pin_rows(client, rows)
+        if priority is not None:
+            self.table.raise_priority(rows, priority)
+        if up_to == Tier.HBM:
+            self.prefetcher.read_to(client, vids_read.tolist())  # runs after the reply
+        return rows
+
+    def run_prefetch(self) -> None:
+        """The windows due since the last acquires (`Prefetcher.read_to`): the daemon runs this once
+        it has answered the acquire, so that the reader computes while they come up; the tick too.
+        (After every reply: it settles the drain copies in flight only when a window is due.)"""
+        if self.prefetcher.due:
+            if self.placement.read_later and self.copies_running():
+                return  # the loop never waits for copies here: the windows stay due until they have ended
+            self.settle()  # a prefetch promotes (`settled`)
+            self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
+
+    def release(self, client: int, vids) -> None:
+        """Unpin: a pinned block is never in flight (table.py `pin_rows`), so no drain copy is met."""
+        self.table.unpin(client, vids)
+
+    def add_ref(self, client: int, vids, priority: int | None = None) -> None:
+        """A request of this client shares these blocks; with its `priority`, they carry at least
+        that priority (a shared prefix is protected as the highest-priority request using it is).
+        A block in flight is settled first: it was chosen to leave as idle."""
+        settle_if(self, self.table.rows(vids))
+        self.table.add_ref(client, vids)
+        if priority is not None:
+            self.table.raise_priority(self.table.rows(vids), priority)
+
+    def _meets_flight(self, rows: np.ndarray, reader: Tier, probe: bool) -> bool:
+        """Whether a lookup that found `rows` must wait for the drain copies in flight: one of them
+        is in flight (the answer says where each block lies), or it would prefetch (a promotion)."""
+        if not len(rows):
+            return False
+        if any_in_flight(self.table, rows):
+            return True
+        return reader == Tier.HBM and not probe and bool(self.prefetcher.base) and self._below_hbm(
+            rows[: self.prefetcher.max_window])
+
+    def _below_hbm(self, rows: np.ndarray) -> bool:
+        """Whether any of these rows lies below HBM (a cheap test before any prefetch work)."""
+        tier = self.table.cols.tier
+        if len(rows) <= self.table.SMALL:
+            return any(int(tier[r]) > int(Tier.HBM) for r in rows.tolist())
+        return bool((tier[rows] > int(Tier.HBM)).any())
