@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ from dflash2.placement import Watermark
 from dflash2.policy.base import policy_class
 from dflash2.plan import Plan, TierPlan, resolve_plan
 from dflash2.reservations import AdmissionSettings
+from dflash2.table.columns import MAX_FIRST_GEN
 from dflash2.tiers import Tier
 from dflash2.transfer.host import HostTransferBackend
 
@@ -123,7 +125,8 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
     manager = BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
                            swap_batch_size=cfg.policy.swap_batch_size,
                            cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
-                           admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock)
+                           admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock,
+                           first_gen=secrets.randbelow(MAX_FIRST_GEN) + 1)  # (ids differ from a restart's)
     _attach_duel(cfg, manager)
     return manager
 

@@ -55,3 +55,21 @@ def test_a_client_without_heartbeat_learns_it_on_its_next_call(daemon):
         assert c.lease_lost and mapped(names) == []
     finally:
         c.close()
+
+
+def test_a_block_id_of_the_daemon_before_a_restart_names_nothing_on_the_next(daemon):
+    """Block ids carry a generation, which now begins where each daemon start draws it: from 1 every
+    time, the first block of a restarted daemon had the very id of the killed one's first, and an id
+    kept across the restart read the new block, without an error (a review's kill loop)."""
+    from dflash2.client import DaemonError
+
+    c = Client.connect(config=daemon.config_path, name="before", layouts=[SMALL])
+    old = int(c.allocate(c.layouts[0], 1)["vid"][0])
+    c.close()
+    assert daemon.terminate() == 0
+    daemon.start()
+    with Client.connect(config=daemon.config_path, name="after", layouts=[SMALL]) as c:
+        new = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        assert new != old and (new & 0xFFFFFFFF) == (old & 0xFFFFFFFF), "the same row, another generation"
+        with pytest.raises(DaemonError, match="UnknownBlock"):
+            c.acquire([old])

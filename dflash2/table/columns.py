@@ -15,10 +15,15 @@ NO_CLIENT = -1
 # A row whose generation reaches this is retired, never handed out again: one more reuse would wrap
 # the uint32 generation back to 0 and an id from 2**32 reuses ago would name the row's new block.
 GEN_LAST = np.iinfo(np.uint32).max
+# The first generation is at most 2**30: a row is reused 2**30 times or more before its ids, whose
+# generation is their top 32 bits, turn negative (past 2**31), and three times that before it retires.
+MAX_FIRST_GEN = 1 << 30
 
 # name -> (dtype, fill value for a fresh row)
 FIELDS: dict[str, tuple[np.dtype, object]] = {
-    "gen": (np.uint32, 1),  # generation (from 1, so that no virtual id is 0): bumps when a row is reused, so stale virtual ids are caught
+    # generation (from Columns.first_gen, at least 1: no virtual id is 0): bumps when a row is reused, so
+    # stale virtual ids are caught
+    "gen": (np.uint32, 1),
     "state": (np.uint8, 0),  # BlockState
     "tier": (np.int8, -1),
     "layout": (np.uint16, 0),
@@ -42,12 +47,19 @@ _RESET = [(name, spec) for name, spec in FIELDS.items() if name != "gen"]
 
 
 class Columns:
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024, first_gen: int = 1):
+        """`first_gen`: every row's first generation. A daemon draws it at each start (assemble.py):
+        from 1 every time, the first blocks of a restarted daemon had the very ids of the killed
+        one's, and an id kept across the restart read another block without an error (a review's
+        kill loop)."""
         if capacity < 1:  # growth doubles the capacity: from 0 it would never grow
             raise ValueError(f"a block table needs a capacity of at least 1 row, got {capacity}")
+        if not 1 <= first_gen <= MAX_FIRST_GEN:
+            raise ValueError(f"a block table's first generation is in [1, {MAX_FIRST_GEN}], got {first_gen}")
         self.capacity = capacity
+        self.first_gen = first_gen
         for name, (dtype, fill) in FIELDS.items():
-            setattr(self, name, np.full(capacity, fill, dtype=dtype))
+            setattr(self, name, np.full(capacity, first_gen if name == "gen" else fill, dtype=dtype))
         # kids[tier, row]: cached children of the row that lie in each tier (prefix-aware order);
         # tier-major so that "no child in this tier" is one contiguous comparison.
         self.kids = np.zeros((len(TIERS), capacity), dtype=np.int32)
@@ -98,7 +110,7 @@ class Columns:
         old = self.capacity
         new = 2 * old
         for name, (dtype, fill) in FIELDS.items():
-            arr = np.full(new, fill, dtype=dtype)
+            arr = np.full(new, self.first_gen if name == "gen" else fill, dtype=dtype)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
         kids = np.zeros((len(TIERS), new), dtype=np.int32)

@@ -71,10 +71,10 @@ class ClientRefs:
 
 class BlockTable(Publishing, Releasing, LostBlocks, Departures):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
-                 capacity: int = 1024):
+                 capacity: int = 1024, first_gen: int = 1):
         self.allocators = allocators
         self.clock = clock
-        self.cols = Columns(capacity)
+        self.cols = Columns(capacity, first_gen)
         self.keys = KeyIndex(capacity)
         self.layouts: list[Layout] = []
         self._layout_ids: dict[Layout, int] = {}  # each registered layout's id (its place in `layouts`)
