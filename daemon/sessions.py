@@ -57,26 +57,37 @@ def same_token(session: Session, token: str | None) -> bool:
 PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
 
 
+PROCFS = os.path.exists("/proc/self/stat")
+
+
 def pid_alive(pid: int) -> bool:
     """False only when the process certainly does not run: it does not exist, or it has exited
     and waits for its parent to reap it (a zombie with no thread left: its memory and sockets are
-    gone). pid 0 = unknown: assume alive."""
+    gone). pid 0 = unknown: assume alive. Asked of every client in the daemon's pid namespace at
+    every step: one read of /proc/PID/stat, 8 us (a signal 0 and all of /proc/PID/status parsed
+    took 26-46 us, a quarter of the loop with 1,000 clients; a scale review)."""
     if pid <= 0:
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
+    if not PROCFS:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, OverflowError):
+            pass
         return True
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            status = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
     except OSError:
-        return True  # no procfs here, or it went between the two calls: the next tick sees it
-    # A zombie whose threads are all gone (Threads 1: the leader's exit status alone). A leader
-    # that exited while other threads run on (a client in a worker thread) shows Z too: alive.
-    return not (status.get(b"State", b"").strip().startswith(b"Z") and status.get(b"Threads", b"").strip() == b"1")
+        return True
+    # After "(comm)", whose name may hold spaces or parentheses: the state (field 3), ..., the
+    # threads (field 20). A zombie whose threads are all gone (1: the leader's exit status alone);
+    # a leader that exited while other threads run on (a client in a worker thread) shows Z too: alive.
+    fields = stat[stat.rindex(b")") + 2:].split(b" ", 18)
+    return not (fields[0] == b"Z" and fields[17] == b"1")
 
 
 class SetAside:
