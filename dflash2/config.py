@@ -167,7 +167,8 @@ class HeatWeights(_Section):
     priority: float = Field(1.0, ge=0, le=1e6, description="Priority of the owning request.")
     sharing: float = Field(1.0, ge=0, le=1e6, description="Live requests referencing the block.")
     fanout: float = Field(0.0, ge=0, le=1e6, description="Cached blocks descending from it.")
-    stage: float = Field(1.0, ge=0, le=1e6, description="Stage of the request (decoding > finished).")
+    stage: float = Field(1.0, ge=0, le=1e6, description="Stage of the request (decoding > finished): a block a "
+                         "request holds (referenced or pinned) over one every request let go of.")
 
 
 class PolicyConfig(_Section):

@@ -129,6 +129,23 @@ def test_fanout_and_sharing_raise_heat():
     assert s2[0] > s[1]
 
 
+def test_the_stage_weight_ranks_a_block_a_request_holds_over_one_every_request_let_go_of():
+    """The stage term (decoding > finished) read a column no call ever set: its weight changed
+    nothing (a review's script: a weight of 10^6 left the drain's choice as it was). A block a
+    request holds, referenced (its writer's, add_ref) or pinned (acquire), is one it decodes from."""
+    mgr, lid, c = manager(64)
+    mgr.policy.set_weights({"sharing": 0.0, "stage": 0.0})
+    held = mgr.commit(c, mgr.allocate(c, lid, 1), [1])  # its writer still holds it
+    pinned = cache_chain(mgr, lid, c, [2])
+    mgr.acquire(c, pinned)
+    done = cache_chain(mgr, lid, c, [3])  # every request let go of it
+    rows = mgr.table.rows([held[0], pinned[0], done[0]])
+    before = mgr.policy.scores(mgr.table, rows, 0.0)
+    mgr.policy.set_weights({"stage": 5.0})
+    after = mgr.policy.scores(mgr.table, rows, 0.0)
+    assert (after - before).tolist() == pytest.approx([5.0, 5.0, 0.0], abs=1e-3)  # (float32 scores)
+
+
 def test_sketch_counts_and_ages():
     sk = FrequencySketch(width=1 << 10, sample_factor=1)
     keys = np.array([7, 7, 7, 9], dtype=np.uint64)

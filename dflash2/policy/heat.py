@@ -2,7 +2,7 @@
 
     heat = w_frequency·log2 density[class, age]  −  (w_recency [+ w_recency_below below HBM])·0.2·log2(1 + age)
          + w_priority·priority  +  w_sharing·log2(1 + live refs)  +  w_fanout·log2(1 + cached children)
-         + w_stage·stage  +  SPLIT_BONUS · the rank of the block's list in its tier (split.py)
+         + w_stage·[held]  +  SPLIT_BONUS · the rank of the block's list in its tier (split.py)
 
 - *class*: the content key's recent (decayed) reference count, log2-bucketed, from a frequency
   sketch (admission.py). A block that was evicted and is written again (recomputed) comes back with
@@ -15,8 +15,9 @@
   returning; the small log-age slope orders blocks of equal density by recency (LRU within a class).
   Its weight and fan-out's are 0 by default (DEFAULT_WEIGHTS): within the split's lists, recency.
 - priority, sharing (live references), fan-out (cached children: a shared system prompt is hot even
-  while each session is idle) and stage (decoding > finished) come from the block table, weighted
-  by `policy.weights`, changeable at run time (`set_weights`).
+  while each session is idle) and stage (decoding > finished: [held] is 1 while a request holds the
+  block, referenced or pinned, 0 once every request let go of it) come from the block table,
+  weighted by `policy.weights`, changeable at run time (`set_weights`).
 - The adaptive split (split.py, ARC's): a tier's blocks whose key was never referenced before
   (first-timers) and the others (returning) each hold a share of the tier that ghosts of recently
   departed keys move; the list over its share gives up blocks first (SPLIT_BONUS lifts the other
@@ -427,14 +428,20 @@ class HeatPolicy(Policy):
         """Priority, sharing and stage (fan-out is added with the density), each skipped when its
         inputs are all zero."""
         w = self.weights
-        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, log2_1p),
-                                 ("stage", c.stage, None)):
+        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, log2_1p)):
             if not w[name]:
                 continue
             values = column[rows]
             if not values.any():
                 continue
             heat += np.float32(w[name]) * (values if fn is None else fn(values))
+        if w["stage"]:
+            # The request's stage, as the daemon sees it: a block a request holds (referenced or
+            # pinned) is one it still decodes from; one that every request let go of, finished.
+            # (A `stage` column that no call ever set stood here: the weight changed nothing.)
+            held = (c.refs[rows] > 0) | (c.pins[rows] > 0)
+            if held.any():
+                heat += np.float32(w["stage"]) * held
 
     def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
         """Vectorised over the given rows, in float32 (a million-block pass is dominated by

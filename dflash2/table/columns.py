@@ -39,7 +39,6 @@ FIELDS: dict[str, tuple[np.dtype, object]] = {
     "hits": (np.float32, 0.0),  # accesses since the block was written
     "priority": (np.int8, 0),  # its writer's, raised while requests of higher priority hold it
     "base_priority": (np.int8, 0),  # its writer's (the higher one if a commit deduplicated it)
-    "stage": (np.int8, 0),  # RequestStage of the owning request
 }
 
 

@@ -259,8 +259,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
-                 request: int = 0, priority: int = 0, stage: int = 0,
-                 state: BlockState = S.WRITING) -> np.ndarray | None:
+                 request: int = 0, priority: int = 0, state: BlockState = S.WRITING) -> np.ndarray | None:
         """n private blocks of the client in `tier`, in state WRITING (or RESERVED for a reservation).
         None when the tier has no room: nothing changes and the caller makes room or defers."""
         holder = self.client(client_id)
@@ -282,7 +281,6 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         c.request[rows] = request
         c.priority[rows] = priority
         c.base_priority[rows] = priority
-        c.stage[rows] = stage
         c.refs[rows] = 1
         c.last_access[rows] = self.clock()
         holder.refs.update(rows.tolist())  # (new rows: counted in C, not one Python step per row)
