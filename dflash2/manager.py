@@ -213,12 +213,7 @@ class BlockManager(Reads):
             return self._held_back(ahead, priority, held)
         if vids is None:
             settle_if(self, placing=True)  # making room moves and evicts blocks
-            need = n * slot + held
-            if self.placement.lower(tier) is not None:
-                # Demote a whole batch at once, not block by block: a stream of one-block
-                # allocations would otherwise cost one swap batch (and one copy launch) per block.
-                # (On the last tier making room drops blocks: never more than asked.)
-                need = max(need, min(self.mover.swap_batch_size * slot, self._free_bytes_at_low_watermark(tier)))
+            need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
@@ -388,8 +383,9 @@ class BlockManager(Reads):
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
             "copy_batches": {} if self.backend is None else self.backend.copy_batches(),
             "placement": dataclasses.asdict(self.placement.stats),
+            # pending: prefetched, in HBM, not read yet (useful once read, wasted once gone unread)
             "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,
-                         "wasted": self.prefetcher.wasted},
+                         "wasted": self.prefetcher.wasted, "pending": self.prefetcher.pending},
             "reservations": self.admission.snapshot(),
             "clients": len(self.table.clients) - len(self.set_aside_clients),
             # blocks: their private blocks kept out of reuse; pinned: blocks they had pinned, kept
@@ -414,11 +410,6 @@ class BlockManager(Reads):
                 log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
-    def _free_bytes_at_low_watermark(self, tier: Tier) -> int:
-        """Free bytes the tier would have at its low watermark (what a batch of demotions may aim at)."""
-        alloc = self.table.allocators[tier]
-        return int((1.0 - self.placement.watermarks[tier].low) * alloc.capacity_bytes)
-
     def places_of_rows(self, rows: np.ndarray) -> list[Place]:
         c = self.table.cols
         vids = self.table.vids(rows)

@@ -32,6 +32,8 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
 | dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, orphaned (cached children dropped with a lost parent), not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
+| dflash2_prefetch_blocks_total{gpu,result} | counter | prefetched blocks read while still in HBM (useful) or gone from HBM unread (wasted) |
+| dflash2_prefetch_pending_blocks{gpu} / dflash2_prefetch_window_blocks{gpu} | gauge | prefetched blocks in HBM not read yet / the window now (kv_block.prefetch_window, doubled while HBM is below its low watermark) |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves (absent until 1 MiB has moved that way) |
@@ -274,6 +276,15 @@ def _access_families(st: dict):
     yield _counter("dflash2_lookup_withheld_blocks",
                    "Cached blocks a lookup did not offer: loading them costs more than recomputing them.",
                    samples=[((), st.get("lookup_withheld", 0))])
+    pools = _pools(st)
+    yield _counter("dflash2_prefetch_blocks", "Prefetched blocks read while still in HBM (useful) or gone from HBM "
+                   "unread (wasted).", ["gpu", "result"],
+                   [((gpu, r), pool["prefetch"][r]) for gpu, pool in pools.items() for r in ("useful", "wasted")])
+    yield _gauge("dflash2_prefetch_pending_blocks", "Prefetched blocks in HBM not read yet.", ["gpu"],
+                 [((gpu,), pool["prefetch"]["pending"]) for gpu, pool in pools.items()])
+    yield _gauge("dflash2_prefetch_window_blocks", "Blocks a reader's prefetch brings up ahead of its reads now "
+                 "(kv_block.prefetch_window, doubled while HBM is below its low watermark).", ["gpu"],
+                 [((gpu,), pool["prefetch"]["window"]) for gpu, pool in pools.items()])
     # Per GPU pool (a node of several keeps one measurement per pool, under `devices`).
     yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves.",
                  ["gpu", "direction"], [((gpu, d), bw) for gpu, pool in _pools(st).items()

@@ -33,6 +33,14 @@ from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.placement")
+# A promotion's or a reservation's room is made a swap batch at a time, but no more than this share
+# of the tier, and only where that is ROOM_BATCH_MIN blocks or more (`room_batch`): a tier under
+# 65,536 blocks makes room for each call's own blocks, as before. Made in batches, it changed which
+# blocks stay: up to the low watermark, as an allocation's, the policy bench's prefix hit rate fell
+# 1.6% (synthetic trace, HBM 2,000 and DRAM 8,000 blocks); two blocks at a time, 0.7%. On small
+# tiers a pass over the table is cheap (1 ms at 10,000 blocks); at a million, a call's 6.4 ms.
+ROOM_BATCH_SHARE = 1024
+ROOM_BATCH_MIN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,14 +503,36 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         self.stats.evicted_bytes += nbytes
         return True
 
+    def room_batch(self, tier: Tier, need: int, slot: int, share: bool = False) -> int:
+        """The room to make in `tier` for `need` bytes of blocks in slots of `slot` bytes: where its
+        blocks go down (not dropped), a whole swap batch at once, up to the tier's low watermark
+        (`share`: and no more than ROOM_BATCH_SHARE of the tier, where that is ROOM_BATCH_MIN blocks).
+        Block by block, a stream of small allocations, reservations or promotions into a full tier
+        paid a selection pass over the whole table each (reserve 32 blocks 6.4 ms at a million
+        blocks against allocate's 0.4, a scale review), and a swap batch (a copy launch) each. On
+        the last tier, making room drops blocks: never more than asked."""
+        if self.lower(tier) is None:
+            return need
+        alloc = self.table.allocators[tier]
+        most = int((1.0 - self.watermarks[tier].low) * alloc.capacity_bytes)
+        if share:
+            most = min(most, alloc.capacity_bytes // ROOM_BATCH_SHARE)
+            if most < ROOM_BATCH_MIN * slot:
+                return need  # (a small tier: ROOM_BATCH_SHARE)
+        return max(need, min(self.mover.swap_batch_size * slot, most))
+
     def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray, **pick) -> None:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
         blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
         asking for its own slots plus those of the larger sizes (they may take the same pages).
-        `pick`: which blocks may go (make_room's idle_only, below_priority)."""
+        `pick`: which blocks may go (make_room's idle_only, below_priority); idle blocks go a swap
+        batch at a time (`room_batch`), a lower-priority request's only as many as needed."""
         block = self.table.block_bytes(rows)
         slot = self._slot_bytes(tier, rows)
         need = 0
         for size in sorted(set(block.tolist()), reverse=True):
             need += int(slot[block == size].sum())
-            self.make_room(tier, need, protect=protect, block_bytes=size, **pick)
+            ask = need
+            if pick.get("idle_only") and self._free_or_leaving(tier, size) < need:  # (room there: none made)
+                ask = self.room_batch(tier, need, int(slot[block == size].max()), share=True)
+            self.make_room(tier, ask, protect=protect, block_bytes=size, **pick)

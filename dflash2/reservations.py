@@ -300,7 +300,7 @@ class Admission:
                 return False
             before = self._room(res)
             self._room_tried = res.id
-            self._make_room(res, need)
+            self._make_room(res, need, before + int(self._bucket))
             self._bucket -= max(0, self._room(res) - before)
         vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,
                                    request=res.request, priority=res.priority, state=BlockState.RESERVED)
@@ -317,10 +317,15 @@ class Admission:
         """HBM bytes that this reservation's blocks could take now (slots of their size)."""
         return self.placement.free_bytes(Tier.HBM, res.block_bytes)
 
-    def _make_room(self, res: Reservation, need: int) -> None:
+    def _make_room(self, res: Reservation, need: int, most: int) -> None:
+        """Room for `res` (`need` bytes of HBM), `most` at most (what the bucket pays for)."""
         size = res.block_bytes
-        # Idle blocks first (nobody references them), whatever their writer's priority.
-        self.placement.make_room(Tier.HBM, need, idle_only=True, block_bytes=size)
+        # Idle blocks first (nobody references them), whatever their writer's priority, a swap
+        # batch at a time (`room_batch`) as far as the bucket pays for it: the next reservations
+        # find that room made.
+        batch = self.placement.room_batch(Tier.HBM, need, self.table.slot_bytes(res.layout_id, Tier.HBM),
+                                          share=True)
+        self.placement.make_room(Tier.HBM, max(need, min(batch, most)), idle_only=True, block_bytes=size)
         if self.settings.preemption and self._room(res) < need:
             # Preemption: running requests of strictly lower priority give up their unpinned blocks.
             self.placement.make_room(Tier.HBM, need, below_priority=res.priority, block_bytes=size)

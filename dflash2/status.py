@@ -85,6 +85,11 @@ def render(st: dict) -> str:
     placement = st.get("placement", {})
     if placement:
         lines.append("placement: " + _brief(placement))
+    for gpu, pool in (st.get("devices") or {None: st}).items():
+        pre = pool.get("prefetch") or {}
+        if pre.get("window"):  # (0: prefetch off)
+            lines.append(f"prefetch{'' if gpu is None else f' (GPU {gpu})'}: window {pre['window']} blocks; "
+                         f"useful {pre.get('useful', 0)}, wasted {pre.get('wasted', 0)}, pending {pre.get('pending', 0)}")
     lines += _policy_lines(st)
     # Measured per GPU pool (a node of several keeps them under `devices`).
     measured = {gpu: pool.get("read_cost", {}).get("bytes_per_s", {})

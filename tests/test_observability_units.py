@@ -615,3 +615,33 @@ def test_the_hbm_hit_rate_is_logged_once_a_minute_and_warned_about_below_095(ser
     said = [r for r in caplog.records if "hit rate" in r.getMessage()][1:]
     assert [(r.levelno, r.getMessage()) for r in said] == [(logging.INFO, "HBM hit rate 1.000 over the last 60 s "
                                                                            "(6 block reads)")]
+
+
+def test_prefetches_are_counted_in_metrics_and_status_with_those_not_read_yet(make_manager, clock):
+    """The prefetch's useful and wasted blocks were in the stats reply alone: now metrics and
+    `dflash2 status` show them per GPU pool, with the window, and those prefetched but not read
+    yet (pending: neither useful nor wasted until read or gone)."""
+    from dflash2.status import render
+
+    mgr = make_manager(hbm_blocks=16, dram_blocks=16, prefetch_window=2)
+    svc = Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+    c = _call(svc, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
+    keys = list(range(1, 9))
+    vids = mgr.allocate(c, 0, 8, tier=Tier.DRAM)  # a chain in DRAM: a lookup's prefetch brings it up
+    mgr.free(c, mgr.commit(c, vids, keys))
+    found = mgr.lookup_rows(keys, 0, client=c)
+    assert len(found) == 8 and mgr.prefetcher.pending >= 2  # the first window came up (doubled: HBM is empty)
+    assert mgr.acquire(c, mgr.table.vids(found[:1])) is not None  # one of the two read
+    metrics = DaemonMetrics(svc)
+    metrics.attach()
+    metrics.refresh(force=True)
+    got = scrape(metrics)
+    pre = svc.stats()["prefetch"]
+    assert pre["useful"] >= 1 and pre["pending"] >= 1, pre
+    for result in ("useful", "wasted"):
+        assert got[("dflash2_prefetch_blocks_total", (("gpu", "0"), ("result", result)))] == pre[result]
+    assert got[("dflash2_prefetch_pending_blocks", (("gpu", "0"),))] == pre["pending"]
+    assert got[("dflash2_prefetch_window_blocks", (("gpu", "0"),))] == pre["window"] > 0
+    st = svc.stats()
+    assert (f"prefetch: window {pre['window']} blocks; useful {pre['useful']}, wasted {pre['wasted']}, "
+            f"pending {pre['pending']}") in render(st)

@@ -205,7 +205,7 @@ def test_lookup_prefetches_the_first_window_and_reads_count_it(make_manager, clo
     assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 4
     mgr.acquire(a, chain)
     assert mgr.access.reads[Tier.HBM] == 4, "every read was served from HBM without waiting"
-    assert mgr.stats()["prefetch"] == {"window": 4, "useful": 4, "wasted": 0}
+    assert mgr.stats()["prefetch"] == {"window": 4, "useful": 4, "wasted": 0, "pending": 0}
     mgr.release(a, chain)
     # HBM full above its high watermark: back to the configured window
     filler = mgr.allocate(a, lid, 4)
