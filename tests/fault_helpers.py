@@ -101,3 +101,26 @@ def idle_blocks_in(mgr, clock, tier: Tier, n: int, first_key: int = 1) -> None:
 def full_disk(offsets, sources):
     """An NVMe arena's write_blocks on a full disk."""
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def drained_down(m, tier: Tier) -> None:
+    """`tier` (64 blocks) drained to its low watermark, its blocks moved down, none dropped."""
+    placed = m.stats()["placement"]
+    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
+    assert m.stats()["tiers"][tier.label]["blocks"] <= int(m.placement.watermarks[tier].low * 64) + 1
+    m.check_invariants()
+
+
+def failing_disk(m, monkeypatch) -> tuple[list[bool], list[int]]:
+    """NVMe's writes fail with ENOSPC while `failing[0]`; `writes` lists each batch's size."""
+    nvme = m.arenas[Tier.NVME]
+    write, writes, failing = nvme.write_blocks, [], [True]
+
+    def disk(offsets, sources):
+        writes.append(len(offsets))
+        if failing[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(offsets, sources)
+
+    monkeypatch.setattr(nvme, "write_blocks", disk)
+    return failing, writes

@@ -3,7 +3,6 @@ dropping idle copies, never what no request asked for; HBM drains into the room 
 
 Real host managers (fault_helpers): 64 blocks each of HBM and DRAM, 128 of NVMe."""
 
-import errno
 import logging
 
 import numpy as np
@@ -11,7 +10,19 @@ import pytest
 
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
-from fault_helpers import LAYOUT, full_disk, idle_blocks_in, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
+from fault_helpers import (LAYOUT, drained_down, failing_disk, full_disk, idle_blocks_in, make_mgr, mgr,  # noqa: F401
+                           pattern, publish)  # (fixtures imported)
+
+
+def nvme_backing_off(mgr, monkeypatch, backoff: tuple[float, float]):
+    """NVMe backs off (`backoff`: until when, for how long) on the placement's clock, which reads
+    100 s now; a step's drain may run to its end (a loaded machine cut its 50 ms short).
+    Returns the placement and its clock (a one-item list)."""
+    pl, now = mgr.placement, [100.0]
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    pl.write_backoff[Tier.NVME] = backoff
+    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 30.0)
+    return pl, now
 
 
 @pytest.mark.parametrize("policy", ["heat", "lru"])
@@ -55,15 +66,7 @@ def test_a_tier_whose_writes_fail_takes_no_blocks_until_its_back_off_ends(mgr, m
     lid = mgr.register_layout(LAYOUT)
     for c in range(12):  # HBM and DRAM full, NVMe half
         publish(mgr, a, lid, [1000 * c + i + 1 for i in range(16)])
-    nvme = mgr.arenas[Tier.NVME]
-    write, writes, failing = nvme.write_blocks, [], [True]
-
-    def disk(offsets, sources):
-        writes.append(len(offsets))
-        if failing[0]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write(offsets, sources)
-    monkeypatch.setattr(nvme, "write_blocks", disk)
+    failing, writes = failing_disk(mgr, monkeypatch)
     key = [100000]
 
     def one_request():
@@ -191,11 +194,7 @@ def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_
     blocks and their NVMe descendants that no allocation asked for (soak 2: one failed batch dropped
     DRAM from 0.969 to 0.50). It waits, keeping its cut, and moves them once NVMe takes writes again."""
     idle_blocks_in(mgr, clock, Tier.DRAM, 62)
-    pl = mgr.placement
-    now = [100.0]
-    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
-    pl.write_backoff[Tier.NVME] = (101.0, 1.0)  # as after a failed write
-    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 30.0)  # time enough to drain all of it in one step (a loaded machine)
+    pl, now = nvme_backing_off(mgr, monkeypatch, (101.0, 1.0))  # as after a failed write
     assert pl.lower(Tier.DRAM) is None
     mgr.tick()
     assert Tier.DRAM in pl.draining and not mgr.draining(), "draining, but waiting: the idle loop must not spin"
@@ -203,10 +202,7 @@ def test_a_drain_waits_while_nvme_backs_off_instead_of_dropping_what_no_request_
     now[0] = 101.5  # the back-off is over
     assert mgr.draining()
     mgr.tick()
-    placed = mgr.stats()["placement"]
-    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
-    assert mgr.stats()["tiers"]["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].low * 64) + 1
-    mgr.check_invariants()
+    drained_down(mgr, Tier.DRAM)
 
 
 def test_hbm_drains_into_dram_while_nvme_backs_off(mgr, monkeypatch, clock):
@@ -214,11 +210,7 @@ def test_hbm_drains_into_dram_while_nvme_backs_off(mgr, monkeypatch, clock):
     into DRAM, which needs no NVMe write to take blocks. Before, HBM stayed over its high watermark
     for the whole back-off (up to 60 s, again and again on a full disk) over an empty DRAM."""
     idle_blocks_in(mgr, clock, Tier.HBM, 62)
-    pl = mgr.placement
-    now = [100.0]
-    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
-    pl.write_backoff[Tier.NVME] = (160.0, 60.0)  # as after long failing retries
-    monkeypatch.setattr(pl, "REBALANCE_BUDGET_S", 30.0)  # time enough to drain all of it in one step (a loaded machine)
+    pl, now = nvme_backing_off(mgr, monkeypatch, (160.0, 60.0))  # as after long failing retries
     mgr.tick()
     placed, tiers = mgr.stats()["placement"], mgr.stats()["tiers"]
     assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
@@ -271,10 +263,7 @@ def test_a_drain_whose_writes_fail_as_it_runs_drops_nothing(mgr, monkeypatch, cl
     monkeypatch.setattr(nvme, "write_blocks", write)
     now[0] += 2.0  # the back-off is over, the disk has room again
     mgr.tick()
-    placed = mgr.stats()["placement"]
-    assert placed["evicted"] == 0 and placed["demoted"] > 0, placed
-    assert mgr.stats()["tiers"]["dram"]["blocks"] <= int(pl.watermarks[Tier.DRAM].low * 64) + 1
-    mgr.check_invariants()
+    drained_down(mgr, Tier.DRAM)
 
 
 def test_hbm_drains_into_dram_only_where_dram_has_slots_of_its_size(mgr, monkeypatch, clock):

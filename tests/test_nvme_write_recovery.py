@@ -21,34 +21,19 @@ from dflash2.arena.nvme import HEADER_BYTES
 from dflash2.errors import ArenaError
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
-from fault_helpers import LAYOUT, idle_blocks_in, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
+from fault_helpers import LAYOUT, failing_disk, idle_blocks_in, make_mgr, mgr, pattern, publish  # noqa: F401  (fixtures)
 
 SLOT = LAYOUT.block_bytes  # 16 KiB: a multiple of the NVMe alignment, so a block's slot is its size
-
-
-def full_disk(m, monkeypatch) -> tuple[list[bool], list[int]]:
-    """NVMe's writes fail with ENOSPC while `failing[0]`; `writes` lists each batch's size."""
-    nvme = m.arenas[Tier.NVME]
-    write, writes, failing = nvme.write_blocks, [], [True]
-
-    def disk(offsets, sources):
-        writes.append(len(offsets))
-        if failing[0]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write(offsets, sources)
-
-    monkeypatch.setattr(nvme, "write_blocks", disk)
-    return failing, writes
 
 
 def backing_off_for(m, monkeypatch, seconds: float):
     """With DRAM over its high watermark (filled by the caller) and NVMe's disk full: steps until NVMe
     backs off for `seconds` (1, 2, 4, ...: each failed retry of the drain doubles it). Returns the
-    placement's clock (a one-item list), and full_disk's `failing` and `writes`."""
+    placement's clock (a one-item list), and failing_disk's `failing` and `writes`."""
     pl = m.placement
     now = [100.0]
     monkeypatch.setattr(pl, "monotonic", lambda: now[0])
-    failing, writes = full_disk(m, monkeypatch)
+    failing, writes = failing_disk(m, monkeypatch)
     m.tick()
     while pl.write_backoff[Tier.NVME][1] < seconds:
         now[0] = pl.write_backoff[Tier.NVME][0]  # over: the drain writes again, fails, backs off twice as long
