@@ -57,7 +57,26 @@ def same_token(session: Session, token: str | None) -> bool:
 PID_MAX = 1 << 22  # the kernel's largest pid (pid_max can be at most this)
 
 
-PROCFS = os.path.exists("/proc/self/stat")
+def _own_procfs() -> bool:
+    """Whether /proc is this process's pid namespace's (not one mounted from another: its pids
+    would name other processes)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+PROCFS = _own_procfs()
+
+
+def _signal_says_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return True
 
 
 def pid_alive(pid: int) -> bool:
@@ -65,22 +84,18 @@ def pid_alive(pid: int) -> bool:
     and waits for its parent to reap it (a zombie with no thread left: its memory and sockets are
     gone). pid 0 = unknown: assume alive. Asked of every client in the daemon's pid namespace at
     every step: one read of /proc/PID/stat, 8 us (a signal 0 and all of /proc/PID/status parsed
-    took 26-46 us, a quarter of the loop with 1,000 clients; a scale review)."""
+    took 26-46 us, a quarter of the loop with 1,000 clients; a scale review). A process /proc does
+    not show (mounted with hidepid=2, a process that is not dumpable) is asked by a signal: it
+    was taken for gone, and its client detached while it ran (a review's script)."""
     if pid <= 0:
         return True
     if not PROCFS:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, OverflowError):
-            pass
-        return True
+        return _signal_says_alive(pid)
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except FileNotFoundError:
-        return False
+        return _signal_says_alive(pid)
     except OSError:
         return True
     # After "(comm)", whose name may hold spaces or parentheses: the state (field 3), ..., the

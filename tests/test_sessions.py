@@ -378,3 +378,26 @@ def test_undos_hold_their_own_ids_and_a_bounded_number_of_them(service, monkeypa
     assert big.result["allocated"] and list(session.undo) == [6] and session.undo_ids == 6
     assert call(service, Op.FORGET, c, {"call": 6}, call_id=7).result == {"undone": True}
     assert session.undo_ids == 0 and hbm_used(service) == 3 * 2  # calls 1 and 2 (pushed out) and 3 hold theirs
+
+
+def test_a_process_that_proc_does_not_show_is_asked_by_a_signal(monkeypatch):
+    """/proc mounted with hidepid=2 hides a process that is not dumpable, and a /proc from another
+    pid namespace names other processes: a running client was taken for gone, its client detached
+    and its blocks freed while it ran (a review's script, `unshare --pid --fork`). A pid that /proc
+    does not show is asked by signal 0; a /proc that is not the daemon's namespace's is not read."""
+    import builtins
+
+    from dflash2.daemon import sessions
+
+    real_open = builtins.open
+
+    def hiding(path, *a, **kw):
+        if str(path) == f"/proc/{os.getpid()}/stat":
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", hiding)
+    assert sessions.pid_alive(os.getpid()), "running: /proc does not show it"
+    assert not sessions.pid_alive(sessions.PID_MAX - 1), "no such process"
+    monkeypatch.setattr(os, "readlink", lambda path: "1")  # /proc of another namespace
+    assert sessions._own_procfs() is False
