@@ -27,7 +27,7 @@ with threads.stop_signals_blocked():
     from dflash2.config import Config, check_environment, config_warnings, load_config, require_enabled
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
     from dflash2.logs import console_line
-    from dflash2.plan import Plan, resolve_plan
+    from dflash2.plan import Plan, resolve_plan, rounding_warnings
     from dflash2.policy.base import policy_class, policy_names
 
 EXIT_OK = 0
@@ -96,6 +96,7 @@ def _main(args: argparse.Namespace) -> int:
         check_policy(cfg)
         plan = resolve_plan(cfg)
         warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
+        warnings += rounding_warnings(plan)
         check_paths(plan, history=cfg.history_enabled)
     except ConfigError as exc:
         _warn_all(fmt, warnings)

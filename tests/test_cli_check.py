@@ -125,6 +125,20 @@ def test_config_warnings_are_printed(write, tmp_path):
     assert "warning: policy.cold_threshold" in result.stderr
 
 
+def test_blocks_much_smaller_than_a_tiers_slots_are_warned_about(write, tmp_path):
+    """DRAM and NVMe slots are 4 KiB aligned (O_DIRECT): 1 KiB blocks took 4 KiB slots, three
+    quarters of those tiers held nothing (a scale review: 1.37 GB of rounding in 2 GiB of DRAM), and
+    --check showed it only as a block count. A layout of 4 KiB blocks or more is not warned about."""
+    small = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 32, "dtype": "bf16"}  # 2 x 16 x 32 x 2 = 2 KiB
+    data = {**GOOD, "kv_block": {"block_size": 16}, "layouts": {"small": small, "big": {**small, "num_layers": 2}}}
+    result = dflash2d("--config", str(write(data)), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "slots of" in line]
+    assert warned == ["warning: layouts.small: its blocks of 2048 bytes take slots of 4096 bytes in dram and nvme "
+                      "(4096-byte alignment): 50% of those tiers would hold nothing; a larger kv_block.block_size "
+                      "(tokens per block) wastes less"], result.stderr
+
+
 def test_shipped_default_config_checks(tmp_path):
     result = dflash2d("--config", str(ROOT / "dflash2_config.json"), "--check", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
