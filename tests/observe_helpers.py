@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import zmq
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -141,3 +142,36 @@ def scrape(metrics) -> dict:
             assert set(s.labels) <= BOUNDED_LABELS, (s.name, s.labels)
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+@pytest.fixture
+def service(make_manager, clock):
+    """A Service over a small metadata-only manager (HBM 8 blocks, DRAM 16) on the test's clock."""
+    from dflash2.daemon.service import Service
+
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16)
+    return Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+
+
+def call_ok(service, op, client=None, args=None, arrays=None):
+    """A call through the service's request path, which must succeed."""
+    token = service.sessions[client].token if client is not None else None
+    reply = service.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays, token=token)))
+    assert reply.ok, reply.error_message
+    return reply
+
+
+def load(service) -> int:
+    """Six blocks cached, four pushed to DRAM by a later allocation, then all six acquired."""
+    from conftest import SMALL
+
+    c = call_ok(service, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
+    m = service.manager
+    vids = m.allocate(c, 0, 6)
+    m.commit(c, vids, list(range(1, 7)))
+    m.free(c, vids)
+    m.free(c, m.allocate(c, 0, 6))
+    found = [p.vid for p in m.lookup(list(range(1, 7)), 0)]
+    m.add_ref(c, found)
+    assert m.acquire(c, found) is not None
+    return c

@@ -1,4 +1,4 @@
-"""Metrics, history, logs and `dflash2 history` in-process, over a small real host manager."""
+"""Metrics, logs and `dflash2 status` in-process, over a small real host manager."""
 
 from __future__ import annotations
 
@@ -6,53 +6,22 @@ import io
 import json
 import logging
 import math
-import os
 
 import pytest
 
-from dflash2 import cli
 from dflash2 import protocol as P
 from dflash2.daemon.service import Service
-from dflash2.history import History, decode, rates, read_file
 from dflash2.logs import JsonFormatter, TextFormatter, configure, event
 from dflash2.metrics import DaemonMetrics
 from dflash2.tiers import Tier
 from conftest import SMALL
-from observe_helpers import scrape
-
-
-
-@pytest.fixture
-def service(make_manager, clock):
-    mgr = make_manager(hbm_blocks=8, dram_blocks=16)
-    return Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
-
-
-def _call(service, op, client=None, args=None, arrays=None):
-    token = service.sessions[client].token if client is not None else None
-    reply = service.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays, token=token)))
-    assert reply.ok, reply.error_message
-    return reply
-
-
-def _load(service) -> int:
-    """Six blocks cached, four pushed to DRAM by a later allocation, then all six acquired."""
-    c = _call(service, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
-    m = service.manager
-    vids = m.allocate(c, 0, 6)
-    m.commit(c, vids, list(range(1, 7)))
-    m.free(c, vids)
-    m.free(c, m.allocate(c, 0, 6))
-    found = [p.vid for p in m.lookup(list(range(1, 7)), 0)]
-    m.add_ref(c, found)
-    assert m.acquire(c, found) is not None
-    return c
+from observe_helpers import call_ok, load, scrape, service  # noqa: F401  (a fixture)
 
 
 def test_metrics_mirror_the_stats_and_observe_events(service):
     metrics = DaemonMetrics(service)
     metrics.attach()
-    _load(service)
+    load(service)
     metrics.after_tick(late_s=0.002, seconds=0.0005)
     st = service.stats()
     got = scrape(metrics)
@@ -81,7 +50,7 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
     service = Service(make_manager(hbm_blocks=8, dram_blocks=16, policy="heat"), lease_timeout_s=10,
                       heartbeat_interval_s=1, clock=clock)
     metrics = DaemonMetrics(service)
-    _load(service)
+    load(service)
     metrics.refresh(force=True)
     policy = service.stats()["policy"]
     assert policy["name"] == "heat"
@@ -132,7 +101,7 @@ def test_the_heat_policys_split_and_admission_gate_are_metrics_per_gpu_pool(make
 def test_policies_without_a_split_have_no_policy_families(service):
     assert service.stats()["policy"]["name"] == "lru"
     metrics = DaemonMetrics(service)
-    _load(service)
+    load(service)
     metrics.refresh(force=True)
     assert not [k for k in scrape(metrics) if k[0].startswith("dflash2_policy_")]
 
@@ -142,7 +111,7 @@ def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
     mechanism (tests/test_gpu_nodes.py checks them on a GPU), summed over the node's pools."""
     from dflash2.daemon.poolstats import sum_stats
     metrics = DaemonMetrics(service)
-    _load(service)
+    load(service)
     metrics.refresh(force=True)
     assert service.stats()["copy_batches"] == {}
     assert not [k for k in scrape(metrics) if k[0].startswith("dflash2_copy_batches")]
@@ -158,7 +127,7 @@ def test_gpu_copy_mechanisms_are_counted_only_where_there_are_several(service):
 def test_the_scrape_reads_the_snapshot_not_the_manager(service):
     metrics = DaemonMetrics(service, snapshot_interval_s=3600)
     metrics.refresh(force=True)
-    _load(service)  # changes after the snapshot are not seen until the owner refreshes it
+    load(service)  # changes after the snapshot are not seen until the owner refreshes it
     assert scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] == 0
     metrics.refresh(force=True)
     assert scrape(metrics)[("dflash2_tier_blocks", (("tier", "hbm"),))] > 0
@@ -168,94 +137,6 @@ def test_hit_ratio_is_nan_before_any_read(service):
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
     assert math.isnan(scrape(metrics)[("dflash2_hbm_hit_ratio", ())])
-
-
-def test_history_is_bounded_persisted_and_reloaded(service, tmp_path, clock):
-    path = tmp_path / "history.jsonl"
-    h = History(interval_s=1.0, max_samples=3, path=path, clock=clock)
-    for _ in range(5):
-        assert h.due()
-        h.record(service.stats())
-        assert not h.due()
-        clock.advance(1.0)
-    assert [s["t"] for s in h.since()] == [1002.0, 1003.0, 1004.0]
-    assert [s["t"] for s in h.since(1.5)] == [1004.0]
-    assert decode(History.encode(h.since())) == h.since()
-    assert len(read_file(path)) == 5
-    again = History(max_samples=3, path=path, clock=clock)
-    assert again.since() == h.since()
-
-
-def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
-    # Two daemons given one daemon.state_dir: the second keeps its history in memory and says why,
-    # rather than interleaving its samples into the first one's file.
-    from types import SimpleNamespace
-
-    from dflash2.history import make_history
-
-    cfg = SimpleNamespace(history_enabled=True)
-    first = make_history(cfg, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
-        second = make_history(cfg, tmp_path)
-    assert first.path == tmp_path / "history.jsonl" and second.path is None
-    assert f"written by another daemon (pid {os.getpid()})" in caplog.text
-    first.close()
-    third = make_history(cfg, tmp_path)  # the folder is free again once the first one stops
-    assert third.path == tmp_path / "history.jsonl"
-    third.close()
-    second.close()
-
-
-def test_history_op_answers_when_off_and_on(service, clock):
-    reply = _call(service, P.Op.HISTORY)
-    assert reply.result == {"enabled": False, "interval_s": None, "count": 0}
-    service.history = History(clock=clock)
-    service.history.record(service.stats())
-    reply = _call(service, P.Op.HISTORY, args={"since_s": 60})
-    assert reply.result["count"] == 1 and decode(reply.arrays[0])[0]["t"] == clock.now
-
-
-def test_rates_skip_a_restart_and_give_bandwidth():
-    def s(t, hbm_reads, dram_reads, moved):
-        return {"t": t, "reads": {"hbm": hbm_reads, "dram": dram_reads},
-                "swaps": {"dram->hbm": {"bytes": moved}}}
-
-    r = rates([s(0, 0, 0, 0), s(2, 30, 10, 4000), s(3, 0, 0, 0), s(4, 5, 0, 0)])
-    assert [x["t"] for x in r] == [2, 4]
-    assert r[0]["hbm_hit_ratio"] == 0.75 and r[0]["swap_bps"] == {"dram->hbm": 2000.0}
-    assert r[1]["hbm_hit_ratio"] == 1.0
-
-
-def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, clock, capsys):
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    h.record(service.stats())
-    _load(service)
-    clock.advance(1)
-    h.record(service.stats())
-    assert cli.main(["history", "--file", str(path)]) == 0
-    text = capsys.readouterr().out
-    assert "hbm use" in text and "2 samples" in text
-    assert cli.main(["history", "--file", str(path), "--json", "--since", "10m"]) == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert lines == read_file(path)
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "h.png"
-    assert cli.main(["history", "--file", str(path), "--plot", str(png)]) == 0
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
-    # No socket file: said at once (as `dflash2 status` does), exit 1 like status, not a usage error.
-    assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/none.sock"]) == 1
-    err = capsys.readouterr().err
-    assert "the socket file does not exist" in err and err.count("running?") == 1, err  # (asked once)
-    # A socket file nobody answers on: the call times out.
-    import socket
-    with socket.socket(socket.AF_UNIX) as stale:
-        stale.bind(str(tmp_path / "stale.sock"))
-        assert cli.main(["history", "--endpoint", f"ipc://{tmp_path}/stale.sock", "--timeout", "0.2"]) == 1
-    assert "no reply from dflash2d" in capsys.readouterr().err
 
 
 def _record(msg, **extra):
@@ -313,7 +194,7 @@ def test_status_shows_the_heat_policys_split_and_gate_per_gpu_pool(make_manager,
     from dflash2.status import render
     service = Service(make_manager(hbm_blocks=8, dram_blocks=16, policy="heat"), lease_timeout_s=10,
                       heartbeat_interval_s=1, clock=clock)
-    _load(service)
+    load(service)
     st = json.loads(json.dumps(service.stats()))
     hbm = st["policy"]["split"][0]
     view = render(st)
@@ -457,134 +338,6 @@ def test_blocks_set_aside_for_a_lapsed_client_are_a_gauge(service):
     m.check_invariants()
 
 
-def test_history_keeps_each_sample_compact_in_memory(make_manager, clock):
-    # 3 hours of samples stay in memory: as the nested dicts sample_of builds, 4.4 KB each on a
-    # three-tier daemon (48 MB, its resident memory climbing for its first three hours; here 1.8 KB
-    # for a 370-byte line); kept as their JSON lines, about what the line takes (here 0.56 KB).
-    import tracemalloc
-
-    service = Service(make_manager(hbm_blocks=8, dram_blocks=16, nvme_blocks=32), lease_timeout_s=10,
-                      heartbeat_interval_s=1, clock=clock)
-    h = History(interval_s=1.0, max_samples=1000, clock=clock)
-    h.record(service.stats())
-    line = len(History.encode(h.since()))
-    tracing = tracemalloc.is_tracing()  # (python -X tracemalloc: leave it on)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(500):
-            clock.advance(1.0)
-            h.record(service.stats())
-        per_sample = (tracemalloc.get_traced_memory()[0] - before) / 500
-    finally:
-        if not tracing:
-            tracemalloc.stop()
-    assert per_sample < 2 * line, f"{per_sample:.0f} bytes a sample in memory for a {line}-byte line"
-    assert [s["t"] for s in h.since(2.5)] == [clock.now - 2, clock.now - 1, clock.now]
-    count, raw = h.encoded(2.5)
-    assert count == 3 and decode(raw) == h.since(2.5)
-
-
-def test_a_restart_that_keeps_the_pid_is_a_restart(service):
-    """A daemon that is pid 1 in its container keeps its pid across restarts; one that served more
-    after the restart than before showed no counter going down: its figures were taken for the old
-    daemon's. Its start time tells."""
-    def s(t, reads, started):
-        return {"t": t, "pid": 1, "started": started, "requests": reads, "reads": {"hbm": reads}, "swaps": {}}
-
-    assert rates([s(0, 10, 100.0), s(1, 600, 100.0)])[0]["reads"] == 590
-    assert rates([s(0, 10, 100.0), s(1, 600, 200.0)]) == []
-    from dflash2.history import sample_of
-    assert sample_of(service.stats(), 0.0)["started"] == service.started > 0  # in every sample and frame
-
-
-def test_a_history_row_spans_every_interval_between_its_samples_and_names_a_restart_within():
-    """A row of `dflash2 history` stands for all the samples since the row before: its figures add
-    up their intervals (the two ends alone mixed or dropped two daemons' figures when one restarted
-    between them), and a restart within it is said."""
-    from dflash2.history_cli import render
-
-    tiers = {"hbm": {"used_bytes": 1, "capacity_bytes": 2, "blocks": 1}}
-    res = {"granted": 0, "deferred": 0, "reserved_blocks": 0}
-
-    def s(t, hbm, dram, started):
-        return {"t": 1000.0 + t, "tiers": tiers, "reads": {"hbm": hbm, "dram": dram}, "hbm_hit_ratio": None,
-                "swaps": {}, "reservations": res, "clients": 0, "pid": 1, "started": started, "requests": hbm + dram}
-    # The first daemon reads 256 blocks from DRAM; the second, pid 1 again, 800 from HBM and 56 from DRAM.
-    samples = [s(0, 0, 0, 1.0), s(1, 0, 128, 1.0), s(2, 0, 256, 1.0),
-               s(3, 0, 0, 2.0), s(4, 400, 28, 2.0), s(5, 800, 56, 2.0)]
-    rows = render(samples, max_rows=2).splitlines()
-    assert "(restart)" in rows[2], rows
-    # 256 blocks read by the first daemon and 856 by the second, 800 of them from HBM: 71.9%
-    assert "71.9% (restart)" in rows[2], rows
-
-
-def test_one_bad_byte_in_a_history_line_loses_that_line_not_the_history(tmp_path, clock, service, capsys):
-    """A line that still parses but lost a figure the readers use, or whose time became a number no
-    clock takes, is not a sample: skipped (and counted), not kept to fail every `dflash2 history`."""
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    for _ in range(3):
-        h.record(service.stats())
-        clock.advance(1)
-    good = path.read_text().splitlines()
-    t = json.loads(good[1])["t"]
-    for bad in (good[1].replace(f'"t":{t}', f'"t":{t}e052', 1), good[1].replace('"deferred"', '"deferrad"', 1),
-                good[1].replace('"used_bytes"', '"used_bytez"', 1), good[1].replace('"clients":0', '"clients":NaN', 1),
-                good[1].replace('"hbm_hit_ratio":null', '"hbm_hit_ratio":"x"', 1)):
-        assert bad != good[1]
-        path.write_text("\n".join([good[0], bad, good[2]]) + "\n")
-        assert [s["t"] for s in read_file(path)] == [json.loads(good[0])["t"], json.loads(good[2])["t"]], bad
-        assert cli.main(["history", "--file", str(path)]) == 0, bad
-        assert "2 samples" in capsys.readouterr().out
-
-
-def test_a_history_file_that_is_not_a_regular_file_is_skipped_not_waited_on(tmp_path, capsys, caplog):
-    """A FIFO where history.jsonl should be: opened, it blocked the daemon's start-up and `dflash2
-    history --file` for ever. Skipped, and said."""
-    import threading
-
-    from dflash2.config import parse_config
-    from dflash2.history import make_history
-
-    fifo = tmp_path / "history.jsonl"
-    os.mkfifo(fifo)
-    made, said = [], []
-    cfg = parse_config({"enable": True, "device": {"kind": "host"}, "history_enabled": True,
-                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 1, "dram_capacity_mb": 0, "nvme_capacity_mb": 0,
-                                   "page_kb": 64},
-                        "daemon": {"state_dir": str(tmp_path)}})
-
-    def run():
-        made.append(make_history(cfg, tmp_path))
-        said.append(cli.main(["history", "--file", str(fifo)]))
-    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(10)
-    assert not worker.is_alive(), "blocked on the FIFO"
-    assert made[0].path is None and "is not a regular file" in caplog.text
-    made[0].close()
-    assert said == [2] and "is not a regular file" in capsys.readouterr().err
-
-
-def test_a_history_time_no_clock_takes_in_this_time_zone_is_not_a_sample(tmp_path, clock, service):
-    """A sample's time in the last hours of the year 9999 (UTC) passed the check but failed the
-    table's local clock east of UTC (`year 10000 is out of range`)."""
-    import subprocess
-    import sys
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    h.record(service.stats())
-    line = json.loads(path.read_text())
-    line["t"] = 253_402_290_000
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
-    out = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--file", str(path)], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "TZ": "UTC-14"})  # (POSIX: 14 hours east of UTC)
-    assert out.returncode == 0 and "1 samples" in out.stdout and "year 10000" not in out.stderr, out.stdout + out.stderr
-
-
 def test_the_hbm_hit_rate_is_logged_once_a_minute_and_warned_about_below_095(service, clock, caplog):
     """DESIGN: the HBM hit rate "is exported and logged"; it was exported only. A line a minute over
     that minute, when blocks were read: a warning below 0.95 (HBM under pressure), else info."""
@@ -595,7 +348,7 @@ def test_the_hbm_hit_rate_is_logged_once_a_minute_and_warned_about_below_095(ser
     clock.advance(HIT_LOG_INTERVAL_S)
     hits.sample()
     assert not [r for r in caplog.records if "hit rate" in r.getMessage()], "nothing read: nothing said"
-    c = _load(service)  # six blocks acquired for HBM, four of them read from DRAM
+    c = load(service)  # six blocks acquired for HBM, four of them read from DRAM
     clock.advance(HIT_LOG_INTERVAL_S / 2)
     hits.sample()
     assert not [r for r in caplog.records if "hit rate" in r.getMessage()], "not before a minute"
@@ -625,7 +378,7 @@ def test_prefetches_are_counted_in_metrics_and_status_with_those_not_read_yet(ma
 
     mgr = make_manager(hbm_blocks=16, dram_blocks=16, prefetch_window=2)
     svc = Service(mgr, lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
-    c = _call(svc, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
+    c = call_ok(svc, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
     keys = list(range(1, 9))
     vids = mgr.allocate(c, 0, 8, tier=Tier.DRAM)  # a chain in DRAM: a lookup's prefetch brings it up
     mgr.free(c, mgr.commit(c, vids, keys))
