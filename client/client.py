@@ -374,6 +374,8 @@ class Client:
         return Reservation(**self._call(Op.RESERVE, args).result)
 
     def reservation(self, reservation_id: int) -> Reservation:
+        """Where a reservation stands now: a deferred one that fits by now is granted by this call
+        (poll it about `est_wait_s` after the last answer)."""
         return Reservation(**self._call(Op.RESERVATION, {"reservation": int(reservation_id)}).result)
 
     def take(self, reservation_id: int, n: int) -> np.ndarray:

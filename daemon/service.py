@@ -34,7 +34,7 @@ from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CopiesRunning, DFlash2Error, NotOwner, ProtocolError, TooManyClients, UnknownClient,
+from dflash2.errors import (CopiesRunning, DFlash2Error, ProtocolError, TooManyClients, UnknownClient,
                             WrongToken)
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
@@ -439,14 +439,9 @@ class Service(Forgetting):
 
     def _reservation(self, req):
         m = self._mgr(req)
-        rid = arg(req, "reservation", int)
-        d = m.admission.status(rid)
         # Only its own client may see a reservation, granted or still waiting in the queue (as
         # with take and cancel): a wrong id must not silently report another client's place.
-        res = m.admission.find(rid)
-        if res is not None and res.client != req.client:
-            raise NotOwner(f"reservation {rid} belongs to another client")
-        return d.to_dict(), []
+        return m.reservation_status(req.client, arg(req, "reservation", int)).to_dict(), []
 
     def _take(self, req):
         m = self._mgr(req)

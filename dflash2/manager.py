@@ -160,6 +160,12 @@ class BlockManager(Reads):
     def reserve(self, client: int, layout_id: int, tokens: int, **kw) -> Decision:
         return self.admission.reserve(client, layout_id, tokens, **kw)
 
+    def reservation_status(self, client: int, reservation_id: int) -> Decision:
+        """Where the client's reservation stands now (`Admission.status`: a deferred one that fits
+        by now is granted, which may make room: placement work, so drain copies in flight end first)."""
+        settle_if(self, None, placing=bool(self.admission.deferred))
+        return self.admission.status(reservation_id, client)
+
     @settled
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         return self.admission.take(client, reservation_id, n)

@@ -137,8 +137,11 @@ class Admission:
             raise ValueError(f"a reservation needs a positive token count, got {tokens}")
         now = self._advance()
         # Room that reservations past their time still hold is free room for this one: they end now,
-        # not at the next background step.
+        # not at the next background step. And the queue goes first: what fits of it by now (the
+        # bucket refilled since) is granted ahead of this one.
         self._expire_due(now)
+        if self.deferred:
+            self.tick(make_room=False)
         blocks = math.ceil(tokens / layout.tokens_per_block)
         need = blocks * self.table.slot_bytes(layout_id, Tier.HBM)
         alloc = self.table.allocators[Tier.HBM]
@@ -175,11 +178,16 @@ class Admission:
         self.counters["deferred"] += 1
         return self._deferred_decision(res)
 
-    def status(self, reservation_id: int) -> Decision:
+    def status(self, reservation_id: int, client: int | None = None) -> Decision:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
-        res = self.find(reservation_id)
+        res = self.find(reservation_id) if client is None else self._owned(client, reservation_id)
         if res is None:
             raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+        if not res.granted:
+            # What fits now is granted now, in order: the bucket may have refilled, or copies that
+            # made room ended, since the last call. Room is made only for a head it was not yet
+            # made for (`tick`): a poll that found the room short again does not scan the table.
+            self.tick(make_room=False)
         if res.granted:
             return Decision(Outcome.GRANTED, reservation_id)
         return self._deferred_decision(res)
@@ -345,9 +353,23 @@ class Admission:
                             "pinned, or of higher priority): waits for their clients to release them",
                             position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
-        rate = self._refill_rate()
-        wait = 0.0 if short <= 0 else (short / rate if rate > 0 else None)
+        wait = 0.0 if short <= 0 else self._refill_time(short)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
+
+    def _refill_time(self, amount: float) -> float:
+        """Seconds until the bucket has taken in `amount` bytes more while the queue waits, with no new
+        demand: the demand rate decays as `_advance` lets it, down to the floor of `_refill_rate`.
+        At the rate of the moment, the last of a burst were told a fraction of their wait (half, 10
+        deep behind a burst of 12, a review's script)."""
+        tau = self.settings.smoothing_window_s
+        floor = self._bucket_cap_now() / tau
+        r0 = self._rate
+        if r0 <= floor:
+            return amount / floor
+        early = tau * (r0 - floor)  # taken in while the rate decays to the floor
+        if amount <= early:
+            return -tau * math.log1p(-amount / (r0 * tau))
+        return tau * math.log(r0 / floor) + (amount - early) / floor
 
     def _movable_bytes(self, res: Reservation) -> int:
         """HBM bytes that making room for this reservation could free for its blocks: idle blocks,

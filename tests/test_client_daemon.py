@@ -114,6 +114,35 @@ def test_reservation_deferred_until_another_client_frees(connect):
     waiter.check()
 
 
+def test_a_polled_reservation_is_granted_when_the_bucket_pays_for_its_room_not_at_the_next_step(config_file, tmp_path):
+    """HBM full of idle cached blocks, and no background step for ten minutes: reservations that
+    the bucket holds back are granted to the client polling them once it refilled (they waited for
+    the next step before: serial reservations got about one grant per `policy.rescore_interval_ms`)."""
+    cfg = config_file(policy={"name": "lru", "swap_batch_size": 64, "rescore_interval_ms": 600_000},
+                      admission={"burst_fraction": 0.1, "smoothing_window_ms": 500}, daemon=LEASE)
+    proc = DaemonProcess(cfg).start()
+    try:
+        with Client.connect(proc.endpoint, name="serial", layouts=[SMALL]) as c:
+            lid = c.layouts[0]
+            for first in range(1, 512, 32):  # 512 blocks of 16 KiB: HBM full, then idle
+                p = c.allocate(lid, 32)
+                assert p is not None and (p["tier"] == 0).all()
+                c.free(c.commit(p["vid"], keys=list(range(first, first + 32))))
+            deferred = 0
+            for _ in range(6):  # 32 blocks each; the bucket holds 51 and refills 51 per 0.5 s window
+                d = c.reserve(lid, tokens=32 * 16)
+                start = time.monotonic()
+                while not d.granted:
+                    assert d.deferred and d.est_wait_s is not None, d
+                    assert time.monotonic() - start < 10, f"still waiting after 10 s: {d}"
+                    time.sleep(0.02)
+                    d = c.reservation(d.reservation_id)
+                deferred += time.monotonic() > start + 0.02  # held: the next one needs room made again
+            assert deferred, "no reservation was held back by the bucket: the test shows nothing"
+    finally:
+        proc.stop()
+
+
 def test_error_replies_keep_the_daemon_error_kind(connect):
     a, b = connect("a"), connect("b")
     p = a.allocate(a.layouts[0], 2)
