@@ -369,6 +369,27 @@ def test_the_no_gpu_fallback_is_logged_with_what_it_ignores(caplog):
     assert "no GPU: the device tier is in host memory (device.gpu_ids [0] ignored)" in caplog.text
 
 
+def test_client_liveness_by_signal_is_logged_as_a_fallback(caplog, monkeypatch):
+    # /proc of another pid namespace (or none): the slower, looser check by signal 0 is said.
+    import logging
+
+    from dflash2.daemon import sessions
+    from dflash2.daemon.observe import log_fallbacks
+    from dflash2.plan import resolve_plan
+
+    cfg = parse_config({"enable": True, "device": {"kind": "host"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16,
+                                   "nvme_capacity_mb": 0}})
+    plan = resolve_plan(cfg)
+    with caplog.at_level(logging.WARNING):
+        log_fallbacks(cfg, plan)
+    assert "signal 0" not in caplog.text
+    monkeypatch.setattr(sessions, "PROCFS", False)
+    with caplog.at_level(logging.WARNING):
+        log_fallbacks(cfg, plan)
+    assert "whether a client's process still runs is asked by signal 0" in caplog.text
+
+
 def test_check_says_whether_the_tiers_fit_this_machine_now(tmp_path):
     def check(path):
         out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path), "--check"],
