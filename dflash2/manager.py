@@ -247,8 +247,17 @@ class BlockManager(Reads):
         recast = self.table.take_recast()
         if len(recast):  # a cached twin took its writer's faster slot: a move, for the policy
             self.policy.on_insert(self.table, recast, now)
-        self.policy.on_commit(self.table, self.table.rows(out), now)
+        rows = self.table.rows(out)
+        self.policy.on_commit(self.table, rows, now)
+        self._grant_if_movable(rows, "a commit")
         return out
+
+    def _grant_if_movable(self, rows: np.ndarray, what: str) -> None:
+        """After a call that may have made blocks movable for the waiting head of the queue (their
+        writer committed them: running now, preemptable; a reader unpinned them)."""
+        if self.admission.deferred and self.admission.became_movable(rows):
+            settle_if(self, placing=True)  # making room is placement work
+            self._follow_up(f"granting waiting reservations after {what}", lambda: self.admission.tick(make_room=False))
 
     def free(self, client: int, vids) -> int:
         rows = self.table.rows(vids)

@@ -171,8 +171,11 @@ class Reads:
             self._follow_up("a prefetch ahead of a read", self.prefetcher.run_queued)
 
     def release(self, client: int, vids) -> None:
-        """Unpin: a pinned block is never in flight (table.py `pin_rows`), so no drain copy is met."""
+        """Unpin: a pinned block is never in flight (table.py `pin_rows`), so no drain copy is met.
+        Blocks unpinned may be what the waiting head of the queue needs moved (`_grant_if_movable`)."""
         self.table.unpin(client, vids)
+        if self.admission.deferred:
+            self._grant_if_movable(self.table.rows(vids), "a release")
 
     def add_ref(self, client: int, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they carry at least

@@ -4,7 +4,7 @@ from dflash2.errors import NotOwner, ReservationError
 from dflash2.reservations import AdmissionSettings, Outcome
 from dflash2.tiers import Tier
 
-from conftest import SMALL
+from conftest import SMALL, SMALL_FP8
 
 BLOCK = 16384
 
@@ -431,3 +431,98 @@ def test_the_wait_a_burst_is_told_is_not_shorter_than_its_polls_find(make_manage
     assert not late, f"granted later than told (waited, told): {late}"
     last = max(told)
     assert waited[last] > 0.5 * told[last][1], "the estimate is no wild overstatement either"
+
+
+def test_preemption_demotes_blocks_of_the_size_it_needs_first(make_manager, clock):
+    """HBM pages of 16 KiB, all held by a running priority-0 request: 8 KiB blocks two to a page (an
+    old request's beside a hot one's on every page) and 16 KiB blocks. A priority-5 reservation of 16
+    blocks of 16 KiB demotes 16 of the 16 KiB blocks; it demoted 48 before, 32 of them 8 KiB blocks
+    whose page-mates stayed: moves that made no slot it could use (a review's script)."""
+    mgr = make_manager(hbm_blocks=64, dram_blocks=512, admission=settings())
+    lo, hi = mgr.attach("lo"), mgr.attach("hi")
+    big, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    old, hot = [], []
+    for _ in range(32):
+        old += list(mgr.allocate(lo, fp8, 1, request=1))
+        hot += list(mgr.allocate(lo, fp8, 1, request=2))
+    clock.advance(1)
+    large = list(mgr.allocate(lo, big, 32, request=3))
+    mgr.commit(lo, old, keys=list(range(100, 132)))
+    mgr.commit(lo, large, keys=list(range(1000, 1032)))
+    mgr.commit(lo, hot, keys=list(range(5000, 5032)))
+    clock.advance(1)
+    mgr.acquire(lo, hot)
+    mgr.release(lo, hot)  # read again: the old request's 8 KiB blocks are the coldest
+    clock.advance(1)
+    d = mgr.reserve(hi, big, tokens=16 * 16, priority=5)
+    assert d.outcome is Outcome.GRANTED, d
+    down = {name: sum(mgr.place(int(v)).tier == Tier.DRAM for v in vids)
+            for name, vids in (("old 8 KiB", old), ("hot 8 KiB", hot), ("16 KiB", large))}
+    assert down == {"old 8 KiB": 0, "hot 8 KiB": 0, "16 KiB": 16}, down
+    mgr.check_invariants()
+
+
+def test_room_for_one_size_falls_back_to_blocks_of_another_when_its_own_are_too_few(make_manager):
+    """Idle 8 KiB blocks only (whole pages of them): making room for 16 KiB blocks demotes them, by
+    pages, when no 16 KiB block can go."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=64, admission=settings())
+    a = mgr.attach("a")
+    big, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, fp8, 16), keys=list(range(1, 17))))
+    d = mgr.reserve(a, big, tokens=16 * 2)
+    assert d.outcome is Outcome.GRANTED, d
+    assert mgr.stats()["tiers"]["dram"]["blocks"] >= 4
+    mgr.check_invariants()
+
+
+def test_polls_at_many_priorities_scan_the_table_once_a_step(make_manager, monkeypatch):
+    """Reservations waiting at many priorities, each polled after a background step: one count of
+    what could move for them all (a count per priority polled cost 4 ms each at a million blocks)."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=16, admission=settings(max_deferred=64))
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(a, lid, 8)  # being written: nothing can move
+    waiting = [mgr.reserve(mgr.attach(f"c{p}"), lid, tokens=16, priority=p) for p in range(-3, 9)]
+    assert all(d.outcome is Outcome.DEFERRED for d in waiting)
+    scans = []
+    movable = mgr.placement.movable
+    monkeypatch.setattr(mgr.placement, "movable", lambda *args, **kw: scans.append(1) or movable(*args, **kw))
+    mgr.tick()
+    scans.clear()
+    for d in waiting:
+        res = mgr.admission.find(d.reservation_id)
+        assert mgr.reservation_status(res.client, d.reservation_id).est_wait_s is None
+    assert len(scans) <= 2, f"{len(scans)} whole-table passes for {len(waiting)} polls"
+
+
+def test_a_commit_of_blocks_the_head_may_preempt_grants_it_at_once(make_manager, clock):
+    """HBM all being written by a priority-0 request; a priority-5 reservation waits on it. The
+    writer commits and keeps its blocks (running, preemptable now): granted by that commit, not at
+    the next background step (its polls, and other clients' reserves, found it still waiting)."""
+    mgr = make_manager(hbm_blocks=64, dram_blocks=256, admission=settings())
+    w, h = mgr.attach("writer"), mgr.attach("high")
+    lid = mgr.register_layout(SMALL)
+    written = mgr.allocate(w, lid, 64, priority=0)
+    d = mgr.reserve(h, lid, tokens=16 * 4, priority=5)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    mgr.commit(w, written[:2])  # two blocks: not enough yet
+    assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.DEFERRED
+    mgr.commit(w, written[2:])
+    assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_a_release_that_leaves_blocks_idle_grants_the_waiting_head_at_once(make_manager, clock):
+    """HBM full of cached blocks a reader has pinned: the reservation waits; the reader's release
+    leaves them idle, and grants it in that call."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=32, admission=settings())
+    a, r, b = mgr.attach("a"), mgr.attach("reader"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(a, mgr.allocate(a, lid, 8), keys=list(range(1, 9)))
+    mgr.free(a, cached)
+    assert mgr.acquire(r, cached) is not None
+    d = mgr.reserve(b, lid, tokens=16 * 2)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    mgr.release(r, cached)
+    assert mgr.reservation_status(b, d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
