@@ -255,9 +255,12 @@ class BlockManager(Reads):
     def _grant_if_movable(self, rows: np.ndarray, what: str) -> None:
         """After a call that may have made blocks movable for the waiting head of the queue (their
         writer committed them: running now, preemptable; a reader unpinned them)."""
-        if self.admission.deferred and self.admission.became_movable(rows):
-            settle_if(self, placing=True)  # making room is placement work
-            self._follow_up(f"granting waiting reservations after {what}", lambda: self.admission.tick(make_room=False))
+        def grant() -> None:
+            if self.admission.became_movable(rows):
+                settle_if(self, placing=True)  # making room is placement work
+                self.admission.tick(make_room=False)
+        if self.admission.deferred:
+            self._follow_up(f"granting waiting reservations after {what}", grant)
 
     def free(self, client: int, vids) -> int:
         rows = self.table.rows(vids)
