@@ -3,7 +3,9 @@
 - bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced),
   with a million blocks committed under content keys and released (the steady state of a cache);
   policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
-  (traced in the same build; heat's per-row state, LRU's and LFU's none to speak of);
+  (traced in the same build; heat's per-row state and the ghost tables sized by the table's rows,
+  LRU's and LFU's none to speak of); policy_fixed_bytes: what the policy takes when it is made,
+  whatever the table's size (heat's hit-density ghosts: a fixed 2^20 entries);
 - build_s: that build timed in a build of its own, untraced (tracing allocations slows it 5-7x);
 - select_ms: the choice alone, from the policy's current scores (what a demotion costs between passes);
 - chain_select_ms: the same choice when the coldest blocks are whole prefix chains 1,024 blocks deep
@@ -26,7 +28,7 @@ import numpy as np
 from dflash2.bench import OptionError, positive_int
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
-from dflash2.policy import policy_names
+from dflash2.policy import make_policy, policy_names
 from dflash2.tiers import Tier
 
 LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)
@@ -84,6 +86,18 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
     return table / n, kept / n
 
 
+def _policy_fixed_bytes(policy: str) -> int:
+    """Bytes the policy allocates when it is made (traced; it is dropped after)."""
+    tracemalloc.start()
+    try:
+        made = make_policy(policy)
+        fixed = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del made
+    return fixed
+
+
 def run(args) -> dict:
     if args.policy not in policy_names():
         raise OptionError(f"--policy: unknown {args.policy!r}; valid: {', '.join(policy_names())}")
@@ -135,6 +149,7 @@ def _run(args) -> dict:
         "policy": args.policy,
         "bytes_per_block": round(table_bytes, 1),
         "policy_bytes_per_block": round(policy_bytes, 1),
+        "policy_fixed_bytes": _policy_fixed_bytes(args.policy),
         "build_s": round(build_s, 2),
         "rescore_ms": round(rescore, 2),
         "select_ms": round(select, 2),
