@@ -1,7 +1,9 @@
 """`dflash2 bench table`: the block table at scale (metadata only, one process, CPU).
 
 - bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced),
-  with a million blocks committed under content keys and released (the steady state of a cache);
+  with a million blocks committed under content keys and released (the steady state of a cache;
+  a million is about 2^20, the best case: the table's capacity doubles as it grows, so just past a
+  power of two a block costs up to twice as much);
   policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
   (traced in the same build; heat's per-row state and the ghost tables sized by the table's rows,
   LRU's and LFU's none to speak of); policy_fixed_bytes: what the policy takes when it is made,

@@ -1,6 +1,7 @@
 """The block table's storage: one numpy array per field (struct of arrays), indexed by row.
 
-About 90 bytes a block all told, and every policy pass is a handful of vectorised operations over
+About 82 bytes a row of capacity all told (which doubles as the table grows: up to twice that a
+block just past a power of two), and every policy pass is a handful of vectorised operations over
 these arrays instead of a walk over a million Python objects.
 """
 
