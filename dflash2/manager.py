@@ -163,7 +163,7 @@ class BlockManager(Reads):
     def reservation_status(self, client: int, reservation_id: int) -> Decision:
         """Where the client's reservation stands now (`Admission.status`: a deferred one that fits
         by now is granted, which may make room: placement work, so drain copies in flight end first)."""
-        settle_if(self, None, placing=bool(self.admission.deferred))
+        settle_if(self, None, placing=self.admission.may_make_room())
         return self.admission.status(reservation_id, client)
 
     @settled

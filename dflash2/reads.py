@@ -173,9 +173,11 @@ class Reads:
     def release(self, client: int, vids) -> None:
         """Unpin: a pinned block is never in flight (table.py `pin_rows`), so no drain copy is met.
         Blocks unpinned may be what the waiting head of the queue needs moved (`_grant_if_movable`)."""
+        # Rows first: the unpin may free a block (a pinned copy, a lost block), whose id is dead after.
+        rows = self.table.rows(vids) if self.admission.deferred else None
         self.table.unpin(client, vids)
-        if self.admission.deferred:
-            self._grant_if_movable(self.table.rows(vids), "a release")
+        if rows is not None:
+            self._grant_if_movable(rows, "a release")
 
     def add_ref(self, client: int, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they carry at least

@@ -130,9 +130,11 @@ class Admission:
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
-        # What its room was still short when room was last made for it, and the bytes of its block
-        # size that calls have left movable for it since (`became_movable`).
-        self._room_short = 0
+        # The bytes of its block size that calls have left movable for the head since room was last
+        # made for it (`became_movable`), and how often in a row that fell short for that head this
+        # step: each failure doubles what the next retry waits for (a head whose room cannot be
+        # made retried on every commit of a block it could preempt, each a scan of the table).
+        self._fails, self._fails_for = 0, None
         self._movable_since = 0
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
@@ -250,6 +252,7 @@ class Admission:
     def new_step(self) -> None:
         """The background step: which blocks could move is counted anew (`_movable_memo`)."""
         self._movable_memo.clear()
+        self._fails = 0
 
     def tick(self, make_room: bool = True) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
@@ -270,11 +273,17 @@ class Admission:
             granted.append(res.id)
         return granted
 
+    def may_make_room(self) -> bool:
+        """Whether a `tick(make_room=False)` now may make room (placement work): only for a head
+        that room was not yet made for."""
+        return bool(self.deferred) and self.deferred[0].id != self._room_tried
+
     def became_movable(self, rows: np.ndarray) -> bool:
         """A call (a commit, a release) has just left `rows` movable for the head of the queue: idle,
         or, with preemption and a tier below HBM, a running request's of lower priority. Room was
         made for that head already and fell short (a poll does not make it again: that would scan
-        the whole table on every poll); once such blocks of its size cover what it was short, room
+        the whole table on every poll); once such blocks of its size cover what it is short now
+        (room freed since counts), twice that after each retry this step that fell short too, room
         is made for it again at the next `tick`: True, and the caller ticks. Before, a priority-5
         reservation waited for the background step after the blocks it could preempt were
         committed (2.7 s with `policy.rescore_interval_ms` 3000, a review's script)."""
@@ -294,7 +303,9 @@ class Admission:
         if not n:
             return False
         self._movable_since += n * self.table.slot_bytes(head.layout_id, Tier.HBM)
-        if self._movable_since < self._room_short:
+        short = head.hbm_bytes - self._room(head)  # as of now: frees since count
+        fails = self._fails if self._fails_for == head.id else 0
+        if self._movable_since < short << min(fails, 30):
             return False
         self._room_tried = None
         self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
@@ -350,7 +361,11 @@ class Admission:
             self._make_room(res, need, before + int(self._bucket))
             after = self._room(res)
             self._bucket -= max(0, after - before)
-            self._room_short, self._movable_since = need - after, 0
+            self._movable_since = 0
+            self._movable_memo.clear()  # room-making moved blocks: the count of what could move is stale
+            if after < need:  # fell short: the next retry for this head waits for twice as much
+                self._fails = self._fails + 1 if self._fails_for == res.id else 0
+                self._fails_for = res.id
         vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,
                                    request=res.request, priority=res.priority, state=BlockState.RESERVED)
         if vids is None:

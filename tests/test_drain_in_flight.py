@@ -399,3 +399,20 @@ def test_a_call_that_settles_nothing_does_not_put_off_the_next_piece(mgr, monkey
     finally:
         srv.close()
     mgr.check_invariants()
+
+
+def test_a_poll_that_makes_no_room_leaves_the_drain_copies_in_flight(small_nvme_manager):
+    """A poll of a deferred reservation whose room was made already does no placement work: it
+    leaves a drain piece's copies running (each poll settled them: the daemon's polls waited on, or
+    parked behind, the disk; a review's test)."""
+    mgr = small_nvme_manager
+    a, lid, vids = dram_over_its_high_watermark(mgr)
+    b = mgr.attach("b")
+    mgr.allocate(a, lid, 62)  # HBM: being written, nothing to move
+    d = mgr.reserve(b, lid, 3 * LAYOUT.tokens_per_block)
+    assert d.outcome.value == "deferred"
+    start_a_piece(mgr)
+    assert mgr.placement.in_flight
+    for _ in range(3):
+        assert mgr.reservation_status(b, d.reservation_id).outcome.value == "deferred"
+    assert mgr.placement.in_flight, "a poll with no room to make settled the drain piece's copies"
