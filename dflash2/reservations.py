@@ -131,9 +131,10 @@ class Admission:
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
         # The bytes of its block size that calls have left movable for the head since room was last
-        # made for it (`became_movable`), and how often in a row that fell short for that head this
-        # step: each failure doubles what the next retry waits for (a head whose room cannot be
-        # made retried on every commit of a block it could preempt, each a scan of the table).
+        # made for it (`became_movable`), and how often in a row that fell short for that head (the
+        # background step's tries count too): each failure doubles what the next retry waits for (a
+        # head whose room cannot be made retried on every commit of a block it could preempt, each
+        # a scan of the table); the step makes room for the head anyway, once a step.
         self._fails, self._fails_for = 0, None
         self._movable_since = 0
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
@@ -252,7 +253,6 @@ class Admission:
     def new_step(self) -> None:
         """The background step: which blocks could move is counted anew (`_movable_memo`)."""
         self._movable_memo.clear()
-        self._fails = 0
 
     def tick(self, make_room: bool = True) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
@@ -283,7 +283,7 @@ class Admission:
         or, with preemption and a tier below HBM, a running request's of lower priority. Room was
         made for that head already and fell short (a poll does not make it again: that would scan
         the whole table on every poll); once such blocks of its size cover what it is short now
-        (room freed since counts), twice that after each retry this step that fell short too, room
+        (room freed since counts), twice that after each retry that fell short too, room
         is made for it again at the next `tick`: True, and the caller ticks. Before, a priority-5
         reservation waited for the background step after the blocks it could preempt were
         committed (2.7 s with `policy.rescore_interval_ms` 3000, a review's script)."""
