@@ -600,3 +600,51 @@ def test_blocks_room_making_moved_are_not_counted_movable_again(make_manager, cl
     assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None, d
     clock.advance(0.05)
     assert mgr.reservation_status(hi, d.reservation_id).est_wait_s is None
+
+
+def _count_room_making(mgr):
+    made = []
+    make_room = mgr.placement.make_room
+    mgr.placement.make_room = lambda *a, **kw: made.append(1) or make_room(*a, **kw)
+    return made
+
+
+def test_only_blocks_the_head_could_move_make_room_for_it_again(make_manager):
+    """Calls that leave blocks the waiting head cannot move (still pinned by another reader; of its
+    own priority or higher; of another slot size) make no room for it; the call that leaves its
+    blocks movable does, and grants it."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=64, admission=settings())
+    r1, r2, w, h = mgr.attach("r1"), mgr.attach("r2"), mgr.attach("w"), mgr.attach("h")
+    lid, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    cached = mgr.commit(w, mgr.allocate(w, lid, 4), keys=[1, 2, 3, 4])
+    mgr.free(w, cached)
+    assert mgr.acquire(r1, cached) is not None and mgr.acquire(r2, cached) is not None
+    same = mgr.allocate(w, lid, 4, priority=5)
+    small = mgr.allocate(w, fp8, 8, priority=0)  # 8 KiB blocks: four pages
+    lower = mgr.allocate(w, lid, 4, priority=0)
+    d = mgr.reserve(h, lid, tokens=16 * 4, priority=5)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    made = _count_room_making(mgr)
+    mgr.release(r1, cached)  # still pinned by r2
+    mgr.commit(w, same)  # running at the head's own priority: not preemptable by it
+    mgr.commit(w, small)  # preemptable, but 8 KiB: no 16 KiB slot of their own
+    assert made == [] and mgr.reservation_status(h, d.reservation_id).outcome is Outcome.DEFERRED
+    mgr.commit(w, lower)
+    assert made and mgr.reservation_status(h, d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_a_release_by_the_last_reader_makes_room_for_the_head(make_manager):
+    mgr = make_manager(hbm_blocks=4, dram_blocks=16, admission=settings())
+    r1, r2, w, h = mgr.attach("r1"), mgr.attach("r2"), mgr.attach("w"), mgr.attach("h")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(w, mgr.allocate(w, lid, 4), keys=[1, 2, 3, 4])
+    mgr.free(w, cached)
+    assert mgr.acquire(r1, cached) is not None and mgr.acquire(r2, cached) is not None
+    d = mgr.reserve(h, lid, tokens=16 * 2)
+    assert d.outcome is Outcome.DEFERRED
+    mgr.release(r1, cached)
+    assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.DEFERRED
+    mgr.release(r2, cached)
+    assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
