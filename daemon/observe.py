@@ -76,7 +76,8 @@ def log_fallbacks(cfg: Config, plan) -> None:
         event(log, "dflash2_fallback", f"no GPU: the device tier is in host memory{ignored}", level=logging.WARNING,
               what="device", asked=cfg.device.kind, using="host", reason="; ".join(plan.notes))
     if not sessions.PROCFS:
-        event(log, "dflash2_fallback", "/proc is not this process's pid namespace's, or cannot be read: whether a "
-              "client's process still runs is asked by signal 0 (an exited client not yet reaped by its parent, "
-              "and one whose pid a process of another user took since, count as running until the lease lapses)", level=logging.WARNING,
-              what="client_liveness", asked="/proc", using="signal 0")
+        event(log, "dflash2_fallback",
+              "/proc is not this process's pid namespace's, or cannot be read: whether a client's process still "
+              "runs is asked by signal 0 (an exited client not yet reaped by its parent, and one whose pid a "
+              "process of another user took since, count as running until the lease lapses)",
+              level=logging.WARNING, what="client_liveness", asked="/proc", using="signal 0")

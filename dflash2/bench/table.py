@@ -5,8 +5,9 @@
   a million is about 2^20, the best case: the table's capacity doubles as it grows, so just past a
   power of two a block costs up to twice as much);
   policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
-  (traced in the same build; heat's per-row state and the ghost tables sized by the table's rows,
-  LRU's and LFU's none to speak of); policy_fixed_bytes: what the policy takes when it is made,
+  (traced in the same build; heat's per-row state and its gate's ghost tables, sized by the table's
+  rows; not its split's, made once blocks leave a tier, which none does here; LRU's and LFU's none
+  to speak of); policy_fixed_bytes: what the policy takes when it is made,
   whatever the table's size (heat's hit-density ghosts: a fixed 2^20 entries);
 - build_s: that build timed in a build of its own, untraced (tracing allocations slows it 5-7x);
 - select_ms: the choice alone, from the policy's current scores (what a demotion costs between passes);
@@ -93,7 +94,7 @@ def _policy_fixed_bytes(policy: str) -> int:
     tracemalloc.start()
     try:
         made = make_policy(policy)
-        fixed = tracemalloc.get_traced_memory()[0]
+        fixed = tracemalloc.get_traced_memory()[0]  # while it is alive
     finally:
         tracemalloc.stop()
     del made
