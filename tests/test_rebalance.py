@@ -231,3 +231,39 @@ def test_drain_slices_between_steps_take_no_new_cold_cut(make_manager, clock):
         mgr.drain_slice(0.0)
     assert mgr.draining()  # DRAM still draining: the slices ran its pieces
     assert cuts == []
+
+
+def test_with_a_request_always_waiting_every_draining_tier_gets_pieces_in_turn(make_manager, clock):
+    """A slice between requests ends after one piece when a request waits (the server's
+    `yield_to`). Each slice began with the slowest draining tier: under constant load DRAM, draining
+    down to NVMe, got every piece, and HBM, over its high watermark, none until DRAM was done (200
+    slices in a review's script), its allocations making their room on the request path meanwhile.
+    The next slice now begins where the last one stopped, so the draining tiers take turns."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=2000, nvme_blocks=4000,
+                       watermarks={Tier.HBM: Watermark(0.9, 0.5), Tier.DRAM: Watermark(0.9, 0.5)})
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    for k in range(0, 1940, 20):  # DRAM at 97% of idle cached blocks
+        clock.advance(0.01)
+        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
+        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+    fill(mgr, a, lid, list(range(5000, 5016)))  # HBM full of idle cached blocks
+    clock.advance(0.1)
+    mgr.tick(drain=False)  # the step begins both drains
+    assert mgr.placement.draining == {Tier.HBM, Tier.DRAM}
+    hbm, dram = (lambda t=t: mgr.stats()["tiers"][t]["blocks"] for t in ("hbm", "dram"))
+    dram_before = dram()
+    pieces = []
+    make_room = mgr.placement.make_room
+
+    def counted(tier, *args, **kw):
+        if kw.get("cold_only"):  # a drain's piece, not the room a piece makes below
+            pieces.append(Tier(tier))
+        return make_room(tier, *args, **kw)
+    mgr.placement.make_room = counted
+    for _ in range(40):
+        mgr.drain_slice(0.0, yield_to=lambda seconds: True)  # a request always waits
+    assert hbm() <= 8 and Tier.HBM not in mgr.placement.draining  # down to its low watermark
+    assert Tier.DRAM in mgr.placement.draining and dram() < dram_before  # DRAM drained meanwhile too
+    assert pieces[:4] == [Tier.DRAM, Tier.HBM, Tier.DRAM, Tier.HBM]  # one piece a slice, in turn
+    mgr.check_invariants()
