@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
+from dflash2.drainorder import DrainCut
 from dflash2.errors import CopiesRunning
 from dflash2.forest import local_parents, reaches_marked, subtree_heights
 from dflash2.mover import Mover
@@ -155,7 +156,7 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
 
     def select(self, tier: Tier, need_bytes: int, *, evict: bool, cold: np.ndarray | None = None,
                protect: np.ndarray | None = None, below_priority: int | None = None,
-               idle_only: bool = False, through: Tier | None = None) -> np.ndarray:
+               idle_only: bool = False, through: Tier | None = None, cut: DrainCut | None = None) -> np.ndarray:
         """Lowest-scored movable rows of `tier` whose slots add up to at least need_bytes (or all of
         them when there are not enough), in eviction order. `cold`: a mask of the rows that may go
         (the tier's cold blocks, fixed by the caller for the whole making of room); None: any.
@@ -165,11 +166,16 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         above its own cold leaf). So the cut is the k-th lowest score among every row that could
         leave once its descendants have, and the rows at or below it whose descendants that hold them
         back are at or below it too are taken (`_leaving`: leaves first). What lies under the cut
-        but is held back by a hotter descendant waits for the caller's next round (make_room)."""
+        but is held back by a hotter descendant waits for the caller's next round (make_room).
+        `cut`: a drain's cold cut kept in score order (drainorder.py), `cold` being its rows still
+        in the tier: the same victims, found without passes over the whole table."""
         way = (int(tier), evict, idle_only)
         epoch = int(self.table.movable_epoch[int(tier)])
         if self._nothing_movable.get(way) == epoch:
             return np.empty(0, dtype=np.int64)
+        if (cut is not None and cut.usable and cut.tier == tier and cold is not None and need_bytes > 0
+                and below_priority is None and not idle_only):
+            return self._select_drain(cut, tier, need_bytes, evict, protect, through)
         reach = self.movable(tier, evict=evict, protect=protect, below_priority=below_priority,
                              idle_only=idle_only)
         n_reach = int(np.count_nonzero(reach))
@@ -196,6 +202,47 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         slot = sizes[self.table.cols.layout[part]]
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
+
+    def _select_drain(self, cut: DrainCut, tier: Tier, need_bytes: int, evict: bool,
+                      protect: np.ndarray | None, through: Tier | None) -> np.ndarray:
+        """`select` among a drain's cut (`cold`) from its rows kept in score order (drainorder.py):
+        the same victims, from gathers over the cut's rows and the few lowest of them, where select's
+        own pass reads every row of the table (4-5 passes and a partition: 2-6 ms a piece at a
+        million blocks). Where select would take the lowest leaves instead and too few of them lie
+        in the kept prefix, the prefix grows (up to the whole cut) until they do."""
+        scores = self.policy.scores_all(self.table, self.table.clock())
+        sizes = self.table.slot_sizes(tier)
+        layout = self.table.cols.layout
+        k_need = int(np.ceil(need_bytes / max(1, int(sizes.min()))))
+        while True:
+            rows, keys, k, complete = cut.movable_in_order(self.table, scores, lambda n: min(n, k_need),
+                                                           evict, protect)
+            if not len(rows):
+                return np.empty(0, dtype=np.int64)
+            under = np.sort(rows[:int(np.searchsorted(keys, keys[k - 1], side="right"))])
+            part = self._leaving(tier, under, evict, scores, through)
+            if len(part):
+                break
+            # As select: everything under the cut waits on a child that cannot leave, so the lowest
+            # leaves instead (by score, then row). Exact once the leaves kept in order cover the
+            # need: every row of the cut beyond the prefix scores higher than those in it.
+            leaf = self._childless_rows(tier, evict, through, rows)
+            if complete or int(sizes[layout[rows[leaf]]].sum()) >= need_bytes:
+                part = rows[leaf][np.lexsort((rows[leaf], keys[leaf]))]
+                break
+            cut.grow(k)
+        taken = int(np.searchsorted(np.cumsum(sizes[layout[part]]), need_bytes)) + 1
+        return part[:taken].astype(np.int64)
+
+    def _childless_rows(self, tier: Tier, evict: bool, through: Tier | None, rows: np.ndarray) -> np.ndarray:
+        """`_childless` at these rows only."""
+        c = self.table.cols
+        if evict:
+            return c.nkids[rows] == 0
+        kids = c.kids[0, rows]
+        for t in range(1, max(tier, through or tier) + 1):
+            kids = kids | c.kids[t, rows]
+        return kids == 0
 
     def _at_or_below_cut(self, reach: np.ndarray, n_reach: int, scores: np.ndarray, k: int) -> np.ndarray:
         """Mask of the reachable rows scored at or below the k-th lowest reachable score (k <=
@@ -240,7 +287,7 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
         numpy calls, not 1,024."""
         c = self.table.cols
-        rows = np.flatnonzero(below)
+        rows = np.flatnonzero(below) if below.dtype == bool else below  # (or the rows, ascending)
         if not len(rows):
             return rows
         if evict:
@@ -299,19 +346,20 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,
                   idle_only: bool = False, block_bytes: int | None = None,
-                  cold: np.ndarray | None = None, until_backoff: bool = False) -> bool:
+                  cold: np.ndarray | None = None, until_backoff: bool = False, cut: DrainCut | None = None) -> bool:
         """Demote (or, on the last tier, evict) until `need_bytes` are free in `tier` (usable by
         blocks of `block_bytes` when given). True on success. `cold_only`: only the blocks below
         the tier's `cold_threshold` percentile when it starts; the cut is taken once, not again
         over what is left after each round (that would call the coldest of the rest cold, round
         after round, and the threshold would only set how many batches the same demotion takes).
         Victims go past a tier below that has no room it can make (`_free_some`). `cold`: that cut,
-        taken already (a rebalance in pieces takes it once, when the tier's drain begins).
+        taken already (a rebalance in pieces takes it once, when the tier's drain begins; `cut`: the
+        same kept in score order, drainorder.py).
         `until_backoff`: stop when a tier below begins to back off after failed writes (a drain,
         which no request asked for: the next rounds would drop what would have gone down there)."""
         if cold_only and cold is None:
             cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
-        pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only)
+        pick = dict(cold=cold, protect=protect, below_priority=below_priority, idle_only=idle_only, cut=cut)
         backoffs = self.stats.write_backoffs
         for _ in range(self.MAX_ROUNDS):
             short = need_bytes - self._free_or_leaving(tier, block_bytes)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.drainorder import DrainCut
 from dflash2.errors import CopiesRunning
 from dflash2.mover import Flight
 from dflash2.tiers import Tier
@@ -63,9 +64,10 @@ class Rebalancing:
         # The draining tier whose piece comes first in the next `rebalance`: one that the last call,
         # stopped by a request after an earlier tier's piece, did not reach (None: slowest first).
         self._first_next: Tier | None = None
-        # Per draining tier, its cold cut when the drain began (rows and their generations): the
-        # drain moves only those blocks, however many steps it takes.
-        self._cuts: dict[Tier, tuple[np.ndarray, np.ndarray]] = {}
+        # Per draining tier, its cold cut when the drain began (rows and their generations), kept
+        # in score order for its pieces' selections: the drain moves only those blocks, however
+        # many steps it takes.
+        self._cuts: dict[Tier, DrainCut] = {}
         # Bytes a second the last rebalance piece of each tier freed (moves and selection): it sizes
         # the next pieces (`_piece_bytes`).
         self._drain_rate: dict[Tier, float] = {}
@@ -159,7 +161,7 @@ class Rebalancing:
                 # above its high watermark. A block under a cold prefix is read only through it.
                 cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
                 cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
-                self._cuts[tier] = (cut, c.gen[cut].copy())
+                self._cuts[tier] = DrainCut(tier, cut, c.gen[cut].copy())
 
     def _drainable(self) -> list[Tier]:
         """The draining tiers whose drain may run now, slowest first. One with a storage tier below it
@@ -209,9 +211,9 @@ class Rebalancing:
         flight; each piece settles the one before it first."""
         c = self.table.cols
         target_free = int((1.0 - self.watermarks[tier].low) * self.table.allocators[tier].capacity_bytes)
-        rows, gens = self._cuts[tier]
+        cut = self._cuts[tier]
         cold = np.zeros(c.capacity, dtype=bool)
-        cold[rows[(c.gen[rows] == gens) & (c.tier[rows] == int(tier))]] = True  # still those blocks, still here
+        here = np.empty(0, dtype=np.int64)
         until = time.perf_counter() + seconds
         while True:
             if not self.settle_when_done(yield_to if defer else None, until):
@@ -230,12 +232,16 @@ class Rebalancing:
             if below is not None:
                 piece = min(piece, below)  # no more than the tier below takes without making room
             started = time.perf_counter()
+            cold[here] = False
+            here = cut.here(self.table, self.policy.scores_all(self.table, self.table.clock()))
+            cold[here] = True  # still those blocks, still here
             self._deferring, self._into_room_only = defer, below is not None
             try:
-                room = self.make_room(tier, min(target_free, free + piece),
-                                      cold_only=True, cold=cold, protect=protect, until_backoff=True)
+                room = self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
+                                      protect=protect, until_backoff=True, cut=cut)
             finally:
                 self._deferring = self._into_room_only = False
+                cut.forget()
             freed = self.free_bytes(tier) + self._leaving_bytes.get(tier, 0) - free
             if self._held(tier):
                 return False

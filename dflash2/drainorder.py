@@ -1,0 +1,139 @@
+"""A draining tier's cold cut, kept in score order across the drain's pieces (rebalance.py).
+
+Each piece of a drain asks `Placement.select` for the lowest-scored movable blocks of the cut. Done
+from scratch, that is 4-5 passes over every row of the table and a partition, whatever the piece's
+size: 2-6 ms a piece at a million blocks, most of the piece. The cut is a fixed set of rows (taken
+once, when the drain began), so its order can be kept instead: `select` then gathers over the cut's
+rows and the few lowest of them (`Placement._select_drain`), and chooses the same victims.
+
+Invariant (what makes the victims the same): the *prefix* holds, in (key, row) order, every row of
+the cut whose key is at or below `bound`; every other row of the cut has a key above `bound`. A
+row's key is its score while it is still the cut's block (its generation, in the tier), and +inf
+once it is not. So when the prefix holds k movable rows, the k-th lowest of them is the k-th lowest
+movable row of the whole cut, and the rows tied with it are all in the prefix. Policies never score
+a block +inf or NaN; a score that is would pass for a block gone, so a cut that meets one is not
+used (`usable` False: select's own pass decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from dflash2.table.columns import NO_CLIENT
+from dflash2.table.states import BlockState
+from dflash2.tiers import Tier
+
+
+class DrainCut:
+    MIN_PREFIX = 4096
+    PREFIX_SHARE = 16  # the prefix holds at least this share of the cut (1/16)
+
+    def __init__(self, tier: Tier, rows: np.ndarray, gens: np.ndarray):
+        self.tier = tier
+        self.rows, self.gens = rows, gens  # the cut: rows ascending, and their generations then
+        self.size = max(self.MIN_PREFIX, len(rows) // self.PREFIX_SHARE)
+        self.keys: np.ndarray | None = None  # each cut row's key when last looked at
+        self.bound = -np.inf
+        self.prefix = np.empty(0, dtype=np.int64)  # indices into `rows`, in (key, row) order
+        self.builds = 0  # how often the prefix was built (a rescoring, a prefix too short)
+        self.usable = True
+        # The scores of the refresh that `here` did, until the selection it is for has used them:
+        # nothing changes the table in between (`forget` ends it).
+        self._fresh: np.ndarray | None = None
+
+    def _current(self, table, scores: np.ndarray) -> np.ndarray:
+        c = table.cols
+        keys = scores[self.rows]  # (a copy: rows ascending, a near-sequential gather)
+        if keys.dtype.kind != "f":
+            keys = keys.astype(np.float64)
+        gone = (c.gen[self.rows] != self.gens) | (c.tier[self.rows] != int(self.tier))
+        if not (keys[~gone] < np.inf).all():
+            self.usable = False  # a block scored +inf or NaN would pass for one gone (module docstring)
+        keys[gone] = np.inf
+        return keys
+
+    def _build(self, keys: np.ndarray) -> None:
+        self.builds += 1
+        self.keys = keys
+        n = len(keys)
+        if self.size >= n:
+            self.bound = np.inf
+            idx = np.arange(n)
+        else:
+            self.bound = float(np.partition(keys, self.size - 1)[self.size - 1])
+            idx = np.flatnonzero(keys <= self.bound)
+        # By key alone: the rows tied at the k-th key are all taken or none, and the lowest leaves are
+        # ordered by (key, row) where they are taken (`Placement._select_drain`): ties' order is moot.
+        self.prefix = idx[np.argsort(keys[idx])]
+
+    def here(self, table, scores: np.ndarray) -> np.ndarray:
+        """The cut's rows that are still its blocks in the tier (the drain's `cold` mask), refreshing
+        the order on the way: the selection that follows at once, with these scores, needs no
+        refresh of its own (the caller calls `forget` once that is over)."""
+        self._refresh(table, scores)
+        self._fresh = scores
+        return self.rows[self.keys < np.inf]
+
+    def forget(self) -> None:
+        """The piece that `here` was for is over: the next use refreshes (the table changes between)."""
+        self._fresh = None
+
+    def _refresh(self, table, scores: np.ndarray) -> None:
+        fresh, self._fresh = self._fresh, None
+        if fresh is scores:
+            return  # (`here` just refreshed with these scores, and nothing has happened since)
+        keys = self._current(table, scores)
+        if self.keys is None or len(keys) != len(self.keys):
+            return self._build(keys)
+        changed = np.flatnonzero(keys != self.keys)
+        if not len(changed):
+            return
+        if len(changed) * 2 > max(len(self.prefix), self.MIN_PREFIX):
+            return self._build(keys)  # a rescoring: most keys changed
+        self.keys = keys
+        # The rows whose key changed leave the prefix, and those now at or below the bound join it
+        # where their key puts them (linear: no sort of the prefix). Among equal keys a joining row
+        # goes after those already there: tied rows are taken all or none (`_select_drain`), so
+        # their order within the prefix does not matter.
+        mark = np.zeros(len(keys), dtype=bool)
+        mark[changed] = True
+        prefix = self.prefix[~mark[self.prefix]]
+        joined = changed[keys[changed] <= self.bound]
+        if len(joined):
+            joined = joined[np.argsort(keys[joined], kind="stable")]
+            prefix = np.insert(prefix, np.searchsorted(keys[prefix], keys[joined], side="right"), joined)
+        self.prefix = prefix
+
+    def movable_in_order(self, table, scores: np.ndarray, k_of: Callable[[int], int], evict: bool,
+                         protect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """The prefix's movable rows and their keys, lowest first; select's k (`k_of(n_reach)`); and
+        whether the prefix is the whole cut. At least k rows unless it is: the rows at or below the
+        k-th of them are those `Placement._at_or_below_cut` finds over select's reach. The movable
+        filter is `Placement.movable`'s (never `idle_only` or `below_priority`: those take select's
+        own pass)."""
+        self._refresh(table, scores)
+        c = table.cols
+        while True:
+            idx = self.prefix
+            rows = self.rows[idx]
+            ok = self.keys[idx] < np.inf
+            ok &= c.state[rows] == int(BlockState.RESIDENT)
+            ok &= c.pins[rows] == 0
+            if evict:
+                ok &= c.refs[rows] == 0
+                ok &= c.owner[rows] == NO_CLIENT
+            if protect is not None and len(protect):
+                ok &= ~np.isin(rows, protect)
+            n = int(np.count_nonzero(ok))
+            complete = self.bound == np.inf
+            k = k_of(n) if complete else k_of(1 << 62)  # (select's n_reach is at least n: the need sets k)
+            if complete or n >= k:
+                return rows[ok], self.keys[idx][ok], k, complete
+            self.grow(k)  # too few movable rows in the prefix
+
+    def grow(self, k: int) -> None:
+        """A prefix at least twice as long, and four times k (the whole cut at most)."""
+        self.size = max(2 * self.size, 4 * k)
+        self._build(self.keys)
