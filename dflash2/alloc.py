@@ -223,11 +223,35 @@ class SlotAllocator:
                 self._reclaim(exclude=slot)
                 if self._claim_slabs(cls, want) < want:  # can_fit said yes: the runs must exist
                     return None
-        offsets = cls.pop(n)
-        cls.held[offsets // slot] = offsets % slot
+        return self._hand_out(cls, cls.pop(n), block_bytes)
+
+    def alloc_in_used_slabs(self, block_bytes: int, n: int) -> np.ndarray | None:
+        """n slot offsets for blocks of `block_bytes` from free slots of their size in slabs that hold
+        a used slot already, or None when there are fewer: never a free page, nor an empty slab
+        (which `blocks_free` counts as room for every other size). So what other sizes could take
+        stays as it was: room for a reservation that passes waiting ones of other sizes."""
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        cls = self._classes.get(self.slot_for(block_bytes))
+        if cls is None or cls.n_free < n:
+            return None
+        free = cls.free[: cls.n_free]
+        usable = np.flatnonzero(self._page_used[self._head_of(free)] > 0)
+        if len(usable) < n:
+            return None
+        taken = usable[-n:]  # nearest the top of the stack, as `pop` would take them
+        offsets = free[taken].copy()
+        rest = np.delete(free, taken)
+        cls.free[: len(rest)] = rest
+        cls.n_free = len(rest)
+        return self._hand_out(cls, offsets, block_bytes)
+
+    def _hand_out(self, cls: _SizeClass, offsets: np.ndarray, block_bytes: int) -> np.ndarray:
+        """Mark these free slots of the class (off its free stack already) used."""
+        cls.held[offsets // cls.slot] = offsets % cls.slot
         self._count_used(cls, offsets, 1)
-        cls.n_used += n
-        cls.block_bytes_used += n * block_bytes
+        cls.n_used += len(offsets)
+        cls.block_bytes_used += len(offsets) * block_bytes
         return offsets
 
     def free(self, block_bytes: int, offsets: np.ndarray) -> None:

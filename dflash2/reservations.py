@@ -20,6 +20,11 @@ references blocks may be growing a running request and is not held back: that re
 finish and free the room). A reservation lives at most `reservation_ttl_s` untaken: a client's
 deadline may shorten that, never lengthen it.
 
+Reservations of different block sizes (two models on one node) share the queue's order but not its
+head-of-line wait: one of a size that no reservation ahead of it waits with is granted out of its
+turn when its blocks fit in free slots of their size in slabs already in use, room that those ahead
+could never use (`_passes`). One that needs free pages waits its turn: the head may need them.
+
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
 spike of arrivals is paced over the window instead of setting off a storm of demotions; what the
@@ -32,6 +37,7 @@ that only the bucket holds back is never left waiting on demand that has died do
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import enum
 import itertools
@@ -113,6 +119,7 @@ class Admission:
         self.granted: dict[int, Reservation] = {}
         self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
         self._waiting: dict[int, Reservation] = {}  # the deferred ones by id
+        self._waiting_sizes: collections.Counter[int] = collections.Counter()  # ... by block size
         self._ids = itertools.count(1)
         hbm = table.allocators[Tier.HBM].capacity_bytes
         self._bucket_cap = settings.burst_fraction * hbm
@@ -183,6 +190,9 @@ class Admission:
             if self._try_grant(res):
                 self._rate += demand
                 return Decision(Outcome.GRANTED, res.id)
+        elif self._passes(res, {r.block_bytes for r in self.deferred if r.priority >= priority}):
+            self._rate += demand
+            return Decision(Outcome.GRANTED, res.id)
         if len(self.deferred) >= self.settings.max_deferred:
             return self._reject(f"the deferred queue is full ({self.settings.max_deferred})")
         self._enqueue(res)
@@ -265,13 +275,29 @@ class Admission:
         granted = []
         while self.deferred and self._try_grant(self.deferred[0],
                                                 make_room or self.deferred[0].id != self._room_tried):
-            res = self.deferred.pop(0)
-            del self._waiting[res.id]
-            self.wait_seconds_total += now - res.created
-            if self.on_wait is not None:
-                self.on_wait(now - res.created)
-            granted.append(res.id)
+            granted.append(self._leave_queue(0, now))
+        # Then, behind a head that waits, the first waiting reservation of each other block size may
+        # pass it, and those ahead of it, on room free now that is none of theirs (`_passes`); blocks
+        # of one size keep their order.
+        sizes, i = {self.deferred[0].block_bytes} if self.deferred else set(), 1
+        while i < len(self.deferred) and len(sizes) < len(self._waiting_sizes):  # (one size: no pass)
+            res = self.deferred[i]
+            if res.block_bytes not in sizes:
+                if self._passes(res, sizes):
+                    granted.append(self._leave_queue(i, now))
+                    continue
+                sizes.add(res.block_bytes)
+            i += 1
         return granted
+
+    def _leave_queue(self, i: int, now: float) -> int:
+        """The i-th waiting reservation was granted: out of the queue, its wait counted. Its id."""
+        res = self.deferred.pop(i)
+        self._unwait(res)
+        self.wait_seconds_total += now - res.created
+        if self.on_wait is not None:
+            self.on_wait(now - res.created)
+        return res.id
 
     def may_make_room(self) -> bool:
         """Whether a `tick(make_room=False)` now may make room (placement work): only for a head
@@ -366,15 +392,38 @@ class Admission:
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 self._fails = self._fails + 1 if self._fails_for == res.id else 0
                 self._fails_for = res.id
-        vids = self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM,
-                                   request=res.request, priority=res.priority, state=BlockState.RESERVED)
+        vids = self._allocate(res)
         if vids is None:
             return False
+        self._granted(res, vids)
+        return True
+
+    def _allocate(self, res: Reservation, in_used_slabs: bool = False) -> np.ndarray | None:
+        return self.table.allocate(res.client, res.layout_id, res.blocks, tier=Tier.HBM, request=res.request,
+                                   priority=res.priority, state=BlockState.RESERVED, in_used_slabs=in_used_slabs)
+
+    def _granted(self, res: Reservation, vids: np.ndarray) -> None:
         self.placement.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         res.vids = vids.tolist()
         res.granted = True
         self.granted[res.id] = res
         self.counters["granted"] += 1
+
+    def _passes(self, res: Reservation, ahead: set[int]) -> bool:
+        """Grant `res` out of its turn, before the reservations waiting ahead of it (`ahead`: their
+        block sizes): only when none of them is of its size (blocks of one size keep their order),
+        and only from room that is none of theirs: free slots of its own size in slabs already in
+        use (nothing is moved for it, and no free page or empty slab, which they could use, is
+        taken). Before, it waited
+        behind a head of another size that waited on blocks being written, until that head was
+        granted or expired (up to `reservation_ttl_s`), while an `allocate` of the same blocks
+        passed (a review's script). An allocation still passes whatever it takes (`ahead_of`)."""
+        if not ahead or res.block_bytes in ahead:
+            return False
+        vids = self._allocate(res, in_used_slabs=True)
+        if vids is None:
+            return False
+        self._granted(res, vids)
         return True
 
     def _room(self, res: Reservation) -> int:
@@ -418,6 +467,14 @@ class Admission:
     def _enqueue(self, res: Reservation) -> None:
         bisect.insort(self.deferred, res, key=lambda r: (-r.priority, r.id))
         self._waiting[res.id] = res
+        self._waiting_sizes[res.block_bytes] += 1
+
+    def _unwait(self, res: Reservation) -> None:
+        """`res` has left the queue (granted, expired, dropped): out of its indexes."""
+        del self._waiting[res.id]
+        self._waiting_sizes[res.block_bytes] -= 1
+        if not self._waiting_sizes[res.block_bytes]:
+            del self._waiting_sizes[res.block_bytes]
 
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos = self.deferred.index(res)
@@ -482,6 +539,8 @@ class Admission:
             problems.append("the deferred queue is out of order")
         if {r.id: r for r in self.deferred} != self._waiting:
             problems.append("the deferred queue's index does not match the queue")
+        if collections.Counter(r.block_bytes for r in self.deferred) != self._waiting_sizes:
+            problems.append("the deferred queue's count by block size does not match the queue")
         if self._waiting.keys() & self.granted.keys():
             problems.append("a reservation is both granted and waiting")
         if any(r.block_bytes != self.table.layout(r.layout_id).block_bytes for r in self.deferred):
@@ -516,7 +575,7 @@ class Admission:
         if due:
             self.deferred = [r for r in self.deferred if r.expires > now]
             for res in due:
-                del self._waiting[res.id]
+                self._unwait(res)
                 res.ended = True
             self.counters["expired"] += len(due)
         self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
@@ -528,7 +587,8 @@ class Admission:
             if res.vids and res.client in self.table.clients:
                 self.table.free(res.client, res.vids)  # RESERVED → FREE
             res.vids = []
-        elif self._waiting.pop(res.id, None) is not None:
+        elif res.id in self._waiting:
+            self._unwait(res)
             self.deferred.remove(res)
 
     def ahead_of(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> list:

@@ -259,16 +259,19 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
-                 request: int = 0, priority: int = 0, state: BlockState = S.WRITING) -> np.ndarray | None:
+                 request: int = 0, priority: int = 0, state: BlockState = S.WRITING,
+                 in_used_slabs: bool = False) -> np.ndarray | None:
         """n private blocks of the client in `tier`, in state WRITING (or RESERVED for a reservation).
-        None when the tier has no room: nothing changes and the caller makes room or defers."""
+        None when the tier has no room: nothing changes and the caller makes room or defers.
+        `in_used_slabs`: only in free slots of slabs already in use (`SlotAllocator.alloc_in_used_slabs`)."""
         holder = self.client(client_id)
         layout = self.layout(layout_id)
         if state not in (S.RESERVED, S.WRITING):
             raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
         if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
             raise ValueError(f"cannot allocate {n} blocks")
-        offsets = self.allocators[tier].alloc(layout.block_bytes, n)
+        alloc = self.allocators[tier]
+        offsets = (alloc.alloc_in_used_slabs if in_used_slabs else alloc.alloc)(layout.block_bytes, n)
         if offsets is None:
             return None
         c = self.cols

@@ -1,0 +1,83 @@
+"""Reservations of two block sizes: one of a size that no reservation ahead of it waits with is
+granted out of its turn from room free now, when that room is none of theirs (free slots of its
+own size in slabs already cut); blocks of one size still queue in order."""
+
+from dflash2.reservations import Outcome
+from dflash2.tiers import Tier
+
+from conftest import SMALL, SMALL_FP8
+from reservation_helpers import settings
+
+
+def _held_and_split(make_manager, small_pages: int = 2):
+    """HBM of 8 pages of 16 KiB: four 16 KiB blocks being written (nothing can move them), and
+    `small_pages` pages of 8 KiB blocks (two to a page), being written too, of which the second of
+    each of the first two pages is freed again: two free 8 KiB slots in slabs already cut. The rest of
+    HBM is free pages. Reservation A of four 16 KiB blocks waits at the head of the queue."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=64, admission=settings())
+    w, a, b = mgr.attach("writer"), mgr.attach("a"), mgr.attach("b")
+    big, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.allocate(w, big, 4)
+    small = mgr.allocate(w, fp8, 2 * small_pages)
+    mgr.free(w, small[[1, 3]])
+    head = mgr.reserve(a, big, tokens=16 * 4)
+    assert head.outcome is Outcome.DEFERRED, head
+    return mgr, (w, a, b), (big, fp8), small, head
+
+
+def _room(mgr, block_bytes):
+    return mgr.placement.free_bytes(Tier.HBM, block_bytes)
+
+
+def test_a_reservation_of_another_size_passes_a_waiting_head_on_slots_it_cannot_use(make_manager):
+    """A review's script: reservation B of two 8 KiB blocks stayed deferred behind A (position 1, no
+    estimate) until A was granted or expired, 30 s, while an `allocate` of the same blocks was
+    given them at once. Two free 8 KiB slots are no room for A: B is granted now, and A's room is
+    what it was."""
+    mgr, (w, a, b), (big, fp8), small, head = _held_and_split(make_manager)
+    before = _room(mgr, 16 * 1024)
+    d = mgr.reserve(b, fp8, tokens=16 * 2)
+    assert d.outcome is Outcome.GRANTED, d
+    assert _room(mgr, 16 * 1024) == before
+    assert mgr.reservation_status(a, head.reservation_id).outcome is Outcome.DEFERRED
+    assert mgr.admission.check_invariants() is None
+    mgr.check_invariants()
+
+
+def test_one_that_would_take_pages_the_head_may_use_waits(make_manager):
+    """Three 8 KiB blocks need a page beyond the two free slots: a page A could use, so B waits
+    behind A; once A is cancelled, B is granted on that call."""
+    mgr, (w, a, b), (big, fp8), small, head = _held_and_split(make_manager)
+    before = _room(mgr, 16 * 1024)
+    d = mgr.reserve(b, fp8, tokens=16 * 3)
+    assert d.outcome is Outcome.DEFERRED and d.position == 1, d
+    assert _room(mgr, 16 * 1024) == before  # (nothing was kept of a try)
+    mgr.cancel(a, head.reservation_id)
+    assert mgr.reservation_status(b, d.reservation_id).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+
+
+def test_a_waiting_reservation_of_another_size_is_granted_once_slots_of_its_own_free_up(make_manager):
+    """B (three 8 KiB blocks) waits behind A; the writer frees one more 8 KiB block, in a slab still
+    in use: three free slots of B's size that A cannot use. B's next poll grants it; A still waits."""
+    mgr, (w, a, b), (big, fp8), small, head = _held_and_split(make_manager, small_pages=3)
+    d = mgr.reserve(b, fp8, tokens=16 * 3)
+    assert d.outcome is Outcome.DEFERRED, d
+    before = _room(mgr, 16 * 1024)
+    mgr.free(w, small[[5]])  # the third page's second slot (its first still being written)
+    assert mgr.reservation_status(b, d.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.reservation_status(a, head.reservation_id).outcome is Outcome.DEFERRED
+    assert _room(mgr, 16 * 1024) == before
+    mgr.check_invariants()
+
+
+def test_blocks_of_one_size_still_queue_in_order(make_manager):
+    """B1 (three 8 KiB blocks, which would take a page) waits behind A; B2 of two 8 KiB blocks,
+    which the free slots would hold, waits behind B1: a reservation passes only those of other sizes."""
+    mgr, (w, a, b), (big, fp8), small, head = _held_and_split(make_manager)
+    c = mgr.attach("c")
+    first = mgr.reserve(b, fp8, tokens=16 * 3)
+    second = mgr.reserve(c, fp8, tokens=16 * 2)
+    assert first.outcome is second.outcome is Outcome.DEFERRED, (first, second)
+    assert mgr.reservation_status(c, second.reservation_id).position == 2
+    mgr.check_invariants()
