@@ -12,7 +12,8 @@ row's key is its score while it is still the cut's block (its generation, in the
 once it is not. So when the prefix holds k movable rows, the k-th lowest of them is the k-th lowest
 movable row of the whole cut, and the rows tied with it are all in the prefix. Policies never score
 a block +inf or NaN; a score that is would pass for a block gone, so a cut that meets one is not
-used (`usable` False: select's own pass decides).
+used (`usable` False: select's own pass decides). Nor is one whose scores change wholesale at every
+refresh (LFU's follow the clock): keeping its order would cost more than select's own pass.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dflash2.tiers import Tier
 class DrainCut:
     MIN_PREFIX = 4096
     PREFIX_SHARE = 16  # the prefix holds at least this share of the cut (1/16)
+    RESCORED_IN_A_ROW = 3  # refreshes in a row that rebuild the order before it is given up
 
     def __init__(self, tier: Tier, rows: np.ndarray, gens: np.ndarray):
         self.tier = tier
@@ -38,17 +40,27 @@ class DrainCut:
         self.bound = -np.inf
         self.prefix = np.empty(0, dtype=np.int64)  # indices into `rows`, in (key, row) order
         self.builds = 0  # how often the prefix was built (a rescoring, a prefix too short)
+        self._rescored_in_a_row = 0  # refreshes in a row that found most of the cut's keys changed
         self.usable = True
-        # The scores of the refresh that `here` did, until the selection it is for has used them:
-        # nothing changes the table in between (`forget` ends it).
+        # A piece (`here` .. `forget`): which rows `here` found gone, for the piece's first refresh
+        # (nothing changes the table before it); then the scores that refresh used, which serve
+        # the piece's later selections given the same array (module docstring).
+        self._in_piece = False
+        self._gone: np.ndarray | None = None
         self._fresh: np.ndarray | None = None
 
-    def _current(self, table, scores: np.ndarray) -> np.ndarray:
+    def _gone_now(self, table) -> np.ndarray:
+        """Mask over the cut: the rows that are no longer its blocks in the tier."""
         c = table.cols
+        return (c.gen[self.rows] != self.gens) | (c.tier[self.rows] != int(self.tier))
+
+    def _current(self, table, scores: np.ndarray) -> np.ndarray:
         keys = scores[self.rows]  # (a copy: rows ascending, a near-sequential gather)
         if keys.dtype.kind != "f":
             keys = keys.astype(np.float64)
-        gone = (c.gen[self.rows] != self.gens) | (c.tier[self.rows] != int(self.tier))
+        gone, self._gone = self._gone, None  # (valid for the piece's first refresh only)
+        if gone is None:
+            gone = self._gone_now(table)
         if not (keys[~gone] < np.inf).all():
             self.usable = False  # a block scored +inf or NaN would pass for one gone (module docstring)
         keys[gone] = np.inf
@@ -68,30 +80,50 @@ class DrainCut:
         # ordered by (key, row) where they are taken (`Placement._select_drain`): ties' order is moot.
         self.prefix = idx[np.argsort(keys[idx])]
 
-    def here(self, table, scores: np.ndarray) -> np.ndarray:
-        """The cut's rows that are still its blocks in the tier (the drain's `cold` mask), refreshing
-        the order on the way: the selection that follows at once, with these scores, needs no
-        refresh of its own (the caller calls `forget` once that is over)."""
-        self._refresh(table, scores)
-        self._fresh = scores
-        return self.rows[self.keys < np.inf]
+    def here(self, table) -> np.ndarray:
+        """The cut's rows that are still its blocks in the tier (the drain's `cold` mask), at the
+        start of a piece; the piece's selections follow (`forget` ends it). Only which rows are
+        gone, no scores: a selection scores with its own (LFU makes a new array from the clock at
+        every call: scores taken here too cost a piece two passes and two rebuilds of the order,
+        twice the piece of the code before, a review's script).
+        Within the piece, once a selection has refreshed the order, those of the piece given the same
+        scores array use it as it is (a refresh is a gather over the whole cut: a piece whose first
+        round moves few blocks selects several times, 0.4 ms each at 64,000 rows of a cut, a
+        review's profile). That holds because within a piece the cut's blocks only leave the tier
+        (moved down, dropped) or go in flight, which `movable_in_order` sees row by row, and no
+        score of a block still there changes: nothing reads a block meanwhile, and a policy's
+        cached scores change in place only for the blocks that moved (a rescoring makes a new array)."""
+        self._gone = self._gone_now(table)
+        self._in_piece, self._fresh = True, None
+        return self.rows[~self._gone]
 
     def forget(self) -> None:
-        """The piece that `here` was for is over: the next use refreshes (the table changes between)."""
-        self._fresh = None
+        """The piece that `here` began is over: the next use looks at the table anew."""
+        self._in_piece, self._gone, self._fresh = False, None, None
 
     def _refresh(self, table, scores: np.ndarray) -> None:
-        fresh, self._fresh = self._fresh, None
-        if fresh is scores:
-            return  # (`here` just refreshed with these scores, and nothing has happened since)
+        if self._fresh is not None and self._fresh is scores:
+            return  # (within the piece: refreshed with these scores already)
+        self._fresh = scores if self._in_piece else None
         keys = self._current(table, scores)
         if self.keys is None or len(keys) != len(self.keys):
             return self._build(keys)
         changed = np.flatnonzero(keys != self.keys)
         if not len(changed):
+            self._rescored_in_a_row = 0
             return
-        if len(changed) * 2 > max(len(self.prefix), self.MIN_PREFIX):
-            return self._build(keys)  # a rescoring: most keys changed
+        wholesale = len(changed) * 2 > len(keys)  # a rescoring: most of the cut's keys changed
+        self._rescored_in_a_row = self._rescored_in_a_row + 1 if wholesale else 0
+        if self._rescored_in_a_row >= self.RESCORED_IN_A_ROW:
+            # At every refresh (a policy whose scores follow the clock, LFU): each a partition of
+            # the whole cut, more than select's own pass. The order is given up for this drain.
+            self.usable = False
+        if wholesale:
+            # A prefix grown for one selection (the lowest leaves, far up the cut) would cost every
+            # later piece its gathers: with new scores it starts from its own size again.
+            self.size = max(self.MIN_PREFIX, len(self.rows) // self.PREFIX_SHARE)
+        if wholesale or len(changed) * 2 > max(len(self.prefix), self.MIN_PREFIX):
+            return self._build(keys)  # (rebuilt: cheaper than moving that many rows in the prefix)
         self.keys = keys
         # The rows whose key changed leave the prefix, and those now at or below the bound join it
         # where their key puts them (linear: no sort of the prefix). Among equal keys a joining row
@@ -115,17 +147,22 @@ class DrainCut:
         own pass)."""
         self._refresh(table, scores)
         c = table.cols
+        held = None
         while True:
             idx = self.prefix
             rows = self.rows[idx]
             ok = self.keys[idx] < np.inf
+            ok &= c.tier[rows] == int(self.tier)  # (left within the piece: its keys are as at its start)
             ok &= c.state[rows] == int(BlockState.RESIDENT)
             ok &= c.pins[rows] == 0
             if evict:
                 ok &= c.refs[rows] == 0
                 ok &= c.owner[rows] == NO_CLIENT
             if protect is not None and len(protect):
-                ok &= ~np.isin(rows, protect)
+                if held is None:
+                    held = np.zeros(c.capacity, dtype=bool)  # (np.isin over a large prefix: ms)
+                    held[protect] = True
+                ok &= ~held[rows]
             n = int(np.count_nonzero(ok))
             complete = self.bound == np.inf
             k = k_of(n) if complete else k_of(1 << 62)  # (select's n_reach is at least n: the need sets k)

@@ -233,7 +233,7 @@ class Rebalancing:
                 piece = min(piece, below)  # no more than the tier below takes without making room
             started = time.perf_counter()
             cold[here] = False
-            here = cut.here(self.table, self.policy.scores_all(self.table, self.table.clock()))
+            here = cut.here(self.table)
             cold[here] = True  # still those blocks, still here
             self._deferring, self._into_room_only = defer, below is not None
             try:

@@ -52,6 +52,22 @@ def test_a_drains_selections_from_its_kept_order_are_selects_own(make_manager, c
     counts = checked_selections(monkeypatch)
     mgr = make_manager(hbm_blocks=192, dram_blocks=640, nvme_blocks=4096, policy=policy, cold_threshold=0.6,
                        watermarks={Tier.HBM: Watermark(0.85, 0.4), Tier.DRAM: Watermark(0.85, 0.4)})
+    # Pieces of 3% of a tier (its floor is 1/1600): a piece whose first round moves only the leaves
+    # under the cut selects again, among blocks that left the tier in that round (moves land at
+    # once here: no copies in flight).
+    monkeypatch.setattr(mgr.placement, "REBALANCE_MIN_PIECE", 0.03)
+    rounds = []
+    make_room = mgr.placement.make_room
+
+    def piece(tier, *args, **kw):
+        if kw.get("cut") is None:
+            return make_room(tier, *args, **kw)
+        before = counts["checked"]
+        try:
+            return make_room(tier, *args, **kw)
+        finally:
+            rounds.append(counts["checked"] - before)
+    mgr.placement.make_room = piece
     a, b = mgr.attach("a"), mgr.attach("b")
     lid = mgr.register_layout(SMALL)
     rng = np.random.default_rng(11)
@@ -95,8 +111,13 @@ def test_a_drains_selections_from_its_kept_order_are_selects_own(make_manager, c
         mgr.drain_slice(0.0)
     mgr.check_invariants()
     assert counts["differ"] == 0
-    assert counts["checked"] >= 100 and counts["from_order"] == counts["checked"], counts
+    assert counts["checked"] >= 100, counts
+    if policy == "lfu":  # its scores follow the clock: every refresh rebuilt the order, given up
+        assert counts["from_order"] < counts["checked"], counts
+        return
+    assert counts["from_order"] == counts["checked"], counts
     assert counts["partial"] >= counts["checked"] // 4, counts  # the prefix short of the cut in many
+    assert sum(n >= 2 for n in rounds) >= 20, rounds  # pieces that selected again after their first moves
 
 
 def test_a_drain_piece_makes_no_pass_over_the_table(make_manager, clock, monkeypatch):
@@ -124,21 +145,25 @@ def test_a_drain_piece_makes_no_pass_over_the_table(make_manager, clock, monkeyp
     mgr.check_invariants()
 
 
-def test_a_block_scored_without_bound_turns_the_kept_order_off(make_manager, clock):
+def test_a_block_scored_without_bound_turns_the_kept_order_off(make_manager, clock, monkeypatch):
     """A score of +inf (or NaN) would pass for a block no longer the cut's: the cut says it cannot
-    be used, and select's own pass decides."""
-    mgr = make_manager(hbm_blocks=16, policy="lru")
+    be used, and select's own pass decides (the same victims)."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=16, policy="lru")
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
-    vids = fill(mgr, a, lid, list(range(1, 9)))
-    rows = np.sort(mgr.table.rows(vids))
-    cut = DrainCut(Tier.HBM, rows, mgr.table.cols.gen[rows].copy())
-    scores = np.zeros(mgr.table.cols.capacity)
-    assert len(cut.here(mgr.table, scores)) == 8 and cut.usable
+    rows = np.sort(mgr.table.rows([int(fill(mgr, a, lid, [k])[0]) for k in range(1, 9)]))
+    c, pl = mgr.table.cols, mgr.placement
+    cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
+    scores = np.zeros(c.capacity)
+    scores[rows] = np.arange(8.0)
     scores[rows[3]] = np.inf
-    cut.forget()
-    cut.here(mgr.table, scores)
+    monkeypatch.setattr(pl.policy, "scores_all", lambda table, now: scores)
+    cold = np.zeros(c.capacity, dtype=bool)
+    cold[cut.here(mgr.table)] = True
+    slot = int(mgr.table.slot_sizes(Tier.HBM).min())
+    got = pl.select(Tier.HBM, 8 * slot, evict=False, cold=cold, cut=cut)
     assert not cut.usable
+    assert got.tolist() == pl.select(Tier.HBM, 8 * slot, evict=False, cold=cold).tolist()
 
 
 @pytest.mark.parametrize("policy", ["lru", "heat"])
@@ -185,7 +210,7 @@ def test_selections_from_a_kept_order_match_selects_own_pass(make_manager, clock
         cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
         for _ in range(15):
             cold = np.zeros(c.capacity, dtype=bool)
-            cold[cut.here(mgr.table, pl.policy.scores_all(mgr.table, clock()))] = True
+            cold[cut.here(mgr.table)] = True
             evict = rng.random() < 0.3
             kw = dict(evict=evict, cold=cold,
                       protect=rng.choice(rows, 6) if rng.random() < 0.3 else None,
@@ -241,7 +266,7 @@ def test_where_every_cold_block_waits_on_a_child_the_lowest_leaves_go_first_by_r
     rows = np.sort(mgr.table.rows(roots + leaves))
     cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
     cold = np.zeros(c.capacity, dtype=bool)
-    cold[cut.here(mgr.table, pl.policy.scores_all(mgr.table, clock()))] = True
+    cold[cut.here(mgr.table)] = True
     slot = int(mgr.table.slot_sizes(Tier.HBM).min())
     whole = pl.select(Tier.HBM, slot, evict=False, cold=cold)
     got = pl.select(Tier.HBM, slot, evict=False, cold=cold, cut=cut)
@@ -259,9 +284,72 @@ def test_a_row_freed_and_used_again_is_no_longer_the_cuts(make_manager, clock):
     rows = np.sort(mgr.table.rows(vids))
     c = mgr.table.cols
     cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
-    assert sorted(cut.here(mgr.table, np.zeros(c.capacity)).tolist()) == rows.tolist()
+    assert sorted(cut.here(mgr.table).tolist()) == rows.tolist()
     cut.forget()
     mgr.placement._evict(mgr.table.rows(vids[2:]))  # the chain's leaf
     new = fill(mgr, a, lid, [9])
     assert mgr.table.rows(new)[0] in rows  # its row again, in HBM
-    assert sorted(cut.here(mgr.table, np.zeros(c.capacity)).tolist()) == sorted(mgr.table.rows(vids[:2]).tolist())
+    assert sorted(cut.here(mgr.table).tolist()) == sorted(mgr.table.rows(vids[:2]).tolist())
+
+
+def test_a_piece_uses_its_order_until_it_ends_and_no_longer(make_manager, clock):
+    """Within a piece (`here` .. `forget`) the order refreshed by its first selection serves the
+    others given the same scores; new scores (a rescoring: another array) are looked at anew, and
+    so is the table at the next piece's `here`, `forget` or not."""
+    mgr = make_manager(hbm_blocks=16, policy="lru")
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = [int(fill(mgr, a, lid, [k])[0]) for k in range(1, 7)]  # six roots, no children
+    rows = np.sort(mgr.table.rows(vids))
+    c = mgr.table.cols
+    cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
+
+    def order(scores):
+        return cut.movable_in_order(mgr.table, scores, lambda n: n, evict=True, protect=None)[0].tolist()
+    first = np.zeros(c.capacity)
+    first[rows] = np.arange(len(rows))  # rows[0] the coldest
+    assert len(cut.here(mgr.table)) == 6
+    assert order(first) == rows.tolist()
+    second = first.copy()
+    second[rows[0]] = 100.0  # rescored: now the hottest
+    assert order(second) == rows[1:].tolist() + rows[:1].tolist()
+    mgr.placement._evict(rows[1:2])  # a block of the piece dropped: out, row by row
+    assert order(second) == rows[2:].tolist() + rows[:1].tolist()
+    second[rows[0]] = -1.0  # between two pieces, a score changed in place (LRU's column: a read)
+    assert sorted(cut.here(mgr.table).tolist()) == sorted(rows[[0, 2, 3, 4, 5]].tolist())  # (no `forget`)
+    assert order(second) == rows[:1].tolist() + rows[2:].tolist()
+
+
+def test_an_order_rebuilt_at_every_refresh_is_given_up(make_manager):
+    """Scores that change wholesale at every refresh (LFU's follow the clock) rebuild the order each
+    time, a partition of the whole cut: after three in a row the cut is given up (select's own
+    pass). A rescoring now and then (heat's, once a step) rebuilds it, shrunk back to its own
+    size if a selection had grown it, and keeps it."""
+    mgr = make_manager(hbm_blocks=64, policy="lru")
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    rows = np.sort(mgr.table.rows(fill(mgr, a, lid, list(range(1, 41)))))
+    c = mgr.table.cols
+    cut = DrainCut(Tier.HBM, rows, c.gen[rows].copy())
+    cut.MIN_PREFIX = 4
+
+    def refresh(scores):
+        cut.here(mgr.table)
+        cut.movable_in_order(mgr.table, scores, lambda n: 1, evict=True, protect=None)
+        cut.forget()
+    base = np.zeros(c.capacity)
+    base[rows] = np.arange(40.0)
+    refresh(base)
+    cut.grow(16)
+    assert cut.size >= 64
+    refresh(base + 1.0)  # rescored: rebuilt, from its own size again
+    assert cut.size == 4 and cut.usable
+    few = base + 1.0
+    few[rows[:3]] += 0.5  # a few blocks read
+    refresh(few)
+    refresh(few + 1.0)
+    assert cut.usable  # (a rescoring, a few reads, a rescoring: not in a row)
+    refresh(few + 2.0)
+    assert cut.usable
+    refresh(few + 3.0)  # the third in a row
+    assert not cut.usable

@@ -543,3 +543,19 @@ def test_a_move_that_cannot_start_whole_moves_the_leading_blocks_that_fit(clock)
     mgr.free(a, got)
     mgr.free(b, held)
     mgr.check_invariants()
+
+
+def test_a_round_that_moves_nothing_down_makes_no_selection_to_drop(make_manager, clock):
+    """Every HBM block pinned: making room selects once, finds nothing, and stops; a second
+    selection, to drop blocks instead, could find none (dropping needs all that moving down does)
+    and cost a pass over the table."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    mgr.acquire(a, fill(mgr, a, lid, list(range(1, 9))))
+    passes = []
+    select = mgr.placement.select
+    mgr.placement.select = lambda *args, **kw: passes.append(kw["evict"]) or select(*args, **kw)
+    assert not mgr.placement.make_room(Tier.HBM, 16384)
+    assert passes == [False]
+    mgr.check_invariants()
