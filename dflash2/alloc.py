@@ -83,6 +83,8 @@ class _SizeClass:
     n_free: int = 0
     n_used: int = 0
     block_bytes_used: int = 0  # exact bytes of the blocks in used slots (for the rounding waste)
+    changes: int = 0  # bumped whenever a slot of the class is handed out, freed, quarantined or given back
+    no_fit: tuple[int, int] = (-1, 0)  # (changes, n): `alloc_in_used_slabs` found fewer than n then
 
     def push(self, offsets: np.ndarray) -> None:
         need = self.n_free + len(offsets)
@@ -233,11 +235,12 @@ class SlotAllocator:
         if n <= 0:
             return np.empty(0, dtype=np.int64)
         cls = self._classes.get(self.slot_for(block_bytes))
-        if cls is None or cls.n_free < n:
-            return None
+        if cls is None or cls.n_free < n or (cls.no_fit[0] == cls.changes and n >= cls.no_fit[1]):
+            return None  # (nothing of the class changed since fewer were found: no pass over its free stack)
         free = cls.free[: cls.n_free]
         usable = np.flatnonzero(self._page_used[self._head_of(free)] > 0)
         if len(usable) < n:
+            cls.no_fit = (cls.changes, n)
             return None
         taken = usable[-n:]  # nearest the top of the stack, as `pop` would take them
         offsets = free[taken].copy()
@@ -331,6 +334,7 @@ class SlotAllocator:
         """Add `delta` to the used-slot count of each offset's slab (offsets distinct: with one slot
         per slab, so are their slabs)."""
         add_at(self._page_used, self._head_of(offsets), delta, distinct=cls.slots_per_slab == 1)
+        cls.changes += 1
 
     @staticmethod
     def _release_held(cls: _SizeClass, offsets: np.ndarray) -> None:

@@ -20,10 +20,12 @@ references blocks may be growing a running request and is not held back: that re
 finish and free the room). A reservation lives at most `reservation_ttl_s` untaken: a client's
 deadline may shorten that, never lengthen it.
 
-Reservations of different block sizes (two models on one node) share the queue's order but not its
-head-of-line wait: one of a size that no reservation ahead of it waits with is granted out of its
-turn when its blocks fit in free slots of their size in slabs already in use, room that those ahead
-could never use (`_passes`). One that needs free pages waits its turn: the head may need them.
+Reservations of different HBM slot sizes (two models on one node) share the queue's order but not its
+head-of-line wait: one of a slot size that no reservation ahead of it waits with is granted out of
+its turn when its blocks fit in free slots of their size in slabs already in use, room that those
+ahead cannot use now (`_passes`). One that needs free pages waits its turn: the head may need them.
+The price: the slabs it takes stay in use while its request holds them, so a head that would have
+had their pages once their other blocks were let go waits for that request too.
 
 Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
 of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
@@ -87,6 +89,7 @@ class Reservation:
     created: float
     hbm_bytes: int = 0  # what its blocks take of HBM (slots of its layout)
     block_bytes: int = 0  # its layout's block size (`ahead_of` asks it of every waiting reservation)
+    slot: int = 0  # its blocks' HBM slot size: layouts of different block bytes may share it (`_passes`)
     vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
     taken: int = 0
     granted: bool = False
@@ -181,7 +184,7 @@ class Admission:
         if expires <= now:
             return self._reject("deadline already passed")
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
-                          layout.block_bytes)
+                          layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM))
         self._next_expiry = min(self._next_expiry, expires)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
@@ -190,7 +193,7 @@ class Admission:
             if self._try_grant(res):
                 self._rate += demand
                 return Decision(Outcome.GRANTED, res.id)
-        elif self._passes(res, {r.block_bytes for r in self.deferred if r.priority >= priority}):
+        elif self._passes(res, {r.slot for r in self.deferred if r.priority >= priority}):
             self._rate += demand
             return Decision(Outcome.GRANTED, res.id)
         if len(self.deferred) >= self.settings.max_deferred:
@@ -279,14 +282,14 @@ class Admission:
         # Then, behind a head that waits, the first waiting reservation of each other block size may
         # pass it, and those ahead of it, on room free now that is none of theirs (`_passes`); blocks
         # of one size keep their order.
-        sizes, i = {self.deferred[0].block_bytes} if self.deferred else set(), 1
+        sizes, i = {self.deferred[0].slot} if self.deferred else set(), 1
         while i < len(self.deferred) and len(sizes) < len(self._waiting_sizes):  # (one size: no pass)
             res = self.deferred[i]
-            if res.block_bytes not in sizes:
+            if res.slot not in sizes:
                 if self._passes(res, sizes):
                     granted.append(self._leave_queue(i, now))
                     continue
-                sizes.add(res.block_bytes)
+                sizes.add(res.slot)
             i += 1
         return granted
 
@@ -411,14 +414,14 @@ class Admission:
 
     def _passes(self, res: Reservation, ahead: set[int]) -> bool:
         """Grant `res` out of its turn, before the reservations waiting ahead of it (`ahead`: their
-        block sizes): only when none of them is of its size (blocks of one size keep their order),
-        and only from room that is none of theirs: free slots of its own size in slabs already in
-        use (nothing is moved for it, and no free page or empty slab, which they could use, is
-        taken). Before, it waited
+        HBM slot sizes): only when none of them is of its slot size (those of one slot size keep
+        their order; layouts of different block bytes may share a slot), and only from room that
+        is none of theirs now: free slots of its own size in slabs already in use (nothing is moved
+        for it, and no free page or empty slab, which they could use, is taken). Before, it waited
         behind a head of another size that waited on blocks being written, until that head was
         granted or expired (up to `reservation_ttl_s`), while an `allocate` of the same blocks
         passed (a review's script). An allocation still passes whatever it takes (`ahead_of`)."""
-        if not ahead or res.block_bytes in ahead:
+        if not ahead or res.slot in ahead:
             return False
         vids = self._allocate(res, in_used_slabs=True)
         if vids is None:
@@ -467,14 +470,14 @@ class Admission:
     def _enqueue(self, res: Reservation) -> None:
         bisect.insort(self.deferred, res, key=lambda r: (-r.priority, r.id))
         self._waiting[res.id] = res
-        self._waiting_sizes[res.block_bytes] += 1
+        self._waiting_sizes[res.slot] += 1
 
     def _unwait(self, res: Reservation) -> None:
         """`res` has left the queue (granted, expired, dropped): out of its indexes."""
         del self._waiting[res.id]
-        self._waiting_sizes[res.block_bytes] -= 1
-        if not self._waiting_sizes[res.block_bytes]:
-            del self._waiting_sizes[res.block_bytes]
+        self._waiting_sizes[res.slot] -= 1
+        if not self._waiting_sizes[res.slot]:
+            del self._waiting_sizes[res.slot]
 
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos = self.deferred.index(res)
@@ -539,8 +542,8 @@ class Admission:
             problems.append("the deferred queue is out of order")
         if {r.id: r for r in self.deferred} != self._waiting:
             problems.append("the deferred queue's index does not match the queue")
-        if collections.Counter(r.block_bytes for r in self.deferred) != self._waiting_sizes:
-            problems.append("the deferred queue's count by block size does not match the queue")
+        if collections.Counter(r.slot for r in self.deferred) != self._waiting_sizes:
+            problems.append("the deferred queue's count by slot size does not match the queue")
         if self._waiting.keys() & self.granted.keys():
             problems.append("a reservation is both granted and waiting")
         if any(r.block_bytes != self.table.layout(r.layout_id).block_bytes for r in self.deferred):

@@ -115,17 +115,20 @@ def test_a_large_allocation_of_page_sized_blocks_fills_scattered_pages_exactly()
 def test_alloc_in_used_slabs_takes_no_room_another_size_could_use():
     """Slabs of 8 KiB slots, two to a 16 KiB page: free slots in slabs still in use are handed out;
     an empty slab's and free pages' never (they are room for 16 KiB blocks), so the room of the
-    other size stays as it was. Fewer such slots than asked: None, and nothing changes."""
+    other size stays as it was. Fewer such slots than asked: None, and nothing changes; asked again
+    after a slot of the class was freed, it looks again."""
     a = SlotAllocator(8 * 16384, 16384, 256)
-    small = a.alloc(8192, 6)  # three pages
+    small = a.alloc(8192, 8)  # four pages
     a.free(8192, small[[0, 2]])  # one free slot in each of two slabs still in use
     a.free(8192, small[[4, 5]])  # the third slab empty: room for 16 KiB blocks (reclaimable)
     room16, stats = a.room_for(16384), a.stats()
     assert a.alloc_in_used_slabs(8192, 3) is None  # only two such slots
     assert a.stats() == stats and a.room_for(16384) == room16
-    got = a.alloc_in_used_slabs(8192, 2)
-    assert sorted(got.tolist()) == sorted(small[[0, 2]].tolist())
-    assert a.room_for(16384) == room16 and a.used_bytes == 4 * 8192
+    a.free(8192, small[[6]])  # a third, in the fourth slab (its other slot still in use)
+    room16 = a.room_for(16384)
+    got = a.alloc_in_used_slabs(8192, 3)
+    assert sorted(got.tolist()) == sorted(small[[0, 2, 6]].tolist())
+    assert a.room_for(16384) == room16 and a.used_bytes == 6 * 8192
     assert a.alloc_in_used_slabs(8192, 1) is None and a.alloc_in_used_slabs(4096, 1) is None
     a.free(8192, got)  # handed out properly: freed as any slot
-    assert a.used_bytes == 2 * 8192
+    assert a.used_bytes == 3 * 8192

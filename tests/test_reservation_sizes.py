@@ -2,6 +2,8 @@
 granted out of its turn from room free now, when that room is none of theirs (free slots of its
 own size in slabs already cut); blocks of one size still queue in order."""
 
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
 from dflash2.reservations import Outcome
 from dflash2.tiers import Tier
 
@@ -80,4 +82,29 @@ def test_blocks_of_one_size_still_queue_in_order(make_manager):
     second = mgr.reserve(c, fp8, tokens=16 * 2)
     assert first.outcome is second.outcome is Outcome.DEFERRED, (first, second)
     assert mgr.reservation_status(c, second.reservation_id).position == 2
+    mgr.check_invariants()
+
+
+def test_layouts_of_one_slot_size_queue_in_order(clock, request):
+    """An MLA layout of 16,256-byte blocks takes the same 16 KiB slots as SMALL's 16,384 (alignment
+    256): a later reservation of it is no other size for a waiting SMALL head, and passing would take
+    the very slot the head waits for (a review's script: it did, and the head waited on)."""
+    mla16 = Layout("mla16", num_layers=2, num_kv_heads=0, head_dim=0, dtype="bf16", tokens_per_block=16,
+                   mla_latent_dim=254)
+    page = 32 * 1024  # two 16 KiB slots a page: a free slot beside a used one is in a slab in use
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
+                       clock=clock, admission=settings())
+    request.addfinalizer(mgr.close)
+    w, a, b = mgr.attach("writer"), mgr.attach("a"), mgr.attach("b")
+    big, mla = mgr.register_layout(SMALL), mgr.register_layout(mla16)
+    assert mla16.block_bytes != SMALL.block_bytes
+    assert mgr.table.slot_bytes(mla, Tier.HBM) == mgr.table.slot_bytes(big, Tier.HBM)
+    held = mgr.allocate(w, big, 8)  # HBM full of blocks being written
+    mgr.free(w, held[[1]])
+    head = mgr.reserve(a, big, tokens=16 * 2)
+    assert head.outcome is Outcome.DEFERRED
+    d = mgr.reserve(b, mla, tokens=16)
+    assert d.outcome is Outcome.DEFERRED and d.position == 1, d
+    mgr.free(w, held[[3]])
+    assert mgr.reservation_status(a, head.reservation_id).outcome is Outcome.GRANTED
     mgr.check_invariants()
