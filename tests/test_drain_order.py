@@ -13,6 +13,7 @@ from dflash2.tiers import Tier
 
 from conftest import SMALL
 from test_placement import fill
+from test_rebalance import dram_of_idle_chains
 
 
 def checked_selections(monkeypatch) -> dict:
@@ -127,10 +128,7 @@ def test_a_drain_piece_makes_no_pass_over_the_table(make_manager, clock, monkeyp
                        watermarks={Tier.DRAM: Watermark(0.9, 0.5)})
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
-    for k in range(0, 1940, 20):  # DRAM at 97% of idle cached blocks, in chains of 20
-        clock.advance(0.01)
-        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
-        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+    dram_of_idle_chains(mgr, a, lid, clock)  # DRAM at 97% of idle cached blocks, in chains of 20
     clock.advance(0.1)
     mgr.tick(drain=False)
     assert Tier.DRAM in mgr.placement.draining

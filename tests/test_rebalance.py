@@ -26,6 +26,14 @@ def full_of_aged_blocks(make_manager, clock, monkeypatch, blocks: int, low: floa
     return mgr, lid, lambda: mgr.stats()["tiers"]["hbm"]["blocks"]
 
 
+def dram_of_idle_chains(mgr, a, lid, clock, blocks: int = 1940) -> None:
+    """`blocks` idle cached blocks written into DRAM in chains of 20 (keys 1..blocks), 10 ms apart."""
+    for k in range(0, blocks, 20):
+        clock.advance(0.01)
+        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
+        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+
+
 def test_rebalance_demotes_cold_blocks_down_to_the_low_watermark(make_manager, clock, monkeypatch):
     mgr = make_manager(hbm_blocks=10, dram_blocks=20, cold_threshold=0.9,
                        watermarks={Tier.HBM: Watermark(0.75, 0.5)})
@@ -215,10 +223,7 @@ def test_drain_slices_between_steps_take_no_new_cold_cut(make_manager, clock):
                        watermarks={Tier.DRAM: Watermark(0.9, 0.5)})
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
-    for k in range(0, 1940, 20):  # DRAM at 97% of idle cached blocks
-        clock.advance(0.01)
-        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
-        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+    dram_of_idle_chains(mgr, a, lid, clock)  # DRAM at 97%
     mgr.allocate(a, lid, 16)  # every HBM block held (being written): HBM's drain cannot move a block
     cuts = []
     cold_mask = mgr.placement._cold_mask
@@ -243,10 +248,7 @@ def test_with_a_request_always_waiting_every_draining_tier_gets_pieces_in_turn(m
                        watermarks={Tier.HBM: Watermark(0.9, 0.5), Tier.DRAM: Watermark(0.9, 0.5)})
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
-    for k in range(0, 1940, 20):  # DRAM at 97% of idle cached blocks
-        clock.advance(0.01)
-        v = mgr.allocate(a, lid, 20, tier=Tier.DRAM)
-        mgr.free(a, mgr.commit(a, v, keys=list(range(1 + k, 21 + k))))
+    dram_of_idle_chains(mgr, a, lid, clock)  # DRAM at 97%
     fill(mgr, a, lid, list(range(5000, 5016)))  # HBM full of idle cached blocks
     clock.advance(0.1)
     mgr.tick(drain=False)  # the step begins both drains
