@@ -67,6 +67,9 @@ def slabs_in_runs(free: np.ndarray, slab_pages: int) -> int:
     return int(((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)) // slab_pages).sum())
 
 
+SCAN_PAGES = 1 << 16  # pages read at a time by a first-fit search for single free pages
+
+
 @dataclasses.dataclass
 class _SizeClass:
     """Slots of one size. `free` is a stack of slot offsets (top at `n_free`)."""
@@ -124,6 +127,9 @@ class SlotAllocator:
         self._quarantined: dict[int, int] = {}  # offset of each quarantined slot -> its slot bytes
         self._page_free = np.ones(self.n_pages, dtype=bool)
         self._n_free_pages = self.n_pages
+        # Invariant: no page below this one is free. First-fit searches start here: a pass over the
+        # whole page map per claim cost a drain piece 3 ms at two million NVMe pages (a profile).
+        self._free_from = 0
         self._page_used = np.zeros(self.n_pages, dtype=np.int32)  # used slots in the slab headed here
         self._page_class = np.zeros(self.n_pages, dtype=np.int64)  # slot bytes of the slab's class
         self._page_head = np.zeros(self.n_pages, dtype=np.int64)  # head page of the slab holding it
@@ -385,6 +391,8 @@ class SlotAllocator:
         pages = (heads[:, None] + np.arange(cls.slab_pages)).ravel()
         self._page_free[pages] = False
         self._n_free_pages -= len(pages)
+        if cls.slab_pages == 1:  # the first free pages were taken: none is left below the last
+            self._free_from = int(heads[-1]) + 1
         self._page_class[heads] = cls.slot
         self._page_head[pages] = np.repeat(heads, cls.slab_pages)
         base = heads * self.page_bytes
@@ -403,17 +411,29 @@ class SlotAllocator:
         when there are not so many): what `k` first-fit searches, each after claiming the last, find."""
         if k <= 0 or self._n_free_pages < length:
             return np.empty(0, dtype=np.int64)
+        lo = self._free_from
         if length == 1:
-            return np.flatnonzero(self._page_free)[:k].astype(np.int64)
+            return self._first_free_pages(lo, k)
         # Free pages in each window of `length`, from a running count (int64: a sum in the pages'
         # own small type would wrap for slabs of 128 pages or more, and no such slab would be found).
-        count = np.concatenate(([0], np.cumsum(self._page_free, dtype=np.int64)))
-        hits = np.flatnonzero(count[length:] - count[:-length] == length)
+        count = np.concatenate(([0], np.cumsum(self._page_free[lo:], dtype=np.int64)))
+        hits = np.flatnonzero(count[length:] - count[:-length] == length) + lo
         heads, i = [], 0
         while len(heads) < k and i < len(hits):
             heads.append(int(hits[i]))
             i = int(np.searchsorted(hits, hits[i] + length))  # the next run that does not overlap
         return np.asarray(heads, dtype=np.int64)
+
+    def _first_free_pages(self, lo: int, k: int) -> np.ndarray:
+        """The first k free pages from page `lo` on, read a window at a time: a claim of a few slabs
+        reads as far as they lie, not the whole page map."""
+        out, have = [], 0
+        while have < k and lo < self.n_pages:
+            found = np.flatnonzero(self._page_free[lo:lo + SCAN_PAGES])[: k - have] + lo
+            out.append(found)
+            have += len(found)
+            lo += SCAN_PAGES
+        return np.concatenate(out).astype(np.int64) if out else np.empty(0, dtype=np.int64)
 
     def _empty_slab_heads(self, cls: _SizeClass) -> np.ndarray:
         heads = np.flatnonzero((self._page_class == cls.slot) & (self._page_used == 0) & ~self._page_free)
@@ -449,4 +469,5 @@ class SlotAllocator:
             for h in heads:
                 self._page_free[h: h + cls.slab_pages] = True
                 self._page_class[h] = 0
+            self._free_from = min(self._free_from, int(heads[0]))
             self._n_free_pages += len(heads) * cls.slab_pages
