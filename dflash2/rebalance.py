@@ -213,7 +213,6 @@ class Rebalancing:
         target_free = int((1.0 - self.watermarks[tier].low) * self.table.allocators[tier].capacity_bytes)
         cut = self._cuts[tier]
         cold = np.zeros(c.capacity, dtype=bool)
-        here = np.empty(0, dtype=np.int64)
         until = time.perf_counter() + seconds
         while True:
             if not self.settle_when_done(yield_to if defer else None, until):
@@ -232,9 +231,8 @@ class Rebalancing:
             if below is not None:
                 piece = min(piece, below)  # no more than the tier below takes without making room
             started = time.perf_counter()
-            cold[here] = False
-            here = cut.here(self.table)
-            cold[here] = True  # still those blocks, still here
+            cold.fill(False)  # (a memset: clearing the last piece's rows one by one was a scatter of the cut)
+            cold[cut.here(self.table)] = True  # still those blocks, still here
             self._deferring, self._into_room_only = defer, below is not None
             try:
                 room = self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
