@@ -122,7 +122,7 @@ class Admission:
         self.granted: dict[int, Reservation] = {}
         self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
         self._waiting: dict[int, Reservation] = {}  # the deferred ones by id
-        self._waiting_sizes: collections.Counter[int] = collections.Counter()  # ... by block size
+        self._waiting_sizes: collections.Counter[int] = collections.Counter()  # ... by HBM slot size
         self._ids = itertools.count(1)
         hbm = table.allocators[Tier.HBM].capacity_bytes
         self._bucket_cap = settings.burst_fraction * hbm
@@ -279,9 +279,9 @@ class Admission:
         while self.deferred and self._try_grant(self.deferred[0],
                                                 make_room or self.deferred[0].id != self._room_tried):
             granted.append(self._leave_queue(0, now))
-        # Then, behind a head that waits, the first waiting reservation of each other block size may
-        # pass it, and those ahead of it, on room free now that is none of theirs (`_passes`); blocks
-        # of one size keep their order.
+        # Then, behind a head that waits, the first waiting reservation of each other slot size may
+        # pass it, and those ahead of it, on room free now that is none of theirs (`_passes`); those
+        # of one slot size keep their order.
         sizes, i = {self.deferred[0].slot} if self.deferred else set(), 1
         while i < len(self.deferred) and len(sizes) < len(self._waiting_sizes):  # (one size: no pass)
             res = self.deferred[i]
