@@ -136,15 +136,18 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
-    def _childless(self, tier: Tier, evict: bool, through: Tier | None = None) -> np.ndarray:
+    def _childless(self, tier: Tier, evict: bool, through: Tier | None = None,
+                   rows: np.ndarray | None = None) -> np.ndarray:
         """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion;
-        `through`: none down to that tier either, for a demotion that passes it)."""
+        `through`: none down to that tier either, for a demotion that passes it). Over every row, or
+        over `rows` only (gathered)."""
         c = self.table.cols
+        at = slice(None) if rows is None else rows
         if evict:
-            return c.nkids == 0
-        kids = c.kids[0]
+            return c.nkids[at] == 0
+        kids = c.kids[0, at]
         for t in range(1, max(tier, through or tier) + 1):
-            kids = kids | c.kids[t]
+            kids = kids | c.kids[t, at]
         return kids == 0
 
     def _unprotected(self, mask: np.ndarray, protect: np.ndarray | None, below_priority: int | None) -> np.ndarray:
@@ -231,23 +234,13 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             # As select: everything under the cut waits on a child that cannot leave, so the lowest
             # leaves instead (by score, then row). Exact once the leaves kept in order cover the
             # need: every row of the cut beyond the prefix scores higher than those in it.
-            leaf = self._childless_rows(tier, evict, through, rows)
+            leaf = self._childless(tier, evict, through, rows)
             if complete or int(sizes[layout[rows[leaf]]].sum()) >= need_bytes:
                 part = rows[leaf][np.lexsort((rows[leaf], keys[leaf]))]
                 break
             cut.grow(k)
         taken = int(np.searchsorted(np.cumsum(sizes[layout[part]]), need_bytes)) + 1
         return part[:taken].astype(np.int64)
-
-    def _childless_rows(self, tier: Tier, evict: bool, through: Tier | None, rows: np.ndarray) -> np.ndarray:
-        """`_childless` at these rows only."""
-        c = self.table.cols
-        if evict:
-            return c.nkids[rows] == 0
-        kids = c.kids[0, rows]
-        for t in range(1, max(tier, through or tier) + 1):
-            kids = kids | c.kids[t, rows]
-        return kids == 0
 
     def _at_or_below_cut(self, reach: np.ndarray, n_reach: int, scores: np.ndarray, k: int) -> np.ndarray:
         """Mask of the reachable rows scored at or below the k-th lowest reachable score (k <=

@@ -1,4 +1,4 @@
-"""Audit of reservation and admission semantics: each test failed before its fix (dflash2/reservations.py).
+"""Audit of reservation and admission semantics: each test failed before its fix (dflash2/reservations/).
 
 Metadata-only managers on the fake clock; no timing assertions."""
 

@@ -1,47 +1,9 @@
-"""Reservations and admission: HBM capacity is handed out before a request runs.
-
-A reservation asks for enough HBM blocks for a request's expected tokens. The answer is
-
-- GRANTED: the blocks are taken now (state RESERVED, in HBM) and handed to the request by `take`;
-- DEFERRED: queued (priority first, then arrival), with its position and an estimated wait;
-- REJECTED: it can never fit, the client's share forbids it, the queue is full, or it expired.
-
-Making room demotes idle blocks (nobody references them: cache, whatever the priority of the request
-that wrote them, since a finished request's priority protects nothing and its blocks would otherwise
-shut every lower priority out of HBM for as long as they stay cached; the policy's ranking decides
-which go first); a higher-priority reservation may also demote the blocks of running lower-priority
-requests (preemption). Pinned blocks never move. On a node whose HBM is its last tier, making room
-drops idle blocks only: a referenced block is never dropped.
-
-The queue holds room against `allocate` too (`ahead_of`): an allocation outside any
-reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
-stream of small allocations cannot pass a deferred reservation until it expires (a client that
-references blocks may be growing a running request and is not held back: that request could never
-finish and free the room). A reservation lives at most `reservation_ttl_s` untaken: a client's
-deadline may shorten that, never lengthen it.
-
-Reservations of different HBM slot sizes (two models on one node) share the queue's order but not its
-head-of-line wait: one of a slot size that no reservation ahead of it waits with is granted out of
-its turn when its blocks fit in free slots of their size in slabs already in use, room that those
-ahead cannot use now (`_passes`). One that needs free pages waits its turn: the head may need them.
-The price: the slabs it takes stay in use while its request holds them, so a head that would have
-had their pages once their other blocks were let go waits for that request too.
-
-Smoothing: demotions set off by admission draw on a token bucket. It starts with `burst_fraction`
-of the HBM tier and refills at the demand rate low-pass filtered over `smoothing_window_s`, so a
-spike of arrivals is paced over the window instead of setting off a storm of demotions; what the
-bucket cannot pay for now waits in the queue. Demand is what was admitted (granted or queued), not
-what was rejected; and a reservation still waiting is demand still there: while the queue is not
-empty the bucket refills at least at its head's bytes (or the burst) per window, so a reservation
-that only the bucket holds back is never left waiting on demand that has died down.
-"""
+"""The admission queue (`Admission`): the package docstring says how it grants, defers and rejects."""
 
 from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
-import enum
 import itertools
 import math
 from collections.abc import Callable
@@ -52,66 +14,11 @@ from dflash2.alloc import blocks_that_fit
 from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
+from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
+                                          Reservation)
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
-
-
-# The range of a block's priority (the table's int8 column; the wire takes no other).
-PRIORITY_MIN, PRIORITY_MAX = int(np.iinfo(np.int8).min), int(np.iinfo(np.int8).max)
-
-
-class Outcome(enum.Enum):
-    GRANTED = "granted"
-    DEFERRED = "deferred"
-    REJECTED = "rejected"
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionSettings:
-    smoothing_window_s: float = 0.1
-    burst_fraction: float = 0.1
-    reservation_ttl_s: float = 60.0
-    max_deferred: int = 1024
-    preemption: bool = True
-    max_client_share: float = 1.0
-
-
-@dataclasses.dataclass(eq=False)  # one reservation is itself only: the queue finds it by identity
-class Reservation:
-    id: int
-    client: int
-    layout_id: int
-    blocks: int
-    priority: int
-    expires: float
-    request: int
-    created: float
-    hbm_bytes: int = 0  # what its blocks take of HBM (slots of its layout)
-    block_bytes: int = 0  # its layout's block size (`ahead_of` asks it of every waiting reservation)
-    slot: int = 0  # its blocks' HBM slot size: layouts of different block bytes may share it (`_passes`)
-    vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
-    taken: int = 0
-    granted: bool = False
-    ended: bool = False  # cancelled, expired or its client gone (`_drop`); not merely all taken
-
-    @property
-    def remaining(self) -> int:
-        return len(self.vids)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    outcome: Outcome
-    reservation_id: int | None
-    reason: str = ""
-    position: int | None = None  # deferred: 0 = next in line
-    est_wait_s: float | None = None  # deferred: None when no estimate can be made
-
-    def to_dict(self) -> dict:
-        # Field by field: dataclasses.asdict (a deep copy) cost each reserve reply ~60 us.
-        return {"outcome": self.outcome.value, "reservation_id": self.reservation_id, "reason": self.reason,
-                "position": self.position, "est_wait_s": self.est_wait_s}
 
 
 class Admission:
