@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import any_true
+from dflash2.counts import any_true, unique
 from dflash2.errors import IllegalTransition, PinnedBlock, UnknownBlock
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -49,12 +49,12 @@ def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, ti
     `with_ancestors`; those pinned below stay where they are)."""
     c = table.cols
     if chain is rows:  # a prefix listed root first (the usual read): nothing to add
-        there = np.unique(rows[tiers >= int(up_to)])
+        there = unique(rows[tiers >= int(up_to)])
     else:
         chain_tiers = c.tier[chain]
         there = chain[(chain_tiers == int(up_to)) | ((chain_tiers > int(up_to))
                                                      & ((c.pins[chain] == 0) | np.isin(chain, rows)))]
     lids, counts = np.unique(c.layout[there], return_counts=True)
-    named = len(np.unique(rows))
+    named = len(unique(rows))
     table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())), f"acquire of {named} blocks"
                             + (f" (with their cached prefix, {len(there)})" if len(there) > named else ""))

@@ -42,6 +42,20 @@ def repeats(values: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+def unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique(values)` of a 1-d array of many possible values (rows, vids, keys): a sort and
+    one comparison. numpy 2's np.unique hashes instead, 10x slower at 1,024 rows (65 against 6 us)
+    and 50x at a million distinct int64 (463 against 9 ms; the 2-core VM, numpy 2.4); for a handful
+    of possible values (tiers, layouts) hashing is faster: `distinct`."""
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    first = np.empty(len(ordered), dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
+
+
 def distinct(values: np.ndarray) -> list[int]:
     """The distinct values of a 1-d integer array (tiers, layouts, list codes: a handful), ascending,
     as Python ints. Most batches hold one value: then one comparison, not `np.unique`."""

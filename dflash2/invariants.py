@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 
+from dflash2.counts import repeats
 from dflash2.errors import DFlash2Error
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT, NO_ROW
@@ -37,7 +38,7 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None,
         if alloc.used_bytes != want:
             problems.append(f"{tier.label}: allocator says {alloc.used_bytes} bytes used, blocks hold {want}")
         offs = c.offset[here]
-        if len(np.unique(offs)) != len(offs):
+        if repeats(offs):
             problems.append(f"{tier.label}: two blocks share a slot")
         # A quarantined slot (its write failed by itself: quarantine.py) is never handed out again.
         if alloc.quarantined_bytes and np.isin(offs, alloc.quarantined_offsets()).any():

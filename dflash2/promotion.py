@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.counts import unique
 from dflash2.forest import local_parents, ranked
 from dflash2.table import BlockState
 from dflash2.table.columns import NO_ROW
@@ -119,7 +120,7 @@ class Promotion:
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
-        keep = np.unique(np.concatenate(kept)) if len(kept) > 1 else chain
+        keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
 

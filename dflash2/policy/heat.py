@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import distinct, repeats
+from dflash2.counts import distinct, repeats, unique
 from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
@@ -285,7 +285,7 @@ class HeatPolicy(Policy):
 
     def on_remove(self, table, rows):
         self._ensure(table)
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        rows = unique(np.asarray(rows, dtype=np.int64))
         keys = GhostKeys(table.cols.key[rows])  # hashed once for every ghost table
         self.split.left(self._code[rows], keys)
         self.inner.left(self._code2[rows], keys)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import repeats
 from dflash2.tiers import TIERS
 
 NO_ROW = -1
@@ -129,5 +130,5 @@ class Columns:
 
 def no_repeats(rows: np.ndarray, op: str) -> None:
     """A call that changes each listed block once refuses a block listed twice."""
-    if len(np.unique(rows)) != len(rows):
+    if repeats(rows):
         raise ValueError(f"{op}: the same block is listed twice")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.counts import repeats, unique
 from dflash2.keys import fib_slot, fib_slots
 
 EMPTY = -1
@@ -142,7 +143,7 @@ class KeyIndex:
         found = self._slots(keys)
         if (found == EMPTY).any():
             raise KeyError(f"content key {int(keys[int(np.argmax(found == EMPTY))]):#x} is not indexed")
-        if len(np.unique(found)) != len(found):
+        if repeats(found):
             raise KeyError("a content key is given twice to remove_many")
         self._keys[found] = 0
         self._rows[found] = EMPTY
@@ -153,7 +154,7 @@ class KeyIndex:
             front = front[self._rows[front] != EMPTY]
             moved.append(front)
             front = (front + 1) & mask
-        run = np.unique(np.concatenate(moved))
+        run = unique(np.concatenate(moved))
         run_keys, run_rows = self._keys[run].copy(), self._rows[run].copy()
         self._keys[run] = 0
         self._rows[run] = EMPTY

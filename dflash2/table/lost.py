@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.counts import unique
 from dflash2.table.columns import NO_ROW
 from dflash2.table.states import BlockState
 
@@ -42,7 +43,7 @@ class LostBlocks:
         c = self.cols
         if leaving is not None and len(rows):
             # (Not one found lost before and kept for its references: it left the cache then.)
-            live = np.unique(rows[(c.state[rows] != int(S.FREE)) & ~self.is_lost(rows)])
+            live = unique(rows[(c.state[rows] != int(S.FREE)) & ~self.is_lost(rows)])
             if len(live):
                 leaving(live, orphans)
         children = self._children_of(rows)

@@ -39,12 +39,12 @@ class Publishing:
             return self.vids(rows)
         if len(keys) != len(rows):
             raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
-        if any(int(k) == 0 for k in keys):
+        ukeys = np.asarray(keys, dtype=np.uint64)
+        if not ukeys.all():  # (whole-array: a Python step per key cost 0.13 ms a 1024-block commit)
             raise ValueError("content key 0 is reserved for 'no key'")
         prev = self.rows([parent])[0] if parent is not None else NO_ROW
         if prev != NO_ROW and c.key[prev] == 0:
             raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
-        ukeys = np.asarray(keys, dtype=np.uint64)
         found = self.keys.lookup(ukeys)
         # The layout a key stands for: the cached block's, else the first block given it in this call
         # (a key listed twice dedupes onto its first occurrence). Checked for every block before

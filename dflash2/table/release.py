@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash2.counts import any_true, repeats
+from dflash2.counts import any_true, repeats, unique
 from dflash2.errors import NotOwner, PinnedBlock
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class Releasing:
                 holder.refs.pop(r)  # (dict's own: see `_count_down`)
             c.refs[r] -= 1
         holder.ref_slot_bytes -= self.ref_slots(rows)
-        return self._after_refs_dropped(np.unique(rows))
+        return self._after_refs_dropped(unique(rows))
 
     def _drop_all_refs(self, holder: ClientRefs, keep=None) -> int:
         """Every reference of a client that is going away, in whole-array steps (a client holding

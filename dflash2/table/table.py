@@ -30,7 +30,7 @@ import numpy as np
 from dflash2.alloc import SlotAllocator, blocks_that_fit, slab_shape
 from dflash2.errors import (IllegalTransition, LayoutError, NeverFits, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
-from dflash2.counts import add_at, any_true, distinct
+from dflash2.counts import add_at, any_true, distinct, unique
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
@@ -188,7 +188,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         """Those of `vids` (int64) that are `client`'s blocks still being written, each once."""
         rows, live = self.liveness(vids)
         mine = live & (self.cols.owner[rows] == client) & (self.cols.state[rows] == int(S.WRITING))
-        return np.unique(vids[mine])
+        return unique(vids[mine])
 
     def _rows_small(self, vids) -> np.ndarray:
         c = self.cols
