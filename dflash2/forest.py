@@ -81,28 +81,45 @@ def subtree_heights(parent: np.ndarray, blocked: np.ndarray, values: np.ndarray 
     return heights if peaks is None else (heights, peaks)
 
 
+# reaches_marked's jump targets besides ancestors: the walk from there ends here, or reached a mark.
+_END, _HIT = -1, -2
+
+
 def reaches_marked(parent: np.ndarray, marked: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     """Per node of `nodes` (indices into `parent`), whether it or an ancestor is `marked`, walking up
     only through `nodes`: a parent outside them is looked at (marked or not) but not climbed past.
     `parent`: every index's parent, or any negative value for none (a table's parent column).
-    Pointer jumping over the whole index space: a chain of depth D costs ceil(log2 D) rounds of
-    gathers over `nodes`, not a round per level."""
+
+    First one pass: an unmarked node reaches a mark only if some unmarked node of its path has a
+    marked parent (the first mark above it). Where no node has, the marked nodes are the answer: the
+    usual case of a drain's cold cut, whose descendants score no higher than their ancestors and are
+    marked already (a million rows in chains of 16 or 256: 6-9 ms on the 2-core VM, against 52-72
+    for the walk below; an experiment). Otherwise pointer jumping (Wyllie): each unresolved node's jump target doubles its
+    reach every round, so a chain of depth D costs ceil(log2 D) rounds of gathers, not a round per
+    level; a target of _HIT (a mark reached) or _END (a root, or the top of `nodes`, with no mark)
+    resolves the node. A cycle through `nodes` is refused whenever that walk runs."""
     nodes = np.asarray(nodes, dtype=np.int64)
     if len(marked) != len(parent):
         raise ValueError(f"reaches_marked: {len(marked)} marks for {len(parent)} parents")
-    hit = np.array(marked, dtype=bool)
-    jump = np.full(len(parent), -1, dtype=np.int64)  # the 2**k-th ancestor in round k, through `nodes`
-    jump[nodes] = parent[nodes]
-    live = nodes[~hit[nodes]]
+    marked = np.asarray(marked, dtype=bool)
+    up = parent[nodes]
+    mine = marked[nodes]
+    below_a_mark = ~mine & (up >= 0)
+    below_a_mark[below_a_mark] = marked[up[below_a_mark]]
+    if not below_a_mark.any():
+        return mine
+    index = np.int32 if len(parent) < np.iinfo(np.int32).max else np.int64  # half the bytes to gather
+    jump = np.full(len(parent), _END, dtype=index)
+    jump[nodes] = np.where(up >= 0, up, _END)
+    jump[marked] = _HIT  # a marked node resolves whoever reaches it, inside `nodes` or not
+    live = nodes[jump[nodes] >= 0].astype(index)
     for _ in range(64):  # 2**64 levels: a cycle through `nodes` is refused below instead of looping
-        live = live[jump[live] >= 0]
         if not len(live):
             break
-        up = jump[live]
-        seen, further = hit[up], jump[up]  # both from this round's old values (Wyllie)
-        hit[live] |= seen
+        # From this round's old values: the gather is taken whole before the scatter.
+        further = jump[jump[live]]
         jump[live] = further
-        live = live[~hit[live]]
+        live = live[further >= 0]
     else:
         raise ValueError("reaches_marked: the parent links form a cycle")
-    return hit[nodes]
+    return jump[nodes] == _HIT

@@ -305,6 +305,43 @@ def test_reaches_marked_walks_up_through_the_nodes_only(case):
     assert got.tolist() == [reaches(i) for i in nodes.tolist()]
 
 
+@given(forests_with_marks(), st.randoms(use_true_random=False))
+@settings(max_examples=200, deadline=None)
+def test_reaches_marked_takes_its_shortcut_only_where_the_walk_agrees(case, random):
+    """Nodes numbered in any order (a table's rows are reused: a parent may come after its child),
+    and marks closed downward (every child of a marked node marked, as a drain's cold cut usually
+    is: the one-pass answer) or not (the walk): both give the definition's answer."""
+    parent, marked, nodes = case
+    n = len(parent)
+    order = list(range(n))
+    random.shuffle(order)
+    new = np.array(order)  # node i is numbered new[i]
+    shuffled = np.full(n, -1)
+    shuffled[new] = np.where(parent >= 0, new[np.maximum(parent, 0)], -1)
+    marks = np.zeros(n, dtype=bool)
+    marks[new] = marked
+    closed = marks.copy()
+    for i in range(n):  # parents before children in the original numbering: one pass closes it
+        if parent[i] >= 0 and closed[new[parent[i]]]:
+            closed[new[i]] = True
+    inside = set(new[nodes].tolist())
+
+    def reaches(i, marks):
+        while True:
+            if marks[i]:
+                return True
+            if i not in inside or shuffled[i] < 0:
+                return False
+            i = shuffled[i]
+    at = np.sort(new[nodes])
+    for m in (marks, closed):
+        assert reaches_marked(shuffled, m, at).tolist() == [reaches(i, m) for i in at.tolist()]
+
+
 def test_reaches_marked_refuses_a_cycle():
+    """Nodes 0 and 1 are each other's parent; node 3 lies under the marked node 2, so the walk runs."""
+    parent, marked = np.array([1, 0, -1, 2]), np.array([False, False, True, False])
     with pytest.raises(ValueError, match="cycle"):
-        reaches_marked(np.array([1, 0]), np.zeros(2, dtype=bool), np.array([0, 1]))
+        reaches_marked(parent, marked, np.arange(4))
+    # With no unmarked node under a mark, nothing is walked and nothing reaches a mark but the marks.
+    assert reaches_marked(parent, np.zeros(4, dtype=bool), np.arange(4)).tolist() == [False] * 4
