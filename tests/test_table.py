@@ -209,3 +209,28 @@ def test_drop_lost_finds_the_children_of_a_batch_in_one_pass(mgr, monkeypatch):
     assert t.cols.live == 6 + 1
     mgr.free(c, chains[0][2:])
     mgr.check_invariants()
+
+
+def test_growth_keeps_every_row_and_gives_new_rows_their_fresh_values():
+    """The columns double when rows run out: the old rows' values are kept, and every new row holds
+    each field's fresh value (zeros from calloc, the others filled: a new row's tier is -1, not
+    HBM's 0, or whole-table passes would count it in HBM)."""
+    from dflash2.table.columns import FIELDS, Columns
+
+    cols = Columns(capacity=8, first_gen=7)
+    rows = cols.take_rows(8)
+    rng = np.random.default_rng(0)
+    before = {}
+    for name, (dtype, _) in FIELDS.items():
+        values = rng.integers(1, 100, size=8).astype(dtype)
+        getattr(cols, name)[rows] = values
+        before[name] = getattr(cols, name).copy()
+    cols.kids[:, rows] = 3
+    more = cols.take_rows(3)  # past the capacity: it doubles
+    assert cols.capacity == 16 and sorted(more.tolist()) == [8, 9, 10]
+    for name, (dtype, fill) in FIELDS.items():
+        column = getattr(cols, name)
+        assert column.dtype == dtype and column[:8].tolist() == before[name].tolist(), name
+        fresh = 7 if name == "gen" else fill
+        assert (column[8:] == np.array(fresh, dtype=dtype)).all(), name
+    assert (cols.kids[:, :8] == 3).all() and (cols.kids[:, 8:] == 0).all()

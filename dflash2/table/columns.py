@@ -111,8 +111,13 @@ class Columns:
         old = self.capacity
         new = 2 * old
         for name, (dtype, fill) in FIELDS.items():
-            arr = np.full(new, self.first_gen if name == "gen" else fill, dtype=dtype)
+            fill = self.first_gen if name == "gen" else fill
+            # Zeros come from calloc: the new half's pages are faulted in as rows are first written,
+            # not all here, in the call that grew the table (the copy faults in the old half).
+            arr = np.zeros(new, dtype=dtype) if fill == 0 else np.empty(new, dtype=dtype)
             arr[:old] = getattr(self, name)
+            if fill != 0:
+                arr[old:] = fill
             setattr(self, name, arr)
         kids = np.zeros((len(TIERS), new), dtype=np.int32)
         kids[:, :old] = self.kids
