@@ -288,21 +288,25 @@ def forests_with_marks(draw):
     return np.array(parent), np.array(marked), np.array(nodes, dtype=np.int64)
 
 
-@given(forests_with_marks())
-@settings(max_examples=300, deadline=None)
-def test_reaches_marked_walks_up_through_the_nodes_only(case):
-    parent, marked, nodes = case
+def reaches_by_walk(parent, marked, nodes) -> list[bool]:
+    """The definition: from each node climb while inside `nodes`, looking at the first node outside."""
     inside = set(nodes.tolist())
 
-    def reaches(i):  # the definition: climb while inside the set, look at the first node outside
+    def reaches(i):
         while True:
             if marked[i]:
                 return True
             if i not in inside or parent[i] < 0:
                 return False
             i = parent[i]
-    got = reaches_marked(parent, marked, nodes)
-    assert got.tolist() == [reaches(i) for i in nodes.tolist()]
+    return [reaches(i) for i in nodes.tolist()]
+
+
+@given(forests_with_marks())
+@settings(max_examples=300, deadline=None)
+def test_reaches_marked_walks_up_through_the_nodes_only(case):
+    parent, marked, nodes = case
+    assert reaches_marked(parent, marked, nodes).tolist() == reaches_by_walk(parent, marked, nodes)
 
 
 @given(forests_with_marks(), st.randoms(use_true_random=False))
@@ -324,18 +328,9 @@ def test_reaches_marked_takes_its_shortcut_only_where_the_walk_agrees(case, rand
     for i in range(n):  # parents before children in the original numbering: one pass closes it
         if parent[i] >= 0 and closed[new[parent[i]]]:
             closed[new[i]] = True
-    inside = set(new[nodes].tolist())
-
-    def reaches(i, marks):
-        while True:
-            if marks[i]:
-                return True
-            if i not in inside or shuffled[i] < 0:
-                return False
-            i = shuffled[i]
     at = np.sort(new[nodes])
     for m in (marks, closed):
-        assert reaches_marked(shuffled, m, at).tolist() == [reaches(i, m) for i in at.tolist()]
+        assert reaches_marked(shuffled, m, at).tolist() == reaches_by_walk(shuffled, m, at)
 
 
 def test_reaches_marked_refuses_a_cycle():
