@@ -94,10 +94,11 @@ def reaches_marked(parent: np.ndarray, marked: np.ndarray, nodes: np.ndarray) ->
     marked parent (the first mark above it). Where no node has, the marked nodes are the answer: the
     usual case of a drain's cold cut, whose descendants score no higher than their ancestors and are
     marked already (a million rows in chains of 16 or 256: 6-9 ms on the 2-core VM, against 52-72
-    for the walk below; an experiment). Otherwise pointer jumping (Wyllie): each unresolved node's jump target doubles its
-    reach every round, so a chain of depth D costs ceil(log2 D) rounds of gathers, not a round per
-    level; a target of _HIT (a mark reached) or _END (a root, or the top of `nodes`, with no mark)
-    resolves the node. A cycle through `nodes` is refused whenever that walk runs."""
+    for the walk below; an experiment). Otherwise pointer jumping (Wyllie): each unresolved node's
+    jump target doubles its reach every round, so a chain of depth D costs ceil(log2 D) rounds of
+    gathers, not a round per level; a target of _HIT (a mark reached) or _END (a root, or the top of
+    `nodes`, with no mark) resolves the node. A cycle through `nodes` is refused whenever that walk
+    runs."""
     nodes = np.asarray(nodes, dtype=np.int64)
     if len(marked) != len(parent):
         raise ValueError(f"reaches_marked: {len(marked)} marks for {len(parent)} parents")
