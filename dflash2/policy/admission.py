@@ -77,6 +77,21 @@ class FrequencySketch:
             self.halve()
         return np.minimum(est.astype(np.int64) + 1, COUNTER_MAX)
 
+    def grow(self, width: int) -> None:
+        """Widen to `width` counters a row (a power of two, more than now), every key's estimate
+        kept: a key's counter is the top bits of its hash, so one more bit splits each counter into
+        two neighbours, and both start from the old count (an estimate never falls below the true
+        count; the keys that shared the old counter each keep it until the halvings wear it off).
+        Halving comes after as many more additions as the new width holds."""
+        if width & (width - 1) or width <= self.width:
+            raise ValueError(f"a sketch grows to a larger power of two than {self.width}, not {width}")
+        self.table = np.repeat(self.table, width // self.width, axis=1)
+        self._flat = self.table.reshape(-1)
+        self._row_base = np.arange(self.depth, dtype=np.int64)[:, None] * width
+        self._shift = np.uint64(64 - int(np.log2(width)))
+        self.sample = self.sample // self.width * width
+        self.width = width
+
     def halve(self, times: int = 1) -> None:
         """Age every count by half, `times` over (after `sample` additions, and every half-life of the
         policy): one shift, however many half-lives went by."""

@@ -97,6 +97,18 @@ FUSE_FANOUT = 15
 DENSITY_GHOST_BITS = 20
 MIN_DENSITY_GHOST_BITS = 12
 MIN_SKETCH_WIDTH = 1 << 10
+# The frequency sketch keeps at least this many counters a row per block-table row (to a power of
+# two, up to MAX_SKETCH_WIDTH: 64 MiB at depth 4), widened as the table grows (`_ensure`; its first
+# width, 2**18, serves tables of up to 2**16 rows). At that first width a daemon's table of 524,288
+# rows took 56% of never-seen keys for keys seen before (class 1: the split's returning list,
+# SPLIT_BONUS above their first-timer neighbours), and a drain of chains stalled on them (a parent
+# waits for its child, scored far above it: docs/known-gaps.md, drains of large tables); at twice
+# the rows 2.5%, at four times 0.3% (an experiment: 524,288 random keys added, 20,000 new ones
+# estimated). A widened sketch keeps the counts it had (FrequencySketch.grow), so the keys added
+# before it widened still fill as many counters: four a row leaves new keys read as seen 2.4%
+# of the time where the table doubled as it filled (tests/test_policy_heat.py).
+SKETCH_PER_ROW = 4
+MAX_SKETCH_WIDTH = 1 << 24
 
 
 @register
@@ -112,7 +124,8 @@ class HeatPolicy(Policy):
 
     def __init__(self, weights: dict[str, float] | None = None, *,
                  rescore_interval_s: float = 0.1, sketch_width: int = 1 << 18,
-                 decay_half_life_s: float | None = None, density_ghost_bits: int = DENSITY_GHOST_BITS):
+                 decay_half_life_s: float | None = None, density_ghost_bits: int = DENSITY_GHOST_BITS,
+                 widen_sketch: bool = True):
         self.weights = dict(DEFAULT_WEIGHTS)
         self._cap = 0  # rows of per-row state (grown with the table)
         self.set_weights(weights or {})
@@ -122,6 +135,9 @@ class HeatPolicy(Policy):
         self.decay_half_life_s = decay_half_life_s
         self._halved_at: float | None = None
         self.sketch = FrequencySketch(sketch_width)
+        # Widened with the table (SKETCH_PER_ROW); a duel's miniature keeps the width it was given
+        # (miniature_sizes: 1/sample of the real one's when the duel began).
+        self.widen_sketch = widen_sketch
         self.freq_admission = FrequencyAdmission(self.sketch)
         self.model = HitDensityModel(ghost_bits=density_ghost_bits, tiers=TIERS)
         self.tick = 0.0  # logical clock: block reads and writes so far
@@ -157,7 +173,8 @@ class HeatPolicy(Policy):
         of its memory (at full size each miniature held 18 MiB, resident once enough keys came)."""
         shift = max(0, int(sample).bit_length() - 1)  # log2, rounded down
         return {"sketch_width": max(MIN_SKETCH_WIDTH, self.sketch.width >> shift),
-                "density_ghost_bits": max(MIN_DENSITY_GHOST_BITS, self.model._ghost_bits - shift)}
+                "density_ghost_bits": max(MIN_DENSITY_GHOST_BITS, self.model._ghost_bits - shift),
+                "widen_sketch": False}
 
     def _ensure(self, table) -> None:
         cap = table.cols.capacity
@@ -179,6 +196,9 @@ class HeatPolicy(Policy):
         code2[: self._cap] = self._code2
         self._last, self._off, self._cls, self._tier, self._slope, self._cap = last, off, cls, tier, slope, cap
         self._code, self._code2 = code, code2
+        want = min(MAX_SKETCH_WIDTH, 1 << max(0, SKETCH_PER_ROW * cap - 1).bit_length())
+        if self.widen_sketch and want > self.sketch.width:
+            self.sketch.grow(want)
         if self.split is None:
             # The rate band in HBM only: with it below HBM too, the conversation trace's HBM 4000 /
             # DRAM 16000 / NVMe 32000 replay found 0.3540 of references in some tier, below LRU's
