@@ -6,8 +6,9 @@
   power of two a block costs up to twice as much);
   policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
   (traced in the same build; heat's per-row state, its gate's ghost tables and, past 2^16 rows, its
-  frequency sketch, sized by the table's rows; not its split's, made once blocks leave a tier, which none does here; LRU's and LFU's none
-  to speak of); policy_fixed_bytes: what the policy takes when it is made,
+  frequency sketch, sized by the table's rows; not its split's, made once blocks leave a tier,
+  which none does here; LRU's and LFU's none to speak of); policy_fixed_bytes: what the policy
+  takes when it is made,
   whatever the table's size (heat's hit-density ghosts: a fixed 2^20 entries);
 - build_s: that build timed in a build of its own, untraced (tracing allocations slows it 5-7x);
 - select_ms: the choice alone, from the policy's current scores (what a demotion costs between passes);
