@@ -196,7 +196,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
                 return np.empty(0, dtype=np.int64)
         sizes = self.table.slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        part = self._leaving(tier, self._at_or_below_cut(reach, n_reach, scores, k), evict, scores, through)
+        part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, n_reach, scores, k)), evict, scores,
+                             through)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held): take the
             # lowest leaves instead.
@@ -269,9 +270,9 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             self._keyed = np.empty(n, dtype=dtype)
         return self._keyed
 
-    def _leaving(self, tier: Tier, below: np.ndarray, evict: bool, scores: np.ndarray | None,
+    def _leaving(self, tier: Tier, rows: np.ndarray, evict: bool, scores: np.ndarray | None,
                  through: Tier | None = None) -> np.ndarray:
-        """The rows of `below` (a mask of rows of `tier` that may leave, at or under the cut) that
+        """Those of `rows` (ascending: rows of `tier` that may leave, at or under the cut) that
         can leave together with their descendants, in the order they leave: a row qualifies when
         every child that holds it back qualifies (for a demotion its children in `tier` or a faster
         one, for an eviction every cached child). Ordered leaves first, by height in the subtree
@@ -285,7 +286,6 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
         numpy calls, not 1,024."""
         c = self.table.cols
-        rows = np.flatnonzero(below) if below.dtype == bool else below  # (or the rows, ascending)
         if not len(rows):
             return rows
         if evict:
@@ -295,8 +295,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             for t in range(1, max(int(tier), int(through or tier)) + 1):
                 holding += c.kids[t, rows]
         parent = local_parents(rows, c.parent[rows], rank=(np.arange(len(rows)), rows))  # already sorted
-        # Every row of `below` lies in `tier` and is a cached child of its parent, so it holds its
-        # parent back; a row with more holding children than it has in `below` waits on one outside.
+        # Every row of `rows` lies in `tier` and is a cached child of its parent, so it holds its
+        # parent back; a row with more holding children than it has in `rows` waits on one outside.
         blocked = holding > np.bincount(parent[parent >= 0], minlength=len(rows))
         if scores is not None and self.policy.strict_order:
             # Strictly by score, a block no earlier than its descendants: by the highest score in
@@ -538,7 +538,7 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
                 & (c.key[rows] != 0))
         mask = np.zeros(c.capacity, dtype=bool)
         mask[rows[free]] = True
-        return self._leaving(Tier.HBM, mask, True, None)  # evicting: every tier's children hold
+        return self._leaving(Tier.HBM, np.flatnonzero(mask), True, None)  # evicting: every tier's children hold
 
     def _evict(self, rows: np.ndarray) -> bool:
         """Drop these cached blocks, in one table call: a parent among them goes with its children

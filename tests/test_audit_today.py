@@ -353,7 +353,7 @@ class PrefixPlacementMachine(RuleBasedStateMachine):
                 reach = self.mgr.placement.movable(tier, evict=evict)
                 below = reach & (scores <= rng.integers(0, 4))
                 want = leaving_by_levels(self.mgr.placement, tier, below, evict, scores)
-                got = self.mgr.placement._leaving(tier, below, evict, scores)
+                got = self.mgr.placement._leaving(tier, np.flatnonzero(below), evict, scores)
                 assert got.tolist() == want.tolist()
         refused = self.t.live_rows()
         refused = refused[rng.random(len(refused)) < 0.6]

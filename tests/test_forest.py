@@ -170,7 +170,7 @@ def test_placement_leaves_in_the_order_of_the_level_walk(make_manager, clock, se
             for cut in range(6):
                 below = reach & (scores <= cut)
                 want = leaving_by_levels(mgr.placement, tier, below, evict, scores)
-                got = mgr.placement._leaving(tier, below, evict, scores)
+                got = mgr.placement._leaving(tier, np.flatnonzero(below), evict, scores)
                 assert got.tolist() == want.tolist(), (tier, evict, cut)
     mgr.check_invariants()
 

@@ -27,15 +27,20 @@ class FrequencySketch:
             raise ValueError(f"sketch width must be a power of two, got {width}")
         if not 1 <= depth <= len(_SEEDS):
             raise ValueError(f"sketch depth must be 1..{len(_SEEDS)}, got {depth}")
-        self.width = width
         self.depth = depth
-        self.sample = sample_factor * width  # halve all counters after this many increments
-        self.table = np.zeros((depth, width), dtype=np.uint8)
-        self._flat = self.table.reshape(-1)  # a view: row r's counter c is cell r * width + c
+        self._sample_factor = sample_factor
         self._seeds = _SEEDS[:depth, None].copy()
-        self._row_base = np.arange(depth, dtype=np.int64)[:, None] * width
-        self._shift = np.uint64(64 - int(np.log2(width)))
+        self._use(np.zeros((depth, width), dtype=np.uint8))
         self.additions = 0
+
+    def _use(self, table: np.ndarray) -> None:
+        """Count in `table` (depth x width counters): the width and what follows from it."""
+        self.table = table
+        self.width = width = table.shape[1]
+        self.sample = self._sample_factor * width  # halve all counters after this many increments
+        self._flat = table.reshape(-1)  # a view: row r's counter c is cell r * width + c
+        self._row_base = np.arange(self.depth, dtype=np.int64)[:, None] * width
+        self._shift = np.uint64(64 - int(np.log2(width)))
 
     def _cells(self, keys: np.ndarray) -> np.ndarray:
         """Each key's counter in each row, as cells of the flat table (depth x keys). (An array's
@@ -85,12 +90,7 @@ class FrequencySketch:
         Halving comes after as many more additions as the new width holds."""
         if width & (width - 1) or width <= self.width:
             raise ValueError(f"a sketch grows to a larger power of two than {self.width}, not {width}")
-        self.table = np.repeat(self.table, width // self.width, axis=1)
-        self._flat = self.table.reshape(-1)
-        self._row_base = np.arange(self.depth, dtype=np.int64)[:, None] * width
-        self._shift = np.uint64(64 - int(np.log2(width)))
-        self.sample = self.sample // self.width * width
-        self.width = width
+        self._use(np.repeat(self.table, width // self.width, axis=1))
 
     def halve(self, times: int = 1) -> None:
         """Age every count by half, `times` over (after `sample` additions, and every half-life of the
