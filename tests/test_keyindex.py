@@ -34,6 +34,30 @@ def test_growth_keeps_everything():
     assert ki.nbytes <= 12 * 4 * 5000
 
 
+def test_growth_places_a_run_that_wraps_past_the_last_slot():
+    """Keys whose homes are the last slot (their product with FIB is all ones at the top) form a run
+    that wraps round to the first slots, before and after the table doubles: the doubling places
+    entries in home order and wraps the run's end; every key stays found, and removable."""
+    from dflash2.keys import FIB
+
+    inverse = pow(FIB, -1, 1 << 64)
+    crowded = [((1 << 64) - 1 - j) * inverse % (1 << 64) for j in range(40)]  # homes: the last slot
+    low = [j * inverse % (1 << 64) or 1 for j in range(1, 12)]  # homes: slot 0
+    keys = crowded + low + np.random.default_rng(3).integers(1, 2**63, 40, dtype=np.uint64).tolist()
+    index, ref = KeyIndex(16), {}
+    for i, k in enumerate(keys):
+        index.insert(int(k), i)
+        ref[int(k)] = i
+        assert index.lookup(np.array(list(ref), dtype=np.uint64)).tolist() == list(ref.values())
+    assert len(index._keys) >= 128  # it doubled on the way
+    assert (index._rows[:8] != EMPTY).all(), "the crowded run wrapped round to the first slots"
+    for k in crowded[::3] + low[::2]:
+        index.remove(int(k))
+        del ref[int(k)]
+    assert index.lookup(np.array(list(ref), dtype=np.uint64)).tolist() == list(ref.values())
+    assert (index.lookup(np.array(crowded[::3], dtype=np.uint64)) == EMPTY).all()
+
+
 def test_consecutive_keys_spread_over_the_table():
     """Keys that are not hashes (a trace's block ids, counters) must not pile into one probe run:
     a lookup of an absent key and every removal walk the run they land in."""

@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import pytest
 
@@ -212,9 +214,9 @@ def test_drop_lost_finds_the_children_of_a_batch_in_one_pass(mgr, monkeypatch):
 
 
 def test_growth_keeps_every_row_and_gives_new_rows_their_fresh_values():
-    """The columns double when rows run out: the old rows' values are kept, and every new row holds
-    each field's fresh value (zeros from calloc, the others filled: a new row's tier is -1, not
-    HBM's 0, or whole-table passes would count it in HBM)."""
+    """The columns double when rows run out: the old rows' values are kept, every new row is free
+    with its first generation and tier -1 (not HBM's 0, or whole-table passes would count it in
+    HBM), and a new row taken holds each field's fresh value."""
     from dflash2.table.columns import FIELDS, Columns
 
     cols = Columns(capacity=8, first_gen=7)
@@ -232,5 +234,81 @@ def test_growth_keeps_every_row_and_gives_new_rows_their_fresh_values():
         column = getattr(cols, name)
         assert column.dtype == dtype and column[:8].tolist() == before[name].tolist(), name
         fresh = 7 if name == "gen" else fill
-        assert (column[8:] == np.array(fresh, dtype=dtype)).all(), name
+        assert (column[8:11] == np.array(fresh, dtype=dtype)).all(), name
+    assert (cols.gen[11:] == 7).all() and (cols.state[11:] == 0).all() and (cols.tier[11:] == -1).all()
     assert (cols.kids[:, :8] == 3).all() and (cols.kids[:, 8:] == 0).all()
+    taken = cols.take_rows(1)
+    cols.owner[taken] = 5
+    cols.give_rows(taken)
+    assert cols.owner[taken[0]] == 5  # a free row's other fields are left as they were ...
+    again = cols.take_rows(1)
+    assert again.tolist() == taken.tolist() and cols.owner[taken[0]] == -1  # ... until it is taken
+    assert cols.gen[taken[0]] == 8
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def test_growth_within_the_reservation_copies_nothing():
+    """Rows come from memory reserved up front (rowspace.py): doubling takes a longer view of the same
+    memory, so no column moves, and a view taken before the growth sees writes made after it. The
+    copy into arrays twice as large held the daemon's loop 37-295 ms at 1M -> 2M rows."""
+    from dflash2.table.columns import FIELDS, Columns
+
+    cols = Columns(capacity=8, first_gen=3, reserve=64)
+    where = {name: _address(getattr(cols, name)) for name in [*FIELDS, "kids"]}
+    early_state = cols.state
+    cols.take_rows(8)
+    cols.take_rows(30)  # 8 -> 16 -> 32 -> 64: three doublings, all within the 64 rows reserved
+    assert cols.capacity == 64 and cols.reserved == 64
+    for name, address in where.items():
+        assert _address(getattr(cols, name)) == address, f"{name} was copied"
+    cols.state[5] = 9
+    assert early_state[5] == 9  # the same memory
+    assert (cols.gen[8:] == 3).all() and (cols.tier[8:] == -1).all()
+
+
+def test_growth_past_the_reservation_copies_once_and_says_so(caplog):
+    """A table that outgrows its reservation (blocks smaller than assumed) copies into one four times
+    its new size, keeping every row, and logs it."""
+    from dflash2.table.columns import Columns
+
+    cols = Columns(capacity=4, reserve=4)
+    rows = cols.take_rows(4)
+    cols.key[rows] = [11, 12, 13, 14]
+    cols.kids[2, rows] = [1, 2, 3, 4]
+    with caplog.at_level(logging.INFO, logger="dflash2.table"):
+        cols.take_rows(1)
+    assert cols.capacity == 8 and cols.reserved == 32
+    assert cols.key[:4].tolist() == [11, 12, 13, 14] and cols.kids[2, :4].tolist() == [1, 2, 3, 4]
+    assert "outgrew their reservation of 4 rows" in caplog.text
+    cols.add_kids(np.array([2, 2, 0]), np.array([1, 1, 5]), 1)  # the flat index follows the new stride
+    assert cols.kids[2, :4].tolist() == [1, 4, 3, 4] and cols.kids[0, 5] == 1
+
+
+def test_a_refused_reservation_falls_back_to_plain_arrays_and_says_so(monkeypatch, caplog):
+    """Where the system refuses the mapping (strict overcommit, an address-space limit), the table
+    takes plain arrays of the rows it needs, warns, and works as before."""
+    from dflash2.table import rowspace
+    from dflash2.table.columns import Columns
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(rowspace, "reserve", refuse)
+    with caplog.at_level(logging.WARNING, logger="dflash2.table"):
+        cols = Columns(capacity=4, reserve=1 << 20)
+    assert cols.reserved == 4 and "refused a reservation of 1048576 rows" in caplog.text
+    rows = cols.take_rows(6)
+    assert cols.capacity == 8 and sorted(rows.tolist()) == list(range(6))
+    assert (cols.tier == -1).all() and cols.reserved == 8
+
+
+def test_a_tables_reservation_follows_its_arenas():
+    """One row reserved per RESERVE_BLOCK_BYTES of every tier, within the floor and the ceiling."""
+    from dflash2.table.rowspace import RESERVE_MAX_ROWS, RESERVE_MIN_ROWS, reserve_rows
+
+    assert reserve_rows([256 << 20, 1 << 30], 1024) == ((256 << 20) + (1 << 30)) // 1024
+    assert reserve_rows([1 << 20], 1024) == RESERVE_MIN_ROWS
+    assert reserve_rows([1 << 50], 1024) == RESERVE_MAX_ROWS
+    assert reserve_rows([1 << 20], RESERVE_MIN_ROWS * 2) == RESERVE_MIN_ROWS * 2

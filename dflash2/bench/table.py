@@ -1,12 +1,14 @@
 """`dflash2 bench table`: the block table at scale (metadata only, one process, CPU).
 
-- bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced),
+- bytes_per_block: memory the table grows by per cached block (numpy and Python allocations traced,
+  and the rows in use of the columns' reserved mappings, which tracemalloc does not see: rowspace.py),
   with a million blocks committed under content keys and released (the steady state of a cache;
   a million is about 2^20, the best case: the table's capacity doubles as it grows, so just past a
   power of two a block costs up to twice as much);
   policy_bytes_per_block: what the policy keeps per block on top, after its first scoring pass
   (traced in the same build; heat's per-row state, its gate's ghost tables and, past 2^16 rows, its
-  frequency sketch, sized by the table's rows; not its split's, made once blocks leave a tier,
+  frequency sketch, sized by the table's rows, and the two score buffers its passes take turns
+  with (one of them was left out before 2026-12-04's sixth session: 4.2 bytes); not its split's, made once blocks leave a tier,
   which none does here; LRU's and LFU's none to speak of); policy_fixed_bytes: what the policy
   takes when it is made,
   whatever the table's size (heat's hit-density ghosts: a fixed 2^20 entries);
@@ -79,11 +81,14 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
     mgr, lid, client = _empty(n, policy)
     tracemalloc.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
+        # (the columns and heat's per-row state lie in reserved mappings, which tracemalloc does
+        # not see: their rows in use are added, rowspace.py)
+        before = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes
         _fill(mgr, lid, client, n)
-        table = tracemalloc.get_traced_memory()[0] - before
+        table = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes - before
         mgr.policy.rescore(mgr.table, mgr.table.clock())  # heat sizes its per-row state here
-        kept = tracemalloc.get_traced_memory()[0] - before - table
+        after = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes + mgr.policy.mapped_bytes()
+        kept = after - before - table
     finally:
         tracemalloc.stop()
     mgr.close()
@@ -95,7 +100,7 @@ def _policy_fixed_bytes(policy: str) -> int:
     tracemalloc.start()
     try:
         made = make_policy(policy)
-        fixed = tracemalloc.get_traced_memory()[0]  # while it is alive
+        fixed = tracemalloc.get_traced_memory()[0] + made.mapped_bytes()  # while it is alive
     finally:
         tracemalloc.stop()
     del made

@@ -46,6 +46,11 @@ class Policy(abc.ABC):
         here (the daemon's timer calls it every `policy.rescore_interval_ms`)."""
         return self.scores_all(table, now)
 
+    def mapped_bytes(self) -> int:
+        """Bytes of per-row state this policy keeps in reserved mappings (rowspace.py), in use by the
+        table's rows now: memory that tracemalloc does not see (`bench table` adds it)."""
+        return 0
+
     def on_tick(self, table: "BlockTable", now: float) -> None:
         """The daemon's periodic step (every `policy.rescore_interval_ms`): policies that cache
         scores rescore here; the others have nothing to do."""

@@ -65,6 +65,7 @@ from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables, log2_1
 from dflash2.policy.lfu import lfu_score
 from dflash2.policy.split import RATE_BAND, AdaptiveSplit
 from dflash2.table import BlockState
+from dflash2.table.rowspace import RowArrays
 from dflash2.tiers import Tier
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
@@ -109,6 +110,16 @@ MIN_SKETCH_WIDTH = 1 << 10
 # of the time where the table doubled as it filled (tests/test_policy_heat.py).
 SKETCH_PER_ROW = 4
 MAX_SKETCH_WIDTH = 1 << 24
+# The per-row state (`_last` ... `_code2`, described in __init__): dtype, fill value of a fresh row,
+# leading shape. Reserved as the table's columns are, to grow without a copy (rowspace.py).
+ROW_STATE = {"_last": (np.float64, 0.0, ()), "_off": (np.int32, 0, ()), "_cls": (np.int8, 0, ()),
+             "_tier": (np.int8, 0, ()), "_slope": (np.float32, 0.0, ()), "_code": (np.int8, -1, ()),
+             "_code2": (np.int8, -1, ())}
+# The full pass's scratch (`_scratch`), reserved with them: after a doubling only the new rows'
+# pages are faulted in (fresh arrays made the next rescoring fault in all of them: 58 ms at a
+# million rows on the 2-core VM). Not "kids", used only with a fanout weight: made when needed.
+SCRATCH = {"log_age": np.float32, "scaled": np.float32, "idx": np.int32, "heat0": np.float32,
+           "heat1": np.float32}
 
 
 @register
@@ -134,7 +145,7 @@ class HeatPolicy(Policy):
         # tick, besides halving after a sample of references; None: by references only (replays).
         self.decay_half_life_s = decay_half_life_s
         self._halved_at: float | None = None
-        self.sketch = FrequencySketch(sketch_width)
+        self.sketch = FrequencySketch(sketch_width, max_width=MAX_SKETCH_WIDTH if widen_sketch else sketch_width)
         # Widened with the table (SKETCH_PER_ROW); a duel's miniature keeps the width it was given
         # (miniature_sizes: 1/sample of the real one's when the duel began).
         self.widen_sketch = widen_sketch
@@ -154,6 +165,7 @@ class HeatPolicy(Policy):
         # Each HBM returning row's list in HBM's split of the returning blocks (0: referenced 2-3
         # times, 1: more often; -1: not counted: a first-timer, below HBM, no key, or gone).
         self._code2 = np.zeros(0, dtype=np.int8)
+        self._rows: RowArrays | None = None  # the memory of the seven above, from the first table seen
         self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
         self.inner: AdaptiveSplit | None = None
         self.gate: AdmissionGate | None = None  # whether admission's refusals pay (made with the split)
@@ -176,26 +188,24 @@ class HeatPolicy(Policy):
                 "density_ghost_bits": max(MIN_DENSITY_GHOST_BITS, self.model._ghost_bits - shift),
                 "widen_sketch": False}
 
+    def mapped_bytes(self) -> int:
+        return self.sketch.mapped_bytes + (0 if self._rows is None else self._rows.mapped_bytes)
+
     def _ensure(self, table) -> None:
         cap = table.cols.capacity
         if cap == self._cap:
             return
-        last = np.zeros(cap)
-        last[: self._cap] = self._last
-        off = np.zeros(cap, dtype=np.int32)
-        off[: self._cap] = self._off
-        cls = np.zeros(cap, dtype=np.int8)
-        cls[: self._cap] = self._cls
-        tier = np.zeros(cap, dtype=np.int8)
-        tier[: self._cap] = self._tier
-        slope = np.zeros(cap, dtype=np.float32)
-        slope[: self._cap] = self._slope
-        code = np.full(cap, -1, dtype=np.int8)
-        code[: self._cap] = self._code
-        code2 = np.full(cap, -1, dtype=np.int8)
-        code2[: self._cap] = self._code2
-        self._last, self._off, self._cls, self._tier, self._slope, self._cap = last, off, cls, tier, slope, cap
-        self._code, self._code2 = code, code2
+        if self._rows is None:
+            fields = {**ROW_STATE, **{name: (dtype, 0, ()) for name, dtype in SCRATCH.items()}}
+            self._rows = RowArrays(fields, cap, max(cap, table.cols.reserved), "heat's per-row state")
+        else:
+            self._rows.grow(cap)  # (within the table's reservation, no copy: rowspace.py)
+        for name, view in self._rows.views().items():
+            if name in SCRATCH:
+                self._buffers[name] = view
+            else:
+                setattr(self, name, view)
+        self._cap = cap
         want = min(MAX_SKETCH_WIDTH, 1 << max(0, SKETCH_PER_ROW * cap - 1).bit_length())
         if self.widen_sketch and want > self.sketch.width:
             self.sketch.grow(want)

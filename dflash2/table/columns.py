@@ -2,14 +2,16 @@
 
 About 82 bytes a row of capacity all told (which doubles as the table grows: up to twice that a
 block just past a power of two), and every policy pass is a handful of vectorised operations over
-these arrays instead of a walk over a million Python objects.
+these arrays instead of a walk over a million Python objects. The arrays lie in memory reserved for
+the rows the table may come to hold, so that growing copies nothing (rowspace.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import repeats
+from dflash2.counts import add_at, repeats
+from dflash2.table.rowspace import RowArrays, reserve_rows
 from dflash2.tiers import TIERS
 
 NO_ROW = -1
@@ -48,25 +50,56 @@ _RESET = [(name, spec) for name, spec in FIELDS.items() if name != "gen"]
 
 
 class Columns:
-    def __init__(self, capacity: int = 1024, first_gen: int = 1):
+    def __init__(self, capacity: int = 1024, first_gen: int = 1, reserve: int | None = None):
         """`first_gen`: every row's first generation. A daemon draws it at each start (assemble.py):
         from 1 every time, the first blocks of a restarted daemon had the very ids of the killed
         one's, and an id kept across the restart read another block without an error (a review's
-        kill loop)."""
+        kill loop). `reserve`: rows reserved up front, to grow into without a copy (rowspace.py;
+        by default `reserve_rows` of no arenas)."""
         if capacity < 1:  # growth doubles the capacity: from 0 it would never grow
             raise ValueError(f"a block table needs a capacity of at least 1 row, got {capacity}")
         if not 1 <= first_gen <= MAX_FIRST_GEN:
             raise ValueError(f"a block table's first generation is in [1, {MAX_FIRST_GEN}], got {first_gen}")
         self.capacity = capacity
         self.first_gen = first_gen
-        for name, (dtype, fill) in FIELDS.items():
-            setattr(self, name, np.full(capacity, first_gen if name == "gen" else fill, dtype=dtype))
+        # Invariant: a free row's fields mean nothing but its generation, its state (FREE, 0) and its
+        # tier (-1: whole-table passes select by tier). `give_rows` sets those three and leaves the
+        # rest as they were, and `take_rows` resets the rest; so fresh rows are filled in those three
+        # only, the others left at the reservation's zeros (a growth touches no page of theirs).
+        fresh = {"gen": first_gen, "state": 0, "tier": -1}
+        fields = {name: (dtype, fresh.get(name, 0), ()) for name, (dtype, _) in FIELDS.items()}
         # kids[tier, row]: cached children of the row that lie in each tier (prefix-aware order);
-        # tier-major so that "no child in this tier" is one contiguous comparison.
-        self.kids = np.zeros((len(TIERS), capacity), dtype=np.int32)
-        self._free_rows = np.arange(capacity - 1, -1, -1, dtype=np.int32)
+        # tier-major so that "no child in this tier" is one contiguous comparison. A view of the
+        # first `capacity` rows of each tier's reserved row: not contiguous as a whole (flatten a
+        # tier at a time, never the whole array).
+        fields["kids"] = (np.int32, 0, (len(TIERS),))
+        fields["_free_rows"] = (np.int32, 0, ())  # a stack of the free rows, the next one on top
+        self._arrays = RowArrays(fields, capacity, reserve_rows((), capacity) if reserve is None else reserve,
+                                 "the block table's columns")
+        self._bind()
+        self._free_rows[:] = np.arange(capacity - 1, -1, -1, dtype=np.int32)
         self._n_free = capacity
         self.retired = 0  # rows whose generation ran out (GEN_LAST): neither live nor free
+
+    def _bind(self) -> None:
+        """Each column as an attribute (`self.state`, ...), over the first `capacity` rows."""
+        for name, view in self._arrays.views().items():
+            setattr(self, name, view)
+        self._kids_flat = self._arrays.flat("kids")
+
+    def add_kids(self, tiers: np.ndarray, parents: np.ndarray, delta: int) -> None:
+        """kids[tiers[i], parents[i]] += delta for each i, a pair given twice counted twice."""
+        add_at(self._kids_flat, tiers.astype(np.int64) * self._arrays.reserved + parents, delta)
+
+    @property
+    def reserved(self) -> int:
+        """Rows the table can grow to without a copy (rowspace.py)."""
+        return self._arrays.reserved
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the columns in use that lie in reserved mappings (rowspace.py): unseen by tracemalloc."""
+        return self._arrays.mapped_bytes
 
     @property
     def nbytes(self) -> int:
@@ -110,25 +143,13 @@ class Columns:
     def _grow(self) -> None:
         old = self.capacity
         new = 2 * old
-        for name, (dtype, fill) in FIELDS.items():
-            fill = self.first_gen if name == "gen" else fill
-            # Zeros come from calloc: the new half's pages are faulted in as rows are first written,
-            # not all here, in the call that grew the table (the copy faults in the old half).
-            arr = np.zeros(new, dtype=dtype) if fill == 0 else np.empty(new, dtype=dtype)
-            arr[:old] = getattr(self, name)
-            if fill != 0:
-                arr[old:] = fill
-            setattr(self, name, arr)
-        kids = np.zeros((len(TIERS), new), dtype=np.int32)
-        kids[:, :old] = self.kids
-        self.kids = kids
-        free = np.empty(new, dtype=np.int32)
-        free[: self._n_free] = self._free_rows[: self._n_free]
+        self._arrays.grow(new)  # the fresh rows hold their fill values; no copy within the reservation
+        self._bind()
+        free = self._free_rows
         added = np.arange(new - 1, old - 1, -1, dtype=np.int32)
         # New rows go below the existing free ones so that low rows are reused first.
         free[len(added): len(added) + self._n_free] = free[: self._n_free].copy()
         free[: len(added)] = added
-        self._free_rows = free
         self._n_free += len(added)
         self.capacity = new
 

@@ -39,6 +39,7 @@ from dflash2.table.keyindex import EMPTY, KeyIndex
 from dflash2.table.lost import LostBlocks
 from dflash2.table.publish import Publishing
 from dflash2.table.release import Releasing
+from dflash2.table.rowspace import reserve_rows
 from dflash2.table.states import BlockState, check_transition
 from dflash2.tiers import Tier
 
@@ -74,7 +75,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
                  capacity: int = 1024, first_gen: int = 1):
         self.allocators = allocators
         self.clock = clock
-        self.cols = Columns(capacity, first_gen)
+        self.cols = Columns(capacity, first_gen, reserve_rows((a.arena_bytes for a in allocators.values()), capacity))
         self.keys = KeyIndex(capacity)
         self.layouts: list[Layout] = []
         self._layout_ids: dict[Layout, int] = {}  # each registered layout's id (its place in `layouts`)
@@ -499,7 +500,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         self.keys.remove_many(keyed[keyed != 0])
         linked = rows[c.parent[rows] != NO_ROW]
         parents = c.parent[linked].astype(np.int64)
-        add_at(c.kids.reshape(-1), c.tier[linked].astype(np.int64) * c.capacity + parents, -1)  # tier-major
+        c.add_kids(c.tier[linked], parents, -1)
         add_at(c.nkids, parents, -1)
         for tier in self.allocators:
             here = rows[c.tier[rows] == int(tier)]
@@ -552,9 +553,8 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             parents = c.parent[moved]
             linked = parents != NO_ROW
             if linked.any():  # each moved child now counts in its parent's kids of dst, not of src
-                flat = c.kids.reshape(-1)  # tier-major: (tier, row) is tier * capacity + row
-                add_at(flat, src[linked].astype(np.int64) * c.capacity + parents[linked], -1)
-                add_at(flat, int(dst) * c.capacity + parents[linked].astype(np.int64), 1)
+                c.add_kids(src[linked], parents[linked].astype(np.int64), -1)
+                c.add_kids(np.full(int(linked.sum()), int(dst)), parents[linked].astype(np.int64), 1)
             c.tier[moved] = dst
             c.offset[moved] = dst_offsets[ok]
         self._may_move(rows)  # RESIDENT again: in dst, or where they were
