@@ -147,8 +147,10 @@ def _leads(found: np.ndarray, sq: np.ndarray, a: int, b: int) -> bool:
 class _Mini:
     """One candidate's miniature: a block manager of 1/sample of the real tiers, serving sampled chains."""
 
-    def __init__(self, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int):
-        self.manager = BlockManager(specs, policy=policy, clock=clock, table_capacity=capacity_rows)
+    def __init__(self, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int,
+                 reserve_rows: int | None = None):
+        self.manager = BlockManager(specs, policy=policy, clock=clock, table_capacity=capacity_rows,
+                                    table_reserve=reserve_rows)
         self.prefetch = Prefetcher(self.manager, 4)
         self.client = self.manager.attach("duel")
         self.layouts: dict[int, int] = {}  # the real manager's layout id -> this manager's
@@ -429,7 +431,11 @@ class Duel:
         # real one does): sized for every tier at once, a node of 80 GB of HBM and 1 TB of DRAM in
         # 128 KiB blocks took 1.1 s and about 530 MB at its first sampled lookup (a review's script).
         rows = 1 << max(10, min(MINI_ROWS_LOG2, math.ceil(math.log2(self._capacity_blocks * 2 + 1024))))
-        self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows) for name in CANDIDATES]
+        # Rows reserved for what a miniature holds (four times its blocks of the sizing layout), not one
+        # per KiB of its tiers: past a 2 TiB pool that was the real table's 2^28 rows, each (rowspace.py).
+        reserve = max(rows, 1 << (4 * self._capacity_blocks).bit_length())
+        self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows, reserve)
+                       for name in CANDIDATES]
         log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
                  self.sample, self._capacity_blocks, layout.name)
 

@@ -73,12 +73,12 @@ class BlockManager(Reads):
                  admission: AdmissionSettings | None = None,
                  arenas: dict[Tier, Arena] | None = None, backend: TransferBackend | None = None,
                  clock: Callable[[], float] = time.monotonic, table_capacity: int = 1024,
-                 prefetch_window: int = 0, first_gen: int = 1):
+                 prefetch_window: int = 0, first_gen: int = 1, table_reserve: int | None = None):
         if Tier.HBM not in {s.tier for s in specs}:
             raise ArenaError("the HBM tier (or its host-memory stand-in) is required")
         self.specs = {s.tier: s for s in specs if s.capacity_bytes > 0}
         allocators = {t: SlotAllocator(s.capacity_bytes, s.page_bytes, s.alignment) for t, s in self.specs.items()}
-        self.table = BlockTable(allocators, clock=clock, capacity=table_capacity, first_gen=first_gen)
+        self.table = BlockTable(allocators, clock=clock, capacity=table_capacity, first_gen=first_gen, reserve=table_reserve)
         self.arenas = dict(arenas or {})
         missing = [t.label for t in self.specs if self.arenas and t not in self.arenas]
         if missing:

@@ -339,3 +339,24 @@ def test_run_time_weights_reach_the_heat_miniature():
     mgr.lookup(list(range(1, 40)), lid)
     duel.run()
     assert duel._minis[0].manager.policy.weights["frequency"] == 1.0
+
+
+def test_miniatures_reserve_rows_for_what_they_hold_not_for_their_tiers():
+    """The real table reserves a row per KiB of its tiers, up to 2**28 (rowspace.py); a miniature
+    holds an eighth of the real tiers' blocks and reserves rows for that: past a 2 TiB pool, one
+    per KiB of its own tiers was the ceiling too, and the three of them took 4x the real table's
+    address space (a review: 122 GiB of virtual size over a 5.2 TiB pool)."""
+    GiB = 1 << 30
+    specs = [TierSpec(Tier.HBM, 80 * GiB, 2 << 20, 256), TierSpec(Tier.DRAM, 1024 * GiB, 2 << 20, 4096),
+             TierSpec(Tier.NVME, 4096 * GiB, 2 << 20, 4096)]
+    mgr = BlockManager(specs, policy="heat")
+    layout = Layout("big", num_layers=32, num_kv_heads=8, head_dim=128, dtype="fp16", tokens_per_block=16)
+    lid = mgr.register_layout(layout)
+    assert mgr.table.cols.reserved == 1 << 28
+    duel = Duel(mgr, 8)
+    duel._build(lid)
+    blocks = duel._capacity_blocks  # what the miniatures hold, in blocks of this layout
+    for mini in duel._minis:
+        reserved = mini.manager.table.cols.reserved
+        assert blocks <= reserved <= 8 * blocks < 1 << 22, (reserved, blocks)
+    mgr.close()

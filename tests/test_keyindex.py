@@ -58,6 +58,52 @@ def test_growth_places_a_run_that_wraps_past_the_last_slot():
     assert (index.lookup(np.array(crowded[::3], dtype=np.uint64)) == EMPTY).all()
 
 
+class _Stretches(KeyIndex):
+    GROW_CHUNK = 3  # the doubling takes the old slots a few at a time: many stretches, cut at runs
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 3)), max_size=300))
+def test_doubling_by_stretches_matches_a_dict(ops):
+    """Keys crowd the first and the last home slots (the runs that wrap round the end, and the first
+    empty slot after them, which the doubling starts from) and a few others; removals between the
+    doublings leave holes. Every key stays found, every absent one absent."""
+    from dflash2.keys import FIB
+
+    inverse = pow(FIB, -1, 1 << 64)
+    index, ref = _Stretches(4), {}
+    for i, (insert, j, where) in enumerate(ops):
+        product = [j, (1 << 64) - 1 - j, (1 << 63) + j, (j + 1) << 58][where]  # home: first, last, middle, spread
+        key = product * inverse % (1 << 64) or 1
+        if insert and key not in ref:
+            index.insert(key, i)
+            ref[key] = i
+        elif not insert and key in ref:
+            index.remove(key)
+            del ref[key]
+    probe = np.array(sorted(ref) + [7, 9], dtype=np.uint64)
+    assert index.lookup(probe).tolist() == [ref.get(int(k), -1) for k in probe]
+    assert len(index) == len(ref) == int((index._rows != EMPTY).sum())
+
+
+def test_doubling_places_the_run_at_slot_zero_before_the_rest():
+    """Keys whose homes are slot 0 fill the first slots, before the first empty one where the
+    doubling's order starts: they are placed first (at their homes), not after the last stretch's
+    entries (past empty slots, where no lookup would reach them). With no run wrapping round the
+    end to push them past the last slot, nothing else would put them right."""
+    from dflash2.keys import FIB
+
+    inverse = pow(FIB, -1, 1 << 64)
+    at_zero = [j * inverse % (1 << 64) for j in range(1, 7)]  # products below 2**58: home 0 at any size
+    middle = [((1 << 63) + j) * inverse % (1 << 64) for j in range(40)]  # home: the middle slot
+    index, ref = _Stretches(4), {}
+    for i, k in enumerate(at_zero + middle):
+        index.insert(k, i)
+        ref[k] = i
+        assert index.lookup(np.array(list(ref), dtype=np.uint64)).tolist() == list(ref.values())
+    assert len(index._keys) >= 128 and index._rows[:6].tolist() == list(range(6))
+
+
 def test_consecutive_keys_spread_over_the_table():
     """Keys that are not hashes (a trace's block ids, counters) must not pile into one probe run:
     a lookup of an absent key and every removal walk the run they land in."""

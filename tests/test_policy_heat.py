@@ -185,6 +185,25 @@ def test_a_sketch_grows_keeping_every_estimate():
         sk.grow(3 << 13)
 
 
+def test_a_sketch_whose_reservation_is_refused_takes_only_the_counters_it_uses(monkeypatch, caplog):
+    """Where the system refuses the mapping, the sketch takes plain memory for its width in use (not
+    for its largest width: 64 MiB committed where a mapping was just refused), says so, and still
+    widens keeping every estimate (a copy each time)."""
+    import dflash2.policy.admission as A
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(A, "reserve", refuse)
+    sk = FrequencySketch(width=1 << 10, max_width=1 << 16)
+    assert "refused a reservation of 262144 counters" in caplog.text and sk.mapped_bytes == 0
+    assert sk._cells_buf.nbytes == sk.depth << 10
+    keys = np.arange(1, 2000, dtype=np.uint64)
+    sk.add(keys)
+    before = sk.estimate(keys)
+    sk.grow(1 << 12)
+    assert sk._cells_buf.nbytes == sk.depth << 12 and sk.estimate(keys).tolist() == before.tolist()
+
+
 def test_the_sketch_widens_with_the_table_so_new_keys_read_as_new():
     """At its first width (2**18) a table of half a million rows had 56% of never-seen keys read as
     seen before (class 1, the split's returning list: SPLIT_BONUS above their chain's first-timer

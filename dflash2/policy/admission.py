@@ -39,18 +39,18 @@ class FrequencySketch:
         self._sample_factor = sample_factor
         self._seeds = _SEEDS[:depth, None].copy()
         # The counters, row after row (a table of width w is the first depth * w cells).
-        self._cells_buf = self._buffer(depth * max(width, max_width or width))
+        self._cells_buf = self._buffer(depth * max(width, max_width or width), depth * width)
         self._use(width)
         self.additions = 0
 
     @staticmethod
-    def _buffer(cells: int) -> np.ndarray:
+    def _buffer(cells: int, need: int) -> np.ndarray:
         try:
             return reserve(np.uint8, cells)
         except OSError as exc:  # (strict overcommit, an address-space limit)
             log.warning("frequency sketch: the system refused a reservation of %d counters (%s); taking "
-                        "plain memory, copied at each widening", cells, exc)
-            return np.zeros(cells, dtype=np.uint8)
+                        "plain memory for the %d in use, copied at each widening", cells, exc, need)
+            return np.zeros(need, dtype=np.uint8)
 
     @property
     def mapped_bytes(self) -> int:
@@ -115,7 +115,7 @@ class FrequencySketch:
         if width & (width - 1) or width <= self.width:
             raise ValueError(f"a sketch grows to a larger power of two than {self.width}, not {width}")
         if self.depth * width > len(self._cells_buf):
-            buf = self._buffer(self.depth * width)
+            buf = self._buffer(self.depth * width, self.depth * width)
             buf[: self.table.size] = self._cells_buf[: self.table.size]
             self._cells_buf = buf
         while self.width < width:

@@ -20,6 +20,8 @@ EMPTY = -1
 
 
 class KeyIndex:
+    GROW_CHUNK = 1 << 18  # old slots placed a stretch at a time when the table doubles (`_grow`)
+
     def __init__(self, capacity: int = 1024):
         size = 1 << max(4, (2 * capacity - 1).bit_length())
         self._keys = np.zeros(size, dtype=np.uint64)
@@ -165,25 +167,60 @@ class KeyIndex:
         """Twice the slots, every entry placed again (the count stands). Entries are placed in the
         order of their new homes, each in the first slot past both its home and the entry before
         it (a running maximum): then every slot between an entry's home and its own is taken, as
-        linear probing needs. In slot order the homes are already nearly sorted (an entry lies in
-        its home's run, and the top bits of a hash keep their order as the table doubles), so the
-        stable sort is about one pass. Placing them by rounds of probes (`_bulk_insert`) cost
-        0.50 s at two million keys on the 2-core VM, a stall of the daemon's loop."""
-        live = np.flatnonzero(self._rows != EMPTY)
-        keys, rows = self._keys[live], self._rows[live]
-        size = 2 * len(self._keys)
-        homes = fib_slots(keys, size.bit_length() - 1)
+        linear probing needs. The old table gives that order a stretch at a time: the entries of
+        different probe runs are in order of their homes (a run starts at the home of its first
+        entry, and the top bits of a hash keep their order as the table doubles), so only a run's
+        own entries need sorting, and the old slots are taken GROW_CHUNK at a time, cut at empty
+        slots, in a stable sort each. Placing them by rounds of probes (`_bulk_insert`) cost 0.50 s
+        at two million keys on the 2-core VM, a stall of the daemon's loop, and one sort of them all
+        0.42 s, most of it faulting in the memory of its temporaries.
+
+        The order starts at the first empty slot (a run that wraps round the end ends before it).
+        The entries in the slots before it whose homes lie before it too come first of all; the
+        others there close the wrapping run, with the last stretch. Entries placed past the new
+        last slot wrap round to the first ones (`_bulk_insert`, after the rest)."""
+        old_keys, old_rows = self._keys, self._rows
+        old_size, size = len(old_keys), 2 * len(old_keys)
+        bits = size.bit_length() - 1
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._rows = np.full(size, EMPTY, dtype=np.int32)
+        first_empty = 0  # (a load of at most one half leaves one; runs are short: a Python step a slot)
+        while old_rows[first_empty] != EMPTY:
+            first_empty += 1
+        head = np.arange(first_empty)  # occupied: the end of a run that wraps, or one that starts at 0
+        low = (fib_slots(old_keys[head], bits) >> 1) < first_empty  # (old home: one bit fewer)
+        spill: list[tuple[np.ndarray, np.ndarray]] = []
+        free = self._place(old_keys[head[low]], old_rows[head[low]], 0, bits, spill)
+        lo = first_empty
+        while lo < old_size:
+            hi = min(lo + self.GROW_CHUNK, old_size)
+            while hi < old_size and old_rows[hi] != EMPTY:  # a run is not cut
+                hi += 1
+            slots = lo + np.flatnonzero(old_rows[lo:hi] != EMPTY)
+            if hi == old_size:
+                slots = np.concatenate([slots, head[~low]])
+            free = self._place(old_keys[slots], old_rows[slots], free, bits, spill)
+            lo = hi
+        for keys, rows in spill:
+            self._bulk_insert(keys, rows)
+
+    def _place(self, keys: np.ndarray, rows: np.ndarray, free: int, bits: int, spill: list) -> int:
+        """`_grow`'s step: entries whose homes are all at least those placed so far, each in the
+        first slot past its home and the one before (none below `free`). Returns the next `free`;
+        entries past the last slot are added to `spill`."""
+        if not len(keys):
+            return free
+        homes = fib_slots(keys, bits)
         order = np.argsort(homes, kind="stable")
         keys, rows, homes = keys[order], rows[order], homes[order]
         rank = np.arange(len(homes))
-        at = np.maximum.accumulate(homes - rank) + rank if len(homes) else homes
-        self._keys = np.zeros(size, dtype=np.uint64)
-        self._rows = np.full(size, EMPTY, dtype=np.int32)
-        fits = at < size
-        self._keys[at[fits]] = keys[fits]
-        self._rows[at[fits]] = rows[fits]
-        if not fits.all():  # the last run goes past the last slot: the rest wraps round to the first
-            self._bulk_insert(keys[~fits], rows[~fits])
+        at = np.maximum(np.maximum.accumulate(homes - rank), free) + rank
+        fits = int(np.searchsorted(at, len(self._keys)))  # (`at` rises)
+        self._keys[at[:fits]] = keys[:fits]
+        self._rows[at[:fits]] = rows[:fits]
+        if fits < len(at):
+            spill.append((keys[fits:], rows[fits:]))
+        return int(at[-1]) + 1
 
     def _bulk_insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Vectorised insertion of distinct keys, none indexed, into a table with room: each round

@@ -72,10 +72,13 @@ class ClientRefs:
 
 class BlockTable(Publishing, Releasing, LostBlocks, Departures):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
-                 capacity: int = 1024, first_gen: int = 1):
+                 capacity: int = 1024, first_gen: int = 1, reserve: int | None = None):
         self.allocators = allocators
         self.clock = clock
-        self.cols = Columns(capacity, first_gen, reserve_rows((a.arena_bytes for a in allocators.values()), capacity))
+        # `reserve`: rows reserved up front (rowspace.py); by default one per KiB of the arenas.
+        if reserve is None:
+            reserve = reserve_rows((a.arena_bytes for a in allocators.values()), capacity)
+        self.cols = Columns(capacity, first_gen, max(capacity, reserve))
         self.keys = KeyIndex(capacity)
         self.layouts: list[Layout] = []
         self._layout_ids: dict[Layout, int] = {}  # each registered layout's id (its place in `layouts`)
