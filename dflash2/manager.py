@@ -441,3 +441,4 @@ class BlockManager(Reads):
         arena = self.arenas.get(tier)
         if isinstance(arena, StorageArena):
             arena.forget(offsets.tolist())
+            self.mover.quarantine.freed(tier, offsets)  # (those whose read failed: set aside)

@@ -136,6 +136,8 @@ class Mover:
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
+                # Their slots are not to be trusted either: set aside as they are freed (quarantine.py).
+                self.quarantine.suspect(move.src, self.table.cols.offset[failed], self.table.block_bytes(failed))
             # None: one of its direction was logged in the last minute; counted in the next.
             more = self._failure_log.due((move.src, move.dst), blocks=len(failed))
             if more is not None and move.src == Tier.NVME:

@@ -1,4 +1,5 @@
-"""Storage slots whose writes fail with an I/O error: set aside until a re-test finds them sound.
+"""Storage slots whose writes fail with an I/O error, or whose reads fail: set aside until a re-test
+finds them sound.
 
 A bad region of the disk under NVMe (EIO at some offsets only) fails every write into it. Its slots
 went back to the free pool after each failed batch, and the next batch took them again: NVMe backed
@@ -8,6 +9,9 @@ failed on their own (`StorageArena.write_blocks`, `CopyJob.unwritable`); the mov
 once their batch is complete, and they leave the allocator's free pool for good
 (`SlotAllocator.quarantine`: they come out of the tier's capacity, not into its used bytes). The
 slots of a batch that failed as a whole (a full disk: ENOSPC) are not to blame and are used again.
+A slot whose read failed (EIO, or bytes that failed their checksum: its block is dropped) is set
+aside too, once its block is freed (`suspect`, `freed`): a sector that reads back wrong would lose
+the next block written there as well.
 
 A failure that a slot set aside explains says nothing of the disk as a whole: it starts no back-off
 (backoff.py), and the next batch goes elsewhere at once (a bad region is crossed in a few batches,
@@ -87,15 +91,40 @@ class Quarantine:
         self._run: dict[Tier, _Run] = {}
         self._said_failing: set[Tier] = set()
         self._said = RepeatLimit("batches")  # the warning, once a minute per tier
+        # Per tier, slots whose read failed, still holding their (lost) blocks: offset -> block bytes.
+        # Each is set aside when it is freed (`suspect`, `freed`).
+        self._suspects: dict[Tier, dict[int, int]] = {}
 
     def failing(self, tier: Tier) -> bool:
         """Whether more than FAILING_FRACTION of the tier is set aside: its disk is taken to be failing."""
         alloc = self.table.allocators[tier]
         return alloc.quarantined_bytes > self.FAILING_FRACTION * alloc.arena_bytes
 
-    def set_aside(self, tier: Tier, offsets: np.ndarray, block_bytes: np.ndarray) -> bool:
+    def suspect(self, tier: Tier, offsets: np.ndarray, block_bytes: np.ndarray) -> None:
+        """Slots of `tier` whose read failed (an I/O error, or bytes that failed their checksum): their
+        blocks are dropped, and each slot is set aside once it is freed (`freed`), until a re-test
+        writes and reads it back. Before, it went back to the free pool, and the next block written
+        there was lost in turn when read: a sector that reads back wrong does so again."""
+        held = self._suspects.setdefault(tier, {})
+        for offset, size in zip(np.asarray(offsets).tolist(), np.asarray(block_bytes).tolist()):
+            held[int(offset)] = int(size)
+
+    def freed(self, tier: Tier, offsets: np.ndarray) -> None:
+        """Slots of `tier` just freed (the table's `on_slots_freed`): the suspected ones are set aside."""
+        held = self._suspects.get(tier)
+        if not held:
+            return
+        bad = [o for o in np.asarray(offsets).tolist() if o in held]
+        if bad:
+            sizes = [held.pop(o) for o in bad]
+            self.set_aside(tier, np.array(bad, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                           failed="reads failed (an I/O error, or bytes that failed their checksum)")
+
+    def set_aside(self, tier: Tier, offsets: np.ndarray, block_bytes: np.ndarray,
+                  failed: str = "writes failed with an I/O error") -> bool:
         """Take these free slots of `tier` (the destination slots of blocks of `block_bytes` whose
-        write failed by itself, freed as their move failed) out of use for good, and say so.
+        write failed by itself, freed as their move failed; or `suspect` slots, freed) out of use
+        until a re-test finds them sound, and say so (`failed`: what failed there).
         Whether the slots alone are to blame: False once the tier's disk is taken to be failing
         (`failing`, before these), and then the failures count as the disk's (back-offs)."""
         offsets = np.asarray(offsets, dtype=np.int64)
@@ -110,14 +139,14 @@ class Quarantine:
         share = alloc.quarantined_bytes / alloc.arena_bytes
         more = self._said.due(tier, blocks=len(offsets))
         if more is not None:
-            log.warning("%d %s slots (%d bytes, the first at offset %d) failed their writes with an I/O error: set "
-                        "aside, not used again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
-                        len(offsets), tier.label, taken, int(offsets[0]), alloc.quarantined_bytes, 100 * share,
+            log.warning("%d %s slots (%d bytes, the first at offset %d) whose %s: set aside, not used "
+                        "again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
+                        len(offsets), tier.label, taken, int(offsets[0]), failed, alloc.quarantined_bytes, 100 * share,
                         tier.label, more)
         self.slots += len(offsets)
         if self.failing(tier) and tier not in self._said_failing:
             self._said_failing.add(tier)
-            log.error("%.1f%% of %s is set aside after writes failed with I/O errors (more than %g%%): the disk "
+            log.error("%.1f%% of %s is set aside after its writes or reads failed (more than %g%%): the disk "
                       "under it (memory.nvme_path) is failing; replace it. Its writes that fail from now on "
                       "make it back off as a full disk does", 100 * share, tier.label, 100 * self.FAILING_FRACTION)
         return slots_to_blame

@@ -322,9 +322,108 @@ def test_a_lost_block_its_reader_holds_is_read_once_and_counted_once(heat_mgr, m
         return start(batch)
     monkeypatch.setattr(m.backend, "start", counted)
     m.add_ref(a, vids[:1])
+    offset = m.place(int(vids[0])).offset
+    alloc = m.table.allocators[Tier.NVME]
     with pytest.raises(UnknownBlock):
         m.acquire(a, vids[:1])
     assert m.stats()["placement"]["lost"] == 1
     assert batches == [(Tier.NVME, 1)], batches
+    assert alloc.quarantined_bytes == 0, "the slot still holds the block its reader keeps"
     m.free(a, vids[:1])
+    assert alloc.quarantined_offsets().tolist() == [offset], "set aside as its last reference went"
     m.check_invariants()
+
+
+def test_a_slot_whose_read_failed_is_set_aside_until_a_re_test_reads_it_back(mgr, monkeypatch, caplog):
+    """A sector that reads back wrong (EIO) lost its block, and its slot went back to the free pool:
+    the next block written there was lost in turn when read. Now the slot is set aside when its block
+    is dropped (said in the log), no block is written there while it is, and the re-test, which writes
+    a pattern and reads it back, keeps it aside while the sector fails and gives it back once it reads."""
+    import time
+
+    keys = list(range(1, 7))
+    a, lid, vids = chain_on_nvme(mgr, keys)
+    place = mgr.place(int(vids[3]))
+    bad_offset, inode = place.offset, os.fstat(mgr.arenas[Tier.NVME]._fd).st_ino
+    bad = (HEADER_BYTES + bad_offset, HEADER_BYTES + bad_offset + place.nbytes)
+    real = os.preadv
+
+    def preadv(f, bufs, offset):  # (any descriptor of the file: the re-test reads through its own)
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if offset < bad[1] and offset + n > bad[0] and os.fstat(f).st_ino == inode:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(f, bufs, offset)
+    monkeypatch.setattr(os, "preadv", preadv)  # (the sector stays bad: reads of that extent fail)
+    alloc = mgr.table.allocators[Tier.NVME]
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        with pytest.raises(UnknownBlock, match=f"block {int(vids[3]):#x} failed"):
+            mgr.acquire(a, vids)
+    assert alloc.quarantined_offsets().tolist() == [bad_offset]
+    assert any("whose reads failed" in r.getMessage() for r in caplog.records), caplog.text
+    mgr.check_invariants()
+    more = publish(mgr, a, lid, list(range(100, 140)), chained=False)  # 40 more blocks down to NVMe
+    to_nvme(mgr, more)
+    assert bad_offset not in [mgr.place(int(v)).offset for v in more]
+    assert_intact(mgr, more, list(range(100, 140)))
+
+    now = [1000.0]
+    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
+    q = mgr.mover.quarantine
+
+    def step() -> None:  # a background step, then the one that takes its re-test's verdict
+        mgr.tick()
+        deadline = time.monotonic() + 30
+        while q.retests_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mgr.tick()
+    mgr.tick()  # the re-test's clock starts when the slot is first seen set aside
+    now[0] += q.RETEST_FIRST_S + 1
+    step()
+    assert alloc.quarantined_offsets().tolist() == [bad_offset], "still unreadable: kept aside"
+    monkeypatch.undo()  # the sector reads again
+    monkeypatch.setattr(mgr.placement, "monotonic", lambda: now[0])
+    now[0] += q.RETEST_EVERY_S + 1
+    step()
+    assert alloc.quarantined_bytes == 0 and q.given_back == 1
+    mgr.check_invariants()
+
+
+def test_a_disk_that_reads_nothing_is_set_aside_whole_and_the_tiers_above_go_on(mgr, monkeypatch, caplog):
+    """Every read from NVMe fails (a dead disk that still takes writes): each block read loses its
+    slot to the set-aside, until the whole tier is set aside (said as an error past 5%); the
+    tiers above go on serving, their room made by dropping what NVMe can no longer take."""
+    inode = os.fstat(mgr.arenas[Tier.NVME]._fd).st_ino
+    real = os.preadv
+
+    def preadv(f, bufs, offset):
+        if os.fstat(f).st_ino == inode:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(f, bufs, offset)
+    monkeypatch.setattr(os, "preadv", preadv)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    alloc = mgr.table.allocators[Tier.NVME]
+    key = 1
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        for _ in range(12):  # 12 rounds of 16 blocks through NVMe (128 slots): each read back fails
+            vids = publish(mgr, a, lid, list(range(key, key + 16)), chained=False)
+            rows = mgr.table.rows(vids)
+            mgr.mover.move(rows, Tier.DRAM)
+            moved = mgr.mover.move(rows, Tier.NVME)
+            on_nvme = vids[moved]
+            if len(on_nvme):
+                with pytest.raises(UnknownBlock):
+                    mgr.acquire(a, on_nvme)
+            mgr.check_invariants()
+            key += 16
+    assert alloc.quarantined_bytes == alloc.arena_bytes, "every slot was read and failed"
+    assert "the disk under it (memory.nvme_path) is failing" in caplog.text
+    stats = mgr.stats()["tiers"]["nvme"]
+    assert stats["capacity_bytes"] == 0 and stats["blocks"] == 0, stats
+    for _ in range(8):  # HBM and DRAM (64 blocks each) go on taking blocks: their room is made
+        vids = publish(mgr, a, lid, list(range(key, key + 32)), chained=False)
+        assert len(vids) == 32
+        mgr.tick()
+        mgr.check_invariants()
+        key += 32
+    assert [p.vid for p in mgr.lookup([key - 1], lid)] == [int(vids[-1])]
