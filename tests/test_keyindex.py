@@ -5,19 +5,23 @@ from hypothesis import given, settings, strategies as st
 from dflash2.table.keyindex import EMPTY, KeyIndex
 
 
+def _apply(index: KeyIndex, ref: dict, insert: bool, key: int, row: int) -> None:
+    """Insert key -> row (when absent) or remove the key (when present), in the index and in a dict."""
+    if insert and key not in ref:
+        index.insert(key, row)
+        ref[key] = row
+    elif not insert and key in ref:
+        index.remove(key)
+        del ref[key]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 64)), max_size=300))
 def test_matches_a_dict(ops):
     """Keys crowd a few home slots (small range) so probing and backward-shift deletion are exercised."""
     ki, ref = KeyIndex(4), {}
     for i, (insert, k) in enumerate(ops):
-        key = k << 40 | 1 if k % 2 else k
-        if insert and key not in ref:
-            ki.insert(key, i)
-            ref[key] = i
-        elif not insert and key in ref:
-            ki.remove(key)
-            del ref[key]
+        _apply(ki, ref, insert, k << 40 | 1 if k % 2 else k, i)
         assert len(ki) == len(ref)
     for key, row in ref.items():
         assert ki.get(key) == row
@@ -74,13 +78,7 @@ def test_doubling_by_stretches_matches_a_dict(ops):
     index, ref = _Stretches(4), {}
     for i, (insert, j, where) in enumerate(ops):
         product = [j, (1 << 64) - 1 - j, (1 << 63) + j, (j + 1) << 58][where]  # home: first, last, middle, spread
-        key = product * inverse % (1 << 64) or 1
-        if insert and key not in ref:
-            index.insert(key, i)
-            ref[key] = i
-        elif not insert and key in ref:
-            index.remove(key)
-            del ref[key]
+        _apply(index, ref, insert, product * inverse % (1 << 64) or 1, i)
     probe = np.array(sorted(ref) + [7, 9], dtype=np.uint64)
     assert index.lookup(probe).tolist() == [ref.get(int(k), -1) for k in probe]
     assert len(index) == len(ref) == int((index._rows != EMPTY).sum())
