@@ -226,7 +226,7 @@ class Quarantine:
         that failed again (`failed`, those of its last re-test, is kept for the callers)."""
         run = self._run.pop(tier)
         alloc = self.table.allocators[tier]
-        log.info("re-test of %d %s slots set aside after I/O errors%s: %d wrote and read back their pattern and are "
+        log.info("re-test of %d %s slots set aside after failed writes or reads%s: %d wrote and read back their pattern and are "
                  "given back (%d bytes); %d failed again and stay set aside; %d bytes (%.2f%% of %s) set aside now",
                  run.tested, tier.label, "" if run.rounds == 1 else f", in {run.rounds} rounds", run.passed,
                  run.given_bytes, run.tested - run.passed,

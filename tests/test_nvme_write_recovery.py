@@ -453,7 +453,7 @@ def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fail
     assert alloc.quarantined_offsets().tolist() == [order[3]], \
         "the first round passed whole, the second met the bad slot but gave one back: the third followed (soak12)"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
-    assert len(said) == 1 and "re-test of 6 nvme slots set aside after I/O errors, in 3 rounds: 5 wrote" in said[0] \
+    assert len(said) == 1 and "re-test of 6 nvme slots set aside after failed writes or reads, in 3 rounds: 5 wrote" in said[0] \
         and "1 failed again" in said[0], said
     bad_slots(mgr, monkeypatch, [order[3]])  # still bad: a round that gives nothing back ends the run
     now[0] += q.RETEST_FIRST_S
@@ -469,7 +469,7 @@ def test_once_a_re_test_passes_whole_the_rest_follow_a_step_apart_until_one_fail
         settle_re_tests(mgr, q)
     assert alloc.quarantined_bytes == 0 and q.given_back == 6
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-test")]
-    assert len(said) == 1 and "re-test of 1 nvme slots set aside after I/O errors: 1 wrote" in said[0] \
+    assert len(said) == 1 and "re-test of 1 nvme slots set aside after failed writes or reads: 1 wrote" in said[0] \
         and "0 failed again" in said[0] and "0 bytes (0.00% of nvme) set aside now" in said[0], said
     mgr.check_invariants()
     assert mgr.mover.move(np.flatnonzero((mgr.table.cols.tier == int(Tier.DRAM)) & (mgr.table.cols.state != 0)),
