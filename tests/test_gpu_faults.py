@@ -389,3 +389,45 @@ def test_a_copy_kernel_launch_the_driver_refuses_is_an_arena_error():
         kernel.launch(stream, src.data.ptr, dst.data.ptr, np.array([0]), np.array([0]), np.array([4096]))
         stream.synchronize()
         assert (dst == src).all()
+
+
+def test_a_staged_chunk_that_fails_fails_itself_and_those_after_not_the_chunks_done(cuda_config, caplog):
+    """A move through the staging buffer goes a bufferful at a time; one chunk that raised failed the
+    whole batch: the blocks of the chunks before it, written or read and copied already, were
+    dropped as misses (and, read from NVMe, their slots set aside as unreadable). Now only the failed
+    chunk and those after it fail; the log says how many were done."""
+    import logging
+    from dflash2.tiers import Tier
+    from dflash2.transfer.base import CopyBatch
+    mgr = gpu_manager(cuda_config(staging_buffer_size_mb=1))  # 16 blocks of 64 KiB a chunk
+    try:
+        batch = _hbm_to_nvme_batch(mgr, 64)
+        nvme = mgr.backend.arenas[Tier.NVME]
+        real_write, real_read, calls = nvme.write_blocks, nvme.read_blocks, []
+
+        def write(*args, **kwargs):
+            calls.append("w")
+            if len(calls) == 3:
+                raise OSError(5, "Input/output error (injected, a whole chunk)")
+            return real_write(*args, **kwargs)
+        nvme.write_blocks = write
+        with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
+            ok = mgr.backend.start(batch).wait()
+        assert ok[:32].all() and not ok[32:].any(), ok
+        assert "after its first 32 were done, for the 32 others" in caplog.text
+        nvme.write_blocks = real_write
+        assert mgr.backend.start(batch).wait().all()  # every block on NVMe now
+        back = CopyBatch(Tier.NVME, Tier.HBM, batch.dst_offsets.copy(), batch.src_offsets.copy(), batch.nbytes.copy())
+        calls.clear()
+
+        def read(*args, **kwargs):
+            calls.append("r")
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error (injected, a whole chunk)")
+            return real_read(*args, **kwargs)
+        nvme.read_blocks = read
+        ok = mgr.backend.start(back).wait()
+        assert ok[:16].all() and not ok[16:].any(), ok
+        assert mgr.backend.fatal is None
+    finally:
+        mgr.close()

@@ -245,15 +245,20 @@ class CudaTransferBackend(TransferBackend):
 
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:
+        settled = 0  # blocks of the batch whose chunks ended (each chunk's copies waited for)
         try:
             with self._staging_lock:
                 started = time.perf_counter()  # once the staging buffer is this batch's alone
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
                     job._ok[part] = self._staged_chunk(job, part)
+                    settled += len(part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:
-            self._staged_failures.failed(job.batch, e)  # a full disk fails every retry: not a traceback each
-            job._ok[:] = False
+            # The chunks that ended before keep their verdicts (their blocks were written, or read,
+            # checked and copied; `_ok` starts False): the failed chunk and those after it fail.
+            # Before, the whole batch did: a read's blocks that had arrived were dropped as misses,
+            # and their NVMe slots set aside as if unreadable (quarantine.py).
+            self._staged_failures.failed(job.batch, e, settled=settled)  # a full disk fails every retry: not a traceback each
             self.check_gpu(e)
         finally:
             job._done.set()

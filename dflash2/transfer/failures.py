@@ -55,9 +55,10 @@ class FailureLog:
         self._what = what  # names the copy in the message: "host copy", "staged move"
         self._limit = RepeatLimit("failures")
 
-    def failed(self, batch: CopyBatch, error: BaseException) -> None:
+    def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0) -> None:
         """Log `batch`'s failure unless one of its kind was logged in the last REPEAT_LOG_S. Called
-        from the `except` block that caught `error` (log.exception keeps its traceback)."""
+        from the `except` block that caught `error` (log.exception keeps its traceback). `settled`:
+        blocks of the batch that had moved before it failed (a staged move's earlier chunks)."""
         cause = error.__cause__ if error.__cause__ is not None else error
         more = self._limit.due((batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None)))
         if more is None:
@@ -66,5 +67,6 @@ class FailureLog:
         # its stored bytes are not to be trusted; any other copy leaves its blocks where they were.
         then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
                 else "its blocks stay where they were")
-        self._log.exception("%s of %d blocks (%d bytes) %s → %s failed as a whole; %s%s", self._what, len(batch),
-                            batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, then, more)
+        how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
+        self._log.exception("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s", self._what, len(batch),
+                            batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
