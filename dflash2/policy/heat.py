@@ -165,7 +165,7 @@ class HeatPolicy(Policy):
         # Each HBM returning row's list in HBM's split of the returning blocks (0: referenced 2-3
         # times, 1: more often; -1: not counted: a first-timer, below HBM, no key, or gone).
         self._code2 = np.zeros(0, dtype=np.int8)
-        self._rows: RowArrays | None = None  # the memory of the seven above, from the first table seen
+        self._rows: RowArrays | None = None  # the memory of the seven above and of the scratch (SCRATCH)
         self.split: AdaptiveSplit | None = None  # made when the table's size is first seen
         self.inner: AdaptiveSplit | None = None
         self.gate: AdmissionGate | None = None  # whether admission's refusals pay (made with the split)
