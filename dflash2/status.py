@@ -70,6 +70,10 @@ def render(st: dict) -> str:
         cap, used = t.get("capacity_bytes", 0), t.get("used_bytes", 0)
         rows.append((name, _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-", str(t.get("blocks", 0))))
     lines += _table(rows)
+    aside = {name: t["quarantined_bytes"] for name, t in st.get("tiers", {}).items() if t.get("quarantined_bytes")}
+    if aside:  # out of the capacity above: slots whose writes or whose blocks' reads failed
+        lines.append("slots set aside after failed writes or reads (re-tested, given back once sound): "
+                     + ", ".join(f"{name} {_size(n)}" for name, n in aside.items()))
     ratio = st.get("hbm_hit_ratio")
     reads = ", ".join(f"{k} {v}" for k, v in st.get("reads", {}).items()) or "none"
     lines += ["", f"hbm hit ratio: {'-' if ratio is None else f'{100 * ratio:.1f}%'} (block reads: {reads}); "

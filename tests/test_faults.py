@@ -360,6 +360,9 @@ def test_a_slot_whose_read_failed_is_set_aside_until_a_re_test_reads_it_back(mgr
             mgr.acquire(a, vids)
     assert alloc.quarantined_offsets().tolist() == [bad_offset]
     assert any("whose reads failed" in r.getMessage() for r in caplog.records), caplog.text
+    from dflash2.status import render
+    view = render({"tiers": mgr.stats()["tiers"]})
+    assert "slots set aside after failed writes or reads (re-tested, given back once sound): nvme 16.0 KiB" in view
     mgr.check_invariants()
     more = publish(mgr, a, lid, list(range(100, 140)), chained=False)  # 40 more blocks down to NVMe
     to_nvme(mgr, more)
@@ -385,6 +388,7 @@ def test_a_slot_whose_read_failed_is_set_aside_until_a_re_test_reads_it_back(mgr
     now[0] += q.RETEST_EVERY_S + 1
     step()
     assert alloc.quarantined_bytes == 0 and q.given_back == 1
+    assert "slots set aside" not in render({"tiers": mgr.stats()["tiers"]})
     mgr.check_invariants()
 
 
