@@ -143,7 +143,11 @@ def test_table_counts_what_a_policy_takes_when_it_is_made(capsys):
     figures = {}
     for policy in ("heat", "lru"):
         assert cli.main(["bench", "table", "--blocks", "2000", "--policy", policy, "--repeat", "1", "--json"]) == 0
-        figures[policy] = json.loads(capsys.readouterr().out.splitlines()[-1])["policy_fixed_bytes"]
+        out = json.loads(capsys.readouterr().out.splitlines()[-1])
+        figures[policy] = out["policy_fixed_bytes"]
+        # The calls that doubled the table (1,024 -> 2,048 rows) and its key index (2,048 -> 4,096 slots).
+        assert out["table_doubled_to"] == 2048 and out["key_index_doubled_to"] == 4096, out
+        assert out["table_doubling_ms"] > 0 and out["key_index_doubling_ms"] > 0, out
     assert figures["heat"] >= 17 << 20 and figures["lru"] < 1 << 20, figures
 
 

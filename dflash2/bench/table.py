@@ -20,7 +20,12 @@
 - rescore_ms: one full scoring pass of the policy over every block plus the choice of 1% of them as
   victims (placement's own selection), against baseline_ms: numpy argpartition of as many float32;
 - alloc_free_per_s: blocks allocated and freed again per second, in calls of `--batch` blocks, on the
-  loaded table.
+  loaded table;
+- table_doubling_ms, table_doubled_to: the manager's allocate (its policy's state included) that
+  last doubled the table while a build of its own through the manager's calls filled it, and the
+  rows the table doubled to; key_index_doubling_ms, key_index_doubled_to: the commit that last
+  doubled the key index, and its slots then (null where the build doubled neither). The daemon's
+  loop stands still for as long, once per doubling while a cache fills (rowspace.py).
 """
 
 from __future__ import annotations
@@ -95,6 +100,30 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
     return table / n, kept / n
 
 
+def _doublings(n: int, policy: str) -> dict:
+    """The calls that last doubled the table and its key index, in a build of n blocks through the
+    manager's own allocate, commit and free (the policy told of each, as in the daemon)."""
+    mgr, lid, client = _empty(n, policy)
+    out = {"table_doubling_ms": None, "table_doubled_to": None, "key_index_doubling_ms": None,
+           "key_index_doubled_to": None}
+    for start in range(0, n, CHUNK):
+        k = min(CHUNK, n - start)
+        rows, slots = mgr.table.cols.capacity, len(mgr.table.keys._keys)
+        t = time.perf_counter()
+        vids = mgr.allocate(client, lid, k)
+        took = time.perf_counter() - t
+        if mgr.table.cols.capacity != rows:
+            out["table_doubling_ms"], out["table_doubled_to"] = round(took * 1e3, 2), mgr.table.cols.capacity
+        t = time.perf_counter()
+        vids = mgr.commit(client, vids, keys=range(start + 1, start + k + 1))
+        took = time.perf_counter() - t
+        if len(mgr.table.keys._keys) != slots:
+            out["key_index_doubling_ms"], out["key_index_doubled_to"] = round(took * 1e3, 2), len(mgr.table.keys._keys)
+        mgr.free(client, vids)
+    mgr.close()
+    return out
+
+
 def _policy_fixed_bytes(policy: str) -> int:
     """Bytes the policy allocates when it is made (traced; it is dropped after)."""
     tracemalloc.start()
@@ -167,4 +196,5 @@ def _run(args) -> dict:
         "rescore_over_baseline": round(rescore / baseline, 2),
         "alloc_free_per_s": round(alloc_free),
         "alloc_batch": args.batch,
+        **_doublings(n, args.policy),
     }
