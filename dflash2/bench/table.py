@@ -108,7 +108,7 @@ def _doublings(n: int, policy: str) -> dict:
            "key_index_doubled_to": None}
     for start in range(0, n, CHUNK):
         k = min(CHUNK, n - start)
-        rows, slots = mgr.table.cols.capacity, len(mgr.table.keys._keys)
+        rows, slots = mgr.table.cols.capacity, mgr.table.keys.slots
         t = time.perf_counter()
         vids = mgr.allocate(client, lid, k)
         took = time.perf_counter() - t
@@ -117,8 +117,8 @@ def _doublings(n: int, policy: str) -> dict:
         t = time.perf_counter()
         vids = mgr.commit(client, vids, keys=range(start + 1, start + k + 1))
         took = time.perf_counter() - t
-        if len(mgr.table.keys._keys) != slots:
-            out["key_index_doubling_ms"], out["key_index_doubled_to"] = round(took * 1e3, 2), len(mgr.table.keys._keys)
+        if mgr.table.keys.slots != slots:
+            out["key_index_doubling_ms"], out["key_index_doubled_to"] = round(took * 1e3, 2), mgr.table.keys.slots
         mgr.free(client, vids)
     mgr.close()
     return out

@@ -42,6 +42,11 @@ class KeyIndex:
         return self._n
 
     @property
+    def slots(self) -> int:
+        """Slots of the table (a power of two; at least twice the keys indexed)."""
+        return len(self._keys)
+
+    @property
     def nbytes(self) -> int:
         return self._keys.nbytes + self._rows.nbytes
 
