@@ -115,10 +115,15 @@ class Quarantine:
         if not held:
             return
         bad = [o for o in np.asarray(offsets).tolist() if o in held]
-        if bad:
-            sizes = [held.pop(o) for o in bad]
+        if not bad:
+            return
+        sizes = [held.pop(o) for o in bad]
+        try:
             self.set_aside(tier, np.array(bad, dtype=np.int64), np.array(sizes, dtype=np.int64),
                            failed="reads failed (an I/O error, or bytes that failed their checksum)")
+        except ArenaError as exc:  # (runs inside a free: that call must not fail halfway for it)
+            log.error("%d %s slots whose reads failed could not be set aside (%s): they stay in use", len(bad),
+                      tier.label, exc)
 
     def set_aside(self, tier: Tier, offsets: np.ndarray, block_bytes: np.ndarray,
                   failed: str = "writes failed with an I/O error") -> bool:
