@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
+from dflash2.counts import unique
 from dflash2.drainorder import DrainCut
 from dflash2.errors import CopiesRunning
 from dflash2.forest import local_parents, reaches_marked, subtree_heights
@@ -536,9 +537,8 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
         rows = np.asarray(rows, dtype=np.int64)
         free = ((c.state[rows] == int(BlockState.RESIDENT)) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
                 & (c.key[rows] != 0))
-        mask = np.zeros(c.capacity, dtype=bool)
-        mask[rows[free]] = True
-        return self._leaving(Tier.HBM, np.flatnonzero(mask), True, None)  # evicting: every tier's children hold
+        # (ascending, each once, as `_leaving` takes them; evicting: every tier's children hold)
+        return self._leaving(Tier.HBM, unique(rows[free]), True, None)
 
     def _evict(self, rows: np.ndarray) -> bool:
         """Drop these cached blocks, in one table call: a parent among them goes with its children

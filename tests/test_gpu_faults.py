@@ -391,6 +391,18 @@ def test_a_copy_kernel_launch_the_driver_refuses_is_an_arena_error():
         assert (dst == src).all()
 
 
+def _raising_on_call(nth: int, real):
+    """`real`, but its nth call raises EIO (a whole staging chunk's I/O failing)."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            raise OSError(5, "Input/output error (injected, a whole chunk)")
+        return real(*args, **kwargs)
+    return call
+
+
 def test_a_staged_chunk_that_fails_fails_itself_and_those_after_not_the_chunks_done(cuda_config, caplog):
     """A move through the staging buffer goes a bufferful at a time; one chunk that raised failed the
     whole batch: the blocks of the chunks before it, written or read and copied already, were
@@ -403,14 +415,8 @@ def test_a_staged_chunk_that_fails_fails_itself_and_those_after_not_the_chunks_d
     try:
         batch = _hbm_to_nvme_batch(mgr, 64)
         nvme = mgr.backend.arenas[Tier.NVME]
-        real_write, real_read, calls = nvme.write_blocks, nvme.read_blocks, []
-
-        def write(*args, **kwargs):
-            calls.append("w")
-            if len(calls) == 3:
-                raise OSError(5, "Input/output error (injected, a whole chunk)")
-            return real_write(*args, **kwargs)
-        nvme.write_blocks = write
+        real_write, real_read = nvme.write_blocks, nvme.read_blocks
+        nvme.write_blocks = _raising_on_call(3, real_write)
         with caplog.at_level(logging.ERROR, logger="dflash2.transfer.cuda"):
             ok = mgr.backend.start(batch).wait()
         assert ok[:32].all() and not ok[32:].any(), ok
@@ -418,14 +424,7 @@ def test_a_staged_chunk_that_fails_fails_itself_and_those_after_not_the_chunks_d
         nvme.write_blocks = real_write
         assert mgr.backend.start(batch).wait().all()  # every block on NVMe now
         back = CopyBatch(Tier.NVME, Tier.HBM, batch.dst_offsets.copy(), batch.src_offsets.copy(), batch.nbytes.copy())
-        calls.clear()
-
-        def read(*args, **kwargs):
-            calls.append("r")
-            if len(calls) == 2:
-                raise OSError(5, "Input/output error (injected, a whole chunk)")
-            return real_read(*args, **kwargs)
-        nvme.read_blocks = read
+        nvme.read_blocks = _raising_on_call(2, real_read)
         ok = mgr.backend.start(back).wait()
         assert ok[:16].all() and not ok[16:].any(), ok
         assert mgr.backend.fatal is None

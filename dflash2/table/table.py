@@ -556,8 +556,9 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             parents = c.parent[moved]
             linked = parents != NO_ROW
             if linked.any():  # each moved child now counts in its parent's kids of dst, not of src
-                c.add_kids(src[linked], parents[linked].astype(np.int64), -1)
-                c.add_kids(np.full(int(linked.sum()), int(dst)), parents[linked].astype(np.int64), 1)
+                up = parents[linked].astype(np.int64)
+                c.add_kids(src[linked], up, -1)
+                c.add_kids(np.full(len(up), int(dst)), up, 1)
             c.tier[moved] = dst
             c.offset[moved] = dst_offsets[ok]
         self._may_move(rows)  # RESIDENT again: in dst, or where they were
