@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import os
 import threading
 import time
@@ -31,6 +30,7 @@ from dflash2.client.held import HeldPlaces
 from dflash2.client.transport import Transport, check_endpoint, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
+from dflash2.keys import key_array
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -78,40 +78,10 @@ def _vids(vids) -> bytes:
     return np.ascontiguousarray(vids, dtype=P.VIDS_DTYPE).tobytes()
 
 
-KEYS_RANGE = "content keys must be integers in [0, 2^64)"
-
-
-def _not_key(k) -> bool:
-    return isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= int(k) < 1 << 64
-
-
 def _keys(keys) -> bytes:
-    """Content keys as the wire's uint64s; ValueError for any that is not an integer in [0, 2^64).
-    Before, a float key was truncated (7.9 looked up 7) and a negative numpy key wrapped around
-    (-5 became 2^64 - 5), silently; a Python int out of range raised numpy's OverflowError."""
-    if isinstance(keys, (list, tuple)) and all(type(k) is int for k in keys):
-        # Python ints (chain_keys' keys, half of them past 2^63): in one numpy conversion, which
-        # refuses a negative one or one past 2^64. (As a float array, which numpy makes of them,
-        # each went through the object path: 3.5 times the cost of a 1024-key lookup.)
-        try:
-            return np.array(keys, dtype=P.KEYS_DTYPE).tobytes()
-        except OverflowError:
-            raise ValueError(f"{KEYS_RANGE}, got {next(k for k in keys if _not_key(k))!r}") from None
-    arr = np.asarray(keys)
-    if arr.dtype.kind == "f" and not isinstance(keys, np.ndarray):
-        arr = np.array(list(keys), dtype=object)  # (Python ints past 2^63 beside numpy ones come as floats)
-    if not arr.size:
-        return b""
-    if arr.dtype.kind == "O":
-        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), None)
-        arr = arr if bad is not None else np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
-    elif arr.dtype.kind not in "iu":
-        bad = arr.ravel()[0]
-    else:
-        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else None
-    if bad is not None:
-        raise ValueError(f"{KEYS_RANGE}, got {bad!r} (as {arr.dtype})")
-    return np.ascontiguousarray(arr, dtype=P.KEYS_DTYPE).tobytes()
+    """Content keys as the wire's uint64s (`key_array`: ValueError for any that is not an integer in
+    [0, 2^64))."""
+    return key_array(keys).astype(P.KEYS_DTYPE, copy=False).tobytes()
 
 
 def _places(raw: bytes) -> np.ndarray:

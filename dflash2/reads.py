@@ -14,6 +14,7 @@ from dflash2.access import reads_by_origin
 from dflash2.acquire_checks import refuse_dropped, refuse_never_fits, refuse_unmovable
 from dflash2.counts import any_true
 from dflash2.errors import CopiesRunning
+from dflash2.keys import key_array
 from dflash2.settling import any_in_flight, settle_if
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
@@ -37,6 +38,7 @@ class Reads:
         would load to `reader` more slowly than the engine recomputes it (not offered as a hit).
         `probe`: a question about single blocks (is the page before mine cached?), not a request
         reading its prefix: the duel does not replay it."""
+        keys = key_array(keys)  # (a float key was looked up truncated, a negative one missed)
         rows = self.table.lookup(keys, layout_id)
         if self.placement.in_flight and self._meets_flight(rows, reader, probe):
             self.placement.settle()  # (`settled`) it answers where they are, and may prefetch them

@@ -448,6 +448,31 @@ def test_one_key_for_two_layouts_in_one_commit_is_refused_before_anything_change
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("bad", [[7.9], [-1], [2**64], np.array([-5]), [True]])
+def test_keys_that_are_not_uint64_are_refused_by_name_in_process(make_manager, bad):
+    """The block manager in process refuses content keys that are not integers in [0, 2^64), as the
+    client does, and changes nothing: before, commit stored 7.9 as key 7, np.int64(-5) as 2^64 - 5
+    and True as key 1, and raised numpy's OverflowError for -1 and 2^64 (even under a parent that
+    is not published, where ImmutableBlock was due); a lookup of 7.9 found key 7."""
+    mgr = make_manager(hbm_blocks=4)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    found = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[7])
+    v = mgr.allocate(a, lid, 1)
+    with pytest.raises(ValueError, match="content keys must be integers in \\[0, 2\\^64\\)"):
+        mgr.commit(a, v, keys=bad)
+    with pytest.raises(ValueError, match="content keys must be integers"):
+        mgr.commit(a, v, keys=bad, parent=int(v[0]))
+    with pytest.raises(ValueError, match="content keys must be integers"):
+        mgr.lookup(bad, lid)
+    assert mgr.table.cols.state[mgr.table.rows(v)].tolist() == [int(BlockState.WRITING)]
+    assert len(mgr.table.keys) == 1  # key 7 alone
+    assert [p.vid for p in mgr.lookup(np.array([7], dtype=np.uint64), lid)] == found.tolist()
+    mgr.check_invariants()
+    assert mgr.commit(a, v, keys=[2**64 - 1]).tolist() == v.tolist()
+    mgr.check_invariants()
+
+
 def test_dead_rows_are_found_by_either_path(make_manager):
     """usable_rows checks a call's rows against the rows dead to new holders by set membership when
     the call is small, or one vectorised pass when it is large: both find the same rows."""

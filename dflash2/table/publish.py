@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.errors import ImmutableBlock
+from dflash2.keys import key_array
 from dflash2.table.columns import NO_CLIENT, NO_ROW, no_repeats
 from dflash2.table.keyindex import EMPTY
 from dflash2.table.states import BlockState, check_transition
@@ -37,9 +38,9 @@ class Publishing:
             c.state[rows] = S.RESIDENT
             self._may_move(rows)
             return self.vids(rows)
-        if len(keys) != len(rows):
-            raise ValueError(f"commit of {len(rows)} blocks with {len(keys)} content keys")
-        ukeys = np.asarray(keys, dtype=np.uint64)
+        ukeys = key_array(keys)  # (a float key was truncated, a negative numpy one wrapped around)
+        if len(ukeys) != len(rows):
+            raise ValueError(f"commit of {len(rows)} blocks with {len(ukeys)} content keys")
         if not ukeys.all():  # (whole-array: a Python step per key cost 0.13 ms a 1024-block commit)
             raise ValueError("content key 0 is reserved for 'no key'")
         prev = self.rows([parent])[0] if parent is not None else NO_ROW
@@ -58,7 +59,7 @@ class Publishing:
             owner_row[new] = rows[new[first]][which]
         clash = c.layout[owner_row] != c.layout[rows]
         if clash.any():
-            raise ImmutableBlock(f"content key {int(keys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
+            raise ImmutableBlock(f"content key {int(ukeys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
                                  "for another layout: content keys must be namespaced per layout (model, precision, shard)")
         if (owner_row == rows).all():
             # Every key new, none given twice (the usual commit): published at once, in arrays.
@@ -70,7 +71,7 @@ class Publishing:
             self._may_move(rows)
             return self.vids(rows)
         out = np.empty(len(rows), dtype=np.int64)
-        for i, (row, key) in enumerate(zip(rows.tolist(), keys)):
+        for i, (row, key) in enumerate(zip(rows.tolist(), ukeys.tolist())):
             key = int(key)
             existing = self.keys.get(key)
             if existing != EMPTY:
