@@ -115,6 +115,34 @@ def test_ghost_tables_grow_with_the_table():
     assert all(g is None or g.bits == grown for g in pol.split._ghosts + pol.inner._ghosts)
 
 
+def test_ghosts_of_blocks_that_left_hbm_outlive_a_doubling_of_the_table(monkeypatch):
+    """HBM sends blocks down to a DRAM tier that is still filling: the table doubles (1024 rows, then
+    2048, 4096) while HBM's ghosts speak. Each learner's ghost tables grow holding as many ghosts
+    (which ones: test_hot_paths); before, each doubling made them anew, empty."""
+    from dflash2.policy.gate import AdmissionGate
+    from dflash2.policy.split import AdaptiveSplit
+
+    def ghosts(tables):
+        return [None if g is None else g.ghosts() for g in tables]
+
+    seen = []
+    for cls in (AdaptiveSplit, AdmissionGate):
+        def grow(self, rows, _grow=cls.grow):
+            before = ghosts(self._ghosts)
+            _grow(self, rows)
+            seen.append((before, ghosts(self._ghosts)))
+        monkeypatch.setattr(cls, "grow", grow)
+    mgr, lid, c = manager(256, dram_blocks=8192)
+    for k in range(1, 6001, 200):
+        cache_chain(mgr, lid, c, list(range(k, k + 200)))
+    assert mgr.table.cols.capacity >= 4096
+    held = [(before, after) for before, after in seen if any(before)]
+    assert held, "no learner held ghosts when the table grew"
+    for before, after in held:
+        assert after == before
+    mgr.check_invariants()
+
+
 def test_fanout_and_sharing_raise_heat():
     mgr, lid, c = manager(64)
     mgr.policy.set_weights({"fanout": 0.5})  # 0 by default (README, Policies)

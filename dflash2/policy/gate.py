@@ -60,12 +60,13 @@ class AdmissionGate:
                        "departed_back": 0}
 
     def grow(self, rows: int) -> None:
-        """The block table grew to `rows`: ghost tables sized for it, made anew (the refused and
-        departed keys so far are forgotten, once per doubling; the decayed rates stay)."""
+        """The block table grew to `rows`: ghost tables sized for it, the refused and departed keys
+        so far kept (before, each doubling forgot them)."""
         if ghost_bits(rows) <= ghost_bits(self._rows):
             return
         self._rows = rows
-        self._ghosts = (GhostTable(rows), GhostTable(rows))
+        for g in self._ghosts:
+            g.grow(ghost_bits(rows))
 
     def _update(self) -> None:
         """Compare the return rates (back[R] / seen[R] against back[D] / seen[D], multiplied out: no
@@ -124,7 +125,7 @@ class AdmissionGate:
         now = np.uint32(self.departures & 0xFFFFFFFF)
         for kind, name in ((REFUSED, "refused_back"), (DEPARTED, "departed_back")):
             ghost = self._ghosts[kind]
-            n = int(np.count_nonzero(now - ghost.seq[ghost.recall(keys)] <= self.window))
+            n = int(np.count_nonzero(now - ghost.recall(keys)[0] <= self.window))
             if not n:
                 continue
             self.back[kind] += n

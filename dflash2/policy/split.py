@@ -131,14 +131,14 @@ class AdaptiveSplit:
         return self._ghosts[tier]
 
     def grow(self, rows: int) -> None:
-        """The block table grew to `rows`: ghost tables sized for it (twice its rows), made anew.
-        Their keys cannot be moved over (a slot keeps a 32-bit tag, not the key), so the recent
-        departures are forgotten, once per doubling of the table: missed ghost hits for a while,
-        never wrong ones; the targets and rates learned so far stay."""
+        """The block table grew to `rows`: ghost tables sized for it (twice its rows), their ghosts
+        kept (before, each doubling forgot the recent departures: ghost hits missed for a while)."""
         if ghost_bits(rows) <= ghost_bits(self._rows):
             return
         self._rows = rows
-        self._ghosts = [None if g is None else GhostTable(rows, payload=True) for g in self._ghosts]
+        for g in self._ghosts:
+            if g is not None:
+                g.grow(ghost_bits(rows))
 
     # -- list sizes ----------------------------------------------------------------------------
     def recount(self, old: np.ndarray, new: np.ndarray) -> None:
@@ -246,12 +246,12 @@ class AdaptiveSplit:
         if not len(keys) or cap == 0 or self._ghosts[tier] is None:
             return
         ghost = self._ghosts[tier]
-        slot = ghost.recall(keys)
-        if not len(slot):
+        seq, lst = ghost.recall(keys)
+        if not len(seq):
             return
-        lst = ghost.payload[slot].astype(np.int64)
+        lst = lst.astype(np.int64)
         # Departures from the tier since each left (uint32 arithmetic wraps with the counter).
-        since = self._departed(tier) - ghost.seq[slot]
+        since = self._departed(tier) - seq
         recent = since <= self._window(tier)
         hits = np.bincount(lst[recent], minlength=2)
         if not hits.any():
