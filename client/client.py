@@ -401,7 +401,8 @@ class Client:
     def lookup_with_cost(self, keys, layout: int | None = None, tier: str = "hbm", *,
                          probe: bool = False) -> tuple[np.ndarray, int]:
         """`lookup`, and how many cached blocks past the answer were withheld because reading them
-        back would cost more than recomputing them (0 without a prefill rate)."""
+        back would cost more than recomputing them (0 without a prefill rate), or they lie on a
+        failing NVMe disk that backs off after failed reads."""
         args = {} if layout is None else {"layout": int(layout)}
         if tier != "hbm":
             args["tier"] = tier

@@ -15,6 +15,14 @@ again takes blocks within about a second, not when a back-off of up to a minute 
 drains above waited all of it). A write that fails because its slot alone is bad (EIO there) starts
 no back-off: the slot is set aside (until a re-test finds it sound) and the next batch goes elsewhere (quarantine.py).
 
+Reads that fail on a disk taken to be failing (more than Quarantine.FAILING_FRACTION of the tier set
+aside) start the same back-off (`_note_reads`): the tier is neither written nor read meanwhile (a
+lookup's prefix ends before its blocks, the engine recomputes them at once instead of waiting for a
+read that fails), no write probe ends it (a disk that takes writes and reads nothing would end it
+at once), and only a read that works does, once its period has run out and a lookup offers the
+tier's blocks again; one that fails then starts the next, twice as long. Before, such a disk took
+every block DRAM sent down and failed each read, a slot at a time, until the whole tier was set aside.
+
 While a tier below backs off, a tier whose room cannot be made by moving blocks down drops what may
 be dropped (`_drop_while_backing_off`): its own blocks nobody holds with no cached child, and failing
 those, its blocks together with their descendants on the tiers below (dropping a block there needs
@@ -54,11 +62,19 @@ class WriteBackoff:
         # write that worked), and when a write was last tried there (a failed batch or a probe).
         self._backoff_since: dict[Tier, float] = {}
         self._write_tried: dict[Tier, float] = {}
+        # Tiers in write_backoff because their reads failed (`_note_reads`): a write that works does
+        # not end it; a read that works does. And the NVMe reads seen so far: (arrived, failed).
+        self._read_backoff: set[Tier] = set()
+        self._reads_seen = (0, 0)
 
     def writable(self, tier: Tier) -> bool:
         """Whether blocks may go down into `tier` now (not backing off after failed writes)."""
         off = self.write_backoff.get(tier)
         return off is None or self.monotonic() >= off[0]
+
+    def reads_back_off(self, tier: Tier) -> bool:
+        """Whether `tier` is not to be read now: backing off after failed reads (`_note_reads`)."""
+        return tier in self._read_backoff and not self.writable(tier)
 
     def _backing_off_below(self, tier: Tier) -> bool:
         return any(t > tier and not self.writable(t) for t in self.tiers)
@@ -86,8 +102,40 @@ class WriteBackoff:
                         "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
                         "for again (a full or failing disk under memory.nvme_path?)",
                         tier.label, failed, tier.label, period)
-        elif moved and tier in self.write_backoff:
+        elif moved and tier in self.write_backoff and tier not in self._read_backoff:
             self._writes_work_again(tier, "")
+
+    def _note_reads(self) -> None:
+        """After reads from NVMe (`_drop_lost`): ones that all failed, on a disk taken to be failing,
+        start (or lengthen) its back-off as failed writes do; one that worked ends a back-off that
+        failed reads began. Reads failing on a sound disk are its bad slots' (set aside one by one,
+        quarantine.py) and start none."""
+        tier = Tier.NVME
+        if tier not in self.tiers:
+            return
+        arrived, failed = self.mover.read_from(tier)
+        new_arrived, new_failed = arrived - self._reads_seen[0], failed - self._reads_seen[1]
+        self._reads_seen = (arrived, failed)
+        if new_arrived and tier in self._read_backoff:
+            self._read_backoff.discard(tier)
+            del self.write_backoff[tier]
+            self._write_tried.pop(tier, None)
+            since = self._backoff_since.pop(tier, self.monotonic())
+            log.info("reads from %s work again after %.1f s of failed reads: it is read and written again",
+                     tier.label, self.monotonic() - since)
+        elif new_failed and not new_arrived and self.writable(tier) and self.mover.quarantine.failing(tier):
+            _, period = self.write_backoff.get(tier, (0.0, 0.0))
+            period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
+            now = self.monotonic()
+            self.write_backoff[tier] = (now + period, period)
+            self._read_backoff.add(tier)
+            self._backoff_since.setdefault(tier, now)
+            self._write_tried[tier] = now
+            self.stats.read_backoffs += 1
+            log.warning("reads from %s failed (%d blocks) on a disk taken to be failing: %s is neither read nor "
+                        "written for %g s (its blocks are misses meanwhile, and blocks that would go down there "
+                        "are dropped instead); replace the disk under memory.nvme_path", tier.label, new_failed,
+                        tier.label, period)
 
     def _writes_work_again(self, tier: Tier, how: str) -> None:
         """End `tier`'s back-off: a write there worked (`how` says which, when not a move's)."""
@@ -110,6 +158,8 @@ class WriteBackoff:
             # (A back-off with no write tried on record, set by hand, is probed a period after it is seen.)
             if self.writable(tier) or now - self._write_tried.setdefault(tier, now) < self.WRITE_PROBE_EVERY_S:
                 continue
+            if tier in self._read_backoff:
+                continue  # (a write that works says nothing of reads: the back-off runs out)
             self._write_tried[tier] = now
             if self._probe(tier):
                 self._writes_work_again(tier, " (a probe of one block's write worked)")

@@ -35,7 +35,8 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_prefetch_blocks_total{gpu,result} | counter | prefetched blocks read while still in HBM (useful) or gone from HBM unread (wasted) |
 | dflash2_prefetch_pending_blocks{gpu} / dflash2_prefetch_window_blocks{gpu} | gauge | prefetched blocks in HBM not read yet / the window now (kv_block.prefetch_window, doubled while HBM is below its low watermark) |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
-| dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them (also counted as lookup misses) |
+| dflash2_read_backoffs_total | counter | times NVMe reads failed on a disk taken to be failing (more than 5% of the tier set aside) and NVMe was neither read nor written for a while: 1 s, doubled each time a read fails again, up to 60 s, ended by a read that works; meanwhile lookups end before its blocks and blocks leaving DRAM are dropped |
+| dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them, or they lie on a failing NVMe disk backing off after failed reads (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves (absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
@@ -273,8 +274,11 @@ def _access_families(st: dict):
                    [((a,), st["placement"].get(a, 0)) for a in PLACEMENT_ACTIONS])
     yield _counter("dflash2_write_backoffs", "Times NVMe writes failed and NVMe took no blocks for a while.",
                    samples=[((), st["placement"].get("write_backoffs", 0))])
+    yield _counter("dflash2_read_backoffs", "Times reads of a failing NVMe disk failed and NVMe was neither read "
+                   "nor written for a while.", samples=[((), st["placement"].get("read_backoffs", 0))])
     yield _counter("dflash2_lookup_withheld_blocks",
-                   "Cached blocks a lookup did not offer: loading them costs more than recomputing them.",
+                   "Cached blocks a lookup did not offer: loading them costs more than recomputing them, "
+                   "or they lie on a failing NVMe disk backing off after failed reads.",
                    samples=[((), st.get("lookup_withheld", 0))])
     pools = _pools(st)
     yield _counter("dflash2_prefetch_blocks", "Prefetched blocks read while still in HBM (useful) or gone from HBM "

@@ -186,6 +186,11 @@ class Mover:
         """Those of `failed_into` that a slot set aside does not explain (a full disk, a failing one)."""
         return sum(st.failed_blocks - st.slot_failed_blocks for (_, to), st in self.stats.items() if to == dst)
 
+    def read_from(self, src: Tier) -> tuple[int, int]:
+        """Blocks copied out of `src` since start, every destination: (arrived, failed)."""
+        out = [(st.blocks, st.failed_blocks) for (frm, _), st in self.stats.items() if frm == src]
+        return sum(a for a, _ in out), sum(f for _, f in out)
+
     def take_lost(self) -> np.ndarray:
         """Rows of the blocks whose read failed since the last call, those still live: a block
         freed since (its row perhaps reused by another block) was dropped already."""

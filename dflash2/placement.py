@@ -63,6 +63,7 @@ class PlacementStats:
     not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
     past_full: int = 0  # demoted past a tier that had no room it could make (counted in `demoted` too)
     write_backoffs: int = 0  # times a tier's writes failed and it took no blocks for a while (`lower`)
+    read_backoffs: int = 0  # times a failing tier's reads failed and it was neither read nor written a while
 
 
 class Placement(Rebalancing, Promotion, WriteBackoff):
@@ -529,6 +530,7 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
             if orphans:
                 self.stats.orphaned += len(rows)
         self.table.drop_lost(lost, leaving)
+        self._note_reads()  # (backoff.py: a failing disk's reads that failed)
 
     def _droppable(self, rows: np.ndarray) -> np.ndarray:
         """The rows that can be dropped now together: cached, nobody holds them, and each of their

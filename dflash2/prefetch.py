@@ -117,6 +117,8 @@ class Prefetcher:
         rows = rows[live]
         want = rows[(c.tier[rows] > int(Tier.HBM)) & (c.pins[rows] == 0)
                     & (c.state[rows] == int(BlockState.RESIDENT))]
+        if len(want) and self.manager.placement.reads_back_off(Tier.NVME):
+            want = want[c.tier[want] != int(Tier.NVME)]  # (a failing disk is not read: backoff.py)
         if not len(want):
             return 0
         # promote keeps the window's prefix (the blocks read first, already in HBM) in place, and

@@ -45,6 +45,14 @@ class Reads:
             rows = self.table.lookup(keys, layout_id)
         if self.duel is not None and not probe:  # (after the settle: a parked lookup runs again, whole)
             self.duel.offer(keys, layout_id, host_reader=reader != Tier.HBM)
+        if len(rows) and self.placement.reads_back_off(Tier.NVME):
+            # A failing disk that backs off after failed reads is not read (backoff.py): the prefix
+            # ends before its first block there, which the engine recomputes at once.
+            on = self.table.cols.tier[rows] == int(Tier.NVME)
+            if on.any():
+                cut = int(np.argmax(on))
+                self.access.withheld += len(rows) - cut
+                rows = rows[:cut]
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)

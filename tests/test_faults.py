@@ -433,6 +433,78 @@ def test_a_disk_that_reads_nothing_is_set_aside_whole_and_the_tiers_above_go_on(
     assert [p.vid for p in mgr.lookup([key - 1], lid)] == [int(vids[-1])]
 
 
+def test_a_failing_disk_whose_reads_fail_backs_off_until_a_read_works(mgr, monkeypatch, caplog):
+    """Past 5% of NVMe set aside, a read that fails makes NVMe back off (neither read nor written): a
+    lookup's prefix ends before its NVMe blocks (withheld), the prefetch leaves them, a write probe
+    that lands does not end it, and a failed read after it ran out starts one twice as long. Once
+    the disk reads again, the first read of a block a lookup offers ends it. Before, failed reads
+    started no back-off at all: such a disk took every block DRAM sent down and failed each read."""
+    inode = os.fstat(mgr.arenas[Tier.NVME]._fd).st_ino
+    real = os.preadv
+    failing = [True]
+
+    def preadv(f, bufs, offset):
+        if failing[0] and os.fstat(f).st_ino == inode:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(f, bufs, offset)
+    monkeypatch.setattr(os, "preadv", preadv)
+    now = [1000.0]
+    pl = mgr.placement
+    monkeypatch.setattr(pl, "monotonic", lambda: now[0])
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    kept = publish(mgr, a, lid, [900, 901])  # a chain on NVMe that stays there, read only at the end
+    to_nvme(mgr, kept)
+    q, key = mgr.mover.quarantine, 1
+    with caplog.at_level(logging.INFO, logger="dflash2.placement"):
+        while not pl.stats.read_backoffs:  # one block at a time: each read fails, its slot set aside
+            assert key < 40, "no back-off though the disk is failing"
+            vids = publish(mgr, a, lid, [key], chained=False)
+            to_nvme(mgr, vids)
+            with pytest.raises(UnknownBlock):
+                mgr.acquire(a, vids)
+            key += 1
+        assert q.failing(Tier.NVME) and pl.reads_back_off(Tier.NVME) and not pl.writable(Tier.NVME)
+        assert pl.write_backoff[Tier.NVME][1] == pl.WRITE_BACKOFF_S
+        assert "reads from nvme failed (1 blocks) on a disk taken to be failing" in caplog.text
+        withheld = mgr.stats()["lookup_withheld"]
+        assert mgr.lookup([900, 901], lid) == []  # not read: the engine recomputes them at once
+        assert mgr.stats()["lookup_withheld"] == withheld + 2
+        assert mgr.prefetcher.ahead(kept, 0) == 0
+        assert mgr.place(int(kept[0])).tier == Tier.NVME
+        # It runs out; the next read offered fails: twice as long.
+        now[0] += pl.WRITE_BACKOFF_S
+        assert not pl.reads_back_off(Tier.NVME) and [p.vid for p in mgr.lookup([900], lid)] == [int(kept[0])]
+        # Writes that land meanwhile (DRAM's room made by moving a block down) say nothing of reads.
+        down = publish(mgr, a, lid, [700], chained=False)
+        assert mgr.mover.move(mgr.table.rows(down), Tier.DRAM).all()
+        assert pl.make_room(Tier.DRAM, pl.free_bytes(Tier.DRAM) + LAYOUT.block_bytes)
+        assert mgr.place(int(down[0])).tier == Tier.NVME and Tier.NVME in pl.write_backoff
+        vids = publish(mgr, a, lid, [key], chained=False)
+        to_nvme(mgr, vids)
+        with pytest.raises(UnknownBlock):
+            mgr.acquire(a, vids)
+        assert pl.stats.read_backoffs == 2 and pl.write_backoff[Tier.NVME][1] == 2 * pl.WRITE_BACKOFF_S
+        # A write probe would land (the disk takes writes): it is not tried, and the back-off stands.
+        cold = publish(mgr, a, lid, [800], chained=False)
+        assert mgr.mover.move(mgr.table.rows(cold), Tier.DRAM).all()  # (a block the probe could take)
+        now[0] += pl.WRITE_PROBE_EVERY_S + 0.1
+        writes = mgr.mover.stats[(Tier.DRAM, Tier.NVME)].blocks
+        pl.probe_writes()
+        assert mgr.mover.stats[(Tier.DRAM, Tier.NVME)].blocks == writes and pl.reads_back_off(Tier.NVME)
+        mgr.check_invariants()
+        # The disk reads again: once the period has run out, the first read ends the back-off.
+        failing[0] = False
+        now[0] += pl.WRITE_BACKOFF_S
+        assert [p.vid for p in mgr.lookup([900, 901], lid)] == kept.tolist()
+        mgr.acquire(a, kept)
+        assert_intact(mgr, kept, [900, 901])
+        assert Tier.NVME not in pl.write_backoff and not pl.reads_back_off(Tier.NVME)
+        assert "reads from nvme work again after" in caplog.text
+    mgr.release(a, kept)
+    mgr.check_invariants()
+
+
 def test_a_suspect_slot_that_cannot_be_set_aside_is_said_and_the_free_goes_through(mgr, monkeypatch, caplog):
     """Setting a slot aside runs inside the free that releases it: where the allocator refuses it (a
     slot it does not hold as free, which no path is known to give), the free must not fail halfway:
