@@ -474,7 +474,7 @@ class Service(Forgetting):
         if keys is not None and len(keys) != len(vids):
             raise ProtocolError(f"commit: {len(vids)} block ids but {len(keys)} content keys")
         parent = arg(req, "parent", int, default=None)
-        out = m.commit(req.client, vids, None if keys is None else keys.tolist(), parent)
+        out = m.commit(req.client, vids, keys, parent)  # (the wire's uint64s: key_array takes them as they are)
         # Forgotten: the references it leaves the writer on the returned blocks are dropped (they
         # stay cached, published); the writer never learned their ids when a key deduplicated.
         self._undoable(req, m.free, out)

@@ -36,6 +36,9 @@ def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
 KEYS_RANGE = "content keys must be integers in [0, 2^64)"
 
 
+_NO_BAD_KEY = object()
+
+
 def _not_key(k) -> bool:
     return isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= int(k) < 1 << 64
 
@@ -57,18 +60,21 @@ def key_array(keys) -> np.ndarray:
         except OverflowError:
             raise ValueError(f"{KEYS_RANGE}, got {next(k for k in keys if _not_key(k))!r}") from None
     arr = np.asarray(keys)
-    if arr.dtype.kind == "f" and not isinstance(keys, np.ndarray):
-        arr = np.array(list(keys), dtype=object)  # (Python ints past 2^63 beside numpy ones come as floats)
+    if not isinstance(keys, np.ndarray) and arr.dtype.kind != "O" and arr.ndim == 1:
+        # Each item checked: numpy makes int64 of a bool among ints (True was key 1), and floats of
+        # Python ints past 2^63 beside numpy ones.
+        arr = np.array(list(keys), dtype=object)
     if not arr.size:
         return np.zeros(0, dtype=np.uint64)
     if arr.dtype.kind == "O":
-        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), None)
-        arr = arr if bad is not None else np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
+        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), _NO_BAD_KEY)
+        if bad is _NO_BAD_KEY:
+            arr = np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
     elif arr.dtype.kind not in "iu":
         bad = arr.ravel()[0]
     else:
-        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else None
-    if bad is not None:
+        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else _NO_BAD_KEY
+    if bad is not _NO_BAD_KEY:  # (a bad key may be None itself)
         raise ValueError(f"{KEYS_RANGE}, got {bad!r} (as {arr.dtype})")
     return np.asarray(arr, dtype=np.uint64).reshape(-1)
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.errors import UnknownBlock
+from dflash2.keys import key_array
 from dflash2.table import BlockState, BlockTable
 
 
@@ -57,7 +58,7 @@ def rows_a_commit_meets(table: BlockTable, keys: Sequence[int], parent: int | No
     """Rows a commit of `keys` under `parent` may touch beside its own: the cached twins of its keys
     and the parent. Keys or a parent that the commit will refuse touch nothing (it says why)."""
     try:
-        found = np.asarray(table.keys.lookup(np.asarray(keys, dtype=np.uint64)), dtype=np.int64)
+        found = np.asarray(table.keys.lookup(key_array(keys)), dtype=np.int64)
     except (OverflowError, TypeError, ValueError):
         found = np.zeros(0, dtype=np.int64)
     found = found[found >= 0]

@@ -448,12 +448,14 @@ def test_one_key_for_two_layouts_in_one_commit_is_refused_before_anything_change
     mgr.check_invariants()
 
 
-@pytest.mark.parametrize("bad", [[7.9], [-1], [2**64], np.array([-5]), [True]])
+@pytest.mark.parametrize("bad", [[7.9], [-1], [2**64], np.array([-5]), [True], [1, True], [np.int64(5), np.True_],
+                                 [5, None], [None]])
 def test_keys_that_are_not_uint64_are_refused_by_name_in_process(make_manager, bad):
     """The block manager in process refuses content keys that are not integers in [0, 2^64), as the
     client does, and changes nothing: before, commit stored 7.9 as key 7, np.int64(-5) as 2^64 - 5
     and True as key 1, and raised numpy's OverflowError for -1 and 2^64 (even under a parent that
-    is not published, where ImmutableBlock was due); a lookup of 7.9 found key 7."""
+    is not published, where ImmutableBlock was due); a lookup of 7.9 found key 7. A bool among ints
+    is refused too, and None by name (a review)."""
     mgr = make_manager(hbm_blocks=4)
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)
@@ -468,6 +470,9 @@ def test_keys_that_are_not_uint64_are_refused_by_name_in_process(make_manager, b
     assert mgr.table.cols.state[mgr.table.rows(v)].tolist() == [int(BlockState.WRITING)]
     assert len(mgr.table.keys) == 1  # key 7 alone
     assert [p.vid for p in mgr.lookup(np.array([7], dtype=np.uint64), lid)] == found.tolist()
+    from dflash2.settling import rows_a_commit_meets  # (a commit meeting copies in flight asks it first)
+    assert rows_a_commit_meets(mgr.table, np.array([[7, 8]], dtype=np.uint64), None).tolist() == mgr.table.rows(found).tolist()
+    assert not len(rows_a_commit_meets(mgr.table, bad, None))
     mgr.check_invariants()
     assert mgr.commit(a, v, keys=[2**64 - 1]).tolist() == v.tolist()
     mgr.check_invariants()

@@ -97,6 +97,8 @@ def test_ghost_keys_hash_as_the_ghost_tables_define_it():
     assert len(table.recall(keys[[0, 2]])[0]) == 0  # plain arrays and hashed keys find the same slots
     assert table.recall(keys[[3]])[0].tolist() == [7]
     assert len(table.recall(GhostKeys(keys[[1]]))[0]) == 1 and len(table.recall(part)[0]) == 0  # spoken once
+    table.remember(keys[[0]], np.uint32(9), 0)
+    assert table.recall(keys[[0, 0]])[0].tolist() == [9]  # asked twice in one batch: it speaks once
 
 
 def _distinct_slot_keys(rng, n):

@@ -92,6 +92,8 @@ class _Slots:
     def take(self, slot: np.ndarray, tag: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Departure numbers and payloads of the slots holding these tags, which forget them."""
         slot = slot[self.tag[slot] == tag]
+        if len(slot) > 1:
+            slot = np.unique(slot)  # a key asked twice in one batch speaks once (it counted twice)
         self.tag[slot] = 0
         return self.seq[slot], None if self.payload is None else self.payload[slot]
 
