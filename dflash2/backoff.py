@@ -20,7 +20,9 @@ aside) start the same back-off (`_note_reads`): the tier is neither written nor 
 lookup's prefix ends before its blocks, the engine recomputes them at once instead of waiting for a
 read that fails), no write probe ends it (a disk that takes writes and reads nothing would end it
 at once), and only a read that works does, once its period has run out and a lookup offers the
-tier's blocks again; one that fails then starts the next, twice as long. Before, such a disk took
+tier's blocks again; one that fails then starts the next, twice as long. Reads that fail while
+failed writes hold the tier back (a dead disk) keep it from being read too; writes that fail once a
+read back-off has run out start a plain write back-off, which the probe ends. Before, such a disk took
 every block DRAM sent down and failed each read, a slot at a time, until the whole tier was set aside.
 
 While a tier below backs off, a tier whose room cannot be made by moving blocks down drops what may
@@ -91,6 +93,10 @@ class WriteBackoff:
                 # Each lengthened it again: two batches ending together took it from 8 s to 32 s
                 # (soak11). The back-off stands as it is; the mover has said the failure.
                 return
+            # A read back-off that ran out is over as such: this one is the writes' (the probe ends
+            # it once they land; reads that fail meanwhile make it the reads' again, `_note_reads`).
+            # Kept, it withheld sound NVMe blocks from lookups and skipped the probe (a review).
+            self._read_backoff.discard(tier)
             _, period = self.write_backoff.get(tier, (0.0, 0.0))
             period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
             now = self.monotonic()
@@ -107,9 +113,10 @@ class WriteBackoff:
 
     def _note_reads(self) -> None:
         """After reads from NVMe (`_drop_lost`): ones that all failed, on a disk taken to be failing,
-        start (or lengthen) its back-off as failed writes do; one that worked ends a back-off that
-        failed reads began. Reads failing on a sound disk are its bad slots' (set aside one by one,
-        quarantine.py) and start none."""
+        start its back-off as failed writes do (or, in one that failed writes began, keep the tier
+        from being read too); one that worked ends a back-off that failed reads began, whenever it
+        comes (an acquire of blocks looked up before the back-off may read sooner). Reads failing on
+        a sound disk are its bad slots' (set aside one by one, quarantine.py) and start none."""
         tier = Tier.NVME
         if tier not in self.tiers:
             return
@@ -123,6 +130,17 @@ class WriteBackoff:
             since = self._backoff_since.pop(tier, self.monotonic())
             log.info("reads from %s work again after %.1f s of failed reads: it is read and written again",
                      tier.label, self.monotonic() - since)
+        elif (new_failed and not new_arrived and not self.writable(tier) and tier not in self._read_backoff
+              and self.mover.quarantine.failing(tier)):
+            # Reads fail while the tier backs off after failed writes (a dead disk: both fail): the
+            # back-off stands as it is, and the tier is not read either until a read works. Before,
+            # lookups went on offering its blocks, and each acquire lost them (a review's script:
+            # 12 blocks of 6 chains, where 2 are lost now).
+            self._read_backoff.add(tier)
+            self.stats.read_backoffs += 1
+            log.warning("reads from %s failed (%d blocks) while it backs off after failed writes: it is not "
+                        "read either until a read works; replace the disk under memory.nvme_path",
+                        tier.label, new_failed)
         elif new_failed and not new_arrived and self.writable(tier) and self.mover.quarantine.failing(tier):
             _, period = self.write_backoff.get(tier, (0.0, 0.0))
             period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
