@@ -51,7 +51,7 @@ def key_array(keys) -> np.ndarray:
     to refuse or to miss. A uint64 array (the daemon's, from the wire) is taken as it is."""
     if isinstance(keys, np.ndarray) and keys.dtype == np.uint64:
         return keys.reshape(-1)
-    if isinstance(keys, (list, tuple)) and all(type(k) is int for k in keys):
+    if isinstance(keys, range) or (isinstance(keys, (list, tuple)) and all(type(k) is int for k in keys)):
         # Python ints (chain_keys' keys, half of them past 2^63): in one numpy conversion, which
         # refuses a negative one or one past 2^64. (As a float array, which numpy makes of them,
         # each went through the object path: 3.5 times the cost of a 1024-key lookup.)

@@ -54,7 +54,7 @@ def test_growth_places_a_run_that_wraps_past_the_last_slot():
         ref[int(k)] = i
         assert index.lookup(np.array(list(ref), dtype=np.uint64)).tolist() == list(ref.values())
     assert len(index._keys) >= 128  # it doubled on the way
-    assert (index._rows[:8] != EMPTY).all(), "the crowded run wrapped round to the first slots"
+    assert (index._keys[:8] != 0).all(), "the crowded run wrapped round to the first slots"
     for k in crowded[::3] + low[::2]:
         index.remove(int(k))
         del ref[int(k)]
@@ -63,7 +63,7 @@ def test_growth_places_a_run_that_wraps_past_the_last_slot():
 
 
 class _Stretches(KeyIndex):
-    GROW_CHUNK = 3  # the doubling takes the old slots a few at a time: many stretches, cut at runs
+    MOVE_SLOTS = 3  # a doubling's entries move over a few slots a call: lookups meet both tables
 
 
 @settings(max_examples=80, deadline=None)
@@ -81,7 +81,10 @@ def test_doubling_by_stretches_matches_a_dict(ops):
         _apply(index, ref, insert, product * inverse % (1 << 64) or 1, i)
     probe = np.array(sorted(ref) + [7, 9], dtype=np.uint64)
     assert index.lookup(probe).tolist() == [ref.get(int(k), -1) for k in probe]
-    assert len(index) == len(ref) == int((index._rows != EMPTY).sum())
+    assert [index.get(int(k)) for k in probe] == [ref.get(int(k), -1) for k in probe]
+    index.finish()
+    assert not index.moving and index.lookup(probe).tolist() == [ref.get(int(k), -1) for k in probe]
+    assert len(index) == len(ref) == int((index._keys != 0).sum())
 
 
 def test_doubling_places_the_run_at_slot_zero_before_the_rest():
@@ -109,7 +112,7 @@ def test_consecutive_keys_spread_over_the_table():
     keys = np.arange(1, 8193, dtype=np.uint64)
     for i, k in enumerate(keys.tolist()):
         index.insert(k, i)
-    used = np.concatenate([index._rows != EMPTY, [False]])
+    used = np.concatenate([index._keys != 0, [False]])
     edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8)])))
     longest = int(np.max(edges[1::2] - edges[::2]))
     assert longest < 100, f"a probe run of {longest} slots"
@@ -135,7 +138,7 @@ def test_removing_many_at_once_matches_a_dict(inserted, data):
     for key in gone:
         del ref[key]
     assert len(ki) == len(ref)
-    assert int((ki._rows != EMPTY).sum()) == len(ref)
+    assert int((ki._keys != 0).sum()) == len(ref)
     for key, row in ref.items():
         assert ki.get(key) == row
     assert (ki.lookup(np.array(gone, dtype=np.uint64)) == EMPTY).all()
@@ -154,3 +157,54 @@ def test_removing_many_refuses_an_absent_or_repeated_key_and_removes_nothing():
     with pytest.raises(KeyError, match="given twice"):
         ki.remove_many(np.array([6, 6], dtype=np.uint64))
     assert len(ki) == 3 and ki.lookup(np.array([5, 6, 7], dtype=np.uint64)).tolist() == [0, 1, 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(1, 300), max_size=12)), max_size=120))
+def test_a_doubling_under_way_matches_a_dict(ops):
+    """Inserts, removals (one and many), lookups and gets while a doubling's entries move over a few
+    slots a call, the next doubling often beginning before the last ended: every answer is a dict's.
+    Keys crowd a few homes (a small range, shifted) so runs are long, and wrap round the end."""
+    index, ref, row = _Stretches(4), {}, 0
+    seen_moving = False
+    for op, ks in ops:
+        ks = [k << 40 | 1 if k % 2 else k for k in dict.fromkeys(ks)]
+        if op == 0:  # insert_many of the new ones
+            new = [k for k in ks if k not in ref]
+            index.insert_many(np.array(new, dtype=np.uint64), np.arange(row, row + len(new), dtype=np.int32))
+            ref.update({k: row + i for i, k in enumerate(new)})
+            row += len(new)
+        elif op == 1:  # inserts, one at a time; a key present is a KeyError, nothing changed
+            for k in ks:
+                if k in ref:
+                    with pytest.raises(KeyError):
+                        index.insert(k, 0)
+                else:
+                    index.insert(k, row)
+                    ref[k], row = row, row + 1
+        elif op == 2:  # remove_many of the present ones; with an absent one, a KeyError and no change
+            present = [k for k in ks if k in ref]
+            if len(present) < len(ks):
+                with pytest.raises(KeyError):
+                    index.remove_many(np.array(ks, dtype=np.uint64))
+            index.remove_many(np.array(present, dtype=np.uint64))
+            for k in present:
+                del ref[k]
+        elif op == 3:  # removals, one at a time
+            for k in ks:
+                if k in ref:
+                    index.remove(k)
+                    del ref[k]
+                else:
+                    with pytest.raises(KeyError):
+                        index.remove(k)
+        seen_moving |= index.moving
+        probe = np.array(ks + list(ref)[:20] + [7], dtype=np.uint64)
+        assert index.lookup(probe).tolist() == [ref.get(int(k), -1) for k in probe]
+        assert [index.get(int(k)) for k in probe[:10]] == [ref.get(int(k), -1) for k in probe[:10]]
+        assert len(index) == len(ref)
+    if len(ref) > 40:
+        assert seen_moving
+    index.finish()
+    assert int((index._keys != 0).sum()) == len(ref)
+    assert index.lookup(np.array(list(ref), dtype=np.uint64)).tolist() == list(ref.values())

@@ -88,11 +88,13 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
     try:
         # (the columns and heat's per-row state lie in reserved mappings, which tracemalloc does
         # not see: their rows in use are added, rowspace.py)
-        before = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes
+        def mapped() -> int:
+            return mgr.table.cols.mapped_bytes + mgr.table.keys.mapped_bytes
+        before = tracemalloc.get_traced_memory()[0] + mapped()
         _fill(mgr, lid, client, n)
-        table = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes - before
+        table = tracemalloc.get_traced_memory()[0] + mapped() - before
         mgr.policy.rescore(mgr.table, mgr.table.clock())  # heat sizes its per-row state here
-        after = tracemalloc.get_traced_memory()[0] + mgr.table.cols.mapped_bytes + mgr.policy.mapped_bytes()
+        after = tracemalloc.get_traced_memory()[0] + mapped() + mgr.policy.mapped_bytes()
         kept = after - before - table
     finally:
         tracemalloc.stop()

@@ -2,31 +2,93 @@
 
 A Python dict costs about 100 bytes an entry (two int objects and the slot); this costs 24 bytes a
 block at a load factor of one half, and looks up a whole chain of keys in a few vectorised probes.
-Keys are 64-bit values; 0 means "no key" and is never stored. A key's home slot is the top bits of
-the key times a 64-bit odd constant (Fibonacci hashing), not its low bits: keys that are not hashes
-(a trace's consecutive block ids, a client's counters) would otherwise fill one long probe run, and
-a removal shifts back the whole run (1 ms a removal at 8,000 consecutive keys, against microseconds).
-Linear probing with backward-shift deletion, so there are no tombstones to clean up.
+Keys are 64-bit values; 0 means "no key" and is never stored: a slot whose key is 0 is empty (its
+row is not read). A key's home slot is the top bits of the key times a 64-bit odd constant
+(Fibonacci hashing), not its low bits: keys that are not hashes (a trace's consecutive block ids, a
+client's counters) would otherwise fill one long probe run, and a removal shifts back the whole run
+(1 ms a removal at 8,000 consecutive keys, against microseconds). Linear probing with
+backward-shift deletion, so there are no tombstones to clean up.
+
+The table doubles without holding its caller. The larger table starts empty, and the smaller one's
+entries move over MOVE_SLOTS of its slots at each later insert or removal (`_move`), while lookups
+look in both. Meanwhile the smaller table is read only, but for tombstones (row TOMB, its key kept
+so that its probe runs stay whole): an entry that moved, or was removed there. New keys go to the
+larger table. Its arrays are zeros that take memory a 4 KiB page at a time, as entries land
+(`_zeros`): faulted in as 2 MiB huge pages, the first keys placed at random in them held one call
+81 ms on the 2-core VM. Before, the call that doubled the table placed every entry at once (in the
+order of their new homes, a stretch of probe runs at a time, the fastest way found) into arrays it
+faulted in: at two million keys 52-325 ms on that VM; now 5-6 ms, and no commit while the entries
+move takes longer (experiments: bench table's build, 1024-key commits).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
 from dflash2.counts import repeats, unique
 from dflash2.keys import fib_slot, fib_slots
+from dflash2.table.rowspace import is_mapped, reserve
+
+log = logging.getLogger("dflash2.table")
 
 EMPTY = -1
+TOMB = -2  # (the smaller table only, while it moves over: an entry gone from it)
+
+
+def _zeros(size: int, dtype) -> np.ndarray:
+    """Zeros over a mapping of 4 KiB pages that take memory once written (rowspace.py `reserve`);
+    numpy's own where the system refuses the mapping (said in the log)."""
+    try:
+        return reserve(dtype, size, huge=False)
+    except OSError as exc:
+        log.warning("the content-key index takes %d slots of ordinary memory (a mapping was refused: %s); "
+                    "its doublings may fault in huge pages at once", size, exc)
+        return np.zeros(size, dtype=dtype)
+
+
+def _probe(tkeys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The slot of each of many keys (uint64) among the table's keys `tkeys`, -1 where absent: all
+    probed at once. Key 0 is never found. (A tombstone's slot counts as found: its caller reads the row.)"""
+    out = np.full(len(keys), EMPTY, dtype=np.int64)
+    mask = len(tkeys) - 1
+    pos = fib_slots(keys, mask.bit_length())
+    todo = np.arange(len(keys))
+    while len(todo):
+        there = tkeys[pos[todo]]
+        used = there != 0
+        hit = (there == keys[todo]) & used
+        out[todo[hit]] = pos[todo[hit]]
+        todo = todo[~hit & used]
+        pos[todo] = (pos[todo] + 1) & mask
+    return out
+
+
+def _probe_one(tkeys: np.ndarray, key: int) -> int:
+    """`_probe` of one key: its slot, or -1."""
+    mask = len(tkeys) - 1
+    pos = fib_slot(key, mask.bit_length())
+    while True:
+        there = int(tkeys[pos])
+        if there == 0:
+            return EMPTY
+        if there == key:
+            return pos
+        pos = (pos + 1) & mask
 
 
 class KeyIndex:
-    GROW_CHUNK = 1 << 18  # old slots placed a stretch at a time when the table doubles (`_grow`)
+    MOVE_SLOTS = 1 << 14  # slots of the smaller table moved at each insert or removal (about 1 ms)
 
     def __init__(self, capacity: int = 1024):
         size = 1 << max(4, (2 * capacity - 1).bit_length())
-        self._keys = np.zeros(size, dtype=np.uint64)
-        self._rows = np.full(size, EMPTY, dtype=np.int32)
+        self._keys = _zeros(size, np.uint64)
+        self._rows = _zeros(size, np.int32)
         self._n = 0
+        # While a doubling moves entries over: the smaller table, and its next slot to move.
+        self._old: tuple[np.ndarray, np.ndarray] | None = None
+        self._old_next = 0
 
     @property
     def _bits(self) -> int:
@@ -47,8 +109,21 @@ class KeyIndex:
         return len(self._keys)
 
     @property
+    def moving(self) -> bool:
+        """Whether a doubling's entries are still moving over (lookups look in both tables)."""
+        return self._old is not None
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [self._keys, self._rows] + ([] if self._old is None else list(self._old))
+
+    @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._rows.nbytes
+        return sum(a.nbytes for a in self._arrays())
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Of `nbytes`, those over mappings (`_zeros`), which tracemalloc does not see."""
+        return sum(a.nbytes for a in self._arrays() if is_mapped(a))
 
     @property
     def _mask(self) -> int:
@@ -56,33 +131,23 @@ class KeyIndex:
 
     def get(self, key: int) -> int:
         """Row of `key`, or -1."""
-        keys, rows = self._keys, self._rows
-        mask = len(keys) - 1
-        pos = fib_slot(key, mask.bit_length())  # (_home, without its two property calls)
-        while True:
-            row = int(rows[pos])
-            if row == EMPTY:
-                return EMPTY
-            if int(keys[pos]) == key:
-                return row
-            pos = (pos + 1) & mask
+        at = _probe_one(self._keys, key)
+        if at != EMPTY:
+            return int(self._rows[at])
+        return EMPTY if self._old is None else self._old_row(key)
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Rows of many keys at once (-1 where absent)."""
-        at = self._slots(np.asarray(keys, dtype=np.uint64))
-        return np.where(at == EMPTY, EMPTY, self._rows[at].astype(np.int64))
-
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
-        """The slot of each of many keys (uint64), -1 where absent: all probed at once."""
-        out = np.full(len(keys), EMPTY, dtype=np.int64)
-        pos = self._homes(keys)
-        todo = np.arange(len(keys))
-        while len(todo):
-            rows = self._rows[pos[todo]]
-            hit = (self._keys[pos[todo]] == keys[todo]) & (rows != EMPTY)
-            out[todo[hit]] = pos[todo[hit]]
-            todo = todo[~hit & (rows != EMPTY)]
-            pos[todo] = (pos[todo] + 1) & self._mask
+        keys = np.asarray(keys, dtype=np.uint64)
+        at = _probe(self._keys, keys)
+        out = np.where(at == EMPTY, EMPTY, self._rows[at].astype(np.int64))
+        if self._old is not None:
+            miss = np.flatnonzero(at == EMPTY)
+            if len(miss):
+                old_keys, old_rows = self._old
+                old_at = _probe(old_keys, keys[miss])
+                found = old_at != EMPTY
+                out[miss[found]] = np.maximum(old_rows[old_at[found]].astype(np.int64), EMPTY)  # (TOMB: gone)
         return out
 
     def insert(self, key: int, row: int) -> None:
@@ -91,12 +156,15 @@ class KeyIndex:
             raise ValueError("content key 0 means 'no key' and cannot be indexed")
         if 2 * (self._n + 1) > len(self._keys):
             self._grow()
+        self._move(self.MOVE_SLOTS)
         mask = self._mask
         pos = self._home(key)
-        while self._rows[pos] != EMPTY:
+        while self._keys[pos] != 0:
             if int(self._keys[pos]) == key:
                 raise KeyError(f"content key {key:#x} is already indexed")
             pos = (pos + 1) & mask
+        if self._old is not None and self._old_row(key) >= 0:
+            raise KeyError(f"content key {key:#x} is already indexed")
         self._keys[pos] = key
         self._rows[pos] = row
         self._n += 1
@@ -109,22 +177,27 @@ class KeyIndex:
             raise ValueError("content key 0 means 'no key' and cannot be indexed")
         while 2 * (self._n + len(keys)) > len(self._keys):  # as one insert after another would grow
             self._grow()
+        self._move(self.MOVE_SLOTS)
         self._bulk_insert(keys, np.asarray(rows, dtype=self._rows.dtype))
         self._n += len(keys)
 
     def remove(self, key: int) -> None:
-        mask = self._mask
-        pos = self._home(key)
-        while True:
-            if self._rows[pos] == EMPTY:
+        self._move(self.MOVE_SLOTS)
+        if self._old is not None and _probe_one(self._keys, key) == EMPTY:
+            old_at = _probe_one(self._old[0], key)
+            if old_at == EMPTY or self._old[1][old_at] == TOMB:
                 raise KeyError(f"content key {key:#x} is not indexed")
-            if int(self._keys[pos]) == key:
-                break
-            pos = (pos + 1) & mask
+            self._old[1][old_at] = TOMB
+            self._n -= 1
+            return
+        mask = self._mask
+        pos = _probe_one(self._keys, key)
+        if pos == EMPTY:
+            raise KeyError(f"content key {key:#x} is not indexed")
         # Backward-shift: pull later entries of the probe run into the hole when their home allows.
         hole = pos
         nxt = (hole + 1) & mask
-        while self._rows[nxt] != EMPTY:
+        while self._keys[nxt] != 0:
             home = self._home(int(self._keys[nxt]))
             if (nxt - home) & mask >= (nxt - hole) & mask:
                 self._keys[hole] = self._keys[nxt]
@@ -132,7 +205,6 @@ class KeyIndex:
                 hole = nxt
             nxt = (nxt + 1) & mask
         self._keys[hole] = 0
-        self._rows[hole] = EMPTY
         self._n -= 1
 
     def remove_many(self, keys: np.ndarray) -> None:
@@ -142,99 +214,91 @@ class KeyIndex:
         slot between its home and itself (the nearest such slot before it would have its run
         followed through the entry), so every key stays reachable, as with backward shifts. One key
         at a time cost about 3 us a key at a million blocks, half of an NVMe eviction's time.
-        All or nothing: a key that is not indexed (or given twice) is a KeyError, nothing removed."""
+        All or nothing: a key that is not indexed (or given twice) is a KeyError, nothing removed.
+        (Keys still in the smaller table of a doubling are marked gone there, TOMB.)"""
         keys = np.asarray(keys, dtype=np.uint64)
         if not len(keys):
             return
-        mask = self._mask
-        found = self._slots(keys)
-        if (found == EMPTY).any():
-            raise KeyError(f"content key {int(keys[int(np.argmax(found == EMPTY))]):#x} is not indexed")
-        if repeats(found):
+        found = _probe(self._keys, keys)
+        old_found = None
+        if self._old is not None and (found == EMPTY).any():
+            old_found = np.full(len(keys), EMPTY, dtype=np.int64)
+            miss = np.flatnonzero(found == EMPTY)
+            at = _probe(self._old[0], keys[miss])
+            live = at != EMPTY
+            live[live] = self._old[1][at[live]] != TOMB
+            old_found[miss[live]] = at[live]
+        absent = (found == EMPTY) if old_found is None else (found == EMPTY) & (old_found == EMPTY)
+        if absent.any():
+            raise KeyError(f"content key {int(keys[int(np.argmax(absent))]):#x} is not indexed")
+        if repeats(found[found != EMPTY]) or (old_found is not None and repeats(old_found[old_found != EMPTY])):
             raise KeyError("a content key is given twice to remove_many")
+        if old_found is not None:
+            self._old[1][old_found[old_found != EMPTY]] = TOMB
+            self._n -= int((old_found != EMPTY).sum())
+            keys, found = keys[found != EMPTY], found[found != EMPTY]
+        self._move(self.MOVE_SLOTS)  # (a move places entries in empty slots only: `found` stands)
+        if not len(keys):
+            return
+        mask = self._mask
         self._keys[found] = 0
-        self._rows[found] = EMPTY
         # The probe runs after the emptied slots: their entries may have probed past one of them.
         moved = []
         front = (found + 1) & mask
         while len(front):
-            front = front[self._rows[front] != EMPTY]
+            front = front[self._keys[front] != 0]
             moved.append(front)
             front = (front + 1) & mask
         run = unique(np.concatenate(moved))
         run_keys, run_rows = self._keys[run].copy(), self._rows[run].copy()
         self._keys[run] = 0
-        self._rows[run] = EMPTY
         self._bulk_insert(run_keys, run_rows)
         self._n -= len(keys)
 
+    # -- doubling ------------------------------------------------------------------------------
+    def _old_row(self, key: int) -> int:
+        """Row of `key` in the smaller table (EMPTY when absent or gone)."""
+        at = _probe_one(self._old[0], key)
+        return EMPTY if at == EMPTY else max(int(self._old[1][at]), EMPTY)
+
     def _grow(self) -> None:
-        """Twice the slots, every entry placed again (the count stands). Entries are placed in the
-        order of their new homes, each in the first slot past both its home and the entry before
-        it (a running maximum): then every slot between an entry's home and its own is taken, as
-        linear probing needs. The old table gives that order a stretch at a time: the entries of
-        different probe runs are in order of their homes (a run starts at the home of its first
-        entry, and the top bits of a hash keep their order as the table doubles), so only a run's
-        own entries need sorting, and the old slots are taken GROW_CHUNK at a time, cut at empty
-        slots, in a stable sort each. Placing them by rounds of probes (`_bulk_insert`) cost 0.50 s
-        at two million keys on the 2-core VM, a stall of the daemon's loop, and one sort of them all
-        0.42 s, most of it faulting in the memory of its temporaries.
+        """Twice the slots: a new, empty larger table; the entries move over in later calls
+        (`_move`). A doubling still under way ends first (all its entries moved at once): a table
+        filled twice as fast as its entries move."""
+        self._move(None)
+        self._old, self._old_next = (self._keys, self._rows), 0
+        size = 2 * len(self._keys)
+        self._keys = _zeros(size, np.uint64)
+        self._rows = _zeros(size, np.int32)
 
-        The order starts at the first empty slot (a run that wraps round the end ends before it).
-        The entries in the slots before it whose homes lie before it too come first of all; the
-        others there close the wrapping run, with the last stretch. Entries placed past the new
-        last slot wrap round to the first ones (`_bulk_insert`, after the rest)."""
-        old_keys, old_rows = self._keys, self._rows
-        old_size, size = len(old_keys), 2 * len(old_keys)
-        bits = size.bit_length() - 1
-        self._keys = np.zeros(size, dtype=np.uint64)
-        self._rows = np.full(size, EMPTY, dtype=np.int32)
-        first_empty = 0  # (a load of at most one half leaves one; runs are short: a Python step a slot)
-        while old_rows[first_empty] != EMPTY:
-            first_empty += 1
-        head = np.arange(first_empty)  # occupied: the end of a run that wraps, or one that starts at 0
-        low = (fib_slots(old_keys[head], bits) >> 1) < first_empty  # (old home: one bit fewer)
-        spill: list[tuple[np.ndarray, np.ndarray]] = []
-        free = self._place(old_keys[head[low]], old_rows[head[low]], 0, bits, spill)
-        lo = first_empty
-        while lo < old_size:
-            hi = min(lo + self.GROW_CHUNK, old_size)
-            while hi < old_size and old_rows[hi] != EMPTY:  # a run is not cut
-                hi += 1
-            slots = lo + np.flatnonzero(old_rows[lo:hi] != EMPTY)
-            if hi == old_size:
-                slots = np.concatenate([slots, head[~low]])
-            free = self._place(old_keys[slots], old_rows[slots], free, bits, spill)
-            lo = hi
-        for keys, rows in spill:
-            self._bulk_insert(keys, rows)
+    def finish(self) -> None:
+        """Move every entry still in the smaller table of a doubling (tests, checks)."""
+        self._move(None)
 
-    def _place(self, keys: np.ndarray, rows: np.ndarray, free: int, bits: int, spill: list) -> int:
-        """`_grow`'s step: entries whose homes are all at least those placed so far, each in the
-        first slot past its home and the one before (none below `free`). Returns the next `free`;
-        entries past the last slot are added to `spill`."""
-        if not len(keys):
-            return free
-        homes = fib_slots(keys, bits)
-        order = np.argsort(homes, kind="stable")
-        keys, rows, homes = keys[order], rows[order], homes[order]
-        rank = np.arange(len(homes))
-        at = np.maximum(np.maximum.accumulate(homes - rank), free) + rank
-        fits = int(np.searchsorted(at, len(self._keys)))  # (`at` rises)
-        self._keys[at[:fits]] = keys[:fits]
-        self._rows[at[:fits]] = rows[:fits]
-        if fits < len(at):
-            spill.append((keys[fits:], rows[fits:]))
-        return int(at[-1]) + 1
+    def _move(self, n: int | None) -> None:
+        """Move the entries of the smaller table's next `n` slots (None: all that are left) into the
+        larger one, each from its home (`_bulk_insert`), and mark them gone there."""
+        if self._old is None:
+            return
+        old_keys, old_rows = self._old
+        a = self._old_next
+        b = len(old_rows) if n is None else min(len(old_rows), a + n)
+        live = a + np.flatnonzero((old_keys[a:b] != 0) & (old_rows[a:b] >= 0))
+        if len(live):
+            self._bulk_insert(old_keys[live], old_rows[live])
+            old_rows[live] = TOMB
+        self._old_next = b
+        if b == len(old_rows):
+            self._old = None
 
     def _bulk_insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Vectorised insertion of distinct keys, none indexed, into a table with room: each round
         places, for every free target slot, the first pending key that probes it. The caller keeps
-        the count (`_n`): both callers put back entries they took out."""
+        the count (`_n`): its callers put back entries they took out, or move them over."""
         pos = self._homes(keys)
         todo = np.arange(len(keys))
         while len(todo):
-            free = self._rows[pos[todo]] == EMPTY
+            free = self._keys[pos[todo]] == 0
             cand = todo[free]
             _, first = np.unique(pos[cand], return_index=True)
             placed = cand[first]

@@ -49,17 +49,21 @@ def reserve_rows(arena_bytes: Iterable[int], capacity: int) -> int:
     return max(int(capacity), min(RESERVE_MAX_ROWS, max(RESERVE_MIN_ROWS, rows)))
 
 
-def reserve(dtype, rows: int, lead: tuple[int, ...] = ()) -> np.ndarray:
+def reserve(dtype, rows: int, lead: tuple[int, ...] = (), huge: bool = True) -> np.ndarray:
     """A zeroed array of shape `lead + (rows,)` over a private anonymous mapping of its own, whose
-    pages take memory only once written. OSError when the system refuses the mapping."""
+    pages take memory only once written. OSError when the system refuses the mapping. `huge` False:
+    4 KiB pages only (writes at random over a fresh array then fault a page each, not a 2 MiB huge
+    page each, which the kernel may compact memory for)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(lead, dtype=np.int64)) * rows
     nbytes = max(1, count * dtype.itemsize)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if nbytes >= HUGE_PAGES_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and nbytes >= HUGE_PAGES_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
         # As numpy asks for its own large arrays: calls index rows at random across a dozen
         # columns, and huge pages keep those reads out of page walks.
         buf.madvise(mmap.MADV_HUGEPAGE)
+    elif not huge and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)  # (where transparent huge pages are on for every mapping)
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(lead + (rows,))
 
 
