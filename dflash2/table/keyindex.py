@@ -18,7 +18,8 @@ larger table. Its arrays are zeros that take memory a 4 KiB page at a time, as e
 81 ms on the 2-core VM. Before, the call that doubled the table placed every entry at once (in the
 order of their new homes, a stretch of probe runs at a time, the fastest way found) into arrays it
 faulted in: at two million keys 52-325 ms on that VM; now 5-6 ms, and no commit while the entries
-move takes longer (experiments: bench table's build, 1024-key commits).
+move takes longer (experiments: bench table's build, 1024-key commits; a commit on the per-key path,
+whose keys are partly cached, 14 ms against 3 settled, a review's script).
 """
 
 from __future__ import annotations
@@ -37,14 +38,21 @@ EMPTY = -1
 TOMB = -2  # (the smaller table only, while it moves over: an entry gone from it)
 
 
+_said_refused = False
+
+
 def _zeros(size: int, dtype) -> np.ndarray:
     """Zeros over a mapping of 4 KiB pages that take memory once written (rowspace.py `reserve`);
-    numpy's own where the system refuses the mapping (said in the log)."""
+    numpy's own where the system refuses the mapping (said in the log, the first time)."""
+    global _said_refused
     try:
         return reserve(dtype, size, huge=False)
     except OSError as exc:
-        log.warning("the content-key index takes %d slots of ordinary memory (a mapping was refused: %s); "
-                    "its doublings may fault in huge pages at once", size, exc)
+        if not _said_refused:
+            _said_refused = True
+            log.warning("the content-key index takes ordinary memory (a mapping of %d slots was refused: %s), "
+                        "and will whenever a mapping is refused: its doublings may fault in huge pages at once",
+                        size, exc)
         return np.zeros(size, dtype=dtype)
 
 
@@ -79,7 +87,12 @@ def _probe_one(tkeys: np.ndarray, key: int) -> int:
 
 
 class KeyIndex:
-    MOVE_SLOTS = 1 << 14  # slots of the smaller table moved at each insert or removal (about 1 ms)
+    MOVE_SLOTS = 1 << 14  # slots of the smaller table moved at each insert_many or remove_many (about 1 ms)
+    # ... and at each one-key insert or remove (a commit's per-key path, a lost block's removal): a
+    # few, one at a time, at least 2 a key added, so that a doubling's entries have all moved before
+    # the next doubling. Moving MOVE_SLOTS there, a 1,024-key commit on the per-key path took 244 ms
+    # at two million keys (a review's script), the whole move in one call.
+    MOVE_SLOTS_ONE = 4
 
     def __init__(self, capacity: int = 1024):
         size = 1 << max(4, (2 * capacity - 1).bit_length())
@@ -156,7 +169,7 @@ class KeyIndex:
             raise ValueError("content key 0 means 'no key' and cannot be indexed")
         if 2 * (self._n + 1) > len(self._keys):
             self._grow()
-        self._move(self.MOVE_SLOTS)
+        self._move(self.MOVE_SLOTS_ONE)
         mask = self._mask
         pos = self._home(key)
         while self._keys[pos] != 0:
@@ -182,7 +195,7 @@ class KeyIndex:
         self._n += len(keys)
 
     def remove(self, key: int) -> None:
-        self._move(self.MOVE_SLOTS)
+        self._move(self.MOVE_SLOTS_ONE)
         if self._old is not None and _probe_one(self._keys, key) == EMPTY:
             old_at = _probe_one(self._old[0], key)
             if old_at == EMPTY or self._old[1][old_at] == TOMB:
@@ -283,10 +296,20 @@ class KeyIndex:
         old_keys, old_rows = self._old
         a = self._old_next
         b = len(old_rows) if n is None else min(len(old_rows), a + n)
-        live = a + np.flatnonzero((old_keys[a:b] != 0) & (old_rows[a:b] >= 0))
-        if len(live):
-            self._bulk_insert(old_keys[live], old_rows[live])
-            old_rows[live] = TOMB
+        if n is not None and n <= self.MOVE_SLOTS_ONE:  # (a one-key call's few: numpy's per-call costs would dominate)
+            mask = self._mask
+            for i in range(a, b):
+                if old_keys[i] != 0 and old_rows[i] >= 0:
+                    key = int(old_keys[i])
+                    pos = self._home(key)
+                    while self._keys[pos] != 0:
+                        pos = (pos + 1) & mask
+                    self._keys[pos], self._rows[pos], old_rows[i] = key, old_rows[i], TOMB
+        else:
+            live = a + np.flatnonzero((old_keys[a:b] != 0) & (old_rows[a:b] >= 0))
+            if len(live):
+                self._bulk_insert(old_keys[live], old_rows[live])
+                old_rows[live] = TOMB
         self._old_next = b
         if b == len(old_rows):
             self._old = None
