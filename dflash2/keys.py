@@ -34,9 +34,7 @@ def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
 
 
 KEYS_RANGE = "content keys must be integers in [0, 2^64)"
-
-
-_NO_BAD_KEY = object()
+_NO_BAD_KEY = object()  # (`key_array`: a bad key may be None itself)
 
 
 def _not_key(k) -> bool:

@@ -87,7 +87,7 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
     tracemalloc.start()
     try:
         # (the columns and heat's per-row state lie in reserved mappings, which tracemalloc does
-        # not see: their rows in use are added, rowspace.py)
+        # not see: their rows in use are added, rowspace.py; so do the key index's arrays, whole)
         def mapped() -> int:
             return mgr.table.cols.mapped_bytes + mgr.table.keys.mapped_bytes
         before = tracemalloc.get_traced_memory()[0] + mapped()
