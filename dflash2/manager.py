@@ -308,8 +308,9 @@ class BlockManager(Reads):
     # -- background ------------------------------------------------------------------------
     @settled
     def tick(self, drain: bool = True, duel: bool = True) -> None:
-        """One background step: rescore (policies that cache scores), probe a storage tier that
-        backs off after failed writes (backoff.py), expire and grant reservations, rebalance the
+        """One background step: rescore (policies that cache scores), move a doubling key index's
+        entries on, probe a storage tier that backs off after failed writes (backoff.py), expire and
+        grant reservations, rebalance the
         tiers, settle prefetches; serve the duel's queued lookups.
         `drain` False: a tier over its high watermark begins its drain, but its pieces are left
         to the caller (`drain_slice`): the server runs them between requests, so that a
@@ -321,6 +322,7 @@ class BlockManager(Reads):
         if not later:
             self.run_prefetch()
         self.policy.on_tick(self.table, self.table.clock())
+        self.table.keys.step()  # a doubling of the key index moves on without inserts or removals
         self.admission.new_step()
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
         self._retest_set_aside()

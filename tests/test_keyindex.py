@@ -234,3 +234,26 @@ def test_one_key_calls_move_a_few_slots_and_the_move_ends_before_the_next_doubli
         assert ki.slots == slots, "doubled again before the last doubling's entries moved"
         i += 1
     assert ki.lookup(np.array(keys[1:i], dtype=np.uint64)).tolist() == list(range(1, i))
+
+
+def test_the_background_step_moves_a_doubling_on_without_inserts(make_manager, monkeypatch):
+    """A daemon whose clients only look up after the index doubled: each background step moves
+    MOVE_SLOTS more, so the move ends (lookups stop looking in two tables, the smaller one's memory
+    goes) without waiting for inserts or removals."""
+    from conftest import SMALL
+    monkeypatch.setattr(KeyIndex, "MOVE_SLOTS", 64)
+    mgr = make_manager(hbm_blocks=4096)
+    c = mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    key = 1
+    while not mgr.table.keys.moving:
+        vids = mgr.commit(c, mgr.allocate(c, lid, 256), keys=list(range(key, key + 256)))
+        mgr.free(c, vids)
+        key += 256
+    steps = 0
+    while mgr.table.keys.moving:
+        mgr.tick()
+        steps += 1
+        assert steps <= mgr.table.keys.slots // 2 // 64
+    assert [p.vid for p in mgr.lookup(list(range(1, key)), lid)][-1] == int(vids[-1])
+    mgr.check_invariants()

@@ -284,6 +284,11 @@ class KeyIndex:
         self._keys = _zeros(size, np.uint64)
         self._rows = _zeros(size, np.int32)
 
+    def step(self) -> None:
+        """A background step's share of a doubling's move (MOVE_SLOTS slots): a stretch of lookups
+        alone ends it too (it looked in both tables meanwhile, and held the smaller one's memory)."""
+        self._move(self.MOVE_SLOTS)
+
     def finish(self) -> None:
         """Move every entry still in the smaller table of a doubling (tests, checks)."""
         self._move(None)
