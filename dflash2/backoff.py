@@ -97,12 +97,7 @@ class WriteBackoff:
             # it once they land; reads that fail meanwhile make it the reads' again, `_note_reads`).
             # Kept, it withheld sound NVMe blocks from lookups and skipped the probe (a review).
             self._read_backoff.discard(tier)
-            _, period = self.write_backoff.get(tier, (0.0, 0.0))
-            period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
-            now = self.monotonic()
-            self.write_backoff[tier] = (now + period, period)
-            self._backoff_since.setdefault(tier, now)
-            self._write_tried[tier] = now
+            period = self._start_backoff(tier)
             self.stats.write_backoffs += 1
             log.warning("writes to %s failed (%d blocks; the transfer log names the error): %s takes no blocks "
                         "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
@@ -125,43 +120,43 @@ class WriteBackoff:
         self._reads_seen = (arrived, failed)
         if new_arrived and tier in self._read_backoff:
             self._read_backoff.discard(tier)
-            del self.write_backoff[tier]
-            self._write_tried.pop(tier, None)
-            since = self._backoff_since.pop(tier, self.monotonic())
             log.info("reads from %s work again after %.1f s of failed reads: it is read and written again",
-                     tier.label, self.monotonic() - since)
-        elif (new_failed and not new_arrived and not self.writable(tier) and tier not in self._read_backoff
-              and self.mover.quarantine.failing(tier)):
-            # Reads fail while the tier backs off after failed writes (a dead disk: both fail): the
-            # back-off stands as it is, and the tier is not read either until a read works. Before,
-            # lookups went on offering its blocks, and each acquire lost them (a review's script:
-            # 12 blocks of 6 chains, where 2 are lost now).
+                     tier.label, self._end_backoff(tier))
+        elif (new_failed and not new_arrived and self.mover.quarantine.failing(tier)
+              and (self.writable(tier) or tier not in self._read_backoff)):
+            if self.writable(tier):
+                how = (f"is neither read nor written for {self._start_backoff(tier):g} s (its blocks are misses "
+                       "meanwhile, and blocks that would go down there are dropped instead)")
+            else:
+                # Reads fail while the tier backs off after failed writes (a dead disk: both fail):
+                # that back-off stands as it is. Before, lookups went on offering its blocks, and each
+                # acquire lost them (a review's script: 12 blocks of 6 chains, where 2 are lost now).
+                how = "backs off after failed writes already: it is not read either until a read works"
             self._read_backoff.add(tier)
             self.stats.read_backoffs += 1
-            log.warning("reads from %s failed (%d blocks) while it backs off after failed writes: it is not "
-                        "read either until a read works; replace the disk under memory.nvme_path",
-                        tier.label, new_failed)
-        elif new_failed and not new_arrived and self.writable(tier) and self.mover.quarantine.failing(tier):
-            _, period = self.write_backoff.get(tier, (0.0, 0.0))
-            period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
-            now = self.monotonic()
-            self.write_backoff[tier] = (now + period, period)
-            self._read_backoff.add(tier)
-            self._backoff_since.setdefault(tier, now)
-            self._write_tried[tier] = now
-            self.stats.read_backoffs += 1
-            log.warning("reads from %s failed (%d blocks) on a disk taken to be failing: %s is neither read nor "
-                        "written for %g s (its blocks are misses meanwhile, and blocks that would go down there "
-                        "are dropped instead); replace the disk under memory.nvme_path", tier.label, new_failed,
-                        tier.label, period)
+            log.warning("reads from %s failed (%d blocks) on a disk taken to be failing: %s %s; replace the disk "
+                        "under memory.nvme_path", tier.label, new_failed, tier.label, how)
+
+    def _start_backoff(self, tier: Tier) -> float:
+        """`tier` takes no blocks for a period, twice the last one's while it keeps failing: its length."""
+        _, period = self.write_backoff.get(tier, (0.0, 0.0))
+        period = self.WRITE_BACKOFF_S if not period else min(2 * period, self.WRITE_BACKOFF_MAX_S)
+        now = self.monotonic()
+        self.write_backoff[tier] = (now + period, period)
+        self._backoff_since.setdefault(tier, now)
+        self._write_tried[tier] = now
+        return period
+
+    def _end_backoff(self, tier: Tier) -> float:
+        """`tier`'s back-off is over: the seconds since it began."""
+        del self.write_backoff[tier]
+        self._write_tried.pop(tier, None)
+        return self.monotonic() - self._backoff_since.pop(tier, self.monotonic())
 
     def _writes_work_again(self, tier: Tier, how: str) -> None:
         """End `tier`'s back-off: a write there worked (`how` says which, when not a move's)."""
-        del self.write_backoff[tier]
-        self._write_tried.pop(tier, None)
-        since = self._backoff_since.pop(tier, self.monotonic())
         log.info("writes to %s work again after %.1f s backing off%s: it takes blocks again", tier.label,
-                 self.monotonic() - since, how)
+                 self._end_backoff(tier), how)
 
     # -- probes ----------------------------------------------------------------------------
     def probe_writes(self) -> None:

@@ -45,21 +45,20 @@ class Reads:
             rows = self.table.lookup(keys, layout_id)
         if self.duel is not None and not probe:  # (after the settle: a parked lookup runs again, whole)
             self.duel.offer(keys, layout_id, host_reader=reader != Tier.HBM)
+        # The prefix offered ends before the first block not worth loading: one that loads more
+        # slowly than the engine recomputes it, or one on a failing disk that backs off after
+        # failed reads (backoff.py), which the engine recomputes at once instead.
+        offered = None
         if len(rows) and self.placement.reads_back_off(Tier.NVME):
-            # A failing disk that backs off after failed reads is not read (backoff.py): the prefix
-            # ends before its first block there, which the engine recomputes at once.
-            on = self.table.cols.tier[rows] == int(Tier.NVME)
-            if on.any():
-                cut = int(np.argmax(on))
-                self.access.withheld += len(rows) - cut
-                rows = rows[:cut]
+            offered = self.table.cols.tier[rows] != int(Tier.NVME)
         if len(rows) and self.read_cost.judges(client):
             c = self.table.cols
             worth = self.read_cost.worth(client, self.table.layouts, c.layout[rows], c.tier[rows], reader)
-            if not worth.all():
-                cut = int(np.argmin(worth))
-                self.access.withheld += len(rows) - cut
-                rows = rows[:cut]
+            offered = worth if offered is None else offered & worth
+        if offered is not None and not offered.all():
+            cut = int(np.argmin(offered))
+            self.access.withheld += len(rows) - cut
+            rows = rows[:cut]
         # A probe asks about blocks; no request reads them next: neither prefetched nor followed.
         if (reader == Tier.HBM and not probe and self.prefetcher.base
                 and self._below_hbm(rows[: self.prefetcher.max_window])):

@@ -217,11 +217,11 @@ def test_a_sketch_whose_reservation_is_refused_takes_only_the_counters_it_uses(m
     """Where the system refuses the mapping, the sketch takes plain memory for its width in use (not
     for its largest width: 64 MiB committed where a mapping was just refused), says so, and still
     widens keeping every estimate (a copy each time)."""
-    import dflash2.policy.admission as A
+    import dflash2.table.rowspace as R
 
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
-    monkeypatch.setattr(A, "reserve", refuse)
+    monkeypatch.setattr(R, "reserve", refuse)  # (rowspace's reserve_or_plain falls back)
     sk = FrequencySketch(width=1 << 10, max_width=1 << 16)
     assert "refused a reservation of 262144 counters" in caplog.text and sk.mapped_bytes == 0
     assert sk._cells_buf.nbytes == sk.depth << 10

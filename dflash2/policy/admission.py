@@ -11,14 +11,10 @@ and old popularity fades. All operations are vectorised over numpy arrays of key
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from dflash2.counts import repeats
-from dflash2.table.rowspace import is_mapped, reserve
-
-log = logging.getLogger("dflash2.policy")
+from dflash2.table.rowspace import is_mapped, reserve_or_plain
 
 # Odd 64-bit multipliers (splitmix64 constants and friends): one independent hash per sketch row.
 _SEEDS = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93],
@@ -45,12 +41,7 @@ class FrequencySketch:
 
     @staticmethod
     def _buffer(cells: int, need: int) -> np.ndarray:
-        try:
-            return reserve(np.uint8, cells)
-        except OSError as exc:  # (strict overcommit, an address-space limit)
-            log.warning("frequency sketch: the system refused a reservation of %d counters (%s); taking "
-                        "plain memory for the %d in use, copied at each widening", cells, exc, need)
-            return np.zeros(need, dtype=np.uint8)
+        return reserve_or_plain(np.uint8, cells, need, "frequency sketch", "counters", after=", copied at each widening")
 
     @property
     def mapped_bytes(self) -> int:

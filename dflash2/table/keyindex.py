@@ -24,36 +24,24 @@ whose keys are partly cached, 14 ms against 3 settled, a review's script).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from dflash2.counts import repeats, unique
 from dflash2.keys import fib_slot, fib_slots
-from dflash2.table.rowspace import is_mapped, reserve
-
-log = logging.getLogger("dflash2.table")
+from dflash2.table.rowspace import is_mapped, reserve_or_plain
 
 EMPTY = -1
 TOMB = -2  # (the smaller table only, while it moves over: an entry gone from it)
 
 
-_said_refused = False
-
-
-def _zeros(size: int, dtype) -> np.ndarray:
-    """Zeros over a mapping of 4 KiB pages that take memory once written (rowspace.py `reserve`);
-    numpy's own where the system refuses the mapping (said in the log, the first time)."""
-    global _said_refused
-    try:
-        return reserve(dtype, size, huge=False)
-    except OSError as exc:
-        if not _said_refused:
-            _said_refused = True
-            log.warning("the content-key index takes ordinary memory (a mapping of %d slots was refused: %s), "
-                        "and will whenever a mapping is refused: its doublings may fault in huge pages at once",
-                        size, exc)
-        return np.zeros(size, dtype=dtype)
+def _zeros(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table's keys and rows: zeros over mappings of 4 KiB pages that take memory once written
+    (rowspace.py); numpy's own where the system refuses the mapping (said in the log)."""
+    keys = reserve_or_plain(np.uint64, size, size, "the content-key index", "slots", huge=False,
+                            after=", whose doublings may fault in huge pages at once")
+    rows = (reserve_or_plain(np.int32, size, size, "the content-key index", "slots", huge=False) if is_mapped(keys)
+            else np.zeros(size, dtype=np.int32))  # (the refusal said once)
+    return keys, rows
 
 
 def _probe(tkeys: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -96,8 +84,7 @@ class KeyIndex:
 
     def __init__(self, capacity: int = 1024):
         size = 1 << max(4, (2 * capacity - 1).bit_length())
-        self._keys = _zeros(size, np.uint64)
-        self._rows = _zeros(size, np.int32)
+        self._keys, self._rows = _zeros(size)
         self._n = 0
         # While a doubling moves entries over: the smaller table, and its next slot to move.
         self._old: tuple[np.ndarray, np.ndarray] | None = None
@@ -280,9 +267,7 @@ class KeyIndex:
         filled twice as fast as its entries move."""
         self._move(None)
         self._old, self._old_next = (self._keys, self._rows), 0
-        size = 2 * len(self._keys)
-        self._keys = _zeros(size, np.uint64)
-        self._rows = _zeros(size, np.int32)
+        self._keys, self._rows = _zeros(2 * len(self._keys))
 
     def step(self) -> None:
         """A background step's share of a doubling's move (MOVE_SLOTS slots): a stretch of lookups

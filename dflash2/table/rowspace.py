@@ -67,6 +67,19 @@ def reserve(dtype, rows: int, lead: tuple[int, ...] = (), huge: bool = True) -> 
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(lead + (rows,))
 
 
+def reserve_or_plain(dtype, rows: int, plain_rows: int, what: str, unit: str, huge: bool = True,
+                     after: str = "") -> np.ndarray:
+    """`reserve` one array of `rows`; where the system refuses the mapping (a strict overcommit
+    policy, an address-space limit), plain numpy zeros of the `plain_rows` in use, said in the log
+    (`what` names the owner, `unit` the rows, `after` what the fallback costs)."""
+    try:
+        return reserve(dtype, rows, huge=huge)
+    except OSError as exc:
+        log.warning("%s: the system refused a reservation of %d %s (%s); taking plain memory for the %d in use%s",
+                    what, rows, unit, exc, plain_rows, after)
+        return np.zeros(plain_rows, dtype=dtype)
+
+
 def is_mapped(array: np.ndarray) -> bool:
     """Whether `array` is a view of a reservation (`reserve`): memory that tracemalloc does not see."""
     base = array
