@@ -196,10 +196,12 @@ def test_a_client_finds_the_daemons_gpu_by_uuid_whatever_its_numbering(cuda_conf
     import cupy as cp
     from dflash2.client import Client
     from dflash2.errors import ArenaError
-    from dflash2.gpuid import uuid_text
+    from dflash2.cuda import gpu_uuid
     from dflash2.layout import Layout
     path = cuda_config()
-    uuid = uuid_text(cp.cuda.runtime.getDeviceProperties(0)["uuid"])
+    # (from the driver: CuPy's device properties cut the UUID's bytes at a zero byte, which this
+    # H200's UUID holds: "a GPU UUID has 16 bytes, got 10")
+    uuid = gpu_uuid(0)
     with daemon_on(path):
         with Client.connect(config=path, name="here", layouts=[Layout("bf16", 4, 2, 64, "bf16", 16)], device=0) as c:
             assert c.gpu == 0 and c.gpu_uuid == uuid
