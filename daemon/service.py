@@ -298,6 +298,8 @@ class Service(Forgetting):
             self._drop_session(client)
         for s in self.set_aside.take_all():
             self.managers[s.device].detach(s.client)
+        for m in self.managers.values():
+            m.mover.swap_log.flush()  # said before the shutdown line (swaplog.py)
 
     # -- sessions --------------------------------------------------------------------------
     def _touch(self, client: int, token: str | None) -> Session:

@@ -3,7 +3,7 @@
 `logging.format: json` (the default) writes lines such as
 
     {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "dflash2.swap",
-     "event": "dflash2_swap", "msg": "dflash2_swap", "direction": "hbm->dram", "blocks": 64, ...}
+     "event": "dflash2_swap", "msg": "dflash2_swap", "direction": "hbm->dram", "batches": 1, "blocks": 64, ...}
 
 Every record carries `event`: the name of a structured event, or `log` for a plain message. Fields
 passed in `extra=` become top-level keys. The events the daemon emits:
@@ -13,7 +13,10 @@ passed in `extra=` become top-level keys. The events the daemon emits:
     dflash2_error     (why start-up failed, on stderr, before the exit code)
     dflash2_start     endpoint, device, total_bytes, committed_bytes, policy, metrics_port, history
     dflash2_fallback  what, reason          (a part the config asked for is not used: e.g. no GPU)
-    dflash2_swap      direction, blocks, failed, bytes, seconds   (one per batch move, mover.py)
+    dflash2_swap      direction, batches, blocks, failed, bytes, seconds, over_s   (batch moves: a
+                      direction's first after a quiet spell at once, then one line per 10 s summing
+                      those since; swaplog.py)
+    dflash2_swap_batch  direction, blocks, failed, bytes, seconds   (each batch move, at debug)
     dflash2_shutdown  clients_released, uptime_s
 
 `logging.format: text` writes `TIME LEVEL LOGGER: MESSAGE key=value ...` with the same fields.

@@ -20,6 +20,7 @@ import numpy as np
 from dflash2.counts import distinct
 from dflash2.quarantine import Quarantine
 from dflash2.readcost import ReadCost
+from dflash2.swaplog import SwapLog
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
@@ -95,6 +96,8 @@ class Mover:
         # reads it (a flaky one: 5,342 warnings in 4 minutes); the counts are in `stats` and the
         # metrics all the same.
         self._failure_log = RepeatLimit("batches")
+        # The `dflash2_swap` lines: a direction's batches summed, a line every 10 s at most (swaplog.py).
+        self.swap_log = SwapLog(log)
         # Destination slots whose own write failed with an I/O error (a bad region of the disk): set
         # aside for good, so that no later batch takes them again (dflash2/quarantine.py).
         self.quarantine = Quarantine(table)
@@ -173,9 +176,8 @@ class Mover:
         if self.on_batch is not None:
             self.on_batch(move.src, move.dst, seconds)
         if self.backend is not None:
-            log.info("dflash2_swap", extra={"event": "dflash2_swap", "direction": f"{move.src.label}->{move.dst.label}",
-                                            "blocks": len(move.rows), "failed": int((~ok).sum()),
-                                            "bytes": move.nbytes, "seconds": round(seconds, 6)})
+            self.swap_log.batch(f"{move.src.label}->{move.dst.label}", len(move.rows), int((~ok).sum()),
+                                move.nbytes, seconds)
         return ok
 
     def failed_into(self, dst: Tier) -> int:

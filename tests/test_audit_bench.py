@@ -325,6 +325,7 @@ def test_drain_of_a_small_tier_drains_and_ends_when_it_has(capsys):
     (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
     (["--nvme-mb", "-5"], "argument --nvme-mb: must be an integer >= 0"),
     (["--policy", "belady"], "--policy: 'belady' is not a policy the daemon runs; valid: heat, lfu, lru"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])
 def test_churn_bad_options(capsys, argv, message):
     assert message in usage_error(capsys, "churn", *argv)
@@ -342,6 +343,9 @@ def test_churn_measures_the_daemons_cpu_per_request_while_two_clients_churn_a_fu
     assert r["moves"].get("hbm->dram", 0) > 0 and r["moves"].get("dram->nvme", 0) > 0, r  # the cache churned
     assert r["daemon_cpu_ms_per_request"] > 0 and 0 < r["daemon_cpu_share"] <= 1.5, r
     assert r["daemon_cpu_ms_per_call"] < r["daemon_cpu_ms_per_request"], r
+    # At the default `info`: a line per direction every 10 s at most, not one a batch (swaplog.py;
+    # one a batch wrote 33-41 KB a second in the default churn).
+    assert r["log_level"] == "info" and 0 <= r["log_bytes_per_s"] < 1500, r
     assert set(r["p50_ms"]) == {"lookup", "acquire", "allocate", "commit", "free", "release"}
     assert all(0 < r["p50_ms"][op] <= r["p99_ms"][op] for op in r["p50_ms"]), r
     assert r["duel_served"] >= 0 and r["duel_dropped"] >= 0, r

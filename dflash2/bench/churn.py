@@ -23,7 +23,9 @@ the daemon's `moves` (blocks per direction) over the window; and, with heat, its
 lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's loop could not
 keep up), and at its end `duel_sample` (1 in N keys replayed: coarser than `policy.duel_sample`
 once the loop fell behind), `duel_state` (warming up, judging, off) and `duel_turned_over` (how
-far along a warming duel is: it judges at 1).
+far along a warming duel is: it judges at 1); `log_level` and `log_bytes_per_s` (the daemon's log, its
+stderr, over the window: at the default config's `info` since 2026-12-04's last session; the figures
+before were taken at `warning`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-mb", type=positive_int, default=32, help="DRAM tier in MB (default %(default)s)")
     parser.add_argument("--nvme-mb", type=non_negative_int, default=128,
                         help="NVMe tier in MB, a file in a temporary folder; 0 for none (default %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="the daemon's logging.level (default %(default)s, the default config's)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -83,12 +87,16 @@ def run(args: argparse.Namespace) -> dict:
                                                            for i in range(args.clients)])
                     time.sleep(max(0.0, window[0] - time.time()))
                     before, cpu0, t0 = watcher.stats(), _cpu_s(daemon.pid), time.perf_counter()
+                    log0 = (folder / "daemon.log").stat().st_size
                     time.sleep(max(0.0, window[1] - time.time()))
                     cpu1, t1, after = _cpu_s(daemon.pid), time.perf_counter(), watcher.stats()
+                    logged = (folder / "daemon.log").stat().st_size - log0
                     results = pending.get()
         finally:
             _stop(daemon)
-    return _figures(args, results, before, after, None if cpu0 is None else cpu1 - cpu0, t1 - t0)
+    out = _figures(args, results, before, after, None if cpu0 is None else cpu1 - cpu0, t1 - t0)
+    out["log_bytes_per_s"] = round(logged / (t1 - t0), 1)
+    return out
 
 
 def _start_daemon(folder: Path, endpoint: str, args: argparse.Namespace):
@@ -103,7 +111,7 @@ def _start_daemon(folder: Path, endpoint: str, args: argparse.Namespace):
            "kv_block": {"block_size": LAYOUT.tokens_per_block, "prefetch_window": 4},
            "policy": {"name": args.policy},
            "daemon": {"endpoint": endpoint, "state_dir": str(folder / "state")},
-           "logging": {"format": "text", "level": "warning"}}
+           "logging": {"format": "text", "level": args.log_level}}
     path = folder / "dflash2_config.json"
     path.write_text(json.dumps(cfg))
     return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
@@ -212,7 +220,7 @@ def _figures(args, results: list[dict], before: dict, after: dict, cpu_s: float 
     calls = sum(len(v) for v in lat.values())
     requests = totals["requests"]
     out = {"bench": "churn", "clients": args.clients, "warmup": args.warmup, "seconds": args.seconds,
-           "policy": args.policy,
+           "policy": args.policy, "log_level": args.log_level,
            "hbm_mb": args.hbm_mb, "dram_mb": args.dram_mb, "nvme_mb": args.nvme_mb,
            "requests": requests, "calls": calls,
            "requests_per_s": round(requests / window_s, 1), "calls_per_s": round(calls / window_s, 1),
