@@ -299,7 +299,8 @@ class Service(Forgetting):
         for s in self.set_aside.take_all():
             self.managers[s.device].detach(s.client)
         for m in self.managers.values():
-            m.mover.swap_log.flush()  # said before the shutdown line (swaplog.py)
+            m.settle()  # a drain's copies still in flight end, and their batches are said ...
+            m.mover.swap_log.flush()  # ... before the shutdown line (swaplog.py)
 
     # -- sessions --------------------------------------------------------------------------
     def _touch(self, client: int, token: str | None) -> Session:

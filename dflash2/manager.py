@@ -332,6 +332,7 @@ class BlockManager(Reads):
         else:
             self.placement.start_drains()
         self.prefetcher.settle()
+        self.mover.swap_log.due()  # (a burst's batches said within 10 s: swaplog.py)
         if later:
             # Last: its reads from NVMe are left in flight, and no placement work of this step (the
             # queue's room, a drain) may run while copies are in flight (rebalance.py).

@@ -176,8 +176,8 @@ class Mover:
         if self.on_batch is not None:
             self.on_batch(move.src, move.dst, seconds)
         if self.backend is not None:
-            self.swap_log.batch(f"{move.src.label}->{move.dst.label}", len(move.rows), int((~ok).sum()),
-                                move.nbytes, seconds)
+            self.swap_log.batch(f"{move.src.label}->{move.dst.label}", int(ok.sum()), int((~ok).sum()),
+                                arrived, seconds)
         return ok
 
     def failed_into(self, dst: Tier) -> int:

@@ -7,9 +7,18 @@ quiet spell is said at once, as before, and the batches that follow within SWAP_
 summed into the next line of that direction, which says how many batches it covers (`batches`) and
 over how long (`over_s`). Each batch is also said alone at debug (`dflash2_swap_batch`).
 
-Invariant: every batch is counted in exactly one `dflash2_swap` line, the one that ends its spell
-or, at shutdown, the last (`flush`): summed over the lines, `blocks`, `failed` and `bytes` are the
-totals moved (the metrics hold them too, at every moment).
+A direction's batches kept for its next line are said by the daemon's step once SWAP_LOG_EVERY_S
+has passed since its last line (`due`), whether or not another batch comes: the log lags the moves
+by SWAP_LOG_EVERY_S and a step at most (a crash loses no more than that), and a line after a quiet
+spell covers only that spell's batches.
+
+Fields: `blocks` moved and `bytes` of theirs (the blocks that arrived, as the metrics count them),
+`failed` blocks (left where they were, or dropped when read from NVMe), `batches`, `seconds` (their
+copies' time, summed), `over_s` (from the first batch's end to the line).
+
+Invariant: every batch is counted in exactly one `dflash2_swap` line (`flush` says the rest at
+shutdown): summed over the lines, `blocks`, `failed` and `bytes` are the totals of
+`dflash2_swap_blocks_total`, `dflash2_swap_failed_blocks_total` and `dflash2_swap_bytes_total`.
 """
 
 from __future__ import annotations
@@ -44,8 +53,8 @@ class SwapLog:
         self._pending: dict[str, _Spell] = {}
 
     def batch(self, direction: str, blocks: int, failed: int, nbytes: int, seconds: float) -> None:
-        """One batch move has ended: said now if its direction's last line is SWAP_LOG_EVERY_S old
-        (or there was none), else kept for the next line."""
+        """One batch move has ended (`blocks` moved, `nbytes` of theirs, `failed` not): said now if
+        its direction's last line is SWAP_LOG_EVERY_S old (or there was none), else kept."""
         now = self._clock()
         if self._log.isEnabledFor(logging.DEBUG):
             self._log.debug("dflash2_swap_batch", extra={"event": "dflash2_swap_batch", "direction": direction,
@@ -62,6 +71,17 @@ class SwapLog:
         last = self._last.get(direction)
         if last is None or now - last >= self._every_s:
             self._say(direction, now)
+
+    def due(self) -> None:
+        """Say each direction whose batches wait and whose last line is SWAP_LOG_EVERY_S old (the
+        daemon's step: a burst's batches are said within that time, not at the next batch)."""
+        if not self._pending:
+            return
+        now = self._clock()
+        for direction in list(self._pending):
+            last = self._last.get(direction)
+            if last is None or now - last >= self._every_s:
+                self._say(direction, now)
 
     def flush(self) -> None:
         """Say every direction's batches not said yet (at shutdown: none is left unsaid)."""

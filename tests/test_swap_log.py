@@ -69,16 +69,101 @@ def test_flush_says_what_is_pending_and_debug_says_each_batch():
     assert all(r.levelno == logging.DEBUG for r in lines.events("dflash2_swap_batch"))
 
 
+def test_the_step_says_a_bursts_batches_once_their_time_is_up_without_another_batch():
+    now = [0.0]
+    logger, lines = _logger("test.swaplog.c", logging.INFO)
+    swaps = SwapLog(logger, clock=lambda: now[0])
+    for _ in range(5):  # a burst: the first said at once, four kept
+        swaps.batch("hbm->dram", 2, 0, 2 << 14, 0.001)
+        now[0] += 0.1
+    swaps.due()
+    assert [r.batches for r in lines.events("dflash2_swap")] == [1]  # (not yet 10 s)
+    now[0] = SWAP_LOG_EVERY_S
+    swaps.due()  # the step, with no batch since the burst
+    assert [(r.batches, r.blocks) for r in lines.events("dflash2_swap")] == [(1, 2), (4, 8)]
+    now[0] = 3600.0  # an hour's quiet, then one batch: said at once, alone
+    swaps.due()
+    swaps.batch("hbm->dram", 2, 0, 2 << 14, 0.001)
+    last = lines.events("dflash2_swap")[-1]
+    assert (last.batches, last.over_s) == (1, 0.0)
+
+
+def _lines_of(logger_name: str) -> tuple[Lines, object]:
+    logger = logging.getLogger(logger_name)
+    lines = Lines()
+    saved = logger.level, logger.handlers[:]
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+
+    def restore():
+        logger.setLevel(saved[0])
+        logger.handlers = saved[1]
+    return lines, restore
+
+
+def test_a_batch_whose_blocks_fail_counts_them_as_the_metrics_do(small_nvme_manager):
+    """`blocks` and `bytes` are those that arrived, `failed` the others: summed, the metrics' totals."""
+    m = small_nvme_manager
+    lines, restore = _lines_of("dflash2.swap")
+    try:
+        a = m.attach("writer")
+        lid = m.register_layout(LAYOUT)
+        vids = m.commit(a, m.allocate(a, lid, 8), keys=list(range(1, 9)))
+        m.free(a, vids)
+        start = m.backend.start
+
+        def half_failing(batch):
+            job = start(batch)
+            wait = job.wait
+
+            def failing_wait():
+                ok = wait().copy()
+                ok[::2] = False
+                return ok
+            job.wait = failing_wait
+            return job
+        m.backend.start = half_failing
+        ok = m.mover.move(m.table.rows([int(v) for v in vids]), Tier.DRAM)
+        assert ok.sum() == 4
+        m.close()
+    finally:
+        restore()
+    (line,) = lines.events("dflash2_swap")
+    st = m.mover.stats[(Tier.HBM, Tier.DRAM)]
+    assert (line.blocks, line.failed, line.bytes) == (st.blocks, st.failed_blocks, st.bytes) == (4, 4, 4 * 16384)
+
+
+def test_a_drains_copies_in_flight_at_shutdown_are_said_before_the_shutdown_line(small_nvme_manager):
+    """SIGTERM while a drain piece's copies run and no client is left: the service's shutdown ends
+    them and says their batches (the daemon's `dflash2_shutdown` line comes right after it)."""
+    from dflash2.daemon.service import Service
+
+    m = small_nvme_manager
+    lines, restore = _lines_of("dflash2.swap")
+    try:
+        a = m.attach("writer")
+        lid = m.register_layout(LAYOUT)
+        vids = m.commit(a, m.allocate(a, lid, 62), keys=list(range(1, 63)))  # HBM of 64 over its high watermark
+        m.free(a, vids)
+        m.detach(a)
+        m.tick(drain=False)
+        m.drain_slice(0.0)
+        assert m.placement.in_flight, "no drain piece in flight: the test proves nothing"
+        Service({0: m}, lease_timeout_s=30, heartbeat_interval_s=5).shutdown()
+        said = sum(r.batches for r in lines.events("dflash2_swap"))
+        assert said == sum(st.batches for st in m.mover.stats.values()) > 0
+        m.close()
+        assert sum(r.batches for r in lines.events("dflash2_swap")) == said  # nothing left for after
+    finally:
+        restore()
+
+
 def test_a_managers_moves_under_churn_are_a_line_a_direction_and_sum_to_its_stats(small_nvme_manager):
     """Through a real host manager's copies: batches back and forth between HBM and DRAM, many a
     second, make one line per direction until SWAP_LOG_EVERY_S has passed (one a batch before), and
     the lines, with the one its close says, add up to every block moved."""
     m = small_nvme_manager
-    logger = logging.getLogger("dflash2.swap")
-    lines = Lines()
-    saved = logger.level, logger.handlers[:]
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
+    lines, restore = _lines_of("dflash2.swap")
     try:
         a = m.attach("writer")
         lid = m.register_layout(LAYOUT)
@@ -93,10 +178,9 @@ def test_a_managers_moves_under_churn_are_a_line_a_direction_and_sum_to_its_stat
         assert all(r.batches == 1 and r.blocks == 8 for r in said)
         m.close()  # says the rest
     finally:
-        logger.setLevel(saved[0])
-        logger.handlers = saved[1]
+        restore()
     said = lines.events("dflash2_swap")
-    moved = {f"{src.label}->{dst.label}": st.blocks + st.failed_blocks for (src, dst), st in m.mover.stats.items()}
+    moved = {f"{src.label}->{dst.label}": st.blocks for (src, dst), st in m.mover.stats.items()}
     for direction, blocks in moved.items():
         assert sum(r.blocks for r in said if r.direction == direction) == blocks
     batches = {f"{src.label}->{dst.label}": st.batches for (src, dst), st in m.mover.stats.items()}
