@@ -4,7 +4,9 @@ A reservation asks for enough HBM blocks for a request's expected tokens. The an
 
 - GRANTED: the blocks are taken now (state RESERVED, in HBM) and handed to the request by `take`;
 - DEFERRED: queued (priority first, then arrival), with its position and an estimated wait;
-- REJECTED: it can never fit, the client's share forbids it, the queue is full, or it expired.
+- REJECTED: it can never fit, the client's share forbids it, the queue is full of reservations of its
+  priority or higher (one of higher priority takes the place of the latest of the lowest, whose
+  next call is told it was displaced), or it expired.
 
 Making room demotes idle blocks (nobody references them: cache, whatever the priority of the request
 that wrote them, since a finished request's priority protects nothing and its blocks would otherwise

@@ -14,12 +14,14 @@ from dflash2.alloc import blocks_that_fit
 from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
+from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
                                           Reservation)
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
+ENDED_KEPT = 4096  # reservations whose end is explained to their next call (`_ended_why`)
 
 class Admission:
     def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
@@ -27,6 +29,13 @@ class Admission:
         self.placement = placement
         self.settings = settings
         self.granted: dict[int, Reservation] = {}
+        # Granted and every block taken, until their expiry: a take past the last block, a poll or a
+        # cancel of one is answered as such, not as "unknown, expired or cancelled" (an engine whose
+        # request outgrew its estimate was sent down the wrong path). `give_back` may revive one.
+        self._spent: dict[int, Reservation] = {}
+        # Why the last reservations that left the queue unasked did (displaced from a full queue),
+        # by id, the oldest forgotten past ENDED_KEPT: said to their next poll, take or cancel.
+        self._ended_why: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
         self._waiting: dict[int, Reservation] = {}  # the deferred ones by id
         self._waiting_sizes: collections.Counter[int] = collections.Counter()  # ... by HBM slot size
@@ -47,13 +56,13 @@ class Admission:
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
-        # The bytes of its block size that calls have left movable for the head since room was last
-        # made for it (`became_movable`), and how often in a row that fell short for that head (the
+        # The blocks that calls have left able to leave HBM for the head since room was last made
+        # for it (`became_movable`, loosened.py), and how often in a row that fell short for it (the
         # background step's tries count too): each failure doubles what the next retry waits for (a
         # head whose room cannot be made retried on every commit of a block it could preempt, each
         # a scan of the table); the step makes room for the head anyway, once a step.
         self._fails, self._fails_for = 0, None
-        self._movable_since = 0
+        self._loosened, self._loosened_for = Loosened(table), None
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
 
@@ -104,7 +113,18 @@ class Admission:
             self._rate += demand
             return Decision(Outcome.GRANTED, res.id)
         if len(self.deferred) >= self.settings.max_deferred:
-            return self._reject(f"the deferred queue is full ({self.settings.max_deferred})")
+            last = self.deferred[-1]  # the lowest priority, the latest of it
+            if priority <= last.priority:
+                return self._reject(f"the deferred queue is full ({self.settings.max_deferred} reservations, "
+                                    f"none of a priority below {priority}: admission.max_deferred)")
+            # A full queue keeps the reservations of higher priority: one of lower priority would be
+            # served first while one that would stand ahead of it was turned away (a client's
+            # one-block low-priority reservations, filling the queue, shut every interactive request out).
+            self._drop(last)
+            self.counters["rejected"] += 1
+            self._say_ended(last.id, f"reservation {last.id} was displaced from the full deferred queue "
+                                     f"(admission.max_deferred {self.settings.max_deferred}) by one of priority "
+                                     f"{priority}, above its {last.priority}: reserve again")
         self._enqueue(res)
         self._rate += demand
         self.counters["deferred"] += 1
@@ -114,7 +134,9 @@ class Admission:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
         res = self.find(reservation_id) if client is None else self._owned(client, reservation_id)
         if res is None:
-            raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+            raise ReservationError(self._gone(reservation_id))
+        if res.id in self._spent:
+            return Decision(Outcome.GRANTED, reservation_id, f"all {res.blocks} blocks taken")
         if not res.granted:
             # What fits now is granted now, in order: the bucket may have refilled, or copies that
             # made room ended, since the last call. Room is made only for a head it was not yet
@@ -130,16 +152,27 @@ class Admission:
         was still granted, and taken, past its deadline (a review's script: 1 s after a 0.2 s
         deadline, with `policy.rescore_interval_ms` 3000)."""
         res = self.granted.get(reservation_id) or self._waiting.get(reservation_id)
-        if res is not None and res.expires <= self.table.clock():
+        if res is None:
+            res = self._spent.get(reservation_id)
+            if res is not None and res.expires <= self.table.clock():
+                del self._spent[reservation_id]  # (used whole: not counted as expired)
+                return None
+            return res
+        if res.expires <= self.table.clock():
             self._expire(res)
             return None
         return res
 
     def take(self, client: int, reservation_id: int, n: int) -> np.ndarray:
         """Hand n of a granted reservation's blocks to its request (RESERVED → WRITING)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"a take hands out at least 1 block, got {n!r}")
         res = self._owned(client, reservation_id)
         if not res.granted:
             raise ReservationError(f"reservation {reservation_id} is deferred, not granted yet")
+        if not res.remaining:
+            raise ReservationError(f"reservation {reservation_id}: all its {res.blocks} blocks were taken already, "
+                                   f"asked for {n} more (reserve again for more)")
         if n > res.remaining:
             raise ReservationError(f"reservation {reservation_id} has {res.remaining} blocks left, asked for {n}")
         vids = res.vids[:n]
@@ -148,6 +181,7 @@ class Admission:
         res.taken += n
         if not res.vids:
             del self.granted[res.id]
+            self._spent[res.id] = res
         return np.asarray(vids, dtype=np.int64)
 
     def give_back(self, res: Reservation, vids: np.ndarray) -> bool:
@@ -160,12 +194,16 @@ class Admission:
         self.table.close_write(res.client, vids)
         res.vids = [int(v) for v in vids] + res.vids
         res.taken -= len(vids)
+        self._spent.pop(res.id, None)
         self.granted[res.id] = res  # again, if the take had emptied it
         self._next_expiry = min(self._next_expiry, res.expires)
         return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
         res = self._owned(client, reservation_id)
+        if self._spent.pop(res.id, None) is not None:
+            res.ended = True
+            return  # every block was taken: nothing to give back, and nothing was cancelled
         self._drop(res)
         self.counters["cancelled"] += 1
         self.tick(make_room=False)  # its slots are free room: nothing to demote for that
@@ -232,23 +270,36 @@ class Admission:
         if not len(rows):
             return False
         below = self.placement.lower(Tier.HBM) is not None
-        ok = (c.refs[rows] == 0) & ((c.owner[rows] == NO_CLIENT) | below)  # idle: as `movable` takes them
-        if self.settings.preemption and below:
-            ok |= c.priority[rows] < head.priority
-        n = int(np.count_nonzero(self.table.block_bytes(rows[ok]) == head.block_bytes))
-        if not n:
+        rows = rows[self._may_leave(rows, head, below)]
+        if not len(rows):
             return False
-        self._movable_since += n * self.table.slot_bytes(head.layout_id, Tier.HBM)
+        if self._loosened_for != head.id:
+            self._loosened.clear()
+            self._loosened_for = head.id
+        slot = self.table.slot_bytes(head.layout_id, Tier.HBM)
         short = head.hbm_bytes - self._room(head)  # as of now: frees since count
         fails = self._fails if self._fails_for == head.id else 0
-        if self._movable_since < short << min(fails, 30):
+        want = -(-(short << min(fails, 30)) // slot)
+        # Those that can leave now, counted up each chain from its leaves (loosened.py).
+        if self._loosened.count(rows, lambda r: self._may_leave(r, head, below), head.block_bytes, want) < want:
             return False
         self._room_tried = None
         self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
         return True
 
+    def _may_leave(self, rows: np.ndarray, head: Reservation, below: bool) -> np.ndarray:
+        """Mask over `rows` (resident in HBM, unpinned): idle, as `movable` takes them, or, with
+        preemption and a tier below HBM, a running request's of lower priority than the head."""
+        c = self.table.cols
+        ok = (c.refs[rows] == 0) & ((c.owner[rows] == NO_CLIENT) | below)
+        if self.settings.preemption and below:
+            ok |= c.priority[rows] < head.priority
+        return ok
+
     def remove_client(self, client: int) -> int:
         """The client is gone: its reservations die with it. Returns how many."""
+        for rid in [rid for rid, r in self._spent.items() if r.client == client]:
+            self._spent.pop(rid).ended = True
         mine = [r for r in self.granted.values() if r.client == client]
         mine += [r for r in self.deferred if r.client == client]
         for res in mine:
@@ -297,7 +348,7 @@ class Admission:
             self._make_room(res, need, before + int(self._bucket))
             after = self._room(res)
             self._bucket -= max(0, after - before)
-            self._movable_since = 0
+            self._loosened.clear()
             self._movable_memo.clear()  # room-making moved blocks: the count of what could move is stale
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 self._fails = self._fails + 1 if self._fails_for == res.id else 0
@@ -465,10 +516,19 @@ class Admission:
     def _owned(self, client: int, reservation_id: int) -> Reservation:
         res = self.find(reservation_id)
         if res is None:
-            raise ReservationError(f"reservation {reservation_id} is unknown, expired or cancelled")
+            raise ReservationError(self._gone(reservation_id))
         if res.client != client:
             raise NotOwner(f"reservation {reservation_id} belongs to another client")
         return res
+
+    def _gone(self, reservation_id: int) -> str:
+        """Why a reservation is not there: displaced (`_ended_why`), or unknown, expired or cancelled."""
+        return self._ended_why.get(reservation_id) or f"reservation {reservation_id} is unknown, expired or cancelled"
+
+    def _say_ended(self, reservation_id: int, why: str) -> None:
+        self._ended_why[reservation_id] = why
+        while len(self._ended_why) > ENDED_KEPT:
+            self._ended_why.popitem(last=False)
 
     def _expire(self, res: Reservation) -> None:
         self._drop(res)
@@ -488,10 +548,14 @@ class Admission:
                 self._unwait(res)
                 res.ended = True
             self.counters["expired"] += len(due)
-        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
+        for rid in [rid for rid, r in self._spent.items() if r.expires <= now]:
+            del self._spent[rid]  # (used whole: not counted as expired)
+        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred, *self._spent.values())),
+                                default=math.inf)
 
     def _drop(self, res: Reservation) -> None:
         res.ended = True
+        self._spent.pop(res.id, None)
         if res.granted:
             self.granted.pop(res.id, None)
             if res.vids and res.client in self.table.clients:

@@ -1,0 +1,101 @@
+"""Reservations at their edges (a review of 2026-12-04): a full queue and priority, a reservation
+whose every block was taken, takes of no block, and a chain let go of from its root while a
+reservation waits. Each failed before its fix (dflash2/reservations/). Metadata-only managers on
+the fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash2.errors import ReservationError
+from dflash2.reservations import Outcome
+
+from conftest import SMALL
+from reservation_helpers import settings
+
+
+def test_a_full_queue_takes_a_higher_priority_reservation_in_place_of_its_lowest(make_manager):
+    """Before, a queue full of one client's low-priority reservations rejected every interactive
+    one, and the next free block went to a batch job."""
+    mgr = make_manager(hbm_blocks=4, admission=settings(max_deferred=4))
+    w, bulk, vip = mgr.attach("writer"), mgr.attach("batch"), mgr.attach("interactive")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.allocate(w, lid, 4)  # HBM full of blocks being written
+    low = [mgr.reserve(bulk, lid, 16, priority=-100) for _ in range(4)]
+    assert all(d.outcome is Outcome.DEFERRED for d in low)
+    same = mgr.reserve(bulk, lid, 16, priority=-100)  # no lower one to displace: refused, as before
+    assert same.outcome is Outcome.REJECTED and "queue is full" in same.reason
+    high = mgr.reserve(vip, lid, 16, priority=100)
+    assert high.outcome is Outcome.DEFERRED and high.position == 0
+    # The latest of the lowest priority left the queue, and its client is told why.
+    with pytest.raises(ReservationError, match="displaced from the full deferred queue"):
+        mgr.reservation_status(bulk, low[-1].reservation_id)
+    assert [mgr.reservation_status(bulk, d.reservation_id).outcome for d in low[:3]] == [Outcome.DEFERRED] * 3
+    mgr.free(w, held[:1])
+    assert mgr.reservation_status(vip, high.reservation_id).outcome is Outcome.GRANTED
+    assert mgr.stats()["reservations"]["total_rejected"] == 2
+    mgr.check_invariants()
+
+
+def test_a_reservation_whose_blocks_were_all_taken_says_so(make_manager, clock):
+    """Before, a take past the last block, a poll and a cancel each said "unknown, expired or
+    cancelled": an engine whose request outgrew its estimate took the wrong path."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, 16 * 3)
+    mgr.take(a, d.reservation_id, 2)
+    mgr.take(a, d.reservation_id, 1)
+    with pytest.raises(ReservationError, match="all its 3 blocks were taken already, asked for 1 more"):
+        mgr.take(a, d.reservation_id, 1)
+    polled = mgr.reservation_status(a, d.reservation_id)
+    assert polled.outcome is Outcome.GRANTED and "all 3 blocks taken" in polled.reason
+    mgr.cancel(a, d.reservation_id)  # nothing to give back: no error, not counted as cancelled
+    assert mgr.stats()["reservations"]["total_cancelled"] == 0
+    with pytest.raises(ReservationError, match="unknown, expired or cancelled"):
+        mgr.reservation_status(a, d.reservation_id)
+    # One used whole is forgotten at its expiry, not counted as expired.
+    e = mgr.reserve(a, lid, 16)
+    mgr.take(a, e.reservation_id, 1)
+    clock.advance(31.0)  # (settings: reservation_ttl_s 30)
+    mgr.tick()
+    with pytest.raises(ReservationError, match="unknown, expired or cancelled"):
+        mgr.take(a, e.reservation_id, 1)
+    assert mgr.stats()["reservations"]["total_expired"] == 0
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5])
+def test_a_take_of_no_block_is_refused(make_manager, n):
+    """take(-1) handed out all but the last block and counted `taken` down."""
+    mgr = make_manager(hbm_blocks=8)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, 16 * 3)
+    with pytest.raises(ValueError, match="at least 1 block"):
+        mgr.take(a, d.reservation_id, n)
+    res = mgr.admission.granted[d.reservation_id]
+    assert (res.remaining, res.taken) == (3, 0)
+
+
+@pytest.mark.parametrize("root_first", [True, False])
+def test_a_chain_let_go_of_a_block_at_a_time_makes_room_in_the_release_that_frees_it(make_manager, root_first):
+    """HBM full of one pinned chain, a reservation of 2 blocks waiting. Released root first, each
+    block counted as movable while its leaf was held: the tries fell short, each doubled the next
+    one's bar, and after the last release the reservation waited for the background step."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=64, admission=settings())
+    w, reader, c = mgr.attach("writer"), mgr.attach("reader"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    chain = mgr.commit(w, mgr.allocate(w, lid, 16), keys=list(range(1, 17)))
+    mgr.free(w, chain)
+    mgr.acquire(reader, list(chain))
+    d = mgr.reserve(c, lid, 16 * 2)
+    assert d.outcome is Outcome.DEFERRED
+    order = list(chain) if root_first else list(chain)[::-1]
+    for i, vid in enumerate(order, 1):
+        mgr.release(reader, [vid])
+        if d.reservation_id in mgr.admission.granted:
+            break
+    assert d.reservation_id in mgr.admission.granted, "granted only by the background step"
+    assert i == (16 if root_first else 2)  # (root first, the leaf's release frees the whole chain)
+    mgr.check_invariants()
