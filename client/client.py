@@ -27,7 +27,7 @@ import numpy as np
 from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.held import HeldPlaces
-from dflash2.client.transport import Transport, check_endpoint, pid_namespace
+from dflash2.client.transport import Transport, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
 from dflash2.keys import key_array
@@ -74,14 +74,41 @@ def _config(config):
     return config if isinstance(config, Config) else load_config(config or "dflash2_config.json")
 
 
+def vid_array(vids) -> np.ndarray:
+    """Block ids as the wire's int64s. Only integers: a float id was cut to another block's without a
+    word (ids are near 2^61, where a float64 keeps multiples of 512: a commit of block 1 given as
+    floats published block 0's unwritten bytes under the key), and a bool is no id."""
+    arr = np.asarray(vids)
+    if arr.size and (arr.dtype.kind not in "iu" if arr.dtype != object
+                     else not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.flat)):
+        raise TypeError(f"block ids are integers, got an array of {arr.dtype}"
+                        + ("" if arr.dtype != object else " holding a non-integer"))
+    return np.ascontiguousarray(arr, dtype=P.VIDS_DTYPE).reshape(-1)
+
+
 def _vids(vids) -> bytes:
-    return np.ascontiguousarray(vids, dtype=P.VIDS_DTYPE).tobytes()
+    return vid_array(vids).tobytes()
+
+
+def _int(name: str, value) -> int:
+    """An integer argument, as the daemon takes it: `int()` turned 2.9 blocks into 2 and layout 0.9
+    into layout 0 without a word (the daemon refuses floats; here they never reached it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _keys(keys) -> bytes:
     """Content keys as the wire's uint64s (`key_array`: ValueError for any that is not an integer in
     [0, 2^64))."""
     return key_array(keys).astype(P.KEYS_DTYPE, copy=False).tobytes()
+
+
+def _reservation(result: dict) -> Reservation:
+    """The decision from a reply's fields, those this client knows: a newer daemon may append
+    fields (protocol.py), and `Reservation(**result)` raised TypeError on them (the reservation
+    held, its id never learned)."""
+    return Reservation(**{f.name: result[f.name] for f in dataclasses.fields(Reservation) if f.name in result})
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -110,7 +137,7 @@ class Client:
         self.endpoint = endpoint
         self.gpu = device  # the GPU this client serves (None: the daemon's first)
         self.name = name
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = check_timeout(timeout_s)
         self._lock = threading.Lock()
         # Why the daemon answered this client's last `allocate` or `acquire` that returned None
         # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
@@ -326,11 +353,11 @@ class Client:
         """This engine recomputes KV of `layout` at `tokens_per_s` (None withdraws the rate): the
         daemon's lookups for this client then stop a prefix before the first block whose read back
         would take longer than recomputing it."""
-        self._call(Op.PREFILL_RATE, {"layout": int(layout), "tokens_per_s": tokens_per_s})
+        self._call(Op.PREFILL_RATE, {"layout": _int("layout", layout), "tokens_per_s": tokens_per_s})
 
     def layout(self, layout_id: int) -> Layout:
         try:
-            return self._layouts[int(layout_id)]
+            return self._layouts[_int("layout_id", layout_id)]
         except KeyError:
             raise ArenaError(f"layout id {layout_id} was not registered by this client; register_layout it "
                              "to view its blocks") from None
@@ -338,23 +365,24 @@ class Client:
     # -- reservations ----------------------------------------------------------------------
     def reserve(self, layout: int, tokens: int, priority: int = 0, deadline_s: float | None = None,
                 request: int = 0) -> Reservation:
-        args = {"layout": int(layout), "tokens": int(tokens), "priority": int(priority), "request": int(request)}
+        args = {"layout": _int("layout", layout), "tokens": _int("tokens", tokens),
+                "priority": _int("priority", priority), "request": _int("request", request)}
         if deadline_s is not None:
             args["deadline_s"] = float(deadline_s)
-        return Reservation(**self._call(Op.RESERVE, args).result)
+        return _reservation(self._call(Op.RESERVE, args).result)
 
     def reservation(self, reservation_id: int) -> Reservation:
         """Where a reservation stands now: a deferred one that fits by now is granted by this call
         (poll it about `est_wait_s` after the last answer)."""
-        return Reservation(**self._call(Op.RESERVATION, {"reservation": int(reservation_id)}).result)
+        return _reservation(self._call(Op.RESERVATION, {"reservation": _int("reservation_id", reservation_id)}).result)
 
     def take(self, reservation_id: int, n: int) -> np.ndarray:
         """n blocks of a granted reservation, to write (their places; views are valid until commit)."""
-        reply = self._call(Op.TAKE, {"reservation": int(reservation_id), "n": int(n)})
+        reply = self._call(Op.TAKE, {"reservation": _int("reservation_id", reservation_id), "n": _int("n", n)})
         return self._held.writing(_places(reply.arrays[0]))
 
     def cancel(self, reservation_id: int) -> None:
-        self._call(Op.CANCEL, {"reservation": int(reservation_id)})
+        self._call(Op.CANCEL, {"reservation": _int("reservation_id", reservation_id)})
 
     # -- blocks ----------------------------------------------------------------------------
     def allocate(self, layout: int, n: int, request: int = 0, priority: int = 0,
@@ -362,7 +390,8 @@ class Client:
         """n private blocks to write (in HBM, or tier="dram" for a host-side writer), outside any
         reservation; None when that tier has no room now (DaemonError of kind NeverFits when n
         blocks exceed the whole tier)."""
-        args = {"layout": int(layout), "n": int(n), "request": int(request), "priority": int(priority)}
+        args = {"layout": _int("layout", layout), "n": _int("n", n), "request": _int("request", request),
+                "priority": _int("priority", priority)}
         if tier != "hbm":
             args["tier"] = tier
         reply = self._call(Op.ALLOCATE, args)
@@ -380,8 +409,9 @@ class Client:
         if keys is not None and len(keys) != len(vids):
             # (An empty key list went as "no keys": the blocks were committed unkeyed, never found.)
             raise ValueError(f"commit of {len(vids)} blocks with {len(keys)} content keys (keys=None: no keys)")
-        args = {} if parent is None else {"parent": int(parent)}
-        arrays = [_vids(vids), b"" if keys is None else _keys(keys)]
+        args = {} if parent is None else {"parent": _int("parent", parent)}
+        vids = vid_array(vids)
+        arrays = [vids.tobytes(), b"" if keys is None else _keys(keys)]
         try:
             reply = self._call(Op.COMMIT, args, arrays)
         except DaemonUnavailable:
@@ -403,7 +433,7 @@ class Client:
         """`lookup`, and how many cached blocks past the answer were withheld because reading them
         back would cost more than recomputing them (0 without a prefill rate), or they lie on a
         failing NVMe disk that backs off after failed reads."""
-        args = {} if layout is None else {"layout": int(layout)}
+        args = {} if layout is None else {"layout": _int("layout", layout)}
         if tier != "hbm":
             args["tier"] = tier
         if probe:
@@ -422,7 +452,7 @@ class Client:
         only from those of that priority or lower, and the blocks read carry at least it."""
         args = {} if tier == "hbm" else {"tier": tier}
         if priority is not None:
-            args["priority"] = int(priority)
+            args["priority"] = _int("priority", priority)
         reply = self._call(Op.ACQUIRE, args, [_vids(vids)])
         if not reply.result.get("acquired"):
             self.last_refusal = reply.result.get("reason")
@@ -433,23 +463,25 @@ class Client:
         """Give up one pin per block. Whatever the answer, the pins are given up here: a release
         that timed out may have run, and a block no longer pinned may move under a view by vid
         (release again to be sure: NotOwner then says the daemon had let it go)."""
+        vids = vid_array(vids)  # (refused before anything is given up here)
         try:
-            self._call(Op.RELEASE, {}, [_vids(vids)])
+            self._call(Op.RELEASE, {}, [vids.tobytes()])
         finally:
             self._held.released(vids)
 
     def free(self, vids) -> int:
         """Drop one reference per block (a block being written is freed); as with `release`, the
         blocks are no longer viewable by vid as written ones here, whatever the answer."""
+        vids = vid_array(vids)
         try:
-            return int(self._call(Op.FREE, {}, [_vids(vids)]).result["freed"])
+            return int(self._call(Op.FREE, {}, [vids.tobytes()]).result["freed"])
         finally:
             self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
 
     def add_ref(self, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they are protected as
         a running request of that priority (a shared prefix, as the highest-priority user's)."""
-        self._call(Op.ADD_REF, {} if priority is None else {"priority": int(priority)}, [_vids(vids)])
+        self._call(Op.ADD_REF, {} if priority is None else {"priority": _int("priority", priority)}, [_vids(vids)])
 
     def places(self, vids) -> np.ndarray:
         return _places(self._call(Op.PLACES, {}, [_vids(vids)]).arrays[0])

@@ -17,10 +17,12 @@ transport of its own (ZeroMQ sockets must not be shared between threads).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import zmq
 
 from dflash2 import protocol as P
@@ -56,11 +58,21 @@ GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this oft
 # call a few microseconds more, pyzmq building a poller for it.)
 
 
+def check_timeout(value) -> float:
+    """A call's timeout: a number of seconds above 0, inf for none (0 or less gave each call about
+    1 ms, a detach among them, whose session then held its blocks until its lease lapsed; NaN and a
+    string failed deep in a lock or a comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or math.isnan(value) or value <= 0:
+        raise ValueError(f"timeout_s must be a number of seconds above 0 (inf: none), got {value!r}")
+    return float(value)
+
+
 class Transport:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, *, context: zmq.Context | None = None,
                  version: int = P.VERSION, gone: Callable[[], bool] | None = None):
         self.endpoint = endpoint
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
         self.version = version  # only tests speak another version
         self._ctx = context or zmq.Context.instance()

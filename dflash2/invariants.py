@@ -63,7 +63,7 @@ def check_invariants(table: BlockTable, in_flight_bytes: dict | None = None,
     for holder in table.clients.values():  # the share check's bound, kept as references change
         rows = np.fromiter(holder.refs.keys(), dtype=np.int64, count=len(holder.refs))
         counts = np.fromiter(holder.refs.values(), dtype=np.int64, count=len(holder.refs))
-        taken = table.ref_slots(np.repeat(rows, counts))
+        taken = table.ref_slots(rows, counts)
         if holder.ref_slot_bytes != taken:
             problems.append(f"client {holder.client_id} counts {holder.ref_slot_bytes} bytes of references, "
                             f"its references take {taken}")

@@ -10,6 +10,7 @@ from fractions import Fraction
 from dflash2.errors import LayoutError
 
 MAX_BLOCK_BYTES = (1 << 63) - 1  # a block's bytes must fit the daemon's int64 columns
+MAX_LAYOUT_NAME_CHARS = 512  # (sglang's names hold the model's path)
 
 # Bits per element. 4-bit values are packed two to a byte.
 DTYPE_BITS: dict[str, int] = {
@@ -43,8 +44,13 @@ class Layout:
     mla_rope_dim: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise LayoutError("layout name must not be empty")
+        if not isinstance(self.name, str) or not self.name:
+            raise LayoutError(f"layout name must be a non-empty string, got {self.name!r}")
+        if len(self.name) > MAX_LAYOUT_NAME_CHARS:
+            # (the daemon keeps every layout registered for its life: a client's megabyte names
+            # held a megabyte each)
+            raise LayoutError(f"layout name {self.name[:40]!r}... has {len(self.name)} characters, more than "
+                              f"{MAX_LAYOUT_NAME_CHARS}")
         for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "mla_latent_dim", "mla_rope_dim"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

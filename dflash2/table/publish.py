@@ -113,14 +113,14 @@ class Publishing:
             self.pinned_copies[row] = int(self.vids(np.array([existing]))[0])
             holder.refs.pop(row, None)
             c.refs[row] -= refs
-            holder.ref_slot_bytes -= self.ref_slots(np.full(refs, row, dtype=np.int64))
+            holder.ref_slot_bytes -= self.ref_slots(np.array([row]), [refs])
         else:
             if (c.tier[row] < c.tier[existing] and c.state[existing] == int(S.RESIDENT)
                     and c.pins[existing] == 0 and c.layout[row] == c.layout[existing]):
                 self._swap_slots(row, existing)
-            self._drop_refs(holder, np.full(refs, row, dtype=np.int64))  # the last one frees the copy
+            self._drop_refs_of(holder, row, refs)  # all of them: the copy is freed
         holder.refs[existing] += refs
-        holder.ref_slot_bytes += self.ref_slots(np.full(refs, existing, dtype=np.int64))
+        holder.ref_slot_bytes += self.ref_slots(np.array([existing]), [refs])
         c.refs[existing] += refs
 
     def _swap_slots(self, row: int, existing: int) -> None:

@@ -82,8 +82,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         self.keys = KeyIndex(capacity)
         self.layouts: list[Layout] = []
         self._layout_ids: dict[Layout, int] = {}  # each registered layout's id (its place in `layouts`)
-        # Per tier, slot bytes per layout id, and block bytes per layout id: kept until a layout is
-        # registered (keyed by how many there were).
+        # Per tier, slot and block bytes per layout id: kept until a layout is registered (keyed by how many).
         self._per_layout: dict[object, tuple[int, np.ndarray]] = {}
         self.clients: dict[int, ClientRefs] = {}
         self._next_client = 1
@@ -133,12 +132,13 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             kept = self._per_layout[what] = (len(self.layouts), values)
         return kept[1]
 
-    def ref_slots(self, rows: np.ndarray) -> int:
-        """HBM slot bytes of these rows' blocks (a row listed twice counts twice), wherever they
-        lie: what `ClientRefs.ref_slot_bytes` adds up. 0 on a table with no HBM tier."""
+    def ref_slots(self, rows: np.ndarray, counts: np.ndarray | None = None) -> int:
+        """HBM slot bytes of these rows' blocks wherever they lie (a row listed twice, or `counts` times,
+        counts so; 0 with no HBM tier): what `ClientRefs.ref_slot_bytes` adds up."""
         if Tier.HBM not in self.allocators or not len(rows):
             return 0
-        return int(self.slot_sizes(Tier.HBM)[self.cols.layout[rows]].sum())
+        slots = self.slot_sizes(Tier.HBM)[self.cols.layout[rows]].astype(np.int64)
+        return int(slots.sum() if counts is None else slots @ np.asarray(counts, dtype=np.int64))
 
     def layout(self, layout_id: int) -> Layout:
         if not 0 <= layout_id < len(self.layouts):
@@ -320,6 +320,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         holder = self.client(client_id)
         rows = self.usable_rows(client_id, vids)
         np.add.at(self.cols.refs, rows, 1)
+        self._within_holds(self.cols.refs, rows, "references")
         holder.refs.update(rows.tolist())
         holder.ref_slot_bytes += self.ref_slots(rows)
 
@@ -379,6 +380,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         else:
             for r in listed:
                 self.cols.pins[r] += 1
+        self._within_holds(self.cols.pins, rows, "pins")
         holder.pins.update(listed)  # counted in C, not one Python step per row
 
     def _owned_rows(self, client_id: int, vids) -> np.ndarray:
