@@ -99,3 +99,19 @@ def test_a_chain_let_go_of_a_block_at_a_time_makes_room_in_the_release_that_free
     assert d.reservation_id in mgr.admission.granted, "granted only by the background step"
     assert i == (16 if root_first else 2)  # (root first, the leaf's release frees the whole chain)
     mgr.check_invariants()
+
+
+def test_a_chain_idle_but_for_its_pinned_leaf_makes_room_when_the_leaf_is_let_go_of(make_manager):
+    """Only the leaf was pinned; the rest of the chain was idle before room was tried, held in HBM
+    by the leaf. Its release frees the whole chain, which counted one block before."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=64, admission=settings())
+    w, reader, c = mgr.attach("writer"), mgr.attach("reader"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    chain = mgr.commit(w, mgr.allocate(w, lid, 16), keys=list(range(1, 17)))
+    mgr.free(w, chain)
+    mgr.acquire(reader, [chain[-1]])
+    d = mgr.reserve(c, lid, 16 * 3)
+    assert d.outcome is Outcome.DEFERRED
+    mgr.release(reader, [chain[-1]])
+    assert d.reservation_id in mgr.admission.granted, "granted only by the background step"
+    mgr.check_invariants()

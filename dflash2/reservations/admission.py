@@ -281,7 +281,7 @@ class Admission:
         fails = self._fails if self._fails_for == head.id else 0
         want = -(-(short << min(fails, 30)) // slot)
         # Those that can leave now, counted up each chain from its leaves (loosened.py).
-        if self._loosened.count(rows, lambda r: self._may_leave(r, head, below), head.block_bytes, want) < want:
+        if self._loosened.count(rows, head.block_bytes, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
         self._room_tried = None
         self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
