@@ -14,6 +14,7 @@ from dflash2.alloc import blocks_that_fit
 from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
+from dflash2.reservations.ended import Ended
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
                                           Reservation)
@@ -21,7 +22,6 @@ from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
-ENDED_KEPT = 4096  # reservations whose end is explained to their next call (`_ended_why`)
 
 class Admission:
     def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
@@ -29,13 +29,8 @@ class Admission:
         self.placement = placement
         self.settings = settings
         self.granted: dict[int, Reservation] = {}
-        # Granted and every block taken, until their expiry: a take past the last block, a poll or a
-        # cancel of one is answered as such, not as "unknown, expired or cancelled" (an engine whose
-        # request outgrew its estimate was sent down the wrong path). `give_back` may revive one.
-        self._spent: dict[int, Reservation] = {}
-        # Why the last reservations that left the queue unasked did (displaced from a full queue),
-        # by id, the oldest forgotten past ENDED_KEPT: said to their next poll, take or cancel.
-        self._ended_why: collections.OrderedDict[int, str] = collections.OrderedDict()
+        # Reservations spent (every block taken) or displaced, to say so to their next call (ended.py).
+        self._ended = Ended()
         self.deferred: list[Reservation] = []  # kept sorted: priority desc, then id (arrival)
         self._waiting: dict[int, Reservation] = {}  # the deferred ones by id
         self._waiting_sizes: collections.Counter[int] = collections.Counter()  # ... by HBM slot size
@@ -122,7 +117,7 @@ class Admission:
             # one-block low-priority reservations, filling the queue, shut every interactive request out).
             self._drop(last)
             self.counters["rejected"] += 1
-            self._say_ended(last.id, f"reservation {last.id} was displaced from the full deferred queue "
+            self._ended.displaced(last.id, f"reservation {last.id} was displaced from the full deferred queue "
                                      f"(admission.max_deferred {self.settings.max_deferred}) by one of priority "
                                      f"{priority}, above its {last.priority}: reserve again")
         self._enqueue(res)
@@ -134,8 +129,8 @@ class Admission:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
         res = self.find(reservation_id) if client is None else self._owned(client, reservation_id)
         if res is None:
-            raise ReservationError(self._gone(reservation_id))
-        if res.id in self._spent:
+            raise ReservationError(self._ended.gone(reservation_id))
+        if res.id in self._ended.spent:
             return Decision(Outcome.GRANTED, reservation_id, f"all {res.blocks} blocks taken")
         if not res.granted:
             # What fits now is granted now, in order: the bucket may have refilled, or copies that
@@ -153,11 +148,7 @@ class Admission:
         deadline, with `policy.rescore_interval_ms` 3000)."""
         res = self.granted.get(reservation_id) or self._waiting.get(reservation_id)
         if res is None:
-            res = self._spent.get(reservation_id)
-            if res is not None and res.expires <= self.table.clock():
-                del self._spent[reservation_id]  # (used whole: not counted as expired)
-                return None
-            return res
+            return self._ended.find(reservation_id, self.table.clock())
         if res.expires <= self.table.clock():
             self._expire(res)
             return None
@@ -181,7 +172,7 @@ class Admission:
         res.taken += n
         if not res.vids:
             del self.granted[res.id]
-            self._spent[res.id] = res
+            self._ended.spend(res, self.table.clock())
         return np.asarray(vids, dtype=np.int64)
 
     def give_back(self, res: Reservation, vids: np.ndarray) -> bool:
@@ -194,14 +185,14 @@ class Admission:
         self.table.close_write(res.client, vids)
         res.vids = [int(v) for v in vids] + res.vids
         res.taken -= len(vids)
-        self._spent.pop(res.id, None)
+        self._ended.unspend(res)
         self.granted[res.id] = res  # again, if the take had emptied it
         self._next_expiry = min(self._next_expiry, res.expires)
         return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
         res = self._owned(client, reservation_id)
-        if self._spent.pop(res.id, None) is not None:
+        if self._ended.unspend(res):
             res.ended = True
             return  # every block was taken: nothing to give back, and nothing was cancelled
         self._drop(res)
@@ -298,8 +289,7 @@ class Admission:
 
     def remove_client(self, client: int) -> int:
         """The client is gone: its reservations die with it. Returns how many."""
-        for rid in [rid for rid, r in self._spent.items() if r.client == client]:
-            self._spent.pop(rid).ended = True
+        self._ended.drop_client(client)
         mine = [r for r in self.granted.values() if r.client == client]
         mine += [r for r in self.deferred if r.client == client]
         for res in mine:
@@ -516,19 +506,10 @@ class Admission:
     def _owned(self, client: int, reservation_id: int) -> Reservation:
         res = self.find(reservation_id)
         if res is None:
-            raise ReservationError(self._gone(reservation_id))
+            raise ReservationError(self._ended.gone(reservation_id))
         if res.client != client:
             raise NotOwner(f"reservation {reservation_id} belongs to another client")
         return res
-
-    def _gone(self, reservation_id: int) -> str:
-        """Why a reservation is not there: displaced (`_ended_why`), or unknown, expired or cancelled."""
-        return self._ended_why.get(reservation_id) or f"reservation {reservation_id} is unknown, expired or cancelled"
-
-    def _say_ended(self, reservation_id: int, why: str) -> None:
-        self._ended_why[reservation_id] = why
-        while len(self._ended_why) > ENDED_KEPT:
-            self._ended_why.popitem(last=False)
 
     def _expire(self, res: Reservation) -> None:
         self._drop(res)
@@ -548,14 +529,11 @@ class Admission:
                 self._unwait(res)
                 res.ended = True
             self.counters["expired"] += len(due)
-        for rid in [rid for rid, r in self._spent.items() if r.expires <= now]:
-            del self._spent[rid]  # (used whole: not counted as expired)
-        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred, *self._spent.values())),
-                                default=math.inf)
+        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
 
     def _drop(self, res: Reservation) -> None:
         res.ended = True
-        self._spent.pop(res.id, None)
+        self._ended.unspend(res)
         if res.granted:
             self.granted.pop(res.id, None)
             if res.vids and res.client in self.table.clients:

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflash2.errors import ImmutableBlock
+from dflash2.errors import ImmutableBlock, QuotaExceeded
 from dflash2.keys import key_array
+from dflash2.table import release
 from dflash2.table.columns import NO_CLIENT, NO_ROW, no_repeats
 from dflash2.table.keyindex import EMPTY
 from dflash2.table.states import BlockState, check_transition
@@ -61,7 +62,10 @@ class Publishing:
         if clash.any():
             raise ImmutableBlock(f"content key {int(ukeys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
                                  "for another layout: content keys must be namespaced per layout (model, precision, shard)")
-        if (owner_row == rows).all():
+        dup = np.flatnonzero(owner_row != rows)
+        if len(dup):
+            self._refuse_past_holds(client_id, owner_row[dup], rows[dup], ukeys[dup])
+        if not len(dup):
             # Every key new, none given twice (the usual commit): published at once, in arrays.
             c.state[rows] = S.RESIDENT
             c.key[rows] = ukeys
@@ -87,6 +91,20 @@ class Publishing:
             prev = row
         self._may_move(out)  # RESIDENT and ownerless (a twin: a reference of it moved, its slot may have)
         return self.vids(out)
+
+    def _refuse_past_holds(self, client_id: int, twins: np.ndarray, rows: np.ndarray, keys: np.ndarray) -> None:
+        """QuotaExceeded, before anything changes, when deduplicating `rows` onto `twins` would take
+        a twin past MAX_HOLDS references: each brings the writer's references on it (successive
+        commits added them up past 2^31, and the int32 count wrapped)."""
+        refs = self.clients[client_id].refs
+        brought = np.array([refs.get(r, 0) for r in rows.tolist()], dtype=np.int64)
+        at, which = np.unique(twins, return_inverse=True)
+        total = self.cols.refs[at].astype(np.int64) + np.bincount(which, weights=brought).astype(np.int64)
+        over = np.flatnonzero(total > release.MAX_HOLDS)
+        if len(over):
+            key = int(keys[int(np.flatnonzero(which == over[0])[0])])
+            raise QuotaExceeded(f"content key {key:#x}: its cached block would hold {int(total[over[0]])} references, "
+                                f"more than {release.MAX_HOLDS} (of all clients together)")
 
     def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
         """The client wrote a block that is already cached: move its references to the cached one

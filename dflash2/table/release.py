@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from dflash2.table.table import ClientRefs
 
 # References, and pins, a block holds at most (all clients together): the int32 columns wrap at 2^31
-# (`_within_holds`), and two such counts still fit (a deduplicating commit adds a writer's references
-# to its cached twin's); no engine shares one block among a billion requests.
+# (`_within_holds`; a deduplicating commit checks the references it adds to a cached twin:
+# publish.py `_refuse_past_holds`); no engine shares one block among a billion requests.
 MAX_HOLDS = (1 << 30) - 1
 
 
