@@ -79,11 +79,20 @@ def vid_array(vids) -> np.ndarray:
     word (ids are near 2^61, where a float64 keeps multiples of 512: a commit of block 1 given as
     floats published block 0's unwritten bytes under the key), and a bool is no id."""
     arr = np.asarray(vids)
-    if arr.size and (arr.dtype.kind not in "iu" if arr.dtype != object
-                     else not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.flat)):
-        raise TypeError(f"block ids are integers, got an array of {arr.dtype}"
-                        + ("" if arr.dtype != object else " holding a non-integer"))
-    return np.ascontiguousarray(arr, dtype=P.VIDS_DTYPE).reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        if isinstance(vids, np.ndarray) or hasattr(vids, "dtype"):  # (an array, a tensor: its dtype says)
+            raise TypeError(f"block ids are integers, got an array of {arr.dtype}")
+        # A list of numpy uint64 and Python ints becomes float64 (numpy's promotion): by element.
+        items = np.asarray(vids, dtype=object).reshape(-1)
+        odd = next((v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))), None)
+        if odd is not None:
+            raise TypeError(f"block ids are integers, got {odd!r}")
+        ints = [int(v) for v in items]
+        bad = next((v for v in ints if not 0 <= v < 1 << 64), None)
+        if bad is not None:
+            raise ValueError(f"block id {bad} is out of range")
+        arr = np.array(ints, dtype=np.uint64)
+    return np.ascontiguousarray(arr.reshape(-1)).astype(P.VIDS_DTYPE, copy=False)
 
 
 def _vids(vids) -> bytes:
@@ -132,8 +141,9 @@ def _uuid_of_local_device(device: int) -> str | None:
 class Client:
     def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
                  heartbeat: bool = True, device: int | None = None,
-                 prefill_tokens_per_s: Sequence[float | None] | None = None):
+                 prefill_tokens_per_s: Sequence[float | None] | None = None, host_only: bool = False):
         check_endpoint(endpoint)
+        self.host_only = bool(host_only)
         self.endpoint = endpoint
         self.gpu = device  # the GPU this client serves (None: the daemon's first)
         self.name = name
@@ -159,9 +169,12 @@ class Client:
     @classmethod
     def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,
                 layouts: Sequence[Layout] = (), timeout_s: float | None = None, heartbeat: bool = True,
-                device: int | None = None, prefill_tokens_per_s: Sequence[float | None] | None = None) -> "Client":
+                device: int | None = None, prefill_tokens_per_s: Sequence[float | None] | None = None,
+                host_only: bool = False) -> "Client":
         """Attach to the daemon. `device` names the GPU this process serves: its blocks live in that
-        GPU's pool and views map that GPU's arena. Every call times out after `timeout_s` (default:
+        GPU's pool and views map that GPU's arena. `host_only`: map no GPU arena (a client that reads
+        and writes host tiers only, such as sglang's storage backend, may attach to another GPU's
+        pool without a CUDA context on that GPU; a view of a block in HBM is refused). Every call times out after `timeout_s` (default:
         the config's `daemon.request_timeout_s`, or 5 s when only an endpoint is given).
         `prefill_tokens_per_s`, one per layout (None where unknown): how fast this engine recomputes
         KV of that layout; lookups then offer only blocks that load faster than that (cost-aware
@@ -171,7 +184,7 @@ class Client:
             endpoint = endpoint or cfg.client_endpoint()
             timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
         return cls(endpoint, name or f"pid-{os.getpid()}", layouts, 5.0 if timeout_s is None else timeout_s,
-                   heartbeat, device, prefill_tokens_per_s)
+                   heartbeat, device, prefill_tokens_per_s, host_only)
 
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool,
@@ -207,7 +220,8 @@ class Client:
         try:
             # The daemon's liveness object (absent from an older daemon) comes with the mappings: it
             # tells when they are a dead daemon's (_daemon_gone).
-            self._arenas = ArenaMap(self.arena_info, r.get("liveness"))
+            mapped = [d for d in self.arena_info if not (self.host_only and d.get("kind") == "cuda")]
+            self._arenas = ArenaMap(mapped, r.get("liveness"))
         except Exception:
             self.detach()
             raise

@@ -70,7 +70,8 @@ class ArenaMap:
         if arena is None:
             label = Tier(tier).label if tier in Tier._value2member_map_ else str(tier)
             raise ArenaError(f"block {int(place['vid']):#x} lies in the {label} tier, which this client "
-                             "has not mapped (acquire it to bring it to HBM first)")
+                             "has not mapped (acquire it to bring it to HBM first; a host_only client maps no "
+                             "GPU arena)")
         try:
             return arena.view(int(place["offset"]), int(place["nbytes"]))
         except ArenaError:

@@ -152,3 +152,38 @@ def test_a_deduplicating_commit_moves_many_references_at_once(make_manager):
     mgr.detach(w)
     assert mgr.table.cols.refs[mgr.table.rows([cached])[0]] == 1
     mgr.check_invariants()
+
+
+def test_a_deduplicating_commit_that_would_pass_max_holds_is_refused_before_anything_changes(make_manager,
+                                                                                             monkeypatch):
+    """A writer's references moved onto the cached twin unchecked: successive commits added them up
+    past 2^31 and the int32 count wrapped (a review's script)."""
+    from dflash2.table import release
+
+    monkeypatch.setattr(release, "MAX_HOLDS", 100)
+    mgr = make_manager(hbm_blocks=8)
+    a, w = mgr.attach("a"), mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    (cached,) = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[9])
+    mgr.add_ref(a, [cached] * 59)  # 60 on the cached block
+    mine = mgr.allocate(w, lid, 1)
+    mgr.add_ref(w, list(mine) * 40)  # 41 on the writer's
+    with pytest.raises(QuotaExceeded, match="content key 0x9: its cached block would hold 101 references"):
+        mgr.commit(w, mine, keys=[9])
+    rows = mgr.table.rows([cached, mine[0]])
+    assert mgr.table.cols.refs[rows].tolist() == [60, 41]
+    assert mgr.table.cols.state[rows[1]] == 2  # (still WRITING: the commit changed nothing)
+    mgr.free(a, [cached] * 20)
+    assert mgr.commit(w, mine, keys=[9]).tolist() == [cached]  # 40 + 41 fit now
+    mgr.check_invariants()
+
+
+def test_block_ids_of_numpy_and_python_integers_mixed_are_read_exactly():
+    """numpy promotes a list of uint64 and Python ints to float64: it was refused as floats."""
+    from dflash2.client.client import vid_array
+
+    assert vid_array([np.uint64(0x2000000000000001), 0x2000000000000002]).tolist() == [
+        0x2000000000000001, 0x2000000000000002]
+    assert vid_array([]).tolist() == [] and vid_array([np.int64(3), 4]).tolist() == [3, 4]
+    with pytest.raises(TypeError, match="got 2.0"):
+        vid_array([np.uint64(1), 2.0])

@@ -74,6 +74,13 @@ class DFlash2Storage(HiCacheStorage):
         # Counted from sglang's threads at once: `+=` on a dict entry is a read and a write, and two
         # threads could each add to the same old value.
         self._count_lock = threading.Lock()
+        # The pool this rank attaches to, taken once here, in the scheduler's thread, where sglang has
+        # set the rank's CUDA device: an attach again after a lost lease runs in a storage thread,
+        # whose current device is 0 (every rank then moved into the first GPU's pool). An MLA model's
+        # ranks share one pool, the daemon's first: only the writer rank stores, and a reader on
+        # another GPU looked in its own GPU's pool, found nothing, and sglang, taking the least of
+        # the ranks' hits, had none (host_only: no rank maps that GPU's HBM for it).
+        self.device = None if self.shard.is_mla else _serving_device()
         try:
             self.client = self._attach()
         except DFlash2Error as e:
@@ -96,8 +103,9 @@ class DFlash2Storage(HiCacheStorage):
         # read back (from NVMe, into host memory) is slower than that (cost-aware reuse).
         self.prefill_rate = self._positive("dflash2_prefill_tokens_per_s", None)
         # Each tensor-parallel rank serves its own GPU: its blocks live in that GPU's pool (without
-        # `device` every rank would share the first GPU's pool and its share of DRAM).
-        return Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=_serving_device())
+        # `device` every rank would share the first GPU's pool and its share of DRAM); MLA: above.
+        return Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=self.device,
+                              host_only=self.device is None)
 
     def _positive(self, key: str, default: float | None) -> float | None:
         value = self.extra.get(key, default)
@@ -186,6 +194,8 @@ class DFlash2Storage(HiCacheStorage):
             return None
         if self.client.lease_lost:
             with self._reattach:
+                if time.monotonic() < self._down_until:
+                    return None  # (another thread's try failed while this one waited for it)
                 if self.client.lease_lost:
                     fresh = None
                     try:
