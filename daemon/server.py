@@ -32,7 +32,7 @@ import zmq
 
 from dflash2 import protocol as P
 from dflash2 import threads
-from dflash2.arena.liveness import DaemonLiveness, liveness_name
+from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
@@ -502,6 +502,12 @@ def run(cfg: Config) -> int:
                     "shared memory it left", plan.endpoint, lock.previous_pid,
                     ": its socket file was replaced" if lock.replaced_socket else "")
         remove_stale_segments(f"{instance_name(lock.previous_pid)}-")  # its liveness object too
+    for pid in dead_daemons():
+        # Killed daemons the endpoint's lock file does not name (its folder removed since, or another
+        # endpoint's): their liveness object says they are gone.
+        log.warning("dflash2d pid %d was killed and left shared memory (its liveness object, which no process "
+                    "holds, is still in /dev/shm); removing it", pid)
+        remove_stale_segments(f"{instance_name(pid)}-")
     managers: dict = {}
     server = observers = alive = None
     started = time.monotonic()

@@ -34,6 +34,10 @@ def handler(args: argparse.Namespace) -> int:
                   "--watch", file=sys.stderr)
             return status.EXIT_USAGE
         return status.handler(args)
+    if args.json:  # (not silently ignored either: the frames are for a person)
+        print("dflash2 status: error: --json does not go with --watch (for a series of figures as JSON: "
+              "dflash2 history --json)", file=sys.stderr)
+        return status.EXIT_USAGE
     from dflash2.client.client import resolve_endpoint
     from dflash2.errors import ConfigError
 

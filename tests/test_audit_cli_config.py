@@ -302,6 +302,12 @@ def test_watch_options_without_watch_are_refused(capsys, tmp_path, option):
     assert rc == 2 and f"dflash2 status: error: {option[0]} only goes with --watch" in err
 
 
+def test_json_with_watch_is_refused(capsys, tmp_path):
+    """It printed the text frames, exit 0, as if --json had not been given (a review)."""
+    rc, out, err = run_cli(capsys, "status", "--endpoint", f"ipc://{tmp_path}/none.sock", "--watch", "--json")
+    assert rc == 2 and "dflash2 status: error: --json does not go with --watch" in err and not out
+
+
 def test_a_watch_that_never_got_an_answer_exits_1(capsys, tmp_path):
     rc, out, _ = run_cli(capsys, "status", "--endpoint", f"ipc://{tmp_path}/none.sock", "--watch", "--count", "2",
                          "--interval", "0.01")

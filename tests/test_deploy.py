@@ -133,6 +133,7 @@ def test_every_reader_of_the_production_config_finds_the_systemd_daemon(monkeypa
     serving process resolve the socket the unit's daemon serves ($RUNTIME_DIRECTORY/dflash2.sock)."""
     unit = (DEPLOY / "systemd" / "dflash2d.service").read_text()
     assert "RuntimeDirectory=dflash2" in unit
+    assert "RuntimeDirectoryPreserve=restart" in unit  # (the lock file that names a killed daemon)
     for runtime in ("/run", "/run/user/1000", None):
         if runtime is None:
             monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
