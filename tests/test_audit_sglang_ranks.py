@@ -6,7 +6,6 @@ importable (README, "sglang"), like test_sglang.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -17,10 +16,8 @@ import pytest
 
 try:
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 except Exception as exc:  # not installed, or installed without its dependencies
     pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
                 "environment (README, 'sglang')", allow_module_level=True)
@@ -29,28 +26,13 @@ import dflash2.client.client as client_module
 import dflash2.client.sglang.backend as backend_module
 from daemon_proc import DaemonProcess
 from dflash2.assemble import build_manager
-from dflash2.client.sglang.plugin import backend_extra_config
 from dflash2.config import load_config
 from dflash2.daemon.server import Server
 from dflash2.daemon.service import Service
 from test_sglang import backends  # noqa: F401  (a fixture)
-from test_sglang import fill, host_pool, indices
+from test_sglang import fill, host_pool, indices, make_backend
 
 MEMORY = {"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0, "nvme_path": None, "page_kb": 64}
-
-
-def config(config_path: str, tp_rank: int, tp_size: int, is_mla: bool = False, **extra) -> HiCacheStorageConfig:
-    ec = json.loads(backend_extra_config(config_path, None))
-    ec.update({"dflash2_timeout_s": 1.0, **extra})
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=True,
-                                is_page_first_layout=True, model_name="test/model", extra_config=ec)
-
-
-def backend(config_path: str, pool, **kw):
-    b = StorageBackendFactory.create_backend("dynamic", config(config_path, **kw), pool)
-    b.register_mem_pool_host(pool)
-    return b
 
 
 def mla_pool():
@@ -99,7 +81,7 @@ def test_an_mla_models_ranks_on_two_gpus_share_the_writers_pages(two_gpu_node, b
     ranks = []
     for rank in (0, 1):
         torch.cuda.set_device(rank)
-        ranks.append(backend(path, pools[rank], tp_rank=rank, tp_size=2, is_mla=True))
+        ranks.append(make_backend(path, pools[rank], tp_rank=rank, tp_size=2, is_mla=True))
         backends.append(ranks[-1])
     writer, reader = ranks
     assert writer.is_writer and not reader.is_writer
@@ -120,7 +102,7 @@ def test_a_rank_attaches_again_to_its_own_gpus_pool_from_sglangs_storage_thread(
     path, managers, service = two_gpu_node
     torch.cuda.set_device(1)  # the scheduler of TP rank 1
     pool = host_pool()
-    b = backend(path, pool, tp_rank=1, tp_size=2)
+    b = make_backend(path, pool, tp_rank=1, tp_size=2)
     backends.append(b)
     assert pool_of(service, b) == 1
     b.client._stop.set()  # its heartbeat stops: the lease lapses, as after a daemon restart
@@ -147,7 +129,7 @@ def test_storage_threads_waiting_on_an_attach_that_failed_miss_at_once(config_fi
     path = config_file(memory=MEMORY)
     proc = DaemonProcess(path).start()
     pool = host_pool()
-    b = backend(path, pool, tp_rank=0, tp_size=1, dflash2_timeout_s=2.0)
+    b = make_backend(path, pool, tp_rank=0, tp_size=1, dflash2_timeout_s=2.0)
     backends.append(b)
     fill(pool, [1, 2], seed=1)
     b.batch_set_v1(["a"], indices([1]))

@@ -44,11 +44,12 @@ def host_pool(layout: str = "page_first", tokens: int = 64) -> MHATokenToKVPoolH
                                 end_layer=dev.end_layer)
 
 
-def storage_config(config_path: str, tp_rank: int = 0, tp_size: int = 1, **extra) -> HiCacheStorageConfig:
+def storage_config(config_path: str, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
+                   **extra) -> HiCacheStorageConfig:
     extra_config = json.loads(backend_extra_config(config_path, None))
     extra_config.update({"dflash2_timeout_s": 1.0, **extra})
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=True,
+                                attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=True,
                                 is_page_first_layout=True, model_name="test/llama", extra_config=extra_config)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from dflash2.layout import Layout
 from dflash2.swaplog import SWAP_LOG_EVERY_S, SwapLog
 from dflash2.tiers import Tier
@@ -88,6 +90,14 @@ def test_the_step_says_a_bursts_batches_once_their_time_is_up_without_another_ba
     assert (last.batches, last.over_s) == (1, 0.0)
 
 
+def _eight_cached(m) -> np.ndarray:
+    """Eight blocks committed under keys 1-8 and let go of (cached, idle, in HBM)."""
+    a = m.attach("writer")
+    vids = m.commit(a, m.allocate(a, m.register_layout(LAYOUT), 8), keys=list(range(1, 9)))
+    m.free(a, vids)
+    return vids
+
+
 def _lines_of(logger_name: str) -> tuple[Lines, object]:
     logger = logging.getLogger(logger_name)
     lines = Lines()
@@ -106,10 +116,7 @@ def test_a_batch_whose_blocks_fail_counts_them_as_the_metrics_do(small_nvme_mana
     m = small_nvme_manager
     lines, restore = _lines_of("dflash2.swap")
     try:
-        a = m.attach("writer")
-        lid = m.register_layout(LAYOUT)
-        vids = m.commit(a, m.allocate(a, lid, 8), keys=list(range(1, 9)))
-        m.free(a, vids)
+        vids = _eight_cached(m)
         start = m.backend.start
 
         def half_failing(batch):
@@ -165,10 +172,7 @@ def test_a_managers_moves_under_churn_are_a_line_a_direction_and_sum_to_its_stat
     m = small_nvme_manager
     lines, restore = _lines_of("dflash2.swap")
     try:
-        a = m.attach("writer")
-        lid = m.register_layout(LAYOUT)
-        vids = m.commit(a, m.allocate(a, lid, 8), keys=list(range(1, 9)))
-        m.free(a, vids)
+        vids = _eight_cached(m)
         rows = m.table.rows([int(v) for v in vids])
         for _ in range(10):
             assert m.mover.move(rows, Tier.DRAM).all()
