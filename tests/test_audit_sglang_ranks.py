@@ -151,3 +151,25 @@ def test_storage_threads_waiting_on_an_attach_that_failed_miss_at_once(config_fi
     assert len(tries) == 1, f"{len(tries)} attaches, each a whole timeout, one after the other"
     assert got == {"exists": 0, "get": [False], "set": [False]}
     proc.stop()
+
+
+def test_an_mla_rank_of_a_daemon_without_dram_maps_hbm_to_store_there(config_file, backends, caplog):
+    """A daemon with HBM alone takes sglang's pages in HBM, which a host_only client cannot view on a
+    GPU daemon: every write of an MLA rank failed (a review; on this machine HBM is host memory, so
+    the test checks that the rank attached again mapping it, and stores and reads)."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 0, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        pools = [mla_pool(), mla_pool()]
+        with caplog.at_level("WARNING", logger="dflash2.sglang"):
+            writer, reader = (make_backend(path, pools[r], tp_rank=r, tp_size=2, is_mla=True) for r in (0, 1))
+        backends.extend([writer, reader])
+        assert not writer.client.host_only and writer.tier == "hbm"
+        assert "the daemon has no DRAM tier: this MLA rank maps the HBM" in caplog.text
+        fill(pools[0], [1, 2], seed=3)
+        assert writer.batch_set_v1(["k1", "k2"], indices([1, 2])) == [True, True]
+        assert reader.batch_get_v1(["k1", "k2"], indices([3, 4])) == [True, True]
+        assert torch.equal(pools[1].get_data_page(3 * 4, flat=True), pools[0].get_data_page(1 * 4, flat=True))
+    finally:
+        proc.stop()

@@ -75,3 +75,33 @@ def test_a_daemon_starting_removes_a_killed_daemons_shared_memory(config_file, t
         assert f"removed shared-memory segment dflash2-{dead}-dram (4096 bytes)" in proc.log()
     finally:
         proc.stop()
+
+
+def test_a_liveness_object_has_its_name_only_once_it_is_held(monkeypatch):
+    """Created under its name, then locked: in between, another daemon's start-up in another pid
+    namespace (a DaemonSet pod), which cannot see the pid run, took it for a killed daemon's and
+    removed it, and the live daemon's clients lost dead-daemon detection (a review's script)."""
+    import uuid
+
+    from dflash2.arena import liveness
+    from dflash2.arena.shm import nobody_holds
+
+    linked = []
+    real_link = os.link
+
+    def link(src, dst):
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            linked.append(not nobody_holds(fd))
+        finally:
+            os.close(fd)
+        real_link(src, dst)
+    monkeypatch.setattr(liveness.os, "link", link)
+    name = f"dflash2-{4_000_000_000 + uuid.uuid4().int % 1_000_000}-alive"
+    alive = liveness.DaemonLiveness.create(name)
+    try:
+        assert linked == [True]
+        assert not (SHM / f"{name}.new").exists() and (SHM / name).exists()
+    finally:
+        alive.close()
+    assert not (SHM / name).exists()

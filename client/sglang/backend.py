@@ -104,8 +104,17 @@ class DFlash2Storage(HiCacheStorage):
         self.prefill_rate = self._positive("dflash2_prefill_tokens_per_s", None)
         # Each tensor-parallel rank serves its own GPU: its blocks live in that GPU's pool (without
         # `device` every rank would share the first GPU's pool and its share of DRAM); MLA: above.
-        return Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=self.device,
-                              host_only=self.device is None)
+        client = Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=self.device,
+                                host_only=self.device is None)
+        if client.host_only and not any(a.get("tier") == HOST_TIER for a in client.arena_info):
+            # A daemon without a DRAM tier takes pages in HBM (`_fit_tiers`), which a host_only
+            # client cannot view: every write failed. Mapped after all, the first GPU's HBM costs a
+            # rank on another GPU a CUDA context there.
+            client.close()
+            log.warning("dflash2: the daemon has no DRAM tier: this MLA rank maps the HBM of the daemon's first "
+                        "GPU to store its pages there (a CUDA context on that GPU; give the daemon a DRAM tier)")
+            client = Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=None)
+        return client
 
     def _positive(self, key: str, default: float | None) -> float | None:
         value = self.extra.get(key, default)

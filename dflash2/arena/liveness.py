@@ -33,9 +33,8 @@ _NAME = re.compile(r"dflash2-[0-9]{1,10}" + re.escape(SUFFIX))
 
 def dead_daemons() -> list[int]:
     """Pids of killed daemons whose shared memory is still in /dev/shm: their liveness object exists
-    and no process holds it, and no process of that pid runs here (a daemon creates its liveness
-    object, then locks it: the pid test keeps a daemon starting beside this one out of the list), or
-    the pid is this process's own (a pid-1 container's predecessor). The endpoint lock file names the
+    and no process holds it (it has its name only once locked: `DaemonLiveness.create`), and no
+    process of that pid runs here, or the pid is this process's own (a pid-1 container's predecessor). The endpoint lock file names the
     last daemon of an endpoint, but a killed daemon's can be gone with its folder (systemd removes a
     service's RuntimeDirectory when it stops, a restart after a kill included), and its segments were
     then left for good (a review: the DRAM tier's 128 GiB, which the restart needed again)."""
@@ -102,25 +101,41 @@ class DaemonLiveness:
         daemon's of the same pid: a container's daemon is pid 1 every time) is replaced; ArenaError
         when a live process holds it."""
         path = _segment_path(name)
+        # Locked before it has its name (made under a name of its own, then linked): a file of the
+        # liveness object's name is always held while its daemon lives, so that another daemon's
+        # start-up (`dead_daemons`), which cannot tell a daemon in another pid namespace from a dead
+        # one by its pid, never takes it for a killed daemon's (between O_EXCL and flock, it did).
+        new = f"{path}.new"
         try:
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:  # (a daemon of this pid killed at this very step: nobody holds it)
+                if remove_stale(new) is None:
+                    raise ArenaError(f"{new} exists and a running process holds it") from None
+                fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise ArenaError(f"cannot create the daemon's liveness object {path}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held until close: the daemon is alive
+            os.write(fd, f"{os.getpid()}\n".encode())  # for an operator looking at /dev/shm
+            try:
+                os.link(new, path)
             except FileExistsError:
                 size = remove_stale(path)
                 if size is None:
                     raise ArenaError(f"liveness object {path} exists and a running process holds it "
                                      "(another daemon with the same pid namespace and pid?)") from None
                 _say_removed(name, size)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.link(new, path)
         except OSError as e:
+            os.close(fd)
+            os.unlink(new)
             raise ArenaError(f"cannot create the daemon's liveness object {path}: {e.strerror or e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held until close: the daemon is alive
-            os.write(fd, f"{os.getpid()}\n".encode())  # for an operator looking at /dev/shm
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(new)
             raise
+        os.unlink(new)
         return cls(name, fd, owner=True)
 
     @classmethod
