@@ -146,6 +146,10 @@ class Server:
         # whatever the step's interval; the step samples too (each when due).
         next_sample = next_tick + SAMPLE_INTERVAL_S if self.observers is not None else math.inf
         leases_judged = -math.inf  # when the leases were last judged apart from a late step
+        # Leases are judged every heartbeat interval, whatever the step's (policy.rescore_interval_ms,
+        # up to an hour: a crashed engine held its blocks that long): between steps too, when longer.
+        judge_s = self.service.heartbeat_interval_s
+        next_judge = next_tick + judge_s if judge_s < self.tick_interval_s else math.inf
         # Nothing could be answered before the loop ran: leases are judged as of its start until
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
@@ -179,7 +183,7 @@ class Server:
                 # Otherwise a wait until the step is due, no longer (nor more than MAX_WAIT_MS, to
                 # see a stop): a fixed timeout overshot the step by up to its own length each time.
                 wait_ms = 0 if draining or dueling or self._parked else \
-                    min(MAX_WAIT_MS, math.ceil(1000 * (min(next_tick, next_sample) - time.monotonic())))
+                    min(MAX_WAIT_MS, math.ceil(1000 * (min(next_tick, next_sample, next_judge) - time.monotonic())))
                 if wait_ms <= 0:
                     frames = recv_frames(sock, NOBLOCK, MOST_FRAMES)
                 else:
@@ -204,6 +208,10 @@ class Server:
             if now >= next_sample:
                 self._sample()
                 next_sample = now + SAMPLE_INTERVAL_S
+            if now >= next_judge:
+                if now < next_tick:  # (the step judges them itself)
+                    self._expire_leases()
+                next_judge = now + judge_s
             if now >= next_tick:
                 # What queued up while the last request ran (a long promotion from NVMe) is read
                 # first: the heartbeats in it are what keep those clients' leases, which the tick
@@ -409,7 +417,8 @@ class Server:
         return total
 
     def _expire_leases(self) -> None:
-        """The step's lease expiry alone, for a step held off by copies in flight (STEP_LATE_MAX_S).
+        """The step's lease expiry alone: between steps longer apart than the heartbeat interval, and
+        for a step held off by copies in flight (STEP_LATE_MAX_S).
         A lease that lapses then waits for those copies (a detach settles them first: 1-3 s a lapse
         with NVMe reads of 1 s, the loop answering nothing meanwhile); one that does not costs a
         pass over the sessions. With reads of 1 s, dead clients were let go 3-5 s after their 2 s

@@ -500,6 +500,19 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
         warnings.append(
             f"policy.cold_threshold is {cfg.policy.cold_threshold}: above {COLD_THRESHOLD_WARN} nearly every "
             "block counts as cold and the daemon will churn, demoting blocks that are about to be read")
+    if cfg.policy.cold_threshold == 0:
+        warnings.append("policy.cold_threshold is 0: no block counts as cold, so no tier drains in the background "
+                        "and every allocation into a full tier makes its room on the request path")
+    for tier in ("hbm", "dram", "nvme"):
+        if getattr(cfg.policy.watermarks, tier).high >= 1.0:
+            warnings.append(f"policy.watermarks.{tier}.high is 1.0: a tier is never more than full, so the {tier} "
+                            "tier never drains in the background and every allocation into it, once full, makes "
+                            "its room on the request path")
+    if cfg.policy.rescore_interval_ms / 1000 > cfg.daemon.lease_timeout_s:
+        warnings.append(f"policy.rescore_interval_ms ({cfg.policy.rescore_interval_ms} ms) is longer than "
+                        f"daemon.lease_timeout_s ({cfg.daemon.lease_timeout_s} s): the background step (rescoring, "
+                        "drains, reservations that expire) runs that seldom; leases are still judged every "
+                        "daemon.heartbeat_interval_s")
     if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
         warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
     heat_only = sorted({"weights", "decay_half_life_s"} & cfg.policy.model_fields_set)

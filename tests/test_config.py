@@ -217,6 +217,15 @@ def test_config_warnings():
     assert len(big) == 1 and "memory.dram_capacity_mb" in big[0] and "80%" in big[0]
 
 
+def test_config_warnings_name_settings_that_stop_the_background_drain():
+    """Both in bounds, both silent before: a tier never drains in the background (a review)."""
+    cold = config_warnings(parse_config(with_("policy.cold_threshold", 0.0)), mem_total_bytes=1 << 40)
+    assert len(cold) == 1 and "policy.cold_threshold is 0: no block counts as cold" in cold[0]
+    full = config_warnings(parse_config(with_("policy.watermarks.dram", {"high": 1.0, "low": 0.5})),
+                           mem_total_bytes=1 << 40)
+    assert full == [w for w in full if "policy.watermarks.dram.high is 1.0" in w] and len(full) == 1
+
+
 def test_config_warnings_count_the_host_stand_in_and_name_ignored_gpu_ids():
     # 64 MB of DRAM alone is under 80% of 150 MB, but the 64 MB HBM stand-in is host memory too.
     both = config_warnings(parse_config(with_("memory.dram_capacity_mb", 64)), mem_total_bytes=150 << 20)
