@@ -62,7 +62,7 @@ class Forgetting:
         mine = m.table.being_written(req.client, vids)
         if len(mine):
             try:
-                m.free(req.client, mine)
+                m.free(req.client, m.table.keep_pinned_writes(req.client, mine))  # (pinned: at their release)
             except DFlash2Error as e:
                 log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
                             req.client, req.call_id, e)

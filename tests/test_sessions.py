@@ -191,6 +191,23 @@ def test_a_commit_that_arrives_after_its_forget_frees_the_blocks_it_names(servic
     service.manager.check_invariants()
 
 
+def test_a_late_commit_of_blocks_one_of_which_the_writer_pins_frees_them_all(service):
+    """The writer pinned one of them to read it after the commit: the free of them all was refused
+    for it, and all three stayed held, being written, until the client detached (a review)."""
+    c = attach(service)
+    places = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 3}, call_id=1).arrays[0], P.PLACE_DTYPE)
+    assert call(service, Op.ACQUIRE, c, {}, [places["vid"][2:].tobytes()], call_id=2).ok
+    assert call(service, Op.FORGET, c, {"call": 3}, call_id=4).result == {"undone": False}
+    keys = np.asarray(chain_keys(range(16 * 3), 16, "late-commit-pinned"), P.KEYS_DTYPE)
+    reply = call(service, Op.COMMIT, c, {}, [places["vid"].tobytes(), keys.tobytes()], call_id=3)
+    assert not reply.ok and reply.error_type == "CallForgotten"
+    assert hbm_used(service) == 1  # the pinned one, kept for its pin
+    service.manager.check_invariants()
+    assert call(service, Op.RELEASE, c, {}, [places["vid"][2:].tobytes()], call_id=5).ok
+    assert hbm_used(service) == 0 and not service.manager.lookup(keys.tolist())
+    service.manager.check_invariants()
+
+
 def test_a_call_that_arrives_after_its_forget_is_not_run(service):
     c = attach(service)
     assert call(service, Op.FORGET, c, {"call": 5}, call_id=6).result == {"undone": False}

@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash2.counts import any_true, repeats, unique
 from dflash2.errors import NotOwner, PinnedBlock, QuotaExceeded
+from dflash2.table.states import BlockState
 
 if TYPE_CHECKING:
     from dflash2.table.table import ClientRefs
@@ -106,6 +107,23 @@ class Releasing:
             over = rows[column[rows] >= MAX_HOLDS][:1]
             raise QuotaExceeded(f"block {int(self.vids(over)[0]):#x} would hold more than {MAX_HOLDS} {what} (of all "
                                 "clients together)")
+
+    def keep_pinned_writes(self, client_id: int, vids: np.ndarray) -> np.ndarray:
+        """The writer gave up on these blocks being written (a commit it forgot, which was not run):
+        each it still pins loses its references and is kept for its pins alone, as a pinned copy a
+        commit deduplicated is (`pinned_copies`, no twin), to be freed at its last release; returns
+        the others, for the caller to free. Before, a free of them all was refused for the pinned
+        one, and every block of the commit stayed being written, held, until the client detached."""
+        holder = self.client(client_id)
+        rows = self.rows(vids)
+        pinned = self.cols.pins[rows] > 0
+        for r in rows[pinned].tolist():
+            n = holder.refs.pop(r, 0)
+            self.cols.refs[r] -= n
+            holder.ref_slot_bytes -= self.ref_slots(np.array([r]), [n])
+            self.cols.state[r] = BlockState.RESIDENT  # (its bytes are final: it is never committed)
+            self.pinned_copies[r] = None
+        return vids[~pinned]
 
     def _drop_refs_of(self, holder: ClientRefs, row: int, n: int) -> int:
         """`_drop_refs` of one row n times, in one step (a block a client referenced millions of

@@ -91,8 +91,8 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         # Private copies that a commit deduplicated while their writer had them pinned: the cached
         # twin took the references, but the writer still views these bytes where they are. Never
         # moved (pinned), freed at their last unpin (the writer's release, or its detach). Each with
-        # its twin's id, which an acquire or add_ref of the copy is told to use instead.
-        self.pinned_copies: dict[int, int] = {}
+        # its twin's id, which an acquire or add_ref of it is told to use (None: release.py keep_pinned_writes).
+        self.pinned_copies: dict[int, int | None] = {}
         # Rows a commit's deduplication moved to another tier (the cached twin taking the writer's
         # faster slot): the manager tells the policy, as after a move. Drained by `take_recast`.
         self._recast: list[int] = []
