@@ -231,7 +231,7 @@ class Server:
                     if time.monotonic() >= budget:
                         break
                 if not self._copies_ended():
-                    if now - next_tick >= STEP_LATE_MAX_S and now - leases_judged >= self.tick_interval_s:
+                    if now - next_tick >= STEP_LATE_MAX_S and now - leases_judged >= min(self.tick_interval_s, judge_s):
                         self._expire_leases()
                         leases_judged = now
                     continue  # a request waits while a drain piece's copies run: it goes first

@@ -6,6 +6,7 @@ step's lateness counts the requests answered ahead of it and shows in `dflash2 s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import subprocess
@@ -494,6 +495,22 @@ def test_metrics_and_history_are_sampled_every_second_whatever_the_steps_interva
     obs = _Observers()
     run_idle(tmp_path, _Recorder(), 3.5, tick_interval_s=30.0, observers=obs)
     assert obs.steps == 1 and 2 <= obs.samples <= 4, (obs.steps, obs.samples)
+
+
+def test_leases_are_judged_every_heartbeat_while_a_long_step_is_held_off(tmp_path, monkeypatch):
+    """Steps 3 s apart, heartbeats 0.2 s: leases are judged between steps, and, once the step is due
+    but held off by copies in flight, still every heartbeat (only once a step interval before)."""
+    first = itertools.count()
+    monkeypatch.setattr(Server, "_copies_ended", lambda self: next(first) == 0)  # the first step runs
+    monkeypatch.setattr(server_mod, "STEP_LATE_MAX_S", 0.3)
+    rec = _Recorder()
+    rec.heartbeat_interval_s = 0.2
+    judged = []
+    rec.expire_leases = lambda: judged.append(time.monotonic())
+    started = time.monotonic()
+    run_idle(tmp_path, rec, 6.0, tick_interval_s=3.0)
+    late = [t for t in judged if t - started >= 3.6]  # (the step due at 3 s, held off from then on)
+    assert len(late) >= 4, [round(t - started, 2) for t in judged]  # (about 12; at most 1 before)
 
 
 def test_leases_are_judged_while_copies_in_flight_hold_the_step_off(tmp_path, monkeypatch):

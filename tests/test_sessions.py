@@ -208,6 +208,38 @@ def test_a_late_commit_of_blocks_one_of_which_the_writer_pins_frees_them_all(ser
     service.manager.check_invariants()
 
 
+def test_a_late_commit_lets_go_of_one_reference_of_a_pinned_block_another_request_shares(service):
+    """The writer's second request shares its block (add_ref) and it pins it: the refused commit let
+    go of both references, the release freed the block, and that request's free failed (a review)."""
+    c = attach(service)
+    vids = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 2}, call_id=1).arrays[0],
+                         P.PLACE_DTYPE)["vid"].copy()
+    assert call(service, Op.ADD_REF, c, {}, [vids.tobytes()], call_id=2).ok  # two references each
+    assert call(service, Op.ACQUIRE, c, {}, [vids[1:].tobytes()], call_id=3).ok
+    assert call(service, Op.FORGET, c, {"call": 4}, call_id=5).result == {"undone": False}
+    keys = np.asarray(chain_keys(range(16 * 2), 16, "late-commit-shared"), P.KEYS_DTYPE)
+    assert call(service, Op.COMMIT, c, {}, [vids.tobytes(), keys.tobytes()], call_id=4).error_type == "CallForgotten"
+    assert service.manager.table.cols.refs[service.manager.table.rows(vids)].tolist() == [1, 1]
+    assert call(service, Op.RELEASE, c, {}, [vids[1:].tobytes()], call_id=6).ok
+    assert call(service, Op.FREE, c, {}, [vids.tobytes()], call_id=7).ok  # the other request's references
+    assert hbm_used(service) == 0
+    service.manager.check_invariants()
+
+
+def test_a_block_kept_for_its_pin_after_a_late_commit_says_why_it_is_not_live(service):
+    c = attach(service)
+    vids = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 1}, call_id=1).arrays[0],
+                         P.PLACE_DTYPE)["vid"].copy()
+    assert call(service, Op.ACQUIRE, c, {}, [vids.tobytes()], call_id=2).ok
+    assert call(service, Op.FORGET, c, {"call": 3}, call_id=4).ok
+    keys = np.asarray(chain_keys(range(16), 16, "late-commit-why"), P.KEYS_DTYPE)
+    assert call(service, Op.COMMIT, c, {}, [vids.tobytes(), keys.tobytes()], call_id=3).error_type == "CallForgotten"
+    again = call(service, Op.ACQUIRE, c, {}, [vids.tobytes()], call_id=5)
+    assert again.error_type == "UnknownBlock" and "its commit came after you gave up on it" in again.error_message
+    assert call(service, Op.DETACH, c, {}, call_id=6).ok
+    assert hbm_used(service) == 0
+
+
 def test_a_call_that_arrives_after_its_forget_is_not_run(service):
     c = attach(service)
     assert call(service, Op.FORGET, c, {"call": 5}, call_id=6).result == {"undone": False}

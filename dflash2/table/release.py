@@ -1,8 +1,9 @@
 """Letting go of blocks: a client's `free` (one reference a block) and `unpin` (one pin a block), and
-what they free; and the bound on what a block holds (`MAX_HOLDS`). A part of BlockTable (a mixin over its columns and client counts), apart because the
-checks and counting of a call that lets go of many blocks at once are a job of their own: a call
-that lists each block once, and more than `BlockTable.SMALL` of them, takes whole-array steps
-(`_free_distinct`, `_unpin_distinct`), any other the general per-row path."""
+what they free; and the bound on what a block holds (`MAX_HOLDS`). A part of BlockTable (a mixin
+over its columns and client counts), apart because the checks and counting of a call that lets go
+of many blocks at once are a job of their own: a call that lists each block once, and more than
+`BlockTable.SMALL` of them, takes whole-array steps (`_free_distinct`, `_unpin_distinct`), any
+other the general per-row path."""
 
 from __future__ import annotations
 
@@ -110,20 +111,21 @@ class Releasing:
 
     def keep_pinned_writes(self, client_id: int, vids: np.ndarray) -> np.ndarray:
         """The writer gave up on these blocks being written (a commit it forgot, which was not run):
-        each it still pins loses its references and is kept for its pins alone, as a pinned copy a
-        commit deduplicated is (`pinned_copies`, no twin), to be freed at its last release; returns
-        the others, for the caller to free. Before, a free of them all was refused for the pinned
-        one, and every block of the commit stayed being written, held, until the client detached."""
+        one it still pins whose last reference this lets go of is kept for its pins alone, as a
+        pinned copy a commit deduplicated is (`pinned_copies`, twin 0), to be freed at its last
+        release; returns the others, for the caller to free (one reference each, as for any: a block
+        another of the writer's requests references stays). Before, a free of them all was refused
+        for the pinned one, and every block of the commit stayed held until the client detached."""
         holder = self.client(client_id)
         rows = self.rows(vids)
-        pinned = self.cols.pins[rows] > 0
-        for r in rows[pinned].tolist():
-            n = holder.refs.pop(r, 0)
-            self.cols.refs[r] -= n
-            holder.ref_slot_bytes -= self.ref_slots(np.array([r]), [n])
+        kept = (self.cols.pins[rows] > 0) & (self.cols.refs[rows] == 1)
+        for r in rows[kept].tolist():
+            holder.refs.pop(r)
+            self.cols.refs[r] = 0
+            holder.ref_slot_bytes -= self.ref_slots(np.array([r]))
             self.cols.state[r] = BlockState.RESIDENT  # (its bytes are final: it is never committed)
-            self.pinned_copies[r] = None
-        return vids[~pinned]
+            self.pinned_copies[r] = 0
+        return vids[~kept]
 
     def _drop_refs_of(self, holder: ClientRefs, row: int, n: int) -> int:
         """`_drop_refs` of one row n times, in one step (a block a client referenced millions of

@@ -91,8 +91,8 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         # Private copies that a commit deduplicated while their writer had them pinned: the cached
         # twin took the references, but the writer still views these bytes where they are. Never
         # moved (pinned), freed at their last unpin (the writer's release, or its detach). Each with
-        # its twin's id, which an acquire or add_ref of it is told to use (None: release.py keep_pinned_writes).
-        self.pinned_copies: dict[int, int | None] = {}
+        # its twin's id, which an acquire or add_ref of it is told to use (0: release.py keep_pinned_writes).
+        self.pinned_copies: dict[int, int] = {}
         # Rows a commit's deduplication moved to another tier (the cached twin taking the writer's
         # faster slot): the manager tells the policy, as after a move. Drained by `take_recast`.
         self._recast: list[int] = []
@@ -403,16 +403,16 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
             # Dead to new holders, though their rows are not free yet: a private block whose last
             # reference went mid-move (freed when the move ends: a new reference or pin would
             # outlive its row and later stand for the row's next block), a block whose bytes
-            # failed their checksum (kept only for the references held before; a pin taken now
-            # would not stop its last reference from freeing it), and a pinned copy a commit
-            # deduplicated (kept only for the pins taken before; the cached twin is the block now).
+            # failed their checksum (kept only for the references held before: a pin taken now would
+            # not stop its last reference from freeing it), and a pinned copy (kept for its pins).
             gone = self._dead_rows(rows)
             if len(gone):
                 row = int(gone[0])
                 twin = self.pinned_copies.get(row)
-                why = ("it was committed under a content key already cached, and is kept only until "
-                       f"your pins on it are released: use the id commit returned for it, {twin:#x}"
-                       if twin is not None else "freed while in flight, or its bytes failed their checksum")
+                why = ("freed while in flight, or its bytes failed their checksum" if twin is None else
+                       "its commit came after you gave up on it and was not run" if not twin else
+                       f"it was committed under a content key already cached: use the id commit returned, {twin:#x}")
+                why += "" if twin is None else "; it is kept only until your pins on it are released"
                 raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
         return rows
 
