@@ -174,8 +174,9 @@ class Client:
         """Attach to the daemon. `device` names the GPU this process serves: its blocks live in that
         GPU's pool and views map that GPU's arena. `host_only`: map no GPU arena (a client that reads
         and writes host tiers only, such as sglang's storage backend, may attach to another GPU's
-        pool without a CUDA context on that GPU; a view of a block in HBM is refused). Every call times out after `timeout_s` (default:
-        the config's `daemon.request_timeout_s`, or 5 s when only an endpoint is given).
+        pool without a CUDA context on that GPU; a view of a block in HBM is refused). Every call
+        times out after `timeout_s` (default: the config's `daemon.request_timeout_s`, or 5 s when
+        only an endpoint is given).
         `prefill_tokens_per_s`, one per layout (None where unknown): how fast this engine recomputes
         KV of that layout; lookups then offer only blocks that load faster than that (cost-aware
         reuse; `set_prefill_rate` changes it later)."""

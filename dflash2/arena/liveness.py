@@ -34,7 +34,8 @@ _NAME = re.compile(r"dflash2-[0-9]{1,10}" + re.escape(SUFFIX))
 def dead_daemons() -> list[int]:
     """Pids of killed daemons whose shared memory is still in /dev/shm: their liveness object exists
     and no process holds it (it has its name only once locked: `DaemonLiveness.create`), and no
-    process of that pid runs here, or the pid is this process's own (a pid-1 container's predecessor). The endpoint lock file names the
+    process of that pid runs here, or the pid is this process's own (a pid-1 container's
+    predecessor). The endpoint lock file names the
     last daemon of an endpoint, but a killed daemon's can be gone with its folder (systemd removes a
     service's RuntimeDirectory when it stops, a restart after a kill included), and its segments were
     then left for good (a review: the DRAM tier's 128 GiB, which the restart needed again)."""

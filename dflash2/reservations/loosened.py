@@ -36,7 +36,7 @@ class Loosened:
         """A try made room (or a new head came): count from nothing again."""
         self.found = 0  # blocks of the head's size found able to leave since the last try
         self._free: set[int] = set()
-        self._waiting: dict[int, list] = {}  # row -> [children in HBM not yet free, of the head's size]
+        self._waiting: dict[int, list] = {}  # row -> [its children in HBM not yet free, of the head's size?, parent]
         self._credit: dict[int, int] = {}  # row not let go of yet -> its children found free
 
     def count(self, rows: np.ndarray, block_bytes: int, want: int,
