@@ -53,6 +53,8 @@ class Parked:
 
     own_parks: int = 0
     client: int | None = None
+    # (time.perf_counter) when the call first came: its latency counts from then
+    arrived: float = dataclasses.field(default=0.0, compare=False)
 
 
 class Service(Forgetting):
@@ -136,21 +138,27 @@ class Service(Forgetting):
         if not self.parking:
             return P.encode_reply(self.handle(req))
         own_parks = 0 if again is None else again.own_parks
+        arrived = time.perf_counter() if again is None else again.arrived
         for m in self.managers.values():
             m.placement.parking, m.placement.own_parks = True, own_parks
         try:
-            reply = self.handle(req)
+            reply = self.handle(req, arrived)
         except CopiesRunning as e:
-            self.counters["calls_parked"] += 1
-            return Parked(own_parks + e.own, req.client)
+            if again is None:  # (calls, not parks: one may be parked again on copies a call before it began)
+                self.counters["calls_parked"] += 1
+            return Parked(own_parks + e.own, req.client, arrived)
         finally:
             for m in self.managers.values():
                 m.placement.parking, m.placement.own_parks = False, 0
         return P.encode_reply(reply)
 
-    def handle(self, req: Request) -> Reply:
-        """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py)."""
-        started, began = time.perf_counter(), self.clock()
+    def handle(self, req: Request, arrived: float | None = None) -> Reply:
+        """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py).
+        `arrived` (time.perf_counter): when a parked call first came, its latency's start (the
+        latency left its wait out: the slowest acquires, those parked on NVMe reads, read 7.5 ms on
+        average against 18.5 at the client, a review's script)."""
+        began = self.clock()
+        started = time.perf_counter() if arrived is None else arrived
         needs_client = req.op in P.NEEDS_CLIENT
         session = None
         try:

@@ -77,14 +77,19 @@ def handler(args: argparse.Namespace) -> int:
     else:
         print(render(samples, args.rows))
     if args.plot:
+        # The file's kind from its extension, PNG without one (matplotlib wrote NAME.png and it was
+        # reported as NAME); one matplotlib cannot write is refused by name (it raised a traceback).
+        path = args.plot if os.path.splitext(args.plot)[1] else f"{args.plot}.png"
         try:
-            plot(samples, args.plot)
+            plot(samples, path)
         except ModuleNotFoundError:
             raise UsageError("--plot needs matplotlib: pip install 'dflash2[plot]'") from None
         except OSError as e:
-            raise UsageError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
+            raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
+        except ValueError as e:  # (matplotlib: "Format 'xyz' is not supported ...")
+            raise UsageError(f"--plot {args.plot}: {e}") from None
         if not args.json:
-            print(f"plot written to {args.plot}")
+            print(f"plot written to {path}")
     return EXIT_OK
 
 

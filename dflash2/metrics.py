@@ -44,7 +44,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
 | dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
 | dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due, the requests answered ahead of it included (a busy request loop delays it) |
-| dflash2_request_latency_seconds{op} | histogram | handling time per control op |
+| dflash2_request_latency_seconds{op} | histogram | handling time per control op (a parked call's from its arrival) |
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
 | dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
 | dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |

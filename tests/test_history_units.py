@@ -88,6 +88,15 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
     png = tmp_path / "h.png"
     assert cli.main(["history", "--file", str(path), "--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    # No extension: PNG, and the file named as written (it said "incident" of incident.png).
+    assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "incident")]) == 0
+    assert f"plot written to {tmp_path / 'incident.png'}" in capsys.readouterr().out
+    assert (tmp_path / "incident.png").read_bytes()[:4] == b"\x89PNG"
+    # A format matplotlib cannot write: one line, exit 2 (a traceback before).
+    assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "h.xyz")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "'xyz' is not supported" in err and "Traceback" not in err
 
 
 def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
