@@ -15,7 +15,9 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from dflash2.bench import OptionError  # light: imports no benchmark
@@ -127,8 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM and SIGHUP end the command as Ctrl-C does, through its clean-up: a bench stopped by
+    # `timeout` or a supervisor left its daemon running, its shared memory and a GB-sized NVMe file.
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return SUBCOMMANDS[args.command].handler(args)
     except UsageError as exc:
@@ -139,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         # Point stdout at /dev/null so that the interpreter's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

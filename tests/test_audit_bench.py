@@ -103,6 +103,7 @@ def ok(i, ids):
     ([ok(10, [1]), ok(5, [2])], "line 2: timestamp 5 is earlier than the line before's (10)"),
     ([ok(0, [1]), ok(1, [1, 2, 1])], "line 2: hash ids [1] occur twice in one request"),
     (['{"timestamp": NaN, "hash_ids": [1]}'], "line 1: timestamp nan is not a number"),
+    ([{"timestamp": 10 ** 400, "hash_ids": [1]}], "line 1: timestamp 1000"),  # (an OverflowError's traceback)
 ])
 def test_bad_traces_are_named_with_their_line(capsys, tmp_path, lines, message):
     path = write_trace(tmp_path, lines)
@@ -128,7 +129,8 @@ def test_the_shipped_mooncake_trace_passes_the_checks():
     (["--blocks", "0"], "argument --blocks: must be a positive integer"),
     (["--blocks", "1000", "--batch", "0"], "argument --batch: must be a positive integer"),
     (["--blocks", "1000", "--repeat", "0"], "argument --repeat: must be a positive integer"),  # was NaN
-    (["--blocks", "1000", "--policy", "nope"], "--policy: unknown 'nope'; valid: belady, heat, lfu, lru"),
+    (["--blocks", "1000", "--policy", "nope"], "--policy: unknown 'nope'; valid: heat, lfu, lru"),
+    (["--blocks", "1000", "--batch", "6000"], "--batch 6000 is more than --blocks 1000"),  # (a TypeError)
 ])
 def test_table_bad_options(capsys, argv, message):
     assert message in usage_error(capsys, "table", *argv)
@@ -284,6 +286,9 @@ def test_control_judges_its_targets_on_unrounded_figures():
     (["--block-kib", "48"], "argument --block-kib: must be a power of two from 16 to 4096, not 48"),
     (["--block-kib", "8192"], "argument --block-kib: must be a power of two from 16 to 4096, not 8192"),
     (["--nvme-mb", "0"], "argument --nvme-mb: must be a positive integer"),
+    # (whole blocks could not fill it past the watermark: an IndexError, or no drain measured)
+    (["--dram-mb", "4", "--block-kib", "4096"], "--dram-mb 4 holds too few blocks of 4096 KiB to fill it past"),
+    (["--dram-mb", "8", "--block-kib", "1024"], "--dram-mb 8 holds too few blocks of 1024 KiB to fill it past"),
 ])
 def test_drain_bad_options(capsys, argv, message):
     assert message in usage_error(capsys, "drain", *argv)
@@ -315,6 +320,16 @@ def test_drain_of_a_small_tier_drains_and_ends_when_it_has(capsys):
     for r in rows.values():
         assert r["drained"] and r["moved_mb"] > 0 and r["batches"] > 0, r
     assert rows["random_times"]["n"] < 200, rows["random_times"]  # (calls counted: no timed bound in a test)
+
+
+def test_drain_at_random_times_ends_at_its_seconds_whatever_the_gap(capsys):
+    """A lookup due past the phase's --seconds ends it (it slept until then: 10.7 s of a 1 s phase
+    at a 10 s gap, and for ever at a gap of 1e9 ms, a review's runs)."""
+    argv = ["bench", "drain", "--dram-mb", "16", "--seconds", "1", "--gap-ms", "1e9", "--json"]
+    assert cli.main(argv) == 0
+    rows = {r["phase"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    row = rows["random_times"]
+    assert row["n"] == 0 and row["p50_ms"] is None and row["drain_s"] <= 1.0, row
 
 
 # ---- bench churn --------------------------------------------------------------------------------

@@ -214,12 +214,18 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if ready in line:
-            return proc
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"{argv} exited with {proc.returncode}: {log_path.read_text().strip()[-2000:]}")
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if ready in line:
+                return proc
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"{argv} exited with {proc.returncode}: {log_path.read_text().strip()[-2000:]}")
+    except BaseException:
+        # (Ctrl-C or SIGTERM while it starts: stopped here, since no caller has it yet; it recreated
+        # the removed temporary folder and its NVMe file in it before)
+        _stop(proc)
+        raise
     _stop(proc)
     raise RuntimeError(f"{argv} did not print {ready!r} within {STARTUP_TIMEOUT_S}s")
 

@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from dflash2.argtypes import block_kib
-from dflash2.bench import positive_float, positive_int
+from dflash2.bench import OptionError, positive_float, positive_int
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
 
-FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark, 0.9) ...
+HIGH = 0.9  # DRAM's high watermark
+FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark) ...
 DRAINED = 0.51  # ... and drained once at this (its low watermark, 0.5, and a block's rounding)
 # How often DRAM's fill is looked at (a stats call, about 0.6 ms on the 2-core VM): `drain_s` is
 # known to within it. Every 200 calls, as before, a phase could not end before 200 calls: at a 10 ms
@@ -67,6 +68,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     block_kib = args.block_kib
     nvme_mb = 2 * args.dram_mb if args.nvme_mb is None else args.nvme_mb
     blocks = layout(block_kib)
+    if int(args.dram_mb * FILL * 2**20) // blocks.block_bytes * blocks.block_bytes <= HIGH * args.dram_mb * 2**20:
+        # (4 MB of 4 MiB blocks: a fill of 3 blocks, never over the watermark: no drain began, and
+        # an empty phase raised an IndexError)
+        raise OptionError(f"--dram-mb {args.dram_mb} holds too few blocks of {block_kib} KiB to fill it past "
+                          f"its high watermark ({HIGH}) in whole blocks: give it more DRAM or smaller blocks")
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         folder = Path(tmp)
         endpoint = f"ipc://{folder}/d.sock"
@@ -93,7 +99,7 @@ def _start_daemon(folder: Path, endpoint: str, dram_mb: int, nvme_mb: int, block
                       "nvme_capacity_mb": nvme_mb, "nvme_path": str(folder / "nvme.cache"),
                       "staging_buffer_size_mb": max(8, 8 * block_mb), "page_kb": max(256, blocks.block_bytes >> 10)},
            "kv_block": {"block_size": blocks.tokens_per_block, "prefetch_window": 4},
-           "policy": {"name": "heat", "watermarks": {"dram": {"high": 0.9, "low": 0.5}}},
+           "policy": {"name": "heat", "watermarks": {"dram": {"high": HIGH, "low": 0.5}}},
            "daemon": {"endpoint": endpoint, "state_dir": str(folder / "state")},
            "logging": {"format": "text", "level": "warning"}}
     path = folder / "dflash2_config.json"
@@ -152,6 +158,8 @@ def _lookups(client, keys: list[int], phase: str, args) -> dict:
     while time.perf_counter() - started < args.seconds and used > DRAINED:
         if random_times:
             due += rng.exponential(args.gap_ms / 1000)
+            if due - started >= args.seconds:
+                break  # (the next lookup falls past the phase: it slept on past --seconds before)
             ahead = due - time.perf_counter()
             if ahead > 0:
                 time.sleep(ahead)
@@ -171,8 +179,11 @@ def _lookups(client, keys: list[int], phase: str, args) -> dict:
     ms = np.asarray(waits) * 1e3
     moved_now, batches_now = _moved(client)
     late = client.stats()["daemon"]["background"]["late_max_s"]
-    return {"n": len(ms), "p50_ms": _r(np.percentile(ms, 50)), "p90_ms": _r(np.percentile(ms, 90)),
-            "p99_ms": _r(np.percentile(ms, 99)), "max_ms": _r(ms.max()), "mean_ms": _r(ms.mean()),
+
+    def pct(q: float) -> float | None:  # (no call in the phase: none)
+        return _r(np.percentile(ms, q)) if len(ms) else None
+    return {"n": len(ms), "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
+            "max_ms": _r(ms.max()) if len(ms) else None, "mean_ms": _r(ms.mean()) if len(ms) else None,
             "drain_s": round(time.perf_counter() - started, 2), "drained": used <= DRAINED,
             "dram_end": round(used, 3), "moved_mb": round((moved_now - moved) / 2**20, 1),
             "batches": batches_now - batches, "step_late_max_ms": None if late is None else _r(late * 1e3)}

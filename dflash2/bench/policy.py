@@ -39,6 +39,7 @@ ALIGN = 256
 
 
 MAX_HASH_ID = (1 << 64) - 2  # content keys are uint64 and the replay adds 1 (0 means "no key")
+MAX_TIMESTAMP_MS = 1e18  # (milliseconds: 30 million years)
 
 
 def load_trace(path: str, limit: int | None = None) -> list[Request]:
@@ -86,7 +87,8 @@ def _request(line: str, where: str) -> Request:
         if field not in rec:
             raise OptionError(f"{where}: the request has no {field!r} (a Mooncake request: timestamp, hash_ids)")
     ts, ids = rec["timestamp"], rec["hash_ids"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or (isinstance(ts, float) and not math.isfinite(ts)) \
+            or abs(ts) > MAX_TIMESTAMP_MS:  # (an int of 400 digits raised OverflowError in isfinite)
         raise OptionError(f"{where}: timestamp {ts!r} is not a number of milliseconds")
     if not isinstance(ids, list):
         raise OptionError(f"{where}: hash_ids {ids!r} is not a list")

@@ -140,9 +140,12 @@ def _policy_fixed_bytes(policy: str) -> int:
 
 def run(args) -> dict:
     if args.policy not in policy_names():
-        raise OptionError(f"--policy: unknown {args.policy!r}; valid: {', '.join(policy_names())}")
+        raise OptionError(f"--policy: unknown {args.policy!r}; valid: "
+                          f"{', '.join(n for n in policy_names() if n != 'belady')}")
     if args.policy == "belady":  # without a trace it has no future to rank by: every block ties
         raise OptionError("--policy belady ranks blocks by a trace's future: it runs in `bench policy` only")
+    if args.batch > args.blocks:  # (past the table's tier, which holds --blocks and some slack: a TypeError)
+        raise OptionError(f"--batch {args.batch} is more than --blocks {args.blocks}")
     try:
         return _run(args)
     except MemoryError as e:

@@ -1,0 +1,61 @@
+"""A bench stopped by SIGTERM (`timeout`, a supervisor) or by a SIGINT sent to it alone cleans up as
+after Ctrl-C: its daemon stopped, its temporary folder (the NVMe file in it) and shared memory gone
+(a review of 2026-12-04: a SIGTERM left the daemon running, 288 MiB of /dev/shm and a 512 MiB NVMe
+file; a SIGINT during the daemon's start-up left the NVMe file, which the daemon recreated)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _daemons_under(folder: Path) -> list[int]:
+    """Pids of processes whose command line names `folder` (the bench's daemon: its config is there)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(folder) in cmd and "dflash2.daemon.main" in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "serving"), (signal.SIGINT, "starting")])
+def test_a_bench_stopped_by_a_signal_to_it_alone_leaves_nothing(tmp_path, sig, when):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-c", "import sys; from dflash2.cli import main; sys.exit(main())",
+                              "bench", "churn", "--clients", "1", "--warmup", "60", "--seconds", "60", "--json"],
+                             env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            folders = list(tmp_path.glob("dflash2-bench-*"))
+            if folders and (when == "starting" or (folders[0] / "d.sock").exists()):
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the bench never started its daemon")
+        if when == "serving":
+            time.sleep(1.0)
+        bench.send_signal(sig)
+        bench.wait(60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    deadline = time.monotonic() + 10
+    while _daemons_under(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _daemons_under(tmp_path), "the bench's daemon still runs"
+    assert not list(tmp_path.glob("dflash2-bench-*")), [str(p) for p in tmp_path.rglob("*")]
