@@ -83,13 +83,23 @@ class _Raw:
         # I/Os: the raw side cycles through as much memory as the tier side does.
         self.nbytes = -(-buffer_bytes // 4096) * 4096
         self.shm = None
-        if memory == "shm":  # the kind of memory the tier moves: a DRAM-tier shared-memory segment
-            self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
-                                                alignment=nvme_arena.ALIGN)
-            self.buf = self.shm.view(0, self.nbytes)
-        else:
-            self.buf = mmap.mmap(-1, self.nbytes)
-        memoryview(self.buf)[:] = np.random.default_rng(1).integers(0, 256, self.nbytes, dtype=np.uint8).tobytes()
+        try:
+            if memory == "shm":  # the kind of memory the tier moves: a DRAM-tier shared-memory segment
+                self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
+                                                    alignment=nvme_arena.ALIGN)
+                self.buf = self.shm.view(0, self.nbytes)
+            else:
+                self.buf = mmap.mmap(-1, self.nbytes)
+            rng, view = np.random.default_rng(1), np.frombuffer(self.buf, dtype=np.uint8)
+            for at in range(0, self.nbytes, 64 << 20):  # (in pieces: two whole copies in memory before)
+                view[at: at + (64 << 20)] = rng.integers(0, 256, min(64 << 20, self.nbytes - at), dtype=np.uint8)
+            del view
+        except BaseException:  # (Ctrl-C while it fills: the segment was left in /dev/shm)
+            os.close(self.fd)
+            if self.shm is not None:
+                self.buf = None
+                self.shm.close()
+            raise
 
     def _ios(self):
         """Sequential I/Os of at most RAW_IO_BYTES, each from the buffer's next bytes (one that would
@@ -134,13 +144,21 @@ class _Tier:
         # One batch of distinct source blocks (reused for every batch) and one of destinations, as
         # views into a DRAM-tier arena: slots of `stride` bytes from 4096-aligned offsets.
         shift, stride = (0, block) if aligned else (UNALIGNED_SHIFT, block + nvme_arena.ALIGN)
-        self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
-                                             Tier.DRAM, alignment=nvme_arena.ALIGN)
-        self.srcs = [self.dram.view(k * stride + shift, block) for k in range(batch)]
-        self.dsts = [self.dram.view((batch + k) * stride + shift, block) for k in range(batch)]
-        rng = np.random.default_rng(2)
-        for v in self.srcs:
-            v[:] = rng.integers(0, 256, block, dtype=np.uint8)
+        try:
+            self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
+                                                 Tier.DRAM, alignment=nvme_arena.ALIGN)
+        except BaseException:
+            self.arena.close()
+            raise
+        try:
+            self.srcs = [self.dram.view(k * stride + shift, block) for k in range(batch)]
+            self.dsts = [self.dram.view((batch + k) * stride + shift, block) for k in range(batch)]
+            rng = np.random.default_rng(2)
+            for v in self.srcs:
+                v[:] = rng.integers(0, 256, block, dtype=np.uint8)
+        except BaseException:  # (Ctrl-C while it fills: the segment was left in /dev/shm)
+            self.close()
+            raise
         self.misses = 0
 
     def _batches(self):
@@ -189,14 +207,17 @@ def run(args: argparse.Namespace) -> dict:
     block = args.block_kb << 10
     if block % nvme_arena.ALIGN or block > size:
         raise OptionError(f"--block-kb {args.block_kb} must be a multiple of 4 and at most --size-mb")
+    # No more blocks a batch than the run moves: the buffers are a batch each (a --batch of 100,000
+    # took 20 GB of /dev/shm to move 16 MiB, and the OOM killer ended the run with it left there).
+    batch = min(args.batch, size // block)
     folder = _scratch_folder(args.dir, 2 * size)
     raw = tier = None
     try:
-        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, args.batch, args.staging_mb << 20,
+        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, batch, args.staging_mb << 20,
                      aligned=not args.unaligned)
         direct = tier.arena.direct_io
         raw = _Raw(os.path.join(folder, "raw.bin"), size, direct,
-                   (args.raw_buffer_mb << 20) or max(RAW_IO_BYTES, args.batch * block), args.raw_memory)
+                   (args.raw_buffer_mb << 20) or max(RAW_IO_BYTES, batch * block), args.raw_memory)
         raw_w = tier_w = raw_r = tier_r = float("inf")
         for k in range(args.repeat):
             # Odd rounds run the tier first: a virtual disk that writes back through its host's page
@@ -225,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
             "raw_memory": args.raw_memory,
             "size_mb": args.size_mb,
             "block_kb": args.block_kb,
-            "batch": args.batch,
+            "batch": batch,
             "staging_mb": args.staging_mb,
             "repeat": args.repeat,
             "direct_io": direct,
