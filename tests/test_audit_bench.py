@@ -332,6 +332,19 @@ def test_drain_at_random_times_ends_at_its_seconds_whatever_the_gap(capsys):
     assert row["n"] == 0 and row["p50_ms"] is None and row["drain_s"] <= 1.0, row
 
 
+def test_a_bench_whose_daemon_cannot_start_says_why_in_one_line(capsys):
+    """Options that make a daemon that cannot start (tiers past the config's bounds or the machine's
+    memory): the daemon's own error line, exit 2 (a RuntimeError's traceback before, exit 1)."""
+    line = usage_error(capsys, "churn", "--hbm-mb", "100000000")
+    assert "the bench's daemon did not start (exit 2): dflash2d: error: memory.hbm_capacity_mb" in line
+
+
+def test_a_staging_buffer_past_the_machines_memory_is_refused_in_one_line(capsys, tmp_path):
+    line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--staging-mb", "100000000",
+                       "--dir", str(tmp_path))
+    assert "staging buffer needs" in line and "available" in line
+
+
 # ---- bench churn --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [

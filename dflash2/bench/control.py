@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 
 from dflash2 import protocol as P
-from dflash2.bench import positive_float, positive_int
+from dflash2.bench import OptionError, positive_float, positive_int
 from dflash2.layout import Layout
 
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
@@ -220,7 +220,11 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
             if ready in line:
                 return proc
             if not line and proc.poll() is not None:
-                raise RuntimeError(f"{argv} exited with {proc.returncode}: {log_path.read_text().strip()[-2000:]}")
+                # One line, as a bad option's (a traceback of the RuntimeError before): the options
+                # made a daemon that cannot start (tiers past the machine's memory, a batch past its tier).
+                said = [ln for ln in log_path.read_text().splitlines() if "error" in ln.lower()]
+                raise OptionError(f"the bench's daemon did not start (exit {proc.returncode}): "
+                                  f"{(said or ['(it said nothing)'])[-1].strip()[-500:]}")
     except BaseException:
         # (Ctrl-C or SIGTERM while it starts: stopped here, since no caller has it yet; it recreated
         # the removed temporary folder and its NVMe file in it before)

@@ -39,6 +39,7 @@ from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.arena.staging import pread_all, pwrite_all
 from dflash2.bench import OptionError, non_negative_int, positive_int
+from dflash2.errors import CapacityError
 from dflash2.tiers import Tier
 
 RAW_IO_BYTES = 8 << 20
@@ -213,11 +214,14 @@ def run(args: argparse.Namespace) -> dict:
     folder = _scratch_folder(args.dir, 2 * size)
     raw = tier = None
     try:
-        tier = _Tier(os.path.join(folder, "tier.bin"), size, block, batch, args.staging_mb << 20,
-                     aligned=not args.unaligned)
-        direct = tier.arena.direct_io
-        raw = _Raw(os.path.join(folder, "raw.bin"), size, direct,
-                   (args.raw_buffer_mb << 20) or max(RAW_IO_BYTES, batch * block), args.raw_memory)
+        try:
+            tier = _Tier(os.path.join(folder, "tier.bin"), size, block, batch, args.staging_mb << 20,
+                         aligned=not args.unaligned)
+            direct = tier.arena.direct_io
+            raw = _Raw(os.path.join(folder, "raw.bin"), size, direct,
+                       (args.raw_buffer_mb << 20) or max(RAW_IO_BYTES, batch * block), args.raw_memory)
+        except CapacityError as e:  # (memory the options ask for and this machine lacks: a traceback before)
+            raise OptionError(str(e)) from None
         raw_w = tier_w = raw_r = tier_r = float("inf")
         for k in range(args.repeat):
             # Odd rounds run the tier first: a virtual disk that writes back through its host's page
