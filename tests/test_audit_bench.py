@@ -392,6 +392,8 @@ def test_churn_measures_the_daemons_cpu_per_request_while_two_clients_churn_a_fu
     (["--hbm-chains", "0"], "argument --hbm-chains: must be a positive integer"),
     (["--policy", "belady"], "--policy: 'belady' is not a policy the daemon runs; valid: heat, lfu, lru"),
     (["--gpu", "-1"], "argument --gpu: must be an integer >= 0"),
+    # (a chain smaller than HBM's slack: every acquire found its chain in HBM, promoted_per_acquire 0)
+    (["--blocks", "4", "--block-kib", "16"], "--blocks 4 of 16 KiB: HBM, sized in whole MB"),
 ])
 def test_calls_bad_options(capsys, argv, message):
     assert message in usage_error(capsys, "calls", "--device", "host", *argv)

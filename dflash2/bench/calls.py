@@ -69,6 +69,14 @@ def run(args: argparse.Namespace) -> dict:
     if kind == "cuda":
         visible_gpu(args.gpu, "bench calls --device cuda")
     blocks = layout(args.block_kib)
+    held = _hbm_mb(args, blocks)[0] * MIB // blocks.block_bytes
+    if held >= (args.hbm_chains + args.dram_chains) * args.blocks:
+        # (HBM, in whole MB with a page of slack, held every chain written before the rounds: each
+        # acquire found its chain there and promoted nothing)
+        raise OptionError(f"--blocks {args.blocks} of {args.block_kib} KiB: HBM, sized in whole MB with a page of "
+                          f"slack, holds {held} blocks, all the chains written before the rounds (--hbm-chains + "
+                          "--dram-chains), so no chain would come up from DRAM; give longer chains, larger blocks "
+                          "or more --dram-chains")
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         folder = Path(tmp)
         endpoint = f"ipc://{folder}/d.sock"
@@ -82,14 +90,20 @@ def run(args: argparse.Namespace) -> dict:
             _stop(daemon)
 
 
+def _hbm_mb(args, blocks: Layout) -> tuple[int, int]:
+    """(HBM's MB, its page's KiB): --hbm-chains chains and a partly cut page of each size."""
+    page_kb = max(2048, args.block_kib)
+    return -(-args.hbm_chains * args.blocks * blocks.block_bytes // MIB) + 2 * page_kb // 1024, page_kb
+
+
 def _start_daemon(folder: Path, endpoint: str, kind: str, args, blocks: Layout):
     chain_bytes = args.blocks * blocks.block_bytes
-    page_kb = max(2048, args.block_kib)
+    hbm_mb, page_kb = _hbm_mb(args, blocks)
     slack_mb = 2 * page_kb // 1024  # a partly cut page of each size
     chains_written = args.hbm_chains + args.dram_chains + WARMUP_ROUNDS + args.rounds
     device = {"kind": kind} if kind == "host" else {"kind": kind, "gpu_ids": [args.gpu]}
     cfg = {"enable": True, "device": device,
-           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": -(-args.hbm_chains * chain_bytes // MIB) + slack_mb,
+           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb,
                       "dram_capacity_mb": -(-chains_written * chain_bytes // MIB) + slack_mb,
                       "nvme_capacity_mb": 0, "staging_buffer_size_mb": 16, "page_kb": page_kb},
            # No prefetch: each acquire's promotion is its own, not begun by the lookup before it.
