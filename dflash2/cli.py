@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` or a supervisor left its daemon running, its shared memory and a GB-sized NVMe file.
     saved = {}
     if threading.current_thread() is threading.main_thread():
-        saved = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        # (one the process was started to ignore stays ignored: `nohup dflash2 bench ...` ran on)
+        saved = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)
+                 if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         return SUBCOMMANDS[args.command].handler(args)
     except UsageError as exc:

@@ -79,7 +79,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.plot:
         # The file's kind from its extension, PNG without one (matplotlib wrote NAME.png and it was
         # reported as NAME); one matplotlib cannot write is refused by name (it raised a traceback).
-        path = args.plot if os.path.splitext(args.plot)[1] else f"{args.plot}.png"
+        path = args.plot if os.path.splitext(args.plot)[1] not in ("", ".") else f"{args.plot.rstrip('.')}.png"
         try:
             plot(samples, path)
         except ModuleNotFoundError:

@@ -59,3 +59,17 @@ def test_a_bench_stopped_by_a_signal_to_it_alone_leaves_nothing(tmp_path, sig, w
         time.sleep(0.1)
     assert not _daemons_under(tmp_path), "the bench's daemon still runs"
     assert not list(tmp_path.glob("dflash2-bench-*")), [str(p) for p in tmp_path.rglob("*")]
+
+
+def test_a_hang_up_the_command_was_started_to_ignore_stays_ignored(tmp_path):
+    """`nohup dflash2 bench ... &` and a logout: SIGHUP ended the run once SIGHUP meant a clean exit
+    (a review); one the process inherited as ignored stays ignored."""
+    script = ("import signal, sys, threading; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+              "import os\n"
+              "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGHUP)).start()\n"
+              "from dflash2.cli import main\n"
+              "sys.exit(main(['status', '--endpoint', 'ipc://%s/none.sock', '--watch', '--count', '4', "
+              "'--interval', '0.5']))" % tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done  # (four frames, none answered: as without the hang-up; 129 before)
+    assert done.stdout.count("daemon unavailable") == 4, done.stdout

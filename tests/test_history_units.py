@@ -93,6 +93,8 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
     assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "incident")]) == 0
     assert f"plot written to {tmp_path / 'incident.png'}" in capsys.readouterr().out
     assert (tmp_path / "incident.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "dotted.")]) == 0
+    assert f"plot written to {tmp_path / 'dotted.png'}" in capsys.readouterr().out  # (it said "dotted.")
     # A format matplotlib cannot write: one line, exit 2 (a traceback before).
     assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "h.xyz")]) == 2
     err = capsys.readouterr().err

@@ -222,9 +222,12 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
             if not line and proc.poll() is not None:
                 # One line, as a bad option's (a traceback of the RuntimeError before): the options
                 # made a daemon that cannot start (tiers past the machine's memory, a batch past its tier).
-                said = [ln for ln in log_path.read_text().splitlines() if "error" in ln.lower()]
+                text = log_path.read_text()
+                said = [ln for ln in text.splitlines() if "error:" in ln.lower()]
+                if not said:  # (a crash or a signal, not a refusal: the log's end, as before)
+                    raise RuntimeError(f"{argv} exited with {proc.returncode}: {text.strip()[-2000:]}")
                 raise OptionError(f"the bench's daemon did not start (exit {proc.returncode}): "
-                                  f"{(said or ['(it said nothing)'])[-1].strip()[-500:]}")
+                                  f"{said[-1].strip()[-500:]}")
     except BaseException:
         # (Ctrl-C or SIGTERM while it starts: stopped here, since no caller has it yet; it recreated
         # the removed temporary folder and its NVMe file in it before)
