@@ -79,12 +79,12 @@ class _Raw:
     def __init__(self, path: str, size: int, direct: bool, buffer_bytes: int, memory: str):
         self.size = size
         self.fd = os.open(path, os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0), 0o600)
-        os.posix_fallocate(self.fd, 0, size)
         # Exactly the memory asked for (rounded up to O_DIRECT's 4 KiB), never rounded to whole raw
         # I/Os: the raw side cycles through as much memory as the tier side does.
         self.nbytes = -(-buffer_bytes // 4096) * 4096
-        self.shm = None
-        try:
+        self.shm = self.buf = None
+        try:  # (what was made is let go of on any failure, Ctrl-C among them: the segment was left)
+            os.posix_fallocate(self.fd, 0, size)
             if memory == "shm":  # the kind of memory the tier moves: a DRAM-tier shared-memory segment
                 self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
                                                     alignment=nvme_arena.ALIGN)
@@ -95,11 +95,8 @@ class _Raw:
             for at in range(0, self.nbytes, 64 << 20):  # (in pieces: two whole copies in memory before)
                 view[at: at + (64 << 20)] = rng.integers(0, 256, min(64 << 20, self.nbytes - at), dtype=np.uint8)
             del view
-        except BaseException:  # (Ctrl-C while it fills: the segment was left in /dev/shm)
-            os.close(self.fd)
-            if self.shm is not None:
-                self.buf = None
-                self.shm.close()
+        except BaseException:
+            self.close()
             raise
 
     def _ios(self):
@@ -128,7 +125,8 @@ class _Raw:
     def close(self) -> None:
         os.close(self.fd)
         if self.shm is None:
-            self.buf.close()
+            if self.buf is not None:
+                self.buf.close()
         else:
             self.buf = None
             self.shm.close()
@@ -145,19 +143,16 @@ class _Tier:
         # One batch of distinct source blocks (reused for every batch) and one of destinations, as
         # views into a DRAM-tier arena: slots of `stride` bytes from 4096-aligned offsets.
         shift, stride = (0, block) if aligned else (UNALIGNED_SHIFT, block + nvme_arena.ALIGN)
-        try:
+        self.dram, self.srcs, self.dsts = None, [], []
+        try:  # (what was made is let go of on any failure, Ctrl-C among them: the segment was left)
             self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
                                                  Tier.DRAM, alignment=nvme_arena.ALIGN)
-        except BaseException:
-            self.arena.close()
-            raise
-        try:
             self.srcs = [self.dram.view(k * stride + shift, block) for k in range(batch)]
             self.dsts = [self.dram.view((batch + k) * stride + shift, block) for k in range(batch)]
             rng = np.random.default_rng(2)
             for v in self.srcs:
                 v[:] = rng.integers(0, 256, block, dtype=np.uint8)
-        except BaseException:  # (Ctrl-C while it fills: the segment was left in /dev/shm)
+        except BaseException:
             self.close()
             raise
         self.misses = 0
@@ -188,7 +183,8 @@ class _Tier:
     def close(self) -> None:
         self.arena.close()
         self.srcs = self.dsts = []
-        self.dram.close()
+        if self.dram is not None:
+            self.dram.close()
 
 
 def _scratch_folder(where: str, nbytes: int) -> str:
