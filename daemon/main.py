@@ -10,6 +10,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import json
 import os
@@ -157,12 +158,12 @@ def room_now(plan: Plan) -> list[str]:
     nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
     has_nvme = nvme is not None and plan.nvme_path is not None and bool(nvme.capacity_bytes)
     host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
-    staging = plan.staging_bytes if has_nvme else 0  # the NVMe tier's staging ring, taken at start-up too
+    staging = plan.staging_taken_bytes if has_nvme else 0  # taken at start-up too
     if host or staging:
         shm, avail = shm_free_bytes(), mem_available_bytes()
         takes = f"host memory tiers take {host} bytes of shared memory"
         if staging:
-            takes += f" and the staging buffer {staging} bytes of memory"
+            takes += f" and the staging buffers {staging} bytes of memory"
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
@@ -192,6 +193,10 @@ def _nvme_now(path: Path, need: int, verdict) -> str:
         with open(path, "rb") as f:
             if is_foreign(f.read(len(HEADER))):
                 return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)"
+            try:  # the lock a running daemon holds on its file (taken and let go at once here)
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f"{path} is in use by another process (a daemon serving from it): {fail}"
         held = path.stat().st_blocks * 512  # reused by the tier
     else:
         existing = _nearest_existing(path.parent)

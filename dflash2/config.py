@@ -334,8 +334,10 @@ class Config(_Section):
         return self._source_path.parent if self._source_path else Path.cwd()
 
     def resolve_path(self, raw: str, key: str) -> Path:
+        """`raw` made absolute (against base_dir) with its symlinks followed, so that what is checked
+        (a folder's owner, a disk's free space) is the place itself, not where a link to it sits."""
         path = expand_user(raw, key)
-        return path if path.is_absolute() else (self.base_dir / path).resolve()
+        return (path if path.is_absolute() else self.base_dir / path).resolve()
 
     @property
     def resolved_nvme_path(self) -> Optional[Path]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.arena.nvme import slot_place
 from dflash2.counts import distinct
 from dflash2.quarantine import Quarantine
 from dflash2.readcost import ReadCost
@@ -134,7 +135,7 @@ class Mover:
         if not ok.all():
             failed = move.rows[~ok]
             vids = self.table.vids(failed)
-            which = (f"block {int(vids[0]):#x} at offset {int(self.table.cols.offset[failed[0]])}"
+            which = (f"block {int(vids[0]):#x} at {slot_place(move.src, int(self.table.cols.offset[failed[0]]))}"
                      + ("" if len(failed) == 1 else f", and {len(failed) - 1} more"))
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
@@ -144,8 +145,7 @@ class Mover:
             # None: one of its direction was logged in the last minute; counted in the next.
             more = self._failure_log.due((move.src, move.dst), blocks=len(failed))
             if more is not None and move.src == Tier.NVME:
-                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s of the NVMe "
-                            "file): dropped from the cache, a miss each, never wrong data; many of these mean "
+                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from the cache, a miss each, never wrong data; many of these mean "
                             "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
             elif more is not None:
                 log.warning("%d of %d blocks failed to move %s->%s (%s): they stay where they were%s",

@@ -67,6 +67,14 @@ class Plan:
     notes: tuple[str, ...]
 
     @property
+    def staging_taken_bytes(self) -> int:
+        """Host memory the staging buffers take at start-up with an NVMe tier: each block pool (one a
+        GPU, one on a host-only node) has its NVMe tier's staging ring, and on a GPU also a pinned
+        buffer of the same size for HBM<->NVMe moves."""
+        pools = sum(1 for t in self.tiers if t.tier == Tier.HBM)
+        return self.staging_bytes * pools * (2 if self.device_kind == "cuda" else 1)
+
+    @property
     def total_bytes(self) -> Optional[int]:
         """Bytes of every tier together (the virtual cache size), or None while a GPU tier is unknown."""
         sizes = [t.capacity_bytes for t in self.tiers]
@@ -80,6 +88,7 @@ class Plan:
             "layouts": {name: {"block_bytes": lay.block_bytes, "tokens_per_block": lay.tokens_per_block}
                         for name, lay in self.layouts.items()},
             "staging_bytes": self.staging_bytes,
+            "staging_taken_bytes": self.staging_taken_bytes,
             "nvme_path": str(self.nvme_path) if self.nvme_path else None,
             "endpoint": self.endpoint,
             "state_dir": str(self.state_dir),
@@ -273,7 +282,7 @@ def _render_lines(plan: Plan) -> list[str]:
              f"  endpoint:    {plan.endpoint}",
              f"  state dir:   {plan.state_dir}",
              f"  nvme file:   {plan.nvme_path or '(no NVMe tier)'}",
-             f"  staging:     {human_bytes(plan.staging_bytes)}",
+             f"  staging:     {_staging_line(plan)}",
              f"  total cache: {human_bytes(plan.total_bytes)}", ""]
     if plan.layouts:
         lines.append("layouts:")
@@ -286,6 +295,15 @@ def _render_lines(plan: Plan) -> list[str]:
     lines.extend(_table(plan))
     lines.extend(f"note: {note}" for note in plan.notes)
     return lines
+
+
+def _staging_line(plan: Plan) -> str:
+    line = human_bytes(plan.staging_bytes)
+    has_nvme = plan.nvme_path is not None and any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers)
+    if has_nvme and plan.staging_taken_bytes != plan.staging_bytes:
+        line += (f" a buffer; {human_bytes(plan.staging_taken_bytes)} of host memory in all with the NVMe tier "
+                 f"(one ring per GPU and a pinned buffer per GPU for HBM<->NVMe moves)")
+    return line
 
 
 def _table(plan: Plan) -> list[str]:

@@ -58,6 +58,7 @@ import numpy as np
 
 from dflash2 import threads
 from dflash2.arena.base import StorageArena
+from dflash2.arena.nvme import slot_place
 from dflash2.errors import ArenaError
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
@@ -144,9 +145,9 @@ class Quarantine:
         share = alloc.quarantined_bytes / alloc.arena_bytes
         more = self._said.due(tier, blocks=len(offsets))
         if more is not None:
-            log.warning("%d %s slots (%d bytes, the first at offset %d) whose %s: set aside, not used "
+            log.warning("%d %s slots (%d bytes, the first at %s) whose %s: set aside, not used "
                         "again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
-                        len(offsets), tier.label, taken, int(offsets[0]), failed, alloc.quarantined_bytes, 100 * share,
+                        len(offsets), tier.label, taken, slot_place(tier, int(offsets[0])), failed, alloc.quarantined_bytes, 100 * share,
                         tier.label, more)
         self.slots += len(offsets)
         if self.failing(tier) and tier not in self._said_failing:

@@ -121,7 +121,7 @@ def test_check_counts_the_staging_buffer_in_the_memory_it_needs(tmp_path):
     rc, out, _ = check(write_config(tmp_path, memory={"staging_buffer_size_mb": staging_mb}))
     assert rc == 0
     line = now_lines(out)[0]
-    assert f"and the staging buffer {staging_mb << 20} bytes of memory" in line
+    assert f"and the staging buffers {staging_mb << 20} bytes of memory" in line
     assert line.endswith("start-up would fail now (exit 4)")
 
 

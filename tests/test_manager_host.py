@@ -1,6 +1,7 @@
 """The block manager over real host arenas, built from a config as the daemon builds it."""
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -49,16 +50,25 @@ def test_bytes_survive_hbm_dram_nvme_and_back(mgr):
 def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr, caplog):
     a = mgr.attach("a")
     lid = mgr.register_layout(LAYOUT)
-    vids, _ = write(mgr, a, lid, 3, seed=7, keys=[101, 102, 103])
+    vids, data = write(mgr, a, lid, 3, seed=7, keys=[101, 102, 103])
     mgr.free(a, vids)  # cached, nobody holds them
     rows = mgr.table.rows(vids)
     mgr.mover.move(rows, Tier.NVME)
-    mgr.arenas[Tier.NVME].corrupt_for_test(mgr.place(int(vids[1])).offset)
-    with caplog.at_level(logging.WARNING, logger="dflash2.swap"):
+    nvme = mgr.arenas[Tier.NVME]
+    nvme.corrupt_for_test(mgr.place(int(vids[1])).offset)
+    with caplog.at_level(logging.WARNING):
         # Not None ("no room now": HBM has room, and a retry could never succeed): named.
         with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its checksum.*look the chain up again"):
             mgr.acquire(a, vids)
     assert f"1 of 3 blocks read back from NVMe failed their checksum or read (block {int(vids[1]):#x}" in caplog.text
+    # The byte named is the file's (past its header), where `dd skip=` finds the block; so do the
+    # slots set aside. (Both said the tier's offset, a page short of the block, as "of the NVMe file".)
+    said = re.search(r"block 0x[0-9a-f]+ at byte (\d+) of the NVMe file", caplog.text)
+    assert said and f"the first at byte {said[1]} of the NVMe file" in caplog.text
+    with open(nvme.path, "rb") as f:
+        f.seek(int(said[1]))
+        on_disk = np.frombuffer(f.read(LAYOUT.block_bytes), dtype=np.uint8)
+    assert (on_disk != data[1]).sum() == 1 and on_disk[0] == data[1][0] ^ 0xFF
     found = mgr.lookup([101, 102, 103], lid)
     assert [p.vid for p in found] == [int(vids[0])], "the corrupt block and what hangs below it are gone"
     assert mgr.mover.stats[(Tier.NVME, Tier.HBM)].failed_blocks == 1

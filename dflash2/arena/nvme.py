@@ -71,9 +71,12 @@ def _as_bytes(buf, writable: bool) -> np.ndarray:
     return arr
 
 
-def _free_bytes(folder: str) -> int:
-    st = os.statvfs(folder)
-    return st.f_bavail * st.f_frsize
+def slot_place(tier: Tier, offset: int) -> str:
+    """Where a slot's bytes are, for a log line: an NVMe tier's offsets count from the end of its
+    file's header, so the byte of the file (what `dd skip=` takes) is said; other tiers' offsets."""
+    if tier == Tier.NVME:
+        return f"byte {HEADER_BYTES + offset} of the NVMe file"
+    return f"offset {offset} of the {tier.label} tier"
 
 
 def _open_direct(path: str) -> int:
@@ -151,7 +154,8 @@ class NvmeArena(StorageArena):
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
                  tier: Tier = Tier.NVME):
-        self.path = os.fspath(path)
+        # A symlink's target is the file: its disk is measured and a dangling link's target created.
+        self.path = os.path.realpath(os.fspath(path))
         self.tier = tier
         self.capacity_bytes = int(capacity_bytes)
         if self.capacity_bytes <= 0 or self.capacity_bytes % ALIGN:
@@ -190,17 +194,18 @@ class NvmeArena(StorageArena):
         what it allocated when the disk fills) or is interrupted must not leave a file of zeros that
         the next start refuses as someone else's. A file this call created is removed again on any
         failure, so that a failed start gives its disk space back."""
-        folder = os.path.dirname(os.path.abspath(self.path))
+        folder = os.path.dirname(self.path)
+        created = True
         try:
             os.makedirs(folder, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                created = True
             except FileExistsError:
-                fd = os.open(self.path, os.O_RDWR)
                 created = False
+                fd = os.open(self.path, os.O_RDWR)
         except OSError as e:
-            raise ArenaError(f"NVMe tier cannot create its file at {self.path}: {e}") from e
+            what = "create its file at" if created else "open its existing file"
+            raise ArenaError(f"NVMe tier cannot {what} {self.path}: {e}") from e
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,7 +215,7 @@ class NvmeArena(StorageArena):
             os.close(fd)  # another process may hold a file we just created: never unlink it then
             raise
         try:
-            self._prepare_file(fd, folder)
+            self._prepare_file(fd)
         except BaseException as e:
             os.close(fd)
             if created:
@@ -224,7 +229,7 @@ class NvmeArena(StorageArena):
         self._lock_fd = fd
         self.reused = not created  # an earlier daemon's file (what it held is not valid here: dropped)
 
-    def _prepare_file(self, fd: int, folder: str) -> None:
+    def _prepare_file(self, fd: int) -> None:
         """Refuse a foreign file, write the header, take the disk space (the file is locked)."""
         st = os.fstat(fd)
         if is_foreign(os.pread(fd, len(HEADER), 0)):
@@ -233,7 +238,8 @@ class NvmeArena(StorageArena):
                              f"memory.nvme_path to another file)")
         total = HEADER_BYTES + self.capacity_bytes
         have = min(st.st_blocks * 512, total)  # already allocated, reused
-        free = _free_bytes(folder)
+        st_fs = os.fstatvfs(fd)  # the file's own filesystem
+        free = st_fs.f_bavail * st_fs.f_frsize
         if total - have > free:
             raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
                                 f"and a {HEADER_BYTES}-byte header), only {free + have} free")

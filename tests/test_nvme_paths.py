@@ -1,0 +1,129 @@
+"""Where the NVMe tier's file is, as start-up and `--check` see it: a symlink's target (an operator
+links ~/.cache/dflash2/nvme.cache onto a large disk), a file another daemon holds, and the host
+memory the staging buffers take on a GPU node (found by a review of the NVMe tier)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+
+from dflash2 import plan as plan_module
+from dflash2.arena.nvme import NvmeArena
+from dflash2.config import load_config, parse_config
+from dflash2.daemon import main as dmain
+from dflash2.plan import Gpu, resolve_plan
+
+MB = 1 << 20
+
+
+def check(path) -> tuple[int, list[str]]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = dmain.main(["--config", str(path), "--check"])
+    return rc, out.getvalue().splitlines()
+
+
+def now_lines(out: list[str]) -> list[str]:
+    return [line for line in out if line.startswith("now: ")]
+
+
+def test_an_absolute_symlinked_nvme_path_is_its_target(tmp_path):
+    disk = tmp_path / "big-disk"
+    disk.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    link = home / "nvme.cache"
+    link.symlink_to(disk / "nvme.cache")  # dangling: the target is made at start-up
+    cfg = load_config(write_config(tmp_path, memory={"nvme_path": str(link)}))
+    assert cfg.resolved_nvme_path == disk / "nvme.cache"  # (a relative path was resolved; an absolute one not)
+    rc, out = check(write_config(tmp_path, memory={"nvme_path": str(link)}))
+    assert rc == 0 and now_lines(out)[-1].startswith(f"now: the NVMe file needs {4096 + 32 * MB} bytes at "
+                                                     f"{disk / 'nvme.cache'}")
+
+
+def test_a_dangling_symlink_given_to_the_arena_is_followed(tmp_path):
+    target = tmp_path / "disk" / "nvme.cache"
+    target.parent.mkdir()
+    link = tmp_path / "nvme.cache"
+    link.symlink_to(target)
+    arena = NvmeArena(link, 1 * MB, staging_bytes=1 * MB)  # was ENOENT: O_CREAT|O_EXCL does not follow it
+    try:
+        assert arena.path == str(target) and target.is_file() and link.is_symlink()
+    finally:
+        arena.close()
+
+
+def test_free_room_is_measured_on_the_files_own_disk(tmp_path, monkeypatch):
+    """The folder holding the link may be a small disk and the target a large one: the room asked of
+    the disk is the file's. (Stands in for two filesystems: the link's folder says it has 4 MiB.)"""
+    target = tmp_path / "disk" / "nvme.cache"
+    target.parent.mkdir()
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "nvme.cache").symlink_to(target)
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        if Path(path) == small:
+            return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 1024, 1024, *tuple(st)[5:]))
+        return st
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    arena = NvmeArena(small / "nvme.cache", 16 * MB, staging_bytes=1 * MB)  # was: "only 4194304 free"
+    arena.close()
+
+
+def test_check_says_a_file_another_daemon_holds_would_fail(tmp_path):
+    path = write_config(tmp_path)
+    rc, out = check(path)
+    assert rc == 0 and now_lines(out)[-1].endswith(": fits")
+    held = NvmeArena(tmp_path / "nvme.cache", 32 * MB, staging_bytes=1 * MB)  # as a running daemon holds it
+    try:
+        rc, out = check(path)
+        assert rc == 0
+        assert now_lines(out)[-1] == (f"now: {tmp_path / 'nvme.cache'} is in use by another process (a daemon "
+                                      "serving from it): start-up would fail now (exit 4)")
+    finally:
+        held.close()
+    assert now_lines(check(path)[1])[-1].endswith(": fits")
+
+
+def test_an_existing_file_on_a_read_only_place_is_named_as_such(tmp_path, monkeypatch):
+    """(Root opens a file of mode 000, so the refusal is made here as a read-only filesystem makes it.)"""
+    path = tmp_path / "nvme.cache"
+    NvmeArena(path, 1 * MB, staging_bytes=1 * MB).close()
+    real = os.open
+
+    def refusing(p, flags, *args):
+        if os.fspath(p) == str(path) and not flags & os.O_CREAT:
+            raise OSError(30, "Read-only file system", str(path))
+        return real(p, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(Exception, match=f"NVMe tier cannot open its existing file {path}: .*Read-only"):
+        NvmeArena(path, 1 * MB, staging_bytes=1 * MB)
+
+
+def test_staging_on_a_gpu_node_is_counted_per_gpu_and_twice(tmp_path, monkeypatch):
+    """Each GPU's pool takes an NVMe staging ring and a pinned buffer, both of the configured size:
+    eight GPUs with 512 MB staging take 8 GB of host memory, which `--check` said was 512 MB."""
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(2)])
+    raw = {"enable": True, "device": {"kind": "cuda"},
+           "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
+                      "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16},
+           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+    plan = resolve_plan(parse_config(raw))
+    assert plan.staging_taken_bytes == 2 * 2 * 16 * MB
+    assert plan.to_dict()["staging_taken_bytes"] == 64 * MB
+    assert "staging:     16.0 MiB a buffer; 64.0 MiB of host memory in all" in plan.render_text()
+    line = dmain.room_now(plan)[0]
+    assert f"and the staging buffers {64 * MB} bytes of memory" in line
+    host = resolve_plan(load_config(write_config(tmp_path)))
+    assert host.staging_taken_bytes == host.staging_bytes  # one ring, one pool
+    assert "staging:     4.0 MiB\n" in host.render_text() + "\n"
