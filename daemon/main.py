@@ -134,7 +134,7 @@ def _format_asked(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (as load_config: a file nested too deeply)
         return "text"
     section = raw.get("logging") if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or (section is not None and not isinstance(section, dict)):
@@ -155,6 +155,9 @@ def room_now(plan: Plan) -> list[str]:
         return "fits" if need <= have else "start-up would fail now (exit 4)"
 
     lines = []
+    if plan.device_kind == "cuda" and any(t.tier == Tier.HBM and t.capacity_bytes is None for t in plan.tiers):
+        lines.append("device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up "
+                     "would fail now (exit 4)")
     nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
     has_nvme = nvme is not None and plan.nvme_path is not None and bool(nvme.capacity_bytes)
     host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
@@ -169,47 +172,60 @@ def room_now(plan: Plan) -> list[str]:
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
     if has_nvme:
         try:
-            lines.append(_nvme_now(plan.nvme_path, nvme.capacity_bytes + HEADER_BYTES, verdict))
+            lines.append(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict))
         except OSError as e:
             lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
                          "would fail now (exit 4)")
     return lines
 
 
-def _nvme_now(path: Path, need: int, verdict) -> str:
-    """The `now:` line of the NVMe file: whether start-up could create or reuse it, and whether the
-    disk has room for it."""
+def _nvme_now(paths: list[Path], need_each: int, verdict) -> str:
+    """The `now:` line of the NVMe files (one, or one per GPU): whether start-up could create or
+    reuse each, and whether the disk has room for them all."""
+    held = 0
+    for path in paths:
+        problem, has = _nvme_file_now(path)
+        if problem:
+            return problem
+        held += has
+    st = os.statvfs(_nearest_existing(paths[0].parent))
+    free = st.f_bavail * st.f_frsize + held
+    need = need_each * len(paths)
+    where = (f"the NVMe file needs {need} bytes at {paths[0]}" if len(paths) == 1 else
+             f"the {len(paths)} NVMe files (one per GPU) need {need} bytes in all at {paths[0]} to {paths[-1]}")
+    return f"{where}; {free} are free there (with what the files already hold): {verdict(need, free)}"
+
+
+def _nvme_file_now(path: Path) -> tuple[str | None, int]:
+    """(why start-up could not create or reuse this NVMe file, or None; the bytes it holds, reused)."""
     from dflash2.arena.nvme import HEADER, is_foreign
 
     fail = "start-up would fail now (exit 4)"
     held = 0
     if path.exists():
         if not path.is_file():
-            return f"{path} exists and is not a regular file: {fail}"
+            return f"{path} exists and is not a regular file: {fail}", 0
         if _read_only(path.parent):
-            return f"{path} is on a read-only filesystem: {fail}"
+            return f"{path} is on a read-only filesystem: {fail}", 0
         if not os.access(path, os.R_OK | os.W_OK):
-            return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}"
+            return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}", 0
         with open(path, "rb") as f:
             if is_foreign(f.read(len(HEADER))):
-                return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)"
+                return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)", 0
             try:  # the lock a running daemon holds on its file (taken and let go at once here)
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return f"{path} is in use by another process (a daemon serving from it): {fail}"
+                return f"{path} is in use by another process (a daemon serving from it): {fail}", 0
         held = path.stat().st_blocks * 512  # reused by the tier
     else:
         existing = _nearest_existing(path.parent)
         if not existing.is_dir():
-            return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}"
+            return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}", 0
         if _read_only(existing):
-            return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}"
+            return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}", 0
         if not os.access(existing, os.W_OK | os.X_OK):
-            return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}"
-    st = os.statvfs(_nearest_existing(path.parent))
-    free = st.f_bavail * st.f_frsize + held
-    return (f"the NVMe file needs {need} bytes at {path}; {free} are free there (with what the file already "
-            f"holds): {verdict(need, free)}")
+            return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}", 0
+    return None, held
 
 
 def check_policy(cfg: Config) -> None:

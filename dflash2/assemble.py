@@ -106,9 +106,7 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
     specs = tier_specs(plan, hbm, share)
     policy = policy_class(cfg.policy.name).from_config(cfg.policy)  # before any region is taken
     name = instance if share == 1 else f"{instance}-gpu{device}"
-    nvme_path = plan.nvme_path
-    if nvme_path is not None and share > 1:
-        nvme_path = nvme_path.with_name(f"{nvme_path.name}.gpu{device}")
+    nvme_path = plan.nvme_files()[plan.tiers.index(hbm)] if plan.nvme_path is not None else None
     arenas: dict[Tier, Arena] = {}
     if device is not None:
         from dflash2.cuda import start_device

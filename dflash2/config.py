@@ -79,6 +79,11 @@ class MemoryConfig(_Section):
         2048, ge=64, le=1 << 20,
         description="Arena page size (KB) for slot allocation; a power of two.")
 
+    @field_validator("nvme_path")
+    @classmethod
+    def _plain_nvme_path(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else plain_text(value)
+
     @field_validator("page_kb")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
@@ -226,7 +231,9 @@ class DaemonConfig(_Section):
         description="Folder for daemon state (history); resolved like nvme_path; null = "
                     "$XDG_STATE_HOME/dflash2 or ~/.local/state/dflash2.")
     lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
-    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")
+    # (validate_default: a lease of 2 s or less must not take the default heartbeat unchecked.)
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, validate_default=True,
+                                        description="Clients renew their lease this often.")
     request_timeout_s: float = Field(5.0, gt=0, le=3600, description="Every control request times out after this.")
     set_aside_leases: int = Field(
         30, ge=0, le=100000,
@@ -238,15 +245,22 @@ class DaemonConfig(_Section):
     @classmethod
     def _scheme(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
-            endpoint_parts(value)
+            endpoint_parts(plain_text(value))
         return value
+
+    @field_validator("state_dir")
+    @classmethod
+    def _plain_state_dir(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else plain_text(value)
 
     @field_validator("heartbeat_interval_s")
     @classmethod
     def _below_lease(cls, value: float, info) -> float:
         lease = info.data.get("lease_timeout_s")
         if lease is not None and not value < lease:
-            raise ValueError(f"must be below daemon.lease_timeout_s ({lease})")
+            default = cls.model_fields["heartbeat_interval_s"].default
+            raise ValueError(f"must be below daemon.lease_timeout_s ({lease}); its default is {default}, so a "
+                             f"lease of {default} s or less needs a shorter heartbeat_interval_s set beside it")
         return value
 
 
@@ -255,6 +269,11 @@ class MetricsConfig(_Section):
 
     port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 = off.")
     host: str = Field("127.0.0.1", min_length=1, description="Address to listen on.")
+
+    @field_validator("host")
+    @classmethod
+    def _plain_host(cls, value: str) -> str:
+        return plain_text(value)
 
 
 class LoggingConfig(_Section):
@@ -346,7 +365,7 @@ class Config(_Section):
     def resolved_state_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         if self.daemon.state_dir is not None:
             return self.resolve_path(self.daemon.state_dir, "daemon.state_dir")
-        base = environ.get("XDG_STATE_HOME") or str(expand_user("~/.local/state", "daemon.state_dir (not set: "
+        base = xdg_dir(environ, "XDG_STATE_HOME") or str(expand_user("~/.local/state", "daemon.state_dir (not set: "
                                                                 "the default ~/.local/state/dflash2)"))
         return Path(base) / "dflash2"
 
@@ -408,6 +427,24 @@ def _same_host(a: str, b: str) -> bool:
     return a == b or ({a, b} <= names | addresses and bool({a, b} & names))
 
 
+def plain_text(value: str) -> str:
+    """A path or address without control characters: a NUL cannot be in a path (start-up ended in a
+    traceback), and a newline would split the one-line errors and `now:` lines that name it."""
+    bad = next((i for i, ch in enumerate(value) if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        raise ValueError(f"holds a control character ({value[bad]!r} at position {bad}); a path or address "
+                         "cannot")
+    return value
+
+
+def xdg_dir(environ: Mapping[str, str], name: str) -> Optional[str]:
+    """An XDG base directory variable's folder, or None when it is unset, empty or relative (the XDG
+    spec: a relative path is invalid and ignored; it would resolve against each process's working
+    folder, so a client started elsewhere would look for another socket). check_environment warns."""
+    value = environ.get(name)
+    return value if value and os.path.isabs(value) else None
+
+
 def endpoint_parts(endpoint: str) -> tuple[str, str]:
     """Split and check `ipc://PATH` or `tcp://HOST:PORT`; ValueError says what is wrong."""
     scheme, sep, rest = endpoint.partition("://")
@@ -423,7 +460,7 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
 
 
 def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
-    runtime = environ.get("XDG_RUNTIME_DIR")
+    runtime = xdg_dir(environ, "XDG_RUNTIME_DIR")
     folder = Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
     return f"ipc://{folder / 'dflash2.sock'}"
 
@@ -563,8 +600,11 @@ LEGACY_ENV = {
 
 
 def check_environment(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """One warning per first-generation `DFLASH_*` variable that is set: they have no effect."""
-    warnings = []
+    """One warning per first-generation `DFLASH_*` variable that is set (they have no effect), and one
+    per relative XDG folder variable (ignored: xdg_dir)."""
+    warnings = [f"environment variable {name} is relative ({environ[name]!r}): ignored, as the XDG base "
+                f"directory spec says; the default folder stands in for it"
+                for name in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME") if environ.get(name) and not xdg_dir(environ, name)]
     for name in sorted(environ):
         if not name.startswith("DFLASH_"):
             continue

@@ -67,12 +67,30 @@ class Plan:
     notes: tuple[str, ...]
 
     @property
+    def pools(self) -> int:
+        """Block pools: one per GPU (one HBM tier each), one on a host-only node."""
+        return sum(1 for t in self.tiers if t.tier == Tier.HBM)
+
+    def pool_bytes(self, tp: TierPlan) -> int:
+        """One pool's share of a DRAM or NVMe tier: 1/pools of it in whole pages (assemble.tier_specs)."""
+        return tp.capacity_bytes // self.pools // tp.page_bytes * tp.page_bytes
+
+    def nvme_files(self) -> list[Path]:
+        """The NVMe files the pools open: nvme_path itself with one pool, nvme_path.gpuN (N the GPU's
+        index) with several, so that no pool's moves cross GPUs."""
+        if self.nvme_path is None:
+            return []
+        hbm = [t for t in self.tiers if t.tier == Tier.HBM]
+        if len(hbm) == 1:
+            return [self.nvme_path]
+        return [self.nvme_path.with_name(f"{self.nvme_path.name}.gpu{t.where.split(':')[1]}") for t in hbm]
+
+    @property
     def staging_taken_bytes(self) -> int:
         """Host memory the staging buffers take at start-up with an NVMe tier: each block pool (one a
         GPU, one on a host-only node) has its NVMe tier's staging ring, and on a GPU also a pinned
         buffer of the same size for HBM<->NVMe moves."""
-        pools = sum(1 for t in self.tiers if t.tier == Tier.HBM)
-        return self.staging_bytes * pools * (2 if self.device_kind == "cuda" else 1)
+        return self.staging_bytes * self.pools * (2 if self.device_kind == "cuda" else 1)
 
     @property
     def total_bytes(self) -> Optional[int]:
@@ -114,9 +132,39 @@ def resolve_plan(cfg: Config) -> Plan:
     if not layouts:
         notes.append("no layouts configured: blocks per layout are known once clients attach")
     _layouts_fit(tiers, layouts, notes)
-    return Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
+    plan = Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
                 staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
                 endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes))
+    if plan.pools > 1:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, *_split_between_gpus(plan)))
+    return plan
+
+
+def _split_between_gpus(plan: Plan) -> list[str]:
+    """With several GPUs each pool takes 1/pools of DRAM and NVMe (whole pages): a share under one
+    page leaves that GPU without the tier, and a layout may fit a tier whole but no GPU's share of
+    it, so both are refused here (ConfigError) as the undivided sizes would be; a note says the
+    shares and the files."""
+    shared = [t for t in plan.tiers if t.tier != Tier.HBM and t.capacity_bytes]
+    for t in shared:
+        if plan.pool_bytes(t) == 0:
+            key = "memory.dram_capacity_mb" if t.tier == Tier.DRAM else "memory.nvme_capacity_mb"
+            raise ConfigError(key, f"split between {plan.pools} GPUs, each GPU's share of the {t.tier.label} tier "
+                                   f"({t.capacity_bytes // plan.pools} bytes) is less than one page of "
+                                   f"{t.page_bytes}; raise it, or set it to 0 for no {t.tier.label} tier")
+    for hbm in (t for t in plan.tiers if t.tier == Tier.HBM):
+        pool = [hbm, *(_tier(t.tier, t.where, plan.pool_bytes(t), t.alignment, t.page_bytes, plan.layouts)
+                       for t in shared)]
+        try:
+            _layouts_fit(pool, plan.layouts, [])
+        except ConfigError as e:
+            raise ConfigError(e.key, f"{e.problem} (in the pool of {hbm.where}: each GPU takes 1/{plan.pools} of "
+                                     "DRAM and NVMe)") from None
+    shares = " and ".join(f"{human_bytes(plan.pool_bytes(t))} of {t.tier.label}" for t in shared)
+    files = plan.nvme_files()
+    return [f"{plan.pools} GPUs: each GPU's block pool takes {shares or 'no lower tier'} (the sizes above are "
+            "the node's)" + (f"; NVMe files {files[0]} to {files[-1]}" if files and any(
+                t.tier == Tier.NVME for t in shared) else "")]
 
 
 # A configured layout whose slots in a tier are at least this many times its blocks is warned about.

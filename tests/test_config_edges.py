@@ -1,0 +1,148 @@
+"""Config values that passed validation and then misbehaved (found by a review of config, plan and
+--check): a short lease with the default heartbeat, a multi-GPU split that leaves a GPU without a
+tier, control characters in paths, a config file nested too deeply, a cuda config on a machine
+without a GPU, relative XDG folders."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+
+from dflash2 import plan as plan_module
+from dflash2.config import check_environment, default_endpoint, parse_config
+from dflash2.daemon import main as dmain
+from dflash2.errors import ConfigError
+from dflash2.plan import Gpu, resolve_plan
+
+MB = 1 << 20
+HOST_MEMORY = {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0}
+
+
+def run(*argv) -> tuple[int, list[str], list[str]]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = dmain.main(list(argv))
+    return rc, out.getvalue().splitlines(), err.getvalue().splitlines()
+
+
+def host(**sections) -> dict:
+    return {"enable": True, "device": {"kind": "host"}, "memory": dict(HOST_MEMORY), **sections}
+
+
+# -- leases ------------------------------------------------------------------------------------------
+
+def test_a_lease_no_longer_than_the_default_heartbeat_is_refused():
+    """A lease of 1 s with the heartbeat left at its default (2 s) was taken: every idle client lost
+    its lease between heartbeats, its blocks set aside (pydantic does not check defaults)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(host(daemon={"lease_timeout_s": 1.0}))
+    assert info.value.key == "daemon.heartbeat_interval_s"
+    assert "its default is 2.0" in info.value.problem
+    assert parse_config(host(daemon={"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.25})).daemon.lease_timeout_s == 1
+
+
+# -- several GPUs ------------------------------------------------------------------------------------
+
+def gpu_node(tmp_path, monkeypatch, n: int, **memory) -> dict:
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(n)])
+    return {"enable": True, "device": {"kind": "cuda"},
+            "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
+                       "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16, **memory},
+            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+
+
+def test_a_tier_whose_share_per_gpu_is_under_a_page_is_refused(tmp_path, monkeypatch):
+    """14 MB of DRAM on 8 GPUs with 2 MiB pages: each pool's 1.75 MB rounded to no page, and every
+    GPU started without a DRAM tier while --check showed one."""
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(parse_config(gpu_node(tmp_path, monkeypatch, 8, dram_capacity_mb=14)))
+    assert info.value.key == "memory.dram_capacity_mb" and "split between 8 GPUs" in info.value.problem
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(parse_config(gpu_node(tmp_path, monkeypatch, 8, nvme_capacity_mb=14)))
+    assert info.value.key == "memory.nvme_capacity_mb"
+
+
+def test_a_layout_that_fits_the_node_but_no_gpus_share_is_refused(tmp_path, monkeypatch):
+    big = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8192, "dtype": "fp32", "tokens_per_block": 192}  # 12 MiB
+    raw = gpu_node(tmp_path, monkeypatch, 4, dram_capacity_mb=32, nvme_capacity_mb=32, staging_buffer_size_mb=16)
+    raw["memory"]["hbm_capacity_mb"] = 8
+    raw["layouts"] = {"big": big}
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(parse_config(raw))
+    assert info.value.key == "layouts.big" and "in the pool of cuda:0: each GPU takes 1/4" in info.value.problem
+    raw["memory"].update(dram_capacity_mb=64)  # 16 MiB a GPU: one block fits
+    assert resolve_plan(parse_config(raw)).pools == 4
+
+
+def test_check_looks_at_each_gpus_nvme_file_and_their_room_together(tmp_path, monkeypatch):
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(gpu_node(tmp_path, monkeypatch, 4)))
+    plan = resolve_plan(parse_config(json.loads(path.read_text())))
+    assert plan.nvme_files() == [tmp_path / f"nvme.cache.gpu{i}" for i in range(4)]
+    assert any(note.startswith("4 GPUs: each GPU's block pool takes 16.0 MiB of dram and 16.0 MiB of nvme")
+               for note in plan.notes)
+    rc, out, _ = run("--config", str(path), "--check")
+    now = [line for line in out if line.startswith("now: ")]
+    assert rc == 0 and now[-1].startswith(f"now: the 4 NVMe files (one per GPU) need {4 * (16 * MB + 4096)} bytes "
+                                          f"in all at {tmp_path / 'nvme.cache.gpu0'} to {tmp_path / 'nvme.cache.gpu3'}")
+    (tmp_path / "nvme.cache.gpu2").write_bytes(b"someone's data")  # the file GPU 2's pool would open
+    now = [line for line in run("--config", str(path), "--check")[1] if line.startswith("now: ")]
+    assert now[-1] == (f"now: {tmp_path / 'nvme.cache.gpu2'} exists and is not a dflash2 NVMe cache file: "
+                       "start-up would refuse it (exit 4)")
+
+
+def test_check_says_a_cuda_config_cannot_start_where_no_gpu_is_visible(tmp_path, monkeypatch):
+    raw = gpu_node(tmp_path, monkeypatch, 0)
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: None)
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(raw))
+    rc, out, _ = run("--config", str(path), "--check")
+    assert rc == 0  # valid for the machine it is meant for
+    assert "now: device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up " \
+           "would fail now (exit 4)" in out
+
+
+# -- text that cannot be a path ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("section, key, value", [
+    ("memory", "nvme_path", "cache/a\u0000b"),
+    ("daemon", "state_dir", "state\ndflash2d: ok"),
+    ("daemon", "endpoint", "tcp://127.0.0.1\u0000:5556"),
+    ("daemon", "endpoint", "ipc://sock\r"),
+    ("metrics", "host", "127.0.0.1\u0000"),
+])
+def test_control_characters_in_paths_are_refused_by_key(tmp_path, section, key, value):
+    """A NUL passed --check and start-up ended in a traceback (ValueError: embedded null byte); a
+    newline split the one-line error naming the path."""
+    path = write_config(tmp_path, **{section: {key: value}})
+    rc, out, err = run("--config", path, "--check")
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"dflash2d: error: {section}.{key}: holds a control "
+                                                           "character")
+
+
+def test_a_config_nested_too_deeply_is_one_line_at_start_up_too(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200000 + "]" * 200000)
+    rc, _, err = run("--config", str(path))  # (--check said so; a start ended in a RecursionError)
+    assert rc == 2 and len(err) == 1 and "nested too deeply" in err[0]
+
+
+# -- XDG folders -------------------------------------------------------------------------------------
+
+def test_relative_xdg_folders_are_ignored_and_said_to_be():
+    """A relative XDG_RUNTIME_DIR put the socket where each process's working folder said: a client
+    started elsewhere looked for another socket. The XDG spec says to ignore it."""
+    assert default_endpoint({"XDG_RUNTIME_DIR": "relrun"}) == f"ipc:///tmp/dflash2-{os.getuid()}/dflash2.sock"
+    assert default_endpoint({"XDG_RUNTIME_DIR": "/run/user/7"}) == "ipc:///run/user/7/dflash2/dflash2.sock"
+    cfg = parse_config(host())
+    assert cfg.resolved_state_dir({"XDG_STATE_HOME": "relstate", "HOME": "/home/u"}) == Path(
+        "~/.local/state").expanduser() / "dflash2"
+    warnings = check_environment({"XDG_RUNTIME_DIR": "relrun", "XDG_STATE_HOME": "/abs"})
+    assert warnings == ["environment variable XDG_RUNTIME_DIR is relative ('relrun'): ignored, as the XDG base "
+                        "directory spec says; the default folder stands in for it"]
