@@ -27,7 +27,7 @@ import numpy as np
 from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.held import HeldPlaces
-from dflash2.client.transport import Transport, check_endpoint, check_timeout, pid_namespace
+from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
 from dflash2.keys import key_array
@@ -153,6 +153,7 @@ class Client:
         # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
         self.last_refusal: str | None = None
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
+        check_descriptors(endpoint)
         # A call in progress when the daemon is killed ends then, not after its whole timeout.
         self._transport = Transport(endpoint, timeout_s, gone=self._arenas_gone)
         self._layouts: dict[int, Layout] = {}
@@ -163,6 +164,7 @@ class Client:
         self.lease_lost = False
         self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
+        self._detached = False  # detach() called: every later call says so
         self.client_id: int | None = None
         self._attach(layouts, heartbeat, prefill_tokens_per_s)
 
@@ -233,11 +235,17 @@ class Client:
             threads.start(self._heartbeat_thread)
 
     def _beat(self) -> None:
-        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s), gone=self._arenas_gone)
-        transport.token = self._token
+        """Renew the lease every heartbeat_interval_s until detach, a lost lease or the daemon's end.
+        Any other failure is logged and the next beat tries again: a thread that died on one (a
+        socket that could not be made, no descriptor left) let the lease lapse with no word."""
+        transport = None
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
                 try:
+                    if transport is None:
+                        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s),
+                                              gone=self._arenas_gone)
+                        transport.token = self._token
                     transport.call(Op.HEARTBEAT, self.client_id)
                 except DaemonUnavailable as e:
                     if self._daemon_gone():
@@ -247,8 +255,11 @@ class Client:
                     log.error("dflash2 lease lost (%s); attach again", e)
                     self._lease_lost()
                     return
+                except Exception:
+                    log.exception("dflash2 heartbeat failed; trying again in %gs", self.heartbeat_interval_s)
         finally:
-            transport.close()
+            if transport is not None:
+                transport.close()
 
     def _arenas_gone(self) -> bool:
         """Whether the daemon whose memory this client maps has ended (no side effects: the test a
@@ -290,6 +301,7 @@ class Client:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
         the arena mappings stay valid for views still alive, then go with them."""
         self._stop.set()
+        self._detached = True
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
             self._heartbeat_thread = None
@@ -331,6 +343,8 @@ class Client:
             raise DaemonUnavailable(f"{op.value}: this client was attached by process {self._pid}; process "
                                     f"{os.getpid()} is a fork of it and cannot use it (ZeroMQ sockets do not "
                                     "survive fork): connect a new Client in the child")
+        if self._detached:
+            raise DaemonUnavailable(f"{op.value}: this client is detached; connect a new Client")
         # The call's timeout counts its wait behind other threads' calls on this client: each waited
         # for every call queued ahead of it, then its own whole timeout (eight threads on a stopped
         # daemon: the last failed after 8 timeouts, a review's script).
@@ -534,10 +548,15 @@ class Client:
         return tensor_view(self.view_bytes(p), self.layout(int(p["layout"])))
 
     def _place(self, place):
-        if isinstance(place, (int, np.integer)):
+        if self._arenas is None:  # (said first: a vid asked after detach was "not acquired by this client")
+            raise ArenaError("this client is detached: its arena mappings are gone")
+        if isinstance(place, (int, np.integer)) and not isinstance(place, bool):
             found = self._held.place(int(place))
             if found is None:
                 raise ArenaError(f"block {int(place):#x} is not being written or acquired by this client; "
                                  "pass its place record, or acquire it first")
             return found
+        if getattr(place, "dtype", None) != P.PLACE_DTYPE:
+            raise TypeError(f"a block is named by its place record (PLACE_DTYPE) or by the vid (an int) of a block "
+                            f"this client writes or has acquired, not {type(place).__name__} {place!r}")
         return place

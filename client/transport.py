@@ -27,7 +27,7 @@ import zmq
 
 from dflash2 import protocol as P
 from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply, VersionMismatch
-from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
+from dflash2.zmqio import NOBLOCK, descriptors_left, recv_frames, send_frames
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -37,6 +37,22 @@ def check_endpoint(endpoint: str) -> None:
         if not os.path.exists(path):
             raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
                                     "(is the daemon running? `dflash2d --config FILE`)")
+
+
+# Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the
+# call socket, the heartbeat's, the arena mappings' files, and a fresh socket after a timeout.
+CONNECT_DESCRIPTORS = 16
+
+
+def check_descriptors(endpoint: str) -> None:
+    """DaemonUnavailable when this process has too few descriptors left to connect: libzmq aborted
+    the whole serving process (`Too many open files (src/epoll.cpp)`, exit 134) when its I/O thread
+    found none, and raised a raw ZMQError when a socket found none."""
+    left = descriptors_left()
+    if left is not None and left[0] < CONNECT_DESCRIPTORS:
+        raise DaemonUnavailable(f"cannot connect to {endpoint}: this process has {max(left[0], 0)} file descriptors "
+                                f"left of its limit of {left[1]} and connecting needs {CONNECT_DESCRIPTORS} (raise "
+                                "`ulimit -n`, or close files)")
 
 
 def pid_namespace() -> int | None:
@@ -80,11 +96,17 @@ class Transport:
         self.token: str | None = None  # the session token attach returned, sent with every call
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten)
         self._forgets: dict[int, tuple[int, int]] = {}
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket | None = None  # None once closed, or while a fresh one could not be made
+        self._closed = False
         self._open()
 
     def _open(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
+        """A new socket; DaemonUnavailable when none can be made (no descriptor left: the ZMQError
+        went to the caller raw, and left a closed socket behind that every later call tried to use)."""
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as e:
+            raise DaemonUnavailable(f"cannot make a socket for {self.endpoint}: {e}") from None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # a tcp://[::1]:PORT endpoint (IPv4 ones still work)
         sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
@@ -97,23 +119,28 @@ class Transport:
         self._sock = sock
 
     def reset(self) -> None:
-        """A fresh socket: whatever the old one still had coming is dropped with it."""
+        """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
+        made (DaemonUnavailable), the next call makes it and sends the `forget`s first."""
         if self._sock is not None:
             self._sock.close(0)
+            self._sock = None
         self._open()
 
     def close(self) -> None:
+        self._closed = True
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
 
     @property
     def closed(self) -> bool:
-        return self._sock is None
+        return self._closed
 
     def _send_forgets(self) -> bool:
         """Queue every `forget` not yet answered on the (fresh) socket, without waiting: their
         answers are taken off as they come (`call`). False when they cannot even be queued."""
+        if self._sock is None:
+            return False
         try:
             for fid, (owner, call) in self._forgets.items():
                 send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
@@ -127,8 +154,11 @@ class Transport:
         """Send one request and wait for its reply. DaemonUnavailable on timeout, DaemonError (or
         VersionMismatch) on an error reply. `waited_s`: of the timeout, what the call already spent
         before it could be sent (behind other threads' calls on the same client)."""
-        if self._sock is None:
+        if self._closed:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
+        if self._sock is None:  # the last fresh socket could not be made
+            self._open()
+            self._send_forgets()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -136,8 +166,11 @@ class Transport:
         try:
             send_frames(self._sock, frames, copy=False)
         except zmq.ZMQError as e:
-            self.reset()
-            self._send_forgets()
+            try:
+                self.reset()
+                self._send_forgets()
+            except DaemonUnavailable:
+                pass  # (the next call makes the socket)
             raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}") from None
         while True:
             left_s = deadline - time.monotonic()
@@ -180,14 +213,19 @@ class Transport:
     def _give_up(self, op: P.Op, client: int | None, call_id: int) -> str:
         """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),
         and, for a call that hands something out, a `forget` queued on it (module docstring). Returns
-        what the error says of that `forget` ("" when none could be queued)."""
-        self.reset()
+        what the error says of that `forget` ("" when none could be queued). The `forget` is noted
+        before the fresh socket is made: when none can be (no descriptor left) it is sent by the call
+        that makes one (before, it was lost, and the call's blocks stayed held until detach)."""
         undo = ""
         if op in P.UNDOABLE and client is not None:
             self._forgets[next(self._ids)] = (client, call_id)
             while len(self._forgets) > MAX_FORGETS:
                 del self._forgets[next(iter(self._forgets))]
             undo = "; asked it to give back whatever the call handed out, should it run"
+        try:
+            self.reset()
+        except DaemonUnavailable as e:
+            return f"; no fresh socket ({e}){': the next call asks it to give back what this one handed out' if undo else ''}"
         if self._forgets and not self._send_forgets():
             undo = ""
         return undo

@@ -9,7 +9,6 @@ exit 134, a review's script)."""
 from __future__ import annotations
 
 import logging
-import os
 import resource
 
 log = logging.getLogger("dflash2.daemon")
@@ -35,15 +34,3 @@ def raise_open_files_limit() -> int:
                     "raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
                     "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (soft - ATTACH_HEADROOM) // 2))
     return soft
-
-
-def descriptors_left() -> tuple[int, int] | None:
-    """(descriptors this process may still open, its soft limit); None when it has no limit, or its
-    open descriptors cannot be counted (no /proc)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        return soft - len(os.listdir("/proc/self/fd")), soft
-    except OSError:
-        return None

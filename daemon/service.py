@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.daemon import wire
-from dflash2.daemon.descriptors import ATTACH_HEADROOM, descriptors_left
+from dflash2.daemon.descriptors import ATTACH_HEADROOM
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
@@ -40,6 +40,7 @@ from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
 from dflash2.tiers import Tier
+from dflash2.zmqio import descriptors_left
 
 log = logging.getLogger("dflash2.daemon")
 

@@ -9,6 +9,8 @@ is delivered whole or not at all, so only the first frame can wait or raise zmq.
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Sequence
 
 import zmq
@@ -39,3 +41,17 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> li
         frame = recv(flags, copy=False)
         parts.append(frame.bytes if most is None or len(parts) < most else b"")
     return parts
+
+
+def descriptors_left() -> tuple[int, int] | None:
+    """(descriptors this process may still open, its soft limit); None when it has no limit, or its
+    open descriptors cannot be counted (no /proc). libzmq aborts the whole process when it finds no
+    descriptor for one it must make (its I/O thread's, an ipc accept's): the daemon's attach and the
+    client's connect ask this first."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        return soft - len(os.listdir("/proc/self/fd")), soft
+    except OSError:
+        return None
