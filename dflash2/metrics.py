@@ -50,7 +50,9 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |
 | dflash2_clients | gauge | clients attached |
 | dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
-| dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw |
+| dflash2_gpu_nvme_utilization{gpu} | gauge | used / capacity of each GPU pool's NVMe tier (its own file) |
+| dflash2_gpu_nvme_set_aside_ratio{gpu} | gauge | share of each GPU pool's NVMe tier set aside after failed writes or reads (past 0.05 the daemon calls that disk failing) |
+| dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw (served by its own thread: it grows while the request loop is stuck, and `up` stays 1) |
 | dflash2_info{device,policy,version} | gauge | 1 |
 | dflash2_policy_first_timer_target_blocks{gpu,tier} | gauge | heat only: the adaptive split's target for first-timers (blocks whose key had no recent reference) |
 | dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
@@ -250,6 +252,18 @@ def _tier_families(st: dict):
     if samples:
         yield _gauge("dflash2_gpu_memory_utilization", "Used / capacity of each GPU pool's device (HBM) tier "
                      "(the host stand-in without a GPU: gpu 0).", ["gpu"], samples)
+    # Each pool's NVMe file on its own too: the daemon judges each (its watermark, a failing disk past
+    # 5% set aside), and one failing file among eight read as 0.75% in the node's sums.
+    nvme = [(gpu, pool["tiers"].get(Tier.NVME.label)) for gpu, pool in _pools(st).items()]
+    nvme = [(gpu, t) for gpu, t in nvme if t and t["capacity_bytes"] + t["quarantined_bytes"]]
+    if nvme:
+        yield _gauge("dflash2_gpu_nvme_utilization", "Used / capacity of each GPU pool's NVMe tier (its own file).",
+                     ["gpu"], [((gpu,), t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 1.0)
+                               for gpu, t in nvme])
+        yield _gauge("dflash2_gpu_nvme_set_aside_ratio", "Share of each GPU pool's NVMe tier set aside after failed "
+                     "writes or reads (the daemon calls the disk failing past 0.05).", ["gpu"],
+                     [((gpu,), t["quarantined_bytes"] / (t["capacity_bytes"] + t["quarantined_bytes"]))
+                      for gpu, t in nvme])
 
 
 def _access_families(st: dict):

@@ -22,13 +22,14 @@ def _check(promtool: str, *args: str) -> str:
 
 
 def test_promtool_accepts_the_alert_rules(promtool):
-    assert "SUCCESS: 8 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+    assert "SUCCESS: 9 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
 
 
 def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(promtool, tmp_path):
     """promtool's rule unit test, on the shipped expressions (annotations left out: promtool compares
     them whole; `check rules` above covers their templates). Node a sets 4 KiB of a 1 MiB tier aside,
-    b 64 KiB (over the daemon's 5%: the disk is failing), c nothing."""
+    b 64 KiB (over the daemon's 5%: the disk is failing), c nothing; d has two GPUs, of which GPU 1's
+    file is failing (6.25%) and GPU 0's sound: the node's sums read 3.1%, and the alert judged them."""
     doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
     for group in doc["groups"]:
         for rule in group["rules"]:
@@ -37,22 +38,54 @@ def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(prom
     rules.write_text(yaml.safe_dump(doc))
     mib = 1 << 20
     series = []
-    for node, aside in (("a", 4096), ("b", 65536), ("c", 0)):
-        labels = f'job="dflash2",instance="{node}",tier="nvme"'
-        series.append({"series": f"dflash2_tier_quarantined_bytes{{{labels}}}", "values": f"0 0 {aside} {aside}"})
-        series.append({"series": f"dflash2_tier_capacity_bytes{{{labels}}}",
-                       "values": f"{mib} {mib} {mib - aside} {mib - aside}"})
+    for node, gpu, aside in (("a", "0", 4096), ("b", "0", 65536), ("c", "0", 0), ("d", "0", 0), ("d", "1", 65536)):
+        labels = f'job="dflash2",instance="{node}"'
+        if gpu == "0":  # the node's sums
+            total = aside + (65536 if node == "d" else 0)
+            series.append({"series": f'dflash2_tier_quarantined_bytes{{{labels},tier="nvme"}}',
+                           "values": f"0 0 {total} {total}"})
+        series.append({"series": f'dflash2_gpu_nvme_set_aside_ratio{{{labels},gpu="{gpu}"}}',
+                       "values": f"0 0 {aside / mib} {aside / mib}"})
 
-    def fired(alert: str, *nodes: str) -> list[dict]:
+    def fired(alert: str, *nodes: str | tuple[str, str]) -> list[dict]:
         severity = "critical" if alert == "DFlash2NvmeDiskFailing" else "warning"
+        labels = [{"instance": n} if isinstance(n, str) else {"instance": n[0], "gpu": n[1]} for n in nodes]
         return [{"eval_time": "1m", "alertname": alert, "exp_alerts": []},
                 {"eval_time": "3m", "alertname": alert,
-                 "exp_alerts": [{"exp_labels": {"severity": severity, "instance": n}} for n in nodes]}]
+                 "exp_alerts": [{"exp_labels": {"severity": severity, **lab}} for lab in labels]}]
 
     test = {"rule_files": [str(rules)], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series,
-                       "alert_rule_test": fired("DFlash2NvmeSlotsSetAside", "a", "b")
-                       + fired("DFlash2NvmeDiskFailing", "b")}]}
+                       "alert_rule_test": fired("DFlash2NvmeSlotsSetAside", "a", "b", "d")
+                       + fired("DFlash2NvmeDiskFailing", ("b", "0"), ("d", "1"))}]}
+    path = tmp_path / "test.yml"
+    path.write_text(yaml.safe_dump(test))
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_stuck_daemon_and_a_full_nvme_file_of_one_gpu_raise_their_alerts(promtool, tmp_path):
+    """/metrics answers from its own thread while the request loop is stuck: `up` stays 1 and only
+    the snapshot's age tells (no alert read it). A full NVMe file of one GPU among sound ones."""
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(doc))
+    series = [{"series": 'up{job="dflash2",instance="stuck"}', "values": "1x20"},
+              {"series": 'dflash2_snapshot_age_seconds{job="dflash2",instance="stuck"}', "values": "0 0+60x20"},
+              {"series": 'up{job="dflash2",instance="well"}', "values": "1x20"},
+              {"series": 'dflash2_snapshot_age_seconds{job="dflash2",instance="well"}', "values": "0.5x20"},
+              {"series": 'dflash2_gpu_nvme_utilization{job="dflash2",instance="well",gpu="0"}', "values": "0.1x20"},
+              {"series": 'dflash2_gpu_nvme_utilization{job="dflash2",instance="well",gpu="3"}', "values": "0.97x20"}]
+    test = {"rule_files": [str(rules)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "DFlash2DaemonStuck",
+                 "exp_alerts": [{"exp_labels": {"severity": "critical", "instance": "stuck"}}]},
+                {"eval_time": "3m", "alertname": "DFlash2DaemonDown", "exp_alerts": []},
+                {"eval_time": "15m", "alertname": "DFlash2NvmeTierNearlyFull",
+                 "exp_alerts": [{"exp_labels": {"severity": "warning", "instance": "well", "gpu": "3"}}]}]}]}
     path = tmp_path / "test.yml"
     path.write_text(yaml.safe_dump(test))
     r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
@@ -69,7 +102,9 @@ def test_the_alerts_asked_for_are_there():
     assert "< 0.95" in rules["DFlash2HbmHitRatioLow"]["expr"] and rules["DFlash2HbmHitRatioLow"]["for"] == "10m"
     assert "dflash2_gpu_memory_utilization" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert "> 0.95" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
-    assert 'tier="nvme"' in rules["DFlash2NvmeTierNearlyFull"]["expr"] and "> 0.9" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
+    assert "dflash2_gpu_nvme_utilization" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
+    assert "> 0.9" in rules["DFlash2NvmeTierNearlyFull"]["expr"]
+    assert "dflash2_snapshot_age_seconds" in rules["DFlash2DaemonStuck"]["expr"]
     assert "max by (instance, gpu)" in rules["DFlash2GpuMemoryUtilizationHigh"]["expr"]
     assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
     assert 'absent(up{job="dflash2"})' in rules["DFlash2NotScraped"]["expr"]
@@ -146,7 +181,11 @@ def test_every_reader_of_the_production_config_finds_the_systemd_daemon(monkeypa
 def test_the_probes_wait_longer_than_the_command_does():
     docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
     [c] = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
-    for probe in (c["readinessProbe"], c["livenessProbe"]):
+    # The liveness probe waits for start-up, which takes the tiers whole first (128 GB of DRAM: over
+    # a minute), not a fixed delay that killed a daemon still starting (70 s), every restart again.
+    start = c["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 600 and "initialDelaySeconds" not in c["livenessProbe"]
+    for probe in (c["readinessProbe"], c["livenessProbe"], start):
         cmd = probe["exec"]["command"]
         timeout = float(cmd[cmd.index("--timeout") + 1])
         assert probe["timeoutSeconds"] >= timeout + 2, probe  # and the interpreter's start
@@ -158,5 +197,7 @@ def test_systemd_unit_and_dockerfile_run_dflash2d():
     assert "python3 -m venv /opt/dflash2 && /opt/dflash2/bin/pip install" in unit
     assert "ExecStart=/opt/dflash2/bin/dflash2d --config /etc/dflash2/dflash2_config.json" in unit
     assert "KillSignal=SIGTERM" in unit and "RestartPreventExitStatus=2 3" in unit
+    # CuPy's kernel cache (the copy kernel, compiled at start-up) where the homeless user may write.
+    assert "CacheDirectory=dflash2" in unit and "Environment=CUPY_CACHE_DIR=/var/cache/dflash2/cupy" in unit
     docker = (DEPLOY / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["dflash2d"]' in docker and "EXPOSE 9464" in docker

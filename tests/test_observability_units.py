@@ -398,3 +398,27 @@ def test_prefetches_are_counted_in_metrics_and_status_with_those_not_read_yet(ma
     st = svc.stats()
     assert (f"prefetch: window {pre['window']} blocks; useful {pre['useful']}, wasted {pre['wasted']}, "
             f"pending {pre['pending']}") in render(st)
+
+
+def test_nvme_fullness_and_slots_set_aside_are_per_gpu_pool(make_manager, clock):
+    """Each GPU's pool has its own NVMe file, judged on its own by the daemon: past 5% set aside it is
+    failing. In the node's sums one such pool of two read as under 5%, and of eight as 0.75%: the
+    alert on it never fired (a review's script, 2026-12-05)."""
+    service = Service({0: make_manager(hbm_blocks=8, nvme_blocks=32), 1: make_manager(hbm_blocks=8, nvme_blocks=32)},
+                      lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    pool = metrics.snapshot["devices"]["1"]["tiers"]["nvme"]
+    whole = pool["capacity_bytes"]
+    aside = whole // 16  # 6.25%: that pool's disk is failing
+    pool.update(capacity_bytes=whole - aside, quarantined_bytes=aside, used_bytes=(whole - aside) // 2)
+    node = metrics.snapshot["tiers"]["nvme"]
+    node.update(capacity_bytes=node["capacity_bytes"] - aside, quarantined_bytes=aside)
+    got = scrape(metrics)
+    assert got[("dflash2_gpu_nvme_set_aside_ratio", (("gpu", "1"),))] == pytest.approx(1 / 16)
+    assert got[("dflash2_gpu_nvme_set_aside_ratio", (("gpu", "0"),))] == 0.0
+    assert got[("dflash2_gpu_nvme_utilization", (("gpu", "1"),))] == pytest.approx(0.5)
+    assert got[("dflash2_gpu_nvme_utilization", (("gpu", "0"),))] == 0.0
+    summed = got[("dflash2_tier_quarantined_bytes", (("tier", "nvme"),))] / (
+        got[("dflash2_tier_capacity_bytes", (("tier", "nvme"),))] + got[("dflash2_tier_quarantined_bytes", (("tier", "nvme"),))])
+    assert summed < 0.05  # what the alert read before
