@@ -372,11 +372,12 @@ class Service(Forgetting):
         ids = [m.register_layout(lay) for lay in layouts]
         for lid, rate in zip(ids, rates):
             m.set_prefill_rate(client, lid, rate)
-        now = self.clock()
-        token = secrets.token_hex(P.TOKEN_CHARS // 2)
+        now, token = self.clock(), secrets.token_hex(P.TOKEN_CHARS // 2)
         self.sessions[client] = Session(client, name, pid, now, now,
-                                        pid_ns is not None and pid_ns == pid_namespace(), device, token)
-        log.info("client %d attached: %s (pid %d), %d layouts", client, name, pid, len(ids))
+                                        pid_ns is not None and pid_ns == pid_namespace(), device, token, pid_ns=pid_ns)
+        m.admission.shares.carry(client, earlier := self.set_aside.of_process(pid, pid_ns, device))
+        log.info("client %d attached: %s (pid %d), %d layouts%s", client, name, pid, len(ids), earlier and
+                 f"; the set-aside blocks of its earlier sessions {earlier} count against its share" or "")
         return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,

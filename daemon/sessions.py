@@ -27,6 +27,7 @@ class Session:
     undo_ids: int = 0  # block ids the undos hold together (KEEP_UNDO_IDS)
     forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     settled: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    pid_ns: int | None = None  # the client's pid namespace (inode) as it said at attach; None: unknown
 
 
 # A client's calls in flight are not one at a time: each that timed out stays queued (on a stopped or
@@ -131,6 +132,14 @@ class SetAside:
         for s in out:
             del self.sessions[s.client]
         return out
+
+    def of_process(self, pid: int, pid_ns: int | None, device: int) -> list[int]:
+        """The set-aside clients of the process `pid` in pid namespace `pid_ns` (in `device`'s pool):
+        its earlier sessions, whose blocks count against a new session's share (shares.py). None
+        when the namespace is unknown (a pid alone may name another process)."""
+        if pid_ns is None:
+            return []
+        return [s.client for s, _ in self.sessions.values() if s.pid == pid and s.pid_ns == pid_ns and s.device == device]
 
     def take_all(self) -> list[Session]:
         """Every set-aside session, removed from the set (shutdown: nothing writes any more)."""

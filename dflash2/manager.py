@@ -89,7 +89,7 @@ class BlockManager(Reads):
         self.placement = Placement(self.table, self.mover, self.policy, list(self.specs),
                                    {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
         # Cost-aware reuse: read bandwidth measured from the mover's batches, engines' prefill rates.
-        self.read_cost = ReadCost()
+        self.read_cost = ReadCost(clock=clock)
         self.mover.read_cost = self.read_cost
         self.placement.read_cost = self.read_cost
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())

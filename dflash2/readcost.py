@@ -11,7 +11,12 @@ slowly: such a block is not worth offering as a hit, nor worth sending to that t
   batch per direction a second, the copying thread's clock for host and staged NVMe copies; a batch's time
   queued behind others is not its own). Sums decay per batch, so the figure follows the machine (a disk that slows down, a busy link).
   A path not yet measured (MIN_SAMPLE_BYTES moved) has no figure (null in the stats, "unmeasured"
-  in `dflash2 status`): its blocks are offered.
+  in `dflash2 status`): its blocks are offered. Nor is a path judged by once no batch has crossed
+  it for STALE_S: a path judged too slow carries no more batches (its blocks are neither offered
+  nor kept there), so one slow measurement (a disk busy for one batch) turned the tier off for
+  good; now its blocks are offered again after a while, and the next batches measure it afresh
+  (the old sums dropped: they would outweigh a fast path's first batches). The stats keep showing
+  the last figure until then.
 - Prefill rates are registered by the engines, per client and layout (tokens per second). A layout
   without a registered rate is never judged: its blocks are always offered and kept.
 
@@ -20,6 +25,9 @@ demoting where `keeps` says no. Nothing here holds block data.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,6 +38,7 @@ from dflash2.tiers import Tier
 DECAY = 0.9  # weight of the past per finished batch on a path
 MIN_SAMPLE_BYTES = 1 << 20  # a path is measured once this many bytes have crossed it
 MAX_PREFILL_RATE = 1e18  # tokens per second: any real engine is far below; bounds what a client may say
+STALE_S = 60.0  # a path no batch crossed for this long is judged as unmeasured again (its blocks offered)
 
 
 def checked_rate(tokens_per_s) -> float | None:
@@ -44,10 +53,12 @@ def checked_rate(tokens_per_s) -> float | None:
 
 
 class ReadCost:
-    def __init__(self, decay: float = DECAY):
+    def __init__(self, decay: float = DECAY, clock: Callable[[], float] = time.monotonic):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay}")
         self.decay = decay
+        self.clock = clock
+        self._last: dict[tuple[Tier, Tier], float] = {}  # when a batch last crossed the path
         self._bytes: dict[tuple[Tier, Tier], float] = {}
         self._seconds: dict[tuple[Tier, Tier], float] = {}
         self._seen: dict[tuple[Tier, Tier], int] = {}  # bytes ever measured on the path (not decayed)
@@ -61,6 +72,11 @@ class ReadCost:
         if nbytes <= 0 or not seconds > 0.0:
             return
         path = (src, dst)
+        now = self.clock()
+        if now - self._last.get(path, now) > STALE_S:  # a figure of a minute ago: measured afresh
+            for sums in (self._bytes, self._seconds, self._seen):
+                sums.pop(path, None)
+        self._last[path] = now
         self._bytes[path] = self.decay * self._bytes.get(path, 0.0) + nbytes
         self._seconds[path] = self.decay * self._seconds.get(path, 0.0) + seconds
         self._seen[path] = self._seen.get(path, 0) + nbytes
@@ -72,17 +88,24 @@ class ReadCost:
             return None
         return self._bytes[path] / self._seconds[path]
 
+    def _judged(self, src: Tier, dst: Tier) -> float | None:
+        """The bandwidth decisions go by: None (unmeasured) once no batch crossed the path for STALE_S."""
+        last = self._last.get((src, dst))
+        if last is None or self.clock() - last > STALE_S:
+            return None
+        return self.bandwidth(src, dst)
+
     def seconds_per_byte(self, src: Tier, reader: Tier) -> float | None:
         """Time to bring one byte from src to the reader's tier: the direct path when measured
         (promotions move straight there), else the sum of the measured hops; None when unknown."""
         if src <= reader:
             return 0.0
-        direct = self.bandwidth(src, reader)
+        direct = self._judged(src, reader)
         if direct is not None:
             return 1.0 / direct
         total = 0.0
         for hop in range(int(src), int(reader), -1):
-            bw = self.bandwidth(Tier(hop), Tier(hop - 1))
+            bw = self._judged(Tier(hop), Tier(hop - 1))
             if bw is None:
                 return None
             total += 1.0 / bw

@@ -85,8 +85,8 @@ def test_the_share_walks_a_clients_references_only_when_their_bound_does_not_set
     a, host = mgr.attach("a"), mgr.attach("host")
     lid = mgr.register_layout(SMALL)
     walks = []
-    walk = mgr.admission._client_hbm_bytes
-    monkeypatch.setattr(mgr.admission, "_client_hbm_bytes", lambda client: walks.append(client) or walk(client))
+    walk = mgr.admission.shares.hbm_bytes
+    monkeypatch.setattr(mgr.admission.shares, "hbm_bytes", lambda client: walks.append(client) or walk(client))
     running = mgr.allocate(a, lid, 3)
     mgr.commit(a, running[:2], keys=[1, 2])  # published, still referenced: held
     assert mgr.reserve(a, lid, tokens=16 * 2).outcome is Outcome.GRANTED  # 5 of 8 blocks

@@ -268,3 +268,26 @@ def test_a_node_of_several_pools_shows_each_pools_read_bandwidth(make_manager, c
     assert bandwidth[("0", "dram->hbm")] > bandwidth[("1", "dram->hbm")] > 0
     [line] = [line for line in render(st).splitlines() if line.startswith("read back:")]
     assert "GPU 0 dram->hbm" in line and "GPU 1 dram->hbm" in line
+
+
+def test_a_path_judged_too_slow_is_measured_again_after_a_while():
+    """A path judged too slow carries no more batches (its blocks neither offered nor kept there), so
+    its figure never changed: one slow batch (a disk busy for it) turned that tier off for the
+    layout until a restart (a review's script, in process: 650 blocks dropped, no hits). Once no
+    batch has crossed it for STALE_S its blocks are offered and kept again, and measured anew."""
+    from dflash2.readcost import STALE_S
+    now = [0.0]
+    rc = ReadCost(clock=lambda: now[0])
+    rc.set_rate(1, 0, 1e6)  # 16 tokens recomputed in 16 µs: a 16 KiB block must load at 1 GB/s or more
+    dram, one = np.array([int(Tier.DRAM)]), np.array([0])
+    rc.observe(Tier.DRAM, Tier.HBM, MIN_SAMPLE_BYTES, 10.0)  # one stalled batch: 0.1 MB/s
+    assert not rc.worth(1, [SMALL], one, dram, Tier.HBM).any()
+    assert not rc.keeps([SMALL], one, Tier.DRAM).any()
+    now[0] += STALE_S / 2
+    assert not rc.worth(1, [SMALL], one, dram, Tier.HBM).any()  # still judged
+    now[0] += STALE_S
+    assert rc.worth(1, [SMALL], one, dram, Tier.HBM).all() and rc.keeps([SMALL], one, Tier.DRAM).all()
+    assert rc.bandwidth(Tier.DRAM, Tier.HBM) == pytest.approx(MIN_SAMPLE_BYTES / 10.0)  # the stats' figure
+    rc.observe(Tier.DRAM, Tier.HBM, MIN_SAMPLE_BYTES, 1e-4)  # the next batch: the path is fast now
+    assert rc.bandwidth(Tier.DRAM, Tier.HBM) == pytest.approx(MIN_SAMPLE_BYTES / 1e-4)  # measured afresh
+    assert rc.worth(1, [SMALL], one, dram, Tier.HBM).all() and rc.keeps([SMALL], one, Tier.DRAM).all()

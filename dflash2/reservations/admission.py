@@ -18,6 +18,7 @@ from dflash2.reservations.ended import Ended
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
                                           Reservation)
+from dflash2.reservations.shares import ClientShares
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
@@ -58,6 +59,7 @@ class Admission:
         # a scan of the table); the step makes room for the head anyway, once a step.
         self._fails, self._fails_for = 0, None
         self._loosened, self._loosened_for = Loosened(table), None
+        self.shares = ClientShares(table, settings)  # each client's share of HBM and of the queue
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
 
@@ -107,6 +109,13 @@ class Admission:
         elif self._passes(res, {r.slot for r in self.deferred if r.priority >= priority}):
             self._rate += demand
             return Decision(Outcome.GRANTED, res.id)
+        places = self.shares.queue_places()
+        if places is not None:
+            mine = sum(1 for r in self.deferred if r.client == client)
+            if mine >= places:
+                return self._reject(f"client has {mine} reservations waiting, its share of the deferred queue's "
+                                    f"{self.settings.max_deferred} places (admission.max_client_share "
+                                    f"{self.settings.max_client_share})")
         if len(self.deferred) >= self.settings.max_deferred:
             last = self.deferred[-1]  # the lowest priority, the latest of it
             if priority <= last.priority:
@@ -290,6 +299,7 @@ class Admission:
     def remove_client(self, client: int) -> int:
         """The client is gone: its reservations die with it. Returns how many."""
         self._ended.drop_client(client)
+        self.shares.drop(client)
         mine = [r for r in self.granted.values() if r.client == client]
         mine += [r for r in self.deferred if r.client == client]
         for res in mine:
@@ -559,25 +569,9 @@ class Admission:
             raise QuotaExceeded(f"{over} (admission.max_client_share)")
 
     def _over_share(self, client: int, need: int) -> str:
-        """Why `need` more bytes would take the client past its share of HBM, or "" when they would not."""
-        if self.settings.max_client_share >= 1.0:
+        """Why `need` more bytes would take the client past its share of HBM, or "" (shares.py). Its
+        reservations still in the queue count too: each within the share alone, together they would
+        be granted past it."""
+        if not self.shares.limited:
             return ""
-        hbm = self.table.allocators[Tier.HBM].capacity_bytes
-        share = self.settings.max_client_share * hbm
-        queued = sum(r.hbm_bytes for r in self.deferred if r.client == client)
-        if self.table.client(client).ref_slot_bytes + queued + need <= share:
-            return ""  # under the share even if every block it references lay in HBM: no walk over them
-        held = self._client_hbm_bytes(client) + queued
-        if held + need <= share:
-            return ""
-        return f"client would hold {held + need} bytes of HBM, over its share {self.settings.max_client_share} of {hbm}"
-
-    def _client_hbm_bytes(self, client: int) -> int:
-        """HBM bytes the client holds: the blocks it references there (its private blocks, and
-        published ones: a request's blocks are published at commit and still held; not the cached
-        blocks it only pins to read, such as a prefix many clients share). Its reservations still
-        in the queue count too (`_over_share`: each within the share alone, together they would be
-        granted past it). A walk over every reference: only when their bound
-        (`ClientRefs.ref_slot_bytes`) does not settle it."""
-        rows = np.fromiter(self.table.client(client).refs, dtype=np.int64)
-        return self.table.ref_slots(rows[self.table.cols.tier[rows] == int(Tier.HBM)])
+        return self.shares.over(client, need, sum(r.hbm_bytes for r in self.deferred if r.client == client))

@@ -1,0 +1,64 @@
+"""Each client's share of HBM and of the deferred queue (`admission.max_client_share`), found by a
+review of several engines on one daemon: a process whose lease lapsed while it lived attached again
+with a whole share on top of its set-aside blocks, and one client's small reservations took every
+place in the deferred queue while far inside its share. Each failed before its fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client, DaemonError
+from dflash2.reservations import AdmissionSettings, Outcome
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    # HBM 1 MB: 64 blocks of 16 KiB, half of it a client's share; no tier below (blocks stay in HBM).
+    proc = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 0, "nvme_capacity_mb": 0},
+                                     admission={"max_client_share": 0.5},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 1.0,
+                                             "heartbeat_interval_s": 0.2})).start()
+    yield proc
+    proc.stop()
+
+
+def test_a_process_that_attaches_again_carries_its_set_aside_blocks_in_its_share(daemon):
+    """Its first session's 32 blocks (half of HBM) stay set aside while it lives; its new session
+    got 32 more, HBM was full, and every other client's allocate and reserve waited for the
+    set-aside period (30 leases by default)."""
+    stalled = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], heartbeat=False)
+    other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL])
+    again = None
+    try:
+        lid = stalled.layouts[0]
+        assert stalled.allocate(lid, 32) is not None  # being written: private
+        time.sleep(2.0)  # its lease lapses while this process lives: the blocks are set aside
+        assert other.stats()["set_aside"]["blocks"] == 32
+        again = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL])  # the same process
+        with pytest.raises(DaemonError, match="QuotaExceeded: .*set aside from its process's earlier session"):
+            again.allocate(lid, 1)
+        assert other.allocate(lid, 32) is not None  # the rest of HBM is the other client's to take
+    finally:
+        for c in (again, other, stalled):
+            if c is not None:
+                c.close()
+
+
+def test_one_client_takes_at_most_its_share_of_the_queues_places(make_manager):
+    """Share 0.25, 16 places: a client's one-block reservations (within its share of HBM) took all 16, and the
+    next client's reservation of the same priority was rejected ("the deferred queue is full")."""
+    mgr = make_manager(hbm_blocks=64, dram_blocks=0, admission=AdmissionSettings(
+        smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0, max_deferred=16, max_client_share=0.25))
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    for _ in range(4):
+        assert mgr.allocate(mgr.attach("w"), lid, 16) is not None  # HBM full of blocks being written
+    decisions = [mgr.reserve(a, lid, tokens=16) for _ in range(5)]
+    assert [d.outcome for d in decisions] == [Outcome.DEFERRED] * 4 + [Outcome.REJECTED]
+    assert "4 reservations waiting, its share of the deferred queue's 16 places" in decisions[-1].reason
+    assert mgr.reserve(b, lid, tokens=16).outcome is Outcome.DEFERRED
+    mgr.check_invariants()
