@@ -12,6 +12,7 @@ from dflash2.layout import Layout
 from dflash2.manager import BlockManager
 from dflash2.protocol import arg
 from dflash2.readcost import checked_rate
+from dflash2.table.table import vid_of
 from dflash2.tiers import Tier
 
 
@@ -57,7 +58,7 @@ def records(m: BlockManager, rows: np.ndarray) -> bytes:
     table = m.table
     c = table.cols
     if len(rows) <= table.SMALL:
-        return np.array([((int(c.gen[r]) << 32) | r, int(c.tier[r]), int(c.offset[r]),
+        return np.array([(vid_of(int(c.gen[r]), r), int(c.tier[r]), int(c.offset[r]),
                           table.layouts[int(c.layout[r])].block_bytes, int(c.layout[r])) for r in rows.tolist()],
                         dtype=P.PLACE_DTYPE).tobytes()
     block_bytes = np.array([lay.block_bytes for lay in table.layouts] or [0], dtype=np.int64)

@@ -450,3 +450,33 @@ def test_a_process_that_proc_does_not_show_is_asked_by_a_signal(monkeypatch):
     assert not sessions.pid_alive(sessions.PID_MAX - 1), "no such process"
     monkeypatch.setattr(os, "readlink", lambda path: "1")  # /proc of another namespace
     assert sessions._own_procfs() is False
+
+
+# -- a row reused past 2^31 times --------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 8, 9])
+def test_a_row_reused_past_two_to_the_31_serves_calls_of_any_size(service, n):
+    """Free rows are reused last in, first out, so one row takes an engine's churn of one-block
+    requests (1,184 a second: 10-21 days to 2^31 reuses, a review's script). From generation 2^31
+    its ids lie past 2^63: the reply of a call of 8 blocks or fewer failed with an OverflowError
+    after the call had run, leaving the block or pin held under an id the client never learned."""
+    m = service.manager
+    c = attach(service)
+    taken = m.table.cols.take_rows(n)  # the rows the next allocation takes, made to have been reused
+    m.table.cols.give_rows(taken[::-1])
+    m.table.cols.gen[taken] = 1 << 31  # as 2^31 - first_gen reuses leave them
+    reply = call(service, Op.ALLOCATE, c, {"layout": 0, "n": n})
+    assert reply.ok, reply.error_message
+    places = np.frombuffer(reply.arrays[0], dtype=P.PLACE_DTYPE)
+    assert (places["vid"] < 0).all() and sorted(m.table.rows(places["vid"]).tolist()) == sorted(taken.tolist())
+    keys = np.asarray(chain_keys(range(16 * n), 16, "reused"), dtype=P.KEYS_DTYPE).tobytes()
+    committed = call(service, Op.COMMIT, c, {}, [*vids_frame(places["vid"]), keys])
+    assert committed.ok, committed.error_message
+    assert np.frombuffer(committed.arrays[0], dtype=P.VIDS_DTYPE).tolist() == places["vid"].tolist()
+    found = call(service, Op.LOOKUP, c, {"layout": 0}, [keys])
+    assert found.ok, found.error_message
+    got = np.frombuffer(found.arrays[0], dtype=P.PLACE_DTYPE)
+    assert got["vid"].tolist() == places["vid"].tolist()
+    acquired = call(service, Op.ACQUIRE, c, {}, vids_frame(got["vid"]))
+    assert acquired.ok, acquired.error_message
+    assert call(service, Op.RELEASE, c, {}, vids_frame(got["vid"])).ok
+    m.check_invariants()
