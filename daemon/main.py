@@ -172,28 +172,37 @@ def room_now(plan: Plan) -> list[str]:
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
     if has_nvme:
         try:
-            lines.append(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict))
+            lines.extend(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict))
         except OSError as e:
             lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
                          "would fail now (exit 4)")
     return lines
 
 
-def _nvme_now(paths: list[Path], need_each: int, verdict) -> str:
-    """The `now:` line of the NVMe files (one, or one per GPU): whether start-up could create or
-    reuse each, and whether the disk has room for them all."""
-    held = 0
+def _nvme_now(paths: list[Path], need_each: int, verdict) -> list[str]:
+    """The `now:` lines of the NVMe files (one, or one per GPU): whether start-up could create or
+    reuse each, and whether each disk has room for the files on it. A file is looked at where a
+    symlink at its path leads, as start-up takes it (`nvme.cache.gpuN` linked to a disk per GPU was
+    measured on the links' folder)."""
+    disks: dict[int, list] = {}  # filesystem -> [folder to measure, files, bytes they hold]
     for path in paths:
-        problem, has = _nvme_file_now(path)
+        target = Path(os.path.realpath(path))
+        problem, has = _nvme_file_now(target)
         if problem:
-            return problem
-        held += has
-    st = os.statvfs(_nearest_existing(paths[0].parent))
-    free = st.f_bavail * st.f_frsize + held
-    need = need_each * len(paths)
-    where = (f"the NVMe file needs {need} bytes at {paths[0]}" if len(paths) == 1 else
-             f"the {len(paths)} NVMe files (one per GPU) need {need} bytes in all at {paths[0]} to {paths[-1]}")
-    return f"{where}; {free} are free there (with what the files already hold): {verdict(need, free)}"
+            return [problem]
+        folder = _nearest_existing(target.parent)
+        disk = disks.setdefault(os.stat(folder).st_dev, [folder, [], 0])
+        disk[1].append(target)
+        disk[2] += has
+    lines = []
+    for folder, files, held in disks.values():
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize + held
+        need = need_each * len(files)
+        where = (f"the NVMe file needs {need} bytes at {files[0]}" if len(files) == 1 else
+                 f"{len(files)} NVMe files (one per GPU) need {need} bytes in all at {files[0]} to {files[-1]}")
+        lines.append(f"{where}; {free} are free there (with what the files already hold): {verdict(need, free)}")
+    return lines
 
 
 def _nvme_file_now(path: Path) -> tuple[str | None, int]:

@@ -10,7 +10,7 @@ stay where they were until the copies have ended: `BlockManager.drain_slice`), a
 promotion's reads from NVMe (an acquire's, a prefetch's: promotion.py `promote_later`). A call that
 must wait for copies still running PARK_AFTER_S after they began (it meets their blocks, or does
 placement work) is parked, not waited for: the loop answers the others meanwhile, and runs it
-again, whole, once the copies have ended (`_answer_parked`; settling.py); an acquire that started
+again, whole, once its pool's copies have ended (parking.py; settling.py); an acquire that started
 the reads is parked on them. Every
 other move is finished or rolled back before its request returns, and shutdown settles what is in
 flight first (answering the calls still parked), so it never leaves a block half-moved.
@@ -18,7 +18,6 @@ flight first (answering the calls still parked), so it never leaves a block half
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -40,7 +39,8 @@ from dflash2.daemon.descriptors import raise_open_files_limit
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
-from dflash2.daemon.service import Parked, Service
+from dflash2.daemon.parking import Parked, ParkedCalls
+from dflash2.daemon.service import Service
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
@@ -120,9 +120,8 @@ class Server:
         self._piece_ended = 0.0  # when the last drain slice ended (monotonic) ...
         self._piece_s = 0.0  # ... and how long it took
         self._last_answer = 0.0  # when the last request was answered (monotonic)
-        # Calls parked until the copies in flight end (service.Parked), in the order they came: each
-        # runs again, whole, once they have, and the loop answers other calls meanwhile.
-        self._parked: collections.deque[tuple[list[bytes], Parked]] = collections.deque()
+        self._parked = ParkedCalls(self._copies_done)  # calls waiting for copies in flight (parking.py)
+        self._first_pool = -1  # the pool the last drain slice began with (_drain_slice)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -155,8 +154,8 @@ class Server:
         self.service.queue_empty()
         self._parking(True)
         while not self._stop.is_set():
-            if self._parked and self._copies_done():
-                self._answer_parked()
+            if self._parked and self._parked.ready():
+                self._parked.answer(lambda frames, parked: self._answer(frames, again=parked))
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
             # and, while the step's share lasts, after a request answered once it is due. No slice
             # begins while calls are parked: its copies would keep them waiting.
@@ -166,7 +165,7 @@ class Server:
             dueling = not draining and self._duel_slices_on and not self._parked and self._duel_pending()
             if self._parked:
                 request = self._request_or_copies_ended()
-                if self._copies_done():
+                if self._parked.ready():
                     # The parked calls first (the loop's next turn), the request after them: answered
                     # first, it could start copies of its own (a prefetch's reads) that they would wait
                     # for too, and a parked call could be overtaken again and again.
@@ -321,19 +320,11 @@ class Server:
                 if self._request_waits():
                     return
 
-    def _copies_done(self) -> bool:
-        """Whether no pool has copies in flight that have not ended (settling them waits for nothing)."""
-        return not any(m.copies_running() for m in self.service.managers.values())
-
-    def _answer_parked(self) -> None:
-        """Run the parked calls again, in the order they came, now that the copies have ended. One
-        that parks again (the copies a call before it started: a prefetch's reads) goes back to the
-        front, and the rest wait behind it."""
-        while self._parked:
-            frames, parked = self._parked.popleft()
-            if not self._answer(frames, again=parked):
-                self._parked.rotate(1)  # (_answer put it at the back)
-                return
+    def _copies_done(self, device: int | None = None) -> bool:
+        """Whether the pool (None: no pool) has copies in flight that have not ended (settling them
+        waits for nothing)."""
+        pools = self.service.managers.values() if device is None else [self.service.managers[device]]
+        return not any(m.copies_running() for m in pools)
 
     def _next_slice(self) -> float:
         """When the next drain slice is due (monotonic): once no request has come for IDLE_AFTER_S;
@@ -353,8 +344,13 @@ class Server:
         settles the copies in flight, and a new piece's would hold it off (serve_forever)."""
         started = time.monotonic()
         waited = 0.0  # for copies to end, watching for a request: idle time, not the drain's
+        pools = list(self.service.managers.values())
+        # The pools in turn, from the one after the last to start a piece: a request that arrives
+        # stops the slice after the pool at hand (it started a piece in every draining pool: 8 GPUs
+        # draining held a waiting request for 8 pieces, and the first pool took every first piece).
+        self._first_pool = (self._first_pool + 1) % len(pools)
         with self.service.busy():
-            for manager in self.service.managers.values():
+            for manager in pools[self._first_pool:] + pools[:self._first_pool]:
                 if not manager.draining() or (not wait and manager.copies_running()):
                     continue
                 try:
@@ -365,6 +361,8 @@ class Server:
                     self._slices_on = False
                     log.exception("a rebalance piece between requests failed; drains wait for the next "
                                   "background step")
+                if self._request_waits():
+                    break
         self._piece_ended = time.monotonic()
         self._piece_s = max(0.0, self._piece_ended - started - waited)
         self._drain_owed_s -= self._piece_s
@@ -384,7 +382,7 @@ class Server:
 
     def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
         """Handle one request and send its reply; False when the call was parked instead (no reply
-        yet: `_answer_parked` runs it again once the copies in flight have ended)."""
+        yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
         settled = self._settled_s()
         reply = self.service.handle_frames(frames[1:], again)
         if isinstance(reply, Parked):

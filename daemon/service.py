@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from dflash2 import protocol as P
 from dflash2.daemon import wire
 from dflash2.daemon.descriptors import ATTACH_HEADROOM
 from dflash2.daemon.forgetting import Forgetting
+from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
@@ -43,19 +43,6 @@ from dflash2.tiers import Tier
 from dflash2.zmqio import descriptors_left
 
 log = logging.getLogger("dflash2.daemon")
-
-
-@dataclasses.dataclass(frozen=True)
-class Parked:
-    """(`Service.handle_frames`) the call was not run: it waits for copies in flight to end.
-    `own_parks`: how often it was parked on copies of its own (errors.CopiesRunning `own`: its reads
-    from NVMe, the writes its room takes), at most Placement.OWN_PARKS. `client`: whose call it is
-    (None for calls without one), heard from while it waits (`waiting`)."""
-
-    own_parks: int = 0
-    client: int | None = None
-    # (time.perf_counter) when the call first came: its latency counts from then
-    arrived: float = dataclasses.field(default=0.0, compare=False)
 
 
 class Service(Forgetting):
@@ -147,7 +134,8 @@ class Service(Forgetting):
         except CopiesRunning as e:
             if again is None:  # (calls, not parks: one may be parked again on copies a call before it began)
                 self.counters["calls_parked"] += 1
-            return Parked(own_parks + e.own, req.client, arrived)
+            session = self.sessions.get(req.client)
+            return Parked(own_parks + e.own, req.client, arrived=arrived, device=None if session is None else session.device)
         finally:
             for m in self.managers.values():
                 m.placement.parking, m.placement.own_parks = False, 0
@@ -552,6 +540,7 @@ class Service(Forgetting):
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "started": self.started, "device": self.device, **self.counters,
                         "gpus": {str(d): u for d, u in self._gpu_uuids().items()},  # pool -> GPU UUID
+                        "pools": [str(d) for d in self.managers],  # their keys (a lone pool's too)
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
                                     for op, (n, t) in self.latency.items()},
                         "background": {"late_s": round(self._late[-1], 4) if self._late else None,

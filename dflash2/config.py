@@ -231,9 +231,7 @@ class DaemonConfig(_Section):
         description="Folder for daemon state (history); resolved like nvme_path; null = "
                     "$XDG_STATE_HOME/dflash2 or ~/.local/state/dflash2.")
     lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
-    # (validate_default: a lease of 2 s or less must not take the default heartbeat unchecked.)
-    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, validate_default=True,
-                                        description="Clients renew their lease this often.")
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")
     request_timeout_s: float = Field(5.0, gt=0, le=3600, description="Every control request times out after this.")
     set_aside_leases: int = Field(
         30, ge=0, le=100000,
@@ -253,15 +251,16 @@ class DaemonConfig(_Section):
     def _plain_state_dir(cls, value: Optional[str]) -> Optional[str]:
         return None if value is None else plain_text(value)
 
-    @field_validator("heartbeat_interval_s")
-    @classmethod
-    def _below_lease(cls, value: float, info) -> float:
-        lease = info.data.get("lease_timeout_s")
-        if lease is not None and not value < lease:
-            default = cls.model_fields["heartbeat_interval_s"].default
-            raise ValueError(f"must be below daemon.lease_timeout_s ({lease}); its default is {default}, so a "
-                             f"lease of {default} s or less needs a shorter heartbeat_interval_s set beside it")
-        return value
+    @model_validator(mode="after")
+    def _below_lease(self) -> "DaemonConfig":
+        """The heartbeat below the lease, its default too (a lease of 2 s or less with the default
+        heartbeat was taken: pydantic checks no default, and every idle client lost its lease)."""
+        if not self.heartbeat_interval_s < self.lease_timeout_s:
+            why = f"must be below daemon.lease_timeout_s ({self.lease_timeout_s}), got {self.heartbeat_interval_s}"
+            if "heartbeat_interval_s" not in self.model_fields_set:
+                why += " (its default): a lease this short needs daemon.heartbeat_interval_s set below it"
+            raise ConfigError("daemon.heartbeat_interval_s", why)
+        return self
 
 
 class MetricsConfig(_Section):
@@ -352,15 +351,24 @@ class Config(_Section):
         """Relative paths resolve against this: the config file's folder, else the working directory."""
         return self._source_path.parent if self._source_path else Path.cwd()
 
-    def resolve_path(self, raw: str, key: str) -> Path:
-        """`raw` made absolute (against base_dir) with its symlinks followed, so that what is checked
-        (a folder's owner, a disk's free space) is the place itself, not where a link to it sits."""
+    def resolve_path(self, raw: str, key: str, follow_links: bool = False) -> Path:
+        """`raw` made absolute: a relative path against base_dir (its symlinks followed), an absolute
+        one as written, or with its symlinks followed too when `follow_links` (the NVMe file: its
+        disk's room is the target's). A socket's path stays as written: a link to a long folder
+        would take it past the 107 bytes a socket path may have."""
         path = expand_user(raw, key)
-        return (path if path.is_absolute() else self.base_dir / path).resolve()
+        if path.is_absolute() and not follow_links:
+            return path
+        try:
+            return (path if path.is_absolute() else self.base_dir / path).resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+            raise ConfigError(key, f"{raw!r} cannot be resolved: {e}") from None
 
     @property
     def resolved_nvme_path(self) -> Optional[Path]:
-        return None if self.memory.nvme_path is None else self.resolve_path(self.memory.nvme_path, "memory.nvme_path")
+        if self.memory.nvme_path is None:
+            return None
+        return self.resolve_path(self.memory.nvme_path, "memory.nvme_path", follow_links=True)
 
     def resolved_state_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         if self.daemon.state_dir is not None:

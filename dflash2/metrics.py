@@ -341,7 +341,11 @@ def _reservation_families(st: dict):
 
 def _pools(st: dict) -> dict:
     """Each GPU pool's stats by GPU label ("0", "1", ...): a node's `devices`, or the one pool."""
-    return st.get("devices") or {"0": st}
+    if st.get("devices"):
+        return st["devices"]
+    # A lone pool under its own key: GPU 3's when device.gpu_ids is [3] (every per-GPU series said
+    # gpu="0" there); "0" for a host daemon and for samples from before the key was sent.
+    return {(st.get("daemon", {}).get("pools") or ["0"])[0]: st}
 
 
 def _policy_families(st: dict):

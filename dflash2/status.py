@@ -66,9 +66,14 @@ def render(st: dict) -> str:
     if d.get("gpus"):  # pools by the daemon's GPU number; clients find them by UUID
         lines[-1:-1] = ["GPUs: " + ", ".join(f"{n} {u}" for n, u in d["gpus"].items())]
     rows = [("tier", "capacity", "used", "used %", "blocks")]
-    for name, t in st.get("tiers", {}).items():
-        cap, used = t.get("capacity_bytes", 0), t.get("used_bytes", 0)
-        rows.append((name, _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-", str(t.get("blocks", 0))))
+    # A node of several GPUs: each pool's tiers too (each fills on its own: one full GPU beside an
+    # empty one read as half full in the node's totals, the only rows before).
+    pools = st.get("devices") or {}
+    for gpu, pool in [(None, st), *(pools.items() if len(pools) > 1 else [])]:
+        for name, t in pool.get("tiers", {}).items():
+            cap, used = t.get("capacity_bytes", 0), t.get("used_bytes", 0)
+            rows.append((name if gpu is None else f"  GPU {gpu} {name}", _size(cap), _size(used),
+                         f"{100 * used / cap:.1f}" if cap else "-", str(t.get("blocks", 0))))
     lines += _table(rows)
     aside = {name: t["quarantined_bytes"] for name, t in st.get("tiers", {}).items() if t.get("quarantined_bytes")}
     if aside:  # out of the capacity above: slots whose writes or whose blocks' reads failed
@@ -120,8 +125,10 @@ def render(st: dict) -> str:
                      "whose process may still write them"
                      + (f", and {aside['pinned']} blocks they had pinned, kept pinned" if aside.get("pinned") else ""))
     if clients:
-        lines += _table([("id", "name", "pid", "idle s")]
-                        + [(str(c["client"]), str(c["name"]), str(c["pid"]), f"{c['idle_s']:.1f}") for c in clients])
+        gpus = len(pools) > 1  # which GPU's pool each client uses
+        lines += _table([("id", "name", "pid", *(("GPU",) if gpus else ()), "idle s")]
+                        + [(str(c["client"]), str(c["name"]), str(c["pid"]), *((str(c.get("device")),) if gpus else ()),
+                            f"{c['idle_s']:.1f}") for c in clients])
     return "\n".join(lines)
 
 

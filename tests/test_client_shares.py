@@ -12,6 +12,7 @@ from conftest import SMALL
 from daemon_proc import DaemonProcess
 
 from dflash2.client import Client, DaemonError
+from dflash2.errors import ReservationError
 from dflash2.reservations import AdmissionSettings, Outcome
 
 
@@ -61,4 +62,25 @@ def test_one_client_takes_at_most_its_share_of_the_queues_places(make_manager):
     assert [d.outcome for d in decisions] == [Outcome.DEFERRED] * 4 + [Outcome.REJECTED]
     assert "4 reservations waiting, its share of the deferred queue's 16 places" in decisions[-1].reason
     assert mgr.reserve(b, lid, tokens=16).outcome is Outcome.DEFERRED
+    mgr.check_invariants()
+
+
+def test_a_client_at_its_share_of_places_displaces_its_own_lower_priority_for_a_higher(make_manager):
+    """An engine is one client: its interactive request must not be turned away by its own batch
+    backlog filling its share of the places (a review of the rule above: REJECTED, while a full
+    queue displaces the lowest priority for a higher one)."""
+    mgr = make_manager(hbm_blocks=64, dram_blocks=0, admission=AdmissionSettings(
+        smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0, max_deferred=16, max_client_share=0.25))
+    engine = mgr.attach("engine")
+    lid = mgr.register_layout(SMALL)
+    for _ in range(4):
+        assert mgr.allocate(mgr.attach("w"), lid, 16) is not None
+    batch = [mgr.reserve(engine, lid, tokens=16) for _ in range(4)]
+    assert all(d.outcome is Outcome.DEFERRED for d in batch)
+    urgent = mgr.reserve(engine, lid, tokens=16, priority=10)
+    assert urgent.outcome is Outcome.DEFERRED and urgent.position == 0
+    with pytest.raises(ReservationError, match=f"reservation {batch[-1].reservation_id} was displaced from its "
+                                               "client's share of the deferred queue's places"):
+        mgr.reservation_status(engine, batch[-1].reservation_id)
+    assert mgr.reserve(engine, lid, tokens=16).outcome is Outcome.REJECTED  # priority 0: none below it
     mgr.check_invariants()

@@ -43,7 +43,11 @@ def test_a_lease_no_longer_than_the_default_heartbeat_is_refused():
     with pytest.raises(ConfigError) as info:
         parse_config(host(daemon={"lease_timeout_s": 1.0}))
     assert info.value.key == "daemon.heartbeat_interval_s"
-    assert "its default is 2.0" in info.value.problem
+    assert info.value.problem.endswith("got 2.0 (its default): a lease this short needs "
+                                       "daemon.heartbeat_interval_s set below it")
+    with pytest.raises(ConfigError) as info:  # both set: nothing said of the default
+        parse_config(host(daemon={"lease_timeout_s": 10, "heartbeat_interval_s": 15}))
+    assert info.value.problem == "must be below daemon.lease_timeout_s (10.0), got 15.0"
     assert parse_config(host(daemon={"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.25})).daemon.lease_timeout_s == 1
 
 
@@ -89,12 +93,34 @@ def test_check_looks_at_each_gpus_nvme_file_and_their_room_together(tmp_path, mo
                for note in plan.notes)
     rc, out, _ = run("--config", str(path), "--check")
     now = [line for line in out if line.startswith("now: ")]
-    assert rc == 0 and now[-1].startswith(f"now: the 4 NVMe files (one per GPU) need {4 * (16 * MB + 4096)} bytes "
+    assert rc == 0 and now[-1].startswith(f"now: 4 NVMe files (one per GPU) need {4 * (16 * MB + 4096)} bytes "
                                           f"in all at {tmp_path / 'nvme.cache.gpu0'} to {tmp_path / 'nvme.cache.gpu3'}")
     (tmp_path / "nvme.cache.gpu2").write_bytes(b"someone's data")  # the file GPU 2's pool would open
     now = [line for line in run("--config", str(path), "--check")[1] if line.startswith("now: ")]
     assert now[-1] == (f"now: {tmp_path / 'nvme.cache.gpu2'} exists and is not a dflash2 NVMe cache file: "
                        "start-up would refuse it (exit 4)")
+
+
+def test_check_measures_each_gpus_nvme_file_on_the_disk_its_link_leads_to(tmp_path, monkeypatch):
+    """`nvme.cache.gpuN` linked to a disk per GPU: start-up takes each on its target's disk, and
+    --check measured them all on the links' folder (a review of the fix: "would fail" for files
+    that fit, "fits" for one that did not)."""
+    other = Path("/dev/shm") / f"dflash2-test-{os.getpid()}-{tmp_path.name}"
+    other.mkdir()
+    try:
+        if os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("/dev/shm is not another filesystem here")
+        path = tmp_path / "node.json"
+        path.write_text(json.dumps(gpu_node(tmp_path, monkeypatch, 2, nvme_capacity_mb=8)))
+        (tmp_path / "nvme.cache.gpu1").symlink_to(other / "gpu1.cache")
+        now = [line for line in run("--config", str(path), "--check")[1] if line.startswith("now: ")]
+        need = 4 * MB + 4096
+        assert now[-2].startswith(f"now: the NVMe file needs {need} bytes at {tmp_path / 'nvme.cache.gpu0'};")
+        assert now[-1].startswith(f"now: the NVMe file needs {need} bytes at {other / 'gpu1.cache'};")
+    finally:
+        for f in other.iterdir():
+            f.unlink()
+        other.rmdir()
 
 
 def test_check_says_a_cuda_config_cannot_start_where_no_gpu_is_visible(tmp_path, monkeypatch):

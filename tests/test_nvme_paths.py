@@ -127,3 +127,21 @@ def test_staging_on_a_gpu_node_is_counted_per_gpu_and_twice(tmp_path, monkeypatc
     host = resolve_plan(load_config(write_config(tmp_path)))
     assert host.staging_taken_bytes == host.staging_bytes  # one ring, one pool
     assert "staging:     4.0 MiB\n" in host.render_text() + "\n"
+
+
+def test_a_socket_path_through_a_symlink_stays_as_written(tmp_path):
+    """Following links in every absolute path put a socket whose folder links to a long path past
+    the 107 bytes a socket path may have: a config that served refused to start, and its clients
+    to connect (a review of the fix)."""
+    deep = tmp_path / ("k" * 90)
+    deep.mkdir()
+    (tmp_path / "s").symlink_to(deep)
+    cfg = load_config(write_config(tmp_path, daemon={"endpoint": f"ipc://{tmp_path}/s/d.sock"}))
+    assert cfg.resolved_endpoint() == f"ipc://{tmp_path}/s/d.sock"
+
+
+def test_a_symlink_loop_at_the_nvme_path_is_named_by_key(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    rc, out = check(write_config(tmp_path, memory={"nvme_path": str(tmp_path / "a" / "nvme.cache")}))
+    assert rc == 2  # a traceback (RuntimeError: Symlink loop) before

@@ -109,26 +109,26 @@ class Admission:
         elif self._passes(res, {r.slot for r in self.deferred if r.priority >= priority}):
             self._rate += demand
             return Decision(Outcome.GRANTED, res.id)
+        # A full queue (or a client's full share of its places, shares.py) keeps the reservations of
+        # higher priority: one of lower priority would be served first while one that would stand
+        # ahead of it was turned away (a client's one-block low-priority reservations, filling the
+        # queue, shut every interactive request out; an engine's batch backlog, its own).
         places = self.shares.queue_places()
-        if places is not None:
-            mine = sum(1 for r in self.deferred if r.client == client)
-            if mine >= places:
-                return self._reject(f"client has {mine} reservations waiting, its share of the deferred queue's "
-                                    f"{self.settings.max_deferred} places (admission.max_client_share "
-                                    f"{self.settings.max_client_share})")
+        mine = [r for r in self.deferred if r.client == client] if places is not None else []
+        if places is not None and len(mine) >= places:
+            if priority <= mine[-1].priority:  # (its lowest priority, the latest of it)
+                return self._reject(f"client has {len(mine)} reservations waiting, its share of the deferred "
+                                    f"queue's {self.settings.max_deferred} places (admission.max_client_share "
+                                    f"{self.settings.max_client_share}), none of a priority below {priority}")
+            self._displace(mine[-1], priority, f"its client's share of the deferred queue's places "
+                                               f"(admission.max_client_share {self.settings.max_client_share})")
         if len(self.deferred) >= self.settings.max_deferred:
             last = self.deferred[-1]  # the lowest priority, the latest of it
             if priority <= last.priority:
                 return self._reject(f"the deferred queue is full ({self.settings.max_deferred} reservations, "
                                     f"none of a priority below {priority}: admission.max_deferred)")
-            # A full queue keeps the reservations of higher priority: one of lower priority would be
-            # served first while one that would stand ahead of it was turned away (a client's
-            # one-block low-priority reservations, filling the queue, shut every interactive request out).
-            self._drop(last)
-            self.counters["rejected"] += 1
-            self._ended.displaced(last.id, f"reservation {last.id} was displaced from the full deferred queue "
-                                     f"(admission.max_deferred {self.settings.max_deferred}) by one of priority "
-                                     f"{priority}, above its {last.priority}: reserve again")
+            self._displace(last, priority, f"the full deferred queue (admission.max_deferred "
+                                           f"{self.settings.max_deferred})")
         self._enqueue(res)
         self._rate += demand
         self.counters["deferred"] += 1
@@ -508,6 +508,13 @@ class Admission:
             problems.append("a waiting reservation's block size is not its layout's")
         if problems:
             raise InvariantViolation("; ".join(problems))
+
+    def _displace(self, res: Reservation, priority: int, where: str) -> None:
+        """`res` leaves the queue for one of `priority`, above its own: its next call says so."""
+        self._drop(res)
+        self.counters["rejected"] += 1
+        self._ended.displaced(res.id, f"reservation {res.id} was displaced from {where} by one of priority "
+                                      f"{priority}, above its {res.priority}: reserve again")
 
     def _reject(self, reason: str) -> Decision:
         self.counters["rejected"] += 1
