@@ -18,7 +18,7 @@ import numpy as np
 
 from dflash2.arena.liveness import DaemonLiveness, check_name
 from dflash2.arena.shm import SharedMemoryArena
-from dflash2.errors import ArenaError
+from dflash2.errors import ArenaError, ProtocolError
 from dflash2.layout import DTYPE_BITS, Layout
 from dflash2.tiers import Tier
 
@@ -33,7 +33,8 @@ class ArenaMap:
     """The daemon's memory arenas, mapped into this process (one mapping per tier), and its liveness
     object (dflash2/arena/liveness.py), which tells when they are a dead daemon's."""
 
-    def __init__(self, described: list[dict], liveness: str | None = None):
+    def __init__(self, described: list[dict], liveness: str | None = None, liveness_id: str | None = None,
+                 endpoint: str = "the daemon"):
         self.arenas: dict[int, object] = {}  # SharedMemoryArena, or CudaArena for a GPU's HBM
         self.liveness: DaemonLiveness | None = None
         # daemon_gone() and close() run on a client's call thread and its heartbeat thread at once
@@ -44,6 +45,8 @@ class ArenaMap:
         # thread says that, not that its tier "is not mapped" (a review's script: detach racing a view).
         self.closed: str | None = None
         name = check_name(liveness)  # a bad name refuses the attach before anything is mapped
+        if liveness_id is not None and not (isinstance(liveness_id, str) and liveness_id.isalnum()):
+            raise ProtocolError(f"attach: the daemon's liveness id {liveness_id!r} is not a word of letters and digits")
         try:
             for d in described:
                 tier = Tier[str(d["tier"]).upper()]
@@ -55,11 +58,21 @@ class ArenaMap:
                     continue
                 if d.get("kind") != "shm":
                     raise ArenaError(f"the daemon offers a {d.get('kind')!r} arena this client cannot map")
-                self.arenas[int(tier)] = SharedMemoryArena.attach(d["name"], tier, int(d.get("alignment", 256)))
+                try:
+                    self.arenas[int(tier)] = SharedMemoryArena.attach(d["name"], tier, int(d.get("alignment", 256)))
+                except ArenaError as e:
+                    raise ArenaError(f"{endpoint} answered, but {e}: a client must see the daemon's /dev/shm (run "
+                                     "on its host; a container needs the host's IPC namespace or /dev/shm)") from None
         except Exception:
             self.close()
             raise
         self.liveness = _open_liveness(name)
+        if self.liveness is not None and liveness_id is not None and not self.liveness.matches(liveness_id):
+            path = self.liveness.path
+            self.close()
+            raise ArenaError(f"the shared memory this process sees under {path} is not {endpoint}'s: it is another "
+                             "daemon's of the same pid (another container's, pid 1 in each?); its blocks would be "
+                             "read and written with no error. Run the client where it sees the daemon's /dev/shm")
 
     def bytes_view(self, place):
         """uint8 view of one block: numpy for host memory, CuPy for a GPU arena."""

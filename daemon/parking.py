@@ -41,8 +41,20 @@ class ParkedCalls(collections.deque):
         self.copies_done = copies_done
 
     def ready(self) -> bool:
-        """Whether some parked call's pool has no copies in flight any more."""
-        return any(self.copies_done(parked.device) for _, parked in self)
+        """Whether `answer` would run some call now (the same rule: True for a call behind one that
+        must wait, and `serve_forever` would spin on it)."""
+        held: set[int | None] = set()
+        for _, parked in self:
+            if not self._waits(parked, held):
+                return True
+            held.add(parked.device)
+        return False
+
+    def _waits(self, parked: Parked, held: set[int | None]) -> bool:
+        """Whether the call waits: its pool's copies run, or a call before it of its pool (of any,
+        for a call of no pool; a call of no pool holds every later one) waits."""
+        return (None in held or parked.device in held or (parked.device is None and bool(held))
+                or not self.copies_done(parked.device))
 
     def answer(self, answer: Callable[[list[bytes], Parked], bool]) -> None:
         """Run again the calls whose pool's copies have ended. `answer(frames, parked)` is False when
@@ -51,8 +63,7 @@ class ParkedCalls(collections.deque):
         kept = []
         while self:
             frames, parked = self.popleft()
-            if None in held or parked.device in held or (parked.device is None and held) \
-                    or not self.copies_done(parked.device):
+            if self._waits(parked, held):
                 held.add(parked.device)
                 kept.append((frames, parked))
             elif not answer(frames, parked):

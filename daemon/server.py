@@ -121,7 +121,7 @@ class Server:
         self._piece_s = 0.0  # ... and how long it took
         self._last_answer = 0.0  # when the last request was answered (monotonic)
         self._parked = ParkedCalls(self._copies_done)  # calls waiting for copies in flight (parking.py)
-        self._first_pool = -1  # the pool the last drain slice began with (_drain_slice)
+        self._first_pool = -1  # the pool that last ran a drain piece (_drain_slice)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -348,11 +348,13 @@ class Server:
         # The pools in turn, from the one after the last to start a piece: a request that arrives
         # stops the slice after the pool at hand (it started a piece in every draining pool: 8 GPUs
         # draining held a waiting request for 8 pieces, and the first pool took every first piece).
-        self._first_pool = (self._first_pool + 1) % len(pools)
+        first = (self._first_pool + 1) % len(pools)
         with self.service.busy():
-            for manager in pools[self._first_pool:] + pools[:self._first_pool]:
+            for index in [*range(first, len(pools)), *range(first)]:
+                manager = pools[index]
                 if not manager.draining() or (not wait and manager.copies_running()):
                     continue
+                self._first_pool = index  # (by the pool that ran: one past a pool not draining favoured the next)
                 try:
                     waited += manager.drain_slice(IDLE_DRAIN_S, self._request_waits)
                 except Exception:
@@ -371,9 +373,14 @@ class Server:
         """Before the background step (which settles them: it rescores and may move blocks): whether
         the drain copies in flight have ended and are settled. While they run it waits for them, but
         gives way to a request that arrives (False: the step comes at the loop's next turn), which
-        must not wait for the disk; at most a tick interval."""
+        must not wait for the disk, and to a parked call whose own pool's copies have ended (it
+        waited a tick interval for another pool's); at most a tick interval."""
         until = time.perf_counter() + self.tick_interval_s
-        return all(m.placement.settle_when_done(self._request_waits, until) for m in self.service.managers.values())
+
+        def yield_to(within_s: float) -> bool:
+            return bool(self._parked and self._parked.ready()) or self._request_waits(within_s)
+
+        return all(m.placement.settle_when_done(yield_to, until) for m in self.service.managers.values())
 
     def _request_waits(self, within_s: float = 0.0) -> bool:
         """Whether a request is queued, or comes within `within_s` (a poll; 0: no wait): an idle drain
@@ -531,7 +538,7 @@ def run(cfg: Config) -> int:
         manager = next(iter(managers.values()))
         service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
-                          set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name)
+                          set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name, liveness_id=alive.nonce)
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
         except OSError as e:

@@ -49,7 +49,7 @@ class Service(Forgetting):
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
                  pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30,
-                 liveness: str | None = None):
+                 liveness: str | None = None, liveness_id: str | None = None):
         # One block pool per GPU (device index -> manager); a client says which device it serves at
         # attach and every call it makes goes to that pool only, so no move ever crosses GPUs.
         self.managers = managers if isinstance(managers, dict) else {0: managers}
@@ -60,6 +60,7 @@ class Service(Forgetting):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.device = device
         self.liveness = liveness  # the name of the daemon's liveness object, given at attach (arena/liveness.py)
+        self.liveness_id = liveness_id  # ... and the id it carries, which the client checks
         self.clock = clock
         self.pid_alive = pid_alive or process_alive
         self.sessions: dict[int, Session] = {}
@@ -369,7 +370,8 @@ class Service(Forgetting):
         return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
-                "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness}, []
+                "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness,
+                "liveness_id": self.liveness_id}, []
 
     def _gpu_uuids(self) -> dict[int, str]:
         """Each GPU pool's GPU UUID (none on a host daemon)."""

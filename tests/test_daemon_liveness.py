@@ -48,7 +48,7 @@ def name():
 
 def test_a_daemon_holds_its_liveness_object_and_removes_it_at_a_clean_shutdown(daemon):
     with open(alive_path(daemon.pid)) as f:
-        assert f.read().strip() == str(daemon.pid)
+        assert f.read().split()[0] == str(daemon.pid)  # then the start's id
     probe = DaemonLiveness.open(f"dflash2-{daemon.pid}-alive")
     try:
         assert not probe.gone()
@@ -301,3 +301,53 @@ def test_an_older_daemon_names_none(caplog):
         arenas = ArenaMap([], None)
     assert arenas.liveness is None and not arenas.daemon_gone()
     assert any("names no liveness object" in r.getMessage() for r in caplog.records)
+
+
+# ---- whose memory a client maps ------------------------------------------------------------------------
+
+
+def test_a_client_refuses_memory_that_is_another_daemons_of_the_same_pid(daemon):
+    """Two containers' daemons are pid 1 each, and their segments and liveness objects have the same
+    names: a client that saw one's /dev/shm and reached the other over tcp mapped the wrong daemon's
+    memory and read and wrote its blocks with no error (a review's script: zeros served as a hit, the
+    other daemon's cached blocks overwritten). The daemon's attach reply carries its liveness
+    object's random id; a client that finds another id there refuses to attach."""
+    with Client.connect(daemon.endpoint, name="ours", layouts=[SMALL], heartbeat=False) as c:
+        assert c.allocate(c.layouts[0], 1) is not None  # the id matches: attached as before
+    path = alive_path(daemon.pid)
+    with open(path) as f:
+        pid, nonce = f.read().split()
+    assert pid == str(daemon.pid) and len(nonce) == 16
+    with open(path, "r+") as f:  # as another daemon of that pid would have written it
+        f.write(f"{pid} {'0' * 16}\n")
+    try:
+        with pytest.raises(ArenaError, match="is not dflash2d at .*'s: it is another daemon's of the same pid"):
+            Client.connect(daemon.endpoint, name="elsewhere", layouts=[SMALL], heartbeat=False)
+        # Refused before any call: nothing of this client stays attached.
+        t = Transport(daemon.endpoint)
+        try:
+            assert [c["name"] for c in t.call(Op.STATS).result["clients"]] == []
+        finally:
+            t.close()
+    finally:
+        with open(path, "r+") as f:
+            f.write(f"{pid} {nonce}\n")
+
+
+def test_a_liveness_object_carries_its_starts_id(name):
+    alive = DaemonLiveness.create(name)
+    try:
+        seen = DaemonLiveness.open(name)
+        assert alive.nonce and seen.matches(alive.nonce) and not seen.matches("0" * 16)
+        seen.close()
+        with pytest.raises(ProtocolError, match="liveness id"):
+            ArenaMap([], name, liveness_id="../x")
+    finally:
+        alive.close()
+
+
+def test_a_client_that_cannot_see_the_segments_is_told_why(tmp_path):
+    with pytest.raises(ArenaError, match="dflash2d at X answered, but shared-memory segment .* does not exist.*"
+                                         "a client must see the daemon's /dev/shm"):
+        ArenaMap([{"tier": "dram", "kind": "shm", "name": f"dflash2-{4_100_000_000}-dram", "capacity_bytes": 4096}],
+                 endpoint="dflash2d at X")

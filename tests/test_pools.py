@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 
+import pytest
 from conftest import SMALL, write_config
 from observe_helpers import scrape
 from test_parked_calls import CHAIN, LAYOUT, HeldDisk, chain_on_nvme, in_background
@@ -16,6 +17,7 @@ from test_parked_calls import CHAIN, LAYOUT, HeldDisk, chain_on_nvme, in_backgro
 from dflash2.assemble import build_manager
 from dflash2.client import Client
 from dflash2.config import load_config
+from dflash2.daemon.parking import Parked, ParkedCalls
 from dflash2.daemon.server import Server
 from dflash2.daemon.service import Service
 from dflash2.daemon.sessions import Session
@@ -36,9 +38,12 @@ def pools(tmp_path, n: int, **memory) -> dict:
     return made
 
 
-def test_a_pools_parked_call_does_not_wait_for_another_pools_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tick_s, step_due", [(30.0, False), (2.0, True)])
+def test_a_pools_parked_call_does_not_wait_for_another_pools_reads(tmp_path, monkeypatch, tick_s, step_due):
     """GPU 1's disk holds its promotion's reads; GPU 0's acquire, parked on its own 50 ms of reads,
-    waited for GPU 1's too (the loop answered parked calls once no pool had copies in flight)."""
+    waited for GPU 1's too (the loop answered parked calls once no pool had copies in flight), and
+    then, once the background step was due, up to a tick interval in the step's wait for every
+    pool's copies (a review of the first fix: 2.0 s at a 2 s tick)."""
     mgrs = pools(tmp_path, 2)
     try:
         _, vids0 = chain_on_nvme(mgrs[0])
@@ -53,7 +58,7 @@ def test_a_pools_parked_call_does_not_wait_for_another_pools_reads(tmp_path, mon
 
         monkeypatch.setattr(nvme0, "read_blocks", slow)
         svc = Service(mgrs, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-        srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+        srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=tick_s)
         loop = threading.Thread(target=srv.serve_forever)
         loop.start()
         try:
@@ -62,13 +67,16 @@ def test_a_pools_parked_call_does_not_wait_for_another_pools_reads(tmp_path, mon
                     Client.connect(endpoint, name="g1", layouts=[LAYOUT], device=1) as c1:
                 t1, _ = in_background(lambda: c1.acquire([vids1[k] for k in CHAIN]))
                 assert held.reading.wait(10)
+                if step_due:
+                    time.sleep(tick_s + 0.5)  # the step is due, GPU 1's reads still held
+                began = time.monotonic()
                 t0, got0 = in_background(lambda: c0.acquire([vids0[k] for k in CHAIN]))
                 t0.join(5.0)
-                waited = t0.is_alive()
+                took = time.monotonic() - began
                 held.release()
                 t0.join(10)
                 t1.join(10)
-                assert not waited, "GPU 0's acquire waited for GPU 1's reads"
+                assert took < 0.5 * tick_s, f"GPU 0's acquire took {took:.2f} s, waiting for GPU 1's reads"
                 assert [int(t) for t in got0["out"]["tier"]] == [int(Tier.HBM)] * len(CHAIN)
         finally:
             held.release()
@@ -147,3 +155,40 @@ def test_status_shows_each_gpus_tiers_and_each_clients_gpu(make_manager, clock):
     assert [(r[1], r[2], r[-2]) for r in gpu_rows] == [("0", "hbm", "100.0"), ("1", "hbm", "0.0")]
     header = next(line for line in text.splitlines() if line.startswith("id "))
     assert header.split() == ["id", "name", "pid", "GPU", "idle", "s"]
+
+
+def test_the_drain_turn_goes_by_the_pool_that_ran(tmp_path):
+    """8 pools, 0 and 7 draining, a request always waiting (a piece a slice): the turn went by
+    index, past pools not draining, and pool 7 took 7 pieces of every 8 (a review of the fix)."""
+    mgrs = pools(tmp_path, 8)
+    try:
+        srv = Server(Service(mgrs, lease_timeout_s=10, heartbeat_interval_s=1), f"ipc://{tmp_path}/s.sock", 0.05)
+        srv._request_waits = lambda within_s=0.0: True
+        pieces = []
+        for d, m in mgrs.items():
+            m.draining = lambda d=d: d in (0, 7)
+            m.drain_slice = lambda budget, yield_to, d=d: pieces.append(d) or 0.0
+        for _ in range(80):
+            srv._drain_slice(wait=True)
+        assert pieces.count(0) == pieces.count(7) == 40
+        srv.close()
+    finally:
+        for m in mgrs.values():
+            m.close()
+
+
+def test_parked_calls_are_ready_only_when_one_would_run():
+    """A call of no pool waits for every pool's copies and holds the calls behind it: ready() said
+    True for an idle pool's call behind it, answer() ran nothing, and the loop would spin."""
+    running = {0: True, 1: False}
+    parked = ParkedCalls(lambda device: not any(running.values()) if device is None else not running[device])
+    parked.append(([b"x"], Parked(device=None)))
+    parked.append(([b"y"], Parked(device=1)))
+    ran = []
+    assert not parked.ready()
+    parked.answer(lambda frames, p: ran.append(frames) or True)
+    assert ran == [] and len(parked) == 2
+    running[0] = False
+    assert parked.ready()
+    parked.answer(lambda frames, p: ran.append(frames) or True)
+    assert ran == [[b"x"], [b"y"]] and not parked

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import secrets
 import stat
 import threading
 
@@ -95,6 +96,7 @@ class DaemonLiveness:
         # gone() and close() run on a client's call thread and its heartbeat thread: a descriptor
         # closed by one must never be flock'ed by the other (its number may name another file by then).
         self._lock = threading.Lock()
+        self.nonce: str | None = None  # (the daemon's) this start's id, written into the file
 
     @classmethod
     def create(cls, name: str) -> DaemonLiveness:
@@ -118,7 +120,10 @@ class DaemonLiveness:
             raise ArenaError(f"cannot create the daemon's liveness object {path}: {e.strerror or e}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held until close: the daemon is alive
-            os.write(fd, f"{os.getpid()}\n".encode())  # for an operator looking at /dev/shm
+            # Its pid (for an operator looking at /dev/shm) and this start's random id, which attach
+            # replies carry: a client checks that the memory it mapped is this daemon's (`matches`).
+            nonce = secrets.token_hex(8)
+            os.write(fd, f"{os.getpid()} {nonce}\n".encode())
             try:
                 os.link(new, path)
             except FileExistsError:
@@ -137,7 +142,9 @@ class DaemonLiveness:
             os.unlink(new)
             raise
         os.unlink(new)
-        return cls(name, fd, owner=True)
+        made = cls(name, fd, owner=True)
+        made.nonce = nonce
+        return made
 
     @classmethod
     def open(cls, name: str) -> DaemonLiveness:
@@ -154,6 +161,18 @@ class DaemonLiveness:
             os.close(fd)
             raise ArenaError(f"the daemon's liveness object {path} is not a plain file")
         return cls(name, fd, owner=False)
+
+    def matches(self, nonce: str) -> bool:
+        """(A client) whether the file carries `nonce`, the id the daemon's attach reply gave: a
+        daemon of the same pid in another pid namespace (pid 1 of another container) has a file of
+        the same name, and a client that saw that one's /dev/shm mapped its memory, reading and
+        writing another daemon's blocks with no error (a review: over a tcp endpoint)."""
+        with self._lock:
+            try:
+                words = os.pread(self._fd, 64, 0).split()
+            except OSError:
+                return False
+        return len(words) >= 2 and words[1] == nonce.encode()
 
     def gone(self) -> bool:
         """(A client) whether the daemon has ended: nobody holds the lock any more. The test takes
