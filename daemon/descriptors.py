@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import resource
 
+from dflash2.zmqio import descriptors_left
+
 log = logging.getLogger("dflash2.daemon")
 
 FEW_OPEN_FILES = 4096  # a soft limit under this is warned about
@@ -29,8 +31,16 @@ def raise_open_files_limit() -> int:
             soft = want
         except (ValueError, OSError) as e:
             log.warning("open files limit %d could not be raised to %d: %s", soft, want, e)
-    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
+    return soft
+
+
+def warn_if_few() -> None:
+    """Once the daemon holds its own descriptors (tiers, sockets, locks): warn when the soft limit is
+    low, with how many clients can attach now (the count said at the limit's raise left out the ~20
+    the daemon itself holds: "about 33" where 22 fit, a review)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    left = descriptors_left()
+    if left is not None and soft < FEW_OPEN_FILES:
         log.warning("open files limit is %d (hard limit %s): about %d clients can attach, more are refused; "
                     "raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
-                    "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (soft - ATTACH_HEADROOM) // 2))
-    return soft
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (left[0] - ATTACH_HEADROOM) // 2))

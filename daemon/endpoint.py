@@ -3,13 +3,18 @@
 A lock file beside the socket (flock) proves which daemon owns an endpoint: a second daemon on the
 same endpoint refuses to start with a message naming the first one's pid; a socket file left by a
 daemon that died is replaced. tcp:// endpoints are bound as configured (loopback unless the config
-names another address) and refused by the OS when taken.
+names another address); their lock file lives in the node's runtime folder (not the state folder,
+which several nodes may share), and the port is tried before the daemon takes its tiers
+(`probe_port`): a port another program holds, or a daemon on another spelling of its address, was
+found only once every tier had been taken (minutes for a large DRAM tier, on a live node's memory),
+and a start short of memory blamed the memory.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
@@ -20,7 +25,8 @@ class EndpointBusy(DFlash2Error):
 
 
 class EndpointLock:
-    def __init__(self, endpoint: str, state_dir: Path):
+    def __init__(self, endpoint: str, lock_dir: Path):
+        """`lock_dir`: where a tcp endpoint's lock file lives (an ipc socket's is beside it)."""
         self.endpoint = endpoint
         if endpoint.startswith("ipc://"):
             self.socket_path: Path | None = Path(endpoint[len("ipc://"):])
@@ -28,7 +34,7 @@ class EndpointLock:
         else:
             self.socket_path = None
             safe = endpoint.replace("://", "_").replace(":", "_").replace("/", "_").replace("*", "any")
-            self.lock_path = state_dir / f"{safe}.lock"
+            self.lock_path = lock_dir / f"{safe}.lock"
         self._fd = -1
         # pid of the daemon that held this endpoint before and did not shut down cleanly (a clean
         # shutdown removes the lock file): its shared-memory segments may be left behind.
@@ -101,3 +107,26 @@ def _is_at(fd: int, path: Path) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def probe_port(endpoint: str) -> None:
+    """EndpointBusy when a tcp endpoint's port cannot be bound now (a bind tried and let go at once,
+    with SO_REUSEADDR as ZeroMQ binds: a killed daemon's connections in TIME_WAIT do not count). An
+    address that does not resolve (an interface name ZeroMQ may take) is left to the bind itself."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    try:
+        found = socket.getaddrinfo(None if host == "*" else host, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, ValueError):
+        return
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise EndpointBusy(f"cannot serve daemon.endpoint {endpoint}: {e.strerror or e} (another program, or a "
+                               "dflash2d on another spelling of this address, holds the port)") from None

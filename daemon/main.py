@@ -253,7 +253,9 @@ def check_paths(plan: Plan, history: bool = False) -> None:
     """The endpoint's files must be the daemon's to make: a file at the socket path is replaced and
     the lock file sits beside it, so a shared folder (/tmp: anyone could have planted either) or a
     file that is not a socket is refused here, before anything is touched; a tcp endpoint's lock
-    file lives in the state folder, and so does the history (`history`: history_enabled)."""
+    file lives in the node's runtime folder (config.runtime_dir: the state folder may be shared by
+    several nodes, an NFS home, where a lock held on one node refused another's daemon), and the
+    history in the state folder (`history`: history_enabled)."""
     if plan.endpoint.startswith("ipc://"):
         socket = Path(plan.endpoint[len("ipc://"):])
         _check_folder("daemon.endpoint", socket.parent)
@@ -266,7 +268,11 @@ def check_paths(plan: Plan, history: bool = False) -> None:
                     f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}"))
         if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
-    if history or not plan.endpoint.startswith("ipc://"):
+    if not plan.endpoint.startswith("ipc://"):
+        from dflash2.config import runtime_dir
+
+        _check_folder("daemon.endpoint", runtime_dir())  # (the lock file's folder)
+    if history:
         _check_folder("daemon.state_dir", plan.state_dir)
 
 

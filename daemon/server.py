@@ -34,9 +34,9 @@ from dflash2 import threads
 from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
-from dflash2.config import Config
-from dflash2.daemon.descriptors import raise_open_files_limit
-from dflash2.daemon.endpoint import EndpointBusy, EndpointLock
+from dflash2.config import Config, runtime_dir
+from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
+from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_port
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
 from dflash2.daemon.parking import Parked, ParkedCalls
@@ -500,7 +500,7 @@ def run(cfg: Config) -> int:
     _configure_logging(cfg)
     raise_open_files_limit()
     plan = resolve_plan(cfg)
-    lock = EndpointLock(plan.endpoint, plan.state_dir)
+    lock = EndpointLock(plan.endpoint, runtime_dir())
     try:
         lock.acquire()
     except EndpointBusy as e:
@@ -508,6 +508,12 @@ def run(cfg: Config) -> int:
         return EXIT_START_FAILED
     except OSError as e:  # the folder changed since the start-up check (main.check_paths)
         _error(cfg, f"cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: {e.strerror or e}")
+        return EXIT_START_FAILED
+    try:
+        probe_port(plan.endpoint)  # before any tier is taken (endpoint.py)
+    except EndpointBusy as e:
+        lock.release()
+        _error(cfg, str(e))
         return EXIT_START_FAILED
     if lock.previous_pid is not None:
         # The last daemon on this endpoint was killed: give back the shared memory it left (each
@@ -546,6 +552,7 @@ def run(cfg: Config) -> int:
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
         lock.secure_socket()
+        warn_if_few()  # (now that the daemon holds its own descriptors)
         for sig in threads.STOP_SIGNALS:
             signal.signal(sig, lambda *_: server.stop())
         for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up

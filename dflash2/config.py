@@ -390,13 +390,25 @@ class Config(_Section):
         """The endpoint a client on this node connects to: `resolved_endpoint`, but for a daemon
         bound to every address (tcp://*:PORT, 0.0.0.0, [::]), which nobody can connect to, the
         loopback address of that family."""
-        endpoint = self.resolved_endpoint(environ)
-        scheme, rest = endpoint_parts(endpoint)
-        if scheme != "tcp":
-            return endpoint
-        host, _, port = rest.rpartition(":")
-        loopback = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(_bare_host(host))
-        return endpoint if loopback is None else f"tcp://{loopback}:{port}"
+        return connectable(self.resolved_endpoint(environ))
+
+
+def connectable(endpoint: str) -> str:
+    """The endpoint a client connects to for a daemon bound to `endpoint`: the loopback address of
+    its family for one bound to every address (tcp://*:PORT, 0.0.0.0, [::]), which nobody can
+    connect to (`dflash2 status --endpoint tcp://*:P`, as the daemon logs it, failed); else itself."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        return endpoint
+    host, _, port = rest.rpartition(":")
+    loopback = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(_bare_host(host))
+    return endpoint if loopback is None else f"tcp://{loopback}:{port}"
+
+
+def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The node-local runtime folder: the default socket's, and a tcp endpoint's lock file's."""
+    runtime = xdg_dir(environ, "XDG_RUNTIME_DIR")
+    return Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
 
 
 def expand_user(raw: str, key: str) -> Path:
@@ -468,9 +480,7 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
 
 
 def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
-    runtime = xdg_dir(environ, "XDG_RUNTIME_DIR")
-    folder = Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
-    return f"ipc://{folder / 'dflash2.sock'}"
+    return f"ipc://{runtime_dir(environ) / 'dflash2.sock'}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -560,6 +570,15 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
                         f"daemon.lease_timeout_s ({cfg.daemon.lease_timeout_s} s): the background step (rescoring, "
                         "drains, reservations that expire) runs that seldom; leases are still judged every "
                         "daemon.heartbeat_interval_s")
+    endpoint = cfg.daemon.endpoint or ""
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rpartition(":")[0]
+        everyone = _bare_host(host) in ("*", "0.0.0.0", "::")
+        warnings.append(f"daemon.endpoint is {endpoint}: a tcp endpoint has no access control, and "
+                        f"{'every host that reaches this node' if everyone else 'every local user'} can attach, "
+                        "commit blocks under any key (wrong KV served as a hit) and take the daemon's descriptors "
+                        "and memory; the session token guards clients from each other only once attached. Use an "
+                        "ipc endpoint (the default: an owner-only socket) unless clients cannot reach one")
     if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
         warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
     heat_only = sorted({"weights", "decay_half_life_s"} & cfg.policy.model_fields_set)

@@ -117,11 +117,11 @@ def load(args: argparse.Namespace) -> list[dict]:
 
 
 def resolve_endpoint(args: argparse.Namespace) -> str:
-    from dflash2.config import default_endpoint, load_config
+    from dflash2.config import connectable, default_endpoint, load_config
     from dflash2.errors import ConfigError
 
     if args.endpoint:
-        return args.endpoint
+        return connectable(args.endpoint)
     path = args.config or ("dflash2_config.json" if os.path.exists("dflash2_config.json") else None)
     if path is None:
         return default_endpoint(os.environ)

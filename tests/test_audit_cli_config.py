@@ -65,8 +65,8 @@ def test_a_folder_the_daemon_may_not_write_is_refused_before_start(tmp_path, mon
     locked = tmp_path / "locked"
     locked.mkdir()
     section = {"endpoint": f"ipc://{locked}/sub/d.sock"} if key == "daemon.endpoint" else \
-        {"endpoint": "tcp://127.0.0.1:1", "state_dir": str(locked / "state")}
-    path = write_config(tmp_path, daemon=section)
+        {"state_dir": str(locked / "state")}
+    path = write_config(tmp_path, daemon=section, history_enabled=key == "daemon.state_dir")
     real = os.access
     monkeypatch.setattr(dmain.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
     rc, _, err = check(path)

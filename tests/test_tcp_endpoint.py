@@ -1,0 +1,80 @@
+"""A daemon on a tcp endpoint (a review of 2026-12-05): its port is tried before any tier is taken,
+its lock file lives in the node's runtime folder, `--endpoint tcp://*:P` reaches it, and `--check`
+says that a tcp endpoint has no access control. Each failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_config
+
+from dflash2.client.client import resolve_endpoint
+from dflash2.config import config_warnings, load_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(config: str, runtime: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    return subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_a_port_another_program_holds_is_refused_before_any_tier_is_taken(tmp_path):
+    """The port was found taken only at the bind, once every tier had been taken (minutes for a
+    large DRAM tier, on a live node's memory; short of memory, the start blamed the memory)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # A DRAM tier far past this machine's memory: taken first, start-up would fail on it.
+        config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s")},
+                              memory={"dram_capacity_mb": 1 << 26, "nvme_capacity_mb": 0})
+        out = start(config, tmp_path / "run")
+    assert out.returncode == 4, out.stderr
+    assert f"cannot serve daemon.endpoint tcp://127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "dram tier" not in out.stderr
+    assert not list((tmp_path / "run" / "dflash2").glob("*.lock")), "the lock is let go"
+
+
+def test_a_tcp_endpoints_lock_lives_in_the_runtime_folder_not_the_state_folder(tmp_path):
+    """The state folder may be an NFS home shared by several nodes: a lock held there by one node's
+    daemon refused another node's, naming a pid of the other node (a review's two namespaces)."""
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "state")})
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    try:
+        assert proc.stdout.readline().startswith("DFlash2: enabled")
+        assert [p.name for p in (tmp_path / "run" / "dflash2").glob("*.lock")] == [f"tcp_127.0.0.1_{port}.lock"]
+        assert not list(tmp_path.glob("state/*.lock"))
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_status_and_history_reach_a_daemon_bound_to_every_address():
+    """`dflash2 status --endpoint tcp://*:P`, the spelling the daemon logs, failed (Invalid argument)."""
+    assert resolve_endpoint("tcp://*:5999", None) == "tcp://127.0.0.1:5999"
+    assert resolve_endpoint("tcp://[::]:5999", None) == "tcp://[::1]:5999"
+    assert resolve_endpoint("ipc:///run/x.sock", None) == "ipc:///run/x.sock"
+    from argparse import Namespace
+
+    from dflash2.history_cli import resolve_endpoint as history_endpoint
+    assert history_endpoint(Namespace(endpoint="tcp://0.0.0.0:5999", config=None)) == "tcp://127.0.0.1:5999"
+
+
+def test_check_says_a_tcp_endpoint_has_no_access_control(tmp_path):
+    local = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://127.0.0.1:5999"})))
+    assert any("a tcp endpoint has no access control, and every local user can attach" in w for w in local)
+    wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://*:5999"})))
+    assert any("every host that reaches this node can attach" in w for w in wide)
+    assert not any("tcp endpoint" in w for w in config_warnings(load_config(write_config(tmp_path))))
