@@ -64,7 +64,7 @@ def resolve_endpoint(endpoint: str | None, config) -> str:
     """The endpoint given, else the config's `daemon.endpoint` (a path or a loaded Config), else the
     config's default (the runtime-folder ipc socket)."""
     if endpoint:
-        from dflash2.config import connectable
+        from dflash2.endpoints import connectable
 
         return connectable(endpoint)
     return _config(config).client_endpoint()

@@ -269,7 +269,7 @@ def check_paths(plan: Plan, history: bool = False) -> None:
         if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
     if not plan.endpoint.startswith("ipc://"):
-        from dflash2.config import runtime_dir
+        from dflash2.endpoints import runtime_dir
 
         _check_folder("daemon.endpoint", runtime_dir())  # (the lock file's folder)
     if history:

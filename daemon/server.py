@@ -34,7 +34,8 @@ from dflash2 import threads
 from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
 from dflash2.arena.shm import remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
-from dflash2.config import Config, runtime_dir
+from dflash2.config import Config
+from dflash2.endpoints import runtime_dir
 from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_port
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED

@@ -43,7 +43,7 @@ def seconds(text: str) -> float:
 
 def endpoint(text: str) -> str:
     """ipc://PATH or tcp://HOST:PORT (what `daemon.endpoint` accepts)."""
-    from dflash2.config import endpoint_parts
+    from dflash2.endpoints import endpoint_parts
 
     try:
         endpoint_parts(text)

@@ -10,7 +10,6 @@ Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_ena
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Annotated, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dflash2.config_errors import first_error
+from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint,  # noqa: F401
+                               endpoint_parts, plain_text, xdg_dir)
 from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout
 
@@ -393,24 +394,6 @@ class Config(_Section):
         return connectable(self.resolved_endpoint(environ))
 
 
-def connectable(endpoint: str) -> str:
-    """The endpoint a client connects to for a daemon bound to `endpoint`: the loopback address of
-    its family for one bound to every address (tcp://*:PORT, 0.0.0.0, [::]), which nobody can
-    connect to (`dflash2 status --endpoint tcp://*:P`, as the daemon logs it, failed); else itself."""
-    scheme, sep, rest = endpoint.partition("://")
-    if scheme != "tcp" or not sep:
-        return endpoint
-    host, _, port = rest.rpartition(":")
-    loopback = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(_bare_host(host))
-    return endpoint if loopback is None else f"tcp://{loopback}:{port}"
-
-
-def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """The node-local runtime folder: the default socket's, and a tcp endpoint's lock file's."""
-    runtime = xdg_dir(environ, "XDG_RUNTIME_DIR")
-    return Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
-
-
 def expand_user(raw: str, key: str) -> Path:
     """`raw` with a leading ~ or ~user expanded; ConfigError naming `key` when it cannot be (no such
     user, or no home directory: a uid without a passwd entry and no $HOME, as in some containers)."""
@@ -425,62 +408,6 @@ def expand_user(raw: str, key: str) -> Path:
 
 HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it is the size of the "
                            "host-memory stand-in for HBM")
-
-
-def _bare_host(host: str) -> str:
-    """A host as one spelling: lower case, an IPv6 address without the brackets an endpoint puts
-    around it, and an IP address in its canonical form (`0:0:0:0:0:0:0:1` is `::1`)."""
-    host = host.lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        return host
-
-
-def _same_host(a: str, b: str) -> bool:
-    """Whether two hosts may name one address, as far as can be told without asking a resolver:
-    equal, or a loopback name and a loopback address it stands for (127.0.0.2 is another address)."""
-    names, addresses = {"localhost", "ip6-localhost"}, {"127.0.0.1", "::1"}
-    a, b = _bare_host(a), _bare_host(b)
-    return a == b or ({a, b} <= names | addresses and bool({a, b} & names))
-
-
-def plain_text(value: str) -> str:
-    """A path or address without control characters: a NUL cannot be in a path (start-up ended in a
-    traceback), and a newline would split the one-line errors and `now:` lines that name it."""
-    bad = next((i for i, ch in enumerate(value) if ord(ch) < 32 or ord(ch) == 127), None)
-    if bad is not None:
-        raise ValueError(f"holds a control character ({value[bad]!r} at position {bad}); a path or address "
-                         "cannot")
-    return value
-
-
-def xdg_dir(environ: Mapping[str, str], name: str) -> Optional[str]:
-    """An XDG base directory variable's folder, or None when it is unset, empty or relative (the XDG
-    spec: a relative path is invalid and ignored; it would resolve against each process's working
-    folder, so a client started elsewhere would look for another socket). check_environment warns."""
-    value = environ.get(name)
-    return value if value and os.path.isabs(value) else None
-
-
-def endpoint_parts(endpoint: str) -> tuple[str, str]:
-    """Split and check `ipc://PATH` or `tcp://HOST:PORT`; ValueError says what is wrong."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("ipc", "tcp"):
-        raise ValueError(f"{endpoint!r} must start with ipc:// or tcp://")
-    if not rest:
-        raise ValueError(f"{endpoint!r} has no {'path' if scheme == 'ipc' else 'host:port'}")
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-            raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
-    return scheme, rest
-
-
-def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
-    return f"ipc://{runtime_dir(environ) / 'dflash2.sock'}"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ def load(args: argparse.Namespace) -> list[dict]:
 
 
 def resolve_endpoint(args: argparse.Namespace) -> str:
-    from dflash2.config import connectable, default_endpoint, load_config
+    from dflash2.config import load_config
+    from dflash2.endpoints import connectable, default_endpoint
     from dflash2.errors import ConfigError
 
     if args.endpoint:

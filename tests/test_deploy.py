@@ -25,17 +25,24 @@ def test_promtool_accepts_the_alert_rules(promtool):
     assert "SUCCESS: 9 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
 
 
-def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(promtool, tmp_path):
-    """promtool's rule unit test, on the shipped expressions (annotations left out: promtool compares
-    them whole; `check rules` above covers their templates). Node a sets 4 KiB of a 1 MiB tier aside,
-    b 64 KiB (over the daemon's 5%: the disk is failing), c nothing; d has two GPUs, of which GPU 1's
-    file is failing (6.25%) and GPU 0's sound: the node's sums read 3.1%, and the alert judged them."""
+def _rules_without_annotations(tmp_path: Path) -> Path:
+    """The shipped rules for promtool's unit test, annotations left out (promtool compares them
+    whole; `check rules` covers their templates)."""
     doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
     for group in doc["groups"]:
         for rule in group["rules"]:
             rule.pop("annotations", None)
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(doc))
+    return rules
+
+
+def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(promtool, tmp_path):
+    """promtool's rule unit test, on the shipped expressions (annotations left out: promtool compares
+    them whole; `check rules` above covers their templates). Node a sets 4 KiB of a 1 MiB tier aside,
+    b 64 KiB (over the daemon's 5%: the disk is failing), c nothing; d has two GPUs, of which GPU 1's
+    file is failing (6.25%) and GPU 0's sound: the node's sums read 3.1%, and the alert judged them."""
+    rules = _rules_without_annotations(tmp_path)
     mib = 1 << 20
     series = []
     for node, gpu, aside in (("a", "0", 4096), ("b", "0", 65536), ("c", "0", 0), ("d", "0", 0), ("d", "1", 65536)):
@@ -67,12 +74,7 @@ def test_the_set_aside_alerts_fire_on_slots_set_aside_and_on_a_failing_disk(prom
 def test_a_stuck_daemon_and_a_full_nvme_file_of_one_gpu_raise_their_alerts(promtool, tmp_path):
     """/metrics answers from its own thread while the request loop is stuck: `up` stays 1 and only
     the snapshot's age tells (no alert read it). A full NVMe file of one GPU among sound ones."""
-    doc = yaml.safe_load((DEPLOY / "prometheus" / "dflash2_alerts.yml").read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            rule.pop("annotations", None)
-    rules = tmp_path / "rules.yml"
-    rules.write_text(yaml.safe_dump(doc))
+    rules = _rules_without_annotations(tmp_path)
     series = [{"series": 'up{job="dflash2",instance="stuck"}', "values": "1x20"},
               {"series": 'dflash2_snapshot_age_seconds{job="dflash2",instance="stuck"}', "values": "0 0+60x20"},
               {"series": 'up{job="dflash2",instance="well"}', "values": "1x20"},

@@ -72,8 +72,7 @@ def _as_bytes(buf, writable: bool) -> np.ndarray:
 
 
 def slot_place(tier: Tier, offset: int) -> str:
-    """Where a slot's bytes are, for a log line: an NVMe tier's offsets count from the end of its
-    file's header, so the byte of the file (what `dd skip=` takes) is said; other tiers' offsets."""
+    """Where a slot's bytes are, for a log line: the NVMe file's byte (past its header), else the offset."""
     if tier == Tier.NVME:
         return f"byte {HEADER_BYTES + offset} of the NVMe file"
     return f"offset {offset} of the {tier.label} tier"

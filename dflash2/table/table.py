@@ -56,16 +56,6 @@ def vids_of(gen: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (gen.astype(np.int64) << 32) | (rows if rows.dtype == np.int64 else rows.astype(np.int64))
 
 
-def vid_of(gen: int, row: int) -> int:
-    """One block's id as a Python int, wrapped to int64 as vids_of's are: a row reused 2**31 times
-    or more has ids past 2**63, negative in int64 (the wire's type); unwrapped, every call of a few
-    blocks naming it failed with an OverflowError after it had run (its blocks or pins then held
-    under ids the client never learned: a review's script, 1,184 one-block requests a second reach
-    it in 10-21 days, free rows being reused last in, first out)."""
-    vid = (gen << 32) | row
-    return vid - (1 << 64) if vid >= 1 << 63 else vid
-
-
 class ClientRefs:
     """What one attached client holds: references and pins per row."""
 
