@@ -61,18 +61,27 @@ class ArenaMap:
                 try:
                     self.arenas[int(tier)] = SharedMemoryArena.attach(d["name"], tier, int(d.get("alignment", 256)))
                 except ArenaError as e:
+                    if "does not exist" not in str(e):  # (no descriptor left, a permission: said as it is)
+                        raise
                     raise ArenaError(f"{endpoint} answered, but {e}: a client must see the daemon's /dev/shm (run "
                                      "on its host; a container needs the host's IPC namespace or /dev/shm)") from None
+                mapped = self.arenas[int(tier)].capacity_bytes
+                if "capacity_bytes" in d and mapped != int(d["capacity_bytes"]):
+                    raise ArenaError(f"the segment /dev/shm/{d['name']} this process sees holds {mapped} bytes, and "
+                                     f"{endpoint}'s {tier.label} tier {int(d['capacity_bytes'])}: it is another "
+                                     "daemon's of the same pid (another container's?). Run the client where it sees "
+                                     "the daemon's /dev/shm")
         except Exception:
             self.close()
             raise
         self.liveness = _open_liveness(name)
+        # (A liveness object that cannot be opened, said in the log, checks nothing: someone may have
+        # cleaned /dev/shm under a live daemon. The segments' sizes were checked above.)
         if self.liveness is not None and liveness_id is not None and not self.liveness.matches(liveness_id):
-            path = self.liveness.path
             self.close()
-            raise ArenaError(f"the shared memory this process sees under {path} is not {endpoint}'s: it is another "
-                             "daemon's of the same pid (another container's, pid 1 in each?); its blocks would be "
-                             "read and written with no error. Run the client where it sees the daemon's /dev/shm")
+            raise ArenaError(f"the shared memory this process sees under /dev/shm/{name} is not {endpoint}'s: it is "
+                             "another daemon's of the same pid (another container's, pid 1 in each?), whose blocks "
+                             "would be read and written with no error. Run the client where it sees the daemon's /dev/shm")
 
     def bytes_view(self, place):
         """uint8 view of one block: numpy for host memory, CuPy for a GPU arena."""

@@ -12,9 +12,9 @@ and a start short of memory blamed the memory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
-import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
@@ -51,7 +51,8 @@ class EndpointLock:
             # others need; the socket itself is made owner-only after bind (secure_socket).
             os.chmod(folder, 0o700)
         while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            # O_NOFOLLOW: a link planted at the lock's path (a shared folder) is not followed and truncated.
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -110,23 +111,29 @@ def _is_at(fd: int, path: Path) -> bool:
 
 
 def probe_port(endpoint: str) -> None:
-    """EndpointBusy when a tcp endpoint's port cannot be bound now (a bind tried and let go at once,
-    with SO_REUSEADDR as ZeroMQ binds: a killed daemon's connections in TIME_WAIT do not count). An
-    address that does not resolve (an interface name ZeroMQ may take) is left to the bind itself."""
+    """EndpointBusy when a tcp endpoint cannot be bound now: a bind tried and let go at once, by
+    ZeroMQ as the server binds (IPv6 on: `*` is every address of both families, and a port held on
+    `[::1]` only was missed by a probe of 0.0.0.0; SO_REUSEADDR, so a killed daemon's connections in
+    TIME_WAIT do not count)."""
     if not endpoint.startswith("tcp://"):
         return
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    host = host.strip("[]")
+    import zmq
+
+    ctx = zmq.Context()
     try:
-        found = socket.getaddrinfo(None if host == "*" else host, int(port), type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except (socket.gaierror, ValueError):
-        return
-    family, kind, proto, _, address = found[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         try:
-            probe.bind(address)
-        except OSError as e:
-            raise EndpointBusy(f"cannot serve daemon.endpoint {endpoint}: {e.strerror or e} (another program, or a "
-                               "dflash2d on another spelling of this address, holds the port)") from None
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            why = ("another program, or a dflash2d on another spelling of this address, holds the port"
+                   if e.errno == errno.EADDRINUSE else
+                   "an address of another node? (daemon.endpoint names this node's)" if e.errno == errno.EADDRNOTAVAIL else
+                   "a port below 1024 needs privileges" if e.errno == errno.EACCES else "")
+            raise EndpointBusy(f"cannot serve daemon.endpoint {endpoint}: {e.strerror or e}"
+                               + (f" ({why})" if why else "")) from None
+        finally:
+            sock.close(0)
+    finally:
+        ctx.term()

@@ -258,22 +258,30 @@ def check_paths(plan: Plan, history: bool = False) -> None:
     history in the state folder (`history`: history_enabled)."""
     if plan.endpoint.startswith("ipc://"):
         socket = Path(plan.endpoint[len("ipc://"):])
-        _check_folder("daemon.endpoint", socket.parent)
-        if socket.parent.is_dir():
-            st = socket.parent.stat()
-            if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
-                raise ConfigError("daemon.endpoint", (
-                    f"the socket's folder {socket.parent} is shared (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
-                    f"{st.st_uid}); put the socket in a folder of the daemon's own, e.g. "
-                    f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}"))
+        _check_own_folder(socket.parent, "the socket's folder", f"put the socket in a folder of the daemon's own, e.g. "
+                                         f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}")
         if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
-    if not plan.endpoint.startswith("ipc://"):
+    else:
         from dflash2.endpoints import runtime_dir
 
-        _check_folder("daemon.endpoint", runtime_dir())  # (the lock file's folder)
+        # The lock file's folder, the daemon's own as a socket's must be (/tmp/dflash2-$UID made first
+        # by another user: a link there at the lock's path had a root daemon truncate another file).
+        _check_own_folder(runtime_dir(), "the folder of its lock file",
+                          "set XDG_RUNTIME_DIR to a folder of the daemon's own, or remove that one")
     if history:
         _check_folder("daemon.state_dir", plan.state_dir)
+
+
+def _check_own_folder(folder: Path, what: str, advice: str) -> None:
+    """The endpoint's folder (an ipc socket's, a tcp endpoint's lock file's): one the daemon can make
+    files in, and, when it exists, its own and not shared (sticky, or another user's)."""
+    _check_folder("daemon.endpoint", folder)
+    if folder.is_dir():
+        st = folder.stat()
+        if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
+            raise ConfigError("daemon.endpoint", f"{what} {folder} is shared (mode "
+                                                 f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}); {advice}")
 
 
 def _nearest_existing(path: Path) -> Path:

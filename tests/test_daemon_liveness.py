@@ -23,6 +23,7 @@ from dflash2.client.client import Transport
 from dflash2.client.views import ArenaMap
 from dflash2.errors import ArenaError, ProtocolError
 from dflash2.protocol import Op
+from dflash2.tiers import Tier
 
 
 def alive_path(pid: int) -> str:
@@ -351,3 +352,28 @@ def test_a_client_that_cannot_see_the_segments_is_told_why(tmp_path):
                                          "a client must see the daemon's /dev/shm"):
         ArenaMap([{"tier": "dram", "kind": "shm", "name": f"dflash2-{4_100_000_000}-dram", "capacity_bytes": 4096}],
                  endpoint="dflash2d at X")
+
+
+def test_a_segment_of_another_size_than_the_daemons_tier_is_refused(name):
+    """With no liveness object to check (cleaned away, or a daemon from before it), a segment of
+    another daemon under the same name was mapped: its size against the tier's says so."""
+    seg = f"{name[:-len('-alive')]}-dram"
+    made = SharedMemoryArena.create(seg, 16 * 4096, Tier.DRAM, alignment=4096)
+    try:
+        with pytest.raises(ArenaError, match=f"segment /dev/shm/{seg} this process sees holds 65536 bytes, and "
+                                             "dflash2d at X's dram tier 131072: it is another daemon's"):
+            ArenaMap([{"tier": "dram", "kind": "shm", "name": seg, "capacity_bytes": 32 * 4096}], endpoint="dflash2d at X")
+        ArenaMap([{"tier": "dram", "kind": "shm", "name": seg, "capacity_bytes": 16 * 4096}]).close()
+    finally:
+        made.close()
+
+
+def test_a_segment_that_cannot_be_opened_is_not_blamed_on_dev_shm(name, tmp_path):
+    seg = f"{name[:-len('-alive')]}-dram"
+    os.mkdir(f"/dev/shm/{seg}")  # opens with EISDIR: not a missing segment
+    try:
+        with pytest.raises(ArenaError) as info:
+            ArenaMap([{"tier": "dram", "kind": "shm", "name": seg, "capacity_bytes": 4096}], endpoint="dflash2d at X")
+        assert "cannot be opened" in str(info.value) and "must see the daemon's /dev/shm" not in str(info.value)
+    finally:
+        os.rmdir(f"/dev/shm/{seg}")

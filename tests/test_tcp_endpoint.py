@@ -78,3 +78,63 @@ def test_check_says_a_tcp_endpoint_has_no_access_control(tmp_path):
     wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://*:5999"})))
     assert any("every host that reaches this node can attach" in w for w in wide)
     assert not any("tcp endpoint" in w for w in config_warnings(load_config(write_config(tmp_path))))
+
+
+def test_a_shared_folder_for_the_tcp_lock_file_is_refused(tmp_path):
+    """/tmp/dflash2-$UID made first by another user (XDG_RUNTIME_DIR unset, as under sudo or cron):
+    a link planted at the lock's path had a root daemon truncate the file it pointed to (a review).
+    The folder is checked as an ipc socket's is, and the lock file is opened without following links."""
+    from dflash2.daemon.endpoint import EndpointLock
+
+    runtime = tmp_path / "run" / "dflash2"
+    runtime.mkdir(parents=True)
+    runtime.chmod(0o1777)  # shared, as a folder another user made would be
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert out.returncode == 2
+    assert f"daemon.endpoint: the folder of its lock file {runtime} is shared (mode 1777" in out.stderr
+    runtime.chmod(0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("ten lines of someone's data\n")
+    lock = EndpointLock("tcp://127.0.0.1:5999", runtime)
+    lock.lock_path.symlink_to(victim)
+    try:
+        lock.acquire()
+        raise AssertionError("a link at the lock's path was followed")
+    except OSError:
+        pass
+    assert victim.read_text() == "ten lines of someone's data\n"
+
+
+def test_a_port_held_on_ipv6_loopback_is_found_for_an_endpoint_of_every_address(tmp_path):
+    """`tcp://*:P` binds both families; the probe tried 0.0.0.0 only, and a port held on [::1] was
+    found after the tiers were taken (a review)."""
+    from dflash2.daemon.endpoint import EndpointBusy, probe_port
+
+    try:
+        held = socket.socket(socket.AF_INET6)
+        held.bind(("::1", 0))
+    except OSError:
+        import pytest
+        pytest.skip("no IPv6 loopback here")
+    with held:
+        held.listen()
+        port = held.getsockname()[1]
+        try:
+            probe_port(f"tcp://*:{port}")
+            raise AssertionError("the port held on [::1] was not found")
+        except EndpointBusy as e:
+            assert "Address already in use" in str(e) and "holds the port" in str(e)
+
+
+def test_a_probe_says_why_an_address_cannot_be_bound():
+    """An address of another node (a config copied from one) was blamed on another program."""
+    from dflash2.daemon.endpoint import EndpointBusy, probe_port
+
+    try:
+        probe_port("tcp://192.0.2.7:5999")  # TEST-NET-1: no node's address
+        raise AssertionError("bound an address that is not this node's")
+    except EndpointBusy as e:
+        assert "an address of another node?" in str(e) and "holds the port" not in str(e)
