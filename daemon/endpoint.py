@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
@@ -137,3 +138,18 @@ def probe_port(endpoint: str) -> None:
             sock.close(0)
     finally:
         ctx.term()
+
+
+def probe_metrics(host: str, port: int) -> None:
+    """EndpointBusy when the metrics port (0: off) cannot be bound now, tried and let go at once as
+    the HTTP server binds it (SO_REUSEADDR): a port taken was found only once every tier was taken."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:  # (socket.gaierror too)
+        raise EndpointBusy(f"cannot serve metrics on {host}:{port}: {e}") from None

@@ -37,7 +37,7 @@ from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.endpoints import runtime_dir
 from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
-from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_port
+from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_metrics, probe_port
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
 from dflash2.daemon.parking import Parked, ParkedCalls
@@ -511,7 +511,8 @@ def run(cfg: Config) -> int:
         _error(cfg, f"cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: {e.strerror or e}")
         return EXIT_START_FAILED
     try:
-        probe_port(plan.endpoint)  # before any tier is taken (endpoint.py)
+        probe_port(plan.endpoint)  # both before any tier is taken (endpoint.py)
+        probe_metrics(cfg.metrics.host, cfg.metrics.port)
     except EndpointBusy as e:
         lock.release()
         _error(cfg, str(e))

@@ -138,3 +138,18 @@ def test_a_probe_says_why_an_address_cannot_be_bound():
         raise AssertionError("bound an address that is not this node's")
     except EndpointBusy as e:
         assert "an address of another node?" in str(e) and "holds the port" not in str(e)
+
+
+def test_a_metrics_port_another_program_holds_is_refused_before_any_tier_is_taken(tmp_path):
+    """As the endpoint's port: a taken metrics port was found only once every tier had been taken
+    (a last review's daemon took its tiers, then failed)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = write_config(tmp_path, metrics={"port": port, "host": "127.0.0.1"},
+                              memory={"dram_capacity_mb": 1 << 26, "nvme_capacity_mb": 0})
+        out = start(config, tmp_path / "run")
+    assert out.returncode == 4, out.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}: [Errno 98] Address already in use" in out.stderr
+    assert "dram tier" not in out.stderr
