@@ -330,18 +330,18 @@ def _stop_during_startup(signum: int, frame) -> None:
 def _serve(cfg: Config) -> int:
     try:
         # Imported here: the server is heavy, and --check must work without it.
-        server = importlib.import_module("dflash2.daemon.server")
+        startup = importlib.import_module("dflash2.daemon.startup")
     except ModuleNotFoundError as exc:
-        if exc.name != "dflash2.daemon.server":
+        if exc.name not in ("dflash2.daemon.startup", "dflash2.daemon.server"):
             raise
-        return _fail("the daemon server (dflash2.daemon.server) is not built yet; only --check works")
+        return _fail(f"the daemon server ({exc.name}) is not built yet; only --check works")
     import zmq
 
     # Until the server installs its own handlers (once it serves), a stop signal unwinds start-up
     # (main installed the handlers): killed outright, the daemon would leave its shared-memory
     # segments and lock file behind.
     try:
-        result = server.run(cfg)
+        result = startup.run(cfg)
     except _Stopped as exc:
         print(console_line(cfg.logging.format, f"dflash2d: stopped by {exc} during start-up",
                            event="dflash2_shutdown"), file=sys.stderr)

@@ -1,5 +1,5 @@
-"""dflash2d: takes the arenas once, serves the control endpoint, runs rescoring and moves in the
-background, and shuts down cleanly on SIGTERM/SIGINT.
+"""dflash2d's request loop: serves the control endpoint, runs rescoring and moves in the background,
+and stops cleanly when asked (start-up and shutdown around it: startup.py).
 
 One thread owns the block manager: it reads a request, handles it, replies, and between requests
 runs the periodic work (lease expiry, reservation ticks), and a draining tier's pieces: each step's
@@ -21,38 +21,21 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import signal
-import sys
 import threading
 import time
 
 import zmq
 
 from dflash2 import protocol as P
-from dflash2 import threads
-from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
-from dflash2.arena.shm import remove_stale_segments
-from dflash2.assemble import build_managers, instance_name
-from dflash2.config import Config
-from dflash2.endpoints import runtime_dir
-from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
-from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_metrics, probe_port
-from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
-from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers, log_fallbacks
+from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers
 from dflash2.daemon.parking import Parked, ParkedCalls
 from dflash2.daemon.service import Service
-from dflash2.errors import ArenaError, CapacityError
-from dflash2.logs import configure as configure_logging, console_line, event
-from dflash2.plan import Plan, resolve_plan
 from dflash2.rebalance import Rebalancing
-from dflash2.tiers import Tier
 from dflash2.transfer.doorbell import COMPLETIONS
 from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("dflash2.daemon")
 
-GB = 1e9
 DRAIN_BEFORE_TICK = 1024  # most queued requests answered before a due tick runs ...
 # ... and most time spent answering them, in tick intervals: a count alone let 1,024 slow requests
 # (24 busy clients, or a flood of calls never read back) hold the tick off for seconds.
@@ -469,133 +452,3 @@ class Server:
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
-
-
-def cache_bytes(managers: dict) -> tuple[int, int]:
-    """(total virtual cache bytes over every tier and GPU, bytes of memory committed: HBM + DRAM)."""
-    specs = [s for m in managers.values() for s in m.specs.values()]
-    return sum(s.capacity_bytes for s in specs), sum(s.capacity_bytes for s in specs if s.tier != Tier.NVME)
-
-
-def startup_line(plan: Plan, managers: dict) -> str:
-    total, memory = cache_bytes(managers)
-    line = f"DFlash2: enabled, total virtual cache size {total / GB:.1f}GB, committed {memory / GB:.1f}GB"
-    if plan.device_kind == "host":
-        line += " (no GPU: the device tier is in host memory)"
-    elif len(managers) > 1:
-        line += f" ({len(managers)} GPUs: one block pool each)"
-    return line
-
-
-# Signals whose default action ends the process but that mean nothing to the daemon: logged and
-# ignored, so that one sent by mistake does not leave its shared memory, socket and lock behind.
-IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-def _ignored(signum: int, frame) -> None:
-    log.warning("%s ignored: it means nothing to dflash2d (SIGTERM, SIGINT or SIGHUP stop it)",
-                signal.Signals(signum).name)
-
-
-def run(cfg: Config) -> int:
-    _configure_logging(cfg)
-    raise_open_files_limit()
-    plan = resolve_plan(cfg)
-    lock = EndpointLock(plan.endpoint, runtime_dir())
-    try:
-        lock.acquire()
-    except EndpointBusy as e:
-        _error(cfg, str(e))
-        return EXIT_START_FAILED
-    except OSError as e:  # the folder changed since the start-up check (main.check_paths)
-        _error(cfg, f"cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: {e.strerror or e}")
-        return EXIT_START_FAILED
-    try:
-        probe_port(plan.endpoint)  # both before any tier is taken (endpoint.py)
-        probe_metrics(cfg.metrics.host, cfg.metrics.port)
-    except EndpointBusy as e:
-        lock.release()
-        _error(cfg, str(e))
-        return EXIT_START_FAILED
-    if lock.previous_pid is not None:
-        # The last daemon on this endpoint was killed: give back the shared memory it left (each
-        # segment only when no process holds it; logged one by one).
-        log.warning("the last dflash2d on %s (pid %d) did not shut down cleanly (killed?)%s; removing the "
-                    "shared memory it left", plan.endpoint, lock.previous_pid,
-                    ": its socket file was replaced" if lock.replaced_socket else "")
-        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")  # its liveness object too
-    for pid in dead_daemons():
-        # Killed daemons the endpoint's lock file does not name (its folder removed since, or another
-        # endpoint's): their liveness object says they are gone.
-        log.warning("dflash2d pid %d was killed and left shared memory (its liveness object, which no process "
-                    "holds, is still in /dev/shm); removing it", pid)
-        remove_stale_segments(f"{instance_name(pid)}-")
-    managers: dict = {}
-    server = observers = alive = None
-    started = time.monotonic()
-    try:
-        try:
-            # Held for the daemon's whole life, whatever its tiers (arena/liveness.py): how its
-            # clients learn that it died. Created after the predecessor's clean-up above, which
-            # removes a killed pid-1 predecessor's file of this very name.
-            alive = DaemonLiveness.create(liveness_name(instance_name(os.getpid())))
-            managers = build_managers(cfg, plan=plan)
-        except (CapacityError, ArenaError) as e:
-            _error(cfg, f"cannot start: {e}")
-            return EXIT_START_FAILED
-        manager = next(iter(managers.values()))
-        service = Service(managers, lease_timeout_s=cfg.daemon.lease_timeout_s,
-                          heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
-                          set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name, liveness_id=alive.nonce)
-        try:
-            observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
-        except OSError as e:
-            _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}")
-            return EXIT_START_FAILED
-        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
-        lock.secure_socket()
-        warn_if_few()  # (now that the daemon holds its own descriptors)
-        for sig in threads.STOP_SIGNALS:
-            signal.signal(sig, lambda *_: server.stop())
-        for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
-            signal.signal(sig, _ignored)
-        print(console_line(cfg.logging.format, startup_line(plan, managers), event="dflash2_enabled"), flush=True)
-        log_fallbacks(cfg, plan)
-        event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",
-              endpoint=plan.endpoint, device=plan.device_kind,
-              total_bytes=cache_bytes(managers)[0], committed_bytes=cache_bytes(managers)[1],
-              policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
-        server.serve_forever()
-        if server.failed:
-            _error(cfg, f"{server.failed}; exiting (code {EXIT_GPU_LOST}) so that the supervisor restarts the "
-                        "daemon; clients fall back to their own cache, then attach again")
-            event(log, "dflash2_gpu_lost", server.failed, clients=len(service.sessions),
-                  uptime_s=round(time.monotonic() - started, 3))
-            return EXIT_GPU_LOST
-        clients = len(service.sessions)
-        service.shutdown()
-        event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,
-              uptime_s=round(time.monotonic() - started, 3))
-        return 0
-    finally:
-        if observers is not None:
-            observers.close()
-        if server is not None:
-            server.close()
-        for manager in managers.values():
-            manager.close()
-        if alive is not None:  # before the endpoint lock: a next daemon finds nothing of ours left
-            alive.close()
-        lock.release()
-        log.info("stopped")
-
-
-def _error(cfg: Config, message: str) -> None:
-    """Why the daemon cannot start (or goes), on stderr: `dflash2d: error: ...`, or in json format
-    that line as a JSON record (logs.console_line)."""
-    print(console_line(cfg.logging.format, f"dflash2d: error: {message}", level="error", event="dflash2_error"),
-          file=sys.stderr, flush=True)
-
-
-def _configure_logging(cfg: Config) -> None:
-    configure_logging(cfg.logging.format, cfg.logging.level)  # dflash2/logs.py

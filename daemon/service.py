@@ -364,9 +364,10 @@ class Service(Forgetting):
         now, token = self.clock(), secrets.token_hex(P.TOKEN_CHARS // 2)
         self.sessions[client] = Session(client, name, pid, now, now,
                                         pid_ns is not None and pid_ns == pid_namespace(), device, token, pid_ns=pid_ns)
-        m.admission.shares.carry(client, earlier := self.set_aside.of_process(pid, pid_ns, device))
-        log.info("client %d attached: %s (pid %d), %d layouts%s", client, name, pid, len(ids), earlier and
-                 f"; the set-aside blocks of its earlier sessions {earlier} count against its share" or "")
+        earlier = self.set_aside.of_process(pid, pid_ns, device)  # its process's lapsed sessions (shares.py)
+        m.admission.shares.carry(client, earlier)
+        carried = f"; the set-aside blocks of its earlier sessions {earlier} count against its share" if earlier else ""
+        log.info("client %d attached: %s (pid %d), %d layouts%s", client, name, pid, len(ids), carried)
         return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dflash2.config_errors import first_error
-from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint,  # noqa: F401
+from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint,
                                endpoint_parts, plain_text, xdg_dir)
 from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout

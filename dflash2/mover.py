@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dflash2.arena.nvme import slot_place
 from dflash2.counts import distinct
-from dflash2.quarantine import Quarantine
+from dflash2.quarantine import Quarantine, slot_place
 from dflash2.readcost import ReadCost
 from dflash2.swaplog import SwapLog
 from dflash2.table import BlockTable

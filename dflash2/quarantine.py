@@ -58,13 +58,20 @@ import numpy as np
 
 from dflash2 import threads
 from dflash2.arena.base import StorageArena
-from dflash2.arena.nvme import slot_place
+from dflash2.arena.nvme import HEADER_BYTES
 from dflash2.errors import ArenaError
 from dflash2.table import BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.quarantine")
+
+
+def slot_place(tier: Tier, offset: int) -> str:
+    """Where a slot's bytes are, for a log line: the NVMe file's byte (past its header), else the offset."""
+    if tier == Tier.NVME:
+        return f"byte {HEADER_BYTES + offset} of the NVMe file"
+    return f"offset {offset} of the {tier.label} tier"
 
 
 class Quarantine:

@@ -18,7 +18,7 @@ from dflash2.config import load_config
 
 
 def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypatch, capsys):
-    import dflash2.daemon.server as srv
+    import dflash2.daemon.startup as srv
     from dflash2.client import Client
 
     made: dict = {}

@@ -184,7 +184,7 @@ print("LEFT", glob.glob("/dev/shm/dflash2-gpu-lost-{os.getpid()}*"))
 # The daemon (srv.run in a process of its own) with its managers kept where the injected code reaches them.
 FAULTY_DAEMON = """
 import sys, numpy as np
-import dflash2.daemon.server as srv
+import dflash2.daemon.startup as srv
 import dflash2.transfer.cuda as tc
 from dflash2.config import load_config
 made = {{}}

@@ -71,13 +71,6 @@ def _as_bytes(buf, writable: bool) -> np.ndarray:
     return arr
 
 
-def slot_place(tier: Tier, offset: int) -> str:
-    """Where a slot's bytes are, for a log line: the NVMe file's byte (past its header), else the offset."""
-    if tier == Tier.NVME:
-        return f"byte {HEADER_BYTES + offset} of the NVMe file"
-    return f"offset {offset} of the {tier.label} tier"
-
-
 def _open_direct(path: str) -> int:
     """Open the file with O_DIRECT. Raises OSError (EINVAL) where the filesystem refuses it."""
     return os.open(path, os.O_RDWR | os.O_DIRECT)

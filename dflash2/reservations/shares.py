@@ -50,9 +50,6 @@ class ClientShares:
         for earlier in self._carried.values():
             earlier.discard(client)
 
-    def carried(self, client: int) -> list[int]:
-        return sorted(self._carried.get(client, ()))
-
     def over(self, client: int, need: int, queued: int) -> str:
         """Why `need` more bytes would take the client past its share of HBM (with `queued` bytes of
         its reservations still in the queue), or "" when they would not."""
