@@ -70,6 +70,13 @@ def resolve_endpoint(endpoint: str | None, config) -> str:
     return _config(config).client_endpoint()
 
 
+def resolve_key_file(endpoint: str | None, config):
+    """A tcp endpoint's key file (dflash2/tcpkeys.py) for `resolve_endpoint`'s endpoint: None for an
+    endpoint given alone (the transport looks for tcp-PORT.key in the runtime folder), else the
+    config's (`daemon.tcp_key_file`, or that default; None for an ipc endpoint)."""
+    return None if endpoint else _config(config).resolved_tcp_key_file()
+
+
 def _config(config):
     from dflash2.config import Config, load_config
 
@@ -143,7 +150,8 @@ def _uuid_of_local_device(device: int) -> str | None:
 class Client:
     def __init__(self, endpoint: str, name: str, layouts: Sequence[Layout] = (), timeout_s: float = 5.0,
                  heartbeat: bool = True, device: int | None = None,
-                 prefill_tokens_per_s: Sequence[float | None] | None = None, host_only: bool = False):
+                 prefill_tokens_per_s: Sequence[float | None] | None = None, host_only: bool = False,
+                 key_file: os.PathLike | None = None):
         check_endpoint(endpoint)
         self.host_only = bool(host_only)
         self.endpoint = endpoint
@@ -157,7 +165,8 @@ class Client:
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
         check_descriptors(endpoint)
         # A call in progress when the daemon is killed ends then, not after its whole timeout.
-        self._transport = Transport(endpoint, timeout_s, gone=self._arenas_gone)
+        self._transport = Transport(endpoint, timeout_s, gone=self._arenas_gone, key_file=key_file)
+        self.key_file = self._transport.key_file  # a tcp endpoint's (dflash2/tcpkeys.py); None for ipc
         self._layouts: dict[int, Layout] = {}
         self._held = HeldPlaces()  # the blocks this client may view by vid now
         self._arenas: ArenaMap | None = None
@@ -183,13 +192,16 @@ class Client:
         only an endpoint is given).
         `prefill_tokens_per_s`, one per layout (None where unknown): how fast this engine recomputes
         KV of that layout; lookups then offer only blocks that load faster than that (cost-aware
-        reuse; `set_prefill_rate` changes it later)."""
-        if endpoint is None or (config is not None and timeout_s is None):
+        reuse; `set_prefill_rate` changes it later). A tcp endpoint's key file (dflash2/tcpkeys.py)
+        is the config's `daemon.tcp_key_file`, else `tcp-PORT.key` in the runtime folder."""
+        key_file = None
+        if endpoint is None or config is not None:
             cfg = _config(config)
             endpoint = endpoint or cfg.client_endpoint()
             timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
+            key_file = cfg.resolved_tcp_key_file()
         return cls(endpoint, name or f"pid-{os.getpid()}", layouts, 5.0 if timeout_s is None else timeout_s,
-                   heartbeat, device, prefill_tokens_per_s, host_only)
+                   heartbeat, device, prefill_tokens_per_s, host_only, key_file)
 
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool,
@@ -250,7 +262,7 @@ class Client:
                 try:
                     if transport is None:
                         transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s),
-                                              gone=self._arenas_gone)
+                                              gone=self._arenas_gone, key_file=self.key_file)
                         transport.token = self._token
                     if beat:
                         transport.call(Op.HEARTBEAT, self.client_id)

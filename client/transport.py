@@ -10,6 +10,9 @@ the next timeout throws away would otherwise be lost with it.
 A call waits in slices of GONE_CHECK_S and asks its `gone` test (the client's: nothing holds the
 daemon's liveness object or segments any more) after each: a daemon killed while a call waits ends
 the call at once instead of after the whole request_timeout_s.
+A tcp endpoint's socket speaks CURVE with the keys of the daemon's key file (dflash2/tcpkeys.py);
+a handshake the daemon refuses ends the call at once with AccessDenied (a monitor of the socket's
+handshake events, read in the same slices).
 Not thread-safe on its own: the client serialises calls with a lock, and the heartbeat thread has a
 transport of its own (ZeroMQ sockets must not be shared between threads).
 """
@@ -21,12 +24,17 @@ import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import protocol as P
-from dflash2.errors import DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply, VersionMismatch
+from dflash2.endpoints import tcp_key_path
+from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply,
+                            VersionMismatch)
+from dflash2.tcpkeys import KeyFileError, load as load_keys
 from dflash2.zmqio import NOBLOCK, descriptors_left, recv_frames, send_frames
 
 
@@ -38,6 +46,9 @@ def check_endpoint(endpoint: str) -> None:
             raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
                                     "(is the daemon running? `dflash2d --config FILE`)")
 
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the
 # call socket, the heartbeat's, the arena mappings' files, and a fresh socket after a timeout.
@@ -86,8 +97,21 @@ def check_timeout(value) -> float:
 
 class Transport:
     def __init__(self, endpoint: str, timeout_s: float = 5.0, *, context: zmq.Context | None = None,
-                 version: int = P.VERSION, gone: Callable[[], bool] | None = None):
+                 version: int = P.VERSION, gone: Callable[[], bool] | None = None,
+                 key_file: os.PathLike | None = None):
+        """`key_file`: a tcp endpoint's (dflash2/tcpkeys.py; default: tcp-PORT.key in the runtime
+        folder); AccessDenied when it cannot be read. Unused for an ipc endpoint."""
         self.endpoint = endpoint
+        self.key_file = Path(key_file) if key_file is not None else tcp_key_path(endpoint)
+        if not endpoint.startswith("tcp://"):
+            self.key_file = None
+        self._keys = None
+        if self.key_file is not None:
+            try:
+                self._keys = load_keys(self.key_file)
+            except KeyFileError as e:
+                raise AccessDenied(f"cannot attach to the tcp endpoint {endpoint}: {e}") from None
+        self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
         self.version = version  # only tests speak another version
@@ -111,25 +135,69 @@ class Transport:
         sock.setsockopt(zmq.IPV6, 1)  # a tcp://[::1]:PORT endpoint (IPv4 ones still work)
         sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
         try:
+            if self._keys is not None:
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self._keys.server_public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self._keys.client_public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._keys.client_secret)
+                self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+                self._failed_handshakes = 0
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
-            sock.close(0)
+            self._close_socket(sock)
             raise DaemonUnavailable(f"cannot connect to {self.endpoint!r}: {e} (an endpoint is ipc://PATH or "
                                     "tcp://HOST:PORT)") from None
         self._sock = sock
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        if self._monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+        sock.close(0)
+
+    def _check_handshake(self) -> None:
+        """AccessDenied when the tcp daemon refused this socket's CURVE handshake: a wrong or stale key
+        file, or a daemon without keys (a call waited out its whole timeout, blaming the daemon).
+        A handshake failing without detail twice in a row is a server key that is not the daemon's, or
+        a server without CURVE (which fails a try so too, or with a protocol error: timing decides).
+        The socket goes (it would retry the handshake for ever); the call never reached the daemon."""
+        if self._monitor is None:
+            return
+        why = None
+        while why is None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = ("refused this client's key: the key file is not the one the daemon uses (made again "
+                       "since this client read it?)")
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                why = "does not speak CURVE (a dflash2d before tcp keys, or not a dflash2d)"
+            else:
+                self._failed_handshakes += 1
+                if self._failed_handshakes >= 2:
+                    why = ("did not accept this client's handshake: the key file holds another daemon's key, or "
+                           "the server there does not speak CURVE (a dflash2d before tcp keys, or not a dflash2d)")
+        self._close_socket(self._sock)
+        self._sock = None
+        raise AccessDenied(f"dflash2d at {self.endpoint} {why} (key file {self.key_file})") from None
 
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
         made (DaemonUnavailable), the next call makes it and sends the `forget`s first."""
         if self._sock is not None:
-            self._sock.close(0)
+            self._close_socket(self._sock)
             self._sock = None
         self._open()
 
     def close(self) -> None:
         self._closed = True
         if self._sock is not None:
-            self._sock.close(0)
+            self._close_socket(self._sock)
             self._sock = None
 
     @property
@@ -185,6 +253,7 @@ class Transport:
             try:
                 reply_frames = recv_frames(sock)
             except zmq.Again:
+                self._check_handshake()
                 if self.gone is not None and self.gone():
                     waited = timeout - (deadline - time.monotonic())
                     undo = self._give_up(op, client, call_id)

@@ -269,6 +269,8 @@ def check_paths(plan: Plan, history: bool = False) -> None:
         # by another user: a link there at the lock's path had a root daemon truncate another file).
         _check_own_folder(runtime_dir(), "the folder of its lock file",
                           "set XDG_RUNTIME_DIR to a folder of the daemon's own, or remove that one")
+        if plan.tcp_key_file is not None and plan.tcp_key_file.parent != runtime_dir():
+            _check_folder("daemon.tcp_key_file", plan.tcp_key_file.parent)
     if history:
         _check_folder("daemon.state_dir", plan.state_dir)
 

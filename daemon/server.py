@@ -27,10 +27,12 @@ import time
 import zmq
 
 from dflash2 import protocol as P
+from dflash2.daemon.keygate import KeyGate
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers
 from dflash2.daemon.parking import Parked, ParkedCalls
 from dflash2.daemon.service import Service
 from dflash2.rebalance import Rebalancing
+from dflash2.tcpkeys import TcpKeys
 from dflash2.transfer.doorbell import COMPLETIONS
 from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
@@ -86,7 +88,9 @@ DUEL_SAVED_S = 0.01
 
 
 class Server:
-    def __init__(self, service: Service, endpoint: str, tick_interval_s: float, observers: Observers | None = None):
+    def __init__(self, service: Service, endpoint: str, tick_interval_s: float, observers: Observers | None = None,
+                 keys: TcpKeys | None = None, key_file: str | None = None):
+        """`keys`: a tcp endpoint's (from `key_file`): only clients holding its client key connect."""
         self.service = service
         self.observers = observers
         self.endpoint = endpoint
@@ -111,7 +115,14 @@ class Server:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
         self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
-        self._sock.bind(endpoint)
+        self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
+        try:
+            if self._gate is not None:
+                self._gate.secure(self._sock)
+            self._sock.bind(endpoint)
+        except BaseException:
+            self.close()  # (the gate's thread would keep the process alive)
+            raise
         self._poller = zmq.Poller()  # requests, and the end of a copy thread's batch (`_request_or_copies_ended`)
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(COMPLETIONS.fileno(), zmq.POLLIN)
@@ -451,4 +462,6 @@ class Server:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._gate is not None:
+            self._gate.close()
         self._ctx.term()

@@ -26,6 +26,7 @@ from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
+from dflash2.tcpkeys import KeyFileError, load_or_make
 from dflash2.tiers import Tier
 from dflash2.daemon.server import Server
 
@@ -73,10 +74,15 @@ def run(cfg: Config) -> int:
     except OSError as e:  # the folder changed since the start-up check (main.check_paths)
         _error(cfg, f"cannot take daemon.endpoint {plan.endpoint}: its lock file {lock.lock_path}: {e.strerror or e}")
         return EXIT_START_FAILED
+    keys = None
     try:
         probe_port(plan.endpoint)  # both before any tier is taken (endpoint.py)
         probe_metrics(cfg.metrics.host, cfg.metrics.port)
-    except EndpointBusy as e:
+        if plan.tcp_key_file is not None:
+            keys, made = load_or_make(plan.tcp_key_file)
+            log.info("tcp endpoint %s: only clients that read %s%s can attach", plan.endpoint, plan.tcp_key_file,
+                     " (made now, mode 0600)" if made else "")
+    except (EndpointBusy, KeyFileError) as e:
         lock.release()
         _error(cfg, str(e))
         return EXIT_START_FAILED
@@ -115,7 +121,8 @@ def run(cfg: Config) -> int:
         except OSError as e:
             _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}")
             return EXIT_START_FAILED
-        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers)
+        server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers,
+                        keys=keys, key_file=plan.tcp_key_file)
         lock.secure_socket()
         warn_if_few()  # (now that the daemon holds its own descriptors)
         for sig in threads.STOP_SIGNALS:

@@ -18,8 +18,8 @@ from typing import Annotated, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dflash2.config_errors import first_error
-from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint,
-                               endpoint_parts, plain_text, xdg_dir)
+from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint, endpoint_parts,
+                               plain_text, tcp_key_path, xdg_dir)
 from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout
 
@@ -231,6 +231,11 @@ class DaemonConfig(_Section):
         None, min_length=1,
         description="Folder for daemon state (history); resolved like nvme_path; null = "
                     "$XDG_STATE_HOME/dflash2 or ~/.local/state/dflash2.")
+    tcp_key_file: Optional[str] = Field(
+        None, min_length=1,
+        description="A tcp endpoint's CURVE key file, which the daemon makes (owner-only) at its first start and "
+                    "a client must read to attach; resolved like nvme_path; null = tcp-PORT.key in the runtime "
+                    "folder. Ignored for an ipc endpoint.")
     lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")
     request_timeout_s: float = Field(5.0, gt=0, le=3600, description="Every control request times out after this.")
@@ -247,7 +252,7 @@ class DaemonConfig(_Section):
             endpoint_parts(plain_text(value))
         return value
 
-    @field_validator("state_dir")
+    @field_validator("state_dir", "tcp_key_file")
     @classmethod
     def _plain_state_dir(cls, value: Optional[str]) -> Optional[str]:
         return None if value is None else plain_text(value)
@@ -387,6 +392,13 @@ class Config(_Section):
             return f"ipc://{self.resolve_path(rest, 'daemon.endpoint')}"
         return self.daemon.endpoint
 
+    def resolved_tcp_key_file(self, environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+        """A tcp endpoint's key file (dflash2/tcpkeys.py); None for an ipc endpoint."""
+        endpoint = self.resolved_endpoint(environ)
+        if self.daemon.tcp_key_file is None or not endpoint.startswith("tcp://"):
+            return tcp_key_path(endpoint, environ)
+        return self.resolve_path(self.daemon.tcp_key_file, "daemon.tcp_key_file")
+
     def client_endpoint(self, environ: Mapping[str, str] = os.environ) -> str:
         """The endpoint a client on this node connects to: `resolved_endpoint`, but for a daemon
         bound to every address (tcp://*:PORT, 0.0.0.0, [::]), which nobody can connect to, the
@@ -501,11 +513,12 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rpartition(":")[0]
         everyone = _bare_host(host) in ("*", "0.0.0.0", "::")
-        warnings.append(f"daemon.endpoint is {endpoint}: a tcp endpoint has no access control, and "
-                        f"{'every host that reaches this node' if everyone else 'every local user'} can attach, "
-                        "commit blocks under any key (wrong KV served as a hit) and take the daemon's descriptors "
-                        "and memory; the session token guards clients from each other only once attached. Use an "
-                        "ipc endpoint (the default: an owner-only socket) unless clients cannot reach one")
+        if everyone:
+            warnings.append(f"daemon.endpoint is {endpoint}: every address of this node, so every host that "
+                            "reaches it can try to connect; only a client that holds the endpoint's key file "
+                            "(daemon.tcp_key_file) can attach")
+    elif cfg.daemon.tcp_key_file is not None:
+        warnings.append("daemon.tcp_key_file is ignored: the endpoint is an ipc socket (its mode guards it)")
     if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
         warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
     heat_only = sorted({"weights", "decay_half_life_s"} & cfg.policy.model_fields_set)

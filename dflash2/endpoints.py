@@ -31,6 +31,16 @@ def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(runtime) / "dflash2" if runtime else Path(f"/tmp/dflash2-{os.getuid()}")
 
 
+def tcp_key_path(endpoint: str, environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+    """Where a tcp endpoint's key file is when the config names none (dflash2/tcpkeys.py): `tcp-PORT.key`
+    in the runtime folder, by port alone, so that a client connecting to 127.0.0.1:P finds the key of a
+    daemon bound to tcp://*:P; None for an ipc endpoint (its socket's mode guards it)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None
+    return runtime_dir(environ) / f"tcp-{rest.rpartition(':')[2]}.key"
+
+
 def _bare_host(host: str) -> str:
     """A host as one spelling: lower case, an IPv6 address without the brackets an endpoint puts
     around it, and an IP address in its canonical form (`0:0:0:0:0:0:0:1` is `::1`)."""

@@ -107,6 +107,10 @@ class DaemonUnavailable(DFlash2Error):
     """The daemon does not answer (not running, gone, or the call timed out)."""
 
 
+class AccessDenied(DaemonUnavailable):
+    """A tcp daemon's key file cannot be read, or the daemon refused this client's key (tcpkeys.py)."""
+
+
 class DaemonError(DFlash2Error):
     """The daemon answered a call with an error; `kind` names the daemon-side error type."""
 

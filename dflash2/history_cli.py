@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 
 from dflash2 import protocol as P
@@ -113,26 +114,30 @@ def load(args: argparse.Namespace) -> list[dict]:
             cutoff = samples[-1]["t"] - args.since
             samples = [s for s in samples if s["t"] >= cutoff]
         return samples
-    return fetch(resolve_endpoint(args), args.since, args.timeout)
+    endpoint, key_file = resolve_endpoint(args)
+    return fetch(endpoint, args.since, args.timeout, key_file)
 
 
-def resolve_endpoint(args: argparse.Namespace) -> str:
+def resolve_endpoint(args: argparse.Namespace) -> tuple[str, Optional[Path]]:
+    """The endpoint to ask, and its key file when the config names it (a tcp endpoint's: tcpkeys.py;
+    None: the transport's default)."""
     from dflash2.config import load_config
     from dflash2.endpoints import connectable, default_endpoint
     from dflash2.errors import ConfigError
 
     if args.endpoint:
-        return connectable(args.endpoint)
+        return connectable(args.endpoint), None
     path = args.config or ("dflash2_config.json" if os.path.exists("dflash2_config.json") else None)
     if path is None:
-        return default_endpoint(os.environ)
+        return default_endpoint(os.environ), None
     try:
-        return load_config(path).client_endpoint()
+        cfg = load_config(path)
+        return cfg.client_endpoint(), cfg.resolved_tcp_key_file()
     except ConfigError as e:
         raise HistoryError(str(e)) from None
 
 
-def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[dict]:
+def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file=None) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
     from dflash2.client.transport import Transport, check_endpoint
     from dflash2.errors import DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
@@ -143,7 +148,7 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0) -> list[
     except DaemonUnavailable as e:
         raise DaemonNotAnswering(str(e)) from None
     try:
-        transport = Transport(endpoint, timeout_s)
+        transport = Transport(endpoint, timeout_s, key_file=key_file)
         try:
             reply = transport.call(P.Op.HISTORY, None, args)
         finally:

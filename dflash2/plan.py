@@ -65,6 +65,7 @@ class Plan:
     endpoint: str
     state_dir: Path
     notes: tuple[str, ...]
+    tcp_key_file: Optional[Path] = None  # a tcp endpoint's key file (tcpkeys.py); None for ipc
 
     @property
     def pools(self) -> int:
@@ -109,6 +110,7 @@ class Plan:
             "staging_taken_bytes": self.staging_taken_bytes,
             "nvme_path": str(self.nvme_path) if self.nvme_path else None,
             "endpoint": self.endpoint,
+            "tcp_key_file": str(self.tcp_key_file) if self.tcp_key_file else None,
             "state_dir": str(self.state_dir),
             "total_bytes": self.total_bytes,
             "notes": list(self.notes),
@@ -134,7 +136,8 @@ def resolve_plan(cfg: Config) -> Plan:
     _layouts_fit(tiers, layouts, notes)
     plan = Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
                 staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
-                endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes))
+                endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes),
+                tcp_key_file=cfg.resolved_tcp_key_file())
     if plan.pools > 1:
         plan = dataclasses.replace(plan, notes=(*plan.notes, *_split_between_gpus(plan)))
     return plan
@@ -328,6 +331,7 @@ def _render_lines(plan: Plan) -> list[str]:
     lines = [f"dflash2 plan for {plan.source_path or 'an in-memory config'}",
              f"  device:      {plan.device_kind}",
              f"  endpoint:    {plan.endpoint}",
+             *([f"  key file:    {plan.tcp_key_file} (a client must read it to attach)"] if plan.tcp_key_file else []),
              f"  state dir:   {plan.state_dir}",
              f"  nvme file:   {plan.nvme_path or '(no NVMe tier)'}",
              f"  staging:     {_staging_line(plan)}",

@@ -33,18 +33,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from dflash2.client.client import resolve_endpoint
+    from dflash2.client.client import resolve_endpoint, resolve_key_file
     from dflash2.client.transport import Transport, check_endpoint
     from dflash2.protocol import Op
 
     try:
         endpoint = resolve_endpoint(args.endpoint, args.config)
+        key_file = resolve_key_file(args.endpoint, args.config)
     except (ConfigError, OSError) as e:
         print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
         check_endpoint(endpoint)
-        transport = Transport(endpoint, args.timeout)
+        transport = Transport(endpoint, args.timeout, key_file=key_file)
         try:
             stats = transport.call(Op.STATS).result
         finally:

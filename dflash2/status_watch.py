@@ -38,17 +38,18 @@ def handler(args: argparse.Namespace) -> int:
         print("dflash2 status: error: --json does not go with --watch (for a series of figures as JSON: "
               "dflash2 history --json)", file=sys.stderr)
         return status.EXIT_USAGE
-    from dflash2.client.client import resolve_endpoint
+    from dflash2.client.client import resolve_endpoint, resolve_key_file
     from dflash2.errors import ConfigError
 
     try:
         endpoint = resolve_endpoint(args.endpoint, args.config)
+        key_file = resolve_key_file(args.endpoint, args.config)
     except (ConfigError, OSError) as e:
         print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
         return status.EXIT_USAGE
     try:
         answered = watch(endpoint, 1.0 if args.interval is None else args.interval, args.count or 0, args.timeout,
-                         clear=sys.stdout.isatty())
+                         clear=sys.stdout.isatty(), key_file=key_file)
     except KeyboardInterrupt:
         return status.EXIT_OK
     # A view with a frame count is a probe too: like `dflash2 status`, exit 1 when no frame got an answer.
@@ -56,13 +57,13 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = status.TIMEOUT_S,
-          clear: bool = True) -> bool:
+          clear: bool = True, key_file=None) -> bool:
     """Frames until `count` (0: until Ctrl-C); whether any frame got the daemon's answer."""
     prev = None
     frame = 0
     answered = False
     while True:
-        stats, error = _ask(endpoint, timeout_s)
+        stats, error = _ask(endpoint, timeout_s, key_file)
         last = bool(count) and frame + 1 >= count
         now = time.time()
         out = [CLEAR] if clear else []
@@ -100,14 +101,14 @@ def changes(prev: dict | None, cur: dict) -> str:
     return f"\nsince last frame: hbm hit {hit} of {r['reads']} blocks read; swaps {swaps}; {req:.0f} requests/s"
 
 
-def _ask(endpoint: str, timeout_s: float) -> tuple[dict | None, str]:
+def _ask(endpoint: str, timeout_s: float, key_file=None) -> tuple[dict | None, str]:
     from dflash2.client.transport import Transport, check_endpoint
     from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
     from dflash2.protocol import Op
 
     try:
         check_endpoint(endpoint)
-        transport = Transport(endpoint, timeout_s)
+        transport = Transport(endpoint, timeout_s, key_file=key_file)
         try:
             return transport.call(Op.STATS).result, ""
         finally:

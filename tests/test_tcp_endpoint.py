@@ -1,6 +1,6 @@
 """A daemon on a tcp endpoint (a review of 2026-12-05): its port is tried before any tier is taken,
 its lock file lives in the node's runtime folder, `--endpoint tcp://*:P` reaches it, and `--check`
-says that a tcp endpoint has no access control. Each failed before its fix."""
+warns of an address of every interface. Each failed before its fix (its key file: test_tcp_keys.py)."""
 
 from __future__ import annotations
 
@@ -69,15 +69,20 @@ def test_status_and_history_reach_a_daemon_bound_to_every_address():
     from argparse import Namespace
 
     from dflash2.history_cli import resolve_endpoint as history_endpoint
-    assert history_endpoint(Namespace(endpoint="tcp://0.0.0.0:5999", config=None)) == "tcp://127.0.0.1:5999"
+    assert history_endpoint(Namespace(endpoint="tcp://0.0.0.0:5999", config=None)) == ("tcp://127.0.0.1:5999", None)
 
 
-def test_check_says_a_tcp_endpoint_has_no_access_control(tmp_path):
+def test_check_says_an_endpoint_of_every_address_lets_every_host_try(tmp_path):
+    """Access is by the key file (tests/test_tcp_keys.py); an address of every interface is still
+    worth a word, and a key file given for an ipc endpoint is said to be ignored."""
     local = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://127.0.0.1:5999"})))
-    assert any("a tcp endpoint has no access control, and every local user can attach" in w for w in local)
+    assert not any("tcp" in w for w in local)
     wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://*:5999"})))
-    assert any("every host that reaches this node can attach" in w for w in wide)
-    assert not any("tcp endpoint" in w for w in config_warnings(load_config(write_config(tmp_path))))
+    assert any("every host that reaches it can try to connect; only a client that holds the endpoint's key file" in w
+               for w in wide)
+    ipc = config_warnings(load_config(write_config(tmp_path, daemon={"tcp_key_file": "k.key"})))
+    assert any("daemon.tcp_key_file is ignored: the endpoint is an ipc socket" in w for w in ipc)
+    assert not any("tcp" in w for w in config_warnings(load_config(write_config(tmp_path))))
 
 
 def test_a_shared_folder_for_the_tcp_lock_file_is_refused(tmp_path):

@@ -68,11 +68,12 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
         cfg = load_config(config_path)
         require_enabled(cfg)
         endpoint = cfg.client_endpoint()
+        key_file = cfg.resolved_tcp_key_file()
     except DFlash2Error as e:
         return Verdict(False, str(e))
     transport = None
     try:
-        transport = Transport(endpoint, timeout_s)
+        transport = Transport(endpoint, timeout_s, key_file=key_file)
         transport.call(Op.PING)
         try:
             note = hbm_note(transport.call(Op.STATS).result)

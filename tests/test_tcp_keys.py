@@ -1,0 +1,185 @@
+"""A tcp endpoint's access control (dflash2/tcpkeys.py): the daemon makes an owner-only key file and
+speaks CURVE; only a client that reads the file attaches. Before, any local user (any host, for an
+address of every interface) could attach and commit blocks under any key."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import write_config
+
+from dflash2 import protocol as P
+from dflash2.client import Client
+from dflash2.errors import AccessDenied
+from dflash2.layout import Layout
+from dflash2.tcpkeys import KeyFileError, TcpKeys, load, load_or_make
+
+LAYOUT = Layout("t", 2, 2, 8, "fp16", 16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def tcp_daemon(tmp_path: Path, runtime: Path, **daemon):
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
+                                            **daemon})
+    log = open(tmp_path / "daemon.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config], stdout=subprocess.PIPE,
+                            stderr=log, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("DFlash2: enabled"), (line, (tmp_path / "daemon.log").read_text())
+        yield config, port
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "run"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(folder))  # the clients in this process look there too
+    return folder
+
+
+def test_a_tcp_daemon_makes_an_owner_only_key_file_and_a_client_that_reads_it_attaches(tmp_path, runtime):
+    with tcp_daemon(tmp_path, runtime) as (config, port):
+        key_file = runtime / "dflash2" / f"tcp-{port}.key"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        keys = load(key_file)
+        with Client.connect(config=config, name="reader", layouts=[LAYOUT]) as c:
+            assert c.key_file == key_file
+            placed = c.allocate(c.layouts[0], 1)
+            assert len(placed) == 1
+        # An endpoint given alone finds the same file by its port (`dflash2 status --endpoint ...`).
+        with Client.connect(f"tcp://127.0.0.1:{port}", name="by-endpoint") as c:
+            assert c.key_file == key_file
+        out = subprocess.run([sys.executable, "-m", "dflash2.cli", "status", "--config", config, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    # A restart keeps the file, and so the keys clients read.
+    with tcp_daemon(tmp_path, runtime) as (config, port2):
+        if port2 == port:
+            assert load(key_file) == keys
+
+
+def test_a_client_without_the_daemons_key_is_refused_at_once_by_name(tmp_path, runtime):
+    """A client holding another daemon's key file fails the handshake; one that knows the server's
+    key but holds another client key is refused by the daemon's gate, which logs it. Each call says
+    so well before its timeout (it would wait out the whole timeout, blaming the daemon)."""
+    other = tmp_path / "other.key"
+    other.write_text(TcpKeys.fresh().text())
+    with tcp_daemon(tmp_path, runtime) as (config, port):
+        started = time.monotonic()
+        with pytest.raises(AccessDenied, match=f"dflash2d at tcp://127.0.0.1:{port} did not accept this client's "
+                                               f"handshake: the key file holds another daemon's key, or .* \\(key file {other}"):
+            Client(f"tcp://127.0.0.1:{port}", "intruder", timeout_s=20, key_file=other)
+        assert time.monotonic() - started < 10
+        ours, fresh = load(runtime / "dflash2" / f"tcp-{port}.key"), TcpKeys.fresh()
+        forged = tmp_path / "forged.key"
+        forged.write_text(TcpKeys(ours.server_public, ours.server_secret, fresh.client_public, fresh.client_secret).text())
+        started = time.monotonic()
+        with pytest.raises(AccessDenied, match="refused this client's key"):
+            Client(f"tcp://127.0.0.1:{port}", "intruder", timeout_s=20, key_file=forged)
+        assert time.monotonic() - started < 10
+        # A client with none at all: no such file, said before anything is sent.
+        with pytest.raises(AccessDenied, match="no key file at .*nope.key"):
+            Client(f"tcp://127.0.0.1:{port}", "intruder", key_file=tmp_path / "nope.key")
+        # A plain ZeroMQ peer (no CURVE) sending a well-formed attach gets nothing back.
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(P.encode_request(P.Op.ATTACH, 1, None, {"name": "x", "pid": os.getpid(), "layouts": []}))
+            assert not sock.poll(1500), "a client without the key got an answer"
+            sock.close(0)
+        finally:
+            ctx.term()
+    assert "whose key is not the one in" in (tmp_path / "daemon.log").read_text()
+
+
+def test_a_client_of_a_daemon_without_curve_is_told_so(tmp_path, runtime):
+    """A dflash2d from before tcp keys (or another program) on the port: the handshake fails, and the
+    client says the daemon does not speak CURVE instead of timing out."""
+    port = free_port()
+    key_file = tmp_path / "k.key"
+    key_file.write_text(TcpKeys.fresh().text())
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(AccessDenied, match="does not speak CURVE"):
+            Client(f"tcp://127.0.0.1:{port}", "c", timeout_s=20, key_file=key_file)
+    finally:
+        server.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("world-readable", "is open to other users (mode 644)"),
+    ("another user's", "belongs to uid 4321, not to the daemon's user"),
+    ("a link", "is a symbolic link"),
+    ("cut short", "lacks client_public, client_secret"),
+    ("garbage", "line 1: expected one of server_public"),
+])
+def test_the_daemon_refuses_a_key_file_that_does_not_guard_the_endpoint(tmp_path, case, message):
+    path = tmp_path / "k.key"
+    text = TcpKeys.fresh().text()
+    if case == "a link":
+        (tmp_path / "target").write_text(text)
+        path.symlink_to(tmp_path / "target")
+    else:
+        body = {"cut short": "\n".join(text.splitlines()[:4]), "garbage": "hello there\n"}.get(case, text)
+        path.write_text(body)
+        path.chmod(0o644 if case == "world-readable" else 0o600)
+        if case == "another user's":
+            if os.geteuid() != 0:
+                pytest.skip("needs root to give the file to another user")
+            os.chown(path, 4321, -1)
+    with pytest.raises(KeyFileError, match=re.escape(message)):
+        load_or_make(path)
+
+
+def test_start_up_fails_on_a_bad_key_file_before_taking_tiers(tmp_path):
+    key_file = tmp_path / "keys" / "k.key"
+    key_file.parent.mkdir()
+    key_file.write_text(TcpKeys.fresh().text())
+    key_file.chmod(0o604)
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}", "state_dir": str(tmp_path / "s"),
+                                            "tcp_key_file": str(key_file)},
+                          memory={"dram_capacity_mb": 1 << 26, "nvme_capacity_mb": 0})  # past memory: never reached
+    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert out.returncode == 4, out.stderr
+    assert f"the key file {key_file} is open to other users (mode 604)" in out.stderr
+    assert "dram tier" not in out.stderr
+
+
+def test_a_configured_key_file_is_made_there_and_read_by_clients_of_the_config(tmp_path, runtime):
+    key_file = tmp_path / "shared" / "node.key"
+    with tcp_daemon(tmp_path, runtime, tcp_key_file=str(key_file)) as (config, port):
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert not (runtime / "dflash2" / f"tcp-{port}.key").exists()
+        with Client.connect(config=config, name="c") as c:
+            assert c.key_file == key_file
+        out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert f'"tcp_key_file": "{key_file}"' in out.stdout
