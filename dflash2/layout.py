@@ -9,7 +9,10 @@ from fractions import Fraction
 
 from dflash2.errors import LayoutError
 
-MAX_BLOCK_BYTES = (1 << 63) - 1  # a block's bytes must fit the daemon's int64 columns
+# A block's bytes, and its slot's (rounded up to a tier's alignment), must fit the daemon's int64
+# columns: a block within one alignment of 2^63 had a slot of 2^63 bytes, and the table's array of
+# slot sizes then failed every client's allocate, reserve and check until a restart (a review).
+MAX_BLOCK_BYTES = 1 << 62
 MAX_LAYOUT_NAME_CHARS = 512  # (sglang's names hold the model's path)
 
 # Bits per element. 4-bit values are packed two to a byte.

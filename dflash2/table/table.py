@@ -275,6 +275,9 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
             raise ValueError(f"cannot allocate {n} blocks")
         alloc = self.allocators[tier]
+        # Before any row is taken: what fails here leaves nothing held (raised after, the rows
+        # stayed the client's while its call failed).
+        slot_bytes = int(self.slot_sizes(Tier.HBM)[layout_id]) * n if Tier.HBM in self.allocators else 0
         offsets = (alloc.alloc_in_used_slabs if in_used_slabs else alloc.alloc)(layout.block_bytes, n)
         if offsets is None:
             return None
@@ -291,7 +294,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
         c.refs[rows] = 1
         c.last_access[rows] = self.clock()
         holder.refs.update(rows.tolist())  # (new rows: counted in C, not one Python step per row)
-        holder.ref_slot_bytes += self.ref_slots(rows[:1]) * n
+        holder.ref_slot_bytes += slot_bytes
         return self.vids(rows)
 
     def open_write(self, client_id: int, vids) -> None:

@@ -1,0 +1,57 @@
+"""Calls that failed part-way or poisoned other clients (a review of 2026-12-05, each reproduced on
+a real daemon before its fix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import write_config
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client, DaemonError
+from dflash2.errors import LayoutError
+from dflash2.layout import Layout
+from dflash2.protocol import Op
+from dflash2.alloc import SlotAllocator
+from dflash2.table.table import BlockTable
+from dflash2.tiers import Tier
+
+SMALL = Layout("small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+
+
+def test_a_layout_whose_slot_would_pass_int64_is_refused_and_harms_no_other_client(tmp_path):
+    """A block within one alignment of 2^63 bytes was taken; its slot rounded to 2^63, and every
+    client's allocate, reserve and check then failed (OverflowError) until a restart, the failed
+    allocates leaving their blocks held."""
+    huge = {"name": "huge", "num_layers": (1 << 61) - 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "fp16",
+            "tokens_per_block": 1}  # (2^61 - 1) * 4 bytes: 2^63 - 4
+    with pytest.raises(LayoutError, match="exceeds 4611686018427387904"):
+        Layout.from_dict(huge)
+    proc = DaemonProcess(write_config(tmp_path)).start()
+    try:
+        with Client.connect(proc.endpoint, name="bad", layouts=[SMALL]) as bad, \
+                Client.connect(proc.endpoint, name="victim", layouts=[SMALL]) as victim:
+            with pytest.raises(DaemonError, match="LayoutError"):
+                bad._call(Op.REGISTER_LAYOUT, {"layout": huge})
+            assert len(victim.allocate(victim.layouts[0], 2)) == 2
+            victim.check()
+    finally:
+        proc.stop()
+
+
+def test_an_allocate_that_fails_part_way_leaves_no_block_held():
+    """The rows were taken and counted as the client's before the slot bytes were summed: a failure
+    there left them held while the call failed."""
+    table = BlockTable({Tier.HBM: SlotAllocator(1 << 20, 1 << 16, 256)})
+    lid = table.register_layout(SMALL)
+    client = table.add_client("c")
+
+    def broken(tier):
+        raise OverflowError("Python int too large to convert to C long")
+
+    table.slot_sizes = broken
+    with pytest.raises(OverflowError):
+        table.allocate(client, lid, 2, tier=Tier.HBM)
+    assert not table.client(client).refs
+    assert not np.any(table.cols.refs)
+    assert table.allocators[Tier.HBM].used_slots == 0
