@@ -29,7 +29,8 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_swap_blocks_total{direction} | counter | blocks moved (failed ones not counted) |
 | dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed (left where they were) |
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
-| dflash2_swap_seconds{direction} | histogram | seconds per batch move; _count = batches |
+| dflash2_swap_batches_total{direction} | counter | batch moves |
+| dflash2_swap_seconds{direction} | histogram | seconds of a batch's copy, as the backend timed it (every host and NVMe batch; a GPU HBM<->DRAM batch once a second per direction), not its wait behind other batches; _count = batches timed |
 | dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, orphaned (cached children dropped with a lost parent), not_admitted, not_kept (dropped: the tier below reads back slower than a recompute), past_full (demoted past a tier with no room it could make; also in demoted) |
 | dflash2_prefetch_blocks_total{gpu,result} | counter | prefetched blocks read while still in HBM (useful) or gone from HBM unread (wasted) |
@@ -125,7 +126,8 @@ class DaemonMetrics:
         r = self.registry
         self.request_seconds = Histogram("dflash2_request_latency_seconds", "Handling time per control op.",
                                          ["op"], buckets=LATENCY_BUCKETS, registry=r)
-        self.swap_seconds = Histogram("dflash2_swap_seconds", "Seconds per batch move between two tiers.",
+        self.swap_seconds = Histogram("dflash2_swap_seconds", "Seconds of a batch's copy between two tiers, as the "
+                                      "backend timed it (not its wait behind other batches); _count = batches timed.",
                                       ["direction"], buckets=SWAP_BUCKETS, registry=r)
         self.admission_wait = Histogram("dflash2_admission_wait_seconds",
                                         "Seconds from reserve to grant, for reservations that were deferred.",
@@ -318,6 +320,7 @@ def _swap_families(st: dict):
     def per_dir(field):
         return [((d,), moves.get(d, {}).get(field, 0)) for d in dirs]
 
+    yield _counter("dflash2_swap_batches", "Batch moves between tiers.", ["direction"], per_dir("batches"))
     yield _counter("dflash2_swap_blocks", "Blocks moved between tiers.", ["direction"], per_dir("blocks"))
     yield _counter("dflash2_swap_failed_blocks", "Blocks whose copy failed (they stayed where they were).",
                    ["direction"], per_dir("failed_blocks"))

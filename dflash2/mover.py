@@ -34,7 +34,12 @@ class DirectionStats:
     batches: int = 0
     blocks: int = 0
     bytes: int = 0
+    # The copies' own time, summed over the batches the backend timed (`timed_batches`: every host
+    # and NVMe batch, a GPU HBM<->DRAM batch once a second per direction). Before, each batch counted
+    # from its move's start to its settling: the wait behind the earlier batches of its move and, for
+    # a drain piece, until the loop settled it, 20-60x the copies' time (summed past the wall clock).
     seconds: float = 0.0
+    timed_batches: int = 0
     failed_blocks: int = 0
     # ... of which their destination slot alone was to blame (set aside, quarantine.py): no sign of
     # a full or failing disk, so no back-off (backoff.py)
@@ -161,19 +166,20 @@ class Mover:
             # Freed by end_move just now, and taken out of the free pool before anything else runs.
             if self.quarantine.set_aside(move.dst, move.dst_offsets[unwritable], bad_sizes):
                 slot_failed = len(bad_sizes)
-        finished = time.perf_counter()
-        seconds = finished - move.started
-        if self.read_cost is not None and move.job is not None and move.job.seconds and arrived:
-            self.read_cost.observe(move.src, move.dst, arrived, move.job.seconds)
+        seconds = None if move.job is None else move.job.seconds  # (DirectionStats.seconds)
+        if self.read_cost is not None and seconds and arrived:
+            self.read_cost.observe(move.src, move.dst, arrived, seconds)
         st = self.stats[(move.src, move.dst)]
         st.batches += 1
         st.blocks += int(ok.sum())
         st.failed_blocks += int((~ok).sum())
         st.slot_failed_blocks += slot_failed
         st.bytes += arrived  # bytes of the blocks that arrived: a failed copy moved nothing usable
-        st.seconds += seconds
-        if self.on_batch is not None:
-            self.on_batch(move.src, move.dst, seconds)
+        if seconds is not None:
+            st.seconds += seconds
+            st.timed_batches += 1
+            if self.on_batch is not None:
+                self.on_batch(move.src, move.dst, seconds)
         if self.backend is not None:
             self.swap_log.batch(f"{move.src.label}->{move.dst.label}", int(ok.sum()), int((~ok).sum()),
                                 arrived, seconds)

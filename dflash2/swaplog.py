@@ -14,7 +14,9 @@ spell covers only that spell's batches.
 
 Fields: `blocks` moved and `bytes` of theirs (the blocks that arrived, as the metrics count them),
 `failed` blocks (left where they were, or dropped when read from NVMe), `batches`, `seconds` (their
-copies' time, summed), `over_s` (from the first batch's end to the line).
+copies' own time, summed over the `timed` batches the backend timed: every host and NVMe batch, a
+GPU HBM<->DRAM batch once a second per direction; not the wait behind other batches), `over_s` (from
+the first batch's end to the line).
 
 Invariant: every batch is counted in exactly one `dflash2_swap` line (`flush` says the rest at
 shutdown): summed over the lines, `blocks`, `failed` and `bytes` are the totals of
@@ -40,7 +42,8 @@ class _Spell:
     blocks: int = 0
     failed: int = 0
     bytes: int = 0
-    seconds: float = 0.0  # their copies' time, summed
+    seconds: float = 0.0  # their copies' own time, summed over ...
+    timed: int = 0  # ... the batches the backend timed
 
 
 class SwapLog:
@@ -52,14 +55,15 @@ class SwapLog:
         self._last: dict[str, float] = {}  # direction -> when its last line was said
         self._pending: dict[str, _Spell] = {}
 
-    def batch(self, direction: str, blocks: int, failed: int, nbytes: int, seconds: float) -> None:
-        """One batch move has ended (`blocks` moved, `nbytes` of theirs, `failed` not): said now if
-        its direction's last line is SWAP_LOG_EVERY_S old (or there was none), else kept."""
+    def batch(self, direction: str, blocks: int, failed: int, nbytes: int, seconds: float | None) -> None:
+        """One batch move has ended (`blocks` moved, `nbytes` of theirs, `failed` not; its copy took
+        `seconds`, None where the backend did not time it): said now if its direction's last line is
+        SWAP_LOG_EVERY_S old (or there was none), else kept."""
         now = self._clock()
         if self._log.isEnabledFor(logging.DEBUG):
             self._log.debug("dflash2_swap_batch", extra={"event": "dflash2_swap_batch", "direction": direction,
                                                          "blocks": blocks, "failed": failed, "bytes": nbytes,
-                                                         "seconds": round(seconds, 6)})
+                                                         "seconds": None if seconds is None else round(seconds, 6)})
         spell = self._pending.get(direction)
         if spell is None:
             spell = self._pending[direction] = _Spell(first=now)
@@ -67,7 +71,9 @@ class SwapLog:
         spell.blocks += blocks
         spell.failed += failed
         spell.bytes += nbytes
-        spell.seconds += seconds
+        if seconds is not None:
+            spell.seconds += seconds
+            spell.timed += 1
         last = self._last.get(direction)
         if last is None or now - last >= self._every_s:
             self._say(direction, now)
@@ -95,5 +101,5 @@ class SwapLog:
         self._log.info("dflash2_swap", extra={"event": "dflash2_swap", "direction": direction,
                                               "batches": spell.batches, "blocks": spell.blocks,
                                               "failed": spell.failed, "bytes": spell.bytes,
-                                              "seconds": round(spell.seconds, 6),
+                                              "seconds": round(spell.seconds, 6), "timed": spell.timed,
                                               "over_s": round(now - spell.first, 3)})

@@ -230,7 +230,7 @@ def test_prometheus_answers_every_dashboard_and_alert_expression(tmp_path, confi
         assert not empty, "expressions that returned no data:\n" + "\n".join(empty)
 
         # Blocks per batch: the moves' blocks over their batches, as the daemon counted them.
-        per_batch = next(e for e in dashboard_exprs() if "dflash2_swap_seconds_count" in e)
+        per_batch = next(e for e in dashboard_exprs() if "dflash2_swap_batches_total" in e)
         got = {r["metric"]["direction"]: float(r["value"][1]) for r in api.query(grafana_to_promql(per_batch))}
         move = truth["moves"]["dram->hbm"]
         assert got["dram->hbm"] == pytest.approx(move["blocks"] / move["batches"]), got
