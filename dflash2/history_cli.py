@@ -107,7 +107,7 @@ def load(args: argparse.Namespace) -> list[dict]:
                 has_lines = bool(f.read(1))
         except OSError as e:
             raise HistoryError(f"cannot read the history file {path}: {e.strerror or e}") from None
-        samples = read_file(path)
+        samples = read_file(path, since_s=args.since)
         if has_lines and not samples:
             raise HistoryError(f"{path} holds no dflash2 history samples (a daemon's is STATE_DIR/{FILE_NAME})")
         if args.since is not None and samples:

@@ -240,3 +240,43 @@ def test_a_history_time_no_clock_takes_in_this_time_zone_is_not_a_sample(tmp_pat
     out = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--file", str(path)], capture_output=True,
                          text=True, timeout=60, env={**os.environ, "TZ": "UTC-14"})  # (POSIX: 14 hours east of UTC)
     assert out.returncode == 0 and "1 samples" in out.stdout and "year 10000" not in out.stderr, out.stdout + out.stderr
+
+
+def test_a_figure_past_a_float_is_not_a_sample_and_stops_nothing(tmp_path, clock, service, capsys):
+    """JSON takes an int of up to 4300 digits; one of 400 in a line made `math.isfinite` raise
+    OverflowError: the daemon did not start on its history, nor did `dflash2 history --file` read it
+    (a review)."""
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    for _ in range(2):
+        h.record(service.stats())
+        clock.advance(1)
+    good = path.read_text().splitlines()
+    huge = good[1].replace('"clients":0', '"clients":1' + "0" * 400, 1)
+    assert huge != good[1]
+    path.write_text("\n".join([good[0], huge]) + "\n")
+    assert [s["t"] for s in read_file(path)] == [json.loads(good[0])["t"]]
+    assert cli.main(["history", "--file", str(path)]) == 0
+    assert "1 samples" in capsys.readouterr().out
+    History(path=path, clock=clock)  # (the daemon's start-up reads it back)
+
+
+def test_history_since_parses_only_the_lines_it_keeps(tmp_path, clock, service, monkeypatch, capsys):
+    """`dflash2 history --file F --since 30m` parsed the whole file pair (128 MiB: 1.2 GB of memory and
+    6 s for 30 minutes' rows, a review); now the lines before the cutoff are passed over by their time."""
+    import dflash2.history as history
+
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    for _ in range(200):
+        h.record(service.stats())
+        clock.advance(1)
+    everything = [s["t"] for s in read_file(path)]
+    parsed = []
+    real = history.json.loads
+    monkeypatch.setattr(history.json, "loads", lambda s, *a, **k: parsed.append(1) or real(s, *a, **k))
+    kept = read_file(path, since_s=9)
+    assert [s["t"] for s in kept] == everything[-10:]
+    assert len(parsed) < 60, len(parsed)  # (10 kept, and the tail read for the newest time)
+    assert cli.main(["history", "--file", str(path), "--since", "9s", "--json"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 10
