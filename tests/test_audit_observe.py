@@ -192,7 +192,7 @@ def test_status_watch_tells_a_restart_across_frames_that_went_unanswered(make_ma
     old, new = stats_of(5), stats_of(1)
     new["daemon"]["pid"] = old["daemon"]["pid"] + 1
     answers = iter([(old, ""), (None, "no answer within 1s"), (None, "no answer within 1s"), (new, "")])
-    monkeypatch.setattr(status_watch, "_ask", lambda endpoint, timeout_s: next(answers))
+    monkeypatch.setattr(status_watch, "_ask", lambda endpoint, timeout_s, key_file=None: next(answers))
     monkeypatch.setattr(status_watch.time, "sleep", lambda s: None)
     assert status_watch.watch("ipc:///nowhere", 1.0, count=4, clear=False)
     frames = capsys.readouterr().out.split("every 1s")
