@@ -99,6 +99,28 @@ class Forgetting:
         _keep(session.settled, call)
         return {"undone": undone}, []
 
+    def _reply_lost(self, req: Request) -> bool:
+        """The reply to `req` cannot be sent (it failed to encode: a bug), so its client never learns
+        what the call handed out: that is given back now, as its `forget` would (before, it stayed
+        held until detach: the client sends `forget` only after a timeout, not after an error
+        reply). Whether something was given back."""
+        session = self.sessions.get(req.client)
+        kept = None if session is None else session.undo.pop(req.call_id, None)
+        if kept is None:
+            return False
+        session.undo_ids -= kept[2]
+        _keep(session.settled, req.call_id)
+        op, undo, _ = kept
+        try:
+            undo()
+        except DFlash2Error as e:
+            log.warning("the reply to client %d's %s (call %d) was lost; giving back what it handed out failed: %s",
+                        req.client, op, req.call_id, e)
+            return False
+        self.counters["calls_undone"] += 1
+        return True
+
+
 def _keep(calls, call: int) -> None:
     """Note `call` among the last KEEP_FORGOTTEN of a session's forgotten or settled calls."""
     calls[call] = True

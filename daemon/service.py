@@ -125,7 +125,7 @@ class Service(Forgetting):
             log.exception("internal error decoding a message")
             return P.encode_reply(Reply(P.peek_call_id(frames), False, {}, "InternalError", f"{type(e).__name__}: {e}"))
         if not self.parking:  # (a call parked before, answered as the daemon stops: from its arrival too)
-            return P.encode_reply(self.handle(req, None if again is None else again.arrived))
+            return self._encoded(req, self.handle(req, None if again is None else again.arrived))
         own_parks = 0 if again is None else again.own_parks
         arrived = time.perf_counter() if again is None else again.arrived
         for m in self.managers.values():
@@ -140,7 +140,20 @@ class Service(Forgetting):
         finally:
             for m in self.managers.values():
                 m.placement.parking, m.placement.own_parks = False, 0
-        return P.encode_reply(reply)
+        return self._encoded(req, reply)
+
+    def _encoded(self, req: Request, reply: Reply) -> list[bytes]:
+        """The reply's frames; a reply that cannot be encoded (a bug) becomes an InternalError, and what
+        the call handed out is given back (`_reply_lost`): its client would never learn of it."""
+        try:
+            return P.encode_reply(reply)
+        except Exception as e:
+            self.counters["errors"] += 1
+            log.exception("internal error encoding the reply to %s", req.op.value)
+            undone = self._reply_lost(req) if reply.ok else False
+            return P.encode_reply(Reply(req.call_id, False, {}, "InternalError",
+                                        f"the reply could not be encoded ({type(e).__name__}: {e})"
+                                        + ("; what the call handed out was given back" if undone else "")))
 
     def handle(self, req: Request, arrived: float | None = None) -> Reply:
         """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py).

@@ -85,3 +85,31 @@ def test_swap_seconds_are_the_copies_own_time(tmp_path):
         assert sum(m["seconds"] for m in moves.values()) < wall
     finally:
         proc.stop()
+
+
+def test_a_reply_that_cannot_be_encoded_gives_back_what_its_call_handed_out(make_manager, monkeypatch):
+    """Its client never learns what the call handed out (it sends `forget` only after a timeout, not
+    after an error reply): the blocks stayed held until detach. Now the daemon gives them back and
+    says so in the InternalError."""
+    from dflash2 import protocol as P
+    from dflash2.daemon import service as service_module
+    from dflash2.daemon.service import Service
+
+    svc = Service(make_manager(hbm_blocks=16), lease_timeout_s=60.0, heartbeat_interval_s=10.0)
+    att = P.decode_reply(svc.handle_frames(P.encode_request(Op.ATTACH, 1, None, {"name": "c", "pid": 1,
+                                                                                "layouts": [SMALL.to_dict()]})))
+    client, token = att.result["client"], att.result["token"]
+    real = P.encode_reply
+
+    def broken(reply):
+        if reply.ok and reply.result.get("allocated"):
+            raise TypeError("Object of type bytes_ is not JSON serializable")
+        return real(reply)
+
+    monkeypatch.setattr(service_module.P, "encode_reply", broken)
+    out = P.decode_reply(svc.handle_frames(P.encode_request(Op.ALLOCATE, 2, client, {"layout": 0, "n": 3},
+                                                            token=token)))
+    assert not out.ok and out.error_type == "InternalError"
+    assert "what the call handed out was given back" in out.error_message
+    assert not svc.manager.table.client(client).refs
+    assert svc.manager.table.allocators[Tier.HBM].used_slots == 0
