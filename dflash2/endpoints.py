@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
@@ -22,7 +23,46 @@ def connectable(endpoint: str) -> str:
         return endpoint
     host, _, port = rest.rpartition(":")
     loopback = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(_bare_host(host))
+    if loopback == "[::1]" and not ipv6_loopback():
+        # A daemon bound to [::] where IPv6 is off serves IPv4 (ZeroMQ falls back): clients sent to
+        # [::1] waited out their timeout.
+        loopback = "127.0.0.1"
     return endpoint if loopback is None else f"tcp://{loopback}:{port}"
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine has IPv6's loopback address (a socket can be bound to it)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def interface_host(endpoint: str) -> Optional[str]:
+    """The host of a tcp endpoint when it is the name of a network interface of this machine (eth0,
+    lo) and no host name: ZeroMQ binds such a name, but a client cannot connect to it; else None."""
+    scheme, _, rest = endpoint.partition("://")
+    host = _bare_host(rest.rpartition(":")[0])
+    if scheme != "tcp" or host == "*" or host in ("localhost", "ip6-localhost"):
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    if host not in names:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+        return None  # (also a host name here: clients can connect to it)
+    except OSError:
+        return host
 
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:

@@ -20,6 +20,7 @@ from dflash2 import threads
 from dflash2.alloc import blocks_that_fit, slot_bytes
 from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
 from dflash2.cudadriver import libcuda
+from dflash2.endpoints import interface_host
 from dflash2.errors import ConfigError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
@@ -264,6 +265,11 @@ def _checked_endpoint(cfg: Config) -> str:
     if endpoint.startswith("ipc://") and len(endpoint[len("ipc://"):].encode()) > UNIX_SOCKET_PATH_MAX:
         raise ConfigError("daemon.endpoint", f"the socket path {endpoint[6:]!r} is longer than "
                                              f"{UNIX_SOCKET_PATH_MAX} bytes, the Unix limit")
+    interface = interface_host(endpoint)
+    if interface is not None:
+        raise ConfigError("daemon.endpoint", f"{interface!r} is the name of a network interface: ZeroMQ binds it, but "
+                                             "the clients reading this config cannot connect to it (not a host); give "
+                                             "that interface's address, or * for every address")
     return endpoint
 
 

@@ -158,3 +158,32 @@ def test_a_metrics_port_another_program_holds_is_refused_before_any_tier_is_take
     assert out.returncode == 4, out.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}: [Errno 98] Address already in use" in out.stderr
     assert "dram tier" not in out.stderr
+
+
+def test_an_interface_name_as_the_tcp_host_is_refused_by_name(tmp_path):
+    """`tcp://lo:P` (or eth0) bound, but the clients reading the config could not connect to it: a
+    network interface's name is no host (a review)."""
+    from dflash2.errors import ConfigError
+    from dflash2.plan import resolve_plan
+
+    name = next((n for _, n in socket.if_nameindex() if n == "lo"), None)
+    if name is None:
+        import pytest
+        pytest.skip("no interface named lo here")
+    try:
+        resolve_plan(load_config(write_config(tmp_path, daemon={"endpoint": f"tcp://{name}:5999"})))
+        raise AssertionError("an interface name was taken as the endpoint's host")
+    except ConfigError as e:
+        assert "'lo' is the name of a network interface" in str(e) and "daemon.endpoint" in str(e)
+    resolve_plan(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://localhost:5999"})))
+
+
+def test_clients_of_a_daemon_on_every_ipv6_address_go_to_ipv4_where_ipv6_is_off(monkeypatch):
+    """A daemon bound to tcp://[::]:P where IPv6 is off serves IPv4; its clients went to [::1] and
+    waited out their timeout."""
+    from dflash2 import endpoints
+
+    monkeypatch.setattr(endpoints, "ipv6_loopback", lambda: False)
+    assert endpoints.connectable("tcp://[::]:5999") == "tcp://127.0.0.1:5999"
+    monkeypatch.setattr(endpoints, "ipv6_loopback", lambda: True)
+    assert endpoints.connectable("tcp://[::]:5999") == "tcp://[::1]:5999"
