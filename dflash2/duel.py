@@ -212,6 +212,11 @@ class Duel:
         self.tick_budget_s = TICK_BUDGET_S
         self.following = 0  # index in CANDIDATES
         self.off: str | None = None  # why the duel stopped (None while it runs)
+        # Stopped because the smallest layout then registered was too large for the miniatures: its
+        # block bytes, and how many layouts were registered (a smaller one registered later starts
+        # the duel again: `_reopen`). Before, the duel stayed off until a restart, so whether it ran
+        # followed which client attached first (a review).
+        self._too_large: tuple[int, int] | None = None
         self._queue: collections.deque = collections.deque()  # (clock, layout id, uint64 sampled keys)
         # (seconds, sampled keys) of the lookups served lately, decayed by COST_DECAY a lookup: `cost_s`.
         self._spent = (0.0, 0.0)
@@ -244,7 +249,9 @@ class Duel:
         """A lookup of `keys` (a request's prefix chain): its sampled keys join the queue. Not a host-side
         reader's (reader=DRAM: the node serves it without HBM, which is what the duel ranks), nor one
         naming no layout while several are registered (which one its blocks are of is not known)."""
-        if self.off is not None or not len(keys):
+        if self.off is not None and not self._reopen():
+            return
+        if not len(keys):
             return
         if host_reader:
             self._not_replayed("host_reader")
@@ -357,6 +364,10 @@ class Duel:
             return
         began = time.perf_counter()  # (after the miniatures are built: their cost is not a lookup's)
         self._now = now
+        for mini in self._minis:
+            decay_to = getattr(mini.manager.policy, "decay_to", None)
+            if decay_to is not None:
+                decay_to(now)
         try:
             found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis],
                              dtype=np.float64)
@@ -418,6 +429,7 @@ class Duel:
             remedy = ("lower policy.duel_sample, or 0 to turn the duel off" if self.sample > 2 else
                       f"HBM needs {2 * MIN_BLOCKS} such blocks for the duel at the finest sample; policy.duel_sample "
                       "0 turns it off")
+            self._too_large = (layout.block_bytes, len(self.manager.table.layouts))
             self._stop(f"1/{self.sample} of HBM holds {hbm} blocks of layout {layout.name!r}, fewer than {MIN_BLOCKS}: "
                        f"too small a miniature to judge by ({remedy})")
             return
@@ -446,7 +458,10 @@ class Duel:
         if name != "heat" and not tiered:
             return make_policy(name)
         sizes = self.policy.miniature_sizes(self.sample) if hasattr(self.policy, "miniature_sizes") else {}
-        policy = type(self.policy)(dict(self.policy.weights), **sizes)
+        # (Its access counts halve by wall time as the real one's do: without it, the "heat" a node with
+        # policy.decay_half_life_s set ran was not what its miniature judged. `_serve` applies it.)
+        decay = getattr(self.policy, "decay_half_life_s", None)
+        policy = type(self.policy)(dict(self.policy.weights), decay_half_life_s=decay, **sizes)
         policy.follow(name)
         return policy
 
@@ -517,6 +532,24 @@ class Duel:
         if since is not None:
             log.warning("duel: a lookup not replayed: %s; %d not replayed so far for that reason (%d since the "
                         "last report)", detail(), n, since)
+
+    def _reopen(self) -> bool:
+        """Whether a duel stopped for too large a layout runs again: a smaller layout registered since
+        (checked when the count of layouts changes)."""
+        if self._too_large is None:
+            return False
+        block_bytes, seen = self._too_large
+        layouts = self.manager.table.layouts
+        if len(layouts) == seen:
+            return False
+        self._too_large = (block_bytes, len(layouts))
+        smallest = min(layouts, key=lambda lay: lay.block_bytes)
+        if smallest.block_bytes >= block_bytes:
+            return False
+        self.off, self._too_large, self._minis, self._minis_layout = None, None, None, None
+        log.info("duel on again: layout %r, registered since it stopped, has blocks smaller than the one it was sized "
+                 "by (%d bytes against %d)", smallest.name, smallest.block_bytes, block_bytes)
+        return True
 
     def _stop(self, why: str) -> None:
         if self.off is None:

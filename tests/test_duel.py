@@ -287,3 +287,61 @@ def test_a_duel_too_small_at_the_finest_sample_does_not_say_to_lower_it():
     duel.run()
     assert duel.off is not None and "lower policy.duel_sample" not in duel.off
     assert f"HBM needs {2 * D.MIN_BLOCKS} such blocks" in duel.off, duel.off
+
+
+def _layout(name, layers, heads, dim):
+    from dflash2.layout import Layout
+    return Layout(name, num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype="fp16", tokens_per_block=16)
+
+
+def test_a_duel_stopped_for_a_large_first_layout_runs_once_a_small_one_registers():
+    """The miniatures are sized by the smallest layout registered when they are first built: a node
+    whose first client's layout had 2 MiB blocks (16 in a miniature HBM) stopped the duel, and the
+    16 KiB layout that attached later was never replayed until a restart (a review)."""
+    mib = 1 << 20
+    mgr = BlockManager([TierSpec(Tier.HBM, 256 * mib, 2 * mib, 256)], policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 8)
+    big = mgr.register_layout(_layout("big", 32, 8, 128))
+    duel.offer(list(range(1, 65)), big)
+    duel.run()
+    assert duel.off is not None and "layout 'big'" in duel.off
+    duel.offer(list(range(1, 65)), big)  # (no layout registered since: still off)
+    assert duel.off is not None and duel.describe()["queued"] == 0
+    small = mgr.register_layout(_layout("small", 2, 2, 64))
+    for r in range(50):
+        duel.offer(list(range(10**6 + 64 * r, 10**6 + 64 * r + 64)), small)
+        duel.run()
+    assert duel.off is None and duel.requests == 50
+    duel.offer(list(range(1, 65)), big)
+    duel.run()
+    assert duel.off is None and duel.not_replayed["layout_too_large"] == 1
+
+
+def test_the_heat_miniature_decays_its_counts_as_the_real_heat():
+    """`policy.decay_half_life_s`: the real heat halves its access counts every half-life of wall
+    time; its duel miniature was built without it and counted every read for ever, so the duel
+    judged a heat that did not run (a review)."""
+    from dflash2.policy.heat import HeatPolicy
+
+    mib = 1 << 20
+    now = [1000.0]
+    real = HeatPolicy(decay_half_life_s=1.0)
+    mgr = BlockManager([TierSpec(Tier.HBM, 256 * mib, 2 * mib, 256)], policy=real, clock=lambda: now[0])
+    duel = Duel(mgr, 2)
+    lid = mgr.register_layout(_layout("small", 2, 2, 64))
+    c = mgr.attach("x")
+    keys = list(range(1, 65))
+    for _ in range(6):  # the same chain, once every 10 half-lives
+        now[0] += 10.0
+        places = mgr.lookup(keys, lid)
+        if places:
+            vids = [p.vid for p in places]
+            mgr.acquire(c, vids)
+            mgr.release(c, vids)
+        else:
+            mgr.free(c, mgr.commit(c, mgr.allocate(c, lid, len(keys)), keys))
+        mgr.tick()
+    mini = duel._minis[0].manager.policy
+    assert mini.decay_half_life_s == 1.0
+    picked = sampled(np.array(keys, dtype=np.uint64), 2)
+    assert mini.sketch.estimate(picked).max() <= 1, mini.sketch.estimate(picked)  # (6 before: every read kept)

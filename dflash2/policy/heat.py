@@ -537,6 +537,12 @@ class HeatPolicy(Policy):
 
     def on_tick(self, table, now: float) -> None:
         self._stepped = True
+        self.decay_to(now)
+        self.rescore(table, now)
+
+    def decay_to(self, now: float) -> None:
+        """Halve the access counts once per `decay_half_life_s` passed by `now` (the daemon's tick; a
+        duel's miniature before each lookup it replays, at the lookup's time)."""
         if self.decay_half_life_s is not None:
             if self._halved_at is None:
                 self._halved_at = now
@@ -546,7 +552,6 @@ class HeatPolicy(Policy):
             if due >= 1:
                 self.sketch.halve(int(min(due, 64)))
                 self._halved_at += due * self.decay_half_life_s
-        self.rescore(table, now)
 
     def rescore(self, table, now: float) -> np.ndarray:
         """One full scoring pass over every row (also what the timer does), HBM's rows by the ranking
