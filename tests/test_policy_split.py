@@ -436,3 +436,19 @@ def test_the_split_is_in_the_stats_as_json():
     assert split[0]["first_timers"] + split[0]["returning"] == 8
     assert split[1]["first_timers"] == 4
     assert set(split[0]["ghost_hits"]) == {"first_timers", "returning"}
+
+
+def test_a_tier_whose_blocks_grew_large_is_judged_by_what_it_holds():
+    """A tier that held 4,096 blocks of a 16 KiB layout, then holds 32 of a 2 MiB one: judged at the
+    old count, the hysteresis margin (41 blocks) exceeded the whole tier, and once the returning list
+    gave way first it did so for good, thrashing a hot set while first-timers stayed (a review)."""
+    s = filled(4096, 0, share=0.5)
+    s.update_sides()
+    assert not s.first_out[0]  # (first-timers under their target: the returning list gives way)
+    s.share[0] = 0.0  # (the ghosts moved the target since)
+    # The small blocks leave; 32 large ones come, first-timers all: over their target of 0.
+    s.recount(np.array([code(0, RETURNING)] * 4096, np.int8), np.full(4096, -1, np.int8))
+    s.recount(np.full(32, -1, np.int8), np.array([code(0, FIRST)] * 32, np.int8))
+    assert s.capacity[0] == 4096
+    s.update_sides()
+    assert s.first_out[0], "first-timers over their target must give way first"

@@ -86,6 +86,13 @@ RATE_BAND = 0.5
 # The counts halve each capacity of departures, so in a tier of fewer than MIN_RESOLVED / 2 blocks
 # they never get there, and the band never holds a ghost.
 MIN_RESOLVED = 32
+# Which list gives way first is judged against a tier's capacity (in blocks, the most keyed blocks it
+# has held) cut to what it holds over this share: a tier's blocks may change size (a node serving a
+# layout of 16 KiB blocks, then one of 2 MiB: 4,096 blocks, then 32), and at the old count the
+# hysteresis margin (41 blocks) was larger than the whole tier, so the returning list gave way first
+# for good and a hot set thrashed (a review). One layout's tier holds far more than this share of
+# its capacity, and is judged as before.
+CAPACITY_FALL = 0.1
 LISTS = ("first_timers", "returning")  # the lists' names in `describe` (stats, metrics labels)
 
 
@@ -272,8 +279,10 @@ class AdaptiveSplit:
         # Per tier in Python floats (float64, as numpy's): a split has one to three tiers, and this
         # runs after every change of a list's size, where a dozen numpy steps on arrays of three
         # cost several times more.
-        for t, (share, cap, first, out) in enumerate(zip(self.share.tolist(), self.capacity.tolist(),
-                                                         self.sizes[:, FIRST].tolist(), self.first_out.tolist())):
+        for t, (share, cap, first, held, out) in enumerate(zip(self.share.tolist(), self.capacity.tolist(),
+                                                               self.sizes[:, FIRST].tolist(), self.sizes.sum(axis=1).tolist(),
+                                                               self.first_out.tolist())):
+            cap = min(cap, held / CAPACITY_FALL)  # (CAPACITY_FALL)
             target, margin = share * cap, max(1.0, HYSTERESIS * cap)
             if out != (first > target + margin or (out and first >= target - margin)):
                 self.first_out[t] = not out
