@@ -53,6 +53,9 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the
 # call socket, the heartbeat's, the arena mappings' files, and a fresh socket after a timeout.
 CONNECT_DESCRIPTORS = 16
+# ... and over tcp, each socket's handshake monitor besides (an inproc pair: two more per socket; a
+# client left with 16 attached, and its heartbeat's socket then could not connect: its lease lapsed).
+TCP_CONNECT_DESCRIPTORS = 20
 
 
 def check_descriptors(endpoint: str) -> None:
@@ -60,9 +63,10 @@ def check_descriptors(endpoint: str) -> None:
     the whole serving process (`Too many open files (src/epoll.cpp)`, exit 134) when its I/O thread
     found none, and raised a raw ZMQError when a socket found none."""
     left = descriptors_left()
-    if left is not None and left[0] < CONNECT_DESCRIPTORS:
+    need = TCP_CONNECT_DESCRIPTORS if endpoint.startswith("tcp://") else CONNECT_DESCRIPTORS
+    if left is not None and left[0] < need:
         raise DaemonUnavailable(f"cannot connect to {endpoint}: this process has {max(left[0], 0)} file descriptors "
-                                f"left of its limit of {left[1]} and connecting needs {CONNECT_DESCRIPTORS} (raise "
+                                f"left of its limit of {left[1]} and connecting needs {need} (raise "
                                 "`ulimit -n`, or close files)")
 
 
@@ -110,7 +114,10 @@ class Transport:
             try:
                 self._keys = load_keys(self.key_file)
             except KeyFileError as e:
-                raise AccessDenied(f"cannot attach to the tcp endpoint {endpoint}: {e}") from None
+                where = "" if key_file is not None else (
+                    "; with no daemon.tcp_key_file this process looks in its own runtime folder ($XDG_RUNTIME_DIR/dflash2, "
+                    "else /tmp/dflash2-$UID), which must be the daemon's: else name the daemon's file in daemon.tcp_key_file")
+                raise AccessDenied(f"cannot attach to the tcp endpoint {endpoint}: {e}{where}") from None
         self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
@@ -173,15 +180,15 @@ class Transport:
             except zmq.Again:
                 return
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = ("refused this client's key: the key file is not the one the daemon uses (made again "
-                       "since this client read it?)")
+                why = "refused this client's key: the key file's client key is not the daemon's"
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 why = "does not speak CURVE (a dflash2d before tcp keys, or not a dflash2d)"
             else:
                 self._failed_handshakes += 1
                 if self._failed_handshakes >= 2:
-                    why = ("did not accept this client's handshake: the key file holds another daemon's key, or "
-                           "the server there does not speak CURVE (a dflash2d before tcp keys, or not a dflash2d)")
+                    why = ("did not accept this client's handshake: the key file holds another daemon's key (or "
+                           "one since made again: its file was removed), or the server there does not speak CURVE "
+                           "(a dflash2d before tcp keys, or not a dflash2d)")
         self._close_socket(self._sock)
         self._sock = None
         raise AccessDenied(f"dflash2d at {self.endpoint} {why} (key file {self.key_file})") from None

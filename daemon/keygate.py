@@ -1,7 +1,17 @@
 """The gate of a tcp endpoint: the request socket speaks CURVE as a server, and a ZAP handler (pyzmq's
 authenticator, on a thread of its own) lets in only a client whose key is the key file's client key
-(dflash2/tcpkeys.py). A refused connection never reaches the request loop; the refusals are logged,
-at most one line a minute with their count (a port scan would otherwise fill the log)."""
+(dflash2/tcpkeys.py). A refused connection never reaches the request loop.
+
+Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
+the log): those of the ZAP handler (a client key that is not the file's) and the handshakes that
+fail before it is asked (another daemon's key file, one since made again, not a CURVE client),
+which a monitor of the socket's events reports to a thread of the gate's own.
+
+A connection that never speaks is dropped after HANDSHAKE_S (libzmq's default, 30 s, let a user
+without the key hold a daemon descriptor per idle connection for that long: 1,000 of them took a
+daemon's 1,024 and every new attach timed out, a review). Whoever reaches the port can still open
+connections faster than that; the daemon's descriptor limit (raised at start-up) bounds them.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +20,16 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dflash2.tcpkeys import TcpKeys
 
 log = logging.getLogger("dflash2.daemon")
 
 REFUSALS_LOGGED_EVERY_S = 60.0
+HANDSHAKE_S = 2.0
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class KeyGate:
@@ -24,34 +38,68 @@ class KeyGate:
 
         self.keys = keys
         self.key_file = key_file
-        self.refused = 0  # connections refused since start
+        self.refused = 0  # connections refused since start (by the ZAP handler, or a failed handshake)
         self._unlogged = 0
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
-        self._lock = threading.Lock()  # (the authenticator's thread calls `callback`)
+        self._lock = threading.Lock()  # (the authenticator's and the monitor's threads count)
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("dflash2.daemon.zap"))
         self._auth.start()
         self._auth.configure_curve_callback("*", credentials_provider=self)
+        self._sock: zmq.Socket | None = None
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def secure(self, sock: zmq.Socket) -> None:
-        """Make `sock` (before bind) a CURVE server with the file's server key."""
+        """Make `sock` (before bind) a CURVE server with the file's server key, whose failed handshakes
+        a thread of the gate's counts."""
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.server_public)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # (used by the watcher thread alone from here)
+        self._sock = sock
+        self._watcher = threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, monitor: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not monitor.poll(200):
+                    continue
+                event = recv_monitor_message(monitor)["event"]
+                if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (those: counted by `callback`)
+                    self._count("whose handshake failed (a client with another daemon's key file, or one since made "
+                                "again, or not a CURVE client)")
+        except zmq.ZMQError:
+            pass  # (the context ends under it at shutdown)
+        finally:
+            monitor.close(0)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP handler's question: may a client with this (Z85) key connect?"""
         if client_key == self.keys.client_public:
             return True
+        self._count("whose client key is not the one in the key file")
+        return False
+
+    def _count(self, why: str) -> None:
         with self._lock:
             self.refused += 1
             self._unlogged += 1
             now = time.monotonic()
             if now - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
-                log.warning("refused %d tcp connection%s whose key is not the one in %s (a client with another "
-                            "daemon's key file, or not a dflash2 client)", self._unlogged,
-                            "" if self._unlogged == 1 else "s", self.key_file)
+                log.warning("refused %d tcp connection%s since the last such line; the last %s (%s)", self._unlogged,
+                            "" if self._unlogged == 1 else "s", why, self.key_file)
                 self._unlogged, self._logged_at = 0, now
-        return False
 
     def close(self) -> None:
+        """Before the socket closes."""
+        self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
         self._auth.stop()

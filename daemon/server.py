@@ -461,7 +461,7 @@ class Server:
             log.exception("metrics/history sampling failed; the daemon keeps serving")
 
     def close(self) -> None:
-        self._sock.close(0)
         if self._gate is not None:
-            self._gate.close()
+            self._gate.close()  # (its monitor of the socket first)
+        self._sock.close(0)
         self._ctx.term()

@@ -140,7 +140,7 @@ def resolve_endpoint(args: argparse.Namespace) -> tuple[str, Optional[Path]]:
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file=None) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
     from dflash2.client.transport import Transport, check_endpoint
-    from dflash2.errors import DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
+    from dflash2.errors import AccessDenied, DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
@@ -153,6 +153,8 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file
             reply = transport.call(P.Op.HISTORY, None, args)
         finally:
             transport.close()
+    except AccessDenied as e:  # (it runs: it refused this process)
+        raise DaemonNotAnswering(str(e)) from None
     except DaemonUnavailable as e:
         raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
     # A daemon of another version (not one this command can ask), or what answered is not dflash2d

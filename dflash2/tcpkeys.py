@@ -10,7 +10,10 @@ socket can.
 The file (`daemon.tcp_key_file`; default `tcp-PORT.key` in the node's runtime folder, beside the
 endpoint's lock file) holds four Z85 keys, one `name = value` line each. The daemon makes it at its
 first start, owner-only (mode 0600), and keeps it across restarts, so clients that read it once
-keep working; give a group read access (chmod 0640, chgrp) to let that group's processes attach.
+keep working. A client that attaches maps the daemon's shared memory, which is owner-only too: so
+serving processes run as the daemon's user; a group given read access to the file (chmod 0640,
+chgrp, and a `daemon.tcp_key_file` that group's processes can reach) can ask `dflash2 status` and
+`history`, not attach.
 Invariants, checked wherever the file is read: a regular file (a link is not followed), holding the
 four keys and nothing else; the daemon also refuses one that other users may read (mode o+r), or
 that it does not own.
@@ -111,7 +114,8 @@ def load(path: Path) -> TcpKeys:
                            "this daemon.tcp_key_file?); a client must be able to read it to attach") from None
     except PermissionError:
         raise KeyFileError(f"cannot read the key file {path} (permission denied): only processes that can read "
-                           "it may attach; its owner can grant a group read access (chmod 0640, chgrp)") from None
+                           "it may connect (serving processes run as the daemon's user, whose shared memory they "
+                           "map)") from None
     except OSError as e:
         raise KeyFileError(f"cannot read the key file {path}: {e.strerror or e}") from None
     return parse(text, path)

@@ -88,7 +88,7 @@ def test_a_client_without_the_daemons_key_is_refused_at_once_by_name(tmp_path, r
     with tcp_daemon(tmp_path, runtime) as (config, port):
         started = time.monotonic()
         with pytest.raises(AccessDenied, match=f"dflash2d at tcp://127.0.0.1:{port} did not accept this client's "
-                                               f"handshake: the key file holds another daemon's key, or .* \\(key file {other}"):
+                                               f"handshake: the key file holds another daemon's key .* \\(key file {other}"):
             Client(f"tcp://127.0.0.1:{port}", "intruder", timeout_s=20, key_file=other)
         assert time.monotonic() - started < 10
         ours, fresh = load(runtime / "dflash2" / f"tcp-{port}.key"), TcpKeys.fresh()
@@ -112,7 +112,8 @@ def test_a_client_without_the_daemons_key_is_refused_at_once_by_name(tmp_path, r
             sock.close(0)
         finally:
             ctx.term()
-    assert "whose key is not the one in" in (tmp_path / "daemon.log").read_text()
+    log = (tmp_path / "daemon.log").read_text()
+    assert "refused 1 tcp connection since the last such line; the last whose handshake failed" in log, log
 
 
 def test_a_client_of_a_daemon_without_curve_is_told_so(tmp_path, runtime):
@@ -183,3 +184,39 @@ def test_a_configured_key_file_is_made_there_and_read_by_clients_of_the_config(t
         out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check", "--json"],
                              capture_output=True, text=True, timeout=60)
         assert f'"tcp_key_file": "{key_file}"' in out.stdout
+
+
+def test_a_connection_that_never_speaks_is_dropped_within_seconds(tmp_path, runtime):
+    """libzmq's default let an idle connection hold a daemon descriptor for 30 s: 1,000 of them from a
+    user without the key took a daemon's 1,024 and every new attach timed out (a review)."""
+    with tcp_daemon(tmp_path, runtime) as (config, port):
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(8)
+            started = time.monotonic()
+            try:
+                while idle.recv(4096):  # (the daemon's greeting, then the close)
+                    pass
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < 8
+
+
+def test_a_tcp_client_needs_room_for_its_handshake_monitors(monkeypatch):
+    """Each tcp socket has a handshake monitor (two descriptors more): a client left with the 16 an
+    ipc one needs attached, and its heartbeat's socket then could not connect (its lease lapsed)."""
+    from dflash2.client import transport
+
+    monkeypatch.setattr(transport, "descriptors_left", lambda: (18, 1024))
+    transport.check_descriptors("ipc:///run/x.sock")
+    with pytest.raises(transport.DaemonUnavailable, match="connecting needs 20"):
+        transport.check_descriptors("tcp://127.0.0.1:5999")
+
+
+def test_history_says_a_refusal_is_not_a_daemon_that_does_not_run(tmp_path, runtime):
+    from dflash2.history_cli import DaemonNotAnswering, fetch
+
+    with pytest.raises(DaemonNotAnswering) as e:
+        fetch("tcp://127.0.0.1:5999", None, 1.0, key_file=tmp_path / "nope.key")
+    assert "no key file at" in str(e.value) and "is dflash2d running" not in str(e.value)
+    with pytest.raises(AccessDenied, match="looks in its own runtime folder"):
+        Client("tcp://127.0.0.1:5999", "c", timeout_s=1)  # (no key file named: the default is looked for)
