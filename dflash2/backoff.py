@@ -194,7 +194,7 @@ class WriteBackoff:
         if not self.make_room(tier, int(self._slot_bytes(tier, rows)[0]), block_bytes=size):
             return False
         if not self.policy.admit(self.table, rows, tier, self.table.clock()).all():
-            return False  # (a tier with a free slot admits every block under every policy so far)
+            return False  # (a tier with a free slot admits every block under every daemon policy so far)
         moved = self.mover.move(rows, tier)
         if not moved.all():
             return False

@@ -404,13 +404,20 @@ class Placement(Rebalancing, Promotion, WriteBackoff):
                 self.stats.past_full += moved
         if moved or self.stats.write_backoffs > backoffs or self.mover.quarantine.slots > set_aside:
             return True  # (a tier below failed its writes just now, or set bad slots aside: the next round plans again)
+        if progress:
+            # Refused blocks were dropped (`_admitted`), and the others could not go down: the next
+            # round plans again over what is short now, and passes those past a full tier. Dropping
+            # them here, as if no tier below had room, lost blocks the policy admitted below while
+            # a slower tier had room (Belady with DRAM and NVMe: a block used again was dropped
+            # beside one never used again, and the "optimum" found less than LRU).
+            return True
         if self._into_room_only:
-            return progress  # a drain into the room below drops nothing here: what does not fit stays
+            return False  # a drain into the room below drops nothing here: what does not fit stays
         # Every tier below is full of blocks that cannot move: drop what may be dropped here.
         if self._evict(victims[self.table.evictable(victims)]):
             return True
         # ... and while a storage tier below backs off, drop what may be dropped here (backoff.py).
-        return self._drop_while_backing_off(tier, short, pick) or progress
+        return self._drop_while_backing_off(tier, short, pick)
 
     def _demote(self, victims: np.ndarray, tier: Tier, lower: Tier, protect,
                 hold_refused: bool = False) -> tuple[int, bool]:

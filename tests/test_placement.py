@@ -559,3 +559,34 @@ def test_a_round_that_moves_nothing_down_makes_no_selection_to_drop(make_manager
     assert not mgr.placement.make_room(Tier.HBM, 16384)
     assert passes == [False]
     mgr.check_invariants()
+
+
+def test_a_refusal_beside_them_does_not_drop_admitted_blocks_a_slower_tier_has_room_for(make_manager, clock):
+    """HBM holds 2 (under 1, held in DRAM by it: a parent never lands below its child) and 99,
+    which the policy refuses below. Making room drops 99; 2 finds DRAM stuck and must go past it
+    to NVMe, which has room. The refusal's drop counted as progress and skipped the pass past
+    DRAM, and 2 was then dropped as if no tier below had room (Belady in `bench policy`, which
+    refuses blocks never used again, found less than LRU with DRAM and NVMe)."""
+    from dflash2.policy.lru import LRUPolicy
+
+    class Refuses99(LRUPolicy):
+        name = "test-refuses-99"
+
+        def admit(self, table, rows, tier, now):
+            return table.cols.key[rows] != 99
+
+    mgr = make_manager(hbm_blocks=2, dram_blocks=1, nvme_blocks=4, policy=Refuses99())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    (root,) = fill(mgr, a, lid, [1])
+    assert mgr.placement.make_room(Tier.HBM, 16384 * 2)
+    assert tier_of(mgr, root) == Tier.DRAM
+    clock.advance(1)
+    (leaf,) = fill(mgr, a, lid, [2], parent=int(root))
+    clock.advance(1)
+    fill(mgr, a, lid, [99])
+    assert mgr.placement.make_room(Tier.HBM, 16384 * 2)
+    assert mgr.placement.stats.not_admitted == 1 and mgr.placement.stats.evicted == 1  # 99 only
+    assert [f.tier for f in mgr.lookup([1, 2], lid)] == [Tier.DRAM, Tier.NVME]
+    assert mgr.placement.stats.past_full == 1
+    mgr.check_invariants()

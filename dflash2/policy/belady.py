@@ -3,7 +3,8 @@
 It needs the future, so it exists only for the policy bench (`dflash2 bench policy`), as the ceiling
 the online policies are measured against. The replay hands it the whole trace up front
 (`set_future`) and tells it where it stands (`advance`) before each request; scores are then the
-negated index of the next request that uses a block's content key (never used again: -inf).
+negated index of the next request that uses a block's content key (never used again: -inf), and
+a tier below HBM admits only the blocks used again (`admit`).
 """
 
 from __future__ import annotations
@@ -75,4 +76,9 @@ class BeladyPolicy(Policy):
         return -self.next_use(table.cols.key)
 
     def admit(self, table, rows, tier, now):
-        return np.ones(len(rows), dtype=bool)
+        # Only a block read again deserves a place in a tier below: one never used again, moved
+        # down, would push out (or take the slot of) a block used later, and the "optimum" then
+        # found fewer blocks than the online policies with DRAM and NVMe below HBM (placement.py
+        # asks only of the tiers below HBM: the HBM-only figures do not change). The next use
+        # counts from the request being served, whose blocks it holds while it runs.
+        return np.isfinite(self.next_use(table.cols.key[rows]))
