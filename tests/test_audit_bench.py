@@ -332,6 +332,46 @@ def test_drain_at_random_times_ends_at_its_seconds_whatever_the_gap(capsys):
     assert row["n"] == 0 and row["p50_ms"] is None and row["drain_s"] <= 1.0, row
 
 
+class _DrainingDaemon:
+    """A client of a daemon whose DRAM is drained `drain_s` after the phase starts, on a fake clock
+    (the drain bench's `time`): no timing in a test."""
+
+    def __init__(self, drain_s: float):
+        self.now, self.drain_s, self.lookups = 0.0, drain_s, 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.now += seconds
+
+    def stats(self) -> dict:
+        used = 10 if self.now >= self.drain_s else 95
+        return {"tiers": {"dram": {"used_bytes": used, "capacity_bytes": 100}},
+                "moves": {}, "daemon": {"background": {"late_max_s": None}}}
+
+    def lookup(self, keys):
+        self.lookups += 1
+        self.now += 0.001
+
+
+def test_drain_at_random_times_says_how_long_the_drain_took_whatever_the_gap(monkeypatch):
+    """At --gap-ms 3000 the phase slept until its first lookup was due before it looked at DRAM
+    again: a drain of 0.2 s read as that due time (3.22 s), against 0.2 s back to back. It looks at
+    the fill every 20 ms while it waits, and counts no lookup due after the drain."""
+    from dflash2.bench import drain
+
+    args = types.SimpleNamespace(seconds=8.0, gap_ms=3000.0)
+    for phase in ("random_times", "back_to_back"):
+        daemon = _DrainingDaemon(drain_s=0.2)
+        monkeypatch.setattr(drain, "time", daemon)
+        row = drain._lookups(daemon, [1], phase, args)
+        assert row["drained"] and 0.2 <= row["drain_s"] <= 0.2 + drain.CHECK_EVERY_S, (phase, row)
+        if phase == "random_times":
+            assert row["n"] == daemon.lookups == 0 and row["p50_ms"] is None, row
+
+
 def test_a_bench_whose_daemon_cannot_start_says_why_in_one_line(capsys):
     """Options that make a daemon that cannot start (tiers past the config's bounds or the machine's
     memory): the daemon's own error line, exit 2 (a RuntimeError's traceback before, exit 1)."""

@@ -13,7 +13,8 @@ one-key lookup until the drain has brought DRAM down to its low watermark (or `-
   copies in flight (a lookup does not).
 
 One line per phase: `n`, `p50_ms`, `p90_ms`, `p99_ms`, `max_ms`, `mean_ms`, `drain_s` (until DRAM
-was at 0.51 or less, looked at every 20 ms, or the phase's time was up: `drained` says which) and
+was at 0.51 or less, looked at every 20 ms, between calls and while the next is not yet due, or the
+phase's time was up: `drained` says which; no call due after that is counted) and
 `dram_end`; and from the
 daemon's stats over the phase, `moved_mb` and `batches` (DRAM to NVMe) and `step_late_max_ms` (the
 latest its background step ran after it was due, over its last steps).
@@ -158,11 +159,12 @@ def _lookups(client, keys: list[int], phase: str, args) -> dict:
     while time.perf_counter() - started < args.seconds and used > DRAINED:
         if random_times:
             due += rng.exponential(args.gap_ms / 1000)
-            if due - started >= args.seconds:
-                break  # (the next lookup falls past the phase: it slept on past --seconds before)
-            ahead = due - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
+            # Until the lookup is due, DRAM's fill is looked at every CHECK_EVERY_S as between calls:
+            # slept through whole, a gap of seconds made `drain_s` the first lookup's due time (3.22 s
+            # for a drain of 0.2 s at --gap-ms 3000), not the drain's length.
+            used, check = _wait_until(client, min(due, started + args.seconds), used, check)
+            if used <= DRAINED or due - started >= args.seconds:
+                break  # drained while it waited (that lookup is not counted), or it falls past the phase
         sent = due if random_times else time.perf_counter()
         if phase == "allocate_back_to_back":
             placed = client.allocate(client.layouts[0], 1)
@@ -187,6 +189,18 @@ def _lookups(client, keys: list[int], phase: str, args) -> dict:
             "drain_s": round(time.perf_counter() - started, 2), "drained": used <= DRAINED,
             "dram_end": round(used, 3), "moved_mb": round((moved_now - moved) / 2**20, 1),
             "batches": batches_now - batches, "step_late_max_ms": None if late is None else _r(late * 1e3)}
+
+
+def _wait_until(client, until: float, used: float, check: float) -> tuple[float, float]:
+    """Sleep until `until` (perf_counter) in slices that end at each `check`, when DRAM's fill is
+    looked at; stop early once it is drained. The fill last seen and the next check's time."""
+    while (now := time.perf_counter()) < until and used > DRAINED:
+        if now >= check:
+            used = _dram_used(client)
+            check = time.perf_counter() + CHECK_EVERY_S
+        else:
+            time.sleep(min(until, check) - now)
+    return used, check
 
 
 def _wait_drained(client, seconds: float) -> None:
