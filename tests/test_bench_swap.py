@@ -36,6 +36,32 @@ def test_swap_bench_rejects_block_sizes_it_cannot_lay_out(sizes):
         swap.run(_args(sizes_kib=sizes))
 
 
+def test_swap_bench_measures_a_multiple_of_64_that_is_not_a_power_of_two():
+    """--help allows any multiple of 64 KiB: 192 KiB took its own size as the arena's page, not a
+    power of two, and failed blaming --mb and --repeat. Its pages are 64 KiB now, three a block."""
+    (row,) = swap.run(_args(sizes_kib="192"))
+    assert row["block_kib"] == 192 and row["blocks"] == (4 << 20) // (192 << 10)
+    assert row["room_first_ms"] > 0 and row["pieces_ms"] > 0
+    assert [swap.page_kib(kib * 1024) for kib in (64, 192, 256, 320, 2048)] == [64, 64, 256, 64, 2048]
+
+
+def test_swap_bench_checks_every_size_before_it_measures_any(monkeypatch):
+    """A size whose page the arena cannot take (2 GiB blocks: pages of 2 GiB, past memory.page_kb's
+    1 GiB) is refused naming --sizes-kib, before the sizes ahead of it are measured and thrown
+    away (it was found after them, blamed on --mb and --repeat)."""
+    measured = []
+    monkeypatch.setattr(swap, "_measure", lambda mgr, block_bytes, *a: measured.append(block_bytes))
+    with pytest.raises(ValueError, match=r"^--sizes-kib: 2097152 KiB blocks need pages of 2097152 KiB"):
+        swap.run(_args(sizes_kib="64,2097152"))
+    assert measured == []
+
+
+def test_swap_bench_names_the_tiers_options_and_the_size_when_tiers_do_not_fit():
+    with pytest.raises(ValueError, match=r"^--mb 100000000 --repeat 1: memory.hbm_capacity_mb: .*"
+                                         r"\(with --sizes-kib 64\)$"):
+        swap.run(_args(sizes_kib="64", mb=100000000))
+
+
 def test_swap_bench_with_cached_chains_demotes_them_whole():
     """--chain L: HBM is full of cached prefix chains; the promotions' demotions take them whole."""
     rows = swap.run(_args(sizes_kib="64", chain=16))

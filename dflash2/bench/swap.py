@@ -15,10 +15,7 @@ memory, copy threads).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
-import tempfile
 import time
 import uuid
 
@@ -48,41 +45,71 @@ def run(args) -> list[dict]:
     sizes = sizes_kib(args.sizes_kib, LAYER_BYTES // KIB)
     from dflash2.cuda import cuda_available
 
-    if args.device == "cuda" or (args.device == "auto" and cuda_available()):
-        visible_gpu(args.gpu, "bench swap")  # --gpu names a GPU CUDA sees (host stand-ins need none)
-    return [_one(size, args) for size in sizes]
-
-
-def _one(block_bytes: int, args) -> dict:
-    from dflash2.assemble import build_manager
-    from dflash2.config import load_config
-    from dflash2.errors import CapacityError, ConfigError
-
-    from dflash2.cuda import cuda_available
-
     kind = args.device if args.device != "auto" else ("cuda" if cuda_available() else "host")
+    if kind == "cuda":
+        visible_gpu(args.gpu, "bench swap")  # --gpu names a GPU CUDA sees (host stand-ins need none)
+    for size in sizes:  # every size's config checked before any is measured (a bad last size lost the others' runs)
+        _checked(_config(size, args, kind), size, args)
+    return [_one(size, args, kind) for size in sizes]
+
+
+def page_kib(block_bytes: int) -> int:
+    """The arena page (memory.page_kb, a power of two) for blocks of this size: the largest power of
+    two that divides it, so that a block takes whole pages and no page has a tail (a block of a
+    power of two, as before, takes one page; 192 KiB, three of 64). Its size as a page was refused
+    for any other multiple of 64 KiB that --sizes-kib allows."""
+    kib = block_bytes // KIB
+    return kib & -kib
+
+
+def _config(block_bytes: int, args, kind: str) -> dict:
     device = {"kind": kind} if kind == "host" else {"kind": kind, "gpu_ids": [args.gpu]}
     per = max(1, args.mb * MB // block_bytes)  # blocks per promotion
     hbm_mb = -(-2 * per * block_bytes // MB)
+    dram_mb = -(-(2 * args.repeat + 2) * per * block_bytes // MB)
+    return {"enable": True, "device": device,
+            "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
+                       "page_kb": page_kib(block_bytes)},
+            "kv_block": {"block_size": 16, "prefetch_window": 0},
+            "policy": {"name": "lru"},
+            "logging": {"format": "text", "level": "warning"}}
+
+
+def _checked(cfg: dict, block_bytes: int, args):
+    """The bench's config for one block size, validated; OptionError names the option at fault:
+    --sizes-kib for the page (a block too large for any page), --mb and --repeat for the tiers'
+    sizes."""
+    from dflash2.config import parse_config
+    from dflash2.errors import ConfigError
+
+    try:
+        return parse_config(cfg)
+    except ConfigError as exc:
+        raise _option_error(exc, block_bytes, args) from None
+
+
+def _option_error(exc: Exception, block_bytes: int, args) -> OptionError:
+    if getattr(exc, "key", None) == "memory.page_kb":
+        return OptionError(f"--sizes-kib: {block_bytes // KIB} KiB blocks need pages of "
+                           f"{page_kib(block_bytes)} KiB, past what the arena takes ({exc})")
+    return OptionError(f"--mb {args.mb} --repeat {args.repeat}: {exc} (with --sizes-kib {block_bytes // KIB})")
+
+
+def _one(block_bytes: int, args, kind: str) -> dict:
+    from dflash2.assemble import build_manager
+    from dflash2.errors import CapacityError
+
+    cfg = _config(block_bytes, args, kind)
+    per = max(1, args.mb * MB // block_bytes)  # blocks per promotion
     sets = 2 * args.repeat
-    dram_mb = -(-(sets + 2) * per * block_bytes // MB)
-    with tempfile.TemporaryDirectory(prefix="dflash2-bench-swap-") as tmp:
-        cfg = {"enable": True, "device": device,
-               "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
-                          "page_kb": max(64, block_bytes // KIB)},
-               "kv_block": {"block_size": 16, "prefetch_window": 0},
-               "policy": {"name": "lru"},
-               "logging": {"format": "text", "level": "warning"}}
-        path = pathlib.Path(tmp) / "bench.json"
-        path.write_text(json.dumps(cfg))
-        try:
-            mgr = build_manager(load_config(str(path)), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
-        except (CapacityError, ConfigError) as exc:  # the tiers --mb and --repeat ask for do not fit
-            raise OptionError(f"--mb {args.mb} --repeat {args.repeat}: {exc}") from None
-        try:
-            return _measure(mgr, block_bytes, per, sets, args.chain)
-        finally:
-            mgr.close()
+    try:
+        mgr = build_manager(_checked(cfg, block_bytes, args), instance=f"dflash2-bench-{uuid.uuid4().hex[:8]}")
+    except CapacityError as exc:  # the tiers --mb and --repeat ask for do not fit this machine
+        raise _option_error(exc, block_bytes, args) from None
+    try:
+        return _measure(mgr, block_bytes, per, sets, args.chain)
+    finally:
+        mgr.close()
 
 
 def _measure(mgr, block_bytes: int, per: int, sets: int, chain: int = 1) -> dict:
