@@ -17,8 +17,9 @@ One line: `requests`, `requests_per_s`, `calls_per_s`; `daemon_cpu_ms_per_reques
 /proc/PID/stat: Linux only, null elsewhere) and `daemon_cpu_share` (its CPU seconds per second);
 per call, `p50_ms` and `p99_ms`; `hit_ratio` (blocks found over blocks asked, and acquired:
 `acquires_gone` counts lookups whose blocks were evicted before the acquire, as an engine may see
-them; they count as misses); `blocks_checked` and
-`wrong_blocks` (0, unless dflash2 has a bug); `calls_parked`;
+them; they count as misses); `blocks_checked` (the blocks read in the window, each byte-checked)
+and `wrong_blocks` (0, unless dflash2 has a bug; blocks are checked in the warm-up too, and a wrong
+one there counts); `calls_parked`;
 the daemon's `moves` (blocks per direction) over the window; and, with heat, its duel's sampled
 lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's loop could not
 keep up), and at its end `duel_sample` (1 in N keys replayed: coarser than `policy.duel_sample`
@@ -202,7 +203,7 @@ def _client(endpoint: str, index: int, docs: int, start_at: float, window: tuple
                 for place, key in zip(held, keys[:n]):
                     # (checked in the warm-up too: a wrong block is a bug whenever it is read)
                     counts["wrong"] += not np.array_equal(client.view_bytes(place).view(np.uint64), _pattern(key))
-                counts["checked"] += n
+                counts["checked"] += counting * n  # (of the window, as every other count: the warm-up's were in)
                 call("release", client.release, held["vid"])
             if counting:
                 counts["requests"] += 1
