@@ -65,6 +65,20 @@ def test_belady_passes_blocks_used_again_past_a_full_tier_beside_refused_ones():
     assert r["prefix_hit_rate"] == pytest.approx(4 / 13, abs=1e-4)
 
 
+def test_a_trace_that_references_no_block_has_no_hit_rate(tmp_path, capsys):
+    """Every request's hash_ids empty: 0 references, and a rate of 0.0 said none of them was found
+    (`max(1, refs)`). The rates are null, and every policy's line is still JSON."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "hash_ids": []}) + "\n" for i in range(3)))
+    assert main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "4", "--dram-blocks", "4", "--json"]) == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert [l["policy"] for l in lines] == ["heat", "lru", "lfu", "belady"]
+    for l in lines:
+        assert l["block_refs"] == 0 and l["prefix_hit_rate"] is None and l["hbm_prefix_hit_rate"] is None, l
+    assert main(["bench", "policy", "--trace", str(trace), "--hbm-blocks", "4", "--policies", "lru"]) == 0
+    assert "prefix_hit_rate: None" in capsys.readouterr().out
+
+
 def test_prefix_hits_count_only_the_leading_run():
     # [1,2,3] then [1,9,3]: only block 1 is a prefix hit (3 is cached but behind a miss).
     r = replay(reqs([1, 2, 3], [1, 9, 3]), "lru", hbm_blocks=16)

@@ -5,7 +5,8 @@ and a request's `hash_ids` are its prefix block keys, in order (used as content 
 is 0, chained by commit's parent). Each request, in arrival order, is served as replay.py serves it
 (lookup, read the hit prefix `--chunk` blocks at a time, write the rest): `prefix_hit_rate` counts its
 leading run of cached blocks in any tier, `hbm_prefix_hit_rate` only the blocks already in HBM on
-arrival. With `heat`, its duel (duel.py) serves its miniatures after every request.
+arrival (both null for a trace whose requests reference no block). With `heat`, its duel (duel.py)
+serves its miniatures after every request.
 
 One JSON line per policy with the fields the policy issue defines (plus moves and read ratios).
 """
@@ -173,8 +174,10 @@ def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, 
         "nvme_blocks": nvme,
         "requests": n_req,
         "block_refs": tally.refs,
-        "prefix_hit_rate": round(tally.hits / max(1, tally.refs), 4),
-        "hbm_prefix_hit_rate": round(tally.hbm_hits / max(1, tally.refs), 4),
+        # (null when the trace references no block, every hash_ids empty: a rate of 0 said that
+        # none of them was found)
+        "prefix_hit_rate": round(tally.hits / tally.refs, 4) if tally.refs else None,
+        "hbm_prefix_hit_rate": round(tally.hbm_hits / tally.refs, 4) if tally.refs else None,
         "hbm_read_ratio": round(reads[Tier.HBM] / total_reads, 4) if total_reads else None,
         "reads_by_tier": {Tier(t).label: n for t, n in sorted(reads.items())},
         "promotions": s.promoted,
