@@ -191,6 +191,30 @@ class SlotAllocator:
         """Bytes of slots that blocks of this size could take now (see blocks_free)."""
         return self.blocks_free(block_bytes) * self.slot_for(block_bytes)
 
+    def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
+        """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
+        return self._slab_shape(self.slot_for(block_bytes))
+
+    def other_sizes_used(self, block_bytes: int) -> bool:
+        """Whether blocks in slots of another size than these blocks' lie here: then freeing slots
+        makes room for these blocks only where a slab empties (placement's room by slabs). A look at
+        each size class, no pass over the page map."""
+        slot = self.slot_for(block_bytes)
+        return any(c.n_used for s, c in self._classes.items() if s != slot)
+
+    def slabs_of(self, offsets: np.ndarray) -> np.ndarray:
+        """The head page of the slab holding each of these slot offsets (slots handed out)."""
+        return self._head_of(np.asarray(offsets, dtype=np.int64))
+
+    def page_slabs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per page: the head page of its slab (-1 where the page is free), that slab's slot bytes
+        (0 where free) and its slots in use, quarantined ones included (a slab emptied of its blocks
+        goes back to the page pool only when that count is 0)."""
+        head = np.where(self._page_free, -1, self._page_head)
+        at = np.maximum(head, 0)
+        used = np.where(self._page_free, 0, self._page_used[at])
+        return head, np.where(self._page_free, 0, self._page_class[at]), used
+
     def stats(self) -> dict:
         used = self.used_bytes
         block_bytes = sum(c.block_bytes_used for c in self._classes.values())
