@@ -289,6 +289,59 @@ def test_frequency_admission_compares_newcomers_with_the_blocks_they_push_out():
     assert f.admit(cand, victims[:0]).all()
 
 
+def test_frequency_admission_counts_the_victims_by_bytes():
+    """A candidate as large as several victims is compared with every one whose bytes it takes:
+    counted a block each, it met the weakest alone."""
+    sk = FrequencySketch(width=1 << 10)
+    f = FrequencyAdmission(sk)
+    sk.add(np.repeat(np.array([1, 2, 5, 6, 7, 8], dtype=np.uint64), [3, 5, 1, 1, 2, 6]))
+    cand, victims = np.array([1, 2], dtype=np.uint64), np.array([5, 6, 7, 8], dtype=np.uint64)
+    # 2 (5 refs, one unit) takes 5 (1); 1 (3 refs, four units) takes 6, 7 and 8, and 8 has 6 refs
+    assert f.admit(cand, victims, np.array([4, 1]), np.ones(4, dtype=np.int64)).tolist() == [False, True]
+    # past the victims' bytes a candidate has room (1 takes 8's two units and no more)
+    assert f.admit(cand, victims[:1], np.array([4, 1]), np.array([2])).tolist() == [True, True]
+    # equal sizes: the rule counted in blocks
+    same = np.ones(4, dtype=np.int64)
+    assert f.admit(cand, victims, same[:2], same).tolist() == f.admit(cand, victims).tolist() == [True, True]
+
+
+def test_a_large_block_is_refused_where_it_would_push_out_many_hotter_blocks():
+    """The full last tier holds 16 blocks of 16 KiB, all but one asked for six times; a 64 KiB block
+    asked for once would push out four of them. Compared with one victim (the weakest, asked for
+    once as it was) it got in and the tier lost three popular blocks; now it is compared with all
+    four and dropped, and the tier keeps its blocks. A 64 KiB block asked for as often gets in."""
+    page = 64 << 10
+    big = Layout("big", num_layers=4, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)
+    assert big.block_bytes == page
+    clock = Clock()
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 4 * page, page, 4096)],
+                       policy="heat", clock=clock)
+    try:
+        small, lb = mgr.register_layout(LAYOUT), mgr.register_layout(big)
+        c = mgr.attach("c")
+        pol = mgr.placement.policy
+        for k in range(100, 116):
+            mgr.commit(c, mgr.allocate(c, small, 1, tier=Tier.DRAM), [k])
+        mgr.detach(c)
+        c = mgr.attach("c")
+        pol.sketch.add(np.repeat(np.arange(101, 116, dtype=np.uint64), 5))  # 100: once, the others six times
+        once, often = (mgr.commit(c, mgr.allocate(c, lb, 1), [k]) for k in (7, 8))
+        pol.sketch.add(np.repeat(np.array([8], dtype=np.uint64), 5))
+        assert mgr.table.allocators[Tier.DRAM].free_bytes == 0
+        rows = mgr.table.rows(np.concatenate([once, often]))
+        assert pol.admit(mgr.table, rows[:1], Tier.DRAM, clock.now).tolist() == [False]
+        assert pol.admit(mgr.table, rows[1:], Tier.DRAM, clock.now).tolist() == [True]
+        assert pol.admit(mgr.table, rows, Tier.DRAM, clock.now).tolist() == [False, True]
+        mgr.free(c, np.concatenate([once, often]))
+        mgr.acquire(c, often)  # (HBM's one block that may go: the once-asked one)
+        mgr.placement.make_room(Tier.HBM, page)
+        assert mgr.lookup([7], lb) == [] and len(mgr.lookup(list(range(100, 116)), small)) == 16
+        assert mgr.placement.stats.not_admitted == 1 and mgr.placement.stats.evicted == 1
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
 def test_heat_refuses_rarely_used_blocks_only_at_the_last_tier():
     """A full DRAM with an NVMe tier below admits a once-used block (what it pushes out moves down);
     the full last tier refuses it when its coldest blocks were asked for more often."""

@@ -143,14 +143,32 @@ class FrequencyAdmission:
     def __init__(self, sketch: FrequencySketch):
         self.sketch = sketch
 
-    def admit(self, keys: np.ndarray, victim_keys: np.ndarray) -> np.ndarray:
+    def admit(self, keys: np.ndarray, victim_keys: np.ndarray, key_bytes: np.ndarray | None = None,
+              victim_bytes: np.ndarray | None = None) -> np.ndarray:
         """Mask over `keys`: the i-th most frequent candidate is admitted when it beats the i-th
-        least frequent victim; candidates beyond the victims (the tier has room) are admitted."""
+        least frequent victim; candidates beyond the victims (the tier has room) are admitted.
+        With the slot bytes of each (`key_bytes`, `victim_bytes`): the candidates, most frequent
+        first, take the victims' bytes, least frequent first, in turn, and each is admitted when it
+        was referenced at least as often as every victim whose bytes it takes (the last of them, the
+        most frequent); one past the victims' bytes is admitted. A block as large as many is
+        compared with all of them: counted a block each, a 2 MiB block referenced once was compared
+        with one of the 128 blocks of 16 KiB it pushed out, and pushed out 127 referenced six times.
+        With equal sizes this is the rule above."""
         cand = self.sketch.estimate(keys)
         ok = np.ones(len(keys), dtype=bool)
         if not len(victim_keys) or not len(keys):
             return ok
-        order = np.argsort(-cand, kind="stable")[: len(victim_keys)]
-        weakest = np.sort(self.sketch.estimate(victim_keys))[: len(order)]
-        ok[order] = cand[order] >= weakest
+        if key_bytes is None or victim_bytes is None:
+            key_bytes = np.ones(len(keys), dtype=np.int64)
+            victim_bytes = np.ones(len(victim_keys), dtype=np.int64)
+        order = np.argsort(-cand, kind="stable")
+        against = self.sketch.estimate(victim_keys)
+        weak = np.argsort(against, kind="stable")
+        weakest = against[weak]
+        taken = np.cumsum(np.asarray(victim_bytes, dtype=np.int64)[weak])
+        end = np.cumsum(np.asarray(key_bytes, dtype=np.int64)[order])
+        start = end - np.asarray(key_bytes, dtype=np.int64)[order]
+        pushing = start < taken[-1]  # (past the victims' bytes: the tier has room for it)
+        last = np.minimum(np.searchsorted(taken, end[pushing], side="left"), len(taken) - 1)
+        ok[order[pushing]] = cand[order[pushing]] >= weakest[last]
         return ok

@@ -377,7 +377,8 @@ class HeatPolicy(Policy):
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
         when its key was referenced at least as often lately as the coldest blocks it would push out
-        (TinyLFU's rule against the tier's lowest-scored published blocks), while the blocks the
+        (TinyLFU's rule against the tier's lowest-scored published blocks, as many as cover its
+        slot's bytes: FrequencyAdmission.admit), while the blocks the
         rule refuses come back no more often than those the tier lets go (the gate, gate.py: on the
         Mooncake conversation trace with HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone
         refused 65,000 blocks and found 0.3410 of references in some tier, LRU 0.3553; gated,
@@ -395,17 +396,27 @@ class HeatPolicy(Policy):
             return np.ones(len(rows), dtype=bool)
         biggest = max(table.layouts[int(lid)].block_bytes for lid in distinct(table.cols.layout[rows]))
         spare = alloc.blocks_free(biggest)
-        if spare >= len(rows):
-            return np.ones(len(rows), dtype=bool)
         c = table.cols
+        slots = table.slot_sizes(tier)
+        wanted = slots[c.layout[rows]]
+        # The bytes they would push out: their slots less the room (counted in slots of the largest,
+        # as ever). Counted in blocks, whatever their sizes, a 2 MiB block pushing 128 blocks of
+        # 16 KiB out of a full tier was compared with one of them.
+        push = int(wanted.sum()) - spare * alloc.slot_for(biggest)
+        if spare >= len(rows) or push <= 0:
+            return np.ones(len(rows), dtype=bool)
         here = np.flatnonzero((c.tier == int(tier)) & (c.key != 0) & (c.pins == 0))
         if not len(here):
             return np.ones(len(rows), dtype=bool)
-        k = min(len(here), len(rows) - spare)
+        held = slots[c.layout[here]]
+        # The tier's lowest-scored blocks whose slots cover `push` (one layout: len(rows) - spare).
+        k = min(len(here), -(-push // int(held.min())))
         scores = self.scores(table, here, now) if self._cache is None else self._cache[here]
-        victims = here[np.argpartition(scores, k - 1)[:k]] if k < len(here) else here
+        low = np.argpartition(scores, k - 1)[:k] if k < len(here) else np.arange(len(here))
+        low = low[np.argsort(scores[low], kind="stable")]
+        low = low[:int(np.searchsorted(np.cumsum(held[low]), push)) + 1]
         keys = c.key[rows]
-        rule = self.freq_admission.admit(keys, c.key[victims])
+        rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low])
         return self.gate.decide(keys, rule, len(here) + spare)
 
     # -- scores ----------------------------------------------------------------------------
