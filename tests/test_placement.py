@@ -593,6 +593,7 @@ def test_a_refusal_beside_them_does_not_drop_admitted_blocks_a_slower_tier_has_r
     assert mgr.placement.stats.past_full == 1
     mgr.check_invariants()
 
+
 # -- room for one slot size among blocks of another: whole slabs ----------------------------------
 PAGE = 64 << 10  # 4 blocks of SMALL (16 KiB) a page; 16 pages: 64 blocks
 PAGE_BLOCK = Layout("page", num_layers=8, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
