@@ -12,7 +12,7 @@ from dflash2.invariants import check_invariants
 from dflash2.keys import FIB
 from dflash2.policy.admission import COUNTER_MAX, FrequencySketch
 from dflash2.policy.ghosts import MAX_GHOST_BITS, MIN_GHOST_BITS, TAG_SHIFT, GhostKeys, GhostTable, ghost_bits
-from dflash2.policy.split import HYSTERESIS, AdaptiveSplit
+from dflash2.policy.split import CAPACITY_FALL, HYSTERESIS, AdaptiveSplit
 from dflash2.table.keyindex import EMPTY, KeyIndex
 from dflash2.tiers import Tier
 
@@ -156,13 +156,15 @@ def test_a_ghost_table_grows_keeping_its_ghosts(monkeypatch, seed, distinct):
                 min_size=1, max_size=3))
 def test_the_split_picks_sides_as_its_rule_says(tiers):
     """`update_sides` per tier: the first list gives up blocks first once it holds more than its
-    target plus the hysteresis margin, the second once the first holds fewer than the target minus it."""
+    target plus the hysteresis margin, the second once the first holds fewer than the target minus it
+    (both of the capacity cut to what the tier holds over CAPACITY_FALL; here the first list alone)."""
     split = AdaptiveSplit(len(tiers), 1024)
     for t, (share, cap, first, out) in enumerate(tiers):
         split.share[t], split.capacity[t], split.sizes[t, 0], split.first_out[t] = share, cap, first, out
     before = split.first_out.copy()
     want = before.copy()
     for t, (share, cap, first, _) in enumerate(tiers):
+        cap = min(cap, first / CAPACITY_FALL)
         target, margin = share * cap, max(1.0, HYSTERESIS * cap)
         if first > target + margin:
             want[t] = True
