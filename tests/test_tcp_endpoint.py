@@ -187,3 +187,17 @@ def test_clients_of_a_daemon_on_every_ipv6_address_go_to_ipv4_where_ipv6_is_off(
     assert endpoints.connectable("tcp://[::]:5999") == "tcp://127.0.0.1:5999"
     monkeypatch.setattr(endpoints, "ipv6_loopback", lambda: True)
     assert endpoints.connectable("tcp://[::]:5999") == "tcp://[::1]:5999"
+
+
+def test_an_interface_name_is_refused_as_written_and_even_where_it_resolves(monkeypatch):
+    """A review: `enP5p1s0` (Grace servers' names) was lower-cased before the comparison and taken;
+    `eth0` with an /etc/hosts entry was taken though ZeroMQ binds the interface's own (IPv6) address
+    and clients went to the entry's."""
+    from dflash2 import endpoints
+
+    monkeypatch.setattr(endpoints.socket, "if_nameindex", lambda: [(1, "lo"), (5, "enP5p1s0"), (6, "eth0")])
+    monkeypatch.setattr(endpoints.socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("192.0.2.2", 0))])
+    assert endpoints.interface_host("tcp://enP5p1s0:5999") == "enP5p1s0"
+    assert endpoints.interface_host("tcp://eth0:5999") == "eth0"
+    assert endpoints.interface_host("tcp://node7:5999") is None
+    assert endpoints.interface_host("tcp://[::1]:5999") is None

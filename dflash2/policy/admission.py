@@ -23,6 +23,15 @@ COUNTER_MAX = 15  # 4-bit counters, as in Caffeine's FrequencySketch
 DOUBLING_CHUNK = 1 << 20  # counters widened a step at a time (`_double`: 2 MB of scratch)
 
 
+def coldest_covering(scores: np.ndarray, held: np.ndarray, push: int) -> np.ndarray:
+    """Positions of the lowest `scores`, lowest first, whose `held` slot bytes together cover `push`
+    bytes: the blocks a full tier lets go for that many (of one slot size, push / slot of them)."""
+    k = min(len(scores), -(-push // int(held.min())))
+    low = np.argpartition(scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    low = low[np.argsort(scores[low], kind="stable")]
+    return low[:int(np.searchsorted(np.cumsum(held[low]), push)) + 1]
+
+
 class FrequencySketch:
     def __init__(self, width: int = 1 << 16, depth: int = 4, sample_factor: int = 10, max_width: int | None = None):
         """`max_width`: the width it may be widened to in place (`grow`), reserved up front and

@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import distinct, repeats, unique
-from dflash2.policy.admission import FrequencyAdmission, FrequencySketch
+from dflash2.counts import distinct, unique
+from dflash2.policy.admission import FrequencyAdmission, FrequencySketch, coldest_covering
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
@@ -342,27 +342,12 @@ class HeatPolicy(Policy):
         tier2, cls = c.tier[rows].astype(np.int8) * 2, self._cls[rows]
         new = np.where(held, tier2 + (cls > 0), -1).astype(np.int8)
         new2 = np.where(held & (cls > 0) & (tier2 == 0), cls >= INNER_CLASS, -1).astype(np.int8)
-        if self._recount(self.split, self._code, rows, new) | self._recount(self.inner, self._code2, rows, new2):
+        if self.split.recount_rows(self._code, rows, new) | self.inner.recount_rows(self._code2, rows, new2):
             self._sides()
-
-    @staticmethod
-    def _recount(split, codes: np.ndarray, rows: np.ndarray, new: np.ndarray) -> bool:
-        """Rows whose code (`codes`, the split's list per row) changes to `new` move between the
-        split's lists; True when any did."""
-        changed = new != codes[rows]
-        if not changed.any():
-            return False
-        rows, new = rows[changed], new[changed]
-        if repeats(rows):  # a row named twice must count once
-            rows, first = np.unique(rows, return_index=True)
-            new = new[first]
-        split.recount(codes[rows], new)
-        codes[rows] = new
-        return True
 
     def _forget(self, rows: np.ndarray) -> None:
         gone = np.full(len(rows), -1, dtype=np.int8)
-        if self._recount(self.split, self._code, rows, gone) | self._recount(self.inner, self._code2, rows, gone):
+        if self.split.recount_rows(self._code, rows, gone) | self.inner.recount_rows(self._code2, rows, gone):
             self._sides()
 
     def _sides(self) -> None:
@@ -409,12 +394,8 @@ class HeatPolicy(Policy):
         if not len(here):
             return np.ones(len(rows), dtype=bool)
         held = slots[c.layout[here]]
-        # The tier's lowest-scored blocks whose slots cover `push` (one layout: len(rows) - spare).
-        k = min(len(here), -(-push // int(held.min())))
         scores = self.scores(table, here, now) if self._cache is None else self._cache[here]
-        low = np.argpartition(scores, k - 1)[:k] if k < len(here) else np.arange(len(here))
-        low = low[np.argsort(scores[low], kind="stable")]
-        low = low[:int(np.searchsorted(np.cumsum(held[low]), push)) + 1]
+        low = coldest_covering(scores, held, push)  # (one layout: len(rows) - spare of them)
         keys = c.key[rows]
         rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low])
         return self.gate.decide(keys, rule, len(here) + spare)

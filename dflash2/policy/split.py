@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import distinct
+from dflash2.counts import distinct, repeats
 from dflash2.invariants import InvariantViolation
 from dflash2.policy.ghosts import GhostKeys, GhostTable, ghost_bits
 from dflash2.tiers import Tier
@@ -157,6 +157,20 @@ class AdaptiveSplit:
             raise InvariantViolation(f"adaptive split: a list size went negative ({self.sizes.tolist()}): "
                                      "a row was uncounted twice")
         np.maximum(self.capacity, self.sizes.sum(axis=1), out=self.capacity)
+
+    def recount_rows(self, codes: np.ndarray, rows: np.ndarray, new: np.ndarray) -> bool:
+        """Rows whose code (`codes`: the list each row is counted in, kept by the policy) changes to
+        `new` move between the lists; True when any did."""
+        changed = new != codes[rows]
+        if not changed.any():
+            return False
+        rows, new = rows[changed], new[changed]
+        if repeats(rows):  # a row named twice must count once
+            rows, first = np.unique(rows, return_index=True)
+            new = new[first]
+        self.recount(codes[rows], new)
+        codes[rows] = new
+        return True
 
     # -- ghosts --------------------------------------------------------------------------------
     def left(self, codes: np.ndarray, keys: np.ndarray) -> None:

@@ -1,0 +1,121 @@
+"""Room for one slot size among blocks of others, made slab by slab (a mixin of Placement, which
+calls `_select_slabs` from `select`).
+
+A block frees room for blocks of another slot size only once every slot of its slab is free (its
+pages go back to the pool: alloc.py), so victims chosen by score alone, spread over every slab,
+emptied none until most of the tier had gone. Needs the Placement's `table`, `_leaving`, `_forest`,
+`_slot_bytes` and `_with_descendants`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2.forest import subtree_heights
+from dflash2.tiers import Tier
+
+
+class SlabRoom:
+    def _select_slabs(self, tier: Tier, need_bytes: int, block_bytes: int, reach: np.ndarray,
+                      scores: np.ndarray, evict: bool, through: Tier | None) -> np.ndarray:
+        """`select` for room for blocks of `block_bytes` in a tier that holds blocks in slots of other
+        sizes: such a block frees room for them only once every slot of its slab is free (its pages
+        go back to the pool: alloc.py), and the lowest-scored blocks lie spread over every slab. Taken
+        by score alone, they emptied no slab until most of the tier had gone (HBM of 64 MiB full of
+        16 KiB blocks, half of them read again: one 1 MiB block dropped 2,079 of its 4,096 blocks
+        with heat, 3,488 with lru, where one 2 MiB page was needed).
+        So the victims are whole slabs, and blocks of the room's own slot size one by one: among the
+        slabs whose every slot holds a block that may leave now (with the descendants that hold it
+        back, as `_leaving` finds them: prefix order kept), those whose hottest block is coldest
+        (`_slab_victims`). A slab is ranked by the highest score among its blocks and the
+        descendants that leave with them, not by their sum: scores only rank blocks (policy/base.py;
+        lru's are times, heat's logarithms, below zero too), and by the highest, the slabs emptied
+        lose the coldest hottest block there is to lose. Returns the victims in leaving order
+        (leaves first), all of them: a slab emptied in part frees nothing.
+        First without the descendants: each slab ranked by its own blocks' scores. Where the slabs
+        so chosen leave whole by themselves (no block of theirs waits on a child elsewhere), that is
+        the choice the descendants would give too (they only raise a slab's rank, and these slabs'
+        not at all), found without the passes over every movable row that prefix order costs
+        (pointer jumping: 85-150 ms at 262,144 blocks of 16 KiB in chains, against 10 without)."""
+        rows = np.flatnonzero(reach)
+        marked = np.flatnonzero(self._slab_victims(tier, need_bytes, block_bytes, rows, scores[rows]))
+        first = self._leaving(tier, marked, evict, scores, through)
+        slot = self.table.allocators[tier].slot_for(block_bytes)
+        slabbed = marked[self._slot_bytes(tier, marked) != slot]
+        if len(first) and np.isin(slabbed, first).all():
+            # Every slab chosen empties. Blocks of the room's own size held back by a child left out
+            # wait for the next round, as `select`'s under its cut do.
+            return first.astype(np.int64)
+        parent, blocked = self._forest(tier, rows, evict, through)
+        height, peak = subtree_heights(parent, blocked, scores[rows])
+        go = height >= 0  # may leave now, with the descendants that hold it back
+        rows = rows[go]
+        marked = self._slab_victims(tier, need_bytes, block_bytes, rows, peak[go])
+        leaving = np.zeros(len(reach), dtype=bool)
+        leaving[rows] = True
+        victims = np.flatnonzero(self._with_descendants(marked, leaving))
+        return self._leaving(tier, victims, evict, scores, through).astype(np.int64)
+
+    def _slab_victims(self, tier: Tier, need_bytes: int, block_bytes: int, rows: np.ndarray,
+                      cost: np.ndarray) -> np.ndarray:
+        """Mask over every row: the blocks (of `rows`, ascending, each costing `cost`) to let go for
+        need_bytes of slots of `block_bytes`: of the room's slot size one by one (a slot each), of
+        the others slab by slab, among the slabs whose every used slot holds one of `rows` (a
+        quarantined slot holds none: its slab never empties), ranked by their highest cost, coldest
+        first (ties: blocks of the room's size, then pages in order); where a slot of the room's
+        size spans several pages, runs of that many contiguous pages, each free or such a slab.
+        Free pages and other sizes' empty slabs already count as room (alloc.room_for)."""
+        alloc = self.table.allocators[tier]
+        c = self.table.cols
+        slot = alloc.slot_for(block_bytes)
+        span, per_slab = alloc.slab_shape_of(block_bytes)
+        own = self.table.slot_sizes(tier)[c.layout[rows]] == slot
+        other = rows[~own]
+        head, page_slot, used = alloc.page_slabs()
+        n_pages = len(head)
+        heads = alloc.slabs_of(c.offset[other])
+        going = np.bincount(heads, minlength=n_pages)  # per slab head: its slots whose block may leave
+        top = np.full(n_pages, -np.inf)
+        np.maximum.at(top, heads, cost[~own].astype(np.float64))
+        at = np.maximum(head, 0)
+        of_other = (head >= 0) & (page_slot != slot)
+        free = (head < 0) | (of_other & (used[at] == 0))  # room already
+        clear = of_other & (used[at] > 0) & (going[at] == used[at])
+        page_cost = np.where(clear, top[at], -np.inf)
+        if span == 1:
+            windows, win_cost = np.flatnonzero(clear), page_cost[clear]
+        else:
+            view = np.lib.stride_tricks.sliding_window_view
+            whole = view(free | clear, span).all(axis=1) & view(clear, span).any(axis=1)
+            windows = np.flatnonzero(whole)
+            win_cost = view(page_cost, span).max(axis=1)[windows]
+        need_slots = -(-need_bytes // slot)
+        order = np.argsort(win_cost, kind="stable")
+        windows, win_cost = windows[order], win_cost[order]
+        want = -(-need_slots // per_slab)
+        if span > 1:  # (disjoint runs: two that share a page free it once)
+            keep, busy = [], np.zeros(n_pages, dtype=bool)
+            for i, w in enumerate(windows.tolist()):
+                if len(keep) == want:
+                    break
+                if not busy[w:w + span].any():
+                    busy[w:w + span] = True
+                    keep.append(i)
+            windows, win_cost = windows[keep], win_cost[keep]
+        windows, win_cost = windows[:want], win_cost[:want]
+        # Blocks of the room's size: no more than need_slots of the cheapest can be taken.
+        mine, mine_cost = rows[own], cost[own]
+        if len(mine) > need_slots:
+            low = np.argpartition(mine_cost, need_slots - 1)[:need_slots]
+            low.sort()  # (rows in order: ties go as a stable sort of them all would take them)
+            mine, mine_cost = mine[low], mine_cost[low]
+        unit_cost = np.concatenate((mine_cost.astype(np.float64), win_cost))
+        gain = np.concatenate((np.ones(len(mine), dtype=np.int64), np.full(len(windows), per_slab, dtype=np.int64)))
+        pick = np.argsort(unit_cost, kind="stable")
+        pick = pick[:int(np.searchsorted(np.cumsum(gain[pick]), need_slots)) + 1]
+        marked = np.zeros(len(c.tier), dtype=bool)
+        marked[mine[pick[pick < len(mine)]]] = True
+        runs = windows[pick[pick >= len(mine)] - len(mine)]
+        emptied = head[(runs[:, None] + np.arange(span)).ravel()]
+        marked[other[np.isin(heads, emptied[emptied >= 0])]] = True
+        return marked
