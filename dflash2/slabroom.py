@@ -50,21 +50,23 @@ class SlabRoom:
         height, peak = subtree_heights(parent, blocked, scores[rows])
         go = height >= 0  # may leave now, with the descendants that hold it back
         rows = rows[go]
-        marked = self._slab_victims(tier, need_bytes, block_bytes, rows, peak[go])
+        marked = self._slab_victims(tier, need_bytes, block_bytes, rows, peak[go], height[go])
         leaving = np.zeros(len(reach), dtype=bool)
         leaving[rows] = True
         victims = np.flatnonzero(self._with_descendants(marked, leaving))
         return self._leaving(tier, victims, evict, scores, through).astype(np.int64)
 
     def _slab_victims(self, tier: Tier, need_bytes: int, block_bytes: int, rows: np.ndarray,
-                      cost: np.ndarray) -> np.ndarray:
+                      cost: np.ndarray, height: np.ndarray | None = None) -> np.ndarray:
         """Mask over every row: the blocks (of `rows`, ascending, each costing `cost`) to let go for
         need_bytes of slots of `block_bytes`: of the room's slot size one by one (a slot each), of
         the others slab by slab, among the slabs whose every used slot holds one of `rows` (a
         quarantined slot holds none: its slab never empties), ranked by their highest cost, coldest
         first (ties: blocks of the room's size, then pages in order); where a slot of the room's
         size spans several pages, runs of that many contiguous pages, each free or such a slab.
-        Free pages and other sizes' empty slabs already count as room (alloc.room_for)."""
+        Free pages and other sizes' empty slabs already count as room (alloc.room_for). `height`:
+        each row's levels of descendants leaving with it, which breaks ties among blocks of the
+        room's size (leaves first)."""
         alloc = self.table.allocators[tier]
         c = self.table.cols
         slot = alloc.slot_for(block_bytes)
@@ -105,7 +107,13 @@ class SlabRoom:
         windows, win_cost = windows[:want], win_cost[:want]
         # Blocks of the room's size: no more than need_slots of the cheapest can be taken.
         mine, mine_cost = rows[own], cost[own]
-        if len(mine) > need_slots:
+        if height is not None:
+            # Among equal costs, blocks of fewer levels below them first (leaves before their
+            # parents): a chain's blocks scored alike went from its head, each taking the chain below
+            # it along (a reservation of 16 blocks demoted 32, a whole chain, where 16 of its tail did).
+            first = np.lexsort((height[own], mine_cost))[:need_slots]
+            mine, mine_cost = mine[first], mine_cost[first]
+        elif len(mine) > need_slots:
             low = np.argpartition(mine_cost, need_slots - 1)[:need_slots]
             low.sort()  # (rows in order: ties go as a stable sort of them all would take them)
             mine, mine_cost = mine[low], mine_cost[low]
