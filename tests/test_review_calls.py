@@ -113,3 +113,27 @@ def test_a_reply_that_cannot_be_encoded_gives_back_what_its_call_handed_out(make
     assert "what the call handed out was given back" in out.error_message
     assert not svc.manager.table.client(client).refs
     assert svc.manager.table.allocators[Tier.HBM].used_slots == 0
+
+
+def test_a_reservation_among_idle_blocks_of_another_size_is_not_told_they_cannot_move(tmp_path):
+    """HBM full of idle cached 16 KiB blocks (DRAM below: all can move); a reservation of 2 MiB
+    blocks past the admission bucket was told "HBM is held by blocks that cannot move now" with no
+    wait estimate, and granted at the next step (a review): only blocks of its own size counted as
+    movable, though room for it is made by emptying other sizes' slabs."""
+    config = write_config(tmp_path, policy={"name": "lru", "cold_threshold": 0.2, "swap_batch_size": 1024},
+                          memory={"hbm_capacity_mb": 64, "dram_capacity_mb": 256, "nvme_capacity_mb": 0,
+                                  "page_kb": 2048})
+    big = Layout("big", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16", tokens_per_block=16)  # 2 MiB
+    proc = DaemonProcess(config).start()
+    try:
+        with Client.connect(proc.endpoint, name="small", layouts=[SMALL]) as small, \
+                Client.connect(proc.endpoint, name="asker", layouts=[big]) as asker:
+            for start in range(0, 4096, 256):
+                placed = small.allocate(small.layouts[0], 256)
+                small.free(small.commit(placed["vid"], keys=list(range(start + 1, start + 257))))
+            time.sleep(0.5)  # (background steps: HBM drained to its watermark)
+            decision = asker.reserve(asker.layouts[0], 16 * 16)  # 32 MiB: past the bucket
+            assert decision.deferred, decision
+            assert "cannot move" not in decision.reason and decision.est_wait_s is not None, decision
+    finally:
+        proc.stop()

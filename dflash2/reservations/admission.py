@@ -48,7 +48,7 @@ class Admission:
         # The deferred decisions' movable HBM blocks, per block size: (idle, running ones by priority,
         # cumulative): a scan of the whole table (tens of ms at a million blocks), so the polls of
         # waiting clients read the figure of the last background step, which clears it (`new_step`).
-        self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}
+        self._movable_memo: tuple[int, np.ndarray] | None = None  # (_movable_bytes)
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
@@ -210,7 +210,7 @@ class Admission:
 
     def new_step(self) -> None:
         """The background step: which blocks could move is counted anew (`_movable_memo`)."""
-        self._movable_memo.clear()
+        self._movable_memo = None
 
     def tick(self, make_room: bool = True) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
@@ -284,7 +284,7 @@ class Admission:
         if self._loosened.count(rows, head.block_bytes, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
         self._room_tried = None
-        self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
+        self._movable_memo = None  # the deferred decisions' count of what could move is stale now
         return True
 
     def _may_leave(self, rows: np.ndarray, head: Reservation, below: bool) -> np.ndarray:
@@ -349,7 +349,7 @@ class Admission:
             after = self._room(res)
             self._bucket -= max(0, after - before)
             self._loosened.clear()
-            self._movable_memo.clear()  # room-making moved blocks: the count of what could move is stale
+            self._movable_memo = None  # room-making moved blocks: the count of what could move is stale
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 self._fails = self._fails + 1 if self._fails_for == res.id else 0
                 self._fails_for = res.id
@@ -467,29 +467,33 @@ class Admission:
         return tau * math.log(r0 / floor) + (amount - early) / floor
 
     def _movable_bytes(self, res: Reservation) -> int:
-        """HBM bytes that making room for this reservation could free for its blocks: idle blocks,
-        and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
-        counting only slots its blocks can use (of its block size). With no tier below HBM, making
-        room drops blocks, and only idle published ones may be dropped: a running request's are not
-        movable there, whatever their priority. As of the last background step (`_movable_memo`)."""
+        """HBM bytes that making room for this reservation could free: idle blocks, and with
+        preemption running requests' blocks of lower priority (as `_make_room` picks them), by their
+        slots, of every block size: those of another size free room for its blocks by whole slabs
+        (slabroom.py), so this is what room-making could free at most. Counted of its own size only,
+        a reservation into an HBM of idle blocks of another size was told it waited on blocks that
+        cannot move (no estimate) and granted at the next step (a review). With no tier below HBM,
+        making room drops blocks, and only idle published ones may be dropped: a running request's
+        are not movable there, whatever their priority. As of the last background step
+        (`_movable_memo`)."""
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
         preempts = self.settings.preemption and not last
-        size = res.block_bytes
-        if size not in self._movable_memo:
-            # One pass per block size and step, whatever the priorities waiting: keyed by priority
-            # too, each priority polled paid its own pass every step (64 clients waiting at as many
-            # priorities: 277 ms of the loop per 100 ms step at a million blocks, a review's script).
+        if self._movable_memo is None:
+            # One pass per step, whatever the priorities waiting: keyed by priority, each priority
+            # polled paid its own pass every step (64 clients waiting at as many priorities: 277 ms of
+            # the loop per 100 ms step at a million blocks, a review's script).
             c = self.table.cols
-            same = np.isin(c.layout, [lid for lid, lay in enumerate(self.table.layouts) if lay.block_bytes == size])
-            idle = hbm.movable(Tier.HBM, evict=last, idle_only=True) & same
-            running = hbm.movable(Tier.HBM, evict=False) & same & ~idle
+            slots = self.table.slot_sizes(Tier.HBM)
+            idle = hbm.movable(Tier.HBM, evict=last, idle_only=True)
+            running = np.flatnonzero(hbm.movable(Tier.HBM, evict=False) & ~idle)
             by_priority = np.bincount(c.priority[running].astype(np.int64) - PRIORITY_MIN,
+                                      weights=slots[c.layout[running]].astype(np.float64),
                                       minlength=PRIORITY_MAX - PRIORITY_MIN + 1)
-            self._movable_memo[size] = (int(np.count_nonzero(idle)), np.concatenate(([0], np.cumsum(by_priority))))
-        idle_n, below = self._movable_memo[size]  # below[p - PRIORITY_MIN]: running blocks of priority < p
-        n = idle_n + (int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)]) if preempts else 0)
-        return n * self.table.slot_bytes(res.layout_id, Tier.HBM)
+            idle_bytes = int(slots[c.layout[np.flatnonzero(idle)]].sum())
+            self._movable_memo = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))))
+        idle_bytes, below = self._movable_memo  # below[p - PRIORITY_MIN]: running bytes of priority < p
+        return idle_bytes + (int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)]) if preempts else 0)
 
     def check_invariants(self) -> None:
         """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is
