@@ -176,15 +176,20 @@ def test_a_history_row_spans_every_interval_between_its_samples_and_names_a_rest
     assert "71.9% (restart)" in rows[2], rows
 
 
+def recorded(tmp_path, clock, service, n: int):
+    """A history file of `n` samples a second apart: its path and its lines."""
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    for _ in range(n):
+        h.record(service.stats())
+        clock.advance(1)
+    return path, path.read_text().splitlines()
+
+
 def test_one_bad_byte_in_a_history_line_loses_that_line_not_the_history(tmp_path, clock, service, capsys):
     """A line that still parses but lost a figure the readers use, or whose time became a number no
     clock takes, is not a sample: skipped (and counted), not kept to fail every `dflash2 history`."""
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    for _ in range(3):
-        h.record(service.stats())
-        clock.advance(1)
-    good = path.read_text().splitlines()
+    path, good = recorded(tmp_path, clock, service, 3)
     t = json.loads(good[1])["t"]
     for bad in (good[1].replace(f'"t":{t}', f'"t":{t}e052', 1), good[1].replace('"deferred"', '"deferrad"', 1),
                 good[1].replace('"used_bytes"', '"used_bytez"', 1), good[1].replace('"clients":0', '"clients":NaN', 1),
@@ -246,12 +251,7 @@ def test_a_figure_past_a_float_is_not_a_sample_and_stops_nothing(tmp_path, clock
     """JSON takes an int of up to 4300 digits; one of 400 in a line made `math.isfinite` raise
     OverflowError: the daemon did not start on its history, nor did `dflash2 history --file` read it
     (a review)."""
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    for _ in range(2):
-        h.record(service.stats())
-        clock.advance(1)
-    good = path.read_text().splitlines()
+    path, good = recorded(tmp_path, clock, service, 2)
     huge = good[1].replace('"clients":0', '"clients":1' + "0" * 400, 1)
     assert huge != good[1]
     path.write_text("\n".join([good[0], huge]) + "\n")
@@ -266,11 +266,7 @@ def test_history_since_parses_only_the_lines_it_keeps(tmp_path, clock, service, 
     6 s for 30 minutes' rows, a review); now the lines before the cutoff are passed over by their time."""
     import dflash2.history as history
 
-    path = tmp_path / "history.jsonl"
-    h = History(path=path, clock=clock)
-    for _ in range(200):
-        h.record(service.stats())
-        clock.advance(1)
+    path, _ = recorded(tmp_path, clock, service, 200)
     everything = [s["t"] for s in read_file(path)]
     parsed = []
     real = history.json.loads
