@@ -101,3 +101,34 @@ def test_room_for_one_block_among_chains_takes_the_cheap_pass(policy, monkeypatc
     assert mgr.placement.stats.evicted - before == 1
     assert not forests, "the full pass ran for one small block"
     mgr.check_invariants()
+
+
+def test_a_large_block_asked_for_once_does_not_push_hot_blocks_out_by_their_slab():
+    """Admission at the last tier compared a page-sized candidate with the tier's coldest blocks by
+    score, spread over every slab, while room by slabs then emptied a whole slab, hot blocks and all:
+    a block asked for once pushed out two asked for six times (a review)."""
+    clock = Clock()
+    big = Layout("big", num_layers=4, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)  # a page
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * PAGE, PAGE, 256), TierSpec(Tier.DRAM, 4 * PAGE, PAGE, 4096)],
+                       policy="heat", clock=clock)
+    small, lb = mgr.register_layout(SMALL), mgr.register_layout(big)
+    c = mgr.attach("c")
+    keys = list(range(100, 116))  # DRAM (the last tier) full: four pages of four small blocks
+    vids = []
+    for k in keys:
+        clock.now += 1
+        vids.append(int(mgr.commit(c, mgr.allocate(c, small, 1, tier=Tier.DRAM), [k])[0]))
+    mgr.free(c, vids)
+    hot = [k for i, k in enumerate(keys) if i % 4 in (2, 3)]  # two of every page, asked for six times
+    for _ in range(5):
+        for i, k in enumerate(keys):
+            if k in hot:
+                clock.now += 1
+                rows = mgr.table.rows(np.array([vids[i]]))
+                mgr.table.touch(rows)
+                mgr.placement.policy.on_access(mgr.table, rows, clock.now)
+    clock.now += 1
+    mgr.free(c, mgr.commit(c, mgr.allocate(c, lb, 1), [7]))  # asked for once
+    mgr.placement.make_room(Tier.HBM, 2 * PAGE)  # (it leaves HBM: DRAM must take it or drop it)
+    assert all(mgr.lookup([k], small) for k in hot)
+    mgr.check_invariants()

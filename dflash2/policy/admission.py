@@ -32,6 +32,18 @@ def coldest_covering(scores: np.ndarray, held: np.ndarray, push: int) -> np.ndar
     return low[:int(np.searchsorted(np.cumsum(held[low]), push)) + 1]
 
 
+def slab_ranks(alloc, offsets: np.ndarray, scores: np.ndarray, held: np.ndarray, slot: int) -> np.ndarray:
+    """Each block's rank where room for `slot`-byte slots is made by whole slabs (slabroom.py): its
+    slab's highest score, and a block of that slot size its own. Ranked by their own scores, the
+    blocks an admission compared a large candidate with lay spread over every slab while the room
+    was made by emptying a slab, hot blocks and all (a review: a block asked for once pushed out two
+    asked for six times)."""
+    heads = alloc.slabs_of(offsets)
+    top = np.full(int(heads.max()) + 1, -np.inf)
+    np.maximum.at(top, heads, scores.astype(np.float64))
+    return np.where(held == slot, scores, top[heads])
+
+
 class FrequencySketch:
     def __init__(self, width: int = 1 << 16, depth: int = 4, sample_factor: int = 10, max_width: int | None = None):
         """`max_width`: the width it may be widened to in place (`grow`), reserved up front and

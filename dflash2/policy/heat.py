@@ -56,7 +56,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.counts import distinct, unique
-from dflash2.policy.admission import FrequencyAdmission, FrequencySketch, coldest_covering
+from dflash2.policy.admission import FrequencyAdmission, FrequencySketch, coldest_covering, slab_ranks
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
@@ -395,6 +395,8 @@ class HeatPolicy(Policy):
             return np.ones(len(rows), dtype=bool)
         held = slots[c.layout[here]]
         scores = self.scores(table, here, now) if self._cache is None else self._cache[here]
+        if alloc.other_sizes_used(biggest):  # room made by whole slabs: compared with the blocks it takes
+            scores = slab_ranks(alloc, c.offset[here], scores, held, alloc.slot_for(biggest))
         low = coldest_covering(scores, held, push)  # (one layout: len(rows) - spare of them)
         keys = c.key[rows]
         rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low])
