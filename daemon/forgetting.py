@@ -13,13 +13,14 @@ import numpy as np
 from dflash2 import protocol as P
 from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, KEEP_UNDO_IDS, Session
 from dflash2.errors import CallForgotten, DFlash2Error
-from dflash2.protocol import Op, Request, arg
+from dflash2.protocol import Op, Reply, Request, arg
 
 log = logging.getLogger("dflash2.daemon")
 
 
 class Forgetting:
-    """Needs `sessions` (client -> Session), `counters` and `_mgr(req)` of the Service."""
+    """Needs `sessions` (client -> Session), `counters` and `_mgr(req)` of the Service. Also its
+    replies' encoding (`_encoded`): a reply that cannot be sent gives back what its call handed out."""
 
     def _undoable(self, req: Request, give_back: Callable[..., object], *args) -> None:
         """Remember how to give back what this call handed out, should its client forget it:
@@ -98,6 +99,19 @@ class Forgetting:
         session.undo_ids -= session.undo.pop(call)[2]
         _keep(session.settled, call)
         return {"undone": undone}, []
+
+    def _encoded(self, req: Request, reply: Reply) -> list[bytes]:
+        """The reply's frames; a reply that cannot be encoded (a bug) becomes an InternalError, and what
+        the call handed out is given back (`_reply_lost`): its client would never learn of it."""
+        try:
+            return P.encode_reply(reply)
+        except Exception as e:
+            self.counters["errors"] += 1
+            log.exception("internal error encoding the reply to %s", req.op.value)
+            undone = self._reply_lost(req) if reply.ok else False
+            return P.encode_reply(Reply(req.call_id, False, {}, "InternalError",
+                                        f"the reply could not be encoded ({type(e).__name__}: {e})"
+                                        + ("; what the call handed out was given back" if undone else "")))
 
     def _reply_lost(self, req: Request) -> bool:
         """The reply to `req` cannot be sent (it failed to encode: a bug), so its client never learns

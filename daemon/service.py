@@ -142,19 +142,6 @@ class Service(Forgetting):
                 m.placement.parking, m.placement.own_parks = False, 0
         return self._encoded(req, reply)
 
-    def _encoded(self, req: Request, reply: Reply) -> list[bytes]:
-        """The reply's frames; a reply that cannot be encoded (a bug) becomes an InternalError, and what
-        the call handed out is given back (`_reply_lost`): its client would never learn of it."""
-        try:
-            return P.encode_reply(reply)
-        except Exception as e:
-            self.counters["errors"] += 1
-            log.exception("internal error encoding the reply to %s", req.op.value)
-            undone = self._reply_lost(req) if reply.ok else False
-            return P.encode_reply(Reply(req.call_id, False, {}, "InternalError",
-                                        f"the reply could not be encoded ({type(e).__name__}: {e})"
-                                        + ("; what the call handed out was given back" if undone else "")))
-
     def handle(self, req: Request, arrived: float | None = None) -> Reply:
         """One request: its reply (CopiesRunning escapes, with `Placement.parking` on: settling.py).
         `arrived` (time.perf_counter): when a parked call first came, its latency's start (the

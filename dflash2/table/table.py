@@ -27,12 +27,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflash2.alloc import SlotAllocator, blocks_that_fit, slab_shape
-from dflash2.errors import (IllegalTransition, LayoutError, NeverFits, NotOwner, PinnedBlock, ReservationError,
+from dflash2.alloc import SlotAllocator
+from dflash2.errors import (IllegalTransition, LayoutError, NotOwner, PinnedBlock, ReservationError,
                             UnknownBlock, UnknownClient, UnknownLayout)
 from dflash2.counts import add_at, any_true, distinct, unique
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
+from dflash2.table.capacity import Capacity
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
 from dflash2.table.departure import Departures
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -70,7 +71,7 @@ class ClientRefs:
         self.ref_slot_bytes = 0
 
 
-class BlockTable(Publishing, Releasing, LostBlocks, Departures):
+class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
                  capacity: int = 1024, first_gen: int = 1, reserve: int | None = None):
         self.allocators = allocators
@@ -210,36 +211,6 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures):
 
     def slot_bytes(self, layout_id: int, tier: Tier) -> int:
         return self.allocators[tier].slot_for(self.layout(layout_id).block_bytes)
-
-    def refuse_never_fits(self, tier: Tier, blocks: dict[int, int], what: str) -> None:
-        """NeverFits when these blocks ({layout id: count}) exceed the tier's whole capacity: no
-        amount of demotion could ever make room, so "no room now" would be a lie."""
-        alloc = self.allocators[tier]
-        need = sum(n * self.slot_bytes(lid, tier) for lid, n in blocks.items())
-        capacity = alloc.capacity_bytes
-        if need > capacity:
-            raise NeverFits(f"{what} needs {need} bytes of {tier.label}, more than the whole {tier.label} tier "
-                             f"({capacity} bytes): they can never fit")
-        for lid, n in blocks.items():
-            # Whole slabs, not bytes: page tails hold no block of this layout.
-            fit = blocks_that_fit(capacity, alloc.page_bytes, alloc.alignment, self.layout(lid).block_bytes)
-            if n > fit:
-                raise NeverFits(f"{what} needs {n} blocks of layout {self.layout(lid).name!r} in "
-                                 f"{tier.label}; the whole tier holds {fit} of them: they can never fit")
-        if len(blocks) > 1:
-            # Together: a page belongs to one slot size at a time, so the slabs each size needs add
-            # up (40 and 48 KiB blocks, 5 and 4 of them, each a one-page slab: 9 pages of a tier of 8,
-            # though the bytes fit and each layout alone would).
-            by_slot: dict[int, int] = {}
-            for lid, n in blocks.items():
-                slot = self.slot_bytes(lid, tier)
-                by_slot[slot] = by_slot.get(slot, 0) + n
-            pages = sum(-(-n // per) * span for n, (span, per) in
-                        ((n, slab_shape(slot, alloc.page_bytes, alloc.n_pages)) for slot, n in by_slot.items()))
-            if pages > alloc.n_pages:
-                raise NeverFits(f"{what} needs {pages} pages of {tier.label} for its blocks of "
-                                f"{len(blocks)} layouts (a page holds blocks of one size), more than the whole "
-                                f"tier's {alloc.n_pages}: they can never lie there together")
 
     def slot_sizes(self, tier: Tier) -> np.ndarray:
         """Slot bytes in `tier` per layout id (index it with the layout column; do not write to it)."""
