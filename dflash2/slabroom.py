@@ -38,19 +38,18 @@ class SlabRoom:
         not at all), found without the passes over every movable row that prefix order costs
         (pointer jumping: 85-150 ms at 262,144 blocks of 16 KiB in chains, against 10 without)."""
         rows = np.flatnonzero(reach)
-        # Blocks of the room's size with a cached child here are taken last (inf): a chain's oldest,
-        # coldest block is its head, which cannot leave first, and this pass failed on every
-        # allocation under lru, the full pass below running each time (60-130 ms against 3-6 at
-        # 250,000 blocks in chains, a review).
-        cost = scores[rows].astype(np.float64)
+        # Among blocks of the room's size scored alike, leaves first (0) and the others after (1): a
+        # chain committed at once has one score under lru, and its head, which cannot leave first,
+        # was taken. (Taken last whatever their score, a review found hot slabs emptied while a cold
+        # chain stayed, and a chain leaving a block per round.)
         slot = self.table.allocators[tier].slot_for(block_bytes)
-        cost[(self._slot_bytes(tier, rows) == slot) & ~self._childless(tier, evict, through, rows)] = np.inf
-        marked = np.flatnonzero(self._slab_victims(tier, need_bytes, block_bytes, rows, cost))
+        own = self._slot_bytes(tier, rows) == slot
+        inner = np.zeros(len(rows), dtype=np.int64)
+        inner[own] = ~self._childless(tier, evict, through, rows[own])
+        marked = np.flatnonzero(self._slab_victims(tier, need_bytes, block_bytes, rows, scores[rows], inner))
         first = self._leaving(tier, marked, evict, scores, through)
-        slabbed = marked[self._slot_bytes(tier, marked) != slot]
-        if len(first) and np.isin(slabbed, first).all():
-            # Every slab chosen empties. Blocks of the room's own size held back by a child left out
-            # wait for the next round, as `select`'s under its cut do.
+        if len(first) and np.isin(marked, first).all():
+            # Every block chosen leaves now, each slab emptying: the choice the full pass makes too.
             return first.astype(np.int64)
         parent, blocked = self._forest(tier, rows, evict, through)
         height, peak = subtree_heights(parent, blocked, scores[rows])
@@ -71,8 +70,8 @@ class SlabRoom:
         first (ties: blocks of the room's size, then pages in order); where a slot of the room's
         size spans several pages, runs of that many contiguous pages, each free or such a slab.
         Free pages and other sizes' empty slabs already count as room (alloc.room_for). `height`:
-        each row's levels of descendants leaving with it, which breaks ties among blocks of the
-        room's size (leaves first)."""
+        each row's levels of descendants leaving with it (or 0 for a leaf and 1 for another block),
+        which breaks ties among blocks of the room's size (leaves first)."""
         alloc = self.table.allocators[tier]
         c = self.table.cols
         slot = alloc.slot_for(block_bytes)
@@ -98,7 +97,7 @@ class SlabRoom:
             # Free pages already counted as room (alloc.room_for: whole runs of `span` in each run
             # of free pages) join no window: counted again beside one clear slab, each such window
             # emptied a slab for no room (a review: 36 blocks dropped where 20 made the room).
-            free = free & ~_counted_runs(free, span)
+            free = free & ~_counted_runs(free, clear, span)
             view = np.lib.stride_tricks.sliding_window_view
             whole = view(free | clear, span).all(axis=1) & view(clear, span).any(axis=1)
             windows = np.flatnonzero(whole)
@@ -141,12 +140,19 @@ class SlabRoom:
         return marked
 
 
-def _counted_runs(free: np.ndarray, span: int) -> np.ndarray:
+def _counted_runs(free: np.ndarray, clear: np.ndarray, span: int) -> np.ndarray:
     """Mask of the free pages that room already counts for slots of `span` pages: in each maximal
-    run of free pages, the first (length // span) * span (alloc.slabs_in_runs counts as many)."""
+    run of free pages, (length // span) * span of them (alloc.slabs_in_runs counts as many), the
+    pages left over at the end where a clear slab adjoins its start, else at its start (left over
+    only at the end, a clear slab before a run could join none: room that emptying it made was not
+    found, and an allocation was refused, a review)."""
     edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     counted = np.zeros(len(free), dtype=bool)
     for start, end in zip(starts.tolist(), ends.tolist()):
-        counted[start:start + (end - start) // span * span] = True
+        over = (end - start) % span
+        if over and start > 0 and clear[start - 1]:
+            counted[start + over:end] = True
+        else:
+            counted[start:end - over] = True
     return counted

@@ -137,3 +137,29 @@ def test_a_reservation_among_idle_blocks_of_another_size_is_not_told_they_cannot
             assert "cannot move" not in decision.reason and decision.est_wait_s is not None, decision
     finally:
         proc.stop()
+
+
+def test_idle_blocks_in_slabs_that_cannot_empty_are_not_room_for_another_size():
+    """Counted by their slots whatever their slab, idle blocks of another size made a reservation
+    whose every slab held a block being written "not enough HBM free yet", to wait 0 s, though
+    room-making could free nothing (a review): such a reservation waits on blocks that cannot move."""
+    from dflash2.manager import BlockManager, TierSpec
+    from dflash2.reservations import AdmissionSettings, Outcome
+
+    page_bytes = 64 << 10
+    now = [1000.0]
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * page_bytes, page_bytes, 256),
+                        TierSpec(Tier.DRAM, 16 * page_bytes, page_bytes, 256)], policy="lru", clock=lambda: now[0],
+                       admission=AdmissionSettings(smoothing_window_s=1.0, burst_fraction=1.0, reservation_ttl_s=30.0,
+                                                   max_deferred=8))
+    a, b = mgr.attach("a"), mgr.attach("b")
+    s = mgr.register_layout(SMALL)
+    page = mgr.register_layout(Layout("page", num_layers=8, num_kv_heads=2, head_dim=64, dtype="fp16",
+                                      tokens_per_block=16))  # 64 KiB
+    vids = mgr.allocate(a, s, 16)  # HBM full: four pages of four
+    idle = np.array([v for i, v in enumerate(vids) if i % 4])  # one block of each page stays being written
+    mgr.free(a, mgr.commit(a, idle, keys=list(range(1, len(idle) + 1))))
+    d = mgr.reserve(b, page, tokens=16)
+    assert d.outcome is Outcome.DEFERRED
+    assert d.est_wait_s is None and "cannot move" in d.reason, d
+    mgr.check_invariants()

@@ -48,7 +48,7 @@ class Admission:
         # The deferred decisions' movable HBM blocks, per block size: (idle, running ones by priority,
         # cumulative): a scan of the whole table (tens of ms at a million blocks), so the polls of
         # waiting clients read the figure of the last background step, which clears it (`new_step`).
-        self._movable_memo: tuple[int, np.ndarray] | None = None  # (_movable_bytes)
+        self._movable_memo: dict[int, tuple[int, np.ndarray]] | None = None  # per slot size (_movable_bytes)
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
@@ -467,32 +467,38 @@ class Admission:
         return tau * math.log(r0 / floor) + (amount - early) / floor
 
     def _movable_bytes(self, res: Reservation) -> int:
-        """HBM bytes that making room for this reservation could free: idle blocks, and with
-        preemption running requests' blocks of lower priority (as `_make_room` picks them), by their
-        slots, of every block size: those of another size free room for its blocks by whole slabs
-        (slabroom.py), so this is what room-making could free at most. Counted of its own size only,
-        a reservation into an HBM of idle blocks of another size was told it waited on blocks that
-        cannot move (no estimate) and granted at the next step (a review). With no tier below HBM,
-        making room drops blocks, and only idle published ones may be dropped: a running request's
-        are not movable there, whatever their priority. As of the last background step
-        (`_movable_memo`)."""
+        """HBM bytes that making room for this reservation could free for its blocks: idle blocks,
+        and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
+        by their slots: of its own slot size each block, of another size only the blocks of slabs
+        whose every slot holds one (room for it is made by emptying whole slabs: slabroom.py).
+        Counted of its own size only, a reservation into an HBM of idle blocks of another size was
+        told it waited on blocks that cannot move, with no estimate, and was granted at the next
+        step; counted of every size whatever their slab, one whose every slab held a block being
+        written was told to wait 0 s (two reviews). With no tier below HBM, making room drops
+        blocks, and only idle published ones may be dropped: a running request's are not movable
+        there, whatever their priority. As of the last background step (`_movable_memo`)."""
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
         preempts = self.settings.preemption and not last
+        slot = self.table.slot_bytes(res.layout_id, Tier.HBM)
         if self._movable_memo is None:
-            # One pass per step, whatever the priorities waiting: keyed by priority, each priority
-            # polled paid its own pass every step (64 clients waiting at as many priorities: 277 ms of
-            # the loop per 100 ms step at a million blocks, a review's script).
+            self._movable_memo = {}
+        if slot not in self._movable_memo:
+            # One pass per slot size and step, whatever the priorities waiting: keyed by priority,
+            # each priority polled paid its own pass every step (64 clients waiting at as many
+            # priorities: 277 ms of the loop per 100 ms step at a million blocks, a review's script).
             c = self.table.cols
             slots = self.table.slot_sizes(Tier.HBM)
             idle = hbm.movable(Tier.HBM, evict=last, idle_only=True)
-            running = np.flatnonzero(hbm.movable(Tier.HBM, evict=False) & ~idle)
+            either = hbm.movable(Tier.HBM, evict=False) | idle
+            idle &= self.table.frees_room_for(idle, Tier.HBM, slot)
+            running = np.flatnonzero(either & ~idle & self.table.frees_room_for(either, Tier.HBM, slot))
             by_priority = np.bincount(c.priority[running].astype(np.int64) - PRIORITY_MIN,
                                       weights=slots[c.layout[running]].astype(np.float64),
                                       minlength=PRIORITY_MAX - PRIORITY_MIN + 1)
             idle_bytes = int(slots[c.layout[np.flatnonzero(idle)]].sum())
-            self._movable_memo = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))))
-        idle_bytes, below = self._movable_memo  # below[p - PRIORITY_MIN]: running bytes of priority < p
+            self._movable_memo[slot] = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))))
+        idle_bytes, below = self._movable_memo[slot]  # below[p - PRIORITY_MIN]: running bytes of priority < p
         return idle_bytes + (int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)]) if preempts else 0)
 
     def check_invariants(self) -> None:

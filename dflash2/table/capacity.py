@@ -1,9 +1,12 @@
 """Whether blocks could ever fit a tier: `refuse_never_fits` raises NeverFits where no amount of
-demotion could make their room, so that "no room now" is never said of them. A part of BlockTable
+demotion could make their room, so that "no room now" is never said of them; and which blocks'
+leaving frees room for a slot size (`frees_room_for`). A part of BlockTable
 (a mixin over its allocators and layouts), apart because what a tier can hold at all, by slabs, is a
 question of its own."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from dflash2.alloc import blocks_that_fit, slab_shape
 from dflash2.errors import NeverFits
@@ -42,3 +45,17 @@ class Capacity:
                 raise NeverFits(f"{what} needs {pages} pages of {tier.label} for its blocks of "
                                 f"{len(blocks)} layouts (a page holds blocks of one size), more than the whole "
                                 f"tier's {alloc.n_pages}: they can never lie there together")
+
+    def frees_room_for(self, movable: np.ndarray, tier: Tier, slot: int) -> np.ndarray:
+        """Mask of the `movable` rows of `tier` whose leaving frees room for slots of `slot` bytes:
+        of that size, or in a slab whose every used slot holds a movable row (another size's slot
+        frees room only with its whole slab: alloc.py)."""
+        alloc = self.allocators[tier]
+        out = movable & (self.cols.tier == int(tier))
+        other = np.flatnonzero(out & (self.slot_sizes(tier)[self.cols.layout] != slot))
+        if len(other):
+            heads = alloc.slabs_of(self.cols.offset[other])
+            _, _, used = alloc.page_slabs()
+            going = np.bincount(heads, minlength=len(used))
+            out[other[going[heads] != used[heads]]] = False
+        return out
