@@ -3,8 +3,8 @@ calls `_select_slabs` from `select`).
 
 A block frees room for blocks of another slot size only once every slot of its slab is free (its
 pages go back to the pool: alloc.py), so victims chosen by score alone, spread over every slab,
-emptied none until most of the tier had gone. Needs the Placement's `table`, `_leaving`, `_childless`, `_forest`,
-`_slot_bytes` and `_with_descendants`.
+emptied none until most of the tier had gone. Needs the Placement's `table`, `_leaving`,
+`_childless`, `_forest`, `_slot_bytes` and `_with_descendants`.
 """
 
 from __future__ import annotations
