@@ -22,6 +22,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dflash2 import threads
 from dflash2.tcpkeys import TcpKeys
 
 log = logging.getLogger("dflash2.daemon")
@@ -43,7 +44,8 @@ class KeyGate:
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
         self._lock = threading.Lock()  # (the authenticator's and the monitor's threads count)
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("dflash2.daemon.zap"))
-        self._auth.start()
+        with threads.stop_signals_blocked():  # (the stop signals stay the main thread's: threads.py)
+            self._auth.start()
         self._auth.configure_curve_callback("*", credentials_provider=self)
         self._sock: zmq.Socket | None = None
         self._watcher: threading.Thread | None = None
@@ -58,8 +60,8 @@ class KeyGate:
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # (used by the watcher thread alone from here)
         self._sock = sock
-        self._watcher = threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate", daemon=True)
-        self._watcher.start()
+        self._watcher = threads.start(threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate",
+                                                       daemon=True))
 
     def _watch(self, monitor: zmq.Socket) -> None:
         try:

@@ -220,3 +220,24 @@ def test_history_says_a_refusal_is_not_a_daemon_that_does_not_run(tmp_path, runt
     assert "no key file at" in str(e.value) and "is dflash2d running" not in str(e.value)
     with pytest.raises(AccessDenied, match="looks in its own runtime folder"):
         Client("tcp://127.0.0.1:5999", "c", timeout_s=1)  # (no key file named: the default is looked for)
+
+
+def test_a_tcp_daemons_gate_threads_leave_the_stop_signals_to_the_main_thread(tmp_path, runtime):
+    """The key gate's threads (pyzmq's ZAP authenticator, the handshake watcher) took SIGTERM like
+    any thread that does not block it, and a main thread in a system call then never saw it
+    (dflash2/threads.py's invariant)."""
+    from mask_helpers import other_threads, taking_stop_signals
+
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s")})
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    try:
+        assert proc.stdout.readline().startswith("DFlash2: enabled")
+        with Client.connect(config=config, name="c", layouts=[LAYOUT]):
+            others = other_threads(proc.pid)
+            assert len(others) >= 4, others  # (the transfer thread, ZeroMQ's two, the gate's two)
+            assert taking_stop_signals(proc.pid, others) == []
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
