@@ -41,6 +41,7 @@ def test_swap_bench_measures_a_multiple_of_64_that_is_not_a_power_of_two():
     power of two, and failed blaming --mb and --repeat. Its pages are 64 KiB now, three a block."""
     (row,) = swap.run(_args(sizes_kib="192"))
     assert row["block_kib"] == 192 and row["blocks"] == (4 << 20) // (192 << 10)
+    assert row["mb_each_way"] == 21 * 192 / 1024  # 3.9375: what moved (it was cut to 3)
     assert row["room_first_ms"] > 0 and row["pieces_ms"] > 0
     assert [swap.page_kib(kib * 1024) for kib in (64, 192, 256, 320, 2048)] == [64, 64, 256, 64, 2048]
 

@@ -148,7 +148,7 @@ def _measure(mgr, block_bytes: int, per: int, sets: int, chain: int = 1) -> dict
     moved = 2 * per * block_bytes
     from dflash2.transfer.host import HostTransferBackend
     row = {"device": "host" if isinstance(mgr.backend, HostTransferBackend) else "cuda",
-           "block_kib": block_bytes // KIB, "blocks": per, "mb_each_way": per * block_bytes // MB,
+           "block_kib": block_bytes // KIB, "blocks": per, "mb_each_way": round(per * block_bytes / MB, 4),
            "default": default, "chain": chain}
     for way, seconds in times.items():
         median = statistics.median(seconds)
