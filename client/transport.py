@@ -35,7 +35,7 @@ from dflash2.endpoints import tcp_key_path
 from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply,
                             VersionMismatch)
 from dflash2.tcpkeys import KeyFileError, load as load_keys
-from dflash2.zmqio import NOBLOCK, descriptors_left, recv_frames, send_frames
+from dflash2.zmqio import HANDSHAKE_FAILED, NOBLOCK, descriptors_left, recv_frames, send_frames
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -46,9 +46,6 @@ def check_endpoint(endpoint: str) -> None:
             raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
                                     "(is the daemon running? `dflash2d --config FILE`)")
 
-
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the
 # call socket, the heartbeat's, the arena mappings' files, and a fresh socket after a timeout.
@@ -106,9 +103,9 @@ class Transport:
         """`key_file`: a tcp endpoint's (dflash2/tcpkeys.py; default: tcp-PORT.key in the runtime
         folder); AccessDenied when it cannot be read. Unused for an ipc endpoint."""
         self.endpoint = endpoint
-        self.key_file = Path(key_file) if key_file is not None else tcp_key_path(endpoint)
-        if not endpoint.startswith("tcp://"):
-            self.key_file = None
+        # (tcp_key_path: None for an ipc endpoint, whose socket's mode guards it)
+        tcp = endpoint.startswith("tcp://")
+        self.key_file = Path(key_file) if key_file is not None and tcp else tcp_key_path(endpoint)
         self._keys = None
         if self.key_file is not None:
             try:

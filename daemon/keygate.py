@@ -24,13 +24,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import threads
 from dflash2.tcpkeys import TcpKeys
+from dflash2.zmqio import HANDSHAKE_FAILED
 
 log = logging.getLogger("dflash2.daemon")
 
 REFUSALS_LOGGED_EVERY_S = 60.0
 HANDSHAKE_S = 2.0
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class KeyGate:

@@ -57,14 +57,20 @@ from dflash2.counts import add_at  # noqa: E402
 from dflash2.errors import ArenaError  # noqa: E402
 
 
+def runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the maximal runs of True in a boolean mask, ends exclusive."""
+    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
 def slabs_in_runs(free: np.ndarray, slab_pages: int) -> int:
     """Slabs of `slab_pages` contiguous pages that the pages marked in `free` hold, first fit: each
     maximal run of free pages holds its length // slab_pages (free pages scattered between used ones
     hold no slab longer than a page)."""
     if slab_pages == 1:
         return int(np.count_nonzero(free))
-    edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
-    return int(((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)) // slab_pages).sum())
+    starts, ends = runs(free)
+    return int(((ends - starts) // slab_pages).sum())
 
 
 SCAN_PAGES = 1 << 16  # pages read at a time by a first-fit search for single free pages

@@ -111,6 +111,8 @@ def load(args: argparse.Namespace) -> list[dict]:
         if has_lines and not samples:
             raise HistoryError(f"{path} holds no dflash2 history samples (a daemon's is STATE_DIR/{FILE_NAME})")
         if args.since is not None and samples:
+            # (read_file cut at its newest sample's time, read from the file's tail; where no sample
+            # lies there, it kept them all, and this cuts them)
             cutoff = samples[-1]["t"] - args.since
             samples = [s for s in samples if s["t"] >= cutoff]
         return samples

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash2.alloc import runs
 from dflash2.forest import subtree_heights
 from dflash2.tiers import Tier
 
@@ -146,8 +147,7 @@ def _counted_runs(free: np.ndarray, clear: np.ndarray, span: int) -> np.ndarray:
     pages left over at the end where a clear slab adjoins its start, else at its start (left over
     only at the end, a clear slab before a run could join none: room that emptying it made was not
     found, and an allocation was refused, a review)."""
-    edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    starts, ends = runs(free)
     counted = np.zeros(len(free), dtype=bool)
     for start, end in zip(starts.tolist(), ends.tolist()):
         over = (end - start) % span

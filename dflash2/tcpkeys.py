@@ -95,8 +95,7 @@ def _read(path: Path) -> tuple[str, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"{path} is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(4096)
+        data = os.read(fd, 4096)  # (the file is a few hundred bytes)
     finally:
         os.close(fd)
     try:
@@ -136,7 +135,7 @@ def load_or_make(path: Path) -> tuple[TcpKeys, bool]:
                            f"({os.geteuid()}): anyone who could write it could choose the keys; remove it")
     if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
         raise KeyFileError(f"the key file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
-                           "whoever can read it can attach, so it may be readable by the owner and a group at "
+                           "whoever can read it can connect, so it may be readable by the owner and a group at "
                            f"most (chmod 0600 or 0640 {path})")
     return parse(text, path), False
 

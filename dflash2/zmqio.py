@@ -16,6 +16,9 @@ from collections.abc import Sequence
 import zmq
 
 NOBLOCK = int(zmq.NOBLOCK)
+# A socket monitor's events for a handshake that failed (CURVE: a wrong key, or a peer without it).
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MORE = int(zmq.SNDMORE)
 
 

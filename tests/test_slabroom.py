@@ -1,6 +1,7 @@
-"""Room by slabs (dflash2/slabroom.py) after a review of 2026-12-05: slots of several pages beside a
-free run, a tier below smaller than one slab, and the cheap first pass on prefix chains. Each
-failed before its fix."""
+"""Room by slabs (dflash2/slabroom.py): room for one slot size among blocks of another empties whole
+slabs (the last section, moved from test_placement.py), and what reviews of 2026-12-05 found since:
+slots of several pages beside a free run, a tier below smaller than one slab, the cheap first pass on
+prefix chains, admission by slab. Each failed before its fix."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.tiers import Tier
+from dflash2.placement import Watermark
+from test_placement import fill, tier_of
 
 PAGE = 64 << 10
 
@@ -201,3 +204,146 @@ def test_a_cold_chain_leaves_in_one_round():
     assert mgr.allocate(a, s, 32) is not None
     assert len(rounds) <= 2, rounds
     mgr.check_invariants()
+
+
+# -- room for one slot size among blocks of another: whole slabs ----------------------------------
+# (PAGE: 4 blocks of SMALL a page; 16 pages: 64 blocks)
+PAGE_BLOCK = Layout("page", num_layers=8, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+TWO_PAGES = Layout("two-pages", num_layers=16, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+
+
+def slab_manager(clock, policy="lru", dram_pages=0, **kw):
+    """HBM of 16 pages of 64 KiB (the last tier unless `dram_pages`), full of 64 SMALL blocks keyed
+    1..64, block i (from 0) in page i // 4, cached and idle."""
+    assert (PAGE_BLOCK.block_bytes, TWO_PAGES.block_bytes) == (PAGE, 2 * PAGE)
+    specs = [TierSpec(Tier.HBM, 16 * PAGE, PAGE, 256)]
+    if dram_pages:
+        specs.append(TierSpec(Tier.DRAM, dram_pages * PAGE, PAGE, 4096))
+    mgr = BlockManager(specs, policy=policy, clock=clock, **kw)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = []
+    for k in range(1, 65):
+        clock.advance(1)
+        vids.append(int(fill(mgr, a, lid, [k])[0]))
+    assert mgr.placement.free_bytes(Tier.HBM) == 0
+    return mgr, a, lid, np.array(vids)
+
+
+def read_again(mgr, client, clock, vids):
+    for v in vids:
+        clock.advance(1)
+        mgr.acquire(client, [int(v)])
+        mgr.release(client, [int(v)])
+
+
+def pages_read_again_but(skip):
+    """Blocks 0, 2 of every page but those in `skip`: the coldest blocks lie in every slab."""
+    return [i for i in range(64) if i % 4 in (0, 2) and i // 4 not in skip]
+
+
+def cached_keys(mgr, lid):
+    return {k for k in range(1, 65) if mgr.lookup([k], lid)}
+
+
+def keys_of_pages(*pages):
+    return {1 + i for p in pages for i in range(4 * p, 4 * p + 4)}
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_one_block_of_a_page_empties_the_coldest_slab_not_every_slab(clock, policy):
+    """Room for a block that needs a whole page, in a last tier full of blocks a quarter of a page:
+    the victims were the tier's lowest-scored blocks, whatever their page, round after round until
+    a page happened to empty, and the coldest lay in every page (a reviewer's 64 MiB HBM of 4,096
+    blocks of 16 KiB, half read again: one 1 MiB block dropped 2,079 with heat, 3,488 with lru). Now
+    the one slab whose blocks are all cold goes, and only it."""
+    mgr, a, lid, vids = slab_manager(clock, policy)
+    read_again(mgr, a, clock, vids[pages_read_again_but({9})])
+    big = mgr.register_layout(PAGE_BLOCK)
+    got = mgr.allocate(a, big, 1)
+    assert got is not None, mgr.allocate_refusal
+    assert cached_keys(mgr, lid) == set(range(1, 65)) - keys_of_pages(9)
+    assert mgr.placement.stats.evicted == 4
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_a_block_of_two_pages_empties_the_coldest_run_of_two(clock):
+    """A slot of two pages needs them contiguous: the two neighbouring cold slabs go (page 12,
+    cold too, has hot neighbours)."""
+    mgr, a, lid, vids = slab_manager(clock)
+    read_again(mgr, a, clock, vids[pages_read_again_but({4, 5, 12})])
+    got = mgr.allocate(a, mgr.register_layout(TWO_PAGES), 1)
+    assert got is not None, mgr.allocate_refusal
+    assert cached_keys(mgr, lid) == set(range(1, 65)) - keys_of_pages(4, 5)
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_room_by_slabs_demotes_whole_slabs_into_the_tier_below(clock):
+    """With a tier below, the same choice demotes: the cold slab goes down whole, nothing else (a
+    reviewer's: 3,184 of 4,096 blocks of 16 KiB demoted for one 1 MiB block)."""
+    mgr, a, lid, vids = slab_manager(clock, dram_pages=32, watermarks={
+        Tier.HBM: Watermark(1.0, 0.95), Tier.DRAM: Watermark(1.0, 0.95)})  # (a room batch of one page)
+    read_again(mgr, a, clock, vids[pages_read_again_but({3})])
+    got = mgr.allocate(a, mgr.register_layout(PAGE_BLOCK), 1)
+    assert got is not None, mgr.allocate_refusal
+    assert mgr.placement.stats.demoted == 4 and mgr.placement.stats.evicted == 0
+    assert [i for i in range(64) if tier_of(mgr, vids[i]) == Tier.DRAM] == [12, 13, 14, 15]
+    mgr.check_invariants()
+    mgr.close()
+
+
+@pytest.mark.parametrize("child", ["cold", "hot", "held"])
+def test_a_slab_leaves_with_the_descendants_that_hold_it(clock, child):
+    """Prefix order, slab by slab: a block of the coldest slab (page 2) has a child in page 9. A
+    cold child leaves with it (and only it of page 9); a hot one makes page 2 as hot as it (a slab
+    costs the hottest block that leaves with it), and a held one keeps page 2 where it is: the next
+    coldest slab (page 5, cold but for that) goes instead."""
+    mgr = BlockManager([TierSpec(Tier.HBM, 16 * PAGE, PAGE, 256)], policy="lru", clock=clock)
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    vids = []
+    for k in range(1, 65):
+        clock.advance(1)
+        parent = vids[9] if k == 38 else None  # block 37 (page 9) under block 9 (page 2)
+        vids.append(int(fill(mgr, a, lid, [k], parent=parent)[0]))
+    vids = np.array(vids)
+    others = pages_read_again_but({2} if child == "cold" else {2, 5})
+    read_again(mgr, a, clock, vids[others + ([37] if child == "hot" else [])])
+    if child == "held":
+        mgr.acquire(a, [int(vids[37])])
+    got = mgr.allocate(a, mgr.register_layout(PAGE_BLOCK), 1)
+    assert got is not None, mgr.allocate_refusal
+    gone = set(range(1, 65)) - cached_keys(mgr, lid)
+    assert gone == (keys_of_pages(2) | {38} if child == "cold" else keys_of_pages(5))
+    mgr.check_invariants()
+    mgr.close()
+
+
+def test_room_of_one_slot_size_makes_no_pass_by_slabs(clock, monkeypatch):
+    """Where every block has the room's slot size, or free slots of its size suffice, room is made
+    as ever: one selection by score, no pass over the slabs."""
+    from dflash2.placement import Placement
+    monkeypatch.setattr(Placement, "_select_slabs", lambda *a, **kw: pytest.fail("a pass by slabs"))
+    mgr, a, lid, vids = slab_manager(clock)
+    assert mgr.allocate(a, lid, 3) is not None and mgr.placement.stats.evicted == 3
+    mgr.close()
+
+
+@pytest.mark.parametrize("big_is", ["hot", "cold"])
+def test_room_for_small_blocks_beside_a_page_block_takes_the_coldest(clock, big_is):
+    """Room by slabs for the small size itself: its blocks go one by one, coldest first, and a
+    page block's slab (a page: four small slots) only where it is colder than they are."""
+    mgr, a, lid, vids = slab_manager(clock)
+    mgr.placement._evict(mgr.table.rows(vids[60:]))  # page 15 for one page block
+    big = fill(mgr, a, mgr.register_layout(PAGE_BLOCK), [99])
+    if big_is == "hot":
+        read_again(mgr, a, clock, big)
+    read_again(mgr, a, clock, vids[2 if big_is == "hot" else 0:60])
+    assert mgr.allocate(a, lid, 2) is not None
+    gone = set(range(1, 61)) - cached_keys(mgr, lid)
+    assert (gone, mgr.lookup([99], mgr.register_layout(PAGE_BLOCK)) == []) == (
+        ({1, 2}, False) if big_is == "hot" else (set(), True))
+    mgr.check_invariants()
+    mgr.close()

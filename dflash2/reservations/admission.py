@@ -48,7 +48,7 @@ class Admission:
         # The deferred decisions' movable HBM blocks, per block size: (idle, running ones by priority,
         # cumulative): a scan of the whole table (tens of ms at a million blocks), so the polls of
         # waiting clients read the figure of the last background step, which clears it (`new_step`).
-        self._movable_memo: dict[int, tuple[int, np.ndarray]] | None = None  # per slot size (_movable_bytes)
+        self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}  # per slot size (_movable_bytes)
         # The reservation that room was last made for: a call that leaves nothing newly movable
         # (tick with make_room False) still makes room once for a new head of the queue.
         self._room_tried: int | None = None
@@ -210,7 +210,7 @@ class Admission:
 
     def new_step(self) -> None:
         """The background step: which blocks could move is counted anew (`_movable_memo`)."""
-        self._movable_memo = None
+        self._movable_memo.clear()
 
     def tick(self, make_room: bool = True) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
@@ -284,7 +284,7 @@ class Admission:
         if self._loosened.count(rows, head.block_bytes, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
         self._room_tried = None
-        self._movable_memo = None  # the deferred decisions' count of what could move is stale now
+        self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
         return True
 
     def _may_leave(self, rows: np.ndarray, head: Reservation, below: bool) -> np.ndarray:
@@ -349,7 +349,7 @@ class Admission:
             after = self._room(res)
             self._bucket -= max(0, after - before)
             self._loosened.clear()
-            self._movable_memo = None  # room-making moved blocks: the count of what could move is stale
+            self._movable_memo.clear()  # room-making moved blocks: the count of what could move is stale
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 self._fails = self._fails + 1 if self._fails_for == res.id else 0
                 self._fails_for = res.id
@@ -481,8 +481,6 @@ class Admission:
         last = hbm.lower(Tier.HBM) is None
         preempts = self.settings.preemption and not last
         slot = self.table.slot_bytes(res.layout_id, Tier.HBM)
-        if self._movable_memo is None:
-            self._movable_memo = {}
         if slot not in self._movable_memo:
             # One pass per slot size and step, whatever the priorities waiting: keyed by priority,
             # each priority polled paid its own pass every step (64 clients waiting at as many
