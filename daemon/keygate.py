@@ -38,7 +38,6 @@ class KeyGate:
 
         self.keys = keys
         self.key_file = key_file
-        self.refused = 0  # connections refused since start (by the ZAP handler, or a failed handshake)
         self._unlogged = 0
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
         self._lock = threading.Lock()  # (the authenticator's and the monitor's threads count)
@@ -85,7 +84,6 @@ class KeyGate:
 
     def _count(self, why: str) -> None:
         with self._lock:
-            self.refused += 1
             self._unlogged += 1
             now = time.monotonic()
             if now - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
