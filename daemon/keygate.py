@@ -3,7 +3,8 @@ authenticator, on a thread of its own) lets in only a client whose key is the ke
 (dflash2/tcpkeys.py). A refused connection never reaches the request loop.
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
-the log): those of the ZAP handler (a client key that is not the file's) and the handshakes that
+the log); those counted since the last line are logged once the minute has passed, even if no
+refusal follows, and when the gate closes: those of the ZAP handler (a client key that is not the file's) and the handshakes that
 fail before it is asked (another daemon's key file, one since made again, not a CURVE client),
 which a monitor of the socket's events reports to a thread of the gate's own.
 
@@ -39,6 +40,7 @@ class KeyGate:
         self.keys = keys
         self.key_file = key_file
         self._unlogged = 0
+        self._last_why = ""
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
         self._lock = threading.Lock()  # (the authenticator's and the monitor's threads count)
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("dflash2.daemon.zap"))
@@ -65,6 +67,7 @@ class KeyGate:
         try:
             while not self._stop.is_set():
                 if not monitor.poll(200):
+                    self._log_unlogged(force=False)
                     continue
                 event = recv_monitor_message(monitor)["event"]
                 if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (those: counted by `callback`)
@@ -85,10 +88,17 @@ class KeyGate:
     def _count(self, why: str) -> None:
         with self._lock:
             self._unlogged += 1
+            self._last_why = why
+        self._log_unlogged(force=False)
+
+    def _log_unlogged(self, force: bool) -> None:
+        """The refusals counted since the last line, in one line: when a minute has passed since that
+        one, or at once with `force` (the gate closes)."""
+        with self._lock:
             now = time.monotonic()
-            if now - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
+            if self._unlogged and (force or now - self._logged_at >= REFUSALS_LOGGED_EVERY_S):
                 log.warning("refused %d tcp connection%s since the last such line; the last %s (%s)", self._unlogged,
-                            "" if self._unlogged == 1 else "s", why, self.key_file)
+                            "" if self._unlogged == 1 else "s", self._last_why, self.key_file)
                 self._unlogged, self._logged_at = 0, now
 
     def close(self) -> None:
@@ -102,3 +112,4 @@ class KeyGate:
         if self._watcher is not None:
             self._watcher.join(timeout=5)
         self._auth.stop()
+        self._log_unlogged(force=True)

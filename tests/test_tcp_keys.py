@@ -114,6 +114,9 @@ def test_a_client_without_the_daemons_key_is_refused_at_once_by_name(tmp_path, r
             ctx.term()
     log = (tmp_path / "daemon.log").read_text()
     assert "refused 1 tcp connection since the last such line; the last whose handshake failed" in log, log
+    # The refusals within the minute after that line are not lost: the gate logs them as it closes.
+    later = re.findall(r"refused (\d+) tcp connections? since the last such line", log)
+    assert len(later) == 2 and int(later[1]) >= 2, log
 
 
 def test_a_client_of_a_daemon_without_curve_is_told_so(tmp_path, runtime):
@@ -241,3 +244,30 @@ def test_a_tcp_daemons_gate_threads_leave_the_stop_signals_to_the_main_thread(tm
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_refusals_after_a_logged_line_are_logged_once_the_minute_has_passed(monkeypatch, caplog):
+    """A burst of refusals, then quiet: the ones after the burst's first line are logged when the
+    minute (here 0.3 s) has passed, not only at a next refusal that may never come."""
+    from dflash2.daemon import keygate
+
+    monkeypatch.setattr(keygate, "REFUSALS_LOGGED_EVERY_S", 0.3)
+    ctx = zmq.Context()
+    gate = keygate.KeyGate(ctx, TcpKeys.fresh(), "k.key")
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        gate.secure(sock)
+        with caplog.at_level("WARNING", logger="dflash2.daemon"):
+            for _ in range(3):
+                assert not gate.callback("*", b"not the key")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and len(caplog.records) < 2:
+                time.sleep(0.05)
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines[0].startswith("refused 1 tcp connection since the last such line"), lines
+        assert lines[1].startswith("refused 2 tcp connections since the last such line; the last whose client "
+                                   "key is not the one in the key file (k.key)"), lines
+    finally:
+        gate.close()
+        sock.close(0)
+        ctx.term()
