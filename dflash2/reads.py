@@ -150,15 +150,16 @@ class Reads:
         if prefetched is not None and prefetched.own:
             came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
         counts = reads_by_origin(tiers, vids_read, up_to, came)
-        self.table.touch(rows, now)
-        self.policy.on_access(self.table, rows, now)
         if promoting:
             ok = self.placement.promote(rows, up_to, below_priority=below)
             if not ok.all():
                 refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
                 return None
-        # Counted once the blocks are there: a read whose NVMe copy failed (UnknownBlock) or found
-        # no room (None) served nothing, and its retry would count the same blocks again.
+        # Counted once the blocks are there, by the policy too: a read whose NVMe copy failed
+        # (UnknownBlock) or found no room (None) served nothing, and its retry would count the same
+        # blocks again (each failed try raised an engine's retried key a frequency class, a review).
+        self.table.touch(rows, now)
+        self.policy.on_access(self.table, rows, now)
         (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
         if prefetched is not None:
             self.prefetcher.count(prefetched)

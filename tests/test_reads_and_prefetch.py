@@ -240,3 +240,32 @@ def test_an_acquire_that_finds_no_room_settles_no_prefetch(make_manager):
     assert m.access.reads == {Tier.DRAM: 4}, m.access.reads
     assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, 2)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["heat", "lfu", "lru"])
+def test_an_acquire_that_finds_no_room_is_no_access_for_the_policy(make_manager, clock, policy):
+    """An acquire answering None (no room in HBM) read nothing: it raised the blocks' hit counts and
+    recency, and under heat moved them from first-timers to returning blocks, once per failed try
+    (an engine that retries under HBM pressure made a key look reused)."""
+    m = make_manager(hbm_blocks=4, dram_blocks=16, policy=policy)
+    a, b = m.attach("a"), m.attach("b")
+    lid = m.register_layout(SMALL)
+    keys = [100, 101]
+    m.free(a, m.commit(a, m.allocate(a, lid, 2), keys=keys))
+    m.placement.make_room(Tier.HBM, 4 * SMALL.block_bytes)  # the chain goes down to DRAM
+    rows = m.lookup_rows(keys, lid, client=a, probe=True)
+    vids = m.table.vids(rows).tolist()
+    c = m.table.cols
+    before = (c.hits[rows].tolist(), c.last_access[rows].tolist())
+    split = m.policy.split.describe() if policy == "heat" else None
+    held = m.allocate(b, lid, 4)  # HBM full of blocks being written: no room to make
+    for _ in range(5):
+        clock.advance(1.0)
+        assert m.acquire_rows(a, vids) is None
+    assert (c.hits[rows].tolist(), c.last_access[rows].tolist()) == before
+    if policy == "heat":
+        assert m.policy.split.describe() == split
+    m.free(b, held)
+    assert m.acquire_rows(a, vids) is not None
+    assert c.hits[rows].tolist() == [h + 1 for h in before[0]]
+    m.check_invariants()
