@@ -57,6 +57,15 @@ STEP_LATE_MAX_S = 1.0
 # up to 100 ms while DRAM drained to NVMe (an experiment script, docs/measured-figures.md). Slices of
 # 20 ms made those waits longer again (p50 25-117 ms: requests queue up behind longer pieces).
 IDLE_DRAIN_S = 0.01
+# Replies queued for one connection at most (the protocol's limit on calls in flight on one
+# connection): a library client has one call in flight on each of its connections, so only a peer
+# that does not read its replies fills this (ZeroMQ counts a burst sent within about a millisecond
+# as queued, however fast the peer reads: 40 pipelined pings lost replies at 16). ZeroMQ's default,
+# 1,000 messages of any size, let one such peer hold 1.9 GB of the daemon's memory (a review:
+# `places` replies of 1.9 MB never read); 64 of the largest replies are about 120 MB. Further
+# replies to it are dropped (`_answer`), logged.
+REPLIES_QUEUED_PER_PEER = 64
+DROPPED_LOGGED_EVERY_S = 60.0
 # Requests get at least twice a piece's length before the next piece while they come: the drain takes
 # at most a third of a busy loop, as the stretch did (50 ms in a cycle of 150). At half (a piece's
 # length), a client calling back to back alongside three writers made 20% fewer lookups (soak3).
@@ -114,6 +123,12 @@ class Server:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
+        self._sock.setsockopt(zmq.SNDHWM, REPLIES_QUEUED_PER_PEER)
+        # A reply that cannot be queued raises (zmq.Again: the peer's queue is full; EHOSTUNREACH: the
+        # peer is gone) instead of vanishing without a word.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._dropped = 0  # replies dropped for a full queue since the last line that said so
+        self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
         self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
         try:
@@ -382,6 +397,22 @@ class Server:
         stops after its piece, and a slice waiting for its piece's copies gives way to it."""
         return bool(self._sock.poll(math.ceil(within_s * 1000) if within_s > 0 else 0, zmq.POLLIN))
 
+    def _reply_dropped(self) -> None:
+        """A reply dropped: its connection holds REPLIES_QUEUED_PER_PEER unread ones (a client that
+        does not read them). Logged a line a minute at most, with the count (`_log_dropped`)."""
+        self._dropped += 1
+        self._log_dropped()
+
+    def _log_dropped(self, force: bool = False) -> None:
+        """The replies dropped since the last line, in one line: once a minute has passed since that
+        one (at a drop, or at a step), or at once with `force` (the daemon stops)."""
+        now = time.monotonic()
+        if self._dropped and (force or now - self._dropped_logged_at >= DROPPED_LOGGED_EVERY_S):
+            log.warning("dropped %d repl%s since the last such line: %d replies to one connection were queued "
+                        "unread (a client that does not read its replies)", self._dropped,
+                        "y" if self._dropped == 1 else "ies", REPLIES_QUEUED_PER_PEER)
+            self._dropped, self._dropped_logged_at = 0, now
+
     def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
         """Handle one request and send its reply; False when the call was parked instead (no reply
         yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
@@ -393,7 +424,12 @@ class Server:
         try:
             send_frames(self._sock, [frames[0], *reply], NOBLOCK)
         except zmq.Again:
-            log.warning("dropped a reply: the client's queue is full")
+            self._reply_dropped()
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            # The connection is gone (a client that timed out resets its socket, then sends `forget`).
+            log.debug("a reply's connection is gone: reply dropped")
         self.service.after_reply()
         self._last_answer = time.monotonic()
         spent = self._settled_s() - settled
@@ -447,6 +483,7 @@ class Server:
                            for pool, m in self.service.managers.items() if m.duel is not None)])
         # This step's share of the drain, each pool's REBALANCE_BUDGET_S (what the last step's left undone lapses).
         self._drain_owed_s = sum(m.placement.REBALANCE_BUDGET_S for m in self.service.managers.values())
+        self._log_dropped()
         if self.observers is not None:
             try:
                 self.observers.after_tick(late_s, time.perf_counter() - started)
@@ -461,6 +498,7 @@ class Server:
             log.exception("metrics/history sampling failed; the daemon keeps serving")
 
     def close(self) -> None:
+        self._log_dropped(force=True)
         if self._gate is not None:
             self._gate.close()  # (its monitor of the socket first)
         self._sock.close(0)

@@ -1,0 +1,74 @@
+"""A connection that sends calls and reads no reply holds at most REPLIES_QUEUED_PER_PEER replies of
+the daemon's memory: ZeroMQ's default queue (1,000 messages of any size) let one such peer hold
+1.9 GB (a review: `places` replies of 1.9 MB, never read). The rest are dropped, and logged."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from dflash2 import protocol as P
+from dflash2.daemon import server as server_mod
+from dflash2.daemon.server import Server
+from dflash2.daemon.service import Service
+from dflash2.protocol import Op
+
+from conftest import SMALL
+
+
+def _call(sock, op, call_id, client=None, token=None, args=None, arrays=None):
+    sock.send_multipart(P.encode_request(op, call_id, client, args, arrays, token=token))
+
+
+def test_replies_a_client_never_reads_are_dropped_not_queued_without_bound(make_manager, tmp_path, caplog):
+    mgr = make_manager(hbm_blocks=16)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(f"ipc://{tmp_path}/d.sock")
+    sent = 300
+    try:
+        with caplog.at_level("WARNING", logger="dflash2.daemon"):
+            _call(sock, Op.ATTACH, 1, args={"name": "no-reader", "pid": 0, "layouts": [SMALL.to_dict()]})
+            assert sock.poll(10_000)
+            attached = P.decode_reply(sock.recv_multipart()).result
+            client, token = attached["client"], attached["token"]
+            _call(sock, Op.ALLOCATE, 2, client, token, {"layout": 0, "n": 1})
+            assert sock.poll(10_000)
+            vid = np.frombuffer(P.decode_reply(sock.recv_multipart()).arrays[0], dtype=P.PLACE_DTYPE)["vid"][0]
+            ids = np.full(65536, vid, dtype=P.VIDS_DTYPE).tobytes()  # each reply ~1.9 MB
+            for i in range(sent):
+                _call(sock, Op.PLACES, 3 + i, client, token, arrays=[ids])
+            # Every call answered (or its reply dropped) before the loop stops.
+            deadline = time.monotonic() + 60
+            while svc.counters["requests"] < 2 + sent and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert svc.counters["requests"] == 2 + sent, svc.counters
+            srv.stop()
+            loop.join(30)
+            srv.close()
+        dropped = sum(int(n) for n in re.findall(r"dropped (\d+) repl", caplog.text))
+        # Queued: the peer's REPLIES_QUEUED_PER_PEER, and what the kernel's socket buffers took.
+        assert dropped >= sent - server_mod.REPLIES_QUEUED_PER_PEER - 20, caplog.text
+        assert "replies to one connection were queued unread" in caplog.text
+        # The replies it did get are whole, and in order.
+        got = []
+        while sock.poll(100):
+            got.append(P.decode_reply(sock.recv_multipart()))
+        assert got and all(r.ok for r in got) and [r.call_id for r in got] == sorted(r.call_id for r in got)
+    finally:
+        sock.close(0)
+        ctx.term()
+        if loop.is_alive():
+            srv.stop()
+            loop.join(10)
