@@ -267,7 +267,7 @@ class BlockManager(Reads):
         # Settled first when a block freed is in flight (the table would defer its free), or when the
         # follow-up may grant a waiting reservation (which may make room: placement work).
         settle_if(self, rows, placing=bool(self.admission.deferred))
-        self.table.refuse_reserved(rows)  # only its reservation frees a RESERVED block
+        self.table.refuse_reserved(rows, client)  # only its reservation frees a RESERVED block
         n = self.table.free(client, vids)
         idle = self._left_idle(rows)
         self._follow_up("granting waiting reservations after a free", lambda: self.admission.tick(make_room=idle))

@@ -38,6 +38,22 @@ def test_a_commit_of_a_block_still_in_its_reservation_says_to_take_it_first(make
     mgr.check_invariants()
 
 
+def test_a_free_of_a_block_in_another_clients_reservation_is_not_owner(make_manager):
+    """Told to take the block from the reservation first, a client whose reservation it is not
+    could not: it is another client's block (a review). Its owner still hears to take it first."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, tokens=32)
+    guessed = mgr.admission.granted[d.reservation_id].vids[:1]
+    with pytest.raises(NotOwner, match="in a reservation of another client"):
+        mgr.free(b, guessed)
+    with pytest.raises(ReservationError, match="take it from the reservation"):
+        mgr.free(a, guessed)
+    assert list(mgr.take(a, d.reservation_id, 2))[:1] == guessed
+    mgr.check_invariants()
+
+
 def test_reject_when_it_can_never_fit_and_names_why(make_manager):
     mgr = make_manager(hbm_blocks=8, admission=settings())
     a = mgr.attach("a")

@@ -398,12 +398,19 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
             return np.array([r for r in rows.tolist() if any(r in d for d in sets)], dtype=np.int64)
         return rows[np.isin(rows, np.fromiter(set().union(*sets), dtype=np.int64))]
 
-    def refuse_reserved(self, rows: np.ndarray) -> None:
+    def refuse_reserved(self, rows: np.ndarray, client_id: int | None = None) -> None:
         """A RESERVED block belongs to its reservation until `take` hands it out: no client may pin,
         reference or free it by id, or the reservation would later hand out or free a block it no
-        longer holds alone (and its client's detach would fail half-way, leaking everything)."""
+        longer holds alone (and its client's detach would fail half-way, leaking everything). With
+        `client_id`, a block in another client's reservation is NotOwner (told to take it from the
+        reservation, that client could not)."""
         reserved = self.cols.state[rows] == int(S.RESERVED)
         if any_true(reserved):
+            if client_id is not None:
+                foreign = reserved & (self.cols.owner[rows] != client_id)
+                if any_true(foreign):
+                    raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is in a reservation of "
+                                   f"another client, not client {client_id}'s")
             raise ReservationError(f"block {int(self.vids(rows[reserved][:1])[0]):#x} is still in a reservation: "
                                    "take it from the reservation before using it")
 
