@@ -132,6 +132,7 @@ class History:
         self.clock = clock
         self.lock_fd = -1  # the state folder's history lock, when this daemon holds it (make_history)
         self._next = -float("inf")
+        self._due_at: float | None = None  # when `due` last said a sample was due, for `record`
         self._torn_tail = False  # the file ends in a line a crash cut short: the next write starts a new line
         # Samples not in the file yet: a write failed (a full disk). Each sample tries again, these
         # first, so that the file catches up once there is room (at most as many as are kept).
@@ -149,14 +150,23 @@ class History:
             self.lock_fd = -1
 
     def due(self) -> bool:
+        """Whether a sample is due: `interval_s` after the last due one was found due, within a tenth
+        of it (the caller asks about once an interval; its next question may come a little early)."""
         now = self.clock()
         # A wall clock set back (an NTP step, a resumed VM) must not stop sampling until it catches up.
-        return now >= self._next or now < self._next - self.interval_s
+        due = now >= self._next - self.interval_s / 10 or now < self._next - self.interval_s
+        if due:
+            # The next one counted from now, not from `record`'s clock: that comes after the stats
+            # were built (a few ms, more on a busy daemon), and a loop asking once a second then found
+            # every other sample not yet due (one sample in 2 s: a review).
+            self._due_at = now
+        return due
 
     def record(self, stats: dict) -> dict:
         """Append a sample of `stats` now (and to the file)."""
         now = self.clock()
-        self._next = now + self.interval_s
+        self._next = (now if self._due_at is None else self._due_at) + self.interval_s
+        self._due_at = None
         s = sample_of(stats, now)
         line = _line(s)
         self.samples.append((s["t"], line))

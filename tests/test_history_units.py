@@ -276,3 +276,24 @@ def test_history_since_parses_only_the_lines_it_keeps(tmp_path, clock, service, 
     assert len(parsed) < 60, len(parsed)  # (10 kept, and the tail read for the newest time)
     assert cli.main(["history", "--file", str(path), "--since", "9s", "--json"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 10
+
+
+def test_a_loop_asking_once_an_interval_gets_a_sample_each_time_though_stats_take_time(service):
+    """The daemon's loop asks every SAMPLE_INTERVAL_S (1 s, a little late each time); the stats take a
+    few ms to build. The next sample was counted from after them, and every other one was not yet
+    due: one sample in 2 s (a review). A question a little early still gets its sample."""
+    from dflash2.daemon.observe import Observers
+
+    wall = [1000.0]
+    h = History(clock=lambda: wall[0])
+    real = service.stats
+
+    def slow_stats():
+        wall[0] += 0.004
+        return real()
+    service.stats = slow_stats
+    obs = Observers(service, None, h)
+    for k in range(1, 21):
+        wall[0] = 1000.0 + k * 1.0005 - (0.02 if k % 3 == 0 else 0.0)
+        obs.sample()
+    assert len(h.samples) == 20, [t for t, _ in h.samples]
