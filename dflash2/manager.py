@@ -405,7 +405,7 @@ class BlockManager(Reads):
             "copy_batches": {} if self.backend is None else self.backend.copy_batches(),
             "placement": dataclasses.asdict(self.placement.stats),
             # pending: prefetched, in HBM, not read yet (useful once read, wasted once gone unread)
-            "prefetch": {"window": self.prefetcher.window, "useful": self.prefetcher.useful,
+            "prefetch": {"window": self.prefetcher.window_now(), "useful": self.prefetcher.useful,
                          "wasted": self.prefetcher.wasted, "pending": self.prefetcher.pending},
             "reservations": self.admission.snapshot(),
             "clients": len(self.table.clients) - len(self.set_aside_clients),

@@ -60,8 +60,8 @@ class PlacementStats:
     lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
     orphaned: int = 0  # cached children dropped with a lost parent (nobody could find them by lookup)
     promoted: int = 0
-    not_admitted: int = 0
-    not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute
+    not_admitted: int = 0  # dropped instead of demoted: the tier below refused them (counted in `evicted` too)
+    not_kept: int = 0  # dropped instead of demoted: reading them back from below costs more than a recompute (likewise)
     past_full: int = 0  # demoted past a tier that had no room it could make (counted in `demoted` too)
     write_backoffs: int = 0  # times a tier's writes failed and it took no blocks for a while (`lower`)
     read_backoffs: int = 0  # times a failing tier's reads failed and it was neither read nor written a while

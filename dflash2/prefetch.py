@@ -103,6 +103,16 @@ class Prefetcher:
             self.window = min(self.max_window, max(self.base, 2 * self.window))
         return self.window
 
+    def window_now(self) -> int:
+        """The window as `stats` reports it, nothing changed: the last prefetch's, or the base once
+        HBM is at or above its high watermark (the next prefetch falls back to it). (The last
+        prefetch's window alone, a doubled one while HBM had since filled, stayed the gauge's until
+        a prefetch ran, a review.)"""
+        placement = self.manager.placement
+        if placement.used_fraction(Tier.HBM) >= placement.watermarks[Tier.HBM].high:
+            return self.base
+        return self.window
+
     # -- the request's read loop -----------------------------------------------------------
     def ahead(self, vids: Sequence[int], position: int, reader: int | None = None) -> int:
         """The request will read vids[position:] next: bring the window's blocks up to HBM.

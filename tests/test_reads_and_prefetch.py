@@ -269,3 +269,21 @@ def test_an_acquire_that_finds_no_room_is_no_access_for_the_policy(make_manager,
     assert m.acquire_rows(a, vids) is not None
     assert c.hits[rows].tolist() == [h + 1 for h in before[0]]
     m.check_invariants()
+
+
+def test_the_window_reported_falls_back_as_hbm_fills(make_manager):
+    """`stats()["prefetch"]["window"]` (the gauge, `dflash2 status`): once HBM has filled past its high
+    watermark, the base window, not the doubled one of the last prefetch (it stayed until a prefetch ran)."""
+    m = make_manager(hbm_blocks=32, dram_blocks=32, prefetch_window=2)
+    c = m.attach("c")
+    lid = m.register_layout(SMALL)
+    keys = list(range(1, 9))
+    m.free(c, m.commit(c, m.allocate(c, lid, 8, tier=Tier.DRAM), keys=keys))
+    m.lookup_rows(keys, lid, client=c)  # its prefetch: HBM below its low watermark, the window doubles
+    doubled = m.prefetcher.window
+    assert doubled > 2 and m.stats()["prefetch"]["window"] == doubled
+    held = m.allocate(c, lid, 31 - round(m.placement.used_fraction(Tier.HBM) * 32))  # 31 of 32 slots
+    assert m.placement.used_fraction(Tier.HBM) >= m.placement.watermarks[Tier.HBM].high
+    assert m.stats()["prefetch"]["window"] == 2
+    m.free(c, held)
+    m.check_invariants()
