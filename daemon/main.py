@@ -148,6 +148,7 @@ def room_now(plan: Plan) -> list[str]:
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
     from dflash2.arena.nvme import HEADER_BYTES
+    from dflash2.arena.nvmefiles import unused_cache_files
     from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
@@ -172,19 +173,27 @@ def room_now(plan: Plan) -> list[str]:
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
     if has_nvme:
         try:
-            lines.extend(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict))
+            lines.extend(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict,
+                                   unused_cache_files(plan.nvme_path, plan.nvme_files())))
         except OSError as e:
             lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
                          "would fail now (exit 4)")
     return lines
 
 
-def _nvme_now(paths: list[Path], need_each: int, verdict) -> list[str]:
+def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Path, int]] = ()) -> list[str]:
     """The `now:` lines of the NVMe files (one, or one per GPU): whether start-up could create or
     reuse each, and whether each disk has room for the files on it. A file is looked at where a
     symlink at its path leads, as start-up takes it (`nvme.cache.gpuN` linked to a disk per GPU was
-    measured on the links' folder)."""
+    measured on the links' folder). `unused`: an earlier daemon's files that no pool uses
+    (nvmefiles.py), which start-up removes: said, and their room counted as free."""
     disks: dict[int, list] = {}  # filesystem -> [folder to measure, files, bytes they hold]
+    lines = [f"{path} is an earlier daemon's NVMe cache file ({held} bytes on disk) that no pool of this config "
+             "uses (made for another number of GPUs): start-up removes it" for path, held in unused]
+    freed: dict[int, int] = {}  # filesystem -> bytes the removals give back
+    for path, held in unused:
+        dev = os.stat(os.path.realpath(path)).st_dev
+        freed[dev] = freed.get(dev, 0) + held
     for path in paths:
         target = Path(os.path.realpath(path))
         problem, has = _nvme_file_now(target)
@@ -194,10 +203,9 @@ def _nvme_now(paths: list[Path], need_each: int, verdict) -> list[str]:
         disk = disks.setdefault(os.stat(folder).st_dev, [folder, [], 0])
         disk[1].append(target)
         disk[2] += has
-    lines = []
-    for folder, files, held in disks.values():
+    for dev, (folder, files, held) in disks.items():
         st = os.statvfs(folder)
-        free = st.f_bavail * st.f_frsize + held
+        free = st.f_bavail * st.f_frsize + held + freed.get(dev, 0)
         need = need_each * len(files)
         where = (f"the NVMe file needs {need} bytes at {files[0]}" if len(files) == 1 else
                  f"{len(files)} NVMe files (one per GPU) need {need} bytes in all at {files[0]} to {files[-1]}")

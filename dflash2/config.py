@@ -83,6 +83,10 @@ class MemoryConfig(_Section):
     @field_validator("nvme_path")
     @classmethod
     def _plain_nvme_path(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value.endswith("/"):
+            # (the trailing slash went when the path was resolved: the folder meant became the file)
+            raise ValueError(f"{value!r} ends in '/', a folder; give the cache file's path in it "
+                             f"(e.g. {value.rstrip('/') or ''}/nvme.cache)")
         return None if value is None else plain_text(value)
 
     @field_validator("page_kb")

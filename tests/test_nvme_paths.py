@@ -145,3 +145,21 @@ def test_a_symlink_loop_at_the_nvme_path_is_named_by_key(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     rc, out = check(write_config(tmp_path, memory={"nvme_path": str(tmp_path / "a" / "nvme.cache")}))
     assert rc == 2  # a traceback (RuntimeError: Symlink loop) before
+
+
+def test_a_file_where_a_folder_of_the_nvme_path_must_be_is_named(tmp_path):
+    """makedirs said "[Errno 17] File exists: '/etc/passwd'", as if the cache file existed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(Exception, match=f"NVMe tier cannot create its file at {blocker}/sub/nvme.cache: "
+                                        f"{blocker} is not a folder$"):
+        NvmeArena(blocker / "sub" / "nvme.cache", 1 * MB, staging_bytes=1 * MB)
+    assert blocker.read_text() == "x"
+
+
+def test_an_nvme_path_ending_in_a_slash_is_refused_by_key(tmp_path):
+    """It named a folder; the slash went when the path was resolved, and the folder meant became an
+    8 MB cache file."""
+    with pytest.raises(Exception, match=r"memory\.nvme_path.*ends in '/', a folder; give the cache file's path in it"):
+        load_config(write_config(tmp_path, memory={"nvme_capacity_mb": 8, "nvme_path": f"{tmp_path}/newdir/"}))
+    assert not (tmp_path / "newdir").exists()

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
+from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, file_among_folders, is_foreign
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
@@ -122,17 +123,6 @@ def _staging_ring(staging_bytes: int) -> StagingRing:
                             f"(memory.staging_buffer_size_mb): {e}") from e
 
 
-# The first page of every cache file: its magic line, zero-padded to ALIGN bytes.
-HEADER = b"dflash2 NVMe cache file; its contents are valid only while the daemon that wrote it runs\n"
-HEADER_BYTES = ALIGN
-
-
-def is_foreign(head: bytes) -> bool:
-    """Whether a file whose first len(HEADER) bytes are `head` is someone else's: not empty, and
-    not a dflash2 cache file. Such a file is refused, never overwritten."""
-    return bool(head) and head != HEADER
-
-
 def _refuse_failing_disk(path: str, error: OSError) -> None:
     """(The O_DIRECT probe) an I/O error means a failing disk, not a filesystem without O_DIRECT."""
     if error.errno == errno.EIO:
@@ -197,6 +187,10 @@ class NvmeArena(StorageArena):
                 fd = os.open(self.path, os.O_RDWR)
         except OSError as e:
             what = "create its file at" if created else "open its existing file"
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder above it must be
+                blocker = file_among_folders(folder)
+                if blocker is not None:
+                    raise ArenaError(f"NVMe tier cannot {what} {self.path}: {blocker} is not a folder") from e
             raise ArenaError(f"NVMe tier cannot {what} {self.path}: {e}") from e
         try:
             try:
