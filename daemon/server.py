@@ -31,6 +31,7 @@ from dflash2.daemon.keygate import KeyGate
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers
 from dflash2.daemon.parking import Parked, ParkedCalls
 from dflash2.daemon.service import Service
+from dflash2.daemon.stalls import StallWatch
 from dflash2.rebalance import Rebalancing
 from dflash2.tcpkeys import TcpKeys
 from dflash2.transfer.doorbell import COMPLETIONS
@@ -119,6 +120,7 @@ class Server:
         self._last_answer = 0.0  # when the last request was answered (monotonic)
         self._parked = ParkedCalls(self._copies_done)  # calls waiting for copies in flight (parking.py)
         self._first_pool = -1  # the pool that last ran a drain piece (_drain_slice)
+        self._stalls = StallWatch()  # time the process did not run, counted out of leases (_judge_leases)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -163,6 +165,7 @@ class Server:
         # the queue is first seen empty (a heartbeat queued before then lapses nobody).
         self.service.queue_empty()
         self._parking(True)
+        self._stalls.start()
         while not self._stop.is_set():
             if self._parked and self._parked.ready():
                 self._parked.answer(lambda frames, parked: self._answer(frames, again=parked))
@@ -459,7 +462,18 @@ class Server:
         with NVMe reads of 1 s, the loop answering nothing meanwhile); one that does not costs a
         pass over the sessions. With reads of 1 s, dead clients were let go 3-5 s after their 2 s
         lease lapsed (6-18 s before; the review's script)."""
-        self._run_steps([("Service.expire_leases", self.service.expire_leases)])
+        self._run_steps([("Service.expire_leases", self._judge_leases)])
+
+    def _judge_leases(self) -> None:
+        """Service.expire_leases, the time the daemon did not run (stalls.py) counted out first: the
+        heartbeats its clients sent meanwhile never reached it."""
+        stalled = self._stalls.stalled_s()
+        if stalled > 0:
+            log.warning("dflash2d did not run for %.1f s (stopped, frozen, or not scheduled): that time does not "
+                        "count against its %d clients' leases, and each has a heartbeat interval more to reach it "
+                        "again", stalled, len(self.service.sessions))
+            self.service.resumed(stalled)
+        self.service.expire_leases()
 
     def _run_steps(self, steps) -> None:
         """(name, step) pairs, each on its own: one that fails must not stop the others from running."""
@@ -476,7 +490,7 @@ class Server:
         started = time.perf_counter()
         self.service.note_tick(late_s)
         # A pool's step begins its drains; the loop runs their pieces (_drain_slice).
-        self._run_steps([("Service.expire_leases", self.service.expire_leases),
+        self._run_steps([("Service.expire_leases", self._judge_leases),
                          *((f"BlockManager.tick (pool {pool})", functools.partial(m.tick, drain=False, duel=False))
                            for pool, m in self.service.managers.items()),
                          *((f"Duel.run (pool {pool})", functools.partial(self._duel_step, pool, m))
@@ -499,6 +513,7 @@ class Server:
 
     def close(self) -> None:
         self._log_dropped(force=True)
+        self._stalls.close()
         if self._gate is not None:
             self._gate.close()  # (its monitor of the socket first)
         self._sock.close(0)

@@ -2,9 +2,10 @@
 
 Every request is answered: a malformed message, an unknown op, bad arguments, a foreign or stale
 block id all get an error reply naming the problem, and change nothing. Leases: a client that sends
-nothing (heartbeats included) for `lease_timeout_s`, or whose process is gone, is detached: its
-reservations and pins are released and its private blocks freed (those of a process that may still
-run, once it is gone or after a while: sessions.SetAside); what it published stays cached.
+nothing (heartbeats included) for `lease_timeout_s` (time the daemon did not run not counted:
+`resumed`), or whose process is gone, is detached: its reservations and pins are released and its
+private blocks freed (those of a process that may still run, once it is gone or after a while:
+sessions.SetAside); what it published stays cached.
 
 Sessions: attach returns a random token that every later call of that client carries; a call with
 the client's id and another token is refused (WrongToken), so a process that read the id from
@@ -271,6 +272,13 @@ class Service(Forgetting):
             session = self.sessions.get(p.client)
             if session is not None:
                 session.last_seen = now
+
+    def resumed(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s` (server.py, stalls.py): that time does not count
+        against a lease, and each client has a heartbeat interval more to reach it again."""
+        now = self.clock()
+        for s in self.sessions.values():
+            s.last_seen = min(now, s.last_seen + stalled_s + self.heartbeat_interval_s)
 
     def _check_gpus(self, error: Exception) -> None:
         """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU

@@ -1,6 +1,7 @@
 """Leases are judged every heartbeat interval, whatever the background step's (a review of
 2026-12-04: with `policy.rescore_interval_ms` at 60,000, a killed engine's session and blocks were
-held until the next step, up to a minute; the key allows an hour)."""
+held until the next step, up to a minute; the key allows an hour), and a daemon that did not run for
+a while (stopped, frozen) does not count that time against its clients' leases."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import subprocess
 import sys
 import time
 
+import pytest
 from daemon_proc import DaemonProcess
 
-from dflash2.client import Client
+from dflash2 import protocol as P
+from dflash2.client import Client, Transport
 from dflash2.config import config_warnings, load_config
+from dflash2.daemon.service import Service
+from dflash2.daemon.stalls import STALL_MIN_S, StallWatch
+from dflash2.protocol import Op
 
 from conftest import SMALL
 
@@ -50,3 +56,88 @@ def test_a_killed_client_is_let_go_of_between_steps_a_minute_apart(config_file, 
             assert watch.stats()["tiers"]["hbm"]["blocks"] == 0  # (its blocks freed with it)
     finally:
         daemon.stop()
+
+
+
+def test_a_daemon_stopped_longer_than_a_lease_keeps_its_live_clients_and_lets_a_dead_one_go(config_file, tmp_path):
+    """dflash2d stopped (SIGSTOP; a frozen container, a paused VM, a swap storm) for longer than a
+    lease while its clients run: the heartbeats sent meanwhile never reached it (each timed out, and a
+    fresh socket cannot connect to a stopped daemon), and every client whose heartbeat was not in
+    flight as it resumed lost its lease at once (a review's script); a client without heartbeats that
+    called just before the stop, and calls again just after, did so every time. A client that died
+    meanwhile, in a pid namespace the daemon cannot see into (no pid to test), is let go about a lease
+    after the daemon resumes."""
+    lease = 2.0
+    daemon = DaemonProcess(config_file(daemon={"lease_timeout_s": lease, "heartbeat_interval_s": 0.4,
+                                               "request_timeout_s": 1.0})).start()
+    clients = []
+    ghost = Transport(daemon.endpoint, 1.0)
+    try:
+        clients = [Client.connect(daemon.endpoint, name=f"engine{i}", layouts=[SMALL], timeout_s=1.0) for i in range(3)]
+        quiet = Client.connect(daemon.endpoint, name="quiet", layouts=[SMALL], heartbeat=False)
+        clients.append(quiet)
+        # (No pid namespace sent: the daemon cannot tell whether its process lives.)
+        ghost.call(Op.ATTACH, args={"name": "ghost", "pid": os.getpid(), "layouts": []})
+        for c in clients:
+            assert c.allocate(c.layouts[0], 2) is not None
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.5 * lease)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        time.sleep(lease / 4)
+        assert quiet.allocate(quiet.layouts[0], 1) is not None  # (UnknownClient: its lease had lapsed)
+        time.sleep(lease / 2)
+        with Client.connect(daemon.endpoint, name="watch", heartbeat=False) as watch:
+            stats = watch.stats()
+            assert stats["daemon"]["leases_expired"] == 0, [c["name"] for c in stats["clients"]]
+            assert not any(c.lease_lost for c in clients)
+            assert stats["tiers"]["hbm"]["blocks"] == 9 and stats["set_aside"]["blocks"] == 0
+            while "ghost" in [c["name"] for c in watch.stats()["clients"]]:
+                assert time.monotonic() - resumed < 2 * lease + 2, "the dead client is never let go"
+                time.sleep(0.1)
+            assert watch.stats()["daemon"]["leases_expired"] == 1
+        assert "did not run for" in daemon.log()
+    finally:
+        for c in clients:
+            c.close()
+        ghost.close()
+        daemon.stop()
+
+
+def test_a_stall_is_the_time_no_thread_of_the_process_ran_beyond_a_wake(clock):
+    watch = StallWatch(clock, every_s=0.1)
+    clock.advance(0.1 + STALL_MIN_S - 0.01)  # late, not stalled (scheduling on a loaded machine)
+    assert watch.stalled_s() == 0.0
+    clock.advance(3.0)  # seen by the loop before the watching thread has run again
+    assert watch.stalled_s() == pytest.approx(2.9)
+    assert watch.stalled_s() == 0.0, "taken once"
+
+
+def test_the_loops_own_long_call_is_no_stall():
+    """The watching thread runs through it (as ZeroMQ's I/O thread does, queueing the heartbeats)."""
+    watch = StallWatch()
+    watch.start()
+    try:
+        spin_until = time.monotonic() + 2 * STALL_MIN_S
+        while time.monotonic() < spin_until:
+            pass
+        assert watch.stalled_s() == 0.0
+    finally:
+        watch.close()
+
+
+def test_a_stall_counts_against_no_lease_and_gives_a_heartbeat_interval_more(make_manager, clock):
+    service = Service(make_manager(hbm_blocks=4), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                      pid_alive=lambda pid: True)
+    for name, then in (("idle", 7.0), ("recent", 7.0), ("fresh", 1.0)):
+        reply = service.handle_frames(P.encode_request(Op.ATTACH, 1, None, {"name": name, "pid": 1, "layouts": []}))
+        assert P.decode_reply(reply).ok
+        clock.advance(then)
+    idle, recent, fresh = service.sessions.values()  # seen 15, 8 and 1 s ago; the lease is 10 s
+    clock.advance(30.0)  # the daemon did not run
+    service.resumed(30.0)
+    assert [clock() - s.last_seen for s in (idle, recent)] == [15.0 - 2.0, 8.0 - 2.0]
+    assert fresh.last_seen == clock(), "never seen later than now"
+    assert service.expire_leases() == [idle.client]
