@@ -15,6 +15,7 @@ serialised by a lock, so one client may be shared by threads.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -159,6 +160,9 @@ class Client:
         self.name = name
         self.timeout_s = timeout_s = check_timeout(timeout_s)
         self._lock = threading.Lock()
+        # The block ids of commits that timed out waiting for the lock, never sent: their `forget`s
+        # go with the next call (_call), so that the daemon drops their blocks as for any commit lost.
+        self._unsent_commits: collections.deque[bytes] = collections.deque()
         # Why the daemon answered this client's last `allocate` or `acquire` that returned None
         # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
         self.last_refusal: str | None = None
@@ -372,9 +376,15 @@ class Client:
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
         if not self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            unsent = op == Op.COMMIT and bool(arrays)
+            if unsent:
+                self._unsent_commits.append(arrays[0])
             raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
-                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)")
+                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)"
+                                    + ("; the next call asks it to drop the blocks" if unsent else ""))
         try:
+            while self._unsent_commits:
+                self._transport.give_up_unsent_commit(self.client_id, self._unsent_commits.popleft())
             waited = min(time.monotonic() - began, timeout - 1e-3)
             return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:
@@ -452,8 +462,8 @@ class Client:
 
     def commit(self, vids, keys=None, parent: int | None = None) -> np.ndarray:
         """Make blocks final (and, with content keys, shareable). Returns the vids now held: a key
-        already cached deduplicates to the cached block. A commit that timed out (DaemonUnavailable)
-        is forgotten (protocol.UNDOABLE): the daemon drops what it left this writer either way (its
+        already cached deduplicates to the cached block. A commit that timed out (DaemonUnavailable),
+        sent or not, is forgotten (protocol.UNDOABLE): the daemon drops what it left this writer either way (its
         references on the blocks it returned, which stay cached, or the blocks being written, when
         it had not run), so they are the writer's no more, and no longer viewable by vid here."""
         if keys is not None and len(keys) != len(vids):

@@ -6,7 +6,9 @@ A timed-out call that hands its client something (protocol.UNDOABLE: blocks, a r
 may still run in a daemon that was only slow; the client never learns what it got, so the new socket
 first tells the daemon to `forget` the call: given back if it ran, refused if it arrives later. A
 `forget` is sent again on every new socket until the daemon answers it: one queued on a socket that
-the next timeout throws away would otherwise be lost with it.
+the next timeout throws away would otherwise be lost with it. A commit's `forget` names the blocks
+the commit named: the daemon frees those still being written when the commit has not run, as it may
+never arrive (queued on a socket that had not connected yet, a stopped daemon's, it was lost with it).
 A call waits in slices of GONE_CHECK_S and asks its `gone` test (the client's: nothing holds the
 daemon's liveness object or segments any more) after each: a daemon killed while a call waits ends
 the call at once instead of after the whole request_timeout_s.
@@ -81,6 +83,10 @@ def pid_namespace() -> int | None:
 # out: daemon/sessions.py). At 8 the oldest was dropped first: on a stopped daemon the oldest call
 # is the one it receives (sent on the socket that had connected), and its blocks stayed held.
 MAX_FORGETS = 256
+# ... and the block ids of the commits among them, 2^20 ids (8 MiB) at most together, the newest
+# first: past that, an older commit's forget goes without them (refused when it arrives, the commit
+# frees them all the same; lost, its blocks stay the writer's).
+MAX_FORGET_IDS = 1 << 20
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
 # (... by receiving with that timeout, the socket's RCVTIMEO: a poll before each receive cost a
 # call a few microseconds more, pyzmq building a poller for it.)
@@ -122,8 +128,9 @@ class Transport:
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self.token: str | None = None  # the session token attach returned, sent with every call
-        # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten)
-        self._forgets: dict[int, tuple[int, int]] = {}
+        # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
+        # a commit's block ids frame or None)
+        self._forgets: dict[int, tuple[int, int, bytes | None]] = {}
         self._sock: zmq.Socket | None = None  # None once closed, or while a fresh one could not be made
         self._closed = False
         self._open()
@@ -214,8 +221,9 @@ class Transport:
         if self._sock is None:
             return False
         try:
-            for fid, (owner, call) in self._forgets.items():
+            for fid, (owner, call, written) in self._forgets.items():
                 send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
+                                                         None if written is None else [written],
                                                          version=self.version, token=self.token), NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
@@ -238,16 +246,13 @@ class Transport:
         try:
             send_frames(self._sock, frames, copy=False)
         except zmq.ZMQError as e:
-            try:
-                self.reset()
-                self._send_forgets()
-            except DaemonUnavailable:
-                pass  # (the next call makes the socket)
-            raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}") from None
+            # (Not sent: forgotten all the same, so that a commit's blocks are the writer's no more.)
+            undo = self._give_up(op, client, call_id, arrays)
+            raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}{undo}") from None
         while True:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
-                undo = self._give_up(op, client, call_id)
+                undo = self._give_up(op, client, call_id, arrays)
                 raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
                                         f"{timeout:g}s (daemon gone or stuck{undo})")
             sock = self._sock
@@ -260,7 +265,7 @@ class Transport:
                 self._check_handshake()
                 if self.gone is not None and self.gone():
                     waited = timeout - (deadline - time.monotonic())
-                    undo = self._give_up(op, client, call_id)
+                    undo = self._give_up(op, client, call_id, arrays)
                     raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint} ended while this call "
                                             f"waited {waited:.2f}s for its reply (nothing holds its liveness "
                                             f"object or shared memory any more{undo})")
@@ -283,7 +288,7 @@ class Transport:
                 raise DaemonError(reply.error_type, reply.error_message)
             return reply
 
-    def _give_up(self, op: P.Op, client: int | None, call_id: int) -> str:
+    def _give_up(self, op: P.Op, client: int | None, call_id: int, arrays: list[bytes] | None = None) -> str:
         """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),
         and, for a call that hands something out, a `forget` queued on it (module docstring). Returns
         what the error says of that `forget` ("" when none could be queued). The `forget` is noted
@@ -291,9 +296,7 @@ class Transport:
         that makes one (before, it was lost, and the call's blocks stayed held until detach)."""
         undo = ""
         if op in P.UNDOABLE and client is not None:
-            self._forgets[next(self._ids)] = (client, call_id)
-            while len(self._forgets) > MAX_FORGETS:
-                del self._forgets[next(iter(self._forgets))]
+            self._note_forget(client, call_id, arrays[0] if op == P.Op.COMMIT and arrays else None)
             undo = "; asked it to give back whatever the call handed out, should it run"
         try:
             self.reset()
@@ -302,3 +305,21 @@ class Transport:
         if self._forgets and not self._send_forgets():
             undo = ""
         return undo
+
+    def give_up_unsent_commit(self, client: int, vids: bytes) -> None:
+        """A commit of `vids` (a block ids frame) that never came to be sent (it timed out waiting for
+        the client's other calls): its `forget`, under a call id never sent, goes now, and on every
+        new socket until answered, so that the daemon frees the blocks as for one sent and lost."""
+        self._note_forget(client, next(self._ids), vids)
+        self._send_forgets()
+
+    def _note_forget(self, client: int, call_id: int, written: bytes | None) -> None:
+        """Keep a `forget` of `call_id` to send until answered (MAX_FORGETS, MAX_FORGET_IDS)."""
+        self._forgets[next(self._ids)] = (client, call_id, written)
+        while len(self._forgets) > MAX_FORGETS:
+            del self._forgets[next(iter(self._forgets))]
+        ids = 0
+        for fid, (owner, call, frame) in reversed(list(self._forgets.items())):
+            ids += 0 if frame is None else len(frame) // P.VIDS_DTYPE.itemsize
+            if frame is not None and ids > MAX_FORGET_IDS:
+                self._forgets[fid] = (owner, call, None)

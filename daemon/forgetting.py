@@ -1,6 +1,7 @@
 """`forget`: a client that timed out on a call that hands it something (protocol.UNDOABLE) tells
 the daemon to give back what the call handed out if it ran, or to refuse it when it arrives if it
-has not (the Service's share of it, as a mixin over its sessions, counters and pools)."""
+has not; a commit's blocks being written, which its `forget` names, are freed then, since it may
+never arrive (the Service's share of it, as a mixin over its sessions, counters and pools)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, KEEP_UNDO_IDS, Session
-from dflash2.errors import CallForgotten, DFlash2Error
+from dflash2.errors import CallForgotten, DFlash2Error, ProtocolError
 from dflash2.protocol import Op, Reply, Request, arg
 
 log = logging.getLogger("dflash2.daemon")
@@ -42,44 +43,53 @@ class Forgetting:
     def _refuse_forgotten(self, req: Request, session: Session) -> None:
         """CallForgotten when the client gave up on this call before it arrived (a refused commit
         frees the blocks it names that the writer was still writing)."""
-        if session.forgotten.pop(req.call_id, None) is None:
+        if req.call_id not in session.forgotten:
             return
+        if req.op == Op.COMMIT:
+            try:
+                vids = req.array(0, P.VIDS_DTYPE, "block ids")
+            except DFlash2Error:
+                vids = None  # a malformed commit: nothing of it is the writer's to free
+            if vids is not None:  # (first: parked on copies in flight, CopiesRunning, it stays forgotten)
+                self._drop_writes(req, req.call_id, vids)
+        del session.forgotten[req.call_id]
         _keep(session.settled, req.call_id)
         self.counters["calls_refused_forgotten"] += 1
-        if req.op == Op.COMMIT:
-            self._drop_forgotten_writes(req)
         raise CallForgotten(f"{req.op.value}: call {req.call_id} of client {req.client} arrived after its client "
                             "gave up on it: not run")
 
-    def _drop_forgotten_writes(self, req) -> None:
-        """A commit whose writer gave up on it before it arrived is not run: the blocks it names that
-        are still that writer's, being written, are freed (it no longer knows whether they were
+    def _drop_writes(self, req: Request, call: int, vids: np.ndarray) -> None:
+        """A commit (`call`) whose writer (`req`'s client) gave up on it is not run: the blocks it names
+        that are still that writer's, being written, are freed (it no longer knows whether they were
         committed; a free it sent after the forget may be lost on a socket the daemon never read)."""
-        m = self._mgr(req)
         try:
-            vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        except DFlash2Error:
-            return  # a malformed commit: nothing of it is the writer's to free
-        mine = m.table.being_written(req.client, vids)
-        if len(mine):
-            try:
-                m.free(req.client, m.table.keep_pinned_writes(req.client, mine))  # (pinned: at their release)
-            except DFlash2Error as e:
-                log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
-                            req.client, req.call_id, e)
-                return
-            log.info("client %d gave up on its commit (call %d) before it arrived: its %d blocks being written "
-                     "are freed", req.client, req.call_id, len(mine))
+            freed = self._mgr(req).drop_writes(req.client, vids)
+        except DFlash2Error as e:
+            log.warning("client %d gave up on its commit (call %d); freeing its blocks being written failed: %s",
+                        req.client, call, e)
+            return
+        if freed:
+            log.info("client %d gave up on its commit (call %d), which was not run: its %d blocks being written "
+                     "are freed", req.client, call, freed)
 
     def _forget(self, req):
         """The client gave up waiting on its call `call`: give back what it handed out if it ran;
-        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old."""
+        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old.
+        A commit's `forget` names the blocks it named (an array frame; none from a client before
+        it): when the commit has not run, those still being written are freed at once, as they are
+        when it arrives (`_refuse_forgotten`), since it may never (it was lost with its socket)."""
         call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
+        if len(req.arrays) > 1:
+            raise ProtocolError(f"forget: at most one array frame (the block ids of a commit given up on), "
+                                f"got {len(req.arrays)}")
+        written = req.array(0, P.VIDS_DTYPE, "block ids") if req.arrays else None
         session = self.sessions[req.client]
         if call in session.settled or call in session.forgotten:
             return {"undone": False}, []  # a repeat (sent again on a new socket): carried out already
         kept = session.undo.get(call)
         if kept is None:
+            if written is not None:  # (first: parked on copies in flight, CopiesRunning, nothing is noted)
+                self._drop_writes(req, call, written)
             _keep(session.forgotten, call)
             log.info("client %d gave up on call %d before it ran (it had not arrived, or waited parked for "
                      "copies to end): it will not run", req.client, call)

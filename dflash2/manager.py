@@ -273,6 +273,18 @@ class BlockManager(Reads):
         self._follow_up("granting waiting reservations after a free", lambda: self.admission.tick(make_room=idle))
         return n
 
+    def drop_writes(self, client: int, vids: np.ndarray) -> int:
+        """The writer gave up on a commit of `vids` (int64) that was not run (daemon/forgetting.py): of
+        them, those still its own, being written, are freed (one it pins at its last release: table
+        `keep_pinned_writes`); the rest (committed, another's, freed) are left alone. The copies in
+        flight are settled first, so that a call parked on them (CopiesRunning) has changed nothing.
+        Returns how many it gave up."""
+        mine = self.table.being_written(client, vids)
+        if len(mine):
+            settle_if(self, self.table.rows(mine), placing=bool(self.admission.deferred))
+            self.free(client, self.table.keep_pinned_writes(client, mine))
+        return len(mine)
+
     def _left_idle(self, rows: np.ndarray) -> bool:
         """Whether cached blocks in HBM among `rows` are idle now (a call let go of them): only then may
         the queue make room again. The slots a call freed are room as they are, and room-making

@@ -59,7 +59,7 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     stats            {}                                        → tiers, hit rates, moves, clients, reservations
     set_weights      {weights: {name: value}}                  → {policy}
     check            {}                                        → {} (or the invariant violation as error)
-    forget           {call}                                    → {undone: bool} (the client gave up waiting on
+    forget           {call} [vids: a commit's, optional]       → {undone: bool} (the client gave up waiting on
                                                                   its call `call`: undone if it ran, never run
                                                                   if it had not; see UNDOABLE)
     history          {since_s=null (all kept)}                 → {interval_s, count, enabled} [samples as
@@ -161,7 +161,10 @@ NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTO
 # and the daemon gives it back; the other calls leave nothing held that the client does not know of.
 # A commit leaves the writer references on the blocks it returns, whose ids may not be the ones it
 # named (a key already cached): forgotten, those references are dropped if it ran, and the blocks
-# it named (still the writer's, being written) freed if it had not (the writer gave up on them).
+# it named (still the writer's, being written) freed if it had not (the writer gave up on them): its
+# `forget` names them too (an array frame, appended: an older daemon ignores it, and an older
+# client's `forget` without it is taken as before), so that they are freed though the commit never
+# arrives (lost with a socket that had not connected to a stopped daemon).
 UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF, Op.COMMIT})
 
 

@@ -384,7 +384,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
                 row = int(gone[0])
                 twin = self.pinned_copies.get(row)
                 why = ("freed while in flight, or its bytes failed their checksum" if twin is None else
-                       "its commit came after you gave up on it and was not run" if not twin else
+                       "you gave up on its commit, which was not run" if not twin else
                        f"it was committed under a key already cached: use the id commit returned for it, {twin:#x}")
                 why += "" if twin is None else "; it is kept only until your pins on it are released"
                 raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
