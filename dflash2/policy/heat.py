@@ -509,13 +509,19 @@ class HeatPolicy(Policy):
         return out
 
     def _followed(self, table, rows: np.ndarray, now: float) -> np.ndarray:
-        """The followed ranking's scores of `rows`, in the same order as its policy's (lru.py, lfu.py)
-        and precise in float32, the type of heat's score buffers: LRU's last access as age before now
-        (a monotonic clock's seconds since boot would keep only whole seconds in float32)."""
+        """The followed ranking's scores of `rows` on heat's log scale, in its policy's order (lru.py,
+        lfu.py) among blocks of no priority, references or holders: LRU's age as -log2(1 + age)
+        (precise in float32, heat's score buffers' type; a monotonic clock's seconds since boot keep
+        whole seconds there), LFU's score as log2(1 + score). Heat's priority, sharing and stage terms
+        are added as to its own scores (followed alone, a high-priority tenant's blocks left HBM as
+        any, and `set_weights` of those terms changed nothing while the duel followed, a review)."""
         c = table.cols
         if self.ranking == "lru":
-            return c.last_access[rows] - now
-        return lfu_score(c.hits[rows], c.last_access[rows], now)
+            out = -np.log2(1.0 + np.maximum(now - c.last_access[rows], 0.0))
+        else:
+            out = np.log2(1.0 + lfu_score(c.hits[rows], c.last_access[rows], now))
+        self._add_terms(out, c, rows)
+        return out
 
     def scores_all(self, table, now):
         self._ensure(table)
