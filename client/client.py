@@ -404,7 +404,12 @@ class Client:
         return list(self.layout_ids)
 
     def register_layout(self, layout: Layout, prefill_tokens_per_s: float | None = None) -> int:
-        args = {"layout": layout.to_dict(), "prefill_tokens_per_s": prefill_tokens_per_s}
+        """The layout's id on the daemon (the same for a layout registered before). A rate given is
+        this client's prefill rate for it; none leaves a rate given before as it is
+        (`set_prefill_rate(layout, None)` withdraws it)."""
+        args = {"layout": layout.to_dict()}
+        if prefill_tokens_per_s is not None:
+            args["prefill_tokens_per_s"] = prefill_tokens_per_s
         lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
         self._layouts[lid] = layout
         return lid

@@ -424,9 +424,11 @@ class Service(Forgetting):
     def _register_layout(self, req):
         m = self._mgr(req)
         layout = wire.layout_of(arg(req, "layout", dict))
-        rate = wire.prefill_rate(req, req.args.get("prefill_tokens_per_s"))
+        given = req.args.get("prefill_tokens_per_s")
+        rate = wire.prefill_rate(req, given)
         lid = m.register_layout(layout)
-        m.set_prefill_rate(req.client, lid, rate)
+        if given is not None:  # (none leaves a rate given before: re-registering withdrew it, a review)
+            m.set_prefill_rate(req.client, lid, rate)
         return {"layout": lid}, []
 
     def _set_prefill_rate(self, req):

@@ -367,6 +367,18 @@ def test_client_arguments_are_checked_by_name_and_numpy_numbers_taken(daemon, co
         Layout("f", 2.0, 2, 64, "fp16", 16)
 
 
+def test_registering_a_layout_again_without_a_rate_keeps_the_rate_given(daemon, connect):
+    """Another part of an engine asking for a layout's id withdrew the prefill rate given at connect
+    (its lookups were no longer judged, a review); `set_prefill_rate(lid, None)` withdraws it."""
+    c = connect("rate", layouts=[SMALL], prefill_tokens_per_s=[5e4])
+    rates = lambda: c.stats()["read_cost"]["prefill_rates"]  # noqa: E731
+    assert rates() == 1
+    assert c.register_layout(SMALL) == c.layout_ids[0]
+    assert rates() == 1
+    c.set_prefill_rate(c.layout_ids[0], None)
+    assert rates() == 0
+
+
 def test_an_allocation_refused_for_now_says_why(daemon, connect):
     """README: an allocation held back for waiting reservations is told so by the reply's reason;
     the Client returned None and dropped it."""

@@ -312,3 +312,18 @@ def test_a_tables_reservation_follows_its_arenas():
     assert reserve_rows([1 << 20], 1024) == RESERVE_MIN_ROWS
     assert reserve_rows([1 << 50], 1024) == RESERVE_MAX_ROWS
     assert reserve_rows([1 << 20], RESERVE_MIN_ROWS * 2) == RESERVE_MIN_ROWS * 2
+
+
+@pytest.mark.parametrize("priority", [200, -129, 127.5, True])
+def test_an_allocation_with_a_priority_out_of_range_takes_nothing(priority):
+    """The int8 column refused it after the rows and slots were taken: they leaked (in process; the
+    daemon refuses such priorities on the wire)."""
+    from conftest import FakeClock, SMALL, specs
+    from dflash2.manager import BlockManager
+
+    m = BlockManager(specs(4), policy="heat", clock=FakeClock())
+    lid, c = m.register_layout(SMALL), m.attach("a")
+    with pytest.raises(ValueError, match="priority must be an integer in -128..127"):
+        m.allocate(c, lid, 1, priority=priority)
+    m.check_invariants()
+    assert len(m.allocate(c, lid, 4)) == 4

@@ -245,6 +245,9 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
             raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
         if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
             raise ValueError(f"cannot allocate {n} blocks")
+        if isinstance(priority, bool) or int(priority) != priority or not -128 <= priority <= 127:
+            # (the int8 column's range; raised after the rows were taken, they leaked)
+            raise ValueError(f"priority must be an integer in -128..127, got {priority!r}")
         alloc = self.allocators[tier]
         # Before any row is taken: what fails here leaves nothing held (raised after, the rows
         # stayed the client's while its call failed).
