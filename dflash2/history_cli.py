@@ -248,8 +248,10 @@ def plot(samples: list[dict], path: str) -> None:
     ax_use.set_ylim(0, 105)
     r = rates(samples)
     rt = [_dt.datetime.fromtimestamp(x["t"]) for x in r]
+    # Dots as well as lines: an interval with reads between two without (reads come in bursts) has no
+    # finite neighbour to draw a line to, and the series showed nothing at all (a review).
     ax_hit.plot(rt, [float("nan") if x["hbm_hit_ratio"] is None else x["hbm_hit_ratio"] for x in r],
-                label="per interval")
+                label="per interval", marker="o", markersize=3)
     ax_hit.plot(times, [float("nan") if s["hbm_hit_ratio"] is None else s["hbm_hit_ratio"] for s in samples],
                 label="since start", linestyle="--")
     ax_hit.axhline(0.95, color="red", linewidth=0.8, label="alert (0.95)")

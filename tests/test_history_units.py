@@ -71,7 +71,7 @@ def test_rates_skip_a_restart_and_give_bandwidth():
     assert r[1]["hbm_hit_ratio"] == 1.0
 
 
-def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, clock, capsys):
+def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, clock, capsys, monkeypatch):
     path = tmp_path / "history.jsonl"
     h = History(path=path, clock=clock)
     h.record(service.stats())
@@ -88,6 +88,18 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
     png = tmp_path / "h.png"
     assert cli.main(["history", "--file", str(path), "--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    # The per-interval hit ratio is drawn as dots too: a lone interval with reads between intervals
+    # without any has no neighbour to draw a line to (the series showed nothing, a review).
+    import matplotlib.figure
+
+    saved = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (saved.append(fig), real_savefig(fig, *a, **k))[1])
+    assert cli.main(["history", "--file", str(path), "--plot", str(png)]) == 0
+    lines = {line.get_label(): line for ax in saved[0].axes for line in ax.get_lines()}
+    assert lines["per interval"].get_marker() not in (None, "None", "", " ")
     capsys.readouterr()
     # No extension: PNG, and the file named as written (it said "incident" of incident.png).
     assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "incident")]) == 0
