@@ -189,11 +189,15 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
     (nvmefiles.py), which start-up removes: said, and their room counted as free."""
     disks: dict[int, list] = {}  # filesystem -> [folder to measure, files, bytes they hold]
     lines = [f"{path} is an earlier daemon's NVMe cache file ({held} bytes on disk) that no pool of this config "
-             "uses (made for another number of GPUs): start-up removes it" for path, held in unused]
+             "uses (made for another number of GPUs): start-up removes it" if not link else
+             f"{path} leads to an earlier daemon's NVMe cache file {os.path.realpath(path)} ({held} bytes on disk) "
+             "that no pool of this config uses: start-up leaves the link as it is (remove the file to give its "
+             "room back)" for path, held, link in unused]
     freed: dict[int, int] = {}  # filesystem -> bytes the removals give back
-    for path, held in unused:
-        dev = os.stat(os.path.realpath(path)).st_dev
-        freed[dev] = freed.get(dev, 0) + held
+    for path, held, link in unused:
+        if not link:
+            dev = os.stat(path).st_dev
+            freed[dev] = freed.get(dev, 0) + held
     for path in paths:
         target = Path(os.path.realpath(path))
         problem, has = _nvme_file_now(target)

@@ -76,6 +76,7 @@ class Service(Forgetting):
         # Whether a call that must wait for copies not yet ended is parked (handle_frames answers
         # `Parked`) rather than waited for: the server's loop sets it; in-process callers wait.
         self.parking = False
+        self._stall_grace_at = -math.inf  # when a stall last gave clients a heartbeat interval more (`resumed`)
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         # How late the background step started, the last time and the most over its last 64 runs,
         # and how far behind the request queue was then (the server notes each run).
@@ -275,10 +276,17 @@ class Service(Forgetting):
 
     def resumed(self, stalled_s: float) -> None:
         """The daemon did not run for `stalled_s` (server.py, stalls.py): that time does not count
-        against a lease, and each client has a heartbeat interval more to reach it again."""
+        against a lease, and each client has a heartbeat interval more to reach it again, once a
+        lease at most (given at every stall, short stalls that kept coming, a swap storm's, credited
+        more than the time passing: a dead client in another pid namespace was never let go, a review)."""
+        if stalled_s <= 0:
+            return
         now = self.clock()
+        more = 0.0
+        if now - self._stall_grace_at >= self.lease_timeout_s:
+            more, self._stall_grace_at = self.heartbeat_interval_s, now
         for s in self.sessions.values():
-            s.last_seen = min(now, s.last_seen + stalled_s + self.heartbeat_interval_s)
+            s.last_seen = min(now, s.last_seen + stalled_s + more)
 
     def _check_gpus(self, error: Exception) -> None:
         """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU

@@ -83,10 +83,10 @@ class MemoryConfig(_Section):
     @field_validator("nvme_path")
     @classmethod
     def _plain_nvme_path(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and value.endswith("/"):
-            # (the trailing slash went when the path was resolved: the folder meant became the file)
-            raise ValueError(f"{value!r} ends in '/', a folder; give the cache file's path in it "
-                             f"(e.g. {value.rstrip('/') or ''}/nvme.cache)")
+        if value is not None and (value.endswith("/") or os.path.basename(value) in (".", "..")):
+            # (the trailing slash, or `.`, went when the path was resolved: the folder meant became the file)
+            raise ValueError(f"{value!r} ends in '{'/' if value.endswith('/') else os.path.basename(value)}', "
+                             f"a folder; give the cache file's path in it (e.g. {value.rstrip('/')}/nvme.cache)")
         return None if value is None else plain_text(value)
 
     @field_validator("page_kb")

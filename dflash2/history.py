@@ -150,23 +150,27 @@ class History:
             self.lock_fd = -1
 
     def due(self) -> bool:
-        """Whether a sample is due: `interval_s` after the last due one was found due, within a tenth
-        of it (the caller asks about once an interval; its next question may come a little early)."""
+        """Whether a sample is due: on a grid of `interval_s` steps, within a tenth of one (a caller
+        asking about once an interval may ask a little early)."""
         now = self.clock()
         # A wall clock set back (an NTP step, a resumed VM) must not stop sampling until it catches up.
         due = now >= self._next - self.interval_s / 10 or now < self._next - self.interval_s
         if due:
-            # The next one counted from now, not from `record`'s clock: that comes after the stats
-            # were built (a few ms, more on a busy daemon), and a loop asking once a second then found
-            # every other sample not yet due (one sample in 2 s: a review).
             self._due_at = now
         return due
 
     def record(self, stats: dict) -> dict:
         """Append a sample of `stats` now (and to the file)."""
         now = self.clock()
-        self._next = (now if self._due_at is None else self._due_at) + self.interval_s
+        at = now if self._due_at is None else self._due_at
         self._due_at = None
+        # The next one a step of the grid later, whenever within the tenth this one was taken. Counted
+        # from `record`'s clock, after the stats were built, a loop asking once a second found every
+        # other sample not yet due (one in 2 s); from the question's time with the tenth's leeway, a
+        # loop asking every 100 ms took one every 0.9 s (reviews). Off the grid by more than a step
+        # (a pause, a clock set back), from now.
+        step = self._next + self.interval_s
+        self._next = step if abs(at - self._next) < self.interval_s else at + self.interval_s
         s = sample_of(stats, now)
         line = _line(s)
         self.samples.append((s["t"], line))

@@ -141,3 +141,28 @@ def test_a_stall_counts_against_no_lease_and_gives_a_heartbeat_interval_more(mak
     assert [clock() - s.last_seen for s in (idle, recent)] == [15.0 - 2.0, 8.0 - 2.0]
     assert fresh.last_seen == clock(), "never seen later than now"
     assert service.expire_leases() == [idle.client]
+
+
+def test_short_stalls_that_keep_coming_still_let_a_dead_client_go(make_manager, clock):
+    """Stalls of 0.6 s every 2 s (a swap storm, a cgroup's long cpu.max period): each gave every lease
+    a heartbeat interval more, 2.6 s of credit for every 2 s, and a client that died where its pid
+    cannot be tested (another pid namespace) was never let go (a review). The interval more comes
+    once a lease at most; the stalls themselves are still not counted."""
+    service = Service(make_manager(hbm_blocks=4), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                      pid_alive=lambda pid: True)
+    reply = service.handle_frames(P.encode_request(Op.ATTACH, 1, None, {"name": "dead", "pid": 1, "layouts": []}))
+    assert P.decode_reply(reply).ok
+    watch = StallWatch(clock, every_s=0.1)
+    for second in range(0, 600, 2):
+        for _ in range(14):  # the process runs 1.4 s ...
+            clock.advance(0.1)
+            watch._note()
+            assert not service.expire_leases(behind_s=0.0, longest_call_s=0.0)
+        clock.advance(0.6 + 0.1)  # ... then does not run for 0.6 s
+        service.resumed(watch.stalled_s())
+        if service.expire_leases(behind_s=0.0, longest_call_s=0.0):
+            break
+    else:
+        raise AssertionError("a client silent for 10 minutes with a 10 s lease was never let go")
+    # Running 1.4 s of each 2: a 10 s lease, a heartbeat interval more once, lapses after about 16 s.
+    assert second <= 20, second

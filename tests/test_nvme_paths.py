@@ -157,9 +157,11 @@ def test_a_file_where_a_folder_of_the_nvme_path_must_be_is_named(tmp_path):
     assert blocker.read_text() == "x"
 
 
-def test_an_nvme_path_ending_in_a_slash_is_refused_by_key(tmp_path):
-    """It named a folder; the slash went when the path was resolved, and the folder meant became an
-    8 MB cache file."""
-    with pytest.raises(Exception, match=r"memory\.nvme_path.*ends in '/', a folder; give the cache file's path in it"):
-        load_config(write_config(tmp_path, memory={"nvme_capacity_mb": 8, "nvme_path": f"{tmp_path}/newdir/"}))
+@pytest.mark.parametrize("end", ["/", "/.", "/.."])
+def test_an_nvme_path_ending_in_a_slash_is_refused_by_key(tmp_path, end):
+    """It named a folder; the slash (or `.`) went when the path was resolved, and the folder meant
+    became an 8 MB cache file."""
+    with pytest.raises(Exception, match=rf"memory\.nvme_path.*ends in '{end.lstrip('/') or '/'}', a folder; give the "
+                                        "cache file's path in it"):
+        load_config(write_config(tmp_path, memory={"nvme_capacity_mb": 8, "nvme_path": f"{tmp_path}/newdir{end}"}))
     assert not (tmp_path / "newdir").exists()

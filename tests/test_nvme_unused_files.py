@@ -69,3 +69,25 @@ def test_check_says_start_up_removes_them_and_counts_their_room(tmp_path, monkey
         assert dmain.main(["--config", str(tmp_path / "c.json"), "--check"]) == 0
     assert "nvme.cache.gpu0 is an earlier daemon's" not in out.getvalue()
     assert f"{tmp_path}/nvme.cache is an earlier daemon's" in out.getvalue()
+
+
+def test_a_symlinked_file_of_an_earlier_daemon_is_named_and_left(tmp_path, caplog):
+    """A link per GPU onto a disk each is the operator's layout: removing the link freed nothing (its
+    target kept the room) and lost the layout (a review)."""
+    disks, cfg = tmp_path / "disks", tmp_path / "cfg"
+    disks.mkdir()
+    cfg.mkdir()
+    for gpu in (0, 1):
+        NvmeArena(disks / f"f{gpu}", 4 * MB, staging_bytes=1 * MB).close()
+        (cfg / f"nvme.cache.gpu{gpu}").symlink_to(disks / f"f{gpu}")
+    config = write_config(cfg)  # one pool: cfg / nvme.cache
+    lines = dmain.room_now(resolve_plan(load_config(config)))
+    assert any(f"{cfg}/nvme.cache.gpu0 leads to an earlier daemon's NVMe cache file {disks}/f0" in line
+               and "start-up leaves the link as it is" in line for line in lines), lines
+    with caplog.at_level("WARNING", logger="dflash2.arena"):
+        for m in build_managers(load_config(config)).values():
+            m.close()
+    for gpu in (0, 1):
+        assert (cfg / f"nvme.cache.gpu{gpu}").is_symlink() and (disks / f"f{gpu}").is_file()
+        assert f"{cfg}/nvme.cache.gpu{gpu} leads to an earlier daemon's cache file {disks}/f{gpu}" in caplog.text
+    assert "removed" not in caplog.text

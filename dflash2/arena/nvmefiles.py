@@ -7,7 +7,7 @@ another layout of pools holds nothing a restart could use, and it took the disk 
 need: a two-GPU daemon's two files left a one-pool restart on the same disk refused for room (exit 4,
 the message naming bytes only, a review). Start-up removes each such file, logged by name; a file
 another process holds (a daemon running on it) is left, and so is any file that is not a dflash2
-cache file.
+cache file; a file reached through a symlink is named and left (the link is the operator's).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
 
@@ -41,9 +42,15 @@ def file_among_folders(folder: str) -> str | None:
     return path if path and not os.path.isdir(path) else None
 
 
-def unused_cache_files(nvme_path: Path, in_use: list[Path]) -> list[tuple[Path, int]]:
-    """(path, bytes it holds on disk) of each dflash2 cache file at `nvme_path` or `nvme_path.gpuN`,
-    not among `in_use` and held by no process (at the moment of looking)."""
+class Unused(NamedTuple):
+    path: Path
+    held: int  # bytes it holds on disk
+    link: bool  # reached through a symlink: the operator's (a link per GPU onto a disk each), left as it is
+
+
+def unused_cache_files(nvme_path: Path, in_use: list[Path]) -> list[Unused]:
+    """Each dflash2 cache file at `nvme_path` or `nvme_path.gpuN` not among `in_use` and held by no
+    process (at the moment of looking)."""
     folder = nvme_path.parent
     if not folder.is_dir():
         return []
@@ -56,14 +63,20 @@ def unused_cache_files(nvme_path: Path, in_use: list[Path]) -> list[tuple[Path, 
             continue
         held = _idle_cache_file(path)
         if held is not None:
-            out.append((path, held))
+            out.append(Unused(path, held, path.is_symlink()))
     return out
 
 
 def remove_unused_cache_files(nvme_path: Path, in_use: list[Path]) -> None:
     """Remove what `unused_cache_files` finds, each said in the log (a failure too: the start goes on,
-    and the room check that follows names the bytes it lacks)."""
-    for path, held in unused_cache_files(nvme_path, in_use):
+    and the room check that follows names the bytes it lacks). A symlink is left, said: it is the
+    operator's (removing the link freed nothing, and the layout of a disk per GPU went, a review)."""
+    for path, held, link in unused_cache_files(nvme_path, in_use):
+        if link:
+            log.warning("NVMe: %s leads to an earlier daemon's cache file %s (%d bytes on disk) that no pool of this "
+                        "start uses; the link is left as it is (remove the file to give its disk room back)",
+                        path, os.path.realpath(path), held)
+            continue
         try:
             os.unlink(path)
         except OSError as e:
