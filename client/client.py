@@ -160,9 +160,10 @@ class Client:
         self.name = name
         self.timeout_s = timeout_s = check_timeout(timeout_s)
         self._lock = threading.Lock()
-        # The block ids of commits that timed out waiting for the lock, never sent: their `forget`s
-        # go with the next call (_call), so that the daemon drops their blocks as for any commit lost.
-        self._unsent_commits: collections.deque[bytes] = collections.deque()
+        # The commits, releases and frees that timed out waiting for the lock, never sent, with their
+        # block ids: they go with the next call (_call), a commit's `forget` (the daemon drops its
+        # blocks as for any commit lost) or the release or free as a `retry` (it runs once).
+        self._unsent: collections.deque[tuple[Op, bytes]] = collections.deque()
         # Why the daemon answered this client's last `allocate` or `acquire` that returned None
         # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
         self.last_refusal: str | None = None
@@ -376,15 +377,15 @@ class Client:
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
         if not self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
-            unsent = op == Op.COMMIT and bool(arrays)
+            unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
             if unsent:
-                self._unsent_commits.append(arrays[0])
+                self._unsent.append((op, arrays[0]))
             raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
-                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)"
-                                    + ("; the next call asks it to drop the blocks" if unsent else ""))
+                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
+                                    "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
         try:
-            while self._unsent_commits:
-                self._transport.give_up_unsent_commit(self.client_id, self._unsent_commits.popleft())
+            while self._unsent:
+                self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
             waited = min(time.monotonic() - began, timeout - 1e-3)
             return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:
@@ -526,8 +527,8 @@ class Client:
 
     def release(self, vids) -> None:
         """Give up one pin per block. Whatever the answer, the pins are given up here: a release
-        that timed out may have run, and a block no longer pinned may move under a view by vid
-        (release again to be sure: NotOwner then says the daemon had let it go)."""
+        that timed out may have run, and a block no longer pinned may move under a view by vid. It is
+        sent again until the daemon answers, and runs once (transport.py): never release again."""
         vids = vid_array(vids)  # (refused before anything is given up here)
         try:
             self._call(Op.RELEASE, {}, [vids.tobytes()])

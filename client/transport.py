@@ -9,6 +9,10 @@ first tells the daemon to `forget` the call: given back if it ran, refused if it
 the next timeout throws away would otherwise be lost with it. A commit's `forget` names the blocks
 the commit named: the daemon frees those still being written when the commit has not run, as it may
 never arrive (queued on a socket that had not connected yet, a stopped daemon's, it was lost with it).
+A timed-out `release` or `free` (protocol.RETRIED: it gives something back) is sent again the same
+way, as a `retry` naming it, until answered: the daemon runs it once (it notes the calls it ran), so
+that a pin or a reference is given back, and never two (pins are counted per client: another
+thread's would go). Both are bounded (MAX_FORGETS, MAX_RETRIES): past them the oldest is dropped, logged.
 A call waits in slices of GONE_CHECK_S and asks its `gone` test (the client's: nothing holds the
 daemon's liveness object or segments any more) after each: a daemon killed while a call waits ends
 the call at once instead of after the whole request_timeout_s.
@@ -22,6 +26,7 @@ transport of its own (ZeroMQ sockets must not be shared between threads).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import time
@@ -38,6 +43,8 @@ from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, Protoc
                             VersionMismatch)
 from dflash2.tcpkeys import KeyFileError, load as load_keys
 from dflash2.zmqio import HANDSHAKE_FAILED, NOBLOCK, descriptors_left, recv_frames, send_frames
+
+log = logging.getLogger("dflash2.client")
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -87,6 +94,12 @@ MAX_FORGETS = 256
 # first: past that, an older commit's forget goes without them (refused when it arrives, the commit
 # frees them all the same; lost, its blocks stay the writer's).
 MAX_FORGET_IDS = 1 << 20
+# Unanswered releases and frees kept to send again (the daemon knows the last KEEP_RAN, 256, of each
+# client's that ran: daemon/sessions.py), and their block ids, 2^20 (8 MiB) at most together, the
+# newest kept: past either, the oldest is dropped, logged (its pins or references stay held until
+# the client detaches).
+MAX_RETRIES = 128
+MAX_RETRY_IDS = 1 << 20
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
 # (... by receiving with that timeout, the socket's RCVTIMEO: a poll before each receive cost a
 # call a few microseconds more, pyzmq building a poller for it.)
@@ -131,6 +144,9 @@ class Transport:
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
         # a commit's block ids frame or None)
         self._forgets: dict[int, tuple[int, int, bytes | None]] = {}
+        # `retry` calls the daemon has not answered yet: their call id -> (client, the release or free
+        # timed out, its call id, its block ids frame)
+        self._retries: dict[int, tuple[int, P.Op, int, bytes]] = {}
         self._sock: zmq.Socket | None = None  # None once closed, or while a fresh one could not be made
         self._closed = False
         self._open()
@@ -215,9 +231,9 @@ class Transport:
     def closed(self) -> bool:
         return self._closed
 
-    def _send_forgets(self) -> bool:
-        """Queue every `forget` not yet answered on the (fresh) socket, without waiting: their
-        answers are taken off as they come (`call`). False when they cannot even be queued."""
+    def _send_pending(self) -> bool:
+        """Queue every `forget` and `retry` not yet answered on the (fresh) socket, without waiting:
+        their answers are taken off as they come (`_answered`). False when they cannot even be queued."""
         if self._sock is None:
             return False
         try:
@@ -225,9 +241,23 @@ class Transport:
                 send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
                                                          None if written is None else [written],
                                                          version=self.version, token=self.token), NOBLOCK, copy=False)
+            for rid, (owner, op, call, vids) in self._retries.items():
+                send_frames(self._sock, P.encode_request(P.Op.RETRY, rid, owner, {"op": op.value, "call": call}, [vids],
+                                                         version=self.version, token=self.token), NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
         return True
+
+    def _answered(self, reply: P.Reply) -> None:
+        """A reply to an earlier call: a `forget` or a `retry` the daemon has taken (one it refused, an
+        older daemon's unknown op say, is logged: the call may not have run), or a late reply."""
+        self._forgets.pop(reply.call_id, None)
+        retried = self._retries.pop(reply.call_id, None)
+        if retried is not None and not reply.ok:
+            _, op, call, vids = retried
+            log.warning("dflash2: the %s of %d blocks (call %d) sent again after a timeout was refused by dflash2d at "
+                        "%s (%s: %s): what it gives back may stay held until this client detaches", op.value,
+                        len(vids) // P.VIDS_DTYPE.itemsize, call, self.endpoint, reply.error_type, reply.error_message)
 
     def call(self, op: P.Op, client: int | None = None, args: dict | None = None,
              arrays: list[bytes] | None = None, timeout_s: float | None = None, waited_s: float = 0.0) -> P.Reply:
@@ -238,7 +268,7 @@ class Transport:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         if self._sock is None:  # the last fresh socket could not be made
             self._open()
-            self._send_forgets()
+            self._send_pending()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -280,8 +310,8 @@ class Transport:
                 raise UnreadableReply(f"{op.value}: the reply from {self.endpoint} cannot be "
                                   f"read: {e}") from None
             if reply.call_id != call_id:
-                self._forgets.pop(reply.call_id, None)  # a `forget` the daemon has taken
-                continue  # a late reply to an earlier call: not ours
+                self._answered(reply)  # not ours: a `forget`'s, a `retry`'s, or a late reply
+                continue
             if not reply.ok:
                 if reply.error_type == "VersionMismatch":
                     raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
@@ -290,28 +320,51 @@ class Transport:
 
     def _give_up(self, op: P.Op, client: int | None, call_id: int, arrays: list[bytes] | None = None) -> str:
         """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),
-        and, for a call that hands something out, a `forget` queued on it (module docstring). Returns
-        what the error says of that `forget` ("" when none could be queued). The `forget` is noted
-        before the fresh socket is made: when none can be (no descriptor left) it is sent by the call
-        that makes one (before, it was lost, and the call's blocks stayed held until detach)."""
-        undo = ""
+        and, for a call that hands something out, a `forget` queued on it; for a release or free, a
+        `retry` (module docstring). Returns what the error says of them ("" when none could be queued).
+        They are noted before the fresh socket is made: when none can be (no descriptor left) they
+        are sent by the call that makes one (before, they were lost, and the blocks stayed held until
+        detach)."""
+        undo, later = "", ""
         if op in P.UNDOABLE and client is not None:
             self._note_forget(client, call_id, arrays[0] if op == P.Op.COMMIT and arrays else None)
             undo = "; asked it to give back whatever the call handed out, should it run"
+            later = ": the next call asks it to give back what this one handed out"
+        elif op in P.RETRIED and client is not None and arrays:
+            undo = self._note_retry(client, op, call_id, arrays[0])
+            later = ": the next call sends it again"
         try:
             self.reset()
         except DaemonUnavailable as e:
-            return f"; no fresh socket ({e}){': the next call asks it to give back what this one handed out' if undo else ''}"
-        if self._forgets and not self._send_forgets():
+            return f"; no fresh socket ({e}){later if undo else ''}"
+        if (self._forgets or self._retries) and not self._send_pending():
             undo = ""
         return undo
 
-    def give_up_unsent_commit(self, client: int, vids: bytes) -> None:
-        """A commit of `vids` (a block ids frame) that never came to be sent (it timed out waiting for
-        the client's other calls): its `forget`, under a call id never sent, goes now, and on every
-        new socket until answered, so that the daemon frees the blocks as for one sent and lost."""
-        self._note_forget(client, next(self._ids), vids)
-        self._send_forgets()
+    def give_up_unsent(self, client: int, op: P.Op, vids: bytes) -> None:
+        """A commit, release or free of `vids` (a block ids frame) that never came to be sent (it timed
+        out waiting for the client's other calls), under a call id never sent: a commit's `forget`,
+        so that the daemon frees its blocks as for one sent and lost, or the release or free as a
+        `retry`; sent now, and on every new socket until answered."""
+        if op == P.Op.COMMIT:
+            self._note_forget(client, next(self._ids), vids)
+        else:
+            self._note_retry(client, op, next(self._ids), vids)
+        self._send_pending()
+
+    def _note_retry(self, client: int, op: P.Op, call_id: int, vids: bytes) -> str:
+        """Keep a release or free (`call_id`) to send again until answered (MAX_RETRIES, MAX_RETRY_IDS:
+        past them the oldest is dropped, logged). Returns what the timed-out call's error says of it."""
+        self._retries[next(self._ids)] = (client, op, call_id, vids)
+        ids = sum(len(frame) for _, _, _, frame in self._retries.values()) // P.VIDS_DTYPE.itemsize
+        while len(self._retries) > 1 and (len(self._retries) > MAX_RETRIES or ids > MAX_RETRY_IDS):
+            _, old_op, old_call, frame = self._retries.pop(next(iter(self._retries)))
+            ids -= len(frame) // P.VIDS_DTYPE.itemsize
+            log.warning("dflash2: the releases and frees that timed out unanswered by dflash2d at %s are more than "
+                        "this client keeps to send again (%d, of %d block ids): the oldest, a %s of %d blocks (call %d), "
+                        "is dropped: its pins or references stay held until this client detaches", self.endpoint,
+                        MAX_RETRIES, MAX_RETRY_IDS, old_op.value, len(frame) // P.VIDS_DTYPE.itemsize, old_call)
+        return f"; sent again on every new socket until it answers (it runs once), {len(self._retries)} such unanswered"
 
     def _note_forget(self, client: int, call_id: int, written: bytes | None) -> None:
         """Keep a `forget` of `call_id` to send until answered (MAX_FORGETS, MAX_FORGET_IDS)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import resource
 
+from dflash2.errors import TooManyClients
 from dflash2.zmqio import descriptors_left
 
 log = logging.getLogger("dflash2.daemon")
@@ -44,3 +45,15 @@ def warn_if_few() -> None:
         log.warning("open files limit is %d (hard limit %s): about %d clients can attach, more are refused; "
                     "raise it (ulimit -n, systemd LimitNOFILE, the container's nofile)", soft,
                     "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, (left[0] - ATTACH_HEADROOM) // 2))
+
+
+def refuse_past_descriptors(name: str, pid: int) -> None:
+    """TooManyClients when another client's connections (an attach of `name`, process `pid`) would
+    leave the daemon fewer than ATTACH_HEADROOM descriptors (out of them, libzmq ends the daemon)."""
+    left = descriptors_left()
+    if left is not None and left[0] < ATTACH_HEADROOM:
+        log.warning("attach of %s (pid %d) refused: %d of the daemon's %d open descriptors are left (each client "
+                    "holds two)", name, pid, *left)
+        raise TooManyClients(f"attach refused: the daemon has {left[0]} of its {left[1]} open descriptors left, and "
+                             f"keeps {ATTACH_HEADROOM} free (each client holds two connections); detach clients, or "
+                             "raise dflash2d's open files limit (ulimit -n, systemd LimitNOFILE, the container's nofile)")

@@ -1,7 +1,9 @@
 """`forget`: a client that timed out on a call that hands it something (protocol.UNDOABLE) tells
 the daemon to give back what the call handed out if it ran, or to refuse it when it arrives if it
 has not; a commit's blocks being written, which its `forget` names, are freed then, since it may
-never arrive (the Service's share of it, as a mixin over its sessions, counters and pools)."""
+never arrive. `retry`: one that timed out on a release or free (protocol.RETRIED) sends it again,
+and the daemon runs it once, whichever of the two comes first (the Service's share of it, as a
+mixin over its sessions, counters and pools)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
-from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, KEEP_UNDO_IDS, Session
-from dflash2.errors import CallForgotten, DFlash2Error, ProtocolError
+from dflash2.daemon.sessions import KEEP_CALLS, KEEP_FORGOTTEN, KEEP_RAN, KEEP_UNDO_IDS, Session
+from dflash2.errors import CallForgotten, CopiesRunning, DFlash2Error, ProtocolError
 from dflash2.protocol import Op, Reply, Request, arg
 
 log = logging.getLogger("dflash2.daemon")
@@ -110,6 +112,47 @@ class Forgetting:
         _keep(session.settled, call)
         return {"undone": undone}, []
 
+    def _once(self, req: Request, call: int, run: Callable[[], object], retry: bool = False) -> tuple[bool, object]:
+        """Run a release or free of `req`'s client, its call `call` (`run`; `retry`: as its `retry`
+        asks), unless the other of the two ran it: both may arrive, in either order (the call came
+        late on a socket the client had given up on). Pins and references are counted per client, so
+        a second run would drop another thread's. A call is checked only against the calls retries
+        ran (a client that uses a call id twice, and never retries, runs both). Noted once it has
+        run, refused too (NotOwner: its client held no pin then; run again, it would give up one that
+        another thread has taken since); one parked on copies in flight (CopiesRunning) changed
+        nothing and is not noted: it runs when it comes again. Returns whether it ran now, and what
+        `run` returned."""
+        session = self.sessions[req.client]
+        if call in session.retried or (retry and call in session.ran):
+            return False, None
+        noted, most = (session.retried, KEEP_FORGOTTEN) if retry else (session.ran, KEEP_RAN)
+        try:
+            out = run()
+        except CopiesRunning:
+            raise  # parked: not noted
+        except Exception:
+            _keep(noted, call, most)  # refused: answered, as run
+            raise
+        _keep(noted, call, most)
+        return True, out
+
+    def _retry(self, req):
+        """The client timed out on its release or free `call` and sends it again (its block ids):
+        run it unless it ran (`_once`)."""
+        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
+        name = arg(req, "op", str)
+        op = next((o for o in P.RETRIED if o.value == name), None)
+        if op is None:
+            raise ProtocolError(f"retry: argument 'op' must be one of {sorted(o.value for o in P.RETRIED)}, got {name!r}")
+        if len(req.arrays) != 1:
+            raise ProtocolError(f"retry: one array frame (the block ids of the call), got {len(req.arrays)}")
+        m, vids = self._mgr(req), req.array(0, P.VIDS_DTYPE, "block ids")
+        give_back = m.release if op == Op.RELEASE else m.free
+        ran, out = self._once(req, call, lambda: give_back(req.client, vids), retry=True)
+        log.info("client %d timed out on its %s of %d blocks (call %d) and sent it again: %s", req.client, op.value,
+                 len(vids), call, "run now" if ran else "it had run")
+        return ({"ran": ran, "freed": out or 0} if op == Op.FREE else {"ran": ran}), []
+
     def _encoded(self, req: Request, reply: Reply) -> list[bytes]:
         """The reply's frames; a reply that cannot be encoded (a bug) becomes an InternalError, and what
         the call handed out is given back (`_reply_lost`): its client would never learn of it."""
@@ -145,8 +188,8 @@ class Forgetting:
         return True
 
 
-def _keep(calls, call: int) -> None:
-    """Note `call` among the last KEEP_FORGOTTEN of a session's forgotten or settled calls."""
+def _keep(calls, call: int, most: int = KEEP_FORGOTTEN) -> None:
+    """Note `call` among the last `most` of a session's forgotten, settled or ran calls."""
     calls[call] = True
-    while len(calls) > KEEP_FORGOTTEN:
+    while len(calls) > most:
         calls.popitem(last=False)

@@ -12,6 +12,8 @@ the client's id and another token is refused (WrongToken), so a process that rea
 `stats` cannot release the client's pins or detach it. A client that timed out on a call that hands
 it something (protocol.UNDOABLE) sends `forget` (forgetting.py): if the call ran, what it handed out is given back;
 if it has not arrived yet (it came on the client's previous socket), it is refused when it does.
+A release or free it timed out on (protocol.RETRIED) comes again as a `retry`: run once, whichever
+of the two arrives first.
 """
 
 from __future__ import annotations
@@ -29,19 +31,18 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2.daemon import wire
-from dflash2.daemon.descriptors import ATTACH_HEADROOM
+from dflash2.daemon.descriptors import refuse_past_descriptors
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CopiesRunning, DFlash2Error, ProtocolError, TooManyClients, UnknownClient,
+from dflash2.errors import (CopiesRunning, DFlash2Error, ProtocolError, UnknownClient,
                             WrongToken)
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
 from dflash2.tiers import Tier
-from dflash2.zmqio import descriptors_left
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -98,7 +99,7 @@ class Service(Forgetting):
             Op.ACQUIRE: self._acquire, Op.RELEASE: self._release, Op.FREE: self._free,
             Op.ADD_REF: self._add_ref, Op.PLACES: self._places, Op.STATS: self._stats,
             Op.SET_WEIGHTS: self._set_weights, Op.CHECK: self._check, Op.HISTORY: self._history,
-            Op.PREFILL_RATE: self._set_prefill_rate, Op.FORGET: self._forget,
+            Op.PREFILL_RATE: self._set_prefill_rate, Op.FORGET: self._forget, Op.RETRY: self._retry,
         }
 
     @property
@@ -367,7 +368,7 @@ class Service(Forgetting):
             raise ProtocolError(f"attach: {len(rates)} prefill rates for {len(layouts)} layouts (one per "
                                 "layout, null where unknown)")
         rates = [wire.prefill_rate(req, r) for r in rates]
-        _refuse_past_descriptors(name, pid)
+        refuse_past_descriptors(name, pid)
         m = self.managers[device]
         for lay in layouts:
             m.check_layout(lay)  # before anything changes: a refused layout attaches nobody
@@ -524,13 +525,13 @@ class Service(Forgetting):
         return {"acquired": True}, [wire.records(m, rows)]
 
     def _release(self, req):
-        m = self._mgr(req)
-        m.release(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))
+        m, vids = self._mgr(req), req.array(0, P.VIDS_DTYPE, "block ids")
+        self._once(req, req.call_id, lambda: m.release(req.client, vids))  # (its `retry` may have run it)
         return {}, []
 
     def _free(self, req):
-        m = self._mgr(req)
-        return {"freed": m.free(req.client, req.array(0, P.VIDS_DTYPE, "block ids"))}, []
+        m, vids = self._mgr(req), req.array(0, P.VIDS_DTYPE, "block ids")
+        return {"freed": self._once(req, req.call_id, lambda: m.free(req.client, vids))[1] or 0}, []
 
     def _add_ref(self, req):
         m = self._mgr(req)
@@ -597,14 +598,3 @@ class Service(Forgetting):
             m.check_invariants()
         return {}, []
 
-
-def _refuse_past_descriptors(name: str, pid: int) -> None:
-    """TooManyClients when another client's connections would leave the daemon fewer than
-    ATTACH_HEADROOM descriptors (daemon/descriptors.py: out of them, libzmq ends the daemon)."""
-    left = descriptors_left()
-    if left is not None and left[0] < ATTACH_HEADROOM:
-        log.warning("attach of %s (pid %d) refused: %d of the daemon's %d open descriptors are left (each client "
-                    "holds two)", name, pid, *left)
-        raise TooManyClients(f"attach refused: the daemon has {left[0]} of its {left[1]} open descriptors left, and "
-                             f"keeps {ATTACH_HEADROOM} free (each client holds two connections); detach clients, or "
-                             "raise dflash2d's open files limit (ulimit -n, systemd LimitNOFILE, the container's nofile)")

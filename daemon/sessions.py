@@ -27,6 +27,11 @@ class Session:
     undo_ids: int = 0  # block ids the undos hold together (KEEP_UNDO_IDS)
     forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     settled: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # The ids of its last KEEP_RAN releases and frees that ran, and of the last KEEP_FORGOTTEN that a
+    # `retry` ran (one the client timed out on comes again so): whichever of a call and its retry
+    # arrives second is not run (forgetting.py `_once`).
+    ran: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    retried: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     pid_ns: int | None = None  # the client's pid namespace (inode) as it said at attach; None: unknown
 
 
@@ -40,6 +45,10 @@ KEEP_CALLS = 64
 # at most protocol.MAX_BATCH, 65,536): 16 calls of the largest batches, 64 of up to 16,384 ids.
 KEEP_UNDO_IDS = 1 << 20
 KEEP_FORGOTTEN = 1024
+# Every release and free is noted (a few bytes each, for as long as the client lives): the client
+# sends one it timed out on again ahead of any later call, so its retry meets the call's note unless
+# it comes more than this many of the client's releases and frees after it.
+KEEP_RAN = 256
 
 
 def pid_namespace() -> int | None:

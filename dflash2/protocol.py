@@ -62,6 +62,9 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
     forget           {call} [vids: a commit's, optional]       → {undone: bool} (the client gave up waiting on
                                                                   its call `call`: undone if it ran, never run
                                                                   if it had not; see UNDOABLE)
+    retry            {op: "release" | "free", call} [vids]      → {ran: bool, freed: n (a free's)} (the client's
+                                                                  call `call` timed out: run it unless it ran;
+                                                                  run, it is not run again; see RETRIED)
     history          {since_s=null (all kept)}                 → {interval_s, count, enabled} [samples as
                                                                   JSON lines] (dflash2/history.py)
 """
@@ -150,6 +153,7 @@ class Op(str, enum.Enum):
     HISTORY = "history"  # the daemon's time series of key figures (history_enabled)
     PREFILL_RATE = "prefill_rate"  # the client's engine's prefill rate for a layout (cost-aware reuse)
     FORGET = "forget"  # the client timed out on one of its calls: undo it if it ran, skip it if not
+    RETRY = "retry"  # the client timed out on a release or free: run it unless it ran
 
 
 _OPS = {op.value: op for op in Op}  # (a dict lookup: Op(name) is an enum call, a Python function)
@@ -166,6 +170,13 @@ NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTO
 # client's `forget` without it is taken as before), so that they are freed though the commit never
 # arrives (lost with a socket that had not connected to a stopped daemon).
 UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF, Op.COMMIT})
+# Calls that give back what an UNDOABLE one handed out (pins, references). A client that timed out on
+# one sends it again, as a `retry` naming its call id, on each new socket until answered: one lost
+# with a socket that never connected to a stopped daemon left its pins held for the client's life. The
+# daemon runs each call id once, whichever comes first (pins and references are counted per client: a
+# second release would drop another thread's pin). A new op, so that an older daemon refuses it
+# (unknown op) rather than running a release twice.
+RETRIED = frozenset({Op.RELEASE, Op.FREE})
 
 
 @dataclasses.dataclass
