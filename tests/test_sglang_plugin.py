@@ -81,6 +81,18 @@ def test_fallback_logs_one_line_and_leaves_the_args(caplog):
     assert len(lines) == 1 and "fallback to default" in lines[0] and "the daemon is asleep" in lines[0]
 
 
+@pytest.mark.parametrize("given", ["", "  "])
+def test_a_flag_given_no_file_falls_back_with_the_line(caplog, given):
+    """`--dflash2-config "$UNSET"`: the flag is there, so dflash2 was asked for; it fell back without
+    a word (the path was taken for an absent flag)."""
+    args = sglang_args(dflash2_config=given)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        verdict = rewrite_args(args, check=pytest.fail)
+    assert not verdict.ok and args == sglang_args(dflash2_config=given)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "fallback to default" in lines[0] and "--dflash2-config names no file" in lines[0]
+
+
 def test_check_disabled_config(config_file):
     verdict = check_dflash2(config_file(enable=False))
     assert not verdict.ok and "disabled" in verdict.reason

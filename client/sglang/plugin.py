@@ -13,8 +13,8 @@ pyproject.toml) before it parses its command line (`python -m sglang.launch_serv
   "dflash2.client.sglang.backend", "class_name": "DFlash2Storage", "interface_v1": 1,
   "dflash2_config": FILE}'` (the user's own extra-config keys are kept).
 
-Fallback: when the config's `enable` is not true, the config is invalid, or the daemon does not
-answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
+Fallback: when the config's `enable` is not true, the config is invalid, the flag names no file
+(`--dflash2-config ""`), or the daemon does not answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
 says `dflash2: fallback to default ...` and why. A flag that contradicts ours (another storage
 backend) is a usage error, never silently overridden.
 
@@ -136,10 +136,16 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
 
 def rewrite_args(args, check=check_dflash2) -> Verdict | None:
     """Rewrite a parsed sglang namespace in place (see the module docstring). None when the flag is
-    absent; else the verdict (not ok: the namespace is unchanged and the fallback was logged)."""
+    absent; else the verdict (not ok: the namespace is unchanged and the fallback was logged; a flag
+    given an empty path falls back so too, where before it turned dflash2 off without a word)."""
     path = getattr(args, "dflash2_config", None)
-    if not path:
-        return None
+    if path is None:
+        return None  # not asked for
+    if not path.strip():  # asked for, with no file named: a launch script's unset variable
+        verdict = Verdict(False, f"{FLAG} names no file (it was given {path!r}: an unset variable in the "
+                                 "launch command?); name a dflash2_config.json")
+        log.warning(fallback_line(verdict.reason))
+        return verdict
     backend = getattr(args, "hicache_storage_backend", None)
     if backend not in (None, "dynamic"):
         raise ValueError(f"{FLAG} makes dflash2 the hierarchical cache's storage backend; remove "
