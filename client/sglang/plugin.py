@@ -16,7 +16,9 @@ pyproject.toml) before it parses its command line (`python -m sglang.launch_serv
 Fallback: when the config's `enable` is not true, the config is invalid, the flag names no file
 (`--dflash2-config ""`), or the daemon does not answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
 says `dflash2: fallback to default ...` and why. A flag that contradicts ours (another storage
-backend) is a usage error, never silently overridden.
+backend), or that sglang does not allow beside the hierarchical cache the flag turns on
+(`--disable-radix-cache`, ...: `conflicting_flag`), is a usage error naming both, never silently
+overridden (sglang's own error named `--enable-hierarchical-cache`, a flag the user never typed).
 
 Sizing: sglang's pages live in the daemon's DRAM tier, never in its HBM tier, while sglang sizes its
 weights' and KV pool's share of each GPU from what the daemon leaves. A daemon that holds more than
@@ -134,6 +136,28 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
     return json.dumps(extra)
 
 
+# sglang's arguments that it refuses beside a hierarchical cache with a storage backend, whatever the
+# model (sglang 0.5.23, srt/arg_groups/: kv_cache_hook.py, kv_shard_hook.py, hicache_hook.py).
+CONFLICTS = (("disable_radix_cache", "--disable-radix-cache"),
+             ("enable_kv_cache_sharding", "--enable-kv-cache-sharding"),
+             ("enable_lmcache", "--enable-lmcache"),
+             ("enable_unified_cache_external_linker", "--enable-unified-cache-external-linker"))
+
+
+def conflicting_flag(args) -> str | None:
+    """The argument that sglang does not allow beside the hierarchical cache `--dflash2-config` turns
+    on, as the user typed it, or None. Decode context parallelism (`--dcp-size` above 1) is refused
+    with `--hicache-host-memory-mode buffer_only`; without it, it depends on the model (MLA only),
+    which is not known yet: `rewrite_args` says so in a warning."""
+    for attr, flag in CONFLICTS:
+        if getattr(args, attr, False):
+            return flag
+    dcp = getattr(args, "dcp_size", 1) or 1
+    if dcp > 1 and getattr(args, "hicache_host_memory_mode", None) == "buffer_only":
+        return f"--dcp-size {dcp} with --hicache-host-memory-mode buffer_only"
+    return None
+
+
 def rewrite_args(args, check=check_dflash2) -> Verdict | None:
     """Rewrite a parsed sglang namespace in place (see the module docstring). None when the flag is
     absent; else the verdict (not ok: the namespace is unchanged and the fallback was logged; a flag
@@ -150,6 +174,11 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
     if backend not in (None, "dynamic"):
         raise ValueError(f"{FLAG} makes dflash2 the hierarchical cache's storage backend; remove "
                          f"--hicache-storage-backend {backend}")
+    conflict = conflicting_flag(args)
+    if conflict is not None:
+        raise ValueError(f"{FLAG} keeps sglang's KV cache in dflash2 through sglang's hierarchical cache "
+                         f"(HiCache, --enable-hierarchical-cache), which sglang does not allow with {conflict}: "
+                         f"remove one of them")
     verdict = check(path)
     if not verdict.ok:
         log.warning(fallback_line(verdict.reason))
@@ -162,6 +191,11 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
              verdict.endpoint, os.path.abspath(path))
     if verdict.note:
         log.warning(verdict.note)
+    dcp = getattr(args, "dcp_size", 1) or 1
+    if dcp > 1:
+        log.warning("dflash2: with --dcp-size %d, sglang's hierarchical cache (which %s turns on) serves MLA models "
+                    "only: for another model sglang refuses to start (\"HiCache with --dcp-size > 1 is only supported "
+                    "for MLA models\"); run that one without %s", dcp, FLAG, FLAG)
     return verdict
 
 
