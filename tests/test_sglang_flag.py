@@ -44,3 +44,17 @@ def test_a_flag_sglang_forbids_beside_hicache_is_refused_naming_both(daemon, fla
     assert out.returncode != 0 and "RESULT" not in out.stdout
     assert "ValueError: --dflash2-config keeps sglang's KV cache in dflash2" in out.stderr
     assert f"which sglang does not allow with {flag}" in out.stderr
+
+
+def test_sglang_reads_the_flags_extra_config_as_asking_for_prefix_keys(tmp_path):
+    """sglang's cache reads `hicache_storage_pass_prefix_keys` out of the extra config (popped: the
+    backend never sees it) and only then passes each backup batch the keys of the pages before it
+    (cache_controller `_page_backup`), which the backend links the batch under (`_prefix_parent`)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    from dflash2.client.sglang.plugin import backend_extra_config
+
+    extra, *_, pass_prefix_keys = HybridCacheController.parse_storage_backend_extra_config(
+        backend_extra_config(str(tmp_path / "c.json"), None))
+    assert pass_prefix_keys is True and "hicache_storage_pass_prefix_keys" not in extra
+    assert extra["class_name"] == "DFlash2Storage"

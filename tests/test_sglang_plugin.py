@@ -49,7 +49,14 @@ def test_rewrite_turns_the_flag_into_the_dynamic_backend(tmp_path):
     extra = json.loads(args.hicache_storage_backend_extra_config)
     assert extra == {"prefetch_threshold": 256, "backend_name": "dflash2", "class_name": "DFlash2Storage",
                      "module_path": "dflash2.client.sglang.backend", "interface_v1": 1,
-                     "dflash2_config": str(tmp_path / "c.json")}
+                     "hicache_storage_pass_prefix_keys": True, "dflash2_config": str(tmp_path / "c.json")}
+
+
+def test_the_extra_config_asks_sglang_for_prefix_keys_unless_the_user_says_otherwise():
+    """Without them sglang's backup batches reach the backend unlinked to the page before them."""
+    assert json.loads(backend_extra_config("c.json", None))["hicache_storage_pass_prefix_keys"] is True
+    mine = json.loads(backend_extra_config("c.json", '{"hicache_storage_pass_prefix_keys": false}'))
+    assert mine["hicache_storage_pass_prefix_keys"] is False
 
 
 def test_rewrite_passes_the_servers_kv_cache_dtype_to_the_backend():

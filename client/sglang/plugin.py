@@ -11,7 +11,8 @@ pyproject.toml) before it parses its command line (`python -m sglang.launch_serv
   `--enable-hierarchical-cache --hicache-storage-backend dynamic
   --hicache-storage-backend-extra-config '{"backend_name": "dflash2", "module_path":
   "dflash2.client.sglang.backend", "class_name": "DFlash2Storage", "interface_v1": 1,
-  "dflash2_config": FILE}'` (the user's own extra-config keys are kept).
+  "hicache_storage_pass_prefix_keys": true, "dflash2_config": FILE}'` (the user's own extra-config
+  keys are kept).
 
 Fallback: when the config's `enable` is not true, the config is invalid, the flag names no file
 (`--dflash2-config ""`), or the daemon does not answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
@@ -130,6 +131,12 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
                              f"--hicache-storage-backend-extra-config gives {extra[key]!r}")
     extra.update(ours)
     extra["interface_v1"] = 1  # the zero-copy batch_get_v1 / batch_set_v1 path
+    # sglang passes a backup batch the keys of the pages before it (`extra_info.prefix_keys`) only
+    # with this (its parse_storage_backend_extra_config pops it, default false): the backend then
+    # links the batch to its parent page (`_prefix_parent`), and the daemon knows the chain
+    # (descendants leave a tier before their ancestors). Unlinked, a later turn's pages outlived the
+    # prefix they need (a review measured 2.4-3.0% more hit pages linked). The user's own value stays.
+    extra.setdefault("hicache_storage_pass_prefix_keys", True)
     extra["dflash2_config"] = os.path.abspath(config_path)
     if kv_cache_dtype is not None:
         extra["dflash2_kv_cache_dtype"] = str(kv_cache_dtype)
