@@ -516,11 +516,11 @@ class Service(Forgetting):
 
     def _acquire(self, req):
         m = self._mgr(req)
-        vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        rows = m.acquire_rows(req.client, vids, wire.memory_tier(req),
-                              priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
-        if rows is None:
-            return {"acquired": False, "reason": "HBM could not be given room for them now"}, [b""]
+        vids, tier = req.array(0, P.VIDS_DTYPE, "block ids"), wire.memory_tier(req)
+        rows = m.acquire_rows(req.client, vids, tier, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
+        if rows is None:  # (the tier asked for: a host reader's refusal named HBM)
+            why = "" if tier == Tier.HBM else ": a block on NVMe is read in DRAM, which had no room it could make"
+            return {"acquired": False, "reason": f"{tier.name} could not be given room for them now{why}"}, [b""]
         self._undoable(req, m.release, vids)
         return {"acquired": True}, [wire.records(m, rows)]
 

@@ -50,6 +50,8 @@ RETRY_S = 10.0
 HOST_TIER = "dram"
 # Pages per allocate / acquire, at most; also at most a quarter of their tier (pinned while copied).
 MAX_CHUNK_PAGES = 64
+# A read the daemon gives no room (its pages are misses) is logged at most this often (seconds).
+REFUSAL_LOG_S = 60.0
 
 
 class DFlash2Storage(HiCacheStorage):
@@ -70,7 +72,8 @@ class DFlash2Storage(HiCacheStorage):
         self._reattach = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
-                         "failed_calls": 0, "commits_unlinked": 0}
+                         "failed_calls": 0, "commits_unlinked": 0, "reads_refused": 0}
+        self._refusal_logged = -float("inf")  # when a refused read was last logged (`_read_refused`)
         # Counted from sglang's threads at once: `+=` on a dict entry is a read and a write, and two
         # threads could each add to the same old value.
         self._count_lock = threading.Lock()
@@ -347,7 +350,8 @@ class DFlash2Storage(HiCacheStorage):
             vids = found["vid"][lo:lo + self.chunk_pages]
             try:
                 places = client.acquire(vids, tier=self.tier)
-                if places is None:  # evicted meanwhile or no room: the rest is a miss
+                if places is None:  # no room to read them now: the rest is a miss
+                    self._read_refused(client, len(found) - lo)
                     break
                 by_vid = {int(p["vid"]): p for p in places}
                 try:
@@ -365,6 +369,21 @@ class DFlash2Storage(HiCacheStorage):
         self._count("pages_got", got)
         self._count("page_misses", n - got)
         return ok
+
+    def _read_refused(self, client: Client, pages: int) -> None:
+        """The daemon had no room to read `pages` cached pages now (an acquire answered None, its reason
+        in `client.last_refusal`, another thread's call's may be): they are misses, which sglang
+        recomputes. Said at most every REFUSAL_LOG_S (before, not at all: a refused write is said)."""
+        with self._count_lock:
+            self.counters["reads_refused"] += 1
+            now = time.monotonic()
+            if now < self._refusal_logged + REFUSAL_LOG_S:
+                return
+            self._refusal_logged = now
+            refused = self.counters["reads_refused"]
+        log.warning("dflash2: the daemon gave no room to read %d cached pages now, misses that sglang recomputes "
+                    "(%d reads refused so far; said at most every %gs): %s", pages, refused, REFUSAL_LOG_S,
+                    client.last_refusal)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
         page = self.mem_pool_host.page_size

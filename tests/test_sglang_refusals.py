@@ -1,0 +1,60 @@
+"""A read the daemon gives no room (a page on NVMe moves up into DRAM to be read, and every DRAM block
+is pinned or being written by another reader) is a miss, which sglang recomputes: the backend says so
+in a warning with the daemon's reason, at most once a REFUSAL_LOG_S (it said nothing, where a refused
+write is said; a review's script). Skipped where sglang is not importable (test_sglang.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import config_file  # noqa: F401  (fixture)
+from daemon_proc import DaemonProcess
+from test_sglang import backends, fill, host_pool, indices, make_backend  # noqa: F401  (fixture; skips without sglang)
+
+from dflash2.client import Client
+
+DRAM, NVME = 1, 2
+
+
+@pytest.fixture
+def small_dram(config_file, tmp_path):
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 4,
+                               "nvme_path": str(tmp_path / "nvme.cache"), "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    yield path
+    proc.stop()
+
+
+def test_a_read_refused_room_is_a_miss_said_once_a_while_with_the_daemons_reason(small_dram, backends, caplog):
+    pool = host_pool(tokens=256)
+    b = make_backend(small_dram, pool)
+    backends.append(b)
+    fill(pool, list(range(1, 9)), seed=1)
+    old = [f"old-{i}" for i in range(4)]
+    assert b.batch_set_v1(old, indices([1, 2, 3, 4])) == [True] * 4
+    newer = 0
+    while set(b.client.lookup(b.keys.keys(old), b.layout_id, tier="dram")["tier"].tolist()) != {NVME}:
+        assert newer < 200, "never demoted"
+        assert b.batch_set_v1([f"new{newer}-{i}" for i in range(8)], indices(list(range(1, 9)))) == [True] * 8
+        newer += 1
+    other = Client.connect(config=small_dram, name="other-reader", host_only=True)
+    try:
+        lid = other.register_layout(b.client.layout(b.layout_id))
+        for n in range(newer):  # another reader pins every page in DRAM and writes into the rest
+            found = other.lookup(b.keys.keys([f"new{n}-{i}" for i in range(8)]), lid, tier="dram")
+            here = found[found["tier"] == DRAM]["vid"]
+            if len(here):
+                assert other.acquire(here, tier="dram") is not None
+        while other.allocate(lid, 1, tier="dram") is not None:
+            pass
+        assert b.batch_exists(old) == 4
+        with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+            assert b.batch_get_v1(old, indices([5, 6, 7, 8])) == [False] * 4
+            assert b.batch_get_v1(old, indices([5, 6, 7, 8])) == [False] * 4  # within the minute: counted, not said
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "the daemon gave no room to read 4 cached pages now, misses that sglang recomputes" in line
+        assert "DRAM could not be given room for them now" in line and "1 reads refused so far" in line
+        assert b.counters["reads_refused"] == 2 and b.counters["page_misses"] == 8
+    finally:
+        other.close()
