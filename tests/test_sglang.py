@@ -8,6 +8,7 @@ environment; see README, "sglang". Where sglang is not importable the whole modu
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ except Exception as exc:  # not installed, or installed without its dependencies
                 "environment (README, 'sglang')", allow_module_level=True)
 
 from dflash2.client.sglang.backend import DFlash2Storage
+from dflash2.client.sglang.identity import server_args
 from dflash2.client.sglang.plugin import backend_extra_config
 from daemon_proc import DaemonProcess
 
@@ -46,7 +48,10 @@ def host_pool(layout: str = "page_first", tokens: int = 64) -> MHATokenToKVPoolH
 
 def storage_config(config_path: str, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
                    **extra) -> HiCacheStorageConfig:
-    extra_config = json.loads(backend_extra_config(config_path, None))
+    # (The model's server arguments, as the flag passes them: test/llama is no local path, nor in the
+    # Hugging Face cache, so its files are not read, as the backend says.)
+    model = server_args(argparse.Namespace(model_path="test/llama"))
+    extra_config = json.loads(backend_extra_config(config_path, None, model=model))
     extra_config.update({"dflash2_timeout_s": 1.0, **extra})
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=True,

@@ -1,16 +1,18 @@
 """`--dflash2-config` through sglang's real plugin loading and argument parsing (sglang 0.5.23, a
-subprocess each): a flag that names no file, and arguments sglang does not allow beside the
-hierarchical cache the flag turns on. Skipped where sglang is not importable (test_sglang.py)."""
+subprocess each): a flag that names no file, arguments sglang does not allow beside the hierarchical
+cache the flag turns on, the extra config it passes (prefix keys, the model's identity). Skipped where
+sglang is not importable (test_sglang.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 from conftest import config_file  # noqa: F401  (fixture)
-from test_sglang import daemon  # noqa: F401  (fixture; skips this module without sglang)
+from test_sglang import backends, daemon  # noqa: F401  (fixtures; skips this module without sglang)
 
 SCRIPT = """
 import sys
@@ -58,3 +60,54 @@ def test_sglang_reads_the_flags_extra_config_as_asking_for_prefix_keys(tmp_path)
         backend_extra_config(str(tmp_path / "c.json"), None))
     assert pass_prefix_keys is True and "hicache_storage_pass_prefix_keys" not in extra
     assert extra["class_name"] == "DFlash2Storage"
+
+
+IDENTITY_SCRIPT = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+for argv in json.loads(sys.argv[1]):
+    args = prepare_server_args(argv)
+    print("RESULT " + json.dumps([args.served_model_name or args.model_path, args.hicache_storage_backend_extra_config]))
+"""
+
+
+def test_servers_of_one_served_name_with_other_weights_share_no_pages(daemon, tmp_path, backends):
+    """One checkpoint with and without --quantization fp8, and a new checkpoint under the old served
+    name: each read the bf16 server's pages as hits (its KV, computed by other weights)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from test_sglang import fill, host_pool, indices, page_bytes, storage_config
+
+    path, _ = daemon
+    old, new = tmp_path / "llama3-8b", tmp_path / "llama3-8b-ft-v2"
+    for folder in (old, new):
+        folder.mkdir()
+        (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        (folder / "model.safetensors").write_bytes(folder.name.encode())
+    flag = ["--dflash2-config", path]
+    runs = {"bf16": ["--model-path", str(old), *flag],
+            "fp8-weights": ["--model-path", str(old), "--quantization", "fp8", *flag],
+            "v2-same-name": ["--model-path", str(new), "--served-model-name", str(old), *flag],
+            "bf16-again": ["--model-path", str(old), *flag]}
+    out = subprocess.run([sys.executable, "-c", IDENTITY_SCRIPT, json.dumps(list(runs.values()))], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "SGLANG_PLUGINS": "dflash2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    parsed = [json.loads(ln[len("RESULT "):]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    made = {}
+    for name, (served, extra) in zip(runs, parsed):
+        config = storage_config(path)
+        config.model_name = served  # what sglang passes the backend: the served name
+        config.extra_config = {**json.loads(extra), "dflash2_timeout_s": 1.0}
+        pool = host_pool()
+        made[name] = (StorageBackendFactory.create_backend("dynamic", config, pool), pool)
+        made[name][0].register_mem_pool_host(pool)
+        backends.append(made[name][0])
+    first, pool = made["bf16"]
+    fill(pool, [1], seed=1)
+    assert first.batch_set_v1(["page-0"], indices([1])) == [True]
+    for name in ("fp8-weights", "v2-same-name"):
+        b, _ = made[name]
+        assert b.keys.namespace != first.keys.namespace and b.batch_get_v1(["page-0"], indices([2])) == [False], name
+    again, again_pool = made["bf16-again"]  # the same model, another server: shares them
+    assert again.batch_get_v1(["page-0"], indices([2])) == [True] and page_bytes(again_pool, 2) == page_bytes(pool, 1)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 import pytest
 
 from daemon_proc import DaemonProcess
+from dflash2.client.sglang.identity import server_args
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.plugin import HBM_NOTE_BYTES, Verdict, backend_extra_config, check_dflash2, hbm_note, rewrite_args
 
@@ -47,9 +49,22 @@ def test_rewrite_turns_the_flag_into_the_dynamic_backend(tmp_path):
     verdict = rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x"))
     assert verdict.ok and args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
     extra = json.loads(args.hicache_storage_backend_extra_config)
+    model = extra.pop("dflash2_model")
     assert extra == {"prefetch_threshold": 256, "backend_name": "dflash2", "class_name": "DFlash2Storage",
                      "module_path": "dflash2.client.sglang.backend", "interface_v1": 1,
                      "hicache_storage_pass_prefix_keys": True, "dflash2_config": str(tmp_path / "c.json")}
+    assert model == server_args(args)
+
+
+def test_rewrite_passes_the_models_server_arguments_to_the_backend(tmp_path):
+    """The page namespace covers the model's identity, not only the served name (identity.py)."""
+    args = sglang_args(model_path=str(tmp_path), quantization="fp8", dtype="bfloat16", revision="v2",
+                       json_model_override_args='{"rope_scaling": {"factor": 2.0}}')
+    assert rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x")).ok
+    model = json.loads(args.hicache_storage_backend_extra_config)["dflash2_model"]
+    assert model["model_path"] == os.path.realpath(tmp_path) and model["quantization"] == "fp8"
+    assert model["dtype"] == "bfloat16" and model["revision"] == "v2"
+    assert model["json_model_override_args"] == '{"rope_scaling":{"factor":2.0}}'
 
 
 def test_the_extra_config_asks_sglang_for_prefix_keys_unless_the_user_says_otherwise():

@@ -49,6 +49,7 @@ def test_a_read_refused_room_is_a_miss_said_once_a_while_with_the_daemons_reason
         while other.allocate(lid, 1, tier="dram") is not None:
             pass
         assert b.batch_exists(old) == 4
+        caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
             assert b.batch_get_v1(old, indices([5, 6, 7, 8])) == [False] * 4
             assert b.batch_get_v1(old, indices([5, 6, 7, 8])) == [False] * 4  # within the minute: counted, not said

@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   PoolTransfer, PoolTransferResult)
 
 from dflash2.client.client import Client
+from dflash2.client.sglang import identity
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, page_format, page_layout,
                                          store_page)
@@ -84,7 +85,9 @@ class DFlash2Storage(HiCacheStorage):
         # another GPU looked in its own GPU's pool, found nothing, and sglang, taking the least of
         # the ranks' hits, had none (host_only: no rank maps that GPU's HBM for it).
         self.device = None if self.shard.is_mla else _serving_device()
+        self.model_id: str | None = None  # the model's identity in the namespace (identity.py)
         try:
+            self.model_id = self._model_id()
             self.client = self._attach()
         except DFlash2Error as e:
             self._fall_back(str(e))
@@ -119,6 +122,28 @@ class DFlash2Storage(HiCacheStorage):
             client = Client.connect(config=cfg, name=name, timeout_s=timeout_s, device=None)
         return client
 
+    def _model_id(self) -> str | None:
+        """The digest of the model's identity (identity.py), from the server arguments the plugin
+        passes (`dflash2_model`) and the model's files, read now (sglang has loaded the model). None,
+        said in a warning, without them (a backend set up without `--dflash2-config`): pages are
+        then keyed by the served name alone, as before. ConfigError for a value that is not a JSON object."""
+        args = self.extra.get("dflash2_model")
+        if args is None:
+            log.warning("dflash2: the extra config gives no dflash2_model (the model's server arguments, which "
+                        "--dflash2-config passes): pages are keyed by the served model name %r alone, and a server "
+                        "of that name with other weights or arguments would read them as its own", self.shard.model)
+            return None
+        if not isinstance(args, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config dflash2_model",
+                              f"must be a JSON object of the model's server arguments, got {args!r}")
+        ident = identity.model_identity(args)
+        if "unread" in ident:
+            log.warning("dflash2: the model's files were not read (%s): its pages are keyed by its path and server "
+                        "arguments alone (a checkpoint replaced under that path would read the old one's)",
+                        ident["unread"])
+        log.info("dflash2: the pages' namespace covers the model %s", identity.describe(ident))
+        return identity.model_id(ident)
+
     def _positive(self, key: str, default: float | None) -> float | None:
         value = self.extra.get(key, default)
         if value is None:
@@ -148,7 +173,7 @@ class DFlash2Storage(HiCacheStorage):
             return
         self.page_bytes = layout.block_bytes
         page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
-        self.keys = KeyMapper(namespace(self.shard, page))
+        self.keys = KeyMapper(namespace(self.shard, page, self.model_id))
         self._fit_tiers(self.client, layout)
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)

@@ -4,7 +4,9 @@ sglang names a page by a string: a chained hash of the page's tokens and its who
 (`get_hash_str`). The same string names *different bytes* in different processes when they hold a
 different shard or format of the KV, so the dflash2 key hashes the string together with a namespace:
 
-- the model (two models never share a page);
+- the model: its served name, and its identity (identity.py: the server arguments and files that
+  decide its numbers; the served name alone let `--quantization fp8`, or a new checkpoint under the
+  old name, read the other's pages);
 - the shard: TP rank and size for standard attention (each rank holds its own KV heads), none for
   MLA (the latent is replicated on every TP rank, so every rank may read the writer's page);
   pipeline stage, attention context-parallel and decode context-parallel ranks where used;
@@ -63,9 +65,11 @@ class Shard:
         return ",".join(parts)
 
 
-def namespace(shard: Shard, page_format: str) -> str:
-    """The full namespace: shard + page byte format (see the module docstring)."""
-    return f"sglang|{shard.tag()}|{page_format}"
+def namespace(shard: Shard, page_format: str, model_id: str | None = None) -> str:
+    """The full namespace: shard + the model's identity (`identity.model_id`; None: unknown, the
+    served name alone) + page byte format (see the module docstring)."""
+    model = "" if model_id is None else f"|id={model_id}"
+    return f"sglang|{shard.tag()}{model}|{page_format}"
 
 
 def _seed(ns: str) -> bytes:

@@ -11,8 +11,8 @@ pyproject.toml) before it parses its command line (`python -m sglang.launch_serv
   `--enable-hierarchical-cache --hicache-storage-backend dynamic
   --hicache-storage-backend-extra-config '{"backend_name": "dflash2", "module_path":
   "dflash2.client.sglang.backend", "class_name": "DFlash2Storage", "interface_v1": 1,
-  "hicache_storage_pass_prefix_keys": true, "dflash2_config": FILE}'` (the user's own extra-config
-  keys are kept).
+  "hicache_storage_pass_prefix_keys": true, "dflash2_config": FILE, "dflash2_model": {the server
+  arguments of the model's identity: identity.py}}'` (the user's own extra-config keys are kept).
 
 Fallback: when the config's `enable` is not true, the config is invalid, the flag names no file
 (`--dflash2-config ""`), or the daemon does not answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
@@ -35,6 +35,7 @@ import json
 import logging
 import os
 
+from dflash2.client.sglang.identity import server_args
 from dflash2.errors import DFlash2Error
 
 log = logging.getLogger("dflash2.sglang")
@@ -109,10 +110,12 @@ def fallback_line(reason: str) -> str:
     return f"dflash2: fallback to default (sglang's own KV cache, no dflash2): {reason}"
 
 
-def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None) -> str:
+def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None,
+                         model: dict | None = None) -> str:
     """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours (with the
     server's `--kv-cache-dtype`: the logical KV dtype, which fp8 host pools do not show: every fp8
-    format is stored as uint8)."""
+    format is stored as uint8; and `model`, the server arguments of the model's identity,
+    identity.server_args, which the page namespace covers)."""
     extra: dict = {}
     if user_extra:
         if user_extra.startswith("@"):
@@ -140,6 +143,8 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
     extra["dflash2_config"] = os.path.abspath(config_path)
     if kv_cache_dtype is not None:
         extra["dflash2_kv_cache_dtype"] = str(kv_cache_dtype)
+    if model is not None:
+        extra["dflash2_model"] = model
     return json.dumps(extra)
 
 
@@ -191,7 +196,8 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
         log.warning(fallback_line(verdict.reason))
         return verdict
     args.hicache_storage_backend_extra_config = backend_extra_config(
-        path, getattr(args, "hicache_storage_backend_extra_config", None), getattr(args, "kv_cache_dtype", None))
+        path, getattr(args, "hicache_storage_backend_extra_config", None), getattr(args, "kv_cache_dtype", None),
+        server_args(args))
     args.enable_hierarchical_cache = True
     args.hicache_storage_backend = "dynamic"
     log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",

@@ -196,9 +196,12 @@ def _storage_config(extra: dict | None):
 def _dflash2_backend(config: Path, pool):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+    from dflash2.client.sglang.identity import server_args
     from dflash2.client.sglang.plugin import backend_extra_config
 
-    extra = json.loads(backend_extra_config(str(config), None))
+    # (The model's server arguments, as the flag passes them: its files are not read, and the log says so.)
+    model = server_args(argparse.Namespace(model_path="meta-llama/Meta-Llama-3-8B"))
+    extra = json.loads(backend_extra_config(str(config), None, model=model))
     backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), pool)
     backend.register_mem_pool_host(pool)
     if backend.fallback_reason:

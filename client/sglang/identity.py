@@ -1,0 +1,130 @@
+"""The model's identity, which the page namespace covers (keys.py): what decides the KV a server
+computes for the same tokens, beside the shard and the page format the namespace names already.
+
+sglang's storage backend is told the served model name alone (`--served-model-name`, else
+`--model-path`), and pages were shared by name: `--model-path X` and `--model-path X --quantization
+fp8` read each other's KV, and so did a new checkpoint served under the old name. Now:
+
+- the plugin passes the server arguments that change the model's numbers (`server_args`,
+  IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
+  revision, load format, dtype, quantization and its parameters, and `--json-model-override-args`
+  (parsed: its spelling does not count), with `--download-dir`, where a repo id's files lie;
+- the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
+  has loaded (and, for a Hugging Face repo id, downloaded) the model: a SHA-256 of its
+  `config.json`, and the names, sizes and modification times of its weight files (WEIGHT_SUFFIXES,
+  the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
+  cache (looked up offline). A checkpoint replaced under the same path is another model; files
+  copied afresh are too (their times change: pages miss, never wrong). Where none can be read,
+  `unread` says why (the backend logs it): the namespace then covers the path and the arguments.
+
+`model_id` is the identity's digest, which the namespace carries.
+"""
+
+import hashlib
+import json
+import os
+
+# ServerArgs fields (sglang 0.5.23) that change what a model computes for the same tokens.
+IDENTITY_ARGS = ("model_path", "revision", "load_format", "dtype", "quantization", "quantization_param_path",
+                 "modelopt_quant", "json_model_override_args")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CONFIG_FILE = "config.json"
+
+
+def server_args(args) -> dict:
+    """The identity's server arguments, from a parsed sglang namespace (the plugin's part): plain
+    JSON values, as the extra config carries them to the backend."""
+    out = {name: getattr(args, name, None) for name in (*IDENTITY_ARGS, "download_dir")}
+    out["json_model_override_args"] = _canonical_json(out["json_model_override_args"])
+    path = out["model_path"]
+    if isinstance(path, str) and path and os.path.exists(path):
+        out["model_path"] = os.path.realpath(path)
+    return out
+
+
+def model_identity(args: dict) -> dict:
+    """`server_args`' dict with what the model's files say added (the backend's part; module
+    docstring): the same in every process that serves those files with those arguments."""
+    ident = dict(args)
+    path, folder, why = ident.get("model_path"), None, None
+    if isinstance(path, str) and path and os.path.exists(path):
+        folder = path
+    elif isinstance(path, str) and path:
+        folder, why = _cached_snapshot(path, ident.get("revision"), ident.get("download_dir"))
+    else:
+        why = "no model path"
+    if folder is not None:
+        ident.update(_files(folder))
+        if ident["config_sha256"] is None and not ident["weights"]:
+            why = f"neither {CONFIG_FILE} nor weight files in {folder}"
+    if why is not None:
+        ident["unread"] = why
+    return ident
+
+
+def model_id(identity: dict) -> str:
+    """The identity's digest (24 hex digits): equal for equal identities, whatever their keys' order."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12, person=b"dflash2-model").hexdigest()
+
+
+def describe(identity: dict) -> str:
+    """One line for the log: the model's path, what of its files was read, and its digest."""
+    files = ("config.json " + identity["config_sha256"][:12] if identity.get("config_sha256") else "no config.json")
+    files += f", {len(identity.get('weights') or [])} weight files"
+    if identity.get("unread"):
+        files = f"its files not read: {identity['unread']}"
+    return f"{identity.get('model_path')} ({files}; id {model_id(identity)})"
+
+
+def _canonical_json(value):
+    """`--json-model-override-args` as a canonical string (its spelling does not change the model);
+    a value that is not JSON as given (sglang refuses it itself)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return value
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> tuple[str | None, str | None]:
+    """The local folder of a Hugging Face repo's snapshot at `revision` (its config.json's), without
+    the network: (folder, None), or (None, why not)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None, f"{repo_id!r} is no local path, and huggingface_hub is not installed to find it in its cache"
+    try:
+        found = try_to_load_from_cache(repo_id, CONFIG_FILE, cache_dir=cache_dir, revision=revision)
+    except Exception as e:  # a repo id it refuses (HFValidationError), an unreadable cache
+        return None, f"{repo_id!r} is no local path, and its cache could not be read ({type(e).__name__}: {e})"
+    if not isinstance(found, str):
+        return None, f"{repo_id!r} is no local path, and its {CONFIG_FILE} is not in the Hugging Face cache yet"
+    return os.path.dirname(found), None
+
+
+def _files(folder: str) -> dict:
+    """config.json's digest and the weight files' (name, bytes, modification time in ns) of a model
+    folder, or of a weights file itself (GGUF)."""
+    out = {"config_sha256": None, "weights": []}
+    if os.path.isfile(folder):
+        st = os.stat(folder)
+        out["weights"] = [[os.path.basename(folder), st.st_size, st.st_mtime_ns]]
+        return out
+    try:
+        with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
+            out["config_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        pass
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(WEIGHT_SUFFIXES))
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(folder, name))  # (a cache snapshot's links: their blobs)
+        except OSError:
+            continue
+        out["weights"].append([name, st.st_size, st.st_mtime_ns])
+    return out

@@ -1,0 +1,99 @@
+"""The model's identity, which the sglang page namespace covers (client/sglang/identity.py; no
+sglang needed): servers of one served name share pages only when their weights, the arguments that
+change their numbers, and their files agree. Before, the served name alone was the namespace:
+`--quantization fp8`, or a new checkpoint under the old name, read the other's KV as hits."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from dflash2.client.sglang.identity import describe, model_id, model_identity, server_args
+from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
+
+
+def model_folder(root, name="llama", config='{"hidden_size": 4096}', weights=(("model.safetensors", b"w" * 8),)):
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    for file, data in weights:
+        (folder / file).write_bytes(data)
+    (folder / "tokenizer.json").write_text("{}")  # not a weight file: it does not count
+    return folder
+
+
+def args(**kw) -> argparse.Namespace:
+    base = {"model_path": None, "revision": None, "load_format": "auto", "dtype": "auto", "quantization": None,
+            "quantization_param_path": None, "modelopt_quant": None, "json_model_override_args": "{}",
+            "download_dir": None, "served_model_name": "llama", "tp_size": 1}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def id_of(**kw) -> str:
+    return model_id(model_identity(server_args(args(**kw))))
+
+
+def test_the_same_model_spelled_two_ways_has_one_identity(tmp_path):
+    folder = model_folder(tmp_path)
+    os.symlink(folder, tmp_path / "alias")
+    assert id_of(model_path=str(folder)) == id_of(model_path=str(tmp_path / "alias"))
+    assert id_of(model_path=str(folder), json_model_override_args='{"a": 1, "b": 2}') == \
+        id_of(model_path=str(folder), json_model_override_args='{ "b":2,"a":1 }')
+    assert id_of(model_path=str(folder), tp_size=2) == id_of(model_path=str(folder))  # not the model's numbers
+
+
+@pytest.mark.parametrize("other", [{"quantization": "fp8"}, {"dtype": "float16"}, {"revision": "v2"},
+                                   {"load_format": "dummy"}, {"json_model_override_args": '{"rope_scaling": 2}'},
+                                   {"quantization_param_path": "/scales.json"}, {"modelopt_quant": "fp8"}])
+def test_arguments_that_change_the_models_numbers_change_its_identity(tmp_path, other):
+    folder = str(model_folder(tmp_path))
+    assert id_of(model_path=folder, **other) != id_of(model_path=folder)
+
+
+def test_a_checkpoint_replaced_under_the_same_path_is_another_model(tmp_path):
+    folder = model_folder(tmp_path)
+    before = id_of(model_path=str(folder))
+    (folder / "model.safetensors").write_bytes(b"v" * 9)  # a new checkpoint, same name
+    assert id_of(model_path=str(folder)) != before
+    same_size = id_of(model_path=str(folder))
+    os.utime(folder / "model.safetensors", ns=(1, 1))  # same bytes' count, written at another time
+    assert id_of(model_path=str(folder)) != same_size
+    changed = id_of(model_path=str(folder))
+    (folder / "config.json").write_text('{"hidden_size": 8192}')
+    assert id_of(model_path=str(folder)) != changed
+
+
+def test_another_folder_under_the_same_served_name_is_another_model(tmp_path):
+    v1, v2 = model_folder(tmp_path, "v1"), model_folder(tmp_path, "v2")
+    assert id_of(model_path=str(v1)) != id_of(model_path=str(v2))
+
+
+def test_what_the_files_say_is_read_and_described(tmp_path):
+    folder = model_folder(tmp_path, weights=(("a.safetensors", b"1"), ("b.safetensors", b"22")))
+    ident = model_identity(server_args(args(model_path=str(folder))))
+    assert len(ident["config_sha256"]) == 64 and [w[:2] for w in ident["weights"]] == [["a.safetensors", 1],
+                                                                                       ["b.safetensors", 2]]
+    assert "unread" not in ident and "2 weight files" in describe(ident) and model_id(ident) in describe(ident)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"g" * 5)
+    ident = model_identity(server_args(args(model_path=str(gguf))))
+    assert ident["weights"][0][:2] == ["model.gguf", 5] and "unread" not in ident
+
+
+def test_a_model_whose_files_cannot_be_read_says_why(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "neither config.json nor weight files" in model_identity(server_args(args(model_path=str(empty))))["unread"]
+    repo = model_identity(server_args(args(model_path="no-such-org/no-such-model-dflash2")))
+    assert "is no local path" in repo["unread"]
+    assert model_identity(server_args(args()))["unread"] == "no model path"
+
+
+def test_the_namespace_carries_the_identity(tmp_path):
+    shard = Shard("llama")
+    bf16 = KeyMapper(namespace(shard, "MHA/page_first", id_of(model_path=str(model_folder(tmp_path)))))
+    fp8 = KeyMapper(namespace(shard, "MHA/page_first", id_of(model_path=str(tmp_path / "llama"), quantization="fp8")))
+    assert bf16.key("p0") != fp8.key("p0") and "|id=" in bf16.namespace
+    assert namespace(shard, "MHA/page_first") == "sglang|model=llama,tp=0/1|MHA/page_first"  # unknown: as before
