@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import pytest
 
@@ -63,6 +64,29 @@ def test_a_checkpoint_replaced_under_the_same_path_is_another_model(tmp_path):
     changed = id_of(model_path=str(folder))
     (folder / "config.json").write_text('{"hidden_size": 8192}')
     assert id_of(model_path=str(folder)) != changed
+
+
+def test_a_checkpoint_replaced_with_the_same_sizes_and_times_is_another_model(tmp_path):
+    """Fine-tunes of one base keep its shard sizes and config.json, and deploy tools (rsync -a, tar,
+    reproducible images) keep or clamp modification times: before, such a replacement had the old
+    one's identity, and its server read the other checkpoint's KV as hits (a review)."""
+    folder = model_folder(tmp_path, weights=(("model.safetensors", b"A" * 64),))
+    clamped = (315532800 * 10**9, 315532800 * 10**9)  # 1980-01-01, as reproducible archives set it
+    os.utime(folder / "model.safetensors", ns=clamped)
+    before = id_of(model_path=str(folder))
+    time.sleep(0.05)  # a deploy comes later than the coarsest clock tick of a file's change time
+    os.remove(folder / "model.safetensors")
+    (folder / "model.safetensors").write_bytes(b"B" * 64)
+    os.utime(folder / "model.safetensors", ns=clamped)
+    assert id_of(model_path=str(folder)) != before
+    assert id_of(model_path=str(folder)) == id_of(model_path=str(folder))  # and stable while unchanged
+
+
+def test_a_download_dir_does_not_make_a_local_model_another(tmp_path):
+    """sglang reads `--download-dir` only for a repo id: one local folder with and without it is one
+    model (it was two, and their servers never shared a page; a review)."""
+    folder = str(model_folder(tmp_path))
+    assert id_of(model_path=folder, download_dir="/data/hf") == id_of(model_path=folder)
 
 
 def test_another_folder_under_the_same_served_name_is_another_model(tmp_path):

@@ -109,6 +109,43 @@ def test_rewrite_refuses_what_sglang_forbids_beside_its_hierarchical_cache_namin
     assert args == sglang_args(**given)
 
 
+DOWN = lambda path: Verdict(False, "the dflash2 daemon cannot be reached")  # noqa: E731
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"hicache_storage_backend_extra_config": "@/etc/extra.json"}, "from a file"),
+    ({"hicache_storage_backend_extra_config": "{not json"}, "is not JSON"),
+    ({"hicache_storage_backend_extra_config": "[1]"}, "must be a JSON object"),
+    ({"hicache_storage_backend": "dynamic",
+      "hicache_storage_backend_extra_config": '{"backend_name": "mine", "module_path": "my.mod", "class_name": "Mine"}'},
+     "backend_name"),
+])
+def test_a_usage_error_in_the_users_extra_config_is_one_whether_or_not_the_daemon_answers(given, named):
+    """Before, these were raised only once the daemon answered: with it down the same command fell
+    back (running the user's own dynamic backend while the line said "sglang's own KV cache")."""
+    for check in (lambda path: Verdict(True, endpoint="ipc://x"), DOWN, pytest.fail):
+        args = sglang_args(**given)
+        with pytest.raises(ValueError, match=named):
+            rewrite_args(args, check=check)
+        assert args == sglang_args(**given)
+
+
+def test_a_config_path_with_a_tilde_reaches_the_check_and_the_backend_expanded(tmp_path, monkeypatch, caplog):
+    """`--dflash2-config=~/x`: no shell expands that `~`. The check expanded it (load_config) and the
+    backends got `$CWD/~/x`, which each scheduler failed to load: all fell back after the start-up
+    line said dflash2 was on (a review)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    checked = []
+    args = sglang_args(dflash2_config="~/dflash2_config.json")
+    with caplog.at_level(logging.INFO, logger="dflash2.sglang"):
+        assert rewrite_args(args, check=lambda path: checked.append(path) or Verdict(True, endpoint="ipc://x")).ok
+    want = str(tmp_path / "dflash2_config.json")
+    assert checked == [want]
+    assert json.loads(args.hicache_storage_backend_extra_config)["dflash2_config"] == want
+    assert any(want in r.getMessage() for r in caplog.records)
+
+
 def test_rewrite_with_decode_context_parallelism_warns_that_it_serves_mla_models_only(caplog):
     args = sglang_args(dcp_size=4, hicache_host_memory_mode="cache")
     with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):

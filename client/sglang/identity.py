@@ -8,13 +8,15 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
 - the plugin passes the server arguments that change the model's numbers (`server_args`,
   IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
   revision, load format, dtype, quantization and its parameters, and `--json-model-override-args`
-  (parsed: its spelling does not count), with `--download-dir`, where a repo id's files lie;
+  (parsed: its spelling does not count), with `--download-dir`, where a repo id's files lie (used
+  to find them, not part of the identity: one local folder with and without it was two models);
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
   has loaded (and, for a Hugging Face repo id, downloaded) the model: a SHA-256 of its
-  `config.json`, and the names, sizes and modification times of its weight files (WEIGHT_SUFFIXES,
+  `config.json`, and the names, sizes, modification and change times of its weight files (WEIGHT_SUFFIXES,
   the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
-  cache (looked up offline). A checkpoint replaced under the same path is another model; files
-  copied afresh are too (their times change: pages miss, never wrong). Where none can be read,
+  cache (looked up offline). A checkpoint replaced under the same path is another model, even one
+  whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
+  them; the change time no tool sets); files copied afresh are too (pages miss, never wrong). Where none can be read,
   `unread` says why (the backend logs it): the namespace then covers the path and the arguments.
 
 `model_id` is the identity's digest, which the namespace carries.
@@ -46,11 +48,12 @@ def model_identity(args: dict) -> dict:
     """`server_args`' dict with what the model's files say added (the backend's part; module
     docstring): the same in every process that serves those files with those arguments."""
     ident = dict(args)
+    download_dir = ident.pop("download_dir", None)  # where to look, not what the model is
     path, folder, why = ident.get("model_path"), None, None
     if isinstance(path, str) and path and os.path.exists(path):
         folder = path
     elif isinstance(path, str) and path:
-        folder, why = _cached_snapshot(path, ident.get("revision"), ident.get("download_dir"))
+        folder, why = _cached_snapshot(path, ident.get("revision"), download_dir)
     else:
         why = "no model path"
     if folder is not None:
@@ -105,12 +108,13 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) 
 
 
 def _files(folder: str) -> dict:
-    """config.json's digest and the weight files' (name, bytes, modification time in ns) of a model
-    folder, or of a weights file itself (GGUF)."""
+    """config.json's digest and the weight files' (name, bytes, modification and change times in
+    ns) of a model folder, or of a weights file itself (GGUF). The change time (ctime), which no tool
+    sets, tells a replaced file from the one before when its size and modification time were kept."""
     out = {"config_sha256": None, "weights": []}
     if os.path.isfile(folder):
         st = os.stat(folder)
-        out["weights"] = [[os.path.basename(folder), st.st_size, st.st_mtime_ns]]
+        out["weights"] = [[os.path.basename(folder), st.st_size, st.st_mtime_ns, st.st_ctime_ns]]
         return out
     try:
         with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
@@ -126,5 +130,5 @@ def _files(folder: str) -> dict:
             st = os.stat(os.path.join(folder, name))  # (a cache snapshot's links: their blobs)
         except OSError:
             continue
-        out["weights"].append([name, st.st_size, st.st_mtime_ns])
+        out["weights"].append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return out

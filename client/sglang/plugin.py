@@ -44,6 +44,7 @@ FLAG = "--dflash2-config"
 BACKEND_NAME = "dflash2"
 BACKEND_MODULE = "dflash2.client.sglang.backend"
 BACKEND_CLASS = "DFlash2Storage"
+OURS = {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS}
 # How long the start-up check waits for the daemon before falling back.
 PROBE_TIMEOUT_S = 2.0
 # A GPU's HBM tier above this many bytes gets the sizing warning (`hbm_note`): sglang's pages never
@@ -106,16 +107,22 @@ def hbm_note(stats: dict) -> str:
             "(the default config's 256) and restart the daemon")
 
 
+def config_file(path: str) -> str:
+    """The flag's file as one absolute path, `~` expanded, as `load_config` reads it: the start-up
+    check and every scheduler's backend load this one (`--dflash2-config=~/x`, which no shell
+    expands, passed the check and reached the backends as `$CWD/~/x`: each fell back; a review)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def fallback_line(reason: str) -> str:
     return f"dflash2: fallback to default (sglang's own KV cache, no dflash2): {reason}"
 
 
-def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None,
-                         model: dict | None = None) -> str:
-    """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours (with the
-    server's `--kv-cache-dtype`: the logical KV dtype, which fp8 host pools do not show: every fp8
-    format is stored as uint8; and `model`, the server arguments of the model's identity,
-    identity.server_args, which the page namespace covers)."""
+def user_extra_config(user_extra: str | None) -> dict:
+    """The user's own `--hicache-storage-backend-extra-config` keys, checked: inline JSON, an object,
+    and no other backend named where ours goes. ValueError (a usage error) otherwise, raised before
+    the daemon is asked (`rewrite_args`): before, it was raised only when the daemon answered, and the
+    same command fell back while the daemon was down (a review)."""
     extra: dict = {}
     if user_extra:
         if user_extra.startswith("@"):
@@ -127,12 +134,21 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
             raise ValueError(f"--hicache-storage-backend-extra-config is not JSON ({e}): {user_extra!r}") from None
         if not isinstance(extra, dict):
             raise ValueError(f"--hicache-storage-backend-extra-config must be a JSON object, not {user_extra!r}")
-    ours = {"backend_name": BACKEND_NAME, "module_path": BACKEND_MODULE, "class_name": BACKEND_CLASS}
-    for key, value in ours.items():
+    for key, value in OURS.items():
         if key in extra and extra[key] != value:
             raise ValueError(f"{FLAG} sets the storage backend's {key} to {value!r}, but "
                              f"--hicache-storage-backend-extra-config gives {extra[key]!r}")
-    extra.update(ours)
+    return extra
+
+
+def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None,
+                         model: dict | None = None) -> str:
+    """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours (with the
+    server's `--kv-cache-dtype`: the logical KV dtype, which fp8 host pools do not show: every fp8
+    format is stored as uint8; and `model`, the server arguments of the model's identity,
+    identity.server_args, which the page namespace covers)."""
+    extra = user_extra_config(user_extra)
+    extra.update(OURS)
     extra["interface_v1"] = 1  # the zero-copy batch_get_v1 / batch_set_v1 path
     # sglang passes a backup batch the keys of the pages before it (`extra_info.prefix_keys`) only
     # with this (its parse_storage_backend_extra_config pops it, default false): the backend then
@@ -140,7 +156,7 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
     # (descendants leave a tier before their ancestors). Unlinked, a later turn's pages outlived the
     # prefix they need (a review measured 2.4-3.0% more hit pages linked). The user's own value stays.
     extra.setdefault("hicache_storage_pass_prefix_keys", True)
-    extra["dflash2_config"] = os.path.abspath(config_path)
+    extra["dflash2_config"] = config_file(config_path)
     if kv_cache_dtype is not None:
         extra["dflash2_kv_cache_dtype"] = str(kv_cache_dtype)
     if model is not None:
@@ -191,6 +207,8 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
         raise ValueError(f"{FLAG} keeps sglang's KV cache in dflash2 through sglang's hierarchical cache "
                          f"(HiCache, --enable-hierarchical-cache), which sglang does not allow with {conflict}: "
                          f"remove one of them")
+    user_extra_config(getattr(args, "hicache_storage_backend_extra_config", None))
+    path = config_file(path)
     verdict = check(path)
     if not verdict.ok:
         log.warning(fallback_line(verdict.reason))
@@ -201,7 +219,7 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
     args.enable_hierarchical_cache = True
     args.hicache_storage_backend = "dynamic"
     log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",
-             verdict.endpoint, os.path.abspath(path))
+             verdict.endpoint, path)
     if verdict.note:
         log.warning(verdict.note)
     dcp = getattr(args, "dcp_size", 1) or 1
