@@ -148,7 +148,7 @@ def room_now(plan: Plan) -> list[str]:
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
     from dflash2.arena.nvme import HEADER_BYTES
-    from dflash2.arena.nvmefiles import unused_cache_files
+    from dflash2.arena.nvmefiles import folder_named, unused_cache_files
     from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
@@ -171,7 +171,9 @@ def room_now(plan: Plan) -> list[str]:
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
-    if has_nvme:
+    if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
+        lines.append(f"{why}: start-up would fail now (exit 4)")
+    elif has_nvme:
         try:
             lines.extend(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict,
                                    unused_cache_files(plan.nvme_path, plan.nvme_files())))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from dflash2.arena.base import Arena
 from dflash2.arena.nvme import NvmeArena
-from dflash2.arena.nvmefiles import remove_unused_cache_files
+from dflash2.arena.nvmefiles import folder_named, remove_unused_cache_files
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.config import Config
 from dflash2.duel import Duel
@@ -80,6 +80,8 @@ def build_managers(cfg: Config, *, instance: str | None = None, plan: Plan | Non
         raise ArenaError("device.kind is cuda but no GPU is visible here (check the driver and "
                          "CUDA_VISIBLE_DEVICES, or set device.kind to auto or host)")
     if plan.nvme_path is not None and any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers):
+        if (why := folder_named(plan.nvme_path)) is not None:
+            raise ArenaError(why)
         remove_unused_cache_files(plan.nvme_path, plan.nvme_files())  # (before the new files' room is checked)
     managers: dict[int, BlockManager] = {}
     try:

@@ -31,7 +31,6 @@ any other file is refused, never overwritten (a mistyped memory.nvme_path must n
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
 import logging
 import mmap
@@ -44,7 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
-from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, file_among_folders, is_foreign
+from dflash2.arena.nvmefiles import (HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file,
+                                     same_file)
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
@@ -176,30 +176,23 @@ class NvmeArena(StorageArena):
         what it allocated when the disk fills) or is interrupted must not leave a file of zeros that
         the next start refuses as someone else's. A file this call created is removed again on any
         failure, so that a failed start gives its disk space back."""
-        folder = os.path.dirname(self.path)
-        created = True
-        try:
-            os.makedirs(folder, exist_ok=True)
+        for _ in range(OPEN_TRIES):
+            fd, created = open_cache_file(self.path)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                created = False
-                fd = os.open(self.path, os.O_RDWR)
-        except OSError as e:
-            what = "create its file at" if created else "open its existing file"
-            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder above it must be
-                blocker = file_among_folders(folder)
-                if blocker is not None:
-                    raise ArenaError(f"NVMe tier cannot {what} {self.path}: {blocker} is not a folder") from e
-            raise ArenaError(f"NVMe tier cannot {what} {self.path}: {e}") from e
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ArenaError(f"NVMe tier file {self.path} is in use by another process") from None
-        except BaseException:
-            os.close(fd)  # another process may hold a file we just created: never unlink it then
-            raise
+                lock_cache_file(fd, self.path)
+            except BaseException:
+                os.close(fd)  # another process may hold a file we just created: never unlink it then
+                raise
+            if same_file(fd, self.path):
+                break
+            # Invariant: the arena's file is the one its path names. Another start's scan removed the
+            # earlier daemon's file we had opened before we locked it (nvmefiles.py): open it afresh.
+            os.close(fd)
+            log.info("NVMe: %s was removed or replaced as this start opened it (another daemon's start-up); "
+                     "opening it again", self.path)
+        else:
+            raise ArenaError(f"NVMe tier file {self.path} was removed or replaced each of the {OPEN_TRIES} times "
+                             "this start opened it: is another process removing it?")
         try:
             self._prepare_file(fd)
         except BaseException as e:

@@ -12,19 +12,28 @@ cache file; a file reached through a symlink is named and left (the link is the 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
+from dflash2.errors import ArenaError
 
 log = logging.getLogger("dflash2.arena")
 
 # The first page of every cache file: its magic line, zero-padded to ALIGN bytes.
 HEADER = b"dflash2 NVMe cache file; its contents are valid only while the daemon that wrote it runs\n"
 HEADER_BYTES = ALIGN
+# How long start-up tries a cache file's lock, which another start's scan holds for a moment (below),
+# and how often it opens the file again when its path no longer names the one it opened.
+LOCK_WAIT_S = 0.25
+OPEN_TRIES = 3
 
 
 def is_foreign(head: bytes) -> bool:
@@ -42,6 +51,62 @@ def file_among_folders(folder: str) -> str | None:
     return path if path and not os.path.isdir(path) else None
 
 
+def folder_named(nvme_path: Path) -> str | None:
+    """Why `memory.nvme_path` cannot be the cache file's path because it names a folder (a disk's
+    mount point written without a file name), or None. With several GPUs the files
+    (`nvme_path.gpuN`) went beside that folder, in its parent: on the root disk for a mount point."""
+    try:
+        if not nvme_path.is_dir():
+            return None
+    except OSError:
+        return None  # (what cannot be looked at is said where the file is opened)
+    return (f"memory.nvme_path {nvme_path} is a folder, not the NVMe cache file's path; give the path of the file in it "
+            f"(such as {nvme_path / 'nvme.cache'})")
+
+
+def open_cache_file(path: str) -> tuple[int, bool]:
+    """An fd of the cache file at `path`, created (True) or an earlier one opened (False): ArenaError
+    naming what stands in the way. A file removed between the two tries (another start's scan) is
+    created afresh, where "No such file or directory" failed the start."""
+    folder = os.path.dirname(path)
+    for _ in range(OPEN_TRIES):
+        created = True
+        try:
+            os.makedirs(folder, exist_ok=True)
+            try:
+                return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
+            except FileExistsError:
+                created = False
+                return os.open(path, os.O_RDWR), False
+        except FileNotFoundError:
+            if not created and os.path.isdir(folder):
+                continue  # removed between the two tries: create it
+            raise ArenaError(f"NVMe tier cannot create its file at {path}: its folder {folder} is gone") from None
+        except OSError as e:
+            what = "create its file at" if created else "open its existing file"
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder above it must be
+                blocker = file_among_folders(folder)
+                if blocker is not None:
+                    raise ArenaError(f"NVMe tier cannot {what} {path}: {blocker} is not a folder") from e
+            raise ArenaError(f"NVMe tier cannot {what} {path}: {e}") from e
+    raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times this start opened it")
+
+
+def lock_cache_file(fd: int, path: str) -> None:
+    """Take the lock a running daemon holds on its cache file for its life. Another start's scan
+    holds it for a moment while it looks at an earlier daemon's file: tried for LOCK_WAIT_S, where
+    one try took that moment for a daemon running on the file ("in use by another process")."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ArenaError(f"NVMe tier file {path} is in use by another process") from None
+            time.sleep(0.01)
+
+
 class Unused(NamedTuple):
     path: Path
     held: int  # bytes it holds on disk
@@ -50,27 +115,42 @@ class Unused(NamedTuple):
 
 def unused_cache_files(nvme_path: Path, in_use: list[Path]) -> list[Unused]:
     """Each dflash2 cache file at `nvme_path` or `nvme_path.gpuN` not among `in_use` and held by no
-    process (at the moment of looking)."""
+    process (at the moment of looking). An entry that cannot be looked at (a link into a folder
+    this user may not read, a failing disk) is said in the log and left: it crashed start-up with a
+    traceback (exit 1) before, though this start does not use it (a review)."""
     folder = nvme_path.parent
-    if not folder.is_dir():
+    try:
+        if not folder.is_dir():
+            return []
+        taken = {os.path.realpath(p) for p in in_use}
+        names = {nvme_path.name} | {p.name for p in folder.glob(f"{_glob_escape(nvme_path.name)}.gpu*")}
+    except OSError as e:
+        log.warning("NVMe: cannot look for an earlier daemon's cache files in %s (%s): none is removed", folder, e)
         return []
-    taken = {os.path.realpath(p) for p in in_use}
-    names = {nvme_path.name} | {p.name for p in folder.glob(f"{_glob_escape(nvme_path.name)}.gpu*")}
     out = []
     for name in sorted(names):
         path = folder / name
-        if os.path.realpath(path) in taken or not path.is_file():
-            continue
-        held = _idle_cache_file(path)
-        if held is not None:
-            out.append(Unused(path, held, path.is_symlink()))
+        try:
+            if os.path.realpath(path) in taken or not path.is_file():
+                continue
+            with _idle_cache_file(path) as held:
+                if held is not None:
+                    out.append(Unused(path, held, path.is_symlink()))
+        except OSError as e:
+            log.warning("NVMe: cannot look at %s (%s), which no pool of this start uses: it is left as it is", path, e)
     return out
 
 
 def remove_unused_cache_files(nvme_path: Path, in_use: list[Path]) -> None:
     """Remove what `unused_cache_files` finds, each said in the log (a failure too: the start goes on,
     and the room check that follows names the bytes it lacks). A symlink is left, said: it is the
-    operator's (removing the link freed nothing, and the layout of a disk per GPU went, a review)."""
+    operator's (removing the link freed nothing, and the layout of a disk per GPU went, a review).
+
+    Invariant: a file is unlinked only while this process holds its lock, and only if its path
+    still names the file locked. A file is taken by a daemon that opens it by path and then locks
+    it (nvme.py): unlinked after the lock was let go, a daemon that took the file in between served
+    from a deleted file, its room out of sight (two daemons on one folder starting together, a
+    review). The arena checks, once it holds the lock, that the path still names its file."""
     for path, held, link in unused_cache_files(nvme_path, in_use):
         if link:
             log.warning("NVMe: %s leads to an earlier daemon's cache file %s (%d bytes on disk) that no pool of this "
@@ -78,7 +158,11 @@ def remove_unused_cache_files(nvme_path: Path, in_use: list[Path]) -> None:
                         path, os.path.realpath(path), held)
             continue
         try:
-            os.unlink(path)
+            with _idle_cache_file(path) as still:  # taken again: it may be another daemon's by now
+                if still is None:
+                    log.info("NVMe: %s was taken by another process as this start looked at it: left", path)
+                    continue
+                os.unlink(path)
         except OSError as e:
             log.warning("NVMe: an earlier daemon's cache file %s (%d bytes), which no pool of this start uses, "
                         "could not be removed: %s", path, held, e)
@@ -88,22 +172,45 @@ def remove_unused_cache_files(nvme_path: Path, in_use: list[Path]) -> None:
                         "restart", path, held)
 
 
-def _idle_cache_file(path: Path) -> int | None:
-    """The bytes a dflash2 cache file at `path` holds on disk, when no process holds its lock; else None."""
+def same_file(fd: int, path: str | os.PathLike) -> bool:
+    """Whether `path` (where it leads, for a link) names the file open at `fd` now."""
+    try:
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+@contextlib.contextmanager
+def _idle_cache_file(path: Path) -> Iterator[int | None]:
+    """Within the block, the bytes a dflash2 cache file at `path` holds on disk, with its lock held,
+    when no process held the lock and the path still names the file locked; else None. A file that
+    cannot be opened or locked for a reason other than its absence is said in the log (a lock that
+    the filesystem refuses, such as NFS's for a file open read-only, left such files unsaid)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
+    except FileNotFoundError:
+        yield None
+        return
+    except OSError as e:
+        log.warning("NVMe: cannot open %s to see whether it is an earlier daemon's cache file (%s): left", path, e)
+        yield None
+        return
     try:
         if os.pread(fd, len(HEADER), 0) != HEADER:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the lock a running daemon holds; let go at close)
-        except BlockingIOError:
-            return None
-        return os.fstat(fd).st_blocks * 512
-    except OSError:
-        return None
+            held = None
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the lock a running daemon holds; let go at close)
+            except BlockingIOError:
+                held = None
+            except OSError as e:
+                log.warning("NVMe: cannot lock %s to see whether a daemon uses it (%s): left", path, e)
+                held = None
+            else:
+                held = os.fstat(fd).st_blocks * 512 if same_file(fd, path) else None
+        yield held
     finally:
         os.close(fd)
 
