@@ -12,7 +12,9 @@ never arrive (queued on a socket that had not connected yet, a stopped daemon's,
 A timed-out `release` or `free` (protocol.RETRIED: it gives something back) is sent again the same
 way, as a `retry` naming it, until answered: the daemon runs it once (it notes the calls it ran), so
 that a pin or a reference is given back, and never two (pins are counted per client: another
-thread's would go). Both are bounded (MAX_FORGETS, MAX_RETRIES): past them the oldest is dropped, logged.
+thread's would go). Both are bounded (MAX_FORGETS, MAX_RETRIES), logged when past them: the oldest
+retry is dropped, and the second oldest forget (`_note_forget`). A call that finds no socket (none
+could be made since a timeout) is noted so too, before its error.
 A call waits in slices of GONE_CHECK_S and asks its `gone` test (the client's: nothing holds the
 daemon's liveness object or segments any more) after each: a daemon killed while a call waits ends
 the call at once instead of after the whole request_timeout_s.
@@ -267,7 +269,14 @@ class Transport:
         if self._closed:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         if self._sock is None:  # the last fresh socket could not be made
-            self._open()
+            try:
+                self._open()
+            except DaemonUnavailable as e:
+                # Not sent: noted all the same (a commit's `forget`, a release's or free's `retry`), to
+                # go with the next call that makes a socket. Before, the call was lost: a release's pins
+                # stayed held, a commit's blocks the writer's, until detach (a review).
+                undo = self._give_up(op, client, next(self._ids), arrays)
+                raise DaemonUnavailable(f"{op.value}: {e}{undo}") from None
             self._send_pending()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
@@ -367,12 +376,24 @@ class Transport:
         return f"; sent again on every new socket until it answers (it runs once), {len(self._retries)} such unanswered"
 
     def _note_forget(self, client: int, call_id: int, written: bytes | None) -> None:
-        """Keep a `forget` of `call_id` to send until answered (MAX_FORGETS, MAX_FORGET_IDS)."""
+        """Keep a `forget` of `call_id` to send until answered (MAX_FORGETS, MAX_FORGET_IDS). Past
+        MAX_FORGETS the second oldest goes, logged: the oldest is the one call a stopped daemon
+        receives (sent on the socket that had connected), so its `forget` is the one that counts; the
+        later calls, lost with sockets that never connected, never run (dropping the oldest, past 256
+        timeouts of a frozen daemon, left that call's blocks held with no word, a review)."""
         self._forgets[next(self._ids)] = (client, call_id, written)
         while len(self._forgets) > MAX_FORGETS:
-            del self._forgets[next(iter(self._forgets))]
+            second = list(itertools.islice(self._forgets, 2))[1]
+            _, lost_call, _ = self._forgets.pop(second)
+            log.warning("dflash2: the calls that timed out unanswered by dflash2d at %s are more than this client "
+                        "keeps `forget`s of (%d): that of call %d is dropped (should that call run late, what it "
+                        "hands out stays held until this client detaches)", self.endpoint, MAX_FORGETS, lost_call)
         ids = 0
         for fid, (owner, call, frame) in reversed(list(self._forgets.items())):
             ids += 0 if frame is None else len(frame) // P.VIDS_DTYPE.itemsize
             if frame is not None and ids > MAX_FORGET_IDS:
                 self._forgets[fid] = (owner, call, None)
+                log.warning("dflash2: the commits that timed out unanswered by dflash2d at %s name more than %d "
+                            "block ids together: the `forget` of commit %d goes without its %d (should that commit "
+                            "never arrive, its blocks stay this client's to write until it detaches)", self.endpoint,
+                            MAX_FORGET_IDS, call, len(frame) // P.VIDS_DTYPE.itemsize)

@@ -1,0 +1,114 @@
+"""Calls lost before the daemon answers, in the client's transport: more timeouts than it keeps
+`forget`s of, on a stopped daemon, and a call that finds no socket (the last fresh one could not be
+made). A review found both left things held with no word: the forget dropped past MAX_FORGETS was the
+oldest, the one call a stopped daemon receives; and a release or commit that found no socket was
+neither sent nor kept to send again (pins held, blocks the writer's, until detach)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+from conftest import SMALL
+from test_sessions import _held, daemon  # noqa: F401  (fixture)
+
+from dflash2 import protocol as P
+from dflash2.client import Client, DaemonUnavailable, Transport, transport
+from dflash2.keys import chain_keys
+from dflash2.protocol import Op
+
+
+def test_past_max_forgets_the_oldest_forget_stays_and_the_drop_is_said(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(transport, "MAX_FORGETS", 3)
+    t = Transport(f"ipc://{tmp_path}/no-daemon.sock")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+            for call_id in range(1, 6):
+                t._note_forget(7, call_id, None)
+        assert [call for _, call, _ in t._forgets.values()] == [1, 4, 5]
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "that of call 2 is dropped" in said[0] and "call 3" in said[1]
+    finally:
+        t.close()
+
+
+def test_dropping_a_commits_block_ids_is_said(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(transport, "MAX_FORGET_IDS", 3)
+    t = Transport(f"ipc://{tmp_path}/no-daemon.sock")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+            for call_id, n in ((1, 2), (2, 2)):
+                t._note_forget(7, call_id, np.arange(n, dtype=P.VIDS_DTYPE).tobytes())
+        assert "the `forget` of commit 1 goes without its 2" in caplog.text
+    finally:
+        t.close()
+
+
+def test_more_timeouts_than_forgets_kept_on_a_stopped_daemon_leave_nothing_held(daemon, monkeypatch):
+    """The first call goes on the socket that had connected, and runs once the daemon does; the
+    others are lost with sockets that never connected. Its `forget` must be among those kept."""
+    monkeypatch.setattr(transport, "MAX_FORGETS", 4)
+    c = Client.connect(daemon.endpoint, name="impatient", layouts=[SMALL], timeout_s=0.05, heartbeat=False)
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            for _ in range(transport.MAX_FORGETS + 2):
+                with pytest.raises(DaemonUnavailable):
+                    c._call(Op.ALLOCATE, {"layout": c.layouts[0], "n": 1})
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        c._transport.timeout_s = 5.0
+        for _ in range(3):
+            c.ping()
+        assert _held(daemon.endpoint)[0] == 0
+    finally:
+        c.close()
+
+
+def no_socket(monkeypatch, c: Client) -> None:
+    """The client's last fresh socket could not be made (no descriptor left: an engine at its
+    `ulimit -n`), and none can be made now."""
+    c._transport._close_socket(c._transport._sock)
+    c._transport._sock = None
+
+    def cannot(self):
+        raise DaemonUnavailable(f"cannot make a socket for {self.endpoint}: Too many open files")
+
+    monkeypatch.setattr(Transport, "_open", cannot)
+
+
+def test_a_release_that_finds_no_socket_is_sent_again_once_one_can_be_made(daemon, monkeypatch):
+    c = Client.connect(daemon.endpoint, name="reader", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        keys = chain_keys(range(16 * 2), 16, "no-socket")
+        vids = c.commit(c.allocate(c.layouts[0], 2)["vid"], keys=keys)
+        c.free(vids)
+        assert c.acquire(vids) is not None  # a pin on each
+        no_socket(monkeypatch, c)
+        with pytest.raises(DaemonUnavailable, match="Too many open files.*sends it again"):
+            c.release(vids)
+        monkeypatch.undo()
+        c.ping()  # makes the socket; the release goes first
+        c.ping()
+        assert c.detach()["unpinned"] == 0
+    finally:
+        c.close()
+
+
+def test_a_commit_that_finds_no_socket_leaves_the_writer_none_of_its_blocks(daemon, monkeypatch):
+    c = Client.connect(daemon.endpoint, name="writer", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        keys = chain_keys(range(16 * 3), 16, "no-socket-commit")
+        vids = c.allocate(c.layouts[0], 3)["vid"]
+        no_socket(monkeypatch, c)
+        with pytest.raises(DaemonUnavailable, match="Too many open files.*give back"):
+            c.commit(vids, keys=keys)
+        monkeypatch.undo()
+        c.ping()
+        c.ping()
+        assert _held(daemon.endpoint)[0] == 0 and len(c.lookup(keys)) == 0
+    finally:
+        c.close()
