@@ -33,7 +33,10 @@ def _daemons_under(folder: Path) -> list[int]:
 @pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "serving"), (signal.SIGINT, "starting")])
 def test_a_bench_stopped_by_a_signal_to_it_alone_leaves_nothing(tmp_path, sig, when):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    bench = subprocess.Popen([sys.executable, "-c", "import sys; from dflash2.cli import main; sys.exit(main())",
+    # (SIGINT as a terminal leaves it: a test run in the background, `pytest &` or `nohup`, hands its
+    # children SIGINT ignored, which Python keeps: the signal was then rightly nothing to the bench)
+    bench = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                              "signal.default_int_handler); from dflash2.cli import main; sys.exit(main())",
                               "bench", "churn", "--clients", "1", "--warmup", "60", "--seconds", "60", "--json"],
                              env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
