@@ -441,12 +441,19 @@ class Admission:
         pos = self.deferred.index(res)
         ahead = sum(r.hbm_bytes for r in self.deferred[: pos + 1])
         room = self._room(res)
-        if ahead > room and ahead > room + self._movable_bytes(res):
-            # Demoting cannot make the room: it waits on blocks that cannot move now, until their
-            # clients commit, release or free them; when that happens cannot be known here.
-            return Decision(Outcome.DEFERRED, res.id, "HBM is held by blocks that cannot move now (being written, "
-                            "pinned, or of higher priority): waits for their clients to release them",
-                            position=pos, est_wait_s=None)
+        movable = self._movable_bytes(res)
+        if ahead > room and ahead > room + movable:
+            # Demoting cannot make the room: it waits on blocks that cannot move now, or on granted
+            # reservations' room (said as such, not as blocks written or pinned: a review).
+            held = [r for r in self.granted.values() if r.remaining]
+            if held and (untaken := sum(r.remaining * r.slot for r in held)) >= ahead - room - movable:
+                why = (f"HBM is held by {len(held)} granted reservation(s) not yet taken ({untaken} bytes): waits "
+                       "until their clients take and free those blocks or cancel them, or they expire "
+                       f"(admission.reservation_ttl_s, {self.settings.reservation_ttl_s:g} s at most)")
+            else:
+                why = ("HBM is held by blocks that cannot move now (being written, pinned, or of higher priority): "
+                       "waits for their clients to release them")
+            return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
         wait = 0.0 if short <= 0 else self._refill_time(short)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
@@ -470,7 +477,8 @@ class Admission:
         """HBM bytes that making room for this reservation could free for its blocks: idle blocks,
         and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
         by their slots: of its own slot size each block, of another size only the blocks of slabs
-        whose every slot holds one (room for it is made by emptying whole slabs: slabroom.py).
+        whose every slot holds one (room is made by emptying whole slabs: slabroom.py), idle ones
+        by their whole slab, free slots included (`room_freed_bytes`).
         Counted of its own size only, a reservation into an HBM of idle blocks of another size was
         told it waited on blocks that cannot move, with no estimate, and was granted at the next
         step; counted of every size whatever their slab, one whose every slab held a block being
@@ -494,7 +502,7 @@ class Admission:
             by_priority = np.bincount(c.priority[running].astype(np.int64) - PRIORITY_MIN,
                                       weights=slots[c.layout[running]].astype(np.float64),
                                       minlength=PRIORITY_MAX - PRIORITY_MIN + 1)
-            idle_bytes = int(slots[c.layout[np.flatnonzero(idle)]].sum())
+            idle_bytes = self.table.room_freed_bytes(np.flatnonzero(idle), Tier.HBM, slot)
             self._movable_memo[slot] = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))))
         idle_bytes, below = self._movable_memo[slot]  # below[p - PRIORITY_MIN]: running bytes of priority < p
         return idle_bytes + (int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)]) if preempts else 0)

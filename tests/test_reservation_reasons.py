@@ -1,0 +1,58 @@
+"""What a deferred reservation is told it waits for, against a real daemon (HBM of 16 pages of 64 KiB,
+DRAM below). A review found two wrong reasons: a reservation behind idle cached blocks only, with one
+page of another block size partly used, was told the blocks could not move (no wait estimate), since
+that page's free slots were counted neither as room nor as what demoting frees; and one behind
+another client's granted, untaken reservation was told of blocks being written or pinned, none of
+which there were."""
+
+import time
+
+import pytest
+from conftest import SMALL, SMALL_FP8
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(
+        memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0, "page_kb": 64},
+        daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    yield proc
+    proc.stop()
+
+
+def fill_idle(c, lid, n, base):
+    places = c.allocate(lid, n)
+    assert places is not None, c.last_refusal
+    c.free(c.commit(places["vid"], keys=[base + i for i in range(n)]))
+
+
+@pytest.mark.parametrize("partial_page_of_another_size", [False, True])
+def test_a_reservation_behind_idle_blocks_is_not_told_they_cannot_move(daemon, partial_page_of_another_size):
+    with Client.connect(daemon.endpoint, name="writer", layouts=[SMALL, SMALL_FP8]) as a, \
+            Client.connect(daemon.endpoint, name="reader", layouts=[SMALL]) as b:
+        big, small = a.layouts
+        fill_idle(a, big, 56, 1000)  # 14 of the 16 pages, 16 KiB blocks, idle and cached
+        if partial_page_of_another_size:
+            fill_idle(a, small, 5, 5000)  # one page of 8 KiB slots, 5 of its 8 used, idle and cached
+        assert b.stats()["tiers"]["hbm"]["blocks"] == 56 + 5 * partial_page_of_another_size
+        r = b.reserve(b.layouts[0], 16 * 64)  # the whole tier: every block there goes down to DRAM
+        assert r.deferred, r
+        assert "cannot move" not in r.reason and r.est_wait_s is not None, r
+        deadline = time.monotonic() + 5
+        while not r.granted and time.monotonic() < deadline:
+            time.sleep(0.05)
+            r = b.reservation(r.reservation_id)
+        assert r.granted
+
+
+def test_a_reservation_behind_a_granted_one_is_told_so(daemon):
+    with Client.connect(daemon.endpoint, name="a", layouts=[SMALL]) as a, \
+            Client.connect(daemon.endpoint, name="b", layouts=[SMALL]) as b:
+        assert a.reserve(a.layouts[0], 16 * 64).granted  # the whole HBM tier, nothing taken
+        r = b.reserve(b.layouts[0], 16 * 8)
+        assert r.deferred and r.est_wait_s is None
+        assert "1 granted reservation(s) not yet taken (1048576 bytes)" in r.reason, r.reason
+        assert "admission.reservation_ttl_s" in r.reason and "being written" not in r.reason
