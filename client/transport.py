@@ -272,11 +272,12 @@ class Transport:
             try:
                 self._open()
             except DaemonUnavailable as e:
-                # Not sent: noted all the same (a commit's `forget`, a release's or free's `retry`), to
-                # go with the next call that makes a socket. Before, the call was lost: a release's pins
-                # stayed held, a commit's blocks the writer's, until detach (a review).
-                undo = self._give_up(op, client, next(self._ids), arrays)
-                raise DaemonUnavailable(f"{op.value}: {e}{undo}") from None
+                # Never sent: what such a call needs is kept to go with the next call that makes a
+                # socket, as for one that never came to be sent (`give_up_unsent`): a commit's
+                # `forget` naming its blocks, a release's or free's `retry`; other calls handed
+                # nothing out (a `forget` of each pushed real ones out, a review). Before, the call
+                # was lost: a release's pins stayed held, a commit's blocks the writer's, until detach.
+                raise DaemonUnavailable(f"{op.value}: {e}{self._keep_unsent(op, client, arrays)}") from None
             self._send_pending()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
@@ -355,11 +356,18 @@ class Transport:
         out waiting for the client's other calls), under a call id never sent: a commit's `forget`,
         so that the daemon frees its blocks as for one sent and lost, or the release or free as a
         `retry`; sent now, and on every new socket until answered."""
-        if op == P.Op.COMMIT:
-            self._note_forget(client, next(self._ids), vids)
-        else:
-            self._note_retry(client, op, next(self._ids), vids)
+        self._keep_unsent(op, client, [vids])
         self._send_pending()
+
+    def _keep_unsent(self, op: P.Op, client: int | None, arrays: list[bytes] | None) -> str:
+        """Keep what a call that was never sent needs sent later (`give_up_unsent`'s rule); returns
+        what its error says of it."""
+        if client is None or not arrays or op not in (P.Op.COMMIT, *P.RETRIED):
+            return ""
+        if op == P.Op.COMMIT:
+            self._note_forget(client, next(self._ids), arrays[0])
+            return ": the next call that makes a socket asks it to free the blocks this commit named"
+        return self._note_retry(client, op, next(self._ids), arrays[0]) + ": the next call that makes one sends it"
 
     def _note_retry(self, client: int, op: P.Op, call_id: int, vids: bytes) -> str:
         """Keep a release or free (`call_id`) to send again until answered (MAX_RETRIES, MAX_RETRY_IDS:

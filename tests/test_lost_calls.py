@@ -88,7 +88,7 @@ def test_a_release_that_finds_no_socket_is_sent_again_once_one_can_be_made(daemo
         c.free(vids)
         assert c.acquire(vids) is not None  # a pin on each
         no_socket(monkeypatch, c)
-        with pytest.raises(DaemonUnavailable, match="Too many open files.*sends it again"):
+        with pytest.raises(DaemonUnavailable, match="Too many open files.*sent again on every new socket"):
             c.release(vids)
         monkeypatch.undo()
         c.ping()  # makes the socket; the release goes first
@@ -98,13 +98,28 @@ def test_a_release_that_finds_no_socket_is_sent_again_once_one_can_be_made(daemo
         c.close()
 
 
+def test_a_call_that_finds_no_socket_and_hands_nothing_out_keeps_no_forget(daemon, monkeypatch):
+    """Never sent, an allocate handed nothing out: a `forget` of each such call (an engine at its
+    `ulimit -n` calls on, each failing at once) pushed real ones out past MAX_FORGETS (a review)."""
+    c = Client.connect(daemon.endpoint, name="busy", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        no_socket(monkeypatch, c)
+        for _ in range(3):
+            with pytest.raises(DaemonUnavailable, match="Too many open files"):
+                c._call(Op.ALLOCATE, {"layout": c.layouts[0], "n": 1})
+        assert not c._transport._forgets and not c._transport._retries
+    finally:
+        monkeypatch.undo()
+        c.close()
+
+
 def test_a_commit_that_finds_no_socket_leaves_the_writer_none_of_its_blocks(daemon, monkeypatch):
     c = Client.connect(daemon.endpoint, name="writer", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
     try:
         keys = chain_keys(range(16 * 3), 16, "no-socket-commit")
         vids = c.allocate(c.layouts[0], 3)["vid"]
         no_socket(monkeypatch, c)
-        with pytest.raises(DaemonUnavailable, match="Too many open files.*give back"):
+        with pytest.raises(DaemonUnavailable, match="Too many open files.*free the blocks this commit named"):
             c.commit(vids, keys=keys)
         monkeypatch.undo()
         c.ping()
