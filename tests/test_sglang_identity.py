@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import pytest
 
@@ -74,12 +73,33 @@ def test_a_checkpoint_replaced_with_the_same_sizes_and_times_is_another_model(tm
     clamped = (315532800 * 10**9, 315532800 * 10**9)  # 1980-01-01, as reproducible archives set it
     os.utime(folder / "model.safetensors", ns=clamped)
     before = id_of(model_path=str(folder))
-    time.sleep(0.05)  # a deploy comes later than the coarsest clock tick of a file's change time
     os.remove(folder / "model.safetensors")
     (folder / "model.safetensors").write_bytes(b"B" * 64)
     os.utime(folder / "model.safetensors", ns=clamped)
     assert id_of(model_path=str(folder)) != before
     assert id_of(model_path=str(folder)) == id_of(model_path=str(folder))  # and stable while unchanged
+
+
+def test_a_rewrite_in_place_with_the_same_size_and_time_is_another_model(tmp_path):
+    folder = model_folder(tmp_path, weights=(("model.safetensors", b"A" * 100_000),))
+    stamp = os.stat(folder / "model.safetensors").st_mtime_ns
+    before = id_of(model_path=str(folder))
+    with open(folder / "model.safetensors", "r+b") as f:  # the same inode: `cp -p` onto it, rsync --inplace
+        f.write(b"B" * 100_000)
+    os.utime(folder / "model.safetensors", ns=(stamp, stamp))
+    assert id_of(model_path=str(folder)) != before
+
+
+def test_what_a_chmod_or_a_hard_link_changes_leaves_the_model_as_it_was(tmp_path):
+    """Servers started on each side of a container entrypoint's `chmod -R a+rX /models`, or of a
+    dedup tool's hard link, serve the same files: they share pages (the change time, in the identity
+    for a while, moved with these, a review)."""
+    folder = model_folder(tmp_path)
+    before = id_of(model_path=str(folder))
+    os.chmod(folder / "model.safetensors", 0o644)
+    os.chown(folder / "model.safetensors", os.getuid(), os.getgid())
+    os.link(folder / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    assert id_of(model_path=str(folder)) == before
 
 
 def test_a_download_dir_does_not_make_a_local_model_another(tmp_path):

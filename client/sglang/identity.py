@@ -12,11 +12,11 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   to find them, not part of the identity: one local folder with and without it was two models);
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
   has loaded (and, for a Hugging Face repo id, downloaded) the model: a SHA-256 of its
-  `config.json`, and the names, sizes, modification and change times of its weight files (WEIGHT_SUFFIXES,
-  the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
+  `config.json`, and the names, sizes, modification times, inodes and sampled bytes of its weight
+  files (WEIGHT_SUFFIXES, the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
-  them; the change time no tool sets); files copied afresh are too (pages miss, never wrong). Where none can be read,
+  them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). Where none can be read,
   `unread` says why (the backend logs it): the namespace then covers the path and the arguments.
 
 `model_id` is the identity's digest, which the namespace carries.
@@ -31,6 +31,9 @@ IDENTITY_ARGS = ("model_path", "revision", "load_format", "dtype", "quantization
                  "modelopt_quant", "json_model_override_args")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILE = "config.json"
+# What of each weight file is read (`_weight`): 16 pieces of 4 KiB, its first and last among them.
+SAMPLES = 16
+SAMPLE_BYTES = 4096
 
 
 def server_args(args) -> dict:
@@ -108,13 +111,14 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) 
 
 
 def _files(folder: str) -> dict:
-    """config.json's digest and the weight files' (name, bytes, modification and change times in
-    ns) of a model folder, or of a weights file itself (GGUF). The change time (ctime), which no tool
-    sets, tells a replaced file from the one before when its size and modification time were kept."""
+    """config.json's digest and each weight file's `_weight` entry, of a model folder or of a weights
+    file itself (GGUF)."""
     out = {"config_sha256": None, "weights": []}
     if os.path.isfile(folder):
-        st = os.stat(folder)
-        out["weights"] = [[os.path.basename(folder), st.st_size, st.st_mtime_ns, st.st_ctime_ns]]
+        try:
+            out["weights"] = [_weight(folder)]
+        except OSError:
+            pass  # (unread: said as neither config.json nor weight files)
         return out
     try:
         with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
@@ -127,8 +131,24 @@ def _files(folder: str) -> dict:
         names = []
     for name in names:
         try:
-            st = os.stat(os.path.join(folder, name))  # (a cache snapshot's links: their blobs)
+            out["weights"].append(_weight(os.path.join(folder, name)))  # (a cache snapshot's links: their blobs)
         except OSError:
             continue
-        out["weights"].append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return out
+
+
+def _weight(path: str) -> list:
+    """A weight file's name, bytes, modification time (ns), inode and a digest of SAMPLES pieces of
+    SAMPLE_BYTES spread over it. The inode and the samples tell a replaced file from the one before
+    where its size and modification time were kept (a fine-tune of the same base, put in place by
+    rsync -a, tar or a reproducible image): a new file is a new inode, and a rewritten one differs in
+    its bytes. What a chmod, a chown or a hard link changes is left out, so every server of the same
+    files agrees (the change time moved with them: servers started on each side of a `chmod -R` at a
+    container's start shared nothing, a review)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        sample = hashlib.blake2b(digest_size=16)
+        last = max(0, st.st_size - SAMPLE_BYTES)
+        for i in range(SAMPLES):
+            sample.update(os.pread(f.fileno(), SAMPLE_BYTES, last * i // (SAMPLES - 1)))
+    return [os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ino, sample.hexdigest()]
