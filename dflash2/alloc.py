@@ -197,6 +197,22 @@ class SlotAllocator:
         """Bytes of slots that blocks of this size could take now (see blocks_free)."""
         return self.blocks_free(block_bytes) * self.slot_for(block_bytes)
 
+    def room_if_emptied(self, slot: int, heads: np.ndarray) -> int:
+        """Bytes of slots of `slot` bytes that emptying the slabs headed at `heads` (of other sizes)
+        would add to what `blocks_free` finds now: in whole slabs of that size, which need their
+        pages contiguous (a page freed among held ones holds no slab longer than a page, and a 64 KiB
+        page holds one 40 KiB slot, not 1.6: counted by its bytes, a reservation that could never be
+        granted was told a wait, a review)."""
+        heads = np.unique(np.asarray(heads, dtype=np.int64))
+        if not len(heads):
+            return 0
+        slab_pages, per_slab = self._slab_shape(slot)
+        now = self._spare_pages(exclude=slot)
+        spare = now.copy()
+        for head in heads:
+            spare[head:head + self._classes[int(self._page_class[head])].slab_pages] = True
+        return (slabs_in_runs(spare, slab_pages) - slabs_in_runs(now, slab_pages)) * per_slab * slot
+
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
         """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
         return self._slab_shape(self.slot_for(block_bytes))

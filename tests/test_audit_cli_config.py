@@ -92,7 +92,7 @@ def test_a_folder_the_daemon_may_not_search_is_named_not_a_traceback(tmp_path, m
 
 
 @pytest.mark.parametrize("make, says", [
-    (lambda tmp: tmp / "folder", "exists and is not a regular file: start-up would fail now (exit 4)"),
+    (lambda tmp: tmp / "folder", "is a folder, not the NVMe cache file's path; give the path of the file in it"),
     (lambda tmp: tmp / "dflash2_config.json" / "nvme", "is not a folder, so the NVMe file"),
     (lambda tmp: Path("/dev/null"), "/dev/null exists and is not a regular file"),
 ])

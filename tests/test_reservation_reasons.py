@@ -7,11 +7,15 @@ which there were."""
 
 import time
 
+import numpy as np
 import pytest
 from conftest import SMALL, SMALL_FP8
 from daemon_proc import DaemonProcess
 
 from dflash2.client import Client
+from dflash2.layout import Layout
+
+FORTY = Layout("forty", num_layers=5, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)  # 40 KiB
 
 
 @pytest.fixture
@@ -56,3 +60,24 @@ def test_a_reservation_behind_a_granted_one_is_told_so(daemon):
         assert r.deferred and r.est_wait_s is None
         assert "1 granted reservation(s) not yet taken (1048576 bytes)" in r.reason, r.reason
         assert "admission.reservation_ttl_s" in r.reason and "being written" not in r.reason
+
+
+def test_a_reservation_that_demoting_can_never_fit_gets_no_estimate(daemon):
+    """The pages demoting frees hold fewer of its slots than their bytes (one 40 KiB slot a 64 KiB
+    page): counted by their bytes, it was told "not enough HBM free yet", with an estimate, where it
+    could never be granted while the blocks being written stay (a review of the count by pages)."""
+    assert FORTY.block_bytes == 40 * 1024
+    with Client.connect(daemon.endpoint, name="writer", layouts=[SMALL]) as a, \
+            Client.connect(daemon.endpoint, name="reader", layouts=[FORTY]) as b:
+        places = a.allocate(a.layouts[0], 64)  # the whole tier: 16 pages of 4 blocks of 16 KiB
+        assert places is not None, a.last_refusal
+        vids, pages = places["vid"], places["offset"] // (64 * 1024)
+        # pages 0-5 stay being written (cannot move); pages 6-15 keep one idle cached block each
+        keep = np.array([np.flatnonzero(pages == p)[0] for p in range(6, 16)])
+        drop = np.array([i for p in range(6, 16) for i in np.flatnonzero(pages == p)[1:]])
+        a.free(vids[drop])
+        a.free(a.commit(vids[keep], keys=[7000 + i for i in range(len(keep))]))
+        assert b.stats()["tiers"]["hbm"]["blocks"] == 24 + 10
+        r = b.reserve(b.layouts[0], 11 * 16)  # 11 slots of 40 KiB: demoting makes 10
+        assert r.deferred and r.est_wait_s is None and "cannot move" in r.reason, r
+

@@ -61,11 +61,11 @@ class Capacity:
         return out
 
     def room_freed_bytes(self, rows: np.ndarray, tier: Tier, slot: int) -> int:
-        """Bytes of `tier` that these rows' leaving frees for slots of `slot` bytes, the rows as
-        `frees_room_for` picks them: their own slots where of that size, and the whole slab (every
-        page of it) of another size's, whose free slots go with it. Counted by their used slots
-        alone, a tier of idle blocks with one slab of another size partly used fell short of itself,
-        and a reservation waiting on them was told they could not move (a review)."""
+        """Bytes of slots of `slot` bytes in `tier` that these rows' leaving makes, the rows as
+        `frees_room_for` picks them: their own slots where of that size, and for another size's, the
+        slabs of that size their whole slabs' pages (free slots with them) then hold. Counted by their
+        used slots alone, a tier of idle blocks with one slab of another size partly used fell short
+        of itself, and a reservation waiting on them was told they could not move (a review)."""
         rows = np.asarray(rows, dtype=np.int64)
         sizes = self.slot_sizes(tier)[self.cols.layout[rows]]
         own = int(sizes[sizes == slot].sum())
@@ -73,8 +73,4 @@ class Capacity:
         if not len(other):
             return own
         alloc = self.allocators[tier]
-        head, _, _ = alloc.page_slabs()
-        pages = np.bincount(head[head >= 0], minlength=len(head))
-        slabs = np.unique(alloc.slabs_of(self.cols.offset[other]))
-        return own + int(pages[slabs].sum()) * alloc.page_bytes
-
+        return own + alloc.room_if_emptied(slot, alloc.slabs_of(self.cols.offset[other]))
