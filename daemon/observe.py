@@ -43,7 +43,7 @@ class Observers:
         history = make_history(cfg, state_dir)
         service.history = history
         obs = cls(service, metrics, history)
-        obs.after_tick(0.0, 0.0)
+        obs.sample()  # (a first snapshot and sample; no step has run: a step of 0 s recorded here was a made-up one)
         return obs
 
     def after_tick(self, late_s: float, seconds: float) -> None:

@@ -245,10 +245,9 @@ class Service(Forgetting):
             behind_s = self.queue_behind_s()
         if longest_call_s is None:
             longest_call_s = self._longest_call_s
-        # The credit is at most one lease past the longest busy stretch: a backlog that never
-        # empties (a client pipelining calls) delays expiry by a lease at most instead of stopping
-        # it, and a call longer than the lease (a large promotion from NVMe), which held every
-        # heartbeat queued meanwhile, lapses nobody.
+        # The credit is at most one lease past the longest busy stretch: a backlog that never empties
+        # (a client pipelining calls) delays expiry by a lease at most instead of stopping it, and a
+        # call longer than the lease (a large NVMe promotion), which held every heartbeat, lapses nobody.
         credit = min(max(0.0, behind_s), self.lease_timeout_s + max(0.0, longest_call_s))
         now = self.clock() - credit
         gone = [s for s in self.sessions.values()
@@ -258,8 +257,9 @@ class Service(Forgetting):
             # A process that may still run keeps its private blocks a while (sessions.SetAside).
             released = self._drop_session(s.client, set_aside=self.set_aside.hold_s > 0
                                           and (not s.same_pid_namespace or self.pid_alive(s.pid)))
-            self.counters["leases_expired"] += 1
-            log.warning("client %d (%s, pid %d) lease lapsed: released %s", s.client, s.name, s.pid, released)
+            self.counters["leases_expired"] += 1  # (a lease that lapsed, or a process seen gone)
+            log.warning("client %d (%s, pid %d) %s: released %s", s.client, s.name, s.pid, "lease lapsed" if now
+                        - s.last_seen > self.lease_timeout_s else "process is gone", released)
         for s in self.set_aside.due():
             log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
                      self.managers[s.device].detach(s.client))

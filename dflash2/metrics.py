@@ -47,7 +47,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due, the requests answered ahead of it included (a busy request loop delays it) |
 | dflash2_request_latency_seconds{op} | histogram | handling time per control op (a parked call's from its arrival) |
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
-| dflash2_leases_expired_total | counter | clients detached because their lease lapsed |
+| dflash2_leases_expired_total | counter | clients detached because their lease lapsed or their process was seen gone |
 | dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |
 | dflash2_clients | gauge | clients attached |
 | dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
@@ -277,7 +277,7 @@ def _access_families(st: dict):
     yield _counter("dflash2_cache_misses", "Blocks acquired that were not in this tier or a faster one.",
                    ["tier"], [((t.label,), sum(n for u, n in reads.items() if u > t)) for t in present])
     found = st.get("lookup_blocks_found", 0)
-    yield _counter("dflash2_lookup_blocks", "Lookup keys found cached (hit) or cached nowhere (miss).",
+    yield _counter("dflash2_lookup_blocks", "Lookup keys found cached (hit) or not (miss: cached nowhere, or withheld).",
                    ["result"], [(("hit",), found), (("miss",), st.get("lookup_misses", 0))])
     host = st.get("host_reads", {})
     yield _counter("dflash2_host_reads", "Blocks acquired by host-side readers (tier dram), by the tier they were "
@@ -453,7 +453,7 @@ def _daemon_families(st: dict, device: str, age_s: float):
     yield _gauge("dflash2_clients", "Clients attached.", samples=[((), len(st["clients"]))])
     yield _counter("dflash2_requests", "Control messages received.", samples=[((), d["requests"])])
     yield _counter("dflash2_request_errors", "Control messages answered with an error.", samples=[((), d["errors"])])
-    yield _counter("dflash2_leases_expired", "Clients detached because their lease lapsed.",
+    yield _counter("dflash2_leases_expired", "Clients detached because their lease lapsed or their process was seen gone.",
                    samples=[((), d["leases_expired"])])
     yield _counter("dflash2_calls_parked", "Calls parked until copies in flight ended (an NVMe read, a drain's "
                    "writes), while the loop answered the others; each ran again, whole, once they had.",
