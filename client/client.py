@@ -21,12 +21,14 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from dflash2 import protocol as P
 from dflash2 import threads
+from dflash2.client.heartbeat import run as run_heartbeat
 from dflash2.client.held import HeldPlaces
 from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
@@ -248,44 +250,12 @@ class Client:
             self.detach()
             raise
         if heartbeat:
-            self._heartbeat_thread = threading.Thread(target=self._beat, name=f"dflash2-heartbeat-{self.client_id}",
-                                                      daemon=True)
+            self._heartbeat_thread = threading.Thread(
+                target=run_heartbeat, name=f"dflash2-heartbeat-{self.client_id}", daemon=True,
+                args=(weakref.ref(self), self._stop, self.heartbeat_interval_s, self.client_id, self.name,
+                      self.lease_timeout_s))
             # The stop signals stay the serving process's main thread's (dflash2/threads.py).
             threads.start(self._heartbeat_thread)
-
-    def _beat(self) -> None:
-        """Renew the lease every heartbeat_interval_s until detach, a lost lease or the daemon's end.
-        Any other failure is logged and the next beat tries again: a thread that died on one (a
-        socket that could not be made, no descriptor left) let the lease lapse with no word."""
-        transport = None
-        # The first pass makes the socket at once, as the call socket was: the daemon counts a
-        # client's two connections against its descriptors at attach (a socket made at the first
-        # beat let 75 clients attach where 48 fit, their heartbeats then connecting past its limit).
-        beat = False
-        try:
-            while not (beat and self._stop.wait(self.heartbeat_interval_s)):
-                try:
-                    if transport is None:
-                        transport = Transport(self.endpoint, min(self.timeout_s, self.lease_timeout_s),
-                                              gone=self._arenas_gone, key_file=self.key_file)
-                        transport.token = self._token
-                    if beat:
-                        transport.call(Op.HEARTBEAT, self.client_id)
-                except DaemonUnavailable as e:
-                    if self._daemon_gone():
-                        return
-                    log.warning("dflash2 heartbeat: %s", e)
-                except DaemonError as e:
-                    log.error("dflash2 lease lost (%s); attach again", e)
-                    self._lease_lost()
-                    return
-                except Exception:
-                    log.exception("dflash2 heartbeat failed; trying again in %gs", self.heartbeat_interval_s)
-                finally:
-                    beat = True
-        finally:
-            if transport is not None:
-                transport.close()
 
     def _arenas_gone(self) -> bool:
         """Whether the daemon whose memory this client maps has ended (no side effects: the test a
@@ -480,8 +450,9 @@ class Client:
         arrays = [vids.tobytes(), b"" if keys is None else _keys(keys)]
         try:
             reply = self._call(Op.COMMIT, args, arrays)
-        except DaemonUnavailable:
-            self._held.written(vids)
+        except BaseException as e:
+            if not isinstance(e, DaemonError):
+                self._held.written(vids)  # it may have run: a timeout, or an exception of the caller's meanwhile
             raise
         self._held.written(vids)
         return np.frombuffer(reply.arrays[0], dtype=P.VIDS_DTYPE)

@@ -41,7 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import protocol as P
 from dflash2.endpoints import tcp_key_path
-from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, ProtocolError, UnreadableReply,
+from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, DFlash2Error, ProtocolError, UnreadableReply,
                             VersionMismatch)
 from dflash2.tcpkeys import KeyFileError, load as load_keys
 from dflash2.zmqio import HANDSHAKE_FAILED, NOBLOCK, descriptors_left, recv_frames, send_frames
@@ -284,49 +284,59 @@ class Transport:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout - waited_s
         try:
-            send_frames(self._sock, frames, copy=False)
-        except zmq.ZMQError as e:
-            # (Not sent: forgotten all the same, so that a commit's blocks are the writer's no more.)
-            undo = self._give_up(op, client, call_id, arrays)
-            raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}{undo}") from None
-        while True:
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
+            try:
+                send_frames(self._sock, frames, copy=False)
+            except zmq.ZMQError as e:
+                # (Not sent: forgotten all the same, so that a commit's blocks are the writer's no more.)
                 undo = self._give_up(op, client, call_id, arrays)
-                raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
-                                        f"{timeout:g}s (daemon gone or stuck{undo})")
-            sock = self._sock
-            last = left_s < GONE_CHECK_S  # the call's last slice: no longer than what is left of it
-            if last:
-                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left_s * 1000)))
-            try:
-                reply_frames = recv_frames(sock)
-            except zmq.Again:
-                self._check_handshake()
-                if self.gone is not None and self.gone():
-                    waited = timeout - (deadline - time.monotonic())
+                raise DaemonUnavailable(f"{op.value}: cannot send to {self.endpoint}: {e}{undo}") from None
+            while True:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
                     undo = self._give_up(op, client, call_id, arrays)
-                    raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint} ended while this call "
-                                            f"waited {waited:.2f}s for its reply (nothing holds its liveness "
-                                            f"object or shared memory any more{undo})")
-                continue
-            if last:
-                sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
-            try:
-                reply = P.decode_reply(reply_frames)
-            except VersionMismatch as e:
-                raise VersionMismatch(f"{op.value}: {e}") from None
-            except ProtocolError as e:
-                raise UnreadableReply(f"{op.value}: the reply from {self.endpoint} cannot be "
-                                  f"read: {e}") from None
-            if reply.call_id != call_id:
-                self._answered(reply)  # not ours: a `forget`'s, a `retry`'s, or a late reply
-                continue
-            if not reply.ok:
-                if reply.error_type == "VersionMismatch":
-                    raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
-                raise DaemonError(reply.error_type, reply.error_message)
-            return reply
+                    raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
+                                            f"{timeout:g}s (daemon gone or stuck{undo})")
+                sock = self._sock
+                last = left_s < GONE_CHECK_S  # the call's last slice: no longer than what is left of it
+                if last:
+                    sock.setsockopt(zmq.RCVTIMEO, max(1, int(left_s * 1000)))
+                try:
+                    reply_frames = recv_frames(sock)
+                except zmq.Again:
+                    self._check_handshake()
+                    if self.gone is not None and self.gone():
+                        waited = timeout - (deadline - time.monotonic())
+                        undo = self._give_up(op, client, call_id, arrays)
+                        raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint} ended while this call "
+                                                f"waited {waited:.2f}s for its reply (nothing holds its liveness "
+                                                f"object or shared memory any more{undo})")
+                    continue
+                if last:
+                    sock.setsockopt(zmq.RCVTIMEO, int(GONE_CHECK_S * 1000))
+                try:
+                    reply = P.decode_reply(reply_frames)
+                except VersionMismatch as e:
+                    raise VersionMismatch(f"{op.value}: {e}") from None
+                except ProtocolError as e:
+                    raise UnreadableReply(f"{op.value}: the reply from {self.endpoint} cannot be "
+                                      f"read: {e}") from None
+                if reply.call_id != call_id:
+                    self._answered(reply)  # not ours: a `forget`'s, a `retry`'s, or a late reply
+                    continue
+                if not reply.ok:
+                    if reply.error_type == "VersionMismatch":
+                        raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
+                    raise DaemonError(reply.error_type, reply.error_message)
+                return reply
+        except DFlash2Error:
+            raise
+        except BaseException:
+            # Cut off by an exception of the caller's while it waited (a request deadline's SIGALRM,
+            # Ctrl-C): the call may still run, as after a timeout; given up so (a forget or retry,
+            # a fresh socket, rid of any half-sent message). Before, what it handed out stayed held
+            # under ids the engine never learned, for the client's life (a review).
+            self._give_up(op, client, call_id, arrays)
+            raise
 
     def _give_up(self, op: P.Op, client: int | None, call_id: int, arrays: list[bytes] | None = None) -> str:
         """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),

@@ -19,6 +19,7 @@ from daemon_proc import DaemonProcess
 
 from dflash2.client import Client
 from dflash2.client import client as client_module
+from dflash2.client import heartbeat as heartbeat_module
 from dflash2.client.transport import Transport
 from dflash2.errors import ArenaError, DaemonUnavailable
 from dflash2.protocol import Op
@@ -91,6 +92,7 @@ def test_the_heartbeat_outlives_a_socket_it_cannot_make(daemon, monkeypatch):
         return Transport(*args, **kwargs)
 
     monkeypatch.setattr(client_module, "Transport", transport)
+    monkeypatch.setattr(heartbeat_module, "Transport", transport)
     c = Client.connect(daemon.endpoint, name="beats", layouts=[SMALL])
     try:
         time.sleep(3 * c.lease_timeout_s)

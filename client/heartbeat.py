@@ -1,0 +1,69 @@
+"""The client's heartbeat thread: renews the lease every heartbeat_interval_s until detach, a lost
+lease or the daemon's end. Any failure but those is logged and the next beat tries again: a thread
+that died on one (a socket that could not be made, no descriptor left) let the lease lapse with no
+word.
+
+Invariant: the thread holds its Client by a weak reference only, never across a wait. It held the
+Client itself (its target was a bound method): a Client dropped without close() or detach() was
+never collected, and renewed its lease for the process's life, its blocks, pins and reservations
+held (a review). Now the beat stops once the Client is collected, said in the log, and the daemon
+lets all of it go when the lease lapses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+from dflash2.client.transport import Transport
+from dflash2.errors import DaemonError, DaemonUnavailable
+from dflash2.protocol import Op
+
+log = logging.getLogger("dflash2.client")
+
+
+def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,
+        lease_timeout_s: float) -> None:
+    """The thread's body (`ref`: the Client's weak reference)."""
+    transport = None
+
+    def gone() -> bool:  # (a Transport keeps its test: a bound method of the Client would keep it)
+        client = ref()
+        return client is None or client._arenas_gone()
+
+    # The first pass makes the socket at once, as the call socket was: the daemon counts a client's
+    # two connections against its descriptors at attach (a socket made at the first beat let 75
+    # clients attach where 48 fit, their heartbeats then connecting past its limit).
+    beat = False
+    try:
+        while not (beat and stop.wait(interval_s)):
+            client = ref()
+            if client is None:
+                log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops, "
+                            "and the daemon lets its blocks, pins and reservations go when its lease lapses (%gs)",
+                            client_id, name, lease_timeout_s)
+                return
+            try:
+                if transport is None:
+                    transport = Transport(client.endpoint, min(client.timeout_s, client.lease_timeout_s),
+                                          gone=gone, key_file=client.key_file)
+                    transport.token = client._token
+                if beat:
+                    transport.call(Op.HEARTBEAT, client_id)
+            except DaemonUnavailable as e:
+                if client._daemon_gone():
+                    return
+                log.warning("dflash2 heartbeat: %s", e)
+            except DaemonError as e:
+                log.error("dflash2 lease lost (%s); attach again", e)
+                client._lease_lost()
+                return
+            except Exception:
+                log.exception("dflash2 heartbeat failed; trying again in %gs", interval_s)
+            finally:
+                beat = True
+                client = None  # not held across the wait
+    finally:
+        if transport is not None:
+            transport.close()

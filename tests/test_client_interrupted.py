@@ -1,0 +1,99 @@
+"""A call cut off by an exception of the caller's while it waits (a serving loop's request deadline by
+SIGALRM, Ctrl-C), and a Client dropped without close(), against a real daemon. A review found both
+left things held for the client's life: the interrupted call sent no `forget` (only a timeout did), so
+what it handed out stayed held under ids the engine never learned, and an interrupted commit left its
+block viewable by id though it may move; the heartbeat thread held the Client, so one dropped was
+never collected and renewed its lease for ever."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import time
+import weakref
+
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client
+from dflash2.errors import ArenaError
+
+
+class Deadline(Exception):
+    pass
+
+
+@pytest.fixture
+def daemon(config_file, tmp_path):
+    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 1.0,
+                                             "heartbeat_interval_s": 0.2, "set_aside_leases": 0})).start()
+    yield proc
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.stop()
+
+
+def interrupted(daemon, call) -> None:
+    """Run `call` while the daemon is stopped, a SIGALRM handler raising Deadline 0.3 s into it; the
+    daemon then runs on and answers the call, whose reply nobody reads."""
+    def deadline(*_):
+        raise Deadline("request deadline")
+
+    old = signal.signal(signal.SIGALRM, deadline)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Deadline):
+            call()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("what", ["allocate", "reserve"])
+def test_an_interrupted_call_gives_back_what_it_handed_out(daemon, what):
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=5.0)
+    try:
+        lid = c.layouts[0]
+        interrupted(daemon, (lambda: c.allocate(lid, 8)) if what == "allocate" else (lambda: c.reserve(lid, 16 * 8)))
+        c.ping()  # the forget went first, on the fresh socket
+        c.ping()
+        st = c.stats()
+        assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
+    finally:
+        c.close()
+
+
+def test_an_interrupted_commit_leaves_no_view_by_id_of_a_block_that_may_move(daemon):
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=5.0)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        interrupted(daemon, lambda: c.commit([vid], keys=[123456789]))
+        c.ping()
+        with pytest.raises(ArenaError, match="is not being written or acquired by this client"):
+            c.view_bytes(vid)  # it may have run: committed, the block may move
+    finally:
+        c.close()
+
+
+def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
+    def request():
+        c = Client.connect(daemon.endpoint, name="dropped", layouts=[SMALL])
+        c.allocate(c.layouts[0], 4)
+        assert c.reserve(c.layouts[0], 64).granted
+        return weakref.ref(c)
+
+    with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+        ref = request()
+        gc.collect()
+        assert ref() is None
+        time.sleep(2.5)  # more than two leases
+    assert "was dropped without close() or detach(): its heartbeat stops" in caplog.text
+    with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
+        st = checker.stats()
+    assert [x["name"] for x in st["clients"]] == ["checker"]
+    assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
