@@ -84,9 +84,19 @@ def _seed(namespace: str) -> bytes:
 def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int, namespace: str) -> list[int]:
     """Keys of the full blocks of `token_ids` (a trailing partial block has no key: it is not
     shareable until it is full)."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, (int, np.integer)):
+        raise TypeError(f"tokens_per_block is an integer, got {tokens_per_block!r}")
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
-    tokens = np.asarray(token_ids, dtype="<i8")
+    tokens = np.asarray(token_ids)
+    # One sequence of integers: a batch of one (`input_ids` of shape [1, N]) gave no key at all, and
+    # float ids were cut to others' (1.5 keyed as 1), each without a word (a review).
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be one sequence of token ids (1-D), got shape {tokens.shape}"
+                         + (": pass input_ids[0] for a batch of one" if tokens.ndim == 2 and len(tokens) == 1 else ""))
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise TypeError(f"token ids are integers, got an array of {tokens.dtype}")
+    tokens = tokens.astype("<i8", copy=False)
     parent = _seed(namespace)
     keys = []
     for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):

@@ -187,3 +187,29 @@ def test_block_ids_of_numpy_and_python_integers_mixed_are_read_exactly():
     assert vid_array([]).tolist() == [] and vid_array([np.int64(3), 4]).tolist() == [3, 4]
     with pytest.raises(TypeError, match="got 2.0"):
         vid_array([np.uint64(1), 2.0])
+
+
+@pytest.mark.parametrize("vids", [[None], [5, None], None])
+def test_a_none_among_block_ids_is_named(vids):
+    """`None` was taken for "no bad id" and reached int(): an error naming neither the ids nor it."""
+    from dflash2.client.client import vid_array
+
+    with pytest.raises(TypeError, match="block ids are integers, got None"):
+        vid_array(vids)
+
+
+def test_chain_keys_takes_one_sequence_of_integer_token_ids():
+    """A batch of one (`input_ids` of shape [1, N]) gave no key at all, and float ids were cut to
+    others' (1.5 keyed as 1), each without a word (a review)."""
+    from dflash2.keys import chain_keys
+
+    ids = list(range(64))
+    assert chain_keys(np.array(ids, dtype=np.int32), 16, "m") == chain_keys(ids, 16, "m") and len(chain_keys(ids, 16, "m")) == 4
+    assert chain_keys([], 16, "m") == []
+    with pytest.raises(ValueError, match=r"1-D\), got shape \(1, 64\): pass input_ids\[0\]"):
+        chain_keys(np.array([ids]), 16, "m")
+    with pytest.raises(TypeError, match="token ids are integers, got an array of float64"):
+        chain_keys([1.5] * 16, 16, "m")
+    for bad in (True, 16.0):
+        with pytest.raises(TypeError, match="tokens_per_block is an integer"):
+            chain_keys(ids, bad, "m")
