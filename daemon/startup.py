@@ -61,6 +61,22 @@ def _ignored(signum: int, frame) -> None:
                 signal.Signals(signum).name)
 
 
+def clean_up_killed(endpoint: str, lock: EndpointLock) -> None:
+    """Give back the shared memory killed daemons left (each segment only when no process holds it;
+    logged one by one): the last daemon on this endpoint, when it did not shut down cleanly, and
+    those the lock file does not name (its folder removed since, or another endpoint's), whose
+    liveness object says they are gone."""
+    if lock.previous_pid is not None:
+        log.warning("the last dflash2d on %s (pid %d) did not shut down cleanly (killed?)%s; removing the "
+                    "shared memory it left", endpoint, lock.previous_pid,
+                    ": its socket file was replaced" if lock.replaced_socket else "")
+        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")  # its liveness object too
+    for pid in dead_daemons():
+        log.warning("dflash2d pid %d was killed and left shared memory (its liveness object, which no process "
+                    "holds, is still in /dev/shm); removing it", pid)
+        remove_stale_segments(f"{instance_name(pid)}-")
+
+
 def run(cfg: Config) -> int:
     _configure_logging(cfg)
     raise_open_files_limit()
@@ -82,23 +98,16 @@ def run(cfg: Config) -> int:
             keys, made = load_or_make(plan.tcp_key_file)
             log.info("tcp endpoint %s: only clients that read %s%s can attach", plan.endpoint, plan.tcp_key_file,
                      " (made now, mode 0600)" if made else "")
+        clean_up_killed(plan.endpoint, lock)
     except (EndpointBusy, KeyFileError) as e:
         lock.release()
         _error(cfg, str(e))
         return EXIT_START_FAILED
-    if lock.previous_pid is not None:
-        # The last daemon on this endpoint was killed: give back the shared memory it left (each
-        # segment only when no process holds it; logged one by one).
-        log.warning("the last dflash2d on %s (pid %d) did not shut down cleanly (killed?)%s; removing the "
-                    "shared memory it left", plan.endpoint, lock.previous_pid,
-                    ": its socket file was replaced" if lock.replaced_socket else "")
-        remove_stale_segments(f"{instance_name(lock.previous_pid)}-")  # its liveness object too
-    for pid in dead_daemons():
-        # Killed daemons the endpoint's lock file does not name (its folder removed since, or another
-        # endpoint's): their liveness object says they are gone.
-        log.warning("dflash2d pid %d was killed and left shared memory (its liveness object, which no process "
-                    "holds, is still in /dev/shm); removing it", pid)
-        remove_stale_segments(f"{instance_name(pid)}-")
+    except BaseException:
+        # (a stop signal while these run: the lock file goes, as at any clean stop; it stayed, and
+        # the next daemon said this one had been killed, a review)
+        lock.release()
+        raise
     managers: dict = {}
     server = observers = alive = None
     started = time.monotonic()

@@ -25,10 +25,10 @@ import secrets
 import stat
 import threading
 
-from dflash2.arena.shm import SHM_DIR, _say_removed, _segment_path, nobody_holds, remove_stale
+from dflash2.arena.shm import ALIVE, SHM_DIR, _say_removed, _segment_path, nobody_holds, remove_stale
 from dflash2.errors import ArenaError, ProtocolError
 
-SUFFIX = "-alive"
+SUFFIX = ALIVE
 _NAME = re.compile(r"dflash2-[0-9]{1,10}" + re.escape(SUFFIX))
 
 

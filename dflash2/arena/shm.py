@@ -70,16 +70,28 @@ def nobody_holds(fd: int) -> bool:
     return True
 
 
+# How a daemon's liveness object's name ends (liveness.py; named here, which that module imports).
+ALIVE = "-alive"
+
+
 def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
     """Remove every segment whose name starts with `prefix` that no process holds (the segments of a
     daemon that was killed); (name, bytes) of each one removed, each also logged."""
-    removed = []
-    for name in sorted(os.listdir(SHM_DIR)):
-        if name.startswith(prefix):
-            size = remove_stale(os.path.join(SHM_DIR, name))
-            if size is not None:
-                _say_removed(name, size)
-                removed.append((name, size))
+    removed, kept = [], False
+    # Invariant: a killed daemon's liveness object goes last, and only once every other segment of
+    # its prefix has: it is how a later start finds what the daemon left (liveness.dead_daemons). It
+    # went first (names in order): a start stopped part way, or killed, left the rest for good (a
+    # review).
+    names = sorted((n for n in os.listdir(SHM_DIR) if n.startswith(prefix)), key=lambda n: (n.endswith(ALIVE), n))
+    for name in names:
+        if name.endswith(ALIVE) and kept:
+            continue
+        size = remove_stale(os.path.join(SHM_DIR, name))
+        if size is None:
+            kept = True
+            continue
+        _say_removed(name, size)
+        removed.append((name, size))
     return removed
 
 
