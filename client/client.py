@@ -349,16 +349,23 @@ class Client:
         # daemon: the last failed after 8 timeouts, a review's script).
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
-        if not self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
-            unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
+        unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
+        try:
+            got = self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
+        except BaseException:  # cut off waiting by the caller's exception (a deadline's SIGALRM): as below
+            if unsent:
+                self._unsent.append((op, arrays[0]))
+            raise
+        if not got:
             if unsent:
                 self._unsent.append((op, arrays[0]))
             raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
                                     f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
                                     "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
         try:
-            while self._unsent:
-                self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
+            while self._unsent:  # (noted before it leaves the queue: an exception between loses none)
+                self._transport.give_up_unsent(self.client_id, *self._unsent[0])
+                self._unsent.popleft()
             waited = min(time.monotonic() - began, timeout - 1e-3)
             return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:

@@ -326,6 +326,8 @@ class Transport:
                 if not reply.ok:
                     if reply.error_type == "VersionMismatch":
                         raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
+                    if reply.error_type == "DaemonUnavailable":  # (a call parked as the daemon stops)
+                        raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint}: {reply.error_message}")
                     raise DaemonError(reply.error_type, reply.error_message)
                 return reply
         except DFlash2Error:

@@ -127,7 +127,7 @@ class Service(Forgetting):
             self.counters["errors"] += 1
             log.exception("internal error decoding a message")
             return P.encode_reply(Reply(P.peek_call_id(frames), False, {}, "InternalError", f"{type(e).__name__}: {e}"))
-        if not self.parking:  # (a call parked before, answered as the daemon stops: from its arrival too)
+        if not self.parking:  # (in-process callers, which wait; `again`'s arrival counts, should one come)
             return self._encoded(req, self.handle(req, None if again is None else again.arrived))
         own_parks = 0 if again is None else again.own_parks
         arrived = time.perf_counter() if again is None else again.arrived

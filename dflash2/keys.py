@@ -95,7 +95,14 @@ def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int, nam
         raise ValueError(f"token_ids must be one sequence of token ids (1-D), got shape {tokens.shape}"
                          + (": pass input_ids[0] for a batch of one" if tokens.ndim == 2 and len(tokens) == 1 else ""))
     if tokens.size and tokens.dtype.kind not in "iu":
-        raise TypeError(f"token ids are integers, got an array of {tokens.dtype}")
+        if isinstance(token_ids, np.ndarray) or hasattr(token_ids, "dtype"):  # (an array, a tensor: its dtype says)
+            raise TypeError(f"token ids are integers, got an array of {tokens.dtype}")
+        # A list of numpy uint64 and Python ints becomes float64 (numpy's promotion): by element.
+        items = np.asarray(token_ids, dtype=object)
+        odd = next((t for t in items if isinstance(t, bool) or not isinstance(t, (int, np.integer))), _NO_BAD_KEY)
+        if odd is not _NO_BAD_KEY:
+            raise TypeError(f"token ids are integers, got {odd!r}")
+        tokens = np.array([int(t) for t in items], dtype="<i8")
     tokens = tokens.astype("<i8", copy=False)
     parent = _seed(namespace)
     keys = []

@@ -208,8 +208,12 @@ def test_chain_keys_takes_one_sequence_of_integer_token_ids():
     assert chain_keys([], 16, "m") == []
     with pytest.raises(ValueError, match=r"1-D\), got shape \(1, 64\): pass input_ids\[0\]"):
         chain_keys(np.array([ids]), 16, "m")
-    with pytest.raises(TypeError, match="token ids are integers, got an array of float64"):
+    with pytest.raises(TypeError, match="token ids are integers, got 1.5"):
         chain_keys([1.5] * 16, 16, "m")
+    with pytest.raises(TypeError, match="token ids are integers, got an array of float32"):
+        chain_keys(np.ones(16, dtype=np.float32), 16, "m")
+    # numpy promotes a list of uint64 and Python ints to float64: keyed as the integers they are
+    assert chain_keys([np.uint64(0)] + ids[1:], 16, "m") == chain_keys(ids, 16, "m")
     for bad in (True, 16.0):
         with pytest.raises(TypeError, match="tokens_per_block is an integer"):
             chain_keys(ids, bad, "m")

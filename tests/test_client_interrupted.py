@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 import weakref
 
@@ -97,3 +98,28 @@ def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
         st = checker.stats()
     assert [x["name"] for x in st["clients"]] == ["checker"]
     assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
+
+
+def test_a_commit_cut_off_while_it_waits_for_the_clients_lock_is_not_lost(daemon):
+    """Another thread's call holds the client's lock; the commit, waiting for it, is cut off. It was
+    neither sent nor kept (a commit that timed out waiting is), yet no longer the writer's here: its
+    block stayed being written until detach (a review)."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=5.0)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        os.kill(daemon.pid, signal.SIGSTOP)
+        slow = threading.Thread(target=c.ping)  # holds the client's lock while the daemon is stopped
+        slow.start()
+        time.sleep(0.1)
+        try:
+            interrupted(daemon, lambda: c.commit([vid], keys=[987654321]))  # (resumes the daemon)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        slow.join(10)
+        c.ping()
+        c.ping()
+        ran = len(c.lookup([987654321])) == 1
+        assert ran or c.stats()["tiers"]["hbm"]["blocks"] == 0  # ran, or forgotten and its block freed
+    finally:
+        c.close()
+

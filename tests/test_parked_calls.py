@@ -20,6 +20,7 @@ from serve_helpers import served
 
 from dflash2 import protocol as P
 from dflash2.client import Client
+from dflash2.daemon.server import Server
 from dflash2.daemon.service import Parked, Service
 from dflash2.errors import DaemonUnavailable
 from dflash2.layout import Layout
@@ -453,3 +454,39 @@ def test_callers_of_a_flight_past_park_after_s_are_parked_without_a_wait(mgr, mo
                  arrays=[np.array(CHAIN, P.KEYS_DTYPE).tobytes()], again=lookup)
     assert found.ok and len(np.frombuffer(found.arrays[0], dtype=P.PLACE_DTYPE)) == len(CHAIN)
     mgr.check_invariants()
+
+
+def test_a_call_parked_as_the_daemon_stops_is_answered_daemon_unavailable_not_run(mgr, tmp_path, monkeypatch):
+    """Run whole at the stop, each parked call started NVMe reads of its own (seconds each on a slow
+    disk); answered without running, it must reach the client as DaemonUnavailable (the daemon is
+    going), not a DaemonError of that kind that code catching DaemonUnavailable misses (reviews)."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    srv = Server(svc, endpoint, tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    try:
+        reader = Client.connect(endpoint, name="reader", layouts=[LAYOUT], heartbeat=False)
+        got = {}
+
+        def acquire():
+            try:
+                got["out"] = reader.acquire([vids[k] for k in CHAIN])
+            except BaseException as e:
+                got["error"] = e
+        t = threading.Thread(target=acquire, daemon=True)
+        t.start()
+        assert disk.reading.wait(10), "the acquire never read from NVMe"
+        time.sleep(0.2)  # parked
+        srv.stop()
+        t.join(10)
+        assert "error" in got, got
+        err = got["error"]
+        assert isinstance(err, DaemonUnavailable) and "dflash2d is stopping" in str(err), f"{type(err).__name__}: {err}"
+    finally:
+        srv.stop()
+        disk.release()
+        loop.join(10)
+        srv.close()
