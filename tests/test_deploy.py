@@ -203,3 +203,50 @@ def test_systemd_unit_and_dockerfile_run_dflash2d():
     assert "CacheDirectory=dflash2" in unit and "Environment=CUPY_CACHE_DIR=/var/cache/dflash2/cupy" in unit
     docker = (DEPLOY / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["dflash2d"]' in docker and "EXPOSE 9464" in docker
+
+
+def _manifests() -> dict:
+    return {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
+
+
+def _gib(quantity: str) -> float:
+    number, unit = quantity[:-2], quantity[-2:]
+    assert unit in ("Mi", "Gi", "Ti") and number.isdigit(), quantity
+    return int(number) * {"Mi": 2**-10, "Gi": 1, "Ti": 2**10}[unit]
+
+
+def test_the_daemonset_requests_the_host_memory_its_config_takes():
+    """No request: the scheduler filled the node on top of the 128 GiB DRAM tier, and node-pressure
+    eviction (usage over request first) picked the daemon first (a review)."""
+    docs = _manifests()
+    mem = json.loads(docs["ConfigMap"]["data"]["dflash2_config.json"])["memory"]
+    [c] = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    need_gib = (mem["dram_capacity_mb"] + 2 * mem["staging_buffer_size_mb"] * 8) / 1024  # 8 GPUs
+    assert _gib(c["resources"]["requests"]["memory"]) >= need_gib
+    assert "limits" not in c["resources"]  # a limit below it kills the daemon as it takes its tiers
+
+
+def test_the_critical_priority_class_comes_with_its_quota():
+    """GKE admits system-node-critical pods outside kube-system only under a ResourceQuota scoped to
+    the class: `kubectl apply` succeeded and no pod was ever made (a review)."""
+    docs = _manifests()
+    spec = docs["DaemonSet"]["spec"]["template"]["spec"]
+    quota = docs["ResourceQuota"]
+    assert quota["metadata"]["namespace"] == docs["DaemonSet"]["metadata"]["namespace"]
+    [scope] = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert scope["scopeName"] == "PriorityClass" and spec["priorityClassName"] in scope["values"]
+
+
+def test_supervisors_give_a_stop_and_a_start_the_time_they_take():
+    """A clean stop frees every tier page by page (about 0.2 s a GiB on a small VM: 26 s for the
+    production config's 129 GiB), past Docker's 10 s default; a start takes the tiers whole before
+    the socket exists, which the health check marked unhealthy after 90 s (the DaemonSet's startup
+    probe allows 600); and exit 5 (a GPU's context lost) wants a restart (a review)."""
+    docker = (DEPLOY / "Dockerfile").read_text()
+    run = " ".join(line for line in docker.splitlines() if line.startswith("#") and "docker run" in docker)
+    assert "--stop-timeout 120" in run and "--restart on-failure" in run
+    assert "--start-period=600s" in next(line for line in docker.splitlines() if line.startswith("HEALTHCHECK"))
+    probe = _manifests()["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= 600
+    assert _manifests()["DaemonSet"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120
+    assert "TimeoutStopSec=120" in (DEPLOY / "systemd" / "dflash2d.service").read_text().splitlines()
