@@ -412,7 +412,15 @@ class Config(_Section):
 
 def expand_user(raw: str, key: str) -> Path:
     """`raw` with a leading ~ or ~user expanded; ConfigError naming `key` when it cannot be (no such
-    user, or no home directory: a uid without a passwd entry and no $HOME, as in some containers)."""
+    user, or no home directory: a uid without a passwd entry and no $HOME, as in some containers, or
+    a $HOME that is empty or relative)."""
+    if raw == "~" or raw.startswith("~/"):
+        home = os.environ.get("HOME")
+        if home is not None and not os.path.isabs(home):
+            # Python takes an empty $HOME for "/" and a relative one as it is: a GB-sized NVMe file
+            # went to the root disk, or under the daemon's working folder, without a word (a review).
+            raise ConfigError(key, f"cannot expand '~' in {raw!r}: $HOME is {home!r}, not an absolute path; set "
+                                   "HOME or give an absolute path")
     try:
         return Path(raw).expanduser()
     except RuntimeError:

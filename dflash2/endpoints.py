@@ -124,6 +124,8 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         host, _, port = rest.rpartition(":")
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
+        if port != str(int(port)):  # (the key and lock files are named by the port as written: two names)
+            raise ValueError(f"{endpoint!r}: write the port without leading zeros ({int(port)})")
     return scheme, rest
 
 

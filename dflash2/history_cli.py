@@ -58,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="only the last DUR (e.g. 30m, 6h); default: all that is kept")
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
     parser.add_argument("--rows", type=positive_int, default=30, metavar="N", help="text table rows at most (default 30)")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw tier use, hit ratio and swap bandwidth to a file")
+    parser.add_argument("--plot", metavar="FILE.png", type=_plot_file,
+                        help="draw tier use, hit ratio and swap bandwidth to a file")
     parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
@@ -77,7 +78,7 @@ def handler(args: argparse.Namespace) -> int:
             print(json.dumps(s, separators=(",", ":")))
     else:
         print(render(samples, args.rows))
-    if args.plot:
+    if args.plot is not None:
         # The file's kind from its extension, PNG without one (matplotlib wrote NAME.png and it was
         # reported as NAME); one matplotlib cannot write is refused by name (it raised a traceback).
         path = args.plot if os.path.splitext(args.plot)[1] not in ("", ".") else f"{args.plot.rstrip('.')}.png"
@@ -268,3 +269,16 @@ def plot(samples: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_file(value: str) -> str:
+    """`--plot`'s file: a name, not a folder (`out/` drew `out/.png.png` and said `out/.png`; an
+    empty name drew nothing and said nothing, a review)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("names no file")
+    name = os.path.basename(value)
+    if value.endswith(os.sep) or os.path.isdir(value) or name in (".", "..") or (name.startswith(".") and "." not in name[1:]):
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder or names no file in it: give a file's name, "
+                                         "such as history.png")
+    return value
+

@@ -185,11 +185,12 @@ def rounding_warnings(plan: Plan) -> list[str]:
         wasted = [t for t in plan.tiers if t.capacity_bytes and slot_bytes(lay.block_bytes, t.alignment)
                   >= ROUNDING_WARN_FACTOR * lay.block_bytes]
         if wasted:
-            slot = slot_bytes(lay.block_bytes, wasted[0].alignment)
-            out.append(f"layouts.{name}: its blocks of {lay.block_bytes} bytes take slots of {slot} bytes in "
-                       f"{' and '.join(t.tier.label for t in wasted)} ({wasted[0].alignment}-byte alignment): "
-                       f"{100 * (1 - lay.block_bytes / slot):.0f}% of {'that tier' if len(wasted) == 1 else 'those tiers'} "
-                       "would hold nothing; a larger kv_block.block_size (tokens per block) wastes less")
+            # Each tier with its own slot and alignment (the first's were said of all, a review).
+            each = [(t.tier.label, slot_bytes(lay.block_bytes, t.alignment), t.alignment) for t in wasted]
+            said = "; ".join(f"slots of {slot} bytes in {label} ({align}-byte alignment): {100 * (1 - lay.block_bytes / slot):.0f}% "
+                             "of it would hold nothing" for label, slot, align in each)
+            out.append(f"layouts.{name}: its blocks of {lay.block_bytes} bytes take {said}; a larger "
+                       "kv_block.block_size (tokens per block) wastes less")
     return out
 
 
@@ -345,14 +346,23 @@ def _render_lines(plan: Plan) -> list[str]:
     if plan.layouts:
         lines.append("layouts:")
         for name, lay in plan.layouts.items():
+            slots = ", ".join(f"{human_bytes(slot_bytes(lay.block_bytes, t.alignment))} in {t.tier.label}"
+                              for t in _one_per_tier(plan))
             lines.append(f"  {name}: {human_bytes(lay.block_bytes)} per block "
-                         f"({lay.tokens_per_block} tokens, {lay.num_layers} layers, {lay.dtype}); slot "
-                         f"{human_bytes(slot_bytes(lay.block_bytes, MEMORY_ALIGNMENT))} in memory, "
-                         f"{human_bytes(slot_bytes(lay.block_bytes, NVME_ALIGNMENT))} on NVMe")
+                         f"({lay.tokens_per_block} tokens, {lay.num_layers} layers, {lay.dtype}); slot {slots}")
         lines.append("")
     lines.extend(_table(plan))
     lines.extend(f"note: {note}" for note in plan.notes)
     return lines
+
+
+def _one_per_tier(plan: Plan) -> list[TierPlan]:
+    """The first plan of each tier that has bytes (several GPUs: one HBM plan each, alike in alignment)."""
+    seen: dict = {}
+    for t in plan.tiers:
+        if t.capacity_bytes and t.tier not in seen:
+            seen[t.tier] = t
+    return list(seen.values())
 
 
 def _staging_line(plan: Plan) -> str:

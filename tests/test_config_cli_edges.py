@@ -1,0 +1,63 @@
+"""Config and command-line edges a review found silent or wrong: an empty or relative $HOME put `~`
+paths under `/` or the working folder (a GB-sized NVMe file on the root disk, with no word); a tcp
+port written with leading zeros named its key file so, where a client of the same port looked for
+another name; `history --plot` given a folder or an empty name drew elsewhere or nothing, exit 0;
+and `--check` gave every tier the HBM slot (and the first tier's alignment to all)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dflash2 import cli
+from dflash2.config import parse_config
+from dflash2.endpoints import endpoint_parts
+from dflash2.errors import ConfigError
+from dflash2.plan import resolve_plan, rounding_warnings
+
+MEMORY = {"hbm_reserve_mb": 0, "hbm_capacity_mb": 16, "dram_capacity_mb": 16, "nvme_capacity_mb": 32,
+          "nvme_path": "~/.cache/dflash2/nvme.cache"}
+
+
+@pytest.mark.parametrize("home", ["", "relhome"])
+def test_a_home_that_is_not_an_absolute_path_is_refused_for_tilde_paths(tmp_path, monkeypatch, home):
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    cfg = parse_config({"enable": True, "device": {"kind": "host"}, "memory": MEMORY}, source_path=tmp_path / "c.json")
+    with pytest.raises(ConfigError, match=rf"memory.nvme_path: cannot expand '~'.*\$HOME is '{home}', not an absolute"):
+        cfg.resolved_nvme_path
+    with pytest.raises(ConfigError, match=r"daemon.state_dir.*\$HOME is"):
+        cfg.resolved_state_dir(os.environ)
+
+
+def test_a_tcp_port_with_leading_zeros_is_refused():
+    with pytest.raises(ValueError, match="without leading zeros"):
+        endpoint_parts("tcp://127.0.0.1:05599")
+    assert endpoint_parts("tcp://127.0.0.1:5599") == ("tcp", "127.0.0.1:5599")
+
+
+@pytest.mark.parametrize("given", ["", "{folder}/", "{folder}", "{folder}/.png"])
+def test_history_plot_needs_a_file_name(tmp_path, capsys, given):
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["history", "--file", str(tmp_path / "h.jsonl"), "--plot", given.format(folder=folder)])
+    assert e.value.code == 2 and "--plot" in capsys.readouterr().err
+    assert not list(folder.iterdir())
+
+
+def _plan(tmp_path, layout):
+    return resolve_plan(parse_config({"enable": True, "device": {"kind": "host"},
+                                      "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 64},
+                                      "layouts": {"t": layout}}, source_path=tmp_path / "c.json"))
+
+
+def test_check_gives_each_tiers_own_slot_and_alignment(tmp_path):
+    one_kib = _plan(tmp_path, {"num_layers": 1, "num_kv_heads": 1, "head_dim": 256, "dtype": "bf16", "tokens_per_block": 1})
+    [line] = [ln for ln in one_kib.render_text().splitlines() if ln.strip().startswith("t:")]
+    assert line.endswith("slot 1.0 KiB in hbm, 4.0 KiB in dram"), line
+    one_byte = _plan(tmp_path, {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "int4", "tokens_per_block": 1})
+    [warning] = rounding_warnings(one_byte)
+    assert "slots of 256 bytes in hbm (256-byte alignment)" in warning
+    assert "slots of 4096 bytes in dram (4096-byte alignment)" in warning
