@@ -440,6 +440,8 @@ HOST_NEEDS_HBM_CAPACITY = ("required when the device kind is host (no GPU): it i
 
 def load_config(path: str | os.PathLike) -> Config:
     """Read and validate a config file; any problem is one ConfigError naming the key (or the file)."""
+    if not str(path).strip():  # ('' read the working folder: "Is a directory")
+        raise ConfigError("--config", f"names no file (it was given {str(path)!r})")
     path = expand_user(str(path), "--config").absolute()
     try:
         text = path.read_text(encoding="utf-8")

@@ -44,6 +44,8 @@ def parse_duration(text: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 6h or 1d")
     value = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if value <= 0:  # (0 gave "no samples yet" from a daemon that had some, and the newest alone from a file)
+        raise argparse.ArgumentTypeError(f"{text!r} is no time: give a duration above 0, or leave --since out for all")
     if value > MAX_SINCE_S:
         raise argparse.ArgumentTypeError(f"{text!r} is longer than {MAX_SINCE_S // 86400}d")
     return value

@@ -61,3 +61,24 @@ def test_check_gives_each_tiers_own_slot_and_alignment(tmp_path):
     [warning] = rounding_warnings(one_byte)
     assert "slots of 256 bytes in hbm (256-byte alignment)" in warning
     assert "slots of 4096 bytes in dram (4096-byte alignment)" in warning
+
+
+def test_an_empty_config_path_names_no_file():
+    from dflash2.config import load_config
+
+    with pytest.raises(ConfigError, match="--config: names no file"):  # (it read the working folder: "Is a directory")
+        load_config("")
+
+
+def test_history_since_zero_is_no_time(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["history", "--since", "0"])
+    assert e.value.code == 2 and "'0' is no time" in capsys.readouterr().err
+
+
+def test_bench_policy_refuses_an_empty_policy_name():
+    from dflash2.bench.policy import parse_policies
+    from dflash2.bench import OptionError
+
+    with pytest.raises(OptionError, match="has an empty name"):  # (dropped without a word)
+        parse_policies("heat,,lru")

@@ -241,10 +241,12 @@ def parse_weights(text: str) -> dict[str, float]:
 def parse_policies(text: str) -> list[str]:
     """'heat,lru' -> ['heat', 'lru'], checked before any replay (a bad name found after an hour of
     replaying the others would lose that hour)."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = [name.strip() for name in text.split(",")]
     valid = policy_names()
-    if not names:
+    if not any(names):
         raise OptionError(f"--policies names no policy; valid: {', '.join(valid)}")
+    if not all(names):  # ('heat,,lru': a name left out, it was dropped without a word)
+        raise OptionError(f"--policies {text!r} has an empty name; valid: {', '.join(valid)}")
     unknown = [name for name in names if name not in valid]
     if unknown:
         raise OptionError(f"--policies: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
