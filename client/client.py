@@ -169,9 +169,7 @@ class Client:
         # block ids: they go with the next call (_call), a commit's `forget` (the daemon drops its
         # blocks as for any commit lost) or the release or free as a `retry` (it runs once).
         self._unsent: collections.deque[tuple[Op, bytes]] = collections.deque()
-        # Why the daemon answered this client's last `allocate` or `acquire` that returned None
-        # (no room now), as its reply said (e.g. HBM held for reservations waiting ahead).
-        self.last_refusal: str | None = None
+        self._refusals = threading.local()  # (`last_refusal`: each thread's own)
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
         check_descriptors(endpoint)
         # A call in progress when the daemon is killed ends then, not after its whole timeout.
@@ -259,6 +257,18 @@ class Client:
                       self.lease_timeout_s))
             # The stop signals stay the serving process's main thread's (dflash2/threads.py).
             threads.start(self._heartbeat_thread)
+
+    @property
+    def last_refusal(self) -> str | None:
+        """Why the daemon answered this thread's last `allocate` or `acquire` on this client that
+        returned None (no room now), as its reply said (e.g. HBM held for reservations waiting
+        ahead). Each thread's own: one attribute for all, another thread's refusal overwrote it
+        between a call and its reading (the sglang backend's storage threads)."""
+        return getattr(self._refusals, "reason", None)
+
+    @last_refusal.setter
+    def last_refusal(self, reason: str | None) -> None:
+        self._refusals.reason = reason
 
     def _arenas_gone(self) -> bool:
         """Whether the daemon whose memory this client maps has ended (no side effects: the test a

@@ -43,3 +43,31 @@ def test_a_dram_read_refused_room_says_dram(daemon):
         assert c.last_refusal.startswith("DRAM could not be given room for them now: a block on NVMe is read in DRAM")
     finally:
         c.close()
+
+
+def test_each_thread_reads_its_own_refusal(daemon):
+    """One attribute for all threads: another thread's refusal (or success's stale one) was read as
+    this thread's reason (the sglang backend's storage threads share a client)."""
+    import threading
+
+    c = Client.connect(daemon.endpoint, name="shared", layouts=[SMALL], heartbeat=False)
+    try:
+        lid = c.layouts[0]
+        while c.allocate(lid, 1, tier="dram") is not None:  # DRAM full of blocks being written
+            pass
+        mine = c.last_refusal
+        assert mine and mine.startswith("dram")
+        seen = {}
+
+        def other_thread():
+            seen["before"] = c.last_refusal
+            while c.allocate(lid, 64) is not None:  # HBM full too: a refusal of its own
+                pass
+            seen["after"] = c.last_refusal
+
+        other = threading.Thread(target=other_thread)
+        other.start()
+        other.join()
+        assert seen["before"] is None and seen["after"].startswith("hbm") and c.last_refusal == mine
+    finally:
+        c.close()

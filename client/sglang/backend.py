@@ -397,7 +397,7 @@ class DFlash2Storage(HiCacheStorage):
 
     def _read_refused(self, client: Client, pages: int) -> None:
         """The daemon had no room to read `pages` cached pages now (an acquire answered None, its reason
-        in `client.last_refusal`, another thread's call's may be): they are misses, which sglang
+        in `client.last_refusal`, this thread's own): they are misses, which sglang
         recomputes. Said at most every REFUSAL_LOG_S (before, not at all: a refused write is said)."""
         with self._count_lock:
             self.counters["reads_refused"] += 1
