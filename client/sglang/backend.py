@@ -21,6 +21,7 @@ that stores nothing, so sglang runs on its own host cache.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -71,7 +72,9 @@ class DFlash2Storage(HiCacheStorage):
         self.page_bytes = 0
         self._down_until = 0.0
         self._reattach = threading.Lock()
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        # (deques: storage threads append while get_stats takes, each sample taken once)
+        self._metrics = {name: collections.deque() for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
+                                                               "backup_bandwidth")}
         self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
                          "failed_calls": 0, "commits_unlinked": 0, "reads_refused": 0}
         self._refusal_logged = -float("inf")  # when a refused read was last logged (`_read_refused`)
@@ -282,6 +285,13 @@ class DFlash2Storage(HiCacheStorage):
     def _failed(self, client: Client, e: DFlash2Error) -> None:
         """Never an exception into sglang's threads: a page evicted between lookup and acquire, or a
         daemon that restarted and no longer knows us, is a miss (or a failed write)."""
+        if client is not self.client:
+            # A client replaced since (a reattach after a restart) fails its calls: that says nothing
+            # of the daemon now. Taken for it, every storage thread missed 10 s more after the
+            # reattach (a review).
+            self._count("failed_calls")
+            log.info("dflash2: a call on the client replaced since failed (%s); treated as a miss", e)
+            return
         if isinstance(e, DaemonUnavailable):
             self._daemon_down(e)
             return
@@ -411,7 +421,10 @@ class DFlash2Storage(HiCacheStorage):
                     client.last_refusal)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
-        page = self.mem_pool_host.page_size
+        # Whole pages as sglang's controller hands them: of `logical_page_size` tokens, which decode
+        # context parallelism widens (dcp_size ranks share a page, each storing its own rows of
+        # `page_size`: pages.py); `page_size` refused every page of an MLA server with --dcp-size 2.
+        page = getattr(self.mem_pool_host, "logical_page_size", self.mem_pool_host.page_size)
         if host_indices.numel() != n * page:
             raise ValueError(f"{n} page keys but {host_indices.numel()} host indices (page size {page})")
         return host_indices[::page].tolist()
@@ -531,8 +544,8 @@ class DFlash2Storage(HiCacheStorage):
 
         metrics = StorageMetrics()
         for name, values in self._metrics.items():
-            getattr(metrics, name).extend(values)
-            values.clear()
+            taken = [values.popleft() for _ in range(len(values))]  # (a sample appended meanwhile stays)
+            getattr(metrics, name).extend(taken)
         return metrics
 
 
