@@ -185,10 +185,14 @@ def rounding_warnings(plan: Plan) -> list[str]:
         wasted = [t for t in plan.tiers if t.capacity_bytes and slot_bytes(lay.block_bytes, t.alignment)
                   >= ROUNDING_WARN_FACTOR * lay.block_bytes]
         if wasted:
-            # Each tier with its own slot and alignment (the first's were said of all, a review).
-            each = [(t.tier.label, slot_bytes(lay.block_bytes, t.alignment), t.alignment) for t in wasted]
-            said = "; ".join(f"slots of {slot} bytes in {label} ({align}-byte alignment): {100 * (1 - lay.block_bytes / slot):.0f}% "
-                             "of it would hold nothing" for label, slot, align in each)
+            # Each tier with its own slot and alignment, tiers alike said together (the first's
+            # were said of all, a review).
+            groups: dict[tuple[int, int], list[str]] = {}
+            for t in wasted:
+                groups.setdefault((slot_bytes(lay.block_bytes, t.alignment), t.alignment), []).append(t.tier.label)
+            said = "; ".join(f"slots of {slot} bytes in {' and '.join(labels)} ({align}-byte alignment): "
+                             f"{100 * (1 - lay.block_bytes / slot):.0f}% of {'that tier' if len(labels) == 1 else 'those tiers'} "
+                             "would hold nothing" for (slot, align), labels in groups.items())
             out.append(f"layouts.{name}: its blocks of {lay.block_bytes} bytes take {said}; a larger "
                        "kv_block.block_size (tokens per block) wastes less")
     return out
