@@ -12,13 +12,15 @@ from dflash2.tiers import Tier
 
 
 def refuse_dropped(table: BlockTable, rows: np.ndarray, vids) -> None:
-    """UnknownBlock naming the first of `rows` that a read back from NVMe dropped (its checksum
-    failed) since the call looked them up: freed, or kept only for earlier holders (`lost`)."""
+    """UnknownBlock naming the first of `rows` that a read back from NVMe dropped (the read failed:
+    an I/O error, or bytes that failed their checksum; the mover does not keep which) since the call
+    looked them up: freed, or kept only for earlier holders (`lost`)."""
     gone = (table.cols.tier[rows] < 0) | table.is_lost(rows)
     if any_true(gone):
         vid = int(np.asarray(vids).reshape(-1)[int(np.flatnonzero(gone)[0])])
-        raise UnknownBlock(f"block {vid:#x} failed its checksum on the read back from NVMe and was dropped from "
-                           "the cache (a miss): look the chain up again and recompute from there")
+        raise UnknownBlock(f"block {vid:#x} failed its read back from NVMe (an I/O error, or bytes that failed their "
+                           "checksum: the daemon's log says which) and was dropped from the cache (a miss): look the "
+                           "chain up again and recompute from there")
 
 
 def refuse_unmovable(table: BlockTable, rows: np.ndarray, tiers: np.ndarray, below: np.ndarray, up_to: Tier) -> None:

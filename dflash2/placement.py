@@ -57,7 +57,7 @@ class PlacementStats:
     demoted: int = 0
     evicted: int = 0
     evicted_bytes: int = 0  # their blocks' bytes (the duel's miniatures turn over by bytes: duel.py)
-    lost: int = 0  # read back from NVMe failed its checksum: dropped, a miss
+    lost: int = 0  # read back from NVMe failed (I/O error or checksum): dropped, a miss
     orphaned: int = 0  # cached children dropped with a lost parent (nobody could find them by lookup)
     promoted: int = 0
     not_admitted: int = 0  # dropped instead of demoted: the tier below refused them (counted in `evicted` too)

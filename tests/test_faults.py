@@ -117,7 +117,7 @@ def test_an_acquire_of_blocks_whose_prefetch_read_failed_in_flight_names_the_dro
     try:
         found = [p.vid for p in m.lookup(keys, lid)]
         assert found == [int(v) for v in vids] and m.placement.in_flight
-        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its checksum.*look the chain up again"):
+        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its read back from NVMe \\(an I/O error, or bytes that failed their checksum.*look the chain up again"):
             m.acquire(a, found)
     finally:
         m.placement.read_later = False

@@ -58,7 +58,7 @@ def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr, caplog):
     nvme.corrupt_for_test(mgr.place(int(vids[1])).offset)
     with caplog.at_level(logging.WARNING):
         # Not None ("no room now": HBM has room, and a retry could never succeed): named.
-        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its checksum.*look the chain up again"):
+        with pytest.raises(UnknownBlock, match=f"block {int(vids[1]):#x} failed its read back from NVMe \\(an I/O error, or bytes that failed their checksum.*look the chain up again"):
             mgr.acquire(a, vids)
     assert f"1 of 3 blocks read back from NVMe failed their checksum or read (block {int(vids[1]):#x}" in caplog.text
     # The byte named is the file's (past its header), where `dd skip=` finds the block; so do the
