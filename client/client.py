@@ -67,8 +67,9 @@ def resolve_endpoint(endpoint: str | None, config) -> str:
     """The endpoint given, else the config's `daemon.endpoint` (a path or a loaded Config), else the
     config's default (the runtime-folder ipc socket)."""
     if endpoint:
-        from dflash2.endpoints import connectable
+        from dflash2.endpoints import connectable, endpoint_parts
 
+        endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros: another key file's name)
         return connectable(endpoint)
     return _config(config).client_endpoint()
 
@@ -83,7 +84,9 @@ def resolve_key_file(endpoint: str | None, config):
 def _config(config):
     from dflash2.config import Config, load_config
 
-    return config if isinstance(config, Config) else load_config(config or "dflash2_config.json")
+    # (None: not given; "" is given, and load_config refuses it: taken for "not given", it asked
+    # another daemon than the one meant, a review)
+    return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
 
 
 _NO_BAD_ID = object()
@@ -203,6 +206,10 @@ class Client:
         reuse; `set_prefill_rate` changes it later). A tcp endpoint's key file (dflash2/tcpkeys.py)
         is the config's `daemon.tcp_key_file`, else `tcp-PORT.key` in the runtime folder."""
         key_file = None
+        if endpoint is not None:
+            from dflash2.endpoints import endpoint_parts
+
+            endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros named another key file)
         if endpoint is None or config is not None:
             cfg = _config(config)
             endpoint = endpoint or cfg.client_endpoint()
@@ -373,9 +380,11 @@ class Client:
                                     f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
                                     "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
         try:
-            while self._unsent:  # (noted before it leaves the queue: an exception between loses none)
-                self._transport.give_up_unsent(self.client_id, *self._unsent[0])
-                self._unsent.popleft()
+            while self._unsent:
+                # Out of the queue before it is noted again: noted twice (an exception between), a
+                # release ran twice and dropped another thread's pin (a review); lost there, its pins
+                # stay until detach, the safe side.
+                self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
             waited = min(time.monotonic() - began, timeout - 1e-3)
             return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
         except DaemonError as e:

@@ -149,6 +149,9 @@ class Transport:
         # `retry` calls the daemon has not answered yet: their call id -> (client, the release or free
         # timed out, its call id, its block ids frame)
         self._retries: dict[int, tuple[int, P.Op, int, bytes]] = {}
+        # Whether a `forget` or `retry` was noted and not yet all queued on the socket: the next call
+        # queues them first (one noted and then cut short was held back until a new socket, a review).
+        self._unsent_noted = False
         self._sock: zmq.Socket | None = None  # None once closed, or while a fresh one could not be made
         self._closed = False
         self._open()
@@ -238,6 +241,7 @@ class Transport:
         their answers are taken off as they come (`_answered`). False when they cannot even be queued."""
         if self._sock is None:
             return False
+        self._unsent_noted = True  # (until every one is queued: an exception of the caller's may cut this short)
         try:
             for fid, (owner, call, written) in self._forgets.items():
                 send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
@@ -248,6 +252,7 @@ class Transport:
                                                          version=self.version, token=self.token), NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
+        self._unsent_noted = False
         return True
 
     def _answered(self, reply: P.Reply) -> None:
@@ -278,6 +283,8 @@ class Transport:
                 # nothing out (a `forget` of each pushed real ones out, a review). Before, the call
                 # was lost: a release's pins stayed held, a commit's blocks the writer's, until detach.
                 raise DaemonUnavailable(f"{op.value}: {e}{self._keep_unsent(op, client, arrays)}") from None
+            self._send_pending()
+        elif self._unsent_noted:  # noted, and never all queued on this socket (cut short: `_send_pending`)
             self._send_pending()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
@@ -385,6 +392,7 @@ class Transport:
         """Keep a release or free (`call_id`) to send again until answered (MAX_RETRIES, MAX_RETRY_IDS:
         past them the oldest is dropped, logged). Returns what the timed-out call's error says of it."""
         self._retries[next(self._ids)] = (client, op, call_id, vids)
+        self._unsent_noted = True
         ids = sum(len(frame) for _, _, _, frame in self._retries.values()) // P.VIDS_DTYPE.itemsize
         while len(self._retries) > 1 and (len(self._retries) > MAX_RETRIES or ids > MAX_RETRY_IDS):
             _, old_op, old_call, frame = self._retries.pop(next(iter(self._retries)))
@@ -402,6 +410,7 @@ class Transport:
         later calls, lost with sockets that never connected, never run (dropping the oldest, past 256
         timeouts of a frozen daemon, left that call's blocks held with no word, a review)."""
         self._forgets[next(self._ids)] = (client, call_id, written)
+        self._unsent_noted = True
         while len(self._forgets) > MAX_FORGETS:
             second = list(itertools.islice(self._forgets, 2))[1]
             _, lost_call, _ = self._forgets.pop(second)

@@ -132,7 +132,7 @@ def resolve_endpoint(args: argparse.Namespace) -> tuple[str, Optional[Path]]:
 
     if args.endpoint:
         return connectable(args.endpoint), None
-    path = args.config or ("dflash2_config.json" if os.path.exists("dflash2_config.json") else None)
+    path = args.config if args.config is not None else ("dflash2_config.json" if os.path.exists("dflash2_config.json") else None)
     if path is None:
         return default_endpoint(os.environ), None
     try:

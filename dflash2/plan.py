@@ -64,7 +64,7 @@ class Plan:
     staging_bytes: int
     nvme_path: Optional[Path]
     endpoint: str
-    state_dir: Path
+    state_dir: Path | None  # None: history off and its default could not be resolved (`_state_dir`)
     notes: tuple[str, ...]
     tcp_key_file: Optional[Path] = None  # a tcp endpoint's key file (tcpkeys.py); None for ipc
 
@@ -112,7 +112,7 @@ class Plan:
             "nvme_path": str(self.nvme_path) if self.nvme_path else None,
             "endpoint": self.endpoint,
             "tcp_key_file": str(self.tcp_key_file) if self.tcp_key_file else None,
-            "state_dir": str(self.state_dir),
+            "state_dir": None if self.state_dir is None else str(self.state_dir),
             "total_bytes": self.total_bytes,
             "notes": list(self.notes),
         }
@@ -137,11 +137,23 @@ def resolve_plan(cfg: Config) -> Plan:
     _layouts_fit(tiers, layouts, notes)
     plan = Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
                 staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
-                endpoint=_checked_endpoint(cfg), state_dir=cfg.resolved_state_dir(), notes=tuple(notes),
+                endpoint=_checked_endpoint(cfg), state_dir=_state_dir(cfg), notes=tuple(notes),
                 tcp_key_file=cfg.resolved_tcp_key_file())
     if plan.pools > 1:
         plan = dataclasses.replace(plan, notes=(*plan.notes, *_split_between_gpus(plan)))
     return plan
+
+
+def _state_dir(cfg: Config) -> Path | None:
+    """The state folder, which only the history uses: with history off, the default when it cannot be
+    resolved ($HOME empty or relative) is None rather than an error (a review: a daemon that never
+    uses the folder refused to start)."""
+    try:
+        return cfg.resolved_state_dir()
+    except ConfigError:
+        if cfg.history_enabled or cfg.daemon.state_dir is not None:  # (a folder set and wrong is an error)
+            raise
+        return None
 
 
 def _split_between_gpus(plan: Plan) -> list[str]:
@@ -343,7 +355,7 @@ def _render_lines(plan: Plan) -> list[str]:
              f"  device:      {plan.device_kind}",
              f"  endpoint:    {plan.endpoint}",
              *([f"  key file:    {plan.tcp_key_file} (a client must read it to attach)"] if plan.tcp_key_file else []),
-             f"  state dir:   {plan.state_dir}",
+             f"  state dir:   {plan.state_dir or '(none: history is off and $HOME cannot give the default)'}",
              f"  nvme file:   {plan.nvme_path or '(no NVMe tier)'}",
              f"  staging:     {_staging_line(plan)}",
              f"  total cache: {human_bytes(plan.total_bytes)}", ""]

@@ -15,10 +15,12 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
 
+from dflash2 import protocol as P
 from dflash2.client import Client
 from dflash2.errors import ArenaError
 
@@ -123,3 +125,41 @@ def test_a_commit_cut_off_while_it_waits_for_the_clients_lock_is_not_lost(daemon
     finally:
         c.close()
 
+
+def test_a_release_left_to_the_next_call_and_cut_off_there_runs_once_and_soon(daemon):
+    """Noted before it left the client's queue, a release cut off there was noted again by the next
+    call, under another call id, and ran twice: another thread's pin went (a review). Out of the
+    queue first, and what was noted but not all sent goes with the next call on the same socket."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=5.0, heartbeat=False)
+    try:
+        lay = c.layouts[0]
+        vid = int(c.allocate(lay, 1)["vid"][0])
+        c.commit([vid], keys=[4242])
+        assert c.acquire([vid]) is not None  # thread A's pin
+        assert c.acquire([vid]) is not None  # thread B's pin
+        # thread A's release timed out waiting for the client's lock: left to the next call
+        c._unsent.append((P.Op.RELEASE, np.array([vid], dtype=P.VIDS_DTYPE).tobytes()))
+        c._held.released(np.array([vid], dtype=P.VIDS_DTYPE))
+        real = c._transport._send_pending
+        calls = {"n": 0}
+
+        def interrupted_once():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise Deadline("request deadline lands inside give_up_unsent")
+            return real()
+        c._transport._send_pending = interrupted_once
+        with pytest.raises(Deadline):
+            c.ping()
+        c.ping()  # sends the pending retries
+        c.ping()
+        retries = daemon.log().count("sent it again: run now")
+        # thread B still holds its pin: its own release must succeed, and only one retry ran
+        try:
+            c.release([vid])
+            b_err = None
+        except Exception as e:  # noqa: BLE001
+            b_err = e
+        assert retries == 1 and b_err is None, f"thread A's one release ran {retries} times; B's release: {b_err!r}"
+    finally:
+        c.close()

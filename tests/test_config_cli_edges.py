@@ -82,3 +82,47 @@ def test_bench_policy_refuses_an_empty_policy_name():
 
     with pytest.raises(OptionError, match="has an empty name"):  # (dropped without a word)
         parse_policies("heat,,lru")
+
+
+def test_with_history_off_an_unusable_home_does_not_stop_a_start(tmp_path, monkeypatch):
+    """Only the history uses the state folder: its default, unresolvable with $HOME empty, refused a
+    daemon that never uses it (a review of the $HOME rule)."""
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    raw = {"enable": True, "device": {"kind": "host"}, "memory": {**MEMORY, "nvme_path": str(tmp_path / "n.cache")},
+           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock"}}
+    plan = resolve_plan(parse_config(raw, source_path=tmp_path / "c.json"))
+    assert plan.state_dir is None and "history is off" in plan.render_text()
+    with pytest.raises(ConfigError, match=r"daemon.state_dir.*\$HOME is ''"):
+        resolve_plan(parse_config({**raw, "history_enabled": True}, source_path=tmp_path / "c.json"))
+
+
+def test_a_client_given_a_port_with_leading_zeros_is_told_so():
+    from dflash2.client import Client
+
+    with pytest.raises(ValueError, match="without leading zeros"):  # (it looked for tcp-05599.key: "is it running?")
+        Client.connect(endpoint="tcp://127.0.0.1:05599", timeout_s=0.5, heartbeat=False)
+
+
+def _a_config_here(tmp_path, monkeypatch):
+    (tmp_path / "dflash2_config.json").write_text(
+        '{"enable": true, "device": {"kind": "host"}, "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, '
+        f'"dram_capacity_mb": 8, "nvme_capacity_mb": 0}}, "daemon": {{"endpoint": "ipc://{tmp_path}/other.sock"}}}}')
+    monkeypatch.chdir(tmp_path)
+
+
+def test_an_empty_config_for_a_client_names_no_file_rather_than_using_another(tmp_path, monkeypatch):
+    """`config=""` (a probe script's unset variable) was taken for "not given": ./dflash2_config.json's
+    daemon was asked instead (a review)."""
+    from dflash2.client.client import resolve_endpoint
+
+    _a_config_here(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match="names no file"):
+        resolve_endpoint(None, "")
+
+
+@pytest.mark.parametrize("command", ["status", "history"])
+def test_an_empty_config_for_the_cli_names_no_file(tmp_path, monkeypatch, capsys, command):
+    _a_config_here(tmp_path, monkeypatch)
+    assert cli.main([command, "--config", ""]) == 2
+    assert "names no file" in capsys.readouterr().err

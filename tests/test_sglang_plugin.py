@@ -225,3 +225,14 @@ def test_rewrite_logs_the_sizing_note_and_still_uses_dflash2(caplog):
     assert verdict.ok and args.hicache_storage_backend == "dynamic"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["dflash2: too much HBM"]
+
+
+@pytest.mark.parametrize("home", ["", "relhome"])
+def test_the_flags_tilde_with_an_unusable_home_falls_back_naming_home(monkeypatch, caplog, home):
+    """It was expanded by os.path.expanduser, which read an empty $HOME as "/": another file was
+    checked, where load_config refuses such a `~` (a review)."""
+    monkeypatch.setenv("HOME", home)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        verdict = rewrite_args(sglang_args(dflash2_config="~/c.json"), check=pytest.fail)
+    assert not verdict.ok and f"$HOME is {home!r}" in verdict.reason and "fallback to default" in caplog.text
+

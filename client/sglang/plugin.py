@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 
 from dflash2.client.sglang.identity import server_args
 from dflash2.errors import DFlash2Error
@@ -111,7 +110,9 @@ def config_file(path: str) -> str:
     """The flag's file as one absolute path, `~` expanded, as `load_config` reads it: the start-up
     check and every scheduler's backend load this one (`--dflash2-config=~/x`, which no shell
     expands, passed the check and reached the backends as `$CWD/~/x`: each fell back; a review)."""
-    return os.path.abspath(os.path.expanduser(path))
+    from dflash2.config import expand_user
+
+    return str(expand_user(path, FLAG).absolute())  # (ConfigError: `~` with $HOME empty or relative, or ~user unknown)
 
 
 def fallback_line(reason: str) -> str:
@@ -208,8 +209,12 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
                          f"(HiCache, --enable-hierarchical-cache), which sglang does not allow with {conflict}: "
                          f"remove one of them")
     user_extra_config(getattr(args, "hicache_storage_backend_extra_config", None))
-    path = config_file(path)
-    verdict = check(path)
+    try:
+        path = config_file(path)
+    except DFlash2Error as e:  # (its `~` cannot be expanded here: as a config that cannot be read)
+        verdict = Verdict(False, str(e))
+    else:
+        verdict = check(path)
     if not verdict.ok:
         log.warning(fallback_line(verdict.reason))
         return verdict
