@@ -161,6 +161,13 @@ class Rebalancing:
                 # above its high watermark. A block under a cold prefix is read only through it.
                 cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
                 cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
+                # Blocks brought up for a read that has not come yet stay (`awaiting_read`): a prefetch
+                # is not a read, so their scores are old and they were in the cut, and the daemon runs
+                # the cut's pieces after the step that let go of its list of them: a reader's prefetched
+                # chain went back down before it was read (a review).
+                held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+                if held:
+                    cut = cut[~np.isin(cut, np.concatenate(held))]
                 self._cuts[tier] = DrainCut(tier, cut, c.gen[cut].copy())
 
     def _drainable(self) -> list[Tier]:

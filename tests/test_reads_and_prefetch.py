@@ -4,12 +4,16 @@ each reader's position on the chains its lookups found."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import SMALL
 from observe_helpers import scrape
+from daemon_proc import DaemonProcess
 from fault_helpers import make_mgr  # noqa: F401  (a fixture: real host managers with NVMe)
 
+from dflash2.client import Client
 from dflash2.daemon.service import Service
 from dflash2.metrics import DaemonMetrics
 from dflash2.tiers import Tier
@@ -287,3 +291,41 @@ def test_the_window_reported_falls_back_as_hbm_fills(make_manager):
     assert m.stats()["prefetch"]["window"] == 2
     m.free(c, held)
     m.check_invariants()
+
+
+def test_a_prefetched_window_stays_through_the_drain_the_next_step_begins(config_file, tmp_path):
+    """The daemon's step takes a drain's cold cut, then lets go of its list of fresh prefetches, and
+    the cut's pieces run later, between requests: a reader's prefetched chain, not read yet (its
+    scores old: a prefetch is not a read), went straight back down (a review)."""
+    cfg = config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0, "page_kb": 64},
+                      policy={"name": "heat", "cold_threshold": 0.5, "swap_batch_size": 64,
+                              "rescore_interval_ms": 1000, "duel_sample": 0},
+                      kv_block={"block_size": 16, "prefetch_window": 4},
+                      daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")})
+    d = DaemonProcess(cfg).start()
+    try:
+        c = Client.connect(d.endpoint, name="reader", layouts=[SMALL])
+        keys = list(range(1, 9))
+        chain = c.commit(c.allocate(0, 8)["vid"], keys)
+        c.free(chain)
+        filler = c.commit(c.allocate(0, 64)["vid"], list(range(1000, 1064)))  # pushes the chain down to DRAM
+        c.free(filler)
+        hbm = lambda: c.stats()["tiers"]["hbm"]["blocks"]
+        deadline = time.monotonic() + 5
+        while hbm() > 54 and time.monotonic() < deadline:  # HBM (64 blocks) drains to its low watermark
+            time.sleep(0.05)
+        assert set(c.places(chain)["tier"].tolist()) == {1}  # the chain lies in DRAM
+        placed = c.lookup(keys, 0)  # a reader's lookup: the window (8: doubled below the low watermark) comes up
+        assert placed["tier"].tolist() == [0] * 8, placed["tier"]
+        assert c.stats()["prefetch"]["pending"] == 8
+        # HBM is now over its high watermark (62 of 64): the next step begins a drain.
+        n0, t0 = hbm(), time.monotonic()
+        while hbm() >= n0:
+            assert time.monotonic() - t0 < 30, "no drain began"
+            time.sleep(0.005)
+        time.sleep(0.2)
+        tiers = c.places(chain)["tier"].tolist()
+        pre = c.stats()["prefetch"]
+        assert tiers == [0] * 8, f"prefetched, unread blocks demoted by the first step's drain: tiers {tiers}, {pre}"
+    finally:
+        d.stop()
