@@ -355,9 +355,7 @@ class Service(Forgetting):
         return {"version": P.VERSION, "pid": os.getpid()}, []
 
     def _attach(self, req):
-        name = arg(req, "name", str)
-        if len(name) > P.MAX_NAME_CHARS:
-            raise ProtocolError(f"attach: argument 'name' has {len(name)} characters, more than {P.MAX_NAME_CHARS}")
+        name = P.client_name(arg(req, "name", str))
         pid = arg(req, "pid", int, lo=0, hi=PID_MAX)
         specs = arg(req, "layouts", list, default=[])
         pid_ns = arg(req, "pid_namespace", int, default=None)

@@ -54,6 +54,11 @@ class Layout:
             # held a megabyte each)
             raise LayoutError(f"layout name {self.name[:40]!r}... has {len(self.name)} characters, more than "
                               f"{MAX_LAYOUT_NAME_CHARS}")
+        from dflash2.protocol import unprintable  # (printed by `dflash2 status` and the log, as client names)
+
+        why = unprintable(self.name)
+        if why is not None:
+            raise LayoutError(f"layout name {self.name[:40]!r} {why}")
         for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "mla_latent_dim", "mla_rope_dim"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

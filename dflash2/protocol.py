@@ -92,6 +92,27 @@ MAX_BATCH = 65536  # most ids or keys in one call
 MAX_HEADER_BYTES = 1 << 20  # of a request: the daemon's own replies (stats of many clients) may be larger
 MAX_REPLY_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 128  # a client's name at attach (it is listed in every `stats` reply)
+
+
+def unprintable(text: str) -> str | None:
+    """What makes `text` unfit to print as a name (a control character, or a lone surrogate, which
+    UTF-8 cannot hold), or None: a client's name and a layout's are printed by `dflash2 status` and
+    written into the log (a surrogate made `dflash2 status` fail for everyone while that client was
+    attached, and a newline or an escape forged log lines and rewrote operators' terminals, a review)."""
+    if not text.isprintable():  # (a lone surrogate does not print either)
+        bad = next(ch for ch in text if not ch.isprintable())
+        return f"holds a character that does not print ({bad!r})"
+    return None
+
+
+def client_name(name: str) -> str:
+    """An attach's `name`, checked (ProtocolError naming what is wrong)."""
+    if len(name) > MAX_NAME_CHARS:
+        raise ProtocolError(f"attach: argument 'name' has {len(name)} characters, more than {MAX_NAME_CHARS}")
+    why = unprintable(name)
+    if why is not None:
+        raise ProtocolError(f"attach: argument 'name' {why}")
+    return name
 TOKEN_CHARS = 32  # a session token: 16 random bytes in hex
 _HEX_RUN = re.compile("[0-9a-f]*")  # a token's characters: one match, not a Python step per character
 # Largest frame the daemon accepts (ZMQ_MAXMSGSIZE on its socket; a peer that sends a larger one is
@@ -270,7 +291,7 @@ def encode_request(op: Op, call_id: int, client: int | None, args: dict | None =
 def decode_request(frames: list[bytes]) -> Request:
     if len(frames) > MAX_REQUEST_FRAMES:
         raise ProtocolError(f"a request has at most {MAX_REQUEST_FRAMES} frames (magic, version, header and "
-                            f"up to {MAX_ARRAYS} arrays), got {len(frames)}")
+                            f"up to {MAX_ARRAYS} arrays), got more")
     header = _frames_head(frames)
     name = header.get("op")
     op = _OPS.get(name) if isinstance(name, str) else None

@@ -67,7 +67,7 @@ def vids(*v):
      "nested too deeply"),
     # The frame bound is per frame: more frames than any op uses are refused, whatever they hold.
     ([P.MAGIC, V, b'{"op": "ping", "id": 1}', b"", b"", b""], "at most 5 frames (magic, version, header and up "
-                                                             "to 2 arrays), got 6"),
+                                                             "to 2 arrays), got more"),
 ])
 def test_malformed_frames_get_a_named_error(service, frames, problem):
     reply = P.decode_reply(service.handle_frames(frames))
@@ -401,6 +401,21 @@ def test_a_client_name_is_bounded(service):
     assert not reply.ok and f"argument 'name' has {P.MAX_NAME_CHARS + 1} characters, more than" in reply.error_message
     assert not service.sessions
     assert call(service, Op.ATTACH, args={"name": "x" * P.MAX_NAME_CHARS, "pid": 0}).ok
+
+
+@pytest.mark.parametrize("name, shown", [("x\ud800", "'\\ud800'"), ("evil\x1b[2J\n FAKE LINE", "'\\x1b'"),
+                                         ("a\tb", "'\\t'")])
+def test_a_client_or_layout_name_that_does_not_print_is_refused(service, name, shown):
+    """Names are printed by `dflash2 status` and written into the log: a lone surrogate made `dflash2
+    status` fail for everyone while that client was attached, and a newline or an escape forged log
+    lines and rewrote operators' terminals (a review)."""
+    reply = call(service, Op.ATTACH, args={"name": name, "pid": 0})
+    assert not reply.ok and f"argument 'name' holds a character that does not print ({shown})" in reply.error_message
+    assert not service.sessions
+    layout = {"name": name, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "bf16", "tokens_per_block": 16}
+    reply = call(service, Op.ATTACH, args={"name": "fine", "pid": 0, "layouts": [layout]})
+    assert not reply.ok and "holds a character that does not print" in reply.error_message and not service.sessions
+    assert call(service, Op.ATTACH, args={"name": "sglang:名前 with spaces:tp0", "pid": 0}).ok
 
 
 def test_a_reply_larger_than_a_request_may_be_still_reads():
