@@ -361,6 +361,7 @@ class Client:
                                     "survive fork): connect a new Client in the child")
         if self._detached:
             raise DaemonUnavailable(f"{op.value}: this client is detached; connect a new Client")
+        P.check_frames(op, arrays)  # (before it waits: kept to send later, one too large failed every later call)
         # The call's timeout counts its wait behind other threads' calls on this client: each waited
         # for every call queued ahead of it, then its own whole timeout (eight threads on a stopped
         # daemon: the last failed after 8 timeouts, a review's script).

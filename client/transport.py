@@ -243,17 +243,26 @@ class Transport:
             return False
         self._unsent_noted = True  # (until every one is queued: an exception of the caller's may cut this short)
         try:
-            for fid, (owner, call, written) in self._forgets.items():
-                send_frames(self._sock, P.encode_request(P.Op.FORGET, fid, owner, {"call": call},
-                                                         None if written is None else [written],
-                                                         version=self.version, token=self.token), NOBLOCK, copy=False)
-            for rid, (owner, op, call, vids) in self._retries.items():
-                send_frames(self._sock, P.encode_request(P.Op.RETRY, rid, owner, {"op": op.value, "call": call}, [vids],
-                                                         version=self.version, token=self.token), NOBLOCK, copy=False)
+            for fid, (owner, call, written) in list(self._forgets.items()):
+                self._queue(self._forgets, fid, P.Op.FORGET, owner, {"call": call},
+                            None if written is None else [written])
+            for rid, (owner, op, call, vids) in list(self._retries.items()):
+                self._queue(self._retries, rid, P.Op.RETRY, owner, {"op": op.value, "call": call}, [vids])
         except zmq.ZMQError:
             return False
         self._unsent_noted = False
         return True
+
+    def _queue(self, pending: dict, call_id: int, op: P.Op, client: int, args: dict, arrays) -> None:
+        """Queue one pending `forget` or `retry` without waiting; one that cannot be encoded (a frame
+        past what the daemon accepts) is dropped, logged: kept, it failed every later call."""
+        try:
+            frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
+        except ProtocolError as e:
+            del pending[call_id]
+            log.warning("dflash2: a %s that cannot be sent to dflash2d at %s is dropped: %s", op.value, self.endpoint, e)
+            return
+        send_frames(self._sock, frames, NOBLOCK, copy=False)
 
     def _answered(self, reply: P.Reply) -> None:
         """A reply to an earlier call: a `forget` or a `retry` the daemon has taken (one it refused, an

@@ -49,6 +49,16 @@ class DrainCut:
         self._gone: np.ndarray | None = None
         self._fresh: np.ndarray | None = None
 
+    def exclude(self, rows: np.ndarray) -> None:
+        """Take `rows` out of the cut (blocks brought up for a read that has not come yet: the drain
+        leaves them, rebalance.py `start_drains`); the order is built anew at the next use."""
+        keep = ~np.isin(self.rows, rows)
+        if keep.all():
+            return
+        self.rows, self.gens = self.rows[keep], self.gens[keep]
+        self.keys, self.prefix, self.bound = None, np.empty(0, dtype=np.int64), -np.inf
+        self._gone = self._fresh = None
+
     def _gone_now(self, table) -> np.ndarray:
         """Mask over the cut: the rows that are no longer its blocks in the tier."""
         c = table.cols

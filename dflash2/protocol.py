@@ -281,11 +281,16 @@ def encode_request(op: Op, call_id: int, client: int | None, args: dict | None =
     frames = [MAGIC, VERSION_FRAME if version == VERSION else str(version).encode(),
               _encode_request_json(header).encode(),
               *(arrays or [])]
-    big = max(memoryview(f).nbytes for f in frames)
+    check_frames(op, frames)
+    return frames
+
+
+def check_frames(op: Op, frames) -> None:
+    """ProtocolError when a frame is more than the daemon accepts (it would disconnect the sender)."""
+    big = max((memoryview(f).nbytes for f in frames or ()), default=0)
     if big > MAX_FRAME_BYTES:
         raise ProtocolError(f"{op.value}: a frame of {big} bytes is more than the daemon accepts ({MAX_FRAME_BYTES}; "
                             f"a call carries at most {MAX_BATCH} ids or keys)")
-    return frames
 
 
 def decode_request(frames: list[bytes]) -> Request:

@@ -152,6 +152,14 @@ class Rebalancing:
         """Begin the drain of each tier that went over its high watermark: its cold cut is taken
         now; its pieces run in `rebalance` calls (the server's loop runs them between requests)."""
         c = self.table.cols
+        awaiting = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
+        awaiting = np.concatenate(awaiting) if awaiting else np.empty(0, dtype=np.int64)
+        if len(awaiting):
+            # A drain that spans steps keeps its cut: a block of it that went down and was brought
+            # back up for a read (a reader's prefetch) would go down again unread once the step lets
+            # go of the list of fresh prefetches (a review). Left out, as from a cut taken now.
+            for cut in self._cuts.values():
+                cut.exclude(awaiting)
         for tier in self.tiers:
             if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
                 self.draining.add(tier)
@@ -165,9 +173,8 @@ class Rebalancing:
                 # is not a read, so their scores are old and they were in the cut, and the daemon runs
                 # the cut's pieces after the step that let go of its list of them: a reader's prefetched
                 # chain went back down before it was read (a review).
-                held = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read]
-                if held:
-                    cut = cut[~np.isin(cut, np.concatenate(held))]
+                if len(awaiting):
+                    cut = cut[~np.isin(cut, awaiting)]
                 self._cuts[tier] = DrainCut(tier, cut, c.gen[cut].copy())
 
     def _drainable(self) -> list[Tier]:

@@ -17,6 +17,7 @@ from test_sessions import _held, daemon  # noqa: F401  (fixture)
 
 from dflash2 import protocol as P
 from dflash2.client import Client, DaemonUnavailable, Transport, transport
+from dflash2.errors import ProtocolError
 from dflash2.keys import chain_keys
 from dflash2.protocol import Op
 
@@ -127,3 +128,35 @@ def test_a_commit_that_finds_no_socket_leaves_the_writer_none_of_its_blocks(daem
         assert _held(daemon.endpoint)[0] == 0 and len(c.lookup(keys)) == 0
     finally:
         c.close()
+
+
+def test_a_call_too_large_for_the_daemon_is_refused_before_it_waits(daemon):
+    """Timed out behind another thread's call, a free of more ids than a frame holds was kept to send
+    later, and every later call failed on it with a ProtocolError about a `retry` (a review)."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=1.0, heartbeat=False)
+    try:
+        big = np.arange(1, P.MAX_FRAME_BYTES // 8 + 2, dtype=P.VIDS_DTYPE)
+        c._lock.acquire()  # another thread's call holds the client
+        try:
+            with pytest.raises(ProtocolError, match="free: a frame of .* more than the daemon accepts"):
+                c.free(big)
+        finally:
+            c._lock.release()
+        assert not c._unsent
+        for _ in range(3):
+            c.ping()
+    finally:
+        c.close()
+
+
+def test_a_pending_retry_that_cannot_be_encoded_is_dropped_said(tmp_path, caplog):
+    t = Transport(f"ipc://{tmp_path}/no-daemon.sock")
+    try:
+        t._note_retry(7, Op.FREE, 1, np.zeros(P.MAX_FRAME_BYTES // 8 + 1, dtype=P.VIDS_DTYPE).tobytes())
+        t._note_retry(7, Op.FREE, 2, np.zeros(1, dtype=P.VIDS_DTYPE).tobytes())
+        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+            assert t._send_pending()
+        assert [call for _, _, call, _ in t._retries.values()] == [2] and not t._unsent_noted
+        assert "a retry that cannot be sent to dflash2d" in caplog.text
+    finally:
+        t.close()

@@ -15,6 +15,7 @@ from fault_helpers import make_mgr  # noqa: F401  (a fixture: real host managers
 
 from dflash2.client import Client
 from dflash2.daemon.service import Service
+from dflash2.manager import Watermark
 from dflash2.metrics import DaemonMetrics
 from dflash2.tiers import Tier
 
@@ -329,3 +330,46 @@ def test_a_prefetched_window_stays_through_the_drain_the_next_step_begins(config
         assert tiers == [0] * 8, f"prefetched, unread blocks demoted by the first step's drain: tiers {tiers}, {pre}"
     finally:
         d.stop()
+
+
+def _tiers(m, keys):
+    return [p.tier for p in m.places_of_rows(m.table.lookup(keys, 0))]
+
+
+def test_a_prefetch_during_a_drain_under_way_is_not_drained_again_unread(make_manager, clock):
+    """A drain that spans steps keeps its cut: a chain it had taken down, brought back up by a
+    reader's prefetch, went down again unread once the step let go of the fresh prefetches (the
+    first fix left them out only of a cut taken after them, a review)."""
+    m = make_manager(hbm_blocks=100, dram_blocks=400, prefetch_window=8,
+                     watermarks={Tier.HBM: Watermark(0.9, 0.3)})
+    a = m.attach("reader")
+    m.register_layout(SMALL)
+    keys = list(range(1, 9))
+    chain = m.allocate(a, 0, 8)
+    m.commit(a, chain, keys)
+    m.free(a, chain)
+    clock.advance(1)
+    for i in range(85):  # newer blocks, one at a time (later accesses: warmer under LRU)
+        v = m.allocate(a, 0, 1)
+        m.commit(a, v, [1000 + i])
+        m.free(a, v)
+        clock.advance(0.01)
+    assert m.placement.used_fraction(Tier.HBM) > 0.9
+    m.tick(drain=False)  # the drain begins: its cut holds the chain (coldest)
+    assert Tier.HBM in m.placement.draining
+    for _ in range(200):  # pieces until the chain is down, the drain still going
+        if all(t == Tier.DRAM for t in _tiers(m, keys)):
+            break
+        m.drain_slice(0.05, lambda s: True)  # the server's slices between requests
+    assert all(t == Tier.DRAM for t in _tiers(m, keys)), _tiers(m, keys)
+    assert Tier.HBM in m.placement.draining, "the drain ended before the test could look"
+    # a reader's lookup: the window comes up for its read
+    m.lookup_rows(keys, 0, client=a)
+    assert all(t == Tier.HBM for t in _tiers(m, keys)), _tiers(m, keys)
+    clock.advance(0.1)
+    m.tick(drain=False)  # the next step (the drain goes on: no new cut)
+    for _ in range(5):
+        m.drain_slice(0.05, lambda s: True)  # the server's slices between requests
+    assert all(t == Tier.HBM for t in _tiers(m, keys)), (
+        f"prefetched, unread, demoted again by the drain begun before the prefetch: {_tiers(m, keys)}; "
+        f"pending {m.prefetcher.pending}, wasted {m.prefetcher.wasted}")
