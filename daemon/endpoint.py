@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
+from dflash2.files import same_file
 
 
 class EndpointBusy(DFlash2Error):
@@ -61,7 +62,7 @@ class EndpointLock:
                 os.close(fd)
                 raise EndpointBusy(f"another dflash2d (pid {holder}) is serving {self.endpoint}; "
                                    "stop it first or configure another daemon.endpoint") from None
-            if _is_at(fd, self.lock_path):
+            if same_file(fd, self.lock_path):
                 break
             # The daemon before us removed this file (it stopped) between our open and our lock: a
             # lock on it proves nothing, since the next daemon would make a new file. Lock the one at
@@ -99,16 +100,6 @@ class EndpointLock:
                 pass
             os.close(self._fd)
             self._fd = -1
-
-
-def _is_at(fd: int, path: Path) -> bool:
-    """Whether the open file `fd` is the file now at `path`."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 def probe_port(endpoint: str) -> None:

@@ -43,12 +43,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
-from dflash2.arena.nvmefiles import (HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file,
-                                     same_file)
+from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import ArenaError, CapacityError
+from dflash2.files import same_file
 from dflash2.tiers import Tier
 from dflash2.transfer.failures import RepeatLimit
 

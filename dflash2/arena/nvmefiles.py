@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
 from dflash2.errors import ArenaError
+from dflash2.files import same_file
 
 log = logging.getLogger("dflash2.arena")
 
@@ -170,16 +171,6 @@ def remove_unused_cache_files(nvme_path: Path, in_use: list[Path]) -> None:
             log.warning("NVMe: removed an earlier daemon's cache file %s (%d bytes on disk): no pool of this start "
                         "uses it (it was made for another number of GPUs), and what it held is not valid after a "
                         "restart", path, held)
-
-
-def same_file(fd: int, path: str | os.PathLike) -> bool:
-    """Whether `path` (where it leads, for a link) names the file open at `fd` now."""
-    try:
-        at = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (at.st_dev, at.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 @contextlib.contextmanager
