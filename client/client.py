@@ -66,7 +66,7 @@ class Reservation:
 def resolve_endpoint(endpoint: str | None, config) -> str:
     """The endpoint given, else the config's `daemon.endpoint` (a path or a loaded Config), else the
     config's default (the runtime-folder ipc socket)."""
-    if endpoint:
+    if endpoint is not None:  # ("" is given, and refused by name: as Client.connect and config="")
         from dflash2.endpoints import connectable, endpoint_parts
 
         endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros: another key file's name)
@@ -78,7 +78,7 @@ def resolve_key_file(endpoint: str | None, config):
     """A tcp endpoint's key file (dflash2/tcpkeys.py) for `resolve_endpoint`'s endpoint: None for an
     endpoint given alone (the transport looks for tcp-PORT.key in the runtime folder), else the
     config's (`daemon.tcp_key_file`, or that default; None for an ipc endpoint)."""
-    return None if endpoint else _config(config).resolved_tcp_key_file()
+    return None if endpoint is not None else _config(config).resolved_tcp_key_file()
 
 
 def _config(config):

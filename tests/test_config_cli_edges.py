@@ -126,3 +126,10 @@ def test_an_empty_config_for_the_cli_names_no_file(tmp_path, monkeypatch, capsys
     _a_config_here(tmp_path, monkeypatch)
     assert cli.main([command, "--config", ""]) == 2
     assert "names no file" in capsys.readouterr().err
+
+
+def test_an_empty_endpoint_is_refused_by_name_not_taken_for_none():
+    from dflash2.client.client import resolve_endpoint
+
+    with pytest.raises(ValueError, match="'' must start with ipc:// or tcp://"):
+        resolve_endpoint("", None)
