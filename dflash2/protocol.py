@@ -77,6 +77,7 @@ import json
 import math
 import numbers
 import re
+import unicodedata
 
 import numpy as np
 
@@ -94,15 +95,21 @@ MAX_REPLY_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 128  # a client's name at attach (it is listed in every `stats` reply)
 
 
+# What a name may not hold: control characters, lone surrogates, line and paragraph separators
+# (Unicode categories), and the bidirectional overrides and isolates, which reorder what a terminal
+# shows after them. Spaces of every kind, joiners and letters of every script are fine (refused by
+# str.isprintable, a model path with a full-width space turned dflash2 off for sglang, a review).
+_NOT_IN_NAMES = frozenset({"Cc", "Cs", "Zl", "Zp"})
+_BIDI_CONTROLS = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+
+
 def unprintable(text: str) -> str | None:
-    """What makes `text` unfit to print as a name (a control character, or a lone surrogate, which
-    UTF-8 cannot hold), or None: a client's name and a layout's are printed by `dflash2 status` and
-    written into the log (a surrogate made `dflash2 status` fail for everyone while that client was
-    attached, and a newline or an escape forged log lines and rewrote operators' terminals, a review)."""
-    if not text.isprintable():  # (a lone surrogate does not print either)
-        bad = next(ch for ch in text if not ch.isprintable())
-        return f"holds a character that does not print ({bad!r})"
-    return None
+    """What makes `text` unfit to print as a name, or None: a client's name and a layout's are
+    printed by `dflash2 status` and written into the log (a surrogate made `dflash2 status` fail for
+    everyone while that client was attached, and a newline or an escape forged log lines and rewrote
+    operators' terminals, a review)."""
+    bad = next((ch for ch in text if unicodedata.category(ch) in _NOT_IN_NAMES or ch in _BIDI_CONTROLS), None)
+    return None if bad is None else f"holds a control character or one that does not print ({bad!r})"
 
 
 def client_name(name: str) -> str:

@@ -15,6 +15,7 @@ from dflash2 import protocol as P
 from dflash2.client import DaemonUnavailable, Transport
 from dflash2.daemon.service import Service
 from dflash2.keys import chain_keys
+from dflash2.layout import Layout
 from dflash2.protocol import Op
 
 
@@ -404,18 +405,23 @@ def test_a_client_name_is_bounded(service):
 
 
 @pytest.mark.parametrize("name, shown", [("x\ud800", "'\\ud800'"), ("evil\x1b[2J\n FAKE LINE", "'\\x1b'"),
-                                         ("a\tb", "'\\t'")])
+                                         ("a\tb", "'\\t'"), ("a\u202eb", "'\\u202e'"), ("a\u2028b", "'\\u2028'")])
 def test_a_client_or_layout_name_that_does_not_print_is_refused(service, name, shown):
     """Names are printed by `dflash2 status` and written into the log: a lone surrogate made `dflash2
     status` fail for everyone while that client was attached, and a newline or an escape forged log
     lines and rewrote operators' terminals (a review)."""
     reply = call(service, Op.ATTACH, args={"name": name, "pid": 0})
-    assert not reply.ok and f"argument 'name' holds a character that does not print ({shown})" in reply.error_message
+    assert not reply.ok and f"argument 'name' holds a control character or one that does not print ({shown})" \
+        in reply.error_message
     assert not service.sessions
     layout = {"name": name, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "bf16", "tokens_per_block": 16}
     reply = call(service, Op.ATTACH, args={"name": "fine", "pid": 0, "layouts": [layout]})
-    assert not reply.ok and "holds a character that does not print" in reply.error_message and not service.sessions
-    assert call(service, Op.ATTACH, args={"name": "sglang:名前 with spaces:tp0", "pid": 0}).ok
+    assert not reply.ok and "holds a control character or one" in reply.error_message and not service.sessions
+    # Spaces of every kind, joiners and every script are names (isprintable refused a model path with a
+    # full-width space, and sglang then ran without dflash2, a review).
+    for fine in ("sglang:名前 with spaces:tp0", "sglang:/data/モデル\u3000v2:tp0", "a\u00a0b", "\U0001f468\u200d\U0001f469"):
+        assert call(service, Op.ATTACH, args={"name": fine, "pid": 0}).ok, fine
+        Layout(f"{fine}:mha", num_layers=1, num_kv_heads=1, head_dim=8, dtype="bf16", tokens_per_block=16)
 
 
 def test_a_reply_larger_than_a_request_may_be_still_reads():
