@@ -33,7 +33,7 @@ from dflash2.client.held import HeldPlaces
 from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
-from dflash2.keys import key_array
+from dflash2.keys import NONE_BAD, first_not_integer, key_array
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -89,9 +89,6 @@ def _config(config):
     return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
 
 
-_NO_BAD_ID = object()
-
-
 def vid_array(vids) -> np.ndarray:
     """Block ids as the wire's int64s. Only integers: a float id was cut to another block's without a
     word (ids are near 2^61, where a float64 keeps multiples of 512: a commit of block 1 given as
@@ -102,8 +99,8 @@ def vid_array(vids) -> np.ndarray:
             raise TypeError(f"block ids are integers, got an array of {arr.dtype}")
         # A list of numpy uint64 and Python ints becomes float64 (numpy's promotion): by element.
         items = np.asarray(vids, dtype=object).reshape(-1)
-        odd = next((v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))), _NO_BAD_ID)
-        if odd is not _NO_BAD_ID:  # (a bad id may be None itself: it was taken for none, and int(None) raised)
+        odd = first_not_integer(items)
+        if odd is not NONE_BAD:  # (a bad id may be None itself: it was taken for none, and int(None) raised)
             raise TypeError(f"block ids are integers, got {odd!r}")
         ints = [int(v) for v in items]
         bad = next((v for v in ints if not 0 <= v < 1 << 64), None)

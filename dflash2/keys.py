@@ -34,7 +34,13 @@ def fib_slots(keys: np.ndarray, bits: int) -> np.ndarray:
 
 
 KEYS_RANGE = "content keys must be integers in [0, 2^64)"
-_NO_BAD_KEY = object()  # (`key_array`: a bad key may be None itself)
+NONE_BAD = object()  # "no bad value found" (a bad value may be None itself)
+
+
+def first_not_integer(values):
+    """The first of `values` that is not an integer (a bool is none), else NONE_BAD. For a list that
+    numpy turned into floats (numpy uint64 beside Python ints): checked by element."""
+    return next((v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)), NONE_BAD)
 
 
 def _not_key(k) -> bool:
@@ -65,14 +71,14 @@ def key_array(keys) -> np.ndarray:
     if not arr.size:
         return np.zeros(0, dtype=np.uint64)
     if arr.dtype.kind == "O":
-        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), _NO_BAD_KEY)
-        if bad is _NO_BAD_KEY:
+        bad = next((k for k in arr.ravel().tolist() if _not_key(k)), NONE_BAD)
+        if bad is NONE_BAD:
             arr = np.array([int(k) for k in arr.ravel().tolist()], dtype=np.uint64)
     elif arr.dtype.kind not in "iu":
         bad = arr.ravel()[0]
     else:
-        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else _NO_BAD_KEY
-    if bad is not _NO_BAD_KEY:  # (a bad key may be None itself)
+        bad = arr[arr < 0].ravel()[0] if arr.dtype.kind == "i" and (arr < 0).any() else NONE_BAD
+    if bad is not NONE_BAD:  # (a bad key may be None itself)
         raise ValueError(f"{KEYS_RANGE}, got {bad!r} (as {arr.dtype})")
     return np.asarray(arr, dtype=np.uint64).reshape(-1)
 
@@ -99,8 +105,8 @@ def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int, nam
             raise TypeError(f"token ids are integers, got an array of {tokens.dtype}")
         # A list of numpy uint64 and Python ints becomes float64 (numpy's promotion): by element.
         items = np.asarray(token_ids, dtype=object)
-        odd = next((t for t in items if isinstance(t, bool) or not isinstance(t, (int, np.integer))), _NO_BAD_KEY)
-        if odd is not _NO_BAD_KEY:
+        odd = first_not_integer(items)
+        if odd is not NONE_BAD:
             raise TypeError(f"token ids are integers, got {odd!r}")
         tokens = np.array([int(t) for t in items], dtype="<i8")
     tokens = tokens.astype("<i8", copy=False)

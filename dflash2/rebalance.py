@@ -173,9 +173,8 @@ class Rebalancing:
                 # is not a read, so their scores are old and they were in the cut, and the daemon runs
                 # the cut's pieces after the step that let go of its list of them: a reader's prefetched
                 # chain went back down before it was read (a review).
-                if len(awaiting):
-                    cut = cut[~np.isin(cut, awaiting)]
                 self._cuts[tier] = DrainCut(tier, cut, c.gen[cut].copy())
+                self._cuts[tier].exclude(awaiting)
 
     def _drainable(self) -> list[Tier]:
         """The draining tiers whose drain may run now, slowest first. One with a storage tier below it

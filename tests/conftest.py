@@ -174,3 +174,16 @@ def small_nvme_manager(config_file, instance_name):
     m = build_manager(cfg, instance=instance_name)
     yield m
     m.close()
+
+
+def gpu_node(tmp_path, monkeypatch, n: int, **memory) -> dict:
+    """A raw config of a node of `n` GPUs (probe_gpus stood in for: 8 GiB each), NVMe file in tmp_path."""
+    from dflash2 import plan as plan_module
+    from dflash2.plan import Gpu
+
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(n)])
+    return {"enable": True, "device": {"kind": "cuda"},
+            "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
+                       "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16, **memory},
+            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+

@@ -12,13 +12,13 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import write_config
+from conftest import gpu_node, write_config
 
 from dflash2 import plan as plan_module
 from dflash2.config import check_environment, default_endpoint, parse_config
 from dflash2.daemon import main as dmain
 from dflash2.errors import ConfigError
-from dflash2.plan import Gpu, resolve_plan
+from dflash2.plan import resolve_plan
 
 MB = 1 << 20
 HOST_MEMORY = {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0}
@@ -52,14 +52,6 @@ def test_a_lease_no_longer_than_the_default_heartbeat_is_refused():
 
 
 # -- several GPUs ------------------------------------------------------------------------------------
-
-def gpu_node(tmp_path, monkeypatch, n: int, **memory) -> dict:
-    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(n)])
-    return {"enable": True, "device": {"kind": "cuda"},
-            "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
-                       "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16, **memory},
-            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
-
 
 def test_a_tier_whose_share_per_gpu_is_under_a_page_is_refused(tmp_path, monkeypatch):
     """14 MB of DRAM on 8 GPUs with 2 MiB pages: each pool's 1.75 MB rounded to no page, and every

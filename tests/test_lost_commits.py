@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 from conftest import SMALL
+from stall_helpers import behind_a_stalled_call
 from test_sessions import _held, attach, call, daemon, hbm_used, published, service  # noqa: F401  (fixtures)
 
 from dflash2 import protocol as P
@@ -129,16 +128,8 @@ def test_a_commit_that_timed_out_behind_another_threads_call_leaves_none_of_its_
     try:
         keys = chain_keys(range(16 * 2), 16, "unsent-commit")
         vids = c.allocate(c.layouts[0], 2)["vid"]
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
-            slow = threading.Thread(target=lambda: pytest.raises(DaemonUnavailable, c._call, Op.STATS, timeout_s=2.0))
-            slow.start()
-            time.sleep(0.1)
-            with pytest.raises(DaemonUnavailable, match="never sent"):
-                c.commit(vids, keys=keys)
-            slow.join(10)
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+        with behind_a_stalled_call(daemon, c), pytest.raises(DaemonUnavailable, match="never sent"):
+            c.commit(vids, keys=keys)
         c.ping()
         assert len(c.lookup(keys)) == 0 and _held(daemon.endpoint)[0] == 0
     finally:

@@ -10,13 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import write_config
+from conftest import gpu_node, write_config
 
-from dflash2 import plan as plan_module
 from dflash2.arena.nvme import NvmeArena
 from dflash2.config import load_config, parse_config
 from dflash2.daemon import main as dmain
-from dflash2.plan import Gpu, resolve_plan
+from dflash2.plan import resolve_plan
 
 MB = 1 << 20
 
@@ -113,11 +112,7 @@ def test_an_existing_file_on_a_read_only_place_is_named_as_such(tmp_path, monkey
 def test_staging_on_a_gpu_node_is_counted_per_gpu_and_twice(tmp_path, monkeypatch):
     """Each GPU's pool takes an NVMe staging ring and a pinned buffer, both of the configured size:
     eight GPUs with 512 MB staging take 8 GB of host memory, which `--check` said was 512 MB."""
-    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(2)])
-    raw = {"enable": True, "device": {"kind": "cuda"},
-           "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
-                      "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16},
-           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+    raw = gpu_node(tmp_path, monkeypatch, 2)
     plan = resolve_plan(parse_config(raw))
     assert plan.staging_taken_bytes == 2 * 2 * 16 * MB
     assert plan.to_dict()["staging_taken_bytes"] == 64 * MB

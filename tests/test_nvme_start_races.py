@@ -16,9 +16,8 @@ import threading
 import time
 
 import pytest
-from conftest import write_config
+from conftest import gpu_node, write_config
 
-from dflash2 import plan as plan_module
 from dflash2.arena import nvme as nvme_module
 from dflash2.arena import nvmefiles
 from dflash2.arena.nvme import NvmeArena
@@ -26,7 +25,6 @@ from dflash2.assemble import build_managers
 from dflash2.config import load_config
 from dflash2.daemon import main as dmain
 from dflash2.errors import ArenaError
-from dflash2.plan import Gpu
 
 MB = 1 << 20
 
@@ -138,11 +136,7 @@ def test_an_entry_that_cannot_be_looked_at_is_named_and_left(tmp_path, caplog):
 def test_a_folder_as_nvme_path_is_refused_whatever_the_number_of_gpus(tmp_path, monkeypatch):
     mount = tmp_path / "mnt" / "nvme"
     mount.mkdir(parents=True)  # a disk's mount point, written without a file name
-    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(2)])
-    raw = {"enable": True, "device": {"kind": "cuda"},
-           "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
-                      "nvme_path": str(mount), "staging_buffer_size_mb": 16},
-           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+    raw = gpu_node(tmp_path, monkeypatch, 2, nvme_path=str(mount))
     (tmp_path / "c.json").write_text(json.dumps(raw))
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

@@ -11,14 +11,13 @@ import json
 import os
 import re
 
-from conftest import write_config
+from conftest import gpu_node, write_config
 
-from dflash2 import plan as plan_module
 from dflash2.arena.nvme import NvmeArena
 from dflash2.assemble import build_managers
 from dflash2.config import load_config, parse_config
 from dflash2.daemon import main as dmain
-from dflash2.plan import Gpu, resolve_plan
+from dflash2.plan import resolve_plan
 
 MB = 1 << 20
 
@@ -46,11 +45,7 @@ def test_start_up_removes_an_earlier_daemons_files_that_no_pool_uses(tmp_path, c
 
 def test_check_says_start_up_removes_them_and_counts_their_room(tmp_path, monkeypatch):
     NvmeArena(tmp_path / "nvme.cache", 64 * MB, staging_bytes=1 * MB).close()  # a one-pool daemon's file
-    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(i, "fake", 8 << 30) for i in range(2)])
-    raw = {"enable": True, "device": {"kind": "cuda"},
-           "memory": {"hbm_reserve_mb": 1024, "dram_capacity_mb": 64, "nvme_capacity_mb": 64,
-                      "nvme_path": str(tmp_path / "nvme.cache"), "staging_buffer_size_mb": 16},
-           "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")}}
+    raw = gpu_node(tmp_path, monkeypatch, 2)
     plan = resolve_plan(parse_config(raw))
     st = os.statvfs(tmp_path)
     free_before = st.f_bavail * st.f_frsize

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 from conftest import SMALL
+from stall_helpers import behind_a_stalled_call
 from test_sessions import attach, call, daemon, hbm_used, pins, published, service  # noqa: F401  (fixtures)
 
 from dflash2 import protocol as P
@@ -204,16 +203,8 @@ def test_a_release_that_timed_out_behind_another_threads_call_is_sent_with_the_n
     c = Client.connect(daemon.endpoint, name="reader", layouts=[SMALL], timeout_s=0.5, heartbeat=False)
     try:
         _, vids = _acquired_twice(c, "unsent-release")
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
-            slow = threading.Thread(target=lambda: pytest.raises(DaemonUnavailable, c._call, Op.STATS, timeout_s=2.0))
-            slow.start()
-            time.sleep(0.1)
-            with pytest.raises(DaemonUnavailable, match="never sent .*the next call sends it"):
-                c.release(vids)
-            slow.join(10)
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+        with behind_a_stalled_call(daemon, c), pytest.raises(DaemonUnavailable, match="never sent .*the next call sends it"):
+            c.release(vids)
         c.ping()
         assert c.detach()["unpinned"] == 2
     finally:

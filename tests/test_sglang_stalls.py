@@ -36,12 +36,18 @@ def stall_before(backend, proc, name: str):
     return lambda: setattr(backend.client, name, real)
 
 
-def test_a_read_whose_release_times_out_leaves_no_pin(daemon, backends):
+def backend_with_pages(daemon, backends, seed: int):
+    """A backend of calls that time out after 0.5 s, its host pool's pages 1-3 filled; and the daemon."""
     path, proc = daemon
     pool = host_pool()
     b = make_backend(path, pool, dflash2_timeout_s=0.5)
     backends.append(b)
-    fill(pool, [1, 2, 3], seed=1)
+    fill(pool, [1, 2, 3], seed=seed)
+    return b, proc
+
+
+def test_a_read_whose_release_times_out_leaves_no_pin(daemon, backends):
+    b, proc = backend_with_pages(daemon, backends, seed=1)
     keys = ["k1", "k2", "k3"]
     assert b.batch_set_v1(keys, indices([1, 2, 3])) == [True] * 3
     undo = stall_before(b, proc, "release")
@@ -53,11 +59,7 @@ def test_a_read_whose_release_times_out_leaves_no_pin(daemon, backends):
 
 
 def test_a_write_whose_free_times_out_leaves_no_reference(daemon, backends):
-    path, proc = daemon
-    pool = host_pool()
-    b = make_backend(path, pool, dflash2_timeout_s=0.5)
-    backends.append(b)
-    fill(pool, [1, 2, 3], seed=2)
+    b, proc = backend_with_pages(daemon, backends, seed=2)
     undo = stall_before(b, proc, "free")
     assert b.batch_set_v1(["w1", "w2", "w3"], indices([1, 2, 3])) == [False] * 3
     undo()
