@@ -108,7 +108,7 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_DISABLED
     _warn_all(fmt, warnings)
     if args.check:
-        now = room_now(plan)
+        now = room_now(plan) + ports_now(plan.endpoint, cfg.metrics.host, cfg.metrics.port)
         if args.json:
             print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
         else:
@@ -180,6 +180,24 @@ def room_now(plan: Plan) -> list[str]:
         except OSError as e:
             lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
                          "would fail now (exit 4)")
+    return lines
+
+
+def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
+    """The `now:` lines of the ports start-up binds (a tcp daemon.endpoint, metrics.host:port), tried
+    by the same probes start-up runs before it takes any tier (endpoint.py): a metrics.host that is
+    no address of this node passed --check and start-up then exited 4. A daemon serving this config
+    now holds them too, and is named as such a holder."""
+    from dflash2.daemon.endpoint import EndpointBusy, probe_metrics, probe_port
+
+    lines = []
+    for probe, what in ((lambda: probe_port(endpoint), "daemon.endpoint"),
+                        (lambda: probe_metrics(metrics_host, metrics_port), "metrics")):
+        try:
+            probe()
+        except EndpointBusy as e:
+            lines.append(f"{e} ({what}; a dflash2d serving this config holds it too): start-up would fail "
+                         "now (exit 4)")
     return lines
 
 

@@ -185,3 +185,46 @@ def test_json_without_check_is_a_usage_error_not_a_start(tmp_path):
     result = dflash2d("--config", "absent.json", "--json", cwd=tmp_path)
     assert result.returncode == 2
     assert "--json only goes with --check" in result.stderr
+
+
+def test_check_names_a_metrics_host_or_port_start_up_could_not_bind(write, tmp_path):
+    """--check passed a metrics.host that is no address of this node (TEST-NET-1), and a metrics port
+    another program held; start-up then exited 4 naming them."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        for host, port, named in (("192.0.2.1", 9, "192.0.2.1:9"), ("127.0.0.1", busy, f"127.0.0.1:{busy}")):
+            result = dflash2d("--config", str(write({**GOOD, "metrics": {"host": host, "port": port}})), "--check",
+                              cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            line = next(line for line in result.stdout.splitlines() if "cannot serve metrics" in line)
+            assert line.startswith("now: ") and named in line and "start-up would fail now (exit 4)" in line
+
+
+def test_check_says_nothing_of_ports_that_are_free(write, tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = dflash2d("--config", str(write({**GOOD, "metrics": {"port": port}})), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "cannot serve" not in result.stdout
+
+
+def test_check_names_a_tcp_endpoint_another_program_holds(write, tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = {**GOOD, "daemon": {"endpoint": f"tcp://127.0.0.1:{port}"}}
+        result = dflash2d("--config", str(write(config)), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if "daemon.endpoint" in line and "cannot serve" in line)
+    assert line.startswith("now: ") and "start-up would fail now (exit 4)" in line
+
