@@ -37,11 +37,11 @@ from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import (CopiesRunning, DFlash2Error, ProtocolError, UnknownClient,
-                            WrongToken)
+from dflash2.errors import CopiesRunning, DFlash2Error, ProtocolError, UnknownClient, WrongToken
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
+from dflash2.reservations.records import credit_stall
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -276,18 +276,20 @@ class Service(Forgetting):
                 session.last_seen = now
 
     def resumed(self, stalled_s: float) -> None:
-        """The daemon did not run for `stalled_s` (server.py, stalls.py): that time does not count
-        against a lease, and each client has a heartbeat interval more to reach it again, once a
-        lease at most (given at every stall, short stalls that kept coming, a swap storm's, credited
-        more than the time passing: a dead client in another pid namespace was never let go, a review)."""
+        """The daemon did not run for `stalled_s` (server.py, stalls.py): that time counts neither
+        against a lease nor against a reservation's TTL (records.credit_stall), and each client has a
+        heartbeat interval more to reach it again, once a lease at most (given at every stall, short
+        stalls that kept coming, a swap storm's, credited more than the time passing: a dead client in
+        another pid namespace was never let go, a review)."""
         if stalled_s <= 0:
             return
-        now = self.clock()
-        more = 0.0
+        now, more = self.clock(), 0.0
         if now - self._stall_grace_at >= self.lease_timeout_s:
             more, self._stall_grace_at = self.heartbeat_interval_s, now
         for s in self.sessions.values():
             s.last_seen = min(now, s.last_seen + stalled_s + more)
+        for m in self.managers.values():
+            credit_stall((*m.admission.granted.values(), *m.admission.deferred), stalled_s)
 
     def _check_gpus(self, error: Exception) -> None:
         """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU

@@ -166,3 +166,36 @@ def test_short_stalls_that_keep_coming_still_let_a_dead_client_go(make_manager, 
         raise AssertionError("a client silent for 10 minutes with a 10 s lease was never let go")
     # Running 1.4 s of each 2: a 10 s lease, a heartbeat interval more once, lapses after about 16 s.
     assert second <= 20, second
+
+
+def test_a_stall_counts_against_no_reservations_ttl_but_a_clients_deadline_stands(make_manager, clock):
+    """A granted reservation lapsed untaken, and a queued one left the queue, for time the daemon did
+    not run, while their clients could not reach it (leases were credited, reservations not). A
+    client's own deadline is its time and stands."""
+    from reservation_helpers import settings
+
+    from dflash2.errors import ReservationError
+    from dflash2.reservations import Outcome
+
+    mgr = make_manager(hbm_blocks=8, admission=settings(reservation_ttl_s=10.0))
+    service = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=2.0, clock=clock, pid_alive=lambda pid: True)
+    a, w = mgr.attach("a"), mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    by_ttl = mgr.reserve(a, lid, tokens=16 * 2)
+    by_deadline = mgr.reserve(a, lid, tokens=16 * 2, deadline=clock() + 8.0)
+    mgr.allocate(w, lid, 4)  # the tier is full: the next one waits
+    queued = mgr.reserve(a, lid, tokens=16 * 2)
+    assert [d.outcome for d in (by_ttl, by_deadline, queued)] == [Outcome.GRANTED, Outcome.GRANTED, Outcome.DEFERRED]
+    clock.advance(9.0)  # the daemon did not run
+    service.resumed(9.0)
+    clock.advance(5.0)
+    def alive(decision) -> bool:
+        try:
+            return mgr.admission.status(decision.reservation_id).outcome is not Outcome.REJECTED
+        except ReservationError:  # expired
+            return False
+
+    assert [alive(d) for d in (by_ttl, by_deadline, queued)] == [True, False, True]
+    clock.advance(5.5)  # 10 s of the TTL have run while the daemon ran
+    assert not alive(by_ttl) and not alive(queued)
+    mgr.check_invariants()

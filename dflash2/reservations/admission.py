@@ -91,13 +91,12 @@ class Admission:
         over = self._over_share(client, need)
         if over:
             return self._reject(over)
-        expires = now + self.settings.reservation_ttl_s
-        if deadline is not None:
-            expires = min(expires, deadline)  # the operator's TTL bounds what a client may hold
+        deadline = math.inf if deadline is None else deadline
+        expires = min(now + self.settings.reservation_ttl_s, deadline)  # the operator's TTL bounds a client's
         if expires <= now:
             return self._reject("deadline already passed")
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
-                          layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM))
+                          layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM), deadline=deadline)
         self._next_expiry = min(self._next_expiry, expires)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import numpy as np
 
@@ -45,6 +46,7 @@ class Reservation:
     taken: int = 0
     granted: bool = False
     ended: bool = False  # cancelled, expired or its client gone (`_drop`); not merely all taken
+    deadline: float = math.inf  # the client's own (`deadline_s`): a stall's credit never passes it
 
     @property
     def remaining(self) -> int:
@@ -63,3 +65,13 @@ class Decision:
         # Field by field: dataclasses.asdict (a deep copy) cost each reserve reply ~60 us.
         return {"outcome": self.outcome.value, "reservation_id": self.reservation_id, "reason": self.reason,
                 "position": self.position, "est_wait_s": self.est_wait_s}
+
+
+def credit_stall(reservations, stalled_s: float) -> None:
+    """The daemon did not run for `stalled_s` (daemon/stalls.py): that time does not count against a
+    reservation's `reservation_ttl_s`, as it does not against a lease (a granted reservation lapsed
+    untaken while its client could not reach the daemon to take it), but a client's own deadline
+    stands: that is the caller's time, and it may have given up. Expiries only move later, so
+    admission's earliest-expiry mark may fall early and is worked out again then."""
+    for res in reservations:
+        res.expires = min(res.expires + stalled_s, res.deadline)
