@@ -122,7 +122,10 @@ class DaemonMetrics:
         self.clock = clock
         self.snapshot: dict | None = None  # replaced whole by the owner thread: readers see one or the other
         self.snapshot_at = -math.inf
-        self.registry = CollectorRegistry(auto_describe=True)
+        # The state collector names no metric before a snapshot (they follow it): without the last
+        # flag a name-filtered scrape (`/metrics?name[]=...`) never asked it and answered every state
+        # metric with nothing (a review). prometheus-client 0.25 and later (pyproject.toml).
+        self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         r = self.registry
         self.request_seconds = Histogram("dflash2_request_latency_seconds", "Handling time per control op.",
                                          ["op"], buckets=LATENCY_BUCKETS, registry=r)
@@ -203,7 +206,7 @@ class _StateCollector(Collector):
         self.metrics = metrics
 
     def describe(self):
-        return []  # names depend on the snapshot; nothing to check at registration
+        return []  # names follow the snapshot: a collector without names (asked by every filter)
 
     def collect(self):
         m = self.metrics

@@ -275,3 +275,21 @@ def test_start_up_records_no_background_step_that_never_ran(tmp_path, config_fil
     counts = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
     assert counts["dflash2_rescore_seconds_count"] == 1
     assert counts["dflash2_scheduler_latency_microseconds_count"] == 1
+
+
+def test_a_name_filtered_scrape_answers_state_metrics_too(tmp_path, config_file):
+    """`/metrics?name[]=NAME` (a scrape config's `params: {name[]: [...]}`) answered every state metric
+    (tiers, hits, swaps, reservations, snapshot age) with nothing: the collector that builds them from
+    the snapshot names none at registration, and the filter never asked it (a review)."""
+    port = free_port()
+    cfg = config_file(metrics={"port": port, "host": "127.0.0.1"}, memory={"nvme_path": str(tmp_path / "nvme.cache")})
+    with running_daemon(cfg, str(tmp_path / "daemon.log")):
+        url = f"http://127.0.0.1:{port}/metrics?name[]=dflash2_tier_used_bytes&name[]=dflash2_rescore_seconds_count"
+        deadline = time.monotonic() + 10
+        while True:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            if "dflash2_tier_used_bytes{" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # (the first snapshot)
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert names == {"dflash2_tier_used_bytes", "dflash2_rescore_seconds_count"}, text
