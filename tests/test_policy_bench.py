@@ -65,6 +65,27 @@ def test_belady_passes_blocks_used_again_past_a_full_tier_beside_refused_ones():
     assert r["prefix_hit_rate"] == pytest.approx(4 / 13, abs=1e-4)
 
 
+def test_belady_refuses_a_block_into_a_full_last_tier_when_it_is_read_later_than_what_it_pushes_out():
+    """HBM 1, DRAM 1; single blocks 1 2 1 3 4 5 1 6 3 7 1. At the 5th request 3 (read again at the
+    9th) comes down into a DRAM holding 1 (read again at the 7th). Admitting every block used again,
+    Belady let 3 push 1 out and found 2 of 11, heat 3 (a review): the optimum keeps 1 (hits at the
+    3rd, 7th and 11th)."""
+    trace = reqs(*([k] for k in (1, 2, 1, 3, 4, 5, 1, 6, 3, 7, 1)))
+    best = replay(trace, "belady", hbm_blocks=1, dram_blocks=1, duel_sample=0)
+    assert best["prefix_hit_rate"] == pytest.approx(3 / 11, abs=1e-4)
+    for name in ("lru", "lfu", "heat"):
+        assert replay(trace, name, hbm_blocks=1, dram_blocks=1, duel_sample=0)["prefix_hit_rate"] <= \
+            best["prefix_hit_rate"], name
+
+
+def test_lru_follows_arrival_order_when_requests_share_a_timestamp():
+    """[1] [2] [1] [3] [1] in 2 blocks: LRU lets 2 go for 3 and finds 2 of 5. With every timestamp
+    the same (allowed: arrival order is all a trace must keep), recency tied and 1 went: 1 of 5."""
+    chains = ([1], [2], [1], [3], [1])
+    for trace in (reqs(*chains), [Request(0.0, tuple(c)) for c in chains]):
+        assert replay(trace, "lru", hbm_blocks=2)["prefix_hit_rate"] == pytest.approx(2 / 5, abs=1e-4)
+
+
 def test_a_trace_that_references_no_block_has_no_hit_rate(tmp_path, capsys):
     """Every request's hash_ids empty: 0 references, and a rate of 0.0 said none of them was found
     (`max(1, refs)`). The rates are null, and every policy's line is still JSON."""
