@@ -148,8 +148,11 @@ class SlotAllocator:
         capacity rather than count as used: they can never hold a block, and counted as used they
         would hold a tier with a bad region above its high watermark for good (its drain moving
         blocks out, round after round, for room that never comes). So used + free + waste still add
-        up to the capacity, and the watermarks' used fraction is of what can hold blocks."""
-        return self.arena_bytes - self.quarantined_bytes
+        up to the capacity, and the watermarks' used fraction is of what can hold blocks. Whole pages
+        only: a tail past the last page holds no block, and counted (an HBM tier is not rounded to
+        pages: a GPU's free memory is what it is) a full tier of 3 MiB in 2 MiB pages read 67% used,
+        under its high watermark for good, and never drained (a review)."""
+        return self.n_pages * self.page_bytes - self.quarantined_bytes
 
     def quarantined_offsets(self) -> np.ndarray:
         """Offsets of every quarantined slot (any size; distinct: a slot is quarantined once)."""

@@ -176,3 +176,36 @@ def test_first_fit_from_the_lowest_free_page_finds_what_a_whole_pass_finds(monke
                 held.append((size, got))
         assert not a._page_free[: a._free_from].any()
     assert searches.count(1) > 50 and searches.count(4) > 20
+
+
+def test_capacity_is_whole_pages_a_tail_past_the_last_page_holds_no_block():
+    alloc = SlotAllocator(3 * MIB, 2 * MIB, 4096)
+    assert alloc.capacity_bytes == 2 * MIB
+    assert alloc.alloc(256 * 1024, 8) is not None and alloc.alloc(256 * 1024, 1) is None
+    assert alloc.used_bytes == alloc.capacity_bytes  # full reads full
+
+
+def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
+    """HBM of 3 MiB in 2 MiB pages (HBM is not rounded to pages; DRAM and NVMe are): full, it read
+    2/3 used, under its high watermark for good, and the background never drained it (a review)."""
+    from dflash2.assemble import build_manager
+    from dflash2.config import parse_config
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+
+    cfg = parse_config({"enable": True, "device": {"kind": "host"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 3, "dram_capacity_mb": 16,
+                                   "page_kb": 2048, "staging_buffer_size_mb": 4},
+                        "policy": {"name": "lru"}})
+    m = build_manager(cfg, instance=f"t-alloc-tail-{__import__('os').getpid()}")
+    try:
+        c = m.attach("t")
+        lid = m.register_layout(Layout("l", 1, 1, 64 * 1024, "fp16", 1))  # 256 KiB blocks
+        vids = m.allocate(c, lid, 8)  # every slot of HBM's one whole page
+        m.commit(c, vids, keys=list(range(1, 9)))
+        m.free(c, vids)  # cached, idle
+        assert m.placement.used_fraction(Tier.HBM) >= cfg.policy.watermarks.hbm.high
+        m.tick()
+        assert m.stats()["tiers"]["dram"]["blocks"] > 0, "the background drains a full HBM"
+    finally:
+        m.close()
