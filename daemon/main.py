@@ -303,6 +303,13 @@ def check_paths(plan: Plan, history: bool = False) -> None:
                           "set XDG_RUNTIME_DIR to a folder of the daemon's own, or remove that one")
         if plan.tcp_key_file is not None and plan.tcp_key_file.parent != runtime_dir():
             _check_folder("daemon.tcp_key_file", plan.tcp_key_file.parent)
+        if plan.tcp_key_file is not None:  # one there already: start-up's own checks (a folder passed)
+            from dflash2.tcpkeys import KeyFileError, read_own
+
+            try:
+                read_own(plan.tcp_key_file)
+            except KeyFileError as e:
+                raise ConfigError("daemon.tcp_key_file", str(e)) from None
     if history:
         _check_folder("daemon.state_dir", plan.state_dir)
 

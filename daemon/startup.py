@@ -101,7 +101,7 @@ def run(cfg: Config) -> int:
         clean_up_killed(plan.endpoint, lock)
     except (EndpointBusy, KeyFileError) as e:
         lock.release()
-        _error(cfg, str(e))
+        _error(cfg, f"daemon.tcp_key_file: {e}" if isinstance(e, KeyFileError) else str(e))
         return EXIT_START_FAILED
     except BaseException:
         # (a stop signal while these run: the lock file goes, as at any clean stop; it stayed, and

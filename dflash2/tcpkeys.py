@@ -122,12 +122,19 @@ def load(path: Path) -> TcpKeys:
 
 def load_or_make(path: Path) -> tuple[TcpKeys, bool]:
     """The daemon's keys: those of the file at `path`, or fresh ones written there (owner-only) when
-    there is none. Returns (keys, whether the file was made now). KeyFileError when the file is not
-    the daemon's own, or other users may read it."""
+    there is none. Returns (keys, whether the file was made now). KeyFileError as `read_own`."""
+    keys = read_own(path)
+    return (keys, False) if keys is not None else (_make(path), True)
+
+
+def read_own(path: Path) -> TcpKeys | None:
+    """The keys of the daemon's file at `path`, None when there is none (start-up makes it; `--check`
+    asks this too, so that a file start-up would refuse is refused by both, naming the key).
+    KeyFileError when the file is not the daemon's own, other users may read it, or it is no key file."""
     try:
         text, st = _read(path)
     except FileNotFoundError:
-        return _make(path), True
+        return None
     except OSError as e:
         raise KeyFileError(f"cannot read the key file {path}: {e.strerror or e}") from None
     if st.st_uid != os.geteuid():
@@ -137,7 +144,7 @@ def load_or_make(path: Path) -> tuple[TcpKeys, bool]:
         raise KeyFileError(f"the key file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
                            "whoever can read it can connect, so it may be readable by the owner and a group at "
                            f"most (chmod 0600 or 0640 {path})")
-    return parse(text, path), False
+    return parse(text, path)
 
 
 def _make(path: Path) -> TcpKeys:

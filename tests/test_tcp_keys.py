@@ -162,19 +162,30 @@ def test_the_daemon_refuses_a_key_file_that_does_not_guard_the_endpoint(tmp_path
         load_or_make(path)
 
 
-def test_start_up_fails_on_a_bad_key_file_before_taking_tiers(tmp_path):
+@pytest.mark.parametrize("case", ["open to others", "a folder"])
+def test_check_and_start_up_refuse_a_bad_key_file_by_its_key_before_taking_tiers(tmp_path, case):
+    """--check passed a key file start-up then refused (exit 4, a line naming neither the key nor
+    the config): a folder at its path, a file other users may read (a review). Both refuse it now,
+    exit 2, naming daemon.tcp_key_file."""
     key_file = tmp_path / "keys" / "k.key"
     key_file.parent.mkdir()
-    key_file.write_text(TcpKeys.fresh().text())
-    key_file.chmod(0o604)
+    if case == "a folder":
+        key_file.mkdir()
+        message = f"daemon.tcp_key_file: {key_file} is not a regular file"
+    else:
+        key_file.write_text(TcpKeys.fresh().text())
+        key_file.chmod(0o604)
+        message = f"daemon.tcp_key_file: the key file {key_file} is open to other users (mode 604)"
     config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}", "state_dir": str(tmp_path / "s"),
                                             "tcp_key_file": str(key_file)},
                           memory={"dram_capacity_mb": 1 << 26, "nvme_capacity_mb": 0})  # past memory: never reached
-    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
-    assert out.returncode == 4, out.stderr
-    assert f"the key file {key_file} is open to other users (mode 604)" in out.stderr
-    assert "dram tier" not in out.stderr
+    for check in (["--check"], []):
+        out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, *check],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+        assert out.returncode == 2, (check, out.stderr)
+        assert message in out.stderr, out.stderr
+        assert "dram tier" not in out.stderr
 
 
 def test_a_configured_key_file_is_made_there_and_read_by_clients_of_the_config(tmp_path, runtime):
