@@ -195,6 +195,21 @@ def test_duplicate_keys_are_an_error(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, key", [
+    ('{"policy": {"watermarks": {"hbm": {"high": 0.9}, "dram": {"high": 0.9, "high": 0.95}}}}',
+     "policy.watermarks.dram.high"),
+    ('{"layouts": {"a": {"num_layers": 1}, "a": {"num_layers": 2}}}', "layouts.a"),
+    ('{"x": [{"k": 1}, {"k": 1, "k": 2}]}', "x[1].k"),
+])
+def test_a_key_named_twice_is_named_by_its_whole_path(tmp_path, text, key):
+    """Three tiers have a `high`: the error named only "high" (a review)."""
+    path = tmp_path / "dup.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == key and "twice" in info.value.problem
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "absent.json")
