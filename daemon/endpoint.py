@@ -143,4 +143,4 @@ def probe_metrics(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
     except OSError as e:  # (socket.gaierror too)
-        raise EndpointBusy(f"cannot serve metrics on {host}:{port}: {e}") from None
+        raise EndpointBusy(f"cannot serve metrics on {host}:{port} (metrics.host, metrics.port): {e}") from None

@@ -128,7 +128,7 @@ def run(cfg: Config) -> int:
         try:
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind)
         except OSError as e:
-            _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e}")
+            _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port} (metrics.host, metrics.port): {e}")
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers,
                         keys=keys, key_file=plan.tcp_key_file)

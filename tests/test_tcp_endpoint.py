@@ -156,7 +156,7 @@ def test_a_metrics_port_another_program_holds_is_refused_before_any_tier_is_take
                               memory={"dram_capacity_mb": 1 << 26, "nvme_capacity_mb": 0})
         out = start(config, tmp_path / "run")
     assert out.returncode == 4, out.stderr
-    assert f"cannot serve metrics on 127.0.0.1:{port}: [Errno 98] Address already in use" in out.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port} (metrics.host, metrics.port): [Errno 98] Address already in use" in out.stderr
     assert "dram tier" not in out.stderr
 
 
