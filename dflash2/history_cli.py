@@ -20,7 +20,7 @@ from typing import Optional
 
 
 from dflash2 import protocol as P
-from dflash2.history import FILE_NAME, change, decode, rates, read_file, regular_file
+from dflash2.history import FILE_NAME, change, decode, rates, read_file, regular_file, span_seconds
 from dflash2.argtypes import endpoint, positive_int, seconds
 
 EXIT_OK = 0
@@ -192,7 +192,7 @@ def render(samples: list[dict], max_rows: int = 30) -> str:
                     + [str(b["clients"]), str(b["reservations"]["deferred"])])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
-    span = samples[-1]["t"] - samples[0]["t"]
+    span = span_seconds(samples)  # (a clock set back between two: none; it printed "over -2941s")
     lines.append(f"{len(samples)} samples over {span:.0f}s; hit ratio and bandwidth are per row's interval")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ import time
 
 from dflash2 import status
 from dflash2.argtypes import non_negative_int, seconds
-from dflash2.history import rates, sample_of
+from dflash2.history import change, rates, sample_of
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -77,7 +77,10 @@ def watch(endpoint: str, interval_s: float, count: int = 0, timeout_s: float = s
             answered = True
             stats["endpoint"] = endpoint
             out.append(status.render(stats))
-            cur = sample_of(stats, now)
+            # Frames timed by the monotonic clock: by the wall clock, a step back between two frames
+            # (NTP, a resumed VM) was said to be a restart, and a step forward divided a frame's
+            # counts by the whole step (a review).
+            cur = sample_of(stats, time.monotonic())
             out.append(changes(prev, cur))
             prev = cur
         print("\n".join(out), flush=True)
@@ -93,7 +96,8 @@ def changes(prev: dict | None, cur: dict) -> str:
         return "\nsince last frame: (first frame)"
     r = rates([prev, cur])
     if not r:
-        return "\nsince last frame: (the daemon restarted)"
+        return ("\nsince last frame: (the daemon restarted)" if change(prev, cur) is None else
+                "\nsince last frame: (no time passed between the frames)")
     r = r[0]
     hit = "-" if r["hbm_hit_ratio"] is None else f"{100 * r['hbm_hit_ratio']:.1f}%"
     swaps = ", ".join(f"{d} {bps / 1e6:.1f} MB/s" for d, bps in r["swap_bps"].items() if bps) or "none"

@@ -213,3 +213,23 @@ def test_history_prints_at_most_its_rows_the_last_sample_among_them(make_manager
     body = lines[1:-1]  # the header, then the rows, then the summary line
     assert len(body) == min(n, rows), lines
     assert body[-1].startswith(time.strftime("%H:%M:%S", time.localtime(samples[-1]["t"])))
+
+
+def test_status_watch_does_not_call_a_wall_clock_step_a_restart(make_manager, monkeypatch, capsys):
+    """Frames were timed by the wall clock: set back an hour between two frames of the same daemon
+    (same pid and start, more requests), the second said "(the daemon restarted)" (a review)."""
+    from dflash2 import status_watch
+    from dflash2.daemon.service import Service
+
+    svc = Service(make_manager(hbm_blocks=8), lease_timeout_s=10.0, heartbeat_interval_s=2.0)
+    first = svc.stats()
+    svc.counters["requests"] += 5
+    second = svc.stats()  # the same daemon one frame later: same pid and start, more requests
+    answers = iter([(first, ""), (second, "")])
+    monkeypatch.setattr(status_watch, "_ask", lambda endpoint, timeout_s, key_file=None: next(answers))
+    monkeypatch.setattr(status_watch.time, "sleep", lambda s: None)
+    clock = iter([10_000.0, 10_000.0 - 3600.0])  # the wall clock set back an hour between the frames
+    monkeypatch.setattr(status_watch.time, "time", lambda: next(clock))
+    assert status_watch.watch("ipc:///nowhere", 1.0, count=2, clear=False)
+    second_frame = capsys.readouterr().out.split("every 1s")[2]
+    assert "restarted" not in second_frame, second_frame

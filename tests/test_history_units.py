@@ -325,3 +325,30 @@ def test_a_loop_asking_every_step_of_100_ms_gets_one_sample_a_second(monkeypatch
             h.record({})
         t[0] += 0.1003
     assert 3600 <= len(h.samples) <= 3615, len(h.samples)
+
+
+def test_since_counts_no_time_for_a_clock_set_back(service, tmp_path):
+    """Ten minutes of samples, the wall clock set back an hour, one more minute: `--since 5m` (the
+    history op, and `history --file`) gave all 660 samples, every one stamped before the step being
+    "within" any span, and the table said "over -2941s" (a review)."""
+    from dflash2.history_cli import render
+
+    now = [10_000.0]
+    path = tmp_path / "history.jsonl"
+    h = History(interval_s=1.0, path=path, clock=lambda: now[0])
+    for step in (600, -3600, 60):
+        if step < 0:
+            now[0] += step
+            continue
+        for _ in range(step):
+            if h.due():
+                h.record(service.stats())
+            now[0] += 1
+    assert len(h.samples) == 660
+    # Counted back from now (a second after the newest), and in the file from its newest sample.
+    for last, n in ((h.since(300), 301), (read_file(path, since_s=300), 302)):
+        assert len(last) == n  # the 60 after the step and those before it: 300 s of intervals
+        assert [s["t"] for s in last[-60:]] == [7000.0 + i for i in range(60)]
+        assert f"{n} samples over {n - 2}s" in render(last)
+    # 30 s: the file's 31 after the step, and the one before it (the interval across a step counts none).
+    assert len(h.since(30)) == 30 and len(read_file(path, since_s=30)) == 32
