@@ -63,7 +63,10 @@ class Observers:
 
     def close(self) -> None:
         if self.history is not None:
-            self.history.record(self.service.stats())  # the last figures before the daemon stops
+            try:
+                self.history.record(self.service.stats())  # the last figures before the daemon stops
+            except Exception:  # (the file and the metrics server are let go all the same)
+                log.exception("history: the last sample could not be taken")
             self.history.close()
         if self.metrics is not None:
             self.metrics.close()

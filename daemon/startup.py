@@ -157,15 +157,18 @@ def run(cfg: Config) -> int:
               uptime_s=round(time.monotonic() - started, 3))
         return 0
     finally:
-        if observers is not None:
-            observers.close()
-        if server is not None:
-            server.close()
-        for manager in managers.values():
-            manager.close()
-        if alive is not None:  # before the endpoint lock: a next daemon finds nothing of ours left
-            alive.close()
-        lock.release()
+        # Each step whatever became of the one before: the last history sample asks for stats, and
+        # one that raised (a GPU lost) skipped the rest, leaving the segments, the liveness object
+        # and the lock file for good.
+        steps = [observers.close] if observers is not None else []
+        steps += [server.close] if server is not None else []
+        steps += [m.close for m in managers.values()]
+        steps += [alive.close] if alive is not None else []  # before the lock: a next daemon finds nothing of ours
+        for step in [*steps, lock.release]:
+            try:
+                step()
+            except Exception:
+                log.exception("stopping: %s failed; the other steps run", getattr(step, "__qualname__", step))
         log.info("stopped")
 
 

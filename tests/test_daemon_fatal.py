@@ -11,15 +11,26 @@ import signal
 import threading
 import time
 
+import pytest
 from conftest import write_config
 
 from dflash2.assemble import instance_name
 from dflash2.config import load_config
 
 
-def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("last_sample_fails", [False, True])
+def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypatch, capsys, last_sample_fails):
+    """`last_sample_fails`: a step of the stop raises (the observers' close asks for stats after the
+    GPU was lost): the steps after it ran no more, and the segments, the liveness object and the lock
+    file stayed (a review). Each step runs now, and the one that failed is logged."""
     import dflash2.daemon.startup as srv
     from dflash2.client import Client
+    from dflash2.daemon.observe import Observers
+
+    if last_sample_fails:
+        def close(self):
+            raise RuntimeError("stats after the GPU was lost (injected)")
+        monkeypatch.setattr(Observers, "close", close)
 
     made: dict = {}
     real = srv.build_managers
@@ -60,3 +71,5 @@ def test_the_daemon_exits_5_when_a_pool_cannot_move_any_more(tmp_path, monkeypat
     assert not os.path.exists(tmp_path / "d.sock.lock") and not os.path.exists(tmp_path / "d.sock")
     err = capsys.readouterr().err
     assert "dflash2d: error: GPU 0: the CUDA context is lost (injected); exiting (code 5)" in err
+    assert ("close failed; the other steps run" in err) == last_sample_fails
+    assert not glob.glob(f"/dev/shm/dflash2-{os.getpid()}-alive")
