@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from dflash2 import strictjson
 from dflash2.config_errors import first_error
 from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint, endpoint_parts,
                                plain_text, tcp_key_path, xdg_dir)
@@ -453,9 +454,9 @@ def load_config(path: str | os.PathLike) -> Config:
         raise ConfigError(str(path), f"the config file is not UTF-8 text: byte {exc.object[exc.start]:#04x} "
                                      f"at offset {exc.start}") from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        if (doubled := _doubled_path(data)) is not None:
-            raise ConfigError(doubled, "appears twice in one object (JSON keeps the last; which did you mean?)")
+        data = strictjson.loads(text)
+    except strictjson.KeyTwice as exc:
+        raise ConfigError(exc.path, "appears twice in one object (JSON keeps the last; which did you mean?)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except (ValueError, RecursionError) as exc:  # a number of over 4300 digits; nesting deeper than the stack
@@ -475,40 +476,6 @@ def parse_config(data: object, source_path: Optional[Path] = None) -> Config:
         raise first_error(exc, Config) from None
     cfg._source_path = source_path
     return cfg
-
-
-class _Doubled(dict):
-    """A JSON object that named `key` twice: kept as parsed, so that `_doubled_path` can name where
-    it lies (the hook sees one object's pairs, not its place: three tiers have a `high`, and the
-    error named only "high", a review)."""
-
-    key = ""
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out, doubled = {}, None
-    for key, value in pairs:
-        if key in out and doubled is None:
-            doubled = key
-        out[key] = value
-    if doubled is None:
-        return out
-    marked = _Doubled(out)
-    marked.key = doubled
-    return marked
-
-
-def _doubled_path(data: object, path: str = "") -> str | None:
-    """The dotted key (`policy.watermarks.dram.high`; `[i]` for a list's item) of the first key
-    named twice in one object, in the file's order; None when there is none."""
-    if isinstance(data, _Doubled):
-        return f"{path}.{data.key}" if path else data.key
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        found = _doubled_path(value, f"{path}[{key}]" if isinstance(data, list) else f"{path}.{key}" if path else key)
-        if found is not None:
-            return found
-    return None
 
 
 def require_enabled(cfg: Config) -> None:
