@@ -425,6 +425,7 @@ class Server:
     def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
         """Handle one request and send its reply; False when the call was parked instead (no reply
         yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
+        self._credit_stall()  # before the call: it may take a reservation the stall would have expired
         settled = self._settled_s()
         reply = self.service.handle_frames(frames[1:], again)
         if isinstance(reply, Parked):
@@ -477,13 +478,20 @@ class Server:
     def _judge_leases(self) -> None:
         """Service.expire_leases, the time the daemon did not run (stalls.py) counted out first: the
         heartbeats its clients sent meanwhile never reached it."""
+        self._credit_stall()
+        self.service.expire_leases()
+
+    def _credit_stall(self) -> None:
+        """Count out of leases and reservations the time the daemon did not run, before anything
+        judges them: credited at the next judging only, the calls queued during a stall were answered
+        first, and a `take` of a reservation whose TTL the stall had run out found it expired (a
+        review: a TTL of 2 s, the daemon stopped for 3.3 s)."""
         stalled = self._stalls.stalled_s()
         if stalled > 0:
             log.warning("dflash2d did not run for %.1f s (stopped, frozen, or not scheduled): that time does not "
-                        "count against its %d clients' leases, and each has a heartbeat interval more to reach it "
-                        "again", stalled, len(self.service.sessions))
+                        "count against its %d clients' leases or reservations, and each client has a heartbeat "
+                        "interval more to reach it again", stalled, len(self.service.sessions))
             self.service.resumed(stalled)
-        self.service.expire_leases()
 
     def _run_steps(self, steps) -> None:
         """(name, step) pairs, each on its own: one that fails must not stop the others from running."""

@@ -41,7 +41,6 @@ from dflash2.errors import CopiesRunning, DFlash2Error, ProtocolError, UnknownCl
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
-from dflash2.reservations.records import credit_stall
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
@@ -289,7 +288,7 @@ class Service(Forgetting):
         for s in self.sessions.values():
             s.last_seen = min(now, s.last_seen + stalled_s + more)
         for m in self.managers.values():
-            credit_stall((*m.admission.granted.values(), *m.admission.deferred), stalled_s)
+            m.admission.credit_stall(stalled_s)
 
     def _check_gpus(self, error: Exception) -> None:
         """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU

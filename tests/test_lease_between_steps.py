@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -183,7 +184,9 @@ def test_a_stall_counts_against_no_reservations_ttl_but_a_clients_deadline_stand
     lid = mgr.register_layout(SMALL)
     by_ttl = mgr.reserve(a, lid, tokens=16 * 2)
     by_deadline = mgr.reserve(a, lid, tokens=16 * 2, deadline=clock() + 8.0)
-    mgr.allocate(w, lid, 4)  # the tier is full: the next one waits
+    spent = mgr.reserve(a, lid, tokens=16)
+    mgr.take(a, spent.reservation_id, 1)  # every block taken: remembered until it expires
+    mgr.allocate(w, lid, 3)  # the tier is full: the next one waits
     queued = mgr.reserve(a, lid, tokens=16 * 2)
     assert [d.outcome for d in (by_ttl, by_deadline, queued)] == [Outcome.GRANTED, Outcome.GRANTED, Outcome.DEFERRED]
     clock.advance(9.0)  # the daemon did not run
@@ -195,7 +198,38 @@ def test_a_stall_counts_against_no_reservations_ttl_but_a_clients_deadline_stand
         except ReservationError:  # expired
             return False
 
-    assert [alive(d) for d in (by_ttl, by_deadline, queued)] == [True, False, True]
+    assert [alive(d) for d in (by_ttl, by_deadline, queued, spent)] == [True, False, True, True]
     clock.advance(5.5)  # 10 s of the TTL have run while the daemon ran
-    assert not alive(by_ttl) and not alive(queued)
+    assert not alive(by_ttl) and not alive(queued) and not alive(spent)
     mgr.check_invariants()
+
+
+def test_a_take_queued_during_a_stall_finds_its_reservation_alive(config_file):
+    """The stall was credited when leases were next judged, after the calls queued during it were
+    answered: a take sent while the daemon was stopped longer than the TTL found its reservation
+    expired (a review). Credited before any call is answered now."""
+    daemon = DaemonProcess(config_file(admission={"reservation_ttl_s": 2.0},
+                                       daemon={"lease_timeout_s": 30.0, "heartbeat_interval_s": 1.0,
+                                               "request_timeout_s": 20.0})).start()
+    try:
+        with Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=20.0) as c:
+            res = c.reserve(c.layouts[0], tokens=32)
+            assert res.outcome == "granted", res
+            got = {}
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.3)
+                def take():
+                    try:
+                        got["v"] = c.take(res.reservation_id, 1)
+                    except Exception as e:
+                        got["e"] = e
+                t = threading.Thread(target=take)
+                t.start()  # sent while the daemon is stopped: it waits in the socket
+                time.sleep(3.0)  # longer than the 2 s TTL: all of it a stall
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            t.join(25)
+            assert "e" not in got, f"take after a {3.3:.1f} s stall: {got.get('e')!r}"
+    finally:
+        daemon.stop()

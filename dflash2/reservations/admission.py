@@ -17,7 +17,7 @@ from dflash2.placement import Placement
 from dflash2.reservations.ended import Ended
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
-                                          Reservation)
+                                          Reservation, credit_stall)
 from dflash2.reservations.shares import ClientShares
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
@@ -45,13 +45,11 @@ class Admission:
         self.counters = {"granted": 0, "deferred": 0, "rejected": 0, "expired": 0, "cancelled": 0, "released": 0}
         self.wait_seconds_total = 0.0
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
-        # The deferred decisions' movable HBM blocks, per block size: (idle, running ones by priority,
-        # cumulative): a scan of the whole table (tens of ms at a million blocks), so the polls of
-        # waiting clients read the figure of the last background step, which clears it (`new_step`).
-        self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}  # per slot size (_movable_bytes)
-        # The reservation that room was last made for: a call that leaves nothing newly movable
-        # (tick with make_room False) still makes room once for a new head of the queue.
-        self._room_tried: int | None = None
+        # Deferred decisions' movable HBM bytes per slot size (idle, running by priority): a scan of the
+        # table (tens of ms at a million blocks), so polls read the last step's, which clears it.
+        self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}  # (_movable_bytes, `new_step`)
+        # Room last made for this one: a call that leaves nothing newly movable still makes room once
+        self._room_tried: int | None = None  # for a new head of the queue (tick with make_room False)
         # The blocks that calls have left able to leave HBM for the head since room was last made
         # for it (`became_movable`, loosened.py), and how often in a row that fell short for it (the
         # background step's tries count too): each failure doubles what the next retry waits for (a
@@ -149,11 +147,14 @@ class Admission:
             return Decision(Outcome.GRANTED, reservation_id)
         return self._deferred_decision(res)
 
+    def credit_stall(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s`: every reservation's TTL, spent ones' too (records.py)."""
+        credit_stall((*self.granted.values(), *self.deferred, *self._ended.spent.values()), stalled_s)
+
     def find(self, reservation_id: int) -> Reservation | None:
         """A reservation granted or waiting, by id (None when unknown, expired or cancelled). One
-        past its expiry ends here (`_expire`), not at the next background step: until that step it
-        was still granted, and taken, past its deadline (a review's script: 1 s after a 0.2 s
-        deadline, with `policy.rescore_interval_ms` 3000)."""
+        past its expiry ends here (`_expire`), not at the next step: it was granted, and taken, past
+        its deadline (a review: 1 s after a 0.2 s deadline, `policy.rescore_interval_ms` 3000)."""
         res = self.granted.get(reservation_id) or self._waiting.get(reservation_id)
         if res is None:
             return self._ended.find(reservation_id, self.table.clock())
