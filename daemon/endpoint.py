@@ -142,5 +142,5 @@ def probe_metrics(host: str, port: int) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
-    except OSError as e:  # (socket.gaierror too)
+    except (OSError, UnicodeError) as e:  # (socket.gaierror too; UnicodeError: a name IDNA cannot encode)
         raise EndpointBusy(f"cannot serve metrics on {host}:{port} (metrics.host, metrics.port): {e}") from None

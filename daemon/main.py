@@ -196,8 +196,9 @@ def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
         try:
             probe()
         except EndpointBusy as e:
-            lines.append(f"{e} ({what}; a dflash2d serving this config holds it too): start-up would fail "
-                         "now (exit 4)")
+            held = " in use" in str(e)  # (EADDRINUSE: "Address already in use")
+            lines.append(f"{e} ({what}{'; a dflash2d serving this config holds it too' if held else ''}): "
+                         "start-up would fail now (exit 4)")
     return lines
 
 

@@ -283,7 +283,13 @@ class MetricsConfig(_Section):
     @field_validator("host")
     @classmethod
     def _plain_host(cls, value: str) -> str:
-        return plain_text(value)
+        plain_text(value)
+        try:  # (as the resolver takes a name: `node1..example.com` made --check and start-up tracebacks)
+            value.encode("idna")
+        except UnicodeError:
+            raise ValueError(f"{value!r} is not a host name: a label (between dots) is empty or longer than 63 "
+                             "characters") from None
+        return value
 
 
 class LoggingConfig(_Section):

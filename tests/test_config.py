@@ -346,3 +346,19 @@ def test_metrics_on_the_control_endpoints_port_is_a_config_error(endpoint, host,
         assert err.key == "metrics.port" and "daemon.endpoint's port" in str(err)
     else:
         parse_config(data)
+
+
+@pytest.mark.parametrize("host", ["node1..example.com", "a" * 64 + ".example.com"])
+def test_a_metrics_host_the_resolver_cannot_take_is_refused_by_key(host):
+    """The resolver's IDNA step raised UnicodeError (not OSError) for an empty or long label:
+    `--check` and start-up ended in a traceback (a review)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({**BASE, "metrics": {"host": host, "port": 9400}})
+    assert info.value.key == "metrics.host" and "label" in info.value.problem
+
+
+def test_the_metrics_probe_names_a_host_it_cannot_encode():
+    from dflash2.daemon.endpoint import EndpointBusy, probe_metrics
+
+    with pytest.raises(EndpointBusy, match=r"cannot serve metrics on node1\.\.example\.com:9400 \(metrics\.host"):
+        probe_metrics("node1..example.com", 9400)
