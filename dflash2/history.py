@@ -324,7 +324,13 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
                 if cutoff is None:
                     lines.extend(f)
                 else:  # (a line whose time cannot be read so is parsed, and judged, below)
-                    lines.extend(line for line in f if (t := _time_of(line)) is None or t >= cutoff)
+                    for line in f:
+                        if (t := _time_of(line)) is not None and t < cutoff:
+                            # Past the span, and so is everything before it (span_count); kept, the
+                            # samples before a clock set back (stamped later) came back (a review).
+                            lines.clear()
+                        else:
+                            lines.append(line)
         except FileNotFoundError:
             continue
         except OSError as e:  # unreadable: start without it, and say so
