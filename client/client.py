@@ -29,11 +29,11 @@ import numpy as np
 from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.heartbeat import run as run_heartbeat
+from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
 from dflash2.client.held import HeldPlaces
 from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
-from dflash2.keys import NONE_BAD, first_not_integer, key_array
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -87,45 +87,6 @@ def _config(config):
     # (None: not given; "" is given, and load_config refuses it: taken for "not given", it asked
     # another daemon than the one meant, a review)
     return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
-
-
-def vid_array(vids) -> np.ndarray:
-    """Block ids as the wire's int64s. Only integers: a float id was cut to another block's without a
-    word (ids are near 2^61, where a float64 keeps multiples of 512: a commit of block 1 given as
-    floats published block 0's unwritten bytes under the key), and a bool is no id."""
-    arr = np.asarray(vids)
-    if arr.size and arr.dtype.kind not in "iu":
-        if isinstance(vids, np.ndarray) or hasattr(vids, "dtype"):  # (an array, a tensor: its dtype says)
-            raise TypeError(f"block ids are integers, got an array of {arr.dtype}")
-        # A list of numpy uint64 and Python ints becomes float64 (numpy's promotion): by element.
-        items = np.asarray(vids, dtype=object).reshape(-1)
-        odd = first_not_integer(items)
-        if odd is not NONE_BAD:  # (a bad id may be None itself: it was taken for none, and int(None) raised)
-            raise TypeError(f"block ids are integers, got {odd!r}")
-        ints = [int(v) for v in items]
-        bad = next((v for v in ints if not 0 <= v < 1 << 64), None)
-        if bad is not None:
-            raise ValueError(f"block id {bad} is out of range")
-        arr = np.array(ints, dtype=np.uint64)
-    return np.ascontiguousarray(arr.reshape(-1)).astype(P.VIDS_DTYPE, copy=False)
-
-
-def _vids(vids) -> bytes:
-    return vid_array(vids).tobytes()
-
-
-def _int(name: str, value) -> int:
-    """An integer argument, as the daemon takes it: `int()` turned 2.9 blocks into 2 and layout 0.9
-    into layout 0 without a word (the daemon refuses floats; here they never reached it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    return int(value)
-
-
-def _keys(keys) -> bytes:
-    """Content keys as the wire's uint64s (`key_array`: ValueError for any that is not an integer in
-    [0, 2^64))."""
-    return key_array(keys).astype(P.KEYS_DTYPE, copy=False).tobytes()
 
 
 def _reservation(result: dict) -> Reservation:
@@ -218,7 +179,7 @@ class Client:
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool,
                 prefill_tokens_per_s: Sequence[float | None] | None) -> None:
-        args = {"name": self.name, "pid": os.getpid(), "layouts": [lay.to_dict() for lay in layouts]}
+        args = {"name": self.name, "pid": os.getpid(), "layouts": [layout_dict(lay) for lay in layouts]}
         if prefill_tokens_per_s is not None:
             args["prefill_tokens_per_s"] = list(prefill_tokens_per_s)
         ns = pid_namespace()
@@ -313,18 +274,19 @@ class Client:
     def detach(self) -> dict:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
         the arena mappings stay valid for views still alive, then go with them."""
-        self._stop.set()
         self._detached = True
+        if self._forked():  # its copy only, and no lock: one a parent's thread held at the fork stays
+            self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
+            return {}
+        self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
             self._heartbeat_thread = None
         released = {}
         with self._lock:
             # A lost lease means the daemon no longer knows this id (it may even be another
-            # client's now, after a restart): nothing to detach. A forked child must not detach
-            # its parent's session either: it only drops its copy.
-            if (not self._transport.closed and self.client_id is not None and not self.lease_lost
-                    and not self._forked()):
+            # client's now, after a restart): nothing to detach.
+            if not self._transport.closed and self.client_id is not None and not self.lease_lost:
                 try:
                     released = self._transport.call(Op.DETACH, self.client_id).result.get("released", {})
                 except (DaemonUnavailable, DaemonError) as e:
@@ -405,7 +367,7 @@ class Client:
         """The layout's id on the daemon (the same for a layout registered before). A rate given is
         this client's prefill rate for it; none leaves a rate given before as it is
         (`set_prefill_rate(layout, None)` withdraws it)."""
-        args = {"layout": layout.to_dict()}
+        args = {"layout": layout_dict(layout)}
         if prefill_tokens_per_s is not None:
             args["prefill_tokens_per_s"] = prefill_tokens_per_s
         lid = int(self._call(Op.REGISTER_LAYOUT, args).result["layout"])
@@ -469,11 +431,11 @@ class Client:
         sent or not, is forgotten (protocol.UNDOABLE): the daemon drops what it left this writer either way (its
         references on the blocks it returned, which stay cached, or the blocks being written, when
         it had not run), so they are the writer's no more, and no longer viewable by vid here."""
+        vids = vid_array(vids)  # (first: one int vid with keys=[k] failed as "int has no len()")
         if keys is not None and len(keys) != len(vids):
             # (An empty key list went as "no keys": the blocks were committed unkeyed, never found.)
             raise ValueError(f"commit of {len(vids)} blocks with {len(keys)} content keys (keys=None: no keys)")
         args = {} if parent is None else {"parent": _int("parent", parent)}
-        vids = vid_array(vids)
         arrays = [vids.tobytes(), b"" if keys is None else _keys(keys)]
         try:
             reply = self._call(Op.COMMIT, args, arrays)
@@ -583,15 +545,16 @@ class Client:
         return tensor_view(self.view_bytes(p), self.layout(int(p["layout"])))
 
     def _place(self, place):
-        if self._arenas is None:  # (said first: a vid asked after detach was "not acquired by this client")
+        """Where the block lies now, as this client holds it (written or acquired): by vid, or by a
+        place record, whose own place may be of before (a lookup's, then an acquire moved the block
+        up: it named a slot another block had taken since, a review)."""
+        vid = vid_of(place)
+        if self._forked():  # (and no lock taken: one a parent's thread held at the fork is held for good)
+            raise ArenaError(f"this client was attached by process {self._pid}: connect a new Client in the child")
+        found = self._held.place(vid)
+        if self._arenas is None or self._detached:  # (after the look: a detach on another thread empties it)
             raise ArenaError("this client is detached: its arena mappings are gone")
-        if isinstance(place, (int, np.integer)) and not isinstance(place, bool):
-            found = self._held.place(int(place))
-            if found is None:
-                raise ArenaError(f"block {int(place):#x} is not being written or acquired by this client; "
-                                 "pass its place record, or acquire it first")
-            return found
-        if getattr(place, "dtype", None) != P.PLACE_DTYPE:
-            raise TypeError(f"a block is named by its place record (PLACE_DTYPE) or by the vid (an int) of a block "
-                            f"this client writes or has acquired, not {type(place).__name__} {place!r}")
-        return place
+        if found is None:
+            raise ArenaError(f"block {vid:#x} is not being written or acquired by this client; acquire it first "
+                             "(a lookup's place is not pinned)")
+        return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -219,3 +220,43 @@ def test_a_frame_larger_than_the_daemon_takes_never_reaches_it(connect, daemon):
     ctx.term()
     assert x.stats()["daemon"]["errors"] == 0  # neither frame was ever parsed (parsing would refuse it)
     x.check()
+
+
+def test_close_in_a_forked_child_does_not_hang_when_a_call_was_in_flight(connect):
+    """The call lock, held by a parent's thread at the fork, is held in the child for good: close()
+    (and a `with` block's exit) hung there for ever (a review). A child only drops its copy."""
+    c = connect("parent")
+    stop = threading.Event()
+
+    def busy():  # another thread of the serving process, calling as it serves
+        while not stop.is_set():
+            c.lookup(list(range(1, 20000)))
+
+    th = threading.Thread(target=busy)
+    th.start()
+    time.sleep(0.3)
+    # fork until the call lock is held at fork time (almost always at once)
+    while True:
+        held = c._lock.locked()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                c.close()  # "a forked child must not detach its parent's session: it only drops its copy"
+            finally:
+                os._exit(0)
+        if held:
+            break
+        os.waitpid(pid, 0)
+    stop.set()
+    th.join()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's close() of its parent's Client hung (killed after 5 s)")
+    assert c.ping()["pid"]  # the parent's session is untouched

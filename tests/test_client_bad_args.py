@@ -217,3 +217,30 @@ def test_chain_keys_takes_one_sequence_of_integer_token_ids():
     for bad in (True, 16.0):
         with pytest.raises(TypeError, match="tokens_per_block is an integer"):
             chain_keys(ids, bad, "m")
+
+
+@pytest.mark.parametrize("n", [2, 1])
+def test_a_view_of_the_whole_places_array_is_refused_by_name(connect, n):
+    """`view(places)` for `view(places[0])` failed inside numpy ("only 0-dimensional arrays can be
+    converted to Python scalars"), a review."""
+    c = connect("v")
+    places = c.allocate(c.layouts[0], n, tier="dram")
+    with pytest.raises(TypeError, match=r"one place record \(PLACE_DTYPE: places\[i\]\)"):
+        c.view(places)
+
+
+def test_a_commit_of_one_int_id_with_a_key_commits_it(connect):
+    """commit(vid) took a single id; commit(vid, keys=[k]) failed: "object of type 'int' has no len()"."""
+    c = connect("c")
+    (vid,) = c.allocate(c.layouts[0], 1, tier="dram")["vid"]
+    (done,) = c.commit(int(vid), keys=[1234])
+    assert c.lookup([1234], tier="dram")["vid"].tolist() == [int(done)]
+
+
+@pytest.mark.parametrize("layout", [SMALL.to_dict(), "small"])
+def test_a_layout_that_is_not_a_Layout_is_refused_by_name(daemon, connect, layout):
+    """A dict or a name failed as "'dict' object has no attribute 'to_dict'" (a review)."""
+    with pytest.raises(TypeError, match="a layout is a dflash2.layout.Layout"):
+        Client.connect(daemon.endpoint, name="l", layouts=[layout]).close()
+    with pytest.raises(TypeError, match="a layout is a dflash2.layout.Layout"):
+        connect("r").register_layout(layout)

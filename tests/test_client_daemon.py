@@ -453,3 +453,25 @@ def test_a_client_without_a_timeout_works(daemon):
     c = Client.connect(daemon.endpoint, name="patient", layouts=[SMALL], timeout_s=float("inf"))
     assert len(c.lookup([1, 2], c.layout_ids[0])) == 0
     c.detach()
+
+
+def test_a_stale_place_record_of_a_pinned_block_never_views_another_block(connect):
+    """A lookup's record of a block in DRAM, then an acquire that moved it up: viewed by the record,
+    the old slot showed (and let write) another client's block (a review). A record is viewed where
+    this client holds the block now; one it holds not is refused."""
+    w, r = connect("writer"), connect("reader")
+    lid = w.layouts[0]
+    p = w.allocate(lid, 1, tier="dram")
+    w.view_bytes(p[0])[:] = 7
+    (vid,) = w.commit(p["vid"], keys=[555])
+    w.free([vid])
+    found = r.lookup([555], tier="dram")        # its place: DRAM
+    got = r.acquire(found["vid"])               # pinned, promoted into HBM
+    assert got is not None and got["tier"][0] != found["tier"][0]
+    other = w.allocate(lid, 1, tier="dram")     # another client's block takes the freed DRAM slot
+    w.view_bytes(other[0])[:] = 99
+    assert (r.view_bytes(int(vid)) == 7).all()  # by vid: the pinned block
+    assert (np.asarray(r.view_bytes(found[0])) == 7).all()  # where it lies now
+    r.release(got["vid"])
+    with pytest.raises(ArenaError, match="not being written or acquired by this client; acquire it first"):
+        r.view_bytes(found[0])

@@ -123,10 +123,12 @@ def test_a_connect_with_too_few_descriptors_left_is_refused_not_an_abort(daemon)
 def test_use_after_detach_and_a_place_of_the_wrong_kind_are_named(daemon):
     c = Client.connect(daemon.endpoint, name="misuse", layouts=[SMALL], heartbeat=False)
     placed = c.allocate(c.layouts[0], 1)
-    with pytest.raises(TypeError, match="a block is named by its place record .* not float 1.0"):
+    with pytest.raises(TypeError, match="a block is named by one place record .* not float 1.0"):
         c.view(1.0)
     with pytest.raises(TypeError, match="not bool True"):
         c.view_bytes(True)
+    with pytest.raises(TypeError, match=r"one place record \(PLACE_DTYPE: places\[i\]\)"):
+        c.view(placed)  # the whole array (was: "only 0-dimensional arrays can be converted", from numpy)
     c.detach()
     with pytest.raises(ArenaError, match="this client is detached"):
         c.view(int(placed["vid"][0]))  # (was: "not being written or acquired by this client")
