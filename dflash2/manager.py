@@ -225,8 +225,10 @@ class BlockManager(Reads):
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
-        if vids is None:
-            self.allocate_refusal = f"{tier.label} is full of blocks that cannot move now; reserve and wait"
+        if vids is None:  # (reservations are of HBM: a host writer told to reserve could not, a review)
+            self.allocate_refusal = (f"{tier.label} is full of blocks that cannot move now; "
+                                     + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
+                                        "by host readers: free or release them, or try again later"))
             return None
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflash2.errors import ImmutableBlock, QuotaExceeded
+from dflash2.errors import ImmutableBlock, QuotaExceeded, UnknownBlock
 from dflash2.keys import key_array
 from dflash2.table import release
 from dflash2.table.columns import NO_CLIENT, NO_ROW, no_repeats
@@ -44,7 +44,12 @@ class Publishing:
             raise ValueError(f"commit of {len(rows)} blocks with {len(ukeys)} content keys")
         if not ukeys.all():  # (whole-array: a Python step per key cost 0.13 ms a 1024-block commit)
             raise ValueError("content key 0 is reserved for 'no key'")
-        prev = self.rows([parent])[0] if parent is not None else NO_ROW
+        try:
+            prev = self.rows([parent])[0] if parent is not None else NO_ROW
+        except UnknownBlock:  # (said as the parent: "block X is not live" read as one of the writer's own)
+            raise UnknownBlock(f"parent block {parent:#x} of this commit is not live (evicted since the lookup?): "
+                               "the blocks being written are unchanged; commit them without the parent, or look "
+                               "the chain up again and pin its prefix while writing") from None
         if prev != NO_ROW and c.key[prev] == 0:
             raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
         found = self.keys.lookup(ukeys)

@@ -1,0 +1,74 @@
+"""What a refusal tells the caller to do must be something it can do (a review of 2026-12-05): a
+host writer's DRAM refusal advised an HBM reservation, and a commit under a parent evicted since the
+lookup read as if one of the writer's own blocks were gone."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client, DaemonError, chain_keys
+
+
+def start(config_file, tmp_path, **memory):
+    return DaemonProcess(config_file(memory={"nvme_capacity_mb": 0, **memory},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+
+
+def test_a_dram_allocation_refused_is_not_told_to_reserve(config_file, tmp_path):
+    # DRAM of 1 MiB (64 blocks of 16 KiB), no NVMe: a full DRAM of blocks being written cannot drain.
+    daemon = start(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=1)
+    try:
+        _dram_refusal(daemon)
+    finally:
+        daemon.stop()
+
+
+def _dram_refusal(daemon):
+    with Client.connect(config=daemon.config_path, name="host-writer", layouts=[SMALL]) as c:
+        lid = c.layouts[0]
+        assert c.allocate(lid, 64, tier="dram") is not None  # every DRAM slot, being written
+        assert c.allocate(lid, 1, tier="dram") is None
+        reason = c.last_refusal
+        assert reason is not None and "dram" in reason.lower()
+        # A reservation would be of HBM, and is granted at once here: it gives DRAM no room.
+        assert c.reserve(lid, 16).granted
+        assert c.allocate(lid, 1, tier="dram") is None
+        assert "reserve" not in reason and "free or release them" in reason, reason
+
+
+def test_a_commit_under_an_evicted_parent_says_it_is_the_parent(config_file, tmp_path):
+    # One tier of 1 MiB (64 blocks of 16 KiB), nothing below: room is made by eviction.
+    daemon = start(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=0)
+    try:
+        _evicted_parent(daemon)
+    finally:
+        daemon.stop()
+
+
+def _evicted_parent(daemon):
+    with Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL]) as c, \
+            Client.connect(config=daemon.config_path, name="other", layouts=[SMALL]) as other:
+        lid = c.layouts[0]
+        keys = chain_keys(range(32), 16, "doc")
+        first = c.allocate(lid, 1)
+        parent = int(c.commit(first["vid"], keys[:1])[0])
+        c.free([parent])  # cached, idle
+        found = c.lookup(keys, layout=lid, probe=True)
+        assert found["vid"].tolist() == [parent]
+        mine = c.allocate(lid, 1)  # the block after the prefix, being written
+        # Meanwhile another client fills the tier: the idle parent is evicted.
+        for i in range(8):
+            p = other.allocate(lid, 8)
+            assert p is not None
+            other.free(other.commit(p["vid"], chain_keys(range(i * 1000, i * 1000 + 128), 16, "fill")))
+        assert not len(c.lookup(keys[:1], layout=lid, probe=True)), "the parent was evicted"
+        with pytest.raises(DaemonError) as e:
+            c.commit(mine["vid"], keys[1:2], parent=parent)
+        assert e.value.kind == "UnknownBlock"
+        # The blocks committed are still the writer's: the commit without the parent runs.
+        msg = str(e.value)
+        out = c.commit(mine["vid"], keys[1:2])
+        assert len(out) == 1
+        assert f"parent block {parent:#x} of this commit is not live" in msg, msg
