@@ -17,9 +17,9 @@ import json
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 
+from dflash2 import stopsignals
 from dflash2.bench import OptionError  # light: imports no benchmark
 
 BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "drain", "churn", "calls", "sglang")
@@ -129,19 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _exit_on_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM and SIGHUP end the command as Ctrl-C does, through its clean-up: a bench stopped by
-    # `timeout` or a supervisor left its daemon running, its shared memory and a GB-sized NVMe file.
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        # (one the process was started to ignore stays ignored: `nohup dflash2 bench ...` ran on)
-        saved = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)
-                 if signal.getsignal(sig) is not signal.SIG_IGN}
+    # SIGTERM, SIGHUP and Ctrl-C end the command through its clean-up, which they wait for
+    # (stopsignals.py): a bench stopped by `timeout` or a supervisor left its daemon running, its
+    # shared memory and a GB-sized NVMe file.
+    saved = stopsignals.install()
     try:
         return SUBCOMMANDS[args.command].handler(args)
     except UsageError as exc:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflash2 import stopsignals
 from dflash2.access import AccessStats
 from dflash2.alloc import SlotAllocator
 from dflash2.arena.base import Arena, MemoryArena, StorageArena
@@ -439,11 +440,12 @@ class BlockManager(Reads):
         self.mover.swap_log.flush()  # (the batches moved since the last `dflash2_swap` line)
         parts = ([("transfer backend", self.backend)] if self.backend is not None else [])
         parts += [(f"{tier.label} arena", arena) for tier, arena in self.arenas.items()]
-        for name, part in parts:
-            try:
-                part.close()
-            except Exception:
-                log.exception("closing the %s failed", name)
+        with stopsignals.uninterrupted():  # (a bench's SIGTERM waits: one here left its segments)
+            for name, part in parts:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("closing the %s failed", name)
 
     # -- internals -------------------------------------------------------------------------
     def places_of_rows(self, rows: np.ndarray) -> list[Place]:

@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 
 from dflash2 import protocol as P
+from dflash2 import stopsignals
 from dflash2.bench import OptionError, positive_float, positive_int
 from dflash2.layout import Layout
 
@@ -238,9 +239,10 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with stopsignals.uninterrupted():  # (cut short by a stop signal, the daemon ran on)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

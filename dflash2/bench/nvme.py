@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from dflash2 import stopsignals
 from dflash2.arena import nvme as nvme_arena
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.shm import SharedMemoryArena
@@ -253,8 +254,9 @@ def run(args: argparse.Namespace) -> dict:
             "path": folder,
         }
     finally:
-        if raw is not None:
-            raw.close()
-        if tier is not None:
-            tier.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        with stopsignals.uninterrupted():
+            if raw is not None:
+                raw.close()
+            if tier is not None:
+                tier.close()
+            shutil.rmtree(folder, ignore_errors=True)

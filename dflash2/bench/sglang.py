@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash2 import stopsignals
 from dflash2.bench import OptionError, positive_int
 
 LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
@@ -90,9 +91,10 @@ def run(args: argparse.Namespace) -> dict:
         ours.close()
         return _report(args, best, verified, hits, stats, page_mb)
     finally:
-        if daemon is not None:
-            _stop(daemon)
-        shutil.rmtree(scratch, ignore_errors=True)
+        with stopsignals.uninterrupted():
+            if daemon is not None:
+                _stop(daemon)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _round(backend, pool, keys, src, dst, batch: int, v1: bool) -> tuple[float, float]:

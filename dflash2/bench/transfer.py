@@ -20,6 +20,7 @@ import uuid
 
 import numpy as np
 
+from dflash2 import stopsignals
 from dflash2.bench import OptionError, non_negative_int, positive_int, sizes_kib, visible_gpu
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
@@ -132,9 +133,10 @@ def run(args) -> list[dict]:
             row["bidir_vs_contig"] = round(row["bidir_gbps"] / row["contig_bidir_gbps"], 3)
             out.append(row)
     finally:
-        backend.close()
-        dram.close()
-        hbm.close()
+        with stopsignals.uninterrupted():
+            backend.close()
+            dram.close()
+            hbm.close()
     return out
 
 
