@@ -2,6 +2,8 @@
 memory kinds, and the rounds that run the tier first."""
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -37,3 +39,17 @@ def test_bench_nvme_takes_no_larger_batch_than_the_run_moves(tmp_path):
     out = nvme.run(parser.parse_args(["--size-mb", "8", "--block-kb", "256", "--batch", "100000", "--staging-mb", "2",
                                       "--repeat", "1", "--dir", str(tmp_path)]))
     assert out["batch"] == 32 and out["verified"] and out["raw_buffer_mb"] == 8.0
+
+
+def _raw_too_large(tmp_path, memory):
+    return subprocess.run([sys.executable, "-m", "dflash2.cli", "bench", "nvme", "--size-mb", "8",
+                           "--repeat", "1", "--dir", str(tmp_path), "--raw-memory", memory,
+                           "--raw-buffer-mb", "1000000000"], capture_output=True, text=True, timeout=120)
+
+
+def test_a_raw_buffer_too_large_is_a_usage_error_in_either_memory(tmp_path):
+    """--raw-memory anon: mmap's ENOMEM was a traceback (exit 1), shm's an option error (a review)."""
+    shm = _raw_too_large(tmp_path, "shm")
+    assert shm.returncode == 2, shm.stderr[-1000:]
+    anon = _raw_too_large(tmp_path, "anon")
+    assert anon.returncode == 2 and "Traceback" not in anon.stderr, (anon.returncode, anon.stderr[-600:])

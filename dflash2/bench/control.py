@@ -23,9 +23,11 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,7 +35,7 @@ import numpy as np
 import zmq
 
 from dflash2 import protocol as P
-from dflash2 import stopsignals
+from dflash2 import stopsignals, threads
 from dflash2.bench import OptionError, positive_float, positive_int
 from dflash2.layout import Layout
 
@@ -215,12 +217,24 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    lines: queue.Queue[str] = queue.Queue()
+    # Read on a thread, to the ready line: a readline here waited as long as a child that printed
+    # nothing ran, whatever the deadline (a review: 8 s with a 1 s timeout).
+    threads.start(threading.Thread(target=_read_to, args=(proc.stdout, ready, lines), daemon=True,
+                                   name="dflash2-bench-start"))
     try:
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
             if ready in line:
                 return proc
-            if not line and proc.poll() is not None:
+            if not line:  # (its output ended: it exits, or did)
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
                 # One line, as a bad option's (a traceback of the RuntimeError before): the options
                 # made a daemon that cannot start (tiers past the machine's memory, a batch past its tier).
                 text = log_path.read_text()
@@ -236,6 +250,15 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
         raise
     _stop(proc)
     raise RuntimeError(f"{argv} did not print {ready!r} within {STARTUP_TIMEOUT_S}s")
+
+
+def _read_to(stream, ready: str, lines: queue.Queue) -> None:
+    """The child's lines, to the one holding `ready`, then "" at its end (stdout closed)."""
+    for line in stream:
+        lines.put(line)
+        if ready in line:
+            return
+    lines.put("")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -91,7 +91,11 @@ class _Raw:
                                                     alignment=nvme_arena.ALIGN)
                 self.buf = self.shm.view(0, self.nbytes)
             else:
-                self.buf = mmap.mmap(-1, self.nbytes)
+                try:
+                    self.buf = mmap.mmap(-1, self.nbytes)
+                except OSError as e:  # (ENOMEM: a traceback, where shm's was an option error)
+                    raise CapacityError(f"--raw-buffer-mb: cannot map {self.nbytes} bytes of anonymous memory "
+                                        f"(--raw-memory anon): {e.strerror or e}") from None
             rng, view = np.random.default_rng(1), np.frombuffer(self.buf, dtype=np.uint8)
             for at in range(0, self.nbytes, 64 << 20):  # (in pieces: two whole copies in memory before)
                 view[at: at + (64 << 20)] = rng.integers(0, 256, min(64 << 20, self.nbytes - at), dtype=np.uint8)

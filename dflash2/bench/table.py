@@ -91,10 +91,11 @@ def _traced_bytes(n: int, policy: str) -> tuple[float, float]:
         def mapped() -> int:
             return mgr.table.cols.mapped_bytes + mgr.table.keys.mapped_bytes
         before = tracemalloc.get_traced_memory()[0] + mapped()
+        made = mgr.policy.mapped_bytes()  # (in policy_fixed_bytes: heat's sketch, 1 MiB, was counted per block too)
         _fill(mgr, lid, client, n)
         table = tracemalloc.get_traced_memory()[0] + mapped() - before
         mgr.policy.rescore(mgr.table, mgr.table.clock())  # heat sizes its per-row state here
-        after = tracemalloc.get_traced_memory()[0] + mapped() + mgr.policy.mapped_bytes()
+        after = tracemalloc.get_traced_memory()[0] + mapped() + mgr.policy.mapped_bytes() - made
         kept = after - before - table
     finally:
         tracemalloc.stop()
