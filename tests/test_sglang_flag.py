@@ -111,3 +111,18 @@ def test_servers_of_one_served_name_with_other_weights_share_no_pages(daemon, tm
         assert b.keys.namespace != first.keys.namespace and b.batch_get_v1(["page-0"], indices([2])) == [False], name
     again, again_pool = made["bf16-again"]  # the same model, another server: shares them
     assert again.batch_get_v1(["page-0"], indices([2])) == [True] and page_bytes(again_pool, 2) == page_bytes(pool, 1)
+
+
+def test_sglangs_cache_controller_still_refuses_a_dynamic_backend_with_decode_context_parallelism(monkeypatch):
+    """Why the flag refuses `--dcp-size` above 1 (plugin.conflicting_flag): sglang 0.5.23 attaches
+    HiCache storage with DCP only from its file and Mooncake backends, and every scheduler of an MLA
+    server started with the flag failed (a review). Should sglang lift that, this fails: lift the
+    refusal then."""
+    import types
+
+    import sglang.srt.managers.cache_controller as cc
+
+    monkeypatch.setattr(cc, "get_parallel", lambda: types.SimpleNamespace(attn_dcp_size=2, attn_dcp_rank=0))
+    controller = types.SimpleNamespace(enable_storage=False, host_memory_mode="layer_first")
+    with pytest.raises(NotImplementedError, match="requires file or Mooncake storage"):
+        cc.HiCacheController.attach_storage_backend(controller, "dynamic")

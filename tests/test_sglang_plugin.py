@@ -99,7 +99,9 @@ def test_rewrite_refuses_another_storage_backend():
     ({"enable_kv_cache_sharding": True}, "--enable-kv-cache-sharding"),
     ({"enable_lmcache": True}, "--enable-lmcache"),
     ({"enable_unified_cache_external_linker": True}, "--enable-unified-cache-external-linker"),
-    ({"dcp_size": 2, "hicache_host_memory_mode": "buffer_only"}, "--dcp-size 2 with --hicache-host-memory-mode"),
+    ({"dcp_size": 2, "hicache_host_memory_mode": "buffer_only"}, "--dcp-size 2"),
+    ({"dcp_size": 4, "hicache_host_memory_mode": "cache"}, r"--dcp-size 4 \(sglang keeps the pages of decode "
+                                                          "context parallelism only in its file or Mooncake storage"),
 ])
 def test_rewrite_refuses_what_sglang_forbids_beside_its_hierarchical_cache_naming_both_flags(given, named):
     """sglang refused to start with an error about --enable-hierarchical-cache, which the user never typed."""
@@ -144,14 +146,6 @@ def test_a_config_path_with_a_tilde_reaches_the_check_and_the_backend_expanded(t
     assert checked == [want]
     assert json.loads(args.hicache_storage_backend_extra_config)["dflash2_config"] == want
     assert any(want in r.getMessage() for r in caplog.records)
-
-
-def test_rewrite_with_decode_context_parallelism_warns_that_it_serves_mla_models_only(caplog):
-    args = sglang_args(dcp_size=4, hicache_host_memory_mode="cache")
-    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
-        assert rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x")).ok
-    [line] = [r.getMessage() for r in caplog.records]
-    assert "--dcp-size 4" in line and "MLA models only" in line and args.enable_hierarchical_cache
 
 
 def test_fallback_logs_one_line_and_leaves_the_args(caplog):

@@ -175,15 +175,17 @@ CONFLICTS = (("disable_radix_cache", "--disable-radix-cache"),
 
 def conflicting_flag(args) -> str | None:
     """The argument that sglang does not allow beside the hierarchical cache `--dflash2-config` turns
-    on, as the user typed it, or None. Decode context parallelism (`--dcp-size` above 1) is refused
-    with `--hicache-host-memory-mode buffer_only`; without it, it depends on the model (MLA only),
-    which is not known yet: `rewrite_args` says so in a warning."""
+    on with a dynamic storage backend, as the user typed it, or None. Decode context parallelism
+    (`--dcp-size` above 1): sglang's cache controller serves its storage from the file and Mooncake
+    backends only ("HiCache L3 with DCP requires file or Mooncake storage", sglang 0.5.23), so every
+    scheduler failed at start-up (a review); a warning said MLA models were served."""
     for attr, flag in CONFLICTS:
         if getattr(args, attr, False):
             return flag
     dcp = getattr(args, "dcp_size", 1) or 1
-    if dcp > 1 and getattr(args, "hicache_host_memory_mode", None) == "buffer_only":
-        return f"--dcp-size {dcp} with --hicache-host-memory-mode buffer_only"
+    if dcp > 1:
+        return (f"--dcp-size {dcp} (sglang keeps the pages of decode context parallelism only in its file or "
+                "Mooncake storage)")
     return None
 
 
@@ -227,11 +229,6 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
              verdict.endpoint, path)
     if verdict.note:
         log.warning(verdict.note)
-    dcp = getattr(args, "dcp_size", 1) or 1
-    if dcp > 1:
-        log.warning("dflash2: with --dcp-size %d, sglang's hierarchical cache (which %s turns on) serves MLA models "
-                    "only: for another model sglang refuses to start (\"HiCache with --dcp-size > 1 is only supported "
-                    "for MLA models\"); run that one without %s", dcp, FLAG, FLAG)
     return verdict
 
 
