@@ -141,3 +141,31 @@ def test_the_namespace_carries_the_identity(tmp_path):
     fp8 = KeyMapper(namespace(shard, "MHA/page_first", id_of(model_path=str(tmp_path / "llama"), quantization="fp8")))
     assert bf16.key("p0") != fp8.key("p0") and "|id=" in bf16.namespace
     assert namespace(shard, "MHA/page_first") == "sglang|model=llama,tp=0/1|MHA/page_first"  # unknown: as before
+
+
+def adapter_folder(root, name="support", weights=b"fine-tune v1"):
+    folder = root / "adapters" / name
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "target_modules": ["k_proj", "v_proj"]}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_a_lora_adapter_replaced_under_the_same_path_is_another_model(tmp_path, monkeypatch):
+    """sglang keys an adapter's pages by its name and path as typed, never its files: a fine-tune put
+    in place under the same path (or one relative path from two working folders) read the other's
+    adapter KV (a review). The adapters' files are in the identity, resolved as the model's path."""
+    model = str(model_folder(tmp_path))
+    adapter = adapter_folder(tmp_path)
+    base = id_of(model_path=model)
+    v1 = id_of(model_path=model, lora_paths=[f"support={adapter}"])
+    assert v1 != base
+    assert base == id_of(model_path=model, lora_paths=None)  # (no adapters: the identity of before)
+    monkeypatch.chdir(tmp_path / "adapters")
+    for spelled in (["support=support"], [{"lora_name": "support", "lora_path": "./support", "pinned": False}],
+                    {"support": str(adapter)}):
+        assert id_of(model_path=model, lora_paths=spelled) == v1, spelled
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.safetensors").write_bytes(b"fine-tune v2 -- other weights")
+    assert id_of(model_path=model, lora_paths=[f"support={adapter}"]) != v1
+    assert id_of(model_path=model, lora_paths=[str(adapter)]) != v1  # (named by its path: another name)

@@ -17,7 +17,9 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
   them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). Where none can be read,
-  `unread` says why (the backend logs it): the namespace then covers the path and the arguments.
+  `unread` says why (the backend logs it): the namespace then covers the path and the arguments;
+- the LoRA adapters given at start (`--lora-paths`), each by name, resolved path and files
+  (`lora_adapters`), when there are any.
 
 `model_id` is the identity's digest, which the namespace carries.
 """
@@ -31,6 +33,7 @@ IDENTITY_ARGS = ("model_path", "revision", "load_format", "dtype", "quantization
                  "modelopt_quant", "json_model_override_args")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILE = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's (peft)
 # What of each weight file is read (`_weight`): 16 pieces of 4 KiB, its first and last among them.
 SAMPLES = 16
 SAMPLE_BYTES = 4096
@@ -44,7 +47,35 @@ def server_args(args) -> dict:
     path = out["model_path"]
     if isinstance(path, str) and path and os.path.exists(path):
         out["model_path"] = os.path.realpath(path)
+    adapters = lora_adapters(getattr(args, "lora_paths", None))
+    if adapters:  # (only then: the identity of a server without adapters stays what it was)
+        out["lora_adapters"] = adapters
     return out
+
+
+def lora_adapters(lora_paths) -> list[list[str]]:
+    """`--lora-paths` as [name, path] pairs, a local path resolved: sglang keys an adapter's pages by
+    its name and path as typed (`LoRARef.deterministic_id`), never by its files, so a fine-tune put
+    in place under the same path, or one relative path from two working folders, shared KV computed
+    with other weights (a review); `model_identity` reads each adapter's files. The forms sglang
+    takes: `PATH`, `NAME=PATH`, a JSON object (lora_name, lora_path), a dict of name to path, LoRARefs."""
+    if not lora_paths:
+        return []
+    items = lora_paths.items() if isinstance(lora_paths, dict) else lora_paths
+    out = []
+    for item in items:
+        if isinstance(item, tuple):
+            name, path = item
+        elif isinstance(item, dict):
+            name, path = item.get("lora_name"), item.get("lora_path")
+        elif isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        else:  # a LoRARef
+            name, path = getattr(item, "lora_name", None), getattr(item, "lora_path", None)
+        if isinstance(path, str) and path and os.path.exists(path):
+            path = os.path.realpath(path)
+        out.append([str(name), str(path)])
+    return sorted(out)
 
 
 def model_identity(args: dict) -> dict:
@@ -65,6 +96,9 @@ def model_identity(args: dict) -> dict:
             why = f"neither {CONFIG_FILE} nor weight files in {folder}"
     if why is not None:
         ident["unread"] = why
+    if ident.get("lora_adapters"):  # each adapter's files, as the model's (a path that is not local: as given)
+        ident["lora_adapters"] = [[name, path, _files(path, ADAPTER_CONFIG) if os.path.exists(path) else None]
+                                  for name, path in ident["lora_adapters"]]
     return ident
 
 
@@ -78,6 +112,8 @@ def describe(identity: dict) -> str:
     """One line for the log: the model's path, what of its files was read, and its digest."""
     files = ("config.json " + identity["config_sha256"][:12] if identity.get("config_sha256") else "no config.json")
     files += f", {len(identity.get('weights') or [])} weight files"
+    if identity.get("lora_adapters"):
+        files += f", {len(identity['lora_adapters'])} LoRA adapters"
     if identity.get("unread"):
         files = f"its files not read: {identity['unread']}"
     return f"{identity.get('model_path')} ({files}; id {model_id(identity)})"
@@ -110,9 +146,9 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) 
     return os.path.dirname(found), None
 
 
-def _files(folder: str) -> dict:
-    """config.json's digest and each weight file's `_weight` entry, of a model folder or of a weights
-    file itself (GGUF)."""
+def _files(folder: str, config: str = CONFIG_FILE) -> dict:
+    """`config`'s digest (config.json; an adapter's adapter_config.json) and each weight file's
+    `_weight` entry, of a model or adapter folder or of a weights file itself (GGUF)."""
     out = {"config_sha256": None, "weights": []}
     if os.path.isfile(folder):
         try:
@@ -121,7 +157,7 @@ def _files(folder: str) -> dict:
             pass  # (unread: said as neither config.json nor weight files)
         return out
     try:
-        with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
+        with open(os.path.join(folder, config), "rb") as f:
             out["config_sha256"] = hashlib.sha256(f.read()).hexdigest()
     except OSError:
         pass
