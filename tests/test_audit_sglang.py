@@ -328,3 +328,42 @@ def test_a_long_model_path_still_attaches(config_file, daemon, backends):
     backend.register_mem_pool_host(pool)
     backends.append(backend)
     assert backend.fallback_reason is None and backend.active
+
+
+METRIC_KEYS = [f"m-{i}" for i in range(8)]
+
+
+def test_deduplicated_pages_are_not_reported_as_backed_up(daemon, backends):
+    """sglang's storage metrics counted every key of a call as a page moved, at len(keys) * page
+    bytes / call time: pages deduplicated against another server's copy (nothing written), writes
+    that failed with the daemon down (no call made), reads that missed (a review)."""
+    path, _ = daemon
+    pool_a, pool_b = host_pool(), host_pool()
+    a, b = make_backend(path, pool_a), make_backend(path, pool_b)
+    backends += [a, b]
+    fill(pool_a, list(range(1, 9)), seed=1)
+    fill(pool_b, list(range(1, 9)), seed=1)
+    assert a.batch_set_v1(METRIC_KEYS, indices(list(range(1, 9)))) == [True] * 8
+    assert b.batch_set_v1(METRIC_KEYS, indices(list(range(1, 9)))) == [True] * 8  # all found cached: nothing written
+    assert b.counters["pages_set"] == 0 and b.counters["pages_deduplicated"] == 8
+    stats = b.get_stats()
+    written = sum(stats.backup_pgs)
+    gbps = stats.backup_bandwidth
+    assert written == b.counters["pages_set"] == 0, f"backup_pgs says {written} pages at {gbps} GB/s; none was"
+    assert a.get_stats().backup_pgs == [8]
+
+
+def test_a_write_that_failed_with_the_daemon_down_is_not_reported_as_backed_up(daemon, backends):
+    path, proc = daemon
+    pool = host_pool()
+    b = make_backend(path, pool)
+    backends.append(b)
+    fill(pool, [1, 2, 3, 4], seed=2)
+    assert b.batch_set_v1(METRIC_KEYS[:1], indices([1])) == [True]
+    b.get_stats()  # (drain)
+    proc.stop()
+    assert b.batch_set_v1(METRIC_KEYS[1:4], indices([2, 3, 4])) == [False] * 3  # the daemon is gone: nothing stored
+    assert b.batch_set_v1(METRIC_KEYS[1:4], indices([2, 3, 4])) == [False] * 3  # within RETRY_S: not even asked
+    stats = b.get_stats()
+    assert sum(stats.backup_pgs) == 0, (
+        f"backup_pgs {stats.backup_pgs} at {stats.backup_bandwidth} GB/s for writes that all failed")
