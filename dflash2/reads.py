@@ -126,7 +126,9 @@ class Reads:
             # never mend: a block pinned below, or still being written, and a promotion (the cached
             # prefix it brings up first included) that can never fit.
             refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
-            refuse_never_fits(self.table, self.placement.with_ancestors(rows, up_to), rows, tiers, up_to)
+            chain = self.placement.with_ancestors(rows, up_to)  # (once: `promote` below takes it too)
+            refuse_never_fits(self.table, chain, rows, tiers, up_to,
+                              whole=lambda: self.placement.with_ancestors(rows, up_to, whole=True))
         below = None if priority is None else priority + 1
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
@@ -137,6 +139,7 @@ class Reads:
             self._came_from[client] = came
             with self.placement.own_writes():
                 if self.placement.promote_later(rows, up_to, below_priority=below):
+                    chain = None  # (blocks may have been dropped since: walked again)
                     if not self.placement.end_soon():
                         raise CopiesRunning(own=True)
                     self.placement.settle()
@@ -151,7 +154,7 @@ class Reads:
             came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
         counts = reads_by_origin(tiers, vids_read, up_to, came)
         if promoting:
-            ok = self.placement.promote(rows, up_to, below_priority=below)
+            ok = self.placement.promote(rows, up_to, below_priority=below, chain=chain)
             if not ok.all():
                 refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
                 return None
