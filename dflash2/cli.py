@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM, SIGHUP and Ctrl-C end the command through its clean-up, which they wait for
     # (stopsignals.py): a bench stopped by `timeout` or a supervisor left its daemon running, its
     # shared memory and a GB-sized NVMe file.
-    saved = stopsignals.install()
+    saved = stopsignals.install(interrupt=args.command == "bench")  # (Ctrl-C ends `status --watch`, exit 0)
     try:
         return SUBCOMMANDS[args.command].handler(args)
     except UsageError as exc:

@@ -437,10 +437,10 @@ class BlockManager(Reads):
     def close(self) -> None:
         """Close the backend, then every arena: each step on its own (one that fails is logged, the
         others still run: a GPU whose context is lost must not keep the host arenas open)."""
-        self.mover.swap_log.flush()  # (the batches moved since the last `dflash2_swap` line)
         parts = ([("transfer backend", self.backend)] if self.backend is not None else [])
         parts += [(f"{tier.label} arena", arena) for tier, arena in self.arenas.items()]
         with stopsignals.uninterrupted():  # (a bench's SIGTERM waits: one here left its segments)
+            self.mover.swap_log.flush()  # (the batches moved since the last `dflash2_swap` line)
             for name, part in parts:
                 try:
                     part.close()

@@ -48,11 +48,13 @@ def uninterrupted():
             raise SystemExit(128 + signum)
 
 
-def install() -> dict:
+def install(interrupt: bool = True) -> dict:
     """The handler on each stop signal the process was not started to ignore (`nohup` ignores
     SIGHUP, a background shell SIGINT: they stay ignored); returns the handlers replaced. Only the
-    main thread may set handlers: from another, none is set."""
+    main thread may set handlers: from another, none is set. `interrupt` False leaves SIGINT to
+    Python (KeyboardInterrupt: `status --watch` ends on Ctrl-C with exit 0, and exited 130 under
+    this handler, a review)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, exit_on_signal) for sig in STOP_SIGNALS
-            if signal.getsignal(sig) is not signal.SIG_IGN}
+            if signal.getsignal(sig) is not signal.SIG_IGN and (interrupt or sig != signal.SIGINT)}

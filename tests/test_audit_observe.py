@@ -233,3 +233,23 @@ def test_status_watch_does_not_call_a_wall_clock_step_a_restart(make_manager, mo
     assert status_watch.watch("ipc:///nowhere", 1.0, count=2, clear=False)
     second_frame = capsys.readouterr().out.split("every 1s")[2]
     assert "restarted" not in second_frame, second_frame
+
+
+def test_status_watch_ends_on_ctrl_c_with_exit_0(tmp_path):
+    """Ctrl-C is how the live view is left: the benches' stop handler on SIGINT made it exit 130."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "from dflash2 import cli; sys.exit(cli.main())", "status", "--watch", "--interval", "0.2",
+         "--timeout", "0.2", "--endpoint", f"ipc://{tmp_path}/none.sock"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "daemon unavailable" in out
+    assert proc.returncode == 0, (proc.returncode, err[-500:])

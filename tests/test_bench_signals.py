@@ -116,3 +116,48 @@ def test_a_sigterm_as_the_bench_closes_its_arenas_waits_for_them():
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
     assert names, proc.stdout
     assert not left, f"segments left in /dev/shm after SIGTERM: {left}"
+
+
+def test_sigterm_during_the_echo_servers_stop_still_stops_the_daemon(monkeypatch):
+    """The control bench stops two children in one clean-up: a SIGTERM held while the first stopped
+    was raised at the end of its stop, and the daemon, stopped second, ran on (a review). The whole
+    clean-up waits."""
+    import argparse
+
+    from dflash2 import stopsignals
+    from dflash2.bench import control
+
+    started = []
+    real_start_daemon = control._start_daemon
+
+    def start_daemon(folder, endpoint):
+        started.append(real_start_daemon(folder, endpoint))
+        return started[-1]
+
+    monkeypatch.setattr(control, "_start_daemon", start_daemon)
+    monkeypatch.setattr(control, "_measure", lambda *a: {})
+    real_terminate = subprocess.Popen.terminate
+    sent = []
+
+    def terminate(self):
+        if not sent:  # the first child stopped (the echo server): a `timeout`'s SIGTERM lands now
+            sent.append(self.pid)
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_terminate(self)
+
+    monkeypatch.setattr(subprocess.Popen, "terminate", terminate)
+    saved = stopsignals.install()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            control.run(argparse.Namespace())
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        monkeypatch.undo()
+    assert exc.value.code == 128 + signal.SIGTERM
+    daemon = started[0]
+    alive = daemon.poll() is None
+    if alive:
+        daemon.terminate()
+        daemon.wait(10)
+    assert not alive, "the bench's daemon was left running after the SIGTERM"

@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> dict:
                                 "ready", Path(tmp) / "echo.log"))
             return _measure(args, daemon_ep, echo_ep)
         finally:
-            for proc in reversed(procs):
-                _stop(proc)
+            with stopsignals.uninterrupted():  # (all of it: a signal held past the first raised before the daemon's)
+                for proc in reversed(procs):
+                    _stop(proc)
 
 
 def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
