@@ -35,7 +35,8 @@ def _dram_refusal(daemon):
         # A reservation would be of HBM, and is granted at once here: it gives DRAM no room.
         assert c.reserve(lid, 16).granted
         assert c.allocate(lid, 1, tier="dram") is None
-        assert "reserve" not in reason and "free or release them" in reason, reason
+        for said in (reason, c.last_refusal):
+            assert "reserve" not in said and "free or release them" in said, said
 
 
 def test_a_commit_under_an_evicted_parent_says_it_is_the_parent(config_file, tmp_path):
