@@ -4,6 +4,7 @@ Metadata-only managers on the fake clock; no timing assertions."""
 
 from __future__ import annotations
 
+from dflash2.errors import ReservationError
 from dflash2.alloc import blocks_that_fit
 from dflash2.reservations import AdmissionSettings, Outcome
 from dflash2.tiers import Tier
@@ -254,3 +255,45 @@ def test_the_queue_ahead_of_an_allocate_is_read_without_a_layout_lookup_per_rese
     assert len(asked) < 5
     mgr.free(w, writing)
     mgr.check_invariants()
+
+
+def test_a_polls_position_follows_every_change_of_the_queue(make_manager, clock):
+    """A poll's position and bytes ahead are looked up (positions.py: a scan of the queue per poll
+    cost 549 ms a round of 4,000 polls, a review), worked out again at each change of the queue:
+    joins at several priorities, grants, cancels and expiries, checked against the queue itself."""
+    import random
+
+    rng = random.Random(7)
+    mgr = make_manager(hbm_blocks=16, admission=settings(max_deferred=64, reservation_ttl_s=5.0))
+    lid = mgr.register_layout(SMALL)
+    holder = mgr.attach("holder")
+    clients = [mgr.attach(f"c{i}") for i in range(4)]
+    held = mgr.allocate(holder, lid, 16)
+    waiting = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.5:
+            d = mgr.reserve(rng.choice(clients), lid, tokens=16 * rng.randint(1, 3), priority=rng.randint(0, 2))
+            if d.outcome is Outcome.DEFERRED:
+                waiting.append(d.reservation_id)
+        elif op < 0.65 and waiting:
+            rid = waiting.pop(rng.randrange(len(waiting)))
+            res = mgr.admission.find(rid)
+            if res is not None and not res.granted:
+                mgr.cancel(res.client, rid)
+        elif op < 0.75 and len(held):
+            mgr.free(holder, held[:2])  # room: the head is granted
+            held = held[2:]
+        else:
+            clock.advance(0.4)  # some expire
+        for rid in [r.id for r in mgr.admission.deferred]:
+            try:
+                d = mgr.admission.status(rid)  # (a poll may grant, or expire others: the queue after it)
+            except ReservationError:
+                continue
+            if d.outcome is Outcome.DEFERRED:
+                queue = mgr.admission.deferred
+                i = [r.id for r in queue].index(rid)
+                assert d.position == i, (step, d.position, i)
+                assert mgr.admission._positions.of(queue, queue[i])[1] == sum(r.hbm_bytes for r in queue[:i + 1])
+        mgr.check_invariants()

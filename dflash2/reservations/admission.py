@@ -18,6 +18,7 @@ from dflash2.reservations.ended import Ended
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
                                           Reservation, credit_stall)
+from dflash2.reservations.positions import QueuePositions
 from dflash2.reservations.shares import ClientShares
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
@@ -48,8 +49,7 @@ class Admission:
         # Deferred decisions' movable HBM bytes per slot size (idle, running by priority): a scan of the
         # table (tens of ms at a million blocks), so polls read the last step's, which clears it.
         self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}  # (_movable_bytes, `new_step`)
-        # Room last made for this one: a call that leaves nothing newly movable still makes room once
-        self._room_tried: int | None = None  # for a new head of the queue (tick with make_room False)
+        self._room_tried: int | None = None  # room last made for it (a new head gets room once: `tick`)
         # The blocks that calls have left able to leave HBM for the head since room was last made
         # for it (`became_movable`, loosened.py), and how often in a row that fell short for it (the
         # background step's tries count too): each failure doubles what the next retry waits for (a
@@ -58,6 +58,7 @@ class Admission:
         self._fails, self._fails_for = 0, None
         self._loosened, self._loosened_for = Loosened(table), None
         self.shares = ClientShares(table, settings)  # each client's share of HBM and of the queue
+        self._positions = QueuePositions()  # each waiting one's place and the bytes up to it
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
 
@@ -248,8 +249,7 @@ class Admission:
         return res.id
 
     def may_make_room(self) -> bool:
-        """Whether a `tick(make_room=False)` now may make room (placement work): only for a head
-        that room was not yet made for."""
+        """Whether `tick(make_room=False)` may make room now: only for a head not yet given room."""
         return bool(self.deferred) and self.deferred[0].id != self._room_tried
 
     def became_movable(self, rows: np.ndarray) -> bool:
@@ -429,17 +429,18 @@ class Admission:
         bisect.insort(self.deferred, res, key=lambda r: (-r.priority, r.id))
         self._waiting[res.id] = res
         self._waiting_sizes[res.slot] += 1
+        self._positions.changed()
 
     def _unwait(self, res: Reservation) -> None:
         """`res` has left the queue (granted, expired, dropped): out of its indexes."""
+        self._positions.changed()
         del self._waiting[res.id]
         self._waiting_sizes[res.slot] -= 1
         if not self._waiting_sizes[res.slot]:
             del self._waiting_sizes[res.slot]
 
     def _deferred_decision(self, res: Reservation) -> Decision:
-        pos = self.deferred.index(res)
-        ahead = sum(r.hbm_bytes for r in self.deferred[: pos + 1])
+        pos, ahead = self._positions.of(self.deferred, res)  # (a scan of the queue per poll: positions.py)
         room = self._room(res)
         movable = self._movable_bytes(res)
         if ahead > room and ahead > room + movable:
@@ -585,10 +586,9 @@ class Admission:
                 and (block_bytes is None or r.block_bytes == block_bytes)]
 
     def check_share(self, client: int, need: int) -> None:
-        """QuotaExceeded when the client would hold more of HBM than `max_client_share` with `need`
-        more bytes (an `allocate` outside any reservation: reserve refuses the same as REJECTED)."""
-        over = self._over_share(client, need)
-        if over:
+        """QuotaExceeded when `need` more bytes take the client past `max_client_share` (an allocate
+        outside any reservation: reserve refuses the same as REJECTED)."""
+        if over := self._over_share(client, need):
             raise QuotaExceeded(f"{over} (admission.max_client_share)")
 
     def _over_share(self, client: int, need: int) -> str:
