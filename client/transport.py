@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,12 +51,35 @@ log = logging.getLogger("dflash2.client")
 
 
 def check_endpoint(endpoint: str) -> None:
-    """Fail fast (DaemonUnavailable) when an ipc endpoint has no socket file: no daemon there."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not os.path.exists(path):
-            raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
-                                    "(is the daemon running? `dflash2d --config FILE`)")
+    """Fail fast (DaemonUnavailable) when an ipc endpoint has no socket file (no daemon there), or
+    one this process may not use: the socket and its folder are the daemon user's own. A folder it
+    could not enter was said to hold no socket, and a socket it could not open waited out the whole
+    timeout as "no reply (daemon gone or stuck)" (a review: the systemd unit's and the DaemonSet's
+    layouts, another user's `dflash2 status` and sglang)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    same_user = ("clients run as the daemon's user (the socket and the shared memory are its own): "
+                 f"this process is uid {os.geteuid()}")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
+                                "(is the daemon running? `dflash2d --config FILE`)") from None
+    except PermissionError:
+        folder = os.path.dirname(path) or "."
+        try:
+            fst = os.stat(folder)
+            whose = f" (owner uid {fst.st_uid}, mode {stat.S_IMODE(fst.st_mode):o})"
+        except OSError:
+            whose = ""
+        raise DaemonUnavailable(f"cannot reach dflash2d's socket {path}: permission denied to enter its folder "
+                                f"{folder}{whose}; {same_user}") from None
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot reach dflash2d's socket {path}: {e.strerror or e}") from None
+    if not os.access(path, os.R_OK | os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise DaemonUnavailable(f"cannot use dflash2d's socket {path}: permission denied (owner uid {st.st_uid}, "
+                                f"mode {stat.S_IMODE(st.st_mode):o}); {same_user}")
 
 
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the

@@ -321,9 +321,27 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     _check_folder("daemon.endpoint", folder)
     if folder.is_dir():
         st = folder.stat()
-        if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
-            raise ConfigError("daemon.endpoint", f"{what} {folder} is shared (mode "
-                                                 f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}); {advice}")
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_mode & stat.S_ISVTX or mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError("daemon.endpoint", f"{what} {folder} is shared (mode {mode:o}, owner uid "
+                                                 f"{st.st_uid}); {advice}")
+        if st.st_uid != os.geteuid():
+            # Owner-only, of another user: the daemon's own when it runs as that user (the systemd
+            # unit's RuntimeDirectory), where `--check` as root called it shared and advised moving
+            # the socket every serving process uses (a review).
+            raise ConfigError("daemon.endpoint", f"{what} {folder} belongs to uid {st.st_uid}{_user_name(st.st_uid)} "
+                                                 f"(mode {mode:o}), not to this user (uid {os.geteuid()}): run dflash2d "
+                                                 f"as its owner, `--check` too (sudo -u USER dflash2d ...), or {advice}")
+
+
+def _user_name(uid: int) -> str:
+    """` (NAME)` of a uid the passwd database knows, else ""."""
+    import pwd
+
+    try:
+        return f" ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return ""
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -1,0 +1,89 @@
+"""Processes of another user than the daemon's. The deploy files make the control socket owner-only
+(systemd: RuntimeDirectoryMode=0700 under User=dflash2; container/DaemonSet: socket 0600 in
+/run/dflash2), and say serving processes must run as the same user. One of another user (an
+operator's `dflash2 status`, a serving process under another uid) was told the daemon was not there
+or was stuck (a review); it is told that it may not use the socket, and why.
+
+Needs root (it runs the daemon as root and the caller as uid 65534 with seteuid)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+from observe_helpers import running_daemon
+
+from dflash2 import status as status_mod
+from dflash2.client import Client
+import dflash2.client.client  # noqa: F401  (imported before the euid drops)
+import dflash2.client.transport  # noqa: F401
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+OTHER = 65534
+
+
+@contextlib.contextmanager
+def as_other_user():
+    os.seteuid(OTHER)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="dp1-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _status(cfg: str, capsys) -> tuple[int, str]:
+    ns = argparse.Namespace(endpoint=None, config=cfg, json=True, timeout=2.0)
+    assert status_mod.handler(ns) == 0  # as root: it answers (and every lazy import is done)
+    capsys.readouterr()
+    with as_other_user():
+        rc = status_mod.handler(ns)
+    return rc, capsys.readouterr().err
+
+
+def test_status_from_another_user_under_the_systemd_units_0700_runtime_dir(base, capsys):
+    run = base / "run"
+    run.mkdir(mode=0o700)  # RuntimeDirectory=dflash2 + RuntimeDirectoryMode=0700
+    cfg = write_config(base, daemon={"endpoint": f"ipc://{run}/dflash2.sock", "state_dir": str(base / "state")})
+    with running_daemon(cfg, str(base / "d.log")):
+        assert (run / "dflash2.sock").exists()  # (as root) the daemon is there
+        rc, err = _status(cfg, capsys)
+    assert rc != 0
+    assert "does not exist" not in err and "permission" in err.lower(), (
+        f"a running daemon whose socket folder this user may not enter is reported as: {err!r}")
+
+
+def test_status_from_another_user_on_the_containers_0600_socket(base, capsys):
+    run = base / "run"
+    run.mkdir(mode=0o755)  # hostPath /run/dflash2 (kubelet/docker make it 0755 root)
+    cfg = write_config(base, daemon={"endpoint": f"ipc://{run}/dflash2.sock", "state_dir": str(base / "state")})
+    with running_daemon(cfg, str(base / "d.log")):
+        rc, err = _status(cfg, capsys)
+    assert rc != 0
+    assert "permission" in err.lower(), (
+        f"a running daemon whose 0600 socket this user may not connect to is reported as: {err!r}")
+
+
+def test_a_client_of_another_user_is_told_why_it_cannot_attach(base):
+    run = base / "run"
+    run.mkdir(mode=0o755)
+    cfg = write_config(base, daemon={"endpoint": f"ipc://{run}/dflash2.sock", "state_dir": str(base / "state")})
+    with running_daemon(cfg, str(base / "d.log")):
+        Client.connect(f"ipc://{run}/dflash2.sock", timeout_s=2.0).close()  # as root: it attaches
+        with as_other_user():
+            with pytest.raises(Exception) as ei:
+                Client.connect(f"ipc://{run}/dflash2.sock", timeout_s=2.0)
+    assert "permission" in str(ei.value).lower(), f"attach as another user fails with: {ei.value!r}"
