@@ -3,14 +3,11 @@ the reader to retry what can never succeed (manager.py `acquire_rows`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from dflash2.counts import any_true, unique
-from dflash2.errors import IllegalTransition, NeverFits, PinnedBlock, UnknownBlock
+from dflash2.errors import IllegalTransition, PinnedBlock, UnknownBlock
 from dflash2.table import BlockState, BlockTable
-from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
 
 
@@ -48,13 +45,10 @@ def refuse_unmovable(table: BlockTable, rows: np.ndarray, tiers: np.ndarray, bel
                                 "commit it first, or read it where it lies (tier 'dram')")
 
 
-def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, tiers: np.ndarray, up_to: Tier,
-                      whole: Callable[[], np.ndarray] | None = None) -> None:
+def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, tiers: np.ndarray, up_to: Tier) -> None:
     """NeverFits when the blocks at or below `up_to` cannot lie in it at once, with the cached
     prefix a promotion brings up first (`chain`: `rows` and their ancestors, Promotion's
-    `with_ancestors`; those pinned below stay where they are). A chain cut where its walk up met
-    `up_to` or a faster tier counts what lies above the cut by its `depth` (at most that many
-    ancestors): when even that fits, it fits; else `whole()`, the chain to its roots, is counted."""
+    `with_ancestors`; those pinned below stay where they are)."""
     c = table.cols
     if chain is rows:  # a prefix listed root first (the usual read): nothing to add
         there = unique(rows[tiers >= int(up_to)])
@@ -62,26 +56,7 @@ def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, ti
         chain_tiers = c.tier[chain]
         there = chain[(chain_tiers == int(up_to)) | ((chain_tiers > int(up_to))
                                                      & ((c.pins[chain] == 0) | np.isin(chain, rows)))]
+    lids, counts = np.unique(c.layout[there], return_counts=True)
     named = len(unique(rows))
-    what = f"acquire of {named} blocks"
-    cut = np.zeros(0, dtype=np.int64) if chain is rows or whole is None else chain[
-        (c.parent[chain] != NO_ROW) & ~np.isin(c.parent[chain], chain)]
-    if len(cut):
-        above: dict[int, int] = {}
-        for lid, d in zip(c.layout[cut].tolist(), c.depth[cut].tolist()):
-            above[lid] = above.get(lid, 0) + d
-        counted = _by_layout(c, there)
-        try:
-            table.refuse_never_fits(up_to, {lid: counted.get(lid, 0) + above.get(lid, 0)
-                                            for lid in {*counted, *above}}, what)
-            return  # it fits, whatever lies above the cut
-        except NeverFits:
-            pass
-        return refuse_never_fits(table, whole(), rows, tiers, up_to)
-    table.refuse_never_fits(up_to, _by_layout(c, there), what
+    table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())), f"acquire of {named} blocks"
                             + (f" (with their cached prefix, {len(there)})" if len(there) > named else ""))
-
-
-def _by_layout(c, rows: np.ndarray) -> dict[int, int]:
-    lids, counts = np.unique(c.layout[rows], return_counts=True)
-    return dict(zip(lids.tolist(), counts.tolist()))

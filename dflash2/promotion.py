@@ -177,28 +177,24 @@ class Promotion:
             return False  # an ancestor outside the list: the walk adds it
         return bool((parent[linked] < np.flatnonzero(linked)).all())  # each parent ahead of its child
 
-    def with_ancestors(self, rows: np.ndarray, dst: Tier, whole: bool = False) -> np.ndarray:
-        """The rows and their cached ancestors, ancestors first, each walk up ending with the first
-        block it meets in `dst` or a faster tier (`whole`: every ancestor). That one is in the list:
-        it is what the room made for the others protects (demoted to make that room, it would leave
-        its promoted descendants above their prefix); those further up lie in dst or faster with a
-        child there (a parent is never below its child), and room is made of leaves only. Walked to
-        the root, an acquire of the last 64 blocks of a chain 32,768 deep took 32 ms, 21x its time
-        at depth 2,048 (a review): a reader of a long prompt in pieces paid the square of its length."""
+    def with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
+        """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
+        kept in the list too: it is what the room made for the others protects, and an ancestor
+        demoted to make that room would leave its promoted descendants above their prefix. Walked to
+        the root: a walk cut where it met `dst` left unprotected, and unpromoted, the prefix above a
+        block that stays below its child (pinned there by a host reader), and counted the prefix of
+        another layout short for NeverFits (a review). An acquire walks once (`promote`'s `chain`)."""
         c = self.table.cols
         rows = np.asarray(rows, dtype=np.int64)
         if self._closed_upward(rows):
             return rows  # a request's prefix as it reads it: already ancestors first, nothing to add
         seen: dict[int, None] = {}
-        parent, tier = c.parent.item, c.tier.item  # (int(c.parent[p]) a step took 3x as long)
-        top = -1 if whole else int(dst)
+        parent = c.parent.item  # (a Python int a step: int(c.parent[p]) took 3x as long, 12 ms at depth 32,768)
         for r in rows.tolist():
             path = []
             p = r
             while p >= 0 and p not in seen:
                 path.append(p)
-                if tier(p) <= top:
-                    break
                 p = parent(p)
             for q in reversed(path):
                 seen[q] = None

@@ -127,8 +127,7 @@ class Reads:
             # prefix it brings up first included) that can never fit.
             refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
             chain = self.placement.with_ancestors(rows, up_to)  # (once: `promote` below takes it too)
-            refuse_never_fits(self.table, chain, rows, tiers, up_to,
-                              whole=lambda: self.placement.with_ancestors(rows, up_to, whole=True))
+            refuse_never_fits(self.table, chain, rows, tiers, up_to)
         below = None if priority is None else priority + 1
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from dflash2.errors import NeverFits
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
 from dflash2.tiers import Tier
 
 from conftest import SMALL
@@ -294,28 +296,63 @@ def test_blocks_of_two_layouts_that_can_never_lie_together_are_never_fits(clock)
     mgr.close()
 
 
-def test_a_promotion_walks_up_a_chain_only_to_where_it_meets_the_tier_it_goes_to(make_manager):
-    """An acquire of a chain's last blocks walked to the root, twice (its check and its promotion):
-    a reader of a long prompt in pieces paid the square of its length (the last 64 of 32,768: 32 ms,
-    21x its time at 2,048, a review). The walk ends at the first block in the tier (or a faster
-    one); what lies above it is counted by its depth, and the whole walk runs only when that count
-    says the promotion might never fit."""
+def test_acquire_keeps_and_brings_up_the_prefix_above_a_stranded_block(make_manager, clock):
+    """A pinned ancestor left below while a descendant came up (prefix order broken once, as
+    designed): a walk cut where it met HBM neither brought up the ancestor once unpinned nor
+    protected the head above it, which was demoted to make room for its own tail (a review of a
+    version never landed). The walk goes to the root."""
     mgr = make_manager(hbm_blocks=4, dram_blocks=16)
     lid = mgr.register_layout(SMALL)
-    writer = mgr.attach("writer")
-    top = mgr.commit(writer, mgr.allocate(writer, lid, 3), [1, 2, 3])  # in HBM
-    low = mgr.commit(writer, mgr.allocate(writer, lid, 3, tier=Tier.DRAM), [4, 5, 6], parent=int(top[-1]))
-    mgr.free(writer, np.concatenate([top, low]))
-    t = mgr.table
-    assert t.cols.depth[t.rows(low)].tolist() == [3, 4, 5]
-    cut = mgr.placement.with_ancestors(t.rows(low[-1:]), Tier.HBM)
-    assert cut.tolist() == t.rows(np.concatenate([top[-1:], low])).tolist()  # not the 2 above the cut
-    assert mgr.placement.with_ancestors(t.rows(low[-1:]), Tier.HBM, whole=True).tolist() == \
-        t.rows(np.concatenate([top, low])).tolist()
-    reader = mgr.attach("reader")
-    # 3 in HBM and 3 to come up: never in an HBM of 4, counted through the cut.
-    with pytest.raises(NeverFits, match=r"acquire of 1 blocks \(with their cached prefix, 6\) needs"):
-        mgr.acquire(reader, [int(low[-1])])
-    assert mgr.acquire(reader, [int(low[0])]) is not None  # 3 and 1: it fits
-    assert [p.tier for p in mgr.lookup([1, 2, 3, 4], lid)] == [Tier.HBM] * 4
+    w = mgr.attach("w")
+    x = mgr.commit(w, mgr.allocate(w, lid, 1), [1])  # HBM
+    pyz = mgr.commit(w, mgr.allocate(w, lid, 3, tier=Tier.DRAM), [2, 3, 4], parent=int(x[0]))
+    mgr.free(w, x)
+    mgr.free(w, pyz)
+    p, y, z = (int(v) for v in pyz)
+    host = mgr.attach("host-reader")
+    assert mgr.acquire(host, [p], up_to=Tier.DRAM) is not None  # P pinned in DRAM
+    r = mgr.attach("reader")
+    clock.advance(1)
+    assert mgr.acquire(r, [y]) is not None  # Y comes up, P stays (pinned)
+    mgr.release(r, [y])
+    mgr.release(host, [p])
+    assert tiers_of(mgr, [int(x[0]), p, y, z]) == ["hbm", "dram", "hbm", "dram"]
+    clock.advance(1)
+    o = mgr.commit(w, mgr.allocate(w, lid, 2), [10, 11])  # HBM full: X, Y, O1, O2; X the oldest
+    mgr.free(w, o)
+    clock.advance(1)
+    assert mgr.acquire(r, [z]) is not None
+    labels = tiers_of(mgr, [int(x[0]), p, y, z])
+    assert labels[0] == "hbm", f"the chain's head was demoted to make room for its own tail: {labels}"
+    assert labels == ["hbm"] * 4, labels
     mgr.check_invariants()
+
+
+KIB = 1024
+BIG = Layout("big", num_layers=8, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)  # 64 KiB
+SMALL_16K = Layout("small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)  # 16 KiB
+
+
+def two_layout_tiers(clock):
+    return BlockManager([TierSpec(Tier.HBM, 8 * 64 * KIB, 64 * KIB, 256),
+                         TierSpec(Tier.DRAM, 64 * 64 * KIB, 64 * KIB, 4096)], clock=clock)
+
+
+def test_mixed_layout_chain_that_can_never_fit_is_never_fits(clock):
+    """A chain of 64 KiB blocks in HBM, 16 KiB ones below: its whole prefix (528 KiB) never fits an
+    HBM of 512 KiB. Counted by depth at the layout of where a walk was cut, it "fit", and the
+    acquire answered None for ever (a review of a version never landed)."""
+    mgr = two_layout_tiers(clock)
+    lb, ls = mgr.register_layout(BIG), mgr.register_layout(SMALL_16K)
+    w = mgr.attach("w")
+    head = mgr.commit(w, mgr.allocate(w, lb, 6), [1, 2, 3, 4, 5, 6])  # 6 pages of HBM
+    cut = mgr.commit(w, mgr.allocate(w, ls, 1), [7], parent=int(head[-1]))  # HBM
+    tail = mgr.commit(w, mgr.allocate(w, ls, 8, tier=Tier.DRAM), list(range(8, 16)), parent=int(cut[-1]))
+    for v in (head, cut, tail):
+        mgr.free(w, v)
+    r = mgr.attach("r")
+    # The whole prefix: 6 x 64 KiB + 9 x 16 KiB = 528 KiB > the 512 KiB HBM. Never fits.
+    assert len(mgr.placement.with_ancestors(mgr.table.rows(tail[-1:]), Tier.HBM)) == 15
+    with pytest.raises(NeverFits, match=r"with their cached prefix, 15"):
+        mgr.acquire(r, [int(tail[-1])])
+    mgr.close()

@@ -37,9 +37,6 @@ FIELDS: dict[str, tuple[np.dtype, object]] = {
     "request": (np.int64, 0),  # owning request (client-local id)
     "key": (np.uint64, 0),  # content key; 0 = none (private)
     "parent": (np.int32, NO_ROW),  # row of the block holding the previous prefix block
-    # How many ancestors it had when linked: an upper bound once one of them is lost (lost.py unlinks
-    # its children; this is left), which is all it is read as (acquire_checks.refuse_never_fits).
-    "depth": (np.int32, 0),
     "nkids": (np.int32, 0),  # cached children in any tier (== kids.sum(axis=0), kept for speed)
     "offset": (np.int64, -1),  # slot offset in the tier's arena
     "last_access": (np.float64, 0.0),

@@ -170,12 +170,11 @@ class Publishing:
         none of them `parent`: so is each (tier, parent) pair counted)."""
         if not len(rows):
             return
-        c = self.cols
-        c.depth[rows] = (0 if parent == NO_ROW else int(c.depth[parent]) + 1) + np.arange(len(rows))
         parents = np.empty(len(rows), dtype=np.int64)
         parents[0], parents[1:] = parent, rows[:-1]
         if parent == NO_ROW:
             rows, parents = rows[1:], parents[1:]
+        c = self.cols
         c.parent[rows] = parents
         c.kids[c.tier[rows], parents] += 1
         c.nkids[parents] += 1
@@ -183,7 +182,6 @@ class Publishing:
     def _link(self, row: int, parent: int) -> None:
         if parent == NO_ROW:
             return
-        self.cols.depth[row] = self.cols.depth[parent] + 1
         self.cols.parent[row] = parent
         self.cols.kids[self.cols.tier[row], parent] += 1
         self.cols.nkids[parent] += 1
