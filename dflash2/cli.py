@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"dflash2: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C on `status` or `history`: as a shell reports it, without a traceback
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # The reader went away (`dflash2 bench ... --json | head -1`): what it read is all it wanted.
         # Point stdout at /dev/null so that the interpreter's own flush at exit does not raise again.

@@ -253,3 +253,27 @@ def test_status_watch_ends_on_ctrl_c_with_exit_0(tmp_path):
             proc.kill()
     assert "daemon unavailable" in out
     assert proc.returncode == 0, (proc.returncode, err[-500:])
+
+
+def test_ctrl_c_on_a_one_shot_command_exits_130_without_a_traceback(tmp_path):
+    """`dflash2 history` waiting on a daemon that does not answer, Ctrl-C: a KeyboardInterrupt
+    traceback, where the benches exit 130 without one."""
+    import signal
+
+    import zmq
+
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)  # takes the call, never answers
+    mute.bind(f"ipc://{tmp_path}/mute.sock")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "from dflash2 import cli; sys.exit(cli.main())", "history", "--timeout", "30",
+             "--endpoint", f"ipc://{tmp_path}/mute.sock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        mute.close(0)
+        ctx.term()
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-1000:])
