@@ -235,45 +235,43 @@ def test_status_watch_does_not_call_a_wall_clock_step_a_restart(make_manager, mo
     assert "restarted" not in second_frame, second_frame
 
 
-def test_status_watch_ends_on_ctrl_c_with_exit_0(tmp_path):
-    """Ctrl-C is how the live view is left: the benches' stop handler on SIGINT made it exit 130."""
+def _ctrl_c(*argv: str, after_s: float) -> tuple[int, str, str]:
+    """`dflash2 ARGV` with SIGINT as a terminal leaves it, sent `after_s` in: (exit code, out, err)."""
     import signal
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-         "from dflash2 import cli; sys.exit(cli.main())", "status", "--watch", "--interval", "0.2",
-         "--timeout", "0.2", "--endpoint", f"ipc://{tmp_path}/none.sock"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                             "signal.default_int_handler); from dflash2 import cli; sys.exit(cli.main())", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        time.sleep(after_s)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def test_status_watch_ends_on_ctrl_c_with_exit_0(tmp_path):
+    """Ctrl-C is how the live view is left: the benches' stop handler on SIGINT made it exit 130."""
+    rc, out, err = _ctrl_c("status", "--watch", "--interval", "0.2", "--timeout", "0.2",
+                           "--endpoint", f"ipc://{tmp_path}/none.sock", after_s=3)
     assert "daemon unavailable" in out
-    assert proc.returncode == 0, (proc.returncode, err[-500:])
+    assert rc == 0, (rc, err[-500:])
 
 
 def test_ctrl_c_on_a_one_shot_command_exits_130_without_a_traceback(tmp_path):
     """`dflash2 history` waiting on a daemon that does not answer, Ctrl-C: a KeyboardInterrupt
     traceback, where the benches exit 130 without one."""
-    import signal
-
     import zmq
 
     ctx = zmq.Context()
     mute = ctx.socket(zmq.ROUTER)  # takes the call, never answers
     mute.bind(f"ipc://{tmp_path}/mute.sock")
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-             "from dflash2 import cli; sys.exit(cli.main())", "history", "--timeout", "30",
-             "--endpoint", f"ipc://{tmp_path}/mute.sock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
+        rc, _, err = _ctrl_c("history", "--timeout", "30", "--endpoint", f"ipc://{tmp_path}/mute.sock", after_s=2)
     finally:
         mute.close(0)
         ctx.term()
-    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-1000:])
+    assert rc == 130 and "Traceback" not in err, (rc, err[-1000:])

@@ -4,6 +4,8 @@ lookup read as if one of the writer's own blocks were gone."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
@@ -11,22 +13,20 @@ from daemon_proc import DaemonProcess
 from dflash2.client import Client, DaemonError, chain_keys
 
 
-def start(config_file, tmp_path, **memory):
-    return DaemonProcess(config_file(memory={"nvme_capacity_mb": 0, **memory},
-                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
-
-
-def test_a_dram_allocation_refused_is_not_told_to_reserve(config_file, tmp_path):
-    # DRAM of 1 MiB (64 blocks of 16 KiB), no NVMe: a full DRAM of blocks being written cannot drain.
-    daemon = start(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=1)
+@contextlib.contextmanager
+def daemon_with(config_file, tmp_path, **memory):
+    daemon = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0, **memory},
+                                       daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
     try:
-        _dram_refusal(daemon)
+        yield daemon
     finally:
         daemon.stop()
 
 
-def _dram_refusal(daemon):
-    with Client.connect(config=daemon.config_path, name="host-writer", layouts=[SMALL]) as c:
+def test_a_dram_allocation_refused_is_not_told_to_reserve(config_file, tmp_path):
+    # DRAM of 1 MiB (64 blocks of 16 KiB), no NVMe: a full DRAM of blocks being written cannot drain.
+    with daemon_with(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=1) as daemon, \
+            Client.connect(config=daemon.config_path, name="host-writer", layouts=[SMALL]) as c:
         lid = c.layouts[0]
         assert c.allocate(lid, 64, tier="dram") is not None  # every DRAM slot, being written
         assert c.allocate(lid, 1, tier="dram") is None
@@ -41,15 +41,8 @@ def _dram_refusal(daemon):
 
 def test_a_commit_under_an_evicted_parent_says_it_is_the_parent(config_file, tmp_path):
     # One tier of 1 MiB (64 blocks of 16 KiB), nothing below: room is made by eviction.
-    daemon = start(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=0)
-    try:
-        _evicted_parent(daemon)
-    finally:
-        daemon.stop()
-
-
-def _evicted_parent(daemon):
-    with Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL]) as c, \
+    with daemon_with(config_file, tmp_path, hbm_capacity_mb=1, dram_capacity_mb=0) as daemon, \
+            Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL]) as c, \
             Client.connect(config=daemon.config_path, name="other", layouts=[SMALL]) as other:
         lid = c.layouts[0]
         keys = chain_keys(range(32), 16, "doc")
