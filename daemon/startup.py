@@ -163,6 +163,9 @@ def run(cfg: Config) -> int:
         steps = [observers.close] if observers is not None else []
         steps += [server.close] if server is not None else []
         steps += [m.close for m in managers.values()]
+        # What a start-up cut short left of ours that no manager closes (nobody holds it: a live
+        # daemon's, pid 1 in another container, stays), while our liveness object still names us.
+        steps += [_sweep_own_segments] if alive is not None else []
         steps += [alive.close] if alive is not None else []  # before the lock: a next daemon finds nothing of ours
         for step in [*steps, lock.release]:
             try:
@@ -170,6 +173,10 @@ def run(cfg: Config) -> int:
             except Exception:
                 log.exception("stopping: %s failed; the other steps run", getattr(step, "__qualname__", step))
         log.info("stopped")
+
+
+def _sweep_own_segments() -> None:
+    remove_stale_segments(f"{instance_name(os.getpid())}-")
 
 
 def _error(cfg: Config, message: str) -> None:

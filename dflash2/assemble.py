@@ -117,20 +117,25 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         from dflash2.cuda import start_device
 
         start_device(device)
-    try:
+    manager = None
+    try:  # (all of it: a stop signal while the table was built left the tiers' segments for good, a review)
         for spec in specs:
-            arenas[spec.tier] = _open_arena(spec, plan, name, device, nvme_path)
+            arenas[spec.tier], taken = _open_arena(spec, plan, name, device, nvme_path)
+            log.info("%s", taken)  # (after it is in `arenas`: one raised here was left open)
         backend = _backend(arenas, plan) if device is not None else HostTransferBackend(arenas)
+        manager = BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
+                               swap_batch_size=cfg.policy.swap_batch_size,
+                               cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
+                               admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock,
+                               first_gen=secrets.randbelow(MAX_FIRST_GEN) + 1)  # (ids differ from a restart's)
+        _attach_duel(cfg, manager)
     except BaseException:
-        for arena in arenas.values():
-            arena.close()
+        if manager is not None:
+            manager.close()
+        else:
+            for arena in arenas.values():
+                arena.close()
         raise
-    manager = BlockManager(specs, policy=policy, prefetch_window=cfg.kv_block.prefetch_window,
-                           swap_batch_size=cfg.policy.swap_batch_size,
-                           cold_threshold=cfg.policy.cold_threshold, watermarks=watermarks(cfg),
-                           admission=admission_settings(cfg), arenas=arenas, backend=backend, clock=clock,
-                           first_gen=secrets.randbelow(MAX_FIRST_GEN) + 1)  # (ids differ from a restart's)
-    _attach_duel(cfg, manager)
     return manager
 
 
@@ -154,27 +159,25 @@ def _backend(arenas: dict[Tier, Arena], plan: Plan):
     return CudaTransferBackend(arenas, getattr(dram, "region", None), plan.staging_bytes)
 
 
-def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None, nvme_path) -> Arena:
+def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None, nvme_path) -> tuple[Arena, str]:
+    """The tier's arena, taken now, and the line that says so (logged by the caller once it holds it)."""
     if spec.tier == Tier.NVME:
         if nvme_path is None:
             raise ArenaError("memory.nvme_path is not set but the NVMe tier has a capacity")
         arena = NvmeArena.create(nvme_path, spec.capacity_bytes, staging_bytes=plan.staging_bytes)
-        log.info("took nvme tier: %d bytes of %s (%s)", spec.capacity_bytes, nvme_path,
-                 "an earlier daemon's file, reused: what it held is dropped" if arena.reused else "a new file")
-        return arena
+        return arena, (f"took nvme tier: {spec.capacity_bytes} bytes of {nvme_path} ("
+                       + ("an earlier daemon's file, reused: what it held is dropped" if arena.reused else "a new file")
+                       + ")")
     if device is not None:
         from dflash2.cuda.arena import CudaArena, PinnedHostArena
 
         if spec.tier == Tier.HBM:
             arena = CudaArena.create(device, spec.capacity_bytes, spec.alignment)
-            log.info("took hbm tier: %d bytes of GPU %d memory", spec.capacity_bytes, device)
-            return arena
+            return arena, f"took hbm tier: {spec.capacity_bytes} bytes of GPU {device} memory"
         arena = PinnedHostArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
                                        alignment=spec.alignment)
-        log.info("took %s tier: %d bytes of pinned host shared memory", spec.tier.label, spec.capacity_bytes)
-        return arena
+        return arena, f"took {spec.tier.label} tier: {spec.capacity_bytes} bytes of pinned host shared memory"
     arena = SharedMemoryArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
                                      alignment=spec.alignment)
-    log.info("took %s tier: %d bytes of host shared memory (%s)", spec.tier.label, spec.capacity_bytes,
-             arena.describe().get("name"))
-    return arena
+    return arena, (f"took {spec.tier.label} tier: {spec.capacity_bytes} bytes of host shared memory "
+                   f"({arena.describe().get('name')})")

@@ -202,3 +202,57 @@ def test_a_stop_does_not_start_new_nvme_reads_for_parked_calls(config_file, tmp_
 def _nvme_reads(path) -> int:
     text = path.read_text()
     return sum(int(m) for m in re.findall(r"direction=nvme->hbm batches=(\d+)", text))
+
+
+SLOW_TABLE = r"""
+import sys, time
+from dflash2 import assemble
+real = assemble.BlockManager
+class Slow(real):
+    def __init__(self, *a, **k):
+        print("BUILDING-TABLE", file=sys.stderr, flush=True)
+        time.sleep(3)   # stands in for a production-sized block table (50-75 ms measured)
+        super().__init__(*a, **k)
+assemble.BlockManager = Slow
+from dflash2.daemon.main import main
+sys.exit(main(["--config", sys.argv[1]]))
+"""
+
+
+def _segments_of(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"dflash2-{pid}-"))
+
+
+def test_sigterm_while_the_block_table_is_built_removes_the_segments_of(config_file, tmp_path):
+    cfg = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(tmp_path / "state")})
+    err = tmp_path / "err.log"
+    with open(err, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_TABLE, cfg], stderr=log, stdout=subprocess.DEVNULL,
+                                cwd=str(tmp_path))
+    pid = proc.pid
+    try:
+        deadline = time.monotonic() + 60
+        while "BUILDING-TABLE" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.01)
+        taken = _segments_of(pid)
+        assert taken, "the tiers' segments are taken before the block table is built"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        text = err.read_text()
+        assert rc == 0 and "stopped by SIGTERM during start-up" in text, text  # a clean stop, it says
+        assert not (tmp_path / "d.sock.lock").exists()  # the lock file went: nothing names this pid now
+        left = _segments_of(pid)
+        # A next daemon on the same config does not find them either (no lock file, no liveness object).
+        nxt = DaemonProcess(cfg).start()
+        try:
+            left_after_restart = _segments_of(pid)
+        finally:
+            nxt.stop()
+        assert left == [], f"a clean stop during start-up left {left} in /dev/shm; the next start left {left_after_restart}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for name in _segments_of(pid):  # (what the bug left: removed here)
+            Path("/dev/shm", name).unlink(missing_ok=True)
