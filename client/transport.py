@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -77,9 +78,24 @@ def check_endpoint(endpoint: str) -> None:
                                 f"{folder}{whose}; {same_user}") from None
     except OSError as e:
         raise DaemonUnavailable(f"cannot reach dflash2d's socket {path}: {e.strerror or e}") from None
-    if not os.access(path, os.R_OK | os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+    # The kernel's own answer, a plain connect let go at once (the daemon's ZeroMQ drops a peer that
+    # never greets): a guess from the mode bits, or access(2), refused a socket its group could
+    # use (it needs write only), or ACLs allowed, and a seccomp profile that refuses faccessat2
+    # would have refused every client (a review).
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except PermissionError:
         raise DaemonUnavailable(f"cannot use dflash2d's socket {path}: permission denied (owner uid {st.st_uid}, "
-                                f"mode {stat.S_IMODE(st.st_mode):o}); {same_user}")
+                                f"mode {stat.S_IMODE(st.st_mode):o}); {same_user}") from None
+    except ConnectionRefusedError:
+        raise DaemonUnavailable(f"no dflash2d at {endpoint}: nothing listens on its socket file (a daemon that "
+                                "was killed left it; is the daemon running? `dflash2d --config FILE`)") from None
+    except OSError:
+        pass  # (a full backlog, a timeout: ZeroMQ tries as it does, and the call's timeout says)
+    finally:
+        probe.close()
 
 
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the

@@ -322,7 +322,9 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     if folder.is_dir():
         st = folder.stat()
         mode = stat.S_IMODE(st.st_mode)
-        if st.st_mode & stat.S_ISVTX or mode & (stat.S_IWGRP | stat.S_IWOTH):
+        # Sticky (/tmp) or writable by every user (anyone could plant the lock file's path); a folder
+        # its group may write stays the daemon's own (refused, a config that ran did not start, a review).
+        if st.st_mode & stat.S_ISVTX or mode & stat.S_IWOTH:
             raise ConfigError("daemon.endpoint", f"{what} {folder} is shared (mode {mode:o}, owner uid "
                                                  f"{st.st_uid}); {advice}")
         if st.st_uid != os.geteuid():

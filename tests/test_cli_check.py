@@ -228,3 +228,18 @@ def test_check_names_a_tcp_endpoint_another_program_holds(write, tmp_path):
     line = next(line for line in result.stdout.splitlines() if "daemon.endpoint" in line and "cannot serve" in line)
     assert line.startswith("now: ") and "start-up would fail now (exit 4)" in line
 
+
+@pytest.mark.parametrize("mode, ok", [(0o775, True), (0o777, False)])
+def test_a_socket_folder_its_group_may_write_stays_the_daemons_own(write, tmp_path, mode, ok):
+    """A folder made by hand under umask 002 (0775) ran before, and was refused as "shared" by a
+    version of this check (a review); one every user may write is shared (a link planted at the lock
+    file's path), sticky or not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(mode)
+    config = {**GOOD, "memory": {**GOOD["memory"], "nvme_capacity_mb": 0},
+              "daemon": {"endpoint": f"ipc://{run}/d.sock", "state_dir": str(tmp_path / "state")}}
+    r = dflash2d("--config", str(write(config)), "--check", cwd=tmp_path)
+    assert (r.returncode == 0) == ok, r.stderr[-1000:]
+    if not ok:
+        assert f"the socket's folder {run} is shared (mode 777" in r.stderr
