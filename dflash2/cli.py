@@ -131,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM, SIGHUP and Ctrl-C end the command through its clean-up, which they wait for
-    # (stopsignals.py): a bench stopped by `timeout` or a supervisor left its daemon running, its
-    # shared memory and a GB-sized NVMe file.
+    # SIGTERM and SIGHUP (and for a bench, Ctrl-C) end the command through its clean-up, which they
+    # wait for (stopsignals.py): a bench stopped by `timeout` or a supervisor left its daemon
+    # running, its shared memory and a GB-sized NVMe file.
     saved = stopsignals.install(interrupt=args.command == "bench")  # (Ctrl-C ends `status --watch`, exit 0)
     try:
         return SUBCOMMANDS[args.command].handler(args)

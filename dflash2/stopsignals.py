@@ -15,7 +15,7 @@ import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (the handler runs on the main thread, which may hold it in `uninterrupted`)
 _depth = 0  # uninterrupted blocks running (any thread: the handler runs on the main one)
 _held: int | None = None  # a stop signal that came during one
 

@@ -341,7 +341,7 @@ class DFlash2Storage(HiCacheStorage):
             parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
             self._count("pages_set", hi - lo)
-            self._moved.n = getattr(self._moved, "n", 0) + hi - lo  # (`_timed`)
+            self._note_moved(hi - lo)
         return ok
 
     def _cached_prefix(self, client: Client, ckeys: np.ndarray) -> np.ndarray:
@@ -405,7 +405,7 @@ class DFlash2Storage(HiCacheStorage):
         got = sum(ok)
         self._count("pages_got", got)
         self._count("page_misses", n - got)
-        self._moved.n = getattr(self._moved, "n", 0) + got  # (`_timed`)
+        self._note_moved(got)
         return ok
 
     def _read_refused(self, client: Client, pages: int) -> None:
@@ -431,6 +431,10 @@ class DFlash2Storage(HiCacheStorage):
         if host_indices.numel() != n * page:
             raise ValueError(f"{n} page keys but {host_indices.numel()} host indices (page size {page})")
         return host_indices[::page].tolist()
+
+    def _note_moved(self, n: int) -> None:
+        """`n` pages this thread's call read or wrote (`_timed`; a call not timed counts for nothing)."""
+        self._moved.n = getattr(self._moved, "n", 0) + n
 
     def _timed(self, kind: str, fn):
         """fn(), its pages moved (`_moved`: those this thread's call read or wrote) and their rate

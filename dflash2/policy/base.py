@@ -32,6 +32,11 @@ class Policy(abc.ABC):
     # at 500 / 2,000 blocks, against 0.1735 / 0.3740 leaves first.
     strict_order: ClassVar[bool] = False
 
+    @staticmethod
+    def _last_tier(table) -> int:
+        """The slowest tier of the table: what a block pushed out of it loses (admission's concern)."""
+        return max(int(t) for t in table.allocators)
+
     @abc.abstractmethod
     def scores(self, table: "BlockTable", rows: np.ndarray, now: float) -> np.ndarray:
         """Heat of each row (float64, higher = keep). Must be vectorised: it runs over every block."""

@@ -82,12 +82,12 @@ class BeladyPolicy(Policy):
         of the tiers below HBM: the HBM-only figures do not change). Into a full last tier, what it
         pushes out is lost: of the candidates and the tier's blocks they would push out, those read
         furthest ahead stay out, candidates or not (`_displaced`). Admitting every block used again
-        there, one read at the 8th request pushed out one read at the 6th, and heat found more than
+        there, one read at the 9th request pushed out one read at the 7th, and heat found more than
         the "optimum" (a review's hand-checked trace: 3 of 11 against 2). The next use counts from
         the request being served, whose blocks it holds while it runs."""
         rows = np.asarray(rows, dtype=np.int64)
         ok = np.isfinite(self.next_use(table.cols.key[rows]))
-        if len(rows) and int(tier) == max(int(t) for t in table.allocators):
+        if len(rows) and int(tier) == self._last_tier(table):
             ok &= ~self._displaced(table, rows, tier)
         return ok
 
@@ -110,4 +110,6 @@ class BeladyPolicy(Policy):
         # Furthest first; on a tie a candidate goes before a block already there (nothing moves).
         order = np.lexsort((np.arange(len(uses)), -uses))
         out = order[:int(np.searchsorted(np.cumsum(held[order]), push)) + 1]
-        return np.isin(np.arange(len(rows)), out)
+        refused = np.zeros(len(rows), dtype=bool)
+        refused[out[out < len(rows)]] = True  # (the candidates come first in `uses`)
+        return refused

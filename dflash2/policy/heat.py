@@ -355,10 +355,6 @@ class HeatPolicy(Policy):
         if self.split.update_sides() | self.inner.update_sides():
             self._cache = None
 
-    @staticmethod
-    def _last_tier(table) -> int:
-        return max(int(t) for t in table.allocators)
-
     def admit(self, table, rows, tier, now):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
         when its key was referenced at least as often lately as the coldest blocks it would push out
