@@ -209,7 +209,7 @@ class BlockManager(Reads):
                 # growing a running request: held back, that request could never finish and free
                 # the room a waiting reservation may be waiting for (the request id cannot tell:
                 # a request's blocks may be another request's, deduplicated or found cached).
-                ahead = self.admission.ahead_of(priority, client, size)
+                ahead = self.admission.ahead_of(priority, client, slot)
                 held = sum(r.blocks * slot for r in ahead)
         kw = dict(tier=tier, request=request, priority=priority)
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None

@@ -140,3 +140,21 @@ def test_spent_reservations_are_kept_within_a_bound_and_never_scanned(make_manag
     d = mgr.reserve(a, lid, 16)
     mgr.free(a, mgr.take(a, d.reservation_id, 1))
     assert list(mgr.admission._ended.spent) == [d.reservation_id]  # (the expired ones pruned as it came)
+
+
+def test_a_reservation_past_its_deadline_holds_no_allocation_back(make_manager, clock):
+    """A review's script: a deferred reservation past its deadline held `allocate` back until the next
+    background step (a whole `policy.rescore_interval_ms`), refused as "held for 1 reservation(s)
+    waiting", though its client's poll was told it had expired."""
+    mgr = make_manager(hbm_blocks=8, admission=settings())
+    w, b, c = mgr.attach("writer"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(w, lid, 6)  # blocks being written: two free
+    waiting = mgr.reserve(b, lid, 16 * 4, deadline=clock() + 0.3)
+    assert waiting.outcome is Outcome.DEFERRED
+    assert mgr.allocate(c, lid, 2) is None  # held back while it may still be granted
+    clock.advance(0.6)
+    vids = mgr.allocate(c, lid, 2)
+    assert vids is not None, mgr.allocate_refusal
+    assert mgr.admission.counters["expired"] == 1 and not mgr.admission.deferred
+    mgr.check_invariants()

@@ -108,3 +108,25 @@ def test_layouts_of_one_slot_size_queue_in_order(clock, request):
     mgr.free(w, held[[3]])
     assert mgr.reservation_status(a, head.reservation_id).outcome is Outcome.GRANTED
     mgr.check_invariants()
+
+
+def test_an_allocation_of_a_layout_of_the_same_slot_size_is_held_back_too(clock, request):
+    """A review's script: with a SMALL reservation waiting, an allocation of SMALL was held back
+    (as documented) but one of a 16,256-byte layout, which takes the same 16 KiB slots, was given
+    the very room the reservation waited for (`ahead_of` compared block bytes, not slots)."""
+    odd = Layout("odd", num_layers=1, num_kv_heads=1, head_dim=254, dtype="fp16", tokens_per_block=16)
+    page = 16 * 1024
+    mgr = BlockManager([TierSpec(Tier.HBM, 8 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
+                       clock=clock, admission=settings())
+    request.addfinalizer(mgr.close)
+    w, a, c = mgr.attach("writer"), mgr.attach("a"), mgr.attach("c")
+    big, other = mgr.register_layout(SMALL), mgr.register_layout(odd)
+    assert odd.block_bytes != SMALL.block_bytes
+    assert mgr.table.slot_bytes(other, Tier.HBM) == mgr.table.slot_bytes(big, Tier.HBM)
+    mgr.allocate(w, big, 6)  # blocks being written: two slots free
+    assert mgr.reserve(a, big, tokens=16 * 4).outcome is Outcome.DEFERRED
+    assert mgr.allocate(c, big, 2) is None
+    assert mgr.allocate(c, other, 2) is None, "an allocation of the same slot size took the waiting room"
+    assert "waiting" in mgr.allocate_refusal
+    assert _room(mgr, SMALL.block_bytes) == 2 * page
+    mgr.check_invariants()

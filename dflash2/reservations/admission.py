@@ -281,7 +281,7 @@ class Admission:
         fails = self._fails if self._fails_for == head.id else 0
         want = -(-(short << min(fails, 30)) // slot)
         # Those that can leave now, counted up each chain from its leaves (loosened.py).
-        if self._loosened.count(rows, head.block_bytes, want, lambda r: self._may_leave(r, head, below)) < want:
+        if self._loosened.count(rows, slot, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
         self._room_tried = None
         self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
@@ -577,13 +577,13 @@ class Admission:
             self._unwait(res)
             self.deferred.remove(res)
 
-    def ahead_of(self, priority: int, client: int | None = None, block_bytes: int | None = None) -> list:
-        """The reservations waiting at `priority` or above, which an allocation outside any
-        reservation leaves their room to: not `client`'s own (they wait for its own allocation
-        anyway), and only those of `block_bytes` when given (slots of another size are no room
-        for them)."""
+    def ahead_of(self, priority: int, client: int | None = None, slot: int | None = None) -> list:
+        """The reservations waiting at `priority` or above that an allocation outside any reservation
+        leaves room to: not `client`'s own, only those of `slot`-byte HBM slots when given (layouts
+        may share a slot). Those past their time end first (they held allocations back until the step)."""
+        self._expire_due(self.table.clock())
         return [r for r in self.deferred if r.priority >= priority and r.client != client
-                and (block_bytes is None or r.block_bytes == block_bytes)]
+                and (slot is None or r.slot == slot)]
 
     def check_share(self, client: int, need: int) -> None:
         """QuotaExceeded when `need` more bytes take the client past `max_client_share` (an allocate

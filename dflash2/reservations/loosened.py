@@ -39,17 +39,19 @@ class Loosened:
         self._waiting: dict[int, list] = {}  # row -> [its children in HBM not yet free, of the head's size?, parent]
         self._credit: dict[int, int] = {}  # row not let go of yet -> its children found free
 
-    def count(self, rows: np.ndarray, block_bytes: int, want: int,
+    def count(self, rows: np.ndarray, slot: int, want: int,
               may_leave: Callable[[np.ndarray], np.ndarray]) -> int:
         """Add `rows` (a call has just let go of them: resident in HBM, unpinned, movable for the
-        head), and answer how many blocks of `block_bytes` can leave HBM now among all let go of since
+        head), and answer how many blocks in HBM slots of `slot` bytes (the head's: layouts of other
+        block bytes may share them) can leave HBM now among all let go of since
         the last try; counting stops once `want` are found. `may_leave`: that mask over rows resident
         in HBM and unpinned (a parent let go of before the try, held only by its child, counts once
         its children are free)."""
         c = self.table.cols
         kids = c.kids[int(Tier.HBM), rows].tolist()
         parents = c.parent[rows].tolist()
-        sized = (self.table.block_bytes(rows) == block_bytes).tolist()
+        slots = self.table.slot_sizes(Tier.HBM)
+        sized = (slots[c.layout[rows]] == slot).tolist()
         free, waiting, credit = self._free, self._waiting, self._credit
         for r, k, p, s in zip(rows.tolist(), kids, parents, sized):
             if self.found >= want:
@@ -72,7 +74,7 @@ class Loosened:
                     if p in free or not self._idle_parent(p, credit[p], may_leave):
                         break
                     del credit[p]
-                    r, s, p = p, bool(self.table.block_bytes(np.array([p]))[0] == block_bytes), int(c.parent[p])
+                    r, s, p = p, bool(slots[c.layout[p]] == slot), int(c.parent[p])
                     continue
                 up[0] -= 1
                 if up[0] > 0:
