@@ -142,6 +142,12 @@ MAX_FORGET_IDS = 1 << 20
 # the client detaches).
 MAX_RETRIES = 128
 MAX_RETRY_IDS = 1 << 20
+# Of those, at most this many are in flight on a socket at once; the next goes as each is answered.
+# The daemon queues at most 64 replies for one connection, a burst as if none were read (daemon/
+# server.py REPLIES_QUEUED_PER_PEER) and drops the rest: all of them sent in one go after a stall
+# (up to 384) lost tens of their replies, and at times the reply to the call sent after them (a
+# review's script: `ping` timed out on an idle daemon).
+PENDING_IN_FLIGHT = 16
 GONE_CHECK_S = 0.05  # a waiting call asks whether the daemon has ended this often (a flock test per mapping)
 # (... by receiving with that timeout, the socket's RCVTIMEO: a poll before each receive cost a
 # call a few microseconds more, pyzmq building a poller for it.)
@@ -189,9 +195,9 @@ class Transport:
         # `retry` calls the daemon has not answered yet: their call id -> (client, the release or free
         # timed out, its call id, its block ids frame)
         self._retries: dict[int, tuple[int, P.Op, int, bytes]] = {}
-        # Whether a `forget` or `retry` was noted and not yet all queued on the socket: the next call
-        # queues them first (one noted and then cut short was held back until a new socket, a review).
-        self._unsent_noted = False
+        # The `forget`s and `retry`s queued on this socket and not answered yet (PENDING_IN_FLIGHT):
+        # those not among them go with the next call, or as these are answered.
+        self._in_flight: set[int] = set()
         self._sock: zmq.Socket | None = None  # None once closed, or while a fresh one could not be made
         self._closed = False
         self._open()
@@ -219,6 +225,7 @@ class Transport:
             raise DaemonUnavailable(f"cannot connect to {self.endpoint!r}: {e} (an endpoint is ipc://PATH or "
                                     "tcp://HOST:PORT)") from None
         self._sock = sock
+        self._in_flight = set()  # (what went on the old socket goes again on this one)
 
     def _close_socket(self, sock: zmq.Socket) -> None:
         if self._monitor is not None:
@@ -276,21 +283,30 @@ class Transport:
     def closed(self) -> bool:
         return self._closed
 
+    def _unsent(self) -> bool:
+        """Whether a `forget` or `retry` not yet answered is not in flight on this socket either."""
+        return len(self._forgets) + len(self._retries) > len(self._in_flight)
+
     def _send_pending(self) -> bool:
-        """Queue every `forget` and `retry` not yet answered on the (fresh) socket, without waiting:
-        their answers are taken off as they come (`_answered`). False when they cannot even be queued."""
+        """Queue the `forget`s and `retry`s not yet answered nor in flight on this socket, without
+        waiting, up to PENDING_IN_FLIGHT in flight: their answers are taken off as they come
+        (`_answered`, which sends the next). False when they cannot even be queued."""
         if self._sock is None:
             return False
-        self._unsent_noted = True  # (until every one is queued: an exception of the caller's may cut this short)
         try:
             for fid, (owner, call, written) in list(self._forgets.items()):
-                self._queue(self._forgets, fid, P.Op.FORGET, owner, {"call": call},
-                            None if written is None else [written])
+                if len(self._in_flight) >= PENDING_IN_FLIGHT:
+                    return True
+                if fid not in self._in_flight:
+                    self._queue(self._forgets, fid, P.Op.FORGET, owner, {"call": call},
+                                None if written is None else [written])
             for rid, (owner, op, call, vids) in list(self._retries.items()):
-                self._queue(self._retries, rid, P.Op.RETRY, owner, {"op": op.value, "call": call}, [vids])
+                if len(self._in_flight) >= PENDING_IN_FLIGHT:
+                    return True
+                if rid not in self._in_flight:
+                    self._queue(self._retries, rid, P.Op.RETRY, owner, {"op": op.value, "call": call}, [vids])
         except zmq.ZMQError:
             return False
-        self._unsent_noted = False
         return True
 
     def _queue(self, pending: dict, call_id: int, op: P.Op, client: int, args: dict, arrays) -> None:
@@ -303,10 +319,12 @@ class Transport:
             log.warning("dflash2: a %s that cannot be sent to dflash2d at %s is dropped: %s", op.value, self.endpoint, e)
             return
         send_frames(self._sock, frames, NOBLOCK, copy=False)
+        self._in_flight.add(call_id)
 
     def _answered(self, reply: P.Reply) -> None:
         """A reply to an earlier call: a `forget` or a `retry` the daemon has taken (one it refused, an
         older daemon's unknown op say, is logged: the call may not have run), or a late reply."""
+        self._in_flight.discard(reply.call_id)
         self._forgets.pop(reply.call_id, None)
         retried = self._retries.pop(reply.call_id, None)
         if retried is not None and not reply.ok:
@@ -333,7 +351,7 @@ class Transport:
                 # was lost: a release's pins stayed held, a commit's blocks the writer's, until detach.
                 raise DaemonUnavailable(f"{op.value}: {e}{self._keep_unsent(op, client, arrays)}") from None
             self._send_pending()
-        elif self._unsent_noted:  # noted, and never all queued on this socket (cut short: `_send_pending`)
+        elif self._unsent():  # noted since, or more than PENDING_IN_FLIGHT (`_send_pending`)
             self._send_pending()
         call_id = next(self._ids)
         frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
@@ -378,6 +396,8 @@ class Transport:
                                       f"read: {e}") from None
                 if reply.call_id != call_id:
                     self._answered(reply)  # not ours: a `forget`'s, a `retry`'s, or a late reply
+                    if self._unsent():
+                        self._send_pending()
                     continue
                 if not reply.ok:
                     if reply.error_type == "VersionMismatch":
@@ -441,10 +461,11 @@ class Transport:
         """Keep a release or free (`call_id`) to send again until answered (MAX_RETRIES, MAX_RETRY_IDS:
         past them the oldest is dropped, logged). Returns what the timed-out call's error says of it."""
         self._retries[next(self._ids)] = (client, op, call_id, vids)
-        self._unsent_noted = True
         ids = sum(len(frame) for _, _, _, frame in self._retries.values()) // P.VIDS_DTYPE.itemsize
         while len(self._retries) > 1 and (len(self._retries) > MAX_RETRIES or ids > MAX_RETRY_IDS):
-            _, old_op, old_call, frame = self._retries.pop(next(iter(self._retries)))
+            oldest = next(iter(self._retries))
+            self._in_flight.discard(oldest)
+            _, old_op, old_call, frame = self._retries.pop(oldest)
             ids -= len(frame) // P.VIDS_DTYPE.itemsize
             log.warning("dflash2: the releases and frees that timed out unanswered by dflash2d at %s are more than "
                         "this client keeps to send again (%d, of %d block ids): the oldest, a %s of %d blocks (call %d), "
@@ -459,9 +480,9 @@ class Transport:
         later calls, lost with sockets that never connected, never run (dropping the oldest, past 256
         timeouts of a frozen daemon, left that call's blocks held with no word, a review)."""
         self._forgets[next(self._ids)] = (client, call_id, written)
-        self._unsent_noted = True
         while len(self._forgets) > MAX_FORGETS:
             second = list(itertools.islice(self._forgets, 2))[1]
+            self._in_flight.discard(second)
             _, lost_call, _ = self._forgets.pop(second)
             log.warning("dflash2: the calls that timed out unanswered by dflash2d at %s are more than this client "
                         "keeps `forget`s of (%d): that of call %d is dropped (should that call run late, what it "

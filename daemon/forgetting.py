@@ -123,7 +123,13 @@ class Forgetting:
         nothing and is not noted: it runs when it comes again. Returns whether it ran now, and what
         `run` returned."""
         session = self.sessions[req.client]
-        if call in session.retried or (retry and call in session.ran):
+        if call in session.retried:
+            return False, None
+        if retry and call in session.ran:
+            # Noted as retried too: `ran` keeps only the last KEEP_RAN, and the same retry comes again
+            # on every new socket until its answer arrives (one dropped, it ran a second time once 256
+            # releases had passed, giving up another thread's pin: a review's script).
+            _keep(session.retried, call, KEEP_FORGOTTEN)
             return False, None
         noted, most = (session.retried, KEEP_FORGOTTEN) if retry else (session.ran, KEEP_RAN)
         try:

@@ -69,6 +69,34 @@ def test_more_timeouts_than_forgets_kept_on_a_stopped_daemon_leave_nothing_held(
         c.close()
 
 
+def test_forgets_after_a_stall_go_a_few_at_a_time_and_every_reply_arrives(daemon):
+    """A review's script: after a stall, the forgets of 200 timed-out calls went in one burst on the
+    fresh socket; the daemon queues 64 replies for a connection and dropped tens of them (logged as
+    a client that does not read its replies), and at times the reply to the call sent after them:
+    `ping` timed out on an idle daemon. At most PENDING_IN_FLIGHT go at once, the next as each is
+    answered: the calls after the stall are answered, and the forgets drain over a few of them."""
+    c = Client.connect(daemon.endpoint, name="w", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            c._transport.timeout_s = 0.01  # (200 timeouts quickly)
+            for _ in range(200):
+                with pytest.raises(DaemonUnavailable):
+                    c._call(Op.ALLOCATE, {"layout": c.layouts[0], "n": 1})
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        c._transport.timeout_s = 5.0
+        assert len(c._transport._forgets) == 200
+        for _ in range(200 // transport.PENDING_IN_FLIGHT + 1):
+            c.ping()
+            assert len(c._transport._in_flight) <= transport.PENDING_IN_FLIGHT
+        assert not c._transport._forgets
+        assert _held(daemon.endpoint)[0] == 0
+    finally:
+        c.close()
+    assert not [line for line in daemon.log().splitlines() if "dropped" in line]
+
+
 def no_socket(monkeypatch, c: Client) -> None:
     """The client's last fresh socket could not be made (no descriptor left: an engine at its
     `ulimit -n`), and none can be made now."""
@@ -156,7 +184,7 @@ def test_a_pending_retry_that_cannot_be_encoded_is_dropped_said(tmp_path, caplog
         t._note_retry(7, Op.FREE, 2, np.zeros(1, dtype=P.VIDS_DTYPE).tobytes())
         with caplog.at_level(logging.WARNING, logger="dflash2.client"):
             assert t._send_pending()
-        assert [call for _, _, call, _ in t._retries.values()] == [2] and not t._unsent_noted
+        assert [call for _, _, call, _ in t._retries.values()] == [2] and not t._unsent()
         assert "a retry that cannot be sent to dflash2d" in caplog.text
     finally:
         t.close()

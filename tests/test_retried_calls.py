@@ -144,6 +144,25 @@ def test_the_calls_a_client_ran_are_kept_to_a_bound(service):
     assert len(ran) == KEEP_RAN and next(reversed(ran)) == 2 * KEEP_RAN
 
 
+def test_a_retry_answered_as_run_stays_answered_after_the_call_left_the_daemons_note(service):
+    """A review's script: a retry that found its release run answered {"ran": False}; sent again
+    (its reply lost: the client sends it on every new socket until answered) after KEEP_RAN other
+    releases, it ran, giving up the pin another thread still held."""
+    c = attach(service)
+    p, q = published(service, c, n=2)
+    for acquire in (1, 2):  # two threads' pins on p
+        assert call(service, Op.ACQUIRE, c, {}, ids([p]), call_id=acquire).ok
+    assert call(service, Op.RELEASE, c, {}, ids([p]), call_id=3).ok
+    assert retry(service, c, "release", 3, [p], as_call=4).result == {"ran": False}
+    for call_id in range(10, 10 + 2 * KEEP_RAN + 2, 2):  # other reads, enough to push call 3 out of `ran`
+        assert call(service, Op.ACQUIRE, c, {}, ids([q]), call_id=call_id).ok
+        assert call(service, Op.RELEASE, c, {}, ids([q]), call_id=call_id + 1).ok
+    assert 3 not in service.sessions[c].ran
+    assert retry(service, c, "release", 3, [p], as_call=5000).result == {"ran": False}
+    assert pins(service) == 1  # the other thread's
+    assert call(service, Op.RELEASE, c, {}, ids([p]), call_id=5001).ok
+
+
 # -- the client ------------------------------------------------------------------------------
 def test_the_calls_waiting_to_be_sent_again_are_bounded_and_those_dropped_are_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(transport, "MAX_RETRIES", 2)
