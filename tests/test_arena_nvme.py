@@ -199,6 +199,44 @@ def test_close_keeps_the_file(tmp_path):
     assert not (tmp_path / "keep.bin").exists()
 
 
+@pytest.mark.parametrize("cut_pages", [0, 9])
+def test_a_file_cut_short_while_the_tier_runs_is_taken_back_and_stays_ours(tmp_path, cut_pages, caplog):
+    """A review's script: the cache file emptied (`: > nvme.cache`) while the daemon ran; its later
+    writes grew a sparse file with no header, and the next start refused it as "not a dflash2 NVMe
+    cache file" (exit 4 until removed by hand); reads past the cut failed as "preadv moved 0 bytes".
+    Now the next batch takes the file back (header, room); blocks past the cut are misses."""
+    path = tmp_path / "nvme.cache"
+    rng = np.random.default_rng(5)
+    before, after = (rng.integers(0, 256, 4 * ALIGN, dtype=np.uint8) for _ in range(2))
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0, 16 * ALIGN], [before, before]).all()
+        os.truncate(path, cut_pages * ALIGN)  # someone empties, or cuts, the cache file
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([64 * ALIGN], [after]).all()
+        assert f"{path} was cut to {cut_pages * ALIGN} bytes by another process" in caplog.text
+        assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP
+        out = np.zeros_like(before)
+        assert a.read_blocks([64 * ALIGN], [out]).all() and np.array_equal(out, after)
+        # the block below the cut (pages 1-4 of the file) is intact; the one past it is lost
+        kept = a.read_blocks([0], [out]).all()
+        assert kept == (cut_pages >= 5) and (not kept or np.array_equal(out, before))
+        assert not a.read_blocks([16 * ALIGN], [out]).any()
+    finally:
+        a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()  # the restart takes its own file back
+
+
+def test_a_read_after_the_file_was_cut_is_a_miss_not_a_disk_error(arena, caplog):
+    block = np.full(2 * ALIGN, 3, np.uint8)
+    assert arena.write_blocks([32 * ALIGN], [block]).all()
+    os.truncate(arena.path, 0)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+        assert not arena.read_blocks([32 * ALIGN], [np.zeros_like(block)]).any()
+    assert "cut to 0 bytes" in caplog.text and "failed" not in caplog.text
+
+
 @pytest.mark.parametrize("contents", [b"precious data\n" * 1000, b"\0" * 8192])
 def test_a_file_that_is_not_a_cache_file_is_never_overwritten(tmp_path, contents):
     # A mistyped memory.nvme_path pointing at someone's file (or an old cache file without the

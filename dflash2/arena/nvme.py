@@ -43,7 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
-from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
+from dflash2.arena.nvmefiles import (HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file,
+                                     restore_if_cut)
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
@@ -306,6 +307,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
+            self._check_size()
 
             def fill_and_write(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
                 crcs = []
@@ -400,6 +402,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
+            self._check_size()
             known = self._len[idx] == lens  # never written, forgotten or another length: a miss
             want = order[known[order]]
             if not len(want):
@@ -484,6 +487,13 @@ class NvmeArena(StorageArena):
         except OSError:
             return False
         return crc == expected
+
+    def _check_size(self) -> None:
+        """Under self._lock, before a batch's I/O: a file cut short by another process is taken back
+        to its size, and the blocks that were past the cut are forgotten (misses, not disk errors)."""
+        size = restore_if_cut(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes)
+        if size is not None:
+            self._len[max(0, size - HEADER_BYTES) // ALIGN:] = 0
 
     def _read_failed(self, error: OSError, unreadable: int, blocks: int) -> None:
         """Log a batch read that failed in part, once a minute with the count left out."""
