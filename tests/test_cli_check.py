@@ -65,6 +65,30 @@ def test_json_plan_and_relative_nvme_path_resolves_against_config_folder(write, 
     assert [t["blocks"]["llama3-8b-bf16"] for t in plan["tiers"]] == [2, 2, 4]
 
 
+def test_tiers_are_planned_in_whole_pages_and_a_large_remainder_is_warned_of(write, tmp_path):
+    """A review's script: 50 MB tiers in pages of 32 MiB served 32 MiB each while `--check` said 50
+    (and 150 MiB of cache in all), and the host HBM segment took 18 MiB it never used."""
+    cfg = {**GOOD, "memory": {**GOOD["memory"], "page_kb": 32768, "hbm_capacity_mb": 50, "dram_capacity_mb": 64,
+                              "nvme_capacity_mb": 3000}}
+    out = dflash2d("--config", str(write(cfg)), "--check", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cap = {t["tier"]: t["capacity_bytes"] for t in json.loads(out.stdout)["tiers"]}
+    assert cap == {"hbm": 32 << 20, "dram": 64 << 20, "nvme": 2976 << 20}
+    warned = [line for line in out.stderr.splitlines() if "not a whole number of pages" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: memory.hbm_capacity_mb:"), out.stderr
+    assert "18.0 MiB of it stays unused" in warned[0]  # NVMe's 24 MiB of 3000 is under 1%: not said
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+    cfg["memory"].update(nvme_capacity_mb=0)
+    mgr = build_manager(load_config(write(cfg, "host.json")), instance=f"dflash2-pages-{os.getpid()}")
+    try:
+        assert mgr.stats()["tiers"]["hbm"]["capacity_bytes"] == 32 << 20
+        from dflash2.tiers import Tier
+        assert mgr.arenas[Tier.HBM].capacity_bytes == 32 << 20  # the segment itself: no page it cannot use
+    finally:
+        mgr.close()
+
+
 def test_default_config_file_is_read_from_cwd(write, tmp_path):
     write(GOOD, name="dflash2_config.json")
     result = dflash2d("--check", cwd=tmp_path / "conf")
