@@ -24,8 +24,8 @@ MB = 1 << 20
 
 def test_start_up_removes_an_earlier_daemons_files_that_no_pool_uses(tmp_path, caplog):
     config = write_config(tmp_path)  # one pool: its file is tmp_path / nvme.cache
-    for gpu in (0, 1):
-        NvmeArena(tmp_path / f"nvme.cache.gpu{gpu}", 4 * MB, staging_bytes=1 * MB).close()
+    for name in ("gpu0", "gpu1", "gpu0.orig", "gpus-notes"):  # the last two: an operator's copies, left
+        NvmeArena(tmp_path / f"nvme.cache.{name}", 4 * MB, staging_bytes=1 * MB).close()
     (tmp_path / "nvme.cache.gpu7").write_bytes(b"someone else's file")  # not dflash2's: left alone
     held = NvmeArena(tmp_path / "nvme.cache.gpu2", 1 * MB, staging_bytes=1 * MB)  # a running daemon's
     try:
@@ -36,7 +36,8 @@ def test_start_up_removes_an_earlier_daemons_files_that_no_pool_uses(tmp_path, c
     finally:
         held.close()
     names = sorted(p.name for p in tmp_path.glob("nvme.cache*"))
-    assert names == ["nvme.cache", "nvme.cache.gpu2", "nvme.cache.gpu7"], names
+    assert names == ["nvme.cache", "nvme.cache.gpu0.orig", "nvme.cache.gpu2", "nvme.cache.gpu7",
+                     "nvme.cache.gpus-notes"], names
     for gpu in (0, 1):
         assert re.search(rf"removed an earlier daemon's cache file {tmp_path}/nvme.cache.gpu{gpu} \(\d+ bytes on disk\)",
                          caplog.text), caplog.text

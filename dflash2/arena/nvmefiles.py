@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,7 +146,10 @@ def unused_cache_files(nvme_path: Path, in_use: list[Path]) -> list[Unused]:
         if not folder.is_dir():
             return []
         taken = {os.path.realpath(p) for p in in_use}
-        names = {nvme_path.name} | {p.name for p in folder.glob(f"{_glob_escape(nvme_path.name)}.gpu*")}
+        # Exactly `.gpuN` (N the digits of a GPU index): `nvme.cache.gpu0.orig`, an operator's copy
+        # with dflash2's header, went too (a review).
+        names = {nvme_path.name} | {p.name for p in folder.glob(f"{_glob_escape(nvme_path.name)}.gpu*")
+                                    if re.fullmatch(r"gpu[0-9]+", p.name[len(nvme_path.name) + 1:])}
     except OSError as e:
         log.warning("NVMe: cannot look for an earlier daemon's cache files in %s (%s): none is removed", folder, e)
         return []
