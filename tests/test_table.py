@@ -41,7 +41,7 @@ def test_illegal_transitions_raise(mgr):
     lid = mgr.register_layout(SMALL)
     v = mgr.allocate(c, lid, 1)
     mgr.commit(c, v)
-    with pytest.raises(IllegalTransition, match="RESIDENT -> RESIDENT"):
+    with pytest.raises(IllegalTransition, match=r"it is committed already \(RESIDENT\); only blocks being written"):
         mgr.commit(c, v)
     with pytest.raises(IllegalTransition):
         mgr.table.open_write(c, v)

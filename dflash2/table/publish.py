@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflash2.errors import ImmutableBlock, QuotaExceeded, UnknownBlock
+from dflash2.errors import IllegalTransition, ImmutableBlock, QuotaExceeded, UnknownBlock
 from dflash2.keys import key_array
 from dflash2.table import release
 from dflash2.table.columns import NO_CLIENT, NO_ROW, no_repeats
@@ -33,6 +33,11 @@ class Publishing:
         no_repeats(rows, "commit")
         self.refuse_reserved(rows)  # (its own reservation's: `take` hands it out first)
         c = self.cols
+        again = c.state[rows] == int(S.RESIDENT)
+        if again.any():  # (said as "RESIDENT -> RESIDENT is not a legal transition", a review)
+            raise IllegalTransition(f"commit of block {int(self.vids(rows[again][:1])[0]):#x}: it is committed "
+                                    "already (RESIDENT); only blocks being written (allocated, not yet committed) "
+                                    "can be committed")
         check_transition(c.state[rows], S.RESIDENT, vids)
         self._require(rows, S.WRITING, "commit")
         if keys is None:
