@@ -167,7 +167,8 @@ class Watermarks(_Section):
 
 
 class HeatWeights(_Section):
-    """Weights of the heat policy's terms; only their ratios matter."""
+    """Weights of the heat policy's terms: their ratios order the blocks within each of the split's lists
+    (a fixed bonus, heat_lut.SPLIT_BONUS, ranks the lists: weights large enough outweigh it)."""
 
     frequency: float = Field(0.0, ge=0, le=1e6, description=(
         "Learned hit density of the access-count class (0: the count only splits first-timers from "

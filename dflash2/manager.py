@@ -87,6 +87,8 @@ class BlockManager(Reads):
         self.backend = backend
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.mover = Mover(self.table, backend, swap_batch_size)
+        if isinstance(storage := self.arenas.get(Tier.NVME), StorageArena):
+            self.mover.storage = storage
         self.placement = Placement(self.table, self.mover, self.policy, list(self.specs),
                                    {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
         # Cost-aware reuse: read bandwidth measured from the mover's batches, engines' prefill rates.

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.arena.base import StorageArena
 from dflash2.counts import distinct
 from dflash2.quarantine import Quarantine, slot_place
 from dflash2.readcost import ReadCost
@@ -92,6 +93,9 @@ class Mover:
         # not rows: a caller cut short by an exception drains them later, when a row may have been
         # freed and reused by another block, which must not be dropped in its place.
         self.lost: list[int] = []
+        # The NVMe tier's arena, asked which failed reads were blocks lost with its file cut short by
+        # another process (not the slots' fault: never set aside; None: metadata only, or no NVMe).
+        self.storage: StorageArena | None = None
         # Observer of each finished batch (src, dst, seconds): the metrics histogram hooks in here.
         self.on_batch: Callable[[Tier, Tier, float], None] | None = None
         # Where each finished batch's bytes and time go to measure the tiers' read bandwidth
@@ -144,10 +148,14 @@ class Mover:
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
+                offsets = self.table.cols.offset[failed]
+                if self.storage is not None:  # (the arena said those lost to a cut as it found it)
+                    failed = failed[~self.storage.lost_to_cut(offsets)]
+                    offsets = self.table.cols.offset[failed]
                 # Their slots are not to be trusted either: set aside as they are freed (quarantine.py).
-                self.quarantine.suspect(move.src, self.table.cols.offset[failed], self.table.block_bytes(failed))
+                self.quarantine.suspect(move.src, offsets, self.table.block_bytes(failed))
             # None: one of its direction was logged in the last minute; counted in the next.
-            more = self._failure_log.due((move.src, move.dst), blocks=len(failed))
+            more = self._failure_log.due((move.src, move.dst), blocks=len(failed)) if len(failed) else None
             if more is not None and move.src == Tier.NVME:
                 log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from the cache, a miss each, never wrong data; many of these mean "
                             "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)

@@ -129,10 +129,11 @@ def resolve_plan(cfg: Config) -> Plan:
     layouts = cfg.layout_objects()
     page = cfg.memory.page_kb * 1024
     mem = cfg.memory
-    tiers = [*_hbm_tiers(cfg, kind, gpus, notes),
+    hbm = _hbm_tiers(cfg, kind, gpus, notes)
+    tiers = [*hbm,  # (DRAM and NVMe: each of the pools, one per GPU, takes its share in whole pages)
              _tier(Tier.DRAM, "pinned host" if kind == "cuda" else "host shared memory",
-                   mem.dram_capacity_mb * MB, DRAM_ALIGNMENT, page, layouts),
-             _tier(Tier.NVME, "file", mem.nvme_capacity_mb * MB, NVME_ALIGNMENT, page, layouts)]
+                   mem.dram_capacity_mb * MB, DRAM_ALIGNMENT, page, layouts, share=len(hbm)),
+             _tier(Tier.NVME, "file", mem.nvme_capacity_mb * MB, NVME_ALIGNMENT, page, layouts, share=len(hbm))]
     if not layouts:
         notes.append("no layouts configured: blocks per layout are known once clients attach")
     _layouts_fit(tiers, layouts, notes)
@@ -238,14 +239,15 @@ def _layouts_fit(tiers: list[TierPlan], layouts: dict[str, Layout], notes: list[
 
 
 def _tier(tier: Tier, where: str, capacity: Optional[int], alignment: int, page: int,
-          layouts: dict[str, Layout]) -> TierPlan:
-    """A tier of `capacity` bytes as the arena will be: its whole pages (a size under one page, which
-    the config refuses where it is configured, is left as it is). The plan said the size configured
-    while the daemon used whole pages (50 MB in pages of 32 MiB: 32 MiB used, `--check` said 50, and
-    a host HBM segment took the rest for nothing; a review)."""
+          layouts: dict[str, Layout], share: int = 1) -> TierPlan:
+    """A tier of `capacity` bytes as the arenas will be: `share` of them (one per pool) of whole pages
+    each (a share under one page, which the config and `_split_between_gpus` refuse, is left as it
+    is). The plan said the size configured while the daemon used whole pages (50 MB in pages of 32
+    MiB: 32 MiB used, `--check` said 50, and a host HBM segment took the rest for nothing; a review)."""
     unused = 0
-    if capacity is not None and capacity >= page:
-        capacity, unused = capacity // page * page, capacity % page
+    if capacity is not None and capacity // share >= page:
+        used = capacity // share // page * page * share
+        capacity, unused = used, capacity - used
     blocks = {name: None if capacity is None else blocks_that_fit(capacity, page, alignment, lay.block_bytes)
               for name, lay in layouts.items()}
     return TierPlan(tier, where, capacity, alignment, page, blocks, unused)

@@ -228,6 +228,43 @@ def test_a_file_cut_short_while_the_tier_runs_is_taken_back_and_stays_ours(tmp_p
     NvmeArena(path, CAP, staging_bytes=STAGING).remove()  # the restart takes its own file back
 
 
+def test_a_cut_that_a_batch_grows_back_over_is_found_by_its_header(tmp_path, monkeypatch, caplog):
+    """A review's script: the cut landed as a batch began writing, and the batch's write to the file's
+    last slot made the size whole again over a header page of zeros: the next start refused the file.
+    The header says so: every block is forgotten (where the cut was is unknown), the header written."""
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    cut = []
+    for name in ("pwrite_all", "pwritev_all"):  # (staged or direct: whichever goes out first)
+        def cut_first(*args, _real=getattr(nvme, name), **kw):
+            if not cut:
+                cut.append(os.truncate(path, 0))  # `: > nvme.cache` lands as the batch's first write goes out
+            return _real(*args, **kw)
+        monkeypatch.setattr(nvme, name, cut_first)
+    blocks = [np.full(4 * ALIGN, 9, np.uint8) for _ in range(2)]
+    try:
+        assert a.write_blocks([0, CAP - 4 * ALIGN], blocks).all()  # reaches the file's last slot
+        assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP and path.read_bytes()[:16] == bytes(16)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert not a.read_blocks([0, CAP - 4 * ALIGN], [np.zeros_like(b) for b in blocks]).any()
+        assert "its header page is a hole" in caplog.text
+        assert a.lost_to_cut([0, CAP - 4 * ALIGN, 8 * ALIGN]).tolist() == [True, True, False]
+    finally:
+        a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()
+
+
+def test_a_cut_after_the_last_batch_is_taken_back_as_the_tier_closes(tmp_path):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    a.write_blocks([0], [np.ones(ALIGN, np.uint8)])
+    os.truncate(path, 0)
+    a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()
+
+
 def test_a_read_after_the_file_was_cut_is_a_miss_not_a_disk_error(arena, caplog):
     block = np.full(2 * ALIGN, 3, np.uint8)
     assert arena.write_blocks([32 * ALIGN], [block]).all()

@@ -164,3 +164,20 @@ def test_relative_xdg_folders_are_ignored_and_said_to_be():
     warnings = check_environment({"XDG_RUNTIME_DIR": "relrun", "XDG_STATE_HOME": "/abs"})
     assert warnings == ["environment variable XDG_RUNTIME_DIR is relative ('relrun'): ignored, as the XDG base "
                         "directory spec says; the default folder stands in for it"]
+
+
+def test_each_gpus_share_is_planned_in_whole_pages_and_what_is_left_warned_of(tmp_path, monkeypatch):
+    """A review's script: with two GPUs each pool takes half of DRAM in whole pages again: 100 MiB in
+    32 MiB pages gave the pools 32 MiB each while the plan showed 96 MiB and warned of 4 unused."""
+    from dflash2.assemble import tier_specs
+    from dflash2.plan import rounding_warnings
+    from dflash2.tiers import Tier
+    raw = gpu_node(tmp_path, monkeypatch, 2, dram_capacity_mb=100, nvme_capacity_mb=0, page_kb=32768,
+                   staging_buffer_size_mb=16, hbm_capacity_mb=64)
+    plan = resolve_plan(parse_config(raw))
+    used = sum(s.capacity_bytes for hbm in plan.tiers if hbm.tier == Tier.HBM
+               for s in tier_specs(plan, hbm, plan.pools) if s.tier == Tier.DRAM)
+    dram = next(t for t in plan.tiers if t.tier == Tier.DRAM)
+    assert used == dram.capacity_bytes == 64 << 20 and dram.unused_bytes == 36 << 20
+    warned = [w for w in rounding_warnings(plan) if w.startswith("memory.dram_capacity_mb")]
+    assert len(warned) == 1 and "36.0 MiB of it stays unused" in warned[0], warned

@@ -454,3 +454,21 @@ def test_a_suspect_slot_that_cannot_be_set_aside_is_said_and_the_free_goes_throu
     assert alloc.quarantined_bytes == 0 and mgr.placement.stats.lost == 1
     mgr.check_invariants()
     assert [p.vid for p in mgr.lookup(keys[:2], lid)] == vids[:2].tolist()
+
+
+def test_blocks_lost_with_a_cut_nvme_file_are_misses_and_no_slot_is_set_aside(mgr, caplog):
+    """A review's script: after `: > nvme.cache`, every block past the cut read as a failed read: its
+    slot set aside as a bad sector's, and past 5% of the tier the disk said to be failing (replace it)."""
+    keys = list(range(1, 33))
+    a, lid, vids = chain_on_nvme(mgr, keys)
+    os.truncate(mgr.arenas[Tier.NVME].path, 0)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(UnknownBlock):
+            mgr.acquire(a, vids[:1])
+        mgr.tick()
+    assert "was cut to 0 bytes by another process" in caplog.text
+    assert "failing" not in caplog.text and "set aside" not in caplog.text, caplog.text
+    assert mgr.table.allocators[Tier.NVME].quarantined_bytes == 0
+    assert not len(mgr.lookup(a, keys))  # (the chain is gone: misses)
+    publish(mgr, a, lid, [101, 102])  # the tier goes on: its slots, the cut ones too, hold new blocks
+    mgr.check_invariants()

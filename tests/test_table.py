@@ -43,6 +43,9 @@ def test_illegal_transitions_raise(mgr):
     mgr.commit(c, v)
     with pytest.raises(IllegalTransition, match=r"it is committed already \(RESIDENT\); only blocks being written"):
         mgr.commit(c, v)
+    keyed = mgr.commit(c, mgr.allocate(c, lid, 1), keys=[77])  # published: no client's private block now
+    with pytest.raises(IllegalTransition, match="committed already"):
+        mgr.commit(c, keyed, keys=[77])
     with pytest.raises(IllegalTransition):
         mgr.table.open_write(c, v)
     assert mgr.table.cols.state[mgr.table.rows(v)][0] == BlockState.RESIDENT

@@ -77,6 +77,11 @@ class StorageArena(Arena):
     def forget(self, offsets: Sequence[int]) -> None:
         """The blocks at these offsets are freed: drop their checksums."""
 
+    def lost_to_cut(self, offsets: Sequence[int]) -> np.ndarray:
+        """Whether each of these blocks was lost with its file cut short by another process: a miss
+        that blames neither its slot nor the disk (NvmeArena; none here)."""
+        return np.zeros(len(offsets), dtype=bool)
+
     @abc.abstractmethod
     def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
         """(The re-test of slots set aside, quarantine.py, on a thread of its own; nobody else uses

@@ -24,9 +24,9 @@ Invariants:
 Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed by offset // ALIGN.
 
 The file starts with one ALIGN-byte header page (HEADER: what the file is) and block offsets count
-from the page after it. A file already at the path is reused only when it starts with that header:
-any other file is refused, never overwritten (a mistyped memory.nvme_path must not destroy data).
-"""
+from the page after it. A file already at the path is reused only when it starts with that header
+(or is empty): any other is refused, never overwritten (a mistyped memory.nvme_path must not destroy
+data). One cut short while the tier runs is taken back (nvmecut.py)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflash2.arena.base import StorageArena
-from dflash2.arena.nvmefiles import (HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file,
-                                     restore_if_cut)
+from dflash2.arena.nvmecut import FileCuts
+from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
@@ -159,6 +159,7 @@ class NvmeArena(StorageArena):
         nslots = self.capacity_bytes // ALIGN
         self._crc = np.zeros(nslots, dtype=np.uint32)
         self._len = np.zeros(nslots, dtype=np.uint32)
+        self._cuts = FileCuts(nslots)  # blocks lost to the file cut short by another process (nvmecut.py)
         # Batches retried block by block after an I/O error (reads, writes): logged once a minute each way.
         self._partial_failures = RepeatLimit("batches")
 
@@ -307,7 +308,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
-            self._check_size()
+            self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
 
             def fill_and_write(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
                 crcs = []
@@ -333,6 +334,7 @@ class NvmeArena(StorageArena):
                 return [(i, s, e - s, zlib.crc32(srcs[i][s:e])) for run in lane for i, s, e in run.pieces]
 
             self._len[idx] = 0  # these slots are being overwritten: their old bytes are gone
+            self._cuts.lost[idx] = False
             runs, chunks = self._plan(srcs, lens, offs + HEADER_BYTES, extents, order, bridge=0)
             # Direct runs: a write needs no checksum first, so the checksums run beside the writes,
             # on the other cores (the runs dealt out over the checksum lanes), rather than in front
@@ -402,7 +404,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
-            self._check_size()
+            self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
             known = self._len[idx] == lens  # never written, forgotten or another length: a miss
             want = order[known[order]]
             if not len(want):
@@ -488,12 +490,9 @@ class NvmeArena(StorageArena):
             return False
         return crc == expected
 
-    def _check_size(self) -> None:
-        """Under self._lock, before a batch's I/O: a file cut short by another process is taken back
-        to its size, and the blocks that were past the cut are forgotten (misses, not disk errors)."""
-        size = restore_if_cut(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes)
-        if size is not None:
-            self._len[max(0, size - HEADER_BYTES) // ALIGN:] = 0
+    def lost_to_cut(self, offsets: Sequence[int]) -> np.ndarray:
+        """Whether each block's slot lost its block to the file cut short (a miss that blames no slot)."""
+        return self._cuts.lost[np.asarray(offsets, dtype=np.int64) // ALIGN]
 
     def _read_failed(self, error: OSError, unreadable: int, blocks: int) -> None:
         """Log a batch read that failed in part, once a minute with the count left out."""
@@ -513,6 +512,7 @@ class NvmeArena(StorageArena):
         # its slots until it ends), and batches read and write only their own slots' entries: one
         # store into entries nobody else touches.
         self._len[offs // ALIGN] = 0
+        self._cuts.lost[offs // ALIGN] = False
 
     def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
         """The re-test's I/O (quarantine.py), slot by slot, through a duplicate of the tier's file
@@ -577,7 +577,11 @@ class NvmeArena(StorageArena):
     def close(self) -> None:
         """Close the file (it stays on disk: a cache file) and free the staging ring. Idempotent."""
         with self._lock:
-            if self._ring is not None:
+            if self._ring is not None and hasattr(self, "_cuts"):  # (not as a failed __init__ closes)
+                try:  # (a cut since the last batch: the next start would refuse the file)
+                    self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
+                except OSError as e:
+                    log.warning("NVMe: cannot look at %s as the tier closes: %s", self.path, e)
                 self._ring.close()
                 self._ring = None
             for name in ("_fd", "_lock_fd"):

@@ -44,27 +44,6 @@ def is_foreign(head: bytes) -> bool:
     return bool(head) and head != HEADER
 
 
-def restore_if_cut(fd: int, path: str, total: int) -> int | None:
-    """When the cache file open on `fd` is shorter than the tier's `total` bytes (another process
-    truncated it: `: > nvme.cache` to free disk room), its header and disk room are taken again and
-    the size found is returned (the blocks past it are lost), said in the log; else None. Writes past
-    the cut grew a sparse file whose header was a hole: the next start refused it as "not a dflash2
-    NVMe cache file" (exit 4, until someone removed it), and reads past it failed as "preadv moved
-    0 bytes" (a review's script)."""
-    size = os.fstat(fd).st_size
-    if size >= total:
-        return None
-    log.warning("NVMe: %s was cut to %d bytes by another process (the tier's file is %d): the blocks past that "
-                "are lost (misses); its header and disk room are taken again", path, size, total,
-                extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
-    try:
-        os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
-        os.posix_fallocate(fd, 0, total)
-    except OSError as e:  # (its writes then fail as the disk's, and say so)
-        log.error("NVMe: %s cannot be taken back to %d bytes: %s", path, total, e)
-    return size
-
-
 def file_among_folders(folder: str) -> str | None:
     """The first path above or at `folder` that exists and is not a folder (makedirs said only "File
     exists", as if the cache file were meant), or None."""

@@ -29,15 +29,19 @@ class Publishing:
         `parent` (a published block's vid). A key that is already cached deduplicates: the client
         gets a reference to the cached block instead, and its copy is freed (or kept until released,
         when it is pinned: `_adopt_duplicate`). Returns the vids the client holds now, in order."""
-        rows = self._owned_rows(client_id, vids)
-        no_repeats(rows, "commit")
-        self.refuse_reserved(rows)  # (its own reservation's: `take` hands it out first)
         c = self.cols
-        again = c.state[rows] == int(S.RESIDENT)
-        if again.any():  # (said as "RESIDENT -> RESIDENT is not a legal transition", a review)
+        self.client(client_id)
+        rows = self.rows(vids)
+        # Its own block or a published one, committed already: said so (as "RESIDENT -> RESIDENT is
+        # not a legal transition", or, published by a keyed commit, "not a private block", reviews).
+        again = (c.state[rows] == int(S.RESIDENT)) & np.isin(c.owner[rows], (client_id, NO_CLIENT))
+        if again.any():
             raise IllegalTransition(f"commit of block {int(self.vids(rows[again][:1])[0]):#x}: it is committed "
                                     "already (RESIDENT); only blocks being written (allocated, not yet committed) "
                                     "can be committed")
+        rows = self._owned_rows(client_id, vids)
+        no_repeats(rows, "commit")
+        self.refuse_reserved(rows)  # (its own reservation's: `take` hands it out first)
         check_transition(c.state[rows], S.RESIDENT, vids)
         self._require(rows, S.WRITING, "commit")
         if keys is None:

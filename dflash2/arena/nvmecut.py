@@ -1,0 +1,53 @@
+"""An NVMe cache file cut short by another process while its tier runs (`: > nvme.cache` to free the
+disk, a copytruncate-style tool): found before each batch and at close, taken back (its header and
+its disk room again), and the blocks it lost forgotten: misses, said as the file's, not the disk's.
+
+Before, the tier noticed nothing: its later writes grew a sparse file whose header page was a hole,
+which the next start refused as "not a dflash2 NVMe cache file" (exit 4 until removed by hand);
+reads past the cut failed as "preadv moved 0 bytes", and their slots were set aside as bad sectors
+until the disk was said to be failing (reviews' scripts). A cut that lands while a batch writes may
+be grown back over by that batch (its last slot restores the size): the header page, a hole then,
+says so, and every block is taken as lost, the point of the cut being unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES
+from dflash2.arena.staging import ALIGN
+
+log = logging.getLogger("dflash2.arena")
+
+
+class FileCuts:
+    """The slots (ALIGN-byte units of the tier) whose blocks a cut took: their reads are misses that
+    blame neither slot nor disk (`lost`), until the slot is written or forgotten again."""
+
+    def __init__(self, nslots: int):
+        self.lost = np.zeros(nslots, dtype=bool)
+
+    def check(self, fd: int, path: str, total: int, lens: np.ndarray) -> None:
+        """Whether the file open on `fd` is still the tier's whole file of `total` bytes, its header
+        first; if not, take it back and forget (`lens` = 0) the blocks lost, said in the log."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, len(HEADER), 0) if size >= len(HEADER) else b""
+        if size >= total and head == HEADER:
+            return
+        first = max(0, size - HEADER_BYTES) // ALIGN if head == HEADER else 0
+        lost = lens[first:] != 0
+        self.lost[first:] |= lost
+        lens[first:] = 0
+        how = (f"cut to {size} bytes" if head == HEADER or size < total
+               else "cut and grown again (its header page is a hole)")
+        log.warning("NVMe: %s was %s by another process (the tier's file is %d bytes): %d blocks past the cut are "
+                    "lost (misses); its header and disk room are taken again", path, how, total, int(lost.sum()),
+                    extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
+        try:
+            os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:  # (its writes then fail as the disk's, and say so)
+            log.error("NVMe: %s cannot be taken back to %d bytes: %s", path, total, e)
