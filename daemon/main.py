@@ -318,6 +318,7 @@ def check_paths(plan: Plan, history: bool = False) -> None:
 def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     """The endpoint's folder (an ipc socket's, a tcp endpoint's lock file's): one the daemon can make
     files in, and, when it exists, its own and not shared (sticky, or another user's)."""
+    from dflash2.files import user_name
     _check_folder("daemon.endpoint", folder)
     if folder.is_dir():
         st = folder.stat()
@@ -331,19 +332,9 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
             # Owner-only, of another user: the daemon's own when it runs as that user (the systemd
             # unit's RuntimeDirectory), where `--check` as root called it shared and advised moving
             # the socket every serving process uses (a review).
-            raise ConfigError("daemon.endpoint", f"{what} {folder} belongs to uid {st.st_uid}{_user_name(st.st_uid)} "
+            raise ConfigError("daemon.endpoint", f"{what} {folder} belongs to uid {st.st_uid}{user_name(st.st_uid)} "
                                                  f"(mode {mode:o}), not to this user (uid {os.geteuid()}): run dflash2d "
                                                  f"as its owner, `--check` too (sudo -u USER dflash2d ...), or {advice}")
-
-
-def _user_name(uid: int) -> str:
-    """` (NAME)` of a uid the passwd database knows, else ""."""
-    import pwd
-
-    try:
-        return f" ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return ""
 
 
 def _nearest_existing(path: Path) -> Path:

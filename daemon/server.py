@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 
@@ -137,7 +138,15 @@ class Server:
         try:
             if self._gate is not None:
                 self._gate.secure(self._sock)
-            self._sock.bind(endpoint)
+            # An ipc socket is owner-only from its bind on: made under the start's umask (000: mode
+            # 777) and chmod-ed after, another user connected in between and stayed connected (a
+            # review: attached and served). (Process-wide for the moment of the bind: any file made
+            # meanwhile only gets a stricter mode.)
+            umask = os.umask(0o177)
+            try:
+                self._sock.bind(endpoint)
+            finally:
+                os.umask(umask)
         except BaseException:
             self.close()  # (the gate's thread would keep the process alive)
             raise

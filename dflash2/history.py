@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dflash2.files import owner_text
+
 log = logging.getLogger("dflash2.history")
 
 FILE_NAME = "history.jsonl"
@@ -223,9 +225,17 @@ class History:
         written whole: a disk that filled up and then freed a little room held samples twice, and
         time went back in `dflash2 history` (a review's script). OSError when it fails; the file may
         then end in part of a line only when the cut failed too (`_torn_tail`)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        # Owner-only, never through a link: made 0666, a umask of 000 left it writable by every user,
+        # and a link another user put in its place had each sample appended to the file it named
+        # (the daemon's user's: root's in a container; a review).
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            end = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise OSError(f"{self.path} is not this user's file ({owner_text(st)})")
+            if st.st_mode & 0o022:  # (one an earlier release made under umask 000)
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+            end = st.st_size
             view = memoryview(data)
             try:
                 while view:
@@ -421,8 +431,8 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
         return None
     path, lock_fd = None, -1
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the folder it makes: owner-only)
+        lock_fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -25,7 +25,7 @@ import secrets
 import stat
 import threading
 
-from dflash2.arena.shm import ALIVE, SHM_DIR, _say_removed, _segment_path, nobody_holds, remove_stale
+from dflash2.arena.shm import ALIVE, SHM_DIR, _say_removed, _segment_path, foreign_segment, nobody_holds, remove_stale
 from dflash2.errors import ArenaError, ProtocolError
 
 SUFFIX = ALIVE
@@ -52,7 +52,10 @@ def dead_daemons() -> list[int]:
         except OSError:
             continue
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and nobody_holds(fd):
+            st = os.fstat(fd)
+            # Another user's file is no daemon of this user's (any local user may plant one in /dev/shm:
+            # its "segments" could not be removed, and every start ended in a traceback, a review).
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and nobody_holds(fd):
                 found.append(pid)
         finally:
             os.close(fd)
@@ -67,6 +70,14 @@ def _runs(pid: int) -> bool:
     except PermissionError:
         return True  # (another user's process)
     return True
+
+
+def _holder(path: str) -> str:
+    """Why a file at one of this daemon's liveness names cannot be taken, for its error."""
+    whose = foreign_segment(path)
+    if whose:
+        return f"is {whose}, not this user's (uid {os.geteuid()}): remove it (as its owner or root) before starting"
+    return "a running process holds it (another daemon with the same pid namespace and pid?)"
 
 
 def liveness_name(instance: str) -> str:
@@ -114,7 +125,7 @@ class DaemonLiveness:
                 fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             except FileExistsError:  # (a daemon of this pid killed at this very step: nobody holds it)
                 if remove_stale(new) is None:
-                    raise ArenaError(f"{new} exists and a running process holds it") from None
+                    raise ArenaError(f"{new} exists and {_holder(new)}") from None
                 fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
             raise ArenaError(f"cannot create the daemon's liveness object {path}: {e.strerror or e}") from e
@@ -129,8 +140,7 @@ class DaemonLiveness:
             except FileExistsError:
                 size = remove_stale(path)
                 if size is None:
-                    raise ArenaError(f"liveness object {path} exists and a running process holds it "
-                                     "(another daemon with the same pid namespace and pid?)") from None
+                    raise ArenaError(f"liveness object {path} exists and {_holder(path)}") from None
                 _say_removed(name, size)
                 os.link(new, path)
         except OSError as e:

@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
 from dflash2.errors import ArenaError
-from dflash2.files import same_file
+from dflash2.files import owner_text, same_file
 
 log = logging.getLogger("dflash2.arena")
 
@@ -74,12 +75,12 @@ def open_cache_file(path: str) -> tuple[int, bool]:
     for _ in range(OPEN_TRIES):
         created = True
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)  # (folders it makes: owner-only, as the file)
             try:
                 return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
             except FileExistsError:
                 created = False
-                return os.open(path, os.O_RDWR), False
+                return _own_file(os.open(path, os.O_RDWR), path), False
         except FileNotFoundError:
             if not created and os.path.isdir(folder):
                 continue  # removed between the two tries: create it
@@ -92,6 +93,24 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                     raise ArenaError(f"NVMe tier cannot {what} {path}: {blocker} is not a folder") from e
             raise ArenaError(f"NVMe tier cannot {what} {path}: {e}") from e
     raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times this start opened it")
+
+
+def _own_file(fd: int, path: str) -> int:
+    """`fd`, an existing file at the cache file's path, once it is this user's and owner-only. The
+    blocks written there are the cache's (prompts' KV): another user's file, which anyone may plant
+    in a shared folder (empty, or with the header), was served from, every block readable by that
+    user (a review). One of this user's open to others is made owner-only, said."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ArenaError(f"NVMe tier file {path} is not this user's ({owner_text(st)}; the daemon runs as uid "
+                         f"{os.geteuid()}): its owner could read the cache; remove it, or set memory.nvme_path "
+                         "to a path in a folder of the daemon's user")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+        log.warning("NVMe: %s was open to other users (mode %o): made owner-only (0600)", path,
+                    stat.S_IMODE(st.st_mode))
+    return fd
 
 
 def lock_cache_file(fd: int, path: str) -> None:

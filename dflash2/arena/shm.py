@@ -21,11 +21,13 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 
 import numpy as np
 
 from dflash2.arena.base import MemoryArena
 from dflash2.errors import ArenaError, CapacityError
+from dflash2.files import owner_text
 from dflash2.tiers import Tier
 
 SHM_DIR = "/dev/shm"
@@ -41,12 +43,19 @@ def _segment_path(name: str) -> str:
 
 def remove_stale(path: str) -> int | None:
     """Delete the segment at `path` when no process holds it (its creator died without unlinking
-    it). Returns the bytes given back (0 when it was already gone), or None when it is held (alive)."""
+    it). Returns the bytes given back (0 when it was already gone), or None when it is held (alive),
+    or is not this user's (`foreign_segment` says whose): another user's file at a daemon's name,
+    which any local user may plant in /dev/shm, was opened for writing, and the PermissionError
+    ended every start of a daemon not run as root in a traceback (a review)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         return 0
+    except OSError:  # (another user's: EACCES; a link: ELOOP)
+        return None
     try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -56,6 +65,18 @@ def remove_stale(path: str) -> int | None:
         return size
     finally:
         os.close(fd)
+
+
+def foreign_segment(path: str) -> str | None:
+    """Whose the file at `path` is, when it is not a segment this user may take (another user's, or
+    a link), for the error that names it; None when it is this user's (or gone)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    return None if st.st_uid == os.geteuid() else f"a file of {owner_text(st)}"
 
 
 def nobody_holds(fd: int) -> bool:
@@ -164,6 +185,10 @@ class SharedMemoryArena(MemoryArena):
             # A killed daemon's segment under the same name (a container's daemon is pid 1 every
             # time) is given back and the name reused; one that a live process holds is an error.
             size = remove_stale(path)
+            if size is None and (whose := foreign_segment(path)):
+                raise ArenaError(f"shared-memory segment {path} already exists, {whose}, not this user's (uid "
+                                 f"{os.geteuid()}): it is not a segment of this user's daemons; remove it (as its "
+                                 "owner or root) before starting") from None
             if size is None:
                 raise ArenaError(f"shared-memory segment {path} already exists and a running process holds "
                                  f"it (another daemon with the same segment names?)") from None

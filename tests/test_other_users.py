@@ -1,0 +1,238 @@
+"""Other local users on a shared node (reviews' scripts, as uid 65534): files another user plants
+where the daemon's go (/dev/shm names, the NVMe file, the history file) and the moment after the
+socket's bind. Each failed before its fix: start-up ended in a traceback at every start, the NVMe
+tier served from a file its owner could read, history lines went where another user's link pointed,
+and another user connected to the socket before it was made owner-only. The tests that act as
+another user need root (seteuid) and skip without it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+from observe_helpers import running_daemon
+
+from dflash2 import protocol as P
+from dflash2.arena.shm import SharedMemoryArena
+from dflash2.daemon import startup
+from dflash2.errors import ArenaError
+from dflash2.history import History, make_history
+from dflash2.tiers import Tier
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+OTHER = 65534  # the other local user (and, where a daemon runs as non-root, the daemon's user)
+PLANTER_UID = 54321
+
+
+# -- /dev/shm ---------------------------------------------------------------------------------------
+def _unused_pid() -> int:
+    pid = int(open("/proc/sys/kernel/pid_max").read()) - 3
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+class _NoPrevious:
+    previous_pid = None
+    replaced_socket = False
+
+
+def _plant(name: str, mode: int) -> str:
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    os.close(fd)
+    os.chmod(path, mode)
+    os.chown(path, PLANTER_UID, PLANTER_UID)
+    return path
+
+
+@root_only
+def test_another_users_file_in_dev_shm_does_not_crash_the_daemons_start_up():
+    path = _plant(f"dflash2-{_unused_pid()}-alive", 0o644)
+    try:
+        os.seteuid(OTHER)
+        try:
+            startup.clean_up_killed("ipc:///nowhere/d.sock", _NoPrevious())
+        except PermissionError as e:
+            pytest.fail(f"start-up's clean-up of killed daemons raised {e!r}: dflash2d exits 1 with a traceback")
+        finally:
+            os.seteuid(0)
+    finally:
+        os.unlink(path)
+
+
+@root_only
+def test_a_segment_name_planted_by_another_user_is_a_named_start_up_error():
+    name = f"dflash2-{_unused_pid()}-hbm"
+    path = _plant(name, 0o600)
+    try:
+        os.seteuid(OTHER)
+        try:
+            SharedMemoryArena.create(name, 1 << 16, Tier.HBM).close()
+        except ArenaError:
+            pass  # exit 4, naming the segment: fine
+        except PermissionError as e:
+            pytest.fail(f"creating the segment raised {e!r} (a traceback, exit 1), not an ArenaError")
+        finally:
+            os.seteuid(0)
+    finally:
+        os.unlink(path)
+
+
+# -- the NVMe file --------------------------------------------------------------------------------------
+@root_only
+def test_the_nvme_tier_refuses_another_users_file_at_its_path():
+    from dflash2.arena.nvme import NvmeArena
+    base = Path(tempfile.mkdtemp(prefix="others-", dir="/tmp"))
+    base.chmod(0o755)  # (pytest's tmp_path is root's own: the other user could not reach into it)
+    scratch = base / "scratch"
+    scratch.mkdir(mode=0o1777)
+    scratch.chmod(0o1777)  # a shared scratch disk, like /tmp
+    path = scratch / "dflash2.cache"
+    os.seteuid(OTHER)
+    try:
+        path.touch()
+        path.chmod(0o666)  # planted empty, before the daemon's first start
+    finally:
+        os.seteuid(0)
+    try:
+        with pytest.raises(ArenaError, match=rf"NVMe tier file {path} is not this user's \(uid {OTHER}.*mode 666"):
+            NvmeArena(path, 1 << 20, staging_bytes=1 << 20)
+        assert path.stat().st_size == 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_cache_file_of_this_user_open_to_others_is_made_owner_only(tmp_path, caplog):
+    from dflash2.arena.nvme import NvmeArena
+    path = tmp_path / "nvme" / "c.bin"
+    old = os.umask(0)
+    try:
+        NvmeArena(path, 1 << 20, staging_bytes=1 << 20).close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+        NvmeArena(path, 1 << 20, staging_bytes=1 << 20).remove()
+    assert "was open to other users (mode 644): made owner-only" in caplog.text
+
+
+# -- the history file -------------------------------------------------------------------------------------
+def _history(state: Path) -> History:
+    cfg = type("Cfg", (), {"history_enabled": True})()
+    return make_history(cfg, state)
+
+
+def test_history_is_owner_only_under_any_umask_and_never_written_through_a_link(tmp_path):
+    state = tmp_path / "state"
+    old = os.umask(0)
+    try:
+        h = _history(state)
+        h._append(b'{"t": 1}\n')
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (state, state / "history.jsonl")}
+    assert modes == {"state": 0o700, "history.jsonl": 0o600}, modes
+    victim = tmp_path / "victim"
+    victim.write_text("someone's file\n")
+    (state / "history.jsonl").unlink()
+    (state / "history.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        h._append(b'{"t": 2}\n')
+    assert victim.read_text() == "someone's file\n"
+    h.close()
+
+
+# -- the socket ---------------------------------------------------------------------------------------------
+def _recv(s, n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            raise EOFError
+        b += c
+    return b
+
+
+def _racer(path: str, seconds: float) -> str:
+    """Connect in a loop; on success speak ZMTP 3.0 (NULL, DEALER) and ask for stats."""
+    end = time.time() + seconds
+    while time.time() < end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            continue
+        s.settimeout(5)
+        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+        _recv(s, 64)
+        ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        s.sendall(bytes([4, len(ready)]) + ready)
+        time.sleep(0.5)  # the daemon's chmod has run by now
+        out = b""
+        frames = P.encode_request(P.Op.STATS, 1, None, {})
+        for i, f in enumerate(frames):
+            out += bytes([1 if i < len(frames) - 1 else 0, len(f)]) + f
+        s.sendall(out)
+        got = []
+        while True:
+            flags = _recv(s, 1)[0]
+            n = struct.unpack(">Q", _recv(s, 8))[0] if flags & 2 else _recv(s, 1)[0]
+            body = _recv(s, n)
+            if flags & 4:
+                continue
+            got.append(body)
+            if not flags & 1:
+                break
+        reply = P.decode_reply(got)
+        mode = os.stat(path).st_mode & 0o777
+        return f"served stats (ok={reply.ok}, pid {reply.result.get('pid')}) through a socket now mode {mode:o}"
+    return ""
+
+
+@root_only
+def test_no_other_user_connects_while_the_socket_is_bound_but_not_yet_owner_only():
+    base = Path(tempfile.mkdtemp(prefix="tperms5-", dir="/tmp"))
+    base.chmod(0o755)
+    run = base / "run"
+    run.mkdir(mode=0o755)  # the container's /run/dflash2
+    sock = run / "d.sock"
+    cfg = write_config(base, daemon={"endpoint": f"ipc://{sock}", "state_dir": str(base / "state")})
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user's process
+        os.close(r)
+        try:
+            os.setgid(OTHER)
+            os.setuid(OTHER)
+            os.write(w, _racer(str(sock), 25.0).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    old = os.umask(0)
+    try:
+        for _ in range(5):
+            with running_daemon(cfg, str(base / "d.log")):
+                time.sleep(1.5)
+            if os.waitpid(child, os.WNOHANG)[0]:
+                break
+        else:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        result = os.read(r, 4096).decode()
+    finally:
+        os.umask(old)
+        os.close(r)
+        shutil.rmtree(base, ignore_errors=True)
+    assert not result, f"uid {OTHER}, which may not use the 0600 socket, connected as it was bound and was {result}"
