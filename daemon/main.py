@@ -251,6 +251,9 @@ def _nvme_file_now(path: Path) -> tuple[str | None, int]:
             return f"{path} is on a read-only filesystem: {fail}", 0
         if not os.access(path, os.R_OK | os.W_OK):
             return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}", 0
+        if (st := path.stat()).st_uid != os.geteuid():  # (as the tier refuses it: nvmefiles._own_file)
+            from dflash2.files import owner_text
+            return f"{path} is not this user's ({owner_text(st)}; uid {os.geteuid()} runs --check): {fail}", 0
         with open(path, "rb") as f:
             if is_foreign(f.read(len(HEADER))):
                 return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)", 0

@@ -228,13 +228,17 @@ class History:
         # Owner-only, never through a link: made 0666, a umask of 000 left it writable by every user,
         # and a link another user put in its place had each sample appended to the file it named
         # (the daemon's user's: root's in a container; a review).
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # Not blocking: a FIFO put in its place held the loop thread in open() for good.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.geteuid():
-                raise OSError(f"{self.path} is not this user's file ({owner_text(st)})")
-            if st.st_mode & 0o022:  # (one an earlier release made under umask 000)
-                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(f"{self.path} is not a regular file of this user's ({owner_text(st)})")
+            if st.st_mode & 0o077:  # (one an earlier release made under umask 000, or 0644)
+                os.fchmod(fd, 0o600)
+                log.warning("history: %s was open to other users (mode %o): made owner-only (0600)", self.path,
+                            stat.S_IMODE(st.st_mode))
+            os.set_blocking(fd, True)
             end = st.st_size
             view = memoryview(data)
             try:
@@ -422,6 +426,15 @@ def rates(samples: list[dict]) -> list[dict]:
     return out
 
 
+def _own_folder(folder: Path) -> None:
+    """A state folder of this user's that others may write (an earlier release's, made under umask
+    000) is made theirs no more, said: anyone could put a FIFO or a link in the history file's place."""
+    st = folder.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o022:
+        folder.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
+        log.warning("history: %s was writable by other users (mode %o): no longer", folder, stat.S_IMODE(st.st_mode))
+
+
 def make_history(cfg, state_dir: Path, **kw) -> History | None:
     """The daemon's history per the config (None when off); the file lives in the state folder.
     One daemon writes a state folder's file: it holds a lock beside it (`LOCK_NAME`) while it runs,
@@ -432,6 +445,7 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
     path, lock_fd = None, -1
     try:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the folder it makes: owner-only)
+        _own_folder(state_dir)
         lock_fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -202,9 +202,12 @@ def rounding_warnings(plan: Plan) -> list[str]:
     out = []
     for t in plan.tiers:
         if t.unused_bytes and t.unused_bytes >= PAGE_REMAINDER_WARN * (t.capacity_bytes + t.unused_bytes):
+            each = plan.pools > 1 and t.tier != Tier.HBM  # (split between the GPUs' pools, each in whole pages)
             out.append(f"memory.{t.tier.label}_capacity_mb: the {t.tier.label} tier is not a whole number of pages "
-                       f"(memory.page_kb, {human_bytes(t.page_bytes)}): it uses {human_bytes(t.capacity_bytes)}, and "
-                       f"{human_bytes(t.unused_bytes)} of it stays unused; a multiple of the page wastes nothing")
+                       + (f"per GPU ({plan.pools} GPUs, " if each else "(")
+                       + f"memory.page_kb, {human_bytes(t.page_bytes)}): it uses {human_bytes(t.capacity_bytes)}, and "
+                       f"{human_bytes(t.unused_bytes)} of it stays unused; a multiple of the page"
+                       + (f" times {plan.pools}" if each else "") + " wastes nothing")
     for name, lay in plan.layouts.items():
         wasted = [t for t in plan.tiers if t.capacity_bytes and slot_bytes(lay.block_bytes, t.alignment)
                   >= ROUNDING_WARN_FACTOR * lay.block_bytes]

@@ -255,6 +255,21 @@ def test_a_cut_that_a_batch_grows_back_over_is_found_by_its_header(tmp_path, mon
     NvmeArena(path, CAP, staging_bytes=STAGING).remove()
 
 
+def test_a_block_the_cut_goes_through_is_lost_to_the_cut(tmp_path):
+    """A review's script: a block that began before the cut and reached past it kept its checksum,
+    failed it when read, and its slots were set aside as bad sectors."""
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        block = np.full(4 * ALIGN, 7, np.uint8)
+        assert a.write_blocks([0, 8 * ALIGN], [block, block]).all()  # file pages 1-4 and 9-12
+        os.truncate(path, nvme.HEADER_BYTES + 2 * ALIGN)  # through the first block's third page
+        assert not a.read_blocks([0], [np.zeros_like(block)]).any()
+        assert a.lost_to_cut([0, 8 * ALIGN]).tolist() == [True, True]
+    finally:
+        a.remove()
+
+
 def test_a_cut_after_the_last_batch_is_taken_back_as_the_tier_closes(tmp_path):
     path = tmp_path / "nvme.cache"
     a = NvmeArena(path, CAP, staging_bytes=STAGING)

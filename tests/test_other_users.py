@@ -153,6 +153,55 @@ def test_history_is_owner_only_under_any_umask_and_never_written_through_a_link(
     h.close()
 
 
+def test_an_earlier_releases_history_open_to_others_is_made_owner_only(tmp_path, caplog):
+    """A review's script: a folder and file an earlier release made under umask 000 (0777, 0666) kept
+    their modes: anyone could put a FIFO or a link in the file's place."""
+    state = tmp_path / "state"
+    old = os.umask(0)
+    try:
+        state.mkdir(mode=0o777)
+        (state / "history.jsonl").write_text("")
+    finally:
+        os.umask(old)
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        h = _history(state)
+        h._append(b'{"t": 1}\n')
+        h.close()
+    assert stat.S_IMODE(state.stat().st_mode) == 0o755 and stat.S_IMODE((state / "history.jsonl").stat().st_mode) == 0o600
+    assert "was writable by other users (mode 777)" in caplog.text and "was open to other users (mode 666)" in caplog.text
+
+
+def test_a_fifo_in_the_history_files_place_fails_the_write_at_once(tmp_path):
+    """A review's script: open() of a FIFO put in the file's place blocked the daemon's loop thread
+    (which writes the history) for good."""
+    state = tmp_path / "state"
+    h = _history(state)
+    (state / "history.jsonl").unlink(missing_ok=True)
+    os.mkfifo(state / "history.jsonl", 0o600)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        h._append(b'{"t": 1}\n')
+    assert time.monotonic() - started < 2
+    h.close()
+
+
+@root_only
+def test_check_says_start_up_would_refuse_another_users_nvme_file(tmp_path):
+    import contextlib
+    import io
+    from dflash2.daemon import main as dmain
+    cfg = write_config(tmp_path)
+    path = tmp_path / "nvme.cache"
+    path.touch()
+    os.chown(path, OTHER, OTHER)
+    os.chmod(path, 0o666)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert dmain.main(["--config", cfg, "--check"]) == 0
+    now = [line for line in out.getvalue().splitlines() if line.startswith("now: ") and "nvme.cache" in line]
+    assert now and f"is not this user's (uid {OTHER}" in now[-1] and "start-up would fail now (exit 4)" in now[-1], now
+
+
 # -- the socket ---------------------------------------------------------------------------------------------
 def _recv(s, n):
     b = b""

@@ -38,6 +38,9 @@ class FileCuts:
         if size >= total and head == HEADER:
             return
         first = max(0, size - HEADER_BYTES) // ALIGN if head == HEADER else 0
+        # ... and those that begin before the cut and reach past it (their tails are holes now).
+        begun = np.flatnonzero(lens[:first])
+        first = min([first, *begun[begun * ALIGN + lens[begun] > size - HEADER_BYTES].tolist()])
         lost = lens[first:] != 0
         self.lost[first:] |= lost
         lens[first:] = 0
