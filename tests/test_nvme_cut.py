@@ -1,0 +1,114 @@
+"""The NVMe cache file cut short by another process while its tier runs (`: > nvme.cache` to free the
+disk): taken back at the next batch or as the tier closes, the blocks past the cut (and one the cut
+goes through) misses lost to the cut, never taken for bad sectors (arena/nvmecut.py). Reviews'
+scripts found each case: the next start refused the file, reads past the cut failed as disk errors."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import dflash2.arena.nvme as nvme
+from dflash2.arena.nvme import NvmeArena
+from dflash2.arena.staging import ALIGN
+
+CAP = 16 << 20
+STAGING = 64 << 10
+
+
+@pytest.fixture
+def arena(tmp_path):
+    a = NvmeArena(tmp_path / "sub" / "nvme.bin", CAP, staging_bytes=STAGING)
+    yield a
+    a.remove()
+
+
+@pytest.mark.parametrize("cut_pages", [0, 9])
+def test_a_file_cut_short_while_the_tier_runs_is_taken_back_and_stays_ours(tmp_path, cut_pages, caplog):
+    """A review's script: the cache file emptied (`: > nvme.cache`) while the daemon ran; its later
+    writes grew a sparse file with no header, and the next start refused it as "not a dflash2 NVMe
+    cache file" (exit 4 until removed by hand); reads past the cut failed as "preadv moved 0 bytes".
+    Now the next batch takes the file back (header, room); blocks past the cut are misses."""
+    path = tmp_path / "nvme.cache"
+    rng = np.random.default_rng(5)
+    before, after = (rng.integers(0, 256, 4 * ALIGN, dtype=np.uint8) for _ in range(2))
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0, 16 * ALIGN], [before, before]).all()
+        os.truncate(path, cut_pages * ALIGN)  # someone empties, or cuts, the cache file
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([64 * ALIGN], [after]).all()
+        assert f"{path} was cut to {cut_pages * ALIGN} bytes by another process" in caplog.text
+        assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP
+        out = np.zeros_like(before)
+        assert a.read_blocks([64 * ALIGN], [out]).all() and np.array_equal(out, after)
+        # the block below the cut (pages 1-4 of the file) is intact; the one past it is lost
+        kept = a.read_blocks([0], [out]).all()
+        assert kept == (cut_pages >= 5) and (not kept or np.array_equal(out, before))
+        assert not a.read_blocks([16 * ALIGN], [out]).any()
+    finally:
+        a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()  # the restart takes its own file back
+
+
+def test_a_cut_that_a_batch_grows_back_over_is_found_by_its_header(tmp_path, monkeypatch, caplog):
+    """A review's script: the cut landed as a batch began writing, and the batch's write to the file's
+    last slot made the size whole again over a header page of zeros: the next start refused the file.
+    The header says so: every block is forgotten (where the cut was is unknown), the header written."""
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    cut = []
+    for name in ("pwrite_all", "pwritev_all"):  # (staged or direct: whichever goes out first)
+        def cut_first(*args, _real=getattr(nvme, name), **kw):
+            if not cut:
+                cut.append(os.truncate(path, 0))  # `: > nvme.cache` lands as the batch's first write goes out
+            return _real(*args, **kw)
+        monkeypatch.setattr(nvme, name, cut_first)
+    blocks = [np.full(4 * ALIGN, 9, np.uint8) for _ in range(2)]
+    try:
+        assert a.write_blocks([0, CAP - 4 * ALIGN], blocks).all()  # reaches the file's last slot
+        assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP and path.read_bytes()[:16] == bytes(16)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert not a.read_blocks([0, CAP - 4 * ALIGN], [np.zeros_like(b) for b in blocks]).any()
+        assert "its header page is a hole" in caplog.text
+        assert a.lost_to_cut([0, CAP - 4 * ALIGN, 8 * ALIGN]).tolist() == [True, True, False]
+    finally:
+        a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()
+
+
+def test_a_block_the_cut_goes_through_is_lost_to_the_cut(tmp_path):
+    """A review's script: a block that began before the cut and reached past it kept its checksum,
+    failed it when read, and its slots were set aside as bad sectors."""
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        block = np.full(4 * ALIGN, 7, np.uint8)
+        assert a.write_blocks([0, 8 * ALIGN], [block, block]).all()  # file pages 1-4 and 9-12
+        os.truncate(path, nvme.HEADER_BYTES + 2 * ALIGN)  # through the first block's third page
+        assert not a.read_blocks([0], [np.zeros_like(block)]).any()
+        assert a.lost_to_cut([0, 8 * ALIGN]).tolist() == [True, True]
+    finally:
+        a.remove()
+
+
+def test_a_cut_after_the_last_batch_is_taken_back_as_the_tier_closes(tmp_path):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    a.write_blocks([0], [np.ones(ALIGN, np.uint8)])
+    os.truncate(path, 0)
+    a.close()
+    assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+    NvmeArena(path, CAP, staging_bytes=STAGING).remove()
+
+
+def test_a_read_after_the_file_was_cut_is_a_miss_not_a_disk_error(arena, caplog):
+    block = np.full(2 * ALIGN, 3, np.uint8)
+    assert arena.write_blocks([32 * ALIGN], [block]).all()
+    os.truncate(arena.path, 0)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+        assert not arena.read_blocks([32 * ALIGN], [np.zeros_like(block)]).any()
+    assert "cut to 0 bytes" in caplog.text and "failed" not in caplog.text
