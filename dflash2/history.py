@@ -426,13 +426,39 @@ def rates(samples: list[dict]) -> list[dict]:
     return out
 
 
+OWN_NAMES = (FILE_NAME, FILE_NAME + ".1", LOCK_NAME)  # what the history keeps in its state folder
+
+
 def _own_folder(folder: Path) -> None:
     """A state folder of this user's that others may write (an earlier release's, made under umask
-    000) is made theirs no more, said: anyone could put a FIFO or a link in the history file's place."""
+    000), and that holds the history's files alone, is made theirs no more, and its rotated file
+    owner-only, said: anyone could put a FIFO or a link in the history file's place, or forge
+    samples. A folder that holds anything else, or is sticky (`/tmp`), is only said: stripping its
+    bits locked every other user out of a shared folder named as `daemon.state_dir` (a review)."""
     st = folder.stat()
-    if st.st_uid == os.geteuid() and st.st_mode & 0o022:
-        folder.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
-        log.warning("history: %s was writable by other users (mode %o): no longer", folder, stat.S_IMODE(st.st_mode))
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        return
+    if mode & 0o022:
+        if mode & stat.S_ISVTX or not set(os.listdir(folder)) <= set(OWN_NAMES):
+            log.warning("history: %s is writable by other users (mode %o), who could change the history: give the "
+                        "daemon a daemon.state_dir of its own", folder, mode)
+        else:
+            folder.chmod(mode & ~0o022)
+            log.warning("history: %s was writable by other users (mode %o): no longer", folder, mode)
+    rotated = folder / OWN_NAMES[1]
+    try:
+        fd = os.open(rotated, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # (none; or not one to touch: a link, another user's)
+    try:
+        rst = os.fstat(fd)
+        if stat.S_ISREG(rst.st_mode) and rst.st_uid == os.geteuid() and rst.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+            log.warning("history: %s was open to other users (mode %o): made owner-only (0600)", rotated,
+                        stat.S_IMODE(rst.st_mode))
+    finally:
+        os.close(fd)
 
 
 def make_history(cfg, state_dir: Path, **kw) -> History | None:

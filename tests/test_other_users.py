@@ -171,6 +171,29 @@ def test_an_earlier_releases_history_open_to_others_is_made_owner_only(tmp_path,
     assert "was writable by other users (mode 777)" in caplog.text and "was open to other users (mode 666)" in caplog.text
 
 
+def test_a_shared_state_folder_keeps_its_mode_and_the_rotated_history_is_made_owner_only(tmp_path, caplog):
+    """A review's script: a root daemon given a sticky 1777 folder (like /tmp) as daemon.state_dir made
+    it 1755, locking every other user out of it; and an earlier release's history.jsonl.1 (0666)
+    stayed open, so another user could append forged samples that the next start reads back."""
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    for folder in (shared, own):
+        folder.mkdir()
+    shared.chmod(0o1777)
+    own.chmod(0o777)
+    old = os.umask(0)
+    try:
+        (own / "history.jsonl.1").write_text('{"t": 0}\n')
+    finally:
+        os.umask(old)
+    (own / "notes.txt").write_text("the operator's")  # a folder holding more than the history's files
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        for folder in (shared, own):
+            _history(folder).close()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and stat.S_IMODE(own.stat().st_mode) == 0o777
+    assert caplog.text.count("writable by other users") == 2 and "give the daemon a daemon.state_dir" in caplog.text
+    assert stat.S_IMODE((own / "history.jsonl.1").stat().st_mode) == 0o600
+
+
 def test_a_fifo_in_the_history_files_place_fails_the_write_at_once(tmp_path):
     """A review's script: open() of a FIFO put in the file's place blocked the daemon's loop thread
     (which writes the history) for good."""
