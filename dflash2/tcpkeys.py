@@ -13,7 +13,8 @@ first start, owner-only (mode 0600), and keeps it across restarts, so clients th
 keep working. A client that attaches maps the daemon's shared memory, which is owner-only too: so
 serving processes run as the daemon's user; a group given read access to the file (chmod 0640,
 chgrp, and a `daemon.tcp_key_file` that group's processes can reach) can ask `dflash2 status` and
-`history`, not attach.
+`history`; the client library will not attach for it, but the daemon cannot tell its messages from a
+serving process's (docs/known-gaps.md, "Whoever reads a tcp key file can attach").
 Invariants, checked wherever the file is read: a regular file (a link is not followed), holding the
 four keys and nothing else; the daemon also refuses one that other users may read (mode o+r), or
 that it does not own.
