@@ -137,6 +137,7 @@ class History:
         self._next = -float("inf")
         self._due_at: float | None = None  # when `due` last said a sample was due, for `record`
         self._torn_tail = False  # the file ends in a line a crash cut short: the next write starts a new line
+        self._mode_said = False  # made owner-only, said once (a filesystem that ignores chmod: every sample)
         # Samples not in the file yet: a write failed (a full disk). Each sample tries again, these
         # first, so that the file catches up once there is room (at most as many as are kept).
         self._unwritten: collections.deque[str] = collections.deque(maxlen=max_samples)
@@ -236,8 +237,10 @@ class History:
                 raise OSError(f"{self.path} is not a regular file of this user's ({owner_text(st)})")
             if st.st_mode & 0o077:  # (one an earlier release made under umask 000, or 0644)
                 os.fchmod(fd, 0o600)
-                log.warning("history: %s was open to other users (mode %o): made owner-only (0600)", self.path,
-                            stat.S_IMODE(st.st_mode))
+                if not self._mode_said:
+                    self._mode_said = True
+                    log.warning("history: %s was open to other users (mode %o): made owner-only (0600)", self.path,
+                                stat.S_IMODE(st.st_mode))
             os.set_blocking(fd, True)
             end = st.st_size
             view = memoryview(data)
