@@ -85,6 +85,19 @@ def test_blocks_of_one_size_still_queue_in_order(make_manager):
     mgr.check_invariants()
 
 
+def _same_slot_layouts(clock, request, other: Layout, hbm_bytes: int, page: int):
+    """A manager whose HBM takes `other`'s blocks in the slots of SMALL's (alignment 256), though their
+    block bytes differ; (manager, three clients, SMALL's layout id, `other`'s)."""
+    mgr = BlockManager([TierSpec(Tier.HBM, hbm_bytes, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
+                       clock=clock, admission=settings())
+    request.addfinalizer(mgr.close)
+    clients = mgr.attach("writer"), mgr.attach("a"), mgr.attach("b")
+    big, odd = mgr.register_layout(SMALL), mgr.register_layout(other)
+    assert other.block_bytes != SMALL.block_bytes
+    assert mgr.table.slot_bytes(odd, Tier.HBM) == mgr.table.slot_bytes(big, Tier.HBM)
+    return mgr, clients, big, odd
+
+
 def test_layouts_of_one_slot_size_queue_in_order(clock, request):
     """An MLA layout of 16,256-byte blocks takes the same 16 KiB slots as SMALL's 16,384 (alignment
     256): a later reservation of it is no other size for a waiting SMALL head, and passing would take
@@ -92,13 +105,7 @@ def test_layouts_of_one_slot_size_queue_in_order(clock, request):
     mla16 = Layout("mla16", num_layers=2, num_kv_heads=0, head_dim=0, dtype="bf16", tokens_per_block=16,
                    mla_latent_dim=254)
     page = 32 * 1024  # two 16 KiB slots a page: a free slot beside a used one is in a slab in use
-    mgr = BlockManager([TierSpec(Tier.HBM, 4 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
-                       clock=clock, admission=settings())
-    request.addfinalizer(mgr.close)
-    w, a, b = mgr.attach("writer"), mgr.attach("a"), mgr.attach("b")
-    big, mla = mgr.register_layout(SMALL), mgr.register_layout(mla16)
-    assert mla16.block_bytes != SMALL.block_bytes
-    assert mgr.table.slot_bytes(mla, Tier.HBM) == mgr.table.slot_bytes(big, Tier.HBM)
+    mgr, (w, a, b), big, mla = _same_slot_layouts(clock, request, mla16, 4 * page, page)
     held = mgr.allocate(w, big, 8)  # HBM full of blocks being written
     mgr.free(w, held[[1]])
     head = mgr.reserve(a, big, tokens=16 * 2)
@@ -116,13 +123,7 @@ def test_an_allocation_of_a_layout_of_the_same_slot_size_is_held_back_too(clock,
     the very room the reservation waited for (`ahead_of` compared block bytes, not slots)."""
     odd = Layout("odd", num_layers=1, num_kv_heads=1, head_dim=254, dtype="fp16", tokens_per_block=16)
     page = 16 * 1024
-    mgr = BlockManager([TierSpec(Tier.HBM, 8 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
-                       clock=clock, admission=settings())
-    request.addfinalizer(mgr.close)
-    w, a, c = mgr.attach("writer"), mgr.attach("a"), mgr.attach("c")
-    big, other = mgr.register_layout(SMALL), mgr.register_layout(odd)
-    assert odd.block_bytes != SMALL.block_bytes
-    assert mgr.table.slot_bytes(other, Tier.HBM) == mgr.table.slot_bytes(big, Tier.HBM)
+    mgr, (w, a, c), big, other = _same_slot_layouts(clock, request, odd, 8 * page, page)
     mgr.allocate(w, big, 6)  # blocks being written: two slots free
     assert mgr.reserve(a, big, tokens=16 * 4).outcome is Outcome.DEFERRED
     assert mgr.allocate(c, big, 2) is None

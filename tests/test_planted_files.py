@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import write_config
 from observe_helpers import running_daemon
+from test_other_user import as_other_user
 
 from dflash2 import protocol as P
 from dflash2.arena.shm import SharedMemoryArena
@@ -59,13 +60,8 @@ def _plant(name: str, mode: int) -> str:
 def test_another_users_file_in_dev_shm_does_not_crash_the_daemons_start_up():
     path = _plant(f"dflash2-{_unused_pid()}-alive", 0o644)
     try:
-        os.seteuid(OTHER)
-        try:
-            startup.clean_up_killed("ipc:///nowhere/d.sock", _NoPrevious())
-        except PermissionError as e:
-            pytest.fail(f"start-up's clean-up of killed daemons raised {e!r}: dflash2d exits 1 with a traceback")
-        finally:
-            os.seteuid(0)
+        with as_other_user():  # (the daemon's user here: not root)
+            startup.clean_up_killed("ipc:///nowhere/d.sock", _NoPrevious())  # (PermissionError: exit 1)
     finally:
         os.unlink(path)
 
@@ -75,15 +71,8 @@ def test_a_segment_name_planted_by_another_user_is_a_named_start_up_error():
     name = f"dflash2-{_unused_pid()}-hbm"
     path = _plant(name, 0o600)
     try:
-        os.seteuid(OTHER)
-        try:
-            SharedMemoryArena.create(name, 1 << 16, Tier.HBM).close()
-        except ArenaError:
-            pass  # exit 4, naming the segment: fine
-        except PermissionError as e:
-            pytest.fail(f"creating the segment raised {e!r} (a traceback, exit 1), not an ArenaError")
-        finally:
-            os.seteuid(0)
+        with as_other_user(), pytest.raises(ArenaError, match=rf"{path} already exists, a file of uid {PLANTER_UID}"):
+            SharedMemoryArena.create(name, 1 << 16, Tier.HBM)  # (it raised PermissionError: a traceback, exit 1)
     finally:
         os.unlink(path)
 
@@ -98,12 +87,9 @@ def test_the_nvme_tier_refuses_another_users_file_at_its_path():
     scratch.mkdir(mode=0o1777)
     scratch.chmod(0o1777)  # a shared scratch disk, like /tmp
     path = scratch / "dflash2.cache"
-    os.seteuid(OTHER)
-    try:
+    with as_other_user():
         path.touch()
         path.chmod(0o666)  # planted empty, before the daemon's first start
-    finally:
-        os.seteuid(0)
     try:
         with pytest.raises(ArenaError, match=rf"NVMe tier file {path} is not this user's \(uid {OTHER}.*mode 666"):
             NvmeArena(path, 1 << 20, staging_bytes=1 << 20)
