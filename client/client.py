@@ -33,7 +33,7 @@ from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_
 from dflash2.client.held import HeldPlaces
 from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
-from dflash2.errors import ArenaError, DaemonError, DaemonUnavailable
+from dflash2.errors import AccessDenied, ArenaError, DaemonError, DaemonUnavailable
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -194,6 +194,11 @@ class Client:
                 args["gpu_uuid"] = uuid
             else:
                 args["device"] = self.gpu
+        if self._transport.read_only:
+            self._transport.close()
+            raise AccessDenied(f"cannot attach to the tcp endpoint {self.endpoint}: this process may not read the "
+                               f"key file {self.key_file}, only the monitoring key file beside it, whose holders "
+                               "may ask status, history and check (serving processes run as the daemon's user)")
         reply = self._call(Op.ATTACH, args)
         r = reply.result
         self.client_id = int(r["client"])

@@ -182,6 +182,9 @@ class Transport:
                     "; with no daemon.tcp_key_file this process looks in its own runtime folder ($XDG_RUNTIME_DIR/dflash2, "
                     "else /tmp/dflash2-$UID), which must be the daemon's: else name the daemon's file in daemon.tcp_key_file")
                 raise AccessDenied(f"cannot attach to the tcp endpoint {endpoint}: {e}{where}") from None
+        # Keys of the monitoring key file (this process may not read the key file): the daemon answers
+        # it ping, stats, history and check only (tcpkeys.py).
+        self.read_only = self._keys is not None and self._keys.read_only
         self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
@@ -404,6 +407,8 @@ class Transport:
                         raise VersionMismatch(f"dflash2d at {self.endpoint}: {reply.error_message}")
                     if reply.error_type == "DaemonUnavailable":  # (a call parked as the daemon stops)
                         raise DaemonUnavailable(f"{op.value}: dflash2d at {self.endpoint}: {reply.error_message}")
+                    if reply.error_type == "AccessDenied":  # (a call the monitoring key may not make)
+                        raise AccessDenied(f"dflash2d at {self.endpoint} refused {reply.error_message}")
                     raise DaemonError(reply.error_type, reply.error_message)
                 return reply
         except DFlash2Error:

@@ -1,6 +1,7 @@
 """The gate of a tcp endpoint: the request socket speaks CURVE as a server, and a ZAP handler (pyzmq's
 authenticator, on a thread of its own) lets in only a client whose key is the key file's client key
-(dflash2/tcpkeys.py). A refused connection never reaches the request loop.
+or the monitoring key file's (dflash2/tcpkeys.py); the server answers the second only its read-only
+calls (`engine_user`). A refused connection never reaches the request loop.
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
 the log); those counted since the last line are logged once the minute has passed, even if no
@@ -24,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import threads
-from dflash2.tcpkeys import TcpKeys
+from dflash2.tcpkeys import DaemonKeys
 from dflash2.zmqio import HANDSHAKE_FAILED
 
 log = logging.getLogger("dflash2.daemon")
@@ -34,10 +35,15 @@ HANDSHAKE_S = 2.0
 
 
 class KeyGate:
-    def __init__(self, context: zmq.Context, keys: TcpKeys, key_file: str):
+    def __init__(self, context: zmq.Context, keys: DaemonKeys, key_file: str):
         from zmq.auth.thread import ThreadAuthenticator
 
-        self.keys = keys
+        self.keys = keys.keys
+        self.monitor_public = keys.monitor_public
+        # The User-Id the ZAP handler gives a connection of the key file's client key (pyzmq's: the
+        # public key in Z85), which each of its messages carries: the server answers every other
+        # (the monitoring key's, or none) its read-only calls only.
+        self.engine_user = keys.keys.client_public.decode()
         self.key_file = key_file
         self._unlogged = 0
         self._last_why = ""
@@ -80,9 +86,9 @@ class KeyGate:
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP handler's question: may a client with this (Z85) key connect?"""
-        if client_key == self.keys.client_public:
+        if client_key == self.keys.client_public or client_key == self.monitor_public:
             return True
-        self._count("whose client key is not the one in the key file")
+        self._count("whose client key is not the one in the key file nor the monitoring one")
         return False
 
     def _count(self, why: str) -> None:

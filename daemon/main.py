@@ -98,7 +98,7 @@ def _main(args: argparse.Namespace) -> int:
         plan = resolve_plan(cfg)
         warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
         warnings += rounding_warnings(plan)
-        check_paths(plan, history=cfg.history_enabled)
+        warnings += check_paths(plan, history=cfg.history_enabled)
     except ConfigError as exc:
         _warn_all(fmt, warnings)
         return _fail(str(exc), fmt)
@@ -285,13 +285,15 @@ def check_policy(cfg: Config) -> None:
                                          f"{BENCH_ONLY_POLICIES[cfg.policy.name]}")
 
 
-def check_paths(plan: Plan, history: bool = False) -> None:
-    """The endpoint's files must be the daemon's to make: a file at the socket path is replaced and
+def check_paths(plan: Plan, history: bool = False) -> list[str]:
+    """Its warnings. The endpoint's files must be the daemon's to make: a file at the socket path is replaced and
     the lock file sits beside it, so a shared folder (/tmp: anyone could have planted either) or a
     file that is not a socket is refused here, before anything is touched; a tcp endpoint's lock
     file lives in the node's runtime folder (config.runtime_dir: the state folder may be shared by
     several nodes, an NFS home, where a lock held on one node refused another's daemon), and the
-    history in the state folder (`history`: history_enabled)."""
+    history in the state folder (`history`: history_enabled); a tcp endpoint's key file its group may
+    read is warned of (that group can attach: monitoring users need the monitoring key file only)."""
+    warnings: list[str] = []
     if plan.endpoint.startswith("ipc://"):
         socket = Path(plan.endpoint[len("ipc://"):])
         _check_own_folder(socket.parent, "the socket's folder", f"put the socket in a folder of the daemon's own, e.g. "
@@ -307,15 +309,18 @@ def check_paths(plan: Plan, history: bool = False) -> None:
                           "set XDG_RUNTIME_DIR to a folder of the daemon's own, or remove that one")
         if plan.tcp_key_file is not None and plan.tcp_key_file.parent != runtime_dir():
             _check_folder("daemon.tcp_key_file", plan.tcp_key_file.parent)
-        if plan.tcp_key_file is not None:  # one there already: start-up's own checks (a folder passed)
-            from dflash2.tcpkeys import KeyFileError, read_own
+        if plan.tcp_key_file is not None:  # ones there already: start-up's own checks (a folder passed)
+            from dflash2.tcpkeys import MONITOR_NAMES, KeyFileError, group_warning, monitor_path, read_own
 
             try:
                 read_own(plan.tcp_key_file)
+                read_own(monitor_path(plan.tcp_key_file), MONITOR_NAMES)
             except KeyFileError as e:
                 raise ConfigError("daemon.tcp_key_file", str(e)) from None
+            warnings += filter(None, [group_warning(plan.tcp_key_file)])
     if history:
         _check_folder("daemon.state_dir", plan.state_dir)
+    return warnings
 
 
 def _check_own_folder(folder: Path, what: str, advice: str) -> None:

@@ -26,7 +26,7 @@ from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
-from dflash2.tcpkeys import KeyFileError, load_or_make
+from dflash2.tcpkeys import KeyFileError, load_or_make, monitor_path
 from dflash2.tiers import Tier
 from dflash2.daemon.server import Server
 
@@ -96,8 +96,9 @@ def run(cfg: Config) -> int:
         probe_metrics(cfg.metrics.host, cfg.metrics.port)
         if plan.tcp_key_file is not None:
             keys, made = load_or_make(plan.tcp_key_file)
-            log.info("tcp endpoint %s: only clients that read %s%s can attach", plan.endpoint, plan.tcp_key_file,
-                     " (made now, mode 0600)" if made else "")
+            log.info("tcp endpoint %s: only clients that read %s%s can attach; those that read %s only may ask "
+                     "status, history and check", plan.endpoint, plan.tcp_key_file, " (made now, mode 0600)" if made
+                     else "", monitor_path(plan.tcp_key_file))
         clean_up_killed(plan.endpoint, lock)
     except (EndpointBusy, KeyFileError) as e:
         lock.release()

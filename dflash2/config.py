@@ -240,7 +240,8 @@ class DaemonConfig(_Section):
     tcp_key_file: Optional[str] = Field(
         None, min_length=1,
         description="A tcp endpoint's CURVE key file, which the daemon makes (owner-only) at its first start and "
-                    "a client must read to attach; resolved like nvme_path; null = tcp-PORT.key in the runtime "
+                    "a client must read to attach, and beside it PATH.monitor, whose readers may ask status, "
+                    "history and check only; resolved like nvme_path; null = tcp-PORT.key in the runtime "
                     "folder. Ignored for an ipc endpoint.")
     lease_timeout_s: float = Field(10.0, gt=0, le=3600, description="A client whose lease lapses this long is dead.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Clients renew their lease this often.")

@@ -188,6 +188,9 @@ _OPS = {op.value: op for op in Op}  # (a dict lookup: Op(name) is an enum call, 
 
 # Ops that need an attached client (the header's "client"); the rest do not.
 NEEDS_CLIENT = frozenset(Op) - {Op.PING, Op.ATTACH, Op.STATS, Op.CHECK, Op.HISTORY}
+# What a tcp client holding only the monitoring key (dflash2/tcpkeys.py) may call: the daemon answers
+# it nothing else (AccessDenied), as it must not attach, take memory or publish blocks.
+READ_ONLY = frozenset({Op.PING, Op.STATS, Op.CHECK, Op.HISTORY})
 # Calls that give their client something it must give back (blocks, a reservation, pins,
 # references). A client that timed out on one never learned what it got, so it sends `forget`
 # and the daemon gives it back; the other calls leave nothing held that the client does not know of.

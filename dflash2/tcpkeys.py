@@ -11,18 +11,25 @@ The file (`daemon.tcp_key_file`; default `tcp-PORT.key` in the node's runtime fo
 endpoint's lock file) holds four Z85 keys, one `name = value` line each. The daemon makes it at its
 first start, owner-only (mode 0600), and keeps it across restarts, so clients that read it once
 keep working. A client that attaches maps the daemon's shared memory, which is owner-only too: so
-serving processes run as the daemon's user; a group given read access to the file (chmod 0640,
-chgrp, and a `daemon.tcp_key_file` that group's processes can reach) can ask `dflash2 status` and
-`history`; the client library will not attach for it, but the daemon cannot tell its messages from a
-serving process's (docs/known-gaps.md, "Whoever reads a tcp key file can attach").
-Invariants, checked wherever the file is read: a regular file (a link is not followed), holding the
-four keys and nothing else; the daemon also refuses one that other users may read (mode o+r), or
-that it does not own.
+serving processes run as the daemon's user.
+
+Beside it the daemon makes a monitoring key file (`monitor_path`: the key file's name with
+`.monitor` after it), owner-only too, holding the server's public key and a second client key pair.
+A client holding only that one is let in to ask `ping`, `stats`, `history` and `check`, and nothing
+else (the daemon reads the ZAP handler's User-Id off each message: daemon/server.py); so a monitoring
+group is given that file (chgrp GROUP, chmod 0640), never the key file itself, whose readers can
+attach, take HBM and publish blocks under any prompt's keys. A client reads the key file when it
+can, else the monitoring one (said in its log). When the key file is made again (removed, to change
+the keys), the monitoring file is made again too, its mode and group kept.
+Invariants, checked wherever a file is read: a regular file (a link is not followed), holding its
+keys and nothing else; the daemon also refuses one that other users may read (mode o+r) or its
+group write, or that it does not own, and warns of a key file its group may read.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -30,10 +37,16 @@ from pathlib import Path
 
 from dflash2.errors import DFlash2Error
 
+log = logging.getLogger("dflash2.tcpkeys")
+
 NAMES = ("server_public", "server_secret", "client_public", "client_secret")
+MONITOR_NAMES = ("server_public", "client_public", "client_secret")  # (a monitoring key file's)
 Z85_KEY_CHARS = 40  # a 32-byte CURVE key in Z85
 HEADER = ("# dflash2 tcp endpoint keys (ZeroMQ CURVE): whoever can read this file can attach to the daemon.\n"
-          "# Made by dflash2d; kept across restarts. Do not edit.\n")
+          "# Made by dflash2d; kept across restarts. Do not edit. Monitoring users get the .monitor file.\n")
+MONITOR_HEADER = ("# dflash2 tcp endpoint monitoring key (ZeroMQ CURVE): whoever can read this file can ask the daemon's\n"
+                  "# status, history and invariant check, and nothing else. Made by dflash2d. Do not edit. To give it\n"
+                  "# to a group: chgrp GROUP FILE; chmod 0640 FILE (mode and group are kept when it is made again).\n")
 
 
 class KeyFileError(DFlash2Error):
@@ -48,6 +61,7 @@ class TcpKeys:
     server_secret: bytes
     client_public: bytes
     client_secret: bytes
+    read_only = False  # (a client holding these may attach)
 
     @classmethod
     def fresh(cls) -> "TcpKeys":
@@ -61,26 +75,59 @@ class TcpKeys:
         return HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in NAMES)
 
 
-def parse(text: str, path: Path) -> TcpKeys:
-    """The keys a file's text holds; KeyFileError naming the file and the line that is wrong."""
+@dataclass(frozen=True)
+class MonitorKeys:
+    """A monitoring key file's keys: the server's public key and the monitoring client's pair."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+    read_only = True  # (the daemon answers a client holding these ping, stats, history and check only)
+
+    @classmethod
+    def fresh(cls, server_public: bytes) -> "MonitorKeys":
+        import zmq
+
+        return cls(server_public, *zmq.curve_keypair())
+
+    def text(self) -> str:
+        return MONITOR_HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in MONITOR_NAMES)
+
+
+@dataclass(frozen=True)
+class DaemonKeys:
+    """What the daemon's gate needs: its key file's keys and the monitoring client's public key."""
+
+    keys: TcpKeys
+    monitor_public: bytes
+
+
+def monitor_path(path: Path) -> Path:
+    """The monitoring key file beside the key file at `path`."""
+    return path.with_name(path.name + ".monitor")
+
+
+def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
+    """The keys a file's text holds (a key file's, or with MONITOR_NAMES a monitoring file's);
+    KeyFileError naming the file and the line that is wrong."""
     found: dict[str, bytes] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         name, sep, value = (part.strip() for part in line.partition("="))
-        if not sep or name not in NAMES:
-            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(NAMES)} = KEY, got {line[:60]!r}")
+        if not sep or name not in names:
+            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(names)} = KEY, got {line[:60]!r}")
         if name in found:
             raise KeyFileError(f"{path} line {number}: {name} is given twice")
         if len(value) != Z85_KEY_CHARS or not value.isascii():
             raise KeyFileError(f"{path} line {number}: {name} must be a {Z85_KEY_CHARS}-character Z85 key")
         found[name] = value.encode()
-    missing = [name for name in NAMES if name not in found]
+    missing = [name for name in names if name not in found]
     if missing:
         raise KeyFileError(f"{path} lacks {', '.join(missing)} (was it cut short? remove it and restart the "
                            "daemon to make a new one; clients then need the new file)")
-    return TcpKeys(**found)
+    return TcpKeys(**found) if names == NAMES else MonitorKeys(**found)
 
 
 def _read(path: Path) -> tuple[str, os.stat_result]:
@@ -105,71 +152,160 @@ def _read(path: Path) -> tuple[str, os.stat_result]:
         raise KeyFileError(f"{path} is not a dflash2 key file (not ASCII text)") from None
 
 
-def load(path: Path) -> TcpKeys:
-    """A client's read of the key file: KeyFileError says what is wrong and what to do."""
+def load(path: Path) -> TcpKeys | MonitorKeys:
+    """A client's keys: the key file's at `path`, else (when this process may not read it) those of
+    the monitoring file beside it, said in the log; a monitoring file's when `path` names one.
+    KeyFileError says what is wrong and what to do."""
+    if path.name.endswith(".monitor"):
+        return parse(_client_read(path, "monitoring key file"), path, MONITOR_NAMES)
     try:
-        text, _ = _read(path)
+        return parse(_client_read(path, "key file"), path)
+    except _Unreadable as e:
+        monitor = monitor_path(path)
+        try:
+            keys = parse(_client_read(monitor, "monitoring key file"), monitor, MONITOR_NAMES)
+        except KeyFileError as why:
+            raise KeyFileError(f"{e} (nor its monitoring key file: {why})") from None
+    log.info("cannot read the key file %s; read the monitoring key file %s instead: the daemon answers this "
+             "process's ping, stats, history and check only", path, monitor)
+    return keys
+
+
+class _Unreadable(KeyFileError):
+    """A client may not read a key file (permission denied): the monitoring file may do."""
+
+
+def _client_read(path: Path, what: str) -> str:
+    try:
+        return _read(path)[0]
     except FileNotFoundError:
-        raise KeyFileError(f"no key file at {path}: a tcp daemon makes it when it starts (is it running, with "
-                           "this daemon.tcp_key_file?); a client must be able to read it to attach") from None
+        raise KeyFileError(f"no {what} at {path}: a tcp daemon makes it when it starts (is it running, with "
+                           "this daemon.tcp_key_file?); a client must be able to read it to connect") from None
     except PermissionError:
-        raise KeyFileError(f"cannot read the key file {path} (permission denied): only processes that can read "
-                           "it may connect (serving processes run as the daemon's user, whose shared memory they "
-                           "map)") from None
+        raise _Unreadable(f"cannot read the {what} {path} (permission denied): only processes that can read "
+                          "it may connect (serving processes run as the daemon's user, whose shared memory they "
+                          "map; monitoring users read the monitoring key file beside it)") from None
     except OSError as e:
-        raise KeyFileError(f"cannot read the key file {path}: {e.strerror or e}") from None
-    return parse(text, path)
+        raise KeyFileError(f"cannot read the {what} {path}: {e.strerror or e}") from None
 
 
-def load_or_make(path: Path) -> tuple[TcpKeys, bool]:
+def load_or_make(path: Path) -> tuple[DaemonKeys, bool]:
     """The daemon's keys: those of the file at `path`, or fresh ones written there (owner-only) when
-    there is none. Returns (keys, whether the file was made now). KeyFileError as `read_own`."""
+    there is none; and the monitoring file's beside it, made (owner-only) when there is none, or again
+    when it holds another server key (the key file was made again), its mode and group kept.
+    Returns (keys, whether the key file was made now). KeyFileError as `read_own`."""
     keys = read_own(path)
-    return (keys, False) if keys is not None else (_make(path), True)
+    made = keys is None
+    if made:
+        keys = _make(path)
+    return DaemonKeys(keys, _own_monitor(path, keys).client_public), made
 
 
-def read_own(path: Path) -> TcpKeys | None:
-    """The keys of the daemon's file at `path`, None when there is none (start-up makes it; `--check`
-    asks this too, so that a file start-up would refuse is refused by both, naming the key).
-    KeyFileError when the file is not the daemon's own, other users may read it, or it is no key file."""
+def read_own(path: Path, names: tuple[str, ...] = NAMES):
+    """The keys of the daemon's file at `path` (with MONITOR_NAMES, a monitoring key file), None when
+    there is none (start-up makes it; `--check` asks this too, so that a file start-up would refuse is
+    refused by both, naming the key). KeyFileError when the file is not the daemon's own, other users
+    may read it or its group write it, or it holds no such keys."""
+    found = _own(path, names)
+    return None if found is None else found[0]
+
+
+def _own(path: Path, names: tuple[str, ...]):
+    """(keys, the file's status) as `read_own`."""
+    what = "key file" if names == NAMES else "monitoring key file"
     try:
         text, st = _read(path)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise KeyFileError(f"cannot read the key file {path}: {e.strerror or e}") from None
+        raise KeyFileError(f"cannot read the {what} {path}: {e.strerror or e}") from None
     if st.st_uid != os.geteuid():
-        raise KeyFileError(f"the key file {path} belongs to uid {st.st_uid}, not to the daemon's user "
+        raise KeyFileError(f"the {what} {path} belongs to uid {st.st_uid}, not to the daemon's user "
                            f"({os.geteuid()}): anyone who could write it could choose the keys; remove it")
     if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
-        raise KeyFileError(f"the key file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+        raise KeyFileError(f"the {what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
                            "whoever can read it can connect, so it may be readable by the owner and a group at "
                            f"most (chmod 0600 or 0640 {path})")
-    return parse(text, path)
+    return parse(text, path, names), st
+
+
+def group_warning(path: Path) -> str | None:
+    """What to say of a key file its group may read (that group's processes can attach: a monitoring
+    group needs the monitoring file only); None for one that is owner-only or not there."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not st.st_mode & stat.S_IRGRP:
+        return None
+    return (f"daemon.tcp_key_file: {path} is readable by its group (gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}): "
+            "that group's processes can attach, take HBM and publish blocks under any prompt's keys; monitoring "
+            f"users need only {monitor_path(path)} (chmod 0600 {path}; chgrp GROUP and chmod 0640 the monitoring file)")
+
+
+def _own_monitor(path: Path, keys: TcpKeys) -> MonitorKeys:
+    """The monitoring key file's keys for the daemon whose key file is at `path` (made as `load_or_make` says)."""
+    monitor = monitor_path(path)
+    found = _own(monitor, MONITOR_NAMES)
+    if found is not None and found[0].server_public == keys.server_public:
+        return found[0]
+    fresh = MonitorKeys.fresh(keys.server_public)
+    if found is None:
+        if _write(monitor, fresh.text(), replace=None):
+            log.info("made the monitoring key file %s (mode 0600): its readers may ask status, history and check, "
+                     "nothing else; give it to a monitoring group (chgrp GROUP; chmod 0640), never %s", monitor, path)
+            return fresh
+        return _own_monitor(path, keys)  # (made meanwhile: read as any other)
+    kept = _write(monitor, fresh.text(), replace=found[1])
+    log.warning("made the monitoring key file %s again: it held another server key than %s (that file was made "
+                "again); mode %o %s; its readers need the new file", monitor, path, stat.S_IMODE(found[1].st_mode), kept)
+    return fresh
 
 
 def _make(path: Path) -> TcpKeys:
-    """Write fresh keys to a new file at `path` (mode 0600), never over another: a second daemon
-    starting at the same moment keeps the first one's file (os.link refuses to replace)."""
+    """Fresh keys in a new file at `path` (mode 0600), never over another: a second daemon starting
+    at the same moment keeps the first one's file (os.link refuses to replace)."""
     keys = TcpKeys.fresh()
+    if _write(path, keys.text(), replace=None):
+        return keys
+    found = read_own(path)  # another daemon made it first
+    return found if found is not None else _make(path)
+
+
+def _write(path: Path, text: str, replace: os.stat_result | None):
+    """Write `text` to a file at `path` through a temporary file. With `replace` None: a new file
+    (mode 0600), False when one is there already (left as it is), else True. Else over the file
+    whose status `replace` is, keeping its mode and group: returns what it says of them."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    kept = "and group kept"
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, keys.text().encode())
+            os.write(fd, text.encode())
+            if replace is not None:
+                if replace.st_gid != os.fstat(fd).st_gid:
+                    try:
+                        os.fchown(fd, -1, replace.st_gid)
+                    except PermissionError:
+                        kept = f"kept, group {replace.st_gid} not (this user may not give it that group: chgrp it again)"
+                os.fchmod(fd, stat.S_IMODE(replace.st_mode))
             os.fsync(fd)
         finally:
             os.close(fd)
+        if replace is not None:
+            os.replace(temporary, path)
+            return kept
         try:
             os.link(temporary, path)
         except FileExistsError:
-            return load_or_make(path)[0]  # another daemon made it first
+            return False
     except OSError as e:
-        raise KeyFileError(f"cannot make the key file {path}: {e.strerror or e}") from None
+        raise KeyFileError(f"cannot make the {'key file' if path.suffix != '.monitor' else 'monitoring key file'} "
+                           f"{path}: {e.strerror or e}") from None
     finally:
         try:
             os.unlink(temporary)
         except OSError:
             pass
-    return keys
+    return True

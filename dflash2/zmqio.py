@@ -50,6 +50,29 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> li
     return parts
 
 
+def recv_frames_by(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> tuple[list[bytes], str]:
+    """`recv_frames` on a ROUTER socket, and the User-Id that the ZAP handler gave the connection the
+    message came by (on a CURVE socket, pyzmq's: the client's public key in Z85), read off the first
+    frame after the peer's routing id (libzmq gives every frame it received its connection's); "" when
+    it has none."""
+    recv = sock.recv
+    frame = recv(flags, copy=False)
+    parts = [frame.bytes]
+    user = ""
+    while frame.more:
+        frame = recv(flags, copy=False)
+        if len(parts) == 1:
+            try:
+                user = frame.get("User-Id") or ""
+            except zmq.ZMQError:  # (EINVAL: no such property)
+                pass
+        if most is None or len(parts) < most:
+            parts.append(frame.bytes)
+        elif len(parts) == most:
+            parts.append(b"")
+    return parts, user
+
+
 def descriptors_left() -> tuple[int, int] | None:
     """(descriptors this process may still open, its soft limit); None when it has no limit, or its
     open descriptors cannot be counted (no /proc). libzmq aborts the whole process when it finds no

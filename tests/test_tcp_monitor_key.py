@@ -1,0 +1,194 @@
+"""A tcp endpoint's monitoring key (dflash2/tcpkeys.py): the daemon makes a second, owner-only key
+file beside its key file, whose holders it answers ping, stats, history and check, and nothing else.
+Before, the README had a monitoring group read the key file itself, and the daemon could not tell
+such a process from a serving one: one that spoke the protocol attached, took HBM and published
+blocks under any prompt's keys (a review, as uid 65534 with the key file's group)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+from observe_helpers import running_daemon
+from test_other_user import OTHER, as_other_user
+from test_tcp_keys import free_port, tcp_daemon
+
+from dflash2 import protocol as P
+from dflash2.client import Client
+from dflash2.client.transport import Transport
+from dflash2.errors import AccessDenied
+from dflash2.layout import Layout
+from dflash2.tcpkeys import KeyFileError, MonitorKeys, load, load_or_make, monitor_path
+
+LAYOUT = Layout("t", 2, 2, 8, "fp16", 16)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "run"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(folder))
+    return folder
+
+
+def test_the_daemon_makes_an_owner_only_monitoring_key_file_beside_its_key_file(tmp_path):
+    path = tmp_path / "keys" / "k.key"
+    keys, made = load_or_make(path)
+    monitor = monitor_path(path)
+    assert made and monitor == tmp_path / "keys" / "k.key.monitor"
+    assert stat.S_IMODE(monitor.stat().st_mode) == 0o600
+    read = load(monitor)  # (a client given the monitoring file by name)
+    assert isinstance(read, MonitorKeys) and read.read_only
+    assert read.server_public == keys.keys.server_public and read.client_public == keys.monitor_public
+    assert read.client_public != keys.keys.client_public
+    assert "server_secret" not in monitor.read_text()
+    again, made = load_or_make(path)  # a restart keeps both
+    assert not made and again == keys
+
+
+def test_a_key_file_made_again_makes_the_monitoring_file_again_keeping_its_mode_and_group(tmp_path, caplog):
+    path = tmp_path / "k.key"
+    first, _ = load_or_make(path)
+    monitor = monitor_path(path)
+    monitor.chmod(0o640)
+    if os.geteuid() == 0:
+        os.chown(monitor, -1, OTHER)
+    gid = monitor.stat().st_gid
+    path.unlink()  # (how a user changes the keys)
+    with caplog.at_level(logging.WARNING, logger="dflash2.tcpkeys"):
+        second, made = load_or_make(path)
+    assert made and second.keys.server_public != first.keys.server_public
+    read = load(monitor)
+    assert read.server_public == second.keys.server_public and read.client_public == second.monitor_public
+    assert stat.S_IMODE(monitor.stat().st_mode) == 0o640 and monitor.stat().st_gid == gid
+    assert any(f"made the monitoring key file {monitor} again" in r.getMessage() and "mode 640 and group kept"
+               in r.getMessage() for r in caplog.records), caplog.text
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o660, 0o602])
+def test_a_monitoring_file_open_to_other_users_is_refused(tmp_path, mode):
+    path = tmp_path / "k.key"
+    load_or_make(path)
+    monitor_path(path).chmod(mode)
+    with pytest.raises(KeyFileError, match=f"the monitoring key file {monitor_path(path)} is open to other users "
+                                           f"\\(mode {mode:o}\\)"):
+        load_or_make(path)
+
+
+def test_a_malformed_monitoring_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "k.key"
+    keys, _ = load_or_make(path)
+    monitor_path(path).write_text(keys.keys.text())  # (the key file's text: a server secret in it)
+    with pytest.raises(KeyFileError, match="k.key.monitor line 4: expected one of server_public, client_public, "
+                                           "client_secret"):
+        load_or_make(path)
+
+
+def _refusals(endpoint: str, monitor: Path, client: int, token: str) -> dict[str, str]:
+    """Each call but the read-only ones, sent over the monitoring key as the attached `client` (its
+    id and token, as if learned): the error type of each reply."""
+    transport = Transport(endpoint, 10.0, key_file=monitor)
+    transport.token = token
+    answers = {}
+    try:
+        for op in sorted(set(P.Op) - P.READ_ONLY, key=lambda o: o.value):
+            try:
+                transport.call(op, client, {"name": "m", "pid": os.getpid(), "layouts": []})
+                answers[op.value] = "ran"
+            except AccessDenied as e:
+                answers[op.value] = "AccessDenied" if "monitoring key" in str(e) else str(e)
+            except Exception as e:
+                answers[op.value] = f"{type(e).__name__}: {e}"
+    finally:
+        transport.close()
+    return answers
+
+
+def test_the_monitoring_key_asks_status_history_and_check_and_nothing_else(tmp_path, runtime):
+    with tcp_daemon(tmp_path, runtime) as (config, port):
+        endpoint = f"tcp://127.0.0.1:{port}"
+        monitor = runtime / "dflash2" / f"tcp-{port}.key.monitor"
+        transport = Transport(endpoint, 10.0, key_file=monitor)
+        try:
+            assert transport.read_only
+            assert transport.call(P.Op.PING).ok
+            assert "tiers" in transport.call(P.Op.STATS).result
+            assert transport.call(P.Op.HISTORY, None, {}).ok
+            assert transport.call(P.Op.CHECK).ok
+        finally:
+            transport.close()
+        with Client.connect(config=config, name="engine", layouts=[LAYOUT]) as engine:
+            engine.allocate(engine.layouts[0], 2)
+            answers = _refusals(endpoint, monitor, engine.client_id, engine._token)
+            stats = engine.stats()
+            assert engine.allocate(engine.layouts[0], 1) is not None  # the engine's session is untouched
+        assert answers == {op.value: "AccessDenied" for op in set(P.Op) - P.READ_ONLY}, answers
+        assert [c["name"] for c in stats["clients"]] == ["engine"] and stats["daemon"]["errors"] >= len(answers)
+        # The client library says so before it asks: a process that reads only the monitoring file
+        # never attaches.
+        with pytest.raises(AccessDenied, match="only the monitoring key file beside it"):
+            Client(endpoint, "m", [LAYOUT], 5.0, False, key_file=monitor)
+
+
+@pytest.fixture
+def base():
+    d = Path(tempfile.mkdtemp(prefix="dmk-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_root
+def test_a_monitoring_user_reads_the_monitoring_file_and_gets_status_but_cannot_attach(base, capsys, caplog):
+    """As the README has it: the key file owner-only, the monitoring file given to the monitoring
+    user's group (here root's group, which the other user's process keeps with seteuid)."""
+    from dflash2 import status as status_mod
+    import argparse
+
+    keys = base / "keys"
+    keys.mkdir(mode=0o755)
+    key_file = keys / "node.key"
+    cfg = write_config(base, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}", "state_dir": str(base / "state"),
+                                     "tcp_key_file": str(key_file)})
+    os.chmod(cfg, 0o644)
+    ns = argparse.Namespace(endpoint=None, config=cfg, json=True, timeout=5.0)
+    with running_daemon(cfg, str(base / "d.log")):
+        monitor = monitor_path(key_file)
+        with as_other_user():
+            with pytest.raises(KeyFileError, match="nor its monitoring key file"):
+                load(key_file)  # both owner-only: neither can be read
+        os.chmod(monitor, 0o640)  # (its group: root's)
+        with as_other_user(), caplog.at_level(logging.INFO, logger="dflash2.tcpkeys"):
+            assert isinstance(load(key_file), MonitorKeys)
+            rc = status_mod.handler(ns)
+            with pytest.raises(AccessDenied, match="only the monitoring key file"):
+                Client.connect(config=cfg, name="other", layouts=[LAYOUT])
+        assert rc == 0, capsys.readouterr().err
+        assert f"read the monitoring key file {monitor} instead" in caplog.text
+
+
+def test_check_warns_of_a_key_file_its_group_may_read_and_refuses_an_open_monitoring_file(tmp_path):
+    key_file = tmp_path / "keys" / "k.key"
+    load_or_make(key_file)
+    key_file.chmod(0o640)
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}", "state_dir": str(tmp_path / "s"),
+                                            "tcp_key_file": str(key_file)})
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    check = [sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check"]
+    out = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"{key_file} is readable by its group" in out.stderr and f"need only {key_file}.monitor" in out.stderr
+    key_file.chmod(0o600)
+    monitor_path(key_file).chmod(0o604)
+    out = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    assert f"daemon.tcp_key_file: the monitoring key file {key_file}.monitor is open to other users" in out.stderr
