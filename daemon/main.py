@@ -260,7 +260,9 @@ def _nvme_file_now(path: Path) -> tuple[str | None, int]:
             try:  # the lock a running daemon holds on its file (taken and let go at once here)
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return f"{path} is in use by another process (a daemon serving from it): {fail}", 0
+                from dflash2.files import holders_text
+                return (f"{path} is in use by another process, a daemon serving from it{holders_text(f.fileno())}: "
+                        f"{fail}"), 0
         held = path.stat().st_blocks * 512  # reused by the tier
     else:
         existing = _nearest_existing(path.parent)

@@ -1,7 +1,8 @@
 """Whether a path still names a file held open: the check of the lock-file protocol (open by path,
 lock, then see that the path was not removed or replaced meanwhile), which the endpoint's lock file
-(daemon/endpoint.py) and the NVMe cache files (arena/nvmefiles.py) both need; and how a file of
-another user is named in errors (its owner and mode)."""
+(daemon/endpoint.py) and the NVMe cache files (arena/nvmefiles.py) both need; how a file of
+another user is named in errors (its owner and mode), and the processes that hold a lock on a file
+(`holders_text`: "in use by another process" named none)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,37 @@ def user_name(uid: int) -> str:
 def owner_text(st: os.stat_result) -> str:
     """`uid N (NAME), mode 644`: whose a file is, for an error that refuses another user's file."""
     return f"uid {st.st_uid}{user_name(st.st_uid)}, mode {st.st_mode & 0o7777:o}"
+
+
+def lock_holders(fd: int) -> list[int]:
+    """The pids that /proc/locks says hold a lock on the file open at `fd` (none where it cannot be
+    read, or where the file's device is numbered otherwise there, as on overlayfs; a holder of
+    another pid namespace is shown by its pid in this one, if it has one)."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # (a lock waited for, listed under its holder's)
+            continue
+        if len(fields) >= 6 and fields[5] == where and fields[4].isdigit() and int(fields[4]) > 0:
+            pids.append(int(fields[4]))
+    return sorted(set(pids))
+
+
+def holders_text(fd: int) -> str:
+    """` (pid N: COMMAND LINE)` for each process holding a lock on the file open at `fd`, or ""."""
+    named = []
+    for pid in lock_holders(fd):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = ""
+        named.append(f"pid {pid}" + (f": {command[:120]}" if command else ""))
+    return f" ({'; '.join(named)})" if named else ""

@@ -116,7 +116,7 @@ def test_a_lock_held_for_good_is_still_in_use(tmp_path, monkeypatch):
     held = NvmeArena(path, 4 * MB, staging_bytes=1 * MB)
     try:
         t0 = time.monotonic()
-        with pytest.raises(ArenaError, match="in use by another process"):
+        with pytest.raises(ArenaError, match=f"in use by another process \\(pid {os.getpid()}: "):
             NvmeArena(path, 4 * MB, staging_bytes=1 * MB)
         assert time.monotonic() - t0 >= nvmefiles.LOCK_WAIT_S
     finally:

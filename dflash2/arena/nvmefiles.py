@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
 from dflash2.errors import ArenaError
-from dflash2.files import owner_text, same_file
+from dflash2.files import holders_text, owner_text, same_file
 
 log = logging.getLogger("dflash2.arena")
 
@@ -124,7 +124,7 @@ def lock_cache_file(fd: int, path: str) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise ArenaError(f"NVMe tier file {path} is in use by another process") from None
+                raise ArenaError(f"NVMe tier file {path} is in use by another process{holders_text(fd)}") from None
             time.sleep(0.01)
 
 
