@@ -196,9 +196,9 @@ class Client:
                 args["device"] = self.gpu
         if self._transport.read_only:
             self._transport.close()
-            raise AccessDenied(f"cannot attach to the tcp endpoint {self.endpoint}: this process may not read the "
-                               f"key file {self.key_file}, only the monitoring key file beside it, whose holders "
-                               "may ask status, history and check (serving processes run as the daemon's user)")
+            raise AccessDenied(f"cannot attach to the tcp endpoint {self.endpoint}: this process holds only the "
+                               f"monitoring key file {self.key_file}, whose holders may ask status, history and "
+                               "check; serving processes read the key file itself (they run as the daemon's user)")
         reply = self._call(Op.ATTACH, args)
         r = reply.result
         self.client_id = int(r["client"])

@@ -183,8 +183,10 @@ class Transport:
                     "else /tmp/dflash2-$UID), which must be the daemon's: else name the daemon's file in daemon.tcp_key_file")
                 raise AccessDenied(f"cannot attach to the tcp endpoint {endpoint}: {e}{where}") from None
         # Keys of the monitoring key file (this process may not read the key file): the daemon answers
-        # it ping, stats, history and check only (tcpkeys.py).
+        # it ping, stats, history and check only (tcpkeys.py). Its errors name that file.
         self.read_only = self._keys is not None and self._keys.read_only
+        if self.read_only:
+            self.key_file = self._keys.path
         self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
@@ -255,7 +257,9 @@ class Transport:
             except zmq.Again:
                 return
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = "refused this client's key: the key file's client key is not the daemon's"
+                why = (f"refused this client's key: the {'monitoring ' if self.read_only else ''}key file's client "
+                       "key is not the daemon's" + (" (made again since: its readers need the new file)"
+                                                     if self.read_only else ""))
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 why = "does not speak CURVE (a dflash2d before tcp keys, or not a dflash2d)"
             else:
@@ -266,7 +270,8 @@ class Transport:
                            "(a dflash2d before tcp keys, or not a dflash2d)")
         self._close_socket(self._sock)
         self._sock = None
-        raise AccessDenied(f"dflash2d at {self.endpoint} {why} (key file {self.key_file})") from None
+        raise AccessDenied(f"dflash2d at {self.endpoint} {why} ({'monitoring ' if self.read_only else ''}key file "
+                           f"{self.key_file})") from None
 
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be

@@ -1,7 +1,12 @@
 """The gate of a tcp endpoint: the request socket speaks CURVE as a server, and a ZAP handler (pyzmq's
 authenticator, on a thread of its own) lets in only a client whose key is the key file's client key
-or the monitoring key file's (dflash2/tcpkeys.py); the server answers the second only its read-only
-calls (`engine_user`). A refused connection never reaches the request loop.
+or the monitoring key file's (dflash2/tcpkeys.py). A refused connection never reaches the request loop.
+
+The gate reads the key each request came with (`recv`): one of any key but the key file's (the
+monitoring key's) is answered only the calls of protocol.READ_ONLY (`refusal`), and those within
+MONITOR_SHARE of the loop's time (`charge`): a monitoring user calling `check` (a walk of the whole
+table) or `history` (hours of samples) back to back would otherwise take the loop from the serving
+processes.
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
 the log); those counted since the last line are logged once the minute has passed, even if no
@@ -24,14 +29,25 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dflash2 import protocol as P
 from dflash2 import threads
+from dflash2.errors import AccessDenied, DFlash2Error, Throttled
 from dflash2.tcpkeys import DaemonKeys
-from dflash2.zmqio import HANDSHAKE_FAILED
+from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames_by
 
 log = logging.getLogger("dflash2.daemon")
 
 REFUSALS_LOGGED_EVERY_S = 60.0
 HANDSHAKE_S = 2.0
+# Calls over the monitoring key take at most this share of the loop's time, after a burst of
+# MONITOR_BURST_S: past it they are refused (Throttled, saying when to try again) until paid back.
+MONITOR_SHARE = 0.05
+MONITOR_BURST_S = 0.25
+
+
+class ReadOnlyFrames(list):
+    """A request's frames from a tcp connection of another key than the key file's (the monitoring
+    key's), which is answered only the calls of protocol.READ_ONLY."""
 
 
 class KeyGate:
@@ -44,6 +60,8 @@ class KeyGate:
         # public key in Z85), which each of its messages carries: the server answers every other
         # (the monitoring key's, or none) its read-only calls only.
         self.engine_user = keys.keys.client_public.decode()
+        self._monitor_owed_s = 0.0  # loop time the monitoring calls took beyond their share ...
+        self._monitor_at = time.monotonic()  # ... as of then
         self.key_file = key_file
         self._unlogged = 0
         self._last_why = ""
@@ -68,6 +86,42 @@ class KeyGate:
         self._sock = sock
         self._watcher = threads.start(threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate",
                                                        daemon=True))
+
+    def recv(self, sock: zmq.Socket, flags: int, most: int) -> list[bytes]:
+        """The next request's frames (as zmqio.recv_frames): ReadOnlyFrames for a connection of any
+        key but the key file's client key (fail closed: one with no key read is read-only too)."""
+        frames, user = recv_frames_by(sock, flags, most)
+        return frames if user == self.engine_user else ReadOnlyFrames(frames)
+
+    def refusal(self, frames: ReadOnlyFrames) -> list[bytes] | None:
+        """The error reply to a monitoring-key call it may not make, or not now; None for one it may
+        (or that does not decode: the service's reply says why, and runs nothing)."""
+        try:
+            op = P.decode_request(frames[1:]).op
+        except DFlash2Error:
+            return None
+        call_id = P.peek_call_id(frames[1:])
+        if op not in P.READ_ONLY:
+            return P.encode_reply(P.error_reply(call_id, AccessDenied(
+                f"{op.value}: this connection holds the tcp endpoint's monitoring key (the key file's .monitor), "
+                f"which may call {', '.join(sorted(o.value for o in P.READ_ONLY))} only; a serving process needs "
+                f"the key file itself ({self.key_file})")))
+        owed = self._owed()
+        if owed <= MONITOR_BURST_S:
+            return None
+        return P.encode_reply(P.error_reply(call_id, Throttled(
+            f"{op.value}: calls over the tcp endpoint's monitoring key took more than {MONITOR_SHARE:.0%} of the "
+            f"daemon's loop lately; try again in {(owed - MONITOR_BURST_S) / MONITOR_SHARE:.1f} s")))
+
+    def charge(self, seconds: float) -> None:
+        """A monitoring-key call took `seconds` of the loop."""
+        self._monitor_owed_s = self._owed() + seconds
+
+    def _owed(self) -> float:
+        now = time.monotonic()
+        self._monitor_owed_s = max(0.0, self._monitor_owed_s - (now - self._monitor_at) * MONITOR_SHARE)
+        self._monitor_at = now
+        return self._monitor_owed_s
 
     def _watch(self, monitor: zmq.Socket) -> None:
         try:

@@ -28,16 +28,16 @@ import time
 import zmq
 
 from dflash2 import protocol as P
-from dflash2.daemon.keygate import KeyGate
+from dflash2.daemon.keygate import KeyGate, ReadOnlyFrames
 from dflash2.daemon.observe import SAMPLE_INTERVAL_S, Observers
 from dflash2.daemon.parking import Parked, ParkedCalls
 from dflash2.daemon.service import Service
 from dflash2.daemon.stalls import StallWatch
-from dflash2.errors import AccessDenied, DaemonUnavailable, DFlash2Error
+from dflash2.errors import DaemonUnavailable
 from dflash2.rebalance import Rebalancing
 from dflash2.tcpkeys import DaemonKeys
 from dflash2.transfer.doorbell import COMPLETIONS
-from dflash2.zmqio import NOBLOCK, recv_frames, recv_frames_by, send_frames
+from dflash2.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -99,11 +99,6 @@ DUEL_STARVED_S = 1.0
 DUEL_SAVED_S = 0.01
 
 
-class ReadOnlyFrames(list):
-    """A request's frames from a tcp connection of another key than the key file's (the monitoring
-    key's: dflash2/tcpkeys.py), which is answered only the calls of protocol.READ_ONLY."""
-
-
 class Server:
     def __init__(self, service: Service, endpoint: str, tick_interval_s: float, observers: Observers | None = None,
                  keys: DaemonKeys | None = None, key_file: str | None = None):
@@ -141,7 +136,6 @@ class Server:
         self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
         self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
-        self._engine_user = None if self._gate is None else self._gate.engine_user
         try:
             if self._gate is not None:
                 self._gate.secure(self._sock)
@@ -439,38 +433,27 @@ class Server:
             self._dropped, self._dropped_logged_at = 0, now
 
     def _recv(self, flags: int = 0) -> list[bytes]:
-        """The next request's frames (zmq.Again as recv_frames): on a tcp endpoint, ReadOnlyFrames
-        for a connection of any key but the key file's client key."""
-        if self._engine_user is None:
+        """The next request's frames (zmq.Again as recv_frames): on a tcp endpoint, the gate's, which
+        marks those of the monitoring key (ReadOnlyFrames)."""
+        if self._gate is None:
             return recv_frames(self._sock, flags, MOST_FRAMES)
-        frames, user = recv_frames_by(self._sock, flags, MOST_FRAMES)
-        return frames if user == self._engine_user else ReadOnlyFrames(frames)
-
-    def _refused(self, frames: ReadOnlyFrames) -> list[bytes] | None:
-        """The reply refusing a call that the monitoring key may not make; None for one it may (or
-        that does not decode: the service's reply says why, and runs nothing)."""
-        try:
-            op = P.decode_request(frames[1:]).op
-        except DFlash2Error:
-            return None
-        if op in P.READ_ONLY:
-            return None
-        self.service.counters["errors"] += 1
-        return P.encode_reply(P.error_reply(P.peek_call_id(frames[1:]), AccessDenied(
-            f"{op.value}: this connection holds the tcp endpoint's monitoring key (the key file's .monitor), which "
-            f"may call {', '.join(sorted(o.value for o in P.READ_ONLY))} only; a serving process needs the key "
-            f"file itself ({self._gate.key_file})")))
+        return self._gate.recv(self._sock, flags, MOST_FRAMES)
 
     def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
         """Handle one request and send its reply; False when the call was parked instead (no reply
         yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
-        if type(frames) is ReadOnlyFrames and (refusal := self._refused(frames)) is not None:
+        read_only = type(frames) is ReadOnlyFrames
+        if read_only and (refusal := self._gate.refusal(frames)) is not None:
             self.service.counters["requests"] += 1
+            self.service.counters["errors"] += 1
             self._send_reply(frames, refusal)
             return True
         self._credit_stall()  # before the call: it may take a reservation the stall would have expired
         settled = self._settled_s()
+        began = time.perf_counter()
         reply = self.service.handle_frames(frames[1:], again)
+        if read_only:
+            self._gate.charge(time.perf_counter() - began)
         if isinstance(reply, Parked):
             self._parked.append((frames, reply))
             return False

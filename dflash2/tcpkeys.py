@@ -31,8 +31,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import stat
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
@@ -82,6 +84,7 @@ class MonitorKeys:
     server_public: bytes
     client_public: bytes
     client_secret: bytes
+    path: Path | None = field(default=None, compare=False)  # the file they were read from (a client's)
     read_only = True  # (the daemon answers a client holding these ping, stats, history and check only)
 
     @classmethod
@@ -130,14 +133,14 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
     return TcpKeys(**found) if names == NAMES else MonitorKeys(**found)
 
 
-def _read(path: Path) -> tuple[str, os.stat_result]:
+def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
     """The file's text and status, opened without following a link (a link planted at a shared
     folder's path would hand clients someone else's keys)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:  # (O_NOFOLLOW on a symbolic link)
-            raise KeyFileError(f"{path} is a symbolic link; the key file must be a regular file") from None
+            raise KeyFileError(f"{path} is a symbolic link; the {what} must be a regular file") from None
         raise
     try:
         st = os.fstat(fd)
@@ -157,13 +160,13 @@ def load(path: Path) -> TcpKeys | MonitorKeys:
     the monitoring file beside it, said in the log; a monitoring file's when `path` names one.
     KeyFileError says what is wrong and what to do."""
     if path.name.endswith(".monitor"):
-        return parse(_client_read(path, "monitoring key file"), path, MONITOR_NAMES)
+        return dataclasses.replace(parse(_client_read(path, "monitoring key file"), path, MONITOR_NAMES), path=path)
     try:
         return parse(_client_read(path, "key file"), path)
     except _Unreadable as e:
         monitor = monitor_path(path)
         try:
-            keys = parse(_client_read(monitor, "monitoring key file"), monitor, MONITOR_NAMES)
+            keys = dataclasses.replace(parse(_client_read(monitor, "monitoring key file"), monitor, MONITOR_NAMES), path=monitor)
         except KeyFileError as why:
             raise KeyFileError(f"{e} (nor its monitoring key file: {why})") from None
     log.info("cannot read the key file %s; read the monitoring key file %s instead: the daemon answers this "
@@ -177,7 +180,7 @@ class _Unreadable(KeyFileError):
 
 def _client_read(path: Path, what: str) -> str:
     try:
-        return _read(path)[0]
+        return _read(path, what)[0]
     except FileNotFoundError:
         raise KeyFileError(f"no {what} at {path}: a tcp daemon makes it when it starts (is it running, with "
                            "this daemon.tcp_key_file?); a client must be able to read it to connect") from None
@@ -206,6 +209,10 @@ def read_own(path: Path, names: tuple[str, ...] = NAMES):
     there is none (start-up makes it; `--check` asks this too, so that a file start-up would refuse is
     refused by both, naming the key). KeyFileError when the file is not the daemon's own, other users
     may read it or its group write it, or it holds no such keys."""
+    if names == NAMES and path.name.endswith(".monitor"):
+        raise KeyFileError(f"{path}: a name ending in .monitor is read by clients as a monitoring key file, so "
+                           "none could attach; give the key file another name (its monitoring file is its name "
+                           "with .monitor after it)")
     found = _own(path, names)
     return None if found is None else found[0]
 
@@ -214,7 +221,7 @@ def _own(path: Path, names: tuple[str, ...]):
     """(keys, the file's status) as `read_own`."""
     what = "key file" if names == NAMES else "monitoring key file"
     try:
-        text, st = _read(path)
+        text, st = _read(path, what)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -247,7 +254,8 @@ def _own_monitor(path: Path, keys: TcpKeys) -> MonitorKeys:
     """The monitoring key file's keys for the daemon whose key file is at `path` (made as `load_or_make` says)."""
     monitor = monitor_path(path)
     found = _own(monitor, MONITOR_NAMES)
-    if found is not None and found[0].server_public == keys.server_public:
+    if found is not None and found[0].server_public == keys.server_public \
+            and found[0].client_public != keys.client_public:
         return found[0]
     fresh = MonitorKeys.fresh(keys.server_public)
     if found is None:
@@ -257,8 +265,10 @@ def _own_monitor(path: Path, keys: TcpKeys) -> MonitorKeys:
             return fresh
         return _own_monitor(path, keys)  # (made meanwhile: read as any other)
     kept = _write(monitor, fresh.text(), replace=found[1])
-    log.warning("made the monitoring key file %s again: it held another server key than %s (that file was made "
-                "again); mode %o %s; its readers need the new file", monitor, path, stat.S_IMODE(found[1].st_mode), kept)
+    why = ("another server key than %s (that file was made again)" if found[0].server_public != keys.server_public
+           else "the client key of %s, whose holders may attach")
+    log.warning("made the monitoring key file %s again: it held " + why + "; mode %o %s; its readers need the new "
+                "file", monitor, path, stat.S_IMODE(found[1].st_mode), kept)
     return fresh
 
 
@@ -276,11 +286,19 @@ def _write(path: Path, text: str, replace: os.stat_result | None):
     """Write `text` to a file at `path` through a temporary file. With `replace` None: a new file
     (mode 0600), False when one is there already (left as it is), else True. Else over the file
     whose status `replace` is, keeping its mode and group: returns what it says of them."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     kept = "and group kept"
+    temporary = None
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # A name of its own (one named by the pid alone, left by a daemon killed meanwhile, was the
+        # next start's in a container, where the daemon is always pid 1: every start failed).
+        while temporary is None:
+            name = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            temporary = name
         try:
             os.write(fd, text.encode())
             if replace is not None:
@@ -304,8 +322,9 @@ def _write(path: Path, text: str, replace: os.stat_result | None):
         raise KeyFileError(f"cannot make the {'key file' if path.suffix != '.monitor' else 'monitoring key file'} "
                            f"{path}: {e.strerror or e}") from None
     finally:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
     return True

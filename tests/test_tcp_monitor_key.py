@@ -32,6 +32,12 @@ LAYOUT = Layout("t", 2, 2, 8, "fp16", 16)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
 
+def cfg_endpoint(cfg: str) -> str:
+    from dflash2.config import load_config
+
+    return load_config(cfg).client_endpoint()
+
+
 @pytest.fixture
 def runtime(tmp_path, monkeypatch) -> Path:
     folder = tmp_path / "run"
@@ -135,7 +141,7 @@ def test_the_monitoring_key_asks_status_history_and_check_and_nothing_else(tmp_p
         assert [c["name"] for c in stats["clients"]] == ["engine"] and stats["daemon"]["errors"] >= len(answers)
         # The client library says so before it asks: a process that reads only the monitoring file
         # never attaches.
-        with pytest.raises(AccessDenied, match="only the monitoring key file beside it"):
+        with pytest.raises(AccessDenied, match=f"holds only the monitoring key file {monitor}, whose holders may ask"):
             Client(endpoint, "m", [LAYOUT], 5.0, False, key_file=monitor)
 
 
@@ -169,8 +175,11 @@ def test_a_monitoring_user_reads_the_monitoring_file_and_gets_status_but_cannot_
         os.chmod(monitor, 0o640)  # (its group: root's)
         with as_other_user(), caplog.at_level(logging.INFO, logger="dflash2.tcpkeys"):
             assert isinstance(load(key_file), MonitorKeys)
+            transport = Transport(cfg_endpoint(cfg), 5.0, key_file=key_file)
+            transport.close()
+            assert transport.read_only and transport.key_file == monitor  # (its errors name the file it read)
             rc = status_mod.handler(ns)
-            with pytest.raises(AccessDenied, match="only the monitoring key file"):
+            with pytest.raises(AccessDenied, match=f"holds only the monitoring key file {monitor}"):
                 Client.connect(config=cfg, name="other", layouts=[LAYOUT])
         assert rc == 0, capsys.readouterr().err
         assert f"read the monitoring key file {monitor} instead" in caplog.text
@@ -192,3 +201,85 @@ def test_check_warns_of_a_key_file_its_group_may_read_and_refuses_an_open_monito
     out = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2, out.stderr
     assert f"daemon.tcp_key_file: the monitoring key file {key_file}.monitor is open to other users" in out.stderr
+
+
+def test_a_key_file_named_like_a_monitoring_file_is_refused(tmp_path):
+    """Clients read a `*.monitor` file as a monitoring key file: a daemon that took one for its key
+    file started, and no engine could ever attach (a review)."""
+    key_file = tmp_path / "node.monitor"
+    with pytest.raises(KeyFileError, match="a name ending in .monitor is read by clients as a monitoring key file"):
+        load_or_make(key_file)
+    assert not key_file.exists()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}", "state_dir": str(tmp_path / "s"),
+                                            "tcp_key_file": str(key_file)})
+    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert out.returncode == 2 and "daemon.tcp_key_file" in out.stderr and "ending in .monitor" in out.stderr, out.stderr
+
+
+def test_a_monitoring_file_holding_the_key_files_own_client_key_is_made_again(tmp_path, caplog):
+    """One written from the key file without its server secret was taken: its readers attached (a review)."""
+    path = tmp_path / "k.key"
+    keys, _ = load_or_make(path)
+    engine = keys.keys
+    monitor_path(path).write_text(MonitorKeys(engine.server_public, engine.client_public, engine.client_secret).text())
+    with caplog.at_level(logging.WARNING, logger="dflash2.tcpkeys"):
+        again, made = load_or_make(path)
+    assert not made and again.monitor_public != engine.client_public
+    assert load(monitor_path(path)).client_public == again.monitor_public
+    assert f"it held the client key of {path}, whose holders may attach" in caplog.text
+
+
+def test_files_at_temporary_names_of_an_earlier_start_are_left_alone(tmp_path):
+    """A temporary file named by the pid alone, left by a daemon killed meanwhile (in a container the
+    daemon is always pid 1), failed every next start naming the wrong file, and was removed (a review)."""
+    path = tmp_path / "k.key"
+    planted = [tmp_path / f".k.key.{os.getpid()}.tmp", tmp_path / f".k.key.monitor.{os.getpid()}.tmp"]
+    planted[0].write_text("left by a killed daemon\n")
+    planted[1].mkdir()
+    keys, made = load_or_make(path)
+    assert made and load(monitor_path(path)).client_public == keys.monitor_public
+    assert planted[0].read_text() == "left by a killed daemon\n" and planted[1].is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["k.key", "k.key.monitor", *(p.name for p in planted)])
+
+
+def test_a_refused_monitoring_key_is_named_as_such(tmp_path, runtime):
+    with tcp_daemon(tmp_path, runtime) as (config, port):
+        monitor = runtime / "dflash2" / f"tcp-{port}.key.monitor"
+        revoked = tmp_path / "copy.monitor"
+        revoked.write_text(MonitorKeys.fresh(load(monitor).server_public).text())  # (another client pair)
+        transport = Transport(f"tcp://127.0.0.1:{port}", 5.0, key_file=revoked)
+        try:
+            assert transport.key_file == revoked
+            with pytest.raises(AccessDenied, match="refused this client's key: the monitoring key file's client key "
+                                                   f"is not the daemon's .* \\(monitoring key file {revoked}\\)"):
+                transport.call(P.Op.PING)
+        finally:
+            transport.close()
+
+
+def test_monitoring_calls_past_their_share_of_the_loop_are_refused_until_paid_back(tmp_path, monkeypatch):
+    import zmq
+
+    from dflash2.daemon import keygate
+
+    now = [1000.0]
+    monkeypatch.setattr(keygate.time, "monotonic", lambda: now[0])
+    keys, _ = load_or_make(tmp_path / "k.key")
+    ctx = zmq.Context()
+    gate = keygate.KeyGate(ctx, keys, "k.key")
+    try:
+        frames = keygate.ReadOnlyFrames([b"peer", *P.encode_request(P.Op.CHECK, 7, None)])
+        assert gate.refusal(frames) is None
+        gate.charge(1.0)  # (a walk of a large table)
+        reply = P.decode_reply(gate.refusal(frames))
+        owed_s = (1.0 - keygate.MONITOR_BURST_S) / keygate.MONITOR_SHARE
+        assert (reply.call_id, reply.error_type) == (7, "Throttled")
+        assert f"try again in {owed_s:.1f} s" in reply.error_message
+        now[0] += owed_s - 1
+        assert gate.refusal(frames) is not None
+        now[0] += 1.01
+        assert gate.refusal(frames) is None
+    finally:
+        gate.close()
+        ctx.term()
