@@ -515,6 +515,8 @@ class Client:
         self._call(Op.ADD_REF, {} if priority is None else {"priority": _int("priority", priority)}, [_vids(vids)])
 
     def places(self, vids) -> np.ndarray:
+        """Where each block lies now (PLACE_DTYPE records): published blocks, and this client's own
+        private ones (another client's: DaemonError NotOwner)."""
         return _places(self._call(Op.PLACES, {}, [_vids(vids)]).arrays[0])
 
     # -- daemon ----------------------------------------------------------------------------

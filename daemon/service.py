@@ -542,7 +542,7 @@ class Service(Forgetting):
     def _places(self, req):
         m = self._mgr(req)
         vids = req.array(0, P.VIDS_DTYPE, "block ids")
-        m.table.rows(vids)  # UnknownBlock for any that is not live
+        m.table.seen_rows(req.client, vids)  # UnknownBlock for any that is not live, NotOwner: another's private one
         m.settle()  # a block whose drain copy is in flight lies where that copy ends
         return {}, [wire.places_of(m, vids)]
 

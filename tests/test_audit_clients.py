@@ -51,11 +51,10 @@ def test_blocks_still_in_a_reservation_cannot_be_pinned_referenced_or_freed(conn
     taken = int(a.take(d.reservation_id, 1)["vid"][0])
     reserved = []
     for vid in (v for v in range(taken - 15, taken + 16) if v != taken):  # the reservation's other ids
-        try:
+        with pytest.raises(DaemonError) as e:  # (the reservation's blocks are a's: `places` refuses them)
             observer.places([vid])
-        except DaemonError:
-            continue
-        reserved.append(vid)
+        if e.value.kind == "NotOwner":
+            reserved.append(vid)
     assert len(reserved) == 3
     for call in (a.acquire, a.add_ref, a.free):
         with pytest.raises(DaemonError) as e:
@@ -68,6 +67,19 @@ def test_blocks_still_in_a_reservation_cannot_be_pinned_referenced_or_freed(conn
     assert [c["name"] for c in st["clients"]] == ["observer"]
     assert st["tiers"]["hbm"]["blocks"] == 0 and st["reservations"]["granted"] == 0
     observer.check()
+
+
+def test_places_tells_no_client_where_another_ones_private_blocks_lie(connect):
+    """`places` answered any live block's place: another client learned where a private block lay,
+    its layout and size, before its writer published it."""
+    a, b = connect("a"), connect("b")
+    vids = a.allocate(a.layouts[0], 2)["vid"]
+    with pytest.raises(DaemonError) as e:
+        b.places(vids)
+    assert e.value.kind == "NotOwner" and f"{int(vids[0]):#x} is a private block of another client" in str(e.value)
+    assert len(a.places(vids)) == 2  # its own
+    published = a.commit(vids, keys=chain_keys(range(2 * 16), 16, "seen"))
+    assert b.places(published)["vid"].tolist() == published.tolist()  # published: anyone's to find
 
 
 def test_allocate_that_can_never_fit_is_refused_and_demotes_nothing(connect):

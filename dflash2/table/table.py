@@ -368,6 +368,16 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is not a private block of client {client_id}")
         return rows
 
+    def seen_rows(self, client_id: int, vids) -> np.ndarray:
+        """Rows whose places this client may be told (`places`): published blocks and its own private
+        ones; another client's private block is NotOwner, as for a reference (its place was told)."""
+        rows = self.rows(vids)
+        owner = self.cols.owner[rows]
+        foreign = (owner != client_id) & (owner != NO_CLIENT)
+        if any_true(foreign):
+            raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
+        return rows
+
     def usable_rows(self, client_id: int, vids) -> np.ndarray:
         """Rows this client may reference or pin: published blocks, and its own private ones."""
         rows = self.rows(vids)
