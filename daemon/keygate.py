@@ -43,11 +43,14 @@ HANDSHAKE_S = 2.0
 # MONITOR_BURST_S: past it they are refused (Throttled, saying when to try again) until paid back.
 MONITOR_SHARE = 0.05
 MONITOR_BURST_S = 0.25
+MONITOR_HEADER_BYTES = 4096  # (ping, stats, history and check take headers of a few dozen bytes)
 
 
 class ReadOnlyFrames(list):
     """A request's frames from a tcp connection of another key than the key file's (the monitoring
     key's), which is answered only the calls of protocol.READ_ONLY."""
+
+    received_s = 0.0  # how long receiving them took
 
 
 class KeyGate:
@@ -89,32 +92,47 @@ class KeyGate:
 
     def recv(self, sock: zmq.Socket, flags: int, most: int) -> list[bytes]:
         """The next request's frames (as zmqio.recv_frames): ReadOnlyFrames for a connection of any
-        key but the key file's client key (fail closed: one with no key read is read-only too)."""
-        frames, user = recv_frames_by(sock, flags, most)
-        return frames if user == self.engine_user else ReadOnlyFrames(frames)
+        key but the key file's client key (fail closed: one with no key read is read-only too),
+        carrying the time their receipt took (`received_s`: a message of millions of empty frames
+        takes seconds), which `charge` counts with the call's."""
+        frames, user, took = recv_frames_by(sock, flags, most)
+        if user == self.engine_user:
+            return frames
+        frames = ReadOnlyFrames(frames)
+        frames.received_s = took
+        return frames
 
     def refusal(self, frames: ReadOnlyFrames) -> list[bytes] | None:
         """The error reply to a monitoring-key call it may not make, or not now; None for one it may
-        (or that does not decode: the service's reply says why, and runs nothing)."""
+        (or that does not decode: the service's reply says why, and runs nothing). Sized before it
+        is read: a monitoring call is small (`MONITOR_HEADER_BYTES`, no array frames), and one that
+        is not, or that comes while the calls owe the loop, is refused without decoding it."""
+        header = frames[3] if len(frames) > 3 else b""
+        small = len(frames) == 4 and len(header) <= MONITOR_HEADER_BYTES  # (peer id, magic, version, header)
+        call_id = P.peek_call_id(frames[1:]) if small else 0
+        owed = self._owed()
+        if owed > MONITOR_BURST_S:
+            return P.encode_reply(P.error_reply(call_id, Throttled(
+                f"calls over the tcp endpoint's monitoring key took more than {MONITOR_SHARE:.0%} of the daemon's "
+                f"loop lately; try again in {(owed - MONITOR_BURST_S) / MONITOR_SHARE:.1f} s")))
+        calls = ", ".join(sorted(o.value for o in P.READ_ONLY))
+        if not small:
+            return P.encode_reply(P.error_reply(call_id, AccessDenied(
+                f"a call over the tcp endpoint's monitoring key ({calls}) has no array frames and a header of at "
+                f"most {MONITOR_HEADER_BYTES} bytes; this one had {len(frames) - 1} frames, a header of "
+                f"{len(header)} bytes")))
         try:
             op = P.decode_request(frames[1:]).op
         except DFlash2Error:
             return None
-        call_id = P.peek_call_id(frames[1:])
         if op not in P.READ_ONLY:
             return P.encode_reply(P.error_reply(call_id, AccessDenied(
                 f"{op.value}: this connection holds the tcp endpoint's monitoring key (the key file's .monitor), "
-                f"which may call {', '.join(sorted(o.value for o in P.READ_ONLY))} only; a serving process needs "
-                f"the key file itself ({self.key_file})")))
-        owed = self._owed()
-        if owed <= MONITOR_BURST_S:
-            return None
-        return P.encode_reply(P.error_reply(call_id, Throttled(
-            f"{op.value}: calls over the tcp endpoint's monitoring key took more than {MONITOR_SHARE:.0%} of the "
-            f"daemon's loop lately; try again in {(owed - MONITOR_BURST_S) / MONITOR_SHARE:.1f} s")))
+                f"which may call {calls} only; a serving process needs the key file itself ({self.key_file})")))
+        return None
 
     def charge(self, seconds: float) -> None:
-        """A monitoring-key call took `seconds` of the loop."""
+        """A monitoring-key message took `seconds` of the loop (its receipt, its refusal or its call)."""
         self._monitor_owed_s = self._owed() + seconds
 
     def _owed(self) -> float:

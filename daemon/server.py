@@ -443,17 +443,19 @@ class Server:
         """Handle one request and send its reply; False when the call was parked instead (no reply
         yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
         read_only = type(frames) is ReadOnlyFrames
+        began = time.perf_counter()
         if read_only and (refusal := self._gate.refusal(frames)) is not None:
             self.service.counters["requests"] += 1
             self.service.counters["errors"] += 1
             self._send_reply(frames, refusal)
+            self._gate.charge(time.perf_counter() - began + frames.received_s)
             return True
         self._credit_stall()  # before the call: it may take a reservation the stall would have expired
         settled = self._settled_s()
-        began = time.perf_counter()
         reply = self.service.handle_frames(frames[1:], again)
         if read_only:
-            self._gate.charge(time.perf_counter() - began)
+            self._gate.charge(time.perf_counter() - began + frames.received_s)
+            frames.received_s = 0.0  # (charged: a parked call's next run is not charged for it again)
         if isinstance(reply, Parked):
             self._parked.append((frames, reply))
             return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from collections.abc import Sequence
 
 import zmq
@@ -50,13 +51,14 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> li
     return parts
 
 
-def recv_frames_by(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> tuple[list[bytes], str]:
-    """`recv_frames` on a ROUTER socket, and the User-Id that the ZAP handler gave the connection the
-    message came by (on a CURVE socket, pyzmq's: the client's public key in Z85), read off the first
-    frame after the peer's routing id (libzmq gives every frame it received its connection's); "" when
-    it has none."""
+def recv_frames_by(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> tuple[list[bytes], str, float]:
+    """`recv_frames` on a ROUTER socket, the User-Id that the ZAP handler gave the connection the
+    message came by (on a CURVE socket, pyzmq's: the client's public key in Z85; "" when it has
+    none), read off the first frame after the peer's routing id (libzmq gives every frame it
+    received its connection's), and the seconds its frames took to receive once the first had come."""
     recv = sock.recv
     frame = recv(flags, copy=False)
+    began = time.perf_counter()
     parts = [frame.bytes]
     user = ""
     while frame.more:
@@ -70,7 +72,7 @@ def recv_frames_by(sock: zmq.Socket, flags: int = 0, most: int | None = None) ->
             parts.append(frame.bytes)
         elif len(parts) == most:
             parts.append(b"")
-    return parts, user
+    return parts, user, time.perf_counter() - began
 
 
 def descriptors_left() -> tuple[int, int] | None:

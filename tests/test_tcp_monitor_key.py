@@ -283,3 +283,42 @@ def test_monitoring_calls_past_their_share_of_the_loop_are_refused_until_paid_ba
     finally:
         gate.close()
         ctx.term()
+
+
+def test_refused_and_oversized_monitoring_messages_are_charged_and_never_decoded(tmp_path, make_manager, monkeypatch):
+    """Refused calls were decoded in full (headers up to 1 MB, twice) and never charged, nor was the
+    receipt of a message of millions of frames: a monitoring-key holder took most of the loop, its
+    next call not throttled (a review: 86% of the daemon's CPU)."""
+    import zmq
+
+    from dflash2.daemon import keygate
+    from dflash2.daemon.server import Server
+    from dflash2.daemon.service import Service
+
+    keys, _ = load_or_make(tmp_path / "k.key")
+    svc = Service(make_manager(hbm_blocks=8, dram_blocks=16), lease_timeout_s=10, heartbeat_interval_s=1)
+    srv = Server(svc, f"tcp://127.0.0.1:{free_port()}", 30.0, keys=keys, key_file=str(tmp_path / "k.key"))
+    try:
+        gate = srv._gate
+
+        def message(op, header_pad=0, received_s=0.0):
+            frames = keygate.ReadOnlyFrames([b"peer", *P.encode_request(op, 5, None, {"pad": "x" * header_pad})])
+            frames.received_s = received_s
+            return frames
+
+        srv._answer(message(P.Op.ATTACH, received_s=0.1))  # refused (AccessDenied): its receipt is charged
+        assert gate._owed() >= 0.1
+        decoded = []
+        with monkeypatch.context() as m:
+            m.setattr(keygate.P, "decode_request", lambda frames: decoded.append(1))
+            big = message(P.Op.STATS, header_pad=keygate.MONITOR_HEADER_BYTES)
+            reply = P.decode_reply(gate.refusal(big))
+        assert reply.error_type == "AccessDenied" and "a header of at most 4096 bytes" in reply.error_message
+        srv._answer(message(P.Op.STATS, received_s=1.0))  # answered, its receipt past the burst ...
+        with monkeypatch.context() as m:
+            m.setattr(keygate.P, "decode_request", lambda frames: decoded.append(1))
+            reply = P.decode_reply(gate.refusal(message(P.Op.STATS)))  # ... so the next is Throttled
+        assert reply.error_type == "Throttled" and reply.call_id == 5
+        assert decoded == []  # (neither refusal decoded its message)
+    finally:
+        srv.close()
