@@ -216,7 +216,8 @@ class Client:
             # The daemon's liveness object (absent from an older daemon) comes with the mappings: it
             # tells when they are a dead daemon's (_daemon_gone).
             mapped = [d for d in self.arena_info if not (self.host_only and d.get("kind") == "cuda")]
-            self._arenas = ArenaMap(mapped, r.get("liveness"), r.get("liveness_id"), f"dflash2d at {self.endpoint}")
+            self._arenas = ArenaMap(mapped, r.get("liveness"), r.get("liveness_id"), f"dflash2d at {self.endpoint}",
+                                    r.get("pid_namespace"))
         except Exception:
             self.detach()
             raise

@@ -29,12 +29,27 @@ TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8"
 log = logging.getLogger("dflash2.client")
 
 
+def pid_namespace_hint(daemon_pid_namespace: int | None) -> str:
+    """What to add when a GPU's arena would not map by its CUDA IPC handle in a process of another pid
+    namespace than the daemon's: CUDA's legacy IPC handles are reported not to open across pid
+    namespaces (NCCL's and UCX's issue threads; not verified here); "" in the daemon's own or unknown."""
+    from dflash2.client.transport import pid_namespace
+
+    mine = pid_namespace()
+    if daemon_pid_namespace is None or mine is None or mine == daemon_pid_namespace:
+        return ""
+    return (f"; this process runs in another pid namespace (pid:[{mine}]) than the daemon (pid:[{daemon_pid_namespace}]), "
+            "and CUDA's IPC handles are reported not to open across pid namespaces: run both in one (Kubernetes: "
+            "hostPID: true in the serving pods and the DaemonSet; docker: --pid=host for both)")
+
+
 class ArenaMap:
     """The daemon's memory arenas, mapped into this process (one mapping per tier), and its liveness
     object (dflash2/arena/liveness.py), which tells when they are a dead daemon's."""
 
     def __init__(self, described: list[dict], liveness: str | None = None, liveness_id: str | None = None,
-                 endpoint: str = "the daemon"):
+                 endpoint: str = "the daemon", daemon_pid_namespace: int | None = None):
+        """`daemon_pid_namespace`: the daemon's (its attach reply's), said when a GPU's arena would not map."""
         self.arenas: dict[int, object] = {}  # SharedMemoryArena, or CudaArena for a GPU's HBM
         self.liveness: DaemonLiveness | None = None
         # daemon_gone() and close() run on a client's call thread and its heartbeat thread at once
@@ -53,8 +68,11 @@ class ArenaMap:
                 if d.get("kind") == "cuda":
                     from dflash2.cuda.arena import CudaArena  # only on a GPU node
 
-                    self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), _local_device(d),
-                                                              int(d["capacity_bytes"]), int(d.get("alignment", 256)))
+                    try:
+                        self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), _local_device(d),
+                                                                  int(d["capacity_bytes"]), int(d.get("alignment", 256)))
+                    except ArenaError as e:
+                        raise ArenaError(f"{e}{pid_namespace_hint(daemon_pid_namespace)}") from None
                     continue
                 if d.get("kind") != "shm":
                     raise ArenaError(f"the daemon offers a {d.get('kind')!r} arena this client cannot map")

@@ -388,7 +388,7 @@ class Service(Forgetting):
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
                 "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness,
-                "liveness_id": self.liveness_id}, []
+                "liveness_id": self.liveness_id, "pid_namespace": pid_namespace()}, []
 
     def _gpu_uuids(self) -> dict[int, str]:
         """Each GPU pool's GPU UUID (none on a host daemon)."""

@@ -162,6 +162,30 @@ def test_client_without_a_pid_namespace_can_attach(daemon, monkeypatch):
         assert c.allocate(c.layouts[0], 1) is not None
 
 
+def test_an_hbm_arena_that_will_not_map_says_when_the_daemon_is_in_another_pid_namespace(daemon, monkeypatch):
+    """CUDA's legacy IPC handles are reported not to open across pid namespaces (a DaemonSet without
+    hostPID, serving pods with their own): the attach reply names the daemon's pid namespace, and a
+    GPU arena that will not map says so (tests/test_gpu_pid_namespaces.py tries it on a GPU)."""
+    import dflash2.client.transport as transport_module
+    from dflash2.client.views import pid_namespace_hint
+
+    own = os.stat("/proc/self/ns/pid").st_ino
+    transport = Transport(daemon.endpoint, 5.0)
+    try:
+        r = transport.call(Op.ATTACH, None, {"name": "raw", "pid": os.getpid(), "layouts": []}).result
+        transport.token = r["token"]
+        transport.call(Op.DETACH, r["client"])
+    finally:
+        transport.close()
+    assert r["pid_namespace"] == own  # (the daemon runs in this test's namespace)
+    assert pid_namespace_hint(own) == "" and pid_namespace_hint(None) == ""
+    hint = pid_namespace_hint(own + 1)
+    assert f"this process runs in another pid namespace (pid:[{own}]) than the daemon (pid:[{own + 1}])" in hint
+    assert "hostPID: true in the serving pods and the DaemonSet" in hint
+    monkeypatch.setattr(transport_module, "pid_namespace", lambda: None)
+    assert pid_namespace_hint(own + 1) == ""  # (this process's unknown: nothing to say)
+
+
 def test_a_forked_child_gets_a_clear_error_and_leaves_the_parents_session_alone(connect):
     parent = connect("parent", heartbeat=False, timeout_s=2.0)
     parent.allocate(parent.layouts[0], 3)

@@ -132,6 +132,7 @@ def test_daemonset_runs_one_daemon_per_gpu_node_with_host_ipc_shm_nvme_and_metri
     docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())}
     pod = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert pod["hostIPC"] is True and pod["nodeSelector"]
+    assert pod["hostPID"] is True  # (CUDA IPC handles across pid namespaces: tests/test_gpu_pid_namespaces.py)
     c = pod["containers"][0]
     assert {"containerPort": 9464, "name": "metrics", "protocol": "TCP"} in c["ports"]
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
