@@ -19,10 +19,11 @@ MIB = 1 << 20
 
 
 @contextlib.contextmanager
-def daemon_on(path):
-    """The real dflash2d on `path`, up once it printed its start-up line; stopped afterwards."""
-    proc = subprocess.Popen(["dflash2d", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def daemon_on(path, prefix=()):
+    """The real dflash2d on `path` (run under `prefix`, e.g. unshare(1)), up once it printed its
+    start-up line; stopped afterwards."""
+    proc = subprocess.Popen([*prefix, "dflash2d", "--config", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
         while not (lines and lines[-1].startswith("DFlash2: enabled")):
@@ -31,7 +32,11 @@ def daemon_on(path):
         yield lines[-1]
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30 if not prefix else 5)
+        except subprocess.TimeoutExpired:  # (unshare --fork ignores SIGTERM while it waits; killed, its child gets SIGTERM)
+            proc.kill()
+            proc.wait(30)
 
 
 def gpu_manager(path):

@@ -163,9 +163,9 @@ def test_client_without_a_pid_namespace_can_attach(daemon, monkeypatch):
 
 
 def test_an_hbm_arena_that_will_not_map_says_when_the_daemon_is_in_another_pid_namespace(daemon, monkeypatch):
-    """CUDA's legacy IPC handles are reported not to open across pid namespaces (a DaemonSet without
-    hostPID, serving pods with their own): the attach reply names the daemon's pid namespace, and a
-    GPU arena that will not map says so (tests/test_gpu_pid_namespaces.py tries it on a GPU)."""
+    """CUDA's IPC handles do not open between two pid namespaces of their own (a DaemonSet pod and a
+    serving pod, neither with hostPID: tests/test_gpu_pid_namespaces.py, on the H200 host): the attach
+    reply names the daemon's pid namespace, and a GPU arena that will not map says so and what to do."""
     import dflash2.client.transport as transport_module
     from dflash2.client.views import pid_namespace_hint
 
@@ -181,7 +181,7 @@ def test_an_hbm_arena_that_will_not_map_says_when_the_daemon_is_in_another_pid_n
     assert pid_namespace_hint(own) == "" and pid_namespace_hint(None) == ""
     hint = pid_namespace_hint(own + 1)
     assert f"this process runs in another pid namespace (pid:[{own}]) than the daemon (pid:[{own + 1}])" in hint
-    assert "hostPID: true in the serving pods and the DaemonSet" in hint
+    assert "run the daemon there (Kubernetes: hostPID: true in the DaemonSet" in hint
     monkeypatch.setattr(transport_module, "pid_namespace", lambda: None)
     assert pid_namespace_hint(own + 1) == ""  # (this process's unknown: nothing to say)
 
