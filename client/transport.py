@@ -185,8 +185,14 @@ class Transport:
         # Keys of the monitoring key file (this process may not read the key file): the daemon answers
         # it ping, stats, history and check only (tcpkeys.py). Its errors name that file.
         self.read_only = self._keys is not None and self._keys.read_only
+        self._connect_to = endpoint
         if self.read_only:
             self.key_file = self._keys.path
+            if self._keys.port is None:
+                raise AccessDenied(f"cannot connect to the tcp endpoint {endpoint}: the monitoring key file "
+                                   f"{self.key_file} names no port (its daemon writes it there at each start: "
+                                   "has it started since the file was made?)")
+            self._connect_to = f"{endpoint.rpartition(':')[0]}:{self._keys.port}"  # (its monitoring socket)
         self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
@@ -224,7 +230,7 @@ class Transport:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, self._keys.client_secret)
                 self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
                 self._failed_handshakes = 0
-            sock.connect(self.endpoint)
+            sock.connect(self._connect_to)
         except zmq.ZMQError as e:
             self._close_socket(sock)
             raise DaemonUnavailable(f"cannot connect to {self.endpoint!r}: {e} (an endpoint is ipc://PATH or "
@@ -377,7 +383,10 @@ class Transport:
                 if left_s <= 0:
                     undo = self._give_up(op, client, call_id, arrays)
                     raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
-                                            f"{timeout:g}s (daemon gone or stuck{undo})")
+                                            f"{timeout:g}s (daemon gone or stuck{undo}" + (
+                                                "; or the monitoring key's calls have taken their share of the "
+                                                "daemon's loop, and wait up to a minute" if self.read_only else "")
+                                            + ")")
                 sock = self._sock
                 last = left_s < GONE_CHECK_S  # the call's last slice: no longer than what is left of it
                 if last:

@@ -1,12 +1,16 @@
-"""The gate of a tcp endpoint: the request socket speaks CURVE as a server, and a ZAP handler (pyzmq's
+"""The gate of a tcp endpoint: its request socket speaks CURVE as a server, and a ZAP handler (pyzmq's
 authenticator, on a thread of its own) lets in only a client whose key is the key file's client key
-or the monitoring key file's (dflash2/tcpkeys.py). A refused connection never reaches the request loop.
+(dflash2/tcpkeys.py). A refused connection never reaches the request loop.
 
-The gate reads the key each request came with (`recv`): one of any key but the key file's (the
-monitoring key's) is answered only the calls of protocol.READ_ONLY (`refusal`), and those within
-MONITOR_SHARE of the loop's time (`charge`): a monitoring user calling `check` (a walk of the whole
-table) or `history` (hours of samples) back to back would otherwise take the loop from the serving
-processes.
+Clients of the monitoring key file connect to a socket of their own (`secure(..., monitoring=True)`:
+the port the daemon writes into that file at each start), which lets in that key alone, and which
+the loop reads (`next_monitoring`) only while the monitoring calls have taken no more than
+MONITOR_SHARE of its time, after a burst (`charge`: their receipt, refusal and run): a monitoring user
+calling `check` (a walk of the whole table) or `history` (hours of samples) back to back, or
+flooding the socket, would otherwise take the loop from the serving processes; past it, their
+messages wait in ZeroMQ's queue at no cost to the loop. They are answered only the calls of
+protocol.READ_ONLY (`refusal`), and so is any message on the request socket that did not come with
+the key file's client key (fail closed: `recv`).
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
 the log); those counted since the last line are logged once the minute has passed, even if no
@@ -23,7 +27,6 @@ connections faster than that; the daemon's descriptor limit (raised at start-up)
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
@@ -32,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import protocol as P
 from dflash2 import threads
-from dflash2.errors import AccessDenied, DFlash2Error, Throttled
+from dflash2.errors import AccessDenied, DFlash2Error
 from dflash2.tcpkeys import DaemonKeys
 from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames_by
 
@@ -41,13 +44,13 @@ log = logging.getLogger("dflash2.daemon")
 REFUSALS_LOGGED_EVERY_S = 60.0
 HANDSHAKE_S = 2.0
 # Calls over the monitoring key take at most this share of the loop's time, after a burst of
-# MONITOR_BURST_S: past it they are refused (Throttled, saying when to try again) until paid back.
+# MONITOR_BURST_S: past it their socket is not read until that is paid back.
 MONITOR_SHARE = 0.05
 MONITOR_BURST_S = 0.25
-# The most the monitoring calls may owe: a minute's share past the burst (a flood of refused messages
-# owed for ever more, and locked every monitoring user out for 11 times its length, a review). The
-# refusals themselves still cost the loop (docs/known-gaps.md).
+# The most the monitoring calls may owe: a minute's share past the burst (a message of millions of
+# frames, or a flood, would otherwise keep every monitoring user waiting for many times its length).
 MONITOR_OWED_MAX_S = MONITOR_BURST_S + 60 * MONITOR_SHARE
+REQUEST_DOMAIN, MONITORING_DOMAIN = b"dflash2", b"dflash2-monitoring"  # (the ZAP domains of the two sockets)
 MONITOR_HEADER_BYTES = 4096  # (ping, stats, history and check take headers of a few dozen bytes)
 
 
@@ -56,6 +59,7 @@ class ReadOnlyFrames(list):
     key's), which is answered only the calls of protocol.READ_ONLY."""
 
     received_s = 0.0  # how long receiving them took
+    sock: zmq.Socket | None = None  # the socket they came by, which the reply goes out on
 
 
 class KeyGate:
@@ -78,22 +82,42 @@ class KeyGate:
         self._auth = ThreadAuthenticator(context, log=logging.getLogger("dflash2.daemon.zap"))
         with threads.stop_signals_blocked():  # (the stop signals stay the main thread's: threads.py)
             self._auth.start()
-        self._auth.configure_curve_callback("*", credentials_provider=self)
+        for domain in (REQUEST_DOMAIN, MONITORING_DOMAIN):  # (the handler asks `callback` for each socket's)
+            self._auth.configure_curve_callback(domain.decode(), credentials_provider=self)
         self._sock: zmq.Socket | None = None
+        self._monitoring: zmq.Socket | None = None  # the monitoring key's socket (`secure`)
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def secure(self, sock: zmq.Socket) -> None:
-        """Make `sock` (before bind) a CURVE server with the file's server key, whose failed handshakes
-        a thread of the gate's counts."""
+    def secure(self, sock: zmq.Socket, monitoring: bool = False) -> None:
+        """Make `sock` (before bind) a CURVE server with the file's server key that lets in the key
+        file's client key, or with `monitoring` the monitoring key alone (the ZAP domain tells the
+        handler which); the request socket's failed handshakes a thread of the gate's counts."""
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.server_public)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        sock.setsockopt(zmq.ZAP_DOMAIN, MONITORING_DOMAIN if monitoring else REQUEST_DOMAIN)
+        if monitoring:
+            self._monitoring = sock
+            return
         monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # (used by the watcher thread alone from here)
         self._sock = sock
         self._watcher = threads.start(threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate",
                                                        daemon=True))
+
+    def next_monitoring(self, most: int) -> "ReadOnlyFrames | None":
+        """The next message on the monitoring socket, if one is queued and the monitoring calls owe
+        the loop no more than their burst; else None (a message waits: it costs nothing until read)."""
+        if self._monitoring is None or self._owed() > MONITOR_BURST_S:
+            return None
+        try:
+            frames = self.recv(self._monitoring, zmq.NOBLOCK, most)
+        except zmq.Again:
+            return None
+        frames = frames if type(frames) is ReadOnlyFrames else ReadOnlyFrames(frames)  # (one key only there)
+        frames.sock = self._monitoring
+        return frames
 
     def recv(self, sock: zmq.Socket, flags: int, most: int) -> list[bytes]:
         """The next request's frames (as zmqio.recv_frames): ReadOnlyFrames for a connection of any
@@ -108,18 +132,13 @@ class KeyGate:
         return frames
 
     def refusal(self, frames: ReadOnlyFrames) -> list[bytes] | None:
-        """The error reply to a monitoring-key call it may not make, or not now; None for one it may
-        (or that does not decode: the service's reply says why, and runs nothing). Sized before it
-        is read: a monitoring call is small (`MONITOR_HEADER_BYTES`, no array frames), and one that
-        is not, or that comes while the calls owe the loop, is refused without decoding it."""
+        """The error reply to a monitoring-key call it may not make; None for one it may (or that does
+        not decode: the service's reply says why, and runs nothing). Sized before it is read: a
+        monitoring call is small (`MONITOR_HEADER_BYTES`, no array frames), and one that is not is
+        refused without decoding it."""
         header = frames[3] if len(frames) > 3 else b""
         small = len(frames) == 4 and len(header) <= MONITOR_HEADER_BYTES  # (peer id, magic, version, header)
         call_id = P.peek_call_id(frames[1:]) if small else 0
-        owed = self._owed()
-        if owed > MONITOR_BURST_S:
-            return P.encode_reply(P.error_reply(call_id, Throttled(
-                f"calls over the tcp endpoint's monitoring key took more than {MONITOR_SHARE:.0%} of the daemon's "
-                f"loop lately; try again in {math.ceil(10 * (owed - MONITOR_BURST_S) / MONITOR_SHARE) / 10 + 0.1:.1f} s")))
         calls = ", ".join(sorted(o.value for o in P.READ_ONLY))
         if not small:
             return P.encode_reply(P.error_reply(call_id, AccessDenied(
@@ -162,10 +181,18 @@ class KeyGate:
             monitor.close(0)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        """The ZAP handler's question: may a client with this (Z85) key connect?"""
-        if client_key == self.keys.client_public or client_key == self.monitor_public:
+        """The ZAP handler's question: may a client with this (Z85) key connect to the socket of
+        this domain?"""
+        if domain == MONITORING_DOMAIN.decode():
+            if client_key == self.monitor_public:
+                return True
+            self._count("whose client key is not the monitoring key file's (at the monitoring socket)")
+            return False
+        if client_key == self.keys.client_public:
             return True
-        self._count("whose client key is not the one in the key file nor the monitoring one")
+        self._count("whose client key is not the one in the key file" + (
+            " (it is the monitoring key file's, whose readers connect to the port written in that file: a client "
+            "of an earlier release?)" if client_key == self.monitor_public else ""))
         return False
 
     def _count(self, why: str) -> None:
@@ -185,7 +212,10 @@ class KeyGate:
                 self._unlogged, self._logged_at = 0, now
 
     def close(self) -> None:
-        """Before the socket closes."""
+        """Before the request socket closes: the monitoring socket closes here."""
+        if self._monitoring is not None:
+            self._monitoring.close(0)
+            self._monitoring = None
         self._stop.set()
         if self._sock is not None:
             try:

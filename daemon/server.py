@@ -125,20 +125,18 @@ class Server:
         self._first_pool = -1  # the pool that last ran a drain piece (_drain_slice)
         self._stalls = StallWatch()  # time the process did not run, counted out of leases (_judge_leases)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
-        self._sock.setsockopt(zmq.SNDHWM, REPLIES_QUEUED_PER_PEER)
-        # A reply that cannot be queued raises (zmq.Again: the peer's queue is full; EHOSTUNREACH: the
-        # peer is gone) instead of vanishing without a word.
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock = self._request_socket()
         self._dropped = 0  # replies dropped for a full queue since the last line that said so
         self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
-        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
+        self.monitoring_port: int | None = None  # a tcp endpoint's monitoring socket's (keygate.py)
         try:
             if self._gate is not None:
                 self._gate.secure(self._sock)
+                monitoring = self._request_socket()
+                self._gate.secure(monitoring, monitoring=True)
+                monitoring.bind(f"{endpoint.rpartition(':')[0]}:*")  # (a port of the system's choosing)
+                self.monitoring_port = int(monitoring.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
             # An ipc socket is owner-only from its bind on: made under the start's umask (000: mode
             # 777) and chmod-ed after, another user connected in between and stayed connected (a
             # review: attached and served). (Process-wide for the moment of the bind: any file made
@@ -154,6 +152,17 @@ class Server:
         self._poller = zmq.Poller()  # requests, and the end of a copy thread's batch (`_request_or_copies_ended`)
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(COMPLETIONS.fileno(), zmq.POLLIN)
+
+    def _request_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)  # a larger frame drops its sender
+        sock.setsockopt(zmq.SNDHWM, REPLIES_QUEUED_PER_PEER)
+        # A reply that cannot be queued raises (zmq.Again: the peer's queue is full; EHOSTUNREACH: the
+        # peer is gone) instead of vanishing without a word.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 addresses still work)
+        return sock
 
     def stop(self) -> None:
         self._stop.set()
@@ -177,7 +186,10 @@ class Server:
         self.service.queue_empty()
         self._parking(True)
         self._stalls.start()
+        gate = self._gate
         while not self._stop.is_set():
+            if gate is not None and (monitoring := gate.next_monitoring(MOST_FRAMES)) is not None:
+                self._answer(monitoring)  # (at most one a turn: a request waits behind one at most)
             if self._parked and self._parked.ready():
                 self._parked.answer(lambda frames, parked: self._answer(frames, again=parked))
             # While a tier drains, the next slice is due (_next_slice) when no request waits by then,
@@ -476,9 +488,11 @@ class Server:
         return True
 
     def _send_reply(self, frames: list[bytes], reply: list[bytes]) -> None:
-        """Send `reply` to the peer that sent `frames`, never waiting (one that reads none is dropped, said)."""
+        """Send `reply` to the peer that sent `frames` (by the socket they came by), never waiting (one
+        that reads none is dropped, said)."""
+        sock = frames.sock if type(frames) is ReadOnlyFrames and frames.sock is not None else self._sock
         try:
-            send_frames(self._sock, [frames[0], *reply], NOBLOCK)
+            send_frames(sock, [frames[0], *reply], NOBLOCK)
         except zmq.Again:
             self._reply_dropped()
         except zmq.ZMQError as e:

@@ -26,7 +26,7 @@ from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
-from dflash2.tcpkeys import KeyFileError, load_or_make, monitor_path
+from dflash2.tcpkeys import KeyFileError, load_or_make, monitor_path, record_port
 from dflash2.tiers import Tier
 from dflash2.daemon.server import Server
 
@@ -97,8 +97,8 @@ def run(cfg: Config) -> int:
         if plan.tcp_key_file is not None:
             keys, made = load_or_make(plan.tcp_key_file)
             log.info("tcp endpoint %s: only clients that read %s%s can attach; those that read %s only may ask "
-                     "status, history and check", plan.endpoint, plan.tcp_key_file, " (made now, mode 0600)" if made
-                     else "", monitor_path(plan.tcp_key_file))
+                     "status, history and check, at the port written there", plan.endpoint, plan.tcp_key_file,
+                     " (made now, mode 0600)" if made else "", monitor_path(plan.tcp_key_file))
         clean_up_killed(plan.endpoint, lock)
     except (EndpointBusy, KeyFileError) as e:
         lock.release()
@@ -133,6 +133,12 @@ def run(cfg: Config) -> int:
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers,
                         keys=keys, key_file=plan.tcp_key_file)
+        if keys is not None:  # where the monitoring key's readers connect (tcpkeys.py)
+            try:
+                record_port(plan.tcp_key_file, keys, server.monitoring_port)
+            except KeyFileError as e:
+                _error(cfg, f"daemon.tcp_key_file: {e}")
+                return EXIT_START_FAILED
         lock.secure_socket()
         warn_if_few()  # (now that the daemon holds its own descriptors)
         for sig in threads.STOP_SIGNALS:

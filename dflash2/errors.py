@@ -111,11 +111,6 @@ class AccessDenied(DaemonUnavailable):
     """A tcp daemon's key file cannot be read, or the daemon refused this client's key (tcpkeys.py)."""
 
 
-class Throttled(DFlash2Error):
-    """Calls over a tcp endpoint's monitoring key took more than their share of the daemon's loop
-    lately: refused until that has passed (the message says how long)."""
-
-
 class DaemonError(DFlash2Error):
     """The daemon answered a call with an error; `kind` names the daemon-side error type."""
 

@@ -14,9 +14,10 @@ keep working. A client that attaches maps the daemon's shared memory, which is o
 serving processes run as the daemon's user.
 
 Beside it the daemon makes a monitoring key file (`monitor_path`: the key file's name with
-`.monitor` after it), owner-only too, holding the server's public key and a second client key pair.
-A client holding only that one is let in to ask `ping`, `stats`, `history` and `check`, and nothing
-else (the daemon reads the ZAP handler's User-Id off each message: daemon/server.py); so a monitoring
+`.monitor` after it), owner-only too, holding the server's public key, a second client key pair and
+the port of the daemon's monitoring socket (`record_port`, at each start). A client holding only
+that one connects there, and is answered `ping`, `stats`, `history` and `check`, and nothing else,
+within a share of the daemon's loop (daemon/keygate.py); so a monitoring
 group is given that file (chgrp GROUP, chmod 0640), never the key file itself, whose readers can
 attach, take HBM and publish blocks under any prompt's keys. A client reads the key file when it
 can, else the monitoring one (said in its log). When the key file is made again (removed, to change
@@ -84,6 +85,9 @@ class MonitorKeys:
     server_public: bytes
     client_public: bytes
     client_secret: bytes
+    # The port of the daemon's monitoring socket (on the endpoint's host), which it writes here at each
+    # start; None until a daemon has started with this file.
+    port: int | None = field(default=None, compare=False)
     path: Path | None = field(default=None, compare=False)  # the file they were read from (a client's)
     read_only = True  # (the daemon answers a client holding these ping, stats, history and check only)
 
@@ -94,15 +98,20 @@ class MonitorKeys:
         return cls(server_public, *zmq.curve_keypair())
 
     def text(self) -> str:
-        return MONITOR_HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in MONITOR_NAMES)
+        return (MONITOR_HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in MONITOR_NAMES)
+                + (f"port = {self.port}\n" if self.port is not None else ""))
 
 
 @dataclass(frozen=True)
 class DaemonKeys:
-    """What the daemon's gate needs: its key file's keys and the monitoring client's public key."""
+    """What the daemon's gate needs: its key file's keys and the monitoring file's."""
 
     keys: TcpKeys
-    monitor_public: bytes
+    monitor: MonitorKeys
+
+    @property
+    def monitor_public(self) -> bytes:
+        return self.monitor.client_public
 
 
 def monitor_path(path: Path) -> Path:
@@ -114,15 +123,22 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
     """The keys a file's text holds (a key file's, or with MONITOR_NAMES a monitoring file's);
     KeyFileError naming the file and the line that is wrong."""
     found: dict[str, bytes] = {}
+    port = None
+    allowed = names if names == NAMES else (*names, "port")
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         name, sep, value = (part.strip() for part in line.partition("="))
-        if not sep or name not in names:
-            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(names)} = KEY, got {line[:60]!r}")
-        if name in found:
+        if not sep or name not in allowed:
+            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(allowed)} = KEY, got {line[:60]!r}")
+        if name in found or (name == "port" and port is not None):
             raise KeyFileError(f"{path} line {number}: {name} is given twice")
+        if name == "port":
+            if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535 and value[0] != "0"):
+                raise KeyFileError(f"{path} line {number}: port must be a port number (1-65535), got {value[:20]!r}")
+            port = int(value)
+            continue
         if len(value) != Z85_KEY_CHARS or not value.isascii():
             raise KeyFileError(f"{path} line {number}: {name} must be a {Z85_KEY_CHARS}-character Z85 key")
         found[name] = value.encode()
@@ -130,7 +146,7 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
     if missing:
         raise KeyFileError(f"{path} lacks {', '.join(missing)} (was it cut short? remove it and restart the "
                            "daemon to make a new one; clients then need the new file)")
-    return TcpKeys(**found) if names == NAMES else MonitorKeys(**found)
+    return TcpKeys(**found) if names == NAMES else MonitorKeys(**found, port=port)
 
 
 def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
@@ -201,7 +217,20 @@ def load_or_make(path: Path) -> tuple[DaemonKeys, bool]:
     made = keys is None
     if made:
         keys = _make(path)
-    return DaemonKeys(keys, _own_monitor(path, keys).client_public), made
+    return DaemonKeys(keys, _own_monitor(path, keys)), made
+
+
+def record_port(path: Path, keys: DaemonKeys, port: int) -> None:
+    """Write the port of the daemon's monitoring socket into the monitoring key file beside the key
+    file at `path` (its mode and group kept), where its readers find it. KeyFileError as `read_own`,
+    or when the file no longer holds the keys the daemon took at its start."""
+    monitor = monitor_path(path)
+    found = _own(monitor, MONITOR_NAMES)
+    if found is None or found[0] != keys.monitor:
+        raise KeyFileError(f"the monitoring key file {monitor} {'is gone' if found is None else 'holds other keys'} "
+                           "since the daemon read it at its start")
+    if found[0].port != port:
+        _write(monitor, dataclasses.replace(keys.monitor, port=port).text(), replace=found[1])
 
 
 def read_own(path: Path, names: tuple[str, ...] = NAMES):
