@@ -377,7 +377,8 @@ def _render_lines(plan: Plan) -> list[str]:
     lines = [f"dflash2 plan for {plan.source_path or 'an in-memory config'}",
              f"  device:      {plan.device_kind}",
              f"  endpoint:    {plan.endpoint}",
-             *([f"  key file:    {plan.tcp_key_file} (a client must read it to attach)"] if plan.tcp_key_file else []),
+             *([f"  key file:    {plan.tcp_key_file} (a client must read it to attach; monitoring users read "
+                f"{plan.tcp_key_file}.monitor: status, history and check only)"] if plan.tcp_key_file else []),
              f"  state dir:   {plan.state_dir or '(none: history is off and $HOME cannot give the default)'}",
              f"  nvme file:   {plan.nvme_path or '(no NVMe tier)'}",
              f"  staging:     {_staging_line(plan)}",

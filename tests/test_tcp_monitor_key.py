@@ -197,6 +197,7 @@ def test_check_warns_of_a_key_file_its_group_may_read_and_refuses_an_open_monito
     out = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert f"{key_file} is readable by its group" in out.stderr and f"need only {key_file}.monitor" in out.stderr
+    assert f"monitoring users read {key_file}.monitor: status, history and check only" in out.stdout
     key_file.chmod(0o600)
     monitor_path(key_file).chmod(0o604)
     out = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env)
