@@ -186,13 +186,12 @@ class Transport:
         # it ping, stats, history and check only (tcpkeys.py). Its errors name that file.
         self.read_only = self._keys is not None and self._keys.read_only
         self._connect_to = endpoint
+        # The monitoring file's identity (inode, mtime) when `_follow_port` last read it (stat first,
+        # then read: a change after the stat is read at the next call).
+        self._monitoring_file = None
         if self.read_only:
             self.key_file = self._keys.path
-            if self._keys.port is None:
-                raise AccessDenied(f"cannot connect to the tcp endpoint {endpoint}: the monitoring key file "
-                                   f"{self.key_file} names no port (its daemon writes it there at each start: "
-                                   "has it started since the file was made?)")
-            self._connect_to = f"{endpoint.rpartition(':')[0]}:{self._keys.port}"  # (its monitoring socket)
+            self._connect_to = self._monitoring_endpoint(self._keys)
         self._monitor: zmq.Socket | None = None  # a tcp socket's handshake events (_check_handshake)
         self.timeout_s = check_timeout(timeout_s)
         self.gone = gone  # whether the daemon has ended (None: no way to tell; calls wait out their timeout)
@@ -279,6 +278,37 @@ class Transport:
         raise AccessDenied(f"dflash2d at {self.endpoint} {why} ({'monitoring ' if self.read_only else ''}key file "
                            f"{self.key_file})") from None
 
+    def _monitoring_endpoint(self, keys) -> str:
+        """Where the daemon at this endpoint answers the monitoring key: the port it wrote into the
+        monitoring file for its request port. AccessDenied when there is none."""
+        host, _, request = self.endpoint.rpartition(":")
+        port = keys.ports.get(int(request))
+        if port is None:
+            raise AccessDenied(f"cannot connect to the tcp endpoint {self.endpoint}: the monitoring key file "
+                               f"{self.key_file} names no monitoring port for port {request} (the daemon there "
+                               "writes it at each start: has it started since the file was made?)")
+        return f"{host}:{port}"
+
+    def _follow_port(self) -> None:
+        """A read-only transport's socket moves to the port now in the monitoring file, when the file
+        has changed since it was read (a daemon restarted on this endpoint binds another)."""
+        try:
+            st = os.stat(self.key_file)
+        except OSError:
+            return  # (gone: the call says the daemon does not answer)
+        if (st.st_ino, st.st_mtime_ns) == self._monitoring_file:
+            return
+        self._monitoring_file = (st.st_ino, st.st_mtime_ns)
+        try:
+            where = self._monitoring_endpoint(load_keys(self.key_file))
+        except (KeyFileError, AccessDenied):
+            return  # (kept as it was; a call that is not answered says so)
+        if where != self._connect_to:
+            self._connect_to = where
+            if self._sock is not None:  # (the call opens one to the new port)
+                self._close_socket(self._sock)
+                self._sock = None
+
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
         made (DaemonUnavailable), the next call makes it and sends the `forget`s first."""
@@ -354,6 +384,8 @@ class Transport:
         before it could be sent (behind other threads' calls on the same client)."""
         if self._closed:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
+        if self.read_only:
+            self._follow_port()
         if self._sock is None:  # the last fresh socket could not be made
             try:
                 self._open()

@@ -86,6 +86,7 @@ class KeyGate:
             self._auth.configure_curve_callback(domain.decode(), credentials_provider=self)
         self._sock: zmq.Socket | None = None
         self._monitoring: zmq.Socket | None = None  # the monitoring key's socket (`secure`)
+        self._either: zmq.Poller | None = None  # both sockets (`wait`)
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -105,6 +106,17 @@ class KeyGate:
         self._sock = sock
         self._watcher = threads.start(threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate",
                                                        daemon=True))
+
+    def wait(self, sock: zmq.Socket, timeout_ms: int) -> bool:
+        """Whether a message came within `timeout_ms` on `sock` (the request socket), or on the
+        monitoring socket while its calls owe the loop no more than their burst."""
+        if self._monitoring is None or self._owed() > MONITOR_BURST_S:
+            return bool(sock.poll(timeout_ms, zmq.POLLIN))
+        if self._either is None:
+            self._either = zmq.Poller()
+            self._either.register(sock, zmq.POLLIN)
+            self._either.register(self._monitoring, zmq.POLLIN)
+        return bool(self._either.poll(timeout_ms))
 
     def next_monitoring(self, most: int) -> "ReadOnlyFrames | None":
         """The next message on the monitoring socket, if one is queued and the monitoring calls owe

@@ -133,10 +133,6 @@ class Server:
         try:
             if self._gate is not None:
                 self._gate.secure(self._sock)
-                monitoring = self._request_socket()
-                self._gate.secure(monitoring, monitoring=True)
-                monitoring.bind(f"{endpoint.rpartition(':')[0]}:*")  # (a port of the system's choosing)
-                self.monitoring_port = int(monitoring.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
             # An ipc socket is owner-only from its bind on: made under the start's umask (000: mode
             # 777) and chmod-ed after, another user connected in between and stayed connected (a
             # review: attached and served). (Process-wide for the moment of the bind: any file made
@@ -146,6 +142,11 @@ class Server:
                 self._sock.bind(endpoint)
             finally:
                 os.umask(umask)
+            if self._gate is not None:  # (after the request socket: the system might give it the request port)
+                monitoring = self._request_socket()
+                self._gate.secure(monitoring, monitoring=True)
+                monitoring.bind(f"{endpoint.rpartition(':')[0]}:*")  # (a port of the system's choosing)
+                self.monitoring_port = int(monitoring.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
         except BaseException:
             self.close()  # (the gate's thread would keep the process alive)
             raise
@@ -220,6 +221,12 @@ class Server:
                 wait_ms = 0 if draining or dueling or self._parked else \
                     min(MAX_WAIT_MS, math.ceil(1000 * (min(next_tick, next_sample, next_judge) - time.monotonic())))
                 if wait_ms <= 0:
+                    frames = self._recv(NOBLOCK)
+                elif gate is not None:
+                    # A monitoring call wakes the wait too (it waited out the request socket's
+                    # timeout: 90-200 ms a call on an idle daemon, a review); read at the loop's top.
+                    if not gate.wait(sock, wait_ms):
+                        raise zmq.Again()
                     frames = self._recv(NOBLOCK)
                 else:
                     if wait_ms != timeout_ms:

@@ -135,7 +135,7 @@ def run(cfg: Config) -> int:
                         keys=keys, key_file=plan.tcp_key_file)
         if keys is not None:  # where the monitoring key's readers connect (tcpkeys.py)
             try:
-                record_port(plan.tcp_key_file, keys, server.monitoring_port)
+                record_port(plan.tcp_key_file, keys, int(plan.endpoint.rpartition(":")[2]), server.monitoring_port)
             except KeyFileError as e:
                 _error(cfg, f"daemon.tcp_key_file: {e}")
                 return EXIT_START_FAILED

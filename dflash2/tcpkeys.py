@@ -15,7 +15,7 @@ serving processes run as the daemon's user.
 
 Beside it the daemon makes a monitoring key file (`monitor_path`: the key file's name with
 `.monitor` after it), owner-only too, holding the server's public key, a second client key pair and
-the port of the daemon's monitoring socket (`record_port`, at each start). A client holding only
+the port of the daemon's monitoring socket by its request port (`record_port`, at each start). A client holding only
 that one connects there, and is answered `ping`, `stats`, `history` and `check`, and nothing else,
 within a share of the daemon's loop (daemon/keygate.py); so a monitoring
 group is given that file (chgrp GROUP, chmod 0640), never the key file itself, whose readers can
@@ -29,12 +29,13 @@ group write, or that it does not own, and warns of a key file its group may read
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import fcntl
 import logging
 import os
 import secrets
 import stat
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,9 +86,9 @@ class MonitorKeys:
     server_public: bytes
     client_public: bytes
     client_secret: bytes
-    # The port of the daemon's monitoring socket (on the endpoint's host), which it writes here at each
-    # start; None until a daemon has started with this file.
-    port: int | None = field(default=None, compare=False)
+    # The port of each daemon's monitoring socket (on its endpoint's host) by its request port, which
+    # it writes here at each start (`port.REQUEST = MONITORING` lines): two daemons may share a key file.
+    ports: dict[int, int] = field(default_factory=dict, compare=False)
     path: Path | None = field(default=None, compare=False)  # the file they were read from (a client's)
     read_only = True  # (the daemon answers a client holding these ping, stats, history and check only)
 
@@ -99,7 +100,7 @@ class MonitorKeys:
 
     def text(self) -> str:
         return (MONITOR_HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in MONITOR_NAMES)
-                + (f"port = {self.port}\n" if self.port is not None else ""))
+                + "".join(f"port.{request} = {port}\n" for request, port in sorted(self.ports.items())))
 
 
 @dataclass(frozen=True)
@@ -123,22 +124,25 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
     """The keys a file's text holds (a key file's, or with MONITOR_NAMES a monitoring file's);
     KeyFileError naming the file and the line that is wrong."""
     found: dict[str, bytes] = {}
-    port = None
-    allowed = names if names == NAMES else (*names, "port")
+    ports: dict[int, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         name, sep, value = (part.strip() for part in line.partition("="))
-        if not sep or name not in allowed:
-            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(allowed)} = KEY, got {line[:60]!r}")
-        if name in found or (name == "port" and port is not None):
-            raise KeyFileError(f"{path} line {number}: {name} is given twice")
-        if name == "port":
-            if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535 and value[0] != "0"):
-                raise KeyFileError(f"{path} line {number}: port must be a port number (1-65535), got {value[:20]!r}")
-            port = int(value)
+        if names != NAMES and sep and name.startswith("port."):  # (a monitoring file's: port.REQUEST = PORT)
+            request = name[len("port."):]
+            if not all(_port_number(v) for v in (request, value)):
+                raise KeyFileError(f"{path} line {number}: expected port.REQUEST_PORT = MONITORING_PORT, two port "
+                                   f"numbers (1-65535), got {line[:60]!r}")
+            if int(request) in ports:
+                raise KeyFileError(f"{path} line {number}: {name} is given twice")
+            ports[int(request)] = int(value)
             continue
+        if not sep or name not in names:
+            raise KeyFileError(f"{path} line {number}: expected one of {', '.join(names)} = KEY, got {line[:60]!r}")
+        if name in found:
+            raise KeyFileError(f"{path} line {number}: {name} is given twice")
         if len(value) != Z85_KEY_CHARS or not value.isascii():
             raise KeyFileError(f"{path} line {number}: {name} must be a {Z85_KEY_CHARS}-character Z85 key")
         found[name] = value.encode()
@@ -146,7 +150,11 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
     if missing:
         raise KeyFileError(f"{path} lacks {', '.join(missing)} (was it cut short? remove it and restart the "
                            "daemon to make a new one; clients then need the new file)")
-    return TcpKeys(**found) if names == NAMES else MonitorKeys(**found, port=port)
+    return TcpKeys(**found) if names == NAMES else MonitorKeys(**found, ports=ports)
+
+
+def _port_number(text: str) -> bool:
+    return text.isascii() and text.isdigit() and text[0] != "0" and 1 <= int(text) <= 65535
 
 
 def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
@@ -220,18 +228,28 @@ def load_or_make(path: Path) -> tuple[DaemonKeys, bool]:
     return DaemonKeys(keys, _own_monitor(path, keys)), made
 
 
-def record_port(path: Path, keys: DaemonKeys, port: int) -> None:
-    """Write the port of the daemon's monitoring socket into the monitoring key file beside the key
-    file at `path` (its mode and group kept), where its readers find it. KeyFileError as `read_own`,
-    or when the file no longer holds the keys the daemon took at its start."""
+def record_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> None:
+    """Write the port of the daemon's monitoring socket, by its request port, into the monitoring key
+    file beside the key file at `path` (its mode and group kept, other daemons' ports too: they may
+    share the key file), where its readers find it. Under a lock on the key file, so that two daemons
+    starting at once keep both their lines. KeyFileError as `read_own`, or when the file no longer
+    holds the keys the daemon took at its start."""
     monitor = monitor_path(path)
-    found = _own(monitor, MONITOR_NAMES)
-    if found is None or found[0] != keys.monitor:
-        raise KeyFileError(f"the monitoring key file {monitor} {'is gone' if found is None else 'holds other keys'} "
-                           "since the daemon read it at its start")
-    if found[0].port != port:
-        _write(monitor, dataclasses.replace(keys.monitor, port=port).text(), replace=found[1])
-
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise KeyFileError(f"cannot open the key file {path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        found = _own(monitor, MONITOR_NAMES)
+        if found is None or found[0] != keys.monitor:
+            raise KeyFileError(f"the monitoring key file {monitor} {'is gone' if found is None else 'holds other keys'} "
+                               "since the daemon read it at its start")
+        if found[0].ports.get(request_port) != port:
+            ports = {**found[0].ports, request_port: port}
+            _write(monitor, dataclasses.replace(keys.monitor, ports=ports).text(), replace=found[1])
+    finally:
+        os.close(fd)
 
 def read_own(path: Path, names: tuple[str, ...] = NAMES):
     """The keys of the daemon's file at `path` (with MONITOR_NAMES, a monitoring key file), None when

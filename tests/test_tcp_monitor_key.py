@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -158,8 +159,10 @@ def base():
 def test_a_monitoring_user_reads_the_monitoring_file_and_gets_status_but_cannot_attach(base, capsys, caplog):
     """As the README has it: the key file owner-only, the monitoring file given to the monitoring
     user's group (here root's group, which the other user's process keeps with seteuid)."""
-    from dflash2 import status as status_mod
     import argparse
+
+    from dflash2 import status as status_mod
+    from dflash2.client.sglang.plugin import check_dflash2
 
     keys = base / "keys"
     keys.mkdir(mode=0o755)
@@ -182,7 +185,9 @@ def test_a_monitoring_user_reads_the_monitoring_file_and_gets_status_but_cannot_
             rc = status_mod.handler(ns)
             with pytest.raises(AccessDenied, match=f"holds only the monitoring key file {monitor}"):
                 Client.connect(config=cfg, name="other", layouts=[LAYOUT])
+            probe = check_dflash2(cfg)  # (sglang's: it would have switched this process to dflash2)
         assert rc == 0, capsys.readouterr().err
+        assert not probe.ok and f"may read only the monitoring key file {monitor}" in probe.reason
         assert f"read the monitoring key file {monitor} instead" in caplog.text
 
 
@@ -250,7 +255,7 @@ def test_a_refused_monitoring_key_is_named_as_such(tmp_path, runtime):
         monitor = runtime / "dflash2" / f"tcp-{port}.key.monitor"
         revoked = tmp_path / "copy.monitor"
         current = load(monitor)
-        revoked.write_text(dataclasses.replace(MonitorKeys.fresh(current.server_public), port=current.port).text())
+        revoked.write_text(dataclasses.replace(MonitorKeys.fresh(current.server_public), ports=current.ports).text())
         transport = Transport(f"tcp://127.0.0.1:{port}", 5.0, key_file=revoked)
         try:
             assert transport.key_file == revoked
@@ -384,28 +389,30 @@ def test_refused_and_oversized_monitoring_messages_are_charged_and_never_decoded
         srv.close()
 
 
-def test_the_daemon_writes_its_monitoring_port_into_the_file_each_start_keeping_mode_and_group(tmp_path, runtime):
-    with tcp_daemon(tmp_path, runtime) as (config, port):
-        monitor = runtime / "dflash2" / f"tcp-{port}.key.monitor"
-        first = load(monitor).port
-        assert first is not None and first != port
+def test_the_daemon_writes_its_monitoring_port_into_the_file_each_start_keeping_mode_and_group(tmp_path):
+    key_file = tmp_path / "keys" / "node.key"
+    monitor = monitor_path(key_file)
+    port = free_port()
+    with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run"):
+        first = load(monitor).ports[port]
+        assert first != port
         monitor.chmod(0o640)
-    with tcp_daemon(tmp_path, runtime) as (config, port2):
-        monitor = runtime / "dflash2" / f"tcp-{port2}.key.monitor"
-        if port2 == port:
-            assert stat.S_IMODE(monitor.stat().st_mode) == 0o640  # (rewritten with the new port, mode kept)
-        read = load(monitor)
-        transport = Transport(f"tcp://127.0.0.1:{port2}", 5.0, key_file=monitor)
+    with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run"):
+        assert stat.S_IMODE(monitor.stat().st_mode) == 0o640  # (rewritten with the new port, mode kept)
+        now = load(monitor).ports[port]
+        transport = Transport(f"tcp://127.0.0.1:{port}", 5.0, key_file=monitor)
         try:
             assert transport.call(P.Op.PING).ok  # at the port written now
         finally:
             transport.close()
-    text = monitor.read_text()
-    assert f"port = {read.port}" in text
+    assert f"port.{port} = {now}" in monitor.read_text()
 
 
-@pytest.mark.parametrize("line, why", [("port = 0", "port must be a port number"), ("port = 65536", "port must be"),
-                                       ("port = x1", "port must be"), ("port = 5\nport = 6", "port is given twice")])
+@pytest.mark.parametrize("line, why", [("port.5555 = 0", "expected port.REQUEST_PORT = MONITORING_PORT"),
+                                       ("port.5555 = 65536", "two port numbers"), ("port.x = 7", "two port numbers"),
+                                       ("port.05 = 7", "two port numbers"),
+                                       ("port.5 = 6\nport.5 = 7", "port.5 is given twice"),
+                                       ("port = 7", "expected one of server_public")])
 def test_a_bad_port_in_a_monitoring_file_is_refused_naming_the_line(tmp_path, line, why):
     path = tmp_path / "k.key.monitor"
     path.write_text(MonitorKeys.fresh(load_or_make(tmp_path / "k.key")[0].keys.server_public).text() + line + "\n")
@@ -413,8 +420,81 @@ def test_a_bad_port_in_a_monitoring_file_is_refused_naming_the_line(tmp_path, li
         load(path)
 
 
-def test_a_monitoring_file_without_a_port_is_refused_by_name(tmp_path):
+def test_a_monitoring_file_without_its_endpoints_port_is_refused_by_name(tmp_path):
     path = tmp_path / "k.key.monitor"
-    path.write_text(MonitorKeys.fresh(load_or_make(tmp_path / "k.key")[0].keys.server_public).text())
-    with pytest.raises(AccessDenied, match="names no port .*has it started since the file was made"):
-        Transport("tcp://127.0.0.1:9", 1.0, key_file=path)
+    keys = dataclasses.replace(MonitorKeys.fresh(load_or_make(tmp_path / "k.key")[0].keys.server_public), ports={8: 9})
+    path.write_text(keys.text())
+    with pytest.raises(AccessDenied, match="names no monitoring port for port 10 .*has it started since the file"):
+        Transport("tcp://127.0.0.1:10", 1.0, key_file=path)
+    assert Transport("tcp://127.0.0.1:8", 1.0, key_file=path)._connect_to == "tcp://127.0.0.1:9"
+
+
+@contextmanager
+def _daemon_at(folder: Path, port: int, key_file: Path, runtime: Path):
+    """A tcp daemon on `port` with `key_file`; yields its pid."""
+    folder.mkdir(exist_ok=True)
+    config = write_config(folder, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(folder / "s"),
+                                          "tcp_key_file": str(key_file)})
+    with open(folder / "daemon.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config], stdout=subprocess.PIPE,
+                                stderr=log, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("DFlash2: enabled"), (line, (folder / "daemon.log").read_text())
+        yield proc.pid
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        proc.stdout.close()
+
+
+def test_two_daemons_sharing_a_key_file_each_answer_their_own_monitoring_users(tmp_path):
+    """The monitoring file held one port, the last started daemon's: a monitoring user of the first
+    was answered by the second, silently (a review)."""
+    key_file = tmp_path / "keys" / "node.key"
+    ports = [free_port(), free_port()]
+    with _daemon_at(tmp_path / "a", ports[0], key_file, tmp_path / "run") as pid_a, \
+            _daemon_at(tmp_path / "b", ports[1], key_file, tmp_path / "run") as pid_b:
+        for port, pid in zip(ports, (pid_a, pid_b)):
+            transport = Transport(f"tcp://127.0.0.1:{port}", 10.0, key_file=monitor_path(key_file))
+            try:
+                assert transport.call(P.Op.STATS).result["daemon"]["pid"] == pid
+            finally:
+                transport.close()
+        assert sorted(load(monitor_path(key_file)).ports) == sorted(ports)
+
+
+def test_a_monitoring_transport_follows_its_daemon_across_a_restart(tmp_path):
+    """A restarted daemon binds another monitoring port: a monitoring transport kept connecting to the
+    old one, and its calls timed out for good, while the key file's transport was answered (a review)."""
+    key_file = tmp_path / "keys" / "node.key"
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run") as first:
+        transport = Transport(endpoint, 5.0, key_file=monitor_path(key_file))
+        assert transport.call(P.Op.STATS).result["daemon"]["pid"] == first
+    try:
+        with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run") as second:
+            assert transport.call(P.Op.STATS).result["daemon"]["pid"] == second
+    finally:
+        transport.close()
+
+
+def test_a_monitoring_message_wakes_the_loops_wait(tmp_path, make_manager):
+    """The loop waited on the request socket alone: a monitoring call on an idle daemon waited out
+    its timeout (90-200 ms a call, a review)."""
+    import zmq
+
+    keys, srv = _served(tmp_path, make_manager)
+    ctx = zmq.Context()
+    sock = _monitoring_dealer(ctx, keys, srv.monitoring_port)
+    try:
+        assert not srv._gate.wait(srv._sock, 50)  # (nothing came)
+        sock.send_multipart(P.encode_request(P.Op.PING, 1, None))
+        assert srv._gate.wait(srv._sock, 5000)
+        srv._gate.charge(1.0)  # owed: the monitoring socket is left out of the wait
+        assert not srv._gate.wait(srv._sock, 50)
+    finally:
+        sock.close(0)
+        ctx.term()
+        srv.close()

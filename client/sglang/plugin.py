@@ -78,6 +78,11 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
     transport = None
     try:
         transport = Transport(endpoint, timeout_s, key_file=key_file)
+        if transport.read_only:  # (it answers, but this process could not attach)
+            return Verdict(False, f"this process may read only the monitoring key file {transport.key_file} of "
+                                  f"the dflash2 daemon at {endpoint}, whose holders cannot attach: run sglang as the "
+                                  "daemon's user (it maps the daemon's owner-only memory), which reads the key file "
+                                  "itself", endpoint)
         transport.call(Op.PING)
         try:
             note = hbm_note(transport.call(Op.STATS).result)
