@@ -203,8 +203,8 @@ class KeyGate:
         if client_key == self.keys.client_public:
             return True
         self._count("whose client key is not the one in the key file" + (
-            " (it is the monitoring key file's, whose readers connect to the port written in that file: a client "
-            "of an earlier release?)" if client_key == self.monitor_public else ""))
+            " (it is the monitoring key file's, whose readers connect to the monitoring port written in that "
+            "file)" if client_key == self.monitor_public else ""))
         return False
 
     def _count(self, why: str) -> None:

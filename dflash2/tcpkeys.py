@@ -15,9 +15,9 @@ serving processes run as the daemon's user.
 
 Beside it the daemon makes a monitoring key file (`monitor_path`: the key file's name with
 `.monitor` after it), owner-only too, holding the server's public key, a second client key pair and
-the port of the daemon's monitoring socket by its request port (`record_port`, at each start). A client holding only
-that one connects there, and is answered `ping`, `stats`, `history` and `check`, and nothing else,
-within a share of the daemon's loop (daemon/keygate.py); so a monitoring
+the port of each daemon's monitoring socket by its request port (`record_port`, at each start). A
+client holding only that one connects there, and is answered `ping`, `stats`, `history` and
+`check`, and nothing else, within a share of the daemon's loop (daemon/keygate.py); so a monitoring
 group is given that file (chgrp GROUP, chmod 0640), never the key file itself, whose readers can
 attach, take HBM and publish blocks under any prompt's keys. A client reads the key file when it
 can, else the monitoring one (said in its log). When the key file is made again (removed, to change
@@ -190,7 +190,8 @@ def load(path: Path) -> TcpKeys | MonitorKeys:
     except _Unreadable as e:
         monitor = monitor_path(path)
         try:
-            keys = dataclasses.replace(parse(_client_read(monitor, "monitoring key file"), monitor, MONITOR_NAMES), path=monitor)
+            keys = dataclasses.replace(parse(_client_read(monitor, "monitoring key file"), monitor, MONITOR_NAMES),
+                                       path=monitor)
         except KeyFileError as why:
             raise KeyFileError(f"{e} (nor its monitoring key file: {why})") from None
     log.info("cannot read the key file %s; read the monitoring key file %s instead: the daemon answers this "
@@ -250,6 +251,7 @@ def record_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> N
             _write(monitor, dataclasses.replace(keys.monitor, ports=ports).text(), replace=found[1])
     finally:
         os.close(fd)
+
 
 def read_own(path: Path, names: tuple[str, ...] = NAMES):
     """The keys of the daemon's file at `path` (with MONITOR_NAMES, a monitoring key file), None when
