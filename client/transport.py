@@ -45,7 +45,7 @@ from dflash2 import protocol as P
 from dflash2.endpoints import tcp_key_path
 from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, DFlash2Error, ProtocolError, UnreadableReply,
                             VersionMismatch)
-from dflash2.tcpkeys import KeyFileError, load as load_keys
+from dflash2.tcpkeys import KeyFileError, load as load_keys, node_id
 from dflash2.zmqio import HANDSHAKE_FAILED, NOBLOCK, descriptors_left, recv_frames, send_frames
 
 log = logging.getLogger("dflash2.client")
@@ -236,6 +236,7 @@ class Transport:
                                     "tcp://HOST:PORT)") from None
         self._sock = sock
         self._in_flight = set()  # (what went on the old socket goes again on this one)
+        self._checked = False  # (a read-only transport asks who answers, first: `_check_monitored`)
 
     def _close_socket(self, sock: zmq.Socket) -> None:
         if self._monitor is not None:
@@ -282,11 +283,11 @@ class Transport:
         """Where the daemon at this endpoint answers the monitoring key: the port it wrote into the
         monitoring file for its request port. AccessDenied when there is none."""
         host, _, request = self.endpoint.rpartition(":")
-        port = keys.ports.get(int(request))
+        port = keys.ports.get((node_id(), int(request)))
         if port is None:
             raise AccessDenied(f"cannot connect to the tcp endpoint {self.endpoint}: the monitoring key file "
-                               f"{self.key_file} names no monitoring port for port {request} (the daemon there "
-                               "writes it at each start: has it started since the file was made?)")
+                               f"{self.key_file} names no monitoring port for port {request} of this node (the "
+                               "daemon there writes it at each start and removes it as it stops: is it running?)")
         return f"{host}:{port}"
 
     def _follow_port(self) -> None:
@@ -300,14 +301,35 @@ class Transport:
             return
         self._monitoring_file = (st.st_ino, st.st_mtime_ns)
         try:
-            where = self._monitoring_endpoint(load_keys(self.key_file))
+            keys = load_keys(self.key_file)
+            where = self._monitoring_endpoint(keys)
         except (KeyFileError, AccessDenied):
             return  # (kept as it was; a call that is not answered says so)
-        if where != self._connect_to:
-            self._connect_to = where
+        if where != self._connect_to or keys != self._keys:  # (a new port, or new keys: made again)
+            self._connect_to, self._keys = where, keys
             if self._sock is not None:  # (the call opens one to the new port)
                 self._close_socket(self._sock)
                 self._sock = None
+
+    def _check_monitored(self, op: P.Op, timeout_s: float | None) -> None:
+        """Before a read-only transport's first call on a socket: whether the daemon at the monitoring
+        port serves this endpoint (a line left by a daemon killed before it could remove it names a
+        port another daemon may hold now, which answered for it). DaemonUnavailable when it does not."""
+        self._checked = True  # (the ping below is a call too)
+        try:
+            serves = self.call(P.Op.PING, timeout_s=timeout_s).result.get("request_port")
+        except BaseException:
+            self._checked = False
+            raise
+        request = int(self.endpoint.rpartition(":")[2])
+        if serves is not None and serves != request:
+            self._checked = False
+            self._close_socket(self._sock)
+            self._sock = None
+            raise DaemonUnavailable(f"{op.value}: the monitoring key file {self.key_file} sends port {request}'s "
+                                    f"monitoring users to {self._connect_to}, where the daemon of port {serves} "
+                                    f"answers: that line is stale (a daemon killed before it could remove it), and "
+                                    f"no daemon serving {self.endpoint} has written one since: is it running?")
 
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
@@ -386,6 +408,8 @@ class Transport:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         if self.read_only:
             self._follow_port()
+            if not self._checked:
+                self._check_monitored(op, timeout_s)
         if self._sock is None:  # the last fresh socket could not be made
             try:
                 self._open()

@@ -105,6 +105,8 @@ class Server:
         """`keys`: a tcp endpoint's (from `key_file`): only clients holding its client key, or the
         monitoring key (answered read-only calls alone), connect."""
         self.service = service
+        if endpoint.startswith("tcp://"):  # (in ping and stats: whom a monitoring client reached)
+            service.request_port = int(endpoint.rpartition(":")[2])
         self.observers = observers
         self.endpoint = endpoint
         self.tick_interval_s = tick_interval_s

@@ -76,6 +76,9 @@ class Service(Forgetting):
         # Whether a call that must wait for copies not yet ended is parked (handle_frames answers
         # `Parked`) rather than waited for: the server's loop sets it; in-process callers wait.
         self.parking = False
+        # A tcp endpoint's request port (the server sets it), in `ping` and `stats`: a monitoring
+        # client checks that the daemon at its monitoring port serves the endpoint it asks about.
+        self.request_port: int | None = None
         self._stall_grace_at = -math.inf  # when a stall last gave clients a heartbeat interval more (`resumed`)
         self.latency: dict[str, list[float]] = {}  # op -> [count, total seconds]
         # How late the background step started, the last time and the most over its last 64 runs,
@@ -353,7 +356,7 @@ class Service(Forgetting):
 
     # -- handlers --------------------------------------------------------------------------
     def _ping(self, req):
-        return {"version": P.VERSION, "pid": os.getpid()}, []
+        return {"version": P.VERSION, "pid": os.getpid(), "request_port": self.request_port}, []
 
     def _attach(self, req):
         name = P.client_name(arg(req, "name", str))
@@ -560,6 +563,7 @@ class Service(Forgetting):
         st["clients"] = [{"client": s.client, "name": s.name, "pid": s.pid, "device": s.device,
                           "idle_s": round(self.clock() - s.last_seen, 3)} for s in self.sessions.values()]
         st["daemon"] = {"pid": os.getpid(), "started": self.started, "device": self.device, **self.counters,
+                        "request_port": self.request_port,
                         "gpus": {str(d): u for d, u in self._gpu_uuids().items()},  # pool -> GPU UUID
                         "pools": [str(d) for d in self.managers],  # their keys (a lone pool's too)
                         "latency": {op: {"count": n, "mean_us": round(1e6 * t / n, 1)}
@@ -577,17 +581,7 @@ class Service(Forgetting):
         return {"enabled": True, "interval_s": self.history.interval_s, "count": count}, [lines]
 
     def _set_weights(self, req):
-        weights = arg(req, "weights", dict)
-        bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
-        if bad:
-            raise ProtocolError(f"set_weights: weights {bad} must be numbers")
-        bad = {k: v for k, v in weights.items() if isinstance(v, float) and math.isnan(v)}
-        if bad:
-            raise ProtocolError(f"set_weights: weights must be numbers >= 0, got {bad}")
-        # An integer past float's range (JSON allows 10**400) is taken as infinite: the policy's
-        # own bounds check then names the weight and its bound.
-        floats = {k: float(v) if abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf)
-                  for k, v in weights.items()}
+        floats = wire.weights_of(req)
         for m in self.managers.values():
             m.policy.set_weights(floats)
         return {"policy": self.manager.policy.describe()}, []

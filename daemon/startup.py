@@ -26,7 +26,7 @@ from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event
 from dflash2.plan import Plan, resolve_plan
-from dflash2.tcpkeys import KeyFileError, load_or_make, monitor_path, record_port
+from dflash2.tcpkeys import KeyFileError, forget_port, load_or_make, monitor_path, record_port
 from dflash2.tiers import Tier
 from dflash2.daemon.server import Server
 
@@ -110,7 +110,7 @@ def run(cfg: Config) -> int:
         lock.release()
         raise
     managers: dict = {}
-    server = observers = alive = None
+    server = observers = alive = recorded = None
     started = time.monotonic()
     try:
         try:
@@ -135,10 +135,11 @@ def run(cfg: Config) -> int:
                         keys=keys, key_file=plan.tcp_key_file)
         if keys is not None:  # where the monitoring key's readers connect (tcpkeys.py)
             try:
-                record_port(plan.tcp_key_file, keys, int(plan.endpoint.rpartition(":")[2]), server.monitoring_port)
+                record_port(plan.tcp_key_file, keys, service.request_port, server.monitoring_port)
             except KeyFileError as e:
                 _error(cfg, f"daemon.tcp_key_file: {e}")
                 return EXIT_START_FAILED
+            recorded = (plan.tcp_key_file, keys, service.request_port, server.monitoring_port)
         lock.secure_socket()
         warn_if_few()  # (now that the daemon holds its own descriptors)
         for sig in threads.STOP_SIGNALS:
@@ -168,6 +169,7 @@ def run(cfg: Config) -> int:
         # one that raised (a GPU lost) skipped the rest, leaving the segments, the liveness object
         # and the lock file for good.
         steps = [observers.close] if observers is not None else []
+        steps += [lambda: forget_port(*recorded)] if recorded is not None else []  # (its line, while still its own)
         steps += [server.close] if server is not None else []
         steps += [m.close for m in managers.values()]
         # What a start-up cut short left of ours that no manager closes (nobody holds it: a live

@@ -4,6 +4,8 @@ arenas a client maps at attach."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dflash2 import protocol as P
@@ -22,6 +24,20 @@ def layout_of(data) -> Layout:
         return Layout.from_dict(data)
     except TypeError as e:
         raise LayoutError(f"bad layout field types: {e}") from None
+
+
+def weights_of(req) -> dict[str, float]:
+    """`set_weights`'s weights as floats: ProtocolError for one that is not a number, or NaN. An
+    integer past float's range (JSON allows 10**400) is taken as infinite: the policy's own bounds
+    check then names the weight and its bound."""
+    weights = arg(req, "weights", dict)
+    bad = [k for k, v in weights.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
+    if bad:
+        raise ProtocolError(f"set_weights: weights {bad} must be numbers")
+    bad = {k: v for k, v in weights.items() if isinstance(v, float) and math.isnan(v)}
+    if bad:
+        raise ProtocolError(f"set_weights: weights must be numbers >= 0, got {bad}")
+    return {k: float(v) if abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf) for k, v in weights.items()}
 
 
 def prefill_rate(req, value) -> float | None:

@@ -34,7 +34,9 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import secrets
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,9 +88,11 @@ class MonitorKeys:
     server_public: bytes
     client_public: bytes
     client_secret: bytes
-    # The port of each daemon's monitoring socket (on its endpoint's host) by its request port, which
-    # it writes here at each start (`port.REQUEST = MONITORING` lines): two daemons may share a key file.
-    ports: dict[int, int] = field(default_factory=dict, compare=False)
+    # The port of each daemon's monitoring socket (on its endpoint's host) by its node (`node_id`) and
+    # request port, which it writes here at each start and removes at a clean stop
+    # (`port.NODE.REQUEST = MONITORING` lines): daemons of one node, and of several nodes (a key file
+    # on a shared folder), may share a key file.
+    ports: dict[tuple[str, int], int] = field(default_factory=dict, compare=False)
     path: Path | None = field(default=None, compare=False)  # the file they were read from (a client's)
     read_only = True  # (the daemon answers a client holding these ping, stats, history and check only)
 
@@ -100,7 +104,7 @@ class MonitorKeys:
 
     def text(self) -> str:
         return (MONITOR_HEADER + "".join(f"{name} = {getattr(self, name).decode()}\n" for name in MONITOR_NAMES)
-                + "".join(f"port.{request} = {port}\n" for request, port in sorted(self.ports.items())))
+                + "".join(f"port.{node}.{request} = {port}\n" for (node, request), port in sorted(self.ports.items())))
 
 
 @dataclass(frozen=True)
@@ -130,14 +134,14 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
         if not line or line.startswith("#"):
             continue
         name, sep, value = (part.strip() for part in line.partition("="))
-        if names != NAMES and sep and name.startswith("port."):  # (a monitoring file's: port.REQUEST = PORT)
-            request = name[len("port."):]
-            if not all(_port_number(v) for v in (request, value)):
-                raise KeyFileError(f"{path} line {number}: expected port.REQUEST_PORT = MONITORING_PORT, two port "
-                                   f"numbers (1-65535), got {line[:60]!r}")
-            if int(request) in ports:
+        if names != NAMES and sep and name.startswith("port."):  # (a monitoring file's: port.NODE.REQUEST = PORT)
+            node, _, request = name[len("port."):].rpartition(".")
+            if not (_NODE.fullmatch(node) and _port_number(request) and _port_number(value)):
+                raise KeyFileError(f"{path} line {number}: expected port.NODE.REQUEST_PORT = MONITORING_PORT (a node id "
+                                   f"of letters, digits and dashes, two port numbers 1-65535), got {line[:80]!r}")
+            if (node, int(request)) in ports:
                 raise KeyFileError(f"{path} line {number}: {name} is given twice")
-            ports[int(request)] = int(value)
+            ports[node, int(request)] = int(value)
             continue
         if not sep or name not in names:
             raise KeyFileError(f"{path} line {number}: expected one of {', '.join(names)} = KEY, got {line[:60]!r}")
@@ -151,6 +155,23 @@ def parse(text: str, path: Path, names: tuple[str, ...] = NAMES):
         raise KeyFileError(f"{path} lacks {', '.join(missing)} (was it cut short? remove it and restart the "
                            "daemon to make a new one; clients then need the new file)")
     return TcpKeys(**found) if names == NAMES else MonitorKeys(**found, ports=ports)
+
+
+_NODE = re.compile(r"[A-Za-z0-9-]{1,64}")
+
+
+def node_id() -> str:
+    """This node, as the monitoring file's lines name it: the kernel's boot id, which every container
+    on the node shares (a pod's hostname is its own), else the hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        if _NODE.fullmatch(boot):
+            return boot
+    except OSError:
+        pass
+    name = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
+    return name or "node"
 
 
 def _port_number(text: str) -> bool:
@@ -230,24 +251,41 @@ def load_or_make(path: Path) -> tuple[DaemonKeys, bool]:
 
 
 def record_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> None:
-    """Write the port of the daemon's monitoring socket, by its request port, into the monitoring key
-    file beside the key file at `path` (its mode and group kept, other daemons' ports too: they may
-    share the key file), where its readers find it. Under a lock on the key file, so that two daemons
-    starting at once keep both their lines. KeyFileError as `read_own`, or when the file no longer
-    holds the keys the daemon took at its start."""
+    """Write the port of this daemon's monitoring socket, by this node and its request port, into the
+    monitoring key file beside the key file at `path` (its mode and group kept, other daemons' lines
+    too: they may share the key file), where its readers find it. KeyFileError as `read_own`, or
+    when the file no longer holds the keys the daemon took at its start."""
+    _edit_ports(path, keys, lambda ports: ports.update({(node_id(), request_port): port}))
+
+
+def forget_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> None:
+    """At a clean stop: remove this daemon's line from the monitoring key file, if it is still its
+    own (a stale line sent monitoring clients to a port another daemon got later, a review)."""
+    mine = (node_id(), request_port)
+    _edit_ports(path, keys, lambda ports: ports.pop(mine) if ports.get(mine) == port else None)
+
+
+def _edit_ports(path: Path, keys: DaemonKeys, edit) -> None:
+    """Apply `edit` to the monitoring file's ports, under a lock on the key file (two daemons that
+    share it, starting at once, keep both their lines); rewrite the file when they changed."""
     monitor = monitor_path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise KeyFileError(f"cannot open the key file {path}: {e.strerror or e}") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # (ENOLCK: NFS without a lock manager; EOPNOTSUPP: some FUSE file systems)
+            log.warning("cannot lock the key file %s (%s): the monitoring file's lines are written without the "
+                        "lock (two daemons sharing it that start at once might lose one's line)", path, e.strerror or e)
         found = _own(monitor, MONITOR_NAMES)
         if found is None or found[0] != keys.monitor:
             raise KeyFileError(f"the monitoring key file {monitor} {'is gone' if found is None else 'holds other keys'} "
                                "since the daemon read it at its start")
-        if found[0].ports.get(request_port) != port:
-            ports = {**found[0].ports, request_port: port}
+        ports = dict(found[0].ports)
+        edit(ports)
+        if ports != found[0].ports:
             _write(monitor, dataclasses.replace(keys.monitor, ports=ports).text(), replace=found[1])
     finally:
         os.close(fd)

@@ -26,9 +26,9 @@ from test_tcp_keys import free_port, tcp_daemon
 from dflash2 import protocol as P
 from dflash2.client import Client
 from dflash2.client.transport import Transport
-from dflash2.errors import AccessDenied
+from dflash2.errors import AccessDenied, DaemonUnavailable
 from dflash2.layout import Layout
-from dflash2.tcpkeys import KeyFileError, MonitorKeys, load, load_or_make, monitor_path
+from dflash2.tcpkeys import KeyFileError, MonitorKeys, load, load_or_make, monitor_path, node_id, record_port
 
 LAYOUT = Layout("t", 2, 2, 8, "fp16", 16)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -393,25 +393,28 @@ def test_the_daemon_writes_its_monitoring_port_into_the_file_each_start_keeping_
     key_file = tmp_path / "keys" / "node.key"
     monitor = monitor_path(key_file)
     port = free_port()
+    mine = (node_id(), port)
     with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run"):
-        first = load(monitor).ports[port]
+        first = load(monitor).ports[mine]
         assert first != port
         monitor.chmod(0o640)
+    assert mine not in load(monitor).ports  # removed at the clean stop
     with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run"):
         assert stat.S_IMODE(monitor.stat().st_mode) == 0o640  # (rewritten with the new port, mode kept)
-        now = load(monitor).ports[port]
+        now = load(monitor).ports[mine]
+        assert f"port.{node_id()}.{port} = {now}" in monitor.read_text()
         transport = Transport(f"tcp://127.0.0.1:{port}", 5.0, key_file=monitor)
         try:
             assert transport.call(P.Op.PING).ok  # at the port written now
         finally:
             transport.close()
-    assert f"port.{port} = {now}" in monitor.read_text()
 
 
-@pytest.mark.parametrize("line, why", [("port.5555 = 0", "expected port.REQUEST_PORT = MONITORING_PORT"),
-                                       ("port.5555 = 65536", "two port numbers"), ("port.x = 7", "two port numbers"),
-                                       ("port.05 = 7", "two port numbers"),
-                                       ("port.5 = 6\nport.5 = 7", "port.5 is given twice"),
+@pytest.mark.parametrize("line, why", [("port.n1.5555 = 0", "expected port.NODE.REQUEST_PORT = MONITORING_PORT"),
+                                       ("port.n1.5555 = 65536", "two port numbers"), ("port.n1.x = 7", "two port"),
+                                       ("port.n1.05 = 7", "two port numbers"), ("port.5555 = 7", "a node id"),
+                                       ("port.n/1.5555 = 7", "a node id"),
+                                       ("port.n1.5 = 6\nport.n1.5 = 7", "port.n1.5 is given twice"),
                                        ("port = 7", "expected one of server_public")])
 def test_a_bad_port_in_a_monitoring_file_is_refused_naming_the_line(tmp_path, line, why):
     path = tmp_path / "k.key.monitor"
@@ -422,9 +425,10 @@ def test_a_bad_port_in_a_monitoring_file_is_refused_naming_the_line(tmp_path, li
 
 def test_a_monitoring_file_without_its_endpoints_port_is_refused_by_name(tmp_path):
     path = tmp_path / "k.key.monitor"
-    keys = dataclasses.replace(MonitorKeys.fresh(load_or_make(tmp_path / "k.key")[0].keys.server_public), ports={8: 9})
+    ports = {(node_id(), 8): 9, ("another-node", 10): 11}  # (a key file shared by two nodes)
+    keys = dataclasses.replace(MonitorKeys.fresh(load_or_make(tmp_path / "k.key")[0].keys.server_public), ports=ports)
     path.write_text(keys.text())
-    with pytest.raises(AccessDenied, match="names no monitoring port for port 10 .*has it started since the file"):
+    with pytest.raises(AccessDenied, match="names no monitoring port for port 10 of this node .*is it running"):
         Transport("tcp://127.0.0.1:10", 1.0, key_file=path)
     assert Transport("tcp://127.0.0.1:8", 1.0, key_file=path)._connect_to == "tcp://127.0.0.1:9"
 
@@ -461,7 +465,7 @@ def test_two_daemons_sharing_a_key_file_each_answer_their_own_monitoring_users(t
                 assert transport.call(P.Op.STATS).result["daemon"]["pid"] == pid
             finally:
                 transport.close()
-        assert sorted(load(monitor_path(key_file)).ports) == sorted(ports)
+        assert sorted(load(monitor_path(key_file)).ports) == sorted((node_id(), p) for p in ports)
 
 
 def test_a_monitoring_transport_follows_its_daemon_across_a_restart(tmp_path):
@@ -498,3 +502,53 @@ def test_a_monitoring_message_wakes_the_loops_wait(tmp_path, make_manager):
         sock.close(0)
         ctx.term()
         srv.close()
+
+
+def test_a_stale_line_sending_monitoring_users_to_another_daemon_is_said(tmp_path):
+    """A daemon killed before it could remove its line leaves a port the system may give another
+    daemon's monitoring socket later: its monitoring users were answered by that daemon, its stats
+    shown as theirs (a review). The client asks who answers first."""
+    key_file = tmp_path / "keys" / "node.key"
+    gone, there = free_port(), free_port()
+    with _daemon_at(tmp_path / "b", there, key_file, tmp_path / "run"):
+        keys, _ = load_or_make(key_file)
+        record_port(key_file, keys, gone, load(monitor_path(key_file)).ports[node_id(), there])  # (the killed one's)
+        transport = Transport(f"tcp://127.0.0.1:{gone}", 5.0, key_file=monitor_path(key_file))
+        try:
+            with pytest.raises(DaemonUnavailable, match=f"where the daemon of port {there} answers: that line is stale"):
+                transport.call(P.Op.STATS)
+        finally:
+            transport.close()
+
+
+def test_a_key_file_that_cannot_be_locked_is_written_without_the_lock_said(tmp_path, monkeypatch, caplog):
+    """NFS without a lock manager answers ENOLCK: start-up ended in a traceback naming neither the file
+    nor the key, after every tier was taken (a review)."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    keys, _ = load_or_make(tmp_path / "k.key")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="dflash2.tcpkeys"):
+        record_port(tmp_path / "k.key", keys, 5555, 6666)
+    assert load(monitor_path(tmp_path / "k.key")).ports == {(node_id(), 5555): 6666}
+    assert "cannot lock the key file" in caplog.text and "No locks available" in caplog.text
+
+
+def test_a_monitoring_transport_follows_new_keys_after_the_key_file_is_made_again(tmp_path):
+    """The key file removed and the daemon restarted (new keys, the monitoring file made again, its mode
+    kept): a monitoring transport kept the old keys and was refused for good (a review)."""
+    key_file = tmp_path / "keys" / "node.key"
+    port = free_port()
+    with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run") as first:
+        transport = Transport(f"tcp://127.0.0.1:{port}", 5.0, key_file=monitor_path(key_file))
+        assert transport.call(P.Op.STATS).result["daemon"]["pid"] == first
+    key_file.unlink()
+    try:
+        with _daemon_at(tmp_path / "d", port, key_file, tmp_path / "run") as second:
+            assert transport.call(P.Op.STATS).result["daemon"]["pid"] == second
+    finally:
+        transport.close()
