@@ -52,6 +52,7 @@ MONITOR_BURST_S = 0.25
 MONITOR_OWED_MAX_S = MONITOR_BURST_S + 60 * MONITOR_SHARE
 REQUEST_DOMAIN, MONITORING_DOMAIN = b"dflash2", b"dflash2-monitoring"  # (the ZAP domains of the two sockets)
 MONITOR_HEADER_BYTES = 4096  # (ping, stats, history and check take headers of a few dozen bytes)
+MONITOR_QUEUED = 8  # messages queued on a monitoring connection at most, beyond which it is not read
 
 
 class ReadOnlyFrames(list):
@@ -86,6 +87,7 @@ class KeyGate:
             self._auth.configure_curve_callback(domain.decode(), credentials_provider=self)
         self._sock: zmq.Socket | None = None
         self._monitoring: zmq.Socket | None = None  # the monitoring key's socket (`secure`)
+        self._monitors: list[tuple[zmq.Socket, bool]] = []  # each socket's events, and whether it is the monitoring one
         self._either: zmq.Poller | None = None  # both sockets (`wait`)
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
@@ -93,19 +95,24 @@ class KeyGate:
     def secure(self, sock: zmq.Socket, monitoring: bool = False) -> None:
         """Make `sock` (before bind) a CURVE server with the file's server key that lets in the key
         file's client key, or with `monitoring` the monitoring key alone (the ZAP domain tells the
-        handler which); the request socket's failed handshakes a thread of the gate's counts."""
+        handler which), whose failed handshakes a thread of the gate's counts (started with the
+        monitoring socket's, which comes second). The monitoring socket takes small frames only (a
+        larger one drops its sender: a message of 100 frames of 4 MiB, refused, took 400 MiB of the
+        daemon's memory first, a review) and few messages queued."""
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.server_public)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         sock.setsockopt(zmq.ZAP_DOMAIN, MONITORING_DOMAIN if monitoring else REQUEST_DOMAIN)
-        if monitoring:
-            self._monitoring = sock
+        # (each used by the watcher thread alone from here)
+        self._monitors.append((sock.get_monitor_socket(HANDSHAKE_FAILED), monitoring))
+        if not monitoring:
+            self._sock = sock
             return
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # (used by the watcher thread alone from here)
-        self._sock = sock
-        self._watcher = threads.start(threading.Thread(target=self._watch, args=(monitor,), name="dflash2-tcp-gate",
-                                                       daemon=True))
+        sock.setsockopt(zmq.MAXMSGSIZE, MONITOR_HEADER_BYTES + 64)
+        sock.setsockopt(zmq.RCVHWM, MONITOR_QUEUED)
+        self._monitoring = sock
+        self._watcher = threads.start(threading.Thread(target=self._watch, name="dflash2-tcp-gate", daemon=True))
 
     def wait(self, sock: zmq.Socket, timeout_ms: int) -> bool:
         """Whether a message came within `timeout_ms` on `sock` (the request socket), or on the
@@ -177,20 +184,27 @@ class KeyGate:
         self._monitor_at = now
         return self._monitor_owed_s
 
-    def _watch(self, monitor: zmq.Socket) -> None:
+    def _watch(self) -> None:
+        poller = zmq.Poller()
+        for monitor, _ in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not monitor.poll(200):
+                ready = dict(poller.poll(200))
+                if not ready:
                     self._log_unlogged(force=False)
                     continue
-                event = recv_monitor_message(monitor)["event"]
-                if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (those: counted by `callback`)
-                    self._count("whose handshake failed (a client with another daemon's key file, or one since made "
-                                "again, or not a CURVE client)")
+                for monitor, monitoring in self._monitors:
+                    if monitor in ready and recv_monitor_message(monitor)["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        # (the AUTH ones: counted by `callback`)
+                        self._count(("at the monitoring socket, " if monitoring else "") + "whose handshake failed (a "
+                                    "client with another daemon's key file, or one since made again, or not a CURVE "
+                                    "client)")
         except zmq.ZMQError:
             pass  # (the context ends under it at shutdown)
         finally:
-            monitor.close(0)
+            for monitor, _ in self._monitors:
+                monitor.close(0)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """The ZAP handler's question: may a client with this (Z85) key connect to the socket of
@@ -225,16 +239,20 @@ class KeyGate:
 
     def close(self) -> None:
         """Before the request socket closes: the monitoring socket closes here."""
+        self._stop.set()
+        for sock in (self._sock, self._monitoring):
+            if sock is not None:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        else:  # (never started: the monitors are this thread's to close)
+            for monitor, _ in self._monitors:
+                monitor.close(0)
         if self._monitoring is not None:
             self._monitoring.close(0)
             self._monitoring = None
-        self._stop.set()
-        if self._sock is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
         self._auth.stop()
         self._log_unlogged(force=True)

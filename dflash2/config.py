@@ -524,9 +524,9 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
         host = endpoint[len("tcp://"):].rpartition(":")[0]
         everyone = _bare_host(host) in ("*", "0.0.0.0", "::")
         if everyone:
-            warnings.append(f"daemon.endpoint is {endpoint}: every address of this node, so every host that "
-                            "reaches it can try to connect; only a client that holds the endpoint's key file "
-                            "(daemon.tcp_key_file) can attach")
+            warnings.append(f"daemon.endpoint is {endpoint}: every address of this node (the monitoring port too), "
+                            "so every host that reaches it can try to connect; only a client that holds the "
+                            "endpoint's key file (daemon.tcp_key_file) can attach")
     elif cfg.daemon.tcp_key_file is not None:
         warnings.append("daemon.tcp_key_file is ignored: the endpoint is an ipc socket (its mode guards it)")
     if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:

@@ -78,8 +78,8 @@ def test_check_says_an_endpoint_of_every_address_lets_every_host_try(tmp_path):
     local = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://127.0.0.1:5999"})))
     assert not any("tcp" in w for w in local)
     wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://*:5999"})))
-    assert any("every host that reaches it can try to connect; only a client that holds the endpoint's key file" in w
-               for w in wide)
+    assert any("(the monitoring port too), so every host that reaches it can try to connect; only a client that "
+               "holds the endpoint's key file" in w for w in wide)
     ipc = config_warnings(load_config(write_config(tmp_path, daemon={"tcp_key_file": "k.key"})))
     assert any("daemon.tcp_key_file is ignored: the endpoint is an ipc socket" in w for w in ipc)
     assert not any("tcp" in w for w in config_warnings(load_config(write_config(tmp_path))))

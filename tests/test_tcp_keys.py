@@ -269,6 +269,7 @@ def test_refusals_after_a_logged_line_are_logged_once_the_minute_has_passed(monk
     sock = ctx.socket(zmq.ROUTER)
     try:
         gate.secure(sock)
+        gate.secure(ctx.socket(zmq.ROUTER), monitoring=True)  # (the gate's watcher starts with the second; it closes it)
         with caplog.at_level("WARNING", logger="dflash2.daemon"):
             for _ in range(3):
                 assert not gate.callback("*", b"not the key")

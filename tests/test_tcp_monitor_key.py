@@ -552,3 +552,58 @@ def test_a_monitoring_transport_follows_new_keys_after_the_key_file_is_made_agai
             assert transport.call(P.Op.STATS).result["daemon"]["pid"] == second
     finally:
         transport.close()
+
+
+def test_the_monitoring_socket_drops_a_sender_of_a_large_frame(tmp_path, make_manager):
+    """It took the request socket's frames of 4 MiB: one refused message of 100 of them took 400 MiB
+    of the daemon's memory first (a review)."""
+    import zmq
+
+    from dflash2.daemon import keygate
+
+    keys, srv = _served(tmp_path, make_manager)
+    ctx = zmq.Context()
+    big = _monitoring_dealer(ctx, keys, srv.monitoring_port)
+    try:
+        big.send_multipart([*P.encode_request(P.Op.PING, 1, None), b"x" * (keygate.MONITOR_HEADER_BYTES + 65)])
+        assert _next(srv._gate, within_s=1.0) is None  # (dropped with its connection, never queued)
+        small = _monitoring_dealer(ctx, keys, srv.monitoring_port)
+        small.send_multipart(P.encode_request(P.Op.PING, 2, None))
+        frames = _next(srv._gate)
+        assert frames is not None and P.decode_request(frames[1:]).call_id == 2
+        small.close(0)
+    finally:
+        big.close(0)
+        ctx.term()
+        srv.close()
+
+
+def test_a_failed_handshake_at_the_monitoring_socket_is_logged(tmp_path, make_manager, caplog):
+    """Only the request socket's were watched: a client with another daemon's key at the monitoring
+    port left no line (a review)."""
+    import time as _time
+
+    import zmq
+
+    from dflash2.tcpkeys import TcpKeys
+
+    keys, srv = _served(tmp_path, make_manager)
+    ctx = zmq.Context()
+    other = TcpKeys.fresh()  # (another daemon's server key)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, other.server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.monitor.client_public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.monitor.client_secret)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2.daemon"):
+            sock.connect(f"tcp://127.0.0.1:{srv.monitoring_port}")
+            sock.send_multipart(P.encode_request(P.Op.PING, 1, None))
+            deadline = _time.monotonic() + 5
+            while _time.monotonic() < deadline and not srv._gate._unlogged and not caplog.records:
+                _time.sleep(0.05)
+            srv.close()
+        assert "at the monitoring socket, whose handshake failed" in caplog.text, caplog.text
+    finally:
+        sock.close(0)
+        ctx.term()
