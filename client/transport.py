@@ -236,7 +236,6 @@ class Transport:
                                     "tcp://HOST:PORT)") from None
         self._sock = sock
         self._in_flight = set()  # (what went on the old socket goes again on this one)
-        self._checked = False  # (a read-only transport asks who answers, first: `_check_monitored`)
 
     def _close_socket(self, sock: zmq.Socket) -> None:
         if self._monitor is not None:
@@ -310,26 +309,6 @@ class Transport:
             if self._sock is not None:  # (the call opens one to the new port)
                 self._close_socket(self._sock)
                 self._sock = None
-
-    def _check_monitored(self, op: P.Op, timeout_s: float | None) -> None:
-        """Before a read-only transport's first call on a socket: whether the daemon at the monitoring
-        port serves this endpoint (a line left by a daemon killed before it could remove it names a
-        port another daemon may hold now, which answered for it). DaemonUnavailable when it does not."""
-        self._checked = True  # (the ping below is a call too)
-        try:
-            serves = self.call(P.Op.PING, timeout_s=timeout_s).result.get("request_port")
-        except BaseException:
-            self._checked = False
-            raise
-        request = int(self.endpoint.rpartition(":")[2])
-        if serves is not None and serves != request:
-            self._checked = False
-            self._close_socket(self._sock)
-            self._sock = None
-            raise DaemonUnavailable(f"{op.value}: the monitoring key file {self.key_file} sends port {request}'s "
-                                    f"monitoring users to {self._connect_to}, where the daemon of port {serves} "
-                                    f"answers: that line is stale (a daemon killed before it could remove it), and "
-                                    f"no daemon serving {self.endpoint} has written one since: is it running?")
 
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
@@ -408,8 +387,10 @@ class Transport:
             raise DaemonUnavailable(f"{op.value}: the connection to {self.endpoint} is closed")
         if self.read_only:
             self._follow_port()
-            if not self._checked:
-                self._check_monitored(op, timeout_s)
+            # The request port it asks about, which the daemon that answers checks against its own (a
+            # line a killed daemon left may name a port another daemon holds now; checked by the
+            # client once a socket, ZeroMQ's reconnects to a new holder of the port went unchecked).
+            args = {**(args or {}), "request_port": int(self.endpoint.rpartition(":")[2])}
         if self._sock is None:  # the last fresh socket could not be made
             try:
                 self._open()

@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import protocol as P
 from dflash2 import threads
-from dflash2.errors import AccessDenied, DFlash2Error
+from dflash2.errors import AccessDenied, DaemonUnavailable, DFlash2Error
 from dflash2.tcpkeys import DaemonKeys
 from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames_by
 
@@ -73,6 +73,7 @@ class KeyGate:
         # public key in Z85), which each of its messages carries: the server answers every other
         # (the monitoring key's, or none) its read-only calls only.
         self.engine_user = keys.keys.client_public.decode()
+        self.request_port: int | None = None  # the request socket's port (the server's), which monitoring calls name
         self._monitor_owed_s = 0.0  # loop time the monitoring calls took beyond their share ...
         self._monitor_at = time.monotonic()  # ... as of then
         self.key_file = key_file
@@ -165,9 +166,15 @@ class KeyGate:
                 f"most {MONITOR_HEADER_BYTES} bytes; this one had {len(frames) - 1} frames, a header of "
                 f"{len(header)} bytes")))
         try:
-            op = P.decode_request(frames[1:]).op
+            req = P.decode_request(frames[1:])
         except DFlash2Error:
             return None
+        op, asked = req.op, req.args.get("request_port")
+        if frames.sock is not None and isinstance(asked, int) and asked != self.request_port:
+            return P.encode_reply(P.error_reply(call_id, DaemonUnavailable(
+                f"this monitoring socket is the daemon's of port {self.request_port}, not port {asked}'s: the monitoring "
+                f"key file's line for port {asked} is stale (a daemon killed before it could remove it), and no daemon "
+                f"serving port {asked} has written one since: is it running?")))
         if op not in P.READ_ONLY:
             return P.encode_reply(P.error_reply(call_id, AccessDenied(
                 f"{op.value}: this connection holds the tcp endpoint's monitoring key (the key file's .monitor), "

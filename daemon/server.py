@@ -105,7 +105,7 @@ class Server:
         """`keys`: a tcp endpoint's (from `key_file`): only clients holding its client key, or the
         monitoring key (answered read-only calls alone), connect."""
         self.service = service
-        if endpoint.startswith("tcp://"):  # (in ping and stats: whom a monitoring client reached)
+        if endpoint.startswith("tcp://"):  # (in ping and stats, and checked against monitoring calls': keygate.py)
             service.request_port = int(endpoint.rpartition(":")[2])
         self.observers = observers
         self.endpoint = endpoint
@@ -131,6 +131,8 @@ class Server:
         self._dropped = 0  # replies dropped for a full queue since the last line that said so
         self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
+        if self._gate is not None:
+            self._gate.request_port = service.request_port
         self.monitoring_port: int | None = None  # a tcp endpoint's monitoring socket's (keygate.py)
         try:
             if self._gate is not None:

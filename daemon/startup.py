@@ -169,7 +169,10 @@ def run(cfg: Config) -> int:
         # one that raised (a GPU lost) skipped the rest, leaving the segments, the liveness object
         # and the lock file for good.
         steps = [observers.close] if observers is not None else []
-        steps += [lambda: forget_port(*recorded)] if recorded is not None else []  # (its line, while still its own)
+        if recorded is not None:  # (named: a step that fails is logged by its name; never by its arguments, keys)
+            def forget_monitoring_port() -> None:
+                forget_port(*recorded)
+            steps.append(forget_monitoring_port)
         steps += [server.close] if server is not None else []
         steps += [m.close for m in managers.values()]
         # What a start-up cut short left of ours that no manager closes (nobody holds it: a live

@@ -48,6 +48,9 @@ log = logging.getLogger("dflash2.tcpkeys")
 NAMES = ("server_public", "server_secret", "client_public", "client_secret")
 MONITOR_NAMES = ("server_public", "client_public", "client_secret")  # (a monitoring key file's)
 Z85_KEY_CHARS = 40  # a 32-byte CURVE key in Z85
+# The most a key or monitoring file may hold (read whole: 4 KiB cut a monitoring file of 64 nodes'
+# lines, and the next edit wrote the cut file back, a review).
+MAX_FILE_BYTES = 1 << 20
 HEADER = ("# dflash2 tcp endpoint keys (ZeroMQ CURVE): whoever can read this file can attach to the daemon.\n"
           "# Made by dflash2d; kept across restarts. Do not edit. Monitoring users get the .monitor file.\n")
 MONITOR_HEADER = ("# dflash2 tcp endpoint monitoring key (ZeroMQ CURVE): whoever can read this file can ask the daemon's\n"
@@ -191,7 +194,11 @@ def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"{path} is not a regular file")
-        data = os.read(fd, 4096)  # (the file is a few hundred bytes)
+        data = b""
+        while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, 65536)):
+            data += chunk
+        if len(data) > MAX_FILE_BYTES:  # (a monitoring file holds a line per daemon sharing it: far less)
+            raise KeyFileError(f"{path} holds more than {MAX_FILE_BYTES} bytes: not a dflash2 {what}")
     finally:
         os.close(fd)
     try:
@@ -260,9 +267,13 @@ def record_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> N
 
 def forget_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> None:
     """At a clean stop: remove this daemon's line from the monitoring key file, if it is still its
-    own (a stale line sent monitoring clients to a port another daemon got later, a review)."""
+    own (a stale line sent monitoring clients to a port another daemon got later, a review). A file
+    removed meanwhile (its readers revoked) or made again holds no line of this daemon's: said."""
     mine = (node_id(), request_port)
-    _edit_ports(path, keys, lambda ports: ports.pop(mine) if ports.get(mine) == port else None)
+    try:
+        _edit_ports(path, keys, lambda ports: ports.pop(mine) if ports.get(mine) == port else None)
+    except KeyFileError as e:
+        log.info("the monitoring port's line is not removed: %s", e)
 
 
 def _edit_ports(path: Path, keys: DaemonKeys, edit) -> None:

@@ -515,8 +515,10 @@ def test_a_stale_line_sending_monitoring_users_to_another_daemon_is_said(tmp_pat
         record_port(key_file, keys, gone, load(monitor_path(key_file)).ports[node_id(), there])  # (the killed one's)
         transport = Transport(f"tcp://127.0.0.1:{gone}", 5.0, key_file=monitor_path(key_file))
         try:
-            with pytest.raises(DaemonUnavailable, match=f"where the daemon of port {there} answers: that line is stale"):
-                transport.call(P.Op.STATS)
+            for op in (P.Op.PING, P.Op.STATS):  # (each call is checked by the daemon that answers it)
+                with pytest.raises(DaemonUnavailable, match=f"is the daemon's of port {there}, not port {gone}'s: the "
+                                                            f"monitoring key file's line for port {gone} is stale"):
+                    transport.call(op)
         finally:
             transport.close()
 
@@ -607,3 +609,28 @@ def test_a_failed_handshake_at_the_monitoring_socket_is_logged(tmp_path, make_ma
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_a_monitoring_file_of_many_daemons_lines_is_read_whole(tmp_path):
+    """It was read in 4 KiB: the lines of the 65th daemon sharing a key file on, and a port, were cut
+    (one read as 400 where 40074 was written), and the next edit wrote the cut file back (a review)."""
+    key_file = tmp_path / "k.key"
+    keys, _ = load_or_make(key_file)
+    ports = {(f"node-{n:03d}-{'x' * 30}", 5555): 40000 + n for n in range(200)}
+    monitor_path(key_file).write_text(dataclasses.replace(keys.monitor, ports=ports).text())
+    record_port(key_file, keys, 5555, 41234)
+    assert load(monitor_path(key_file)).ports == {**ports, (node_id(), 5555): 41234}
+    monitor_path(key_file).write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(KeyFileError, match="holds more than 1048576 bytes"):
+        load(monitor_path(key_file))
+
+
+def test_a_clean_stop_after_the_monitoring_file_was_removed_logs_no_error(tmp_path):
+    """Removing the monitoring file to revoke its readers, as README says, made the next clean stop log
+    an error with a traceback naming a lambda (a review)."""
+    key_file = tmp_path / "keys" / "node.key"
+    with _daemon_at(tmp_path / "d", free_port(), key_file, tmp_path / "run"):
+        monitor_path(key_file).unlink()
+    log = (tmp_path / "d" / "daemon.log").read_text()
+    assert "ERROR" not in log and "Traceback" not in log, log
+    assert "the monitoring port's line is not removed" in log
