@@ -310,6 +310,20 @@ class Transport:
                 self._close_socket(self._sock)
                 self._sock = None
 
+    def _check_answerer(self, op: P.Op, reply: P.Reply) -> None:
+        """A read-only call's answer, where it names the request port of the daemon that gave it (ping
+        and stats do): DaemonUnavailable when that is not this endpoint's (a stale line in the
+        monitoring file, and a daemon that does not check the port each call names: not this release)."""
+        result = reply.result if isinstance(reply.result, dict) else {}
+        daemon = result.get("daemon")
+        serves = result.get("request_port", daemon.get("request_port") if isinstance(daemon, dict) else None)
+        request = int(self.endpoint.rpartition(":")[2])
+        if isinstance(serves, int) and serves != request:
+            raise DaemonUnavailable(f"{op.value}: the monitoring key file {self.key_file} sends port {request}'s "
+                                    f"monitoring users to {self._connect_to}, where the daemon of port {serves} "
+                                    "answered: that line is stale (a daemon killed before it could remove it), and no "
+                                    f"daemon serving {self.endpoint} has written one since: is it running?")
+
     def reset(self) -> None:
         """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
         made (DaemonUnavailable), the next call makes it and sends the `forget`s first."""
@@ -461,6 +475,8 @@ class Transport:
                     if reply.error_type == "AccessDenied":  # (a call the monitoring key may not make)
                         raise AccessDenied(f"dflash2d at {self.endpoint} refused {reply.error_message}")
                     raise DaemonError(reply.error_type, reply.error_message)
+                if self.read_only:
+                    self._check_answerer(op, reply)
                 return reply
         except DFlash2Error:
             raise
