@@ -55,7 +55,8 @@ HEADER = ("# dflash2 tcp endpoint keys (ZeroMQ CURVE): whoever can read this fil
           "# Made by dflash2d; kept across restarts. Do not edit. Monitoring users get the .monitor file.\n")
 MONITOR_HEADER = ("# dflash2 tcp endpoint monitoring key (ZeroMQ CURVE): whoever can read this file can ask the daemon's\n"
                   "# status, history and invariant check, and nothing else. Made by dflash2d. Do not edit. To give it\n"
-                  "# to a group: chgrp GROUP FILE; chmod 0640 FILE (mode and group are kept when it is made again).\n")
+                  "# to a group: chgrp GROUP FILE; chmod 0640 FILE (mode and group are kept when it is made again).\n"
+                  "# To revoke its readers: remove it and restart every daemon that shares the key file.\n")
 
 
 class KeyFileError(DFlash2Error):
@@ -194,6 +195,8 @@ def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"{path} is not a regular file")
+        if path.name.endswith(".monitor"):  # (a daemon rewrites it in place, under LOCK_EX: `_write`)
+            _lock(fd, fcntl.LOCK_SH)
         data = b""
         while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, 65536)):
             data += chunk
@@ -362,11 +365,11 @@ def _own_monitor(path: Path, keys: TcpKeys) -> MonitorKeys:
                      "nothing else; give it to a monitoring group (chgrp GROUP; chmod 0640), never %s", monitor, path)
             return fresh
         return _own_monitor(path, keys)  # (made meanwhile: read as any other)
-    kept = _write(monitor, fresh.text(), replace=found[1])
+    _write(monitor, fresh.text(), replace=found[1])
     why = ("another server key than %s (that file was made again)" if found[0].server_public != keys.server_public
            else "the client key of %s, whose holders may attach")
-    log.warning("made the monitoring key file %s again: it held " + why + "; mode %o %s; its readers need the new "
-                "file", monitor, path, stat.S_IMODE(found[1].st_mode), kept)
+    log.warning("made the monitoring key file %s again: it held " + why + "; its mode (%o) and group kept; its readers "
+                "need the new file", monitor, path, stat.S_IMODE(found[1].st_mode))
     return fresh
 
 
@@ -380,11 +383,32 @@ def _make(path: Path) -> TcpKeys:
     return found if found is not None else _make(path)
 
 
-def _write(path: Path, text: str, replace: os.stat_result | None):
-    """Write `text` to a file at `path` through a temporary file. With `replace` None: a new file
-    (mode 0600), False when one is there already (left as it is), else True. Else over the file
-    whose status `replace` is, keeping its mode and group: returns what it says of them."""
-    kept = "and group kept"
+def _write(path: Path, text: str, replace: os.stat_result | None) -> bool:
+    """Write `text` to a file at `path`. With `replace` None: a new file (mode 0600) through a
+    temporary one, never over another: False when one is there already (left as it is), else True.
+    Else over the file whose status `replace` is, in place (its inode, mode and group kept: a
+    daemon not of the monitoring group could not give a new file that group, and lost it at every
+    start and stop, a review), under an exclusive lock that readers wait for (`_read`)."""
+    what = "key file" if path.suffix != ".monitor" else "monitoring key file"
+    if replace is not None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            raise KeyFileError(f"cannot write the {what} {path}: {e.strerror or e}") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (replace.st_dev, replace.st_ino) or not stat.S_ISREG(st.st_mode):
+                raise KeyFileError(f"the {what} {path} changed while the daemon wrote it; start it again")
+            _lock(fd, fcntl.LOCK_EX)
+            data = text.encode()
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        except OSError as e:
+            raise KeyFileError(f"cannot write the {what} {path}: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+        return True
     temporary = None
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -399,26 +423,15 @@ def _write(path: Path, text: str, replace: os.stat_result | None):
             temporary = name
         try:
             os.write(fd, text.encode())
-            if replace is not None:
-                if replace.st_gid != os.fstat(fd).st_gid:
-                    try:
-                        os.fchown(fd, -1, replace.st_gid)
-                    except PermissionError:
-                        kept = f"kept, group {replace.st_gid} not (this user may not give it that group: chgrp it again)"
-                os.fchmod(fd, stat.S_IMODE(replace.st_mode))
             os.fsync(fd)
         finally:
             os.close(fd)
-        if replace is not None:
-            os.replace(temporary, path)
-            return kept
         try:
             os.link(temporary, path)
         except FileExistsError:
             return False
     except OSError as e:
-        raise KeyFileError(f"cannot make the {'key file' if path.suffix != '.monitor' else 'monitoring key file'} "
-                           f"{path}: {e.strerror or e}") from None
+        raise KeyFileError(f"cannot make the {what} {path}: {e.strerror or e}") from None
     finally:
         if temporary is not None:
             try:
@@ -426,3 +439,13 @@ def _write(path: Path, text: str, replace: os.stat_result | None):
             except OSError:
                 pass
     return True
+
+
+def _lock(fd: int, how: int) -> None:
+    """flock `fd` (a file system without locks, ENOLCK or EOPNOTSUPP: not locked, as before locks were
+    taken; said by `_edit_ports` for the key file)."""
+    try:
+        fcntl.flock(fd, how)
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            raise

@@ -28,7 +28,8 @@ from dflash2.client import Client
 from dflash2.client.transport import Transport
 from dflash2.errors import AccessDenied, DaemonUnavailable
 from dflash2.layout import Layout
-from dflash2.tcpkeys import KeyFileError, MonitorKeys, load, load_or_make, monitor_path, node_id, record_port
+from dflash2.tcpkeys import (KeyFileError, MonitorKeys, forget_port, load, load_or_make, monitor_path, node_id,
+                             record_port)
 
 LAYOUT = Layout("t", 2, 2, 8, "fp16", 16)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -77,7 +78,7 @@ def test_a_key_file_made_again_makes_the_monitoring_file_again_keeping_its_mode_
     read = load(monitor)
     assert read.server_public == second.keys.server_public and read.client_public == second.monitor_public
     assert stat.S_IMODE(monitor.stat().st_mode) == 0o640 and monitor.stat().st_gid == gid
-    assert any(f"made the monitoring key file {monitor} again" in r.getMessage() and "mode 640 and group kept"
+    assert any(f"made the monitoring key file {monitor} again" in r.getMessage() and "its mode (640) and group kept"
                in r.getMessage() for r in caplog.records), caplog.text
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
@@ -653,3 +654,27 @@ def test_a_read_only_client_checks_the_port_a_ping_or_stats_answer_names(tmp_pat
                 transport._check_answerer(P.Op.STATS, P.Reply(1, True, result))
     finally:
         transport.close()
+
+
+@needs_root
+def test_a_daemon_not_of_the_monitoring_group_keeps_the_files_group_as_it_edits_it(base):
+    """The deploy units run the daemon as a user of its own: its edits at each start and stop wrote a
+    new file, which it could not give the monitoring group (not its own), and the group's readers were
+    shut out, unsaid (a review)."""
+    folder = base / "keys"
+    folder.mkdir()
+    os.chown(folder, OTHER, OTHER)
+    key_file = folder / "node.key"
+    with as_other_user():
+        keys, _ = load_or_make(key_file)
+    monitor = monitor_path(key_file)
+    os.chown(monitor, -1, 100)  # (root, as the README's chgrp: a group the daemon's user is not in)
+    monitor.chmod(0o640)
+    with as_other_user():
+        assert 100 not in os.getgroups() or os.getegid() != 100
+        record_port(key_file, keys, 5555, 41000)
+        forget_port(key_file, keys, 5555, 41000)
+        record_port(key_file, keys, 5556, 41001)
+    st = monitor.stat()
+    assert (st.st_gid, stat.S_IMODE(st.st_mode), st.st_uid) == (100, 0o640, OTHER)
+    assert load(monitor).ports == {(node_id(), 5556): 41001}
