@@ -195,8 +195,6 @@ def _read(path: Path, what: str) -> tuple[str, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"{path} is not a regular file")
-        if path.name.endswith(".monitor"):  # (a daemon rewrites it in place, under LOCK_EX: `_write`)
-            _lock(fd, fcntl.LOCK_SH)
         data = b""
         while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, 65536)):
             data += chunk
@@ -368,8 +366,8 @@ def _own_monitor(path: Path, keys: TcpKeys) -> MonitorKeys:
     _write(monitor, fresh.text(), replace=found[1])
     why = ("another server key than %s (that file was made again)" if found[0].server_public != keys.server_public
            else "the client key of %s, whose holders may attach")
-    log.warning("made the monitoring key file %s again: it held " + why + "; its mode (%o) and group kept; its readers "
-                "need the new file", monitor, path, stat.S_IMODE(found[1].st_mode))
+    log.warning("made the monitoring key file %s again: it held " + why + "; its mode (%o) and group kept (above if not); "
+                "its readers need the new file", monitor, path, stat.S_IMODE(found[1].st_mode))
     return fresh
 
 
@@ -384,31 +382,14 @@ def _make(path: Path) -> TcpKeys:
 
 
 def _write(path: Path, text: str, replace: os.stat_result | None) -> bool:
-    """Write `text` to a file at `path`. With `replace` None: a new file (mode 0600) through a
-    temporary one, never over another: False when one is there already (left as it is), else True.
-    Else over the file whose status `replace` is, in place (its inode, mode and group kept: a
-    daemon not of the monitoring group could not give a new file that group, and lost it at every
-    start and stop, a review), under an exclusive lock that readers wait for (`_read`)."""
+    """Write `text` to a file at `path` through a temporary file. With `replace` None: a new file
+    (mode 0600), never over another: False when one is there already (left as it is), else True.
+    Else over the file whose status `replace` is, keeping its mode and group (renamed over it: a
+    reader sees the old file or the new one whole); where the daemon's user may not give the new file
+    that group (not in it: the deploy units' own user), the file is written in place instead (blank
+    lines pad a shorter text, which `parse` skips: never cut), as a rename lost the group at every
+    start and stop (a review); and where it cannot be, the rename goes ahead, said."""
     what = "key file" if path.suffix != ".monitor" else "monitoring key file"
-    if replace is not None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as e:
-            raise KeyFileError(f"cannot write the {what} {path}: {e.strerror or e}") from None
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (replace.st_dev, replace.st_ino) or not stat.S_ISREG(st.st_mode):
-                raise KeyFileError(f"the {what} {path} changed while the daemon wrote it; start it again")
-            _lock(fd, fcntl.LOCK_EX)
-            data = text.encode()
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-            os.fsync(fd)
-        except OSError as e:
-            raise KeyFileError(f"cannot write the {what} {path}: {e.strerror or e}") from None
-        finally:
-            os.close(fd)
-        return True
     temporary = None
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -423,9 +404,26 @@ def _write(path: Path, text: str, replace: os.stat_result | None) -> bool:
             temporary = name
         try:
             os.write(fd, text.encode())
+            group_lost = False
+            if replace is not None:
+                if replace.st_gid != os.fstat(fd).st_gid:
+                    try:
+                        os.fchown(fd, -1, replace.st_gid)
+                    except PermissionError:
+                        group_lost = True
+                os.fchmod(fd, stat.S_IMODE(replace.st_mode))
             os.fsync(fd)
         finally:
             os.close(fd)
+        if replace is not None:
+            if group_lost and _write_in_place(path, text, replace):
+                return True
+            os.replace(temporary, path)
+            if group_lost:
+                log.warning("%s was written anew and lost its group (gid %d): the daemon's user may not give a file "
+                            "that group, nor write this one in place; chgrp it again, or add the daemon's user to "
+                            "that group", path, replace.st_gid)
+            return True
         try:
             os.link(temporary, path)
         except FileExistsError:
@@ -441,11 +439,26 @@ def _write(path: Path, text: str, replace: os.stat_result | None) -> bool:
     return True
 
 
-def _lock(fd: int, how: int) -> None:
-    """flock `fd` (a file system without locks, ENOLCK or EOPNOTSUPP: not locked, as before locks were
-    taken; said by `_edit_ports` for the key file)."""
+def _write_in_place(path: Path, text: str, replace: os.stat_result) -> bool:
+    """Write `text` over the file at `path` (the one `replace` describes), padded with blank lines to
+    its length, never cut short: a reader sees whole lines of the old or the new text and blank ones.
+    False when it cannot be (not writable, replaced meanwhile)."""
     try:
-        fcntl.flock(fd, how)
-    except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-            raise
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (replace.st_dev, replace.st_ino) or not stat.S_ISREG(st.st_mode):
+            return False
+        data = text.encode()
+        data += b"\n" * max(0, st.st_size - len(data))
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+

@@ -678,3 +678,57 @@ def test_a_daemon_not_of_the_monitoring_group_keeps_the_files_group_as_it_edits_
     st = monitor.stat()
     assert (st.st_gid, stat.S_IMODE(st.st_mode), st.st_uid) == (100, 0o640, OTHER)
     assert load(monitor).ports == {(node_id(), 5556): 41001}
+
+
+def test_a_lock_on_the_monitoring_file_blocks_neither_the_daemon_nor_its_readers(tmp_path):
+    """An in-place write under a lock that readers took let any reader of the monitoring file (flock
+    needs no write access) hang every daemon sharing the key file at start and stop, and every
+    `dflash2 status` (a review). The daemon renames a new file over it, and nobody locks it."""
+    import fcntl
+    import threading
+
+    key_file = tmp_path / "k.key"
+    keys, _ = load_or_make(key_file)
+    with open(monitor_path(key_file)) as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # (a monitoring user's)
+        done = []
+        worker = threading.Thread(target=lambda: done.append((record_port(key_file, keys, 5555, 41000),
+                                                               load(monitor_path(key_file)))), daemon=True)
+        worker.start()
+        worker.join(5)
+        assert done, "record_port or load waited for the monitoring user's lock"
+    assert done[0][1].ports == {(node_id(), 5555): 41000}
+
+
+def test_an_in_place_write_is_never_cut_short(tmp_path):
+    """Written over, shorter, then cut to length, a reader between the two saw the new text and the
+    old tail (a line given twice), and a daemon killed there left a file the next start refused (a
+    review). Blank lines pad it instead."""
+    from dflash2 import tcpkeys
+
+    key_file = tmp_path / "k.key"
+    keys, _ = load_or_make(key_file)
+    monitor = monitor_path(key_file)
+    many = {(node_id(), port): port + 1000 for port in (5555, 5556, 5557)}
+    monitor.write_text(dataclasses.replace(keys.monitor, ports=many).text())
+    before = monitor.stat()
+    assert tcpkeys._write_in_place(monitor, dataclasses.replace(keys.monitor, ports={(node_id(), 5557): 6557}).text(),
+                                   before)
+    assert monitor.stat().st_size == before.st_size and monitor.stat().st_ino == before.st_ino
+    assert load(monitor).ports == {(node_id(), 5557): 6557}
+
+
+@needs_root
+def test_an_owner_read_only_monitoring_file_is_still_edited(base):
+    """In place, a monitoring file of mode 0440 (nobody may write: "Do not edit") failed every start of
+    a daemon run as its own user (a review): renamed over, it takes only the folder's write access."""
+    folder = base / "keys"
+    folder.mkdir()
+    os.chown(folder, OTHER, OTHER)
+    key_file = folder / "node.key"
+    with as_other_user():
+        keys, _ = load_or_make(key_file)
+        monitor_path(key_file).chmod(0o440)
+        record_port(key_file, keys, 5555, 41000)
+    assert load(monitor_path(key_file)).ports == {(node_id(), 5555): 41000}
+    assert stat.S_IMODE(monitor_path(key_file).stat().st_mode) == 0o440
