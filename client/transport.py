@@ -186,6 +186,9 @@ class Transport:
         # it ping, stats, history and check only (tcpkeys.py). Its errors name that file.
         self.read_only = self._keys is not None and self._keys.read_only
         self._connect_to = endpoint
+        # The request port a read-only transport names, whose monitoring port it looks up, and whose
+        # daemon it must reach (`_check_answerer`).
+        self._request_port = int(endpoint.rpartition(":")[2]) if self.read_only else None
         # The monitoring file's identity (inode, mtime) when `_follow_port` last read it (stat first,
         # then read: a change after the stat is read at the next call).
         self._monitoring_file = None
@@ -281,12 +284,12 @@ class Transport:
     def _monitoring_endpoint(self, keys) -> str:
         """Where the daemon at this endpoint answers the monitoring key: the port it wrote into the
         monitoring file for its request port. AccessDenied when there is none."""
-        host, _, request = self.endpoint.rpartition(":")
-        port = keys.ports.get((node_id(), int(request)))
+        host = self.endpoint.rpartition(":")[0]
+        port = keys.ports.get((node_id(), self._request_port))
         if port is None:
             raise AccessDenied(f"cannot connect to the tcp endpoint {self.endpoint}: the monitoring key file "
-                               f"{self.key_file} names no monitoring port for port {request} of this node (the "
-                               "daemon there writes it at each start and removes it as it stops: is it running?)")
+                               f"{self.key_file} names no monitoring port for port {self._request_port} of this node "
+                               "(the daemon there writes it at each start and removes it as it stops: is it running?)")
         return f"{host}:{port}"
 
     def _follow_port(self) -> None:
@@ -317,10 +320,10 @@ class Transport:
         result = reply.result if isinstance(reply.result, dict) else {}
         daemon = result.get("daemon")
         serves = result.get("request_port", daemon.get("request_port") if isinstance(daemon, dict) else None)
-        request = int(self.endpoint.rpartition(":")[2])
-        if isinstance(serves, int) and serves != request:
-            raise DaemonUnavailable(f"{op.value}: the monitoring key file {self.key_file} sends port {request}'s "
-                                    f"monitoring users to {self._connect_to}, where the daemon of port {serves} "
+        if isinstance(serves, int) and serves != self._request_port:
+            raise DaemonUnavailable(f"{op.value}: the monitoring key file {self.key_file} sends port "
+                                    f"{self._request_port}'s monitoring users to {self._connect_to}, where the daemon "
+                                    f"of port {serves} "
                                     "answered: that line is stale (a daemon killed before it could remove it), and no "
                                     f"daemon serving {self.endpoint} has written one since: is it running?")
 
@@ -404,7 +407,7 @@ class Transport:
             # The request port it asks about, which the daemon that answers checks against its own (a
             # line a killed daemon left may name a port another daemon holds now; checked by the
             # client once a socket, ZeroMQ's reconnects to a new holder of the port went unchecked).
-            args = {**(args or {}), "request_port": int(self.endpoint.rpartition(":")[2])}
+            args = {**(args or {}), "request_port": self._request_port}
         if self._sock is None:  # the last fresh socket could not be made
             try:
                 self._open()

@@ -9,8 +9,8 @@ MONITOR_SHARE of its time, after a burst (`charge`: their receipt, refusal and r
 calling `check` (a walk of the whole table) or `history` (hours of samples) back to back, or
 flooding the socket, would otherwise take the loop from the serving processes; past it, their
 messages wait in ZeroMQ's queue at no cost to the loop. They are answered only the calls of
-protocol.READ_ONLY (`refusal`), and so is any message on the request socket that did not come with
-the key file's client key (fail closed: `recv`).
+protocol.READ_ONLY (`refusal`). (The ZAP domains keep each key to its socket: the request socket
+reads no key off its messages.)
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
 the log); those counted since the last line are logged once the minute has passed, even if no
@@ -37,7 +37,7 @@ from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.errors import AccessDenied, DaemonUnavailable, DFlash2Error
 from dflash2.tcpkeys import DaemonKeys
-from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames_by
+from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames
 
 log = logging.getLogger("dflash2.daemon")
 
@@ -56,8 +56,8 @@ MONITOR_QUEUED = 8  # messages queued on a monitoring connection at most, beyond
 
 
 class ReadOnlyFrames(list):
-    """A request's frames from a tcp connection of another key than the key file's (the monitoring
-    key's), which is answered only the calls of protocol.READ_ONLY."""
+    """A request's frames from the monitoring socket, which is answered only the calls of
+    protocol.READ_ONLY."""
 
     received_s = 0.0  # how long receiving them took
     sock: zmq.Socket | None = None  # the socket they came by, which the reply goes out on
@@ -69,10 +69,6 @@ class KeyGate:
 
         self.keys = keys.keys
         self.monitor_public = keys.monitor_public
-        # The User-Id the ZAP handler gives a connection of the key file's client key (pyzmq's: the
-        # public key in Z85), which each of its messages carries: the server answers every other
-        # (the monitoring key's, or none) its read-only calls only.
-        self.engine_user = keys.keys.client_public.decode()
         self.request_port: int | None = None  # the request socket's port (the server's), which monitoring calls name
         self._monitor_owed_s = 0.0  # loop time the monitoring calls took beyond their share ...
         self._monitor_at = time.monotonic()  # ... as of then
@@ -131,24 +127,14 @@ class KeyGate:
         the loop no more than their burst; else None (a message waits: it costs nothing until read)."""
         if self._monitoring is None or self._owed() > MONITOR_BURST_S:
             return None
+        began = time.perf_counter()
         try:
-            frames = self.recv(self._monitoring, zmq.NOBLOCK, most)
+            frames = ReadOnlyFrames(recv_frames(self._monitoring, zmq.NOBLOCK, most))
         except zmq.Again:
             return None
-        frames = frames if type(frames) is ReadOnlyFrames else ReadOnlyFrames(frames)  # (one key only there)
+        # (its receipt, whole: a message of millions of empty frames takes seconds; `charge` counts it)
+        frames.received_s = time.perf_counter() - began
         frames.sock = self._monitoring
-        return frames
-
-    def recv(self, sock: zmq.Socket, flags: int, most: int) -> list[bytes]:
-        """The next request's frames (as zmqio.recv_frames): ReadOnlyFrames for a connection of any
-        key but the key file's client key (fail closed: one with no key read is read-only too),
-        carrying the time their receipt took (`received_s`: a message of millions of empty frames
-        takes seconds), which `charge` counts with the call's."""
-        frames, user, took = recv_frames_by(sock, flags, most)
-        if user == self.engine_user:
-            return frames
-        frames = ReadOnlyFrames(frames)
-        frames.received_s = took
         return frames
 
     def refusal(self, frames: ReadOnlyFrames) -> list[bytes] | None:

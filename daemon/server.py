@@ -456,11 +456,8 @@ class Server:
             self._dropped, self._dropped_logged_at = 0, now
 
     def _recv(self, flags: int = 0) -> list[bytes]:
-        """The next request's frames (zmq.Again as recv_frames): on a tcp endpoint, the gate's, which
-        marks those of the monitoring key (ReadOnlyFrames)."""
-        if self._gate is None:
-            return recv_frames(self._sock, flags, MOST_FRAMES)
-        return self._gate.recv(self._sock, flags, MOST_FRAMES)
+        """The next request's frames (zmq.Again as recv_frames)."""
+        return recv_frames(self._sock, flags, MOST_FRAMES)
 
     def _answer(self, frames: list[bytes], again: Parked | None = None) -> bool:
         """Handle one request and send its reply; False when the call was parked instead (no reply

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from collections.abc import Sequence
 
 import zmq
@@ -49,30 +48,6 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> li
         elif len(parts) == most:
             parts.append(b"")
     return parts
-
-
-def recv_frames_by(sock: zmq.Socket, flags: int = 0, most: int | None = None) -> tuple[list[bytes], str, float]:
-    """`recv_frames` on a ROUTER socket, the User-Id that the ZAP handler gave the connection the
-    message came by (on a CURVE socket, pyzmq's: the client's public key in Z85; "" when it has
-    none), read off the first frame after the peer's routing id (libzmq gives every frame it
-    received its connection's), and the seconds its frames took to receive once the first had come."""
-    recv = sock.recv
-    frame = recv(flags, copy=False)
-    began = time.perf_counter()
-    parts = [frame.bytes]
-    user = ""
-    while frame.more:
-        frame = recv(flags, copy=False)
-        if len(parts) == 1:
-            try:
-                user = frame.get("User-Id") or ""
-            except zmq.ZMQError:  # (EINVAL: no such property)
-                pass
-        if most is None or len(parts) < most:
-            parts.append(frame.bytes)
-        elif len(parts) == most:
-            parts.append(b"")
-    return parts, user, time.perf_counter() - began
 
 
 def descriptors_left() -> tuple[int, int] | None:
