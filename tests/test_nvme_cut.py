@@ -5,6 +5,7 @@ scripts found each case: the next start refused the file, reads past the cut fai
 
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -59,11 +60,12 @@ def test_a_cut_that_a_batch_grows_back_over_is_found_by_its_header(tmp_path, mon
     The header says so: every block is forgotten (where the cut was is unknown), the header written."""
     path = tmp_path / "nvme.cache"
     a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    cut = []
+    cut, once = [], threading.Lock()  # the ring writes its chunks from several threads at once
     for name in ("pwrite_all", "pwritev_all"):  # (staged or direct: whichever goes out first)
         def cut_first(*args, _real=getattr(nvme, name), **kw):
-            if not cut:
-                cut.append(os.truncate(path, 0))  # `: > nvme.cache` lands as the batch's first write goes out
+            with once:  # (unlocked, two writers both cut: the second cut undid the first's write)
+                if not cut:
+                    cut.append(os.truncate(path, 0))  # `: > nvme.cache` lands as the batch's first write goes out
             return _real(*args, **kw)
         monkeypatch.setattr(nvme, name, cut_first)
     blocks = [np.full(4 * ALIGN, 9, np.uint8) for _ in range(2)]
