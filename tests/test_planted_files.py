@@ -113,6 +113,39 @@ def test_a_cache_file_of_this_user_open_to_others_is_made_owner_only(tmp_path, c
     assert "was open to other users (mode 644): made owner-only" in caplog.text
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_device_or_fifo_at_the_nvme_path_is_refused_untouched(tmp_path, kind):
+    """A review: `"nvme_path": "/dev/null"` in a root daemon's config made /dev/null owner-only (0600)
+    for every user of the node, then failed the start; a FIFO the same. Refused now before it is
+    opened (opening a device may act: a watchdog's starts it), its mode as it was."""
+    from dflash2.arena.nvme import NvmeArena
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    else:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a private /dev/null
+    path.chmod(0o666)
+    with pytest.raises(ArenaError, match=rf"memory.nvme_path {path} is not a regular file \({'p' if kind == 'fifo' else 'c'}rw"):
+        NvmeArena(path, 1 << 20, staging_bytes=1 << 20)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+
+
+def test_a_path_that_became_a_fifo_after_it_was_looked_at_is_refused_untouched(tmp_path):
+    """What was opened is looked at again: the path may name something else by then."""
+    from dflash2.arena import nvmefiles
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    path.chmod(0o666)
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    with pytest.raises(ArenaError, match="is not a regular file"):
+        nvmefiles._own_file(fd, str(path))
+    with pytest.raises(OSError):
+        os.fstat(fd)  # (closed by the refusal)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+
+
 # -- the history file -------------------------------------------------------------------------------------
 def _history(state: Path) -> History:
     cfg = type("Cfg", (), {"history_enabled": True})()

@@ -80,7 +80,8 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                 return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
             except FileExistsError:
                 created = False
-                return _own_file(os.open(path, os.O_RDWR), path), False
+                _refuse_unless_regular(os.stat(path), path)  # (before it is opened: see there)
+                return _own_file(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY), path), False
         except FileNotFoundError:
             if not created and os.path.isdir(folder):
                 continue  # removed between the two tries: create it
@@ -95,12 +96,29 @@ def open_cache_file(path: str) -> tuple[int, bool]:
     raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times this start opened it")
 
 
+def _refuse_unless_regular(st: os.stat_result, path: str) -> None:
+    """ArenaError unless `st` is a regular file's. A device or FIFO named as the cache file (a
+    review: `/dev/null`) was opened read-write, made owner-only (every other user of the node lost
+    /dev/null) and only then refused; opening some devices acts by itself (a watchdog's starts it),
+    so the path is looked at before it is opened, and what was opened is looked at again."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ArenaError(f"memory.nvme_path {path} is not a regular file ({stat.filemode(st.st_mode)}): give the "
+                         "path of a cache file the daemon makes (such as /var/lib/dflash2/nvme.cache), not a "
+                         "device, FIFO or socket; the path was left as it is")
+
+
 def _own_file(fd: int, path: str) -> int:
     """`fd`, an existing file at the cache file's path, once it is this user's and owner-only. The
     blocks written there are the cache's (prompts' KV): another user's file, which anyone may plant
     in a shared folder (empty, or with the header), was served from, every block readable by that
     user (a review). One of this user's open to others is made owner-only, said."""
     st = os.fstat(fd)
+    try:
+        _refuse_unless_regular(st, path)  # (again, on what was opened: the path may have changed since)
+    except ArenaError:
+        os.close(fd)
+        raise
+    os.set_blocking(fd, True)  # (opened non-blocking, in case the path had become a FIFO)
     if st.st_uid != os.geteuid():
         os.close(fd)
         raise ArenaError(f"NVMe tier file {path} is not this user's ({owner_text(st)}; the daemon runs as uid "
