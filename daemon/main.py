@@ -36,6 +36,7 @@ EXIT_CONFIG = 2
 EXIT_DISABLED = 3
 EXIT_START_FAILED = 4  # a region, the endpoint or the metrics port cannot be had (the server's code too)
 EXIT_GPU_LOST = 5  # a GPU's CUDA context was lost while serving: exit so that the supervisor restarts it
+EXIT_BROKEN_PIPE = 141  # `--check` into a pipe closed early (`| head -1`), as a shell reports SIGPIPE
 
 # Registered policies that the daemon cannot run: they exist for the benches.
 BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exists for `dflash2 bench policy` only"}
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                            event="dflash2_shutdown"),
               file=sys.stderr)
         return EXIT_OK
+    except BrokenPipeError:
+        # `--check` printing to a reader that went away (a review: a traceback, exit 1, where
+        # `dflash2 ... | head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     finally:
         for sig, handler in before.items():  # (main called in-process, by tests: their handlers back)
             signal.signal(sig, handler)

@@ -15,6 +15,22 @@ def non_negative_int(text: str) -> int:
     return _bounded(int, text, 0, "an integer >= 0")
 
 
+MAX_BLOCKS = 1 << 40  # a table of more blocks than this is no machine's (its metadata alone: tens of TB)
+
+
+def block_count(text: str, low: int = 0) -> int:
+    """A number of blocks from `low` to MAX_BLOCKS (a count past numpy's int64 ended a replay in a
+    TypeError traceback, a review)."""
+    value = _bounded(int, text, low, "a positive integer" if low else "an integer >= 0")
+    if value > MAX_BLOCKS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BLOCKS} (2^40) blocks, got {text!r}")
+    return value
+
+
+def positive_block_count(text: str) -> int:
+    return block_count(text, 1)
+
+
 def positive_float(text: str) -> float:
     value = _bounded(float, text, 0.0, "a positive number")
     if not 0 < value < float("inf"):  # 0, inf and nan are no durations

@@ -114,12 +114,15 @@ class MemoryConfig(_Section):
         return self
 
 
+MAX_PREFETCH_WINDOW = 65536
+
+
 class KVBlockConfig(_Section):
     """Block geometry and read-ahead."""
 
     block_size: int = Field(256, ge=16, le=4096, description="Tokens of KV per block (all layers of one layout).")
     prefetch_window: int = Field(
-        4, ge=0, le=65536,
+        4, ge=0, le=MAX_PREFETCH_WINDOW,
         description="Blocks ahead of a request's read position promoted before they are needed.")
 
 

@@ -47,6 +47,9 @@ def trace(tmp_path):
 @pytest.mark.parametrize("option, value", [
     ("--hbm-blocks", "0"), ("--hbm-blocks", "-5"), ("--dram-blocks", "-1"), ("--nvme-blocks", "-1"),
     ("--chunk", "0"), ("--prefetch-window", "-1"), ("--limit", "0"),
+    # past numpy's int64 and past any machine (a review: TypeError and ValueError tracebacks, exit 1)
+    ("--hbm-blocks", "99999999999999999999"), ("--dram-blocks", "9223372036854775808"),
+    ("--nvme-blocks", str((1 << 40) + 1)), ("--prefetch-window", "65537"),
 ])
 def test_policy_counts_out_of_range_are_usage_errors(capsys, trace, option, value):
     argv = ["policy", "--trace", trace, "--hbm-blocks", "4", "--policies", "lru", option, value]

@@ -211,6 +211,22 @@ def test_json_without_check_is_a_usage_error_not_a_start(tmp_path):
     assert "--json only goes with --check" in result.stderr
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_check_into_a_pipe_closed_early_exits_141_without_a_traceback(write, tmp_path, as_json):
+    """`dflash2d --check --json | head -1` (a review: a BrokenPipeError traceback, exit 1)."""
+    cfg = write(GOOD)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the plan is printed
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    try:
+        p = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(cfg), "--check",
+                            *(["--json"] if as_json else [])], cwd=tmp_path, env=clean, stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-500:])
+
+
 def test_check_names_a_metrics_host_or_port_start_up_could_not_bind(write, tmp_path):
     """--check passed a metrics.host that is no address of this node (TEST-NET-1), and a metrics port
     another program held; start-up then exited 4 naming them."""

@@ -19,10 +19,10 @@ import math
 import time
 from collections.abc import Sequence
 
-import numpy as np
 
+from dflash2.argtypes import block_count, positive_block_count
 from dflash2.bench import OptionError, non_negative_int, positive_int
-from dflash2.config import DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE
+from dflash2.config import DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE, MAX_PREFETCH_WINDOW
 from dflash2.duel import MAX_SAMPLE, Duel
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
@@ -110,6 +110,15 @@ class VirtualClock:
         return self.now
 
 
+def prefetch_window(text: str) -> int:
+    """`--prefetch-window`: as `kv_block.prefetch_window` is bounded (0 to 65536 blocks)."""
+    value = non_negative_int(text)
+    if value > MAX_PREFETCH_WINDOW:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PREFETCH_WINDOW} (as kv_block.prefetch_window), "
+                                         f"got {text!r}")
+    return value
+
+
 def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_blocks: int = 0,
            nvme_blocks: int = 0, prefetch_window: int = 4, chunk: int = 16,
            weights: dict[str, float] | None = None, duel_sample: int = DEFAULT_DUEL_SAMPLE) -> dict:
@@ -120,7 +129,7 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     specs = [TierSpec(Tier.HBM, hbm_blocks * SLOT, SLOT, ALIGN)]
     specs += [TierSpec(t, n * SLOT, SLOT, ALIGN) for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n]
     pol = _make_policy(policy, weights)
-    capacity = 1 << max(10, int(np.ceil(np.log2(hbm_blocks + dram_blocks + nvme_blocks + 1024))))
+    capacity = 1 << max(10, (hbm_blocks + dram_blocks + nvme_blocks + 1024 - 1).bit_length())  # a power of two
     mgr = BlockManager(specs, policy=pol, clock=clock, table_capacity=capacity)
     lid = mgr.register_layout(LAYOUT)
     client = mgr.attach("replay")
@@ -201,11 +210,11 @@ def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--hbm-blocks", type=positive_int, required=True, help="HBM capacity in 512-token blocks")
-    parser.add_argument("--dram-blocks", type=non_negative_int, default=0, help="DRAM capacity in blocks (0 = none)")
-    parser.add_argument("--nvme-blocks", type=non_negative_int, default=0, help="NVMe capacity in blocks (0 = none)")
+    parser.add_argument("--hbm-blocks", type=positive_block_count, required=True, help="HBM capacity in 512-token blocks")
+    parser.add_argument("--dram-blocks", type=block_count, default=0, help="DRAM capacity in blocks (0 = none)")
+    parser.add_argument("--nvme-blocks", type=block_count, default=0, help="NVMe capacity in blocks (0 = none)")
     parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names (default %(default)s)")
-    parser.add_argument("--prefetch-window", type=non_negative_int, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
+    parser.add_argument("--prefetch-window", type=prefetch_window, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
     parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
     parser.add_argument("--duel-sample", type=sample_arg, default=DEFAULT_DUEL_SAMPLE,
