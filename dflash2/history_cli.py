@@ -101,13 +101,14 @@ def handler(args: argparse.Namespace) -> int:
 def load(args: argparse.Namespace) -> list[dict]:
     if args.file:
         path = Path(args.file)
-        if not path.exists():
-            raise HistoryError(f"no history file at {path}")
         try:
-            if not regular_file(path):
+            if not regular_file(path):  # (FileNotFoundError; in a folder this user may not enter,
+                # PermissionError: a traceback, when exists() was asked before the try)
                 raise HistoryError(f"{path} is not a regular file (a daemon's history is STATE_DIR/{FILE_NAME})")
             with open(path, "rb") as f:
                 has_lines = bool(f.read(1))
+        except FileNotFoundError:
+            raise HistoryError(f"no history file at {path}") from None
         except OSError as e:
             raise HistoryError(f"cannot read the history file {path}: {e.strerror or e}") from None
         samples = read_file(path, since_s=args.since)

@@ -242,6 +242,27 @@ def test_a_history_file_that_is_not_a_regular_file_is_skipped_not_waited_on(tmp_
     assert said == [2] and "is not a regular file" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_history_file_in_a_folder_this_user_may_not_enter_is_a_named_error(tmp_path, capsys):
+    """The usual case of a user not the daemon's reading STATE_DIR/history.jsonl (the state folder is
+    0700): a review saw a PermissionError traceback (exit 1), the existence asked outside the try."""
+    from test_other_user import as_other_user
+    tmp_path.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = state / "history.jsonl"
+    path.write_text('{"t": 1.0}\n')
+    with as_other_user():
+        code = cli.main(["history", "--file", str(path)])
+    assert code == 2
+    assert f"cannot read the history file {path}: Permission denied" in capsys.readouterr().err
+
+
+def test_a_missing_history_file_is_named(tmp_path, capsys):
+    assert cli.main(["history", "--file", str(tmp_path / "absent.jsonl")]) == 2
+    assert f"no history file at {tmp_path / 'absent.jsonl'}" in capsys.readouterr().err
+
+
 def test_a_history_time_no_clock_takes_in_this_time_zone_is_not_a_sample(tmp_path, clock, service):
     """A sample's time in the last hours of the year 9999 (UTC) passed the check but failed the
     table's local clock east of UTC (`year 10000 is out of range`)."""
