@@ -439,6 +439,22 @@ def test_access_counts_halve_every_half_life_on_the_tick():
     assert mgr.policy.sketch.estimate(keys)[0] == 2
 
 
+def test_counts_still_halve_after_a_pause_of_more_half_lives_than_a_float_counts():
+    """A review: the least half-life the config takes (1e-300 s) after a pause made the number of
+    half-lives due infinite, the mark with it, and no count was halved again."""
+    from dflash2.policy.heat import HeatPolicy
+    mgr, lid, c = manager(4, policy=HeatPolicy(decay_half_life_s=1e-300))
+    keys = np.array([42], dtype=np.uint64)
+    mgr.table.clock.now = 1.0
+    mgr.tick()
+    mgr.table.clock.now = 1e9  # 1e309 half-lives later
+    mgr.tick()
+    mgr.policy.sketch.add(np.repeat(keys, 8))
+    mgr.table.clock.now = 1e9 + 1.0
+    mgr.tick()
+    assert mgr.policy.sketch.estimate(keys)[0] == 0
+
+
 @pytest.mark.parametrize("children", [3, 40])  # fan-out folded into the lookup, and beyond FUSE_FANOUT
 def test_full_pass_matches_per_row_scores_with_fanout_weights_and_refits(children):
     from dflash2.policy.heat import FUSE_FANOUT

@@ -547,7 +547,10 @@ class HeatPolicy(Policy):
             due = (now - self._halved_at) // self.decay_half_life_s
             if due >= 1:
                 self.sketch.halve(int(min(due, 64)))
-                self._halved_at += due * self.decay_half_life_s
+                # Past 64 half-lives every count is gone whatever the phase: the clock starts again
+                # (a half-life of 1e-300 s after a long pause made `due` infinite and the mark with it:
+                # no count was halved again, a review).
+                self._halved_at = now if due >= 64 else self._halved_at + due * self.decay_half_life_s
 
     def rescore(self, table, now: float) -> np.ndarray:
         """One full scoring pass over every row (also what the timer does), HBM's rows by the ranking
