@@ -25,7 +25,8 @@ from dflash2 import threads
 # so that the stop signals reach the main thread, which runs Python's handlers (threads.py). The
 # importer's own mask is restored after them: importing this module changes no signal mask.
 with threads.stop_signals_blocked():
-    from dflash2.config import Config, check_environment, config_warnings, load_config, require_enabled
+    from dflash2.config import (Config, check_environment, config_warnings, expand_user, load_config,
+                                require_enabled)
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
     from dflash2.logs import console_line
     from dflash2.plan import Plan, resolve_plan, rounding_warnings
@@ -138,9 +139,9 @@ def _format_asked(path: str) -> str:
     json, when it names none), so that an invalid config's error is a JSON record where its logs
     would be; text when the file is not a JSON object."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(expand_user(path, "--config"), encoding="utf-8") as f:  # (`~/x`, as load_config reads it)
             raw = json.load(f)
-    except (OSError, ValueError, RecursionError):  # (as load_config: a file nested too deeply)
+    except (OSError, ValueError, RecursionError, ConfigError):  # (as load_config: a file nested too deeply)
         return "text"
     section = raw.get("logging") if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or (section is not None and not isinstance(section, dict)):

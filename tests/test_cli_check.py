@@ -103,6 +103,19 @@ def test_unknown_key_is_named_with_its_dotted_path(write, tmp_path):
     assert "memory.dram_capacity: unknown key" in error_line(result)
 
 
+def test_a_bad_config_at_a_home_path_errs_in_the_logging_format_it_asks_for(write, tmp_path):
+    """`--config ~/cfg.json` (quoted: the shell left the ~): the format was read from the path
+    unexpanded, so a json-logging config's error came out as text (a review)."""
+    data = json.loads(json.dumps(GOOD))
+    data["memory"]["dram_capacity"] = 5
+    data["logging"] = {"format": "json"}
+    write(data)
+    result = dflash2d("--config", "~/cfg.json", cwd=tmp_path, env={"HOME": str(tmp_path / "conf")})
+    assert result.returncode == 2
+    record = json.loads(result.stderr.strip().splitlines()[-1])
+    assert "memory.dram_capacity: unknown key" in record["msg"]
+
+
 def test_bad_bound_names_the_key(write, tmp_path):
     data = json.loads(json.dumps(GOOD))
     data["policy"] = {"swap_batch_size": 0}
