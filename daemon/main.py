@@ -76,11 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                            event="dflash2_shutdown"),
               file=sys.stderr)
         return EXIT_OK
-    except BrokenPipeError:
-        # `--check` printing to a reader that went away (a review: a traceback, exit 1, where
-        # `dflash2 ... | head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
     finally:
         for sig, handler in before.items():  # (main called in-process, by tests: their handlers back)
             signal.signal(sig, handler)
@@ -116,12 +111,19 @@ def _main(args: argparse.Namespace) -> int:
     _warn_all(fmt, warnings)
     if args.check:
         now = room_now(plan) + ports_now(plan.endpoint, cfg.metrics.host, cfg.metrics.port)
-        if args.json:
-            print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
-        else:
-            print(plan.render_text())
-            for line in now:
-                print(f"now: {line}")
+        try:
+            if args.json:
+                print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
+            else:
+                print(plan.render_text())
+                for line in now:
+                    print(f"now: {line}")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # A reader that went away (`| head -1`; a review: a traceback, exit 1, where `dflash2 ... |
+            # head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BROKEN_PIPE
         return EXIT_OK
     return _serve(cfg)
 

@@ -19,7 +19,6 @@ import math
 import time
 from collections.abc import Sequence
 
-
 from dflash2.argtypes import block_count, positive_block_count
 from dflash2.bench import OptionError, non_negative_int, positive_int
 from dflash2.config import DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE, MAX_PREFETCH_WINDOW
@@ -110,7 +109,7 @@ class VirtualClock:
         return self.now
 
 
-def prefetch_window(text: str) -> int:
+def prefetch_window_arg(text: str) -> int:
     """`--prefetch-window`: as `kv_block.prefetch_window` is bounded (0 to 65536 blocks)."""
     value = non_negative_int(text)
     if value > MAX_PREFETCH_WINDOW:
@@ -214,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-blocks", type=block_count, default=0, help="DRAM capacity in blocks (0 = none)")
     parser.add_argument("--nvme-blocks", type=block_count, default=0, help="NVMe capacity in blocks (0 = none)")
     parser.add_argument("--policies", default="heat,lru,lfu,belady", help="comma-separated policy names (default %(default)s)")
-    parser.add_argument("--prefetch-window", type=prefetch_window, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
+    parser.add_argument("--prefetch-window", type=prefetch_window_arg, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
     parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
     parser.add_argument("--duel-sample", type=sample_arg, default=DEFAULT_DUEL_SAMPLE,
