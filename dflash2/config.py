@@ -121,9 +121,8 @@ class KVBlockConfig(_Section):
     """Block geometry and read-ahead."""
 
     block_size: int = Field(256, ge=16, le=4096, description="Tokens of KV per block (all layers of one layout).")
-    prefetch_window: int = Field(
-        4, ge=0, le=MAX_PREFETCH_WINDOW,
-        description="Blocks ahead of a request's read position promoted before they are needed.")
+    prefetch_window: int = Field(4, ge=0, le=MAX_PREFETCH_WINDOW,
+                                 description="Blocks ahead of a request's read position promoted before they are needed.")
 
 
 class LayoutConfig(_Section):
@@ -454,7 +453,11 @@ def load_config(path: str | os.PathLike) -> Config:
     """Read and validate a config file; any problem is one ConfigError naming the key (or the file)."""
     if not str(path).strip():  # ('' read the working folder: "Is a directory")
         raise ConfigError("--config", f"names no file (it was given {str(path)!r})")
-    path = expand_user(str(path), "--config").absolute()
+    try:
+        path = expand_user(str(path), "--config").absolute()
+    except FileNotFoundError:  # (os.getcwd() in a folder removed since: a traceback, where this is exit 2)
+        raise ConfigError("--config", f"{str(path)!r} is relative and the working directory no longer exists; "
+                                      "give an absolute path") from None
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

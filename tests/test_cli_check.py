@@ -116,6 +116,17 @@ def test_a_bad_config_at_a_home_path_errs_in_the_logging_format_it_asks_for(writ
     assert "memory.dram_capacity: unknown key" in record["msg"]
 
 
+@pytest.mark.parametrize("command", [["dflash2.daemon.main", "--check"], ["dflash2.cli", "status"]])
+def test_a_relative_config_in_a_working_folder_removed_since_is_a_named_error(tmp_path, command):
+    """A unit or shell started in a folder removed since (an old release's): `dflash2d` ended in a
+    FileNotFoundError traceback from os.getcwd(), `dflash2 status` in an error naming no file (a review)."""
+    gone = tmp_path / "gone"
+    script = f"mkdir {gone} && cd {gone} && rmdir {gone} && exec {sys.executable} -m {' '.join(command)}"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "'dflash2_config.json' is relative and the working directory no longer exists" in result.stderr
+
+
 def test_bad_bound_names_the_key(write, tmp_path):
     data = json.loads(json.dumps(GOOD))
     data["policy"] = {"swap_batch_size": 0}
