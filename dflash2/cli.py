@@ -20,10 +20,11 @@ import sys
 from collections.abc import Callable
 
 from dflash2 import stopsignals
-from dflash2.bench import OptionError  # light: imports no benchmark
+from dflash2.bench import BenchFailed, OptionError  # light: imports no benchmark
 
 BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "drain", "churn", "calls", "sglang")
 EXIT_OK = 0
+EXIT_FAILED = 1  # a bench that could not finish its run
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # as a shell reports a command killed by SIGPIPE (128 + 13)
 
@@ -62,6 +63,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         result = module.run(bench_args)
     except OptionError as exc:  # a bad option value, named by the benchmark
         parser.error(str(exc))
+    except BenchFailed as exc:  # a run that could not finish: said, and no figures
+        print(f"dflash2 bench {args.name}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):
         if bench_args.json:

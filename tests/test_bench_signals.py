@@ -161,3 +161,37 @@ def test_sigterm_during_the_echo_servers_stop_still_stops_the_daemon(monkeypatch
         daemon.terminate()
         daemon.wait(10)
     assert not alive, "the bench's daemon was left running after the SIGTERM"
+
+
+def test_a_churn_client_killed_mid_run_ends_the_bench_with_an_error_naming_it(tmp_path):
+    """A review: the bench's client process SIGKILLed (the OOM killer, by hand) left `bench churn`
+    waiting for ever, and a SIGTERM then sometimes hung too; now it ends, exit 1, naming the client,
+    no figures, its daemon and folder gone."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "bench", "churn", "--json", "--clients", "2",
+                              "--warmup", "1", "--seconds", "2", "--hbm-mb", "4", "--dram-mb", "4", "--nvme-mb", "0",
+                              "--docs", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, workers = time.monotonic() + 60, []
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+            out = subprocess.run(["ps", "-ww", "--ppid", str(bench.pid), "-o", "pid=,args="], capture_output=True,
+                                 text=True).stdout
+            workers = [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+        assert workers, "the bench started no client process"
+        os.kill(workers[0], signal.SIGKILL)
+        out, err = bench.communicate(timeout=90)  # (its run ends about 5 s after it began)
+    finally:
+        if bench.poll() is None:  # (failed: stopped as a user would, so that its daemon goes too)
+            bench.terminate()
+            try:
+                bench.wait(30)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.wait()
+            for pid in _daemons_under(tmp_path):
+                os.kill(pid, signal.SIGTERM)
+    assert bench.returncode == 1 and out == "", (bench.returncode, out, err[-2000:])
+    assert "dflash2 bench churn: error: bench churn: client process" in err and "killed by SIGKILL" in err, err[-2000:]
+    assert "Traceback" not in err.split("dflash2 bench churn: error:")[-1]
+    assert not _daemons_under(tmp_path) and not list(tmp_path.glob("dflash2-bench-*"))

@@ -9,6 +9,11 @@ class OptionError(ValueError):
     error (exit 2). Any other exception is a bug and keeps its traceback."""
 
 
+class BenchFailed(RuntimeError):
+    """A bench that could not finish its run (a client process it started died): `dflash2 bench`
+    prints it as one error line, exit 1, and no figures (none of a partial run pass for a whole one)."""
+
+
 KIB = 1024
 
 

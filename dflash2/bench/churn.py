@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import tempfile
 import time
@@ -43,6 +42,7 @@ import numpy as np
 
 from dflash2.argtypes import non_negative_int, positive_int, seconds
 from dflash2.bench.control import _start, _stop
+from dflash2.bench.workers import ANSWER_MARGIN_S, Workers
 from dflash2.layout import Layout
 
 LAYOUT = Layout("bench-churn", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
@@ -80,19 +80,17 @@ def run(args: argparse.Namespace) -> dict:
         daemon = _start_daemon(folder, endpoint, args)
         try:
             with Client.connect(endpoint, name="bench-churn-stats") as watcher:
-                ctx = multiprocessing.get_context("spawn")
                 start_at = time.time() + START_DELAY_S + 0.3 * args.clients
                 window = (start_at + args.warmup, start_at + args.warmup + args.seconds)
-                with ctx.Pool(args.clients) as pool:
-                    pending = pool.starmap_async(_client, [(endpoint, i, args.docs, start_at, window)
-                                                           for i in range(args.clients)])
+                with Workers(_client, [(endpoint, i, args.docs, start_at, window) for i in range(args.clients)],
+                             "bench churn") as workers:
                     time.sleep(max(0.0, window[0] - time.time()))
                     before, cpu0, t0 = watcher.stats(), _cpu_s(daemon.pid), time.perf_counter()
                     log0 = (folder / "daemon.log").stat().st_size
                     time.sleep(max(0.0, window[1] - time.time()))
                     cpu1, t1, after = _cpu_s(daemon.pid), time.perf_counter(), watcher.stats()
                     logged = (folder / "daemon.log").stat().st_size - log0
-                    results = pending.get()
+                    results = workers.results(deadline=window[1] + ANSWER_MARGIN_S)
         finally:
             _stop(daemon)
     out = _figures(args, results, before, after, None if cpu0 is None else cpu1 - cpu0, t1 - t0)

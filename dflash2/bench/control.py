@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import queue
 import subprocess
@@ -37,6 +36,7 @@ import zmq
 from dflash2 import protocol as P
 from dflash2 import stopsignals, threads
 from dflash2.bench import OptionError, positive_float, positive_int
+from dflash2.bench.workers import ANSWER_MARGIN_S, Workers
 from dflash2.layout import Layout
 
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
@@ -164,10 +164,9 @@ def echo_server(endpoint: str) -> None:
 
 
 def _throughput(endpoint: str, keys: list[int], processes: int, seconds: float) -> float:
-    ctx = multiprocessing.get_context("spawn")
     start_at = time.time() + 1.0 + 0.3 * processes  # spawned interpreters need a moment
-    with ctx.Pool(processes) as pool:
-        counts = pool.starmap(_worker, [(endpoint, keys, start_at, seconds)] * processes)
+    with Workers(_worker, [(endpoint, keys, start_at, seconds)] * processes, "bench control") as workers:
+        counts = workers.results(deadline=start_at + seconds + ANSWER_MARGIN_S)
     return round(sum(counts) / seconds, 1)
 
 

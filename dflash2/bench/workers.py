@@ -1,0 +1,109 @@
+"""Client processes of the benches that drive a daemon from several at once (churn, control): each
+one's answer, or an error naming the one that ended without it.
+
+A `multiprocessing.Pool` hid that: a worker killed mid-run (by hand, by the OOM killer) was replaced
+in silence and its task never answered, so the bench waited for ever, and a stop signal then often
+hung in the pool's own shutdown (a review). Here each worker answers over a pipe of its own; a pipe
+that closes without an answer is a worker gone, named with how it ended, and so is one that has not
+answered by the bench's deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+
+from dflash2 import stopsignals
+from dflash2.bench import BenchFailed
+
+ANSWER_MARGIN_S = 30.0  # past the run's end: a client's last call (its timeout, 5 s) and its exit
+JOIN_S = 5.0  # how long a worker told to stop (SIGTERM) is waited for before it is killed
+
+
+class WorkerFailed(BenchFailed):
+    """A bench's client process ended without its figures, or failed: the bench has none to print."""
+
+
+def _answer(conn, target: Callable, args: tuple) -> None:
+    """In the worker: `target(*args)`'s result, or its exception as text, sent up the pipe."""
+    try:
+        result = target(*args)
+    except BaseException as exc:  # (sent, then raised again: the worker's own traceback goes to its stderr)
+        conn.send(("failed", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+        raise
+    conn.send(("done", result))
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Workers:
+    """`target(*args)` in a spawned process for each of `arg_lists`, started at once; `results`
+    waits for them. Used as a context manager: on the way out, workers still running are stopped."""
+
+    def __init__(self, target: Callable, arg_lists: Sequence[tuple], name: str):
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self._procs: list = []
+        self._conns: list = []
+        for i, args in enumerate(arg_lists):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_answer, args=(send, target, tuple(args)), name=f"{name}-{i}", daemon=True)
+            self._procs.append(proc)  # (before start: a failed start still stops those started)
+            self._conns.append(recv)
+            proc.start()
+            send.close()  # (the worker holds the only write end: its death closes the pipe)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with stopsignals.uninterrupted():  # (cut short, workers ran on with the bench gone)
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self._procs:
+                proc.join(JOIN_S)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(JOIN_S)
+            for conn in self._conns:
+                conn.close()
+
+    def results(self, deadline: float) -> list:
+        """Each worker's result, in order, once all have answered; WorkerFailed naming the first
+        that failed or ended without answering, or those that had not answered by `deadline`
+        (time.time())."""
+        out: list = [None] * len(self._procs)
+        waiting = dict(zip(self._conns, range(len(self._procs))))
+        while waiting:
+            left = deadline - time.time()
+            if left <= 0:
+                late = ", ".join(f"{i} (pid {self._procs[i].pid})" for i in sorted(waiting.values()))
+                raise WorkerFailed(f"{self.name}: client process(es) {late} had not answered by the end of the run "
+                                   "and its margin: no figures")
+            for conn in wait(list(waiting), timeout=min(left, 1.0)):
+                i = waiting.pop(conn)
+                proc = self._procs[i]
+                try:
+                    status, value = conn.recv()
+                except EOFError:  # its pipe closed with no answer: the process is gone
+                    proc.join(JOIN_S)
+                    raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) ended without its figures "
+                                       f"({_how_it_ended(proc.exitcode)}): no figures") from None
+                if status == "failed":
+                    raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) failed: {value}")
+                out[i] = value
+        return out

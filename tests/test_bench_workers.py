@@ -1,0 +1,64 @@
+"""The benches' client processes (dflash2/bench/workers.py): a worker that dies, fails or never
+answers is named, the bench ends. Under a multiprocessing.Pool a worker killed mid-run was replaced
+in silence and `bench churn` waited for ever (a review)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from dflash2.bench.workers import Workers, WorkerFailed
+
+
+def _double(i: int) -> int:
+    return 2 * i
+
+
+def _dies(i: int) -> int:
+    if i == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
+def _fails(i: int) -> int:
+    if i == 2:
+        raise ValueError(f"worker {i} cannot")
+    return i
+
+
+def _sleeps(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_each_workers_result_in_order():
+    with Workers(_double, [(i,) for i in range(3)], "bench test") as workers:
+        assert workers.results(deadline=time.time() + 60) == [0, 2, 4]
+
+
+def test_a_worker_killed_mid_run_is_named_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"bench test: client process 1 \(pid \d+\) ended without its figures "
+                                           r"\(killed by SIGKILL\): no figures"):
+        with Workers(_dies, [(i,) for i in range(3)], "bench test") as workers:
+            workers.results(deadline=time.time() + 60)
+    assert time.monotonic() - t0 < 30  # (not the deadline: the pipe closed)
+
+
+def test_a_worker_that_raises_is_named_with_its_error():
+    with pytest.raises(WorkerFailed, match=r"client process 2 \(pid \d+\) failed: ValueError: worker 2 cannot"):
+        with Workers(_fails, [(i,) for i in range(3)], "bench test") as workers:
+            workers.results(deadline=time.time() + 60)
+
+
+def test_a_worker_past_the_deadline_is_named_and_stopped():
+    with pytest.raises(WorkerFailed, match=r"client process\(es\) 1 \(pid \d+\) had not answered"):
+        with Workers(_sleeps, [(0.0,), (600.0,)], "bench test") as workers:
+            try:
+                workers.results(deadline=time.time() + 5)
+            finally:
+                procs = list(workers._procs)
+    assert not any(p.is_alive() for p in procs)
