@@ -64,7 +64,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     except OptionError as exc:  # a bad option value, named by the benchmark
         parser.error(str(exc))
     except BenchFailed as exc:  # a run that could not finish: said, and no figures
-        print(f"dflash2 bench {args.name}: error: {exc}", file=sys.stderr)
+        print(f"dflash2: error: {exc}", file=sys.stderr)  # (it names the bench)
         return EXIT_FAILED
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):

@@ -192,6 +192,6 @@ def test_a_churn_client_killed_mid_run_ends_the_bench_with_an_error_naming_it(tm
             for pid in _daemons_under(tmp_path):
                 os.kill(pid, signal.SIGTERM)
     assert bench.returncode == 1 and out == "", (bench.returncode, out, err[-2000:])
-    assert "dflash2 bench churn: error: bench churn: client process" in err and "killed by SIGKILL" in err, err[-2000:]
-    assert "Traceback" not in err.split("dflash2 bench churn: error:")[-1]
+    assert "dflash2: error: bench churn: client process" in err and "killed by SIGKILL" in err, err[-2000:]
+    assert "Traceback" not in err.split("dflash2: error:")[-1]
     assert not _daemons_under(tmp_path) and not list(tmp_path.glob("dflash2-bench-*"))
