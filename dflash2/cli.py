@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from dflash2 import stopsignals
 from dflash2.bench import BenchFailed, OptionError  # light: imports no benchmark
+from dflash2.errors import DaemonUnavailable
 
 BENCHES = ("table", "nvme", "policy", "transfer", "swap", "control", "drain", "churn", "calls", "sglang")
 EXIT_OK = 0
@@ -65,6 +66,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     except BenchFailed as exc:  # a run that could not finish: said, and no figures
         print(f"dflash2: error: {exc}", file=sys.stderr)  # (it names the bench)
+        return EXIT_FAILED
+    except DaemonUnavailable as exc:  # the daemon the bench started ended mid-run (its _stop says how)
+        print(f"dflash2: error: bench {args.name}: its daemon stopped answering, no figures: {exc}", file=sys.stderr)
         return EXIT_FAILED
     records = result if isinstance(result, list) else [result]
     for i, record in enumerate(records):

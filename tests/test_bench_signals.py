@@ -195,3 +195,33 @@ def test_a_churn_client_killed_mid_run_ends_the_bench_with_an_error_naming_it(tm
     assert "dflash2: error: bench churn: client process" in err and "killed by SIGKILL" in err, err[-2000:]
     assert "Traceback" not in err.split("dflash2: error:")[-1]
     assert not _daemons_under(tmp_path) and not list(tmp_path.glob("dflash2-bench-*"))
+
+
+def test_a_bench_whose_daemon_is_killed_mid_run_says_so_and_leaves_no_shared_memory(tmp_path):
+    """A review: the bench's own daemon SIGKILLed (the OOM killer) ended `bench calls` (and drain,
+    control, churn) in a DaemonUnavailable traceback and left the daemon's segments in /dev/shm (GBs
+    for drain's tiers): now one error line, exit 1, no figures, the segments removed and said."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "bench", "calls", "--blocks", "256", "--rounds",
+                              "100", "--hbm-chains", "2", "--dram-chains", "4", "--device", "host",
+                              "--block-kib", "64", "--json"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, daemons = time.monotonic() + 60, []
+        while not (daemons and list(tmp_path.glob("dflash2-bench-*/d.sock"))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            daemons = _daemons_under(tmp_path)
+        assert daemons, "the bench started no daemon"
+        time.sleep(1.0)  # (mid-run: its socket is bound)
+        os.kill(daemons[0], signal.SIGKILL)
+        out, err = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.terminate()
+            bench.wait(30)
+    assert bench.returncode == 1 and out == "" and "Traceback" not in err, (bench.returncode, out, err[-2000:])
+    assert "dflash2: error: bench calls: its daemon stopped answering, no figures" in err, err[-2000:]
+    assert f"its daemon (pid {daemons[0]}) had ended before the bench stopped it (killed by SIGKILL); the bench " \
+           "removed the shared memory it left (3 segments" in err, err[-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"dflash2-{daemons[0]}-")]
+    assert not list(tmp_path.glob("dflash2-bench-*"))

@@ -95,9 +95,9 @@ def nobody_holds(fd: int) -> bool:
 ALIVE = "-alive"
 
 
-def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
+def remove_stale_segments(prefix: str, say: bool = True) -> list[tuple[str, int]]:
     """Remove every segment whose name starts with `prefix` that no process holds (the segments of a
-    daemon that was killed); (name, bytes) of each one removed, each also logged."""
+    daemon that was killed); (name, bytes) of each one removed, each also logged (`say`)."""
     removed, kept = [], False
     # Invariant: a killed daemon's liveness object goes last, and only once every other segment of
     # its prefix has: it is how a later start finds what the daemon left (liveness.dead_daemons). It
@@ -111,7 +111,8 @@ def remove_stale_segments(prefix: str) -> list[tuple[str, int]]:
         if size is None:
             kept = True
             continue
-        _say_removed(name, size)
+        if say:
+            _say_removed(name, size)
         removed.append((name, size))
     return removed
 

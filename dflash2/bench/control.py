@@ -35,8 +35,8 @@ import zmq
 
 from dflash2 import protocol as P
 from dflash2 import stopsignals, threads
-from dflash2.bench import OptionError, positive_float, positive_int
-from dflash2.bench.workers import ANSWER_MARGIN_S, Workers
+from dflash2.bench import BenchFailed, OptionError, positive_float, positive_int
+from dflash2.bench.workers import ANSWER_MARGIN_S, Workers, how_it_ended
 from dflash2.layout import Layout
 
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
@@ -239,14 +239,16 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
                 # made a daemon that cannot start (tiers past the machine's memory, a batch past its tier).
                 text = log_path.read_text()
                 said = [ln for ln in text.splitlines() if "error:" in ln.lower()]
-                if not said:  # (a crash or a signal, not a refusal: the log's end, as before)
+                if not said and proc.returncode < 0:  # (killed as it started: the OOM killer, a user)
+                    raise BenchFailed(f"the bench's daemon ended as it started ({how_it_ended(proc.returncode)})")
+                if not said:  # (a crash, not a refusal: the log's end, as before)
                     raise RuntimeError(f"{argv} exited with {proc.returncode}: {text.strip()[-2000:]}")
                 raise OptionError(f"the bench's daemon did not start (exit {proc.returncode}): "
                                   f"{said[-1].strip()[-500:]}")
     except BaseException:
         # (Ctrl-C or SIGTERM while it starts: stopped here, since no caller has it yet; it recreated
         # the removed temporary folder and its NVMe file in it before)
-        _stop(proc)
+        _stop(proc, say_ended=False)
         raise
     _stop(proc)
     raise RuntimeError(f"{argv} did not print {ready!r} within {STARTUP_TIMEOUT_S}s")
@@ -261,11 +263,31 @@ def _read_to(stream, ready: str, lines: queue.Queue) -> None:
     lines.put("")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, say_ended: bool = True) -> None:
+    """Stop a child the bench started (its daemon, the echo server). One that had ended by itself is
+    said (unless the caller says why itself); a daemon that did not end cleanly could not remove its
+    shared memory, so the bench does (a review: a bench's daemon killed mid-run left its tiers'
+    segments in /dev/shm, GBs for drain's)."""
+    from dflash2.arena.shm import remove_stale_segments
+    from dflash2.assemble import instance_name
+
     with stopsignals.uninterrupted():  # (cut short by a stop signal, the daemon ran on)
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        ended = proc.poll()
+        if ended is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        notes = []
+        if ended is not None and say_ended:
+            notes.append(f"had ended before the bench stopped it ({how_it_ended(ended)})")
+        if proc.returncode != 0:
+            removed = remove_stale_segments(f"{instance_name(proc.pid)}-", say=False)
+            if removed:
+                notes.append(f"the bench removed the shared memory it left ({len(removed)} segments, "
+                             f"{sum(n for _, n in removed)} bytes)")
+        if notes:
+            what = "daemon" if "dflash2.daemon.main" in proc.args else "helper process"
+            print(f"dflash2 bench: its {what} (pid {proc.pid}) " + "; ".join(notes), file=sys.stderr)
