@@ -62,3 +62,36 @@ def test_a_worker_past_the_deadline_is_named_and_stopped():
             finally:
                 procs = list(workers._procs)
     assert not any(p.is_alive() for p in procs)
+
+
+def test_a_start_that_fails_stops_the_workers_started_before_it(monkeypatch):
+    """Workers started, then one whose start fails: those before it are stopped, not left running."""
+    import multiprocessing.context
+
+    started: list = []
+    real = multiprocessing.context.SpawnProcess.start
+
+    def start(self):
+        if started:
+            raise OSError("no more processes")
+        real(self)
+        started.append(self)
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="no more processes"):
+        Workers(_sleeps, [(600.0,), (600.0,)], "bench test")
+    assert started and not started[0].is_alive()
+
+
+def test_every_bench_module_imports():
+    """A name one bench module takes from another that is not there broke five benches at once (a
+    review: control, churn, drain, calls and sglang ended in an ImportError)."""
+    import importlib
+    import pkgutil
+
+    import dflash2.bench
+
+    for info in pkgutil.iter_modules(dflash2.bench.__path__):
+        try:
+            importlib.import_module(f"dflash2.bench.{info.name}")
+        except ModuleNotFoundError as exc:  # (an optional dependency: torch, sglang, cupy)
+            assert exc.name.split(".")[0] in ("torch", "sglang", "cupy"), (info.name, exc)

@@ -38,7 +38,8 @@ def _answer(conn, target: Callable, args: tuple) -> None:
     conn.send(("done", result))
 
 
-def _how_it_ended(code: int | None) -> str:
+def how_it_ended(code: int | None) -> str:
+    """A process's return code in words (negative: the signal that killed it)."""
     if code is None:
         return "still running"
     if code < 0:
@@ -58,13 +59,17 @@ class Workers:
         self.name = name
         self._procs: list = []
         self._conns: list = []
-        for i, args in enumerate(arg_lists):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_answer, args=(send, target, tuple(args)), name=f"{name}-{i}", daemon=True)
-            self._procs.append(proc)  # (before start: a failed start still stops those started)
-            self._conns.append(recv)
-            proc.start()
-            send.close()  # (the worker holds the only write end: its death closes the pipe)
+        try:
+            for i, args in enumerate(arg_lists):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_answer, args=(send, target, tuple(args)), name=f"{name}-{i}", daemon=True)
+                self._procs.append(proc)
+                self._conns.append(recv)
+                proc.start()
+                send.close()  # (the worker holds the only write end: its death closes the pipe)
+        except BaseException:  # (a start that failed, or a stop signal meanwhile: those started are stopped)
+            self.__exit__()
+            raise
 
     def __enter__(self) -> Workers:
         return self
@@ -75,6 +80,8 @@ class Workers:
                 if proc.is_alive():
                     proc.terminate()
             for proc in self._procs:
+                if proc.pid is None:  # (never started: its start failed)
+                    continue
                 proc.join(JOIN_S)
                 if proc.is_alive():
                     proc.kill()
@@ -102,7 +109,7 @@ class Workers:
                 except EOFError:  # its pipe closed with no answer: the process is gone
                     proc.join(JOIN_S)
                     raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) ended without its figures "
-                                       f"({_how_it_ended(proc.exitcode)}): no figures") from None
+                                       f"({how_it_ended(proc.exitcode)}): no figures") from None
                 if status == "failed":
                     raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) failed: {value}")
                 out[i] = value
