@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash2 import cli
+from dflash2.bench import BenchFailed
 from dflash2.bench import policy as policy_bench
 from dflash2.bench import table as table_bench
 from dflash2.cuda import cuda_available
@@ -539,7 +540,20 @@ def test_the_benches_daemon_start_up_timeout_holds_for_a_child_that_prints_nothi
 
     monkeypatch.setattr(control, "STARTUP_TIMEOUT_S", 1.0)
     t = time.monotonic()
-    with pytest.raises(RuntimeError, match="did not print 'DFlash2: enabled' within 1.0s"):
+    # (a named failure, one line: a RuntimeError's traceback before, a review)
+    with pytest.raises(BenchFailed, match=r"the bench's helper process \(pid \d+\) was not ready within 1 s \(it did "
+                                          "not print 'DFlash2: enabled'\\); stopped"):
         control._start(["-c", "import time; time.sleep(8)"], "DFlash2: enabled", tmp_path / "d.log")
     took = time.monotonic() - t
     assert took < 4.0, f"_start took {took:.1f}s with a 1 s start-up timeout"
+
+
+def test_the_start_up_timeout_grows_with_the_daemons_tiers(tmp_path, monkeypatch):
+    """A daemon takes its tiers' memory as it starts: 22 GB of DRAM (`bench calls --rounds 300`) took
+    longer than the 30 s the wait had (a review)."""
+    from dflash2.bench import control
+
+    monkeypatch.setattr(control, "STARTUP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(control, "STARTUP_S_PER_GB", 1.0)
+    with pytest.raises(BenchFailed, match="was not ready within 3 s"):
+        control._start(["-c", "import time; time.sleep(8)"], "DFlash2: enabled", tmp_path / "d.log", tiers_mb=2048)

@@ -29,6 +29,11 @@ def _fails(i: int) -> int:
     return i
 
 
+def _daemon_gone(i: int) -> int:
+    from dflash2.errors import DaemonUnavailable
+    raise DaemonUnavailable(f"lookup: the daemon of worker {i} ended")
+
+
 def _sleeps(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
@@ -48,10 +53,21 @@ def test_a_worker_killed_mid_run_is_named_at_once():
     assert time.monotonic() - t0 < 30  # (not the deadline: the pipe closed)
 
 
-def test_a_worker_that_raises_is_named_with_its_error():
+def test_a_worker_that_raises_is_named_with_its_error(capfd):
     with pytest.raises(WorkerFailed, match=r"client process 2 \(pid \d+\) failed: ValueError: worker 2 cannot"):
         with Workers(_fails, [(i,) for i in range(3)], "bench test") as workers:
             workers.results(deadline=time.time() + 60)
+    assert "Traceback" in capfd.readouterr().err  # (an error not raised on purpose: a bug, its traceback kept)
+
+
+def test_a_worker_whose_daemon_is_gone_is_named_without_a_traceback(capfd):
+    """A review: with the bench's daemon killed, every client printed a traceback beside the bench's
+    one error line."""
+    with pytest.raises(WorkerFailed, match=r"client process 0 \(pid \d+\) failed: DaemonUnavailable: lookup: the "
+                                           "daemon of worker 0 ended"):
+        with Workers(_daemon_gone, [(0,)], "bench test") as workers:
+            workers.results(deadline=time.time() + 60)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_worker_past_the_deadline_is_named_and_stopped():

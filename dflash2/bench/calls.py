@@ -123,7 +123,8 @@ def _start_daemon(folder: Path, endpoint: str, kind: str, args, blocks: Layout):
            "logging": {"format": "text", "level": "warning"}}
     path = folder / "dflash2_config.json"
     path.write_text(json.dumps(cfg))
-    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
+    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log",
+                  tiers_mb=hbm_mb + cfg["memory"]["dram_capacity_mb"])
 
 
 def _rounds(client, args) -> dict:

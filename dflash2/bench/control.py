@@ -42,6 +42,7 @@ from dflash2.layout import Layout
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dims x 2 bytes = 4 KiB per block
 LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=16)
 STARTUP_TIMEOUT_S = 30.0
+STARTUP_S_PER_GB = 3.0  # more for a daemon whose tiers are large: it takes their memory as it starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,12 +212,14 @@ def _start_daemon(folder: Path, endpoint: str) -> subprocess.Popen:
     return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
 
 
-def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
+def _start(argv: list[str], ready: str, log_path: Path, tiers_mb: int = 0) -> subprocess.Popen:
     """Start a Python child and wait for its ready line; its stderr goes to a file (a pipe nobody
-    reads would fill up and stall it)."""
+    reads would fill up and stall it). `tiers_mb`: a daemon's tiers, whose memory it takes as it
+    starts (a review: 22 GB of DRAM took longer than the 30 s the wait had)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    timeout_s = STARTUP_TIMEOUT_S + STARTUP_S_PER_GB * tiers_mb / 1024
+    deadline = time.monotonic() + timeout_s
     lines: queue.Queue[str] = queue.Queue()
     # Read on a thread, to the ready line: a readline here waited as long as a child that printed
     # nothing ran, whatever the deadline (a review: 8 s with a 1 s timeout).
@@ -250,8 +253,9 @@ def _start(argv: list[str], ready: str, log_path: Path) -> subprocess.Popen:
         # the removed temporary folder and its NVMe file in it before)
         _stop(proc, say_ended=False)
         raise
-    _stop(proc)
-    raise RuntimeError(f"{argv} did not print {ready!r} within {STARTUP_TIMEOUT_S}s")
+    _stop(proc, say_ended=False)
+    raise BenchFailed(f"the bench's {'daemon' if 'dflash2.daemon.main' in argv else 'helper process'} (pid "
+                      f"{proc.pid}) was not ready within {timeout_s:.0f} s (it did not print {ready!r}); stopped")
 
 
 def _read_to(stream, ready: str, lines: queue.Queue) -> None:
@@ -273,6 +277,7 @@ def _stop(proc: subprocess.Popen, say_ended: bool = True) -> None:
 
     with stopsignals.uninterrupted():  # (cut short by a stop signal, the daemon ran on)
         ended = proc.poll()
+        notes = []
         if ended is None:
             proc.terminate()
             try:
@@ -280,7 +285,7 @@ def _stop(proc: subprocess.Popen, say_ended: bool = True) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        notes = []
+                notes.append("did not stop within 10 s of SIGTERM and was killed")
         if ended is not None and say_ended:
             notes.append(f"had ended before the bench stopped it ({how_it_ended(ended)})")
         if proc.returncode != 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from multiprocessing.connection import wait
 
 from dflash2 import stopsignals
 from dflash2.bench import BenchFailed
+from dflash2.errors import DFlash2Error
 
 ANSWER_MARGIN_S = 30.0  # past the run's end: a client's last call (its timeout, 5 s) and its exit
 JOIN_S = 5.0  # how long a worker told to stop (SIGTERM) is waited for before it is killed
@@ -29,12 +31,18 @@ class WorkerFailed(BenchFailed):
 
 
 def _answer(conn, target: Callable, args: tuple) -> None:
-    """In the worker: `target(*args)`'s result, or its exception as text, sent up the pipe."""
+    """In the worker: `target(*args)`'s result, or its exception as text, sent up the pipe. An
+    error dflash2 raises on purpose (the daemon gone) or a stop signal ends the worker quietly: the
+    bench names it (a review: each client printed a traceback as well); any other is a bug, and its
+    traceback goes to the worker's stderr too."""
     try:
         result = target(*args)
-    except BaseException as exc:  # (sent, then raised again: the worker's own traceback goes to its stderr)
-        conn.send(("failed", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
-        raise
+    except BaseException as exc:
+        if not isinstance(exc, (DFlash2Error, KeyboardInterrupt, SystemExit)):
+            traceback.print_exc()  # (before the bench hears of it: it stops the workers then)
+            sys.stderr.flush()
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        sys.exit(1)
     conn.send(("done", result))
 
 
