@@ -243,7 +243,8 @@ def _start(argv: list[str], ready: str, log_path: Path, tiers_mb: int = 0) -> su
                 text = log_path.read_text()
                 said = [ln for ln in text.splitlines() if "error:" in ln.lower()]
                 if not said and proc.returncode < 0:  # (killed as it started: the OOM killer, a user)
-                    raise BenchFailed(f"the bench's daemon ended as it started ({how_it_ended(proc.returncode)})")
+                    raise BenchFailed(f"the bench's {_what(argv)} (pid {proc.pid}) ended as it started "
+                                      f"({how_it_ended(proc.returncode)})")
                 if not said:  # (a crash, not a refusal: the log's end, as before)
                     raise RuntimeError(f"{argv} exited with {proc.returncode}: {text.strip()[-2000:]}")
                 raise OptionError(f"the bench's daemon did not start (exit {proc.returncode}): "
@@ -254,8 +255,8 @@ def _start(argv: list[str], ready: str, log_path: Path, tiers_mb: int = 0) -> su
         _stop(proc, say_ended=False)
         raise
     _stop(proc, say_ended=False)
-    raise BenchFailed(f"the bench's {'daemon' if 'dflash2.daemon.main' in argv else 'helper process'} (pid "
-                      f"{proc.pid}) was not ready within {timeout_s:.0f} s (it did not print {ready!r}); stopped")
+    raise BenchFailed(f"the bench's {_what(argv)} (pid {proc.pid}) was not ready within {timeout_s:.0f} s (it "
+                      f"did not print {ready!r}); stopped")
 
 
 def _read_to(stream, ready: str, lines: queue.Queue) -> None:
@@ -294,5 +295,9 @@ def _stop(proc: subprocess.Popen, say_ended: bool = True) -> None:
                 notes.append(f"the bench removed the shared memory it left ({len(removed)} segments, "
                              f"{sum(n for _, n in removed)} bytes)")
         if notes:
-            what = "daemon" if "dflash2.daemon.main" in proc.args else "helper process"
-            print(f"dflash2 bench: its {what} (pid {proc.pid}) " + "; ".join(notes), file=sys.stderr)
+            print(f"dflash2 bench: its {_what(proc.args)} (pid {proc.pid}) " + "; ".join(notes), file=sys.stderr)
+
+
+def _what(argv: list[str]) -> str:
+    """What a child the bench starts is, by its command line: its daemon, or a helper (the echo server)."""
+    return "daemon" if "dflash2.daemon.main" in argv else "helper process"
