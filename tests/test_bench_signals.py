@@ -221,7 +221,43 @@ def test_a_bench_whose_daemon_is_killed_mid_run_says_so_and_leaves_no_shared_mem
             bench.wait(30)
     assert bench.returncode == 1 and out == "" and "Traceback" not in err, (bench.returncode, out, err[-2000:])
     assert "dflash2: error: bench calls: its daemon stopped answering, no figures" in err, err[-2000:]
-    assert f"its daemon (pid {daemons[0]}) had ended before the bench stopped it (killed by SIGKILL); the bench " \
-           "removed the shared memory it left (3 segments" in err, err[-2000:]
+    assert f"its daemon (pid {daemons[0]}): it had ended before the bench stopped it (killed by SIGKILL); the " \
+           "bench removed the shared memory it left (3 segments" in err, err[-2000:]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"dflash2-{daemons[0]}-")]
     assert not list(tmp_path.glob("dflash2-bench-*"))
+
+
+@pytest.mark.parametrize("bench", ["control", "churn"])
+def test_ctrl_c_at_a_terminal_stops_the_bench_and_its_children_quietly(tmp_path, bench):
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: the bench's daemon and echo server
+    got it too, died or stopped by themselves, and the bench then said each had ended before it stopped
+    it (a review). Its children have sessions of their own: the bench stops them, and says nothing."""
+    args = {"control": ["--iterations", "200", "--batch-iterations", "20", "--seconds", "3", "--processes", "2"],
+            "churn": ["--clients", "2", "--warmup", "1", "--seconds", "3", "--hbm-mb", "4", "--dram-mb", "4",
+                      "--nvme-mb", "0", "--docs", "100"]}[bench]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                             "signal.default_int_handler); from dflash2.cli import main; sys.exit(main())",
+                             "bench", bench, "--json", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, clients = time.monotonic() + 60, []
+        while not clients and time.monotonic() < deadline:
+            time.sleep(0.1)
+            out = subprocess.run(["ps", "-ww", "--ppid", str(proc.pid), "-o", "pid=,args="], capture_output=True,
+                                 text=True).stdout
+            clients = [line for line in out.splitlines() if "spawn_main" in line]
+        assert clients, "the bench started no client process"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # (as a terminal's Ctrl-C: the bench's whole group)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+    assert proc.returncode == 128 + signal.SIGINT and out == "", (proc.returncode, out, err[-2000:])
+    assert err == "", err[-2000:]
+    deadline = time.monotonic() + 10
+    while _daemons_under(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _daemons_under(tmp_path) and not list(tmp_path.glob("dflash2-bench-*"))

@@ -217,7 +217,11 @@ def _start(argv: list[str], ready: str, log_path: Path, tiers_mb: int = 0) -> su
     reads would fill up and stall it). `tiers_mb`: a daemon's tiers, whose memory it takes as it
     starts (a review: 22 GB of DRAM took longer than the 30 s the wait had)."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
+        # A session of its own: a terminal's Ctrl-C (SIGINT to the whole process group) reaches the
+        # bench alone, which stops its children itself (a review: the echo server died of it and the
+        # daemon stopped by itself, each then said as a child that had ended before the bench stopped it).
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True,
+                                start_new_session=True)
     timeout_s = STARTUP_TIMEOUT_S + STARTUP_S_PER_GB * tiers_mb / 1024
     deadline = time.monotonic() + timeout_s
     lines: queue.Queue[str] = queue.Queue()
@@ -286,16 +290,16 @@ def _stop(proc: subprocess.Popen, say_ended: bool = True) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                notes.append("did not stop within 10 s of SIGTERM and was killed")
+                notes.append("it did not stop within 10 s of SIGTERM and was killed")
         if ended is not None and say_ended:
-            notes.append(f"had ended before the bench stopped it ({how_it_ended(ended)})")
+            notes.append(f"it had ended before the bench stopped it ({how_it_ended(ended)})")
         if proc.returncode != 0:
             removed = remove_stale_segments(f"{instance_name(proc.pid)}-", say=False)
             if removed:
                 notes.append(f"the bench removed the shared memory it left ({len(removed)} segments, "
                              f"{sum(n for _, n in removed)} bytes)")
         if notes:
-            print(f"dflash2 bench: its {_what(proc.args)} (pid {proc.pid}) " + "; ".join(notes), file=sys.stderr)
+            print(f"dflash2 bench: its {_what(proc.args)} (pid {proc.pid}): " + "; ".join(notes), file=sys.stderr)
 
 
 def _what(argv: list[str]) -> str:
