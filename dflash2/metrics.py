@@ -38,7 +38,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_read_backoffs_total | counter | times NVMe reads failed on a disk taken to be failing (more than 5% of the tier set aside) and NVMe was neither read nor written for a while: 1 s, doubled each time a read fails again, up to 60 s, ended by a read that works; meanwhile lookups end before its blocks and blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them, or they lie on a failing NVMe disk backing off after failed reads (also counted as lookup misses) |
-| dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves (absent until 1 MiB has moved that way) |
+| dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves up (dram->hbm, nvme->hbm, nvme->dram; absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
 | dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed) |
@@ -93,6 +93,7 @@ from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.policy.heat import INNER_LISTS, RANKINGS
 from dflash2.policy.split import LISTS as SPLIT_LISTS
+from dflash2.readcost import read_paths
 from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.metrics")
@@ -309,9 +310,9 @@ def _access_families(st: dict):
                  "(kv_block.prefetch_window, doubled while HBM is below its low watermark).", ["gpu"],
                  [((gpu,), pool["prefetch"]["window"]) for gpu, pool in pools.items()])
     # Per GPU pool (a node of several keeps one measurement per pool, under `devices`).
-    yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves.",
+    yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves up a tier.",
                  ["gpu", "direction"], [((gpu, d), bw) for gpu, pool in _pools(st).items()
-                                        for d, bw in pool.get("read_cost", {}).get("bytes_per_s", {}).items()
+                                        for d, bw in read_paths(pool.get("read_cost", {}).get("bytes_per_s", {})).items()
                                         if bw is not None])
 
 

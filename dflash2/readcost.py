@@ -180,3 +180,16 @@ class ReadCost:
     def describe(self) -> dict:
         paths = {f"{a.label}->{b.label}": self.bandwidth(a, b) for (a, b) in sorted(set(self._seen))}
         return {"bytes_per_s": paths, "prefill_rates": len([r for r in self._rates.values() if r is not None])}
+
+
+def read_paths(paths: dict) -> dict:
+    """Of `describe()`'s measured paths ("dram->hbm": bytes/s), those that read blocks back up (from a
+    lower tier into a higher one): demotions are measured too, and `dflash2 status`'s "read back:" line
+    and the read-bandwidth metric showed their speed as read-back speed (a review)."""
+    def up(path: str) -> bool:
+        src, _, dst = path.partition("->")
+        return _DEPTH.get(src, -1) > _DEPTH.get(dst, len(_DEPTH))
+    return {path: rate for path, rate in paths.items() if up(path)}
+
+
+_DEPTH = {t.label: int(t) for t in Tier}  # (HBM 0, DRAM 1, NVMe 2: a read back goes to a smaller depth)

@@ -16,6 +16,7 @@ from dflash2.duel import NOT_REPLAYED
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, VersionMismatch
 from dflash2.policy.heat import INNER_LISTS
 from dflash2.policy.split import LISTS
+from dflash2.readcost import read_paths
 
 EXIT_OK = 0
 EXIT_UNAVAILABLE = 1
@@ -102,7 +103,7 @@ def render(st: dict) -> str:
                          f"useful {pre.get('useful', 0)}, wasted {pre.get('wasted', 0)}, pending {pre.get('pending', 0)}")
     lines += _policy_lines(st)
     # Measured per GPU pool (a node of several keeps them under `devices`).
-    measured = {gpu: pool.get("read_cost", {}).get("bytes_per_s", {})
+    measured = {gpu: read_paths(pool.get("read_cost", {}).get("bytes_per_s", {}))
                 for gpu, pool in (st.get("devices") or {None: st}).items()}
     if any(measured.values()) or st.get("lookup_withheld"):
         paths = "; ".join(("" if gpu is None else f"GPU {gpu} ") + f"{k} {'unmeasured' if v is None else _size(v) + '/s'}"

@@ -270,6 +270,25 @@ def test_a_node_of_several_pools_shows_each_pools_read_bandwidth(make_manager, c
     assert "GPU 0 dram->hbm" in line and "GPU 1 dram->hbm" in line
 
 
+def test_demotions_are_measured_but_not_shown_as_read_back(make_manager, clock):
+    """A review: with blocks only gone down, `dflash2 status` said "read back: hbm->dram 1.5 GiB/s;
+    dram->nvme unmeasured", and the read-bandwidth metric had those directions: demotions' speed."""
+    from dflash2.daemon.service import Service
+    from dflash2.status import render
+
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8)
+    mgr.read_cost.observe(Tier.HBM, Tier.DRAM, 8 << 20, 0.001)  # a demotion, measured
+    st = Service({0: mgr}, lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock).stats()
+    assert "hbm->dram" in st["read_cost"]["bytes_per_s"]  # (kept in the JSON: every path the daemon measures)
+    assert "hbm->dram" not in render(st)  # (no read back measured, nothing withheld: no line)
+    families = {f.name: f for f in _access_families(st)}
+    assert not families["dflash2_read_bandwidth_bytes_per_second"].samples
+    mgr.read_cost.observe(Tier.DRAM, Tier.HBM, 8 << 20, 0.001)  # a read back
+    st = Service({0: mgr}, lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock).stats()
+    [line] = [line for line in render(st).splitlines() if line.startswith("read back:")]
+    assert "dram->hbm" in line and "hbm->dram" not in line, line
+
+
 def test_a_path_judged_too_slow_is_measured_again_after_a_while():
     """A path judged too slow carries no more batches (its blocks neither offered nor kept there), so
     its figure never changed: one slow batch (a disk busy for it) turned that tier off for the
