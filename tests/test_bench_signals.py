@@ -31,6 +31,19 @@ def _daemons_under(folder: Path) -> list[int]:
     return found
 
 
+def _client_processes(bench_pid: int) -> list[int]:
+    """Pids of the client processes a bench spawned (multiprocessing's `spawn_main` children), once
+    there are any (a minute at most)."""
+    deadline, clients = time.monotonic() + 60, []
+    while not clients and time.monotonic() < deadline:
+        time.sleep(0.1)
+        out = subprocess.run(["ps", "-ww", "--ppid", str(bench_pid), "-o", "pid=,args="], capture_output=True,
+                             text=True).stdout
+        clients = [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+    assert clients, "the bench started no client process"
+    return clients
+
+
 @pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "serving"), (signal.SIGINT, "starting")])
 def test_a_bench_stopped_by_a_signal_to_it_alone_leaves_nothing(tmp_path, sig, when):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -172,13 +185,7 @@ def test_a_churn_client_killed_mid_run_ends_the_bench_with_an_error_naming_it(tm
                               "--warmup", "1", "--seconds", "2", "--hbm-mb", "4", "--dram-mb", "4", "--nvme-mb", "0",
                               "--docs", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline, workers = time.monotonic() + 60, []
-        while not workers and time.monotonic() < deadline:
-            time.sleep(0.1)
-            out = subprocess.run(["ps", "-ww", "--ppid", str(bench.pid), "-o", "pid=,args="], capture_output=True,
-                                 text=True).stdout
-            workers = [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
-        assert workers, "the bench started no client process"
+        workers = _client_processes(bench.pid)
         os.kill(workers[0], signal.SIGKILL)
         out, err = bench.communicate(timeout=90)  # (its run ends about 5 s after it began)
     finally:
@@ -241,13 +248,7 @@ def test_ctrl_c_at_a_terminal_stops_the_bench_and_its_children_quietly(tmp_path,
                              "bench", bench, "--json", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline, clients = time.monotonic() + 60, []
-        while not clients and time.monotonic() < deadline:
-            time.sleep(0.1)
-            out = subprocess.run(["ps", "-ww", "--ppid", str(proc.pid), "-o", "pid=,args="], capture_output=True,
-                                 text=True).stdout
-            clients = [line for line in out.splitlines() if "spawn_main" in line]
-        assert clients, "the bench started no client process"
+        _client_processes(proc.pid)
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)  # (as a terminal's Ctrl-C: the bench's whole group)
         out, err = proc.communicate(timeout=60)

@@ -303,17 +303,24 @@ def test_a_monitoring_file_of_many_daemons_lines_is_read_whole(tmp_path):
         load(monitor_path(key_file))
 
 
-@needs_root
-def test_a_daemon_not_of_the_monitoring_group_keeps_the_files_group_as_it_edits_it(base):
-    """The deploy units run the daemon as a user of its own: its edits at each start and stop wrote a
-    new file, which it could not give the monitoring group (not its own), and the group's readers were
-    shut out, unsaid (a review)."""
+def _other_users_key_file(base: Path):
+    """A key file (and its keys) made by the other user, as a daemon run as its own user makes it, in
+    a folder of that user's."""
     folder = base / "keys"
     folder.mkdir()
     os.chown(folder, OTHER, OTHER)
     key_file = folder / "node.key"
     with as_other_user():
         keys, _ = load_or_make(key_file)
+    return key_file, keys
+
+
+@needs_root
+def test_a_daemon_not_of_the_monitoring_group_keeps_the_files_group_as_it_edits_it(base):
+    """The deploy units run the daemon as a user of its own: its edits at each start and stop wrote a
+    new file, which it could not give the monitoring group (not its own), and the group's readers were
+    shut out, unsaid (a review)."""
+    key_file, keys = _other_users_key_file(base)
     monitor = monitor_path(key_file)
     os.chown(monitor, -1, 100)  # (root, as the README's chgrp: a group the daemon's user is not in)
     monitor.chmod(0o640)
@@ -369,12 +376,8 @@ def test_an_in_place_write_is_never_cut_short(tmp_path):
 def test_an_owner_read_only_monitoring_file_is_still_edited(base):
     """In place, a monitoring file of mode 0440 (nobody may write: "Do not edit") failed every start of
     a daemon run as its own user (a review): renamed over, it takes only the folder's write access."""
-    folder = base / "keys"
-    folder.mkdir()
-    os.chown(folder, OTHER, OTHER)
-    key_file = folder / "node.key"
+    key_file, keys = _other_users_key_file(base)
     with as_other_user():
-        keys, _ = load_or_make(key_file)
         monitor_path(key_file).chmod(0o440)
         record_port(key_file, keys, 5555, 41000)
     assert load(monitor_path(key_file)).ports == {(node_id(), 5555): 41000}
