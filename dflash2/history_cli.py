@@ -75,14 +75,13 @@ def handler(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     except HistoryError as e:
         raise UsageError(str(e)) from None
-    if args.json:
-        for s in samples:
-            print(json.dumps(s, separators=(",", ":")))
-    else:
-        print(render(samples, args.rows))
+    path = None
     if args.plot is not None:
-        # The file's kind from its extension, PNG without one (matplotlib wrote NAME.png and it was
-        # reported as NAME); one matplotlib cannot write is refused by name (it raised a traceback).
+        # Drawn before anything is printed: a plot refused (no matplotlib, a format it cannot write,
+        # a folder it cannot write to) ends the command with its error alone, not after the table
+        # as if the command had worked (a review). The file's kind from its extension, PNG without
+        # one (matplotlib wrote NAME.png and it was reported as NAME); one matplotlib cannot write
+        # is refused by name (it raised a traceback).
         path = args.plot if os.path.splitext(args.plot)[1] not in ("", ".") else f"{args.plot.rstrip('.')}.png"
         try:
             plot(samples, path)
@@ -92,8 +91,13 @@ def handler(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
         except ValueError as e:  # (matplotlib: "Format 'xyz' is not supported ...")
             raise UsageError(f"--plot {args.plot}: {e}") from None
-        if not args.json:
-            print(f"plot written to {path}")
+    if args.json:
+        for s in samples:
+            print(json.dumps(s, separators=(",", ":")))
+    else:
+        print(render(samples, args.rows))
+    if path is not None and not args.json:
+        print(f"plot written to {path}")
     return EXIT_OK
 
 

@@ -109,8 +109,11 @@ def test_history_command_reads_a_file_prints_json_and_plots(service, tmp_path, c
     assert f"plot written to {tmp_path / 'dotted.png'}" in capsys.readouterr().out  # (it said "dotted.")
     # A format matplotlib cannot write: one line, exit 2 (a traceback before).
     assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "h.xyz")]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "--plot" in err and "'xyz' is not supported" in err and "Traceback" not in err
+    assert out == ""  # (the table was printed first, as if the command had worked)
+    assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "h.xyz"), "--json"]) == 2
+    assert capsys.readouterr().out == ""
 
 
 def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
