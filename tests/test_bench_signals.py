@@ -182,12 +182,14 @@ def test_a_churn_client_killed_mid_run_ends_the_bench_with_an_error_naming_it(tm
     no figures, its daemon and folder gone."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     bench = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "bench", "churn", "--json", "--clients", "2",
-                              "--warmup", "1", "--seconds", "2", "--hbm-mb", "4", "--dram-mb", "4", "--nvme-mb", "0",
+                              "--warmup", "60", "--seconds", "60", "--hbm-mb", "4", "--dram-mb", "4", "--nvme-mb", "0",
                               "--docs", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = _client_processes(bench.pid)
         os.kill(workers[0], signal.SIGKILL)
-        out, err = bench.communicate(timeout=90)  # (its run ends about 5 s after it began)
+        # At once, in the warm-up: it was named only after the warm-up and the window had been
+        # slept through (two minutes here).
+        out, err = bench.communicate(timeout=60)
     finally:
         if bench.poll() is None:  # (failed: stopped as a user would, so that its daemon goes too)
             bench.terminate()

@@ -84,10 +84,10 @@ def run(args: argparse.Namespace) -> dict:
                 window = (start_at + args.warmup, start_at + args.warmup + args.seconds)
                 with Workers(_client, [(endpoint, i, args.docs, start_at, window) for i in range(args.clients)],
                              "bench churn") as workers:
-                    time.sleep(max(0.0, window[0] - time.time()))
+                    workers.sleep_until(window[0])
                     before, cpu0, t0 = watcher.stats(), _cpu_s(daemon.pid), time.perf_counter()
                     log0 = (folder / "daemon.log").stat().st_size
-                    time.sleep(max(0.0, window[1] - time.time()))
+                    workers.sleep_until(window[1])
                     cpu1, t1, after = _cpu_s(daemon.pid), time.perf_counter(), watcher.stats()
                     logged = (folder / "daemon.log").stat().st_size - log0
                     results = workers.results(deadline=window[1] + ANSWER_MARGIN_S)

@@ -78,6 +78,8 @@ class Workers:
         except BaseException:  # (a start that failed, or a stop signal meanwhile: those started are stopped)
             self.__exit__()
             raise
+        self._out: list = [None] * len(self._procs)
+        self._waiting = dict(zip(self._conns, range(len(self._procs))))  # pipe -> worker, not yet answered
 
     def __enter__(self) -> Workers:
         return self
@@ -97,28 +99,42 @@ class Workers:
             for conn in self._conns:
                 conn.close()
 
+    def sleep_until(self, t: float) -> None:
+        """Sleep until time.time() reaches `t`, but raise WorkerFailed as soon as a worker fails or
+        ends without its answer (a churn client killed in the warm-up was named only once the
+        measured window had been slept through as well, a review). An answer that comes early is
+        kept for `results`."""
+        while (left := t - time.time()) > 0:
+            if not self._waiting:
+                time.sleep(left)
+                return
+            for conn in wait(list(self._waiting), timeout=left):
+                self._take(conn)
+
     def results(self, deadline: float) -> list:
         """Each worker's result, in order, once all have answered; WorkerFailed naming the first
         that failed or ended without answering, or those that had not answered by `deadline`
         (time.time())."""
-        out: list = [None] * len(self._procs)
-        waiting = dict(zip(self._conns, range(len(self._procs))))
-        while waiting:
+        while self._waiting:
             left = deadline - time.time()
             if left <= 0:
-                late = ", ".join(f"{i} (pid {self._procs[i].pid})" for i in sorted(waiting.values()))
+                late = ", ".join(f"{i} (pid {self._procs[i].pid})" for i in sorted(self._waiting.values()))
                 raise WorkerFailed(f"{self.name}: client process(es) {late} had not answered by the end of the run "
                                    "and its margin: no figures")
-            for conn in wait(list(waiting), timeout=min(left, 1.0)):
-                i = waiting.pop(conn)
-                proc = self._procs[i]
-                try:
-                    status, value = conn.recv()
-                except EOFError:  # its pipe closed with no answer: the process is gone
-                    proc.join(JOIN_S)
-                    raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) ended without its figures "
-                                       f"({how_it_ended(proc.exitcode)}): no figures") from None
-                if status == "failed":
-                    raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) failed: {value}")
-                out[i] = value
-        return out
+            for conn in wait(list(self._waiting), timeout=min(left, 1.0)):
+                self._take(conn)
+        return self._out
+
+    def _take(self, conn) -> None:
+        """A worker's pipe that is ready: its answer kept, or WorkerFailed naming how it failed."""
+        i = self._waiting.pop(conn)
+        proc = self._procs[i]
+        try:
+            status, value = conn.recv()
+        except EOFError:  # its pipe closed with no answer: the process is gone
+            proc.join(JOIN_S)
+            raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) ended without its figures "
+                               f"({how_it_ended(proc.exitcode)}): no figures") from None
+        if status == "failed":
+            raise WorkerFailed(f"{self.name}: client process {i} (pid {proc.pid}) failed: {value}")
+        self._out[i] = value
