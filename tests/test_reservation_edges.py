@@ -52,7 +52,7 @@ def test_a_reservation_whose_blocks_were_all_taken_says_so(make_manager, clock):
     assert polled.outcome is Outcome.GRANTED and "all 3 blocks taken" in polled.reason
     mgr.cancel(a, d.reservation_id)  # nothing to give back: no error, not counted as cancelled
     assert mgr.stats()["reservations"]["total_cancelled"] == 0
-    with pytest.raises(ReservationError, match="unknown, expired or cancelled"):
+    with pytest.raises(ReservationError, match=r"^reservation \d+ was cancelled$"):
         mgr.reservation_status(a, d.reservation_id)
     # One used whole is forgotten at its expiry, not counted as expired.
     e = mgr.reserve(a, lid, 16)
@@ -157,4 +157,38 @@ def test_a_reservation_past_its_deadline_holds_no_allocation_back(make_manager, 
     vids = mgr.allocate(c, lid, 2)
     assert vids is not None, mgr.allocate_refusal
     assert mgr.admission.counters["expired"] == 1 and not mgr.admission.deferred
+    mgr.check_invariants()
+
+
+def test_a_reservation_that_expired_or_was_cancelled_says_so(make_manager, clock):
+    # A review: an expired reservation answered "unknown, expired or cancelled", so its client could
+    # not tell whether to reserve again or look for a bug of its own.
+    mgr = make_manager(hbm_blocks=4, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    granted = mgr.reserve(a, lid, 16 * 2)
+    mgr.take(a, granted.reservation_id, 1)
+    short = mgr.reserve(a, lid, 16, deadline=clock() + 5.0)
+    filler = mgr.allocate(a, lid, 1)  # (HBM now full: the next one waits)
+    waiting = mgr.reserve(a, lid, 16 * 2)
+    assert waiting.outcome is Outcome.DEFERRED, waiting
+    clock.advance(6.0)
+    with pytest.raises(ReservationError, match=r"reservation \d+ expired \(its client's deadline_s\), granted, "
+                                                r"0 of its 1 blocks taken: its room is given back; reserve again"):
+        mgr.take(a, short.reservation_id, 1)
+    clock.advance(25.0)  # (settings: reservation_ttl_s 30)
+    mgr.tick()
+    with pytest.raises(ReservationError, match=r"expired \(admission.reservation_ttl_s 30\), granted, 1 of its 2 "
+                                                r"blocks taken"):
+        mgr.take(a, granted.reservation_id, 1)
+    with pytest.raises(ReservationError, match=r"expired \(admission.reservation_ttl_s 30\), while it waited in "
+                                                r"the deferred queue"):
+        mgr.reservation_status(a, waiting.reservation_id)
+    d = mgr.reserve(a, lid, 16)
+    mgr.cancel(a, d.reservation_id)
+    with pytest.raises(ReservationError, match=r"^reservation \d+ was cancelled$"):
+        mgr.take(a, d.reservation_id, 1)
+    with pytest.raises(ReservationError, match=r"^reservation 999 is unknown, expired or cancelled$"):
+        mgr.take(a, 999, 1)
+    mgr.free(a, filler)
     mgr.check_invariants()

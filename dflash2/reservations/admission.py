@@ -202,6 +202,7 @@ class Admission:
 
     def cancel(self, client: int, reservation_id: int) -> None:
         res = self._owned(client, reservation_id)
+        self._ended.cancelled(res)
         if self._ended.unspend(res):
             res.ended = True
             return  # every block was taken: nothing to give back, and nothing was cancelled
@@ -546,6 +547,7 @@ class Admission:
         return res
 
     def _expire(self, res: Reservation) -> None:
+        self._ended.expired(res, self.settings.reservation_ttl_s)  # (before _drop: granted or not)
         self._drop(res)
         self.counters["expired"] += 1
 
@@ -561,7 +563,7 @@ class Admission:
             self.deferred = [r for r in self.deferred if r.expires > now]
             for res in due:
                 self._unwait(res)
-                res.ended = True
+                self._ended.expired(res, self.settings.reservation_ttl_s)  # (ends it)
             self.counters["expired"] += len(due)
         self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
 
@@ -579,8 +581,7 @@ class Admission:
 
     def ahead_of(self, priority: int, client: int | None = None, slot: int | None = None) -> list:
         """The reservations waiting at `priority` or above that an allocation outside any reservation
-        leaves room to: not `client`'s own, only those of `slot`-byte HBM slots when given (layouts
-        may share a slot). Those past their time end first (they held allocations back until the step)."""
+        leaves room to: not `client`'s, only of `slot`-byte HBM slots if given; those past their time end first."""
         self._expire_due(self.table.clock())
         return [r for r in self.deferred if r.priority >= priority and r.client != client
                 and (slot is None or r.slot == slot)]
@@ -592,9 +593,8 @@ class Admission:
             raise QuotaExceeded(f"{over} (admission.max_client_share)")
 
     def _over_share(self, client: int, need: int) -> str:
-        """Why `need` more bytes would take the client past its share of HBM, or "" (shares.py). Its
-        reservations still in the queue count too: each within the share alone, together they would
-        be granted past it."""
+        """Why `need` more bytes would take the client past its share of HBM, or "" (shares.py); its
+        queued reservations count too (each within the share alone, together granted past it)."""
         if not self.shares.limited:
             return ""
         return self.shares.over(client, need, sum(r.hbm_bytes for r in self.deferred if r.client == client))

@@ -6,7 +6,9 @@ next call on one says what became of it, not "unknown, expired or cancelled" (`A
   until its expiry, SPENT_KEPT at most; in the order they were spent, pruned from the front as
   they come, never scanned (a scan of them all at each call, once the first had expired, cost 25
   times as much per request at 1,000 requests a second: a review's script);
-- displaced: pushed out of a full queue by one of higher priority, the reason kept for ENDED_KEPT.
+- displaced (pushed out of a full queue by one of higher priority), expired or cancelled: the
+  reason kept, for the ENDED_KEPT latest (an expired one answered "unknown, expired or cancelled",
+  and its client could not tell whether to reserve again or look for a bug of its own, a review).
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ class Ended:
         self._why[reservation_id] = why
         while len(self._why) > ENDED_KEPT:
             self._why.popitem(last=False)
+
+    def expired(self, res: Reservation, ttl_s: float) -> None:
+        """`res` reached its expiry, granted or waiting: it has ended."""
+        res.ended = True
+        by = "its client's deadline_s" if res.deadline <= res.expires else f"admission.reservation_ttl_s {ttl_s:g}"
+        where = (f"granted, {res.taken} of its {res.blocks} blocks taken" if res.granted
+                 else "while it waited in the deferred queue")
+        self.displaced(res.id, f"reservation {res.id} expired ({by}), {where}: its room is given back; reserve again")
+
+    def cancelled(self, res: Reservation) -> None:
+        self.displaced(res.id, f"reservation {res.id} was cancelled")
 
     def gone(self, reservation_id: int) -> str:
         """Why a reservation is not there: displaced, or unknown, expired or cancelled."""
