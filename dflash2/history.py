@@ -142,7 +142,7 @@ class History:
         # first, so that the file catches up once there is room (at most as many as are kept).
         self._unwritten: collections.deque[str] = collections.deque(maxlen=max_samples)
         if path is not None:
-            self.samples.extend((s["t"], _line(s)) for s in read_file(path, max_samples))
+            self.samples.extend((s["t"], _line(s)) for s in read_file(path, max_samples, links=False))
             self._torn_tail = _ends_torn(path)
             if self.samples:
                 log.info("history: %d samples read back from %s", len(self.samples), path)
@@ -322,19 +322,20 @@ def span_seconds(samples: list[dict]) -> float:
     return sum(max(0.0, b["t"] - a["t"]) for a, b in zip(samples, samples[1:]))
 
 
-def read_file(path: Path, max_samples: int | None = None, since_s: float | None = None) -> list[dict]:
+def read_file(path: Path, max_samples: int | None = None, since_s: float | None = None,
+              links: bool = True) -> list[dict]:
     """The samples among the newest `max_samples` lines of a history file (and its rotated
     predecessor), oldest first; with `since_s`, only those of the last `since_s` seconds before the
     newest sample (`span_count`: the clock set back between two counts no time). Lines are streamed and only the kept ones parsed: a full file pair is 128 MiB
     (`dflash2 history --file --since 30m` parsed all of it: 1.2 GB of memory and 6 s for 30 minutes'
     rows). A line that is not a sample (torn, foreign) is skipped and the count logged; an
-    unreadable file is skipped and logged."""
+    unreadable file is skipped and logged; with `links` False (the daemon's own), so is a link."""
     lines: collections.deque[bytes] = collections.deque(maxlen=max_samples)
     newest = None if since_s is None else last_time(path)
     cutoff = None if newest is None else newest - since_s
     for p in (path.with_name(path.name + ".1"), path):
         try:
-            if not regular_file(p):
+            if not regular_file(p, follow=links):
                 log.warning("history file %s is not a regular file: skipped", p)
                 continue
             with open(p, "rb") as f:
@@ -342,12 +343,18 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
                     lines.extend(f)
                 else:  # (a line whose time cannot be read so is parsed, and judged, below)
                     for line in f:
-                        if (t := _time_of(line)) is not None and t < cutoff:
+                        if (t := _time_of(line)) is None or t >= cutoff:
+                            lines.append(line)
+                        elif lines:
                             # Past the span, and so is everything before it (span_count); kept, the
                             # samples before a clock set back (stamped later) came back (a review).
-                            lines.clear()
-                        else:
-                            lines.append(line)
+                            # Only a sample cuts: a line that merely begins as one (foreign, torn)
+                            # cut every good sample before it (a review). Parsed only where there
+                            # is something to cut: a file's lines before its span are not.
+                            if is_sample(_parsed(line)):
+                                lines.clear()
+                            else:
+                                lines.append(line)
         except FileNotFoundError:
             continue
         except OSError as e:  # unreadable: start without it, and say so
@@ -356,10 +363,7 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
     for line in lines:
         if not line.strip():
             continue
-        try:
-            sample = json.loads(line)
-        except (ValueError, RecursionError):
-            sample = None
+        sample = _parsed(line)
         if is_sample(sample):
             if cutoff is None or sample["t"] >= cutoff:
                 out.append(sample)
@@ -373,10 +377,19 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
     return out
 
 
-def regular_file(path: Path) -> bool:
-    """Whether `path` is a regular file (FileNotFoundError when there is none). Opened, a FIFO in its
-    place blocked the daemon's start-up and `dflash2 history --file` for ever (a review's script)."""
-    return stat.S_ISREG(os.stat(path).st_mode)
+def _parsed(line: bytes):
+    """A line's JSON value, None when it is not JSON."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+def regular_file(path: Path, follow: bool = True) -> bool:
+    """Whether `path` is a regular file (FileNotFoundError when there is none); not `follow`ing, a
+    link is not one. Opened, a FIFO in its place blocked the daemon's start-up and `dflash2 history
+    --file` for ever (a review's script)."""
+    return stat.S_ISREG((os.stat if follow else os.lstat)(path).st_mode)
 
 
 def _ends_torn(path: Path) -> bool:
@@ -489,9 +502,13 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
             os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
             path = state_dir / FILE_NAME
             try:
-                if not regular_file(path):
-                    log.warning("history: %s is not a regular file; this daemon keeps its history in memory only "
-                                "(remove it, or give the daemon another daemon.state_dir)", path)
+                if not regular_file(path, follow=False):
+                    # (a link too: it was read back as this daemon's history, then every write
+                    # refused it, O_NOFOLLOW, and the log said "too many levels of symbolic links")
+                    log.warning("history: %s is %s; this daemon keeps its history in memory only (remove it, or "
+                                "give the daemon another daemon.state_dir)", path,
+                                "a link, which the daemon never writes through" if path.is_symlink()
+                                else "not a regular file")
                     path = None
             except FileNotFoundError:
                 pass

@@ -376,3 +376,20 @@ def test_since_counts_no_time_for_a_clock_set_back(service, tmp_path):
         assert f"{n} samples over {n - 2}s" in render(last)
     # 30 s after the step: none of before it (the file's counted from its newest sample).
     assert len(h.since(30)) == 30 and [s["t"] for s in read_file(path, since_s=30)] == [7029.0 + i for i in range(31)]
+
+
+def test_a_line_that_only_begins_as_a_sample_does_not_cut_since(service, tmp_path, clock, capsys):
+    # A review: a line of JSON that is not a sample but begins as one ({"t":0,...}, foreign or torn)
+    # in the middle of the file made `--since` drop every good sample before it.
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    for _ in range(10):
+        h.record(service.stats())
+        clock.advance(1)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:5] + ['{"t":0,"note":"not a sample"}', '{"t":1,"cut'] + lines[5:]) + "\n")
+    assert len(read_file(path)) == 10
+    assert len(read_file(path, since_s=100)) == 10
+    assert len(read_file(path, since_s=4.5)) == 5  # (a real sample past the cutoff still cuts)
+    assert cli.main(["history", "--file", str(path), "--since", "100s"]) == 0
+    assert "10 samples" in capsys.readouterr().out

@@ -172,6 +172,30 @@ def test_history_is_owner_only_under_any_umask_and_never_written_through_a_link(
     h.close()
 
 
+def test_a_link_in_the_history_files_place_is_named_at_start_and_not_read(tmp_path, caplog):
+    # A review: the link was read back as this daemon's history, then each write failed with
+    # "too many levels of symbolic links", and the log never said it was a link.
+    real = tmp_path / "elsewhere.jsonl"
+    real.write_text('{"t": 1}\n')
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "history.jsonl").symlink_to(real)
+    (state / "history.jsonl.1").symlink_to(real)
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        h = _history(state)
+    assert h.path is None and "is a link, which the daemon never writes through" in caplog.text, caplog.text
+    assert "read back" not in caplog.text
+    h.close()
+    (state / "history.jsonl").unlink()  # (the rotated one a link: skipped, said)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        h = _history(state)
+    assert h.path == state / "history.jsonl" and not h.samples, caplog.text
+    assert "history.jsonl.1 is not a regular file: skipped" in caplog.text
+    h.close()
+    assert real.read_text() == '{"t": 1}\n'
+
+
 def test_an_earlier_releases_history_open_to_others_is_made_owner_only(tmp_path, caplog):
     """A review's script: a folder and file an earlier release made under umask 000 (0777, 0666) kept
     their modes: anyone could put a FIFO or a link in the file's place."""
