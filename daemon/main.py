@@ -158,7 +158,7 @@ def room_now(plan: Plan) -> list[str]:
     still be right for the machine it is meant for: these are lines to read, not errors."""
     from dflash2.arena.nvme import HEADER_BYTES
     from dflash2.arena.nvmefiles import folder_named, unused_cache_files
-    from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
+    from dflash2.arena.shm import address_space, mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
     def verdict(need: int, have: int) -> str:
@@ -180,6 +180,11 @@ def room_now(plan: Plan) -> list[str]:
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
+        if (limits := address_space()) is not None:  # (mapped past it: ENOMEM with memory free, a review)
+            room = limits[0] - limits[1]
+            lines.append(f"they take {host + staging} bytes of address space, and its limit (RLIMIT_AS: ulimit -v, "
+                         f"systemd's LimitAS=) leaves {room} of {limits[0]} past what this check maps: "
+                         f"{'fits' if host + staging <= room else 'start-up would fail now (exit 4)'}")
     if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
         lines.append(f"{why}: start-up would fail now (exit 4)")
     elif has_nvme:

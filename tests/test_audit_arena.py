@@ -121,6 +121,9 @@ def test_a_segment_that_cannot_be_mapped_is_a_capacity_error_and_leaves_nothing(
         assert out.returncode == 0, out.stderr
         assert f"CapacityError: dram tier could not map {size} bytes of shared memory for segment {name!r}" \
             in out.stdout
+        # The limit named, and what to change (it said "Cannot allocate memory" alone, with memory
+        # free: an operator looked at /dev/shm and RAM, a review).
+        assert "the daemon's address space is limited to" in out.stdout and "ulimit -v" in out.stdout, out.stdout
         assert "left: False" in out.stdout
     finally:
         if os.path.exists(f"/dev/shm/{name}"):

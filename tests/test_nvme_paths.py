@@ -163,3 +163,20 @@ def test_an_nvme_path_ending_in_a_slash_is_refused_by_key(tmp_path, end):
                                         "cache file's path in it"):
         load_config(write_config(tmp_path, memory={"nvme_capacity_mb": 8, "nvme_path": f"{tmp_path}/newdir{end}"}))
     assert not (tmp_path / "newdir").exists()
+
+
+def test_check_weighs_the_host_tiers_against_an_address_space_limit(tmp_path, monkeypatch):
+    # A review: under `ulimit -v` --check said the DRAM tier fit (memory and /dev/shm were free), and
+    # start-up then failed to map it (exit 4). The limit's room past what the check maps is weighed.
+    import dflash2.arena.shm as shm
+
+    plan = resolve_plan(load_config(write_config(tmp_path)))  # (HBM stand-in 8 MB, DRAM 16 MB, staging 4 MB)
+    assert not any("address space" in line for line in dmain.room_now(plan)) or shm.address_space() is not None
+    monkeypatch.setattr(shm, "address_space", lambda: (1 << 30, (1 << 30) - 20 * MB))
+    line = [ln for ln in dmain.room_now(plan) if "address space" in ln][0]
+    assert line.endswith(f"leaves {20 * MB} of {1 << 30} past what this check maps: start-up would fail now (exit 4)")
+    assert f"take {28 * MB} bytes of address space" in line and "ulimit -v" in line
+    monkeypatch.setattr(shm, "address_space", lambda: (1 << 30, 100 * MB))
+    assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")
+    monkeypatch.setattr(shm, "address_space", lambda: None)  # (no limit: no line)
+    assert not any("address space" in ln for ln in dmain.room_now(plan))

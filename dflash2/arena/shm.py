@@ -17,6 +17,7 @@ daemon died: its mapping then holds the dead daemon's memory, which a restarted 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -132,6 +133,34 @@ def mem_available_bytes() -> int:
     raise ArenaError("/proc/meminfo has no MemAvailable line")
 
 
+def address_space() -> tuple[int, int] | None:
+    """(limit, in use) of this process's address space in bytes, where a limit is set (RLIMIT_AS:
+    `ulimit -v`, systemd's LimitAS=, a batch scheduler's vmem limit); None where there is none. A
+    mapping past it fails with ENOMEM, whatever memory is free."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+    except OSError:
+        used = 0
+    return soft, used
+
+
+def address_space_note() -> str:
+    """What the address-space limit is, for an ENOMEM: the tiers' mapping failed with memory free."""
+    limits = address_space()
+    if limits is None:
+        return ""
+    soft, used = limits
+    return (f" (the daemon's address space is limited to {soft} bytes, {used} in use: RLIMIT_AS, set by "
+            "`ulimit -v`, systemd's LimitAS= or a batch scheduler's memory limit; raise it, or lower the tiers' "
+            "memory.*_capacity_mb)")
+
+
 def shm_free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
@@ -223,8 +252,9 @@ class SharedMemoryArena(MemoryArena):
                 raise
             # mmap refuses the mapping (ENOMEM: an address-space limit such as ulimit -v, which
             # batch schedulers set): a start-up failure that names the tier, not a traceback.
+            note = address_space_note() if e.errno == errno.ENOMEM else ""
             raise CapacityError(f"{tier.label} tier could not map {capacity_bytes} bytes of shared memory "
-                                f"for segment {name!r}: {e}") from e
+                                f"for segment {name!r}: {e}{note}") from e
 
     @classmethod
     def attach(cls, name: str, tier: Tier, alignment: int = 256) -> SharedMemoryArena:
