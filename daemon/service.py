@@ -585,14 +585,10 @@ class Service(Forgetting):
         before = dict(getattr(self.manager.policy, "weights", None) or {})  # (a copy: updated in place)
         for m in self.managers.values():
             m.policy.set_weights(floats)
-        after = getattr(self.manager.policy, "weights", None)
-        if floats and after is not None:
-            # An operator's change of every later eviction: said in the log, with who made it and
-            # what it replaced (a review: the log said nothing, and an incident's cause was lost).
-            s = self.sessions[req.client]
-            changed = {k: f"{before[k]:g} -> {after[k]:g}" for k in floats if before[k] != after[k]}
-            log.info("client %d (%s, pid %d) set the policy's weights: %s", req.client, s.name, s.pid,
-                     ", ".join(f"{k} {v}" for k, v in changed.items()) or "unchanged")
+        if floats:  # (every later eviction changes: said, with who asked, a review)
+            s, after = self.sessions[req.client], self.manager.policy.weights
+            log.info("client %d (%s, pid %d) set the policy's weights: %s", req.client, s.name, s.pid, ", ".join(
+                f"{k} {before[k]:g} -> {after[k]:g}" for k in floats if before[k] != after[k]) or "unchanged")
         return {"policy": self.manager.policy.describe()}, []
 
     def _check(self, req):
