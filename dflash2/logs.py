@@ -57,17 +57,37 @@ def console_line(fmt: str, message: str, *, level: str = "info", event: str = "l
     return JsonFormatter().format(record)
 
 
+_KEYS = ("ts", "level", "logger", "event", "msg", "exc")  # every record's own: no field replaces them
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line; never raises on an odd field (it is repr'd)."""
+    """One strict JSON object per record, on one line; never raises on an odd field: an object JSON
+    has no form for is repr'd, a non-finite float written as a string ("nan"; json.dumps wrote NaN,
+    which strict parsers such as jq's refuse), a key that is not a string made one, and a field
+    named as one of the record's own keys kept as `field_NAME` (it replaced the message or time)."""
 
     def format(self, record: logging.LogRecord) -> str:
         fields = record_fields(record)
         out = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
                "event": fields.pop("event", "log"), "msg": record.getMessage()}
-        out.update(fields)
+        out.update((f"field_{k}" if k in _KEYS else k, v) for k, v in fields.items())
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=repr, separators=(",", ":"))
+        try:
+            return json.dumps(out, default=repr, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError):  # (a non-finite float or a key of another kind, somewhere)
+            return json.dumps(_strict(out), default=repr, separators=(",", ":"), allow_nan=False)
+
+
+def _strict(value):
+    """`value` with every non-finite float a string and every dict key a string, as JSON holds them."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 class TextFormatter(logging.Formatter):
