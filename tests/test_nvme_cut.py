@@ -97,6 +97,32 @@ def test_a_block_the_cut_goes_through_is_lost_to_the_cut(tmp_path):
         a.remove()
 
 
+def test_a_header_written_over_in_place_is_said_as_such_not_as_a_cut(tmp_path, caplog):
+    """A review: one byte of the header page changed (same size, no hole) was logged as "cut and
+    grown again (its header page is a hole)", sending the operator after a truncating tool."""
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        block = np.full(ALIGN, 3, np.uint8)
+        assert a.write_blocks([0, ALIGN], [block, block]).all()
+        size = os.stat(path).st_size
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"X", 3)
+        finally:
+            os.close(fd)
+        assert os.stat(path).st_size == size
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert not a.read_blocks([0, ALIGN], [np.zeros_like(block), np.zeros_like(block)]).any()
+        assert "had its header page written over (not cut: the size is whole)" in caplog.text, caplog.text
+        assert "is a hole" not in caplog.text and "cut to" not in caplog.text
+        assert a.write_blocks([0], [block]).all()  # (taken back: written and read again)
+        out = np.zeros_like(block)
+        assert a.read_blocks([0], [out]).all() and (out == 3).all()
+    finally:
+        a.remove()
+
+
 def test_a_cut_after_the_last_batch_is_taken_back_as_the_tier_closes(tmp_path):
     path = tmp_path / "nvme.cache"
     a = NvmeArena(path, CAP, staging_bytes=STAGING)

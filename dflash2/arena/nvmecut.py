@@ -7,7 +7,8 @@ which the next start refused as "not a dflash2 NVMe cache file" (exit 4 until re
 reads past the cut failed as "preadv moved 0 bytes", and their slots were set aside as bad sectors
 until the disk was said to be failing (reviews' scripts). A cut that lands while a batch writes may
 be grown back over by that batch (its last slot restores the size): the header page, a hole then,
-says so, and every block is taken as lost, the point of the cut being unknown.
+says so, and every block is taken as lost, the point of the cut being unknown; so is every block
+of a file whose header page another program wrote over (said as such, not as a cut).
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ class FileCuts:
         lost = lens[first:] != 0
         self.lost[first:] |= lost
         lens[first:] = 0
-        how = (f"cut to {size} bytes" if head == HEADER or size < total
-               else "cut and grown again (its header page is a hole)")
-        log.warning("NVMe: %s was %s by another process (the tier's file is %d bytes): %d blocks past the cut are "
-                    "lost (misses); its header and disk room are taken again", path, how, total, int(lost.sum()),
+        if head == HEADER or size < total:
+            how = f"was cut to {size} bytes by another process"
+        elif not head.strip(b"\0"):
+            how = "was cut and grown again by another process (its header page is a hole)"
+        else:  # (same size, header bytes written over: not a cut, a review; where it began is unknown)
+            how = ("had its header page written over (not cut: the size is whole); find what writes to it "
+                   "(a dd, a copy, another program given this path)")
+        log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
+                    "header and disk room are taken again", path, how, total, int(lost.sum()),
                     extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
         try:
             os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
