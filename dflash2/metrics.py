@@ -34,7 +34,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_copy_batches_total{direction,mechanism} | counter | GPU nodes only: HBM<->DRAM batches by the mechanism that moved them (kernel, engines; a batch split between them counts under each) |
 | dflash2_placement_blocks_total{action} | counter | demoted, promoted, evicted, lost, orphaned (cached children dropped with a lost parent), not_admitted (dropped: the tier below refused them), not_kept (dropped: the tier below reads back slower than a recompute; both also in evicted), past_full (demoted past a tier with no room it could make; also in demoted) |
 | dflash2_prefetch_blocks_total{gpu,result} | counter | prefetched blocks read while still in HBM (useful) or gone from HBM unread (wasted) |
-| dflash2_prefetch_pending_blocks{gpu} / dflash2_prefetch_window_blocks{gpu} | gauge | prefetched blocks in HBM not read yet / the window now (kv_block.prefetch_window, doubled while HBM is below its low watermark) |
+| dflash2_prefetch_pending_blocks{gpu} / dflash2_prefetch_window_blocks{gpu} | gauge | prefetched blocks in HBM not read yet / the window now: the last prefetch's (kv_block.prefetch_window, doubled from one prefetch to the next while HBM is below its low watermark), or the configured one while HBM is at or above its high watermark |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_read_backoffs_total | counter | times NVMe reads failed on a disk taken to be failing (more than 5% of the tier set aside) and NVMe was neither read nor written for a while: 1 s, doubled each time a read fails again, up to 60 s, ended by a read that works; meanwhile lookups end before its blocks and blocks leaving DRAM are dropped |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them, or they lie on a failing NVMe disk backing off after failed reads (also counted as lookup misses) |
@@ -49,6 +49,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_requests_total / dflash2_request_errors_total | counter | control messages / error replies |
 | dflash2_leases_expired_total | counter | clients detached because their lease lapsed or their process was seen gone |
 | dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |
+| dflash2_set_aside_blocks / dflash2_set_aside_pinned_blocks | gauge | private blocks of lapsed clients whose process may still write them, kept out of reuse until it is gone (or daemon.set_aside_leases leases) / blocks such clients had pinned, kept pinned as long |
 | dflash2_clients | gauge | clients attached |
 | dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
 | dflash2_gpu_nvme_utilization{gpu} | gauge | used / capacity of each GPU pool's NVMe tier (its own file) |
@@ -75,6 +76,7 @@ state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1,
 | dflash2_policy_duel_turned_over{gpu} | gauge | heat's duel: the least share, among its miniatures, of the bytes each holds that it has let go; it judges once this reaches 1 (warming up before) |
 | dflash2_policy_duel_sample{gpu} | gauge | heat's duel: it replays 1 in this many content keys (`policy.duel_sample`, coarser once the daemon's loop fell behind: README, the duel) |
 | dflash2_policy_duel_requests_total{gpu} / dflash2_policy_duel_dropped_total{gpu} / dflash2_policy_duel_switches_total{gpu} | counter | heat's duel: sampled lookups its miniatures served / dropped (a full queue, or the queue when the sample grew coarser) / changes of the ranking followed |
+| dflash2_policy_duel_not_replayed_total{gpu,kind} | counter | heat's duel: lookups its miniatures did not replay, by why: host_reader, no_layout, layout_too_large, refused (the log says why) |
 """
 
 from __future__ import annotations
@@ -306,8 +308,9 @@ def _access_families(st: dict):
                    [((gpu, r), pool["prefetch"][r]) for gpu, pool in pools.items() for r in ("useful", "wasted")])
     yield _gauge("dflash2_prefetch_pending_blocks", "Prefetched blocks in HBM not read yet.", ["gpu"],
                  [((gpu,), pool["prefetch"]["pending"]) for gpu, pool in pools.items()])
-    yield _gauge("dflash2_prefetch_window_blocks", "Blocks a reader's prefetch brings up ahead of its reads now "
-                 "(kv_block.prefetch_window, doubled while HBM is below its low watermark).", ["gpu"],
+    yield _gauge("dflash2_prefetch_window_blocks", "Blocks a reader's prefetch brings up ahead of its reads now: "
+                 "the last prefetch's (kv_block.prefetch_window, doubled while HBM is below its low watermark), or "
+                 "the configured one while HBM is at or above its high watermark.", ["gpu"],
                  [((gpu,), pool["prefetch"]["window"]) for gpu, pool in pools.items()])
     # Per GPU pool (a node of several keeps one measurement per pool, under `devices`).
     yield _gauge("dflash2_read_bandwidth_bytes_per_second", "Read bandwidth measured on the daemon's own moves up a tier.",

@@ -288,6 +288,22 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     assert "miniatures of 1 in 16 keys (coarser than the configured 1 in 2: the loop fell behind) found" in render(coarse)
     metrics.snapshot = coarse
     assert scrape(metrics)[("dflash2_policy_duel_sample", (("gpu", "0"),))] == 16
+    # Every family a heat daemon with its duel exports is in metrics.py's table and the README (a
+    # review: dflash2_policy_duel_not_replayed_total was missing from the table).
+    import re
+    from pathlib import Path
+    import dflash2.metrics as metrics_module
+    def named(text: str) -> set[str]:  # the metric names a text gives, `a_{b,c}_total` as two
+        out = set()
+        for head, alts, tail in re.findall(r"(dflash2_[a-z0-9_]*)(?:\{([a-z0-9_]+(?:,[a-z0-9_]+)+)\}(_[a-z0-9_]*))?", text):
+            out |= {re.sub(r"_total$", "", head + alt + tail) for alt in (alts.split(",") if alts else [""])}
+        return out
+
+    families = {re.sub(r"(_total|_bucket|_count|_sum|_created)$", "", name) for name, _ in scrape(metrics)}
+    assert len(families) > 40
+    assert families <= named(metrics_module.__doc__), f"not in metrics.py's table: {families - named(metrics_module.__doc__)}"
+    readme = named((Path(__file__).parent.parent / "README.md").read_text())
+    assert families <= readme, f"not in README.md: {families - readme}"
     # A node of two GPU pools: each pool's duel under its own label; the node's totals hold none.
     other = json.loads(json.dumps(st))
     other["duel"].update(state="off", off_reason="a miniature replay failed (see the log)")
