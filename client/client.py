@@ -119,7 +119,7 @@ class Client:
                  heartbeat: bool = True, device: int | None = None,
                  prefill_tokens_per_s: Sequence[float | None] | None = None, host_only: bool = False,
                  key_file: os.PathLike | None = None):
-        check_endpoint(endpoint)
+        check_endpoint(endpoint, attaching=True)
         self.host_only = bool(host_only)
         self.endpoint = endpoint
         self.gpu = device  # the GPU this client serves (None: the daemon's first)

@@ -51,12 +51,15 @@ from dflash2.zmqio import HANDSHAKE_FAILED, NOBLOCK, descriptors_left, recv_fram
 log = logging.getLogger("dflash2.client")
 
 
-def check_endpoint(endpoint: str) -> None:
+def check_endpoint(endpoint: str, attaching: bool = False) -> None:
     """Fail fast (DaemonUnavailable) when an ipc endpoint has no socket file (no daemon there), or
     one this process may not use: the socket and its folder are the daemon user's own. A folder it
     could not enter was said to hold no socket, and a socket it could not open waited out the whole
     timeout as "no reply (daemon gone or stuck)" (a review: the systemd unit's and the DaemonSet's
-    layouts, another user's `dflash2 status` and sglang)."""
+    layouts, another user's `dflash2 status` and sglang). `attaching`: a client that will hand the
+    daemon its KV cache, which only a daemon of its own user may get (a review: another user who made
+    this user's default runtime folder first, /tmp/dflash2-UID, and served a daemon there, had this
+    user's clients attach and write their blocks into its memory); a status may read another's."""
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://"):]
@@ -78,6 +81,12 @@ def check_endpoint(endpoint: str) -> None:
                                 f"{folder}{whose}; {same_user}") from None
     except OSError as e:
         raise DaemonUnavailable(f"cannot reach dflash2d's socket {path}: {e.strerror or e}") from None
+    if attaching and st.st_uid != os.geteuid():
+        raise DaemonUnavailable(f"will not attach to the dflash2d at {path}: its socket belongs to uid {st.st_uid}, "
+                                f"not to this process's user (uid {os.geteuid()}), and a client hands its daemon its "
+                                f"requests' KV cache; {same_user} (if no daemon of yours put it there, another user "
+                                f"made {os.path.dirname(path) or '.'}: remove it, or give daemon.endpoint a folder "
+                                "of your own)")
     # The kernel's own answer, a plain connect let go at once (the daemon's ZeroMQ drops a peer that
     # never greets): a guess from the mode bits, or access(2), refused a socket its group could
     # use (it needs write only), or ACLs allowed, and a seccomp profile that refuses faccessat2

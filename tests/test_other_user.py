@@ -86,4 +86,35 @@ def test_a_client_of_another_user_is_told_why_it_cannot_attach(base):
         with as_other_user():
             with pytest.raises(Exception) as ei:
                 Client.connect(f"ipc://{run}/dflash2.sock", timeout_s=2.0)
-    assert "permission" in str(ei.value).lower(), f"attach as another user fails with: {ei.value!r}"
+    assert "its socket belongs to uid 0, not to this process's user (uid 65534)" in str(ei.value), \
+        f"attach as another user fails with: {ei.value!r}"
+
+
+def test_a_client_never_attaches_to_another_users_daemon_nor_maps_its_memory(base, capsys):
+    """A review: another user made this user's default runtime folder first (/tmp/dflash2-UID, which
+    anyone may create) and served a daemon there, its socket and segments open to all: this user's
+    clients attached and wrote their requests' KV cache into its memory. Played here by root's
+    daemon whose socket and segments are given to uid 65534, with root's client attaching: refused,
+    while `dflash2 status` may still read it."""
+    from dflash2.arena.shm import SharedMemoryArena
+    from dflash2.errors import ArenaError, DaemonUnavailable
+    from dflash2.tiers import Tier
+
+    run = base / "run"
+    run.mkdir(mode=0o777)
+    cfg = write_config(base, daemon={"endpoint": f"ipc://{run}/dflash2.sock", "state_dir": str(base / "state")})
+    with running_daemon(cfg, str(base / "d.log")):
+        with Client.connect(f"ipc://{run}/dflash2.sock", timeout_s=2.0) as c:  # (its own user's: attaches)
+            segment = next(a.name for a in c._arenas.arenas.values() if isinstance(a, SharedMemoryArena))
+        os.chown(run / "dflash2.sock", OTHER, OTHER)
+        with pytest.raises(DaemonUnavailable, match=r"will not attach to the dflash2d at .*: its socket belongs to "
+                                                     r"uid 65534, not to this process's user \(uid 0\)"):
+            Client.connect(f"ipc://{run}/dflash2.sock", timeout_s=2.0)
+        ns = argparse.Namespace(endpoint=None, config=cfg, json=True, timeout=2.0)
+        assert status_mod.handler(ns) == 0  # (reading another's daemon is not handing it anything)
+        os.chown(f"/dev/shm/{segment}", OTHER, OTHER)  # (a tcp endpoint has no socket file: the memory is checked)
+        with pytest.raises(ArenaError, match=r"belongs to .*65534.*, not to this process's user \(uid 0\): clients "
+                                             r"attach only to a daemon of their own user"):
+            SharedMemoryArena.attach(segment, Tier.DRAM)
+        os.chown(f"/dev/shm/{segment}", 0, 0)
+        os.chown(run / "dflash2.sock", 0, 0)

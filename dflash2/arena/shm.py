@@ -261,12 +261,19 @@ class SharedMemoryArena(MemoryArena):
         """Map an existing segment read-write (a client). Closing it never unlinks the segment."""
         path = _segment_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # (a link planted in /dev/shm is not followed)
         except FileNotFoundError:
             raise ArenaError(f"shared-memory segment {path} does not exist (is the daemon running?)") from None
-        except OSError as e:  # permissions (another user's daemon), too many open files
+        except OSError as e:  # permissions (another user's daemon), too many open files, a link
             raise ArenaError(f"shared-memory segment {path} cannot be opened: {e}") from e
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            # Not this user's daemon's: a client writes its requests' KV cache into it (a review: a
+            # daemon another user ran where this user's default socket lies got it).
+            os.close(fd)
+            raise ArenaError(f"shared-memory segment {path} belongs to {owner_text(st)}, not to this process's "
+                             f"user (uid {os.geteuid()}): clients attach only to a daemon of their own user")
+        size = st.st_size
         if size <= 0:
             os.close(fd)
             raise ArenaError(f"shared-memory segment {path} is empty")
