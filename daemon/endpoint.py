@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
-from dflash2.files import same_file
+from dflash2.files import make_private_folders, same_file
 
 
 class EndpointBusy(DFlash2Error):
@@ -45,13 +45,10 @@ class EndpointLock:
 
     def acquire(self) -> None:
         folder = self.lock_path.parent
-        made = not folder.exists()
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.socket_path is not None and made:
-            # A runtime folder of our own making is owner-only (mkdir's mode is cut by the umask).
-            # A folder that was there before keeps its mode: it may be /run or a home folder that
-            # others need; the socket itself is made owner-only after bind (secure_socket).
-            os.chmod(folder, 0o700)
+        # A runtime folder of our own making is owner-only, and so is each folder made above it. A
+        # folder that was there before keeps its mode: it may be /run or a home folder that others
+        # need; the socket itself is made owner-only after bind (secure_socket).
+        make_private_folders(folder)
         while True:
             # O_NOFOLLOW: a link planted at the lock's path (a shared folder) is not followed and truncated.
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)

@@ -2,10 +2,12 @@
 lock, then see that the path was not removed or replaced meanwhile), which the endpoint's lock file
 (daemon/endpoint.py) and the NVMe cache files (arena/nvmefiles.py) both need; how a file of
 another user is named in errors (its owner and mode), and the processes that hold a lock on a file
-(`holders_text`: "in use by another process" named none)."""
+(`holders_text`: "in use by another process" named none); folders made owner-only, every one made
+(`make_private_folders`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -66,3 +68,26 @@ def holders_text(fd: int) -> str:
             command = ""
         named.append(f"pid {pid}" + (f": {command[:120]}" if command else ""))
     return f" ({'; '.join(named)})" if named else ""
+
+
+def make_private_folders(folder: str | os.PathLike) -> bool:
+    """Make `folder` and each missing folder above it owner-only (0700 whatever the umask), as the
+    XDG spec asks of the folders it names; folders already there keep their modes. mkdir's
+    `parents=True` made those above the last with the umask's mode, 0777 under umask 000, where any
+    user could rename the daemon's own folder away and put one of theirs in its place (a review).
+    Whether `folder` itself was made; NotADirectoryError when something else is at its path."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.lexists(path):
+        missing.append(path)
+        if os.path.dirname(path) == path:
+            break
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # (made meanwhile, by another start: as one that was there)
+            continue
+        os.chmod(path, 0o700)  # (mkdir's mode is cut by the umask)
+    if not os.path.isdir(folder):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", os.fspath(folder))
+    return bool(missing) and missing[0] == os.path.abspath(folder)

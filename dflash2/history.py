@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dflash2.files import owner_text
+from dflash2.files import make_private_folders, owner_text
 
 log = logging.getLogger("dflash2.history")
 
@@ -486,7 +486,7 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
         return None
     path, lock_fd = None, -1
     try:
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the folder it makes: owner-only)
+        make_private_folders(state_dir)  # (the folders it makes: owner-only)
         _own_folder(state_dir)
         lock_fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
+from dflash2.files import make_private_folders
 
 log = logging.getLogger("dflash2.tcpkeys")
 
@@ -392,7 +393,7 @@ def _write(path: Path, text: str, replace: os.stat_result | None) -> bool:
     what = "key file" if path.suffix != ".monitor" else "monitoring key file"
     temporary = None
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_folders(path.parent)
         # A name of its own (one named by the pid alone, left by a daemon killed meanwhile, was the
         # next start's in a container, where the daemon is always pid 1: every start failed).
         while temporary is None:

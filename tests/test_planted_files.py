@@ -351,3 +351,33 @@ def test_no_other_user_connects_while_the_socket_is_bound_but_not_yet_owner_only
         os.close(r)
         shutil.rmtree(base, ignore_errors=True)
     assert not result, f"uid {OTHER}, which may not use the 0600 socket, connected as it was bound and was {result}"
+
+
+def test_every_folder_the_daemon_makes_is_owner_only_under_umask_000(tmp_path):
+    """A review: under umask 000 `mkdir(parents=True)` made the folders above the last 0777 (~/.local,
+    ~/.local/state, ~/.cache, a missing runtime folder's parents): any user could rename the daemon's
+    own folder away and put one of theirs in its place. Folders already there keep their modes."""
+    from dflash2.arena.nvme import NvmeArena
+    from dflash2.daemon.endpoint import EndpointLock
+    from dflash2.files import make_private_folders
+    from dflash2.tcpkeys import load_or_make
+
+    tmp_path.chmod(0o755)
+    old = os.umask(0)
+    try:
+        _history(tmp_path / "h1" / "h2" / "state").close()
+        NvmeArena(tmp_path / "n1" / "n2" / "nvme.cache", 1 << 20, staging_bytes=64 << 10).remove()
+        lock = EndpointLock(f"ipc://{tmp_path}/e1/e2/d.sock", tmp_path)
+        lock.acquire()
+        lock.release()
+        load_or_make(tmp_path / "k1" / "k2" / "tcp-5555.key")
+    finally:
+        os.umask(old)
+    made = [p for p in tmp_path.rglob("*") if p.is_dir()]
+    assert len(made) == 9, made
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {p.name: "0o700" for p in made}
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755  # (one that was there keeps its mode)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError):
+        make_private_folders(tmp_path / "file")
+    assert make_private_folders(tmp_path / "new") is True and make_private_folders(tmp_path / "new") is False

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
 from dflash2.errors import ArenaError
-from dflash2.files import holders_text, owner_text, same_file
+from dflash2.files import holders_text, make_private_folders, owner_text, same_file
 
 log = logging.getLogger("dflash2.arena")
 
@@ -75,7 +75,7 @@ def open_cache_file(path: str) -> tuple[int, bool]:
     for _ in range(OPEN_TRIES):
         created = True
         try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)  # (folders it makes: owner-only, as the file)
+            make_private_folders(folder)  # (folders it makes: owner-only, as the file)
             try:
                 return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
             except FileExistsError:
