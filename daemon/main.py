@@ -284,7 +284,7 @@ def _nvme_file_now(path: Path) -> tuple[str | None, int]:
             return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}", 0
         if _read_only(existing):
             return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}", 0
-        if not os.access(existing, os.W_OK | os.X_OK):
+        if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
             return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}", 0
     return None, held
 
@@ -343,8 +343,7 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     """The endpoint's folder (an ipc socket's, a tcp endpoint's lock file's): one the daemon can make
     files in, and, when it exists, its own and not shared (sticky, or another user's)."""
     from dflash2.files import user_name
-    _check_folder("daemon.endpoint", folder)
-    if folder.is_dir():
+    if folder.is_dir():  # (whose first: another user's 0755 folder was said only to refuse files, a review)
         st = folder.stat()
         mode = stat.S_IMODE(st.st_mode)
         # Sticky (/tmp) or writable by every user (anyone could plant the lock file's path); a folder
@@ -359,6 +358,7 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
             raise ConfigError("daemon.endpoint", f"{what} {folder} belongs to uid {st.st_uid}{user_name(st.st_uid)} "
                                                  f"(mode {mode:o}), not to this user (uid {os.geteuid()}): run dflash2d "
                                                  f"as its owner, `--check` too (sudo -u USER dflash2d ...), or {advice}")
+    _check_folder("daemon.endpoint", folder)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -382,7 +382,7 @@ def _check_folder(key: str, folder: Path) -> None:
     if _read_only(existing):  # (root passes os.access there: the write would fail with EROFS)
         raise ConfigError(key, f"{existing} is on a read-only filesystem: give a folder on a writable one "
                                "(a filesystem remounted read-only after errors needs fixing first)")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise ConfigError(key, f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing} "
                                "(permission denied): give a folder it may write, or run it as a user who may")
 

@@ -118,3 +118,18 @@ def test_a_client_never_attaches_to_another_users_daemon_nor_maps_its_memory(bas
             SharedMemoryArena.attach(segment, Tier.DRAM)
         os.chown(f"/dev/shm/{segment}", 0, 0)
         os.chown(run / "dflash2.sock", 0, 0)
+
+
+def test_check_names_the_owner_of_another_users_endpoint_folder(base):
+    """A review: another user's 0755 folder at this user's socket path was said only to refuse this
+    user's files ("cannot create files in ..."), not whose it is, as README says."""
+    from dflash2.config_errors import ConfigError
+    from dflash2.daemon import main as dmain
+
+    run = base / "run"
+    run.mkdir(mode=0o755)  # (root's: the other user here is uid 65534)
+    with as_other_user():
+        with pytest.raises(ConfigError) as ei:
+            dmain._check_own_folder(run, "the socket's folder", "give daemon.endpoint a folder of your own")
+    assert f"the socket's folder {run} belongs to uid 0" in str(ei.value) and "not to this user (uid 65534)" \
+        in str(ei.value), str(ei.value)
