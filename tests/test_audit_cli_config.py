@@ -68,7 +68,7 @@ def test_a_folder_the_daemon_may_not_write_is_refused_before_start(tmp_path, mon
         {"state_dir": str(locked / "state")}
     path = write_config(tmp_path, daemon=section, history_enabled=key == "daemon.state_dir")
     real = os.access
-    monkeypatch.setattr(dmain.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    monkeypatch.setattr(dmain.os, "access", lambda p, mode, **kw: False if Path(p) == locked else real(p, mode, **kw))
     rc, _, err = check(path)
     assert rc == 2
     assert one_error(err) == (f"dflash2d: error: {key}: the daemon's user (uid {os.geteuid()}) cannot create files "
@@ -108,7 +108,7 @@ def test_check_says_an_nvme_folder_the_daemon_may_not_write_would_fail(tmp_path,
     locked = tmp_path / "locked"
     locked.mkdir()
     real = os.access
-    monkeypatch.setattr(dmain.os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    monkeypatch.setattr(dmain.os, "access", lambda p, mode, **kw: False if Path(p) == locked else real(p, mode, **kw))
     rc, out, _ = check(write_config(tmp_path, memory={"nvme_path": str(locked / "cache" / "nvme.cache")}))
     assert rc == 0
     assert now_lines(out)[-1] == (f"now: the daemon's user (uid {os.geteuid()}) cannot create files in {locked}: "
