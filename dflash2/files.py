@@ -76,12 +76,16 @@ def make_private_folders(folder: str | os.PathLike) -> bool:
     `parents=True` made those above the last with the umask's mode, 0777 under umask 000, where any
     user could rename the daemon's own folder away and put one of theirs in its place (a review).
     Whether `folder` itself was made; NotADirectoryError when something else is at its path."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.lexists(path):
+    # Walked as written, as os.makedirs does (`a/link/../b` is b beside the link's target, where
+    # abspath's `a/b` made a stray folder, a review): a part that is `..` or `.` exists when its
+    # folder does.
+    missing, path = [], os.fspath(folder)
+    while path and not os.path.exists(path) and not os.path.islink(path):
         missing.append(path)
-        if os.path.dirname(path) == path:
+        head = os.path.dirname(path.rstrip(os.sep)) if path.rstrip(os.sep) else path
+        if head == path:
             break
-        path = os.path.dirname(path)
+        path = head
     for path in reversed(missing):
         try:
             os.mkdir(path, 0o700)
@@ -90,4 +94,4 @@ def make_private_folders(folder: str | os.PathLike) -> bool:
         os.chmod(path, 0o700)  # (mkdir's mode is cut by the umask)
     if not os.path.isdir(folder):
         raise NotADirectoryError(errno.ENOTDIR, "not a folder", os.fspath(folder))
-    return bool(missing) and missing[0] == os.path.abspath(folder)
+    return bool(missing) and missing[0] == os.fspath(folder)

@@ -381,3 +381,22 @@ def test_every_folder_the_daemon_makes_is_owner_only_under_umask_000(tmp_path):
     with pytest.raises(NotADirectoryError):
         make_private_folders(tmp_path / "file")
     assert make_private_folders(tmp_path / "new") is True and make_private_folders(tmp_path / "new") is False
+
+
+def test_private_folders_are_made_where_a_path_through_a_link_names_them(tmp_path):
+    # A review: `a/link/../state` was cut as text to `a/state` (abspath), made there, and then
+    # refused as "not a folder"; the kernel's reading, as os.makedirs's, is beside the link's target.
+    from dflash2.files import make_private_folders
+
+    real = tmp_path / "disk" / "sub"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    assert make_private_folders(tmp_path / "link" / ".." / "state" / "deeper") is True
+    assert (tmp_path / "disk" / "state" / "deeper").is_dir() and not (tmp_path / "state").exists()
+    assert stat.S_IMODE((tmp_path / "disk" / "state").stat().st_mode) == 0o700
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert make_private_folders("rel/a/") is True and (tmp_path / "rel" / "a").is_dir()
+    finally:
+        os.chdir(cwd)
