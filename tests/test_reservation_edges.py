@@ -192,3 +192,25 @@ def test_a_reservation_that_expired_or_was_cancelled_says_so(make_manager, clock
         mgr.take(a, 999, 1)
     mgr.free(a, filler)
     mgr.check_invariants()
+
+
+def test_how_a_reservation_ended_is_told_to_its_own_client_only(make_manager, clock):
+    # A review: another client asking ids in turn was told "reservation 1 expired (its client's
+    # deadline_s), granted, 1 of its 2 blocks taken": others' requests, and advice not its own.
+    mgr = make_manager(hbm_blocks=4, admission=settings())
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    d = mgr.reserve(a, lid, 16 * 2, deadline=clock() + 1.0)
+    mgr.take(a, d.reservation_id, 1)
+    c = mgr.reserve(a, lid, 16)
+    mgr.cancel(a, c.reservation_id)
+    clock.advance(2.0)
+    for rid in (d.reservation_id, c.reservation_id):
+        with pytest.raises(ReservationError, match=rf"^reservation {rid} is unknown, expired or cancelled$"):
+            mgr.reservation_status(b, rid)
+        with pytest.raises(ReservationError, match=rf"^reservation {rid} is unknown, expired or cancelled$"):
+            mgr.take(b, rid, 1)
+    with pytest.raises(ReservationError, match=r"expired \(its client's deadline_s\), granted, 1 of its 2 blocks"):
+        mgr.reservation_status(a, d.reservation_id)
+    with pytest.raises(ReservationError, match=r"was cancelled$"):
+        mgr.take(a, c.reservation_id, 1)

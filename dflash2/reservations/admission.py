@@ -136,7 +136,7 @@ class Admission:
         """Where a reservation stands now (a deferred one re-reports its position and wait)."""
         res = self.find(reservation_id) if client is None else self._owned(client, reservation_id)
         if res is None:
-            raise ReservationError(self._ended.gone(reservation_id))
+            raise ReservationError(self._ended.gone(reservation_id, client))
         if res.id in self._ended.spent:
             return Decision(Outcome.GRANTED, reservation_id, f"all {res.blocks} blocks taken")
         if not res.granted:
@@ -531,8 +531,8 @@ class Admission:
         """`res` leaves the queue for one of `priority`, above its own: its next call says so."""
         self._drop(res)
         self.counters["rejected"] += 1
-        self._ended.displaced(res.id, f"reservation {res.id} was displaced from {where} by one of priority "
-                                      f"{priority}, above its {res.priority}: reserve again")
+        self._ended.displaced(res, f"reservation {res.id} was displaced from {where} by one of priority "
+                                   f"{priority}, above its {res.priority}: reserve again")
 
     def _reject(self, reason: str) -> Decision:
         self.counters["rejected"] += 1
@@ -541,7 +541,7 @@ class Admission:
     def _owned(self, client: int, reservation_id: int) -> Reservation:
         res = self.find(reservation_id)
         if res is None:
-            raise ReservationError(self._ended.gone(reservation_id))
+            raise ReservationError(self._ended.gone(reservation_id, client))
         if res.client != client:
             raise NotOwner(f"reservation {reservation_id} belongs to another client")
         return res

@@ -8,7 +8,8 @@ next call on one says what became of it, not "unknown, expired or cancelled" (`A
   times as much per request at 1,000 requests a second: a review's script);
 - displaced (pushed out of a full queue by one of higher priority), expired or cancelled: the
   reason kept, for the ENDED_KEPT latest (an expired one answered "unknown, expired or cancelled",
-  and its client could not tell whether to reserve again or look for a bug of its own, a review).
+  and its client could not tell whether to reserve again or look for a bug of its own, a review),
+  told to its own client only (another, asking ids in turn, learned of others' requests, a review).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SPENT_KEPT = 16384
 class Ended:
     def __init__(self):
         self.spent: collections.OrderedDict[int, Reservation] = collections.OrderedDict()
-        self._why: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._why: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()  # id -> (client, why)
 
     def spend(self, res: Reservation, now: float) -> None:
         """`res` has given out its last block."""
@@ -50,8 +51,8 @@ class Ended:
         for rid in [rid for rid, r in self.spent.items() if r.client == client]:
             self.spent.pop(rid).ended = True
 
-    def displaced(self, reservation_id: int, why: str) -> None:
-        self._why[reservation_id] = why
+    def displaced(self, res: Reservation, why: str) -> None:
+        self._why[res.id] = (res.client, why)
         while len(self._why) > ENDED_KEPT:
             self._why.popitem(last=False)
 
@@ -61,11 +62,15 @@ class Ended:
         by = "its client's deadline_s" if res.deadline <= res.expires else f"admission.reservation_ttl_s {ttl_s:g}"
         where = (f"granted, {res.taken} of its {res.blocks} blocks taken" if res.granted
                  else "while it waited in the deferred queue")
-        self.displaced(res.id, f"reservation {res.id} expired ({by}), {where}: its room is given back; reserve again")
+        self.displaced(res, f"reservation {res.id} expired ({by}), {where}: its room is given back; reserve again")
 
     def cancelled(self, res: Reservation) -> None:
-        self.displaced(res.id, f"reservation {res.id} was cancelled")
+        self.displaced(res, f"reservation {res.id} was cancelled")
 
-    def gone(self, reservation_id: int) -> str:
-        """Why a reservation is not there: displaced, or unknown, expired or cancelled."""
-        return self._why.get(reservation_id) or f"reservation {reservation_id} is unknown, expired or cancelled"
+    def gone(self, reservation_id: int, client: int | None) -> str:
+        """Why a reservation is not there, to `client` (None: the daemon itself): how it ended, to
+        its own client; else unknown, expired or cancelled."""
+        owner, why = self._why.get(reservation_id, (None, None))
+        if why is not None and client in (None, owner):
+            return why
+        return f"reservation {reservation_id} is unknown, expired or cancelled"
