@@ -146,7 +146,7 @@ def run(cfg: Config) -> int:
             signal.signal(sig, lambda *_: server.stop())
         for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
             signal.signal(sig, _ignored)
-        print(console_line(cfg.logging.format, startup_line(plan, managers), event="dflash2_enabled"), flush=True)
+        _say_enabled(console_line(cfg.logging.format, startup_line(plan, managers), event="dflash2_enabled"))
         log_fallbacks(cfg, plan)
         event(log, "dflash2_start", f"serving {plan.endpoint} (policy {manager.policy.name})",
               endpoint=plan.endpoint, device=plan.device_kind,
@@ -200,3 +200,21 @@ def _error(cfg: Config, message: str) -> None:
 
 def _configure_logging(cfg: Config) -> None:
     configure_logging(cfg.logging.format, cfg.logging.level)  # dflash2/logs.py
+
+
+def _say_enabled(line: str) -> None:
+    """The start-up line on stdout. A stdout that takes nothing (a full disk, /dev/full, a pipe whose
+    reader left: journald restarted, `dflash2d | head -1`) does not stop a daemon that has started:
+    it stopped it, in a traceback after every tier was taken, or with nothing said at all (a
+    review). Said in the log instead, and stdout is pointed at /dev/null, so that the line still
+    buffered there does not fail again at exit."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+        except OSError:
+            pass
+        log.warning("the start-up line could not be written to stdout (%s): %s", e.strerror or e, line)

@@ -241,3 +241,34 @@ def test_a_stop_signal_while_the_config_is_read_stops_it_cleanly(config_file, tm
     assert f"dflash2d: stopped by {sig.name} during start-up" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # the caller's handlers are back
     assert not glob.glob(f"/dev/shm/dflash2-{os.getpid()}-*")
+
+
+@pytest.mark.parametrize("stdout", ["/dev/full", "a pipe whose reader left"])
+def test_a_stdout_that_takes_nothing_does_not_stop_a_started_daemon(config_file, tmp_path, stdout):
+    """A review: with stdout on /dev/full the daemon took its tiers, then died in a traceback at its
+    start-up line (exit 1); under `dflash2d | head -1` (a journald restarted) it died saying nothing.
+    It serves on, and its log says the line could not be written."""
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    cfg = config_file(daemon={"endpoint": endpoint})
+    if stdout == "/dev/full":
+        out = open("/dev/full", "w")
+    else:
+        r, w = os.pipe()
+        os.close(r)
+        out = os.fdopen(w, "w")
+    with out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", cfg],
+                                stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if "the start-up line could not be written to stdout" in (tmp_path / "err").read_text():
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
+        assert _ping(endpoint)["pid"] == proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    text = (tmp_path / "err").read_text()
+    assert rc == 0 and "Traceback" not in text and "DFlash2: enabled" in text, text[-2000:]
