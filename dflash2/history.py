@@ -377,6 +377,14 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
     return out
 
 
+def _lock_endpoint(fd: int) -> str | None:
+    """The endpoint a history lock names (its second line), None where it names none (an earlier
+    release's lock held the pid alone)."""
+    lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")
+    named = lines[1].strip() if len(lines) > 1 else ""
+    return named or None
+
+
 def _parsed(line: bytes):
     """A line's JSON value, None when it is not JSON."""
     try:
@@ -477,11 +485,14 @@ def _own_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def make_history(cfg, state_dir: Path, **kw) -> History | None:
+def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> History | None:
     """The daemon's history per the config (None when off); the file lives in the state folder.
     One daemon writes a state folder's file: it holds a lock beside it (`LOCK_NAME`) while it runs,
     and a second daemon given the same folder keeps its history in memory only, and says so
-    (two daemons appending to one file would interleave their samples)."""
+    (two daemons appending to one file would interleave their samples). The lock names the
+    `endpoint` of the daemon whose file it is: one of another endpoint keeps its history in memory
+    too, and says so (two models' daemons on the default state folder, one after the other, took
+    each other's samples for their own past, a review)."""
     if not cfg.history_enabled:
         return None
     path, lock_fd = None, -1
@@ -492,14 +503,22 @@ def make_history(cfg, state_dir: Path, **kw) -> History | None:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(lock_fd, 32).decode(errors="replace").strip() or "unknown"
+            holder = os.read(lock_fd, 32).decode(errors="replace").split("\n")[0].strip() or "unknown"
             os.close(lock_fd)
             lock_fd = -1
             log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
                         "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
         else:
+            owner = _lock_endpoint(lock_fd)
+            if endpoint is not None and owner not in (None, endpoint) and (state_dir / FILE_NAME).exists():
+                os.close(lock_fd)
+                lock_fd = -1
+                log.warning("history: %s is the history of the daemon serving %s, not of this one (%s); this one keeps "
+                            "its history in memory only (give each daemon a daemon.state_dir of its own, or remove "
+                            "the file to let this one take the folder)", state_dir / FILE_NAME, owner, endpoint)
+                return History(path=None, **kw)
             os.ftruncate(lock_fd, 0)
-            os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
+            os.pwrite(lock_fd, f"{os.getpid()}\n{endpoint or ''}\n".encode(), 0)
             path = state_dir / FILE_NAME
             try:
                 if not regular_file(path, follow=False):

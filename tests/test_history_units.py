@@ -51,6 +51,36 @@ def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
     second.close()
 
 
+def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_path, caplog, clock, service):
+    # A review: two models' daemons on the default state folder, one after the other: the second
+    # read the first's samples back as its own past and wrote on in its file; the first, restarted,
+    # was then the one kept in memory only.
+    from types import SimpleNamespace
+
+    from dflash2.history import make_history
+
+    cfg = SimpleNamespace(history_enabled=True)
+    a = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)
+    a.record(service.stats())
+    a.close()
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        b = make_history(cfg, tmp_path, "ipc:///run/b.sock", clock=clock)
+    assert b.path is None and not b.samples, caplog.text
+    assert "is the history of the daemon serving ipc:///run/a.sock, not of this one (ipc:///run/b.sock)" in caplog.text
+    b.close()
+    again = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)  # (its own daemon, back: its file)
+    assert again.path == tmp_path / "history.jsonl" and len(again.samples) == 1
+    again.close()
+    (tmp_path / "history.jsonl").unlink()  # (removed: the folder is anyone's again)
+    b = make_history(cfg, tmp_path, "ipc:///run/b.sock", clock=clock)
+    assert b.path == tmp_path / "history.jsonl"
+    b.close()
+    (tmp_path / "history.lock").write_text("12345")  # (an earlier release's lock: the pid alone)
+    a = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)
+    assert a.path == tmp_path / "history.jsonl"
+    a.close()
+
+
 def test_history_op_answers_when_off_and_on(service, clock):
     reply = call_ok(service, P.Op.HISTORY)
     assert reply.result == {"enabled": False, "interval_s": None, "count": 0}
