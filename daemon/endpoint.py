@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
-from dflash2.files import make_private_folders, same_file
+from dflash2.files import make_private_folders, pids_text, port_listeners, same_file
 
 
 class EndpointBusy(DFlash2Error):
@@ -120,8 +120,10 @@ def probe_port(endpoint: str) -> None:
                    if e.errno == errno.EADDRINUSE else
                    "an address of another node? (daemon.endpoint names this node's)" if e.errno == errno.EADDRNOTAVAIL else
                    "a port below 1024 needs privileges" if e.errno == errno.EACCES else "")
+            port = int(endpoint.rpartition(":")[2]) if e.errno == errno.EADDRINUSE else 0
+            holders = pids_text(port_listeners(port)) if port else ""
             raise EndpointBusy(f"cannot serve daemon.endpoint {endpoint}: {e.strerror or e}"
-                               + (f" ({why})" if why else "")) from None
+                               + (f" ({why})" if why else "") + (f", held by{holders}" if holders else "")) from None
         finally:
             sock.close(0)
     finally:
@@ -140,4 +142,8 @@ def probe_metrics(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
     except (OSError, UnicodeError) as e:  # (socket.gaierror too; UnicodeError: a name IDNA cannot encode)
-        raise EndpointBusy(f"cannot serve metrics on {host}:{port} (metrics.host, metrics.port): {e}") from None
+        # Who holds it, where this user may see (another model's dflash2d, an exporter): an operator
+        # of two daemons on a node could not tell (a review).
+        holders = pids_text(port_listeners(port)) if getattr(e, "errno", None) == errno.EADDRINUSE else ""
+        raise EndpointBusy(f"cannot serve metrics on {host}:{port} (metrics.host, metrics.port): {e}"
+                           + (f", held by{holders}" if holders else "")) from None
