@@ -84,10 +84,17 @@ def _strict(value):
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
     if isinstance(value, dict):
-        return {k if isinstance(k, str) else repr(k): _strict(v) for k, v in value.items()}
+        return {k if isinstance(k, str) else _key(k): _strict(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_strict(v) for v in value]
     return value
+
+
+def _key(key) -> str:
+    """A dict key as json.dumps writes it (3 -> "3", True -> "true", None -> "null"), else its repr."""
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    return repr(key)
 
 
 class TextFormatter(logging.Formatter):

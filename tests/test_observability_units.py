@@ -159,10 +159,10 @@ def test_json_log_lines_carry_the_event_and_its_fields():
 def test_json_log_lines_stay_strict_json_whatever_their_fields():
     # A review: a NaN field was written NaN (jq and other strict parsers refuse the line), a key
     # that is not a string raised inside logging, and a field named `ts` or `logger` replaced the record's.
-    line = JsonFormatter().format(_record("hit ratio", ratio=float("nan"), rates={"hbm": float("inf"), 3: 1.0},
+    line = JsonFormatter().format(_record("hit ratio", ratio=float("nan"), rates={"hbm": float("inf"), 3: 1.0, None: 0},
                                           ts="spoofed", logger="spoofed", ok=0.5))
     d = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c} in {line}"))
-    assert d["ratio"] == "nan" and d["rates"] == {"hbm": "inf", "3": 1.0} and d["ok"] == 0.5
+    assert d["ratio"] == "nan" and d["rates"] == {"hbm": "inf", "3": 1.0, "null": 0} and d["ok"] == 0.5
     assert d["msg"] == "hit ratio" and d["ts"].endswith("Z") and d["field_ts"] == d["field_logger"] == "spoofed"
     assert d["logger"] == "dflash2.swap"
 
