@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
-from dflash2.files import make_private_folders
+from dflash2.files import make_private_folders, pids_text, port_listeners
 
 log = logging.getLogger("dflash2.tcpkeys")
 
@@ -264,7 +264,21 @@ def record_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> N
     monitoring key file beside the key file at `path` (its mode and group kept, other daemons' lines
     too: they may share the key file), where its readers find it. KeyFileError as `read_own`, or
     when the file no longer holds the keys the daemon took at its start."""
-    _edit_ports(path, keys, lambda ports: ports.update({(node_id(), request_port): port}))
+    mine = (node_id(), request_port)
+
+    def edit(ports: dict) -> None:
+        earlier = ports.get(mine)
+        if earlier is not None and earlier != port and (pids := port_listeners(earlier)):
+            # Another live daemon's line: one on this node and request port at another address,
+            # sharing the key file (the default one is named by the port alone). Its monitoring users
+            # are sent to this daemon's port from now on (a review): said, with who listens there.
+            log.warning("the monitoring file %s named port %d for request port %d on this node, where%s listens: "
+                        "another dflash2d on this port number at another address, sharing the key file? Its "
+                        "monitoring users now reach this daemon's port; give the two daemons other ports or "
+                        "daemon.tcp_key_file of their own", monitor_path(path), earlier, request_port, pids_text(pids))
+        ports[mine] = port
+
+    _edit_ports(path, keys, edit)
 
 
 def forget_port(path: Path, keys: DaemonKeys, request_port: int, port: int) -> None:

@@ -50,10 +50,10 @@ def next_message(gate, within_s=5.0):
 
 
 @contextmanager
-def daemon_at(folder: Path, port: int, key_file: Path, runtime: Path):
-    """A tcp daemon on `port` with `key_file`; yields its pid."""
+def daemon_at(folder: Path, port: int, key_file: Path, runtime: Path, host: str = "127.0.0.1"):
+    """A tcp daemon on `host`:`port` with `key_file`; yields its pid."""
     folder.mkdir(exist_ok=True)
-    config = write_config(folder, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(folder / "s"),
+    config = write_config(folder, daemon={"endpoint": f"tcp://{host}:{port}", "state_dir": str(folder / "s"),
                                           "tcp_key_file": str(key_file)})
     with open(folder / "daemon.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config], stdout=subprocess.PIPE,

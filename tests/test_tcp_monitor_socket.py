@@ -146,6 +146,21 @@ def test_two_daemons_sharing_a_key_file_each_answer_their_own_monitoring_users(t
         assert sorted(load(monitor_path(key_file)).ports) == sorted((node_id(), p) for p in ports)
 
 
+def test_a_second_daemon_on_the_same_port_number_at_another_address_says_it_takes_the_line(tmp_path):
+    """A review: daemons on 127.0.0.1:P and 127.0.0.2:P sharing a key file (the default one is named
+    by the port alone) share the monitoring file's line for P on this node: the second's start
+    replaced the first's silently, and the first's monitoring users timed out as if it were stuck.
+    The second's log now says so, naming the process that listens on the replaced port."""
+    key_file = tmp_path / "keys" / "node.key"
+    port = free_port()
+    with daemon_at(tmp_path / "a", port, key_file, tmp_path / "run") as pid_a, \
+            daemon_at(tmp_path / "b", port, key_file, tmp_path / "run", host="127.0.0.2"):
+        said = (tmp_path / "b" / "daemon.log").read_text()
+    assert f"for request port {port} on this node, where (pid {pid_a}: " in said, said[-3000:]
+    assert "another dflash2d on this port number at another address, sharing the key file?" in said
+    assert "for request port" not in (tmp_path / "a" / "daemon.log").read_text()
+
+
 @pytest.mark.parametrize("between", ["nothing", "the key file removed"])
 def test_a_monitoring_transport_follows_its_daemon_across_a_restart(tmp_path, between):
     """A restarted daemon binds another monitoring port: a monitoring transport kept connecting to the
