@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dflash2.endpoints import _bare_host
 from dflash2.files import make_private_folders, owner_text
 
 log = logging.getLogger("dflash2.history")
@@ -377,6 +378,19 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
     return out
 
 
+def endpoint_id(endpoint: str | None) -> str | None:
+    """The daemon a history belongs to, as its lock names it: "default" for the default endpoint
+    (`daemon.endpoint` null: its path follows XDG_RUNTIME_DIR, which a shell sets and a systemd
+    system unit does not: the same daemon, a review), a tcp endpoint's host in one spelling, an ipc
+    one's resolved path; None where no endpoint is given."""
+    if endpoint is None or endpoint == "default":
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return f"tcp://{_bare_host(host)}:{port}"
+    return endpoint
+
+
 def _lock_endpoint(fd: int) -> str | None:
     """The endpoint a history lock names (its second line), None where it names none (an earlier
     release's lock held the pid alone)."""
@@ -509,13 +523,15 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> His
             log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
                         "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
         else:
-            owner = _lock_endpoint(lock_fd)
-            if endpoint is not None and owner not in (None, endpoint) and (state_dir / FILE_NAME).exists():
+            owner, endpoint = _lock_endpoint(lock_fd), endpoint_id(endpoint)
+            held = [state_dir / name for name in (FILE_NAME, FILE_NAME + ".1") if (state_dir / name).exists()]
+            if endpoint is not None and owner not in (None, endpoint) and held:
                 os.close(lock_fd)
                 lock_fd = -1
                 log.warning("history: %s is the history of the daemon serving %s, not of this one (%s); this one keeps "
                             "its history in memory only (give each daemon a daemon.state_dir of its own, or remove "
-                            "the file to let this one take the folder)", state_dir / FILE_NAME, owner, endpoint)
+                            "%s to let this one take the folder)", state_dir / FILE_NAME, owner, endpoint,
+                            " and ".join(map(str, held)))
                 return History(path=None, **kw)
             os.ftruncate(lock_fd, 0)
             os.pwrite(lock_fd, f"{os.getpid()}\n{endpoint or ''}\n".encode(), 0)

@@ -78,7 +78,26 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     (tmp_path / "history.lock").write_text("12345")  # (an earlier release's lock: the pid alone)
     a = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)
     assert a.path == tmp_path / "history.jsonl"
+    a.record(service.stats())
     a.close()
+    # A rotated file alone is the first daemon's history too (it is read back as well).
+    (tmp_path / "history.jsonl").rename(tmp_path / "history.jsonl.1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        b = make_history(cfg, tmp_path, "ipc:///run/b.sock", clock=clock)
+    assert b.path is None and not b.samples and "history.jsonl.1 to let this one take the folder" in caplog.text
+    b.close()
+    # One daemon under two spellings: the default endpoint (its path follows XDG_RUNTIME_DIR: a
+    # shell's, a systemd unit's) and a tcp host written two ways keep their history.
+    for first, again in (("default", "default"), ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555")):
+        for name in ("history.jsonl", "history.jsonl.1", "history.lock"):
+            (tmp_path / name).unlink(missing_ok=True)
+        x = make_history(cfg, tmp_path, first, clock=clock)
+        x.record(service.stats())
+        x.close()
+        y = make_history(cfg, tmp_path, again, clock=clock)
+        assert y.path == tmp_path / "history.jsonl" and len(y.samples) == 1, (first, again)
+        y.close()
 
 
 def test_history_op_answers_when_off_and_on(service, clock):
