@@ -210,6 +210,9 @@ def _say_enabled(line: str) -> None:
     it stopped it, in a traceback after every tier was taken, or with nothing said at all (a
     review). Said in the log instead, and stdout is pointed at /dev/null, so that the line still
     buffered there does not fail again at exit."""
+    if sys.stdout is None:  # (closed at start, `dflash2d >&-`: print would drop it without a word)
+        log.warning("the start-up line could not be written to stdout (closed): %s", line)
+        return
     try:
         print(line, flush=True)
     except OSError as e:

@@ -243,7 +243,7 @@ def test_a_stop_signal_while_the_config_is_read_stops_it_cleanly(config_file, tm
     assert not glob.glob(f"/dev/shm/dflash2-{os.getpid()}-*")
 
 
-@pytest.mark.parametrize("stdout", ["/dev/full", "a pipe whose reader left"])
+@pytest.mark.parametrize("stdout", ["/dev/full", "a pipe whose reader left", "closed"])
 def test_a_stdout_that_takes_nothing_does_not_stop_a_started_daemon(config_file, tmp_path, stdout):
     """A review: with stdout on /dev/full the daemon took its tiers, then died in a traceback at its
     start-up line (exit 1); under `dflash2d | head -1` (a journald restarted) it died saying nothing.
@@ -252,13 +252,15 @@ def test_a_stdout_that_takes_nothing_does_not_stop_a_started_daemon(config_file,
     cfg = config_file(daemon={"endpoint": endpoint})
     if stdout == "/dev/full":
         out = open("/dev/full", "w")
+    elif stdout == "closed":
+        out = open(os.devnull, "w")  # (unused: the child closes its fd 1 below)
     else:
         r, w = os.pipe()
         os.close(r)
         out = os.fdopen(w, "w")
     with out, open(tmp_path / "err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", cfg],
-                                stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", cfg], stdout=out, stderr=err,
+                                preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
