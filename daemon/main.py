@@ -101,6 +101,7 @@ def _main(args: argparse.Namespace) -> int:
         warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
         warnings += rounding_warnings(plan)
         warnings += check_paths(plan, history=cfg.history_enabled)
+        warnings += config_file_warnings(args.config)
     except ConfigError as exc:
         _warn_all(fmt, warnings)
         return _fail(str(exc), fmt)
@@ -427,6 +428,27 @@ def _serve(cfg: Config) -> int:
         _fail(f"cannot serve daemon.endpoint {cfg.resolved_endpoint()}: {exc.strerror}", cfg.logging.format)
         return EXIT_START_FAILED
     return EXIT_OK if result is None else int(result)
+
+
+def config_file_warnings(path: str) -> list[str]:
+    """A config that another user may change chooses where the daemon's files, socket and memory go
+    (sshd refuses such a file; the daemon said nothing, a review): its owner another user than the
+    daemon's or root, or every user may write it."""
+    from dflash2.config import expand_user
+    from dflash2.errors import ConfigError
+
+    try:
+        st = os.stat(expand_user(path, "--config"))
+    except (OSError, ConfigError):
+        return []
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        return [f"the config {path} may be written by every user (mode {mode:o}): whoever writes it chooses the "
+                f"daemon's endpoint, tiers and files (chmod o-w {path})"]
+    if st.st_uid not in (0, os.geteuid()):
+        return [f"the config {path} belongs to uid {st.st_uid}, not to the daemon's user (uid {os.geteuid()}) or "
+                "root: that user chooses the daemon's endpoint, tiers and files"]
+    return []
 
 
 def _warn_all(fmt: str, warnings: list[str]) -> None:

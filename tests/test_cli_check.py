@@ -307,3 +307,19 @@ def test_a_socket_folder_its_group_may_write_stays_the_daemons_own(write, tmp_pa
     assert (r.returncode == 0) == ok, r.stderr[-1000:]
     if not ok:
         assert f"the socket's folder {run} is shared (mode 777" in r.stderr
+
+
+def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
+    # A review: a config every user may write chooses the daemon's endpoint, tiers and files; the
+    # daemon said nothing (sshd refuses such a file).
+    path = write(GOOD)
+    assert "may be written by every user" not in dflash2d("--config", str(path), "--check", cwd=tmp_path).stderr
+    path.chmod(0o666)
+    result = dflash2d("--config", str(path), "--check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"warning: the config {path} may be written by every user (mode 666)" in result.stderr, result.stderr
+    if os.geteuid() == 0:  # (root may give the file away)
+        path.chmod(0o644)
+        os.chown(path, 65534, 65534)
+        result = dflash2d("--config", str(path), "--check", cwd=tmp_path)
+        assert f"warning: the config {path} belongs to uid 65534, not to the daemon's user (uid 0)" in result.stderr
