@@ -69,7 +69,7 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
         st = os.stat(path)
     except FileNotFoundError:
         raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
-                                "(is the daemon running? `dflash2d --config FILE`)") from None
+                                f"(is the daemon running? `dflash2d --config FILE`){_default_elsewhere(path)}") from None
     except PermissionError:
         folder = os.path.dirname(path) or "."
         try:
@@ -105,6 +105,23 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
         pass  # (a full backlog, a timeout: ZeroMQ tries as it does, and the call's timeout says)
     finally:
         probe.close()
+
+
+def _default_elsewhere(path: str) -> str:
+    """Where the default socket of the other kind of environment lies, when it is there: the default
+    endpoint follows XDG_RUNTIME_DIR, which a login shell sets and a systemd system unit or cron does
+    not, so a daemon started in one and a client in the other looked in two places (a review)."""
+    from dflash2.endpoints import default_endpoint
+
+    if path != default_endpoint()[len("ipc://"):]:
+        return ""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    other = f"/tmp/dflash2-{os.getuid()}/dflash2.sock" if xdg else f"/run/user/{os.getuid()}/dflash2/dflash2.sock"
+    if not os.path.exists(other):
+        return ""
+    return (f"; one is at ipc://{other}, the default socket of an environment {'without' if xdg else 'with'} "
+            "XDG_RUNTIME_DIR (a systemd unit's, cron's, a login shell's): name one socket in daemon.endpoint of "
+            "the config both read")
 
 
 # Descriptors a connect leaves free: ZeroMQ's I/O thread (made with the context's first socket), the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -475,3 +476,28 @@ def test_a_stale_place_record_of_a_pinned_block_never_views_another_block(connec
     r.release(got["vid"])
     with pytest.raises(ArenaError, match="not being written or acquired by this client; acquire it first"):
         r.view_bytes(found[0])
+
+
+def test_a_client_looking_at_the_default_socket_is_told_of_the_other_environments(tmp_path, monkeypatch, config_file):
+    """A review: the default endpoint follows XDG_RUNTIME_DIR, which a login shell sets and a systemd
+    system unit or cron does not: a daemon started in one and a client in the other looked in two
+    places, and the client was told only that no daemon runs."""
+    from dflash2.client import Client
+    from dflash2.errors import DaemonUnavailable
+
+    uid = 900_000 + os.getpid() % 1000  # (a uid of no one: its /tmp/dflash2-UID is this test's)
+    monkeypatch.setattr(os, "getuid", lambda: uid)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    other = Path(f"/tmp/dflash2-{uid}")
+    config = config_file(daemon={"endpoint": None})  # (the default endpoint)
+    with pytest.raises(DaemonUnavailable) as before:
+        Client.connect(config=config, timeout_s=1.0)
+    assert "the socket file does not exist" in str(before.value) and "one is at" not in str(before.value)
+    other.mkdir(mode=0o700)
+    try:
+        (other / "dflash2.sock").touch()
+        with pytest.raises(DaemonUnavailable, match=rf"; one is at ipc://{other}/dflash2.sock, the default socket of "
+                                                    r"an environment without XDG_RUNTIME_DIR \(a systemd unit's"):
+            Client.connect(config=config, timeout_s=1.0)
+    finally:
+        shutil.rmtree(other)
