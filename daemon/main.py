@@ -112,6 +112,9 @@ def _main(args: argparse.Namespace) -> int:
     _warn_all(fmt, warnings)
     if args.check:
         now = room_now(plan) + ports_now(plan.endpoint, cfg.metrics.host, cfg.metrics.port)
+        if sys.stdout is None:  # (closed, `>&-`: a traceback on its flush, a review; the config is valid)
+            print("dflash2d --check: stdout is closed: the plan is not printed", file=sys.stderr)
+            return EXIT_OK
         try:
             if args.json:
                 print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
@@ -438,7 +441,8 @@ def config_file_warnings(path: str) -> list[str]:
     from dflash2.errors import ConfigError
 
     try:
-        st = os.stat(expand_user(path, "--config"))
+        full = os.path.realpath(expand_user(path, "--config"))
+        st, folder = os.stat(full), os.stat(os.path.dirname(full))
     except (OSError, ConfigError):
         return []
     mode = stat.S_IMODE(st.st_mode)
@@ -448,6 +452,10 @@ def config_file_warnings(path: str) -> list[str]:
     if st.st_uid not in (0, os.geteuid()):
         return [f"the config {path} belongs to uid {st.st_uid}, not to the daemon's user (uid {os.geteuid()}) or "
                 "root: that user chooses the daemon's endpoint, tiers and files"]
+    if folder.st_mode & stat.S_IWOTH and not folder.st_mode & stat.S_ISVTX:  # (anyone may put a file in its place)
+        return [f"the config {path} lies in {os.path.dirname(full)}, which every user may write (mode "
+                f"{stat.S_IMODE(folder.st_mode):o}, not sticky): whoever puts a file in its place chooses the "
+                "daemon's endpoint, tiers and files"]
     return []
 
 

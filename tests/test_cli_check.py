@@ -323,3 +323,19 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
         os.chown(path, 65534, 65534)
         result = dflash2d("--config", str(path), "--check", cwd=tmp_path)
         assert f"warning: the config {path} belongs to uid 65534, not to the daemon's user (uid 0)" in result.stderr
+        os.chown(path, os.geteuid(), os.getegid())
+    # Its own file, in a folder every user may write and not sticky: another may put a file in its place.
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    moved = open_folder / "cfg.json"
+    path.rename(moved)
+    assert "which every user may write (mode 777, not sticky)" in dflash2d("--config", str(moved), "--check",
+                                                                           cwd=tmp_path).stderr
+    open_folder.chmod(0o1777)  # (sticky, as /tmp: no one else may replace it)
+    assert "every user" not in dflash2d("--config", str(moved), "--check", cwd=tmp_path).stderr
+    # --check with stdout closed: a note, exit 0 (a traceback, a review).
+    closed = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(moved), "--check"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 0 and "stdout is closed: the plan is not printed" in closed.stderr, closed.stderr
