@@ -387,7 +387,12 @@ def endpoint_id(endpoint: str | None) -> str | None:
         return endpoint
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        return f"tcp://{_bare_host(host)}:{port}"
+        host = _bare_host(host)
+        host = {"localhost": "127.0.0.1", "ip6-localhost": "::1", "*": "0.0.0.0"}.get(host, host)  # (one address)
+        return f"tcp://{host}:{port}"
+    if endpoint.startswith("ipc://"):  # (its folder resolved: the socket itself may not be there yet)
+        folder, name = os.path.split(endpoint[len("ipc://"):])
+        return f"ipc://{os.path.join(os.path.realpath(folder), name)}"
     return endpoint
 
 
@@ -523,7 +528,7 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> His
             log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
                         "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
         else:
-            owner, endpoint = _lock_endpoint(lock_fd), endpoint_id(endpoint)
+            owner, endpoint = endpoint_id(_lock_endpoint(lock_fd)), endpoint_id(endpoint)
             held = [state_dir / name for name in (FILE_NAME, FILE_NAME + ".1") if (state_dir / name).exists()]
             if endpoint is not None and owner not in (None, endpoint) and held:
                 os.close(lock_fd)
@@ -533,6 +538,9 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> His
                             "%s to let this one take the folder)", state_dir / FILE_NAME, owner, endpoint,
                             " and ".join(map(str, held)))
                 return History(path=None, **kw)
+            if endpoint is not None and owner is None and held:  # (an earlier release's lock: the pid alone)
+                log.info("history: %s names no daemon's endpoint (an earlier release's): taken as the history of this "
+                         "one (%s)", state_dir / LOCK_NAME, endpoint)
             os.ftruncate(lock_fd, 0)
             os.pwrite(lock_fd, f"{os.getpid()}\n{endpoint or ''}\n".encode(), 0)
             path = state_dir / FILE_NAME

@@ -76,8 +76,11 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     assert b.path == tmp_path / "history.jsonl"
     b.close()
     (tmp_path / "history.lock").write_text("12345")  # (an earlier release's lock: the pid alone)
-    a = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        a = make_history(cfg, tmp_path, "ipc:///run/a.sock", clock=clock)
     assert a.path == tmp_path / "history.jsonl"
+    assert "names no daemon's endpoint (an earlier release's): taken as the history of this one" in caplog.text
     a.record(service.stats())
     a.close()
     # A rotated file alone is the first daemon's history too (it is read back as well).
@@ -89,7 +92,11 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     b.close()
     # One daemon under two spellings: the default endpoint (its path follows XDG_RUNTIME_DIR: a
     # shell's, a systemd unit's) and a tcp host written two ways keep their history.
-    for first, again in (("default", "default"), ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555")):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for first, again in (("default", "default"), ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555"),
+                         ("tcp://localhost:5555", "tcp://127.0.0.1:5555"), ("tcp://*:5555", "tcp://0.0.0.0:5555"),
+                         (f"ipc://{tmp_path}/link/d.sock", f"ipc://{tmp_path}/real/d.sock")):
         for name in ("history.jsonl", "history.jsonl.1", "history.lock"):
             (tmp_path / name).unlink(missing_ok=True)
         x = make_history(cfg, tmp_path, first, clock=clock)
