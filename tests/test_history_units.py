@@ -74,6 +74,7 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     (tmp_path / "history.jsonl").unlink()  # (removed: the folder is anyone's again)
     b = make_history(cfg, tmp_path, "ipc:///run/b.sock", clock=clock)
     assert b.path == tmp_path / "history.jsonl"
+    b.record(service.stats())
     b.close()
     (tmp_path / "history.lock").write_text("12345")  # (an earlier release's lock: the pid alone)
     caplog.clear()
