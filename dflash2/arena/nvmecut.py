@@ -8,7 +8,9 @@ reads past the cut failed as "preadv moved 0 bytes", and their slots were set as
 until the disk was said to be failing (reviews' scripts). A cut that lands while a batch writes may
 be grown back over by that batch (its last slot restores the size): the header page, a hole then,
 says so, and every block is taken as lost, the point of the cut being unknown; so is every block
-of a file whose header page another program wrote over (said as such, not as a cut).
+of a file whose header page another program wrote over (said as such, not as a cut). A cut that kept
+the header page and was grown back over is not seen: its blocks fail their checksums when read
+(misses, never wrong bytes, but counted as the disk's).
 """
 
 from __future__ import annotations
