@@ -31,7 +31,8 @@ from dflash2 import threads
 from dflash2.client.heartbeat import run as run_heartbeat
 from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
 from dflash2.client.held import HeldPlaces
-from dflash2.client.transport import Transport, check_descriptors, check_endpoint, check_timeout, pid_namespace
+from dflash2.client.endpoint_check import check_endpoint
+from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.errors import AccessDenied, ArenaError, DaemonError, DaemonUnavailable
 from dflash2.layout import Layout

@@ -128,6 +128,10 @@ def _main(args: argparse.Namespace) -> int:
             # head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_BROKEN_PIPE
+        except OSError as e:  # (a full disk under `> plan.txt`, a stdout open for reading: a traceback, exit 1)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"dflash2d --check: cannot write the plan to stdout: {e.strerror or e}", file=sys.stderr)
+            return EXIT_OK
         return EXIT_OK
     return _serve(cfg)
 
@@ -441,8 +445,9 @@ def config_file_warnings(path: str) -> list[str]:
     from dflash2.errors import ConfigError
 
     try:
-        full = os.path.realpath(expand_user(path, "--config"))
-        st, folder = os.stat(full), os.stat(os.path.dirname(full))
+        written = os.path.abspath(expand_user(path, "--config"))
+        full = os.path.realpath(written)
+        st = os.stat(full)
     except (OSError, ConfigError):
         return []
     mode = stat.S_IMODE(st.st_mode)
@@ -452,10 +457,22 @@ def config_file_warnings(path: str) -> list[str]:
     if st.st_uid not in (0, os.geteuid()):
         return [f"the config {path} belongs to uid {st.st_uid}, not to the daemon's user (uid {os.geteuid()}) or "
                 "root: that user chooses the daemon's endpoint, tiers and files"]
-    if folder.st_mode & stat.S_IWOTH and not folder.st_mode & stat.S_ISVTX:  # (anyone may put a file in its place)
-        return [f"the config {path} lies in {os.path.dirname(full)}, which every user may write (mode "
-                f"{stat.S_IMODE(folder.st_mode):o}, not sticky): whoever puts a file in its place chooses the "
-                "daemon's endpoint, tiers and files"]
+    # Every folder above it, as written and as its links lead (a link in an open folder, an open
+    # folder higher up: anyone may put a file or a folder in its place, a review), as sshd's StrictModes.
+    for start in dict.fromkeys((os.path.dirname(written), os.path.dirname(full))):
+        folder = start
+        while True:
+            try:
+                fst = os.stat(folder)
+            except OSError:
+                break
+            if fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX:
+                return [f"the config {path} lies under {folder}, which every user may write (mode "
+                        f"{stat.S_IMODE(fst.st_mode):o}, not sticky): whoever puts a file or folder in its place "
+                        "chooses the daemon's endpoint, tiers and files"]
+            if folder == os.path.dirname(folder):
+                break
+            folder = os.path.dirname(folder)
     return []
 
 

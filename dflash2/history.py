@@ -388,8 +388,10 @@ def endpoint_id(endpoint: str | None) -> str | None:
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
         host = _bare_host(host)
-        host = {"localhost": "127.0.0.1", "ip6-localhost": "::1", "*": "0.0.0.0"}.get(host, host)  # (one address)
-        return f"tcp://{host}:{port}"
+        # One address each: a loopback name and its address, and every address (`*` binds `[::]`
+        # where IPv6 is on, as the daemon's socket asks, a review).
+        host = {"localhost": "127.0.0.1", "ip6-localhost": "::1", "0.0.0.0": "*", "::": "*"}.get(host, host)
+        return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
     if endpoint.startswith("ipc://"):  # (its folder resolved: the socket itself may not be there yet)
         folder, name = os.path.split(endpoint[len("ipc://"):])
         return f"ipc://{os.path.join(os.path.realpath(folder), name)}"

@@ -149,7 +149,8 @@ def resolve_endpoint(args: argparse.Namespace) -> tuple[str, Optional[Path]]:
 
 def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file=None) -> list[dict]:
     """The daemon's samples over the control protocol (needs no attached client)."""
-    from dflash2.client.transport import Transport, check_endpoint
+    from dflash2.client.endpoint_check import check_endpoint
+    from dflash2.client.transport import Transport
     from dflash2.errors import AccessDenied, DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
 
     args = {} if since_s is None else {"since_s": since_s}

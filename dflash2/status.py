@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def handler(args: argparse.Namespace) -> int:
     from dflash2.client.client import resolve_endpoint, resolve_key_file
-    from dflash2.client.transport import Transport, check_endpoint
+    from dflash2.client.endpoint_check import check_endpoint
+    from dflash2.client.transport import Transport
     from dflash2.protocol import Op
 
     try:

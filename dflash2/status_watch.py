@@ -106,7 +106,8 @@ def changes(prev: dict | None, cur: dict) -> str:
 
 
 def _ask(endpoint: str, timeout_s: float, key_file=None) -> tuple[dict | None, str]:
-    from dflash2.client.transport import Transport, check_endpoint
+    from dflash2.client.endpoint_check import check_endpoint
+    from dflash2.client.transport import Transport
     from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
     from dflash2.protocol import Op
 

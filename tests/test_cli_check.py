@@ -334,8 +334,25 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
                                                                            cwd=tmp_path).stderr
     open_folder.chmod(0o1777)  # (sticky, as /tmp: no one else may replace it)
     assert "every user" not in dflash2d("--config", str(moved), "--check", cwd=tmp_path).stderr
+    # A link in an open folder, and an open folder higher up (a review: neither was said).
+    open_folder.chmod(0o777)
+    safe = tmp_path / "safe"
+    safe.mkdir()
+    (safe / "cfg.json").write_text(moved.read_text())
+    (open_folder / "link.json").symlink_to(safe / "cfg.json")
+    assert f"lies under {open_folder}, which every user may write" in dflash2d(
+        "--config", str(open_folder / "link.json"), "--check", cwd=tmp_path).stderr
+    (open_folder / "deeper").mkdir()
+    (open_folder / "deeper" / "cfg.json").write_text(moved.read_text())
+    assert f"lies under {open_folder}, which every user may write" in dflash2d(
+        "--config", str(open_folder / "deeper" / "cfg.json"), "--check", cwd=tmp_path).stderr
     # --check with stdout closed: a note, exit 0 (a traceback, a review).
     closed = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(moved), "--check"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             preexec_fn=lambda: os.close(1))
     assert closed.returncode == 0 and "stdout is closed: the plan is not printed" in closed.stderr, closed.stderr
+    with open("/dev/full", "w") as full:  # (a full disk under `> plan.txt`: a traceback, exit 1)
+        filled = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(moved), "--check"],
+                                stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert filled.returncode == 0 and "cannot write the plan to stdout: No space left on device" in filled.stderr
+    assert "Traceback" not in filled.stderr

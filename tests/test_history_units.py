@@ -84,6 +84,8 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     assert "names no daemon's endpoint (an earlier release's): taken as the history of this one" in caplog.text
     a.record(service.stats())
     a.close()
+    from dflash2.history import endpoint_id
+    assert endpoint_id("tcp://[0:0:0:0:0:0:0:1]:5555") == "tcp://[::1]:5555"  # (as a user would write it)
     # A rotated file alone is the first daemon's history too (it is read back as well).
     (tmp_path / "history.jsonl").rename(tmp_path / "history.jsonl.1")
     caplog.clear()
@@ -96,7 +98,7 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     for first, again in (("default", "default"), ("tcp://[::1]:5555", "tcp://[0:0:0:0:0:0:0:1]:5555"),
-                         ("tcp://localhost:5555", "tcp://127.0.0.1:5555"), ("tcp://*:5555", "tcp://0.0.0.0:5555"),
+                         ("tcp://localhost:5555", "tcp://127.0.0.1:5555"), ("tcp://*:5555", "tcp://0.0.0.0:5555"), ("tcp://[::]:5555", "tcp://*:5555"),
                          (f"ipc://{tmp_path}/link/d.sock", f"ipc://{tmp_path}/real/d.sock")):
         for name in ("history.jsonl", "history.jsonl.1", "history.lock"):
             (tmp_path / name).unlink(missing_ok=True)
