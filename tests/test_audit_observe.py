@@ -275,3 +275,20 @@ def test_ctrl_c_on_a_one_shot_command_exits_130_without_a_traceback(tmp_path):
         mute.close(0)
         ctx.term()
     assert rc == 130 and "Traceback" not in err, (rc, err[-1000:])
+
+
+def test_the_default_endpoint_and_its_path_written_out_keep_one_history(tmp_path, config_file, monkeypatch):
+    # A review: a config whose daemon.endpoint names the default socket's path, after one that left
+    # it null, was taken for another daemon: its own history kept in memory only.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    (tmp_path / "xdg").mkdir(mode=0o700)
+    state = str(tmp_path / "state")
+    with running_daemon(config_file(history_enabled=True, daemon={"endpoint": None, "state_dir": state}),
+                        str(tmp_path / "a.log")):
+        pass
+    explicit = f"ipc://{tmp_path}/xdg/dflash2/dflash2.sock"
+    with running_daemon(config_file(history_enabled=True, daemon={"endpoint": explicit, "state_dir": state}),
+                        str(tmp_path / "b.log")):
+        pass
+    log = (tmp_path / "b.log").read_text()
+    assert "samples read back" in log and "is the history of the daemon serving" not in log, log[-2000:]
