@@ -466,7 +466,9 @@ def config_file_warnings(path: str) -> list[str]:
                 fst = os.stat(folder)
             except OSError:
                 break
-            if fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX:
+            if fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX and not _read_only(Path(folder)):
+                # (a read-only mount is no one's to write whatever its mode: a Kubernetes ConfigMap's
+                # folder is 0777 on a read-only mount, as the DaemonSet gives the config)
                 return [f"the config {path} lies under {folder}, which every user may write (mode "
                         f"{stat.S_IMODE(fst.st_mode):o}, not sticky): whoever puts a file or folder in its place "
                         "chooses the daemon's endpoint, tiers and files"]

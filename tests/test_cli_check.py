@@ -346,6 +346,14 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
     (open_folder / "deeper" / "cfg.json").write_text(moved.read_text())
     assert f"lies under {open_folder}, which every user may write" in dflash2d(
         "--config", str(open_folder / "deeper" / "cfg.json"), "--check", cwd=tmp_path).stderr
+    # A folder open to all on a read-only mount (a Kubernetes ConfigMap's: 0777, read-only) is no one's to write.
+    from dflash2.daemon import main as dmain
+    real_read_only = dmain._read_only
+    try:
+        dmain._read_only = lambda folder: str(folder) == str(open_folder) or real_read_only(folder)
+        assert dmain.config_file_warnings(str(open_folder / "deeper" / "cfg.json")) == []
+    finally:
+        dmain._read_only = real_read_only
     # --check with stdout closed: a note, exit 0 (a traceback, a review).
     closed = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(moved), "--check"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
