@@ -37,6 +37,7 @@ EXIT_CONFIG = 2
 EXIT_DISABLED = 3
 EXIT_START_FAILED = 4  # a region, the endpoint or the metrics port cannot be had (the server's code too)
 EXIT_GPU_LOST = 5  # a GPU's CUDA context was lost while serving: exit so that the supervisor restarts it
+EXIT_NO_OUTPUT = 1  # `--check` whose plan could not be written to stdout (a full disk, a stdout not open for writing)
 EXIT_BROKEN_PIPE = 141  # `--check` into a pipe closed early (`| head -1`), as a shell reports SIGPIPE
 
 # Registered policies that the daemon cannot run: they exist for the benches.
@@ -128,10 +129,10 @@ def _main(args: argparse.Namespace) -> int:
             # head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_BROKEN_PIPE
-        except OSError as e:  # (a full disk under `> plan.txt`, a stdout open for reading: a traceback, exit 1)
+        except OSError as e:  # (a full disk under `> plan.txt`, a stdout open for reading: a traceback)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             print(f"dflash2d --check: cannot write the plan to stdout: {e.strerror or e}", file=sys.stderr)
-            return EXIT_OK
+            return EXIT_NO_OUTPUT  # (not 0: `--check --json > plan.json && jq ...` went on with no plan)
         return EXIT_OK
     return _serve(cfg)
 
@@ -466,12 +467,14 @@ def config_file_warnings(path: str) -> list[str]:
                 fst = os.stat(folder)
             except OSError:
                 break
-            if fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX and not _read_only(Path(folder)):
-                # (a read-only mount is no one's to write whatever its mode: a Kubernetes ConfigMap's
-                # folder is 0777 on a read-only mount, as the DaemonSet gives the config)
-                return [f"the config {path} lies under {folder}, which every user may write (mode "
-                        f"{stat.S_IMODE(fst.st_mode):o}, not sticky): whoever puts a file or folder in its place "
-                        "chooses the daemon's endpoint, tiers and files"]
+            # (a read-only mount is no one's to write whatever its mode: a Kubernetes ConfigMap's
+            # folder is 0777 on a read-only mount, as the DaemonSet gives the config)
+            open_to_all = fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX
+            if (open_to_all or fst.st_uid not in (0, os.geteuid())) and not _read_only(Path(folder)):
+                whose = (f"every user may write (mode {stat.S_IMODE(fst.st_mode):o}, not sticky)" if open_to_all
+                         else f"belongs to uid {fst.st_uid}, not to the daemon's user (uid {os.geteuid()}) or root")
+                return [f"the config {path} lies under {folder}, which {whose}: whoever puts a file or folder in "
+                        "its place chooses the daemon's endpoint, tiers and files"]
             if folder == os.path.dirname(folder):
                 break
             folder = os.path.dirname(folder)

@@ -379,12 +379,14 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
 
 
 def endpoint_id(endpoint: str | None) -> str | None:
-    """The daemon a history belongs to, as its lock names it: "default" for the default endpoint
-    (`daemon.endpoint` null: its path follows XDG_RUNTIME_DIR, which a shell sets and a systemd
-    system unit does not: the same daemon, a review), a tcp endpoint's host in one spelling, an ipc
-    one's resolved path; None where no endpoint is given."""
+    """The daemon a history belongs to, as its lock names it: "default" for the default socket's
+    usual paths (`daemon.endpoint` null, or either path written out: it follows XDG_RUNTIME_DIR,
+    which a login shell sets and a systemd unit does not: the same daemon, a review), a tcp
+    endpoint's host in one spelling, an ipc one's resolved path; None where no endpoint is given."""
     if endpoint is None or endpoint == "default":
         return endpoint
+    if endpoint.startswith("ipc://") and _resolved(endpoint) in {_resolved(e) for e in _default_endpoints()}:
+        return "default"  # (a default socket's path written out, in any environment: that daemon, a review)
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
         host = _bare_host(host)
@@ -392,10 +394,25 @@ def endpoint_id(endpoint: str | None) -> str | None:
         # where IPv6 is on, as the daemon's socket asks, a review).
         host = {"localhost": "127.0.0.1", "ip6-localhost": "::1", "0.0.0.0": "*", "::": "*"}.get(host, host)
         return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
-    if endpoint.startswith("ipc://"):  # (its folder resolved: the socket itself may not be there yet)
-        folder, name = os.path.split(endpoint[len("ipc://"):])
-        return f"ipc://{os.path.join(os.path.realpath(folder), name)}"
+    if endpoint.startswith("ipc://"):
+        return _resolved(endpoint)
     return endpoint
+
+
+def _resolved(endpoint: str) -> str:
+    """An ipc endpoint with its folder resolved (the socket itself may not be there yet)."""
+    folder, name = os.path.split(endpoint[len("ipc://"):])
+    return f"ipc://{os.path.join(os.path.realpath(folder), name)}"
+
+
+def _default_endpoints() -> list[str]:
+    """The default socket's usual paths, whatever this environment: with XDG_RUNTIME_DIR as
+    systemd-logind sets it (a login shell's, /run/user/UID) and without (a systemd unit's, cron's).
+    (This environment's own default is not among them where XDG_RUNTIME_DIR is elsewhere: the same
+    config then named two owners by where it was started, a review.)"""
+    from dflash2.endpoints import default_endpoint
+
+    return [default_endpoint({}), default_endpoint({"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"})]
 
 
 def _lock_endpoint(fd: int) -> str | None:

@@ -346,6 +346,14 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
     (open_folder / "deeper" / "cfg.json").write_text(moved.read_text())
     assert f"lies under {open_folder}, which every user may write" in dflash2d(
         "--config", str(open_folder / "deeper" / "cfg.json"), "--check", cwd=tmp_path).stderr
+    # A folder of another user above it (as sshd's StrictModes: that user may put another file in its place).
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        (theirs / "cfg.json").write_text(moved.read_text())
+        os.chown(theirs, 65534, 65534)
+        assert f"lies under {theirs}, which belongs to uid 65534, not to the daemon's user (uid 0) or root" in \
+            dflash2d("--config", str(theirs / "cfg.json"), "--check", cwd=tmp_path).stderr
     # A folder open to all on a read-only mount (a Kubernetes ConfigMap's: 0777, read-only) is no one's to write.
     from dflash2.daemon import main as dmain
     real_read_only = dmain._read_only
@@ -362,5 +370,5 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
     with open("/dev/full", "w") as full:  # (a full disk under `> plan.txt`: a traceback, exit 1)
         filled = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", str(moved), "--check"],
                                 stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    assert filled.returncode == 0 and "cannot write the plan to stdout: No space left on device" in filled.stderr
+    assert filled.returncode == 1 and "cannot write the plan to stdout: No space left on device" in filled.stderr
     assert "Traceback" not in filled.stderr

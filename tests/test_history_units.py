@@ -86,6 +86,20 @@ def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_pa
     a.close()
     from dflash2.history import endpoint_id
     assert endpoint_id("tcp://[0:0:0:0:0:0:0:1]:5555") == "tcp://[::1]:5555"  # (as a user would write it)
+    # The default socket's usual paths are one owner, in any environment; another path is its own,
+    # whatever XDG_RUNTIME_DIR the daemon starts under (a review: the same config, two owners).
+    uid = os.getuid()
+    assert endpoint_id(f"ipc:///tmp/dflash2-{uid}/dflash2.sock") == "default"
+    assert endpoint_id(f"ipc:///run/user/{uid}/dflash2/dflash2.sock") == "default"
+    own = f"ipc://{tmp_path}/xdg/dflash2/dflash2.sock"
+    ids = set()
+    for xdg in (str(tmp_path / "xdg"), str(tmp_path / "elsewhere")):
+        os.environ["XDG_RUNTIME_DIR"], saved = xdg, os.environ.get("XDG_RUNTIME_DIR")
+        try:
+            ids.add(endpoint_id(own))
+        finally:
+            os.environ.pop("XDG_RUNTIME_DIR") if saved is None else os.environ.__setitem__("XDG_RUNTIME_DIR", saved)
+    assert ids == {own}
     # A rotated file alone is the first daemon's history too (it is read back as well).
     (tmp_path / "history.jsonl").rename(tmp_path / "history.jsonl.1")
     caplog.clear()
