@@ -455,7 +455,7 @@ def config_file_warnings(path: str) -> list[str]:
     if mode & stat.S_IWOTH:
         return [f"the config {path} may be written by every user (mode {mode:o}): whoever writes it chooses the "
                 f"daemon's endpoint, tiers and files (chmod o-w {path})"]
-    if st.st_uid not in (0, os.geteuid()):
+    if st.st_uid not in (0, os.geteuid()) and not _unmapped(st.st_uid):
         return [f"the config {path} belongs to uid {st.st_uid}, not to the daemon's user (uid {os.geteuid()}) or "
                 "root: that user chooses the daemon's endpoint, tiers and files"]
     # Every folder above it, as written and as its links lead (a link in an open folder, an open
@@ -469,8 +469,8 @@ def config_file_warnings(path: str) -> list[str]:
                 break
             # (a read-only mount is no one's to write whatever its mode: a Kubernetes ConfigMap's
             # folder is 0777 on a read-only mount, as the DaemonSet gives the config)
-            open_to_all = fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX
-            if (open_to_all or fst.st_uid not in (0, os.geteuid())) and not _read_only(Path(folder)):
+            open_to_all = fst.st_mode & stat.S_IWOTH and not fst.st_mode & stat.S_ISVTX and not _read_only(Path(folder))
+            if open_to_all or (fst.st_uid not in (0, os.geteuid()) and not _unmapped(fst.st_uid)):
                 whose = (f"every user may write (mode {stat.S_IMODE(fst.st_mode):o}, not sticky)" if open_to_all
                          else f"belongs to uid {fst.st_uid}, not to the daemon's user (uid {os.geteuid()}) or root")
                 return [f"the config {path} lies under {folder}, which {whose}: whoever puts a file or folder in "
@@ -479,6 +479,19 @@ def config_file_warnings(path: str) -> list[str]:
                 break
             folder = os.path.dirname(folder)
     return []
+
+
+def _unmapped(uid: int) -> bool:
+    """Whether `uid` is the kernel's overflow uid in a user namespace: an owner outside its mapping
+    (a rootless container's view of the host's root), not a user who could write there."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            overflow = int(f.read())
+        with open("/proc/self/uid_map") as f:
+            identity = f.read().split() == ["0", "0", "4294967295"]
+    except (OSError, ValueError):
+        return False
+    return uid == overflow and not identity
 
 
 def _warn_all(fmt: str, warnings: list[str]) -> None:

@@ -127,8 +127,10 @@ def run(cfg: Config) -> int:
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
                           set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name, liveness_id=alive.nonce)
         try:
-            # (the history's owner: its endpoint, the default socket's paths as one: history.endpoint_id)
-            observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind, plan.endpoint)
+            # (the history's owner: "default" for the default endpoint, whose path follows the
+            # environment; else its endpoint, the default socket's usual paths as one: history.endpoint_id)
+            observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind,
+                                        "default" if cfg.daemon.endpoint is None else plan.endpoint)
         except OSError as e:
             _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port} (metrics.host, metrics.port): {e}")
             return EXIT_START_FAILED

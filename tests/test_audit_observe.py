@@ -292,3 +292,19 @@ def test_the_default_endpoint_and_its_path_written_out_keep_one_history(tmp_path
         pass
     log = (tmp_path / "b.log").read_text()
     assert "samples read back" in log and "is the history of the daemon serving" not in log, log[-2000:]
+
+
+def test_a_daemon_on_the_default_endpoint_keeps_its_history_wherever_it_starts(tmp_path, config_file, monkeypatch):
+    # A review: started under one XDG_RUNTIME_DIR (WSL's /mnt/wslg/runtime-dir, a container's), then
+    # under another or none (cron, a systemd unit), the daemon of the default endpoint took its own
+    # history for another daemon's and kept its samples in memory only.
+    state = str(tmp_path / "state")
+    for i, xdg in enumerate(("xdg-one", "xdg-two")):
+        (tmp_path / xdg).mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / xdg))
+        with running_daemon(config_file(history_enabled=True, daemon={"endpoint": None, "state_dir": state}),
+                            str(tmp_path / f"{i}.log")):
+            pass
+    log = (tmp_path / "1.log").read_text()
+    assert "samples read back" in log and "is the history of the daemon serving" not in log, log[-2000:]
+

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -372,3 +373,62 @@ def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
                                 stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     assert filled.returncode == 1 and "cannot write the plan to stdout: No space left on device" in filled.stderr
     assert "Traceback" not in filled.stderr
+
+
+def test_no_owner_warning_for_a_folder_outside_a_user_namespaces_mapping(tmp_path):
+    """A review: in a rootless container (its root a host user, `unshare(CLONE_NEWUSER)` with one uid
+    mapped) a bind-mounted folder of the host's root shows as the overflow uid, 65534: the config
+    warning said "nobody" could replace the config, at every start."""
+    import ctypes
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to map a user namespace")
+    from dflash2.daemon import main as dmain
+
+    import tempfile
+
+    # (a host root's folder, as `-v /srv/dflash2:/etc/dflash2`; under /tmp, which the namespace's root
+    # may enter, where pytest's folders are root's own, 0700)
+    host_root = Path(tempfile.mkdtemp(dir="/tmp"))
+    host_root.chmod(0o755)
+    request_cleanup = lambda: shutil.rmtree(host_root, ignore_errors=True)  # noqa: E731
+    (host_root / "cfg.json").write_text("{}")
+    os.chown(host_root / "cfg.json", 100000, 100000)  # (the container root's own file)
+    ready, go = os.pipe(), os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the container's root: host uid 100000
+        try:
+            os.setresgid(100000, 100000, 100000)
+            os.setgroups([])
+            os.setresuid(100000, 100000, 100000)
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER (a kernel may refuse it to users)
+                os.write(ready[1], b"n")
+                os.write(out_w, f"no user namespace: errno {ctypes.get_errno()}".encode())
+                os._exit(0)
+            os.write(ready[1], b"x")
+            os.read(go[0], 1)
+            got = repr((os.geteuid(), dmain.config_file_warnings(str(host_root / "cfg.json"))))
+        except BaseException as e:  # noqa: BLE001  (said to the parent, whatever it is)
+            got = repr(e)
+            os.write(ready[1], b"e")  # (the parent may still wait for the namespace)
+        os.write(out_w, got.encode())
+        os._exit(0)
+    if os.read(ready[0], 1) in (b"n", b"e"):
+        os.waitpid(pid, 0)
+        os.close(out_w)
+        request_cleanup()
+        said = os.read(out_r, 1000).decode()
+        if said.startswith("no user namespace"):
+            pytest.skip(said)
+        pytest.fail(said)
+    for name, text in (("uid_map", "0 100000 1\n"), ("setgroups", "deny"), ("gid_map", "0 100000 1\n")):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(text)
+    os.write(go[1], b"x")
+    os.waitpid(pid, 0)
+    os.close(out_w)
+    got = os.read(out_r, 65536).decode()
+    request_cleanup()
+    assert got.startswith("(0, ") and got.endswith("[])"), got
