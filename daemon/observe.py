@@ -31,7 +31,8 @@ class Observers:
         self.hit_log = HitRateLog(service)
 
     @classmethod
-    def start(cls, cfg: Config, service, state_dir: Path, device: str, endpoint: str | None = None) -> "Observers":
+    def start(cls, cfg: Config, service, state_dir: Path, device: str, endpoint: str | None = None,
+              also: str | None = None) -> "Observers":
         """Hook metrics and history into the service; serve /metrics when metrics.port is set.
         OSError when the metrics port cannot be bound (the daemon refuses to start then)."""
         metrics = None
@@ -40,7 +41,7 @@ class Observers:
             metrics.attach()
             metrics.refresh(force=True)
             metrics.serve(cfg.metrics.host, cfg.metrics.port)
-        history = make_history(cfg, state_dir, endpoint)
+        history = make_history(cfg, state_dir, endpoint, also)
         service.history = history
         obs = cls(service, metrics, history)
         obs.sample()  # (a first snapshot and sample; no step has run: a step of 0 s recorded here was a made-up one)

@@ -129,8 +129,10 @@ def run(cfg: Config) -> int:
         try:
             # (the history's owner: "default" for the default endpoint, whose path follows the
             # environment; else its endpoint, the default socket's usual paths as one: history.endpoint_id)
+            # (and its path: a config that writes that path out later names the same daemon)
+            default = cfg.daemon.endpoint is None
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind,
-                                        "default" if cfg.daemon.endpoint is None else plan.endpoint)
+                                        "default" if default else plan.endpoint, plan.endpoint if default else None)
         except OSError as e:
             _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port} (metrics.host, metrics.port): {e}")
             return EXIT_START_FAILED

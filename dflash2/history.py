@@ -415,12 +415,12 @@ def _default_endpoints() -> list[str]:
     return [default_endpoint({}), default_endpoint({"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"})]
 
 
-def _lock_endpoint(fd: int) -> str | None:
-    """The endpoint a history lock names (its second line), None where it names none (an earlier
-    release's lock held the pid alone)."""
-    lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")
-    named = lines[1].strip() if len(lines) > 1 else ""
-    return named or None
+def _lock_names(fd: int) -> set[str]:
+    """The names of the daemon a history lock holds for (the lines after its pid: its endpoint, and
+    the default endpoint's path where that is its endpoint); none in an earlier release's lock (the
+    pid alone)."""
+    lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")[1:]
+    return {endpoint_id(line.strip()) for line in lines if line.strip()}
 
 
 def _parsed(line: bytes):
@@ -523,14 +523,16 @@ def _own_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> History | None:
+def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | None = None,
+                 **kw) -> History | None:
     """The daemon's history per the config (None when off); the file lives in the state folder.
     One daemon writes a state folder's file: it holds a lock beside it (`LOCK_NAME`) while it runs,
     and a second daemon given the same folder keeps its history in memory only, and says so
     (two daemons appending to one file would interleave their samples). The lock names the
-    `endpoint` of the daemon whose file it is: one of another endpoint keeps its history in memory
-    too, and says so (two models' daemons on the default state folder, one after the other, took
-    each other's samples for their own past, a review)."""
+    `endpoint` of the daemon whose file it is (and `also`, a second name: the default endpoint's
+    path where it serves the default endpoint): one that shares no name with it keeps its history
+    in memory too, and says so (two models' daemons on the default state folder, one after the
+    other, took each other's samples for their own past, a review)."""
     if not cfg.history_enabled:
         return None
     path, lock_fd = None, -1
@@ -547,9 +549,11 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> His
             log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
                         "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
         else:
-            owner, endpoint = endpoint_id(_lock_endpoint(lock_fd)), endpoint_id(endpoint)
+            owner, names = _lock_names(lock_fd), {endpoint_id(e) for e in (endpoint, also) if e is not None}
             held = [state_dir / name for name in (FILE_NAME, FILE_NAME + ".1") if (state_dir / name).exists()]
-            if endpoint is not None and owner not in (None, endpoint) and held:
+            endpoint = endpoint_id(endpoint)
+            if names and owner and not owner & names and held:
+                owner = " or ".join(sorted(owner))
                 os.close(lock_fd)
                 lock_fd = -1
                 log.warning("history: %s is the history of the daemon serving %s, not of this one (%s); this one keeps "
@@ -557,11 +561,11 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, **kw) -> His
                             "%s to let this one take the folder)", state_dir / FILE_NAME, owner, endpoint,
                             " and ".join(map(str, held)))
                 return History(path=None, **kw)
-            if endpoint is not None and owner is None and held:  # (an earlier release's lock: the pid alone)
+            if names and not owner and held:  # (an earlier release's lock: the pid alone)
                 log.info("history: %s names no daemon's endpoint (an earlier release's): taken as the history of this "
                          "one (%s)", state_dir / LOCK_NAME, endpoint)
             os.ftruncate(lock_fd, 0)
-            os.pwrite(lock_fd, f"{os.getpid()}\n{endpoint or ''}\n".encode(), 0)
+            os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *sorted(names))).encode(), 0)
             path = state_dir / FILE_NAME
             try:
                 if not regular_file(path, follow=False):
