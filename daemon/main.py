@@ -488,10 +488,11 @@ def _unmapped(uid: int) -> bool:
         with open("/proc/sys/kernel/overflowuid") as f:
             overflow = int(f.read())
         with open("/proc/self/uid_map") as f:
-            identity = f.read().split() == ["0", "0", "4294967295"]
+            rows = [tuple(map(int, line.split())) for line in f if line.strip()]
     except (OSError, ValueError):
         return False
-    return uid == overflow and not identity
+    # (a mapped overflow uid is a user of this namespace who may write there: podman maps 65534)
+    return uid == overflow and not any(inside <= uid < inside + count for inside, _, count in rows)
 
 
 def _warn_all(fmt: str, warnings: list[str]) -> None:

@@ -565,7 +565,10 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
                 log.info("history: %s names no daemon's endpoint (an earlier release's): taken as the history of this "
                          "one (%s)", state_dir / LOCK_NAME, endpoint)
             os.ftruncate(lock_fd, 0)
-            os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *sorted(names))).encode(), 0)
+            # Its names and those the lock held for it: a later start elsewhere must not forget how
+            # an earlier one was reached (a review), a few at most.
+            keep = sorted(names | owner)[:8] if owner & names else sorted(names)
+            os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *keep)).encode(), 0)
             path = state_dir / FILE_NAME
             try:
                 if not regular_file(path, follow=False):

@@ -51,6 +51,33 @@ def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
     second.close()
 
 
+def test_a_history_lock_keeps_every_name_its_daemon_was_reached_by(tmp_path, monkeypatch, caplog, clock):
+    # A review: the lock kept the last start's names alone: a null endpoint under WSL's
+    # XDG_RUNTIME_DIR, then under cron (none), then the config writing out the WSL path its clients
+    # used: refused as another daemon's history, where the other order kept it.
+    from types import SimpleNamespace
+
+    from dflash2.endpoints import default_endpoint
+    from dflash2.history import make_history
+
+    cfg, state = SimpleNamespace(history_enabled=True), tmp_path / "state"
+    wsl = tmp_path / "wslg-runtime"
+    wsl.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(wsl))
+    make_history(cfg, state, "default", default_endpoint(), clock=clock).close()
+    wsl_path = default_endpoint()
+    (state / "history.jsonl").write_text("")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    make_history(cfg, state, "default", default_endpoint(), clock=clock).close()
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        h = make_history(cfg, state, wsl_path, clock=clock)
+    assert h.path == state / "history.jsonl", caplog.text
+    h.close()
+    other = make_history(cfg, state, f"ipc://{tmp_path}/another.sock", clock=clock)  # (still apart)
+    assert other.path is None
+    other.close()
+
+
 def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_path, caplog, clock, service):
     # A review: two models' daemons on the default state folder, one after the other: the second
     # read the first's samples back as its own past and wrote on in its file; the first, restarted,
