@@ -489,10 +489,10 @@ def _unmapped(uid: int) -> bool:
             overflow = int(f.read())
         with open("/proc/self/uid_map") as f:
             rows = [tuple(map(int, line.split())) for line in f if line.strip()]
+        # (a mapped overflow uid is a user of this namespace who may write there: podman maps 65534)
+        return uid == overflow and not any(inside <= uid < inside + count for inside, _, count in rows)
     except (OSError, ValueError):
         return False
-    # (a mapped overflow uid is a user of this namespace who may write there: podman maps 65534)
-    return uid == overflow and not any(inside <= uid < inside + count for inside, _, count in rows)
 
 
 def _warn_all(fmt: str, warnings: list[str]) -> None:

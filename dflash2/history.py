@@ -415,12 +415,12 @@ def _default_endpoints() -> list[str]:
     return [default_endpoint({}), default_endpoint({"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"})]
 
 
-def _lock_names(fd: int) -> set[str]:
+def _lock_names(fd: int) -> list[str]:
     """The names of the daemon a history lock holds for (the lines after its pid: its endpoint, and
-    the default endpoint's path where that is its endpoint); none in an earlier release's lock (the
-    pid alone)."""
+    the default endpoint's paths where that is its endpoint), the latest start's first; none in an
+    earlier release's lock (the pid alone)."""
     lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")[1:]
-    return {endpoint_id(line.strip()) for line in lines if line.strip()}
+    return list(dict.fromkeys(endpoint_id(line.strip()) for line in lines if line.strip()))
 
 
 def _parsed(line: bytes):
@@ -549,7 +549,8 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
             log.warning("history: %s is written by another daemon (pid %s); this one keeps its history in memory "
                         "only (give it a daemon.state_dir of its own)", state_dir / FILE_NAME, holder)
         else:
-            owner, names = _lock_names(lock_fd), {endpoint_id(e) for e in (endpoint, also) if e is not None}
+            earlier = _lock_names(lock_fd)
+            owner, names = set(earlier), {endpoint_id(e) for e in (endpoint, also) if e is not None}
             held = [state_dir / name for name in (FILE_NAME, FILE_NAME + ".1") if (state_dir / name).exists()]
             endpoint = endpoint_id(endpoint)
             if names and owner and not owner & names and held:
@@ -565,9 +566,10 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
                 log.info("history: %s names no daemon's endpoint (an earlier release's): taken as the history of this "
                          "one (%s)", state_dir / LOCK_NAME, endpoint)
             os.ftruncate(lock_fd, 0)
-            # Its names and those the lock held for it: a later start elsewhere must not forget how
-            # an earlier one was reached (a review), a few at most.
-            keep = sorted(names | owner)[:8] if owner & names else sorted(names)
+            # Its names, then those the lock held for it, latest first: a later start elsewhere must
+            # not forget how an earlier one was reached (a review); 8 at most, this start's kept.
+            keep = sorted(names) + ([n for n in earlier if n not in names] if owner & names else [])
+            keep = keep[:max(8, len(names))]
             os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *keep)).encode(), 0)
             path = state_dir / FILE_NAME
             try:

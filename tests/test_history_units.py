@@ -76,6 +76,18 @@ def test_a_history_lock_keeps_every_name_its_daemon_was_reached_by(tmp_path, mon
     other = make_history(cfg, state, f"ipc://{tmp_path}/another.sock", clock=clock)  # (still apart)
     assert other.path is None
     other.close()
+    # Nine environments: the lock keeps 8 names, the latest start's among them (a review: the cut
+    # after a sort dropped the path the last start served).
+    for name in [f"a{i}" for i in range(8)] + ["z-latest"]:
+        (tmp_path / name).mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / name))
+        make_history(cfg, state, "default", default_endpoint(), clock=clock).close()
+    latest = default_endpoint()
+    lock = (state / "history.lock").read_text().split("\n")
+    assert latest in lock and len([line for line in lock[1:] if line]) == 8, lock
+    h = make_history(cfg, state, latest, clock=clock)
+    assert h.path == state / "history.jsonl"
+    h.close()
 
 
 def test_a_daemon_of_another_endpoint_does_not_take_a_history_for_its_own(tmp_path, caplog, clock, service):
