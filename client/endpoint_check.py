@@ -78,12 +78,13 @@ def _default_elsewhere(path: str) -> str:
     """Where the default socket of the other kind of environment lies, when it is there: the default
     endpoint follows XDG_RUNTIME_DIR, which a login shell sets and a systemd system unit or cron does
     not, so a daemon started in one and a client in the other looked in two places (a review)."""
-    from dflash2.endpoints import default_endpoint
+    from dflash2.endpoints import default_endpoint, usual_default_endpoints
 
     if path != default_endpoint()[len("ipc://"):]:
         return ""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    other = f"/tmp/dflash2-{os.getuid()}/dflash2.sock" if xdg else f"/run/user/{os.getuid()}/dflash2/dflash2.sock"
+    with_xdg, without = usual_default_endpoints()
+    other = (without if xdg else with_xdg)[len("ipc://"):]
     if not os.path.exists(other):
         return ""
     return (f"; one is at ipc://{other}, the default socket of an environment {'without' if xdg else 'with'} "

@@ -28,7 +28,7 @@ with threads.stop_signals_blocked():
     from dflash2.config import (Config, check_environment, config_warnings, expand_user, load_config,
                                 require_enabled)
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
-    from dflash2.logs import console_line
+    from dflash2.logs import console_line, silence_stdout
     from dflash2.plan import Plan, resolve_plan, rounding_warnings
     from dflash2.policy.base import policy_class, policy_names
 
@@ -126,11 +126,11 @@ def _main(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         except BrokenPipeError:
             # A reader that went away (`| head -1`; a review: a traceback, exit 1, where `dflash2 ... |
-            # head` exits 141). stdout pointed at /dev/null: the flush at exit would raise again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            # head` exits 141).
+            silence_stdout()
             return EXIT_BROKEN_PIPE
         except OSError as e:  # (a full disk under `> plan.txt`, a stdout open for reading: a traceback)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            silence_stdout()
             print(f"dflash2d --check: cannot write the plan to stdout: {e.strerror or e}", file=sys.stderr)
             return EXIT_NO_OUTPUT  # (not 0: `--check --json > plan.json && jq ...` went on with no plan)
         return EXIT_OK

@@ -24,7 +24,7 @@ from dflash2.daemon.observe import Observers, log_fallbacks
 from dflash2.daemon.service import Service
 from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
-from dflash2.logs import configure as configure_logging, console_line, event
+from dflash2.logs import configure as configure_logging, console_line, event, silence_stdout
 from dflash2.plan import Plan, resolve_plan
 from dflash2.tcpkeys import KeyFileError, forget_port, load_or_make, monitor_path, record_port
 from dflash2.tiers import Tier
@@ -127,9 +127,8 @@ def run(cfg: Config) -> int:
                           heartbeat_interval_s=cfg.daemon.heartbeat_interval_s, device=plan.device_kind,
                           set_aside_leases=cfg.daemon.set_aside_leases, liveness=alive.name, liveness_id=alive.nonce)
         try:
-            # (the history's owner: "default" for the default endpoint, whose path follows the
-            # environment; else its endpoint, the default socket's usual paths as one: history.endpoint_id)
-            # (and its path: a config that writes that path out later names the same daemon)
+            # The history's owner (history.endpoint_id): "default" for the default endpoint, whose
+            # path follows the environment, and that path too (a config may write it out later).
             default = cfg.daemon.endpoint is None
             observers = Observers.start(cfg, service, plan.state_dir, plan.device_kind,
                                         "default" if default else plan.endpoint, plan.endpoint if default else None)
@@ -211,18 +210,12 @@ def _say_enabled(line: str) -> None:
     """The start-up line on stdout. A stdout that takes nothing (a full disk, /dev/full, a pipe whose
     reader left: journald restarted, `dflash2d | head -1`) does not stop a daemon that has started:
     it stopped it, in a traceback after every tier was taken, or with nothing said at all (a
-    review). Said in the log instead, and stdout is pointed at /dev/null, so that the line still
-    buffered there does not fail again at exit."""
+    review). Said in the log instead (logs.silence_stdout)."""
     if sys.stdout is None:  # (closed at start, `dflash2d >&-`: print would drop it without a word)
         log.warning("the start-up line could not be written to stdout (closed): %s", line)
         return
     try:
         print(line, flush=True)
     except OSError as e:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.close(devnull)
-        except OSError:
-            pass
+        silence_stdout()
         log.warning("the start-up line could not be written to stdout (%s): %s", e.strerror or e, line)

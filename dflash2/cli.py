@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -152,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except BrokenPipeError:
         # The reader went away (`dflash2 bench ... --json | head -1`): what it read is all it wanted.
-        # Point stdout at /dev/null so that the interpreter's own flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from dflash2.logs import silence_stdout
+
+        silence_stdout()
         return EXIT_BROKEN_PIPE
     finally:
         for sig, handler in saved.items():

@@ -131,3 +131,9 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
 
 def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:
     return f"ipc://{runtime_dir(environ) / 'dflash2.sock'}"
+
+
+def usual_default_endpoints() -> tuple[str, str]:
+    """The default endpoint as a login shell has it (XDG_RUNTIME_DIR as systemd-logind sets it,
+    /run/user/UID) and as a systemd unit or cron has it (none: /tmp/dflash2-UID)."""
+    return default_endpoint({"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"}), default_endpoint({})

@@ -410,9 +410,9 @@ def _default_endpoints() -> list[str]:
     systemd-logind sets it (a login shell's, /run/user/UID) and without (a systemd unit's, cron's).
     (This environment's own default is not among them where XDG_RUNTIME_DIR is elsewhere: the same
     config then named two owners by where it was started, a review.)"""
-    from dflash2.endpoints import default_endpoint
+    from dflash2.endpoints import usual_default_endpoints
 
-    return [default_endpoint({}), default_endpoint({"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"})]
+    return list(usual_default_endpoints())
 
 
 def _lock_names(fd: int) -> list[str]:

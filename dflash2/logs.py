@@ -27,6 +27,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
+import os
 import sys
 from typing import IO
 
@@ -79,10 +81,21 @@ class JsonFormatter(logging.Formatter):
             return json.dumps(_strict(out), default=repr, separators=(",", ":"), allow_nan=False)
 
 
+def silence_stdout() -> None:
+    """Point stdout (fd 1) at /dev/null after a write to it failed (a reader gone, a full disk): the
+    text still buffered there would fail again, in a traceback, at the interpreter's exit flush."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
 def _strict(value):
     """`value` with every non-finite float a string and every dict key a string, as JSON holds them."""
     if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
+        return value if math.isfinite(value) else repr(value)
     if isinstance(value, dict):
         return {k if isinstance(k, str) else _key(k): _strict(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
