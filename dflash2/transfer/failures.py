@@ -2,7 +2,7 @@
 
 A failing disk (ENOSPC, EIO) fails every batch the background step retries, several a second; one
 traceback per batch filled the daemon's log (a soak: 10,127 tracebacks, 27.9 MB, in 45 s of a full
-disk). A `FailureLog` logs a failure with its traceback once per REPEAT_LOG_S for each kind
+disk). A `FailureLog` logs a failure (with its traceback, unless the disk is full) once per REPEAT_LOG_S for each kind
 (direction, exception type, errno), and the next one it logs says how many it left out. The same
 limit (`RepeatLimit`) serves the mover's warnings about failed batches and the NVMe tier's about
 reads it had to retry block by block.
@@ -13,6 +13,7 @@ dropped unsaid.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -21,6 +22,9 @@ from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
 REPEAT_LOG_S = 60.0  # a failure of the same kind is logged with its traceback at most this often
+# A full disk or quota is the disk's state, not a fault in the code: its line names the error and
+# carries no traceback (one per minute of a full disk was a screen of frames that said nothing more).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class RepeatLimit:
@@ -68,5 +72,8 @@ class FailureLog:
         then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
                 else "its blocks stay where they were")
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
-        self._log.exception("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s", self._what, len(batch),
-                            batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
+        args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
+            self._log.error("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s: %s", *args, error)
+        else:
+            self._log.exception("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s", *args)
