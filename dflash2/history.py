@@ -584,10 +584,12 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
             except FileNotFoundError:
                 pass
     except OSError as e:
+        # (an error of a write to the open lock names no file: the lock is what it could not write)
+        what = f"write {state_dir / LOCK_NAME}" if lock_fd >= 0 and e.filename is None else f"create {state_dir}"
         if lock_fd >= 0:
             os.close(lock_fd)
             lock_fd = -1
-        log.warning("history: cannot create %s (%s); keeping it in memory only", state_dir, e)
+        log.warning("history: cannot %s (%s); keeping it in memory only", what, e)
     history = History(path=path, **kw)
     history.lock_fd = lock_fd
     return history

@@ -51,6 +51,24 @@ def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
     second.close()
 
 
+def test_a_full_disk_under_the_history_lock_names_the_lock_not_the_folder(tmp_path, monkeypatch, caplog):
+    # A write to the open lock that fails (ENOSPC) names no file: the line said "cannot create
+    # STATE_DIR", a folder that was there (a review). It names the lock it could not write.
+    import errno
+    from types import SimpleNamespace
+
+    from dflash2 import history as H
+
+    def full(*_a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(H.os, "pwrite", full)
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        kept = H.make_history(SimpleNamespace(history_enabled=True), tmp_path, endpoint="a")
+    assert kept.path is None and kept.lock_fd == -1
+    assert f"history: cannot write {tmp_path / H.LOCK_NAME} ([Errno 28] No space left on device)" in caplog.text
+    kept.close()
+
+
 def test_a_history_lock_keeps_every_name_its_daemon_was_reached_by(tmp_path, monkeypatch, caplog, clock):
     # A review: the lock kept the last start's names alone: a null endpoint under WSL's
     # XDG_RUNTIME_DIR, then under cron (none), then the config writing out the WSL path its clients
