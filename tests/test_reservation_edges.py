@@ -214,3 +214,28 @@ def test_how_a_reservation_ended_is_told_to_its_own_client_only(make_manager, cl
         mgr.reservation_status(a, d.reservation_id)
     with pytest.raises(ReservationError, match=r"was cancelled$"):
         mgr.take(a, c.reservation_id, 1)
+
+
+def test_a_displaced_reason_outlives_a_flood_of_cancels(make_manager, monkeypatch):
+    """Each cancel took a place among the ENDED_KEPT reasons kept: a client that cancels thousands
+    a second pushed out at once the reason of a reservation the daemon displaced, which its client
+    cannot know unless told. Cancels are kept apart."""
+    from dflash2.reservations import ended
+    monkeypatch.setattr(ended, "ENDED_KEPT", 8)
+    mgr = make_manager(hbm_blocks=4, admission=settings(max_deferred=2))
+    w, bulk, vip = mgr.attach("writer"), mgr.attach("batch"), mgr.attach("interactive")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(w, lid, 4)
+    low = [mgr.reserve(bulk, lid, 16, priority=-100) for _ in range(2)]
+    mgr.reserve(vip, lid, 16, priority=100)  # displaces low[-1]
+    for _ in range(3 * 8):
+        d = mgr.reserve(vip, lid, 16, priority=100)
+        mgr.cancel(vip, d.reservation_id)
+    last = d.reservation_id
+    with pytest.raises(ReservationError, match="displaced from the full deferred queue"):
+        mgr.reservation_status(bulk, low[-1].reservation_id)
+    with pytest.raises(ReservationError, match=rf"^reservation {last} was cancelled$"):
+        mgr.reservation_status(vip, last)
+    with pytest.raises(ReservationError, match=rf"^reservation {last} is unknown, expired or cancelled$"):
+        mgr.reservation_status(bulk, last)  # another client's cancel: not told
+    mgr.check_invariants()
