@@ -222,19 +222,26 @@ class BlockManager(Reads):
             return self._held_back(ahead, priority, held)
         if vids is None:
             settle_if(self, placing=True)  # making room moves and evicts blocks
+            if not self.placement.could_hold(tier, n * slot + held, idle_only=True):
+                # Nothing is moved for a call that fails anyway: its room waits on blocks held.
+                return self._held_back(ahead, priority, held) if held else self._refused(tier)
             need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
             if held and self.placement.free_bytes(tier, size) < n * slot + held:
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
-        if vids is None:  # (reservations are of HBM: a host writer told to reserve could not, a review)
-            self.allocate_refusal = (f"{tier.label} is full of blocks that cannot move now; "
-                                     + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
-                                        "by host readers: free or release them, or try again later"))
-            return None
+        if vids is None:
+            return self._refused(tier)
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
+
+    def _refused(self, tier: Tier) -> None:
+        # (reservations are of HBM: a host writer told to reserve could not, a review)
+        self.allocate_refusal = (f"{tier.label} is full of blocks that cannot move now; "
+                                 + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
+                                    "by host readers: free or release them, or try again later"))
+        return None
 
     def _held_back(self, ahead: list, priority: int, held: int) -> None:
         self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "

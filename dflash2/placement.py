@@ -139,6 +139,19 @@ class Placement(Rebalancing, Promotion, WriteBackoff, SlabRoom, DrainSelection):
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
+    def could_hold(self, tier: Tier, need_bytes: int, *, idle_only: bool) -> bool:
+        """Whether `need_bytes` of slots could be free in `tier` were every block that may leave it
+        gone (make_room's most). False: room made for them would move (on the last tier, drop)
+        blocks for a call that fails anyway (an allocate longer than what the pinned and written
+        blocks leave flushed an HBM-only cache for nothing, Belady's included: a review). An
+        upper bound: the tier's pages less the slots of the blocks that stay (page tails and
+        other sizes' slabs can only lower what is really usable)."""
+        alloc = self.table.allocators[tier]
+        c = self.table.cols
+        stay = (c.tier == int(tier)) & ~self.movable(tier, evict=False, idle_only=idle_only)
+        kept = int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
+        return alloc.n_pages * alloc.page_bytes - kept >= need_bytes
+
     def _childless(self, tier: Tier, evict: bool, through: Tier | None = None,
                    rows: np.ndarray | None = None) -> np.ndarray:
         """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion;

@@ -590,3 +590,23 @@ def test_a_refusal_beside_them_does_not_drop_admitted_blocks_a_slower_tier_has_r
     assert [f.tier for f in mgr.lookup([1, 2], lid)] == [Tier.DRAM, Tier.NVME]
     assert mgr.placement.stats.past_full == 1
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("dram_blocks", [0, 8])
+def test_an_allocate_that_fails_anyway_moves_and_drops_nothing(make_manager, dram_blocks):
+    """HBM of 4 with 2 blocks being written and 1 cached idle: an allocate of 3 cannot succeed until
+    the writes end. It made room first: the idle block was dropped (HBM alone) or demoted, for
+    nothing (a review: a replayed request longer than what its pinned prefix left flushed HBM,
+    Belady's "optimum" included)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=dram_blocks)
+    c = mgr.attach("t")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(c, lid, 2)  # being written
+    idle = fill(mgr, c, lid, [13])
+    assert mgr.allocate(c, lid, 3) is None
+    assert "hbm is full of blocks that cannot move now" in mgr.allocate_refusal
+    assert tier_of(mgr, idle[0]) == Tier.HBM and len(mgr.lookup_rows((13,), lid)) == 1
+    assert mgr.stats()["placement"]["demoted"] == 0
+    assert len(mgr.allocate(c, lid, 1)) == 1  # one that fits is still served, from the free slot
+    assert len(mgr.allocate(c, lid, 1)) == 1  # ... and then by moving the idle block out
+    mgr.check_invariants()

@@ -205,3 +205,13 @@ def test_heat_reports_what_its_admission_gate_won_and_lost():
     assert gate["refused_return_rate"] < gate["departed_return_rate"] and gate["rule_on"] is True
     lru = replay(trace, "lru", hbm_blocks=4, dram_blocks=14)
     assert "admission_gate" not in lru and r["prefix_hit_rate"] > lru["prefix_hit_rate"]
+
+
+@pytest.mark.parametrize("name", ["lru", "belady"])
+def test_a_request_longer_than_what_its_pinned_prefix_leaves_flushes_nothing(name):
+    """HBM of 4: [1, 2] and [3] cached; [1, 2, 5, 6, 7] hits [1, 2] (pinned while it runs) and its 3
+    new blocks cannot fit beside them: served uncached. Its refused allocate dropped [3] first, and
+    the last request missed a block no policy chose to drop (a review: Belady below the optimum)."""
+    r = replay(reqs([1, 2], [3], [1, 2, 5, 6, 7], [3]), name, hbm_blocks=4, duel_sample=0)
+    assert r["uncached_blocks"] == 3 and r["evictions"] == 0, r
+    assert r["prefix_hit_rate"] == pytest.approx(3 / 9, abs=1e-4)
