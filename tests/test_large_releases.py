@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import SMALL, specs
 from dflash2.errors import DFlash2Error, NotOwner, PinnedBlock
 from dflash2.manager import BlockManager
+from dflash2.tiers import Tier
 
 PUBLISHED, PRIVATE = 16, 8  # blocks each client setup has: committed with keys, and written, uncommitted
 
@@ -151,4 +152,32 @@ def test_a_large_release_unpins_once_each_and_refuses_a_block_not_pinned():
     t.unpin(a, vids[:12])
     assert dict(t.clients[a].pins) == dict.fromkeys(t.rows(vids[:3]).tolist(), 1)
     assert t.cols.pins[t.rows(vids[:12])].tolist() == [1] * 3 + [0] * 9
+    mgr.check_invariants()
+
+
+def test_a_commit_onto_cached_twins_lets_the_copies_go_in_one_step(monkeypatch):
+    """A commit of blocks whose keys are cached hands each copy's references to its twin and frees
+    the copies: one release per block held the daemon's loop 0.5 s a commit of 8,192 (a review's
+    profile; 3 ms for fresh keys). The copies go in one step, a pinned one stays until its last pin,
+    and the client's references and their HBM bytes are the twins', as before."""
+    t = [0.0]
+    mgr = BlockManager(specs(64), clock=lambda: t[0])
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    twins = mgr.commit(a, mgr.allocate(a, lid, 8), keys=list(range(1, 9)))
+    mgr.free(a, twins)
+    copies = mgr.allocate(a, lid, 10)
+    mgr.acquire(a, copies[:1])  # viewed by its writer: kept until released
+    held = mgr.table.client(a).ref_slot_bytes
+    steps = []
+    real = type(mgr.table)._after_refs_dropped
+    monkeypatch.setattr(type(mgr.table), "_after_refs_dropped", lambda self, rows: steps.append(len(rows)) or real(self, rows))
+    out = mgr.commit(a, copies, keys=list(range(1, 11)))  # 8 cached, 2 new
+    assert steps == [7], steps  # the 7 unpinned copies, together
+    assert out[:8].tolist() == twins.tolist() and out[8:].tolist() == copies[8:].tolist()
+    assert mgr.table.client(a).ref_slot_bytes == held
+    assert sorted(mgr.table.client(a).refs) == sorted(mgr.table.rows(out).tolist())
+    mgr.release(a, copies[:1])
+    mgr.free(a, out)
+    assert mgr.table.allocators[Tier.HBM].used_slots == 10  # 8 twins and 2 new: the copies freed
     mgr.check_invariants()

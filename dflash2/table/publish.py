@@ -89,11 +89,15 @@ class Publishing:
             self._may_move(rows)
             return self.vids(rows)
         out = np.empty(len(rows), dtype=np.int64)
+        # The copies' references are let go together after the loop (`_adopt_duplicate`): one
+        # release a block cost about 60 us, 0.5 s of the daemon's loop a commit of 8,192 cached
+        # blocks (a review's profile), where the fresh ones take 3 ms.
+        dropped: list[tuple[int, int]] = []
         for i, (row, key) in enumerate(zip(rows.tolist(), ukeys.tolist())):
             key = int(key)
             existing = self.keys.get(key)
             if existing != EMPTY:
-                self._adopt_duplicate(client_id, row, existing)
+                self._adopt_duplicate(client_id, row, existing, dropped)
                 row = existing
             else:
                 c.state[row] = S.RESIDENT
@@ -103,6 +107,11 @@ class Publishing:
                 self._link(row, prev)
             out[i] = row
             prev = row
+        if dropped:
+            going, counts = np.array(dropped, dtype=np.int64).T
+            holder = self.clients[client_id]
+            holder.ref_slot_bytes += self.ref_slots(going, counts)  # (now the twins': the same slots)
+            self._drop_refs_many(holder, going, counts)
         self._may_move(out)  # RESIDENT and ownerless (a twin: a reference of it moved, its slot may have)
         return self.vids(out)
 
@@ -120,10 +129,13 @@ class Publishing:
             raise QuotaExceeded(f"content key {key:#x}: its cached block would hold {int(total[over[0]])} references, "
                                 f"more than {release.MAX_HOLDS} (of all clients together)")
 
-    def _adopt_duplicate(self, client_id: int, row: int, existing: int) -> None:
+    def _adopt_duplicate(self, client_id: int, row: int, existing: int, dropped: list[tuple[int, int]]) -> None:
         """The client wrote a block that is already cached: move its references to the cached one
         (all of them: a reference left behind would keep the unpublished copy alive, WRITING, until
-        the client detaches). Only the writing client holds a private block.
+        the client detaches). Only the writing client holds a private block. The copy's references
+        are added to `dropped` (row, count) for the caller to let go of, all rows together.
+        The twin has the copy's layout (commit checks it), so the client's `ref_slot_bytes` is the
+        same before and after: only the references' rows change.
 
         Where the client's copy lies matters in two cases:
         - it is pinned: the client views those bytes there, through the id it pinned. The copy
@@ -145,14 +157,13 @@ class Publishing:
             self.pinned_copies[row] = int(self.vids(np.array([existing]))[0])
             holder.refs.pop(row, None)
             c.refs[row] -= refs
-            holder.ref_slot_bytes -= self.ref_slots(np.array([row]), [refs])
         else:
             if (c.tier[row] < c.tier[existing] and c.state[existing] == int(S.RESIDENT)
                     and c.pins[existing] == 0 and c.layout[row] == c.layout[existing]):
                 self._swap_slots(row, existing)
-            self._drop_refs_of(holder, row, refs)  # all of them: the copy is freed
+            if refs:
+                dropped.append((row, refs))  # all of them: the copy is freed
         holder.refs[existing] += refs
-        holder.ref_slot_bytes += self.ref_slots(np.array([existing]), [refs])
         c.refs[existing] += refs
 
     def _swap_slots(self, row: int, existing: int) -> None:

@@ -140,6 +140,19 @@ class Releasing:
         holder.ref_slot_bytes -= self.ref_slots(rows, [n])
         return self._after_refs_dropped(rows)
 
+    def _drop_refs_many(self, holder: ClientRefs, rows: np.ndarray, counts: np.ndarray) -> int:
+        """`_drop_refs_of` of distinct rows, each `counts` times, in whole-array steps."""
+        refs = holder.refs
+        for row, n in zip(rows.tolist(), counts.tolist()):
+            left = refs[row] - n
+            if left:
+                refs[row] = left
+            else:
+                refs.pop(row)
+        self.cols.refs[rows] -= counts.astype(self.cols.refs.dtype)
+        holder.ref_slot_bytes -= self.ref_slots(rows, counts)
+        return self._after_refs_dropped(rows)
+
     def _drop_all_refs(self, holder: ClientRefs, keep=None) -> int:
         """Every reference of a client that is going away, in whole-array steps (a client holding
         100k references detached in 0.3 s one reference at a time: the daemon's loop stood still).
