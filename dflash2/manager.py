@@ -197,6 +197,7 @@ class BlockManager(Reads):
         already free touches no block of theirs (their destination slots are taken already)."""
         if tier == Tier.NVME or tier not in self.specs:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
+        self.table.check_allocation(n, priority)
         # Refused before any room is made: demoting (or, on the last tier, dropping) every other
         # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
         self.table.refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")

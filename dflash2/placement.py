@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
-from dflash2.counts import unique
+from dflash2.counts import any_true, unique
 from dflash2.drainorder import DrainCut, DrainSelection
 from dflash2.errors import CopiesRunning
 from dflash2.forest import local_parents, reaches_marked, subtree_heights
@@ -139,16 +139,25 @@ class Placement(Rebalancing, Promotion, WriteBackoff, SlabRoom, DrainSelection):
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
-    def could_hold(self, tier: Tier, need_bytes: int, *, idle_only: bool) -> bool:
+    def could_hold(self, tier: Tier, need_bytes: int, *, idle_only: bool, protect: np.ndarray | None = None,
+                   below_priority: int | None = None) -> bool:
         """Whether `need_bytes` of slots could be free in `tier` were every block that may leave it
-        gone (make_room's most). False: room made for them would move (on the last tier, drop)
-        blocks for a call that fails anyway (an allocate longer than what the pinned and written
-        blocks leave flushed an HBM-only cache for nothing, Belady's included: a review). An
-        upper bound: the tier's pages less the slots of the blocks that stay (page tails and
-        other sizes' slabs can only lower what is really usable)."""
+        gone (make_room's most, with the same picks). False: room made for them would move (on the
+        last tier, drop) blocks for a call that fails anyway (an allocate longer than what the
+        pinned and written blocks leave flushed an HBM-only cache for nothing, Belady's included: a
+        review). An upper bound: the tier's pages less the slots of the blocks that stay (page
+        tails and other sizes' slabs can only lower what is really usable)."""
         alloc = self.table.allocators[tier]
+        way, epoch = (int(tier), False, idle_only), int(self.table.movable_epoch[int(tier)])
+        if alloc.free_bytes >= need_bytes or self._nothing_movable.get(way) == epoch:
+            # (no pass over the table: free room alone may do; a refused call retried, a review)
+            return alloc.free_bytes >= need_bytes
         c = self.table.cols
-        stay = (c.tier == int(tier)) & ~self.movable(tier, evict=False, idle_only=idle_only)
+        go = self.movable(tier, evict=False, idle_only=idle_only)
+        if not any_true(go):
+            self._nothing_movable[way] = epoch
+            return False
+        stay = (c.tier == int(tier)) & ~self._unprotected(go, protect, below_priority)
         kept = int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
         return alloc.n_pages * alloc.page_bytes - kept >= need_bytes
 

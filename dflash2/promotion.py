@@ -118,6 +118,17 @@ class Promotion:
                    idle_only: bool, chain: np.ndarray | None = None) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
         """What a promotion of `rows` to `dst` moves (the chain's blocks below dst that may move,
         ancestors first), and how it makes room for a part of them (`promote`)."""
+        away, keep = self._away_and_kept(rows, dst, protect, chain)
+
+        def room_for(part: np.ndarray) -> None:
+            self._make_room_for_rows(dst, part, keep, idle_only=True)
+            if not idle_only:
+                self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
+        return away, room_for
+
+    def _away_and_kept(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None,
+                       chain: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """What a promotion of `rows` moves up to `dst`, and the rows its room is never made from."""
         c = self.table.cols
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
@@ -126,12 +137,19 @@ class Promotion:
         keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
         away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
+        return away, keep
 
-        def room_for(part: np.ndarray) -> None:
-            self._make_room_for_rows(dst, part, keep, idle_only=True)
-            if not idle_only:
-                self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
-        return away, room_for
+    def could_promote(self, rows: np.ndarray, dst: Tier, *, below_priority: int | None = None,
+                      chain: np.ndarray | None = None) -> bool:
+        """Whether `dst` could hold all that `promote` (not idle_only) would bring up were every block
+        its room may be made from gone (`could_hold`). False: the room made would move (on the last
+        tier, drop) other blocks for a read that fails anyway (an acquire beside blocks being
+        written demoted another reader's idle block, then answered "no room now": a review)."""
+        away, keep = self._away_and_kept(np.asarray(rows, dtype=np.int64), dst, None, chain)
+        if not len(away):
+            return True
+        need = int(self._slot_bytes(dst, away).sum())
+        return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority)
 
     def _promoted(self, away: np.ndarray, moved: np.ndarray) -> None:
         self.stats.promoted += int(moved.sum())

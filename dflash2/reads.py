@@ -129,6 +129,8 @@ class Reads:
             chain = self.placement.with_ancestors(rows, up_to)  # (once: `promote` below takes it too)
             refuse_never_fits(self.table, chain, rows, tiers, up_to)
         below = None if priority is None else priority + 1
+        if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):
+            return None  # no room now, and none made: it would move other blocks for a read that fails anyway
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
             # answers other calls; this call is parked meanwhile (unless they end within

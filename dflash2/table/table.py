@@ -233,6 +233,16 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
                                     f"{BlockState(int(self.cols.state[r][0])).name}, not {state.name}")
 
     # -- allocation ------------------------------------------------------------------------
+    @staticmethod
+    def check_allocation(n: int, priority: int) -> None:
+        """ValueError for a count or priority no allocation takes (the manager checks them before it
+        makes room: raised after, the room was made for a call that failed, a review)."""
+        if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
+            raise ValueError(f"cannot allocate {n} blocks")
+        if isinstance(priority, bool) or int(priority) != priority or not -128 <= priority <= 127:
+            # (the int8 column's range; raised after the rows were taken, they leaked)
+            raise ValueError(f"priority must be an integer in -128..127, got {priority!r}")
+
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
                  request: int = 0, priority: int = 0, state: BlockState = S.WRITING,
                  in_used_slabs: bool = False) -> np.ndarray | None:
@@ -243,11 +253,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
         layout = self.layout(layout_id)
         if state not in (S.RESERVED, S.WRITING):
             raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
-        if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
-            raise ValueError(f"cannot allocate {n} blocks")
-        if isinstance(priority, bool) or int(priority) != priority or not -128 <= priority <= 127:
-            # (the int8 column's range; raised after the rows were taken, they leaked)
-            raise ValueError(f"priority must be an integer in -128..127, got {priority!r}")
+        self.check_allocation(n, priority)
         alloc = self.allocators[tier]
         # Before any row is taken: what fails here leaves nothing held (raised after, the rows
         # stayed the client's while its call failed).
