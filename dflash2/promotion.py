@@ -129,15 +129,17 @@ class Promotion:
     def _away_and_kept(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None,
                        chain: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """What a promotion of `rows` moves up to `dst`, and the rows its room is never made from."""
-        c = self.table.cols
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
         keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
+        return self._away(chain, dst), keep
+
+    def _away(self, chain: np.ndarray, dst: Tier) -> np.ndarray:
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
-        away = chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
-        return away, keep
+        c = self.table.cols
+        return chain[(c.tier[chain] > int(dst)) & (c.pins[chain] == 0) & (c.state[chain] == int(BlockState.RESIDENT))]
 
     def could_promote(self, rows: np.ndarray, dst: Tier, *, below_priority: int | None = None,
                       chain: np.ndarray | None = None) -> bool:
@@ -145,10 +147,13 @@ class Promotion:
         its room may be made from gone (`could_hold`). False: the room made would move (on the last
         tier, drop) other blocks for a read that fails anyway (an acquire beside blocks being
         written demoted another reader's idle block, then answered "no room now": a review)."""
-        away, keep = self._away_and_kept(np.asarray(rows, dtype=np.int64), dst, None, chain)
-        if not len(away):
-            return True
-        need = int(self._slot_bytes(dst, away).sum())
+        rows = np.asarray(rows, dtype=np.int64)
+        chain = self.with_ancestors(rows, dst) if chain is None else chain
+        away = self._away(chain, dst)
+        need = int(self._slot_bytes(dst, away).sum()) if len(away) else 0
+        if self.table.allocators[dst].free_bytes >= need:
+            return True  # (the usual read: no walk of what its room is kept from)
+        keep = self._away_and_kept(rows, dst, None, chain)[1]
         return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority)
 
     def _promoted(self, away: np.ndarray, moved: np.ndarray) -> None:
