@@ -142,22 +142,22 @@ class Placement(Rebalancing, Promotion, WriteBackoff, SlabRoom, DrainSelection):
     def could_hold(self, tier: Tier, need_bytes: int, *, idle_only: bool, protect: np.ndarray | None = None,
                    below_priority: int | None = None) -> bool:
         """Whether `need_bytes` of slots could be free in `tier` were every block that may leave it
-        gone (make_room's most, with the same picks). False: room made for them would move (on the
-        last tier, drop) blocks for a call that fails anyway (an allocate longer than what the
-        pinned and written blocks leave flushed an HBM-only cache for nothing, Belady's included: a
-        review). An upper bound: the tier's pages less the slots of the blocks that stay (page
-        tails and other sizes' slabs can only lower what is really usable)."""
+        gone (make_room's most, with the same picks: a promotion's idle blocks of any priority, then
+        those under `below_priority`). False: room made for them would move (on the last tier, drop)
+        blocks for a call that fails anyway (a review). An upper bound: the tier's pages less the
+        slots of the blocks that stay (page tails and other sizes' slabs only lower what is usable)."""
         alloc = self.table.allocators[tier]
         way, epoch = (int(tier), False, idle_only), int(self.table.movable_epoch[int(tier)])
         if alloc.free_bytes >= need_bytes or self._nothing_movable.get(way) == epoch:
-            # (no pass over the table: free room alone may do; a refused call retried, a review)
-            return alloc.free_bytes >= need_bytes
+            return alloc.free_bytes >= need_bytes  # (no pass over the table; a refused call retried, a review)
         c = self.table.cols
         go = self.movable(tier, evict=False, idle_only=idle_only)
         if not any_true(go):
             self._nothing_movable[way] = epoch
             return False
-        stay = (c.tier == int(tier)) & ~self._unprotected(go, protect, below_priority)
+        if below_priority is not None and not idle_only:
+            go &= (c.refs == 0) | (c.priority < below_priority)
+        stay = (c.tier == int(tier)) & ~self._unprotected(go, protect, None)
         kept = int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
         return alloc.n_pages * alloc.page_bytes - kept >= need_bytes
 

@@ -650,3 +650,19 @@ def test_a_retried_refused_allocate_makes_no_pass_over_the_table(make_manager, m
     for _ in range(10):
         assert mgr.allocate(c, lid, 1) is None
     assert passes == [], f"{len(passes)} passes over the table for 10 retries of a refused allocate"
+
+
+def test_an_acquire_with_a_priority_may_push_out_idle_blocks_written_at_a_higher_one(make_manager):
+    """HBM full of cached, idle blocks a priority-5 request wrote: a read at priority 0 makes its
+    room from them (a promotion's first pass takes idle blocks of any priority). The check that it
+    could fit at all applied the priority to every block, and refused it, at every retry (a review)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    w, r = mgr.attach("w"), mgr.attach("r")
+    lid = mgr.register_layout(SMALL)
+    chain = fill(mgr, w, lid, [1, 2])
+    hot = mgr.commit(w, mgr.allocate(w, lid, 4, priority=5), keys=[21, 22, 23, 24])
+    mgr.free(w, hot)  # idle; they pushed [1, 2] down to DRAM
+    assert [tier_of(mgr, v) for v in chain] == [Tier.DRAM, Tier.DRAM]
+    assert mgr.acquire(r, chain, priority=0) is not None
+    assert [tier_of(mgr, v) for v in chain] == [Tier.HBM, Tier.HBM]
+    mgr.check_invariants()
