@@ -100,6 +100,24 @@ def test_a_trace_that_references_no_block_has_no_hit_rate(tmp_path, capsys):
     assert "prefix_hit_rate: None" in capsys.readouterr().out
 
 
+def test_a_trace_whose_hash_ids_are_not_prefix_hashes_is_said(tmp_path, capsys):
+    """[5, 3] [7, 4, 2] [2, 3]: 2 first followed 4 and 3 followed 5, so the last request found both
+    cached by key though neither was its prefix, and 2 of 7 blocks were counted as hits, none read
+    (a review). The replay runs, and says how many hash ids break the prefix rule, and the first."""
+    def write(name, chains):
+        trace = tmp_path / name
+        trace.write_text("".join(json.dumps({"timestamp": i, "hash_ids": c}) + "\n" for i, c in enumerate(chains)))
+        return str(trace)
+    off = write("off.jsonl", [[5, 3], [7, 4, 2], [2, 3]])
+    assert main(["bench", "policy", "--trace", off, "--hbm-blocks", "4", "--policies", "lru", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert f"--trace {off}: 2 hash ids follow another block than where they first came (the first: line 3, " \
+           "hash id 2)" in err, err
+    fine = write("fine.jsonl", [[5, 3], [5, 3, 8], [9], [5, 3, 8, 1]])
+    assert main(["bench", "policy", "--trace", fine, "--hbm-blocks", "4", "--policies", "lru", "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_prefix_hits_count_only_the_leading_run():
     # [1,2,3] then [1,9,3]: only block 1 is a prefix hit (3 is cached but behind a miss).
     r = replay(reqs([1, 2, 3], [1, 9, 3]), "lru", hbm_blocks=16)
