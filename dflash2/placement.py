@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
-from dflash2.counts import any_true, unique
+from dflash2.counts import unique
 from dflash2.drainorder import DrainCut, DrainSelection
 from dflash2.errors import CopiesRunning
 from dflash2.forest import local_parents, reaches_marked, subtree_heights
@@ -30,6 +30,7 @@ from dflash2.policy.base import Policy
 from dflash2.promotion import Promotion
 from dflash2.readcost import ReadCost
 from dflash2.rebalance import Rebalancing
+from dflash2.roombound import RoomBound
 from dflash2.slabroom import SlabRoom
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
@@ -67,7 +68,7 @@ class PlacementStats:
     read_backoffs: int = 0  # times a failing tier's reads failed and it was neither read nor written a while
 
 
-class Placement(Rebalancing, Promotion, WriteBackoff, SlabRoom, DrainSelection):
+class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, DrainSelection):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
     # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
@@ -138,28 +139,6 @@ class Placement(Rebalancing, Promotion, WriteBackoff, SlabRoom, DrainSelection):
             if idle_only:
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
-
-    def could_hold(self, tier: Tier, need_bytes: int, *, idle_only: bool, protect: np.ndarray | None = None,
-                   below_priority: int | None = None) -> bool:
-        """Whether `need_bytes` of slots could be free in `tier` were every block that may leave it
-        gone (make_room's most, with the same picks: a promotion's idle blocks of any priority, then
-        those under `below_priority`). False: room made for them would move (on the last tier, drop)
-        blocks for a call that fails anyway (a review). An upper bound: the tier's pages less the
-        slots of the blocks that stay (page tails and other sizes' slabs only lower what is usable)."""
-        alloc = self.table.allocators[tier]
-        way, epoch = (int(tier), False, idle_only), int(self.table.movable_epoch[int(tier)])
-        if alloc.free_bytes >= need_bytes or self._nothing_movable.get(way) == epoch:
-            return alloc.free_bytes >= need_bytes  # (no pass over the table; a refused call retried, a review)
-        c = self.table.cols
-        go = self.movable(tier, evict=False, idle_only=idle_only)
-        if not any_true(go):
-            self._nothing_movable[way] = epoch
-            return False
-        if below_priority is not None and not idle_only:
-            go &= (c.refs == 0) | (c.priority < below_priority)
-        stay = (c.tier == int(tier)) & ~self._unprotected(go, protect, None)
-        kept = int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
-        return alloc.n_pages * alloc.page_bytes - kept >= need_bytes
 
     def _childless(self, tier: Tier, evict: bool, through: Tier | None = None,
                    rows: np.ndarray | None = None) -> np.ndarray:

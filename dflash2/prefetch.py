@@ -134,6 +134,11 @@ class Prefetcher:
         # promote keeps the window's prefix (the blocks read first, already in HBM) in place, and
         # the room it makes never takes the rest of the chain this reader is about to read.
         ahead_rows, ahead_live = self._rows(list(vids[position:]))
+        placement = self.manager.placement
+        # Only the part HBM could hold comes up (its room made for it alone), the blocks read first.
+        want = want[:placement.fitting_prefix(want, Tier.HBM, protect=ahead_rows[ahead_live])]
+        if not len(want):
+            return 0
         origin = c.tier[want]  # read before the promotion moves them
         vids_wanted = table.vids(want)
 
@@ -148,7 +153,6 @@ class Prefetcher:
         # A guess: its room comes from idle blocks only, never from a running request's. Blocks read
         # from NVMe while the daemon serves come up while it answers other calls (`promote_later`):
         # counted when they land.
-        placement = self.manager.placement
         if placement.promote_later(want, Tier.HBM, landed, protect=ahead_rows[ahead_live], idle_only=True):
             return 0
         return landed(placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], idle_only=True))

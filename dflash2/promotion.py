@@ -156,6 +156,22 @@ class Promotion:
         keep = self._away_and_kept(rows, dst, None, chain)[1]
         return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority)
 
+    def fitting_prefix(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None = None) -> int:
+        """How many of `rows` (blocks below `dst`, in read order), from the first, an idle-only
+        promotion (a prefetch) could bring up to `dst`, with the ancestors that come up before them
+        (`room_most`): 0 when not even the first could. A window that could not fit dropped idle
+        blocks of a full last tier for its room, then brought up nothing (a review)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        chain = self.with_ancestors(rows, dst)
+        away, keep = self._away_and_kept(rows, dst, protect, chain)
+        sizes = self._slot_bytes(dst, away)
+        total = int(sizes.sum())
+        room = self.room_most(dst, total, idle_only=True, protect=keep)
+        if room >= total:
+            return len(rows)
+        first = int(sizes[~np.isin(away, rows)].sum())  # (ancestors come up first: all counted)
+        return int(np.searchsorted(first + np.cumsum(self._slot_bytes(dst, rows)), room, side="right"))
+
     def _promoted(self, away: np.ndarray, moved: np.ndarray) -> None:
         self.stats.promoted += int(moved.sum())
         if moved.any():

@@ -113,6 +113,10 @@ def test_a_trace_whose_hash_ids_are_not_prefix_hashes_is_said(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--trace {off}: 2 hash ids follow another block than where they first came (the first: line 3, " \
            "hash id 2)" in err, err
+    again = write("again.jsonl", [[1, 2], [3, 2], [3, 2], [3, 2]])  # one id, read 3 times after another block
+    assert main(["bench", "policy", "--trace", again, "--hbm-blocks", "4", "--policies", "lru", "--json"]) == 0
+    assert ": 1 hash ids follow another block than where they first came (the first: line 2, hash id 2)" \
+        in capsys.readouterr().err
     fine = write("fine.jsonl", [[5, 3], [5, 3, 8], [9], [5, 3, 8, 1]])
     assert main(["bench", "policy", "--trace", fine, "--hbm-blocks", "4", "--policies", "lru", "--json"]) == 0
     assert capsys.readouterr().err == ""

@@ -373,3 +373,25 @@ def test_a_prefetch_during_a_drain_under_way_is_not_drained_again_unread(make_ma
     assert all(t == Tier.HBM for t in _tiers(m, keys)), (
         f"prefetched, unread, demoted again by the drain begun before the prefetch: {_tiers(m, keys)}; "
         f"pending {m.prefetcher.pending}, wasted {m.prefetcher.wasted}")
+
+
+def test_a_window_that_cannot_fit_brings_up_what_fits_and_makes_room_only_for_that(make_manager, clock):
+    """HBM of 4 (2 pinned by another reader, 2 idle cached blocks) over a full DRAM holding a 4-block
+    chain: the lookup's window of 4 cannot fit. It made room for all 4, dropping both idle blocks,
+    then moved nothing (a batch moves whole or not at all): the guess cost two cached blocks and
+    saved no read (a review). Only the first 2 come up now, and room is made for them alone."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, prefetch_window=4)
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+
+    def chain(keys):
+        vids = mgr.commit(a, mgr.allocate(a, lid, len(keys)), keys)
+        mgr.free(a, vids)
+        return vids
+    target = chain([1, 2, 3, 4])
+    fill = [chain([10 + i]) for i in range(4)]  # HBM full of idle blocks; the chain goes down to DRAM
+    assert [mgr.place(int(v)).tier for v in target] == [Tier.DRAM] * 4
+    assert mgr.acquire(c, np.concatenate(fill[:2])) is not None
+    mgr.lookup_rows((1, 2, 3, 4), lid, client=b)
+    assert [mgr.place(int(v)).tier for v in target] == [Tier.HBM] * 2 + [Tier.DRAM] * 2
+    mgr.check_invariants()

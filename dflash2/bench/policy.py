@@ -62,7 +62,8 @@ def load_trace(path: str, limit: int | None = None) -> list[Request]:
 def _requests(lines, path: str, limit: int | None) -> list[Request]:
     out: list[Request] = []
     parent_of: dict[int, int] = {}  # each hash id's block before it, where it first came
-    off, first = 0, None
+    off: set[int] = set()  # the hash ids (keys) found after another block
+    first = None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -73,7 +74,7 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
                               "arrival order (sort the trace by timestamp)")
         for before, key in zip((0, *req.keys), req.keys):
             if parent_of.setdefault(key, before) != before:
-                off += 1
+                off.add(key)
                 first = first or (number, key - 1)
         out.append(req)
         if limit is not None and len(out) >= limit:
@@ -83,7 +84,7 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
         # that does not is looked up by itself: a request found it cached though its own prefix
         # was not (a review: 2 of 7 blocks counted as hits, none of them read). Said, not refused:
         # a real trace's few such ids (a remapping's collisions) should not stop its replay.
-        print(f"dflash2 bench policy: --trace {path}: {off} hash ids follow another block than where they "
+        print(f"dflash2 bench policy: --trace {path}: {len(off)} hash ids follow another block than where they "
               f"first came (the first: line {first[0]}, hash id {first[1]}); hash_ids are prefix block "
               "hashes, so the figures for those blocks are not a prefix cache's", file=sys.stderr)
     return out
