@@ -55,13 +55,15 @@ def serve(mgr, prefetch: Prefetcher, client: int, lid: int, req: Request, index:
     # While one chunk is read (computed on), the next window's blocks come up.
     for start in range(0, len(hit_vids), chunk):
         part = hit_vids[start: start + chunk]
-        prefetch.reading(part)
+        read = prefetch.peek(part)  # (settled once the read succeeds: one refused read nothing)
         try:
             acquired = mgr.acquire_rows(client, part)
         except NeverFits:  # a chunk larger than HBM
             acquired = None
         if acquired is None:
             break  # HBM cannot hold the prefix (request larger than the tier): recompute the rest
+        if read is not None:
+            prefetch.count(read)
         held += part
         prefetch.ahead(hit_vids, start + len(part))
     prefetch.finish()

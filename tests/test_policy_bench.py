@@ -7,6 +7,7 @@ import pytest
 
 from dflash2.bench.policy import Request, load_trace, replay
 from dflash2.cli import main
+from dflash2.tiers import Tier
 
 FIELDS = {"policy", "hbm_blocks", "dram_blocks", "nvme_blocks", "requests", "prefix_hit_rate",
           "hbm_prefix_hit_rate", "promotions", "demotions", "prefetch_useful", "prefetch_wasted"}
@@ -247,3 +248,30 @@ def test_a_promotion_out_of_a_full_last_tier_exchanges_with_what_it_pushes_out()
     for name in ("lru", "belady"):
         r = replay(reqs([1], [2], [1], [2]), name, hbm_blocks=1, dram_blocks=1, prefetch_window=0, duel_sample=0)
         assert r["prefix_hit_rate"] == pytest.approx(2 / 4, abs=1e-4), (name, r)
+
+
+def test_a_prefetched_chunk_whose_read_is_refused_is_not_counted_useful(make_manager, monkeypatch):
+    """The replay settled a chunk's prefetches before its acquire: a chunk brought up by the window,
+    then refused (no room), was counted useful though nothing read it (a review). Settled once the
+    read succeeds, as the daemon does (`peek`, then `count`); what is never read is wasted."""
+    from dflash2.prefetch import Prefetcher
+    from dflash2.replay import Tally, serve
+    from conftest import SMALL
+    mgr = make_manager(hbm_blocks=16, dram_blocks=16)
+    c = mgr.attach("replay")
+    lid = mgr.register_layout(SMALL)
+    vids = mgr.commit(c, mgr.allocate(c, lid, 4), keys=[1, 2, 3, 4])
+    mgr.free(c, vids)
+    mgr.placement.make_room(Tier.HBM, 16 * mgr.table.slot_bytes(lid, Tier.HBM))  # the chain down to DRAM
+    assert {mgr.place(int(v)).tier for v in vids} == {Tier.DRAM}
+    prefetch = Prefetcher(mgr, 2)
+    real, calls = mgr.acquire_rows, []
+
+    def second_refused(client, part, *a, **k):
+        calls.append(list(part))
+        return None if len(calls) == 2 else real(client, part, *a, **k)
+    monkeypatch.setattr(mgr, "acquire_rows", second_refused)
+    serve(mgr, prefetch, c, lid, Request(0.0, (1, 2, 3, 4)), 0, Tally(), chunk=2)
+    assert calls[1] == vids[2:].tolist() and mgr.place(int(vids[2])).tier == Tier.HBM  # prefetched, then refused
+    assert (prefetch.useful, prefetch.wasted) == (0, 2)
+    mgr.check_invariants()
