@@ -252,14 +252,14 @@ class Mover:
     def start_leading(self, victims: np.ndarray, lower: Tier) -> Flight:
         """(`start` of `victims` having found no room for their first batch) start the move of a
         leading run of them that fits in `lower`: a flight with nothing prepared when not even the
-        first fits. `_leading_that_fit` is exact for blocks of one size, but for several only an upper bound:
+        first fits. `leading_that_fit` is exact for blocks of one size, but for several only an upper bound:
         each size counts the free pages and empty slabs the others count too (a small block then a
         large one, into one free page, both counted: the retry with both failed as the whole had,
         nothing moved, and both were dropped). So the run counted is halved until its start
         prepares a batch, in a few tries; a start that prepares none changes nothing, so the next
         may follow it. Only a run shorter than the first batch, which failed, can prepare one (a
         batch is at most swap_batch_size long, shorter where the victims' source tier changes)."""
-        fit = min(self._leading_that_fit(victims, lower), min(len(victims), self.swap_batch_size) - 1)
+        fit = min(self.leading_that_fit(victims, lower), min(len(victims), self.swap_batch_size) - 1)
         while fit > 0:
             flight = self.start(victims[:fit], lower)
             if flight.prepared:
@@ -267,7 +267,7 @@ class Mover:
             fit //= 2
         return Flight(victims, [])
 
-    def _leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
+    def leading_that_fit(self, rows: np.ndarray, tier: Tier) -> int:
         """How many of the leading rows `tier` has free slots for now, size by size: exact for
         blocks of one size, an upper bound for several (each size counts the shared free pages)."""
         alloc = self.table.allocators[tier]

@@ -186,7 +186,13 @@ class Promotion:
             # Ancestors come first in `chain`, so a partial promotion never strands a child above its parent.
             return self.mover.move(away, dst, before_batch=room_for, max_batch_bytes=self.PROMOTE_PIECE_BYTES)
         room_for(away)
-        moved = self.mover.move(away, dst)
+        # Only the leading part the room made holds is moved: a batch moves whole or not at all, and
+        # the room may fall short of the bound it was asked for (`room_most` counts a parent held in
+        # place by a child that stays; a prefetch cut to that bound then moved nothing, a review).
+        moved = np.zeros(len(away), dtype=bool)
+        lead = self.mover.leading_that_fit(away, dst)
+        if lead:
+            moved[:lead] = self.mover.move(away[:lead], dst)
         if not moved.all():
             # Blocks of several sizes: the room made for the whole may not have been
             # usable by every size once the first batches took their slots. Once more for

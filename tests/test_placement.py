@@ -531,7 +531,7 @@ def test_a_move_that_cannot_start_whole_moves_the_leading_blocks_that_fit(clock)
     held = mgr.allocate(b, small_id, 4, tier=Tier.DRAM)
     dram = mgr.table.allocators[Tier.DRAM]
     assert dram.blocks_free(SMALL.block_bytes) == 4 and dram.blocks_free(big.block_bytes) == 2
-    assert mgr.mover._leading_that_fit(mgr.table.rows(np.concatenate([first, second])), Tier.DRAM) == 2
+    assert mgr.mover.leading_that_fit(mgr.table.rows(np.concatenate([first, second])), Tier.DRAM) == 2
     mgr.check_invariants()
 
     clock.advance(1)

@@ -395,3 +395,26 @@ def test_a_window_that_cannot_fit_brings_up_what_fits_and_makes_room_only_for_th
     mgr.lookup_rows((1, 2, 3, 4), lid, client=b)
     assert [mgr.place(int(v)).tier for v in target] == [Tier.HBM] * 2 + [Tier.DRAM] * 2
     mgr.check_invariants()
+
+
+def test_a_window_cut_to_a_bound_that_counts_a_held_parent_still_brings_up_what_fits(make_manager, clock):
+    """HBM of 4: X -> Y (Y pinned by another reader, X idle but held in HBM by its child) and two idle
+    blocks, over a full DRAM holding a 4-block chain. The bound on HBM's room counts X, so the window
+    was cut to 3; room was made for 3 (the two idle blocks went), and the batch of 3, whole or not
+    at all, moved nothing (a review). Now the leading part the room made holds moves: 2 blocks."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, prefetch_window=4)
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+
+    def chain(keys):
+        vids = mgr.commit(a, mgr.allocate(a, lid, len(keys)), keys)
+        mgr.free(a, vids)
+        return vids
+    target = chain([1, 2, 3, 4])
+    xy = chain([20, 21])
+    chain([30]), chain([31])
+    assert [mgr.place(int(v)).tier for v in target] == [Tier.DRAM] * 4
+    assert mgr.acquire(c, xy[1:]) is not None
+    mgr.lookup_rows((1, 2, 3, 4), lid, client=b)
+    assert [mgr.place(int(v)).tier for v in target] == [Tier.HBM] * 2 + [Tier.DRAM] * 2
+    mgr.check_invariants()
