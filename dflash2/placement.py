@@ -211,8 +211,9 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, n_reach, scores, k)), evict, scores,
                              through)
         if not len(part):
-            # Everything below the cut waits on a child that cannot leave (pinned, held): take the
-            # lowest leaves instead.
+            # Everything below the cut waits on a child that cannot leave (pinned, held) or scores
+            # above it: the lowest leaves go instead, together (ranking the blocks under them by their
+            # subtree's highest score lowered heat's figures: docs/policy-experiments.md, "Victims").
             part = np.flatnonzero(reach & self._childless(tier, evict, through))
             if not len(part):
                 return np.empty(0, dtype=np.int64)
