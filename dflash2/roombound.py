@@ -9,8 +9,8 @@ then answered "no room now"; a prefetch window that could not fit dropped idle b
 tier and brought up nothing. Each now asks `room_most` first.
 
 Invariant: `room_most` is an upper bound on what `make_room` could free with the same picks (the
-tier's pages less the slots of the blocks that stay: page tails and other sizes' slabs only lower
-what is usable), so a call it refuses could never have succeeded. Needs the Placement's `table`,
+tier's pages less the slots of the blocks that stay, and of those above them in the tier: page tails
+and other sizes' slabs only lower what is usable), so a call it refuses could never have succeeded. Needs the Placement's `table`,
 `movable`, `_unprotected` and `_nothing_movable`.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.counts import any_true
+from dflash2.counts import any_true, unique
 from dflash2.tiers import Tier
 
 
@@ -43,7 +43,19 @@ class RoomBound:
             return alloc.free_bytes
         if below_priority is not None and not idle_only:
             go &= (c.refs == 0) | (c.priority < below_priority)
-        stay = (c.tier == int(tier)) & ~self._unprotected(go, protect, None)
+        here = c.tier == int(tier)
+        stay = here & ~self._unprotected(go, protect, None)
+        for faster in range(int(tier)):  # (a child in a faster tier holds its parent here: it stays there)
+            stay |= here & (c.kids[faster] > 0)
+        # Only leaves leave (prefix order): the blocks above one that stays, in this tier, stay too
+        # (an idle parent of a pinned child was counted as room: an acquire then made room it could
+        # never use, a review). Walked up a level a round from the blocks that stay, each block once.
+        up = np.flatnonzero(stay)
+        while len(up):
+            up = c.parent[up]
+            up = unique(up[up >= 0])
+            up = up[here[up] & ~stay[up]]
+            stay[up] = True
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
 
     def could_hold(self, tier: Tier, need_bytes: int, **picks) -> bool:

@@ -666,3 +666,22 @@ def test_an_acquire_with_a_priority_may_push_out_idle_blocks_written_at_a_higher
     assert mgr.acquire(r, chain, priority=0) is not None
     assert [tier_of(mgr, v) for v in chain] == [Tier.HBM, Tier.HBM]
     mgr.check_invariants()
+
+
+def test_the_bound_on_room_counts_no_parent_held_by_a_child_that_stays(make_manager):
+    """HBM of 4: X -> Y (Y pinned by a reader, so X, idle, cannot leave before it) and two idle blocks;
+    a read of a 3-block chain in DRAM cannot fit. The bound counted X as room: the acquire demoted
+    both idle blocks, promoted two of the chain, and answered None (a review)."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    target = fill(mgr, a, lid, [1, 2, 3])
+    xy = fill(mgr, a, lid, [20, 21])
+    idle = np.concatenate([fill(mgr, a, lid, [30]), fill(mgr, a, lid, [31])])
+    assert [tier_of(mgr, v) for v in target] == [Tier.DRAM] * 3
+    assert mgr.acquire(c, xy[1:]) is not None
+    assert not mgr.placement.could_hold(Tier.HBM, 3 * mgr.table.slot_bytes(lid, Tier.HBM), idle_only=True)
+    assert mgr.acquire(b, target) is None
+    assert [tier_of(mgr, v) for v in (*target, *idle)] == [Tier.DRAM] * 3 + [Tier.HBM] * 2
+    assert len(mgr.acquire(b, target[:2])) == 2  # what fits beside X and Y is still read
+    mgr.check_invariants()
