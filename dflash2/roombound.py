@@ -22,6 +22,9 @@ from dflash2.counts import any_true, unique
 from dflash2.tiers import Tier
 
 
+WALK_LEVELS = 64  # levels of the prefix forest walked up from the blocks that stay (`room_most`)
+
+
 class RoomBound:
     """Placement's bound on the room a tier could make (the attributes it uses are Placement's)."""
 
@@ -49,9 +52,13 @@ class RoomBound:
             stay |= here & (c.kids[faster] > 0)
         # Only leaves leave (prefix order): the blocks above one that stays, in this tier, stay too
         # (an idle parent of a pinned child was counted as room: an acquire then made room it could
-        # never use, a review). Walked up a level a round from the blocks that stay, each block once.
+        # never use, a review). Walked up a level a round from the blocks that stay, each block once,
+        # WALK_LEVELS levels at most: past them the bound is looser, still a bound (a chain 32,768
+        # deep above a held leaf took 270-300 ms a call walked to its root, a review).
         up = np.flatnonzero(stay)
-        while len(up):
+        for _ in range(WALK_LEVELS):
+            if not len(up):
+                break
             up = c.parent[up]
             up = unique(up[up >= 0])
             up = up[here[up] & ~stay[up]]

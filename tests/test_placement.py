@@ -685,3 +685,26 @@ def test_the_bound_on_room_counts_no_parent_held_by_a_child_that_stays(make_mana
     assert [tier_of(mgr, v) for v in (*target, *idle)] == [Tier.DRAM] * 3 + [Tier.HBM] * 2
     assert len(mgr.acquire(b, target[:2])) == 2  # what fits beside X and Y is still read
     mgr.check_invariants()
+
+
+def test_the_walk_above_blocks_that_stay_is_bounded(make_manager, monkeypatch):
+    """An idle chain 4,096 deep under a leaf another client holds: the bound walked up a level a
+    round to the root (a chain 32,768 deep took 270-300 ms a call at a million rows, a review). It
+    walks WALK_LEVELS levels: the 64 blocks above the leaf stay, the rest count as room (looser,
+    still a bound), and a chain of at most that depth is bounded exactly."""
+    from dflash2 import roombound
+    depth = 4096
+    mgr = make_manager(hbm_blocks=depth + 1, dram_blocks=64)
+    a, w = mgr.attach("a"), mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    chain = mgr.commit(a, mgr.allocate(a, lid, depth), keys=list(range(1, depth + 1)))
+    mgr.free(a, chain)
+    mgr.commit(w, mgr.allocate(w, lid, 1), keys=[depth + 1], parent=int(chain[-1]))  # held by w
+    rounds = []
+    real = roombound.unique
+    monkeypatch.setattr(roombound, "unique", lambda v: rounds.append(1) or real(v))
+    assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == (depth - roombound.WALK_LEVELS) * slot
+    assert len(rounds) == roombound.WALK_LEVELS
+    monkeypatch.setattr(roombound, "WALK_LEVELS", depth + 1)
+    assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == 0
