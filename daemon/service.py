@@ -520,9 +520,8 @@ class Service(Forgetting):
         m = self._mgr(req)
         vids, tier = req.array(0, P.VIDS_DTYPE, "block ids"), wire.memory_tier(req)
         rows = m.acquire_rows(req.client, vids, tier, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
-        if rows is None:  # (the tier asked for: a host reader's refusal named HBM)
-            why = "" if tier == Tier.HBM else ": a block on NVMe is read in DRAM, which had no room it could make"
-            return {"acquired": False, "reason": f"{tier.name} could not be given room for them now{why}"}, [b""]
+        if rows is None:  # (why, naming the tier asked for: a host reader's refusal named HBM, a review)
+            return {"acquired": False, "reason": m.acquire_refusal}, [b""]
         self._undoable(req, m.release, vids)
         return {"acquired": True}, [wire.records(m, rows)]
 

@@ -33,6 +33,7 @@ from dflash2.policy import Policy, make_policy
 from dflash2.prefetch import Prefetcher
 from dflash2.readcost import ReadCost
 from dflash2.reads import Reads
+from dflash2.refusals import Refusals
 from dflash2.reservations import Admission, AdmissionSettings, Decision, Reservation
 from dflash2.settling import rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockTable
@@ -97,6 +98,8 @@ class BlockManager(Reads):
         self.placement.read_cost = self.read_cost
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.allocate_refusal = ""  # why the last allocate answered None (the daemon's reply says it)
+        self.acquire_refusal = ""  # why the last acquire answered None (reads.py)
+        self.refusals = Refusals()  # calls answered None, by cause: counted and logged for the operator
         self.set_aside_clients: set[int] = set()  # lapsed, their private blocks kept (set_aside) until detach
         self.access = AccessStats()
         # A lookup is followed by the request reading its prefix from the start: the first window's
@@ -242,11 +245,13 @@ class BlockManager(Reads):
         self.allocate_refusal = (f"{tier.label} is full of blocks that cannot move now; "
                                  + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
                                     "by host readers: free or release them, or try again later"))
+        self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
 
     def _held_back(self, ahead: list, priority: int, held: int) -> None:
         self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "
                                  f"or above ({held} bytes): they are served first; reserve and wait")
+        self.refusals.note("allocate", "reservations_ahead", self.allocate_refusal)
         return None
 
     def commit(self, client: int, vids, keys: Sequence[int] | None = None, parent: int | None = None) -> np.ndarray:
@@ -425,6 +430,7 @@ class BlockManager(Reads):
             "lookup_blocks_found": self.access.lookup_blocks_found,
             "lookup_misses": self.access.misses,
             "lookup_withheld": self.access.withheld,
+            "refused": self.refusals.describe(),
             "read_cost": self.read_cost.describe(),
             "moves": {f"{a.label}->{b.label}": dataclasses.asdict(s) for (a, b), s in self.mover.stats.items()},
             "copy_batches": {} if self.backend is None else self.backend.copy_batches(),

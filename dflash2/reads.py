@@ -130,7 +130,7 @@ class Reads:
             refuse_never_fits(self.table, chain, rows, tiers, up_to)
         below = None if priority is None else priority + 1
         if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):
-            return None  # no room now, and none made: it would move other blocks for a read that fails anyway
+            return self._no_room(up_to, priority, made=False)  # (none made: it would move blocks for nothing)
         if promoting and self.placement.parks_own():
             # Its reads from NVMe, and the writes to NVMe its room takes, run while the daemon
             # answers other calls; this call is parked meanwhile (unless they end within
@@ -158,7 +158,7 @@ class Reads:
             ok = self.placement.promote(rows, up_to, below_priority=below, chain=chain)
             if not ok.all():
                 refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
-                return None
+                return self._no_room(up_to, priority, made=True)
         # Counted once the blocks are there, by the policy too: a read whose NVMe copy failed
         # (UnknownBlock) or found no room (None) served nothing, and its retry would count the same
         # blocks again (each failed try raised an engine's retried key a frequency class, a review).
@@ -173,6 +173,22 @@ class Reads:
         if up_to == Tier.HBM:
             self.prefetcher.read_to(client, vids_read.tolist())  # runs after the reply
         return rows
+
+    def _no_room(self, up_to: Tier, priority: int | None, made: bool) -> None:
+        """An acquire answers None: its client is told why and what to do (`acquire_refusal`, the
+        daemon's reply; it said "could not be given room for them now" whatever the cause, a review),
+        and the refusal is counted and logged (refusals.py)."""
+        where = "" if up_to == Tier.HBM else " (a block on NVMe is read in DRAM)"
+        if made:
+            why = "the room made fell short; retry later, or recompute them"
+        else:
+            held = "" if priority is None else f", or used by requests of priority above {priority}"
+            instead = "" if priority is None else ", or acquire without a priority"
+            why = (f"it is full of blocks that cannot move now (being written or pinned{held}), so nothing was "
+                   f"moved; retry once they are released or freed{instead}, or recompute them")
+        self.acquire_refusal = f"{up_to.name} could not be given room for them now{where}: {why}"
+        self.refusals.note("acquire", "tier_full", self.acquire_refusal)
+        return None
 
     def run_prefetch(self) -> None:
         """The windows due since the last acquires (`Prefetcher.read_to`): the daemon runs this once

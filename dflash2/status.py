@@ -66,6 +66,9 @@ def render(st: dict) -> str:
              f"policy: {st.get('policy', {}).get('name')}); requests {d.get('requests', 0)}, "
              f"errors {d.get('errors', 0)}, leases expired {d.get('leases_expired', 0)}, "
              f"calls parked {d.get('calls_parked', 0)}", ""]
+    refused = {op: sum(causes.values()) for op, causes in st.get("refused", {}).items()}
+    if any(refused.values()):  # (answered "no room now": README, Observability)
+        lines[-1:-1] = ["refused (no room now): " + ", ".join(f"{op} {n}" for op, n in refused.items())]
     if d.get("gpus"):  # pools by the daemon's GPU number; clients find them by UUID
         lines[-1:-1] = ["GPUs: " + ", ".join(f"{n} {u}" for n, u in d["gpus"].items())]
     rows = [("tier", "capacity", "used", "used %", "blocks")]

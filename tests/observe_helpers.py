@@ -131,7 +131,7 @@ def fill_then_reuse(c: RawClient, chain: int = 256, extra: int = 320) -> dict:
 
 
 BOUNDED_LABELS = {"tier", "direction", "op", "state", "outcome", "action", "kind", "result", "le",
-                  "device", "policy", "version", "mechanism", "gpu", "list"}
+                  "device", "policy", "version", "mechanism", "gpu", "list", "cause"}
 
 
 def scrape(metrics) -> dict:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 
+import numpy as np
 import pytest
 
 from dflash2 import protocol as P
@@ -451,3 +452,40 @@ def test_nvme_fullness_and_slots_set_aside_are_per_gpu_pool(make_manager, clock)
     summed = got[("dflash2_tier_quarantined_bytes", (("tier", "nvme"),))] / (
         got[("dflash2_tier_capacity_bytes", (("tier", "nvme"),))] + got[("dflash2_tier_quarantined_bytes", (("tier", "nvme"),))])
     assert summed < 0.05  # what the alert read before
+
+
+def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service, caplog):
+    """HBM full of blocks being written: another client's allocate and its acquire of a chain lying in
+    DRAM are answered "no room now". Before, the operator saw nothing (no counter, no log line, a
+    quiet `dflash2 status`), and an acquire's reason never said what held the room (a review)."""
+    from dflash2.status import render
+    m = service.manager
+    attach = lambda name: call_ok(service, P.Op.ATTACH, args={"name": name, "pid": 0, "layouts": [SMALL.to_dict()]})
+    w, r = attach("writer").result["client"], attach("reader").result["client"]
+    chain = m.commit(r, m.allocate(r, 0, 2), [1, 2])
+    m.free(r, chain)
+    m.allocate(w, 0, 8)  # HBM (8 blocks) full of blocks being written; the chain goes down to DRAM
+    assert {m.place(int(v)).tier for v in chain} == {Tier.DRAM}
+    with caplog.at_level(logging.INFO, logger="dflash2.refusals"):
+        for _ in range(3):
+            assert m.allocate(r, 0, 1) is None
+            assert m.acquire(r, chain, priority=0) is None
+    assert m.acquire_refusal == ("HBM could not be given room for them now: it is full of blocks that cannot move now "
+                                 "(being written or pinned, or used by requests of priority above 0), so nothing was "
+                                 "moved; retry once they are released or freed, or acquire without a priority, or "
+                                 "recompute them")
+    reply = service.handle(P.decode_request(P.encode_request(P.Op.ACQUIRE, 9, r, {}, [np.asarray(chain, dtype=np.uint64)],
+                                                             token=service.sessions[r].token)))
+    assert reply.result == {"acquired": False, "reason": m.acquire_refusal.replace(
+        ", or used by requests of priority above 0", "").replace(", or acquire without a priority", "")}
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "dflash2.refusals"]
+    assert len(lines) == 2, lines  # once a minute per call and cause
+    assert lines[0].startswith("allocate refused (tier_full): hbm is full of blocks that cannot move now")
+    st = service.stats()
+    assert st["refused"] == {"allocate": {"tier_full": 3, "reservations_ahead": 0}, "acquire": {"tier_full": 4}}
+    metrics = DaemonMetrics(service)
+    metrics.refresh(force=True)
+    got = scrape(metrics)
+    assert got[("dflash2_refused_calls_total", (("cause", "tier_full"), ("op", "acquire")))] == 4
+    assert got[("dflash2_refused_calls_total", (("cause", "tier_full"), ("op", "allocate")))] == 3
+    assert "refused (no room now): allocate 3, acquire 4" in render({**st, "endpoint": "x"})

@@ -40,7 +40,8 @@ def test_a_dram_read_refused_room_says_dram(daemon):
         while c.allocate(lid, 1, tier="dram") is not None:
             pass
         assert c.acquire(found["vid"], tier="dram") is None
-        assert c.last_refusal.startswith("DRAM could not be given room for them now: a block on NVMe is read in DRAM")
+        assert c.last_refusal.startswith("DRAM could not be given room for them now (a block on NVMe is read in DRAM): "
+                                         "it is full of blocks that cannot move now (being written or pinned)")
     finally:
         c.close()
 
