@@ -22,7 +22,7 @@ from dflash2.counts import any_true, unique
 from dflash2.tiers import Tier
 
 
-WALK_LEVELS = 64  # levels of the prefix forest walked up from the blocks that stay (`room_most`)
+WALK_LEVELS = 64  # levels walked up from the blocks that stay in whole-array rounds (`room_most`)
 
 
 class RoomBound:
@@ -52,9 +52,11 @@ class RoomBound:
             stay |= here & (c.kids[faster] > 0)
         # Only leaves leave (prefix order): the blocks above one that stays, in this tier, stay too
         # (an idle parent of a pinned child was counted as room: an acquire then made room it could
-        # never use, a review). Walked up a level a round from the blocks that stay, each block once,
-        # WALK_LEVELS levels at most: past them the bound is looser, still a bound (a chain 32,768
-        # deep above a held leaf took 270-300 ms a call walked to its root, a review).
+        # never use, a review). Walked up from the blocks that stay, each block once: a level a round
+        # of whole-array steps for WALK_LEVELS levels, then, for the few chains deeper than that, a
+        # block a step (a round a level to the root took 270-300 ms a call above a leaf held 32,768
+        # deep, a review; capped there, the bound counted the rest as room and a read made room for
+        # nothing again, another).
         up = np.flatnonzero(stay)
         for _ in range(WALK_LEVELS):
             if not len(up):
@@ -63,6 +65,10 @@ class RoomBound:
             up = unique(up[up >= 0])
             up = up[here[up] & ~stay[up]]
             stay[up] = True
+        parent, inside, held = c.parent.item, here.item, stay.item
+        for row in up.tolist():
+            while (row := parent(row)) >= 0 and inside(row) and not held(row):
+                stay[row] = True
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
 
     def could_hold(self, tier: Tier, need_bytes: int, **picks) -> bool:

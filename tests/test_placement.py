@@ -687,11 +687,12 @@ def test_the_bound_on_room_counts_no_parent_held_by_a_child_that_stays(make_mana
     mgr.check_invariants()
 
 
-def test_the_walk_above_blocks_that_stay_is_bounded(make_manager, monkeypatch):
+def test_the_walk_above_blocks_that_stay_takes_few_whole_array_rounds_and_is_exact(make_manager, monkeypatch):
     """An idle chain 4,096 deep under a leaf another client holds: the bound walked up a level a
-    round to the root (a chain 32,768 deep took 270-300 ms a call at a million rows, a review). It
-    walks WALK_LEVELS levels: the 64 blocks above the leaf stay, the rest count as room (looser,
-    still a bound), and a chain of at most that depth is bounded exactly."""
+    round of whole-array steps to the root (a chain 32,768 deep took 270-300 ms a call at a million
+    rows, a review). It takes WALK_LEVELS such rounds, then walks the few deeper chains a block a
+    step: every block of the chain stays (capped at 64 levels, the rest counted as room, and a read
+    made room for nothing again: another review)."""
     from dflash2 import roombound
     depth = 4096
     mgr = make_manager(hbm_blocks=depth + 1, dram_blocks=64)
@@ -704,7 +705,27 @@ def test_the_walk_above_blocks_that_stay_is_bounded(make_manager, monkeypatch):
     rounds = []
     real = roombound.unique
     monkeypatch.setattr(roombound, "unique", lambda v: rounds.append(1) or real(v))
-    assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == (depth - roombound.WALK_LEVELS) * slot
-    assert len(rounds) == roombound.WALK_LEVELS
-    monkeypatch.setattr(roombound, "WALK_LEVELS", depth + 1)
     assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == 0
+    assert len(rounds) == roombound.WALK_LEVELS
+    monkeypatch.setattr(roombound, "WALK_LEVELS", 1)
+    assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == 0
+
+
+def test_a_read_beside_a_chain_deeper_than_the_whole_array_rounds_moves_nothing(make_manager):
+    """HBM of 68: two idle blocks and an idle chain 66 deep whose leaf a reader holds; a 3-block chain
+    in DRAM cannot come up (2 slots at most). With the walk capped at 64 levels the chain's top
+    counted as room: the read demoted both idle blocks, promoted two, and answered None (a review)."""
+    from dflash2 import roombound
+    depth = roombound.WALK_LEVELS + 2  # the leaf and 65 blocks above it: one past the whole-array rounds
+    mgr = make_manager(hbm_blocks=depth + 2, dram_blocks=16)
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    target = mgr.commit(a, mgr.allocate(a, lid, 3, tier=Tier.DRAM), keys=[1, 2, 3])
+    mgr.free(a, target)
+    idle = np.concatenate([fill(mgr, a, lid, [10]), fill(mgr, a, lid, [11])])
+    chain = fill(mgr, a, lid, list(range(100, 100 + depth)))
+    assert mgr.acquire(c, chain[-1:]) is not None
+    assert mgr.acquire(b, target) is None
+    assert "nothing was moved" in mgr.acquire_refusal
+    assert [tier_of(mgr, v) for v in (*target, *idle)] == [Tier.DRAM] * 3 + [Tier.HBM] * 2
+    mgr.check_invariants()
