@@ -59,3 +59,28 @@ def test_a_read_refused_room_is_a_miss_said_once_a_while_with_the_daemons_reason
         assert b.counters["reads_refused"] == 2 and b.counters["page_misses"] == 8
     finally:
         other.close()
+
+
+def test_a_write_refused_room_is_said_once_a_while_with_the_daemons_reason(small_dram, backends, caplog):
+    """Every DRAM block pinned or being written by another reader: a store has no room. It was said at
+    every batch, without the daemon's reason (a review); now once a REFUSAL_LOG_S, with the reason, and
+    counted (`writes_refused`). sglang keeps the pages in its host cache, as before."""
+    pool = host_pool(tokens=256)
+    b = make_backend(small_dram, pool)
+    backends.append(b)
+    fill(pool, list(range(1, 9)), seed=1)
+    other = Client.connect(config=small_dram, name="other-writer", host_only=True)
+    try:
+        lid = other.register_layout(b.client.layout(b.layout_id))
+        while other.allocate(lid, 1, tier="dram") is not None:  # DRAM full of blocks being written
+            pass
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+            assert b.batch_set_v1(["w-1", "w-2"], indices([1, 2])) == [False] * 2
+            assert b.batch_set_v1(["w-3", "w-4"], indices([3, 4])) == [False] * 2  # within the minute: counted
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "the daemon gave no room to store 2 pages now; sglang keeps them in its host cache" in line
+        assert "(1 writes refused so far" in line and "dram is full of blocks that cannot move now" in line
+        assert b.counters["writes_refused"] == 2
+    finally:
+        other.close()

@@ -77,8 +77,9 @@ class DFlash2Storage(HiCacheStorage):
         self._metrics = {name: collections.deque() for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                                "backup_bandwidth")}
         self.counters = {"pages_set": 0, "pages_deduplicated": 0, "pages_got": 0, "page_misses": 0,
-                         "failed_calls": 0, "commits_unlinked": 0, "reads_refused": 0}
-        self._refusal_logged = -float("inf")  # when a refused read was last logged (`_read_refused`)
+                         "failed_calls": 0, "commits_unlinked": 0, "reads_refused": 0, "writes_refused": 0}
+        # When a refused read / write was last logged (`_refused`)
+        self._refusal_logged = {"reads": -float("inf"), "writes": -float("inf")}
         # Counted from sglang's threads at once: `+=` on a dict entry is a read and a write, and two
         # threads could each add to the same old value.
         self._count_lock = threading.Lock()
@@ -318,7 +319,7 @@ class DFlash2Storage(HiCacheStorage):
             try:
                 places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
                 if places is None:
-                    log.warning("dflash2: no room for %d pages now; sglang keeps them in its host cache", n - lo)
+                    self._refused(client, "writes", n - lo)
                     break
                 try:
                     for place, i in zip(places, range(lo, hi)):
@@ -388,7 +389,7 @@ class DFlash2Storage(HiCacheStorage):
             try:
                 places = client.acquire(vids, tier=self.tier)
                 if places is None:  # no room to read them now: the rest is a miss
-                    self._read_refused(client, len(found) - lo)
+                    self._refused(client, "reads", len(found) - lo)
                     break
                 by_vid = {int(p["vid"]): p for p in places}
                 try:
@@ -408,20 +409,23 @@ class DFlash2Storage(HiCacheStorage):
         self._note_moved(got)
         return ok
 
-    def _read_refused(self, client: Client, pages: int) -> None:
-        """The daemon had no room to read `pages` cached pages now (an acquire answered None, its reason
-        in `client.last_refusal`, this thread's own): they are misses, which sglang
-        recomputes. Said at most every REFUSAL_LOG_S (before, not at all: a refused write is said)."""
+    def _refused(self, client: Client, kind: str, pages: int) -> None:
+        """The daemon had no room now for `pages` pages (`kind` "reads": an acquire answered None, they
+        are misses, which sglang recomputes; "writes": an allocate did, sglang keeps them in its host
+        cache), its reason in `client.last_refusal` (this thread's own). Said at most every
+        REFUSAL_LOG_S for each kind (a refused read was not said at all before; a refused write, at
+        every batch and without the daemon's reason: a review)."""
         with self._count_lock:
-            self.counters["reads_refused"] += 1
+            self.counters[f"{kind}_refused"] += 1
             now = time.monotonic()
-            if now < self._refusal_logged + REFUSAL_LOG_S:
+            if now < self._refusal_logged[kind] + REFUSAL_LOG_S:
                 return
-            self._refusal_logged = now
-            refused = self.counters["reads_refused"]
-        log.warning("dflash2: the daemon gave no room to read %d cached pages now, misses that sglang recomputes "
-                    "(%d reads refused so far; said at most every %gs): %s", pages, refused, REFUSAL_LOG_S,
-                    client.last_refusal)
+            self._refusal_logged[kind] = now
+            refused = self.counters[f"{kind}_refused"]
+        what = ("to read %d cached pages now, misses that sglang recomputes" if kind == "reads"
+                else "to store %d pages now; sglang keeps them in its host cache") % pages
+        log.warning("dflash2: the daemon gave no room %s (%d %s refused so far; said at most every %gs): %s", what,
+                    refused, kind, REFUSAL_LOG_S, client.last_refusal)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[int]:
         # Whole pages as sglang's controller hands them: of `logical_page_size` tokens, which decode
