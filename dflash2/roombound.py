@@ -10,8 +10,8 @@ tier and brought up nothing. Each now asks `room_most` first.
 
 Invariant: `room_most` is an upper bound on what `make_room` could free with the same picks (the
 tier's pages less the slots of the blocks that stay, and of those above them in the tier: page tails
-and other sizes' slabs only lower what is usable), so a call it refuses could never have succeeded. Needs the Placement's `table`,
-`movable`, `_unprotected` and `_nothing_movable`.
+and other sizes' slabs only lower what is usable), so a call it refuses could never have succeeded.
+Needs the Placement's `table`, `movable`, `_unprotected` and `_nothing_movable`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import numpy as np
 
 from dflash2.counts import any_true, unique
 from dflash2.tiers import Tier
-
 
 WALK_LEVELS = 64  # levels walked up from the blocks that stay in whole-array rounds (`room_most`)
 
