@@ -5,6 +5,12 @@ must handle, never an exception. One more exception is no error (`CopiesRunning`
 to park a call until copies in flight have ended.
 """
 
+import errno
+
+# The errnos of a full disk or quota: the disk's state, not a fault (NVMe start-up names them
+# CapacityError; a failed batch's log line names them without a traceback, transfer/failures.py).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
 
 class DFlash2Error(Exception):
     """Base of every error dflash2 raises on purpose."""

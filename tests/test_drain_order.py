@@ -12,7 +12,7 @@ from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
 from conftest import SMALL
-from test_placement import fill
+from placement_helpers import fill
 from test_rebalance import dram_of_idle_chains
 
 

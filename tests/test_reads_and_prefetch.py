@@ -4,11 +4,13 @@ each reader's position on the chains its lookups found."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 import pytest
 from conftest import SMALL
+from placement_helpers import fill
 from observe_helpers import scrape
 from daemon_proc import DaemonProcess
 from fault_helpers import make_mgr  # noqa: F401  (a fixture: real host managers with NVMe)
@@ -383,15 +385,11 @@ def test_a_window_that_cannot_fit_brings_up_what_fits_and_makes_room_only_for_th
     mgr = make_manager(hbm_blocks=4, dram_blocks=4, prefetch_window=4)
     a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
     lid = mgr.register_layout(SMALL)
-
-    def chain(keys):
-        vids = mgr.commit(a, mgr.allocate(a, lid, len(keys)), keys)
-        mgr.free(a, vids)
-        return vids
+    chain = functools.partial(fill, mgr, a, lid)
     target = chain([1, 2, 3, 4])
-    fill = [chain([10 + i]) for i in range(4)]  # HBM full of idle blocks; the chain goes down to DRAM
+    idle = [chain([10 + i]) for i in range(4)]  # HBM full of idle blocks; the chain goes down to DRAM
     assert [mgr.place(int(v)).tier for v in target] == [Tier.DRAM] * 4
-    assert mgr.acquire(c, np.concatenate(fill[:2])) is not None
+    assert mgr.acquire(c, np.concatenate(idle[:2])) is not None
     mgr.lookup_rows((1, 2, 3, 4), lid, client=b)
     assert [mgr.place(int(v)).tier for v in target] == [Tier.HBM] * 2 + [Tier.DRAM] * 2
     mgr.check_invariants()
@@ -405,11 +403,7 @@ def test_a_window_cut_to_a_bound_that_counts_a_held_parent_still_brings_up_what_
     mgr = make_manager(hbm_blocks=4, dram_blocks=4, prefetch_window=4)
     a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
     lid = mgr.register_layout(SMALL)
-
-    def chain(keys):
-        vids = mgr.commit(a, mgr.allocate(a, lid, len(keys)), keys)
-        mgr.free(a, vids)
-        return vids
+    chain = functools.partial(fill, mgr, a, lid)
     target = chain([1, 2, 3, 4])
     xy = chain([20, 21])
     chain([30]), chain([31])

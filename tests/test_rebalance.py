@@ -8,7 +8,7 @@ from dflash2.placement import Watermark
 from dflash2.tiers import Tier
 
 from conftest import SMALL
-from test_placement import fill, tier_of
+from placement_helpers import fill, tier_of
 
 
 def full_of_aged_blocks(make_manager, clock, monkeypatch, blocks: int, low: float, cold_threshold: float = 0.9):

@@ -12,7 +12,7 @@ from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.tiers import Tier
 from dflash2.placement import Watermark
-from test_placement import fill, tier_of
+from placement_helpers import fill, tier_of
 
 PAGE = 64 << 10
 

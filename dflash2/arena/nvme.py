@@ -48,7 +48,7 @@ from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
-from dflash2.errors import ArenaError, CapacityError
+from dflash2.errors import DISK_FULL, ArenaError, CapacityError
 from dflash2.files import same_file
 from dflash2.tiers import Tier
 from dflash2.transfer.failures import RepeatLimit
@@ -202,7 +202,7 @@ class NvmeArena(StorageArena):
             if created:
                 os.unlink(self.path)
             if isinstance(e, OSError):
-                kind = CapacityError if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ArenaError
+                kind = CapacityError if e.errno in DISK_FULL else ArenaError
                 raise kind(f"NVMe tier cannot prepare its file at {self.path} "
                            f"({HEADER_BYTES + self.capacity_bytes} bytes): {e}") from e
             raise

@@ -127,21 +127,11 @@ class Releasing:
             self.pinned_copies[r] = 0
         return vids[~kept]
 
-    def _drop_refs_of(self, holder: ClientRefs, row: int, n: int) -> int:
-        """`_drop_refs` of one row n times, in one step (a block a client referenced millions of
-        times: one Python step a reference held the daemon's loop 1.6 s at 3.3 million)."""
-        if not n:
-            return 0
-        holder.refs[row] -= n
-        if holder.refs[row] == 0:
-            holder.refs.pop(row)
-        self.cols.refs[row] -= n
-        rows = np.array([row], dtype=np.int64)
-        holder.ref_slot_bytes -= self.ref_slots(rows, [n])
-        return self._after_refs_dropped(rows)
-
     def _drop_refs_many(self, holder: ClientRefs, rows: np.ndarray, counts: np.ndarray) -> int:
-        """`_drop_refs_of` of distinct rows, each `counts` times, in whole-array steps."""
+        """Drop `counts` references of each of the client's distinct `rows`, in whole-array steps (one
+        Python step a reference held the daemon's loop 1.6 s at 3.3 million; one release a block, 0.5 s
+        a commit of 8,192 cached blocks); the blocks nobody references any more are freed. Returns
+        how many were."""
         refs = holder.refs
         for row, n in zip(rows.tolist(), counts.tolist()):
             left = refs[row] - n

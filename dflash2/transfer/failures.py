@@ -13,18 +13,15 @@ dropped unsaid.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
 
+from dflash2.errors import DISK_FULL
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
 REPEAT_LOG_S = 60.0  # a failure of the same kind is logged with its traceback at most this often
-# A full disk or quota is the disk's state, not a fault in the code: its line names the error and
-# carries no traceback (one per minute of a full disk was a screen of frames that said nothing more).
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class RepeatLimit:
@@ -73,6 +70,8 @@ class FailureLog:
                 else "its blocks stay where they were")
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
         args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
+        # A full disk is the disk's state, not a fault in the code: no traceback (one a minute of a
+        # full disk was a screen of frames that said nothing more).
         if isinstance(cause, OSError) and cause.errno in DISK_FULL:
             self._log.error("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s: %s", *args, error)
         else:
