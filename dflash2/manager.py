@@ -242,7 +242,7 @@ class BlockManager(Reads):
 
     def _refused(self, tier: Tier) -> None:
         # (reservations are of HBM: a host writer told to reserve could not, a review)
-        self.allocate_refusal = (f"{tier.label} is full of blocks that cannot move now; "
+        self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
                                  + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
                                     "by host readers: free or release them, or try again later"))
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)

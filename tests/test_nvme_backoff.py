@@ -31,7 +31,7 @@ def test_allocations_evict_idle_blocks_while_nvme_writes_fail(make_mgr, monkeypa
     DRAM, and nothing from HBM into a full DRAM. The blocks there are idle cached copies: room is
     made by dropping them. Before, room-making tried to drop only the blocks it had chosen to
     demote, which are often parents of cached blocks above (not droppable), and so refused every
-    allocation ("hbm is full of blocks that cannot move now") while the disk stayed full."""
+    allocation ("HBM is full of blocks that cannot move now") while the disk stayed full."""
     m = make_mgr(policy=policy)
     a = m.attach("a")
     lid = m.register_layout(LAYOUT)

@@ -480,7 +480,7 @@ def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service,
         ", or used by requests of priority above 0", "").replace(", or acquire without a priority", "")}
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "dflash2.refusals"]
     assert len(lines) == 2, lines  # once a minute per call and cause
-    assert lines[0].startswith("allocate refused (tier_full): hbm is full of blocks that cannot move now")
+    assert lines[0].startswith("allocate refused (tier_full): HBM is full of blocks that cannot move now")
     st = service.stats()
     assert st["refused"] == {"allocate": {"tier_full": 3, "reservations_ahead": 0}, "acquire": {"tier_full": 4}}
     metrics = DaemonMetrics(service)

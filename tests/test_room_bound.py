@@ -22,7 +22,7 @@ def test_an_allocate_that_fails_anyway_moves_and_drops_nothing(make_manager, dra
     mgr.allocate(c, lid, 2)  # being written
     idle = fill(mgr, c, lid, [13])
     assert mgr.allocate(c, lid, 3) is None
-    assert "hbm is full of blocks that cannot move now" in mgr.allocate_refusal
+    assert "HBM is full of blocks that cannot move now" in mgr.allocate_refusal
     assert tier_of(mgr, idle[0]) == Tier.HBM and len(mgr.lookup_rows((13,), lid)) == 1
     assert mgr.stats()["placement"]["demoted"] == 0
     assert len(mgr.allocate(c, lid, 1)) == 1  # one that fits is still served, from the free slot

@@ -80,7 +80,7 @@ def test_a_write_refused_room_is_said_once_a_while_with_the_daemons_reason(small
             assert b.batch_set_v1(["w-3", "w-4"], indices([3, 4])) == [False] * 2  # within the minute: counted
         [line] = [r.getMessage() for r in caplog.records]
         assert "the daemon gave no room to store 2 pages now; sglang keeps them in its host cache" in line
-        assert "(1 writes refused so far" in line and "dram is full of blocks that cannot move now" in line
+        assert "(1 writes refused so far" in line and "DRAM is full of blocks that cannot move now" in line
         assert b.counters["writes_refused"] == 2
     finally:
         other.close()
