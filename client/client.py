@@ -143,6 +143,9 @@ class Client:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.lease_lost = False
+        # When the daemon last renewed the lease (monotonic: it runs on through a SIGSTOP): the send
+        # time of the latest answered call or heartbeat, at or before the daemon's own `last_seen`.
+        self._renewed = time.monotonic()
         self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self._detached = False  # detach() called: every later call says so
@@ -200,7 +203,9 @@ class Client:
             raise AccessDenied(f"cannot attach to the tcp endpoint {self.endpoint}: this process holds only the "
                                f"monitoring key file {self.key_file}, whose holders may ask status, history and "
                                "check; serving processes read the key file itself (they run as the daemon's user)")
+        sent = time.monotonic()
         reply = self._call(Op.ATTACH, args)
+        self._renewed = sent
         r = reply.result
         self.client_id = int(r["client"])
         self._token = str(r["token"])
@@ -353,7 +358,10 @@ class Client:
                 # stay until detach, the safe side.
                 self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
             waited = min(time.monotonic() - began, timeout - 1e-3)
-            return self._transport.call(op, self.client_id, args, arrays, timeout, waited)
+            sent = time.monotonic()
+            reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
+            self.renewed(sent)
+            return reply
         except DaemonError as e:
             if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
                 self._lease_lost()
@@ -541,11 +549,37 @@ class Client:
         arenas = self._arenas  # (once: detach on another thread sets it to None)
         if arenas is None:
             raise ArenaError("this client is detached: its arena mappings are gone")
+        if not self.lease_lost and time.monotonic() - self._renewed > self.lease_timeout_s:
+            self._confirm_lease()
         if self.lease_lost:
             # Its blocks are no longer its own: the daemon frees them once this process is gone (or
             # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.
             raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
         return arenas.bytes_view(self._place(place))
+
+    def renewed(self, sent: float) -> None:
+        """The daemon answered a call (or heartbeat) sent at monotonic time `sent`: it renewed the lease
+        then or later. (Two threads may race here; the earlier time kept only makes a view check sooner.)"""
+        if sent > self._renewed:
+            self._renewed = sent
+
+    def _confirm_lease(self) -> None:
+        """No call or heartbeat of this client was answered for longer than the lease (a process
+        stopped or starved past it, whose heartbeat thread has not run since): before a new view,
+        ask the daemon whether it still knows this client. Once it let the lease lapse and the
+        set-aside time ran out, it gave the client's slots to other blocks: a view taken then
+        wrote into another client's cached block (a review's SIGSTOP/SIGCONT repro). ArenaError
+        where the daemon does not answer: the lease cannot be confirmed."""
+        silent_s = time.monotonic() - self._renewed
+        try:
+            self._call(Op.HEARTBEAT)
+        except DaemonError:  # UnknownClient: _call marked the lease lost (and the view is refused)
+            if not self.lease_lost:
+                raise
+        except DaemonUnavailable as e:
+            raise ArenaError(f"no call of this client was answered for {silent_s:.1f}s, more than its lease "
+                             f"({self.lease_timeout_s:g}s), and the daemon does not answer now ({e}): its blocks "
+                             "may have been given to others, so no new view is handed out") from None
 
     def view(self, place):
         """A torch tensor over a block's bytes, typed and shaped by its layout (no copy). `place` is

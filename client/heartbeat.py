@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 
 from dflash2.client.transport import Transport
@@ -50,7 +51,9 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
                                           gone=gone, key_file=client.key_file)
                     transport.token = client._token
                 if beat:
+                    sent = time.monotonic()
                     transport.call(Op.HEARTBEAT, client_id)
+                    client.renewed(sent)
             except DaemonUnavailable as e:
                 if client._daemon_gone():
                     return

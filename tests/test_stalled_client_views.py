@@ -1,0 +1,123 @@
+"""A serving process stopped (SIGSTOP: a GC pause, a swap storm, a frozen cgroup) past its lease and
+the daemon's set-aside time, then resumed: the daemon has let its blocks and pins go and given their
+slots to other blocks. A new view it asks for then is refused (ArenaError naming the lapsed lease),
+though its heartbeat thread has not run since the stop to hear of the lapse: the client asks the
+daemon before a view once no call of its was answered for a whole lease. Before, the library handed
+out the view: a resumed writer wrote into another client's cached block (read as a hit with the
+wrong bytes), a resumed reader read another block's bytes (a review's repros). Views taken before
+the stall stay unprotected, as the README says."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+
+from dflash2.client import Client
+from dflash2.keys import chain_keys
+
+LEASE = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "set_aside_leases": 1}
+
+# A child that takes one block (written, or a cached one acquired), stops itself, and once resumed
+# asks for a new view of it and writes through it.
+CHILD = """
+    import json, os, signal, sys
+    from dflash2.client import Client
+    from dflash2.layout import Layout
+    ep, lay, keys = sys.argv[1], Layout.from_dict(json.loads(sys.argv[2])), json.loads(sys.argv[3])
+    c = Client.connect(ep, name="stalled", layouts=[lay])
+    if keys:
+        mine = c.acquire(c.lookup(keys)["vid"])
+    else:
+        mine = c.allocate(c.layouts[0], 1)
+        c.view_bytes(mine[0])[:] = 0x33
+    print(json.dumps({"first": int(c.view_bytes(mine[0])[0])}), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        view = c.view_bytes(mine[0])
+        out = {"view": sorted(set(view.tolist()))}
+        view[:] = 0x99
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out), flush=True)
+"""
+
+
+def _stalled_child(endpoint: str, keys: list) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), endpoint, json.dumps(SMALL.to_dict()),
+                              json.dumps(keys)], stdout=subprocess.PIPE, text=True)
+    json.loads(child.stdout.readline())
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the child did not stop itself"
+        time.sleep(0.01)
+    return child
+
+
+def _until_let_go(other: Client) -> dict:
+    """Past the stalled child's lease and the set-aside time: its blocks and pins are let go."""
+    deadline = time.monotonic() + 15
+    while True:
+        st = other.stats()
+        if [c["name"] for c in st["clients"]] == ["other"] and st["set_aside"]["clients"] == 0:
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
+
+
+def _run(config_file, tmp_path, reader: bool) -> dict:
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    other = child = None
+    try:
+        other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
+        lid = other.layouts[0]
+        keys = []
+        if reader:  # a cached block for the child to pin
+            keys = chain_keys(range(16), 16, "stalled-reader")
+            place = other.allocate(lid, 1)
+            other.view_bytes(place[0])[:] = 0x11
+            other.free(other.commit(place["vid"], keys=keys))
+        child = _stalled_child(d.endpoint, keys)
+        st = _until_let_go(other)
+        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+        cached = chain_keys(range(16 * n), 16, "stalled-others")
+        places = other.allocate(lid, n)  # every HBM slot, the child's old one among them
+        for p in places:
+            other.view_bytes(p)[:] = 0x22
+        vids = other.commit(places["vid"], keys=cached)
+        os.kill(child.pid, signal.SIGCONT)
+        out = json.loads(child.stdout.readline())
+        child.wait(timeout=20)
+        found = other.lookup(cached)
+        pinned = other.acquire(found["vid"])
+        out["wrong"] = [i for i, p in enumerate(pinned) if not (other.view_bytes(p) == 0x22).all()]
+        other.release(found["vid"])
+        other.free(vids)
+        return out
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        if other is not None:
+            other.close()
+        d.stop()
+
+
+def test_a_resumed_writer_gets_no_view_of_a_slot_given_to_a_cached_block(config_file, tmp_path):
+    out = _run(config_file, tmp_path, reader=False)
+    assert not out["wrong"], f"cached blocks {out['wrong']} hold the resumed writer's bytes ({out})"
+    assert "lease" in out.get("error", ""), out
+
+
+def test_a_resumed_reader_gets_no_view_of_a_slot_given_away(config_file, tmp_path):
+    out = _run(config_file, tmp_path, reader=True)
+    assert "lease" in out.get("error", ""), f"the resumed reader was given a view: {out}"
+    assert not out["wrong"], out
