@@ -57,7 +57,7 @@ def test_each_thread_reads_its_own_refusal(daemon):
         while c.allocate(lid, 1, tier="dram") is not None:  # DRAM full of blocks being written
             pass
         mine = c.last_refusal
-        assert mine and mine.startswith("dram")
+        assert mine and mine.startswith("DRAM")
         seen = {}
 
         def other_thread():
@@ -69,6 +69,6 @@ def test_each_thread_reads_its_own_refusal(daemon):
         other = threading.Thread(target=other_thread)
         other.start()
         other.join()
-        assert seen["before"] is None and seen["after"].startswith("hbm") and c.last_refusal == mine
+        assert seen["before"] is None and seen["after"].startswith("HBM") and c.last_refusal == mine
     finally:
         c.close()
