@@ -216,6 +216,22 @@ class SlotAllocator:
             spare[head:head + self._classes[int(self._page_class[head])].slab_pages] = True
         return (slabs_in_runs(spare, slab_pages) - slabs_in_runs(now, slab_pages)) * per_slab * slot
 
+    def room_without(self, slot: int, kept: np.ndarray) -> int:
+        """Bytes of slots of `slot` bytes that this arena would have free were every block gone but
+        those in the slots at offsets `kept` (quarantined slots stay too): free pages and emptied
+        slabs become slabs of this size, and a slab that keeps a block has room for this size only
+        in its free slots, where it is of this size (a free 8 KiB slot beside a block being written
+        holds no 16 KiB block: counted by its bytes, an allocate that could not succeed moved idle
+        blocks, a review). An upper bound: slabs of several pages are counted from the pages' number,
+        not their runs (roombound.py)."""
+        slab_pages, per_slab = self._slab_shape(slot)
+        kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
+        heads, count = np.unique(self._head_of(kept), return_counts=True)
+        classes = self._page_class[heads]
+        kept_pages = sum(int((classes == s).sum()) * self._classes[s].slab_pages for s in np.unique(classes).tolist())
+        in_kept = int((per_slab - count[classes == slot]).sum())
+        return ((self.n_pages - kept_pages) // slab_pages * per_slab + in_kept) * slot
+
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
         """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
         return self._slab_shape(self.slot_for(block_bytes))

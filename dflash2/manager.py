@@ -226,7 +226,7 @@ class BlockManager(Reads):
             return self._held_back(ahead, priority, held)
         if vids is None:
             settle_if(self, placing=True)  # making room moves and evicts blocks
-            if not self.placement.could_hold(tier, n * slot + held, idle_only=True):
+            if not self.placement.could_hold(tier, n * slot + held, idle_only=True, slot=slot):
                 # Nothing is moved for a call that fails anyway: its room waits on blocks held.
                 return self._held_back(ahead, priority, held) if held else self._refused(tier)
             need = self.placement.room_batch(tier, n * slot + held, slot)

@@ -150,11 +150,13 @@ class Promotion:
         rows = np.asarray(rows, dtype=np.int64)
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         away = self._away(chain, dst)
-        need = int(self._slot_bytes(dst, away).sum()) if len(away) else 0
+        sizes = self._slot_bytes(dst, away)
+        need = int(sizes.sum()) if len(away) else 0
         if self.table.allocators[dst].free_bytes >= need:
             return True  # (the usual read: no walk of what its room is kept from)
         keep = self._away_and_kept(rows, dst, None, chain)[1]
-        return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority)
+        return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority,
+                               slot=one_size(sizes))
 
     def fitting_prefix(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None = None) -> int:
         """How many of `rows` (blocks below `dst`, in read order), from the first, an idle-only
@@ -166,7 +168,7 @@ class Promotion:
         away, keep = self._away_and_kept(rows, dst, protect, chain)
         sizes = self._slot_bytes(dst, away)
         total = int(sizes.sum())
-        room = self.room_most(dst, total, idle_only=True, protect=keep)
+        room = self.room_most(dst, total, idle_only=True, protect=keep, slot=one_size(sizes))
         if room >= total:
             return len(rows)
         first = int(sizes[~np.isin(away, rows)].sum())  # (ancestors come up first: all counted)
@@ -244,3 +246,8 @@ class Promotion:
             for q in reversed(path):
                 seen[q] = None
         return np.fromiter(seen, dtype=np.int64, count=len(seen))
+
+
+def one_size(sizes: np.ndarray) -> int | None:
+    """The slot size all of `sizes` share, None where they differ (or there are none)."""
+    return int(sizes[0]) if len(sizes) and (sizes == sizes[0]).all() else None

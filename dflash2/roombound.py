@@ -10,7 +10,8 @@ tier and brought up nothing. Each now asks `room_most` first.
 
 Invariant: `room_most` is an upper bound on what `make_room` could free with the same picks (the
 tier's pages less the slots of the blocks that stay, and of those above them in the tier: page tails
-and other sizes' slabs only lower what is usable), so a call it refuses could never have succeeded.
+and other sizes' slabs only lower what is usable; for blocks of one size, counted by slabs: see
+`SlotAllocator.room_without`), so a call it refuses could never have succeeded.
 Needs the Placement's `table`, `movable`, `_unprotected` and `_nothing_movable`.
 """
 
@@ -28,10 +29,11 @@ class RoomBound:
     """Placement's bound on the room a tier could make (the attributes it uses are Placement's)."""
 
     def room_most(self, tier: Tier, need_bytes: int, *, idle_only: bool, protect: np.ndarray | None = None,
-                  below_priority: int | None = None) -> int:
+                  below_priority: int | None = None, slot: int | None = None) -> int:
         """Bytes of slots `tier` could have free were every block that may leave it gone, with make_room's
         picks (`idle_only`: idle blocks; else a promotion's: idle blocks of any priority, then running
-        ones under `below_priority`, any when None; never `protect`). Where the free room alone holds
+        ones under `below_priority`, any when None; never `protect`); `slot`: in slots of that size only
+        (the call's blocks are all of it), else of any. Where the free room alone holds
         `need_bytes`, or nothing may leave, the free room: no pass over the table (a refused call,
         retried by its client, paid one each time: 0.13 → 3.7 ms at a million rows, a review)."""
         alloc = self.table.allocators[tier]
@@ -68,6 +70,8 @@ class RoomBound:
         for row in up.tolist():
             while (row := parent(row)) >= 0 and inside(row) and not held(row):
                 stay[row] = True
+        if slot is not None:  # (by slabs: another size's free slots beside a block that stays hold none of these)
+            return alloc.room_without(slot, c.offset[stay])
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
 
     def could_hold(self, tier: Tier, need_bytes: int, **picks) -> bool:

@@ -209,3 +209,33 @@ def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
         assert m.stats()["tiers"]["dram"]["blocks"] > 0, "the background drains a full HBM"
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_room_without_is_never_below_the_room_left_once_the_rest_is_freed(seed):
+    """`room_without` bounds from above the room for one size were every block gone but those kept
+    (roombound.py refuses a call only below it, so under the truth it would refuse one that could
+    succeed), and equals it where that size's slabs are one page each."""
+    rng = np.random.default_rng(seed)
+    page = 64 * 1024
+    a = SlotAllocator(24 * page, page, 256)
+    sizes = [8 * 1024, 16 * 1024, 40 * 1024, 96 * 1024, 200 * 1024]
+    held = []  # (block bytes, offset)
+    for _ in range(60):
+        size = sizes[rng.integers(len(sizes))]
+        got = a.alloc(size, int(rng.integers(1, 4)))
+        if got is not None:
+            held += [(size, int(o)) for o in got]
+        if held and rng.random() < 0.3:
+            size, off = held.pop(int(rng.integers(len(held))))
+            a.free(size, np.array([off]))
+    kept = [h for h in held if rng.random() < 0.3]
+    asked = sizes[rng.integers(len(sizes))]
+    bound = a.room_without(a.slot_for(asked), np.array([o for _, o in kept], dtype=np.int64))
+    for size, off in held:
+        if (size, off) not in kept:
+            a.free(size, np.array([off]))
+    truth = a.room_for(asked)
+    assert bound >= truth
+    if a.slab_shape_of(asked)[0] == 1:
+        assert bound == truth

@@ -6,7 +6,7 @@ import pytest
 
 from dflash2.tiers import Tier
 
-from conftest import SMALL
+from conftest import SMALL, SMALL_FP8
 from placement_helpers import fill, tier_of
 
 
@@ -27,6 +27,53 @@ def test_an_allocate_that_fails_anyway_moves_and_drops_nothing(make_manager, dra
     assert mgr.stats()["placement"]["demoted"] == 0
     assert len(mgr.allocate(c, lid, 1)) == 1  # one that fits is still served, from the free slot
     assert len(mgr.allocate(c, lid, 1)) == 1  # ... and then by moving the idle block out
+    mgr.check_invariants()
+
+
+def _halves(mgr, w, small: int) -> None:
+    """In an HBM of pages of 16 KiB, two pages each left holding an 8 KiB block being written and a
+    free 8 KiB slot: 16 KiB of free slots that hold no 16 KiB block until a write ends."""
+    writing = mgr.allocate(w, small, 4)
+    by_page = {}
+    for v in writing.tolist():
+        by_page.setdefault(mgr.place(v).offset // (16 << 10), []).append(v)
+    assert len(by_page) == 2
+    mgr.free(w, [vs[0] for vs in by_page.values()])
+
+
+@pytest.mark.parametrize("dram_blocks", [0, 3])
+def test_an_allocate_that_fails_anyway_beside_other_sizes_moves_nothing(make_manager, dram_blocks):
+    """HBM of 3 pages: one holds another client's idle cached 16 KiB block, two the halves. Two 16
+    KiB blocks cannot come in; the bound counted the halves' free slots as room (by bytes), so the
+    idle block was dropped (HBM alone) or demoted, then the allocate refused (a review's model-based
+    test)."""
+    mgr = make_manager(hbm_blocks=3, dram_blocks=dram_blocks)
+    w, r = mgr.attach("w"), mgr.attach("r")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    cached = fill(mgr, r, big, [77])
+    _halves(mgr, w, small)
+    assert mgr.allocate(w, big, 2) is None and "cannot move now" in mgr.allocate_refusal
+    placement = mgr.stats()["placement"]
+    assert (placement["demoted"], placement["evicted"]) == (0, 0), placement
+    assert tier_of(mgr, cached[0]) == Tier.HBM and len(mgr.lookup_rows((77,), big)) == 1
+    assert len(mgr.allocate(w, big, 1)) == 1  # one that fits is served, by moving the idle block out
+    mgr.check_invariants()
+
+
+def test_an_acquire_that_fails_anyway_beside_other_sizes_moves_nothing(make_manager):
+    """The read's case: a 2-block chain of 16 KiB blocks in DRAM cannot come up beside the halves."""
+    mgr = make_manager(hbm_blocks=3, dram_blocks=8)
+    w, r = mgr.attach("w"), mgr.attach("r")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    chain = fill(mgr, r, big, [1, 2])
+    fill(mgr, r, big, [5, 6, 7])  # pushes the chain down to DRAM
+    _halves(mgr, w, small)
+    idle = fill(mgr, r, big, [9])
+    assert [tier_of(mgr, v) for v in chain] == [Tier.DRAM, Tier.DRAM] and tier_of(mgr, idle[0]) == Tier.HBM
+    cols = mgr.table.cols
+    before = {k: getattr(cols, k).copy() for k in ("tier", "offset", "state", "refs", "pins")}
+    assert mgr.acquire(r, chain) is None
+    assert [k for k, v in before.items() if not np.array_equal(v, getattr(cols, k))] == []
     mgr.check_invariants()
 
 
