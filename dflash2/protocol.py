@@ -114,6 +114,9 @@ def unprintable(text: str) -> str | None:
 
 def client_name(name: str) -> str:
     """An attach's `name`, checked (ProtocolError naming what is wrong)."""
+    if not name.strip():
+        raise ProtocolError("attach: argument 'name' is empty: name the client (it is how `dflash2 status` and "
+                            "the log tell clients apart)")
     if len(name) > MAX_NAME_CHARS:
         raise ProtocolError(f"attach: argument 'name' has {len(name)} characters, more than {MAX_NAME_CHARS}")
     why = unprintable(name)
@@ -208,6 +211,28 @@ UNDOABLE = frozenset({Op.ALLOCATE, Op.TAKE, Op.RESERVE, Op.ACQUIRE, Op.ADD_REF, 
 # second release would drop another thread's pin). A new op, so that an older daemon refuses it
 # (unknown op) rather than running a release twice.
 RETRIED = frozenset({Op.RELEASE, Op.FREE})
+# The arguments each op reads (header.args); any other is refused, naming it (ProtocolError): a
+# misspelt one ({"teir": "dram"}) ran the call with the default (a host writer's blocks taken in
+# HBM), silently (a review). `request_port` goes with every call of a monitoring-key transport
+# (client/transport.py), whichever op it is.
+ARGS: dict[Op, frozenset[str]] = {op: frozenset(names) for op, names in {
+    Op.PING: (), Op.HEARTBEAT: (), Op.DETACH: (), Op.STATS: (), Op.CHECK: (),
+    Op.RELEASE: (), Op.FREE: (), Op.PLACES: (),
+    Op.ATTACH: ("name", "pid", "layouts", "pid_namespace", "prefill_tokens_per_s", "gpu_uuid", "device"),
+    Op.REGISTER_LAYOUT: ("layout", "prefill_tokens_per_s"),
+    Op.PREFILL_RATE: ("layout", "tokens_per_s"),
+    Op.RESERVE: ("layout", "tokens", "priority", "request", "deadline_s"),
+    Op.RESERVATION: ("reservation",), Op.TAKE: ("reservation", "n"), Op.CANCEL: ("reservation",),
+    Op.ALLOCATE: ("layout", "n", "request", "priority", "tier"),
+    Op.COMMIT: ("parent",),
+    Op.LOOKUP: ("layout", "tier", "probe"),
+    Op.ACQUIRE: ("tier", "priority"),
+    Op.ADD_REF: ("priority",),
+    Op.SET_WEIGHTS: ("weights",),
+    Op.HISTORY: ("since_s",),
+    Op.FORGET: ("call",), Op.RETRY: ("op", "call"),
+}.items()}
+TRANSPORT_ARGS = frozenset({"request_port"})
 
 
 @dataclasses.dataclass
@@ -303,7 +328,9 @@ def check_frames(op: Op, frames) -> None:
                             f"a call carries at most {MAX_BATCH} ids or keys)")
 
 
-def decode_request(frames: list[bytes]) -> Request:
+def decode_request(frames: list[bytes], *, check_args: bool = True) -> Request:
+    """The request of these frames (ProtocolError naming what is wrong). `check_args=False`: its
+    arguments' names unchecked (the tcp endpoint's key gate, which refuses a call by its op first)."""
     if len(frames) > MAX_REQUEST_FRAMES:
         raise ProtocolError(f"a request has at most {MAX_REQUEST_FRAMES} frames (magic, version, header and "
                             f"up to {MAX_ARRAYS} arrays), got more")
@@ -328,6 +355,11 @@ def decode_request(frames: list[bytes]) -> Request:
         raise ProtocolError(f"{op.value} needs the session token attach returned (header.token)")
     if not isinstance(args, dict):
         raise ProtocolError("header.args must be a JSON object")
+    unknown = args.keys() - ARGS[op] - TRANSPORT_ARGS if check_args else ()
+    if unknown:
+        takes = ", ".join(sorted(ARGS[op])) or "none"
+        raise ProtocolError(f"{op.value}: unknown argument(s) {', '.join(map(repr, sorted(map(str, unknown))))} "
+                            f"(it takes: {takes})")
     return Request(op, call_id, client, args, [bytes(f) for f in frames[3:]], token)
 
 

@@ -66,7 +66,7 @@ def _header_frames(raw: bytes, version: bytes = P.VERSION_FRAME) -> list[bytes]:
 
 
 def test_headers_decode_as_json_loads_of_bytes_decoded_them():
-    header = {"op": "ping", "id": 7, "client": None, "token": None, "args": {"name": "é"}}
+    header = {"op": "attach", "id": 7, "client": None, "token": None, "args": {"name": "é"}}
     text = json.dumps(header)
     for raw in (text.encode(), b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16"), text.encode("utf-32")):
         assert P.decode_request(_header_frames(raw)).args == {"name": "é"}

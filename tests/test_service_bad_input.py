@@ -98,6 +98,10 @@ def test_bad_arguments_change_nothing(service):
         (Op.SET_WEIGHTS, {"weights": {"recency": "hot"}}, None, "must be numbers"),
         (Op.SET_WEIGHTS, {"weights": {"recency": 10**400}}, None, "recency"),  # past float's range
         (Op.SET_WEIGHTS, {"weights": {"recency": float("nan")}}, None, "got {'recency': nan}"),  # (was "-inf")
+        # A misspelt argument ran the call with the default, silently (a review: "teir" took HBM)
+        (Op.ALLOCATE, {"layout": 0, "n": 1, "teir": "dram"}, None, "allocate: unknown argument(s) 'teir' (it takes: "),
+        (Op.ACQUIRE, {"prio": 3}, vids(1), "acquire: unknown argument(s) 'prio' (it takes: priority, tier)"),
+        (Op.FREE, {"all": True}, vids(1), "free: unknown argument(s) 'all' (it takes: none)"),
     ]
     for op, args, arrays, problem in bad:
         reply = call(service, op, c, args, arrays)
@@ -394,6 +398,20 @@ def test_two_pools_route_by_device_and_stats_add_up(make_manager, clock):
     assert st["devices"]["1"]["tiers"]["hbm"]["blocks"] == 3 and st["devices"]["0"]["tiers"]["hbm"]["blocks"] == 0
     assert not call(svc, Op.ATTACH, args={"name": "x", "pid": 0, "device": 5}).ok
     assert call(svc, Op.CHECK).ok
+
+
+def test_every_op_names_the_arguments_it_takes_and_a_monitoring_port_goes_with_any():
+    assert set(P.ARGS) == set(Op)
+    assert all(P.decode_request(P.encode_request(op, 1, 3, {"request_port": 5555}, token="0" * P.TOKEN_CHARS))
+               for op in Op)
+
+
+def test_a_client_name_may_not_be_empty(service):
+    """An empty name showed blank in `dflash2 status` and the log (a review)."""
+    for name in ("", "  "):
+        reply = call(service, Op.ATTACH, args={"name": name, "pid": 0})
+        assert not reply.ok and "argument 'name' is empty" in reply.error_message
+    assert not service.sessions
 
 
 def test_a_client_name_is_bounded(service):
