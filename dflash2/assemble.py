@@ -175,7 +175,7 @@ def _open_arena(spec: TierSpec, plan: Plan, instance: str, device: int | None, n
             arena = CudaArena.create(device, spec.capacity_bytes, spec.alignment)
             return arena, f"took hbm tier: {spec.capacity_bytes} bytes of GPU {device} memory"
         arena = PinnedHostArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
-                                       alignment=spec.alignment)
+                                       alignment=spec.alignment, device=device)
         return arena, f"took {spec.tier.label} tier: {spec.capacity_bytes} bytes of pinned host shared memory"
     arena = SharedMemoryArena.create(f"{instance}-{spec.tier.label}", spec.capacity_bytes, spec.tier,
                                      alignment=spec.alignment)

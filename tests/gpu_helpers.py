@@ -18,6 +18,14 @@ GPU = [pytest.mark.gpu,
 MIB = 1 << 20
 
 
+def two_gpus() -> bool:
+    try:
+        import cupy as cp
+        return cp.cuda.runtime.getDeviceCount() >= 2
+    except Exception:
+        return False
+
+
 @contextlib.contextmanager
 def daemon_on(path, prefix=()):
     """The real dflash2d on `path` (run under `prefix`, e.g. unshare(1)), up once it printed its

@@ -129,7 +129,7 @@ def test_neighbouring_blocks_move_as_one_copy_bit_exact():
     from dflash2.transfer.route import Mechanism
     k, n = 16 << 10, 64
     hbm = CudaArena.create(0, 4 * n * k)
-    dram = PinnedHostArena.create(f"dflash2-gpu-{uuid.uuid4().hex[:8]}", 4 * n * k, Tier.DRAM)
+    dram = PinnedHostArena.create(f"dflash2-gpu-{uuid.uuid4().hex[:8]}", 4 * n * k, Tier.DRAM, device=0)
     backend = CudaTransferBackend({Tier.HBM: hbm, Tier.DRAM: dram}, dram.region, staging_bytes=0)
     try:
         rng = np.random.default_rng(3)
@@ -175,7 +175,7 @@ def test_copy_kernel_handles_odd_sizes_and_many_chunks():
     dst_off[perm] = np.concatenate([[0], np.cumsum(slots[perm])[:-1]])
     total = int(slots.sum())
     hbm = CudaArena.create(0, total)
-    host = PinnedBuffer(total)
+    host = PinnedBuffer(total, 0)
     try:
         data = rng.integers(0, 256, total, dtype=np.uint8)
         hbm.view(0, total)[:] = cp.asarray(data)

@@ -346,7 +346,7 @@ def test_a_staging_buffer_that_cannot_be_had_is_a_capacity_error():
     from dflash2.cuda.arena import PinnedBuffer
     from dflash2.errors import CapacityError
     with pytest.raises(CapacityError, match="memory.staging_buffer_size_mb"):
-        PinnedBuffer(1 << 50)  # 1 PiB: past any machine's memory and the 47-bit address space
+        PinnedBuffer(1 << 50, 0)  # 1 PiB: past any machine's memory and the 47-bit address space
 
 
 def test_a_copy_kernel_that_does_not_compile_is_an_arena_error(monkeypatch):

@@ -12,17 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_helpers import GPU, daemon_on, fill
+from gpu_helpers import GPU, daemon_on, fill, two_gpus
 
 pytestmark = GPU
-
-
-def two_gpus() -> bool:
-    try:
-        import cupy as cp
-        return cp.cuda.runtime.getDeviceCount() >= 2
-    except Exception:
-        return False
 
 
 @pytest.mark.skipif(not two_gpus(), reason="needs two GPUs (run on nvidia-h200-x2)")

@@ -22,6 +22,7 @@ import numpy as np
 
 from dflash2 import stopsignals
 from dflash2.bench import OptionError, non_negative_int, positive_int, sizes_kib, visible_gpu
+from dflash2.cuda import on_device
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
@@ -77,7 +78,8 @@ def run(args) -> list[dict]:
     # arena, those into HBM the second, so that the run both ways at once reads no slot that it
     # writes. (The --inflight batches of one direction share their half: they may overlap.)
     hbm = CudaArena.create(args.device, 2 * whole * largest)
-    dram = PinnedHostArena.create(f"dflash2-bench-{uuid.uuid4().hex[:8]}", 2 * whole * largest, Tier.DRAM)
+    dram = PinnedHostArena.create(f"dflash2-bench-{uuid.uuid4().hex[:8]}", 2 * whole * largest, Tier.DRAM,
+                                  device=args.device)
     backend = CudaTransferBackend({Tier.HBM: hbm, Tier.DRAM: dram}, dram.region, staging_bytes=0)
     rng = np.random.default_rng(0)
     out = []
@@ -142,7 +144,7 @@ def run(args) -> list[dict]:
 
 def _contiguous(cp, hbm, dram, total: int, repeat: int) -> dict:
     rt = cp.cuda.runtime
-    with cp.cuda.Device(hbm.device):
+    with on_device(hbm.device):
         s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
         host = dram.region.host_ptr
 
@@ -168,7 +170,7 @@ def _per_block(cp, hbm, dram, batch: CopyBatch, repeat: int) -> float:
     rt = cp.cuda.runtime
     host = dram.region.host_ptr
     src, dst, nb = batch.src_offsets.tolist(), batch.dst_offsets.tolist(), batch.nbytes.tolist()
-    with cp.cuda.Device(hbm.device):
+    with on_device(hbm.device):
         s = cp.cuda.Stream(non_blocking=True)
 
         def naive():

@@ -4,6 +4,9 @@ dflash2 never imports this package unless the config asks for a CUDA device."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 from dflash2 import threads
 from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError
@@ -17,6 +20,33 @@ def cupy():
     except ImportError as e:
         raise ArenaError(f"the CUDA path needs CuPy (pip install 'dflash2[gpu]'): {e}") from None
     return cp
+
+
+def _context_current() -> bool:
+    """Whether this thread has a CUDA context current (cuCtxGetCurrent; makes none)."""
+    ctx = ctypes.c_void_p()
+    return libcuda().cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+
+@contextlib.contextmanager
+def on_device(device: int):
+    """The thread's current device is `device` inside the block, as in `cp.cuda.Device(device)`; on
+    leaving, the device before is set back only where the thread had a CUDA context current.
+
+    CuPy's sets back the device the runtime calls current, which in a thread that never chose one
+    is GPU 0, and since CUDA 12 setting a device makes its primary context: a daemon serving GPU 1
+    alone made a context on GPU 0 (hundreds of MiB of a GPU another tenant or rank uses), and so did a
+    client serving GPU 1 when its heartbeat thread let a dead daemon's HBM mapping go (a review).
+    A thread without one is left on `device`, whose context the block has made."""
+    runtime = cupy().cuda.runtime
+    before = runtime.getDevice() if _context_current() else None
+    if before != device:
+        runtime.setDevice(device)
+    try:
+        yield
+    finally:
+        if before is not None and before != device:
+            runtime.setDevice(before)
 
 
 # cudaErrorNotReady: what cudaEventQuery answers while the work before the event still runs.
@@ -43,7 +73,7 @@ def start_device(device: int) -> None:
     GPU when its context cannot be made."""
     cp = cupy()
     try:
-        with threads.stop_signals_blocked(), cp.cuda.Device(device):
+        with threads.stop_signals_blocked(), on_device(device):
             cp.cuda.runtime.free(0)  # cudaFree(0): makes the device's primary context, frees nothing
     except cp.cuda.runtime.CUDARuntimeError as e:
         raise ArenaError(f"cannot make a CUDA context on GPU {device}: {e}") from None

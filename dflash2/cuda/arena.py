@@ -14,7 +14,7 @@ import os
 import weakref
 
 from dflash2.arena.base import MemoryArena
-from dflash2.cuda import cupy
+from dflash2.cuda import cupy, on_device
 from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
@@ -51,7 +51,7 @@ def _release(device: int, ptr: int, owner: bool, pid: int) -> None:
         return
     try:
         cp = cupy()
-        with cp.cuda.Device(device):
+        with on_device(device):
             cp.cuda.runtime.deviceSynchronize()  # no queued kernel or copy still reads or writes it
             if owner:
                 cp.cuda.runtime.free(ptr)
@@ -80,7 +80,7 @@ class CudaArena(MemoryArena):
         cp = cupy()
         hold = _Hold()
         weakref.finalize(hold, _release, device, ptr, owner, os.getpid()).atexit = False  # exit frees all
-        with cp.cuda.Device(device):
+        with on_device(device):
             mem = cp.cuda.UnownedMemory(ptr, capacity_bytes, hold, device_id=device)
             self._bytes = cp.ndarray((capacity_bytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
 
@@ -88,7 +88,7 @@ class CudaArena(MemoryArena):
     def create(cls, device: int, capacity_bytes: int, alignment: int = 256) -> "CudaArena":
         """cudaMalloc the whole arena now. CapacityError gives the bytes asked and free."""
         cp = cupy()
-        with cp.cuda.Device(device):
+        with on_device(device):
             free, total = cp.cuda.runtime.memGetInfo()
             if capacity_bytes > free:
                 raise CapacityError(f"HBM tier on GPU {device} needs {capacity_bytes} bytes, only {free} of "
@@ -104,7 +104,7 @@ class CudaArena(MemoryArena):
     def attach(cls, handle: bytes, device: int, capacity_bytes: int, alignment: int = 256) -> "CudaArena":
         """Map another process's arena by its IPC handle (a client)."""
         cp = cupy()
-        with cp.cuda.Device(device):
+        with on_device(device):
             try:
                 ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS)
             except cp.cuda.runtime.CUDARuntimeError as e:
@@ -112,7 +112,7 @@ class CudaArena(MemoryArena):
         return cls(device, ptr, capacity_bytes, alignment, owner=False)
 
     def ipc_handle(self) -> bytes:
-        with cupy().cuda.Device(self.device):
+        with on_device(self.device):
             return bytes(cupy().cuda.runtime.ipcGetMemHandle(self.ptr))
 
     def view(self, offset: int, nbytes: int):
@@ -141,45 +141,52 @@ class PinnedRegion:
     host_ptr: int
     nbytes: int
     device_ptr: int
+    device: int  # the GPU whose context registered it (and unregisters it)
     _registered: bool = True
 
     @classmethod
-    def register(cls, host_ptr: int, nbytes: int) -> "PinnedRegion":
+    def register(cls, host_ptr: int, nbytes: int, device: int) -> "PinnedRegion":
+        """Pinned for every GPU (portable), registered from `device`'s context: from the thread's
+        current one it made a context on GPU 0 in a daemon serving another GPU (a review)."""
         cp = cupy()
-        try:
-            cp.cuda.runtime.hostRegister(host_ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        except cp.cuda.runtime.CUDARuntimeError as e:
-            raise CapacityError(f"cannot pin {nbytes} bytes of host memory for the GPU: {e} "
-                                "(check ulimit -l / the container's memlock limit)") from None
-        try:
-            return cls(host_ptr, nbytes, device_pointer(host_ptr))
-        except BaseException:
-            cp.cuda.runtime.hostUnregister(host_ptr)  # not left pinned under a segment about to go
-            raise
+        with on_device(device):
+            try:
+                cp.cuda.runtime.hostRegister(host_ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                raise CapacityError(f"cannot pin {nbytes} bytes of host memory for the GPU: {e} "
+                                    "(check ulimit -l / the container's memlock limit)") from None
+            try:
+                return cls(host_ptr, nbytes, device_pointer(host_ptr), device)
+            except BaseException:
+                cp.cuda.runtime.hostUnregister(host_ptr)  # not left pinned under a segment about to go
+                raise
 
     def unregister(self) -> None:
         if self._registered:
             self._registered = False
-            cupy().cuda.runtime.hostUnregister(self.host_ptr)
+            with on_device(self.device):
+                cupy().cuda.runtime.hostUnregister(self.host_ptr)
 
 
 class PinnedBuffer:
     """A page-locked, mapped host buffer of our own (the GPU staging buffer for NVMe moves)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, device: int):
         cp = cupy()
         self.nbytes = nbytes
-        try:
-            self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        except cp.cuda.runtime.CUDARuntimeError as e:
-            # At start-up: a named error, which the daemon reports and exits 4 on (not a traceback).
-            raise CapacityError(f"cannot take {nbytes} bytes of pinned host memory for the GPU staging buffer "
-                                f"(memory.staging_buffer_size_mb): {e}") from None
-        try:
-            self.device_ptr = device_pointer(self.host_ptr)
-        except BaseException:
-            cp.cuda.runtime.freeHost(self.host_ptr)
-            raise
+        self.device = device
+        with on_device(device):  # (as PinnedRegion.register)
+            try:
+                self.host_ptr = cp.cuda.runtime.hostAlloc(nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                # At start-up: a named error, which the daemon reports and exits 4 on (not a traceback).
+                raise CapacityError(f"cannot take {nbytes} bytes of pinned host memory for the GPU staging buffer "
+                                    f"(memory.staging_buffer_size_mb): {e}") from None
+            try:
+                self.device_ptr = device_pointer(self.host_ptr)
+            except BaseException:
+                cp.cuda.runtime.freeHost(self.host_ptr)
+                raise
         import ctypes
 
         import numpy as np
@@ -189,7 +196,8 @@ class PinnedBuffer:
         if self.host_ptr:
             ptr, self.host_ptr = self.host_ptr, 0
             self.array = None
-            cupy().cuda.runtime.freeHost(ptr)
+            with on_device(self.device):
+                cupy().cuda.runtime.freeHost(ptr)
 
 
 class PinnedHostArena(MemoryArena):
@@ -204,12 +212,13 @@ class PinnedHostArena(MemoryArena):
         self.alignment = shm.alignment
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, tier: Tier, alignment: int = 4096) -> "PinnedHostArena":
+    def create(cls, name: str, capacity_bytes: int, tier: Tier, alignment: int = 4096, *,
+               device: int) -> "PinnedHostArena":
         from dflash2.arena.shm import SharedMemoryArena
 
         shm = SharedMemoryArena.create(name, capacity_bytes, tier, alignment=alignment)
         try:
-            region = PinnedRegion.register(int(shm.view(0, capacity_bytes).ctypes.data), capacity_bytes)
+            region = PinnedRegion.register(int(shm.view(0, capacity_bytes).ctypes.data), capacity_bytes, device)
         except BaseException:
             shm.close()
             raise

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from dflash2.cuda import cupy
+from dflash2.cuda import cupy, on_device
 from dflash2.cudadriver import libcuda
 from dflash2.errors import ArenaError
 
@@ -163,7 +163,7 @@ class CopyKernel:
     def __init__(self, device: int):
         cp = cupy()
         self.device = device
-        with cp.cuda.Device(device):
+        with on_device(device):
             self._kernel = cp.RawKernel(SOURCE, "dflash2_copy_chunks")
             # Compiled now, at start-up: left to the first launch, the compile (hundreds of ms on a
             # fresh machine) would stall the first move a client waits for.
@@ -189,7 +189,7 @@ class CopyKernel:
         n = len(nbytes)
         if n == 0:
             return
-        with self._lock, cp.cuda.Device(self.device):
+        with self._lock, on_device(self.device):
             ring = self._meta.get(stream.ptr)
             if ring is None:
                 ring = self._meta[stream.ptr] = _StreamMeta(stream)

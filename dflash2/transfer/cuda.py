@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash2 import threads
 from dflash2.arena.base import Arena, StorageArena
-from dflash2.cuda import cupy, event_passed
+from dflash2.cuda import cupy, event_passed, on_device
 from dflash2.cuda.arena import CudaArena, PinnedBuffer, PinnedRegion
 from dflash2.cuda.copy_engine import CopyEngineBatch
 from dflash2.cuda.kernels import CopyKernel
@@ -124,7 +124,7 @@ class CudaTransferBackend(TransferBackend):
         self.dram = dram_region
         self.kernel = CopyKernel(self.device)
         self.engines = CopyEngineBatch()
-        with cp.cuda.Device(self.device):
+        with on_device(self.device):
             self.d2h = cp.cuda.Stream(non_blocking=True)
             self.h2d = cp.cuda.Stream(non_blocking=True)
         # per direction (device to host?): the event of its last batch and when that batch started
@@ -133,7 +133,7 @@ class CudaTransferBackend(TransferBackend):
         self.launches: collections.Counter = collections.Counter()
         self._timed_at = {True: -float("inf"), False: -float("inf")}  # when a batch was last timed
         # The staging buffer first: when it cannot be had (CapacityError), no host thread is left running.
-        self.staging = PinnedBuffer(staging_bytes) if Tier.NVME in arenas else None
+        self.staging = PinnedBuffer(staging_bytes, self.device) if Tier.NVME in arenas else None
         self.host = HostTransferBackend({t: a for t, a in arenas.items() if t != Tier.HBM})
         if self.staging is not None:  # HBM<->NVMe moves go through the staging buffer, whole blocks
             self.max_block_bytes = self.staging.nbytes // STAGE_ALIGN * STAGE_ALIGN
@@ -186,7 +186,7 @@ class CudaTransferBackend(TransferBackend):
         start event when timed)."""
         cp = cupy()
         keep = ()
-        with self._queue_lock, cp.cuda.Device(self.device):
+        with self._queue_lock, on_device(self.device):
             began = None
             if timed:
                 began = cp.cuda.Event()
@@ -237,7 +237,7 @@ class CudaTransferBackend(TransferBackend):
         if self.fatal is not None:
             return
         try:
-            with cupy().cuda.Device(self.device):
+            with on_device(self.device):
                 cupy().cuda.runtime.deviceSynchronize()
         except Exception as probe:
             self.fatal = f"GPU {self.device}: the CUDA context is lost ({probe}; the first failure: {error})"
@@ -290,11 +290,11 @@ class CudaTransferBackend(TransferBackend):
         """One kernel between HBM and the staging buffer, waited for by its own event: the
         direction's HBM<->DRAM batches queued before it need not finish first."""
         cp = cupy()
-        with self._queue_lock, cp.cuda.Device(self.device):
+        with self._queue_lock, on_device(self.device):
             self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
             done = cp.cuda.Event(disable_timing=True)
             done.record(stream)
-        with cp.cuda.Device(self.device):
+        with on_device(self.device):
             done.synchronize()
 
     def close(self) -> None:
@@ -309,7 +309,7 @@ class CudaTransferBackend(TransferBackend):
         self.host.close()
         cp = cupy()
         try:
-            with cp.cuda.Device(self.device):
+            with on_device(self.device):
                 cp.cuda.runtime.deviceSynchronize()
             if self.staging is not None:
                 self.staging.close()
