@@ -360,7 +360,8 @@ class Client:
             waited = min(time.monotonic() - began, timeout - 1e-3)
             sent = time.monotonic()
             reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
-            self.renewed(sent)
+            if op in P.NEEDS_CLIENT:  # (ping, stats, check and history renew no lease: answered without one)
+                self.renewed(sent)
             return reply
         except DaemonError as e:
             if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says

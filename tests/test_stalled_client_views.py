@@ -17,10 +17,12 @@ import sys
 import textwrap
 import time
 
+import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
 
 from dflash2.client import Client
+from dflash2.errors import ArenaError
 from dflash2.keys import chain_keys
 
 LEASE = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "set_aside_leases": 1}
@@ -121,3 +123,36 @@ def test_a_resumed_reader_gets_no_view_of_a_slot_given_away(config_file, tmp_pat
     out = _run(config_file, tmp_path, reader=True)
     assert "lease" in out.get("error", ""), f"the resumed reader was given a view: {out}"
     assert not out["wrong"], out
+
+
+@pytest.mark.parametrize("asks", ["stats", "ping", "nothing"])
+def test_a_call_the_daemon_answers_without_a_lease_renews_none(config_file, tmp_path, asks):
+    """`ping`, `stats`, `check` and `history` are answered whether or not the daemon knows the
+    client: counted as renewals, a stats() after the lapse disarmed the check and the view wrote into
+    another client's cached block (a review)."""
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    other = lapsed = None
+    try:
+        other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
+        lapsed = Client.connect(d.endpoint, name="lapsed", layouts=[SMALL], heartbeat=False)
+        mine = lapsed.allocate(lapsed.layouts[0], 1)
+        lapsed.view_bytes(mine[0])[:] = 0x33
+        st = _until_let_go(other)
+        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+        places = other.allocate(other.layouts[0], n)  # every HBM slot, the lapsed client's old one among them
+        for p in places:
+            other.view_bytes(p)[:] = 0x22
+        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        if asks != "nothing":
+            getattr(lapsed, asks)()
+        with pytest.raises(ArenaError, match="lease lapsed"):
+            lapsed.view_bytes(mine[0])[:] = 0x99
+        pinned = other.acquire(vids)
+        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
+        other.release(vids)
+    finally:
+        for c in (lapsed, other):
+            if c is not None:
+                c.close()
+        d.stop()
