@@ -226,10 +226,11 @@ class SlotAllocator:
         not their runs (roombound.py)."""
         slab_pages, per_slab = self._slab_shape(slot)
         kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
-        heads, count = np.unique(self._head_of(kept), return_counts=True)
+        per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)  # (no sort of a million heads)
+        heads = np.flatnonzero(per_head)
         classes = self._page_class[heads]
-        kept_pages = sum(int((classes == s).sum()) * self._classes[s].slab_pages for s in np.unique(classes).tolist())
-        in_kept = int((per_slab - count[classes == slot]).sum())
+        kept_pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
+        in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
         return ((self.n_pages - kept_pages) // slab_pages * per_slab + in_kept) * slot
 
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:

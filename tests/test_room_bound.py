@@ -4,10 +4,14 @@ tier could make, with the call's own picks, checked before any room is made, and
 import numpy as np
 import pytest
 
+from dflash2.layout import Layout
+from dflash2.manager import BlockManager, TierSpec
 from dflash2.tiers import Tier
 
-from conftest import SMALL, SMALL_FP8
+from conftest import KIB, SMALL, SMALL_FP8, FakeClock
 from placement_helpers import fill, tier_of
+
+FORTY_KIB = Layout("forty", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=40)
 
 
 @pytest.mark.parametrize("dram_blocks", [0, 8])
@@ -194,3 +198,37 @@ def test_a_read_beside_a_chain_deeper_than_the_whole_array_rounds_moves_nothing(
     assert "nothing was moved" in mgr.acquire_refusal
     assert [tier_of(mgr, v) for v in (*target, *idle)] == [Tier.DRAM] * 3 + [Tier.HBM] * 2
     mgr.check_invariants()
+
+
+def _beside_an_empty_slab_of_another_size():
+    """HBM of two 64 KiB pages: page 1 holds four 16 KiB blocks being written, page 0 an empty slab of
+    40 KiB slots (24 KiB of it a tail), and a cached chain of four 16 KiB blocks lies in DRAM. Free by
+    bytes: 40 KiB; for 16 KiB blocks: 64 KiB (the allocator gives the empty slab's whole page back)."""
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 32 * page, page, 4096)],
+                       clock=FakeClock())
+    w, r = mgr.attach("w"), mgr.attach("r")
+    small, big = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB)
+    chain = fill(mgr, r, small, [1, 2, 3, 4])
+    assert mgr.allocate(w, small, 4) is not None
+    b = mgr.allocate(w, big, 1)  # demotes the chain; page 0 becomes a 40 KiB slab
+    assert b is not None and [tier_of(mgr, v) for v in chain] == [Tier.DRAM] * 4
+    mgr.free(w, b)
+    alloc = mgr.table.allocators[Tier.HBM]
+    assert alloc.free_bytes == 40 * KIB and alloc.room_for(16 * KIB) == 64 * KIB
+    return mgr, r, chain
+
+
+def test_a_read_that_fits_beside_another_sizes_empty_slab_is_served():
+    """The bound's shortcuts answered the free bytes, short of the room for the call's size: the read
+    was refused "no room now" and a prefetch window cut in half, though both fit with nothing moved
+    (a review)."""
+    mgr, r, chain = _beside_an_empty_slab_of_another_size()
+    try:
+        assert mgr.placement.room_most(Tier.HBM, 64 * KIB, idle_only=True, slot=16 * KIB) >= 64 * KIB
+        assert mgr.placement.fitting_prefix(mgr.table.rows(chain), Tier.HBM) == 4
+        got = mgr.acquire(r, chain)
+        assert got is not None and [p.tier for p in got] == [Tier.HBM] * 4
+        mgr.check_invariants()
+    finally:
+        mgr.close()
