@@ -60,7 +60,7 @@ CLIENT = ACTIVE + """
     deadline = time.monotonic() + 20
     while not c._ended and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)
+    c._heartbeat_thread.join(20)  # (it lets the mapping go after `_ended` is set, then returns)
     print(json.dumps({"ended": c._ended, "before": before, "after": active(0)}), flush=True)
 """
 
@@ -115,3 +115,30 @@ def test_a_client_on_gpu_1_makes_no_context_on_gpu_0_when_its_daemon_dies(tmp_pa
         for name in os.listdir("/dev/shm"):  # the killed daemon's segments
             if name.startswith(f"dflash2-{daemon.pid}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+THREAD = ACTIVE + """
+    import json, threading
+    import cupy as cp
+    from dflash2.cuda import on_device
+    cp.zeros(1)  # this process works on GPU 0 (its context made)
+    seen = {}
+    def worker():  # a thread that never chose a device, then works with the default one
+        with on_device(1):
+            cp.zeros(1)
+        seen["device"] = cp.zeros(1).device.id
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    print(json.dumps(seen))
+"""
+
+
+def test_a_thread_is_set_back_where_that_makes_no_context(tmp_path):
+    """A thread without a context of its own, in a process that works on GPU 0: after a dflash2 call
+    on GPU 1 its default device is GPU 0 again (GPU 0's context is active already: setting it back
+    makes none), as before on_device."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(THREAD)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"device": 0}

@@ -28,24 +28,37 @@ def _context_current() -> bool:
     return libcuda().cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
 
 
+def _primary_active(ordinal: int) -> bool:
+    """Whether GPU `ordinal`'s primary context is active in this process (cuDevicePrimaryCtxGetState;
+    makes none)."""
+    lib = libcuda()
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    return (lib.cuDeviceGet(ctypes.byref(dev), ordinal) == 0
+            and lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+            and bool(active.value))
+
+
 @contextlib.contextmanager
 def on_device(device: int):
     """The thread's current device is `device` inside the block, as in `cp.cuda.Device(device)`; on
-    leaving, the device before is set back only where the thread had a CUDA context current.
+    leaving, the device before is set back where that makes no new CUDA context: where the thread had
+    a context current, or that device's context is active in the process already.
 
     CuPy's sets back the device the runtime calls current, which in a thread that never chose one
     is GPU 0, and since CUDA 12 setting a device makes its primary context: a daemon serving GPU 1
     alone made a context on GPU 0 (hundreds of MiB of a GPU another tenant or rank uses), and so did a
     client serving GPU 1 when its heartbeat thread let a dead daemon's HBM mapping go (a review).
-    A thread without one is left on `device`, whose context the block has made."""
+    A thread left on `device` (no context before, and none on its device before in the process) has
+    that device for the rest of its CUDA work: where it would have made a context on the other."""
     runtime = cupy().cuda.runtime
-    before = runtime.getDevice() if _context_current() else None
-    if before != device:
+    had = _context_current()
+    before = runtime.getDevice()  # (makes no context)
+    if before != device or not had:
         runtime.setDevice(device)
     try:
         yield
     finally:
-        if before is not None and before != device:
+        if before != device and (had or _primary_active(before)):
             runtime.setDevice(before)
 
 
