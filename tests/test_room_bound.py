@@ -232,3 +232,28 @@ def test_a_read_that_fits_beside_another_sizes_empty_slab_is_served():
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("dram_pages", [0, 16])
+def test_page_tails_are_not_room_in_a_tier_of_one_size(dram_pages):
+    """16 pages of 64 KiB, each one 40 KiB slot and a 24 KiB tail: 15 blocks being written and one
+    idle cached block. Two more can never fit; counted by bytes, the tails were room (424 KiB said
+    for 40 KiB), and the idle block was dropped (HBM alone) or demoted first (a review)."""
+    page = 64 * KIB
+    specs = [TierSpec(Tier.HBM, 16 * page, page, 256)]
+    if dram_pages:
+        specs.append(TierSpec(Tier.DRAM, dram_pages * page, page, 4096))
+    mgr = BlockManager(specs, clock=FakeClock())
+    try:
+        w, r = mgr.attach("w"), mgr.attach("r")
+        lid = mgr.register_layout(FORTY_KIB)
+        slot = mgr.table.slot_bytes(lid, Tier.HBM)
+        cached = fill(mgr, r, lid, [7])
+        assert mgr.allocate(w, lid, 15) is not None
+        assert mgr.placement.room_most(Tier.HBM, 2 * slot, idle_only=True, slot=slot) == slot
+        assert mgr.allocate(w, lid, 2) is None
+        assert len(mgr.lookup_rows((7,), lid)) == 1 and tier_of(mgr, cached[0]) == Tier.HBM
+        assert len(mgr.allocate(w, lid, 1)) == 1  # one that fits is served, by moving the idle block out
+        mgr.check_invariants()
+    finally:
+        mgr.close()
