@@ -529,6 +529,8 @@ class Server:
         """Service.expire_leases, the time the daemon did not run (stalls.py) counted out first: the
         heartbeats its clients sent meanwhile never reached it."""
         self._credit_stall()
+        if self._parked:  # (their clients are heard from, as the step's judging hears them: a review)
+            self.service.waiting([parked for _, parked in self._parked])
         self.service.expire_leases()
 
     def _credit_stall(self) -> None:
