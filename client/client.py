@@ -143,9 +143,7 @@ class Client:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.lease_lost = False
-        # When the daemon last renewed the lease (monotonic: it runs on through a SIGSTOP): the send
-        # time of the latest answered call or heartbeat, at or before the daemon's own `last_seen`.
-        self._renewed = time.monotonic()
+        self._renewed = time.monotonic()  # the lease renewed by then at least (`renewed`; runs on through a SIGSTOP)
         self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self._detached = False  # detach() called: every later call says so
@@ -559,18 +557,16 @@ class Client:
         return arenas.bytes_view(self._place(place))
 
     def renewed(self, sent: float) -> None:
-        """The daemon answered a call (or heartbeat) sent at monotonic time `sent`: it renewed the lease
-        then or later. (Two threads may race here; the earlier time kept only makes a view check sooner.)"""
+        """The daemon renewed the lease answering a call sent at monotonic time `sent` (threads may race
+        here: the earlier time kept only makes a view check sooner)."""
         if sent > self._renewed:
             self._renewed = sent
 
     def _confirm_lease(self) -> None:
-        """No call or heartbeat of this client was answered for longer than the lease (a process
-        stopped or starved past it, whose heartbeat thread has not run since): before a new view,
-        ask the daemon whether it still knows this client. Once it let the lease lapse and the
-        set-aside time ran out, it gave the client's slots to other blocks: a view taken then
-        wrote into another client's cached block (a review's SIGSTOP/SIGCONT repro). ArenaError
-        where the daemon does not answer: the lease cannot be confirmed."""
+        """No lease-renewing call of this client was answered for a whole lease (a process stopped
+        past it): before a new view, ask the daemon whether it still knows the client. Past the lapse
+        and the set-aside time its slots went to other blocks: a view then wrote into another client's
+        cached block (a review's SIGSTOP repro). ArenaError where the daemon does not answer."""
         silent_s = time.monotonic() - self._renewed
         try:
             self._call(Op.HEARTBEAT)
