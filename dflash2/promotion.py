@@ -151,12 +151,11 @@ class Promotion:
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         away = self._away(chain, dst)
         sizes = self._slot_bytes(dst, away)
-        need = int(sizes.sum()) if len(away) else 0
-        if self.table.allocators[dst].free_bytes >= need:
-            return True  # (the usual read: no walk of what its room is kept from)
+        need, one, alloc = (int(sizes.sum()) if len(away) else 0), one_size(sizes), self.table.allocators[dst]
+        if alloc.free_bytes >= need if one is None else alloc.can_fit(one, len(away)):
+            return True  # (the usual read: no walk of what its room is kept from; for one size, by its slots)
         keep = self._away_and_kept(rows, dst, None, chain)[1]
-        return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority,
-                               slot=one_size(sizes))
+        return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority, slot=one)
 
     def fitting_prefix(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None = None) -> int:
         """How many of `rows` (blocks below `dst`, in read order), from the first, an idle-only

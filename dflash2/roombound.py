@@ -38,12 +38,10 @@ class RoomBound:
         retried by its client, paid one each time: 0.13 → 3.7 ms at a million rows, a review)."""
         alloc = self.table.allocators[tier]
         way, epoch = (int(tier), False, idle_only), int(self.table.movable_epoch[int(tier)])
-        free = alloc.free_bytes
-        if free < need_bytes and slot is not None:
-            # (another size's empty slab gives its whole page to this one, tail included: the free
-            # bytes alone said less than there was, and a read that fit with nothing moved was
-            # refused, a review)
-            free = max(free, alloc.room_for(slot))
+        # The room now: for one size, its slots (a page's tail holds none, and another size's empty
+        # slab gives its whole page: by bytes, a call that could never fit dropped an idle block
+        # first, and a read that fit with nothing moved was refused, two reviews).
+        free = alloc.free_bytes if slot is None else alloc.room_for(slot)
         if free >= need_bytes or self._nothing_movable.get(way) == epoch:
             return free
         c = self.table.cols

@@ -257,3 +257,33 @@ def test_page_tails_are_not_room_in_a_tier_of_one_size(dram_pages):
         mgr.check_invariants()
     finally:
         mgr.close()
+
+
+def test_free_pages_are_room_by_their_slots_for_an_allocate_or_a_read():
+    """16 pages of 64 KiB, one 40 KiB slot each: 10 blocks being written, 1 idle cached block, 5
+    pages free; 7 can never fit (6 slots at most), but the free bytes (320 KiB >= 280 KiB) answered
+    before the count by slots, and the allocate dropped the idle block, the read demoted it (a review
+    of 5cc0d75)."""
+    page = 64 * KIB
+    for dram in (False, True):
+        specs = [TierSpec(Tier.HBM, 16 * page, page, 256)] + ([TierSpec(Tier.DRAM, 32 * page, page, 4096)] if dram else [])
+        mgr = BlockManager(specs, clock=FakeClock())
+        try:
+            w, r = mgr.attach("w"), mgr.attach("r")
+            lid = mgr.register_layout(FORTY_KIB)
+            slot = mgr.table.slot_bytes(lid, Tier.HBM)
+            if dram:
+                chain = mgr.commit(r, mgr.allocate(r, lid, 7, tier=Tier.DRAM), keys=list(range(1, 8)))
+                mgr.free(r, chain)
+            assert mgr.allocate(w, lid, 10) is not None
+            idle = fill(mgr, r, lid, [200])
+            assert mgr.table.allocators[Tier.HBM].free_bytes == 5 * page
+            assert mgr.placement.room_most(Tier.HBM, 7 * slot, idle_only=True, slot=slot) == 6 * slot
+            cols = mgr.table.cols
+            before = {k: getattr(cols, k).copy() for k in ("tier", "offset", "state")}
+            assert (mgr.acquire(r, chain) if dram else mgr.allocate(w, lid, 7)) is None
+            assert [k for k, v in before.items() if not np.array_equal(v, getattr(cols, k))] == []
+            assert len(mgr.lookup_rows((200,), lid)) == 1 and tier_of(mgr, idle[0]) == Tier.HBM
+            mgr.check_invariants()
+        finally:
+            mgr.close()
