@@ -25,8 +25,8 @@ from dflash2 import threads
 # so that the stop signals reach the main thread, which runs Python's handlers (threads.py). The
 # importer's own mask is restored after them: importing this module changes no signal mask.
 with threads.stop_signals_blocked():
-    from dflash2.config import (Config, check_environment, config_warnings, expand_user, load_config,
-                                require_enabled)
+    from dflash2.config import Config, expand_user, load_config, require_enabled
+    from dflash2.config_warnings import check_environment, config_warnings
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
     from dflash2.logs import console_line, silence_stdout
     from dflash2.plan import Plan, resolve_plan, rounding_warnings
@@ -323,7 +323,8 @@ def check_paths(plan: Plan, history: bool = False) -> list[str]:
         socket = Path(plan.endpoint[len("ipc://"):])
         _check_own_folder(socket.parent, "the socket's folder", f"put the socket in a folder of the daemon's own, e.g. "
                                          f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}")
-        if socket.exists() and not stat.S_ISSOCK(socket.stat().st_mode):
+        st = _stat_or_none(socket, "daemon.endpoint")
+        if st is not None and not stat.S_ISSOCK(st.st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
     else:
         from dflash2.endpoints import runtime_dir
@@ -352,8 +353,8 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     """The endpoint's folder (an ipc socket's, a tcp endpoint's lock file's): one the daemon can make
     files in, and, when it exists, its own and not shared (sticky, or another user's)."""
     from dflash2.files import user_name
-    if folder.is_dir():  # (whose first: another user's 0755 folder was said only to refuse files, a review)
-        st = folder.stat()
+    st = _stat_or_none(folder, "daemon.endpoint")
+    if st is not None and stat.S_ISDIR(st.st_mode):  # (whose first: another user's 0755 folder was said only to refuse files, a review)
         mode = stat.S_IMODE(st.st_mode)
         # Sticky (/tmp) or writable by every user (anyone could plant the lock file's path); a folder
         # its group may write stays the daemon's own (refused, a config that ran did not start, a review).
@@ -368,6 +369,18 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
                                                  f"(mode {mode:o}), not to this user (uid {os.geteuid()}): run dflash2d "
                                                  f"as its owner, `--check` too (sudo -u USER dflash2d ...), or {advice}")
     _check_folder("daemon.endpoint", folder)
+
+
+def _stat_or_none(path: Path, key: str) -> os.stat_result | None:
+    """`path`'s stat, None where nothing is there; ConfigError naming `key` where a folder above it
+    may not be searched (Path.is_dir and exists raise EACCES: a traceback and exit 1 for a socket in
+    a folder of another user, or a runtime folder `sudo -u` kept from the caller, a review)."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise ConfigError(key, f"cannot look at {path}: {e.strerror or e}") from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -138,7 +138,8 @@ def resolve_plan(cfg: Config) -> Plan:
         notes.append("no layouts configured: blocks per layout are known once clients attach")
     _layouts_fit(tiers, layouts, notes)
     plan = Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
-                staging_bytes=mem.staging_buffer_size_mb * MB, nvme_path=cfg.resolved_nvme_path,
+                staging_bytes=mem.staging_buffer_size_mb * MB,
+                nvme_path=cfg.resolved_nvme_path if mem.nvme_capacity_mb else None,  # (no tier: no file, said as such)
                 endpoint=_checked_endpoint(cfg), state_dir=_state_dir(cfg), notes=tuple(notes),
                 tcp_key_file=cfg.resolved_tcp_key_file())
     if plan.pools > 1:

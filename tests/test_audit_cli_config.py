@@ -13,7 +13,8 @@ from conftest import write_config
 
 from dflash2 import cli
 from dflash2.arena.shm import mem_available_bytes
-from dflash2.config import config_warnings, load_config, machine_memory_bytes, parse_config
+from dflash2.config import load_config, parse_config
+from dflash2.config_warnings import config_warnings, machine_memory_bytes
 from dflash2.daemon import main as dmain
 from dflash2.errors import ConfigError
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from dflash2 import plan as plan_module
-from dflash2.config import (Config, check_environment, config_warnings, default_endpoint, load_config,
-                            parse_config, require_enabled)
+from dflash2.config import Config, default_endpoint, load_config, parse_config, require_enabled
+from dflash2.config_warnings import check_environment, config_warnings
 from dflash2.errors import ConfigError, DisabledError
 from dflash2.plan import Gpu, resolve_plan
 
@@ -250,6 +250,20 @@ def test_config_warnings_count_the_host_stand_in_and_name_ignored_gpu_ids():
     assert config_warnings(parse_config(cuda), mem_total_bytes=150 << 20) == []  # HBM is GPU memory there
     ids = config_warnings(parse_config(with_("device.gpu_ids", [0, 1])), mem_total_bytes=1 << 40)
     assert ids == ["device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)"]
+
+
+def test_an_nvme_file_without_a_capacity_is_said_to_be_ignored():
+    """memory.nvme_capacity_mb left out (its default 0): no NVMe tier, said; the plan showed the file
+    as if it were used, and nothing was said (a review)."""
+    from dflash2.plan import resolve_plan
+
+    cfg = parse_config(with_("memory.nvme_capacity_mb", None))
+    warnings = config_warnings(cfg, mem_total_bytes=1 << 40)
+    assert warnings == ["memory.nvme_path (cache/nvme.bin) is ignored: memory.nvme_capacity_mb is 0 (its default), so "
+                        "there is no NVMe tier; set memory.nvme_capacity_mb to use the file"]
+    plan = resolve_plan(cfg)
+    assert plan.nvme_path is None and "nvme file:   (no NVMe tier)" in plan.render_text()
+    assert config_warnings(parse_config(BASE), mem_total_bytes=1 << 40) == []
 
 
 def test_check_environment_names_the_key_to_use():

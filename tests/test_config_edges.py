@@ -15,7 +15,8 @@ import pytest
 from conftest import gpu_node, write_config
 
 from dflash2 import plan as plan_module
-from dflash2.config import check_environment, default_endpoint, parse_config
+from dflash2.config import default_endpoint, parse_config
+from dflash2.config_warnings import check_environment
 from dflash2.daemon import main as dmain
 from dflash2.errors import ConfigError
 from dflash2.plan import resolve_plan

@@ -18,7 +18,8 @@ from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
 from dflash2.client import Client, Transport
-from dflash2.config import config_warnings, load_config
+from dflash2.config import load_config
+from dflash2.config_warnings import config_warnings
 from dflash2.daemon.service import Service
 from dflash2.daemon.stalls import STALL_MIN_S, StallWatch
 from dflash2.protocol import Op

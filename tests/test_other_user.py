@@ -135,3 +135,27 @@ def test_check_names_the_owner_of_another_users_endpoint_folder(base):
             dmain._check_own_folder(run, "the socket's folder", "give daemon.endpoint a folder of your own")
     assert f"the socket's folder {run} belongs to uid 0" in str(ei.value) and "not to this user (uid 65534)" \
         in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("which", ["ipc", "default", "tcp"])
+def test_check_names_the_key_of_a_socket_folder_the_user_may_not_search(base, which, monkeypatch):
+    """An ipc socket in a folder of another user's 0700 one, the default socket or a tcp endpoint's
+    lock file under a runtime folder the daemon's user may not search (`sudo -u dflash2 dflash2d`
+    keeps the caller's /run/user/UID): a ConfigError naming daemon.endpoint (exit 2, as README
+    promises); it was a PermissionError traceback and exit 1 (a review)."""
+    from dflash2.config import load_config
+    from dflash2.config_errors import ConfigError
+    from dflash2.daemon import main as dmain
+    from dflash2.plan import resolve_plan
+
+    private = base / "private"  # root's, 0700
+    (private / "sub").mkdir(parents=True)
+    private.chmod(0o700)
+    daemon = {"ipc": {"endpoint": f"ipc://{private}/sub/s.sock"}, "default": {"endpoint": None},
+              "tcp": {"endpoint": "tcp://127.0.0.1:5997"}}[which]
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "rt") if which == "ipc" else str(private))
+    plan = resolve_plan(load_config(write_config(base, daemon=daemon)))
+    with as_other_user():
+        with pytest.raises(ConfigError) as ei:
+            dmain.check_paths(plan)
+    assert "daemon.endpoint" in str(ei.value) and "Permission denied" in str(ei.value), str(ei.value)

@@ -13,7 +13,8 @@ from pathlib import Path
 from conftest import write_config
 
 from dflash2.client.client import resolve_endpoint
-from dflash2.config import config_warnings, load_config
+from dflash2.config import load_config
+from dflash2.config_warnings import config_warnings
 
 
 def free_port() -> int:
