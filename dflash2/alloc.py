@@ -222,16 +222,27 @@ class SlotAllocator:
         slabs become slabs of this size, and a slab that keeps a block has room for this size only
         in its free slots, where it is of this size (a free 8 KiB slot beside a block being written
         holds no 16 KiB block: counted by its bytes, an allocate that could not succeed moved idle
-        blocks, a review). An upper bound: slabs of several pages are counted from the pages' number,
-        not their runs (roombound.py)."""
+        blocks, a review). Slabs of several pages are counted in runs, as `blocks_free` counts them
+        (from the pages' number, two free pages apart were one 40 KiB slab: a review)."""
         slab_pages, per_slab = self._slab_shape(slot)
         kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
         per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)  # (no sort of a million heads)
         heads = np.flatnonzero(per_head)
         classes = self._page_class[heads]
-        kept_pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
         in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
-        return ((self.n_pages - kept_pages) // slab_pages * per_slab + in_kept) * slot
+        if slab_pages == 1:
+            kept_pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
+            return ((self.n_pages - kept_pages) * per_slab + in_kept) * slot
+        # As `blocks_free` counts: this size's slabs stay its slabs (their slots free once emptied),
+        # and new ones are cut from runs of the other pages no kept block holds.
+        own = self._classes.get(slot)
+        spare = self._page_free | (self._page_class[self._page_head] != slot)
+        for s, c in self._classes.items():
+            mine = heads[classes == s] if s != slot else ()
+            if len(mine):
+                spare[(mine[:, None] + np.arange(c.slab_pages)).ravel()] = False
+        in_own = 0 if own is None else own.n_used + own.n_free - int(per_head[heads[classes == slot]].sum())
+        return (slabs_in_runs(spare, slab_pages) * per_slab + in_own) * slot
 
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
         """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
