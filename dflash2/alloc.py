@@ -225,13 +225,14 @@ class SlotAllocator:
         blocks, a review). Slabs of several pages are counted in runs, as `blocks_free` counts them
         (from the pages' number, two free pages apart were one 40 KiB slab: a review)."""
         slab_pages, per_slab = self._slab_shape(slot)
-        kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
+        user = np.asarray(kept, dtype=np.int64)
+        kept = np.concatenate([user, self.quarantined_offsets()])
         per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)  # (no sort of a million heads)
         heads = np.flatnonzero(per_head)
         classes = self._page_class[heads]
-        in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
         if slab_pages == 1:
             kept_pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
+            in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
             return ((self.n_pages - kept_pages) * per_slab + in_kept) * slot
         # As `blocks_free` counts: this size's slabs stay its slabs (their slots free once emptied),
         # and new ones are cut from runs of the other pages no kept block holds.
@@ -241,7 +242,10 @@ class SlotAllocator:
             mine = heads[classes == s] if s != slot else ()
             if len(mine):
                 spare[(mine[:, None] + np.arange(c.slab_pages)).ravel()] = False
-        in_own = 0 if own is None else own.n_used + own.n_free - int(per_head[heads[classes == slot]].sum())
+        # Its slots handed out and free, less the blocks kept in them (a quarantined slot is neither:
+        # counted as kept, it was taken off twice, a review).
+        mine = int(np.count_nonzero(self._page_class[self._head_of(user)] == slot))
+        in_own = 0 if own is None else own.n_used + own.n_free - mine
         return (slabs_in_runs(spare, slab_pages) * per_slab + in_own) * slot
 
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:

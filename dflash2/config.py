@@ -4,8 +4,8 @@ Every key has bounds and a description; unknown keys are an error that names the
 values are never coerced or rewritten (`"512"` is not 512, `1` is not `true`). Paths are kept as the
 user wrote them and resolved on demand against the config file's folder (`Config.resolved_*`).
 
-Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_enabled(cfg)`,
-`config_warnings(cfg)`, `check_environment(environ)`.
+Public API: `load_config(path)`, `parse_config(data, source_path)`, `require_enabled(cfg)`; the
+warnings of a legal config are config_warnings.py's.
 """
 
 from __future__ import annotations
