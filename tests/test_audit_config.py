@@ -31,7 +31,7 @@ STARTUP_TIMEOUT_S = 30.0
 def config(tmp_path: Path, **sections) -> Path:
     """conftest's small host config without an NVMe tier and with its own state folder; kwargs
     update its sections."""
-    merged: dict = {"memory": {"nvme_capacity_mb": 0}, "daemon": {"state_dir": str(tmp_path / "state")}}
+    merged: dict = {"memory": {"nvme_capacity_mb": 0, "nvme_path": None}, "daemon": {"state_dir": str(tmp_path / "state")}}
     for key, value in sections.items():
         merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
     return Path(write_config(tmp_path, **merged))
