@@ -548,8 +548,8 @@ class Client:
         arenas = self._arenas  # (once: detach on another thread sets it to None)
         if arenas is None:
             raise ArenaError("this client is detached: its arena mappings are gone")
-        if not self.lease_lost and time.monotonic() - self._renewed > self.lease_timeout_s:
-            self._confirm_lease()
+        if not self.lease_lost and time.monotonic() - self._renewed > self.lease_timeout_s and not self._forked():
+            self._confirm_lease()  # (a forked child is told so by _place)
         if self.lease_lost:
             # Its blocks are no longer its own: the daemon frees them once this process is gone (or
             # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.

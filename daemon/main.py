@@ -322,7 +322,10 @@ def check_paths(plan: Plan, history: bool = False) -> list[str]:
     if plan.endpoint.startswith("ipc://"):
         socket = Path(plan.endpoint[len("ipc://"):])
         _check_own_folder(socket.parent, "the socket's folder", f"put the socket in a folder of the daemon's own, e.g. "
-                                         f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}")
+                                         f"ipc://{socket.parent / f'dflash2-{os.geteuid()}' / socket.name}",
+                          unsearchable="give daemon.endpoint a folder the daemon's user may enter (left null, "
+                                       "it lies under $XDG_RUNTIME_DIR, which `sudo -u` keeps from the caller: set "
+                                       "XDG_RUNTIME_DIR to a folder of the daemon's own)")
         st = _stat_or_none(socket, "daemon.endpoint")
         if st is not None and not stat.S_ISSOCK(st.st_mode):
             raise ConfigError("daemon.endpoint", f"{socket} exists and is not a socket; dflash2d would replace it")
@@ -349,12 +352,14 @@ def check_paths(plan: Plan, history: bool = False) -> list[str]:
     return warnings
 
 
-def _check_own_folder(folder: Path, what: str, advice: str) -> None:
+def _check_own_folder(folder: Path, what: str, advice: str, unsearchable: str | None = None) -> None:
     """The endpoint's folder (an ipc socket's, a tcp endpoint's lock file's): one the daemon can make
-    files in, and, when it exists, its own and not shared (sticky, or another user's)."""
+    files in, and, when it exists, its own and not shared (sticky, or another user's). `unsearchable`:
+    the advice where a folder above it may not be entered (`advice` when None)."""
     from dflash2.files import user_name
-    st = _stat_or_none(folder, "daemon.endpoint")
-    if st is not None and stat.S_ISDIR(st.st_mode):  # (whose first: another user's 0755 folder was said only to refuse files, a review)
+    st = _stat_or_none(folder, "daemon.endpoint", unsearchable or advice)
+    # (whose first: another user's 0755 folder was said only to refuse files, a review)
+    if st is not None and stat.S_ISDIR(st.st_mode):
         mode = stat.S_IMODE(st.st_mode)
         # Sticky (/tmp) or writable by every user (anyone could plant the lock file's path); a folder
         # its group may write stays the daemon's own (refused, a config that ran did not start, a review).
@@ -371,7 +376,7 @@ def _check_own_folder(folder: Path, what: str, advice: str) -> None:
     _check_folder("daemon.endpoint", folder)
 
 
-def _stat_or_none(path: Path, key: str) -> os.stat_result | None:
+def _stat_or_none(path: Path, key: str, advice: str = "") -> os.stat_result | None:
     """`path`'s stat, None where nothing is there; ConfigError naming `key` where a folder above it
     may not be searched (Path.is_dir and exists raise EACCES: a traceback and exit 1 for a socket in
     a folder of another user, or a runtime folder `sudo -u` kept from the caller, a review)."""
@@ -380,7 +385,8 @@ def _stat_or_none(path: Path, key: str) -> os.stat_result | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise ConfigError(key, f"cannot look at {path}: {e.strerror or e}") from None
+        raise ConfigError(key, f"cannot look at {path}: {e.strerror or e}"
+                          + (f"; {advice}" if advice else "")) from None
 
 
 def _nearest_existing(path: Path) -> Path:

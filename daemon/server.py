@@ -281,8 +281,6 @@ class Server:
                         self._expire_leases()
                         leases_judged = now
                     continue  # a request waits while a drain piece's copies run: it goes first
-                if self._parked:
-                    self.service.waiting([parked for _, parked in self._parked])
                 started = time.monotonic()
                 self._slices_on = self._duel_slices_on = True  # (after a failed slice, from the next step on)
                 self._tick(late_s=started - next_tick)

@@ -268,7 +268,7 @@ class Service(Forgetting):
         return [s.client for s in gone]
 
     def waiting(self, parked: list[Parked]) -> None:
-        """These calls wait parked (the server, before each background step): their clients are
+        """These calls wait parked (the server, before leases are judged: `Server._judge_leases`): their clients are
         heard from, as a client whose call runs is (`handle`), so that none lapses for a call the
         daemon has not answered yet (a client without heartbeats, a disk slower than a lease)."""
         now = self.clock()

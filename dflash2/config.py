@@ -25,10 +25,6 @@ from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout
 
 MB = 1 << 20
-# Above this share of the machine's memory, a DRAM tier starves the serving processes themselves.
-DRAM_WARN_FRACTION = 0.8
-# Above this, nearly every block is "cold" and the daemon demotes constantly.
-COLD_THRESHOLD_WARN = 0.95
 # policy.duel_sample's default: the heat policy's duel replays 1 in 8 content keys (dflash2/duel.py).
 DEFAULT_DUEL_SAMPLE = 8
 # Why a duel sample of 1 is refused (the config's key and the bench's --duel-sample say the same).

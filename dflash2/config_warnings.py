@@ -7,7 +7,13 @@ import os
 from collections.abc import Mapping
 from typing import Optional
 
-from dflash2.config import COLD_THRESHOLD_WARN, DRAM_WARN_FRACTION, MB, Config, _bare_host, xdg_dir
+from dflash2.config import MB, Config
+from dflash2.endpoints import _bare_host, xdg_dir
+
+# Above this share of the machine's memory, a DRAM tier starves the serving processes themselves.
+DRAM_WARN_FRACTION = 0.8
+# Above this, nearly every block is "cold" and the daemon demotes constantly.
+COLD_THRESHOLD_WARN = 0.95
 
 
 def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_kind: Optional[str] = None) -> list[str]:

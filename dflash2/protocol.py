@@ -15,10 +15,12 @@ Hot operations take and return whole batches; their arrays travel as binary fram
 uint64, block ids as int64, places as PLACE_DTYPE records), never as JSON lists. New fields are only
 ever appended; an op whose arguments change gets a new name.
 
-Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE records):
+Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE records; `ARGS` below
+holds the arguments each op takes, and any other is refused):
 
     ping             {}                                        → {version, pid}
-    attach           {name, pid, layouts: [layout dict], prefill_tokens_per_s=[rate or null per layout]}
+    attach           {name, pid, layouts: [layout dict], prefill_tokens_per_s=[rate or null per layout],
+                      pid_namespace=null, gpu_uuid=null or device=null}
                                                                → {client, layouts: [id], arenas: [{tier,
                                                                   kind, name, capacity_bytes, alignment}],
                                                                   lease_timeout_s, heartbeat_interval_s, device,
@@ -51,9 +53,10 @@ Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE 
                                                                   cached blocks past it that do not; probe:
                                                                   a question about blocks, not a request's
                                                                   prefix (heat's duel does not replay it)
-    acquire          {tier="hbm"} [vids]                       → {acquired: bool} [places] (pinned in that tier
+    acquire          {tier="hbm", priority=null} [vids]        → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
-    release / add_ref{} [vids]                                 → {}
+    release          {} [vids]                                 → {}
+    add_ref          {priority=null} [vids]                    → {}
     free             {} [vids]                                 → {freed: n}
     places           {} [vids]                                 → [places]
     stats            {}                                        → tiers, hit rates, moves, clients, reservations

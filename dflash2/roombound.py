@@ -33,8 +33,8 @@ class RoomBound:
         """Bytes of slots `tier` could have free were every block that may leave it gone, with make_room's
         picks (`idle_only`: idle blocks; else a promotion's: idle blocks of any priority, then running
         ones under `below_priority`, any when None; never `protect`); `slot`: in slots of that size only
-        (the call's blocks are all of it), else of any. Where the free room alone holds
-        `need_bytes`, or nothing may leave, the free room: no pass over the table (a refused call,
+        (the call's blocks are all of it), else of any. Where the room now (for `slot`, its slots:
+        `room_for`) holds `need_bytes`, or nothing may leave, that room: no pass over the table (a refused call,
         retried by its client, paid one each time: 0.13 → 3.7 ms at a million rows, a review)."""
         alloc = self.table.allocators[tier]
         way, epoch = (int(tier), False, idle_only), int(self.table.movable_epoch[int(tier)])

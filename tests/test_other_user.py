@@ -159,3 +159,4 @@ def test_check_names_the_key_of_a_socket_folder_the_user_may_not_search(base, wh
         with pytest.raises(ConfigError) as ei:
             dmain.check_paths(plan)
     assert "daemon.endpoint" in str(ei.value) and "Permission denied" in str(ei.value), str(ei.value)
+    assert "set XDG_RUNTIME_DIR to a folder of the daemon's own" in str(ei.value), str(ei.value)  # (a review)
