@@ -239,9 +239,9 @@ class SlotAllocator:
         own = self._classes.get(slot)
         spare = self._page_free | (self._page_class[self._page_head] != slot)
         for s, c in self._classes.items():
-            mine = heads[classes == s] if s != slot else ()
-            if len(mine):
-                spare[(mine[:, None] + np.arange(c.slab_pages)).ravel()] = False
+            theirs = heads[classes == s] if s != slot else ()  # other sizes' slabs that keep a block
+            if len(theirs):
+                spare[(theirs[:, None] + np.arange(c.slab_pages)).ravel()] = False
         # Its slots handed out and free, less the blocks kept in them (a quarantined slot is neither:
         # counted as kept, it was taken off twice, a review).
         mine = int(np.count_nonzero(self._page_class[self._head_of(user)] == slot))
