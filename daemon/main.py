@@ -10,6 +10,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import importlib
 import json
@@ -384,9 +385,9 @@ def _stat_or_none(path: Path, key: str, advice: str = "") -> os.stat_result | No
         return path.stat()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError as e:
+    except OSError as e:  # (the advice is for a folder that may not be entered, not a link loop: a review)
         raise ConfigError(key, f"cannot look at {path}: {e.strerror or e}"
-                          + (f"; {advice}" if advice else "")) from None
+                          + (f"; {advice}" if advice and e.errno in (errno.EACCES, errno.EPERM) else "")) from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -133,3 +133,15 @@ def test_an_empty_endpoint_is_refused_by_name_not_taken_for_none():
 
     with pytest.raises(ValueError, match="'' must start with ipc:// or tcp://"):
         resolve_endpoint("", None)
+
+
+def test_a_socket_folder_behind_a_link_loop_is_named_without_the_runtime_folder_advice(tmp_path):
+    """The advice for a folder that may not be entered (set XDG_RUNTIME_DIR) went with any error of
+    the look, a link loop's too (a review): the loop is named alone."""
+    from dflash2.daemon import main as dmain
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ConfigError) as ei:
+        dmain._check_own_folder(loop / "run", "the socket's folder", "advice", unsearchable="set XDG_RUNTIME_DIR")
+    assert "Too many levels of symbolic links" in str(ei.value) and "XDG_RUNTIME_DIR" not in str(ei.value)
