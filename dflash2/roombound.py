@@ -74,17 +74,8 @@ class RoomBound:
         for row in up.tolist():
             while (row := parent(row)) >= 0 and inside(row) and not held(row):
                 stay[row] = True
-        if slot is not None:
-            slab_pages, per_slab = alloc.slab_shape_of(slot)
-            if slab_pages > 1 or alloc.other_sizes_used(slot) or alloc.quarantined_bytes:
-                # By slabs: another size's free slots beside a block that stays hold none of these,
-                # and a slab of several pages needs them in a run.
-                return alloc.room_without(slot, c.offset[stay])
-            # Every block here is of this size, a slab a page: room_without's count without its pass
-            # over the slabs (84 -> 2 ms at a million blocks, a review), page tails not counted as
-            # room (by bytes, a 64 KiB page's 24 KiB tail beside a 40 KiB slot was: an allocate
-            # that could never succeed dropped an idle block first, a review).
-            return (alloc.n_pages * per_slab - int(np.count_nonzero(stay))) * slot
+        if slot is not None:  # by slots and slabs, as the allocator counts them
+            return alloc.room_without(slot, c.offset[stay])
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
 
     def could_hold(self, tier: Tier, need_bytes: int, **picks) -> bool:
