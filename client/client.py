@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash2 import protocol as P
 from dflash2 import threads
-from dflash2.client.heartbeat import run as run_heartbeat
+from dflash2.client.heartbeat import Awake, run as run_heartbeat
 from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
 from dflash2.client.held import HeldPlaces
 from dflash2.client.endpoint_check import check_endpoint
@@ -85,8 +85,7 @@ def resolve_key_file(endpoint: str | None, config):
 def _config(config):
     from dflash2.config import Config, load_config
 
-    # (None: not given; "" is given, and load_config refuses it: taken for "not given", it asked
-    # another daemon than the one meant, a review)
+    # (None: not given; "" is given, and refused: taken for "not given", it asked another daemon, a review)
     return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
 
 
@@ -127,9 +126,8 @@ class Client:
         self.name = name
         self.timeout_s = timeout_s = check_timeout(timeout_s)
         self._lock = threading.Lock()
-        # The commits, releases and frees that timed out waiting for the lock, never sent, with their
-        # block ids: they go with the next call (_call), a commit's `forget` (the daemon drops its
-        # blocks as for any commit lost) or the release or free as a `retry` (it runs once).
+        # Commits, releases and frees that timed out waiting for the lock, unsent, with their block ids: they
+        # go with the next call (_call), a commit as a `forget` (its blocks dropped), the rest as a `retry`.
         self._unsent: collections.deque[tuple[Op, bytes]] = collections.deque()
         self._refusals = threading.local()  # (`last_refusal`: each thread's own)
         self._pid = os.getpid()  # the process that attached: the only one that may use this client
@@ -142,6 +140,7 @@ class Client:
         self._arenas: ArenaMap | None = None
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self._awake: Awake | None = None  # when the heartbeat thread ran (its process ran, `view_bytes`)
         self.lease_lost = False
         self._renewed = time.monotonic()  # the lease renewed by then at least (`renewed`; runs on through a SIGSTOP)
         self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
@@ -226,10 +225,11 @@ class Client:
             self.detach()
             raise
         if heartbeat:
+            self._awake = Awake(self.lease_timeout_s)
             self._heartbeat_thread = threading.Thread(
                 target=run_heartbeat, name=f"dflash2-heartbeat-{self.client_id}", daemon=True,
                 args=(weakref.ref(self), self._stop, self.heartbeat_interval_s, self.client_id, self.name,
-                      self.lease_timeout_s))
+                      self.lease_timeout_s, self._awake))
             # The stop signals stay the serving process's main thread's (dflash2/threads.py).
             threads.start(self._heartbeat_thread)
 
@@ -261,12 +261,10 @@ class Client:
         self._daemon_gone()
 
     def _daemon_gone(self) -> bool:
-        """After a call that no daemon answered, or that a new daemon answered UnknownClient: whether the daemon this client attached to has ended
-        (killed, or stopped): nothing holds its liveness object or its shared-memory segments any more.
-        Its session ended with it, so the lease is lost, and the mappings of its memory (segments and a
-        GPU's HBM, mapped by CUDA IPC) are let go, views still alive keeping theirs: a restarted daemon
-        takes its tiers anew, and while its clients held the dead one's a restart could fail for room
-        (exit 4)."""
+        """After a call no daemon answered, or a new daemon answered UnknownClient: whether the daemon
+        this client attached to has ended (nothing holds its liveness object or segments any more). Then
+        the lease is lost and the mappings of its memory (segments, a GPU's HBM) let go, views alive keeping
+        theirs: while clients held a dead daemon's, its restart could fail for room (exit 4)."""
         with self._gone_lock:  # the call thread and the heartbeat thread find a killed daemon at once
             if self._ended:
                 return True
@@ -331,9 +329,8 @@ class Client:
         if self._detached:
             raise DaemonUnavailable(f"{op.value}: this client is detached; connect a new Client")
         P.check_frames(op, arrays)  # (before it waits: kept to send later, one too large failed every later call)
-        # The call's timeout counts its wait behind other threads' calls on this client: each waited
-        # for every call queued ahead of it, then its own whole timeout (eight threads on a stopped
-        # daemon: the last failed after 8 timeouts, a review's script).
+        # The call's timeout counts its wait behind other threads' calls on this client (eight threads
+        # on a stopped daemon: the last failed after 8 timeouts, each waiting out those ahead, a review).
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
         unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
@@ -548,8 +545,8 @@ class Client:
         arenas = self._arenas  # (once: detach on another thread sets it to None)
         if arenas is None:
             raise ArenaError("this client is detached: its arena mappings are gone")
-        if not self.lease_lost and time.monotonic() - self._renewed > self.lease_timeout_s and not self._forked():
-            self._confirm_lease()  # (a forked child is told so by _place)
+        if not self.lease_lost and not self._forked():  # (a forked child is told so by _place)
+            self._confirm_lease()
         if self.lease_lost:
             # Its blocks are no longer its own: the daemon frees them once this process is gone (or
             # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.
@@ -563,11 +560,14 @@ class Client:
             self._renewed = sent
 
     def _confirm_lease(self) -> None:
-        """No lease-renewing call of this client was answered for a whole lease (a process stopped
-        past it): before a new view, ask the daemon whether it still knows the client. Past the lapse
-        and the set-aside time its slots went to other blocks: a view then wrote into another client's
-        cached block (a review's SIGSTOP repro). ArenaError where the daemon does not answer."""
-        silent_s = time.monotonic() - self._renewed
+        """Before a new view: where no lease-renewing call was answered for a whole lease and the heartbeat
+        thread did not run all along (its process stopped; not a daemon's own silence: Awake), ask the
+        daemon whether it still knows the client: past the lapse and set-aside its slots went to others,
+        and a view wrote into another's cached block (a review). ArenaError where it does not answer."""
+        renewed = self._renewed
+        silent_s = time.monotonic() - renewed
+        if silent_s <= self.lease_timeout_s or (self._awake is not None and self._awake.ran_since(renewed)):
+            return
         try:
             self._call(Op.HEARTBEAT)
         except DaemonError:  # UnknownClient: _call marked the lease lost (and the view is refused)

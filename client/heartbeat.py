@@ -24,12 +24,42 @@ from dflash2.protocol import Op
 log = logging.getLogger("dflash2.client")
 
 
+class Awake:
+    """When the heartbeat thread last ran, and since when it has run with no gap of more than a lease:
+    it marks each beat, and every GONE_CHECK_S while a beat waits for its reply, so its gaps are at
+    most the heartbeat interval (below the lease) while its process runs. A process stopped (SIGSTOP,
+    a frozen cgroup) stops the thread too, and CLOCK_MONOTONIC runs on: the gap shows it.
+
+    The client's check before a new view (`Client.view_bytes`) asks the daemon only where this thread
+    did not run all along since the lease was last renewed: a silence of the daemon's own (paused,
+    stalled) then costs no wait, and no refusal, of a view of blocks the client still holds; the
+    daemon counts its stall out of every lease (Service.resumed). Before, each such view waited the
+    whole call timeout for the stalled daemon and was then refused (a review)."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self.at = self.since = time.monotonic()
+
+    def mark(self) -> None:
+        now = time.monotonic()
+        if now - self.at > self.lease_s:
+            self.since = now  # (first: a reader between the two sees a run that starts now)
+        self.at = now
+
+    def ran_since(self, t: float) -> bool:
+        """Whether the thread ran from before monotonic time `t` until within the last lease, with no
+        gap of more than a lease."""
+        return self.since <= t and time.monotonic() - self.at <= self.lease_s
+
+
 def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,
-        lease_timeout_s: float) -> None:
-    """The thread's body (`ref`: the Client's weak reference)."""
+        lease_timeout_s: float, awake: Awake | None = None) -> None:
+    """The thread's body (`ref`: the Client's weak reference; `awake`: marked as it runs)."""
     transport = None
+    mark = awake.mark if awake is not None else (lambda: None)
 
     def gone() -> bool:  # (a Transport keeps its test: a bound method of the Client would keep it)
+        mark()
         client = ref()
         return client is None or client._arenas_gone()
 
@@ -39,6 +69,7 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
     beat = False
     try:
         while not (beat and stop.wait(interval_s)):
+            mark()
             client = ref()
             if client is None:
                 log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops, "

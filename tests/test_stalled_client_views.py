@@ -156,3 +156,51 @@ def test_a_call_the_daemon_answers_without_a_lease_renews_none(config_file, tmp_
             if c is not None:
                 c.close()
         d.stop()
+
+
+def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(config_file, tmp_path):
+    """The daemon (not the client) stalls past a lease: it counts its stall out of every lease
+    (Service.resumed), so the client keeps its blocks, and its heartbeat thread ran all along. Before,
+    the check asked the stalled daemon before every view of a block the client held: each view waited
+    the call's whole timeout and was then refused (a review)."""
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    c = None
+    try:
+        c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.0)
+        mine = c.allocate(c.layouts[0], 1)
+        c.view_bytes(mine[0])[:] = 0x33
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.3)  # past one lease, the heartbeats unanswered
+            began = time.monotonic()
+            c.view_bytes(mine[0])[:] = 0x44
+            took = time.monotonic() - began
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert took < 0.5, f"the view waited {took:.2f}s for the stalled daemon"
+        c.ping()
+        assert "writer" in [x["name"] for x in c.stats()["clients"]] and not c.lease_lost
+        assert (c.view_bytes(mine[0]) == 0x44).all()
+    finally:
+        if c is not None:
+            c.close()
+        d.stop()
+
+
+def test_the_heartbeat_threads_gap_marks_a_stopped_process(monkeypatch):
+    """Awake: a run of marks with no gap of more than a lease vouches for the time since its start; a
+    longer gap (the process stopped) starts a new run, and a thread that stopped marking vouches for
+    nothing once a lease has passed."""
+    from dflash2.client import heartbeat
+    now = [100.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: now[0])
+    awake = heartbeat.Awake(lease_s=1.0)
+    for _ in range(10):  # a beat every 0.5 s: 5 s, one run
+        now[0] += 0.5
+        awake.mark()
+    assert awake.ran_since(100.0) and awake.ran_since(104.0)
+    now[0] += 3.0  # the process stopped 3 s: the thread did not mark
+    assert not awake.ran_since(100.0)
+    awake.mark()  # resumed: the thread marks first, then the view asks
+    assert not awake.ran_since(105.0) and awake.ran_since(now[0])
