@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.alloc import runs
+from dflash2.alloc import runs, slabs_in_runs
 from dflash2.forest import subtree_heights
 from dflash2.tiers import Tier
 
@@ -87,7 +87,7 @@ class SlabRoom:
         np.maximum.at(top, heads, cost[~own].astype(np.float64))
         at = np.maximum(head, 0)
         of_other = (head >= 0) & (page_slot != slot)
-        free = (head < 0) | (of_other & (used[at] == 0))  # room already
+        free = room = (head < 0) | (of_other & (used[at] == 0))  # room already
         clear = of_other & (used[at] > 0) & (going[at] == used[at])
         page_cost = np.where(clear, top[at], -np.inf)
         if span > n_pages:  # (no run of pages that long: room for none)
@@ -117,6 +117,18 @@ class SlabRoom:
                     keep.append(i)
             windows, win_cost = windows[keep], win_cost[keep]
         windows, win_cost = windows[:want], win_cost[:want]
+        joined, joined_runs, joined_cost = np.empty(0, dtype=np.int64), 0, np.empty(0)
+        if span > 1 and len(windows) < want:
+            # Runs that only clear slabs apart from each other make, joining free pages that room
+            # counts already: 6 pages, 1-3 and 5 free, 0 and 4 clear, make a second run of 3 only
+            # both emptied (no window is free or clear throughout). An allocation the bound let
+            # through demoted most of HBM, then found no victims and was refused (a review).
+            joined, joined_runs = _joined_slabs(room, clear, head, top, span, want)
+            if joined_runs > len(windows):
+                windows, win_cost = windows[:0], win_cost[:0]
+                joined_cost = np.array([top[joined].max()])
+            else:
+                joined, joined_runs = joined[:0], 0
         # Blocks of the room's size: no more than need_slots of the cheapest can be taken.
         mine, mine_cost = rows[own], cost[own]
         if height is not None:
@@ -129,14 +141,18 @@ class SlabRoom:
             low = np.argpartition(mine_cost, need_slots - 1)[:need_slots]
             low.sort()  # (rows in order: ties go as a stable sort of them all would take them)
             mine, mine_cost = mine[low], mine_cost[low]
-        unit_cost = np.concatenate((mine_cost.astype(np.float64), win_cost))
-        gain = np.concatenate((np.ones(len(mine), dtype=np.int64), np.full(len(windows), per_slab, dtype=np.int64)))
+        unit_cost = np.concatenate((mine_cost.astype(np.float64), win_cost, joined_cost))
+        gain = np.concatenate((np.ones(len(mine), dtype=np.int64), np.full(len(windows), per_slab, dtype=np.int64),
+                               np.full(len(joined_cost), joined_runs * per_slab, dtype=np.int64)))
         pick = np.argsort(unit_cost, kind="stable")
         pick = pick[:int(np.searchsorted(np.cumsum(gain[pick]), need_slots)) + 1]
         marked = np.zeros(len(c.tier), dtype=bool)
         marked[mine[pick[pick < len(mine)]]] = True
-        runs = windows[pick[pick >= len(mine)] - len(mine)]
+        at_runs = pick[(pick >= len(mine)) & (pick < len(mine) + len(windows))] - len(mine)
+        runs = windows[at_runs]
         emptied = head[(runs[:, None] + np.arange(span)).ravel()]
+        if (pick == len(mine) + len(windows)).any():
+            emptied = np.concatenate((emptied, joined))
         marked[other[np.isin(heads, emptied[emptied >= 0])]] = True
         return marked
 
@@ -156,3 +172,37 @@ def _counted_runs(free: np.ndarray, clear: np.ndarray, span: int) -> np.ndarray:
         else:
             counted[start:end - over] = True
     return counted
+
+
+def _joined_slabs(room: np.ndarray, clear: np.ndarray, head: np.ndarray, top: np.ndarray, span: int,
+                  want: int) -> tuple[np.ndarray, int]:
+    """The head pages of clear slabs to empty, coldest hottest block first (`top`), for up to `want`
+    more runs of `span` pages than the pages in `room` hold (alloc.slabs_in_runs), and how many more
+    they make: the fewest of the coldest that make the most they can, then less those the count does
+    not need (the dearest first). A pass over the pages per count: taken only where no window makes
+    the room (`_slab_victims`)."""
+    base = slabs_in_runs(room, span)
+    slabs = np.unique(head[clear])
+    slabs = slabs[np.argsort(top[slabs], kind="stable")]
+
+    def more(chosen: np.ndarray) -> int:
+        return slabs_in_runs(room | np.isin(head, chosen), span) - base
+    goal = min(want, more(slabs)) if len(slabs) else 0
+    if goal <= 0:
+        return slabs[:0], 0
+    lo, hi = 1, len(slabs)  # the fewest of the coldest that make `goal` (the count only grows with more)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if more(slabs[:mid]) >= goal:
+            hi = mid
+        else:
+            lo = mid + 1
+    chosen = list(slabs[:lo].tolist())
+    for h in reversed(chosen[:-1][-PRUNE_SLABS:]):  # (the last one taken is needed: one fewer fell short)
+        rest = [x for x in chosen if x != h]
+        if more(np.array(rest, dtype=np.int64)) >= goal:
+            chosen = rest
+    return np.array(chosen, dtype=np.int64), goal
+
+
+PRUNE_SLABS = 64  # the most slabs `_joined_slabs` tries to do without, one pass over the pages each

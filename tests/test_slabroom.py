@@ -158,6 +158,30 @@ def test_a_two_page_slot_finds_the_room_a_clear_slab_makes_on_either_side_of_a_f
     mgr.check_invariants()
 
 
+def test_a_three_page_slot_finds_the_room_two_clear_slabs_make_only_together():
+    """Six pages: 1-3 and 5 free (room for one 3-page slot), 0 and 4 each a slab of one idle block.
+    Emptying either alone makes no second run of three; both do. No window of three pages is free or
+    clear throughout, so no victims were found and the allocation was refused; in a manager with
+    DRAM below, the rounds before had demoted most of HBM and dropped a cached block for it (a review's
+    model-based test)."""
+    clock = Clock()
+    mgr = BlockManager([TierSpec(Tier.HBM, 6 * PAGE, PAGE, 256)], policy="lru", clock=clock)
+    a = mgr.attach("a")
+    s, three = mgr.register_layout(SMALL), mgr.register_layout(layout(24, "three-pages"))  # 192 KiB
+    vids = []
+    for k in range(24):  # the whole tier: six pages of four small blocks
+        clock.now += 1
+        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
+        mgr.free(a, v)
+        vids.append(int(v[0]))
+    vids = np.array(vids)
+    assert (mgr.table.cols.offset[mgr.table.rows(vids[[0, 16]])] // PAGE).tolist() == [0, 4]
+    mgr.placement._evict(mgr.table.rows(np.delete(vids, [0, 16])))
+    assert mgr.allocate(a, three, 2) is not None, mgr.allocate_refusal
+    assert mgr.placement.stats.evicted == 24  # the two blocks in the way, no more
+    mgr.check_invariants()
+
+
 def _cold_chain_beside_pages(policy: str, hold_pages: bool):
     clock = Clock()
     mgr = BlockManager([TierSpec(Tier.HBM, 32 * PAGE, PAGE, 256)], policy=policy, clock=clock)
@@ -347,3 +371,30 @@ def test_room_for_small_blocks_beside_a_page_block_takes_the_coldest(clock, big_
         ({1, 2}, False) if big_is == "hot" else (set(), True))
     mgr.check_invariants()
     mgr.close()
+
+
+def test_an_allocate_of_two_slabs_over_chains_split_across_full_tiers_is_served(make_manager, clock):
+    """The model-based test's shrunk sequence (16 KiB pages, a 40 KiB block in a 3-page slot): HBM
+    full of two idle cached chains, one of them reaching into a small DRAM tier. The bound said the
+    room was there; making it demoted four blocks and dropped one, then found no victims for the last
+    run of three pages (the two slabs left had to go together) and the allocation was refused, every
+    retry alike (a review)."""
+    from conftest import SMALL as S16
+    big = Layout("big", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=40)
+    m = make_manager(hbm_blocks=6, dram_blocks=4, swap_batch_size=4)
+    s, b = m.register_layout(S16), m.register_layout(big)
+    c = m.attach("c")
+    a = m.allocate(c, s, 3, tier=Tier.DRAM)
+    m.free(c, m.commit(c, a, keys=[20, 21, 22]))
+    m.release(c, [p.vid for p in m.acquire(c, a[:1])])
+    m.free(c, m.commit(c, m.allocate(c, s, 3), keys=[1, 2, 3]))
+    m.acquire(c, a)  # the chain 20-21-22 up to HBM
+    m.release(c, a[:1])
+    m.release(c, a[1:2])
+    m.tick()
+    m.release(c, a[2:3])
+    clock.advance(0.5)
+    m.tick()  # HBM full: its drain demotes key 3 to DRAM
+    m.free(c, m.commit(c, m.allocate(c, s, 1), keys=[23], parent=int(a[2])))
+    assert m.allocate(c, b, 2) is not None, m.allocate_refusal
+    m.check_invariants()
