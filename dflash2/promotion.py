@@ -150,6 +150,12 @@ class Promotion:
         rows = np.asarray(rows, dtype=np.int64)
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         away = self._away(chain, dst)
+        # The read's part of it only: promote moves the leading part of `away` its room holds,
+        # ancestors first, and what follows the last of `rows` there is the prefix of rows already in
+        # dst (a chain extended in HBM under a parent demoted): brought up where room is left. Counted
+        # whole, a read of blocks that fit was refused with "nothing was moved" (a review's model test).
+        read = np.flatnonzero(np.isin(away, rows))
+        away = away[:read[-1] + 1] if len(read) else away[:0]
         sizes = self._slot_bytes(dst, away)
         need, one, alloc = (int(sizes.sum()) if len(away) else 0), one_size(sizes), self.table.allocators[dst]
         if alloc.free_bytes >= need if one is None else alloc.can_fit(one, len(away)):
