@@ -113,6 +113,21 @@ def test_a_cache_file_of_this_user_open_to_others_is_made_owner_only(tmp_path, c
     assert "was open to other users (mode 644): made owner-only" in caplog.text
 
 
+def test_a_file_of_this_user_that_is_not_a_cache_file_is_refused_with_its_mode_kept(tmp_path, caplog):
+    """A review: a shared data file named as memory.nvme_path (as root: any root-owned 0644 file) was
+    made owner-only, every other user losing it, and only then refused as not a cache file."""
+    from dflash2.arena.nvme import NvmeArena
+    victim = tmp_path / "shared-data.bin"
+    victim.write_bytes(b"precious data other users read\n")
+    victim.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+        with pytest.raises(ArenaError, match=f"{victim} exists and is not a dflash2 NVMe cache file"):
+            NvmeArena(victim, 1 << 20, staging_bytes=1 << 20)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert victim.read_bytes() == b"precious data other users read\n"
+    assert "made owner-only" not in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_device_or_fifo_at_the_nvme_path_is_refused_untouched(tmp_path, kind):
     """A review: `"nvme_path": "/dev/null"` in a root daemon's config made /dev/null owner-only (0600)

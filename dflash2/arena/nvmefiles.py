@@ -111,11 +111,15 @@ def _own_file(fd: int, path: str) -> int:
     """`fd`, an existing file at the cache file's path, once it is this user's and owner-only. The
     blocks written there are the cache's (prompts' KV): another user's file, which anyone may plant
     in a shared folder (empty, or with the header), was served from, every block readable by that
-    user (a review). One of this user's open to others is made owner-only, said."""
+    user (a review). One of this user's open to others is made owner-only, said, only where it is
+    empty or a cache file: a shared data file named by mistake was made owner-only, every other user
+    losing it, and only then refused as foreign (a review). A foreign one is refused once it is
+    locked (NvmeArena._prepare_file), its mode as it was."""
     st = os.fstat(fd)
     try:
         _refuse_unless_regular(st, path)  # (again, on what was opened: the path may have changed since)
-    except ArenaError:
+        foreign = is_foreign(os.pread(fd, len(HEADER), 0))  # (a FIFO is refused above, before it is read)
+    except BaseException:
         os.close(fd)
         raise
     os.set_blocking(fd, True)  # (opened non-blocking, in case the path had become a FIFO)
@@ -124,7 +128,7 @@ def _own_file(fd: int, path: str) -> int:
         raise ArenaError(f"NVMe tier file {path} is not this user's ({owner_text(st)}; the daemon runs as uid "
                          f"{os.geteuid()}): its owner could read the cache; remove it, or set memory.nvme_path "
                          "to a path in a folder of the daemon's user")
-    if st.st_mode & 0o077:
+    if st.st_mode & 0o077 and not foreign:
         os.fchmod(fd, 0o600)
         log.warning("NVMe: %s was open to other users (mode %o): made owner-only (0600)", path,
                     stat.S_IMODE(st.st_mode))
