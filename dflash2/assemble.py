@@ -117,7 +117,7 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         from dflash2.cuda import start_device
 
         start_device(device)
-    manager = None
+    manager = backend = None
     try:  # (all of it: a stop signal while the table was built left the tiers' segments for good, a review)
         for spec in specs:
             arenas[spec.tier], taken = _open_arena(spec, plan, name, device, nvme_path)
@@ -133,6 +133,10 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
         if manager is not None:
             manager.close()
         else:
+            # The backend before the arenas it copies between: a stop signal while the table was built
+            # left its thread running (on a GPU, its pinned staging buffer and streams too) (a review).
+            if backend is not None:
+                backend.close()
             for arena in arenas.values():
                 arena.close()
         raise

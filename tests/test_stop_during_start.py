@@ -256,3 +256,21 @@ def test_sigterm_while_the_block_table_is_built_removes_the_segments_of(config_f
             proc.wait()
         for name in _segments_of(pid):  # (what the bug left: removed here)
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def test_a_stop_while_the_block_table_is_built_closes_the_transfer_backend(config_file, instance_name, monkeypatch):
+    """A review: the arenas were closed, the backend made before them never (its thread kept running;
+    on a GPU its pinned staging buffer and streams stayed too)."""
+    import dflash2.assemble as assemble
+    from dflash2.config import load_config
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name == "dflash2-host-transfer" and t.is_alive()]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # a stop signal while the table is built
+    before = workers()
+    monkeypatch.setattr(assemble, "BlockManager", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        assemble.build_manager(load_config(config_file()), instance=instance_name)
+    assert [t for t in workers() if t not in before] == []
