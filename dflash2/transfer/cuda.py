@@ -287,8 +287,10 @@ class CudaTransferBackend(TransferBackend):
         return ok
 
     def _staged_copy(self, stream, src, dst, src_off, dst_off, nbytes) -> None:
-        """One kernel between HBM and the staging buffer, waited for by its own event: the
-        direction's HBM<->DRAM batches queued before it need not finish first."""
+        """One kernel between HBM and the staging buffer, waited for by its own event. It is queued
+        on the direction's in-order stream, so it does wait for that direction's HBM<->DRAM batches
+        queued before it (and the caller holds `_staging_lock` meanwhile): latency only, the
+        staged chunk's copy starting once theirs have ended (an earlier docstring said it need not)."""
         cp = cupy()
         with self._queue_lock, on_device(self.device):
             self.kernel.launch(stream, src, dst, src_off, dst_off, nbytes)
