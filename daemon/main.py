@@ -174,7 +174,7 @@ def room_now(plan: Plan) -> list[str]:
     def verdict(need: int, have: int) -> str:
         return "fits" if need <= have else "start-up would fail now (exit 4)"
 
-    lines = []
+    lines = [] if plan.device_kind != "cuda" else _cupy_now()
     if plan.device_kind == "cuda" and any(t.tier == Tier.HBM and t.capacity_bytes is None for t in plan.tiers):
         lines.append("device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up "
                      "would fail now (exit 4)")
@@ -205,6 +205,23 @@ def room_now(plan: Plan) -> list[str]:
             lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
                          "would fail now (exit 4)")
     return lines
+
+
+def _cupy_now() -> list[str]:
+    """The `now:` line of a CUDA plan where CuPy cannot be imported: the README's set-up installs no
+    `gpu` extra, and on a GPU node the shipped config (`auto`) passed --check with every line saying
+    it fits, then start-up exited 4 for want of CuPy (a review). Imported as start-up imports it, so
+    that an install that is there but broken is found too."""
+    from dflash2.cuda import cupy
+    from dflash2.errors import ArenaError
+
+    try:
+        cupy()
+    except ArenaError as e:
+        # (start-up's own words, then what else to do: `[gpu]` brings cupy-cuda12x)
+        return [f"{e}: start-up would fail now (exit 4); on CUDA 13 install cupy-cuda13x instead, or set "
+                "device.kind host to leave the GPU out"]
+    return []
 
 
 def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:

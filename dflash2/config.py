@@ -42,7 +42,7 @@ class DeviceConfig(_Section):
 
     kind: Literal["auto", "cuda", "host"] = Field(
         "auto", description="`cuda`: GPU memory; `host`: host shared memory stands in for HBM; "
-                            "`auto`: cuda when a GPU is visible, else host.")
+                            "`auto`: cuda when a GPU is visible (CuPy, the gpu extra, is then needed), else host.")
     gpu_ids: Optional[list[Annotated[int, Field(ge=0, le=1023)]]] = Field(
         None, min_length=1, max_length=64,
         description="CUDA device ordinals to manage (after CUDA_VISIBLE_DEVICES); null = every visible GPU.")

@@ -1,7 +1,7 @@
 """Config values that passed validation and then misbehaved (found by a review of config, plan and
 --check): a short lease with the default heartbeat, a multi-GPU split that leaves a GPU without a
 tier, control characters in paths, a config file nested too deeply, a cuda config on a machine
-without a GPU, relative XDG folders."""
+without a GPU or without CuPy, relative XDG folders."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,6 +127,48 @@ def test_check_says_a_cuda_config_cannot_start_where_no_gpu_is_visible(tmp_path,
     assert rc == 0  # valid for the machine it is meant for
     assert "now: device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up " \
            "would fail now (exit 4)" in out
+
+
+# The shipped config on a GPU node set up as the README says, with no `gpu` extra: a stand-in GPU as
+# gpu_node's, and CuPy's import failing (sys.modules None makes `import cupy` raise ImportError).
+SHIPPED = Path(__file__).resolve().parent.parent / "dflash2_config.json"
+STARTS_WITHOUT_CUPY = """
+import sys
+from dflash2 import plan
+from dflash2.daemon.main import main
+plan.probe_gpus = lambda: [plan.Gpu(0, "fake", 8 << 30)]
+sys.modules["cupy"] = None
+sys.exit(main(["--config", sys.argv[1]]))
+"""
+
+
+def _shipped_config_on_a_gpu_node(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [plan_module.Gpu(0, "fake", 8 << 30)])
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    raw = json.loads(SHIPPED.read_text())
+    raw["memory"]["nvme_path"] = str(tmp_path / "nvme.cache")
+    raw["daemon"].update(endpoint=f"ipc://{tmp_path}/d.sock", state_dir=str(tmp_path / "state"))
+    path = tmp_path / "dflash2_config.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_check_says_the_cuda_path_cannot_start_without_cupy(tmp_path, monkeypatch):
+    """A review: `auto` resolved to cuda, --check said every tier fits and nothing of CuPy, and
+    start-up then exited 4 'the CUDA path needs CuPy'. --check now says so, in start-up's words, and
+    start-up still refuses (a GPU without CuPy is still visible: auto means cuda there, not host)."""
+    path = _shipped_config_on_a_gpu_node(tmp_path, monkeypatch)
+    rc, out, _ = run("--config", str(path), "--check")
+    assert rc == 0  # valid: installing CuPy is what it takes
+    said = [line for line in out if "CuPy" in line]  # (the import's own error between: Python's words vary)
+    assert len(said) == 1 and said[0].startswith("now: the CUDA path needs CuPy (pip install 'dflash2[gpu]'): ")
+    assert said[0].endswith(": start-up would fail now (exit 4); on CUDA 13 install cupy-cuda13x instead, or set "
+                            "device.kind host to leave the GPU out"), said
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    started = subprocess.run([sys.executable, "-c", STARTS_WITHOUT_CUPY, str(path)], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 4, started.stderr
+    assert "the CUDA path needs CuPy (pip install 'dflash2[gpu]')" in started.stderr
 
 
 # -- text that cannot be a path ----------------------------------------------------------------------
