@@ -410,7 +410,7 @@ class Service(Forgetting):
         a `gpu_uuid` names nothing here and the client gets that pool (the reply says "host")."""
         first = next(iter(self.managers))
         uuid = arg(req, "gpu_uuid", str, default=None)
-        if uuid is not None and "device" in req.args:
+        if uuid is not None and req.args.get("device") is not None:
             raise ProtocolError("attach: give `gpu_uuid` or `device`, not both")
         if uuid is not None:
             uuids = self._gpu_uuids()
@@ -419,7 +419,8 @@ class Service(Forgetting):
                 return device_of(uuids, want) if uuids else first
             except ValueError as e:
                 raise ProtocolError(f"attach: argument 'gpu_uuid': {e}") from None
-        device = arg(req, "device", int, default=first)
+        device = arg(req, "device", int, default=None)  # null (the op table's default): the first
+        device = first if device is None else device
         if device not in self.managers:
             raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
         return device

@@ -16,7 +16,8 @@ uint64, block ids as int64, places as PLACE_DTYPE records), never as JSON lists.
 ever appended; an op whose arguments change gets a new name.
 
 Operations (args → result; [frames] are binary arrays; `places` = PLACE_DTYPE records; `ARGS` below
-holds the arguments each op takes, and any other is refused):
+holds the arguments each op takes, and any other is refused; an argument shown `=null` may be
+sent as an explicit null, which means its default):
 
     ping             {}                                        → {version, pid}
     attach           {name, pid, layouts: [layout dict], prefill_tokens_per_s=[rate or null per layout],
@@ -395,8 +396,11 @@ def error_reply(call_id: int, exc: BaseException) -> Reply:
 
 
 def arg(req: Request, name: str, kind: type | tuple, *, default=..., lo=None, hi=None):
-    """A typed argument; ProtocolError names the op, the argument and what is wrong."""
-    if name not in req.args:
+    """A typed argument; ProtocolError names the op, the argument and what is wrong. An argument
+    whose default is None takes an explicit null as that default: the op table writes those
+    defaults as `=null`, and a client in another language that spelled the default out was
+    refused "must be int, got NoneType" (a review)."""
+    if name not in req.args or default is None and req.args[name] is None:
         if default is ...:
             raise ProtocolError(f"{req.op.value}: missing argument {name!r}")
         return default

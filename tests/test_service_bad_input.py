@@ -400,6 +400,41 @@ def test_two_pools_route_by_device_and_stats_add_up(make_manager, clock):
     assert call(svc, Op.CHECK).ok
 
 
+@pytest.mark.parametrize("op, args", [
+    (Op.COMMIT, {"parent": None}),
+    (Op.LOOKUP, {"layout": None}),
+    (Op.RESERVE, {"layout": 0, "tokens": 16, "deadline_s": None}),
+    (Op.ACQUIRE, {"priority": None}),
+    (Op.ADD_REF, {"priority": None}),
+    (Op.HISTORY, {"since_s": None}),
+    (Op.ATTACH, {"name": "n", "pid": 0, "pid_namespace": None, "gpu_uuid": None, "device": None}),
+])
+def test_an_argument_the_op_table_gives_as_null_by_default_takes_an_explicit_null(service, op, args):
+    """The op table writes these defaults as `=null`; a raw client that spelled one out was refused
+    "commit: argument 'parent' must be int, got NoneType" (a review)."""
+    c = attach(service)
+    placed = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 1}).arrays[0], P.PLACE_DTYPE)
+    vid, keys = placed["vid"].astype(P.VIDS_DTYPE).tobytes(), np.array([5], P.KEYS_DTYPE).tobytes()
+    if op is not Op.COMMIT:
+        assert call(service, Op.COMMIT, c, arrays=[vid, keys]).ok
+    arrays = {Op.COMMIT: [vid, keys], Op.LOOKUP: [keys], Op.ACQUIRE: [vid], Op.ADD_REF: [vid]}.get(op)
+    reply = call(service, op, c, args, arrays)
+    assert reply.ok, f"{reply.error_type}: {reply.error_message}"
+
+
+def test_a_null_device_beside_a_gpu_uuid_is_not_both(make_manager, clock):
+    """`device: null` is the device left out: beside a `gpu_uuid` it is not "both"; a number is."""
+    svc = Service({0: make_manager(hbm_blocks=8), 1: make_manager(hbm_blocks=8)}, lease_timeout_s=10.0,
+                  heartbeat_interval_s=2.0, clock=clock)
+    uuid = "GPU-00000000-0000-0000-0000-000000000000"
+    base = {"name": "g", "pid": 0, "layouts": [SMALL.to_dict()]}
+    assert call(svc, Op.ATTACH, args={**base, "gpu_uuid": uuid, "device": None}).ok
+    both = call(svc, Op.ATTACH, args={**base, "gpu_uuid": uuid, "device": 1})
+    assert not both.ok and "give `gpu_uuid` or `device`, not both" in both.error_message
+    c = call(svc, Op.ATTACH, args={**base, "device": None}).result["client"]
+    assert svc.sessions[c].device == 0  # the first pool, as with no `device` at all
+
+
 def test_every_op_names_the_arguments_it_takes_and_a_monitoring_port_goes_with_any():
     assert set(P.ARGS) == set(Op)
     assert all(P.decode_request(P.encode_request(op, 1, 3, {"request_port": 5555}, token="0" * P.TOKEN_CHARS))
