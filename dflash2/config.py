@@ -80,10 +80,8 @@ class MemoryConfig(_Section):
     @field_validator("nvme_path")
     @classmethod
     def _plain_nvme_path(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and (value.endswith("/") or os.path.basename(value) in (".", "..")):
-            # (the trailing slash, or `.`, went when the path was resolved: the folder meant became the file)
-            raise ValueError(f"{value!r} ends in '{'/' if value.endswith('/') else os.path.basename(value)}', "
-                             f"a folder; give the cache file's path in it (e.g. {value.rstrip('/')}/nvme.cache)")
+        if value is not None:
+            not_a_folder(value, value, "the cache file's", "nvme.cache")
         return None if value is None else plain_text(value)
 
     @field_validator("page_kb")
@@ -224,6 +222,16 @@ class AdmissionConfig(_Section):
         "Most of the HBM tier one client may hold (reserve rejected, allocate refused beyond it)."))
 
 
+def not_a_folder(path: str, value: str, what: str, example: str) -> None:
+    """Refuse a file's path written as a folder's: the trailing slash, or `.`, went when the path was
+    resolved, and the folder meant became the file (memory.nvme_path; then an ipc endpoint's
+    `.../sockdir/` made a socket named `sockdir`, and a tcp_key_file `keys/` a key file `keys`: a review)."""
+    tail = "/" if path.endswith("/") else os.path.basename(path)
+    if tail in ("/", ".", ".."):
+        raise ValueError(f"{value!r} ends in '{tail}', a folder; give {what} path in it (e.g. "
+                         f"{value.rstrip('/')}/{example})")
+
+
 class DaemonConfig(_Section):
     """The daemon process: control endpoint, state folder, client leases."""
 
@@ -254,12 +262,21 @@ class DaemonConfig(_Section):
     @classmethod
     def _scheme(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
-            endpoint_parts(plain_text(value))
+            scheme, rest = endpoint_parts(plain_text(value))
+            if scheme == "ipc":
+                not_a_folder(rest, value, "the socket's", "dflash2.sock")
         return value
 
-    @field_validator("state_dir", "tcp_key_file")
+    @field_validator("state_dir")
     @classmethod
     def _plain_state_dir(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else plain_text(value)
+
+    @field_validator("tcp_key_file")
+    @classmethod
+    def _plain_key_file(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            not_a_folder(value, value, "the key file's", "tcp.key")
         return None if value is None else plain_text(value)
 
     @model_validator(mode="after")

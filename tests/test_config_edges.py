@@ -189,6 +189,23 @@ def test_control_characters_in_paths_are_refused_by_key(tmp_path, section, key, 
                                                            "character")
 
 
+@pytest.mark.parametrize("key, value, what", [
+    ("endpoint", "ipc://{tmp}/sockdir/", "the socket's"),
+    ("endpoint", "ipc://{tmp}/sockdir/.", "the socket's"),
+    ("tcp_key_file", "{tmp}/keys/", "the key file's"),
+])
+def test_a_file_path_ending_in_a_slash_is_refused_by_key(tmp_path, key, value, what):
+    """As memory.nvme_path: the slash went when the path was resolved, and a socket, or a key file,
+    was made named `sockdir` or `keys`, the folder meant (a review)."""
+    value = value.format(tmp=tmp_path)
+    daemon = {"endpoint": "tcp://127.0.0.1:19481", key: value} if key == "tcp_key_file" else {key: value}
+    rc, out, err = run("--config", write_config(tmp_path, daemon=daemon), "--check")
+    end, example = value[-1], f"{value.rstrip('/')}/{'dflash2.sock' if key == 'endpoint' else 'tcp.key'}"
+    assert rc == 2 and err == [f"dflash2d: error: daemon.{key}: {value!r} ends in '{end}', a folder; give {what} "
+                               f"path in it (e.g. {example}) (got \"{value}\")"], err
+    assert not (tmp_path / "sockdir").exists() and not (tmp_path / "keys").exists()
+
+
 def test_a_config_nested_too_deeply_is_one_line_at_start_up_too(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 200000 + "]" * 200000)
