@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from dflash2 import strictjson
 from dflash2.config_errors import first_error
-from dflash2.endpoints import (_bare_host, _same_host, connectable, default_endpoint, endpoint_parts,
-                               plain_text, tcp_key_path, xdg_dir)
+from dflash2.endpoints import (connectable, default_endpoint, endpoint_parts, hosts_overlap, plain_text,
+                               tcp_key_path, xdg_dir)
 from dflash2.errors import ConfigError, DisabledError, LayoutError
 from dflash2.layout import DTYPE_BITS, Layout
 
@@ -356,9 +356,7 @@ class Config(_Section):
         if scheme != "tcp":
             return
         host, _, port = rest.rpartition(":")
-        wildcard = {"*", "0.0.0.0", "::", ""}
-        if int(port) == self.metrics.port and (_same_host(host, self.metrics.host)
-                                               or {_bare_host(host), _bare_host(self.metrics.host)} & wildcard):
+        if int(port) == self.metrics.port and hosts_overlap(host, self.metrics.host):
             raise ConfigError("metrics.port", f"{self.metrics.port} is daemon.endpoint's port too "
                                               f"({self.daemon.endpoint}); give metrics another port")
 

@@ -95,6 +95,38 @@ def _same_host(a: str, b: str) -> bool:
     return a == b or ({a, b} <= names | addresses and bool({a, b} & names))
 
 
+def numeric_address(host: str) -> Optional[str]:
+    """The address a numeric host is bound at, as the resolver reads it: `127.1` is 127.0.0.1 and `0`
+    is 0.0.0.0 (inet_aton's shorthand), `*` and "" every IPv4 address; None for a name, which is not
+    looked up (no DNS at config time)."""
+    host = host.lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("*", ""):
+        return "0.0.0.0"
+    try:
+        *_, sockaddr = socket.getaddrinfo(host, None, flags=socket.AI_NUMERICHOST | socket.AI_PASSIVE)[0]
+        return str(ipaddress.ip_address(sockaddr[0]))
+    except (OSError, UnicodeError, ValueError):
+        return None
+
+
+def _every_address(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def hosts_overlap(a: str, b: str) -> bool:
+    """Whether listening on one port at hosts a and b collides: the same address however written
+    (`127.1`, `0:0:0:0:0:0:0:1`), a loopback name and its address, or either one every address
+    (`0` passed as another host than `0.0.0.0`, and the daemon's own metrics server then held the
+    endpoint's port: exit 4 after the tiers were taken, a review)."""
+    a, b = (numeric_address(h) or h for h in (a, b))
+    return _same_host(a, b) or _every_address(a) or _every_address(b)
+
+
 def plain_text(value: str) -> str:
     """A path or address without control characters: a NUL cannot be in a path (start-up ended in a
     traceback), and a newline would split the one-line errors and `now:` lines that name it."""

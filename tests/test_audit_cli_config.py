@@ -215,6 +215,22 @@ def test_metrics_on_the_endpoints_port_of_one_ipv6_address_is_refused(endpoint, 
         parse_config({**base(), "daemon": {"endpoint": endpoint}, "metrics": {"port": 9511, "host": host}})
 
 
+@pytest.mark.parametrize("endpoint, host", [("tcp://127.0.0.1:9511", "0"), ("tcp://127.0.0.1:9511", "127.1"),
+                                            ("tcp://localhost:9511", "0x7f.1"), ("tcp://0:9511", "10.1.2.3")])
+def test_metrics_on_the_endpoints_port_of_an_address_in_shorthand_is_refused(endpoint, host):
+    """`0` is 0.0.0.0 and `127.1` is 127.0.0.1 to the resolver: only the literal spellings were
+    compared, --check passed, and start-up took the tiers, then failed to bind the endpoint on the
+    port its own metrics server held (exit 4, a review)."""
+    with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):
+        parse_config({**base(), "daemon": {"endpoint": endpoint}, "metrics": {"port": 9511, "host": host}})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2", "127.2", "node1.example"])
+def test_metrics_on_the_endpoints_port_of_another_address_is_taken(host):
+    cfg = parse_config({**base(), "daemon": {"endpoint": "tcp://127.0.0.1:9511"}, "metrics": {"port": 9511, "host": host}})
+    assert cfg.metrics.host == host  # (kept as written: a name is not looked up at config time)
+
+
 @pytest.mark.parametrize("endpoint, connect", [
     ("tcp://*:9511", "tcp://127.0.0.1:9511"), ("tcp://0.0.0.0:9511", "tcp://127.0.0.1:9511"),
     ("tcp://[::]:9511", "tcp://[::1]:9511"), ("tcp://10.1.2.3:9511", "tcp://10.1.2.3:9511"),
