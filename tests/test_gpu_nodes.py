@@ -79,7 +79,10 @@ def test_moves_on_two_gpus_at_once_stay_on_their_gpu_bit_exact(cuda_config):
         assert managers[0].arenas[Tier.NVME].path != managers[1].arenas[Tier.NVME].path
         failures: list[str] = []
 
-        threads = [threading.Thread(target=churn, args=(managers[d], d, failures)) for d in (0, 1)]
+        # Each pool's moves start from a thread current on the other GPU, as the daemon's loop thread
+        # is (left on GPU 0 by start-up) for GPU 1's pool: only the backend's own device switch
+        # (`on_device`) puts them on theirs (started on their own GPU, a backend without it passed).
+        threads = [threading.Thread(target=churn, args=(managers[d], d, failures, 1 - d)) for d in (0, 1)]
         for t in threads:
             t.start()
         for t in threads:
@@ -116,9 +119,10 @@ def churned(mgr, device: int) -> None:
     assert mechanisms == {"kernel", "engines"} or not mgr.backend.engines.available, (device, batches)
 
 
-def churn(mgr, device: int, failures: list[str]) -> None:
+def churn(mgr, device: int, failures: list[str], moves_from: int | None = None) -> None:
     """Fill blocks of three layouts on `device` and move them through every tier five times, by the
-    copy kernel and the copy engines, checking every byte each round (`failures` says what broke)."""
+    copy kernel and the copy engines, checking every byte each round (`failures` says what broke).
+    `moves_from`: the moves start from a thread whose current device is that one (else `device`)."""
     import cupy as cp
     from dflash2.layout import Layout
     from dflash2.tiers import Tier
@@ -144,11 +148,12 @@ def churn(mgr, device: int, failures: list[str]) -> None:
                 # the engines would take); the large blocks move in batches of their own.
                 groups.append(mgr.table.rows(np.random.default_rng(device).permutation(group)))
             for round_ in range(5):
-                for tier in (Tier.DRAM, Tier.NVME, Tier.HBM, Tier.NVME, Tier.DRAM, Tier.HBM):
-                    for rows in groups:
-                        if not mgr.mover.move(rows, tier).all():
-                            failures.append(f"GPU {device}: a move to {tier.name} failed in round {round_}")
-                            return
+                with cp.cuda.Device(device if moves_from is None else moves_from):
+                    for tier in (Tier.DRAM, Tier.NVME, Tier.HBM, Tier.NVME, Tier.DRAM, Tier.HBM):
+                        for rows in groups:
+                            if not mgr.mover.move(rows, tier).all():
+                                failures.append(f"GPU {device}: a move to {tier.name} failed in round {round_}")
+                                return
                 for v in vids:
                     view = mgr.view(v)
                     if view.device.id != device or not (cp.asnumpy(view) == data[v]).all():
