@@ -202,11 +202,12 @@ def test_pages_whose_parent_was_evicted_meanwhile_are_stored_unlinked_and_counte
     assert backend.batch_exists(KEYS[:2]) == 2
 
 
-def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(config_file, backends, monkeypatch):
+def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(config_file, backends, monkeypatch,
+                                                                             caplog):
     """A daemon killed and restarted with a changed config (here without its DRAM tier): the backend
     attaches again and writes pages where the new daemon can take them, with its prefill rate;
     before, it kept asking for the old DRAM tier, and every write and read failed until sglang
-    restarted."""
+    restarted. The log says it is back (it said only that reads miss and writes fail, a review)."""
     from dflash2.client.sglang import backend as backend_module
 
     monkeypatch.setattr(backend_module, "RETRY_S", 0.2)
@@ -224,13 +225,43 @@ def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(con
         proc = DaemonProcess(with_dram).start()
         fill(pool, [1, 2], seed=5)
         deadline = time.monotonic() + 10
-        while backend.batch_set_v1(KEYS[:2], indices([1, 2])) != [True, True]:
-            assert time.monotonic() < deadline, backend.counters
-            time.sleep(0.1)
+        with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+            while backend.batch_set_v1(KEYS[:2], indices([1, 2])) != [True, True]:
+                assert time.monotonic() < deadline, backend.counters
+                time.sleep(0.1)
+        back = [r.getMessage() for r in caplog.records if "attached again" in r.getMessage()]
+        assert len(back) == 1 and "pages to its hbm tier" in back[0] and "stored before are gone" in back[0], back
         assert backend.tier == "hbm"
         assert backend.batch_get_v1(KEYS[:2], indices([3, 4])) == [True, True]
         assert torch.equal(pool.get_data_page(3 * PAGE, flat=True), pool.get_data_page(PAGE, flat=True))
         assert backend.client.stats()["read_cost"]["prefill_rates"] == 1
+    finally:
+        proc.stop()
+
+
+def test_a_page_larger_than_the_whole_dram_tier_falls_back_once(config_file, backends, caplog):
+    """A 2 MiB page and a DRAM tier of 1 MiB: no page can ever be stored. The backend stayed active and
+    every backup batch was refused NeverFits, a warning each, for the server's life (a review); now it
+    falls back at registration, saying why in the one fallback line."""
+    layers, heads, head_dim = 32, 32, 128  # a page of PAGE (4) tokens: 2 * 32 * 4 * 32 * 128 * 2 bytes = 2 MiB
+    dev = MHATokenToKVPool(128, PAGE, torch.bfloat16, heads, head_dim, layers, "cpu", False,
+                           start_layer=0, end_layer=layers - 1)
+    info = dev.get_device_pool_infos()[0]
+    pool = MHATokenToKVPoolHost(info.buffer_info, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=dev.size, start_layer=0, end_layer=layers - 1)
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+            backend = make_backend(path, pool)
+            backends.append(backend)
+            for n in range(3):
+                backend.batch_set_v1([f"k{n}"], indices([1]))  # (sglang's default storage now)
+        assert not backend.active
+        assert "more than the daemon's whole dram tier (1048576 bytes)" in backend.fallback_reason
+        lines = [r.getMessage() for r in caplog.records if "fall" in r.getMessage() or "NeverFits" in r.getMessage()]
+        assert len(lines) == 1 and "memory.dram_capacity_mb" in lines[0], lines
     finally:
         proc.stop()
 

@@ -173,13 +173,13 @@ class DFlash2Storage(HiCacheStorage):
             layout = page_layout(mem_pool_host, self.shard.model)
             kv = self._logical_kv_dtype(mem_pool_host)
             self.layout_id = self.client.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
+            self._fit_tiers(self.client, layout)
         except (PageFormatError, DFlash2Error) as e:
             self._fall_back(f"sglang's host pages cannot be stored: {e}")
             return
         self.page_bytes = layout.block_bytes
         page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
         self.keys = KeyMapper(namespace(self.shard, page, self.model_id))
-        self._fit_tiers(self.client, layout)
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
 
@@ -209,6 +209,10 @@ class DFlash2Storage(HiCacheStorage):
         self.chunk_pages = MAX_CHUNK_PAGES
         if self.tier in tiers:
             cap = tiers[self.tier]["capacity_bytes"]
+            if cap < layout.block_bytes:  # (every store refused NeverFits, a warning a batch, for good: a review)
+                raise PageFormatError(f"a page takes {layout.block_bytes} bytes, more than the daemon's whole "
+                                      f"{self.tier} tier ({cap} bytes): raise memory.{self.tier}_capacity_mb, or "
+                                      "use smaller pages (--page-size)")
             self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // (4 * layout.block_bytes))))
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -247,10 +251,13 @@ class DFlash2Storage(HiCacheStorage):
                         layout = self.client.layout(self.layout_id)
                         layout_id = fresh.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
                         self._fit_tiers(fresh, layout)
-                    except DFlash2Error as e:
+                    except (DFlash2Error, PageFormatError) as e:
                         if fresh is not None:
                             fresh.close()
-                        self._daemon_down(e)
+                        if isinstance(e, PageFormatError):  # (the restarted daemon's tiers: for good)
+                            self._fall_back(f"sglang's host pages cannot be stored by the restarted daemon: {e}")
+                        else:
+                            self._daemon_down(e)
                         return None
                     # The layout id first: a thread that reads the client and then its layout id
                     # must never pair the fresh client with the old daemon's id (another layout
@@ -259,6 +266,9 @@ class DFlash2Storage(HiCacheStorage):
                     self.layout_id = layout_id
                     self.client = fresh
                     old.close()
+                    log.warning("dflash2: attached again to the daemon at %s (layout %d, pages to its %s tier): "
+                                "sglang's storage works again; the pages stored before are gone", fresh.endpoint,
+                                layout_id, self.tier)
         return self.client
 
     def _count(self, key: str, n: int = 1) -> None:
