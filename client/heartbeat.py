@@ -25,10 +25,14 @@ log = logging.getLogger("dflash2.client")
 
 
 class Awake:
-    """When the heartbeat thread last ran, and since when it has run with no gap of more than a lease:
-    it marks each beat, and every GONE_CHECK_S while a beat waits for its reply, so its gaps are at
-    most the heartbeat interval (below the lease) while its process runs. A process stopped (SIGSTOP,
-    a frozen cgroup) stops the thread too, and CLOCK_MONOTONIC runs on: the gap shows it.
+    """When the heartbeat thread last had a beat answered or waiting for its answer, and since when it
+    has had one with no gap of more than a lease: it marks each answer, and every GONE_CHECK_S while a
+    sent beat waits for one, so its gaps are at most the heartbeat interval (below the lease) while
+    its process runs and its beats reach the daemon. A process stopped (SIGSTOP, a frozen cgroup)
+    stops the thread too, and CLOCK_MONOTONIC runs on: the gap shows it; so does a run of beats that
+    could not be sent (no socket, no descriptor left), which the daemon never heard: marked at each
+    pass of the loop, they vouched for a lease the daemon let lapse, and a view wrote into a slot
+    given to another client's cached block (a review).
 
     The client's check before a new view (`Client.view_bytes`) asks the daemon only where this thread
     did not run all along since the lease was last renewed: a silence of the daemon's own (paused,
@@ -48,8 +52,10 @@ class Awake:
 
     def ran_since(self, t: float) -> bool:
         """Whether the thread ran from before monotonic time `t` until within the last lease, with no
-        gap of more than a lease."""
-        return self.since <= t and time.monotonic() - self.at <= self.lease_s
+        gap of more than a lease. `at` is read first: a mark between two reads the other way round
+        paired the old `since` with the new `at`, vouching across a stop (a review)."""
+        at = self.at
+        return time.monotonic() - at <= self.lease_s and self.since <= t
 
 
 def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,
@@ -69,7 +75,6 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
     beat = False
     try:
         while not (beat and stop.wait(interval_s)):
-            mark()
             client = ref()
             if client is None:
                 log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops, "
@@ -84,6 +89,7 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
                 if beat:
                     sent = time.monotonic()
                     transport.call(Op.HEARTBEAT, client_id)
+                    mark()  # (answered; `gone` marks while a sent beat waits)
                     client.renewed(sent)
             except DaemonUnavailable as e:
                 if client._daemon_gone():

@@ -204,3 +204,74 @@ def test_the_heartbeat_threads_gap_marks_a_stopped_process(monkeypatch):
     assert not awake.ran_since(100.0)
     awake.mark()  # resumed: the thread marks first, then the view asks
     assert not awake.ran_since(105.0) and awake.ran_since(now[0])
+
+
+def test_a_view_after_heartbeats_that_never_reached_the_daemon_asks_it(config_file, tmp_path, monkeypatch):
+    """The heartbeat thread runs all along but its beats cannot be sent (no socket: a serving process
+    at its descriptor limit): the daemon, not stalled, lets the lease lapse and gives the slot away.
+    Marked at each pass of its loop, the thread vouched for the lease, and the view wrote into
+    another client's cached block (a review). Only beats sent (waiting, or answered) vouch."""
+    from dflash2.client import transport as T
+    from dflash2.errors import DaemonUnavailable
+    import threading
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    other = c = None
+    try:
+        other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
+        c = Client.connect(d.endpoint, name="starved", layouts=[SMALL])
+        mine = c.allocate(c.layouts[0], 1)
+        c.view_bytes(mine[0])[:] = 0x33
+        real_call = T.Transport.call
+
+        def call(self, op, *a, **k):  # the heartbeat thread's socket cannot be made
+            if threading.current_thread().name == f"dflash2-heartbeat-{c.client_id}":
+                raise DaemonUnavailable(f"{op.value}: cannot make a socket for {self.endpoint}: Too many open files")
+            return real_call(self, op, *a, **k)
+        monkeypatch.setattr(T.Transport, "call", call)
+        st = _until_let_go(other)
+        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+        places = other.allocate(other.layouts[0], n)  # every HBM slot, the starved client's old one among them
+        for p in places:
+            other.view_bytes(p)[:] = 0x22
+        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        with pytest.raises(ArenaError, match="lease lapsed"):
+            c.view_bytes(mine[0])[:] = 0x99
+        pinned = other.acquire(vids)
+        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
+        other.release(vids)
+    finally:
+        for x in (c, other):
+            if x is not None:
+                x.close()
+        d.stop()
+
+
+@pytest.mark.parametrize("between", ["at", "since"])
+def test_the_first_mark_after_a_stop_never_lets_a_check_vouch_across_it(between):
+    """`ran_since` read `since`, then `at`: the heartbeat thread's first mark after a resume, run
+    between the two reads, paired the old `since` with the new `at` and vouched for a renewal before
+    the stop (a review). Forced here: the mark runs just after the check reads either attribute."""
+    import threading
+    from dflash2.client.heartbeat import Awake
+
+    class Switching(Awake):
+        armed = False
+
+        def __getattribute__(self, name):
+            value = object.__getattribute__(self, name)
+            if name == between and object.__getattribute__(self, "armed"):
+                object.__setattr__(self, "armed", False)
+                t = threading.Thread(target=self.mark)  # the heartbeat thread resumes and marks
+                t.start()
+                t.join()
+            return value
+
+    awake = Switching(1.0)
+    now = time.monotonic()
+    awake.since, awake.at = now - 10, now - 3.0  # ran until 3 s ago, stopped since
+    renewed = now - 5.0
+    assert not awake.ran_since(renewed)  # before the mark
+    awake.armed = True
+    assert not awake.ran_since(renewed)  # with the mark between its reads
+    assert not awake.ran_since(renewed)  # after it
