@@ -45,10 +45,12 @@ def refuse_unmovable(table: BlockTable, rows: np.ndarray, tiers: np.ndarray, bel
                                 "commit it first, or read it where it lies (tier 'dram')")
 
 
-def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, tiers: np.ndarray, up_to: Tier) -> None:
+def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, tiers: np.ndarray, up_to: Tier,
+                      beyond: np.ndarray | None = None) -> None:
     """NeverFits when the blocks at or below `up_to` cannot lie in it at once, with the cached
     prefix a promotion brings up first (`chain`: `rows` and their ancestors, Promotion's
-    `with_ancestors`; those pinned below stay where they are)."""
+    `with_ancestors`; those pinned below stay where they are; `beyond`: the chain's blocks the read
+    does not need there, Promotion's `beyond_read`)."""
     c = table.cols
     if chain is rows:  # a prefix listed root first (the usual read): nothing to add
         there = unique(rows[tiers >= int(up_to)])
@@ -56,6 +58,8 @@ def refuse_never_fits(table: BlockTable, chain: np.ndarray, rows: np.ndarray, ti
         chain_tiers = c.tier[chain]
         there = chain[(chain_tiers == int(up_to)) | ((chain_tiers > int(up_to))
                                                      & ((c.pins[chain] == 0) | np.isin(chain, rows)))]
+        if beyond is not None and len(beyond):
+            there = there[~np.isin(there, beyond)]
     lids, counts = np.unique(c.layout[there], return_counts=True)
     named = len(unique(rows))
     table.refuse_never_fits(up_to, dict(zip(lids.tolist(), counts.tolist())), f"acquire of {named} blocks"

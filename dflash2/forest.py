@@ -124,3 +124,21 @@ def reaches_marked(parent: np.ndarray, marked: np.ndarray, nodes: np.ndarray) ->
     else:
         raise ValueError("reaches_marked: the parent links form a cycle")
     return jump[nodes] == _HIT
+
+
+def marked_or_above(parent: np.ndarray, marked: np.ndarray) -> np.ndarray:
+    """Per node, whether it or a descendant among the nodes is marked (`parent`: local, -1 for none):
+    the marks spread up their chains by pointer jumping, each round marking the nodes 2**r levels
+    above the marked ones, so a chain of depth D takes ceil(log2 D) + 1 rounds."""
+    out = np.asarray(marked, dtype=bool).copy()
+    jump = np.asarray(parent, dtype=np.int64).copy()
+    for _ in range(64):  # (a cycle stops here: it is no prefix tree)
+        up = jump[out]
+        out[up[up >= 0]] = True
+        has = jump >= 0
+        if not has.any():
+            break
+        nxt = np.full(len(jump), -1, dtype=np.int64)
+        nxt[has] = jump[jump[has]]
+        jump = nxt
+    return out

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.counts import unique
-from dflash2.forest import local_parents, ranked
+from dflash2.forest import local_parents, marked_or_above, ranked
 from dflash2.table import BlockState
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
@@ -134,7 +134,28 @@ class Promotion:
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
         keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
-        return self._away(chain, dst), keep
+        away = self._away(chain, dst)
+        beyond = self.beyond_read(chain, rows, dst)
+        if len(beyond):  # the read's part first: a move cut short by the room brings up what it reads
+            last = np.isin(away, beyond)
+            away = np.concatenate((away[~last], away[last]))
+        return away, keep
+
+    def beyond_read(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> np.ndarray:
+        """The blocks of `chain` below `dst` that the read of `rows` does not need there: ancestors only
+        of rows already in dst (a chain extended in HBM under a parent demoted). Counted with the
+        read, a read of blocks that fit was refused "nothing was moved", or NeverFits, and listed
+        first (the chain is ancestors first), they took the room the read's own blocks needed (a
+        review's model-based test). Empty where every row lies below dst, or the chain is the rows."""
+        c = self.table.cols
+        if chain is rows:
+            return chain[:0]  # (the rows are the chain: every block below dst is one the read needs)
+        below = c.tier[chain] > int(dst)
+        rows_below = np.isin(chain, rows) & below
+        if not below.any() or (c.tier[rows] > int(dst)).all():
+            return chain[:0]  # every block of the chain is a row below dst or an ancestor of one
+        needed = marked_or_above(local_parents(chain, c.parent[chain]), rows_below)
+        return chain[below & ~needed]
 
     def _away(self, chain: np.ndarray, dst: Tier) -> np.ndarray:
         # A pinned block stays put (it is in use where it is); everything else of the chain comes up.
@@ -150,12 +171,9 @@ class Promotion:
         rows = np.asarray(rows, dtype=np.int64)
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         away = self._away(chain, dst)
-        # The read's part of it only: promote moves the leading part of `away` its room holds,
-        # ancestors first, and what follows the last of `rows` there is the prefix of rows already in
-        # dst (a chain extended in HBM under a parent demoted): brought up where room is left. Counted
-        # whole, a read of blocks that fit was refused with "nothing was moved" (a review's model test).
-        read = np.flatnonzero(np.isin(away, rows))
-        away = away[:read[-1] + 1] if len(read) else away[:0]
+        beyond = self.beyond_read(chain, rows, dst)
+        if len(beyond):  # (the read's part only: `promote` brings the rest up after it, where room is left)
+            away = away[~np.isin(away, beyond)]
         sizes = self._slot_bytes(dst, away)
         need, one, alloc = (int(sizes.sum()) if len(away) else 0), one_size(sizes), self.table.allocators[dst]
         if alloc.free_bytes >= need if one is None else alloc.can_fit(one, len(away)):

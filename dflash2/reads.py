@@ -127,7 +127,7 @@ class Reads:
             # prefix it brings up first included) that can never fit.
             refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
             chain = self.placement.with_ancestors(rows, up_to)  # (once: `promote` below takes it too)
-            refuse_never_fits(self.table, chain, rows, tiers, up_to)
+            refuse_never_fits(self.table, chain, rows, tiers, up_to, self.placement.beyond_read(chain, rows, up_to))
         below = None if priority is None else priority + 1
         if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):
             return self._no_room(up_to, priority, made=False)  # (none made: it would move blocks for nothing)

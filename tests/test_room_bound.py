@@ -339,13 +339,15 @@ def test_scattered_free_pages_beside_other_sizes_are_no_slab_of_several_pages():
         mgr.close()
 
 
-def test_a_read_of_blocks_that_fit_is_served_beside_a_prefix_that_does_not(make_manager):
-    """HBM of 4: one block being written, and `b`, whose parent `a` lies in DRAM (the chain extended
-    in HBM under a parent demoted). A read of [q, b], q's chain [p, q] in DRAM: p and q fit in the two
-    free slots, and b is there already. The bound counted a too (brought up first for b, since the
-    chain lists it), and the read was refused with "nothing was moved" though promote brings up the
-    leading part that fits, which is all the read needs (a review's model-based test)."""
-    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+@pytest.mark.parametrize("order", ["qb", "bq"])
+@pytest.mark.parametrize("hbm_blocks", [3, 4])
+def test_a_read_of_blocks_that_fit_is_served_beside_a_prefix_that_does_not(make_manager, order, hbm_blocks):
+    """`b` in HBM, its parent `a` in DRAM (the chain extended in HBM under a parent demoted); a read of
+    q and b, q's chain [p, q] in DRAM. p and q fit in HBM beside b (HBM of 4 with a block being
+    written, or of 3), and the read needs no more. Counted with it, `a` got the read refused: with
+    "nothing was moved" (the room bound), NeverFits (HBM of 3), or, named [b, q], brought up first
+    into the room p or q needed (a review's model-based test, then a review of its fix)."""
+    mgr = make_manager(hbm_blocks=hbm_blocks, dram_blocks=8)
     c = mgr.attach("t")
     lid = mgr.register_layout(SMALL)
     a = mgr.commit(c, mgr.allocate(c, lid, 1, tier=Tier.DRAM), keys=[1])
@@ -354,9 +356,11 @@ def test_a_read_of_blocks_that_fit_is_served_beside_a_prefix_that_does_not(make_
     mgr.free(c, b)
     pq = mgr.commit(c, mgr.allocate(c, lid, 2, tier=Tier.DRAM), keys=[10, 11])
     mgr.free(c, pq)
-    mgr.allocate(c, lid, 1)  # being written: stays
+    if hbm_blocks == 4:
+        mgr.allocate(c, lid, 1)  # being written: stays
     assert (tier_of(mgr, a[0]), tier_of(mgr, b[0]), tier_of(mgr, pq[1])) == (Tier.DRAM, Tier.HBM, Tier.DRAM)
-    got = mgr.acquire(c, [int(pq[1]), int(b[0])])
+    read = [int(pq[1]), int(b[0])] if order == "qb" else [int(b[0]), int(pq[1])]
+    got = mgr.acquire(c, read)
     assert got is not None, mgr.acquire_refusal
     assert [int(p.tier) for p in got] == [int(Tier.HBM)] * 2 and tier_of(mgr, a[0]) == Tier.DRAM
     mgr.check_invariants()
