@@ -174,11 +174,25 @@ class Promotion:
         beyond = self.beyond_read(chain, rows, dst)
         if len(beyond):  # (the read's part only: `promote` brings the rest up after it, where room is left)
             away = away[~np.isin(away, beyond)]
+        if not len(away):
+            return True
         sizes = self._slot_bytes(dst, away)
-        need, one, alloc = (int(sizes.sum()) if len(away) else 0), one_size(sizes), self.table.allocators[dst]
-        if alloc.free_bytes >= need if one is None else alloc.can_fit(one, len(away)):
-            return True  # (the usual read: no walk of what its room is kept from; for one size, by its slots)
+        need, one, alloc = int(sizes.sum()), one_size(sizes), self.table.allocators[dst]
+        if one is not None and alloc.can_fit(one, len(away)):
+            return True  # (the usual read: no walk of what its room is kept from; by its slots)
         keep = self._away_and_kept(rows, dst, None, chain)[1]
+        if one is None:
+            # Several slot sizes: each size's blocks need slots of their own, which free bytes (free
+            # slots of another size among them) and the bound's bytes do not say. Counted in bytes
+            # alone, a read whose large block could never come up demoted idle blocks, brought the
+            # small ones up, then was refused "the room made fell short; retry later" (a review).
+            for size in np.unique(sizes).tolist():
+                count = int(np.count_nonzero(sizes == size))
+                if not alloc.can_fit(size, count) and not self.could_hold(
+                        dst, size * count, idle_only=False, protect=keep, below_priority=below_priority, slot=size):
+                    return False
+            if alloc.free_bytes >= need:
+                return True
         return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority, slot=one)
 
     def fitting_prefix(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None = None) -> int:

@@ -364,3 +364,33 @@ def test_a_read_of_blocks_that_fit_is_served_beside_a_prefix_that_does_not(make_
     assert got is not None, mgr.acquire_refusal
     assert [int(p.tier) for p in got] == [int(Tier.HBM)] * 2 and tier_of(mgr, a[0]) == Tier.DRAM
     mgr.check_invariants()
+
+
+def _state(mgr) -> dict:
+    c = mgr.table.cols
+    rows = np.flatnonzero(c.state != 0)
+    return {v: (int(c.tier[r]), int(c.offset[r])) for v, r in zip(mgr.table.vids(rows).tolist(), rows.tolist())}
+
+
+@pytest.mark.parametrize("idle_in_hbm", [False, True])
+def test_a_read_of_two_sizes_whose_large_block_never_fits_moves_nothing(idle_in_hbm):
+    """HBM of two 64 KiB pages, each holding a block being written: no page can take a 40 KiB block
+    (a page each). A read of a small and a 40 KiB block from DRAM: free bytes (and the bound's bytes)
+    said there was room, so the read demoted HBM's idle blocks, brought the small one up, then was
+    refused "the room made fell short; retry later", a retry that never succeeds (a review's
+    model-based test). Each size is bounded by its own slots now: refused with nothing moved."""
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 8 * page, page, 4096)],
+                       clock=FakeClock())
+    small, big = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB)
+    w, r = mgr.attach("writer"), mgr.attach("reader")
+    v = mgr.allocate(w, small, 8 if idle_in_hbm else 6).tolist()  # v[0] (page 0) and v[4] (page 1) stay written
+    idle = mgr.commit(w, v[1:4] + v[5:], keys=list(range(10, 10 + len(v) - 2))).tolist()
+    mgr.free(w, idle)
+    s = mgr.commit(w, mgr.allocate(w, small, 1, tier=Tier.DRAM).tolist(), keys=[2]).tolist()
+    b = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM).tolist(), keys=[3]).tolist()
+    mgr.free(w, s + b)
+    before = _state(mgr)
+    assert mgr.acquire(r, s + b, up_to=Tier.HBM) is None
+    assert "nothing was moved" in mgr.acquire_refusal and _state(mgr) == before
+    mgr.check_invariants()
