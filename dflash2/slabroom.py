@@ -92,8 +92,10 @@ class SlabRoom:
         page_cost = np.where(clear, top[at], -np.inf)
         if span > n_pages:  # (no run of pages that long: room for none)
             windows, win_cost = np.empty(0, dtype=np.int64), np.empty(0)
+            win_clear = windows
         elif span == 1:
             windows, win_cost = np.flatnonzero(clear), page_cost[clear]
+            win_clear = np.ones(len(windows), dtype=np.int64)
         else:
             # Free pages already counted as room (alloc.room_for: whole runs of `span` in each run
             # of free pages) join no window: counted again beside one clear slab, each such window
@@ -103,8 +105,11 @@ class SlabRoom:
             whole = view(free | clear, span).all(axis=1) & view(clear, span).any(axis=1)
             windows = np.flatnonzero(whole)
             win_cost = view(page_cost, span).max(axis=1)[windows]
+            win_clear = view(clear, span).sum(axis=1)[windows]
         need_slots = -(-need_bytes // slot)
-        order = np.argsort(win_cost, kind="stable")
+        # Ties (a window's cost is its hottest slab's) go to the window of fewer slabs to empty: over
+        # [clear, clear, free] and [clear, free, free] the first was taken, a slab emptied for no room.
+        order = np.lexsort((win_clear, win_cost))
         windows, win_cost = windows[order], win_cost[order]
         want = -(-need_slots // per_slab)
         if span > 1:  # (disjoint runs: two that share a page free it once)

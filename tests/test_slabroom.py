@@ -398,3 +398,25 @@ def test_an_allocate_of_two_slabs_over_chains_split_across_full_tiers_is_served(
     m.free(c, m.commit(c, m.allocate(c, s, 1), keys=[23], parent=int(a[2])))
     assert m.allocate(c, b, 2) is not None, m.allocate_refusal
     m.check_invariants()
+
+
+def test_a_three_page_slot_beside_two_free_pages_empties_one_slab():
+    """Pages 2-3 free, 0 and 1 each a slab of idle blocks, page 0 the colder: the windows [0, 1, 2]
+    and [1, 2, 3] cost alike (a window's cost is its hottest slab's), and the first was taken, page
+    0's slab emptied for no room (a review). Ties go to the window of fewer slabs to empty."""
+    clock = Clock()
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * PAGE, PAGE, 256)], policy="lru", clock=clock)
+    a = mgr.attach("a")
+    s, three = mgr.register_layout(SMALL), mgr.register_layout(layout(24, "three-pages"))  # 192 KiB
+    vids = []
+    for k in range(16):  # pages 0..3, four idle small blocks each, page 0 the coldest
+        clock.now += 1
+        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
+        mgr.free(a, v)
+        vids.append(int(v[0]))
+    vids = np.array(vids)
+    assert (mgr.table.cols.offset[mgr.table.rows(vids)] // PAGE).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    mgr.placement._evict(mgr.table.rows(vids[8:]))
+    assert mgr.allocate(a, three, 1) is not None, mgr.allocate_refusal
+    assert mgr.placement.stats.evicted == 8 + 4  # page 1's slab only
+    mgr.check_invariants()
