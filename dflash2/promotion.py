@@ -53,7 +53,7 @@ class Promotion:
         twice an acquire, was most of its cost, a review)."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
-        away, room_for = self._promotion(rows, dst, protect, below_priority, idle_only, chain)
+        away, room_for, beyond = self._promotion(rows, dst, protect, below_priority, idle_only, chain)
         if len(away):
             try:
                 moved = self._promote_away(away, dst, room_for)
@@ -62,6 +62,16 @@ class Promotion:
                 # is unpublished now, never found again (a miss, never wrong data).
                 self._drop_lost()
             self._promoted(away, moved)
+        if len(beyond) and (c.tier[away] <= int(dst)).all():
+            # The prefix only above rows already in dst: where room is left, no room made for it. In the
+            # read's batch, a 40 KiB ancestor that did not fit beside it failed the whole batch, every
+            # retry alike (a review).
+            try:
+                lead = self.mover.leading_that_fit(beyond, dst)
+                if lead:
+                    self._promoted(beyond[:lead], self.mover.move(beyond[:lead], dst))
+            finally:
+                self._drop_lost()
         # A row freed on the way (its NVMe copy failed its checksum) has tier -1: not in dst.
         return (c.tier[rows] >= 0) & (c.tier[rows] <= int(dst))
 
@@ -80,7 +90,7 @@ class Promotion:
             return False
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols
-        away, room_for = self._promotion(rows, dst, protect, below_priority, idle_only)
+        away, room_for, _ = self._promotion(rows, dst, protect, below_priority, idle_only)  # (the read's part)
         if not len(away):
             return False
         if not (c.tier[away] == int(Tier.NVME)).any():
@@ -115,31 +125,39 @@ class Promotion:
         return True
 
     def _promotion(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None, below_priority: int | None,
-                   idle_only: bool, chain: np.ndarray | None = None) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
+                   idle_only: bool, chain: np.ndarray | None = None) -> tuple[np.ndarray, Callable, np.ndarray]:
         """What a promotion of `rows` to `dst` moves (the chain's blocks below dst that may move,
-        ancestors first), and how it makes room for a part of them (`promote`)."""
-        away, keep = self._away_and_kept(rows, dst, protect, chain)
+        ancestors first), how it makes room for a part of them (`promote`), and the movable blocks of
+        the prefix the read does not need there (`beyond_read`), brought up after it where room is left."""
+        away, keep, beyond = self._away_and_kept(rows, dst, protect, chain)
 
         def room_for(part: np.ndarray) -> None:
             self._make_room_for_rows(dst, part, keep, idle_only=True)
             if not idle_only:
                 self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
-        return away, room_for
+        return away, room_for, beyond
 
     def _away_and_kept(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None,
-                       chain: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """What a promotion of `rows` moves up to `dst`, and the rows its room is never made from."""
+                       chain: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What a promotion of `rows` moves up to `dst` for the read, the rows its room is never made
+        from, and the movable blocks of the prefix the read does not need there (`beyond_read`)."""
         chain = self.with_ancestors(rows, dst) if chain is None else chain
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
         keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
+        away, beyond = self._read_away(chain, rows, dst)
+        return away, keep, beyond
+
+    def _read_away(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> tuple[np.ndarray, np.ndarray]:
+        """The chain's blocks a promotion moves up for the read of `rows`, and those it may move after
+        them (the movable part of `beyond_read`)."""
         away = self._away(chain, dst)
         beyond = self.beyond_read(chain, rows, dst)
-        if len(beyond):  # the read's part first: a move cut short by the room brings up what it reads
-            last = np.isin(away, beyond)
-            away = np.concatenate((away[~last], away[last]))
-        return away, keep
+        if not len(beyond):
+            return away, beyond
+        last = np.isin(away, beyond)
+        return away[~last], away[last]
 
     def beyond_read(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """The blocks of `chain` below `dst` that the read of `rows` does not need there: ancestors only
@@ -170,10 +188,7 @@ class Promotion:
         written demoted another reader's idle block, then answered "no room now": a review)."""
         rows = np.asarray(rows, dtype=np.int64)
         chain = self.with_ancestors(rows, dst) if chain is None else chain
-        away = self._away(chain, dst)
-        beyond = self.beyond_read(chain, rows, dst)
-        if len(beyond):  # (the read's part only: `promote` brings the rest up after it, where room is left)
-            away = away[~np.isin(away, beyond)]
+        away = self._read_away(chain, rows, dst)[0]  # (the read's part: `promote` moves the rest after it)
         if not len(away):
             return True
         sizes = self._slot_bytes(dst, away)
@@ -202,7 +217,7 @@ class Promotion:
         blocks of a full last tier for its room, then brought up nothing (a review)."""
         rows = np.asarray(rows, dtype=np.int64)
         chain = self.with_ancestors(rows, dst)
-        away, keep = self._away_and_kept(rows, dst, protect, chain)
+        away, keep, _ = self._away_and_kept(rows, dst, protect, chain)
         sizes = self._slot_bytes(dst, away)
         total = int(sizes.sum())
         room = self.room_most(dst, total, idle_only=True, protect=keep, slot=one_size(sizes))

@@ -394,3 +394,29 @@ def test_a_read_of_two_sizes_whose_large_block_never_fits_moves_nothing(idle_in_
     assert mgr.acquire(r, s + b, up_to=Tier.HBM) is None
     assert "nothing was moved" in mgr.acquire_refusal and _state(mgr) == before
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("idle_on_page_0", [False, True])
+def test_a_read_whose_blocks_fit_is_served_beside_an_unneeded_prefix_of_another_size(idle_on_page_0):
+    """HBM of three 64 KiB pages: page 0 free (or holding an idle 40 KiB block), page 1 `b` (40 KiB)
+    whose parent `a` lies in DRAM, page 2 an 8 KiB block being written. A read of [b, q], q a 16 KiB
+    block in DRAM: q fits in page 0, and `a` is not needed. Moved in one batch with q, `a` (which did
+    not fit beside it) failed the batch: refused "the room made fell short", every retry alike (a
+    review). The read's blocks move first; the rest only where room is left."""
+    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 3 * page, page, 256), TierSpec(Tier.DRAM, 16 * page, page, 4096)],
+                       clock=FakeClock())
+    small, big, half = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
+    w, r = mgr.attach("writer"), mgr.attach("reader")
+    a = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
+    if idle_on_page_0:
+        mgr.free(w, mgr.commit(w, mgr.allocate(w, big, 1), keys=[5]).tolist())
+    b = mgr.commit(w, mgr.allocate(w, big, 1), keys=[2], parent=a[0]).tolist()
+    mgr.allocate(w, half, 1)  # being written: stays on page 2
+    q = mgr.commit(w, mgr.allocate(w, small, 1, tier=Tier.DRAM), keys=[3]).tolist()
+    mgr.free(w, a + b + q)
+    got = mgr.acquire(r, b + q, up_to=Tier.HBM)
+    assert got is not None, mgr.acquire_refusal
+    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, a[0]) == Tier.DRAM
+    mgr.check_invariants()
