@@ -547,9 +547,7 @@ class Client:
             raise ArenaError("this client is detached: its arena mappings are gone")
         if not self.lease_lost and not self._forked():  # (a forked child is told so by _place)
             self._confirm_lease()
-        if self.lease_lost:
-            # Its blocks are no longer its own: the daemon frees them once this process is gone (or
-            # after daemon.set_aside_leases), and then gives their slots to other blocks. No new view of them.
+        if self.lease_lost:  # (its blocks are no longer its own: freed once this process is gone, or set-aside ends)
             raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
         return arenas.bytes_view(self._place(place))
 
@@ -560,23 +558,25 @@ class Client:
             self._renewed = sent
 
     def _confirm_lease(self) -> None:
-        """Before a new view: where no lease-renewing call was answered for a whole lease and the heartbeat
-        thread did not run all along (its process stopped; not a daemon's own silence: Awake), ask the
-        daemon whether it still knows the client: past the lapse and set-aside its slots went to others,
-        and a view wrote into another's cached block (a review). ArenaError where it does not answer."""
+        """Before a new view, where no lease-renewing call was answered for a whole lease: ask the daemon if
+        it still knows the client (past the lapse and set-aside its slots went to others; a view wrote in
+        another's cached block, a review). ArenaError where it does not answer, unless the heartbeat's beats
+        were sent all along (Awake: the daemon's own stall; then it waits Awake.ASK_S only)."""
         renewed = self._renewed
         silent_s = time.monotonic() - renewed
-        if silent_s <= self.lease_timeout_s or (self._awake is not None and self._awake.ran_since(renewed)):
+        if silent_s <= self.lease_timeout_s:
             return
+        vouched = self._awake is not None and self._awake.ran_since(renewed)
         try:
-            self._call(Op.HEARTBEAT)
+            self._call(Op.HEARTBEAT, timeout_s=Awake.ASK_S if vouched else None)
         except DaemonError:  # UnknownClient: _call marked the lease lost (and the view is refused)
             if not self.lease_lost:
                 raise
         except DaemonUnavailable as e:
-            raise ArenaError(f"no call of this client was answered for {silent_s:.1f}s, more than its lease "
-                             f"({self.lease_timeout_s:g}s), and the daemon does not answer now ({e}): its blocks "
-                             "may have been given to others, so no new view is handed out") from None
+            if not vouched:
+                raise ArenaError(f"no call of this client was answered for {silent_s:.1f}s, more than its lease "
+                                 f"({self.lease_timeout_s:g}s), and the daemon does not answer now ({e}): its "
+                                 "blocks may have been given to others, so no new view is handed out") from None
 
     def view(self, place):
         """A torch tensor over a block's bytes, typed and shaped by its layout (no copy). `place` is

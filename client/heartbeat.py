@@ -40,13 +40,21 @@ class Awake:
     daemon counts its stall out of every lease (Service.resumed). Before, each such view waited the
     whole call timeout for the stalled daemon and was then refused (a review)."""
 
+    # How long a view waits for the daemon's word where this vouches: a daemon that is not stalled
+    # answers in milliseconds, and its word wins (the beats sent may never have reached it: a heartbeat
+    # socket that never connected vouched for a lapsed lease, a review).
+    ASK_S = 0.2
+    # A gap marked is at most the interval plus one GONE_CHECK_S (a waiting beat's first mark comes one
+    # slice after its send): an interval within 50 ms of the lease broke every run (a review).
+    SLACK_S = 0.1
+
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self.at = self.since = time.monotonic()
 
     def mark(self) -> None:
         now = time.monotonic()
-        if now - self.at > self.lease_s:
+        if now - self.at > self.lease_s + self.SLACK_S:
             self.since = now  # (first: a reader between the two sees a run that starts now)
         self.at = now
 
@@ -55,7 +63,7 @@ class Awake:
         gap of more than a lease. `at` is read first: a mark between two reads the other way round
         paired the old `since` with the new `at`, vouching across a stop (a review)."""
         at = self.at
-        return time.monotonic() - at <= self.lease_s and self.since <= t
+        return time.monotonic() - at <= self.lease_s + self.SLACK_S and self.since <= t
 
 
 def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,

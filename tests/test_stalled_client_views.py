@@ -275,3 +275,68 @@ def test_the_first_mark_after_a_stop_never_lets_a_check_vouch_across_it(between)
     awake.armed = True
     assert not awake.ran_since(renewed)  # with the mark between its reads
     assert not awake.ran_since(renewed)  # after it
+
+
+def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, tmp_path, monkeypatch):
+    """The heartbeat socket connects to an endpoint nobody serves (a connection that never completes:
+    a tcp path lost for it): its beats are sent and wait, marked every 50 ms, and vouched for the
+    lease the daemon let lapse; the view wrote into another client's cached block (a review). The
+    daemon's word wins where it answers within Awake.ASK_S."""
+    import dflash2.client.heartbeat as hb
+    real = hb.Transport
+    monkeypatch.setattr(hb, "Transport", lambda ep, *a, **kw: real(f"ipc://{tmp_path}/nowhere.sock", *a, **kw))
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    other = unheard = None
+    try:
+        unheard = Client.connect(d.endpoint, name="unheard", layouts=[SMALL])
+        monkeypatch.setattr(hb, "Transport", real)
+        other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
+        mine = unheard.allocate(unheard.layouts[0], 1)
+        unheard.view_bytes(mine[0])[:] = 0x33
+        st = _until_let_go(other)
+        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+        places = other.allocate(other.layouts[0], n)  # every HBM slot, the unheard client's old one among them
+        for p in places:
+            other.view_bytes(p)[:] = 0x22
+        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        assert unheard._awake.ran_since(unheard._renewed)  # (what the view cannot trust alone)
+        with pytest.raises(ArenaError, match="lease lapsed"):
+            unheard.view_bytes(mine[0])[:] = 0x99
+        pinned = other.acquire(vids)
+        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
+        other.release(vids)
+    finally:
+        for c in (unheard, other):
+            if c is not None:
+                c.close()
+        d.stop()
+
+
+def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemon_stall(config_file, tmp_path):
+    """An interval of 0.97 s against a lease of 1 s: a waiting beat's first mark comes one
+    GONE_CHECK_S (50 ms) after its send, so every gap went past the lease and a view during a daemon
+    stall waited the call's timeout, then was refused (a review). Awake.SLACK_S covers that slice."""
+    lease = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.97, "set_aside_leases": 1}
+    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **lease})).start()
+    c = None
+    try:
+        c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.5)
+        mine = c.allocate(c.layouts[0], 1)
+        time.sleep(1.2)  # a beat or so answered
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.3)  # past two leases, the beats unanswered
+            began = time.monotonic()
+            c.view_bytes(mine[0])[:] = 0x44
+            took = time.monotonic() - began
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert took < 0.5, f"the view waited {took:.2f}s for the stalled daemon"
+        c.ping()
+        assert not c.lease_lost
+    finally:
+        if c is not None:
+            c.close()
+        d.stop()
