@@ -128,3 +128,33 @@ def test_a_worker_killed_while_the_bench_sleeps_is_named_at_once():
     with Workers(_sleeps, [(0.1,)], "bench test") as workers:
         workers.sleep_until(time.time() + 2)  # (still sleeps to its time when every worker has answered)
         assert time.monotonic() - t0 >= 1.9
+
+
+SIGINT_WHILE_STARTING = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from dflash2.bench.workers import Workers, WorkerFailed
+from test_bench_workers import _sleeps
+signal.signal(signal.SIGINT, lambda *a: None)  # (the bench: its own handler, which its children do not inherit)
+with Workers(_sleeps, [(5.0,)] * 2, "starting") as w:
+    for p in w._procs:
+        os.kill(p.pid, signal.SIGINT)  # (a terminal's Ctrl-C reaches the whole group: here, at once)
+    try:
+        w.results(time.time() + 30)
+    except WorkerFailed as e:
+        print("failed:", e)
+"""
+
+
+def test_a_ctrl_c_while_a_worker_starts_prints_no_traceback():
+    """A terminal's Ctrl-C reaches the bench's workers too; one that came while a worker's interpreter
+    was still starting (multiprocessing's spawn_main, importing) printed a KeyboardInterrupt traceback
+    (a CI run of test_bench_signals). Workers start with SIGINT blocked and unblock it in `_answer`,
+    where it ends them quietly."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", SIGINT_WHILE_STARTING.format(tests=tests)], capture_output=True,
+                          text=True, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "KeyboardInterrupt" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

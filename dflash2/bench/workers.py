@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 
 from dflash2 import stopsignals
@@ -36,6 +37,10 @@ def _answer(conn, target: Callable, args: tuple) -> None:
     bench names it (a review: each client printed a traceback as well); any other is a bug, and its
     traceback goes to the worker's stderr too."""
     try:
+        # Started with SIGINT blocked (`Workers`): a terminal's Ctrl-C reaches the whole group, and one
+        # that came while the interpreter was still starting (spawn_main's imports) printed its
+        # traceback (a CI run). Unblocked here, it is a KeyboardInterrupt like any other, quiet.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         result = target(*args)
     except BaseException as exc:
         if not isinstance(exc, (DFlash2Error, KeyboardInterrupt, SystemExit)):
@@ -64,6 +69,9 @@ class Workers:
 
     def __init__(self, target: Callable, arg_lists: Sequence[tuple], name: str):
         ctx = multiprocessing.get_context("spawn")
+        # Started now, not in the first worker's start: its start unblocks SIGINT, which the workers
+        # are started with blocked (below), and the first worker started with it open.
+        resource_tracker.ensure_running()
         self.name = name
         self._procs: list = []
         self._conns: list = []
@@ -73,7 +81,11 @@ class Workers:
                 proc = ctx.Process(target=_answer, args=(send, target, tuple(args)), name=f"{name}-{i}", daemon=True)
                 self._procs.append(proc)
                 self._conns.append(recv)
-                proc.start()
+                old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (the child starts with it)
+                try:
+                    proc.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 send.close()  # (the worker holds the only write end: its death closes the pipe)
         except BaseException:  # (a start that failed, or a stop signal meanwhile: those started are stopped)
             self.__exit__()
