@@ -254,6 +254,26 @@ class SlotAllocator:
         in_own = 0 if own is None else own.n_used + own.n_free - mine
         return (slabs_in_runs(spare, slab_pages) * per_slab + in_own) * slot
 
+    def sizes_fit(self, counts: dict[int, int], kept: np.ndarray) -> bool:
+        """Whether blocks of several slot sizes (slot bytes -> count) could all lie here at once were
+        every block gone but those at offsets `kept` (quarantined slots stay too): each size fills the
+        free slots of its own slabs that keep a block, then needs whole slabs cut from the pages no
+        kept block holds, and the sizes share those pages. A necessary condition (whether slabs of
+        several pages find runs is not asked)."""
+        kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
+        per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)
+        heads = np.flatnonzero(per_head)
+        classes = self._page_class[heads]
+        held_pages, need_pages = 0, 0
+        for slot, count in counts.items():
+            slab_pages, per_slab = self._slab_shape(slot)
+            own = heads[classes == slot]
+            spare = int((per_slab - per_head[own]).sum())  # (free slots in its slabs that stay)
+            need_pages += -(-max(0, count - spare) // per_slab) * slab_pages
+        for s, c in self._classes.items():
+            held_pages += int(np.count_nonzero(classes == s)) * c.slab_pages
+        return need_pages <= self.n_pages - held_pages
+
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
         """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
         return self._slab_shape(self.slot_for(block_bytes))

@@ -201,13 +201,13 @@ class Promotion:
             # slots of another size among them) and the bound's bytes do not say. Counted in bytes
             # alone, a read whose large block could never come up demoted idle blocks, brought the
             # small ones up, then was refused "the room made fell short; retry later" (a review).
-            for size in np.unique(sizes).tolist():
-                count = int(np.count_nonzero(sizes == size))
+            counts = dict(zip(*(x.tolist() for x in np.unique(sizes, return_counts=True))))
+            for size, count in counts.items():
                 if not alloc.can_fit(size, count) and not self.could_hold(
                         dst, size * count, idle_only=False, protect=keep, below_priority=below_priority, slot=size):
                     return False
-            if alloc.free_bytes >= need:
-                return True
+            if not self.sizes_could_fit(dst, counts, idle_only=False, protect=keep, below_priority=below_priority):
+                return False  # (each size fits alone, not all together)
         return self.could_hold(dst, need, idle_only=False, protect=keep, below_priority=below_priority, slot=one)
 
     def fitting_prefix(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None = None) -> int:

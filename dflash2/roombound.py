@@ -45,10 +45,33 @@ class RoomBound:
         if free >= need_bytes or self._nothing_movable.get(way) == epoch:
             return free
         c = self.table.cols
-        go = self.movable(tier, evict=False, idle_only=idle_only)
-        if not any_true(go):
+        stay = self._staying(tier, idle_only, protect, below_priority)
+        if stay is None:
             self._nothing_movable[way] = epoch
             return free
+        if slot is not None:  # by slots and slabs, as the allocator counts them
+            return alloc.room_without(slot, c.offset[stay])
+        return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
+
+    def sizes_could_fit(self, tier: Tier, counts: dict[int, int], *, idle_only: bool,
+                        protect: np.ndarray | None = None, below_priority: int | None = None) -> bool:
+        """Whether blocks of several slot sizes (slot bytes -> count) could lie in `tier` at once were
+        every block that may leave it gone (`room_most`'s picks; `SlotAllocator.sizes_fit`, a
+        necessary condition). Each size checked alone against the same room, a read of a 40 KiB and a
+        16 KiB block where one page could be freed demoted its idle block, then was refused (a review)."""
+        stay = self._staying(tier, idle_only, protect, below_priority)
+        c = self.table.cols
+        kept = c.offset[stay] if stay is not None else c.offset[c.tier == int(tier)]
+        return self.table.allocators[tier].sizes_fit(counts, kept)
+
+    def _staying(self, tier: Tier, idle_only: bool, protect: np.ndarray | None,
+                 below_priority: int | None) -> np.ndarray | None:
+        """Mask of the blocks that stay in `tier` were every block that may leave it gone (None: none
+        may leave)."""
+        c = self.table.cols
+        go = self.movable(tier, evict=False, idle_only=idle_only)
+        if not any_true(go):
+            return None
         if below_priority is not None and not idle_only:
             go &= (c.refs == 0) | (c.priority < below_priority)
         here = c.tier == int(tier)
@@ -74,9 +97,7 @@ class RoomBound:
         for row in up.tolist():
             while (row := parent(row)) >= 0 and inside(row) and not held(row):
                 stay[row] = True
-        if slot is not None:  # by slots and slabs, as the allocator counts them
-            return alloc.room_without(slot, c.offset[stay])
-        return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
+        return stay
 
     def could_hold(self, tier: Tier, need_bytes: int, **picks) -> bool:
         """Whether `need_bytes` of slots could be free in `tier` (`room_most`, with its picks)."""

@@ -1,3 +1,4 @@
+import copy
 import numpy as np
 import pytest
 
@@ -241,3 +242,35 @@ def test_room_without_is_never_below_the_room_left_once_the_rest_is_freed(seed):
             a.free(size, np.array([off]))
     truth = a.room_for(asked)
     assert bound == truth  # (slabs of several pages too: from the runs, as blocks_free counts them)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_sizes_fit_never_refuses_blocks_of_several_sizes_that_fit(seed):
+    """`sizes_fit` is a necessary condition for blocks of several sizes to lie in the arena at once
+    were every block gone but those kept (roombound.py refuses a read of several sizes on it): where
+    allocating them, in any order tried here, succeeds once the rest is freed, it says so."""
+    rng = np.random.default_rng(seed)
+    page = 64 * 1024
+    a = SlotAllocator(16 * page, page, 256)
+    sizes = [8 * 1024, 16 * 1024, 40 * 1024, 96 * 1024]
+    held = []
+    for _ in range(40):
+        size = sizes[rng.integers(len(sizes))]
+        got = a.alloc(size, int(rng.integers(1, 4)))
+        if got is not None:
+            held += [(size, int(o)) for o in got]
+        if held and rng.random() < 0.3:
+            size, off = held.pop(int(rng.integers(len(held))))
+            a.free(size, np.array([off]))
+    kept = [h for h in held if rng.random() < 0.4]
+    asked = {sizes[i]: int(rng.integers(1, 6)) for i in rng.choice(len(sizes), 2, replace=False)}
+    counts = {a.slot_for(s): n for s, n in asked.items()}
+    said = a.sizes_fit(counts, np.array([o for _, o in kept], dtype=np.int64))
+    for size, off in held:
+        if (size, off) not in kept:
+            a.free(size, np.array([off]))
+    for order in (sorted(asked, reverse=True), sorted(asked)):
+        trial = copy.deepcopy(a)
+        if all(trial.alloc(s, asked[s]) is not None for s in order):
+            assert said, (asked, kept)
+            break
