@@ -221,15 +221,7 @@ def test_room_without_is_never_below_the_room_left_once_the_rest_is_freed(seed):
     page = 64 * 1024
     a = SlotAllocator(24 * page, page, 256)
     sizes = [8 * 1024, 16 * 1024, 40 * 1024, 96 * 1024, 200 * 1024]
-    held = []  # (block bytes, offset)
-    for _ in range(60):
-        size = sizes[rng.integers(len(sizes))]
-        got = a.alloc(size, int(rng.integers(1, 4)))
-        if got is not None:
-            held += [(size, int(o)) for o in got]
-        if held and rng.random() < 0.3:
-            size, off = held.pop(int(rng.integers(len(held))))
-            a.free(size, np.array([off]))
+    held = _churned(rng, a, sizes, 60)
     for size, off in [h for h in held if rng.random() < 0.1]:  # (as NVMe slots whose storage failed)
         held.remove((size, off))
         a.free(size, np.array([off]))
@@ -244,6 +236,20 @@ def test_room_without_is_never_below_the_room_left_once_the_rest_is_freed(seed):
     assert bound == truth  # (slabs of several pages too: from the runs, as blocks_free counts them)
 
 
+def _churned(rng, a: SlotAllocator, sizes: list[int], steps: int) -> list[tuple[int, int]]:
+    """Random allocations of `sizes` and frees in `a`: the (block bytes, offset) still held."""
+    held = []
+    for _ in range(steps):
+        size = sizes[rng.integers(len(sizes))]
+        got = a.alloc(size, int(rng.integers(1, 4)))
+        if got is not None:
+            held += [(size, int(o)) for o in got]
+        if held and rng.random() < 0.3:
+            size, off = held.pop(int(rng.integers(len(held))))
+            a.free(size, np.array([off]))
+    return held
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_sizes_fit_never_refuses_blocks_of_several_sizes_that_fit(seed):
     """`sizes_fit` is a necessary condition for blocks of several sizes to lie in the arena at once
@@ -253,15 +259,7 @@ def test_sizes_fit_never_refuses_blocks_of_several_sizes_that_fit(seed):
     page = 64 * 1024
     a = SlotAllocator(16 * page, page, 256)
     sizes = [8 * 1024, 16 * 1024, 40 * 1024, 96 * 1024]
-    held = []
-    for _ in range(40):
-        size = sizes[rng.integers(len(sizes))]
-        got = a.alloc(size, int(rng.integers(1, 4)))
-        if got is not None:
-            held += [(size, int(o)) for o in got]
-        if held and rng.random() < 0.3:
-            size, off = held.pop(int(rng.integers(len(held))))
-            a.free(size, np.array([off]))
+    held = _churned(rng, a, sizes, 40)
     kept = [h for h in held if rng.random() < 0.4]
     asked = {sizes[i]: int(rng.integers(1, 6)) for i in rng.choice(len(sizes), 2, replace=False)}
     counts = {a.slot_for(s): n for s, n in asked.items()}

@@ -74,9 +74,29 @@ def _until_let_go(other: Client) -> dict:
         time.sleep(0.05)
 
 
+def _daemon(config_file, tmp_path, lease: dict = LEASE) -> DaemonProcess:
+    return DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **lease})).start()
+
+
+def _others_in_every_slot(other: Client, st: dict):
+    """`other` writes and publishes a block in every HBM slot (the lapsed client's old one among
+    them): its vids, to check with `_others_intact`."""
+    n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
+    places = other.allocate(other.layouts[0], n)
+    for p in places:
+        other.view_bytes(p)[:] = 0x22
+    return other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+
+
+def _others_intact(other: Client, vids) -> None:
+    pinned = other.acquire(vids)
+    assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
+    other.release(vids)
+
+
 def _run(config_file, tmp_path, reader: bool) -> dict:
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    d = _daemon(config_file, tmp_path)
     other = child = None
     try:
         other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
@@ -130,8 +150,7 @@ def test_a_call_the_daemon_answers_without_a_lease_renews_none(config_file, tmp_
     """`ping`, `stats`, `check` and `history` are answered whether or not the daemon knows the
     client: counted as renewals, a stats() after the lapse disarmed the check and the view wrote into
     another client's cached block (a review)."""
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    d = _daemon(config_file, tmp_path)
     other = lapsed = None
     try:
         other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
@@ -139,18 +158,12 @@ def test_a_call_the_daemon_answers_without_a_lease_renews_none(config_file, tmp_
         mine = lapsed.allocate(lapsed.layouts[0], 1)
         lapsed.view_bytes(mine[0])[:] = 0x33
         st = _until_let_go(other)
-        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
-        places = other.allocate(other.layouts[0], n)  # every HBM slot, the lapsed client's old one among them
-        for p in places:
-            other.view_bytes(p)[:] = 0x22
-        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        vids = _others_in_every_slot(other, st)
         if asks != "nothing":
             getattr(lapsed, asks)()
         with pytest.raises(ArenaError, match="lease lapsed"):
             lapsed.view_bytes(mine[0])[:] = 0x99
-        pinned = other.acquire(vids)
-        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
-        other.release(vids)
+        _others_intact(other, vids)
     finally:
         for c in (lapsed, other):
             if c is not None:
@@ -163,8 +176,7 @@ def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(co
     (Service.resumed), so the client keeps its blocks, and its heartbeat thread ran all along. Before,
     the check asked the stalled daemon before every view of a block the client held: each view waited
     the call's whole timeout and was then refused (a review)."""
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    d = _daemon(config_file, tmp_path)
     c = None
     try:
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.0)
@@ -214,8 +226,7 @@ def test_a_view_after_heartbeats_that_never_reached_the_daemon_asks_it(config_fi
     from dflash2.client import transport as T
     from dflash2.errors import DaemonUnavailable
     import threading
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    d = _daemon(config_file, tmp_path)
     other = c = None
     try:
         other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
@@ -230,16 +241,10 @@ def test_a_view_after_heartbeats_that_never_reached_the_daemon_asks_it(config_fi
             return real_call(self, op, *a, **k)
         monkeypatch.setattr(T.Transport, "call", call)
         st = _until_let_go(other)
-        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
-        places = other.allocate(other.layouts[0], n)  # every HBM slot, the starved client's old one among them
-        for p in places:
-            other.view_bytes(p)[:] = 0x22
-        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        vids = _others_in_every_slot(other, st)
         with pytest.raises(ArenaError, match="lease lapsed"):
             c.view_bytes(mine[0])[:] = 0x99
-        pinned = other.acquire(vids)
-        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
-        other.release(vids)
+        _others_intact(other, vids)
     finally:
         for x in (c, other):
             if x is not None:
@@ -285,8 +290,7 @@ def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, 
     import dflash2.client.heartbeat as hb
     real = hb.Transport
     monkeypatch.setattr(hb, "Transport", lambda ep, *a, **kw: real(f"ipc://{tmp_path}/nowhere.sock", *a, **kw))
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})).start()
+    d = _daemon(config_file, tmp_path)
     other = unheard = None
     try:
         unheard = Client.connect(d.endpoint, name="unheard", layouts=[SMALL])
@@ -295,17 +299,11 @@ def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, 
         mine = unheard.allocate(unheard.layouts[0], 1)
         unheard.view_bytes(mine[0])[:] = 0x33
         st = _until_let_go(other)
-        n = st["tiers"]["hbm"]["capacity_bytes"] // SMALL.block_bytes
-        places = other.allocate(other.layouts[0], n)  # every HBM slot, the unheard client's old one among them
-        for p in places:
-            other.view_bytes(p)[:] = 0x22
-        vids = other.commit(places["vid"], keys=chain_keys(range(16 * n), 16, "others"))
+        vids = _others_in_every_slot(other, st)
         assert unheard._awake.ran_since(unheard._renewed)  # (what the view cannot trust alone)
         with pytest.raises(ArenaError, match="lease lapsed"):
             unheard.view_bytes(mine[0])[:] = 0x99
-        pinned = other.acquire(vids)
-        assert all((other.view_bytes(p) == 0x22).all() for p in pinned)
-        other.release(vids)
+        _others_intact(other, vids)
     finally:
         for c in (unheard, other):
             if c is not None:
@@ -318,8 +316,7 @@ def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemo
     GONE_CHECK_S (50 ms) after its send, so every gap went past the lease and a view during a daemon
     stall waited the call's timeout, then was refused (a review). Awake.SLACK_S covers that slice."""
     lease = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.97, "set_aside_leases": 1}
-    d = DaemonProcess(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 4, "nvme_capacity_mb": 0},
-                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **lease})).start()
+    d = _daemon(config_file, tmp_path, lease)
     c = None
     try:
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.5)
