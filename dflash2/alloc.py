@@ -274,6 +274,16 @@ class SlotAllocator:
             held_pages += int(np.count_nonzero(classes == s)) * c.slab_pages
         return need_pages <= self.n_pages - held_pages
 
+    def pages_needed(self, counts: dict[int, int]) -> int:
+        """Pages that blocks of several slot sizes (slot bytes -> count) need together beyond the free
+        slots of their sizes' slabs now: `Placement._make_room_for_rows` makes that many free."""
+        pages = 0
+        for slot, count in counts.items():
+            slab_pages, per_slab = self._slab_shape(slot)
+            own = self._classes.get(slot)
+            pages += -(-max(0, count - (own.n_free if own is not None else 0)) // per_slab) * slab_pages
+        return pages
+
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:
         """(pages per slab, slots per slab) of the slots that blocks of this size take here."""
         return self._slab_shape(self.slot_for(block_bytes))

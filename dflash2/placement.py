@@ -578,3 +578,12 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             if pick.get("idle_only") and self._free_or_leaving(tier, size) < need:  # (room there: none made)
                 ask = self.room_batch(tier, need, int(slot[block == size].max()), share=True)
             self.make_room(tier, ask, protect=protect, block_bytes=size, **pick)
+        sizes = np.unique(slot)
+        if len(sizes) > 1:
+            # ... and the pages the sizes need together: each size's room counted the same free page,
+            # and a read of a 40 KiB and an 8 KiB block beside one free page made no room, then failed
+            # every retry (a review). Pages as slots of a page each (`room_for`).
+            alloc = self.table.allocators[tier]
+            pages = alloc.pages_needed({int(s): int(np.count_nonzero(slot == s)) for s in sizes})
+            if pages:
+                self.make_room(tier, pages * alloc.page_bytes, protect=protect, block_bytes=alloc.page_bytes, **pick)

@@ -441,3 +441,25 @@ def test_a_read_of_two_sizes_that_fit_each_alone_but_not_together_moves_nothing(
     assert mgr.acquire(w, b + s, up_to=Tier.HBM) is None
     assert "nothing was moved" in mgr.acquire_refusal and _state(mgr) == before
     mgr.check_invariants()
+
+
+def test_a_read_of_two_sizes_that_fits_once_an_idle_block_goes_is_served():
+    """HBM of two 64 KiB pages, one free, one holding an idle 40 KiB block; a read of a 40 KiB and an
+    8 KiB block from DRAM needs both pages. Each size's room counted the one free page, none was
+    made, the move failed: refused "the room made fell short", every retry alike (a review). The
+    room maker also asks for the pages the sizes need together."""
+    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 8 * page, page, 4096)],
+                       clock=FakeClock(), policy="lru")
+    big, half = mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
+    w = mgr.attach("w")
+    idle = mgr.commit(w, mgr.allocate(w, big, 1), keys=[100]).tolist()
+    mgr.free(w, idle)
+    b = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
+    h = mgr.commit(w, mgr.allocate(w, half, 1, tier=Tier.DRAM), keys=[2]).tolist()
+    mgr.free(w, b + h)
+    got = mgr.acquire(w, b + h, up_to=Tier.HBM)
+    assert got is not None, mgr.acquire_refusal
+    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, idle[0]) == Tier.DRAM
+    mgr.check_invariants()
