@@ -13,6 +13,7 @@ lets all of it go when the lease lapses.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -51,26 +52,31 @@ class Awake:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self.at = self.since = time.monotonic()
+        self.heard = -math.inf  # the last answered beat's mark
 
-    def mark(self) -> None:
+    def mark(self, answered: bool = False) -> None:
         now = time.monotonic()
         if now - self.at > self.lease_s + self.SLACK_S:
             self.since = now  # (first: a reader between the two sees a run that starts now)
         self.at = now
+        if answered:
+            self.heard = now
 
     def ran_since(self, t: float) -> bool:
         """Whether the thread ran from before monotonic time `t` until within the last lease, with no
-        gap of more than a lease. `at` is read first: a mark between two reads the other way round
-        paired the old `since` with the new `at`, vouching across a stop (a review)."""
+        gap of more than a lease, and had a beat answered in that run: beats that were only ever
+        waited on (a heartbeat socket that never connected) vouched where the daemon, slow at the
+        view's quick ask, would have said the lease lapsed (a review). `at` is read first: a mark
+        between two reads the other way round paired the old `since` with the new `at` (a review)."""
         at = self.at
-        return time.monotonic() - at <= self.lease_s + self.SLACK_S and self.since <= t
+        return time.monotonic() - at <= self.lease_s + self.SLACK_S and self.heard >= self.since <= t
 
 
 def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,
         lease_timeout_s: float, awake: Awake | None = None) -> None:
     """The thread's body (`ref`: the Client's weak reference; `awake`: marked as it runs)."""
     transport = None
-    mark = awake.mark if awake is not None else (lambda: None)
+    mark = awake.mark if awake is not None else (lambda answered=False: None)
 
     def gone() -> bool:  # (a Transport keeps its test: a bound method of the Client would keep it)
         mark()
@@ -97,7 +103,7 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
                 if beat:
                     sent = time.monotonic()
                     transport.call(Op.HEARTBEAT, client_id)
-                    mark()  # (answered; `gone` marks while a sent beat waits)
+                    mark(answered=True)  # (`gone` marks while a sent beat waits)
                     client.renewed(sent)
             except DaemonUnavailable as e:
                 if client._daemon_gone():

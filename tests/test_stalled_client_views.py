@@ -95,6 +95,13 @@ def _others_intact(other: Client, vids) -> None:
     other.release(vids)
 
 
+def _until_a_beat_is_answered(c: Client) -> None:
+    deadline = time.monotonic() + 10
+    while c._awake.heard < 0:
+        assert time.monotonic() < deadline, "no heartbeat was answered"
+        time.sleep(0.02)
+
+
 def _run(config_file, tmp_path, reader: bool) -> dict:
     d = _daemon(config_file, tmp_path)
     other = child = None
@@ -182,6 +189,7 @@ def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(co
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.0)
         mine = c.allocate(c.layouts[0], 1)
         c.view_bytes(mine[0])[:] = 0x33
+        _until_a_beat_is_answered(c)  # (the heartbeat's socket is heard: Awake vouches only then)
         os.kill(d.pid, signal.SIGSTOP)
         try:
             time.sleep(1.3)  # past one lease, the heartbeats unanswered
@@ -201,20 +209,23 @@ def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(co
 
 
 def test_the_heartbeat_threads_gap_marks_a_stopped_process(monkeypatch):
-    """Awake: a run of marks with no gap of more than a lease vouches for the time since its start; a
-    longer gap (the process stopped) starts a new run, and a thread that stopped marking vouches for
-    nothing once a lease has passed."""
+    """Awake: a run of marks with no gap of more than a lease, with a beat answered in it, vouches for
+    the time since its start; a longer gap (the process stopped) starts a new run, a thread that
+    stopped marking vouches for nothing once a lease has passed, and nor does a run of beats only ever
+    waited on (never answered: a heartbeat socket that never connected, a review)."""
     from dflash2.client import heartbeat
     now = [100.0]
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: now[0])
     awake = heartbeat.Awake(lease_s=1.0)
-    for _ in range(10):  # a beat every 0.5 s: 5 s, one run
+    for _ in range(10):  # a beat every 0.5 s, waited on: 5 s, one run, none answered
         now[0] += 0.5
         awake.mark()
+    assert not awake.ran_since(100.0)
+    awake.mark(answered=True)
     assert awake.ran_since(100.0) and awake.ran_since(104.0)
     now[0] += 3.0  # the process stopped 3 s: the thread did not mark
     assert not awake.ran_since(100.0)
-    awake.mark()  # resumed: the thread marks first, then the view asks
+    awake.mark(answered=True)  # resumed: the thread marks first, then the view asks
     assert not awake.ran_since(105.0) and awake.ran_since(now[0])
 
 
@@ -274,7 +285,7 @@ def test_the_first_mark_after_a_stop_never_lets_a_check_vouch_across_it(between)
 
     awake = Switching(1.0)
     now = time.monotonic()
-    awake.since, awake.at = now - 10, now - 3.0  # ran until 3 s ago, stopped since
+    awake.since, awake.at, awake.heard = now - 10, now - 3.0, now - 3.0  # ran until 3 s ago, stopped since
     renewed = now - 5.0
     assert not awake.ran_since(renewed)  # before the mark
     awake.armed = True
@@ -282,11 +293,14 @@ def test_the_first_mark_after_a_stop_never_lets_a_check_vouch_across_it(between)
     assert not awake.ran_since(renewed)  # after it
 
 
-def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("daemon_slow", [False, True])
+def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, tmp_path, monkeypatch, daemon_slow):
     """The heartbeat socket connects to an endpoint nobody serves (a connection that never completes:
     a tcp path lost for it): its beats are sent and wait, marked every 50 ms, and vouched for the
-    lease the daemon let lapse; the view wrote into another client's cached block (a review). The
-    daemon's word wins where it answers within Awake.ASK_S."""
+    lease the daemon let lapse; the view wrote into another client's cached block (a review), and
+    after the quick ask, where the daemon was slow for 0.5 s then (another). A run vouches only with
+    a beat answered in it."""
+    import threading
     import dflash2.client.heartbeat as hb
     real = hb.Transport
     monkeypatch.setattr(hb, "Transport", lambda ep, *a, **kw: real(f"ipc://{tmp_path}/nowhere.sock", *a, **kw))
@@ -300,7 +314,10 @@ def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, 
         unheard.view_bytes(mine[0])[:] = 0x33
         st = _until_let_go(other)
         vids = _others_in_every_slot(other, st)
-        assert unheard._awake.ran_since(unheard._renewed)  # (what the view cannot trust alone)
+        assert not unheard._awake.ran_since(unheard._renewed)  # (beats waited on, none answered)
+        if daemon_slow:
+            os.kill(d.pid, signal.SIGSTOP)
+            threading.Timer(0.5, os.kill, (d.pid, signal.SIGCONT)).start()
         with pytest.raises(ArenaError, match="lease lapsed"):
             unheard.view_bytes(mine[0])[:] = 0x99
         _others_intact(other, vids)
@@ -321,7 +338,7 @@ def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemo
     try:
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.5)
         mine = c.allocate(c.layouts[0], 1)
-        time.sleep(1.2)  # a beat or so answered
+        _until_a_beat_is_answered(c)
         os.kill(d.pid, signal.SIGSTOP)
         try:
             time.sleep(2.3)  # past two leases, the beats unanswered
