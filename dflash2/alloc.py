@@ -276,12 +276,17 @@ class SlotAllocator:
 
     def pages_needed(self, counts: dict[int, int]) -> int:
         """Pages that blocks of several slot sizes (slot bytes -> count) need together beyond the free
-        slots of their sizes' slabs now: `Placement._make_room_for_rows` makes that many free."""
+        slots of their sizes' slabs that hold a block now: `Placement._make_room_for_rows` makes that
+        many free, counted as `room_for` counts pages (an empty slab among them: counted here as its
+        size's free slots too, the ask fell short, a review)."""
         pages = 0
         for slot, count in counts.items():
             slab_pages, per_slab = self._slab_shape(slot)
             own = self._classes.get(slot)
-            pages += -(-max(0, count - (own.n_free if own is not None else 0)) // per_slab) * slab_pages
+            spare = 0
+            if own is not None and own.n_free:
+                spare = int(np.count_nonzero(self._page_used[self._head_of(own.free[:own.n_free])] > 0))
+            pages += -(-max(0, count - spare) // per_slab) * slab_pages
         return pages
 
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:

@@ -463,3 +463,25 @@ def test_a_read_of_two_sizes_that_fits_once_an_idle_block_goes_is_served():
     assert got is not None, mgr.acquire_refusal
     assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, idle[0]) == Tier.DRAM
     mgr.check_invariants()
+
+
+def test_a_read_of_two_sizes_beside_an_empty_slab_of_one_is_served():
+    """As above, with the free page an empty 8 KiB slab (its block written, then freed unpublished):
+    the pages asked for counted that slab as free 8 KiB slots and `room_for` as a free page, the ask
+    fell short, no room was made, every retry refused (a review)."""
+    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 8 * page, page, 4096)],
+                       clock=FakeClock(), policy="lru")
+    big, half = mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
+    w = mgr.attach("w")
+    idle = mgr.commit(w, mgr.allocate(w, big, 1), keys=[100]).tolist()
+    mgr.free(w, idle)
+    mgr.free(w, mgr.allocate(w, half, 1).tolist())  # unpublished: its slab left empty
+    b = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
+    h = mgr.commit(w, mgr.allocate(w, half, 1, tier=Tier.DRAM), keys=[2]).tolist()
+    mgr.free(w, b + h)
+    got = mgr.acquire(w, b + h, up_to=Tier.HBM)
+    assert got is not None, mgr.acquire_refusal
+    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, idle[0]) == Tier.DRAM
+    mgr.check_invariants()
