@@ -485,3 +485,28 @@ def test_a_read_of_two_sizes_beside_an_empty_slab_of_one_is_served():
     assert got is not None, mgr.acquire_refusal
     assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, idle[0]) == Tier.DRAM
     mgr.check_invariants()
+
+
+def test_a_read_of_two_sizes_that_fits_free_pages_moves_no_idle_block():
+    """HBM of six 64 KiB pages: an idle 96 KiB block (two pages), an idle small block (one), three
+    free. A read of a 96 KiB and a 40 KiB block takes three pages: it fits as things stand. The room
+    for the 40 KiB size asked for both sizes' bytes (3.4 slots of 40 KiB, where three pages hold
+    both) and demoted an idle block first (a review). Each size asks for its own slots, then the
+    pages they need together."""
+    ninety_six = Layout("ninety-six", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=96)
+    page = 64 * KIB
+    mgr = BlockManager([TierSpec(Tier.HBM, 6 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
+                       clock=FakeClock(), policy="lru")
+    big, forty, small = (mgr.register_layout(lay) for lay in (ninety_six, FORTY_KIB, SMALL))
+    w, r = mgr.attach("w"), mgr.attach("r")
+    idle, want = [], []
+    for key, lid, tier, out in ((100, big, Tier.HBM, idle), (101, small, Tier.HBM, idle),
+                                (1, big, Tier.DRAM, want), (2, forty, Tier.DRAM, want)):
+        v = mgr.commit(w, mgr.allocate(w, lid, 1, tier=tier), keys=[key]).tolist()
+        mgr.free(w, v)
+        out += v
+    got = mgr.acquire(r, want, up_to=Tier.HBM)
+    assert got is not None, mgr.acquire_refusal
+    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM]
+    assert [tier_of(mgr, v) for v in idle] == [Tier.HBM, Tier.HBM]
+    mgr.check_invariants()
