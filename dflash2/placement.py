@@ -574,8 +574,14 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         request's only as many as needed."""
         block = self.table.block_bytes(rows)
         slot = self._slot_bytes(tier, rows)
+        alloc, larger = self.table.allocators[tier], 0
         for size in sorted(set(block.tolist()), reverse=True):
-            need = int(slot[block == size].sum())
+            own = int(slot[block == size].sum())
+            # A size whose slabs span several pages needs runs, which the pages below do not count:
+            # it asks for the larger sizes' bytes too (by its own slots alone, a read of a 96 KiB and a
+            # 40 KiB block found five scattered free pages enough, and was refused every retry: a review).
+            need = own + (larger if alloc.slab_shape_of(size)[0] > 1 else 0)
+            larger += own
             ask = need
             if pick.get("idle_only") and self._free_or_leaving(tier, size) < need:  # (room there: none made)
                 ask = self.room_batch(tier, need, int(slot[block == size].max()), share=True)
@@ -585,7 +591,6 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             # ... and the pages the sizes need together: each size's room counted the same free page,
             # and a read of a 40 KiB and an 8 KiB block beside one free page made no room, then failed
             # every retry (a review). Pages as slots of a page each (`room_for`).
-            alloc = self.table.allocators[tier]
             pages = alloc.pages_needed({int(s): int(np.count_nonzero(slot == s)) for s in sizes})
             if pages:
                 self.make_room(tier, pages * alloc.page_bytes, protect=protect, block_bytes=alloc.page_bytes, **pick)

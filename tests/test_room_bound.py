@@ -510,3 +510,31 @@ def test_a_read_of_two_sizes_that_fits_free_pages_moves_no_idle_block():
     assert [p.tier for p in got] == [Tier.HBM, Tier.HBM]
     assert [tier_of(mgr, v) for v in idle] == [Tier.HBM, Tier.HBM]
     mgr.check_invariants()
+
+
+def test_a_read_of_two_several_page_slab_sizes_on_scattered_free_pages_is_served():
+    """HBM of 64 pages (a 96 KiB slot then takes a 3-page slab, a 40 KiB one a 2-page slab), free
+    pages 0-2, 4 and 6, idle 64 KiB blocks on the rest. Each size saw the run 0-2 as its room and the
+    pages together counted five free: no room was made, and the read, whose slabs need two runs, was
+    refused every retry (a review of the change that had each size ask for its own slots only). A
+    size of several-page slabs asks for the larger sizes' bytes too."""
+    ninety_six = Layout("ninety-six", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=96)
+    whole_page = Layout("page", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=64)
+    page, n = 64 * KIB, 64
+    mgr = BlockManager([TierSpec(Tier.HBM, n * page, page, 256), TierSpec(Tier.DRAM, 256 * page, page, 4096)],
+                       clock=FakeClock(), policy="lru")
+    pg, big, forty = (mgr.register_layout(lay) for lay in (whole_page, ninety_six, FORTY_KIB))
+    w, r = mgr.attach("w"), mgr.attach("r")
+    vids = mgr.allocate(w, pg, n).tolist()
+    keep = [v for v in vids if mgr.place(v).offset // page not in (0, 1, 2, 4, 6)]
+    mgr.free(w, [v for v in vids if v not in keep])
+    mgr.free(w, mgr.commit(w, keep, keys=[100 + i for i in range(len(keep))]).tolist())
+    want = []
+    for key, lid in ((1, big), (2, forty)):
+        v = mgr.commit(w, mgr.allocate(w, lid, 1, tier=Tier.DRAM), keys=[key]).tolist()
+        mgr.free(w, v)
+        want += v
+    got = mgr.acquire(r, want, up_to=Tier.HBM)
+    assert got is not None, mgr.acquire_refusal
+    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM]
+    mgr.check_invariants()
