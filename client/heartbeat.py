@@ -35,11 +35,12 @@ class Awake:
     pass of the loop, they vouched for a lease the daemon let lapse, and a view wrote into a slot
     given to another client's cached block (a review).
 
-    The client's check before a new view (`Client.view_bytes`) asks the daemon only where this thread
-    did not run all along since the lease was last renewed: a silence of the daemon's own (paused,
-    stalled) then costs no wait, and no refusal, of a view of blocks the client still holds; the
-    daemon counts its stall out of every lease (Service.resumed). Before, each such view waited the
-    whole call timeout for the stalled daemon and was then refused (a review)."""
+    The client's check before a new view (`Client._confirm_lease`) asks the daemon for ASK_S only, and
+    trusts this without an answer, where the thread ran all along since the lease was last renewed with
+    a beat answered in that run: a silence of the daemon's own (paused, stalled) then costs a view of
+    blocks the client still holds 0.2 s at most, and no refusal; the daemon counts its stall out of
+    every lease (Service.resumed). Before, each such view waited the whole call timeout for the
+    stalled daemon and was then refused (a review)."""
 
     # How long a view waits for the daemon's word where this vouches: a daemon that is not stalled
     # answers in milliseconds, and its word wins (the beats sent may never have reached it: a heartbeat
