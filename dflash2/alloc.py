@@ -232,12 +232,8 @@ class SlotAllocator:
             # succeed dropped an idle block first, a review).
             return (self.n_pages * per_slab - len(kept)) * slot
         user = np.asarray(kept, dtype=np.int64)
-        kept = np.concatenate([user, self.quarantined_offsets()])
-        per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)  # (no sort of a million heads)
-        heads = np.flatnonzero(per_head)
-        classes = self._page_class[heads]
+        per_head, heads, classes, kept_pages = self._kept_slabs(user)
         if slab_pages == 1:
-            kept_pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
             in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
             return ((self.n_pages - kept_pages) * per_slab + in_kept) * slot
         # As `blocks_free` counts: this size's slabs stay its slabs (their slots free once emptied),
@@ -260,19 +256,27 @@ class SlotAllocator:
         free slots of its own slabs that keep a block, then needs whole slabs cut from the pages no
         kept block holds, and the sizes share those pages. A necessary condition (whether slabs of
         several pages find runs is not asked)."""
-        kept = np.concatenate([np.asarray(kept, dtype=np.int64), self.quarantined_offsets()])
-        per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)
+        per_head, heads, classes, held_pages = self._kept_slabs(np.asarray(kept, dtype=np.int64))
+        need_pages = 0
+        for slot, count in counts.items():
+            spare = int((self._slab_shape(slot)[1] - per_head[heads[classes == slot]]).sum())  # (its slabs that stay)
+            need_pages += self._new_pages(slot, count, spare)
+        return need_pages <= self.n_pages - held_pages
+
+    def _kept_slabs(self, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """For blocks kept at offsets `kept` (quarantined slots too): per page, the kept slots of the slab
+        it heads; the heads of the slabs that keep any; their slot sizes; and the pages those slabs hold."""
+        kept = np.concatenate([kept, self.quarantined_offsets()])
+        per_head = np.bincount(self._head_of(kept), minlength=self.n_pages)  # (no sort of a million heads)
         heads = np.flatnonzero(per_head)
         classes = self._page_class[heads]
-        held_pages, need_pages = 0, 0
-        for slot, count in counts.items():
-            slab_pages, per_slab = self._slab_shape(slot)
-            own = heads[classes == slot]
-            spare = int((per_slab - per_head[own]).sum())  # (free slots in its slabs that stay)
-            need_pages += -(-max(0, count - spare) // per_slab) * slab_pages
-        for s, c in self._classes.items():
-            held_pages += int(np.count_nonzero(classes == s)) * c.slab_pages
-        return need_pages <= self.n_pages - held_pages
+        pages = sum(int(np.count_nonzero(classes == s)) * c.slab_pages for s, c in self._classes.items())
+        return per_head, heads, classes, pages
+
+    def _new_pages(self, slot: int, count: int, spare: int) -> int:
+        """Pages that `count` slots of `slot` bytes take in new slabs, `spare` of them held by slabs already."""
+        slab_pages, per_slab = self._slab_shape(slot)
+        return -(-max(0, count - spare) // per_slab) * slab_pages
 
     def pages_needed(self, counts: dict[int, int]) -> int:
         """Pages that blocks of several slot sizes (slot bytes -> count) need together beyond the free
@@ -281,12 +285,11 @@ class SlotAllocator:
         size's free slots too, the ask fell short, a review)."""
         pages = 0
         for slot, count in counts.items():
-            slab_pages, per_slab = self._slab_shape(slot)
             own = self._classes.get(slot)
             spare = 0
             if own is not None and own.n_free:
                 spare = int(np.count_nonzero(self._page_used[self._head_of(own.free[:own.n_free])] > 0))
-            pages += -(-max(0, count - spare) // per_slab) * slab_pages
+            pages += self._new_pages(slot, count, spare)
         return pages
 
     def slab_shape_of(self, block_bytes: int) -> tuple[int, int]:

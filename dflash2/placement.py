@@ -566,12 +566,12 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
     def _make_room_for_rows(self, tier: Tier, rows: np.ndarray, protect: np.ndarray, **pick) -> None:
         """Room in `tier` for these rows' blocks, size by size: free slots of one size do not hold
         blocks of another, so bytes alone can be free yet unusable. Largest blocks first, each size
-        asking for its own slots, then the pages the sizes need together (they may take the same
-        pages: counted before as each size's slots plus the larger sizes' bytes, which a larger block's
-        whole pages are not, and a read of a 96 KiB and a 40 KiB block that fitted three free pages
-        demoted an idle block, a review). `pick`: which blocks may go (make_room's idle_only,
-        below_priority); idle blocks go a swap batch at a time (`room_batch`), a lower-priority
-        request's only as many as needed."""
+        asking for its own slots (a size of several-page slabs, which needs runs, the larger sizes'
+        bytes too), then the pages the sizes need together (`SlotAllocator.pages_needed`: by slots plus
+        the larger sizes' bytes for every size, which a larger block's whole pages are not, a read of a
+        96 KiB and a 40 KiB block that fitted three free pages demoted an idle block, a review).
+        `pick`: which blocks may go (make_room's idle_only, below_priority); idle blocks go a swap
+        batch at a time (`room_batch`), a lower-priority request's only as many as needed."""
         block = self.table.block_bytes(rows)
         slot = self._slot_bytes(tier, rows)
         alloc, larger = self.table.allocators[tier], 0

@@ -166,13 +166,14 @@ class Promotion:
         first (the chain is ancestors first), they took the room the read's own blocks needed (a
         review's model-based test). Empty where every row lies below dst, or the chain is the rows."""
         c = self.table.cols
-        if chain is rows:
-            return chain[:0]  # (the rows are the chain: every block below dst is one the read needs)
+        if chain is rows or (c.tier[rows] > int(dst)).all():
+            # (the rows are the chain, or each block of the chain is a row below dst or an ancestor of
+            # one: every block below dst is one the read needs; no sort of the chain on an acquire's path)
+            return chain[:0]
         below = c.tier[chain] > int(dst)
-        rows_below = np.isin(chain, rows) & below
-        if not below.any() or (c.tier[rows] > int(dst)).all():
-            return chain[:0]  # every block of the chain is a row below dst or an ancestor of one
-        needed = marked_or_above(local_parents(chain, c.parent[chain]), rows_below)
+        if not below.any():
+            return chain[:0]
+        needed = marked_or_above(local_parents(chain, c.parent[chain]), np.isin(chain, rows) & below)
         return chain[below & ~needed]
 
     def _away(self, chain: np.ndarray, dst: Tier) -> np.ndarray:

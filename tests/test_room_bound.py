@@ -12,6 +12,7 @@ from conftest import KIB, SMALL, SMALL_FP8, FakeClock
 from placement_helpers import fill, tier_of
 
 FORTY_KIB = Layout("forty", num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=40)
+EIGHT_KIB = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
 
 
 @pytest.mark.parametrize("dram_blocks", [0, 8])
@@ -403,11 +404,10 @@ def test_a_read_whose_blocks_fit_is_served_beside_an_unneeded_prefix_of_another_
     block in DRAM: q fits in page 0, and `a` is not needed. Moved in one batch with q, `a` (which did
     not fit beside it) failed the batch: refused "the room made fell short", every retry alike (a
     review). The read's blocks move first; the rest only where room is left."""
-    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
     page = 64 * KIB
     mgr = BlockManager([TierSpec(Tier.HBM, 3 * page, page, 256), TierSpec(Tier.DRAM, 16 * page, page, 4096)],
                        clock=FakeClock())
-    small, big, half = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
+    small, big, half = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB), mgr.register_layout(EIGHT_KIB)
     w, r = mgr.attach("writer"), mgr.attach("reader")
     a = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
     if idle_on_page_0:
@@ -443,41 +443,23 @@ def test_a_read_of_two_sizes_that_fit_each_alone_but_not_together_moves_nothing(
     mgr.check_invariants()
 
 
-def test_a_read_of_two_sizes_that_fits_once_an_idle_block_goes_is_served():
+@pytest.mark.parametrize("free_page", ["free", "an empty 8 KiB slab"])
+def test_a_read_of_two_sizes_that_fits_once_an_idle_block_goes_is_served(free_page):
     """HBM of two 64 KiB pages, one free, one holding an idle 40 KiB block; a read of a 40 KiB and an
     8 KiB block from DRAM needs both pages. Each size's room counted the one free page, none was
     made, the move failed: refused "the room made fell short", every retry alike (a review). The
-    room maker also asks for the pages the sizes need together."""
-    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    room maker also asks for the pages the sizes need together. With the free page an empty 8 KiB
+    slab (its block written, then freed unpublished), those pages counted it as free 8 KiB slots and
+    `room_for` as a free page: the ask fell short the same way (another)."""
     page = 64 * KIB
     mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 8 * page, page, 4096)],
                        clock=FakeClock(), policy="lru")
-    big, half = mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
+    big, half = mgr.register_layout(FORTY_KIB), mgr.register_layout(EIGHT_KIB)
     w = mgr.attach("w")
     idle = mgr.commit(w, mgr.allocate(w, big, 1), keys=[100]).tolist()
     mgr.free(w, idle)
-    b = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
-    h = mgr.commit(w, mgr.allocate(w, half, 1, tier=Tier.DRAM), keys=[2]).tolist()
-    mgr.free(w, b + h)
-    got = mgr.acquire(w, b + h, up_to=Tier.HBM)
-    assert got is not None, mgr.acquire_refusal
-    assert [p.tier for p in got] == [Tier.HBM, Tier.HBM] and tier_of(mgr, idle[0]) == Tier.DRAM
-    mgr.check_invariants()
-
-
-def test_a_read_of_two_sizes_beside_an_empty_slab_of_one_is_served():
-    """As above, with the free page an empty 8 KiB slab (its block written, then freed unpublished):
-    the pages asked for counted that slab as free 8 KiB slots and `room_for` as a free page, the ask
-    fell short, no room was made, every retry refused (a review)."""
-    eight_kib = Layout("half", num_layers=1, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
-    page = 64 * KIB
-    mgr = BlockManager([TierSpec(Tier.HBM, 2 * page, page, 256), TierSpec(Tier.DRAM, 8 * page, page, 4096)],
-                       clock=FakeClock(), policy="lru")
-    big, half = mgr.register_layout(FORTY_KIB), mgr.register_layout(eight_kib)
-    w = mgr.attach("w")
-    idle = mgr.commit(w, mgr.allocate(w, big, 1), keys=[100]).tolist()
-    mgr.free(w, idle)
-    mgr.free(w, mgr.allocate(w, half, 1).tolist())  # unpublished: its slab left empty
+    if free_page != "free":
+        mgr.free(w, mgr.allocate(w, half, 1).tolist())  # unpublished: its slab left empty
     b = mgr.commit(w, mgr.allocate(w, big, 1, tier=Tier.DRAM), keys=[1]).tolist()
     h = mgr.commit(w, mgr.allocate(w, half, 1, tier=Tier.DRAM), keys=[2]).tolist()
     mgr.free(w, b + h)

@@ -32,6 +32,18 @@ class Clock:
         return self.now
 
 
+def _idle_small_blocks(mgr, clock, a, lid: int, n: int) -> np.ndarray:
+    """`n` small blocks written, published and freed one at a time, each newer than the last (page by
+    page, four to a page): their vids."""
+    vids = []
+    for k in range(n):
+        clock.now += 1
+        v = mgr.commit(a, mgr.allocate(a, lid, 1), keys=[k + 1])
+        mgr.free(a, v)
+        vids.append(int(v[0]))
+    return np.array(vids)
+
+
 def test_a_slot_of_five_pages_beside_a_free_run_empties_only_the_slabs_it_needs():
     """Pages 0-4 free (room for one 5-page slot); two such blocks asked: the free pages were counted
     again beside each cold slab, and four slabs were emptied for no room (36 blocks dropped, 20 did)."""
@@ -39,13 +51,7 @@ def test_a_slot_of_five_pages_beside_a_free_run_empties_only_the_slabs_it_needs(
     mgr = BlockManager([TierSpec(Tier.HBM, n * PAGE, PAGE, 256)], policy="lru", clock=clock)
     a = mgr.attach("a")
     s, five = mgr.register_layout(SMALL), mgr.register_layout(layout(40, "five-pages"))  # 320 KiB
-    vids = []
-    for k in range(4 * n):
-        clock.now += 1
-        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
-        mgr.free(a, v)
-        vids.append(int(v[0]))
-    vids = np.array(vids)
+    vids = _idle_small_blocks(mgr, clock, a, s, 4 * n)
     cold = [5, 6, 7, 8, 20, 21, 22, 23, 24]  # pages whose blocks stay coldest; the others are read again
     for i in range(4 * n):
         if i // 4 not in cold + [0, 1, 2, 3, 4]:
@@ -146,13 +152,7 @@ def test_a_two_page_slot_finds_the_room_a_clear_slab_makes_on_either_side_of_a_f
     mgr = BlockManager([TierSpec(Tier.HBM, 4 * PAGE, PAGE, 256)], policy="lru", clock=clock)
     a = mgr.attach("a")
     s, two = mgr.register_layout(SMALL), mgr.register_layout(layout(16, "two-pages"))  # 128 KiB
-    vids = []
-    for k in range(16):  # the whole tier: four pages of four small blocks
-        clock.now += 1
-        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
-        mgr.free(a, v)
-        vids.append(int(v[0]))
-    vids = np.array(vids)
+    vids = _idle_small_blocks(mgr, clock, a, s, 16)  # the whole tier: four pages of four small blocks
     mgr.placement._evict(mgr.table.rows(vids[4:] if slab_first else vids[:12]))
     assert mgr.allocate(a, two, 2) is not None, mgr.allocate_refusal
     mgr.check_invariants()
@@ -168,13 +168,7 @@ def test_a_three_page_slot_finds_the_room_two_clear_slabs_make_only_together():
     mgr = BlockManager([TierSpec(Tier.HBM, 6 * PAGE, PAGE, 256)], policy="lru", clock=clock)
     a = mgr.attach("a")
     s, three = mgr.register_layout(SMALL), mgr.register_layout(layout(24, "three-pages"))  # 192 KiB
-    vids = []
-    for k in range(24):  # the whole tier: six pages of four small blocks
-        clock.now += 1
-        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
-        mgr.free(a, v)
-        vids.append(int(v[0]))
-    vids = np.array(vids)
+    vids = _idle_small_blocks(mgr, clock, a, s, 24)  # the whole tier: six pages of four small blocks
     assert (mgr.table.cols.offset[mgr.table.rows(vids[[0, 16]])] // PAGE).tolist() == [0, 4]
     mgr.placement._evict(mgr.table.rows(np.delete(vids, [0, 16])))
     assert mgr.allocate(a, three, 2) is not None, mgr.allocate_refusal
@@ -408,13 +402,7 @@ def test_a_three_page_slot_beside_two_free_pages_empties_one_slab():
     mgr = BlockManager([TierSpec(Tier.HBM, 4 * PAGE, PAGE, 256)], policy="lru", clock=clock)
     a = mgr.attach("a")
     s, three = mgr.register_layout(SMALL), mgr.register_layout(layout(24, "three-pages"))  # 192 KiB
-    vids = []
-    for k in range(16):  # pages 0..3, four idle small blocks each, page 0 the coldest
-        clock.now += 1
-        v = mgr.commit(a, mgr.allocate(a, s, 1), keys=[k + 1])
-        mgr.free(a, v)
-        vids.append(int(v[0]))
-    vids = np.array(vids)
+    vids = _idle_small_blocks(mgr, clock, a, s, 16)  # pages 0..3, four idle small blocks each, page 0 the coldest
     assert (mgr.table.cols.offset[mgr.table.rows(vids)] // PAGE).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     mgr.placement._evict(mgr.table.rows(vids[8:]))
     assert mgr.allocate(a, three, 1) is not None, mgr.allocate_refusal

@@ -102,6 +102,33 @@ def _until_a_beat_is_answered(c: Client) -> None:
         time.sleep(0.02)
 
 
+def _refused_and_others_intact(lapsed: Client, mine, other: Client, vids) -> None:
+    """A new view of the lapsed client's block is refused, naming the lapse, and the other client's
+    cached blocks (`_others_in_every_slot`) keep their bytes."""
+    with pytest.raises(ArenaError, match="lease lapsed"):
+        lapsed.view_bytes(mine[0])[:] = 0x99
+    _others_intact(other, vids)
+
+
+def _stop(d: DaemonProcess, *clients) -> None:
+    for c in clients:
+        if c is not None:
+            c.close()
+    d.stop()
+
+
+def _view_while_stopped(d: DaemonProcess, c: Client, mine, stopped_s: float) -> float:
+    """With the daemon stopped for `stopped_s`, a new view of `mine[0]` written 0x44: how long it took."""
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        time.sleep(stopped_s)
+        began = time.monotonic()
+        c.view_bytes(mine[0])[:] = 0x44
+        return time.monotonic() - began
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+
+
 def _run(config_file, tmp_path, reader: bool) -> dict:
     d = _daemon(config_file, tmp_path)
     other = child = None
@@ -168,14 +195,9 @@ def test_a_call_the_daemon_answers_without_a_lease_renews_none(config_file, tmp_
         vids = _others_in_every_slot(other, st)
         if asks != "nothing":
             getattr(lapsed, asks)()
-        with pytest.raises(ArenaError, match="lease lapsed"):
-            lapsed.view_bytes(mine[0])[:] = 0x99
-        _others_intact(other, vids)
+        _refused_and_others_intact(lapsed, mine, other, vids)
     finally:
-        for c in (lapsed, other):
-            if c is not None:
-                c.close()
-        d.stop()
+        _stop(d, lapsed, other)
 
 
 def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(config_file, tmp_path):
@@ -190,22 +212,13 @@ def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(co
         mine = c.allocate(c.layouts[0], 1)
         c.view_bytes(mine[0])[:] = 0x33
         _until_a_beat_is_answered(c)  # (the heartbeat's socket is heard: Awake vouches only then)
-        os.kill(d.pid, signal.SIGSTOP)
-        try:
-            time.sleep(1.3)  # past one lease, the heartbeats unanswered
-            began = time.monotonic()
-            c.view_bytes(mine[0])[:] = 0x44
-            took = time.monotonic() - began
-        finally:
-            os.kill(d.pid, signal.SIGCONT)
+        took = _view_while_stopped(d, c, mine, 1.3)  # past one lease, the heartbeats unanswered
         assert took < 0.5, f"the view waited {took:.2f}s for the stalled daemon"
         c.ping()
         assert "writer" in [x["name"] for x in c.stats()["clients"]] and not c.lease_lost
         assert (c.view_bytes(mine[0]) == 0x44).all()
     finally:
-        if c is not None:
-            c.close()
-        d.stop()
+        _stop(d, c)
 
 
 def test_the_heartbeat_threads_gap_marks_a_stopped_process(monkeypatch):
@@ -253,14 +266,9 @@ def test_a_view_after_heartbeats_that_never_reached_the_daemon_asks_it(config_fi
         monkeypatch.setattr(T.Transport, "call", call)
         st = _until_let_go(other)
         vids = _others_in_every_slot(other, st)
-        with pytest.raises(ArenaError, match="lease lapsed"):
-            c.view_bytes(mine[0])[:] = 0x99
-        _others_intact(other, vids)
+        _refused_and_others_intact(c, mine, other, vids)
     finally:
-        for x in (c, other):
-            if x is not None:
-                x.close()
-        d.stop()
+        _stop(d, c, other)
 
 
 @pytest.mark.parametrize("between", ["at", "since"])
@@ -318,14 +326,9 @@ def test_beats_sent_that_never_reach_the_daemon_vouch_for_no_lease(config_file, 
         if daemon_slow:
             os.kill(d.pid, signal.SIGSTOP)
             threading.Timer(0.5, os.kill, (d.pid, signal.SIGCONT)).start()
-        with pytest.raises(ArenaError, match="lease lapsed"):
-            unheard.view_bytes(mine[0])[:] = 0x99
-        _others_intact(other, vids)
+        _refused_and_others_intact(unheard, mine, other, vids)
     finally:
-        for c in (unheard, other):
-            if c is not None:
-                c.close()
-        d.stop()
+        _stop(d, unheard, other)
 
 
 def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemon_stall(config_file, tmp_path):
@@ -339,18 +342,9 @@ def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemo
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.5)
         mine = c.allocate(c.layouts[0], 1)
         _until_a_beat_is_answered(c)
-        os.kill(d.pid, signal.SIGSTOP)
-        try:
-            time.sleep(2.3)  # past two leases, the beats unanswered
-            began = time.monotonic()
-            c.view_bytes(mine[0])[:] = 0x44
-            took = time.monotonic() - began
-        finally:
-            os.kill(d.pid, signal.SIGCONT)
+        took = _view_while_stopped(d, c, mine, 2.3)  # past two leases, the beats unanswered
         assert took < 0.5, f"the view waited {took:.2f}s for the stalled daemon"
         c.ping()
         assert not c.lease_lost
     finally:
-        if c is not None:
-            c.close()
-        d.stop()
+        _stop(d, c)
