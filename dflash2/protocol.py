@@ -302,11 +302,18 @@ def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES) -> dic
     return header
 
 
+# The start of a header as `encode_request` writes it: `{"op":"...","id":N,`. Read from the first
+# bytes of a header too large to parse, so that its refusal reaches the call that made it (with id 0
+# the caller's library dropped the reply as not its own and waited out its timeout, a review).
+_HEADER_START = re.compile(rb'\{\s*"op"\s*:\s*"[a-z_]{1,40}"\s*,\s*"id"\s*:\s*(\d{1,19})\s*[,}]')
+
+
 def peek_call_id(frames: list[bytes]) -> int:
     """Best-effort call id of a message that failed to decode (0 when unknown), for the error reply."""
     try:
         if len(frames[2]) > MAX_HEADER_BYTES:
-            return 0
+            found = _HEADER_START.match(bytes(memoryview(frames[2])[:200]))
+            return int(found.group(1)) if found else 0
         header = json.loads(bytes(frames[2]))
         cid = header.get("id", 0)
         return cid if isinstance(cid, int) else 0
@@ -320,6 +327,9 @@ def encode_request(op: Op, call_id: int, client: int | None, args: dict | None =
     frames = [MAGIC, VERSION_FRAME if version == VERSION else str(version).encode(),
               _encode_request_json(header).encode(),
               *(arrays or [])]
+    if len(frames[2]) > MAX_HEADER_BYTES:  # (refused by the daemon: said here, before it is sent)
+        raise ProtocolError(f"{op.value}: a header of {len(frames[2])} bytes is more than the daemon accepts "
+                            f"({MAX_HEADER_BYTES}; an argument too long?)")
     check_frames(op, frames)
     return frames
 

@@ -162,3 +162,21 @@ def test_fuzzed_frames_get_replies_and_the_daemon_survives(daemon):
     t.close()
     # The clients that held anything are gone: nothing stays reserved.
     assert st["reservations"]["granted"] == 0 and st["reservations"]["reserved_blocks"] == 0
+
+
+def test_an_oversized_header_is_refused_at_once_naming_its_size(daemon):
+    """A call whose header is past the daemon's bound (1 MiB) fails at once saying so; before, the
+    library sent it, dropped the daemon's refusal (sent under call id 0) and waited out its timeout
+    to say the daemon was gone or stuck (a review)."""
+    c = Client.connect(daemon.endpoint, name="big", timeout_s=3)
+    try:
+        for call in (lambda: c.set_weights({f"w{i}": 1.0 for i in range(100_000)}),  # a header of ~1.3 MB
+                     lambda: Client.connect(daemon.endpoint, name="x" * (2 << 20), timeout_s=3)):
+            began = time.monotonic()
+            with pytest.raises(P.ProtocolError, match=rf"a header of \d+ bytes is more than the daemon accepts "
+                                                      rf"\({P.MAX_HEADER_BYTES}"):
+                call()
+            assert time.monotonic() - began < 1.0
+        assert c.ping()["version"] == P.VERSION  # and the daemon serves on
+    finally:
+        c.close()

@@ -75,6 +75,17 @@ def test_malformed_frames_get_a_named_error(service, frames, problem):
     assert not reply.ok and problem in reply.error_message
 
 
+def test_an_oversized_header_is_refused_to_the_call_that_sent_it(service):
+    """A header past the bound (a raw client's, or an older library's) gets its refusal under its own
+    call id: under id 0 the client library dropped it as not its own and waited out its timeout."""
+    header = b'{"op":"set_weights","id":4242,"client":null,"args":{"pad":"' + b"x" * P.MAX_HEADER_BYTES + b'"}}'
+    reply = P.decode_reply(service.handle_frames([P.MAGIC, V, header]))
+    assert not reply.ok and reply.call_id == 4242 and f"exceeds {P.MAX_HEADER_BYTES}" in reply.error_message
+    with pytest.raises(P.ProtocolError, match=rf"set_weights: a header of \d+ bytes is more than the daemon accepts "
+                                              rf"\({P.MAX_HEADER_BYTES}"):
+        P.encode_request(Op.SET_WEIGHTS, 1, None, {"pad": "x" * P.MAX_HEADER_BYTES})  # said before it is sent
+
+
 @pytest.mark.parametrize("version", [1, P.VERSION + 1])
 def test_version_mismatch_reply(service, version):
     """Version 1 clients (before GPUs went by UUID) and newer ones get a named error, not a wrong pool."""
