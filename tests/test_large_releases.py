@@ -120,6 +120,9 @@ def test_a_refused_free_names_the_first_bad_block_and_changes_nothing():
     listed = np.concatenate([vids[:5], pinned_private, vids[12:13], vids[5:8]])
     with pytest.raises(PinnedBlock, match=hex(int(pinned_private[0]))):
         t.free(a, listed)
+    # A block `a` holds once, listed twice: named with both counts, not as one it holds no reference to.
+    with pytest.raises(NotOwner, match=rf"holds 1 reference\(s\) to block {hex(int(vids[0]))}, freed 2"):
+        t.free(a, np.concatenate([vids[:1], vids[:1]]))
     assert state(mgr, (a, b)) == before
 
 

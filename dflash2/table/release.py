@@ -49,16 +49,20 @@ class Releasing:
         dropping = Counter(rows.tolist())
         for r, n in dropping.items():
             if holder.refs[r] < n:
-                raise self._refused_free(client_id, r, unowned=True)
+                raise self._refused_free(client_id, r, unowned=True, asked=n, held=holder.refs[r])
             c = self.cols
             if c.key[r] == 0 and c.refs[r] == n and c.pins[r] > 0:
                 raise self._refused_free(client_id, r, unowned=False)
         return self._drop_refs(holder, rows)
 
-    def _refused_free(self, client_id: int, row: int, unowned: bool) -> NotOwner | PinnedBlock:
-        """Why a free of `row` is refused: the client holds no reference to it, or (a private block's
-        last reference) it is pinned."""
+    def _refused_free(self, client_id: int, row: int, unowned: bool, asked: int = 1,
+                      held: int = 0) -> NotOwner | PinnedBlock:
+        """Why a free of `row` is refused: the client holds fewer references to it than the free drops
+        (`asked`, its times listed; `held`), or (a private block's last reference) it is pinned."""
         vid = int(self.vids(np.array([row], dtype=np.int64))[0])
+        if unowned and held:  # (one id listed more often than the client holds it: not "no reference", a review)
+            return NotOwner(f"client {client_id} holds {held} reference(s) to block {vid:#x}, freed {asked} (the "
+                            "block listed more often than it was allocated, acquired or referenced)")
         if unowned:
             return NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
                             "client's block)")
