@@ -3,6 +3,7 @@ disk): taken back at the next batch or as the tier closes, the blocks past the c
 goes through) misses lost to the cut, never taken for bad sectors (arena/nvmecut.py). Reviews'
 scripts found each case: the next start refused the file, reads past the cut failed as disk errors."""
 
+import errno
 import logging
 import os
 import threading
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import dflash2.arena.nvme as nvme
+import dflash2.arena.nvmecut as nvmecut
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.staging import ALIGN
 
@@ -140,3 +142,34 @@ def test_a_read_after_the_file_was_cut_is_a_miss_not_a_disk_error(arena, caplog)
     with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
         assert not arena.read_blocks([32 * ALIGN], [np.zeros_like(block)]).any()
     assert "cut to 0 bytes" in caplog.text and "failed" not in caplog.text
+
+
+@pytest.mark.parametrize("cut_to", [0, nvme.HEADER_BYTES + 64 << 10])
+def test_a_cut_that_cannot_be_taken_back_is_said_once_until_it_can(tmp_path, monkeypatch, caplog, cut_to):
+    """A review's script: the file cut while the disk was full (the take-back's fallocate failing);
+    every later batch logged the cut again, saying its room was taken again, and then the failure:
+    two lines a batch for as long as the disk stayed full. Now one line says the cut and the failure,
+    later batches are quiet (a line a minute at most) and the take-back is tried at each batch."""
+    a = NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=STAGING)
+    try:
+        block = np.arange(4 * ALIGN, dtype=np.uint8)
+        assert a.write_blocks([0], [block]).all()
+        os.truncate(a.path, cut_to)
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(nvmecut.os, "posix_fallocate", full)
+        out = np.zeros_like(block)
+        with caplog.at_level(logging.INFO, logger="dflash2.arena"):
+            for _ in range(20):
+                assert a.read_blocks([0], [out]).all() == (cut_to > 0)
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 1 and "cannot be taken back" in lines[0] and "taken again" not in lines[0], lines
+            assert "No space left on device" in lines[0] and f"was cut to {cut_to} bytes" in lines[0]
+            monkeypatch.undo()  # the disk has room again: the next batch takes the file back
+            caplog.clear()
+            assert a.read_blocks([0], [out]).all() == (cut_to > 0)
+        assert "taken again" in caplog.text and os.path.getsize(a.path) == nvme.HEADER_BYTES + CAP
+        assert cut_to == 0 or np.array_equal(out, block)
+    finally:
+        a.remove()

@@ -22,6 +22,7 @@ import numpy as np
 
 from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES
 from dflash2.arena.staging import ALIGN
+from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.arena")
 
@@ -32,6 +33,8 @@ class FileCuts:
 
     def __init__(self, nslots: int):
         self.lost = np.zeros(nslots, dtype=bool)
+        self._failed: tuple | None = None  # (size, errno) of the file after its take-back last failed
+        self._said = RepeatLimit("batches")  # a take-back that keeps failing: once a minute
 
     def check(self, fd: int, path: str, total: int, lens: np.ndarray) -> None:
         """Whether the file open on `fd` is still the tier's whole file of `total` bytes, its header
@@ -54,11 +57,31 @@ class FileCuts:
         else:  # (same size, header bytes written over: not a cut, a review; where it began is unknown)
             how = ("had its header page written over (not cut: the size is whole); find what writes to it "
                    "(a dd, a copy, another program given this path)")
-        log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
-                    "header and disk room are taken again", path, how, total, int(lost.sum()),
-                    extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
         try:
             os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
             os.posix_fallocate(fd, 0, total)
-        except OSError as e:  # (its writes then fail as the disk's, and say so)
-            log.error("NVMe: %s cannot be taken back to %d bytes: %s", path, total, e)
+        except OSError as e:  # (its writes then fail as the disk's, and say so; tried again each batch)
+            self._unmended(path, how, total, size, os.fstat(fd).st_size, int(lost.sum()), e)
+            return
+        self._failed = None
+        log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
+                    "header and disk room are taken again", path, how, total, int(lost.sum()),
+                    extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
+
+    def _unmended(self, path: str, how: str, total: int, size: int, left: int, lost: int, error: OSError) -> None:
+        """Log a take-back that failed (a full disk, a file size limit): at once the first time, then,
+        while the file stays as the attempt left it (`left`: its size, the header page perhaps written;
+        nothing more lost), once a minute with the count of batches since. Before, every later batch
+        logged the cut again, with a warning that said its room was taken again, and the failure: two
+        lines a batch while the disk stayed full (a review)."""
+        if lost == 0 and (size, error.errno) == self._failed:
+            more = self._said.due(path)
+            if more is not None:
+                log.error("NVMe: %s still cannot be taken back to %d bytes (%d now): %s; writes past %d bytes fail "
+                          "as the disk's until it can%s", path, total, size, error, size, more)
+            return
+        self._failed = (left, error.errno)
+        self._said.due(path)  # (this line starts the minute)
+        log.error("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); it "
+                  "cannot be taken back to %d bytes: %s (tried again at each batch, said once a minute)", path, how,
+                  total, lost, total, error, extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
