@@ -11,9 +11,10 @@ as HBM is above its high watermark: prefetching into a full tier only pushes out
 requests are about to read.
 
 Accounting: a prefetched block is *useful* when it is read while still in HBM, *wasted* when it left
-HBM (demoted, evicted) before its read or was never read; each prefetch counts once either way.
-A block that a reader's own lookup brought up (the lookup waited for the copy) is, for the HBM hit
-rate, a read from the tier it came from: `reading` says which those are.
+HBM (demoted, evicted) before its read or was never read (its reader left first); each prefetch
+counts once either way. A block that a reader's own lookup brought up (the lookup waited for the
+copy) is, for the HBM hit rate, that reader's read from the tier it came from, whoever reads it
+first: `reading` says which those are.
 A block prefetched since the last tick is left in HBM by that tick's rebalance (its score is old: a
 prefetch is not a read), so that the read it was brought up for finds it there.
 """
@@ -44,6 +45,7 @@ class PrefetchedRead:
     vids: list[int]
     in_hbm: list[bool]
     own: dict[int, Tier]
+    reader: int | None = None
 
 
 class Chain:
@@ -77,9 +79,13 @@ class Prefetcher:
         self.max_window = window * max_factor
         self.useful = 0
         self.wasted = 0
-        # vids promoted by the prefetcher, not yet read -> (the tier each came from, the reader whose
-        # lookup promoted it, None when unknown)
-        self._pending: dict[int, tuple[int, int | None]] = {}
+        # vids promoted by the prefetcher, not yet read -> (the tier each came from, the reader it was
+        # brought up for, None when unknown, and whether that reader's lookup waited for it)
+        self._pending: dict[int, tuple[int, int | None, bool]] = {}
+        # A reader's lookup waited for these copies, and another reader read them first (settling
+        # them): reader -> {vid: the tier it came from}, its own read of them still to count as from
+        # there (before, the hit rate hung on who read first, a review). Dropped as a block leaves HBM.
+        self._owed: dict[int, dict[int, int]] = {}
         # vids prefetched since the last settle (the daemon's tick): the tick's rebalance leaves
         # them in HBM for their read. One tick only: a block nobody reads is cold like any other.
         self._fresh: set[int] = set()
@@ -114,10 +120,10 @@ class Prefetcher:
         return self.window
 
     # -- the request's read loop -----------------------------------------------------------
-    def ahead(self, vids: Sequence[int], position: int, reader: int | None = None) -> int:
+    def ahead(self, vids: Sequence[int], position: int, reader: int | None = None, *, waits: bool = True) -> int:
         """The request will read vids[position:] next: bring the window's blocks up to HBM.
-        `reader`: the client whose lookup asks (its reads of them are not HBM hits). Returns the
-        number of blocks promoted."""
+        `reader`: the client they come up for; `waits`: it waits for them (its lookup asks: its
+        reads of them are no HBM hits). Returns the number of blocks promoted."""
         if not self.base or position >= len(vids):
             return 0
         window = list(vids[position: position + self._adapt()])
@@ -147,7 +153,7 @@ class Prefetcher:
             # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
             # settle between): that one was wasted, once; this one is counted on its own.
             self.wasted += sum(1 for v in done if v in self._pending)
-            self._pending.update((v, (t, reader)) for v, t in zip(done, origin[ok].tolist()))
+            self._pending.update((v, (t, reader, waits)) for v, t in zip(done, origin[ok].tolist()))
             self._fresh.update(done)
             return len(done)
         # A guess: its room comes from idle blocks only, never from a running request's. Blocks read
@@ -202,7 +208,7 @@ class Prefetcher:
                 # The window and what follows it closely: its room is never made from those (O(window)
                 # per read, not O(chain): a 65,536-block prefix is read in many acquires).
                 near = chain.vids[position: position + PROTECT_WINDOWS * max(1, self.max_window)]
-                done += self.ahead(near.tolist(), 0)
+                done += self.ahead(near.tolist(), 0, reader, waits=False)
         return done
 
     @property
@@ -210,9 +216,15 @@ class Prefetcher:
         return bool(self._queued)
 
     def drop(self, reader: int) -> None:
-        """The reader left (detached, lease lapsed)."""
+        """The reader left (detached, lease lapsed): what was prefetched for it and not read was
+        wasted (before, it stayed pending for as long as HBM had room, counted neither way, a review)."""
         for key in self._chains.pop(reader, {}):
             self._queued.pop((reader, key), None)
+        self._owed.pop(reader, None)
+        unread = [v for v, (_, by, _) in self._pending.items() if by == reader]
+        self.wasted += len(unread)
+        for v in unread:
+            del self._pending[v]
 
     def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
         """The request is about to read these blocks: settle the prefetches among them (`peek`,
@@ -228,34 +240,50 @@ class Prefetcher:
         """What reading these blocks would settle, nothing settled yet (`count` does, once the read
         has succeeded: an acquire that finds no room reads nothing, and its retry must find the
         same prefetches pending). Looked at before the reader's own promotion moves blocks up."""
-        mine = list(dict.fromkeys(v for v in vids if v in self._pending))  # a vid read twice settles once
+        owed = self._owed.get(reader, {}) if reader is not None else {}
+        mine = list(dict.fromkeys(v for v in vids if v in self._pending or v in owed))  # a vid read twice settles once
         if not mine:
             return None
         rows, live = self._rows(mine)
         in_hbm = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
         own = {}
         for v, there in zip(mine, in_hbm):
-            origin, by = self._pending[v]
-            if there and reader is not None and by == reader:
+            origin, by, waited = self._pending.get(v) or (owed[v], reader, True)
+            if there and reader is not None and by == reader and waited:
                 own[v] = Tier(origin)
-        return PrefetchedRead(mine, in_hbm, own)
+        return PrefetchedRead(mine, in_hbm, own, reader)
 
     def count(self, read: PrefetchedRead) -> None:
         """The read `peek` looked at succeeded: its prefetches were useful (in HBM when it came)
         or wasted (they had left it), and are settled."""
-        useful = sum(read.in_hbm)
-        self.useful += useful
-        self.wasted += len(read.vids) - useful
-        for v in read.vids:
-            self._pending.pop(v, None)
+        owed = self._owed.get(read.reader, {}) if read.reader is not None else {}
+        for v, there in zip(read.vids, read.in_hbm):
+            if owed.pop(v, None) is not None and v not in self._pending:
+                continue  # (settled by the read that came first: here only its waiting reader's own)
+            entry = self._pending.pop(v, None)
+            if entry is None:
+                continue
+            self.useful += there
+            self.wasted += not there
+            origin, by, waited = entry
+            if there and waited and by is not None and by != read.reader:
+                self._owed.setdefault(by, {})[v] = origin  # its waiting reader reads it still
+        if read.reader in self._owed and not owed:
+            del self._owed[read.reader]
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def settles(self) -> bool:
+        """Whether a read may settle something here (a prefetch pending, or a waiting reader's debt)."""
+        return bool(self._pending or self._owed)
+
     def settle(self) -> None:
         """Between reads (the daemon's tick): a prefetched block that left HBM unread was wasted."""
         self._fresh.clear()
+        self._settle_owed()
         if not self._pending:
             return
         mine = list(self._pending)
@@ -266,10 +294,21 @@ class Prefetcher:
             if g:
                 del self._pending[v]
 
+    def _settle_owed(self) -> None:
+        """A waiting reader's debt ends as its block leaves HBM: its read then counts from where it lies."""
+        for reader, owed in list(self._owed.items()):
+            rows, live = self._rows(list(owed))
+            for v, there in zip(list(owed), (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()):
+                if not there:
+                    del owed[v]
+            if not owed:
+                del self._owed[reader]
+
     def finish(self) -> None:
         """The request is done reading: whatever it did not read was prefetched for nothing."""
         self.wasted += len(self._pending)
         self._pending.clear()
+        self._owed.clear()
         self._fresh.clear()
 
     def _fresh_rows(self) -> np.ndarray:

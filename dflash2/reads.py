@@ -150,7 +150,7 @@ class Reads:
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
         # The prefetches among the blocks read: those the reader's own lookup brought up are reads
         # from where they came from too (settled only once the read succeeds: `count` below).
-        prefetched = self.prefetcher.peek(vids_read.tolist(), client) if self.prefetcher.pending else None
+        prefetched = self.prefetcher.peek(vids_read.tolist(), client) if self.prefetcher.settles else None
         if prefetched is not None and prefetched.own:
             came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
         counts = reads_by_origin(tiers, vids_read, up_to, came)

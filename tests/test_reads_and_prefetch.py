@@ -78,6 +78,50 @@ def test_blocks_the_readers_own_lookup_swapped_in_are_not_hbm_hits(make_manager,
     found2 = m.table.vids(m.lookup_rows(keys2, 0, client=a)).tolist()
     assert m.acquire_rows(b, found2) is not None
     assert m.access.reads[Tier.HBM] == 8
+    # ... and the reader that waited for them still reads them from DRAM: the same figures whoever
+    # reads first (before, the first reader settled them and the waiting one's read was a hit, a review).
+    m.release(b, found2)
+    assert m.acquire_rows(a, found2) is not None
+    assert m.access.reads == {Tier.DRAM: 8, Tier.HBM: 8} and m.prefetcher.useful == 8
+    m.release(a, found2)
+    assert m.acquire_rows(a, found2) is not None and m.access.reads[Tier.HBM] == 12  # once only
+
+
+def test_a_waiting_readers_debt_ends_as_its_blocks_leave_hbm(make_manager):
+    """Read first by another reader, then demoted before the waiting reader reads them: its read
+    brings them up itself, counted from where they lie then, once."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    found = m.table.vids(m.lookup_rows(_chain_in_dram(m, a), 0, client=a)).tolist()
+    assert m.acquire_rows(b, found) is not None
+    m.release(b, found)
+    m.free(a, m.allocate(a, 0, 8))  # HBM full of private blocks: the chain goes down again
+    m.tick()
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.HBM: 4, Tier.DRAM: 4} and not m.prefetcher.settles
+
+
+def test_a_prefetch_its_reader_never_reads_is_wasted_when_the_reader_leaves(make_manager):
+    """A reader looks up (its window comes up), then detaches without reading: those prefetches were
+    for nothing. Before, they stayed pending, counted neither way, for as long as HBM had room (a
+    review); the windows brought up after its reads too. Another reader's stay pending."""
+    m = make_manager(hbm_blocks=64, dram_blocks=64, prefetch_window=2)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    keys, theirs = list(range(300, 316)), list(range(400, 404))
+    m.free(a, m.commit(a, m.allocate(a, 0, 20), keys + theirs))
+    assert m.placement.make_room(Tier.HBM, m.specs[Tier.HBM].capacity_bytes)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    assert m.acquire_rows(a, found[:2]) is not None
+    m.run_prefetch()  # the window after a's read comes up for a
+    m.release(a, found[:2])
+    ours = m.prefetcher.pending
+    other = m.table.vids(m.lookup_rows(theirs, 0, client=b)).tolist()
+    assert ours > 2 and m.prefetcher.pending > ours and m.prefetcher.wasted == 0
+    m.detach(a)
+    assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, ours)
+    assert m.acquire_rows(b, other) is not None and m.prefetcher.useful == 2 + len(other)
 
 
 def test_the_window_follows_the_readers_position(make_manager, clock):
