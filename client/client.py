@@ -225,7 +225,7 @@ class Client:
             self.detach()
             raise
         if heartbeat:
-            self._awake = Awake(self.lease_timeout_s)
+            self._awake = Awake(self.lease_timeout_s, float(r.get("set_aside_s") or 0.0))  # (older daemon: none)
             self._heartbeat_thread = threading.Thread(
                 target=run_heartbeat, name=f"dflash2-heartbeat-{self.client_id}", daemon=True,
                 args=(weakref.ref(self), self._stop, self.heartbeat_interval_s, self.client_id, self.name,
@@ -561,12 +561,12 @@ class Client:
         """Before a new view, where no lease-renewing call was answered for a whole lease: ask the daemon if
         it still knows the client (past the lapse and set-aside its slots went to others; a view wrote in
         another's cached block, a review). ArenaError where it does not answer, unless the heartbeat's beats
-        were sent all along (Awake: the daemon's own stall; then it waits Awake.ASK_S only)."""
+        were sent all along within the daemon's set-aside (Awake.vouches: then it waits Awake.ASK_S only)."""
         renewed = self._renewed
         silent_s = time.monotonic() - renewed
         if silent_s <= self.lease_timeout_s:
             return
-        vouched = self._awake is not None and self._awake.ran_since(renewed)
+        vouched = self._awake is not None and self._awake.vouches(renewed)
         try:
             self._call(Op.HEARTBEAT, timeout_s=Awake.ASK_S if vouched else None)
         except DaemonError:  # UnknownClient: _call marked the lease lost (and the view is refused)

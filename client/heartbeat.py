@@ -40,7 +40,14 @@ class Awake:
     a beat answered in that run: a silence of the daemon's own (paused, stalled) then costs a view of
     blocks the client still holds 0.2 s at most, and no refusal; the daemon counts its stall out of
     every lease (Service.resumed). Before, each such view waited the whole call timeout for the
-    stalled daemon and was then refused (a review)."""
+    stalled daemon and was then refused (a review).
+
+    Invariant: it vouches only within the window in which the daemon keeps the client's slots even if
+    the lease did lapse (`vouches`): the lease, then the set-aside time (`set_aside_s`, from the attach
+    reply). Beats that stopped reaching a running daemon after one was answered (a heartbeat path lost
+    for it alone) kept the run going, and vouched for a lease lapsed and set aside long before: the view
+    wrote into the slot of another client's cached block (a review). With no set-aside (0, or a daemon
+    that does not say), a lapse frees the slots at once, and nothing vouches."""
 
     # How long a view waits for the daemon's word where this vouches: a daemon that is not stalled
     # answers in milliseconds, and its word wins (the beats sent may never have reached it: a heartbeat
@@ -50,8 +57,9 @@ class Awake:
     # slice after its send): an interval within 50 ms of the lease broke every run (a review).
     SLACK_S = 0.1
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, set_aside_s: float = 0.0) -> None:
         self.lease_s = lease_s
+        self.set_aside_s = set_aside_s  # how long the daemon keeps a lapsed client's slots (SetAside.hold_s)
         self.at = self.since = time.monotonic()
         self.heard = -math.inf  # the last answered beat's mark
 
@@ -71,6 +79,17 @@ class Awake:
         between two reads the other way round paired the old `since` with the new `at` (a review)."""
         at = self.at
         return time.monotonic() - at <= self.lease_s + self.SLACK_S and self.heard >= self.since <= t
+
+    def vouches(self, renewed: float) -> bool:
+        """Whether a view may be handed out without the daemon's answer, the lease last renewed at
+        monotonic time `renewed`: the thread ran since (`ran_since`), and the view is handed out (after
+        ASK_S) with SLACK_S to spare before the daemon may free the client's slots. The daemon lapses a
+        lease a lease after it last heard the client (heard no sooner than `renewed`, the call's send),
+        then keeps its slots `set_aside_s` more: the window ends no sooner than `renewed` plus both.
+        SLACK_S covers the two clocks (another host's over tcp) and the first write through the view."""
+        silent_s = time.monotonic() - renewed
+        return (silent_s + self.ASK_S + self.SLACK_S < self.lease_s + self.set_aside_s
+                and self.ran_since(renewed))
 
 
 def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,

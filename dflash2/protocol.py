@@ -28,7 +28,9 @@ sent as an explicit null, which means its default):
                                                                   token, liveness: the name of the daemon's
                                                                   liveness object in /dev/shm, locked while it
                                                                   lives (arena/liveness.py); absent or null from
-                                                                  an older daemon, which has none}
+                                                                  an older daemon, which has none; set_aside_s:
+                                                                  how long a lapsed client's slots are kept,
+                                                                  absent from an older daemon, read as 0}
     heartbeat        {}                                        → {lease_timeout_s}
     detach           {}                                        → {released: {...}}
     register_layout  {layout: layout dict, prefill_tokens_per_s=null}

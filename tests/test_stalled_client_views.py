@@ -26,6 +26,9 @@ from dflash2.errors import ArenaError
 from dflash2.keys import chain_keys
 
 LEASE = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2, "set_aside_leases": 1}
+# A daemon stall within the set-aside window, wide enough for a loaded machine: only within it does the
+# client vouch for its lease (Awake.vouches).
+STALL = {**LEASE, "set_aside_leases": 5}
 
 # A child that takes one block (written, or a cached one acquired), stops itself, and once resumed
 # asks for a new view of it and writes through it.
@@ -205,7 +208,7 @@ def test_a_view_of_a_held_block_while_the_daemon_stalls_is_handed_out_at_once(co
     (Service.resumed), so the client keeps its blocks, and its heartbeat thread ran all along. Before,
     the check asked the stalled daemon before every view of a block the client held: each view waited
     the call's whole timeout and was then refused (a review)."""
-    d = _daemon(config_file, tmp_path)
+    d = _daemon(config_file, tmp_path, STALL)
     c = None
     try:
         c = Client.connect(d.endpoint, name="writer", layouts=[SMALL], timeout_s=1.0)
@@ -335,7 +338,7 @@ def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemo
     """An interval of 0.97 s against a lease of 1 s: a waiting beat's first mark comes one
     GONE_CHECK_S (50 ms) after its send, so every gap went past the lease and a view during a daemon
     stall waited the call's timeout, then was refused (a review). Awake.SLACK_S covers that slice."""
-    lease = {"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.97, "set_aside_leases": 1}
+    lease = {**STALL, "heartbeat_interval_s": 0.97}
     d = _daemon(config_file, tmp_path, lease)
     c = None
     try:
@@ -348,3 +351,80 @@ def test_a_heartbeat_interval_just_under_the_lease_still_vouches_through_a_daemo
         assert not c.lease_lost
     finally:
         _stop(d, c)
+
+
+@pytest.mark.parametrize("set_aside_leases", [1, 0])
+def test_beats_lost_after_one_was_answered_vouch_for_no_lapsed_lease(config_file, tmp_path, monkeypatch,
+                                                                    set_aside_leases):
+    """The heartbeat's path is lost after a beat was answered, while the daemon runs (its call socket
+    works): the beats wait, marked every 50 ms, and the run that had one answered went on vouching for a
+    lease the daemon let lapse, set aside, then let go; with the daemon slow for 0.5 s at the view's quick
+    ask, the view wrote into another client's cached block (a review). A run vouches only within the
+    window the daemon keeps the slots (the lease and its set-aside; none where that is 0)."""
+    import threading
+    import dflash2.client.heartbeat as hb
+    real, lost = hb.Transport, threading.Event()
+    nowhere = f"ipc://{tmp_path}/nowhere.sock"
+
+    class LosesItsPath(real):
+        def call(self, op, *a, **kw):
+            if lost.is_set() and self._connect_to != nowhere:
+                self._connect_to = nowhere  # the path to the daemon is lost (made again at the next send)
+                self.reset()
+            return super().call(op, *a, **kw)
+
+    monkeypatch.setattr(hb, "Transport", LosesItsPath)
+    d = _daemon(config_file, tmp_path, {**LEASE, "set_aside_leases": set_aside_leases})
+    other = c = None
+    try:
+        c = Client.connect(d.endpoint, name="unheard-later", layouts=[SMALL])
+        monkeypatch.setattr(hb, "Transport", real)
+        other = Client.connect(d.endpoint, name="other", layouts=[SMALL])
+        mine = c.allocate(c.layouts[0], 1)
+        c.view_bytes(mine[0])[:] = 0x33
+        _until_a_beat_is_answered(c)
+        lost.set()
+        st = _until_let_go(other)  # the daemon ran all along: no stall credited, the lease lapsed
+        vids = _others_in_every_slot(other, st)
+        assert c._awake.ran_since(c._renewed)  # (the run goes on: only the window stops it vouching)
+        os.kill(d.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (d.pid, signal.SIGCONT)).start()
+        _refused_and_others_intact(c, mine, other, vids)
+    finally:
+        _stop(d, c, other)
+
+
+@pytest.mark.parametrize("set_aside_s, silent_s, vouched", [(0.0, 1.05, False), (1.0, 1.05, True),
+                                                            (1.0, 1.75, False)])
+def test_a_run_vouches_only_within_the_daemons_set_aside(monkeypatch, set_aside_s, silent_s, vouched):
+    """A process stopped just past its lease (by less than Awake.SLACK_S) found its run unbroken, and
+    vouched: with `set_aside_leases` 0 the daemon had freed its blocks at the lapse, and a view slow to be
+    answered was handed out over another block (a review). Now the check waits for the daemon's word
+    (the call's whole timeout, ArenaError without it) unless the view is handed out (after ASK_S) with
+    SLACK_S to spare before the lease and its set-aside end."""
+    from dflash2.client import heartbeat
+    from dflash2.errors import DaemonUnavailable
+    now = [100.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: now[0])
+    awake = heartbeat.Awake(lease_s=1.0)
+    awake.set_aside_s = set_aside_s  # (as the attach reply says)
+    for _ in range(5):  # a beat every 0.2 s, each answered
+        now[0] += 0.2
+        awake.mark(answered=True)
+    c = Client.__new__(Client)  # (the check alone: no daemon)
+    c._awake, c._renewed, c.lease_timeout_s, c.lease_lost = awake, now[0], 1.0, False
+    asked = []
+
+    def call(op, *a, timeout_s=None, **kw):  # the daemon does not answer in time
+        asked.append(timeout_s)
+        raise DaemonUnavailable(f"{op.value}: no answer")
+    c._call = call
+    now[0] += silent_s  # the process stopped: the thread did not mark
+    assert awake.ran_since(c._renewed) == (silent_s <= 1.0 + heartbeat.Awake.SLACK_S)
+    if vouched:
+        c._confirm_lease()
+        assert asked == [heartbeat.Awake.ASK_S]
+    else:
+        with pytest.raises(ArenaError, match="does not answer now"):
+            c._confirm_lease()
+        assert asked == [None]  # the call's whole timeout
