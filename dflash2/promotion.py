@@ -44,11 +44,11 @@ class Promotion:
         that are in dst afterwards; the rest could not be given room. The room is never made by
         moving out the rows' own prefix (ancestors already in dst): that would leave the promoted
         blocks above their prefix, and their reader waiting for the prefix to come back up; nor
-        from `protect` (a prefetch's reader: the rest of the chain it is about to read); nor from
-        the blocks brought up for a read that has not come yet (`awaiting_read`: another reader's
-        window, whose score is old and would make it the first to go). It is made from idle blocks
-        first, then (unless `idle_only`: a prefetch, a guess) from running requests' blocks, only
-        those under `below_priority` when given. `chain`: `with_ancestors(rows, dst)` when the
+        from `protect` (a prefetch's reader: the rest of the chain it is about to read). It is made
+        from idle blocks first, not from the blocks brought up for a read that has not come yet
+        (`awaiting_read`: another reader's window, whose score is old and would make it the first to
+        go); then, unless `idle_only` (a prefetch, a guess itself), from those too, and last from
+        running requests' blocks, only those under `below_priority` when given. `chain`: `with_ancestors(rows, dst)` when the
         caller has it already (an acquire's check took it: the walk up a chain of 32,768 blocks,
         twice an acquire, was most of its cost, a review)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -129,12 +129,20 @@ class Promotion:
         """What a promotion of `rows` to `dst` moves (the chain's blocks below dst that may move,
         ancestors first), how it makes room for a part of them (`promote`), and the movable blocks of
         the prefix the read does not need there (`beyond_read`), brought up after it where room is left."""
+        chain = self.with_ancestors(rows, dst) if chain is None else chain
         away, keep, beyond = self._away_and_kept(rows, dst, protect, chain)
+        demand = keep if idle_only else self._kept(chain, protect, awaiting=False)
 
         def room_for(part: np.ndarray) -> None:
             self._make_room_for_rows(dst, part, keep, idle_only=True)
             if not idle_only:
-                self._make_room_for_rows(dst, part, keep, below_priority=below_priority)
+                if len(demand) < len(keep):
+                    # A read asked for beats a guess: where idle blocks alone leave no room, an unread
+                    # prefetch's blocks go next, before running requests' (kept from the room, they
+                    # refused the read "full of blocks being written or pinned" until the next step
+                    # sent them down unread, a review).
+                    self._make_room_for_rows(dst, part, demand, idle_only=True)
+                self._make_room_for_rows(dst, part, demand, below_priority=below_priority)
         return away, room_for, beyond
 
     def _away_and_kept(self, rows: np.ndarray, dst: Tier, protect: np.ndarray | None,
@@ -142,12 +150,16 @@ class Promotion:
         """What a promotion of `rows` moves up to `dst` for the read, the rows its room is never made
         from, and the movable blocks of the prefix the read does not need there (`beyond_read`)."""
         chain = self.with_ancestors(rows, dst) if chain is None else chain
-        kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read)]
+        away, beyond = self._read_away(chain, rows, dst)
+        return away, self._kept(chain, protect), beyond
+
+    def _kept(self, chain: np.ndarray, protect: np.ndarray | None, awaiting: bool = True) -> np.ndarray:
+        """The rows a promotion's room is never made from: the chain, `protect`, and (`awaiting`) the
+        blocks awaiting their read."""
+        kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read if awaiting)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
-        keep = unique(np.concatenate(kept)) if len(kept) > 1 else chain
-        away, beyond = self._read_away(chain, rows, dst)
-        return away, keep, beyond
+        return unique(np.concatenate(kept)) if len(kept) > 1 else chain
 
     def _read_away(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> tuple[np.ndarray, np.ndarray]:
         """The chain's blocks a promotion moves up for the read of `rows`, and those it may move after
@@ -196,7 +208,7 @@ class Promotion:
         need, one, alloc = int(sizes.sum()), one_size(sizes), self.table.allocators[dst]
         if one is not None and alloc.can_fit(one, len(away)):
             return True  # (the usual read: no walk of what its room is kept from; by its slots)
-        keep = self._away_and_kept(rows, dst, None, chain)[1]
+        keep = self._kept(chain, None, awaiting=False)  # (a read's room may take an unread prefetch's: `_promotion`)
         if one is None:
             # Several slot sizes: each size's blocks need slots of their own, which free bytes (free
             # slots of another size among them) and the bound's bytes do not say. Counted in bytes

@@ -226,6 +226,29 @@ def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clo
     assert filler
 
 
+def test_a_read_takes_an_unread_prefetchs_room_after_idle_blocks(make_manager, clock):
+    """Kept out of every promotion's room, a window brought up for a read that had not come refused
+    another read "full of blocks being written or pinned" until the next step sent it down unread (a
+    review): a read asked for beats a guess. Idle blocks go first, then the unread prefetch's."""
+    m = make_manager(hbm_blocks=4, dram_blocks=16, prefetch_window=1)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    ahead, wanted, other = _down_chain(m, a, 700, 2), _down_chain(m, b, 800, 2), _down_chain(m, b, 900, 1)
+    idle = _down_chain(m, a, 950, 1)
+    assert m.placement.make_room(Tier.HBM, 4 * SMALL.block_bytes)
+    m.acquire_rows(a, m.table.vids(m.table.lookup(idle, 0)))
+    m.release(a, m.table.vids(m.table.lookup(idle, 0)))  # HBM: one idle block, read just now
+    window = m.table.vids(m.lookup_rows(ahead, 0, client=a)).tolist()  # a's window: two blocks up, unread
+    tier = lambda vids: m.table.cols.tier[m.table.rows(vids)].tolist()  # noqa: E731
+    assert tier(window) == [int(Tier.HBM)] * 2 and m.stats()["tiers"]["hbm"]["blocks"] == 3
+    pinned = m.table.vids(m.table.lookup(wanted, 0))
+    assert m.acquire_rows(b, pinned) is not None  # room: the free slot, then the idle block
+    assert tier(window) == [int(Tier.HBM)] * 2 and tier(m.table.vids(m.table.lookup(idle, 0))) != [int(Tier.HBM)]
+    assert m.acquire_rows(b, m.table.vids(m.table.lookup(other, 0))) is not None, m.acquire_refusal
+    assert sorted(tier(window)) == [int(Tier.HBM), int(Tier.DRAM)]  # one of the window's blocks made way
+    m.check_invariants()
+
+
 def test_probe_lookups_are_not_followed(make_manager, clock):
     m, a, [keys, *probes] = _reader_of_dram_chains(make_manager, (1000, 12), *((2000 + 10 * i, 1) for i in range(20)))
     chain = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
