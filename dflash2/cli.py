@@ -27,6 +27,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a bench that could not finish its run
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # as a shell reports a command killed by SIGPIPE (128 + 13)
+EXIT_NO_OUTPUT = 1  # its output could not be written (a full disk), as dflash2d --check's plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +137,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class OutputFailed(Exception):
+    """A write to stdout failed, not for a reader gone: a full disk under `> out.json`, a stdout not
+    open for writing (the error's text)."""
+
+
+class _Stdout:
+    """sys.stdout while a subcommand runs: a failed write or flush raises OutputFailed, which `main`
+    says in one line (status, history and the benches ended in a traceback, exit 1, a review). A closed
+    pipe stays a BrokenPipeError (exit 141)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._inner.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._inner.flush)
+
+    @staticmethod
+    def _guarded(call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputFailed(e.strerror or str(e)) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    if stdout is not None:  # (None where it is closed, `>&-`: nothing is printed)
+        sys.stdout = _Stdout(stdout)
     # SIGTERM and SIGHUP (and for a bench, Ctrl-C) end the command through its clean-up, which they
     # wait for (stopsignals.py): a bench stopped by `timeout` or a supervisor left its daemon
     # running, its shared memory and a GB-sized NVMe file.
@@ -155,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
 
         silence_stdout()
         return EXIT_BROKEN_PIPE
+    except OutputFailed as exc:
+        from dflash2.logs import silence_stdout
+
+        silence_stdout()  # (what is still buffered would fail again at the exit's flush)
+        print(f"dflash2: error: cannot write the output to stdout: {exc}", file=sys.stderr)
+        return EXIT_NO_OUTPUT
     finally:
+        sys.stdout = stdout
         for sig, handler in saved.items():
             signal.signal(sig, handler)
 

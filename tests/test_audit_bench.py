@@ -498,6 +498,27 @@ def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path):
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
 
 
+
+@pytest.mark.parametrize("argv", [["bench", "policy", "--trace", "TRACE", "--hbm-blocks", "4", "--policies", "lru",
+                                   "--json"],
+                                  ["status", "--endpoint", "ipc://TMP/none.sock", "--watch", "--count", "1"]])
+def test_output_that_cannot_be_written_is_one_error_line(tmp_path, argv):
+    """`dflash2 ... > out.json` on a full disk (/dev/full): one line naming it, exit 1, where `status`,
+    `history` and the benches ended in a traceback (a review)."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1, "hash_ids": [1, 2, 3]}\n')
+    argv = [a.replace("TRACE", str(trace)).replace("TMP", str(tmp_path)) for a in argv]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "dflash2.cli", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("dflash2: error: cannot write the output to stdout: No space "
+                                                    "left on device")
+
+
 N = 2000
 
 
