@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from dflash2.config import MB, Config
-from dflash2.endpoints import _bare_host, xdg_dir
+from dflash2.endpoints import _bare_host, _every_address, numeric_address, xdg_dir
 
 # Above this share of the machine's memory, a DRAM tier starves the serving processes themselves.
 DRAM_WARN_FRACTION = 0.8
@@ -41,7 +41,8 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
     endpoint = cfg.daemon.endpoint or ""
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rpartition(":")[0]
-        everyone = _bare_host(host) in ("*", "0.0.0.0", "::")
+        # (as the resolver reads it: `tcp://0:PORT` is every IPv4 address too, and went unsaid)
+        everyone = _bare_host(host) in ("*", "0.0.0.0", "::") or _every_address(numeric_address(host) or "")
         if everyone:
             warnings.append(f"daemon.endpoint is {endpoint}: every address of this node (the monitoring port too), "
                             "so every host that reaches it can try to connect; only a client that holds the "

@@ -79,9 +79,10 @@ def test_check_says_an_endpoint_of_every_address_lets_every_host_try(tmp_path):
     worth a word, and a key file given for an ipc endpoint is said to be ignored."""
     local = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://127.0.0.1:5999"})))
     assert not any("tcp" in w for w in local)
-    wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": "tcp://*:5999"})))
-    assert any("(the monitoring port too), so every host that reaches it can try to connect; only a client that "
-               "holds the endpoint's key file" in w for w in wide)
+    for everywhere in ("tcp://*:5999", "tcp://0:5999", "tcp://0.0:5999", "tcp://[::]:5999", "tcp://[0::0]:5999"):
+        wide = config_warnings(load_config(write_config(tmp_path, daemon={"endpoint": everywhere})))
+        assert any("(the monitoring port too), so every host that reaches it can try to connect; only a client "
+                   "that holds the endpoint's key file" in w for w in wide), everywhere  # (`0` went unsaid)
     ipc = config_warnings(load_config(write_config(tmp_path, daemon={"tcp_key_file": "k.key"})))
     assert any("daemon.tcp_key_file is ignored: the endpoint is an ipc socket" in w for w in ipc)
     assert not any("tcp" in w for w in config_warnings(load_config(write_config(tmp_path))))
