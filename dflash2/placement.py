@@ -427,6 +427,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         ancestors among the victims: a parent never lands below its child). A refused parent goes
         with its children when they are all refused and droppable too (one call)."""
         admitted = self.policy.admit(self.table, victims, lower, now)
+        by_policy = ~admitted
         too_slow = np.zeros(len(victims), dtype=bool)
         if self.read_cost is not None:
             too_slow = ~self.read_cost.keeps(self.table.layouts, self.table.cols.layout[victims], lower)
@@ -443,6 +444,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             progress = self._evict(drop)
         kept = refused[~np.isin(refused, drop)]
         if not hold_refused:
+            if len(kept):  # (they go down all the same: the policy is told, to count them so)
+                self.policy.overruled(self.table, kept[np.isin(kept, victims[by_policy])])
             return victims[admitted | np.isin(victims, kept)], progress
         going = victims[admitted]
         if len(kept):

@@ -6,8 +6,9 @@ import json
 import numpy as np
 
 from dflash2.policy.gate import AdmissionGate
+from dflash2.tiers import Tier
 
-from test_policy_heat import cache_chain, manager
+from test_policy_heat import SLOT, cache_chain, manager
 
 
 def keys(*k):
@@ -88,6 +89,38 @@ def test_heat_admits_what_the_rule_refuses_once_refused_blocks_come_back_more():
     assert mgr.placement.stats.not_admitted == before  # every block admitted now
     assert pol.gate.counts["admitted_against_rule"] >= 1
     assert mgr.stats()["policy"]["admission"]["rule_on"] is False
+    mgr.check_invariants()
+
+
+def test_a_refused_block_its_writer_holds_goes_down_counted_as_admitted_against_the_rule():
+    """Refused by the rule but held (its writer's), a block goes into the full last tier all the same:
+    it was counted a refusal that never happened, in `stats` and the metrics (a review). Now it is
+    counted admitted against the rule; an idle one refused the same way is still dropped, refused."""
+    mgr, lid, c = manager(2, dram_blocks=2)
+    clock = mgr.table.clock
+
+    def read(k):
+        vids = [p.vid for p in mgr.lookup([k], lid)]
+        assert mgr.acquire(c, vids) is not None
+        mgr.release(c, vids)
+
+    for k in (1, 2, 3, 4):
+        clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+        for _ in range(3):
+            read(k)
+    clock.now += 1.0
+    gate = mgr.policy.gate
+    cache_chain(mgr, lid, c, [11])  # idle, used once: refused, dropped
+    assert mgr.placement.make_room(Tier.HBM, 2 * SLOT)
+    assert not mgr.lookup([11], lid) and mgr.placement.stats.not_admitted == 1
+    assert (gate.counts["refused"], gate.counts["admitted_against_rule"]) == (1, 0)
+    clock.now += 1.0
+    held = mgr.commit(c, mgr.allocate(c, lid, 1), [10])  # committed, still its writer's: refused, goes down
+    assert mgr.placement.make_room(Tier.HBM, 2 * SLOT)
+    assert mgr.place(int(held[0])).tier == Tier.DRAM and mgr.placement.stats.not_admitted == 1
+    assert (gate.counts["refused"], gate.counts["admitted_against_rule"]) == (1, 1)
+    assert mgr.stats()["policy"]["admission"]["refused"] == 1
     mgr.check_invariants()
 
 

@@ -76,6 +76,10 @@ class Policy(abc.ABC):
         """Mask of the rows that deserve a place in `tier` (default: all)."""
         return np.ones(len(rows), dtype=bool)
 
+    def overruled(self, table: "BlockTable", rows: np.ndarray) -> None:
+        """Rows `admit` refused went into the tier all the same: held by their writer or a reader,
+        they could be neither dropped nor kept where they were (placement.py `_admitted`)."""
+
     @classmethod
     def from_config(cls, policy_config) -> "Policy":
         """An instance set up from the config's `policy` section (weights, intervals); policies

@@ -99,6 +99,15 @@ class AdmissionGate:
         self.counts["admitted_against_rule"] += n
         return np.ones(len(keys), dtype=bool)
 
+    def overruled(self, n: int) -> None:
+        """`n` blocks the rule refused (counted so by `decide`) went into the tier all the same, held
+        by their writer or a reader: admitted against the rule, not refused. Their ghosts stay, as
+        for the blocks admitted while the rule is off: the rule's would-be refusals are measured
+        whatever became of them. (Counted as refusals, they showed refusals that never happened,
+        a review.)"""
+        self.counts["refused"] -= n
+        self.counts["admitted_against_rule"] += n
+
     # -- events ----------------------------------------------------------------------------------
     def left(self, keys: np.ndarray | GhostKeys) -> None:
         """Blocks left the cache from the tier."""

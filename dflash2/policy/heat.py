@@ -359,16 +359,15 @@ class HeatPolicy(Policy):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
         when its key was referenced at least as often lately as the coldest blocks it would push out
         (TinyLFU's rule against the tier's lowest-scored published blocks, as many as cover its
-        slot's bytes: FrequencyAdmission.admit), while the blocks the
-        rule refuses come back no more often than those the tier lets go (the gate, gate.py: on the
-        Mooncake conversation trace with HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone
-        refused 65,000 blocks and found 0.3410 of references in some tier, LRU 0.3553; gated,
-        0.3537). A tier with another below it admits every block: what it pushes out moves down
-        rather than out, and a block refused there would be lost although the tier below could keep
-        it (`bench policy` on the
-        Mooncake synthetic and conversation traces with DRAM and NVMe below HBM: refusing at every
-        full tier gave 0.7 and 0.4 points less prefix hit rate than refusing at the last one only;
-        with DRAM alone below, no difference)."""
+        slot's bytes: FrequencyAdmission.admit), while the blocks the rule refuses come back no more
+        often than those the tier lets go (the gate, gate.py: on the Mooncake conversation trace with
+        HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone refused 65,000 blocks and found
+        0.3410 of references in some tier, LRU 0.3553; gated, 0.3537). A tier with another below it
+        admits every block: what it pushes out moves down rather than out, and a block refused there
+        would be lost although the tier below could keep it (`bench policy` on the Mooncake synthetic
+        and conversation traces with DRAM and NVMe below HBM: refusing at every full tier gave 0.7
+        and 0.4 points less prefix hit rate than refusing at the last one only; with DRAM alone
+        below, no difference)."""
         alloc = table.allocators[tier]
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
@@ -397,6 +396,9 @@ class HeatPolicy(Policy):
         keys = c.key[rows]
         rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low])
         return self.gate.decide(keys, rule, len(here) + spare)
+
+    def overruled(self, table, rows):
+        self.gate.overruled(len(rows))
 
     # -- scores ----------------------------------------------------------------------------
     def _scratch(self, name: str, dtype) -> np.ndarray:
@@ -432,8 +434,7 @@ class HeatPolicy(Policy):
         # (callers use scores at once; none keeps them across two passes).
         self._flip ^= 1
         heat = self._scratch(f"heat{self._flip}", np.float32)
-        # mode="clip": with `out`, the default mode writes through a temporary copy (3x slower); the
-        # indices are in range by construction.
+        # mode="clip": with `out`, the default mode writes through a temporary copy (3x slower); indices are in range.
         np.take(self._lookup(most if fused else 0), idx, out=heat, mode="clip")
         if most > FUSE_FANOUT:
             np.take(self.tables.fanout(self.weights["fanout"], most), c.nkids, out=scaled, mode="clip")
