@@ -169,7 +169,37 @@ def test_a_cut_that_cannot_be_taken_back_is_said_once_until_it_can(tmp_path, mon
             monkeypatch.undo()  # the disk has room again: the next batch takes the file back
             caplog.clear()
             assert a.read_blocks([0], [out]).all() == (cut_to > 0)
-        assert "taken again" in caplog.text and os.path.getsize(a.path) == nvme.HEADER_BYTES + CAP
+        assert "is taken back to" in caplog.text and os.path.getsize(a.path) == nvme.HEADER_BYTES + CAP
         assert cut_to == 0 or np.array_equal(out, block)
+    finally:
+        a.remove()
+
+
+def test_the_tiers_own_writes_after_a_failed_take_back_are_no_new_cut(tmp_path, monkeypatch, caplog):
+    """A review: the disk had room for the tier's writes, not for the whole file; each batch's write
+    past the file's end grew it, and the next check logged the grown size as a new cut "by another
+    process", a line a batch; the take-back that at last worked said a cut again. Now: one line for
+    the cut, quiet while the take-back keeps failing, one line when it works."""
+    a = NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=STAGING)
+    try:
+        block = np.arange(4 * ALIGN, dtype=np.uint8)
+        assert a.write_blocks([0], [block]).all()
+        os.truncate(a.path, 0)
+
+        def full(fd, offset, length):  # room for small writes, not for the whole tier
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(nvmecut.os, "posix_fallocate", full)
+        with caplog.at_level(logging.INFO, logger="dflash2.arena"):
+            for i in range(1, 11):  # ten batches, each a block further out: the sparse file grows
+                assert a.write_blocks([i * 8 * ALIGN], [block]).all()
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 1 and "was cut to 0 bytes" in lines[0], lines
+            monkeypatch.undo()
+            caplog.clear()
+            out = np.zeros_like(block)
+            assert a.read_blocks([10 * 8 * ALIGN], [out]).all() and np.array_equal(out, block)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"NVMe: {a.path} is taken back to {nvme.HEADER_BYTES + CAP} bytes, its header and disk room again"]
+        assert os.path.getsize(a.path) == nvme.HEADER_BYTES + CAP
     finally:
         a.remove()

@@ -33,7 +33,7 @@ class FileCuts:
 
     def __init__(self, nslots: int):
         self.lost = np.zeros(nslots, dtype=bool)
-        self._failed: tuple | None = None  # (size, errno) of the file after its take-back last failed
+        self._failed: tuple | None = None  # (errno,) of the last take-back, while it fails
         self._said = RepeatLimit("batches")  # a take-back that keeps failing: once a minute
 
     def check(self, fd: int, path: str, total: int, lens: np.ndarray) -> None:
@@ -61,26 +61,32 @@ class FileCuts:
             os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
             os.posix_fallocate(fd, 0, total)
         except OSError as e:  # (its writes then fail as the disk's, and say so; tried again each batch)
-            self._unmended(path, how, total, size, os.fstat(fd).st_size, int(lost.sum()), e)
+            self._unmended(path, how, total, size, int(lost.sum()), e)
+            return
+        if self._failed is not None and not lost.any():  # (the cut said already: its take-back at last)
+            self._failed = None
+            log.warning("NVMe: %s is taken back to %d bytes, its header and disk room again", path, total,
+                        extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
             return
         self._failed = None
         log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
                     "header and disk room are taken again", path, how, total, int(lost.sum()),
                     extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
 
-    def _unmended(self, path: str, how: str, total: int, size: int, left: int, lost: int, error: OSError) -> None:
+    def _unmended(self, path: str, how: str, total: int, size: int, lost: int, error: OSError) -> None:
         """Log a take-back that failed (a full disk, a file size limit): at once the first time, then,
-        while the file stays as the attempt left it (`left`: its size, the header page perhaps written;
-        nothing more lost), once a minute with the count of batches since. Before, every later batch
-        logged the cut again, with a warning that said its room was taken again, and the failure: two
-        lines a batch while the disk stayed full (a review)."""
-        if lost == 0 and (size, error.errno) == self._failed:
+        while it keeps failing the same way and nothing more is lost, once a minute with the count of
+        batches since, whatever the file's size (the tier's own writes past its end grow it). Before,
+        every later batch logged the cut again, with a warning that said its room was taken again, and
+        the failure: two lines a batch while the disk stayed full; then, keyed on the size, a line a
+        batch as the tier's writes grew the file, each blaming another process (reviews)."""
+        if lost == 0 and (error.errno,) == self._failed:
             more = self._said.due(path)
             if more is not None:
-                log.error("NVMe: %s still cannot be taken back to %d bytes (%d now): %s; writes past %d bytes fail "
-                          "as the disk's until it can%s", path, total, size, error, size, more)
+                log.error("NVMe: %s still cannot be taken back to %d bytes (%d now): %s; writes past its end may "
+                          "fail as the disk's until it can%s", path, total, size, error, more)
             return
-        self._failed = (left, error.errno)
+        self._failed = (error.errno,)
         self._said.due(path)  # (this line starts the minute)
         log.error("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); it "
                   "cannot be taken back to %d bytes: %s (tried again at each batch, said once a minute)", path, how,
