@@ -11,10 +11,10 @@ as HBM is above its high watermark: prefetching into a full tier only pushes out
 requests are about to read.
 
 Accounting: a prefetched block is *useful* when it is read while still in HBM, *wasted* when it left
-HBM (demoted, evicted) before its read or was never read (its reader left first); each prefetch
-counts once either way. A block that a reader's own lookup brought up (the lookup waited for the
-copy) is, for the HBM hit rate, that reader's read from the tier it came from, whoever reads it
-first: `reading` says which those are.
+HBM (demoted, evicted) before its read or was never read (still unread a step after its reader
+left); each prefetch counts once either way. A block that a reader's own lookup brought up (the
+lookup waited for the copy) is, for the HBM hit rate, that reader's read from the tier it came from,
+whoever reads it first (until the second step after: `_settle_owed`): `reading` says which those are.
 A block prefetched since the last tick is left in HBM by that tick's rebalance (its score is old: a
 prefetch is not a read), so that the read it was brought up for finds it there.
 """
@@ -83,9 +83,14 @@ class Prefetcher:
         # brought up for, None when unknown, and whether that reader's lookup waited for it)
         self._pending: dict[int, tuple[int, int | None, bool]] = {}
         # A reader's lookup waited for these copies, and another reader read them first (settling
-        # them): reader -> {vid: the tier it came from}, its own read of them still to count as from
-        # there (before, the hit rate hung on who read first, a review). Dropped as a block leaves HBM.
-        self._owed: dict[int, dict[int, int]] = {}
+        # them): reader -> {vid: (the tier it came from, the step it was made in)}, its own read of
+        # them still to count as from there (before, the hit rate hung on who read first, a review).
+        # Until the second step after (`_settle_owed`), or sooner as the block leaves HBM.
+        self._owed: dict[int, dict[int, tuple[int, int]]] = {}
+        self._steps = 0  # settles so far
+        # Prefetched for a reader that left, still in HBM: a read before the next step is useful,
+        # and those left unread then were wasted (`drop`).
+        self._orphans: set[int] = set()
         # vids prefetched since the last settle (the daemon's tick): the tick's rebalance leaves
         # them in HBM for their read. One tick only: a block nobody reads is cold like any other.
         self._fresh: set[int] = set()
@@ -216,15 +221,17 @@ class Prefetcher:
         return bool(self._queued)
 
     def drop(self, reader: int) -> None:
-        """The reader left (detached, lease lapsed): what was prefetched for it and not read was
-        wasted (before, it stayed pending for as long as HBM had room, counted neither way, a review)."""
+        """The reader left (detached, lease lapsed): what was prefetched for it and is not read by the
+        next step (by another reader) was wasted. Before, it stayed pending for as long as HBM had
+        room, counted neither way; then, counted wasted at once, another reader's read of it from HBM
+        right after was no useful prefetch, though the same read before the detach was (reviews)."""
         for key in self._chains.pop(reader, {}):
             self._queued.pop((reader, key), None)
         self._owed.pop(reader, None)
-        unread = [v for v, (_, by, _) in self._pending.items() if by == reader]
-        self.wasted += len(unread)
-        for v in unread:
-            del self._pending[v]
+        for v, (origin, by, _) in list(self._pending.items()):
+            if by == reader:
+                self._pending[v] = (origin, None, False)
+                self._orphans.add(v)
 
     def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
         """The request is about to read these blocks: settle the prefetches among them (`peek`,
@@ -248,7 +255,7 @@ class Prefetcher:
         in_hbm = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
         own = {}
         for v, there in zip(mine, in_hbm):
-            origin, by, waited = self._pending.get(v) or (owed[v], reader, True)
+            origin, by, waited = self._pending.get(v) or (owed[v][0], reader, True)
             if there and reader is not None and by == reader and waited:
                 own[v] = Tier(origin)
         return PrefetchedRead(mine, in_hbm, own, reader)
@@ -267,7 +274,7 @@ class Prefetcher:
             self.wasted += not there
             origin, by, waited = entry
             if there and waited and by is not None and by != read.reader:
-                self._owed.setdefault(by, {})[v] = origin  # its waiting reader reads it still
+                self._owed.setdefault(by, {})[v] = (origin, self._steps)  # its waiting reader reads it still
         if read.reader in self._owed and not owed:
             del self._owed[read.reader]
 
@@ -284,6 +291,11 @@ class Prefetcher:
         """Between reads (the daemon's tick): a prefetched block that left HBM unread was wasted."""
         self._fresh.clear()
         self._settle_owed()
+        orphans = [v for v in self._orphans if v in self._pending]  # (their reader left: unread now, for nothing)
+        self.wasted += len(orphans)
+        for v in orphans:
+            del self._pending[v]
+        self._orphans.clear()
         if not self._pending:
             return
         mine = list(self._pending)
@@ -295,11 +307,18 @@ class Prefetcher:
                 del self._pending[v]
 
     def _settle_owed(self) -> None:
-        """A waiting reader's debt ends as its block leaves HBM: its read then counts from where it lies."""
+        """A waiting reader's debt ends at the second step after it was made, or sooner as its block
+        leaves HBM (its read then counts from where the block lies): its read comes right after the
+        lookup it waited in, and a later request's read of blocks it finds in HBM waited for nothing
+        (kept until read, a debt outlived its reason, a review; a block that leaves HBM and comes back
+        within those steps still counts it)."""
+        self._steps += 1
         for reader, owed in list(self._owed.items()):
-            rows, live = self._rows(list(owed))
-            for v, there in zip(list(owed), (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()):
-                if not there:
+            vids = list(owed)
+            rows, live = self._rows(vids)
+            there = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
+            for v, here in zip(vids, there):
+                if not here or owed[v][1] < self._steps - 1:
                     del owed[v]
             if not owed:
                 del self._owed[reader]
@@ -309,6 +328,7 @@ class Prefetcher:
         self.wasted += len(self._pending)
         self._pending.clear()
         self._owed.clear()
+        self._orphans.clear()
         self._fresh.clear()
 
     def _fresh_rows(self) -> np.ndarray:

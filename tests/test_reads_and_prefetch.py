@@ -120,8 +120,50 @@ def test_a_prefetch_its_reader_never_reads_is_wasted_when_the_reader_leaves(make
     other = m.table.vids(m.lookup_rows(theirs, 0, client=b)).tolist()
     assert ours > 2 and m.prefetcher.pending > ours and m.prefetcher.wasted == 0
     m.detach(a)
+    assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, 0)  # (another reader may still read them)
+    m.tick()
     assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, ours)
     assert m.acquire_rows(b, other) is not None and m.prefetcher.useful == 2 + len(other)
+
+
+@pytest.mark.parametrize("detach_first", [False, True])
+def test_a_prefetch_read_from_hbm_is_useful_whether_its_reader_left_first_or_not(make_manager, detach_first):
+    """Counted wasted at the detach, a window another reader then read from HBM was no useful
+    prefetch, though the same read before the detach was (a review): now wasted only if nobody reads
+    it by the next step."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    m.register_layout(SMALL)
+    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
+    keys = [100, 101, 102, 103]
+    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
+    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's lookup brings them up
+    if detach_first:
+        m.detach(a)
+    assert m.acquire_rows(b, found) is not None  # b reads all four, from HBM
+    m.detach(b) if detach_first else m.detach(a)
+    m.tick()
+    assert (m.prefetcher.useful, m.prefetcher.wasted, dict(m.access.reads)) == (4, 0, {Tier.HBM: 4})
+
+
+def test_a_waiting_readers_debt_does_not_outlive_the_next_steps(make_manager, clock):
+    """Its lookup waited, another reader read the blocks first, and its own request went away: an
+    hour later its next request finds the chain in HBM, waits for nothing, and reads hits. The debt
+    kept until its read made those reads from DRAM (a review)."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    m.register_layout(SMALL)
+    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
+    keys = [1, 2, 3, 4]
+    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
+    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's lookup waits for the swap-in
+    assert m.acquire_rows(b, found) is not None  # b reads them first (and keeps them): hits
+    for _ in range(3):
+        clock.advance(1.0)
+        m.tick()
+    again = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's next request: all in HBM
+    assert m.acquire_rows(a, again) is not None
+    assert m.access.reads == {Tier.HBM: 8} and not m.prefetcher.settles
 
 
 def test_the_window_follows_the_readers_position(make_manager, clock):
