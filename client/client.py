@@ -461,8 +461,8 @@ class Client:
         """Places of the longest cached prefix of a key chain (not pinned: acquire before viewing).
         tier="dram": a host-side reader; the daemon prefetches nothing into HBM for it. With a
         prefill rate given for the layout, the prefix ends before the first block that loads more
-        slowly than this engine recomputes it. probe=True: a question about blocks (is the page
-        before mine cached?) rather than a request's prefix, which the heat policy's duel replays."""
+        slowly than this engine recomputes it. probe=True: a question about blocks (is the page before
+        mine cached?), not a request's prefix, which heat's duel replays and the lookup figures count."""
         return self.lookup_with_cost(keys, layout, tier, probe=probe)[0]
 
     def lookup_with_cost(self, keys, layout: int | None = None, tier: str = "hbm", *,

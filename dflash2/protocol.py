@@ -55,7 +55,8 @@ sent as an explicit null, which means its default):
                                                                   client's engine recomputes it; withheld:
                                                                   cached blocks past it that do not; probe:
                                                                   a question about blocks, not a request's
-                                                                  prefix (heat's duel does not replay it)
+                                                                  prefix (heat's duel does not replay it, the
+                                                                  lookup figures do not count it)
     acquire          {tier="hbm", priority=null} [vids]        → {acquired: bool} [places] (pinned in that tier
                                                                   or a faster one; "dram": read where they are)
     release          {} [vids]                                 → {}

@@ -36,8 +36,10 @@ class Reads:
         blocks prefetched toward it; a host-side reader (reader=DRAM) reads where blocks lie. For a
         client whose engine gave its prefill rate, the prefix ends before the first block that
         would load to `reader` more slowly than the engine recomputes it (not offered as a hit).
-        `probe`: a question about single blocks (is the page before mine cached?), not a request
-        reading its prefix: the duel does not replay it."""
+        `probe`: a question about blocks (is the page before mine cached? which of these pages are
+        cached already?), not a request reading its prefix: the duel does not replay it, and the
+        lookup figures do not count it (an sglang backup's lookup, the read's lookup after the hit
+        query's and the parent's probe counted each page two or three times, a review)."""
         keys = key_array(keys)  # (a float key was looked up truncated, a negative one missed)
         rows = self.table.lookup(keys, layout_id)
         if self.placement.in_flight and self._meets_flight(rows, reader, probe):
@@ -57,7 +59,7 @@ class Reads:
             offered = worth if offered is None else offered & worth
         if offered is not None and not offered.all():
             cut = int(np.argmin(offered))
-            self.access.withheld += len(rows) - cut
+            self.access.withheld += 0 if probe else len(rows) - cut
             rows = rows[:cut]
         # A probe asks about blocks; no request reads them next: neither prefetched nor followed.
         if (reader == Tier.HBM and not probe and self.prefetcher.base
@@ -73,9 +75,10 @@ class Reads:
                 rows = rows[: int(np.argmin(cached))]
         if reader == Tier.HBM and not probe and client is not None and len(rows):
             self.prefetcher.follow(client, self.table.vids(rows))  # the window follows its reads
-        self.access.lookups += 1
-        self.access.lookup_blocks_found += len(rows)
-        self.access.misses += len(keys) - len(rows)
+        if not probe:
+            self.access.lookups += 1
+            self.access.lookup_blocks_found += len(rows)
+            self.access.misses += len(keys) - len(rows)
         return rows
 
     def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> list[Place] | None:

@@ -345,7 +345,7 @@ def test_a_commit_the_daemon_answers_late_leaves_no_reference(daemon, backends):
 def test_a_long_model_path_still_attaches(config_file, daemon, backends):
     """sglang's model name is the model path by default; a local snapshot's path made the client
     name longer than the daemon takes (128 characters), and every scheduler fell back."""
-    from dflash2.client.sglang.backend import client_name
+    from dflash2.client.sglang.identity import client_name
     from dflash2.protocol import MAX_NAME_CHARS
 
     model = "/models/" + "snapshots/" * 12 + "Meta-Llama-3-8B-Instruct"

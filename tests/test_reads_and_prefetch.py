@@ -521,3 +521,16 @@ def test_a_window_cut_to_a_bound_that_counts_a_held_parent_still_brings_up_what_
     mgr.lookup_rows((1, 2, 3, 4), lid, client=b)
     assert [mgr.place(int(v)).tier for v in target] == [Tier.HBM] * 2 + [Tier.DRAM] * 2
     mgr.check_invariants()
+
+
+def test_a_probe_lookup_is_not_counted_in_the_lookup_figures(make_manager):
+    """A probe asks about blocks (the page before mine; which pages are stored already): counted, an
+    sglang server's page was a lookup hit or miss two or three times (a review)."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16)
+    c = m.attach("c")
+    m.register_layout(SMALL)
+    keys = _down_chain(m, c, 100, 2)
+    m.lookup_rows(keys + [999], 0, client=c, probe=True)
+    assert (m.access.lookups, m.access.lookup_blocks_found, m.access.misses) == (0, 0, 0)
+    m.lookup_rows(keys + [999], 0, client=c)
+    assert (m.access.lookups, m.access.lookup_blocks_found, m.access.misses) == (1, 2, 1)

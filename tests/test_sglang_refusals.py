@@ -84,3 +84,104 @@ def test_a_write_refused_room_is_said_once_a_while_with_the_daemons_reason(small
         assert b.counters["writes_refused"] == 2
     finally:
         other.close()
+
+
+KEYS = [f"count-{i}" for i in range(4)]
+
+
+def test_the_daemons_lookup_figures_count_what_sglang_asked_once(config_file, backends):
+    """Two requests share a 4-page prompt: the first's hit query misses 4 and backs them up, the
+    second's hits 4 and reads them. The daemon's lookup figures counted the backup's own lookup and
+    the read's second lookup too: 8 hits and 8 misses (a review). Only the hit query counts now."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        pool = host_pool()
+        b = make_backend(path, pool)
+        backends.append(b)
+        fill(pool, [1, 2, 3, 4], seed=31)
+        assert b.batch_exists(KEYS) == 0
+        assert b.batch_set_v1(KEYS, indices([1, 2, 3, 4])) == [True] * 4
+        assert b.batch_exists(KEYS) == 4
+        assert b.batch_get_v1(KEYS, indices([5, 6, 7, 8])) == [True] * 4
+        st = b.client.stats()
+        assert (st["lookup_blocks_found"], st["lookup_misses"]) == (4, 4)
+        # The read's misses are counted whichever way it ends: the daemon gone, a read misses whole.
+        proc.stop()
+        assert b.batch_get_v1(KEYS[:2], indices([5, 6])) == [False, False]
+        assert b.batch_get_v1(KEYS[:2], indices([5, 6])) == [False, False]  # (within RETRY_S: no call)
+        assert (b.counters["pages_got"], b.counters["page_misses"]) == (4, 4)
+    finally:
+        proc.stop()
+
+
+def test_a_page_another_server_cached_meanwhile_counts_deduplicated(config_file, backends):
+    """Two servers back up one prefix at once: B's lookup finds nothing, A commits, B's commit finds
+    A's blocks. B counted its pages stored (a review); they are deduplicated."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        pool_a, pool_b = host_pool(), host_pool()
+        a, b = make_backend(path, pool_a), make_backend(path, pool_b)
+        backends += [a, b]
+        fill(pool_a, [1, 2, 3, 4], seed=7)
+        fill(pool_b, [1, 2, 3, 4], seed=7)
+        alloc = b.client.allocate
+
+        def racing(*args, **kw):
+            assert a.batch_set_v1(KEYS, indices([1, 2, 3, 4])) == [True] * 4  # A commits first
+            return alloc(*args, **kw)
+
+        b.client.allocate = racing
+        assert b.batch_set_v1(KEYS, indices([1, 2, 3, 4])) == [True] * 4
+        b.client.allocate = alloc
+        assert sum(t["blocks"] for t in a.client.stats()["tiers"].values()) == 4
+        assert (b.counters["pages_deduplicated"], b.counters["pages_set"]) == (4, 0)
+    finally:
+        proc.stop()
+
+
+def test_threads_waiting_on_a_reattach_that_falls_back_for_good_get_no_exception(config_file, backends,
+                                                                                   monkeypatch):
+    """The restarted daemon's tiers cannot hold a page: the thread that reattaches falls back for
+    good (its client None), and a storage thread that waited on the reattach then read the client's
+    lease on None: an AttributeError into sglang's thread (a review)."""
+    import threading
+    import time
+
+    from dflash2.client.sglang.pages import PageFormatError
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 16, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        b = make_backend(path, host_pool())
+        backends.append(b)
+        entered = threading.Event()
+
+        def fit(client, layout):
+            entered.set()
+            time.sleep(0.5)  # (the other thread reaches the lock meanwhile)
+            raise PageFormatError("a page takes more than the restarted daemon's whole dram tier")
+
+        monkeypatch.setattr(b, "_fit_tiers", fit)
+        b.client.lease_lost = True  # as after the daemon restarted
+        errors, results = [], []
+
+        def call():
+            try:
+                results.append(b.batch_exists(KEYS))
+            except BaseException as e:  # what sglang's storage thread would get
+                errors.append(repr(e))
+
+        first = threading.Thread(target=call)
+        first.start()
+        assert entered.wait(5)
+        second = threading.Thread(target=call)
+        second.start()
+        first.join(10)
+        second.join(10)
+        assert not errors and results == [0, 0] and b.fallback_reason
+    finally:
+        proc.stop()

@@ -40,7 +40,7 @@ from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_pag
                                          store_page)
 from dflash2.client.sglang.plugin import fallback_line
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
-from dflash2.protocol import MAX_BATCH, MAX_NAME_CHARS
+from dflash2.protocol import MAX_BATCH
 
 log = logging.getLogger("dflash2.sglang")
 
@@ -106,7 +106,7 @@ class DFlash2Storage(HiCacheStorage):
             raise DaemonUnavailable("no `dflash2_config` in the storage backend's extra config")
         cfg = load_config(path)
         require_enabled(cfg)
-        name = client_name(self.shard.model, self.shard.tp_rank)
+        name = identity.client_name(self.shard.model, self.shard.tp_rank)
         # Every call times out after the config's daemon.request_timeout_s, unless the extra config
         # gives this server its own (`dflash2_timeout_s`).
         timeout_s = self._positive("dflash2_timeout_s", cfg.daemon.request_timeout_s)
@@ -236,19 +236,21 @@ class DFlash2Storage(HiCacheStorage):
 
     def _ready(self) -> Client | None:
         """The client to use now, or None (fallen back, or the daemon is down for now)."""
-        if not self.active or time.monotonic() < self._down_until:
+        client = self.client
+        if client is None or self.keys is None or time.monotonic() < self._down_until:
             return None
-        if self.client.lease_lost:
+        if client.lease_lost:
             with self._reattach:
-                if time.monotonic() < self._down_until:
-                    return None  # (another thread's try failed while this one waited for it)
-                if self.client.lease_lost:
+                current = self.client
+                if time.monotonic() < self._down_until or current is None:
+                    return None  # (another thread's try failed, or it fell back for good, while this one waited)
+                if current.lease_lost:
                     fresh = None
                     try:
                         fresh = self._attach()
                         # The new daemon numbers layouts afresh: use the id it gives. Its config
                         # may have changed too: pages go to the tiers it has now.
-                        layout = self.client.layout(self.layout_id)
+                        layout = current.layout(self.layout_id)
                         layout_id = fresh.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
                         self._fit_tiers(fresh, layout)
                     except (DFlash2Error, PageFormatError) as e:
@@ -262,10 +264,9 @@ class DFlash2Storage(HiCacheStorage):
                     # The layout id first: a thread that reads the client and then its layout id
                     # must never pair the fresh client with the old daemon's id (another layout
                     # there). The old client with the new id fails as the old client does anyway.
-                    old = self.client
                     self.layout_id = layout_id
                     self.client = fresh
-                    old.close()
+                    current.close()
                     log.warning("dflash2: attached again to the daemon at %s (layout %d, pages to its %s tier): "
                                 "sglang's storage works again; the pages stored before are gone", fresh.endpoint,
                                 layout_id, self.tier)
@@ -298,9 +299,8 @@ class DFlash2Storage(HiCacheStorage):
         """Never an exception into sglang's threads: a page evicted between lookup and acquire, or a
         daemon that restarted and no longer knows us, is a miss (or a failed write)."""
         if client is not self.client:
-            # A client replaced since (a reattach after a restart) fails its calls: that says nothing
-            # of the daemon now. Taken for it, every storage thread missed 10 s more after the
-            # reattach (a review).
+            # A client replaced since (a reattach after a restart) fails its calls: that says nothing of the
+            # daemon now. Taken for it, every storage thread missed 10 s more after the reattach (a review).
             self._count("failed_calls")
             log.info("dflash2: a call on the client replaced since failed (%s); treated as a miss", e)
             return
@@ -319,7 +319,7 @@ class DFlash2Storage(HiCacheStorage):
         n = len(page_keys)
         ok = [False] * n
         ckeys = self.keys.keys(page_keys)
-        found = self._cached_prefix(client, ckeys)
+        found = self._cached_prefix(client, ckeys, probe=True)
         start = len(found)
         ok[:start] = [True] * start
         self._count("pages_deduplicated", start)
@@ -351,19 +351,25 @@ class DFlash2Storage(HiCacheStorage):
                 break
             parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
-            self._count("pages_set", hi - lo)
-            self._note_moved(hi - lo)
+            # A page another server cached since the lookup: its commit answered that block (counted
+            # stored, it was not: a review).
+            twins = int(np.count_nonzero(np.asarray(held) != np.asarray(places["vid"])))
+            self._count("pages_deduplicated", twins)
+            self._count("pages_set", hi - lo - twins)
+            self._note_moved(hi - lo - twins)
         return ok
 
-    def _cached_prefix(self, client: Client, ckeys: np.ndarray) -> np.ndarray:
+    def _cached_prefix(self, client: Client, ckeys: np.ndarray, probe: bool = False) -> np.ndarray:
         """Places of the cached prefix of `ckeys`, looked up MAX_BATCH keys a call (the most one call
         carries): sglang's hit query passes every page of a prompt at once (65,536 pages is a
-        65,536-token prompt at sglang's default page size of 1)."""
-        found = [client.lookup(ckeys[:MAX_BATCH], self.layout_id, tier=self.tier)]
+        65,536-token prompt at sglang's default page size of 1). `probe`: not the request's lookup,
+        which sglang's hit query (`batch_exists`) made: a backup's, and the read's own again (counted,
+        a page was a lookup hit or miss two or three times in the daemon's figures, a review)."""
+        found = [client.lookup(ckeys[:MAX_BATCH], self.layout_id, tier=self.tier, probe=probe)]
         for lo in range(MAX_BATCH, len(ckeys), MAX_BATCH):
             if len(found[-1]) < MAX_BATCH:
                 break
-            found.append(client.lookup(ckeys[lo:lo + MAX_BATCH], self.layout_id, tier=self.tier))
+            found.append(client.lookup(ckeys[lo:lo + MAX_BATCH], self.layout_id, tier=self.tier, probe=probe))
         return found[0] if len(found) == 1 else np.concatenate(found)
 
     def _prefix_parent(self, client: Client, extra_info) -> int | None:
@@ -393,7 +399,7 @@ class DFlash2Storage(HiCacheStorage):
         """Copy the cached prefix of `page_keys` out; True for each page read."""
         n = len(page_keys)
         ok = [False] * n
-        found = self._cached_prefix(client, self.keys.keys(page_keys))
+        found = self._cached_prefix(client, self.keys.keys(page_keys), probe=True)
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
             try:
@@ -413,10 +419,15 @@ class DFlash2Storage(HiCacheStorage):
                 self._failed(client, e)  # the pages read so far are hits; the rest a miss
                 break
             ok[lo:lo + len(vids)] = [True] * len(vids)
+        self._note_moved(sum(ok))
+        return ok
+
+    def _loaded(self, ok: List[bool]) -> List[bool]:
+        """A read's pages counted, got or missed, whichever way it ended (counted by `_load` alone, the
+        misses of a read that failed whole or found the daemon down went uncounted, a review)."""
         got = sum(ok)
         self._count("pages_got", got)
-        self._count("page_misses", n - got)
-        self._note_moved(got)
+        self._count("page_misses", len(ok) - got)
         return ok
 
     def _refused(self, client: Client, kind: str, pages: int) -> None:
@@ -473,8 +484,8 @@ class DFlash2Storage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         pages = self._host_pages(host_indices, len(keys))
         pool = self.mem_pool_host
-        return self._timed("prefetch", lambda: self._guarded(
-            [False] * len(keys), lambda c: self._load(c, keys, lambda i, raw: load_page(pool, pages[i], raw))))
+        return self._loaded(self._timed("prefetch", lambda: self._guarded(
+            [False] * len(keys), lambda c: self._load(c, keys, lambda i, raw: load_page(pool, pages[i], raw)))))
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -517,7 +528,7 @@ class DFlash2Storage(HiCacheStorage):
             # Into the target itself (a strided target too): never into a contiguous copy of it.
             targets[i].copy_(block_tensor(raw, targets[i].dtype).view(targets[i].shape))
 
-        ok = self._guarded([False] * len(keys), lambda c: self._load(c, keys, read))
+        ok = self._loaded(self._guarded([False] * len(keys), lambda c: self._load(c, keys, read)))
         return [t if hit else None for t, hit in zip(targets, ok)]
 
     def get(self, key: str, target_location: Optional[Any] = None,
@@ -579,17 +590,6 @@ class DFlash2Storage(HiCacheStorage):
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (a copy only when it is not contiguous)."""
     return t.contiguous().view(-1).view(torch.uint8)
-
-
-def client_name(model: str, tp_rank: int) -> str:
-    """The name this backend attaches under (shown in `dflash2 status`): `sglang:MODEL:tpN`, the model
-    cut from the left to fit the daemon's bound on names (a model path of a local snapshot is long;
-    over the bound, every scheduler fell back)."""
-    tail = f":tp{tp_rank}"
-    room = MAX_NAME_CHARS - len("sglang:") - len(tail)
-    if len(model) > room:
-        model = "..." + model[-(room - 3):]
-    return f"sglang:{model}{tail}"
 
 
 def _serving_device() -> int | None:

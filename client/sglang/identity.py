@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 
+from dflash2.protocol import MAX_NAME_CHARS
+
 # ServerArgs fields (sglang 0.5.23) that change what a model computes for the same tokens.
 IDENTITY_ARGS = ("model_path", "revision", "load_format", "dtype", "quantization", "quantization_param_path",
                  "modelopt_quant", "json_model_override_args")
@@ -188,3 +190,14 @@ def _weight(path: str) -> list:
         for i in range(SAMPLES):
             sample.update(os.pread(f.fileno(), SAMPLE_BYTES, last * i // (SAMPLES - 1)))
     return [os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ino, sample.hexdigest()]
+
+
+def client_name(model: str, tp_rank: int) -> str:
+    """The name this backend attaches under (shown in `dflash2 status`): `sglang:MODEL:tpN`, the model
+    cut from the left to fit the daemon's bound on names (a model path of a local snapshot is long;
+    over the bound, every scheduler fell back)."""
+    tail = f":tp{tp_rank}"
+    room = MAX_NAME_CHARS - len("sglang:") - len(tail)
+    if len(model) > room:
+        model = "..." + model[-(room - 3):]
+    return f"sglang:{model}{tail}"
