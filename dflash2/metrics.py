@@ -28,7 +28,7 @@ block, request or client id.
 | dflash2_lookup_blocks_total{result} | counter | lookup keys found cached (hit) or not cached anywhere (miss); a probe lookup (a question about blocks, not a request's prefix) is not counted |
 | dflash2_hbm_hit_ratio | gauge | hits in HBM / blocks acquired, since start (NaN before the first) |
 | dflash2_swap_blocks_total{direction} | counter | blocks moved (failed ones not counted) |
-| dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed (left where they were) |
+| dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed: left where they were, but a failed read from NVMe drops its block (a miss) |
 | dflash2_swap_bytes_total{direction} | counter | bytes copied |
 | dflash2_swap_batches_total{direction} | counter | batch moves |
 | dflash2_swap_seconds{direction} | histogram | seconds of a batch's copy, as the backend timed it (every host and NVMe batch; a GPU HBM<->DRAM batch once a second per direction), not its wait behind other batches; _count = batches timed |
@@ -334,7 +334,8 @@ def _swap_families(st: dict):
 
     yield _counter("dflash2_swap_batches", "Batch moves between tiers.", ["direction"], per_dir("batches"))
     yield _counter("dflash2_swap_blocks", "Blocks moved between tiers.", ["direction"], per_dir("blocks"))
-    yield _counter("dflash2_swap_failed_blocks", "Blocks whose copy failed (they stayed where they were).",
+    yield _counter("dflash2_swap_failed_blocks", "Blocks whose copy failed (left where they were; a failed read "
+                   "from NVMe drops its block: a miss).",
                    ["direction"], per_dir("failed_blocks"))
     yield _counter("dflash2_swap_bytes", "Bytes copied between tiers.", ["direction"], per_dir("bytes"))
     batches = st.get("copy_batches", {})

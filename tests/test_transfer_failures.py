@@ -74,3 +74,44 @@ def test_the_count_of_failures_left_out_does_not_claim_they_were_in_the_last_min
     last = caplog.records[-1].getMessage()
     assert "in the last 60 s" not in last, last
     assert "(1 more such failures since the last one logged, 3600 s ago, were not logged)" in last, last
+
+
+def _staged_backend(chunk):
+    """The CUDA backend's staged loop alone (no GPU: `_staged_chunk` given), staging of 1 MiB."""
+    import threading
+
+    from dflash2.transfer.cuda import CudaTransferBackend
+
+    be = object.__new__(CudaTransferBackend)
+    be._staging_lock = threading.Lock()
+    be.staging = type("Staging", (), {"nbytes": 1 << 20})()
+    be.fatal = None
+    be.check_gpu = lambda e: None
+    be._staged_failures = FailureLog(log, "staged move")
+    be._staged_chunk = chunk
+    return be
+
+
+def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
+    """A GPU node's NVMe read runs chunk by chunk through the staging buffer; a chunk none of whose
+    blocks could be read (a bad sector) failed every later chunk untried: dropped as misses, their
+    sound slots set aside as unreadable (a review). Now it fails alone, as on the host path; a
+    write's chunk that fails still ends the batch (its blocks stay where they were)."""
+    from dflash2.errors import ArenaError
+    from dflash2.transfer.cuda import StagedJob
+
+    for src, dst, want in ((Tier.NVME, Tier.HBM, [[0], [1], [2], [3]]), (Tier.HBM, Tier.NVME, [[0], [1]])):
+        tried = []
+
+        def chunk(job, part):  # one 600 KiB block a chunk; the second's read (or write) fails whole
+            tried.append(part.tolist())
+            if part.tolist() == [1]:
+                raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
+            return np.ones(len(part), dtype=bool)
+
+        offsets = np.arange(4, dtype=np.int64) << 20
+        job = StagedJob(CopyBatch(src, dst, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            _staged_backend(chunk)._staged(job)
+        assert tried == want and job.wait().tolist() == [True, False, len(want) > 2, len(want) > 2]
+    assert "Input/output error" in caplog.text

@@ -250,7 +250,16 @@ class CudaTransferBackend(TransferBackend):
             with self._staging_lock:
                 started = time.perf_counter()  # once the staging buffer is this batch's alone
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
-                    job._ok[part] = self._staged_chunk(job, part)
+                    try:
+                        job._ok[part] = self._staged_chunk(job, part)
+                    except ArenaError as e:
+                        if job.batch.src_tier == Tier.HBM:
+                            raise  # (a write's later chunks stay where they are, blamed on nothing)
+                        # A read none of whose chunk's blocks could be read (bad sectors) fails that
+                        # chunk alone, as the host path's read of a batch: its later chunks are read
+                        # still. Before, they failed untried: dropped as misses, their sound slots
+                        # set aside as unreadable (a review).
+                        self._staged_failures.failed(job.batch, e, settled=settled)
                     settled += len(part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:
