@@ -159,6 +159,7 @@ class Prefetcher:
             # settle between): that one was wasted, once; this one is counted on its own.
             self.wasted += sum(1 for v in done if v in self._pending)
             self._pending.update((v, (t, reader, waits)) for v, t in zip(done, origin[ok].tolist()))
+            self._orphans.difference_update(done)  # (brought up again for a reader here: its own, a review)
             self._fresh.update(done)
             return len(done)
         # A guess: its room comes from idle blocks only, never from a running request's. Blocks read
@@ -270,6 +271,7 @@ class Prefetcher:
             entry = self._pending.pop(v, None)
             if entry is None:
                 continue
+            self._orphans.discard(v)
             self.useful += there
             self.wasted += not there
             origin, by, waited = entry

@@ -146,6 +146,25 @@ def test_a_prefetch_read_from_hbm_is_useful_whether_its_reader_left_first_or_not
     assert (m.prefetcher.useful, m.prefetcher.wasted, dict(m.access.reads)) == (4, 0, {Tier.HBM: 4})
 
 
+def test_a_left_readers_block_brought_up_again_for_another_is_that_ones(make_manager):
+    """Left by a reader that detached, pushed down unread, then brought up by another reader's
+    lookup before the step: the step counted the second reader's prefetch wasted, and its read, which
+    waited for the copy, an HBM hit (a review of the mend)."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    m.register_layout(SMALL)
+    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
+    keys = [100, 101, 102, 103]
+    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
+    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    m.lookup_rows(keys, 0, client=a)  # a's lookup brings them up
+    m.detach(a)
+    m.free(w, m.allocate(w, 0, 8))  # down again, unread (no step between)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=b)).tolist()  # b's lookup brings them up: b waits
+    m.tick()
+    assert m.acquire_rows(b, found) is not None
+    assert (m.prefetcher.useful, m.prefetcher.wasted, dict(m.access.reads)) == (4, 4, {Tier.DRAM: 4})
+
+
 def test_a_waiting_readers_debt_does_not_outlive_the_next_steps(make_manager, clock):
     """Its lookup waited, another reader read the blocks first, and its own request went away: an
     hour later its next request finds the chain in HBM, waits for nothing, and reads hits. The debt
