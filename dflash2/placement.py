@@ -408,7 +408,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         """Move the victims down to `lower` (those it admits: `_admitted`). Returns how many moved
         (in a drain piece between requests, how many are on their way: `_move_down`), and whether
         any were dropped instead (refused)."""
-        victims, progress = self._admitted(victims, lower, self.table.clock(), hold_refused)
+        victims, progress, overruled = self._admitted(victims, lower, self.table.clock(), hold_refused)
         if not len(victims):
             return 0, progress
 
@@ -416,15 +416,17 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             self.stats.demoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, victims[moved], self.table.clock())
+                if len(overruled):  # (refused, held, gone all the same: counted so once gone, not at each try)
+                    self.policy.overruled(self.table, overruled[np.isin(overruled, victims[moved])])
         return int(self._move_down(victims, lower, protect, landed).sum()), progress
 
     def _admitted(self, victims: np.ndarray, lower: Tier, now: float,
-                  hold_refused: bool = False) -> tuple[np.ndarray, bool]:
-        """The victims that go down to `lower` (in their order: leaves first), and whether any were
-        dropped instead: those the policy does not admit there, or whose read back from there
-        would cost more than a recompute (`read_cost`). A refused block that nobody holds is dropped;
-        one that is held goes down anyway, or with `hold_refused` stays where it is (and so do its
-        ancestors among the victims: a parent never lands below its child). A refused parent goes
+                  hold_refused: bool = False) -> tuple[np.ndarray, bool, np.ndarray]:
+        """The victims that go down to `lower` (in their order: leaves first), whether any were dropped
+        instead (refused: the policy does not admit them there, or their read back from there would cost
+        more than a recompute, `read_cost`), and those going the policy refused. A refused block nobody
+        holds is dropped; a held one goes down anyway, or with `hold_refused` stays where it is (and so do
+        its ancestors among the victims: a parent never lands below its child). A refused parent goes
         with its children when they are all refused and droppable too (one call)."""
         admitted = self.policy.admit(self.table, victims, lower, now)
         by_policy = ~admitted
@@ -434,7 +436,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             admitted &= ~too_slow
         refused = victims[~admitted]
         if not len(refused):
-            return victims, False
+            return victims, False, refused
         progress = False
         drop = self._droppable(refused)
         if len(drop):
@@ -444,13 +446,11 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             progress = self._evict(drop)
         kept = refused[~np.isin(refused, drop)]
         if not hold_refused:
-            if len(kept):  # (they go down all the same: the policy is told, to count them so)
-                self.policy.overruled(self.table, kept[np.isin(kept, victims[by_policy])])
-            return victims[admitted | np.isin(victims, kept)], progress
+            return victims[admitted | np.isin(victims, kept)], progress, kept[np.isin(kept, victims[by_policy])]
         going = victims[admitted]
         if len(kept):
             going = self._without_ancestors_of(going, kept)
-        return going, progress
+        return going, progress, refused[:0]
 
     def _without_ancestors_of(self, rows: np.ndarray, staying: np.ndarray) -> np.ndarray:
         """`rows` (leaves first) less the ancestors of `staying` among them."""

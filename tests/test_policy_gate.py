@@ -124,6 +124,29 @@ def test_a_refused_block_its_writer_holds_goes_down_counted_as_admitted_against_
     mgr.check_invariants()
 
 
+def test_a_refused_held_block_that_finds_no_room_below_is_counted_refused_at_each_try():
+    """Counted admitted against the rule as soon as it was chosen to go, a refused held block that
+    found no room below (the last tier full of blocks its writer holds) was counted so at every try,
+    though it never went in (a review of the mend): now only once it has gone."""
+    mgr, lid, c = manager(2, dram_blocks=2)
+    clock = mgr.table.clock
+    w = mgr.attach("w")
+    mgr.commit(w, mgr.allocate(w, lid, 2, tier=Tier.DRAM), [1, 2])  # held by a host-side writer
+    for _ in range(4):
+        clock.now += 1.0
+        for k in (1, 2):
+            vids = [p.vid for p in mgr.lookup([k], lid)]
+            assert mgr.acquire(c, vids, Tier.DRAM) is not None
+            mgr.release(c, vids)
+    clock.now += 1.0
+    held = mgr.commit(c, mgr.allocate(c, lid, 1), [10])  # committed, still its writer's: refused
+    gate = mgr.policy.gate
+    for _ in range(3):  # (an allocation's, a step's: each tries again)
+        mgr.placement.make_room(Tier.HBM, 2 * SLOT)
+    assert mgr.place(int(held[0])).tier == Tier.HBM
+    assert (gate.counts["refused"], gate.counts["admitted_against_rule"]) == (3, 0)
+
+
 def test_rates_within_the_hysteresis_band_change_nothing():
     g = AdmissionGate(4096)
     g.decide(np.arange(1000, 1010, dtype=np.uint64), np.zeros(10, dtype=bool), capacity=4096)
