@@ -42,6 +42,8 @@ class FileCuts:
         size = os.fstat(fd).st_size
         head = os.pread(fd, len(HEADER), 0) if size >= len(HEADER) else b""
         if size >= total and head == HEADER:
+            if self._failed is not None:  # (grown whole by the tier's own writes: its disk room is still to take)
+                self._take_back(fd, path, "", total, size, 0)
             return
         first = max(0, size - HEADER_BYTES) // ALIGN if head == HEADER else 0
         # ... and those that begin before the cut and reach past it (their tails are holes now).
@@ -57,20 +59,24 @@ class FileCuts:
         else:  # (same size, header bytes written over: not a cut, a review; where it began is unknown)
             how = ("had its header page written over (not cut: the size is whole); find what writes to it "
                    "(a dd, a copy, another program given this path)")
+        self._take_back(fd, path, how, total, size, int(lost.sum()))
+
+    def _take_back(self, fd: int, path: str, how: str, total: int, size: int, lost: int) -> None:
+        """The header and the disk room again, said in the log (`how`: what happened to the file)."""
         try:
             os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)
             os.posix_fallocate(fd, 0, total)
         except OSError as e:  # (its writes then fail as the disk's, and say so; tried again each batch)
-            self._unmended(path, how, total, size, int(lost.sum()), e)
+            self._unmended(path, how, total, size, lost, e)
             return
-        if self._failed is not None and not lost.any():  # (the cut said already: its take-back at last)
+        if self._failed is not None and not lost:  # (the cut said already: its take-back at last)
             self._failed = None
-            log.warning("NVMe: %s is taken back to %d bytes, its header and disk room again", path, total,
-                        extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
+            log.warning("NVMe: %s (%d bytes) is taken back to %d bytes, its header and disk room again", path, size,
+                        total, extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
             return
         self._failed = None
         log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
-                    "header and disk room are taken again", path, how, total, int(lost.sum()),
+                    "header and disk room are taken again", path, how, total, lost,
                     extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
 
     def _unmended(self, path: str, how: str, total: int, size: int, lost: int, error: OSError) -> None:
