@@ -383,15 +383,18 @@ class Config(_Section):
         """Relative paths resolve against this: the config file's folder, else the working directory."""
         return self._source_path.parent if self._source_path else Path.cwd()
 
-    def resolve_path(self, raw: str, key: str, follow_links: bool = False) -> Path:
-        """`raw` made absolute: a relative path against base_dir (its symlinks followed), an absolute
-        one as written, or with its symlinks followed too when `follow_links` (the NVMe file: its
-        disk's room is the target's). A socket's path stays as written: a link to a long folder
-        would take it past the 107 bytes a socket path may have."""
+    def resolve_path(self, raw: str, key: str, follow_links: bool = False, own_name: bool = False) -> Path:
+        """`raw` made absolute: a relative path against base_dir (its symlinks followed; with `own_name`,
+        those of its folder only: a key file, which must not be a link, is checked under its own name),
+        an absolute one as written, or with its symlinks followed too when `follow_links` (the NVMe
+        file: its disk's room is the target's). A socket's path stays as written: a link to a long
+        folder would take it past the 107 bytes a socket path may have."""
         path = expand_user(raw, key)
         if path.is_absolute() and not follow_links:
             return path
         try:
+            if own_name and path.name not in ("", ".", ".."):
+                return (self.base_dir / path.parent).resolve() / path.name
             return (path if path.is_absolute() else self.base_dir / path).resolve()
         except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
             raise ConfigError(key, f"{raw!r} cannot be resolved: {e}") from None
@@ -423,7 +426,9 @@ class Config(_Section):
         endpoint = self.resolved_endpoint(environ)
         if self.daemon.tcp_key_file is None or not endpoint.startswith("tcp://"):
             return tcp_key_path(endpoint, environ)
-        return self.resolve_path(self.daemon.tcp_key_file, "daemon.tcp_key_file")
+        # (its folder resolved alone: a relative key file that is a link was followed, and its target
+        # used, where the same link written absolute is refused, a review)
+        return self.resolve_path(self.daemon.tcp_key_file, "daemon.tcp_key_file", own_name=True)
 
     def client_endpoint(self, environ: Mapping[str, str] = os.environ) -> str:
         """The endpoint a client on this node connects to: `resolved_endpoint`, but for a daemon

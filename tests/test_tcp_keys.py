@@ -162,6 +162,25 @@ def test_the_daemon_refuses_a_key_file_that_does_not_guard_the_endpoint(tmp_path
         load_or_make(path)
 
 
+def test_a_key_file_named_by_a_relative_path_that_is_a_link_is_refused_too(tmp_path):
+    """The link was followed as the relative path was resolved: --check passed, and the daemon used
+    the target and made the monitoring file beside it, where the same link written absolute is
+    refused (a review). Its folder is resolved, its own name kept."""
+    from dflash2.config import load_config
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    load_or_make(keys / "real.key")
+    (keys / "node.key").symlink_to("real.key")
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                            "state_dir": str(tmp_path / "s"), "tcp_key_file": "keys/node.key"})
+    assert load_config(config).resolved_tcp_key_file() == keys.resolve() / "node.key"
+    out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, "--check"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert out.returncode == 2 and "is a symbolic link" in out.stderr, (out.returncode, out.stderr[-300:])
+
+
 @pytest.mark.parametrize("case", ["open to others", "a folder"])
 def test_check_and_start_up_refuse_a_bad_key_file_by_its_key_before_taking_tiers(tmp_path, case):
     """--check passed a key file start-up then refused (exit 4, a line naming neither the key nor
