@@ -16,7 +16,7 @@ serialised by a lock, so one client may be shared by threads.
 from __future__ import annotations
 
 import collections
-import dataclasses
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +31,7 @@ from dflash2 import threads
 from dflash2.client.heartbeat import Awake, run as run_heartbeat
 from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
 from dflash2.client.held import HeldPlaces
+from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
@@ -39,29 +40,6 @@ from dflash2.layout import Layout
 from dflash2.protocol import Op
 
 log = logging.getLogger("dflash2.client")
-
-
-@dataclasses.dataclass(frozen=True)
-class Reservation:
-    """The daemon's decision on a reservation (mirrors `reservations.Decision`)."""
-
-    outcome: str  # "granted" | "deferred" | "rejected"
-    reservation_id: int | None
-    reason: str = ""
-    position: int | None = None
-    est_wait_s: float | None = None
-
-    @property
-    def granted(self) -> bool:
-        return self.outcome == "granted"
-
-    @property
-    def deferred(self) -> bool:
-        return self.outcome == "deferred"
-
-    @property
-    def rejected(self) -> bool:
-        return self.outcome == "rejected"
 
 
 def resolve_endpoint(endpoint: str | None, config) -> str:
@@ -87,13 +65,6 @@ def _config(config):
 
     # (None: not given; "" is given, and refused: taken for "not given", it asked another daemon, a review)
     return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
-
-
-def _reservation(result: dict) -> Reservation:
-    """The decision from a reply's fields, those this client knows: a newer daemon may append
-    fields (protocol.py), and `Reservation(**result)` raised TypeError on them (the reservation
-    held, its id never learned)."""
-    return Reservation(**{f.name: result[f.name] for f in dataclasses.fields(Reservation) if f.name in result})
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -125,7 +96,9 @@ class Client:
         self.gpu = device  # the GPU this client serves (None: the daemon's first)
         self.name = name
         self.timeout_s = timeout_s = check_timeout(timeout_s)
-        self._lock = threading.Lock()
+        # Reentrant only so that `_call` can tell it took the lock (`_is_owned`) when the caller's exception
+        # cut in just after; a call from within a call on one thread is refused there.
+        self._lock = threading.RLock()
         # Commits, releases and frees that timed out waiting for the lock, unsent, with their block ids: they
         # go with the next call (_call), a commit as a `forget` (its blocks dropped), the rest as a `retry`.
         self._unsent: collections.deque[tuple[Op, bytes]] = collections.deque()
@@ -334,9 +307,14 @@ class Client:
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
         unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
+        if self._lock._is_owned():  # (a signal handler's call while a call of this thread runs)
+            raise DaemonUnavailable(f"{op.value}: called while a call of this client runs on this thread (from a "
+                                    "signal handler?): its replies would mix; call it after that call")
         try:
             got = self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
         except BaseException:  # cut off waiting by the caller's exception (a deadline's SIGALRM): as below
+            if self._lock._is_owned():  # (taken just before the exception: held for good, every later
+                self._lock.release()  # call failed and close() hung, a review)
             if unsent:
                 self._unsent.append((op, arrays[0]))
             raise
@@ -405,12 +383,12 @@ class Client:
                 "priority": _int("priority", priority), "request": _int("request", request)}
         if deadline_s is not None:
             args["deadline_s"] = float(deadline_s)
-        return _reservation(self._call(Op.RESERVE, args).result)
+        return reservation_of(self._call(Op.RESERVE, args).result)
 
     def reservation(self, reservation_id: int) -> Reservation:
         """Where a reservation stands now: a deferred one that fits by now is granted by this call
         (poll it about `est_wait_s` after the last answer)."""
-        return _reservation(self._call(Op.RESERVATION, {"reservation": _int("reservation_id", reservation_id)}).result)
+        return reservation_of(self._call(Op.RESERVATION, {"reservation": _int("reservation_id", reservation_id)}).result)
 
     def take(self, reservation_id: int, n: int) -> np.ndarray:
         """n blocks of a granted reservation, to write (their places; views are valid until commit)."""
@@ -497,23 +475,36 @@ class Client:
         return self._held.pinned(_places(reply.arrays[0]))
 
     def release(self, vids) -> None:
-        """Give up one pin per block. Whatever the answer, the pins are given up here: a release
-        that timed out may have run, and a block no longer pinned may move under a view by vid. It is
-        sent again until the daemon answers, and runs once (transport.py): never release again."""
+        """Give up one pin per block. Whatever the answer but a refusal (DaemonError: the daemon ran
+        nothing, its pins stay and so do the views), the pins are given up here: a release that timed
+        out may have run, and a block no longer pinned may move under a view by vid. It is sent again
+        until the daemon answers, and runs once (transport.py): never release again."""
         vids = vid_array(vids)  # (refused before anything is given up here)
-        try:
+        with self._unless_refused(vids, self._held.released):
             self._call(Op.RELEASE, {}, [vids.tobytes()])
-        finally:
-            self._held.released(vids)
 
     def free(self, vids) -> int:
         """Drop one reference per block (a block being written is freed); as with `release`, the
-        blocks are no longer viewable by vid as written ones here, whatever the answer."""
+        blocks are no longer viewable by vid as written ones here, whatever the answer but a refusal."""
         vids = vid_array(vids)
-        try:
+        with self._unless_refused(vids, self._held.written):  # (a pinned one stays viewable)
             return int(self._call(Op.FREE, {}, [vids.tobytes()]).result["freed"])
-        finally:
-            self._held.written(vids)  # a block being written is gone; a pinned one stays viewable
+
+    @contextlib.contextmanager
+    def _unless_refused(self, vids: np.ndarray, forget) -> None:
+        """`forget(vids)` after the call, however it ended but refused (DaemonError, but for a lost lease:
+        the daemon ran nothing). Forgotten after a refusal too, a release's pins the daemon still held
+        could not be viewed, nor a block still being written, and neither sent again (a review)."""
+        try:
+            yield
+        except DaemonError as e:
+            if e.kind == "UnknownClient":
+                forget(vids)
+            raise
+        except BaseException:
+            forget(vids)
+            raise
+        forget(vids)
 
     def add_ref(self, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they are protected as

@@ -273,7 +273,9 @@ def test_close_in_a_forked_child_does_not_hang_when_a_call_was_in_flight(connect
     time.sleep(0.3)
     # fork until the call lock is held at fork time (almost always at once)
     while True:
-        held = c._lock.locked()
+        held = not c._lock.acquire(blocking=False)  # (another thread's call holds it)
+        if not held:
+            c._lock.release()
         pid = os.fork()
         if pid == 0:
             try:

@@ -80,10 +80,10 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_before_attaching(dae
 def test_a_reservation_reply_with_a_field_this_client_does_not_know_is_read():
     """A newer daemon may append fields (protocol.py): `Reservation(**result)` raised TypeError,
     and the engine never learned the id of the reservation it held."""
-    from dflash2.client.client import _reservation
+    from dflash2.client.reservation import reservation_of
 
-    r = _reservation({"outcome": "granted", "reservation_id": 7, "reason": "", "position": None,
-                      "est_wait_s": None, "granted_blocks": 4})
+    r = reservation_of({"outcome": "granted", "reservation_id": 7, "reason": "", "position": None,
+                        "est_wait_s": None, "granted_blocks": 4})
     assert r.granted and r.reservation_id == 7
 
 

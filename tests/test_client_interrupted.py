@@ -22,7 +22,7 @@ from daemon_proc import DaemonProcess
 
 from dflash2 import protocol as P
 from dflash2.client import Client
-from dflash2.errors import ArenaError
+from dflash2.errors import ArenaError, DaemonUnavailable
 
 
 class Deadline(Exception):
@@ -161,5 +161,47 @@ def test_a_release_left_to_the_next_call_and_cut_off_there_runs_once_and_soon(da
         except Exception as e:  # noqa: BLE001
             b_err = e
         assert retries == 1 and b_err is None, f"thread A's one release ran {retries} times; B's release: {b_err!r}"
+    finally:
+        c.close()
+
+
+def test_an_exception_just_as_a_call_takes_the_clients_lock_leaves_it_free(daemon):
+    """The handler of a signal that arrives as the lock's acquire returns runs just after it: the call's
+    exception path re-raised without giving the lock back, every later call failed "waited ... behind
+    other threads' calls" and close() hung (a review's stress of SIGALRM deadlines). Made certain here by
+    a lock whose acquire takes it and then raises, as that handler does."""
+    c = Client.connect(daemon.endpoint, name="deadline", layouts=[SMALL], timeout_s=1.0)
+    real = c._lock
+
+    class InterruptedAfterTaking:
+        def acquire(self, timeout=-1):
+            real.acquire()
+            raise KeyboardInterrupt  # a SIGINT's handler, run as acquire returns
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    c._lock = InterruptedAfterTaking()
+    with pytest.raises(KeyboardInterrupt):
+        c.ping()
+    c._lock = real
+    assert real.acquire(blocking=False)  # (free: taken and given back here)
+    real.release()
+    assert c.ping()["version"] == P.VERSION
+    closing = threading.Thread(target=c.close)
+    closing.start()
+    closing.join(5)
+    assert not closing.is_alive(), "close() hung on the lock the interrupted call left held"
+
+
+def test_a_call_from_a_signal_handler_during_a_call_is_refused_not_mixed(daemon):
+    """The lock is reentrant (so that the call can tell it took it): a call made by a signal handler
+    while a call of the same thread runs is refused by name, never sent beside it."""
+    c = Client.connect(daemon.endpoint, name="handler", layouts=[SMALL], timeout_s=1.0)
+    try:
+        with c._lock:  # as within a call of this thread
+            with pytest.raises(DaemonUnavailable, match="called while a call of this client runs on this thread"):
+                c.ping()
+        assert c.ping()["version"] == P.VERSION
     finally:
         c.close()

@@ -17,7 +17,7 @@ from test_sessions import _held, daemon  # noqa: F401  (fixture)
 
 from dflash2 import protocol as P
 from dflash2.client import Client, DaemonUnavailable, Transport, transport
-from dflash2.errors import ProtocolError
+from dflash2.errors import DaemonError, ProtocolError
 from dflash2.keys import chain_keys
 from dflash2.protocol import Op
 
@@ -188,3 +188,29 @@ def test_a_pending_retry_that_cannot_be_encoded_is_dropped_said(tmp_path, caplog
         assert "a retry that cannot be sent to dflash2d" in caplog.text
     finally:
         t.close()
+
+
+def test_a_release_or_free_the_daemon_refuses_keeps_what_it_names(daemon):
+    """A release (or free) refused whole (one id the daemon does not know: it ran none of it) gave the
+    pins (the block being written) up on the client's side: the daemon still pinned the block, yet the
+    client would not view it, and was told never to release again (a review). They stay now."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        lid = c.layouts[0]
+        placed = c.allocate(lid, 1)
+        (vid,) = c.commit(placed["vid"], keys=[4242])
+        c.free([vid])
+        (found,) = c.lookup([4242])
+        c.acquire([found["vid"]])
+        with pytest.raises(DaemonError, match="UnknownBlock"):
+            c.release([found["vid"], 999])
+        assert c.view_bytes(int(found["vid"])).nbytes == SMALL.block_bytes  # still pinned, still viewable
+        c.release([found["vid"]])  # mended and sent again: it runs
+        writing = int(c.allocate(lid, 1)["vid"][0])
+        with pytest.raises(DaemonError, match="UnknownBlock"):
+            c.free([writing, 999])
+        c.view_bytes(writing)[:] = 7  # still being written, and its writer's
+        c.commit([writing], keys=[77])
+        c.check()
+    finally:
+        c.close()
