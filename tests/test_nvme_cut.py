@@ -230,3 +230,27 @@ def test_a_file_the_tiers_own_writes_grew_whole_after_a_failed_take_back_gets_it
         assert "is taken back to" in caplog.text
     finally:
         a.remove()
+
+
+def test_a_take_back_that_fails_another_way_is_no_new_cut(tmp_path, monkeypatch, caplog):
+    """A review of the mend: the take-back failed (ENOSPC), the tier's writes grew the file whole,
+    and the retry failed another way (EDQUOT): logged as a new cut, with no cause ("PATH  (the tier's
+    file ...") and 0 blocks "past the damage". It is the same failing take-back, said once a minute."""
+    a = NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=STAGING)
+    try:
+        block = np.arange(4 * ALIGN, dtype=np.uint8)
+        os.truncate(a.path, 0)
+        err = [errno.ENOSPC]
+
+        def failing(fd, offset, length):
+            raise OSError(err[0], os.strerror(err[0]))
+        monkeypatch.setattr(nvmecut.os, "posix_fallocate", failing)
+        assert a.write_blocks([CAP - 4 * ALIGN], [block]).all()  # the cut said; the write grows it whole
+        err[0] = errno.EDQUOT
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            out = np.zeros_like(block)
+            assert a.read_blocks([CAP - 4 * ALIGN], [out]).all() and np.array_equal(out, block)
+        assert not [r.getMessage() for r in caplog.records]
+    finally:
+        a.remove()

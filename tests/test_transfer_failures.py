@@ -111,7 +111,35 @@ def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
 
         offsets = np.arange(4, dtype=np.int64) << 20
         job = StagedJob(CopyBatch(src, dst, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+        caplog.clear()
         with caplog.at_level(logging.WARNING, logger=log.name):
             _staged_backend(chunk)._staged(job)
         assert tried == want and job.wait().tolist() == [True, False, len(want) > 2, len(want) > 2]
-    assert "Input/output error" in caplog.text
+        assert "Input/output error" in caplog.text
+        # (a read's said as the chunk's, not the batch's: "failed as a whole; its blocks are dropped", a review)
+        assert ("failed for a chunk of 1 of them, the others going on; that chunk's are dropped" in caplog.text) == (
+            src == Tier.NVME)
+
+
+def test_a_staged_read_chunk_whose_copy_finds_the_gpu_lost_ends_the_batch():
+    """A chunk's copy launch fails as every launch does after a sticky CUDA error (an ArenaError too):
+    taken for an unreadable chunk, the batch went on and the lost context was never found (a review of
+    the mend). The GPU is checked; a lost one ends the batch and marks the backend dead."""
+    from dflash2.errors import ArenaError
+    from dflash2.transfer.cuda import StagedJob
+
+    tried = []
+
+    def chunk(job, part):
+        tried.append(part.tolist())
+        raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 700")
+
+    be = _staged_backend(chunk)
+
+    def lost(error):
+        be.fatal = f"GPU 0: the CUDA context is lost ({error})"
+    be.check_gpu = lost
+    offsets = np.arange(4, dtype=np.int64) << 20
+    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    be._staged(job)
+    assert tried == [[0]] and not job.wait().any() and be.fatal is not None

@@ -81,18 +81,18 @@ class FileCuts:
 
     def _unmended(self, path: str, how: str, total: int, size: int, lost: int, error: OSError) -> None:
         """Log a take-back that failed (a full disk, a file size limit): at once the first time, then,
-        while it keeps failing the same way and nothing more is lost, once a minute with the count of
+        while it keeps failing (however) and nothing more is lost, once a minute with the count of
         batches since, whatever the file's size (the tier's own writes past its end grow it). Before,
         every later batch logged the cut again, with a warning that said its room was taken again, and
         the failure: two lines a batch while the disk stayed full; then, keyed on the size, a line a
         batch as the tier's writes grew the file, each blaming another process (reviews)."""
-        if lost == 0 and (error.errno,) == self._failed:
+        if lost == 0 and self._failed is not None:  # (however it fails now: the cut was said, a review)
             more = self._said.due(path)
             if more is not None:
                 log.error("NVMe: %s still cannot be taken back to %d bytes (%d now): %s; writes past its end may "
                           "fail as the disk's until it can%s", path, total, size, error, more)
             return
-        self._failed = (error.errno,)
+        self._failed = (error.errno,)  # (set: the cut said, its take-back failing)
         self._said.due(path)  # (this line starts the minute)
         log.error("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); it "
                   "cannot be taken back to %d bytes: %s (tried again at each batch, said once a minute)", path, how,

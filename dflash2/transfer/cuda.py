@@ -258,8 +258,11 @@ class CudaTransferBackend(TransferBackend):
                         # A read none of whose chunk's blocks could be read (bad sectors) fails that
                         # chunk alone, as the host path's read of a batch: its later chunks are read
                         # still. Before, they failed untried: dropped as misses, their sound slots
-                        # set aside as unreadable (a review).
-                        self._staged_failures.failed(job.batch, e, settled=settled)
+                        # set aside as unreadable (a review). A launch that failed on a lost GPU ends it.
+                        self.check_gpu(e)
+                        if self.fatal is not None:
+                            raise
+                        self._staged_failures.failed(job.batch, e, settled=settled, part=len(part))
                     settled += len(part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:

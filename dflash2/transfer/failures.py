@@ -56,10 +56,11 @@ class FailureLog:
         self._what = what  # names the copy in the message: "host copy", "staged move"
         self._limit = RepeatLimit("failures")
 
-    def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0) -> None:
+    def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0, part: int | None = None) -> None:
         """Log `batch`'s failure unless one of its kind was logged in the last REPEAT_LOG_S. Called
         from the `except` block that caught `error` (log.exception keeps its traceback). `settled`:
-        blocks of the batch that had moved before it failed (a staged move's earlier chunks)."""
+        blocks of the batch that had moved before it failed (a staged move's earlier chunks); `part`:
+        the blocks of the one chunk that failed, the batch going on past it (a staged read's)."""
         cause = error.__cause__ if error.__cause__ is not None else error
         more = self._limit.due((batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None)))
         if more is None:
@@ -69,6 +70,8 @@ class FailureLog:
         then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
                 else "its blocks stay where they were")
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
+        if part is not None:
+            how, then = f"for a chunk of {part} of them, the others going on", then.replace("its blocks", "that chunk's")
         args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
         # A full disk is the disk's state, not a fault in the code: no traceback (one a minute of a
         # full disk was a screen of frames that said nothing more).
