@@ -67,8 +67,7 @@ import numpy as np
 from dflash2.errors import DFlash2Error
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
-from dflash2.prefetch import Prefetcher
-from dflash2.replay import Request, Tally, serve
+from dflash2.duelmini import Miniature as _Mini
 from dflash2.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,6 @@ MAX_SAMPLE = 1 << 20  # as policy.duel_sample's bound
 TICK_BUDGET_S = 0.01  # an in-process manager's tick serves the queue this long (the daemon's: server.py)
 COST_DECAY = 0.9  # `cost_s` follows about the last ten sampled lookups served
 DROP_LOG_INTERVAL_S = 60.0
-CHUNK = 16  # blocks read per step of a miniature request (as the bench's default)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _U64 = (1 << 64) - 1
@@ -142,40 +140,6 @@ def _leads(found: np.ndarray, sq: np.ndarray, a: int, b: int) -> bool:
     """Candidate a finds more than b: by MARGIN of b's figure and by Z standard deviations of the
     paired per-request difference (`sq`: its decayed squares)."""
     return found[a] > found[b] * (1 + MARGIN) and found[a] - found[b] > Z * math.sqrt(sq[a, b])
-
-
-class _Mini:
-    """One candidate's miniature: a block manager of 1/sample of the real tiers, serving sampled chains."""
-
-    def __init__(self, policy, specs: list[TierSpec], clock: Callable[[], float], capacity_rows: int,
-                 reserve_rows: int | None = None):
-        self.manager = BlockManager(specs, policy=policy, clock=clock, table_capacity=capacity_rows,
-                                    table_reserve=reserve_rows)
-        self.prefetch = Prefetcher(self.manager, 4)
-        self.client = self.manager.attach("duel")
-        self.layouts: dict[int, int] = {}  # the real manager's layout id -> this manager's
-
-    def serve(self, keys: tuple[int, ...], layout, layout_id: int, now: float, index: int) -> tuple[int, int]:
-        """(blocks found in some tier, blocks found in HBM) of the request's sampled chain. One that the
-        miniature refuses (a key cached for another layout: the real node refuses that commit too)
-        raises, and leaves nothing held: its client starts again with nothing (`_forget_request`)."""
-        lid = self.layouts.get(layout_id)
-        if lid is None:
-            lid = self.layouts[layout_id] = self.manager.register_layout(layout)
-        tally = Tally()
-        try:
-            serve(self.manager, self.prefetch, self.client, lid, Request(now, keys), index, tally, CHUNK)
-        except Exception:
-            self._forget_request()
-            raise
-        return tally.hits, tally.hbm_hits
-
-    def _forget_request(self) -> None:
-        """Drop what a request that failed half-way holds (its prefix's references and pins, blocks
-        it was writing): held for ever, they could never leave the miniature."""
-        self.prefetch.finish()
-        self.manager.detach(self.client)
-        self.client = self.manager.attach("duel")
 
 
 class _Reported:
@@ -368,6 +332,10 @@ class Duel:
             decay_to = getattr(mini.manager.policy, "decay_to", None)
             if decay_to is not None:
                 decay_to(now)
+        if any(m.holds_for_another(keys, layout_id) for m in self._minis):  # (before any serves it)
+            self._not_replayed("refused", lambda: "a miniature holds one of its keys for another layout (the node "
+                               "refuses such a commit too)")
+            return
         try:
             found = np.array([m.serve(keys, layout, layout_id, now, self.requests) for m in self._minis],
                              dtype=np.float64)

@@ -360,3 +360,37 @@ def test_miniatures_reserve_rows_for_what_they_hold_not_for_their_tiers():
         reserved = mini.manager.table.cols.reserved
         assert blocks <= reserved <= 8 * blocks < 1 << 22, (reserved, blocks)
     mgr.close()
+
+
+def test_a_lookup_one_miniature_would_refuse_is_served_by_none():
+    """A key cached for another layout in one miniature (heat's had let it go, LRU's kept it): the
+    miniatures before the refusing one had served the request, written its key, though it was counted
+    "not replayed", and their caches drifted apart on it (a review). Now none serves it."""
+    mgr = manager(512)  # miniatures of 256 blocks
+    duel = Duel(mgr, 2)
+    a = mgr.register_layout(LAYOUT)
+    b = mgr.register_layout(Layout("same-size", num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
+                                   head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, tokens_per_block=LAYOUT.tokens_per_block))
+
+    def kept(keys):  # those the 1-in-2 sample keeps
+        return [k for k in keys if len(sampled(np.array([k], dtype=np.uint64), 2))]
+
+    hot = kept(range(1, 1000))[:200]
+    for _ in range(3):  # a returning hot set
+        for i in range(0, 200, 8):
+            mgr.lookup(hot[i:i + 8], a)
+            duel.run()
+    key = kept(range(10**6, 10**6 + 50))[:1]
+    mgr.lookup(key, a)  # written once for layout a
+    duel.run()
+    fresh = kept(range(2 * 10**6, 2 * 10**6 + 400))[:120]
+    for i in range(0, 120, 8):  # first-timers after it: heat lets it go first, LRU its oldest hot blocks
+        mgr.lookup(fresh[i:i + 8], a)
+        duel.run()
+    holds = [len(m.manager.table.lookup(np.array(key, dtype=np.uint64), m.layouts[a])) for m in duel._minis]
+    assert 0 in holds and 1 in holds  # (the miniatures differ on it: the case)
+    mgr.lookup(key, b)  # the same key for another layout
+    duel.run()
+    assert duel.not_replayed["refused"] == 1
+    assert [m.layouts.get(b) is None or len(m.manager.table.lookup(np.array(key, dtype=np.uint64), m.layouts[b])) == 0
+            for m in duel._minis] == [True] * 3
