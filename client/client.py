@@ -388,7 +388,8 @@ class Client:
     def reservation(self, reservation_id: int) -> Reservation:
         """Where a reservation stands now: a deferred one that fits by now is granted by this call
         (poll it about `est_wait_s` after the last answer)."""
-        return reservation_of(self._call(Op.RESERVATION, {"reservation": _int("reservation_id", reservation_id)}).result)
+        args = {"reservation": _int("reservation_id", reservation_id)}
+        return reservation_of(self._call(Op.RESERVATION, args).result)
 
     def take(self, reservation_id: int, n: int) -> np.ndarray:
         """n blocks of a granted reservation, to write (their places; views are valid until commit)."""

@@ -387,12 +387,13 @@ class Service(Forgetting):
         m.admission.shares.carry(client, earlier)
         carried = f"; the set-aside blocks of its earlier sessions {earlier} count against its share" if earlier else ""
         log.info("client %d attached: %s (pid %d), %d layouts%s", client, name, pid, len(ids), carried)
-        # set_aside_s: how long a lapsed client's slots stay kept; its view check vouches only within it (Awake.vouches).
+        # set_aside_s: how long a lapsed client's slots stay kept (Awake.vouches only within it).
         return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
                 "lease_timeout_s": self.lease_timeout_s, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "device": self.device, "gpu": device if self.device == "cuda" else None,
                 "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness,
-                "liveness_id": self.liveness_id, "pid_namespace": pid_namespace(), "set_aside_s": self.set_aside.hold_s}, []
+                "liveness_id": self.liveness_id, "pid_namespace": pid_namespace(),
+                "set_aside_s": self.set_aside.hold_s}, []
 
     def _gpu_uuids(self) -> dict[int, str]:
         """Each GPU pool's GPU UUID (none on a host daemon)."""

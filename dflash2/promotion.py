@@ -48,8 +48,8 @@ class Promotion:
         from idle blocks first, not from the blocks brought up for a read that has not come yet
         (`awaiting_read`: another reader's window, whose score is old and would make it the first to
         go); then, unless `idle_only` (a prefetch, a guess itself), from those too, and last from
-        running requests' blocks, only those under `below_priority` when given. `chain`: `with_ancestors(rows, dst)` when the
-        caller has it already (an acquire's check took it: the walk up a chain of 32,768 blocks,
+        running requests' blocks, only those under `below_priority` when given. `chain`:
+        `with_ancestors(rows, dst)` when the caller has it already (an acquire's check took it: the walk up a chain of 32,768 blocks,
         twice an acquire, was most of its cost, a review)."""
         rows = np.asarray(rows, dtype=np.int64)
         c = self.table.cols

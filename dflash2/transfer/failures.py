@@ -71,7 +71,8 @@ class FailureLog:
                 else "its blocks stay where they were")
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
         if part is not None:
-            how, then = f"for a chunk of {part} of them, the others going on", then.replace("its blocks", "that chunk's")
+            how = f"for a chunk of {part} of them, the others going on"
+            then = then.replace("its blocks", "that chunk's")
         args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
         # A full disk is the disk's state, not a fault in the code: no traceback (one a minute of a
         # full disk was a screen of frames that said nothing more).
