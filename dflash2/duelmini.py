@@ -28,7 +28,10 @@ class Miniature:
     def holds_for_another(self, keys: tuple[int, ...], layout_id: int) -> bool:
         """Whether one of these keys is cached here for another layout than the real `layout_id`'s: this
         miniature would refuse the request (`serve`), so the duel serves it in none (a review: served by
-        the miniatures before the one that refused, it was counted "not replayed" all the same)."""
+        the miniatures before the one that refused, it was counted "not replayed" all the same). It may
+        skip one the miniature would have served after all (its allocation evicting that block, or a
+        request too large to cache): such requests reuse a key across layouts, which the node refuses
+        while it holds the key, and are counted "refused"."""
         rows = self.manager.table.keys.lookup(np.asarray(keys, dtype=np.uint64))
         rows = rows[rows >= 0]
         lid = self.layouts.get(layout_id)

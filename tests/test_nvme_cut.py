@@ -13,6 +13,7 @@ import pytest
 
 import dflash2.arena.nvme as nvme
 import dflash2.arena.nvmecut as nvmecut
+import dflash2.transfer.failures as failures
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.staging import ALIGN
 
@@ -253,4 +254,44 @@ def test_a_take_back_that_fails_another_way_is_no_new_cut(tmp_path, monkeypatch,
             assert a.read_blocks([CAP - 4 * ALIGN], [out]).all() and np.array_equal(out, block)
         assert not [r.getMessage() for r in caplog.records]
     finally:
+        a.remove()
+
+
+def test_the_once_a_minute_line_counts_only_the_batches_left_unsaid(tmp_path, monkeypatch, caplog):
+    """A review of the mend: after a cut, a failed take-back, a take-back that worked and a new cut
+    whose take-back failed again, the once-a-minute line counted the lines logged in full as "not
+    logged" and dated "the last one logged" from the first cut. Each full line starts the count."""
+    a = NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=STAGING)
+    now = [1000.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])
+    room = [False]
+
+    def fallocate(fd, offset, length):
+        if not room[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(nvmecut.os, "posix_fallocate", fallocate)
+    try:
+        block = np.arange(4 * ALIGN, dtype=np.uint8)
+        assert a.write_blocks([0], [block]).all()
+        os.truncate(a.path, 0)  # cut 1: its take-back fails
+        a.read_blocks([0], [np.zeros_like(block)])
+        room[0] = True
+        now[0] += 10
+        a.read_blocks([0], [np.zeros_like(block)])  # taken back
+        assert a.write_blocks([0], [block]).all()
+        room[0] = False
+        now[0] += 10
+        os.truncate(a.path, 0)  # cut 2: a full line again
+        a.read_blocks([0], [np.zeros_like(block)])
+        for _ in range(3):  # three batches unsaid
+            now[0] += 5
+            a.read_blocks([0], [np.zeros_like(block)])
+        caplog.clear()
+        now[0] += 60
+        with caplog.at_level(logging.ERROR, logger="dflash2.arena"):
+            a.read_blocks([0], [np.zeros_like(block)])
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "still cannot be taken back" in line and "(3 more such batches since the last one logged, 75 s ago" in line
+    finally:
+        monkeypatch.undo()
         a.remove()

@@ -143,3 +143,24 @@ def test_a_staged_read_chunk_whose_copy_finds_the_gpu_lost_ends_the_batch():
     job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
     be._staged(job)
     assert tried == [[0]] and not job.wait().any() and be.fatal is not None
+
+
+def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_chunks_done(caplog):
+    """Chunk 2 unreadable (it fails alone), chunk 3 a CUDA error that ends the batch: the line said
+    "after its first 2 were done", the failed chunk counted done (a review of the mend)."""
+    from dflash2.errors import ArenaError
+    from dflash2.transfer.cuda import StagedJob
+
+    def chunk(job, part):
+        if part.tolist() == [1]:
+            raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
+        if part.tolist() == [2]:
+            raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+        return np.ones(len(part), dtype=bool)
+
+    offsets = np.arange(4, dtype=np.int64) << 20
+    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        _staged_backend(chunk)._staged(job)
+    assert job.wait().tolist() == [True, False, False, False]
+    assert "after its first 1 were done, for the 3 others" in caplog.records[-1].getMessage()

@@ -70,7 +70,7 @@ class FileCuts:
             self._unmended(path, how, total, size, lost, e)
             return
         if self._failed is not None and not lost:  # (the cut said already: its take-back at last)
-            self._failed = None
+            self._failed, self._said = None, RepeatLimit("batches")
             log.warning("NVMe: %s (%d bytes) is taken back to %d bytes, its header and disk room again", path, size,
                         total, extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
             return
@@ -93,7 +93,8 @@ class FileCuts:
                           "fail as the disk's until it can%s", path, total, size, error, more)
             return
         self._failed = (error.errno,)  # (set: the cut said, its take-back failing)
-        self._said.due(path)  # (this line starts the minute)
+        self._said = RepeatLimit("batches")  # (this line starts the minute and the count: a review)
+        self._said.due(path)
         log.error("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); it "
                   "cannot be taken back to %d bytes: %s (tried again at each batch, said once a minute)", path, how,
                   total, lost, total, error, extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})

@@ -252,6 +252,7 @@ class CudaTransferBackend(TransferBackend):
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
                     try:
                         job._ok[part] = self._staged_chunk(job, part)
+                        settled += len(part)  # (done: a chunk that failed alone is not, a review)
                     except ArenaError as e:
                         if job.batch.src_tier == Tier.HBM:
                             raise  # (a write's later chunks stay where they are, blamed on nothing)
@@ -263,7 +264,6 @@ class CudaTransferBackend(TransferBackend):
                         if self.fatal is not None:
                             raise
                         self._staged_failures.failed(job.batch, e, settled=settled, part=len(part))
-                    settled += len(part)
                 job.seconds = time.perf_counter() - started
         except Exception as e:
             # The chunks that ended before keep their verdicts (their blocks were written, or read,
