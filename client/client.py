@@ -16,7 +16,6 @@ serialised by a lock, so one client may be shared by threads.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import threading
@@ -30,12 +29,12 @@ from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.heartbeat import Awake, run as run_heartbeat
 from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
-from dflash2.client.held import HeldPlaces
+from dflash2.client.held import HeldPlaces, unless_refused
 from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
-from dflash2.errors import AccessDenied, ArenaError, DaemonError, DaemonUnavailable
+from dflash2.errors import AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -99,6 +98,7 @@ class Client:
         # Reentrant only so that `_call` can tell it took the lock (`_is_owned`) when the caller's exception
         # cut in just after; a call from within a call on one thread is refused there.
         self._lock = threading.RLock()
+        self._detach_after = False  # a detach asked for within a call (a signal handler's): run after it
         # Commits, releases and frees that timed out waiting for the lock, unsent, with their block ids: they
         # go with the next call (_call), a commit as a `forget` (its blocks dropped), the rest as a `retry`.
         self._unsent: collections.deque[tuple[Op, bytes]] = collections.deque()
@@ -264,6 +264,9 @@ class Client:
             self._heartbeat_thread.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
             self._heartbeat_thread = None
         released = {}
+        if self._lock._is_owned():  # (from a signal handler during a call of this thread: after that call)
+            self._detach_after = True
+            return released
         with self._lock:
             # A lost lease means the daemon no longer knows this id (it may even be another
             # client's now, after a restart): nothing to detach.
@@ -308,8 +311,8 @@ class Client:
         began = time.monotonic()
         unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
         if self._lock._is_owned():  # (a signal handler's call while a call of this thread runs)
-            raise DaemonUnavailable(f"{op.value}: called while a call of this client runs on this thread (from a "
-                                    "signal handler?): its replies would mix; call it after that call")
+            raise CallInProgress(f"{op.value}: called while a call of this client runs on this thread (from a "
+                                 "signal handler?): not sent, as its replies would mix; call it after that call")
         try:
             got = self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
         except BaseException:  # cut off waiting by the caller's exception (a deadline's SIGALRM): as below
@@ -325,13 +328,18 @@ class Client:
                                     f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
                                     "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
         try:
-            while self._unsent:
-                # Out of the queue before it is noted again: noted twice (an exception between), a
-                # release ran twice and dropped another thread's pin (a review); lost there, its pins
-                # stay until detach, the safe side.
-                self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
-            waited = min(time.monotonic() - began, timeout - 1e-3)
-            sent = time.monotonic()
+            try:
+                while self._unsent:
+                    # Out of the queue before it is noted again: noted twice (an exception between), a
+                    # release ran twice and dropped another thread's pin (a review); lost there, its pins
+                    # stay until detach, the safe side.
+                    self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
+                waited = min(time.monotonic() - began, timeout - 1e-3)
+                sent = time.monotonic()
+            except BaseException:  # (the caller's, before it was sent: kept to go with the next, a review)
+                if unsent:
+                    self._unsent.append((op, arrays[0]))
+                raise
             reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
             if op in P.NEEDS_CLIENT:  # (ping, stats, check and history renew no lease: answered without one)
                 self.renewed(sent)
@@ -345,6 +353,9 @@ class Client:
             raise
         finally:
             self._lock.release()
+            if self._detach_after and not self._lock._is_owned():  # (asked for within the call: now, a review:
+                self._detach_after = False  # run inside it, it closed the call's socket under it)
+                self.detach()
 
     # -- layouts ---------------------------------------------------------------------------
     @property
@@ -430,7 +441,7 @@ class Client:
         try:
             reply = self._call(Op.COMMIT, args, arrays)
         except BaseException as e:
-            if not isinstance(e, DaemonError):
+            if not isinstance(e, (DaemonError, CallInProgress)):
                 self._held.written(vids)  # it may have run: a timeout, or an exception of the caller's meanwhile
             raise
         self._held.written(vids)
@@ -481,31 +492,15 @@ class Client:
         out may have run, and a block no longer pinned may move under a view by vid. It is sent again
         until the daemon answers, and runs once (transport.py): never release again."""
         vids = vid_array(vids)  # (refused before anything is given up here)
-        with self._unless_refused(vids, self._held.released):
+        with unless_refused(vids, self._held.released):
             self._call(Op.RELEASE, {}, [vids.tobytes()])
 
     def free(self, vids) -> int:
         """Drop one reference per block (a block being written is freed); as with `release`, the
         blocks are no longer viewable by vid as written ones here, whatever the answer but a refusal."""
         vids = vid_array(vids)
-        with self._unless_refused(vids, self._held.written):  # (a pinned one stays viewable)
+        with unless_refused(vids, self._held.written):  # (a pinned one stays viewable)
             return int(self._call(Op.FREE, {}, [vids.tobytes()]).result["freed"])
-
-    @contextlib.contextmanager
-    def _unless_refused(self, vids: np.ndarray, forget) -> None:
-        """`forget(vids)` after the call, however it ended but refused (DaemonError, but for a lost lease:
-        the daemon ran nothing). Forgotten after a refusal too, a release's pins the daemon still held
-        could not be viewed, nor a block still being written, and neither sent again (a review)."""
-        try:
-            yield
-        except DaemonError as e:
-            if e.kind == "UnknownClient":
-                forget(vids)
-            raise
-        except BaseException:
-            forget(vids)
-            raise
-        forget(vids)
 
     def add_ref(self, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they are protected as

@@ -3,11 +3,15 @@ yet committed or freed) and those it has pinned (acquired, not yet released)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import numpy as np
+
+from dflash2.errors import CallInProgress, DaemonError
 
 
 class HeldPlaces:
@@ -77,3 +81,23 @@ class HeldPlaces:
 
 def _vid_list(vids) -> list[int]:
     return np.asarray(vids, dtype=np.int64).reshape(-1).tolist()
+
+
+@contextlib.contextmanager
+def unless_refused(vids: np.ndarray, forget: Callable[[np.ndarray], None]) -> Iterator[None]:
+    """`forget(vids)` after a release's or free's call, however it ended but refused: by the daemon
+    (DaemonError, but for a lost lease: it ran nothing) or here (CallInProgress: never sent). Forgotten
+    after a refusal too, a release's pins the daemon still held could not be viewed, nor a block still
+    being written, and neither sent again (a review)."""
+    try:
+        yield
+    except CallInProgress:
+        raise
+    except DaemonError as e:
+        if e.kind == "UnknownClient":
+            forget(vids)
+        raise
+    except BaseException:
+        forget(vids)
+        raise
+    forget(vids)

@@ -373,10 +373,12 @@ class Transport:
         elif self._unsent():  # noted since, or more than PENDING_IN_FLIGHT (`_send_pending`)
             self._send_pending()
         call_id = next(self._ids)
-        frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout - waited_s
         try:
+            # (In here: cut off before it is sent, it is given up as after a timeout, its forget or retry
+            # noted; before, a commit's or release's was lost, what it named held until detach, a review.)
+            frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
+            timeout = self.timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + timeout - waited_s
             try:
                 send_frames(self._sock, frames, copy=False)
             except zmq.ZMQError as e:

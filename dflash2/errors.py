@@ -113,6 +113,11 @@ class DaemonUnavailable(DFlash2Error):
     """The daemon does not answer (not running, gone, or the call timed out)."""
 
 
+class CallInProgress(DaemonUnavailable):
+    """A call made while a call of the same client runs on this thread (from a signal handler): never
+    sent, and what it names stays as it was (pins, blocks being written): make it after that call."""
+
+
 class AccessDenied(DaemonUnavailable):
     """A tcp daemon's key file cannot be read, or the daemon refused this client's key (tcpkeys.py)."""
 

@@ -205,3 +205,79 @@ def test_a_call_from_a_signal_handler_during_a_call_is_refused_not_mixed(daemon)
         assert c.ping()["version"] == P.VERSION
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("op", ["release", "free", "commit"])
+def test_an_exception_just_before_a_call_is_sent_gives_it_up_as_after_a_timeout(daemon, monkeypatch, op):
+    """Cut off (a handler's exception) as the request was encoded, before it was sent: neither sent
+    nor kept, yet given up on the client's side; its pins, reference or block being written stayed
+    held until detach (a review). Now it is given up as after a timeout: a release's or free's sent
+    again, a commit's blocks forgotten."""
+    from dflash2.client import transport as T
+
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=2.0)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        if op != "commit":
+            c.commit([vid], keys=[31337])
+            assert c.acquire([vid]) is not None
+        kind = {"release": P.Op.RELEASE, "free": P.Op.FREE, "commit": P.Op.COMMIT}[op]
+        real, fired = T.P.encode_request, []
+
+        def cut_off(o, *a, **k):
+            if o == kind and not fired:
+                fired.append(o)
+                raise KeyboardInterrupt  # the handler of a signal that arrived just before
+            return real(o, *a, **k)
+        monkeypatch.setattr(T.P, "encode_request", cut_off)
+        with pytest.raises(KeyboardInterrupt):
+            {"release": lambda: c.release([vid]), "free": lambda: c.free([vid]),
+             "commit": lambda: c.commit([vid], keys=[4711])}[op]()
+        monkeypatch.undo()
+        c.ping()
+        c.ping()
+        if op == "release":
+            c.free([vid])  # the engine's own reference
+        if op == "free":
+            c.release([vid])  # the engine's own pin
+    finally:
+        released = c.close()
+    assert not any(released.values()), released
+
+
+def test_a_release_from_a_signal_handler_during_a_call_keeps_its_pins_and_close_waits_for_the_call(daemon):
+    """Refused (a call of this thread runs), the handler's release was never sent, yet its pins were
+    given up here: the daemon held them until detach (a review). They stay viewable now; and close()
+    from a handler during a call ran inside it and closed its socket under it (a raw ZMQError): it
+    runs once that call has ended."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=3.0)
+    vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+    c.commit([vid], keys=[777])
+    assert c.acquire([vid]) is not None
+    got = {}
+
+    def handler(*_):
+        try:
+            c.release([vid])
+        except DaemonUnavailable as e:
+            got["release"] = str(e)
+        got["viewable"] = c.view_bytes(vid).nbytes  # (its pin kept: before, "acquire it first")
+        got["close"] = c.close()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (daemon.pid, signal.SIGCONT)).start()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        places = c.allocate(c.layouts[0], 2)  # the handler's calls come while this one waits
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert "called while a call of this client runs on this thread" in got["release"] and got["close"] == {}
+    assert got["viewable"] == SMALL.block_bytes
+    assert len(places) == 2  # the call ended as it would have; then the client detached
+    with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
+        assert [x["name"] for x in checker.stats()["clients"]] == ["checker"]
+        assert checker.stats()["tiers"]["hbm"]["blocks"] == 1  # the published block alone, unpinned
+        checker.check()
