@@ -53,23 +53,30 @@ def test_a_ghost_older_than_the_tier_says_nothing_and_counts_decay():
     assert json.loads(json.dumps(g.describe()))["departed"] == 5
 
 
+def _read(mgr, lid, c, k):
+    vids = [p.vid for p in mgr.lookup([k], lid)]
+    assert mgr.acquire(c, vids) is not None
+    mgr.release(c, vids)
+
+
+def _warm(reads: int):
+    """HBM 2, DRAM (the last tier) 2, heat: keys 1-4 written and each read `reads` times."""
+    mgr, lid, c = manager(2, dram_blocks=2)
+    for k in (1, 2, 3, 4):
+        mgr.table.clock.now += 1.0
+        cache_chain(mgr, lid, c, [k])
+        for _ in range(reads):
+            _read(mgr, lid, c, k)
+    return mgr, lid, c
+
+
 def test_heat_admits_what_the_rule_refuses_once_refused_blocks_come_back_more():
     # HBM 2, DRAM (the last tier) 2. Keys read twice fill DRAM; once-used blocks demoted into it
     # are refused (TinyLFU: asked for less often than the blocks they would push out), and each
     # is asked for again at once, while what leaves the tier never comes back: the rule goes off.
-    mgr, lid, c = manager(2, dram_blocks=2)
+    mgr, lid, c = _warm(reads=1)
     clock = mgr.table.clock
     pol = mgr.policy
-
-    def read(k):
-        vids = [p.vid for p in mgr.lookup([k], lid)]
-        assert mgr.acquire(c, vids) is not None
-        mgr.release(c, vids)
-
-    for k in (1, 2, 3, 4):
-        clock.now += 1.0
-        cache_chain(mgr, lid, c, [k])
-        read(k)
     assert mgr.placement.stats.not_admitted == 0 and pol.gate.on
     written = []
     for k in range(50, 80):
@@ -96,19 +103,8 @@ def test_a_refused_block_its_writer_holds_goes_down_counted_as_admitted_against_
     """Refused by the rule but held (its writer's), a block goes into the full last tier all the same:
     it was counted a refusal that never happened, in `stats` and the metrics (a review). Now it is
     counted admitted against the rule; an idle one refused the same way is still dropped, refused."""
-    mgr, lid, c = manager(2, dram_blocks=2)
+    mgr, lid, c = _warm(reads=3)
     clock = mgr.table.clock
-
-    def read(k):
-        vids = [p.vid for p in mgr.lookup([k], lid)]
-        assert mgr.acquire(c, vids) is not None
-        mgr.release(c, vids)
-
-    for k in (1, 2, 3, 4):
-        clock.now += 1.0
-        cache_chain(mgr, lid, c, [k])
-        for _ in range(3):
-            read(k)
     clock.now += 1.0
     gate = mgr.policy.gate
     cache_chain(mgr, lid, c, [11])  # idle, used once: refused, dropped

@@ -126,17 +126,24 @@ def test_a_prefetch_its_reader_never_reads_is_wasted_when_the_reader_leaves(make
     assert m.acquire_rows(b, other) is not None and m.prefetcher.useful == 2 + len(other)
 
 
+def _two_readers_of_a_dram_chain(make_manager, first_key: int):
+    """A manager (HBM 8, DRAM 16, window 4), a writer and two readers, and the keys of a chain of 4 the
+    writer published, pushed down to DRAM."""
+    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
+    m.register_layout(SMALL)
+    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
+    keys = list(range(first_key, first_key + 4))
+    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
+    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    return m, w, a, b, keys
+
+
 @pytest.mark.parametrize("detach_first", [False, True])
 def test_a_prefetch_read_from_hbm_is_useful_whether_its_reader_left_first_or_not(make_manager, detach_first):
     """Counted wasted at the detach, a window another reader then read from HBM was no useful
     prefetch, though the same read before the detach was (a review): now wasted only if nobody reads
     it by the next step."""
-    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
-    m.register_layout(SMALL)
-    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
-    keys = [100, 101, 102, 103]
-    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
-    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    m, w, a, b, keys = _two_readers_of_a_dram_chain(make_manager, 100)
     found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's lookup brings them up
     if detach_first:
         m.detach(a)
@@ -150,12 +157,7 @@ def test_a_left_readers_block_brought_up_again_for_another_is_that_ones(make_man
     """Left by a reader that detached, pushed down unread, then brought up by another reader's
     lookup before the step: the step counted the second reader's prefetch wasted, and its read, which
     waited for the copy, an HBM hit (a review of the mend)."""
-    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
-    m.register_layout(SMALL)
-    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
-    keys = [100, 101, 102, 103]
-    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
-    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    m, w, a, b, keys = _two_readers_of_a_dram_chain(make_manager, 100)
     m.lookup_rows(keys, 0, client=a)  # a's lookup brings them up
     m.detach(a)
     m.free(w, m.allocate(w, 0, 8))  # down again, unread (no step between)
@@ -169,12 +171,7 @@ def test_a_waiting_readers_debt_does_not_outlive_the_next_steps(make_manager, cl
     """Its lookup waited, another reader read the blocks first, and its own request went away: an
     hour later its next request finds the chain in HBM, waits for nothing, and reads hits. The debt
     kept until its read made those reads from DRAM (a review)."""
-    m = make_manager(hbm_blocks=8, dram_blocks=16, prefetch_window=4)
-    m.register_layout(SMALL)
-    w, a, b = m.attach("w"), m.attach("a"), m.attach("b")
-    keys = [1, 2, 3, 4]
-    m.free(w, m.commit(w, m.allocate(w, 0, 4), keys))
-    m.free(w, m.allocate(w, 0, 8))  # the chain goes down to DRAM
+    m, w, a, b, keys = _two_readers_of_a_dram_chain(make_manager, 1)
     found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's lookup waits for the swap-in
     assert m.acquire_rows(b, found) is not None  # b reads them first (and keeps them): hits
     for _ in range(3):
