@@ -34,7 +34,8 @@ from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
-from dflash2.errors import AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable
+from dflash2.errors import (AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable, ProtocolError,
+                            UnreadableReply)
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -328,6 +329,7 @@ class Client:
                                     f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
                                     "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
         try:
+            taken = None
             try:
                 while self._unsent:
                     # Out of the queue before it is noted again: noted twice (an exception between), a
@@ -336,11 +338,19 @@ class Client:
                     self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
                 waited = min(time.monotonic() - began, timeout - 1e-3)
                 sent = time.monotonic()
-            except BaseException:  # (the caller's, before it was sent: kept to go with the next, a review)
-                if unsent:
+                taken = self._transport.taken
+                reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
+            except BaseException as e:
+                if self._transport.raised_here(e):
+                    raise
+                # The caller's (a signal handler's), before the transport took the call: kept to go with the
+                # next (before, a release's pins or a commit's block stayed held until detach, a review).
+                if unsent and (taken is None or self._transport.taken == taken):
                     self._unsent.append((op, arrays[0]))
+                if isinstance(e, CallInProgress):  # (a handler's call within this one: not this call's refusal)
+                    raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({e}); given up as "
+                                            "after a timeout") from e
                 raise
-            reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
             if op in P.NEEDS_CLIENT:  # (ping, stats, check and history renew no lease: answered without one)
                 self.renewed(sent)
             return reply
@@ -441,7 +451,7 @@ class Client:
         try:
             reply = self._call(Op.COMMIT, args, arrays)
         except BaseException as e:
-            if not isinstance(e, (DaemonError, CallInProgress)):
+            if not isinstance(e, (DaemonError, CallInProgress, ProtocolError)) or isinstance(e, UnreadableReply):
                 self._held.written(vids)  # it may have run: a timeout, or an exception of the caller's meanwhile
             raise
         self._held.written(vids)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from dflash2.errors import CallInProgress, DaemonError
+from dflash2.errors import CallInProgress, DaemonError, ProtocolError, UnreadableReply
 
 
 class HeldPlaces:
@@ -86,12 +86,16 @@ def _vid_list(vids) -> list[int]:
 @contextlib.contextmanager
 def unless_refused(vids: np.ndarray, forget: Callable[[np.ndarray], None]) -> Iterator[None]:
     """`forget(vids)` after a release's or free's call, however it ended but refused: by the daemon
-    (DaemonError, but for a lost lease: it ran nothing) or here (CallInProgress: never sent). Forgotten
-    after a refusal too, a release's pins the daemon still held could not be viewed, nor a block still
-    being written, and neither sent again (a review)."""
+    (DaemonError, but for a lost lease: it ran nothing) or here (CallInProgress, ProtocolError: never
+    sent). Forgotten after a refusal too, a release's pins the daemon still held could not be viewed,
+    nor a block still being written, and neither sent again (a review). A reply that cannot be read
+    (UnreadableReply) is no refusal: the call may have run (kept, a view went to a moved block)."""
     try:
         yield
-    except CallInProgress:
+    except (CallInProgress, ProtocolError):
+        raise
+    except UnreadableReply:
+        forget(vids)
         raise
     except DaemonError as e:
         if e.kind == "UnknownClient":

@@ -152,6 +152,7 @@ class Transport:
         self.version = version  # only tests speak another version
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
+        self.taken = 0  # calls whose giving up (a forget, a retry) this transport has taken on
         self.token: str | None = None  # the session token attach returned, sent with every call
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
         # a commit's block ids frame or None)
@@ -375,8 +376,13 @@ class Transport:
         call_id = next(self._ids)
         try:
             # (In here: cut off before it is sent, it is given up as after a timeout, its forget or retry
-            # noted; before, a commit's or release's was lost, what it named held until detach, a review.)
-            frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
+            # noted; before, a commit's or release's was lost, what it named held until detach, a review.
+            # Cut off before this, the caller keeps it to send later: `taken` says which.)
+            self.taken += 1
+            try:
+                frames = P.encode_request(op, call_id, client, args, arrays, version=self.version, token=self.token)
+            except ProtocolError as e:  # (nothing sent: raised here, as this call's own)
+                raise ProtocolError(str(e)) from None
             timeout = self.timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout - waited_s
             try:
@@ -434,15 +440,27 @@ class Transport:
                 if self.read_only:
                     self._check_answerer(op, reply)
                 return reply
-        except DFlash2Error:
-            raise
-        except BaseException:
+        except BaseException as e:
+            if self.raised_here(e):
+                raise
             # Cut off by an exception of the caller's while it waited (a request deadline's SIGALRM,
             # Ctrl-C): the call may still run, as after a timeout; given up so (a forget or retry,
             # a fresh socket, rid of any half-sent message). Before, what it handed out stayed held
             # under ids the engine never learned, for the client's life (a review).
             self._give_up(op, client, call_id, arrays)
             raise
+
+    def raised_here(self, error: BaseException) -> bool:
+        """Whether `error` is this transport's own answer to a call (raised by one of its methods), not
+        an exception of the caller's that cut the call off: a signal handler's, whatever its class (a
+        handler's call of the same client raises CallInProgress, of another client that one's errors:
+        taken for this call's own, a release that had run was kept to send again, a review)."""
+        if not isinstance(error, DFlash2Error):
+            return False
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return tb is not None and tb.tb_frame.f_locals.get("self") is self
 
     def _give_up(self, op: P.Op, client: int | None, call_id: int, arrays: list[bytes] | None = None) -> str:
         """A call left unanswered: a fresh socket (a late reply can never be taken for a later call's),

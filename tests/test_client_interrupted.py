@@ -222,20 +222,28 @@ def test_an_exception_just_before_a_call_is_sent_gives_it_up_as_after_a_timeout(
             c.commit([vid], keys=[31337])
             assert c.acquire([vid]) is not None
         kind = {"release": P.Op.RELEASE, "free": P.Op.FREE, "commit": P.Op.COMMIT}[op]
-        real, fired = T.P.encode_request, []
+        for where in ("encoded", "before the transport took it"):
+            if where != "encoded":  # (given back by the first: taken again for the second)
+                c.acquire([vid]) if op == "release" else c.add_ref([vid])
+            real, fired = (T.P.encode_request if where == "encoded" else c._transport._unsent), []
 
-        def cut_off(o, *a, **k):
-            if o == kind and not fired:
-                fired.append(o)
-                raise KeyboardInterrupt  # the handler of a signal that arrived just before
-            return real(o, *a, **k)
-        monkeypatch.setattr(T.P, "encode_request", cut_off)
-        with pytest.raises(KeyboardInterrupt):
-            {"release": lambda: c.release([vid]), "free": lambda: c.free([vid]),
-             "commit": lambda: c.commit([vid], keys=[4711])}[op]()
-        monkeypatch.undo()
-        c.ping()
-        c.ping()
+            def cut_off(*a, **k):
+                if not fired and (not a or a[0] == kind):
+                    fired.append(1)
+                    raise KeyboardInterrupt  # the handler of a signal that arrived just before
+                return real(*a, **k)
+            if where == "encoded":
+                monkeypatch.setattr(T.P, "encode_request", cut_off)
+            else:  # (as it sends the forgets and retries pending: a review of the mend)
+                monkeypatch.setattr(c._transport, "_unsent", cut_off)
+            with pytest.raises(KeyboardInterrupt):
+                {"release": lambda: c.release([vid]), "free": lambda: c.free([vid]),
+                 "commit": lambda: c.commit([vid], keys=[4711])}[op]()
+            monkeypatch.undo()
+            c.ping()
+            c.ping()
+            if op == "commit":
+                break  # (its block is gone: forgotten)
         if op == "release":
             c.free([vid])  # the engine's own reference
         if op == "free":
@@ -281,3 +289,51 @@ def test_a_release_from_a_signal_handler_during_a_call_keeps_its_pins_and_close_
         assert [x["name"] for x in checker.stats()["clients"]] == ["checker"]
         assert checker.stats()["tiers"]["hbm"]["blocks"] == 1  # the published block alone, unpinned
         checker.check()
+
+
+def _handler_calls_once_while_waiting(monkeypatch, call):
+    """As a signal handler that runs while a call waits for its reply (after it was sent) and lets
+    out the exception of its own call (`call`)."""
+    from dflash2.client import transport as T
+
+    real, fired = T.recv_frames, []
+
+    def recv(sock, *a, **k):
+        if not fired:
+            fired.append(1)
+            call()
+        return real(sock, *a, **k)
+    monkeypatch.setattr(T, "recv_frames", recv)
+
+
+@pytest.mark.parametrize("op", ["release", "allocate", "commit"])
+def test_a_handlers_error_let_out_into_a_call_gives_the_call_up(daemon, monkeypatch, op):
+    """A handler's call of the same client (CallInProgress) or of another (its DaemonUnavailable),
+    let out into a call waiting for its reply, was taken for the call's own error: no forget or
+    retry, and a CallInProgress read as "never sent" (a review): a release that had run was kept to
+    send again (run twice, another thread's pin dropped), an allocation's blocks stayed held, a
+    committed block stayed viewable. The call is given up as after a timeout now."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=3.0, heartbeat=False)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        if op == "release":
+            c.commit([vid], keys=[5150])
+            assert c.acquire([vid]) is not None and c.acquire([vid]) is not None  # two threads' pins
+        _handler_calls_once_while_waiting(monkeypatch, c.stats)
+        with pytest.raises(DaemonUnavailable, match="cut off by a call made within it"):
+            {"release": lambda: c.release([vid]), "allocate": lambda: c.allocate(c.layouts[0], 8),
+             "commit": lambda: c.commit([vid], keys=[6160])}[op]()
+        monkeypatch.undo()
+        c.ping()
+        c.ping()
+        if op == "release":
+            c.release([vid])  # the other thread's own pin: still there (the first release ran once)
+            c.free([vid])
+        if op == "commit":
+            with pytest.raises(ArenaError):
+                c.view_bytes(vid)  # committed, unpinned: it may move
+        if op == "allocate":
+            c.free([vid])  # (the test's own block)
+    finally:
+        released = c.close()
+    assert not any(released.values()), released

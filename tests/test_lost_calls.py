@@ -214,3 +214,39 @@ def test_a_release_or_free_the_daemon_refuses_keeps_what_it_names(daemon):
         c.check()
     finally:
         c.close()
+
+
+def test_a_release_whose_reply_cannot_be_read_gives_its_pins_up_and_one_never_sent_keeps_them(daemon, monkeypatch):
+    """A review: an unreadable reply (UnreadableReply, a DaemonError) was taken for the daemon's
+    refusal, and the pins kept viewable, though the release had run and the block could move; and a
+    release the library refused before sending (a frame too large: ProtocolError) gave pins up that
+    the daemon still held."""
+    from dflash2.client import transport as T
+    from dflash2.errors import ArenaError, UnreadableReply
+
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        (vid,) = c.commit(c.allocate(c.layouts[0], 1)["vid"], keys=[4242])
+        c.free([vid])
+        assert c.acquire([vid]) is not None
+        with pytest.raises(ProtocolError, match="release: a frame of"):
+            c.release(np.full(P.MAX_FRAME_BYTES // 8 + 1, vid, dtype=P.VIDS_DTYPE))  # never sent
+        assert c.view_bytes(int(vid)).nbytes == SMALL.block_bytes  # its pin kept
+        assert c.acquire([vid]) is not None  # a second pin
+        real = T.P.decode_reply
+
+        def mangled(frames):  # the release's reply arrives mangled (it ran at the daemon)
+            reply = real(frames)
+            if reply.ok and reply.result == {} and not reply.arrays:
+                raise P.ProtocolError("mangled")
+            return reply
+        monkeypatch.setattr(T.P, "decode_reply", mangled)
+        with pytest.raises(UnreadableReply):
+            c.release([vid])
+        monkeypatch.undo()
+        c.release([vid])  # the other pin (the first release ran)
+        with pytest.raises(ArenaError):
+            c.view_bytes(int(vid))
+    finally:
+        released = c.close()
+    assert not any(released.values()), released
