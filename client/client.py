@@ -34,8 +34,8 @@ from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
-from dflash2.errors import (AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable, ProtocolError,
-                            UnreadableReply)
+from dflash2.errors import (AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable, DFlash2Error,
+                            ProtocolError, UnreadableReply)
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
@@ -347,9 +347,10 @@ class Client:
                 # next (before, a release's pins or a commit's block stayed held until detach, a review).
                 if unsent and (taken is None or self._transport.taken == taken):
                     self._unsent.append((op, arrays[0]))
-                if isinstance(e, CallInProgress):  # (a handler's call within this one: not this call's refusal)
-                    raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({e}); given up as "
-                                            "after a timeout") from e
+                if isinstance(e, DFlash2Error):  # (a handler's call's error, this client's or another's: not this
+                    # call's answer, read as one, a refused release's pins were kept though it ran, a review)
+                    raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: "
+                                            f"{e}); given up as after a timeout") from e
                 raise
             if op in P.NEEDS_CLIENT:  # (ping, stats, check and history renew no lease: answered without one)
                 self.renewed(sent)

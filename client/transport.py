@@ -321,6 +321,11 @@ class Transport:
                     self._queue(self._retries, rid, P.Op.RETRY, owner, {"op": op.value, "call": call}, [vids])
         except zmq.ZMQError:
             return False
+        except BaseException:  # (cut off between a message's frames: the socket would take the next frames as
+            if self._sock is not None:  # its rest, a garbled request never answered nor sent again, a review)
+                self._close_socket(self._sock)
+                self._sock = None  # (the next call makes one, and sends them all again)
+            raise
         return True
 
     def _queue(self, pending: dict, call_id: int, op: P.Op, client: int, args: dict, arrays) -> None:

@@ -17,6 +17,7 @@ import weakref
 
 import numpy as np
 import pytest
+import zmq
 from conftest import SMALL
 from daemon_proc import DaemonProcess
 
@@ -334,6 +335,72 @@ def test_a_handlers_error_let_out_into_a_call_gives_the_call_up(daemon, monkeypa
                 c.view_bytes(vid)  # committed, unpinned: it may move
         if op == "allocate":
             c.free([vid])  # (the test's own block)
+    finally:
+        released = c.close()
+    assert not any(released.values()), released
+
+
+def test_another_clients_error_let_out_into_a_call_is_not_this_calls_answer(daemon, monkeypatch):
+    """A handler's call of another client whose error (a refusal: UnknownBlock; a lapsed lease:
+    UnknownClient) came out of this client's call was read as this call's answer: a release's pins
+    kept though it ran, and this client's own lease taken for lost (its views refused, close() sent
+    no detach). A review of the mend."""
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=3.0)
+    other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL], timeout_s=3.0, heartbeat=False)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        c.commit([vid], keys=[5150])
+        assert c.acquire([vid]) is not None and c.acquire([vid]) is not None
+        _handler_calls_once_while_waiting(monkeypatch, lambda: other.release([0x7FFF000000000001]))
+        with pytest.raises(DaemonUnavailable, match=r"cut off by a call made within it \(DaemonError: UnknownBlock"):
+            c.release([vid])
+        monkeypatch.undo()
+        c.release([vid])  # the other pin; the first release ran (or is sent again and runs)
+        with pytest.raises(ArenaError):
+            c.view_bytes(vid)
+        time.sleep(1.5)  # the other's lease lapses (no heartbeat); this one's heartbeat renews its own
+        _handler_calls_once_while_waiting(monkeypatch, lambda: other.allocate(other.layouts[0], 1))
+        with pytest.raises(DaemonUnavailable, match="UnknownClient"):
+            c.ping()
+        monkeypatch.undo()
+        assert not c.lease_lost
+        c.free([vid])
+    finally:
+        released = c.close()
+        other.close()
+    assert not c.lease_lost and not any(released.values()), released
+
+
+def test_a_pending_retry_cut_off_between_its_frames_is_sent_again_whole(daemon, monkeypatch):
+    """Cut off between a pending retry's frames, the socket took the next message's frames as the
+    rest of it: a garbled request the daemon never answered, and the release never ran (a review of
+    the mend). The socket is dropped then, and the next call sends it again whole."""
+    from dflash2.client import transport as T
+
+    c = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], timeout_s=2.0, heartbeat=False)
+    try:
+        vid = int(c.allocate(c.layouts[0], 1)["vid"][0])
+        c.commit([vid], keys=[4242])
+        assert c.acquire([vid]) is not None and c.acquire([vid]) is not None
+        c._unsent.append((P.Op.RELEASE, np.array([vid], dtype=P.VIDS_DTYPE).tobytes()))  # one thread's release,
+        c._held.released(np.array([vid], dtype=P.VIDS_DTYPE))  # left to the next call
+        real, fired = T.send_frames, []
+
+        def half(sock, frames, flags=0, copy=True):
+            if not fired and flags == T.NOBLOCK:  # (a pending retry's send)
+                fired.append(1)
+                sock.send(frames[0], flags | zmq.SNDMORE, copy=copy)
+                raise KeyboardInterrupt  # SIGINT's default handler, as the first frame's send returns
+            return real(sock, frames, flags, copy)
+        monkeypatch.setattr(T, "send_frames", half)
+        with pytest.raises(KeyboardInterrupt):
+            c.ping()
+        monkeypatch.undo()
+        for _ in range(3):
+            c.ping()
+        assert daemon.log().count("sent it again: run now") == 1
+        c.release([vid])  # the other thread's pin
+        c.free([vid])
     finally:
         released = c.close()
     assert not any(released.values()), released
