@@ -89,7 +89,8 @@ def unless_refused(vids: np.ndarray, forget: Callable[[np.ndarray], None]) -> It
     (DaemonError, but for a lost lease: it ran nothing) or here (CallInProgress, ProtocolError: never
     sent). Forgotten after a refusal too, a release's pins the daemon still held could not be viewed,
     nor a block still being written, and neither sent again (a review). A reply that cannot be read
-    (UnreadableReply) is no refusal: the call may have run (kept, a view went to a moved block)."""
+    (UnreadableReply) is no refusal: the call may have run, and a view kept would follow a block that
+    may have moved."""
     try:
         yield
     except (CallInProgress, ProtocolError):

@@ -33,7 +33,7 @@ class FileCuts:
 
     def __init__(self, nslots: int):
         self.lost = np.zeros(nslots, dtype=bool)
-        self._failed: tuple | None = None  # (errno,) of the last take-back, while it fails
+        self._failing = False  # a cut was said and its take-back fails (tried again each batch)
         self._said = RepeatLimit("batches")  # a take-back that keeps failing: once a minute
 
     def check(self, fd: int, path: str, total: int, lens: np.ndarray) -> None:
@@ -42,7 +42,7 @@ class FileCuts:
         size = os.fstat(fd).st_size
         head = os.pread(fd, len(HEADER), 0) if size >= len(HEADER) else b""
         if size >= total and head == HEADER:
-            if self._failed is not None:  # (grown whole by the tier's own writes: its disk room is still to take)
+            if self._failing:  # (grown whole by the tier's own writes: its disk room is still to take)
                 self._take_back(fd, path, "", total, size, 0)
             return
         first = max(0, size - HEADER_BYTES) // ALIGN if head == HEADER else 0
@@ -69,12 +69,12 @@ class FileCuts:
         except OSError as e:  # (its writes then fail as the disk's, and say so; tried again each batch)
             self._unmended(path, how, total, size, lost, e)
             return
-        if self._failed is not None and not lost:  # (the cut said already: its take-back at last)
-            self._failed, self._said = None, RepeatLimit("batches")
+        if self._failing and not lost:  # (the cut said already: its take-back at last)
+            self._failing, self._said = False, RepeatLimit("batches")
             log.warning("NVMe: %s (%d bytes) is taken back to %d bytes, its header and disk room again", path, size,
                         total, extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
             return
-        self._failed = None
+        self._failing = False
         log.warning("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); its "
                     "header and disk room are taken again", path, how, total, lost,
                     extra={"event": "dflash2_nvme_file_cut", "path": path, "size": size})
@@ -86,13 +86,13 @@ class FileCuts:
         every later batch logged the cut again, with a warning that said its room was taken again, and
         the failure: two lines a batch while the disk stayed full; then, keyed on the size, a line a
         batch as the tier's writes grew the file, each blaming another process (reviews)."""
-        if lost == 0 and self._failed is not None:  # (however it fails now: the cut was said, a review)
+        if lost == 0 and self._failing:  # (however it fails now: the cut was said, a review)
             more = self._said.due(path)
             if more is not None:
                 log.error("NVMe: %s still cannot be taken back to %d bytes (%d now): %s; writes past its end may "
                           "fail as the disk's until it can%s", path, total, size, error, more)
             return
-        self._failed = (error.errno,)  # (set: the cut said, its take-back failing)
+        self._failing = True  # (the cut said, its take-back failing)
         self._said = RepeatLimit("batches")  # (this line starts the minute and the count: a review)
         self._said.due(path)
         log.error("NVMe: %s %s (the tier's file is %d bytes): %d blocks past the damage are lost (misses); it "
