@@ -6,7 +6,8 @@
 daemon-owned blocks; `chain_keys` makes the content keys that let clients share a prefix.
 """
 
-from dflash2.client.client import Client, resolve_endpoint
+from dflash2.client.client import Client
+from dflash2.client.where import resolve_endpoint
 from dflash2.client.reservation import Reservation
 from dflash2.client.transport import Transport
 from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch

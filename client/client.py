@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,42 +29,19 @@ from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.heartbeat import Awake, run as run_heartbeat
 from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
-from dflash2.client.held import HeldPlaces, unless_refused
+from dflash2.client.callmarks import CallMarks, raised_by, refused
+from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
+from dflash2.client.where import config_of
 from dflash2.errors import (AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable, DFlash2Error,
-                            ProtocolError, UnreadableReply)
+                            ProtocolError)
 from dflash2.layout import Layout
 from dflash2.protocol import Op
 
 log = logging.getLogger("dflash2.client")
-
-
-def resolve_endpoint(endpoint: str | None, config) -> str:
-    """The endpoint given, else the config's `daemon.endpoint` (a path or a loaded Config), else the
-    config's default (the runtime-folder ipc socket)."""
-    if endpoint is not None:  # ("" is given, and refused by name: as Client.connect and config="")
-        from dflash2.endpoints import connectable, endpoint_parts
-
-        endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros: another key file's name)
-        return connectable(endpoint)
-    return _config(config).client_endpoint()
-
-
-def resolve_key_file(endpoint: str | None, config):
-    """A tcp endpoint's key file (dflash2/tcpkeys.py) for `resolve_endpoint`'s endpoint: None for an
-    endpoint given alone (the transport looks for tcp-PORT.key in the runtime folder), else the
-    config's (`daemon.tcp_key_file`, or that default; None for an ipc endpoint)."""
-    return None if endpoint is not None else _config(config).resolved_tcp_key_file()
-
-
-def _config(config):
-    from dflash2.config import Config, load_config
-
-    # (None: not given; "" is given, and refused: taken for "not given", it asked another daemon, a review)
-    return config if isinstance(config, Config) else load_config("dflash2_config.json" if config is None else config)
 
 
 def _places(raw: bytes) -> np.ndarray:
@@ -144,7 +121,7 @@ class Client:
 
             endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros named another key file)
         if endpoint is None or config is not None:
-            cfg = _config(config)
+            cfg = config_of(config)
             endpoint = endpoint or cfg.client_endpoint()
             timeout_s = cfg.daemon.request_timeout_s if timeout_s is None else timeout_s
             key_file = cfg.resolved_tcp_key_file()
@@ -296,71 +273,89 @@ class Client:
         return os.getpid() != self._pid
 
     def _call(self, op: Op, args: dict | None = None, arrays: list[bytes] | None = None,
-              timeout_s: float | None = None) -> P.Reply:
+              timeout_s: float | None = None, gives_up: Callable[[], Callable[[], None]] | None = None) -> P.Reply:
+        """One call. `gives_up`: a commit's, release's or free's giving up of its views here, run first
+        (whatever way the call ends but a refusal, no view may outlive it: a block handed back may move;
+        given up after the reply, a signal handler's exception landing between them left a committed
+        block writable here, a review); it returns what puts them back after a refusal. Every exception
+        out of here is the call's own answer or one of the caller's that cut it off (callmarks.py)."""
+        call = None
+        try:
+            call = CallMarks(op, arrays, gives_up is not None)
+            if gives_up is not None:
+                call.restore = gives_up()
+            return self._run(op, args, arrays, timeout_s, call)
+        except BaseException as e:
+            if call is None:  # (cut off as it began: nothing done)
+                raise
+            if call.owns(e, self._transport):
+                if call.restore is not None and refused(e):
+                    call.restore()
+                raise
+            if call.to_keep(self._transport):  # (a commit's blocks forgotten, a release or free sent, as after a timeout)
+                call.keep(self._unsent)
+            if not isinstance(e, DFlash2Error):
+                raise
+            raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: {e}); " + (
+                "it had run: its answer is lost" if call.answered else "given up as after a timeout")) from e
+
+    def _run(self, op: Op, args: dict | None, arrays: list[bytes] | None, timeout_s: float | None,
+             call: CallMarks) -> P.Reply:
         if self._forked():
             # ZeroMQ sockets do not survive fork: a call from a forked child would wait forever,
             # past any timeout, and speak for the parent's session. Say so instead.
-            raise DaemonUnavailable(f"{op.value}: this client was attached by process {self._pid}; process "
-                                    f"{os.getpid()} is a fork of it and cannot use it (ZeroMQ sockets do not "
-                                    "survive fork): connect a new Client in the child")
+            raise call.mine(DaemonUnavailable(
+                f"{op.value}: this client was attached by process {self._pid}; process {os.getpid()} is a fork of "
+                "it and cannot use it (ZeroMQ sockets do not survive fork): connect a new Client in the child"))
         if self._detached:
-            raise DaemonUnavailable(f"{op.value}: this client is detached; connect a new Client")
-        P.check_frames(op, arrays)  # (before it waits: kept to send later, one too large failed every later call)
+            raise call.mine(DaemonUnavailable(f"{op.value}: this client is detached; connect a new Client"))
+        try:
+            P.check_frames(op, arrays)  # (before it waits: kept to send later, one too large failed every later call)
+        except ProtocolError as e:
+            if raised_by(e, P.check_frames):
+                call.mine(e)
+            raise
         # The call's timeout counts its wait behind other threads' calls on this client (eight threads
         # on a stopped daemon: the last failed after 8 timeouts, each waiting out those ahead, a review).
         timeout = self._transport.timeout_s if timeout_s is None else timeout_s
         began = time.monotonic()
-        unsent = op in (Op.COMMIT, *P.RETRIED) and bool(arrays)
         if self._lock._is_owned():  # (a signal handler's call while a call of this thread runs)
-            raise CallInProgress(f"{op.value}: called while a call of this client runs on this thread (from a "
-                                 "signal handler?): not sent, as its replies would mix; call it after that call")
+            raise call.mine(CallInProgress(f"{op.value}: called while a call of this client runs on this thread (from "
+                                           "a signal handler?): not sent, as its replies would mix; call it after that "
+                                           "call"))
         try:
             got = self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
-        except BaseException:  # cut off waiting by the caller's exception (a deadline's SIGALRM): as below
+        except BaseException:  # cut off waiting by the caller's exception (a deadline's SIGALRM)
             if self._lock._is_owned():  # (taken just before the exception: held for good, every later
                 self._lock.release()  # call failed and close() hung, a review)
-            if unsent:
-                self._unsent.append((op, arrays[0]))
             raise
         if not got:
-            if unsent:
-                self._unsent.append((op, arrays[0]))
-            raise DaemonUnavailable(f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, "
-                                    f"never sent (dflash2d at {self.endpoint} slow or stuck)" + ("" if not unsent else
-                                    "; the next call asks it to drop the blocks" if op == Op.COMMIT else "; the next call sends it"))
+            if call.vids is not None:
+                call.keep(self._unsent)
+            raise call.mine(DaemonUnavailable(
+                f"{op.value}: waited {timeout:g}s behind other threads' calls on this client, never sent (dflash2d at "
+                f"{self.endpoint} slow or stuck)" + ("" if call.vids is None else "; the next call asks it to drop the "
+                                                     "blocks" if op == Op.COMMIT else "; the next call sends it")))
         try:
-            taken = None
-            try:
-                while self._unsent:
-                    # Out of the queue before it is noted again: noted twice (an exception between), a
-                    # release ran twice and dropped another thread's pin (a review); lost there, its pins
-                    # stay until detach, the safe side.
-                    self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
-                waited = min(time.monotonic() - began, timeout - 1e-3)
-                sent = time.monotonic()
-                taken = self._transport.taken
-                reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
-            except BaseException as e:
-                if self._transport.raised_here(e):
-                    raise
-                # The caller's (a signal handler's), before the transport took the call: kept to go with the
-                # next (before, a release's pins or a commit's block stayed held until detach, a review).
-                if unsent and (taken is None or self._transport.taken == taken):
-                    self._unsent.append((op, arrays[0]))
-                if isinstance(e, DFlash2Error):  # (a handler's call's error, this client's or another's: not this
-                    # call's answer, read as one, a refused release's pins were kept though it ran, a review)
-                    raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: "
-                                            f"{e}); given up as after a timeout") from e
-                raise
+            while self._unsent:
+                # Out of the queue before it is noted again: noted twice (an exception between), a
+                # release ran twice and dropped another thread's pin (a review); lost there, its pins
+                # stay until detach, the safe side.
+                self._transport.give_up_unsent(self.client_id, *self._unsent.popleft())
+            waited = min(time.monotonic() - began, timeout - 1e-3)
+            sent = time.monotonic()
+            call.taken = self._transport.taken  # (cut off before the transport counts it, the call is kept)
+            reply = self._transport.call(op, self.client_id, args, arrays, timeout, waited)
+            call.answered = True
             if op in P.NEEDS_CLIENT:  # (ping, stats, check and history renew no lease: answered without one)
                 self.renewed(sent)
             return reply
-        except DaemonError as e:
-            if e.kind == "UnknownClient":  # the lease lapsed (or the daemon restarted): as the heartbeat says
-                self._lease_lost()
-            raise
-        except DaemonUnavailable:
-            self._daemon_gone()
+        except DFlash2Error as e:
+            if call.owns(e, self._transport):  # (only the transport's own answers say the lease or the daemon ended)
+                if isinstance(e, DaemonError) and e.kind == "UnknownClient":  # the lease lapsed (or the daemon
+                    self._lease_lost()  # restarted): as the heartbeat says
+                elif isinstance(e, DaemonUnavailable):
+                    self._daemon_gone()
             raise
         finally:
             self._lock.release()
@@ -449,13 +444,7 @@ class Client:
             raise ValueError(f"commit of {len(vids)} blocks with {len(keys)} content keys (keys=None: no keys)")
         args = {} if parent is None else {"parent": _int("parent", parent)}
         arrays = [vids.tobytes(), b"" if keys is None else _keys(keys)]
-        try:
-            reply = self._call(Op.COMMIT, args, arrays)
-        except BaseException as e:
-            if not isinstance(e, (DaemonError, CallInProgress, ProtocolError)) or isinstance(e, UnreadableReply):
-                self._held.written(vids)  # it may have run: a timeout, or an exception of the caller's meanwhile
-            raise
-        self._held.written(vids)
+        reply = self._call(Op.COMMIT, args, arrays, gives_up=lambda: self._held.written(vids))
         return np.frombuffer(reply.arrays[0], dtype=P.VIDS_DTYPE)
 
     def lookup(self, keys, layout: int | None = None, tier: str = "hbm", *, probe: bool = False) -> np.ndarray:
@@ -503,15 +492,14 @@ class Client:
         out may have run, and a block no longer pinned may move under a view by vid. It is sent again
         until the daemon answers, and runs once (transport.py): never release again."""
         vids = vid_array(vids)  # (refused before anything is given up here)
-        with unless_refused(vids, self._held.released):
-            self._call(Op.RELEASE, {}, [vids.tobytes()])
+        self._call(Op.RELEASE, {}, [vids.tobytes()], gives_up=lambda: self._held.released(vids))
 
     def free(self, vids) -> int:
         """Drop one reference per block (a block being written is freed); as with `release`, the
         blocks are no longer viewable by vid as written ones here, whatever the answer but a refusal."""
         vids = vid_array(vids)
-        with unless_refused(vids, self._held.written):  # (a pinned one stays viewable)
-            return int(self._call(Op.FREE, {}, [vids.tobytes()]).result["freed"])
+        # (a pinned one stays viewable)
+        return int(self._call(Op.FREE, {}, [vids.tobytes()], gives_up=lambda: self._held.written(vids)).result["freed"])
 
     def add_ref(self, vids, priority: int | None = None) -> None:
         """A request of this client shares these blocks; with its `priority`, they are protected as

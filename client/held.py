@@ -3,15 +3,12 @@ yet committed or freed) and those it has pinned (acquired, not yet released)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
-
-from dflash2.errors import CallInProgress, DaemonError, ProtocolError, UnreadableReply
 
 
 class HeldPlaces:
@@ -46,63 +43,65 @@ class HeldPlaces:
         self._places.update(zip(vids, zip(itertools.repeat(places), range(len(vids)))))
         return vids
 
-    def written(self, vids) -> None:
-        """Committed or freed: no longer being written (still viewable while pinned)."""
+    def written(self, vids) -> Callable[[], None]:
+        """Committed or freed: no longer being written (still viewable while pinned). Returns what
+        puts them back, for a call refused (the client gives them up before it sends the call)."""
         vids = _vid_list(vids)
         with self._lock:
-            self._writing.difference_update(vids)
-            self._drop_unheld(vids)
+            writing = self._writing
+            unwritten = [v for v in vids if v in writing]
+            writing.difference_update(vids)
+            dropped = self._drop_unheld(vids)
 
-    def released(self, vids) -> None:
+        def restore() -> None:
+            with self._lock:
+                self._writing.update(unwritten)
+                self._put_back(dropped)
+        return restore
+
+    def released(self, vids) -> Callable[[], None]:
+        """One pin given up per vid listed (none for a vid not pinned here). Returns what puts them
+        back, as `written`."""
         vids = _vid_list(vids)
         with self._lock:
             pins = self._pins
-            last = []
+            last, unpinned = [], []
             for v in vids:
                 n = pins.get(v, 0)
+                if n > 0:
+                    unpinned.append(v)
                 if n > 1:
                     pins[v] = n - 1
                 else:
                     pins.pop(v, None)
                     last.append(v)
-            self._drop_unheld(last)
+            dropped = self._drop_unheld(last)
+
+        def restore() -> None:
+            with self._lock:
+                self._pins.update(unpinned)
+                self._put_back(dropped)
+        return restore
 
     def place(self, vid: int):
         with self._lock:
             found = self._places.get(vid)
         return None if found is None else found[0][found[1]]
 
-    def _drop_unheld(self, vids: list[int]) -> None:
+    def _drop_unheld(self, vids: list[int]) -> dict:
+        """Forget the places of those of `vids` neither written nor pinned here; returns them."""
         writing, pins, places = self._writing, self._pins, self._places
+        dropped = {}
         for v in vids:
-            if v not in writing and v not in pins:
-                places.pop(v, None)
+            if v not in writing and v not in pins and v in places:
+                dropped[v] = places.pop(v)
+        return dropped
+
+    def _put_back(self, dropped: dict) -> None:
+        """Places `_drop_unheld` forgot, but where a later reply has given the vid a newer one."""
+        for v, place in dropped.items():
+            self._places.setdefault(v, place)
 
 
 def _vid_list(vids) -> list[int]:
     return np.asarray(vids, dtype=np.int64).reshape(-1).tolist()
-
-
-@contextlib.contextmanager
-def unless_refused(vids: np.ndarray, forget: Callable[[np.ndarray], None]) -> Iterator[None]:
-    """`forget(vids)` after a release's or free's call, however it ended but refused: by the daemon
-    (DaemonError, but for a lost lease: it ran nothing) or here (CallInProgress, ProtocolError: never
-    sent). Forgotten after a refusal too, a release's pins the daemon still held could not be viewed,
-    nor a block still being written, and neither sent again (a review). A reply that cannot be read
-    (UnreadableReply) is no refusal: the call may have run, and a view kept would follow a block that
-    may have moved."""
-    try:
-        yield
-    except (CallInProgress, ProtocolError):
-        raise
-    except UnreadableReply:
-        forget(vids)
-        raise
-    except DaemonError as e:
-        if e.kind == "UnknownClient":
-            forget(vids)
-        raise
-    except BaseException:
-        forget(vids)
-        raise
-    forget(vids)

@@ -34,7 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from dflash2.client.client import resolve_endpoint, resolve_key_file
+    from dflash2.client.where import resolve_endpoint, resolve_key_file
     from dflash2.client.endpoint_check import check_endpoint
     from dflash2.client.transport import Transport
     from dflash2.protocol import Op

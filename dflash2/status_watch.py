@@ -38,7 +38,7 @@ def handler(args: argparse.Namespace) -> int:
         print("dflash2 status: error: --json does not go with --watch (for a series of figures as JSON: "
               "dflash2 history --json)", file=sys.stderr)
         return status.EXIT_USAGE
-    from dflash2.client.client import resolve_endpoint, resolve_key_file
+    from dflash2.client.where import resolve_endpoint, resolve_key_file
     from dflash2.errors import ConfigError
 
     try:

@@ -114,7 +114,7 @@ def _a_config_here(tmp_path, monkeypatch):
 def test_an_empty_config_for_a_client_names_no_file_rather_than_using_another(tmp_path, monkeypatch):
     """`config=""` (a probe script's unset variable) was taken for "not given": ./dflash2_config.json's
     daemon was asked instead (a review)."""
-    from dflash2.client.client import resolve_endpoint
+    from dflash2.client.where import resolve_endpoint
 
     _a_config_here(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="names no file"):
@@ -129,7 +129,7 @@ def test_an_empty_config_for_the_cli_names_no_file(tmp_path, monkeypatch, capsys
 
 
 def test_an_empty_endpoint_is_refused_by_name_not_taken_for_none():
-    from dflash2.client.client import resolve_endpoint
+    from dflash2.client.where import resolve_endpoint
 
     with pytest.raises(ValueError, match="'' must start with ipc:// or tcp://"):
         resolve_endpoint("", None)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import write_config
 
-from dflash2.client.client import resolve_endpoint
+from dflash2.client.where import resolve_endpoint
 from dflash2.config import load_config
 from dflash2.config_warnings import config_warnings
 
