@@ -292,8 +292,8 @@ class Client:
                 if call.restore is not None and refused(e):
                     call.restore()
                 raise
-            if call.to_keep(self._transport):  # (a commit's blocks forgotten, a release or free sent, as after a timeout)
-                call.keep(self._unsent)
+            if call.to_keep(self._transport):  # (a commit's blocks forgotten, a release or free sent, as after
+                call.keep(self._unsent)  # a timeout)
             if not isinstance(e, DFlash2Error):
                 raise
             raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: {e}); " + (
