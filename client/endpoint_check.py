@@ -29,7 +29,7 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise DaemonUnavailable(f"no dflash2d at {endpoint}: the socket file does not exist "
+        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: the socket file does not exist "
                                 f"(is the daemon running? `dflash2d --config FILE`){_default_elsewhere(path)}") from None
     except PermissionError:
         folder = os.path.dirname(path) or "."
@@ -66,12 +66,36 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
         raise DaemonUnavailable(f"cannot use dflash2d's socket {path}: permission denied (owner uid {st.st_uid}, "
                                 f"mode {stat.S_IMODE(st.st_mode):o}); {same_user}") from None
     except ConnectionRefusedError:
-        raise DaemonUnavailable(f"no dflash2d at {endpoint}: nothing listens on its socket file (a daemon that "
-                                "was killed left it; is the daemon running? `dflash2d --config FILE`)") from None
+        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: nothing listens on its socket "
+                                "file (a daemon that was killed left it; is the daemon running? `dflash2d --config "
+                                "FILE`)") from None
     except OSError:
         pass  # (a full backlog, a timeout: ZeroMQ tries as it does, and the call's timeout says)
     finally:
         probe.close()
+
+
+def _starting(endpoint: str, path: str) -> str:
+    """What to say of a daemon that holds the endpoint's lock (`<socket>.lock`, daemon/endpoint.py) but
+    has not bound its socket yet: it is taking its tiers, minutes for large ones ("" when none does).
+    Told "is the daemon running?" then, an operator restarted it, and sglang fell back as with none (a
+    review). Read from /proc/locks: a lock taken to test it, even shared and let go at once, could make
+    that daemon's own start fail as "another dflash2d is serving". The holder's pid must be the one the
+    file names (a killed daemon's file names its pid, and holds no lock)."""
+    try:
+        st = os.stat(path + ".lock")
+        with open(path + ".lock", "rb") as f:
+            pid = f.read(32).decode(errors="replace").strip()
+        with open("/proc/locks") as f:
+            locks = f.read().splitlines()
+    except OSError:
+        return ""
+    for line in locks:  # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a waiter's has "->" after "1:")
+        parts = line.split()
+        if len(parts) > 5 and parts[1] == "FLOCK" and parts[4] == pid and parts[5].endswith(f":{st.st_ino}"):
+            return (f"no dflash2d answers at {endpoint} yet: dflash2d pid {pid} holds it and is still starting "
+                    "(taking its tiers: minutes for large ones); try again shortly")
+    return ""
 
 
 def _default_elsewhere(path: str) -> str:

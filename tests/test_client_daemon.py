@@ -501,3 +501,30 @@ def test_a_client_looking_at_the_default_socket_is_told_of_the_other_environment
             Client.connect(config=config, timeout_s=1.0)
     finally:
         shutil.rmtree(other)
+
+
+def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
+    """A review: a restarted daemon takes the endpoint's lock and removes the old socket at once, but
+    binds its own only once every tier is taken (minutes for large ones); meanwhile clients and `dflash2
+    status` were told "is the daemon running?". The lock is the daemon's own (EndpointLock), held here
+    as a starting daemon holds it; a killed daemon's lock file, held by no one, is no daemon starting."""
+    from dflash2.client.endpoint_check import check_endpoint
+    from dflash2.daemon.endpoint import EndpointLock
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    lock = EndpointLock(endpoint, tmp_path)
+    lock.acquire()
+    try:
+        with pytest.raises(DaemonUnavailable, match=rf"no dflash2d answers at {endpoint} yet: dflash2d pid "
+                                                    rf"{os.getpid()} holds it and is still starting"):
+            check_endpoint(endpoint)
+        (tmp_path / "d.sock").touch()  # (a killed daemon's socket file, nothing listening on it)
+        with pytest.raises(DaemonUnavailable, match="is still starting"):
+            check_endpoint(endpoint)
+        (tmp_path / "d.sock").unlink()
+    finally:
+        fd, lock._fd = lock._fd, -1
+        os.close(fd)  # (the lock let go as by a killed daemon: its file stays, naming this pid)
+    assert (tmp_path / "d.sock.lock").read_text() == str(os.getpid())
+    with pytest.raises(DaemonUnavailable, match=r"the socket file does not exist \(is the daemon running"):
+        check_endpoint(endpoint)
