@@ -33,7 +33,7 @@ from dflash2.client.callmarks import CallMarks, raised_by, refused
 from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.endpoint_check import check_endpoint
-from dflash2.client.transport import Transport, check_descriptors, check_timeout, pid_namespace
+from dflash2.client.transport import GONE_CHECK_S, Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.client.where import config_of
 from dflash2.errors import (AccessDenied, ArenaError, CallInProgress, DaemonError, DaemonUnavailable, DFlash2Error,
@@ -96,6 +96,7 @@ class Client:
         self._renewed = time.monotonic()  # the lease renewed by then at least (`renewed`; runs on through a SIGSTOP)
         self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
+        self._alive_checked = time.monotonic()  # when a view last asked whether the daemon lives (view_bytes)
         self._detached = False  # detach() called: every later call says so
         self.client_id: int | None = None
         self._attach(layouts, heartbeat, prefill_tokens_per_s)
@@ -533,6 +534,16 @@ class Client:
             raise ArenaError("this client is detached: its arena mappings are gone")
         if not self.lease_lost and not self._forked():  # (a forked child is told so by _place)
             self._confirm_lease()
+            now = time.monotonic()
+            # Whether the daemon still lives, at most every GONE_CHECK_S: a killed daemon's block was
+            # handed out until the next call or heartbeat (a lease without one), over its segment that
+            # a restarted daemon had removed, writes lost without a word (a review).
+            if now - self._alive_checked >= GONE_CHECK_S:
+                self._alive_checked = now
+                self._daemon_gone()
+        if self._ended:
+            raise ArenaError(f"the daemon at {self.endpoint} that this client attached to has ended (its memory is "
+                             "let go): attach a new client")
         if self.lease_lost:  # (its blocks are no longer its own: freed once this process is gone, or set-aside ends)
             raise ArenaError("this client's lease lapsed: its blocks are no longer its own; attach a new client")
         return arenas.bytes_view(self._place(place))

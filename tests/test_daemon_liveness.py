@@ -377,3 +377,28 @@ def test_a_segment_that_cannot_be_opened_is_not_blamed_on_dev_shm(name, tmp_path
         assert "cannot be opened" in str(info.value) and "must see the daemon's /dev/shm" not in str(info.value)
     finally:
         os.rmdir(f"/dev/shm/{seg}")
+
+
+@pytest.mark.parametrize("heartbeat", [False, True])
+def test_no_new_view_of_a_killed_daemons_memory(config_file, tmp_path, heartbeat):
+    """A review: a new view of a block of a daemon killed (and restarted) since was handed out until the
+    client's next call or heartbeat (a whole lease without one), over the segment the restarted daemon
+    had removed: what the engine wrote there was lost without a word. A view asks whether the daemon
+    lives (every 50 ms at most)."""
+    d = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
+                                  daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    c = Client.connect(d.endpoint, name="engine", layouts=[SMALL], heartbeat=heartbeat)
+    try:
+        p = c.allocate(c.layouts[0], 1)
+        c.view_bytes(p[0])[:] = 7
+        (vid,) = c.commit(p["vid"], keys=[11])
+        assert c.acquire([vid]) is not None
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait()
+        d.start()  # the next daemon serves the endpoint (and has removed the killed one's segments)
+        time.sleep(0.06)
+        with pytest.raises(ArenaError, match="that this client attached to has ended"):
+            c.view_bytes(vid)
+    finally:
+        c.close()
+        d.stop()
