@@ -368,6 +368,8 @@ def read_file(path: Path, max_samples: int | None = None, since_s: float | None 
         if is_sample(sample):
             if cutoff is None or sample["t"] >= cutoff:
                 out.append(sample)
+            else:  # (as above, for a line not laid out as the daemon writes it: kept, the samples before
+                out.clear()  # a clock set back came back between those after it, a review)
         else:
             skipped += 1
     if skipped:

@@ -11,7 +11,7 @@ import pytest
 from dflash2 import cli
 from dflash2 import protocol as P
 from dflash2.daemon.service import Service
-from dflash2.history import History, decode, rates, read_file
+from dflash2.history import History, decode, rates, read_file, sample_of
 from observe_helpers import call_ok, load, service  # noqa: F401  (a fixture)
 
 
@@ -506,6 +506,17 @@ def test_since_counts_no_time_for_a_clock_set_back(service, tmp_path):
         assert f"{n} samples over {n - 2}s" in render(last)
     # 30 s after the step: none of before it (the file's counted from its newest sample).
     assert len(h.since(30)) == 30 and [s["t"] for s in read_file(path, since_s=30)] == [7029.0 + i for i in range(31)]
+
+
+def test_since_after_a_clock_set_back_in_lines_not_laid_out_as_the_daemon_writes_them(service, tmp_path):
+    """A review: a history file re-written with JSON's spacing (`{"t": 1000.0, ...}`), whose times the
+    streaming step cannot read, kept a sample from before a clock set back between those after it."""
+    path = tmp_path / "history.jsonl"
+    sample = service.stats()
+    with open(path, "w") as f:
+        for t in (1000, 1010, 1020, 1030, 500, 510, 520):  # the clock set back after 1030
+            f.write(json.dumps(sample_of(sample, float(t)), separators=(", ", ": ")) + "\n")
+    assert [s["t"] for s in read_file(path, since_s=15)] == [510.0, 520.0]
 
 
 def test_a_line_that_only_begins_as_a_sample_does_not_cut_since(service, tmp_path, clock, capsys):
