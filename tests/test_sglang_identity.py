@@ -169,3 +169,46 @@ def test_a_lora_adapter_replaced_under_the_same_path_is_another_model(tmp_path, 
     (adapter / "adapter_model.safetensors").write_bytes(b"fine-tune v2 -- other weights")
     assert id_of(model_path=model, lora_paths=[f"support={adapter}"]) != v1
     assert id_of(model_path=model, lora_paths=[str(adapter)]) != v1  # (named by its path: another name)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The default Hugging Face cache, in a temporary folder."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def snapshot(cache, repo, files, commit="a" * 40, ref="main"):
+    """A repo's snapshot in the Hugging Face cache `cache`, as a download leaves it."""
+    base = cache / ("models--" + repo.replace("/", "--"))
+    (base / "snapshots" / commit).mkdir(parents=True)
+    (base / "refs").mkdir(exist_ok=True)
+    (base / "refs" / ref).write_text(commit)
+    for name, data in files.items():
+        (base / "snapshots" / commit / name).write_bytes(data)
+    return base / "snapshots" / commit
+
+
+def test_a_repo_id_with_a_download_dir_has_its_files_read(tmp_path, hub):
+    """sglang downloads only a repo id's weights into --download-dir, and transformers its
+    config.json into the default cache: config.json was looked for under --download-dir, and such a
+    model was never read (a new revision under the repo id read the old one's pages; a review)."""
+    snapshot(hub, "org/llama", {"config.json": b'{"hidden_size": 4096}'})
+    snapshot(tmp_path / "dl", "org/llama", {"model.safetensors": b"v1 weights"})
+    ident = model_identity(server_args(args(model_path="org/llama", download_dir=str(tmp_path / "dl"))))
+    assert "unread" not in ident, ident["unread"]
+    assert ident["config_sha256"] and [w[:2] for w in ident["weights"]] == [["model.safetensors", 10]]
+    v1 = model_id(ident)
+    snapshot(tmp_path / "dl", "org/llama", {"model.safetensors": b"v2 weights!"}, commit="b" * 40)  # main moves on
+    assert id_of(model_path="org/llama", download_dir=str(tmp_path / "dl")) != v1
+    no_weights = model_identity(server_args(args(model_path="org/llama", download_dir=str(tmp_path / "none"))))
+    assert "no snapshot of 'org/llama' at main under --download-dir" in no_weights["unread"]
+    assert no_weights["config_sha256"] == ident["config_sha256"] and "not read: no snapshot" in describe(no_weights)
+    snapshot(hub, "org/other", {"model.safetensors": b"w"})
+    snapshot(tmp_path / "dl", "org/other", {"model.safetensors": b"w"})
+    no_config = model_identity(server_args(args(model_path="org/other", download_dir=str(tmp_path / "dl"))))
+    assert "its config.json is not in the Hugging Face cache" in no_config["unread"] and no_config["weights"]
+    snapshot(hub, "org/both", {"config.json": b"{}", "model.safetensors": b"w"})  # without it: one snapshot
+    assert "unread" not in model_identity(server_args(args(model_path="org/both")))
+

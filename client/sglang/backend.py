@@ -142,10 +142,8 @@ class DFlash2Storage(HiCacheStorage):
             raise ConfigError("--hicache-storage-backend-extra-config dflash2_model",
                               f"must be a JSON object of the model's server arguments, got {args!r}")
         ident = identity.model_identity(args)
-        if "unread" in ident:
-            log.warning("dflash2: the model's files were not read (%s): its pages are keyed by its path and server "
-                        "arguments alone (a checkpoint replaced under that path would read the old one's)",
-                        ident["unread"])
+        for line in identity.not_read(ident):
+            log.warning("dflash2: %s", line)
         log.info("dflash2: the pages' namespace covers the model %s", identity.describe(ident))
         return identity.model_id(ident)
 

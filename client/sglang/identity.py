@@ -16,8 +16,11 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   files (WEIGHT_SUFFIXES, the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
-  them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). Where none can be read,
-  `unread` says why (the backend logs it): the namespace then covers the path and the arguments;
+  them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). A repo
+  id's config.json is looked up in the default cache and its weights in that snapshot or, with
+  `--download-dir`, in the cache there (where sglang leaves each). Where some cannot be read,
+  `unread` says which and why (the backend logs it, `not_read`): the namespace then covers the
+  path, the arguments and what was read;
 - the LoRA adapters given at start (`--lora-paths`), each by name, resolved path and files
   (`lora_adapters`), when there are any.
 
@@ -85,23 +88,33 @@ def model_identity(args: dict) -> dict:
     docstring): the same in every process that serves those files with those arguments."""
     ident = dict(args)
     download_dir = ident.pop("download_dir", None)  # where to look, not what the model is
-    path, folder, why = ident.get("model_path"), None, None
+    path, why = ident.get("model_path"), None
     if isinstance(path, str) and path and os.path.exists(path):
-        folder = path
+        ident.update(_files(path))
+        if ident["config_sha256"] is None and not ident["weights"]:
+            why = f"neither {CONFIG_FILE} nor weight files in {path}"
     elif isinstance(path, str) and path:
-        folder, why = _cached_snapshot(path, ident.get("revision"), download_dir)
+        files, why = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
+        ident.update(files)
     else:
         why = "no model path"
-    if folder is not None:
-        ident.update(_files(folder))
-        if ident["config_sha256"] is None and not ident["weights"]:
-            why = f"neither {CONFIG_FILE} nor weight files in {folder}"
     if why is not None:
         ident["unread"] = why
     if ident.get("lora_adapters"):  # each adapter's files, as the model's (a path that is not local: as given)
         ident["lora_adapters"] = [[name, path, _files(path, ADAPTER_CONFIG) if os.path.exists(path) else None]
                                   for name, path in ident["lora_adapters"]]
     return ident
+
+
+def not_read(identity: dict) -> list[str]:
+    """What of the model's files could not be read, one line each, for the log:
+    the namespace then covers less than the weights (a replaced checkpoint reads the old one's pages)."""
+    out = []
+    if identity.get("unread"):
+        out.append(f"the model's files were not read ({identity['unread']}): its pages are keyed by its path, "
+                   "its server arguments and what else of its files was read (a checkpoint replaced under that "
+                   "path would read the old one's)")
+    return out
 
 
 def model_id(identity: dict) -> str:
@@ -117,7 +130,8 @@ def describe(identity: dict) -> str:
     if identity.get("lora_adapters"):
         files += f", {len(identity['lora_adapters'])} LoRA adapters"
     if identity.get("unread"):
-        files = f"its files not read: {identity['unread']}"
+        read = identity.get("config_sha256") or identity.get("weights")
+        files = (f"{files}; " if read else "its files ") + f"not read: {identity['unread']}"
     return f"{identity.get('model_path')} ({files}; id {model_id(identity)})"
 
 
@@ -132,19 +146,57 @@ def _canonical_json(value):
         return value
 
 
-def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> tuple[str | None, str | None]:
-    """The local folder of a Hugging Face repo's snapshot at `revision` (its config.json's), without
+def _repo_files(repo_id: str, revision: str | None, download_dir: str | None, config: str) -> tuple[dict, str | None]:
+    """`_files` of a Hugging Face repo id, from where sglang left them, and why what is missing was
+    not read (None when nothing is): `config` in the default cache (transformers' AutoConfig, and
+    sglang's LoRA config, never pass --download-dir), and the weights in the snapshot of that cache
+    or, given --download-dir, of the cache there (sglang's loader downloads only the weight files
+    into it). Looking for config.json under --download-dir found none, and a repo id served with it
+    was never read: a new revision under the same repo id read the old one's pages (a review)."""
+    found, why = _cached_snapshot(repo_id, revision, None, config)
+    out = _files(found, config) if found else {"config_sha256": None, "weights": []}
+    if download_dir:
+        out["weights"] = []
+        folder = _snapshot_in(download_dir, repo_id, revision)
+        if folder is None:
+            whys = [why, f"no snapshot of {repo_id!r} at {revision or 'main'} under --download-dir {download_dir}"]
+            return out, "; ".join(w for w in whys if w)
+        out["weights"] = _files(folder, config)["weights"]
+        found = folder
+    if found and not out["weights"]:
+        why = "; ".join(w for w in (why, f"no weight files in {found}") if w)
+    return out, why
+
+
+def _snapshot_in(cache_dir: str, repo_id: str, revision: str | None) -> str | None:
+    """The snapshot folder of `repo_id` at `revision` (a branch or tag through its refs/ file, or a
+    commit) in the Hugging Face cache `cache_dir`, or None: found by the cache's layout, as its
+    weight files' names are not known beforehand (try_to_load_from_cache wants one)."""
+    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    commit = revision or "main"
+    try:
+        with open(os.path.join(repo, "refs", commit)) as f:
+            commit = f.read().strip()
+    except (OSError, ValueError):
+        pass  # (a commit given as the revision)
+    folder = os.path.join(repo, "snapshots", commit)
+    return folder if commit and os.path.isdir(folder) else None
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None,
+                     config: str = CONFIG_FILE) -> tuple[str | None, str | None]:
+    """The local folder of a Hugging Face repo's snapshot at `revision` (its `config`'s), without
     the network: (folder, None), or (None, why not)."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None, f"{repo_id!r} is no local path, and huggingface_hub is not installed to find it in its cache"
     try:
-        found = try_to_load_from_cache(repo_id, CONFIG_FILE, cache_dir=cache_dir, revision=revision)
+        found = try_to_load_from_cache(repo_id, config, cache_dir=cache_dir, revision=revision)
     except Exception as e:  # a repo id it refuses (HFValidationError), an unreadable cache
         return None, f"{repo_id!r} is no local path, and its cache could not be read ({type(e).__name__}: {e})"
     if not isinstance(found, str):
-        return None, f"{repo_id!r} is no local path, and its {CONFIG_FILE} is not in the Hugging Face cache yet"
+        return None, f"{repo_id!r} is no local path, and its {config} is not in the Hugging Face cache yet"
     return os.path.dirname(found), None
 
 
