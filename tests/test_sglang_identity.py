@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from dflash2.client.sglang import identity
 from dflash2.client.sglang.identity import describe, model_id, model_identity, server_args
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 
@@ -212,3 +213,19 @@ def test_a_repo_id_with_a_download_dir_has_its_files_read(tmp_path, hub):
     snapshot(hub, "org/both", {"config.json": b"{}", "model.safetensors": b"w"})  # without it: one snapshot
     assert "unread" not in model_identity(server_args(args(model_path="org/both")))
 
+
+def test_a_lora_adapter_given_as_a_repo_id_has_its_files_read(tmp_path, hub, caplog):
+    """An adapter given as a repo id was in the identity by its name alone, without a word: one
+    updated upstream and fetched again read the old one's adapter KV (a review). Its files are found
+    in the cache as the model's, and a warning says when they are not."""
+    model = str(model_folder(tmp_path))
+    snapshot(hub, "org/support-lora", {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"v1"})
+    v1 = id_of(model_path=model, lora_paths=["support=org/support-lora"])
+    snapshot(hub, "org/support-lora", {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"v2!"},
+             commit="b" * 40)  # updated upstream, fetched again
+    ident = model_identity(server_args(args(model_path=model, lora_paths=["support=org/support-lora"])))
+    assert model_id(ident) != v1 and ident["lora_adapters"][0][2]["weights"][0][:2] == ["adapter_model.safetensors", 3]
+    assert not identity.not_read(ident)
+    missing = model_identity(server_args(args(model_path=model, lora_paths=["other=org/not-fetched-lora"])))
+    [line] = identity.not_read(missing)
+    assert "LoRA adapter 'other'" in line and "adapter_config.json is not in the Hugging Face cache" in line

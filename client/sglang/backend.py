@@ -142,7 +142,7 @@ class DFlash2Storage(HiCacheStorage):
             raise ConfigError("--hicache-storage-backend-extra-config dflash2_model",
                               f"must be a JSON object of the model's server arguments, got {args!r}")
         ident = identity.model_identity(args)
-        for line in identity.not_read(ident):
+        for line in identity.not_read(ident):  # (the model's, and each LoRA adapter's)
             log.warning("dflash2: %s", line)
         log.info("dflash2: the pages' namespace covers the model %s", identity.describe(ident))
         return identity.model_id(ident)

@@ -22,7 +22,7 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   `unread` says which and why (the backend logs it, `not_read`): the namespace then covers the
   path, the arguments and what was read;
 - the LoRA adapters given at start (`--lora-paths`), each by name, resolved path and files
-  (`lora_adapters`), when there are any.
+  (`lora_adapters`; a repo id's found as the model's, `unread` where they are not), when there are any.
 
 `model_id` is the identity's digest, which the namespace carries.
 """
@@ -100,20 +100,24 @@ def model_identity(args: dict) -> dict:
         why = "no model path"
     if why is not None:
         ident["unread"] = why
-    if ident.get("lora_adapters"):  # each adapter's files, as the model's (a path that is not local: as given)
-        ident["lora_adapters"] = [[name, path, _files(path, ADAPTER_CONFIG) if os.path.exists(path) else None]
+    if ident.get("lora_adapters"):  # each adapter's files, found as the model's
+        ident["lora_adapters"] = [[name, path, _adapter_files(path, download_dir)]
                                   for name, path in ident["lora_adapters"]]
     return ident
 
 
 def not_read(identity: dict) -> list[str]:
-    """What of the model's files could not be read, one line each, for the log:
+    """What of the model's and its adapters' files could not be read, one line each, for the log:
     the namespace then covers less than the weights (a replaced checkpoint reads the old one's pages)."""
     out = []
     if identity.get("unread"):
         out.append(f"the model's files were not read ({identity['unread']}): its pages are keyed by its path, "
                    "its server arguments and what else of its files was read (a checkpoint replaced under that "
                    "path would read the old one's)")
+    for name, path, files in identity.get("lora_adapters") or []:
+        if files.get("unread"):
+            out.append(f"the LoRA adapter {name!r}'s files were not read ({files['unread']}): its pages are keyed "
+                       f"by its name and path {path!r} (an adapter replaced there would read the old one's)")
     return out
 
 
@@ -144,6 +148,20 @@ def _canonical_json(value):
         return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
     except ValueError:
         return value
+
+
+def _adapter_files(path: str, download_dir: str | None) -> dict:
+    """A LoRA adapter's `_files`, of a local folder or a repo id's cached files (sglang fetches its
+    adapter_config.json into the default cache and its weights as the model's); "unread" says why
+    none could be read. An adapter given as a repo id was in the identity by its name alone, and
+    one updated upstream and fetched again read the old one's KV, without a word (a review)."""
+    if os.path.exists(path):
+        files = _files(path, ADAPTER_CONFIG)
+        if files["config_sha256"] is None and not files["weights"]:
+            files["unread"] = f"neither {ADAPTER_CONFIG} nor weight files in {path}"
+        return files
+    files, why = _repo_files(path, None, download_dir, ADAPTER_CONFIG)
+    return {**files, "unread": why} if why else files
 
 
 def _repo_files(repo_id: str, revision: str | None, download_dir: str | None, config: str) -> tuple[dict, str | None]:
