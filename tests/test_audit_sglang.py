@@ -352,13 +352,27 @@ def test_a_long_model_path_still_attaches(config_file, daemon, backends):
     name = client_name(model, 3)
     assert len(name) <= MAX_NAME_CHARS and name.endswith("Meta-Llama-3-8B-Instruct:tp3") and "..." in name
     assert client_name("meta-llama/Meta-Llama-3-8B-Instruct", 0) == "sglang:meta-llama/Meta-Llama-3-8B-Instruct:tp0"
-    cfg = storage_config(daemon[0])
-    cfg.model_name = model
-    pool = host_pool()
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    backend.register_mem_pool_host(pool)
-    backends.append(backend)
-    assert backend.fallback_reason is None and backend.active
+    longer = "/mnt/shared/team/models/" + "checkpoints/" * 40 + "Meta-Llama-3-8B-Instruct"  # (a review: 516)
+    for served in (model, longer):
+        cfg = storage_config(daemon[0])
+        cfg.model_name = served
+        pool = host_pool()
+        backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+        backend.register_mem_pool_host(pool)
+        backends.append(backend)
+        assert backend.fallback_reason is None and backend.active, served
+
+
+def test_long_model_paths_never_share_a_layout_name():
+    """The layout's name holds the model cut to a bound, with a digest of the whole: two long paths
+    of one tail, or a model spelled as another's cut form, still differ."""
+    from dflash2.client.sglang.pages import page_layout
+
+    a, b = ("/a" + "/checkpoints" * 40 + "/llama", "/b" + "/checkpoints" * 40 + "/llama")
+    cut = page_layout(host_pool(), a).name
+    names = {page_layout(host_pool(), m).name for m in (a, b, cut.split(":")[1])}
+    assert len(names) == 3 and all(len(n) <= 512 for n in names) and "/checkpoints/llama#" in cut
+    assert page_layout(host_pool(), "meta-llama/Llama-3-8B").name.startswith("sglang:meta-llama/Llama-3-8B:mha-")
 
 
 METRIC_KEYS = [f"m-{i}" for i in range(8)]

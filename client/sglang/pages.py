@@ -14,9 +14,15 @@ GPU node it is a CUDA tensor and the same calls move the bytes across PCIe.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from dflash2.layout import Layout
+
+# The most characters of the model a layout's name holds (the rest of the name, its geometry, takes
+# under 100 of the daemon's 512).
+MODEL_CHARS = 300
 
 # torch dtype name -> dflash2 layout dtype. Packed or scaled formats travel as their raw bytes
 # (an int8 layout of the same byte count), which is all a block needs to hold.
@@ -43,6 +49,19 @@ def page_elements(pool) -> int:
                               f"pages ({type(e).__name__}: {e})") from e
 
 
+def layout_model(model: str) -> str:
+    """The model as a layout's name holds it: as given up to MODEL_CHARS, else its tail (a local
+    snapshot's path differs at its end) and a digest of the whole, MODEL_CHARS + 1 characters in all,
+    so that no two models share a name (a cut one is longer than any uncut). A model path over about
+    470 characters made the name longer than the daemon takes, and every scheduler fell back (a
+    review); the model's whole name is in the key namespace, so pages are shared as before."""
+    if len(model) <= MODEL_CHARS:
+        return model
+    digest = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    tail = MODEL_CHARS + 1 - len("...#") - len(digest)
+    return f"...{model[-tail:]}#{digest}"
+
+
 def page_layout(pool, model: str) -> Layout:
     """The dflash2 layout of one page of `pool` (an sglang HostKVCache), named after the model and
     the geometry, so that every process with the same geometry registers the same layout."""
@@ -54,7 +73,7 @@ def page_layout(pool, model: str) -> Layout:
     dtype = LAYOUT_DTYPES[dtype_name]
     if dtype == "int8" and itemsize != 1:
         raise PageFormatError(f"host KV dtype {dtype_name}: {itemsize}-byte elements")
-    layers = int(getattr(pool, "layer_num", 0) or 0)
+    layers, model = int(getattr(pool, "layer_num", 0) or 0), layout_model(model)
     heads, head_dim = int(getattr(pool, "head_num", 0) or 0), int(getattr(pool, "head_dim", 0) or 0)
     v_dim = int(getattr(pool, "v_head_dim", head_dim) or 0)
     if layers and heads and head_dim == v_dim and elems == 2 * layers * tokens * heads * head_dim:
