@@ -5,6 +5,7 @@ status` and `history`)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
@@ -77,25 +78,27 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
 
 def _starting(endpoint: str, path: str) -> str:
     """What to say of a daemon that holds the endpoint's lock (`<socket>.lock`, daemon/endpoint.py) but
-    has not bound its socket yet: it is taking its tiers, minutes for large ones ("" when none does).
-    Told "is the daemon running?" then, an operator restarted it, and sglang fell back as with none (a
-    review). Read from /proc/locks: a lock taken to test it, even shared and let go at once, could make
-    that daemon's own start fail as "another dflash2d is serving". The holder's pid must be the one the
-    file names (a killed daemon's file names its pid, and holds no lock)."""
+    does not serve its socket: one taking its tiers at start-up (minutes for large ones), or letting
+    them go as it stops ("" when none holds it). Told "is the daemon running?" then, an operator
+    restarted it, and sglang fell back as with none (a review). Asked with a shared lock let go at once,
+    which the daemon's own start waits out (daemon/endpoint.py `_take`): /proc/locks, read instead, shows
+    no lock of a process in another pid namespace (a serving pod beside the DaemonSet's daemon)."""
     try:
-        st = os.stat(path + ".lock")
-        with open(path + ".lock", "rb") as f:
-            pid = f.read(32).decode(errors="replace").strip()
-        with open("/proc/locks") as f:
-            locks = f.read().splitlines()
+        fd = os.open(path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return ""
-    for line in locks:  # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a waiter's has "->" after "1:")
-        parts = line.split()
-        if len(parts) > 5 and parts[1] == "FLOCK" and parts[4] == pid and parts[5].endswith(f":{st.st_ino}"):
-            return (f"no dflash2d answers at {endpoint} yet: dflash2d pid {pid} holds it and is still starting "
-                    "(taking its tiers: minutes for large ones); try again shortly")
-    return ""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            return (f"no dflash2d answers at {endpoint} now: dflash2d pid {pid} holds it but does not serve it, "
+                    "as while it starts (taking its tiers: minutes for large ones) or stops; try again shortly")
+        except OSError:
+            return ""
+        return ""  # (nobody held it: the lock goes with the descriptor)
+    finally:
+        os.close(fd)
 
 
 def _default_elsewhere(path: str) -> str:

@@ -507,7 +507,8 @@ def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
     """A review: a restarted daemon takes the endpoint's lock and removes the old socket at once, but
     binds its own only once every tier is taken (minutes for large ones); meanwhile clients and `dflash2
     status` were told "is the daemon running?". The lock is the daemon's own (EndpointLock), held here
-    as a starting daemon holds it; a killed daemon's lock file, held by no one, is no daemon starting."""
+    as a starting daemon holds it; a killed daemon's lock file, held by no one, is no daemon starting.
+    (Asked by a lock, not from /proc/locks, which shows none of another pid namespace's processes.)"""
     from dflash2.client.endpoint_check import check_endpoint
     from dflash2.daemon.endpoint import EndpointLock
 
@@ -515,11 +516,12 @@ def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
     lock = EndpointLock(endpoint, tmp_path)
     lock.acquire()
     try:
-        with pytest.raises(DaemonUnavailable, match=rf"no dflash2d answers at {endpoint} yet: dflash2d pid "
-                                                    rf"{os.getpid()} holds it and is still starting"):
+        with pytest.raises(DaemonUnavailable, match=rf"no dflash2d answers at {endpoint} now: dflash2d pid "
+                                                    rf"{os.getpid()} holds it but does not serve it, as while it "
+                                                    r"starts \(taking its tiers"):
             check_endpoint(endpoint)
         (tmp_path / "d.sock").touch()  # (a killed daemon's socket file, nothing listening on it)
-        with pytest.raises(DaemonUnavailable, match="is still starting"):
+        with pytest.raises(DaemonUnavailable, match="holds it but does not serve it"):
             check_endpoint(endpoint)
         (tmp_path / "d.sock").unlink()
     finally:
@@ -528,3 +530,45 @@ def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
     assert (tmp_path / "d.sock.lock").read_text() == str(os.getpid())
     with pytest.raises(DaemonUnavailable, match=r"the socket file does not exist \(is the daemon running"):
         check_endpoint(endpoint)
+
+
+def test_a_clients_question_does_not_fail_a_daemons_start(tmp_path):
+    """The client asks with a shared lock let go at once: a daemon taking the lock meanwhile waits it
+    out (it failed as "another dflash2d is serving")."""
+    import fcntl
+    import threading
+
+    from dflash2.daemon.endpoint import EndpointLock
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    (tmp_path / "d.sock.lock").write_text("")
+    fd = os.open(tmp_path / "d.sock.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a client's question, caught in the act)
+    threading.Timer(0.015, os.close, (fd,)).start()
+    lock = EndpointLock(endpoint, tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_a_client_in_its_own_pid_namespace_is_told_the_daemon_is_starting(tmp_path):
+    """deploy/kubernetes/daemonset.yaml runs the daemon with hostPID, the serving pods without it:
+    /proc/locks, read at first, shows no lock of a process in another pid namespace, and a serving
+    pod's client was told "is the daemon running?" all the same (a review of the mend)."""
+    import shutil
+
+    from dflash2.daemon.endpoint import EndpointLock
+
+    unshare = ["unshare", "-pf"] if os.geteuid() == 0 else ["unshare", "-Upf", "--map-root-user"]
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "--mount-proc", "true"]).returncode != 0:
+        pytest.skip("no unshare that can make a pid namespace here")
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    lock = EndpointLock(endpoint, tmp_path)
+    lock.acquire()  # (held as a starting daemon holds it)
+    code = ("from dflash2.client.endpoint_check import check_endpoint\n"
+            f"try: check_endpoint({endpoint!r})\nexcept Exception as e: print(e)")
+    try:
+        pod = subprocess.run([*unshare, "--mount-proc", sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=60).stdout
+    finally:
+        lock.release()
+    assert "holds it but does not serve it" in pod, pod
