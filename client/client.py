@@ -239,8 +239,9 @@ class Client:
             self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
             return {}
         self._stop.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
+        beat = self._heartbeat_thread  # (read once: another thread's close() sets it to None, a review)
+        if beat is not None:
+            beat.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
             self._heartbeat_thread = None
         released = {}
         if self._lock._is_owned():  # (from a signal handler during a call of this thread: after that call)

@@ -216,3 +216,43 @@ def test_a_refused_release_keeps_its_views(daemon):
         released = c.close()
         other.close()
     assert not any(released.values()), released
+
+
+def test_two_threads_closing_one_client_at_once(daemon):
+    """A shutdown hook and the serving loop close one client at once: the second close() checked the
+    heartbeat thread, the first set it to None, and the second failed on it (AttributeError, a review).
+    The second thread is held just past that check (a line trace) while the first closes."""
+    import inspect
+    import sys
+
+    c = _connect(daemon, "engine", heartbeat=True)
+    lines, first = inspect.getsourcelines(Client.detach)
+    check = next(first + i for i, line in enumerate(lines) if "is not None:" in line and "beat" in line)
+    at_check, closed, errors = threading.Event(), threading.Event(), []
+
+    def hold(frame, event, arg):
+        if frame.f_code is not Client.detach.__code__:
+            return None
+
+        def line(frame, event, arg):
+            if event == "line" and frame.f_lineno == check + 1:
+                at_check.set()
+                closed.wait(10)
+            return line
+        return line
+
+    def second():
+        sys.settrace(hold)
+        try:
+            assert c.close() == {}
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            sys.settrace(None)
+    t = threading.Thread(target=second)
+    t.start()
+    assert at_check.wait(10)
+    c.close()
+    closed.set()
+    t.join(10)
+    assert not errors, errors
