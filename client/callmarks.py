@@ -46,6 +46,17 @@ class CallMarks:
         self.queued = True
         unsent.append((self.op, self.vids))
 
+    def fate(self, transport) -> str:
+        """What became of a call cut off, for its error: "given up as after a timeout" said of every
+        such call, also of one kept to send, or one neither sent nor kept (a review)."""
+        if self.answered:
+            return "it had run: its answer is lost"
+        if self.queued:
+            return "kept to go with the next call"
+        if self.taken is not None and transport.taken != self.taken:
+            return "given up as after a timeout"
+        return "never sent" + ("; what it names stays this client's until it detaches" if self.vids is not None else "")
+
     def owns(self, error: BaseException, transport) -> bool:
         """Whether `error` is this call's own answer: raised by the client as one, or by the transport
         while it ran this call (not before: a handler's call of this client, made while this one waited

@@ -298,8 +298,8 @@ class Client:
                 call.keep(self._unsent)  # a timeout)
             if not isinstance(e, DFlash2Error):
                 raise
-            raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: {e}); " + (
-                "it had run: its answer is lost" if call.answered else "given up as after a timeout")) from e
+            raise DaemonUnavailable(f"{op.value}: cut off by a call made within it ({type(e).__name__}: {e}); "
+                                    f"{call.fate(self._transport)}") from e
 
     def _run(self, op: Op, args: dict | None, arrays: list[bytes] | None, timeout_s: float | None,
              call: CallMarks) -> P.Reply:

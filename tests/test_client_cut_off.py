@@ -78,6 +78,7 @@ def test_a_refusal_met_waiting_for_the_lock_is_no_answer_of_a_commit_which_runs_
                                           lambda: c.commit([vid], keys=[424242]))
         assert isinstance(e, DaemonUnavailable), repr(e)
         assert "cut off by a call made within it (DaemonError: UnknownBlock" in str(e)
+        assert str(e).endswith("; kept to go with the next call")  # (it said "given up as after a timeout")
         c.ping()  # the kept commit goes (as its blocks' forget): the daemon frees the block
         c.ping()
         assert c.stats()["tiers"]["hbm"]["blocks"] == 0
