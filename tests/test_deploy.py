@@ -204,6 +204,12 @@ def test_systemd_unit_and_dockerfile_run_dflash2d():
     assert "CacheDirectory=dflash2" in unit and "Environment=CUPY_CACHE_DIR=/var/cache/dflash2/cupy" in unit
     docker = (DEPLOY / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["dflash2d"]' in docker and "EXPOSE 9464" in docker
+    # Its Documentation= is a file its install steps put there (nothing installed it, a review), and the
+    # check it advises while the service is stopped has systemd make the folders the service gets.
+    doc = next(line for line in unit.splitlines() if line.startswith("Documentation=file://"))
+    assert f"README.md {doc[len('Documentation=file://'):]}" in unit
+    check = unit[unit.index("systemd-run"):unit.index("--check", unit.index("systemd-run"))]
+    assert all(f"-p {d}Directory=dflash2" in check for d in ("Runtime", "State", "Cache"))
 
 
 def _manifests() -> dict:
