@@ -354,6 +354,12 @@ def test_a_pinned_copy_committed_under_a_cached_key_stays_where_its_writer_views
     for again in (mgr.acquire, mgr.add_ref):  # the copy is dead to new holders: the twin is the block
         with pytest.raises(UnknownBlock, match=f"already cached.*use the id commit returned for it, {int(cached[0]):#x}"):
             again(b, copy)
+        # Another client too (its vid handed on): it was told NotOwner, "a private block of another
+        # client", not the id to use (a review); and so for its place.
+        with pytest.raises(UnknownBlock, match=f"already cached.*use the id commit returned for it, {int(cached[0]):#x}"):
+            again(a, copy)
+    with pytest.raises(UnknownBlock, match=f"use the id commit returned for it, {int(cached[0]):#x}"):
+        mgr.table.seen_rows(a, copy)
     used = mgr.table.allocators[Tier.HBM].used_bytes
     mgr.release(b, copy)
     assert mgr.table.allocators[Tier.HBM].used_bytes < used, "the last pin frees the copy"

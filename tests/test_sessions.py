@@ -235,7 +235,7 @@ def test_a_block_kept_for_its_pin_after_a_late_commit_says_why_it_is_not_live(se
     keys = np.asarray(chain_keys(range(16), 16, "late-commit-why"), P.KEYS_DTYPE)
     assert call(service, Op.COMMIT, c, {}, [vids.tobytes(), keys.tobytes()], call_id=3).error_type == "CallForgotten"
     again = call(service, Op.ACQUIRE, c, {}, [vids.tobytes()], call_id=5)
-    assert again.error_type == "UnknownBlock" and "you gave up on its commit, which was not run" in again.error_message
+    assert again.error_type == "UnknownBlock" and "its commit was given up, and not run" in again.error_message
     assert call(service, Op.DETACH, c, {}, call_id=6).ok
     assert hbm_used(service) == 0
 

@@ -34,6 +34,7 @@ from dflash2.counts import add_at, any_true, distinct, unique
 from dflash2.forest import local_parents
 from dflash2.layout import Layout
 from dflash2.table.capacity import Capacity
+from dflash2.table.dead import DeadRows
 from dflash2.table.columns import NO_CLIENT, NO_ROW, Columns, no_repeats
 from dflash2.table.departure import Departures
 from dflash2.table.keyindex import EMPTY, KeyIndex
@@ -71,7 +72,7 @@ class ClientRefs:
         self.ref_slot_bytes = 0
 
 
-class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
+class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRows):
     def __init__(self, allocators: dict[Tier, SlotAllocator], clock: Callable[[], float] = time.monotonic,
                  capacity: int = 1024, first_gen: int = 1, reserve: int | None = None):
         self.allocators = allocators
@@ -381,41 +382,22 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity):
         owner = self.cols.owner[rows]
         foreign = (owner != client_id) & (owner != NO_CLIENT)
         if any_true(foreign):
+            self.refuse_dead(rows[foreign])  # (a writer's pinned copy: the id to use, as `usable_rows` says)
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
         return rows
 
     def usable_rows(self, client_id: int, vids) -> np.ndarray:
-        """Rows this client may reference or pin: published blocks, and its own private ones."""
+        """Rows this client may reference or pin: published blocks, and its own private ones. A row
+        dead to new holders is UnknownBlock first: a pinned copy keeps its writer as owner, and
+        another client was told NotOwner, not the id to use instead (a review)."""
         rows = self.rows(vids)
+        self.refuse_dead(rows)
         owner = self.cols.owner[rows]
         foreign = (owner != client_id) & (owner != NO_CLIENT)
         if any_true(foreign):
             raise NotOwner(f"block {int(self.vids(rows[foreign][:1])[0]):#x} is a private block of another client")
         self.refuse_reserved(rows)
-        if self._free_after_move or self.lost or self.pinned_copies:
-            # Dead to new holders, though their rows are not free yet: a private block whose last
-            # reference went mid-move (freed when the move ends: a new reference or pin would
-            # outlive its row and later stand for the row's next block), a block whose bytes
-            # failed their checksum (kept only for the references held before: a pin taken now would
-            # not stop its last reference from freeing it), and a pinned copy (kept for its pins).
-            gone = self._dead_rows(rows)
-            if len(gone):
-                row = int(gone[0])
-                twin = self.pinned_copies.get(row)
-                why = ("freed while in flight, or its bytes failed their checksum" if twin is None else
-                       "you gave up on its commit, which was not run" if not twin else
-                       f"it was committed under a key already cached: use the id commit returned for it, {twin:#x}")
-                why += "" if twin is None else "; it is kept only until your pins on it are released"
-                raise UnknownBlock(f"block {int(self.vids(np.array([row]))[0]):#x} is not live ({why})")
         return rows
-
-    def _dead_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The rows among `rows` that are dead to new holders, in O(min(len(rows), dead)) set
-        operations: a call of a few blocks must not pay for every pinned copy kept meanwhile."""
-        sets = (self._free_after_move, self.lost, self.pinned_copies)
-        if len(rows) <= sum(len(d) for d in sets):
-            return np.array([r for r in rows.tolist() if any(r in d for d in sets)], dtype=np.int64)
-        return rows[np.isin(rows, np.fromiter(set().union(*sets), dtype=np.int64))]
 
     def refuse_reserved(self, rows: np.ndarray, client_id: int | None = None) -> None:
         """A RESERVED block belongs to its reservation until `take` hands it out: no client may pin,
