@@ -204,8 +204,11 @@ def test_a_repo_id_with_a_download_dir_has_its_files_read(tmp_path, hub):
     snapshot(tmp_path / "dl", "org/llama", {"model.safetensors": b"v2 weights!"}, commit="b" * 40)  # main moves on
     assert id_of(model_path="org/llama", download_dir=str(tmp_path / "dl")) != v1
     no_weights = model_identity(server_args(args(model_path="org/llama", download_dir=str(tmp_path / "none"))))
-    assert "no snapshot of 'org/llama' at main under --download-dir" in no_weights["unread"]
-    assert no_weights["config_sha256"] == ident["config_sha256"] and "not read: no snapshot" in describe(no_weights)
+    assert "no weight files in " + str(hub) in no_weights["unread"]  # (sglang downloads them into the dir)
+    assert no_weights["config_sha256"] == ident["config_sha256"] and "not read: no weight files" in describe(no_weights)
+    nowhere = model_identity(server_args(args(model_path="org/gone", download_dir=str(tmp_path / "none"))))
+    assert f"no snapshot of 'org/gone' at main under --download-dir {tmp_path / 'none'} nor in the default cache" \
+        in nowhere["unread"]
     snapshot(hub, "org/other", {"model.safetensors": b"w"})
     snapshot(tmp_path / "dl", "org/other", {"model.safetensors": b"w"})
     no_config = model_identity(server_args(args(model_path="org/other", download_dir=str(tmp_path / "dl"))))
@@ -229,3 +232,45 @@ def test_a_lora_adapter_given_as_a_repo_id_has_its_files_read(tmp_path, hub, cap
     missing = model_identity(server_args(args(model_path=model, lora_paths=["other=org/not-fetched-lora"])))
     [line] = identity.not_read(missing)
     assert "LoRA adapter 'other'" in line and "adapter_config.json is not in the Hugging Face cache" in line
+
+
+def test_a_repo_id_in_the_default_cache_served_with_a_download_dir_has_its_weights_read(tmp_path, hub):
+    """sglang's loader takes a repo id's weights from the snapshot under --download-dir where there
+    is one, else from the default cache's (weight_utils._find_local_hf_snapshot_dir_unlocked): a
+    model fetched earlier into the default cache and served with --download-dir on an empty disk
+    had no weights read, and two revisions with one config.json had one identity (a review)."""
+    cfg = b'{"hidden_size": 4096}'
+    snapshot(hub, "org/llama", {"config.json": cfg, "model.safetensors": b"v1 weights"})
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    ident = model_identity(server_args(args(model_path="org/llama", download_dir=str(dl))))
+    assert "unread" not in ident, ident["unread"]
+    assert [w[:2] for w in ident["weights"]] == [["model.safetensors", 10]]
+    snapshot(hub, "org/llama", {"config.json": cfg, "model.safetensors": b"v2 weights!"}, commit="b" * 40)
+    assert id_of(model_path="org/llama", download_dir=str(dl)) != model_id(ident)  # main moved on
+    snapshot(dl, "org/llama", {"model.safetensors": b"fetched here"}, commit="c" * 40)  # there: it comes first
+    there = model_identity(server_args(args(model_path="org/llama", download_dir=str(dl))))
+    assert [w[:2] for w in there["weights"]] == [["model.safetensors", 12]]
+
+
+def test_a_lora_repo_in_the_default_cache_served_with_a_download_dir_has_its_weights_read(tmp_path, hub):
+    """The adapter's weights are found as the model's (sglang's loader looks for them alike)."""
+    snapshot(hub, "org/support-lora", {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"v1"})
+    (tmp_path / "dl").mkdir()
+    files = identity._adapter_files("org/support-lora", str(tmp_path / "dl"))
+    assert "unread" not in files, files["unread"]
+    assert [w[:2] for w in files["weights"]] == [["adapter_model.safetensors", 2]]
+
+
+def test_the_weights_are_looked_for_where_sglangs_loader_takes_them(tmp_path, hub):
+    """`_weights_snapshot` against sglang's own lookup, where sglang is installed."""
+    weight_utils = pytest.importorskip("sglang.srt.model_loader.weight_utils")
+    snapshot(hub, "org/llama", {"config.json": b"{}", "model.safetensors": b"w"})
+    (tmp_path / "dl").mkdir()
+    for fetched_there in (False, True):  # the default cache's, then the download dir's once it has one
+        if fetched_there:
+            snapshot(tmp_path / "dl", "org/llama", {"model.safetensors": b"w"}, commit="c" * 40)
+        served = weight_utils._find_local_hf_snapshot_dir_unlocked("org/llama", str(tmp_path / "dl"),
+                                                                   ["*.safetensors"], None)
+        assert identity._weights_snapshot("org/llama", None, str(tmp_path / "dl"))[0] == served
+        assert served.startswith(str(tmp_path / "dl" if fetched_there else hub))

@@ -17,8 +17,8 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
   them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). A repo
-  id's config.json is looked up in the default cache and its weights in that snapshot or, with
-  `--download-dir`, in the cache there (where sglang leaves each). Where some cannot be read,
+  id's config.json is looked up in the default cache and its weights where sglang's loader takes
+  them: the snapshot under `--download-dir` where there is one, else the default cache's. Where some cannot be read,
   `unread` says which and why (the backend logs it, `not_read`): the namespace then covers the
   path, the arguments and what was read;
 - the LoRA adapters given at start (`--lora-paths`), each by name, resolved path and files
@@ -165,25 +165,45 @@ def _adapter_files(path: str, download_dir: str | None) -> dict:
 
 
 def _repo_files(repo_id: str, revision: str | None, download_dir: str | None, config: str) -> tuple[dict, str | None]:
-    """`_files` of a Hugging Face repo id, from where sglang left them, and why what is missing was
+    """`_files` of a Hugging Face repo id, from where sglang took them, and why what is missing was
     not read (None when nothing is): `config` in the default cache (transformers' AutoConfig, and
-    sglang's LoRA config, never pass --download-dir), and the weights in the snapshot of that cache
-    or, given --download-dir, of the cache there (sglang's loader downloads only the weight files
-    into it). Looking for config.json under --download-dir found none, and a repo id served with it
-    was never read: a new revision under the same repo id read the old one's pages (a review)."""
+    sglang's LoRA config, never pass --download-dir), and the weights in the snapshot `_weights_snapshot`
+    finds, as sglang's loader does. Looking for config.json under --download-dir found none, and a
+    repo id served with it was never read: a new revision under the same repo id read the old one's
+    pages (a review)."""
     found, why = _cached_snapshot(repo_id, revision, None, config)
     out = _files(found, config) if found else {"config_sha256": None, "weights": []}
-    if download_dir:
+    folder, where = _weights_snapshot(repo_id, revision, download_dir)
+    if folder is None:
         out["weights"] = []
-        folder = _snapshot_in(download_dir, repo_id, revision)
-        if folder is None:
-            whys = [why, f"no snapshot of {repo_id!r} at {revision or 'main'} under --download-dir {download_dir}"]
-            return out, "; ".join(w for w in whys if w)
-        out["weights"] = _files(folder, config)["weights"]
-        found = folder
-    if found and not out["weights"]:
-        why = "; ".join(w for w in (why, f"no weight files in {found}") if w)
+        return out, "; ".join(w for w in (why, f"no snapshot of {repo_id!r} at {revision or 'main'} {where}") if w)
+    out["weights"] = _files(folder, config)["weights"]
+    if not out["weights"]:
+        why = "; ".join(w for w in (why, f"no weight files in {folder}") if w)
     return out, why
+
+
+def _weights_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> tuple[str | None, str]:
+    """The snapshot sglang's loader takes a repo id's weights from when they are local (0.5.x,
+    weight_utils._find_local_hf_snapshot_dir_unlocked): the one under --download-dir where that
+    folder has one (weights or not: without, sglang downloads them there), else the default cache's
+    (huggingface_hub's HF_HUB_CACHE, read now: HF_HOME may move it). (folder, "") or (None, where it
+    was looked for). Looking under --download-dir alone missed a model fetched earlier into the
+    default cache, which sglang serves from there: its weights were never read, and two revisions
+    with one config.json had one identity (a review)."""
+    if download_dir:
+        folder = _snapshot_in(download_dir, repo_id, revision)
+        if folder is not None:
+            return folder, ""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None, (f"under --download-dir {download_dir} " if download_dir else "") + \
+            "(huggingface_hub is not installed to find its default cache)"
+    folder = _snapshot_in(constants.HF_HUB_CACHE, repo_id, revision)
+    where = (f"under --download-dir {download_dir} nor " if download_dir else "") + \
+        f"in the default cache {constants.HF_HUB_CACHE}"
+    return folder, "" if folder else where
 
 
 def _snapshot_in(cache_dir: str, repo_id: str, revision: str | None) -> str | None:
