@@ -274,3 +274,16 @@ def test_the_weights_are_looked_for_where_sglangs_loader_takes_them(tmp_path, hu
                                                                    ["*.safetensors"], None)
         assert identity._weights_snapshot("org/llama", None, str(tmp_path / "dl"))[0] == served
         assert served.startswith(str(tmp_path / "dl" if fetched_there else hub))
+
+
+def test_one_snapshot_named_by_any_spelling_of_its_revision_is_one_model(hub):
+    """No --revision, `main`, a tag and the commit load the same snapshot: as typed, the revision
+    made them four models that never shared a page (a review). Once the files are read, the commit
+    is the identity's revision; where they are not, the revision as typed."""
+    snapshot(hub, "org/llama", {"config.json": b"{}", "model.safetensors": b"w"})
+    (hub / "models--org--llama" / "refs" / "v1.0").write_text("a" * 40)
+    ids = {rev: id_of(model_path="org/llama", revision=rev) for rev in (None, "main", "v1.0", "a" * 40)}
+    assert len(set(ids.values())) == 1, ids
+    assert model_identity(server_args(args(model_path="org/llama", revision="v1.0")))["revision"] == "a" * 40
+    unread = model_identity(server_args(args(model_path="org/not-fetched", revision="v1.0")))
+    assert unread["revision"] == "v1.0" and unread["unread"]

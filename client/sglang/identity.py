@@ -7,7 +7,9 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
 
 - the plugin passes the server arguments that change the model's numbers (`server_args`,
   IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
-  revision, load format, dtype, quantization and its parameters, and `--json-model-override-args`
+  revision (a repo id's, once its files are read, replaced by the commit of the snapshot they came
+  from: no --revision, `main`, a tag and the commit load the same files, and as typed they were
+  four models that never shared a page, a review), load format, dtype, quantization and its parameters, and `--json-model-override-args`
   (parsed: its spelling does not count), with `--download-dir`, where a repo id's files lie (used
   to find them, not part of the identity: one local folder with and without it was two models);
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
@@ -94,8 +96,10 @@ def model_identity(args: dict) -> dict:
         if ident["config_sha256"] is None and not ident["weights"]:
             why = f"neither {CONFIG_FILE} nor weight files in {path}"
     elif isinstance(path, str) and path:
-        files, why = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
+        files, why, commit = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
         ident.update(files)
+        if why is None:  # read whole: the commit, however its revision was spelled
+            ident["revision"] = commit
     else:
         why = "no model path"
     if why is not None:
@@ -160,13 +164,14 @@ def _adapter_files(path: str, download_dir: str | None) -> dict:
         if files["config_sha256"] is None and not files["weights"]:
             files["unread"] = f"neither {ADAPTER_CONFIG} nor weight files in {path}"
         return files
-    files, why = _repo_files(path, None, download_dir, ADAPTER_CONFIG)
+    files, why, _ = _repo_files(path, None, download_dir, ADAPTER_CONFIG)
     return {**files, "unread": why} if why else files
 
 
-def _repo_files(repo_id: str, revision: str | None, download_dir: str | None, config: str) -> tuple[dict, str | None]:
-    """`_files` of a Hugging Face repo id, from where sglang took them, and why what is missing was
-    not read (None when nothing is): `config` in the default cache (transformers' AutoConfig, and
+def _repo_files(repo_id: str, revision: str | None, download_dir: str | None,
+                config: str) -> tuple[dict, str | None, str | None]:
+    """`_files` of a Hugging Face repo id, from where sglang took them, why what is missing was not
+    read (None when nothing is), and the commit of the weights' snapshot (None where none): `config` in the default cache (transformers' AutoConfig, and
     sglang's LoRA config, never pass --download-dir), and the weights in the snapshot `_weights_snapshot`
     finds, as sglang's loader does. Looking for config.json under --download-dir found none, and a
     repo id served with it was never read: a new revision under the same repo id read the old one's
@@ -176,11 +181,11 @@ def _repo_files(repo_id: str, revision: str | None, download_dir: str | None, co
     folder, where = _weights_snapshot(repo_id, revision, download_dir)
     if folder is None:
         out["weights"] = []
-        return out, "; ".join(w for w in (why, f"no snapshot of {repo_id!r} at {revision or 'main'} {where}") if w)
+        return out, "; ".join(w for w in (why, f"no snapshot of {repo_id!r} at {revision or 'main'} {where}") if w), None
     out["weights"] = _files(folder, config)["weights"]
     if not out["weights"]:
         why = "; ".join(w for w in (why, f"no weight files in {folder}") if w)
-    return out, why
+    return out, why, os.path.basename(folder)
 
 
 def _weights_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> tuple[str | None, str]:
