@@ -287,3 +287,30 @@ def test_one_snapshot_named_by_any_spelling_of_its_revision_is_one_model(hub):
     assert model_identity(server_args(args(model_path="org/llama", revision="v1.0")))["revision"] == "a" * 40
     unread = model_identity(server_args(args(model_path="org/not-fetched", revision="v1.0")))
     assert unread["revision"] == "v1.0" and unread["unread"]
+
+
+@pytest.mark.parametrize("reference", ["org/llama-gguf/llama-Q4_K_M.gguf", "org/llama-gguf:Q4_K_M", "org/llama-gguf"])
+def test_a_gguf_given_as_a_hub_reference_has_its_file_read(hub, reference):
+    """sglang serves `owner/repo/path/file.gguf`, `owner/repo:QUANT` and `owner/repo` of one .gguf
+    from the default cache (resolve_hf_gguf_reference): the identity took them for repo ids, read
+    nothing and said the cache could not be read, and two revisions of the .gguf had one identity
+    (a review)."""
+    snapshot(hub, "org/llama-gguf", {"llama-Q4_K_M.gguf": b"GGUF v1"})
+    ident = model_identity(server_args(args(model_path=reference)))
+    assert "unread" not in ident, ident["unread"]
+    assert ident["weights"][0][:2] == ["llama-Q4_K_M.gguf", 7] and ident["revision"] == "a" * 40
+    snapshot(hub, "org/llama-gguf", {"llama-Q4_K_M.gguf": b"GGUF v2 other weights"}, commit="b" * 40)
+    assert id_of(model_path=reference) != model_id(ident)
+
+
+def test_a_gguf_hub_reference_not_in_the_cache_says_so(hub):
+    snapshot(hub, "org/llama-gguf", {"llama-Q4_K_M.gguf": b"GGUF", "llama-Q8_0.gguf": b"GGUF"})
+    missing = model_identity(server_args(args(model_path="org/llama-gguf:Q2_K")))["unread"]
+    assert "'org/llama-gguf:Q2_K' is a GGUF Hub reference, and its file is not in" in missing
+    assert "the file is not read" in missing
+    folder = snapshot(hub, "org/two-gguf", {"a-Q4_K_M.gguf": b"GGUF"})
+    (folder / "sub").mkdir()
+    (folder / "sub" / "b-Q4_K_M.gguf").write_bytes(b"GGUF")  # (sglang: ambiguous, name the file)
+    assert "more than one file is in" in model_identity(server_args(args(model_path="org/two-gguf:Q4_K_M")))["unread"]
+    two = model_identity(server_args(args(model_path="org/llama-gguf")))  # two .gguf: sglang asks which
+    assert two["unread"] and "GGUF" not in two["unread"]

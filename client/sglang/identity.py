@@ -15,7 +15,8 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
   has loaded (and, for a Hugging Face repo id, downloaded) the model: a SHA-256 of its
   `config.json`, and the names, sizes, modification times, inodes and sampled bytes of its weight
-  files (WEIGHT_SUFFIXES, the folder's top level), of a local folder, a GGUF file, or a repo id's snapshot in the local
+  files (WEIGHT_SUFFIXES, the folder's top level), of a local folder, a GGUF file (local, or a Hub
+  reference resolved as sglang does: `_gguf_reference`), or a repo id's snapshot in the local
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
   them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). A repo
@@ -95,6 +96,11 @@ def model_identity(args: dict) -> dict:
         ident.update(_files(path))
         if ident["config_sha256"] is None and not ident["weights"]:
             why = f"neither {CONFIG_FILE} nor weight files in {path}"
+    elif isinstance(path, str) and (gguf := _gguf_reference(path, ident.get("revision"))) is not None:
+        file, commit, why = gguf
+        ident.update(_files(file) if file else {"config_sha256": None, "weights": []})
+        if file:
+            ident["revision"] = commit
     elif isinstance(path, str) and path:
         files, why, commit = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
         ident.update(files)
@@ -186,6 +192,48 @@ def _repo_files(repo_id: str, revision: str | None, download_dir: str | None,
     if not out["weights"]:
         why = "; ".join(w for w in (why, f"no weight files in {folder}") if w)
     return out, why, os.path.basename(folder)
+
+
+def _gguf_reference(model: str, revision: str | None) -> tuple[str | None, str | None, str | None] | None:
+    """A GGUF named by Hub reference, resolved offline as sglang resolves it online before loading
+    (hf_transformers/common.py resolve_hf_gguf_reference, into the default cache): `owner/repo/
+    path/file.gguf` that file, `owner/repo:QUANT` its one `*-QUANT.gguf`, `owner/repo` without a
+    config.json its one .gguf. (file, its snapshot's commit, None), (None, None, why not), or None
+    for a model path of no such form. Such a reference was taken for a repo id and never read (the
+    warning said its cache could not be read, HFValidationError): two revisions of the .gguf had
+    one identity (a review)."""
+    form = _gguf_form(model)
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        form = None  # (then `_repo_files` says why nothing is read)
+    if form is None:
+        return None
+    repo_id, how, what = form
+    folder = _snapshot_in(constants.HF_HUB_CACHE, repo_id, revision)
+    names = []
+    for root, _, files in os.walk(folder) if folder else ():
+        names += [os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/") for n in files]
+    found = [n for n in names if (n == what if how == "file" else n.endswith(what))]
+    if len(found) == 1 and not (how == "only" and CONFIG_FILE in names):
+        return os.path.join(folder, found[0]), os.path.basename(folder), None
+    if how == "only":
+        return None  # a repo id of another kind (or not fetched): `_repo_files` says
+    which = "more than one file is" if found else "its file is not"
+    return None, None, (f"{model!r} is a GGUF Hub reference, and {which} in the Hugging Face cache's snapshot "
+                        f"of {repo_id!r} at {revision or 'main'}: the file is not read")
+
+
+def _gguf_form(model: str) -> tuple[str, str, str] | None:
+    """(repo id, how its .gguf is named, what) of a GGUF Hub reference (sglang's forms): "file" and
+    its path in the repo, "quant" and the file name's end, "only" and ".gguf"; None for no such form."""
+    if ":" in model:
+        repo_id, _, quant = model.rpartition(":")
+        return (repo_id, "quant", f"-{quant}.gguf") if repo_id.count("/") == 1 and quant else None
+    parts = model.strip("/").split("/")
+    if len(parts) > 2 and model.endswith(".gguf"):
+        return "/".join(parts[:2]), "file", "/".join(parts[2:])
+    return ("/".join(parts), "only", ".gguf") if len(parts) == 2 else None
 
 
 def _weights_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> tuple[str | None, str]:
