@@ -9,9 +9,10 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
   revision (a repo id's, once its files are read, replaced by the commit of the snapshot they came
   from: no --revision, `main`, a tag and the commit load the same files, and as typed they were
-  four models that never shared a page, a review), load format, dtype, quantization and its parameters, and `--json-model-override-args`
-  (parsed: its spelling does not count), with `--download-dir`, where a repo id's files lie (used
-  to find them, not part of the identity: one local folder with and without it was two models);
+  four models that never shared a page, a review), load format, dtype, quantization and its
+  parameters, and `--json-model-override-args` (parsed: its spelling does not count), with
+  `--download-dir`, where a repo id's files lie (used to find them, not part of the identity: one
+  local folder with and without it was two models);
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
   has loaded (and, for a Hugging Face repo id, downloaded) the model: a SHA-256 of its
   `config.json`, and the names, sizes, modification times, inodes and sampled bytes of its weight
@@ -177,17 +178,18 @@ def _adapter_files(path: str, download_dir: str | None) -> dict:
 def _repo_files(repo_id: str, revision: str | None, download_dir: str | None,
                 config: str) -> tuple[dict, str | None, str | None]:
     """`_files` of a Hugging Face repo id, from where sglang took them, why what is missing was not
-    read (None when nothing is), and the commit of the weights' snapshot (None where none): `config` in the default cache (transformers' AutoConfig, and
-    sglang's LoRA config, never pass --download-dir), and the weights in the snapshot `_weights_snapshot`
-    finds, as sglang's loader does. Looking for config.json under --download-dir found none, and a
-    repo id served with it was never read: a new revision under the same repo id read the old one's
-    pages (a review)."""
+    read (None when nothing is), and the commit of the weights' snapshot (None where none): `config`
+    in the default cache (transformers' AutoConfig, and sglang's LoRA config, never pass
+    --download-dir), and the weights in the snapshot `_weights_snapshot` finds, as sglang's loader
+    does. Looking for config.json under --download-dir found none, and a repo id served with it was
+    never read: a new revision under the same repo id read the old one's pages (a review)."""
     found, why = _cached_snapshot(repo_id, revision, None, config)
     out = _files(found, config) if found else {"config_sha256": None, "weights": []}
     folder, where = _weights_snapshot(repo_id, revision, download_dir)
     if folder is None:
         out["weights"] = []
-        return out, "; ".join(w for w in (why, f"no snapshot of {repo_id!r} at {revision or 'main'} {where}") if w), None
+        missing = f"no snapshot of {repo_id!r} at {revision or 'main'} {where}"
+        return out, "; ".join(w for w in (why, missing) if w), None
     out["weights"] = _files(folder, config)["weights"]
     if not out["weights"]:
         why = "; ".join(w for w in (why, f"no weight files in {folder}") if w)
