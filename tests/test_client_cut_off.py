@@ -8,32 +8,17 @@ held by the daemon until detach; met after the reply, a committed block stayed w
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
 import pytest
 from conftest import SMALL
-from daemon_proc import DaemonProcess
+from test_client_interrupted import Deadline, daemon  # noqa: F401  (a fixture)
 
 from dflash2 import protocol as P
 from dflash2.client import Client
 from dflash2.errors import ArenaError, DaemonUnavailable
-
-
-class Deadline(Exception):
-    pass
-
-
-@pytest.fixture
-def daemon(config_file, tmp_path):
-    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
-                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 1.0,
-                                             "heartbeat_interval_s": 0.2, "set_aside_leases": 0})).start()
-    yield proc
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.stop()
 
 
 def _connect(daemon, name: str, heartbeat: bool = False) -> Client:
