@@ -314,3 +314,15 @@ def test_a_gguf_hub_reference_not_in_the_cache_says_so(hub):
     assert "more than one file is in" in model_identity(server_args(args(model_path="org/two-gguf:Q4_K_M")))["unread"]
     two = model_identity(server_args(args(model_path="org/llama-gguf")))  # two .gguf: sglang asks which
     assert two["unread"] and "GGUF" not in two["unread"]
+
+
+def test_where_unread_files_were_looked_for_is_not_the_model(tmp_path, hub):
+    """The reason files were not read names where they were looked for (--download-dir, the default
+    cache): hashed into the identity, two servers of one model, given `--download-dir /data/hf/`,
+    `/data/hf` or none, shared no page, though --download-dir is no part of the model (a review)."""
+    base = dict(model_path="some-org/not-cached", lora_paths=["x=some-org/not-cached-lora"])
+    ids = {model_id(model_identity(server_args(args(**base, **extra))))
+           for extra in ({"download_dir": "/data/hf"}, {"download_dir": "/data/hf/"}, {})}
+    assert len(ids) == 1
+    ident = model_identity(server_args(args(**base, download_dir="/data/hf")))
+    assert "--download-dir /data/hf" in ident["unread"] and "/data/hf" in ident["lora_adapters"][0][2]["unread"]

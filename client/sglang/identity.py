@@ -133,8 +133,16 @@ def not_read(identity: dict) -> list[str]:
 
 
 def model_id(identity: dict) -> str:
-    """The identity's digest (24 hex digits): equal for equal identities, whatever their keys' order."""
-    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    """The identity's digest (24 hex digits): equal for equal identities, whatever their keys' order.
+    Why files were not read (`unread`, the model's and each adapter's) is left out: it names where they
+    were looked for, --download-dir and the default cache, which are not what the model is (two
+    servers of one model, one given `--download-dir /data/hf/` and the other none, shared no page, a
+    review); what was read, and what not, is in the identity all the same."""
+    kept = {k: v for k, v in identity.items() if k != "unread"}
+    if kept.get("lora_adapters"):
+        kept["lora_adapters"] = [[name, path, {k: v for k, v in files.items() if k != "unread"}
+                                  if isinstance(files, dict) else files] for name, path, files in kept["lora_adapters"]]
+    canonical = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12, person=b"dflash2-model").hexdigest()
 
 
