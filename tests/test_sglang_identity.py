@@ -326,3 +326,14 @@ def test_where_unread_files_were_looked_for_is_not_the_model(tmp_path, hub):
     assert len(ids) == 1
     ident = model_identity(server_args(args(**base, download_dir="/data/hf")))
     assert "--download-dir /data/hf" in ident["unread"] and "/data/hf" in ident["lora_adapters"][0][2]["unread"]
+
+
+def test_a_snapshot_read_in_part_is_named_by_its_commit(hub):
+    """A snapshot found with its config.json but no weight files (a loader of its own keeps them
+    elsewhere): the reason, which named its folder and so its commit, is no part of the digest, and
+    two commits with one config.json had one identity (a review). Its commit is the revision."""
+    snapshot(hub, "org/llama", {"config.json": b"{}"})
+    v1 = model_identity(server_args(args(model_path="org/llama")))
+    assert v1["unread"] and v1["revision"] == "a" * 40
+    snapshot(hub, "org/llama", {"config.json": b"{}"}, commit="b" * 40)  # main moves on
+    assert id_of(model_path="org/llama") != model_id(v1)

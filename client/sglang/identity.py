@@ -105,8 +105,8 @@ def model_identity(args: dict) -> dict:
     elif isinstance(path, str) and path:
         files, why, commit = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
         ident.update(files)
-        if why is None:  # read whole: the commit, however its revision was spelled
-            ident["revision"] = commit
+        if commit is not None:  # the snapshot's commit, however its revision was spelled; also where not all
+            ident["revision"] = commit  # of it was read (the reason, which named it, is no part of the digest)
     else:
         why = "no model path"
     if why is not None:
