@@ -5,8 +5,10 @@ import argparse
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from dflash2.arena.nvme import NvmeArena
 from dflash2.bench import nvme
 
 
@@ -22,6 +24,25 @@ def test_bench_nvme_small_run(tmp_path, raw_memory):
     for key in ("tier_write_gbps", "raw_write_gbps", "tier_read_gbps", "raw_read_gbps"):
         assert out[key] > 0
     assert list(tmp_path.iterdir()) == []  # the scratch folder is removed
+
+
+def test_bench_nvme_is_not_verified_when_later_reads_deliver_nothing(tmp_path, monkeypatch):
+    """Every batch reads the same bytes into the same views: once the first batch had read back, reads
+    that copied nothing still said "verified": true (a review). The last round's batches are each
+    checked against views zeroed before the read."""
+    real, calls = NvmeArena.read_blocks, []
+
+    def read_blocks(self, offsets, dests):  # the first batch reads; the rest say "read", copy nothing
+        calls.append(len(offsets))
+        return real(self, offsets, dests) if len(calls) == 1 else np.ones(len(offsets), dtype=bool)
+
+    monkeypatch.setattr(NvmeArena, "read_blocks", read_blocks)
+    parser = argparse.ArgumentParser()
+    nvme.add_arguments(parser)
+    out = nvme.run(parser.parse_args(["--size-mb", "4", "--block-kb", "256", "--batch", "4", "--staging-mb", "2",
+                                      "--repeat", "2", "--dir", str(tmp_path)]))
+    assert len(calls) == 8 and out["tier_read_misses"] == 0
+    assert out["verified"] is False
 
 
 def test_bench_nvme_rejects_a_block_larger_than_the_size(tmp_path):
