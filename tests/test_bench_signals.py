@@ -236,6 +236,36 @@ def test_a_bench_whose_daemon_is_killed_mid_run_says_so_and_leaves_no_shared_mem
     assert not list(tmp_path.glob("dflash2-bench-*"))
 
 
+def test_a_control_bench_whose_echo_server_is_killed_says_one_line(tmp_path):
+    """A review: the control bench's echo server (its helper process) SIGKILLed mid-run ended the bench
+    in a TimeoutError traceback ("echo server did not answer"): now one error line naming its pid and
+    signal, exit 1, no figures, the daemon stopped and the folder removed."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-c", "import sys; from dflash2.bench import control; "
+                              "control.ECHO_TIMEOUT_S = 1.0; from dflash2.cli import main; sys.exit(main())",
+                              "bench", "control", "--iterations", "3000", "--json"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        echo, deadline = None, time.monotonic() + 60
+        while echo is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            out = subprocess.run(["ps", "-ww", "--ppid", str(bench.pid), "-o", "pid=,args="], capture_output=True,
+                                 text=True).stdout
+            echo = next((int(line.split()[0]) for line in out.splitlines() if "echo_server" in line), None)
+        assert echo is not None, "the bench started no echo server"
+        time.sleep(1.0)  # (mid-run: its rounds have begun)
+        os.kill(echo, signal.SIGKILL)
+        out, err = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.terminate()
+            bench.wait(30)
+    assert bench.returncode == 1 and out == "" and "Traceback" not in err, (bench.returncode, out, err[-2000:])
+    assert err.splitlines() == [f"dflash2: error: bench control: its helper process (the echo server, pid {echo}) "
+                                "ended mid-run (killed by SIGKILL); no figures"], err[-2000:]
+    assert not _daemons_under(tmp_path) and not list(tmp_path.glob("dflash2-bench-*"))
+
+
 @pytest.mark.parametrize("bench", ["control", "churn"])
 def test_ctrl_c_at_a_terminal_stops_the_bench_and_its_children_quietly(tmp_path, bench):
     """A terminal's Ctrl-C sends SIGINT to the whole process group: the bench's daemon and echo server

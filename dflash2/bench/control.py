@@ -43,6 +43,7 @@ from dflash2.layout import Layout
 LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=16)
 STARTUP_TIMEOUT_S = 30.0
 STARTUP_S_PER_GB = 3.0  # more for a daemon whose tiers are large: it takes their memory as it starts
+ECHO_TIMEOUT_S = 5.0  # an echo round trip not answered in this long: the echo server died or stalled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,16 +56,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="dflash2-bench-") as tmp:
         daemon_ep, echo_ep = f"ipc://{tmp}/d.sock", f"ipc://{tmp}/echo.sock"
-        procs = []
+        procs, said = [], []
         try:
             procs.append(_start_daemon(Path(tmp), daemon_ep))
             procs.append(_start(["-c", f"from dflash2.bench.control import echo_server; echo_server({echo_ep!r})"],
                                 "ready", Path(tmp) / "echo.log"))
-            return _measure(args, daemon_ep, echo_ep)
+            try:
+                return _measure(args, daemon_ep, echo_ep)
+            except EchoSilent:
+                said.append(procs[-1])  # (its error line says how it ended: _stop need not again)
+                raise BenchFailed(_echo_failed(procs[-1])) from None
         finally:
             with stopsignals.uninterrupted():  # (all of it: a signal held past the first raised before the daemon's)
                 for proc in reversed(procs):
-                    _stop(proc)
+                    _stop(proc, say_ended=proc not in said)
+
+
+def _echo_failed(echo: subprocess.Popen) -> str:
+    """The one line of a run whose echo server stopped answering (a review: killed mid-run, it ended
+    the bench in a TimeoutError traceback, where a dead helper or client gives one line, no figures)."""
+    ended = echo.poll()
+    how = f"ended mid-run ({how_it_ended(ended)})" if ended is not None else \
+        f"did not answer within {ECHO_TIMEOUT_S:g} s and was stopped"
+    return f"bench control: its helper process (the echo server, pid {echo.pid}) {how}; no figures"
 
 
 def _measure(args, daemon_ep: str, echo_ep: str) -> dict:
@@ -128,6 +142,10 @@ def _op_latencies(client, lid: int, keys: list[int], n: int, echo: "Echo") -> tu
     return {op: {"p50_us": _pct(s, 50), "p99_us": _pct(s, 99)} for op, s in samples.items()}, floor, samples["lookup"]
 
 
+class EchoSilent(TimeoutError):
+    """The echo server did not answer a round trip: `run` says how it ended (BenchFailed)."""
+
+
 class Echo:
     """Round trips of a one-key lookup's frames through the bare ROUTER echo (send, poll, receive)."""
 
@@ -142,8 +160,8 @@ class Echo:
 
     def once(self) -> None:
         self._sock.send_multipart(self._frames, copy=False)
-        if not self._sock.poll(5000, zmq.POLLIN):
-            raise TimeoutError("echo server did not answer")
+        if not self._sock.poll(int(ECHO_TIMEOUT_S * 1000), zmq.POLLIN):
+            raise EchoSilent(f"the echo server did not answer within {ECHO_TIMEOUT_S:g} s")
         self._sock.recv_multipart(copy=True)
 
     def __enter__(self) -> "Echo":
