@@ -18,9 +18,9 @@ measures the staging path instead. In the last round each tier batch's destinati
 before its read and compared with the sources after it, outside the timed calls (`"verified"`).
 Phases alternate (raw write, tier write, raw read, tier read; odd rounds run the tier first, since
 a virtual disk that writes back through its host's page cache slows whichever side writes right
-after the other) so that drift of a shared disk hits both sides alike; with --repeat N the best of N rounds counts for each phase. Where the
-filesystem refuses O_DIRECT both sides use buffered I/O, the page cache is dropped before reading,
-and the JSON says `"direct_io": false`.
+after the other) so that drift of a shared disk hits both sides alike; with --repeat N the best of
+N rounds counts for each phase. Where the filesystem refuses O_DIRECT both sides use buffered I/O,
+the page cache is dropped before reading, and the JSON says `"direct_io": false`.
 """
 
 from __future__ import annotations
