@@ -53,6 +53,33 @@ def test_arguments_that_change_the_models_numbers_change_its_identity(tmp_path, 
     assert id_of(model_path=folder, **other) != id_of(model_path=folder)
 
 
+def test_kv_cache_scales_recalibrated_under_the_same_path_are_another_model(tmp_path, monkeypatch):
+    """With `--kv-cache-dtype fp8_e4m3`, sglang sets each layer's k_scale and v_scale from
+    `--quantization-param-path`: the stored KV's bytes depend on its contents. In the identity by its
+    path as typed, recalibrated scales put in place there read KV quantized with the old ones as hits,
+    and one file spelled relative and absolute was two models (a review)."""
+    folder = str(model_folder(tmp_path))
+    scales = tmp_path / "kv_scales.json"
+    scales.write_text('{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.5}}}}')
+    before = id_of(model_path=folder, quantization_param_path=str(scales))
+    scales.write_text('{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 4.0}}}}')
+    assert id_of(model_path=folder, quantization_param_path=str(scales)) != before
+    monkeypatch.chdir(tmp_path)
+    assert id_of(model_path=folder, quantization_param_path="kv_scales.json") == \
+        id_of(model_path=folder, quantization_param_path=str(scales))
+
+
+def test_kv_cache_scales_that_cannot_be_read_are_said(tmp_path):
+    folder = str(model_folder(tmp_path))
+    ident = model_identity(server_args(args(model_path=folder, quantization_param_path=str(tmp_path / "gone.json"))))
+    assert ident["quantization_param_sha256"] is None and ident["config_sha256"] and ident["weights"]
+    assert f"the KV cache scales file {tmp_path / 'gone.json'} (--quantization-param-path) could not be read" \
+        in ident["unread"]
+    [line] = identity.not_read(ident)
+    assert "gone.json" in line and "not read: the KV cache scales file" in describe(ident)
+    assert "quantization_param_sha256" not in model_identity(server_args(args(model_path=folder)))  # (as before)
+
+
 def test_a_checkpoint_replaced_under_the_same_path_is_another_model(tmp_path):
     folder = model_folder(tmp_path)
     before = id_of(model_path=str(folder))

@@ -9,8 +9,9 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
   revision (a repo id's, once its files are read, replaced by the commit of the snapshot they came
   from: no --revision, `main`, a tag and the commit load the same files, and as typed they were
-  four models that never shared a page, a review), load format, dtype, quantization and its
-  parameters, and `--json-model-override-args` (parsed: its spelling does not count), with
+  four models that never shared a page, a review), load format, dtype, quantization and its parameters (the KV cache scales
+  file, `--quantization-param-path`, resolved as the model's path), and
+  `--json-model-override-args` (parsed: its spelling does not count), with
   `--download-dir`, where a repo id's files lie (used to find them, not part of the identity: one
   local folder with and without it was two models);
 - the backend adds what the model's files say (`model_identity`), read when it starts, after sglang
@@ -20,7 +21,8 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   reference resolved as sglang does: `_gguf_reference`), or a repo id's snapshot in the local
   cache (looked up offline). A checkpoint replaced under the same path is another model, even one
   whose files keep their sizes and modification times (`rsync -a`, `tar`, reproducible images set
-  them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). A repo
+  them: a new inode, other bytes); files copied afresh are too (pages miss, never wrong). A SHA-256 of
+  the KV cache scales file, where one is given (`_scales_digest`), is added too. A repo
   id's config.json is looked up in the default cache and its weights where sglang's loader takes
   them: the snapshot under `--download-dir` where there is one, else the default cache's. Where some cannot be read,
   `unread` says which and why (the backend logs it, `not_read`): the namespace then covers the
@@ -53,9 +55,10 @@ def server_args(args) -> dict:
     JSON values, as the extra config carries them to the backend."""
     out = {name: getattr(args, name, None) for name in (*IDENTITY_ARGS, "download_dir")}
     out["json_model_override_args"] = _canonical_json(out["json_model_override_args"])
-    path = out["model_path"]
-    if isinstance(path, str) and path and os.path.exists(path):
-        out["model_path"] = os.path.realpath(path)
+    for name in ("model_path", "quantization_param_path"):  # (a local one resolved: two spellings, one file)
+        path = out[name]
+        if isinstance(path, str) and path and os.path.exists(path):
+            out[name] = os.path.realpath(path)
     adapters = lora_adapters(getattr(args, "lora_paths", None))
     if adapters:  # (only then: the identity of a server without adapters stays what it was)
         out["lora_adapters"] = adapters
@@ -109,6 +112,9 @@ def model_identity(args: dict) -> dict:
             ident["revision"] = commit  # of it was read (the reason, which named it, is no part of the digest)
     else:
         why = "no model path"
+    if ident.get("quantization_param_path"):  # (only then: the identity of a server without stays what it was)
+        ident["quantization_param_sha256"], scales_why = _scales_digest(ident["quantization_param_path"])
+        why = "; ".join(w for w in (why, scales_why) if w) or None
     if why is not None:
         ident["unread"] = why
     if ident.get("lora_adapters"):  # each adapter's files, found as the model's
@@ -122,9 +128,9 @@ def not_read(identity: dict) -> list[str]:
     the namespace then covers less than the weights (a replaced checkpoint reads the old one's pages)."""
     out = []
     if identity.get("unread"):
-        out.append(f"the model's files were not read ({identity['unread']}): its pages are keyed by its path, "
-                   "its server arguments and what else of its files was read (a checkpoint replaced under that "
-                   "path would read the old one's)")
+        out.append(f"the model's files were not all read ({identity['unread']}): its pages are keyed by its "
+                   "paths, its server arguments and what else of its files was read (a checkpoint or KV cache "
+                   "scales replaced under those paths would read the old ones' pages)")
     for name, path, files in identity.get("lora_adapters") or []:
         if files.get("unread"):
             out.append(f"the LoRA adapter {name!r}'s files were not read ({files['unread']}): its pages are keyed "
@@ -167,6 +173,20 @@ def _canonical_json(value):
         return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
     except ValueError:
         return value
+
+
+def _scales_digest(path: str) -> tuple[str | None, str | None]:
+    """A SHA-256 of `--quantization-param-path`'s contents (as config.json's: a small JSON, read
+    whole), or (None, why not). With `--kv-cache-dtype fp8_e4m3` sglang sets each layer's k_scale
+    and v_scale from it, so the stored KV's bytes depend on what it says: in the identity by its
+    path as typed, recalibrated scales put in place there read KV quantized with the old ones as
+    hits (wrong KV), and one file spelled relative and absolute was two models (a review)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest(), None
+    except OSError as e:
+        return None, f"the KV cache scales file {path} (--quantization-param-path) could not be read " \
+            f"({type(e).__name__}: {e.strerror or e})"
 
 
 def _adapter_files(path: str, download_dir: str | None) -> dict:
