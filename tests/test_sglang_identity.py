@@ -45,8 +45,20 @@ def test_the_same_model_spelled_two_ways_has_one_identity(tmp_path):
     assert id_of(model_path=str(folder), tp_size=2) == id_of(model_path=str(folder))  # not the model's numbers
 
 
-@pytest.mark.parametrize("other", [{"quantization": "fp8"}, {"dtype": "float16"}, {"revision": "v2"},
-                                   {"load_format": "dummy"}, {"json_model_override_args": '{"rope_scaling": 2}'},
+def test_a_local_model_is_one_model_whatever_its_revision(tmp_path):
+    """sglang loads a local folder or file whatever `--revision` says (its loader and AutoConfig read
+    the folder): kept as typed, `--revision main` and none were two models that never shared a page (a
+    review)."""
+    folder = str(model_folder(tmp_path))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    for path in (folder, str(gguf)):
+        assert len({id_of(model_path=path, revision=rev) for rev in (None, "main", "v2")}) == 1, path
+    assert model_identity(server_args(args(model_path=folder, revision="main")))["revision"] is None
+
+
+@pytest.mark.parametrize("other", [{"quantization": "fp8"}, {"dtype": "float16"}, {"load_format": "dummy"},
+                                   {"json_model_override_args": '{"rope_scaling": 2}'},
                                    {"quantization_param_path": "/scales.json"}, {"modelopt_quant": "fp8"}])
 def test_arguments_that_change_the_models_numbers_change_its_identity(tmp_path, other):
     folder = str(model_folder(tmp_path))

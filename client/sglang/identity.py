@@ -9,7 +9,8 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   IDENTITY_ARGS): its path (a local one resolved, so that two spellings of one folder agree),
   revision (a repo id's, once its files are read, replaced by the commit of the snapshot they came
   from: no --revision, `main`, a tag and the commit load the same files, and as typed they were
-  four models that never shared a page, a review), load format, dtype, quantization and its parameters (the KV cache scales
+  four models that never shared a page, a review; none for a local path, which sglang loads
+  whatever the revision), load format, dtype, quantization and its parameters (the KV cache scales
   file, `--quantization-param-path`, resolved as the model's path), and
   `--json-model-override-args` (parsed: its spelling does not count), with
   `--download-dir`, where a repo id's files lie (used to find them, not part of the identity: one
@@ -98,6 +99,9 @@ def model_identity(args: dict) -> dict:
     path, why = ident.get("model_path"), None
     if isinstance(path, str) and path and os.path.exists(path):
         ident.update(_files(path))
+        # sglang loads a local folder or file whatever --revision says (its loader and AutoConfig read the
+        # folder): as typed, `--revision main` and none were two models that never shared a page (a review).
+        ident["revision"] = None
         if ident["config_sha256"] is None and not ident["weights"]:
             why = f"neither {CONFIG_FILE} nor weight files in {path}"
     elif isinstance(path, str) and (gguf := _gguf_reference(path, ident.get("revision"))) is not None:
