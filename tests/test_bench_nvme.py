@@ -45,6 +45,25 @@ def test_bench_nvme_is_not_verified_when_later_reads_deliver_nothing(tmp_path, m
     assert out["verified"] is False
 
 
+def test_bench_nvme_is_not_verified_when_reads_come_from_another_batchs_blocks(tmp_path, monkeypatch):
+    """Every batch wrote the same sources, so block k on disk equalled block k % batch: a read_blocks
+    that returned the first batch's blocks for every batch still said "verified": true (a review).
+    Each block's first 8 bytes now hold its index."""
+    real, calls = NvmeArena.read_blocks, []
+
+    def read_blocks(self, offsets, dests):  # every batch reads the first batch's blocks (a wrong offset)
+        calls.append(int(offsets[0]))
+        return real(self, offsets - offsets[0], dests)
+
+    monkeypatch.setattr(NvmeArena, "read_blocks", read_blocks)
+    parser = argparse.ArgumentParser()
+    nvme.add_arguments(parser)
+    out = nvme.run(parser.parse_args(["--size-mb", "4", "--block-kb", "256", "--batch", "4", "--staging-mb", "2",
+                                      "--repeat", "1", "--dir", str(tmp_path)]))
+    assert len(calls) == 4 and out["tier_read_misses"] == 0
+    assert out["verified"] is False
+
+
 def test_bench_nvme_rejects_a_block_larger_than_the_size(tmp_path):
     parser = argparse.ArgumentParser()
     nvme.add_arguments(parser)

@@ -14,8 +14,10 @@ read_blocks of the same bytes as --block-kb blocks in batches of --batch, at seq
 host transfer backend makes. Sources and destinations are views into a SharedMemoryArena (the DRAM
 tier) at 4096-aligned slot offsets, as the block manager hands them out, so the tier takes its
 zero-copy path (`"aligned_sources": true`); with --unaligned every view is shifted by 64 bytes, which
-measures the staging path instead. In the last round each tier batch's destinations are zeroed
-before its read and compared with the sources after it, outside the timed calls (`"verified"`).
+measures the staging path instead. Each source's first 8 bytes hold the index of the block it is
+written to, stamped before each batch's write, so every block on disk differs from the others. In the
+last round each tier batch's destinations are zeroed before its read and compared with the sources
+(stamped for that batch) after it, outside the timed calls (`"verified"`).
 Phases alternate (raw write, tier write, raw read, tier read; odd rounds run the tier first, since
 a virtual disk that writes back through its host's page cache slows whichever side writes right
 after the other) so that drift of a shared disk hits both sides alike; with --repeat N the best of
@@ -145,8 +147,9 @@ class _Tier:
         self.arena = NvmeArena(path, size, staging_bytes=staging)
         self.block, self.batch = block, batch
         self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
-        # One batch of distinct source blocks (reused for every batch) and one of destinations, as
-        # views into a DRAM-tier arena: slots of `stride` bytes from 4096-aligned offsets.
+        # One batch of distinct source blocks (reused for every batch, stamped with each block's
+        # index: _stamp) and one of destinations, as views into a DRAM-tier arena: slots of `stride`
+        # bytes from 4096-aligned offsets.
         shift, stride = (0, block) if aligned else (UNALIGNED_SHIFT, block + nvme_arena.ALIGN)
         self.dram, self.srcs, self.dsts = None, [], []
         try:  # (what was made is let go of on any failure, Ctrl-C among them: the segment was left)
@@ -168,22 +171,35 @@ class _Tier:
             offs = self.offsets[k:k + self.batch]
             yield offs, len(offs)
 
+    def _stamp(self, offs, n: int) -> None:
+        """Each source's first 8 bytes := the index of the block it goes to (or is compared with), so
+        block k's bytes on disk are its own: every batch writes the same sources, and a read_blocks
+        that returned another batch's blocks passed `verified` (a review)."""
+        for s, off in zip(self.srcs[:n], offs):
+            s[:8] = np.frombuffer(int(off // self.block).to_bytes(8, "little"), dtype=np.uint8)
+
     def write(self) -> float:
-        t = time.perf_counter()
+        """The write_blocks calls' time; the stamping lies between them, outside it (as read's check)."""
+        spent = 0.0
         for offs, n in self._batches():
+            self._stamp(offs, n)
+            t = time.perf_counter()
             self.arena.write_blocks(offs, self.srcs[:n])
-        return time.perf_counter() - t
+            spent += time.perf_counter() - t
+        return spent
 
     def read(self, check: bool = False) -> float:
         """The read_blocks calls' time. With `check` (the last round) every batch's destinations are
         zeroed before its read and compared with the sources after it, so `verified` says what each
-        of that round's reads delivered: every batch reads into the same views the same bytes, and a
-        check of the last batch alone passed once any read had landed (a review: reads that copied
-        nothing after the first batch said "verified": true). The check's work lies between the
-        timed calls, outside them; every round times the calls alone, so rounds compare alike."""
+        of that round's reads delivered: every batch reads into the same views, and a check of the
+        last batch alone passed once any read had landed (a review: reads that copied nothing after
+        the first batch said "verified": true). The sources are stamped with the batch's block
+        indexes again before it, as write stamped them. The check's work lies between the timed
+        calls, outside them; every round times the calls alone, so rounds compare alike."""
         spent = 0.0
         for offs, n in self._batches():
             if check:
+                self._stamp(offs, n)
                 for d in self.dsts[:n]:
                     d[:] = 0
             t = time.perf_counter()
