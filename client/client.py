@@ -198,30 +198,32 @@ class Client:
         self._refusals.reason = reason
 
     def _arenas_gone(self) -> bool:
-        """Whether the daemon whose memory this client maps has ended (no side effects: the test a
-        waiting call makes; _daemon_gone acts on it). False before the attach has mapped anything."""
+        """Whether the daemon whose memory this client maps has ended (no side effects: the test a waiting
+        call makes; _daemon_gone acts on it). False before the attach has mapped anything."""
         if self._ended:  # found by the other thread (call or heartbeat), which let the mappings go
             return True
         arenas = self._arenas
         return arenas is not None and arenas.daemon_gone()
 
     def _lease_lost(self) -> None:
-        """The daemon does not know this client (its lease lapsed, or it is a new daemon). A daemon
-        restarted at once answers so: the dead one's memory is let go as when none answers (before,
-        the client kept its segments, and a GPU's HBM, mapped)."""
+        """The daemon does not know this client (its lease lapsed, or it is a new daemon, whose answer lets the
+        dead one's memory go as when none answers: the client kept its segments, and a GPU's HBM, mapped)."""
         self.lease_lost = True
         self._daemon_gone()
 
-    def _daemon_gone(self) -> bool:
+    def _daemon_gone(self, wait: bool = True) -> bool:
         """After a call no daemon answered, or a new daemon answered UnknownClient: whether the daemon
         this client attached to has ended (nothing holds its liveness object or segments any more). Then
         the lease is lost and the mappings of its memory (segments, a GPU's HBM) let go, views alive keeping
-        theirs: while clients held a dead daemon's, its restart could fail for room (exit 4)."""
-        with self._gone_lock:  # the call thread and the heartbeat thread find a killed daemon at once
+        theirs: while clients held a dead daemon's, its restart could fail for room (exit 4). `wait` False (a
+        view's): False at once where another test runs (a signal handler's view hung for good, a review)."""
+        if not self._gone_lock.acquire(blocking=wait):  # (the call and heartbeat threads find a death at once)
+            return False
+        try:
             if self._ended:
                 return True
             arenas = self._arenas
-            if arenas is None or not arenas.daemon_gone():
+            if arenas is None or not arenas.daemon_gone(wait):
                 return False
             if not self.lease_lost:
                 log.error("dflash2: the daemon at %s has ended (nothing holds its liveness object or shared memory "
@@ -230,6 +232,8 @@ class Client:
             self._ended = True
             arenas.close("its daemon has ended (attach again)")
             return True
+        finally:
+            self._gone_lock.release()
 
     def detach(self) -> dict:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
@@ -535,13 +539,11 @@ class Client:
             raise ArenaError("this client is detached: its arena mappings are gone")
         if not self.lease_lost and not self._forked():  # (a forked child is told so by _place)
             self._confirm_lease()
-            now = time.monotonic()
-            # Whether the daemon still lives, at most every GONE_CHECK_S: a killed daemon's block was
-            # handed out until the next call or heartbeat (a lease without one), over its segment that
-            # a restarted daemon had removed, writes lost without a word (a review).
-            if now - self._alive_checked >= GONE_CHECK_S:
+            # Whether the daemon still lives, at most every GONE_CHECK_S: a killed daemon's block was handed out
+            # until the next call or heartbeat, over a segment a restart removed, writes lost (a review).
+            if (now := time.monotonic()) - self._alive_checked >= GONE_CHECK_S:
                 self._alive_checked = now
-                self._daemon_gone()
+                self._daemon_gone(wait=False)
         if self._ended:
             raise ArenaError(f"the daemon at {self.endpoint} that this client attached to has ended (its memory is "
                              "let go): attach a new client")

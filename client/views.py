@@ -122,15 +122,20 @@ class ArenaMap:
                 raise ArenaError(f"{self.closed}: its arena mappings are gone") from None
             raise
 
-    def daemon_gone(self) -> bool:
+    def daemon_gone(self, wait: bool = True) -> bool:
         """Whether the daemon that mapped these arenas has ended: nothing holds its liveness object,
         or one of its shared-memory segments (`SharedMemoryArena.creator_gone`), any more. False
-        where neither can tell (a GPU's HBM alone, from a daemon that names no liveness object)."""
-        with self._lock:
+        where neither can tell (a GPU's HBM alone, from a daemon that names no liveness object), and,
+        with `wait` False, where another test or close() holds the lock now."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             liveness = self.liveness
             if liveness is not None and liveness.gone():
                 return True
             return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
+        finally:
+            self._lock.release()
 
     def close(self, why: str = "this client is detached") -> None:
         with self._lock:

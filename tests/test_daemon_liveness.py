@@ -402,3 +402,58 @@ def test_no_new_view_of_a_killed_daemons_memory(config_file, tmp_path, heartbeat
     finally:
         c.close()
         d.stop()
+
+
+VIEW_IN_HANDLER = """
+import os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[3])
+from conftest import SMALL
+from dflash2.client import Client
+from dflash2.errors import DFlash2Error
+import dflash2.arena.liveness as liveness
+endpoint, daemon_pid = sys.argv[1], int(sys.argv[2])
+c = Client.connect(endpoint, name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
+mine, out = c.allocate(c.layouts[0], 1), []
+def handler(signum, frame):
+    try:
+        out.append(c.view_bytes(mine[0]).nbytes)
+    except DFlash2Error as e:
+        out.append(repr(e))
+signal.signal(signal.SIGUSR1, handler)
+real, armed = liveness.nobody_holds, [False]
+def nobody_holds(fd):
+    held = real(fd)
+    if armed[0] and threading.current_thread() is threading.main_thread():
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside ArenaMap.daemon_gone, its locks held)
+    return held
+liveness.nobody_holds = nobody_holds
+os.kill(daemon_pid, signal.SIGSTOP)
+threading.Timer(1.0, os.kill, (daemon_pid, signal.SIGCONT)).start()
+time.sleep(0.1)  # (the last view's test of the daemon is more than 50 ms old)
+armed[0] = True
+c.stats()  # waits on the stopped daemon, testing every 50 ms whether it lives
+print("done", out, flush=True)
+c.close()
+"""
+
+
+def test_a_view_from_a_signal_handler_during_a_waiting_call_does_not_hang(daemon):
+    """A review: a view asked for from a signal handler that landed while the same thread's call tested
+    whether the stopped daemon lived (its locks held) made its own test and waited for those locks for
+    good. A view's test does not wait: it is skipped while another runs."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", VIEW_IN_HANDLER, daemon.endpoint, str(daemon.pid),
+                              os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        out, _ = child.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail("the view from the signal handler hung")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert child.returncode == 0 and f"done [{SMALL.block_bytes}]" in out, out
