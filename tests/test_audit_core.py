@@ -360,6 +360,9 @@ def test_a_pinned_copy_committed_under_a_cached_key_stays_where_its_writer_views
             again(a, copy)
     with pytest.raises(UnknownBlock, match=f"use the id commit returned for it, {int(cached[0]):#x}"):
         mgr.table.seen_rows(a, copy)
+    for who in (b, a):  # (its writer's free of the id it allocated was called a double free, a review)
+        with pytest.raises(UnknownBlock, match=f"use the id commit returned for it, {int(cached[0]):#x}"):
+            mgr.free(who, copy)
     used = mgr.table.allocators[Tier.HBM].used_bytes
     mgr.release(b, copy)
     assert mgr.table.allocators[Tier.HBM].used_bytes < used, "the last pin frees the copy"

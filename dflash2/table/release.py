@@ -64,6 +64,9 @@ class Releasing:
             return NotOwner(f"client {client_id} holds {held} reference(s) to block {vid:#x}, freed {asked} (the "
                             "block listed more often than it was allocated, acquired or referenced)")
         if unowned:
+            # (A pinned copy a commit deduplicated, or a block dead otherwise: why, and the id to use; its
+            # writer's free of the id it allocated was called a double free, a review.)
+            self.refuse_dead(np.array([row], dtype=np.int64))
             return NotOwner(f"client {client_id} holds no reference to block {vid:#x} (double free, or another "
                             "client's block)")
         return PinnedBlock(f"block {vid:#x} is pinned; release it before freeing")
