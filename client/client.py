@@ -94,7 +94,7 @@ class Client:
         self._awake: Awake | None = None  # when the heartbeat thread ran (its process ran, `view_bytes`)
         self.lease_lost = False
         self._renewed = time.monotonic()  # the lease renewed by then at least (`renewed`; runs on through a SIGSTOP)
-        self._gone_lock = threading.Lock()  # _daemon_gone runs on the call thread and the heartbeat thread
+        self._gone_lock = threading.RLock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self._alive_checked = time.monotonic()  # when a view last asked whether the daemon lives (view_bytes)
         self._detached = False  # detach() called: every later call says so
@@ -217,8 +217,8 @@ class Client:
         the lease is lost and the mappings of its memory (segments, a GPU's HBM) let go, views alive keeping
         theirs: while clients held a dead daemon's, its restart could fail for room (exit 4). `wait` False (a
         view's): False at once where another test runs (a signal handler's view hung for good, a review)."""
-        if not self._gone_lock.acquire(blocking=wait):  # (the call and heartbeat threads find a death at once)
-            return False
+        if self._gone_lock._is_owned() or not self._gone_lock.acquire(blocking=wait):  # (the call and heartbeat
+            return False  # threads find a death at once; a signal handler's test within this thread's: not now)
         try:
             if self._ended:
                 return True

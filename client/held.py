@@ -84,8 +84,9 @@ class HeldPlaces:
         return restore
 
     def place(self, vid: int):
-        with self._lock:
-            found = self._places.get(vid)
+        # Without the lock (one dict lookup, whole under the GIL, as each change is): a signal handler's view
+        # landing while this thread recorded a reply's places waited for the lock it held, for good (a review).
+        found = self._places.get(vid)
         return None if found is None else found[0][found[1]]
 
     def _drop_unheld(self, vids: list[int]) -> dict:

@@ -58,7 +58,10 @@ class ArenaMap:
         # daemon_gone() and close() run on a client's call thread and its heartbeat thread at once
         # (both find a killed daemon within GONE_CHECK_S and both let its mappings go): close() must
         # not iterate a dict the other thread empties, nor a gone test flock a descriptor being closed.
-        self._lock = threading.Lock()
+        # Reentrant, so that a signal handler's test or close() on the thread whose test it interrupted can
+        # tell (`_is_owned`): it waited for the lock its own thread held, for good (a review).
+        self._lock = threading.RLock()
+        self._close_after: str | None = None  # a close() asked for within this thread's test: run after it
         # Why the mappings are gone, once they are (`close`): a view asked for meanwhile on another
         # thread says that, not that its tier "is not mapped" (a review's script: detach racing a view).
         self.closed: str | None = None
@@ -127,8 +130,8 @@ class ArenaMap:
         or one of its shared-memory segments (`SharedMemoryArena.creator_gone`), any more. False
         where neither can tell (a GPU's HBM alone, from a daemon that names no liveness object), and,
         with `wait` False, where another test or close() holds the lock now."""
-        if not self._lock.acquire(blocking=wait):
-            return False
+        if self._lock._is_owned() or not self._lock.acquire(blocking=wait):  # (within this thread's test: the
+            return False  # liveness object's lock is held below it)
         try:
             liveness = self.liveness
             if liveness is not None and liveness.gone():
@@ -136,8 +139,19 @@ class ArenaMap:
             return any(getattr(arena, "creator_gone", lambda: False)() for arena in list(self.arenas.values()))
         finally:
             self._lock.release()
+            self._closing()
+
+    def _closing(self) -> None:
+        """A close() asked for within this thread's test or close (a signal handler's), once they are done."""
+        if self._close_after is not None and not self._lock._is_owned():
+            why, self._close_after = self._close_after, None
+            self.close(why)
 
     def close(self, why: str = "this client is detached") -> None:
+        if self._lock._is_owned():  # (a signal handler's, within this thread's test or close: after it)
+            self.closed = self.closed or why
+            self._close_after = why
+            return
         with self._lock:
             self.closed = self.closed or why
             arenas, self.arenas = list(self.arenas.values()), {}

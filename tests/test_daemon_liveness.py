@@ -457,3 +457,93 @@ def test_a_view_from_a_signal_handler_during_a_waiting_call_does_not_hang(daemon
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
     assert child.returncode == 0 and f"done [{SMALL.block_bytes}]" in out, out
+
+
+VIEW_IN_HELD = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from conftest import SMALL
+from dflash2.client import Client, held
+from dflash2.errors import DFlash2Error
+c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
+mine, out = c.allocate(c.layouts[0], 1), []
+def handler(signum, frame):
+    try:
+        out.append(c.view_bytes(mine[0]).nbytes)
+    except DFlash2Error as e:
+        out.append(repr(e))
+signal.signal(signal.SIGUSR1, handler)
+real, armed = held.HeldPlaces._remember, [True]
+def remember(self, places):
+    if armed[0]:
+        armed[0] = False
+        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside HeldPlaces.writing, its lock held)
+    return real(self, places)
+held.HeldPlaces._remember = remember
+c.allocate(c.layouts[0], 1)
+print("done", out, flush=True)
+c.close()
+"""
+
+IN_VIEW_TEST = """
+import os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[2])
+from conftest import SMALL
+from dflash2.client import Client
+from dflash2.errors import DFlash2Error
+import dflash2.arena.liveness as liveness
+what, daemon_pid = sys.argv[3], int(sys.argv[4])
+c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
+mine, out = c.allocate(c.layouts[0], 1), []
+def handler(signum, frame):
+    try:
+        out.append(c.close() if what == "close" else sorted(c.stats())[:1])
+    except DFlash2Error as e:
+        out.append(repr(e))
+signal.signal(signal.SIGUSR1, handler)
+real, armed = liveness.nobody_holds, [False]
+def nobody_holds(fd):
+    held = real(fd)
+    if armed[0] and threading.current_thread() is threading.main_thread():
+        armed[0] = False
+        if what == "call":  # (a daemon that answers late: the handler's call waits, testing it)
+            os.kill(daemon_pid, signal.SIGSTOP)
+            threading.Timer(1.0, os.kill, (daemon_pid, signal.SIGCONT)).start()
+        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside ArenaMap.daemon_gone, its lock held)
+    return held
+liveness.nobody_holds = nobody_holds
+time.sleep(0.1)  # (the last view's test of the daemon is more than 50 ms old)
+armed[0] = True
+try:
+    c.view_bytes(mine[0])
+except DFlash2Error as e:
+    out.append(repr(e))
+print("done", out, flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("where", ["held places", "close in a view's test", "call in a view's test"])
+def test_a_signal_handlers_view_close_or_call_does_not_hang_on_its_own_threads_locks(daemon, where):
+    """A review: a handler's view landing while the same thread recorded a reply's places (HeldPlaces'
+    lock), and a handler's close() or call landing in a view's test of whether the daemon lives (the
+    arena map's lock), waited for the lock their own thread held, for good. A view reads places without
+    the lock; a test or close() within the same thread's test is skipped or run after it."""
+    import subprocess
+    import sys
+
+    script, extra = (VIEW_IN_HELD, []) if where == "held places" else (
+        IN_VIEW_TEST, ["close" if where.startswith("close") else "call", str(daemon.pid)])
+    child = subprocess.Popen([sys.executable, "-c", script, daemon.endpoint, os.path.dirname(__file__), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = child.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail(f"the handler's {where} hung")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert child.returncode == 0 and "done" in out, out
+    if where.startswith("close"):  # (its detach ran: the view is refused, the client's blocks let go)
+        assert "detached" in out and "'freed': 1" in out, out
