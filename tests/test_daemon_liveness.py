@@ -404,61 +404,6 @@ def test_no_new_view_of_a_killed_daemons_memory(config_file, tmp_path, heartbeat
         d.stop()
 
 
-VIEW_IN_HANDLER = """
-import os, signal, sys, threading, time
-sys.path.insert(0, sys.argv[3])
-from conftest import SMALL
-from dflash2.client import Client
-from dflash2.errors import DFlash2Error
-import dflash2.arena.liveness as liveness
-endpoint, daemon_pid = sys.argv[1], int(sys.argv[2])
-c = Client.connect(endpoint, name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
-mine, out = c.allocate(c.layouts[0], 1), []
-def handler(signum, frame):
-    try:
-        out.append(c.view_bytes(mine[0]).nbytes)
-    except DFlash2Error as e:
-        out.append(repr(e))
-signal.signal(signal.SIGUSR1, handler)
-real, armed = liveness.nobody_holds, [False]
-def nobody_holds(fd):
-    held = real(fd)
-    if armed[0] and threading.current_thread() is threading.main_thread():
-        armed[0] = False
-        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside ArenaMap.daemon_gone, its locks held)
-    return held
-liveness.nobody_holds = nobody_holds
-os.kill(daemon_pid, signal.SIGSTOP)
-threading.Timer(1.0, os.kill, (daemon_pid, signal.SIGCONT)).start()
-time.sleep(0.1)  # (the last view's test of the daemon is more than 50 ms old)
-armed[0] = True
-c.stats()  # waits on the stopped daemon, testing every 50 ms whether it lives
-print("done", out, flush=True)
-c.close()
-"""
-
-
-def test_a_view_from_a_signal_handler_during_a_waiting_call_does_not_hang(daemon):
-    """A review: a view asked for from a signal handler that landed while the same thread's call tested
-    whether the stopped daemon lived (its locks held) made its own test and waited for those locks for
-    good. A view's test does not wait: it is skipped while another runs."""
-    import subprocess
-    import sys
-
-    child = subprocess.Popen([sys.executable, "-c", VIEW_IN_HANDLER, daemon.endpoint, str(daemon.pid),
-                              os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-    try:
-        out, _ = child.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        pytest.fail("the view from the signal handler hung")
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
-    assert child.returncode == 0 and f"done [{SMALL.block_bytes}]" in out, out
-
-
 VIEW_IN_HELD = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
@@ -485,19 +430,23 @@ print("done", out, flush=True)
 c.close()
 """
 
-IN_VIEW_TEST = """
+IN_A_TEST = """
 import os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[2])
 from conftest import SMALL
 from dflash2.client import Client
 from dflash2.errors import DFlash2Error
 import dflash2.arena.liveness as liveness
-what, daemon_pid = sys.argv[3], int(sys.argv[4])
+main, handled, daemon_pid = sys.argv[3], sys.argv[4], int(sys.argv[5])
 c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
 mine, out = c.allocate(c.layouts[0], 1), []
+def stop_a_while():  # (a daemon that answers late: a call waits for it, testing every 50 ms whether it lives)
+    os.kill(daemon_pid, signal.SIGSTOP)
+    threading.Timer(1.0, os.kill, (daemon_pid, signal.SIGCONT)).start()
 def handler(signum, frame):
     try:
-        out.append(c.close() if what == "close" else sorted(c.stats())[:1])
+        out.append(c.view_bytes(mine[0]).nbytes if handled == "view" else c.close() if handled == "close"
+                   else sorted(c.stats())[:1])
     except DFlash2Error as e:
         out.append(repr(e))
 signal.signal(signal.SIGUSR1, handler)
@@ -506,16 +455,17 @@ def nobody_holds(fd):
     held = real(fd)
     if armed[0] and threading.current_thread() is threading.main_thread():
         armed[0] = False
-        if what == "call":  # (a daemon that answers late: the handler's call waits, testing it)
-            os.kill(daemon_pid, signal.SIGSTOP)
-            threading.Timer(1.0, os.kill, (daemon_pid, signal.SIGCONT)).start()
-        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside ArenaMap.daemon_gone, its lock held)
+        if handled == "call":
+            stop_a_while()
+        os.kill(os.getpid(), signal.SIGUSR1)  # (lands inside ArenaMap.daemon_gone, its locks held)
     return held
 liveness.nobody_holds = nobody_holds
+if main == "call":
+    stop_a_while()
 time.sleep(0.1)  # (the last view's test of the daemon is more than 50 ms old)
 armed[0] = True
 try:
-    c.view_bytes(mine[0])
+    c.stats() if main == "call" else c.view_bytes(mine[0])
 except DFlash2Error as e:
     out.append(repr(e))
 print("done", out, flush=True)
@@ -523,17 +473,17 @@ c.close()
 """
 
 
-@pytest.mark.parametrize("where", ["held places", "close in a view's test", "call in a view's test"])
-def test_a_signal_handlers_view_close_or_call_does_not_hang_on_its_own_threads_locks(daemon, where):
-    """A review: a handler's view landing while the same thread recorded a reply's places (HeldPlaces'
-    lock), and a handler's close() or call landing in a view's test of whether the daemon lives (the
-    arena map's lock), waited for the lock their own thread held, for good. A view reads places without
-    the lock; a test or close() within the same thread's test is skipped or run after it."""
+@pytest.mark.parametrize("main, handled", [("call", "view"), ("view", "close"), ("view", "call"), ("write", "view")])
+def test_a_signal_handler_does_not_wait_for_a_lock_its_own_thread_holds(daemon, main, handled):
+    """Reviews: a handler's view landing while the same thread's call tested whether the stopped daemon
+    lived, or while it recorded a reply's places, and a handler's close() or call landing in a view's
+    test of the daemon, waited for the lock their own thread held (the arena map's, HeldPlaces'), for
+    good. A view's test does not wait, a view reads places without the lock, and a test or close()
+    within the same thread's test is skipped or run after it."""
     import subprocess
     import sys
 
-    script, extra = (VIEW_IN_HELD, []) if where == "held places" else (
-        IN_VIEW_TEST, ["close" if where.startswith("close") else "call", str(daemon.pid)])
+    script, extra = (VIEW_IN_HELD, []) if main == "write" else (IN_A_TEST, [main, handled, str(daemon.pid)])
     child = subprocess.Popen([sys.executable, "-c", script, daemon.endpoint, os.path.dirname(__file__), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -541,9 +491,11 @@ def test_a_signal_handlers_view_close_or_call_does_not_hang_on_its_own_threads_l
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        pytest.fail(f"the handler's {where} hung")
+        pytest.fail(f"the handler's {handled} within a {main} hung")
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
     assert child.returncode == 0 and "done" in out, out
-    if where.startswith("close"):  # (its detach ran: the view is refused, the client's blocks let go)
+    if handled == "view" and main == "call":
+        assert f"done [{SMALL.block_bytes}]" in out, out
+    if handled == "close":  # (its detach ran: the view is refused, the client's block let go)
         assert "detached" in out and "'freed': 1" in out, out
