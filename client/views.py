@@ -142,13 +142,13 @@ class ArenaMap:
             self._closing()
 
     def _closing(self) -> None:
-        """A close() asked for within this thread's test or close (a signal handler's), once they are done."""
+        """A close() asked for within this thread's test (a signal handler's), once the test is done."""
         if self._close_after is not None and not self._lock._is_owned():
             why, self._close_after = self._close_after, None
             self.close(why)
 
     def close(self, why: str = "this client is detached") -> None:
-        if self._lock._is_owned():  # (a signal handler's, within this thread's test or close: after it)
+        if self._lock._is_owned():  # (a signal handler's, within this thread's test: after it; within a close: by it)
             self.closed = self.closed or why
             self._close_after = why
             return
