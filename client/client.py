@@ -97,7 +97,7 @@ class Client:
         self._gone_lock = threading.RLock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self._alive_checked = time.monotonic()  # when a view last asked whether the daemon lives (view_bytes)
-        self._detached = False  # detach() called: every later call says so
+        self._detached = self._stopping = False  # detach() called: every later call says so; the heartbeat told to stop
         self.client_id: int | None = None
         self._attach(layouts, heartbeat, prefill_tokens_per_s)
 
@@ -198,8 +198,7 @@ class Client:
         self._refusals.reason = reason
 
     def _arenas_gone(self) -> bool:
-        """Whether the daemon whose memory this client maps has ended (no side effects: the test a waiting
-        call makes; _daemon_gone acts on it). False before the attach has mapped anything."""
+        """Whether the daemon whose memory this client maps has ended (a waiting call's test, no side effects)."""
         if self._ended:  # found by the other thread (call or heartbeat), which let the mappings go
             return True
         arenas = self._arenas
@@ -242,11 +241,12 @@ class Client:
         if self._forked():  # its copy only, and no lock: one a parent's thread held at the fork stays
             self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
             return {}
-        self._stop.set()
-        beat = self._heartbeat_thread  # (read once: another thread's close() sets it to None, a review)
-        if beat is not None:
+        if not self._stopping:  # (once: a handler's close() within this thread's set() waited for the lock that
+            self._stopping = True  # set() held, and one cut off there left it held: later ones hung, a review)
+            self._stop.set()
+        beat = self._heartbeat_thread
+        if beat is not None:  # (at most the timeout: a heartbeat whose Event's lock is held that way never ends)
             beat.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
-            self._heartbeat_thread = None
         released = {}
         if self._lock._is_owned():  # (from a signal handler during a call of this thread: after that call)
             self._detach_after = True

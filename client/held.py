@@ -22,7 +22,9 @@ class HeldPlaces:
     release (the 2-core VM)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler's call landing while this thread records a reply's places runs whole (it
+        # waited for the lock its own thread held, for good, a review); each step is one per vid.
+        self._lock = threading.RLock()
         self._places: dict[int, tuple[np.ndarray, int]] = {}
         self._writing: set[int] = set()
         self._pins: Counter[int] = Counter()

@@ -404,17 +404,19 @@ def test_no_new_view_of_a_killed_daemons_memory(config_file, tmp_path, heartbeat
         d.stop()
 
 
-VIEW_IN_HELD = """
+IN_HELD = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 from conftest import SMALL
 from dflash2.client import Client, held
 from dflash2.errors import DFlash2Error
+handled = sys.argv[3]
 c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
 mine, out = c.allocate(c.layouts[0], 1), []
 def handler(signum, frame):
     try:
-        out.append(c.view_bytes(mine[0]).nbytes)
+        out.append(c.view_bytes(mine[0]).nbytes if handled == "view" else
+                   len(c.allocate(c.layouts[0], 1)) if handled == "allocate" else c.free(mine["vid"]))
     except DFlash2Error as e:
         out.append(repr(e))
 signal.signal(signal.SIGUSR1, handler)
@@ -473,17 +475,19 @@ c.close()
 """
 
 
-@pytest.mark.parametrize("main, handled", [("call", "view"), ("view", "close"), ("view", "call"), ("write", "view")])
+@pytest.mark.parametrize("main, handled", [("call", "view"), ("view", "close"), ("view", "call"), ("write", "view"),
+                                           ("write", "allocate"), ("write", "free")])
 def test_a_signal_handler_does_not_wait_for_a_lock_its_own_thread_holds(daemon, main, handled):
     """Reviews: a handler's view landing while the same thread's call tested whether the stopped daemon
-    lived, or while it recorded a reply's places, and a handler's close() or call landing in a view's
-    test of the daemon, waited for the lock their own thread held (the arena map's, HeldPlaces'), for
-    good. A view's test does not wait, a view reads places without the lock, and a test or close()
-    within the same thread's test is skipped or run after it."""
+    lived, a handler's view or call landing while it recorded a reply's places, and a handler's close()
+    or call landing in a view's test of the daemon, waited for the lock their own thread held (the arena
+    map's, HeldPlaces'), for good. A view's test does not wait, a view reads places without the lock,
+    HeldPlaces' lock is reentrant, and a test or close() within the same thread's test is skipped or run
+    after it."""
     import subprocess
     import sys
 
-    script, extra = (VIEW_IN_HELD, []) if main == "write" else (IN_A_TEST, [main, handled, str(daemon.pid)])
+    script, extra = (IN_HELD, [handled]) if main == "write" else (IN_A_TEST, [main, handled, str(daemon.pid)])
     child = subprocess.Popen([sys.executable, "-c", script, daemon.endpoint, os.path.dirname(__file__), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -499,3 +503,56 @@ def test_a_signal_handler_does_not_wait_for_a_lock_its_own_thread_holds(daemon, 
         assert f"done [{SMALL.block_bytes}]" in out, out
     if handled == "close":  # (its detach ran: the view is refused, the client's block let go)
         assert "detached" in out and "'freed': 1" in out, out
+    if main == "write" and handled != "view":  # (the handler's call ran whole: its block, or the free of one)
+        assert "done [1]" in out, out
+
+
+CLOSE_IN_CLOSE = """
+import os, signal, sys, threading
+sys.path.insert(0, sys.argv[2])
+from conftest import SMALL
+from dflash2.client import Client
+how = sys.argv[3]
+c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
+c.allocate(c.layouts[0], 1)
+class Deadline(Exception):
+    pass
+def handler(signum, frame):
+    if how == "raise":
+        raise Deadline()
+    print("handler's close:", c.close(), flush=True)
+signal.signal(signal.SIGUSR1, handler)
+def prof(frame, event, arg):  # (lands as Event.set's `with` ends: its Condition's lock held)
+    if event == "call" and frame.f_code is threading.Condition.__exit__.__code__:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+sys.setprofile(prof)
+try:
+    print("close:", c.close(), flush=True)
+except Deadline:
+    print("close cut off by the deadline; closing again", flush=True)
+    print("close:", c.close(), flush=True)
+finally:
+    sys.setprofile(None)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "raise"])
+def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how):
+    """A review: a signal handler's close() landing as this thread's close() set the heartbeat's stop
+    Event waited for the Event's lock that set() held, for good; and an exception landing there left the
+    lock held, so that every later close() hung (the daemon kept the client's blocks until its lease
+    lapsed). The Event is set once."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", CLOSE_IN_CLOSE, daemon.endpoint, os.path.dirname(__file__), how],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = child.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail(f"the close after a {how} within a close hung")
+    assert child.returncode == 0 and "done" in out and "'freed': 1" in out, out
