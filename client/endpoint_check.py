@@ -30,8 +30,9 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: the socket file does not exist "
-                                f"(is the daemon running? `dflash2d --config FILE`){_default_elsewhere(path)}") from None
+        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: the socket file does not "
+                                "exist (is the daemon running? `dflash2d --config FILE`)"
+                                f"{_default_elsewhere(path)}") from None
     except PermissionError:
         folder = os.path.dirname(path) or "."
         try:
@@ -67,9 +68,9 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
         raise DaemonUnavailable(f"cannot use dflash2d's socket {path}: permission denied (owner uid {st.st_uid}, "
                                 f"mode {stat.S_IMODE(st.st_mode):o}); {same_user}") from None
     except ConnectionRefusedError:
-        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: nothing listens on its socket "
-                                "file (a daemon that was killed left it; is the daemon running? `dflash2d --config "
-                                "FILE`)") from None
+        raise DaemonUnavailable(_starting(endpoint, path) or f"no dflash2d at {endpoint}: nothing listens on its "
+                                "socket file (a daemon that was killed left it; is the daemon running? `dflash2d "
+                                "--config FILE`)") from None
     except OSError:
         pass  # (a full backlog, a timeout: ZeroMQ tries as it does, and the call's timeout says)
     finally:
