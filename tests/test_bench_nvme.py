@@ -36,11 +36,7 @@ def test_bench_nvme_is_not_verified_when_later_reads_deliver_nothing(tmp_path, m
         calls.append(len(offsets))
         return real(self, offsets, dests) if len(calls) == 1 else np.ones(len(offsets), dtype=bool)
 
-    monkeypatch.setattr(NvmeArena, "read_blocks", read_blocks)
-    parser = argparse.ArgumentParser()
-    nvme.add_arguments(parser)
-    out = nvme.run(parser.parse_args(["--size-mb", "4", "--block-kb", "256", "--batch", "4", "--staging-mb", "2",
-                                      "--repeat", "2", "--dir", str(tmp_path)]))
+    out = _run_with(monkeypatch, read_blocks, tmp_path, repeat=2)
     assert len(calls) == 8 and out["tier_read_misses"] == 0
     assert out["verified"] is False
 
@@ -55,13 +51,18 @@ def test_bench_nvme_is_not_verified_when_reads_come_from_another_batchs_blocks(t
         calls.append(int(offsets[0]))
         return real(self, offsets - offsets[0], dests)
 
+    out = _run_with(monkeypatch, read_blocks, tmp_path, repeat=1)
+    assert len(calls) == 4 and out["tier_read_misses"] == 0
+    assert out["verified"] is False
+
+
+def _run_with(monkeypatch, read_blocks, tmp_path, repeat: int) -> dict:
+    """The bench over 4 MiB in 16 blocks of 256 KiB, batches of 4, with the tier's reads by `read_blocks`."""
     monkeypatch.setattr(NvmeArena, "read_blocks", read_blocks)
     parser = argparse.ArgumentParser()
     nvme.add_arguments(parser)
-    out = nvme.run(parser.parse_args(["--size-mb", "4", "--block-kb", "256", "--batch", "4", "--staging-mb", "2",
-                                      "--repeat", "1", "--dir", str(tmp_path)]))
-    assert len(calls) == 4 and out["tier_read_misses"] == 0
-    assert out["verified"] is False
+    return nvme.run(parser.parse_args(["--size-mb", "4", "--block-kb", "256", "--batch", "4", "--staging-mb", "2",
+                                       "--repeat", str(repeat), "--dir", str(tmp_path)]))
 
 
 def test_bench_nvme_rejects_a_block_larger_than_the_size(tmp_path):

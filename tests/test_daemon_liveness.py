@@ -484,21 +484,8 @@ def test_a_signal_handler_does_not_wait_for_a_lock_its_own_thread_holds(daemon, 
     map's, HeldPlaces'), for good. A view's test does not wait, a view reads places without the lock,
     HeldPlaces' lock is reentrant, and a test or close() within the same thread's test is skipped or run
     after it."""
-    import subprocess
-    import sys
-
     script, extra = (IN_HELD, [handled]) if main == "write" else (IN_A_TEST, [main, handled, str(daemon.pid)])
-    child = subprocess.Popen([sys.executable, "-c", script, daemon.endpoint, os.path.dirname(__file__), *extra],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = child.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        pytest.fail(f"the handler's {handled} within a {main} hung")
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
-    assert child.returncode == 0 and "done" in out, out
+    out = _child(daemon, script, *extra, what=f"the handler's {handled} within a {main}")
     if handled == "view" and main == "call":
         assert f"done [{SMALL.block_bytes}]" in out, out
     if handled == "close":  # (its detach ran: the view is refused, the client's block let go)
@@ -544,15 +531,25 @@ def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how):
     Event waited for the Event's lock that set() held, for good; and an exception landing there left the
     lock held, so that every later close() hung (the daemon kept the client's blocks until its lease
     lapsed). The Event is set once."""
+    out = _child(daemon, CLOSE_IN_CLOSE, how, what=f"the close after a {how} within a close")
+    assert "'freed': 1" in out, out
+
+
+def _child(daemon, script: str, *args: str, what: str) -> str:
+    """`script` run in a child process against `daemon` (a hang fails the test, never hangs it); its output,
+    once it has ended well."""
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", CLOSE_IN_CLOSE, daemon.endpoint, os.path.dirname(__file__), how],
+    child = subprocess.Popen([sys.executable, "-c", script, daemon.endpoint, os.path.dirname(__file__), *args],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = child.communicate(timeout=20)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        pytest.fail(f"the close after a {how} within a close hung")
-    assert child.returncode == 0 and "done" in out and "'freed': 1" in out, out
+        pytest.fail(f"{what} hung")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert child.returncode == 0 and "done" in out, out
+    return out
