@@ -54,12 +54,7 @@ class HeldPlaces:
             unwritten = [v for v in vids if v in writing]
             writing.difference_update(vids)
             dropped = self._drop_unheld(vids)
-
-        def restore() -> None:
-            with self._lock:
-                self._writing.update(unwritten)
-                self._put_back(dropped)
-        return restore
+        return self._restorer(self._writing, unwritten, dropped)
 
     def released(self, vids) -> Callable[[], None]:
         """One pin given up per vid listed (none for a vid not pinned here). Returns what puts them
@@ -78,11 +73,16 @@ class HeldPlaces:
                     pins.pop(v, None)
                     last.append(v)
             dropped = self._drop_unheld(last)
+        return self._restorer(self._pins, unpinned, dropped)
 
+    def _restorer(self, held, given_up: list[int], dropped: dict) -> Callable[[], None]:
+        """What puts back a call's giving up: `given_up` into `held` (the set being written, or the pin
+        Counter: one pin each time a vid is listed) and the places it dropped."""
         def restore() -> None:
             with self._lock:
-                self._pins.update(unpinned)
-                self._put_back(dropped)
+                held.update(given_up)
+                for v, place in dropped.items():  # (where a later reply gave the vid a newer place, that one)
+                    self._places.setdefault(v, place)
         return restore
 
     def place(self, vid: int):
@@ -99,11 +99,6 @@ class HeldPlaces:
             if v not in writing and v not in pins and v in places:
                 dropped[v] = places.pop(v)
         return dropped
-
-    def _put_back(self, dropped: dict) -> None:
-        """Places `_drop_unheld` forgot, but where a later reply has given the vid a newer one."""
-        for v, place in dropped.items():
-            self._places.setdefault(v, place)
 
 
 def _vid_list(vids) -> list[int]:

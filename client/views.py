@@ -162,6 +162,7 @@ class ArenaMap:
             if self.liveness is not None:
                 self.liveness.close()
                 self.liveness = None
+            self._close_after = None  # (one asked for within this close is done by it)
 
 
 def _open_liveness(name: str | None) -> DaemonLiveness | None:
