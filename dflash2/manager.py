@@ -354,6 +354,9 @@ class BlockManager(Reads):
         self.policy.on_tick(self.table, self.table.clock())
         self.table.keys.step()  # a doubling of the key index moves on without inserts or removals
         self.admission.new_step()
+        for arena in self.arenas.values():  # a cache file removed while idle: made again (nvmegone.py)
+            if isinstance(arena, StorageArena):
+                self._follow_up("looking at the NVMe cache file", arena.check_file)
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
         self._retest_set_aside()
         self.admission.tick()

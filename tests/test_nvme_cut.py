@@ -3,6 +3,7 @@ disk): taken back at the next batch or as the tier closes, the blocks past the c
 goes through) misses lost to the cut, never taken for bad sectors (arena/nvmecut.py). Reviews'
 scripts found each case: the next start refused the file, reads past the cut failed as disk errors."""
 
+import contextlib
 import errno
 import logging
 import os
@@ -295,3 +296,110 @@ def test_the_once_a_minute_line_counts_only_the_batches_left_unsaid(tmp_path, mo
     finally:
         monkeypatch.undo()
         a.remove()
+
+
+# ---- the file removed or replaced (arena/nvmegone.py) ------------------------------------------------
+
+def _deleted_fds(path) -> list[str]:
+    """This process's descriptors still open on a removed file at `path` (its disk room held)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target == f"{path} (deleted)":
+                out.append(target)
+    return out
+
+
+def test_a_file_removed_while_the_tier_runs_is_made_again_and_keeps_a_second_tier_off(tmp_path, caplog):
+    """A review's script: `rm nvme.cache` under a running tier went unnoticed: it read and wrote the
+    deleted file (its room held out of sight, no log line), and a second tier (a second daemon) on
+    the same path started on a new file, the lock that keeps it off gone. Now the next batch makes a
+    new file there (locked), the old one's blocks are misses lost to it, its descriptors closed."""
+    path = tmp_path / "nvme.cache"
+    old, new = (np.random.default_rng(s).integers(0, 256, 2 * ALIGN, dtype=np.uint8) for s in (1, 2))
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [old]).all()
+        os.unlink(path)  # the operator frees the disk
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([8 * ALIGN], [new]).all()
+        said = f"{path} was removed by another process (an rm, a mv) while the tier ran: 1 blocks it held are lost"
+        assert said in caplog.text
+        assert path.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER and not _deleted_fds(path)
+        out = np.zeros_like(old)
+        assert not a.read_blocks([0], [out]).any() and a.lost_to_cut([0]).all()  # a miss that blames no slot
+        assert a.read_blocks([8 * ALIGN], [out]).all() and np.array_equal(out, new)
+        with pytest.raises(nvme.ArenaError, match="in use by another process"):
+            NvmeArena(path, CAP, staging_bytes=STAGING)
+    finally:
+        a.remove()
+
+
+def test_a_removal_while_idle_is_found_at_the_background_step(tmp_path, caplog):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        os.unlink(path)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            a.check_file()
+        assert f"{path} was removed by another process" in caplog.text and path.exists() and not _deleted_fds(path)
+    finally:
+        a.remove()
+
+
+def test_a_file_replaced_by_a_move_is_made_again_on_the_new_one(tmp_path, caplog):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [np.ones(ALIGN, dtype=np.uint8)]).all()
+        (tmp_path / "empty").write_bytes(b"")
+        os.replace(tmp_path / "empty", path)  # an operator's `mv` over it
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert not a.read_blocks([0], [np.zeros(ALIGN, dtype=np.uint8)]).any()
+        assert f"{path} was replaced (another file is at the path now) by another process" in caplog.text
+        assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP and not _deleted_fds(path)
+    finally:
+        a.remove()
+
+
+def test_a_path_another_tier_took_meanwhile_refuses_writes_until_it_is_free(tmp_path, caplog):
+    """The second tier started before the first's next batch (its file removed, the path free): the
+    first never goes back to the deleted file; it says why, its writes are refused (the back-off)
+    and its reads miss, until the path is free again."""
+    path = tmp_path / "nvme.cache"
+    data = np.arange(2 * ALIGN, dtype=np.uint64).view(np.uint8)[:2 * ALIGN].copy()
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [data]).all()
+        os.unlink(path)
+        b = NvmeArena(path, CAP, staging_bytes=STAGING)  # the path is free: it takes it
+        try:
+            with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+                with pytest.raises(nvme.ArenaError, match=f"writes are refused until one can be made at {path}"):
+                    a.write_blocks([0], [data])
+                assert not a.read_blocks([0], [data.copy()]).any() and not _deleted_fds(path)
+                with pytest.raises(nvme.ArenaError, match="in use by another process"):
+                    a.test_slots([0], [data])
+            assert (f"{path} was replaced (another file is at the path now) by another process (an rm, a mv) while "
+                    "the tier ran: 1 blocks it held "
+                    f"are lost (misses), and a new file cannot be made there: NVMe tier file {path} is in use by "
+                    "another process") in caplog.text
+        finally:
+            b.close()
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([0], [data]).all()  # b gone: the path is the first tier's again
+        assert f"a new file is made at {path}: the tier takes writes again" in caplog.text
+        assert a.read_blocks([0], [data.copy()]).all()
+    finally:
+        a.remove()
+
+
+def test_a_removal_after_the_last_batch_is_said_as_the_tier_closes(tmp_path, caplog):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    os.unlink(path)
+    with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+        a.close()
+    assert f"{path} was removed while the tier ran; the tier closes" in caplog.text
+    assert not path.exists() and not _deleted_fds(path)  # (nothing made again as it closes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,27 @@ def test_check_weighs_the_host_tiers_against_an_address_space_limit(tmp_path, mo
     assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")
     monkeypatch.setattr(shm, "address_space", lambda: None)  # (no limit: no line)
     assert not any("address space" in ln for ln in dmain.room_now(plan))
+
+
+def test_a_second_daemon_is_kept_off_a_path_whose_file_was_removed(tmp_path):
+    """A review's script (two real daemons): `rm nvme.cache` under a running daemon let a second one
+    on the same memory.nvme_path start on a new file (the lock went with the deleted file), the first
+    serving from the deleted one, its room out of sight. Now the first makes a new file there within
+    a step, even while idle, and the second is refused as the path's file is in use."""
+    from daemon_proc import DaemonProcess
+
+    nvme = tmp_path / "disk" / "nvme.cache"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfgs = [write_config(tmp_path / d, memory={"nvme_path": str(nvme), "nvme_capacity_mb": 4}) for d in "ab"]
+    first = DaemonProcess(cfgs[0]).start()
+    try:
+        os.unlink(nvme)  # the operator frees the disk
+        deadline = time.monotonic() + 10
+        while f"{nvme} was removed by another process" not in first.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert nvme.exists(), first.log()
+        with pytest.raises(RuntimeError, match=f"(?s)exited with 4: .*{nvme} is in use by another process"):
+            DaemonProcess(cfgs[1]).start()
+    finally:
+        first.stop()

@@ -82,6 +82,10 @@ class StorageArena(Arena):
         that blames neither its slot nor the disk (NvmeArena; none here)."""
         return np.zeros(len(offsets), dtype=bool)
 
+    def check_file(self) -> None:
+        """(The background step) whether the tier's file is still the one its path names; one removed
+        or replaced is made again (NvmeArena; nothing here)."""
+
     @abc.abstractmethod
     def test_slots(self, offsets: Sequence[int], patterns: Sequence[np.ndarray]) -> np.ndarray:
         """(The re-test of slots set aside, quarantine.py, on a thread of its own; nobody else uses

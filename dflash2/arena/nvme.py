@@ -26,7 +26,8 @@ Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed b
 The file starts with one ALIGN-byte header page (HEADER: what the file is) and block offsets count
 from the page after it. A file already at the path is reused only when it starts with that header
 (or is empty): any other is refused, never overwritten (a mistyped memory.nvme_path must not destroy
-data). One cut short while the tier runs is taken back (nvmecut.py)."""
+data). One cut short while the tier runs is taken back (nvmecut.py); one removed or replaced is made
+again (nvmegone.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from dflash2.arena.base import StorageArena
 from dflash2.arena.nvmecut import FileCuts
+from dflash2.arena.nvmegone import FileRenewal
 from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
 from dflash2.arena.shm import mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
@@ -132,7 +134,7 @@ def _refuse_failing_disk(path: str, error: OSError) -> None:
                          "to 0 to run without the NVMe tier") from error
 
 
-class NvmeArena(StorageArena):
+class NvmeArena(FileRenewal, StorageArena):
     alignment = ALIGN
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
@@ -160,6 +162,7 @@ class NvmeArena(StorageArena):
         self._crc = np.zeros(nslots, dtype=np.uint32)
         self._len = np.zeros(nslots, dtype=np.uint32)
         self._cuts = FileCuts(nslots)  # blocks lost to the file cut short by another process (nvmecut.py)
+        self._init_renewal()  # the file removed or replaced under the tier: a new one (nvmegone.py)
         # Batches retried block by block after an I/O error (reads, writes): logged once a minute each way.
         self._partial_failures = RepeatLimit("batches")
 
@@ -308,7 +311,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
-            self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
+            self._check_file(write=True)
 
             def fill_and_write(chunk: Chunk, base: int) -> list[tuple[int, int, int, int]]:
                 crcs = []
@@ -404,7 +407,7 @@ class NvmeArena(StorageArena):
         idx = offs // ALIGN
         with self._lock:
             ring = self._open_ring()
-            self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
+            self._check_file()
             known = self._len[idx] == lens  # never written, forgotten or another length: a miss
             want = order[known[order]]
             if not len(want):
@@ -532,8 +535,8 @@ class NvmeArena(StorageArena):
         if not len(offs):
             return sound
         with self._lock:
-            if self._ring is None:
-                raise ArenaError(f"NVMe tier at {self.path} is closed")
+            self._open_ring()
+            self._check_file(write=True, cut=False)  # (a removed file: its slots re-tested in the new one)
             fd = os.dup(self._fd)  # a close() meanwhile leaves this one open (never another file's number)
         buf = mmap.mmap(-1, int(ext.max()))  # page-aligned: O_DIRECT takes it
         mv = memoryview(buf)
@@ -579,16 +582,12 @@ class NvmeArena(StorageArena):
         with self._lock:
             if self._ring is not None and hasattr(self, "_cuts"):  # (not as a failed __init__ closes)
                 try:  # (a cut since the last batch: the next start would refuse the file)
-                    self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
+                    self._check_file(renew=False)
                 except OSError as e:
                     log.warning("NVMe: cannot look at %s as the tier closes: %s", self.path, e)
                 self._ring.close()
                 self._ring = None
-            for name in ("_fd", "_lock_fd"):
-                fd = getattr(self, name, -1)
-                if fd >= 0:
-                    os.close(fd)
-                    setattr(self, name, -1)
+            self._close_files()
 
     def remove(self) -> None:
         """Close and delete the cache file (tests, benches)."""

@@ -1,0 +1,130 @@
+"""An NVMe cache file removed (`rm nvme.cache`, to free the disk) or replaced (a `mv` over it)
+while its tier runs: found before each batch, at the background step and at close, and a new file
+made at the path as at start-up (header, disk room, the lock); the old file's blocks are forgotten
+(misses, said as the file's, not the disk's) and its last descriptors closed, so its room is freed.
+
+Before, nothing noticed (a review): the tier read and wrote the deleted file, its disk room held
+out of sight, no line in the log; and the file's lock, which keeps a second daemon off the path
+("in use by another process"), went with it: a second daemon on the same memory.nvme_path started
+on a new file. A new file that cannot be had (another process holds the path's lock by now, a full
+disk, a foreign file put there) is said, naming the path and the cause; the tier then refuses its
+writes (ArenaError: the write back-off, backoff.py), its reads are misses, and the file is tried
+again at each batch (said once a minute), never the deleted one used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from dflash2.arena.nvmefiles import HEADER_BYTES
+from dflash2.errors import ArenaError
+from dflash2.files import same_file
+from dflash2.transfer.failures import RepeatLimit
+
+log = logging.getLogger("dflash2.arena")
+
+
+def file_gone(fd: int, path: str) -> str | None:
+    """What became of the file open on `fd` if `path` no longer names it, else None."""
+    if same_file(fd, path):
+        return None
+    if os.path.lexists(path):
+        return "was replaced (another file is at the path now)"
+    return "was removed" if os.fstat(fd).st_nlink == 0 else "was moved away"
+
+
+class FileRenewal:
+    """NvmeArena's watch on its file's path (the attributes it uses are NvmeArena's: path, _lock_fd,
+    _fd, _len, _cuts, _preallocate, _open_for_io)."""
+
+    def _init_renewal(self) -> None:
+        self._unusable = ""  # why the tier has no file (a new one could not be had), or ""
+        self._unusable_said = RepeatLimit("batches")
+
+    def check_file(self) -> None:
+        """(The background step) a removal found while no batch runs: the second daemon the lock
+        keeps off the path is kept off within a step, not at the next batch. Skipped while a batch
+        holds the tier (it checks for itself): the step never waits for the disk."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._ring is not None and self._lock_fd >= 0:
+                    self._check_file(cut=False)
+            finally:
+                self._lock.release()
+
+    def _check_file(self, write: bool = False, cut: bool = True, renew: bool = True) -> None:
+        """Under self._lock: the file is still the one its path names (else a new one, `_renew`), and
+        whole (nvmecut.py, `cut`). `write`: ArenaError while the tier has no file."""
+        if self._lock_fd >= 0:
+            how = file_gone(self._lock_fd, self.path)
+            if how is None:
+                if cut:
+                    self._cuts.check(self._lock_fd, self.path, HEADER_BYTES + self.capacity_bytes, self._len)
+                return
+            if not renew:  # (closing: its room is freed as it closes)
+                log.warning("NVMe: %s %s while the tier ran; the tier closes", self.path, how)
+                return
+            self._renew(how)
+        elif renew and self._unusable:
+            self._renew("")
+        if write and self._unusable:
+            raise ArenaError(f"NVMe tier has no file: {self._unusable}; writes are refused until one can be made at "
+                             f"{self.path} (tried again at each batch)")
+
+    def _forget_all(self) -> int:
+        """Every block of the old file forgotten, marked lost to it (misses that blame no slot)."""
+        held = self._len != 0
+        self._cuts.lost |= held
+        self._len[:] = 0
+        return int(np.count_nonzero(held))
+
+    def _close_files(self) -> None:
+        for name in ("_fd", "_lock_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+    def _renew(self, how: str) -> None:
+        """A new file at the path, as at start-up; `how`: what became of the old one ("" for a retry)."""
+        lost = self._forget_all()
+        self._close_files()  # (its last descriptors: the deleted file's disk room is freed)
+        try:
+            self._preallocate()
+            try:
+                self.direct_io = self._open_for_io()
+            except BaseException:
+                if not self.reused:
+                    os.unlink(self.path)  # (still locked: a file this call made goes again, as at start-up)
+                self._close_files()
+                raise
+        except (ArenaError, OSError) as e:
+            self._unusable = f"its file {self.path} {how or 'was removed'} and a new one cannot be made: {e}"
+            self._refused(how, lost, e)
+            return
+        if not how:
+            log.warning("NVMe: a new file is made at %s: the tier takes writes again", self.path,
+                        extra={"event": "dflash2_nvme_file_gone", "path": self.path})
+        else:
+            log.warning("NVMe: %s %s by another process (an rm, a mv) while the tier ran: %d blocks it held are "
+                        "lost (misses); a new file is made there (its header, disk room and lock) and the old one "
+                        "closed, its disk room freed", self.path, how, lost,
+                        extra={"event": "dflash2_nvme_file_gone", "path": self.path})
+        self._unusable, self._unusable_said = "", RepeatLimit("batches")
+
+    def _refused(self, how: str, lost: int, error: Exception) -> None:
+        """Say a new file that cannot be had: at once when the old one is found gone, then once a minute."""
+        if how:
+            self._unusable_said = RepeatLimit("batches")
+            self._unusable_said.due(self.path)
+            log.error("NVMe: %s %s by another process (an rm, a mv) while the tier ran: %d blocks it held are "
+                      "lost (misses), and a new file cannot be made there: %s; the tier refuses writes until one "
+                      "can (tried again at each batch, said once a minute)", self.path, how, lost, error,
+                      extra={"event": "dflash2_nvme_file_gone", "path": self.path})
+            return
+        more = self._unusable_said.due(self.path)
+        if more is not None:
+            log.error("NVMe: still no file at %s for the tier: %s; writes are refused%s", self.path, error, more)
