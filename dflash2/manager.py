@@ -90,6 +90,7 @@ class BlockManager(Reads):
         self.mover = Mover(self.table, backend, swap_batch_size)
         if isinstance(storage := self.arenas.get(Tier.NVME), StorageArena):
             self.mover.storage = storage
+            self.mover.quarantine.nvme_path = getattr(storage, "path", None)
         self.placement = Placement(self.table, self.mover, self.policy, list(self.specs),
                                    {**DEFAULT_WATERMARKS, **(watermarks or {})}, cold_threshold)
         # Cost-aware reuse: read bandwidth measured from the mover's batches, engines' prefill rates.

@@ -143,7 +143,8 @@ class Mover:
         if not ok.all():
             failed = move.rows[~ok]
             vids = self.table.vids(failed)
-            which = (f"block {int(vids[0]):#x} at {slot_place(move.src, int(self.table.cols.offset[failed[0]]))}"
+            first = slot_place(move.src, int(self.table.cols.offset[failed[0]]), self.quarantine.nvme_path)
+            which = (f"block {int(vids[0]):#x} at {first}"
                      + ("" if len(failed) == 1 else f", and {len(failed) - 1} more"))
             if move.src == Tier.NVME:
                 # Named before end_move, which frees a block whose last reference went mid-move.

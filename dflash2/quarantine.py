@@ -67,10 +67,12 @@ from dflash2.transfer.failures import RepeatLimit
 log = logging.getLogger("dflash2.quarantine")
 
 
-def slot_place(tier: Tier, offset: int) -> str:
-    """Where a slot's bytes are, for a log line: the NVMe file's byte (past its header), else the offset."""
+def slot_place(tier: Tier, offset: int, nvme_path: str | None = None) -> str:
+    """Where a slot's bytes are, for a log line: the NVMe file's byte (past its header) and the file
+    (`nvme_path`: with several pools, which of the `nvme_path.gpuN` files a review could not tell),
+    else the offset."""
     if tier == Tier.NVME:
-        return f"byte {HEADER_BYTES + offset} of the NVMe file"
+        return f"byte {HEADER_BYTES + offset} of the NVMe file" + (f" {nvme_path}" if nvme_path else "")
     return f"offset {offset} of the {tier.label} tier"
 
 
@@ -89,6 +91,7 @@ class Quarantine:
 
     def __init__(self, table: BlockTable):
         self.table = table
+        self.nvme_path: str | None = None  # the NVMe tier's file, named in the log (set by the manager)
         self.slots = 0  # set aside so far, every tier (room-making plans again after a batch that set some aside)
         self.given_back = 0  # slots given back after passing a re-test, every tier
         self._jobs: dict[Tier, _RetestJob] = {}  # a re-test whose I/O runs (or ran) on its own thread, per tier
@@ -154,7 +157,7 @@ class Quarantine:
         if more is not None:
             log.warning("%d %s slots (%d bytes, the first at %s) whose %s: set aside, not used "
                         "again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
-                        len(offsets), tier.label, taken, slot_place(tier, int(offsets[0])), failed, alloc.quarantined_bytes, 100 * share,
+                        len(offsets), tier.label, taken, slot_place(tier, int(offsets[0]), self.nvme_path), failed, alloc.quarantined_bytes, 100 * share,
                         tier.label, more)
         self.slots += len(offsets)
         if self.failing(tier) and tier not in self._said_failing:

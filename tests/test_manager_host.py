@@ -64,7 +64,8 @@ def test_a_corrupt_block_on_nvme_is_a_miss_not_wrong_data(mgr, caplog):
     # The byte named is the file's (past its header), where `dd skip=` finds the block; so do the
     # slots set aside. (Both said the tier's offset, a page short of the block, as "of the NVMe file".)
     said = re.search(r"block 0x[0-9a-f]+ at byte (\d+) of the NVMe file", caplog.text)
-    assert said and f"the first at byte {said[1]} of the NVMe file" in caplog.text
+    assert said and f"the first at byte {said[1]} of the NVMe file {nvme.path}" in caplog.text
+    assert f"at byte {said[1]} of the NVMe file {nvme.path}" in caplog.text  # (which file: several pools, a review)
     with open(nvme.path, "rb") as f:
         f.seek(int(said[1]))
         on_disk = np.frombuffer(f.read(LAYOUT.block_bytes), dtype=np.uint8)
