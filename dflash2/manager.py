@@ -110,9 +110,10 @@ class BlockManager(Reads):
         # The duel (duel.py), when whoever built this manager attached one: lookups feed its
         # miniature replays, the tick serves them, and the policy follows the one that finds most.
         self.duel = None
-        # Per client, the tiers its acquire parked on its own copies read from (vid -> tier), until
-        # it runs again (`acquire_rows`).
-        self._came_from: dict[int, dict[int, int]] = {}
+        # Per client, the tiers its acquire parked on its own copies read from (vid -> tier), and the
+        # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
+        # again (`acquire_rows`).
+        self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:

@@ -244,16 +244,31 @@ class Prefetcher:
         self.count(read)
         return Counter(read.own.values())
 
-    def peek(self, vids: Sequence[int], reader: int | None = None) -> PrefetchedRead | None:
+    def left_hbm(self, rows: np.ndarray) -> set[int]:
+        """The pending prefetches among these rows that lie below HBM now: each left HBM unread (a
+        waste), whatever brings it back up before the read that settles it (`peek`'s `left`)."""
+        if not self._pending:
+            return set()
+        table = self.manager.table
+        below = rows[table.cols.tier[rows] > int(Tier.HBM)]
+        return {v for v in table.vids(below).tolist() if v in self._pending}
+
+    def peek(self, vids: Sequence[int], reader: int | None = None, left: set[int] | frozenset = frozenset()
+             ) -> PrefetchedRead | None:
         """What reading these blocks would settle, nothing settled yet (`count` does, once the read
         has succeeded: an acquire that finds no room reads nothing, and its retry must find the
-        same prefetches pending). Looked at before the reader's own promotion moves blocks up."""
+        same prefetches pending). Looked at before the reader's own promotion moves blocks up: `left`,
+        those `left_hbm` found below HBM before the read waited for or promoted anything, are not in
+        HBM though they lie there now (a parked acquire runs again once its own NVMe reads have
+        landed: it counted a prefetch that had left HBM unread useful, a review)."""
         owed = self._owed.get(reader, {}) if reader is not None else {}
         mine = list(dict.fromkeys(v for v in vids if v in self._pending or v in owed))  # a vid read twice settles once
         if not mine:
             return None
         rows, live = self._rows(mine)
         in_hbm = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
+        if left:
+            in_hbm = [there and v not in left for v, there in zip(mine, in_hbm)]
         own = {}
         for v, there in zip(mine, in_hbm):
             origin, by, waited = self._pending.get(v) or (owed[v][0], reader, True)

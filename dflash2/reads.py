@@ -100,8 +100,11 @@ class Reads:
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         # Where the blocks it waited for came from (vid -> tier), kept while it is parked on them:
         # for the hit rates, reads from those tiers, though they lie in `up_to` once it runs again.
-        came = self._came_from.pop(client, {}) if self.placement.own_parks else {}
-        self._came_from.pop(client, None)
+        # So are the prefetches among them that had left HBM unread (`left_hbm`: wasted, though
+        # they lie in HBM once it runs again), looked at before it waits for or promotes anything.
+        parked = self._came_from.pop(client, None)
+        came, left = parked if parked is not None and self.placement.own_parks else ({}, set())
+        left |= self.prefetcher.left_hbm(rows)
         c = self.table.cols
         flying = (c.state[rows] == int(BlockState.MIGRATING)) & (c.tier[rows] > int(up_to))
         # A block in flight cannot be pinned, and a promotion is placement work: either settles the
@@ -112,7 +115,7 @@ class Reads:
             # swap-in", so each is a read from the tier it is coming from. Parked on them, the call
             # counts as parked on copies of its own (it runs again with `came`).
             came.update(zip(self.table.vids(rows[flying]).tolist(), c.tier[rows[flying]].tolist()))
-            self._came_from[client] = came
+            self._came_from[client] = came, left
             try:
                 settle_if(self, rows, placing=True)
             except CopiesRunning:
@@ -140,7 +143,7 @@ class Reads:
             # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
             # (settling.py).
             came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
-            self._came_from[client] = came
+            self._came_from[client] = came, left
             with self.placement.own_writes():
                 if self.placement.promote_later(rows, up_to, below_priority=below):
                     chain = None  # (blocks may have been dropped since: walked again)
@@ -153,7 +156,7 @@ class Reads:
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
         # The prefetches among the blocks read: those the reader's own lookup brought up are reads
         # from where they came from too (settled only once the read succeeds: `count` below).
-        prefetched = self.prefetcher.peek(vids_read.tolist(), client) if self.prefetcher.settles else None
+        prefetched = self.prefetcher.peek(vids_read.tolist(), client, left) if self.prefetcher.settles else None
         if prefetched is not None and prefetched.own:
             came = {**prefetched.own, **came}  # (a block in both is one read, from where it came)
         counts = reads_by_origin(tiers, vids_read, up_to, came)
