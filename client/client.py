@@ -32,6 +32,7 @@ from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_
 from dflash2.client.callmarks import CallMarks, raised_by, refused
 from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
+from dflash2.client.stopevent import StopEvent
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import GONE_CHECK_S, Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
@@ -89,7 +90,7 @@ class Client:
         self._layouts: dict[int, Layout] = {}
         self._held = HeldPlaces()  # the blocks this client may view by vid now
         self._arenas: ArenaMap | None = None
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # the heartbeat's; close() sets it, also from a signal handler (stopevent.py)
         self._heartbeat_thread: threading.Thread | None = None
         self._awake: Awake | None = None  # when the heartbeat thread ran (its process ran, `view_bytes`)
         self.lease_lost = False
@@ -97,7 +98,7 @@ class Client:
         self._gone_lock = threading.RLock()  # _daemon_gone runs on the call thread and the heartbeat thread
         self._ended = False  # _daemon_gone found the daemon ended (and let its mappings go)
         self._alive_checked = time.monotonic()  # when a view last asked whether the daemon lives (view_bytes)
-        self._detached = self._stopping = False  # detach() called: every later call says so; the heartbeat told to stop
+        self._detached = False  # detach() called: every later call says so
         self.client_id: int | None = None
         self._attach(layouts, heartbeat, prefill_tokens_per_s)
 
@@ -241,9 +242,7 @@ class Client:
         if self._forked():  # its copy only, and no lock: one a parent's thread held at the fork stays
             self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
             return {}
-        if not self._stopping:  # (once: a handler's close() within this thread's set() waited for the lock that
-            self._stopping = True  # set() held, and one cut off there left it held: later ones hung, a review)
-            self._stop.set()
+        self._stop.stop(min(self.timeout_s, threading.TIMEOUT_MAX))  # (each close, until set: stopevent.py)
         beat = self._heartbeat_thread
         if beat is not None:  # (at most the timeout: a heartbeat whose Event's lock is held that way never ends)
             beat.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))

@@ -499,7 +499,7 @@ import os, signal, sys, threading
 sys.path.insert(0, sys.argv[2])
 from conftest import SMALL
 from dflash2.client import Client
-how = sys.argv[3]
+how, where = sys.argv[3], getattr(threading.Condition, sys.argv[4])
 c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
 c.allocate(c.layouts[0], 1)
 class Deadline(Exception):
@@ -509,8 +509,8 @@ def handler(signum, frame):
         raise Deadline()
     print("handler's close:", c.close(), flush=True)
 signal.signal(signal.SIGUSR1, handler)
-def prof(frame, event, arg):  # (lands as Event.set's `with` ends: its Condition's lock held)
-    if event == "call" and frame.f_code is threading.Condition.__exit__.__code__:
+def prof(frame, event, arg):  # (lands as Event.set's `with` begins or ends: its Condition's lock held by close())
+    if event == "call" and frame.f_code is where.__code__:
         sys.setprofile(None)
         os.kill(os.getpid(), signal.SIGUSR1)
 sys.setprofile(prof)
@@ -525,14 +525,69 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.parametrize("where", ["__enter__", "__exit__"])
 @pytest.mark.parametrize("how", ["close", "raise"])
-def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how):
+def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how, where):
     """A review: a signal handler's close() landing as this thread's close() set the heartbeat's stop
     Event waited for the Event's lock that set() held, for good; and an exception landing there left the
     lock held, so that every later close() hung (the daemon kept the client's blocks until its lease
-    lapsed). The Event is set once."""
-    out = _child(daemon, CLOSE_IN_CLOSE, how, what=f"the close after a {how} within a close")
+    lapsed). The Event's lock is reentrant (before its flag is set, the handler's close sets it), and a
+    close once it is set does not take the lock again."""
+    out = _child(daemon, CLOSE_IN_CLOSE, how, where, what=f"the close after a {how} within a close ({where})")
     assert "'freed': 1" in out, out
+
+
+CUT_AT_SET = """
+import os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[2])
+from conftest import SMALL
+from dflash2.client import Client
+how = sys.argv[3]
+c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=True, timeout_s=3.0)
+c.allocate(c.layouts[0], 1)
+beat = c._heartbeat_thread
+class Deadline(Exception):
+    pass
+if how == "patch":  # (an exception landing at Event.set's first bytecode: its flag not set, its lock free)
+    real, armed = c._stop.set, [True]
+    def cut_set():
+        if armed[0]:
+            armed[0] = False
+            raise Deadline()
+        real()
+    c._stop.set = cut_set
+else:  # a real signal, sent as Event.set is entered
+    def handler(signum, frame):
+        raise Deadline()
+    signal.signal(signal.SIGUSR1, handler)
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code is threading.Event.set.__code__:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGUSR1)
+    sys.setprofile(prof)
+try:
+    c.close()
+except Deadline:
+    print("cut off; the Event set:", c._stop.is_set(), flush=True)
+finally:
+    sys.setprofile(None)
+t = time.monotonic()
+print("close:", c.close(), flush=True)
+print(f"the second close took {time.monotonic() - t:.2f}s; the heartbeat alive after it: {beat.is_alive()}", flush=True)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["patch", "signal"])
+def test_a_close_after_one_cut_off_before_the_stop_flag_stops_the_heartbeat(daemon, how):
+    """A review: a close() cut off as it began to set the heartbeat's stop Event, before the Event's flag
+    was set, left it unset for good (the Event was set once only): every later close() waited its whole
+    timeout joining a heartbeat never told to stop, detached, and the heartbeat then said the lease was
+    lost. Each close sets the Event until it is set."""
+    out = _child(daemon, CUT_AT_SET, how, what=f"the close after one cut off ({how})")
+    assert "cut off; the Event set: False" in out and "'freed': 1" in out, out
+    assert "the heartbeat alive after it: False" in out and "lease lost" not in out, out
+    assert float(out.split("the second close took ")[1].split("s;")[0]) < 2.0, out  # (not its 3 s timeout)
 
 
 def _child(daemon, script: str, *args: str, what: str) -> str:
