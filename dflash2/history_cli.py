@@ -91,6 +91,12 @@ def handler(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
         except ValueError as e:  # (matplotlib: "Format 'xyz' is not supported ...")
             raise UsageError(f"--plot {args.plot}: {e}") from None
+    if sys.stdout is None:  # (closed, `>&-`: said, as by dflash2d --check; what was read is in the exit code)
+        plotted = "" if path is None else f"; the plot is written to {path}"
+        print(f"dflash2 history: stdout is closed: the history read ({len(samples)} samples) is not printed"
+              f"{plotted}",
+              file=sys.stderr)
+        return EXIT_OK
     if args.json:
         for s in samples:
             print(json.dumps(s, separators=(",", ":")))

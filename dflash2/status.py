@@ -56,6 +56,10 @@ def handler(args: argparse.Namespace) -> int:
         print(f"dflash2 status: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     stats["endpoint"] = endpoint
+    if sys.stdout is None:  # (closed, `>&-`): as dflash2d --check's plan, the answer is in the exit code
+        print(f"dflash2 status: stdout is closed: the view is not printed (dflash2d at {endpoint} answered)",
+              file=sys.stderr)
+        return EXIT_OK
     print(json.dumps(stats, indent=2) if args.json else render(stats))
     return EXIT_OK
 

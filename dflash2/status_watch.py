@@ -38,6 +38,11 @@ def handler(args: argparse.Namespace) -> int:
         print("dflash2 status: error: --json does not go with --watch (for a series of figures as JSON: "
               "dflash2 history --json)", file=sys.stderr)
         return status.EXIT_USAGE
+    if sys.stdout is None:
+        # Closed (`>&-`): its isatty() ended in a traceback, exit 1 (a review). Frames nobody sees are
+        # not drawn, for ever with no --count: the daemon is asked once, as by `dflash2 status`, whose
+        # exit code and stderr line say whether it answered.
+        return status.handler(args)
     from dflash2.client.where import resolve_endpoint, resolve_key_file
     from dflash2.errors import ConfigError
 

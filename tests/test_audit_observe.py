@@ -176,6 +176,33 @@ def test_status_watch_rejects_an_interval_or_count_that_cannot_work(tmp_path):
         _fail_cleanly(r, bad[0])
 
 
+def _closed_stdout(*args: str) -> subprocess.CompletedProcess:
+    """`dflash2 ARGS >&-`: fd 1 closed in the command (Python sets sys.stdout to None)."""
+    return subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "dflash2.cli", *args],
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+
+
+def test_status_and_history_with_stdout_closed_say_so_and_exit_by_their_answer(tmp_path, config_file):
+    """`>&-`: `status --watch` ended in a traceback (sys.stdout.isatty() of None), exit 1, and `status`
+    exited 0 saying nothing (a review). As dflash2d --check: one stderr line, the exit code the answer's."""
+    none = f"ipc://{tmp_path}/none.sock"
+    for watch in ([], ["--watch", "--count", "1"]):
+        r = _closed_stdout("status", *watch, "--endpoint", none)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "the socket file does not exist" in r.stderr, r.stderr
+    cfg = _history_config(config_file, tmp_path)
+    with running_daemon(cfg, str(tmp_path / "d.log")):
+        answered = [_closed_stdout("status", *watch, "--endpoint", f"ipc://{tmp_path}/d.sock")
+                    for watch in ([], ["--watch"])]  # (no --count: not frames for ever)
+    for r in answered:
+        assert r.returncode == 0 and r.stderr.strip().splitlines() == [
+            f"dflash2 status: stdout is closed: the view is not printed (dflash2d at ipc://{tmp_path}/d.sock "
+            "answered)"], r.stderr
+    r = _closed_stdout("history", "--file", str(tmp_path / "state" / "history.jsonl"))
+    assert r.returncode == 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("dflash2 history: stdout is closed: the history read ("), r.stderr
+
+
 def test_status_watch_tells_a_restart_across_frames_that_went_unanswered(make_manager, monkeypatch, capsys):
     """A stop and start longer than the interval leaves frames unanswered between the two daemons:
     the first frame of the new one said "(first frame)", not that the daemon had restarted."""
