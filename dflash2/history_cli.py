@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="FILE", help="the daemon's config (default: dflash2_config.json if present, else the default endpoint)")
     src.add_argument("--endpoint", metavar="E", type=endpoint, help="the daemon's control endpoint (ipc://... or tcp://...)")
-    src.add_argument("--file", metavar="PATH", help="read a history file offline (STATE_DIR/history.jsonl)")
+    src.add_argument("--file", metavar="PATH", type=_history_file, help="read a history file offline (STATE_DIR/history.jsonl)")
     parser.add_argument("--since", type=parse_duration, default=None, metavar="DUR",
                         help="only the last DUR (e.g. 30m, 6h); default: all that is kept")
     parser.add_argument("--json", action="store_true", help="print every sample as one JSON line")
@@ -109,7 +109,7 @@ def handler(args: argparse.Namespace) -> int:
 
 # -- reading -------------------------------------------------------------------------------------
 def load(args: argparse.Namespace) -> list[dict]:
-    if args.file:
+    if args.file is not None:
         path = Path(args.file)
         try:
             if not regular_file(path):  # (FileNotFoundError; in a folder this user may not enter,
@@ -296,3 +296,10 @@ def _plot_file(value: str) -> str:
                                          "such as history.png")
     return value
 
+
+def _history_file(value: str) -> str:
+    """`--file`'s path: an empty one (`--file "$F"` with F unset) read as no --file, and the command
+    asked the daemon of the config here, or of the default endpoint, instead (a review)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"names no file (it was given {value!r})")  # (as --config's)
+    return value

@@ -128,6 +128,17 @@ def test_an_empty_config_for_the_cli_names_no_file(tmp_path, monkeypatch, capsys
     assert "names no file" in capsys.readouterr().err
 
 
+def test_an_empty_history_file_names_no_file_rather_than_asking_a_daemon(tmp_path, monkeypatch, capsys):
+    """`history --file "$F"` with F unset was taken for "no --file": the daemon of ./dflash2_config.json
+    was asked instead (a review). Refused as `--config ""` is."""
+    _a_config_here(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["history", "--file", ""])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "argument --file: names no file (it was given '')" in err, err
+    assert "other.sock" not in err
+
+
 def test_an_empty_endpoint_is_refused_by_name_not_taken_for_none():
     from dflash2.client.where import resolve_endpoint
 
