@@ -10,7 +10,7 @@ import os
 import socket
 import stat
 
-from dflash2.errors import DaemonUnavailable
+from dflash2.errors import DaemonUnavailable, EndpointNotSocket
 
 
 def check_endpoint(endpoint: str, attaching: bool = False) -> None:
@@ -44,6 +44,8 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
                                 f"{folder}{whose}; {same_user}") from None
     except OSError as e:
         raise DaemonUnavailable(f"cannot reach dflash2d's socket {path}: {e.strerror or e}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise EndpointNotSocket(_not_a_socket(endpoint, path, st.st_mode))
     if attaching and st.st_uid != os.geteuid():
         from dflash2.endpoints import default_endpoint
 
@@ -75,6 +77,18 @@ def check_endpoint(endpoint: str, attaching: bool = False) -> None:
         pass  # (a full backlog, a timeout: ZeroMQ tries as it does, and the call's timeout says)
     finally:
         probe.close()
+
+
+def _not_a_socket(endpoint: str, path: str, mode: int) -> str:
+    """What to say of an endpoint whose path is no socket: its connect was refused and the command said
+    a killed daemon had left the socket file there (a review: it named a folder)."""
+    if stat.S_ISDIR(mode):
+        return (f"{endpoint} names a folder, not dflash2d's socket: daemon.endpoint (and --endpoint) name the "
+                f"socket file, such as ipc://{path.rstrip('/')}/dflash2.sock")
+    kind = ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "no socket")
+    return (f"{endpoint} names {kind}, not a socket: daemon.endpoint (and --endpoint) name dflash2d's socket "
+            "file, which the daemon makes as it starts")
 
 
 def _starting(endpoint: str, path: str) -> str:

@@ -118,6 +118,11 @@ class CallInProgress(DaemonUnavailable):
     sent, and what it names stays as it was (pins, blocks being written): make it after that call."""
 
 
+class EndpointNotSocket(DaemonUnavailable):
+    """An ipc endpoint's path is there but is no socket (a folder, a regular file): a mistake in the
+    endpoint, not a daemon gone; `dflash2 status` and `history` call it a usage error (exit 2)."""
+
+
 class AccessDenied(DaemonUnavailable):
     """A tcp daemon's key file cannot be read, or the daemon refused this client's key (tcpkeys.py)."""
 

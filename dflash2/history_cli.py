@@ -157,11 +157,14 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file
     """The daemon's samples over the control protocol (needs no attached client)."""
     from dflash2.client.endpoint_check import check_endpoint
     from dflash2.client.transport import Transport
-    from dflash2.errors import AccessDenied, DaemonError, DaemonUnavailable, UnreadableReply, VersionMismatch
+    from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, EndpointNotSocket, UnreadableReply,
+                                VersionMismatch)
 
     args = {} if since_s is None else {"since_s": since_s}
     try:
         check_endpoint(endpoint)  # no socket file: say so at once (it asks whether the daemon runs)
+    except EndpointNotSocket as e:  # (a folder, a regular file: the endpoint is wrong, exit 2 as in status)
+        raise HistoryError(str(e)) from None
     except DaemonUnavailable as e:
         raise DaemonNotAnswering(str(e)) from None
     try:

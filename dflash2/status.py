@@ -13,7 +13,7 @@ import sys
 
 from dflash2.argtypes import endpoint, seconds
 from dflash2.duel import NOT_REPLAYED
-from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, VersionMismatch
+from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, EndpointNotSocket, VersionMismatch
 from dflash2.policy.heat import INNER_LISTS
 from dflash2.policy.split import LISTS
 from dflash2.readcost import read_paths
@@ -52,6 +52,9 @@ def handler(args: argparse.Namespace) -> int:
             stats = transport.call(Op.STATS).result
         finally:
             transport.close()
+    except EndpointNotSocket as e:  # (a folder: "a daemon that was killed left it", exit 1, a review)
+        print(f"dflash2 status: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (DaemonUnavailable, DaemonError, VersionMismatch) as e:
         print(f"dflash2 status: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE

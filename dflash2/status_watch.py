@@ -44,7 +44,7 @@ def handler(args: argparse.Namespace) -> int:
         # exit code and stderr line say whether it answered.
         return status.handler(args)
     from dflash2.client.where import resolve_endpoint, resolve_key_file
-    from dflash2.errors import ConfigError
+    from dflash2.errors import ConfigError, EndpointNotSocket
 
     try:
         endpoint = resolve_endpoint(args.endpoint, args.config)
@@ -57,6 +57,9 @@ def handler(args: argparse.Namespace) -> int:
                          clear=sys.stdout.isatty(), key_file=key_file)
     except KeyboardInterrupt:
         return status.EXIT_OK
+    except EndpointNotSocket as e:  # (no daemon will answer there: not a frame to ask again)
+        print(f"dflash2 status: error: {e}", file=sys.stderr)
+        return status.EXIT_USAGE
     # A view with a frame count is a probe too: like `dflash2 status`, exit 1 when no frame got an answer.
     return status.EXIT_OK if answered else status.EXIT_UNAVAILABLE
 
@@ -113,7 +116,7 @@ def changes(prev: dict | None, cur: dict) -> str:
 def _ask(endpoint: str, timeout_s: float, key_file=None) -> tuple[dict | None, str]:
     from dflash2.client.endpoint_check import check_endpoint
     from dflash2.client.transport import Transport
-    from dflash2.errors import DaemonError, DaemonUnavailable, VersionMismatch
+    from dflash2.errors import DaemonError, DaemonUnavailable, EndpointNotSocket, VersionMismatch
     from dflash2.protocol import Op
 
     try:
@@ -123,5 +126,7 @@ def _ask(endpoint: str, timeout_s: float, key_file=None) -> tuple[dict | None, s
             return transport.call(Op.STATS).result, ""
         finally:
             transport.close()
+    except EndpointNotSocket:
+        raise
     except (DaemonUnavailable, DaemonError, VersionMismatch) as e:
         return None, str(e)

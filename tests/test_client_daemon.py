@@ -520,9 +520,12 @@ def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
                                                     rf"{os.getpid()} holds it but does not serve it, as while it "
                                                     r"starts \(taking its tiers"):
             check_endpoint(endpoint)
-        (tmp_path / "d.sock").touch()  # (a killed daemon's socket file, nothing listening on it)
-        with pytest.raises(DaemonUnavailable, match="holds it but does not serve it"):
-            check_endpoint(endpoint)
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as stale:  # (a killed daemon's socket file, nothing listening on it)
+            stale.bind(str(tmp_path / "d.sock"))
+            with pytest.raises(DaemonUnavailable, match="holds it but does not serve it"):
+                check_endpoint(endpoint)
         (tmp_path / "d.sock").unlink()
     finally:
         fd, lock._fd = lock._fd, -1
@@ -530,6 +533,21 @@ def test_a_daemon_still_taking_its_tiers_is_said_to_be_starting(tmp_path):
     assert (tmp_path / "d.sock.lock").read_text() == str(os.getpid())
     with pytest.raises(DaemonUnavailable, match=r"the socket file does not exist \(is the daemon running"):
         check_endpoint(endpoint)
+
+
+def test_an_endpoint_naming_a_folder_or_a_file_is_said_to_be_no_socket(tmp_path):
+    """Its connect refused, the client was told a killed daemon had left the socket file (a review:
+    the endpoint named the socket's folder)."""
+    from dflash2.errors import EndpointNotSocket
+
+    (tmp_path / "file").write_text("")
+    for path, said in ((tmp_path, f"names a folder, not dflash2d's socket: daemon.endpoint (and --endpoint) name "
+                                  f"the socket file, such as ipc://{tmp_path}/dflash2.sock"),
+                       (tmp_path / "file", "names a regular file, not a socket")):
+        with pytest.raises(EndpointNotSocket) as ei:
+            Client(f"ipc://{path}", "c", timeout_s=1.0)
+        assert isinstance(ei.value, DaemonUnavailable) and said in str(ei.value), str(ei.value)
+        assert "killed" not in str(ei.value)
 
 
 def test_a_clients_question_does_not_fail_a_daemons_start(tmp_path):

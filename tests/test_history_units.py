@@ -259,6 +259,15 @@ def test_history_command_without_a_daemon_says_so(tmp_path, capsys):
     assert "nothing listens on its socket file (a daemon that was killed left it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["status"], ["status", "--watch", "--count", "1"], ["history"]])
+def test_an_endpoint_naming_a_folder_is_a_usage_error_not_a_killed_daemons_socket(tmp_path, capsys, command):
+    """Its connect refused, the command said "a daemon that was killed left it", exit 1 (a review)."""
+    assert cli.main([*command, "--endpoint", f"ipc://{tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"ipc://{tmp_path} names a folder, not dflash2d's socket" in err, err
+    assert "killed" not in err
+
+
 def test_history_keeps_each_sample_compact_in_memory(make_manager, clock):
     # 3 hours of samples stay in memory: as the nested dicts sample_of builds, 4.4 KB each on a
     # three-tier daemon (48 MB, its resident memory climbing for its first three hours; here 1.8 KB
