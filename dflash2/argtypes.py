@@ -58,11 +58,12 @@ def seconds(text: str) -> float:
 
 
 def endpoint(text: str) -> str:
-    """ipc://PATH or tcp://HOST:PORT (what `daemon.endpoint` accepts)."""
-    from dflash2.endpoints import endpoint_parts
+    """ipc://PATH or tcp://HOST:PORT (what `daemon.endpoint` accepts), a PATH as long as a socket's may be."""
+    from dflash2.endpoints import check_socket_path, endpoint_parts
 
     try:
         endpoint_parts(text)
+        check_socket_path(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

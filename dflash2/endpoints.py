@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
+UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 def connectable(endpoint: str) -> str:
     """The endpoint a client connects to for a daemon bound to `endpoint`: the loopback address of
@@ -159,6 +160,14 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         if port != str(int(port)):  # (the key and lock files are named by the port as written: two names)
             raise ValueError(f"{endpoint!r}: write the port without leading zeros ({int(port)})")
     return scheme, rest
+
+
+def check_socket_path(endpoint: str) -> None:
+    """ValueError when an ipc endpoint's path is longer than a Unix socket's may be: the daemon's
+    --check refused it (plan.py), where `--endpoint` went on to "File name too long", exit 1 (a review)."""
+    if endpoint.startswith("ipc://") and len(endpoint[len("ipc://"):].encode()) > UNIX_SOCKET_PATH_MAX:
+        raise ValueError(f"the socket path {endpoint[len('ipc://'):]!r} is longer than {UNIX_SOCKET_PATH_MAX} "
+                         "bytes, the Unix limit")
 
 
 def default_endpoint(environ: Mapping[str, str] = os.environ) -> str:

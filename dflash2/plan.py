@@ -20,7 +20,7 @@ from dflash2 import threads
 from dflash2.alloc import blocks_that_fit, slot_bytes
 from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
 from dflash2.cudadriver import libcuda
-from dflash2.endpoints import interface_host
+from dflash2.endpoints import check_socket_path, interface_host
 from dflash2.errors import ConfigError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
@@ -28,7 +28,6 @@ from dflash2.tiers import Tier
 MEMORY_ALIGNMENT = 256  # bytes; every HBM slot starts on this boundary (coalesced GPU access)
 DRAM_ALIGNMENT = 4096  # bytes; page-aligned DRAM slots can go to and from NVMe by O_DIRECT without a copy
 NVME_ALIGNMENT = 4096  # bytes; O_DIRECT needs offsets and sizes on the logical block size
-UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 UNKNOWN = "unknown until start-up"
 
 
@@ -303,9 +302,10 @@ def _hbm_tiers(cfg: Config, kind: str, gpus: Optional[list[Gpu]], notes: list[st
 
 def _checked_endpoint(cfg: Config) -> str:
     endpoint = cfg.resolved_endpoint()
-    if endpoint.startswith("ipc://") and len(endpoint[len("ipc://"):].encode()) > UNIX_SOCKET_PATH_MAX:
-        raise ConfigError("daemon.endpoint", f"the socket path {endpoint[6:]!r} is longer than "
-                                             f"{UNIX_SOCKET_PATH_MAX} bytes, the Unix limit")
+    try:
+        check_socket_path(endpoint)
+    except ValueError as e:
+        raise ConfigError("daemon.endpoint", str(e)) from None
     interface = interface_host(endpoint)
     if interface is not None:
         raise ConfigError("daemon.endpoint", f"{interface!r} is the name of a network interface: ZeroMQ binds it, but "

@@ -45,3 +45,18 @@ def test_a_malformed_endpoint_is_a_usage_error(command, bad, capsys):
         cli.main([command, "--endpoint", bad])
     assert exc.value.code == 2
     assert "--endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "history"])
+def test_an_endpoint_longer_than_a_socket_path_may_be_is_a_usage_error(command, capsys):
+    """`--endpoint ipc://PATH` past 107 bytes went on to "File name too long", exit 1, where dflash2d
+    --check refuses it in a config, exit 2 (a review): refused so here, in the config's words."""
+    path = "/tmp/" + "x" * 103  # (108 bytes)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--endpoint", f"ipc://{path}"])
+    assert exc.value.code == 2
+    assert (f"argument --endpoint: the socket path {path!r} is longer than 107 bytes, the Unix limit"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):  # (107 bytes pass: no daemon there, exit 1)
+        cli.main([command, "--endpoint", f"ipc://{path[:-1]}", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
