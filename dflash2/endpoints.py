@@ -154,7 +154,10 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
     if not rest:
         raise ValueError(f"{endpoint!r} has no {'path' if scheme == 'ipc' else 'host:port'}")
     if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
+        host, colon, port = rest.rpartition(":")
+        if colon and not host:  # (`tcp://:31701` was told of "a port in 1..65535", a review: the port was fine)
+            raise ValueError(f"{endpoint!r} names no host: write tcp://HOST:PORT, such as "
+                             f"tcp://127.0.0.1:{port or 'PORT'}")
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
         if port != str(int(port)):  # (the key and lock files are named by the port as written: two names)

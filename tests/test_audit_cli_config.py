@@ -199,6 +199,13 @@ def test_a_port_in_other_digits_is_refused(endpoint):
         parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
+def test_a_tcp_endpoint_without_a_host_names_the_host():
+    """`tcp://:31701` was told of "a port in 1..65535" (a review): the port was fine, the host missing."""
+    with pytest.raises(ConfigError, match=r"daemon.endpoint: 'tcp://:31701' names no host: write tcp://HOST:PORT, "
+                                          r"such as tcp://127.0.0.1:31701"):
+        parse_config({**base(), "daemon": {"endpoint": "tcp://:31701"}})
+
+
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):

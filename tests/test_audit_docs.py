@@ -60,3 +60,13 @@ def test_an_endpoint_longer_than_a_socket_path_may_be_is_a_usage_error(command, 
     with pytest.raises(SystemExit):  # (107 bytes pass: no daemon there, exit 1)
         cli.main([command, "--endpoint", f"ipc://{path[:-1]}", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "history"])
+def test_an_endpoint_without_a_host_names_the_host(command, capsys):
+    """`--endpoint tcp://:31701` was refused for want of "a port in 1..65535" (a review)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--endpoint", "tcp://:31701"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --endpoint: 'tcp://:31701' names no host" in err and "65535" not in err, err
