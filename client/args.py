@@ -44,6 +44,14 @@ def _int(name: str, value) -> int:
     return int(value)
 
 
+def _seconds(name: str, value) -> float:
+    """A number of seconds, as the daemon takes it: `float()` took "30" and True (1 s) without a word,
+    and "abc" failed with Python's own message, naming no argument (a review)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    return float(value)
+
+
 def _keys(keys) -> bytes:
     """Content keys as the wire's uint64s (`key_array`: ValueError for any that is not an integer in
     [0, 2^64))."""

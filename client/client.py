@@ -28,7 +28,7 @@ import numpy as np
 from dflash2 import protocol as P
 from dflash2 import threads
 from dflash2.client.heartbeat import Awake, run as run_heartbeat
-from dflash2.client.args import _int, _keys, _vids, layout_dict, vid_array, vid_of
+from dflash2.client.args import _int, _keys, _seconds, _vids, layout_dict, vid_array, vid_of
 from dflash2.client.callmarks import CallMarks, raised_by, refused
 from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
@@ -404,7 +404,7 @@ class Client:
         args = {"layout": _int("layout", layout), "tokens": _int("tokens", tokens),
                 "priority": _int("priority", priority), "request": _int("request", request)}
         if deadline_s is not None:
-            args["deadline_s"] = float(deadline_s)
+            args["deadline_s"] = _seconds("deadline_s", deadline_s)
         return reservation_of(self._call(Op.RESERVE, args).result)
 
     def reservation(self, reservation_id: int) -> Reservation:

@@ -67,6 +67,17 @@ def test_float_and_bool_counts_and_ids_are_refused_by_name(connect, call, name):
     assert c.stats()["daemon"]["errors"] == 0
 
 
+@pytest.mark.parametrize("deadline", ["30", True, "abc", [1.0]])
+def test_a_reservations_deadline_that_is_no_number_is_refused_by_name(connect, deadline):
+    """`float()` took "30" as 30 s and True as 1 s without a word, and "abc" failed with Python's own
+    message, naming no argument (a review); refused before anything is sent."""
+    c = connect("x")
+    with pytest.raises(TypeError, match="deadline_s must be a number of seconds"):
+        c.reserve(c.layouts[0], 16, deadline_s=deadline)
+    assert c.stats()["reservations"]["reserved_blocks"] == 0 and c.stats()["daemon"]["errors"] == 0
+    assert c.reserve(c.layouts[0], 16, deadline_s=np.float32(30)).granted  # a number of any kind is taken
+
+
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, -math.inf, "5", True])
 def test_a_timeout_that_is_not_a_positive_number_is_refused_before_attaching(daemon, timeout):
     """0 or less gave each call about 1 ms (a detach timed out, its session held until its lease
