@@ -32,7 +32,6 @@ import fcntl
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import stat
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from dflash2.endpoints import _bare_host
 from dflash2.files import make_private_folders, owner_text
+from dflash2.history_sample import SAMPLE_KEYS, T_RANGE, TIER_NAMES, is_sample, sample_of  # noqa: F401  (re-exported)
 
 log = logging.getLogger("dflash2.history")
 
@@ -50,76 +50,7 @@ LOCK_NAME = "history.lock"  # held by the daemon that writes FILE_NAME
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_MAX_SAMPLES = 3 * 3600
 DEFAULT_MAX_FILE_BYTES = 64 << 20
-
-
-def sample_of(stats: dict, t: float) -> dict:
-    """The key figures of a `Service.stats()` snapshot, compact."""
-    res = stats["reservations"]
-    daemon = stats.get("daemon", {})
-    clients = stats.get("clients", 0)
-    return {
-        "t": round(t, 3),
-        "tiers": {name: {"used_bytes": s["used_bytes"], "capacity_bytes": s["capacity_bytes"], "blocks": s["blocks"]}
-                  for name, s in stats["tiers"].items()},
-        "reads": dict(stats["reads"]),
-        "hbm_hit_ratio": stats["hbm_hit_ratio"],
-        "lookup_misses": stats.get("lookup_misses", 0),
-        "swaps": {d: {k: m[k] for k in ("blocks", "bytes", "seconds", "failed_blocks")}
-                  for d, m in stats["moves"].items()},
-        "reservations": {k: res[k] for k in ("granted", "deferred", "reserved_blocks")},
-        "clients": len(clients) if isinstance(clients, list) else clients,  # Service.stats() lists them
-        "requests": daemon.get("requests", 0),
-        "errors": daemon.get("errors", 0),
-        "pid": daemon.get("pid"),
-        "started": daemon.get("started"),  # the daemon's start (unix s): a restart as pid 1 keeps its pid
-    }
-
-
-# What the readers (rates, `dflash2 history`, the plot) index in every sample.
-SAMPLE_KEYS = ("t", "tiers", "reads", "hbm_hit_ratio", "swaps", "reservations", "clients")
-TIER_NAMES = ("hbm", "dram", "nvme")
-# A sample's time (unix s) lies where the readers' clock conversion takes it, in any time zone (up
-# to a day before the end of the year 9999): one bad byte can make it any number (1796354471e052),
-# which that conversion refuses.
-T_RANGE = (0.0, 253_402_300_799.0 - 2 * 86_400)
-
-
-def _number(x) -> bool:
-    """A figure: a finite float, or an int of 64 bits (JSON takes ints of up to 4300 digits, and
-    `math.isfinite` raised OverflowError on one past a float's range: the daemon did not start on
-    such a line in its history, nor did `dflash2 history --file` read it)."""
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, int):
-        return -(1 << 63) <= x < (1 << 63)
-    return isinstance(x, float) and math.isfinite(x)
-
-
-def _direction(d) -> bool:
-    return isinstance(d, str) and len(parts := d.split("->")) == 2 and all(p in TIER_NAMES for p in parts)
-
-
-def is_sample(obj) -> bool:
-    """Whether a decoded line is a sample that the readers can use: every figure they index there,
-    each of its type. One bad byte in a line loses that line: before, a line that kept its top-level
-    keys but not a nested one (`"deferrad"`), or whose time became 1796354471e052, was kept, and every
-    `dflash2 history` of that daemon failed on it until the file rotated (a review's script)."""
-    try:
-        return (isinstance(obj, dict) and all(k in obj for k in SAMPLE_KEYS)
-                and _number(obj["t"]) and T_RANGE[0] <= obj["t"] <= T_RANGE[1]
-                and isinstance(obj["tiers"], dict)
-                and all(t in TIER_NAMES and _number(v["used_bytes"]) and _number(v["capacity_bytes"])
-                        for t, v in obj["tiers"].items())
-                and isinstance(obj["reads"], dict)
-                and all(t in TIER_NAMES and _number(n) for t, n in obj["reads"].items())
-                and (obj["hbm_hit_ratio"] is None or _number(obj["hbm_hit_ratio"]))
-                and isinstance(obj["swaps"], dict)
-                and all(_direction(d) and _number(m.get("bytes", 0)) for d, m in obj["swaps"].items())
-                and isinstance(obj["reservations"], dict)
-                and all(_number(obj["reservations"][k]) for k in ("granted", "deferred"))
-                and _number(obj["clients"]) and all(_number(obj.get(k, 0)) for k in ("requests", "errors")))
-    except (KeyError, TypeError, AttributeError, OverflowError):
-        return False
+CATCH_UP_BYTES = 1 << 20  # of waiting samples written a sample once writes work again (hundreds of samples)
 
 
 class History:
@@ -142,6 +73,8 @@ class History:
         # Samples not in the file yet: a write failed (a full disk). Each sample tries again, these
         # first, so that the file catches up once there is room (at most as many as are kept).
         self._unwritten: collections.deque[str] = collections.deque(maxlen=max_samples)
+        self._failing = False  # the last write failed: the next tries the oldest waiting line alone
+        self._waited: int | None = None  # since a streak of failures began, how many have been written
         if path is not None:
             self.samples.extend((s["t"], _line(s)) for s in read_file(path, max_samples, links=False))
             self._torn_tail = _ends_torn(path)
@@ -203,22 +136,41 @@ class History:
         return "".join(_line(s) for s in samples).encode()
 
     def _persist(self, line: str) -> None:
+        """Write `line` after the samples still waiting, in order. While writes fail, each sample
+        tries the oldest waiting line alone; once that is written, the rest follow in pieces, at
+        most `CATCH_UP_BYTES` a sample, each dropped from the wait once written. Before, each sample
+        of a full disk joined, encoded and handed over every waiting sample again (3 hours of them:
+        11 MB, 42 ms of the loop thread, every second; a review)."""
         self._unwritten.append(line)
-        try:
-            if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
-                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            lines = "".join(self._unwritten)
-            # Appended to a torn line, these samples would be unreadable too.
-            self._append(("\n" + lines if self._torn_tail else lines).encode())
-            self._torn_tail = False
-        except OSError as e:  # a full disk must not stop the daemon: keep the in-memory series
-            if len(self._unwritten) == 1:  # the first failure of a streak: said once, not per sample
-                log.warning("history: cannot write %s (%s); keeping samples in memory and trying again with "
-                            "each one", self.path, e)
-            return
-        if len(self._unwritten) > 1:
-            log.info("history: %s written again (%d samples that had waited)", self.path, len(self._unwritten))
-        self._unwritten.clear()
+        budget = CATCH_UP_BYTES
+        while self._unwritten and budget > 0:
+            n = size = 0
+            for waiting in itertools.islice(self._unwritten, 1 if self._failing else None):
+                if n and size + len(waiting) > budget:
+                    break
+                n, size = n + 1, size + len(waiting)
+            lines = "".join(itertools.islice(self._unwritten, n))
+            try:
+                if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                # Appended to a torn line, these samples would be unreadable too.
+                self._append(("\n" + lines if self._torn_tail else lines).encode())
+                self._torn_tail = False
+            except OSError as e:  # a full disk must not stop the daemon: keep the in-memory series
+                if self._waited is None:  # the first failure of a streak: said once, not per sample
+                    self._waited = 0
+                    log.warning("history: cannot write %s (%s); keeping samples in memory and trying again with "
+                                "each one", self.path, e)
+                self._failing = True
+                return
+            for _ in range(n):
+                self._unwritten.popleft()
+            self._failing, budget = False, budget - size
+            if self._waited is not None:
+                self._waited += n
+        if self._waited and not self._unwritten:
+            log.info("history: %s written again (%d samples that had waited)", self.path, self._waited)
+            self._waited = None
 
     def _append(self, data: bytes) -> None:
         """Append `data` to the file, all of it or none: a write that fails part way (a full disk) is
