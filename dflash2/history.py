@@ -477,6 +477,26 @@ def _own_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def _not_writable(path: Path) -> tuple[Path, str, str] | None:
+    """(the file, what it is, what to do) where the history file, or its rotated one, is one the daemon
+    never writes: a link or not a regular file (the rotated file's link is only skipped as it is read),
+    or another user's (one `sudo dflash2d` left). Each was read back as this daemon's history, then
+    every write refused it (O_NOFOLLOW: "too many levels of symbolic links"; "not a regular file of
+    this user's") while the log said it kept trying, and the samples since the start were lost at
+    the next restart (reviews)."""
+    for p in (path, path.with_name(path.name + ".1")):
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+            return p, f"another user's file ({owner_text(st)})", f"remove it, or chown it to uid {os.geteuid()}"
+        if p == path and not stat.S_ISREG(st.st_mode):
+            return p, ("a link, which the daemon never writes through" if stat.S_ISLNK(st.st_mode)
+                       else "not a regular file"), "remove it"
+    return None
+
+
 def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | None = None,
                  **kw) -> History | None:
     """The daemon's history per the config (None when off); the file lives in the state folder.
@@ -526,17 +546,10 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
             keep = keep[:max(8, len(names))]
             os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *keep)).encode(), 0)
             path = state_dir / FILE_NAME
-            try:
-                if not regular_file(path, follow=False):
-                    # (a link too: it was read back as this daemon's history, then every write
-                    # refused it, O_NOFOLLOW, and the log said "too many levels of symbolic links")
-                    log.warning("history: %s is %s; this daemon keeps its history in memory only (remove it, or "
-                                "give the daemon another daemon.state_dir)", path,
-                                "a link, which the daemon never writes through" if path.is_symlink()
-                                else "not a regular file")
-                    path = None
-            except FileNotFoundError:
-                pass
+            if (why := _not_writable(path)) is not None:
+                log.warning("history: %s is %s; this daemon keeps its history in memory only and does not read it "
+                            "(%s, or give the daemon another daemon.state_dir)", *why)
+                path = None
     except OSError as e:
         # (an error of a write to the open lock names no file: the lock is what it could not write)
         what = f"write {state_dir / LOCK_NAME}" if lock_fd >= 0 and e.filename is None else f"create {state_dir}"

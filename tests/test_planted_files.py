@@ -26,7 +26,7 @@ from dflash2 import protocol as P
 from dflash2.arena.shm import SharedMemoryArena
 from dflash2.daemon import startup
 from dflash2.errors import ArenaError
-from dflash2.history import History, make_history
+from dflash2.history import History, make_history, sample_of
 from dflash2.tiers import Tier
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -209,6 +209,28 @@ def test_a_link_in_the_history_files_place_is_named_at_start_and_not_read(tmp_pa
     assert "history.jsonl.1 is not a regular file: skipped" in caplog.text
     h.close()
     assert real.read_text() == '{"t": 1}\n'
+
+
+@root_only
+@pytest.mark.parametrize("name", ["history.jsonl", "history.jsonl.1"])
+def test_another_users_history_file_is_named_at_start_and_not_read(tmp_path, caplog, name):
+    # A review: another user's regular file there (one `sudo dflash2d` left) was read back as this
+    # daemon's history, then every write refused it ("not a regular file of this user's") while the
+    # log said it kept trying, and each sample since the start was lost at the next restart.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    stats = {"tiers": {}, "reads": {}, "moves": {}, "hbm_hit_ratio": None,
+             "reservations": {"granted": 0, "deferred": 0, "reserved_blocks": 0}}
+    theirs = History.encode([sample_of(stats, 1000.0)]).decode()
+    (state / name).write_text(theirs)
+    os.chown(state / name, OTHER, OTHER)
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        h = _history(state)
+    h.close()
+    assert h.path is None and not h.samples, caplog.text
+    assert f"history: {state / name} is another user's file (uid {OTHER}" in caplog.text, caplog.text
+    assert "remove it, or chown it to uid 0" in caplog.text and len(caplog.records) == 1, caplog.text
+    assert (state / name).read_text() == theirs and (state / name).stat().st_uid == OTHER
 
 
 def test_an_earlier_releases_history_open_to_others_is_made_owner_only(tmp_path, caplog):
