@@ -5,11 +5,11 @@ authenticator, on a thread of its own) lets in only a client whose key is the ke
 Clients of the monitoring key file connect to a socket of their own (`secure(..., monitoring=True)`:
 the port the daemon writes into that file at each start), which lets in that key alone, and which
 the loop reads (`next_monitoring`) only while the monitoring calls have taken no more than
-MONITOR_SHARE of its time, after a burst (`charge`: their receipt, refusal and run): a monitoring user
-calling `check` (a walk of the whole table) or `history` (hours of samples) back to back, or
-flooding the socket, would otherwise take the loop from the serving processes; past it, their
-messages wait in ZeroMQ's queue at no cost to the loop. They are answered only the calls of
-protocol.READ_ONLY (`refusal`). (The ZAP domains keep each key to its socket: the request socket
+MONITOR_SHARE of its time, after a burst (`charge`: the whole turn of the loop each causes,
+`begin_turn`): a monitoring user calling `check` (a walk of the whole table) or `history` (hours of
+samples) back to back, or flooding the socket, would otherwise take the loop from the serving
+processes; past it, their messages wait in ZeroMQ's queue at no cost to the loop. They are answered
+only the calls of protocol.READ_ONLY (`refusal`). (The ZAP domains keep each key to its socket: the request socket
 reads no key off its messages.)
 
 Refusals are logged, at most one line a minute with their count (a port scan would otherwise fill
@@ -72,6 +72,8 @@ class KeyGate:
         self.request_port: int | None = None  # the request socket's port (the server's), which monitoring calls name
         self._monitor_owed_s = 0.0  # loop time the monitoring calls took beyond their share ...
         self._monitor_at = time.monotonic()  # ... as of then
+        self.clock = time.perf_counter  # what a monitoring turn's length is read off (the tests' own)
+        self._turn_at: float | None = None  # when the turn a monitoring message caused began, while it lasts
         self.key_file = key_file
         self._unlogged = 0
         self._last_why = ""
@@ -113,27 +115,32 @@ class KeyGate:
 
     def wait(self, sock: zmq.Socket, timeout_ms: int) -> bool:
         """Whether a message came within `timeout_ms` on `sock` (the request socket), or on the
-        monitoring socket while its calls owe the loop no more than their burst."""
+        monitoring socket while its calls owe the loop no more than their burst. A wake-up by the
+        monitoring socket alone begins the turn that message causes (`begin_turn`); one that ends here."""
+        self.end_turn()
         if self._monitoring is None or self._owed() > MONITOR_BURST_S:
             return bool(sock.poll(timeout_ms, zmq.POLLIN))
         if self._either is None:
             self._either = zmq.Poller()
             self._either.register(sock, zmq.POLLIN)
             self._either.register(self._monitoring, zmq.POLLIN)
-        return bool(self._either.poll(timeout_ms))
+        ready = dict(self._either.poll(timeout_ms))
+        if self._monitoring in ready and sock not in ready:
+            self._turn_at = self.clock()
+        return bool(ready)
 
     def next_monitoring(self, most: int) -> "ReadOnlyFrames | None":
         """The next message on the monitoring socket, if one is queued and the monitoring calls owe
         the loop no more than their burst; else None (a message waits: it costs nothing until read)."""
         if self._monitoring is None or self._owed() > MONITOR_BURST_S:
             return None
-        began = time.perf_counter()
+        began = self.clock()
         try:
             frames = ReadOnlyFrames(recv_frames(self._monitoring, zmq.NOBLOCK, most))
         except zmq.Again:
             return None
-        # (its receipt, whole: a message of millions of empty frames takes seconds; `charge` counts it)
-        frames.received_s = time.perf_counter() - began
+        # (its receipt, whole: a message of millions of empty frames takes seconds; its turn counts it)
+        frames.received_s = self.clock() - began
         frames.sock = self._monitoring
         return frames
 
@@ -167,8 +174,26 @@ class KeyGate:
                 f"which may call {calls} only; a serving process needs the key file itself ({self.key_file})")))
         return None
 
+    def begin_turn(self, frames: ReadOnlyFrames) -> None:
+        """A monitoring message is answered: the loop's turn is charged to the monitoring calls from its
+        receipt on until `end_turn`, which the loop calls before it waits, steps or answers a request;
+        so is the wake-up it caused (`wait`) with the request socket's read that finds nothing. Charged
+        the receipt and the call alone, a flood of pings took the loop about twice what was charged:
+        the wake-up, that read and the loop's checks after the call went uncounted (a review)."""
+        self.end_turn()  # (one still open is charged as it stands: the receipt is this message's own)
+        self._turn_at = self.clock() - frames.received_s
+        frames.received_s = 0.0  # (charged with its turn: a parked call's next run is not charged for it again)
+
+    def end_turn(self, close: bool = True) -> None:
+        """Charge the turn a monitoring message caused (`begin_turn`) so far; without `close` it goes on
+        (the loop's checks after the call are its too)."""
+        if self._turn_at is not None:
+            now = self.clock()
+            self.charge(now - self._turn_at)
+            self._turn_at = None if close else now
+
     def charge(self, seconds: float) -> None:
-        """A monitoring-key message took `seconds` of the loop (its receipt, its refusal or its call)."""
+        """A monitoring-key message took `seconds` of the loop (its turn, or a part of it: `end_turn`)."""
         self._monitor_owed_s = min(MONITOR_OWED_MAX_S, self._owed() + seconds)
 
     def _owed(self) -> float:

@@ -204,6 +204,8 @@ class Server:
             # Else, while the duel's sampled lookups wait, they are served once no request has come
             # for IDLE_AFTER_S, one at a time while none waits (_duel_slice).
             dueling = not draining and self._duel_slices_on and not self._parked and self._duel_pending()
+            if gate is not None:
+                gate.end_turn()  # (a monitoring message's turn, from its receipt: never the waits below)
             if self._parked:
                 request = self._request_or_copies_ended()
                 if self._parked.ready():
@@ -250,6 +252,8 @@ class Server:
                 self._answer(frames)
                 if draining and self._drain_owed_s > 0 and self._next_slice() <= time.monotonic() < next_tick:
                     self._drain_slice(wait=False)
+            if gate is not None:
+                gate.end_turn()  # (a monitoring message's wake-up and the request socket's failed read; not the step)
             now = time.monotonic()
             if now >= next_sample:
                 self._sample()
@@ -461,19 +465,21 @@ class Server:
         """Handle one request and send its reply; False when the call was parked instead (no reply
         yet: `ParkedCalls.answer` runs it again once its pool's copies in flight have ended)."""
         read_only = type(frames) is ReadOnlyFrames
-        began = time.perf_counter()
+        if read_only:
+            self._gate.begin_turn(frames)  # (its turn is charged from its receipt on, the call within: keygate.py)
+        elif self._gate is not None:
+            self._gate.end_turn()  # a request's call is never charged to the monitoring calls
         if read_only and (refusal := self._gate.refusal(frames)) is not None:
             self.service.counters["requests"] += 1
             self.service.counters["errors"] += 1
             self._send_reply(frames, refusal)
-            self._gate.charge(time.perf_counter() - began + frames.received_s)
+            self._gate.end_turn(close=False)
             return True
         self._credit_stall()  # before the call: it may take a reservation the stall would have expired
         settled = self._settled_s()
         reply = self.service.handle_frames(frames[1:], again)
         if read_only:
-            self._gate.charge(time.perf_counter() - began + frames.received_s)
-            frames.received_s = 0.0  # (charged: a parked call's next run is not charged for it again)
+            self._gate.end_turn(close=False)  # (charged now; the loop's checks after it are its turn's too)
         if isinstance(reply, Parked):
             self._parked.append((frames, reply))
             return False

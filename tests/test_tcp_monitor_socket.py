@@ -109,6 +109,78 @@ def test_refused_and_oversized_monitoring_messages_are_charged_and_never_decoded
         srv.close()
 
 
+@pytest.mark.parametrize("request_comes", [False, True])
+def test_the_whole_turn_a_monitoring_message_causes_is_charged_and_never_a_requests_call(
+        tmp_path, make_manager, monkeypatch, request_comes):
+    """Only a monitoring call's receipt and its answer were charged: the loop's wake-up it caused, the
+    request socket's failed read after it and the loop's checks after the answer went uncounted, about
+    as much again for a ping (a flood of pings took ~9% of the loop, charged 5%: a review). Each part
+    takes a tick of the gate's clock here (the step 100): the turn is charged whole, from the
+    wake-up to the loop's next wait, and neither the step nor a request read in that turn is."""
+    import zmq
+
+    from dflash2.daemon import keygate
+
+    keys, srv = served(tmp_path, make_manager)
+    ctx = zmq.Context()
+    sock = monitoring_dealer(ctx, keys, srv.monitoring_port)
+    gate, now, charged, woke = srv._gate, [0.0], [], []
+    tick = 1 / 64  # (of the gate's clock: six of them stay within the burst, so the message is read at once)
+
+    def taking(ticks, f):
+        def part(*args, **kwargs):
+            now[0] += ticks * tick
+            return f(*args, **kwargs)
+        return part
+
+    def request_after_wake(flags=0):
+        if request_comes and woke and not charged:  # (a request came between the wake-up and the read)
+            return [b"peer", *P.encode_request(P.Op.PING, 9, None)]
+        return srv_recv(flags)
+
+    def call(frames, again=None):
+        if P.peek_call_id(frames) == 9:
+            now[0] += 50 * tick  # (the request's call)
+        else:
+            now[0] += tick
+            srv.stop()  # (after this turn)
+        return handle(frames, again)
+
+    def wait(s, timeout_ms):
+        ready = gate_wait(s, timeout_ms)
+        woke.append(ready)
+        return ready
+
+    try:
+        sock.send_multipart(P.encode_request(P.Op.PING, 1, None))
+        assert gate._monitoring.poll(5000)  # (queued: it wakes the loop's first wait)
+        srv_recv, handle, gate_wait = srv._recv, srv.service.handle_frames, gate.wait
+        next_monitoring = gate.next_monitoring
+        gate.clock = lambda: now[0]
+        real_charge = gate.charge
+        monkeypatch.setattr(gate, "charge", lambda seconds: (charged.append(seconds), real_charge(seconds)))
+        monkeypatch.setattr(gate, "wait", wait)
+        # (read once its message has woken the loop: the first turn steps, the second waits)
+        monkeypatch.setattr(gate, "next_monitoring", lambda most: next_monitoring(most) if woke else None)
+        monkeypatch.setattr(keygate, "recv_frames", taking(1, keygate.recv_frames))  # the receipt
+        monkeypatch.setattr(srv, "_recv", taking(1, request_after_wake))  # the request socket's read
+        monkeypatch.setattr(srv.service, "queue_empty", taking(1, srv.service.queue_empty))
+        monkeypatch.setattr(srv.service, "handle_frames", call)
+        monkeypatch.setattr(srv, "_draining", taking(1, srv._draining))  # the loop's checks after the call
+        monkeypatch.setattr(srv, "_duel_pending", taking(1, srv._duel_pending))
+        monkeypatch.setattr(srv, "_tick", taking(100, srv._tick))
+        srv.serve_forever()
+        assert woke[0] is True
+        assert sock.poll(5000) and P.decode_reply(sock.recv_multipart()).ok
+        # wake-up: the failed read and the empty queue (or the read of the request, not its call);
+        # the message: its receipt and call; after it: the loop's two checks
+        assert charged == [tick * n for n in ([1] if request_comes else [2]) + [2, 2]]
+    finally:
+        sock.close(0)
+        ctx.term()
+        srv.close()
+
+
 def test_the_daemon_writes_its_monitoring_port_into_the_file_each_start_keeping_mode_and_group(tmp_path):
     key_file = tmp_path / "keys" / "node.key"
     monitor = monitor_path(key_file)
