@@ -32,6 +32,7 @@ import fcntl
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -82,7 +83,14 @@ class History:
                 log.info("history: %d samples read back from %s", len(self.samples), path)
 
     def close(self) -> None:
-        """Give the state folder's history lock back (the file stays)."""
+        """Write the samples still waiting, whole (a stop during a catch-up dropped them without a
+        word, those taken since the disk came back among them: a review), or say how many are lost;
+        then give the state folder's history lock back (the file stays)."""
+        if self.path is not None and self._unwritten:
+            self._write_waiting(math.inf)
+            if self._unwritten:
+                log.warning("history: %d samples were not written to %s as the daemon stops (its last write "
+                            "failed); they are lost", len(self._unwritten), self.path)
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1
@@ -142,7 +150,10 @@ class History:
         of a full disk joined, encoded and handed over every waiting sample again (3 hours of them:
         11 MB, 42 ms of the loop thread, every second; a review)."""
         self._unwritten.append(line)
-        budget = CATCH_UP_BYTES
+        self._write_waiting(CATCH_UP_BYTES)
+
+    def _write_waiting(self, budget: float) -> None:
+        """The waiting samples, in order, up to `budget` bytes (`_persist`)."""
         while self._unwritten and budget > 0:
             n = size = 0
             for waiting in itertools.islice(self._unwritten, 1 if self._failing else None):

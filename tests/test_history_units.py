@@ -110,6 +110,41 @@ def test_a_full_disk_costs_a_sample_one_line_and_the_file_catches_up_in_pieces(s
     assert f"written again ({300 + n} samples that had waited)" in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("still_full", [False, True])
+def test_a_stop_during_a_catch_up_writes_the_waiting_samples_or_says_they_are_lost(service, tmp_path, clock,
+                                                                                  monkeypatch, caplog, still_full):
+    # A review: a stop while the file caught up in pieces (after a full disk) dropped the samples still
+    # waiting, those taken since the disk came back among them, without a word. Now close() writes them
+    # whole; where that fails too, it says how many are lost.
+    import errno
+
+    from dflash2 import history as H
+
+    monkeypatch.setattr(H, "CATCH_UP_BYTES", 16 << 10, raising=False)
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    real, full = h._append, [True]
+
+    def append(data: bytes) -> None:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(data)
+    monkeypatch.setattr(h, "_append", append)
+    for _ in range(300):
+        h.record(service.stats())
+        clock.advance(1)
+    full[0] = still_full
+    h.record(service.stats())  # (the disk back: the probe line and a first piece, no more)
+    assert 0 < len(h._unwritten) < 301 or still_full
+    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
+        h.close()
+    written = [s["t"] for s in read_file(path)] if path.exists() else []
+    if still_full:
+        assert not written and "301 samples were not written" in caplog.text and "they are lost" in caplog.text
+    else:
+        assert written == [s["t"] for s in h.since()] and len(written) == 301 and "lost" not in caplog.text
+
+
 def test_a_history_lock_keeps_every_name_its_daemon_was_reached_by(tmp_path, monkeypatch, caplog, clock):
     # A review: the lock kept the last start's names alone: a null endpoint under WSL's
     # XDG_RUNTIME_DIR, then under cron (none), then the config writing out the WSL path its clients
