@@ -193,7 +193,7 @@ def _duel_line(d: dict, ranking: str | None) -> str:
                if d.get("first_sample") not in (None, d["sample"]) else "")
     state = d["state"]
     if state == "warming up" and d.get("turned_over") is not None:
-        state += f", {100 * d['turned_over']:.0f}% turned over"  # (judging once every miniature let go what it holds)
+        state += f", {100 * d['turned_over']:.0f}% turned over"  # (judging once a miniature let go what it holds)
     skipped = {why: n for why, n in (d.get("not_replayed") or {}).items() if n}
     return (f"{head} ({state}, {switches}); miniatures of 1 in {d['sample']} keys{coarser} found {found}; "
             f"{d['requests']} lookups served, {d['queued']} queued, {d['dropped']} dropped"

@@ -275,3 +275,18 @@ def test_a_prefetched_chunk_whose_read_is_refused_is_not_counted_useful(make_man
     assert calls[1] == vids[2:].tolist() and mgr.place(int(vids[2])).tier == Tier.HBM  # prefetched, then refused
     assert (prefetch.useful, prefetch.wasted) == (0, 2)
     mgr.check_invariants()
+
+
+def test_heat_follows_lru_after_a_popularity_shift():
+    """100 five-block prefixes read 15 times each, then never again; then 120 new ones (600 blocks, the
+    cache's size) read in a loop. Heat's splits keep the old, often-read blocks for passes while the
+    new ones come and go (its lists' targets learn from ghosts, one pass at a time); LRU's miniature
+    holds the new working set and lets nothing more go, so a duel that waited for every miniature to
+    turn over never judged: heat found 0.8711 of references, LRU 0.9511 (a review). Following LRU
+    once one miniature has turned over, 0.9176."""
+    old = [tuple(range(10 * i + 1, 10 * i + 6)) for i in range(100)]
+    new = [tuple(range(10**6 + 10 * i, 10**6 + 10 * i + 5)) for i in range(120)]
+    trace = [Request(0.1 * i, c) for i, c in enumerate([old[r % 100] for r in range(1500)]
+                                                        + [new[r % 120] for r in range(3000)])]
+    r = replay(trace, "heat", hbm_blocks=600)
+    assert r["duel"]["following"] == "lru" and r["prefix_hit_rate"] >= 0.91, r
