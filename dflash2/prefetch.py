@@ -157,7 +157,12 @@ class Prefetcher:
             done = vids_wanted[ok].tolist()
             # Still pending yet below HBM until now: an earlier prefetch of it left HBM unread (no
             # settle between): that one was wasted, once; this one is counted on its own.
-            self.wasted += sum(1 for v in done if v in self._pending)
+            again = [v for v in done if v in self._pending]
+            self.wasted += len(again)
+            # A parked acquire's `left` of it was that earlier one's, counted now: this one has not left
+            # HBM (the acquire's read of it from HBM counted it wasted too, a review).
+            for _, left in getattr(self.manager, "_came_from", {}).values() if again else ():
+                left.difference_update(again)
             self._pending.update((v, (t, reader, waits)) for v, t in zip(done, origin[ok].tolist()))
             self._orphans.difference_update(done)  # (brought up again for a reader here: its own, a review)
             self._fresh.update(done)

@@ -611,3 +611,21 @@ def test_a_prefetch_that_left_hbm_and_another_reader_brought_back_is_no_debt(sma
     assert m.access.reads == {Tier.NVME: 4, Tier.HBM: 4}, m.access.reads
     assert (m.prefetcher.useful, m.prefetcher.wasted) == (0, 4) and not m.prefetcher.settles
     m.check_invariants()
+
+
+def test_a_prefetch_again_in_flight_when_its_reader_parks_is_useful(small_nvme_manager):
+    """A pending prefetch that left HBM unread is prefetched again (its NVMe read in flight) as its
+    reader's acquire comes: the acquire parks on that copy and reads the block from HBM once it has
+    landed. The first prefetch was wasted (counted as the second landed), the second read in HBM:
+    useful. The acquire's `left`, taken before it parked, counted it wasted again (a review: 0/2)."""
+    m = small_nvme_manager
+    a = m.attach("a")
+    found = _lookup_then_down_to_nvme(m, a, [31])  # prefetched to HBM, then demoted to NVMe unread
+    assert m.prefetcher.pending == 1 and m.place(found[0]).tier == Tier.NVME
+    m.placement.read_later = True  # (the daemon's: the window's NVMe read left in flight)
+    try:
+        m.prefetcher.ahead(found, 0, a, waits=False)
+    finally:
+        m.placement.read_later = False
+    assert _acquire_as_the_daemon(m, a, found, parking=True) is not None
+    assert (m.prefetcher.useful, m.prefetcher.wasted, m.prefetcher.pending) == (1, 1, 0)
