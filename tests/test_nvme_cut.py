@@ -403,3 +403,28 @@ def test_a_removal_after_the_last_batch_is_said_as_the_tier_closes(tmp_path, cap
         a.close()
     assert f"{path} was removed while the tier ran; the tier closes" in caplog.text
     assert not path.exists() and not _deleted_fds(path)  # (nothing made again as it closes)
+
+
+def test_a_path_whose_folder_became_a_file_is_no_disk_error(tmp_path, caplog):
+    """A review's script: the file's folder replaced by a file (stat: ENOTDIR) escaped the batch as a
+    raw OSError, which the mover takes for the disk's (slots set aside). Now the path names no file
+    of the tier's: its blocks are lost to it (misses), writes refused until a file can be made."""
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    path = folder / "nvme.cache"
+    data = np.ones(ALIGN, dtype=np.uint8)
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [data]).all()
+        folder.rename(tmp_path / "sub.old")
+        folder.write_bytes(b"")
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert not a.read_blocks([0], [data.copy()]).any() and a.lost_to_cut([0]).all()
+            with pytest.raises(nvme.ArenaError, match="writes are refused"):
+                a.write_blocks([0], [data])
+            with pytest.raises(nvme.ArenaError, match="writes are refused"):
+                a.test_slots([0], [data])
+            a.check_file()
+        assert f"{path} can no longer be reached at its path (ENOTDIR: Not a directory)" in caplog.text
+    finally:
+        a.close()

@@ -14,6 +14,7 @@ again at each batch (said once a minute), never the deleted one used.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -29,8 +30,13 @@ log = logging.getLogger("dflash2.arena")
 
 def file_gone(fd: int, path: str) -> str | None:
     """What became of the file open on `fd` if `path` no longer names it, else None."""
-    if same_file(fd, path):
-        return None
+    try:
+        if same_file(fd, path):
+            return None
+    except OSError as e:  # (a folder of the path replaced by a file, ENOTDIR; no search right, EACCES)
+        # Before, this escaped the batch as a raw OSError, taken for the disk's: the mover set the
+        # slots aside as bad sectors (a review). The path names no file of the tier's now.
+        return f"can no longer be reached at its path ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"
     if os.path.lexists(path):
         return "was replaced (another file is at the path now)"
     return "was removed" if os.fstat(fd).st_nlink == 0 else "was moved away"
