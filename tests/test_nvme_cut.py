@@ -405,6 +405,45 @@ def test_a_removal_after_the_last_batch_is_said_as_the_tier_closes(tmp_path, cap
     assert not path.exists() and not _deleted_fds(path)  # (nothing made again as it closes)
 
 
+def test_a_file_moved_away_is_not_said_to_free_its_room(tmp_path, caplog):
+    path = tmp_path / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        os.rename(path, tmp_path / "nvme.cache.keep")  # an operator's mv: the file and its room stay
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            a.check_file()
+        assert f"{path} was moved away by another process" in caplog.text
+        assert "disk room freed" not in caplog.text and "keeps its disk room where it was moved" in caplog.text
+    finally:
+        a.remove()
+
+
+def test_a_new_file_after_a_failed_take_back_is_not_said_taken_back(tmp_path, monkeypatch, caplog):
+    """A review's script: a cut whose take-back failed, then the file removed: the new file is whole,
+    yet its next batch said the (old) file "is taken back"."""
+    path = tmp_path / "nvme.cache"
+    data = np.ones(ALIGN, dtype=np.uint8)
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [data]).all()
+        os.truncate(path, 8192)
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(nvmecut.os, "posix_fallocate", full)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            a.read_blocks([0], [data.copy()])
+        assert "cannot be taken back" in caplog.text
+        monkeypatch.undo()
+        os.unlink(path)  # the operator removes it: a new, whole file is made
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([0], [data]).all() and a.write_blocks([0], [data]).all()
+        assert "was removed by another process" in caplog.text and "is taken back to" not in caplog.text
+    finally:
+        a.remove()
+
+
 def test_a_path_whose_folder_became_a_file_is_no_disk_error(tmp_path, caplog):
     """A review's script: the file's folder replaced by a file (stat: ENOTDIR) escaped the batch as a
     raw OSError, which the mover takes for the disk's (slots set aside). Now the path names no file

@@ -36,6 +36,11 @@ class FileCuts:
         self._failing = False  # a cut was said and its take-back fails (tried again each batch)
         self._said = RepeatLimit("batches")  # a take-back that keeps failing: once a minute
 
+    def renewed(self) -> None:
+        """A new file at the path (nvmegone.py): a take-back still failing was the old file's. Before,
+        the new, whole file was said "taken back" at its next batch (a review)."""
+        self._failing, self._said = False, RepeatLimit("batches")
+
     def check(self, fd: int, path: str, total: int, lens: np.ndarray) -> None:
         """Whether the file open on `fd` is still the tier's whole file of `total` bytes, its header
         first; if not, take it back and forget (`lens` = 0) the blocks lost, said in the log."""

@@ -27,6 +27,8 @@ from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.arena")
 
+MOVED = "was moved away"  # (the file and its disk room live on elsewhere: never said freed, a review)
+
 
 def file_gone(fd: int, path: str) -> str | None:
     """What became of the file open on `fd` if `path` no longer names it, else None."""
@@ -39,7 +41,7 @@ def file_gone(fd: int, path: str) -> str | None:
         return f"can no longer be reached at its path ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"
     if os.path.lexists(path):
         return "was replaced (another file is at the path now)"
-    return "was removed" if os.fstat(fd).st_nlink == 0 else "was moved away"
+    return "was removed" if os.fstat(fd).st_nlink == 0 else MOVED
 
 
 class FileRenewal:
@@ -48,6 +50,7 @@ class FileRenewal:
 
     def _init_renewal(self) -> None:
         self._unusable = ""  # why the tier has no file (a new one could not be had), or ""
+        self._gone_how = ""  # what became of the old file (kept through the retries: its first cause)
         self._unusable_said = RepeatLimit("batches")
 
     def check_file(self) -> None:
@@ -98,6 +101,8 @@ class FileRenewal:
         """A new file at the path, as at start-up; `how`: what became of the old one ("" for a retry)."""
         lost = self._forget_all()
         self._close_files()  # (its last descriptors: the deleted file's disk room is freed)
+        self._cuts.renewed()  # (a failed take-back was the old file's: the new one is whole, a review)
+        self._gone_how = how or self._gone_how  # (a retry keeps the first cause, a review)
         try:
             self._preallocate()
             try:
@@ -108,7 +113,7 @@ class FileRenewal:
                 self._close_files()
                 raise
         except (ArenaError, OSError) as e:
-            self._unusable = f"its file {self.path} {how or 'was removed'} and a new one cannot be made: {e}"
+            self._unusable = f"its file {self.path} {self._gone_how} and a new one cannot be made: {e}"
             self._refused(how, lost, e)
             return
         if not how:
@@ -117,9 +122,10 @@ class FileRenewal:
         else:
             log.warning("NVMe: %s %s by another process (an rm, a mv) while the tier ran: %d blocks it held are "
                         "lost (misses); a new file is made there (its header, disk room and lock) and the old one "
-                        "closed, its disk room freed", self.path, how, lost,
+                        "closed%s", self.path, how, lost,
+                        " (it keeps its disk room where it was moved)" if how == MOVED else ", its disk room freed",
                         extra={"event": "dflash2_nvme_file_gone", "path": self.path})
-        self._unusable, self._unusable_said = "", RepeatLimit("batches")
+        self._unusable, self._gone_how, self._unusable_said = "", "", RepeatLimit("batches")
 
     def _refused(self, how: str, lost: int, error: Exception) -> None:
         """Say a new file that cannot be had: at once when the old one is found gone, then once a minute."""
