@@ -426,6 +426,8 @@ class BlockManager(Reads):
         for t, alloc in self.table.allocators.items():
             # Each block counted where it lies: one on its way has its destination slot taken too.
             tiers[t.label] = {**alloc.stats(), "blocks": blocks[t] - arriving.get(t, 0)}
+            if isinstance(arena := self.arenas.get(t), StorageArena) and arena.no_file:
+                tiers[t.label]["no_file"] = arena.no_file  # (writes refused, reads miss: nvmegone.py)
         return {
             "tiers": tiers,
             "reads": {Tier(t).label: n for t, n in self.access.reads.items()},

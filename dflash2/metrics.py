@@ -22,6 +22,7 @@ block, request or client id.
 | dflash2_tier_blocks{tier} | gauge | blocks in the tier |
 | dflash2_tier_waste_bytes{tier,kind} | gauge | slot rounding / page tails |
 | dflash2_tier_quarantined_bytes{tier} | gauge | NVMe slots set aside after their own writes failed with an I/O error, or a read of their block failed (an I/O error or its checksum: a bad region of the disk), until a re-test finds them sound; not in capacity, used or free |
+| dflash2_tier_no_file{tier} | gauge | 1 while an NVMe tier has no file: its file was removed, moved or replaced and a new one cannot be made at memory.nvme_path (another process holds it, a full disk); its writes are refused and its reads miss |
 | dflash2_cache_hits_total{tier} | counter | blocks acquired for HBM that were found in this tier (a block the reader's own lookup brought up counts under the tier it came from: the reader waited for it) |
 | dflash2_cache_misses_total{tier} | counter | blocks acquired for HBM that were not in this tier or a faster one (they came from a slower tier) |
 | dflash2_host_reads_total{tier} | counter | blocks acquired by host-side readers (tier dram: sglang's host pool), by the tier they were read from; not in the HBM hit ratio |
@@ -255,6 +256,8 @@ def _tier_families(st: dict):
     yield _gauge("dflash2_tier_quarantined_bytes", "Bytes of slots set aside after their own writes, or "
                  "their block's reads, failed (not in capacity, used or free).", ["tier"],
                  [((t,), s["quarantined_bytes"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_no_file", "1 while an NVMe tier has no file (removed and none can be made): "
+                 "writes refused, reads miss.", ["tier"], [((t,), int(bool(s.get("no_file")))) for t, s in tiers.items()])
     # Per GPU pool, not the node's total: each GPU's pool fills on its own (no move crosses GPUs),
     # and one full GPU beside an empty one would read as half full.
     used = [(gpu, pool["tiers"].get(Tier.HBM.label)) for gpu, pool in _pools(st).items()]

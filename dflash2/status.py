@@ -92,6 +92,11 @@ def render(st: dict) -> str:
     if aside:  # out of the capacity above: slots whose writes or whose blocks' reads failed
         lines.append("slots set aside after failed writes or reads (re-tested, given back once sound): "
                      + ", ".join(f"{name} {_size(n)}" for name, n in aside.items()))
+    for gpu, pool in (pools.items() if len(pools) > 1 else [(None, st)]):  # (nvmegone.py: each GPU's file)
+        for name, t in pool.get("tiers", {}).items():  # its file removed and no new one to be had
+            if t.get("no_file"):
+                where = name if gpu is None else f"GPU {gpu} {name}"
+                lines.append(f"{where} tier has no file (writes refused, reads miss): {t['no_file']}")
     ratio = st.get("hbm_hit_ratio")
     reads = ", ".join(f"{k} {v}" for k, v in st.get("reads", {}).items()) or "none"
     lines += ["", f"hbm hit ratio: {'-' if ratio is None else f'{100 * ratio:.1f}%'} (block reads: {reads}); "

@@ -405,6 +405,27 @@ def test_a_removal_after_the_last_batch_is_said_as_the_tier_closes(tmp_path, cap
     assert not path.exists() and not _deleted_fds(path)  # (nothing made again as it closes)
 
 
+def test_the_status_and_metrics_show_a_tier_without_a_file(small_nvme_manager):
+    """`dflash2 status` could not tell a tier without a file from a healthy one (a review)."""
+    from dflash2.metrics import _tier_families
+    from dflash2.status import render
+    from dflash2.tiers import Tier
+
+    arena = small_nvme_manager.arenas[Tier.NVME]
+    os.unlink(arena.path)
+    b = NvmeArena(arena.path, arena.capacity_bytes, staging_bytes=STAGING)  # another process takes the path
+    try:
+        arena.check_file()
+        st = small_nvme_manager.stats()
+        assert "in use by another process" in st["tiers"]["nvme"]["no_file"]
+        assert f"nvme tier has no file (writes refused, reads miss): its file {arena.path} was replaced" in render(
+            {"tiers": st["tiers"]})
+        gauge = next(f for f in _tier_families(st) if f.name == "dflash2_tier_no_file")
+        assert {s.labels["tier"]: s.value for s in gauge.samples} == {"hbm": 0, "dram": 0, "nvme": 1}
+    finally:
+        b.close()
+
+
 def test_a_file_moved_away_is_not_said_to_free_its_room(tmp_path, caplog):
     path = tmp_path / "nvme.cache"
     a = NvmeArena(path, CAP, staging_bytes=STAGING)

@@ -82,6 +82,11 @@ class StorageArena(Arena):
         that blames neither its slot nor the disk (NvmeArena; none here)."""
         return np.zeros(len(offsets), dtype=bool)
 
+    @property
+    def no_file(self) -> str:
+        """Why the tier has no file now (removed and none can be made: NvmeArena), else ""."""
+        return ""
+
     def check_file(self) -> None:
         """(The background step) whether the tier's file is still the one its path names; one removed
         or replaced is made again (NvmeArena; nothing here)."""

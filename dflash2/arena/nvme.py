@@ -575,7 +575,7 @@ class NvmeArena(FileRenewal, StorageArena):
 
     def describe(self) -> dict:
         return {**super().describe(), "kind": "nvme", "path": self.path, "direct_io": self.direct_io,
-                "staging_bytes": self.staging_bytes}
+                "staging_bytes": self.staging_bytes, "no_file": self.no_file}
 
     def close(self) -> None:
         """Close the file (it stays on disk: a cache file) and free the staging ring. Idempotent."""

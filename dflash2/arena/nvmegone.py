@@ -53,6 +53,11 @@ class FileRenewal:
         self._gone_how = ""  # what became of the old file (kept through the retries: its first cause)
         self._unusable_said = RepeatLimit("batches")
 
+    @property
+    def no_file(self) -> str:
+        """Why the tier has no file (status, metrics), or "" while it has one."""
+        return self._unusable
+
     def check_file(self) -> None:
         """(The background step) a removal found while no batch runs: the second daemon the lock
         keeps off the path is kept off within a step, not at the next batch. Skipped while a batch
