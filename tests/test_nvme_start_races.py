@@ -85,11 +85,11 @@ def test_a_daemon_whose_file_is_removed_as_it_opens_it_makes_its_own(tmp_path, m
     NvmeArena(path, 4 * MB, staging_bytes=1 * MB).close()
     real_lock, removed = nvme_module.lock_cache_file, []
 
-    def lock(fd, where):
+    def lock(fd, where, wait=None):
         if not removed:
             removed.append(True)
             os.unlink(where)  # another start's scan, between this start's open and its lock
-        return real_lock(fd, where)
+        return real_lock(fd, where, wait)
 
     monkeypatch.setattr(nvme_module, "lock_cache_file", lock)
     with caplog.at_level("INFO", logger="dflash2.arena.nvme"):

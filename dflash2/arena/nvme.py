@@ -174,7 +174,7 @@ class NvmeArena(FileRenewal, StorageArena):
 
     # ---- start-up -------------------------------------------------------------------------------
 
-    def _preallocate(self) -> None:
+    def _preallocate(self, wait: float | None = None) -> None:
         """Create (or reuse) the cache file at full size, after checking that the disk has room.
 
         The header goes in before the preallocation: a preallocation that fails part way (ext4 keeps
@@ -184,7 +184,7 @@ class NvmeArena(FileRenewal, StorageArena):
         for _ in range(OPEN_TRIES):
             fd, created = open_cache_file(self.path)
             try:
-                lock_cache_file(fd, self.path)
+                lock_cache_file(fd, self.path, wait)  # (wait: as lock_cache_file's; 0 for one try)
             except BaseException:
                 os.close(fd)  # another process may hold a file we just created: never unlink it then
                 raise

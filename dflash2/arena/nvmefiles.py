@@ -135,11 +135,12 @@ def _own_file(fd: int, path: str) -> int:
     return fd
 
 
-def lock_cache_file(fd: int, path: str) -> None:
+def lock_cache_file(fd: int, path: str, wait: float | None = None) -> None:
     """Take the lock a running daemon holds on its cache file for its life. Another start's scan
     holds it for a moment while it looks at an earlier daemon's file: tried for LOCK_WAIT_S, where
-    one try took that moment for a daemon running on the file ("in use by another process")."""
-    deadline = time.monotonic() + LOCK_WAIT_S
+    one try took that moment for a daemon running on the file ("in use by another process").
+    `wait`: seconds to try for instead (0: one try; a tier without a file trying again, nvmegone.py)."""
+    deadline = time.monotonic() + (LOCK_WAIT_S if wait is None else wait)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
