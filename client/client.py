@@ -241,18 +241,19 @@ class Client:
         self._detached = True
         if self._forked():  # its copy only, and no lock: one a parent's thread held at the fork stays
             self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
-            return {}
-        self._stop.stop(min(self.timeout_s, threading.TIMEOUT_MAX))  # (each close, until set: stopevent.py)
+            return {}  # (nor its stop pipe, the parent's too: a byte there woke the parent's heartbeat without end)
+        self._stop.set()  # (each close; lock-free, it never waits, also within a set() it interrupts: stopevent.py)
         beat = self._heartbeat_thread
-        if beat is not None:  # (at most the timeout: a heartbeat whose Event's lock is held that way never ends)
+        if beat is not None:  # (at most the timeout: a beat under way waits for its answer)
             beat.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
+        if beat is None or not beat.is_alive():  # its pipe, polled no more (not before: a number reused)
+            self._stop.close()
         released = {}
         if self._lock._is_owned():  # (from a signal handler during a call of this thread: after that call)
             self._detach_after = True
             return released
         with self._lock:
-            # A lost lease means the daemon no longer knows this id (it may even be another
-            # client's now, after a restart): nothing to detach.
+            # A lost lease: the daemon no longer knows this id (another client's, after a restart): nothing to detach.
             if not self._transport.closed and self.client_id is not None and not self.lease_lost:
                 try:
                     released = self._transport.call(Op.DETACH, self.client_id).result.get("released", {})

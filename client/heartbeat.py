@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import weakref
 
+from dflash2.client.stopevent import StopEvent
 from dflash2.client.transport import Transport
 from dflash2.errors import DaemonError, DaemonUnavailable
 from dflash2.protocol import Op
@@ -92,7 +92,7 @@ class Awake:
                 and self.ran_since(renewed))
 
 
-def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: int, name: str,
+def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, name: str,
         lease_timeout_s: float, awake: Awake | None = None) -> None:
     """The thread's body (`ref`: the Client's weak reference; `awake`: marked as it runs)."""
     transport = None
@@ -108,7 +108,7 @@ def run(ref: weakref.ref, stop: threading.Event, interval_s: float, client_id: i
     # clients attach where 48 fit, their heartbeats then connecting past its limit).
     beat = False
     try:
-        while not (beat and stop.wait(interval_s)):
+        while not (beat and (stop.wait(interval_s) or stop.is_set())):  # (set as a wait timed out: no beat more)
             client = ref()
             if client is None:
                 log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops, "

@@ -1,37 +1,85 @@
-"""The heartbeat's stop Event, which close() sets, also from a signal handler and after a close cut off.
+"""The heartbeat's stop signal, which close() sets, also from a signal handler and after a close cut off.
 
-A threading.Event's set() takes its Condition's plain Lock. Reviews found two ways that went wrong: a
-signal handler's close() landing within this thread's own set() waited for the lock that set() held, for
-good; and an exception landing there (Ctrl-C, a handler's deadline) left it held, so that a later set()
-hung. Setting the Event once only (a flag raised before set()) traded that for another hang: a close cut
-off as set() began, before the Event's flag was set, left the flag raised and the Event unset, so that
-every later close() skipped set() and waited its whole timeout joining a heartbeat never told to stop,
-which then met UnknownClient after the detach and said the lease was lost (a review). Here the lock is
-reentrant and a close latches on the Event being set, not on having asked once."""
+Invariant: it holds no lock, and setting it never waits. A signal handler runs on the thread it
+interrupts, which may be inside close()'s own set(): any lock the signal took could be held by that
+thread. Reviews found three hangs that way, with a threading.Event and its Condition's lock: a
+handler's close() within set() waited for the lock set() held, for good; an exception landing there
+(Ctrl-C, a handler's deadline) left it held, the heartbeat blocked for good taking it back after its
+wait and every later close() joined it its whole timeout; and with that lock made reentrant, the
+handler's close() got through but the heartbeat, woken in Event.wait, could not take the lock back
+from the set() the handler interrupted, so the handler's close waited its whole timeout joining it,
+detached, and the heartbeat beat once more, met UnknownClient and said the lease was lost.
+
+Here it is a flag and a pipe: set() raises the flag, then writes a byte to the pipe's non-blocking
+write end (a byte there already: nothing to add), which wakes the heartbeat polling the read end.
+Both steps are safe within themselves and from a handler, an exception anywhere leaves nothing held,
+and each later close() sets it again (a byte more is harmless).
+
+Invariant: only the process that made it writes to the pipe. A fork shares it, not the flag: a child's
+byte would wake every wait of the parent's heartbeat with its flag unset, a beat sent without pause
+(set() checks; close() checks `_forked()` first and sets nothing).
+The pipe's descriptors are closed once the heartbeat thread has ended (`close`), never while it may
+poll them: a number closed and reused would have had the poll watch, or set() write to, another file."""
 
 from __future__ import annotations
 
-import threading
+import math
+import os
+import select
 
 
-class StopEvent(threading.Event):
-    """An Event whose Condition's lock is reentrant: a set() within this thread's own set() (a signal
-    handler's) runs whole instead of waiting for the lock its thread holds."""
+class StopEvent:
+    """What the heartbeat waits on (`wait(timeout)` -> whether set, `is_set()`), as a threading.Event."""
 
-    def __init__(self):
-        super().__init__()
-        self._cond = threading.Condition(threading.RLock())
+    def __init__(self) -> None:
+        self._flag = False
+        self._pid = os.getpid()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._busy = 0  # set() or close() under way on this thread (a handler's close within it: not closed)
 
-    def stop(self, timeout_s: float) -> bool:
-        """Set the Event unless it is set already (a close cut off after the flag was set may have left the
-        lock held: not taken again). Waits at most `timeout_s` for a lock another thread left held by a set()
-        cut off before the flag was set; False then (the Event unset), True once set."""
-        if self.is_set():
-            return True
-        if not self._cond.acquire(timeout=timeout_s):  # (at once on this thread: reentrant)
-            return False
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True  # (first: a wait woken by the byte reads it)
+        self._busy += 1  # (an exception between this and the try leaves it counted: closed when collected)
         try:
-            self.set()
+            w = self._w
+            if w >= 0 and os.getpid() == self._pid:
+                os.write(w, b"\0")
+        except OSError:  # BlockingIOError: the pipe full of bytes already written, each of which wakes it
+            pass
         finally:
-            self._cond.release()
-        return True
+            self._busy -= 1
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is set, waiting at most `timeout` seconds (None: for good) for set()."""
+        r = self._r
+        if not self._flag and r >= 0:
+            poll = select.poll()  # (not select(): a serving process's descriptors may number past 1024)
+            poll.register(r, select.POLLIN)
+            poll.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
+        return self._flag
+
+    def close(self) -> None:
+        """Let the pipe's descriptors go: only once the heartbeat thread has ended (it polls the read end).
+        Skipped within this thread's own set() or close() (a handler's: the one interrupted would then
+        write to, or close, a number freed and perhaps reused); the descriptors then go when collected."""
+        if self._busy or self._r < 0:
+            return
+        self._busy += 1
+        try:
+            r, w, self._r, self._w = self._r, self._w, -1, -1  # (-1 first: a set() within then writes nothing)
+            os.close(r)
+            os.close(w)
+        finally:
+            self._busy -= 1
+
+    def __del__(self) -> None:  # (nothing polls or sets it any more: the heartbeat thread held it)
+        for fd in (getattr(self, "_r", -1), getattr(self, "_w", -1)):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
