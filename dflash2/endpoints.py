@@ -155,7 +155,8 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         raise ValueError(f"{endpoint!r} has no {'path' if scheme == 'ipc' else 'host:port'}")
     if scheme == "tcp":
         host, colon, port = rest.rpartition(":")
-        if colon and not host:  # (`tcp://:31701` was told of "a port in 1..65535", a review: the port was fine)
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # (an IPv6 address's brackets)
+        if colon and not bare:  # (`tcp://:31701` was told of "a port in 1..65535", a review; `tcp://[]:P` passed)
             raise ValueError(f"{endpoint!r} names no host: write tcp://HOST:PORT, such as "
                              f"tcp://127.0.0.1:{port or 'PORT'}")
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:

@@ -4,6 +4,7 @@ fallback: each now gets one line naming what is wrong, with the documented exit 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -199,11 +200,13 @@ def test_a_port_in_other_digits_is_refused(endpoint):
         parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
-def test_a_tcp_endpoint_without_a_host_names_the_host():
-    """`tcp://:31701` was told of "a port in 1..65535" (a review): the port was fine, the host missing."""
-    with pytest.raises(ConfigError, match=r"daemon.endpoint: 'tcp://:31701' names no host: write tcp://HOST:PORT, "
-                                          r"such as tcp://127.0.0.1:31701"):
-        parse_config({**base(), "daemon": {"endpoint": "tcp://:31701"}})
+@pytest.mark.parametrize("endpoint", ["tcp://:31701", "tcp://[]:31701"])
+def test_a_tcp_endpoint_without_a_host_names_the_host(endpoint):
+    """`tcp://:31701` was told of "a port in 1..65535" (a review): the port was fine, the host missing.
+    `tcp://[]:31701`, its host empty once the brackets are off, passed the check (a review)."""
+    with pytest.raises(ConfigError, match=re.escape(f"daemon.endpoint: '{endpoint}' names no host: write "
+                                                    "tcp://HOST:PORT, such as tcp://127.0.0.1:31701")):
+        parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
