@@ -7,6 +7,7 @@ import errno
 import logging
 
 import numpy as np
+import pytest
 
 from dflash2.tiers import Tier
 from dflash2.transfer import failures
@@ -164,3 +165,31 @@ def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_ch
         _staged_backend(chunk)._staged(job)
     assert job.wait().tolist() == [True, False, False, False]
     assert "after its first 1 were done, for the 3 others" in caplog.records[-1].getMessage()
+
+
+def test_a_staged_move_whose_thread_cannot_start_leaves_close_its_clean_up(monkeypatch):
+    """A staged (HBM<->NVMe) move whose thread could not start (a container's pids.max: RuntimeError)
+    stayed in the workers close() waits for: close() then raised "cannot join thread before it is
+    started" and skipped the host backend's close, the device sync and the staging buffer's free (a
+    review). No GPU: the backend's start and close alone, the CUDA calls stood in for."""
+    import contextlib
+
+    from dflash2.transfer import cuda as tc
+
+    be = object.__new__(tc.CudaTransferBackend)
+    be._closed, be._workers, be.fatal, be.device = False, [], None, 0
+    closed = []
+    be.host = type("Host", (), {"close": lambda self: closed.append("host")})()
+    be.staging = type("Staging", (), {"close": lambda self: closed.append("staging"), "nbytes": 1 << 20})()
+
+    def no_thread(thread):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(tc.threads, "start", no_thread)
+    offsets = np.zeros(1, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        be.start(CopyBatch(Tier.HBM, Tier.NVME, offsets, offsets.copy(), np.full(1, 4096, dtype=np.int64)))
+    runtime = type("Runtime", (), {"deviceSynchronize": lambda self: closed.append("sync")})()
+    monkeypatch.setattr(tc, "cupy", lambda: type("cp", (), {"cuda": type("cuda", (), {"runtime": runtime})()})())
+    monkeypatch.setattr(tc, "on_device", lambda device: contextlib.nullcontext())
+    be.close()
+    assert closed == ["host", "sync", "staging"]

@@ -155,9 +155,11 @@ class CudaTransferBackend(TransferBackend):
             job = StagedJob(batch)
             worker = threading.Thread(target=self._staged, args=(job,), name="dflash2-staged", daemon=True)
             # Kept until close(), which waits for them: the staging buffer must outlive every move using it.
+            # Kept once started: one that could not start (a container's pids.max) made close() raise
+            # "cannot join thread before it is started" and skip its clean-up (a review).
             self._workers = [t for t in self._workers if t.is_alive()]
-            self._workers.append(worker)
             threads.start(worker)
+            self._workers.append(worker)
             return job
         if self.dram is None:
             raise ValueError("no pinned DRAM region: HBM<->DRAM moves are unavailable")
