@@ -243,9 +243,9 @@ class Client:
             self._arenas, self._held = None, HeldPlaces()  # held in the child for good (close() hung, a review)
             return {}  # (nor its stop pipe, the parent's too: a byte there woke the parent's heartbeat without end)
         self._stop.set()  # (each close; lock-free, it never waits, also within a set() it interrupts: stopevent.py)
-        beat = self._heartbeat_thread
-        if beat is not None:  # (at most the timeout: a beat under way waits for its answer)
-            beat.join(timeout=min(self.timeout_s, threading.TIMEOUT_MAX))
+        beat = self._heartbeat_thread  # (joined at most the timeout: a beat under way waits for its answer)
+        if beat is not None and not self._stop.join(beat, min(self.timeout_s, threading.TIMEOUT_MAX)):
+            return {}  # (a handler's close within this thread's join: the close it interrupted detaches)
         if beat is None or not beat.is_alive():  # its pipe, polled no more (not before: a number reused)
             self._stop.close()
         released = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import threading
 
 
 class StopEvent:
@@ -37,6 +38,7 @@ class StopEvent:
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._busy = 0  # set() or close() under way on this thread (a handler's close within it: not closed)
+        self._joiner: int | None = None  # the thread joining the heartbeat (`join`)
 
     def is_set(self) -> bool:
         return self._flag
@@ -61,6 +63,21 @@ class StopEvent:
             poll.register(r, select.POLLIN)
             poll.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
         return self._flag
+
+    def join(self, beat: threading.Thread, timeout_s: float) -> bool:
+        """Join the heartbeat thread `beat` (at most `timeout_s`), unless this thread is joining it already:
+        False then, at once. A signal handler's close() within close()'s own join found the thread's end
+        lock held by the join it interrupted and waited its whole timeout, the lease lapsing meanwhile (a
+        review); the close it interrupted goes on and detaches."""
+        me = threading.get_ident()
+        if self._joiner == me:
+            return False
+        try:
+            self._joiner = me  # (within the try: an exception landing before it leaves no joiner behind)
+            beat.join(timeout=timeout_s)
+        finally:
+            self._joiner = None
+        return True
 
     def close(self) -> None:
         """Let the pipe's descriptors go: only once the heartbeat thread has ended (it polls the read end).

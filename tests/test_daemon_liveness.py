@@ -499,7 +499,7 @@ import logging, os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[2])
 from conftest import SMALL
 from dflash2.client import Client
-how, heartbeat = sys.argv[3], sys.argv[4] == "on"
+how, heartbeat, where = sys.argv[3], sys.argv[4] == "on", sys.argv[5]
 said = []
 class Said(logging.Handler):
     def emit(self, record):
@@ -514,6 +514,7 @@ def handler(signum, frame):
 signal.signal(signal.SIGUSR1, handler)
 clients, released, bad = [], [], []
 for k in range(40):  # the signal at the k-th event (a call, a C call, a return) within close()'s StopEvent.set()
+    # (or, `where` join, within its join of the heartbeat thread)
     said.clear()
     released.clear()
     c = Client.connect(sys.argv[1], name="sig", layouts=[SMALL], heartbeat=heartbeat, timeout_s=1.5)
@@ -521,7 +522,7 @@ for k in range(40):  # the signal at the k-th event (a call, a C call, a return)
     c.allocate(c.layouts[0], 1)
     beat = c._heartbeat_thread
     time.sleep(0.05)  # (the heartbeat waiting on the stop signal)
-    seen, code = [-1], type(c._stop).set.__code__
+    seen, code = [-1], (type(c._stop).set if where == "set" else threading.Thread.join).__code__
     def prof(frame, event, arg):
         if seen[0] < 0 and not (event == "call" and frame.f_code is code):
             return
@@ -557,9 +558,9 @@ print("done", flush=True)
 """
 
 
-@pytest.mark.parametrize("heartbeat", ["off", "on"])
+@pytest.mark.parametrize("heartbeat, where", [("off", "set"), ("on", "set"), ("on", "join")])
 @pytest.mark.parametrize("how", ["close", "raise"])
-def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how, heartbeat):
+def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how, heartbeat, where):
     """Reviews: a signal handler's close() landing as this thread's close() set the heartbeat's stop
     Event waited for the Event's lock that set() held, for good; an exception landing there left the lock
     held, so that the heartbeat blocked for good and every later close() waited its whole timeout joining
@@ -567,8 +568,12 @@ def test_a_close_within_a_close_or_after_one_cut_off_does_not_hang(daemon, how, 
     take the lock back from the set() the handler interrupted: the handler's close joined it its whole
     timeout, and the heartbeat beat once more after the detach and said the lease was lost. The stop
     signal holds no lock (stopevent.py): wherever within set() the signal lands, each close is quick, the
-    heartbeat ends and says nothing, and the client's block is let go."""
-    out = _child(daemon, CLOSE_IN_CLOSE, how, heartbeat, what=f"a {how} within a close's set() (heartbeat {heartbeat})")
+    heartbeat ends and says nothing, and the client's block is let go. So within close()'s join of the
+    heartbeat thread, whose end lock the interrupted join held: the handler's close waited its whole
+    timeout there, the lease lapsing meanwhile (a review); it leaves the detach to the close it
+    interrupted (StopEvent.join)."""
+    out = _child(daemon, CLOSE_IN_CLOSE, how, heartbeat, where,
+                 what=f"a {how} within a close's {where} (heartbeat {heartbeat})")
     assert "events tried: " in out and "; bad: []" in out, out
     assert int(out.split("events tried: ")[1].split(";")[0]) >= 3, out  # (the signal landed within set())
 
