@@ -207,13 +207,13 @@ def test_a_refused_release_keeps_its_views(daemon):
 def test_two_threads_closing_one_client_at_once(daemon):
     """A shutdown hook and the serving loop close one client at once: the second close() checked the
     heartbeat thread, the first set it to None, and the second failed on it (AttributeError, a review).
-    The second thread is held just past that check (a line trace) while the first closes."""
+    The second thread is held at that check (a line trace), the thread read, while the first closes."""
     import inspect
     import sys
 
     c = _connect(daemon, "engine", heartbeat=True)
     lines, first = inspect.getsourcelines(Client.detach)
-    check = next(first + i for i, line in enumerate(lines) if "is not None:" in line and "beat" in line)
+    check = next(first + i for i, line in enumerate(lines) if "beat is not None" in line)  # (held as it begins)
     at_check, closed, errors = threading.Event(), threading.Event(), []
 
     def hold(frame, event, arg):
@@ -221,7 +221,7 @@ def test_two_threads_closing_one_client_at_once(daemon):
             return None
 
         def line(frame, event, arg):
-            if event == "line" and frame.f_lineno == check + 1:
+            if event == "line" and frame.f_lineno == check:
                 at_check.set()
                 closed.wait(10)
             return line
