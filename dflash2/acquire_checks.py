@@ -19,8 +19,9 @@ def refuse_dropped(table: BlockTable, rows: np.ndarray, vids) -> None:
     if any_true(gone):
         vid = int(np.asarray(vids).reshape(-1)[int(np.flatnonzero(gone)[0])])
         raise UnknownBlock(f"block {vid:#x} failed its read back from NVMe (an I/O error, or bytes that failed their "
-                           "checksum: the daemon's log says which) and was dropped from the cache (a miss): look the "
-                           "chain up again and recompute from there")
+                           "checksum), or was lost with the NVMe file cut short or removed (the daemon's log says "
+                           "which), and was dropped from the cache (a miss): look the chain up again and recompute "
+                           "from there")
 
 
 def refuse_unmovable(table: BlockTable, rows: np.ndarray, tiers: np.ndarray, below: np.ndarray, up_to: Tier) -> None:

@@ -36,7 +36,7 @@ from dflash2.reads import Reads
 from dflash2.refusals import Refusals
 from dflash2.reservations import Admission, AdmissionSettings, Decision, Reservation
 from dflash2.settling import rows_a_commit_meets, settle_if, settled
-from dflash2.table import BlockTable
+from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
 
@@ -114,6 +114,7 @@ class BlockManager(Reads):
         # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
         # again (`acquire_rows`).
         self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
+        self._forgets_seen: dict[int, int] = {}  # per storage arena, its `forgets` last dropped (_drop_forgotten)
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -323,6 +324,21 @@ class BlockManager(Reads):
         except Exception:
             log.exception("%s failed (the call itself succeeded; the next tick tries again)", what)
 
+    def _drop_forgotten(self, arena: StorageArena) -> None:
+        """The blocks lost with a storage tier's file (cut short, removed: nvmecut.py, nvmegone.py) are
+        dropped from the cache at the next step, as blocks whose read failed are. Before, the log said
+        them lost, but lookups found them and status counted them until each was read, its acquire
+        then blaming an I/O error (a review). Settled ones only: one in flight is settled by its copy."""
+        if arena.forgets == self._forgets_seen.get(id(arena), 0):
+            return
+        self._forgets_seen[id(arena)] = arena.forgets
+        c = self.table.cols
+        rows = np.flatnonzero((c.tier == int(arena.tier)) & (c.state == int(BlockState.RESIDENT)))
+        rows = rows[arena.lost_to_cut(c.offset[rows])]
+        if len(rows):
+            self.placement._drop_lost(rows)
+            log.info("%d blocks lost with the %s file dropped from the cache (misses)", len(rows), arena.tier.label)
+
     # -- bytes (host arenas) ---------------------------------------------------------------
     @settled
     def place(self, vid: int) -> Place:
@@ -359,6 +375,7 @@ class BlockManager(Reads):
         for arena in self.arenas.values():  # a cache file removed while idle: made again (nvmegone.py)
             if isinstance(arena, StorageArena):
                 self._follow_up("looking at the NVMe cache file", arena.check_file)
+                self._follow_up("dropping the blocks lost with the NVMe cache file", lambda: self._drop_forgotten(arena))
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
         self._retest_set_aside()
         self.admission.tick()

@@ -513,8 +513,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             raise CopiesRunning(own=True)
         return end()
 
-    def _drop_lost(self) -> None:
-        lost = self.mover.take_lost()
+    def _drop_lost(self, lost: np.ndarray | None = None) -> None:
+        lost = self.mover.take_lost() if lost is None else lost  # (rows given: BlockManager._drop_forgotten)
         self.stats.lost += len(lost)
 
         def leaving(rows: np.ndarray, orphans: bool) -> None:

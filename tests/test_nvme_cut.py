@@ -541,3 +541,37 @@ def test_a_path_whose_folder_became_a_file_is_no_disk_error(tmp_path, caplog):
         assert f"{path} can no longer be reached at its path (ENOTDIR: Not a directory)" in caplog.text
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "cut"])
+def test_the_blocks_lost_with_the_file_leave_the_cache_at_the_next_step(small_nvme_manager, caplog, how):
+    """A review: after an `rm nvme.cache` the log said its blocks lost, but lookups found them and the
+    status counted them until each was read, its acquire then blaming an I/O error. The next background
+    step drops them (misses), as it does those lost to a cut; a chain's prefix above stays found."""
+    from dflash2.errors import UnknownBlock
+    from dflash2.tiers import Tier
+
+    from conftest import SMALL
+
+    m = small_nvme_manager
+    a = m.attach("a")
+    lid = m.register_layout(SMALL)
+    vids = m.commit(a, m.allocate(a, lid, 4), keys=[11, 12, 13, 14])
+    m.free(a, vids)
+    kept, lost = m.table.rows(vids[:2]), m.table.rows(vids[2:])
+    assert m.mover.move(lost, Tier.DRAM).all() and m.mover.move(lost, Tier.NVME).all()
+    assert [m.place(int(v)).tier for v in vids] == [Tier.HBM, Tier.HBM, Tier.NVME, Tier.NVME]
+    arena = m.arenas[Tier.NVME]
+    with caplog.at_level(logging.INFO):
+        if how == "removed":  # (found at the step, as the tier is idle)
+            os.unlink(arena.path)
+        else:  # (found at the tier's next batch: a write of another block, not theirs)
+            os.truncate(arena.path, nvme.HEADER_BYTES)
+            assert arena.write_blocks([arena.capacity_bytes - ALIGN], [np.ones(ALIGN, dtype=np.uint8)]).all()
+        m.tick()
+    assert m.stats()["tiers"]["nvme"]["blocks"] == 0
+    assert [p.vid for p in m.lookup([11, 12, 13, 14], lid)] == vids[:2].tolist()
+    assert "2 blocks lost with the nvme file dropped from the cache (misses)" in caplog.text
+    with pytest.raises(UnknownBlock, match="is not live"):  # (a stale id now, as any block dropped)
+        m.acquire(a, vids[2:])
+    m.check_invariants()

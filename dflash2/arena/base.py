@@ -87,6 +87,12 @@ class StorageArena(Arena):
         """Why the tier has no file now (removed and none can be made: NvmeArena), else ""."""
         return ""
 
+    @property
+    def forgets(self) -> int:
+        """How many times blocks were lost with the tier's file (cut short, removed: NvmeArena), the
+        background step dropping them from the cache after each (`BlockManager._drop_forgotten`)."""
+        return 0
+
     def check_file(self) -> None:
         """(The background step) whether the tier's file is still the one its path names; one removed
         or replaced is made again (NvmeArena; nothing here)."""

@@ -33,6 +33,7 @@ class FileCuts:
 
     def __init__(self, nslots: int):
         self.lost = np.zeros(nslots, dtype=bool)
+        self.forgets = 0  # times blocks were lost to the file (a cut, nvmegone.py's removal): `StorageArena.forgets`
         self._failing = False  # a cut was said and its take-back fails (tried again each batch)
         self._said = RepeatLimit("batches")  # a take-back that keeps failing: once a minute
 
@@ -56,6 +57,7 @@ class FileCuts:
         first = min([first, *begun[begun * ALIGN + lens[begun] > size - HEADER_BYTES].tolist()])
         lost = lens[first:] != 0
         self.lost[first:] |= lost
+        self.forgets += bool(lost.any())
         lens[first:] = 0
         if head == HEADER or size < total:
             how = f"was cut to {size} bytes by another process"

@@ -60,6 +60,10 @@ class FileRenewal:
         self._retry_at = 0.0  # (time.monotonic) the next try for a file while the tier has none
 
     @property
+    def forgets(self) -> int:
+        return self._cuts.forgets
+
+    @property
     def no_file(self) -> str:
         """Why the tier has no file (status, metrics), or "" while it has one."""
         return self._unusable
@@ -107,6 +111,7 @@ class FileRenewal:
         """Every block of the old file forgotten, marked lost to it (misses that blame no slot)."""
         held = self._len != 0
         self._cuts.lost |= held
+        self._cuts.forgets += bool(held.any())
         self._len[:] = 0
         return int(np.count_nonzero(held))
 
