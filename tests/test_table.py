@@ -161,21 +161,6 @@ def test_chained_commit_links_parents(mgr):
         mgr.commit(a, mgr.allocate(a, lid, 1), keys=[9], parent=int(priv[0]))
 
 
-def test_a_parent_of_another_layout_is_refused_and_nothing_changes(mgr):
-    """An fp8 block chained under an fp16 parent was accepted without a word (a review): a chain is one
-    model's, as its keys are (a key of another layout is refused)."""
-    a = mgr.attach("a")
-    fp16, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
-    (root,) = mgr.commit(a, mgr.allocate(a, fp16, 1), keys=[551])
-    child = mgr.allocate(a, fp8, 1)
-    with pytest.raises(ImmutableBlock, match=f"parent block {int(root):#x} is of layout {fp16}, and these blocks of "
-                                             f"layout {fp8}"):
-        mgr.commit(a, child, keys=[561], parent=int(root))
-    assert mgr.lookup([561], fp8) == [] and mgr.table.cols.state[mgr.table.rows(child)][0] == BlockState.WRITING
-    mgr.commit(a, child, keys=[561])  # still the writer's to commit
-    mgr.check_invariants()
-
-
 def test_a_block_listed_twice_in_a_commit_is_refused_and_nothing_changes(mgr):
     a = mgr.attach("a")
     lid = mgr.register_layout(SMALL)

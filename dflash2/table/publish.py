@@ -61,12 +61,6 @@ class Publishing:
                                "the chain up again and pin its prefix while writing") from None
         if prev != NO_ROW and c.key[prev] == 0:
             raise ImmutableBlock(f"parent block {parent:#x} is not published; only published blocks chain")
-        if prev != NO_ROW and (c.layout[rows] != c.layout[prev]).any():
-            # (a chain is one model's: a parent of another layout is a mixed-up chain, accepted before
-            # without a word, a review; refused as a key of another layout is, below)
-            raise ImmutableBlock(f"parent block {parent:#x} is of layout {int(c.layout[prev])}, and these blocks of "
-                                 f"layout {int(c.layout[rows[0]])}: a chain's blocks are of one layout (model, "
-                                 "precision, shard); the blocks being written are unchanged")
         found = self.keys.lookup(ukeys)
         # The layout a key stands for: the cached block's, else the first block given it in this call
         # (a key listed twice dedupes onto its first occurrence). Checked for every block before
