@@ -192,6 +192,23 @@ def test_check_daemon_down_then_up(config_file):
         proc.stop()
 
 
+@pytest.mark.parametrize("what", ["no daemon", "a folder"])
+def test_the_check_says_what_is_wrong_with_the_endpoint_at_once(config_file, tmp_path, what):
+    """The flag's check waited out its timeout and said "no reply ... (daemon gone or stuck)" of an
+    endpoint with no socket file or one naming a folder (a review): sglang never built the backend,
+    whose message says what is wrong. It asks as the client does, before any message is sent."""
+    import time
+
+    path = config_file()
+    endpoint = json.loads(open(path).read())["daemon"]["endpoint"]
+    if what == "a folder":
+        os.mkdir(endpoint[len("ipc://"):])
+    began = time.monotonic()
+    verdict = check_dflash2(path, timeout_s=30)
+    assert not verdict.ok and time.monotonic() - began < 10  # (not the 30 s timeout)
+    assert ("names a folder, not dflash2d's socket" if what == "a folder" else "does not exist") in verdict.reason
+
+
 def stats_of(device: str, *hbm_bytes: int) -> dict:
     """The parts of a daemon's `stats` reply that `hbm_note` reads: one pool per HBM size given."""
     pools = [{"tiers": {"hbm": {"capacity_bytes": b}, "dram": {"capacity_bytes": 8 << 30}}} for b in hbm_bytes]

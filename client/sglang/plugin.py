@@ -64,6 +64,7 @@ class Verdict:
 
 def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdict:
     """Load the config, require `enable`, ping the daemon (no attach) and read its tiers (`hbm_note`)."""
+    from dflash2.client.endpoint_check import check_endpoint
     from dflash2.client.transport import Transport
     from dflash2.config import load_config, require_enabled
     from dflash2.protocol import Op
@@ -77,6 +78,9 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
         return Verdict(False, str(e))
     transport = None
     try:
+        # Said at once, as the client says it: no socket file, a folder, another user's socket. Before, the
+        # check waited out its timeout and said "daemon gone or stuck" of each (a review).
+        check_endpoint(endpoint, attaching=True)
         transport = Transport(endpoint, timeout_s, key_file=key_file)
         if transport.read_only:  # (it answers, but this process could not attach)
             return Verdict(False, f"this process may read only the monitoring key file {transport.key_file} of "
