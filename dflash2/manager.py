@@ -329,12 +329,17 @@ class BlockManager(Reads):
         dropped from the cache at the next step, as blocks whose read failed are. Before, the log said
         them lost, but lookups found them and status counted them until each was read, its acquire
         then blaming an I/O error (a review). Settled ones only: one in flight is settled by its copy."""
-        if arena.forgets == self._forgets_seen.get(id(arena), 0):
+        forgets = arena.forgets
+        if forgets == self._forgets_seen.get(id(arena), 0):
             return
-        self._forgets_seen[id(arena)] = arena.forgets
         c = self.table.cols
+        # A move in flight (into this tier: its write may have gone to the old file) may yet settle into
+        # a lost slot: looked at again at the next step, until none is (a review).
+        if not (c.state == int(BlockState.MIGRATING)).any():
+            self._forgets_seen[id(arena)] = forgets
         rows = np.flatnonzero((c.tier == int(arena.tier)) & (c.state == int(BlockState.RESIDENT)))
         rows = rows[arena.lost_to_cut(c.offset[rows])]
+        rows = rows[~self.table.is_lost(rows)]  # (one kept for its holders at an earlier step: counted then)
         if len(rows):
             self.placement._drop_lost(rows)
             log.info("%d blocks lost with the %s file dropped from the cache (misses)", len(rows), arena.tier.label)

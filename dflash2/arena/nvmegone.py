@@ -11,8 +11,8 @@ disk, a foreign file put there) is said, naming the path and the cause; the tier
 writes (ArenaError: the write back-off, backoff.py), its reads are misses, and the file is tried
 again at most once a second (RETRY_S: by a write, a re-test or the background step, never a read;
 one try of the path's lock), said once a minute, never the deleted one used. The tier's status
-shows it (`no_file`). The blocks the old file held stay counted in the tier until each is read (a
-miss) or leaves: docs/known-gaps.md.
+shows it (`no_file`). The blocks the old file held leave the cache at the next background step
+(`BlockManager._drop_forgotten`: `forgets`).
 """
 
 from __future__ import annotations
