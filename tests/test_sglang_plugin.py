@@ -193,10 +193,10 @@ def test_check_daemon_down_then_up(config_file):
 
 
 @pytest.mark.parametrize("what", ["no daemon", "a folder"])
-def test_the_check_says_what_is_wrong_with_the_endpoint_at_once(config_file, tmp_path, what):
-    """The flag's check waited out its timeout and said "no reply ... (daemon gone or stuck)" of an
-    endpoint with no socket file or one naming a folder (a review): sglang never built the backend,
-    whose message says what is wrong. It asks as the client does, before any message is sent."""
+def test_the_check_says_what_is_wrong_with_the_endpoint(config_file, tmp_path, what):
+    """The flag's check said "no reply ... (daemon gone or stuck)" of an endpoint with no socket file or
+    one naming a folder (a review): sglang never built the backend, whose message says what is wrong. It
+    asks as the client does: a folder at once, no socket file once its timeout has passed."""
     import time
 
     path = config_file()
@@ -204,9 +204,27 @@ def test_the_check_says_what_is_wrong_with_the_endpoint_at_once(config_file, tmp
     if what == "a folder":
         os.mkdir(endpoint[len("ipc://"):])
     began = time.monotonic()
-    verdict = check_dflash2(path, timeout_s=30)
-    assert not verdict.ok and time.monotonic() - began < 10  # (not the 30 s timeout)
+    verdict = check_dflash2(path, timeout_s=30 if what == "a folder" else 0.5)
+    assert not verdict.ok and time.monotonic() - began < 10  # (a folder: not the 30 s timeout)
     assert ("names a folder, not dflash2d's socket" if what == "a folder" else "does not exist") in verdict.reason
+
+
+def test_the_check_finds_a_daemon_that_binds_within_its_timeout(config_file):
+    """A daemon started beside sglang binds its socket a moment after the check begins: the check took
+    the missing socket file for no daemon at once, and sglang fell back for good (a review)."""
+    import threading
+
+    path = config_file()
+    started = []
+    timer = threading.Timer(0.2, lambda: started.append(DaemonProcess(path).start()))
+    timer.start()
+    try:
+        verdict = check_dflash2(path, timeout_s=20)
+    finally:
+        timer.join()
+        for proc in started:
+            proc.stop()
+    assert verdict.ok, verdict
 
 
 def stats_of(device: str, *hbm_bytes: int) -> dict:

@@ -62,6 +62,25 @@ class Verdict:
     note: str = ""
 
 
+def _endpoint_within(check_endpoint, endpoint: str, timeout_s: float) -> None:
+    """`check_endpoint(endpoint, attaching=True)` until it passes or `timeout_s` has passed (its last
+    DaemonUnavailable then); a path that is no socket at once (EndpointNotSocket: it will not become one)."""
+    import time
+
+    from dflash2.errors import DaemonUnavailable, EndpointNotSocket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check_endpoint(endpoint, attaching=True)
+        except EndpointNotSocket:
+            raise
+        except DaemonUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
 def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdict:
     """Load the config, require `enable`, ping the daemon (no attach) and read its tiers (`hbm_note`)."""
     from dflash2.client.endpoint_check import check_endpoint
@@ -78,9 +97,10 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
         return Verdict(False, str(e))
     transport = None
     try:
-        # Said at once, as the client says it: no socket file, a folder, another user's socket. Before, the
-        # check waited out its timeout and said "daemon gone or stuck" of each (a review).
-        check_endpoint(endpoint, attaching=True)
+        # Said as the client says it: a folder at once; no socket file (a daemon starting beside sglang binds
+        # within the timeout), another user's socket, once the timeout has passed. Before, the check said
+        # "no reply (daemon gone or stuck)" of each (a review).
+        _endpoint_within(check_endpoint, endpoint, timeout_s)
         transport = Transport(endpoint, timeout_s, key_file=key_file)
         if transport.read_only:  # (it answers, but this process could not attach)
             return Verdict(False, f"this process may read only the monitoring key file {transport.key_file} of "
