@@ -40,6 +40,8 @@ from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
 
+FORGOTTEN_PER_STEP = 256  # blocks lost with a storage tier's file dropped a background step (_drop_forgotten)
+
 log = logging.getLogger("dflash2.manager")
 
 # The config's defaults (dflash2/config.py, policy.watermarks), for managers built without a config.
@@ -114,7 +116,7 @@ class BlockManager(Reads):
         # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
         # again (`acquire_rows`).
         self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
-        self._forgets_seen: dict[int, int] = {}  # per storage arena, its `forgets` last dropped (_drop_forgotten)
+        self._forgets_seen: dict = {}  # per storage arena, its `forgets` last dropped, and blocks dropped since (_drop_forgotten)
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -333,16 +335,23 @@ class BlockManager(Reads):
         if forgets == self._forgets_seen.get(id(arena), 0):
             return
         c = self.table.cols
-        # A move in flight (into this tier: its write may have gone to the old file) may yet settle into
-        # a lost slot: looked at again at the next step, until none is (a review).
-        if not (c.state == int(BlockState.MIGRATING)).any():
-            self._forgets_seen[id(arena)] = forgets
         rows = np.flatnonzero((c.tier == int(arena.tier)) & (c.state == int(BlockState.RESIDENT)))
         rows = rows[arena.lost_to_cut(c.offset[rows])]
         rows = rows[~self.table.is_lost(rows)]  # (one kept for its holders at an earlier step: counted then)
+        # At most FORGOTTEN_PER_STEP a step (a Python step a block: 16,384 at once held the loop 23,000
+        # ticks' worth, a review), the rest at the next; and a move in flight (its write may have gone to
+        # the old file) may yet settle into a lost slot: looked at again until none is (a review).
+        done = len(rows) <= FORGOTTEN_PER_STEP and not (c.state == int(BlockState.MIGRATING)).any()
+        rows = rows[:FORGOTTEN_PER_STEP]
         if len(rows):
             self.placement._drop_lost(rows)
-            log.info("%d blocks lost with the %s file dropped from the cache (misses)", len(rows), arena.tier.label)
+        dropped = self._forgets_seen.pop((id(arena), "dropped"), 0) + len(rows)  # (said once, when all are)
+        if not done:
+            self._forgets_seen[(id(arena), "dropped")] = dropped
+            return
+        self._forgets_seen[id(arena)] = forgets
+        if dropped:
+            log.info("%d blocks lost with the %s file dropped from the cache (misses)", dropped, arena.tier.label)
 
     # -- bytes (host arenas) ---------------------------------------------------------------
     @settled

@@ -604,3 +604,31 @@ def test_a_block_written_to_nvme_as_the_file_went_leaves_the_cache_once_settled(
     m.tick()
     assert m.placement.stats.lost == 1  # (once)
     m.check_invariants()
+
+
+def test_the_blocks_lost_with_the_file_leave_a_bounded_number_a_step(small_nvme_manager, monkeypatch, caplog):
+    """A review: dropping every block a removed file held in one step held the loop (a Python step a
+    block: 16,384 of them 23,000 ticks' worth); at most FORGOTTEN_PER_STEP leave a step, said once."""
+    from dflash2 import manager as M
+    from dflash2.tiers import Tier
+
+    from conftest import SMALL
+
+    monkeypatch.setattr(M, "FORGOTTEN_PER_STEP", 3)
+    m = small_nvme_manager
+    a = m.attach("a")
+    lid = m.register_layout(SMALL)
+    vids = m.commit(a, m.allocate(a, lid, 8), keys=list(range(31, 39)))
+    m.free(a, vids)
+    rows = m.table.rows(vids)
+    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    os.unlink(m.arenas[Tier.NVME].path)
+    left = []
+    with caplog.at_level(logging.INFO):
+        for _ in range(4):
+            m.tick()
+            left.append(m.stats()["tiers"]["nvme"]["blocks"])
+    assert left == [5, 2, 0, 0], left
+    assert caplog.text.count("blocks lost with the nvme file dropped") == 1 and "8 blocks lost" in caplog.text
+    assert (m.placement.stats.lost, m.placement.stats.orphaned) == (8, 0)  # (a child lost too: lost, not orphaned)
+    m.check_invariants()

@@ -68,6 +68,8 @@ class LostBlocks:
             if c.refs[r] == 0 and c.pins[r] == 0:
                 self.lost.discard(r)
                 self._release_rows(np.array([r], dtype=np.int64))
+            if len(kids) and len(rows) > 1:  # (a child lost in this call too is dropped as lost, not orphaned)
+                kids = kids[~np.isin(kids, rows)]
             dropped = kids[self.evictable(kids)] if len(kids) else kids
             if len(dropped):
                 self._drop_lost(dropped, leaving, True)
