@@ -42,7 +42,7 @@ from pathlib import Path
 
 from dflash2.endpoints import _bare_host
 from dflash2.files import make_private_folders, owner_text
-from dflash2.history_sample import SAMPLE_KEYS, T_RANGE, TIER_NAMES, is_sample, sample_of  # noqa: F401  (re-exported)
+from dflash2.history_sample import is_sample, sample_of  # (sample_of re-exported: the tests import it here)
 
 log = logging.getLogger("dflash2.history")
 

@@ -558,7 +558,7 @@ def test_the_blocks_lost_with_the_file_leave_the_cache_at_the_next_step(small_nv
     lid = m.register_layout(SMALL)
     vids = m.commit(a, m.allocate(a, lid, 4), keys=[11, 12, 13, 14])
     m.free(a, vids)
-    kept, lost = m.table.rows(vids[:2]), m.table.rows(vids[2:])
+    lost = m.table.rows(vids[2:])
     assert m.mover.move(lost, Tier.DRAM).all() and m.mover.move(lost, Tier.NVME).all()
     assert [m.place(int(v)).tier for v in vids] == [Tier.HBM, Tier.HBM, Tier.NVME, Tier.NVME]
     arena = m.arenas[Tier.NVME]
