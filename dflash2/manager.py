@@ -342,10 +342,9 @@ class BlockManager(Reads):
         # ticks' worth, a review), the rest at the next; and a move in flight (its write may have gone to
         # the old file) may yet settle into a lost slot: looked at again until none is (a review).
         done = len(rows) <= FORGOTTEN_PER_STEP and not (c.state == int(BlockState.MIGRATING)).any()
-        rows = rows[:FORGOTTEN_PER_STEP]
-        if len(rows):
-            self.placement._drop_lost(rows)
-        dropped = self._forgets_seen.pop((id(arena), "dropped"), 0) + len(rows)  # (said once, when all are)
+        if len(rows):  # (those of a later step lost too: never counted as orphans of these)
+            self.placement._drop_lost(rows[:FORGOTTEN_PER_STEP], lost_too=rows)
+        dropped = self._forgets_seen.pop((id(arena), "dropped"), 0) + min(len(rows), FORGOTTEN_PER_STEP)
         if not done:
             self._forgets_seen[(id(arena), "dropped")] = dropped
             return

@@ -513,7 +513,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             raise CopiesRunning(own=True)
         return end()
 
-    def _drop_lost(self, lost: np.ndarray | None = None) -> None:
+    def _drop_lost(self, lost: np.ndarray | None = None, lost_too: np.ndarray | None = None) -> None:
         lost = self.mover.take_lost() if lost is None else lost  # (rows given: BlockManager._drop_forgotten)
         self.stats.lost += len(lost)
 
@@ -523,7 +523,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             self.policy.on_remove(self.table, rows)
             if orphans:
                 self.stats.orphaned += len(rows)
-        self.table.drop_lost(lost, leaving)
+        self.table.drop_lost(lost, leaving, lost_too)
         self._note_reads()  # (backoff.py: a failing disk's reads that failed)
 
     def _droppable(self, rows: np.ndarray) -> np.ndarray:

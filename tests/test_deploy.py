@@ -257,3 +257,15 @@ def test_supervisors_give_a_stop_and_a_start_the_time_they_take():
     assert probe["periodSeconds"] * probe["failureThreshold"] <= 600
     assert _manifests()["DaemonSet"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120
     assert "TimeoutStopSec=120" in (DEPLOY / "systemd" / "dflash2d.service").read_text().splitlines()
+
+
+def test_the_dashboards_duel_panel_says_the_turnover_as_the_metric_does():
+    """The duel's panel called dflash2_policy_duel_turned_over the least share among the miniatures; the
+    daemon exports the greatest (it judges once one has turned over: a review)."""
+    import json
+    from pathlib import Path
+
+    board = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dflash2_dashboard.json").read_text())
+    said = [p.get("description", "") for p in board["panels"] if "dflash2_policy_duel_turned_over" in
+            p.get("description", "")]
+    assert said and all("the greatest share, among the miniatures" in d for d in said), said

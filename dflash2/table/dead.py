@@ -25,7 +25,8 @@ class DeadRows:
         if len(gone):
             row = int(gone[0])
             twin = self.pinned_copies.get(row)
-            why = ("freed while in flight, or its bytes failed their checksum" if twin is None else
+            why = ("freed while in flight, or its bytes failed their checksum or were lost with the NVMe file cut "
+                   "short or removed (the daemon's log says which): look the chain up again" if twin is None else
                    "its commit was given up, and not run" if not twin else
                    f"it was committed under a key already cached: use the id commit returned for it, {twin:#x}")
             why += "" if twin is None else "; it is kept only until the pins on it are released"

@@ -25,21 +25,30 @@ class LostBlocks:
             return np.zeros(len(rows), dtype=bool)
         return np.isin(rows, np.fromiter(self.lost, dtype=np.int64, count=len(self.lost)))
 
-    def drop_lost(self, rows: np.ndarray, leaving: Callable[[np.ndarray, bool], None] | None = None) -> None:
+    def drop_lost(self, rows: np.ndarray, leaving: Callable[[np.ndarray, bool], None] | None = None,
+                  lost_too: np.ndarray | None = None) -> None:
         """These blocks' stored bytes failed their checksum: they must never be found again. Each is
         unpublished and cut out of the prefix tree; its cached children become roots nobody can
         reach by lookup: the childless ones nobody holds are evicted now, the others go through the
         policy like any cold block. One still referenced stays until its last reference.
         `leaving(rows, orphans)`: told of each group of rows before it leaves the cache, keys still
         set (the policy's `on_remove`: before, its lists went on counting them); `orphans` for the
-        children dropped with a lost parent.
+        children dropped with a lost parent. `lost_too`: every row of this loss, of which `rows` may be
+        a part (a lost file's blocks, dropped a part a step): a child among them is not dropped as an
+        orphan here, but as lost, in its own part (`rows` itself by default).
         The children are found in one pass over the parent column for the whole call
         (`_children_of`), not one per lost block: a failed NVMe batch is up to a swap batch of
         blocks, and a pass per block held the loop for about half a second for 1,024 of them at a
         million blocks (476 us a block in the scale audit)."""
-        self._drop_lost(np.asarray(rows, dtype=np.int64), leaving, False)
+        rows = np.asarray(rows, dtype=np.int64)
+        lost_too = rows if lost_too is None else lost_too
+        also = None  # (a mask over the rows: a set test per child, never a sort of them all per block)
+        if len(lost_too) > 1:
+            also = np.zeros(len(self.cols.state), dtype=bool)
+            also[lost_too] = True
+        self._drop_lost(rows, leaving, False, also)
 
-    def _drop_lost(self, rows: np.ndarray, leaving, orphans: bool) -> None:
+    def _drop_lost(self, rows: np.ndarray, leaving, orphans: bool, also: np.ndarray | None) -> None:
         c = self.cols
         if leaving is not None and len(rows):
             # (Not one found lost before and kept for its references: it left the cache then.)
@@ -68,11 +77,11 @@ class LostBlocks:
             if c.refs[r] == 0 and c.pins[r] == 0:
                 self.lost.discard(r)
                 self._release_rows(np.array([r], dtype=np.int64))
-            if len(kids) and len(rows) > 1:  # (a child lost in this call too is dropped as lost, not orphaned)
-                kids = kids[~np.isin(kids, rows)]
+            if len(kids) and also is not None:  # (a child lost too, in this call or a later one of the same
+                kids = kids[~also[kids]]  # loss, `lost_too`, is dropped as lost, not orphaned)
             dropped = kids[self.evictable(kids)] if len(kids) else kids
             if len(dropped):
-                self._drop_lost(dropped, leaving, True)
+                self._drop_lost(dropped, leaving, True, also)
 
     def _children_of(self, rows: np.ndarray) -> dict[int, np.ndarray]:
         """The live children of each of `rows` that has any, in row order, from one pass over the
