@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dflash2 import protocol as P
 from dflash2 import threads
-from dflash2.errors import AccessDenied, DaemonUnavailable, DFlash2Error
+from dflash2.errors import AccessDenied, DaemonUnavailable, DFlash2Error, ProtocolError
 from dflash2.tcpkeys import DaemonKeys
 from dflash2.zmqio import HANDSHAKE_FAILED, recv_frames
 
@@ -163,7 +163,13 @@ class KeyGate:
         except DFlash2Error:
             return None
         op, asked = req.op, req.args.get("request_port")
-        if frames.sock is not None and isinstance(asked, int) and asked != self.request_port:
+        if "request_port" in req.args and (type(asked) is not int or not 1 <= asked <= 65535):
+            # (a string, a float or a list was answered as if it named this daemon, a bool or -1 told it
+            # was a stale line of the key file: a review)
+            return P.encode_reply(P.error_reply(call_id, ProtocolError(
+                f"{op.value}: argument 'request_port' must be the tcp port (1-65535) of the daemon the call asks "
+                f"about, got {asked!r}")))
+        if frames.sock is not None and asked is not None and asked != self.request_port:
             return P.encode_reply(P.error_reply(call_id, DaemonUnavailable(
                 f"this monitoring socket is the daemon's of port {self.request_port}, not port {asked}'s: the monitoring "
                 f"key file's line for port {asked} is stale (a daemon killed before it could remove it), and no daemon "

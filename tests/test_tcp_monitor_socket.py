@@ -375,3 +375,26 @@ def test_a_read_only_client_checks_the_port_a_ping_or_stats_answer_names(tmp_pat
                 transport._check_answerer(P.Op.STATS, P.Reply(1, True, result))
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("bad", ["35201", 35201.0, [35201], True, -1, 0, 70000])
+def test_a_request_port_that_is_no_port_number_is_refused_naming_the_argument(tmp_path, make_manager, bad):
+    """A review: a monitoring call's request_port of "35201", 35201.0 or [35201] was answered as if it
+    named this daemon (the stale-line check skipped), and True or -1 was told the key file's line was
+    stale; a ProtocolError names the argument."""
+    from dflash2.daemon import keygate
+
+    keys, srv = served(tmp_path, make_manager)
+
+    def ask(port):
+        frames = keygate.ReadOnlyFrames([b"peer", *P.encode_request(P.Op.PING, 7, None, {"request_port": port})])
+        frames.sock = srv._gate._monitoring
+        refusal = srv._gate.refusal(frames)
+        return P.decode_reply(refusal if refusal is not None else srv.service.handle_frames(frames[1:]))
+    try:
+        assert ask(srv.service.request_port).ok
+        reply = ask(bad)
+        assert not reply.ok and reply.error_type == "ProtocolError", (bad, reply)
+        assert "argument 'request_port' must be the tcp port (1-65535)" in reply.error_message, reply.error_message
+    finally:
+        srv.close()
