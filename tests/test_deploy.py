@@ -22,7 +22,7 @@ def _check(promtool: str, *args: str) -> str:
 
 
 def test_promtool_accepts_the_alert_rules(promtool):
-    assert "SUCCESS: 9 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
+    assert "SUCCESS: 10 rules found" in _check(promtool, "rules", str(DEPLOY / "prometheus" / "dflash2_alerts.yml"))
 
 
 def _rules_without_annotations(tmp_path: Path) -> Path:
@@ -111,6 +111,7 @@ def test_the_alerts_asked_for_are_there():
     assert 'up{job="dflash2"}' in rules["DFlash2DaemonDown"]["expr"]
     assert 'absent(up{job="dflash2"})' in rules["DFlash2NotScraped"]["expr"]
     assert rules["DFlash2NvmeSlotsSetAside"]["labels"]["severity"] == "warning"
+    assert "dflash2_tier_no_file" in rules["DFlash2NvmeTierHasNoFile"]["expr"]  # (an idle node's back-off is quiet)
     assert float(rules["DFlash2NvmeDiskFailing"]["expr"].rsplit(">", 1)[1]) == Quarantine.FAILING_FRACTION
     assert rules["DFlash2NvmeDiskFailing"]["labels"]["severity"] == "critical"
     assert all(r["annotations"]["summary"] for r in rules.values())
