@@ -22,7 +22,7 @@ from dflash2.counts import distinct
 from dflash2.quarantine import Quarantine, slot_place
 from dflash2.readcost import ReadCost
 from dflash2.swaplog import SwapLog
-from dflash2.table import BlockTable
+from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch, CopyJob, TransferBackend
 from dflash2.transfer.failures import RepeatLimit
@@ -206,6 +206,16 @@ class Mover:
         """Blocks copied out of `src` since start, every destination: (arrived, failed)."""
         out = [(st.blocks, st.failed_blocks) for (frm, _), st in self.stats.items() if frm == src]
         return sum(a for a, _ in out), sum(f for _, f in out)
+
+    def with_lost_file(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` and the storage tier's other blocks lost with its file (removed, cut short: nvmegone.py,
+        nvmecut.py), settled ones: one loss, so that a child among them is dropped as lost, in its turn,
+        not as an orphan of a block read now (a review; `table.drop_lost`'s `lost_too`)."""
+        if self.storage is None or not self.storage.forgets:
+            return rows
+        c = self.table.cols
+        more = np.flatnonzero((c.tier == int(self.storage.tier)) & (c.state == int(BlockState.RESIDENT)))
+        return np.union1d(rows, more[self.storage.lost_to_cut(c.offset[more])])
 
     def take_lost(self) -> np.ndarray:
         """Rows of the blocks whose read failed since the last call, those still live: a block

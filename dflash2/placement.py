@@ -523,7 +523,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             self.policy.on_remove(self.table, rows)
             if orphans:
                 self.stats.orphaned += len(rows)
-        self.table.drop_lost(lost, leaving, lost_too)
+        # (a read's loss: with the others lost with the storage tier's file, if any, Mover.with_lost_file)
+        self.table.drop_lost(lost, leaving, self.mover.with_lost_file(lost) if lost_too is None else lost_too)
         self._note_reads()  # (backoff.py: a failing disk's reads that failed)
 
     def _droppable(self, rows: np.ndarray) -> np.ndarray:

@@ -678,3 +678,27 @@ def test_a_held_block_lost_with_the_file_is_refused_naming_the_file(small_nvme_m
     m.free(a, vids)
     assert m.stats()["tiers"]["nvme"]["blocks"] == 0
     m.check_invariants()
+
+
+def test_a_chain_lost_with_the_file_and_read_first_is_counted_lost_whole(small_nvme_manager):
+    """A review: a read of a chain's first blocks that missed (the file removed) dropped their child,
+    lost with the file too but not read, as an orphan (counted orphaned, not lost)."""
+    from dflash2.errors import UnknownBlock
+    from dflash2.tiers import Tier
+
+    from conftest import SMALL
+
+    m = small_nvme_manager
+    a = m.attach("a")
+    lid = m.register_layout(SMALL)
+    vids = m.commit(a, m.allocate(a, lid, 3), keys=[71, 72, 73])
+    m.free(a, vids)
+    rows = m.table.rows(vids)
+    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    os.unlink(m.arenas[Tier.NVME].path)
+    with pytest.raises(UnknownBlock):
+        m.acquire(a, vids[:2])
+    for _ in range(3):
+        m.tick()
+    assert (m.placement.stats.lost, m.placement.stats.orphaned) == (3, 0)
+    m.check_invariants()
