@@ -116,7 +116,8 @@ class BlockManager(Reads):
         # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
         # again (`acquire_rows`).
         self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
-        self._forgets_seen: dict = {}  # per storage arena, its `forgets` last dropped, and blocks dropped since (_drop_forgotten)
+        # Per storage arena, its `forgets` last dropped, and the blocks dropped since (_drop_forgotten).
+        self._forgets_seen: dict = {}
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -388,7 +389,8 @@ class BlockManager(Reads):
         for arena in self.arenas.values():  # a cache file removed while idle: made again (nvmegone.py)
             if isinstance(arena, StorageArena):
                 self._follow_up("looking at the NVMe cache file", arena.check_file)
-                self._follow_up("dropping the blocks lost with the NVMe cache file", lambda: self._drop_forgotten(arena))
+                self._follow_up("dropping the blocks lost with the NVMe cache file",
+                                lambda: self._drop_forgotten(arena))
         self.placement.probe_writes()  # a storage tier backing off: does its disk take writes again?
         self._retest_set_aside()
         self.admission.tick()
