@@ -37,7 +37,12 @@ class StopEvent:
         self._pid = os.getpid()
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
-        self._busy = 0  # set() or close() under way on this thread (a handler's close within it: not closed)
+        # Held by a set() writing its byte or a close() closing the pipe, taken without waiting: a set()
+        # that finds it held writes nothing (its flag is set; the other writes, or the heartbeat has ended),
+        # a close() leaves the descriptors to be closed when collected. A count of calls under way (which
+        # threads shared, unguarded) let a set() of one thread write into a number another's close() had
+        # freed and the process reused: a stray byte in an engine's file (a review).
+        self._guard = threading.Lock()
         self._joiner: int | None = None  # the thread joining the heartbeat (`join`)
 
     def is_set(self) -> bool:
@@ -45,7 +50,8 @@ class StopEvent:
 
     def set(self) -> None:
         self._flag = True  # (first: a wait woken by the byte reads it)
-        self._busy += 1  # (an exception between this and the try leaves it counted: closed when collected)
+        if not self._guard.acquire(blocking=False):  # (never waits: also from a handler within set or close)
+            return
         try:
             w = self._w
             if w >= 0 and os.getpid() == self._pid:
@@ -53,7 +59,7 @@ class StopEvent:
         except OSError:  # BlockingIOError: the pipe full of bytes already written, each of which wakes it
             pass
         finally:
-            self._busy -= 1
+            self._guard.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is set, waiting at most `timeout` seconds (None: for good) for set()."""
@@ -81,17 +87,17 @@ class StopEvent:
 
     def close(self) -> None:
         """Let the pipe's descriptors go: only once the heartbeat thread has ended (it polls the read end).
-        Skipped within this thread's own set() or close() (a handler's: the one interrupted would then
-        write to, or close, a number freed and perhaps reused); the descriptors then go when collected."""
-        if self._busy or self._r < 0:
+        Skipped while a set() or close() is under way, this thread's (a handler's: the one interrupted
+        would then write to, or close, a number freed and perhaps reused) or another's; the descriptors
+        then go when collected."""
+        if self._r < 0 or not self._guard.acquire(blocking=False):
             return
-        self._busy += 1
         try:
-            r, w, self._r, self._w = self._r, self._w, -1, -1  # (-1 first: a set() within then writes nothing)
+            r, w, self._r, self._w = self._r, self._w, -1, -1  # (-1 first: a set() after then writes nothing)
             os.close(r)
             os.close(w)
         finally:
-            self._busy -= 1
+            self._guard.release()
 
     def __del__(self) -> None:  # (nothing polls or sets it any more: the heartbeat thread held it)
         for fd in (getattr(self, "_r", -1), getattr(self, "_w", -1)):

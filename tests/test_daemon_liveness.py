@@ -676,3 +676,69 @@ def _child(daemon, script: str, *args: str, what: str) -> str:
         os.kill(daemon.pid, signal.SIGCONT)
     assert child.returncode == 0 and "done" in out, out
     return out
+
+
+
+def test_a_set_of_the_stop_pipe_never_writes_into_a_number_another_threads_close_freed(tmp_path):
+    """A review: thread A's close() passed its check and was about to let the pipe's descriptors go as
+    thread B's set() read the write end; A closed them, the process reused the number for a file, and B
+    wrote its byte into that file. A set() that finds a close() under way writes nothing (the flag is
+    set; the heartbeat has ended). A is held inside close() by a line trace, B where it compares the pid."""
+    import inspect
+    import sys
+
+    from dflash2.client import stopevent
+    from dflash2.client.stopevent import StopEvent
+
+    stop = StopEvent()
+    lines, first = inspect.getsourcelines(stopevent.StopEvent.close)
+    at = next(first + i for i, line in enumerate(lines) if "self._r, self._w = self._r, self._w, -1, -1" in line)
+    a_there, a_go, b_there, b_go = (threading.Event() for _ in range(4))
+
+    def hold(frame, event, arg):
+        if frame.f_code is not stopevent.StopEvent.close.__code__:
+            return None
+
+        def line(frame, event, arg):
+            if event == "line" and frame.f_lineno == at:
+                a_there.set()
+                a_go.wait(10)
+            return line
+        return line
+
+    def closer():
+        sys.settrace(hold)
+        try:
+            stop.close()
+        finally:
+            sys.settrace(None)
+
+    class WaitingPid(int):  # (B held between reading the write end and writing to it)
+        def __eq__(self, other):
+            b_there.set()
+            b_go.wait(10)
+            return int.__eq__(self, other)
+        __hash__ = int.__hash__
+    stop._pid = WaitingPid(os.getpid())
+    w = stop._w
+    a = threading.Thread(target=closer)
+    a.start()
+    assert a_there.wait(10)
+    b = threading.Thread(target=stop.set)
+    b.start()
+    b_there.wait(1)  # (B, held, or done: it wrote nothing, the close under way)
+    a_go.set()
+    a.join(10)
+    opened = []
+    try:
+        while not opened or opened[-1][1] != w:  # the process reuses the number B read
+            path = tmp_path / f"f{len(opened)}"
+            opened.append((path, os.open(path, os.O_RDWR | os.O_CREAT)))
+            assert len(opened) < 64, "the number was not reused"
+        b_go.set()
+        b.join(10)
+        assert stop.is_set() and os.path.getsize(opened[-1][0]) == 0, "a set() wrote into another file"
+    finally:
+        b_go.set()
+        for _, fd in opened:
+            os.close(fd)
