@@ -270,3 +270,15 @@ def test_the_dashboards_duel_panel_says_the_turnover_as_the_metric_does():
     said = [p.get("description", "") for p in board["panels"] if "dflash2_policy_duel_turned_over" in
             p.get("description", "")]
     assert said and all("the greatest share, among the miniatures" in d for d in said), said
+
+
+def test_the_package_metadata_uses_no_form_setuptools_drops():
+    """A review: `license = { text = ... }` built with a setuptools deprecation that becomes an error after
+    2027-02-18 (the container image and packagers' builds fetch the newest setuptools); the licence is an
+    SPDX expression, which setuptools reads from 77 on (the GPU host's own setuptools, 81, builds it)."""
+    import re
+
+    text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2\.0"', text, re.M), "the licence as an SPDX expression"
+    assert re.search(r'requires = \["setuptools>=(\d+)"\]', text) and \
+        int(re.search(r'requires = \["setuptools>=(\d+)"\]', text)[1]) >= 77
