@@ -69,6 +69,11 @@ class ArenaError(DFlash2Error):
     """A tier arena could not be created, mapped or used."""
 
 
+class NoFileError(ArenaError):
+    """A storage tier whose file was removed and none can be made: its writes are refused (an operator's
+    state, said by the tier itself; nvmegone.py)."""
+
+
 class CapacityError(ArenaError):
     """Start-up could not take a tier's region: the message gives the bytes needed and available."""
 

@@ -702,3 +702,29 @@ def test_a_chain_lost_with_the_file_and_read_first_is_counted_lost_whole(small_n
         m.tick()
     assert (m.placement.stats.lost, m.placement.stats.orphaned) == (3, 0)
     m.check_invariants()
+
+
+def test_a_write_refused_for_want_of_a_file_logs_no_traceback(small_nvme_manager, caplog):
+    """A review: a drain's write refused while the tier had no file (a folder put at its path) was logged
+    with a whole traceback, for an operator's state the tier says in a line of its own."""
+    from dflash2.tiers import Tier
+
+    from conftest import SMALL
+
+    m = small_nvme_manager
+    a = m.attach("a")
+    lid = m.register_layout(SMALL)
+    vids = m.commit(a, m.allocate(a, lid, 4), keys=[11, 12, 13, 14])
+    m.free(a, vids)
+    rows = m.table.rows(vids)
+    assert m.mover.move(rows[:2], Tier.DRAM).all() and m.mover.move(rows[:1], Tier.NVME).all()
+    path = m.arenas[Tier.NVME].path
+    os.unlink(path)
+    os.mkdir(path)  # an operator's folder at the path: no file can be made
+    try:
+        with caplog.at_level(logging.INFO):
+            assert not m.mover.move(m.table.rows(vids[1:2]), Tier.NVME).any()  # a DRAM->NVMe drain, refused
+        assert "is not a regular file" in caplog.text and "NVMe tier has no file" in caplog.text
+        assert not [r for r in caplog.records if r.exc_info], caplog.text
+    finally:
+        os.rmdir(path)

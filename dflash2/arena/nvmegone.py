@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from dflash2.arena.nvmefiles import HEADER_BYTES
-from dflash2.errors import ArenaError
+from dflash2.errors import ArenaError, NoFileError
 from dflash2.files import same_file
 from dflash2.transfer.failures import RepeatLimit
 
@@ -96,7 +96,7 @@ class FileRenewal:
         elif renew and (write or retry):
             self._retry()
         if write and self._unusable:
-            raise ArenaError(f"NVMe tier has no file: {self._unusable}; writes are refused until one can be made at "
+            raise NoFileError(f"NVMe tier has no file: {self._unusable}; writes are refused until one can be made at "
                              f"{self.path} (tried again at most once a second)")
 
     def _retry(self) -> None:

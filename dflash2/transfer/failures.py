@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 
-from dflash2.errors import DISK_FULL
+from dflash2.errors import DISK_FULL, NoFileError
 from dflash2.tiers import Tier
 from dflash2.transfer.base import CopyBatch
 
@@ -76,7 +76,8 @@ class FailureLog:
         args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
         # A full disk is the disk's state, not a fault in the code: no traceback (one a minute of a
         # full disk was a screen of frames that said nothing more).
-        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
+        # So is a tier without its file (removed, none can be made: said by the tier, nvmegone.py; a review).
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL or isinstance(cause, NoFileError):
             self._log.error("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s: %s", *args, error)
         else:
             self._log.exception("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s", *args)
