@@ -32,7 +32,7 @@ from dflash2.client.args import _int, _keys, _seconds, _vids, layout_dict, vid_a
 from dflash2.client.callmarks import CallMarks, raised_by, refused
 from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
-from dflash2.client.stopevent import StopEvent
+from dflash2.client.stopevent import StopEvent, Stopped
 from dflash2.client.endpoint_check import check_endpoint
 from dflash2.client.transport import GONE_CHECK_S, Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
@@ -246,8 +246,8 @@ class Client:
         beat = self._heartbeat_thread  # (joined at most the timeout: a beat under way waits for its answer)
         if beat is not None and not self._stop.join(beat, min(self.timeout_s, threading.TIMEOUT_MAX)):
             return {}  # (a handler's close within this thread's join: the close it interrupted detaches)
-        if beat is None or not beat.is_alive():  # its pipe, polled no more (not before: a number reused)
-            self._stop.close()
+        if beat is None or not beat.is_alive():  # its pipe goes with the last reference (stopevent.py)
+            self._stop = Stopped()
         released = {}
         if self._lock._is_owned():  # (from a signal handler during a call of this thread: after that call)
             self._detach_after = True

@@ -15,11 +15,16 @@ write end (a byte there already: nothing to add), which wakes the heartbeat poll
 Both steps are safe within themselves and from a handler, an exception anywhere leaves nothing held,
 and each later close() sets it again (a byte more is harmless).
 
+Invariant: the pipe's descriptors are closed only when nothing refers to the StopEvent any more (`__del__`):
+a set() under way holds it, so never writes into a number closed and reused. A close() of the pipe while
+the object lived let one thread's set() write its byte into a number another thread's close() had freed
+and the process reused (a review), and a guard against that made a set() skip its byte while another
+set() held it, the heartbeat then woken only by its interval (a review). The client drops its reference
+once its heartbeat has ended (`Client.detach`).
+
 Invariant: only the process that made it writes to the pipe. A fork shares it, not the flag: a child's
 byte would wake every wait of the parent's heartbeat with its flag unset, a beat sent without pause
-(set() checks; close() checks `_forked()` first and sets nothing).
-The pipe's descriptors are closed once the heartbeat thread has ended (`close`), never while it may
-poll them: a number closed and reused would have had the poll watch, or set() write to, another file."""
+(set() checks; close() checks `_forked()` first and sets nothing)."""
 
 from __future__ import annotations
 
@@ -37,12 +42,6 @@ class StopEvent:
         self._pid = os.getpid()
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
-        # Held by a set() writing its byte or a close() closing the pipe, taken without waiting: a set()
-        # that finds it held writes nothing (its flag is set; the other writes, or the heartbeat has ended),
-        # a close() leaves the descriptors to be closed when collected. A count of calls under way (which
-        # threads shared, unguarded) let a set() of one thread write into a number another's close() had
-        # freed and the process reused: a stray byte in an engine's file (a review).
-        self._guard = threading.Lock()
         self._joiner: int | None = None  # the thread joining the heartbeat (`join`)
 
     def is_set(self) -> bool:
@@ -50,16 +49,11 @@ class StopEvent:
 
     def set(self) -> None:
         self._flag = True  # (first: a wait woken by the byte reads it)
-        if not self._guard.acquire(blocking=False):  # (never waits: also from a handler within set or close)
-            return
         try:
-            w = self._w
-            if w >= 0 and os.getpid() == self._pid:
-                os.write(w, b"\0")
+            if os.getpid() == self._pid:
+                os.write(self._w, b"\0")
         except OSError:  # BlockingIOError: the pipe full of bytes already written, each of which wakes it
             pass
-        finally:
-            self._guard.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is set, waiting at most `timeout` seconds (None: for good) for set()."""
@@ -85,24 +79,21 @@ class StopEvent:
             self._joiner = None
         return True
 
-    def close(self) -> None:
-        """Let the pipe's descriptors go: only once the heartbeat thread has ended (it polls the read end).
-        Skipped while a set() or close() is under way, this thread's (a handler's: the one interrupted
-        would then write to, or close, a number freed and perhaps reused) or another's; the descriptors
-        then go when collected."""
-        if self._r < 0 or not self._guard.acquire(blocking=False):
-            return
-        try:
-            r, w, self._r, self._w = self._r, self._w, -1, -1  # (-1 first: a set() after then writes nothing)
-            os.close(r)
-            os.close(w)
-        finally:
-            self._guard.release()
-
-    def __del__(self) -> None:  # (nothing polls or sets it any more: the heartbeat thread held it)
+    def __del__(self) -> None:  # (nothing polls or sets it any more: a set() under way refers to it)
         for fd in (getattr(self, "_r", -1), getattr(self, "_w", -1)):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+class Stopped(StopEvent):
+    """A stop signal set for good, with no pipe: what a client holds in place of its StopEvent once its
+    heartbeat has ended, so that the StopEvent, and its pipe, go as soon as nothing else refers to it."""
+
+    def __init__(self) -> None:
+        self._flag, self._pid, self._r, self._w, self._joiner = True, os.getpid(), -1, -1, None
+
+    def set(self) -> None:
+        pass

@@ -679,66 +679,48 @@ def _child(daemon, script: str, *args: str, what: str) -> str:
 
 
 
-def test_a_set_of_the_stop_pipe_never_writes_into_a_number_another_threads_close_freed(tmp_path):
-    """A review: thread A's close() passed its check and was about to let the pipe's descriptors go as
-    thread B's set() read the write end; A closed them, the process reused the number for a file, and B
-    wrote its byte into that file. A set() that finds a close() under way writes nothing (the flag is
-    set; the heartbeat has ended). A is held inside close() by a line trace, B where it compares the pid."""
-    import inspect
-    import sys
 
-    from dflash2.client import stopevent
+def test_a_set_under_way_on_another_thread_neither_silences_a_set_nor_loses_the_pipe():
+    """Reviews: one thread's close() let the pipe's descriptors go while another thread's set() had read
+    the write end, whose byte then went into a file that reused the number; and a guard against that
+    made a set() write nothing while another set() held it, the heartbeat woken only by its interval.
+    The pipe goes only with the last reference to it (a set() under way holds one), and every set()
+    writes. Thread B is held in set() where it compares the pid, its flag set, its byte not written."""
+    import gc
+    import time as _time
+
     from dflash2.client.stopevent import StopEvent
 
     stop = StopEvent()
-    lines, first = inspect.getsourcelines(stopevent.StopEvent.close)
-    at = next(first + i for i, line in enumerate(lines) if "self._r, self._w = self._r, self._w, -1, -1" in line)
-    a_there, a_go, b_there, b_go = (threading.Event() for _ in range(4))
+    there, go, woke = threading.Event(), threading.Event(), []
 
-    def hold(frame, event, arg):
-        if frame.f_code is not stopevent.StopEvent.close.__code__:
-            return None
-
-        def line(frame, event, arg):
-            if event == "line" and frame.f_lineno == at:
-                a_there.set()
-                a_go.wait(10)
-            return line
-        return line
-
-    def closer():
-        sys.settrace(hold)
-        try:
-            stop.close()
-        finally:
-            sys.settrace(None)
-
-    class WaitingPid(int):  # (B held between reading the write end and writing to it)
+    class WaitingPid(int):
         def __eq__(self, other):
-            b_there.set()
-            b_go.wait(10)
+            there.set()
+            go.wait(10)
             return int.__eq__(self, other)
         __hash__ = int.__hash__
+    waiter = threading.Thread(target=lambda: (stop.wait(5), woke.append(_time.monotonic())))
+    waiter.start()
+    _time.sleep(0.1)  # (the waiter polling the pipe)
     stop._pid = WaitingPid(os.getpid())
-    w = stop._w
-    a = threading.Thread(target=closer)
-    a.start()
-    assert a_there.wait(10)
     b = threading.Thread(target=stop.set)
     b.start()
-    b_there.wait(1)  # (B, held, or done: it wrote nothing, the close under way)
-    a_go.set()
-    a.join(10)
-    opened = []
-    try:
-        while not opened or opened[-1][1] != w:  # the process reuses the number B read
-            path = tmp_path / f"f{len(opened)}"
-            opened.append((path, os.open(path, os.O_RDWR | os.O_CREAT)))
-            assert len(opened) < 64, "the number was not reused"
-        b_go.set()
-        b.join(10)
-        assert stop.is_set() and os.path.getsize(opened[-1][0]) == 0, "a set() wrote into another file"
-    finally:
-        b_go.set()
-        for _, fd in opened:
-            os.close(fd)
+    assert there.wait(10)
+    stop._pid = os.getpid()  # (this thread's set() is not held)
+    began = _time.monotonic()
+    stop.set()  # writes its byte, B's under way: the waiter wakes now, not after its 5 s
+    waiter.join(10)
+    assert woke and woke[0] - began < 2.0, woke
+    import weakref
+
+    r, w, ref = stop._r, stop._w, weakref.ref(stop)
+    del stop, waiter
+    gc.collect()
+    assert ref() is not None  # (B's set() under way still refers to it: the pipe is open)
+    os.fstat(r), os.fstat(w)
+    go.set()
+    b.join(10)
+    del b
+    gc.collect()
+    assert ref() is None  # the last reference gone: the pipe with it (__del__)
