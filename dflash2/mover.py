@@ -211,9 +211,12 @@ class Mover:
         """`rows` and the storage tier's other blocks lost with its file (removed, cut short: nvmegone.py,
         nvmecut.py), settled ones: one loss, so that a child among them is dropped as lost, in its turn,
         not as an orphan of a block read now (a review; `table.drop_lost`'s `lost_too`)."""
-        if self.storage is None or not self.storage.forgets:
+        if not len(rows) or self.storage is None or not self.storage.forgets:
             return rows
         c = self.table.cols
+        ours = rows[c.tier[rows] == int(self.storage.tier)]
+        if not self.storage.lost_to_cut(c.offset[ours]).any():  # (a read that failed for its disk, not the file:
+            return rows  # no scan; after every batch, once a file had been lost, it cost each a column pass, a review)
         more = np.flatnonzero((c.tier == int(self.storage.tier)) & (c.state == int(BlockState.RESIDENT)))
         return np.union1d(rows, more[self.storage.lost_to_cut(c.offset[more])])
 
