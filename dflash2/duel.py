@@ -16,7 +16,8 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - each candidate's prefix hit rate, decayed with a half-life of HALF_LIFE miniature capacities of
   sampled references, estimates what it would find at full size;
 - once a miniature has let go as many bytes as it holds (before that all three find whatever
-  was asked for before; waiting for every one never judged where one keeps its working set), the candidate the real policy follows changes when another finds more
+  was asked for before; waiting for every one never judged where one keeps its working set), the
+  candidate the real policy follows changes when another finds more
   blocks (by MARGIN, relative, and by Z standard deviations of their paired per-request difference)
   and MARGIN more of them in HBM (`_judge`; with tiers below HBM, LRU's and LFU's miniatures found
   more in some tier on the Mooncake conversation trace while they found fewer in HBM, or no more:

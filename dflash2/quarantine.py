@@ -157,8 +157,8 @@ class Quarantine:
         if more is not None:
             log.warning("%d %s slots (%d bytes, the first at %s) whose %s: set aside, not used "
                         "again unless a re-test finds them sound; %d bytes (%.2f%% of %s) set aside so far%s",
-                        len(offsets), tier.label, taken, slot_place(tier, int(offsets[0]), self.nvme_path), failed, alloc.quarantined_bytes, 100 * share,
-                        tier.label, more)
+                        len(offsets), tier.label, taken, slot_place(tier, int(offsets[0]), self.nvme_path), failed,
+                        alloc.quarantined_bytes, 100 * share, tier.label, more)
         self.slots += len(offsets)
         if self.failing(tier) and tier not in self._said_failing:
             self._said_failing.add(tier)

@@ -700,7 +700,7 @@ def test_a_set_under_way_on_another_thread_neither_silences_a_set_nor_loses_the_
             go.wait(10)
             return int.__eq__(self, other)
         __hash__ = int.__hash__
-    waiter = threading.Thread(target=lambda: (stop.wait(5), woke.append(_time.monotonic())))
+    waiter = threading.Thread(target=lambda s=stop: (s.wait(5), woke.append(_time.monotonic())))
     waiter.start()
     _time.sleep(0.1)  # (the waiter polling the pipe)
     stop._pid = WaitingPid(os.getpid())
