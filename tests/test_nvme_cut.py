@@ -606,22 +606,30 @@ def test_a_block_written_to_nvme_as_the_file_went_leaves_the_cache_once_settled(
     m.check_invariants()
 
 
+def _chain_on_nvme(m, keys: list[int], held: bool = False):
+    """(client, vids) of a chain committed under `keys`, moved down to NVMe (`held`: its references kept)."""
+    from dflash2.tiers import Tier
+
+    from conftest import SMALL
+
+    a = m.attach("a")
+    vids = m.commit(a, m.allocate(a, m.register_layout(SMALL), len(keys)), keys=keys)
+    if not held:
+        m.free(a, vids)
+    rows = m.table.rows(vids)
+    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    return a, vids
+
+
 def test_the_blocks_lost_with_the_file_leave_a_bounded_number_a_step(small_nvme_manager, monkeypatch, caplog):
     """A review: dropping every block a removed file held in one step held the loop (a Python step a
     block: 16,384 of them 23,000 ticks' worth); at most FORGOTTEN_PER_STEP leave a step, said once."""
     from dflash2 import manager as M
     from dflash2.tiers import Tier
 
-    from conftest import SMALL
-
     monkeypatch.setattr(M, "FORGOTTEN_PER_STEP", 3)
     m = small_nvme_manager
-    a = m.attach("a")
-    lid = m.register_layout(SMALL)
-    vids = m.commit(a, m.allocate(a, lid, 8), keys=list(range(31, 39)))
-    m.free(a, vids)
-    rows = m.table.rows(vids)
-    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    _chain_on_nvme(m, list(range(31, 39)))
     os.unlink(m.arenas[Tier.NVME].path)
     left = []
     with caplog.at_level(logging.INFO):
@@ -640,16 +648,9 @@ def test_a_chain_lost_with_the_file_is_counted_lost_whole_across_the_steps(small
     from dflash2 import manager as M
     from dflash2.tiers import Tier
 
-    from conftest import SMALL
-
     monkeypatch.setattr(M, "FORGOTTEN_PER_STEP", 3)
     m = small_nvme_manager
-    a = m.attach("a")
-    lid = m.register_layout(SMALL)
-    vids = m.commit(a, m.allocate(a, lid, 7), keys=list(range(41, 48)))
-    m.free(a, vids)
-    rows = m.table.rows(vids)
-    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    _chain_on_nvme(m, list(range(41, 48)))
     os.unlink(m.arenas[Tier.NVME].path)
     for _ in range(4):
         m.tick()
@@ -663,14 +664,8 @@ def test_a_held_block_lost_with_the_file_is_refused_naming_the_file(small_nvme_m
     from dflash2.errors import UnknownBlock
     from dflash2.tiers import Tier
 
-    from conftest import SMALL
-
     m = small_nvme_manager
-    a = m.attach("a")
-    lid = m.register_layout(SMALL)
-    vids = m.commit(a, m.allocate(a, lid, 2), keys=[51, 52])  # held: not freed
-    rows = m.table.rows(vids)
-    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    a, vids = _chain_on_nvme(m, [51, 52], held=True)
     os.unlink(m.arenas[Tier.NVME].path)
     m.tick()
     with pytest.raises(UnknownBlock, match="or were lost with the NVMe file cut short or removed"):
@@ -686,15 +681,8 @@ def test_a_chain_lost_with_the_file_and_read_first_is_counted_lost_whole(small_n
     from dflash2.errors import UnknownBlock
     from dflash2.tiers import Tier
 
-    from conftest import SMALL
-
     m = small_nvme_manager
-    a = m.attach("a")
-    lid = m.register_layout(SMALL)
-    vids = m.commit(a, m.allocate(a, lid, 3), keys=[71, 72, 73])
-    m.free(a, vids)
-    rows = m.table.rows(vids)
-    assert m.mover.move(rows, Tier.DRAM).all() and m.mover.move(rows, Tier.NVME).all()
+    a, vids = _chain_on_nvme(m, [71, 72, 73])
     os.unlink(m.arenas[Tier.NVME].path)
     with pytest.raises(UnknownBlock):
         m.acquire(a, vids[:2])
