@@ -116,8 +116,10 @@ class BlockManager(Reads):
         # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
         # again (`acquire_rows`).
         self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
-        # Per storage arena, its `forgets` last dropped, and the blocks dropped since (_drop_forgotten).
-        self._forgets_seen: dict = {}
+        # Per storage arena, its `forgets` whose blocks were all dropped, and those dropped of the ones
+        # since, still under way (_drop_forgotten).
+        self._forgets_seen: dict[int, int] = {}
+        self._forgotten_dropped: dict[int, int] = {}
 
     # -- clients and layouts ---------------------------------------------------------------
     def attach(self, name: str, client_id: int | None = None) -> int:
@@ -335,19 +337,16 @@ class BlockManager(Reads):
         forgets = arena.forgets
         if forgets == self._forgets_seen.get(id(arena), 0):
             return
-        c = self.table.cols
-        rows = np.flatnonzero((c.tier == int(arena.tier)) & (c.state == int(BlockState.RESIDENT)))
-        rows = rows[arena.lost_to_cut(c.offset[rows])]
-        rows = rows[~self.table.is_lost(rows)]  # (one kept for its holders at an earlier step: counted then)
+        rows = self.mover.lost_file_rows()  # (the mover's storage arena is this one: a pool has one)
         # At most FORGOTTEN_PER_STEP a step (a Python step a block: 16,384 at once held the loop 23,000
         # ticks' worth, a review), the rest at the next; and a move in flight (its write may have gone to
         # the old file) may yet settle into a lost slot: looked at again until none is (a review).
-        done = len(rows) <= FORGOTTEN_PER_STEP and not (c.state == int(BlockState.MIGRATING)).any()
+        done = len(rows) <= FORGOTTEN_PER_STEP and not (self.table.cols.state == int(BlockState.MIGRATING)).any()
         if len(rows):  # (those of a later step lost too: never counted as orphans of these)
             self.placement._drop_lost(rows[:FORGOTTEN_PER_STEP], lost_too=rows)
-        dropped = self._forgets_seen.pop((id(arena), "dropped"), 0) + min(len(rows), FORGOTTEN_PER_STEP)
+        dropped = self._forgotten_dropped.pop(id(arena), 0) + min(len(rows), FORGOTTEN_PER_STEP)
         if not done:
-            self._forgets_seen[(id(arena), "dropped")] = dropped
+            self._forgotten_dropped[id(arena)] = dropped
             return
         self._forgets_seen[id(arena)] = forgets
         if dropped:

@@ -217,8 +217,15 @@ class Mover:
         ours = rows[c.tier[rows] == int(self.storage.tier)]
         if not self.storage.lost_to_cut(c.offset[ours]).any():  # (a read that failed for its disk, not the file:
             return rows  # no scan; after every batch, once a file had been lost, it cost each a column pass, a review)
-        more = np.flatnonzero((c.tier == int(self.storage.tier)) & (c.state == int(BlockState.RESIDENT)))
-        return np.union1d(rows, more[self.storage.lost_to_cut(c.offset[more])])
+        return np.union1d(rows, self.lost_file_rows())
+
+    def lost_file_rows(self) -> np.ndarray:
+        """The storage tier's settled blocks lost with its file (removed, cut short) and not yet dropped (one
+        kept for its holders at an earlier drop is not again): a pass over the table's columns."""
+        c = self.table.cols
+        rows = np.flatnonzero((c.tier == int(self.storage.tier)) & (c.state == int(BlockState.RESIDENT)))
+        rows = rows[self.storage.lost_to_cut(c.offset[rows])]
+        return rows[~self.table.is_lost(rows)]
 
     def take_lost(self) -> np.ndarray:
         """Rows of the blocks whose read failed since the last call, those still live: a block

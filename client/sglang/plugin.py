@@ -62,11 +62,12 @@ class Verdict:
     note: str = ""
 
 
-def _endpoint_within(check_endpoint, endpoint: str, timeout_s: float) -> None:
+def _endpoint_within(endpoint: str, timeout_s: float) -> None:
     """`check_endpoint(endpoint, attaching=True)` until it passes or `timeout_s` has passed (its last
     DaemonUnavailable then); a path that is no socket at once (EndpointNotSocket: it will not become one)."""
     import time
 
+    from dflash2.client.endpoint_check import check_endpoint
     from dflash2.errors import DaemonUnavailable, EndpointNotSocket
 
     deadline = time.monotonic() + timeout_s
@@ -83,7 +84,6 @@ def _endpoint_within(check_endpoint, endpoint: str, timeout_s: float) -> None:
 
 def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdict:
     """Load the config, require `enable`, ping the daemon (no attach) and read its tiers (`hbm_note`)."""
-    from dflash2.client.endpoint_check import check_endpoint
     from dflash2.client.transport import Transport
     from dflash2.config import load_config, require_enabled
     from dflash2.protocol import Op
@@ -100,7 +100,7 @@ def check_dflash2(config_path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Verdi
         # Said as the client says it: a folder at once; no socket file (a daemon starting beside sglang binds
         # within the timeout), another user's socket, once the timeout has passed. Before, the check said
         # "no reply (daemon gone or stuck)" of each (a review).
-        _endpoint_within(check_endpoint, endpoint, timeout_s)
+        _endpoint_within(endpoint, timeout_s)
         transport = Transport(endpoint, timeout_s, key_file=key_file)
         if transport.read_only:  # (it answers, but this process could not attach)
             return Verdict(False, f"this process may read only the monitoring key file {transport.key_file} of "
