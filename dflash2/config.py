@@ -27,6 +27,15 @@ from dflash2.layout import DTYPE_BITS, Layout
 MB = 1 << 20
 # policy.duel_sample's default: the heat policy's duel replays 1 in 8 content keys (dflash2/duel.py).
 DEFAULT_DUEL_SAMPLE = 8
+# policy.decay_half_life_s's default: heat's access counts halve once an hour of wall time. Every
+# halving takes all counts at once, and a key read once falls back to "never seen" (its next read a
+# first-timer's again): on the Mooncake synthetic trace (17 minutes at about 120 block references a
+# second) a half-life of 60 s found fewer blocks than LRU at 2,000 and 8,000 HBM blocks (0.1418 and
+# 0.3664 against 0.1463 and 0.3731; 0.1546 and 0.3988 without a halving); 300 s and 600 s found
+# fewer than without one at four and five of seven capacities, 600 s fewer than LRU at 1,000 blocks
+# (docs/policy-experiments.md, "The counts' wall-clock decay"). `bench policy` replays it.
+DEFAULT_DECAY_HALF_LIFE_S = 3600.0
+MAX_DECAY_HALF_LIFE_S = 1e7
 # Why a duel sample of 1 is refused (the config's key and the bench's --duel-sample say the same).
 DUEL_SAMPLE_OF_ONE = "1 would replay every key at full size: give N >= 2 (1 in N keys), or 0 for off"
 
@@ -187,7 +196,8 @@ class PolicyConfig(_Section):
         0.5, ge=0, le=1, description="A block is cold below this heat percentile of its tier.")
     swap_batch_size: int = Field(1024, ge=1, le=65536, description="Most blocks in one batch move.")
     rescore_interval_ms: int = Field(100, gt=0, le=3_600_000, description="Period of heat re-scoring.")
-    decay_half_life_s: float = Field(60.0, gt=0, le=1e7, description="Half-life of the decayed access count.")
+    decay_half_life_s: float = Field(DEFAULT_DECAY_HALF_LIFE_S, gt=0, le=MAX_DECAY_HALF_LIFE_S,
+                                     description="Half-life of the decayed access count (wall time).")
     watermarks: Watermarks = Field(Watermarks(), description="High/low watermarks per tier.")
     weights: HeatWeights = Field(HeatWeights(), description="Weights of the heat policy.")
     duel_sample: int = Field(
