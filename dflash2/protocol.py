@@ -7,7 +7,8 @@ gets a clear error instead of a hang:
     [MAGIC, VERSION (ASCII decimal), HEADER (JSON object), *ARRAYS (raw little-endian numpy bytes)]
 
 Request header: {"op": name, "id": call id, "client": id or null, "token": session token or null,
-                 "args": {...}}
+                 "args": {...}} (HEADER_FIELDS: any other field is refused, and so is a key named
+                 twice in any object of it)
 Reply header:   {"id": call id, "ok": true, "result": {...}}
            or   {"id": call id, "ok": false, "error": {"type": name, "message": text}}
 
@@ -88,6 +89,7 @@ import unicodedata
 
 import numpy as np
 
+from dflash2 import strictjson
 from dflash2.errors import ProtocolError, VersionMismatch
 
 MAGIC = b"DFLASH2"
@@ -275,7 +277,13 @@ class Reply:
     arrays: list[bytes] = dataclasses.field(default_factory=list)
 
 
-def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES) -> dict:
+# A request header's fields; any other is refused, naming them: a misspelt one ("arg" for "args") ran
+# the call with its defaults, silently, as a misspelt argument did (ARGS; a review). A field added
+# later comes with a new VERSION, which an older daemon refuses by name.
+HEADER_FIELDS = frozenset({"op", "id", "client", "token", "args"})
+
+
+def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES, strict: bool = False) -> dict:
     if len(frames) < 3:
         raise ProtocolError(f"a message needs at least 3 frames (magic, version, header), got {len(frames)}")
     if bytes(frames[0]) != MAGIC:
@@ -291,11 +299,20 @@ def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES) -> dic
     if len(frames[2]) > max_header:
         raise ProtocolError(f"header of {len(frames[2])} bytes exceeds {max_header}")
     raw = bytes(frames[2])
+    # A request's header names each key once (`strict`, strictjson): json keeps the last of two, so
+    # `{"op": "free", ..., "op": "ping"}` ran a ping, and `"tier": "dram", "tier": "hbm"` took HBM,
+    # silently (a review); the tcp gate (daemon/keygate.py) reads it with this parse too, so the op it
+    # lets through is the one the loop runs. A reply is the daemon's encoder's, which cannot name a key
+    # twice, and may be large (stats): read as before.
+    decode, loads = (strictjson.decode, strictjson.loads) if strict else (json.loads, json.loads)
     try:
         try:
-            header = json.loads(raw.decode("utf-8"))  # (json.loads of bytes first guesses their encoding)
+            header = decode(raw.decode("utf-8"))  # (json.loads of bytes first guesses their encoding)
         except ValueError:
-            header = json.loads(raw)  # as before: a BOM, UTF-16 or UTF-32, or the error that names what is wrong
+            header = loads(raw)  # as before: a BOM, UTF-16 or UTF-32, or the error that names what is wrong
+    except strictjson.KeyTwice as e:
+        raise ProtocolError(f"header.{e.path} is named twice: send each key once (JSON keeps the last, which "
+                            "may not be the one meant)") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"header is not valid JSON: {e}") from None
     except RecursionError:  # a few kilobytes of "[[[[..." exhaust the parser's stack
@@ -351,7 +368,11 @@ def decode_request(frames: list[bytes], *, check_args: bool = True) -> Request:
     if len(frames) > MAX_REQUEST_FRAMES:
         raise ProtocolError(f"a request has at most {MAX_REQUEST_FRAMES} frames (magic, version, header and "
                             f"up to {MAX_ARRAYS} arrays), got more")
-    header = _frames_head(frames)
+    header = _frames_head(frames, strict=True)
+    if not header.keys() <= HEADER_FIELDS:
+        unknown = ", ".join(map(repr, sorted(map(str, header.keys() - HEADER_FIELDS))))
+        raise ProtocolError(f"unknown header field(s) {unknown} (a request's header has: "
+                            f"{', '.join(sorted(HEADER_FIELDS))})")
     name = header.get("op")
     op = _OPS.get(name) if isinstance(name, str) else None
     if op is None:

@@ -5,6 +5,10 @@ Python's json keeps the last of two equal keys, silently: `"high": 0.9, "high": 
 and three tiers have a `high`: an error naming only "high" did not say which (a review). So an
 object that names a key twice is kept as parsed, marked, and found by a walk once the whole text is
 read, in the file's order.
+
+A request's header is read so too (protocol.py), once per call on the daemon's loop: the first parse
+keeps no marks and walks nothing, its hook a dict of the pairs, compared in length; only a text that
+names a key twice is read again, marked, to find where.
 """
 
 from __future__ import annotations
@@ -24,13 +28,37 @@ class _Doubled(dict):
     key = ""  # the key it names twice (the first such)
 
 
-def loads(text: str) -> object:
+class _Twice(Exception):
+    """Some object of the text names a key twice (`_first`: where is found by a second parse)."""
+
+
+def _first(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Twice
+    return out
+
+
+_FIRST = json.JSONDecoder(object_pairs_hook=_first)  # (json.loads with a hook builds a decoder per call)
+
+
+def loads(text: str | bytes) -> object:
     """`json.loads(text)`; KeyTwice for the first key named twice in one object (json's own errors
     as json raises them)."""
-    data = json.loads(text, object_pairs_hook=_pairs)
-    if (doubled := _doubled_path(data)) is not None:
-        raise KeyTwice(doubled)
-    return data
+    if isinstance(text, (bytes, bytearray)):  # (as json.loads reads bytes: UTF-8, -16 or -32, a BOM or none)
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    elif text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return decode(text)
+
+
+def decode(text: str) -> object:
+    """`loads` of a str, without json.loads' checks of its encoding: a BOM is not JSON (ValueError)."""
+    try:
+        return _FIRST.decode(text)
+    except _Twice:
+        pass
+    raise KeyTwice(_doubled_path(json.JSONDecoder(object_pairs_hook=_pairs).decode(text)))
 
 
 def _pairs(pairs: list[tuple[str, object]]) -> dict:
