@@ -431,6 +431,33 @@ def _check_folder(key: str, folder: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise ConfigError(key, f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing} "
                                "(permission denied): give a folder it may write, or run it as a user who may")
+    _try_making(key, folder, existing)
+
+
+def _try_making(key: str, folder: Path, existing: Path) -> None:
+    """Make (and remove) a file in `folder`, or the first missing folder on the way to it: root passes
+    os.access where the filesystem still refuses (a state folder under /proc passed `--check`, and the
+    daemon kept its history in memory only, a review; a root-squashed NFS share the same)."""
+    try:
+        if existing == folder:
+            import tempfile
+            with tempfile.TemporaryFile(dir=folder, prefix=".dflash2-check-"):
+                pass
+            return
+        first = folder
+        while first.parent != existing:
+            first = first.parent
+        first.mkdir()
+    except FileExistsError:  # made by someone else meanwhile: there is a folder
+        return
+    except OSError as e:
+        raise ConfigError(key, f"cannot create {'files in ' + str(folder) if existing == folder else str(first)}: "
+                               f"{e.strerror or e} (the daemon's user, uid {os.geteuid()}): give a folder it may "
+                               "write") from None
+    try:
+        first.rmdir()
+    except OSError:  # (a file put in it meanwhile: theirs, left)
+        pass
 
 
 def _read_only(folder: Path) -> bool:

@@ -40,3 +40,18 @@ def test_check_as_root_on_the_units_layout_says_to_run_it_as_the_daemons_user():
         assert "run dflash2d as its owner, `--check` too" in line
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_check_as_root_tries_the_state_folder_where_the_access_check_passes_root(tmp_path):
+    """Root passes os.access under /proc, where no folder or file can be made: `--check` passed such a
+    `daemon.state_dir` with history on, and the daemon then kept its history in memory only (a review).
+    A file (or the first missing folder) is made and removed; nothing is left by a check that passes."""
+    cfg = write_config(tmp_path, history_enabled=True, daemon={"state_dir": "/proc/dflash2-none/state"})
+    check = [sys.executable, "-m", "dflash2.daemon.main", "--config", cfg, "--check"]
+    out = subprocess.run(check, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("dflash2d: error: daemon.state_dir: cannot create ")
+    fine = tmp_path / "state" / "a"
+    cfg = write_config(tmp_path, history_enabled=True, daemon={"state_dir": str(fine)})
+    assert subprocess.run(check[:-2] + [cfg, "--check"], capture_output=True, timeout=120).returncode == 0
+    assert not (tmp_path / "state").exists()
