@@ -14,6 +14,7 @@ import pytest
 
 import dflash2.arena.nvme as nvme
 import dflash2.arena.nvmecut as nvmecut
+import dflash2.arena.nvmefiles as nvmefiles
 import dflash2.arena.nvmegone as nvmegone
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.staging import ALIGN
@@ -436,3 +437,63 @@ def test_a_write_refused_for_want_of_a_file_logs_no_traceback(small_nvme_manager
         assert not [r for r in caplog.records if r.exc_info], caplog.text
     finally:
         os.rmdir(path)
+
+
+def test_a_link_put_at_a_running_tiers_path_is_taken_as_at_start_up(tmp_path, caplog):
+    """A review's script: the cache moved to another disk (`rm nvme.cache; ln -s /mnt/nvme1/nvme.cache
+    nvme.cache`, the target not there yet) under a running tier. Start-up takes such a path (its
+    target made); the renewal opened the link as it stood, said the file "removed each of the 3
+    times this start opened it", and the tier had no file for good. Now the target is made, locked."""
+    (tmp_path / "disk2").mkdir()
+    path, target = tmp_path / "nvme.cache", tmp_path / "disk2" / "nvme.cache"
+    data = np.arange(2 * ALIGN, dtype=np.uint64).view(np.uint8)[:2 * ALIGN].copy()
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [data]).all()
+        os.unlink(path)
+        os.symlink(target, path)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            assert a.write_blocks([0], [data]).all()
+        assert not a.no_file and a.path == str(target) and target.read_bytes()[:len(nvme.HEADER)] == nvme.HEADER
+        assert (f"{path} was replaced by a symbolic link (to {target}) by another process (an rm, a mv) while the "
+                f"tier ran: 1 blocks it held are lost (misses); a new file is made at {target}, where the symbolic "
+                f"link {path} leads") in caplog.text
+        with pytest.raises(nvme.ArenaError, match="in use by another process"):
+            NvmeArena(path, CAP, staging_bytes=STAGING)  # (the target is locked: a second daemon is kept off)
+        out = np.zeros_like(data)
+        assert a.read_blocks([0], [out]).all() and np.array_equal(out, data)
+        target.unlink()  # the link's target removed in its turn: made again where the link leads now
+        os.unlink(path)
+        os.symlink(tmp_path / "disk2" / "other.cache", path)
+        a.check_file()
+        assert not a.no_file and (tmp_path / "disk2" / "other.cache").exists() and not target.exists()
+    finally:
+        a.remove()
+
+
+def test_a_link_whose_target_cannot_be_made_is_named_with_its_target(tmp_path, caplog):
+    (tmp_path / "notafolder").write_bytes(b"")
+    path, target = tmp_path / "nvme.cache", tmp_path / "notafolder" / "disk2" / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        os.unlink(path)
+        os.symlink(target, path)
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            with pytest.raises(nvme.ArenaError, match="writes are refused"):
+                a.write_blocks([0], [np.ones(ALIGN, dtype=np.uint8)])
+        assert a.no_file == (f"its file {path} was replaced by a symbolic link (to {target}) and a new one cannot "
+                             f"be made at {target}, where the symbolic link {path} leads: NVMe tier cannot create "
+                             f"its file at {target}: {tmp_path / 'notafolder'} is not a folder")
+        assert "removed each" not in caplog.text and "this start" not in caplog.text
+    finally:
+        a.close()
+
+
+def test_a_link_put_at_the_path_as_it_is_opened_is_not_said_removed(tmp_path):
+    """(open_cache_file takes a resolved path) a dangling link there was taken for a file removed
+    between its create and its open, each of the tries."""
+    os.symlink(tmp_path / "elsewhere.cache", tmp_path / "nvme.cache")
+    with pytest.raises(nvme.ArenaError) as e:
+        nvmefiles.open_cache_file(str(tmp_path / "nvme.cache"))
+    assert str(e.value).startswith(f"NVMe tier cannot open {tmp_path / 'nvme.cache'}: a symbolic link to "
+                                   f"{tmp_path / 'elsewhere.cache'}, which does not exist, was put there")

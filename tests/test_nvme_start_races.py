@@ -97,7 +97,7 @@ def test_a_daemon_whose_file_is_removed_as_it_opens_it_makes_its_own(tmp_path, m
     try:
         mine, named = os.fstat(arena._lock_fd), os.stat(path)
         assert (mine.st_ino, mine.st_dev) == (named.st_ino, named.st_dev) and mine.st_nlink == 1
-        assert not arena.reused and "removed or replaced as this start opened it" in caplog.text
+        assert not arena.reused and "removed or replaced between its open and its lock" in caplog.text
     finally:
         arena.close()
 

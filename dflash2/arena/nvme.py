@@ -140,7 +140,8 @@ class NvmeArena(FileRenewal, StorageArena):
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
                  tier: Tier = Tier.NVME):
         # A symlink's target is the file: its disk is measured and a dangling link's target created.
-        self.path = os.path.realpath(os.fspath(path))
+        self._given_path = os.path.join(os.getcwd(), os.fspath(path))  # (resolved again by a renewal)
+        self.path = os.path.realpath(self._given_path)
         self.tier = tier
         self.capacity_bytes = int(capacity_bytes)
         if self.capacity_bytes <= 0 or self.capacity_bytes % ALIGN:
@@ -193,11 +194,11 @@ class NvmeArena(FileRenewal, StorageArena):
             # Invariant: the arena's file is the one its path names. Another start's scan removed the
             # earlier daemon's file we had opened before we locked it (nvmefiles.py): open it afresh.
             os.close(fd)
-            log.info("NVMe: %s was removed or replaced as this start opened it (another daemon's start-up); "
+            log.info("NVMe: %s was removed or replaced between its open and its lock (another daemon's start-up); "
                      "opening it again", self.path)
         else:
             raise ArenaError(f"NVMe tier file {self.path} was removed or replaced each of the {OPEN_TRIES} times "
-                             "this start opened it: is another process removing it?")
+                             "it was opened: is another process removing it?")
         try:
             self._prepare_file(fd)
         except BaseException as e:

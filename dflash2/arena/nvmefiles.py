@@ -70,7 +70,8 @@ def folder_named(nvme_path: Path) -> str | None:
 def open_cache_file(path: str) -> tuple[int, bool]:
     """An fd of the cache file at `path`, created (True) or an earlier one opened (False): ArenaError
     naming what stands in the way. A file removed between the two tries (another start's scan) is
-    created afresh, where "No such file or directory" failed the start."""
+    created afresh, where "No such file or directory" failed the start. `path` is a resolved one
+    (os.path.realpath: a link's target is the file); a link put there since is refused, named."""
     folder = os.path.dirname(path)
     for _ in range(OPEN_TRIES):
         created = True
@@ -83,6 +84,12 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                 _refuse_unless_regular(os.stat(path), path)  # (before it is opened: see there)
                 return _own_file(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY), path), False
         except FileNotFoundError:
+            if not created and os.path.islink(path):
+                # A dangling link (O_EXCL never follows one) was taken for a file removed between the
+                # tries, each of them, and said "removed" (a review).
+                raise ArenaError(f"NVMe tier cannot open {path}: a symbolic link to {os.path.realpath(path)}, "
+                                 "which does not exist, was put there as it was opened; the link's target is made "
+                                 "where the path is taken again (a start, the tier's next try for a file)") from None
             if not created and os.path.isdir(folder):
                 continue  # removed between the two tries: create it
             raise ArenaError(f"NVMe tier cannot create its file at {path}: its folder {folder} is gone") from None
@@ -93,7 +100,8 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                 if blocker is not None:
                     raise ArenaError(f"NVMe tier cannot {what} {path}: {blocker} is not a folder") from e
             raise ArenaError(f"NVMe tier cannot {what} {path}: {e}") from e
-    raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times this start opened it")
+    raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times it was opened: is "
+                     "another process removing it?")
 
 
 def _refuse_unless_regular(st: os.stat_result, path: str) -> None:

@@ -43,15 +43,18 @@ def file_gone(fd: int, path: str) -> str | None:
     except OSError as e:  # (a folder of the path replaced by a file, ENOTDIR; no search right, EACCES)
         # Before, this escaped the batch as a raw OSError, taken for the disk's: the mover set the
         # slots aside as bad sectors (a review). The path names no file of the tier's now.
-        return f"can no longer be reached at its path ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"
+        if not os.path.islink(path):  # (a link into a folder that is a file: said as the link, below)
+            return f"can no longer be reached at its path ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"
+    if os.path.islink(path):  # (where it leads is taken as start-up takes it: FileRenewal._renew)
+        return f"was replaced by a symbolic link (to {os.path.realpath(path)})"
     if os.path.lexists(path):
         return "was replaced (another file is at the path now)"
     return "was removed" if os.fstat(fd).st_nlink == 0 else MOVED
 
 
 class FileRenewal:
-    """NvmeArena's watch on its file's path (the attributes it uses are NvmeArena's: path, _lock_fd,
-    _fd, _len, _cuts, _preallocate, _open_for_io)."""
+    """NvmeArena's watch on its file's path (the attributes it uses are NvmeArena's: path, _given_path,
+    _lock_fd, _fd, _len, _cuts, _preallocate, _open_for_io)."""
 
     def _init_renewal(self) -> None:
         self._unusable = ""  # why the tier has no file (a new one could not be had), or ""
@@ -128,6 +131,12 @@ class FileRenewal:
         self._close_files()  # (its last descriptors: the deleted file's disk room is freed)
         self._cuts.renewed()  # (a failed take-back was the old file's: the new one is whole, a review)
         self._gone_how = how or self._gone_how  # (a retry keeps the first cause, a review)
+        # The path taken as start-up takes it: a link's target is the file, made where it is not. A link
+        # put at the path (`ln -s /mnt/nvme1/nvme.cache nvme.cache`, the cache moved to another disk)
+        # was opened as it stood: O_EXCL's EEXIST, then no file to stat, said "removed each of the 3
+        # times this start opened it", and the tier had no file for good (a review).
+        was, self.path = self.path, os.path.realpath(self._given_path)
+        there = f"at {self.path}, where the symbolic link {self._given_path} leads" if self.path != was else "there"
         try:
             self._preallocate(None if how else 0)  # (a retry: one try of the lock, never a wait)
             try:
@@ -138,31 +147,35 @@ class FileRenewal:
                 self._close_files()
                 raise
         except (ArenaError, OSError) as e:
-            self._unusable = f"its file {self.path} {self._gone_how} and a new one cannot be made: {e}"
+            self.path = was  # (the path the tier watched: a retry resolves the link again)
+            self._unusable = f"its file {was} {self._gone_how} and a new one cannot be made {there}: {e}"
             self._retry_at = time.monotonic() + RETRY_S
-            self._refused(how, lost, e)
+            self._refused(how, lost, e, there)
             return
         if not how:
-            log.warning("NVMe: a new file is made at %s: the tier takes writes again", self.path,
+            log.warning("NVMe: a new file is made %s: the tier takes writes again",
+                        f"at {was}" if there == "there" else there,
                         extra={"event": "dflash2_nvme_file_gone", "path": self.path})
         else:
             log.warning("NVMe: %s %s by another process (an rm, a mv) while the tier ran: %d blocks it held are "
-                        "lost (misses); a new file is made there (its header, disk room and lock) and the old one "
-                        "closed%s", self.path, how, lost,
+                        "lost (misses); a new file is made %s (its header, disk room and lock) and the old one "
+                        "closed%s", was, how, lost, there,
                         " (it keeps its disk room where it was moved)" if how == MOVED else ", its disk room freed",
                         extra={"event": "dflash2_nvme_file_gone", "path": self.path})
         self._unusable, self._gone_how, self._unusable_said = "", "", RepeatLimit("batches")
 
-    def _refused(self, how: str, lost: int, error: Exception) -> None:
-        """Say a new file that cannot be had: at once when the old one is found gone, then once a minute."""
+    def _refused(self, how: str, lost: int, error: Exception, there: str) -> None:
+        """Say a new file that cannot be had: at once when the old one is found gone, then once a minute.
+        `there`: where it was to be made ("there", the path; else a link's target, both named)."""
         if how:
             self._unusable_said = RepeatLimit("batches")
             self._unusable_said.due(self.path)
             log.error("NVMe: %s %s by another process (an rm, a mv) while the tier ran: %d blocks it held are "
-                      "lost (misses), and a new file cannot be made there: %s; the tier refuses writes until one "
-                      "can (tried again at most once a second, said once a minute)", self.path, how, lost, error,
-                      extra={"event": "dflash2_nvme_file_gone", "path": self.path})
+                      "lost (misses), and a new file cannot be made %s: %s; the tier refuses writes until one "
+                      "can (tried again at most once a second, said once a minute)", self.path, how, lost, there,
+                      error, extra={"event": "dflash2_nvme_file_gone", "path": self.path})
             return
         more = self._unusable_said.due(self.path)
         if more is not None:
-            log.error("NVMe: still no file at %s for the tier: %s; writes are refused%s", self.path, error, more)
+            log.error("NVMe: still no file %s for the tier: %s; writes are refused%s",
+                      f"at {self.path}" if there == "there" else there, error, more)
