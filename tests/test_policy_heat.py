@@ -287,6 +287,8 @@ def test_frequency_admission_compares_newcomers_with_the_blocks_they_push_out():
     # to 5 (2); candidate 3 is beyond the victims (the tier had room for it)
     assert f.admit(cand, victims).tolist() == [True, False, True]
     assert f.admit(cand, victims[:0]).all()
+    # victim 5 idle too long for its count to say anything (STALE_TURNOVERS): 2 (1) takes its place
+    assert f.admit(cand, victims, stale=np.array([True, False])).tolist() == [True, True, True]
 
 
 def test_frequency_admission_counts_the_victims_by_bytes():

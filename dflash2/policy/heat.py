@@ -56,7 +56,8 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2.counts import distinct, unique
-from dflash2.policy.admission import FrequencyAdmission, FrequencySketch, coldest_covering, slab_ranks
+from dflash2.policy.admission import (STALE_TURNOVERS, FrequencyAdmission, FrequencySketch, coldest_covering,
+                                      slab_ranks)
 from dflash2.policy.base import Policy, register
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
@@ -359,15 +360,9 @@ class HeatPolicy(Policy):
         """A demoted block gets a place in `tier` while the tier has room; in a full last tier only
         when its key was referenced at least as often lately as the coldest blocks it would push out
         (TinyLFU's rule against the tier's lowest-scored published blocks, as many as cover its
-        slot's bytes: FrequencyAdmission.admit), while the blocks the rule refuses come back no more
-        often than those the tier lets go (the gate, gate.py: on the Mooncake conversation trace with
-        HBM 4000 / DRAM 16000 / NVMe 32000 blocks the rule alone refused 65,000 blocks and found
-        0.3410 of references in some tier, LRU 0.3553; gated, 0.3537). A tier with another below it
-        admits every block: what it pushes out moves down rather than out, and a block refused there
-        would be lost although the tier below could keep it (`bench policy` on the Mooncake synthetic
-        and conversation traces with DRAM and NVMe below HBM: refusing at every full tier gave 0.7
-        and 0.4 points less prefix hit rate than refusing at the last one only; with DRAM alone
-        below, no difference)."""
+        slot's bytes, those idle for STALE_TURNOVERS of the cache counting none: admission.py),
+        while the blocks the rule refuses come back no more often than those the tier lets go (the
+        gate, gate.py). A tier with another below it admits every block (admission.py says why)."""
         alloc = table.allocators[tier]
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
@@ -385,7 +380,8 @@ class HeatPolicy(Policy):
         push = int(wanted.sum()) - spare * alloc.slot_for(biggest)
         if spare >= len(rows) or push <= 0:
             return np.ones(len(rows), dtype=bool)
-        here = np.flatnonzero((c.tier == int(tier)) & (c.key != 0) & (c.pins == 0))
+        keyed = c.key != 0
+        here = np.flatnonzero((c.tier == int(tier)) & keyed & (c.pins == 0))
         if not len(here):
             return np.ones(len(rows), dtype=bool)
         held = slots[c.layout[here]]
@@ -394,7 +390,8 @@ class HeatPolicy(Policy):
             scores = slab_ranks(alloc, c.offset[here], scores, held, alloc.slot_for(biggest))
         low = coldest_covering(scores, held, push)  # (one layout: len(rows) - spare of them)
         keys = c.key[rows]
-        rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low])
+        stale = self.tick - self._last[here[low]] > STALE_TURNOVERS * np.count_nonzero(keyed)
+        rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low], stale)
         return self.gate.decide(keys, rule, len(here) + spare)
 
     def overruled(self, table, rows):
