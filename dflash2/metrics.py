@@ -63,7 +63,7 @@ block, request or client id.
 | dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
 | dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
 | dflash2_policy_departures_total{gpu,tier,list} | counter | heat only: keyed blocks that left the tier, by list (ghost hits over departures: each list's return rate, what moves the target) |
-| dflash2_policy_recent_return_ratio{gpu,tier,list} | gauge | heat only: ghost hits per departure whose window has closed, recent (decayed): the rates that decide whose ghosts move the target (NaN until both lists have 32 such departures) |
+| dflash2_policy_recent_return_ratio{gpu,tier,list} | gauge | heat only: ghost hits per departure whose window has closed or that came back (a share, at most 1), recent (decayed): the rates that decide whose ghosts move the target (NaN until both lists have 32 such departures) |
 | dflash2_policy_ghosts_move_target{gpu,tier,list} | gauge | heat only: 1 while the list's ghosts move the target, 0 while they are held (its recent return ratio below the split's rate band times the other list's: half, in HBM's split of first-timers and returning blocks) |
 | dflash2_policy_seen_2_3_target_blocks{gpu,tier} | gauge | heat only: the returning blocks' split: the target for those whose key was referenced 2–3 times (the others 4 or more) |
 | dflash2_policy_returning_list_blocks{gpu,tier,list} | gauge | heat only: returning blocks per list of their split (seen_2_3, seen_4_plus) |
