@@ -448,8 +448,15 @@ def _try_making(key: str, folder: Path, existing: Path) -> None:
         while first.parent != existing:
             first = first.parent
         first.mkdir()
-    except FileExistsError:  # made by someone else meanwhile: there is a folder
-        return
+    except FileExistsError:
+        if first.is_dir():  # made by someone else meanwhile: there is a folder
+            return
+        # A dangling link (or a loop) is "missing" to Path.exists, which follows links: --check passed it,
+        # and the daemon could not make the folder (history in memory only, a review)
+        raise ConfigError(key, f"{first} is a symbolic link to a missing target (or a link loop), so the folder "
+                               f"{folder} cannot be made: point it at a folder, or give another path"
+                          if first.is_symlink() else f"{first} is not a folder, so the folder {folder} "
+                          "cannot be made") from None
     except OSError as e:
         raise ConfigError(key, f"cannot create {'files in ' + str(folder) if existing == folder else str(first)}: "
                                f"{e.strerror or e} (the daemon's user, uid {os.geteuid()}): give a folder it may "

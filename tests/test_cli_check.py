@@ -310,6 +310,23 @@ def test_a_socket_folder_its_group_may_write_stays_the_daemons_own(write, tmp_pa
         assert f"the socket's folder {run} is shared (mode 777" in r.stderr
 
 
+@pytest.mark.parametrize("key, loop", [("state_dir", False), ("endpoint", False), ("state_dir", True)])
+def test_a_folder_through_a_dangling_link_is_refused(write, tmp_path, key, loop):
+    """A dangling link (or a loop) on the way to a folder is "missing" to Path.exists: making it met
+    FileExistsError, read as "made by someone else meanwhile", and --check passed while the daemon
+    could not make the folder (history in memory only; exit 4 on the endpoint's lock file; a review)."""
+    link = tmp_path / "link"
+    link.symlink_to(link if loop else tmp_path / "nowhere")
+    daemon = ({"endpoint": f"ipc://{tmp_path}/d.sock", "state_dir": str(link / "state")} if key == "state_dir"
+              else {"endpoint": f"ipc://{link}/sub/d.sock", "state_dir": str(tmp_path / "state")})
+    config = {**GOOD, "memory": {**GOOD["memory"], "nvme_capacity_mb": 0, "nvme_path": None}, "daemon": daemon,
+              "history_enabled": key == "state_dir"}
+    r = dflash2d("--config", str(write(config)), "--check", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-1000:]
+    assert f"daemon.{key}: {link} is a symbolic link to a missing target (or a link loop)" in error_line(r)
+    assert link.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_a_config_other_users_may_change_is_warned_of(write, tmp_path):
     # A review: a config every user may write chooses the daemon's endpoint, tiers and files; the
     # daemon said nothing (sshd refuses such a file).
