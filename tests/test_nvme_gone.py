@@ -497,3 +497,65 @@ def test_a_link_put_at_the_path_as_it_is_opened_is_not_said_removed(tmp_path):
         nvmefiles.open_cache_file(str(tmp_path / "nvme.cache"))
     assert str(e.value).startswith(f"NVMe tier cannot open {tmp_path / 'nvme.cache'}: a symbolic link to "
                                    f"{tmp_path / 'elsewhere.cache'}, which does not exist, was put there")
+
+
+def test_an_absolute_path_needs_no_working_folder(tmp_path, monkeypatch):
+    """(9182a2f asked os.getcwd for every path) a daemon started from a removed working folder, its
+    nvme_path absolute, crashed making the tier (exit 1, a traceback)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    NvmeArena(str(tmp_path / "nvme.cache"), CAP, staging_bytes=STAGING).remove()
+
+
+def test_a_file_moved_away_from_behind_a_link_left_at_its_path_is_said_moved(tmp_path, caplog):
+    """`mv nvme.cache d2/; ln -s d2/nvme.cache nvme.cache` (one filesystem): the tier goes on with its
+    file. Moved away again later, it was said "replaced by a symbolic link", "its disk room freed"
+    (a review): nothing replaced it, and it keeps its room where it went."""
+    (tmp_path / "d2").mkdir()
+    path, moved = tmp_path / "nvme.cache", tmp_path / "d2" / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.write_blocks([0], [np.ones(ALIGN, dtype=np.uint8)]).all()
+        os.rename(path, moved)
+        os.symlink(moved, path)
+        a.check_file()
+        os.rename(moved, tmp_path / "d2" / "kept.cache")
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            a.check_file()
+        assert f"{path} {nvmegone.MOVED} by another process" in caplog.text, caplog.text
+        assert "(it keeps its disk room where it was moved)" in caplog.text and "freed" not in caplog.text
+    finally:
+        a.remove()
+
+
+@pytest.mark.parametrize("how", ["link gone", "folder repointed"])
+def test_a_renewal_names_a_link_only_where_there_is_one(tmp_path, caplog, how):
+    """The renewal said "where the symbolic link P leads" whenever P led elsewhere than before, also
+    where P is no link now: the link and its target removed (the file made at P itself), or a folder
+    above P that is a link, pointed elsewhere (a review)."""
+    for d in ("d1", "d2"):
+        (tmp_path / d).mkdir()
+    if how == "link gone":
+        path, target = tmp_path / "nvme.cache", tmp_path / "d2" / "nvme.cache"
+        os.symlink(target, path)
+    else:
+        os.symlink(tmp_path / "d1", tmp_path / "disk")
+        path, target = tmp_path / "disk" / "nvme.cache", tmp_path / "d1" / "nvme.cache"
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        assert a.path == str(target)
+        target.unlink()
+        if how == "link gone":
+            path.unlink()
+            where = f"a new file is made at {path} (its header"
+        else:
+            (tmp_path / "disk").unlink()
+            os.symlink(tmp_path / "d2", tmp_path / "disk")
+            where = f"a new file is made at {tmp_path / 'd2' / 'nvme.cache'}, where the path {path} now leads"
+        with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
+            a.check_file()
+        assert where in caplog.text and "symbolic link" not in caplog.text, caplog.text
+    finally:
+        a.remove()

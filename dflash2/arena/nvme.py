@@ -139,8 +139,9 @@ class NvmeArena(FileRenewal, StorageArena):
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
                  tier: Tier = Tier.NVME):
-        # A symlink's target is the file: its disk is measured and a dangling link's target created.
-        self._given_path = os.path.join(os.getcwd(), os.fspath(path))  # (resolved again by a renewal)
+        # A symlink's target is the file (its disk measured, a dangling link's target made). getcwd only for
+        # a relative path: a daemon started from a removed working folder crashed on it (a review).
+        self._given_path = os.path.join("" if os.path.isabs(path) else os.getcwd(), path)  # (a renewal resolves it)
         self.path = os.path.realpath(self._given_path)
         self.tier = tier
         self.capacity_bytes = int(capacity_bytes)

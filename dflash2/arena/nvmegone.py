@@ -45,11 +45,24 @@ def file_gone(fd: int, path: str) -> str | None:
         # slots aside as bad sectors (a review). The path names no file of the tier's now.
         if not os.path.islink(path):  # (a link into a folder that is a file: said as the link, below)
             return f"can no longer be reached at its path ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"
+    # A link at the path replaced the file only where the file is gone (`rm; ln -s`): one moved away
+    # (its link count kept) from behind a link left at the path by an earlier `mv; ln -s` on the same
+    # filesystem was said "replaced by a symbolic link", "its disk room freed" (a review).
+    removed = os.fstat(fd).st_nlink == 0
     if os.path.islink(path):  # (where it leads is taken as start-up takes it: FileRenewal._renew)
-        return f"was replaced by a symbolic link (to {os.path.realpath(path)})"
+        return f"was replaced by a symbolic link (to {os.path.realpath(path)})" if removed else MOVED
     if os.path.lexists(path):
         return "was replaced (another file is at the path now)"
-    return "was removed" if os.fstat(fd).st_nlink == 0 else MOVED
+    return "was removed" if removed else MOVED
+
+
+def _where(given: str, path: str) -> str:
+    """Where a renewal makes the file, `path`, when it is not where the old one was: a link named only
+    where `given` is one now (a link removed and a file made at its path was said "where the symbolic
+    link leads"; a folder above that is a link repointed the same, a review)."""
+    if os.path.islink(given):
+        return f"at {path}, where the symbolic link {given} leads"
+    return f"at {path}" if path == os.path.normpath(given) else f"at {path}, where the path {given} now leads"
 
 
 class FileRenewal:
@@ -136,7 +149,7 @@ class FileRenewal:
         # was opened as it stood: O_EXCL's EEXIST, then no file to stat, said "removed each of the 3
         # times this start opened it", and the tier had no file for good (a review).
         was, self.path = self.path, os.path.realpath(self._given_path)
-        there = f"at {self.path}, where the symbolic link {self._given_path} leads" if self.path != was else "there"
+        there = "there" if self.path == was else _where(self._given_path, self.path)
         try:
             self._preallocate(None if how else 0)  # (a retry: one try of the lock, never a wait)
             try:
