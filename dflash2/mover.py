@@ -141,12 +141,16 @@ class Mover:
         """Phase two: wait for the copy and settle every block. Returns the per-block success mask."""
         ok = np.ones(len(move.rows), dtype=bool) if move.job is None else move.job.wait()
         if not ok.all():
-            failed = move.rows[~ok]
-            vids = self.table.vids(failed)
-            first = slot_place(move.src, int(self.table.cols.offset[failed[0]]), self.quarantine.nvme_path)
-            which = (f"block {int(vids[0]):#x} at {first}"
-                     + ("" if len(failed) == 1 else f", and {len(failed) - 1} more"))
+            # A read's blocks the disk failed are dropped; the others (their GPU copy failed after the
+            # read) stay on NVMe as any failed move's, their slots sound: every failed block of a read
+            # was taken for unreadable, dropped and its slot suspected (a review).
+            unread = np.zeros(len(ok), dtype=bool)
             if move.src == Tier.NVME:
+                unread = ~ok if move.job is None or move.job.unreadable is None else move.job.unreadable & ~ok
+            failed = move.rows[unread]
+            if len(failed):
+                vids = self.table.vids(failed)
+                which = self._which(move.src, failed, vids)
                 # Named before end_move, which frees a block whose last reference went mid-move.
                 self.lost.extend(vids.tolist())
                 offsets = self.table.cols.offset[failed]
@@ -155,14 +159,23 @@ class Mover:
                     offsets = self.table.cols.offset[failed]
                 # Their slots are not to be trusted either: set aside as they are freed (quarantine.py).
                 self.quarantine.suspect(move.src, offsets, self.table.block_bytes(failed))
-            # None: one of its direction was logged in the last minute; counted in the next.
-            more = self._failure_log.due((move.src, move.dst), blocks=len(failed)) if len(failed) else None
-            if more is not None and move.src == Tier.NVME:
-                log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from the cache, a miss each, never wrong data; many of these mean "
-                            "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
-            elif more is not None:
-                log.warning("%d of %d blocks failed to move %s->%s (%s): they stay where they were%s",
-                            len(failed), len(move.rows), move.src.label, move.dst.label, which, more)
+                # None: one of its direction was logged in the last minute; counted in the next.
+                more = self._failure_log.due((move.src, move.dst), blocks=len(failed)) if len(failed) else None
+                if more is not None:
+                    log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from the cache, a miss each, never wrong data; many of these mean "
+                                "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
+            kept = move.rows[~ok & ~unread]
+            if len(kept):
+                which = self._which(move.src, kept, self.table.vids(kept))
+                kind = (move.src, move.dst) if move.src != Tier.NVME else (move.src, move.dst, "copy")
+                more = self._failure_log.due(kind, blocks=len(kept))
+                if more is not None and move.src == Tier.NVME:
+                    log.warning("%d of %d blocks read from NVMe failed to move on to %s after the disk read them (%s): "
+                                "their copy failed, not the disk (the transfer log names the error); they stay on "
+                                "NVMe%s", len(kept), len(move.rows), move.dst.label, which, more)
+                elif more is not None:
+                    log.warning("%d of %d blocks failed to move %s->%s (%s): they stay where they were%s",
+                                len(kept), len(move.rows), move.src.label, move.dst.label, which, more)
         # Sized before end_move, which frees a block whose last reference went mid-move.
         arrived = move.nbytes if ok.all() else int(self.table.block_bytes(move.rows)[ok].sum())
         unwritable = None if move.job is None or move.job.unwritable is None else move.job.unwritable & ~ok
@@ -193,6 +206,11 @@ class Mover:
             self.swap_log.batch(f"{move.src.label}->{move.dst.label}", int(ok.sum()), int((~ok).sum()),
                                 arrived, seconds)
         return ok
+
+    def _which(self, src: Tier, failed: np.ndarray, vids: np.ndarray) -> str:
+        """The first of a batch's failed blocks, named with its place, and how many more."""
+        first = slot_place(src, int(self.table.cols.offset[failed[0]]), self.quarantine.nvme_path)
+        return f"block {int(vids[0]):#x} at {first}" + ("" if len(failed) == 1 else f", and {len(failed) - 1} more")
 
     def failed_into(self, dst: Tier) -> int:
         """Blocks whose copy into `dst` failed, since start (every source tier)."""

@@ -107,6 +107,8 @@ def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
         def chunk(job, part):  # one 600 KiB block a chunk; the second's read (or write) fails whole
             tried.append(part.tolist())
             if part.tolist() == [1]:
+                if job.unreadable is not None:
+                    job.unreadable[part] = True  # (the disk's, as the real chunk marks a read that raised)
                 raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
             return np.ones(len(part), dtype=bool)
 
@@ -154,6 +156,7 @@ def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_ch
 
     def chunk(job, part):
         if part.tolist() == [1]:
+            job.unreadable[part] = True  # (the disk's, as the real chunk marks a read that raised)
             raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
         if part.tolist() == [2]:
             raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
@@ -193,3 +196,104 @@ def test_a_staged_move_whose_thread_cannot_start_leaves_close_its_clean_up(monke
     monkeypatch.setattr(tc, "on_device", lambda device: contextlib.nullcontext())
     be.close()
     assert closed == ["host", "sync", "staging"]
+
+
+def _staged_reads(mgr, copy):
+    """The manager's mover on a CUDA backend (no GPU) whose HBM<->NVMe moves run the real staged loop
+    and chunk code (`_staged`, `_staged_chunk`, the real NVMe arena) with the one CUDA call,
+    `_staged_copy`, stood in for by `copy`; every other move goes to the host backend as before."""
+    import threading
+
+    from dflash2.transfer.cuda import CudaTransferBackend, StagedJob
+
+    host = mgr.mover.backend
+    be = _staged_backend(None)
+    del be._staged_chunk  # (the real one)
+    be.arenas = mgr.arenas
+    be.staging = type("Staging", (), {"nbytes": 1 << 20, "array": np.zeros(1 << 20, dtype=np.uint8),
+                                      "device_ptr": 0})()
+    be.hbm = type("HBM", (), {"ptr": 0})()
+    be.d2h = be.h2d = None
+    be._staged_copy = copy
+    assert isinstance(be, CudaTransferBackend) and isinstance(be._staging_lock, type(threading.Lock()))
+
+    def start(batch):
+        if {batch.src_tier, batch.dst_tier} == {Tier.HBM, Tier.NVME}:
+            job = StagedJob(batch)
+            be._staged(job)
+            return job
+        return host.start(batch)
+    be.start = start
+    mgr.mover.backend = be
+
+
+def _on_nvme(mgr, n):
+    from tests.conftest import SMALL
+
+    a = mgr.attach("t")
+    vids = mgr.commit(a, mgr.allocate(a, mgr.register_layout(SMALL), n))
+    assert mgr.mover.move(mgr.table.rows(vids), Tier.NVME).all()  # (the host backend: down to NVMe)
+    return vids
+
+
+@pytest.mark.parametrize("error", ["refused launch", "out of memory"])
+def test_a_staged_read_whose_gpu_copy_fails_is_not_blamed_on_the_disk(small_nvme_manager, caplog, error):
+    """A GPU node's NVMe->HBM read whose disk read worked but whose copy on from the staging buffer
+    failed (a refused kernel launch, the GPU still usable) was taken for an unreadable disk: its
+    blocks dropped from the cache, their sound NVMe slots suspected, the warning naming a failing
+    disk (a review). Now they stay on NVMe as a failed move's, and the lines name the copy."""
+    from dflash2.errors import ArenaError
+
+    mgr = small_nvme_manager
+    vids = _on_nvme(mgr, 4)
+
+    def refused(*a, **k):  # (an ArenaError fails its chunk alone; any other error the chunks after it too)
+        if error == "refused launch":
+            raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701 (grid 1, block 128)")
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory allocating the copy's offsets")
+    _staged_reads(mgr, refused)
+    with caplog.at_level(logging.WARNING):
+        ok = mgr.mover.move(mgr.table.rows(vids), Tier.HBM)
+    assert not ok.any()
+    assert not mgr.mover.lost, "blocks dropped as if NVMe were unreadable"
+    assert not mgr.mover.quarantine._suspects.get(Tier.NVME), "sound NVMe slots suspected"
+    assert (mgr.table.cols.tier[mgr.table.rows(vids)] == int(Tier.NVME)).all()
+    assert "failing" not in caplog.text and "dropped" not in caplog.text, caplog.text
+    assert "4 of 4 blocks read from NVMe failed to move on to hbm after the disk read them" in caplog.text
+    assert "stay where they were (the disk read them: the copy on from the staging buffer failed)" in caplog.text
+
+
+def test_a_staged_read_the_disk_fails_is_still_dropped_and_its_slot_suspected(small_nvme_manager, caplog):
+    """The other side of the one above: a block whose bytes fail their checksum on the disk is still
+    dropped and its slot suspected, its chunk's sound blocks arriving; and a chunk whose read raises
+    (a dead disk) is the disk's too."""
+    from dflash2.errors import ArenaError
+
+    mgr = small_nvme_manager
+    vids = _on_nvme(mgr, 4)
+    copied = []
+    _staged_reads(mgr, lambda *a: copied.append(len(a[-1])))
+    nvme = mgr.arenas[Tier.NVME]
+    real = nvme.read_blocks
+
+    def one_bad(offsets, dests):
+        ok = real(offsets, dests)
+        ok[1] = False  # (the second block's checksum)
+        return ok
+    nvme.read_blocks = one_bad
+    rows = mgr.table.rows(vids)
+    bad_offset = int(mgr.table.cols.offset[rows[1]])
+    with caplog.at_level(logging.WARNING):
+        ok = mgr.mover.move(rows, Tier.HBM)
+    assert ok.tolist() == [True, False, True, True] and copied == [3]
+    assert mgr.mover.lost == [int(vids[1])]
+    assert list(mgr.mover.quarantine._suspects.get(Tier.NVME, {})) == [bad_offset]
+    assert "1 of 4 blocks read back from NVMe failed their checksum or read" in caplog.text
+
+    def dead(offsets, dests):
+        raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
+    nvme.read_blocks = dead
+    assert mgr.mover.move(mgr.table.rows(vids[2:]), Tier.NVME).all()  # (staged down again, zeros copied)
+    mgr.mover.take_lost()
+    assert mgr.mover.move(mgr.table.rows(vids[2:]), Tier.HBM).tolist() == [False, False]
+    assert sorted(mgr.mover.lost) == sorted(int(v) for v in vids[2:])

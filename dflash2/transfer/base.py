@@ -55,6 +55,13 @@ class CopyJob(abc.ABC):
     # mover sets aside for good (dflash2/quarantine.py); those blocks failed too. None: no slot is
     # to blame (a batch that failed as a whole, ENOSPC; or one into memory).
     unwritable: np.ndarray | None = None
+    # After `wait`, for a batch out of a storage tier: the mask of the blocks the storage could not
+    # read (a checksum mismatch, an I/O error, a read that raised as a whole), which the mover drops
+    # from the cache (a miss) and whose slots it suspects (quarantine.py). A block that failed after
+    # its read (the copy on from the staging buffer: a refused GPU launch) stays where it was, its
+    # slot sound: such a failure was blamed on the disk, its blocks dropped (a review). None: the
+    # backend does not tell them apart, and every failed block of the read counts as unreadable.
+    unreadable: np.ndarray | None = None
 
     @abc.abstractmethod
     def done(self) -> bool:

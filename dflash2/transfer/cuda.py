@@ -103,6 +103,9 @@ class StagedJob(CopyJob):
         self.batch = batch
         self._done = threading.Event()
         self._ok = np.zeros(len(batch), dtype=bool)
+        # A read's blocks the disk failed (`CopyJob.unreadable`), set chunk by chunk: a chunk never
+        # tried, or one whose GPU copy failed after the read, is not the disk's (its blocks stay on NVMe).
+        self.unreadable = np.zeros(len(batch), dtype=bool) if batch.src_tier == Tier.NVME else None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -265,14 +268,17 @@ class CudaTransferBackend(TransferBackend):
                         self.check_gpu(e)
                         if self.fatal is not None:
                             raise
-                        self._staged_failures.failed(job.batch, e, settled=settled, part=len(part))
+                        self._staged_failures.failed(job.batch, e, settled=settled, part=len(part),
+                                                     read_failed=bool(job.unreadable[part].any()))
                 job.seconds = time.perf_counter() - started
         except Exception as e:
             # The chunks that ended before keep their verdicts (their blocks were written, or read,
             # checked and copied; `_ok` starts False): the failed chunk and those after it fail.
             # Before, the whole batch did: a read's blocks that had arrived were dropped as misses,
             # and their NVMe slots set aside as if unreadable (quarantine.py).
-            self._staged_failures.failed(job.batch, e, settled=settled)  # a full disk fails every retry: not a traceback each
+            read_failed = job.unreadable is None or bool(job.unreadable[~job._ok].any())
+            # (a full disk fails every retry: not a traceback each)
+            self._staged_failures.failed(job.batch, e, settled=settled, read_failed=read_failed)
             self.check_gpu(e)
         finally:
             job._done.set()
@@ -294,8 +300,14 @@ class CudaTransferBackend(TransferBackend):
                 job.unwritable = np.zeros(len(batch), dtype=bool)
             job.unwritable[part] = ~written
             return written
-        ok = nvme.read_blocks(batch.src_offsets[part].tolist(), views)
+        try:
+            ok = np.asarray(nvme.read_blocks(batch.src_offsets[part].tolist(), views), dtype=bool)
+        except BaseException:
+            job.unreadable[part] = True  # (a chunk none of whose blocks could be read: a dead disk's)
+            raise
+        job.unreadable[part] = ~ok
         good = np.flatnonzero(ok)
+        # A failure from here on is the GPU's, not the disk's: the chunk fails, its blocks stay on NVMe.
         self._staged_copy(self.h2d, self.staging.device_ptr, self.hbm.ptr, stage_off[good],
                           batch.dst_offsets[part][good], nbytes[good])
         return ok

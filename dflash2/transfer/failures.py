@@ -56,19 +56,24 @@ class FailureLog:
         self._what = what  # names the copy in the message: "host copy", "staged move"
         self._limit = RepeatLimit("failures")
 
-    def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0, part: int | None = None) -> None:
+    def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0, part: int | None = None,
+               read_failed: bool = True) -> None:
         """Log `batch`'s failure unless one of its kind was logged in the last REPEAT_LOG_S. Called
         from the `except` block that caught `error` (log.exception keeps its traceback). `settled`:
         blocks of the batch that had moved before it failed (a staged move's earlier chunks); `part`:
-        the blocks of the one chunk that failed, the batch going on past it (a staged read's)."""
+        the blocks of the one chunk that failed, the batch going on past it (a staged read's);
+        `read_failed` False: a read out of NVMe whose failed blocks the disk did read (their GPU
+        copy failed), which stay where they were (`CopyJob.unreadable`)."""
         cause = error.__cause__ if error.__cause__ is not None else error
         more = self._limit.due((batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None)))
         if more is None:
             return
         # What the mover does with a failed batch (mover.py): a read back from NVMe is a miss, since
         # its stored bytes are not to be trusted; any other copy leaves its blocks where they were.
-        then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME
+        then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME and read_failed
                 else "its blocks stay where they were")
+        if batch.src_tier == Tier.NVME and not read_failed:
+            then += " (the disk read them: the copy on from the staging buffer failed)"
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
         if part is not None:
             how = f"for a chunk of {part} of them, the others going on"

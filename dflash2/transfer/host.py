@@ -4,7 +4,7 @@ memory → memory: numpy copies between views, block by block (fine on a host);
 memory → storage: one `write_blocks` call for the whole batch (blocks whose own slot could not be
 written, EIO, fail: `CopyJob.unwritable`);
 storage → memory: one `read_blocks` call into the destination views (per-block success from the
-checksums: a mismatch is a miss).
+checksums: a mismatch is a miss, `CopyJob.unreadable`).
 
 Invariants: `start` returns at once; batches run one at a time in the order they were started; an
 exception during a copy fails the whole batch (every block False) and is logged, never lost and
@@ -108,7 +108,10 @@ class HostTransferBackend(TransferBackend):
             return written
         dsts = [dst.view(o, n) for o, n in zip(batch.dst_offsets.tolist(), sizes)]
         if isinstance(src, StorageArena):
-            return np.asarray(src.read_blocks(batch.src_offsets, dsts), dtype=bool)
+            job.unreadable = np.ones(len(batch), dtype=bool)  # (a read that raises, a dead disk: all the disk's)
+            ok = np.asarray(src.read_blocks(batch.src_offsets, dsts), dtype=bool)
+            job.unreadable = ~ok
+            return ok
         assert isinstance(src, MemoryArena)
         for o, n, d in zip(batch.src_offsets.tolist(), sizes, dsts):
             d[:] = src.view(o, n)
