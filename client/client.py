@@ -34,6 +34,7 @@ from dflash2.client.held import HeldPlaces
 from dflash2.client.reservation import Reservation, reservation_of
 from dflash2.client.stopevent import StopEvent, Stopped
 from dflash2.client.endpoint_check import check_endpoint
+from dflash2.client.localgpu import uuid_of_local_device as _uuid_of_local_device
 from dflash2.client.transport import GONE_CHECK_S, Transport, check_descriptors, check_timeout, pid_namespace
 from dflash2.client.views import ArenaMap, tensor_view
 from dflash2.client.where import config_of
@@ -47,20 +48,6 @@ log = logging.getLogger("dflash2.client")
 
 def _places(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=P.PLACE_DTYPE)
-
-
-def _uuid_of_local_device(device: int) -> str | None:
-    """The UUID of this process's CUDA device `device`, or None where this process has no CUDA (no
-    CuPy, no driver, no such device): then the daemon takes `device` as its own number."""
-    from dflash2.cuda import visible_uuids
-
-    seen = visible_uuids()
-    if not seen:
-        return None
-    if not 0 <= device < len(seen):
-        raise ArenaError(f"device {device}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES); "
-                         f"name one of 0..{len(seen) - 1}")
-    return seen[device]
 
 
 class Client:
@@ -142,7 +129,7 @@ class Client:
         if self.gpu is not None:
             # `device` is this process's device number; the daemon may number its GPUs differently
             # (CUDA_VISIBLE_DEVICES), so the GPU goes by its UUID where this process can see it.
-            # Without CUDA here (a host-only client) the number is the daemon's own.
+            # Without CUDA here (a host-only client) the number is the daemon's own (without CuPy, logged).
             uuid = _uuid_of_local_device(self.gpu)
             if uuid is not None:
                 args["gpu_uuid"] = uuid

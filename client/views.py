@@ -74,10 +74,14 @@ class ArenaMap:
                 if d.get("kind") == "cuda":
                     from dflash2.cuda.arena import CudaArena  # only on a GPU node
 
+                    device = _local_device(d)  # (no CuPy, or the GPU not seen here: said as it is)
                     try:
-                        self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), _local_device(d),
+                        self.arenas[int(tier)] = CudaArena.attach(bytes.fromhex(d["ipc_handle"]), device,
                                                                   int(d["capacity_bytes"]), int(d.get("alignment", 256)))
                     except ArenaError as e:
+                        # Only the handle's failure (ipcOpenMemHandle) gets the pid namespaces' advice: a
+                        # client without CuPy was told to move the daemon to the host's pid namespace, for
+                        # a handle it never opened (a review).
                         raise ArenaError(f"{e}{pid_namespace_hint(daemon_pid_namespace)}") from None
                     continue
                 if d.get("kind") != "shm":
@@ -184,12 +188,16 @@ def _open_liveness(name: str | None) -> DaemonLiveness | None:
 def _local_device(arena: dict) -> int:
     """This process's number of the GPU that holds a daemon's HBM arena: found by its UUID (the
     daemon's number names another GPU, or none, where CUDA_VISIBLE_DEVICES differs). Mapping it on
-    another GPU would work over peer access, slowly and with tensors on the wrong device: refused."""
+    another GPU would work over peer access, slowly and with tensors on the wrong device: refused.
+    ArenaError saying that CuPy is missing where it is (`pip install 'dflash2[gpu]'`)."""
+    from dflash2.cuda import cupy, local_device, visible_uuids
+
+    # First: without CuPy this process sees no GPU (visible_uuids), and a torch-only serving process on
+    # the daemon's GPU was told that GPU was not visible to it and to set CUDA_VISIBLE_DEVICES (a review).
+    cupy()
     uuid = arena.get("uuid")
     if uuid is None:  # a daemon of a version that did not say
         return int(arena["device"])
-    from dflash2.cuda import local_device, visible_uuids
-
     here = local_device(uuid)
     if here is None:
         raise ArenaError(f"the daemon's HBM arena lies on GPU {uuid} (its device {arena.get('device')}), which this "

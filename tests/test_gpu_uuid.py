@@ -1,6 +1,7 @@
 """GPUs named by UUID between the daemon and its clients (their device numbers differ with
-CUDA_VISIBLE_DEVICES): the text form, the daemon's choice of pool, and a host-only client. The
-CUDA side (real UUIDs, a client that cannot see the daemon's GPU) is in tests/test_gpu_nodes.py."""
+CUDA_VISIBLE_DEVICES): the text form, the daemon's choice of pool, a host-only client, and a client
+without CuPy. The CUDA side (real UUIDs, a client that cannot see the daemon's GPU) is in
+tests/test_gpu_nodes.py."""
 
 from __future__ import annotations
 
@@ -81,3 +82,65 @@ def test_status_names_each_pools_gpu():
     lines = render(st).splitlines()
     assert lines[1] == f"GPUs: 0 {TEXT}, 1 GPU-00000000-0000-0000-0000-000000000001"
     assert not any(line.startswith("GPUs") for line in render({"daemon": {"gpus": {}}}).splitlines())
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    """This process as a torch-only serving process on a GPU node: CuPy cannot be imported."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def _cuda_arena(**extra) -> dict:
+    return {"tier": "hbm", "kind": "cuda", "device": 0, "ipc_handle": "00" * 64, "capacity_bytes": 1 << 20,
+            "alignment": 256, **extra}
+
+
+@pytest.mark.parametrize("extra", [{"uuid": TEXT}, {}], ids=["uuid", "older-daemon"])
+def test_a_client_without_cupy_is_told_cupy_is_missing_not_that_the_gpu_is_invisible(no_cupy, extra):
+    """It was told the daemon's GPU was not visible to it (set CUDA_VISIBLE_DEVICES), and, in another pid
+    namespace, to run the daemon in the host's: for an IPC handle it never opened (a review)."""
+    from dflash2.client.transport import pid_namespace
+    from dflash2.client.views import ArenaMap
+    from dflash2.errors import ArenaError
+
+    with pytest.raises(ArenaError) as e:
+        ArenaMap([_cuda_arena(**extra)], daemon_pid_namespace=(pid_namespace() or 0) + 1)
+    assert "the CUDA path needs CuPy (pip install 'dflash2[gpu]')" in str(e.value)
+    assert "does not see" not in str(e.value) and "pid namespace" not in str(e.value)
+
+
+def test_an_ipc_handle_that_will_not_open_still_names_the_pid_namespaces(monkeypatch):
+    """The advice stays where ipcOpenMemHandle itself failed."""
+    import os
+
+    import dflash2.cuda as cuda_mod
+    from dflash2.client.views import ArenaMap
+    from dflash2.cuda.arena import CudaArena
+    from dflash2.errors import ArenaError
+
+    if not os.path.exists("/proc/self/ns/pid"):
+        pytest.skip("no pid namespace to compare here")
+
+    def refuse(*args, **kwargs):
+        raise ArenaError("cannot map the HBM arena of GPU 0 by IPC handle: cudaErrorInvalidValue")
+
+    monkeypatch.setattr(cuda_mod, "cupy", lambda: object())
+    monkeypatch.setattr(CudaArena, "attach", refuse)
+    own = os.stat("/proc/self/ns/pid").st_ino
+    with pytest.raises(ArenaError) as e:
+        ArenaMap([_cuda_arena()], daemon_pid_namespace=own + 1)
+    assert str(e.value).startswith("cannot map the HBM arena of GPU 0 by IPC handle")
+    assert f"this process runs in another pid namespace (pid:[{own}]) than the daemon (pid:[{own + 1}])" in str(e.value)
+
+
+def test_a_client_without_cupy_says_in_the_log_that_its_device_number_goes_as_the_daemons(no_cupy, caplog):
+    """No silent fallback: the number alone names another GPU's pool where the daemon numbers its GPUs
+    otherwise (a review)."""
+    from dflash2.client import client as client_mod
+
+    with caplog.at_level("WARNING", logger="dflash2.client"):
+        assert client_mod._uuid_of_local_device(1) is None
+    assert "needs CuPy (pip install 'dflash2[gpu]')" in caplog.text
+    assert "the daemon takes 1 for its own device number" in caplog.text
