@@ -162,8 +162,9 @@ class Mover:
                 # None: one of its direction was logged in the last minute; counted in the next.
                 more = self._failure_log.due((move.src, move.dst), blocks=len(failed)) if len(failed) else None
                 if more is not None:
-                    log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from the cache, a miss each, never wrong data; many of these mean "
-                                "the disk under memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
+                    log.warning("%d of %d blocks read back from NVMe failed their checksum or read (%s): dropped from "
+                                "the cache, a miss each, never wrong data; many of these mean the disk under "
+                                "memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
             kept = move.rows[~ok & ~unread]
             if len(kept):
                 which = self._which(move.src, kept, self.table.vids(kept))
