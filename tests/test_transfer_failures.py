@@ -297,3 +297,54 @@ def test_a_staged_read_the_disk_fails_is_still_dropped_and_its_slot_suspected(sm
     mgr.mover.take_lost()
     assert mgr.mover.move(mgr.table.rows(vids[2:]), Tier.HBM).tolist() == [False, False]
     assert sorted(mgr.mover.lost) == sorted(int(v) for v in vids[2:])
+
+
+def test_a_staged_chunk_whose_copy_fails_after_a_checksum_failure_says_which_are_dropped(small_nvme_manager, caplog):
+    """A chunk of 4 with one block failing its checksum, whose GPU copy then failed: the transfer log
+    said "that chunk's are dropped from the cache, a miss each" at ERROR, while the mover dropped the
+    one and kept the 3 others on NVMe, its own warning saying so (a review). Now the line counts them."""
+    from dflash2.errors import ArenaError
+
+    mgr = small_nvme_manager
+    vids = _on_nvme(mgr, 4)
+
+    def refused(*a, **k):
+        raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701")
+    _staged_reads(mgr, refused)
+    nvme = mgr.arenas[Tier.NVME]
+    real = nvme.read_blocks
+
+    def one_bad(offsets, dests):
+        ok = real(offsets, dests)
+        ok[1] = False  # (the second block's checksum)
+        return ok
+    nvme.read_blocks = one_bad
+    rows = mgr.table.rows(vids)
+    with caplog.at_level(logging.WARNING):
+        assert not mgr.mover.move(rows, Tier.HBM).any()
+    assert mgr.mover.lost == [int(vids[1])]
+    assert (mgr.table.cols.tier[rows[[0, 2, 3]]] == int(Tier.NVME)).all()
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("staged move")]
+    assert len(line) == 1 and line[0].endswith(
+        "failed for a chunk of 4 of them, the others going on; 1 of them dropped from the cache (the disk failed "
+        "their read), the others stay on NVMe (their copy failed)"), line
+
+
+def test_a_staged_read_ended_by_an_exception_says_its_later_chunks_not_read(caplog):
+    """A batch ended by an exception in its second chunk's copy (the disk had read that chunk): the
+    line said every failed block "the disk read them", the chunks after it too, never read."""
+    from dflash2.transfer.cuda import StagedJob
+
+    def chunk(job, part):
+        if part.tolist() == [1]:
+            raise RuntimeError("cudaErrorMemoryAllocation: out of memory allocating the copy's offsets")
+        return np.ones(len(part), dtype=bool)
+
+    offsets = np.arange(4, dtype=np.int64) << 20
+    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        _staged_backend(chunk)._staged(job)
+    assert job.wait().tolist() == [True, False, False, False]
+    assert caplog.records[-1].getMessage().endswith(
+        "after its first 1 were done, for the 3 others; 1 of them stay on NVMe (the disk read them, their copy "
+        "failed), 2 not read (the batch ended before them): they stay on NVMe"), caplog.records[-1].getMessage()

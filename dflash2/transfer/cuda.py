@@ -251,13 +251,17 @@ class CudaTransferBackend(TransferBackend):
     # -- NVMe through the staging buffer -----------------------------------------------------
     def _staged(self, job: StagedJob) -> None:
         settled = 0  # blocks of the batch whose chunks ended (each chunk's copies waited for)
+        ended = np.zeros(len(job.batch), dtype=bool)  # ... which those are
+        tried = np.zeros(len(job.batch), dtype=bool)  # blocks of the chunks begun (read, for a read)
         try:
             with self._staging_lock:
                 started = time.perf_counter()  # once the staging buffer is this batch's alone
                 for part in staged_parts(job.batch.nbytes, self.staging.nbytes):
+                    tried[part] = True
                     try:
                         job._ok[part] = self._staged_chunk(job, part)
                         settled += len(part)  # (done: a chunk that failed alone is not, a review)
+                        ended[part] = True
                     except ArenaError as e:
                         if job.batch.src_tier == Tier.HBM:
                             raise  # (a write's later chunks stay where they are, blamed on nothing)
@@ -268,17 +272,22 @@ class CudaTransferBackend(TransferBackend):
                         self.check_gpu(e)
                         if self.fatal is not None:
                             raise
+                        # How many of the chunk the disk failed (dropped), not whether any did: a chunk
+                        # with one block failing its checksum was said dropped whole (a review).
                         self._staged_failures.failed(job.batch, e, settled=settled, part=len(part),
-                                                     read_failed=bool(job.unreadable[part].any()))
+                                                     unread=int(job.unreadable[part].sum()))
                 job.seconds = time.perf_counter() - started
         except Exception as e:
             # The chunks that ended before keep their verdicts (their blocks were written, or read,
             # checked and copied; `_ok` starts False): the failed chunk and those after it fail.
             # Before, the whole batch did: a read's blocks that had arrived were dropped as misses,
             # and their NVMe slots set aside as if unreadable (quarantine.py).
-            read_failed = job.unreadable is None or bool(job.unreadable[~job._ok].any())
+            # Of the blocks failed, those the disk failed are dropped; the chunks never begun were not
+            # read (they were said read, their copy failed: a review), and stay on NVMe too.
+            unread = None if job.unreadable is None else int(job.unreadable[~ended].sum())
             # (a full disk fails every retry: not a traceback each)
-            self._staged_failures.failed(job.batch, e, settled=settled, read_failed=read_failed)
+            self._staged_failures.failed(job.batch, e, settled=settled, unread=unread,
+                                         not_read=int((~tried).sum()))
             self.check_gpu(e)
         finally:
             job._done.set()

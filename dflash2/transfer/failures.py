@@ -57,27 +57,25 @@ class FailureLog:
         self._limit = RepeatLimit("failures")
 
     def failed(self, batch: CopyBatch, error: BaseException, settled: int = 0, part: int | None = None,
-               read_failed: bool = True) -> None:
+               unread: int | None = None, not_read: int = 0) -> None:
         """Log `batch`'s failure unless one of its kind was logged in the last REPEAT_LOG_S. Called
         from the `except` block that caught `error` (log.exception keeps its traceback). `settled`:
         blocks of the batch that had moved before it failed (a staged move's earlier chunks); `part`:
-        the blocks of the one chunk that failed, the batch going on past it (a staged read's);
-        `read_failed` False: a read out of NVMe whose failed blocks the disk did read (their GPU
-        copy failed), which stay where they were (`CopyJob.unreadable`)."""
+        the blocks of the one chunk that failed, the batch going on past it (a staged read's). For a
+        read out of NVMe, `unread`: how many of the failed blocks the disk failed to read, dropped
+        (None: all of them, a backend that does not tell them apart); `not_read`: how many were never
+        read (a batch ended by an exception before their chunk); the others the disk did read, their
+        GPU copy failed, and they stay on NVMe (`CopyJob.unreadable`)."""
         cause = error.__cause__ if error.__cause__ is not None else error
         more = self._limit.due((batch.src_tier, batch.dst_tier, type(cause).__name__, getattr(cause, "errno", None)))
         if more is None:
             return
-        # What the mover does with a failed batch (mover.py): a read back from NVMe is a miss, since
-        # its stored bytes are not to be trusted; any other copy leaves its blocks where they were.
-        then = ("its blocks are dropped from the cache, a miss each" if batch.src_tier == Tier.NVME and read_failed
-                else "its blocks stay where they were")
-        if batch.src_tier == Tier.NVME and not read_failed:
-            then += " (the disk read them: the copy on from the staging buffer failed)"
+        failed = part if part is not None else len(batch) - settled
+        then = self._then(batch.src_tier, failed, unread, not_read)
         how = "as a whole" if not settled else f"after its first {settled} were done, for the {len(batch) - settled} others"
         if part is not None:
             how = f"for a chunk of {part} of them, the others going on"
-            then = then.replace("its blocks", "that chunk's")
+            then = then.replace("its blocks are", "that chunk's are").replace("its blocks", "that chunk's blocks")
         args = (self._what, len(batch), batch.total_bytes, batch.src_tier.label, batch.dst_tier.label, how, then, more)
         # A full disk is the disk's state, not a fault in the code: no traceback (one a minute of a
         # full disk was a screen of frames that said nothing more).
@@ -86,3 +84,25 @@ class FailureLog:
             self._log.error("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s: %s", *args, error)
         else:
             self._log.exception("%s of %d blocks (%d bytes) %s → %s failed %s; %s%s", *args)
+
+    @staticmethod
+    def _then(src: Tier, failed: int, unread: int | None, not_read: int) -> str:
+        """What the mover does with the `failed` blocks (mover.py): those of a read back from NVMe that
+        the disk failed are a miss, since their stored bytes are not to be trusted; any other stays
+        where it was. A chunk of which one block failed its checksum and whose GPU copy then failed was
+        said "dropped from the cache, a miss each", all of it, while the mover kept the others on NVMe
+        (a review)."""
+        if src != Tier.NVME:
+            return "its blocks stay where they were"
+        if unread is None or unread >= failed:
+            return "its blocks are dropped from the cache, a miss each"
+        said = [f"{unread} of them dropped from the cache (the disk failed their read)"] if unread else []
+        copied = failed - unread - not_read
+        if copied and not said and not not_read:
+            said.append("its blocks stay where they were (the disk read them: the copy on from the staging buffer failed)")
+        elif copied:
+            said.append("the others stay on NVMe (their copy failed)" if not not_read
+                        else f"{copied} of them stay on NVMe (the disk read them, their copy failed)")
+        if not_read:
+            said.append(f"{not_read} not read (the batch ended before them): they stay on NVMe")
+        return ", ".join(said)
