@@ -11,7 +11,7 @@ Two sources, no double bookkeeping:
 
 Labels are bounded: tier (hbm|dram|nvme), direction (`hbm->dram`, ...), op (the protocol's ops),
 state, outcome, action, kind, mechanism (kernel|engines), gpu (a GPU pool: 0, 1, ...), list
-(first_timers|returning), policy (the policies' names), cause (tier_full|reservations_ahead). Never a
+(first_timers|returning), policy (the policies' names), cause (tier_full|reservations_ahead|copy_failed). Never a
 block, request or client id.
 
 | metric | type | what |
@@ -39,7 +39,7 @@ block, request or client id.
 | dflash2_prefetch_pending_blocks{gpu} / dflash2_prefetch_window_blocks{gpu} | gauge | prefetched blocks in HBM not read yet / the window now: the last prefetch's (kv_block.prefetch_window, doubled from one prefetch to the next while HBM is below its low watermark), or the configured one while HBM is at or above its high watermark |
 | dflash2_write_backoffs_total | counter | times NVMe writes failed (a full or failing disk) and NVMe took no blocks for a while: 1 s, doubled while they keep failing, up to 60 s; meanwhile blocks leaving DRAM are dropped |
 | dflash2_read_backoffs_total | counter | times NVMe reads failed on a disk taken to be failing (more than 5% of the tier set aside) and NVMe was neither read nor written for a while: 1 s, doubled each time a read fails again, up to 60 s, ended by a read that works; meanwhile lookups end before its blocks and blocks leaving DRAM are dropped |
-| dflash2_refused_calls_total{op,cause} | counter | calls answered "no room now" (None): op allocate or acquire; cause tier_full (the tier cannot hold the blocks now: what is there cannot move, or the room made fell short) or reservations_ahead (allocate: HBM held for reservations waiting at its priority or above); the client is told why, the log says so once a minute per op and cause |
+| dflash2_refused_calls_total{op,cause} | counter | calls answered "no room now" (None): op allocate or acquire; cause tier_full (the tier cannot hold the blocks now: what is there cannot move, or the room made fell short) or reservations_ahead (allocate: HBM held for reservations waiting at its priority or above) or copy_failed (acquire: the copy up of its blocks failed after their source was read, a refused GPU launch or an out-of-memory; they stay where they were); the client is told why, the log says so once a minute per op and cause |
 | dflash2_lookup_withheld_blocks_total | counter | cached blocks a lookup did not offer: loading them costs more than the client's engine recomputing them, or they lie on a failing NVMe disk backing off after failed reads (also counted as lookup misses) |
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves up (dram->hbm, nvme->hbm, nvme->dram; absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |

@@ -110,6 +110,12 @@ class Mover:
         # Destination slots whose own write failed with an I/O error (a bad region of the disk): set
         # aside for good, so that no later batch takes them again (dflash2/quarantine.py).
         self.quarantine = Quarantine(table)
+        # Blocks (vids) whose last move into a memory tier failed for its copy (a refused launch, an
+        # out-of-memory), not for room nor the disk: they stay where they were. An acquire whose
+        # blocks these are was told "the room made fell short", counted tier_full with HBM empty, and
+        # its promotion's second pass read and copied them again (a review): both ask here. A new try
+        # of a block, or an acquire told so (`forget_copy_failed`), takes it out.
+        self.copy_failed: set[int] = set()
 
     def prepare(self, rows: np.ndarray, dst: Tier) -> PreparedMove | None:
         """Phase one for one batch (all rows in one source tier). None: no room at dst, nothing changed."""
@@ -124,6 +130,8 @@ class Mover:
         dst_offsets = self.table.begin_move(rows, dst)
         if dst_offsets is None:
             return None
+        if self.copy_failed:
+            self.forget_copy_failed(rows)  # (tried again: this try's outcome replaces the last's)
         nbytes = self.table.block_bytes(rows)
         job = None
         started = time.perf_counter()
@@ -166,6 +174,8 @@ class Mover:
                                 "the cache, a miss each, never wrong data; many of these mean the disk under "
                                 "memory.nvme_path is failing%s", len(failed), len(move.rows), which, more)
             kept = move.rows[~ok & ~unread]
+            if len(kept) and move.dst != Tier.NVME:  # (a write to NVMe that failed is the disk's)
+                self._note_copy_failed(kept)
             if len(kept):
                 which = self._which(move.src, kept, self.table.vids(kept))
                 kind = (move.src, move.dst) if move.src != Tier.NVME else (move.src, move.dst, "copy")
@@ -207,6 +217,21 @@ class Mover:
             self.swap_log.batch(f"{move.src.label}->{move.dst.label}", int(ok.sum()), int((~ok).sum()),
                                 arrived, seconds)
         return ok
+
+    def _note_copy_failed(self, rows: np.ndarray) -> None:
+        if len(self.copy_failed) > 16 * self.swap_batch_size:  # (bounded: those freed since are let go)
+            vids = np.fromiter(self.copy_failed, dtype=np.int64, count=len(self.copy_failed))
+            self.copy_failed = set(vids[self.table.liveness(vids)[1]].tolist())
+        self.copy_failed.update(self.table.vids(rows).tolist())
+
+    def copy_failed_among(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of `rows` whose last move into a memory tier failed for its copy (`copy_failed`)."""
+        if not self.copy_failed or not len(rows):
+            return np.zeros(len(rows), dtype=bool)
+        return np.isin(self.table.vids(rows), np.fromiter(self.copy_failed, dtype=np.int64))
+
+    def forget_copy_failed(self, rows: np.ndarray) -> None:
+        self.copy_failed.difference_update(self.table.vids(rows).tolist())
 
     def _which(self, src: Tier, failed: np.ndarray, vids: np.ndarray) -> str:
         """The first of a batch's failed blocks, named with its place, and how many more."""

@@ -268,8 +268,9 @@ class Promotion:
             self._drop_lost()
             rest = np.flatnonzero(~moved)
             still = rest[(c.tier[away[rest]] > int(dst)) & (c.state[away[rest]] == int(BlockState.RESIDENT))]
-            # (One kept for its holders after its read failed is not read again.)
-            still = still[~self.table.is_lost(away[still])]
+            # (One kept for its holders after its read failed is not read again; nor one whose copy
+            # failed after its read, the disk read and the copy run again for nothing, a review.)
+            still = still[~self.table.is_lost(away[still]) & ~self.mover.copy_failed_among(away[still])]
             if len(still):
                 room_for(away[still])
                 moved[still] = self.mover.move(away[still], dst)

@@ -134,6 +134,13 @@ class Reads:
             refuse_unmovable(self.table, rows, tiers, below_rows, up_to)
             chain = self.placement.with_ancestors(rows, up_to)  # (once: `promote` below takes it too)
             refuse_never_fits(self.table, chain, rows, tiers, up_to, self.placement.beyond_read(chain, rows, up_to))
+            # Run again after it was parked on its own promotion: a copy that failed meanwhile (the
+            # loop settled it) is said, not tried again, the call parked again on it (a review: up to 4
+            # disk reads and GPU copies for one acquire). A new call tries them anew.
+            if parked is None:
+                self.mover.forget_copy_failed(rows)
+            elif any_true(self.mover.copy_failed_among(rows[below_rows])):
+                return self._copy_failed(up_to, rows[below_rows])
         below = None if priority is None else priority + 1
         if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):
             return self._no_room(up_to, priority, made=False)  # (none made: it would move blocks for nothing)
@@ -152,6 +159,8 @@ class Reads:
                     self.placement.settle()
                     refuse_dropped(self.table, rows, vids)
             del self._came_from[client]  # (promoted at once: the tiers below say where from)
+            if any_true(self.mover.copy_failed_among(rows[below_rows])):
+                return self._copy_failed(up_to, rows[below_rows])  # (settled just now: not copied again)
         now = self.table.clock()
         vids_read = self.table.vids(rows)  # (the same after the promotion below: it moves rows, it frees none it keeps)
         # The prefetches among the blocks read: those the reader's own lookup brought up are reads
@@ -164,6 +173,8 @@ class Reads:
             ok = self.placement.promote(rows, up_to, below_priority=below, chain=chain)
             if not ok.all():
                 refuse_dropped(self.table, rows[~ok], np.asarray(vids)[~ok])
+                if any_true(self.mover.copy_failed_among(rows[~ok])):
+                    return self._copy_failed(up_to, rows[~ok])  # (not room: HBM may be empty)
                 return self._no_room(up_to, priority, made=True)
         # Counted once the blocks are there, by the policy too: a read whose NVMe copy failed
         # (UnknownBlock) or found no room (None) served nothing, and its retry would count the same
@@ -194,6 +205,20 @@ class Reads:
                    f"moved; retry once they are released or freed{instead}, or recompute them")
         self.acquire_refusal = f"{up_to.name} could not be given room for them now{where}: {why}"
         self.refusals.note("acquire", "tier_full", self.acquire_refusal)
+        return None
+
+    def _copy_failed(self, up_to: Tier, rows: np.ndarray) -> None:
+        """An acquire answers None because the copy of some of its blocks up to `up_to` failed after
+        their source was read (a refused launch, an out-of-memory: `Mover.copy_failed`); they stay
+        where they were. Told so, not "the room made fell short" (tier_full, a review); a retry
+        tries them again."""
+        failed = rows[self.mover.copy_failed_among(rows)]
+        self.mover.forget_copy_failed(failed)
+        src = Tier(int(self.table.cols.tier[failed].max()))
+        self.acquire_refusal = (f"the copy of {len(failed)} of them from {src.name} into {up_to.name} failed (the "
+                                f"transfer log names the error; the blocks stay on {src.name}): retry later, or "
+                                "recompute them")
+        self.refusals.note("acquire", "copy_failed", self.acquire_refusal)
         return None
 
     def run_prefetch(self) -> None:

@@ -9,6 +9,10 @@ was turned away (a review). Each refusal is counted here (`stats()["refused"]`,
 Causes:
 - `tier_full`: the tier cannot hold the blocks now: what is there cannot move (being written,
   pinned, running at a priority the call may not push out), or the room made fell short;
+- `copy_failed` (an acquire): the copy of blocks up to the tier failed after their source was read
+  (a refused GPU launch, an out-of-memory; the transfer log names it); they stay where they were,
+  and a retry tries them again. It was counted `tier_full`, the room made said to fall short
+  though HBM may be empty (a review);
 - `reservations_ahead`: HBM is held for reservations waiting at the caller's priority or above
   (an allocate outside a reservation queues behind them).
 """
@@ -21,7 +25,7 @@ from dflash2.transfer.failures import RepeatLimit
 
 log = logging.getLogger("dflash2.refusals")
 
-CAUSES = {"allocate": ("tier_full", "reservations_ahead"), "acquire": ("tier_full",)}
+CAUSES = {"allocate": ("tier_full", "reservations_ahead"), "acquire": ("tier_full", "copy_failed")}
 
 
 class Refusals:

@@ -348,3 +348,50 @@ def test_a_staged_read_ended_by_an_exception_says_its_later_chunks_not_read(capl
     assert caplog.records[-1].getMessage().endswith(
         "after its first 1 were done, for the 3 others; 1 of them stay on NVMe (the disk read them, their copy "
         "failed), 2 not read (the batch ended before them): they stay on NVMe"), caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize("mode", ["at once", "serving", "parked"])
+def test_an_acquire_whose_gpu_copy_failed_is_told_so_and_copied_once(small_nvme_manager, mode):
+    """An acquire whose NVMe->HBM copy failed after the disk read its blocks (they stay on NVMe) was
+    told "the room made fell short", counted tier_full with HBM empty, and its promotion's second
+    pass read and copied the same blocks again: 3 times for one acquire in serving mode (read_later,
+    parking: promote_later, settle, promote), 4 where it was parked on them (a review). Now it is
+    told the copy failed, counted copy_failed, after one try; a retry tries again."""
+    from dflash2.errors import ArenaError, CopiesRunning
+    from tests.conftest import SMALL
+
+    mgr = small_nvme_manager
+    a = mgr.attach("t")
+    vids = mgr.commit(a, mgr.allocate(a, mgr.register_layout(SMALL), 4))
+    assert mgr.mover.move(mgr.table.rows(vids), Tier.NVME).all()
+    copies = []
+
+    def refused(*args, **k):
+        copies.append(1)
+        raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701")
+    _staged_reads(mgr, refused)
+    if mode == "parked":  # (its reads run past PARK_AFTER_S: parked on them, run again once settled)
+        mgr.placement.end_soon = lambda flights=None: False
+    own, got = 0, ()
+    mgr.placement.read_later = mode != "at once"
+    try:
+        while got == ():  # (as the daemon's Service serves it: tests/test_prefetch_parked.py)
+            mgr.placement.parking, mgr.placement.own_parks = mode != "at once", own
+            try:
+                got = mgr.acquire(a, vids)
+            except CopiesRunning as e:
+                own += e.own
+                mgr.placement.parking = False
+                mgr.settle()
+    finally:
+        mgr.placement.read_later = mgr.placement.parking = False
+        mgr.placement.own_parks = 0
+        mgr.placement.__dict__.pop("end_soon", None)
+    assert got is None and len(copies) == 1 and own == (mode == "parked"), (got, copies, own)
+    assert (mgr.table.cols.tier[mgr.table.rows(vids)] == int(Tier.NVME)).all()
+    assert mgr.acquire_refusal == ("the copy of 4 of them from NVME into HBM failed (the transfer log names the "
+                                   "error; the blocks stay on NVME): retry later, or recompute them")
+    assert mgr.refusals.counts["acquire"] == {"tier_full": 0, "copy_failed": 1}
+    _staged_reads(mgr, lambda *args: copies.append(2))  # (the GPU's copies work again)
+    assert mgr.acquire(a, vids) is not None and copies == [1, 2]
+    mgr.check_invariants()
