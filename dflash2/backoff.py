@@ -68,6 +68,9 @@ class WriteBackoff:
         # not end it; a read that works does. And the NVMe reads seen so far: (arrived, failed).
         self._read_backoff: set[Tier] = set()
         self._reads_seen = (0, 0)
+        # Why a storage tier has no file now ("" while it has one: nvmegone.py), set by the manager:
+        # writes refused for want of a file were blamed on "a full or failing disk" (a review).
+        self.why_no_file: Callable[[Tier], str] = lambda tier: ""
 
     def writable(self, tier: Tier) -> bool:
         """Whether blocks may go down into `tier` now (not backing off after failed writes)."""
@@ -99,10 +102,11 @@ class WriteBackoff:
             self._read_backoff.discard(tier)
             period = self._start_backoff(tier)
             self.stats.write_backoffs += 1
+            why = self.why_no_file(tier)
             log.warning("writes to %s failed (%d blocks; the transfer log names the error): %s takes no blocks "
                         "for %g s, and blocks that would go down there are dropped instead, a miss when asked "
-                        "for again (a full or failing disk under memory.nvme_path?)",
-                        tier.label, failed, tier.label, period)
+                        "for again (%s)", tier.label, failed, tier.label, period,
+                        f"the tier has no file: {why}" if why else "a full or failing disk under memory.nvme_path?")
         elif moved and tier in self.write_backoff and tier not in self._read_backoff:
             self._writes_work_again(tier, "")
 

@@ -99,6 +99,7 @@ class BlockManager(Reads):
         self.read_cost = ReadCost(clock=clock)
         self.mover.read_cost = self.read_cost
         self.placement.read_cost = self.read_cost
+        self.placement.why_no_file = self._why_no_file
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.allocate_refusal = ""  # why the last allocate answered None (the daemon's reply says it)
         self.acquire_refusal = ""  # why the last acquire answered None (reads.py)
@@ -368,6 +369,10 @@ class BlockManager(Reads):
 
     # -- background ------------------------------------------------------------------------
     @settled
+    def _why_no_file(self, tier: Tier) -> str:
+        arena = self.arenas.get(tier)
+        return arena.no_file if isinstance(arena, StorageArena) else ""
+
     def tick(self, drain: bool = True, duel: bool = True) -> None:
         """One background step: rescore (policies that cache scores), move a doubling key index's
         entries on, probe a storage tier that backs off after failed writes (backoff.py), expire and

@@ -294,3 +294,33 @@ def test_hbm_drains_into_dram_only_where_dram_has_slots_of_its_size(mgr, monkeyp
     assert placed["evicted"] == 0 and (tiers["hbm"]["blocks"], tiers["dram"]["blocks"]) == (62, len(keep)), placed
     assert Tier.HBM in pl.draining and not mgr.draining(), "waiting, keeping its cut"
     mgr.check_invariants()
+
+
+def test_writes_refused_for_want_of_a_file_are_not_blamed_on_the_disk(mgr, caplog):
+    """The NVMe file removed and a folder put at its path: the tier has no file (its ERROR says why),
+    and the back-off's warning guessed "a full or failing disk under memory.nvme_path?" (a review's
+    soak). It says the tier has no file, and why."""
+    import os
+
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    for c in range(12):  # HBM and DRAM full, NVMe half
+        publish(mgr, a, lid, [1000 * c + i + 1 for i in range(16)])
+    path = mgr.arenas[Tier.NVME].path
+    os.unlink(path)
+    os.mkdir(path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2.placement"):
+            for c in range(12, 16):
+                vids = mgr.allocate(a, lid, 16)
+                assert vids is not None, "every cached block is idle: room can be made"
+                keys = [1000 * c + i + 1 for i in range(16)]
+                for v, k in zip(vids.tolist(), keys):
+                    mgr.view(v)[:] = pattern(k)
+                mgr.free(a, mgr.commit(a, vids, keys=keys))
+        warned = [r.getMessage() for r in caplog.records if "takes no blocks" in r.getMessage()]
+        assert warned and all("the tier has no file: its file" in w and "full or failing disk" not in w
+                              for w in warned), warned
+    finally:
+        os.rmdir(path)
+    mgr.check_invariants()
