@@ -163,12 +163,15 @@ class Duel:
     """Attached to a block manager whose policy can follow another's ranking (heat): `offer` on
     every lookup, `run` to serve what was offered (the manager's tick does)."""
 
-    def __init__(self, manager: BlockManager, sample: int):
+    def __init__(self, manager: BlockManager, sample: int, knob: str = "policy.duel_sample"):
+        """`knob`: what a user sets the sample with, named where the duel turns off (the bench's
+        --duel-sample: its hint named the config key, which the bench does not read, a review)."""
         if not isinstance(sample, int) or isinstance(sample, bool) or sample < 2:
             raise ValueError(f"duel sample must be an integer >= 2 (1 in N keys), got {sample!r}")
         if not hasattr(manager.policy, "follow"):
             raise ValueError(f"policy {manager.policy.name!r} cannot follow another ranking (only heat can)")
         self.manager = manager
+        self._knob = knob
         self.sample = sample  # 1 in `sample` keys replayed now (coarser than `first_sample` once the loop fell behind)
         self.first_sample = sample
         self.coarsened = 0  # times the sample was made coarser (`_coarsen`)
@@ -395,8 +398,8 @@ class Duel:
         hbm = self._hbm_blocks(self.sample, layout)
         if hbm < MIN_BLOCKS:
             # (At the finest sample, 2, lowering it is no remedy: HBM is too small for the duel.)
-            remedy = ("lower policy.duel_sample, or 0 to turn the duel off" if self.sample > 2 else
-                      f"HBM needs {2 * MIN_BLOCKS} such blocks for the duel at the finest sample; policy.duel_sample "
+            remedy = (f"lower {self._knob}, or 0 to turn the duel off" if self.sample > 2 else
+                      f"HBM needs {2 * MIN_BLOCKS} such blocks for the duel at the finest sample; {self._knob} "
                       "0 turns it off")
             self._too_large = (layout.block_bytes, len(self.manager.table.layouts))
             self._stop(f"1/{self.sample} of HBM holds {hbm} blocks of layout {layout.name!r}, fewer than {MIN_BLOCKS}: "

@@ -342,3 +342,13 @@ def test_a_bad_half_life_is_named(tmp_path, capsys, value):
         main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "3",
               "--decay-half-life-s", value])
     assert "argument --decay-half-life-s: " in capsys.readouterr().err
+
+
+def test_the_benchs_duel_off_hint_names_its_own_option(tmp_path, capsys):
+    """Below 256 HBM blocks at the default sample the duel turns off, and its hint told a bench user
+    to lower policy.duel_sample, a config key the bench does not read (a review)."""
+    assert main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "200", "--policies", "heat",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    off = json.loads(out.out.splitlines()[0])["duel"]["off_reason"]
+    assert "lower --duel-sample, or 0 to turn the duel off" in off and "policy.duel_sample" not in out.err, off

@@ -155,7 +155,7 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     lid = mgr.register_layout(LAYOUT)
     client = mgr.attach("replay")
     prefetch = Prefetcher(mgr, prefetch_window)
-    duel = Duel(mgr, duel_sample) if duel_sample and hasattr(pol, "follow") else None
+    duel = Duel(mgr, duel_sample, knob="--duel-sample") if duel_sample and hasattr(pol, "follow") else None
     if hasattr(pol, "set_future"):
         pol.set_future([r.keys for r in requests])
     tally = Tally()
