@@ -30,8 +30,8 @@ DEFAULT_DUEL_SAMPLE = 8
 # policy.decay_half_life_s's default: heat's access counts halve once an hour of wall time. Every
 # halving takes all counts at once, and a key read once falls back to "never seen" (its next read a
 # first-timer's again): on the Mooncake synthetic trace (17 minutes at about 120 block references a
-# second) a half-life of 60 s found fewer blocks than LRU at 2,000 and 8,000 HBM blocks (0.1418 and
-# 0.3664 against 0.1463 and 0.3731; 0.1546 and 0.3988 without a halving); 300 s and 600 s found
+# second) a half-life of 60 s found fewer blocks than LRU at 2,000 and 8,000 HBM blocks (0.1438 and
+# 0.3663 against 0.1463 and 0.3731; 0.1545 and 0.3988 without a halving); 300 s and 600 s found
 # fewer than without one at four and five of seven capacities, 600 s fewer than LRU at 1,000 blocks
 # (docs/policy-experiments.md, "The counts' wall-clock decay"). `bench policy` replays it.
 DEFAULT_DECAY_HALF_LIFE_S = 3600.0
