@@ -33,6 +33,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=seconds, default=TIMEOUT_S, metavar="S", help="seconds to wait for the daemon (default %(default)g)")
 
 
+def no_endpoint(e: Exception) -> str:
+    """The line for a config that names no endpoint here; run outside the config's folder, it named
+    the missing file and not what to give instead (a review)."""
+    return (f"dflash2 status: error: cannot find the daemon's endpoint: {e} (give --config FILE, the "
+            "daemon's config, or --endpoint E)")
+
+
 def handler(args: argparse.Namespace) -> int:
     from dflash2.client.where import resolve_endpoint, resolve_key_file
     from dflash2.client.endpoint_check import check_endpoint
@@ -43,7 +50,7 @@ def handler(args: argparse.Namespace) -> int:
         endpoint = resolve_endpoint(args.endpoint, args.config)
         key_file = resolve_key_file(args.endpoint, args.config)
     except (ConfigError, OSError) as e:
-        print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
+        print(no_endpoint(e), file=sys.stderr)
         return EXIT_USAGE
     try:
         check_endpoint(endpoint)

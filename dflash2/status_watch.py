@@ -50,7 +50,7 @@ def handler(args: argparse.Namespace) -> int:
         endpoint = resolve_endpoint(args.endpoint, args.config)
         key_file = resolve_key_file(args.endpoint, args.config)
     except (ConfigError, OSError) as e:
-        print(f"dflash2 status: error: cannot find the daemon's endpoint: {e}", file=sys.stderr)
+        print(status.no_endpoint(e), file=sys.stderr)
         return status.EXIT_USAGE
     try:
         answered = watch(endpoint, 1.0 if args.interval is None else args.interval, args.count or 0, args.timeout,
