@@ -368,11 +368,12 @@ class BlockManager(Reads):
         return arena.view(p.offset, p.nbytes)
 
     # -- background ------------------------------------------------------------------------
-    @settled
     def _why_no_file(self, tier: Tier) -> str:
+        """(Read within a settle, backoff.py: never settled itself.)"""
         arena = self.arenas.get(tier)
         return arena.no_file if isinstance(arena, StorageArena) else ""
 
+    @settled
     def tick(self, drain: bool = True, duel: bool = True) -> None:
         """One background step: rescore (policies that cache scores), move a doubling key index's
         entries on, probe a storage tier that backs off after failed writes (backoff.py), expire and

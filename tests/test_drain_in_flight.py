@@ -95,6 +95,17 @@ def test_a_drain_piece_leaves_its_copies_in_flight_until_they_are_settled(mgr):
     mgr.check_invariants()
 
 
+def test_the_next_step_settles_the_copies_a_piece_left_in_flight(mgr):
+    """The background step works on placement (prefetch, drains, grants, probes) only once the last
+    piece's copies are settled: `tick` is `settled`. A mend moved the decorator onto a method put
+    above it, and the step ran with the copies in flight (a review)."""
+    dram_over_its_high_watermark(mgr)
+    moving = start_a_piece(mgr)
+    mgr.tick(drain=False)
+    assert not mgr.placement.in_flight and not len(np.intersect1d(in_flight(mgr), moving))
+    mgr.check_invariants()
+
+
 def test_blocks_on_their_way_are_counted_once_where_they_lie(mgr):
     """stats (the `stats` op, `dflash2 status`, dflash2_tier_blocks) counts each block in the tier
     it lies in while its copy runs. Before, a piece left in flight between requests counted its
