@@ -103,6 +103,8 @@ class Reads:
         # So are the prefetches among them that had left HBM unread (`left_hbm`: wasted, though
         # they lie in HBM once it runs again), looked at before it waits for or promotes anything.
         parked = self._came_from.pop(client, None)
+        if parked is None:  # a new call tries anew the blocks whose copy failed before it (as it begins: it
+            self.mover.forget_copy_failed(rows)  # may park below on a prefetch's copies, a review)
         came, left = parked if parked is not None and self.placement.own_parks else ({}, set())
         left |= self.prefetcher.left_hbm(rows)
         c = self.table.cols
@@ -136,10 +138,8 @@ class Reads:
             refuse_never_fits(self.table, chain, rows, tiers, up_to, self.placement.beyond_read(chain, rows, up_to))
             # Run again after it was parked on its own promotion: a copy that failed meanwhile (the
             # loop settled it) is said, not tried again, the call parked again on it (a review: up to 4
-            # disk reads and GPU copies for one acquire). A new call tries them anew.
-            if parked is None:
-                self.mover.forget_copy_failed(rows)
-            elif any_true(self.mover.copy_failed_among(rows[below_rows])):
+            # disk reads and GPU copies for one acquire). A new call tries them anew (above).
+            if parked is not None and any_true(self.mover.copy_failed_among(rows[below_rows])):
                 return self._copy_failed(up_to, rows[below_rows])
         below = None if priority is None else priority + 1
         if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):

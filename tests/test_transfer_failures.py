@@ -395,3 +395,43 @@ def test_an_acquire_whose_gpu_copy_failed_is_told_so_and_copied_once(small_nvme_
     _staged_reads(mgr, lambda *args: copies.append(2))  # (the GPU's copies work again)
     assert mgr.acquire(a, vids) is not None and copies == [1, 2]
     mgr.check_invariants()
+
+
+def test_a_copy_that_failed_before_an_acquire_began_is_tried_again_after_it_parked(small_nvme_manager):
+    """A copy up that failed before the acquire began (a prefetch's, another reader's) stayed on record
+    while the acquire parked on other blocks' copies, and its run after the park refused the blocks
+    as copy_failed untried, the GPU's copies working again (a review). A new call forgets the record
+    as it begins."""
+    from dflash2.errors import ArenaError, CopiesRunning
+    from tests.conftest import SMALL
+
+    mgr = small_nvme_manager
+    a = mgr.attach("t")
+    vids = mgr.commit(a, mgr.allocate(a, mgr.register_layout(SMALL), 4))
+    rows = mgr.table.rows(vids)
+    assert mgr.mover.move(rows, Tier.NVME).all()
+
+    def refused(*args, **k):
+        raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701")
+    _staged_reads(mgr, refused)
+    assert not mgr.mover.move(rows[2:], Tier.HBM).any() and len(mgr.mover.copy_failed) == 2
+    _staged_reads(mgr, lambda *args: None)  # (the GPU's copies work again)
+    mgr.placement.read_later = True
+    assert mgr.placement.promote_later(rows[:2], Tier.HBM)  # a prefetch of the first two, on its way up
+    mgr.placement.end_soon = lambda flights=None: False
+    try:
+        mgr.placement.parking, mgr.placement.own_parks = True, 0
+        with pytest.raises(CopiesRunning):
+            mgr.acquire(a, vids)  # parked on the prefetch's copies
+        mgr.placement.parking = False
+        mgr.settle()
+        mgr.placement.__dict__.pop("end_soon", None)
+        mgr.placement.parking, mgr.placement.own_parks = True, 1
+        got = mgr.acquire(a, vids)
+    finally:
+        mgr.placement.read_later = mgr.placement.parking = False
+        mgr.placement.own_parks = 0
+        mgr.placement.__dict__.pop("end_soon", None)
+    assert got is not None, (mgr.acquire_refusal, mgr.refusals.counts["acquire"])
+    assert mgr.refusals.counts["acquire"]["copy_failed"] == 0
+    mgr.check_invariants()
