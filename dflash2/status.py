@@ -80,9 +80,15 @@ def render(st: dict) -> str:
              f"policy: {st.get('policy', {}).get('name')}); requests {d.get('requests', 0)}, "
              f"errors {d.get('errors', 0)}, leases expired {d.get('leases_expired', 0)}, "
              f"calls parked {d.get('calls_parked', 0)}", ""]
-    refused = {op: sum(causes.values()) for op, causes in st.get("refused", {}).items()}
-    if any(refused.values()):  # (answered "no room now": README, Observability)
+    # Answered "no room now" (README, Observability); an acquire whose copy failed is no want of room
+    # (HBM may be empty), said on its own line: summed in here, it sent an operator to capacity (a review).
+    causes = st.get("refused", {})
+    refused = {op: sum(n for cause, n in by.items() if cause != "copy_failed") for op, by in causes.items()}
+    if any(refused.values()):
         lines[-1:-1] = ["refused (no room now): " + ", ".join(f"{op} {n}" for op, n in refused.items())]
+    copy_failed = {op: by.get("copy_failed", 0) for op, by in causes.items() if by.get("copy_failed")}
+    if copy_failed:
+        lines[-1:-1] = ["refused (their copy up failed): " + ", ".join(f"{op} {n}" for op, n in copy_failed.items())]
     if d.get("gpus"):  # pools by the daemon's GPU number; clients find them by UUID
         lines[-1:-1] = ["GPUs: " + ", ".join(f"{n} {u}" for n, u in d["gpus"].items())]
     rows = [("tier", "capacity", "used", "used %", "blocks")]

@@ -489,3 +489,8 @@ def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service,
     assert got[("dflash2_refused_calls_total", (("cause", "tier_full"), ("op", "acquire")))] == 4
     assert got[("dflash2_refused_calls_total", (("cause", "tier_full"), ("op", "allocate")))] == 3
     assert "refused (no room now): allocate 3, acquire 4" in render({**st, "endpoint": "x"})
+    # An acquire whose copy up failed is no want of room: its own line, not summed under "no room now"
+    # (a review).
+    st["refused"]["acquire"]["copy_failed"] = 2
+    shown = render({**st, "endpoint": "x"})
+    assert "refused (no room now): allocate 3, acquire 4" in shown and "refused (their copy up failed): acquire 2" in shown
