@@ -130,8 +130,7 @@ class Mover:
         dst_offsets = self.table.begin_move(rows, dst)
         if dst_offsets is None:
             return None
-        if self.copy_failed:
-            self.forget_copy_failed(rows)  # (tried again: this try's outcome replaces the last's)
+        self.forget_copy_failed(rows)  # (tried again: this try's outcome replaces the last's)
         nbytes = self.table.block_bytes(rows)
         job = None
         started = time.perf_counter()
@@ -231,7 +230,8 @@ class Mover:
         return np.isin(self.table.vids(rows), np.fromiter(self.copy_failed, dtype=np.int64))
 
     def forget_copy_failed(self, rows: np.ndarray) -> None:
-        self.copy_failed.difference_update(self.table.vids(rows).tolist())
+        if self.copy_failed:  # (every new acquire asks: nothing to look up while none is on record)
+            self.copy_failed.difference_update(self.table.vids(rows).tolist())
 
     def _which(self, src: Tier, failed: np.ndarray, vids: np.ndarray) -> str:
         """The first of a batch's failed blocks, named with its place, and how many more."""
