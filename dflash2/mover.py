@@ -179,7 +179,15 @@ class Mover:
                 which = self._which(move.src, kept, self.table.vids(kept))
                 kind = (move.src, move.dst) if move.src != Tier.NVME else (move.src, move.dst, "copy")
                 more = self._failure_log.due(kind, blocks=len(kept))
-                if more is not None and move.src == Tier.NVME:
+                # (A staged read that ended before some chunks: those were never read, not copied.)
+                never = 0 if move.job is None or move.job.not_read is None else int(
+                    (move.job.not_read & ~ok & ~unread).sum())
+                if more is not None and move.src == Tier.NVME and never:
+                    log.warning("%d of %d blocks from NVMe failed to move on to %s (%s): %d copied after the disk read "
+                                "them failed, %d were not read (the batch ended before them), not the disk's fault "
+                                "(the transfer log names the error); they stay on NVMe%s", len(kept), len(move.rows),
+                                move.dst.label, which, len(kept) - never, never, more)
+                elif more is not None and move.src == Tier.NVME:
                     log.warning("%d of %d blocks read from NVMe failed to move on to %s after the disk read them (%s): "
                                 "their copy failed, not the disk (the transfer log names the error); they stay on "
                                 "NVMe%s", len(kept), len(move.rows), move.dst.label, which, more)

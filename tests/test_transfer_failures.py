@@ -435,3 +435,23 @@ def test_a_copy_that_failed_before_an_acquire_began_is_tried_again_after_it_park
     assert got is not None, (mgr.acquire_refusal, mgr.refusals.counts["acquire"])
     assert mgr.refusals.counts["acquire"]["copy_failed"] == 0
     mgr.check_invariants()
+
+
+def test_blocks_a_staged_read_never_reached_are_said_not_read(small_nvme_manager, caplog):
+    """A staged read ended by its first chunk's copy (not an ArenaError: the batch ends, its later
+    chunks untried): the mover said all four "failed to move on to hbm after the disk read them",
+    where the transfer log said two were never read (a review). It says so too."""
+    mgr = small_nvme_manager
+    vids = _on_nvme(mgr, 4)
+    block = int(mgr.table.block_bytes(mgr.table.rows(vids))[0])
+
+    def oom(*args, **k):
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+    _staged_reads(mgr, oom)
+    mgr.mover.backend.staging.nbytes = 2 * block  # two blocks a chunk: chunks [0, 1] and [2, 3]
+    with caplog.at_level(logging.WARNING):
+        assert not mgr.mover.move(mgr.table.rows(vids), Tier.HBM).any()
+    said = [r.getMessage() for r in caplog.records if "failed to move on to hbm" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("4 of 4 blocks from NVMe failed to move on to hbm") and (
+        "2 copied after the disk read them failed, 2 were not read (the batch ended before them)" in said[0]), said
+    assert (mgr.table.cols.tier[mgr.table.rows(vids)] == int(Tier.NVME)).all()

@@ -62,6 +62,10 @@ class CopyJob(abc.ABC):
     # slot sound: such a failure was blamed on the disk, its blocks dropped (a review). None: the
     # backend does not tell them apart, and every failed block of the read counts as unreadable.
     unreadable: np.ndarray | None = None
+    # After `wait`, for a read in chunks (the CUDA backend's staged moves): the blocks never read, the
+    # batch having ended before their chunk; they stay where they were, and are said not read (the
+    # mover said "after the disk read them" of them, a review). None: every block was tried.
+    not_read: np.ndarray | None = None
 
     @abc.abstractmethod
     def done(self) -> bool:

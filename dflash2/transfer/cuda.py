@@ -290,6 +290,8 @@ class CudaTransferBackend(TransferBackend):
                                          not_read=int((~tried).sum()))
             self.check_gpu(e)
         finally:
+            if job.unreadable is not None and not tried.all():
+                job.not_read = ~tried
             job._done.set()
             COMPLETIONS.ring()  # (after `done`: whoever the bell wakes finds the job done)
 
