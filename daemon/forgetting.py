@@ -54,6 +54,8 @@ class Forgetting:
                 vids = None  # a malformed commit: nothing of it is the writer's to free
             if vids is not None:  # (first: parked on copies in flight, CopiesRunning, it stays forgotten)
                 self._drop_writes(req, req.call_id, vids)
+        elif req.op == Op.ACQUIRE:  # (parked on its own copies: what it waited for is no longer this
+            self._mgr(req).end_call(req.client)  # client's next acquire's, a review)
         del session.forgotten[req.call_id]
         _keep(session.settled, req.call_id)
         self.counters["calls_refused_forgotten"] += 1

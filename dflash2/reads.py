@@ -91,6 +91,23 @@ class Reads:
         return None if rows is None else self.places_of_rows(rows)
 
     def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
+        """`acquire`, answering rows (`_acquire_rows`). A call parked on copies (CopiesRunning) keeps
+        the record of what it waited for, for its run again; one that ended otherwise (an UnknownBlock
+        after its own promotion settled) leaves none: its record stayed, and the client's next acquire
+        was taken for that call run again (a copy failure on record refused untried, a review)."""
+        try:
+            return self._acquire_rows(client, vids, up_to, priority)
+        except CopiesRunning:
+            raise
+        except BaseException:
+            self.end_call(client)
+            raise
+
+    def end_call(self, client: int) -> None:
+        """`client`'s acquire parked on copies will not run again (it failed, or the client gave it up)."""
+        self._came_from.pop(client, None)
+
+    def _acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
         of that priority or lower (never a higher-priority request's: its own reservation could not

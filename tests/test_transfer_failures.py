@@ -455,3 +455,44 @@ def test_blocks_a_staged_read_never_reached_are_said_not_read(small_nvme_manager
     assert len(said) == 1 and said[0].startswith("4 of 4 blocks from NVMe failed to move on to hbm") and (
         "2 copied after the disk read them failed, 2 were not read (the batch ended before them)" in said[0]), said
     assert (mgr.table.cols.tier[mgr.table.rows(vids)] == int(Tier.NVME)).all()
+
+
+def test_an_acquire_after_one_that_ended_in_unknownblock_is_a_new_call(small_nvme_manager):
+    """An acquire whose own promotion settled at once and ended in UnknownBlock (a block failed its read
+    back) left the record of what it waited for: the client's next acquire, of other blocks, was taken
+    for that call run again, and refused copy_failed untried for a copy failure on record from before
+    it, the GPU's copies working again (a review)."""
+    from dflash2.errors import ArenaError, UnknownBlock
+    from tests.conftest import SMALL
+
+    mgr = small_nvme_manager
+    a = mgr.attach("t")
+    layout = mgr.register_layout(SMALL)
+    first, other = (mgr.commit(a, mgr.allocate(a, layout, 2)) for _ in range(2))
+    assert mgr.mover.move(mgr.table.rows(np.concatenate([first, other])), Tier.NVME).all()
+
+    def refused(*args, **k):
+        raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701")
+    _staged_reads(mgr, refused)
+    assert not mgr.mover.move(mgr.table.rows(other), Tier.HBM).any()  # (a prefetch's copy failed)
+    copies = []
+    _staged_reads(mgr, lambda *args: copies.append(1))  # (the GPU's copies work again)
+    nvme = mgr.arenas[Tier.NVME]
+    real = nvme.read_blocks
+
+    def one_bad(offsets, dests):
+        ok = real(offsets, dests)
+        ok[-1] = False  # (a checksum failure: that block is dropped)
+        return ok
+    nvme.read_blocks = one_bad
+    mgr.placement.read_later = True
+    try:
+        mgr.placement.parking, mgr.placement.own_parks = True, 0
+        with pytest.raises(UnknownBlock):
+            mgr.acquire(a, first)  # serving mode: promote_later, end_soon, settle, refuse_dropped
+    finally:
+        mgr.placement.read_later = mgr.placement.parking = False
+        nvme.read_blocks = real
+    copies.clear()
+    assert mgr.acquire(a, other) is not None and copies, (mgr.acquire_refusal, mgr.refusals.counts["acquire"])
+    mgr.check_invariants()
