@@ -107,7 +107,8 @@ class Reads:
         """`client`'s acquire parked on copies will not run again (it failed, or the client gave it up)."""
         self._came_from.pop(client, None)
 
-    def _acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
+    def _acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM,
+                      priority: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
         of that priority or lower (never a higher-priority request's: its own reservation could not

@@ -335,3 +335,14 @@ def test_a_daemon_on_the_default_endpoint_keeps_its_history_wherever_it_starts(t
     log = (tmp_path / "1.log").read_text()
     assert "samples read back" in log and "is the history of the daemon serving" not in log, log[-2000:]
 
+
+@pytest.mark.parametrize("watch", [[], ["--watch", "--count", "1"]])
+def test_status_outside_the_configs_folder_says_what_to_give(tmp_path, monkeypatch, capsys, watch):
+    """Run where no dflash2_config.json lies, it named the missing file and not what to give instead
+    (a new user's walk through README, a review)."""
+    from dflash2.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["status", *watch]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config file not found (give --config FILE, the daemon's config, or --endpoint E)" in err, err

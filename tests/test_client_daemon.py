@@ -284,18 +284,6 @@ def test_status_without_daemon_exits_1(tmp_path, config_file, capsys):
     assert len(err.splitlines()) == 1 and "no dflash2d" in err
 
 
-@pytest.mark.parametrize("watch", [[], ["--watch", "--count", "1"]])
-def test_status_outside_the_configs_folder_says_what_to_give(tmp_path, monkeypatch, capsys, watch):
-    """Run where no dflash2_config.json lies, it named the missing file and not what to give instead
-    (a new user's walk through README, a review)."""
-    from dflash2.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    assert main(["status", *watch]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "config file not found (give --config FILE, the daemon's config, or --endpoint E)" in err, err
-
-
 def test_a_view_asked_for_while_another_thread_detaches_says_the_client_is_detached(daemon, connect):
     """A view asked for on one thread while another detaches the client: "detached", never that the
     block's tier "is not mapped (acquire it to bring it to HBM first)", which acquiring cannot help

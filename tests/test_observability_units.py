@@ -482,7 +482,8 @@ def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service,
     assert len(lines) == 2, lines  # once a minute per call and cause
     assert lines[0].startswith("allocate refused (tier_full): HBM is full of blocks that cannot move now")
     st = service.stats()
-    assert st["refused"] == {"allocate": {"tier_full": 3, "reservations_ahead": 0}, "acquire": {"tier_full": 4, "copy_failed": 0}}
+    assert st["refused"] == {"allocate": {"tier_full": 3, "reservations_ahead": 0},
+                             "acquire": {"tier_full": 4, "copy_failed": 0}}
     metrics = DaemonMetrics(service)
     metrics.refresh(force=True)
     got = scrape(metrics)
@@ -493,4 +494,5 @@ def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service,
     # (a review).
     st["refused"]["acquire"]["copy_failed"] = 2
     shown = render({**st, "endpoint": "x"})
-    assert "refused (no room now): allocate 3, acquire 4" in shown and "refused (their copy up failed): acquire 2" in shown
+    assert "refused (no room now): allocate 3, acquire 4" in shown
+    assert "refused (their copy up failed): acquire 2" in shown

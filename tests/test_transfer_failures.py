@@ -198,6 +198,20 @@ def test_a_staged_move_whose_thread_cannot_start_leaves_close_its_clean_up(monke
     assert closed == ["host", "sync", "staging"]
 
 
+def _one_read_failing(mgr, index: int):
+    """The NVMe arena's reads fail the checksum of the `index`-th block of each batch; returns the real
+    read_blocks."""
+    nvme = mgr.arenas[Tier.NVME]
+    real = nvme.read_blocks
+
+    def one_bad(offsets, dests):
+        ok = real(offsets, dests)
+        ok[index] = False
+        return ok
+    nvme.read_blocks = one_bad
+    return real
+
+
 def _staged_reads(mgr, copy):
     """The manager's mover on a CUDA backend (no GPU) whose HBM<->NVMe moves run the real staged loop
     and chunk code (`_staged`, `_staged_chunk`, the real NVMe arena) with the one CUDA call,
@@ -274,13 +288,7 @@ def test_a_staged_read_the_disk_fails_is_still_dropped_and_its_slot_suspected(sm
     copied = []
     _staged_reads(mgr, lambda *a: copied.append(len(a[-1])))
     nvme = mgr.arenas[Tier.NVME]
-    real = nvme.read_blocks
-
-    def one_bad(offsets, dests):
-        ok = real(offsets, dests)
-        ok[1] = False  # (the second block's checksum)
-        return ok
-    nvme.read_blocks = one_bad
+    _one_read_failing(mgr, 1)  # (the second block's checksum)
     rows = mgr.table.rows(vids)
     bad_offset = int(mgr.table.cols.offset[rows[1]])
     with caplog.at_level(logging.WARNING):
@@ -311,14 +319,7 @@ def test_a_staged_chunk_whose_copy_fails_after_a_checksum_failure_says_which_are
     def refused(*a, **k):
         raise ArenaError("cuLaunchKernel of the copy kernel failed with CUDA error 701")
     _staged_reads(mgr, refused)
-    nvme = mgr.arenas[Tier.NVME]
-    real = nvme.read_blocks
-
-    def one_bad(offsets, dests):
-        ok = real(offsets, dests)
-        ok[1] = False  # (the second block's checksum)
-        return ok
-    nvme.read_blocks = one_bad
+    _one_read_failing(mgr, 1)  # (the second block's checksum)
     rows = mgr.table.rows(vids)
     with caplog.at_level(logging.WARNING):
         assert not mgr.mover.move(rows, Tier.HBM).any()
@@ -478,13 +479,7 @@ def test_an_acquire_after_one_that_ended_in_unknownblock_is_a_new_call(small_nvm
     copies = []
     _staged_reads(mgr, lambda *args: copies.append(1))  # (the GPU's copies work again)
     nvme = mgr.arenas[Tier.NVME]
-    real = nvme.read_blocks
-
-    def one_bad(offsets, dests):
-        ok = real(offsets, dests)
-        ok[-1] = False  # (a checksum failure: that block is dropped)
-        return ok
-    nvme.read_blocks = one_bad
+    real = _one_read_failing(mgr, -1)  # (a checksum failure: that block is dropped)
     mgr.placement.read_later = True
     try:
         mgr.placement.parking, mgr.placement.own_parks = True, 0

@@ -99,7 +99,8 @@ class FailureLog:
         said = [f"{unread} of them dropped from the cache (the disk failed their read)"] if unread else []
         copied = failed - unread - not_read
         if copied and not said and not not_read:
-            said.append("its blocks stay where they were (the disk read them: the copy on from the staging buffer failed)")
+            said.append("its blocks stay where they were (the disk read them: the copy on from the staging buffer "
+                        "failed)")
         elif copied:
             said.append("the others stay on NVMe (their copy failed)" if not not_read
                         else f"{copied} of them stay on NVMe (the disk read them, their copy failed)")
