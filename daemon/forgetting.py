@@ -54,8 +54,11 @@ class Forgetting:
                 vids = None  # a malformed commit: nothing of it is the writer's to free
             if vids is not None:  # (first: parked on copies in flight, CopiesRunning, it stays forgotten)
                 self._drop_writes(req, req.call_id, vids)
-        elif req.op == Op.ACQUIRE:  # (parked on its own copies: what it waited for is no longer this
-            self._mgr(req).end_call(req.client)  # client's next acquire's, a review)
+        elif req.op == Op.ACQUIRE and self._mgr(req).placement.own_parks:
+            # The parked call run again (own_parks: it set the record): what it waited for is no longer
+            # the client's next acquire's (a review). A forgotten call that came late, first seen now,
+            # leaves another parked acquire's record alone.
+            self._mgr(req).end_call(req.client)
         del session.forgotten[req.call_id]
         _keep(session.settled, req.call_id)
         self.counters["calls_refused_forgotten"] += 1

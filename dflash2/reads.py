@@ -95,12 +95,16 @@ class Reads:
         the record of what it waited for, for its run again; one that ended otherwise (an UnknownBlock
         after its own promotion settled) leaves none: its record stayed, and the client's next acquire
         was taken for that call run again (a copy failure on record refused untried, a review)."""
+        before = self._came_from.get(client)
         try:
             return self._acquire_rows(client, vids, up_to, priority)
         except CopiesRunning:
             raise
         except BaseException:
-            self.end_call(client)
+            # Only a record this call set: another acquire of the client's, parked, keeps its own (one
+            # refused as it began dropped it, and the parked call's reads from NVMe counted as HBM hits).
+            if self._came_from.get(client) is not before:
+                self.end_call(client)
             raise
 
     def end_call(self, client: int) -> None:

@@ -496,3 +496,47 @@ def test_a_call_parked_as_the_daemon_stops_is_answered_daemon_unavailable_not_ru
         disk.release()
         loop.join(10)
         srv.close()
+
+
+def _parked_chain_acquire(mgr, monkeypatch):
+    """A client's acquire of CHAIN parked on its NVMe reads: (send, client, token, chain bytes, Parked,
+    the held disk, vids)."""
+    lid, vids = chain_on_nvme(mgr)
+    disk = HeldDisk(mgr, monkeypatch)
+    svc, call = in_process_service(mgr)
+
+    def send(op, call_id, client, token, args=None, arrays=(), again=None):
+        out = svc.handle_frames(P.encode_request(op, call_id, client, args or {}, list(arrays), token=token), again)
+        return out if isinstance(out, Parked) else P.decode_reply(out)
+    att = call(Op.ATTACH, args={"name": "r", "pid": 1, "layouts": [LAYOUT.to_dict()]})
+    cid, token = att.result["client"], att.result["token"]
+    chain = np.array([vids[k] for k in CHAIN], dtype=P.VIDS_DTYPE).tobytes()
+    assert send(Op.FORGET, 7, cid, token, args={"call": 5}).ok  # (call 5: given up, it may come late)
+    parked = send(Op.ACQUIRE, 6, cid, token, arrays=[chain])
+    assert parked == Parked(own_parks=1, client=cid)
+    assert disk.reading.wait(10)
+    return send, cid, token, chain, parked, disk, vids
+
+
+@pytest.mark.parametrize("other", ["refused as it began", "forgotten, come late"])
+def test_another_acquire_that_fails_leaves_the_parked_ones_record(small_nvme_manager, monkeypatch, other):
+    """While a client's acquire is parked on its NVMe reads, another acquire of its own fails (an
+    unknown block, refused as it began; or one it gave up that came late, refused CallForgotten):
+    it dropped the parked call's record, whose run again counted its 4 reads from NVMe as HBM hits
+    (a review). Only the call that set a record drops it."""
+    mgr = small_nvme_manager
+    send, cid, token, chain, parked, disk, vids = _parked_chain_acquire(mgr, monkeypatch)
+    if other == "refused as it began":
+        r = send(Op.ACQUIRE, 8, cid, token, arrays=[np.array([10**9], dtype=P.VIDS_DTYPE).tobytes()])
+        assert not r.ok and r.error_type == "UnknownBlock", r
+    else:
+        r = send(Op.ACQUIRE, 5, cid, token, arrays=[np.array([vids[HOT]], dtype=P.VIDS_DTYPE).tobytes()])
+        assert r.error_type == "CallForgotten", r
+    disk.release()
+    deadline = time.monotonic() + 10
+    while mgr.copies_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mgr.settle()  # (another call met the landed copies first: a lookup, a drain slice)
+    done = send(Op.ACQUIRE, 6, cid, token, arrays=[chain], again=parked)
+    assert done.ok and done.result["acquired"], done
+    assert dict(mgr.access.reads) == {Tier.NVME: 4}, dict(mgr.access.reads)
