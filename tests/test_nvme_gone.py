@@ -23,6 +23,16 @@ CAP = 16 << 20
 STAGING = 64 << 10
 
 
+@contextlib.contextmanager
+def _tier(path):
+    """An NVMe tier of CAP bytes at `path`, removed after."""
+    a = NvmeArena(path, CAP, staging_bytes=STAGING)
+    try:
+        yield a
+    finally:
+        a.remove()
+
+
 def _deleted_fds(path) -> list[str]:
     """This process's descriptors still open on a removed file at `path` (its disk room held)."""
     out = []
@@ -41,8 +51,7 @@ def test_a_file_removed_while_the_tier_runs_is_made_again_and_keeps_a_second_tie
     new file there (locked), the old one's blocks are misses lost to it, its descriptors closed."""
     path = tmp_path / "nvme.cache"
     old, new = (np.random.default_rng(s).integers(0, 256, 2 * ALIGN, dtype=np.uint8) for s in (1, 2))
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.write_blocks([0], [old]).all()
         os.unlink(path)  # the operator frees the disk
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
@@ -55,26 +64,20 @@ def test_a_file_removed_while_the_tier_runs_is_made_again_and_keeps_a_second_tie
         assert a.read_blocks([8 * ALIGN], [out]).all() and np.array_equal(out, new)
         with pytest.raises(nvme.ArenaError, match="in use by another process"):
             NvmeArena(path, CAP, staging_bytes=STAGING)
-    finally:
-        a.remove()
 
 
 def test_a_removal_while_idle_is_found_at_the_background_step(tmp_path, caplog):
     path = tmp_path / "nvme.cache"
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         os.unlink(path)
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
             a.check_file()
         assert f"{path} was removed by another process" in caplog.text and path.exists() and not _deleted_fds(path)
-    finally:
-        a.remove()
 
 
 def test_a_file_replaced_by_a_move_is_made_again_on_the_new_one(tmp_path, caplog):
     path = tmp_path / "nvme.cache"
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.write_blocks([0], [np.ones(ALIGN, dtype=np.uint8)]).all()
         (tmp_path / "empty").write_bytes(b"")
         os.replace(tmp_path / "empty", path)  # an operator's `mv` over it
@@ -82,8 +85,6 @@ def test_a_file_replaced_by_a_move_is_made_again_on_the_new_one(tmp_path, caplog
             assert not a.read_blocks([0], [np.zeros(ALIGN, dtype=np.uint8)]).any()
         assert f"{path} was replaced (another file is at the path now) by another process" in caplog.text
         assert os.path.getsize(path) == nvme.HEADER_BYTES + CAP and not _deleted_fds(path)
-    finally:
-        a.remove()
 
 
 def test_a_path_another_tier_took_meanwhile_refuses_writes_until_it_is_free(tmp_path, monkeypatch, caplog):
@@ -202,15 +203,12 @@ def test_the_status_and_metrics_show_a_tier_without_a_file(small_nvme_manager):
 
 def test_a_file_moved_away_is_not_said_to_free_its_room(tmp_path, caplog):
     path = tmp_path / "nvme.cache"
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         os.rename(path, tmp_path / "nvme.cache.keep")  # an operator's mv: the file and its room stay
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
             a.check_file()
         assert f"{path} was moved away by another process" in caplog.text
         assert "disk room freed" not in caplog.text and "keeps its disk room where it was moved" in caplog.text
-    finally:
-        a.remove()
 
 
 def test_a_new_file_after_a_failed_take_back_is_not_said_taken_back(tmp_path, monkeypatch, caplog):
@@ -218,8 +216,7 @@ def test_a_new_file_after_a_failed_take_back_is_not_said_taken_back(tmp_path, mo
     yet its next batch said the (old) file "is taken back"."""
     path = tmp_path / "nvme.cache"
     data = np.ones(ALIGN, dtype=np.uint8)
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.write_blocks([0], [data]).all()
         os.truncate(path, 8192)
 
@@ -235,8 +232,6 @@ def test_a_new_file_after_a_failed_take_back_is_not_said_taken_back(tmp_path, mo
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
             assert a.write_blocks([0], [data]).all() and a.write_blocks([0], [data]).all()
         assert "was removed by another process" in caplog.text and "is taken back to" not in caplog.text
-    finally:
-        a.remove()
 
 
 def test_a_path_whose_folder_became_a_file_is_no_disk_error(tmp_path, caplog):
@@ -447,8 +442,7 @@ def test_a_link_put_at_a_running_tiers_path_is_taken_as_at_start_up(tmp_path, ca
     (tmp_path / "disk2").mkdir()
     path, target = tmp_path / "nvme.cache", tmp_path / "disk2" / "nvme.cache"
     data = np.arange(2 * ALIGN, dtype=np.uint64).view(np.uint8)[:2 * ALIGN].copy()
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.write_blocks([0], [data]).all()
         os.unlink(path)
         os.symlink(target, path)
@@ -467,8 +461,6 @@ def test_a_link_put_at_a_running_tiers_path_is_taken_as_at_start_up(tmp_path, ca
         os.symlink(tmp_path / "disk2" / "other.cache", path)
         a.check_file()
         assert not a.no_file and (tmp_path / "disk2" / "other.cache").exists() and not target.exists()
-    finally:
-        a.remove()
 
 
 def test_a_link_whose_target_cannot_be_made_is_named_with_its_target(tmp_path, caplog):
@@ -515,8 +507,7 @@ def test_a_file_moved_away_from_behind_a_link_left_at_its_path_is_said_moved(tmp
     (a review): nothing replaced it, and it keeps its room where it went."""
     (tmp_path / "d2").mkdir()
     path, moved = tmp_path / "nvme.cache", tmp_path / "d2" / "nvme.cache"
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.write_blocks([0], [np.ones(ALIGN, dtype=np.uint8)]).all()
         os.rename(path, moved)
         os.symlink(moved, path)
@@ -526,8 +517,6 @@ def test_a_file_moved_away_from_behind_a_link_left_at_its_path_is_said_moved(tmp
             a.check_file()
         assert f"{path} {nvmegone.MOVED} by another process" in caplog.text, caplog.text
         assert "(it keeps its disk room where it was moved)" in caplog.text and "freed" not in caplog.text
-    finally:
-        a.remove()
 
 
 @pytest.mark.parametrize("how", ["link gone", "folder repointed"])
@@ -543,8 +532,7 @@ def test_a_renewal_names_a_link_only_where_there_is_one(tmp_path, caplog, how):
     else:
         os.symlink(tmp_path / "d1", tmp_path / "disk")
         path, target = tmp_path / "disk" / "nvme.cache", tmp_path / "d1" / "nvme.cache"
-    a = NvmeArena(path, CAP, staging_bytes=STAGING)
-    try:
+    with _tier(path) as a:
         assert a.path == str(target)
         target.unlink()
         if how == "link gone":
@@ -557,5 +545,3 @@ def test_a_renewal_names_a_link_only_where_there_is_one(tmp_path, caplog, how):
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
             a.check_file()
         assert where in caplog.text and "symbolic link" not in caplog.text, caplog.text
-    finally:
-        a.remove()

@@ -77,6 +77,14 @@ def test_the_count_of_failures_left_out_does_not_claim_they_were_in_the_last_min
     assert "(1 more such failures since the last one logged, 3600 s ago, were not logged)" in last, last
 
 
+def _four_blocks(src: Tier = Tier.NVME, dst: Tier = Tier.HBM):
+    """A staged job of 4 blocks of 600 KiB, 1 MiB apart: one block a chunk."""
+    from dflash2.transfer.cuda import StagedJob
+
+    offsets = np.arange(4, dtype=np.int64) << 20
+    return StagedJob(CopyBatch(src, dst, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+
+
 def _staged_backend(chunk):
     """The CUDA backend's staged loop alone (no GPU: `_staged_chunk` given), staging of 1 MiB."""
     import threading
@@ -99,7 +107,6 @@ def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
     sound slots set aside as unreadable (a review). Now it fails alone, as on the host path; a
     write's chunk that fails still ends the batch (its blocks stay where they were)."""
     from dflash2.errors import ArenaError
-    from dflash2.transfer.cuda import StagedJob
 
     for src, dst, want in ((Tier.NVME, Tier.HBM, [[0], [1], [2], [3]]), (Tier.HBM, Tier.NVME, [[0], [1]])):
         tried = []
@@ -112,8 +119,7 @@ def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
                 raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
             return np.ones(len(part), dtype=bool)
 
-        offsets = np.arange(4, dtype=np.int64) << 20
-        job = StagedJob(CopyBatch(src, dst, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+        job = _four_blocks(src, dst)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=log.name):
             _staged_backend(chunk)._staged(job)
@@ -129,7 +135,6 @@ def test_a_staged_read_chunk_whose_copy_finds_the_gpu_lost_ends_the_batch():
     taken for an unreadable chunk, the batch went on and the lost context was never found (a review of
     the mend). The GPU is checked; a lost one ends the batch and marks the backend dead."""
     from dflash2.errors import ArenaError
-    from dflash2.transfer.cuda import StagedJob
 
     tried = []
 
@@ -142,8 +147,7 @@ def test_a_staged_read_chunk_whose_copy_finds_the_gpu_lost_ends_the_batch():
     def lost(error):
         be.fatal = f"GPU 0: the CUDA context is lost ({error})"
     be.check_gpu = lost
-    offsets = np.arange(4, dtype=np.int64) << 20
-    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    job = _four_blocks()
     be._staged(job)
     assert tried == [[0]] and not job.wait().any() and be.fatal is not None
 
@@ -152,7 +156,6 @@ def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_ch
     """Chunk 2 unreadable (it fails alone), chunk 3 a CUDA error that ends the batch: the line said
     "after its first 2 were done", the failed chunk counted done (a review of the mend)."""
     from dflash2.errors import ArenaError
-    from dflash2.transfer.cuda import StagedJob
 
     def chunk(job, part):
         if part.tolist() == [1]:
@@ -162,8 +165,7 @@ def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_ch
             raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
         return np.ones(len(part), dtype=bool)
 
-    offsets = np.arange(4, dtype=np.int64) << 20
-    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    job = _four_blocks()
     with caplog.at_level(logging.WARNING, logger=log.name):
         _staged_backend(chunk)._staged(job)
     assert job.wait().tolist() == [True, False, False, False]
@@ -334,15 +336,13 @@ def test_a_staged_chunk_whose_copy_fails_after_a_checksum_failure_says_which_are
 def test_a_staged_read_ended_by_an_exception_says_its_later_chunks_not_read(caplog):
     """A batch ended by an exception in its second chunk's copy (the disk had read that chunk): the
     line said every failed block "the disk read them", the chunks after it too, never read."""
-    from dflash2.transfer.cuda import StagedJob
 
     def chunk(job, part):
         if part.tolist() == [1]:
             raise RuntimeError("cudaErrorMemoryAllocation: out of memory allocating the copy's offsets")
         return np.ones(len(part), dtype=bool)
 
-    offsets = np.arange(4, dtype=np.int64) << 20
-    job = StagedJob(CopyBatch(Tier.NVME, Tier.HBM, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
+    job = _four_blocks()
     with caplog.at_level(logging.WARNING, logger=log.name):
         _staged_backend(chunk)._staged(job)
     assert job.wait().tolist() == [True, False, False, False]
