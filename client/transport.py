@@ -80,8 +80,9 @@ def pid_namespace() -> int | None:
 
 # Unanswered `forget`s kept to send again (the daemon notes up to KEEP_FORGOTTEN, 1024, of those
 # that come before their call, and can give back what any of its last KEEP_CALLS, 64, calls handed
-# out: daemon/sessions.py). At 8 the oldest was dropped first: on a stopped daemon the oldest call
-# is the one it receives (sent on the socket that had connected), and its blocks stayed held.
+# out: daemon/sessions.py; the forget of an older one that ran is answered `expired`, logged). At 8
+# the oldest was dropped first: on a stopped daemon the oldest call is the one it receives (sent on
+# the socket that had connected), and its blocks stayed held.
 MAX_FORGETS = 256
 # ... and the block ids of the commits among them, 2^20 ids (8 MiB) at most together, the newest
 # first: past that, an older commit's forget goes without them (refused when it arrives, the commit
@@ -344,7 +345,11 @@ class Transport:
         """A reply to an earlier call: a `forget` or a `retry` the daemon has taken (one it refused, an
         older daemon's unknown op say, is logged: the call may not have run), or a late reply."""
         self._in_flight.discard(reply.call_id)
-        self._forgets.pop(reply.call_id, None)
+        forgot = self._forgets.pop(reply.call_id, None)
+        if forgot is not None and reply.ok and reply.result.get("expired"):
+            log.warning("dflash2: call %d, given up after a timeout, ran at dflash2d at %s and is too old to undo "
+                        "(more of this client's calls that hand something out ran since than the daemon keeps): "
+                        "what it handed out may stay held until this client detaches", forgot[1], self.endpoint)
         retried = self._retries.pop(reply.call_id, None)
         if retried is not None and not reply.ok:
             _, op, call, vids = retried

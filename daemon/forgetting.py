@@ -37,10 +37,13 @@ class Forgetting:
         session = self.sessions[req.client]
         kept = session.undo
         old = kept.pop(req.call_id, None)  # (a call id used again: its earlier undo is replaced)
+        session.expired.pop(req.call_id, None)  # (... or its earlier call's expiry)
         session.undo_ids += ids - (0 if old is None else old[2])
         kept[req.call_id] = (req.op.value, functools.partial(give_back, req.client, *args), ids)
         while len(kept) > KEEP_CALLS or (session.undo_ids > KEEP_UNDO_IDS and len(kept) > 1):
-            session.undo_ids -= kept.popitem(last=False)[1][2]
+            call, (op, _, held) = kept.popitem(last=False)
+            session.undo_ids -= held
+            _keep(session.expired, call, note=op)  # ran, and can no longer be undone: its forget says so
 
     def _refuse_forgotten(self, req: Request, session: Session) -> None:
         """CallForgotten when the client gave up on this call before it arrived (a refused commit
@@ -81,7 +84,8 @@ class Forgetting:
 
     def _forget(self, req):
         """The client gave up waiting on its call `call`: give back what it handed out if it ran;
-        refuse it when it arrives if it has not. Any other call was not UNDOABLE, or is too old.
+        refuse it when it arrives if it has not. One that ran and is too old to undo is answered
+        `expired` (`_forget_expired`); any other call was not UNDOABLE, or had not arrived.
         A commit's `forget` names the blocks it named (an array frame; none from a client before
         it): when the commit has not run, those still being written are freed at once, as they are
         when it arrives (`_refuse_forgotten`), since it may never (it was lost with its socket)."""
@@ -94,6 +98,8 @@ class Forgetting:
         if call in session.settled or call in session.forgotten:
             return {"undone": False}, []  # a repeat (sent again on a new socket): carried out already
         kept = session.undo.get(call)
+        if kept is None and call in session.expired:
+            return self._forget_expired(req, call, session.expired[call])
         if kept is None:
             if written is not None:  # (first: parked on copies in flight, CopiesRunning, nothing is noted)
                 self._drop_writes(req, call, written)
@@ -116,6 +122,15 @@ class Forgetting:
         session.undo_ids -= session.undo.pop(call)[2]
         _keep(session.settled, call)
         return {"undone": undone}, []
+
+    def _forget_expired(self, req: Request, call: int, op: str):
+        """The client gave up on its call `call`, which ran, but more undoable calls of its have run
+        since than the daemon keeps the undo of: what it handed out stays held, said to the client and
+        logged (not noted as forgotten: it will not arrive again)."""
+        log.warning("client %d gave up on its %s (call %d), which ran and is too old to undo (past the client's "
+                    "last %d undoable calls, or %d block ids of theirs): what it handed out stays held until the "
+                    "client releases or frees it, or detaches", req.client, op, call, KEEP_CALLS, KEEP_UNDO_IDS)
+        return {"undone": False, "expired": True}, []
 
     def _once(self, req: Request, call: int, run: Callable[[], object], retry: bool = False) -> tuple[bool, object]:
         """Run a release or free of `req`'s client, its call `call` (`run`; `retry`: as its `retry`
@@ -199,8 +214,8 @@ class Forgetting:
         return True
 
 
-def _keep(calls, call: int, most: int = KEEP_FORGOTTEN) -> None:
-    """Note `call` among the last `most` of a session's forgotten, settled or ran calls."""
-    calls[call] = True
+def _keep(calls, call: int, most: int = KEEP_FORGOTTEN, note: object = True) -> None:
+    """Note `call` among the last `most` of a session's forgotten, settled, ran or expired calls."""
+    calls[call] = note
     while len(calls) > most:
         calls.popitem(last=False)

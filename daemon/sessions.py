@@ -26,6 +26,11 @@ class Session:
     undo: OrderedDict = dataclasses.field(default_factory=OrderedDict)  # call -> (op, undo, block ids it holds)
     undo_ids: int = 0  # block ids the undos hold together (KEEP_UNDO_IDS)
     forgotten: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # Calls that ran and whose undo was pushed out of `undo` since (call -> op, the last
+    # KEEP_FORGOTTEN): their `forget` can give nothing back, and says so. Taken for calls that never
+    # arrived, each was noted to be refused, "will not run" logged of a call that had run, and what
+    # it handed out stayed held with no word (a review).
+    expired: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     settled: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     # The ids of its last KEEP_RAN releases and frees that ran, and of the last KEEP_FORGOTTEN that a
     # `retry` ran (one the client timed out on comes again so): whichever of a call and its retry

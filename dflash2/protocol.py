@@ -67,9 +67,12 @@ sent as an explicit null, which means its default):
     stats            {}                                        → tiers, hit rates, moves, clients, reservations
     set_weights      {weights: {name: value}}                  → {policy}
     check            {}                                        → {} (or the invariant violation as error)
-    forget           {call} [vids: a commit's, optional]       → {undone: bool} (the client gave up waiting on
-                                                                  its call `call`: undone if it ran, never run
-                                                                  if it had not; see UNDOABLE)
+    forget           {call} [vids: a commit's, optional]       → {undone: bool, expired: true (it ran and is
+                                                                  too old to undo: past the client's last 64
+                                                                  undoable calls, daemon/sessions.py)} (the
+                                                                  client gave up waiting on its call `call`:
+                                                                  undone if it ran, never run if it had not;
+                                                                  see UNDOABLE)
     retry            {op: "release" | "free", call} [vids]      → {ran: bool, freed: n (a free's)} (the client's
                                                                   call `call` timed out: run it unless it ran;
                                                                   run, it is not run again; see RETRIED)

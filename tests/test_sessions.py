@@ -3,6 +3,7 @@ call its client gave up on (timed out) leaves nothing held that the client does 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -264,7 +265,44 @@ def test_forget_keeps_a_bounded_memory(service):
     session = service.sessions[c]
     assert len(session.undo) == KEEP_CALLS and len(session.forgotten) == KEEP_FORGOTTEN
     # The oldest call is no longer kept: forgetting it undoes nothing (and says so).
-    assert call(service, Op.FORGET, c, {"call": 1}, call_id=999).result == {"undone": False}
+    assert call(service, Op.FORGET, c, {"call": 1}, call_id=999).result == {"undone": False, "expired": True}
+    assert len(session.expired) == 3 * KEEP_CALLS - 1 - KEEP_CALLS
+
+
+def test_a_forget_of_a_call_that_ran_past_the_undo_window_says_it_expired(service, caplog):
+    """It took the branch of a call that never arrived: answered undone=False, logged "it will not
+    run" of a call that had run, noted to be refused (a later call of that id was), and the pin it
+    handed out stayed held with no word (a review). Now the answer, and a warning, say it is held."""
+    c = attach(service)
+    vids = published(service, c, n=1)
+    assert call(service, Op.ACQUIRE, c, {}, vids_frame(vids), call_id=5).ok  # ran: one pin
+    for i in range(KEEP_CALLS):  # as many undoable calls after it (the engine's other threads, say)
+        places = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 1}, call_id=10 + i).arrays[0],
+                               dtype=P.PLACE_DTYPE)
+        assert call(service, Op.FREE, c, {}, vids_frame(places["vid"]), call_id=1000 + i).ok
+    with caplog.at_level(logging.WARNING, logger="dflash2.daemon"):
+        reply = call(service, Op.FORGET, c, {"call": 5}, call_id=2000)
+    assert reply.ok and reply.result == {"undone": False, "expired": True}
+    assert (f"client {c} gave up on its acquire (call 5), which ran and is too old to undo (past the client's "
+            f"last {KEEP_CALLS} undoable calls") in caplog.text and "will not run" not in caplog.text
+    assert 5 not in service.sessions[c].forgotten and pins(service) == 1  # held, as said
+    assert call(service, Op.RELEASE, c, {}, vids_frame(vids), call_id=2001).ok
+    again = call(service, Op.ACQUIRE, c, {}, vids_frame(vids), call_id=5)  # an id used again is not refused
+    assert again.ok and pins(service) == 1
+    service.manager.check_invariants()
+
+
+def test_the_client_warns_of_a_forget_answered_expired(tmp_path, caplog):
+    t = Transport(f"ipc://{tmp_path}/no-daemon.sock")
+    try:
+        t._note_forget(7, 5, None)
+        (fid,) = t._forgets
+        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+            t._answered(P.Reply(fid, True, {"undone": False, "expired": True}))
+        assert not t._forgets and "call 5, given up after a timeout, ran at dflash2d" in caplog.text
+        assert "what it handed out may stay held until this client detaches" in caplog.text
+    finally:
+        t.close()
 
 
 def test_an_undo_that_no_longer_applies_is_logged_not_raised(service, caplog):
