@@ -107,6 +107,26 @@ def test_a_reservation_behind_blocks_that_cannot_move_has_no_wait_estimate(make_
     assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None  # the other two are still written
 
 
+def test_a_reservation_behind_the_queue_is_told_it_waits_behind_it(make_manager):
+    """HBM of 8 blocks: a's reservation of 2 granted, untaken; b's of 8 waits on it; c's of 4 fits in
+    the 6 free blocks but waits behind b. c was told of blocks being written, pinned or of higher
+    priority, of which HBM held none (a review's script): it waits behind b, and b on a."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8, admission=settings())
+    a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(a, lid, tokens=16 * 2).outcome is Outcome.GRANTED
+    head = mgr.reserve(b, lid, tokens=16 * 8)
+    assert head.outcome is Outcome.DEFERRED and head.est_wait_s is None
+    assert head.reason.startswith(f"HBM is held by 1 granted reservation(s) not yet taken ({2 * BLOCK} bytes)")
+    behind = mgr.reserve(c, lid, tokens=16 * 4)
+    assert behind.outcome is Outcome.DEFERRED and behind.position == 1 and behind.est_wait_s is None
+    assert "cannot move" not in behind.reason, behind.reason
+    assert behind.reason.startswith(f"waits behind 1 reservation(s) queued ahead of it ({8 * BLOCK} bytes)")
+    assert "no wait estimate" in behind.reason
+    assert mgr.admission.status(behind.reservation_id).reason == behind.reason  # a poll says the same
+    mgr.check_invariants()
+
+
 def test_idle_cached_blocks_are_demoted_to_make_room(make_manager):
     mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
     a = mgr.attach("a")

@@ -20,6 +20,7 @@ from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionS
                                           Reservation, credit_stall)
 from dflash2.reservations.positions import QueuePositions
 from dflash2.reservations.shares import ClientShares
+from dflash2.reservations.waits import blocked_reason
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
@@ -443,18 +444,11 @@ class Admission:
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos, ahead = self._positions.of(self.deferred, res)  # (a scan of the queue per poll: positions.py)
         room = self._room(res)
-        movable = self._movable_bytes(res)
-        if ahead > room and ahead > room + movable:
-            # Demoting cannot make the room: it waits on blocks that cannot move now, or on granted
-            # reservations' room (said as such, not as blocks written or pinned: a review).
-            held = [r for r in self.granted.values() if r.remaining]
-            if held and (untaken := sum(r.remaining * r.slot for r in held)) >= ahead - room - movable:
-                why = (f"HBM is held by {len(held)} granted reservation(s) not yet taken ({untaken} bytes): waits "
-                       "until their clients take and free those blocks or cancel them, or they expire "
-                       f"(admission.reservation_ttl_s, {self.settings.reservation_ttl_s:g} s at most)")
-            else:
-                why = ("HBM is held by blocks that cannot move now (being written, pinned, or of higher priority): "
-                       "waits for their clients to release them")
+        # Demoting cannot make the room: it waits on blocks that cannot move now, on granted
+        # reservations' room, or on the reservations ahead of it, each said as such (waits.py).
+        why = blocked_reason(pos, res.hbm_bytes, ahead, room + self._movable_bytes(res), self.granted.values(),
+                             self.settings.reservation_ttl_s)
+        if why is not None:
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
         wait = 0.0 if short <= 0 else self._refill_time(short)

@@ -1,0 +1,48 @@
+"""What a deferred reservation that demoting cannot make room for is told it waits on
+(`Admission._deferred_decision`), with no wait estimate: each cause below ends only when clients act.
+
+The bytes it waits for (its own and those of the reservations queued ahead of it) are more than HBM's
+free and movable room; three causes, told apart by the bytes each accounts for:
+
+- its own bytes are more than free + movable room + granted reservations' untaken room: blocks that
+  cannot move now (being written, pinned, or of higher priority) hold the rest;
+- its own bytes need granted reservations' untaken room: it waits for their clients or their expiry;
+- its own bytes fit: the reservations ahead of it take the room first, granted one after another, and
+  it waits until their clients free that room.
+
+All three were once one test on the queue's bytes up to it, so a reservation behind a head that waited
+on another's granted room was told of blocks being written, pinned or of higher priority, where HBM
+held none (a review's script).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dflash2.reservations.records import Reservation
+
+IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned, or of higher priority): "
+             "waits for their clients to release them")
+
+
+def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[Reservation],
+                   ttl_s: float) -> str | None:
+    """The reason for a reservation at index `pos` of the queue, of `own` HBM bytes, with `ahead`
+    bytes of the queue up to and with it, where demoting can free `free` bytes for it (free room and
+    movable blocks); None when that covers `ahead` (then only admission's pacing holds it back)."""
+    if ahead <= free:
+        return None
+    held = [r for r in granted if r.remaining]
+    untaken = sum(r.remaining * r.slot for r in held)
+    others = ahead - own
+    queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
+    if own > free + untaken:
+        return IMMOVABLE + queued
+    if own > free:
+        return (f"HBM is held by {len(held)} granted reservation(s) not yet taken ({untaken} bytes): waits "
+                "until their clients take and free those blocks or cancel them, or they expire "
+                f"(admission.reservation_ttl_s, {ttl_s:g} s at most)" + queued)
+    return (f"waits behind {pos} reservation(s) queued ahead of it ({others} bytes): HBM's free and movable "
+            f"room ({free} bytes) takes its own {own} bytes but not theirs too, so it waits until they are "
+            "granted and their clients free that room or cancel them; no wait estimate, as that is up to "
+            "those clients")
