@@ -14,7 +14,8 @@ Accounting: a prefetched block is *useful* when it is read while still in HBM, *
 HBM (demoted, evicted) before its read or was never read (still unread a step after its reader
 left); each prefetch counts once either way. A block that a reader's own lookup brought up (the
 lookup waited for the copy) is, for the HBM hit rate, that reader's read from the tier it came from,
-whoever reads it first (until the second step after: `_settle_owed`): `reading` says which those are.
+whoever reads it first, until the second step after the lookup (`_claims`; its read comes right after
+the lookup it waited in, and one later waited for nothing: a hit): `reading` says which those are.
 A block prefetched since the last tick is left in HBM by that tick's rebalance (its score is old: a
 prefetch is not a read), so that the read it was brought up for finds it there.
 """
@@ -80,12 +81,14 @@ class Prefetcher:
         self.useful = 0
         self.wasted = 0
         # vids promoted by the prefetcher, not yet read -> (the tier each came from, the reader it was
-        # brought up for, None when unknown, and whether that reader's lookup waited for it)
-        self._pending: dict[int, tuple[int, int | None, bool]] = {}
+        # brought up for, None when unknown, whether that reader's lookup waited for it, and the step
+        # it came up in: the wait is that reader's claim until the second step after, `_claims`)
+        self._pending: dict[int, tuple[int, int | None, bool, int]] = {}
         # A reader's lookup waited for these copies, and another reader read them first (settling
-        # them): reader -> {vid: (the tier it came from, the step it was made in)}, its own read of
-        # them still to count as from there (before, the hit rate hung on who read first, a review).
-        # Until the second step after (`_settle_owed`), or sooner as the block leaves HBM.
+        # them): reader -> {vid: (the tier it came from, the step its lookup brought it up in)}, its own
+        # read of them still to count as from there (before, the hit rate hung on who read first, a
+        # review). Until the second step after that lookup (`_settle_owed`), or sooner as the block
+        # leaves HBM.
         self._owed: dict[int, dict[int, tuple[int, int]]] = {}
         self._steps = 0  # settles so far
         # Prefetched for a reader that left, still in HBM: a read before the next step is useful,
@@ -163,7 +166,7 @@ class Prefetcher:
             # HBM (the acquire's read of it from HBM counted it wasted too, a review).
             for _, left in getattr(self.manager, "_came_from", {}).values() if again else ():
                 left.difference_update(again)
-            self._pending.update((v, (t, reader, waits)) for v, t in zip(done, origin[ok].tolist()))
+            self._pending.update((v, (t, reader, waits, self._steps)) for v, t in zip(done, origin[ok].tolist()))
             self._orphans.difference_update(done)  # (brought up again for a reader here: its own, a review)
             self._fresh.update(done)
             return len(done)
@@ -234,9 +237,9 @@ class Prefetcher:
         for key in self._chains.pop(reader, {}):
             self._queued.pop((reader, key), None)
         self._owed.pop(reader, None)
-        for v, (origin, by, _) in list(self._pending.items()):
+        for v, (origin, by, _, step) in list(self._pending.items()):
             if by == reader:
-                self._pending[v] = (origin, None, False)
+                self._pending[v] = (origin, None, False, step)
                 self._orphans.add(v)
 
     def reading(self, vids: Sequence[int], reader: int | None = None) -> Counter:
@@ -276,8 +279,8 @@ class Prefetcher:
             in_hbm = [there and v not in left for v, there in zip(mine, in_hbm)]
         own = {}
         for v, there in zip(mine, in_hbm):
-            origin, by, waited = self._pending.get(v) or (owed[v][0], reader, True)
-            if there and reader is not None and by == reader and waited:
+            origin, by, waited, step = self._pending.get(v) or (owed[v][0], reader, True, owed[v][1])
+            if there and reader is not None and by == reader and self._claims(waited, step):
                 own[v] = Tier(origin)
         return PrefetchedRead(mine, in_hbm, own, reader)
 
@@ -294,9 +297,9 @@ class Prefetcher:
             self._orphans.discard(v)
             self.useful += there
             self.wasted += not there
-            origin, by, waited = entry
-            if there and waited and by is not None and by != read.reader:
-                self._owed.setdefault(by, {})[v] = (origin, self._steps)  # its waiting reader reads it still
+            origin, by, waited, step = entry
+            if there and self._claims(waited, step) and by is not None and by != read.reader:
+                self._owed.setdefault(by, {})[v] = (origin, step)  # its waiting reader reads it still
         if read.reader in self._owed and not owed:
             del self._owed[read.reader]
 
@@ -328,8 +331,16 @@ class Prefetcher:
             if g:
                 del self._pending[v]
 
+    def _claims(self, waited: bool, step: int) -> bool:
+        """Whether a reader's lookup that waited for a copy made in `step` still has its read of it
+        count from where it came: until the second step after (its read comes right after the lookup;
+        one later waited for nothing). Kept until read, a lookup with no acquire after it (the request
+        went away) made the same client's read seconds later, of blocks that had sat in HBM, a DRAM
+        read (a review). The prefetch is useful either way: read while in HBM."""
+        return waited and step >= self._steps - 1
+
     def _settle_owed(self) -> None:
-        """A waiting reader's debt ends at the second step after it was made, or sooner as its block
+        """A waiting reader's debt ends at the second step after its lookup, or sooner as its block
         leaves HBM (its read then counts from where the block lies): its read comes right after the
         lookup it waited in, and a later request's read of blocks it finds in HBM waited for nothing
         (kept until read, a debt outlived its reason, a review; a block that leaves HBM and comes back
@@ -340,7 +351,7 @@ class Prefetcher:
             rows, live = self._rows(vids)
             there = (live & (self.manager.table.cols.tier[rows] == int(Tier.HBM))).tolist()
             for v, here in zip(vids, there):
-                if not here or owed[v][1] < self._steps - 1:
+                if not here or not self._claims(True, owed[v][1]):
                     del owed[v]
             if not owed:
                 del self._owed[reader]

@@ -182,6 +182,35 @@ def test_a_waiting_readers_debt_does_not_outlive_the_next_steps(make_manager, cl
     assert m.access.reads == {Tier.HBM: 8} and not m.prefetcher.settles
 
 
+def test_a_lookups_own_prefetch_read_steps_later_is_an_hbm_hit(make_manager, clock):
+    """Its lookup waited for the swap-in and no acquire followed (the request went away); steps
+    later the same client reads the blocks, which have sat in HBM: it waits for nothing, hits. The
+    waited-for claim kept until read made those reads from DRAM (a review: {'dram': 2} for the
+    first window of a chain). Still a useful prefetch: read while in HBM."""
+    m, w, a, b, keys = _two_readers_of_a_dram_chain(make_manager, 1)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()  # a's lookup waits for the swap-in
+    for _ in range(2):
+        clock.advance(1.0)
+        m.tick()
+    assert all(p.tier.label == "hbm" for p in m.places_of_rows(m.table.lookup(keys, 0))), "still in HBM"
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.HBM: 4} and (m.prefetcher.useful, m.prefetcher.wasted) == (4, 0)
+
+
+def test_a_lookups_own_prefetch_read_first_by_another_steps_later_owes_nothing(make_manager, clock):
+    """The same claim read first by another reader after those steps: no debt is made for the
+    waiting reader (the same figures whoever reads first)."""
+    m, w, a, b, keys = _two_readers_of_a_dram_chain(make_manager, 1)
+    found = m.table.vids(m.lookup_rows(keys, 0, client=a)).tolist()
+    for _ in range(2):
+        clock.advance(1.0)
+        m.tick()
+    assert m.acquire_rows(b, found) is not None
+    assert not m.prefetcher.settles, "a debt for a claim that had lapsed"
+    assert m.acquire_rows(a, found) is not None
+    assert m.access.reads == {Tier.HBM: 8}
+
+
 def test_the_window_follows_the_readers_position(make_manager, clock):
     """A reader's acquires move its read position along the chain its lookup found: the window
     beyond it comes up once the acquire is answered (not waited for: those reads are HBM hits), and
