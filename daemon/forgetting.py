@@ -57,11 +57,11 @@ class Forgetting:
                 vids = None  # a malformed commit: nothing of it is the writer's to free
             if vids is not None:  # (first: parked on copies in flight, CopiesRunning, it stays forgotten)
                 self._drop_writes(req, req.call_id, vids)
-        elif req.op == Op.ACQUIRE and self._mgr(req).placement.own_parks:
-            # The parked call run again (own_parks: it set the record): what it waited for is no longer
-            # the client's next acquire's (a review). A forgotten call that came late, first seen now,
-            # leaves another parked acquire's record alone.
-            self._mgr(req).end_call(req.client)
+        elif req.op == Op.ACQUIRE:
+            # The parked call run again: its record of what it waited for is dropped (it stayed, and was
+            # taken for the client's next acquire's, a review). The record is the call's own (client,
+            # call id): a forgotten call that came late, first seen now, leaves another parked one's alone.
+            self._mgr(req).end_call(req.client, req.call_id)
         del session.forgotten[req.call_id]
         _keep(session.settled, req.call_id)
         self.counters["calls_refused_forgotten"] += 1

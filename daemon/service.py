@@ -520,9 +520,9 @@ class Service(Forgetting):
         return {"withheld": m.access.withheld - withheld}, [wire.records(m, rows)]
 
     def _acquire(self, req):
-        m = self._mgr(req)
-        vids, tier = req.array(0, P.VIDS_DTYPE, "block ids"), wire.memory_tier(req)
-        rows = m.acquire_rows(req.client, vids, tier, priority=arg(req, "priority", int, default=None, lo=-128, hi=127))
+        m, vids, tier = self._mgr(req), req.array(0, P.VIDS_DTYPE, "block ids"), wire.memory_tier(req)
+        priority = arg(req, "priority", int, default=None, lo=-128, hi=127)
+        rows = m.acquire_rows(req.client, vids, tier, priority=priority, call=req.call_id)  # (the call's record)
         if rows is None:  # (why, naming the tier asked for: a host reader's refusal named HBM, a review)
             return {"acquired": False, "reason": m.acquire_refusal}, [b""]
         self._undoable(req, m.release, vids)

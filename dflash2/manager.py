@@ -113,10 +113,10 @@ class BlockManager(Reads):
         # The duel (duel.py), when whoever built this manager attached one: lookups feed its
         # miniature replays, the tick serves them, and the policy follows the one that finds most.
         self.duel = None
-        # Per client, the tiers its acquire parked on its own copies read from (vid -> tier), and the
-        # prefetches among them that had left HBM unread (`Prefetcher.left_hbm`), until it runs
-        # again (`acquire_rows`).
-        self._came_from: dict[int, tuple[dict[int, int], set[int]]] = {}
+        # Per acquire parked on its own copies, (client, call id), the tiers it read from (vid ->
+        # tier), and the prefetches among them that had left HBM unread (`Prefetcher.left_hbm`),
+        # until it runs again (`acquire_rows`). Per call: a client may pipeline several.
+        self._came_from: dict[tuple[int, int | None], tuple[dict[int, int], set[int]]] = {}
         # Per storage arena, its `forgets` whose blocks were all dropped, and those dropped of the ones
         # since, still under way (_drop_forgotten).
         self._forgets_seen: dict[int, int] = {}
@@ -137,7 +137,8 @@ class BlockManager(Reads):
                                np.fromiter(holder.pins.keys(), dtype=np.int64, count=len(holder.pins))])
         self.read_cost.drop_client(client)
         self.prefetcher.drop(client)
-        self._came_from.pop(client, None)
+        for who in [w for w in self._came_from if w[0] == client]:  # (each of its parked acquires)
+            del self._came_from[who]
         reservations = self.admission.remove_client(client)
         if set_aside:
             released = self.table.set_aside_client(client)

@@ -81,38 +81,41 @@ class Reads:
             self.access.misses += len(keys) - len(rows)
         return rows
 
-    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> list[Place] | None:
+    def acquire(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None, *,
+                call: int | None = None) -> list[Place] | None:
         """Pin blocks for use in `up_to` or a faster tier, promoting (prefix first) those that lie
         below it. HBM by default; a host-side reader (a CPU cache such as sglang's host pool) asks
         for DRAM and reads blocks in DRAM where they are. All or nothing: None when the tier cannot
         be given room for them now (nothing is pinned then); NeverFits when the blocks that must come
-        up exceed the whole tier."""
-        rows = self.acquire_rows(client, vids, up_to, priority)
+        up exceed the whole tier. `call`: the daemon's call id, which names a call parked on copies
+        across its runs (`acquire_rows`); in-process callers, which wait, pass none."""
+        rows = self.acquire_rows(client, vids, up_to, priority, call=call)
         return None if rows is None else self.places_of_rows(rows)
 
-    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None) -> np.ndarray | None:
+    def acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM, priority: int | None = None, *,
+                     call: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows (`_acquire_rows`). A call parked on copies (CopiesRunning) keeps
         the record of what it waited for, for its run again; one that ended otherwise (an UnknownBlock
         after its own promotion settled) leaves none: its record stayed, and the client's next acquire
-        was taken for that call run again (a copy failure on record refused untried, a review)."""
-        before = self._came_from.get(client)
+        was taken for that call run again (a copy failure on record refused untried, a review). The
+        record is kept per call, (client, call id): a raw-protocol client pipelines up to 64 calls, and
+        its second acquire, sent while its first was parked on NVMe reads, took the first's record as
+        its own (the parked call's run again counted its reads from NVMe as HBM hits, a review)."""
         try:
-            return self._acquire_rows(client, vids, up_to, priority)
+            return self._acquire_rows(client, vids, up_to, priority, call)
         except CopiesRunning:
             raise
         except BaseException:
-            # Only a record this call set: another acquire of the client's, parked, keeps its own (one
-            # refused as it began dropped it, and the parked call's reads from NVMe counted as HBM hits).
-            if self._came_from.get(client) is not before:
-                self.end_call(client)
+            self.end_call(client, call)  # (the record is this call's: another's, parked, keeps its own)
             raise
 
-    def end_call(self, client: int) -> None:
-        """`client`'s acquire parked on copies will not run again (it failed, or the client gave it up)."""
-        self._came_from.pop(client, None)
+    def end_call(self, client: int, call: int | None = None) -> None:
+        """`client`'s acquire `call` (its call id) parked on copies will not run again (it failed, or
+        the client gave it up)."""
+        self._came_from.pop((client, call), None)
 
     def _acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM,
-                      priority: int | None = None) -> np.ndarray | None:
+                      priority: int | None = None, call: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
         then from running requests' blocks; with the reading request's `priority` given, only those
         of that priority or lower (never a higher-priority request's: its own reservation could not
@@ -124,7 +127,8 @@ class Reads:
         # for the hit rates, reads from those tiers, though they lie in `up_to` once it runs again.
         # So are the prefetches among them that had left HBM unread (`left_hbm`: wasted, though
         # they lie in HBM once it runs again), looked at before it waits for or promotes anything.
-        parked = self._came_from.pop(client, None)
+        who = client, call  # (the call's own record, never another parked acquire's of the client)
+        parked = self._came_from.pop(who, None)
         if parked is None:  # a new call tries anew the blocks whose copy failed before it (as it begins: it
             self.mover.forget_copy_failed(rows)  # may park below on a prefetch's copies, a review)
         came, left = parked if parked is not None and self.placement.own_parks else ({}, set())
@@ -139,12 +143,12 @@ class Reads:
             # swap-in", so each is a read from the tier it is coming from. Parked on them, the call
             # counts as parked on copies of its own (it runs again with `came`).
             came.update(zip(self.table.vids(rows[flying]).tolist(), c.tier[rows[flying]].tolist()))
-            self._came_from[client] = came, left
+            self._came_from[who] = came, left
             try:
                 settle_if(self, rows, placing=True)
             except CopiesRunning:
                 raise CopiesRunning(own=True) from None
-            del self._came_from[client]
+            del self._came_from[who]
         else:
             settle_if(self, rows, placing=any_true(c.tier[rows] > int(up_to)))
         refuse_dropped(self.table, rows, vids)  # by a read that just ended (a lookup's prefetch from NVMe)
@@ -172,7 +176,7 @@ class Reads:
             # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
             # (settling.py).
             came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
-            self._came_from[client] = came, left
+            self._came_from[who] = came, left
             with self.placement.own_writes():
                 if self.placement.promote_later(rows, up_to, below_priority=below):
                     chain = None  # (blocks may have been dropped since: walked again)
@@ -180,7 +184,7 @@ class Reads:
                         raise CopiesRunning(own=True)
                     self.placement.settle()
                     refuse_dropped(self.table, rows, vids)
-            del self._came_from[client]  # (promoted at once: the tiers below say where from)
+            del self._came_from[who]  # (promoted at once: the tiers below say where from)
             if any_true(self.mover.copy_failed_among(rows[below_rows])):
                 return self._copy_failed(up_to, rows[below_rows])  # (settled just now: not copied again)
         now = self.table.clock()

@@ -540,3 +540,38 @@ def test_another_acquire_that_fails_leaves_the_parked_ones_record(small_nvme_man
     done = send(Op.ACQUIRE, 6, cid, token, arrays=[chain], again=parked)
     assert done.ok and done.result["acquired"], done
     assert dict(mgr.access.reads) == {Tier.NVME: 4}, dict(mgr.access.reads)
+
+
+def test_another_acquire_that_succeeds_leaves_the_parked_ones_record(small_nvme_manager, monkeypatch):
+    """While a client's acquire (call 6) is parked on its NVMe reads, another acquire of its own (call 8:
+    a raw-protocol client pipelines its calls) reads a block already in HBM and succeeds. The record of
+    where the parked call's blocks came from was kept per client: the second call took it as its own,
+    and the parked call's run again counted its 4 reads from NVMe as HBM hits. It is kept per call now."""
+    mgr = small_nvme_manager
+    send, cid, token, chain, parked, disk, vids = _parked_chain_acquire(mgr, monkeypatch)
+    r = send(Op.ACQUIRE, 8, cid, token, arrays=[np.array([vids[HOT]], dtype=P.VIDS_DTYPE).tobytes()])
+    assert r.ok and r.result["acquired"], r
+    assert dict(mgr.access.reads) == {Tier.HBM: 1}, dict(mgr.access.reads)
+    assert list(mgr._came_from) == [(cid, 6)], mgr._came_from  # (the parked call's, by its call id)
+    disk.release()
+    deadline = time.monotonic() + 10
+    while mgr.copies_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mgr.settle()
+    done = send(Op.ACQUIRE, 6, cid, token, arrays=[chain], again=parked)
+    assert done.ok and done.result["acquired"], done
+    assert dict(mgr.access.reads) == {Tier.HBM: 1, Tier.NVME: 4}, dict(mgr.access.reads)
+    assert not mgr._came_from, mgr._came_from  # (the call ran: its record is gone)
+    mgr.check_invariants()
+
+
+def test_a_client_gone_drops_the_records_of_its_parked_acquires(small_nvme_manager, monkeypatch):
+    """A client detached while its acquire is parked: the call never runs again, and its record (kept
+    per call) goes with the client."""
+    mgr = small_nvme_manager
+    send, cid, token, chain, parked, disk, vids = _parked_chain_acquire(mgr, monkeypatch)
+    disk.release()
+    mgr.settle()
+    mgr.detach(cid)
+    assert not mgr._came_from, mgr._came_from
+    mgr.check_invariants()
