@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import os
 
+from dflash2.protocol import printable
+
 
 def same_file(fd: int, path: str | os.PathLike) -> bool:
     """Whether `path` (where it leads, for a link) names the file open at `fd` now."""
@@ -96,6 +98,8 @@ def pids_text(pids: list[int]) -> str:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             command = ""
+        # Escaped before the cut, which so bounds what is printed of it.
+        command = printable(command)
         named.append(f"pid {pid}" + (f": {command[:120]}" if command else ""))
     return f" ({'; '.join(named)})" if named else ""
 

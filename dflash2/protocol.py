@@ -124,6 +124,14 @@ def unprintable(text: str) -> str | None:
     return None if bad is None else f"holds a control character or one that does not print ({bad!r})"
 
 
+def printable(text: str) -> str:
+    """`text` with each character `unprintable` refuses written as its escape (`\\n`, `\\x1b`,
+    `\\u202e`): for text the daemon prints but did not choose, as another process's command line
+    (argv[0] is anyone's to choose: a newline in it forged a "dflash2d: error:" line, a review)."""
+    return "".join(ch.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(ch) in _NOT_IN_NAMES or ch in _BIDI_CONTROLS else ch for ch in text)
+
+
 def client_name(name: str) -> str:
     """An attach's `name`, checked (ProtocolError naming what is wrong)."""
     if not name.strip():

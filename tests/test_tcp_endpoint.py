@@ -206,3 +206,31 @@ def test_an_interface_name_is_refused_as_written_and_even_where_it_resolves(monk
     assert endpoints.interface_host("tcp://eth0:5999") == "eth0"
     assert endpoints.interface_host("tcp://node7:5999") is None
     assert endpoints.interface_host("tcp://[::1]:5999") is None
+
+
+def test_a_port_holders_command_line_cannot_forge_a_line(tmp_path):
+    """A holder's command line was printed as read, NULs made spaces: argv[0] is any local process's
+    to choose, and a newline in it wrote a line that read as dflash2d's own (a review)."""
+    from dflash2.files import pids_text
+
+    port = free_port()
+    forged = "x\ndflash2d: error: FORGED\x1b[2J\u202e"
+    holder = subprocess.Popen([forged, "-c", "import socket, sys, time\ns = socket.socket()\n"
+                               f"s.bind(('127.0.0.1', {port}))\ns.listen()\nprint('ready', flush=True)\ntime.sleep(60)"],
+                              executable=sys.executable, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        text = pids_text([holder.pid])
+        assert text.startswith(f" (pid {holder.pid}: x\\ndflash2d: error: FORGED\\x1b[2J\\u202e -c "), text
+        config = write_config(tmp_path, metrics={"port": port, "host": "127.0.0.1"})
+        for args in (["--check"], []):
+            env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+            out = subprocess.run([sys.executable, "-m", "dflash2.daemon.main", "--config", config, *args],
+                                 capture_output=True, text=True, timeout=60, env=env)
+            assert f"(pid {holder.pid}: x\\ndflash2d: error: FORGED" in out.stdout + out.stderr, (args, out)
+            assert not any("FORGED" in line and not line.startswith(("dflash2d: error: cannot", "now: cannot"))
+                           for line in (out.stdout + out.stderr).splitlines()), (args, out)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
