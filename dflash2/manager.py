@@ -35,6 +35,7 @@ from dflash2.readcost import ReadCost
 from dflash2.reads import Reads
 from dflash2.refusals import Refusals
 from dflash2.reservations import Admission, AdmissionSettings, Decision, Reservation
+from dflash2.reservations.waits import held_by_granted, until_taken, untaken_room
 from dflash2.settling import rows_a_commit_meets, settle_if, settled
 from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
@@ -236,9 +237,10 @@ class BlockManager(Reads):
             return self._held_back(ahead, priority, held)
         if vids is None:
             settle_if(self, placing=True)  # making room moves and evicts blocks
-            if not self.placement.could_hold(tier, n * slot + held, idle_only=True, slot=slot):
+            most = self.placement.room_most(tier, n * slot + held, idle_only=True, slot=slot)
+            if most < n * slot + held:
                 # Nothing is moved for a call that fails anyway: its room waits on blocks held.
-                return self._held_back(ahead, priority, held) if held else self._refused(tier)
+                return self._held_back(ahead, priority, held) if held else self._refused(tier, n * slot, most)
             need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
@@ -246,15 +248,25 @@ class BlockManager(Reads):
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
-            return self._refused(tier)
+            return self._refused(tier, n * slot, self.placement.free_bytes(tier, size))
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
 
-    def _refused(self, tier: Tier) -> None:
-        # (reservations are of HBM: a host writer told to reserve could not, a review)
-        self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
-                                 + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
-                                    "by host readers: free or release them, or try again later"))
+    def _refused(self, tier: Tier, need: int, room: int) -> None:
+        """`need` bytes of slots refused where `room` (free, and movable when that was counted) is all
+        the tier could give now."""
+        count, untaken = untaken_room(self.admission.granted.values()) if tier == Tier.HBM else (0, 0)
+        if count and room + untaken >= need:
+            # Granted reservations' untaken blocks hold the room, not blocks being written or
+            # pinned: an allocate was told HBM was full of blocks that cannot move, where none were
+            # (a review; a deferred reserve was already told this).
+            self.allocate_refusal = (f"{held_by_granted(count, untaken)}, without which HBM's free and movable room "
+                                     f"({room} bytes) would hold the {need} bytes asked for; reserve and wait "
+                                     + until_taken(self.admission.settings.reservation_ttl_s))
+        else:  # (reservations are of HBM: a host writer told to reserve could not, a review)
+            self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
+                                     + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
+                                        "by host readers: free or release them, or try again later"))
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
 

@@ -35,6 +35,29 @@ def test_an_allocate_that_fails_anyway_moves_and_drops_nothing(make_manager, dra
     mgr.check_invariants()
 
 
+def test_an_allocate_refused_for_granted_reservations_room_names_them(make_manager):
+    """HBM of 4, 3 of them a granted reservation's, none taken: an allocate of 2 was told HBM was
+    "full of blocks that cannot move now", blocks being written or pinned, where none were (a review;
+    a deferred reserve was already told of granted room). Where such blocks do hold it, it still is."""
+    mgr = make_manager(hbm_blocks=4)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(a, lid, tokens=16 * 3).outcome.name == "GRANTED"
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    ttl = mgr.admission.settings.reservation_ttl_s
+    for n in (2, 4):  # (4: the whole tier, counted by the bound before any room is made)
+        assert mgr.allocate(b, lid, n) is None
+        assert mgr.allocate_refusal == (
+            f"HBM is held by 1 granted reservation(s) not yet taken ({3 * slot} bytes), without which HBM's free "
+            f"and movable room ({slot} bytes) would hold the {n * slot} bytes asked for; reserve and wait until "
+            "their clients take and free those blocks or cancel them, or they expire "
+            f"(admission.reservation_ttl_s, {ttl:g} s at most)")
+    mgr.allocate(b, lid, 1)  # being written: the rest is no longer the reservation's to give
+    assert mgr.allocate(b, lid, 4) is None
+    assert mgr.allocate_refusal == "HBM is full of blocks that cannot move now; reserve and wait"
+    mgr.check_invariants()
+
+
 def _halves(mgr, w, small: int) -> None:
     """In an HBM of pages of 16 KiB, two pages each left holding an 8 KiB block being written and a
     free 8 KiB slot: 16 KiB of free slots that hold no 16 KiB block until a write ends."""

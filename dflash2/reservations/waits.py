@@ -32,17 +32,33 @@ def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[
     movable blocks); None when that covers `ahead` (then only admission's pacing holds it back)."""
     if ahead <= free:
         return None
-    held = [r for r in granted if r.remaining]
-    untaken = sum(r.remaining * r.slot for r in held)
+    count, untaken = untaken_room(granted)
     others = ahead - own
     queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
     if own > free + untaken:
         return IMMOVABLE + queued
     if own > free:
-        return (f"HBM is held by {len(held)} granted reservation(s) not yet taken ({untaken} bytes): waits "
-                "until their clients take and free those blocks or cancel them, or they expire "
-                f"(admission.reservation_ttl_s, {ttl_s:g} s at most)" + queued)
+        return f"{held_by_granted(count, untaken)}: waits {until_taken(ttl_s)}" + queued
     return (f"waits behind {pos} reservation(s) queued ahead of it ({others} bytes): HBM's free and movable "
             f"room ({free} bytes) takes its own {own} bytes but not theirs too, so it waits until they are "
             "granted and their clients free that room or cancel them; no wait estimate, as that is up to "
             "those clients")
+
+
+def untaken_room(granted: Iterable[Reservation]) -> tuple[int, int]:
+    """How many granted reservations have blocks not yet taken, and those blocks' HBM bytes: room
+    that no demotion frees (their blocks are RESERVED, not movable) and that no other call may use."""
+    held = [r for r in granted if r.remaining]
+    return len(held), sum(r.remaining * r.slot for r in held)
+
+
+def held_by_granted(count: int, untaken: int) -> str:
+    """The room of granted reservations not yet taken, said (a deferred reserve's reason, a refused
+    allocate's: the allocate was told of blocks being written or pinned where none were, a review)."""
+    return f"HBM is held by {count} granted reservation(s) not yet taken ({untaken} bytes)"
+
+
+def until_taken(ttl_s: float) -> str:
+    """Until when granted reservations' untaken room stays theirs."""
+    return ("until their clients take and free those blocks or cancel them, or they expire "
+            f"(admission.reservation_ttl_s, {ttl_s:g} s at most)")
