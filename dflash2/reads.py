@@ -114,6 +114,17 @@ class Reads:
         the client gave it up)."""
         self._came_from.pop((client, call), None)
 
+    def _park_record(self, who: tuple[int, int | None], rows: np.ndarray, came: dict[int, int], left: set[int]) -> None:
+        """Note what the call `who` (client, call id), about to wait for copies, read from where: `came`,
+        and the blocks its reader's lookup waited for the prefetch of (`Prefetcher.peek`'s `own`), as
+        claimed now: the claim lapses two background steps on, and a call parked on slow NVMe reads
+        meanwhile counted those blocks, whose swap-in its request had waited for, as HBM hits (a review
+        of the claim's lapse). A new dict: the caller's `came` stays its own."""
+        settles = self.prefetcher.settles
+        claimed = self.prefetcher.peek(self.table.vids(rows).tolist(), who[0], left) if settles else None
+        own = {} if claimed is None else {v: int(t) for v, t in claimed.own.items()}
+        self._came_from[who] = {**own, **came}, left
+
     def _acquire_rows(self, client: int, vids, up_to: Tier = Tier.HBM,
                       priority: int | None = None, call: int | None = None) -> np.ndarray | None:
         """`acquire`, answering rows. The room a promotion needs is made from idle blocks first,
@@ -143,7 +154,7 @@ class Reads:
             # swap-in", so each is a read from the tier it is coming from. Parked on them, the call
             # counts as parked on copies of its own (it runs again with `came`).
             came.update(zip(self.table.vids(rows[flying]).tolist(), c.tier[rows[flying]].tolist()))
-            self._came_from[who] = came, left
+            self._park_record(who, rows, came, left)
             try:
                 settle_if(self, rows, placing=True)
             except CopiesRunning:
@@ -176,7 +187,7 @@ class Reads:
             # PARK_AFTER_S: rebalance.py `end_soon`) and runs again, whole, once they have ended
             # (settling.py).
             came.update(zip(self.table.vids(rows[below_rows]).tolist(), tiers[below_rows].tolist()))
-            self._came_from[who] = came, left
+            self._park_record(who, rows, came, left)
             with self.placement.own_writes():
                 if self.placement.promote_later(rows, up_to, below_priority=below):
                     chain = None  # (blocks may have been dropped since: walked again)

@@ -87,3 +87,47 @@ def test_a_prefetch_again_in_flight_when_its_reader_parks_is_useful(small_nvme_m
         m.placement.read_later = False
     assert _acquire_as_the_daemon(m, a, found, parking=True) is not None
     assert (m.prefetcher.useful, m.prefetcher.wasted, m.prefetcher.pending) == (1, 1, 0)
+
+
+def test_a_parked_acquire_reads_what_its_lookup_waited_for_from_where_it_came(small_nvme_manager, monkeypatch):
+    """The daemon's order: a's lookup waits for its window's DRAM->HBM copies (step s); a step passes
+    (s+1); a's acquire of the window and a block on NVMe parks on the slow NVMe read; the step due
+    meanwhile settles the copies (s+2), and the claim on the window lapses; the call runs again. Its
+    request waited for the window's swap-in: read from DRAM, not HBM hits (a review: the claim was
+    looked at on the run again only, and the figures hung on the disk's speed)."""
+    import time
+
+    from test_parked_calls import HeldDisk
+
+    from dflash2.errors import CopiesRunning
+
+    m = small_nvme_manager
+    a = m.attach("a")
+    lid = m.register_layout(SMALL)
+    m.free(a, m.commit(a, m.allocate(a, lid, 2, tier=Tier.DRAM), [31, 32]))
+    far = m.commit(a, m.allocate(a, lid, 1, tier=Tier.DRAM), [41])
+    m.free(a, far)
+    assert m.mover.move(m.table.rows(far), Tier.NVME).all()
+    window = m.table.vids(m.lookup_rows([31, 32], lid, client=a)).tolist()
+    assert [m.place(v).tier for v in window] == [Tier.HBM] * 2 and m.prefetcher.pending == 2
+    m.tick()
+    disk = HeldDisk(m, monkeypatch)
+    m.placement.read_later, m.placement.parking, m.placement.own_parks = True, True, 0
+    try:
+        with pytest.raises(CopiesRunning):
+            m.acquire_rows(a, window + list(far), call=7)
+        m.placement.parking = False
+        assert disk.reading.wait(10)
+        disk.release()
+        deadline = time.monotonic() + 10
+        while m.copies_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        m.tick()
+        m.placement.parking, m.placement.own_parks = True, 1
+        assert m.acquire_rows(a, window + list(far), call=7) is not None
+    finally:
+        m.placement.read_later = m.placement.parking = False
+        m.placement.own_parks = 0
+    assert dict(m.access.reads) == {Tier.DRAM: 2, Tier.NVME: 1}
+    assert (m.prefetcher.useful, m.prefetcher.wasted) == (2, 0) and not m._came_from
+    m.check_invariants()
