@@ -240,7 +240,7 @@ class BlockManager(Reads):
             most = self.placement.room_most(tier, n * slot + held, idle_only=True, slot=slot)
             if most < n * slot + held:
                 # Nothing is moved for a call that fails anyway: its room waits on blocks held.
-                return self._held_back(ahead, priority, held) if held else self._refused(tier, n * slot, most)
+                return self._held_back(ahead, priority, held) if held else self._refused(tier, n * slot, most, slot)
             need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
@@ -248,18 +248,22 @@ class BlockManager(Reads):
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
-            return self._refused(tier, n * slot, self.placement.free_bytes(tier, size))
+            return self._refused(tier, n * slot, self.placement.free_bytes(tier, size), slot)
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
 
-    def _refused(self, tier: Tier, need: int, room: int) -> None:
-        """`need` bytes of slots refused where `room` (free, and movable when that was counted) is all
-        the tier could give now."""
-        count, untaken = untaken_room(self.admission.granted.values()) if tier == Tier.HBM else (0, 0)
-        if count and room + untaken >= need:
+    def _refused(self, tier: Tier, need: int, room: int, slot: int) -> None:
+        """`need` bytes of slots of `slot` bytes refused where `room` (free, and movable when that was
+        counted) is all the tier could give now."""
+        held = [r for r in self.admission.granted.values() if r.remaining] if tier == Tier.HBM else []
+        count, untaken = untaken_room(held)
+        if count and room + untaken >= need and self.placement.room_most_without(
+                tier, self.table.rows([v for r in held for v in r.vids]), idle_only=True, slot=slot) >= need:
             # Granted reservations' untaken blocks hold the room, not blocks being written or
             # pinned: an allocate was told HBM was full of blocks that cannot move, where none were
-            # (a review; a deferred reserve was already told this).
+            # (a review; a deferred reserve was already told this). Their room counted by slots and
+            # slabs, as `room_most` counts: by bytes, 8 KiB reserved slots beside blocks being
+            # written were said to hold a 16 KiB block (a review).
             self.allocate_refusal = (f"{held_by_granted(count, untaken)}, without which HBM's free and movable room "
                                      f"({room} bytes) would hold the {need} bytes asked for; reserve and wait "
                                      + until_taken(self.admission.settings.reservation_ttl_s))

@@ -53,6 +53,22 @@ class RoomBound:
             return alloc.room_without(slot, c.offset[stay])
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
 
+    def room_most_without(self, tier: Tier, rows: np.ndarray, *, idle_only: bool, slot: int | None = None) -> int:
+        """`room_most` (its picks, no `protect` nor `below_priority`) were the blocks at `rows` gone too,
+        though they cannot move (a granted reservation's RESERVED blocks, not yet taken): counted as
+        `room_most` counts, by slots and slabs for one size (their untaken bytes, added to the room,
+        said an allocate would fit where 8 KiB reserved slots beside blocks being written held no 16 KiB
+        block, and it was still refused once the reservation was cancelled, a review). A pass over the
+        table each call: asked only where their bytes would cover the call."""
+        alloc, c = self.table.allocators[tier], self.table.cols
+        stay = self._staying(tier, idle_only, None, None)
+        if stay is None:  # (none may leave: every block in the tier stays)
+            stay = c.tier == int(tier)
+        stay[np.asarray(rows, dtype=np.int64)] = False
+        if slot is not None:
+            return alloc.room_without(slot, c.offset[stay])
+        return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
+
     def sizes_could_fit(self, tier: Tier, counts: dict[int, int], *, idle_only: bool,
                         protect: np.ndarray | None = None, below_priority: int | None = None) -> bool:
         """Whether blocks of several slot sizes (slot bytes -> count) could lie in `tier` at once were

@@ -88,6 +88,38 @@ def test_an_allocate_that_fails_anyway_beside_other_sizes_moves_nothing(make_man
     mgr.check_invariants()
 
 
+def test_reserved_halves_beside_writes_are_not_said_to_hold_a_whole_page_block(make_manager):
+    """HBM of 3 pages of 16 KiB: the halves' free 8 KiB slots a granted reservation's, the third page a
+    16 KiB block being written. The refusal of a 16 KiB block said the reservation's 16 KiB untaken
+    (by bytes) would hold it, and once it was cancelled the allocate was still refused (a review).
+    Where the reserved slots fill a page of their own, that page would hold it, and it is said."""
+    mgr = make_manager(hbm_blocks=3)
+    w, b, r = mgr.attach("w"), mgr.attach("b"), mgr.attach("r")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    _halves(mgr, w, small)
+    d = mgr.reserve(r, small, tokens=16 * 2)
+    assert d.outcome.name == "GRANTED"
+    assert mgr.allocate(w, big, 1) is not None  # the third page, being written
+    assert mgr.allocate(b, big, 1) is None
+    assert mgr.allocate_refusal == "HBM is full of blocks that cannot move now; reserve and wait"
+    mgr.cancel(r, d.reservation_id)
+    assert mgr.allocate(b, big, 1) is None  # (what the refusal says is so)
+    mgr.check_invariants()
+
+    mgr = make_manager(hbm_blocks=3)
+    w, b, r = mgr.attach("w"), mgr.attach("b"), mgr.attach("r")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.allocate(w, big, 1)
+    d = mgr.reserve(r, small, tokens=16 * 2)  # both halves of one page
+    assert d.outcome.name == "GRANTED"
+    mgr.allocate(w, big, 1)
+    assert mgr.allocate(b, big, 1) is None
+    assert mgr.allocate_refusal.startswith("HBM is held by 1 granted reservation(s) not yet taken")
+    mgr.cancel(r, d.reservation_id)
+    assert len(mgr.allocate(b, big, 1)) == 1
+    mgr.check_invariants()
+
+
 def test_an_acquire_that_fails_anyway_beside_other_sizes_moves_nothing(make_manager):
     """The read's case: a 2-block chain of 16 KiB blocks in DRAM cannot come up beside the halves."""
     mgr = make_manager(hbm_blocks=3, dram_blocks=8)
