@@ -240,7 +240,9 @@ class BlockManager(Reads):
             most = self.placement.room_most(tier, n * slot + held, idle_only=True, slot=slot)
             if most < n * slot + held:
                 # Nothing is moved for a call that fails anyway: its room waits on blocks held.
-                return self._held_back(ahead, priority, held) if held else self._refused(tier, n * slot, most, slot)
+                if held:
+                    return self._held_back(ahead, priority, held)
+                return self._refused(tier, client, n * slot, most, slot)
             need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
@@ -248,13 +250,13 @@ class BlockManager(Reads):
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
-            return self._refused(tier, n * slot, self.placement.free_bytes(tier, size), slot)
+            return self._refused(tier, client, n * slot, self.placement.free_bytes(tier, size), slot)
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
 
-    def _refused(self, tier: Tier, need: int, room: int, slot: int) -> None:
-        """`need` bytes of slots of `slot` bytes refused where `room` (free, and movable when that was
-        counted) is all the tier could give now."""
+    def _refused(self, tier: Tier, client: int, need: int, room: int, slot: int) -> None:
+        """`client`'s `need` bytes of slots of `slot` bytes refused where `room` (free, and movable when
+        that was counted) is all the tier could give now."""
         held = [r for r in self.admission.granted.values() if r.remaining] if tier == Tier.HBM else []
         count, untaken = untaken_room(held)
         if count and room + untaken >= need and self.placement.room_most_without(
@@ -264,9 +266,14 @@ class BlockManager(Reads):
             # (a review; a deferred reserve was already told this). Their room counted by slots and
             # slabs, as `room_most` counts: by bytes, 8 KiB reserved slots beside blocks being
             # written were said to hold a 16 KiB block (a review).
-            self.allocate_refusal = (f"{held_by_granted(count, untaken)}, without which HBM's free and movable room "
-                                     f"({room} bytes) would hold the {need} bytes asked for; reserve and wait "
-                                     + until_taken(self.admission.settings.reservation_ttl_s))
+            # Some may be the caller's own: it was told to reserve and wait on their clients, itself,
+            # where it can take their blocks or cancel them (a review).
+            mine, wait = untaken_room(r for r in held if r.client == client), "reserve and wait "
+            wait += until_taken(self.admission.settings.reservation_ttl_s)
+            act = (wait if not mine[0] else "take those blocks (`take`) or cancel them" if mine[0] == count
+                   else "take this client's own (`take`) or cancel them, or " + wait)
+            self.allocate_refusal = (f"{held_by_granted(count, untaken, *mine)}, without which HBM's free and movable "
+                                     f"room ({room} bytes) would hold the {need} bytes asked for; {act}")
         else:  # (reservations are of HBM: a host writer told to reserve could not, a review)
             self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
                                      + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "

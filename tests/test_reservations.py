@@ -127,6 +127,24 @@ def test_a_reservation_behind_the_queue_is_told_it_waits_behind_it(make_manager)
     mgr.check_invariants()
 
 
+def test_a_reservation_behind_its_own_clients_granted_room_is_told_they_are_its_own(make_manager):
+    """HBM of 4 blocks: a's reservation of 3 granted, untaken; a's next of 2 waits on it. It was told
+    it waits until "their clients" take and free those blocks, its own client (a review): it is told
+    they are its client's own, which takes (`take`) and frees them or cancels them."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    a = mgr.attach("a")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(a, lid, tokens=16 * 3).outcome is Outcome.GRANTED
+    d = mgr.reserve(a, lid, tokens=16 * 2)
+    assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+    ttl = mgr.admission.settings.reservation_ttl_s
+    assert d.reason == (
+        f"HBM is held by 1 granted reservation(s) not yet taken ({3 * BLOCK} bytes), all this client's own: waits "
+        "until this client takes (`take`) and frees those blocks or cancels them, or they expire "
+        f"(admission.reservation_ttl_s, {ttl:g} s at most)")
+    mgr.check_invariants()
+
+
 def test_idle_cached_blocks_are_demoted_to_make_room(make_manager):
     mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
     a = mgr.attach("a")

@@ -58,6 +58,35 @@ def test_an_allocate_refused_for_granted_reservations_room_names_them(make_manag
     mgr.check_invariants()
 
 
+def test_a_clients_own_reservation_is_not_told_to_reserve_and_wait_on_itself(make_manager):
+    """HBM of 4, 3 of them client a's granted reservation, none taken: a's allocate of 2 was told to
+    reserve and wait until "their clients" took and freed those blocks, itself (a review): it is told
+    they are its own, to take them or cancel them; beside another's, it is told which part is its own."""
+    mgr = make_manager(hbm_blocks=4)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    d = mgr.reserve(a, lid, tokens=16 * 3)
+    assert d.outcome.name == "GRANTED"
+    assert mgr.allocate(a, lid, 2) is None
+    assert mgr.allocate_refusal == (
+        f"HBM is held by 1 granted reservation(s) not yet taken ({3 * slot} bytes), all this client's own, without "
+        f"which HBM's free and movable room ({slot} bytes) would hold the {2 * slot} bytes asked for; take those "
+        "blocks (`take`) or cancel them")
+    mgr.cancel(a, d.reservation_id)
+    d = mgr.reserve(a, lid, tokens=16 * 2)
+    assert mgr.reserve(b, lid, tokens=16).outcome.name == "GRANTED"
+    assert mgr.allocate(a, lid, 2) is None
+    ttl = mgr.admission.settings.reservation_ttl_s
+    assert mgr.allocate_refusal == (
+        f"HBM is held by 2 granted reservation(s) not yet taken ({3 * slot} bytes), 1 of them this client's own "
+        f"({2 * slot} bytes), without which HBM's free and movable room ({slot} bytes) would hold the {2 * slot} "
+        "bytes asked for; take this client's own (`take`) or cancel them, or reserve and wait until their clients "
+        f"take and free those blocks or cancel them, or they expire (admission.reservation_ttl_s, {ttl:g} s at most)")
+    assert len(mgr.take(a, d.reservation_id, 2)) == 2  # (what it is told to do serves it)
+    mgr.check_invariants()
+
+
 def _halves(mgr, w, small: int) -> None:
     """In an HBM of pages of 16 KiB, two pages each left holding an 8 KiB block being written and a
     free 8 KiB slot: 16 KiB of free slots that hold no 16 KiB block until a write ends."""

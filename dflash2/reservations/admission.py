@@ -448,7 +448,7 @@ class Admission:
         # reservations' room, or on the reservations ahead of it, each said as such (waits.py).
         why = None if ahead <= room else blocked_reason(  # (movable bytes only asked for when free room falls short)
             pos, res.hbm_bytes, ahead, room + self._movable_bytes(res), self.granted.values(),
-            self.settings.reservation_ttl_s)
+            self.settings.reservation_ttl_s, res.client)
         if why is not None:
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket

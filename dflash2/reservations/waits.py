@@ -26,19 +26,22 @@ IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned,
 
 
 def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[Reservation],
-                   ttl_s: float) -> str | None:
+                   ttl_s: float, client: int | None = None) -> str | None:
     """The reason for a reservation at index `pos` of the queue, of `own` HBM bytes, with `ahead`
     bytes of the queue up to and with it, where demoting can free `free` bytes for it (free room and
-    movable blocks); None when that covers `ahead` (then only admission's pacing holds it back)."""
+    movable blocks); None when that covers `ahead` (then only admission's pacing holds it back).
+    `client`: the reservation's, whose own granted reservations are said as its own."""
     if ahead <= free:
         return None
+    granted = list(granted)
     count, untaken = untaken_room(granted)
     others = ahead - own
     queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
     if own > free + untaken:
         return IMMOVABLE + queued
     if own > free:
-        return f"{held_by_granted(count, untaken)}: waits {until_taken(ttl_s)}" + queued
+        mine = untaken_room(r for r in granted if r.client == client)
+        return f"{held_by_granted(count, untaken, *mine)}: waits {until_taken(ttl_s, mine[0], count)}" + queued
     return (f"waits behind {pos} reservation(s) queued ahead of it ({others} bytes): HBM's free and movable "
             f"room ({free} bytes) takes its own {own} bytes but not theirs too, so it waits until they are "
             "granted and their clients free that room or cancel them; no wait estimate, as that is up to "
@@ -52,13 +55,20 @@ def untaken_room(granted: Iterable[Reservation]) -> tuple[int, int]:
     return len(held), sum(r.remaining * r.slot for r in held)
 
 
-def held_by_granted(count: int, untaken: int) -> str:
+def held_by_granted(count: int, untaken: int, own: int = 0, own_bytes: int = 0) -> str:
     """The room of granted reservations not yet taken, said (a deferred reserve's reason, a refused
-    allocate's: the allocate was told of blocks being written or pinned where none were, a review)."""
-    return f"HBM is held by {count} granted reservation(s) not yet taken ({untaken} bytes)"
+    allocate's: the allocate was told of blocks being written or pinned where none were, a review),
+    with those of them that are the asking client's `own` (it was told to wait on their clients,
+    itself, a review)."""
+    mine = "" if not own else (", all this client's own" if own == count
+                               else f", {own} of them this client's own ({own_bytes} bytes)")
+    return f"HBM is held by {count} granted reservation(s) not yet taken ({untaken} bytes){mine}"
 
 
-def until_taken(ttl_s: float) -> str:
-    """Until when granted reservations' untaken room stays theirs."""
-    return ("until their clients take and free those blocks or cancel them, or they expire "
-            f"(admission.reservation_ttl_s, {ttl_s:g} s at most)")
+def until_taken(ttl_s: float, own: int = 0, count: int = 0) -> str:
+    """Until when granted reservations' untaken room stays theirs (`own` of the `count` the asking
+    client's: it frees that room itself)."""
+    who = ("their clients take and free those blocks or cancel them" if not own else
+           "this client takes (`take`) and frees those blocks or cancels them" if own == count else
+           "their clients, this one among them (`take`), take and free those blocks or cancel them")
+    return f"until {who}, or they expire (admission.reservation_ttl_s, {ttl_s:g} s at most)"
