@@ -44,14 +44,11 @@ class RoomBound:
         free = alloc.free_bytes if slot is None else alloc.room_for(slot)
         if free >= need_bytes or self._nothing_movable.get(way) == epoch:
             return free
-        c = self.table.cols
         stay = self._staying(tier, idle_only, protect, below_priority)
         if stay is None:
             self._nothing_movable[way] = epoch
             return free
-        if slot is not None:  # by slots and slabs, as the allocator counts them
-            return alloc.room_without(slot, c.offset[stay])
-        return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
+        return self._room_left(tier, stay, slot)
 
     def room_most_without(self, tier: Tier, rows: np.ndarray, *, idle_only: bool, slot: int | None = None) -> int:
         """`room_most` (its picks, no `protect` nor `below_priority`) were the blocks at `rows` gone too,
@@ -60,11 +57,16 @@ class RoomBound:
         said an allocate would fit where 8 KiB reserved slots beside blocks being written held no 16 KiB
         block, and it was still refused once the reservation was cancelled, a review). A pass over the
         table each call: asked only where their bytes would cover the call."""
-        alloc, c = self.table.allocators[tier], self.table.cols
         stay = self._staying(tier, idle_only, None, None)
         if stay is None:  # (none may leave: every block in the tier stays)
-            stay = c.tier == int(tier)
+            stay = self.table.cols.tier == int(tier)
         stay[np.asarray(rows, dtype=np.int64)] = False
+        return self._room_left(tier, stay, slot)
+
+    def _room_left(self, tier: Tier, stay: np.ndarray, slot: int | None) -> int:
+        """Bytes of slots `tier` has free once only the blocks of `stay` (a mask) lie in it: for `slot`,
+        in slots of that size, by slots and slabs as the allocator counts them; else of any size."""
+        alloc, c = self.table.allocators[tier], self.table.cols
         if slot is not None:
             return alloc.room_without(slot, c.offset[stay])
         return alloc.n_pages * alloc.page_bytes - int(self.table.slot_sizes(tier)[c.layout[stay]].sum())
