@@ -376,3 +376,32 @@ def test_a_snapshot_read_in_part_is_named_by_its_commit(hub):
     assert v1["unread"] and v1["revision"] == "a" * 40
     snapshot(hub, "org/llama", {"config.json": b"{}"}, commit="b" * 40)  # main moves on
     assert id_of(model_path="org/llama") != model_id(v1)
+
+
+def test_the_draft_checkpoint_is_part_of_the_identity(tmp_path):
+    """With NextN/MTP speculative decoding sglang 0.5.23 packs the draft model's KV layers into the
+    target's host pages (base_spec_worker._build_hicache_draft_plan): every stored page holds the
+    draft's KV. The draft checkpoint was no part of the identity, and two servers of one target with
+    other draft checkpoints, or one replaced under the same path, shared one namespace (a review)."""
+    target = str(model_folder(tmp_path))
+    draft = model_folder(tmp_path, "nextn", weights=(("model.safetensors", b"draft v1"),))
+    spec = {"model_path": target, "speculative_algorithm": "EAGLE"}
+    assert id_of(**spec, speculative_draft_model_path="lmsys/DeepSeek-V3-NextN") != \
+        id_of(**spec, speculative_draft_model_path="someone/other-NextN-finetune")
+    assert id_of(**spec, speculative_draft_model_path=str(draft)) != id_of(model_path=target)
+    before = id_of(**spec, speculative_draft_model_path=str(draft))
+    (draft / "model.safetensors").unlink()
+    (draft / "model.safetensors").write_bytes(b"draft v2")  # a draft fine-tune put in place
+    assert id_of(**spec, speculative_draft_model_path=str(draft)) != before
+    assert id_of(model_path=target, speculative_algorithm=None, speculative_draft_model_path=str(draft)) == \
+        id_of(model_path=target)  # no speculative decoding: the identity stays what it was
+
+
+def test_a_draft_whose_files_cannot_be_read_says_why(tmp_path):
+    model_folder(tmp_path)
+    (tmp_path / "empty").mkdir()
+    ident = model_identity(server_args(args(model_path=str(tmp_path / "llama"), speculative_algorithm="EAGLE",
+                                            speculative_draft_model_path=str(tmp_path / "empty"))))
+    assert "unread" not in ident and "neither config.json nor weight files" in ident["draft"]["unread"]
+    assert any("draft model's files were not all read" in line for line in identity.not_read(ident))
+    assert "EAGLE draft" in describe(ident)

@@ -216,8 +216,10 @@ class DFlash2Storage(HiCacheStorage):
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """sglang's hybrid cache controller registers every host pool of the model here, the KV pool
         (already ours, by register_mem_pool_host) too. Any other pool (SWA, Mamba state, an indexer,
-        a draft model's KV) comes with the v2 calls, which this backend does not store: sglang's own
-        cache, rather than KV pages without the state they need."""
+        a draft model's own KV pool) comes with the v2 calls, which this backend does not store:
+        sglang's own cache, rather than KV pages without the state they need. A NextN/MTP draft's KV
+        packed into the target's host pages (sglang 0.5.23: the pool's draft_buffer_infos) is in each
+        KV page we store: the draft checkpoint is in the model's identity (identity.DRAFT_ARGS)."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool is not getattr(self, "mem_pool_host", None) and self.client is not None:
             self._fall_back(f"sglang's {host_pool_name} host pool (a hybrid model's pool beside the KV pages) "

@@ -30,6 +30,10 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
   path, the arguments and what was read;
 - the LoRA adapters given at start (`--lora-paths`), each by name, resolved path and files
   (`lora_adapters`; a repo id's found as the model's, `unread` where they are not), when there are any.
+- with speculative decoding (`draft`, DRAFT_ARGS), its algorithm and the draft model's path,
+  revision, load format, quantization and KV dtype, and the draft checkpoint's files, read as the
+  model's: sglang packs a NextN/MTP draft's KV into the target's host pages, and two servers of one
+  target with other draft checkpoints shared pages (a review).
 
 `model_id` is the identity's digest, which the namespace carries.
 """
@@ -37,12 +41,19 @@ fp8` read each other's KV, and so did a new checkpoint served under the old name
 import hashlib
 import json
 import os
+from typing import Any
 
 from dflash2.protocol import MAX_NAME_CHARS
 
 # ServerArgs fields (sglang 0.5.23) that change what a model computes for the same tokens.
 IDENTITY_ARGS = ("model_path", "revision", "load_format", "dtype", "quantization", "quantization_param_path",
                  "modelopt_quant", "json_model_override_args")
+# ServerArgs fields of speculative decoding that change what the stored pages hold: with NextN/MTP,
+# sglang 0.5.23 packs the draft model's KV layers into the target's host pages (base_spec_worker.py
+# _build_hicache_draft_plan; the host pool's draft_buffer_infos), so every page holds the draft's KV.
+DRAFT_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+              "speculative_draft_load_format", "speculative_draft_model_quantization",
+              "speculative_draft_kv_cache_dtype")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILE = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's (peft)
@@ -63,6 +74,15 @@ def server_args(args) -> dict:
     adapters = lora_adapters(getattr(args, "lora_paths", None))
     if adapters:  # (only then: the identity of a server without adapters stays what it was)
         out["lora_adapters"] = adapters
+    draft = {name: getattr(args, name, None) for name in DRAFT_ARGS}
+    if draft["speculative_algorithm"] not in (None, "", "NONE"):  # (only then, as the adapters)
+        # The draft checkpoint was no part of the identity: two servers of one target with other draft
+        # checkpoints (whose KV every page holds) shared one namespace (a review).
+        path = draft["speculative_draft_model_path"]
+        if isinstance(path, str) and path and os.path.exists(path):
+            draft["speculative_draft_model_path"] = os.path.realpath(path)
+        out["draft"] = {k: (str(v) if v is not None and not isinstance(v, (str, int, float, bool)) else v)
+                        for k, v in draft.items()}
     return out
 
 
@@ -96,26 +116,10 @@ def model_identity(args: dict) -> dict:
     docstring): the same in every process that serves those files with those arguments."""
     ident = dict(args)
     download_dir = ident.pop("download_dir", None)  # where to look, not what the model is
-    path, why = ident.get("model_path"), None
-    if isinstance(path, str) and path and os.path.exists(path):
-        ident.update(_files(path))
-        # sglang loads a local folder or file whatever --revision says (its loader and AutoConfig read the
-        # folder): as typed, `--revision main` and none were two models that never shared a page (a review).
-        ident["revision"] = None
-        if ident["config_sha256"] is None and not ident["weights"]:
-            why = f"neither {CONFIG_FILE} nor weight files in {path}"
-    elif isinstance(path, str) and (gguf := _gguf_reference(path, ident.get("revision"))) is not None:
-        file, commit, why = gguf
-        ident.update(_files(file) if file else {"config_sha256": None, "weights": []})
-        if file:
-            ident["revision"] = commit
-    elif isinstance(path, str) and path:
-        files, why, commit = _repo_files(path, ident.get("revision"), download_dir, CONFIG_FILE)
-        ident.update(files)
-        if commit is not None:  # the snapshot's commit, however its revision was spelled; also where not all
-            ident["revision"] = commit  # of it was read (the reason, which named it, is no part of the digest)
-    else:
-        why = "no model path"
+    files, revision, why = _checkpoint(ident.get("model_path"), ident.get("revision"), download_dir)
+    ident.update(files)
+    if revision is not _KEEP:
+        ident["revision"] = revision
     if ident.get("quantization_param_path"):  # (only then: the identity of a server without stays what it was)
         ident["quantization_param_sha256"], scales_why = _scales_digest(ident["quantization_param_path"])
         why = "; ".join(w for w in (why, scales_why) if w) or None
@@ -124,7 +128,43 @@ def model_identity(args: dict) -> dict:
     if ident.get("lora_adapters"):  # each adapter's files, found as the model's
         ident["lora_adapters"] = [[name, path, _adapter_files(path, download_dir)]
                                   for name, path in ident["lora_adapters"]]
+    draft = ident.get("draft")
+    if draft and draft.get("speculative_draft_model_path"):  # the draft checkpoint's files, read as the model's
+        files, revision, draft_why = _checkpoint(draft["speculative_draft_model_path"],
+                                                 draft.get("speculative_draft_model_revision"), download_dir)
+        draft = {**draft, "files": files}
+        if revision is not _KEEP:
+            draft["speculative_draft_model_revision"] = revision
+        if draft_why is not None:
+            draft["unread"] = draft_why
+        ident["draft"] = draft
     return ident
+
+
+_KEEP = object()  # (`_checkpoint`: the revision as given)
+
+
+def _checkpoint(path, revision: str | None, download_dir: str | None) -> tuple[dict, Any, str | None]:
+    """What a checkpoint's files say (`_files`: a local folder or file, a GGUF Hub reference, a repo
+    id's cached snapshot), the revision that names them (None for a local path, which sglang loads
+    whatever the revision; a snapshot's commit; _KEEP: as given), and why some were not read."""
+    if isinstance(path, str) and path and os.path.exists(path):
+        files = _files(path)
+        # sglang loads a local folder or file whatever --revision says (its loader and AutoConfig read the
+        # folder): as typed, `--revision main` and none were two models that never shared a page (a review).
+        why = None
+        if files["config_sha256"] is None and not files["weights"]:
+            why = f"neither {CONFIG_FILE} nor weight files in {path}"
+        return files, None, why
+    if isinstance(path, str) and (gguf := _gguf_reference(path, revision)) is not None:
+        file, commit, why = gguf
+        return (_files(file), commit, why) if file else ({"config_sha256": None, "weights": []}, _KEEP, why)
+    if isinstance(path, str) and path:
+        files, why, commit = _repo_files(path, revision, download_dir, CONFIG_FILE)
+        # the snapshot's commit, however its revision was spelled; also where not all of it was read
+        # (the reason, which named it, is no part of the digest)
+        return files, _KEEP if commit is None else commit, why
+    return {}, _KEEP, "no model path"
 
 
 def not_read(identity: dict) -> list[str]:
@@ -139,6 +179,11 @@ def not_read(identity: dict) -> list[str]:
         if files.get("unread"):
             out.append(f"the LoRA adapter {name!r}'s files were not read ({files['unread']}): its pages are keyed "
                        f"by its name and path {path!r} (an adapter replaced there would read the old one's)")
+    draft = identity.get("draft") or {}
+    if draft.get("unread"):
+        out.append(f"the draft model's files were not all read ({draft['unread']}): its KV, which every page "
+                   f"holds, is keyed by its path {draft.get('speculative_draft_model_path')!r} and arguments (a "
+                   "draft checkpoint replaced there would read the old one's pages)")
     return out
 
 
@@ -152,6 +197,8 @@ def model_id(identity: dict) -> str:
     if kept.get("lora_adapters"):
         kept["lora_adapters"] = [[name, path, {k: v for k, v in files.items() if k != "unread"}
                                   if isinstance(files, dict) else files] for name, path, files in kept["lora_adapters"]]
+    if isinstance(kept.get("draft"), dict):
+        kept["draft"] = {k: v for k, v in kept["draft"].items() if k != "unread"}
     canonical = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12, person=b"dflash2-model").hexdigest()
 
@@ -162,6 +209,9 @@ def describe(identity: dict) -> str:
     files += f", {len(identity.get('weights') or [])} weight files"
     if identity.get("lora_adapters"):
         files += f", {len(identity['lora_adapters'])} LoRA adapters"
+    if identity.get("draft"):
+        draft = identity["draft"]
+        files += f", {draft.get('speculative_algorithm')} draft {draft.get('speculative_draft_model_path')}"
     if identity.get("unread"):
         read = identity.get("config_sha256") or identity.get("weights")
         files = (f"{files}; " if read else "its files ") + f"not read: {identity['unread']}"
