@@ -36,10 +36,11 @@ LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2  # bf16
 
 
-def host_pool(layout: str = "page_first", tokens: int = 64) -> MHATokenToKVPoolHost:
-    """sglang's host KV pool on the CPU (not pinned), over a CPU device pool."""
+def host_pool(layout: str = "page_first", tokens: int = 64, start_layer: int = 0) -> MHATokenToKVPoolHost:
+    """sglang's host KV pool on the CPU (not pinned), over a CPU device pool (of a pipeline stage
+    whose first layer is `start_layer`)."""
     dev = MHATokenToKVPool(tokens, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
-                           start_layer=0, end_layer=LAYERS - 1)
+                           start_layer=start_layer, end_layer=start_layer + LAYERS - 1)
     info = dev.get_device_pool_infos()[0]
     return MHATokenToKVPoolHost(info.buffer_info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                 device_capacity_tokens=dev.size, start_layer=dev.start_layer,
@@ -188,6 +189,29 @@ def test_tp_ranks_and_layouts_never_share(daemon, backends):
     assert rank0.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
     assert rank1.batch_exists(KEYS[:2]) == 0  # another rank's shard
     assert layer_first.batch_exists(KEYS[:2]) == 0  # another byte format
+
+
+def test_pipeline_stages_holding_other_layers_never_share(daemon, backends):
+    """Two servers of one model, --pp-size 3, with other SGLANG_PP_LAYER_PARTITION (10,10,12 and
+    12,10,10): stage 1 holds 10 layers in both, layers 10-19 and 12-21. With the pp rank and the layer
+    count alone in the namespace, one stage read the other's pages, KV of other layers, as hits (a
+    review): the stage's first layer (the host pool's start_layer) is in it now."""
+    path, _ = daemon
+
+    def stage(start_layer, pp_rank=1):
+        pool = host_pool(start_layer=start_layer)
+        config = storage_config(path)
+        config.pp_rank, config.pp_size = pp_rank, 3
+        backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        backends.append(backend)
+        backend.register_mem_pool_host(pool)
+        return pool, backend
+
+    (pool_a, a), (_, b), (_, same) = stage(10), stage(12), stage(10)
+    fill(pool_a, [1, 2], seed=5)
+    assert a.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert b.batch_exists(KEYS[:2]) == 0  # layers 12-13 are not layers 10-11
+    assert same.batch_exists(KEYS[:2]) == 2 and "pp=1/3@layer10" in same.keys.namespace  # the same stage shares
 
 
 def test_fallback_when_the_daemon_is_down(config_file, caplog):

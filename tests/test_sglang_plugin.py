@@ -37,6 +37,16 @@ def test_mla_pages_are_shared_by_every_tp_rank_but_not_across_stages():
     assert mapper(is_mla=True).key("p") != mapper().key("p")
 
 
+def test_stages_holding_other_layers_never_share():
+    """SGLANG_PP_LAYER_PARTITION gives two servers of one model other layers at one pp rank: the
+    stage's first layer is in the namespace (with the rank and the layer count alone, stage 1 of 10,10,12
+    and of 12,10,10 read each other's pages, KV of other layers, a review)."""
+    assert mapper(pp_rank=1, pp_size=3, pp_start_layer=10).key("p") != \
+        mapper(pp_rank=1, pp_size=3, pp_start_layer=12).key("p")
+    assert mapper(pp_rank=1, pp_size=3, pp_start_layer=10).key("p") == \
+        mapper(pp_rank=1, pp_size=3, pp_start_layer=10).key("p")
+
+
 def sglang_args(**kw) -> argparse.Namespace:
     base = {"dflash2_config": "cfg.json", "enable_hierarchical_cache": False, "hicache_storage_backend": None,
             "hicache_storage_backend_extra_config": None}

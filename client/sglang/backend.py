@@ -22,6 +22,7 @@ that stores nothing, so sglang runs on its own host cache.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -36,8 +37,8 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 from dflash2.client.client import Client
 from dflash2.client.sglang import identity
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
-from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, page_format, page_layout,
-                                         store_page)
+from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, logical_kv_dtype, page_format,
+                                         page_layout, store_page)
 from dflash2.client.sglang.plugin import fallback_line
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
 from dflash2.protocol import MAX_BATCH
@@ -169,7 +170,7 @@ class DFlash2Storage(HiCacheStorage):
             return
         try:
             layout = page_layout(mem_pool_host, self.shard.model)
-            kv = self._logical_kv_dtype(mem_pool_host)
+            kv = logical_kv_dtype(mem_pool_host, self.extra)
             self.layout_id = self.client.register_layout(layout, prefill_tokens_per_s=self.prefill_rate)
             self._fit_tiers(self.client, layout)
         except (PageFormatError, DFlash2Error) as e:
@@ -177,24 +178,11 @@ class DFlash2Storage(HiCacheStorage):
             return
         self.page_bytes = layout.block_bytes
         page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
+        if self.shard.pp_size > 1:  # (which layers the stage holds: keys.Shard.pp_start_layer)
+            self.shard = dataclasses.replace(self.shard, pp_start_layer=int(mem_pool_host.start_layer))
         self.keys = KeyMapper(namespace(self.shard, page, self.model_id))
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
-
-    def _logical_kv_dtype(self, pool) -> str | None:
-        """For a pool that stores its KV as bytes (every fp8 format, and other quantized ones, are
-        uint8 to the host pool): the server's `--kv-cache-dtype`, which the namespace must carry
-        (fp8_e4m3 and fp8_e5m2 pages of one model hold the same bytes for different values). None
-        for a pool whose dtype is the KV's own. PageFormatError when it is not known (a backend set
-        up without `--dflash2-config`, which passes it, nor `dflash2_kv_cache_dtype`)."""
-        if getattr(getattr(pool, "dtype", None), "itemsize", 2) != 1:
-            return None
-        kv = self.extra.get("dflash2_kv_cache_dtype")
-        if not isinstance(kv, str) or not kv:
-            raise PageFormatError(f"the host pool stores its KV as {pool.dtype}, and the KV's own dtype is not known: "
-                                  "pages of different fp8 formats would share keys (start sglang with "
-                                  "--dflash2-config, or give dflash2_kv_cache_dtype in the extra config)")
-        return kv
 
     def _fit_tiers(self, client: Client, layout) -> None:
         """The tier pages go to and the pages per call, for the daemon `client` is attached to (a

@@ -9,7 +9,7 @@ different shard or format of the KV, so the dflash2 key hashes the string togeth
   old name, read the other's pages);
 - the shard: TP rank and size for standard attention (each rank holds its own KV heads), none for
   MLA (the latent is replicated on every TP rank, so every rank may read the writer's page);
-  pipeline stage, attention context-parallel and decode context-parallel ranks where used;
+  pipeline stage (its rank, and its first layer), attention context-parallel and decode context-parallel ranks where used;
 - the page format: the host pool's memory layout (page_first, layer_first, ...), its storage
   format tag, and the page geometry (dtype, layers, heads, tokens per page).
 
@@ -44,6 +44,11 @@ class Shard:
     attn_cp_size: int = 1
     dcp_rank: int = 0
     dcp_size: int = 1
+    # The first layer of the stage's slice (the host pool's `start_layer`), where pp_size > 1: with
+    # SGLANG_PP_LAYER_PARTITION two servers of one model hold other layers at one pp rank (10,10,12
+    # and 12,10,10: stage 1 holds layers 10-19 and 12-21), and with the rank and the layer count
+    # alone they read each other's pages, KV of other layers, as hits (a review).
+    pp_start_layer: int | None = None
 
     @classmethod
     def from_storage_config(cls, cfg) -> "Shard":
@@ -57,7 +62,8 @@ class Shard:
         parts = [f"model={self.model}"]
         parts.append("mla" if self.is_mla else f"tp={self.tp_rank}/{self.tp_size}")
         if self.pp_size > 1:
-            parts.append(f"pp={self.pp_rank}/{self.pp_size}")
+            parts.append(f"pp={self.pp_rank}/{self.pp_size}" +
+                         ("" if self.pp_start_layer is None else f"@layer{self.pp_start_layer}"))
         if self.attn_cp_size > 1:
             parts.append(f"cp={self.attn_cp_rank}/{self.attn_cp_size}")
         if self.dcp_size > 1:

@@ -95,6 +95,22 @@ def page_format(pool) -> str:
     return f"{type(pool).__name__}/{pool.layout}" + (f"/{tag}" if tag else "")
 
 
+def logical_kv_dtype(pool, extra: dict) -> str | None:
+    """For a pool that stores its KV as bytes (every fp8 format, and other quantized ones, are
+    uint8 to the host pool): the server's `--kv-cache-dtype`, which the namespace must carry
+    (fp8_e4m3 and fp8_e5m2 pages of one model hold the same bytes for different values). None
+    for a pool whose dtype is the KV's own. PageFormatError when it is not known (a backend set
+    up without `--dflash2-config`, which passes it, nor `dflash2_kv_cache_dtype` in `extra`)."""
+    if getattr(getattr(pool, "dtype", None), "itemsize", 2) != 1:
+        return None
+    kv = extra.get("dflash2_kv_cache_dtype")
+    if not isinstance(kv, str) or not kv:
+        raise PageFormatError(f"the host pool stores its KV as {pool.dtype}, and the KV's own dtype is not known: "
+                              "pages of different fp8 formats would share keys (start sglang with "
+                              "--dflash2-config, or give dflash2_kv_cache_dtype in the extra config)")
+    return kv
+
+
 def block_tensor(raw, torch_dtype):
     """A flat torch tensor of `torch_dtype` over a block's bytes (numpy or CuPy view), no copy."""
     import torch
