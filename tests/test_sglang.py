@@ -214,6 +214,48 @@ def test_pipeline_stages_holding_other_layers_never_share(daemon, backends):
     assert same.batch_exists(KEYS[:2]) == 2 and "pp=1/3@layer10" in same.keys.namespace  # the same stage shares
 
 
+def test_clear_moves_this_server_to_a_fresh_key_space(daemon, backends, caplog):
+    """sglang's /clear_hicache_storage_backend (after update_weights_from_disk / _from_tensor, whose
+    flush resets only sglang's radix tree) calls clear() on every rank and logs success. It changed
+    nothing: the server read the KV of its old weights as hits (a review). Now its pages are keyed
+    in its next clear epoch; another server's pages, the same ones, stay hits for it."""
+    path, _ = daemon
+    pool, other_pool = host_pool(), host_pool()
+    backend, other = make_backend(path, pool), make_backend(path, other_pool)
+    backends += [backend, other]
+    fill(pool, [1, 2, 3, 4], seed=1)  # KV of the old weights
+    old = [page_bytes(pool, p) for p in (1, 2, 3, 4)]
+    assert backend.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    with caplog.at_level(logging.INFO, logger="dflash2.sglang"):
+        assert backend.clear() is True
+    assert "clear epoch 1" in caplog.text
+    assert backend.batch_exists(KEYS[:4]) == 0
+    assert backend.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [False] * 4
+    fill(pool, [1, 2, 3, 4], seed=2)  # KV of the new weights, under the same sglang keys
+    new = [page_bytes(pool, p) for p in (1, 2, 3, 4)]
+    assert backend.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    assert backend.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [True] * 4
+    assert [page_bytes(pool, p) for p in (9, 10, 11, 12)] == new
+    assert other.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [True] * 4  # the others' hits stay
+    assert [page_bytes(other_pool, p) for p in (9, 10, 11, 12)] == old
+
+
+def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
+    """sglang clears every rank together: each bumps its own epoch, and an MLA model's readers find
+    what its one writer stores after the clear."""
+    path, _ = daemon
+    pool_w, pool_r = host_pool(), host_pool()
+    writer = make_backend(path, pool_w, tp_rank=0, tp_size=2, is_mla=True)
+    reader = make_backend(path, pool_r, tp_rank=1, tp_size=2, is_mla=True)
+    backends += [writer, reader]
+    assert writer.is_writer and not reader.is_writer  # (sglang's: one writer of a replicated shard)
+    for b in (writer, reader):
+        assert b.clear() is True
+    fill(pool_w, [1, 2], seed=6)
+    assert writer.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert reader.batch_exists(KEYS[:2]) == 2 and reader.keys.namespace == writer.keys.namespace
+
+
 def test_fallback_when_the_daemon_is_down(config_file, caplog):
     path = config_file()  # no daemon started on its endpoint
     pool = host_pool()

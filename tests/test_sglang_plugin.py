@@ -47,6 +47,15 @@ def test_stages_holding_other_layers_never_share():
         mapper(pp_rank=1, pp_size=3, pp_start_layer=10).key("p")
 
 
+def test_a_clear_epoch_is_a_fresh_key_space_and_epoch_0_is_as_before():
+    """`DFlash2Storage.clear` moves a server to its next clear epoch: none of the keys it had before;
+    a server that never cleared keeps the namespace it had (shared with every server of its identity)."""
+    shard = Shard("llama")
+    assert namespace(shard, "MHA/page_first", "id1", epoch=0) == namespace(shard, "MHA/page_first", "id1")
+    keys = {KeyMapper(namespace(shard, "MHA/page_first", "id1", epoch=e)).key("p") for e in range(3)}
+    assert len(keys) == 3
+
+
 def sglang_args(**kw) -> argparse.Namespace:
     base = {"dflash2_config": "cfg.json", "enable_hierarchical_cache": False, "hicache_storage_backend": None,
             "hicache_storage_backend_extra_config": None}

@@ -92,6 +92,8 @@ class DFlash2Storage(HiCacheStorage):
         # the ranks' hits, had none (host_only: no rank maps that GPU's HBM for it).
         self.device = None if self.shard.is_mla else _serving_device()
         self.model_id: str | None = None  # the model's identity in the namespace (identity.py)
+        self.page = ""  # the pages' format in the namespace (register_mem_pool_host)
+        self.clear_epoch = 0  # the clears this server has had (`clear`), in the namespace
         try:
             self.model_id = self._model_id()
             self.client = self._attach()
@@ -177,10 +179,10 @@ class DFlash2Storage(HiCacheStorage):
             self._fall_back(f"sglang's host pages cannot be stored: {e}")
             return
         self.page_bytes = layout.block_bytes
-        page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
+        self.page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
         if self.shard.pp_size > 1:  # (which layers the stage holds: keys.Shard.pp_start_layer)
             self.shard = dataclasses.replace(self.shard, pp_start_layer=int(mem_pool_host.start_layer))
-        self.keys = KeyMapper(namespace(self.shard, page, self.model_id))
+        self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.clear_epoch))
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
 
@@ -559,10 +561,20 @@ class DFlash2Storage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def clear(self) -> bool:
-        """Nothing of the node's shared cache is this process's alone: the pages it stored are
-        published and shared (this backend holds no reference after a write), and the daemon evicts
-        them by heat. Clearing them for everyone would take other processes' hits away."""
-        log.info("dflash2: clear() leaves the node's shared cache as it is (the daemon evicts by heat)")
+        """sglang's /clear_hicache_storage_backend (on every rank at once), which an operator calls
+        after an in-place weight update (update_weights_from_disk / _from_tensor flush sglang's radix
+        tree, not L3): this server moves to a fresh key space, the next clear epoch, so the pages it
+        wrote before are no hits of its own any more, and pages it writes now are not taken for them.
+        Returning True and changing nothing, the server read KV of its old weights as hits (a review).
+        The pages stay in the node's cache for the servers of the old identity (the daemon evicts them
+        by heat): deleting them would take other processes' hits away. Every rank bumps its own epoch,
+        so an MLA model's writer and its readers stay in step."""
+        self.clear_epoch += 1
+        if self.keys is not None:
+            self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.clear_epoch))
+        log.warning("dflash2: clear(): this server's pages now have keys of clear epoch %d (namespace %s): pages "
+                    "written before are no hits for it; the node's cache keeps them for other servers",
+                    self.clear_epoch, self.keys.namespace if self.keys is not None else "none: nothing stored")
         return True
 
     def get_stats(self):

@@ -11,7 +11,9 @@ different shard or format of the KV, so the dflash2 key hashes the string togeth
   MLA (the latent is replicated on every TP rank, so every rank may read the writer's page);
   pipeline stage (its rank, and its first layer), attention context-parallel and decode context-parallel ranks where used;
 - the page format: the host pool's memory layout (page_first, layer_first, ...), its storage
-  format tag, and the page geometry (dtype, layers, heads, tokens per page).
+  format tag, and the page geometry (dtype, layers, heads, tokens per page);
+- the server's clear epoch, once it has cleared (`DFlash2Storage.clear`: a fresh key space, as after
+  an in-place weight update pages written before are not this server's KV any more).
 
 Invariant: a TP rank never reads another rank's shard, and a page is only ever read into a host
 pool whose byte format is the one it was written from. Key 0 is "no key" on the wire and is never
@@ -71,11 +73,14 @@ class Shard:
         return ",".join(parts)
 
 
-def namespace(shard: Shard, page_format: str, model_id: str | None = None) -> str:
+def namespace(shard: Shard, page_format: str, model_id: str | None = None, epoch: int = 0) -> str:
     """The full namespace: shard + the model's identity (`identity.model_id`; None: unknown, the
-    served name alone) + page byte format (see the module docstring)."""
+    served name alone) + page byte format (see the module docstring) + the server's clear epoch,
+    where it has cleared (`DFlash2Storage.clear`; epoch 0 is no part of it, so a server that never
+    cleared shares its pages with every server of its identity, as before)."""
     model = "" if model_id is None else f"|id={model_id}"
-    return f"sglang|{shard.tag()}{model}|{page_format}"
+    cleared = f"|clear={epoch}" if epoch else ""
+    return f"sglang|{shard.tag()}{model}|{page_format}{cleared}"
 
 
 def _seed(ns: str) -> bytes:
