@@ -242,7 +242,7 @@ class BlockManager(Reads):
                 # Nothing is moved for a call that fails anyway: its room waits on blocks held.
                 if held:
                     return self._held_back(ahead, priority, held)
-                return self._refused(tier, client, n * slot, most, slot)
+                return self._refused(tier, client, layout_id, n * slot, most, slot)
             need = self.placement.room_batch(tier, n * slot + held, slot)
             with self.placement.own_writes():  # (its writes to NVMe: the call may be parked on them)
                 self.placement.make_room(tier, need, idle_only=True, block_bytes=size)
@@ -250,36 +250,44 @@ class BlockManager(Reads):
                 return self._held_back(ahead, priority, held)
             vids = self.table.allocate(client, layout_id, n, **kw)
         if vids is None:
-            return self._refused(tier, client, n * slot, self.placement.free_bytes(tier, size), slot)
+            return self._refused(tier, client, layout_id, n * slot, self.placement.free_bytes(tier, size), slot)
         self.policy.on_insert(self.table, self.table.rows(vids), self.table.clock())
         return vids
 
-    def _refused(self, tier: Tier, client: int, need: int, room: int, slot: int) -> None:
-        """`client`'s `need` bytes of slots of `slot` bytes refused where `room` (free, and movable when
-        that was counted) is all the tier could give now."""
+    def _refused(self, tier: Tier, client: int, layout_id: int, need: int, room: int, slot: int) -> None:
+        """`client`'s `need` bytes of slots of `slot` bytes (of layout `layout_id`) refused where `room`
+        (free, and movable when that was counted) is all the tier could give now."""
         held = [r for r in self.admission.granted.values() if r.remaining] if tier == Tier.HBM else []
-        count, untaken = untaken_room(held)
-        if count and room + untaken >= need and self.placement.room_most_without(
+        # Granted reservations' untaken blocks hold the room, not blocks being written or pinned: an
+        # allocate was told HBM was full of blocks that cannot move, where none were (a review; a
+        # deferred reserve was already told this). Their room counted by slots and slabs, as
+        # `room_most` counts, alone: by bytes, 8 KiB reserved slots beside blocks being written were
+        # said to hold a 16 KiB block, and one beside a free 8 KiB slot, which makes one, was not
+        # named (two reviews).
+        if held and self.placement.room_most_without(
                 tier, self.table.rows([v for r in held for v in r.vids]), idle_only=True, slot=slot) >= need:
-            # Granted reservations' untaken blocks hold the room, not blocks being written or
-            # pinned: an allocate was told HBM was full of blocks that cannot move, where none were
-            # (a review; a deferred reserve was already told this). Their room counted by slots and
-            # slabs, as `room_most` counts: by bytes, 8 KiB reserved slots beside blocks being
-            # written were said to hold a 16 KiB block (a review).
-            # Some may be the caller's own: it was told to reserve and wait on their clients, itself,
-            # where it can take their blocks or cancel them (a review).
-            mine, wait = untaken_room(r for r in held if r.client == client), "reserve and wait "
-            wait += until_taken(self.admission.settings.reservation_ttl_s)
-            act = (wait if not mine[0] else "take those blocks (`take`) or cancel them" if mine[0] == count
-                   else "take this client's own (`take`) or cancel them, or " + wait)
-            self.allocate_refusal = (f"{held_by_granted(count, untaken, *mine)}, without which HBM's free and movable "
-                                     f"room ({room} bytes) would hold the {need} bytes asked for; {act}")
+            self.allocate_refusal = self._held_by_granted(held, client, layout_id, need, room)
         else:  # (reservations are of HBM: a host writer told to reserve could not, a review)
             self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
                                      + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
                                         "by host readers: free or release them, or try again later"))
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
+
+    def _held_by_granted(self, held: list[Reservation], client: int, layout_id: int, need: int, room: int) -> str:
+        """An allocate's refusal where the granted reservations `held` hold its room. Some may be the
+        caller's own: it was told to reserve and wait on their clients, itself (a review). Taking them
+        serves it only where they are of its layout (`take` hands out blocks of the reservation's
+        layout: taken, another layout's were blocks being written, and the allocate was refused
+        again, a review); else cancelling them does."""
+        count, untaken = untaken_room(held)
+        own = [r for r in held if r.client == client]
+        wait = "reserve and wait " + until_taken(self.admission.settings.reservation_ttl_s)
+        free_own = ("take those blocks (`take`) or cancel them" if all(r.layout_id == layout_id for r in own)
+                    else "cancel them (or take and free them: they are of another layout than this allocate's)")
+        act = wait if not own else free_own if len(own) == count else f"this client's own: {free_own}; or {wait}"
+        return (f"{held_by_granted(count, untaken, *untaken_room(own))}, without which HBM's free and movable room "
+                f"({room} bytes) would hold the {need} bytes asked for; {act}")
 
     def _held_back(self, ahead: list, priority: int, held: int) -> None:
         self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "

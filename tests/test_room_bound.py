@@ -35,58 +35,6 @@ def test_an_allocate_that_fails_anyway_moves_and_drops_nothing(make_manager, dra
     mgr.check_invariants()
 
 
-def test_an_allocate_refused_for_granted_reservations_room_names_them(make_manager):
-    """HBM of 4, 3 of them a granted reservation's, none taken: an allocate of 2 was told HBM was
-    "full of blocks that cannot move now", blocks being written or pinned, where none were (a review;
-    a deferred reserve was already told of granted room). Where such blocks do hold it, it still is."""
-    mgr = make_manager(hbm_blocks=4)
-    a, b = mgr.attach("a"), mgr.attach("b")
-    lid = mgr.register_layout(SMALL)
-    assert mgr.reserve(a, lid, tokens=16 * 3).outcome.name == "GRANTED"
-    slot = mgr.table.slot_bytes(lid, Tier.HBM)
-    ttl = mgr.admission.settings.reservation_ttl_s
-    for n in (2, 4):  # (4: the whole tier, counted by the bound before any room is made)
-        assert mgr.allocate(b, lid, n) is None
-        assert mgr.allocate_refusal == (
-            f"HBM is held by 1 granted reservation(s) not yet taken ({3 * slot} bytes), without which HBM's free "
-            f"and movable room ({slot} bytes) would hold the {n * slot} bytes asked for; reserve and wait until "
-            "their clients take and free those blocks or cancel them, or they expire "
-            f"(admission.reservation_ttl_s, {ttl:g} s at most)")
-    mgr.allocate(b, lid, 1)  # being written: the rest is no longer the reservation's to give
-    assert mgr.allocate(b, lid, 4) is None
-    assert mgr.allocate_refusal == "HBM is full of blocks that cannot move now; reserve and wait"
-    mgr.check_invariants()
-
-
-def test_a_clients_own_reservation_is_not_told_to_reserve_and_wait_on_itself(make_manager):
-    """HBM of 4, 3 of them client a's granted reservation, none taken: a's allocate of 2 was told to
-    reserve and wait until "their clients" took and freed those blocks, itself (a review): it is told
-    they are its own, to take them or cancel them; beside another's, it is told which part is its own."""
-    mgr = make_manager(hbm_blocks=4)
-    a, b = mgr.attach("a"), mgr.attach("b")
-    lid = mgr.register_layout(SMALL)
-    slot = mgr.table.slot_bytes(lid, Tier.HBM)
-    d = mgr.reserve(a, lid, tokens=16 * 3)
-    assert d.outcome.name == "GRANTED"
-    assert mgr.allocate(a, lid, 2) is None
-    assert mgr.allocate_refusal == (
-        f"HBM is held by 1 granted reservation(s) not yet taken ({3 * slot} bytes), all this client's own, without "
-        f"which HBM's free and movable room ({slot} bytes) would hold the {2 * slot} bytes asked for; take those "
-        "blocks (`take`) or cancel them")
-    mgr.cancel(a, d.reservation_id)
-    d = mgr.reserve(a, lid, tokens=16 * 2)
-    assert mgr.reserve(b, lid, tokens=16).outcome.name == "GRANTED"
-    assert mgr.allocate(a, lid, 2) is None
-    ttl = mgr.admission.settings.reservation_ttl_s
-    assert mgr.allocate_refusal == (
-        f"HBM is held by 2 granted reservation(s) not yet taken ({3 * slot} bytes), 1 of them this client's own "
-        f"({2 * slot} bytes), without which HBM's free and movable room ({slot} bytes) would hold the {2 * slot} "
-        "bytes asked for; take this client's own (`take`) or cancel them, or reserve and wait until their clients "
-        f"take and free those blocks or cancel them, or they expire (admission.reservation_ttl_s, {ttl:g} s at most)")
-    assert len(mgr.take(a, d.reservation_id, 2)) == 2  # (what it is told to do serves it)
-    mgr.check_invariants()
-
-
 def _halves(mgr, w, small: int) -> None:
     """In an HBM of pages of 16 KiB, two pages each left holding an 8 KiB block being written and a
     free 8 KiB slot: 16 KiB of free slots that hold no 16 KiB block until a write ends."""
@@ -114,38 +62,6 @@ def test_an_allocate_that_fails_anyway_beside_other_sizes_moves_nothing(make_man
     assert (placement["demoted"], placement["evicted"]) == (0, 0), placement
     assert tier_of(mgr, cached[0]) == Tier.HBM and len(mgr.lookup_rows((77,), big)) == 1
     assert len(mgr.allocate(w, big, 1)) == 1  # one that fits is served, by moving the idle block out
-    mgr.check_invariants()
-
-
-def test_reserved_halves_beside_writes_are_not_said_to_hold_a_whole_page_block(make_manager):
-    """HBM of 3 pages of 16 KiB: the halves' free 8 KiB slots a granted reservation's, the third page a
-    16 KiB block being written. The refusal of a 16 KiB block said the reservation's 16 KiB untaken
-    (by bytes) would hold it, and once it was cancelled the allocate was still refused (a review).
-    Where the reserved slots fill a page of their own, that page would hold it, and it is said."""
-    mgr = make_manager(hbm_blocks=3)
-    w, b, r = mgr.attach("w"), mgr.attach("b"), mgr.attach("r")
-    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
-    _halves(mgr, w, small)
-    d = mgr.reserve(r, small, tokens=16 * 2)
-    assert d.outcome.name == "GRANTED"
-    assert mgr.allocate(w, big, 1) is not None  # the third page, being written
-    assert mgr.allocate(b, big, 1) is None
-    assert mgr.allocate_refusal == "HBM is full of blocks that cannot move now; reserve and wait"
-    mgr.cancel(r, d.reservation_id)
-    assert mgr.allocate(b, big, 1) is None  # (what the refusal says is so)
-    mgr.check_invariants()
-
-    mgr = make_manager(hbm_blocks=3)
-    w, b, r = mgr.attach("w"), mgr.attach("b"), mgr.attach("r")
-    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
-    mgr.allocate(w, big, 1)
-    d = mgr.reserve(r, small, tokens=16 * 2)  # both halves of one page
-    assert d.outcome.name == "GRANTED"
-    mgr.allocate(w, big, 1)
-    assert mgr.allocate(b, big, 1) is None
-    assert mgr.allocate_refusal.startswith("HBM is held by 1 granted reservation(s) not yet taken")
-    mgr.cancel(r, d.reservation_id)
-    assert len(mgr.allocate(b, big, 1)) == 1
     mgr.check_invariants()
 
 
