@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 
@@ -53,7 +54,8 @@ def storage_config(config_path: str, tp_rank: int = 0, tp_size: int = 1, is_mla:
     # Hugging Face cache, so its files are not read, as the backend says.)
     model = server_args(argparse.Namespace(model_path="test/llama"))
     extra_config = json.loads(backend_extra_config(config_path, None, model=model))
-    extra_config.update({"dflash2_timeout_s": 1.0, **extra})
+    # (A launch token of its own, as each server launch draws: clears.py; unless `dflash2_launch` is given.)
+    extra_config.update({"dflash2_timeout_s": 1.0, "dflash2_launch": secrets.token_hex(8), **extra})
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=True,
                                 is_page_first_layout=True, model_name="test/llama", extra_config=extra_config)
@@ -244,9 +246,9 @@ def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
     """sglang clears every rank together: each bumps its own epoch, and an MLA model's readers find
     what its one writer stores after the clear."""
     path, _ = daemon
-    pool_w, pool_r = host_pool(), host_pool()
-    writer = make_backend(path, pool_w, tp_rank=0, tp_size=2, is_mla=True)
-    reader = make_backend(path, pool_r, tp_rank=1, tp_size=2, is_mla=True)
+    pool_w, pool_r, launch = host_pool(), host_pool(), secrets.token_hex(8)  # (one server: one launch, every rank)
+    writer = make_backend(path, pool_w, tp_rank=0, tp_size=2, is_mla=True, dflash2_launch=launch)
+    reader = make_backend(path, pool_r, tp_rank=1, tp_size=2, is_mla=True, dflash2_launch=launch)
     backends += [writer, reader]
     assert writer.is_writer and not reader.is_writer  # (sglang's: one writer of a replicated shard)
     for b in (writer, reader):
@@ -254,6 +256,57 @@ def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
     fill(pool_w, [1, 2], seed=6)
     assert writer.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
     assert reader.batch_exists(KEYS[:2]) == 2 and reader.keys.namespace == writer.keys.namespace
+
+
+def test_two_servers_of_one_identity_that_each_cleared_once_do_not_share(daemon, backends):
+    """Servers A and B of one identity: A cleared after an update to W2, B after its own update to
+    W3 (or its PD role switch, which clears too). Each clear counted from 0 in its process, both
+    landed on `|clear=1`, and B read A's KV of W2 as its hits (a review). Each launch has its own
+    token now."""
+    path, _ = daemon
+    pool_a, pool_b = host_pool(), host_pool()
+    a, b = make_backend(path, pool_a), make_backend(path, pool_b)
+    backends += [a, b]
+    assert a.clear() is True
+    fill(pool_a, [1, 2, 3, 4], seed=2)  # KV of W2
+    assert a.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    assert b.clear() is True
+    assert b.keys.namespace != a.keys.namespace
+    assert b.batch_exists(KEYS[:4]) == 0
+
+
+def test_a_backend_made_again_in_a_cleared_server_keeps_its_key_space(daemon, backends):
+    """sglang's detach + attach of its storage backend makes a new DFlash2Storage in the same process;
+    it started at clear epoch 0 again and read the KV of the weights before the update as hits (a
+    review). It continues from the process's clears; a clear of it moves on from there."""
+    path, _ = daemon
+    pool, launch = host_pool(), secrets.token_hex(8)
+    before = make_backend(path, pool, dflash2_launch=launch)
+    backends.append(before)
+    fill(pool, [1, 2, 3, 4], seed=1)  # KV of the old weights
+    assert before.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
+    assert before.clear() is True
+    again = make_backend(path, host_pool(), dflash2_launch=launch)
+    backends.append(again)
+    assert again.keys.namespace == before.keys.namespace and again.batch_exists(KEYS[:4]) == 0
+    assert again.clear() is True and again.keys.namespace.endswith(f"|clear={launch}.2")
+
+
+def test_an_attach_config_without_the_launch_token_keeps_the_cleared_key_space(daemon, backends, caplog):
+    """An operator's own attach config has no `dflash2_launch`: the new backend takes this process's
+    last key space (it has cleared), and says so."""
+    path, _ = daemon
+    pool = host_pool()
+    before = make_backend(path, pool)
+    backends.append(before)
+    fill(pool, [1, 2], seed=3)
+    assert before.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert before.clear() is True
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        again = make_backend(path, host_pool(), dflash2_launch=None)
+    backends.append(again)
+    assert "gives no dflash2_launch" in caplog.text and "keeps the last one" in caplog.text
+    assert again.keys.namespace == before.keys.namespace and again.batch_exists(KEYS[:2]) == 0
 
 
 def test_fallback_when_the_daemon_is_down(config_file, caplog):

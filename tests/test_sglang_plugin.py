@@ -12,6 +12,7 @@ import os
 import pytest
 
 from daemon_proc import DaemonProcess
+from dflash2.client.sglang import clears
 from dflash2.client.sglang.identity import server_args
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.plugin import HBM_NOTE_BYTES, Verdict, backend_extra_config, check_dflash2, hbm_note, rewrite_args
@@ -51,9 +52,46 @@ def test_a_clear_epoch_is_a_fresh_key_space_and_epoch_0_is_as_before():
     """`DFlash2Storage.clear` moves a server to its next clear epoch: none of the keys it had before;
     a server that never cleared keeps the namespace it had (shared with every server of its identity)."""
     shard = Shard("llama")
-    assert namespace(shard, "MHA/page_first", "id1", epoch=0) == namespace(shard, "MHA/page_first", "id1")
-    keys = {KeyMapper(namespace(shard, "MHA/page_first", "id1", epoch=e)).key("p") for e in range(3)}
-    assert len(keys) == 3
+    assert clears.KeySpace("abc", 0).tag() == "" and clears.KeySpace(None).tag() == ""
+    assert namespace(shard, "MHA/page_first", "id1", clear="") == namespace(shard, "MHA/page_first", "id1")
+    tags = [clears.KeySpace("abc", e).tag() for e in range(3)]
+    assert len({KeyMapper(namespace(shard, "MHA/page_first", "id1", clear=t)).key("p") for t in tags}) == 3
+
+
+def test_two_launches_that_each_cleared_once_have_their_own_key_spaces():
+    """Servers A and B of one identity that each cleared once (A after an update to W2, B after its
+    role switch or an update to W3) were both at `|clear=1` and read each other's KV (a review)."""
+    rank = ("llama", "tp=0/1", clears.new_launch())  # (a rank no other test uses)
+    a = clears.bump(clears.resume(clears.new_launch(), rank), rank)
+    b = clears.bump(clears.resume(clears.new_launch(), rank), rank)
+    assert a.epoch == b.epoch == 1 and a.tag() != b.tag() and a.tag() == f"{a.launch}.1"
+
+
+def test_a_backend_made_again_continues_from_its_launchs_clears_and_ranks_clear_in_step():
+    """sglang's detach + attach makes a new backend in the process: it started at epoch 0 again, in
+    the key space of the weights before the update (a review). Each rank counts its own clears, so an
+    MLA model's writer and readers (one launch) stay in step."""
+    launch, writer, reader = clears.new_launch(), ("mla", 0), ("mla", 1)
+    first = clears.bump(clears.resume(launch, writer), writer)
+    assert clears.resume(launch, writer) == first  # made again: where it was
+    assert clears.bump(clears.resume(launch, reader), reader) == first  # the reader, in step
+    assert clears.bump(clears.resume(launch, writer), writer) == clears.KeySpace(launch, 2)
+
+
+def test_a_config_without_the_launch_token_takes_the_processs_last_key_space(caplog):
+    """An operator's own attach config has no `dflash2_launch`: before this process cleared, the
+    key space of epoch 0; after, the last one, said in a warning. A clear with no token at all
+    draws this process's own token, said too."""
+    rank = ("llama", "tp=0/1", clears.new_launch())
+    assert clears.resume(None, rank) == clears.KeySpace()
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        own = clears.bump(clears.KeySpace(), rank)
+    assert own.epoch == 1 and own.launch and f"its own token {own.launch}" in caplog.text
+    launched = clears.bump(clears.resume(clears.new_launch(), rank), rank)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        assert clears.resume(None, rank) == launched
+    assert "gives no dflash2_launch" in caplog.text and f"launch {launched.launch}, clear epoch 1" in caplog.text
 
 
 def sglang_args(**kw) -> argparse.Namespace:
@@ -69,10 +107,24 @@ def test_rewrite_turns_the_flag_into_the_dynamic_backend(tmp_path):
     assert verdict.ok and args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
     extra = json.loads(args.hicache_storage_backend_extra_config)
     model = extra.pop("dflash2_model")
+    launch = extra.pop("dflash2_launch")
+    assert len(launch) == 16 and int(launch, 16) >= 0  # this launch's token (clears.py)
     assert extra == {"prefetch_threshold": 256, "backend_name": "dflash2", "class_name": "DFlash2Storage",
                      "module_path": "dflash2.client.sglang.backend", "interface_v1": 1,
                      "hicache_storage_pass_prefix_keys": True, "dflash2_config": str(tmp_path / "c.json")}
     assert model == server_args(args)
+
+
+def test_each_launch_passes_its_own_token_to_every_rank(tmp_path):
+    """Two servers launched alike (one identity) key their pages apart once they clear (clears.py):
+    each launch draws its token; the user's own is replaced (a copied command is another launch)."""
+    tokens = set()
+    for _ in range(2):
+        args = sglang_args(dflash2_config=str(tmp_path / "c.json"),
+                           hicache_storage_backend_extra_config='{"dflash2_launch": "copied"}')
+        assert rewrite_args(args, check=lambda path: Verdict(True, endpoint="ipc://x")).ok
+        tokens.add(json.loads(args.hicache_storage_backend_extra_config)["dflash2_launch"])
+    assert len(tokens) == 2 and "copied" not in tokens
 
 
 def test_rewrite_passes_the_models_server_arguments_to_the_backend(tmp_path):

@@ -6,9 +6,10 @@ in the node's dflash2 daemon, shared and deduplicated by every sglang process on
     backend.py  DFlash2Storage, the HiCacheStorage subclass sglang creates (imports sglang)
     pages.py    one host page <-> one dflash2 block: layout and copies (torch, no sglang import)
     keys.py     sglang page keys -> namespaced dflash2 content keys (no torch, no sglang)
+    clears.py   the key spaces a server's clears move it to (launch token, epoch); no torch, no sglang
     identity.py the model's identity that the namespace covers: server arguments (the plugin's)
                 and the model's files (read by the backend); no torch, no sglang
 
-Layers import only downward: backend -> pages, keys, identity, plugin (for the fallback line);
-plugin -> identity; nothing here is imported by the rest of dflash2.
+Layers import only downward: backend -> pages, keys, clears, identity, plugin (for the fallback
+line); plugin -> clears, identity; nothing here is imported by the rest of dflash2.
 """

@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   PoolTransfer, PoolTransferResult)
 
 from dflash2.client.client import Client
-from dflash2.client.sglang import identity
+from dflash2.client.sglang import clears, identity
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, logical_kv_dtype, page_format,
                                          page_layout, store_page)
@@ -93,7 +93,8 @@ class DFlash2Storage(HiCacheStorage):
         self.device = None if self.shard.is_mla else _serving_device()
         self.model_id: str | None = None  # the model's identity in the namespace (identity.py)
         self.page = ""  # the pages' format in the namespace (register_mem_pool_host)
-        self.clear_epoch = 0  # the clears this server has had (`clear`), in the namespace
+        self.rank = self.shard  # (its clears' key space is kept per process and rank: clears.py)
+        self.space = clears.resume(self.extra.get(clears.LAUNCH_KEY), self.rank)
         try:
             self.model_id = self._model_id()
             self.client = self._attach()
@@ -182,7 +183,7 @@ class DFlash2Storage(HiCacheStorage):
         self.page = f"{page_format(mem_pool_host)}/{layout.name}" + ("" if kv is None else f"/kv={kv}")
         if self.shard.pp_size > 1:  # (which layers the stage holds: keys.Shard.pp_start_layer)
             self.shard = dataclasses.replace(self.shard, pp_start_layer=int(mem_pool_host.start_layer))
-        self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.clear_epoch))
+        self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.space.tag()))
         log.info("dflash2: sglang pages are dflash2 blocks of layout %s (%d bytes), namespace %s",
                  layout.name, layout.block_bytes, self.keys.namespace)
 
@@ -561,20 +562,20 @@ class DFlash2Storage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def clear(self) -> bool:
-        """sglang's /clear_hicache_storage_backend (on every rank at once), which an operator calls
-        after an in-place weight update (update_weights_from_disk / _from_tensor flush sglang's radix
-        tree, not L3): this server moves to a fresh key space, the next clear epoch, so the pages it
-        wrote before are no hits of its own any more, and pages it writes now are not taken for them.
-        Returning True and changing nothing, the server read KV of its old weights as hits (a review).
-        The pages stay in the node's cache for the servers of the old identity (the daemon evicts them
-        by heat): deleting them would take other processes' hits away. Every rank bumps its own epoch,
-        so an MLA model's writer and its readers stay in step."""
-        self.clear_epoch += 1
+        """sglang's /clear_hicache_storage_backend (on every rank at once; an operator's, after an
+        in-place weight update, whose flush resets only sglang's radix tree; and its PD role switch):
+        this server moves to a fresh key space, its launch's next clear epoch (clears.py), so the pages
+        it wrote before are no hits of its own any more, nor another server's pages. Returning True and
+        changing nothing, the server read KV of its old weights as hits (a review). The pages stay in
+        the node's cache for the servers of the old identity (the daemon evicts them by heat). Every
+        rank bumps its own epoch of the launch every rank has: an MLA writer and its readers stay in step."""
+        self.space = clears.bump(self.space, self.rank)
         if self.keys is not None:
-            self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.clear_epoch))
-        log.warning("dflash2: clear(): this server's pages now have keys of clear epoch %d (namespace %s): pages "
-                    "written before are no hits for it; the node's cache keeps them for other servers",
-                    self.clear_epoch, self.keys.namespace if self.keys is not None else "none: nothing stored")
+            self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.space.tag()))
+        log.warning("dflash2: clear(): this server's pages now have keys of clear epoch %d of launch %s (namespace "
+                    "%s): pages written before are no hits for it; the node's cache keeps them for other servers",
+                    self.space.epoch, self.space.launch,
+                    self.keys.namespace if self.keys is not None else "none: nothing stored")
         return True
 
     def get_stats(self):

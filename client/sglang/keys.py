@@ -12,8 +12,9 @@ different shard or format of the KV, so the dflash2 key hashes the string togeth
   pipeline stage (its rank, and its first layer), attention context-parallel and decode context-parallel ranks where used;
 - the page format: the host pool's memory layout (page_first, layer_first, ...), its storage
   format tag, and the page geometry (dtype, layers, heads, tokens per page);
-- the server's clear epoch, once it has cleared (`DFlash2Storage.clear`: a fresh key space, as after
-  an in-place weight update pages written before are not this server's KV any more).
+- the server's key space, once it has cleared (`DFlash2Storage.clear`: after an in-place weight
+  update pages written before are not this server's KV any more): its launch token and clear epoch
+  (clears.py).
 
 Invariant: a TP rank never reads another rank's shard, and a page is only ever read into a host
 pool whose byte format is the one it was written from. Key 0 is "no key" on the wire and is never
@@ -73,13 +74,13 @@ class Shard:
         return ",".join(parts)
 
 
-def namespace(shard: Shard, page_format: str, model_id: str | None = None, epoch: int = 0) -> str:
+def namespace(shard: Shard, page_format: str, model_id: str | None = None, clear: str = "") -> str:
     """The full namespace: shard + the model's identity (`identity.model_id`; None: unknown, the
-    served name alone) + page byte format (see the module docstring) + the server's clear epoch,
-    where it has cleared (`DFlash2Storage.clear`; epoch 0 is no part of it, so a server that never
-    cleared shares its pages with every server of its identity, as before)."""
+    served name alone) + page byte format (see the module docstring) + the server's key space where
+    it has cleared (`clears.KeySpace.tag`, `<launch>.<epoch>`; "" where it never cleared, so it
+    shares its pages with every server of its identity, as before)."""
     model = "" if model_id is None else f"|id={model_id}"
-    cleared = f"|clear={epoch}" if epoch else ""
+    cleared = f"|clear={clear}" if clear else ""
     return f"sglang|{shard.tag()}{model}|{page_format}{cleared}"
 
 

@@ -12,7 +12,8 @@ pyproject.toml) before it parses its command line (`python -m sglang.launch_serv
   --hicache-storage-backend-extra-config '{"backend_name": "dflash2", "module_path":
   "dflash2.client.sglang.backend", "class_name": "DFlash2Storage", "interface_v1": 1,
   "hicache_storage_pass_prefix_keys": true, "dflash2_config": FILE, "dflash2_model": {the server
-  arguments of the model's identity: identity.py}}'` (the user's own extra-config keys are kept).
+  arguments of the model's identity: identity.py}, "dflash2_launch": a random token of this launch,
+  the key space of the server's clears: clears.py}'` (the user's own extra-config keys are kept).
 
 Fallback: when the config's `enable` is not true, the config is invalid, the flag names no file
 (`--dflash2-config ""`), or the daemon does not answer, the arguments are left as they are (sglang runs with its own cache) and one warning line
@@ -34,6 +35,7 @@ import dataclasses
 import json
 import logging
 
+from dflash2.client.sglang.clears import LAUNCH_KEY, new_launch
 from dflash2.client.sglang.identity import server_args
 from dflash2.errors import DFlash2Error
 
@@ -172,11 +174,12 @@ def user_extra_config(user_extra: str | None) -> dict:
 
 
 def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtype: str | None = None,
-                         model: dict | None = None) -> str:
+                         model: dict | None = None, launch: str | None = None) -> str:
     """sglang's `--hicache-storage-backend-extra-config` JSON: the user's keys plus ours (with the
     server's `--kv-cache-dtype`: the logical KV dtype, which fp8 host pools do not show: every fp8
     format is stored as uint8; and `model`, the server arguments of the model's identity,
-    identity.server_args, which the page namespace covers)."""
+    identity.server_args, which the page namespace covers; and `launch`, this launch's token, which
+    keys the server's pages once it has cleared: clears.py)."""
     extra = user_extra_config(user_extra)
     extra.update(OURS)
     extra["interface_v1"] = 1  # the zero-copy batch_get_v1 / batch_set_v1 path
@@ -191,6 +194,8 @@ def backend_extra_config(config_path: str, user_extra: str | None, kv_cache_dtyp
         extra["dflash2_kv_cache_dtype"] = str(kv_cache_dtype)
     if model is not None:
         extra["dflash2_model"] = model
+    if launch is not None:  # (the user's own is replaced: a copied launch command is another launch)
+        extra[LAUNCH_KEY] = launch
     return json.dumps(extra)
 
 
@@ -251,7 +256,7 @@ def rewrite_args(args, check=check_dflash2) -> Verdict | None:
         return verdict
     args.hicache_storage_backend_extra_config = backend_extra_config(
         path, getattr(args, "hicache_storage_backend_extra_config", None), getattr(args, "kv_cache_dtype", None),
-        server_args(args))
+        server_args(args), new_launch())
     args.enable_hierarchical_cache = True
     args.hicache_storage_backend = "dynamic"
     log.info("dflash2: sglang's hierarchical cache stores its pages in dflash2 (daemon %s, config %s)",

@@ -1,0 +1,92 @@
+"""The key spaces a server's clears move it to (`DFlash2Storage.clear`); no torch, no sglang.
+
+A server that clears (sglang's /clear_hicache_storage_backend, after an in-place weight update, or its
+PD role switch) keys its pages in `|clear=<launch>.<epoch>` from then on (keys.namespace):
+
+- `launch`: a random token the plugin draws once per server launch (`rewrite_args`), passed to every
+  rank in the extra config (`dflash2_launch`), so a TP / MLA server's ranks clear in step. A counter
+  alone was no key space of the server's own: two servers of one identity that each cleared once
+  (one after an update to W2, the other after its role switch or an update to W3) both landed on
+  `|clear=1` and read each other's KV as hits (a review).
+- `epoch`: the clears of this launch on this rank, kept here, at module level, not on the backend:
+  sglang detaches and attaches its storage backend again within the process (a new DFlash2Storage),
+  and the new one started at epoch 0, back in the key space of the weights before the update, whose
+  KV it read as hits (a review). It continues from here.
+
+A backend whose extra config gives no launch (an operator's own attach config) takes this rank's last
+key space if this process has cleared, and says so; one that clears with none draws this process's
+own token. Epoch 0 is no part of the namespace: a server that never cleared shares its pages with
+every server of its identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+from collections.abc import Hashable
+
+log = logging.getLogger("dflash2.sglang")
+
+LAUNCH_KEY = "dflash2_launch"  # the extra config's key of the launch token (plugin.backend_extra_config)
+
+
+def new_launch() -> str:
+    """A launch token: unique to one server launch (64 random bits)."""
+    return secrets.token_hex(8)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpace:
+    """Where a server's pages are keyed: its launch token and its clear epoch (0: never cleared)."""
+
+    launch: str | None = None
+    epoch: int = 0
+
+    def tag(self) -> str:
+        """The namespace's clear part (keys.namespace): "" at epoch 0."""
+        return f"{self.launch}.{self.epoch}" if self.epoch else ""
+
+
+_lock = threading.Lock()  # (sglang's ranks of one process, and tests' backends, may clear at once)
+_epochs: dict[tuple[str, Hashable], int] = {}  # (launch, rank) -> its last clear epoch in this process
+_last: dict[Hashable, KeySpace] = {}  # rank -> the key space its last clear moved to
+_own: list[str] = []  # this process's token for clears whose config gave none (drawn once)
+
+
+def resume(launch, rank: Hashable) -> KeySpace:
+    """The key space a backend made now starts in (`launch`: the extra config's token, or None;
+    `rank`: which rank of the server it is); one taken over from an earlier clear is said."""
+    with _lock:
+        if launch:
+            launch = str(launch)
+            return KeySpace(launch, _epochs.get((launch, rank), 0))
+        last = _last.get(rank)
+    if last is None:
+        return KeySpace()
+    log.warning("dflash2: the storage backend's extra config gives no %s (an attach config of one's own?); this "
+                "process cleared its pages' key space before, so this backend keeps the last one (launch %s, clear "
+                "epoch %d), not the one of the weights before the clear", LAUNCH_KEY, last.launch, last.epoch)
+    return last
+
+
+def bump(space: KeySpace, rank: Hashable) -> KeySpace:
+    """The key space of `space`'s next clear on `rank` (recorded here); a token of this process's
+    own, drawn where the config gave none, is said."""
+    note = ""
+    with _lock:
+        launch = space.launch
+        if launch is None:
+            if not _own:
+                _own.append(new_launch())
+            launch = _own[0]
+            note = (f"dflash2: the storage backend's extra config gives no {LAUNCH_KEY} (--dflash2-config passes "
+                    f"one): this process keys its pages under its own token {launch}, which the server's ranks in "
+                    "other processes do not share: an MLA model's readers miss its writer's pages from now")
+        epoch = max(_epochs.get((launch, rank), 0), space.epoch) + 1
+        _epochs[(launch, rank)] = epoch
+        _last[rank] = new = KeySpace(launch, epoch)
+    if note:
+        log.warning(note)
+    return new
