@@ -56,7 +56,9 @@ class RoomBound:
         `room_most` counts, by slots and slabs for one size (their untaken bytes, added to the room,
         said an allocate would fit where 8 KiB reserved slots beside blocks being written held no 16 KiB
         block, and it was still refused once the reservation was cancelled, a review). A pass over the
-        table each call: asked only where their bytes would cover the call."""
+        table each call, asked by every refused HBM allocate while a granted reservation has blocks not
+        yet taken (their bytes beside the free room are no bound on it: a reserved 8 KiB slot beside a
+        free one makes a 16 KiB slot, and such a refusal was not said to be theirs, a review)."""
         stay = self._staying(tier, idle_only, None, None)
         if stay is None:  # (none may leave: every block in the tier stays)
             stay = self.table.cols.tier == int(tier)
