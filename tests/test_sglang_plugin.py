@@ -61,9 +61,11 @@ def test_a_clear_epoch_is_a_fresh_key_space_and_epoch_0_is_as_before():
 def test_two_launches_that_each_cleared_once_have_their_own_key_spaces():
     """Servers A and B of one identity that each cleared once (A after an update to W2, B after its
     role switch or an update to W3) were both at `|clear=1` and read each other's KV (a review)."""
-    rank = ("llama", "tp=0/1", clears.new_launch())  # (a rank no other test uses)
-    a = clears.bump(clears.resume(clears.new_launch(), rank), rank)
-    b = clears.bump(clears.resume(clears.new_launch(), rank), rank)
+    # (ranks no other test uses, one a server: each server's rank is a process of its own, and a rank
+    # of one process that has cleared keeps its key space whatever token it is given later)
+    rank_a, rank_b = (("llama", "tp=0/1", clears.new_launch()) for _ in range(2))
+    a = clears.bump(clears.resume(clears.new_launch(), rank_a), rank_a)
+    b = clears.bump(clears.resume(clears.new_launch(), rank_b), rank_b)
     assert a.epoch == b.epoch == 1 and a.tag() != b.tag() and a.tag() == f"{a.launch}.1"
 
 
@@ -78,6 +80,36 @@ def test_a_backend_made_again_continues_from_its_launchs_clears_and_ranks_clear_
     assert clears.bump(clears.resume(launch, writer), writer) == clears.KeySpace(launch, 2)
 
 
+def test_a_cleared_rank_never_goes_back_to_epoch_0(caplog):
+    """A backend attached again with another launch's token (a copied attach config), or with the
+    launch's own after a clear under the process's own token, started at epoch 0 of that launch: the
+    namespace of the weights before the clear, whose KV it read as hits (a review). It keeps the last
+    key space, and says so."""
+    rank = ("llama", "tp=0/1", clears.new_launch())
+    mine, copied = clears.new_launch(), clears.new_launch()
+    cleared = clears.bump(clears.resume(mine, rank), rank)
+    with caplog.at_level("WARNING", logger="dflash2.sglang"):
+        assert clears.resume(copied, rank) == cleared
+    assert f"gives dflash2_launch {copied}, under which this process never cleared" in caplog.text
+    other = ("llama", "tp=0/1", clears.new_launch())
+    launch = clears.new_launch()
+    assert clears.resume(launch, other) == clears.KeySpace(launch, 0)
+    own = clears.bump(clears.KeySpace(), ("own", clears.new_launch()))  # (another rank's own token)
+    assert own.epoch == 1 and clears.resume(launch, other).tag() == ""  # (this rank has not cleared)
+
+
+def test_a_backend_with_no_token_clears_under_its_ranks_first_launch():
+    """An MLA server's ranks, each a process, attached again with no token and cleared: each drew a
+    token of its own, and the readers missed the writer's pages till a restart (a review). A rank
+    clears under the launch its first backend was given."""
+    launch, writer, reader = clears.new_launch(), ("mla", clears.new_launch(), 0), ("mla", clears.new_launch(), 1)
+    for rank in (writer, reader):
+        assert clears.resume(launch, rank) == clears.KeySpace(launch, 0)
+        assert clears.resume(None, rank) == clears.KeySpace(launch, 0)
+    assert clears.bump(clears.resume(None, writer), writer) == clears.bump(clears.resume(None, reader), reader)
+    assert clears.bump(clears.resume(None, writer), writer) == clears.KeySpace(launch, 2)
+
+
 def test_a_config_without_the_launch_token_takes_the_processs_last_key_space(caplog):
     """An operator's own attach config has no `dflash2_launch`: before this process cleared, the
     key space of epoch 0; after, the last one, said in a warning. A clear with no token at all
@@ -87,6 +119,7 @@ def test_a_config_without_the_launch_token_takes_the_processs_last_key_space(cap
     with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
         own = clears.bump(clears.KeySpace(), rank)
     assert own.epoch == 1 and own.launch and f"its own token {own.launch}" in caplog.text
+    rank = ("llama", "tp=0/1", clears.new_launch())  # (another process's rank, given its launch's token)
     launched = clears.bump(clears.resume(clears.new_launch(), rank), rank)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):

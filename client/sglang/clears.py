@@ -13,9 +13,10 @@ PD role switch) keys its pages in `|clear=<launch>.<epoch>` from then on (keys.n
   and the new one started at epoch 0, back in the key space of the weights before the update, whose
   KV it read as hits (a review). It continues from here.
 
-A backend whose extra config gives no launch (an operator's own attach config) takes this rank's last
-key space if this process has cleared, and says so; one that clears with none draws this process's
-own token. Epoch 0 is no part of the namespace: a server that never cleared shares its pages with
+A backend whose extra config gives no launch (an operator's own attach config), or a launch this
+process never cleared under, takes this rank's last key space if this process has cleared, and says
+so (`resume`: a cleared rank never goes back to epoch 0); one with none that clears takes the launch
+its rank's first backend was given, else draws this process's own token. Epoch 0 is no part of the namespace: a server that never cleared shares its pages with
 every server of its identity.
 """
 
@@ -53,21 +54,34 @@ _lock = threading.Lock()  # (sglang's ranks of one process, and tests' backends,
 _epochs: dict[tuple[str, Hashable], int] = {}  # (launch, rank) -> its last clear epoch in this process
 _last: dict[Hashable, KeySpace] = {}  # rank -> the key space its last clear moved to
 _own: list[str] = []  # this process's token for clears whose config gave none (drawn once)
+# rank -> the first launch token a backend of it was given in this process: a backend attached again
+# with no token clears under it, in step with the server's ranks in other processes (each drew its own
+# token, and an MLA model's readers missed its writer's pages till a restart, a review).
+_seen: dict[Hashable, str] = {}
 
 
 def resume(launch, rank: Hashable) -> KeySpace:
     """The key space a backend made now starts in (`launch`: the extra config's token, or None;
-    `rank`: which rank of the server it is); one taken over from an earlier clear is said."""
+    `rank`: which rank of the server it is). A rank of a process that has cleared never goes back to
+    epoch 0, whose namespace is the old weights': a config with no token, or with a token this process
+    never cleared under (another launch's, copied; the launch's own after a clear under the process's
+    own token), keeps the last key space, and says so (it went back, and read the old KV as hits, a
+    review)."""
     with _lock:
+        last = _last.get(rank)
         if launch:
             launch = str(launch)
-            return KeySpace(launch, _epochs.get((launch, rank), 0))
-        last = _last.get(rank)
-    if last is None:
-        return KeySpace()
-    log.warning("dflash2: the storage backend's extra config gives no %s (an attach config of one's own?); this "
-                "process cleared its pages' key space before, so this backend keeps the last one (launch %s, clear "
-                "epoch %d), not the one of the weights before the clear", LAUNCH_KEY, last.launch, last.epoch)
+            _seen.setdefault(rank, launch)
+            if last is None or (launch, rank) in _epochs:
+                return KeySpace(launch, _epochs.get((launch, rank), 0))
+            given = f"gives {LAUNCH_KEY} {launch}, under which this process never cleared"
+        elif last is None:
+            return KeySpace(_seen.get(rank))  # (epoch 0: its first launch's token, for a clear)
+        else:
+            given = f"gives no {LAUNCH_KEY} (an attach config of one's own?)"
+    log.warning("dflash2: the storage backend's extra config %s; this process cleared its pages' key space "
+                "before, so this backend keeps the last one (launch %s, clear epoch %d), not the one of the "
+                "weights before the clear", given, last.launch, last.epoch)
     return last
 
 
@@ -76,7 +90,7 @@ def bump(space: KeySpace, rank: Hashable) -> KeySpace:
     own, drawn where the config gave none, is said."""
     note = ""
     with _lock:
-        launch = space.launch
+        launch = space.launch or _seen.get(rank)
         if launch is None:
             if not _own:
                 _own.append(new_launch())
