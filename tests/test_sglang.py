@@ -92,6 +92,17 @@ def daemon(config_file):
     proc.stop()
 
 
+@pytest.fixture(autouse=True)
+def a_process_of_its_own(monkeypatch):
+    """Each test is a server's process of its own: the clears' per-process state (clears.py) starts
+    empty (a rank of a process that has cleared never goes back to epoch 0: one test's clears moved
+    the next one's backends)."""
+    from dflash2.client.sglang import clears
+    for name in ("_epochs", "_last", "_seen"):
+        monkeypatch.setattr(clears, name, {})
+    monkeypatch.setattr(clears, "_own", [])
+
+
 @pytest.fixture
 def backends():
     made = []
