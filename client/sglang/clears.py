@@ -16,8 +16,8 @@ PD role switch) keys its pages in `|clear=<launch>.<epoch>` from then on (keys.n
 A backend whose extra config gives no launch (an operator's own attach config), or a launch this
 process never cleared under, takes this rank's last key space if this process has cleared, and says
 so (`resume`: a cleared rank never goes back to epoch 0); one with none that clears takes the launch
-its rank's first backend was given, else draws this process's own token. Epoch 0 is no part of the namespace: a server that never cleared shares its pages with
-every server of its identity.
+its rank's first backend was given, else draws this process's own token. Epoch 0 is no part of the
+namespace: a server that never cleared shares its pages with every server of its identity.
 """
 
 from __future__ import annotations
