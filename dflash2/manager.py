@@ -264,9 +264,8 @@ class BlockManager(Reads):
         # `room_most` counts, alone: by bytes, 8 KiB reserved slots beside blocks being written were
         # said to hold a 16 KiB block, and one beside a free 8 KiB slot, which makes one, was not
         # named (two reviews).
-        if held and self.placement.room_most_without(
-                tier, self.table.rows([v for r in held for v in r.vids]), idle_only=True, slot=slot) >= need:
-            self.allocate_refusal = self._held_by_granted(held, client, layout_id, need, room)
+        if held and self._room_without(held, slot) >= need:
+            self.allocate_refusal = self._held_by_granted(held, client, layout_id, need, room, slot)
         else:  # (reservations are of HBM: a host writer told to reserve could not, a review)
             self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
                                      + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
@@ -274,18 +273,38 @@ class BlockManager(Reads):
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
 
-    def _held_by_granted(self, held: list[Reservation], client: int, layout_id: int, need: int, room: int) -> str:
+    def _room_without(self, held: list[Reservation], slot: int) -> int:
+        """HBM's room for slots of `slot` bytes (by slots and slabs, as `room_most` counts) were the
+        untaken blocks of the granted reservations `held` gone."""
+        rows = self.table.rows([v for r in held for v in r.vids])
+        return self.placement.room_most_without(Tier.HBM, rows, idle_only=True, slot=slot)
+
+    def _held_by_granted(self, held: list[Reservation], client: int, layout_id: int, need: int, room: int,
+                         slot: int) -> str:
         """An allocate's refusal where the granted reservations `held` hold its room. Some may be the
         caller's own: it was told to reserve and wait on their clients, itself (a review). Taking them
         serves it only where they are of its layout (`take` hands out blocks of the reservation's
         layout: taken, another layout's were blocks being written, and the allocate was refused
-        again, a review); else cancelling them does."""
+        again, a review); else cancelling them does. Beside others', its own are offered as the way
+        only where their room alone holds the call, and named at all only where they add room once
+        the others' is free: told to take or cancel its own, a client whose own held too little (or,
+        8 KiB slots beside blocks being written, no 16 KiB room at all) was refused again (a review)."""
         count, untaken = untaken_room(held)
         own = [r for r in held if r.client == client]
+        others = [r for r in held if r.client != client]
         wait = "reserve and wait " + until_taken(self.admission.settings.reservation_ttl_s)
         free_own = ("take those blocks (`take`) or cancel them" if all(r.layout_id == layout_id for r in own)
                     else "cancel them (or take and free them: they are of another layout than this allocate's)")
-        act = wait if not own else free_own if len(own) == count else f"this client's own: {free_own}; or {wait}"
+        if not own:
+            act = wait
+        elif not others:
+            act = free_own
+        elif self._room_without(own, slot) >= need:
+            act = f"this client's own: {free_own}; or {wait}"
+        elif self._room_without(held, slot) > self._room_without(others, slot):
+            act = f"this client's own hold part of that room, too little alone: {free_own}, and {wait}"
+        else:  # (its own make no room the others' does not: freeing them serves nothing)
+            act = wait
         return (f"{held_by_granted(count, untaken, *untaken_room(own))}, without which HBM's free and movable room "
                 f"({room} bytes) would hold the {need} bytes asked for; {act}")
 

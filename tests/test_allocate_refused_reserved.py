@@ -128,3 +128,51 @@ def test_reserved_halves_beside_writes_are_not_said_to_hold_a_whole_page_block(m
     mgr.cancel(r, d.reservation_id)
     assert len(mgr.allocate(b, big, 1)) == 1
     mgr.check_invariants()
+
+
+def test_an_own_reservation_too_small_alone_is_not_offered_as_the_way(make_manager):
+    """HBM of 4: client a's granted reservation of 1, b's of 3, none taken. a's allocate of 2 was told
+    to take or cancel its own "; or reserve and wait", and cancelled, its own 1 block was too little:
+    it was refused again (a review). It is told its own are part of the room: free them, and wait."""
+    mgr = make_manager(hbm_blocks=4)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    ttl = mgr.admission.settings.reservation_ttl_s
+    own = mgr.reserve(a, lid, tokens=16)
+    theirs = mgr.reserve(b, lid, tokens=16 * 3)
+    assert own.outcome.name == theirs.outcome.name == "GRANTED"
+    assert mgr.allocate(a, lid, 2) is None
+    assert mgr.allocate_refusal == (
+        f"HBM is held by 2 granted reservation(s) not yet taken ({4 * slot} bytes), 1 of them this client's own "
+        f"({slot} bytes), without which HBM's free and movable room (0 bytes) would hold the {2 * slot} bytes "
+        "asked for; this client's own hold part of that room, too little alone: take those blocks (`take`) or "
+        "cancel them, and reserve and wait until their clients take and free those blocks or cancel them, or "
+        f"they expire (admission.reservation_ttl_s, {ttl:g} s at most)")
+    mgr.cancel(a, own.reservation_id)
+    assert mgr.allocate(a, lid, 2) is None  # (its own alone: what the refusal says is so)
+    mgr.cancel(b, theirs.reservation_id)
+    assert len(mgr.allocate(a, lid, 2)) == 2
+    mgr.check_invariants()
+
+
+def test_an_own_reservation_that_holds_none_of_the_room_is_not_offered(make_manager):
+    """HBM of two 16 KiB pages: one an 8 KiB block being written beside client a's own reserved 8 KiB
+    slot (no 16 KiB room, whatever becomes of that slot), the other r's reserved 16 KiB block. a's
+    16 KiB allocate was told to take or cancel its own, which serves nothing (a review): it is told
+    to reserve and wait on the others, and is served once theirs is cancelled."""
+    mgr = make_manager(hbm_blocks=2)
+    w, a, r = mgr.attach("w"), mgr.attach("a"), mgr.attach("r")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    ttl = mgr.admission.settings.reservation_ttl_s
+    assert mgr.allocate(w, small, 1) is not None
+    assert mgr.reserve(a, small, tokens=16).outcome.name == "GRANTED"
+    theirs = mgr.reserve(r, big, tokens=16)
+    assert theirs.outcome.name == "GRANTED"
+    assert mgr.allocate(a, big, 1) is None
+    assert mgr.allocate_refusal.endswith(
+        "bytes asked for; reserve and wait until their clients take and free those blocks or cancel them, or "
+        f"they expire (admission.reservation_ttl_s, {ttl:g} s at most)"), mgr.allocate_refusal
+    mgr.cancel(r, theirs.reservation_id)
+    assert len(mgr.allocate(a, big, 1)) == 1
+    mgr.check_invariants()
