@@ -9,6 +9,7 @@ environment; see README, "sglang". Where sglang is not importable the whole modu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -101,6 +102,21 @@ def a_process_of_its_own(monkeypatch):
     for name in ("_epochs", "_last", "_seen"):
         monkeypatch.setattr(clears, name, {})
     monkeypatch.setattr(clears, "_own", [])
+
+
+@contextlib.contextmanager
+def another_process(monkeypatch):
+    """The calls within run as in another server's process: the clears' per-process state of its own
+    (the state this test's process had stays, and is back after)."""
+    from dflash2.client.sglang import clears
+    state = {name: getattr(clears, name) for name in ("_epochs", "_last", "_seen", "_own")}
+    for name, value in state.items():
+        monkeypatch.setattr(clears, name, type(value)())
+    try:
+        yield
+    finally:
+        for name, value in state.items():
+            monkeypatch.setattr(clears, name, value)
 
 
 @pytest.fixture
@@ -227,14 +243,17 @@ def test_pipeline_stages_holding_other_layers_never_share(daemon, backends):
     assert same.batch_exists(KEYS[:2]) == 2 and "pp=1/3@layer10" in same.keys.namespace  # the same stage shares
 
 
-def test_clear_moves_this_server_to_a_fresh_key_space(daemon, backends, caplog):
+def test_clear_moves_this_server_to_a_fresh_key_space(daemon, backends, caplog, monkeypatch):
     """sglang's /clear_hicache_storage_backend (after update_weights_from_disk / _from_tensor, whose
     flush resets only sglang's radix tree) calls clear() on every rank and logs success. It changed
     nothing: the server read the KV of its old weights as hits (a review). Now its pages are keyed
-    in its next clear epoch; another server's pages, the same ones, stay hits for it."""
+    in its next clear epoch; another server's pages, the same ones, stay hits for it. (Another server
+    is another process: this process's backends of the rank follow its clear, clears.follow.)"""
     path, _ = daemon
     pool, other_pool = host_pool(), host_pool()
-    backend, other = make_backend(path, pool), make_backend(path, other_pool)
+    with another_process(monkeypatch):
+        other = make_backend(path, other_pool)
+    backend = make_backend(path, pool)
     backends += [backend, other]
     fill(pool, [1, 2, 3, 4], seed=1)  # KV of the old weights
     old = [page_bytes(pool, p) for p in (1, 2, 3, 4)]
@@ -249,8 +268,33 @@ def test_clear_moves_this_server_to_a_fresh_key_space(daemon, backends, caplog):
     assert backend.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
     assert backend.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [True] * 4
     assert [page_bytes(pool, p) for p in (9, 10, 11, 12)] == new
-    assert other.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [True] * 4  # the others' hits stay
+    with another_process(monkeypatch):
+        assert other.batch_get_v1(KEYS[:4], indices([9, 10, 11, 12])) == [True] * 4  # the others' hits stay
     assert [page_bytes(other_pool, p) for p in (9, 10, 11, 12)] == old
+
+
+def test_a_ranks_second_backend_in_the_process_follows_its_clear(daemon, backends, caplog):
+    """sglang's PD decode with --disaggregation-decode-enable-offload-kvcache makes two backends of one
+    rank from one extra config (the tree cache's and its offload manager's); /clear_hicache_storage_backend
+    reaches only the tree cache's. The offload backend kept writing the new weights' KV under the old
+    weights' namespace (a review): it follows the rank's clear, says so, and its pages are the tree's hits."""
+    path, _ = daemon
+    pool, offload_pool, launch = host_pool(), host_pool(), secrets.token_hex(8)
+    tree = make_backend(path, pool, dflash2_launch=launch)
+    offload = make_backend(path, offload_pool, dflash2_launch=launch)
+    backends += [tree, offload]
+    fill(offload_pool, [1, 2], seed=1)  # KV of the old weights
+    assert offload.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert tree.clear() is True
+    fill(offload_pool, [1, 2], seed=2)  # KV of the new weights, under the same sglang keys
+    new = [page_bytes(offload_pool, p) for p in (1, 2)]
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        assert offload.batch_exists(KEYS[:2]) == 0  # (the old weights' pages are no hits for it)
+        assert offload.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    assert caplog.text.count("its rank cleared through another storage backend") == 1
+    assert offload.keys.namespace == tree.keys.namespace and offload.space == tree.space
+    assert tree.batch_get_v1(KEYS[:2], indices([9, 10])) == [True, True]
+    assert [page_bytes(pool, p) for p in (9, 10)] == new
 
 
 def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
@@ -269,21 +313,24 @@ def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
     assert reader.batch_exists(KEYS[:2]) == 2 and reader.keys.namespace == writer.keys.namespace
 
 
-def test_two_servers_of_one_identity_that_each_cleared_once_do_not_share(daemon, backends):
+def test_two_servers_of_one_identity_that_each_cleared_once_do_not_share(daemon, backends, monkeypatch):
     """Servers A and B of one identity: A cleared after an update to W2, B after its own update to
     W3 (or its PD role switch, which clears too). Each clear counted from 0 in its process, both
     landed on `|clear=1`, and B read A's KV of W2 as its hits (a review). Each launch has its own
-    token now."""
+    token now. (B runs in a process of its own: this process's backends of the rank follow its clears.)"""
     path, _ = daemon
     pool_a, pool_b = host_pool(), host_pool()
-    a, b = make_backend(path, pool_a), make_backend(path, pool_b)
+    a = make_backend(path, pool_a)
+    with another_process(monkeypatch):
+        b = make_backend(path, pool_b)
     backends += [a, b]
     assert a.clear() is True
     fill(pool_a, [1, 2, 3, 4], seed=2)  # KV of W2
     assert a.batch_set_v1(KEYS[:4], indices([1, 2, 3, 4])) == [True] * 4
-    assert b.clear() is True
-    assert b.keys.namespace != a.keys.namespace
-    assert b.batch_exists(KEYS[:4]) == 0
+    with another_process(monkeypatch):
+        assert b.clear() is True
+        assert b.keys.namespace != a.keys.namespace
+        assert b.batch_exists(KEYS[:4]) == 0
 
 
 def test_a_backend_made_again_in_a_cleared_server_keeps_its_key_space(daemon, backends):

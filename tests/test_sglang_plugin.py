@@ -127,6 +127,20 @@ def test_a_config_without_the_launch_token_takes_the_processs_last_key_space(cap
     assert "gives no dflash2_launch" in caplog.text and f"launch {launched.launch}, clear epoch 1" in caplog.text
 
 
+def test_a_ranks_backends_in_one_process_follow_its_clear_and_count_it_once():
+    """sglang's PD decode with --disaggregation-decode-enable-offload-kvcache makes two storage backends
+    of one rank in one process (the tree cache's and the offload manager's); its clear reaches only the
+    tree cache's, and the other kept writing the new weights' KV under the old weights' key space (a
+    review). The other follows; a clear that reaches both too moves the rank once."""
+    launch, rank = clears.new_launch(), ("llama", "tp=0/1", clears.new_launch())
+    tree, offload = clears.resume(launch, rank), clears.resume(launch, rank)
+    assert clears.follow(offload, rank) == offload  # (nothing cleared: where it is)
+    tree = clears.bump(tree, rank)
+    assert clears.follow(offload, rank) == tree == clears.KeySpace(launch, 1)
+    assert clears.bump(offload, rank) == tree  # (the same operator call reaching it: counted once)
+    assert clears.bump(tree, rank) == clears.KeySpace(launch, 2)  # (the next call's clear)
+
+
 def sglang_args(**kw) -> argparse.Namespace:
     base = {"dflash2_config": "cfg.json", "enable_hierarchical_cache": False, "hicache_storage_backend": None,
             "hicache_storage_backend_extra_config": None}

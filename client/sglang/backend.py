@@ -230,6 +230,10 @@ class DFlash2Storage(HiCacheStorage):
         client = self.client
         if client is None or self.keys is None or time.monotonic() < self._down_until:
             return None
+        if clears.follow(self.space, self.rank) != self.space:  # (cleared through another backend: clears.follow)
+            with self._reattach:  # (one move, said once, however many threads saw it)
+                if (space := clears.follow(self.space, self.rank)) != self.space:
+                    self._move(space, "its rank cleared through another storage backend of this process")
         if client.lease_lost:
             with self._reattach:
                 current = self.client
@@ -273,8 +277,7 @@ class DFlash2Storage(HiCacheStorage):
         log.warning("dflash2: %s; sglang's storage reads miss and writes fail for %gs", error, RETRY_S)
 
     def _guarded(self, default, fn: Callable[[Client], Any], fallen_back=None):
-        """fn(client), or `default` while the daemon is down; `fallen_back` (default: `default`) once
-        this backend has fallen back for good."""
+        """fn(client); `default` while the daemon is down, `fallen_back` (default: `default`) once fallen back."""
         if not self.active:
             return default if fallen_back is None else fallen_back
         client = self._ready()
@@ -545,8 +548,7 @@ class DFlash2Storage(HiCacheStorage):
                                  fallen_back=[True] * len(keys)))
 
     def _check_pages(self, call: str, keys: Sequence[str], tensors: Sequence[Any]) -> None:
-        """Each tensor holds exactly one page's bytes: a copy into or out of a block of another size
-        would broadcast or fail halfway."""
+        """Each tensor holds exactly one page's bytes (a copy of another size broadcasts or fails halfway)."""
         if not self.active:
             return  # fallen back: nothing is copied
         for key, t in zip(keys, tensors):
@@ -562,20 +564,19 @@ class DFlash2Storage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def clear(self) -> bool:
-        """sglang's /clear_hicache_storage_backend (on every rank at once; an operator's, after an
-        in-place weight update, whose flush resets only sglang's radix tree; and its PD role switch):
-        this server moves to a fresh key space, its launch's next clear epoch (clears.py), so the pages
-        it wrote before are no hits of its own any more, nor another server's pages. Returning True and
-        changing nothing, the server read KV of its old weights as hits (a review). The pages stay in
-        the node's cache for the servers of the old identity (the daemon evicts them by heat). Every
-        rank bumps its own epoch of the launch every rank has: an MLA writer and its readers stay in step."""
-        self.space = clears.bump(self.space, self.rank)
+        """sglang's /clear_hicache_storage_backend (every rank at once; an operator's, after an in-place weight
+        update, whose flush resets only sglang's radix tree; its PD role switch): this rank moves to its launch's
+        next clear epoch (clears.py). Returning True and changing nothing, the server read KV of its old weights as
+        hits (a review). The old pages stay in the node's cache for the servers of the old identity."""
+        return self._move(clears.bump(self.space, self.rank), "clear()")
+
+    def _move(self, space: clears.KeySpace, why: str) -> bool:
+        self.space = space
         if self.keys is not None:
-            self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, self.space.tag()))
-        log.warning("dflash2: clear(): this server's pages now have keys of clear epoch %d of launch %s (namespace "
-                    "%s): pages written before are no hits for it; the node's cache keeps them for other servers",
-                    self.space.epoch, self.space.launch,
-                    self.keys.namespace if self.keys is not None else "none: nothing stored")
+            self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, space.tag()))
+        log.warning("dflash2: %s: this server's pages now have keys of clear epoch %d of launch %s (namespace %s): "
+                    "pages written before are no hits for it; the node's cache keeps them for other servers",
+                    why, space.epoch, space.launch, getattr(self.keys, "namespace", "none: nothing stored"))
         return True
 
     def get_stats(self):

@@ -16,8 +16,10 @@ PD role switch) keys its pages in `|clear=<launch>.<epoch>` from then on (keys.n
 A backend whose extra config gives no launch (an operator's own attach config), or a launch this
 process never cleared under, takes this rank's last key space if this process has cleared, and says
 so (`resume`: a cleared rank never goes back to epoch 0); one with none that clears takes the launch
-its rank's first backend was given, else draws this process's own token. Epoch 0 is no part of the
-namespace: a server that never cleared shares its pages with every server of its identity.
+its rank's first backend was given, else draws this process's own token. A rank's backends in one
+process (sglang's PD decode offload makes two) follow its clears (`follow`), and a clear reaching
+both counts once (`bump`). Epoch 0 is no part of the namespace: a server that never cleared shares
+its pages with every server of its identity.
 """
 
 from __future__ import annotations
@@ -85,11 +87,29 @@ def resume(launch, rank: Hashable) -> KeySpace:
     return last
 
 
+def follow(space: KeySpace, rank: Hashable) -> KeySpace:
+    """The key space a backend of `rank` now in `space` keys its pages in: its rank's last clear's,
+    where the rank cleared through another backend of this process. sglang's PD decode with
+    --disaggregation-decode-enable-offload-kvcache makes a second storage backend of the rank (its
+    offload manager's) from the same extra config; /clear_hicache_storage_backend reaches only the
+    tree cache's, and the other kept writing the new weights' KV under the old weights' namespace (a
+    review). One process is one server's rank: its backends move together. (Lock-free: a dict read
+    of an immutable KeySpace, on every batch call.)"""
+    last = _last.get(rank)
+    return space if last is None or last == space else last
+
+
 def bump(space: KeySpace, rank: Hashable) -> KeySpace:
     """The key space of `space`'s next clear on `rank` (recorded here); a token of this process's
-    own, drawn where the config gave none, is said."""
+    own, drawn where the config gave none, is said. A backend behind its rank (`follow`: the rank
+    cleared through another backend since this one last looked) takes the rank's last key space and
+    counts no clear: one operator call that reaches two backends of a rank moves it once, as it moves
+    the server's ranks in other processes with one backend each (an MLA model's readers stay in step)."""
     note = ""
     with _lock:
+        last = _last.get(rank)
+        if last is not None and last != space:
+            return last
         launch = space.launch or _seen.get(rank)
         if launch is None:
             if not _own:
