@@ -295,16 +295,19 @@ class BlockManager(Reads):
         wait = "reserve and wait " + until_taken(self.admission.settings.reservation_ttl_s)
         free_own = ("take those blocks (`take`) or cancel them" if all(r.layout_id == layout_id for r in own)
                     else "cancel them (or take and free them: they are of another layout than this allocate's)")
-        if not own:
-            act = wait
-        elif not others:
-            act = free_own
-        elif self._room_without(own, slot) >= need:
+        # Beside others', each way is offered only where it serves alone: its own offered with "; or
+        # wait" where the others' room alone would not hold the call (it waited, was refused again),
+        # and told to free them where the others' alone would (two reviews).
+        own_alone = bool(own) and self._room_without(own, slot) >= need
+        others_alone = bool(others) and self._room_without(others, slot) >= need
+        if not own or others_alone and not own_alone:
+            act = wait  # (the others' room alone serves it: its own, if any, may stay)
+        elif not others or not others_alone and own_alone:
+            act = free_own if not others else f"this client's own: {free_own}"
+        elif own_alone:
             act = f"this client's own: {free_own}; or {wait}"
-        elif self._room_without(held, slot) > self._room_without(others, slot):
+        else:  # (neither alone: both)
             act = f"this client's own hold part of that room, too little alone: {free_own}, and {wait}"
-        else:  # (its own make no room the others' does not: freeing them serves nothing)
-            act = wait
         return (f"{held_by_granted(count, untaken, *untaken_room(own))}, without which HBM's free and movable room "
                 f"({room} bytes) would hold the {need} bytes asked for; {act}")
 

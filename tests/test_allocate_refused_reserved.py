@@ -131,28 +131,56 @@ def test_reserved_halves_beside_writes_are_not_said_to_hold_a_whole_page_block(m
 
 
 def test_an_own_reservation_too_small_alone_is_not_offered_as_the_way(make_manager):
-    """HBM of 4: client a's granted reservation of 1, b's of 3, none taken. a's allocate of 2 was told
-    to take or cancel its own "; or reserve and wait", and cancelled, its own 1 block was too little:
-    it was refused again (a review). It is told its own are part of the room: free them, and wait."""
+    """HBM of 4: client a's granted reservation of 2, b's of 2, none taken. a's allocate of 3 was told
+    to take or cancel its own "; or reserve and wait", and cancelled, its own 2 blocks were too little:
+    it was refused again (a review). Neither alone holds it: it is told to free its own, and wait."""
     mgr = make_manager(hbm_blocks=4)
     a, b = mgr.attach("a"), mgr.attach("b")
     lid = mgr.register_layout(SMALL)
     slot = mgr.table.slot_bytes(lid, Tier.HBM)
     ttl = mgr.admission.settings.reservation_ttl_s
-    own = mgr.reserve(a, lid, tokens=16)
-    theirs = mgr.reserve(b, lid, tokens=16 * 3)
+    own = mgr.reserve(a, lid, tokens=16 * 2)
+    theirs = mgr.reserve(b, lid, tokens=16 * 2)
     assert own.outcome.name == theirs.outcome.name == "GRANTED"
-    assert mgr.allocate(a, lid, 2) is None
+    assert mgr.allocate(a, lid, 3) is None
     assert mgr.allocate_refusal == (
         f"HBM is held by 2 granted reservation(s) not yet taken ({4 * slot} bytes), 1 of them this client's own "
-        f"({slot} bytes), without which HBM's free and movable room (0 bytes) would hold the {2 * slot} bytes "
+        f"({2 * slot} bytes), without which HBM's free and movable room (0 bytes) would hold the {3 * slot} bytes "
         "asked for; this client's own hold part of that room, too little alone: take those blocks (`take`) or "
         "cancel them, and reserve and wait until their clients take and free those blocks or cancel them, or "
         f"they expire (admission.reservation_ttl_s, {ttl:g} s at most)")
     mgr.cancel(a, own.reservation_id)
-    assert mgr.allocate(a, lid, 2) is None  # (its own alone: what the refusal says is so)
+    assert mgr.allocate(a, lid, 3) is None  # (its own alone: what the refusal says is so)
     mgr.cancel(b, theirs.reservation_id)
-    assert len(mgr.allocate(a, lid, 2)) == 2
+    assert len(mgr.allocate(a, lid, 3)) == 3
+    mgr.check_invariants()
+
+
+def test_each_way_is_offered_only_where_it_serves_alone(make_manager):
+    """HBM of 4. a's own reservation of 1 beside b's of 3: b's alone holds a's allocate of 2, yet a was
+    told to give up its own too; a's own of 3 beside b's of 1: a was offered "; or reserve and wait",
+    and once b cancelled it was refused again (a review). Now: wait (a keeps its own), and take or
+    cancel its own (no waiting offered)."""
+    ttl_said = "or they expire (admission.reservation_ttl_s"
+    mgr = make_manager(hbm_blocks=4)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    own = mgr.reserve(a, lid, tokens=16)
+    theirs = mgr.reserve(b, lid, tokens=16 * 3)
+    assert mgr.allocate(a, lid, 2) is None
+    refusal = mgr.allocate_refusal
+    assert refusal.endswith("bytes asked for; reserve and wait until their clients take and free those blocks or "
+                            f"cancel them, {ttl_said}, 60 s at most)"), refusal
+    mgr.cancel(b, theirs.reservation_id)
+    assert len(mgr.allocate(a, lid, 2)) == 2 and own.reservation_id in mgr.admission.granted
+    mgr.cancel(a, own.reservation_id)
+    mgr.free(a, mgr.table.vids(mgr.table.live_rows()))
+    own = mgr.reserve(a, lid, tokens=16 * 3)
+    theirs = mgr.reserve(b, lid, tokens=16)
+    assert mgr.allocate(a, lid, 2) is None
+    assert mgr.allocate_refusal.endswith("this client's own: take those blocks (`take`) or cancel them"), \
+        mgr.allocate_refusal
+    assert len(mgr.take(a, own.reservation_id, 2)) == 2
     mgr.check_invariants()
 
 
