@@ -297,6 +297,33 @@ def test_a_ranks_second_backend_in_the_process_follows_its_clear(daemon, backend
     assert [page_bytes(pool, p) for p in (9, 10)] == new
 
 
+def test_a_batch_call_during_a_clear_is_not_taken_for_another_backends_clear(daemon, backends, caplog, monkeypatch):
+    """clear() recorded the rank's new key space (clears.bump) before it moved to it: a batch call of
+    the backend's in between took the clear for another backend's, moved too and said so, falsely (a
+    review). The move is made under the backend's lock: one clear, one move, one line."""
+    import threading
+
+    from dflash2.client.sglang import clears
+
+    path, _ = daemon
+    backend = make_backend(path, host_pool())
+    backends.append(backend)
+    bump, calls = clears.bump, []
+
+    def bump_then_a_batch_call(space, rank):
+        moved = bump(space, rank)
+        calls.append(threading.Thread(target=backend.batch_exists, args=(KEYS[:1],)))
+        calls[0].start()
+        calls[0].join(0.5)  # (it waits for the clear's lock, or, without it, moves at once)
+        return moved
+    monkeypatch.setattr(clears, "bump", bump_then_a_batch_call)
+    with caplog.at_level(logging.WARNING, logger="dflash2.sglang"):
+        assert backend.clear() is True
+        calls[0].join(10)
+    assert "clear():" in caplog.text and "its rank cleared through another" not in caplog.text, caplog.text
+    assert backend.space == clears.KeySpace(backend.space.launch, 1)
+
+
 def test_an_mla_writer_and_its_readers_clear_in_step(daemon, backends):
     """sglang clears every rank together: each bumps its own epoch, and an MLA model's readers find
     what its one writer stores after the clear."""

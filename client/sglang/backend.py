@@ -564,11 +564,11 @@ class DFlash2Storage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def clear(self) -> bool:
-        """sglang's /clear_hicache_storage_backend (every rank at once; an operator's, after an in-place weight
-        update, whose flush resets only sglang's radix tree; its PD role switch): this rank moves to its launch's
-        next clear epoch (clears.py). Returning True and changing nothing, the server read KV of its old weights as
-        hits (a review). The old pages stay in the node's cache for the servers of the old identity."""
-        return self._move(clears.bump(self.space, self.rank), "clear()")
+        """sglang's /clear_hicache_storage_backend (every rank; after an in-place weight update; its PD role switch):
+        this rank moves to its launch's next clear epoch (clears.py); returning True and changing nothing, the
+        server read KV of its old weights as hits (a review). The old pages stay for the old identity's servers."""
+        with self._reattach:  # (a batch call between bump and _move took this clear for another backend's, a review)
+            return self._move(clears.bump(self.space, self.rank), "clear()")
 
     def _move(self, space: clears.KeySpace, why: str) -> bool:
         self.space = space
