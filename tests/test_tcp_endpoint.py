@@ -216,7 +216,8 @@ def test_a_port_holders_command_line_cannot_forge_a_line(tmp_path):
     port = free_port()
     forged = "x\ndflash2d: error: FORGED\x1b[2J\u202e"
     holder = subprocess.Popen([forged, "-c", "import socket, sys, time\ns = socket.socket()\n"
-                               f"s.bind(('127.0.0.1', {port}))\ns.listen()\nprint('ready', flush=True)\ntime.sleep(60)"],
+                               f"s.bind(('127.0.0.1', {port}))\ns.listen()\n"
+                               "print('ready', flush=True)\ntime.sleep(60)"],
                               executable=sys.executable, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "ready\n"

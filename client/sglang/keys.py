@@ -9,7 +9,8 @@ different shard or format of the KV, so the dflash2 key hashes the string togeth
   old name, read the other's pages);
 - the shard: TP rank and size for standard attention (each rank holds its own KV heads), none for
   MLA (the latent is replicated on every TP rank, so every rank may read the writer's page);
-  pipeline stage (its rank, and its first layer), attention context-parallel and decode context-parallel ranks where used;
+  pipeline stage (its rank, and its first layer), attention context-parallel and decode
+  context-parallel ranks where used;
 - the page format: the host pool's memory layout (page_first, layer_first, ...), its storage
   format tag, and the page geometry (dtype, layers, heads, tokens per page);
 - the server's key space, once it has cleared (`DFlash2Storage.clear`: after an in-place weight
