@@ -85,6 +85,15 @@ def _four_blocks(src: Tier = Tier.NVME, dst: Tier = Tier.HBM):
     return StagedJob(CopyBatch(src, dst, offsets, offsets.copy(), np.full(4, 600 << 10, dtype=np.int64)))
 
 
+def _staged_logged(chunk, caplog, job=None):
+    """`job` (`_four_blocks()` when None) through the staged loop of `chunk` (`_staged_backend`), its
+    warnings caught by `caplog`; returns the job."""
+    job = _four_blocks() if job is None else job
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        _staged_backend(chunk)._staged(job)
+    return job
+
+
 def _staged_backend(chunk):
     """The CUDA backend's staged loop alone (no GPU: `_staged_chunk` given), staging of 1 MiB."""
     import threading
@@ -119,10 +128,8 @@ def test_an_unreadable_chunk_of_a_staged_read_fails_alone(caplog):
                 raise ArenaError("NVMe tier read failed: [Errno 5] Input/output error")
             return np.ones(len(part), dtype=bool)
 
-        job = _four_blocks(src, dst)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=log.name):
-            _staged_backend(chunk)._staged(job)
+        job = _staged_logged(chunk, caplog, _four_blocks(src, dst))
         assert tried == want and job.wait().tolist() == [True, False, len(want) > 2, len(want) > 2]
         assert "Input/output error" in caplog.text
         # (a read's said as the chunk's, not the batch's: "failed as a whole; its blocks are dropped", a review)
@@ -165,9 +172,7 @@ def test_a_staged_batch_that_fails_after_a_chunk_failed_alone_counts_only_the_ch
             raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
         return np.ones(len(part), dtype=bool)
 
-    job = _four_blocks()
-    with caplog.at_level(logging.WARNING, logger=log.name):
-        _staged_backend(chunk)._staged(job)
+    job = _staged_logged(chunk, caplog)
     assert job.wait().tolist() == [True, False, False, False]
     assert "after its first 1 were done, for the 3 others" in caplog.records[-1].getMessage()
 
@@ -342,9 +347,7 @@ def test_a_staged_read_ended_by_an_exception_says_its_later_chunks_not_read(capl
             raise RuntimeError("cudaErrorMemoryAllocation: out of memory allocating the copy's offsets")
         return np.ones(len(part), dtype=bool)
 
-    job = _four_blocks()
-    with caplog.at_level(logging.WARNING, logger=log.name):
-        _staged_backend(chunk)._staged(job)
+    job = _staged_logged(chunk, caplog)
     assert job.wait().tolist() == [True, False, False, False]
     assert caplog.records[-1].getMessage().endswith(
         "after its first 1 were done, for the 3 others; 1 of them stay on NVMe (the disk read them, their copy "
