@@ -81,6 +81,42 @@ def subtree_heights(parent: np.ndarray, blocked: np.ndarray, values: np.ndarray 
     return heights if peaks is None else (heights, peaks)
 
 
+def lowest_levels(parent: np.ndarray, blocked: np.ndarray, weight: np.ndarray, enough: float,
+                  levels: int) -> np.ndarray | None:
+    """`subtree_heights` of the nodes of the lowest heights only: levels peeled from the leaves up
+    until the nodes of heights 0..h weigh at least `enough` in all (`weight`: one per node), or until
+    no further node can go. Per node its height where that is at most h, else -1 (taller, or held
+    back: a node resolves the round its last child did, and a blocked node never does, nor do its
+    ancestors). So every node of height h or less has its height, and the order leaves-first by
+    height begins as the whole set's does. None where `levels` rounds were not enough: the caller
+    takes the whole set's heights instead. A round costs a pass over the last level only: where the
+    victims are a few levels of many chains, far fewer nodes than the pointer jumping of every node
+    (a fifth of a million blocks tied at the cut: 195,098 nodes, 32 ms of `_leaving`, an
+    experiment's profile)."""
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
+    if len(blocked) != n or len(weight) != n:
+        raise ValueError(f"lowest_levels: {len(blocked)} blocked flags and {len(weight)} weights for {n} nodes")
+    blocked = np.asarray(blocked, dtype=bool)
+    heights = np.full(n, -1, dtype=np.int64)
+    pending = np.bincount(parent[parent >= 0], minlength=n)  # children among the nodes, not yet resolved
+    level = np.flatnonzero((pending == 0) & ~blocked)
+    total = 0
+    for h in range(levels):
+        if not len(level):
+            return heights  # every node that can go has its height: the whole set's
+        heights[level] = h
+        total += weight[level].sum()
+        if total >= enough:
+            return heights
+        up, count = np.unique(parent[level], return_counts=True)
+        if len(up) and up[0] < 0:
+            up, count = up[1:], count[1:]
+        pending[up] -= count
+        level = up[(pending[up] == 0) & ~blocked[up]]
+    return heights if not len(level) else None
+
+
 # reaches_marked's jump targets besides ancestors: the walk from there ends here, or reached a mark.
 _END, _HIT = -1, -2
 

@@ -24,7 +24,8 @@ from dflash2.backoff import WriteBackoff
 from dflash2.counts import unique
 from dflash2.drainorder import DrainCut, DrainSelection
 from dflash2.errors import CopiesRunning
-from dflash2.forest import local_parents, reaches_marked, subtree_heights
+from dflash2.forest import local_parents, lowest_levels, reaches_marked, subtree_heights
+from dflash2.kth import kth_lowest
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
 from dflash2.promotion import Promotion
@@ -71,9 +72,8 @@ class PlacementStats:
 class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, DrainSelection):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
-    # A selection gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the
-    # table, and partitions every score otherwise (`_at_or_below_cut`).
-    GATHER_BELOW = 4
+    # `_leaving` with a room to make peels this many levels from the leaves before it ranks every row.
+    PEEL_LEVELS = 32
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
         self.table = table
@@ -83,7 +83,6 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         self.watermarks = watermarks
         self.cold_threshold = cold_threshold
         self.stats = PlacementStats()
-        self._keyed: np.ndarray | None = None  # `_scratch`
         # (tier, evict, idle_only) -> the tier's `movable_epoch` when nothing could leave it that
         # way (before protect and priority, which only narrow the mask): until a call may have made
         # one of its blocks movable, a selection there finds nothing without a pass over every row
@@ -208,8 +207,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             return self._select_slabs(tier, need_bytes, block_bytes, reach, scores, evict, through)
         sizes = self.table.slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, n_reach, scores, k)), evict, scores,
-                             through)
+        part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, scores, k)), evict, scores,
+                             through, need_bytes)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held) or scores
             # above it: the lowest leaves go instead, together (ranking the blocks under them by their
@@ -222,35 +221,13 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
 
-    def _at_or_below_cut(self, reach: np.ndarray, n_reach: int, scores: np.ndarray, k: int) -> np.ndarray:
-        """Mask of the reachable rows scored at or below the k-th lowest reachable score (k <=
-        n_reach). Where the reachable rows are a small share of the table (a tier's blocks among
-        every tier's), they alone are gathered and partitioned; where they are most of it, every
-        score is partitioned in a scratch copy with the others set to +inf (gathering them costs
-        more there: 4-5 ms against 8-9 for a million rows all in one tier, `bench table`). Both
-        give the same cut, so the same victims."""
-        if k >= len(scores):
-            return reach
-        if n_reach * self.GATHER_BELOW <= len(scores):
-            rows = np.flatnonzero(reach)
-            cut = np.partition(scores[rows], k - 1)[k - 1]
-            below = np.zeros(len(reach), dtype=bool)
-            below[rows[scores[rows] <= cut]] = True
-            return below
-        keyed = self._scratch(len(scores), scores.dtype)
-        np.copyto(keyed, scores)
-        np.copyto(keyed, np.inf, where=~reach)
-        keyed.partition(k - 1)
-        return reach & (scores <= keyed[k - 1])
-
-    def _scratch(self, n: int, dtype) -> np.ndarray:
-        """A reused buffer of the scores' type: a fresh 8 MB array per pass costs its page faults each time."""
-        if self._keyed is None or len(self._keyed) != n or self._keyed.dtype != dtype:
-            self._keyed = np.empty(n, dtype=dtype)
-        return self._keyed
+    def _at_or_below_cut(self, reach: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
+        """Mask of the reachable rows scored at or below the k-th lowest reachable score (k at most
+        their count; `kth.py`: found among few even where thousands of scores tie at it)."""
+        return reach & (scores <= kth_lowest(scores, k, where=reach))
 
     def _leaving(self, tier: Tier, rows: np.ndarray, evict: bool, scores: np.ndarray | None,
-                 through: Tier | None = None) -> np.ndarray:
+                 through: Tier | None = None, need_bytes: int | None = None) -> np.ndarray:
         """Those of `rows` (ascending: rows of `tier` that may leave, at or under the cut) that
         can leave together with their descendants, in the order they leave: a row qualifies when
         every child that holds it back qualifies (for a demotion its children in `tier` or a faster
@@ -263,7 +240,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         blocks (the tiered replays of `bench policy`: 2.5 blocks a batch, median 1; then 25-73, its
         `move_batches`).
         The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
-        numpy calls, not 1,024."""
+        numpy calls, not 1,024. `need_bytes` (select's room): only the head of that order that holds
+        it, where a few levels peeled from the leaves do (`forest.lowest_levels`): the same victims."""
         if not len(rows):
             return rows
         parent, blocked = self._forest(tier, rows, evict, through)
@@ -274,7 +252,11 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             go = height >= 0
             rows, height, peak = rows[go], height[go], peak[go]
             return rows[np.lexsort((rows, height, peak))]
-        height = subtree_heights(parent, blocked)
+        height = None
+        if need_bytes is not None and scores is not None:  # the order's head only: the rows that go
+            height = lowest_levels(parent, blocked, self._slot_bytes(tier, rows), need_bytes, self.PEEL_LEVELS)
+        if height is None:
+            height = subtree_heights(parent, blocked)
         go = height >= 0
         rows, height = rows[go], height[go]
         if scores is None:

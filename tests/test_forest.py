@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.forest import reaches_marked, subtree_heights
+from dflash2.forest import lowest_levels, reaches_marked, subtree_heights
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
 
@@ -108,6 +108,43 @@ def test_peaks_are_each_subtrees_largest_value(forest, data):
     assert peaks.tolist() == [peak(i) for i in range(n)]
 
 
+@settings(max_examples=300, deadline=None)
+@given(forests(), st.data())
+def test_lowest_levels_are_the_heights_of_the_head_that_weighs_enough(forest, data):
+    """lowest_levels: where it answers, every node of height h or less has its height (as
+    subtree_heights gives it) and every other node -1, h the first height at which those nodes weigh
+    `enough`, or the tallest where they never do; None only where that h lies past `levels`."""
+    parent, blocked = forest
+    n = len(parent)
+    weight = np.array(data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)), dtype=np.int64)
+    enough = data.draw(st.integers(0, 5 * n + 5))
+    levels = data.draw(st.integers(0, 8))
+    full = np.array(heights_by_recursion(parent.tolist(), blocked.tolist()), dtype=np.int64)
+    tallest = int(full.max()) if (full >= 0).any() else -1
+    h = next((h for h in range(tallest + 1) if weight[(full >= 0) & (full <= h)].sum() >= enough), tallest)
+    got = lowest_levels(parent, blocked, weight, enough, levels)
+    if h >= levels:
+        assert got is None
+        return
+    assert got is not None and got.tolist() == np.where(full <= h, full, -1).tolist()
+
+
+def test_lowest_levels_stop_at_the_level_that_weighs_enough_exactly():
+    # 0 <- 1 <- 2 and 3 <- 4, heights 2 1 0 1 0; 5 waits on a child outside (blocked), 6 under it
+    parent, blocked = np.array([-1, 0, 1, -1, 3, -1, 5]), np.array([0, 0, 0, 0, 0, 1, 0], dtype=bool)
+    weight = np.ones(7, dtype=np.int64)
+    assert lowest_levels(parent, blocked, weight, 3, 8).tolist() == [-1, -1, 0, -1, 0, -1, 0]
+    assert lowest_levels(parent, blocked, weight, 4, 8).tolist() == [-1, 1, 0, 1, 0, -1, 0]
+    assert lowest_levels(parent, blocked, weight, 99, 8).tolist() == [2, 1, 0, 1, 0, -1, 0]
+    assert lowest_levels(parent, blocked, weight, 99, 2) is None
+    assert lowest_levels(parent, blocked, weight, 99, 3).tolist() == [2, 1, 0, 1, 0, -1, 0]
+
+
+def test_lowest_levels_refuses_arrays_of_other_lengths():
+    with pytest.raises(ValueError, match="2 blocked flags and 3 weights for 3 nodes"):
+        lowest_levels(np.array([-1, 0, 1]), np.zeros(2, bool), np.ones(3), 1, 4)
+
+
 def leaving_by_levels(placement, tier, below, evict, scores):
     """The walk placement used before: one round of numpy calls per tree level."""
     c = placement.table.cols
@@ -172,6 +209,12 @@ def test_placement_leaves_in_the_order_of_the_level_walk(make_manager, clock, se
                 want = leaving_by_levels(mgr.placement, tier, below, evict, scores)
                 got = mgr.placement._leaving(tier, np.flatnonzero(below), evict, scores)
                 assert got.tolist() == want.tolist(), (tier, evict, cut)
+                # With a room to make: the head of that order that holds it (all of it where none does).
+                slots = np.cumsum(mgr.placement._slot_bytes(tier, want))
+                for need in (1, 3 * SMALL.block_bytes, 40 * SMALL.block_bytes, 10 ** 9):
+                    head = mgr.placement._leaving(tier, np.flatnonzero(below), evict, scores, need_bytes=need)
+                    assert head.tolist() == want[:len(head)].tolist(), (tier, evict, cut, need)
+                    assert len(head) == len(want) or slots[len(head) - 1] >= need, (tier, evict, cut, need)
     mgr.check_invariants()
 
 
