@@ -140,6 +140,14 @@ def test_lowest_levels_stop_at_the_level_that_weighs_enough_exactly():
     assert lowest_levels(parent, blocked, weight, 99, 3).tolist() == [2, 1, 0, 1, 0, -1, 0]
 
 
+def test_lowest_levels_with_the_last_node_a_parent_resolving_late():
+    """0 a lone root leaf, 3 <- 1 <- 2: the roots' round must not count a child of node -1 (the last
+    node, 3) resolved (a review: without the guard 3's height came out 1)."""
+    parent, blocked = np.array([-1, 3, 1, -1]), np.zeros(4, dtype=bool)
+    assert subtree_heights(parent, blocked).tolist() == [0, 1, 0, 2]
+    assert lowest_levels(parent, blocked, np.ones(4), 99, 8).tolist() == [0, 1, 0, 2]
+
+
 def test_lowest_levels_refuses_arrays_of_other_lengths():
     with pytest.raises(ValueError, match="2 blocked flags and 3 weights for 3 nodes"):
         lowest_levels(np.array([-1, 0, 1]), np.zeros(2, bool), np.ones(3), 1, 4)

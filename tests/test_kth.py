@@ -68,3 +68,25 @@ def test_a_small_k_never_partitions_most_of_the_scores(shape, monkeypatch):
     monkeypatch.undo()
     assert got == np.partition(values, k - 1)[k - 1]
     assert sizes and max(sizes) <= 4 * k, sizes
+
+
+def test_a_bar_under_the_kth_falls_back_to_the_whole_partition():
+    """Every sampled score is 0 and no other: the bar lies under the k-th (fewer than k at or under
+    it), and the answer is the whole partition's, not the bar (a review)."""
+    n = 3 * kth.WORTH
+    values = np.ones(n, dtype=np.float32)
+    values[::n // kth.SAMPLE] = 0
+    k = int(np.count_nonzero(values == 0)) + 5
+    assert kth_lowest(values, k) == np.partition(values, k - 1)[k - 1] == 1.0
+
+
+def test_exactly_k_scores_strictly_under_the_bar():
+    """The sample holds 2.0 only (the bar) and exactly k distinct scores off the sample lie under
+    it: the k-th is the largest of them, not the bar (a review)."""
+    n = 3 * kth.WORTH
+    stride = n // kth.SAMPLE
+    values = np.full(n, 3.0, dtype=np.float32)
+    values[::stride] = 2.0
+    k = 50
+    values[np.flatnonzero(np.arange(n) % stride != 0)[:k]] = np.linspace(0.0, 1.0, k, dtype=np.float32)
+    assert kth_lowest(values, k) == np.partition(values, k - 1)[k - 1] == 1.0
