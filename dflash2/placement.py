@@ -72,8 +72,11 @@ class PlacementStats:
 class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, DrainSelection):
     # Selection rounds per call: each round can free the parents of the previous round's victims.
     MAX_ROUNDS = 4096  # a round takes what lies under one cut (see select); the next re-ranks
-    # `_leaving` with a room to make peels this many levels from the leaves before it ranks every row.
-    PEEL_LEVELS = 32
+    # `_leaving` with a room to make peels this many levels from the leaves before it ranks every row,
+    # where the room is at most 1/PEEL_SHARE of the rows' bytes (more: the peel would mostly fail).
+    PEEL_LEVELS, PEEL_SHARE = 32, 4
+    # The cut gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the table.
+    GATHER_BELOW = 4
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
         self.table = table
@@ -207,7 +210,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             return self._select_slabs(tier, need_bytes, block_bytes, reach, scores, evict, through)
         sizes = self.table.slot_sizes(tier)
         k = min(n_reach, int(np.ceil(need_bytes / max(1, int(sizes.min())))))
-        part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, scores, k)), evict, scores,
+        part = self._leaving(tier, np.flatnonzero(self._at_or_below_cut(reach, n_reach, scores, k)), evict, scores,
                              through, need_bytes)
         if not len(part):
             # Everything below the cut waits on a child that cannot leave (pinned, held) or scores
@@ -221,10 +224,19 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         taken = int(np.searchsorted(np.cumsum(slot), need_bytes)) + 1
         return part[:taken].astype(np.int64)
 
-    def _at_or_below_cut(self, reach: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
+    def _at_or_below_cut(self, reach: np.ndarray, n_reach: int, scores: np.ndarray, k: int) -> np.ndarray:
         """Mask of the reachable rows scored at or below the k-th lowest reachable score (k at most
-        their count; `kth.py`: found among few even where thousands of scores tie at it)."""
-        return reach & (scores <= kth_lowest(scores, k, where=reach))
+        n_reach; `kth.py`: found among few even where thousands of scores tie at it). Where the
+        reachable rows are a small share of the table (a tier's blocks among every tier's), they
+        alone are gathered and compared: passes over every row cost a small tier's choice 1.8x
+        (100 rows of a million, a review)."""
+        if n_reach * self.GATHER_BELOW > len(scores):
+            return reach & (scores <= kth_lowest(scores, k, where=reach))
+        rows = np.flatnonzero(reach)
+        kept = scores[rows]
+        below = np.zeros(len(reach), dtype=bool)
+        below[rows[kept <= kth_lowest(kept, k)]] = True
+        return below
 
     def _leaving(self, tier: Tier, rows: np.ndarray, evict: bool, scores: np.ndarray | None,
                  through: Tier | None = None, need_bytes: int | None = None) -> np.ndarray:
@@ -241,7 +253,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         `move_batches`).
         The heights come from pointer jumping (`forest.py`): a chain 1,024 deep takes 10 rounds of
         numpy calls, not 1,024. `need_bytes` (select's room): only the head of that order that holds
-        it, where a few levels peeled from the leaves do (`forest.lowest_levels`): the same victims."""
+        it, where a few levels peeled from the leaves do (`forest.lowest_levels`; tried where the room is
+        at most 1/PEEL_SHARE of the rows' bytes): the same victims."""
         if not len(rows):
             return rows
         parent, blocked = self._forest(tier, rows, evict, through)
@@ -254,7 +267,9 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             return rows[np.lexsort((rows, height, peak))]
         height = None
         if need_bytes is not None and scores is not None:  # the order's head only: the rows that go
-            height = lowest_levels(parent, blocked, self._slot_bytes(tier, rows), need_bytes, self.PEEL_LEVELS)
+            weight = self._slot_bytes(tier, rows)
+            if need_bytes * self.PEEL_SHARE <= weight.sum():
+                height = lowest_levels(parent, blocked, weight, need_bytes, self.PEEL_LEVELS)
         if height is None:
             height = subtree_heights(parent, blocked)
         go = height >= 0

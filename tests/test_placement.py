@@ -437,9 +437,10 @@ def test_a_selection_ranks_only_the_rows_that_may_leave(make_manager, clock, mon
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_the_cut_takes_the_rows_at_or_under_the_kth_lowest_reachable_score(make_manager, seed):
-    """The cut is the k-th lowest reachable score (kth.py finds it among few): every reachable row
-    scored at or under it, ties at the cut included, and no other row."""
+def test_the_cut_takes_the_rows_at_or_under_the_kth_lowest_reachable_score(make_manager, monkeypatch, seed):
+    """The cut is the k-th lowest reachable score (kth.py finds it among few), over the reachable
+    rows gathered (a small share of the table) or over every score: every reachable row scored at or
+    under it, ties at the cut included, and no other row."""
     pl = make_manager(hbm_blocks=8).placement
     rng = np.random.default_rng(seed)
     scores = rng.integers(0, 20, size=40000).astype(np.float32)  # many ties
@@ -448,7 +449,9 @@ def test_the_cut_takes_the_rows_at_or_under_the_kth_lowest_reachable_score(make_
         n_reach = int(reach.sum())
         for k in (1, 7, n_reach // 100, max(1, n_reach // 2), n_reach):
             want = reach & (scores <= np.partition(scores[reach], k - 1)[k - 1])
-            assert (pl._at_or_below_cut(reach.copy(), scores, k) == want).all(), (share, k)
+            for gather_below in (1, 10 ** 9):  # gather the reachable rows / pass over every score
+                monkeypatch.setattr(pl, "GATHER_BELOW", gather_below)
+                assert (pl._at_or_below_cut(reach.copy(), n_reach, scores, k) == want).all(), (share, k)
 
 
 def test_a_move_of_two_sizes_takes_the_larger_ones_slots_first(clock):

@@ -66,3 +66,38 @@ def test_a_room_deeper_than_the_peel_ranks_every_row(served, monkeypatch):
     monkeypatch.setattr(mgr.placement, "PEEL_LEVELS", 10 ** 6)
     ranked.clear()
     assert mgr.placement.select(Tier.HBM, need, evict=True).tolist() == got.tolist() and not ranked
+
+
+def test_a_room_of_most_of_the_rows_under_the_cut_ranks_them_without_peeling(served, monkeypatch):
+    """Room for more than 1/PEEL_SHARE of the rows at or under the cut: the peel would mostly run its
+    levels and fail (1.25x the choice, a review), so every row is ranked at once; the same victims."""
+    mgr = served
+    scores = mgr.policy.scores_all(mgr.table, mgr.table.clock())
+    live = mgr.table.live_rows()
+    tied = int(np.count_nonzero(scores[live] == scores[live].min()))
+    need = tied // 2 * bench_table.LAYOUT.block_bytes  # half the tied rows at the bottom
+    peeled = []
+    levels = forest.lowest_levels
+    monkeypatch.setattr(placement, "lowest_levels", lambda *args: peeled.append(len(args[0])) or levels(*args))
+    got = mgr.placement.select(Tier.HBM, need, evict=True)
+    assert not peeled and len(got) == tied // 2
+    monkeypatch.setattr(mgr.placement, "PEEL_SHARE", 1)
+    assert mgr.placement.select(Tier.HBM, need, evict=True).tolist() == got.tolist() and peeled
+
+
+def test_a_small_tier_gathers_its_rows_for_the_cut(served, monkeypatch):
+    """Where the reachable rows are a small share of the table, the cut is found over them alone
+    (passes over every row cost a tier of 100 rows among a million 1.8x, a review)."""
+    mgr = served
+    live = mgr.table.live_rows()
+    protect = live[live % bench_table.CHUNK < bench_table.CHUNK - 2]  # each chain's last two may leave: 96 rows
+    asked = []
+    real = kth.kth_lowest
+    monkeypatch.setattr(placement, "kth_lowest", lambda values, k, where=None: asked.append(
+        (len(values), where is None)) or real(values, k, where=where))
+    got = mgr.placement.select(Tier.HBM, 10 * bench_table.LAYOUT.block_bytes, evict=True, protect=protect)
+    assert asked == [(2 * CHAINS, True)] and len(got) == 10
+    monkeypatch.setattr(mgr.placement, "GATHER_BELOW", 10 ** 9)
+    assert mgr.placement.select(Tier.HBM, 10 * bench_table.LAYOUT.block_bytes, evict=True,
+                                protect=protect).tolist() == got.tolist()
+    assert asked[1] == (len(mgr.table.cols.tier), False)
