@@ -305,7 +305,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         k = math.ceil(self.cold_threshold * len(tier_scores) - 1e-9)
         if k <= 0:
             return np.zeros(len(scores), dtype=bool)
-        cutoff = np.partition(tier_scores, k - 1)[k - 1]
+        cutoff = kth_lowest(tier_scores, k)  # (a low threshold under a tie at the bottom: kth.py)
         return in_tier & (scores <= cutoff)
 
     def _with_descendants(self, marked: np.ndarray, among: np.ndarray) -> np.ndarray:

@@ -101,3 +101,22 @@ def test_a_small_tier_gathers_its_rows_for_the_cut(served, monkeypatch):
     assert mgr.placement.select(Tier.HBM, 10 * bench_table.LAYOUT.block_bytes, evict=True,
                                 protect=protect).tolist() == got.tolist()
     assert asked[1] == (len(mgr.table.cols.tier), False)
+
+
+def test_a_low_cold_threshold_over_tied_blocks_partitions_few(served, monkeypatch):
+    """The cold cut of a threshold of 0.1 lies inside the fifth of the blocks tied at the bottom: its
+    cutoff is found among few (kth.py), the same rows cold as a partition of the tier's scores."""
+    mgr = served
+    scores = mgr.policy.scores_all(mgr.table, mgr.table.clock())
+    live = mgr.table.live_rows()
+    monkeypatch.setattr(mgr.placement, "cold_threshold", 0.1)
+    sizes = []
+    partition = np.partition
+    monkeypatch.setattr(np, "partition",
+                        lambda a, k, *args, **kw: sizes.append(len(a)) or partition(a, k, *args, **kw))
+    cold = mgr.placement._cold_mask(Tier.HBM, scores)
+    monkeypatch.undo()
+    assert sizes and max(sizes) < len(live) // 4, sizes
+    k = int(np.ceil(0.1 * len(live)))
+    assert (cold == (mgr.table.cols.tier == int(Tier.HBM)) & (scores <= np.partition(scores[live], k - 1)[k - 1])).all()
+    assert cold.sum() > k  # the tie at the cutoff counts as cold
