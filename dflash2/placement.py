@@ -230,6 +230,8 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         reachable rows are a small share of the table (a tier's blocks among every tier's), they
         alone are gathered and compared: passes over every row cost a small tier's choice 1.8x
         (100 rows of a million, a review)."""
+        if k >= n_reach:
+            return reach  # (every reachable row: no partition needed)
         if n_reach * self.GATHER_BELOW > len(scores):
             return reach & (scores <= kth_lowest(scores, k, where=reach))
         rows = np.flatnonzero(reach)

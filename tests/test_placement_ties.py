@@ -120,3 +120,14 @@ def test_a_low_cold_threshold_over_tied_blocks_partitions_few(served, monkeypatc
     k = int(np.ceil(0.1 * len(live)))
     assert (cold == (mgr.table.cols.tier == int(Tier.HBM)) & (scores <= np.partition(scores[live], k - 1)[k - 1])).all()
     assert cold.sum() > k  # the tie at the cutoff counts as cold
+
+
+def test_room_for_every_movable_block_takes_them_without_a_cut(served, monkeypatch):
+    """k of every reachable row: the cut is the highest of them, so all of them, found without a
+    partition (a whole partition of a million rows, 6-7 ms, a review)."""
+    mgr = served
+    reach = mgr.placement.movable(Tier.HBM, evict=True)
+    scores = mgr.policy.scores_all(mgr.table, mgr.table.clock())
+    n_reach = int(reach.sum())
+    monkeypatch.setattr(placement, "kth_lowest", lambda *args, **kw: pytest.fail("a partition for every row"))
+    assert (mgr.placement._at_or_below_cut(reach, n_reach, scores, n_reach) == reach).all()
