@@ -291,7 +291,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             holding = c.kids[0, rows].astype(np.int64)
             for t in range(1, max(int(tier), int(through or tier)) + 1):
                 holding += c.kids[t, rows]
-        parent = local_parents(rows, c.parent[rows], rank=(np.arange(len(rows)), rows))  # already sorted
+        parent = local_parents(rows, c.parent[rows])
         # Every row of `rows` lies in `tier` and is a cached child of its parent, so it holds its
         # parent back; a row with more holding children than it has in `rows` waits on one outside.
         return parent, holding > np.bincount(parent[parent >= 0], minlength=len(rows))

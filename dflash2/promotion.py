@@ -284,7 +284,7 @@ class Promotion:
         if (rank[1][1:] == rank[1][:-1]).any():
             return False  # listed twice: the walk lists it once
         up = self.table.cols.parent[rows]
-        parent = local_parents(rows, up, rank)
+        parent = local_parents(rows, up)
         linked = up != NO_ROW
         if (parent[linked] < 0).any():
             return False  # an ancestor outside the list: the walk adds it

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.forest import lowest_levels, reaches_marked, subtree_heights
+from dflash2.forest import local_parents, lowest_levels, reaches_marked, subtree_heights
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
 
@@ -127,6 +127,30 @@ def test_lowest_levels_are_the_heights_of_the_head_that_weighs_enough(forest, da
         assert got is None
         return
     assert got is not None and got.tolist() == np.where(full <= h, full, -1).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_local_parents_index_each_rows_parent_among_the_rows(data):
+    """local_parents through its sparse map (entries outside `rows` never written): each row's
+    parent's index among the rows, -1 where the parent is none (any negative value) or not among
+    them, whatever garbage the map's other entries hold."""
+    table = data.draw(st.integers(1, 5000))
+    rows = data.draw(st.lists(st.integers(0, table - 1), unique=True, max_size=60))
+    parents = [data.draw(st.integers(-3, table - 1)) for _ in rows]
+    where = {row: i for i, row in enumerate(rows)}
+    want = [where.get(p, -1) if p >= 0 else -1 for p in parents]
+    got = local_parents(np.array(rows, dtype=np.int64), np.array(parents, dtype=np.int32))
+    assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_local_parents_ignore_what_the_map_held_before():
+    """The map is taken unwritten: memory a previous call left full of indices must not pass for
+    this call's (freed and taken again at once by numpy's allocator)."""
+    rows, parents = np.arange(100_000, dtype=np.int64), np.arange(-1, 99_999, dtype=np.int64)
+    assert local_parents(rows, parents).tolist() == list(range(-1, 99_999))
+    few = np.array([5, 70_000], dtype=np.int64)
+    assert local_parents(few, np.array([70_000, 69_999])).tolist() == [1, -1]
 
 
 def test_lowest_levels_stop_at_the_level_that_weighs_enough_exactly():
