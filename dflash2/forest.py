@@ -4,7 +4,9 @@ A prefix chain is as deep as its prompt is long in blocks (a 256k-token prompt o
 is 1,024 deep), so a pass that walks the tree one level per round costs one round of numpy calls
 per block of the chain: making room for one long prefix took ~10 ms of selection for a copy of
 ~1 ms. Here every round doubles how far each node sees up its chain (node -> parent -> grandparent
--> 4th ancestor ...), so a chain of depth D takes ceil(log2 D) rounds whatever its length.
+-> 4th ancestor ...), so a chain of depth D takes ceil(log2 D) rounds whatever its length. One
+pass walks a level a round on purpose: `lowest_levels`, for a room that a few levels of many chains
+hold (at most the caller's number of rounds, each over the last level only).
 
 Nodes are local indices 0..n-1; `parent[i]` is i's parent among them, or -1 when i's parent is not
 in the set (a root here). Pure numpy: no table, no policy.
