@@ -7,7 +7,7 @@ bottom, and a partition for a k inside that tie took 25 ms over the tier's score
 over the whole table with the other rows set to +inf (2026-12-06, 2-core VM; `bench table`'s heat
 choice of 1% took 146 ms, 107 of them in that partition).
 
-So the k-th is looked for among few: a strided sample of the scores sets a bar somewhat above the
+So the k-th is looked for among few: a sample of the scores sets a bar somewhat above the
 k-th's expected place, one comparison over every score keeps those at or under it, and the bar's own
 tie is never partitioned: where fewer than k lie strictly under the bar, the bar is the k-th. Where
 the sample misjudged (fewer than k at or under the bar, or most of the scores), the scores are
@@ -25,6 +25,11 @@ SAMPLE = 4096  # scores in the sample that sets the bar
 WORTH = 8 * SAMPLE  # fewer scores than this are partitioned whole: the sample would cost as much
 MARGIN = 2.0  # the bar's place in the sample, in multiples of the k-th's expected place ...
 SLACK = 8  # ... plus this many samples: a bar just under the k-th means a second pass
+# Where the sample lies, as shares of the scores: a Weyl sequence (i times the golden ratio, mod 1), no
+# period of its own. A stride aliased with a table of equal chains in consecutive rows (16 deep with a
+# stride of 256: every sampled row a root, the hottest), the bar stood above most of the scores and
+# the whole partition followed the wasted pass (make_room 1.85x, a review).
+SPREAD = (np.arange(SAMPLE) * 0.6180339887498949) % 1.0
 
 
 def kth_lowest(values: np.ndarray, k: int, where: np.ndarray | None = None):
@@ -49,10 +54,10 @@ def _under_a_bar(values: np.ndarray, k: int, n: int, where: np.ndarray | None):
     """The k-th lowest found among the values at or under a bar set from a sample, or None where the
     sample set the bar too low (fewer than k under it) or so high that a pass over most of the
     values would follow anyway."""
-    stride = len(values) // SAMPLE
-    sample = values[::stride]
+    at = (SPREAD * len(values)).astype(np.int64)
+    sample = values[at]
     if where is not None:
-        sample = sample[where[::stride]]
+        sample = sample[where[at]]
     if not len(sample):
         return None
     place = min(len(sample) - 1, math.ceil(len(sample) * k / n * MARGIN) + SLACK)
