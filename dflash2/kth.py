@@ -25,11 +25,13 @@ SAMPLE = 4096  # scores in the sample that sets the bar
 WORTH = 8 * SAMPLE  # fewer scores than this are partitioned whole: the sample would cost as much
 MARGIN = 2.0  # the bar's place in the sample, in multiples of the k-th's expected place ...
 SLACK = 8  # ... plus this many samples: a bar just under the k-th means a second pass
-# Where the sample lies, as shares of the scores: a Weyl sequence (i times the golden ratio, mod 1), no
-# period of its own. A stride aliased with a table of equal chains in consecutive rows (16 deep with a
-# stride of 256: every sampled row a root, the hottest), the bar stood above most of the scores and
-# the whole partition followed the wasted pass (make_room 1.85x, a review).
-SPREAD = (np.arange(SAMPLE) * 0.6180339887498949) % 1.0
+# Where the sample lies, as shares of the scores: drawn once, uniform, from a fixed seed (sorted, so
+# the gather reads forward). A stride aliased with a table of equal chains in consecutive rows (16
+# deep with a stride of 256: every sampled row a root, the hottest), and so did a golden-ratio
+# sequence with a count of chains near a Fibonacci number (75,025 chains of 16: every sample a root):
+# the bar stood above most of the scores and the whole partition followed the wasted pass (make_room
+# 1.85x, reviews). Draws of no arithmetic order have no such count.
+SPREAD = np.sort(np.random.default_rng(0x6B7468).random(SAMPLE))
 
 
 def kth_lowest(values: np.ndarray, k: int, where: np.ndarray | None = None):

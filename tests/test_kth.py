@@ -118,11 +118,13 @@ def chains_leaves_cold(n: int, depth: int) -> np.ndarray:
     return 20.0 + (1.0 - d / depth) + np.repeat(np.arange(n // depth), depth) * 1e-9
 
 
-@pytest.mark.parametrize("depth", [16, 64, 256])
-def test_the_sample_has_no_period_for_equal_chains_to_alias_with(depth):
+@pytest.mark.parametrize("depth,chains", [(16, 1 << 16), (64, 1 << 14), (256, 1 << 12), (16, 75025),
+                                          (16, 28657), (155, 6765), (17, 75025), (8, 196418)])
+def test_the_sample_has_no_period_for_equal_chains_to_alias_with(depth, chains):
     """Chains of a length that divides a stride (16 deep among 2**20 rows: a stride of 256 sampled
-    the roots alone, the hottest): the bar still bounds the k-th, no whole partition after a wasted
-    pass (make_room 1.85x, a review)."""
-    values = chains_leaves_cold(1 << 20, depth)
+    the roots alone, the hottest), or a count of chains near a Fibonacci number (a golden-ratio
+    sequence's every sample a root): the bar still bounds the k-th, no whole partition after a
+    wasted pass (make_room 1.85x, reviews)."""
+    values = chains_leaves_cold(depth * chains, depth)
     for k in (1, len(values) // 100):
         assert kth._under_a_bar(values, k, len(values), None) == np.partition(values, k - 1)[k - 1]
