@@ -60,6 +60,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     parser.add_argument("--json", action="store_true", help="print each result as one JSON line")
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.bench_args)
+    if sys.stdout is None:  # (closed, `>&-`): its figures are its only output; it ran and dropped them
+        print(f"dflash2 bench {args.name}: stdout is closed: its figures could not be printed; not run",
+              file=sys.stderr)
+        return EXIT_NO_OUTPUT
     try:
         result = module.run(bench_args)
     except OptionError as exc:  # a bad option value, named by the benchmark

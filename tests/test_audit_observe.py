@@ -203,6 +203,16 @@ def test_status_and_history_with_stdout_closed_say_so_and_exit_by_their_answer(t
     assert r.stderr.startswith("dflash2 history: stdout is closed: the history read ("), r.stderr
 
 
+def test_a_bench_with_stdout_closed_is_not_run_and_says_so(tmp_path):
+    """`dflash2 bench ... >&-`: it ran, printed its figures nowhere and exited 0 without a word (a
+    review). A bench's figures are its only output: refused before it runs, one line, exit 1."""
+    r = _closed_stdout("bench", "table", "--blocks", "2000", "--json")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "dflash2 bench table: stdout is closed: its figures could not be printed; not run"], r.stderr
+    r = _closed_stdout("bench", "table", "--blocks", "-1")  # a bad option is still named first
+    assert r.returncode == 2 and "--blocks" in r.stderr and "stdout is closed" not in r.stderr, r.stderr
+
+
 def test_status_watch_tells_a_restart_across_frames_that_went_unanswered(make_manager, monkeypatch, capsys):
     """A stop and start longer than the interval leaves frames unanswered between the two daemons:
     the first frame of the new one said "(first frame)", not that the daemon had restarted."""
