@@ -60,10 +60,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     parser.add_argument("--json", action="store_true", help="print each result as one JSON line")
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.bench_args)
-    if sys.stdout is None:  # (closed, `>&-`): its figures are its only output; it ran and dropped them
-        print(f"dflash2 bench {args.name}: stdout is closed: its figures could not be printed; not run",
-              file=sys.stderr)
-        return EXIT_NO_OUTPUT
     try:
         result = module.run(bench_args)
     except OptionError as exc:  # a bad option value, named by the benchmark
@@ -75,6 +71,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"dflash2: error: bench {args.name}: its daemon stopped answering, no figures: {exc}", file=sys.stderr)
         return EXIT_FAILED
     records = result if isinstance(result, list) else [result]
+    if sys.stdout is None:  # (closed, `>&-`): its figures are its only output (it ran, dropped them, said nothing)
+        # After the run, not before: a bad option is checked in the run and named (exit 2), as a GPU
+        # bench without a GPU is (a review of the refusal before the run).
+        print(f"dflash2 bench {args.name}: stdout is closed: its figures are not printed", file=sys.stderr)
+        return EXIT_NO_OUTPUT
     for i, record in enumerate(records):
         if bench_args.json:
             # allow_nan=False: NaN or Infinity is no JSON; a figure that is not a number is a bug

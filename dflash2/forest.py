@@ -23,8 +23,10 @@ def ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, rows[order]
 
 
-# local_parents' map spans the table up to the highest row: past this many entries a row, a search.
+# local_parents' map spans the table up to the highest row: a search instead where the map would be
+# past MAP_BYTES (glibc maps an allocation that large fresh at every call) and past SPARSE_SPAN entries a row.
 SPARSE_SPAN = 16
+MAP_BYTES = 32 << 20
 
 
 def local_parents(rows: np.ndarray, parents: np.ndarray) -> np.ndarray:
@@ -33,10 +35,11 @@ def local_parents(rows: np.ndarray, parents: np.ndarray) -> np.ndarray:
     `parent` array the passes here take. Found through a map from table row to index, left
     unwritten but at `rows` (a sparse set: an entry read elsewhere is garbage, clipped into range and
     refused by the check that the row there is the parent): 1.3 ms against 3.9 for a search per row
-    over the 195,098 rows of a choice at a million blocks (an experiment, the 2-core VM). Where the
-    map would span more than SPARSE_SPAN entries a row (a chain of a table of millions), the search:
-    a map past 32 MiB is mapped fresh and faulted in at every call (a 1,024-block chain of a table of
-    16 million rows 3.4 ms against 33 us, a review)."""
+    over the 195,098 rows of a choice at a million blocks (an experiment, the 2-core VM), and 2.5-3x
+    the search for 10,000-50,000 rows of a million (a review). Where the map would be past MAP_BYTES
+    and span more than SPARSE_SPAN entries a row (a chain of a table of millions), the search: a map
+    that large is mapped fresh and faulted in at every call (a 1,024-block chain of a table of 16
+    million rows 3.4 ms against 33 us, a review)."""
     rows = np.asarray(rows, dtype=np.int64)
     n = len(rows)
     if n == 0:
@@ -44,11 +47,12 @@ def local_parents(rows: np.ndarray, parents: np.ndarray) -> np.ndarray:
     parents = np.asarray(parents, dtype=np.int64)
     linked = parents >= 0
     size = int(max(rows.max(), parents.max())) + 1
-    if size > SPARSE_SPAN * n:
+    index_type = np.int32 if n <= np.iinfo(np.int32).max else np.int64
+    if size * np.dtype(index_type).itemsize > MAP_BYTES and size > SPARSE_SPAN * n:
         order = np.argsort(rows, kind="stable")
         at = np.minimum(np.searchsorted(rows[order], parents), n - 1)
         return np.where(linked & (rows[order][at] == parents), order[at], -1)
-    index = np.empty(size, dtype=np.int32 if n <= np.iinfo(np.int32).max else np.int64)
+    index = np.empty(size, dtype=index_type)
     index[rows] = np.arange(n, dtype=index.dtype)
     at = index[np.where(linked, parents, 0)].astype(np.int64)
     np.clip(at, 0, n - 1, out=at)

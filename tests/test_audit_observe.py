@@ -203,14 +203,18 @@ def test_status_and_history_with_stdout_closed_say_so_and_exit_by_their_answer(t
     assert r.stderr.startswith("dflash2 history: stdout is closed: the history read ("), r.stderr
 
 
-def test_a_bench_with_stdout_closed_is_not_run_and_says_so(tmp_path):
+def test_a_bench_with_stdout_closed_says_its_figures_are_not_printed(tmp_path):
     """`dflash2 bench ... >&-`: it ran, printed its figures nowhere and exited 0 without a word (a
-    review). A bench's figures are its only output: refused before it runs, one line, exit 1."""
+    review). A bench's figures are its only output: one line says so, exit 1; a bad option, checked
+    by argparse or in the run, is still named (exit 2), and a GPU bench without a GPU says so (a
+    review of a refusal before the run, which answered "stdout is closed" to those)."""
     r = _closed_stdout("bench", "table", "--blocks", "2000", "--json")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "dflash2 bench table: stdout is closed: its figures could not be printed; not run"], r.stderr
-    r = _closed_stdout("bench", "table", "--blocks", "-1")  # a bad option is still named first
-    assert r.returncode == 2 and "--blocks" in r.stderr and "stdout is closed" not in r.stderr, r.stderr
+        "dflash2 bench table: stdout is closed: its figures are not printed"], r.stderr
+    for bad, named in ((["table", "--blocks", "-1"], "--blocks"), (["calls", "--blocks", "100000000"], "--blocks"),
+                       (["transfer"], "runs on a GPU")):
+        r = _closed_stdout("bench", *bad)
+        assert r.returncode == 2 and named in r.stderr and "stdout is closed" not in r.stderr, (bad, r.stderr)
 
 
 def test_status_watch_tells_a_restart_across_frames_that_went_unanswered(make_manager, monkeypatch, capsys):
