@@ -10,7 +10,9 @@ hit ratio per interval, and swap bandwidth per direction.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import errno
 import json
 import os
 import re
@@ -25,6 +27,8 @@ from dflash2.argtypes import endpoint, positive_int, seconds
 
 EXIT_OK = 0
 EXIT_FAIL = 1
+# A plot that could not be written for want of room (not a path the user can fix): exit 1, not 2.
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -88,6 +92,10 @@ def handler(args: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             raise UsageError("--plot needs matplotlib: pip install 'dflash2[plot]'") from None
         except OSError as e:
+            if e.errno in _FULL:  # output that cannot be written: exit 1, as the table's (README)
+                print(f"dflash2 history: --plot: cannot write {path}: {e.strerror or e}; a file there is left as "
+                      "it was", file=sys.stderr)
+                return EXIT_FAIL
             raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
         except ValueError as e:  # (matplotlib: "Format 'xyz' is not supported ...")
             raise UsageError(f"--plot {args.plot}: {e}") from None
@@ -284,8 +292,19 @@ def plot(samples: list[dict], path: str) -> None:
             ax.legend(loc="upper left", fontsize="small")
     fig.suptitle("dflash2 history")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    # Drawn beside the file and moved onto it whole: written in place, a full disk left an earlier
+    # plot at that path truncated to a partial PNG (a review). The extension stays last: the format.
+    folder, name = os.path.split(path)
+    temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp{os.path.splitext(name)[1]}")
+    try:
+        fig.savefig(temp, dpi=100)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+        raise
+    finally:
+        plt.close(fig)
 
 
 def _plot_file(value: str) -> str:
