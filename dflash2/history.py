@@ -43,6 +43,7 @@ from pathlib import Path
 from dflash2.endpoints import _bare_host
 from dflash2.files import make_private_folders, owner_text
 from dflash2.history_sample import is_sample, sample_of  # (sample_of re-exported: the tests import it here)
+from dflash2.historylock import lock_again, lock_moved
 
 log = logging.getLogger("dflash2.history")
 
@@ -162,6 +163,8 @@ class History:
                 n, size = n + 1, size + len(waiting)
             lines = "".join(itertools.islice(self._unwritten, n))
             try:
+                if self.lock_fd >= 0 and not self._locked():
+                    return  # (another daemon's file now: this one's history is kept in memory only, said)
                 if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
                 # Appended to a torn line, these samples would be unreadable too.
@@ -182,6 +185,25 @@ class History:
         if self._waited and not self._unwritten:
             log.info("history: %s written again (%d samples that had waited)", self.path, self._waited)
             self._waited = None
+
+    def _locked(self) -> bool:
+        """Whether this daemon still holds the lock of the folder it writes to, taken again where the
+        folder was made again under it (historylock.py); False, said, and the file given up where
+        another daemon took it meanwhile. OSError where it cannot be had (the folder still gone)."""
+        lock_path = self.path.with_name(LOCK_NAME)
+        if not lock_moved(self.lock_fd, lock_path):
+            return True
+        fd = lock_again(self.lock_fd, lock_path)
+        os.close(self.lock_fd)
+        self.lock_fd = fd
+        if fd >= 0:
+            log.info("history: %s was made again: its lock taken again", lock_path)
+            return True
+        log.warning("history: %s was made again and another daemon took it; this one keeps its history in memory "
+                    "only from now (%d samples not written)", lock_path.parent, len(self._unwritten))
+        self.path = None
+        self._unwritten.clear()
+        return False
 
     def _append(self, data: bytes) -> None:
         """Append `data` to the file, all of it or none: a write that fails part way (a full disk) is

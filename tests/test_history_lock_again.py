@@ -1,0 +1,67 @@
+"""The history lock where the state folder is removed and made again under a running daemon
+(historylock.py): the daemon takes the new folder's lock again before it writes there, so a second
+daemon given the folder keeps its history in memory; where the second took it first, the first gives
+the file up. Before, both appended to one file (a review: time going back, a false restart on every
+row of `dflash2 history`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from types import SimpleNamespace
+
+from dflash2.history import make_history
+from observe_helpers import service  # noqa: F401  (a fixture)
+
+CFG = SimpleNamespace(history_enabled=True)
+
+
+def test_a_folder_made_again_is_locked_again_before_it_is_written(service, tmp_path, clock, caplog):
+    caplog.set_level(logging.INFO, logger="dflash2.history")
+    state = tmp_path / "state"
+    first = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    first.record(service.stats())
+    clock.advance(1.0)
+    shutil.rmtree(state)
+    first.record(service.stats())  # the folder is gone: the sample waits in memory
+    clock.advance(1.0)
+    state.mkdir(mode=0o700)
+    first.record(service.stats())  # written again, under the new folder's lock taken again
+    clock.advance(1.0)
+    second = make_history(CFG, state, endpoint="ipc:///b.sock", clock=clock)
+    try:
+        assert second.path is None and first.path == state / "history.jsonl"
+        for _ in range(3):
+            first.record(service.stats())
+            second.record(service.stats())
+            clock.advance(1.0)
+        times = [json.loads(line)["t"] for line in (state / "history.jsonl").read_text().splitlines()]
+        assert len(times) == 5 and times == sorted(times)  # the first's two waiting, then its three
+        assert "was made again: its lock taken again" in caplog.text
+    finally:
+        first.close()
+        second.close()
+
+
+def test_where_another_daemon_took_the_folder_made_again_the_first_gives_the_file_up(service, tmp_path, clock,
+                                                                                   caplog):
+    state = tmp_path / "state"
+    first = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    first.record(service.stats())
+    clock.advance(1.0)
+    shutil.rmtree(state)
+    state.mkdir(mode=0o700)
+    second = make_history(CFG, state, endpoint="ipc:///b.sock", clock=clock)  # it takes the new folder first
+    try:
+        assert second.path == state / "history.jsonl"
+        for _ in range(3):
+            second.record(service.stats())
+            first.record(service.stats())
+            clock.advance(1.0)
+        assert first.path is None and len(first.since()) == 4  # kept in memory, not written
+        assert len((state / "history.jsonl").read_text().splitlines()) == 3  # the second's alone
+        assert "another daemon took it; this one keeps its history in memory only" in caplog.text
+    finally:
+        first.close()
+        second.close()
