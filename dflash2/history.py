@@ -189,18 +189,20 @@ class History:
     def _locked(self) -> bool:
         """Whether this daemon still holds the lock of the folder it writes to, taken again where the
         folder was made again under it (historylock.py); False, said, and the file given up where
-        another daemon took it meanwhile. OSError where it cannot be had (the folder still gone)."""
+        another daemon took it meanwhile or the folder is another daemon's. OSError where it cannot be
+        had (the folder still gone)."""
         lock_path = self.path.with_name(LOCK_NAME)
         if not lock_moved(self.lock_fd, lock_path):
             return True
-        fd = lock_again(self.lock_fd, lock_path)
+        fd, how = lock_again(self.lock_fd, lock_path, [self.path, self.path.with_name(FILE_NAME + ".1")],
+                             _lock_names)
         os.close(self.lock_fd)
         self.lock_fd = fd
         if fd >= 0:
             log.info("history: %s was made again: its lock taken again", lock_path)
             return True
-        log.warning("history: %s was made again and another daemon took it; this one keeps its history in memory "
-                    "only from now (%d samples not written)", lock_path.parent, len(self._unwritten))
+        log.warning("history: %s was made again, %s; this one keeps its history in memory only from now (%d "
+                    "samples not written)", lock_path.parent, how, len(self._unwritten))
         self.path = None
         self._unwritten.clear()
         return False

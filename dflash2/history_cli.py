@@ -13,9 +13,11 @@ import argparse
 import contextlib
 import datetime as _dt
 import errno
+import io
 import json
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Optional
@@ -292,19 +294,40 @@ def plot(samples: list[dict], path: str) -> None:
             ax.legend(loc="upper left", fontsize="small")
     fig.suptitle("dflash2 history")
     fig.tight_layout()
-    # Drawn beside the file and moved onto it whole: written in place, a full disk left an earlier
-    # plot at that path truncated to a partial PNG (a review). The extension stays last: the format.
-    folder, name = os.path.split(path)
-    temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp{os.path.splitext(name)[1]}")
     try:
-        fig.savefig(temp, dpi=100)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temp)
-        raise
+        # Drawn in memory, then written over the file only once the disk has given it the room: in
+        # place, a full disk left an earlier plot at that path truncated to a partial PNG (a review).
+        # Not drawn beside it and moved onto it: that replaced a link instead of the file it names,
+        # failed in a folder the user cannot write though the file is theirs, and on a long name.
+        drawn = io.BytesIO()
+        fig.savefig(drawn, format=os.path.splitext(path)[1][1:].lower(), dpi=100)
     finally:
         plt.close(fig)
+    _write_whole(path, drawn.getvalue())
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """`data` as the file at `path` (through a link, keeping its mode and owner), or the file as it
+    was: the room is taken first (posix_fallocate), so a full disk refuses before a byte changes. A
+    file this made and could not fill is removed again."""
+    made = not os.path.lexists(path)
+    # Not blocking: a FIFO without a reader is refused (ENXIO), not waited on for good.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.posix_fallocate(fd, 0, max(1, len(data)))
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, len(data) - len(view)):]
+        os.ftruncate(fd, len(data))
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _plot_file(value: str) -> str:

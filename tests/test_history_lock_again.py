@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -65,3 +66,48 @@ def test_where_another_daemon_took_the_folder_made_again_the_first_gives_the_fil
     finally:
         first.close()
         second.close()
+
+
+def test_a_folder_moved_into_place_holding_another_daemons_history_is_not_taken(service, tmp_path, clock, caplog):
+    """The folder replaced by one another daemon wrote (restored, moved into place; that daemon
+    stopped, its lock free): its samples are not appended to nor its lock taken, as a start would not
+    (the running daemon appended to it and put its own names in its lock, a review)."""
+    state, other = tmp_path / "state", tmp_path / "other"
+    b = make_history(CFG, other, endpoint="ipc:///b.sock", clock=clock)
+    for _ in range(3):
+        b.record(service.stats())
+        clock.advance(1.0)
+    b.close()
+    a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    a.record(service.stats())
+    shutil.rmtree(state)
+    os.rename(other, state)
+    clock.advance(1.0)
+    a.record(service.stats())
+    try:
+        assert len((state / "history.jsonl").read_text().splitlines()) == 3
+        assert "b.sock" in (state / "history.lock").read_text() and a.path is None
+        assert "was made again, holding another daemon's history" in caplog.text
+    finally:
+        a.close()
+
+
+def test_a_fifo_at_the_lock_path_is_refused_not_taken_for_another_daemon(service, tmp_path, clock, caplog):
+    """A FIFO put at history.lock: refused as a failed write, each sample trying again, no fd left
+    open (it was flocked, its truncation failed and its fd leaked; the next sample found it locked
+    by that fd and gave the file up to "another daemon", a review)."""
+    state = tmp_path / "state"
+    a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    a.record(service.stats())
+    os.remove(state / "history.lock")
+    os.mkfifo(state / "history.lock", 0o600)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        clock.advance(1.0)
+        a.record(service.stats())
+    after = len(os.listdir("/proc/self/fd"))
+    try:
+        assert a.path is not None and after == before
+        assert "another daemon" not in caplog.text and "is not a regular file of this user's" in caplog.text
+    finally:
+        a.close()

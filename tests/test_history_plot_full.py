@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,3 +39,58 @@ def test_a_plot_that_cannot_be_written_leaves_the_file_there_whole(service, tmp_
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"dflash2 history: --plot: cannot write {out}: File too large; a file there is left as it was"], r.stderr
     assert sorted(os.listdir(tmp_path)) == ["history.jsonl", "incident.png"]  # no temporary file left
+
+
+def _history_of(service, tmp_path, clock):
+    history = tmp_path / "history.jsonl"
+    h = History(path=history, clock=clock)
+    for _ in range(5):
+        h.record(service.stats())
+        clock.advance(1.0)
+    h.close()
+    return history
+
+
+def _plot(history, out, *prefix):
+    return subprocess.run([*prefix, sys.executable, "-m", "dflash2.cli", "history", "--file", str(history),
+                           "--plot", str(out)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_plot_onto_a_link_writes_the_file_it_names(service, tmp_path, clock):
+    """`latest.png -> plots/day.png`: the plot is written through the link (drawn beside and moved
+    onto it, the link itself was replaced and the file it named kept the old plot; a review)."""
+    pytest.importorskip("matplotlib")
+    history = _history_of(service, tmp_path, clock)
+    (tmp_path / "plots").mkdir()
+    target = tmp_path / "plots" / "day.png"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    link = tmp_path / "latest.png"
+    link.symlink_to(target)
+    r = _plot(history, link)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and target.read_bytes()[:4] == b"\x89PNG" and (target.stat().st_mode & 0o777) == 0o640
+
+
+def test_a_plot_with_a_long_name_in_a_folder_the_user_cannot_write(service, tmp_path, clock):
+    """A name of 250 bytes (a temporary name beside it was too long), and a file the user may write
+    in a folder they may not (a temporary file could not be made there): both written (a review)."""
+    pytest.importorskip("matplotlib")
+    history = _history_of(service, tmp_path, clock)
+    out = tmp_path / ("p" * 246 + ".png")
+    r = _plot(history, out)
+    assert r.returncode == 0 and out.read_bytes()[:4] == b"\x89PNG", r.stderr
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: a folder it cannot write cannot be made")
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    shared = folder / "plot.png"
+    shared.write_bytes(b"old")
+    shared.chmod(0o666)
+    folder.chmod(0o555)
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"] if os.geteuid() == 0 else []
+    try:
+        r = _plot(history, shared, *drop)
+    finally:
+        folder.chmod(0o755)
+    assert r.returncode == 0 and shared.read_bytes()[:4] == b"\x89PNG", r.stderr
