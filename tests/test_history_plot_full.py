@@ -17,14 +17,24 @@ from dflash2.history import History
 from observe_helpers import service  # noqa: F401  (a fixture)
 
 
-def test_a_plot_that_cannot_be_written_leaves_the_file_there_whole(service, tmp_path, clock):
-    pytest.importorskip("matplotlib")
+def _history_of(service, tmp_path, clock, samples=5):
     history = tmp_path / "history.jsonl"
     h = History(path=history, clock=clock)
-    for _ in range(30):
+    for _ in range(samples):
         h.record(service.stats())
         clock.advance(1.0)
     h.close()
+    return history
+
+
+def _plot(history, out, *prefix, **kw):
+    return subprocess.run([*prefix, sys.executable, "-m", "dflash2.cli", "history", "--file", str(history),
+                           "--plot", str(out)], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_a_plot_that_cannot_be_written_leaves_the_file_there_whole(service, tmp_path, clock):
+    pytest.importorskip("matplotlib")
+    history = _history_of(service, tmp_path, clock, samples=30)
     out = tmp_path / "incident.png"
     earlier = b"an earlier incident's plot" * 10
     out.write_bytes(earlier)
@@ -33,27 +43,11 @@ def test_a_plot_that_cannot_be_written_leaves_the_file_there_whole(service, tmp_
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
 
-    r = subprocess.run([sys.executable, "-m", "dflash2.cli", "history", "--file", str(history), "--plot", str(out)],
-                       capture_output=True, text=True, preexec_fn=full_disk, timeout=120)
+    r = _plot(history, out, preexec_fn=full_disk)
     assert out.read_bytes() == earlier
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"dflash2 history: --plot: cannot write {out}: File too large; a file there is left as it was"], r.stderr
     assert sorted(os.listdir(tmp_path)) == ["history.jsonl", "incident.png"]  # no temporary file left
-
-
-def _history_of(service, tmp_path, clock):
-    history = tmp_path / "history.jsonl"
-    h = History(path=history, clock=clock)
-    for _ in range(5):
-        h.record(service.stats())
-        clock.advance(1.0)
-    h.close()
-    return history
-
-
-def _plot(history, out, *prefix):
-    return subprocess.run([*prefix, sys.executable, "-m", "dflash2.cli", "history", "--file", str(history),
-                           "--plot", str(out)], capture_output=True, text=True, timeout=120)
 
 
 def test_a_plot_onto_a_link_writes_the_file_it_names(service, tmp_path, clock):
