@@ -99,8 +99,8 @@ def handler(args: argparse.Namespace) -> int:
                       "it was", file=sys.stderr)
                 return EXIT_FAIL
             raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
-        except ValueError as e:  # (matplotlib: "Format 'xyz' is not supported ...")
-            raise UsageError(f"--plot {args.plot}: {e}") from None
+        except (ValueError, RuntimeError) as e:  # (matplotlib: "Format 'xyz' is not supported ...";
+            raise UsageError(f"--plot {args.plot}: {e}") from None  # pgf without xelatex: RuntimeError)
     if sys.stdout is None:  # (closed, `>&-`: said, as by dflash2d --check; what was read is in the exit code)
         plotted = "" if path is None else f"; the plot is written to {path}"
         print(f"dflash2 history: stdout is closed: the history read ({len(samples)} samples) is not printed"
@@ -309,10 +309,16 @@ def plot(samples: list[dict], path: str) -> None:
 def _write_whole(path: str, data: bytes) -> None:
     """`data` as the file at `path` (through a link, keeping its mode and owner), or the file as it
     was: the room is taken first (posix_fallocate), so a full disk refuses before a byte changes. A
-    file this made and could not fill is removed again."""
-    made = not os.path.lexists(path)
-    # Not blocking: a FIFO without a reader is refused (ENXIO), not waited on for good.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    file this made (a link's target too) and could not fill is removed again. Not all or nothing
+    where the process dies mid-write (a plot of a few MB: milliseconds)."""
+    made = None  # the file this call made, removed where it could not fill it
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO without a reader said "no such device")
+            raise OSError(errno.EINVAL, "not a regular file")
+    except FileNotFoundError:
+        made = os.path.realpath(path)  # (none, or a link to none: made where the link leads)
+    # Not blocking: a FIFO put there since is refused (ENXIO), not waited on for good.
+    fd = os.open(made or path, os.O_WRONLY | os.O_NONBLOCK | (os.O_CREAT | os.O_EXCL if made else 0), 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
@@ -324,7 +330,7 @@ def _write_whole(path: str, data: bytes) -> None:
     except BaseException:
         if made:
             with contextlib.suppress(OSError):
-                os.remove(path)
+                os.remove(made)
         raise
     finally:
         os.close(fd)

@@ -8,6 +8,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -15,6 +16,11 @@ import pytest
 
 from dflash2.history import History
 from observe_helpers import service  # noqa: F401  (a fixture)
+
+
+def _full_disk():  # files past 8 KiB cannot be written (EFBIG, as ENOSPC on a full disk)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
 
 
 def _history_of(service, tmp_path, clock, samples=5):
@@ -39,11 +45,7 @@ def test_a_plot_that_cannot_be_written_leaves_the_file_there_whole(service, tmp_
     earlier = b"an earlier incident's plot" * 10
     out.write_bytes(earlier)
 
-    def full_disk():  # files past 8 KiB cannot be written (EFBIG, as ENOSPC on a full disk)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
-
-    r = _plot(history, out, preexec_fn=full_disk)
+    r = _plot(history, out, preexec_fn=_full_disk)
     assert out.read_bytes() == earlier
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"dflash2 history: --plot: cannot write {out}: File too large; a file there is left as it was"], r.stderr
@@ -88,3 +90,36 @@ def test_a_plot_with_a_long_name_in_a_folder_the_user_cannot_write(service, tmp_
     finally:
         folder.chmod(0o755)
     assert r.returncode == 0 and shared.read_bytes()[:4] == b"\x89PNG", r.stderr
+
+
+def test_a_plot_through_a_dangling_link_onto_a_full_disk_leaves_nothing_behind(service, tmp_path, clock):
+    """`latest.png -> day.png`, day.png not made yet: written there where there is room; where there
+    is none, no empty day.png is left (it was, though the line said the file was left as it was)."""
+    pytest.importorskip("matplotlib")
+    history = _history_of(service, tmp_path, clock)
+    link = tmp_path / "latest.png"
+    link.symlink_to(tmp_path / "day.png")
+    r = _plot(history, link, preexec_fn=_full_disk)
+    assert r.returncode == 1 and not (tmp_path / "day.png").exists(), r.stderr
+    r = _plot(history, link)
+    assert r.returncode == 0 and link.is_symlink() and (tmp_path / "day.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_what_cannot_be_a_plot_is_refused_in_one_line(service, tmp_path, clock):
+    """A FIFO without a reader or a socket at the path: "not a regular file" (it said "no such device
+    or address"); `.pgf` without xelatex, a format matplotlib lists: one line, exit 2 (a traceback)."""
+    pytest.importorskip("matplotlib")
+    history = _history_of(service, tmp_path, clock)
+    os.mkfifo(tmp_path / "fifo.png")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(tmp_path / "sock.png"))
+    try:
+        for name in ("fifo.png", "sock.png"):
+            r = _plot(history, tmp_path / name)
+            assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+                f"dflash2: error: --plot: cannot write {tmp_path / name}: not a regular file"], r.stderr
+    finally:
+        unix.close()
+    if shutil.which("xelatex") is None:
+        r = _plot(history, tmp_path / "incident.pgf")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
