@@ -194,6 +194,7 @@ class History:
         lock_path = self.path.with_name(LOCK_NAME)
         if not lock_moved(self.lock_fd, lock_path):
             return True
+        _own_folder(lock_path.parent)  # (as at a start: one made again open to others is made owner-only)
         fd, how = lock_again(self.lock_fd, lock_path, [self.path, self.path.with_name(FILE_NAME + ".1")],
                              _lock_names)
         os.close(self.lock_fd)
@@ -409,7 +410,8 @@ def _lock_names(fd: int) -> list[str]:
     the default endpoint's paths where that is its endpoint), the latest start's first; none in an
     earlier release's lock (the pid alone)."""
     lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")[1:]
-    return list(dict.fromkeys(endpoint_id(line.strip()) for line in lines if line.strip()))
+    # (a NUL names no path: it raised ValueError out of the start, and of every sample, a review)
+    return list(dict.fromkeys(endpoint_id(line.strip()) for line in lines if line.strip() and "\0" not in line))
 
 
 def _parsed(line: bytes):

@@ -111,3 +111,25 @@ def test_a_fifo_at_the_lock_path_is_refused_not_taken_for_another_daemon(service
         assert "another daemon" not in caplog.text and "is not a regular file of this user's" in caplog.text
     finally:
         a.close()
+
+
+def test_a_folder_made_again_open_to_others_or_with_a_nul_in_its_lock(service, tmp_path, clock, caplog):
+    """As a start would: a folder made again open to other users is made owner-only before it is
+    written (it was written as it was), and a lock line holding a NUL is no name (ValueError out of
+    every sample, and out of a start; a review)."""
+    state = tmp_path / "state"
+    a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    a.record(service.stats())
+    shutil.rmtree(state)
+    state.mkdir()
+    os.chmod(state, 0o777)
+    (state / "history.lock").write_bytes(b"4242\nipc:///x\x00y/b.sock\n")
+    clock.advance(1.0)
+    try:
+        a.record(service.stats())
+        assert a.path is not None and (state.stat().st_mode & 0o022) == 0
+        assert "was writable by other users" in caplog.text
+    finally:
+        a.close()
+    b = make_history(CFG, state, endpoint="ipc:///b.sock", clock=clock)  # a start over such a lock
+    b.close()
