@@ -194,13 +194,13 @@ class History:
         lock_path = self.path.with_name(LOCK_NAME)
         if not lock_moved(self.lock_fd, lock_path):
             return True
-        _own_folder(lock_path.parent)  # (as at a start: one made again open to others is made owner-only)
         fd, how = lock_again(self.lock_fd, lock_path, [self.path, self.path.with_name(FILE_NAME + ".1")],
                              _lock_names)
         os.close(self.lock_fd)
         self.lock_fd = fd
         if fd >= 0:
             log.info("history: %s was made again: its lock taken again", lock_path)
+            _own_folder(lock_path.parent)  # (as at a start, once taken: made owner-only; before, every sample)
             return True
         log.warning("history: %s was made again, %s; this one keeps its history in memory only from now (%d "
                     "samples not written)", lock_path.parent, how, len(self._unwritten))

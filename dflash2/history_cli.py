@@ -311,14 +311,17 @@ def _write_whole(path: str, data: bytes) -> None:
     was: the room is taken first (posix_fallocate), so a full disk refuses before a byte changes. A
     file this made (a link's target too) and could not fill is removed again. Not all or nothing
     where the process dies mid-write (a plot of a few MB: milliseconds)."""
-    made = None  # the file this call made, removed where it could not fill it
+    made = False  # whether this call makes the file (a link's target too): removed where it cannot fill it
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO without a reader said "no such device")
             raise OSError(errno.EINVAL, "not a regular file")
     except FileNotFoundError:
-        made = os.path.realpath(path)  # (none, or a link to none: made where the link leads)
+        made = True
+    # The kernel's lookup, not realpath's (which made x.png of missing/../x.png, a review); exclusive
+    # where the path is no link, so a file made meanwhile by another is never removed as this one's.
     # Not blocking: a FIFO put there since is refused (ENXIO), not waited on for good.
-    fd = os.open(made or path, os.O_WRONLY | os.O_NONBLOCK | (os.O_CREAT | os.O_EXCL if made else 0), 0o666)
+    flags = os.O_CREAT | (0 if os.path.islink(path) else os.O_EXCL) if made else 0
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | flags, 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
@@ -330,7 +333,9 @@ def _write_whole(path: str, data: bytes) -> None:
     except BaseException:
         if made:
             with contextlib.suppress(OSError):
-                os.remove(made)
+                where = os.path.realpath(path)  # (the file exists now: the lookup's own)
+                if os.path.samestat(os.stat(where), os.fstat(fd)):
+                    os.remove(where)
         raise
     finally:
         os.close(fd)

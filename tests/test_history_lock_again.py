@@ -133,3 +133,22 @@ def test_a_folder_made_again_open_to_others_or_with_a_nul_in_its_lock(service, t
         a.close()
     b = make_history(CFG, state, endpoint="ipc:///b.sock", clock=clock)  # a start over such a lock
     b.close()
+
+
+def test_a_lock_that_cannot_be_had_in_a_folder_open_to_others_is_said_once(service, tmp_path, clock, caplog):
+    """A folder made again sticky and open to all, its lock a link: each sample fails to take the
+    lock (said once per streak); the folder's warning came with every sample too (a review)."""
+    state = tmp_path / "state"
+    a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
+    a.record(service.stats())
+    shutil.rmtree(state)
+    state.mkdir()
+    os.chmod(state, 0o1777)
+    (state / "history.lock").symlink_to(tmp_path / "elsewhere")
+    try:
+        for _ in range(5):
+            clock.advance(1.0)
+            a.record(service.stats())
+        assert caplog.text.count("cannot write") == 1 and "writable by other users" not in caplog.text
+    finally:
+        a.close()

@@ -123,3 +123,23 @@ def test_what_cannot_be_a_plot_is_refused_in_one_line(service, tmp_path, clock):
     if shutil.which("xelatex") is None:
         r = _plot(history, tmp_path / "incident.pgf")
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_plot_goes_only_where_the_kernel_finds_its_path(tmp_path, monkeypatch):
+    """`missing/../x.png` (no folder `missing`), a link to `nodir/../day.png`, a link to `newdir/`:
+    refused as the kernel refuses them, nothing made elsewhere (a lexical realpath made ./x.png and a
+    file `newdir`, said "File exists" of the second, and reported each written; a review)."""
+    from dflash2.history_cli import _write_whole
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        _write_whole("missing/../x.png", b"PNG")
+    (tmp_path / "day.png").write_bytes(b"old")
+    (tmp_path / "latest.png").symlink_to("nodir/../day.png")
+    with pytest.raises(FileNotFoundError):
+        _write_whole("latest.png", b"PNG")
+    (tmp_path / "dir.png").symlink_to("newdir/")
+    with pytest.raises(OSError):
+        _write_whole("dir.png", b"PNG")
+    assert sorted(os.listdir(tmp_path)) == ["day.png", "dir.png", "latest.png"]
+    assert (tmp_path / "day.png").read_bytes() == b"old"
