@@ -113,16 +113,23 @@ def test_a_fifo_at_the_lock_path_is_refused_not_taken_for_another_daemon(service
         a.close()
 
 
-def test_a_folder_made_again_open_to_others_or_with_a_nul_in_its_lock(service, tmp_path, clock, caplog):
-    """As a start would: a folder made again open to other users is made owner-only before it is
-    written (it was written as it was), and a lock line holding a NUL is no name (ValueError out of
-    every sample, and out of a start; a review)."""
+def _made_again(service, tmp_path, clock, mode):
+    """A daemon's history (a.sock) that wrote a sample, its state folder then removed and made again
+    with `mode`: (the history, the folder)."""
     state = tmp_path / "state"
     a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
     a.record(service.stats())
     shutil.rmtree(state)
     state.mkdir()
-    os.chmod(state, 0o777)
+    os.chmod(state, mode)
+    return a, state
+
+
+def test_a_folder_made_again_open_to_others_or_with_a_nul_in_its_lock(service, tmp_path, clock, caplog):
+    """As a start would: a folder made again open to other users is made owner-only before it is
+    written (it was written as it was), and a lock line holding a NUL is no name (ValueError out of
+    every sample, and out of a start; a review)."""
+    a, state = _made_again(service, tmp_path, clock, 0o777)
     (state / "history.lock").write_bytes(b"4242\nipc:///x\x00y/b.sock\n")
     clock.advance(1.0)
     try:
@@ -138,12 +145,7 @@ def test_a_folder_made_again_open_to_others_or_with_a_nul_in_its_lock(service, t
 def test_a_lock_that_cannot_be_had_in_a_folder_open_to_others_is_said_once(service, tmp_path, clock, caplog):
     """A folder made again sticky and open to all, its lock a link: each sample fails to take the
     lock (said once per streak); the folder's warning came with every sample too (a review)."""
-    state = tmp_path / "state"
-    a = make_history(CFG, state, endpoint="ipc:///a.sock", clock=clock)
-    a.record(service.stats())
-    shutil.rmtree(state)
-    state.mkdir()
-    os.chmod(state, 0o1777)
+    a, state = _made_again(service, tmp_path, clock, 0o1777)
     (state / "history.lock").symlink_to(tmp_path / "elsewhere")
     try:
         for _ in range(5):
