@@ -13,10 +13,11 @@ import os
 from dflash2.protocol import printable
 
 
-def same_file(fd: int, path: str | os.PathLike) -> bool:
-    """Whether `path` (where it leads, for a link) names the file open at `fd` now."""
+def same_file(fd: int, path: str | os.PathLike, follow: bool = True) -> bool:
+    """Whether `path` (where it leads, for a link; the link itself with `follow` False) names the file
+    open at `fd` now."""
     try:
-        at = os.stat(path)
+        at = os.stat(path, follow_symlinks=follow)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)

@@ -26,6 +26,7 @@ from typing import Optional
 from dflash2 import protocol as P
 from dflash2.history import FILE_NAME, change, decode, rates, read_file, regular_file, span_seconds
 from dflash2.argtypes import endpoint, positive_int, seconds
+from dflash2.files import same_file
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -334,7 +335,7 @@ def _write_whole(path: str, data: bytes) -> None:
         if made:
             with contextlib.suppress(OSError):
                 where = os.path.realpath(path)  # (the file exists now: the lookup's own)
-                if os.path.samestat(os.stat(where), os.fstat(fd)):
+                if same_file(fd, where):
                     os.remove(where)
         raise
     finally:

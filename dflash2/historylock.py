@@ -20,15 +20,13 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash2.files import same_file
+
 
 def lock_moved(lock_fd: int, lock_path: Path) -> bool:
-    """Whether the file at `lock_path` is no longer the one `lock_fd` holds (removed, or another)."""
-    try:
-        now = os.lstat(lock_path)
-    except FileNotFoundError:
-        return True
-    held = os.fstat(lock_fd)
-    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+    """Whether the file at `lock_path` is no longer the one `lock_fd` holds (removed, or another; a
+    link there is another)."""
+    return not same_file(lock_fd, lock_path, follow=False)
 
 
 TAKEN, HELD, THEIRS = "taken", "and another daemon took it", "holding another daemon's history"
