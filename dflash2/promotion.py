@@ -11,14 +11,15 @@ calls, pings included, waited 1-3 s (soak11).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
+from dflash2.ancestry import Ancestry
 from dflash2.counts import unique
-from dflash2.forest import local_parents, marked_or_above, ranked
+from dflash2.forest import local_parents, marked_or_above
 from dflash2.table import BlockState
-from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
 
 
@@ -276,19 +277,9 @@ class Promotion:
                 moved[still] = self.mover.move(away[still], dst)
         return moved
 
-    def _closed_upward(self, rows: np.ndarray) -> bool:
-        """Whether `rows` (distinct) already hold each one's parent, ahead of it: then they are their
-        own list with ancestors, in the order the walk below would give, found without a Python
-        step per block."""
-        rank = ranked(rows)
-        if (rank[1][1:] == rank[1][:-1]).any():
-            return False  # listed twice: the walk lists it once
-        up = self.table.cols.parent[rows]
-        parent = local_parents(rows, up)
-        linked = up != NO_ROW
-        if (parent[linked] < 0).any():
-            return False  # an ancestor outside the list: the walk adds it
-        return bool((parent[linked] < np.flatnonzero(linked)).all())  # each parent ahead of its child
+    @functools.cached_property
+    def _ancestry(self) -> Ancestry:
+        return Ancestry(self.table)
 
     def with_ancestors(self, rows: np.ndarray, dst: Tier) -> np.ndarray:
         """The rows and all their cached ancestors, ancestors first. Those already in `dst` are
@@ -296,22 +287,9 @@ class Promotion:
         demoted to make that room would leave its promoted descendants above their prefix. Walked to
         the root: a walk cut where it met `dst` left unprotected, and unpromoted, the prefix above a
         block that stays below its child (pinned there by a host reader), and counted the prefix of
-        another layout short for NeverFits (a review). An acquire walks once (`promote`'s `chain`)."""
-        c = self.table.cols
-        rows = np.asarray(rows, dtype=np.int64)
-        if self._closed_upward(rows):
-            return rows  # a request's prefix as it reads it: already ancestors first, nothing to add
-        seen: dict[int, None] = {}
-        parent = c.parent.item  # (a Python int a step: int(c.parent[p]) took 3x as long, 12 ms at depth 32,768)
-        for r in rows.tolist():
-            path = []
-            p = r
-            while p >= 0 and p not in seen:
-                path.append(p)
-                p = parent(p)
-            for q in reversed(path):
-                seen[q] = None
-        return np.fromiter(seen, dtype=np.int64, count=len(seen))
+        another layout short for NeverFits (a review). An acquire walks once (`promote`'s `chain`);
+        a chain read in pieces is walked once for all of them (ancestry.py)."""
+        return self._ancestry.with_ancestors(rows)
 
 
 def one_size(sizes: np.ndarray) -> int | None:

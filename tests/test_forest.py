@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash2 import forest
+from dflash2.ancestry import closed_upward
 from dflash2.forest import MAP_BYTES, SPARSE_SPAN, local_parents, lowest_levels, reaches_marked, subtree_heights
 from dflash2.table.columns import NO_ROW
 from dflash2.tiers import Tier
@@ -395,8 +396,8 @@ def test_a_prefix_listed_ancestors_first_is_its_own_list_and_others_are_walked(m
             arr = np.array(case, dtype=np.int64)
             want = ancestors_by_walk(t.cols, case)
             assert mgr.placement.with_ancestors(arr, Tier.HBM).tolist() == want
-            walked += not mgr.placement._closed_upward(arr)
-    assert mgr.placement._closed_upward(np.array(ancestors_by_walk(t.cols, [int(rows[-1])]), dtype=np.int64))
+            walked += not closed_upward(arr, t.cols.parent)
+    assert closed_upward(np.array(ancestors_by_walk(t.cols, [int(rows[-1])]), dtype=np.int64), t.cols.parent)
     assert walked  # the walk itself ran too
 
 
