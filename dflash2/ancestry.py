@@ -6,7 +6,8 @@ cannot run as one call). A reader that reads a long chain in pieces, each not li
 (sglang's backend acquires 64 pages a call), paid the chain's depth on every piece: 6.4 ms an
 acquire of 64 blocks under a prefix 32,768 deep, 2.3 ms under 8,192 (in process, the 2-core VM).
 So the paths walked from a root are kept (`ChainMemo`), each under its last row, and a piece that
-hangs as one path under a kept one is listed from it after a vectorised check of every link on it.
+hangs as one path under a kept one is listed from it after a vectorised check of every link on it;
+the prefix above a walked piece is kept on its own too, for other requests' pieces under it.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class ChainMemo:
         return path
 
     def keep(self, path: np.ndarray) -> None:
-        """Keep `path` (a root's path down to its last row, as `is_path_from_root` says) under its
-        last row."""
+        """Keep `path` (a root's path down to its last row) under its last row."""
         if len(path) > self.KEEP_ROWS // 4:
             return  # (one path would crowd out the others: walked again, once per acquire)
         last = int(path[-1])
         if last in self._paths:
+            if np.array_equal(self._paths[last], path):
+                self._paths.move_to_end(last)
+                return  # (kept already: a prefix read from its root again)
             self._forget(last)
         self._paths[last] = np.array(path, dtype=np.int64)  # (its own copy: the caller's may change)
         self._rows += len(path)
@@ -88,22 +91,26 @@ class Ancestry:
     def with_ancestors(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         parent = self.table.cols.parent
-        if closed_upward(rows, parent):
-            if len(rows) and parent[rows[0]] == NO_ROW and is_path(rows, parent):
-                self.memo.keep(rows)  # (a reader's first piece, from the root)
-            return rows  # a request's prefix as it reads it: already ancestors first, nothing to add
-        if len(rows) and parent[rows[0]] != NO_ROW and is_path(rows, parent):
-            kept = self.memo.path_to(int(rows[-1]), parent)  # (the same piece again: a call run again)
-            if kept is not None and len(kept) > len(rows) and (kept[len(kept) - len(rows):] == rows).all():
-                return kept.copy()
-            above = self.memo.path_to(int(parent[rows[0]]), parent)
-            if above is not None:  # (rows distinct: a path in a forest repeats no row)
-                out = np.concatenate([above, rows])
-                self.memo.keep(out)
-                return out
-        out = walk(rows, parent)
-        if len(out) and parent[out[0]] == NO_ROW and is_path(out, parent):
-            self.memo.keep(out)
+        if not len(rows) or rows.min() < 0 or not is_path(rows, parent):
+            # (Only a piece in chain order can hang under a kept path; no row is negative, and
+            # the walk reads none as a row, as before this memo.)
+            return rows if closed_upward(rows, parent) else walk(rows, parent)
+        top = int(parent[rows[0]])
+        if top == NO_ROW:  # a request's prefix as it reads it, from the root: its own list
+            self.memo.keep(rows)  # (a reader's first piece)
+            return rows
+        kept = self.memo.path_to(int(rows[-1]), parent)  # (the same piece again: a call run again)
+        if kept is not None and len(kept) > len(rows) and (kept[len(kept) - len(rows):] == rows).all():
+            return kept.copy()
+        above = self.memo.path_to(top, parent)
+        if above is None:
+            out = walk(rows, parent)
+            # The prefix above the piece too: the next piece of another request that shares it (a
+            # system prompt's chain, each request's own blocks under it) is listed from it.
+            self.memo.keep(out[:len(out) - len(rows)])
+        else:  # (rows distinct: a path in a forest repeats no row)
+            out = np.concatenate([above, rows])
+        self.memo.keep(out)
         return out
 
 

@@ -75,6 +75,37 @@ def test_a_prefix_read_from_its_root_needs_no_walk_for_the_pieces_after_it(make_
     assert walks == []
 
 
+def test_requests_that_share_a_prefix_each_list_their_own_piece_from_it(make_manager, monkeypatch):
+    """A system prompt's chain, and under it each request's own blocks: the first request's piece
+    walks the prefix, and the prefix is kept on its own, so every other request's piece is listed
+    from it (before, each walked the whole prefix: 288 against 13 us at 2,000 deep, a review)."""
+    walks = _counting_walks(monkeypatch)
+    mgr = make_manager(hbm_blocks=900, dram_blocks=400)
+    w = mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    keys = iter(range(1, 10**6))
+    prefix = _piece_under(mgr, w, lid, [next(keys) for _ in range(500)], None, Tier.HBM)
+    t = mgr.table
+    for _ in range(6):
+        own = _piece_under(mgr, w, lid, [next(keys) for _ in range(16)], int(prefix[-1]), Tier.DRAM)
+        rows = t.rows(own)
+        assert mgr.placement.with_ancestors(rows, Tier.HBM).tolist() == ancestors_by_walk(t.cols, rows.tolist())
+    assert walks == [16]
+
+
+def test_a_list_with_a_negative_row_is_walked_as_before(make_manager):
+    """No row is negative (`table.rows` refuses such vids); the walk reads none as a row, and a list
+    with one is not taken for a piece of a kept path (a review's fuzz: [-7] listed as [0, -7])."""
+    mgr = make_manager(hbm_blocks=40, dram_blocks=40)
+    w = mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    first = _piece_under(mgr, w, lid, list(range(1, 9)), None, Tier.HBM)
+    last = int(mgr.table.rows(first)[-1])
+    mgr.placement.with_ancestors(mgr.table.rows(first), Tier.HBM)  # (kept)
+    mgr.table.cols.parent[-1] = last  # the table's last row reads as a child of the kept path's end
+    assert mgr.placement.with_ancestors(np.array([-1], dtype=np.int64), Tier.HBM).tolist() == []
+
+
 @st.composite
 def histories(draw):
     """A forest of n rows (parent[i] < i: acyclic) and a history of lookups and changes to it."""
