@@ -226,8 +226,7 @@ class BlockManager(Reads):
                 # growing a running request: held back, that request could never finish and free
                 # the room a waiting reservation may be waiting for (the request id cannot tell:
                 # a request's blocks may be another request's, deduplicated or found cached).
-                ahead = self.admission.ahead_of(priority, client, slot)
-                held = sum(r.blocks * slot for r in ahead)
+                ahead, held = self.admission.held_ahead(priority, client, slot)
         kw = dict(tier=tier, request=request, priority=priority)
         vids = self.table.allocate(client, layout_id, n, **kw) if not held else None
         if held and self.placement.free_bytes(tier, size) < held:
@@ -311,8 +310,8 @@ class BlockManager(Reads):
         return (f"{held_by_granted(count, untaken, *untaken_room(own))}, without which HBM's free and movable room "
                 f"({room} bytes) would hold the {need} bytes asked for; {act}")
 
-    def _held_back(self, ahead: list, priority: int, held: int) -> None:
-        self.allocate_refusal = (f"HBM is held for {len(ahead)} reservation(s) waiting at priority {priority} "
+    def _held_back(self, ahead: int, priority: int, held: int) -> None:
+        self.allocate_refusal = (f"HBM is held for {ahead} reservation(s) waiting at priority {priority} "
                                  f"or above ({held} bytes): they are served first; reserve and wait")
         self.refusals.note("allocate", "reservations_ahead", self.allocate_refusal)
         return None

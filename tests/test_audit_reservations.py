@@ -249,8 +249,7 @@ def test_the_queue_ahead_of_an_allocate_is_read_without_a_layout_lookup_per_rese
     asked = []
     layout = mgr.table.layout
     monkeypatch.setattr(mgr.table, "layout", lambda i: asked.append(i) or layout(i))
-    ahead = mgr.admission.ahead_of(0, f, BLOCK)
-    assert len(ahead) == 20 and len(asked) == 0
+    assert mgr.admission.held_ahead(0, f, BLOCK) == (20, 20 * BLOCK) and len(asked) == 0
     assert mgr.allocate(f, lid, 1) is None and "held for 20 reservation(s)" in mgr.allocate_refusal
     assert len(asked) < 5
     mgr.free(w, writing)
@@ -258,7 +257,7 @@ def test_the_queue_ahead_of_an_allocate_is_read_without_a_layout_lookup_per_rese
 
 
 def test_a_polls_position_follows_every_change_of_the_queue(make_manager, clock):
-    """A poll's position and bytes ahead are looked up (positions.py: a scan of the queue per poll
+    """A poll's position and bytes ahead are looked up (waiting.py; a scan of the queue per poll
     cost 549 ms a round of 4,000 polls, a review), worked out again at each change of the queue:
     joins at several priorities, grants, cancels and expiries, checked against the queue itself."""
     import random
@@ -295,5 +294,5 @@ def test_a_polls_position_follows_every_change_of_the_queue(make_manager, clock)
                 queue = mgr.admission.deferred
                 i = [r.id for r in queue].index(rid)
                 assert d.position == i, (step, d.position, i)
-                assert mgr.admission._positions.of(queue, queue[i])[1] == sum(r.hbm_bytes for r in queue[:i + 1])
+                assert queue.position(queue[i])[1] == sum(r.hbm_bytes for r in queue[:i + 1])
         mgr.check_invariants()

@@ -15,7 +15,7 @@ which go first); a higher-priority reservation may also demote the blocks of run
 requests (preemption). Pinned blocks never move. On a node whose HBM is its last tier, making room
 drops idle blocks only: a referenced block is never dropped.
 
-The queue holds room against `allocate` too (`ahead_of`): an allocation outside any
+The queue holds room against `allocate` too (`held_ahead`): an allocation outside any
 reservation takes HBM only beyond what the reservations waiting at its priority or above need, so a
 stream of small allocations cannot pass a deferred reservation until it expires (a client that
 references blocks may be growing a running request and is not held back: that request could never

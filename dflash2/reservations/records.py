@@ -40,7 +40,7 @@ class Reservation:
     request: int
     created: float
     hbm_bytes: int = 0  # what its blocks take of HBM (slots of its layout)
-    block_bytes: int = 0  # its layout's block size (`ahead_of` asks it of every waiting reservation)
+    block_bytes: int = 0  # its layout's block size
     slot: int = 0  # its blocks' HBM slot size: layouts of different block bytes may share it (`_passes`)
     vids: list[int] = dataclasses.field(default_factory=list)  # granted, not yet taken (RESERVED)
     taken: int = 0
