@@ -14,6 +14,7 @@ from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
 from dflash2.reservations.ended import Ended
+from dflash2.reservations.expiries import Expiries
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
                                           Reservation, credit_stall)
@@ -26,6 +27,10 @@ from dflash2.tiers import Tier
 
 
 class Admission:
+    # Past this many waiting reservations expiring at once, the queue is rebuilt in one pass rather
+    # than each taken out (a list removal each).
+    REMOVE_ONE_BY_ONE = 64
+
     def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
         self.table = table
         self.placement = placement
@@ -58,6 +63,7 @@ class Admission:
         self.shares = ClientShares(table, settings)  # each client's share of HBM and of the queue
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
+        self._expiries = Expiries()  # every reservation's expiry, soonest first (`_expire_due`)
 
     # -- public ----------------------------------------------------------------------------
     def reserve(self, client: int, layout_id: int, tokens: int, *, priority: int = 0,
@@ -94,6 +100,7 @@ class Admission:
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
                           layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM), deadline=deadline)
         self._next_expiry = min(self._next_expiry, expires)
+        self._expiries.push(res)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
@@ -147,7 +154,9 @@ class Admission:
 
     def credit_stall(self, stalled_s: float) -> None:
         """The daemon did not run for `stalled_s`: every reservation's TTL, spent ones' too (records.py)."""
-        credit_stall((*self.granted.values(), *self.deferred, *self._ended.spent.values()), stalled_s)
+        kept = (*self.granted.values(), *self.deferred, *self._ended.spent.values())
+        credit_stall(kept, stalled_s)
+        self._expiries.rebuild(kept)
 
     def find(self, reservation_id: int) -> Reservation | None:
         """A reservation granted or waiting, by id (None when unknown, expired or cancelled). One
@@ -195,6 +204,7 @@ class Admission:
         self._ended.unspend(res)
         self.granted[res.id] = res  # again, if the take had emptied it
         self._next_expiry = min(self._next_expiry, res.expires)
+        self._expiries.push(res)  # (its entry may have been let go while it was spent)
         return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
@@ -528,18 +538,29 @@ class Admission:
         self.counters["expired"] += 1
 
     def _expire_due(self, now: float) -> None:
-        """End the reservations whose time is up (granted ones give their blocks back). A pass over
-        them only once the earliest expiry has come (each `reserve` asks)."""
+        """End the reservations whose time is up (granted ones give their blocks back): found by their
+        expiries' heap (expiries.py), once the earliest expiry has come (each `reserve` asks). Granted
+        ones end in the order they were granted, waiting ones in the queue's."""
         if now < self._next_expiry:
             return
-        for res in [r for r in self.granted.values() if r.expires <= now]:
+        due = self._expiries.due(now)
+        granted = [r for r in due if self.granted.get(r.id) is r]
+        if len(granted) > 1:
+            order = {rid: k for k, rid in enumerate(self.granted)}
+            granted.sort(key=lambda r: order[r.id])
+        for res in granted:
             self._expire(res)
-        due = self.deferred.remove_due(now)
-        if due:
-            for res in due:
-                self._ended.expired(res, self.settings.reservation_ttl_s)  # (ends it)
-            self.counters["expired"] += len(due)
-        self._next_expiry = min((r.expires for r in (*self.granted.values(), *self.deferred)), default=math.inf)
+        waiting = [r for r in due if self.deferred.get(r.id) is r]
+        if len(waiting) > self.REMOVE_ONE_BY_ONE:
+            waiting = self.deferred.remove_due(now)  # (one pass: the same ones, in the queue's order)
+        else:
+            waiting.sort(key=served_order)
+            for res in waiting:
+                self.deferred.remove(res)
+        for res in waiting:
+            self._ended.expired(res, self.settings.reservation_ttl_s)  # (ends it)
+        self.counters["expired"] += len(waiting)
+        self._next_expiry = self._expiries.soonest()
 
     def _drop(self, res: Reservation) -> None:
         res.ended = True

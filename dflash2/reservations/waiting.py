@@ -101,36 +101,41 @@ class WaitQueue:
 
     def remove_due(self, now: float) -> list[Reservation]:
         """Those whose time is up (expires <= now) leave; returned in served order. One pass over
-        the queue (many may end at once: one removal each would move the list each time)."""
+        each index (many may end at once: one removal each would move the lists each time)."""
         due = [r for r in self._queue if r.expires <= now]
-        if due:
-            stay = [r for r in self._queue if r.expires > now]
-            self._clear()
-            for res in stay:  # (in served order: each index is appended to in order)
-                self._append(res)
+        if not due:
+            return due
+        self._queue = [r for r in self._queue if r.expires > now]
+        self._bytes = [r.hbm_bytes for r in self._queue]
+        # Each index's entries taken out by key, not a reservation at a time (16,000 expiring at once:
+        # 57 ms one at a time against 27-33 for the scans before the indexes).
+        gone: collections.Counter = collections.Counter()
+        for res in due:
+            del self._by_id[res.id]
+            gone[res.client, res.slot, res.priority, res.hbm_bytes] += 1
+        for (client, slot, priority, nbytes), n in gone.items():
+            self._mine_bytes[client] -= n * nbytes
+            if not self._mine_bytes[client]:
+                del self._mine_bytes[client]
+            self._count_n(client, slot, priority, -n, -n * nbytes)
+        for index in (self._lines, self._mine):
+            for key in list(index):
+                if stay := [r for r in index[key] if r.expires > now]:
+                    index[key] = stay
+                else:
+                    del index[key]
+        self._sums.stale()
         return due
 
-    def _clear(self) -> None:
-        self._queue, self._bytes, self._by_id, self._sums = [], [], {}, RunningSums()
-        self._lines, self._mine, self._mine_bytes = {}, {}, collections.Counter()
-        self._tally, self._client_tally = {}, {}
-
-    def _append(self, res: Reservation) -> None:
-        self._queue.append(res)
-        self._bytes.append(res.hbm_bytes)
-        self._by_id[res.id] = res
-        self._lines.setdefault(res.slot, []).append(res)
-        self._mine.setdefault(res.client, []).append(res)
-        self._mine_bytes[res.client] += res.hbm_bytes
-        self._count(res, 1)
-        self._sums.stale()
-
     def _count(self, res: Reservation, sign: int) -> None:
-        for index, outer, inner in ((self._tally, res.slot, res.priority),
-                                    (self._client_tally, res.client, (res.slot, res.priority))):
+        self._count_n(res.client, res.slot, res.priority, sign, sign * res.hbm_bytes)
+
+    def _count_n(self, client: int, slot: int, priority: int, n: int, nbytes: int) -> None:
+        """`n` reservations (`nbytes` of HBM) of `client`'s at `slot` and `priority` joined (n < 0: left)."""
+        for index, outer, inner in ((self._tally, slot, priority), (self._client_tally, client, (slot, priority))):
             tally = index.setdefault(outer, {}).setdefault(inner, [0, 0])
-            tally[0] += sign
-            tally[1] += sign * res.hbm_bytes
+            tally[0] += n
+            tally[1] += nbytes
             if not tally[0]:
                 del index[outer][inner]
                 if not index[outer]:
