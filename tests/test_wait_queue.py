@@ -162,3 +162,21 @@ def test_a_reservation_spent_then_given_blocks_back_after_a_stall_still_expires(
     assert res.id not in mgr.admission.granted and mgr.admission.counters["expired"] == 1
     assert mgr.table.allocators[Tier.HBM].free_bytes == 8 * 16 * 1024
     mgr.check_invariants()
+
+
+def test_the_expiries_heap_keeps_about_the_reservations_live(make_manager, clock, monkeypatch):
+    """Reservations granted and taken at once (spent) leave their entries in the heap until their
+    time; under a day's TTL a steady stream kept one per reservation made that day. The heap is made
+    anew from the live ones past twice their number (and 1,024); the spent ones kept here 100."""
+    from dflash2.reservations import ended
+    monkeypatch.setattr(ended, "SPENT_KEPT", 100)
+    mgr = make_manager(hbm_blocks=8, admission=admission_settings(reservation_ttl_s=86400.0))
+    c = mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    for _ in range(5000):
+        d = mgr.reserve(c, lid, tokens=16)
+        mgr.free(c, mgr.take(c, d.reservation_id, 1))
+        clock.advance(0.01)
+    live = len(mgr.admission._live())
+    assert live <= 100 and len(mgr.admission._expiries) <= 2 * live + 1024 + 1
+    mgr.check_invariants()

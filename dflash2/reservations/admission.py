@@ -14,10 +14,10 @@ from dflash2.errors import NotOwner, QuotaExceeded, ReservationError
 from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
 from dflash2.reservations.ended import Ended
-from dflash2.reservations.expiries import Expiries
+from dflash2.reservations.expiries import Expiries, ExpiringReservations
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
-                                          Reservation, credit_stall)
+                                          Reservation)
 from dflash2.reservations.shares import ClientShares
 from dflash2.reservations.waiting import WaitQueue, served_order
 from dflash2.reservations.waits import blocked_reason
@@ -26,11 +26,7 @@ from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
 
-class Admission:
-    # Past this many waiting reservations expiring at once, the queue is rebuilt in one pass rather
-    # than each taken out (a list removal each).
-    REMOVE_ONE_BY_ONE = 64
-
+class Admission(ExpiringReservations):
     def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
         self.table = table
         self.placement = placement
@@ -100,7 +96,7 @@ class Admission:
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
                           layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM), deadline=deadline)
         self._next_expiry = min(self._next_expiry, expires)
-        self._expiries.push(res)
+        self._expires(res)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
@@ -152,12 +148,6 @@ class Admission:
             return Decision(Outcome.GRANTED, reservation_id)
         return self._deferred_decision(res)
 
-    def credit_stall(self, stalled_s: float) -> None:
-        """The daemon did not run for `stalled_s`: every reservation's TTL, spent ones' too (records.py)."""
-        kept = (*self.granted.values(), *self.deferred, *self._ended.spent.values())
-        credit_stall(kept, stalled_s)
-        self._expiries.rebuild(kept)
-
     def find(self, reservation_id: int) -> Reservation | None:
         """A reservation granted or waiting, by id (None when unknown, expired or cancelled). One
         past its expiry ends here (`_expire`), not at the next step: it was granted, and taken, past
@@ -204,7 +194,7 @@ class Admission:
         self._ended.unspend(res)
         self.granted[res.id] = res  # again, if the take had emptied it
         self._next_expiry = min(self._next_expiry, res.expires)
-        self._expiries.push(res)  # (its entry may have been let go while it was spent)
+        self._expires(res)  # (its entry may have been let go while it was spent)
         return True
 
     def cancel(self, client: int, reservation_id: int) -> None:
@@ -531,36 +521,6 @@ class Admission:
         if res.client != client:
             raise NotOwner(f"reservation {reservation_id} belongs to another client")
         return res
-
-    def _expire(self, res: Reservation) -> None:
-        self._ended.expired(res, self.settings.reservation_ttl_s)  # (before _drop: granted or not)
-        self._drop(res)
-        self.counters["expired"] += 1
-
-    def _expire_due(self, now: float) -> None:
-        """End the reservations whose time is up (granted ones give their blocks back): found by their
-        expiries' heap (expiries.py), once the earliest expiry has come (each `reserve` asks). Granted
-        ones end in the order they were granted, waiting ones in the queue's."""
-        if now < self._next_expiry:
-            return
-        due = self._expiries.due(now)
-        granted = [r for r in due if self.granted.get(r.id) is r]
-        if len(granted) > 1:
-            order = {rid: k for k, rid in enumerate(self.granted)}
-            granted.sort(key=lambda r: order[r.id])
-        for res in granted:
-            self._expire(res)
-        waiting = [r for r in due if self.deferred.get(r.id) is r]
-        if len(waiting) > self.REMOVE_ONE_BY_ONE:
-            waiting = self.deferred.remove_due(now)  # (one pass: the same ones, in the queue's order)
-        else:
-            waiting.sort(key=served_order)
-            for res in waiting:
-                self.deferred.remove(res)
-        for res in waiting:
-            self._ended.expired(res, self.settings.reservation_ttl_s)  # (ends it)
-        self.counters["expired"] += len(waiting)
-        self._next_expiry = self._expiries.soonest()
 
     def _drop(self, res: Reservation) -> None:
         res.ended = True
