@@ -180,3 +180,20 @@ def test_the_expiries_heap_keeps_about_the_reservations_live(make_manager, clock
     live = len(mgr.admission._live())
     assert live <= 100 and len(mgr.admission._expiries) <= 2 * live + 1024 + 1
     mgr.check_invariants()
+
+
+def test_a_rejected_reservation_leaves_no_expiry_behind(make_manager, clock):
+    """HBM full, the queue full: reserves refused at once kept their expiry's entry (and the
+    reservation) until their time would have come, an hour here (a review: 50,000 refusals kept
+    24 MB). Only admitted reservations expire."""
+    mgr = make_manager(hbm_blocks=8, admission=admission_settings(max_deferred=4, reservation_ttl_s=3600.0))
+    w, c = mgr.attach("w"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(w, lid, 8)
+    for _ in range(4):
+        assert mgr.reserve(c, lid, tokens=16).outcome is Outcome.DEFERRED
+    for _ in range(300):
+        assert mgr.reserve(c, lid, tokens=16).outcome is Outcome.REJECTED
+        clock.advance(0.001)
+    assert len(mgr.admission._expiries) == 4
+

@@ -96,16 +96,17 @@ class Admission(ExpiringReservations):
         res = Reservation(next(self._ids), client, layout_id, blocks, priority, expires, request, now, need,
                           layout.block_bytes, self.table.slot_bytes(layout_id, Tier.HBM), deadline=deadline)
         self._next_expiry = min(self._next_expiry, expires)
-        self._expires(res)
         # Only admitted demand (granted or queued) refills the bucket: a rejected reservation never
         # demotes anything, and counted it would let the next burst demote at once.
         demand = need / self.settings.smoothing_window_s
         if not self.deferred or priority > self.deferred[0].priority:
             if self._try_grant(res):
                 self._rate += demand
+                self._expires(res)
                 return Decision(Outcome.GRANTED, res.id)
         elif self._passes(res, self.deferred.slots_from(priority)):
             self._rate += demand
+            self._expires(res)
             return Decision(Outcome.GRANTED, res.id)
         # A full queue (or a client's full share of its places, shares.py) keeps the reservations of
         # higher priority: one of lower priority would be served first while one that would stand
@@ -128,6 +129,7 @@ class Admission(ExpiringReservations):
             self._displace(last, priority, f"the full deferred queue (admission.max_deferred "
                                            f"{self.settings.max_deferred})")
         self._enqueue(res)
+        self._expires(res)  # (admitted: a rejected one kept an entry until its time, a review)
         self._rate += demand
         self.counters["deferred"] += 1
         return self._deferred_decision(res)
