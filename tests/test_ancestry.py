@@ -71,7 +71,8 @@ def test_a_prefix_read_from_its_root_needs_no_walk_for_the_pieces_after_it(make_
     second = _piece_under(mgr, w, lid, list(range(100, 164)), int(first[-1]), Tier.DRAM)
     t = mgr.table
     assert mgr.placement.with_ancestors(t.rows(first), Tier.HBM).tolist() == t.rows(first).tolist()
-    assert mgr.placement.with_ancestors(t.rows(second), Tier.HBM).tolist() == t.rows(np.concatenate([first, second])).tolist()
+    both = t.rows(np.concatenate([first, second])).tolist()
+    assert mgr.placement.with_ancestors(t.rows(second), Tier.HBM).tolist() == both
     assert walks == []
 
 
