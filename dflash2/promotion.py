@@ -156,10 +156,13 @@ class Promotion:
 
     def _kept(self, chain: np.ndarray, protect: np.ndarray | None, awaiting: bool = True) -> np.ndarray:
         """The rows a promotion's room is never made from: the chain, `protect`, and (`awaiting`) the
-        blocks awaiting their read."""
+        blocks awaiting their read. Only what adds rows is merged (a sort of the chain): with no read
+        awaiting, the chain itself (distinct: `with_ancestors`), whose two sorts were 1.4 ms of an
+        acquire of 64 blocks under a prefix 32,768 deep (in process, the 2-core VM)."""
         kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read if awaiting)]
         if protect is not None:
             kept.append(np.asarray(protect, dtype=np.int64))
+        kept = [chain, *(k for k in kept[1:] if len(k))]
         return unique(np.concatenate(kept)) if len(kept) > 1 else chain
 
     def _read_away(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> tuple[np.ndarray, np.ndarray]:
