@@ -197,3 +197,26 @@ def test_a_rejected_reservation_leaves_no_expiry_behind(make_manager, clock):
         clock.advance(0.001)
     assert len(mgr.admission._expiries) == 4
 
+
+
+def test_many_expiring_at_once_keep_the_reasons_of_the_last_ones(make_manager, clock, monkeypatch):
+    """More waiting reservations expire together than reasons are kept (ENDED_KEPT): the reasons of
+    the last ones are kept, as when each was written and the oldest pushed out; the others are told
+    what any unknown reservation is, and every one has ended."""
+    from dflash2.reservations import ended
+    monkeypatch.setattr(ended, "ENDED_KEPT", 8)
+    mgr = make_manager(hbm_blocks=8, admission=admission_settings(max_deferred=100, reservation_ttl_s=10.0))
+    w, c = mgr.attach("w"), mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    mgr.allocate(w, lid, 8)
+    ids = [mgr.reserve(c, lid, tokens=16).reservation_id for _ in range(80)]
+    objs = [mgr.admission.find(i) for i in ids]
+    clock.advance(11.0)
+    mgr.admission.tick()
+    assert mgr.admission.counters["expired"] == 80 and all(r.ended for r in objs)
+    for i in ids[:72]:
+        with pytest.raises(ReservationError, match="unknown, expired or cancelled"):
+            mgr.reservation_status(c, i)
+    for i in ids[72:]:
+        with pytest.raises(ReservationError, match="expired .admission.reservation_ttl_s 10.*deferred queue"):
+            mgr.reservation_status(c, i)

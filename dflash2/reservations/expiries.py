@@ -113,7 +113,6 @@ class ExpiringReservations:
             waiting.sort(key=served_order)
             for res in waiting:
                 self.deferred.remove(res)
-        for res in waiting:
-            self._ended.expired(res, self.settings.reservation_ttl_s)  # (ends it)
+        self._ended.expired_many(waiting, self.settings.reservation_ttl_s)  # (ends them)
         self.counters["expired"] += len(waiting)
         self._next_expiry = self._expiries.soonest()
