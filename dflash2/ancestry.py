@@ -66,10 +66,6 @@ class ChainMemo:
         while self._rows > self.KEEP_ROWS or len(self._paths) > self.KEEP_PATHS:
             self._forget(next(iter(self._paths)))
 
-    def clear(self) -> None:
-        self._paths.clear()
-        self._rows = 0
-
     def _forget(self, row: int) -> None:
         self._rows -= len(self._paths.pop(row))
 

@@ -220,3 +220,15 @@ def test_many_expiring_at_once_keep_the_reasons_of_the_last_ones(make_manager, c
     for i in ids[72:]:
         with pytest.raises(ReservationError, match="expired .admission.reservation_ttl_s 10.*deferred queue"):
             mgr.reservation_status(c, i)
+
+
+def test_a_reservation_with_no_expiry_entry_breaks_the_invariants(make_manager):
+    from dflash2.invariants import InvariantViolation
+    mgr = make_manager(hbm_blocks=8)
+    c = mgr.attach("c")
+    lid = mgr.register_layout(SMALL)
+    assert mgr.reserve(c, lid, tokens=16).outcome is Outcome.GRANTED
+    mgr.check_invariants()
+    mgr.admission._expiries.rebuild([])
+    with pytest.raises(InvariantViolation, match="no expiry entry: they would never expire"):
+        mgr.admission.check_invariants()

@@ -498,6 +498,8 @@ class Admission(ExpiringReservations):
         """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is
         both granted and waiting; each waiting one's block size is its layout's."""
         problems = self.deferred.problems()
+        if missing := self._expiries.missing((*self.granted.values(), *self.deferred)):
+            problems.append(f"reservations {missing[:8]} have no expiry entry: they would never expire")
         if any(r.id in self.granted for r in self.deferred):
             problems.append("a reservation is both granted and waiting")
         if any(r.block_bytes != self.table.layout(r.layout_id).block_bytes for r in self.deferred):

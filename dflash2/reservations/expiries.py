@@ -56,6 +56,12 @@ class Expiries:
                     out[rid] = res
         return list(out.values())
 
+    def missing(self, reservations) -> list[int]:
+        """The ids of those of `reservations` with no entry at their expiry (the invariant: every
+        reservation granted or waiting has one; none may be left never to expire)."""
+        entries = {(rid, expires) for expires, rid, _ in self._heap}
+        return [r.id for r in reservations if (r.id, r.expires) not in entries]
+
     def rebuild(self, reservations) -> None:
         """Entries anew for these reservations, their expiries moved (`credit_stall`)."""
         self._heap = [(r.expires, r.id, r) for r in reservations]
