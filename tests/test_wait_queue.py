@@ -25,6 +25,14 @@ def _res(i: int, priority: int, client: int, slot: int, hbm: int, expires: float
     return Reservation(i, client, 0, 1, priority, expires, 0, 0.0, hbm, slot, slot)
 
 
+def _counting_scans(monkeypatch) -> list[int]:
+    """A list that grows by one at each iteration over any WaitQueue from now on (a scan)."""
+    scans = []
+    real = WaitQueue.__iter__
+    monkeypatch.setattr(WaitQueue, "__iter__", lambda self: scans.append(1) or real(self))
+    return scans
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "add", "add", "remove", "due"]), st.integers(-2, 2),
                           st.integers(0, 3), st.sampled_from([8192, 16384, 65536]), st.integers(1, 5),
@@ -100,9 +108,7 @@ def test_calls_on_a_long_queue_do_not_scan_it(make_manager, monkeypatch):
     assert all(d.outcome is Outcome.DEFERRED for d in waiting)
     back = mgr.reserve(clients[1], fp8, tokens=16)  # no free 8 KiB slot in a slab in use: waits
     assert back.outcome is Outcome.DEFERRED and back.position == 1000, back
-    scans = []
-    real = WaitQueue.__iter__
-    monkeypatch.setattr(WaitQueue, "__iter__", lambda self: scans.append(1) or real(self))
+    scans = _counting_scans(monkeypatch)
     d = mgr.reserve(clients[2], big, tokens=16)
     assert d.outcome is Outcome.DEFERRED and d.position == 1001, d
     assert mgr.reservation_status(clients[0], waiting[500].reservation_id).position == 500
@@ -128,9 +134,7 @@ def test_an_expiry_among_many_waiting_does_not_scan_the_queue(make_manager, cloc
         waiting.append(mgr.reserve(c, lid, tokens=16).reservation_id)
         clock.advance(0.01)
     clock.advance(96.0)  # 101 s since the first was made: the first 100 or so are due, the rest not
-    scans = []
-    real = WaitQueue.__iter__
-    monkeypatch.setattr(WaitQueue, "__iter__", lambda self: scans.append(1) or real(self))
+    scans = _counting_scans(monkeypatch)
     d = mgr.reservation_status(c, waiting[-1])
     assert d.outcome is Outcome.DEFERRED and d.position == len(mgr.admission.deferred) - 1
     assert scans == []

@@ -75,7 +75,6 @@ class Ended:
         skip = max(0, len(reservations) - ENDED_KEPT)
         for res in reservations[:skip]:
             res.ended = True
-            self._why.pop(res.id, None)
         for res in reservations[skip:]:
             self.expired(res, ttl_s)
 

@@ -144,10 +144,7 @@ class WaitQueue:
     # -- what admission asks -------------------------------------------------------------------
     def index(self, res: Reservation) -> int:
         """`res`'s place in the queue (0: next in line); KeyError when it does not wait."""
-        i = bisect.bisect_left(self._queue, served_order(res), key=served_order)
-        if i == len(self._queue) or self._queue[i] is not res:
-            raise KeyError(f"reservation {res.id} is not waiting")
-        return i
+        return _place(self._queue, res)
 
     def position(self, res: Reservation) -> tuple[int, int]:
         """(`res`'s place, the HBM bytes of the reservations up to and with it). The running sums are
@@ -192,46 +189,37 @@ class WaitQueue:
         return self._mine_bytes.get(client, 0)
 
     def problems(self) -> list[str]:
-        """What breaks the invariants (none: an empty list)."""
+        """What breaks the invariants (none: an empty list): each index is checked against those of a
+        queue made anew, by `add`, of the same reservations."""
         out = []
         order = [served_order(r) for r in self._queue]
         if order != sorted(order):
             out.append("the deferred queue is out of order")
-        if {r.id: r for r in self._queue} != self._by_id:
-            out.append("the deferred queue's index by id does not match the queue")
-        if self._bytes != [r.hbm_bytes for r in self._queue]:
-            out.append("the deferred queue's bytes do not match the queue")
+        fresh = WaitQueue()
+        try:
+            for res in self._queue:
+                fresh.add(res)
+        except ValueError as e:
+            return [*out, f"the deferred queue holds a reservation twice: {e}"]
+        for name in ("_by_id", "_bytes", "_lines", "_mine", "_mine_bytes", "_tally", "_client_tally"):
+            if getattr(self, name) != getattr(fresh, name):
+                out.append(f"the deferred queue's index {name} does not match the queue")
         if self._sums.kept(self._bytes) not in (None, list(itertools.accumulate(self._bytes))):
             out.append("the deferred queue's running sums of bytes do not match the queue")
-        by = (("slot size", self._lines, lambda r: r.slot), ("client", self._mine, lambda r: r.client))
-        for name, index, of in by:
-            rebuilt: dict[int, list[Reservation]] = {}
-            for r in self._queue:
-                rebuilt.setdefault(of(r), []).append(r)
-            if {k: [r.id for r in v] for k, v in rebuilt.items()} != {k: [r.id for r in v] for k, v in index.items()}:
-                out.append(f"the deferred queue's lines by {name} do not match the queue")
-        mine = collections.Counter()
-        for r in self._queue:
-            mine[r.client] += r.hbm_bytes
-        if +mine != self._mine_bytes:
-            out.append("the deferred queue's bytes by client do not match the queue")
-        tally: dict = {}
-        client_tally: dict = {}
-        for r in self._queue:
-            for index, outer, inner in ((tally, r.slot, r.priority), (client_tally, r.client, (r.slot, r.priority))):
-                t = index.setdefault(outer, {}).setdefault(inner, [0, 0])
-                t[0], t[1] = t[0] + 1, t[1] + r.hbm_bytes
-        if tally != self._tally or client_tally != self._client_tally:
-            out.append("the deferred queue's tallies by slot size and priority do not match the queue")
         return out
+
+
+def _place(line: list[Reservation], res: Reservation) -> int:
+    """Where `res` stands in `line` (in served order); KeyError where it is not there."""
+    i = bisect.bisect_left(line, served_order(res), key=served_order)
+    if i == len(line) or line[i] is not res:
+        raise KeyError(f"reservation {res.id} is not waiting")
+    return i
 
 
 def _take_out(index: dict[int, list[Reservation]], key: int, res: Reservation) -> None:
     line = index[key]
-    i = bisect.bisect_left(line, served_order(res), key=served_order)
-    if i == len(line) or line[i] is not res:
-        raise KeyError(f"reservation {res.id} is not in its line")
-    del line[i]
+    del line[_place(line, res)]
     if not line:
         del index[key]
 
