@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -24,6 +23,7 @@ from dflash2.backoff import WriteBackoff
 from dflash2.counts import unique
 from dflash2.drainorder import DrainCut, DrainSelection
 from dflash2.errors import CopiesRunning
+from dflash2.coldcut import cold_mask
 from dflash2.forest import local_parents, lowest_levels, reaches_marked, subtree_heights
 from dflash2.kth import kth_lowest
 from dflash2.mover import Mover
@@ -297,24 +297,15 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         return parent, holding > np.bincount(parent[parent >= 0], minlength=len(rows))
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
-        """Mask of the rows whose score's percentile among all the tier's blocks is below the
-        threshold (ties at the cutoff count as cold). The i-th lowest of n blocks stands at
-        percentile i/n, below the threshold t while i < t*n: ceil(t*n) blocks (rounded down, a
-        threshold of 0.05 left a tier of 16 blocks with none cold, and over its high watermark it
-        never drained). The small slack keeps 0.1 * 30 (3.0000000000000004) at 3."""
-        in_tier = self.table.cols.tier == int(tier)
-        tier_scores = scores[in_tier]
-        k = math.ceil(self.cold_threshold * len(tier_scores) - 1e-9)
-        if k <= 0:
-            return np.zeros(len(scores), dtype=bool)
-        cutoff = kth_lowest(tier_scores, k)  # (a low threshold under a tie at the bottom: kth.py)
-        return in_tier & (scores <= cutoff)
+        """Mask of the rows of `tier` below its `cold_threshold` percentile, each ranked by the
+        highest score in its subtree in the tier (coldcut.py: a chain being written stays whole)."""
+        return cold_mask(self.table.cols, int(tier), scores, self.cold_threshold)
 
     def _with_descendants(self, marked: np.ndarray, among: np.ndarray) -> np.ndarray:
         """Mask: `marked` (a mask over every row) and the rows of `among` (a mask) that descend from
         a marked row through rows of `among` (`forest.reaches_marked`: log2 of a chain's depth in
-        rounds). A drain's cold cut takes its blocks' descendants in the tier (rebalance.py); a drop
-        while a storage tier backs off takes theirs on the tiers below (backoff.py)."""
+        rounds). A drop while a storage tier backs off takes its blocks' descendants on the tiers
+        below (backoff.py)."""
         nodes = np.flatnonzero(among)
         out = marked.copy()
         if len(nodes) and marked.any():

@@ -163,12 +163,13 @@ class Rebalancing:
         for tier in self.tiers:
             if tier not in self.draining and self.used_fraction(tier) > self.watermarks[tier].high:
                 self.draining.add(tier)
-                # With the cold blocks' descendants in the tier: a block leaves only after those, and a
+                # Each block ranked by the hottest block under it in the tier (coldcut.py), so the cut
+                # holds its cold blocks' descendants there: a block leaves only after those, and a
                 # chain written root first is colder at its root under every policy (older, read as
                 # often), so a cut of its cold root side alone could never move and the tier stayed
-                # above its high watermark. A block under a cold prefix is read only through it.
-                cold = self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock()))
-                cut = np.flatnonzero(self._with_descendants(cold, c.tier == int(tier)))
+                # above its high watermark. Nor does it take a chain being written: taken with its
+                # cold root side, the block written last left first, before the next piece's commit.
+                cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
                 # Blocks brought up for a read that has not come yet stay (`awaiting_read`): a prefetch
                 # is not a read, so their scores are old and they were in the cut, and the daemon runs
                 # the cut's pieces after the step that let go of its list of them: a reader's prefetched

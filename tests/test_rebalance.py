@@ -269,3 +269,39 @@ def test_with_a_request_always_waiting_every_draining_tier_gets_pieces_in_turn(m
     assert Tier.DRAM in mgr.placement.draining and dram() < dram_before  # DRAM drained meanwhile too
     assert pieces[:4] == [Tier.DRAM, Tier.HBM, Tier.DRAM, Tier.HBM]  # one piece a slice, in turn
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_a_drain_leaves_a_chain_being_written_where_it_is(make_manager, clock, monkeypatch, policy):
+    """A chain written in pieces, each committed under the last block of the one before: its first
+    piece is the tier's coldest once others were written after it. A drain's cut took the cold
+    blocks with their descendants and moved them leaves first, so the block written last (the
+    parent of the next piece) went down first, beside older chains' tips (a review: a daemon under
+    two writers lost it from the whole cache before the next piece's commit in 17 of 150
+    requests). A block is as cold as the hottest block under it in the tier: a chain is read
+    through its root, so its root side is needed as long as its tip is."""
+    mgr = make_manager(hbm_blocks=40, dram_blocks=80, cold_threshold=0.5, policy=policy,
+                       watermarks={Tier.HBM: Watermark(0.9, 0.5)})
+    monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 30.0)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    clock.advance(1)
+    first = fill(mgr, a, lid, list(range(1000, 1008)))  # the chain's first piece, written first
+    for k in range(5):  # another writer's chains, after it
+        clock.advance(1)
+        fill(mgr, b, lid, list(range(10 * k + 1, 10 * k + 5)))
+    clock.advance(1)
+    second = fill(mgr, a, lid, list(range(1008, 1016)), parent=int(first[-1]))
+    clock.advance(1)
+    fill(mgr, b, lid, [500])  # HBM at 37 of 40: over its high watermark
+    for _ in range(10):  # (pieces sized by the drain's measured rate: one step may not finish it)
+        clock.advance(0.1)
+        mgr.tick()
+    assert mgr.stats()["tiers"]["hbm"]["blocks"] <= 20  # drained to its low watermark
+    chain = np.concatenate([first, second])
+    assert [tier_of(mgr, v) for v in chain] == [Tier.HBM] * 16  # the chain being written stayed
+    # the next piece chains under its tip, in HBM
+    third = fill(mgr, a, lid, list(range(1016, 1024)), parent=int(second[-1]))
+    assert tier_of(mgr, third[0]) == Tier.HBM
+    assert tier_of(mgr, mgr.lookup([1], lid)[0].vid) == Tier.DRAM  # the older chains went instead
+    mgr.check_invariants()

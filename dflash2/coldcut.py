@@ -1,0 +1,100 @@
+"""A tier's cold cut: the blocks below its `cold_threshold` percentile, each block ranked by the
+hottest block under it in the tier (its *peak*), for a drain (rebalance.py).
+
+A block is read only through its chain, so it is needed as long as any block under it is. Ranked by
+their own scores, a chain written in pieces (each committed under the last block of the one before)
+has its root side coldest: the cut took that side with its descendants, and the drain moved them
+leaves first, so the block written last, the parent of the next piece, went down first, beside the
+tips of old chains (a review: a daemon under two writers lost it from the whole cache before the
+next piece's commit in 17 of 150 requests). Ranked by peaks the cut is closed downward (a block's
+descendants in the tier peak no higher than it does, so they are cold with it), a chain being
+written stays whole, and the cut still holds the threshold's share of the tier.
+
+Peaks differ from scores only at or above a *rising* edge, a block in the tier scored above its
+parent there; none where a read touches a chain from its root, as a lookup does. So the peaks are
+pushed up over the blocks at or above rising edges only (a climb a level a round from their
+parents), and over the whole tier (`forest.subtree_peaks`: 100-200 ms at a million rows) only where
+that climb would cost more: past CLIMB_LEVELS levels, or more rows than the tier holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dflash2.forest import local_parents, subtree_peaks
+from dflash2.kth import kth_lowest
+
+CLIMB_LEVELS = 64
+
+
+def peak_scores(cols, tier: int, scores: np.ndarray) -> np.ndarray:
+    """`scores` (one per table row), each row of `tier` raised to the highest score in its subtree
+    in the tier: `scores` itself where no block of the tier scores above its parent there, else a
+    copy."""
+    in_tier = cols.tier == tier
+    child = np.flatnonzero(in_tier & (cols.parent >= 0))
+    up = cols.parent[child].astype(np.int64)
+    inner = in_tier[up]
+    child, up = child[inner], up[inner]  # every edge of the tier: child -> parent, both in it
+    rising = scores[child] > scores[up]
+    if not rising.any():
+        return scores
+    child, up = child[rising], up[rising]
+    above = _at_or_above(cols.parent, in_tier, up)
+    if above is None:
+        above = in_tier  # the whole tier: its rising edges lie under most of it, or deep
+    rows = np.flatnonzero(above)
+    # A row's children outside `rows` peak at their own scores (no rising edge under them): those
+    # above their parent are the rising edges whose child is outside; the others change nothing.
+    start = np.asarray(scores[rows], dtype=np.float64).copy()
+    outside = ~above[child]
+    if outside.any():
+        at = np.searchsorted(rows, up[outside])
+        np.maximum.at(start, at, scores[child[outside]])
+    out = np.array(scores, dtype=np.float64, copy=True)
+    out[rows] = subtree_peaks(local_parents(rows, cols.parent[rows]), start)
+    return out
+
+
+def _at_or_above(parent: np.ndarray, in_tier: np.ndarray, start: np.ndarray) -> np.ndarray | None:
+    """Mask of the tier's rows at or above `start` (rows of it), climbing a level a round; None
+    where the climb would take more than CLIMB_LEVELS rounds or visit more rows than the tier
+    holds (the pass over the whole tier is then cheaper)."""
+    budget = int(np.count_nonzero(in_tier))
+    seen = np.zeros(len(in_tier), dtype=bool)
+    last = np.empty(len(in_tier), dtype=np.int64)  # which entry of a level wrote each row last
+    frontier = start
+    for _ in range(CLIMB_LEVELS):
+        # Each row once a level: the children of one parent would climb together, all of them,
+        # to the root (a long trunk under many rising leaves made the climb leaves x depth).
+        last[frontier] = np.arange(len(frontier))
+        frontier = frontier[last[frontier] == np.arange(len(frontier))]
+        budget -= len(frontier)
+        if budget < 0:
+            return None
+        seen[frontier] = True
+        up = parent[frontier]
+        up = up[up >= 0]
+        up = up[in_tier[up] & ~seen[up]]
+        if not len(up):
+            return seen
+        frontier = up.astype(np.int64)
+    return None
+
+
+def cold_mask(cols, tier: int, scores: np.ndarray, threshold: float) -> np.ndarray:
+    """Mask of the rows of `tier` whose peak's percentile among all the tier's blocks is below
+    `threshold` (ties at the cutoff count as cold). The i-th lowest of n blocks stands at
+    percentile i/n, below the threshold t while i < t*n: ceil(t*n) blocks (rounded down, a
+    threshold of 0.05 left a tier of 16 blocks with none cold, and over its high watermark it
+    never drained). The small slack keeps 0.1 * 30 (3.0000000000000004) at 3."""
+    peaks = peak_scores(cols, tier, scores)
+    in_tier = cols.tier == tier
+    tier_peaks = peaks[in_tier]
+    k = math.ceil(threshold * len(tier_peaks) - 1e-9)
+    if k <= 0:
+        return np.zeros(len(scores), dtype=bool)
+    cutoff = kth_lowest(tier_peaks, k)  # (a low threshold under a tie at the bottom: kth.py)
+    return in_tier & (peaks <= cutoff)
