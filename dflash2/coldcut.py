@@ -7,14 +7,19 @@ has its root side coldest: the cut took that side with its descendants, and the 
 leaves first, so the block written last, the parent of the next piece, went down first, beside the
 tips of old chains (a review: a daemon under two writers lost it from the whole cache before the
 next piece's commit in 17 of 150 requests). Ranked by peaks the cut is closed downward (a block's
-descendants in the tier peak no higher than it does, so they are cold with it), a chain being
-written stays whole, and the cut still holds the threshold's share of the tier.
+descendants in the tier peak no higher than it does, so they are cold with it), no block is colder
+than one under it (the blocks a writer adds under a prefix go together, after or with the prefix's
+other branches' cold blocks), and the cut still holds the threshold's share of the tier.
 
 Peaks differ from scores only at or above a *rising* edge, a block in the tier scored above its
-parent there; none where a read touches a chain from its root, as a lookup does. So the peaks are
-pushed up over the blocks at or above rising edges only (a climb a level a round from their
-parents), and over the whole tier (`forest.subtree_peaks`: 100-200 ms at a million rows) only where
-that climb would cost more: past CLIMB_LEVELS levels, or more rows than the tier holds.
+parent there (under `lru`, every block written after its prefix was read: its first block rises
+above the prefix). So the peaks are pushed up over the blocks at or above rising edges only, found
+by a climb from their parents (a level a round, and a row at a time in Python once few chains are
+left: a rise under a prefix 32,768 deep is 32,768 steps of a walk), and over the whole tier
+(`forest.subtree_peaks`: 100-200 ms at a million rows) only where the climb would cost more (its
+budget: a cap of 64 levels sent a single rise under a prefix 256 deep through the whole tier, 182 ms
+at a million rows against 29 for the climb, a review). A climb that runs out of its budget has cost
+about half that pass before the pass: the worst case, about 1.5 times the pass.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ import numpy as np
 from dflash2.forest import local_parents, subtree_peaks
 from dflash2.kth import kth_lowest
 
-CLIMB_LEVELS = 64
+# The climb's budget, in rows gathered by a numpy round (15-30 ns each on the 2-core VM): CLIMB_SHARE x
+# the tier's rows (the pass over the whole tier gathers each row about 10 times), a round counted as
+# LEVEL_ROWS besides its rows (its dozen numpy calls, about 15 us), and a step of the walk in Python
+# (once fewer than WALK_BELOW rows climb: 0.4-0.6 us a step, not a round of calls a level) as WALK_ROWS.
+CLIMB_SHARE, LEVEL_ROWS, WALK_ROWS, WALK_BELOW = 4, 512, 16, 32
 
 
 def peak_scores(cols, tier: int, scores: np.ndarray) -> np.ndarray:
@@ -59,29 +68,37 @@ def peak_scores(cols, tier: int, scores: np.ndarray) -> np.ndarray:
 
 
 def _at_or_above(parent: np.ndarray, in_tier: np.ndarray, start: np.ndarray) -> np.ndarray | None:
-    """Mask of the tier's rows at or above `start` (rows of it), climbing a level a round; None
-    where the climb would take more than CLIMB_LEVELS rounds or visit more rows than the tier
-    holds (the pass over the whole tier is then cheaper)."""
-    budget = int(np.count_nonzero(in_tier))
+    """Mask of the tier's rows at or above `start` (rows of it), climbing a level a round, then, once
+    fewer than WALK_BELOW rows climb, a row at a time in Python; None where the climb would cost more
+    than its budget (module docstring: the pass over the whole tier is then cheaper)."""
+    budget = CLIMB_SHARE * int(np.count_nonzero(in_tier))
     seen = np.zeros(len(in_tier), dtype=bool)
     last = np.empty(len(in_tier), dtype=np.int64)  # which entry of a level wrote each row last
     frontier = start
-    for _ in range(CLIMB_LEVELS):
+    while len(frontier) and len(frontier) >= WALK_BELOW:
         # Each row once a level: the children of one parent would climb together, all of them,
         # to the root (a long trunk under many rising leaves made the climb leaves x depth).
         last[frontier] = np.arange(len(frontier))
         frontier = frontier[last[frontier] == np.arange(len(frontier))]
-        budget -= len(frontier)
+        budget -= len(frontier) + LEVEL_ROWS
         if budget < 0:
             return None
         seen[frontier] = True
         up = parent[frontier]
         up = up[up >= 0]
-        up = up[in_tier[up] & ~seen[up]]
-        if not len(up):
-            return seen
-        frontier = up.astype(np.int64)
-    return None
+        frontier = up[in_tier[up] & ~seen[up]].astype(np.int64)
+    # A few chains left (a rise under a deep prefix): each walked up to a row already seen, the top
+    # of the tier or the root.
+    for row in frontier.tolist():
+        while not seen[row]:
+            budget -= WALK_ROWS
+            if budget < 0:
+                return None
+            seen[row] = True
+            row = int(parent[row])
+            if row < 0 or not in_tier[row]:
+                break
+    return seen
 
 
 def cold_mask(cols, tier: int, scores: np.ndarray, threshold: float) -> np.ndarray:

@@ -38,14 +38,22 @@ def walked_peaks(cols, tier: int, scores: np.ndarray) -> np.ndarray:
     return out
 
 
+CLIMBS = {"rounds": {"LEVEL_ROWS": 0, "WALK_BELOW": 0},  # numpy rounds only, never over budget
+          "walk": {"WALK_BELOW": 10**9, "WALK_ROWS": 0},  # the walk in Python only
+          "whole": {"LEVEL_ROWS": 10**9, "WALK_ROWS": 10**9},  # every call over budget: the whole tier
+          "shipped": {}}
+
+
 @pytest.mark.parametrize("rising", [0.0, 0.05, 0.5, 1.0])
-@pytest.mark.parametrize("climb", [64, 2])
+@pytest.mark.parametrize("climb", sorted(CLIMBS))
 def test_peaks_are_the_highest_score_under_each_row_in_its_tier(monkeypatch, rising, climb):
-    """Whatever share of the edges rise, and whether the climb ends in its levels or falls to the
-    pass over the whole tier (2 levels), each row of the tier peaks at the highest score of its
-    subtree in the tier, and rows of other tiers keep their own scores."""
-    monkeypatch.setattr(coldcut, "CLIMB_LEVELS", climb)
-    rng = np.random.default_rng(int(rising * 100) + climb)
+    """Whatever share of the edges rise, and whichever way the rows above them are found (numpy
+    rounds, the walk in Python, or the pass over the whole tier where the climb's budget runs out),
+    each row of the tier peaks at the highest score of its subtree in the tier, and rows of other
+    tiers keep their own scores."""
+    for name, value in CLIMBS[climb].items():
+        monkeypatch.setattr(coldcut, name, value)
+    rng = np.random.default_rng(int(rising * 100) + len(climb))
     for _ in range(30):
         cols, scores = random_table(rng, int(rng.integers(1, 400)), rising=rising)
         for tier in range(3):
@@ -55,11 +63,14 @@ def test_peaks_are_the_highest_score_under_each_row_in_its_tier(monkeypatch, ris
                 assert got is scores  # nothing rises: no copy, no pass
 
 
-@pytest.mark.parametrize("trunk, leaves, climbed", [(40, 100, True), (40, 20, True), (100, 20, False)])
+@pytest.mark.parametrize("trunk, leaves, climbed", [(40, 100, True), (100, 20, False)])
 def test_the_climb_counts_each_row_once_a_level(monkeypatch, trunk, leaves, climbed):
-    """A trunk of `trunk` blocks (falling scores) with `leaves` rising leaves under its last: the
-    climb goes up the trunk once, not once per leaf, and answers within CLIMB_LEVELS levels (past
-    them the pass over the whole tier answers); the same peaks either way."""
+    """A trunk of `trunk` blocks (falling scores) with `leaves` rising leaves under its last, a round
+    counted as 10 rows: the climb goes up the trunk once, not once per leaf (40 x 11 of a budget of
+    4 x 140), and a trunk too deep for the budget (100 x 11 of 4 x 120) goes to the pass over the
+    whole tier; the same peaks either way."""
+    monkeypatch.setattr(coldcut, "LEVEL_ROWS", 10)
+    monkeypatch.setattr(coldcut, "WALK_BELOW", 0)  # (numpy rounds all the way up)
     parent = np.array([-1] + list(range(trunk - 1)) + [trunk - 1] * leaves, dtype=np.int32)
     scores = np.concatenate([np.arange(trunk, 0, -1.0), np.full(leaves, 100.0)])
     cols = SimpleNamespace(tier=np.zeros(trunk + leaves, dtype=np.int8), parent=parent)
@@ -70,6 +81,28 @@ def test_the_climb_counts_each_row_once_a_level(monkeypatch, trunk, leaves, clim
     assert (climbs[0] is not None) == climbed
     if climbed:
         assert climbs[0].sum() == trunk  # the trunk, at or above the leaves' parent
+
+
+@pytest.mark.parametrize("walk_rows, walked", [(16, True), (10**4, False)])
+def test_a_rise_under_a_deep_prefix_is_walked_up(monkeypatch, walk_rows, walked):
+    """Two chains 3,000 deep beside 50,000 one-block chains, one block rising at the bottom of each
+    deep one (a request's first block written under a prefix it read, under lru): the two rows walk up
+    in Python, 6,000 steps at 16 rows a step of a budget of 4 x 56,000 rows, not 3,000 rounds of numpy
+    calls; a step counted as 10,000 rows sends the call to the pass over the whole tier. The same
+    peaks either way."""
+    monkeypatch.setattr(coldcut, "WALK_ROWS", walk_rows)
+    depth, singles = 3000, 50_000
+    parent = np.concatenate([[-1], np.arange(depth - 1), [-1], np.arange(depth, 2 * depth - 1),
+                             np.full(singles, -1)]).astype(np.int32)
+    scores = np.concatenate([np.full(depth, 5.0), np.full(depth, 7.0), np.zeros(singles)])
+    scores[[depth - 1, 2 * depth - 1]] = [9.0, 8.0]
+    cols = SimpleNamespace(tier=np.zeros(len(parent), dtype=np.int8), parent=parent)
+    climbs = []
+    at_or_above = coldcut._at_or_above
+    monkeypatch.setattr(coldcut, "_at_or_above", lambda *a: climbs.append(at_or_above(*a)) or climbs[-1])
+    peaks = coldcut.peak_scores(cols, 0, scores)
+    assert peaks.tolist() == [9.0] * depth + [8.0] * depth + [0.0] * singles
+    assert (climbs[0] is not None) == walked
 
 
 def test_the_cold_mask_is_closed_downward_and_holds_the_thresholds_share():
