@@ -5,8 +5,8 @@ A block is read only through its chain, so it is needed as long as any block und
 their own scores, a chain written in pieces (each committed under the last block of the one before)
 has its root side coldest: the cut took that side with its descendants, and the drain moved them
 leaves first, so the block written last, the parent of the next piece, went down first, beside the
-tips of old chains (a review: a daemon under two writers lost it from the whole cache before the
-next piece's commit in 17 of 150 requests). Ranked by peaks the cut is closed downward (a block's
+tips of old chains (tests/test_rebalance.py; room made for allocations still takes such tips under
+heavy writes: docs/known-gaps.md, "A chain's freed tip"). Ranked by peaks the cut is closed downward (a block's
 descendants in the tier peak no higher than it does, so they are cold with it), no block is colder
 than one under it (the blocks a writer adds under a prefix go together, after or with the prefix's
 other branches' cold blocks), and the cut still holds the threshold's share of the tier.
