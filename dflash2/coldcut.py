@@ -19,7 +19,8 @@ left: a rise under a prefix 32,768 deep is 32,768 steps of a walk), and over the
 (`forest.subtree_peaks`: 100-200 ms at a million rows) only where the climb would cost more (its
 budget: a cap of 64 levels sent a single rise under a prefix 256 deep through the whole tier, 182 ms
 at a million rows against 29 for the climb, a review). A climb that runs out of its budget has cost
-about half that pass before the pass: the worst case, about 1.5 times the pass.
+about half that pass before the pass: the worst case, 1.5-2 times the pass (1.6-1.7 in a review's
+case of 31 chains 8,100 deep in a million rows).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from dflash2.kth import kth_lowest
 
 # The climb's budget, in rows gathered by a numpy round (15-30 ns each on the 2-core VM): CLIMB_SHARE x
 # the tier's rows (the pass over the whole tier gathers each row about 10 times), a round counted as
-# LEVEL_ROWS besides its rows (its dozen numpy calls, about 15 us), and a step of the walk in Python
-# (once fewer than WALK_BELOW rows climb: 0.4-0.6 us a step, not a round of calls a level) as WALK_ROWS.
-CLIMB_SHARE, LEVEL_ROWS, WALK_ROWS, WALK_BELOW = 4, 512, 16, 32
+# LEVEL_ROWS besides its rows (its dozen numpy calls, 7-15 us), and a step of the walk in Python (once
+# fewer than WALK_BELOW rows climb: 0.35-0.65 us a step, slower in a larger table) as WALK_ROWS (at 16
+# a review's 31 chains 8,100 deep spent twice their share walking: 1.8-2.7x the pass in all).
+CLIMB_SHARE, LEVEL_ROWS, WALK_ROWS, WALK_BELOW = 4, 512, 32, 16
 
 
 def peak_scores(cols, tier: int, scores: np.ndarray) -> np.ndarray:
