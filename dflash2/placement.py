@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2.backoff import WriteBackoff
+from dflash2.coldcut import cold_mask
 from dflash2.counts import unique
 from dflash2.drainorder import DrainCut, DrainSelection
 from dflash2.errors import CopiesRunning
-from dflash2.coldcut import cold_mask
 from dflash2.forest import local_parents, lowest_levels, reaches_marked, subtree_heights
 from dflash2.kth import kth_lowest
 from dflash2.mover import Mover
@@ -298,7 +298,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
         """Mask of the rows of `tier` below its `cold_threshold` percentile, each ranked by the
-        highest score in its subtree in the tier (coldcut.py: a chain being written stays whole)."""
+        highest score in its subtree in the tier (coldcut.py: no block is colder than one under it)."""
         return cold_mask(self.table.cols, int(tier), scores, self.cold_threshold)
 
     def _with_descendants(self, marked: np.ndarray, among: np.ndarray) -> np.ndarray:

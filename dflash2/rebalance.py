@@ -167,8 +167,8 @@ class Rebalancing:
                 # holds its cold blocks' descendants there: a block leaves only after those, and a
                 # chain written root first is colder at its root under every policy (older, read as
                 # often), so a cut of its cold root side alone could never move and the tier stayed
-                # above its high watermark. Nor does it take a chain being written: taken with its
-                # cold root side, the block written last left first, before the next piece's commit.
+                # above its high watermark. Nor does it take the blocks above a hot one: a chain being
+                # written, taken with its cold root side, had the block written last leave first.
                 cut = np.flatnonzero(self._cold_mask(tier, self.policy.scores_all(self.table, self.table.clock())))
                 # Blocks brought up for a read that has not come yet stay (`awaiting_read`): a prefetch
                 # is not a read, so their scores are old and they were in the cut, and the daemon runs

@@ -276,10 +276,10 @@ def test_a_drain_leaves_a_chain_being_written_where_it_is(make_manager, clock, m
     """A chain written in pieces, each committed under the last block of the one before: its first
     piece is the tier's coldest once others were written after it. A drain's cut took the cold
     blocks with their descendants and moved them leaves first, so the block written last (the
-    parent of the next piece) went down first, beside older chains' tips (a review: a daemon under
-    two writers lost it from the whole cache before the next piece's commit in 17 of 150
-    requests). A block is as cold as the hottest block under it in the tier: a chain is read
-    through its root, so its root side is needed as long as its tip is."""
+    parent of the next piece) went down first, beside older chains' tips (where the next commit
+    then found it gone, it was refused naming its parent: docs/known-gaps.md). A block is as cold
+    as the hottest block under it in the tier: a chain is read through its root, so its root side
+    is needed as long as its tip is."""
     mgr = make_manager(hbm_blocks=40, dram_blocks=80, cold_threshold=0.5, policy=policy,
                        watermarks={Tier.HBM: Watermark(0.9, 0.5)})
     monkeypatch.setattr(mgr.placement, "REBALANCE_BUDGET_S", 30.0)
