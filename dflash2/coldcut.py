@@ -44,28 +44,32 @@ def peak_scores(cols, tier: int, scores: np.ndarray) -> np.ndarray:
     """`scores` (one per table row), each row of `tier` raised to the highest score in its subtree
     in the tier: `scores` itself where no block of the tier scores above its parent there, else a
     copy."""
-    in_tier = cols.tier == tier
-    child = np.flatnonzero(in_tier & (cols.parent >= 0))
-    up = cols.parent[child].astype(np.int64)
+    return _peaks(cols.parent, cols.tier == tier, scores)
+
+
+def _peaks(parent: np.ndarray, in_tier: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """`peak_scores` of the tier whose rows are `in_tier` (a mask over the table)."""
+    child = np.flatnonzero(in_tier & (parent >= 0))
+    up = parent[child].astype(np.int64)
     inner = in_tier[up]
     child, up = child[inner], up[inner]  # every edge of the tier: child -> parent, both in it
     rising = scores[child] > scores[up]
     if not rising.any():
         return scores
     child, up = child[rising], up[rising]
-    above = _at_or_above(cols.parent, in_tier, up)
+    above = _at_or_above(parent, in_tier, up)
     if above is None:
         above = in_tier  # the whole tier: its rising edges lie under most of it, or deep
     rows = np.flatnonzero(above)
     # A row's children outside `rows` peak at their own scores (no rising edge under them): those
     # above their parent are the rising edges whose child is outside; the others change nothing.
-    start = np.asarray(scores[rows], dtype=np.float64).copy()
+    start = scores[rows].astype(np.float64)  # (a copy)
     outside = ~above[child]
     if outside.any():
         at = np.searchsorted(rows, up[outside])
         np.maximum.at(start, at, scores[child[outside]])
     out = np.array(scores, dtype=np.float64, copy=True)
-    out[rows] = subtree_peaks(local_parents(rows, cols.parent[rows]), start)
+    out[rows] = subtree_peaks(local_parents(rows, parent[rows]), start)
     return out
 
 
@@ -109,8 +113,8 @@ def cold_mask(cols, tier: int, scores: np.ndarray, threshold: float) -> np.ndarr
     percentile i/n, below the threshold t while i < t*n: ceil(t*n) blocks (rounded down, a
     threshold of 0.05 left a tier of 16 blocks with none cold, and over its high watermark it
     never drained). The small slack keeps 0.1 * 30 (3.0000000000000004) at 3."""
-    peaks = peak_scores(cols, tier, scores)
     in_tier = cols.tier == tier
+    peaks = _peaks(cols.parent, in_tier, scores)
     tier_peaks = peaks[in_tier]
     k = math.ceil(threshold * len(tier_peaks) - 1e-9)
     if k <= 0:

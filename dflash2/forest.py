@@ -61,6 +61,17 @@ def local_parents(rows: np.ndarray, parents: np.ndarray) -> np.ndarray:
     return np.where(linked & (rows[at] == parents), at, -1)
 
 
+def _forest_of(parent, per_node: int, what: str, caller: str) -> np.ndarray:
+    """`parent` as int64, checked: `per_node` of `what` for its nodes, every parent -1 or a node."""
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
+    if per_node != n:
+        raise ValueError(f"{caller}: {per_node} {what} for {n} nodes")
+    if n and (parent.min() < -1 or parent.max() >= n):
+        raise ValueError(f"{caller}: a parent index lies outside the set")
+    return parent
+
+
 def subtree_heights(parent: np.ndarray, blocked: np.ndarray, values: np.ndarray | None = None):
     """Per node, the length of the longest path down from it to a leaf of its subtree (0 for a
     leaf), or -1 when the node or any node below it is `blocked` (held back by something outside
@@ -68,12 +79,7 @@ def subtree_heights(parent: np.ndarray, blocked: np.ndarray, values: np.ndarray 
     order the nodes leaves first: a node's height exceeds each of its children's. With `values`
     (one per node), also the largest value in each node's subtree, itself included: (heights,
     peaks), pushed up the same rounds."""
-    parent = np.asarray(parent, dtype=np.int64)
-    n = len(parent)
-    if len(blocked) != n:
-        raise ValueError(f"subtree_heights: {len(blocked)} blocked flags for {n} nodes")
-    if n and (parent.min() < -1 or parent.max() >= n):
-        raise ValueError("subtree_heights: a parent index lies outside the set")
+    parent = _forest_of(parent, len(blocked), "blocked flags", "subtree_heights")
     held = np.array(blocked, dtype=bool)
     depth = (parent >= 0).astype(np.int64)  # distance to jump[i]; 0 at a root
     jump = parent.copy()  # i's 2**k-th ancestor in round k (-1: past the root)
@@ -113,12 +119,7 @@ def subtree_peaks(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
     value, then ufunc.at only where nodes sharing an ancestor (a branch) left it short: maximum.at
     over every node of every round cost 12 ns a node (250-340 ms for a million rows in chains of 16
     to 1,024 on the 2-core VM, against 100-200 so)."""
-    parent = np.asarray(parent, dtype=np.int64)
-    n = len(parent)
-    if len(values) != n:
-        raise ValueError(f"subtree_peaks: {len(values)} values for {n} nodes")
-    if n and (parent.min() < -1 or parent.max() >= n):
-        raise ValueError("subtree_peaks: a parent index lies outside the set")
+    parent = _forest_of(parent, len(values), "values", "subtree_peaks")
     peaks = np.array(values, dtype=np.float64, copy=True)
     jump = parent.copy()
     for _ in range(64):  # 2**64 levels: a parent array with a cycle is refused below instead of looping

@@ -159,11 +159,11 @@ class Promotion:
         blocks awaiting their read. Only what adds rows is merged (a sort of the chain): with no read
         awaiting, the chain itself (distinct: `with_ancestors`), whose two sorts were 1.4 ms of an
         acquire of 64 blocks under a prefix 32,768 deep (in process, the 2-core VM)."""
-        kept = [chain, *(np.asarray(source(), dtype=np.int64) for source in self.awaiting_read if awaiting)]
+        extra = [np.asarray(source(), dtype=np.int64) for source in self.awaiting_read] if awaiting else []
         if protect is not None:
-            kept.append(np.asarray(protect, dtype=np.int64))
-        kept = [chain, *(k for k in kept[1:] if len(k))]
-        return unique(np.concatenate(kept)) if len(kept) > 1 else chain
+            extra.append(np.asarray(protect, dtype=np.int64))
+        extra = [k for k in extra if len(k)]
+        return unique(np.concatenate([chain, *extra])) if extra else chain
 
     def _read_away(self, chain: np.ndarray, rows: np.ndarray, dst: Tier) -> tuple[np.ndarray, np.ndarray]:
         """The chain's blocks a promotion moves up for the read of `rows`, and those it may move after

@@ -128,7 +128,7 @@ class Admission(ExpiringReservations):
                                     f"none of a priority below {priority}: admission.max_deferred)")
             self._displace(last, priority, f"the full deferred queue (admission.max_deferred "
                                            f"{self.settings.max_deferred})")
-        self._enqueue(res)
+        self.deferred.add(res)
         self._expires(res)  # (admitted: a rejected one kept an entry until its time, a review)
         self._rate += demand
         self.counters["deferred"] += 1
@@ -427,9 +427,6 @@ class Admission(ExpiringReservations):
             return None
         c = table.cols
         return np.flatnonzero((c.tier == int(Tier.HBM)) & (slots[c.layout] != slot))
-
-    def _enqueue(self, res: Reservation) -> None:
-        self.deferred.add(res)
 
     def _deferred_decision(self, res: Reservation) -> Decision:
         pos, ahead = self.deferred.position(res)
