@@ -6,8 +6,10 @@ committed with a content key (`keys.py`), so every sglang process on the node th
 shard in the same format finds it, and the daemon keeps one copy:
 
     batch_set_v1   lookup (the prefix already cached is skipped) -> allocate -> copy pages into the
-                   blocks -> commit with keys (a key cached meanwhile deduplicates) -> free our
-                   reference (published blocks stay cached; the daemon demotes them by heat)
+                   blocks -> commit with keys (a key cached meanwhile deduplicates), linked to the
+                   batch before -> free our reference (published blocks stay cached; the daemon
+                   demotes them by heat), but on the batch's last block until the next batch links
+                   to it (`chains.HeldTips`)
     batch_get_v1   lookup -> acquire in DRAM (pins; only NVMe pages move up) -> copy into the host pages
                    -> release
     batch_exists   lookup: the length of the cached prefix
@@ -36,12 +38,12 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from dflash2.client.client import Client
 from dflash2.client.sglang import clears, identity
+from dflash2.client.sglang.chains import HeldTips, cached_prefix
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
 from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, logical_kv_dtype, page_format,
                                          page_layout, store_page)
 from dflash2.client.sglang.plugin import fallback_line
 from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
-from dflash2.protocol import MAX_BATCH
 
 log = logging.getLogger("dflash2.sglang")
 
@@ -70,6 +72,7 @@ class DFlash2Storage(HiCacheStorage):
         self.prefill_rate: float | None = None
         self.chunk_pages = MAX_CHUNK_PAGES
         self.tier = HOST_TIER
+        self.tips = HeldTips(None, 0)  # (the attached client's: `_fit_tiers`)
         self.page_bytes = 0
         self._down_until = 0.0
         self._reattach = threading.Lock()
@@ -196,6 +199,7 @@ class DFlash2Storage(HiCacheStorage):
         if self.tier != HOST_TIER:
             log.warning("dflash2: the daemon has no DRAM tier: sglang pages are written to its HBM tier")
         self.chunk_pages = MAX_CHUNK_PAGES
+        cap = 0
         if self.tier in tiers:
             cap = tiers[self.tier]["capacity_bytes"]
             if cap < layout.block_bytes:  # (every store refused NeverFits, a warning a batch, for good: a review)
@@ -203,6 +207,8 @@ class DFlash2Storage(HiCacheStorage):
                                       f"{self.tier} tier ({cap} bytes): raise memory.{self.tier}_capacity_mb, or "
                                       "use smaller pages (--page-size)")
             self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // (4 * layout.block_bytes))))
+        # (set before the client is: a thread storing through the old one holds nothing: `_store`)
+        self.tips = HeldTips(client, cap // layout.block_bytes)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """sglang's hybrid cache controller registers every host pool of the model here, the KV pool
@@ -313,11 +319,13 @@ class DFlash2Storage(HiCacheStorage):
         n = len(page_keys)
         ok = [False] * n
         ckeys = self.keys.keys(page_keys)
-        found = self._cached_prefix(client, ckeys, probe=True)
+        found = cached_prefix(client, ckeys, self.layout_id, self.tier, probe=True)
         start = len(found)
         ok[:start] = [True] * start
         self._count("pages_deduplicated", start)
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
+        tips = self.tips if self.tips.client is client else HeldTips(client, 0)
+        above = len(getattr(extra_info, "prefix_keys", None) or ())  # (the chain's pages before the batch: 0 untold)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
             try:
@@ -337,7 +345,11 @@ class DFlash2Storage(HiCacheStorage):
                 except BaseException:
                     client.free(places["vid"])  # written or not, never committed: give them back
                     raise
-                client.free(held)
+                # Our reference on the batch's last block stays, the next batch's parent (chains.py).
+                unheld = np.concatenate([held[:-1], np.asarray(tips.extended(parent, int(held[-1]), above + hi),
+                                                               dtype=held.dtype)])
+                if len(unheld):
+                    client.free(unheld)
             except DFlash2Error as e:
                 if not any(ok):
                     raise  # nothing stored: the call failed as a whole
@@ -352,19 +364,6 @@ class DFlash2Storage(HiCacheStorage):
             self._count("pages_set", hi - lo - twins)
             self._note_moved(hi - lo - twins)
         return ok
-
-    def _cached_prefix(self, client: Client, ckeys: np.ndarray, probe: bool = False) -> np.ndarray:
-        """Places of the cached prefix of `ckeys`, looked up MAX_BATCH keys a call (the most one call
-        carries): sglang's hit query passes every page of a prompt at once (65,536 pages is a
-        65,536-token prompt at sglang's default page size of 1). `probe`: not the request's lookup,
-        which sglang's hit query (`batch_exists`) made: a backup's, and the read's own again (counted,
-        a page was a lookup hit or miss two or three times in the daemon's figures, a review)."""
-        found = [client.lookup(ckeys[:MAX_BATCH], self.layout_id, tier=self.tier, probe=probe)]
-        for lo in range(MAX_BATCH, len(ckeys), MAX_BATCH):
-            if len(found[-1]) < MAX_BATCH:
-                break
-            found.append(client.lookup(ckeys[lo:lo + MAX_BATCH], self.layout_id, tier=self.tier, probe=probe))
-        return found[0] if len(found) == 1 else np.concatenate(found)
 
     def _prefix_parent(self, client: Client, extra_info) -> int | None:
         """The block of the page just before this batch, when cached: the chain's parent, so that the
@@ -393,7 +392,7 @@ class DFlash2Storage(HiCacheStorage):
         """Copy the cached prefix of `page_keys` out; True for each page read."""
         n = len(page_keys)
         ok = [False] * n
-        found = self._cached_prefix(client, self.keys.keys(page_keys), probe=True)
+        found = cached_prefix(client, self.keys.keys(page_keys), self.layout_id, self.tier, probe=True)
         for lo in range(0, len(found), self.chunk_pages):
             vids = found["vid"][lo:lo + self.chunk_pages]
             try:
@@ -472,7 +471,7 @@ class DFlash2Storage(HiCacheStorage):
 
     # -- HiCacheStorage: zero-copy v1 ------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._guarded(0, lambda c: len(self._cached_prefix(c, self.keys.keys(keys))))
+        return self._guarded(0, lambda c: len(cached_prefix(c, self.keys.keys(keys), self.layout_id, self.tier)))
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:

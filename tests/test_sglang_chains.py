@@ -1,0 +1,111 @@
+"""The chain tips sglang's backend keeps (client/sglang/chains.py, no sglang import): the limits of
+`HeldTips`, and, against the real daemon, that a held tip keeps its chain through the drops other
+writes make, where a freed one is dropped and the next batch cannot link to it. The backend's own
+use of it is in tests/test_audit_sglang.py (run where sglang is importable)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SMALL
+from daemon_proc import DaemonProcess
+from dflash2.client import Client
+from dflash2.client.sglang.chains import MAX_HELD_TIPS, HeldTips
+from dflash2.errors import DaemonError
+
+
+def test_a_tip_is_held_until_a_batch_is_committed_under_it():
+    tips = HeldTips(None, 32 * 100)  # (100 pages a backend)
+    assert tips.extended(None, 10, 4) == []
+    assert tips.extended(10, 11, 8) == [10]  # the parent's reference goes; the chain is held through 11
+    assert len(tips) == 1 and tips.pages == 8
+    assert tips.extended(None, 20, 1) == [] and len(tips) == 2 and tips.pages == 9
+
+
+def test_the_oldest_tips_go_beyond_the_count():
+    tips = HeldTips(None, 32 * 10_000)
+    freed = [vid for t in range(MAX_HELD_TIPS + 3) for vid in tips.extended(None, 100 + t, 1)]
+    assert freed == [100, 101, 102] and len(tips) == MAX_HELD_TIPS
+
+
+def test_the_oldest_tips_go_beyond_the_pages_and_a_chain_alone_beyond_them_too():
+    tips = HeldTips(None, 32 * 10)  # 10 pages
+    assert tips.extended(None, 1, 4) == [] and tips.extended(None, 2, 4) == []
+    assert tips.extended(None, 3, 4) == [1]  # depths 12 > 10: the oldest chain goes
+    assert tips.pages == 8
+    assert tips.extended(3, 4, 8) == [3, 2]  # chain 3 goes on, 8 deep: 2 goes
+    assert tips.extended(4, 5, 12) == [4, 5]  # 12 deep: alone beyond the limit
+    assert len(tips) == 0 and tips.pages == 0
+
+
+def test_a_tip_committed_twice_holds_both_references_and_gives_both_up():
+    tips = HeldTips(None, 32 * 100)
+    assert tips.extended(None, 7, 2) == [] and tips.extended(None, 7, 2) == []  # (deduplicated to one block)
+    assert len(tips) == 1 and tips.pages == 2
+    assert tips.extended(7, 8, 3) == [7, 7] and tips.pages == 3
+
+
+def test_a_tier_too_small_for_a_share_holds_nothing():
+    tips = HeldTips(None, 31)  # a 32nd of it is no page
+    assert tips.max_tips == 0
+    assert tips.extended(None, 1, 1) == [1] and len(tips) == 0
+
+
+@pytest.fixture
+def heat_daemon(config_file):
+    # DRAM of 128 blocks of 16 KiB and no NVMe: other writes drop cached blocks out of the cache
+    path = config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 2, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64},
+                       policy={"name": "heat", "cold_threshold": 0.5, "swap_batch_size": 64})
+    proc = DaemonProcess(path).start()
+    yield proc
+    proc.stop()
+
+
+def _keys(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def _write_chain_piece(c: Client, tips: HeldTips, keys: list[int], parent: int | None, depth: int) -> int:
+    """As the backend stores a batch: allocate in DRAM, commit linked, free all but what `tips` keeps."""
+    places = c.allocate(0, len(keys), tier="dram")
+    assert places is not None
+    held = c.commit(places["vid"], keys, parent)
+    unheld = np.concatenate([held[:-1], np.asarray(tips.extended(parent, int(held[-1]), depth), dtype=held.dtype)])
+    if len(unheld):
+        c.free(unheld)
+    return int(held[-1])
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_held_tip_keeps_its_chain_through_other_writes(heat_daemon, held):
+    """A chain's first batch is written and freed but for its tip; another writer then fills the DRAM
+    tier twice over (each block written once, never read). The next batch links under the held tip,
+    and the whole chain is found; with no hold (`held=False`, as before) the tip is dropped and the
+    commit naming it is refused."""
+    with Client.connect(heat_daemon.endpoint, name="writer", layouts=[SMALL]) as c, \
+            Client.connect(heat_daemon.endpoint, name="other", layouts=[SMALL]) as other:
+        tips = HeldTips(c, 128 if held else 0)  # (a 32nd of 128 blocks: 4 pages)
+        tip = _write_chain_piece(c, tips, _keys(1_000, 3), None, 3)
+        for i in range(64):
+            _write_chain_piece(other, HeldTips(other, 0), _keys(10_000 + 4 * i, 4), None, 4)
+        if not held:
+            with pytest.raises(DaemonError, match="UnknownBlock: parent block"):
+                _write_chain_piece(c, tips, _keys(2_000, 1), tip, 4)
+            assert len(c.lookup(_keys(1_000, 3), 0, tier="dram")) < 3
+            return
+        _write_chain_piece(c, tips, _keys(2_000, 1), tip, 4)
+        assert len(c.lookup(_keys(1_000, 3) + _keys(2_000, 1), 0, tier="dram")) == 4
+        c.check()
+
+
+def test_every_reference_a_tip_holds_is_given_up_once(heat_daemon):
+    """A tip committed twice (the second commit deduplicated to the first's block: two references)
+    is given up twice when a batch links under it; the client then holds just the new tip's."""
+    with Client.connect(heat_daemon.endpoint, name="writer", layouts=[SMALL]) as c:
+        tips = HeldTips(c, 128)
+        tip = _write_chain_piece(c, tips, _keys(1_000, 2), None, 2)
+        assert _write_chain_piece(c, tips, _keys(1_000, 2), None, 2) == tip and len(tips) == 1
+        _write_chain_piece(c, tips, _keys(2_000, 1), tip, 3)
+        assert c.detach()["dereferenced"] == 1
