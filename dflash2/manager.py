@@ -267,8 +267,9 @@ class BlockManager(Reads):
             self.allocate_refusal = self._held_by_granted(held, client, layout_id, need, room, slot)
         else:  # (reservations are of HBM: a host writer told to reserve could not, a review)
             self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
-                                     + ("reserve and wait" if tier == Tier.HBM else "blocks being written or pinned "
-                                        "by host readers: free or release them, or try again later"))
+                                     + ("reserve and wait" if tier == Tier.HBM else "blocks being written, held by "
+                                        "clients' references (with the chains above them) or pinned by host "
+                                        "readers: free or release them, or try again later"))
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
 

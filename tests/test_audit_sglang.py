@@ -218,7 +218,8 @@ def test_a_chain_backed_up_in_batches_keeps_its_link_while_other_writes_fill_the
         backends.extend([writer, other])
         fill(pool, list(range(64)), seed=3)
         first = [f"chain-{i}" for i in range(3)]
-        assert writer.batch_set_v1(first, indices([1, 2, 3])) == [True] * 3
+        # (sglang passes the first batch of a chain its prefix keys too: none, `[]`)
+        assert writer.batch_set_v1(first, indices([1, 2, 3]), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 3
         for r in range(80):  # 80 x 64 pages of 1 KiB: 5 MiB written once into a DRAM tier of 1 MiB
             assert other.batch_set_v1([f"other-{r}-{i}" for i in range(64)], indices(list(range(64)))) == [True] * 64
         info = HiCacheStorageExtraInfo(prefix_keys=first)
@@ -226,7 +227,7 @@ def test_a_chain_backed_up_in_batches_keeps_its_link_while_other_writes_fill_the
         assert writer.batch_exists(first + ["chain-3"]) == 4
         assert writer.counters["commits_unlinked"] == 0
         # The writer holds its chain's tip; the other's chains, 64 pages deep, are beyond a backend's
-        # share (a 32nd of the tier's 1,024 pages of 1 KiB): none held.
+        # share (a 32nd of the 256 pages of 1 KiB the tier holds, in slots of 4 KiB): none held.
         assert len(writer.tips) == 1 and len(other.tips) == 0
     finally:
         proc.stop()

@@ -11,7 +11,7 @@ import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
 from dflash2.client import Client
-from dflash2.client.sglang.chains import MAX_HELD_TIPS, HeldTips
+from dflash2.client.sglang.chains import HOLD_S, MAX_HELD_TIPS, HeldTips, slots
 from dflash2.errors import DaemonError
 
 
@@ -35,8 +35,9 @@ def test_the_oldest_tips_go_beyond_the_pages_and_a_chain_alone_beyond_them_too()
     assert tips.extended(None, 3, 4) == [1]  # depths 12 > 10: the oldest chain goes
     assert tips.pages == 8
     assert tips.extended(3, 4, 8) == [3, 2]  # chain 3 goes on, 8 deep: 2 goes
-    assert tips.extended(4, 5, 12) == [4, 5]  # 12 deep: alone beyond the limit
-    assert len(tips) == 0 and tips.pages == 0
+    assert tips.extended(None, 6, 2) == []
+    assert tips.extended(4, 5, 12) == [4, 5]  # 12 deep: alone beyond the limit, the others stay
+    assert len(tips) == 1 and tips.pages == 2
 
 
 def test_a_tip_committed_twice_holds_both_references_and_gives_both_up():
@@ -50,6 +51,49 @@ def test_a_tier_too_small_for_a_share_holds_nothing():
     tips = HeldTips(None, 31)  # a 32nd of it is no page
     assert tips.max_tips == 0
     assert tips.extended(None, 1, 1) == [1] and len(tips) == 0
+
+
+def test_a_tip_no_later_batch_names_is_given_up_at_once():
+    tips = HeldTips(None, 32 * 100)
+    assert tips.extended(None, 1, 4) == []
+    assert tips.extended(1, 2, 8, keep=False) == [1, 2] and len(tips) == 0 and tips.pages == 0
+
+
+def test_tips_are_held_hold_s_at_most():
+    now = [0.0]
+    tips = HeldTips(None, 32 * 100, clock=lambda: now[0])
+    assert tips.extended(None, 1, 4) == []
+    now[0] = HOLD_S / 2
+    assert tips.extended(None, 2, 4) == [] and tips.stale() == []
+    now[0] = HOLD_S + 1
+    assert tips.stale() == [1] and len(tips) == 1 and tips.pages == 4
+    now[0] = 2 * HOLD_S
+    assert tips.extended(None, 3, 4) == [2]  # (a batch gives the stale ones up too)
+    assert tips.extended(None, 3, 4) == [] and len(tips) == 1  # a tip committed again is held anew
+
+
+def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
+    freed = []
+
+    class Recorder:
+        def free(self, vids):
+            freed.append(list(vids))
+
+    mine, other = Recorder(), Recorder()
+    tips = HeldTips(mine, 32 * 100)
+    tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
+    tips.let_go(other)  # (a client replaced since: the references went with the old one's session)
+    assert freed == [] and len(tips) == 0 and tips.pages == 0
+    tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
+    tips.let_go(mine)
+    assert freed == [[1, 1, 2]] and len(tips) == 0
+
+
+def test_a_tier_counts_the_pages_its_aligned_slots_hold():
+    assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 1024) == 512
+    assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 4097) == 256
+    assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 8192) == 256
+    assert slots({"capacity_bytes": 2 << 20}, 1024) == 2048
 
 
 @pytest.fixture

@@ -38,12 +38,12 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from dflash2.client.client import Client
 from dflash2.client.sglang import clears, identity
-from dflash2.client.sglang.chains import HeldTips, cached_prefix
+from dflash2.client.sglang.chains import HeldTips, cached_prefix, commit_linked, slots
 from dflash2.client.sglang.keys import KeyMapper, Shard, namespace
-from dflash2.client.sglang.pages import (PageFormatError, block_tensor, load_page, logical_kv_dtype, page_format,
-                                         page_layout, store_page)
+from dflash2.client.sglang.pages import (PageFormatError, block_tensor, flat_bytes, load_page, logical_kv_dtype,
+                                         page_format, page_layout, store_page)
 from dflash2.client.sglang.plugin import fallback_line
-from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, DFlash2Error
+from dflash2.errors import ConfigError, DaemonUnavailable, DFlash2Error
 
 log = logging.getLogger("dflash2.sglang")
 
@@ -206,9 +206,10 @@ class DFlash2Storage(HiCacheStorage):
                 raise PageFormatError(f"a page takes {layout.block_bytes} bytes, more than the daemon's whole "
                                       f"{self.tier} tier ({cap} bytes): raise memory.{self.tier}_capacity_mb, or "
                                       "use smaller pages (--page-size)")
-            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // (4 * layout.block_bytes))))
+            cap = slots(tiers[self.tier], layout.block_bytes)  # (a page takes an aligned slot)
+            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // 4)))
         # (set before the client is: a thread storing through the old one holds nothing: `_store`)
-        self.tips = HeldTips(client, cap // layout.block_bytes)
+        self.tips = HeldTips(client, cap)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """sglang's hybrid cache controller registers every host pool of the model here, the KV pool
@@ -325,7 +326,10 @@ class DFlash2Storage(HiCacheStorage):
         self._count("pages_deduplicated", start)
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
         tips = self.tips if self.tips.client is client else HeldTips(client, 0)
-        above = len(getattr(extra_info, "prefix_keys", None) or ())  # (the chain's pages before the batch: 0 untold)
+        if stale := tips.stale():
+            client.free(stale)
+        told = getattr(extra_info, "prefix_keys", None)  # (None: sglang names no parent later, chains.py)
+        above = len(told or ())  # (the chain's pages before the batch)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
             try:
@@ -346,8 +350,8 @@ class DFlash2Storage(HiCacheStorage):
                     client.free(places["vid"])  # written or not, never committed: give them back
                     raise
                 # Our reference on the batch's last block stays, the next batch's parent (chains.py).
-                unheld = np.concatenate([held[:-1], np.asarray(tips.extended(parent, int(held[-1]), above + hi),
-                                                               dtype=held.dtype)])
+                let_go = tips.extended(parent, int(held[-1]), above + hi, told is not None or hi < n)
+                unheld = np.concatenate([held[:-1], np.asarray(let_go, dtype=held.dtype)])
                 if len(unheld):
                     client.free(unheld)
             except DFlash2Error as e:
@@ -375,13 +379,7 @@ class DFlash2Storage(HiCacheStorage):
         return int(found["vid"][0]) if len(found) else None
 
     def _commit(self, client: Client, vids, ckeys, parent: int | None) -> np.ndarray:
-        unlinked = None
-        if parent is not None:
-            try:
-                return client.commit(vids, ckeys, parent)
-            except DaemonError as e:  # the parent was evicted meanwhile: publish without the link
-                unlinked = e
-        out = client.commit(vids, ckeys)
+        out, unlinked = commit_linked(client, vids, ckeys, parent)
         if unlinked is not None:
             self._count("commits_unlinked")
             log.info("dflash2: %d pages committed without their parent link (%s): the daemon does not "
@@ -541,7 +539,7 @@ class DFlash2Storage(HiCacheStorage):
 
         def write(i, raw):
             dst = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else torch.from_dlpack(raw)
-            dst.copy_(_flat_bytes(values[i]))
+            dst.copy_(flat_bytes(values[i]))
 
         return all(self._guarded([False] * len(keys), lambda c: self._store(c, keys, write, None),
                                  fallen_back=[True] * len(keys)))
@@ -571,6 +569,7 @@ class DFlash2Storage(HiCacheStorage):
 
     def _move(self, space: clears.KeySpace, why: str) -> bool:
         self.space = space
+        self.tips.let_go(self.client)  # (no later batch will name the tips held)
         if self.keys is not None:
             self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, space.tag()))
         log.warning("dflash2: %s: this server's pages now have keys of clear epoch %d of launch %s (namespace %s): "
@@ -586,11 +585,6 @@ class DFlash2Storage(HiCacheStorage):
             taken = [values.popleft() for _ in range(len(values))]  # (a sample appended meanwhile stays)
             getattr(metrics, name).extend(taken)
         return metrics
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (a copy only when it is not contiguous)."""
-    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _serving_device() -> int | None:

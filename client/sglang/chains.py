@@ -10,27 +10,38 @@ never read scores as a finished request's). Once it is gone, the next batch has 
 and lookups of the request's pages stop before it: the pages after it were stored for nothing.
 
 So the backend keeps its reference on the newest block of each chain it writes (`HeldTips`), until a
-later batch is committed under it, or it is among the oldest beyond the limits. A block with a
-reference is never dropped (it may still move down a tier), nor is any block above it in its chain
-(a cached child holds its parent): a hold keeps a whole chain, shared prefix and all, so the limits
-count each held chain's whole depth against a share of the tier the backend writes to.
+later batch is committed under it, HOLD_S after its batch, or it is among the oldest beyond the
+limits; a tip no later batch can name (sglang passes no prefix keys) is not kept past its call. A
+block with a reference is never dropped, nor is any block above it in its chain (a cached child
+holds its parent): a hold keeps a whole chain, shared prefix and all, so the limits count each held
+chain's whole depth against a share of the tier the backend writes to. Nor is a held chain moved
+down to make room for a write (only idle blocks are), and `heat` scores a held block as one in use:
+where the holds of many backends fill a tier, writes into it are refused until they are let go.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 
 import numpy as np
 
 from dflash2.client.client import Client
+from dflash2.errors import DaemonError, DFlash2Error
 from dflash2.protocol import MAX_BATCH
+
+log = logging.getLogger("dflash2.sglang")
 
 # Chains a backend holds at most, each by one reference on its newest block
 MAX_HELD_TIPS = 64
 # ... and their depths' sum at most: this share of its tier's pages (1/32: the tensor-parallel ranks of
 # an 8-GPU server keep at most a quarter of their tier's worth of pages out of reach of dropping)
 HELD_PAGES_SHARE = 1 / 32
+# ... each for this long after its batch at most (seconds): sglang backs a request's chunks up as they
+# are prefilled, and its decoded tail when it finishes
+HOLD_S = 30.0
 
 
 def cached_prefix(client: Client, ckeys: np.ndarray, layout: int, tier: str, probe: bool = False) -> np.ndarray:
@@ -47,6 +58,25 @@ def cached_prefix(client: Client, ckeys: np.ndarray, layout: int, tier: str, pro
     return found[0] if len(found) == 1 else np.concatenate(found)
 
 
+def commit_linked(client: Client, vids, ckeys, parent: int | None) -> tuple[np.ndarray, DaemonError | None]:
+    """Commit `vids` with their keys under `parent` (None: unlinked); where the daemon refuses the
+    parent (dropped meanwhile), without it. The vids held, and the refusal when it went unlinked."""
+    unlinked = None
+    if parent is not None:
+        try:
+            return client.commit(vids, ckeys, parent), None
+        except DaemonError as e:  # the parent was evicted meanwhile: publish without the link
+            unlinked = e
+    return client.commit(vids, ckeys), unlinked
+
+
+def slots(arena: dict, page_bytes: int) -> int:
+    """How many pages of `page_bytes` the tier of `arena` (an entry of `Client.arena_info`) holds, each
+    in a slot of its alignment (1 KiB pages in a DRAM tier aligned to 4 KiB take 4 KiB each)."""
+    align = max(1, int(arena.get("alignment") or 1))
+    return int(arena["capacity_bytes"]) // (-(-page_bytes // align) * align)
+
+
 class HeldTips:
     """The references one backend keeps on its chains' newest blocks, for one attached client (a
     client attached again after a daemon restart gets its own: the old one's references went with
@@ -56,13 +86,14 @@ class HeldTips:
     tip: the most a hold keeps from being dropped), and after every call at most `max_tips` tips are
     held and `_pages` is at most `max_pages`. Thread-safe: sglang's storage threads store at once."""
 
-    def __init__(self, client: Client | None, tier_pages: int):
+    def __init__(self, client: Client | None, tier_pages: int, clock=time.monotonic):
         self.client = client
         self.max_pages = int(tier_pages * HELD_PAGES_SHARE)
         self.max_tips = MAX_HELD_TIPS if self.max_pages > 0 else 0
+        self._clock = clock
         self._lock = threading.Lock()
-        # tip vid -> [references held on it, its depth], oldest first
-        self._held: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        # tip vid -> [references held on it, its depth, when its batch was committed], oldest first
+        self._held: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._pages = 0
 
     def __len__(self) -> int:
@@ -72,24 +103,51 @@ class HeldTips:
     def pages(self) -> int:
         return self._pages
 
-    def extended(self, parent: int | None, tip: int, depth: int) -> list[int]:
+    def extended(self, parent: int | None, tip: int, depth: int, keep: bool = True) -> list[int]:
         """A batch was committed under `parent` (None: unlinked, or a chain's first) and ends in `tip`,
         `depth` pages from its chain's root at most; the caller's reference on `tip` (the commit's) is
-        kept here. Returns the vids to free now, one entry a reference: the parent's, whose chain goes
-        on under `tip` (which holds it), and the oldest tips' beyond the limits (`tip`'s own when it
-        alone is)."""
+        kept here (`keep`: a later batch may name it). Returns the vids to free now, one entry a
+        reference: the parent's, whose chain goes on under `tip` (which holds it), the tips held past
+        HOLD_S or the oldest beyond the limits, and `tip`'s own when not kept or alone beyond them."""
         with self._lock:
-            free: list[int] = []
-            if parent is not None and parent in self._held:
-                refs, counted = self._held.pop(parent)
-                free += [parent] * refs
-                self._pages -= counted
-            refs, had = self._held.pop(tip, (0, 0))  # (a tip committed twice: deduplicated to one block)
+            free = self._take(parent) if parent is not None else []
+            refs, had, _ = self._held.pop(tip, (0, 0, 0))  # (a tip committed twice: deduplicated to one block)
             counted = max(had, int(depth))
-            self._held[tip] = [refs + 1, counted]
+            self._held[tip] = [refs + 1, counted, self._clock()]
             self._pages += counted - had
-            while self._held and (len(self._held) > self.max_tips or self._pages > self.max_pages):
-                vid, (refs, counted) = self._held.popitem(last=False)
-                free += [vid] * refs
-                self._pages -= counted
+            if not keep or counted > self.max_pages:  # (alone beyond the limit: the others stay)
+                free += self._take(tip)
+            deadline = self._clock() - HOLD_S
+            while self._held and (len(self._held) > self.max_tips or self._pages > self.max_pages
+                                  or self._held[next(iter(self._held))][2] < deadline):
+                free += self._take(next(iter(self._held)))
             return free
+
+    def stale(self) -> list[int]:
+        """The references held past HOLD_S, given up here (the caller frees them)."""
+        with self._lock:
+            deadline = self._clock() - HOLD_S
+            free: list[int] = []
+            while self._held and self._held[next(iter(self._held))][2] < deadline:
+                free += self._take(next(iter(self._held)))
+            return free
+
+    def let_go(self, client: Client | None) -> None:
+        """Give every reference held up (no later batch will name these tips: the backend's keys moved
+        to another clear epoch), freed through `client` where it is the one they were taken on (the
+        references of a client replaced since went with its session)."""
+        with self._lock:
+            free = [vid for vid, (refs, _, _) in self._held.items() for _ in range(refs)]
+            self._held.clear()
+            self._pages = 0
+        if free and client is not None and client is self.client:
+            try:
+                client.free(free)
+            except DFlash2Error as e:  # (they go at the client's detach at the latest)
+                log.warning("dflash2: the references held on %d chain tips were not given up (%s)", len(free), e)
+
+    def _take(self, vid: int) -> list[int]:
+        """Stop holding `vid` (under the lock): its references, one entry each (none when not held)."""
+        refs, counted, _ = self._held.pop(vid, (0, 0, 0))
+        self._pages -= counted
+        return [vid] * refs

@@ -128,3 +128,10 @@ def store_page(pool, page_index: int, raw) -> None:
 def load_page(pool, page_index: int, raw) -> None:
     """Copy a block into host page `page_index`."""
     pool.set_from_flat_data_page(page_index, block_tensor(raw, pool.dtype))
+
+
+def flat_bytes(t):
+    """A flat uint8 view of a contiguous torch tensor (a copy only when it is not contiguous)."""
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8)

@@ -1,0 +1,97 @@
+"""The chain tips sglang's backend holds (client/sglang/chains.py), through the backend and the real
+daemon: how deep a chain it holds, what it lets go (a call sglang passes no prefix keys, a clear, the
+tips of a client replaced since, those held past HOLD_S), and the tier's pages by its slots. Runs
+where sglang is importable (README, "sglang"), like test_sglang.py."""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+except Exception as exc:  # not installed, or installed without its dependencies
+    pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
+                "environment (README, 'sglang')", allow_module_level=True)
+
+from dflash2.client import Client
+from dflash2.client.sglang import chains
+from dflash2.client.sglang.chains import HeldTips
+from test_sglang import backends, daemon  # noqa: F401  (fixtures)
+from test_sglang import fill, host_pool, indices, make_backend
+
+
+def writer(daemon, backends):
+    """A backend over test_sglang's daemon (DRAM 16 MiB: 4,096 pages of 1 KiB in 4 KiB slots, a 32nd
+    of them 128), its host pool's pages 1-8 filled."""
+    pool = host_pool()
+    b = make_backend(daemon[0], pool)
+    backends.append(b)
+    fill(pool, list(range(1, 9)), seed=4)
+    return b
+
+
+def told(prefix: list[str]) -> HiCacheStorageExtraInfo:
+    return HiCacheStorageExtraInfo(prefix_keys=prefix)
+
+
+def test_the_tier_is_counted_by_the_slots_its_pages_take(daemon, backends):
+    b = writer(daemon, backends)
+    assert b.tips.max_pages == 4096 // 32
+    taken = 0
+    while b.client.allocate(b.layout_id, 1, tier="dram") is not None:
+        taken += 1
+    assert taken == 4096  # (the pages the tier holds, as HeldTips counts them)
+
+
+def test_a_chain_deeper_than_the_share_is_not_held(daemon, backends):
+    """The depth counts the prefix sglang names (a hold keeps the whole chain from being dropped)."""
+    b = writer(daemon, backends)
+    assert b.batch_set_v1(["a1"], indices([1]), told([f"p{i}" for i in range(127)])) == [True]
+    assert len(b.tips) == 1 and b.tips.pages == 128
+    assert b.batch_set_v1(["b1"], indices([2]), told([f"q{i}" for i in range(128)])) == [True]
+    assert len(b.tips) == 1 and b.tips.pages == 128  # 129 deep: given up at once
+    assert b.client.detach()["dereferenced"] == 1
+
+
+def test_a_call_sglang_passes_no_prefix_keys_keeps_no_tip_but_links_its_own_batches(daemon, backends):
+    b = writer(daemon, backends)
+    b.chunk_pages = 2
+    keys = [f"k{i}" for i in range(6)]
+    assert b.batch_set_v1(keys, indices([1, 2, 3, 4, 5, 6])) == [True] * 6  # (extra_info None: sglang's generic path)
+    assert b.batch_set_v1(["x"], indices([7]), told(None)) == [True]  # (hicache_storage_pass_prefix_keys off)
+    assert len(b.tips) == 0 and b.batch_exists(keys) == 6
+    assert b.client.detach()["dereferenced"] == 0
+
+
+def test_a_clear_lets_the_tips_go(daemon, backends):
+    b = writer(daemon, backends)
+    assert b.batch_set_v1(["c1", "c2"], indices([1, 2]), told([])) == [True, True]
+    assert len(b.tips) == 1
+    assert b.clear() is True
+    assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
+
+
+def test_tips_held_past_hold_s_go_at_the_next_store(daemon, backends, monkeypatch):
+    b = writer(daemon, backends)
+    now = [0.0]
+    b.tips = HeldTips(b.client, b.tips.max_pages * 32, clock=lambda: now[0])
+    assert b.batch_set_v1(["s1"], indices([1]), told([])) == [True]
+    now[0] = chains.HOLD_S + 1
+    assert b.batch_exists(["s1"]) == 1 and len(b.tips) == 1  # (a store lets them go, not a lookup)
+    # A store that commits nothing (its page cached already): the stale tip goes all the same
+    assert b.batch_set_v1(["s1"], indices([1]), told([])) == [True]
+    assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
+
+
+def test_a_store_through_a_client_other_than_the_tips_holds_nothing(daemon, backends):
+    """A storage thread still on the client a reattach replaced: the tips belong to the new one, and
+    a vid of one daemon must never be freed on another's client."""
+    b = writer(daemon, backends)
+    other = Client.connect(b.client.endpoint, name="other")
+    try:
+        b.tips = HeldTips(other, b.tips.max_pages * 32)
+        assert b.batch_set_v1(["o1", "o2"], indices([1, 2]), told([])) == [True, True]
+        assert len(b.tips) == 0
+        assert b.client.detach()["dereferenced"] == 0 and other.detach()["dereferenced"] == 0
+    finally:
+        other.close()
