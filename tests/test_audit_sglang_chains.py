@@ -13,6 +13,7 @@ except Exception as exc:  # not installed, or installed without its dependencies
     pytest.skip(f"sglang is not importable here ({type(exc).__name__}: {exc}); run these tests in the sglang "
                 "environment (README, 'sglang')", allow_module_level=True)
 
+from daemon_proc import DaemonProcess
 from dflash2.client import Client
 from dflash2.client.sglang import chains
 from dflash2.client.sglang.chains import HeldTips
@@ -95,3 +96,27 @@ def test_a_store_through_a_client_other_than_the_tips_holds_nothing(daemon, back
         assert b.client.detach()["dereferenced"] == 0 and other.detach()["dereferenced"] == 0
     finally:
         other.close()
+
+
+def test_a_write_refused_lets_the_backends_holds_go_and_is_tried_again(config_file, backends, monkeypatch):
+    """Held chains are not moved down for a write's room: a tier full of them (here one backend's,
+    its share raised to the whole tier) refused the next write. The backend lets its own go (but the
+    parent the write goes under) and tries once more."""
+    monkeypatch.setattr(chains, "HELD_PAGES_SHARE", 1.0)
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64})
+    proc = DaemonProcess(path).start()
+    try:
+        pool = host_pool(tokens=512)
+        b = make_backend(path, pool)
+        backends.append(b)
+        fill(pool, list(range(64)), seed=5)
+        for c in range(4):  # 4 chains of 64 pages: the 256 pages of 1 KiB the tier holds, in 4 KiB slots
+            assert b.batch_set_v1([f"c{c}-{i}" for i in range(64)], indices(list(range(64))), told([])) == [True] * 64
+        assert len(b.tips) == 4 and b.tips.pages == 256
+        # Under the oldest chain (lru's first to go once let go): it stays held, and links
+        assert b.batch_set_v1(["d0"], indices([1]), told([f"c0-{i}" for i in range(64)])) == [True]
+        assert len(b.tips) == 1 and b.batch_exists([f"c0-{i}" for i in range(64)] + ["d0"]) == 65
+        assert b.counters["writes_refused"] == 0 and b.counters["commits_unlinked"] == 0
+    finally:
+        proc.stop()

@@ -82,11 +82,15 @@ def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
     mine, other = Recorder(), Recorder()
     tips = HeldTips(mine, 32 * 100)
     tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
-    tips.let_go(other)  # (a client replaced since: the references went with the old one's session)
+    assert tips.let_go(other, "test") == 2  # (a client replaced since: the references went with its session)
     assert freed == [] and len(tips) == 0 and tips.pages == 0
     tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
-    tips.let_go(mine)
+    assert tips.let_go(mine, "test") == 2
     assert freed == [[1, 1, 2]] and len(tips) == 0
+    tips.extended(None, 1, 2), tips.extended(None, 2, 3)
+    assert tips.let_go(mine, "test", but=2) == 1  # (the parent a write goes under stays held)
+    assert freed[-1] == [1] and len(tips) == 1 and tips.pages == 3
+    assert tips.let_go(mine, "test", but=2) == 0 and freed[-1] == [1]
 
 
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():

@@ -334,6 +334,8 @@ class DFlash2Storage(HiCacheStorage):
             hi = min(n, lo + self.chunk_pages)
             try:
                 places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
+                if places is None and tips.let_go(client, "a write was refused (tried again)", but=parent):
+                    places = client.allocate(self.layout_id, hi - lo, tier=self.tier)  # (held chains may fill it)
                 if places is None:
                     self._refused(client, "writes", n - lo)
                     break
@@ -569,7 +571,7 @@ class DFlash2Storage(HiCacheStorage):
 
     def _move(self, space: clears.KeySpace, why: str) -> bool:
         self.space = space
-        self.tips.let_go(self.client)  # (no later batch will name the tips held)
+        self.tips.let_go(self.client, why)  # (no later batch will name the tips held)
         if self.keys is not None:
             self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, space.tag()))
         log.warning("dflash2: %s: this server's pages now have keys of clear epoch %d of launch %s (namespace %s): "

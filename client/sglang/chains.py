@@ -10,13 +10,14 @@ never read scores as a finished request's). Once it is gone, the next batch has 
 and lookups of the request's pages stop before it: the pages after it were stored for nothing.
 
 So the backend keeps its reference on the newest block of each chain it writes (`HeldTips`), until a
-later batch is committed under it, HOLD_S after its batch, or it is among the oldest beyond the
-limits; a tip no later batch can name (sglang passes no prefix keys) is not kept past its call. A
-block with a reference is never dropped, nor is any block above it in its chain (a cached child
-holds its parent): a hold keeps a whole chain, shared prefix and all, so the limits count each held
-chain's whole depth against a share of the tier the backend writes to. Nor is a held chain moved
-down to make room for a write (only idle blocks are), and `heat` scores a held block as one in use:
-where the holds of many backends fill a tier, writes into it are refused until they are let go.
+later batch is committed under it, HOLD_S after its batch, it is among the oldest beyond the limits,
+or a write of the backend's is refused; a tip no later batch can name (sglang passes no prefix keys)
+is not kept past its call. A block with a reference is never dropped, nor is any block above it in
+its chain (a cached child holds its parent): a hold keeps a whole chain, shared prefix and all, so
+the limits count each held chain's whole depth against a share of the tier the backend writes to.
+Nor is a held chain moved down to make room for a write (only idle blocks are), and `heat` scores a
+held block as one in use: where holds fill a tier, writes into it are refused until they are let go
+(a backend lets its own go when its write is refused, and tries once more).
 """
 
 from __future__ import annotations
@@ -132,19 +133,27 @@ class HeldTips:
                 free += self._take(next(iter(self._held)))
             return free
 
-    def let_go(self, client: Client | None) -> None:
-        """Give every reference held up (no later batch will name these tips: the backend's keys moved
-        to another clear epoch), freed through `client` where it is the one they were taken on (the
-        references of a client replaced since went with its session)."""
+    def let_go(self, client: Client | None, why: str, but: int | None = None) -> int:
+        """Give every reference held up but `but`'s (the tips no later batch will name, as after a
+        clear, or whose chains may be what fills the tier a write was refused), freed through
+        `client` where it is the one they were taken on (the references of a client replaced since
+        went with its session). Returns how many tips were let go."""
         with self._lock:
+            kept = self._held.pop(but, None) if but is not None else None
             free = [vid for vid, (refs, _, _) in self._held.items() for _ in range(refs)]
+            tips = len(self._held)
             self._held.clear()
             self._pages = 0
+            if kept is not None:
+                self._held[but] = kept
+                self._pages = kept[1]
         if free and client is not None and client is self.client:
             try:
                 client.free(free)
+                log.info("dflash2: %s: the references held on %d chain tips were given up", why, tips)
             except DFlash2Error as e:  # (they go at the client's detach at the latest)
-                log.warning("dflash2: the references held on %d chain tips were not given up (%s)", len(free), e)
+                log.warning("dflash2: %s: the references held on %d chain tips were not given up (%s)", why, tips, e)
+        return tips
 
     def _take(self, vid: int) -> list[int]:
         """Stop holding `vid` (under the lock): its references, one entry each (none when not held)."""
