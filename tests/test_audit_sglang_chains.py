@@ -17,8 +17,9 @@ from daemon_proc import DaemonProcess
 from dflash2.client import Client
 from dflash2.client.sglang import chains
 from dflash2.client.sglang.chains import HeldTips
-from test_sglang import backends, daemon  # noqa: F401  (fixtures)
-from test_sglang import fill, host_pool, indices, make_backend
+from dflash2.client.sglang.pages import store_page
+from test_sglang import a_process_of_its_own, backends, daemon  # noqa: F401  (fixtures; the first autouse)
+from test_sglang import PAGE, fill, host_pool, indices, make_backend
 
 
 def writer(daemon, backends):
@@ -64,11 +65,28 @@ def test_a_call_sglang_passes_no_prefix_keys_keeps_no_tip_but_links_its_own_batc
     assert b.client.detach()["dereferenced"] == 0
 
 
-def test_a_clear_lets_the_tips_go(daemon, backends):
+def test_a_clear_lets_the_tips_go_at_the_next_store(daemon, backends, monkeypatch):
     b = writer(daemon, backends)
     assert b.batch_set_v1(["c1", "c2"], indices([1, 2]), told([])) == [True, True]
     assert len(b.tips) == 1
-    assert b.clear() is True
+    with monkeypatch.context() as m:  # (sglang's scheduler thread, under the backend's lock: no daemon call)
+        m.setattr(b.client, "free", lambda vids: pytest.fail("a clear called the daemon"))
+        assert b.clear() is True
+    assert len(b.tips) == 0
+    assert b.batch_set_v1(["c3"], indices([3]), told([])) == [True]
+    assert len(b.tips) == 1 and b.client.detach()["dereferenced"] == 1  # c3's alone
+
+
+def test_a_call_without_prefix_keys_that_ends_early_keeps_no_tip(daemon, backends, monkeypatch):
+    b = writer(daemon, backends)
+    b.chunk_pages = 2
+    real, calls = b.client.allocate, []
+
+    def second_refused(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw) if len(calls) == 1 else None
+    monkeypatch.setattr(b.client, "allocate", second_refused)
+    assert b.batch_set_v1(["e1", "e2", "e3", "e4"], indices([1, 2, 3, 4])) == [True, True, False, False]
     assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
 
 
@@ -118,5 +136,32 @@ def test_a_write_refused_lets_the_backends_holds_go_and_is_tried_again(config_fi
         assert b.batch_set_v1(["d0"], indices([1]), told([f"c0-{i}" for i in range(64)])) == [True]
         assert len(b.tips) == 1 and b.batch_exists([f"c0-{i}" for i in range(64)] + ["d0"]) == 65
         assert b.counters["writes_refused"] == 0 and b.counters["commits_unlinked"] == 0
+    finally:
+        proc.stop()
+
+
+
+def test_a_call_without_prefix_keys_keeps_its_tip_for_its_own_next_chunk(config_file, backends):
+    """Between two chunks of one call another server writes more than the DRAM tier holds (no NVMe):
+    the first chunk's tip is held, and the second links under it."""
+    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
+                               "nvme_path": None, "page_kb": 64}, policy={"name": "heat"})
+    proc = DaemonProcess(path).start()
+    try:
+        pool = host_pool(tokens=512)
+        b, other = make_backend(path, pool), make_backend(path, pool)
+        backends.extend([b, other])
+        fill(pool, list(range(64)), seed=6)
+        b.chunk_pages = 2
+
+        def write(i, raw):
+            if i == 2:  # the second chunk's blocks are allocated: 5 MiB of single-use pages meanwhile
+                for r in range(80):
+                    other.batch_set_v1([f"o{r}-{k}" for k in range(64)], indices(list(range(64))))
+            store_page(pool, (i + 1) * PAGE, raw)
+        keys = ["f1", "f2", "f3", "f4"]
+        assert b._store(b.client, keys, write, None) == [True] * 4
+        assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
+        assert len(b.tips) == 0
     finally:
         proc.stop()

@@ -93,6 +93,17 @@ def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
     assert tips.let_go(mine, "test", but=2) == 0 and freed[-1] == [1]
 
 
+def test_tips_let_go_later_are_given_up_at_the_next_stale_and_one_can_go_alone():
+    tips = HeldTips(None, 32 * 100)
+    tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
+    tips.let_go_later()
+    assert len(tips) == 0 and tips.pages == 0
+    assert sorted(tips.stale()) == [1, 1, 2] and tips.stale() == []
+    tips.extended(None, 3, 2), tips.extended(None, 4, 2)
+    assert tips.let_go(None, "test", only=3) == 1 and list(tips._held) == [4] and tips.pages == 2
+    assert tips.let_go(None, "test", only=3) == 0
+
+
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():
     assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 1024) == 512
     assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 4097) == 256

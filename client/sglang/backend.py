@@ -325,7 +325,8 @@ class DFlash2Storage(HiCacheStorage):
         ok[:start] = [True] * start
         self._count("pages_deduplicated", start)
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
-        tips = self.tips if self.tips.client is client else HeldTips(client, 0)
+        if (tips := self.tips).client is not client:  # (read once: a reattach may replace it meanwhile)
+            tips = HeldTips(client, 0)
         if stale := tips.stale():
             client.free(stale)
         told = getattr(extra_info, "prefix_keys", None)  # (None: sglang names no parent later, chains.py)
@@ -369,6 +370,8 @@ class DFlash2Storage(HiCacheStorage):
             self._count("pages_deduplicated", twins)
             self._count("pages_set", hi - lo - twins)
             self._note_moved(hi - lo - twins)
+        if told is None and start < n and ok[start] and not ok[-1]:  # (its tip kept for a chunk that never came)
+            tips.let_go(client, "a call without prefix keys ended early", only=parent)
         return ok
 
     def _prefix_parent(self, client: Client, extra_info) -> int | None:
@@ -571,7 +574,7 @@ class DFlash2Storage(HiCacheStorage):
 
     def _move(self, space: clears.KeySpace, why: str) -> bool:
         self.space = space
-        self.tips.let_go(self.client, why)  # (no later batch will name the tips held)
+        self.tips.let_go_later()  # (no later batch will name the tips held)
         if self.keys is not None:
             self.keys = KeyMapper(namespace(self.shard, self.page, self.model_id, space.tag()))
         log.warning("dflash2: %s: this server's pages now have keys of clear epoch %d of launch %s (namespace %s): "

@@ -10,14 +10,14 @@ never read scores as a finished request's). Once it is gone, the next batch has 
 and lookups of the request's pages stop before it: the pages after it were stored for nothing.
 
 So the backend keeps its reference on the newest block of each chain it writes (`HeldTips`), until a
-later batch is committed under it, HOLD_S after its batch, it is among the oldest beyond the limits,
-or a write of the backend's is refused; a tip no later batch can name (sglang passes no prefix keys)
-is not kept past its call. A block with a reference is never dropped, nor is any block above it in
-its chain (a cached child holds its parent): a hold keeps a whole chain, shared prefix and all, so
-the limits count each held chain's whole depth against a share of the tier the backend writes to.
-Nor is a held chain moved down to make room for a write (only idle blocks are), and `heat` scores a
-held block as one in use: where holds fill a tier, writes into it are refused until they are let go
-(a backend lets its own go when its write is refused, and tries once more).
+later batch is committed under it, at a store HOLD_S after its batch, it is among the oldest beyond
+the limits, or a write of the backend's is refused; a tip no later batch can name (sglang passes no
+prefix keys) is not kept past its call. A block with a reference is never dropped, nor is any block
+above it in its chain (a cached child holds its parent): a hold keeps a whole chain, shared prefix
+and all, so the limits count each held chain's whole depth against a share of the tier the backend
+writes to. Nor is a held chain moved down to make room for a write (only idle blocks are), and
+`heat` scores a held block as one in use: where holds fill a tier, writes into it are refused until
+they are let go (a backend lets its own go when its write is refused, and tries once more).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ MAX_HELD_TIPS = 64
 # ... and their depths' sum at most: this share of its tier's pages (1/32: the tensor-parallel ranks of
 # an 8-GPU server keep at most a quarter of their tier's worth of pages out of reach of dropping)
 HELD_PAGES_SHARE = 1 / 32
-# ... each for this long after its batch at most (seconds): sglang backs a request's chunks up as they
-# are prefilled, and its decoded tail when it finishes
+# ... each let go at a store this long after its batch (seconds): sglang backs a request's chunks up
+# as they are prefilled, and its decoded tail when it finishes
 HOLD_S = 30.0
 
 
@@ -96,6 +96,7 @@ class HeldTips:
         # tip vid -> [references held on it, its depth, when its batch was committed], oldest first
         self._held: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._pages = 0
+        self._later: list[int] = []  # references no longer held, to free at the next `stale`
 
     def __len__(self) -> int:
         return len(self._held)
@@ -125,35 +126,41 @@ class HeldTips:
             return free
 
     def stale(self) -> list[int]:
-        """The references held past HOLD_S, given up here (the caller frees them)."""
+        """The references held past HOLD_S, and those let go for later (`let_go_later`), given up here
+        (the caller frees them)."""
         with self._lock:
             deadline = self._clock() - HOLD_S
-            free: list[int] = []
+            free, self._later = self._later, []
             while self._held and self._held[next(iter(self._held))][2] < deadline:
                 free += self._take(next(iter(self._held)))
             return free
 
-    def let_go(self, client: Client | None, why: str, but: int | None = None) -> int:
-        """Give every reference held up but `but`'s (the tips no later batch will name, as after a
-        clear, or whose chains may be what fills the tier a write was refused), freed through
-        `client` where it is the one they were taken on (the references of a client replaced since
-        went with its session). Returns how many tips were let go."""
+    def let_go_later(self) -> None:
+        """Stop holding every tip (no later batch will name them: the backend's keys moved to another
+        clear epoch); their references are given up by the next `stale` (sglang's clear runs in its
+        scheduler's thread, under the backend's lock: no daemon call there)."""
         with self._lock:
-            kept = self._held.pop(but, None) if but is not None else None
-            free = [vid for vid, (refs, _, _) in self._held.items() for _ in range(refs)]
-            tips = len(self._held)
+            self._later += [vid for vid, (refs, _, _) in self._held.items() for _ in range(refs)]
             self._held.clear()
             self._pages = 0
-            if kept is not None:
-                self._held[but] = kept
-                self._pages = kept[1]
+
+    def let_go(self, client: Client | None, why: str, but: int | None = None, only: int | None = None) -> int:
+        """Give the references of every tip held up, but `but`'s (a write was refused: their chains may
+        be what fills the tier), or of `only` (a call without prefix keys ended before the chunk
+        its tip was kept for), freed through `client` where it is the one they were taken on (the
+        references of a client replaced since went with its session). Returns how many tips went."""
+        with self._lock:
+            going = [only] if only is not None else [vid for vid in self._held if vid != but]
+            going = [vid for vid in going if vid in self._held]
+            free = [v for vid in going for v in self._take(vid)]
         if free and client is not None and client is self.client:
             try:
                 client.free(free)
-                log.info("dflash2: %s: the references held on %d chain tips were given up", why, tips)
+                log.info("dflash2: %s: the references held on %d chain tips were given up", why, len(going))
             except DFlash2Error as e:  # (they go at the client's detach at the latest)
-                log.warning("dflash2: %s: the references held on %d chain tips were not given up (%s)", why, tips, e)
-        return tips
+                log.warning("dflash2: %s: the references held on %d chain tips were not given up (%s)", why,
+                            len(going), e)
+        return len(going)
 
     def _take(self, vid: int) -> list[int]:
         """Stop holding `vid` (under the lock): its references, one entry each (none when not held)."""
