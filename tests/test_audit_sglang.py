@@ -202,37 +202,6 @@ def test_pages_whose_parent_was_evicted_meanwhile_are_stored_unlinked_and_counte
     assert backend.batch_exists(KEYS[:2]) == 2
 
 
-def test_a_chain_backed_up_in_batches_keeps_its_link_while_other_writes_fill_the_cache(config_file, backends):
-    """sglang backs a request up in batches, each naming the keys before it. Between two batches
-    another server writes more single-use pages than the DRAM tier holds (no NVMe): the first
-    batch's last page, freed by the backend before, was dropped, and the second batch was stored
-    where no lookup of the request reaches it (batch_exists 0 of 4). The backend keeps its
-    reference on a batch's last page until the next batch links to it (chains.py)."""
-    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
-                               "nvme_path": None, "page_kb": 64},
-                       policy={"name": "heat", "cold_threshold": 0.5, "swap_batch_size": 64})
-    proc = DaemonProcess(path).start()
-    try:
-        pool = host_pool(tokens=512)
-        writer, other = make_backend(path, pool), make_backend(path, pool)
-        backends.extend([writer, other])
-        fill(pool, list(range(64)), seed=3)
-        first = [f"chain-{i}" for i in range(3)]
-        # (sglang passes the first batch of a chain its prefix keys too: none, `[]`)
-        assert writer.batch_set_v1(first, indices([1, 2, 3]), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 3
-        for r in range(80):  # 80 x 64 pages of 1 KiB: 5 MiB written once into a DRAM tier of 1 MiB
-            assert other.batch_set_v1([f"other-{r}-{i}" for i in range(64)], indices(list(range(64)))) == [True] * 64
-        info = HiCacheStorageExtraInfo(prefix_keys=first)
-        assert writer.batch_set_v1(["chain-3"], indices([4]), info) == [True]
-        assert writer.batch_exists(first + ["chain-3"]) == 4
-        assert writer.counters["commits_unlinked"] == 0
-        # The writer holds its chain's tip; the other's chains, 64 pages deep, are beyond a backend's
-        # share (a 32nd of the 256 pages of 1 KiB the tier holds, in slots of 4 KiB): none held.
-        assert len(writer.tips) == 1 and len(other.tips) == 0
-    finally:
-        proc.stop()
-
-
 def test_a_daemon_restarted_on_another_config_gets_pages_in_the_tiers_it_has(config_file, backends, monkeypatch,
                                                                              caplog):
     """A daemon killed and restarted with a changed config (here without its DRAM tier): the backend

@@ -36,6 +36,52 @@ def told(prefix: list[str]) -> HiCacheStorageExtraInfo:
     return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
+@pytest.fixture
+def small_dram(config_file, backends):
+    """`make(policy)`: a daemon of DRAM 1 MiB and no NVMe (256 pages of 1 KiB in 4 KiB slots: more
+    single-use writes drop cached pages from the cache), and two backends over one host pool whose
+    pages 0-63 are filled."""
+    procs = []
+
+    def make(policy: str = "lru"):
+        path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
+                                   "nvme_path": None, "page_kb": 64}, policy={"name": policy})
+        procs.append(DaemonProcess(path).start())
+        pool = host_pool(tokens=512)
+        pair = make_backend(path, pool), make_backend(path, pool)
+        backends.extend(pair)
+        fill(pool, list(range(64)), seed=5)
+        return pool, *pair
+    yield make
+    for proc in procs:
+        proc.stop()
+
+
+def flood(other) -> None:
+    """80 x 64 single-use pages of 1 KiB through `other`: 5 MiB into the DRAM tier of 1 MiB."""
+    for r in range(80):
+        assert other.batch_set_v1([f"o{r}-{k}" for k in range(64)], indices(list(range(64)))) == [True] * 64
+
+
+def test_a_chain_backed_up_in_batches_keeps_its_link_while_other_writes_fill_the_cache(small_dram):
+    """sglang backs a request up in batches, each naming the keys before it. Between two batches
+    another server writes more single-use pages than the DRAM tier holds (no NVMe): the first
+    batch's last page, freed by the backend before, was dropped, and the second batch was stored
+    where no lookup of the request reaches it (batch_exists 0 of 4). The backend keeps its
+    reference on a batch's last page until the next batch links to it (chains.py)."""
+    _, writer, other = small_dram("heat")
+    first = [f"chain-{i}" for i in range(3)]
+    # (sglang passes the first batch of a chain its prefix keys too: none, `[]`)
+    assert writer.batch_set_v1(first, indices([1, 2, 3]), told([])) == [True] * 3
+    flood(other)
+    assert writer.batch_set_v1(["chain-3"], indices([4]), told(first)) == [True]
+    assert writer.batch_exists(first + ["chain-3"]) == 4
+    assert writer.counters["commits_unlinked"] == 0
+    # The writer holds its chain's tip; the other's chains, 64 pages deep, are beyond a backend's
+    # share (a 32nd of the 256 pages of 1 KiB the tier holds): none held.
+    assert len(writer.tips) == 1 and len(other.tips) == 0
+
+
 def test_the_tier_is_counted_by_the_slots_its_pages_take(daemon, backends):
     b = writer(daemon, backends)
     assert b.tips.max_pages == 4096 // 32
@@ -116,52 +162,32 @@ def test_a_store_through_a_client_other_than_the_tips_holds_nothing(daemon, back
         other.close()
 
 
-def test_a_write_refused_lets_the_backends_holds_go_and_is_tried_again(config_file, backends, monkeypatch):
+def test_a_write_refused_lets_the_backends_holds_go_and_is_tried_again(small_dram, monkeypatch):
     """Held chains are not moved down for a write's room: a tier full of them (here one backend's,
     its share raised to the whole tier) refused the next write. The backend lets its own go (but the
     parent the write goes under) and tries once more."""
     monkeypatch.setattr(chains, "HELD_PAGES_SHARE", 1.0)
-    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
-                               "nvme_path": None, "page_kb": 64})
-    proc = DaemonProcess(path).start()
-    try:
-        pool = host_pool(tokens=512)
-        b = make_backend(path, pool)
-        backends.append(b)
-        fill(pool, list(range(64)), seed=5)
-        for c in range(4):  # 4 chains of 64 pages: the 256 pages of 1 KiB the tier holds, in 4 KiB slots
-            assert b.batch_set_v1([f"c{c}-{i}" for i in range(64)], indices(list(range(64))), told([])) == [True] * 64
-        assert len(b.tips) == 4 and b.tips.pages == 256
-        # Under the oldest chain (lru's first to go once let go): it stays held, and links
-        assert b.batch_set_v1(["d0"], indices([1]), told([f"c0-{i}" for i in range(64)])) == [True]
-        assert len(b.tips) == 1 and b.batch_exists([f"c0-{i}" for i in range(64)] + ["d0"]) == 65
-        assert b.counters["writes_refused"] == 0 and b.counters["commits_unlinked"] == 0
-    finally:
-        proc.stop()
+    _, b, _ = small_dram("lru")
+    for c in range(4):  # 4 chains of 64 pages: the 256 pages the tier holds
+        assert b.batch_set_v1([f"c{c}-{i}" for i in range(64)], indices(list(range(64))), told([])) == [True] * 64
+    assert len(b.tips) == 4 and b.tips.pages == 256
+    # Under the oldest chain (lru's first to go once let go): it stays held, and links
+    assert b.batch_set_v1(["d0"], indices([1]), told([f"c0-{i}" for i in range(64)])) == [True]
+    assert len(b.tips) == 1 and b.batch_exists([f"c0-{i}" for i in range(64)] + ["d0"]) == 65
+    assert b.counters["writes_refused"] == 0 and b.counters["commits_unlinked"] == 0
 
 
-
-def test_a_call_without_prefix_keys_keeps_its_tip_for_its_own_next_chunk(config_file, backends):
+def test_a_call_without_prefix_keys_keeps_its_tip_for_its_own_next_chunk(small_dram):
     """Between two chunks of one call another server writes more than the DRAM tier holds (no NVMe):
     the first chunk's tip is held, and the second links under it."""
-    path = config_file(memory={"hbm_capacity_mb": 8, "dram_capacity_mb": 1, "nvme_capacity_mb": 0,
-                               "nvme_path": None, "page_kb": 64}, policy={"name": "heat"})
-    proc = DaemonProcess(path).start()
-    try:
-        pool = host_pool(tokens=512)
-        b, other = make_backend(path, pool), make_backend(path, pool)
-        backends.extend([b, other])
-        fill(pool, list(range(64)), seed=6)
-        b.chunk_pages = 2
+    pool, b, other = small_dram("heat")
+    b.chunk_pages = 2
 
-        def write(i, raw):
-            if i == 2:  # the second chunk's blocks are allocated: 5 MiB of single-use pages meanwhile
-                for r in range(80):
-                    other.batch_set_v1([f"o{r}-{k}" for k in range(64)], indices(list(range(64))))
-            store_page(pool, (i + 1) * PAGE, raw)
-        keys = ["f1", "f2", "f3", "f4"]
-        assert b._store(b.client, keys, write, None) == [True] * 4
-        assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
-        assert len(b.tips) == 0
-    finally:
-        proc.stop()
+    def write(i, raw):
+        if i == 2:  # the second chunk's blocks are allocated: the flood meanwhile
+            flood(other)
+        store_page(pool, (i + 1) * PAGE, raw)
+    keys = ["f1", "f2", "f3", "f4"]
+    assert b._store(b.client, keys, write, None) == [True] * 4
+    assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
+    assert len(b.tips) == 0

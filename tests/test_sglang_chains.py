@@ -1,7 +1,7 @@
 """The chain tips sglang's backend keeps (client/sglang/chains.py, no sglang import): the limits of
 `HeldTips`, and, against the real daemon, that a held tip keeps its chain through the drops other
 writes make, where a freed one is dropped and the next batch cannot link to it. The backend's own
-use of it is in tests/test_audit_sglang.py (run where sglang is importable)."""
+use of it is in tests/test_audit_sglang_chains.py (run where sglang is importable)."""
 
 from __future__ import annotations
 
