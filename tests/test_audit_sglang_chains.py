@@ -111,6 +111,27 @@ def test_a_call_sglang_passes_no_prefix_keys_keeps_no_tip_but_links_its_own_batc
     assert b.client.detach()["dereferenced"] == 0
 
 
+def test_a_call_without_prefix_keys_whose_free_fails_keeps_no_tip(daemon, backends, monkeypatch):
+    """The second chunk's free answered an error after it ran (the chunk committed, its tip kept for
+    the third): the call ends there and lets that tip go (it let the first chunk's go, already gone)."""
+    from dflash2.errors import DaemonError
+
+    b = writer(daemon, backends)
+    b.chunk_pages = 2
+    real, calls = b.client.free, []
+
+    def free(vids):
+        calls.append(1)
+        out = real(vids)
+        if len(calls) == 2:
+            raise DaemonError("Simulated", "the free's answer was an error")
+        return out
+    monkeypatch.setattr(b.client, "free", free)
+    assert b.batch_set_v1([f"k{i}" for i in range(6)], indices([1, 2, 3, 4, 5, 6])) == [True, True] + [False] * 4
+    monkeypatch.setattr(b.client, "free", real)
+    assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
+
+
 def test_a_clear_lets_the_tips_go_at_the_next_store(daemon, backends, monkeypatch):
     b = writer(daemon, backends)
     assert b.batch_set_v1(["c1", "c2"], indices([1, 2]), told([])) == [True, True]
@@ -191,3 +212,31 @@ def test_a_call_without_prefix_keys_keeps_its_tip_for_its_own_next_chunk(small_d
     assert b._store(b.client, keys, write, None) == [True] * 4
     assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
     assert len(b.tips) == 0
+
+
+def test_a_write_refused_keeps_the_tips_other_stores_write_under(small_dram, monkeypatch):
+    """Two stores of one backend at once (sglang's storage threads): while B's second chunk is being
+    written under its first chunk's tip, A's write is refused and A lets the backend's tips go; B's
+    parent stays held (it went too, a review: then dropped by other writes, and B's chunk unlinked)."""
+    pool, b, other = small_dram("heat")
+    b.chunk_pages = 2
+    real, refuse = b.client.allocate, [0]
+
+    def allocate(*a, **kw):
+        if refuse[0]:
+            refuse[0] -= 1
+            return None
+        return real(*a, **kw)
+    monkeypatch.setattr(b.client, "allocate", allocate)
+
+    def write(i, raw):
+        if i == 2:  # B's second chunk is allocated: A's store now, its first allocate refused
+            refuse[0] = 1
+            assert b._store(b.client, ["a1"], lambda i, raw: store_page(pool, 9 * PAGE, raw), told([])) == [True]
+            flood(other)
+        store_page(pool, (i + 1) * PAGE, raw)
+    assert b.batch_set_v1(["z1"], indices([8]), told([])) == [True]  # (a tip of the backend's, to let go)
+    keys = ["f1", "f2", "f3", "f4"]
+    assert b._store(b.client, keys, write, None) == [True] * 4
+    assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
+    assert b.client.detach()["dereferenced"] == 1  # a1's tip: z1's went at A's refusal, B's at its end

@@ -87,10 +87,14 @@ def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
     tips.extended(None, 1, 2), tips.extended(None, 1, 2), tips.extended(None, 2, 2)
     assert tips.let_go(mine, "test") == 2
     assert freed == [[1, 1, 2]] and len(tips) == 0
-    tips.extended(None, 1, 2), tips.extended(None, 2, 3)
-    assert tips.let_go(mine, "test", but=2) == 1  # (the parent a write goes under stays held)
-    assert freed[-1] == [1] and len(tips) == 1 and tips.pages == 3
-    assert tips.let_go(mine, "test", but=2) == 0 and freed[-1] == [1]
+    tips.extended(None, 1, 2), tips.extended(None, 2, 3), tips.extended(None, 3, 1)
+    with tips.under(2), tips.under(3), tips.under(3):  # (batches being written under 2 and 3)
+        with tips.under(3):
+            pass
+        assert tips.let_go(mine, "test") == 1  # the parents of writes under way stay held
+        assert freed[-1] == [1] and len(tips) == 2 and tips.pages == 4
+    assert tips._under == {}
+    assert tips.let_go(mine, "test") == 2 and freed[-1] == [2, 3]
 
 
 def test_tips_let_go_later_are_given_up_at_the_next_stale_and_one_can_go_alone():

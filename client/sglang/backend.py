@@ -330,39 +330,40 @@ class DFlash2Storage(HiCacheStorage):
         if stale := tips.stale():
             client.free(stale)
         told = getattr(extra_info, "prefix_keys", None)  # (None: sglang names no parent later, chains.py)
-        above = len(told or ())  # (the chain's pages before the batch)
+        above, mine = len(told or ()), None  # (the chain's pages before the batch; the last tip committed here)
         for lo in range(start, n, self.chunk_pages):
             hi = min(n, lo + self.chunk_pages)
             try:
-                places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
-                if places is None and tips.let_go(client, "a write was refused (tried again)", but=parent):
-                    places = client.allocate(self.layout_id, hi - lo, tier=self.tier)  # (held chains may fill it)
-                if places is None:
-                    self._refused(client, "writes", n - lo)
-                    break
-                try:
-                    for place, i in zip(places, range(lo, hi)):
-                        write(i, client.view_bytes(place))
-                    held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
-                except DaemonUnavailable:
-                    # The commit timed out: the client asked the daemon to forget it, which drops
-                    # these blocks whichever way it went (protocol.UNDOABLE). A free from here could
-                    # name ids a late commit replaced, or be lost on a socket the daemon never read.
-                    raise
-                except BaseException:
-                    client.free(places["vid"])  # written or not, never committed: give them back
-                    raise
-                # Our reference on the batch's last block stays, the next batch's parent (chains.py).
-                let_go = tips.extended(parent, int(held[-1]), above + hi, told is not None or hi < n)
-                unheld = np.concatenate([held[:-1], np.asarray(let_go, dtype=held.dtype)])
-                if len(unheld):
-                    client.free(unheld)
+                with tips.under(parent):  # (a write refused lets the backend's tips go, but those written under)
+                    places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
+                    if places is None and tips.let_go(client, "a write was refused (tried again)"):
+                        places = client.allocate(self.layout_id, hi - lo, tier=self.tier)  # (held chains may fill it)
+                    if places is None:
+                        self._refused(client, "writes", n - lo)
+                        break
+                    try:
+                        for place, i in zip(places, range(lo, hi)):
+                            write(i, client.view_bytes(place))
+                        held = self._commit(client, places["vid"], ckeys[lo:hi], parent)
+                    except DaemonUnavailable:
+                        # The commit timed out: the client asked the daemon to forget it, which drops
+                        # these blocks whichever way it went (protocol.UNDOABLE). A free from here could
+                        # name ids a late commit replaced, or be lost on a socket the daemon never read.
+                        raise
+                    except BaseException:
+                        client.free(places["vid"])  # written or not, never committed: give them back
+                        raise
+                    # Our reference on the batch's last block stays, the next batch's parent (chains.py).
+                    let_go = tips.extended(parent, mine := int(held[-1]), above + hi, told is not None or hi < n)
+                    parent = mine  # (before the free: a call without prefix keys that fails there lets it go, below)
+                    unheld = np.concatenate([held[:-1], np.asarray(let_go, dtype=held.dtype)])
+                    if len(unheld):
+                        client.free(unheld)
             except DFlash2Error as e:
                 if not any(ok):
                     raise  # nothing stored: the call failed as a whole
                 self._failed(client, e)  # the pages stored so far stay stored, and say so
                 break
-            parent = int(held[-1])
             ok[lo:hi] = [True] * (hi - lo)
             # A page another server cached since the lookup: its commit answered that block (counted
             # stored, it was not: a review).
@@ -370,8 +371,8 @@ class DFlash2Storage(HiCacheStorage):
             self._count("pages_deduplicated", twins)
             self._count("pages_set", hi - lo - twins)
             self._note_moved(hi - lo - twins)
-        if told is None and start < n and ok[start] and not ok[-1]:  # (its tip kept for a chunk that never came)
-            tips.let_go(client, "a call without prefix keys ended early", only=parent)
+        if told is None and mine is not None and not ok[-1]:  # (its tip kept for a chunk that never came)
+            tips.let_go(client, "a call without prefix keys ended early", only=mine)
         return ok
 
     def _prefix_parent(self, client: Client, extra_info) -> int | None:

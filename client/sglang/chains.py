@@ -23,6 +23,7 @@ they are let go (a backend lets its own go when its write is refused, and tries 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -97,6 +98,7 @@ class HeldTips:
         self._held: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._pages = 0
         self._later: list[int] = []  # references no longer held, to free at the next `stale`
+        self._under: collections.Counter = collections.Counter()  # parents of batches being written (`under`)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -144,13 +146,28 @@ class HeldTips:
             self._held.clear()
             self._pages = 0
 
-    def let_go(self, client: Client | None, why: str, but: int | None = None, only: int | None = None) -> int:
-        """Give the references of every tip held up, but `but`'s (a write was refused: their chains may
-        be what fills the tier), or of `only` (a call without prefix keys ended before the chunk
-        its tip was kept for), freed through `client` where it is the one they were taken on (the
-        references of a client replaced since went with its session). Returns how many tips went."""
+    @contextlib.contextmanager
+    def under(self, parent: int | None):
+        """While a batch is written under `parent`: `let_go` keeps it held (the store's own, or another
+        storage thread's at the time)."""
         with self._lock:
-            going = [only] if only is not None else [vid for vid in self._held if vid != but]
+            self._under[parent] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._under[parent] -= 1
+                if not self._under[parent]:
+                    del self._under[parent]
+
+    def let_go(self, client: Client | None, why: str, only: int | None = None) -> int:
+        """Give the references of every tip held up, but those batches are being written under (a
+        write was refused: their chains may be what fills the tier), or of `only` (a call without
+        prefix keys ended before the chunk its tip was kept for), freed through `client` where it is
+        the one they were taken on (the references of a client replaced since went with its
+        session). Returns how many tips went."""
+        with self._lock:
+            going = [only] if only is not None else [vid for vid in self._held if vid not in self._under]
             going = [vid for vid in going if vid in self._held]
             free = [v for vid in going for v in self._take(vid)]
         if free and client is not None and client is self.client:
