@@ -111,9 +111,11 @@ def test_a_call_sglang_passes_no_prefix_keys_keeps_no_tip_but_links_its_own_batc
     assert b.client.detach()["dereferenced"] == 0
 
 
-def test_a_call_without_prefix_keys_whose_free_fails_keeps_no_tip(daemon, backends, monkeypatch):
-    """The second chunk's free answered an error after it ran (the chunk committed, its tip kept for
-    the third): the call ends there and lets that tip go (it let the first chunk's go, already gone)."""
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_call_without_prefix_keys_whose_free_fails_keeps_no_tip(daemon, backends, monkeypatch, failing):
+    """The first or second chunk's free answered an error after it ran (the chunk committed, its tip
+    kept for the next): the call ends there and lets that tip go (reviews: it let the chunk before's
+    go, already gone; the first's, it kept, the call failing as a whole)."""
     from dflash2.errors import DaemonError
 
     b = writer(daemon, backends)
@@ -123,11 +125,13 @@ def test_a_call_without_prefix_keys_whose_free_fails_keeps_no_tip(daemon, backen
     def free(vids):
         calls.append(1)
         out = real(vids)
-        if len(calls) == 2:
+        if len(calls) == failing:
             raise DaemonError("Simulated", "the free's answer was an error")
         return out
     monkeypatch.setattr(b.client, "free", free)
-    assert b.batch_set_v1([f"k{i}" for i in range(6)], indices([1, 2, 3, 4, 5, 6])) == [True, True] + [False] * 4
+    stored = [True, True] if failing == 2 else []  # (a call whose first chunk failed fails as a whole)
+    pages = b.batch_set_v1([f"k{i}" for i in range(6)], indices([1, 2, 3, 4, 5, 6]))
+    assert pages == stored + [False] * (6 - len(stored))
     monkeypatch.setattr(b.client, "free", real)
     assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
 
@@ -161,12 +165,14 @@ def test_tips_held_past_hold_s_go_at_the_next_store(daemon, backends, monkeypatc
     b = writer(daemon, backends)
     now = [0.0]
     b.tips = HeldTips(b.client, b.tips.max_pages * 32, clock=lambda: now[0])
+    assert b.batch_set_v1(["t1"], indices([2])) == [True]  # (no prefix keys: nothing held)
     assert b.batch_set_v1(["s1"], indices([1]), told([])) == [True]
     now[0] = chains.HOLD_S + 1
     assert b.batch_exists(["s1"]) == 1 and len(b.tips) == 1  # (a store lets them go, not a lookup)
     # A store that commits nothing (its page cached already): the stale tip goes all the same
-    assert b.batch_set_v1(["s1"], indices([1]), told([])) == [True]
+    assert b.batch_set_v1(["t1"], indices([2]), told([])) == [True]
     assert len(b.tips) == 0 and b.client.detach()["dereferenced"] == 0
+    # (a store that would write under a stale tip keeps it: tests/test_sglang_chains.py)
 
 
 def test_a_store_through_a_client_other_than_the_tips_holds_nothing(daemon, backends):
@@ -214,25 +220,39 @@ def test_a_call_without_prefix_keys_keeps_its_tip_for_its_own_next_chunk(small_d
     assert len(b.tips) == 0
 
 
-def test_a_write_refused_keeps_the_tips_other_stores_write_under(small_dram, monkeypatch):
-    """Two stores of one backend at once (sglang's storage threads): while B's second chunk is being
-    written under its first chunk's tip, A's write is refused and A lets the backend's tips go; B's
-    parent stays held (it went too, a review: then dropped by other writes, and B's chunk unlinked)."""
+@pytest.mark.parametrize("when", ["write", "free"])
+def test_a_write_refused_keeps_the_tips_other_stores_write_under(small_dram, monkeypatch, when):
+    """Two stores of one backend at once (sglang's storage threads): while B writes its second chunk
+    under its first chunk's tip (`write`), or frees the rest of its first chunk (`free`), A's write is
+    refused and A lets the backend's tips go; B's next parent stays held (it went too, two reviews:
+    then dropped by other writes, and B's chunk unlinked)."""
     pool, b, other = small_dram("heat")
     b.chunk_pages = 2
-    real, refuse = b.client.allocate, [0]
+    real_allocate, real_free, refuse, frees = b.client.allocate, b.client.free, [0], []
 
     def allocate(*a, **kw):
         if refuse[0]:
             refuse[0] -= 1
             return None
-        return real(*a, **kw)
+        return real_allocate(*a, **kw)
+
+    def a_refused():
+        refuse[0] = 1  # A's first allocate refused (a full tier); it lets z1 go and tries again
+        assert b._store(b.client, ["a1"], lambda i, raw: store_page(pool, 9 * PAGE, raw), told([])) == [True]
+
+    def free(vids):
+        frees.append(1)
+        out = real_free(vids)
+        if when == "free" and len(frees) == 1:  # B's free of its first chunk's other block
+            a_refused()
+        return out
     monkeypatch.setattr(b.client, "allocate", allocate)
+    monkeypatch.setattr(b.client, "free", free)
 
     def write(i, raw):
-        if i == 2:  # B's second chunk is allocated: A's store now, its first allocate refused
-            refuse[0] = 1
-            assert b._store(b.client, ["a1"], lambda i, raw: store_page(pool, 9 * PAGE, raw), told([])) == [True]
+        if i == 2:  # B's second chunk is allocated
+            if when == "write":
+                a_refused()
             flood(other)
         store_page(pool, (i + 1) * PAGE, raw)
     assert b.batch_set_v1(["z1"], indices([8]), told([])) == [True]  # (a tip of the backend's, to let go)

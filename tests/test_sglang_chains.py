@@ -88,10 +88,11 @@ def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
     assert tips.let_go(mine, "test") == 2
     assert freed == [[1, 1, 2]] and len(tips) == 0
     tips.extended(None, 1, 2), tips.extended(None, 2, 3), tips.extended(None, 3, 1)
-    with tips.under(2), tips.under(3), tips.under(3):  # (batches being written under 2 and 3)
-        with tips.under(3):
+    with tips.writing(mine, 2, True), tips.writing(mine, 1, True) as w, tips.writing(mine, None, True):
+        with tips.writing(mine, 3, True):
             pass
-        assert tips.let_go(mine, "test") == 1  # the parents of writes under way stay held
+        w.committed(3)  # (the store under 1 went on under its own new tip, 3)
+        assert tips.let_go(mine, "test") == 1  # what stores will write under stays held
         assert freed[-1] == [1] and len(tips) == 2 and tips.pages == 4
     assert tips._under == {}
     assert tips.let_go(mine, "test") == 2 and freed[-1] == [2, 3]
@@ -106,6 +107,38 @@ def test_tips_let_go_later_are_given_up_at_the_next_stale_and_one_can_go_alone()
     tips.extended(None, 3, 2), tips.extended(None, 4, 2)
     assert tips.let_go(None, "test", only=3) == 1 and list(tips._held) == [4] and tips.pages == 2
     assert tips.let_go(None, "test", only=3) == 0
+
+
+def test_a_tip_a_store_will_write_under_outlasts_hold_s_and_the_limits_until_then():
+    now = [0.0]
+    tips = HeldTips(None, 32 * 4, clock=lambda: now[0])  # 4 pages
+    tips.extended(None, 1, 2)
+    with tips.writing(None, 1, True):
+        now[0] = HOLD_S + 1
+        assert tips.stale() == []  # 1 stays while a store will write under it
+        assert tips.extended(None, 2, 3) == [2]  # 5 pages: the limit holds by what may go, not 1
+    assert tips.stale() == [1] and len(tips) == 0 and tips.pages == 0
+
+
+def test_a_store_without_prefix_keys_lets_its_last_tip_go_however_it_ends():
+    freed = []
+
+    class Recorder:
+        def free(self, vids):
+            freed.append(list(vids))
+
+    c = Recorder()
+    tips = HeldTips(c, 32 * 100)
+    with pytest.raises(RuntimeError):
+        with tips.writing(c, None, keeps=False) as w:
+            tips.extended(None, 5, 2)
+            w.committed(5)
+            raise RuntimeError("the store failed after its first batch")
+    assert freed == [[5]] and len(tips) == 0
+    with tips.writing(c, None, keeps=True) as w:
+        tips.extended(None, 6, 2)
+        w.committed(6)
+    assert len(tips) == 1 and freed == [[5]]
 
 
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():

@@ -327,14 +327,14 @@ class DFlash2Storage(HiCacheStorage):
         parent = int(found["vid"][-1]) if start else self._prefix_parent(client, extra_info)
         if (tips := self.tips).client is not client:  # (read once: a reattach may replace it meanwhile)
             tips = HeldTips(client, 0)
-        if stale := tips.stale():
-            client.free(stale)
         told = getattr(extra_info, "prefix_keys", None)  # (None: sglang names no parent later, chains.py)
-        above, mine = len(told or ()), None  # (the chain's pages before the batch; the last tip committed here)
-        for lo in range(start, n, self.chunk_pages):
-            hi = min(n, lo + self.chunk_pages)
-            try:
-                with tips.under(parent):  # (a write refused lets the backend's tips go, but those written under)
+        above = len(told or ())  # (the chain's pages before the batch)
+        with tips.writing(client, parent, keeps=told is not None) as writing:  # (its parent kept: chains.py)
+            if stale := tips.stale():
+                client.free(stale)
+            for lo in range(start, n, self.chunk_pages):
+                hi = min(n, lo + self.chunk_pages)
+                try:
                     places = client.allocate(self.layout_id, hi - lo, tier=self.tier)
                     if places is None and tips.let_go(client, "a write was refused (tried again)"):
                         places = client.allocate(self.layout_id, hi - lo, tier=self.tier)  # (held chains may fill it)
@@ -354,25 +354,23 @@ class DFlash2Storage(HiCacheStorage):
                         client.free(places["vid"])  # written or not, never committed: give them back
                         raise
                     # Our reference on the batch's last block stays, the next batch's parent (chains.py).
-                    let_go = tips.extended(parent, mine := int(held[-1]), above + hi, told is not None or hi < n)
-                    parent = mine  # (before the free: a call without prefix keys that fails there lets it go, below)
+                    let_go = tips.extended(parent, int(held[-1]), above + hi, told is not None or hi < n)
+                    parent = writing.committed(int(held[-1]))
                     unheld = np.concatenate([held[:-1], np.asarray(let_go, dtype=held.dtype)])
                     if len(unheld):
                         client.free(unheld)
-            except DFlash2Error as e:
-                if not any(ok):
-                    raise  # nothing stored: the call failed as a whole
-                self._failed(client, e)  # the pages stored so far stay stored, and say so
-                break
-            ok[lo:hi] = [True] * (hi - lo)
-            # A page another server cached since the lookup: its commit answered that block (counted
-            # stored, it was not: a review).
-            twins = int(np.count_nonzero(np.asarray(held) != np.asarray(places["vid"])))
-            self._count("pages_deduplicated", twins)
-            self._count("pages_set", hi - lo - twins)
-            self._note_moved(hi - lo - twins)
-        if told is None and mine is not None and not ok[-1]:  # (its tip kept for a chunk that never came)
-            tips.let_go(client, "a call without prefix keys ended early", only=mine)
+                except DFlash2Error as e:
+                    if not any(ok):
+                        raise  # nothing stored: the call failed as a whole
+                    self._failed(client, e)  # the pages stored so far stay stored, and say so
+                    break
+                ok[lo:hi] = [True] * (hi - lo)
+                # A page another server cached since the lookup: its commit answered that block (counted
+                # stored, it was not: a review).
+                twins = int(np.count_nonzero(np.asarray(held) != np.asarray(places["vid"])))
+                self._count("pages_deduplicated", twins)
+                self._count("pages_set", hi - lo - twins)
+                self._note_moved(hi - lo - twins)
         return ok
 
     def _prefix_parent(self, client: Client, extra_info) -> int | None:

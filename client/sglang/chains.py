@@ -98,7 +98,7 @@ class HeldTips:
         self._held: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._pages = 0
         self._later: list[int] = []  # references no longer held, to free at the next `stale`
-        self._under: collections.Counter = collections.Counter()  # parents of batches being written (`under`)
+        self._under: collections.Counter = collections.Counter()  # what stores will write under (`writing`)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -122,9 +122,12 @@ class HeldTips:
             if not keep or counted > self.max_pages:  # (alone beyond the limit: the others stay)
                 free += self._take(tip)
             deadline = self._clock() - HOLD_S
-            while self._held and (len(self._held) > self.max_tips or self._pages > self.max_pages
-                                  or self._held[next(iter(self._held))][2] < deadline):
-                free += self._take(next(iter(self._held)))
+            for vid in list(self._held):  # (oldest first; one a store will write under stays: `writing`)
+                if not (len(self._held) > self.max_tips or self._pages > self.max_pages
+                        or self._held[vid][2] < deadline):
+                    break
+                if vid not in self._under or vid == tip:
+                    free += self._take(vid)
             return free
 
     def stale(self) -> list[int]:
@@ -133,8 +136,11 @@ class HeldTips:
         with self._lock:
             deadline = self._clock() - HOLD_S
             free, self._later = self._later, []
-            while self._held and self._held[next(iter(self._held))][2] < deadline:
-                free += self._take(next(iter(self._held)))
+            for vid in list(self._held):  # (oldest first; one a store will write under stays: `writing`)
+                if self._held[vid][2] >= deadline:
+                    break
+                if vid not in self._under:
+                    free += self._take(vid)
             return free
 
     def let_go_later(self) -> None:
@@ -147,21 +153,21 @@ class HeldTips:
             self._pages = 0
 
     @contextlib.contextmanager
-    def under(self, parent: int | None):
-        """While a batch is written under `parent`: `let_go` keeps it held (the store's own, or another
-        storage thread's at the time)."""
-        with self._lock:
-            self._under[parent] += 1
+    def writing(self, client: Client, parent: int | None, keeps: bool):
+        """One store's calls, from its parent chosen to its end: `let_go` keeps the block its next
+        batch goes under held (`parent`, then each tip it commits: `Writing.committed`), the store's
+        own or another storage thread's at the time. A store that `keeps` nothing past it (sglang
+        passed no prefix keys) lets its last tip go at the end, whichever way it ends."""
+        writing = Writing(self, parent)
         try:
-            yield
+            yield writing
         finally:
-            with self._lock:
-                self._under[parent] -= 1
-                if not self._under[parent]:
-                    del self._under[parent]
+            writing.protect(None)
+            if not keeps and writing.mine is not None:
+                self.let_go(client, "a call without prefix keys ended", only=writing.mine)
 
     def let_go(self, client: Client | None, why: str, only: int | None = None) -> int:
-        """Give the references of every tip held up, but those batches are being written under (a
+        """Give the references of every tip held up, but those stores will write under (a
         write was refused: their chains may be what fills the tier), or of `only` (a call without
         prefix keys ended before the chunk its tip was kept for), freed through `client` where it is
         the one they were taken on (the references of a client replaced since went with its
@@ -184,3 +190,29 @@ class HeldTips:
         refs, counted, _ = self._held.pop(vid, (0, 0, 0))
         self._pages -= counted
         return [vid] * refs
+
+
+class Writing:
+    """The block one store's next batch goes under, kept from `HeldTips.let_go` (counted in `_under`)."""
+
+    def __init__(self, tips: HeldTips, parent: int | None):
+        self.tips, self.vid, self.mine = tips, None, None
+        self.protect(parent)
+
+    def protect(self, vid: int | None) -> None:
+        """Keep `vid` instead (None: nothing), in one step under the tips' lock."""
+        under = self.tips._under
+        with self.tips._lock:
+            if self.vid is not None:
+                under[self.vid] -= 1
+                if not under[self.vid]:
+                    del under[self.vid]
+            if vid is not None:
+                under[vid] += 1
+            self.vid = vid
+
+    def committed(self, tip: int) -> int:
+        """A batch of this store's ended in `tip`: the next goes under it. Returns it."""
+        self.protect(tip)
+        self.mine = tip
+        return tip
