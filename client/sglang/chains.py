@@ -86,7 +86,8 @@ class HeldTips:
 
     Invariant: `_pages` is the sum of the held tips' depths (the pages from each chain's root to its
     tip: the most a hold keeps from being dropped), and after every call at most `max_tips` tips are
-    held and `_pages` is at most `max_pages`. Thread-safe: sglang's storage threads store at once."""
+    held and `_pages` is at most `max_pages`, but for tips a store will write under (`writing`),
+    which stay until it has. Thread-safe: sglang's storage threads store at once."""
 
     def __init__(self, client: Client | None, tier_pages: int, clock=time.monotonic):
         self.client = client
@@ -193,7 +194,8 @@ class HeldTips:
 
 
 class Writing:
-    """The block one store's next batch goes under, kept from `HeldTips.let_go` (counted in `_under`)."""
+    """The block one store's next batch goes under, kept from `HeldTips.let_go`, `stale` and the limits
+    (counted in `_under`)."""
 
     def __init__(self, tips: HeldTips, parent: int | None):
         self.tips, self.vid, self.mine = tips, None, None
