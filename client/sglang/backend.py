@@ -199,17 +199,17 @@ class DFlash2Storage(HiCacheStorage):
         if self.tier != HOST_TIER:
             log.warning("dflash2: the daemon has no DRAM tier: sglang pages are written to its HBM tier")
         self.chunk_pages = MAX_CHUNK_PAGES
-        cap = 0
+        pages = 0  # (the tier's)
         if self.tier in tiers:
             cap = tiers[self.tier]["capacity_bytes"]
             if cap < layout.block_bytes:  # (every store refused NeverFits, a warning a batch, for good: a review)
                 raise PageFormatError(f"a page takes {layout.block_bytes} bytes, more than the daemon's whole "
                                       f"{self.tier} tier ({cap} bytes): raise memory.{self.tier}_capacity_mb, or "
                                       "use smaller pages (--page-size)")
-            cap = slots(tiers[self.tier], layout.block_bytes)  # (a page takes an aligned slot)
-            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, cap // 4)))
+            pages = slots(tiers[self.tier], layout.block_bytes)  # (a page takes an aligned slot)
+            self.chunk_pages = int(max(1, min(MAX_CHUNK_PAGES, pages // 4)))
         # (set before the client is: a thread storing through the old one holds nothing: `_store`)
-        self.tips = HeldTips(client, cap)
+        self.tips = HeldTips(client, pages)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """sglang's hybrid cache controller registers every host pool of the model here, the KV pool

@@ -122,27 +122,14 @@ class HeldTips:
             self._pages += counted - had
             if not keep or counted > self.max_pages:  # (alone beyond the limit: the others stay)
                 free += self._take(tip)
-            deadline = self._clock() - HOLD_S
-            for vid in list(self._held):  # (oldest first; one a store will write under stays: `writing`)
-                if not (len(self._held) > self.max_tips or self._pages > self.max_pages
-                        or self._held[vid][2] < deadline):
-                    break
-                if vid not in self._under or vid == tip:
-                    free += self._take(vid)
-            return free
+            return free + self._trim(limits=True, tip=tip)
 
     def stale(self) -> list[int]:
         """The references held past HOLD_S, and those let go for later (`let_go_later`), given up here
         (the caller frees them)."""
         with self._lock:
-            deadline = self._clock() - HOLD_S
             free, self._later = self._later, []
-            for vid in list(self._held):  # (oldest first; one a store will write under stays: `writing`)
-                if self._held[vid][2] >= deadline:
-                    break
-                if vid not in self._under:
-                    free += self._take(vid)
-            return free
+            return free + self._trim(limits=False)
 
     def let_go_later(self) -> None:
         """Stop holding every tip (no later batch will name them: the backend's keys moved to another
@@ -185,6 +172,20 @@ class HeldTips:
                 log.warning("dflash2: %s: the references held on %d chain tips were not given up (%s)", why,
                             len(going), e)
         return len(going)
+
+    def _trim(self, limits: bool, tip: int | None = None) -> list[int]:
+        """Under the lock: stop holding the oldest tips while they are held past HOLD_S (or, with
+        `limits`, beyond the limits), but one a store will write under (`writing`) unless it is
+        `tip`. Their references, one entry each."""
+        deadline = self._clock() - HOLD_S
+        free: list[int] = []
+        for vid in list(self._held):  # (oldest first)
+            over = limits and (len(self._held) > self.max_tips or self._pages > self.max_pages)
+            if not (over or self._held[vid][2] < deadline):
+                break
+            if vid not in self._under or vid == tip:
+                free += self._take(vid)
+        return free
 
     def _take(self, vid: int) -> list[int]:
         """Stop holding `vid` (under the lock): its references, one entry each (none when not held)."""
