@@ -162,10 +162,8 @@ class Prefetcher:
             # settle between): that one was wasted, once; this one is counted on its own.
             again = [v for v in done if v in self._pending]
             self.wasted += len(again)
-            # A parked acquire's `left` of it was that earlier one's, counted now: this one has not left
-            # HBM (the acquire's read of it from HBM counted it wasted too, a review).
-            for _, left in getattr(self.manager, "_came_from", {}).values() if again else ():
-                left.difference_update(again)
+            if again:  # (a parked acquire's `left` of it was that earlier one's: `came_up_again`)
+                self.manager.came_up_again(again)
             self._pending.update((v, (t, reader, waits, self._steps)) for v, t in zip(done, origin[ok].tolist()))
             self._orphans.difference_update(done)  # (brought up again for a reader here: its own, a review)
             self._fresh.update(done)

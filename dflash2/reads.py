@@ -114,6 +114,13 @@ class Reads:
         the client gave it up)."""
         self._came_from.pop((client, call), None)
 
+    def came_up_again(self, vids: Sequence[int]) -> None:
+        """A prefetch brought `vids` up to HBM again: no acquire parked on its copies counts them among
+        the prefetches that had left HBM unread (its `left`: that was an earlier prefetch of them, counted
+        wasted when it left; this one has not left HBM, a review)."""
+        for _, left in self._came_from.values():
+            left.difference_update(vids)
+
     def _park_record(self, who: tuple[int, int | None], rows: np.ndarray, came: dict[int, int], left: set[int]) -> None:
         """Note what the call `who` (client, call id), about to wait for copies, read from where: `came`,
         and the blocks its reader's lookup waited for the prefetch of (`Prefetcher.peek`'s `own`), as
