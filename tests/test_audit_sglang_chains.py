@@ -260,3 +260,48 @@ def test_a_write_refused_keeps_the_tips_other_stores_write_under(small_dram, mon
     assert b._store(b.client, keys, write, None) == [True] * 4
     assert b.counters["commits_unlinked"] == 0 and b.batch_exists(keys) == 4
     assert b.client.detach()["dereferenced"] == 1  # a1's tip: z1's went at A's refusal, B's at its end
+
+
+def test_a_store_under_a_tip_held_past_hold_s_keeps_it_until_it_links(small_dram):
+    """The store's own `stale()` gives up the tips held past HOLD_S, but not the one it writes under:
+    its parent, protected first (`writing`), stays held while other writes fill the tier."""
+    pool, b, other = small_dram("heat")
+    now = [0.0]
+    b.tips = HeldTips(b.client, b.tips.max_pages * 32, clock=lambda: now[0])
+    first = ["h1", "h2"]
+    assert b.batch_set_v1(first, indices([1, 2]), told([])) == [True, True]
+    now[0] = chains.HOLD_S + 1
+
+    def write(i, raw):
+        flood(other)  # (its blocks allocated, before its commit under h2)
+        store_page(pool, 3 * PAGE, raw)
+    assert b._store(b.client, ["h3"], write, told(first)) == [True]
+    assert b.counters["commits_unlinked"] == 0 and b.batch_exists(first + ["h3"]) == 3
+
+
+def test_two_requests_of_one_prefix_both_link_under_it(small_dram, monkeypatch):
+    """Two stores of one backend under the same held tip p1 (two requests sharing a prefix, two
+    storage threads): A commits under it first and ends; a third store's write is refused and lets
+    the backend's tips go, and other writes fill the tier before B commits. A's commit took p1's hold
+    (B's protection notwithstanding), the let-go took A's tip, which had kept p1: B's commit went
+    unlinked (a review). p1 stays held until the last store under it commits."""
+    pool, b, other = small_dram("heat")
+    real_allocate, refuse = b.client.allocate, [0]
+
+    def allocate(*a, **kw):
+        if refuse[0]:
+            refuse[0] -= 1
+            return None
+        return real_allocate(*a, **kw)
+    monkeypatch.setattr(b.client, "allocate", allocate)
+    assert b.batch_set_v1(["p1"], indices([1]), told([])) == [True]
+
+    def write(i, raw):
+        if i == 0:  # B's blocks are allocated
+            assert b._store(b.client, ["a1"], lambda i, raw: store_page(pool, 9 * PAGE, raw), told(["p1"])) == [True]
+            refuse[0] = 1  # C's first allocate refused: it lets the tips go and tries again
+            assert b._store(b.client, ["c1"], lambda i, raw: store_page(pool, 10 * PAGE, raw), told([])) == [True]
+            flood(other)
+        store_page(pool, (i + 2) * PAGE, raw)
+    assert b._store(b.client, ["b1", "b2"], write, told(["p1"])) == [True, True]
+    assert b.counters["commits_unlinked"] == 0 and b.batch_exists(["p1", "b1", "b2"]) == 3

@@ -91,7 +91,7 @@ def test_let_go_gives_every_reference_up_through_the_client_it_was_taken_on():
     with tips.writing(mine, 2, True), tips.writing(mine, 1, True) as w, tips.writing(mine, None, True):
         with tips.writing(mine, 3, True):
             pass
-        w.committed(3)  # (the store under 1 went on under its own new tip, 3)
+        w.protect(3)  # (the store under 1 went on under its own new tip, 3)
         assert tips.let_go(mine, "test") == 1  # what stores will write under stays held
         assert freed[-1] == [1] and len(tips) == 2 and tips.pages == 4
     assert tips._under == {}
@@ -131,14 +131,58 @@ def test_a_store_without_prefix_keys_lets_its_last_tip_go_however_it_ends():
     tips = HeldTips(c, 32 * 100)
     with pytest.raises(RuntimeError):
         with tips.writing(c, None, keeps=False) as w:
-            tips.extended(None, 5, 2)
-            w.committed(5)
+            tips.extended(None, 5, 2, writing=w)
             raise RuntimeError("the store failed after its first batch")
     assert freed == [[5]] and len(tips) == 0
     with tips.writing(c, None, keeps=True) as w:
-        tips.extended(None, 6, 2)
-        w.committed(6)
+        tips.extended(None, 6, 2, writing=w)
     assert len(tips) == 1 and freed == [[5]]
+
+
+def test_two_stores_under_one_parent_the_last_to_commit_takes_its_hold():
+    """Two requests of one prefix, on two storage threads, write under held tip 1: the first to
+    commit under it kept it only through its own new tip, which, unprotected once its store ended,
+    could go (a refused write's let-go, the limits), and 1 with it before the second linked (a review)."""
+    tips = HeldTips(None, 32 * 100)
+    tips.extended(None, 1, 2)
+    with tips.writing(None, 1, True) as a, tips.writing(None, 1, True) as b:
+        assert tips.extended(1, 2, 3, writing=a) == [] and list(tips._held) == [1, 2]  # b writes under 1
+        assert tips._under == {1: 1, 2: 1} and (a.vid, a.mine, a.kept) == (2, 2, True)  # (moved in one step)
+        assert tips.let_go(None, "test") == 0  # both protected
+        assert tips.extended(1, 3, 3, writing=b) == [1] and list(tips._held) == [2, 3]
+
+
+def test_no_way_out_takes_a_tip_another_store_writes_under():
+    """A commit deduplicated onto it and not kept, a call's end (`let_go(only=...)`) and the limits
+    gave up every reference of a tip another store was writing under (a review)."""
+    tips = HeldTips(None, 32 * 4)  # 4 pages
+    tips.extended(None, 5, 2)
+    with tips.writing(None, 5, True):
+        assert tips.extended(None, 5, 2, keep=False) == [5] and tips._held[5][0] == 1  # the commit's alone
+        with tips.writing(None, None, keeps=False) as w:
+            assert tips.extended(None, 6, 1, writing=w) == []  # its first chunk, kept for its next
+            assert tips.extended(6, 5, 2, writing=w) == [6]  # its second deduplicated onto 5, kept
+        assert list(tips._held) == [5] and tips._held[5][0] == 2  # (the call's end took nothing of 5)
+        tips.extended(None, 8, 1)
+        with tips.writing(None, 9, True) as w:
+            assert tips.extended(None, 9, 3, writing=w) == [8]  # 2 + 1 + 3 pages > 4: the unprotected 8 goes
+            assert list(tips._held) == [5, 9] and tips.pages == 5  # past the limit by the two protected
+    assert tips.extended(None, 10, 1) == [5, 5] and list(tips._held) == [9, 10]  # (once 5 is not)
+
+
+def test_a_call_without_prefix_keys_leaves_a_hold_on_its_deduplicated_last_tip():
+    """Its last chunk deduplicated onto a tip another request holds: that chunk's reference given up
+    at once (not kept), the other's hold stays at the call's end; so it does where the call ends
+    early after such a chunk (its own reference, kept for a next chunk, alone goes)."""
+    tips = HeldTips(None, 32 * 100)
+    tips.extended(None, 7, 2)  # (another request's chain, held for its next batch)
+    with tips.writing(None, None, keeps=False) as w:
+        assert tips.extended(None, 4, 1, writing=w) == []  # its first chunk, kept for its next
+        assert tips.extended(4, 7, 2, keep=False, writing=w) == [4, 7]
+    assert list(tips._held) == [7] and tips._held[7][0] == 1
+    with tips.writing(None, None, keeps=False) as w:  # (one that ends after a chunk deduplicated onto 7)
+        assert tips.extended(None, 7, 2, writing=w) == [] and tips._held[7][0] == 2
+    assert list(tips._held) == [7] and tips._held[7][0] == 1  # its own reference alone went
 
 
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():

@@ -86,8 +86,11 @@ class HeldTips:
 
     Invariant: `_pages` is the sum of the held tips' depths (the pages from each chain's root to its
     tip: the most a hold keeps from being dropped), and after every call at most `max_tips` tips are
-    held and `_pages` is at most `max_pages`, but for tips a store will write under (`writing`),
-    which stay until it has. Thread-safe: sglang's storage threads store at once."""
+    held and `_pages` is at most `max_pages`, but for tips a store will write under (`writing`): none
+    of the ways a tip is let go (the limits, HOLD_S, a refused write's `let_go`, a call's end, a
+    sibling's commit under it, a deduplicated commit not kept) takes one while a store will write
+    under it, so while stores run the held tips may pass the limits by one a store at most, until
+    the next `extended`. Thread-safe: sglang's storage threads store at once."""
 
     def __init__(self, client: Client | None, tier_pages: int, clock=time.monotonic):
         self.client = client
@@ -108,21 +111,29 @@ class HeldTips:
     def pages(self) -> int:
         return self._pages
 
-    def extended(self, parent: int | None, tip: int, depth: int, keep: bool = True) -> list[int]:
+    def extended(self, parent: int | None, tip: int, depth: int, keep: bool = True,
+                 writing: Writing | None = None) -> list[int]:
         """A batch was committed under `parent` (None: unlinked, or a chain's first) and ends in `tip`,
         `depth` pages from its chain's root at most; the caller's reference on `tip` (the commit's) is
-        kept here (`keep`: a later batch may name it). Returns the vids to free now, one entry a
-        reference: the parent's, whose chain goes on under `tip` (which holds it), the tips held past
-        HOLD_S or the oldest beyond the limits, and `tip`'s own when not kept or alone beyond them."""
+        kept here (`keep`: a later batch may name it), and `writing` (the store's, under `parent`)
+        goes on under `tip`, in the same step. Returns the vids to free now, one entry a reference:
+        the parent's, whose chain goes on under `tip` (which holds it), unless another store will
+        write under it too (two requests of one prefix: the last to commit under it takes it), the
+        tips held past HOLD_S or the oldest beyond the limits, and `tip`'s own when not kept (only
+        the commit's: a hold of another store's on the same block stays) or alone beyond them."""
         with self._lock:
-            free = self._take(parent) if parent is not None else []
+            others = self._under[parent] - (writing is not None and writing.vid == parent)
+            free = self._take(parent) if parent is not None and not others else []
+            kept = keep and max(self._held.get(tip, (0, 0))[1], int(depth)) <= self.max_pages
+            if writing is not None:
+                writing.moved(tip, kept)
+            if not kept:  # (the commit's reference alone; the block may be held for another store)
+                return free + [tip] + self._trim(limits=True)
             refs, had, _ = self._held.pop(tip, (0, 0, 0))  # (a tip committed twice: deduplicated to one block)
             counted = max(had, int(depth))
             self._held[tip] = [refs + 1, counted, self._clock()]
             self._pages += counted - had
-            if not keep or counted > self.max_pages:  # (alone beyond the limit: the others stay)
-                free += self._take(tip)
-            return free + self._trim(limits=True, tip=tip)
+            return free + self._trim(limits=True)
 
     def stale(self) -> list[int]:
         """The references held past HOLD_S, and those let go for later (`let_go_later`), given up here
@@ -143,7 +154,7 @@ class HeldTips:
     @contextlib.contextmanager
     def writing(self, client: Client, parent: int | None, keeps: bool):
         """One store's calls, from its parent chosen to its end: `let_go` keeps the block its next
-        batch goes under held (`parent`, then each tip it commits: `Writing.committed`), the store's
+        batch goes under held (`parent`, then each tip it commits: `extended`), the store's
         own or another storage thread's at the time. A store that `keeps` nothing past it (sglang
         passed no prefix keys) lets its last tip go at the end, whichever way it ends."""
         writing = Writing(self, parent)
@@ -151,19 +162,19 @@ class HeldTips:
             yield writing
         finally:
             writing.protect(None)
-            if not keeps and writing.mine is not None:
+            if not keeps and writing.kept:  # (its own reference on its last tip, kept for a chunk not stored)
                 self.let_go(client, "a call without prefix keys ended", only=writing.mine)
 
     def let_go(self, client: Client | None, why: str, only: int | None = None) -> int:
-        """Give the references of every tip held up, but those stores will write under (a
-        write was refused: their chains may be what fills the tier), or of `only` (a call without
-        prefix keys ended before the chunk its tip was kept for), freed through `client` where it is
-        the one they were taken on (the references of a client replaced since went with its
-        session). Returns how many tips went."""
+        """Give the references of every tip held up (a write was refused: their chains may be what
+        fills the tier), or one of `only` (a call without prefix keys ended: its own; another's, on
+        the same block deduplicated, stays), but those stores will write under, freed through
+        `client` where it is the one they were taken on (the references of a client replaced since
+        went with its session). Returns how many tips went."""
         with self._lock:
-            going = [only] if only is not None else [vid for vid in self._held if vid not in self._under]
-            going = [vid for vid in going if vid in self._held]
-            free = [v for vid in going for v in self._take(vid)]
+            going = [vid for vid in ([only] if only is not None else self._held)
+                     if vid in self._held and vid not in self._under]
+            free = [v for vid in going for v in (self._take_one(vid) if only is not None else self._take(vid))]
         if free and client is not None and client is self.client:
             try:
                 client.free(free)
@@ -173,19 +184,27 @@ class HeldTips:
                             len(going), e)
         return len(going)
 
-    def _trim(self, limits: bool, tip: int | None = None) -> list[int]:
+    def _trim(self, limits: bool) -> list[int]:
         """Under the lock: stop holding the oldest tips while they are held past HOLD_S (or, with
-        `limits`, beyond the limits), but one a store will write under (`writing`) unless it is
-        `tip`. Their references, one entry each."""
+        `limits`, beyond the limits), but those a store will write under (`writing`). Their
+        references, one entry each."""
         deadline = self._clock() - HOLD_S
         free: list[int] = []
         for vid in list(self._held):  # (oldest first)
             over = limits and (len(self._held) > self.max_tips or self._pages > self.max_pages)
             if not (over or self._held[vid][2] < deadline):
                 break
-            if vid not in self._under or vid == tip:
+            if vid not in self._under:
                 free += self._take(vid)
         return free
+
+    def _take_one(self, vid: int) -> list[int]:
+        """One reference of held `vid` (under the lock): the tip stays held while it has more."""
+        entry = self._held[vid]
+        if entry[0] == 1:
+            return self._take(vid)
+        entry[0] -= 1
+        return [vid]
 
     def _take(self, vid: int) -> list[int]:
         """Stop holding `vid` (under the lock): its references, one entry each (none when not held)."""
@@ -200,22 +219,26 @@ class Writing:
 
     def __init__(self, tips: HeldTips, parent: int | None):
         self.tips, self.vid, self.mine = tips, None, None
+        self.kept = False  # (whether `mine` holds a reference of this store's: `HeldTips.extended`)
         self.protect(parent)
 
     def protect(self, vid: int | None) -> None:
         """Keep `vid` instead (None: nothing), in one step under the tips' lock."""
-        under = self.tips._under
         with self.tips._lock:
-            if self.vid is not None:
-                under[self.vid] -= 1
-                if not under[self.vid]:
-                    del under[self.vid]
-            if vid is not None:
-                under[vid] += 1
-            self.vid = vid
+            self._keep(vid)
 
-    def committed(self, tip: int) -> int:
-        """A batch of this store's ended in `tip`: the next goes under it. Returns it."""
-        self.protect(tip)
-        self.mine = tip
-        return tip
+    def moved(self, tip: int, kept: bool) -> None:
+        """Under the tips' lock (`HeldTips.extended`): a batch of this store's ended in `tip`, which
+        its next goes under, its reference held (`kept`) or given up."""
+        self._keep(tip)
+        self.mine, self.kept = tip, kept
+
+    def _keep(self, vid: int | None) -> None:
+        under = self.tips._under
+        if self.vid is not None:
+            under[self.vid] -= 1
+            if not under[self.vid]:
+                del under[self.vid]
+        if vid is not None:
+            under[vid] += 1
+        self.vid = vid

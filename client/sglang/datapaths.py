@@ -67,8 +67,8 @@ class DataPaths:
                         client.free(places["vid"])  # written or not, never committed: give them back
                         raise
                     # Our reference on the batch's last block stays, the next batch's parent (chains.py).
-                    let_go = tips.extended(parent, int(held[-1]), above + hi, told is not None or hi < n)
-                    parent = writing.committed(int(held[-1]))
+                    let_go = tips.extended(parent, int(held[-1]), above + hi, told is not None or hi < n, writing)
+                    parent = writing.mine
                     unheld = np.concatenate([held[:-1], np.asarray(let_go, dtype=held.dtype)])
                     if len(unheld):
                         client.free(unheld)
