@@ -136,7 +136,8 @@ def probe_port(endpoint: str) -> None:
             why = ("another program, or a dflash2d on another spelling of this address, holds the port"
                    if e.errno == errno.EADDRINUSE else
                    "an address of another node? (daemon.endpoint names this node's)" if e.errno == errno.EADDRNOTAVAIL else
-                   "a port below 1024 needs privileges" if e.errno == errno.EACCES else "")
+                   "a port below 1024 needs privileges" if e.errno == errno.EACCES else
+                   _no_such_host(endpoint) if e.errno == errno.ENODEV else "")
             port = int(endpoint.rpartition(":")[2]) if e.errno == errno.EADDRINUSE else 0
             holders = pids_text(port_listeners(port)) if port else ""
             raise EndpointBusy(f"cannot serve daemon.endpoint {endpoint}: {e.strerror or e}"
@@ -145,6 +146,18 @@ def probe_port(endpoint: str) -> None:
             sock.close(0)
     finally:
         ctx.term()
+
+
+def _no_such_host(endpoint: str) -> str:
+    """Why ZeroMQ found no device for a tcp endpoint's host (ENODEV): it binds an interface's name or
+    a name that resolves, and the bare "No such device" did not say which was wrong (a review)."""
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # (socket.gaierror; UnicodeError: a name IDNA cannot encode)
+        return (f"the host {host!r} is neither a network interface of this machine nor a name that resolves: "
+                f"{getattr(e, 'strerror', None) or e}")
+    return f"the host {host!r} resolves, but to no address ZeroMQ could bind here"
 
 
 def probe_metrics(host: str, port: int) -> None:

@@ -168,7 +168,9 @@ def room_now(plan: Plan) -> list[str]:
     still be right for the machine it is meant for: these are lines to read, not errors."""
     from dflash2.arena.nvme import HEADER_BYTES
     from dflash2.arena.nvmefiles import folder_named, unused_cache_files
-    from dflash2.arena.shm import address_space, mem_available_bytes, shm_free_bytes
+    from dflash2.arena.shm import (SERVING_THREADS, address_space, mem_available_bytes, shm_free_bytes,
+                                   thread_stack_bytes)
+    from dflash2.arena.staging import WORKERS as STAGING_WORKERS
     from dflash2.tiers import Tier
 
     def verdict(need: int, have: int) -> str:
@@ -191,10 +193,14 @@ def room_now(plan: Plan) -> list[str]:
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
         if (limits := address_space()) is not None:  # (mapped past it: ENOMEM with memory free, a review)
-            room = limits[0] - limits[1]
-            lines.append(f"they take {host + staging} bytes of address space, and its limit (RLIMIT_AS: ulimit -v, "
+            # The serving daemon's threads' stacks too: counted by the tiers alone, it said "fits" and
+            # start-up then could not start the metrics server's thread (a review).
+            room, count = limits[0] - limits[1], SERVING_THREADS + (STAGING_WORKERS if has_nvme else 0)
+            stacks = count * thread_stack_bytes()
+            lines.append(f"they take {host + staging} bytes of address space and the serving daemon's {count} "
+                         f"threads' stacks {stacks} more (RLIMIT_STACK each), and its limit (RLIMIT_AS: ulimit -v, "
                          f"systemd's LimitAS=) leaves {room} of {limits[0]} past what this check maps: "
-                         f"{'fits' if host + staging <= room else 'start-up would fail now (exit 4)'}")
+                         f"{'fits' if host + staging + stacks <= room else 'start-up would fail now (exit 4)'}")
     if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
         lines.append(f"{why}: start-up would fail now (exit 4)")
     elif has_nvme:
@@ -505,6 +511,14 @@ def _serve(cfg: Config) -> int:
         return EXIT_OK
     except zmq.ZMQError as exc:  # the endpoint cannot be bound: taken by another program, or no such address
         _fail(f"cannot serve daemon.endpoint {cfg.resolved_endpoint()}: {exc.strerror}", cfg.logging.format)
+        return EXIT_START_FAILED
+    except RuntimeError as exc:  # (threading's own words; under `ulimit -v` a traceback and exit 1, a review)
+        if "can't start new thread" not in str(exc):
+            raise
+        from dflash2.arena.shm import address_space_note
+
+        _fail(f"cannot start a thread: {exc}" + (address_space_note() or " (the limit on this user's processes "
+              "and threads: ulimit -u, systemd's TasksMax=)"), cfg.logging.format)
         return EXIT_START_FAILED
     return EXIT_OK if result is None else int(result)
 

@@ -148,6 +148,37 @@ def test_tcp_endpoint_taken_by_another_program_exits_4_with_one_line(tmp_path):
     assert not glob.glob(f"{tmp_path}/state/*.lock")
 
 
+def test_a_tcp_endpoint_whose_host_does_not_resolve_says_so(tmp_path):
+    """ZeroMQ's bare "No such device" (ENODEV) named the key but not what was wrong with it (a review)."""
+    endpoint = "tcp://no-such-host.invalid:33299"
+    rc, err, started = run_daemon(config(tmp_path, daemon={"endpoint": endpoint}))
+    assert not started and rc == 4
+    line = one_error_line(err)
+    assert endpoint in line and "the host 'no-such-host.invalid' is neither a network interface of this machine " \
+        "nor a name that resolves" in line
+
+
+def test_a_thread_that_cannot_start_exits_4_with_one_line_and_gives_the_tiers_back(tmp_path):
+    """Under `ulimit -v` the tiers fit and the metrics server's thread did not: a traceback and exit 1
+    (a review's repro). Here its start fails as it failed there."""
+    path = config(tmp_path, metrics={"port": 0})
+    run = ("import sys, threading\n"
+           "real = threading.Thread.start\n"
+           "def start(self):\n"
+           "    if self.name == 'dflash2-stall-watch':\n"
+           "        raise RuntimeError(\"can't start new thread\")\n"
+           "    real(self)\n"
+           "threading.Thread.start = start\n"
+           "from dflash2.daemon.main import main\n"
+           f"sys.exit(main(['--config', {str(path)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(tmp_path))
+    _, err = proc.communicate(timeout=STARTUP_TIMEOUT_S)
+    assert proc.returncode == 4, err
+    assert "cannot start a thread: can't start new thread" in one_error_line(err)
+    assert "took dram tier" in err and not glob.glob(f"/dev/shm/dflash2-{proc.pid}-*")
+
+
 def test_cuda_asked_for_where_no_gpu_is_visible_exits_4_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, also on the GPU machine
     path = config(tmp_path, device={"kind": "cuda"}, memory={"hbm_capacity_mb": None})

@@ -205,3 +205,19 @@ def test_a_second_daemon_is_kept_off_a_path_whose_file_was_removed(tmp_path):
             DaemonProcess(cfgs[1]).start()
     finally:
         first.stop()
+
+
+def test_check_counts_the_serving_daemons_thread_stacks_against_an_address_space_limit(tmp_path, monkeypatch):
+    """The tiers alone fit in the limit's room; the serving daemon's threads' stacks did not, and
+    start-up failed to start a thread after "fits" (a review)."""
+    import dflash2.arena.shm as shm
+
+    plan = resolve_plan(load_config(write_config(tmp_path)))  # (28 MB of tiers; an NVMe tier: its workers too)
+    monkeypatch.setattr(shm, "address_space", lambda: (1 << 30, (1 << 30) - 50 * MB))
+    monkeypatch.setattr(shm, "thread_stack_bytes", lambda: 8 * MB)
+    line = [ln for ln in dmain.room_now(plan) if "address space" in ln][0]
+    threads = shm.SERVING_THREADS + 4
+    assert f"serving daemon's {threads} threads' stacks {threads * 8 * MB} more" in line
+    assert line.endswith("start-up would fail now (exit 4)")
+    monkeypatch.setattr(shm, "thread_stack_bytes", lambda: 1 * MB)
+    assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")

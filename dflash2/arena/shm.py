@@ -150,6 +150,22 @@ def address_space() -> tuple[int, int] | None:
     return soft, used
 
 
+# Threads a serving host daemon runs besides its main thread, each with a stack of `thread_stack_bytes`
+# in its address space: ZeroMQ's I/O thread and reaper, the metrics server, the stall watch, the host
+# transfer thread and the NVMe slots' re-test (counted in a serving daemon's /proc/PID/task on the
+# development VM); with an NVMe tier, its I/O workers too (arena/staging.py, at its first batch).
+SERVING_THREADS = 6
+
+
+def thread_stack_bytes() -> int:
+    """The address space a thread's stack takes: RLIMIT_STACK's soft limit, which glibc gives each new
+    thread (8 MiB where it is unlimited, glibc's default there on x86-64)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    return 8 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def address_space_note() -> str:
     """What the address-space limit is, for an ENOMEM: the tiers' mapping failed with memory free."""
     limits = address_space()
