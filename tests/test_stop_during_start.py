@@ -274,3 +274,28 @@ def test_a_stop_while_the_block_table_is_built_closes_the_transfer_backend(confi
     with pytest.raises(KeyboardInterrupt):
         assemble.build_manager(load_config(config_file()), instance=instance_name)
     assert [t for t in workers() if t not in before] == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_entry_point_imports_says_so_and_exits_0(config_file, tmp_path, sig):
+    """The console script imports its function's module first: main.py's imports (0.2-0.3 s) ran
+    before its handlers, so a SIGINT then was a KeyboardInterrupt traceback (130) and a SIGTERM a
+    silent death (143) (a review). The signal comes here while main.py imports the plan module."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    module, _, func = re.search(r'^dflash2d = "([^"]+)"$', pyproject, re.M).group(1).partition(":")  # (the script's)
+    script = tmp_path / "entry.py"
+    script.write_text(textwrap.dedent(f"""
+        import builtins, os, sys
+        real = builtins.__import__
+        def hook(name, *args, **kwargs):
+            if name == "dflash2.plan":  # (inside main.py's imports)
+                os.kill(os.getpid(), {int(sig)})
+            return real(name, *args, **kwargs)
+        builtins.__import__ = hook
+        from {module} import {func}
+        sys.exit({func}())
+    """))
+    out = subprocess.run([sys.executable, str(script), "--config", config_file()], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"dflash2d: stopped by {sig.name} during start-up"
