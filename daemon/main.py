@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import importlib
 import json
 import os
@@ -28,7 +27,10 @@ from dflash2 import threads
 with threads.stop_signals_blocked():
     from dflash2.config import Config, expand_user, load_config, require_enabled
     from dflash2.config_warnings import check_environment, config_warnings
+    from dflash2.daemon.roomnow import ports_now, room_now
     from dflash2.errors import ConfigError, DisabledError, UnknownPolicy
+    from dflash2.files import nearest_existing as _nearest_existing
+    from dflash2.files import read_only as _read_only
     from dflash2.logs import console_line, silence_stdout
     from dflash2.plan import Plan, resolve_plan, rounding_warnings
     from dflash2.policy.base import policy_class, policy_names
@@ -162,166 +164,6 @@ def _format_asked(path: str) -> str:
     return fmt if fmt in ("json", "text") else "text"
 
 
-def room_now(plan: Plan) -> list[str]:
-    """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
-    take at start-up are free now (when they are not, start-up fails with exit 4). The config may
-    still be right for the machine it is meant for: these are lines to read, not errors."""
-    from dflash2.arena.nvme import HEADER_BYTES
-    from dflash2.arena.nvmefiles import folder_named, unused_cache_files
-    from dflash2.arena.shm import (SERVING_THREADS, address_space, mem_available_bytes, shm_free_bytes,
-                                   thread_stack_bytes)
-    from dflash2.arena.staging import WORKERS as STAGING_WORKERS
-    from dflash2.tiers import Tier
-
-    def verdict(need: int, have: int) -> str:
-        return "fits" if need <= have else "start-up would fail now (exit 4)"
-
-    lines = [] if plan.device_kind != "cuda" else _cupy_now()
-    if plan.device_kind == "cuda" and any(t.tier == Tier.HBM and t.capacity_bytes is None for t in plan.tiers):
-        lines.append("device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up "
-                     "would fail now (exit 4)")
-    nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
-    has_nvme = nvme is not None and plan.nvme_path is not None and bool(nvme.capacity_bytes)
-    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
-    staging = plan.staging_taken_bytes if has_nvme else 0  # taken at start-up too
-    if host or staging:
-        shm, avail = shm_free_bytes(), mem_available_bytes()
-        takes = f"host memory tiers take {host} bytes of shared memory"
-        if staging:
-            takes += f" and the staging buffers {staging} bytes of memory"
-        fits = host <= shm and host + staging <= avail
-        lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
-                     f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
-        if (limits := address_space()) is not None:  # (mapped past it: ENOMEM with memory free, a review)
-            # The serving daemon's threads' stacks too: counted by the tiers alone, it said "fits" and
-            # start-up then could not start the metrics server's thread (a review).
-            room, count = limits[0] - limits[1], SERVING_THREADS + (STAGING_WORKERS if has_nvme else 0)
-            stacks = count * thread_stack_bytes()
-            lines.append(f"they take {host + staging} bytes of address space and the serving daemon's {count} "
-                         f"threads' stacks {stacks} more (RLIMIT_STACK each), and its limit (RLIMIT_AS: ulimit -v, "
-                         f"systemd's LimitAS=) leaves {room} of {limits[0]} past what this check maps: "
-                         f"{'fits' if host + staging + stacks <= room else 'start-up would fail now (exit 4)'}")
-    if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
-        lines.append(f"{why}: start-up would fail now (exit 4)")
-    elif has_nvme:
-        try:
-            lines.extend(_nvme_now(plan.nvme_files(), plan.pool_bytes(nvme) + HEADER_BYTES, verdict,
-                                   unused_cache_files(plan.nvme_path, plan.nvme_files())))
-        except OSError as e:
-            lines.append(f"cannot look at the NVMe file's place {plan.nvme_path}: {e.strerror or e}: start-up "
-                         "would fail now (exit 4)")
-    return lines
-
-
-def _cupy_now() -> list[str]:
-    """The `now:` line of a CUDA plan where CuPy cannot be imported: the README's set-up installs no
-    `gpu` extra, and on a GPU node the shipped config (`auto`) passed --check with every line saying
-    it fits, then start-up exited 4 for want of CuPy (a review). Imported as start-up imports it, so
-    that an install that is there but broken is found too."""
-    from dflash2.cuda import cupy
-    from dflash2.errors import ArenaError
-
-    try:
-        cupy()
-    except ArenaError as e:
-        # (start-up's own words, then what else to do: `[gpu]` brings cupy-cuda12x)
-        return [f"{e}: start-up would fail now (exit 4); on CUDA 13 install cupy-cuda13x instead, or set "
-                "device.kind host to leave the GPU out"]
-    return []
-
-
-def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
-    """The `now:` lines of the ports start-up binds (a tcp daemon.endpoint, metrics.host:port), tried
-    by the same probes start-up runs before it takes any tier (endpoint.py): a metrics.host that is
-    no address of this node passed --check and start-up then exited 4. A daemon serving this config
-    now holds them too, and is named as such a holder."""
-    from dflash2.daemon.endpoint import EndpointBusy, probe_metrics, probe_port
-
-    lines = []
-    for probe, what in ((lambda: probe_port(endpoint), "daemon.endpoint"),
-                        (lambda: probe_metrics(metrics_host, metrics_port), "metrics")):
-        try:
-            probe()
-        except EndpointBusy as e:
-            held = " in use" in str(e)  # (EADDRINUSE: "Address already in use")
-            lines.append(f"{e} ({what}{'; a dflash2d serving this config holds it too' if held else ''}): "
-                         "start-up would fail now (exit 4)")
-    return lines
-
-
-def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Path, int]] = ()) -> list[str]:
-    """The `now:` lines of the NVMe files (one, or one per GPU): whether start-up could create or
-    reuse each, and whether each disk has room for the files on it. A file is looked at where a
-    symlink at its path leads, as start-up takes it (`nvme.cache.gpuN` linked to a disk per GPU was
-    measured on the links' folder). `unused`: an earlier daemon's files that no pool uses
-    (nvmefiles.py), which start-up removes: said, and their room counted as free."""
-    disks: dict[int, list] = {}  # filesystem -> [folder to measure, files, bytes they hold]
-    lines = [f"{path} is an earlier daemon's NVMe cache file ({held} bytes on disk) that no pool of this config "
-             "uses (made for another number of GPUs): start-up removes it" if not link else
-             f"{path} leads to an earlier daemon's NVMe cache file {os.path.realpath(path)} ({held} bytes on disk) "
-             "that no pool of this config uses: start-up leaves the link as it is (remove the file to give its "
-             "room back)" for path, held, link in unused]
-    freed: dict[int, int] = {}  # filesystem -> bytes the removals give back
-    for path, held, link in unused:
-        if not link:
-            dev = os.stat(path).st_dev
-            freed[dev] = freed.get(dev, 0) + held
-    for path in paths:
-        target = Path(os.path.realpath(path))
-        problem, has = _nvme_file_now(target)
-        if problem:
-            return [problem]
-        folder = _nearest_existing(target.parent)
-        disk = disks.setdefault(os.stat(folder).st_dev, [folder, [], 0])
-        disk[1].append(target)
-        disk[2] += has
-    for dev, (folder, files, held) in disks.items():
-        st = os.statvfs(folder)
-        free = st.f_bavail * st.f_frsize + held + freed.get(dev, 0)
-        need = need_each * len(files)
-        where = (f"the NVMe file needs {need} bytes at {files[0]}" if len(files) == 1 else
-                 f"{len(files)} NVMe files (one per GPU) need {need} bytes in all at {files[0]} to {files[-1]}")
-        lines.append(f"{where}; {free} are free there (with what the files already hold): {verdict(need, free)}")
-    return lines
-
-
-def _nvme_file_now(path: Path) -> tuple[str | None, int]:
-    """(why start-up could not create or reuse this NVMe file, or None; the bytes it holds, reused)."""
-    from dflash2.arena.nvme import HEADER, is_foreign
-
-    fail = "start-up would fail now (exit 4)"
-    held = 0
-    if path.exists():
-        if not path.is_file():
-            return f"{path} exists and is not a regular file: {fail}", 0
-        if _read_only(path.parent):
-            return f"{path} is on a read-only filesystem: {fail}", 0
-        if not os.access(path, os.R_OK | os.W_OK):
-            return f"{path} exists and the daemon's user (uid {os.geteuid()}) cannot read and write it: {fail}", 0
-        if (st := path.stat()).st_uid != os.geteuid():  # (as the tier refuses it: nvmefiles._own_file)
-            from dflash2.files import owner_text
-            return f"{path} is not this user's ({owner_text(st)}; uid {os.geteuid()} runs --check): {fail}", 0
-        with open(path, "rb") as f:
-            if is_foreign(f.read(len(HEADER))):
-                return f"{path} exists and is not a dflash2 NVMe cache file: start-up would refuse it (exit 4)", 0
-            try:  # the lock a running daemon holds on its file (taken and let go at once here)
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                from dflash2.files import holders_text
-                return (f"{path} is in use by another process, a daemon serving from it{holders_text(f.fileno())}: "
-                        f"{fail}"), 0
-        held = path.stat().st_blocks * 512  # reused by the tier
-    else:
-        existing = _nearest_existing(path.parent)
-        if not existing.is_dir():
-            return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}", 0
-        if _read_only(existing):
-            return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}", 0
-        if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-            return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}", 0
-    return None, held
-
-
 def check_policy(cfg: Config) -> None:
     """`policy.name` must name a policy the daemon can run (the same check for --check and start-up)."""
     try:
@@ -413,13 +255,6 @@ def _stat_or_none(path: Path, key: str, advice: str = "") -> os.stat_result | No
                           + (f"; {advice}" if advice and e.errno in (errno.EACCES, errno.EPERM) else "")) from None
 
 
-def _nearest_existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _check_folder(key: str, folder: Path) -> None:
     """`folder` is a folder the daemon can make files in, or can be made: its nearest existing
     ancestor is a folder the daemon's user may write."""
@@ -471,13 +306,6 @@ def _try_making(key: str, folder: Path, existing: Path) -> None:
         first.rmdir()
     except OSError:  # (a file put in it meanwhile: theirs, left)
         pass
-
-
-def _read_only(folder: Path) -> bool:
-    try:
-        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False  # (the access check below then speaks)
 
 
 class _Stopped(BaseException):

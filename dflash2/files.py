@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 from dflash2.protocol import printable
 
@@ -130,3 +131,19 @@ def make_private_folders(folder: str | os.PathLike) -> bool:
     if not os.path.isdir(folder):
         raise NotADirectoryError(errno.ENOTDIR, "not a folder", os.fspath(folder))
     return bool(missing) and missing[0] == os.fspath(folder)
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def read_only(folder: Path) -> bool:
+    """Whether `folder` lies on a filesystem mounted read-only (False where it cannot be asked: the
+    caller's access check then speaks)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
