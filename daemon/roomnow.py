@@ -7,6 +7,7 @@ it is a job of its own; main.py runs it for `--check`.
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
 from pathlib import Path
 
@@ -14,15 +15,57 @@ from dflash2.files import nearest_existing, read_only
 from dflash2.plan import Plan
 
 
-def room_now(plan: Plan) -> list[str]:
+# Address space a starting daemon maps beyond its tiers, staging buffers and threads' stacks, and
+# beyond what is mapped when it weighs them: its block tables, its heap, ZeroMQ's sockets (5-9 MB on
+# the development VM at 24 MB of tiers, in ulimit -v sweeps of a review's configs).
+HEADROOM_BYTES = 32 << 20
+
+
+def serving_threads(plan: Plan, metrics_port: int) -> int:
+    """The threads a serving daemon of `plan` starts besides its main thread and those this check's
+    imports start too (numpy's): ZeroMQ's I/O thread and reaper, the stall watch, the host transfer
+    thread (host-only), the metrics server (metrics.port), ZeroMQ's authenticator and the key gate
+    (a tcp endpoint), and each pool's NVMe I/O workers (started with the tier). Counted in serving
+    daemons' threads (tests/test_threads.py); a GPU node's copies start threads of their own."""
+    from dflash2.arena.staging import ring_workers
+    from dflash2.tiers import Tier
+
+    count = 3 + (plan.device_kind == "host") + bool(metrics_port) + 2 * plan.endpoint.startswith("tcp://")
+    nvme = any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers) and plan.nvme_path is not None
+    return count + (plan.pools * ring_workers(plan.staging_bytes) if nvme else 0)
+
+
+def address_space_now(plan: Plan, metrics_port: int, mapped: str) -> tuple[str, bool] | None:
+    """Under an address-space limit (RLIMIT_AS: ulimit -v, systemd's LimitAS=): what the host tiers,
+    the staging buffers and the serving daemon's threads' stacks take of it and what it leaves past
+    what `mapped` ("this check", "start-up") maps now, and whether they fit with HEADROOM_BYTES to
+    spare; None without a limit. `--check` says it; start-up refuses to take the tiers where they do
+    not fit (a thread that could not start later ended it, or ZeroMQ's aborted it, its shared memory
+    left in /dev/shm: a review). `--check` imports the server first, so that what is mapped now is
+    what start-up's is (its libraries, ZeroMQ's above all)."""
+    from dflash2.arena.shm import address_space, thread_stack_bytes
+    from dflash2.tiers import Tier
+
+    if (limits := address_space()) is None:
+        return None
+    nvme = any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers) and plan.nvme_path is not None
+    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
+    takes = host + (plan.staging_taken_bytes if nvme else 0)
+    room, count = limits[0] - limits[1], serving_threads(plan, metrics_port)
+    stacks = count * thread_stack_bytes()
+    return (f"they take {takes} bytes of address space, the serving daemon's {count} threads' stacks {stacks} more "
+            f"(RLIMIT_STACK each) and its tables and heap about {HEADROOM_BYTES}, and its limit (RLIMIT_AS: ulimit -v, "
+            f"systemd's LimitAS=) leaves {room} of {limits[0]} past what {mapped} maps"), \
+        takes + stacks + HEADROOM_BYTES <= room
+
+
+def room_now(plan: Plan, metrics_port: int = 0) -> list[str]:
     """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
     from dflash2.arena.nvme import HEADER_BYTES
     from dflash2.arena.nvmefiles import folder_named, unused_cache_files
-    from dflash2.arena.shm import (SERVING_THREADS, address_space, mem_available_bytes, shm_free_bytes,
-                                   thread_stack_bytes)
-    from dflash2.arena.staging import WORKERS as STAGING_WORKERS
+    from dflash2.arena.shm import mem_available_bytes, shm_free_bytes
     from dflash2.tiers import Tier
 
     def verdict(need: int, have: int) -> str:
@@ -44,15 +87,12 @@ def room_now(plan: Plan) -> list[str]:
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
-        if (limits := address_space()) is not None:  # (mapped past it: ENOMEM with memory free, a review)
-            # The serving daemon's threads' stacks too: counted by the tiers alone, it said "fits" and
-            # start-up then could not start the metrics server's thread (a review).
-            room, count = limits[0] - limits[1], SERVING_THREADS + (STAGING_WORKERS if has_nvme else 0)
-            stacks = count * thread_stack_bytes()
-            lines.append(f"they take {host + staging} bytes of address space and the serving daemon's {count} "
-                         f"threads' stacks {stacks} more (RLIMIT_STACK each), and its limit (RLIMIT_AS: ulimit -v, "
-                         f"systemd's LimitAS=) leaves {room} of {limits[0]} past what this check maps: "
-                         f"{'fits' if host + staging + stacks <= room else 'start-up would fail now (exit 4)'}")
+        try:  # (mapped past the limit: ENOMEM with memory free, a review)
+            importlib.import_module("dflash2.daemon.startup")  # (its libraries mapped, as start-up's are)
+        except ModuleNotFoundError:
+            pass
+        if (space := address_space_now(plan, metrics_port, "this check")) is not None:
+            lines.append(f"{space[0]}: {'fits' if space[1] else 'start-up would fail now (exit 4)'}")
     if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
         lines.append(f"{why}: start-up would fail now (exit 4)")
     elif has_nvme:

@@ -14,13 +14,14 @@ import time
 
 from dflash2 import threads
 from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
-from dflash2.arena.shm import remove_stale_segments
+from dflash2.arena.shm import cap_malloc_arenas, remove_stale_segments
 from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_metrics, probe_port
 from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
 from dflash2.daemon.observe import Observers, log_fallbacks
+from dflash2.daemon.roomnow import address_space_now
 from dflash2.daemon.service import Service
 from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
@@ -80,7 +81,15 @@ def clean_up_killed(endpoint: str, lock: EndpointLock) -> None:
 def run(cfg: Config) -> int:
     _configure_logging(cfg)
     raise_open_files_limit()
+    if (capped := cap_malloc_arenas()) is not None:  # (before the server's threads: shm.py)
+        log.info(capped)
     plan = resolve_plan(cfg)
+    # Weighed before anything runs that maps (a tcp endpoint's probe leaves ZeroMQ's two thread stacks
+    # in glibc's cache, counted twice then) and before any tier is taken (roomnow.py).
+    if (space := address_space_now(plan, cfg.metrics.port, "start-up")) is not None and not space[1]:
+        _error(cfg, f"cannot start: too little address space: {space[0]}; raise the limit, or lower the tiers' "
+                    "memory.*_capacity_mb")
+        return EXIT_START_FAILED
     lock = EndpointLock(plan.endpoint, runtime_dir())
     try:
         lock.acquire()

@@ -158,14 +158,17 @@ def test_a_tcp_endpoint_whose_host_does_not_resolve_says_so(tmp_path):
         "nor a name that resolves" in line
 
 
-def test_a_thread_that_cannot_start_exits_4_with_one_line_and_gives_the_tiers_back(tmp_path):
+@pytest.mark.parametrize("thread", ["dflash2-stall-watch", "dflash2-staging"])
+def test_a_thread_that_cannot_start_exits_4_with_one_line_and_gives_the_tiers_back(tmp_path, thread):
     """Under `ulimit -v` the tiers fit and the metrics server's thread did not: a traceback and exit 1
-    (a review's repro). Here its start fails as it failed there."""
-    path = config(tmp_path, metrics={"port": 0})
+    (a review's repro). Here a thread's start fails as it failed there: the stall watch's, or one of
+    the NVMe tier's I/O workers (started with the tier: at its first batch, while serving, a review)."""
+    nvme = {"nvme_capacity_mb": 8, "nvme_path": str(tmp_path / "n.cache")} if thread == "dflash2-staging" else {}
+    path = config(tmp_path, metrics={"port": 0}, memory=nvme)
     run = ("import sys, threading\n"
            "real = threading.Thread.start\n"
            "def start(self):\n"
-           "    if self.name == 'dflash2-stall-watch':\n"
+           f"    if self.name.startswith({thread!r}):\n"
            "        raise RuntimeError(\"can't start new thread\")\n"
            "    real(self)\n"
            "threading.Thread.start = start\n"
@@ -175,8 +178,25 @@ def test_a_thread_that_cannot_start_exits_4_with_one_line_and_gives_the_tiers_ba
                             cwd=str(tmp_path))
     _, err = proc.communicate(timeout=STARTUP_TIMEOUT_S)
     assert proc.returncode == 4, err
-    assert "cannot start a thread: can't start new thread" in one_error_line(err)
+    said = "cannot start a thread" if thread == "dflash2-stall-watch" else "its I/O workers could not be had"
+    assert f"{said}: can't start new thread" in one_error_line(err)
     assert "took dram tier" in err and not glob.glob(f"/dev/shm/dflash2-{proc.pid}-*")
+
+
+def test_start_up_under_an_address_space_limit_too_small_takes_nothing(tmp_path):
+    """Weighed before any tier is taken, as --check weighs it: a thread that could not start after the
+    tiers were taken ended start-up, or ZeroMQ's aborted it with its shared memory left (a review)."""
+    import resource
+
+    path = config(tmp_path, memory={"dram_capacity_mb": 1536})
+    limit = 1 << 30
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    _, err = proc.communicate(timeout=STARTUP_TIMEOUT_S)
+    assert proc.returncode == 4, err
+    assert f"cannot start: too little address space: they take {1544 * 1024 * 1024} bytes" in one_error_line(err)
+    assert "took" not in err and not glob.glob(f"/dev/shm/dflash2-{proc.pid}-*")
 
 
 def test_cuda_asked_for_where_no_gpu_is_visible_exits_4_with_one_line(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ during start-up deaf to its SIGTERM (tests/test_audit_config.py's FIFO test hung
 from __future__ import annotations
 
 import signal
+import time
 import threading
 from pathlib import Path
 
@@ -78,3 +79,70 @@ def test_every_thread_of_a_serving_daemon_but_the_main_one_blocks_stop_signals(t
 
 if not Path("/proc/self/task").is_dir():  # the masks are read from Linux's /proc
     pytestmark = pytest.mark.skip(reason="needs Linux /proc")
+
+
+def _failing_start(monkeypatch, nth: int, prefix: str = "dflash2-staging") -> None:
+    """threading.Thread.start raises as under `ulimit -v` for the nth thread named `prefix...` (0: every one)."""
+    real, seen = threading.Thread.start, [0]
+
+    def start(self):
+        if self.name.startswith(prefix):
+            seen[0] += 1
+            if not nth or seen[0] == nth:
+                raise RuntimeError("can't start new thread")
+        real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_the_staging_workers_start_with_the_ring_and_one_that_cannot_leaves_none_behind(monkeypatch):
+    """Started at the pool's first tasks, one that could not start raised in the middle of a batch's
+    submits while the daemon served: a task queued with none to run it, its partner waiting on it for
+    good, the batch's blocks blamed on the disk and close hanging (a review, under `ulimit -v`)."""
+    _failing_start(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        StagingRing(1 << 20, workers=2)  # (two slots: two workers)
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("dflash2-staging") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dflash2-staging")]
+    monkeypatch.undo()
+    ring = StagingRing(1 << 20, workers=2)
+    try:
+        _failing_start(monkeypatch, 0)  # (no thread starts from now on: the ring has all its own)
+        assert ring.run([], lambda chunk, offset: None, tasks=[lambda: 1] * 16) == [1] * 16
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("variant", ["ipc", "metrics+nvme", "tcp"])
+def test_the_check_counts_the_threads_a_serving_daemon_starts(tmp_path, config_file, variant, monkeypatch):
+    """`--check` weighs each thread's stack against an address-space limit: a count of 6 for every
+    config was 2 short with a tcp endpoint (ZeroMQ's authenticator, the key gate), and the NVMe
+    tier's workers started at its first batch (a review). Counted here in a serving daemon, beyond
+    the threads the check's own imports start (numpy's)."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash2.config import load_config
+    from dflash2.daemon.roomnow import serving_threads
+    from dflash2.plan import resolve_plan
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    port = free_port() if variant != "ipc" else 0
+    endpoint = f"tcp://127.0.0.1:{free_port()}" if variant == "tcp" else f"ipc://{tmp_path}/d.sock"
+    memory = {"nvme_capacity_mb": 8, "nvme_path": str(tmp_path / "n.cache")} if variant == "metrics+nvme" else \
+        {"nvme_capacity_mb": 0, "nvme_path": None}
+    cfg = config_file(metrics={"port": port, "host": "127.0.0.1"}, daemon={"endpoint": endpoint}, memory=memory)
+    imported = subprocess.run([sys.executable, "-c", "import os, dflash2.daemon.main, dflash2.plan; "
+                               "print(len(os.listdir('/proc/self/task')) - 1)"], capture_output=True, text=True)
+    expected = serving_threads(resolve_plan(load_config(cfg)), port) + int(imported.stdout)
+    with running_daemon(cfg, str(tmp_path / "daemon.log")) as proc:
+        deadline = time.monotonic() + 5  # (a thread started right after the start-up line)
+        while (serving := len(os.listdir(f"/proc/{proc.pid}/task")) - 1) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        serving = len(os.listdir(f"/proc/{proc.pid}/task")) - 1
+    assert serving == expected, (serving, imported.stdout)

@@ -47,7 +47,7 @@ from dflash2.arena.base import StorageArena
 from dflash2.arena.nvmecut import FileCuts
 from dflash2.arena.nvmegone import FileRenewal
 from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
-from dflash2.arena.shm import mem_available_bytes
+from dflash2.arena.shm import address_space_note, mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
 from dflash2.errors import DISK_FULL, ArenaError, CapacityError
@@ -121,9 +121,9 @@ def _staging_ring(staging_bytes: int) -> StagingRing:
                             f"(memory.staging_buffer_size_mb), only {available} available (MemAvailable)")
     try:
         return StagingRing(staging_bytes)
-    except OSError as e:
-        raise CapacityError(f"NVMe tier's staging buffer could not take {staging_bytes} bytes of memory "
-                            f"(memory.staging_buffer_size_mb): {e}") from e
+    except (OSError, RuntimeError) as e:  # (RuntimeError: its workers', threading's "can't start new thread")
+        raise CapacityError(f"NVMe tier's staging buffer ({staging_bytes} bytes, memory.staging_buffer_size_mb) "
+                            f"and its I/O workers could not be had: {e}{address_space_note()}") from e
 
 
 def _refuse_failing_disk(path: str, error: OSError) -> None:

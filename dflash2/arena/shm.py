@@ -150,20 +150,37 @@ def address_space() -> tuple[int, int] | None:
     return soft, used
 
 
-# Threads a serving host daemon runs besides its main thread, each with a stack of `thread_stack_bytes`
-# in its address space: ZeroMQ's I/O thread and reaper, the metrics server, the stall watch, the host
-# transfer thread and the NVMe slots' re-test (counted in a serving daemon's /proc/PID/task on the
-# development VM); with an NVMe tier, its I/O workers too (arena/staging.py, at its first batch).
-SERVING_THREADS = 6
-
-
 def thread_stack_bytes() -> int:
     """The address space a thread's stack takes: RLIMIT_STACK's soft limit, which glibc gives each new
-    thread (8 MiB where it is unlimited, glibc's default there on x86-64)."""
+    thread (2 MiB where it is unlimited: measured, a review)."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
-    return 8 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+    return 2 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+# glibc's mallopt parameter for the most arenas malloc keeps (malloc.h's M_ARENA_MAX)
+M_ARENA_MAX = -8
+
+
+def cap_malloc_arenas() -> str | None:
+    """Under an address-space limit, malloc's arenas capped at one: glibc gives each thread that
+    allocates one of its own (up to 8 a core), each reserving 64 MiB of address space (a serving
+    daemon's threads took 256 MiB that way, and a later thread could not start: a review). What was
+    done, for the log; None where no limit is set (nothing changed)."""
+    if address_space() is None:
+        return None
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return ("the address space is limited (RLIMIT_AS), and malloc has no mallopt (not glibc's): its "
+                "per-thread arenas are not capped, and may take what --check counted for the tiers")
+    if mallopt(M_ARENA_MAX, 1) != 1:
+        return "the address space is limited (RLIMIT_AS), and glibc refused to cap malloc's per-thread arenas"
+    return ("the address space is limited (RLIMIT_AS): malloc's per-thread arenas capped at one (each "
+            "reserves 64 MiB of it)")
 
 
 def address_space_note() -> str:

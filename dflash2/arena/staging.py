@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -183,22 +184,52 @@ def plan_runs(order: np.ndarray, offsets: np.ndarray, lens: np.ndarray, max_byte
 
 # ---- the ring -----------------------------------------------------------------------------------
 
+def ring_slot_bytes(staging_bytes: int) -> int:
+    """The slot of a ring of `staging_bytes`: half of it, at most a chunk, in whole pages."""
+    return max(ALIGN, min(MAX_CHUNK_BYTES, staging_bytes // 2) // ALIGN * ALIGN)
+
+
+def ring_workers(staging_bytes: int, workers: int = WORKERS) -> int:
+    """The threads a ring of `staging_bytes` runs: a slot each at most."""
+    return min(workers, staging_bytes // ring_slot_bytes(staging_bytes))
+
+
 class StagingRing:
     """A page-aligned buffer of `nslots` slots of `slot_bytes`, and WORKERS threads."""
 
     def __init__(self, staging_bytes: int, workers: int = WORKERS):
         if staging_bytes < 2 * ALIGN:
             raise ValueError(f"staging buffer of {staging_bytes} bytes is smaller than two {ALIGN}-byte pages")
-        self.slot_bytes = max(ALIGN, min(MAX_CHUNK_BYTES, staging_bytes // 2) // ALIGN * ALIGN)
+        self.slot_bytes = ring_slot_bytes(staging_bytes)
         self.nslots = staging_bytes // self.slot_bytes
         self.nbytes = self.nslots * self.slot_bytes
         self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.mv = memoryview(self._mm)
         self.np = np.frombuffer(self._mm, dtype=np.uint8)
-        self.workers = min(workers, self.nslots)
+        self.workers = ring_workers(staging_bytes, workers)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.workers,
                                                            thread_name_prefix="dflash2-staging",
                                                            initializer=threads.block_stop_signals)
+        try:
+            self._start_workers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self) -> None:
+        """Every worker started now, not at the pool's first tasks: one that could not start then (an
+        address-space limit, `ulimit -v`; a limit on threads) raised in the middle of a batch's
+        submits, left a task queued with none to run it and its partner waiting on it for good: the
+        batch failed, its blocks were blamed on the disk, and close waited for ever (a review). Here
+        such a failure is start-up's (RuntimeError). A pool with all its workers starts no more."""
+        gate = threading.Barrier(self.workers + 1)  # (each blocked on it: every submit starts a thread)
+        try:
+            for _ in range(self.workers):
+                self._pool.submit(gate.wait)
+            gate.wait()
+        except BaseException:
+            gate.abort()  # (the started ones, and a task queued by a submit that raised, return)
+            raise
 
     def run(self, chunks: list[Chunk], job: Callable[[Chunk, int], T],
             tasks: Sequence[Callable[[], T]] = ()) -> list[T]:
