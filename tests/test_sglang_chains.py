@@ -11,7 +11,7 @@ import pytest
 from conftest import SMALL
 from daemon_proc import DaemonProcess
 from dflash2.client import Client
-from dflash2.client.sglang.chains import HOLD_S, MAX_HELD_TIPS, HeldTips, slots
+from dflash2.client.sglang.chains import HOLD_S, MAX_HELD_TIPS, HeldTips, Writing, slots
 from dflash2.errors import DaemonError
 
 
@@ -105,8 +105,9 @@ def test_tips_let_go_later_are_given_up_at_the_next_stale_and_one_can_go_alone()
     assert len(tips) == 0 and tips.pages == 0
     assert sorted(tips.stale()) == [1, 1, 2] and tips.stale() == []
     tips.extended(None, 3, 2), tips.extended(None, 4, 2)
-    assert tips.let_go(None, "test", only=3) == 1 and list(tips._held) == [4] and tips.pages == 2
-    assert tips.let_go(None, "test", only=3) == 0
+    ended = Writing(tips, None)  # (a store ending: `only` goes with it)
+    assert tips.let_go(None, "test", only=3, ending=ended) == 1 and list(tips._held) == [4] and tips.pages == 2
+    assert tips.let_go(None, "test", only=3, ending=ended) == 0
 
 
 def test_a_tip_a_store_will_write_under_outlasts_hold_s_and_the_limits_until_then():
@@ -183,6 +184,10 @@ def test_a_call_without_prefix_keys_leaves_a_hold_on_its_deduplicated_last_tip()
     with tips.writing(None, None, keeps=False) as w:  # (one that ends after a chunk deduplicated onto 7)
         assert tips.extended(None, 7, 2, writing=w) == [] and tips._held[7][0] == 2
     assert list(tips._held) == [7] and tips._held[7][0] == 1  # its own reference alone went
+    with tips.writing(None, None, keeps=False) as w:  # (its first chunk onto 7, its last under it: a review)
+        assert tips.extended(None, 7, 2, writing=w) == [] and tips._held[7][0] == 2
+        assert tips.extended(7, 8, 3, keep=False, writing=w) == [7, 8]  # its own on 7 alone, and the commit's
+    assert list(tips._held) == [7] and tips._held[7][0] == 1
 
 
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():

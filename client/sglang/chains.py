@@ -89,8 +89,8 @@ class HeldTips:
     held and `_pages` is at most `max_pages`, but for tips a store will write under (`writing`): none
     of the ways a tip is let go (the limits, HOLD_S, a refused write's `let_go`, a call's end, a
     sibling's commit under it, a deduplicated commit not kept) takes one while a store will write
-    under it, so while stores run the held tips may pass the limits by one a store at most, until
-    the next `extended`. Thread-safe: sglang's storage threads store at once."""
+    under it, so the held tips may pass the limits by one a store at most (its chain up to the
+    share deep), until the next `extended`. Thread-safe: sglang's storage threads store at once."""
 
     def __init__(self, client: Client | None, tier_pages: int, clock=time.monotonic):
         self.client = client
@@ -123,8 +123,8 @@ class HeldTips:
         the commit's: a hold of another store's on the same block stays) or alone beyond them."""
         with self._lock:
             others = self._under[parent] - (writing is not None and writing.vid == parent)
-            free = self._take(parent) if parent is not None and not others else []
             kept = keep and max(self._held.get(tip, (0, 0))[1], int(depth)) <= self.max_pages
+            free = [] if parent is None or others else self._parents_go(parent, kept, writing)
             if writing is not None:
                 writing.moved(tip, kept)
             if not kept:  # (the commit's reference alone; the block may be held for another store)
@@ -134,6 +134,15 @@ class HeldTips:
             self._held[tip] = [refs + 1, counted, self._clock()]
             self._pages += counted - had
             return free + self._trim(limits=True)
+
+    def _parents_go(self, parent: int, kept: bool, writing: Writing | None) -> list[int]:
+        """Under the lock: what a commit under `parent` gives up of its hold: every reference, where the
+        new tip is held (it keeps the chain, `parent` in it) or the caller holds them all (no
+        `writing`); else the store's own alone, where it kept one (another request's hold on the same
+        block, deduplicated, stays: a review)."""
+        if kept or writing is None:
+            return self._take(parent)
+        return self._take_one(parent) if writing.kept and writing.mine == parent and parent in self._held else []
 
     def stale(self) -> list[int]:
         """The references held past HOLD_S, and those let go for later (`let_go_later`), given up here
@@ -161,20 +170,25 @@ class HeldTips:
         try:
             yield writing
         finally:
-            writing.protect(None)
-            if not keeps and writing.kept:  # (its own reference on its last tip, kept for a chunk not stored)
-                self.let_go(client, "a call without prefix keys ended", only=writing.mine)
+            # (its own reference on its last tip, kept for a chunk it did not store: `only`)
+            only = writing.mine if not keeps and writing.kept else None
+            self.let_go(client, "a call without prefix keys ended", only=only, ending=writing)
 
-    def let_go(self, client: Client | None, why: str, only: int | None = None) -> int:
+    def let_go(self, client: Client | None, why: str, only: int | None = None, ending: Writing | None = None) -> int:
         """Give the references of every tip held up (a write was refused: their chains may be what
-        fills the tier), or one of `only` (a call without prefix keys ended: its own; another's, on
-        the same block deduplicated, stays), but those stores will write under, freed through
-        `client` where it is the one they were taken on (the references of a client replaced since
-        went with its session). Returns how many tips went."""
+        fills the tier), or, with `ending` (a store that ends, its protection lifted in the same step:
+        between two, another store's let-go could take another's reference, a review), one of `only`
+        (its own; another's on the same block, deduplicated, stays), but those stores will write
+        under, freed through `client` where it is the one they were taken on (the references of a
+        client replaced since went with its session). Returns how many tips went."""
         with self._lock:
-            going = [vid for vid in ([only] if only is not None else self._held)
-                     if vid in self._held and vid not in self._under]
-            free = [v for vid in going for v in (self._take_one(vid) if only is not None else self._take(vid))]
+            if ending is not None:
+                ending._keep(None)
+                going = [only] if only in self._held and only not in self._under else []
+                free = [v for vid in going for v in self._take_one(vid)]
+            else:
+                going = [vid for vid in self._held if vid not in self._under]
+                free = [v for vid in going for v in self._take(vid)]
         if free and client is not None and client is self.client:
             try:
                 client.free(free)
