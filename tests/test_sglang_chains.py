@@ -190,6 +190,30 @@ def test_a_call_without_prefix_keys_leaves_a_hold_on_its_deduplicated_last_tip()
     assert list(tips._held) == [7] and tips._held[7][0] == 1
 
 
+def test_a_call_without_prefix_keys_gives_up_only_what_it_holds():
+    """Its last chunk under a tip it did not keep (beyond the share) that another request holds, or
+    under its own kept tip after a clear let every tip go: nothing of the parent's is its to give up
+    (the first gave the other's hold up, the second raised KeyError: reviews)."""
+    tips = HeldTips(None, 32 * 10)  # 10 pages
+    tips.extended(None, 5, 2)  # (another request's, held for its next batch)
+    with tips.writing(None, None, keeps=False) as w:
+        assert tips.extended(None, 5, 11, writing=w) == [5] and not w.kept  # deduplicated, 11 deep: not held
+        assert tips.extended(5, 6, 12, keep=False, writing=w) == [6] and tips._held[5][0] == 1
+    with tips.writing(None, None, keeps=False) as w:
+        assert tips.extended(None, 7, 1, writing=w) == [] and w.kept
+        tips.let_go_later()  # (a clear meanwhile)
+        assert tips.extended(7, 8, 2, keep=False, writing=w) == [8] and sorted(tips.stale()) == [5, 7]
+
+
+def test_a_chain_grown_beyond_the_share_is_held_no_more():
+    """Its next batch deeper than the share: the parent's hold goes with the new tip's (a review: it
+    stayed as an interior hold until HOLD_S)."""
+    tips = HeldTips(None, 32 * 10)
+    tips.extended(None, 1, 8)
+    with tips.writing(None, 1, True) as w:
+        assert tips.extended(1, 2, 12, writing=w) == [1, 2] and len(tips) == 0 and tips.pages == 0
+
+
 def test_a_tier_counts_the_pages_its_aligned_slots_hold():
     assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 1024) == 512
     assert slots({"capacity_bytes": 2 << 20, "alignment": 4096}, 4097) == 256

@@ -124,7 +124,7 @@ class HeldTips:
         with self._lock:
             others = self._under[parent] - (writing is not None and writing.vid == parent)
             kept = keep and max(self._held.get(tip, (0, 0))[1], int(depth)) <= self.max_pages
-            free = [] if parent is None or others else self._parents_go(parent, kept, writing)
+            free = [] if parent is None or others else self._parents_go(parent, keep, writing)
             if writing is not None:
                 writing.moved(tip, kept)
             if not kept:  # (the commit's reference alone; the block may be held for another store)
@@ -135,12 +135,13 @@ class HeldTips:
             self._pages += counted - had
             return free + self._trim(limits=True)
 
-    def _parents_go(self, parent: int, kept: bool, writing: Writing | None) -> list[int]:
-        """Under the lock: what a commit under `parent` gives up of its hold: every reference, where the
-        new tip is held (it keeps the chain, `parent` in it) or the caller holds them all (no
-        `writing`); else the store's own alone, where it kept one (another request's hold on the same
-        block, deduplicated, stays: a review)."""
-        if kept or writing is None:
+    def _parents_go(self, parent: int, keep: bool, writing: Writing | None) -> list[int]:
+        """Under the lock: what a commit under `parent` gives up of its hold: every reference where a
+        later batch may name the new tip (`keep`: it is held, keeping the chain, `parent` in it, or
+        the chain is beyond the share and held no more) or the caller holds them all (no `writing`);
+        else (a call's last chunk, sglang passing no prefix keys) the store's own alone, where it
+        kept one (another request's hold on the same block, deduplicated, stays: a review)."""
+        if keep or writing is None:
             return self._take(parent)
         return self._take_one(parent) if writing.kept and writing.mine == parent and parent in self._held else []
 
