@@ -16,9 +16,13 @@ from dflash2.plan import Plan
 
 
 # Address space a starting daemon maps beyond its tiers, staging buffers and threads' stacks, and
-# beyond what is mapped when it weighs them: its block tables, its heap, ZeroMQ's sockets (5-9 MB on
-# the development VM at 24 MB of tiers, in ulimit -v sweeps of a review's configs).
+# beyond what is mapped when it weighs them: its heap and ZeroMQ's sockets (5-9 MB on the development
+# VM at 24 MB of tiers, in ulimit -v sweeps of a review's configs) ...
 HEADROOM_BYTES = 32 << 20
+# ... and its block table, whose rows are reserved up front, one a KiB of all the tiers at about 124
+# bytes each with `heat` (table/rowspace.py; 31 GiB for 256 GiB of tiers): an eighth of the tiers'
+# bytes (with 768 MB of tiers a review measured 65 MB beyond the tiers and stacks, at 32 MiB of headroom)
+HEADROOM_SHARE = 1 / 8
 
 
 def serving_threads(plan: Plan, metrics_port: int) -> int:
@@ -26,7 +30,9 @@ def serving_threads(plan: Plan, metrics_port: int) -> int:
     imports start too (numpy's): ZeroMQ's I/O thread and reaper, the stall watch, the host transfer
     thread (host-only), the metrics server (metrics.port), ZeroMQ's authenticator and the key gate
     (a tcp endpoint), and each pool's NVMe I/O workers (started with the tier). Counted in serving
-    daemons' threads (tests/test_threads.py); a GPU node's copies start threads of their own."""
+    daemons' threads (tests/test_threads.py); a GPU node's copies start threads of their own, and a
+    re-test of NVMe slots set aside one for a while (not counted: one that cannot start is logged,
+    and the re-test tried again later)."""
     from dflash2.arena.staging import ring_workers
     from dflash2.tiers import Tier
 
@@ -53,10 +59,11 @@ def address_space_now(plan: Plan, metrics_port: int, mapped: str) -> tuple[str, 
     takes = host + (plan.staging_taken_bytes if nvme else 0)
     room, count = limits[0] - limits[1], serving_threads(plan, metrics_port)
     stacks = count * thread_stack_bytes()
+    tables = HEADROOM_BYTES + int(sum(t.capacity_bytes or 0 for t in plan.tiers) * HEADROOM_SHARE)
     return (f"they take {takes} bytes of address space, the serving daemon's {count} threads' stacks {stacks} more "
-            f"(RLIMIT_STACK each) and its tables and heap about {HEADROOM_BYTES}, and its limit (RLIMIT_AS: ulimit -v, "
+            f"(RLIMIT_STACK each) and its tables and heap about {tables}, and its limit (RLIMIT_AS: ulimit -v, "
             f"systemd's LimitAS=) leaves {room} of {limits[0]} past what {mapped} maps"), \
-        takes + stacks + HEADROOM_BYTES <= room
+        takes + stacks + tables <= room
 
 
 def room_now(plan: Plan, metrics_port: int = 0) -> list[str]:

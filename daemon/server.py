@@ -101,9 +101,10 @@ DUEL_SAVED_S = 0.01
 
 class Server:
     def __init__(self, service: Service, endpoint: str, tick_interval_s: float, observers: Observers | None = None,
-                 keys: DaemonKeys | None = None, key_file: str | None = None):
+                 keys: DaemonKeys | None = None, key_file: str | None = None, context: zmq.Context | None = None):
         """`keys`: a tcp endpoint's (from `key_file`): only clients holding its client key, or the
-        monitoring key (answered read-only calls alone), connect."""
+        monitoring key (answered read-only calls alone), connect. `context`: ZeroMQ's, its threads
+        started (startup.py), else a new one."""
         self.service = service
         if endpoint.startswith("tcp://"):  # (in ping and stats, and checked against monitoring calls': keygate.py)
             service.request_port = int(endpoint.rpartition(":")[2])
@@ -126,7 +127,7 @@ class Server:
         self._parked = ParkedCalls(self._copies_done)  # calls waiting for copies in flight (parking.py)
         self._first_pool = -1  # the pool that last ran a drain piece (_drain_slice)
         self._stalls = StallWatch()  # time the process did not run, counted out of leases (_judge_leases)
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context() if context is None else context
         self._sock = self._request_socket()
         self._dropped = 0  # replies dropped for a full queue since the last line that said so
         self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S

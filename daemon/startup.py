@@ -12,6 +12,8 @@ import signal
 import sys
 import time
 
+import zmq
+
 from dflash2 import threads
 from dflash2.arena.liveness import DaemonLiveness, dead_daemons, liveness_name
 from dflash2.arena.shm import cap_malloc_arenas, remove_stale_segments
@@ -90,6 +92,10 @@ def run(cfg: Config) -> int:
         _error(cfg, f"cannot start: too little address space: {space[0]}; raise the limit, or lower the tiers' "
                     "memory.*_capacity_mb")
         return EXIT_START_FAILED
+    # ZeroMQ's I/O thread and reaper, started now, before anything is taken: libzmq aborts the process
+    # where one cannot start, which, once the tiers were taken, left their shared memory (a review).
+    context = zmq.Context()
+    context.socket(zmq.PAIR).close(0)
     lock = EndpointLock(plan.endpoint, runtime_dir())
     try:
         lock.acquire()
@@ -145,7 +151,7 @@ def run(cfg: Config) -> int:
             _error(cfg, f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port} (metrics.host, metrics.port): {e}")
             return EXIT_START_FAILED
         server = Server(service, plan.endpoint, cfg.policy.rescore_interval_ms / 1000.0, observers,
-                        keys=keys, key_file=plan.tcp_key_file)
+                        keys=keys, key_file=plan.tcp_key_file, context=context)
         if keys is not None:  # where the monitoring key's readers connect (tcpkeys.py)
             try:
                 record_port(plan.tcp_key_file, keys, service.request_port, server.monitoring_port)

@@ -5,8 +5,9 @@ during start-up deaf to its SIGTERM (tests/test_audit_config.py's FIFO test hung
 from __future__ import annotations
 
 import signal
-import time
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,43 @@ def test_the_check_counts_the_threads_a_serving_daemon_starts(tmp_path, config_f
         time.sleep(0.2)
         serving = len(os.listdir(f"/proc/{proc.pid}/task")) - 1
     assert serving == expected, (serving, imported.stdout)
+
+
+@pytest.mark.parametrize("cap", [True, False])
+def test_under_an_address_space_limit_threads_share_one_malloc_arena(cap):
+    """glibc gives each new thread's first malloc an arena of its own, 64 MiB of address space each: a
+    serving daemon's threads took 256 MiB that way, and a later thread could not start (a review).
+    Start-up caps them at one under a limit (`cap_malloc_arenas`): six threads then add their stacks."""
+    import subprocess
+    import sys
+
+    script = textwrap.dedent("""
+        import ctypes, resource, sys, threading, time
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+        from dflash2.arena.shm import cap_malloc_arenas
+        said = cap_malloc_arenas() if sys.argv[1] == "cap" else None
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        vm = lambda: [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize")][0] << 10
+        before, go = vm(), threading.Event()
+        def work():
+            libc.malloc(200)
+            go.wait()
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        print(said, (vm() - before) >> 20)
+        go.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", script, "cap" if cap else "none"], capture_output=True, text=True,
+                         timeout=60)
+    from dflash2.arena.shm import thread_stack_bytes
+
+    said, grown = out.stdout.rsplit(" ", 1)
+    stacks = 6 * thread_stack_bytes() >> 20  # (MiB, as `grown`)
+    if cap:
+        assert said.startswith("the address space is limited (RLIMIT_AS): malloc's per-thread arenas capped at one")
+        assert int(grown) <= stacks + 16, out.stdout
+    else:
+        assert int(grown) >= stacks + 4 * 64, out.stdout  # (the arenas: what the cap saves)
