@@ -115,7 +115,8 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_DISABLED
     _warn_all(fmt, warnings)
     if args.check:
-        now = room_now(plan, cfg.metrics.port) + ports_now(plan.endpoint, cfg.metrics.host, cfg.metrics.port)
+        now = (room_now(plan, cfg.metrics.port, cfg.policy.name, cfg.policy.duel_sample)
+               + ports_now(plan.endpoint, cfg.metrics.host, cfg.metrics.port))
         if sys.stdout is None:  # (closed, `>&-`: a traceback on its flush, a review; the config is valid)
             print("dflash2d --check: stdout is closed: the plan is not printed", file=sys.stderr)
             return EXIT_OK

@@ -15,14 +15,29 @@ from dflash2.files import nearest_existing, read_only
 from dflash2.plan import Plan
 
 
-# Address space a starting daemon maps beyond its tiers, staging buffers and threads' stacks, and
-# beyond what is mapped when it weighs them: its heap and ZeroMQ's sockets (5-9 MB on the development
-# VM at 24 MB of tiers, in ulimit -v sweeps of a review's configs) ...
+# Address space a starting daemon maps beyond its tiers, staging buffers, threads' stacks and block
+# table, and beyond what is mapped when it weighs them: its heap and ZeroMQ's sockets (5-9 MB on the
+# development VM at 24 MB of tiers, in ulimit -v sweeps of a review's configs).
 HEADROOM_BYTES = 32 << 20
-# ... and its block table, whose rows are reserved up front, one a KiB of all the tiers at about 124
-# bytes each with `heat` (table/rowspace.py; 31 GiB for 256 GiB of tiers): an eighth of the tiers'
-# bytes (with 768 MB of tiers a review measured 65 MB beyond the tiers and stacks, at 32 MiB of headroom)
-HEADROOM_SHARE = 1 / 8
+# The block table's rows are reserved up front (table/rowspace.py, `reserve_rows`), one a KiB of a
+# pool's tiers within its bounds, at about 124 bytes each with `heat` (its per-row state included:
+# 31 GiB for 2^28 rows); `heat` also reserves its frequency sketch at its widest (4 x 2^24 counters),
+# and its duel's three miniatures, later, about 3/8 as many rows as the pool's table (a review).
+ROW_BYTES = 128
+DUEL_ROWS_SHARE = 3 / 8
+
+
+def tables_bytes(plan: Plan, policy: str, duel_sample: int) -> int:
+    """What a serving daemon of `plan` reserves for its block tables and policy beyond HEADROOM_BYTES."""
+    from dflash2.policy.heat import MAX_SKETCH_WIDTH
+    from dflash2.table.rowspace import reserve_rows
+    from dflash2.tiers import Tier
+
+    hbm = max((t.capacity_bytes or 0 for t in plan.tiers if t.tier == Tier.HBM), default=0)  # (a pool's own)
+    rows = reserve_rows([hbm] + [plan.pool_bytes(t) for t in plan.tiers if t.tier != Tier.HBM], 0)
+    heat = policy == "heat"
+    per_pool = rows * ROW_BYTES * (1 + (DUEL_ROWS_SHARE if heat and duel_sample else 0))
+    return plan.pools * int(per_pool + (4 * MAX_SKETCH_WIDTH if heat else 0))
 
 
 def serving_threads(plan: Plan, metrics_port: int) -> int:
@@ -41,14 +56,16 @@ def serving_threads(plan: Plan, metrics_port: int) -> int:
     return count + (plan.pools * ring_workers(plan.staging_bytes) if nvme else 0)
 
 
-def address_space_now(plan: Plan, metrics_port: int, mapped: str) -> tuple[str, bool] | None:
+def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = "lru",
+                      duel_sample: int = 0) -> tuple[str, bool] | None:
     """Under an address-space limit (RLIMIT_AS: ulimit -v, systemd's LimitAS=): what the host tiers,
     the staging buffers and the serving daemon's threads' stacks take of it and what it leaves past
-    what `mapped` ("this check", "start-up") maps now, and whether they fit with HEADROOM_BYTES to
-    spare; None without a limit. `--check` says it; start-up refuses to take the tiers where they do
-    not fit (a thread that could not start later ended it, or ZeroMQ's aborted it, its shared memory
-    left in /dev/shm: a review). `--check` imports the server first, so that what is mapped now is
-    what start-up's is (its libraries, ZeroMQ's above all)."""
+    what `mapped` ("this check", "start-up") maps now, with the tables and the policy's reservations
+    (`tables_bytes`) and HEADROOM_BYTES, and whether they fit; None without a limit. `--check` says
+    it; start-up refuses to take the tiers where they do not fit (a thread that could not start later
+    ended it, or ZeroMQ's aborted it, its shared memory left in /dev/shm: a review). `--check`
+    imports the server first, so that what is mapped now is what start-up's is (its libraries,
+    ZeroMQ's above all)."""
     from dflash2.arena.shm import address_space, thread_stack_bytes
     from dflash2.tiers import Tier
 
@@ -59,14 +76,14 @@ def address_space_now(plan: Plan, metrics_port: int, mapped: str) -> tuple[str, 
     takes = host + (plan.staging_taken_bytes if nvme else 0)
     room, count = limits[0] - limits[1], serving_threads(plan, metrics_port)
     stacks = count * thread_stack_bytes()
-    tables = HEADROOM_BYTES + int(sum(t.capacity_bytes or 0 for t in plan.tiers) * HEADROOM_SHARE)
+    tables = HEADROOM_BYTES + tables_bytes(plan, policy, duel_sample)
     return (f"they take {takes} bytes of address space, the serving daemon's {count} threads' stacks {stacks} more "
             f"(RLIMIT_STACK each) and its tables and heap about {tables}, and its limit (RLIMIT_AS: ulimit -v, "
             f"systemd's LimitAS=) leaves {room} of {limits[0]} past what {mapped} maps"), \
         takes + stacks + tables <= room
 
 
-def room_now(plan: Plan, metrics_port: int = 0) -> list[str]:
+def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample: int = 0) -> list[str]:
     """What `--check` can tell of this machine at this moment: whether the memory and disk the tiers
     take at start-up are free now (when they are not, start-up fails with exit 4). The config may
     still be right for the machine it is meant for: these are lines to read, not errors."""
@@ -98,7 +115,7 @@ def room_now(plan: Plan, metrics_port: int = 0) -> list[str]:
             importlib.import_module("dflash2.daemon.startup")  # (its libraries mapped, as start-up's are)
         except ModuleNotFoundError:
             pass
-        if (space := address_space_now(plan, metrics_port, "this check")) is not None:
+        if (space := address_space_now(plan, metrics_port, "this check", policy, duel_sample)) is not None:
             lines.append(f"{space[0]}: {'fits' if space[1] else 'start-up would fail now (exit 4)'}")
     if has_nvme and (why := folder_named(plan.nvme_path)) is not None:
         lines.append(f"{why}: start-up would fail now (exit 4)")

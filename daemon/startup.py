@@ -88,7 +88,8 @@ def run(cfg: Config) -> int:
     plan = resolve_plan(cfg)
     # Weighed before anything runs that maps (a tcp endpoint's probe leaves ZeroMQ's two thread stacks
     # in glibc's cache, counted twice then) and before any tier is taken (roomnow.py).
-    if (space := address_space_now(plan, cfg.metrics.port, "start-up")) is not None and not space[1]:
+    if (space := address_space_now(plan, cfg.metrics.port, "start-up", cfg.policy.name,
+                                   cfg.policy.duel_sample)) is not None and not space[1]:
         _error(cfg, f"cannot start: too little address space: {space[0]}; raise the limit, or lower the tiers' "
                     "memory.*_capacity_mb")
         return EXIT_START_FAILED
