@@ -117,8 +117,8 @@ class HeldTips:
         `depth` pages from its chain's root at most; the caller's reference on `tip` (the commit's) is
         kept here (`keep`: a later batch may name it), and `writing` (the store's, under `parent`)
         goes on under `tip`, in the same step. Returns the vids to free now, one entry a reference:
-        the parent's, whose chain goes on under `tip` (which holds it), unless another store will
-        write under it too (two requests of one prefix: the last to commit under it takes it), the
+        the parent's hold (`_parents_go`), unless another store will write under it too (two
+        requests of one prefix: the last to commit under it takes it), the
         tips held past HOLD_S or the oldest beyond the limits, and `tip`'s own when not kept (only
         the commit's: a hold of another store's on the same block stays) or alone beyond them."""
         with self._lock:
