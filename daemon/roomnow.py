@@ -27,6 +27,16 @@ ROW_BYTES = 128
 DUEL_ROWS_SHARE = 3 / 8
 
 
+def host_taken(plan: Plan) -> tuple[int, int, bool]:
+    """What start-up takes of host memory for `plan`: the host memory tiers' bytes, the staging
+    buffers' (with an NVMe tier only), and whether it has an NVMe tier."""
+    from dflash2.tiers import Tier
+
+    nvme = any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers) and plan.nvme_path is not None
+    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
+    return host, plan.staging_taken_bytes if nvme else 0, nvme
+
+
 def tables_bytes(plan: Plan, policy: str, duel_sample: int) -> int:
     """What a serving daemon of `plan` reserves for its block tables and policy beyond HEADROOM_BYTES."""
     from dflash2.policy.heat import MAX_SKETCH_WIDTH
@@ -49,11 +59,9 @@ def serving_threads(plan: Plan, metrics_port: int) -> int:
     re-test of NVMe slots set aside one for a while (not counted: one that cannot start is logged,
     and the re-test tried again later)."""
     from dflash2.arena.staging import ring_workers
-    from dflash2.tiers import Tier
 
     count = 3 + (plan.device_kind == "host") + bool(metrics_port) + 2 * plan.endpoint.startswith("tcp://")
-    nvme = any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers) and plan.nvme_path is not None
-    return count + (plan.pools * ring_workers(plan.staging_bytes) if nvme else 0)
+    return count + (plan.pools * ring_workers(plan.staging_bytes) if host_taken(plan)[2] else 0)
 
 
 def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = "lru",
@@ -67,13 +75,11 @@ def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = 
     imports the server first, so that what is mapped now is what start-up's is (its libraries,
     ZeroMQ's above all)."""
     from dflash2.arena.shm import address_space, thread_stack_bytes
-    from dflash2.tiers import Tier
 
     if (limits := address_space()) is None:
         return None
-    nvme = any(t.tier == Tier.NVME and t.capacity_bytes for t in plan.tiers) and plan.nvme_path is not None
-    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
-    takes = host + (plan.staging_taken_bytes if nvme else 0)
+    host, staging, _ = host_taken(plan)
+    takes = host + staging
     room, count = limits[0] - limits[1], serving_threads(plan, metrics_port)
     stacks = count * thread_stack_bytes()
     tables = HEADROOM_BYTES + tables_bytes(plan, policy, duel_sample)
@@ -100,9 +106,7 @@ def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample
         lines.append("device.kind is cuda and no GPU is visible here (the driver, CUDA_VISIBLE_DEVICES): start-up "
                      "would fail now (exit 4)")
     nvme = next((t for t in plan.tiers if t.tier == Tier.NVME), None)
-    has_nvme = nvme is not None and plan.nvme_path is not None and bool(nvme.capacity_bytes)
-    host = sum(t.capacity_bytes or 0 for t in plan.tiers if t.tier != Tier.NVME and not t.where.startswith("cuda"))
-    staging = plan.staging_taken_bytes if has_nvme else 0  # taken at start-up too
+    host, staging, has_nvme = host_taken(plan)  # (the staging buffers taken at start-up too)
     if host or staging:
         shm, avail = shm_free_bytes(), mem_available_bytes()
         takes = f"host memory tiers take {host} bytes of shared memory"
@@ -114,7 +118,7 @@ def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample
         try:  # (mapped past the limit: ENOMEM with memory free, a review)
             importlib.import_module("dflash2.daemon.startup")  # (its libraries mapped, as start-up's are)
         except ModuleNotFoundError:
-            pass
+            pass  # (no server built: start-up cannot run either, and says so, main.py `_serve`)
         if (space := address_space_now(plan, metrics_port, "this check", policy, duel_sample)) is not None:
             lines.append(f"{space[0]}: {'fits' if space[1] else 'start-up would fail now (exit 4)'}")
     if has_nvme and (why := folder_named(plan.nvme_path)) is not None:

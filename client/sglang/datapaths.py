@@ -27,6 +27,7 @@ REFUSAL_LOG_S = 60.0
 
 class DataPaths:
     """`DFlash2Storage`'s stores and reads (the attributes it uses are the backend's)."""
+
     def _store(self, client: Client, page_keys: Sequence[str], write: Callable[[int, Any], None],
                extra_info: Optional[HiCacheStorageExtraInfo]) -> List[bool]:
         """Pages not cached yet become blocks; True for each page cached afterwards."""
