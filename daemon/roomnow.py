@@ -67,7 +67,8 @@ def serving_threads(plan: Plan, metrics_port: int) -> int:
 def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = "lru",
                       duel_sample: int = 0) -> tuple[str, bool] | None:
     """Under an address-space limit (RLIMIT_AS: ulimit -v, systemd's LimitAS=): what the host tiers,
-    the staging buffers and the serving daemon's threads' stacks take of it and what it leaves past
+    the staging buffers and the serving daemon's threads' stacks (and the main thread's growth to come
+    at start-up: mainstack.py) take of it and what it leaves past
     what `mapped` ("this check", "start-up") maps now, with the tables and the policy's reservations
     (`tables_bytes`) and HEADROOM_BYTES, and whether they fit; None without a limit. `--check` says
     it; start-up refuses to take the tiers where they do not fit (a thread that could not start later
@@ -75,18 +76,19 @@ def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = 
     imports the server first, so that what is mapped now is what start-up's is (its libraries,
     ZeroMQ's above all)."""
     from dflash2.arena.shm import address_space, thread_stack_bytes
+    from dflash2.mainstack import main_stack_short
 
     if (limits := address_space()) is None:
         return None
     host, staging, _ = host_taken(plan)
     takes = host + staging
     room, count = limits[0] - limits[1], serving_threads(plan, metrics_port)
-    stacks = count * thread_stack_bytes()
+    stacks, main = count * thread_stack_bytes(), main_stack_short()  # (the main thread's grown at start-up)
     tables = HEADROOM_BYTES + tables_bytes(plan, policy, duel_sample)
     return (f"they take {takes} bytes of address space, the serving daemon's {count} threads' stacks {stacks} more "
-            f"(RLIMIT_STACK each) and its tables and heap about {tables}, and its limit (RLIMIT_AS: ulimit -v, "
-            f"systemd's LimitAS=) leaves {room} of {limits[0]} past what {mapped} maps"), \
-        takes + stacks + tables <= room
+            f"(RLIMIT_STACK each), its main thread's stack's growth {main} and its tables and heap about {tables}, "
+            f"and its limit (RLIMIT_AS: ulimit -v, systemd's LimitAS=) leaves {room} of {limits[0]} past what "
+            f"{mapped} maps"), takes + stacks + main + tables <= room
 
 
 def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample: int = 0) -> list[str]:

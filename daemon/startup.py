@@ -28,6 +28,7 @@ from dflash2.daemon.service import Service
 from dflash2.endpoints import runtime_dir
 from dflash2.errors import ArenaError, CapacityError
 from dflash2.logs import configure as configure_logging, console_line, event, silence_stdout
+from dflash2.mainstack import grow_main_stack
 from dflash2.plan import Plan, resolve_plan
 from dflash2.tcpkeys import KeyFileError, forget_port, load_or_make, monitor_path, record_port
 from dflash2.tiers import Tier
@@ -92,6 +93,13 @@ def run(cfg: Config) -> int:
                                    cfg.policy.duel_sample)) is not None and not space[1]:
         _error(cfg, f"cannot start: too little address space: {space[0]}; raise the limit, or lower the tiers' "
                     "memory.*_capacity_mb")
+        return EXIT_START_FAILED
+    try:  # (weighed above: before anything else maps, mainstack.py)
+        if (grown := grow_main_stack()) is not None:
+            log.info(grown)
+    except OSError as e:
+        _error(cfg, f"cannot start: {e} (under an address-space limit, ulimit -v, or a strict overcommit policy); "
+                    "raise the limit, or lower the tiers' memory.*_capacity_mb")
         return EXIT_START_FAILED
     # ZeroMQ's I/O thread and reaper, started now, before anything is taken: libzmq aborts the process
     # where one cannot start, which, once the tiers were taken, left their shared memory (a review).

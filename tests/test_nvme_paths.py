@@ -211,16 +211,21 @@ def test_check_counts_the_serving_daemons_thread_stacks_against_an_address_space
     """The tiers alone fit in the limit's room; the serving daemon's threads' stacks did not, and
     start-up failed to start a thread after "fits" (a review)."""
     import dflash2.arena.shm as shm
+    import dflash2.mainstack as mainstack
 
     plan = resolve_plan(load_config(write_config(tmp_path)))  # (28 MB of tiers; an NVMe tier: its workers too)
     monkeypatch.setattr(shm, "address_space", lambda: (1 << 30, (1 << 30) - 80 * MB))  # (28 + 48 + 40 MB > 80)
     monkeypatch.setattr(shm, "thread_stack_bytes", lambda: 8 * MB)
+    monkeypatch.setattr(mainstack, "main_stack_short", lambda: 2 * MB)  # (the main thread's, grown at start-up)
     line = [ln for ln in dmain.room_now(plan) if "address space" in ln][0]
     threads = 4 + 2  # (ZeroMQ's two, the stall watch, the host transfer; the NVMe tier's two workers)
     assert f"serving daemon's {threads} threads' stacks {threads * 8 * MB} more" in line
+    assert f"its main thread's stack's growth {2 * MB} and" in line
     assert f"its tables and heap about {40 * MB}" in line  # (32 MiB, and 2^16 rows of the table at 128 bytes)
     heat = [ln for ln in dmain.room_now(plan, 0, "heat", 8) if "address space" in ln][0]
     assert f"its tables and heap about {32 * MB + 11 * MB + 64 * MB}" in heat  # (the duel's rows, the sketch)
     assert line.endswith("start-up would fail now (exit 4)")
     monkeypatch.setattr(shm, "thread_stack_bytes", lambda: 1 * MB)
-    assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")
+    assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")  # (28 + 6 + 2 + 40)
+    monkeypatch.setattr(mainstack, "main_stack_short", lambda: 7 * MB)  # (81 MB: the stack's growth weighed)
+    assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith("start-up would fail now (exit 4)")
