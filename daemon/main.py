@@ -5,6 +5,8 @@ Exit codes:
   2  the config (or the command line) is wrong: one line `dflash2d: error: KEY: PROBLEM` on stderr
   3  the config says `enable: false`: the daemon is disabled and says so
   4  start-up failed: the endpoint, a tier's region or the metrics port cannot be had
+  5  a GPU's CUDA context was lost while serving: the supervisor restarts the daemon
+  6  a block table failed its check after a call or a background step failed part way (failing.py)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ EXIT_CONFIG = 2
 EXIT_DISABLED = 3
 EXIT_START_FAILED = 4  # a region, the endpoint or the metrics port cannot be had (the server's code too)
 EXIT_GPU_LOST = 5  # a GPU's CUDA context was lost while serving: exit so that the supervisor restarts it
+EXIT_TABLE_BROKEN = 6  # a block table failed its check after a call or step failed part way (failing.py): likewise
 EXIT_NO_OUTPUT = 1  # `--check` whose plan could not be written to stdout (a full disk, a stdout not open for writing)
 EXIT_BROKEN_PIPE = 141  # `--check` into a pipe closed early (`| head -1`), as a shell reports SIGPIPE
 

@@ -412,12 +412,13 @@ class Server:
                 self._first_pool = index  # (by the pool that ran: one past a pool not draining favoured the next)
                 try:
                     waited += manager.drain_slice(IDLE_DRAIN_S, self._request_waits)
-                except Exception:
+                except Exception as e:
                     # Not again before the next background step: one that fails each time would
                     # otherwise fill the log as fast as the loop spins.
                     self._slices_on = False
                     log.exception("a rebalance piece between requests failed; drains wait for the next "
                                   "background step")
+                    self.service.verify_after(e, "a rebalance piece")  # (failing.py)
                 if self._request_waits():
                     break
         self._piece_ended = time.monotonic()
@@ -556,8 +557,9 @@ class Server:
             for name, step in steps:
                 try:
                     step()
-                except Exception:
+                except Exception as e:
                     log.exception("background step %s failed; the daemon keeps serving", name)
+                    self.service.verify_after(e, f"the background step {name}")  # (failing.py)
 
     def _tick(self, late_s: float = 0.0) -> None:
         """The background step, `late_s` after it was due (leases are judged as of the last time

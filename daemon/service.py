@@ -30,14 +30,16 @@ from collections.abc import Callable
 import numpy as np
 
 from dflash2 import protocol as P
+from dflash2.arena.shm import address_space_note
 from dflash2.daemon import wire
 from dflash2.daemon.descriptors import refuse_past_descriptors
+from dflash2.daemon.failing import Failing
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
-from dflash2.errors import CopiesRunning, DFlash2Error, ProtocolError, UnknownClient, WrongToken
+from dflash2.errors import CopiesRunning, DaemonUnavailable, DFlash2Error, ProtocolError, UnknownClient, WrongToken
 from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
@@ -46,7 +48,7 @@ from dflash2.tiers import Tier
 log = logging.getLogger("dflash2.daemon")
 
 
-class Service(Forgetting):
+class Service(Forgetting, Failing):
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
                  pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30,
@@ -157,6 +159,8 @@ class Service(Forgetting):
         needs_client = req.op in P.NEEDS_CLIENT
         session = None
         try:
+            if self.broken is not None:  # (the daemon exits at once: failing.py)
+                raise DaemonUnavailable(f"dflash2d is stopping: {self.broken}")
             if needs_client:
                 session = self._touch(req.client, req.token)
                 # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
@@ -173,8 +177,11 @@ class Service(Forgetting):
         except Exception as e:  # a bug: say so, keep serving the others
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
-            reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}")
+            note = address_space_note() if isinstance(e, MemoryError) else ""  # (ulimit -v: say so)
+            reply = Reply(req.call_id, False, {}, "InternalError", f"{type(e).__name__}: {e}{note}")
             self._check_gpus(e)
+            if req.op not in P.READ_ONLY:  # (it may have changed part of the table: failing.py)
+                self.verify_after(e, req.op.value)
         now = self.clock()
         self._replying = None
         # (The session the call's token was checked against, still attached: a session is never
@@ -292,25 +299,6 @@ class Service(Forgetting):
             s.last_seen = min(now, s.last_seen + stalled_s + more)
         for m in self.managers.values():
             m.admission.credit_stall(stalled_s)
-
-    def _check_gpus(self, error: Exception) -> None:
-        """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU
-        faulted): each pool's backend checks its GPU, as after a failed copy; a lost CUDA context
-        makes the daemon exit (`fatal`). Before, the call's client got an InternalError and the
-        daemon served on without its GPU."""
-        if not type(error).__module__.startswith(("cupy", "cupy_backends")):
-            return
-        for m in self.managers.values():
-            m.backend.check_gpu(error)
-
-    def fatal(self) -> str | None:
-        """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA
-        context is lost), else None."""
-        for m in self.managers.values():
-            reason = getattr(m.backend, "fatal", None)
-            if reason:
-                return reason
-        return None
 
     def shutdown(self) -> None:
         for client in list(self.sessions):

@@ -6,6 +6,7 @@ the clean-up on every way out.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ from dflash2.assemble import build_managers, instance_name
 from dflash2.config import Config
 from dflash2.daemon.descriptors import raise_open_files_limit, warn_if_few
 from dflash2.daemon.endpoint import EndpointBusy, EndpointLock, probe_metrics, probe_port
-from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED
+from dflash2.daemon.main import EXIT_GPU_LOST, EXIT_START_FAILED, EXIT_TABLE_BROKEN
 from dflash2.daemon.observe import Observers, log_fallbacks
 from dflash2.daemon.roomnow import address_space_now
 from dflash2.daemon.service import Service
@@ -97,9 +98,10 @@ def run(cfg: Config) -> int:
     try:  # (weighed above: before anything else maps, mainstack.py)
         if (grown := grow_main_stack()) is not None:
             log.info(grown)
-    except OSError as e:
-        _error(cfg, f"cannot start: {e} (under an address-space limit, ulimit -v, or a strict overcommit policy); "
-                    "raise the limit, or lower the tiers' memory.*_capacity_mb")
+    except OSError as e:  # (EFAULT: the kernel refused the growth; else a mapping in its way)
+        _error(cfg, f"cannot start: {e}" + (" (under an address-space limit, ulimit -v, or a strict overcommit "
+                    "policy); raise the limit, or lower the tiers' memory.*_capacity_mb" if e.errno == errno.EFAULT
+                    else ""))
         return EXIT_START_FAILED
     # ZeroMQ's I/O thread and reaper, started now, before anything is taken: libzmq aborts the process
     # where one cannot start, which, once the tiers were taken, left their shared memory (a review).
@@ -182,11 +184,13 @@ def run(cfg: Config) -> int:
               policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
         if server.failed:
-            _error(cfg, f"{server.failed}; exiting (code {EXIT_GPU_LOST}) so that the supervisor restarts the "
+            code, name = (EXIT_TABLE_BROKEN, "dflash2_table_broken") if service.broken else \
+                (EXIT_GPU_LOST, "dflash2_gpu_lost")
+            _error(cfg, f"{server.failed}; exiting (code {code}) so that the supervisor restarts the "
                         "daemon; clients fall back to their own cache, then attach again")
-            event(log, "dflash2_gpu_lost", server.failed, clients=len(service.sessions),
+            event(log, name, server.failed, clients=len(service.sessions),
                   uptime_s=round(time.monotonic() - started, 3))
-            return EXIT_GPU_LOST
+            return code
         clients = len(service.sessions)
         service.shutdown()
         event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from conftest import write_config
@@ -36,11 +37,17 @@ DEEP = textwrap.dedent("""
 """)
 
 
+# The tests that make the kernel refuse or need the growth: where RLIMIT_STACK is below about 3 MiB
+# (`ulimit -s 1024`) the deep call overflows any stack, and a growth under 1 MiB fits in the room left.
+needs_room = pytest.mark.skipif(main_stack_target() < 4 << 20, reason="RLIMIT_STACK below 4 MiB")
+
+
 def _limited(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT)))
 
 
+@needs_room
 def test_a_grown_stack_serves_a_deep_call_after_the_heap_took_the_rest():
     grown = _limited(DEEP, "grow")
     assert grown.returncode == 0, grown.stderr
@@ -50,6 +57,7 @@ def test_a_grown_stack_serves_a_deep_call_after_the_heap_took_the_rest():
     assert bare.returncode == -11, (bare.returncode, bare.stderr[-500:])
 
 
+@needs_room
 def test_a_growth_the_kernel_refuses_is_an_error_naming_the_sizes():
     script = textwrap.dedent("""
         import mmap
@@ -75,6 +83,7 @@ def test_the_target_is_within_rlimit_stack():
         else target == soft - mmap.PAGESIZE
 
 
+@needs_room
 def test_start_up_refused_the_growth_exits_4_with_one_line_and_takes_nothing(tmp_path):
     """The kernel refuses for real: the address space is taken, all but 1 MiB, just before the growth."""
     path = write_config(tmp_path, memory={"nvme_capacity_mb": 0, "nvme_path": None},
@@ -97,7 +106,12 @@ def test_start_up_refused_the_growth_exits_4_with_one_line_and_takes_nothing(tmp
     """)
     proc = subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=str(tmp_path), preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT)))
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # (a daemon that grew its stack after all serves: stopped here)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 4, err
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith(
@@ -114,15 +128,47 @@ def test_a_serving_daemon_has_its_main_stack_grown(tmp_path, limited):
     with open(tmp_path / "daemon.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", path], stdout=subprocess.PIPE,
                                 stderr=log, text=True, cwd=str(tmp_path), preexec_fn=limit)
+    stuck = threading.Timer(60, proc.kill)  # (a daemon that never says it serves)
+    stuck.start()
     try:
         for line in proc.stdout:
             if line.startswith("DFlash2: enabled"):
                 break
         span = stack_span(f"/proc/{proc.pid}/maps")
     finally:
+        stuck.cancel()
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     said = (tmp_path / "daemon.log").read_text()
     assert proc.returncode == 0, said
     assert span is not None and span[1] - span[0] >= main_stack_target() - mmap.PAGESIZE, (span, said)
     assert "the main thread's stack grown to" in said
+
+
+def test_a_mapping_in_the_way_is_named_and_left_as_it_was():
+    """A page mapped where the growth would write (or within the kernel's guard gap below): the write
+    zeroed its byte, then "did not grow" (a review). Now refused before any write, the mapping named."""
+    script = textwrap.dedent("""
+        import ctypes, mmap
+        from dflash2.mainstack import grow_main_stack, main_stack_target, stack_span
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        start, end = stack_span()
+        at = (end - main_stack_target()) & ~(mmap.PAGESIZE - 1)
+        MAP_FIXED_NOREPLACE = 0x100000
+        got = libc.mmap(at, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+        assert got == at, (hex(at), got, ctypes.get_errno())
+        ctypes.memset(at, 0x5A, 1)
+        try:
+            grow_main_stack()
+        except OSError as e:
+            print("refused:", e)
+        print("byte:", ctypes.string_at(at, 1).hex(), "stack:", stack_span() == (start, end))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused: the main thread's stack could not grow from " in out.stdout, out.stdout
+    assert "a mapping (anonymous, 0x" in out.stdout and "lies within its growth or the kernel's guard gap" in out.stdout
+    assert out.stdout.rstrip().endswith("byte: 5a stack: True")

@@ -1,0 +1,189 @@
+"""A call or background step that fails part way (a bug; numpy's MemoryError under an address-space
+limit) may leave the block table half changed: a review injected MemoryError at each allocation of 19
+calls and found, after some, a slot handed out twice, blocks moving for good, keys lost, a block
+leaked, while the daemon replied InternalError and served on. The tables are checked after each such
+failure; one that fails the check stops the daemon (daemon/failing.py): every later call refused, exit 6."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import SMALL, write_config
+from observe_helpers import call_ok
+
+from dflash2 import protocol as P
+from dflash2.daemon.service import Service
+from dflash2.tiers import Tier
+
+
+def fail_once_in(monkeypatch, function: str) -> list:
+    """np.full raises MemoryError once, where `function` calls it (the review's injection: the second
+    half of a move, table.py `end_move`, after the source slots were freed)."""
+    real, fired = np.full, []
+
+    def full(*args, **kwargs):
+        if not fired and sys._getframe(1).f_code.co_name == function:
+            fired.append(function)
+            raise MemoryError("Unable to allocate 128. KiB (injected)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(np, "full", full)
+    return fired
+
+
+def served(make_manager, clock):
+    """A service over 4 HBM and 8 DRAM blocks, a client attached, a chain of 4 filling HBM."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    svc = Service(mgr, lease_timeout_s=60, heartbeat_interval_s=10, clock=clock, pid_alive=lambda pid: True)
+    client = call_ok(svc, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
+    mgr.free(client, mgr.commit(client, mgr.allocate(client, 0, 4), keys=[1, 2, 3, 4]))
+    return svc, mgr, client
+
+
+def call(svc, op, client=None, args=None) -> P.Reply:
+    token = svc.sessions[client].token if client in svc.sessions else None
+    return svc.handle(P.decode_request(P.encode_request(op, 1, client, args, None, token=token)))
+
+
+def test_a_table_left_half_moved_stops_the_daemon_and_every_later_call_is_refused(make_manager, clock, monkeypatch):
+    svc, mgr, client = served(make_manager, clock)
+    fired = fail_once_in(monkeypatch, "end_move")
+    failed = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})  # (room made: two of the chain go down)
+    assert fired and not failed.ok and failed.error_type == "InternalError", failed
+    assert "MemoryError: Unable to allocate 128. KiB (injected)" in failed.error_message
+    assert svc.broken.startswith("the block table of pool 0 fails its check after allocate failed part way "
+                                 "(MemoryError: Unable to allocate 128. KiB (injected)): InvariantViolation: ")
+    assert svc.fatal() == svc.broken
+    # Before, the next allocate handed the slots the chain's blocks still named to new blocks.
+    for op, args, who in ((P.Op.ALLOCATE, {"layout": 0, "n": 2}, client), (P.Op.PING, {}, None),
+                          (P.Op.STATS, {}, None)):
+        refused = call(svc, op, who, args)
+        assert not refused.ok and refused.error_type == "DaemonUnavailable", refused
+        assert refused.error_message == f"dflash2d is stopping: {svc.broken}"
+
+
+def test_a_failure_that_left_the_table_whole_serves_on(make_manager, clock, monkeypatch, caplog):
+    svc, mgr, client = served(make_manager, clock)
+
+    def out_of_memory(*args, **kwargs):  # (before anything changed)
+        raise MemoryError("Unable to allocate 1.00 MiB (injected)")
+    with monkeypatch.context() as patched:
+        patched.setattr(mgr, "allocate", out_of_memory)
+        with caplog.at_level("INFO", logger="dflash2.daemon"):
+            failed = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})
+    assert failed.error_type == "InternalError" and svc.broken is None and svc.fatal() is None
+    assert "the block tables are whole after allocate failed (MemoryError); serving on" in caplog.text
+    assert call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2}).ok
+    mgr.check_invariants()
+
+
+def test_a_read_only_call_that_fails_is_not_followed_by_a_check(make_manager, clock, monkeypatch):
+    svc, mgr, _ = served(make_manager, clock)
+    checks = []
+    monkeypatch.setattr(mgr, "check_invariants", lambda: checks.append(1))
+
+    def out_of_memory():
+        raise MemoryError("Unable to allocate (injected)")
+    monkeypatch.setattr(svc, "stats", out_of_memory)
+    assert call(svc, P.Op.STATS).error_type == "InternalError"
+    assert not checks and svc.broken is None
+
+
+def test_a_memory_error_under_an_address_space_limit_says_so(make_manager, clock, monkeypatch):
+    import dflash2.arena.shm as shm
+
+    svc, mgr, client = served(make_manager, clock)
+    monkeypatch.setattr(shm, "address_space", lambda: (700 << 20, 690 << 20))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 MiB (injected)")
+    monkeypatch.setattr(mgr, "allocate", out_of_memory)
+    failed = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})
+    assert failed.error_message.startswith("MemoryError: Unable to allocate 1.00 MiB (injected) (the daemon's "
+                                           f"address space is limited to {700 << 20} bytes, {690 << 20} in use")
+
+
+@pytest.mark.parametrize("where", ["step", "piece"])
+def test_a_background_step_or_drain_piece_that_breaks_the_table_stops_the_daemon(make_manager, clock, tmp_path,
+                                                                                 monkeypatch, where):
+    from dflash2.daemon.server import Server
+
+    svc, mgr, _ = served(make_manager, clock)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+
+    def breaks(*args):  # frees the slot of a block that still lies there, then runs out of memory
+        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
+        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+        raise MemoryError("Unable to allocate (injected)")
+    try:
+        if where == "step":
+            srv._run_steps([("BlockManager.tick (pool 0)", breaks), ("the next", lambda: None)])
+        else:  # (a rebalance piece run between requests: the server's `_drain_slice`)
+            monkeypatch.setattr(mgr, "draining", lambda: True)
+            monkeypatch.setattr(mgr, "drain_slice", breaks)
+            srv._drain_slice(wait=True)
+    finally:
+        srv.close()
+    what = "the background step BlockManager.tick (pool 0)" if where == "step" else "a rebalance piece"
+    assert svc.broken.startswith(f"the block table of pool 0 fails its check after {what} failed part way "
+                                 "(MemoryError: Unable to allocate (injected)): InvariantViolation: "), svc.broken
+
+
+def test_the_daemon_exits_6_and_cleans_up(tmp_path, monkeypatch, capsys):
+    """End to end: a client's write that makes room fails in the move's second half; the client is
+    answered InternalError, then refused; the daemon exits 6 with one line, its shared memory gone."""
+    import dflash2.daemon.startup as srv
+    from dflash2.assemble import instance_name
+    from dflash2.client import Client
+    from dflash2.config import load_config
+    from dflash2.errors import DaemonError
+
+    path = write_config(tmp_path, memory={"hbm_capacity_mb": 1})  # (64 blocks of 16 KiB)
+    segments = f"/dev/shm/{instance_name(os.getpid())}-*"
+    seen: dict = {}
+
+    def client():
+        deadline = time.monotonic() + 30
+        while not os.path.exists(tmp_path / "d.sock") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["segments"] = glob.glob(segments)
+        c = Client.connect(config=path, name="writer", layouts=[SMALL])
+        for chain in range(4):
+            try:
+                vids = c.allocate(0, 32)["vid"]
+                c.commit(vids, keys=[chain * 100 + i + 1 for i in range(32)])
+                c.free(vids)
+            except DaemonError as e:
+                seen.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+                break
+        try:
+            c.close()  # (the daemon is gone: its detach may fail)
+        except DaemonError:
+            pass
+    fired = fail_once_in(monkeypatch, "end_move")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    writer = threading.Thread(target=client, daemon=True)
+    writer.start()
+    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))  # (a daemon that serves on stops: 0)
+    stop.start()
+    try:
+        assert srv.run(load_config(path)) == 6
+    finally:
+        stop.cancel()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    writer.join(30)
+    assert fired and seen["segments"] and not glob.glob(segments)
+    assert "InternalError: MemoryError: Unable to allocate 128. KiB (injected)" in seen["errors"][0], seen
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("dflash2d: error: ")]
+    assert len(lines) == 1 and "the block table of pool 0 fails its check after" in lines[0], err
+    assert lines[0].endswith("exiting (code 6) so that the supervisor restarts the daemon; clients fall back to "
+                             "their own cache, then attach again")
+    assert not os.path.exists(tmp_path / "d.sock.lock")
