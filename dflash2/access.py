@@ -21,7 +21,7 @@ class AccessStats:
     # tier -> blocks that host-side readers (tier "dram": sglang's host pool) read where they lie:
     # served where they were asked for, so neither HBM hits nor misses.
     host_reads: Counter = dataclasses.field(default_factory=Counter)
-    misses: int = 0  # asked for, not cached anywhere (lookup stopped short)
+    misses: int = 0  # asked for past the cached prefix: not cached, or after a key that is not (lookup stopped short)
     lookups: int = 0
     lookup_blocks_found: int = 0
     # Cached blocks a lookup did not offer: reading them to the reader costs more than the client's

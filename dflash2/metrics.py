@@ -26,7 +26,7 @@ block, request or client id.
 | dflash2_cache_hits_total{tier} | counter | blocks acquired for HBM that were found in this tier (a block the reader's own lookup brought up counts under the tier it came from: the reader waited for it) |
 | dflash2_cache_misses_total{tier} | counter | blocks acquired for HBM that were not in this tier or a faster one (they came from a slower tier) |
 | dflash2_host_reads_total{tier} | counter | blocks acquired by host-side readers (tier dram: sglang's host pool), by the tier they were read from; not in the HBM hit ratio |
-| dflash2_lookup_blocks_total{result} | counter | lookup keys found cached (hit) or not cached anywhere (miss); a probe lookup (a question about blocks, not a request's prefix) is not counted |
+| dflash2_lookup_blocks_total{result} | counter | lookup keys found in the cached prefix (hit) or not (miss: past it, cached or not, or withheld: the engine recomputes them); a probe lookup (a question about blocks, not a request's prefix) is not counted |
 | dflash2_hbm_hit_ratio | gauge | hits in HBM / blocks acquired, since start (NaN before the first) |
 | dflash2_swap_blocks_total{direction} | counter | blocks moved (failed ones not counted) |
 | dflash2_swap_failed_blocks_total{direction} | counter | blocks whose copy failed: left where they were, but a failed read from NVMe drops its block (a miss) |
@@ -288,7 +288,8 @@ def _access_families(st: dict):
     yield _counter("dflash2_cache_misses", "Blocks acquired that were not in this tier or a faster one.",
                    ["tier"], [((t.label,), sum(n for u, n in reads.items() if u > t)) for t in present])
     found = st.get("lookup_blocks_found", 0)
-    yield _counter("dflash2_lookup_blocks", "Lookup keys found cached (hit) or not (miss: cached nowhere, or withheld).",
+    yield _counter("dflash2_lookup_blocks", "Lookup keys found in the cached prefix (hit) or not (miss: past it, "
+                   "cached or not, or withheld).",
                    ["result"], [(("hit",), found), (("miss",), st.get("lookup_misses", 0))])
     host = st.get("host_reads", {})
     yield _counter("dflash2_host_reads", "Blocks acquired by host-side readers (tier dram), by the tier they were "

@@ -496,3 +496,21 @@ def test_refused_allocates_and_acquires_are_counted_logged_and_told_why(service,
     shown = render({**st, "endpoint": "x"})
     assert "refused (no room now): allocate 3, acquire 4" in shown
     assert "refused (their copy up failed): acquire 2" in shown
+
+
+@pytest.mark.parametrize("failing_first", [True, False])
+def test_a_node_whose_one_gpu_lost_its_nvme_file_says_so(service, failing_first):
+    """Several GPUs' pools: a pool whose NVMe file is gone (its stats carry `no_file`; a healthy
+    pool's carry none) makes the node's dflash2_tier_no_file{tier="nvme"} 1, whichever GPU it is (a
+    review read the first pool's alone: a test that set a healthy pool's to None)."""
+    from dflash2.daemon.poolstats import sum_stats
+
+    metrics = DaemonMetrics(service)
+    load(service)
+    metrics.refresh(force=True)
+    one = service.manager.stats()
+    assert "no_file" not in one["tiers"]["dram"]  # (a healthy tier names none)
+    gone = {**one, "tiers": {**one["tiers"], "dram": {**one["tiers"]["dram"], "no_file": "its file was removed"}}}
+    parts = [gone, one] if failing_first else [one, gone]
+    metrics.snapshot["tiers"] = sum_stats(parts)["tiers"]
+    assert scrape(metrics)[("dflash2_tier_no_file", (("tier", "dram"),))] == 1

@@ -11,8 +11,10 @@ disk, a foreign file put there) is said, naming the path and the cause; the tier
 writes (ArenaError: the write back-off, backoff.py), its reads are misses, and the file is tried
 again at most once a second (RETRY_S: by a write, a re-test or the background step, never a read;
 one try of the path's lock), said once a minute, never the deleted one used. The tier's status
-shows it (`no_file`). The blocks the old file held leave the cache at the next background step
-(`BlockManager._drop_forgotten`: `forgets`).
+shows it (`no_file`). The blocks the old file held leave the cache over the next background steps,
+FORGOTTEN_PER_STEP (256) a step (`BlockManager._drop_forgotten`: `forgets`): a file of 10,000 blocks
+in about 4 s at the default step, its blocks still counted in the tier's figures meanwhile (a
+review), each a miss when asked for.
 """
 
 from __future__ import annotations
