@@ -26,21 +26,34 @@ class Failing:
 
     broken: str | None = None  # why the tables cannot be trusted any more (set once, by `verify_after`)
 
-    def verify_after(self, error: BaseException, what: str) -> None:
-        """After `what` ("allocate", "the background step") failed with `error`: check every pool's
-        table; one that fails the check, or cannot be checked, marks the daemon broken (`fatal`)."""
+    def verify_after(self, error: BaseException | str, what: str) -> None:
+        """After `what` ("allocate", "the background step") failed with `error` (or its text): check
+        every pool's table; one that fails the check, or cannot be checked, marks the daemon broken
+        (`fatal`)."""
         if self.broken is not None:
             return
+        if not isinstance(error, str):
+            error = f"{type(error).__name__}: {error}"
         for pool, manager in self.managers.items():
             try:
                 manager.check_invariants()
             except Exception as e:  # (an InvariantViolation; a MemoryError: it cannot be checked)
                 verdict = "fails its check" if type(e).__name__ == "InvariantViolation" else "could not be checked"
                 self.broken = (f"the block table of pool {pool} {verdict} after {what} failed part way "
-                               f"({type(error).__name__}: {error}): {type(e).__name__}: {e}")
+                               f"({error}): {type(e).__name__}: {e}")
                 log.error("%s; refusing every call from now on, and exiting", self.broken)
                 return
-        log.info("the block tables are whole after %s failed (%s); serving on", what, type(error).__name__)
+        log.info("the block tables are whole after %s failed (%s); serving on", what, error.split(":")[0])
+
+    def verify_noted(self) -> None:
+        """`verify_after` each failure a manager logged and carried on past since the last time
+        (`BlockManager.failures`: a call's follow-up, a drain piece's end), before the next call runs
+        and at each turn of the loop (`fatal`): their calls or steps had answered as if nothing
+        failed (a review: a lookup's prefetch left a slot to be handed out twice)."""
+        for manager in self.managers.values():
+            while manager.failures:
+                error, what = manager.failures.popleft()
+                self.verify_after(error, what)
 
     def _check_gpus(self, error: Exception) -> None:
         """A call that failed in CUDA (attach asking for an arena's IPC handle after its GPU
@@ -55,6 +68,7 @@ class Failing:
     def fatal(self) -> str | None:
         """Why the daemon cannot serve any more (a pool's transfer backend is dead: a GPU whose CUDA
         context is lost; a table that no longer adds up: `broken`), else None."""
+        self.verify_noted()
         if self.broken is not None:
             return self.broken
         for m in self.managers.values():

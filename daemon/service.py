@@ -33,6 +33,7 @@ from dflash2 import protocol as P
 from dflash2.arena.shm import address_space_note
 from dflash2.daemon import wire
 from dflash2.daemon.descriptors import refuse_past_descriptors
+from dflash2.daemon.devices import Devices
 from dflash2.daemon.failing import Failing
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.parking import Parked
@@ -40,15 +41,15 @@ from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
 from dflash2.errors import CopiesRunning, DaemonUnavailable, DFlash2Error, ProtocolError, UnknownClient, WrongToken
-from dflash2.gpuid import device_of, uuid_text
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
-from dflash2.tiers import Tier
 
 log = logging.getLogger("dflash2.daemon")
 
+DETACH_TRIES = 3  # a client's detach that fails part way is tried again this many times in all (_drop_session)
 
-class Service(Forgetting, Failing):
+
+class Service(Forgetting, Failing, Devices):
     def __init__(self, managers: BlockManager | dict[int, BlockManager], *, lease_timeout_s: float,
                  heartbeat_interval_s: float, device: str = "host", clock: Callable[[], float] = time.monotonic,
                  pid_alive: Callable[[int], bool] | None = None, set_aside_leases: int = 30,
@@ -159,7 +160,8 @@ class Service(Forgetting, Failing):
         needs_client = req.op in P.NEEDS_CLIENT
         session = None
         try:
-            if self.broken is not None:  # (the daemon exits at once: failing.py)
+            self.verify_noted()  # (failures a manager carried on past: failing.py)
+            if self.broken is not None:  # (the daemon exits at once)
                 raise DaemonUnavailable(f"dflash2d is stopping: {self.broken}")
             if needs_client:
                 session = self._touch(req.client, req.token)
@@ -333,7 +335,14 @@ class Service(Forgetting, Failing):
         except CopiesRunning:
             raise  # a detach parked until copies end changed nothing: the session stays for its run
         except BaseException:
-            del self.sessions[client]
+            # Kept for the next detach (the client's retry, the lease's next judging) to finish what
+            # this one left (a review: dropped, no detach could reach its references again), but
+            # DETACH_TRIES times at most: one that always fails would fail every step.
+            session.detach_failures += 1
+            if session.detach_failures >= DETACH_TRIES:
+                del self.sessions[client]
+                log.error("client %d: its detach failed %d times; what it still holds stays held until the "
+                          "daemon restarts", client, session.detach_failures)
             raise
         del self.sessions[client]
         if released is None:
@@ -382,38 +391,6 @@ class Service(Forgetting, Failing):
                 "gpu_uuid": self._gpu_uuids().get(device), "token": token, "liveness": self.liveness,
                 "liveness_id": self.liveness_id, "pid_namespace": pid_namespace(),
                 "set_aside_s": self.set_aside.hold_s}, []
-
-    def _gpu_uuids(self) -> dict[int, str]:
-        """Each GPU pool's GPU UUID (none on a host daemon)."""
-        out = {}
-        for device, m in self.managers.items():
-            hbm = m.arenas.get(Tier.HBM)
-            uuid = getattr(hbm, "uuid", None)
-            if uuid is not None:
-                out[device] = uuid
-        return out
-
-    def _device_of(self, req) -> int:
-        """The pool an attaching client uses: by `gpu_uuid` (the GPU it serves, which the daemon may
-        number differently: CUDA_VISIBLE_DEVICES differs between containers and processes), else by
-        `device` (the daemon's own number), else the first. A host daemon has one pool and no GPU:
-        a `gpu_uuid` names nothing here and the client gets that pool (the reply says "host")."""
-        first = next(iter(self.managers))
-        uuid = arg(req, "gpu_uuid", str, default=None)
-        if uuid is not None and req.args.get("device") is not None:
-            raise ProtocolError("attach: give `gpu_uuid` or `device`, not both")
-        if uuid is not None:
-            uuids = self._gpu_uuids()
-            try:
-                want = uuid_text(uuid)  # a malformed one is refused on any daemon
-                return device_of(uuids, want) if uuids else first
-            except ValueError as e:
-                raise ProtocolError(f"attach: argument 'gpu_uuid': {e}") from None
-        device = arg(req, "device", int, default=None)  # null (the op table's default): the first
-        device = first if device is None else device
-        if device not in self.managers:
-            raise ProtocolError(f"attach: device {device} is not served here; devices: {sorted(self.managers)}")
-        return device
 
     def _heartbeat(self, req):
         return {"lease_timeout_s": self.lease_timeout_s}, []

@@ -13,6 +13,7 @@ Its reads (lookups, acquires, the prefetch that follows them) are in reads.py.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -41,6 +42,7 @@ from dflash2.table import BlockState, BlockTable
 from dflash2.tiers import Tier
 from dflash2.transfer.base import TransferBackend
 
+FAILURES_KEPT = 64  # failures carried on past, kept until the daemon checks the tables for them (`failures`)
 FORGOTTEN_PER_STEP = 256  # blocks lost with a storage tier's file dropped a background step (_drop_forgotten)
 
 log = logging.getLogger("dflash2.manager")
@@ -101,6 +103,12 @@ class BlockManager(Reads):
         self.mover.read_cost = self.read_cost
         self.placement.read_cost = self.read_cost
         self.placement.why_no_file = self._why_no_file
+        # Failures logged and carried on past (a follow-up step, a drain piece's copies' end) that may
+        # have left the table half changed: the daemon checks the tables for each (daemon/failing.py).
+        # (Their text, not the exceptions, whose tracebacks hold their frames; the last FAILURES_KEPT
+        # where nobody reads them: a duel's miniature, a bench.)
+        self.failures: collections.deque[tuple[str, str]] = collections.deque(maxlen=FAILURES_KEPT)
+        self.placement.on_failure = self._failed
         self.admission = Admission(self.table, self.placement, admission or AdmissionSettings())
         self.allocate_refusal = ""  # why the last allocate answered None (the daemon's reply says it)
         self.acquire_refusal = ""  # why the last acquire answered None (reads.py)
@@ -374,15 +382,19 @@ class BlockManager(Reads):
         return bool(((c.key[rows] != 0) & (c.refs[rows] == 0) & (c.pins[rows] == 0)
                      & (c.tier[rows] == int(Tier.HBM))).any())  # the queue's room is HBM's
 
-    @staticmethod
-    def _follow_up(what: str, step: Callable[[], object]) -> None:
+    def _follow_up(self, what: str, step: Callable[[], object]) -> None:
         """A step that follows a call's own work (granting reservations that wait, a prefetch): its
         failure is logged and left to the next tick, never reported as the call's (whose work is
-        done: a client retrying a free that had succeeded would get a double-free error)."""
+        done: a client retrying a free that had succeeded would get a double-free error), and noted
+        in `failures` (it may have moved blocks part way)."""
         try:
             step()
-        except Exception:
+        except Exception as e:
             log.exception("%s failed (the call itself succeeded; the next tick tries again)", what)
+            self._failed(e, what)
+
+    def _failed(self, error: BaseException, what: str) -> None:
+        self.failures.append((f"{type(error).__name__}: {error}", what))
 
     def _drop_forgotten(self, arena: StorageArena) -> None:
         """The blocks lost with a storage tier's file (cut short, removed: nvmecut.py, nvmegone.py) are

@@ -24,6 +24,10 @@ log = logging.getLogger("dflash2.placement")
 class Rebalancing:
     """Placement's rebalance (the attributes it uses are Placement's)."""
 
+    # Told of a failure `settle` logs and carries on past (its blocks may be left half moved): the
+    # manager notes it, and the daemon checks the tables (daemon/failing.py). None: nobody to tell.
+    on_failure: Callable[[BaseException, str], None] | None = None
+
     # The background rebalance runs at most this long a step (seconds), in pieces of REBALANCE_PIECE
     # of a tier's capacity: draining 10% of a tier in one step (from the high watermark down to the
     # low) held the daemon's loop for seconds when DRAM went down to NVMe, every client's call
@@ -295,8 +299,10 @@ class Rebalancing:
             _, end = self._in_flight.pop(0)
             try:
                 end()
-            except Exception:
+            except Exception as e:
                 log.exception("ending a drain piece's copies failed; its blocks stay where the failure left them")
+                if self.on_failure is not None:
+                    self.on_failure(e, "ending a drain piece's copies")
         self.settled_s += time.perf_counter() - began
 
     def settle_when_done(self, yield_to: Callable[[float], bool] | None, until: float) -> bool:

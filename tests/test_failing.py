@@ -23,32 +23,35 @@ from dflash2.daemon.service import Service
 from dflash2.tiers import Tier
 
 
-def fail_once_in(monkeypatch, function: str) -> list:
-    """np.full raises MemoryError once, where `function` calls it (the review's injection: the second
-    half of a move, table.py `end_move`, after the source slots were freed)."""
-    real, fired = np.full, []
+def fail_once_in(monkeypatch, function: str, numpy_function: str = "full", times: int = 1) -> list:
+    """np.full (or `numpy_function`) raises MemoryError `times`, where `function` calls it (the
+    review's injection: by default the second half of a move, table.py `end_move`, after the source
+    slots were freed)."""
+    real, fired = getattr(np, numpy_function), []
 
-    def full(*args, **kwargs):
-        if not fired and sys._getframe(1).f_code.co_name == function:
+    def failing(*args, **kwargs):
+        if len(fired) < times and sys._getframe(1).f_code.co_name == function:
             fired.append(function)
             raise MemoryError("Unable to allocate 128. KiB (injected)")
         return real(*args, **kwargs)
-    monkeypatch.setattr(np, "full", full)
+    monkeypatch.setattr(np, numpy_function, failing)
     return fired
 
 
 def served(make_manager, clock):
-    """A service over 4 HBM and 8 DRAM blocks, a client attached, a chain of 4 filling HBM."""
-    mgr = make_manager(hbm_blocks=4, dram_blocks=8)
+    """A service over 4 HBM and 8 DRAM blocks (a lookup's prefetch window 2), a client attached, a
+    chain of 4 filling HBM."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, prefetch_window=2)
     svc = Service(mgr, lease_timeout_s=60, heartbeat_interval_s=10, clock=clock, pid_alive=lambda pid: True)
     client = call_ok(svc, P.Op.ATTACH, args={"name": "t", "pid": 0, "layouts": [SMALL.to_dict()]}).result["client"]
     mgr.free(client, mgr.commit(client, mgr.allocate(client, 0, 4), keys=[1, 2, 3, 4]))
     return svc, mgr, client
 
 
-def call(svc, op, client=None, args=None) -> P.Reply:
+def call(svc, op, client=None, args=None, keys=None) -> P.Reply:
     token = svc.sessions[client].token if client in svc.sessions else None
-    return svc.handle(P.decode_request(P.encode_request(op, 1, client, args, None, token=token)))
+    arrays = None if keys is None else [np.asarray(keys, dtype=P.KEYS_DTYPE).tobytes()]
+    return svc.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays, token=token)))
 
 
 def test_a_table_left_half_moved_stops_the_daemon_and_every_later_call_is_refused(make_manager, clock, monkeypatch):
@@ -66,6 +69,70 @@ def test_a_table_left_half_moved_stops_the_daemon_and_every_later_call_is_refuse
         refused = call(svc, op, who, args)
         assert not refused.ok and refused.error_type == "DaemonUnavailable", refused
         assert refused.error_message == f"dflash2d is stopping: {svc.broken}"
+
+
+def test_a_prefetch_that_fails_part_way_is_checked_too(make_manager, clock, monkeypatch):
+    """A lookup's prefetch runs after the lookup's own work, and its failure is logged, not the
+    call's (manager `_follow_up`): no check ran, and the next allocate handed a slot out twice (a
+    review). The failure is noted, and checked before the next call."""
+    svc, mgr, client = served(make_manager, clock)
+    mgr.free(client, mgr.commit(client, mgr.allocate(client, 0, 4), keys=[11, 12, 13, 14]))  # [1..4] to DRAM
+    first = mgr.table.rows(mgr.table.vids(np.flatnonzero(mgr.table.cols.key != 0)))[:4]
+    assert (mgr.table.cols.tier[first] == int(Tier.DRAM)).all()
+    fired = fail_once_in(monkeypatch, "end_move")
+    looked = call(svc, P.Op.LOOKUP, client, {"layout": 0}, keys=[1, 2, 3, 4])
+    assert fired and looked.ok  # (the lookup's own answer stands)
+    refused = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})
+    assert refused.error_type == "DaemonUnavailable", refused
+    assert svc.broken.startswith("the block table of pool 0 fails its check after the prefetch of a lookup "
+                                 "failed part way (MemoryError: Unable to allocate 128. KiB (injected)): ")
+
+
+def test_a_drain_pieces_end_that_fails_is_checked_at_the_loops_next_turn(make_manager, clock):
+    """The end of a drain piece's copies (rebalance `settle`) is logged where it fails, the others
+    still ended: noted too, and the server's loop checks the tables at its next turn (`fatal`)."""
+    svc, mgr, _ = served(make_manager, clock)
+
+    class Done:
+        def done(self):
+            return True
+
+    def end():  # frees the slot of a block that still lies there, then runs out of memory
+        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
+        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+        raise MemoryError("Unable to allocate (injected)")
+    mgr.placement._in_flight.append((Done(), end))
+    mgr.placement.settle()
+    assert svc.broken is None and svc.fatal().startswith(
+        "the block table of pool 0 fails its check after ending a drain piece's copies failed part way "
+        "(MemoryError: Unable to allocate (injected)): ")
+
+
+def test_a_detach_that_fails_part_way_is_finished_by_the_next(make_manager, clock, monkeypatch):
+    """A detach that failed after dropping the client's pins left its references: the session was
+    dropped with the failure, and no detach or lease could reach them again (a review)."""
+    svc, mgr, client = served(make_manager, clock)
+    held = mgr.commit(client, mgr.allocate(client, 0, 2), keys=[21, 22])  # references kept
+    fired = fail_once_in(monkeypatch, "_drop_all_refs", "fromiter")
+    failed = call(svc, P.Op.DETACH, client)
+    assert fired and failed.error_type == "InternalError" and svc.broken is None
+    assert client in svc.sessions and (mgr.table.cols.refs[mgr.table.rows(held)] > 0).all()
+    assert call(svc, P.Op.DETACH, client).ok and client not in svc.sessions
+    assert (mgr.table.cols.refs[mgr.table.rows(held)] == 0).all()
+    mgr.check_invariants()
+
+
+def test_a_detach_that_always_fails_is_given_up_after_three(make_manager, clock, monkeypatch, caplog):
+    from dflash2.daemon.service import DETACH_TRIES
+
+    svc, mgr, client = served(make_manager, clock)
+    mgr.commit(client, mgr.allocate(client, 0, 2), keys=[21, 22])
+    fail_once_in(monkeypatch, "_drop_all_refs", "fromiter", times=DETACH_TRIES)
+    for attempt in range(DETACH_TRIES):
+        assert client in svc.sessions
+        assert call(svc, P.Op.DETACH, client).error_type == "InternalError"
+    assert client not in svc.sessions and svc.broken is None
+    assert f"client {client}: its detach failed {DETACH_TRIES} times; what it still holds stays held" in caplog.text
 
 
 def test_a_failure_that_left_the_table_whole_serves_on(make_manager, clock, monkeypatch, caplog):
