@@ -158,11 +158,12 @@ class Service(Forgetting, Failing, Devices):
         began = self.clock()
         started = time.perf_counter() if arrived is None else arrived
         needs_client = req.op in P.NEEDS_CLIENT
-        session = None
+        session, before = None, None
         try:
             self.verify_noted()  # (failures a manager carried on past: failing.py)
             if self.broken is not None:  # (the daemon exits at once)
                 raise DaemonUnavailable(f"dflash2d is stopping: {self.broken}")
+            before = None if req.op in P.READ_ONLY else self.fingerprints()
             if needs_client:
                 session = self._touch(req.client, req.token)
                 # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
@@ -176,6 +177,8 @@ class Service(Forgetting, Failing, Devices):
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
             self.counters["errors"] += 1
             reply = P.error_reply(req.call_id, e)
+            if before is not None and self.fingerprints() != before:  # (it changed something first: failing.py)
+                self.verify_after(e, req.op.value)
         except Exception as e:  # a bug: say so, keep serving the others
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
@@ -266,8 +269,13 @@ class Service(Forgetting, Failing, Devices):
                 or (s.same_pid_namespace and not self.pid_alive(s.pid))]
         for s in gone:
             # A process that may still run keeps its private blocks a while (sessions.SetAside).
-            released = self._drop_session(s.client, set_aside=self.set_aside.hold_s > 0
-                                          and (not s.same_pid_namespace or self.pid_alive(s.pid)))
+            try:
+                released = self._drop_session(s.client, set_aside=self.set_aside.hold_s > 0
+                                              and (not s.same_pid_namespace or self.pid_alive(s.pid)))
+            except Exception as e:  # (the others go on: one held them behind it for its three tries, a review)
+                log.exception("client %d (%s, pid %d): its detach after its lease failed", s.client, s.name, s.pid)
+                self.verify_after(e, "a lapsed client's detach")
+                continue
             self.counters["leases_expired"] += 1  # (a lease that lapsed, or a process seen gone)
             log.warning("client %d (%s, pid %d) %s: released %s", s.client, s.name, s.pid, "lease lapsed" if now
                         - s.last_seen > self.lease_timeout_s else "process is gone", released)
@@ -304,7 +312,10 @@ class Service(Forgetting, Failing, Devices):
 
     def shutdown(self) -> None:
         for client in list(self.sessions):
-            self._drop_session(client)
+            try:  # (each client whatever became of the one before: a failed detach skipped the rest)
+                self._drop_session(client)
+            except Exception:
+                log.exception("stopping: the detach of client %d failed", client)
         for s in self.set_aside.take_all():
             self.managers[s.device].detach(s.client)
         for m in self.managers.values():

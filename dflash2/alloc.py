@@ -95,14 +95,14 @@ class _SizeClass:
     changes: int = 0  # bumped whenever a slot of the class is handed out, freed, quarantined or given back
     no_fit: tuple[int, int] = (-1, 0)  # (changes, n): `alloc_in_used_slabs` found fewer than n then
 
-    def push(self, offsets: np.ndarray) -> None:
-        need = self.n_free + len(offsets)
+    def push(self, offsets: np.ndarray, room: int = 0) -> None:  # (`room`: the stack grown to hold as many more)
+        need = self.n_free + max(len(offsets), room)
         if need > len(self.free):
             grown = np.empty(max(need, 2 * len(self.free), 64), dtype=np.int64)
             grown[: self.n_free] = self.free[: self.n_free]
             self.free = grown
-        self.free[self.n_free: need] = offsets
-        self.n_free = need
+        self.free[self.n_free: self.n_free + len(offsets)] = offsets
+        self.n_free += len(offsets)
 
     def pop(self, n: int) -> np.ndarray:
         self.n_free -= n
@@ -513,22 +513,24 @@ class SlotAllocator:
         heads = self._find_runs(cls.slab_pages, k)
         if not len(heads):
             return 0
-        pages = (heads[:, None] + np.arange(cls.slab_pages)).ravel()
+        # Every array made before the map changes: a MemoryError (ulimit -v) left pages claimed whose
+        # slots were never added, lost until a restart (a review). Each slab's slots pushed in reverse,
+        # slab after slab, so that pops hand out ascending offsets (sequential I/O on fresh tiers).
+        pages, base = (heads[:, None] + np.arange(cls.slab_pages)).ravel(), heads * self.page_bytes
+        owners, end = np.repeat(heads, cls.slab_pages), int(base[-1] + cls.slab_pages * self.page_bytes) // cls.slot + 1
+        held = np.full(max(end, 2 * len(cls.held)), -1, dtype=cls.held.dtype) if end > len(cls.held) else None
+        slots = (base[:, None] + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64)).ravel()
+        cls.push(slots[:0], room=len(slots))  # (its stack grown first)
         self._page_free[pages] = False
         self._n_free_pages -= len(pages)
         if cls.slab_pages == 1:  # the first free pages were taken: none is left below the last
             self._free_from = int(heads[-1]) + 1
         self._page_class[heads] = cls.slot
-        self._page_head[pages] = np.repeat(heads, cls.slab_pages)
-        base = heads * self.page_bytes
-        end = int(base[-1] + cls.slab_pages * self.page_bytes) // cls.slot + 1
-        if end > len(cls.held):  # the map covers the slabs claimed so far
-            held = np.full(max(end, 2 * len(cls.held)), -1, dtype=cls.held.dtype)
+        self._page_head[pages] = owners
+        if held is not None:  # the map covers the slabs claimed so far
             held[: len(cls.held)] = cls.held
             cls.held = held
-        # Each slab's slots pushed in reverse, slab after slab, so that pops hand out ascending
-        # offsets (sequential I/O on fresh tiers).
-        cls.push((base[:, None] + cls.slot * np.arange(cls.slots_per_slab - 1, -1, -1, dtype=np.int64)).ravel())
+        cls.push(slots)
         return len(heads)
 
     def _find_runs(self, length: int, k: int) -> np.ndarray:
