@@ -17,27 +17,47 @@ after a lost GPU (EXIT_GPU_LOST).
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger("dflash2.daemon")
 
 
-def fingerprint(manager) -> tuple:
-    """Counters that any change of a table moves, read without a scan: the slots held in each tier,
-    the rows in use, the keys indexed, the copies in flight. Compared around a call that was refused
-    with an expected error (a DFlash2Error; a ValueError, KeyError or TypeError, as validation
-    raises them): one that moved them had changed something first (a bug raising KeyError part way
-    through a move, a review), and is checked as an unexpected failure is; one that moved none is a
-    refusal that changed nothing, as nearly all are (no check: a client that sends bad arguments
-    cannot make the daemon check its tables again and again, 0.2-0.35 s each at a million rows)."""
-    table = manager.table
-    return (tuple(a.used_bytes for a in table.allocators.values()), table.cols.live, len(table.keys),
-            len(manager.placement._in_flight))
+# Checks after refusals (below) take at most this share of the daemon's time: the next waits until
+# its last one's length, divided by it, has passed (at a million rows, 0.2-0.35 s a check: one every
+# 4-7 s while a client keeps sending calls that are refused).
+REFUSAL_CHECK_SHARE = 0.05
 
 
 class Failing:
     """Needs `managers` (device -> BlockManager) of the Service."""
 
     broken: str | None = None  # why the tables cannot be trusted any more (set once, by `verify_after`)
+    _refusals: list[tuple[str, str]] | None = None  # refusals of calls that may change the tables, unchecked yet
+    _refusal_check_at = 0.0  # (time.monotonic) when the next check after refusals may run
+
+    def after_refusal(self, error: BaseException, what: str) -> None:
+        """A call that may change the tables was refused with an expected error (a DFlash2Error; a
+        ValueError, KeyError or TypeError, as validation raises them). Nearly all are raised before
+        anything changed, but a bug raising one of them part way (a KeyError in a move's second half,
+        a review) leaves a table as broken as any failure does, and no cheap counter tells the two
+        apart (refs, pins, the key index: a second review). So they are checked as failures are, at
+        once where the last such check is long enough past (REFUSAL_CHECK_SHARE), else together
+        once it is, before a later call or at a turn of the loop (`verify_noted`): a client that
+        sends bad calls again and again cannot hold the daemon in checks."""
+        if self._refusals is None:
+            self._refusals = []
+        self._refusals.append((f"{type(error).__name__}: {error}", what))
+        self._check_refusals()
+
+    def _check_refusals(self) -> None:
+        if not self._refusals or time.monotonic() < self._refusal_check_at:
+            return
+        refused, self._refusals = self._refusals, []
+        began = time.perf_counter()
+        ops = ", ".join(sorted({what for _, what in refused}))
+        self.verify_after("; ".join(error for error, _ in refused[-4:]),  # (the last few: the message stays short)
+                          f"{ops} (refused)" if len(refused) == 1 else f"{len(refused)} refused calls ({ops})")
+        self._refusal_check_at = time.monotonic() + (time.perf_counter() - began) / REFUSAL_CHECK_SHARE
 
     def verify_after(self, error: BaseException | str, what: str) -> None:
         """After `what` ("allocate", "the background step") failed with `error` (or its text): check
@@ -58,14 +78,12 @@ class Failing:
                 return
         log.info("the block tables are whole after %s failed (%s); serving on", what, error.split(":")[0])
 
-    def fingerprints(self) -> list[tuple]:
-        return [fingerprint(m) for m in self.managers.values()]
-
     def verify_noted(self) -> None:
         """`verify_after` each failure a manager logged and carried on past since the last time
         (`BlockManager.failures`: a call's follow-up, a drain piece's end), before the next call runs
         and at each turn of the loop (`fatal`): their calls or steps had answered as if nothing
         failed (a review: a lookup's prefetch left a slot to be handed out twice)."""
+        self._check_refusals()
         noted = [failure for manager in self.managers.values() for failure in manager.failures]
         if noted:  # (one check for them all: each is a full pass)
             for manager in self.managers.values():

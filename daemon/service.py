@@ -158,12 +158,11 @@ class Service(Forgetting, Failing, Devices):
         began = self.clock()
         started = time.perf_counter() if arrived is None else arrived
         needs_client = req.op in P.NEEDS_CLIENT
-        session, before = None, None
+        session = None
         try:
             self.verify_noted()  # (failures a manager carried on past: failing.py)
             if self.broken is not None:  # (the daemon exits at once)
                 raise DaemonUnavailable(f"dflash2d is stopping: {self.broken}")
-            before = None if req.op in P.READ_ONLY else self.fingerprints()
             if needs_client:
                 session = self._touch(req.client, req.token)
                 # (Only an UNDOABLE call can have been forgotten: the heartbeat thread's own call
@@ -177,8 +176,8 @@ class Service(Forgetting, Failing, Devices):
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
             self.counters["errors"] += 1
             reply = P.error_reply(req.call_id, e)
-            if before is not None and self.fingerprints() != before:  # (it changed something first: failing.py)
-                self.verify_after(e, req.op.value)
+            if req.op not in P.READ_ONLY and self.broken is None:  # (raised part way? failing.py)
+                self.after_refusal(e, req.op.value)
         except Exception as e:  # a bug: say so, keep serving the others
             self.counters["errors"] += 1
             log.exception("internal error handling %s", req.op.value)
@@ -280,8 +279,16 @@ class Service(Forgetting, Failing, Devices):
             log.warning("client %d (%s, pid %d) %s: released %s", s.client, s.name, s.pid, "lease lapsed" if now
                         - s.last_seen > self.lease_timeout_s else "process is gone", released)
         for s in self.set_aside.due():
-            log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
-                     self.managers[s.device].detach(s.client))
+            try:  # (each on its own, as above: the due ones had all left the set, a review)
+                log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
+                         self.managers[s.device].detach(s.client))
+            except Exception as e:
+                s.detach_failures += 1
+                log.exception("client %d: freeing its set-aside blocks failed (%d of %d tries)", s.client,
+                              s.detach_failures, DETACH_TRIES)
+                if s.detach_failures < DETACH_TRIES:
+                    self.set_aside.again(s)
+                self.verify_after(e, "a set-aside client's detach")
         return [s.client for s in gone]
 
     def waiting(self, parked: list[Parked]) -> None:
@@ -317,7 +324,10 @@ class Service(Forgetting, Failing, Devices):
             except Exception:
                 log.exception("stopping: the detach of client %d failed", client)
         for s in self.set_aside.take_all():
-            self.managers[s.device].detach(s.client)
+            try:
+                self.managers[s.device].detach(s.client)
+            except Exception:
+                log.exception("stopping: freeing the set-aside blocks of client %d failed", s.client)
         for m in self.managers.values():
             m.settle()  # a drain's copies still in flight end, and their batches are said ...
             m.mover.swap_log.flush()  # ... before the shutdown line (swaplog.py)

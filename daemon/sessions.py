@@ -148,6 +148,10 @@ class SetAside:
             del self.sessions[s.client]
         return out
 
+    def again(self, session: Session) -> None:
+        """Back in the set, due at once: its detach failed part way, and the next judging tries again."""
+        self.sessions[session.client] = (session, self.clock())
+
     def of_process(self, pid: int, pid_ns: int | None, device: int) -> list[int]:
         """The set-aside clients of the process `pid` in pid namespace `pid_ns` (in `device`'s pool):
         its earlier sessions, whose blocks count against a new session's share (shares.py). None

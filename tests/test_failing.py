@@ -81,22 +81,32 @@ def test_an_expected_error_type_raised_part_way_is_checked_too(make_manager, clo
     fired = fail_once_in(monkeypatch, "end_move", error=error)
     failed = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})
     assert fired and failed.error_type == error.__name__, failed
-    assert svc.broken.startswith(f"the block table of pool 0 fails its check after allocate failed part way "
-                                 f"({error.__name__}: ")
+    assert svc.broken.startswith(f"the block table of pool 0 fails its check after allocate (refused) failed part "
+                                 f"way ({error.__name__}: ")
     assert call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2}).error_type == "DaemonUnavailable"
 
 
-def test_a_refusal_that_changed_nothing_is_not_followed_by_a_check(make_manager, clock, monkeypatch):
-    """Bad arguments (a ValueError, a DFlash2Error) change nothing: no check, however often a client
-    sends them (each takes 0.2-0.35 s at a million rows)."""
+def test_refusals_are_checked_within_a_share_of_the_daemons_time(make_manager, clock, monkeypatch):
+    """Bad arguments change nothing, nearly always; but no cheap counter tells a refusal raised part
+    way through a change (a KeyError in the key index's insertion, a review) from one raised before.
+    Refusals are checked, at most REFUSAL_CHECK_SHARE of the time: one at once, the others together
+    once as long again past, divided by the share, as the last check took."""
     svc, mgr, client = served(make_manager, clock)
     checks = []
-    monkeypatch.setattr(mgr, "check_invariants", lambda: checks.append(1))
-    for op, args in ((P.Op.SET_WEIGHTS, {"weights": {"no_such_weight": 1.0}}), (P.Op.ALLOCATE, {"layout": 9, "n": 2}),
-                     (P.Op.RESERVE, {"layout": 0, "tokens": -5})):
+
+    def check():  # (a table of a million rows: 0.2-0.35 s)
+        checks.append(time.monotonic())
+        time.sleep(0.02)
+    monkeypatch.setattr(mgr, "check_invariants", check)
+    bad = ((P.Op.SET_WEIGHTS, {"weights": {"no_such_weight": 1.0}}), (P.Op.ALLOCATE, {"layout": 9, "n": 2}),
+           (P.Op.RESERVE, {"layout": 0, "tokens": -5}))
+    for op, args in bad * 3:
         refused = call(svc, op, client, args)
         assert not refused.ok and refused.error_type != "InternalError", refused
-    assert not checks and svc.broken is None
+    assert len(checks) == 1 and svc.broken is None  # (the first at once; 8 wait: 0.02 s / 0.05 = 0.4 s)
+    time.sleep(0.5)
+    assert svc.fatal() is None and len(checks) == 2  # (the loop's next turn: the 8 together)
+    assert svc.fatal() is None and len(checks) == 2
 
 
 def test_a_prefetch_that_fails_part_way_is_checked_too(make_manager, clock, monkeypatch):
@@ -323,3 +333,39 @@ def test_failures_noted_together_are_checked_once(make_manager, clock, monkeypat
     mgr.failures.extend([("MemoryError: a", "the prefetch of a lookup"),
                          ("KeyError: b", "ending a drain piece's copies")])
     assert svc.fatal() is None and len(checks) == 1 and not mgr.failures
+
+
+def test_a_set_aside_clients_failing_detach_is_tried_again_and_holds_no_other(make_manager, clock, monkeypatch):
+    """The due set-aside sessions all left the set before any was detached: one that failed ended the
+    judging, the others' blocks held until a restart (a review). Each goes on its own; the failed one
+    is due again at the next judging."""
+    svc, mgr, first = served(make_manager, clock)
+    clients = [first] + [call_ok(svc, P.Op.ATTACH, args={"name": n, "pid": 0, "layouts": [SMALL.to_dict()]})
+                         .result["client"] for n in "uv"]
+    for client in clients:
+        mgr.allocate(client, 0, 1)  # (a block each, being written)
+    clock.advance(120)
+    svc.expire_leases()  # (their processes may live: set aside)
+    assert sorted(svc.set_aside.sessions) == sorted(clients)
+    clock.advance(svc.set_aside.hold_s + 1)
+    fired = fail_once_in(monkeypatch, "_drop_all_refs", "fromiter")
+    svc.expire_leases()
+    assert fired and list(svc.set_aside.sessions) == [first] and svc.broken is None
+    svc.expire_leases()
+    assert not svc.set_aside.sessions
+    assert mgr.table.cols.live == 4  # (the cached chain alone: the three blocks freed)
+    mgr.check_invariants()
+
+
+def test_a_lapsed_clients_detach_that_breaks_the_table_stops_the_daemon(make_manager, clock, monkeypatch):
+    svc, mgr, client = served(make_manager, clock)
+
+    def breaks(*args, **kwargs):  # frees the slot of a block that still lies there, then runs out of memory
+        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
+        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+        raise MemoryError("Unable to allocate (injected)")
+    monkeypatch.setattr(mgr, "detach", breaks)
+    clock.advance(120)
+    svc.expire_leases()
+    assert svc.broken.startswith("the block table of pool 0 fails its check after a lapsed client's detach "
+                                 "failed part way (MemoryError: Unable to allocate (injected)): ")
