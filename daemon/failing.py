@@ -23,16 +23,22 @@ log = logging.getLogger("dflash2.daemon")
 
 
 # Checks after refusals (below) take at most this share of the daemon's time: the next waits until
-# its last one's length, divided by it, has passed (at a million rows, 0.2-0.35 s a check: one every
-# 4-7 s while a client keeps sending calls that are refused).
+# its last one's length (the thread's CPU time: a stall of the process during a check does not count,
+# a review), divided by it, has passed (at a million rows, 0.2-0.35 s a check: one every 4-7 s while
+# a client keeps sending calls that are refused), and REFUSAL_CHECK_MAX_S at most (several pools of
+# a million rows each, a slower machine).
 REFUSAL_CHECK_SHARE = 0.05
+REFUSAL_CHECK_MAX_S = 10.0
+REFUSALS_NAMED = 4  # refusals whose text a check's verdict names (the last ones; the others counted)
 
 
 class Failing:
     """Needs `managers` (device -> BlockManager) of the Service."""
 
     broken: str | None = None  # why the tables cannot be trusted any more (set once, by `verify_after`)
-    _refusals: list[tuple[str, str]] | None = None  # refusals of calls that may change the tables, unchecked yet
+    # Refusals of calls that may change the tables not checked yet: how many, and the last few's text and op.
+    _refused = 0
+    _refusals: list[tuple[str, str]] | None = None
     _refusal_check_at = 0.0  # (time.monotonic) when the next check after refusals may run
 
     def after_refusal(self, error: BaseException, what: str) -> None:
@@ -44,20 +50,22 @@ class Failing:
         once where the last such check is long enough past (REFUSAL_CHECK_SHARE), else together
         once it is, before a later call or at a turn of the loop (`verify_noted`): a client that
         sends bad calls again and again cannot hold the daemon in checks."""
-        if self._refusals is None:
-            self._refusals = []
-        self._refusals.append((f"{type(error).__name__}: {error}", what))
+        self._refusals = [*(self._refusals or [])[1 - REFUSALS_NAMED:], (f"{type(error).__name__}: {error}", what)]
+        self._refused += 1
         self._check_refusals()
 
-    def _check_refusals(self) -> None:
-        if not self._refusals or time.monotonic() < self._refusal_check_at:
+    def _check_refusals(self, now: bool = False) -> None:
+        """Check the tables for the refusals not checked yet, where the budget allows (`now`: whatever
+        it says, as at a stop)."""
+        if not self._refused or (not now and time.monotonic() < self._refusal_check_at):
             return
-        refused, self._refusals = self._refusals, []
-        began = time.perf_counter()
+        count, refused, self._refused, self._refusals = self._refused, self._refusals or [], 0, []
+        began = time.thread_time()
         ops = ", ".join(sorted({what for _, what in refused}))
-        self.verify_after("; ".join(error for error, _ in refused[-4:]),  # (the last few: the message stays short)
-                          f"{ops} (refused)" if len(refused) == 1 else f"{len(refused)} refused calls ({ops})")
-        self._refusal_check_at = time.monotonic() + (time.perf_counter() - began) / REFUSAL_CHECK_SHARE
+        self.verify_after("; ".join(error for error, _ in refused),
+                          f"{ops} (refused)" if count == 1 else f"{count} refused calls (the last: {ops})")
+        wait = min(REFUSAL_CHECK_MAX_S, (time.thread_time() - began) / REFUSAL_CHECK_SHARE)
+        self._refusal_check_at = time.monotonic() + wait
 
     def verify_after(self, error: BaseException | str, what: str) -> None:
         """After `what` ("allocate", "the background step") failed with `error` (or its text): check

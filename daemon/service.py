@@ -283,11 +283,14 @@ class Service(Forgetting, Failing, Devices):
                 log.info("client %d (%s, pid %d): its set-aside blocks are freed: %s", s.client, s.name, s.pid,
                          self.managers[s.device].detach(s.client))
             except Exception as e:
-                s.detach_failures += 1
+                s.freeing_failures += 1
                 log.exception("client %d: freeing its set-aside blocks failed (%d of %d tries)", s.client,
-                              s.detach_failures, DETACH_TRIES)
-                if s.detach_failures < DETACH_TRIES:
+                              s.freeing_failures, DETACH_TRIES)
+                if s.freeing_failures < DETACH_TRIES:
                     self.set_aside.again(s)
+                else:
+                    log.error("client %d: freeing its set-aside blocks failed %d times; they stay held until the "
+                              "daemon restarts", s.client, s.freeing_failures)
                 self.verify_after(e, "a set-aside client's detach")
         return [s.client for s in gone]
 
@@ -318,6 +321,7 @@ class Service(Forgetting, Failing, Devices):
             m.admission.credit_stall(stalled_s)
 
     def shutdown(self) -> None:
+        self._check_refusals(now=True)  # (those still waiting for the budget: a broken table said, a review)
         for client in list(self.sessions):
             try:  # (each client whatever became of the one before: a failed detach skipped the rest)
                 self._drop_session(client)

@@ -39,6 +39,7 @@ class Session:
     retried: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     pid_ns: int | None = None  # the client's pid namespace (inode) as it said at attach; None: unknown
     detach_failures: int = 0  # detaches of it that failed part way (Service._drop_session: DETACH_TRIES)
+    freeing_failures: int = 0  # ... and, set aside, frees of its blocks that failed (Service.expire_leases)
 
 
 # A client's calls in flight are not one at a time: each that timed out stays queued (on a stopped or

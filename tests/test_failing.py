@@ -91,22 +91,55 @@ def test_refusals_are_checked_within_a_share_of_the_daemons_time(make_manager, c
     way through a change (a KeyError in the key index's insertion, a review) from one raised before.
     Refusals are checked, at most REFUSAL_CHECK_SHARE of the time: one at once, the others together
     once as long again past, divided by the share, as the last check took."""
+    import dflash2.daemon.failing as failing
+
     svc, mgr, client = served(make_manager, clock)
     checks = []
 
-    def check():  # (a table of a million rows: 0.2-0.35 s)
+    def check():  # (a table of a million rows: 0.2-0.35 s of the thread's time)
         checks.append(time.monotonic())
-        time.sleep(0.02)
+        began = time.thread_time()
+        while time.thread_time() - began < 0.02:
+            pass
     monkeypatch.setattr(mgr, "check_invariants", check)
+    monkeypatch.setattr(failing, "REFUSAL_CHECK_SHARE", 0.002)  # (the next after 10 s: no race on a slow machine)
     bad = ((P.Op.SET_WEIGHTS, {"weights": {"no_such_weight": 1.0}}), (P.Op.ALLOCATE, {"layout": 9, "n": 2}),
            (P.Op.RESERVE, {"layout": 0, "tokens": -5}))
     for op, args in bad * 3:
         refused = call(svc, op, client, args)
         assert not refused.ok and refused.error_type != "InternalError", refused
-    assert len(checks) == 1 and svc.broken is None  # (the first at once; 8 wait: 0.02 s / 0.05 = 0.4 s)
-    time.sleep(0.5)
+    assert len(checks) == 1 and svc.broken is None  # (the first at once; 8 wait)
+    assert svc._refusal_check_at - time.monotonic() > 5  # (0.02 s / 0.002)
+    assert svc.fatal() is None and len(checks) == 1 and svc._refused == 8 and len(svc._refusals) == 4
+    svc._refusal_check_at = 0.0  # (as long past)
     assert svc.fatal() is None and len(checks) == 2  # (the loop's next turn: the 8 together)
-    assert svc.fatal() is None and len(checks) == 2
+    assert svc.fatal() is None and len(checks) == 2 and not svc._refused and not svc._refusals
+
+
+def test_the_wait_after_a_check_counts_its_cpu_time_within_a_bound_and_a_stop_checks_the_rest(
+        make_manager, clock, monkeypatch):
+    """A stall of the process during a check (SIGSTOP, swap) counted as check time: 2 s made the next
+    check wait 40 s, and a refusal that broke the table meanwhile was served from; and refusals still
+    waiting at a stop were never checked (a review)."""
+    import dflash2.daemon.failing as failing
+
+    svc, mgr, client = served(make_manager, clock)
+    checks = []
+
+    def stalled():  # (no CPU: the process stopped)
+        checks.append(1)
+        time.sleep(0.2)
+    monkeypatch.setattr(mgr, "check_invariants", stalled)
+    assert call(svc, P.Op.ALLOCATE, client, {"layout": 9, "n": 2}).error_type == "UnknownLayout"
+    assert len(checks) == 1 and svc._refusal_check_at - time.monotonic() < 1.0  # (wall-clock: 4 s)
+    monkeypatch.setattr(failing, "REFUSAL_CHECK_SHARE", 1e-9)
+    svc._refusal_check_at = 0.0
+    call(svc, P.Op.ALLOCATE, client, {"layout": 9, "n": 2})
+    assert len(checks) == 2 and svc._refusal_check_at - time.monotonic() <= failing.REFUSAL_CHECK_MAX_S
+    call(svc, P.Op.ALLOCATE, client, {"layout": 9, "n": 2})  # (waits for the budget ...)
+    assert len(checks) == 2
+    svc.shutdown()  # (... and is checked at the stop)
+    assert len(checks) == 3
 
 
 def test_a_prefetch_that_fails_part_way_is_checked_too(make_manager, clock, monkeypatch):
@@ -351,6 +384,8 @@ def test_a_set_aside_clients_failing_detach_is_tried_again_and_holds_no_other(ma
     fired = fail_once_in(monkeypatch, "_drop_all_refs", "fromiter")
     svc.expire_leases()
     assert fired and list(svc.set_aside.sessions) == [first] and svc.broken is None
+    kept = svc.set_aside.sessions[first][0]
+    assert (kept.freeing_failures, kept.detach_failures) == (1, 0)  # (its own tries: not its lease's detach's)
     svc.expire_leases()
     assert not svc.set_aside.sessions
     assert mgr.table.cols.live == 4  # (the cached chain alone: the three blocks freed)
