@@ -63,14 +63,15 @@ class Failing:
         began = time.thread_time()
         ops = ", ".join(sorted({what for _, what in refused}))
         self.verify_after("; ".join(error for error, _ in refused),
-                          f"{ops} (refused)" if count == 1 else f"{count} refused calls (the last: {ops})")
+                          f"{ops} (refused)" if count == 1 else f"{count} refused calls (the last: {ops})",
+                          whole_said=logging.DEBUG)  # (the common case: a refusal that changed nothing)
         wait = min(REFUSAL_CHECK_MAX_S, (time.thread_time() - began) / REFUSAL_CHECK_SHARE)
         self._refusal_check_at = time.monotonic() + wait
 
-    def verify_after(self, error: BaseException | str, what: str) -> None:
+    def verify_after(self, error: BaseException | str, what: str, whole_said: int = logging.INFO) -> None:
         """After `what` ("allocate", "the background step") failed with `error` (or its text): check
         every pool's table; one that fails the check, or cannot be checked, marks the daemon broken
-        (`fatal`)."""
+        (`fatal`); tables found whole are logged at `whole_said`."""
         if self.broken is not None:
             return
         if not isinstance(error, str):
@@ -84,7 +85,7 @@ class Failing:
                                f"({error}): {type(e).__name__}: {e}")
                 log.error("%s; refusing every call from now on, and exiting", self.broken)
                 return
-        log.info("the block tables are whole after %s failed (%s); serving on", what, error.split(":")[0])
+        log.log(whole_said, "the block tables are whole after %s failed (%s); serving on", what, error.split(":")[0])
 
     def verify_noted(self) -> None:
         """`verify_after` each failure a manager logged and carried on past since the last time

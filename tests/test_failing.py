@@ -86,7 +86,7 @@ def test_an_expected_error_type_raised_part_way_is_checked_too(make_manager, clo
     assert call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2}).error_type == "DaemonUnavailable"
 
 
-def test_refusals_are_checked_within_a_share_of_the_daemons_time(make_manager, clock, monkeypatch):
+def test_refusals_are_checked_within_a_share_of_the_daemons_time(make_manager, clock, monkeypatch, caplog):
     """Bad arguments change nothing, nearly always; but no cheap counter tells a refusal raised part
     way through a change (a KeyError in the key index's insertion, a review) from one raised before.
     Refusals are checked, at most REFUSAL_CHECK_SHARE of the time: one at once, the others together
@@ -105,10 +105,12 @@ def test_refusals_are_checked_within_a_share_of_the_daemons_time(make_manager, c
     monkeypatch.setattr(failing, "REFUSAL_CHECK_SHARE", 0.002)  # (the next after 10 s: no race on a slow machine)
     bad = ((P.Op.SET_WEIGHTS, {"weights": {"no_such_weight": 1.0}}), (P.Op.ALLOCATE, {"layout": 9, "n": 2}),
            (P.Op.RESERVE, {"layout": 0, "tokens": -5}))
-    for op, args in bad * 3:
-        refused = call(svc, op, client, args)
-        assert not refused.ok and refused.error_type != "InternalError", refused
+    with caplog.at_level("INFO", logger="dflash2.daemon"):
+        for op, args in bad * 3:
+            refused = call(svc, op, client, args)
+            assert not refused.ok and refused.error_type != "InternalError", refused
     assert len(checks) == 1 and svc.broken is None  # (the first at once; 8 wait)
+    assert "the block tables are whole" not in caplog.text  # (a refusal that changed nothing: not said at INFO)
     assert svc._refusal_check_at - time.monotonic() > 5  # (0.02 s / 0.002)
     assert svc.fatal() is None and len(checks) == 1 and svc._refused == 8 and len(svc._refusals) == 4
     svc._refusal_check_at = 0.0  # (as long past)
