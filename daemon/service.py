@@ -34,7 +34,7 @@ from dflash2.arena.shm import address_space_note
 from dflash2.daemon import wire
 from dflash2.daemon.descriptors import refuse_past_descriptors
 from dflash2.daemon.devices import Devices
-from dflash2.daemon.failing import Failing
+from dflash2.daemon.failing import Failing, checked_refusal
 from dflash2.daemon.forgetting import Forgetting
 from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
@@ -176,7 +176,7 @@ class Service(Forgetting, Failing, Devices):
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
             self.counters["errors"] += 1
             reply = P.error_reply(req.call_id, e)
-            if req.op not in P.READ_ONLY and self.broken is None:  # (raised part way? failing.py)
+            if req.op not in P.READ_ONLY and self.broken is None and checked_refusal(e):  # (part way? failing.py)
                 self.after_refusal(e, req.op.value)
         except Exception as e:  # a bug: say so, keep serving the others
             self.counters["errors"] += 1

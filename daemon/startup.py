@@ -193,6 +193,11 @@ def run(cfg: Config) -> int:
             return code
         clients = len(service.sessions)
         service.shutdown()
+        if service.broken:  # (found by the stop's check of the refusals still waiting: failing.py)
+            _error(cfg, f"{service.broken}; exiting (code {EXIT_TABLE_BROKEN})")
+            event(log, "dflash2_table_broken", service.broken, clients=clients,
+                  uptime_s=round(time.monotonic() - started, 3))
+            return EXIT_TABLE_BROKEN
         event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,
               uptime_s=round(time.monotonic() - started, 3))
         return 0

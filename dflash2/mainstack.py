@@ -9,12 +9,12 @@ heap exhausted and a call through 600 C frames: tests/test_mainstack.py). (The c
 in `heat`'s rescore at `ulimit -v 700000`, first taken for this one, was numpy's own, a later review
 found: docs/known-gaps.md.)
 
-Start-up grows it to MAIN_STACK_BYTES (RLIMIT_STACK less a page where that is less) before taking
+Start-up grows it to MAIN_STACK_BYTES (RLIMIT_STACK less a page where that is no more) before taking
 anything, and `--check` weighs the growth with the threads' stacks: an address space that has no
 room for it then stops start-up with a clear line, not a crash while serving. Grown without a limit
 too: a strict overcommit policy (vm.overcommit_memory 2) refuses a stack's growth as it refuses any
 other. The growth takes address space only: the kernel extends the stack's mapping down to the one
-page written (through a read(2), so that a refusal is an error, EFAULT, not a fault), and the pages
+page written (through a readv(2), so that a refusal is an error, EFAULT, not a fault), and the pages
 between stay untouched until used. Only where nothing is mapped there or within the kernel's guard
 gap below (another mapping would take the write instead, a review: a page mapped at the address on
 purpose had a byte zeroed).
