@@ -419,3 +419,54 @@ def test_a_lapsed_clients_detach_that_breaks_the_table_stops_the_daemon(make_man
     svc.expire_leases()
     assert svc.broken.startswith("the block table of pool 0 fails its check after a lapsed client's detach "
                                  "failed part way (MemoryError: Unable to allocate (injected)): ")
+
+
+def test_a_broken_table_found_by_the_stops_check_exits_6(tmp_path, monkeypatch, capsys):
+    """A refusal that broke the table, waiting for the budget when SIGTERM came: the stop's check found
+    it, logged it, and the daemon exited 0 (a review)."""
+    import dflash2.daemon.startup as srv
+    from dflash2.client import Client
+    from dflash2.config import load_config
+    from dflash2.daemon.failing import Failing
+    from dflash2.daemon.service import Service
+    from dflash2.errors import DaemonError
+
+    monkeypatch.setattr(Failing, "_refusal_check_at", float("inf"))  # (every refusal waits for the budget)
+
+    def breaks(self, req):  # frees the slot of a block that still lies there, then refuses
+        mgr = self.manager
+        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
+        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+        raise ValueError("a weight out of range (injected)")
+    monkeypatch.setattr(Service, "_set_weights", breaks)
+    path = write_config(tmp_path)
+    seen: dict = {}
+
+    def client():
+        deadline = time.monotonic() + 30
+        while not os.path.exists(tmp_path / "d.sock") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c = Client.connect(config=path, name="writer", layouts=[SMALL])
+        vids = c.allocate(0, 2)["vid"]
+        c.commit(vids, keys=[1, 2])
+        try:
+            c.set_weights({"recency": 1.0})
+        except DaemonError as e:
+            seen["refused"] = str(e)
+        c.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=client, daemon=True).start()
+    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))
+    stop.start()
+    try:
+        assert srv.run(load_config(path)) == 6
+    finally:
+        stop.cancel()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "a weight out of range (injected)" in seen["refused"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash2d: error: ")]
+    assert len(lines) == 1 and lines[0].startswith("dflash2d: error: the block table of pool 0 fails its check after "
+                                                   "set_weights (refused) failed part way (ValueError: "), lines
+    assert lines[0].endswith("exiting (code 6)")
