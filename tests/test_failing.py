@@ -55,6 +55,29 @@ def call(svc, op, client=None, args=None, keys=None) -> P.Reply:
     return svc.handle(P.decode_request(P.encode_request(op, 1, client, args, arrays, token=token)))
 
 
+def free_a_held_slot(mgr) -> None:
+    """Break the table: free the slot of a block that still lies in HBM."""
+    row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
+    mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+
+
+def run_daemon(path) -> int:
+    """`dflash2d` in this process (startup.run) on `path` until it ends: its exit code. SIGTERM after
+    30 s (a daemon that serves on then stops, 0); the signal handlers it installed are put back."""
+    import dflash2.daemon.startup as srv
+    from dflash2.config import load_config
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))
+    stop.start()
+    try:
+        return srv.run(load_config(path))
+    finally:
+        stop.cancel()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_a_table_left_half_moved_stops_the_daemon_and_every_later_call_is_refused(make_manager, clock, monkeypatch):
     svc, mgr, client = served(make_manager, clock)
     fired = fail_once_in(monkeypatch, "end_move")
@@ -183,9 +206,8 @@ def test_a_drain_pieces_end_that_fails_is_checked_at_the_loops_next_turn(make_ma
         def done(self):
             return True
 
-    def end():  # frees the slot of a block that still lies there, then runs out of memory
-        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
-        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+    def end():  # breaks the table, then runs out of memory
+        free_a_held_slot(mgr)
         raise MemoryError("Unable to allocate (injected)")
     mgr.placement._in_flight.append((Done(), end))
     mgr.placement.settle()
@@ -270,9 +292,8 @@ def test_a_background_step_or_drain_piece_that_breaks_the_table_stops_the_daemon
     svc, mgr, _ = served(make_manager, clock)
     srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
 
-    def breaks(*args):  # frees the slot of a block that still lies there, then runs out of memory
-        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
-        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+    def breaks(*args):  # breaks the table, then runs out of memory
+        free_a_held_slot(mgr)
         raise MemoryError("Unable to allocate (injected)")
     try:
         if where == "step":
@@ -291,10 +312,8 @@ def test_a_background_step_or_drain_piece_that_breaks_the_table_stops_the_daemon
 def test_the_daemon_exits_6_and_cleans_up(tmp_path, monkeypatch, capsys):
     """End to end: a client's write that makes room fails in the move's second half; the client is
     answered InternalError, then refused; the daemon exits 6 with one line, its shared memory gone."""
-    import dflash2.daemon.startup as srv
     from dflash2.assemble import instance_name
     from dflash2.client import Client
-    from dflash2.config import load_config
     from dflash2.errors import DaemonError
 
     path = write_config(tmp_path, memory={"hbm_capacity_mb": 1})  # (64 blocks of 16 KiB)
@@ -320,17 +339,9 @@ def test_the_daemon_exits_6_and_cleans_up(tmp_path, monkeypatch, capsys):
         except DaemonError:
             pass
     fired = fail_once_in(monkeypatch, "end_move")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     writer = threading.Thread(target=client, daemon=True)
     writer.start()
-    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))  # (a daemon that serves on stops: 0)
-    stop.start()
-    try:
-        assert srv.run(load_config(path)) == 6
-    finally:
-        stop.cancel()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    assert run_daemon(path) == 6
     writer.join(30)
     assert fired and seen["segments"] and not glob.glob(segments)
     assert "InternalError: MemoryError: Unable to allocate 128. KiB (injected)" in seen["errors"][0], seen
@@ -410,9 +421,8 @@ def test_a_set_aside_clients_failing_detach_is_tried_again_and_holds_no_other(ma
 def test_a_lapsed_clients_detach_that_breaks_the_table_stops_the_daemon(make_manager, clock, monkeypatch):
     svc, mgr, client = served(make_manager, clock)
 
-    def breaks(*args, **kwargs):  # frees the slot of a block that still lies there, then runs out of memory
-        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
-        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+    def breaks(*args, **kwargs):  # breaks the table, then runs out of memory
+        free_a_held_slot(mgr)
         raise MemoryError("Unable to allocate (injected)")
     monkeypatch.setattr(mgr, "detach", breaks)
     clock.advance(120)
@@ -424,19 +434,15 @@ def test_a_lapsed_clients_detach_that_breaks_the_table_stops_the_daemon(make_man
 def test_a_broken_table_found_by_the_stops_check_exits_6(tmp_path, monkeypatch, capsys):
     """A refusal that broke the table, waiting for the budget when SIGTERM came: the stop's check found
     it, logged it, and the daemon exited 0 (a review)."""
-    import dflash2.daemon.startup as srv
     from dflash2.client import Client
-    from dflash2.config import load_config
     from dflash2.daemon.failing import Failing
     from dflash2.daemon.service import Service
     from dflash2.errors import DaemonError
 
     monkeypatch.setattr(Failing, "_refusal_check_at", float("inf"))  # (every refusal waits for the budget)
 
-    def breaks(self, req):  # frees the slot of a block that still lies there, then refuses
-        mgr = self.manager
-        row = int(np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))[0])
-        mgr.table.allocators[Tier.HBM].free(SMALL.block_bytes, np.array([mgr.table.cols.offset[row]]))
+    def breaks(self, req):  # breaks the table, then refuses
+        free_a_held_slot(self.manager)
         raise ValueError("a weight out of range (injected)")
     monkeypatch.setattr(Service, "_set_weights", breaks)
     path = write_config(tmp_path)
@@ -455,16 +461,8 @@ def test_a_broken_table_found_by_the_stops_check_exits_6(tmp_path, monkeypatch, 
             seen["refused"] = str(e)
         c.close()
         os.kill(os.getpid(), signal.SIGTERM)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     threading.Thread(target=client, daemon=True).start()
-    stop = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))
-    stop.start()
-    try:
-        assert srv.run(load_config(path)) == 6
-    finally:
-        stop.cancel()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    assert run_daemon(path) == 6
     assert "a weight out of range (injected)" in seen["refused"]
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash2d: error: ")]
     assert len(lines) == 1 and lines[0].startswith("dflash2d: error: the block table of pool 0 fails its check after "
