@@ -41,6 +41,7 @@ from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
 from dflash2.daemon.sessions import pid_alive as process_alive
 from dflash2.errors import CopiesRunning, DaemonUnavailable, DFlash2Error, ProtocolError, UnknownClient, WrongToken
+from dflash2.invariants import InvariantViolation
 from dflash2.manager import BlockManager
 from dflash2.protocol import Op, Reply, Request, arg
 
@@ -176,6 +177,8 @@ class Service(Forgetting, Failing, Devices):
         except (DFlash2Error, ValueError, KeyError, TypeError) as e:
             self.counters["errors"] += 1
             reply = P.error_reply(req.call_id, e)
+            if isinstance(e, InvariantViolation):  # (a bug, never the client's: said, a review)
+                log.error("internal error handling %s: %s", req.op.value, e)
             if req.op not in P.READ_ONLY and self.broken is None and checked_refusal(e):  # (part way? failing.py)
                 self.after_refusal(e, req.op.value)
         except Exception as e:  # a bug: say so, keep serving the others

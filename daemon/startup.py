@@ -194,7 +194,8 @@ def run(cfg: Config) -> int:
         clients = len(service.sessions)
         service.shutdown()
         if service.broken:  # (found by the stop's check of the refusals still waiting: failing.py)
-            _error(cfg, f"{service.broken}; exiting (code {EXIT_TABLE_BROKEN})")
+            _error(cfg, f"{service.broken}; exiting (code {EXIT_TABLE_BROKEN}) so that the supervisor restarts the "
+                        "daemon")
             event(log, "dflash2_table_broken", service.broken, clients=clients,
                   uptime_s=round(time.monotonic() - started, 3))
             return EXIT_TABLE_BROKEN

@@ -25,7 +25,8 @@ from __future__ import annotations
 import mmap
 import os
 
-# What the main thread's stack is grown to (RLIMIT_STACK where less: the most it could ever grow).
+# What the main thread's stack is grown to (RLIMIT_STACK less a page where that is no more: the most
+# it could ever grow).
 # glibc gives each other thread RLIMIT_STACK (8 MiB by default), and Python's own recursion limit
 # stops well within it.
 MAIN_STACK_BYTES = 8 << 20
@@ -58,7 +59,7 @@ def stack_span(maps: str = MAPS) -> tuple[int, int] | None:
 
 def main_stack_target() -> int:
     """The size the main thread's stack is grown to: MAIN_STACK_BYTES, or RLIMIT_STACK's soft limit
-    less a page where that is smaller (a stack may not reach its limit)."""
+    less a page where that is no more (a stack may not reach its limit: the default, 8 MiB, too)."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_STACK)

@@ -153,6 +153,24 @@ def test_a_refusal_raised_on_purpose_is_not_checked(make_manager, clock, monkeyp
     assert not checks
 
 
+def test_an_invariant_violation_refusal_is_said_and_checked(make_manager, clock, monkeypatch, caplog):
+    """InvariantViolation is a DFlash2Error but a bug, raised part way (heat's recount, after a commit's
+    blocks were published): it went unsaid and unchecked (a review)."""
+    from dflash2.invariants import InvariantViolation
+
+    svc, mgr, client = served(make_manager, clock)
+    checks = []
+    monkeypatch.setattr(mgr, "check_invariants", lambda: checks.append(1))
+
+    def recount(*args, **kwargs):
+        raise InvariantViolation("a row uncounted twice (injected)")
+    monkeypatch.setattr(mgr, "allocate", recount)
+    with caplog.at_level("ERROR", logger="dflash2.daemon"):
+        refused = call(svc, P.Op.ALLOCATE, client, {"layout": 0, "n": 2})
+    assert refused.error_type == "InvariantViolation" and checks == [1]
+    assert "internal error handling allocate: a row uncounted twice (injected)" in caplog.text
+
+
 def test_the_wait_after_a_check_counts_its_cpu_time_within_a_bound_and_a_stop_checks_the_rest(
         make_manager, clock, monkeypatch):
     """A stall of the process during a check (SIGSTOP, swap) counted as check time: 2 s made the next
@@ -432,8 +450,8 @@ def test_a_lapsed_clients_detach_that_breaks_the_table_stops_the_daemon(make_man
 
 
 def test_a_broken_table_found_by_the_stops_check_exits_6(tmp_path, monkeypatch, capsys):
-    """A refusal that broke the table, waiting for the budget when SIGTERM came: the stop's check found
-    it, logged it, and the daemon exited 0 (a review)."""
+    """A refusal that broke the table, waiting for the budget when SIGTERM came: the stop's check finds
+    it and the daemon exits 6 with one line (it exited 0 after logging it: a review)."""
     from dflash2.client import Client
     from dflash2.daemon.failing import Failing
     from dflash2.daemon.service import Service
@@ -467,4 +485,4 @@ def test_a_broken_table_found_by_the_stops_check_exits_6(tmp_path, monkeypatch, 
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash2d: error: ")]
     assert len(lines) == 1 and lines[0].startswith("dflash2d: error: the block table of pool 0 fails its check after "
                                                    "set_weights (refused) failed part way (ValueError: "), lines
-    assert lines[0].endswith("exiting (code 6)")
+    assert lines[0].endswith("exiting (code 6) so that the supervisor restarts the daemon")
