@@ -19,6 +19,9 @@ from __future__ import annotations
 import logging
 import time
 
+from dflash2.errors import ArenaError, DFlash2Error
+from dflash2.invariants import InvariantViolation
+
 log = logging.getLogger("dflash2.daemon")
 
 
@@ -42,9 +45,6 @@ def checked_refusal(error: BaseException) -> bool:
     client that lapsed
     logged 70-90 checks a second and sglang's commit under an evicted parent ran one, 0.2-0.35 s at
     a million rows, in its ordinary work (a review)."""
-    from dflash2.errors import ArenaError, DFlash2Error
-    from dflash2.invariants import InvariantViolation
-
     return isinstance(error, (ArenaError, InvariantViolation)) or not isinstance(error, DFlash2Error)
 
 
@@ -97,7 +97,7 @@ class Failing:
             try:
                 manager.check_invariants()
             except Exception as e:  # (an InvariantViolation; a MemoryError: it cannot be checked)
-                verdict = "fails its check" if type(e).__name__ == "InvariantViolation" else "could not be checked"
+                verdict = "fails its check" if isinstance(e, InvariantViolation) else "could not be checked"
                 self.broken = (f"the block table of pool {pool} {verdict} after {what} failed part way "
                                f"({error}): {type(e).__name__}: {e}")
                 log.error("%s; refusing every call from now on, and exiting", self.broken)

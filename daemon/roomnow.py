@@ -68,9 +68,9 @@ def address_space_now(plan: Plan, metrics_port: int, mapped: str, policy: str = 
                       duel_sample: int = 0) -> tuple[str, bool] | None:
     """Under an address-space limit (RLIMIT_AS: ulimit -v, systemd's LimitAS=): what the host tiers,
     the staging buffers and the serving daemon's threads' stacks (and the main thread's growth to come
-    at start-up: mainstack.py) take of it and what it leaves past
-    what `mapped` ("this check", "start-up") maps now, with the tables and the policy's reservations
-    (`tables_bytes`) and HEADROOM_BYTES, and whether they fit; None without a limit. `--check` says
+    at start-up: mainstack.py) take of it and what it leaves past what `mapped` ("this check",
+    "start-up") maps now, with the tables and the policy's reservations (`tables_bytes`) and
+    HEADROOM_BYTES, and whether they fit; None without a limit. `--check` says
     it; start-up refuses to take the tiers where they do not fit (a thread that could not start later
     ended it, or ZeroMQ's aborted it, its shared memory left in /dev/shm: a review). `--check`
     imports the server first, so that what is mapped now is what start-up's is (its libraries,

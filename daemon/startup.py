@@ -184,21 +184,12 @@ def run(cfg: Config) -> int:
               policy=manager.policy.name, metrics_port=cfg.metrics.port or None, history=cfg.history_enabled)
         server.serve_forever()
         if server.failed:
-            code, name = (EXIT_TABLE_BROKEN, "dflash2_table_broken") if service.broken else \
-                (EXIT_GPU_LOST, "dflash2_gpu_lost")
-            _error(cfg, f"{server.failed}; exiting (code {code}) so that the supervisor restarts the "
-                        "daemon; clients fall back to their own cache, then attach again")
-            event(log, name, server.failed, clients=len(service.sessions),
-                  uptime_s=round(time.monotonic() - started, 3))
-            return code
+            return _failed(cfg, server.failed, service.broken is not None, len(service.sessions), started,
+                           "; clients fall back to their own cache, then attach again")
         clients = len(service.sessions)
         service.shutdown()
         if service.broken:  # (found by the stop's check of the refusals still waiting: failing.py)
-            _error(cfg, f"{service.broken}; exiting (code {EXIT_TABLE_BROKEN}) so that the supervisor restarts the "
-                        "daemon")
-            event(log, "dflash2_table_broken", service.broken, clients=clients,
-                  uptime_s=round(time.monotonic() - started, 3))
-            return EXIT_TABLE_BROKEN
+            return _failed(cfg, service.broken, True, clients, started)
         event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,
               uptime_s=round(time.monotonic() - started, 3))
         return 0
@@ -227,6 +218,15 @@ def run(cfg: Config) -> int:
 
 def _sweep_own_segments() -> None:
     remove_stale_segments(f"{instance_name(os.getpid())}-")
+
+
+def _failed(cfg: Config, why: str, table: bool, clients: int, started: float, tail: str = "") -> int:
+    """The daemon cannot serve any more (`table`: a block table that no longer adds up, failing.py;
+    else a lost GPU): its line and event; the exit code that makes the supervisor restart it."""
+    code, name = (EXIT_TABLE_BROKEN, "dflash2_table_broken") if table else (EXIT_GPU_LOST, "dflash2_gpu_lost")
+    _error(cfg, f"{why}; exiting (code {code}) so that the supervisor restarts the daemon{tail}")
+    event(log, name, why, clients=clients, uptime_s=round(time.monotonic() - started, 3))
+    return code
 
 
 def _error(cfg: Config, message: str) -> None:

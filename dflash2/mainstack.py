@@ -51,10 +51,11 @@ def mappings(maps: str = MAPS) -> list[tuple[int, int, str]]:
     return out
 
 
-def stack_span(maps: str = MAPS) -> tuple[int, int] | None:
-    """(start, end) addresses of the main thread's stack mapping ("[stack]" in /proc/self/maps), or
-    None where it is not listed (not Linux)."""
-    return next(((start, end) for start, end, name in mappings(maps) if name == "[stack]"), None)
+def stack_span(maps: str | list[tuple[int, int, str]] = MAPS) -> tuple[int, int] | None:
+    """(start, end) addresses of the main thread's stack mapping ("[stack]" in /proc/self/maps, or in
+    `maps` as `mappings` read it), or None where it is not listed (not Linux)."""
+    listed = mappings(maps) if isinstance(maps, str) else maps
+    return next(((start, end) for start, end, name in listed if name == "[stack]"), None)
 
 
 def main_stack_target() -> int:
@@ -81,12 +82,12 @@ def grow_main_stack() -> str | None:
     under the limit, or a mapping in the way)."""
     import ctypes
 
-    span, target = stack_span(), main_stack_target()
+    listed, target = mappings(), main_stack_target()  # (read once)
+    span = stack_span(listed)
     if span is None or span[1] - span[0] >= target:
         return None
     lowest = (span[1] - target) & ~(mmap.PAGESIZE - 1)
-    below = [(start, end, name) for start, end, name in mappings()
-             if end > lowest - GUARD_GAP_BYTES and start < span[0]]
+    below = [(start, end, name) for start, end, name in listed if end > lowest - GUARD_GAP_BYTES and start < span[0]]
     if below:  # (the write would land in it, or the kernel would refuse to grow into its gap)
         start, end, name = below[-1]
         raise OSError(f"the main thread's stack could not grow from {span[1] - span[0]} bytes to {span[1] - lowest}: "
