@@ -387,8 +387,15 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
             return True
         if self._into_room_only:
             return False  # a drain into the room below drops nothing here: what does not fit stays
-        # Every tier below is full of blocks that cannot move: drop what may be dropped here.
-        if self._evict(victims[self.table.evictable(victims)]):
+        # Every tier below is full of blocks that cannot move: drop what may be dropped here. The
+        # victims were chosen to go down, so they may have a cached child below, which bars dropping
+        # them; then the lowest blocks that may be dropped go instead (before, every round chose the
+        # same undroppable victims, and a read of one block was refused while idle chains with no
+        # child anywhere waited in the tier: a review).
+        droppable = victims[self.table.evictable(victims)]
+        if not len(droppable):
+            droppable = self.select(tier, short, evict=True, **pick)
+        if self._evict(droppable):
             return True
         # ... and while a storage tier below backs off, drop what may be dropped here (backoff.py).
         return self._drop_while_backing_off(tier, short, pick)

@@ -87,6 +87,18 @@ def test_policy_weights_are_checked_before_any_replay(capsys, replayed, trace, w
     assert replayed == []
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--duel-sample", "16"], "--duel-sample applies to the heat policy, which --policies does not list"),
+    (["--decay-half-life-s", "5"], "--decay-half-life-s applies to the heat policy"),
+    (["--decay-half-life-s", "0", "--weights", "recency=2"], "--weights, --decay-half-life-s apply to the heat"),
+])
+def test_heat_options_without_heat_are_refused(capsys, replayed, trace, options, message):
+    """(--duel-sample and --decay-half-life-s were ignored without a word, a review; --weights was refused.)"""
+    assert message in usage_error(capsys, "policy", "--trace", trace, "--hbm-blocks", "4", "--policies", "lru,lfu",
+                                  *options)
+    assert replayed == []
+
+
 # ---- bench policy: traces -----------------------------------------------------------------------
 
 def ok(i, ids):
@@ -111,6 +123,7 @@ def ok(i, ids):
     ([ok(0, [1]), ok(1, [1, 2, 1])], "line 2: hash ids [1] occur twice in one request"),
     (['{"timestamp": NaN, "hash_ids": [1]}'], "line 1: timestamp nan is not a number"),
     ([{"timestamp": 10 ** 400, "hash_ids": [1]}], "line 1: timestamp 1000"),  # (an OverflowError's traceback)
+    (['{"timestamp": 0, "hash_ids": [1, 2], "hash_ids": []}'], "line 1: 'hash_ids' is named twice"),  # (lost the blocks)
 ])
 def test_bad_traces_are_named_with_their_line(capsys, tmp_path, lines, message):
     path = write_trace(tmp_path, lines)

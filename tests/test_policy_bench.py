@@ -254,7 +254,8 @@ def test_a_promotion_out_of_a_full_last_tier_exchanges_with_what_it_pushes_out()
 def test_a_prefetched_chunk_whose_read_is_refused_is_not_counted_useful(make_manager, monkeypatch):
     """The replay settled a chunk's prefetches before its acquire: a chunk brought up by the window,
     then refused (no room), was counted useful though nothing read it (a review). Settled once the
-    read succeeds, as the daemon does (`peek`, then `count`); what is never read is wasted."""
+    read succeeds, as the daemon does (`peek`, then `count`); what is never read is wasted. Nor is
+    the refused chunk a hit: it is recomputed (it counted as one, a later review)."""
     from dflash2.prefetch import Prefetcher
     from dflash2.replay import Tally, serve
     from conftest import SMALL
@@ -272,10 +273,27 @@ def test_a_prefetched_chunk_whose_read_is_refused_is_not_counted_useful(make_man
         calls.append(list(part))
         return None if len(calls) == 2 else real(client, part, *a, **k)
     monkeypatch.setattr(mgr, "acquire_rows", second_refused)
-    serve(mgr, prefetch, c, lid, Request(0.0, (1, 2, 3, 4)), 0, Tally(), chunk=2)
+    tally = Tally()
+    serve(mgr, prefetch, c, lid, Request(0.0, (1, 2, 3, 4)), 0, tally, chunk=2)
     assert calls[1] == vids[2:].tolist() and mgr.place(int(vids[2])).tier == Tier.HBM  # prefetched, then refused
     assert (prefetch.useful, prefetch.wasted) == (0, 2)
+    assert (tally.refs, tally.hits, tally.hbm_hits, tally.found_not_read) == (4, 2, 0, 2)
     mgr.check_invariants()
+
+
+def test_a_read_into_a_full_hbm_drops_an_idle_chain_when_the_victims_have_children_below():
+    """HBM 39 / DRAM 10 / NVMe 5, the last request reading its 26-block prefix back: DRAM and NVMe
+    full of that prefix's own (held) blocks, HBM's oldest leaf with a cached child in DRAM. Making
+    room chose that leaf, which may neither go down (nowhere to) nor be dropped (its child), every
+    round, and the read was refused while idle chains with no child anywhere sat in HBM: 15 of the
+    26 blocks read, the rest recomputed (a review). The victims that may be dropped go instead."""
+    trace = reqs(range(0, 26), range(26, 44), [*range(0, 15), 44, 45, 46], range(47, 54), range(0, 26))
+    trace = [Request(r.t_s, tuple(k + 1 for k in r.keys)) for r in trace]  # (keys 1 and up: 0 is no key)
+    for name in ("lru", "lfu", "heat", "belady"):
+        r = replay(trace, name, hbm_blocks=39, dram_blocks=10, nvme_blocks=5, duel_sample=0)
+        assert (r["found_not_read"], r["uncached_blocks"]) == (0, 0), (name, r)
+        assert r["prefix_hit_rate"] == pytest.approx(41 / 95, abs=1e-4), (name, r)
+        assert sum(r["reads_by_tier"].values()) == 41, (name, r)
 
 
 def test_heat_follows_lru_after_a_popularity_shift():

@@ -3,9 +3,10 @@
 Metadata only (no arenas): the trace's timestamps (ms) drive a virtual clock; a block is 512 tokens
 and a request's `hash_ids` are its prefix block keys, in order (used as content keys, +1 so that none
 is 0, chained by commit's parent). Each request, in arrival order, is served as replay.py serves it
-(lookup, read the hit prefix `--chunk` blocks at a time, write the rest): `prefix_hit_rate` counts its
-leading run of cached blocks in any tier, `hbm_prefix_hit_rate` only the blocks already in HBM on
-arrival (both null for a trace whose requests reference no block). With `heat`, its duel (duel.py)
+(lookup, read the hit prefix `--chunk` blocks at a time, write the rest): `prefix_hit_rate` counts the
+blocks of its leading run of cached blocks in any tier that it read, `hbm_prefix_hit_rate` only those
+already in HBM on arrival (both null for a trace whose requests reference no block), and
+`found_not_read` the blocks of that run it could not read (HBM could not be given room: recomputed). With `heat`, its duel (duel.py)
 serves its miniatures after every request.
 
 One JSON line per policy with the fields the policy issue defines (plus moves and read ratios).
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dflash2 import strictjson
 from dflash2.argtypes import block_count, positive_block_count
 from dflash2.bench import OptionError, non_negative_int, positive_int
 from dflash2.config import (DEFAULT_DECAY_HALF_LIFE_S, DEFAULT_DUEL_SAMPLE, DUEL_SAMPLE_OF_ONE, MAX_DECAY_HALF_LIFE_S,
@@ -93,7 +95,9 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
 
 def _request(line: str, where: str) -> Request:
     try:
-        rec = json.loads(line)
+        rec = strictjson.decode(line)
+    except strictjson.KeyTwice as exc:  # (json keeps the last: `"hash_ids": [1, 2], "hash_ids": []` lost the blocks)
+        raise OptionError(f"{where}: {exc.path!r} is named twice in one object") from None
     except json.JSONDecodeError as exc:
         raise OptionError(f"{where}: not JSON ({exc.msg})") from None
     except (ValueError, RecursionError) as exc:  # a number of over 4300 digits; nesting deeper than the stack
@@ -228,6 +232,7 @@ def _record(mgr: BlockManager, prefetch: Prefetcher, policy: str, tally: Tally, 
                          for (a, b), st in sorted(mgr.mover.stats.items()) if st.batches},
         "prefetch_useful": prefetch.useful,
         "prefetch_wasted": prefetch.wasted,
+        "found_not_read": tally.found_not_read,
         "uncached_blocks": tally.uncached,
         "replay_s": round(elapsed, 2),
     }
@@ -242,15 +247,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-window", type=prefetch_window_arg, default=4, help="kv_block.prefetch_window (blocks; default %(default)s)")
     parser.add_argument("--chunk", type=positive_int, default=16, help="blocks read per step of a request (default %(default)s)")
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests (default: all)")
-    parser.add_argument("--duel-sample", type=sample_arg, default=DEFAULT_DUEL_SAMPLE,
+    # (--duel-sample and --decay-half-life-s are absent from `args` unless given: `heat_options`)
+    parser.add_argument("--duel-sample", type=sample_arg, default=argparse.SUPPRESS,
                         help="heat follows the best of heat, LRU and LFU replayed in miniature on 1 in N content "
-                             "keys (policy.duel_sample; default %(default)s; 0: off)")
+                             f"keys (policy.duel_sample; default {DEFAULT_DUEL_SAMPLE}; 0: off)")
     parser.add_argument("--weights", default="",
                         help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
                              "applied to the heat policy, the others replay as they are")
-    parser.add_argument("--decay-half-life-s", type=half_life_arg, default=DEFAULT_DECAY_HALF_LIFE_S,
+    parser.add_argument("--decay-half-life-s", type=half_life_arg, default=argparse.SUPPRESS,
                         help="heat's access counts halve once per this many seconds of the trace's time "
-                             "(policy.decay_half_life_s; default %(default)s; 0: never by time)")
+                             f"(policy.decay_half_life_s; default {DEFAULT_DECAY_HALF_LIFE_S:g}; 0: never by time)")
 
 
 def half_life_arg(text: str) -> float | None:
@@ -310,18 +316,30 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+def heat_options(args, names: list[str], weights: dict[str, float]) -> tuple[int, float | None]:
+    """The heat policy's options (--duel-sample, --decay-half-life-s), their defaults where not given;
+    OptionError for any of them (--weights too) given while --policies does not list heat (before,
+    the first two were ignored without a word)."""
+    given = [opt for opt, on in (("--weights", bool(weights)), ("--duel-sample", hasattr(args, "duel_sample")),
+                                 ("--decay-half-life-s", hasattr(args, "decay_half_life_s"))) if on]
+    if given and "heat" not in names:
+        raise OptionError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the heat policy, "
+                          "which --policies does not list")
+    return (getattr(args, "duel_sample", DEFAULT_DUEL_SAMPLE),
+            getattr(args, "decay_half_life_s", DEFAULT_DECAY_HALF_LIFE_S))
+
+
 def run(args) -> list[dict]:
     weights = parse_weights(args.weights)
     names = parse_policies(args.policies)
-    if weights and "heat" not in names:
-        raise OptionError("--weights applies to the heat policy, which --policies does not list")
+    duel_sample, half_life = heat_options(args, names, weights)
     if weights:
         _make_policy("heat", weights)  # names and values checked before any replay, not after the others
     requests = load_trace(args.trace, args.limit)
     try:
         return [replay(requests, name, args.hbm_blocks, args.dram_blocks, args.nvme_blocks,
-                       args.prefetch_window, args.chunk, weights if name == "heat" else None, args.duel_sample,
-                       args.decay_half_life_s)
+                       args.prefetch_window, args.chunk, weights if name == "heat" else None, duel_sample,
+                       half_life)
                 for name in names]
     except MemoryError as e:  # the tiers' slot records do not fit: say which sizes, not a traceback
         raise OptionError(f"--hbm-blocks {args.hbm_blocks} --dram-blocks {args.dram_blocks} --nvme-blocks "
