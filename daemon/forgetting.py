@@ -89,10 +89,7 @@ class Forgetting:
         A commit's `forget` names the blocks it named (an array frame; none from a client before
         it): when the commit has not run, those still being written are freed at once, as they are
         when it arrives (`_refuse_forgotten`), since it may never (it was lost with its socket)."""
-        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)
-        if len(req.arrays) > 1:
-            raise ProtocolError(f"forget: at most one array frame (the block ids of a commit given up on), "
-                                f"got {len(req.arrays)}")
+        call = arg(req, "call", int, lo=1, hi=P.INT64_MAX)  # (at most one array frame: protocol.ARRAYS)
         written = req.array(0, P.VIDS_DTYPE, "block ids") if req.arrays else None
         session = self.sessions[req.client]
         if call in session.settled or call in session.forgotten:
@@ -170,8 +167,8 @@ class Forgetting:
         op = next((o for o in P.RETRIED if o.value == name), None)
         if op is None:
             raise ProtocolError(f"retry: argument 'op' must be one of {sorted(o.value for o in P.RETRIED)}, got {name!r}")
-        if len(req.arrays) != 1:
-            raise ProtocolError(f"retry: one array frame (the block ids of the call), got {len(req.arrays)}")
+        if not req.arrays:  # (more than one: refused by protocol.ARRAYS)
+            raise ProtocolError("retry: one array frame (the block ids of the call), got 0")
         m, vids = self._mgr(req), req.array(0, P.VIDS_DTYPE, "block ids")
         give_back = m.release if op == Op.RELEASE else m.free
         ran, out = self._once(req, call, lambda: give_back(req.client, vids), retry=True)

@@ -149,9 +149,13 @@ class KeyGate:
         not decode: the service's reply says why, and runs nothing). Sized before it is read: a
         monitoring call is small (`MONITOR_HEADER_BYTES`, no array frames), and one that is not is
         refused without decoding it."""
-        header = frames[3] if len(frames) > 3 else b""
-        small = len(frames) == 4 and len(header) <= MONITOR_HEADER_BYTES  # (peer id, magic, version, header)
-        call_id = P.peek_call_id(frames[1:]) if small else 0
+        if len(frames) < 4:  # (peer id, magic, version, header): the protocol's own refusal says what is missing
+            return None
+        header = frames[3]
+        small = len(frames) == 4 and len(header) <= MONITOR_HEADER_BYTES
+        # (its own id, whatever its size: a frame here is at most a few KiB, and a refusal under id 0
+        # never reached its call, which waited out its timeout, a review)
+        call_id = P.peek_call_id(frames[1:])
         calls = ", ".join(sorted(o.value for o in P.READ_ONLY))
         if not small:
             return P.encode_reply(P.error_reply(call_id, AccessDenied(

@@ -253,6 +253,14 @@ ARGS: dict[Op, frozenset[str]] = {op: frozenset(names) for op, names in {
     Op.FORGET: ("call",), Op.RETRY: ("op", "call"),
 }.items()}
 TRANSPORT_ARGS = frozenset({"request_port"})
+# The array frames each op reads (Request.array), at most; a request with more is refused, naming
+# them: a release of [a] and [b] as two frames released a, answered ok and left b pinned (a review).
+ARRAYS: dict[Op, int] = {op: 0 for op in Op} | {
+    Op.COMMIT: 2,  # block ids, content keys
+    Op.LOOKUP: 1,  # content keys
+    Op.ACQUIRE: 1, Op.RELEASE: 1, Op.FREE: 1, Op.ADD_REF: 1, Op.PLACES: 1, Op.RETRY: 1,  # block ids
+    Op.FORGET: 1,  # block ids of a commit given up on
+}
 
 
 @dataclasses.dataclass
@@ -391,8 +399,10 @@ def decode_request(frames: list[bytes], *, check_args: bool = True) -> Request:
     needs_client = op in NEEDS_CLIENT
     call_id, client, args = header.get("id"), header.get("client"), header.get("args", {})
     token = header.get("token")
-    if not isinstance(call_id, int) or isinstance(call_id, bool):
-        raise ProtocolError("header.id must be an integer call id")
+    if not isinstance(call_id, int) or isinstance(call_id, bool) or not 1 <= call_id <= INT64_MAX:
+        # (0 is the id of the daemon's answer to a message it cannot read, and `forget` names a call
+        # by an id in this range: a call run under id 0 or 2**64 could not be forgotten, a review)
+        raise ProtocolError(f"header.id must be an integer call id in [1, {INT64_MAX}], got {call_id!r}")
     if client is not None and (not isinstance(client, int) or isinstance(client, bool)):
         raise ProtocolError("header.client must be an integer or null")
     if needs_client and client is None:
@@ -409,6 +419,9 @@ def decode_request(frames: list[bytes], *, check_args: bool = True) -> Request:
         takes = ", ".join(sorted(ARGS[op])) or "none"
         raise ProtocolError(f"{op.value}: unknown argument(s) {', '.join(map(repr, sorted(map(str, unknown))))} "
                             f"(it takes: {takes})")
+    if check_args and len(frames) - 3 > ARRAYS[op]:
+        raise ProtocolError(f"{op.value} reads {ARRAYS[op]} array frame{'' if ARRAYS[op] == 1 else 's'} "
+                            f"at most, got {len(frames) - 3}")
     return Request(op, call_id, client, args, [bytes(f) for f in frames[3:]], token)
 
 

@@ -30,7 +30,7 @@ def served(mgr, tmp_path, clock=time.monotonic, tick_interval_s: float = 30.0):
 
     def ping() -> float:
         started = time.monotonic()
-        sock.send_multipart(P.encode_request(Op.PING, 0, None, {}))
+        sock.send_multipart(P.encode_request(Op.PING, 1, None, {}))
         assert sock.poll(10_000), "no reply"
         sock.recv_multipart()
         return time.monotonic() - started

@@ -54,7 +54,7 @@ def test_every_header_the_client_library_sends_still_decodes():
     """The client builds every header with encode_request (the transport, monitoring calls with
     `request_port`, the bench), and another language's client may leave fields out."""
     for op in Op:
-        req = P.decode_request(P.encode_request(op, 1, 3, {"request_port": 5555}, [b""], token=TOKEN))
+        req = P.decode_request(P.encode_request(op, 1, 3, {"request_port": 5555}, [b""] * P.ARRAYS[op], token=TOKEN))
         assert req.op is op and req.args == {"request_port": 5555}
     assert _decode('{"op":"ping","id":1}').args == {}
     assert _decode(json.dumps({"op": "stats", "id": 2, "client": None, "token": None, "args": {}})).op is Op.STATS

@@ -123,7 +123,7 @@ def test_a_release_refused_is_answered_once_and_leaves_a_pin_taken_since(service
     ({"op": "acquire", "call": 2}, ids([1]), "must be one of ['free', 'release']"),
     ({"op": "free"}, ids([1]), "missing argument 'call'"),
     ({"op": "free", "call": 2}, [], "one array frame"),
-    ({"op": "free", "call": 2}, ids([1]) * 2, "one array frame"),
+    ({"op": "free", "call": 2}, ids([1]) * 2, "retry reads 1 array frame at most, got 2"),
 ])
 def test_a_malformed_retry_is_refused_by_name_and_notes_nothing(service, args, arrays, why):
     c = attach(service)

@@ -122,6 +122,37 @@ def test_bad_arguments_change_nothing(service):
     assert call(service, Op.CHECK).ok
 
 
+def test_array_frames_an_op_does_not_read_are_refused_and_change_nothing(service):
+    """A release of [a] and [b] as two frames released a, answered ok and left b pinned; a ping or an
+    allocate with a frame answered ok (a review). More frames than the op reads: refused, naming both."""
+    c = attach(service)
+    placed = np.frombuffer(call(service, Op.ALLOCATE, c, {"layout": 0, "n": 2}).arrays[0], P.PLACE_DTYPE)["vid"]
+    a, b = (v.tobytes() for v in np.split(placed.astype(P.VIDS_DTYPE), 2))
+    assert call(service, Op.ACQUIRE, c, {}, [a + b]).result["acquired"]
+    for op, args, arrays in [(Op.RELEASE, {}, [a, b]), (Op.PING, {}, [b""]), (Op.ALLOCATE, {"layout": 0, "n": 1}, [a]),
+                             (Op.FORGET, {"call": 5}, [a, b])]:
+        reply = call(service, op, c, args, arrays)
+        n = P.ARRAYS[op]
+        assert reply.error_type == "ProtocolError" and reply.error_message == \
+            f"{op.value} reads {n} array frame{'' if n == 1 else 's'} at most, got {len(arrays)}", reply
+    assert call(service, Op.RELEASE, c, {}, [a + b]).ok  # both still pinned: one release of both lets them go
+    assert not call(service, Op.RELEASE, c, {}, [a]).ok  # (and no pin was left to release)
+    assert call(service, Op.CHECK).ok
+
+
+@pytest.mark.parametrize("call_id", [0, -1, P.INT64_MAX + 1, 2 ** 64 + 5])
+def test_a_call_id_forget_could_not_name_is_refused(service, call_id):
+    """`forget` names a call by an id in [1, 2**63-1]: an allocate run under id 0 or 2**64 + 5 held its
+    blocks until detach (a review); 0 is also the id of the daemon's answer to an unreadable message."""
+    c = attach(service)
+    header = ('{"op":"allocate","id":%d,"client":%d,"token":"%s","args":{"layout":0,"n":2}}'
+              % (call_id, c, token_of(service, c))).encode()
+    reply = P.decode_reply(service.handle_frames([P.MAGIC, V, header]))
+    assert reply.error_type == "ProtocolError" and f"header.id must be an integer call id in [1, {P.INT64_MAX}], " \
+        f"got {call_id}" in reply.error_message, reply
+    assert all(t["used_bytes"] == 0 for t in call(service, Op.STATS).result["tiers"].values())
+
+
 def test_foreign_blocks_and_double_free(service):
     a, b = attach(service, "a"), attach(service, "b")
     reply = call(service, Op.ALLOCATE, a, {"layout": 0, "n": 2})
@@ -447,7 +478,7 @@ def test_a_null_device_beside_a_gpu_uuid_is_not_both(make_manager, clock):
 
 
 def test_every_op_names_the_arguments_it_takes_and_a_monitoring_port_goes_with_any():
-    assert set(P.ARGS) == set(Op)
+    assert set(P.ARGS) == set(Op) and set(P.ARRAYS) == set(Op)
     assert all(P.decode_request(P.encode_request(op, 1, 3, {"request_port": 5555}, token="0" * P.TOKEN_CHARS))
                for op in Op)
 

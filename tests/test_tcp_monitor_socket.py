@@ -109,6 +109,28 @@ def test_refused_and_oversized_monitoring_messages_are_charged_and_never_decoded
         srv.close()
 
 
+def test_a_monitoring_call_refused_for_its_size_is_answered_under_its_own_id(tmp_path, make_manager):
+    """One with an array frame or a header over 4 KiB was refused under id 0, which its client dropped
+    as not its own (it waited out its timeout), and one of two frames was told of arrays and header
+    sizes it did not have (a review): its own id, and the protocol's own refusal for too few frames."""
+    from dflash2.daemon import keygate
+
+    _, srv = served(tmp_path, make_manager)
+    try:
+        def refusal(*frames):
+            return srv._gate.refusal(keygate.ReadOnlyFrames([b"peer", *frames]))
+        with_array = refusal(*P.encode_request(P.Op.PING, 8, None, {}), b"")
+        padded = P.encode_request(P.Op.STATS, 9, None, {"pad": "x" * keygate.MONITOR_HEADER_BYTES})
+        for frames, call_id in ((with_array, 8), (refusal(*padded), 9)):
+            reply = P.decode_reply(frames)
+            assert (reply.error_type, reply.call_id) == ("AccessDenied", call_id), reply
+        assert refusal(P.MAGIC, P.VERSION_FRAME) is None
+        reply = P.decode_reply(srv.service.handle_frames([P.MAGIC, P.VERSION_FRAME]))
+        assert reply.error_type == "ProtocolError" and "at least 3 frames" in reply.error_message, reply
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize("request_comes", [False, True])
 def test_the_whole_turn_a_monitoring_message_causes_is_charged_and_never_a_requests_call(
         tmp_path, make_manager, monkeypatch, request_comes):
