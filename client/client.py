@@ -58,7 +58,11 @@ class Client:
         check_endpoint(endpoint, attaching=True)
         self.host_only = bool(host_only)
         self.endpoint = endpoint
-        self.gpu = device  # the GPU this client serves (None: the daemon's first)
+        # The GPU this client serves (None: the daemon's first). Checked as the daemon takes it: True
+        # served GPU 1's pool, and "0" or 1.0 failed in a format or an index, naming nothing (a review).
+        self.gpu = None if device is None else _int("device", device)
+        if self.gpu is not None and self.gpu < 0:
+            raise ValueError(f"device must be a CUDA device number (0 or more), got {device!r}")
         self.name = name
         self.timeout_s = timeout_s = check_timeout(timeout_s)
         # Reentrant only so that `_call` can tell it took the lock (`_is_owned`) when the caller's exception

@@ -111,8 +111,12 @@ def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, na
         while not (beat and (stop.wait(interval_s) or stop.is_set())):  # (set as a wait timed out: no beat more)
             client = ref()
             if client is None:
-                log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops, "
-                            "and the daemon lets its blocks, pins and reservations go when its lease lapses (%gs)",
+                # (Not detached here: views taken from it may outlive it and still write, so the
+                # daemon sets its blocks aside at the lapse, as any live process's.)
+                log.warning("dflash2: client %d (%s) was dropped without close() or detach(): its heartbeat stops; "
+                            "when its lease lapses (%gs) the daemon lets its reservations go and keeps its private "
+                            "blocks and pins out of reuse until this process ends or its set-aside ends "
+                            "(daemon.set_aside_leases): close or detach clients to give them back at once",
                             client_id, name, lease_timeout_s)
                 return
             try:

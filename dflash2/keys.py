@@ -94,6 +94,8 @@ def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int, nam
         raise TypeError(f"tokens_per_block is an integer, got {tokens_per_block!r}")
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+    if not isinstance(namespace, str):  # (an int or None failed in `_seed` as an AttributeError, a review)
+        raise TypeError(f"namespace is a str, got {namespace!r}")
     tokens = np.asarray(token_ids)
     # One sequence of integers: a batch of one (`input_ids` of shape [1, N]) gave no key at all, and
     # float ids were cut to others' (1.5 keyed as 1), each without a word (a review).

@@ -235,6 +235,13 @@ def _layouts_fit(tiers: list[TierPlan], layouts: dict[str, Layout], notes: list[
             raise ConfigError(f"layouts.{name}", f"a block of {lay.block_bytes} bytes fits in no tier (the largest, "
                                                  f"{largest.tier.label}, holds {largest.capacity_bytes} bytes in pages "
                                                  f"of {largest.page_bytes}); lower tokens_per_block or raise the tiers")
+        # Clients write blocks in HBM or DRAM (allocate's tiers); NVMe holds only blocks moved down. One
+        # that fits NVMe alone was said usable "in tier dram", and no client could write it (a review).
+        writers = [t for t in tiers if t.tier in (Tier.HBM, Tier.DRAM)]
+        if all(t.capacity_bytes is not None and t.blocks[name] in (0, None) for t in writers):
+            raise ConfigError(f"layouts.{name}", f"a block of {lay.block_bytes} bytes fits in neither HBM nor DRAM, "
+                                                 "where clients write their blocks (NVMe holds only blocks moved "
+                                                 "down); lower tokens_per_block or raise hbm or dram capacity")
         hbm = [t for t in known if t.tier == Tier.HBM]
         if hbm and all(t.blocks[name] == 0 for t in hbm):
             notes.append(f"layouts.{name}: no block of {lay.block_bytes} bytes fits in HBM: only host-side writers "

@@ -228,6 +228,9 @@ def test_chain_keys_takes_one_sequence_of_integer_token_ids():
     for bad in (True, 16.0):
         with pytest.raises(TypeError, match="tokens_per_block is an integer"):
             chain_keys(ids, bad, "m")
+    for bad in (5, b"m", None):  # (an AttributeError from inside the hash, a review)
+        with pytest.raises(TypeError, match="namespace is a str, got"):
+            chain_keys(ids, 16, bad)
 
 
 @pytest.mark.parametrize("n", [2, 1])
@@ -255,3 +258,16 @@ def test_a_layout_that_is_not_a_Layout_is_refused_by_name(daemon, connect, layou
         Client.connect(daemon.endpoint, name="l", layouts=[layout]).close()
     with pytest.raises(TypeError, match="a layout is a dflash2.layout.Layout"):
         connect("r").register_layout(layout)
+
+
+@pytest.mark.parametrize("device, error, message", [
+    (True, TypeError, "device must be an integer, got True"),  # (served GPU 1's pool)
+    ("0", TypeError, "device must be an integer, got '0'"),  # (a format's traceback, then the daemon's refusal)
+    (1.0, TypeError, "device must be an integer, got 1.0"),  # (an index's TypeError on a GPU node)
+    (-1, ValueError, "device must be a CUDA device number"),
+])
+def test_a_device_that_is_not_a_device_number_is_refused_before_attaching(daemon, device, error, message):
+    with pytest.raises(error, match=message):
+        Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], device=device)
+    with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
+        assert [x["name"] for x in checker.stats()["clients"]] == ["checker"]

@@ -103,6 +103,35 @@ def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
     assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
 
 
+def test_a_dropped_clients_blocks_are_set_aside_while_its_process_lives(config_file, tmp_path, caplog):
+    """With set-aside on (the default): at the lapse its reservation goes and its private blocks are
+    kept out of reuse, as any live process's whose lease lapsed (views taken from it may still write);
+    the README said they went at the lapse (a review)."""
+    proc = DaemonProcess(config_file(memory={"nvme_capacity_mb": 0},
+                                     daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 1.0,
+                                             "heartbeat_interval_s": 0.2})).start()
+    try:
+        def request():
+            c = Client.connect(proc.endpoint, name="dropped", layouts=[SMALL])
+            c.allocate(c.layouts[0], 4)
+            assert c.reserve(c.layouts[0], 64).granted
+            return weakref.ref(c)
+
+        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+            ref = request()
+            gc.collect()
+            assert ref() is None
+            time.sleep(2.5)  # more than two leases
+        assert "keeps its private blocks and pins out of reuse until this process ends" in caplog.text
+        with Client.connect(proc.endpoint, name="checker", layouts=[SMALL]) as checker:
+            st = checker.stats()
+        assert [x["name"] for x in st["clients"]] == ["checker"]
+        assert st["reservations"]["reserved_blocks"] == 0
+        assert (st["set_aside"]["clients"], st["set_aside"]["blocks"]) == (1, 4), st["set_aside"]
+    finally:
+        proc.stop()
+
+
 def test_a_commit_cut_off_while_it_waits_for_the_clients_lock_is_not_lost(daemon):
     """Another thread's call holds the client's lock; the commit, waiting for it, is cut off. It was
     neither sent nor kept (a commit that timed out waiting is), yet no longer the writer's here: its

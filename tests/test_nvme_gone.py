@@ -491,6 +491,22 @@ def test_a_link_put_at_the_path_as_it_is_opened_is_not_said_removed(tmp_path):
                                    f"{tmp_path / 'elsewhere.cache'}, which does not exist, was put there")
 
 
+def test_a_folder_that_cannot_be_made_is_not_said_gone(tmp_path, monkeypatch):
+    """A folder that mkdir cannot make where it finds no folder (ENOENT, as under /proc) was said to be
+    "gone", though it never was (a review)."""
+    real = os.mkdir
+
+    def no_folders_here(path, *a, **k):
+        if os.fspath(path).startswith(os.fspath(tmp_path / "pseudo")):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, "mkdir", no_folders_here)
+    with pytest.raises(nvme.ArenaError) as e:
+        nvmefiles.open_cache_file(str(tmp_path / "pseudo" / "dfl" / "nvme.cache"))
+    assert str(e.value) == (f"NVMe tier cannot make the folder {tmp_path / 'pseudo'} for its file "
+                            f"{tmp_path / 'pseudo' / 'dfl' / 'nvme.cache'}: No such file or directory"), str(e.value)
+
+
 def test_an_absolute_path_needs_no_working_folder(tmp_path, monkeypatch):
     """(9182a2f asked os.getcwd for every path) a daemon started from a removed working folder, its
     nvme_path absolute, crashed making the tier (exit 1, a traceback)."""

@@ -76,7 +76,11 @@ def open_cache_file(path: str) -> tuple[int, bool]:
     for _ in range(OPEN_TRIES):
         created = True
         try:
-            make_private_folders(folder)  # (folders it makes: owner-only, as the file)
+            try:
+                make_private_folders(folder)  # (folders it makes: owner-only, as the file)
+            except FileNotFoundError as e:  # (on a filesystem that makes no folders, /proc: said "is gone", a review)
+                raise ArenaError(f"NVMe tier cannot make the folder {e.filename or folder} for its file {path}: "
+                                 f"{e.strerror}") from None
             try:
                 return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
             except FileExistsError:
