@@ -239,6 +239,9 @@ def _nvme_file_now(path: Path) -> tuple[str | None, int]:
             return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}", 0
         if read_only(existing):
             return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}", 0
+        if os.statvfs(existing).f_blocks == 0:  # (said "0 are free there", a review)
+            return (f"{existing} is on a filesystem of no blocks (such as /proc or /sys), so the NVMe file {path} "
+                    f"cannot be made: {fail}"), 0
         if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
             return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}", 0
     return None, held

@@ -97,6 +97,8 @@ def test_a_folder_the_daemon_may_not_search_is_named_not_a_traceback(tmp_path, m
     (lambda tmp: tmp / "folder", "is a folder, not the NVMe cache file's path; give the path of the file in it"),
     (lambda tmp: tmp / "dflash2_config.json" / "nvme", "is not a folder, so the NVMe file"),
     (lambda tmp: Path("/dev/null"), "/dev/null exists and is not a regular file"),
+    (lambda tmp: Path("/proc/dflash2-no-such/nvme.cache"), "/proc is on a filesystem of no blocks (such as /proc or "
+                                                           "/sys), so the NVMe file"),  # (was "0 are free there")
 ])
 def test_check_says_an_nvme_file_that_cannot_be_made_would_fail(tmp_path, make, says):
     (tmp_path / "folder").mkdir()
