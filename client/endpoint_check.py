@@ -91,6 +91,13 @@ def _not_a_socket(endpoint: str, path: str, mode: int) -> str:
             "file, which the daemon makes as it starts")
 
 
+def held_not_served(endpoint: str) -> str:
+    """`_starting`'s words for an ipc endpoint, "" for a tcp one (its lock lies on the daemon's node) or
+    while no daemon holds it: said by a call that waited out its timeout (a review: one sent as the
+    daemon began to stop waited its 3 s and said "daemon gone or stuck", the pid unnamed)."""
+    return _starting(endpoint, endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else ""
+
+
 def _starting(endpoint: str, path: str) -> str:
     """What to say of a daemon that holds the endpoint's lock (`<socket>.lock`, daemon/endpoint.py) but
     does not serve its socket: one taking its tiers at start-up (minutes for large ones), or letting

@@ -175,7 +175,10 @@ class _Stdout:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while its parser loads the subcommands' modules (seconds on a busy node)
+        return 128 + signal.SIGINT
     stdout = sys.stdout
     if stdout is not None:  # (None where it is closed, `>&-`: nothing is printed)
         sys.stdout = _Stdout(stdout)

@@ -27,6 +27,7 @@ from dflash2 import protocol as P
 from dflash2.history import FILE_NAME, change, decode, rates, read_file, regular_file, span_seconds
 from dflash2.argtypes import endpoint, positive_int, seconds
 from dflash2.files import same_file
+from dflash2.tiers import fill
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -254,7 +255,7 @@ def _rank(d: str) -> int:
 
 
 def _pct(t: dict | None) -> str:
-    return f"{100 * t['used_bytes'] / t['capacity_bytes']:.1f}%" if t and t["capacity_bytes"] else "-"
+    return f"{100 * fill(t):.1f}%" if t and t["capacity_bytes"] else "-"
 
 
 def _clock(t: float) -> str:
@@ -271,7 +272,7 @@ def plot(samples: list[dict], path: str) -> None:
     fig, (ax_use, ax_hit, ax_bw) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     times = [_dt.datetime.fromtimestamp(s["t"]) for s in samples]
     for tier in (samples[-1]["tiers"] if samples else []):
-        ax_use.plot(times, [100 * s["tiers"][tier]["used_bytes"] / max(1, s["tiers"][tier]["capacity_bytes"])
+        ax_use.plot(times, [100 * fill(s["tiers"][tier]) if s["tiers"][tier]["capacity_bytes"] else 100.0
                             if tier in s["tiers"] else float("nan") for s in samples], label=tier)
     ax_use.set_ylabel("tier use (%)")
     ax_use.set_ylim(0, 105)

@@ -99,7 +99,7 @@ from dflash2 import threads
 from dflash2.policy.heat import INNER_LISTS, RANKINGS
 from dflash2.policy.split import LISTS as SPLIT_LISTS
 from dflash2.readcost import read_paths
-from dflash2.tiers import Tier
+from dflash2.tiers import Tier, fill
 
 log = logging.getLogger("dflash2.metrics")
 
@@ -188,7 +188,7 @@ class DaemonMetrics:
         """Serve /metrics from a daemon thread. OSError when the port cannot be bound."""
         with threads.stop_signals_blocked():  # its threads leave stop signals to the main thread (threads.py)
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
+        log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, self.port)  # (IPv6: bracketed)
 
     @property
     def port(self) -> int | None:
@@ -261,18 +261,19 @@ def _tier_families(st: dict):
     # Per GPU pool, not the node's total: each GPU's pool fills on its own (no move crosses GPUs),
     # and one full GPU beside an empty one would read as half full.
     used = [(gpu, pool["tiers"].get(Tier.HBM.label)) for gpu, pool in _pools(st).items()]
-    samples = [((gpu,), hbm["used_bytes"] / hbm["capacity_bytes"]) for gpu, hbm in used if hbm and hbm["capacity_bytes"]]
+    samples = [((gpu,), fill(hbm)) for gpu, hbm in used if hbm and hbm["capacity_bytes"]]
     if samples:
-        yield _gauge("dflash2_gpu_memory_utilization", "Used / capacity of each GPU pool's device (HBM) tier "
-                     "(the host stand-in without a GPU: gpu 0).", ["gpu"], samples)
+        yield _gauge("dflash2_gpu_memory_utilization", "How full each GPU pool's device (HBM) tier is, as its "
+                     "watermarks weigh it: used slots and the page tails of their slabs, over capacity (the host "
+                     "stand-in without a GPU: gpu 0).", ["gpu"], samples)
     # Each pool's NVMe file on its own too: the daemon judges each (its watermark, a failing disk past
     # 5% set aside), and one failing file among eight read as 0.75% in the node's sums.
     nvme = [(gpu, pool["tiers"].get(Tier.NVME.label)) for gpu, pool in _pools(st).items()]
     nvme = [(gpu, t) for gpu, t in nvme if t and t["capacity_bytes"] + t["quarantined_bytes"]]
     if nvme:
-        yield _gauge("dflash2_gpu_nvme_utilization", "Used / capacity of each GPU pool's NVMe tier (its own file).",
-                     ["gpu"], [((gpu,), t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 1.0)
-                               for gpu, t in nvme])
+        yield _gauge("dflash2_gpu_nvme_utilization", "How full each GPU pool's NVMe tier (its own file) is, as "
+                     "its watermarks weigh it: used slots and the page tails of their slabs, over capacity.",
+                     ["gpu"], [((gpu,), fill(t)) for gpu, t in nvme])
         yield _gauge("dflash2_gpu_nvme_set_aside_ratio", "Share of each GPU pool's NVMe tier set aside after failed "
                      "writes or reads (the daemon calls the disk failing past 0.05).", ["gpu"],
                      [((gpu,), t["quarantined_bytes"] / (t["capacity_bytes"] + t["quarantined_bytes"]))

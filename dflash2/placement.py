@@ -112,8 +112,12 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         return below[0] if below else None
 
     def used_fraction(self, tier: Tier) -> float:
+        """How full the tier is (its watermarks' measure): the share of its capacity that can hand out
+        nothing, used slots and the page tails of their slabs (tiers.fill: used bytes alone read a full
+        tier of blocks that leave 12.5% of each page unused as 87.5%, and it never drained)."""
         alloc = self.table.allocators[tier]
-        return alloc.used_bytes / alloc.capacity_bytes if alloc.capacity_bytes else 1.0
+        cap = alloc.capacity_bytes
+        return (cap - alloc.free_bytes) / cap if cap else 1.0
 
     def free_bytes(self, tier: Tier, block_bytes: int | None = None) -> int:
         """Free bytes of the tier; with block_bytes, only what blocks of that size can use (free

@@ -17,6 +17,7 @@ from dflash2.errors import ConfigError, DaemonError, DaemonUnavailable, Endpoint
 from dflash2.policy.heat import INNER_LISTS
 from dflash2.policy.split import LISTS
 from dflash2.readcost import read_paths
+from dflash2.tiers import fill
 
 EXIT_OK = 0
 EXIT_UNAVAILABLE = 1
@@ -99,7 +100,7 @@ def render(st: dict) -> str:
         for name, t in pool.get("tiers", {}).items():
             cap, used = t.get("capacity_bytes", 0), t.get("used_bytes", 0)
             rows.append((name if gpu is None else f"  GPU {gpu} {name}", _size(cap), _size(used),
-                         f"{100 * used / cap:.1f}" if cap else "-", str(t.get("blocks", 0))))
+                         f"{100 * fill(t):.1f}" if cap else "-", str(t.get("blocks", 0))))
     lines += _table(rows)
     aside = {name: t["quarantined_bytes"] for name, t in st.get("tiers", {}).items() if t.get("quarantined_bytes")}
     if aside:  # out of the capacity above: slots whose writes or whose blocks' reads failed

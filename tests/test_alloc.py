@@ -212,6 +212,40 @@ def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
         m.close()
 
 
+def test_a_tier_whose_blocks_leave_page_tails_is_full_when_nothing_is_free():
+    """1,835,008-byte blocks (a 7B model's bf16 at 32 tokens) in 2 MiB pages leave 12.5% of each page
+    unused: a tier with no free byte read 87.5% used, under its high watermark and the alerts, and the
+    background never drained it (a review). Its fill counts the page tails of its slabs."""
+    from dflash2.assemble import build_manager
+    from dflash2.config import parse_config
+    from dflash2.layout import Layout
+    from dflash2.metrics import _tier_families
+    from dflash2.tiers import Tier
+
+    cfg = parse_config({"enable": True, "device": {"kind": "host"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 32,
+                                   "page_kb": 2048, "staging_buffer_size_mb": 4},
+                        "policy": {"name": "lru"}})
+    m = build_manager(cfg, instance=f"t-alloc-pagetail-{__import__('os').getpid()}")
+    try:
+        c = m.attach("t")
+        lid = m.register_layout(Layout("qwen7b", 28, 4, 128, "bf16", 32))
+        assert m.table.layouts[lid].block_bytes == 1_835_008
+        n = m.placement.free_bytes(Tier.HBM, 1_835_008) // m.table.slot_bytes(lid, Tier.HBM)
+        vids = m.allocate(c, lid, n)  # every slot HBM has for them
+        m.commit(c, vids, keys=list(range(1, n + 1)))
+        m.free(c, vids)  # cached, idle
+        hbm = m.stats()["tiers"]["hbm"]
+        assert hbm["free_bytes"] == 0 and hbm["used_bytes"] < 0.9 * hbm["capacity_bytes"], hbm
+        assert m.placement.used_fraction(Tier.HBM) == 1.0
+        family = next(f for f in _tier_families(m.stats()) if f.name == "dflash2_gpu_memory_utilization")
+        assert [s.value for s in family.samples] == [1.0]
+        m.tick()
+        assert m.stats()["tiers"]["dram"]["blocks"] > 0, "the background drains a full HBM"
+    finally:
+        m.close()
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_room_without_is_never_below_the_room_left_once_the_rest_is_freed(seed):
     """`room_without` is the room for one size were every block gone but those kept, as the

@@ -318,6 +318,17 @@ def test_ctrl_c_on_a_one_shot_command_exits_130_without_a_traceback(tmp_path):
     assert rc == 130 and "Traceback" not in err, (rc, err[-1000:])
 
 
+def test_ctrl_c_while_the_parser_loads_its_modules_exits_130(monkeypatch):
+    """The parser loads the subcommands' modules (seconds on a busy node): a Ctrl-C then was a
+    KeyboardInterrupt traceback (the test above, on a loaded machine), not the exit 130 of later."""
+    from dflash2 import cli
+
+    def loading(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", loading)
+    assert cli.main(["history"]) == 130
+
+
 def test_the_default_endpoint_and_its_path_written_out_keep_one_history(tmp_path, config_file, monkeypatch):
     # A review: a config whose daemon.endpoint names the default socket's path, after one that left
     # it null, was taken for another daemon: its own history kept in memory only.

@@ -441,7 +441,8 @@ def test_nvme_fullness_and_slots_set_aside_are_per_gpu_pool(make_manager, clock)
     pool = metrics.snapshot["devices"]["1"]["tiers"]["nvme"]
     whole = pool["capacity_bytes"]
     aside = whole // 16  # 6.25%: that pool's disk is failing
-    pool.update(capacity_bytes=whole - aside, quarantined_bytes=aside, used_bytes=(whole - aside) // 2)
+    pool.update(capacity_bytes=whole - aside, quarantined_bytes=aside, used_bytes=(whole - aside) // 2,
+                free_bytes=(whole - aside) - (whole - aside) // 2)
     node = metrics.snapshot["tiers"]["nvme"]
     node.update(capacity_bytes=node["capacity_bytes"] - aside, quarantined_bytes=aside)
     got = scrape(metrics)
@@ -514,3 +515,23 @@ def test_a_node_whose_one_gpu_lost_its_nvme_file_says_so(service, failing_first)
     parts = [gone, one] if failing_first else [one, gone]
     metrics.snapshot["tiers"] = sum_stats(parts)["tiers"]
     assert scrape(metrics)[("dflash2_tier_no_file", (("tier", "dram"),))] == 1
+
+
+def test_the_metrics_address_logged_is_a_url_for_an_ipv6_host(service, caplog):
+    """`http://::1:P/metrics` was logged, which no browser or scraper takes (a review)."""
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    metrics = DaemonMetrics(service)
+    with caplog.at_level(logging.INFO, logger="dflash2"):
+        try:
+            metrics.serve("::1", 0)
+        except OSError as e:
+            pytest.skip(f"::1 cannot be bound here: {e}")
+        try:
+            assert f"metrics on http://[::1]:{metrics.port}/metrics" in caplog.text, caplog.text
+        finally:
+            metrics.close()

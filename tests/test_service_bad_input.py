@@ -382,6 +382,33 @@ def test_transport_drops_late_replies_after_a_timeout(tmp_path):
         router.close(0)
 
 
+def test_a_call_that_times_out_on_a_daemon_that_holds_the_endpoint_but_does_not_serve_it_names_it(tmp_path):
+    """One sent as the daemon began to stop (or before it served: taking its tiers) waited out its
+    timeout and said "daemon gone or stuck", though the daemon held the endpoint's lock, its pid
+    named there (a review): said as `dflash2 status` says it."""
+    import fcntl
+    import os
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)  # (bound, never answering: a loop that stopped reading)
+    router.bind(endpoint)
+    lock = os.open(f"{tmp_path}/d.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(lock, b"4242")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        t = Transport(endpoint, timeout_s=0.3)
+        try:
+            with pytest.raises(DaemonUnavailable) as e:
+                t.call(Op.STATS)
+        finally:
+            t.close()
+        assert str(e.value).startswith(f"stats: no reply from dflash2d at {endpoint} within 0.3s (no dflash2d answers at "
+                                       f"{endpoint} now: dflash2d pid 4242 holds it but does not serve it"), str(e.value)
+    finally:
+        os.close(lock)
+        router.close(0)
+
+
 @pytest.mark.parametrize("op,args", [
     (Op.ALLOCATE, {"layout": 0, "n": 1, "request": 1 << 70}),
     (Op.RESERVE, {"layout": 0, "tokens": 16, "request": -(1 << 70)}),

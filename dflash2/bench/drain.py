@@ -34,6 +34,7 @@ from dflash2.argtypes import block_kib
 from dflash2.bench import OptionError, positive_float, positive_int
 from dflash2.bench.control import _start, _stop
 from dflash2.layout import Layout
+from dflash2.tiers import fill
 
 HIGH = 0.9  # DRAM's high watermark
 FILL = 0.97  # DRAM filled to this fraction of idle cached blocks (over its high watermark) ...
@@ -109,8 +110,7 @@ def _start_daemon(folder: Path, endpoint: str, dram_mb: int, nvme_mb: int, block
 
 
 def _dram_used(client) -> float:
-    tier = client.stats()["tiers"]["dram"]
-    return tier["used_bytes"] / tier["capacity_bytes"]
+    return fill(client.stats()["tiers"]["dram"])  # (as the watermarks weigh it)
 
 
 def _probe(writer, blocks: Layout) -> list[int]:
