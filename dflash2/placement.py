@@ -112,9 +112,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
         return below[0] if below else None
 
     def used_fraction(self, tier: Tier) -> float:
-        """How full the tier is (its watermarks' measure): the share of its capacity that can hand out
-        nothing, used slots and the page tails of their slabs (tiers.fill: used bytes alone read a full
-        tier of blocks that leave 12.5% of each page unused as 87.5%, and it never drained)."""
+        """How full the tier is, as its watermarks weigh it: used slots and their slabs' page tails (tiers.fill)."""
         alloc = self.table.allocators[tier]
         cap = alloc.capacity_bytes
         return (cap - alloc.free_bytes) / cap if cap else 1.0
