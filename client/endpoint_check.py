@@ -91,36 +91,41 @@ def _not_a_socket(endpoint: str, path: str, mode: int) -> str:
             "file, which the daemon makes as it starts")
 
 
-def held_not_served(endpoint: str) -> str:
-    """`_starting`'s words for an ipc endpoint, "" for a tcp one (its lock lies on the daemon's node) or
-    while no daemon holds it: said by a call that waited out its timeout (a review: one sent as the
-    daemon began to stop waited its 3 s and said "daemon gone or stuck", the pid unnamed)."""
-    return _starting(endpoint, endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else ""
+def holder(endpoint: str) -> str | None:
+    """The pid (as its lock file says it) of the dflash2d holding an ipc endpoint's lock
+    (`<socket>.lock`, daemon/endpoint.py); None for a tcp endpoint (its lock lies on the daemon's
+    node) or while none holds it. Asked with a shared lock let go at once, which the daemon's own
+    start waits out (`_take`): /proc/locks, read instead, shows no lock of a process in another pid
+    namespace (a serving pod beside the DaemonSet's daemon). A serving daemon holds it too: a call
+    that waited out its timeout names the pid and cannot tell a busy or stuck loop from one that
+    starts or stops (a review: one sent as the daemon began to stop said "daemon gone or stuck")."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    try:
+        fd = os.open(endpoint[len("ipc://"):] + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # (nobody held it: the lock goes with the descriptor)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _starting(endpoint: str, path: str) -> str:
-    """What to say of a daemon that holds the endpoint's lock (`<socket>.lock`, daemon/endpoint.py) but
-    does not serve its socket: one taking its tiers at start-up (minutes for large ones), or letting
-    them go as it stops ("" when none holds it). Told "is the daemon running?" then, an operator
-    restarted it, and sglang fell back as with none (a review). Asked with a shared lock let go at once,
-    which the daemon's own start waits out (daemon/endpoint.py `_take`): /proc/locks, read instead, shows
-    no lock of a process in another pid namespace (a serving pod beside the DaemonSet's daemon)."""
-    try:
-        fd = os.open(path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    """What to say of a daemon that holds the endpoint's lock but does not serve its socket (`path`,
+    gone or refusing connections): one taking its tiers at start-up (minutes for large ones), or
+    letting them go as it stops ("" when none holds it). Told "is the daemon running?" then, an
+    operator restarted it, and sglang fell back as with none (a review)."""
+    pid = holder(f"ipc://{path}")
+    if pid is None:
         return ""
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            return (f"no dflash2d answers at {endpoint} now: dflash2d pid {pid} holds it but does not serve it, "
-                    "as while it starts (taking its tiers: minutes for large ones) or stops; try again shortly")
-        except OSError:
-            return ""
-        return ""  # (nobody held it: the lock goes with the descriptor)
-    finally:
-        os.close(fd)
+    return (f"no dflash2d answers at {endpoint} now: dflash2d pid {pid} holds it but does not serve it, "
+            "as while it starts (taking its tiers: minutes for large ones) or stops; try again shortly")
 
 
 def _default_elsewhere(path: str) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dflash2.client.endpoint_check import held_not_served
+from dflash2.client.endpoint_check import holder
 from dflash2 import protocol as P
 from dflash2.endpoints import tcp_key_path
 from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, DFlash2Error, ProtocolError, UnreadableReply,
@@ -406,9 +406,11 @@ class Transport:
                 left_s = deadline - time.monotonic()
                 if left_s <= 0:
                     undo = self._give_up(op, client, call_id, arrays)
+                    pid = holder(self.endpoint)
                     raise DaemonUnavailable(f"{op.value}: no reply from dflash2d at {self.endpoint} within "
-                                            f"{timeout:g}s ({held_not_served(self.endpoint) or 'daemon gone or stuck'}"
-                                            f"{undo}" + (
+                                            f"{timeout:g}s (" + ("daemon gone or stuck" if pid is None else
+                                                               f"dflash2d pid {pid} holds the endpoint: stuck or busy, "
+                                                               "or starting or stopping") + f"{undo}" + (
                                                 "; or the monitoring key's calls have taken their share of the "
                                                 "daemon's loop, and wait up to a minute" if self.read_only else "")
                                             + ")")

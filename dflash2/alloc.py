@@ -55,22 +55,7 @@ import numpy as np  # noqa: E402
 
 from dflash2.counts import add_at  # noqa: E402
 from dflash2.errors import ArenaError  # noqa: E402
-
-
-def runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) of the maximal runs of True in a boolean mask, ends exclusive."""
-    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-
-
-def slabs_in_runs(free: np.ndarray, slab_pages: int) -> int:
-    """Slabs of `slab_pages` contiguous pages that the pages marked in `free` hold, first fit: each
-    maximal run of free pages holds its length // slab_pages (free pages scattered between used ones
-    hold no slab longer than a page)."""
-    if slab_pages == 1:
-        return int(np.count_nonzero(free))
-    starts, ends = runs(free)
-    return int(((ends - starts) // slab_pages).sum())
+from dflash2.pageruns import slabs_in_runs  # noqa: E402
 
 
 SCAN_PAGES = 1 << 16  # pages read at a time by a first-fit search for single free pages
@@ -168,6 +153,18 @@ class SlotAllocator:
     @property
     def used_bytes(self) -> int:
         return sum(c.n_used * c.slot for c in self._classes.values())
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes that can hold no more blocks: used slots and the page tails of the slabs with a used
+        or quarantined slot (what the watermarks weigh). An empty slab's tail is room once the slab
+        goes back to the pages: counted full, an empty tier read 12.5% (a review)."""
+        full = self.used_bytes
+        for cls in self._classes.values():
+            tail = cls.slab_pages * self.page_bytes - cls.slots_per_slab * cls.slot
+            if tail:
+                full += tail * int(np.count_nonzero((self._page_class == cls.slot) & (self._page_used > 0)))
+        return full
 
     @property
     def used_slots(self) -> int:
@@ -330,6 +327,7 @@ class SlotAllocator:
             "page_tail_waste_bytes": claimed - used - free_in_slabs - self.quarantined_bytes,
             "free_in_claimed_bytes": free_in_slabs,
             "free_bytes": self.free_bytes,
+            "full_bytes": self.full_bytes,  # (tiers.fill)
             "quarantined_bytes": self.quarantined_bytes,  # taken out of capacity_bytes (see there)
         }
 

@@ -272,8 +272,8 @@ def plot(samples: list[dict], path: str) -> None:
     fig, (ax_use, ax_hit, ax_bw) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     times = [_dt.datetime.fromtimestamp(s["t"]) for s in samples]
     for tier in (samples[-1]["tiers"] if samples else []):
-        ax_use.plot(times, [100 * fill(s["tiers"][tier]) if s["tiers"][tier]["capacity_bytes"] else 100.0
-                            if tier in s["tiers"] else float("nan") for s in samples], label=tier)
+        ax_use.plot(times, [100 * fill(s["tiers"][tier]) if tier in s["tiers"] else float("nan")  # (fill: 1 of no capacity)
+                            for s in samples], label=tier)
     ax_use.set_ylabel("tier use (%)")
     ax_use.set_ylim(0, 105)
     r = rates(samples)

@@ -17,7 +17,7 @@ def sample_of(stats: dict, t: float) -> dict:
     return {
         "t": round(t, 3),
         "tiers": {name: {"used_bytes": s["used_bytes"], "capacity_bytes": s["capacity_bytes"],
-                         "free_bytes": s["free_bytes"], "blocks": s["blocks"]}  # (free: tiers.fill)
+                         "full_bytes": s["full_bytes"], "blocks": s["blocks"]}  # (full: tiers.fill)
                   for name, s in stats["tiers"].items()},
         "reads": dict(stats["reads"]),
         "hbm_hit_ratio": stats["hbm_hit_ratio"],
@@ -67,7 +67,7 @@ def is_sample(obj) -> bool:
                 and _number(obj["t"]) and T_RANGE[0] <= obj["t"] <= T_RANGE[1]
                 and isinstance(obj["tiers"], dict)
                 and all(t in TIER_NAMES and _number(v["used_bytes"]) and _number(v["capacity_bytes"])
-                        and _number(v.get("free_bytes", 0)) for t, v in obj["tiers"].items())
+                        and _number(v.get("full_bytes", 0)) for t, v in obj["tiers"].items())
                 and isinstance(obj["reads"], dict)
                 and all(t in TIER_NAMES and _number(n) for t, n in obj["reads"].items())
                 and (obj["hbm_hit_ratio"] is None or _number(obj["hbm_hit_ratio"]))

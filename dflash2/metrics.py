@@ -19,6 +19,7 @@ block, request or client id.
 | dflash2_tier_capacity_bytes{tier} | gauge | bytes the tier holds |
 | dflash2_tier_used_bytes{tier} | gauge | bytes in slots given to blocks |
 | dflash2_tier_free_bytes{tier} | gauge | bytes free for new slots |
+| dflash2_tier_full_bytes{tier} | gauge | bytes that can hold no more blocks: used slots and the page tails of their slabs (over capacity: how full the tier is, as its watermarks weigh it) |
 | dflash2_tier_blocks{tier} | gauge | blocks in the tier |
 | dflash2_tier_waste_bytes{tier,kind} | gauge | slot rounding / page tails |
 | dflash2_tier_quarantined_bytes{tier} | gauge | NVMe slots set aside after their own writes failed with an I/O error, or a read of their block failed (an I/O error or its checksum: a bad region of the disk), until a re-test finds them sound; not in capacity, used or free |
@@ -44,7 +45,7 @@ block, request or client id.
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves up (dram->hbm, nvme->hbm, nvme->dram; absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
-| dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed) |
+| dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed; displaced: pushed out of a full deferred queue) |
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
 | dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
 | dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due, the requests answered ahead of it included (a busy request loop delays it) |
@@ -114,7 +115,7 @@ WAIT_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 SCHEDULER_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000,
                         2500000, 5000000, 10000000, 30000000)
 PLACEMENT_ACTIONS = ("demoted", "promoted", "evicted", "lost", "orphaned", "not_admitted", "not_kept", "past_full")
-RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled", "released")
+RESERVATION_OUTCOMES = ("granted", "deferred", "rejected", "expired", "cancelled", "released", "displaced")
 
 
 class DaemonMetrics:
@@ -249,6 +250,9 @@ def _tier_families(st: dict):
                  [((t,), s["used_bytes"]) for t, s in tiers.items()])
     yield _gauge("dflash2_tier_free_bytes", "Bytes free for new slots.", ["tier"],
                  [((t,), s["free_bytes"]) for t, s in tiers.items()])
+    yield _gauge("dflash2_tier_full_bytes", "Bytes that can hold no more blocks: used slots and the page tails of "
+                 "their slabs (over capacity: how full the tier is, as its watermarks weigh it).", ["tier"],
+                 [((t,), s["full_bytes"]) for t, s in tiers.items()])
     yield _gauge("dflash2_tier_blocks", "Blocks in the tier.", ["tier"],
                  [((t,), s["blocks"]) for t, s in tiers.items()])
     yield _gauge("dflash2_tier_waste_bytes", "Bytes lost to slot rounding and page tails.", ["tier", "kind"],

@@ -114,8 +114,7 @@ class Placement(Rebalancing, Promotion, RoomBound, WriteBackoff, SlabRoom, Drain
     def used_fraction(self, tier: Tier) -> float:
         """How full the tier is, as its watermarks weigh it: used slots and their slabs' page tails (tiers.fill)."""
         alloc = self.table.allocators[tier]
-        cap = alloc.capacity_bytes
-        return (cap - alloc.free_bytes) / cap if cap else 1.0
+        return alloc.full_bytes / alloc.capacity_bytes if alloc.capacity_bytes else 1.0
 
     def free_bytes(self, tier: Tier, block_bytes: int | None = None) -> int:
         """Free bytes of the tier; with block_bytes, only what blocks of that size can use (free

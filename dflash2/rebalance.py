@@ -203,7 +203,7 @@ class Rebalancing:
         if self.lower(tier) != below:
             return 0
         alloc = self.table.allocators[below]
-        room = alloc.free_bytes - int((1.0 - self.watermarks[below].high) * alloc.capacity_bytes)  # (used_fraction's measure)
+        room = int(self.watermarks[below].high * alloc.capacity_bytes) - alloc.full_bytes  # (used_fraction's measure)
         # ... and slots of each size the tier holds: a tier below well under its watermark may have
         # every page cut into slots of another size (half of it: sizes share the free pages).
         c = self.table.cols

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2.alloc import runs, slabs_in_runs
+from dflash2.pageruns import runs, slabs_in_runs
 from dflash2.forest import subtree_heights
 from dflash2.tiers import Tier
 
@@ -164,7 +164,7 @@ class SlabRoom:
 
 def _counted_runs(free: np.ndarray, clear: np.ndarray, span: int) -> np.ndarray:
     """Mask of the free pages that room already counts for slots of `span` pages: in each maximal
-    run of free pages, (length // span) * span of them (alloc.slabs_in_runs counts as many), the
+    run of free pages, (length // span) * span of them (pageruns.slabs_in_runs counts as many), the
     pages left over at the end where a clear slab adjoins its start, else at its start (left over
     only at the end, a clear slab before a run could join none: room that emptying it made was not
     found, and an allocation was refused, a review)."""
@@ -182,7 +182,7 @@ def _counted_runs(free: np.ndarray, clear: np.ndarray, span: int) -> np.ndarray:
 def _joined_slabs(room: np.ndarray, clear: np.ndarray, head: np.ndarray, top: np.ndarray, span: int,
                   want: int) -> tuple[np.ndarray, int]:
     """The head pages of clear slabs to empty, coldest hottest block first (`top`), for up to `want`
-    more runs of `span` pages than the pages in `room` hold (alloc.slabs_in_runs), and how many more
+    more runs of `span` pages than the pages in `room` hold (pageruns.slabs_in_runs), and how many more
     they make: the fewest of the coldest that make the most they can, then less those the count does
     not need (the dearest first). A pass over the pages per count: taken only where no window makes
     the room (`_slab_victims`)."""

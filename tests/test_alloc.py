@@ -212,6 +212,24 @@ def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
         m.close()
 
 
+def test_full_bytes_counts_the_page_tails_of_slabs_in_use_only():
+    """Page tails count as full while a block lies in their slab; an empty slab's tail is room (it
+    goes back to the pages): counted from what was not free, a tier whose blocks all left read 12.5%
+    full, and with blocks of just over a page 49%, over a legal watermark (a review)."""
+    alloc = SlotAllocator(8 * MIB, 2 * MIB, 4096)
+    offsets = alloc.alloc(1_835_008, 4)
+    assert offsets is not None and alloc.free_bytes == 0
+    assert alloc.full_bytes == alloc.capacity_bytes > alloc.used_bytes
+    alloc.free(1_835_008, offsets[:1])
+    assert alloc.full_bytes == 3 * 2 * MIB
+    alloc.free(1_835_008, offsets[1:])
+    assert alloc.full_bytes == 0 and alloc.free_bytes < alloc.capacity_bytes  # (the slabs stay claimed)
+    span = SlotAllocator(32 * MIB, 2 * MIB, 4096)
+    assert span.alloc(2 * MIB + 4096, 1) is not None and span.full_bytes == 4 * MIB  # a slab of two pages
+    span.free(2 * MIB + 4096, span.alloc(2 * MIB + 4096, 1))
+    assert span.full_bytes == 4 * MIB
+
+
 def test_a_tier_whose_blocks_leave_page_tails_is_full_when_nothing_is_free():
     """1,835,008-byte blocks (a 7B model's bf16 at 32 tokens) in 2 MiB pages leave 12.5% of each page
     unused: a tier with no free byte read 87.5% used, under its high watermark and the alerts, and the

@@ -543,3 +543,20 @@ def test_a_line_that_only_begins_as_a_sample_does_not_cut_since(service, tmp_pat
     assert len(read_file(path, since_s=4.5)) == 5  # (a real sample past the cutoff still cuts)
     assert cli.main(["history", "--file", str(path), "--since", "100s"]) == 0
     assert "10 samples" in capsys.readouterr().out
+
+
+def test_a_plot_of_samples_before_a_tier_was_added_draws_it_from_where_it_begins(service, tmp_path, clock, capsys):
+    """An NVMe tier added at a restart: the older samples have none. The plot looked the tier up in
+    them before asking whether they had it (KeyError, a traceback: a review)."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "history.jsonl"
+    h = History(path=path, clock=clock)
+    h.record(service.stats())
+    clock.advance(1)
+    h.record(service.stats())
+    samples = read_file(path)
+    del samples[0]["tiers"]["dram"]
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert "dram" not in read_file(path)[0]["tiers"] and "dram" in read_file(path)[1]["tiers"]
+    assert cli.main(["history", "--file", str(path), "--plot", str(tmp_path / "h.png")]) == 0
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"

@@ -69,7 +69,7 @@ def test_history_reads_back_what_happened_and_logs_are_structured(tmp_path, conf
     assert seen1["reads"] == {} and seen1["swaps"] == {} and seen1["clients"] == 1
     last = samples[-1]
     for tier, s in truth["tiers"].items():
-        assert last["tiers"][tier] == {k: s[k] for k in ("used_bytes", "capacity_bytes", "free_bytes", "blocks")}
+        assert last["tiers"][tier] == {k: s[k] for k in ("used_bytes", "capacity_bytes", "full_bytes", "blocks")}
     assert last["reads"] == truth["reads"] and last["reads"].get("dram", 0) > 0
     assert last["hbm_hit_ratio"] == pytest.approx(truth["hbm_hit_ratio"]) and last["hbm_hit_ratio"] < 1
     assert {d: m["bytes"] for d, m in last["swaps"].items()} == {d: m["bytes"] for d, m in truth["moves"].items()}

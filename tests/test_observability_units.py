@@ -442,7 +442,7 @@ def test_nvme_fullness_and_slots_set_aside_are_per_gpu_pool(make_manager, clock)
     whole = pool["capacity_bytes"]
     aside = whole // 16  # 6.25%: that pool's disk is failing
     pool.update(capacity_bytes=whole - aside, quarantined_bytes=aside, used_bytes=(whole - aside) // 2,
-                free_bytes=(whole - aside) - (whole - aside) // 2)
+                full_bytes=(whole - aside) // 2)
     node = metrics.snapshot["tiers"]["nvme"]
     node.update(capacity_bytes=node["capacity_bytes"] - aside, quarantined_bytes=aside)
     got = scrape(metrics)
