@@ -210,6 +210,27 @@ def test_commits_beside_a_head_whose_room_cannot_be_made_do_not_each_make_room(m
     assert mgr.admission.deferred and len(made) <= 3 * 8, f"{len(made)} room-makings for 64 commits"
 
 
+def test_a_release_grants_the_head_in_that_call_however_many_background_steps_it_waited(make_manager):
+    """Every block of HBM pinned by a reader; the head waits through background steps, each failing
+    to make room. Each doubled what a release had to leave movable before room was made again: after
+    six, more than HBM holds, and the release of every pin granted nothing until the next step (up to
+    `policy.rescore_interval_ms`, a review). Only the retries a release asks for raise that bar."""
+    mgr = make_manager(hbm_blocks=16, dram_blocks=64, admission=settings())
+    w, r, h = mgr.attach("w"), mgr.attach("r"), mgr.attach("h")
+    lid = mgr.register_layout(SMALL)
+    vids = [int(v) for k in range(16) for v in mgr.commit(w, mgr.allocate(w, lid, 1), keys=[100 + k])]
+    mgr.free(w, vids)
+    mgr.acquire(r, vids)
+    d = mgr.reserve(h, lid, tokens=16 * 4)
+    assert d.outcome is Outcome.DEFERRED
+    for _ in range(12):
+        mgr.tick()  # the background step: room-making falls short each time
+        assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.DEFERRED
+    mgr.release(r, vids)
+    assert d.reservation_id in mgr.admission.granted, "granted by the release, not at the next step"
+    mgr.check_invariants()
+
+
 def test_a_release_that_frees_a_pinned_copy_succeeds_while_a_reservation_waits(make_manager):
     """The writer pinned its block, and its commit deduplicated it onto a cached twin: the release
     frees that copy. With a reservation waiting, the release asked the table for the freed block's
