@@ -186,19 +186,25 @@ def test_capacity_is_whole_pages_a_tail_past_the_last_page_holds_no_block():
     assert alloc.used_bytes == alloc.capacity_bytes  # full reads full
 
 
+def _host_manager_in_2_mib_pages(hbm_mb: int, dram_mb: int, name: str):
+    """(config, manager) of a host daemon's tiers (lru) in 2 MiB pages, as the daemon builds them."""
+    from dflash2.assemble import build_manager
+    from dflash2.config import parse_config
+
+    cfg = parse_config({"enable": True, "device": {"kind": "host"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
+                                   "page_kb": 2048, "staging_buffer_size_mb": 4},
+                        "policy": {"name": "lru"}})
+    return cfg, build_manager(cfg, instance=f"t-alloc-{name}-{__import__('os').getpid()}")
+
+
 def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
     """HBM of 3 MiB in 2 MiB pages (HBM is not rounded to pages; DRAM and NVMe are): full, it read
     2/3 used, under its high watermark for good, and the background never drained it (a review)."""
-    from dflash2.assemble import build_manager
-    from dflash2.config import parse_config
     from dflash2.layout import Layout
     from dflash2.tiers import Tier
 
-    cfg = parse_config({"enable": True, "device": {"kind": "host"},
-                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 3, "dram_capacity_mb": 16,
-                                   "page_kb": 2048, "staging_buffer_size_mb": 4},
-                        "policy": {"name": "lru"}})
-    m = build_manager(cfg, instance=f"t-alloc-tail-{__import__('os').getpid()}")
+    cfg, m = _host_manager_in_2_mib_pages(hbm_mb=3, dram_mb=16, name="tail")
     try:
         c = m.attach("t")
         lid = m.register_layout(Layout("l", 1, 1, 64 * 1024, "fp16", 1))  # 256 KiB blocks
@@ -234,17 +240,11 @@ def test_a_tier_whose_blocks_leave_page_tails_is_full_when_nothing_is_free():
     """1,835,008-byte blocks (a 7B model's bf16 at 32 tokens) in 2 MiB pages leave 12.5% of each page
     unused: a tier with no free byte read 87.5% used, under its high watermark and the alerts, and the
     background never drained it (a review). Its fill counts the page tails of its slabs."""
-    from dflash2.assemble import build_manager
-    from dflash2.config import parse_config
     from dflash2.layout import Layout
     from dflash2.metrics import _tier_families
     from dflash2.tiers import Tier
 
-    cfg = parse_config({"enable": True, "device": {"kind": "host"},
-                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 8, "dram_capacity_mb": 32,
-                                   "page_kb": 2048, "staging_buffer_size_mb": 4},
-                        "policy": {"name": "lru"}})
-    m = build_manager(cfg, instance=f"t-alloc-pagetail-{__import__('os').getpid()}")
+    _, m = _host_manager_in_2_mib_pages(hbm_mb=8, dram_mb=32, name="pagetail")
     try:
         c = m.attach("t")
         lid = m.register_layout(Layout("qwen7b", 28, 4, 128, "bf16", 32))

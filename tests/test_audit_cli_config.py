@@ -129,23 +129,17 @@ def test_check_counts_the_staging_buffer_in_the_memory_it_needs(tmp_path):
     assert line.endswith("start-up would fail now (exit 4)")
 
 
-def test_a_layout_that_fits_no_tier_is_named(tmp_path):
+@pytest.mark.parametrize("memory, says", [
+    ({"staging_buffer_size_mb": 64, "nvme_capacity_mb": 16}, "fits in no tier"),
+    # No client can write it (allocate takes HBM or DRAM): `--check` said only host-side writers could.
+    ({"hbm_capacity_mb": 16, "dram_capacity_mb": 16, "staging_buffer_size_mb": 64, "nvme_capacity_mb": 64},
+     "fits in neither HBM nor DRAM, where clients write their blocks"),
+])
+def test_a_layout_that_no_client_can_write_is_named(tmp_path, memory, says):
     big = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16", "tokens_per_block": 256}
-    path = write_config(tmp_path, memory={"staging_buffer_size_mb": 64, "nvme_capacity_mb": 16}, layouts={"big": big})
-    rc, _, err = check(path)
+    rc, _, err = check(write_config(tmp_path, memory=memory, layouts={"big": big}))
     assert rc == 2
-    assert one_error(err).startswith("dflash2d: error: layouts.big: a block of 33554432 bytes fits in no tier")
-
-
-def test_a_layout_that_fits_only_nvme_is_named(tmp_path):
-    """No client can write it (allocate takes HBM or DRAM): `--check` said only host-side writers could."""
-    big = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16", "tokens_per_block": 256}
-    path = write_config(tmp_path, memory={"hbm_capacity_mb": 16, "dram_capacity_mb": 16, "staging_buffer_size_mb": 64,
-                                          "nvme_capacity_mb": 64}, layouts={"big": big})
-    rc, _, err = check(path)
-    assert rc == 2
-    assert one_error(err).startswith("dflash2d: error: layouts.big: a block of 33554432 bytes fits in neither HBM "
-                                     "nor DRAM, where clients write their blocks"), err
+    assert one_error(err).startswith(f"dflash2d: error: layouts.big: a block of 33554432 bytes {says}"), err
 
 
 def test_a_layout_that_fits_no_hbm_block_gets_a_note(tmp_path):

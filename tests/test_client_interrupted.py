@@ -84,9 +84,11 @@ def test_an_interrupted_commit_leaves_no_view_by_id_of_a_block_that_may_move(dae
         c.close()
 
 
-def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
+def dropped_client(endpoint: str, caplog) -> dict:
+    """A client that allocated 4 blocks and reserved is dropped without close() or detach(); more than
+    two leases (of 1 s) later, the daemon's stats as another client reads them."""
     def request():
-        c = Client.connect(daemon.endpoint, name="dropped", layouts=[SMALL])
+        c = Client.connect(endpoint, name="dropped", layouts=[SMALL])
         c.allocate(c.layouts[0], 4)
         assert c.reserve(c.layouts[0], 64).granted
         return weakref.ref(c)
@@ -96,10 +98,15 @@ def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
         gc.collect()
         assert ref() is None
         time.sleep(2.5)  # more than two leases
-    assert "was dropped without close() or detach(): its heartbeat stops" in caplog.text
-    with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
+    with Client.connect(endpoint, name="checker", layouts=[SMALL]) as checker:
         st = checker.stats()
     assert [x["name"] for x in st["clients"]] == ["checker"]
+    return st
+
+
+def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
+    st = dropped_client(daemon.endpoint, caplog)
+    assert "was dropped without close() or detach(): its heartbeat stops" in caplog.text
     assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
 
 
@@ -111,21 +118,8 @@ def test_a_dropped_clients_blocks_are_set_aside_while_its_process_lives(config_f
                                      daemon={"endpoint": f"ipc://{tmp_path}/d.sock", "lease_timeout_s": 1.0,
                                              "heartbeat_interval_s": 0.2})).start()
     try:
-        def request():
-            c = Client.connect(proc.endpoint, name="dropped", layouts=[SMALL])
-            c.allocate(c.layouts[0], 4)
-            assert c.reserve(c.layouts[0], 64).granted
-            return weakref.ref(c)
-
-        with caplog.at_level(logging.WARNING, logger="dflash2.client"):
-            ref = request()
-            gc.collect()
-            assert ref() is None
-            time.sleep(2.5)  # more than two leases
+        st = dropped_client(proc.endpoint, caplog)
         assert "keeps its private blocks and pins out of reuse until this process ends" in caplog.text
-        with Client.connect(proc.endpoint, name="checker", layouts=[SMALL]) as checker:
-            st = checker.stats()
-        assert [x["name"] for x in st["clients"]] == ["checker"]
         assert st["reservations"]["reserved_blocks"] == 0
         assert (st["set_aside"]["clients"], st["set_aside"]["blocks"]) == (1, 4), st["set_aside"]
     finally:
