@@ -15,7 +15,7 @@ the count logged.
 A sample holds gauges as they were and counters as running totals since the daemon started (a
 restart shows as a counter going down; `rates` skips that interval):
 
-    {"t": unix seconds, "tiers": {tier: {used_bytes, capacity_bytes, blocks}},
+    {"t": unix seconds, "tiers": {tier: {used_bytes, capacity_bytes, full_bytes, blocks}},
      "reads": {tier: blocks acquired from it}, "hbm_hit_ratio": since start or null,
      "lookup_misses": n, "swaps": {"hbm->dram": {blocks, bytes, seconds, failed_blocks}, ...},
      "reservations": {granted, deferred, reserved_blocks}, "clients": n, "requests": n, "errors": n,

@@ -45,7 +45,7 @@ block, request or client id.
 | dflash2_read_bandwidth_bytes_per_second{gpu,direction} | gauge | read bandwidth measured on each GPU pool's own moves up (dram->hbm, nvme->hbm, nvme->dram; absent until 1 MiB has moved that way) |
 | dflash2_reservations_active{state} | gauge | reservations now granted (not all taken) / deferred |
 | dflash2_reserved_blocks | gauge | HBM blocks granted and not yet taken |
-| dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed; displaced: pushed out of a full deferred queue) |
+| dflash2_reservations_total{outcome} | counter | decisions (granted, deferred, rejected) and endings (expired, cancelled, released: its client detached or its lease lapsed; displaced: pushed out of a full deferred queue, or of its client's share of its places) |
 | dflash2_admission_wait_seconds | histogram | from reserve to grant, for reservations that waited |
 | dflash2_rescore_seconds | histogram | the background step: expiry, admission, heat rescoring, rebalancing |
 | dflash2_scheduler_latency_microseconds | histogram | how late the background step started after it was due, the requests answered ahead of it included (a busy request loop delays it) |

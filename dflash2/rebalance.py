@@ -228,7 +228,12 @@ class Rebalancing:
         down to its low watermark, or its cut used up. `defer`: the last piece's copies are left in
         flight; each piece settles the one before it first."""
         c = self.table.cols
-        target_free = int((1.0 - self.watermarks[tier].low) * self.table.allocators[tier].capacity_bytes)
+        alloc = self.table.allocators[tier]
+        # Down to `low` as the watermarks weigh a tier (used_fraction: used slots and their slabs' page
+        # tails). Measured in free bytes, the tails of empty slabs, which go back to the pages only
+        # when another size needs them, never came free: a drain of blocks just over a page went on
+        # past `low`, to an empty HBM where `low` was under their tails' share (a review).
+        low_full = int(self.watermarks[tier].low * alloc.capacity_bytes)
         cut = self._cuts[tier]
         cold = np.zeros(c.capacity, dtype=bool)
         until = time.perf_counter() + seconds
@@ -242,8 +247,8 @@ class Rebalancing:
                 # nothing meanwhile (the piece's next rounds dropped what was to go down: with NVMe
                 # on a full disk, DRAM fell from 1.0 to 0.5 over the back-off's retries).
                 return False
-            free = self.free_bytes(tier)
-            if free >= target_free:
+            free, excess = self.free_bytes(tier), alloc.full_bytes - low_full
+            if excess <= 0:
                 return True
             piece = self._piece_bytes(tier, seconds / 2)
             if below is not None:
@@ -253,7 +258,7 @@ class Rebalancing:
             cold[cut.here(self.table)] = True  # still those blocks, still here
             self._deferring, self._into_room_only = defer, below is not None
             try:
-                room = self.make_room(tier, min(target_free, free + piece), cold_only=True, cold=cold,
+                room = self.make_room(tier, free + min(excess, piece), cold_only=True, cold=cold,
                                       protect=protect, until_backoff=True, cut=cut)
             finally:
                 self._deferring = self._into_room_only = False
@@ -263,7 +268,7 @@ class Rebalancing:
                 return False
             # No room made means the cut is used up, unless copies are in flight: a chain's parents
             # leave only once its tail, on its way, has landed (the next call settles it first).
-            done = (not room and not self._in_flight) or free + freed >= target_free
+            done = (not room and not self._in_flight) or freed >= excess
             now = time.perf_counter()
             if freed > 0:
                 self._drain_rate[tier] = freed / max(now - started, 1e-6)

@@ -186,15 +186,16 @@ def test_capacity_is_whole_pages_a_tail_past_the_last_page_holds_no_block():
     assert alloc.used_bytes == alloc.capacity_bytes  # full reads full
 
 
-def _host_manager_in_2_mib_pages(hbm_mb: int, dram_mb: int, name: str):
-    """(config, manager) of a host daemon's tiers (lru) in 2 MiB pages, as the daemon builds them."""
+def _host_manager_in_2_mib_pages(hbm_mb: int, dram_mb: int, name: str, **policy):
+    """(config, manager) of a host daemon's tiers (lru, `policy` keys beside) in 2 MiB pages, as the
+    daemon builds them."""
     from dflash2.assemble import build_manager
     from dflash2.config import parse_config
 
     cfg = parse_config({"enable": True, "device": {"kind": "host"},
                         "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": dram_mb,
                                    "page_kb": 2048, "staging_buffer_size_mb": 4},
-                        "policy": {"name": "lru"}})
+                        "policy": {"name": "lru", **policy}})
     return cfg, build_manager(cfg, instance=f"t-alloc-{name}-{__import__('os').getpid()}")
 
 
@@ -214,6 +215,31 @@ def test_a_full_hbm_with_a_page_tail_crosses_its_high_watermark():
         assert m.placement.used_fraction(Tier.HBM) >= cfg.policy.watermarks.hbm.high
         m.tick()
         assert m.stats()["tiers"]["dram"]["blocks"] > 0, "the background drains a full HBM"
+    finally:
+        m.close()
+
+
+def test_a_drain_stops_at_low_as_the_watermarks_weigh_the_tier():
+    """Blocks just over a page (2 MiB + 4 KiB: a slab of two pages each, nearly half of it tail). The
+    drain began by the watermarks' measure but stopped by free bytes, where the tails of emptied slabs
+    (kept by their size until another needs the pages) never came free: with `low` 0.45 it moved every
+    block out of HBM (a review). It stops at `low` in the watermarks' measure: 7 blocks of 4 MiB stay."""
+    from dflash2.layout import Layout
+    from dflash2.tiers import Tier
+
+    _, m = _host_manager_in_2_mib_pages(hbm_mb=64, dram_mb=256, name="drainlow",
+                                        watermarks={"hbm": {"high": 0.9, "low": 0.45}})
+    try:
+        c = m.attach("t")
+        lid = m.register_layout(Layout("x", 1, 1, 1024, "bf16", 513))
+        assert m.table.slot_bytes(lid, Tier.HBM) == 2 * MIB + 4096
+        vids = m.allocate(c, lid, 16)  # every slot of HBM's 32 pages
+        m.free(c, m.commit(c, vids, keys=list(range(1, 17))))
+        for _ in range(20):
+            m.tick()
+            m.settle()
+        assert m.stats()["tiers"]["hbm"]["blocks"] == 7, m.stats()["tiers"]["hbm"]
+        assert 0.45 - 4 / 64 < m.placement.used_fraction(Tier.HBM) <= 0.45
     finally:
         m.close()
 

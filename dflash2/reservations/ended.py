@@ -6,7 +6,8 @@ next call on one says what became of it, not "unknown, expired or cancelled" (`A
   until its expiry, SPENT_KEPT at most; in the order they were spent, pruned from the front as
   they come, never scanned (a scan of them all at each call, once the first had expired, cost 25
   times as much per request at 1,000 requests a second: a review's script);
-- displaced (pushed out of a full queue by one of higher priority), expired or cancelled: the
+- displaced (pushed out of a full queue, or of its client's share of its places, by one of higher
+  priority), expired or cancelled: the
   reason kept, for the ENDED_KEPT latest (an expired one answered "unknown, expired or cancelled",
   and its client could not tell whether to reserve again or look for a bug of its own, a review),
   told to its own client only (another, asking ids in turn, learned of others' requests, a review).
