@@ -51,7 +51,8 @@ def test_a_forgotten_commit_that_never_arrives_frees_the_blocks_it_names(service
     service.manager.check_invariants()
 
 
-@pytest.mark.parametrize("arrays, why", [([b"\0" * 7], "not a whole number"), ([b"", b""], "at most one array")])
+@pytest.mark.parametrize("arrays, why", [([b"\0" * 7], "not a whole number"),
+                                         ([b"", b""], "forget reads 1 array frame at most, got 2")])  # (protocol.ARRAYS)
 def test_a_forget_with_a_bad_block_ids_frame_is_refused_and_forgets_nothing(service, arrays, why):
     c = attach(service)
     reply = call(service, Op.FORGET, c, {"call": 2}, arrays, call_id=3)
