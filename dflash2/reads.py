@@ -15,6 +15,7 @@ from dflash2.acquire_checks import refuse_dropped, refuse_never_fits, refuse_unm
 from dflash2.counts import any_true
 from dflash2.errors import CopiesRunning
 from dflash2.keys import key_array
+from dflash2.reservations.waits import untaken_room
 from dflash2.settling import any_in_flight, settle_if
 from dflash2.table import BlockState
 from dflash2.tiers import Tier
@@ -245,8 +246,13 @@ class Reads:
         else:
             held = "" if priority is None else f", or used by requests of priority above {priority}"
             instead = "" if priority is None else ", or acquire without a priority"
-            why = (f"it is full of blocks that cannot move now (being written or pinned{held}), so nothing was "
-                   f"moved; retry once they are released or freed{instead}, or recompute them")
+            # Granted reservations' untaken slots hold HBM too (RESERVED: no demotion frees them): an
+            # HBM of them alone was said to be full of blocks being written or pinned (a review).
+            count, untaken = untaken_room(self.admission.granted.values()) if up_to == Tier.HBM else (0, 0)
+            also = "" if not untaken else f", and of {count} granted reservation(s) not yet taken ({untaken} bytes)"
+            why = (f"it is full of blocks that cannot move now (being written or pinned{held}){also}, so nothing "
+                   f"was moved; retry once they are released, freed{', taken or cancelled' if untaken else ''}"
+                   f"{instead}, or recompute them")
         self.acquire_refusal = f"{up_to.name} could not be given room for them now{where}: {why}"
         self.refusals.note("acquire", "tier_full", self.acquire_refusal)
         return None

@@ -322,3 +322,21 @@ def test_a_release_by_the_last_reader_makes_room_for_the_head(make_manager):
     mgr.release(r2, cached)
     assert mgr.reservation_status(h, d.reservation_id).outcome is Outcome.GRANTED
     mgr.check_invariants()
+
+
+def test_an_acquire_refused_by_granted_reservations_names_them(make_manager):
+    """HBM is all one client's granted, untaken reservation; another's acquire of blocks cached in DRAM
+    is refused (nothing can move: the slots are RESERVED). It was told HBM was full of blocks being
+    written or pinned, of which there were none (a review): the reservations are named."""
+    mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings())
+    w, r, h = mgr.attach("w"), mgr.attach("r"), mgr.attach("h")
+    lid = mgr.register_layout(SMALL)
+    cached = mgr.commit(w, mgr.allocate(w, lid, 2, tier=Tier.DRAM), keys=[11, 12])
+    mgr.free(w, cached)
+    assert mgr.reserve(h, lid, tokens=16 * 4).outcome is Outcome.GRANTED
+    assert mgr.acquire(r, cached) is None
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    assert f"and of 1 granted reservation(s) not yet taken ({4 * slot} bytes)" in mgr.acquire_refusal, \
+        mgr.acquire_refusal
+    assert "released, freed, taken or cancelled" in mgr.acquire_refusal
+    mgr.check_invariants()
