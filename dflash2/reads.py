@@ -251,7 +251,7 @@ class Reads:
             count, untaken = untaken_room(self.admission.granted.values()) if up_to == Tier.HBM else (0, 0)
             also = "" if not untaken else f", and of {count} granted reservation(s) not yet taken ({untaken} bytes)"
             why = (f"it is full of blocks that cannot move now (being written or pinned{held}){also}, so nothing "
-                   f"was moved; retry once they are released, freed{', taken or cancelled' if untaken else ''}"
+                   f"was moved; retry once they are released{', freed, taken or cancelled' if untaken else ' or freed'}"
                    f"{instead}, or recompute them")
         self.acquire_refusal = f"{up_to.name} could not be given room for them now{where}: {why}"
         self.refusals.note("acquire", "tier_full", self.acquire_refusal)
