@@ -142,6 +142,30 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
                 mask &= c.refs == 0
         return self._unprotected(mask, protect, below_priority)
 
+    def leave_whole(self, tier: Tier, mask: np.ndarray, evict: bool) -> np.ndarray:
+        """`mask` (rows of `tier` that may leave once their descendants have: `movable`) less the rows
+        held back by a descendant that cannot leave (a block leaves a tier only after its children
+        there, or for an eviction every cached child: the inner blocks of a chain whose leaf is
+        pinned stay). A row with a holding child outside the mask is held, and so is every ancestor
+        of it, walked up a level at a time from the held rows only (the pointer jumping of
+        `subtree_heights` over every row cost 300 ms at a million blocks, an experiment)."""
+        c = self.table.cols
+        rows = np.flatnonzero(mask)
+        holding = self._holding(tier, rows, evict, None)
+        parents = c.parent[rows]
+        leaving_kids = np.bincount(parents[parents >= 0], minlength=len(mask))[rows]
+        held = rows[holding > leaving_kids]
+        if not len(held):
+            return mask
+        out = mask.copy()
+        out[held] = False
+        up = c.parent[held]
+        while len(up := up[up >= 0]):
+            up = np.unique(up[out[up]])  # (an ancestor outside the mask holds its own ancestors: above)
+            out[up] = False
+            up = c.parent[up]
+        return out
+
     def _childless(self, tier: Tier, evict: bool, through: Tier | None = None,
                    rows: np.ndarray | None = None) -> np.ndarray:
         """Mask: no cached child anywhere (eviction), or none in `tier` or a faster one (demotion;
@@ -285,16 +309,22 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
         """`rows` (ascending, rows of `tier`) as a forest: each one's parent among them (-1: none),
         and whether it waits on a child outside them (`_leaving`)."""
         c = self.table.cols
-        if evict:
-            holding = c.nkids[rows]
-        else:
-            holding = c.kids[0, rows].astype(np.int64)
-            for t in range(1, max(int(tier), int(through or tier)) + 1):
-                holding += c.kids[t, rows]
+        holding = self._holding(tier, rows, evict, through)
         parent = local_parents(rows, c.parent[rows])
         # Every row of `rows` lies in `tier` and is a cached child of its parent, so it holds its
         # parent back; a row with more holding children than it has in `rows` waits on one outside.
         return parent, holding > np.bincount(parent[parent >= 0], minlength=len(rows))
+
+    def _holding(self, tier: Tier, rows: np.ndarray, evict: bool, through: Tier | None) -> np.ndarray:
+        """Per row, its children that hold it in `tier`: every cached child (eviction), or those in
+        `tier` or a faster one (demotion; `through`: down to that tier too)."""
+        c = self.table.cols
+        if evict:
+            return c.nkids[rows].astype(np.int64)
+        holding = c.kids[0, rows].astype(np.int64)
+        for t in range(1, max(int(tier), int(through or tier)) + 1):
+            holding += c.kids[t, rows]
+        return holding
 
     def _cold_mask(self, tier: Tier, scores: np.ndarray) -> np.ndarray:
         """Mask of the rows of `tier` below its `cold_threshold` percentile, each ranked by the

@@ -81,3 +81,30 @@ def test_a_reservation_that_demoting_can_never_fit_gets_no_estimate(daemon):
         r = b.reserve(b.layouts[0], 11 * 16)  # 11 slots of 40 KiB: demoting makes 10
         assert r.deferred and r.est_wait_s is None and "cannot move" in r.reason, r
 
+
+
+def test_a_reservation_behind_blocks_their_pinned_leaves_hold_gets_no_estimate(daemon):
+    """A chain filling HBM, read whole, its first 8 blocks let go of: they are unpinned, but a block
+    leaves HBM only after its children there, all still pinned. Counted as room demoting could free,
+    a reservation was told "not enough HBM free yet" with a 0 s estimate at every poll (a review)."""
+    with Client.connect(daemon.endpoint, name="writer", layouts=[SMALL]) as a, \
+            Client.connect(daemon.endpoint, name="reader", layouts=[SMALL]) as b, \
+            Client.connect(daemon.endpoint, name="late", layouts=[SMALL]) as c:
+        keys = [9000 + i for i in range(64)]
+        places = a.allocate(a.layouts[0], 64)  # the whole tier: 16 pages of 4 blocks of 16 KiB
+        assert places is not None, a.last_refusal
+        a.free(a.commit(places["vid"], keys=keys))  # one chain, idle and cached
+        vids = b.lookup(keys)["vid"]
+        assert len(vids) == 64 and b.acquire(vids) is not None
+        b.release(vids[:8])  # the chain's first 8: unpinned, held in HBM by their pinned children
+        for _ in range(3):  # (and at the polls after a background step)
+            r = c.reserve(c.layouts[0], 16 * 8) if _ == 0 else c.reservation(r.reservation_id)
+            assert r.deferred and r.est_wait_s is None, r
+            assert "cannot move" in r.reason, r.reason
+            time.sleep(0.15)
+        b.release(vids[8:])  # now the whole chain may leave: the reservation is granted
+        deadline = time.monotonic() + 5
+        while not r.granted and time.monotonic() < deadline:
+            time.sleep(0.05)
+            r = c.reservation(r.reservation_id)
+        assert r.granted, r

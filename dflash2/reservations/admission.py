@@ -486,8 +486,13 @@ class Admission(ExpiringReservations):
             # priorities: 277 ms of the loop per 100 ms step at a million blocks, a review's script).
             c = self.table.cols
             slots = self.table.slot_sizes(Tier.HBM)
-            idle = hbm.movable(Tier.HBM, evict=last, idle_only=True)
-            either = hbm.movable(Tier.HBM, evict=False) | idle
+            # Blocks that can leave with their descendants only (a block leaves HBM after its children
+            # there): the inner blocks of chains whose leaves are pinned were counted, and a
+            # reservation behind them was told "not enough HBM free yet", 0 s, at every poll (a
+            # review). (One pass for every priority: a running child of the reservation's priority
+            # or above, which its room may not demote, still lets its running parent count.)
+            idle = hbm.leave_whole(Tier.HBM, hbm.movable(Tier.HBM, evict=last, idle_only=True), last)
+            either = hbm.leave_whole(Tier.HBM, hbm.movable(Tier.HBM, evict=False), False) | idle
             idle &= self.table.frees_room_for(idle, Tier.HBM, slot)
             running = np.flatnonzero(either & ~idle & self.table.frees_room_for(either, Tier.HBM, slot))
             by_priority = np.bincount(c.priority[running].astype(np.int64) - PRIORITY_MIN,
