@@ -108,3 +108,18 @@ def test_a_reservation_behind_blocks_their_pinned_leaves_hold_gets_no_estimate(d
             time.sleep(0.05)
             r = c.reservation(r.reservation_id)
         assert r.granted, r
+
+
+def test_a_reservation_behind_another_sizes_granted_slot_is_told_so(daemon):
+    """15 of the 16 pages being written; another client's granted 8 KiB reservation holds a slot of
+    the last page, which is no 16 KiB room while it stays. Counted by its 8 KiB, a 16 KiB reservation
+    was told it waited on blocks being written or pinned (a review)."""
+    with Client.connect(daemon.endpoint, name="writer", layouts=[SMALL]) as a, \
+            Client.connect(daemon.endpoint, name="small", layouts=[SMALL_FP8]) as g, \
+            Client.connect(daemon.endpoint, name="late", layouts=[SMALL]) as c:
+        assert a.allocate(a.layouts[0], 60) is not None, a.last_refusal  # 15 pages of 16 KiB blocks
+        assert g.reserve(g.layouts[0], 16).granted  # one 8 KiB block: a slot of the last page
+        r = c.reserve(c.layouts[0], 16)
+        assert r.deferred and r.est_wait_s is None, r
+        assert "1 granted reservation(s) not yet taken (8192 bytes)" in r.reason, r.reason
+        assert "being written" not in r.reason, r.reason

@@ -440,14 +440,31 @@ class Admission(ExpiringReservations):
         room = self._room(res)
         # Demoting cannot make the room: it waits on blocks that cannot move now, on granted
         # reservations' room, or on the reservations ahead of it, each said as such (waits.py).
-        why = None if ahead <= room else blocked_reason(  # (movable bytes only asked for when free room falls short)
-            pos, res.hbm_bytes, ahead, room + self._movable_bytes(res), self.granted.values(),
-            self.settings.reservation_ttl_s, res.client)
+        why = None
+        if ahead > room:  # (movable bytes only asked for when free room falls short)
+            movable = room + self._movable_bytes(res)
+            why = blocked_reason(pos, res.hbm_bytes, ahead, movable, self.granted.values(),
+                                 self.settings.reservation_ttl_s, res.client,
+                                 self._untaken_here(res, movable) if ahead > movable else None)
         if why is not None:
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
         wait = 0.0 if short <= 0 else self._refill_time(short)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
+
+    def _untaken_here(self, res: Reservation, movable: int) -> int | None:
+        """The room for `res`'s slots that granted reservations' untaken blocks keep beyond `movable`
+        (HBM's free and movable room for it), where one of them is of another slot size: their bytes
+        are no measure of it (an 8 KiB reserved slot in the last page kept a 16 KiB block out, and the
+        reservation was told it waited on blocks being written or pinned, a review). None where all
+        are of its size: their bytes are. A pass over the table, asked only for a reservation that
+        demoting cannot serve."""
+        held = [r for r in self.granted.values() if r.remaining]
+        if all(r.slot == res.slot for r in held):
+            return None
+        rows = self.table.rows([v for r in held for v in r.vids])
+        gone = self.placement.room_most_without(Tier.HBM, rows, idle_only=True, slot=res.slot)
+        return max(0, gone - movable)
 
     def _refill_time(self, amount: float) -> float:
         """Seconds until the bucket has taken in `amount` bytes more while the queue waits, with no new

@@ -26,18 +26,20 @@ IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned,
 
 
 def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[Reservation],
-                   ttl_s: float, client: int | None = None) -> str | None:
+                   ttl_s: float, client: int | None = None, untaken_here: int | None = None) -> str | None:
     """The reason for a reservation at index `pos` of the queue, of `own` HBM bytes, with `ahead`
     bytes of the queue up to and with it, where demoting can free `free` bytes for it (free room and
     movable blocks); None when that covers `ahead` (then only admission's pacing holds it back).
-    `client`: the reservation's, whose own granted reservations are said as its own."""
+    `client`: the reservation's, whose own granted reservations are said as its own. `untaken_here`:
+    the room for its slots that the granted reservations' untaken blocks keep, where that is not their
+    bytes (slots of another size: `Admission._untaken_here`)."""
     if ahead <= free:
         return None
     granted = list(granted)
     count, untaken = untaken_room(granted)
     others = ahead - own
     queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
-    if own > free + untaken:
+    if own > free + (untaken if untaken_here is None else untaken_here):
         return IMMOVABLE + queued
     if own > free:
         mine = untaken_room(r for r in granted if r.client == client)
