@@ -97,11 +97,12 @@ def test_a_reservation_behind_blocks_their_pinned_leaves_hold_gets_no_estimate(d
         vids = b.lookup(keys)["vid"]
         assert len(vids) == 64 and b.acquire(vids) is not None
         b.release(vids[:8])  # the chain's first 8: unpinned, held in HBM by their pinned children
+        r = c.reserve(c.layouts[0], 16 * 8)
         for _ in range(3):  # (and at the polls after a background step)
-            r = c.reserve(c.layouts[0], 16 * 8) if _ == 0 else c.reservation(r.reservation_id)
             assert r.deferred and r.est_wait_s is None, r
             assert "cannot move" in r.reason, r.reason
             time.sleep(0.15)
+            r = c.reservation(r.reservation_id)
         b.release(vids[8:])  # now the whole chain may leave: the reservation is granted
         deadline = time.monotonic() + 5
         while not r.granted and time.monotonic() < deadline:
