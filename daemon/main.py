@@ -53,8 +53,10 @@ BENCH_ONLY_POLICIES = {"belady": "the offline optimum needs the future: it exist
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash2d", description="The dflash2 daemon: one tiered KV-cache memory manager per node.",
-        epilog="exit codes: 0 ok, 2 bad config or arguments, 3 disabled (`enable` is false), 4 cannot start "
-               "(memory, disk, endpoint or metrics port), 5 a GPU's CUDA context was lost while serving")
+        epilog="exit codes: 0 ok, 1 --check could not write its plan to stdout, 2 bad config or arguments, "
+               "3 disabled (`enable` is false), 4 cannot start (memory, disk, endpoint or metrics port), 5 a GPU's "
+               "CUDA context was lost while serving, 6 a block table failed its check after a call or step failed "
+               "part way while serving, 141 --check's pipe closed early")
     parser.add_argument("--config", default="dflash2_config.json", metavar="FILE",
                         help="config file (default: dflash2_config.json in the working directory)")
     parser.add_argument("--check", action="store_true",
@@ -106,7 +108,7 @@ def _main(args: argparse.Namespace) -> int:
         check_policy(cfg)
         plan = resolve_plan(cfg)
         warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
-        warnings += rounding_warnings(plan)
+        warnings += rounding_warnings(plan, frozenset(n for n, lay in cfg.layouts.items() if lay.tokens_per_block))
         warnings += check_paths(plan, history=cfg.history_enabled)
         warnings += config_file_warnings(args.config)
     except ConfigError as exc:
@@ -123,13 +125,15 @@ def _main(args: argparse.Namespace) -> int:
         if sys.stdout is None:  # (closed, `>&-`: a traceback on its flush, a review; the config is valid)
             print("dflash2d --check: stdout is closed: the plan is not printed", file=sys.stderr)
             return EXIT_OK
+        if args.json:
+            text = json.dumps({**plan.to_dict(), "now": now}, indent=2)
+        else:
+            text = "\n".join([plan.render_text(), *(f"now: {line}" for line in now)])
         try:
-            if args.json:
-                print(json.dumps({**plan.to_dict(), "now": now}, indent=2))
-            else:
-                print(plan.render_text())
-                for line in now:
-                    print(f"now: {line}")
+            # One write: under PYTHONUNBUFFERED (the Dockerfile's, a shell's) each print was written as it
+            # came, the plan, its newline and each `now:` line apart, and `--check --json | head -1` exited
+            # 141 one time in two, the reader gone after the first.
+            sys.stdout.write(text + "\n")
             sys.stdout.flush()
         except BrokenPipeError:
             # A reader that went away (`| head -1`; a review: a traceback, exit 1, where `dflash2 ... |

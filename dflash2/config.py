@@ -10,6 +10,7 @@ warnings of a legal config are config_warnings.py's.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Annotated, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dflash2 import strictjson
-from dflash2.config_errors import first_error
+from dflash2.config_errors import dotted_key, first_error
 from dflash2.endpoints import (connectable, default_endpoint, endpoint_parts, hosts_overlap, plain_text,
                                tcp_key_path, xdg_dir)
 from dflash2.errors import ConfigError, DisabledError, LayoutError
@@ -311,6 +312,15 @@ class MetricsConfig(_Section):
     @classmethod
     def _plain_host(cls, value: str) -> str:
         plain_text(value)
+        if ":" in value or "/" in value:  # (the resolver refused these at start-up: "Name or service not known")
+            bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+            try:
+                ipaddress.ip_address(bare)
+            except ValueError:
+                raise ValueError("not an address or a host name: give the host alone, such as 127.0.0.1 or ::1 "
+                                 "(metrics.port is the port)") from None
+            if bare != value:
+                raise ValueError(f"an IPv6 address is written without brackets here: {bare}")
         try:  # (as the resolver takes a name: `node1..example.com` made --check and start-up tracebacks)
             value.encode("idna")
         except UnicodeError:
@@ -493,10 +503,18 @@ def load_config(path: str | os.PathLike) -> Config:
     except UnicodeDecodeError as exc:
         raise ConfigError(str(path), f"the config file is not UTF-8 text: byte {exc.object[exc.start]:#04x} "
                                      f"at offset {exc.start}") from None
+    if text.startswith("\ufeff"):  # (json's own words told the user to "decode using utf-8-sig")
+        raise ConfigError(str(path), "invalid JSON: the file begins with a byte-order mark (bytes EF BB BF), which "
+                                     "JSON does not allow; save it as UTF-8 without a BOM")
     try:
         data = strictjson.loads(text)
     except strictjson.KeyTwice as exc:
-        raise ConfigError(exc.path, "appears twice in one object (JSON keeps the last; which did you mean?)") from None
+        # (by its dotted path as any other key's, quoted where it must be: a key with a newline split
+        # the one-line error, an empty one read ": appears twice", a dotted layout name read as a path)
+        key = dotted_key(exc.parts)
+        if len(exc.parts) == 1 and key != exc.parts[0]:
+            key += " (at the top level)"
+        raise ConfigError(key, "appears twice in one object (JSON keeps the last; which did you mean?)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except (ValueError, RecursionError) as exc:  # a number of over 4300 digits; nesting deeper than the stack

@@ -20,7 +20,7 @@ def first_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = first["loc"]
-    key = _dotted(loc)
+    key = dotted_key(loc)
     if first["type"] == "extra_forbidden":
         problem = "unknown key" + _suggestion(root, loc) + _nesting_hint(loc)
         if len(loc) == 1 and key != loc[0]:  # quoted: say where it is, so that it cannot read as a path
@@ -36,7 +36,7 @@ def first_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
     return ConfigError(key or "config", problem)
 
 
-def _dotted(loc: tuple) -> str:
+def dotted_key(loc: tuple) -> str:
     key = ""
     for part in loc:
         if part == "[key]":  # pydantic's marker for a bad dict key: the key itself is already named

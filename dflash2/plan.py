@@ -193,12 +193,13 @@ ROUNDING_WARN_FACTOR = 2
 PAGE_REMAINDER_WARN = 0.01
 
 
-def rounding_warnings(plan: Plan) -> list[str]:
+def rounding_warnings(plan: Plan, own_tokens: frozenset[str] = frozenset()) -> list[str]:
     """One line per tier whose size is not a whole number of pages by PAGE_REMAINDER_WARN or more,
     and one per configured layout whose blocks take slots at least ROUNDING_WARN_FACTOR times
     their size in some tier (DRAM and NVMe slots are 4 KiB aligned, for O_DIRECT): 1 KiB blocks
     took 4 KiB slots, a quarter of those tiers' bytes held blocks (a scale review's daemon: 1.37 GB
-    of rounding in 2 GiB of DRAM), which --check showed only as a block count."""
+    of rounding in 2 GiB of DRAM), which --check showed only as a block count. `own_tokens`: the layouts
+    that give their own tokens_per_block, which kv_block.block_size does not change (it was advised)."""
     out = []
     for t in plan.tiers:
         if t.unused_bytes and t.unused_bytes >= PAGE_REMAINDER_WARN * (t.capacity_bytes + t.unused_bytes):
@@ -220,8 +221,10 @@ def rounding_warnings(plan: Plan) -> list[str]:
             said = "; ".join(f"slots of {slot} bytes in {' and '.join(labels)} ({align}-byte alignment): "
                              f"{100 * (1 - lay.block_bytes / slot):.0f}% of {'that tier' if len(labels) == 1 else 'those tiers'} "
                              "would hold nothing" for (slot, align), labels in groups.items())
-            out.append(f"layouts.{name}: its blocks of {lay.block_bytes} bytes take {said}; a larger "
-                       "kv_block.block_size (tokens per block) wastes less")
+            larger = (f"layouts.{name}.tokens_per_block" if name in own_tokens
+                      else "kv_block.block_size (tokens per block)")
+            out.append(f"layouts.{name}: its blocks of {lay.block_bytes} bytes take {said}; a larger {larger} "
+                       "wastes less")
     return out
 
 

@@ -17,11 +17,13 @@ import json
 
 
 class KeyTwice(Exception):
-    """`path` (dotted; `[i]` for a list's item) is named twice in one object."""
+    """`path` (dotted; `[i]` for a list's item) is named twice in one object; `parts`: its keys and
+    list indexes one by one (a key with a dot, a newline or none at all cannot be told from `path`)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, parts: tuple = ()):
         super().__init__(path)
         self.path = path
+        self.parts = parts
 
 
 class _Doubled(dict):
@@ -58,7 +60,9 @@ def decode(text: str) -> object:
         return _FIRST.decode(text)
     except _Twice:
         pass
-    raise KeyTwice(_doubled_path(json.JSONDecoder(object_pairs_hook=_pairs).decode(text)))
+    parts = _doubled_path(json.JSONDecoder(object_pairs_hook=_pairs).decode(text))
+    raise KeyTwice("".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else p for i, p in enumerate(parts)),
+                   parts)
 
 
 def _pairs(pairs: list[tuple[str, object]]) -> dict:
@@ -74,12 +78,12 @@ def _pairs(pairs: list[tuple[str, object]]) -> dict:
     return marked
 
 
-def _doubled_path(data: object, path: str = "") -> str | None:
+def _doubled_path(data: object, path: tuple = ()) -> tuple | None:
     if isinstance(data, _Doubled):
-        return f"{path}.{data.key}" if path else data.key
+        return (*path, data.key)
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     for key, value in items:
-        found = _doubled_path(value, f"{path}[{key}]" if isinstance(data, list) else f"{path}.{key}" if path else key)
+        found = _doubled_path(value, (*path, key))
         if found is not None:
             return found
     return None

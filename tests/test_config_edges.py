@@ -213,6 +213,50 @@ def test_a_config_nested_too_deeply_is_one_line_at_start_up_too(tmp_path):
     assert rc == 2 and len(err) == 1 and "nested too deeply" in err[0]
 
 
+@pytest.mark.parametrize("value, problem", [
+    ("[::1]", "an IPv6 address is written without brackets here: ::1"),
+    ("0.0.0.0:9464", "not an address or a host name: give the host alone, such as 127.0.0.1 or ::1 (metrics.port "
+                     "is the port)"),
+    ("http://node1", "not an address or a host name: give the host alone, such as 127.0.0.1 or ::1 (metrics.port "
+                     "is the port)"),
+])
+def test_a_metrics_host_the_resolver_cannot_read_is_refused_by_key(value, problem):
+    """An IPv6 address in brackets (as daemon.endpoint writes it), or a host with its port or scheme,
+    passed validation, and start-up then exited 4: "Name or service not known"."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(host(metrics={"port": 9464, "host": value}))
+    assert info.value.key == "metrics.host" and info.value.problem == f'{problem} (got "{value}")', value
+    for ok in ("::1", "fe80::1%lo", "127.0.0.1", "localhost", "0.0.0.0"):
+        assert parse_config(host(metrics={"port": 9464, "host": ok})).metrics.host == ok
+
+
+def test_a_config_saved_with_a_byte_order_mark_is_told_what_to_do(tmp_path):
+    """A file saved as "UTF-8 with BOM" (a Windows editor's default) was told json's words to its
+    programmer: "Unexpected UTF-8 BOM (decode using utf-8-sig)"."""
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(host()).encode())
+    rc, _, err = run("--config", str(path), "--check")
+    assert rc == 2 and err == [f"dflash2d: error: {path}: invalid JSON: the file begins with a byte-order mark "
+                               "(bytes EF BB BF), which JSON does not allow; save it as UTF-8 without a BOM"], err
+
+
+@pytest.mark.parametrize("text, key", [
+    ('{"a\\nb": 1, "a\\nb": 2}', '"a\\nb" (at the top level)'),
+    ('{"": 1, "": 2}', '"" (at the top level)'),
+    ('{"layouts": {"llama3.1": {"dtype": "bf16", "dtype": "fp16"}}}', 'layouts."llama3.1".dtype'),
+    ('{"device": {"gpu_ids": [0], "kind": "host", "kind": "cuda"}}', "device.kind"),
+])
+def test_a_key_named_twice_is_named_as_any_other_key_is(tmp_path, text, key):
+    """A key named twice was named by its path joined with dots as written: a key with a newline split
+    the one-line error in two, an empty one read ": appears twice", a layout named with a dot read as
+    more keys. Now quoted as an unknown or invalid key is (config_errors)."""
+    path = tmp_path / "twice.json"
+    path.write_text(text)
+    rc, _, err = run("--config", str(path), "--check")
+    assert rc == 2 and err == [f"dflash2d: error: {key}: appears twice in one object (JSON keeps the last; "
+                               "which did you mean?)"], err
+
+
 # -- XDG folders -------------------------------------------------------------------------------------
 
 def test_relative_xdg_folders_are_ignored_and_said_to_be():
