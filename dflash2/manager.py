@@ -531,6 +531,7 @@ class BlockManager(Reads):
             tiers[t.label] = {**alloc.stats(), "blocks": blocks[t] - arriving.get(t, 0)}
             if isinstance(arena := self.arenas.get(t), StorageArena) and arena.no_file:
                 tiers[t.label]["no_file"] = arena.no_file  # (writes refused, reads miss: nvmegone.py)
+        self.prefetcher.settle_gone()  # (pending: in HBM; a prefetch gone from it unread is wasted)
         return {
             "tiers": tiers,
             "reads": {Tier(t).label: n for t, n in self.access.reads.items()},

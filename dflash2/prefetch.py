@@ -148,9 +148,11 @@ class Prefetcher:
         # promote keeps the window's prefix (the blocks read first, already in HBM) in place, and
         # the room it makes never takes the rest of the chain this reader is about to read.
         ahead_rows, ahead_live = self._rows(list(vids[position:]))
+        # ... nor the windows brought up before that still wait for their readers (`_waiting_rows`).
+        protect = np.concatenate([ahead_rows[ahead_live], self._waiting_rows()])
         placement = self.manager.placement
         # Only the part HBM could hold comes up (its room made for it alone), the blocks read first.
-        want = want[:placement.fitting_prefix(want, Tier.HBM, protect=ahead_rows[ahead_live])]
+        want = want[:placement.fitting_prefix(want, Tier.HBM, protect=protect)]
         if not len(want):
             return 0
         origin = c.tier[want]  # read before the promotion moves them
@@ -171,9 +173,21 @@ class Prefetcher:
         # A guess: its room comes from idle blocks only, never from a running request's. Blocks read
         # from NVMe while the daemon serves come up while it answers other calls (`promote_later`):
         # counted when they land.
-        if placement.promote_later(want, Tier.HBM, landed, protect=ahead_rows[ahead_live], idle_only=True):
+        if placement.promote_later(want, Tier.HBM, landed, protect=protect, idle_only=True):
             return 0
-        return landed(placement.promote(want, Tier.HBM, protect=ahead_rows[ahead_live], idle_only=True))
+        return landed(placement.promote(want, Tier.HBM, protect=protect, idle_only=True))
+
+    def _waiting_rows(self) -> np.ndarray:
+        """Rows of the prefetched blocks that still wait for their read (pending; not those whose reader
+        left): another prefetch's room is never made from them, however many steps ago they came up.
+        Kept out of it only until the next step (`_fresh`), which may come a moment after, a window
+        then was, its score old, the first block another reader's prefetch pushed out unread (a
+        review). A read's room still takes them after idle blocks, and a drain after one step."""
+        mine = [v for v in self._pending if v not in self._orphans]
+        if not mine:
+            return np.empty(0, dtype=np.int64)
+        rows, live = self._rows(mine)
+        return rows[live]
 
     def follow(self, reader: int, vids: Sequence[int]) -> None:
         """`reader`'s lookup found this chain: a request of it reads it from the start next."""
@@ -319,6 +333,12 @@ class Prefetcher:
         for v in orphans:
             del self._pending[v]
         self._orphans.clear()
+        self.settle_gone()
+
+    def settle_gone(self) -> None:
+        """The pending prefetches that left HBM unread were wasted: counted now (each step, and before
+        the figures are reported: `stats()`; counted at the steps alone, a window pushed out of HBM read
+        as pending, none of it wasted, for up to a step's interval, which may be an hour, a review)."""
         if not self._pending:
             return
         mine = list(self._pending)

@@ -290,6 +290,23 @@ def test_a_block_read_twice_in_one_acquire_settles_its_prefetch_once(make_manage
     assert m.table.cols.pins[m.table.rows([found[0]])[0]] == 2 and m.prefetcher.useful == 1
 
 
+def test_a_prefetch_gone_from_hbm_unread_is_wasted_in_the_figures_at_once(make_manager, clock):
+    """The prefetch figures of `stats()` (`dflash2 status`, the metrics): `pending` is prefetched blocks
+    in HBM not read yet, and one pushed out of HBM unread is wasted. Both were settled only at the next
+    background step, every policy.rescore_interval_ms (up to an hour): until then a window pushed out
+    of HBM read as pending and none of it as wasted (a review). Counted once: the step adds nothing."""
+    m, a, [keys] = _reader_of_dram_chains(make_manager, (610, 8))
+    m.lookup_rows(keys, 0, client=a)
+    n = m.prefetcher.pending
+    assert n and m.stats()["prefetch"]["pending"] == n and m.stats()["prefetch"]["wasted"] == 0
+    assert m.placement.make_room(Tier.HBM, 64 * SMALL.block_bytes)  # every idle block goes down, the window too
+    assert not (m.table.cols.tier[m.table.lookup(keys, 0)] == int(Tier.HBM)).any()
+    figures = m.stats()["prefetch"]
+    assert (figures["pending"], figures["wasted"], figures["useful"]) == (0, n, 0)
+    m.tick()
+    assert (m.prefetcher.pending, m.prefetcher.wasted, m.prefetcher.useful) == (0, n, 0)
+
+
 def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock):
     """A window brought up for a read that has not come yet keeps its old score: without being kept
     out of the room another reader's prefetch makes, it would be the first block to go."""
@@ -310,6 +327,36 @@ def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clo
     assert m.acquire_rows(b, chain_b[:2]) is not None
     m.run_prefetch()
     assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
+    assert filler
+
+
+def test_another_readers_window_is_not_the_room_for_a_prefetch_after_a_step(make_manager, clock):
+    """The same past a background step: a window was kept out of that room only until the next step
+    (which may come a moment after it came up), and then, its score old, it was the first block another
+    reader's prefetch pushed out, unread (a review: a daemon's reader lost its window to another's
+    lookup 0.5 s after it came up). Kept while it waits for its reader; a read asked for still takes
+    it after idle blocks (below), and a drain as ever (its protection there lasts one step)."""
+    m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2,
+                     watermarks={Tier.HBM: Watermark(high=1.0, low=0.85)})  # (no drain: the step settles)
+    a, b = m.attach("a"), m.attach("b")
+    m.register_layout(SMALL)
+    one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
+    assert m.placement.make_room(Tier.HBM, 16 * SMALL.block_bytes)
+    filler = _down_chain(m, a, 900, 16)  # HBM full of idle blocks read just now
+    assert m.stats()["tiers"]["hbm"]["blocks"] == 16
+    chain_a = m.table.vids(m.lookup_rows(one, 0, client=a)).tolist()
+    assert m.acquire_rows(a, chain_a[:2]) is not None
+    m.release(a, chain_a[:2])
+    m.run_prefetch()
+    window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
+    assert window, "a's window came up"
+    m.tick()
+    assert m.prefetcher.pending == len(window)  # (not read yet, still in HBM)
+    chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
+    assert m.acquire_rows(b, chain_b[:2]) is not None
+    m.run_prefetch()
+    assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
+    assert m.acquire_rows(a, window) is not None and m.prefetcher.wasted == 0
     assert filler
 
 
