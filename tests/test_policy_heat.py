@@ -459,7 +459,7 @@ def test_counts_still_halve_after_a_pause_of_more_half_lives_than_a_float_counts
 
 @pytest.mark.parametrize("children", [3, 40])  # fan-out folded into the lookup, and beyond FUSE_FANOUT
 def test_full_pass_matches_per_row_scores_with_fanout_weights_and_refits(children):
-    from dflash2.policy.heat import FUSE_FANOUT
+    from dflash2.policy.heat_score import FUSE_FANOUT
 
     mgr, lid, c = manager(256)
     pol, table = mgr.policy, mgr.table

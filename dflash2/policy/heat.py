@@ -42,10 +42,10 @@
   come back no more often than the blocks the tier lets go (gate.py); a tier with another below
   admits every block (what it pushes out moves down, not out).
 
-Scores are cached and recomputed every `rescore_interval_s` (and on demand, `rescore()`), and after a
-tier's split changes side; accessed or written blocks are re-scored at once. Per-block state lives
-in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and two split
-lists (1 B each), a lookup offset and a recency slope (4 B each) per row; the splits' ghosts take 9 B
+Scores (their passes: heat_score.py) are cached and recomputed every `rescore_interval_s` (and on
+demand, `rescore()`), and after a tier's split changes side; accessed or written blocks are
+re-scored at once. Per-block state lives in numpy arrays that grow with the table: a logical
+timestamp (8 B), a class, a tier and two split lists (1 B each), a lookup offset and a recency slope (4 B each) per row; the splits' ghosts take 9 B
 per slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
 blocks have left (and one more table for HBM's returning blocks); the admission gate two ghost
 tables of as many slots, 8 B per slot.
@@ -59,11 +59,11 @@ from dflash2.counts import distinct, unique
 from dflash2.policy.admission import (STALE_TURNOVERS, FrequencyAdmission, FrequencySketch, coldest_covering,
                                       slab_ranks)
 from dflash2.policy.base import Policy, register
-from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS, HitDensityModel, freq_class
+from dflash2.policy.density import N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
 from dflash2.policy.ghosts import GhostKeys
-from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables, log2_1p
-from dflash2.policy.lfu import lfu_score
+from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables
+from dflash2.policy.heat_score import HeatScoring
 from dflash2.policy.split import RATE_BAND, AdaptiveSplit
 from dflash2.table import BlockState
 from dflash2.table.rowspace import RowArrays
@@ -89,9 +89,6 @@ RANKINGS = ("heat", "lru", "lfu")
 
 
 INNER_LISTS = ("seen_2_3", "seen_4_plus")
-# While no block has more cached children than this, the full pass folds fan-out into the density
-# lookup (one gather instead of two); beyond it, a separate gather of its own table.
-FUSE_FANOUT = 15
 
 
 # The density's ghost table (density.py): 2**20 slots of 17 bytes (17 MiB); a miniature of the duel
@@ -124,7 +121,7 @@ SCRATCH = {"log_age": np.float32, "scaled": np.float32, "idx": np.int32, "heat0"
 
 
 @register
-class HeatPolicy(Policy):
+class HeatPolicy(HeatScoring, Policy):
     name = "heat"
 
     @classmethod
@@ -398,98 +395,6 @@ class HeatPolicy(Policy):
         self.gate.overruled(len(rows))
 
     # -- scores ----------------------------------------------------------------------------
-    def _scratch(self, name: str, dtype) -> np.ndarray:
-        buf = self._buffers.get(name)
-        if buf is None or len(buf) != self._cap:
-            buf = self._buffers[name] = np.empty(self._cap, dtype=dtype)
-        return buf
-
-    def _score_all(self, table) -> np.ndarray:
-        """The full pass (every row): the same formula as `_score`, in reused float32 and int32
-        buffers (on a million blocks a fresh array per step costs as much as the step), with as few
-        passes as the formula allows: log-age once (it gives the age bin and the recency slope); the
-        bin plus the row's stored class offset (plus, while no block has more than FUSE_FANOUT
-        cached children, the fan-out times the table's stride) indexes one lookup table that holds
-        w_frequency·log2 density (+ w_fanout·log2(1 + children)), padded so that no bin needs
-        clipping. Ages are never negative (`_stamp` only stamps up to the clock): no clamp either."""
-        c = table.cols
-        w = self.weights
-        log_age = self._scratch("log_age", np.float32)
-        np.subtract(self.tick + 1.0, self._last, out=log_age, casting="same_kind")
-        np.log2(log_age, out=log_age)
-        scaled, idx = self._scratch("scaled", np.float32), self._scratch("idx", np.int32)
-        np.multiply(log_age, np.float32(BINS_PER_OCTAVE), out=scaled)
-        np.copyto(idx, scaled, casting="unsafe")  # truncation, as astype
-        idx += self._off
-        most = int(c.nkids.max()) if w["fanout"] and self._cap else 0
-        fused = 0 < most <= FUSE_FANOUT
-        if fused:
-            kids = self._scratch("kids", np.int32)
-            np.multiply(c.nkids, np.int32(TIERS * N_CLASS * ROW), out=kids)
-            idx += kids
-        # Two score buffers used in turn: a pass never writes the array the previous one returned
-        # (callers use scores at once; none keeps them across two passes).
-        self._flip ^= 1
-        heat = self._scratch(f"heat{self._flip}", np.float32)
-        # mode="clip": with `out`, the default mode writes through a temporary copy (3x slower); indices are in range.
-        np.take(self._lookup(most if fused else 0), idx, out=heat, mode="clip")
-        if most > FUSE_FANOUT:
-            np.take(self.tables.fanout(self.weights["fanout"], most), c.nkids, out=scaled, mode="clip")
-            heat += scaled
-        if w["recency"] or w["recency_below"]:
-            log_age *= self._slope  # per row: blocks below HBM may lose heat with age faster
-            heat -= log_age
-        self._add_terms(heat, c, slice(None))
-        return heat
-
-    def _add_terms(self, heat: np.ndarray, c, rows) -> None:
-        """Priority, sharing and stage (fan-out is added with the density), each skipped when its
-        inputs are all zero."""
-        w = self.weights
-        for name, column, fn in (("priority", c.priority, None), ("sharing", c.refs, log2_1p)):
-            if not w[name]:
-                continue
-            values = column[rows]
-            if not values.any():
-                continue
-            heat += np.float32(w[name]) * (values if fn is None else fn(values))
-        if w["stage"]:
-            # The request's stage, as the daemon sees it: a block a request holds (referenced or
-            # pinned) is one it still decodes from; one that every request let go of, finished.
-            # (A `stage` column that no call ever set stood here: the weight changed nothing.)
-            held = (c.refs[rows] > 0) | (c.pins[rows] > 0)
-            if held.any():
-                heat += np.float32(w["stage"]) * held
-
-    def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
-        """Vectorised over the given rows, in float32 (a million-block pass is dominated by
-        transcendental and conversion passes: float32 halves both): log-age once (it gives the
-        density's age bin and the recency slope), the density by one flat gather, and the terms whose
-        inputs are all zero (no references, no priorities, ...) skipped after a cheap test."""
-        c = table.cols
-        w = self.weights
-        ages = (self.tick + 1.0 - self._last[rows]).astype(np.float32)
-        np.maximum(ages, np.float32(1.0), out=ages)
-        log_age = np.log2(ages)
-        idx = (log_age * np.float32(BINS_PER_OCTAVE)).astype(np.int64)
-        np.minimum(idx, ROW - 1, out=idx)
-        idx += self._off[rows]
-        heat = np.take(self._lookup(0), idx)
-        if w["fanout"]:
-            kids = c.nkids[rows]
-            if kids.any():
-                heat += np.float32(w["fanout"]) * log2_1p(kids)
-        if w["recency"] or w["recency_below"]:
-            # Scale-free recency: a small slope in log-age, so that within a density level the
-            # newer block wins (LRU), whatever the workload's time scale.
-            log_age *= self._slope[rows]
-            heat -= log_age
-        self._add_terms(heat, c, rows)
-        return heat
-
-    def _lookup(self, fanout: int) -> np.ndarray:
-        return self.tables.lookup(self.model, self.weights, self.split, self.inner, fanout)
-
     def scores(self, table, rows, now):
         self._ensure(table)
         return self._scores_of(table, np.asarray(rows, dtype=np.int64), now)
@@ -500,21 +405,6 @@ class HeatPolicy(Policy):
         if self.ranking != "heat":
             hbm = table.cols.tier[rows] == int(Tier.HBM)
             out[hbm] = self._followed(table, rows[hbm], now)
-        return out
-
-    def _followed(self, table, rows: np.ndarray, now: float) -> np.ndarray:
-        """The followed ranking's scores of `rows` on heat's log scale, in its policy's order (lru.py,
-        lfu.py) among blocks of no priority, references or holders: LRU's age as -log2(1 + age)
-        (precise in float32, heat's score buffers' type; a monotonic clock's seconds since boot keep
-        whole seconds there), LFU's score as log2(1 + score). Heat's priority, sharing and stage terms
-        are added as to its own scores (followed alone, a high-priority tenant's blocks left HBM as
-        any, and `set_weights` of those terms changed nothing while the duel followed, a review)."""
-        c = table.cols
-        if self.ranking == "lru":
-            out = -np.log2(1.0 + np.maximum(now - c.last_access[rows], 0.0))
-        else:
-            out = np.log2(1.0 + lfu_score(c.hits[rows], c.last_access[rows], now))
-        self._add_terms(out, c, rows)
         return out
 
     def scores_all(self, table, now):
