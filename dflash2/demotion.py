@@ -28,14 +28,27 @@ class Demotion:
         victims, progress, overruled = self._admitted(victims, lower, self.table.clock(), hold_refused)
         if not len(victims):
             return 0, progress
+        if len(overruled):  # (refused, held, going all the same: counted once their copies end, below)
+            self.policy.going(self.table, overruled)
+        ran = []
 
         def landed(moved: np.ndarray) -> None:
+            ran.append(True)
             self.stats.demoted += int(moved.sum())
             if moved.any():
                 self.policy.on_insert(self.table, victims[moved], self.table.clock())
-                if len(overruled):  # (refused, held, gone all the same: counted so once gone, not at each try)
-                    self.policy.overruled(self.table, overruled[np.isin(overruled, victims[moved])])
-        return int(self._move_down(victims, lower, protect, landed).sum()), progress
+            if len(overruled):  # (gone all the same: counted so once gone, not at each try; else refused)
+                went = np.isin(overruled, victims[moved])
+                self.policy.overruled(self.table, overruled[went])
+                self.policy.stayed(self.table, overruled[~went])
+        try:
+            return int(self._move_down(victims, lower, protect, landed).sum()), progress
+        except CopiesRunning:
+            raise  # (parked: `landed` runs when the copies end, or the call runs again and decides again)
+        except BaseException:
+            if len(overruled) and not ran:  # (they stay where they were: refused, as before)
+                self.policy.stayed(self.table, overruled)
+            raise
 
     def _admitted(self, victims: np.ndarray, lower: Tier, now: float,
                   hold_refused: bool = False) -> tuple[np.ndarray, bool, np.ndarray]:

@@ -55,8 +55,8 @@ block, request or client id.
 | dflash2_calls_parked_total | counter | calls parked until copies in flight ended (an NVMe read, a drain's writes) while the loop answered the others |
 | dflash2_set_aside_blocks / dflash2_set_aside_pinned_blocks | gauge | private blocks of lapsed clients whose process may still write them, kept out of reuse until it is gone (or daemon.set_aside_leases leases) / blocks such clients had pinned, kept pinned as long |
 | dflash2_clients | gauge | clients attached |
-| dflash2_gpu_memory_utilization{gpu} | gauge | used / capacity of each GPU pool's device (HBM) tier; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
-| dflash2_gpu_nvme_utilization{gpu} | gauge | used / capacity of each GPU pool's NVMe tier (its own file) |
+| dflash2_gpu_memory_utilization{gpu} | gauge | how full each GPU pool's device (HBM) tier is, as its watermarks weigh it: used slots and the page tails of their slabs (full_bytes), over capacity; on a host-only daemon, of its host-memory stand-in (gpu 0). The dflash2_tier_* gauges are the node's totals over its GPUs |
+| dflash2_gpu_nvme_utilization{gpu} | gauge | how full each GPU pool's NVMe tier (its own file) is, measured as dflash2_gpu_memory_utilization |
 | dflash2_gpu_nvme_set_aside_ratio{gpu} | gauge | share of each GPU pool's NVMe tier set aside after failed writes or reads (past 0.05 the daemon calls that disk failing) |
 | dflash2_snapshot_age_seconds | gauge | age of the state the scrape saw (served by its own thread: it grows while the request loop is stuck, and `up` stays 1) |
 | dflash2_info{device,policy,version} | gauge | 1 |
@@ -64,7 +64,7 @@ block, request or client id.
 | dflash2_policy_list_blocks{gpu,tier,list} | gauge | heat only: keyed blocks per split list (first_timers, returning) |
 | dflash2_policy_ghost_hits_total{gpu,tier,list} | counter | heat only: keys asked for again soon after they left the tier, by the list they left |
 | dflash2_policy_departures_total{gpu,tier,list} | counter | heat only: keyed blocks that left the tier, by list (ghost hits over departures: each list's return rate, what moves the target) |
-| dflash2_policy_recent_return_ratio{gpu,tier,list} | gauge | heat only: ghost hits per departure whose window has closed or that came back (a share, at most 1), recent (decayed): the rates that decide whose ghosts move the target (NaN until both lists have 32 such departures) |
+| dflash2_policy_recent_return_ratio{gpu,tier,list} | gauge | heat only: ghost hits per departure whose window has closed or that came back (a share, at most 1), recent (decayed): the rates that decide whose ghosts move the target (NaN while either list has fewer than 32 such departures, decayed: it may go back to NaN where a list lets few blocks go for a while) |
 | dflash2_policy_ghosts_move_target{gpu,tier,list} | gauge | heat only: 1 while the list's ghosts move the target, 0 while they are held (its recent return ratio below the split's rate band times the other list's: half, in HBM's split of first-timers and returning blocks) |
 | dflash2_policy_seen_2_3_target_blocks{gpu,tier} | gauge | heat only: the returning blocks' split: the target for those whose key was referenced 2–3 times (the others 4 or more) |
 | dflash2_policy_returning_list_blocks{gpu,tier,list} | gauge | heat only: returning blocks per list of their split (seen_2_3, seen_4_plus) |
@@ -460,8 +460,8 @@ def _split_families(split: list, prefix: str, lists: tuple, target: str, target_
                    [((g, t["tier"], lst), t["departures"][lst]) for g, t in split for lst in lists])
     # NaN while unknown (as a summary's quantiles before any observation): the panel shows a gap.
     yield _gauge(f"dflash2_policy_{prefix}recent_return_ratio",
-                 f"{what}: ghost hits per departure whose window closed, recent (decayed); NaN until "
-                 "both lists have enough such departures.", ["gpu", "tier", "list"],
+                 f"{what}: ghost hits per departure whose window closed, recent (decayed); NaN while "
+                 "either list has too few such departures (decayed: it may go back to NaN).", ["gpu", "tier", "list"],
                  [((g, t["tier"], lst), math.nan if t["recent_return_rate"][lst] is None else t["recent_return_rate"][lst])
                   for g, t in split for lst in lists])
     yield _gauge(f"dflash2_policy_{prefix}ghosts_move_target",

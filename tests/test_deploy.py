@@ -282,3 +282,19 @@ def test_the_package_metadata_uses_no_form_setuptools_drops():
     assert re.search(r'^license = "Apache-2\.0"', text, re.M), "the licence as an SPDX expression"
     assert re.search(r'requires = \["setuptools>=(\d+)"\]', text) and \
         int(re.search(r'requires = \["setuptools>=(\d+)"\]', text)[1]) >= 77
+
+
+def test_the_dashboards_split_panel_says_where_the_rate_band_holds_ghosts(make_manager):
+    """A review: the panel of the splits' return ratios said a list whose recent ratio is below half
+    the other's has its ghosts held, of every line it draws; the band is HBM's first-timers/returning
+    split's alone (0 in DRAM's and NVMe's splits and in the returning blocks' split: every ghost moves)."""
+    manager = make_manager(hbm_blocks=8, dram_blocks=16, nvme_blocks=16, policy="heat")
+    policy = manager.policy
+    policy._ensure(manager.table)  # (its splits are made with its per-row state, at the first blocks)
+    assert list(policy.split.rate_band) == [0.5, 0.0, 0.0] and list(policy.inner.rate_band) == [0.0]
+    board = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
+    [panel] = [p for p in board["panels"] if "dflash2_policy_recent_return_ratio" in json.dumps(p["targets"])]
+    text = panel["description"]
+    assert "in HBM's split of first-timers and returning blocks, a list whose recent ratio is below half the " \
+        "other list's has its ghosts held" in text, text
+    assert "in DRAM's and NVMe's splits and in the returning blocks' split every list's ghosts move it" in text

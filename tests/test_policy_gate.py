@@ -4,6 +4,7 @@ often than the blocks the tier lets go."""
 import json
 
 import numpy as np
+import pytest
 
 from dflash2.policy.gate import AdmissionGate
 from dflash2.tiers import Tier
@@ -168,3 +169,65 @@ def test_departure_numbers_wrap_past_32_bits():
     g.left(keys(100, 101, 102, 103))  # the count passes 2**32
     g.referenced(keys(7))
     assert g.counts["departed_back"] == 1  # five departures since, within the window of ten
+
+
+def test_a_refused_held_block_going_down_while_its_call_is_parked_never_counts_backwards(
+        config_file, instance_name, monkeypatch):
+    """A review: a refused held block going down was counted refused at the decision, and taken back
+    (admitted against the rule) once its copy had ended. An allocation parked on those writes to NVMe
+    let the daemon answer others and take its /metrics snapshot meanwhile: the counter
+    dflash2_policy_admission_blocks_total{outcome="refused"} read 10, then 0 (a counter reset to
+    Prometheus, whose rate() then counts the whole total again). Now it is counted when its copy ends."""
+    import threading
+
+    from dflash2.assemble import build_manager
+    from dflash2.config import load_config
+    from dflash2.errors import CopiesRunning
+    from dflash2.layout import Layout
+
+    layout = Layout("t", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_block=16)  # 16 KiB
+    cfg = load_config(config_file(memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 2,
+                                          "staging_buffer_size_mb": 1},
+                                  kv_block={"block_size": 16, "prefetch_window": 0},
+                                  policy={"name": "heat", "cold_threshold": 0.5, "swap_batch_size": 64}))
+    m = build_manager(cfg, instance=instance_name)
+    try:
+        r, lid = m.attach("reader"), m.register_layout(layout)
+        blocks = {t: s.capacity_bytes // layout.block_bytes for t, s in m.specs.items()}
+        for k in range(1, blocks[Tier.NVME] + 1):  # NVMe full of blocks read often
+            v = m.commit(r, m.allocate(r, lid, 1), keys=[k])
+            m.free(r, v)
+            for _ in range(4):
+                vids = [p.vid for p in m.lookup([k], lid)]
+                m.add_ref(r, vids)
+                assert m.acquire(r, vids) is not None
+                m.release(r, vids)
+                m.free(r, vids)
+            assert m.mover.move(m.table.rows([int(v[0])]), Tier.NVME).all()
+        w = m.attach("writer")  # DRAM full of blocks their writer holds, read once; HBM full of idle ones
+        held = m.commit(w, m.allocate(w, lid, blocks[Tier.DRAM]), keys=list(range(10**5, 10**5 + blocks[Tier.DRAM])))
+        assert m.mover.move(m.table.rows([int(x) for x in held]), Tier.DRAM).all()
+        m.free(w, m.commit(w, m.allocate(w, lid, blocks[Tier.HBM]), keys=list(range(2 * 10**5, 2 * 10**5 + blocks[Tier.HBM]))))
+        nvme, go = m.arenas[Tier.NVME], threading.Event()
+        write = nvme.write_blocks
+
+        def held_write(offsets, buffers):
+            assert go.wait(30)
+            return write(offsets, buffers)
+        monkeypatch.setattr(nvme, "write_blocks", held_write)
+        m.placement.read_later = True  # as while the daemon serves
+        m.placement.parking, m.placement.own_parks = True, 0
+        gate = m.policy.gate
+        with pytest.raises(CopiesRunning):  # parked on its room's writes to NVMe
+            m.allocate(w, lid, 4)
+        meanwhile = (gate.counts["refused"], gate.counts["admitted_against_rule"])  # a snapshot taken now
+        go.set()
+        m.placement.parking = False
+        m.placement.settle()
+        after = (gate.counts["refused"], gate.counts["admitted_against_rule"])
+        assert after[1] > 0, "no refused held block went down"
+        assert after[0] >= meanwhile[0] and after[1] >= meanwhile[1], (meanwhile, after)
+        m.check_invariants()
+    finally:
+        m.placement.read_later = False
+        m.close()

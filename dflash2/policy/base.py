@@ -76,9 +76,16 @@ class Policy(abc.ABC):
         """Mask of the rows that deserve a place in `tier` (default: all)."""
         return np.ones(len(rows), dtype=bool)
 
+    def going(self, table: "BlockTable", rows: np.ndarray) -> None:
+        """Rows `admit` refused (in this call) go into the tier all the same, held by their writer or
+        a reader: `overruled` once they have, `stayed` where they did not (placement.py `_demote`)."""
+
     def overruled(self, table: "BlockTable", rows: np.ndarray) -> None:
         """Rows `admit` refused went into the tier all the same: held by their writer or a reader,
         they could be neither dropped nor kept where they were (placement.py `_admitted`)."""
+
+    def stayed(self, table: "BlockTable", rows: np.ndarray) -> None:
+        """Rows `admit` refused that were `going` into the tier did not go (no room there)."""
 
     @classmethod
     def from_config(cls, policy_config) -> "Policy":

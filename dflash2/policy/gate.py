@@ -99,14 +99,25 @@ class AdmissionGate:
         self.counts["admitted_against_rule"] += n
         return np.ones(len(keys), dtype=bool)
 
-    def overruled(self, n: int) -> None:
-        """`n` blocks the rule refused (counted so by `decide`) went into the tier all the same, held
-        by their writer or a reader: admitted against the rule, not refused. Their ghosts stay, as
-        for the blocks admitted while the rule is off: the rule's would-be refusals are measured
-        whatever became of them. (Counted as refusals, they showed refusals that never happened,
-        a review.)"""
+    def going(self, n: int) -> None:
+        """`n` blocks the rule refused, in the same call as `decide`, go into the tier all the same
+        (held by their writer or a reader): not counted refused until their copies have ended,
+        `overruled` or `stayed`. Taken back at their landing, a refusal counted first was seen by a
+        /metrics snapshot taken while the copies ran (a call parked on them), and the counter went
+        down (a review)."""
         self.counts["refused"] -= n
+
+    def overruled(self, n: int) -> None:
+        """`n` blocks the rule refused (`going`) went into the tier all the same, held by their
+        writer or a reader: admitted against the rule, not refused. Their ghosts stay, as for the
+        blocks admitted while the rule is off: the rule's would-be refusals are measured whatever
+        became of them. (Counted as refusals, they showed refusals that never happened, a review.)"""
         self.counts["admitted_against_rule"] += n
+
+    def stayed(self, n: int) -> None:
+        """`n` blocks the rule refused (`going`) did not go into the tier after all (no room there):
+        refused, as blocks that stay where they are."""
+        self.counts["refused"] += n
 
     # -- events ----------------------------------------------------------------------------------
     def left(self, keys: np.ndarray | GhostKeys) -> None:

@@ -391,8 +391,14 @@ class HeatPolicy(HeatScoring, Policy):
         rule = self.freq_admission.admit(keys, c.key[here[low]], wanted, held[low], stale)
         return self.gate.decide(keys, rule, len(here) + spare)
 
+    def going(self, table, rows):
+        self.gate.going(len(rows))
+
     def overruled(self, table, rows):
         self.gate.overruled(len(rows))
+
+    def stayed(self, table, rows):
+        self.gate.stayed(len(rows))
 
     # -- scores ----------------------------------------------------------------------------
     def scores(self, table, rows, now):
