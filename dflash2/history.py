@@ -42,7 +42,7 @@ from pathlib import Path
 
 from dflash2.endpoints import _bare_host
 from dflash2.files import make_private_folders, owner_text
-from dflash2.history_sample import is_sample, sample_of  # (sample_of re-exported: the tests import it here)
+from dflash2.history_sample import change, is_sample, rates, sample_of  # noqa: F401 (re-exported: callers import them here)
 from dflash2.historylock import lock_again, lock_moved
 
 log = logging.getLogger("dflash2.history")
@@ -70,6 +70,7 @@ class History:
         self.lock_fd = -1  # the state folder's history lock, when this daemon holds it (make_history)
         self._next = -float("inf")
         self._due_at: float | None = None  # when `due` last said a sample was due, for `record`
+        self._taken = -float("inf")  # when the last sample was taken (its question's time): `due`'s set back
         self._torn_tail = False  # the file ends in a line a crash cut short: the next write starts a new line
         self._mode_said = False  # made owner-only, said once (a filesystem that ignores chmod: every sample)
         # Samples not in the file yet: a write failed (a full disk). Each sample tries again, these
@@ -100,8 +101,11 @@ class History:
         """Whether a sample is due: on a grid of `interval_s` steps, within a tenth of one (a caller
         asking about once an interval may ask a little early)."""
         now = self.clock()
-        # A wall clock set back (an NTP step, a resumed VM) must not stop sampling until it catches up.
-        due = now >= self._next - self.interval_s / 10 or now < self._next - self.interval_s
+        # A wall clock set back (an NTP step, a resumed VM) must not stop sampling until it catches up:
+        # a time before the grid step behind `_next`, and before the last sample's own. (The grid step
+        # alone took every question in the tenth after a sample taken early for a set back: a second
+        # sample some milliseconds after it, the grid moved, about 1 in 40 samples of a daemon, a review.)
+        due = now >= self._next - self.interval_s / 10 or now < min(self._taken, self._next - self.interval_s)
         if due:
             self._due_at = now
         return due
@@ -118,6 +122,7 @@ class History:
         # (a pause, a clock set back), from now.
         step = self._next + self.interval_s
         self._next = step if abs(at - self._next) < self.interval_s else at + self.interval_s
+        self._taken = at
         s = sample_of(stats, now)
         line = _line(s)
         self.samples.append((s["t"], line))
@@ -441,42 +446,6 @@ def _ends_torn(path: Path) -> bool:
             return f.read(1) != b"\n"
     except OSError:
         return False
-
-
-def change(a: dict, b: dict) -> tuple[dict[str, int], dict[str, int]] | None:
-    """(blocks read per tier, bytes moved per direction) from sample `a` to `b`, or None when the
-    daemon restarted between them: its start time or pid changed, or a counter went down. As pid 1
-    in a container it keeps its pid, and a restart that served more than the daemon before it
-    showed no counter going down: its figures were taken for the old daemon's (a review's script;
-    samples before `started` was kept have none)."""
-    if a.get("started") != b.get("started") or a.get("pid") != b.get("pid"):
-        return None
-    if b.get("requests", 0) < a.get("requests", 0):
-        return None
-    reads = {t: b["reads"].get(t, 0) - a["reads"].get(t, 0) for t in a["reads"].keys() | b["reads"].keys()}
-    moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0)
-             for d in a["swaps"].keys() | b["swaps"].keys()}
-    if any(n < 0 for n in reads.values()) or any(n < 0 for n in moved.values()):
-        return None
-    return reads, moved
-
-
-def rates(samples: list[dict]) -> list[dict]:
-    """Per-interval figures between consecutive samples: HBM hit ratio of the blocks acquired in the
-    interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples
-    (`change`) gives no row for that interval."""
-    out = []
-    for a, b in zip(samples, samples[1:]):
-        dt = b["t"] - a["t"]
-        moves = change(a, b) if dt > 0 else None
-        if moves is None:
-            continue
-        reads, moved = moves
-        total = sum(reads.values())
-        out.append({"t": b["t"], "dt": dt, "reads": total,
-                    "hbm_hit_ratio": reads.get("hbm", 0) / total if total else None,
-                    "swap_bps": {d: v / dt for d, v in sorted(moved.items())}})
-    return out
 
 
 OWN_NAMES = (FILE_NAME, FILE_NAME + ".1", LOCK_NAME)  # what the history keeps in its state folder

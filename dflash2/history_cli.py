@@ -112,8 +112,11 @@ def handler(args: argparse.Namespace) -> int:
     if args.json:
         for s in samples:
             print(json.dumps(s, separators=(",", ":")))
-    else:
+    elif samples or args.since is None or args.file is not None:
         print(render(samples, args.rows))
+    else:  # (a daemon counts --since back from now: one shorter than its interval may hold none of its samples)
+        print(f"no samples in the last {args.since:g}s (the daemon samples once a second; a longer --since, or "
+              "none, shows those it keeps)")
     if path is not None and not args.json:
         print(f"plot written to {path}")
     return EXIT_OK
@@ -187,8 +190,8 @@ def fetch(endpoint: str, since_s: float | None, timeout_s: float = 5.0, key_file
             transport.close()
     except AccessDenied as e:  # (it runs: it refused this process)
         raise DaemonNotAnswering(str(e)) from None
-    except DaemonUnavailable as e:
-        raise DaemonNotAnswering(f"{e}; is dflash2d running?") from None
+    except DaemonUnavailable as e:  # (it says how: gone or stuck, or the pid holding the endpoint, as status's)
+        raise DaemonNotAnswering(str(e)) from None
     # A daemon of another version (not one this command can ask), or what answered is not dflash2d
     # (or its reply is unreadable).
     except (VersionMismatch, UnreadableReply) as e:

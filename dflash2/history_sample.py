@@ -1,4 +1,5 @@
-"""A history sample: its shape (`sample_of`) and what makes a decoded line one (`is_sample`).
+"""A history sample: its shape (`sample_of`), what makes a decoded line one (`is_sample`), and the
+figures between two samples (`change`, `rates`).
 
 Apart from dflash2/history.py, which keeps and writes the series (and re-exports these), so that
 that module stays a size a reader can hold.
@@ -78,3 +79,39 @@ def is_sample(obj) -> bool:
                 and _number(obj["clients"]) and all(_number(obj.get(k, 0)) for k in ("requests", "errors")))
     except (KeyError, TypeError, AttributeError, OverflowError):
         return False
+
+
+def change(a: dict, b: dict) -> tuple[dict[str, int], dict[str, int]] | None:
+    """(blocks read per tier, bytes moved per direction) from sample `a` to `b`, or None when the
+    daemon restarted between them: its start time or pid changed, or a counter went down. As pid 1
+    in a container it keeps its pid, and a restart that served more than the daemon before it
+    showed no counter going down: its figures were taken for the old daemon's (a review's script;
+    samples before `started` was kept have none)."""
+    if a.get("started") != b.get("started") or a.get("pid") != b.get("pid"):
+        return None
+    if b.get("requests", 0) < a.get("requests", 0):
+        return None
+    reads = {t: b["reads"].get(t, 0) - a["reads"].get(t, 0) for t in a["reads"].keys() | b["reads"].keys()}
+    moved = {d: b["swaps"].get(d, {}).get("bytes", 0) - a["swaps"].get(d, {}).get("bytes", 0)
+             for d in a["swaps"].keys() | b["swaps"].keys()}
+    if any(n < 0 for n in reads.values()) or any(n < 0 for n in moved.values()):
+        return None
+    return reads, moved
+
+
+def rates(samples: list[dict]) -> list[dict]:
+    """Per-interval figures between consecutive samples: HBM hit ratio of the blocks acquired in the
+    interval, and swap bandwidth (bytes/s) per direction. A daemon restart between two samples
+    (`change`) gives no row for that interval."""
+    out = []
+    for a, b in zip(samples, samples[1:]):
+        dt = b["t"] - a["t"]
+        moves = change(a, b) if dt > 0 else None
+        if moves is None:
+            continue
+        reads, moved = moves
+        total = sum(reads.values())
+        out.append({"t": b["t"], "dt": dt, "reads": total,
+                    "hbm_hit_ratio": reads.get("hbm", 0) / total if total else None,
+                    "swap_bps": {d: v / dt for d, v in sorted(moved.items())}})
+    return out

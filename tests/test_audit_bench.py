@@ -373,6 +373,7 @@ def test_a_staging_buffer_past_the_machines_memory_is_refused_in_one_line(capsys
     line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--staging-mb", "100000000",
                        "--dir", str(tmp_path))
     assert "staging buffer needs" in line and "available" in line
+    assert "error: --staging-mb 100000000: " in line, line  # (it named memory.staging_buffer_size_mb alone, a review)
 
 
 # ---- bench churn --------------------------------------------------------------------------------

@@ -378,6 +378,30 @@ def test_history_tells_a_refusal_from_no_daemon(capsys, tmp_path):
     assert "is dflash2d running" not in err
 
 
+def test_history_does_not_ask_whether_a_daemon_it_names_by_pid_runs(capsys, tmp_path):
+    """A daemon that holds the endpoint and does not answer (stuck, or taking its tiers): the call's
+    timeout names its pid, and history added "is dflash2d running?" after it, as if none might run
+    (status says it without; a review, SIGSTOP on a daemon)."""
+    import fcntl
+
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    lock = os.open(f"{tmp_path}/d.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(lock, f"{os.getpid()}\n".encode())
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (as a daemon holds it)
+    mute = zmq.Context.instance().socket(zmq.ROUTER)  # takes the call, never answers
+    mute.bind(endpoint)
+    try:
+        for command in (("history",), ("status",)):
+            rc, _, err = run_cli(capsys, *command, "--endpoint", endpoint, "--timeout", "0.3")
+            assert rc == 1 and f"dflash2d pid {os.getpid()} holds the endpoint" in err, (command, err)
+            assert "running?" not in err, (command, err)
+    finally:
+        mute.close(0)
+        os.close(lock)
+
+
 def test_history_and_status_say_when_what_answers_is_not_dflash2d(capsys, tmp_path):
     """Another ZeroMQ program on the endpoint echoing frames back: before, `dflash2 status` said
     `Error: ` and history that dflash2d refused the call with `Error: `."""

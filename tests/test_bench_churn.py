@@ -96,3 +96,16 @@ def test_churn_counts_the_blocks_it_checked_in_the_window_as_its_other_figures(m
     assert counts["requests"] > 0 and counts["found"] > 0, counts
     assert counts["checked"] == counts["found"], counts  # (the warm-up's reads were counted too: 185 against 118)
     assert counts["wrong"] == 1, counts
+
+
+def test_a_churn_client_that_began_after_the_window_opened_gives_no_figures(monkeypatch, capsys):
+    """A client process whose start took past the timed window's opening (a loaded node, a short
+    --warmup) served part of it or none: the bench printed `requests: 0`, `requests_per_s: 0.0`,
+    exit 0 (a review, `--warmup 0 --seconds 1` on a busy VM). Now one error line, exit 1."""
+    from dflash2 import cli
+
+    monkeypatch.setattr(churn, "START_DELAY_S", -3.0)  # the window opens 2.7 s before the client is started
+    rc = cli.main(["bench", "churn", "--clients", "1", "--warmup", "0", "--seconds", "1", "--docs", "20", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "", (rc, out)
+    assert "client process(es) 0 (" in err and "began serving after the timed window opened" in err, err

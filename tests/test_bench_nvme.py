@@ -92,5 +92,7 @@ def test_a_raw_buffer_too_large_is_a_usage_error_in_either_memory(tmp_path):
     """--raw-memory anon: mmap's ENOMEM was a traceback (exit 1), shm's an option error (a review)."""
     shm = _raw_too_large(tmp_path, "shm")
     assert shm.returncode == 2, shm.stderr[-1000:]
+    # The option named (it said "dram tier needs ... bytes of shared memory", no option: a review).
+    assert "error: --raw-buffer-mb: " in shm.stderr, shm.stderr[-600:]
     anon = _raw_too_large(tmp_path, "anon")
     assert anon.returncode == 2 and "Traceback" not in anon.stderr, (anon.returncode, anon.stderr[-600:])

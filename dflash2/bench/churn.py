@@ -51,6 +51,7 @@ RECENT_KEPT = 300
 DOCS_PER_FAMILY = 8
 FAMILY_BLOCKS = 2
 START_DELAY_S = 1.0  # spawned clients attach before the timed window opens
+LATE_START_S = 0.1  # a client that began serving later than this into the timed window: no figures
 OPS = ("lookup", "acquire", "allocate", "commit", "free", "release")
 
 
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dflash2.bench import daemon_policy
+    from dflash2.bench import BenchFailed, daemon_policy
     from dflash2.client import Client
 
     daemon_policy(args.policy)
@@ -93,6 +94,15 @@ def run(args: argparse.Namespace) -> dict:
                     results = workers.results(deadline=window[1] + ANSWER_MARGIN_S)
         finally:
             _stop(daemon)
+    # A client whose start took past the window's opening (a loaded node's interpreter start, with a
+    # short --warmup) served part of the window or none of it: its figures counted the whole window,
+    # and a run whose clients never began said 0 requests a second, exit 0 (a review).
+    late = [(i, r["began"] - window[0]) for i, r in enumerate(results) if r["began"] > window[0] + LATE_START_S]
+    if late:
+        raise BenchFailed(f"bench churn: client process(es) {', '.join(f'{i} ({s:.1f} s late)' for i, s in late)} "
+                          f"began serving after the timed window opened (their start took longer than the "
+                          f"{START_DELAY_S + 0.3 * args.clients:g} s allowed and --warmup {args.warmup}): no figures; "
+                          "give a longer --warmup")
     out = _figures(args, results, before, after, None if cpu0 is None else cpu1 - cpu0, t1 - t0)
     out["log_bytes_per_s"] = round(logged / (t1 - t0), 1)
     return out
@@ -170,6 +180,7 @@ def _client(endpoint: str, index: int, docs: int, start_at: float, window: tuple
     with Client.connect(endpoint, name=f"bench-churn-{index}", layouts=[LAYOUT]) as client:
         lid = client.layouts[0]
         time.sleep(max(0.0, start_at - time.time()))
+        began = time.time()  # (after the window opened: `run` gives no figures)
         while True:
             now = time.time()
             if now >= window[1]:
@@ -209,7 +220,7 @@ def _client(endpoint: str, index: int, docs: int, start_at: float, window: tuple
                 counts["found"] += n
             recent.append(doc)
             del recent[:-RECENT_KEPT]
-    return {"counts": counts, "lat": lat}
+    return {"counts": counts, "lat": lat, "began": began}
 
 
 # -- figures -------------------------------------------------------------------------------------

@@ -89,8 +89,11 @@ class _Raw:
         try:  # (what was made is let go of on any failure, Ctrl-C among them: the segment was left)
             os.posix_fallocate(self.fd, 0, size)
             if memory == "shm":  # the kind of memory the tier moves: a DRAM-tier shared-memory segment
-                self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
-                                                    alignment=nvme_arena.ALIGN)
+                try:
+                    self.shm = SharedMemoryArena.create(f"dflash2-bench-raw-{os.getpid()}", self.nbytes, Tier.DRAM,
+                                                        alignment=nvme_arena.ALIGN)
+                except CapacityError as e:  # (it named a "dram tier", no option: a review)
+                    raise CapacityError(f"--raw-buffer-mb: {e} (--raw-memory shm)") from None
                 self.buf = self.shm.view(0, self.nbytes)
             else:
                 try:
@@ -144,7 +147,10 @@ UNALIGNED_SHIFT = 64
 
 class _Tier:
     def __init__(self, path: str, size: int, block: int, batch: int, staging: int, aligned: bool):
-        self.arena = NvmeArena(path, size, staging_bytes=staging)
+        try:
+            self.arena = NvmeArena(path, size, staging_bytes=staging)
+        except CapacityError as e:  # (it named memory.staging_buffer_size_mb, the daemon's key: a review)
+            raise CapacityError(f"--staging-mb {staging >> 20}: {e}") from None
         self.block, self.batch = block, batch
         self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
         # One batch of distinct source blocks (reused for every batch, stamped with each block's
