@@ -351,6 +351,11 @@ class Client:
             if call.owns(e, self._transport):  # (only the transport's own answers say the lease or the daemon ended)
                 if isinstance(e, DaemonError) and e.kind == "UnknownClient":  # the lease lapsed (or the daemon
                     self._lease_lost()  # restarted): as the heartbeat says
+                    if self._ended:  # (a new daemon's answer blamed a detach or a lapsed lease, a review)
+                        raise call.mine(DaemonError("UnknownClient", (
+                            f"client {self.client_id} is not attached: the daemon it attached to at {self.endpoint} "
+                            "has ended (stopped or restarted), and its blocks, pins and reservations with it; "
+                            "attach a new client"))) from None
                 elif isinstance(e, DaemonUnavailable):
                     self._daemon_gone()
             raise

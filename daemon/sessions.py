@@ -149,6 +149,14 @@ class SetAside:
             del self.sessions[s.client]
         return out
 
+    def credit_stall(self, stalled_s: float) -> None:
+        """The daemon did not run for `stalled_s` (Service.resumed): that time does not count against a
+        set-aside, as it does not against a lease. Counted, a lapsed client whose process was still
+        stopped had its blocks freed and its pins let go at once when the daemon ran again, its
+        set-aside spent while nothing could reach the daemon (a review: 0.6 s of a 6 s set-aside run)."""
+        for client, (session, until) in self.sessions.items():
+            self.sessions[client] = (session, until + stalled_s)
+
     def again(self, session: Session) -> None:
         """Back in the set, due at once: its detach failed part way, and the next judging tries again."""
         self.sessions[session.client] = (session, self.clock())

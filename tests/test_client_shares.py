@@ -49,6 +49,30 @@ def test_a_process_that_attaches_again_carries_its_set_aside_blocks_in_its_share
                 c.close()
 
 
+def test_a_session_set_aside_after_its_process_attached_again_counts_in_the_later_ones_share(daemon):
+    """A process drops a client (or its engine reconnects) and attaches a new one before the old lease
+    lapses: the old one's 32 blocks were set aside after the new session attached, were carried into
+    no share, and the process held them and a whole share on top, HBM full (a review)."""
+    first = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], heartbeat=False)
+    other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL])
+    again = None
+    try:
+        lid = first.layouts[0]
+        assert first.allocate(lid, 32) is not None  # being written: private
+        again = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL])  # the same process, first still attached
+        deadline = time.monotonic() + 10.0
+        while other.stats()["set_aside"]["blocks"] != 32:  # the first one's lease lapses after the new attach
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(DaemonError, match="QuotaExceeded: .*set aside from its process's earlier session"):
+            again.allocate(lid, 1)
+        assert other.allocate(lid, 32) is not None  # the rest of HBM is the other client's to take
+    finally:
+        for c in (again, other, first):
+            if c is not None:
+                c.close()
+
+
 def test_one_client_takes_at_most_its_share_of_the_queues_places(make_manager):
     """Share 0.25, 16 places: a client's one-block reservations (within its share of HBM) took all 16, and the
     next client's reservation of the same priority was rejected ("the deferred queue is full")."""

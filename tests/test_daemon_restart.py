@@ -73,3 +73,27 @@ def test_a_block_id_of_the_daemon_before_a_restart_names_nothing_on_the_next(dae
         assert new != old and (new & 0xFFFFFFFF) == (old & 0xFFFFFFFF), "the same row, another generation"
         with pytest.raises(DaemonError, match="UnknownBlock"):
             c.acquire([old])
+
+
+def test_a_call_answered_by_a_restarted_daemon_says_its_daemon_ended(daemon):
+    """A call of a client whose daemon was stopped and started again is answered UnknownClient by the
+    new one, which blamed a detach or a lapsed lease (neither happened): the client knows its daemon
+    ended (its liveness object is gone), and says so (a review's SIGTERM and start)."""
+    from dflash2.client import DaemonError
+
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False)
+    try:
+        assert daemon.terminate() == 0
+        daemon.start()
+        deadline = time.monotonic() + 5.0
+        while True:  # (a call sent before the socket reconnects to the new daemon waits on the ended one)
+            with pytest.raises((DaemonError, DaemonUnavailable)) as e:
+                c.allocate(c.layouts[0], 1)
+            if isinstance(e.value, DaemonError) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert isinstance(e.value, DaemonError) and e.value.kind == "UnknownClient", e.value
+        assert "has ended (stopped or restarted)" in str(e.value) and "lease lapsed" not in str(e.value)
+        assert c.lease_lost
+    finally:
+        c.close()

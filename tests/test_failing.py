@@ -249,7 +249,7 @@ def test_a_detach_that_fails_part_way_is_finished_by_the_next(make_manager, cloc
 
 
 def test_a_detach_that_always_fails_is_given_up_after_three(make_manager, clock, monkeypatch, caplog):
-    from dflash2.daemon.service import DETACH_TRIES
+    from dflash2.daemon.leases import DETACH_TRIES
 
     svc, mgr, client = served(make_manager, clock)
     mgr.commit(client, mgr.allocate(client, 0, 2), keys=[21, 22])

@@ -205,6 +205,32 @@ def test_a_stall_counts_against_no_reservations_ttl_but_a_clients_deadline_stand
     mgr.check_invariants()
 
 
+def test_a_stall_counts_against_no_set_aside(make_manager, clock):
+    """A client whose lease lapsed while its process lived keeps its private blocks and pins set aside
+    for `set_aside_leases` leases; a daemon stopped meanwhile counted that time against them, and freed
+    them (its pins let go) the moment it ran again, though it had run 0.6 s of a 6 s set-aside and the
+    process still lived (a review: SIGSTOP the client past its lease, then the daemon for 9 s)."""
+    mgr = make_manager(hbm_blocks=8)
+    service = Service(mgr, lease_timeout_s=2.0, heartbeat_interval_s=0.5, clock=clock, pid_alive=lambda pid: True,
+                      set_aside_leases=3)
+    reply = service.handle_frames(P.encode_request(Op.ATTACH, 1, None, {"name": "stopped", "pid": 1, "layouts": []}))
+    client = P.decode_reply(reply).result["client"]
+    mgr.allocate(client, mgr.register_layout(SMALL), 3)
+    clock.advance(2.5)
+    assert service.expire_leases(behind_s=0.0, longest_call_s=0.0) == [client]  # lapsed: set aside for 6 s
+    assert mgr.stats()["set_aside"]["blocks"] == 3
+    clock.advance(0.6)
+    service.expire_leases(behind_s=0.0, longest_call_s=0.0)
+    clock.advance(9.0)  # the daemon did not run
+    service.resumed(9.0)
+    service.expire_leases(behind_s=0.0, longest_call_s=0.0)
+    assert mgr.stats()["set_aside"]["blocks"] == 3, "the set-aside ended for time the daemon did not run"
+    clock.advance(5.5)  # 6.1 s of the set-aside have run while the daemon ran
+    service.expire_leases(behind_s=0.0, longest_call_s=0.0)
+    assert mgr.stats()["set_aside"]["blocks"] == 0
+    mgr.check_invariants()
+
+
 def test_a_take_queued_during_a_stall_finds_its_reservation_alive(config_file):
     """The stall was credited when leases were next judged, after the calls queued during it were
     answered: a take sent while the daemon was stopped longer than the TTL found its reservation
