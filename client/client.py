@@ -154,6 +154,7 @@ class Client:
         self.layout_ids: list[int] = [int(i) for i in r["layouts"]]
         self._layouts.update(zip(self.layout_ids, layouts))
         self.lease_timeout_s = float(r["lease_timeout_s"])
+        self._transport.detach_linger_s = self.lease_timeout_s
         self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
         self.device = r.get("device")
         self.gpu = r.get("gpu", self.gpu)  # the daemon's number of the GPU whose pool this client uses

@@ -156,6 +156,9 @@ class Transport:
         self._ids = itertools.count(1)
         self.taken = 0  # calls whose giving up (a forget, a retry) this transport has taken on
         self.token: str | None = None  # the session token attach returned, sent with every call
+        # How long a `detach` left unanswered may still be sent by its socket (the client's lease): on a
+        # fresh socket of a stopped daemon it is queued until the daemon runs (`_give_up`).
+        self.detach_linger_s = 0.0
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
         # a commit's block ids frame or None)
         self._forgets: dict[int, tuple[int, int, bytes | None]] = {}
@@ -194,7 +197,8 @@ class Transport:
         self._sock = sock
         self._in_flight = set()  # (what went on the old socket goes again on this one)
 
-    def _close_socket(self, sock: zmq.Socket) -> None:
+    def _close_socket(self, sock: zmq.Socket, linger_s: float = 0.0) -> None:
+        """`linger_s`: how long ZeroMQ may still send what the socket has queued (0: dropped at once)."""
         if self._monitor is not None:
             try:
                 sock.disable_monitor()
@@ -202,7 +206,7 @@ class Transport:
                 pass
             self._monitor.close(0)
             self._monitor = None
-        sock.close(0)
+        sock.close(int(linger_s * 1000))
 
     def _check_handshake(self) -> None:
         """AccessDenied when the tcp daemon refused this socket's CURVE handshake: a wrong or stale key
@@ -281,11 +285,12 @@ class Transport:
                                     "answered: that line is stale (a daemon killed before it could remove it), and no "
                                     f"daemon serving {self.endpoint} has written one since: is it running?")
 
-    def reset(self) -> None:
-        """A fresh socket: whatever the old one still had coming is dropped with it. When none can be
-        made (DaemonUnavailable), the next call makes it and sends the `forget`s first."""
+    def reset(self, linger_s: float = 0.0) -> None:
+        """A fresh socket: whatever the old one still had coming is dropped with it (what it had queued
+        to send too, unless `linger_s`). When none can be made (DaemonUnavailable), the next call makes
+        it and sends the `forget`s first."""
         if self._sock is not None:
-            self._close_socket(self._sock)
+            self._close_socket(self._sock, linger_s)
             self._sock = None
         self._open()
 
@@ -492,7 +497,10 @@ class Transport:
             undo = self._note_retry(client, op, call_id, arrays[0])
             later = ": the next call sends it again"
         try:
-            self.reset()
+            # A detach queued on a socket that had not connected (a fresh one, the daemon stopped) was
+            # dropped with it: the daemon, run again, let the lease lapse and set the live process's
+            # blocks aside for minutes, though it had closed (a review). It goes once the daemon runs.
+            self.reset(self.detach_linger_s if op == P.Op.DETACH else 0.0)
         except DaemonUnavailable as e:
             return f"; no fresh socket ({e}){later if undo else ''}"
         if (self._forgets or self._retries) and not self._send_pending():
