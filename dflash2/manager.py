@@ -84,6 +84,11 @@ class BlockManager(AllocateRefusals, Reads):
                  prefetch_window: int = 0, first_gen: int = 1, table_reserve: int | None = None):
         if Tier.HBM not in {s.tier for s in specs}:
             raise ArenaError("the HBM tier (or its host-memory stand-in) is required")
+        twice = [t.label for t, n in collections.Counter(s.tier for s in specs).items() if n > 1]
+        if twice:  # (the last one was taken, the others dropped without a word)
+            raise ArenaError(f"a tier is given more than once: {', '.join(twice)}")
+        if not any(s.tier == Tier.HBM and s.capacity_bytes > 0 for s in specs):  # (a KeyError in Admission)
+            raise ArenaError("the HBM tier (or its host-memory stand-in) has no capacity; it is required")
         self.specs = {s.tier: s for s in specs if s.capacity_bytes > 0}
         allocators = {t: SlotAllocator(s.capacity_bytes, s.page_bytes, s.alignment) for t, s in self.specs.items()}
         self.table = BlockTable(allocators, clock=clock, capacity=table_capacity, first_gen=first_gen, reserve=table_reserve)
@@ -220,7 +225,7 @@ class BlockManager(AllocateRefusals, Reads):
         already free touches no block of theirs (their destination slots are taken already)."""
         if tier == Tier.NVME or tier not in self.specs:
             raise ValueError(f"blocks are written in a memory tier this daemon has, not {Tier(tier).label}")
-        self.table.check_allocation(n, priority)
+        self.table.check_allocation(n, priority, request)
         # Refused before any room is made: demoting (or, on the last tier, dropping) every other
         # client's idle blocks for a request that cannot succeed would lose their cache for nothing.
         self.table.refuse_never_fits(tier, {layout_id: n}, f"allocate of {n} blocks")
@@ -371,6 +376,9 @@ class BlockManager(AllocateRefusals, Reads):
     def view(self, vid: int) -> np.ndarray:
         """A zero-copy uint8 view of a block in a memory tier (not NVMe: acquire it first)."""
         p = self.place(vid)
+        if not self.arenas:  # (told "acquire it first", a block acquired in HBM: no acquire gives it bytes)
+            raise ArenaError(f"block {vid:#x} has no bytes to view: this block manager holds metadata only "
+                             "(built without arenas)")
         arena = self.arenas.get(p.tier)
         if not isinstance(arena, MemoryArena):
             raise ArenaError(f"block {vid:#x} lies in {p.tier.label}, which has no memory view; acquire it first")

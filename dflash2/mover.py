@@ -135,8 +135,9 @@ class Mover:
         job = None
         started = time.perf_counter()
         if self.backend is not None:
-            batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
-            try:
+            try:  # (the batch made inside: its ValueError, a move into the tier the blocks lie in, raised
+                # past begin_move and left them MIGRATING for good, their new slots taken, a review)
+                batch = CopyBatch(src, dst, cols.offset[rows].copy(), dst_offsets, nbytes)
                 job = self.backend.start(batch)
             except BaseException:
                 # The copy never started: the blocks stay where they were, the destination slots go back.

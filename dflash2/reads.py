@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from dflash2.manager import Place
 
 
+def _check_priority(priority) -> None:
+    """ValueError for a reading request's priority that is not an integer (None: none given), before
+    anything changes: raised as the blocks' priority was raised, after their pins or references were
+    taken (a NaN, a string), the call failed and what it took stayed held (a review)."""
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, (int, np.integer))):
+        raise ValueError(f"priority must be an integer (or None), got {priority!r}")
+
+
 class Reads:
     """BlockManager's reads (the attributes they use are BlockManager's)."""
 
@@ -141,6 +149,7 @@ class Reads:
         take them either), and the blocks read carry at least that priority while held."""
         if up_to == Tier.NVME or up_to not in self.specs:
             raise ValueError(f"acquire can pin blocks in a memory tier this daemon has, not {Tier(up_to).label}")
+        _check_priority(priority)
         rows = self.table.usable_rows(client, vids)  # validates before anything moves
         # Where the blocks it waited for came from (vid -> tier), kept while it is parked on them:
         # for the hit rates, reads from those tiers, though they lie in `up_to` once it runs again.
@@ -294,6 +303,7 @@ class Reads:
         """A request of this client shares these blocks; with its `priority`, they carry at least
         that priority (a shared prefix is protected as the highest-priority request using it is).
         A block in flight is settled first: it was chosen to leave as idle."""
+        _check_priority(priority)
         settle_if(self, self.table.rows(vids))
         self.table.add_ref(client, vids)
         if priority is not None:

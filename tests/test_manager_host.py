@@ -104,3 +104,21 @@ def test_heat_policy_takes_its_weights_and_interval_from_the_config(config_file,
         assert m.prefetcher.base == 3
     finally:
         m.close()
+
+
+def test_a_move_into_the_tier_a_block_lies_in_changes_nothing(mgr):
+    """Its copy batch (a copy from a tier to itself) was refused after the block was marked in flight and
+    its new slot taken: the block stayed MIGRATING for good (never pinned again) and the slot leaked."""
+    from dflash2.table import BlockState
+
+    a = mgr.attach("a")
+    lid = mgr.register_layout(LAYOUT)
+    vids, data = write(mgr, a, lid, 1, seed=3, keys=[31])
+    rows = mgr.table.rows(vids)
+    with pytest.raises(ValueError, match="to itself"):
+        mgr.mover.move(rows, Tier.HBM)
+    assert mgr.table.cols.state[rows[0]] == int(BlockState.RESIDENT)
+    assert mgr.table.allocators[Tier.HBM].used_slots == 1
+    mgr.check_invariants()
+    assert [p.tier for p in mgr.acquire(a, vids)] == [Tier.HBM]
+    assert bytes(mgr.view(int(vids[0]))) == data[0].tobytes()

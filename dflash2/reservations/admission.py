@@ -69,6 +69,7 @@ class Admission(ExpiringReservations):
         layout = self.table.layout(layout_id)
         if tokens <= 0:
             raise ValueError(f"a reservation needs a positive token count, got {tokens}")
+        self.table.check_allocation(1, priority, request)  # (here, not at its grant: deferred, at every step)
         now = self._advance()
         # Room that reservations past their time still hold is free room for this one: they end now,
         # not at the next background step. And the queue goes first: what fits of it by now (the

@@ -151,6 +151,12 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
         """Register a client; the daemon passes its own daemon-wide id, tests let the table pick."""
         if client_id is not None and client_id in self.clients:
             raise ValueError(f"client id {client_id} is already attached")
+        top = int(np.iinfo(self.cols.owner.dtype).max)
+        if client_id is not None and (isinstance(client_id, bool) or not isinstance(client_id, (int, np.integer))
+                                      or not 0 <= client_id <= top):
+            # (-1 is NO_CLIENT: its private blocks read as published, pinned by other clients; past the
+            # int32 owner column, its allocate raised after the rows and slots were taken)
+            raise ValueError(f"client id must be an integer in 0..{top}, got {client_id!r}")
         cid = self._next_client if client_id is None else client_id
         self._next_client = max(self._next_client, cid) + 1
         self.clients[cid] = ClientRefs(cid, name)
@@ -235,14 +241,18 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
 
     # -- allocation ------------------------------------------------------------------------
     @staticmethod
-    def check_allocation(n: int, priority: int) -> None:
-        """ValueError for a count or priority no allocation takes (the manager checks them before it
-        makes room: raised after, the room was made for a call that failed, a review)."""
+    def check_allocation(n: int, priority: int, request: int = 0) -> None:
+        """ValueError for a count, priority or request id no allocation takes (the manager checks them
+        before it makes room: raised after, the room was made for a call that failed, a review)."""
         if n < 0:  # take_rows(-1) would put a live row back on the free list (handed out twice)
             raise ValueError(f"cannot allocate {n} blocks")
         if isinstance(priority, bool) or int(priority) != priority or not -128 <= priority <= 127:
             # (the int8 column's range; raised after the rows were taken, they leaked)
             raise ValueError(f"priority must be an integer in -128..127, got {priority!r}")
+        if (isinstance(request, bool) or not isinstance(request, (int, np.integer))
+                or not -(1 << 63) <= request < 1 << 63):
+            # (the int64 column's; raised as the column was written, after the rows and slots were taken: both leaked)
+            raise ValueError(f"request must be an integer in the int64 range, got {request!r}")
 
     def allocate(self, client_id: int, layout_id: int, n: int, *, tier: Tier = Tier.HBM,
                  request: int = 0, priority: int = 0, state: BlockState = S.WRITING,
@@ -254,7 +264,7 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
         layout = self.layout(layout_id)
         if state not in (S.RESERVED, S.WRITING):
             raise ValueError(f"new blocks start RESERVED or WRITING, not {state.name}")
-        self.check_allocation(n, priority)
+        self.check_allocation(n, priority, request)
         alloc = self.allocators[tier]
         # Before any row is taken: what fails here leaves nothing held (raised after, the rows
         # stayed the client's while its call failed).
