@@ -195,7 +195,7 @@ class Reads:
             # disk reads and GPU copies for one acquire). A new call tries them anew (above).
             if parked is not None and any_true(self.mover.copy_failed_among(rows[below_rows])):
                 return self._copy_failed(up_to, rows[below_rows])
-        below = None if priority is None else priority + 1
+        below = None if priority is None else int(priority) + 1  # (a numpy int64's top wrapped: nothing below it)
         if promoting and not self.placement.could_promote(rows, up_to, below_priority=below, chain=chain):
             return self._no_room(up_to, priority, made=False)  # (none made: it would move blocks for nothing)
         if promoting and self.placement.parks_own():

@@ -1,6 +1,6 @@
 """An allocate refused where granted reservations' untaken room holds the room it needs is told so:
 their number and bytes, counted by slots and slabs as the allocator counts them, which of them are
-the client's own, and whether taking or cancelling those serves it (dflash2/manager.py `_refused`,
+the client's own, and whether taking or cancelling those serves it (dflash2/allocrefusal.py `_refused`,
 dflash2/reservations/waits.py). Split from test_room_bound.py."""
 
 from conftest import SMALL, SMALL_FP8

@@ -158,6 +158,9 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
             # int32 owner column, its allocate raised after the rows and slots were taken)
             raise ValueError(f"client id must be an integer in 0..{top}, got {client_id!r}")
         cid = self._next_client if client_id is None else client_id
+        if cid > top:  # (picked: one above an id given at the top; it passed unchecked, its allocate leaked)
+            raise ValueError(f"no client id left to pick: the next would be {cid}, past the owner column's {top} "
+                             "(ids are picked above the highest given); pass a free one")
         self._next_client = max(self._next_client, cid) + 1
         self.clients[cid] = ClientRefs(cid, name)
         return cid
