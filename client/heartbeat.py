@@ -134,8 +134,13 @@ def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, na
                     return
                 log.warning("dflash2 heartbeat: %s", e)
             except DaemonError as e:
-                log.error("dflash2 lease lost (%s); attach again", e)
                 client._lease_lost()
+                if client._ended:  # (a new daemon's answer blamed a detach or a lapsed lease, a review)
+                    log.error("dflash2 lease lost: the daemon client %d attached to at %s has ended (stopped or "
+                              "restarted), and its blocks, pins and reservations with it; attach again", client_id,
+                              client.endpoint)
+                else:
+                    log.error("dflash2 lease lost (%s); attach again", e)
                 return
             except Exception:
                 log.exception("dflash2 heartbeat failed; trying again in %gs", interval_s)

@@ -156,8 +156,8 @@ class Transport:
         self._ids = itertools.count(1)
         self.taken = 0  # calls whose giving up (a forget, a retry) this transport has taken on
         self.token: str | None = None  # the session token attach returned, sent with every call
-        # How long a `detach` left unanswered may still be sent by its socket (the client's lease): on a
-        # fresh socket of a stopped daemon it is queued until the daemon runs (`_give_up`).
+        # How long a `detach` left unanswered may still be sent by its socket (the Client's: inf, until it
+        # is sent): on a fresh socket of a stopped daemon it is queued until the daemon runs (`_give_up`).
         self.detach_linger_s = 0.0
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
         # a commit's block ids frame or None)
@@ -198,7 +198,8 @@ class Transport:
         self._in_flight = set()  # (what went on the old socket goes again on this one)
 
     def _close_socket(self, sock: zmq.Socket, linger_s: float = 0.0) -> None:
-        """`linger_s`: how long ZeroMQ may still send what the socket has queued (0: dropped at once)."""
+        """`linger_s`: how long ZeroMQ may still send what the socket has queued (0: dropped at once; inf:
+        until sent, in the background: the process's exit does not wait for it, as this context is not ended)."""
         if self._monitor is not None:
             try:
                 sock.disable_monitor()
@@ -206,7 +207,7 @@ class Transport:
                 pass
             self._monitor.close(0)
             self._monitor = None
-        sock.close(int(linger_s * 1000))
+        sock.close(-1 if math.isinf(linger_s) else int(linger_s * 1000))
 
     def _check_handshake(self) -> None:
         """AccessDenied when the tcp daemon refused this socket's CURVE handshake: a wrong or stale key

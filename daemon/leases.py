@@ -77,7 +77,7 @@ class Leases:
         for p in parked:
             session = self.sessions.get(p.client)
             if session is not None:
-                session.last_seen = now
+                session.last_seen = session.heard_at = now
 
     def resumed(self, stalled_s: float) -> None:
         """The daemon did not run for `stalled_s` (server.py, stalls.py): that time counts neither
@@ -136,7 +136,7 @@ class Leases:
             return
         shares = self.managers[session.device].admission.shares
         for s in self.sessions.values():
-            if (s.client > session.client and s.attached_at >= session.last_seen and s.pid == session.pid
+            if (s.client > session.client and s.attached_at >= session.heard_at and s.pid == session.pid
                     and s.pid_ns == session.pid_ns and s.device == session.device):
                 shares.carry(s.client, [session.client])
                 log.info("client %d (pid %d): the set-aside blocks of its process's earlier session %d count "

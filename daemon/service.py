@@ -196,7 +196,7 @@ class Service(Leases, Forgetting, Failing, Devices):
         if session is not None and self.sessions.get(req.client) is session:
             # Heard from at the end of its call too: a call that ran longer than the lease (a
             # large promotion) must not let its own client's lease lapse while it waited.
-            session.last_seen = now
+            session.last_seen = session.heard_at = now
             self._replying = req.client
         elapsed = time.perf_counter() - started
         self._note_busy(began, now)
@@ -219,7 +219,7 @@ class Service(Leases, Forgetting, Failing, Devices):
                     m.run_prefetch()
         session = self.sessions.get(self._replying)
         if session is not None:  # heard from at the end of its call's work too (as at its reply)
-            session.last_seen = self.clock()
+            session.last_seen = session.heard_at = self.clock()
 
     @contextlib.contextmanager
     def busy(self):
@@ -275,7 +275,7 @@ class Service(Leases, Forgetting, Failing, Devices):
         if not same_token(session, token):
             raise WrongToken(f"client {client}: the call does not carry that client's session token (a client id "
                              "is used only by the process that attached it)")
-        session.last_seen = self.clock()
+        session.last_seen = session.heard_at = self.clock()
         return session
 
     # -- handlers --------------------------------------------------------------------------

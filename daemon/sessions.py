@@ -40,6 +40,14 @@ class Session:
     pid_ns: int | None = None  # the client's pid namespace (inode) as it said at attach; None: unknown
     detach_failures: int = 0  # detaches of it that failed part way (Service._drop_session: DETACH_TRIES)
     freeing_failures: int = 0  # ... and, set aside, frees of its blocks that failed (Service.expire_leases)
+    # When it was last heard from: `last_seen` without the daemon's stalls credited (Leases.resumed moves
+    # that on), which tells a later session of its process attached after it from one beside it
+    # (Leases._carry_into_later: compared with last_seen, a stall made the replacement one beside it).
+    heard_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.heard_at is None:
+            self.heard_at = self.last_seen
 
 
 # A client's calls in flight are not one at a time: each that timed out stays queued (on a stopped or

@@ -368,6 +368,30 @@ def test_a_close_on_a_stopped_daemon_after_a_timeout_still_detaches_once_it_runs
     assert "detached: released {'reservations': 0, 'unpinned': 0, 'dereferenced': 3, 'freed': 3}" in daemon.log()
 
 
+def test_a_close_on_a_daemon_stopped_longer_than_a_lease_still_detaches_once_it_runs(daemon, connect):
+    """As above, with the daemon stopped for more than a lease past the close (2.5 s, the lease 1 s):
+    the socket lingered for a lease only, and dropped the detach before the daemon ran again, which
+    counts none of that time against the lease: the lease lapsed a lease later, and the private blocks
+    of the live process were set aside though it had closed (a review)."""
+    c = connect("closing", timeout_s=0.3)
+    other = connect("other")
+    assert c.allocate(c.layouts[0], 3) is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnavailable):
+            c.lookup(chain_keys(range(16), 16, "x"))
+        c.close()
+        time.sleep(2.5)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 0.6  # (under the 1 s lease)
+    while any(x["name"] == "closing" for x in other.stats()["clients"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = other.stats()
+    assert not any(x["name"] == "closing" for x in st["clients"]), "the detach never arrived"
+    assert st["set_aside"]["blocks"] == 0
+
+
 def test_client_arguments_are_checked_by_name_and_numpy_numbers_taken(daemon, connect):
     """Keys that are not integers in [0, 2^64) are refused by name (a float key was truncated, a
     negative numpy key wrapped around, silently); numpy numbers as rates and layout fields go as

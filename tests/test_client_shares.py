@@ -73,6 +73,37 @@ def test_a_session_set_aside_after_its_process_attached_again_counts_in_the_late
                 c.close()
 
 
+def test_a_session_set_aside_after_a_daemon_stall_still_counts_in_the_later_ones_share(daemon):
+    """As above, with the daemon stopped (0.8 s) after the new session attached and before the old lease
+    lapsed: the stall's credit moved the old session's `last_seen` past the new one's attach, which
+    was then taken for another engine of the process beside it, and carried nothing (a review)."""
+    import os
+    import signal
+
+    first = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], heartbeat=False)
+    other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL])
+    again = None
+    try:
+        lid = first.layouts[0]
+        assert first.allocate(lid, 32) is not None  # being written: private
+        again = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL])  # the same process, first still attached
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.8)  # (over stalls.STALL_MIN_S)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10.0
+        while other.stats()["set_aside"]["blocks"] != 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(DaemonError, match="QuotaExceeded: .*set aside from its process's earlier session"):
+            again.allocate(lid, 1)
+    finally:
+        for c in (again, other, first):
+            if c is not None:
+                c.close()
+
+
 def test_one_client_takes_at_most_its_share_of_the_queues_places(make_manager):
     """Share 0.25, 16 places: a client's one-block reservations (within its share of HBM) took all 16, and the
     next client's reservation of the same priority was rejected ("the deferred queue is full")."""

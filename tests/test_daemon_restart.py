@@ -97,3 +97,49 @@ def test_a_call_answered_by_a_restarted_daemon_says_its_daemon_ended(daemon):
         assert c.lease_lost
     finally:
         c.close()
+
+
+def test_a_close_answered_by_a_restarted_daemon_says_its_daemon_ended(daemon, caplog):
+    """As above, for the close: its detach, answered UnknownClient by the new daemon, was logged as
+    "not attached (detached, or its lease lapsed: attach again)" (a review's SIGTERM and start)."""
+    import logging
+
+    c = Client.connect(config=daemon.config_path, name="engine", layouts=[SMALL], heartbeat=False)
+    assert daemon.terminate() == 0
+    daemon.start()
+    time.sleep(0.5)  # (the socket reconnects to the new daemon)
+    with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+        c.close()
+    said = [r.getMessage() for r in caplog.records if "dflash2 detach" in r.getMessage()]
+    assert said and "has ended (stopped or restarted)" in said[0] and "lease lapsed" not in said[0], said
+    assert c.lease_lost
+
+
+def test_a_heartbeat_answered_by_a_restarted_daemon_says_its_daemon_ended(config_file, tmp_path, monkeypatch, caplog):
+    """The heartbeat's beat answered UnknownClient by the new daemon logged "lease lost (... detached, or
+    its lease lapsed: attach again)", though its daemon had ended (a review's SIGTERM and start). (The
+    waiting beat asks whether its daemon ended every 5 s here, not 50 ms: the new daemon answers first.)"""
+    import logging
+
+    import dflash2.client.transport as transport
+    from daemon_proc import DaemonProcess
+    monkeypatch.setattr(transport, "GONE_CHECK_S", 5.0)
+    path = config_file(memory={"nvme_capacity_mb": 0}, daemon={"endpoint": f"ipc://{tmp_path}/d.sock",
+                                                               "lease_timeout_s": 30.0, "heartbeat_interval_s": 3.0})
+    d = DaemonProcess(path).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="dflash2.client"):
+            c = Client.connect(config=path, name="engine", layouts=[SMALL])
+            try:
+                assert d.terminate() == 0
+                d.start()
+                deadline = time.monotonic() + 10.0
+                while not c.lease_lost:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                c.close()
+        said = [r.getMessage() for r in caplog.records if "lease lost" in r.getMessage()]
+        assert said and "has ended (stopped or restarted)" in said[0] and "lease lapsed" not in said[0], said
+    finally:
+        d.stop()
