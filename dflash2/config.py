@@ -312,7 +312,9 @@ class MetricsConfig(_Section):
     @classmethod
     def _plain_host(cls, value: str) -> str:
         plain_text(value)
-        if ":" in value or "/" in value:  # (the resolver refused these at start-up: "Name or service not known")
+        # (the resolver refused these at start-up: "Name or service not known"; a bracketed IPv4 address or
+        # name too, with no colon in it, a review)
+        if ":" in value or "/" in value or value.startswith("["):
             bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
             try:
                 ipaddress.ip_address(bare)
@@ -320,7 +322,8 @@ class MetricsConfig(_Section):
                 raise ValueError("not an address or a host name: give the host alone, such as 127.0.0.1 or ::1 "
                                  "(metrics.port is the port)") from None
             if bare != value:
-                raise ValueError(f"an IPv6 address is written without brackets here: {bare}")
+                kind = "an IPv6 address" if ":" in bare else "an address"
+                raise ValueError(f"{kind} is written without brackets here: {bare}")
         try:  # (as the resolver takes a name: `node1..example.com` made --check and start-up tracebacks)
             value.encode("idna")
         except UnicodeError:
@@ -511,7 +514,7 @@ def load_config(path: str | os.PathLike) -> Config:
     except strictjson.KeyTwice as exc:
         # (by its dotted path as any other key's, quoted where it must be: a key with a newline split
         # the one-line error, an empty one read ": appears twice", a dotted layout name read as a path)
-        key = dotted_key(exc.parts)
+        key = dotted_key(exc.parts, markers=False)
         if len(exc.parts) == 1 and key != exc.parts[0]:
             key += " (at the top level)"
         raise ConfigError(key, "appears twice in one object (JSON keeps the last; which did you mean?)") from None

@@ -36,10 +36,12 @@ def first_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
     return ConfigError(key or "config", problem)
 
 
-def dotted_key(loc: tuple) -> str:
+def dotted_key(loc: tuple, markers: bool = True) -> str:
+    """`loc` as a dotted path; `markers` False: `loc` is the file's own keys (no pydantic marker among
+    them: a key named "[key]" is a key, dropped as the marker it named the object above it, a review)."""
     key = ""
     for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad dict key: the key itself is already named
+        if markers and part == "[key]":  # pydantic's marker for a bad dict key: the key itself is already named
             continue
         if isinstance(part, int):
             key += f"[{part}]"
@@ -51,9 +53,9 @@ def dotted_key(loc: tuple) -> str:
 
 def _key_text(part: str) -> str:
     """A key as it goes into a dotted path: as is when that is unambiguous, else JSON-quoted (an
-    empty key, one with a dot, a quote, spaces at its ends or a character that does not print:
-    the error stays one line and names exactly the key in the file)."""
-    plain = part and part.isprintable() and part.strip() == part and not any(c in part for c in '."\\')
+    empty key, one with a dot, a bracket (a list's index is written so), a quote, spaces at its ends or a
+    character that does not print: the error stays one line and names exactly the key in the file)."""
+    plain = part and part.isprintable() and part.strip() == part and not any(c in part for c in '.["\\')
     return part if plain else json.dumps(part)
 
 

@@ -50,8 +50,9 @@ class RoomBound:
             return free
         return self._room_left(tier, stay, slot)
 
-    def room_most_without(self, tier: Tier, rows: np.ndarray, *, idle_only: bool, slot: int | None = None) -> int:
-        """`room_most` (its picks, no `protect` nor `below_priority`) were the blocks at `rows` gone too,
+    def room_most_without(self, tier: Tier, rows: np.ndarray, *, idle_only: bool, slot: int | None = None,
+                          below_priority: int | None = None) -> int:
+        """`room_most` (its picks, no `protect`) were the blocks at `rows` gone too,
         though they cannot move (a granted reservation's RESERVED blocks, not yet taken): counted as
         `room_most` counts, by slots and slabs for one size (their untaken bytes, added to the room,
         said an allocate would fit where 8 KiB reserved slots beside blocks being written held no 16 KiB
@@ -59,7 +60,7 @@ class RoomBound:
         table each call, asked by every refused HBM allocate while a granted reservation has blocks not
         yet taken (their bytes beside the free room are no bound on it: a reserved 8 KiB slot beside a
         free one makes a 16 KiB slot, and such a refusal was not said to be theirs, a review)."""
-        stay = self._staying(tier, idle_only, None, None)
+        stay = self._staying(tier, idle_only, None, below_priority)
         if stay is None:  # (none may leave: every block in the tier stays)
             stay = self.table.cols.tier == int(tier)
         stay[np.asarray(rows, dtype=np.int64)] = False

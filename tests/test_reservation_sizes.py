@@ -131,3 +131,30 @@ def test_an_allocation_of_a_layout_of_the_same_slot_size_is_held_back_too(clock,
     assert "waiting" in mgr.allocate_refusal
     assert _room(mgr, SMALL.block_bytes) == 2 * page
     mgr.check_invariants()
+
+
+def test_a_reservation_behind_preemptable_blocks_and_another_sizes_granted_slot_is_told_so(clock):
+    """HBM of 16 pages of 64 KiB: 14 being written, one of a priority-0 request's running blocks, and one
+    cut in 8 KiB slots by another client's granted reservation of one block. A priority-5 reservation of
+    five 16 KiB blocks needs the running page (preemption) and the reserved one: it waits on that
+    reservation. Its room counted idle blocks only, less the running ones counted as movable, it was
+    told it waited on blocks that cannot move (a review); one reserved slot of its own size was said."""
+    page = 64 * 1024
+    mgr = BlockManager([TierSpec(Tier.HBM, 16 * page, page, 256), TierSpec(Tier.DRAM, 64 * page, page, 4096)],
+                       clock=clock, admission=settings(burst_fraction=0.01))  # (no room made: the bucket)
+    try:
+        w, r, g, c = (mgr.attach(n) for n in ("writer", "runner", "granted", "late"))
+        big, fp8 = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+        mgr.allocate(w, big, 56)
+        running = mgr.allocate(r, big, 4)
+        assert mgr.reserve(g, fp8, tokens=16).outcome is Outcome.GRANTED
+        d = mgr.reserve(c, big, tokens=16 * 5, priority=5)
+        assert d.outcome is Outcome.DEFERRED and "cannot move" in d.reason, d  # (being written: so)
+        mgr.commit(r, running, keys=[100, 101, 102, 103])  # running now, of priority 0
+        mgr.tick()
+        d = mgr.reservation_status(c, d.reservation_id)
+        assert d.outcome is Outcome.DEFERRED, d
+        assert "1 granted reservation(s) not yet taken (8192 bytes)" in d.reason, d.reason
+        mgr.check_invariants()
+    finally:
+        mgr.close()

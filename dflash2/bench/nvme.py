@@ -145,12 +145,17 @@ class _Raw:
 UNALIGNED_SHIFT = 64
 
 
+KEY_STAGING = "memory.staging_buffer_size_mb"  # the daemon's key the NVMe arena's messages name for the staging buffer
+
+
 class _Tier:
     def __init__(self, path: str, size: int, block: int, batch: int, staging: int, aligned: bool):
         try:
             self.arena = NvmeArena(path, size, staging_bytes=staging)
         except CapacityError as e:  # (it named memory.staging_buffer_size_mb, the daemon's key: a review)
-            raise CapacityError(f"--staging-mb {staging >> 20}: {e}") from None
+            if KEY_STAGING not in str(e):  # (its file's room: no fault of --staging-mb's, a review)
+                raise
+            raise CapacityError(f"--staging-mb {staging >> 20}: {str(e).replace(KEY_STAGING, '--staging-mb')}") from None
         self.block, self.batch = block, batch
         self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
         # One batch of distinct source blocks (reused for every batch, stamped with each block's

@@ -459,12 +459,16 @@ class Admission(ExpiringReservations):
         are no measure of it (an 8 KiB reserved slot in the last page kept a 16 KiB block out, and the
         reservation was told it waited on blocks being written or pinned, a review). None where all
         are of its size: their bytes are. A pass over the table, asked only for a reservation that
-        demoting cannot serve."""
+        demoting cannot serve. The blocks that may leave are those `movable` counted (`_movable_bytes`:
+        with preemption, running ones of lower priority too; counted idle only, the room they free
+        was taken off twice, and it was told it waited on blocks that cannot move, a review)."""
         held = [r for r in self.granted.values() if r.remaining]
         if all(r.slot == res.slot for r in held):
             return None
         rows = self.table.rows([v for r in held for v in r.vids])
-        gone = self.placement.room_most_without(Tier.HBM, rows, idle_only=True, slot=res.slot)
+        preempts = self.settings.preemption and self.placement.lower(Tier.HBM) is not None
+        gone = self.placement.room_most_without(Tier.HBM, rows, idle_only=not preempts, slot=res.slot,
+                                                below_priority=res.priority if preempts else None)
         return max(0, gone - movable)
 
     def _refill_time(self, amount: float) -> float:
