@@ -188,6 +188,11 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
         if not link:
             dev = os.stat(path).st_dev
             freed[dev] = freed.get(dev, 0) + held
+    from dflash2.arena.nvmeprep import fsize_limit
+
+    if (limit := fsize_limit()) is not None and limit < need_each:  # (as the tier refuses it: nvmeprep.py)
+        return [f"the NVMe file needs {need_each} bytes at {paths[0]}, and this process's file size limit "
+                f"(RLIMIT_FSIZE: ulimit -f) is {limit} bytes: start-up would fail now (exit 4)"]
     for path in paths:
         target = Path(os.path.realpath(path))
         problem, has = _nvme_file_now(target)
@@ -209,7 +214,7 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
 
 def _nvme_file_now(path: Path) -> tuple[str | None, int]:
     """(why start-up could not create or reuse this NVMe file, or None; the bytes it holds, reused)."""
-    from dflash2.arena.nvme import HEADER, is_foreign
+    from dflash2.arena.nvmefiles import HEADER, is_foreign
 
     fail = "start-up would fail now (exit 4)"
     held = 0

@@ -92,7 +92,7 @@ def render(st: dict) -> str:
         lines[-1:-1] = ["refused (their copy up failed): " + ", ".join(f"{op} {n}" for op, n in copy_failed.items())]
     if d.get("gpus"):  # pools by the daemon's GPU number; clients find them by UUID
         lines[-1:-1] = ["GPUs: " + ", ".join(f"{n} {u}" for n, u in d["gpus"].items())]
-    rows = [("tier", "capacity", "used", "used %", "blocks")]
+    rows = [("tier", "capacity", "used", "full %", "blocks")]  # (full: what the watermarks weigh, `fill`)
     # A node of several GPUs: each pool's tiers too (each fills on its own: one full GPU beside an
     # empty one read as half full in the node's totals, the only rows before).
     pools = st.get("devices") or {}

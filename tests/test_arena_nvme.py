@@ -572,3 +572,28 @@ def test_a_start_that_fails_after_preallocating_removes_only_a_file_it_created(t
     with pytest.raises(CapacityError, match="staging buffer"):
         NvmeArena(path, CAP, staging_bytes=STAGING)
     assert path.exists() == reused
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_file_size_limit_below_the_file_refuses_the_tier_naming_it(tmp_path, reused):
+    """Under a file size limit (ulimit -f) below the file, a reused file (already whole) was taken,
+    and every write past the limit failed (EFBIG) as a full disk's: NVMe backed off and came back
+    every second, the slots past the limit never filled (a review's daemon); a new file failed as
+    "preallocation failed: File too large". Both now name the limit, and a reused file is kept."""
+    import resource
+    import signal
+
+    path = tmp_path / "nvme.bin"
+    if reused:
+        NvmeArena(path, CAP, staging_bytes=STAGING).close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (CAP // 2, hard))
+    try:
+        with pytest.raises(CapacityError, match=rf"needs {CAP + nvme.HEADER_BYTES} bytes at {path}, but this process "
+                                                rf"may not write past byte {CAP // 2} of a file \(its file size limit"):
+            NvmeArena(path, CAP, staging_bytes=STAGING)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert path.exists() == reused and (not reused or os.path.getsize(path) == CAP + nvme.HEADER_BYTES)

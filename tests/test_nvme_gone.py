@@ -15,6 +15,7 @@ import pytest
 import dflash2.arena.nvme as nvme
 import dflash2.arena.nvmecut as nvmecut
 import dflash2.arena.nvmefiles as nvmefiles
+import dflash2.arena.nvmeprep as nvmeprep
 import dflash2.arena.nvmegone as nvmegone
 from dflash2.arena.nvme import NvmeArena
 from dflash2.arena.staging import ALIGN
@@ -146,12 +147,12 @@ def test_a_tier_without_a_file_tries_for_one_once_a_second_and_never_for_a_read(
         assert a.write_blocks([0], [data]).all() and a.describe().get("no_file", "") == ""
         os.unlink(path)
         b = NvmeArena(path, CAP, staging_bytes=STAGING)  # a second daemon takes the path
-        waits, lock = [], nvme.lock_cache_file
+        waits, lock = [], nvmeprep.lock_cache_file
 
         def counted(fd, p, wait=None):
             waits.append(wait)
             return lock(fd, p, *([] if wait is None else [wait]))
-        monkeypatch.setattr(nvme, "lock_cache_file", counted)
+        monkeypatch.setattr(nvmeprep, "lock_cache_file", counted)
         try:
             with pytest.raises(nvme.ArenaError, match="in use by another process"):
                 a.write_blocks([0], [data])  # found gone: tried for as at start-up

@@ -229,3 +229,20 @@ def test_check_counts_the_serving_daemons_thread_stacks_against_an_address_space
     assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith(": fits")  # (28 + 6 + 2 + 40)
     monkeypatch.setattr(mainstack, "main_stack_short", lambda: 7 * MB)  # (81 MB: the stack's growth weighed)
     assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith("start-up would fail now (exit 4)")
+
+
+def test_check_says_a_file_size_limit_below_the_nvme_file_fails_start_up(tmp_path):
+    """`--check` said the NVMe file fit under a file size limit (ulimit -f) below it, and start-up then
+    exited 4 (a review)."""
+    import resource
+
+    path = write_config(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * MB, hard))
+    try:
+        rc, out = check(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert rc == 0 and now_lines(out)[-1] == (
+        f"now: the NVMe file needs {4096 + 32 * MB} bytes at {tmp_path / 'nvme.cache'}, and this process's file "
+        f"size limit (RLIMIT_FSIZE: ulimit -f) is {16 * MB} bytes: start-up would fail now (exit 4)"), out

@@ -18,8 +18,7 @@ import time
 import pytest
 from conftest import gpu_node, write_config
 
-from dflash2.arena import nvme as nvme_module
-from dflash2.arena import nvmefiles
+from dflash2.arena import nvmefiles, nvmeprep
 from dflash2.arena.nvme import NvmeArena
 from dflash2.assemble import build_managers
 from dflash2.config import load_config
@@ -83,7 +82,7 @@ def test_a_daemon_whose_file_is_removed_as_it_opens_it_makes_its_own(tmp_path, m
     daemon held its lock. The daemon's file must be the one its path names."""
     path = tmp_path / "nvme.cache"
     NvmeArena(path, 4 * MB, staging_bytes=1 * MB).close()
-    real_lock, removed = nvme_module.lock_cache_file, []
+    real_lock, removed = nvmeprep.lock_cache_file, []
 
     def lock(fd, where, wait=None):
         if not removed:
@@ -91,7 +90,7 @@ def test_a_daemon_whose_file_is_removed_as_it_opens_it_makes_its_own(tmp_path, m
             os.unlink(where)  # another start's scan, between this start's open and its lock
         return real_lock(fd, where, wait)
 
-    monkeypatch.setattr(nvme_module, "lock_cache_file", lock)
+    monkeypatch.setattr(nvmeprep, "lock_cache_file", lock)
     with caplog.at_level("INFO", logger="dflash2.arena.nvme"):
         arena = NvmeArena(path, 4 * MB, staging_bytes=1 * MB)
     try:

@@ -26,8 +26,8 @@ Memory cost of the table: 8 bytes per ALIGN bytes of capacity (1/512), indexed b
 The file starts with one ALIGN-byte header page (HEADER: what the file is) and block offsets count
 from the page after it. A file already at the path is reused only when it starts with that header
 (or is empty): any other is refused, never overwritten (a mistyped memory.nvme_path must not destroy
-data). One cut short while the tier runs is taken back (nvmecut.py); one removed or replaced is made
-again (nvmegone.py)."""
+data; made or reused at start-up: nvmeprep.py). One cut short while the tier runs is taken back
+(nvmecut.py); one removed or replaced is made again (nvmegone.py)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,12 @@ import numpy as np
 from dflash2.arena.base import StorageArena
 from dflash2.arena.nvmecut import FileCuts
 from dflash2.arena.nvmegone import FileRenewal
-from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
+from dflash2.arena.nvmeprep import FilePreparation
+from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES
 from dflash2.arena.shm import address_space_note, mem_available_bytes
 from dflash2.arena.staging import (ALIGN, READ_BRIDGE_BYTES, Chunk, Run, StagingRing, crc32_combine, plan_chunks,
                                    plan_runs, pread_all, preadv_all, pwrite_all, pwritev_all)
-from dflash2.errors import DISK_FULL, ArenaError, CapacityError
-from dflash2.files import same_file
+from dflash2.errors import ArenaError, CapacityError
 from dflash2.tiers import Tier
 from dflash2.transfer.failures import RepeatLimit
 
@@ -134,7 +134,7 @@ def _refuse_failing_disk(path: str, error: OSError) -> None:
                          "to 0 to run without the NVMe tier") from error
 
 
-class NvmeArena(FileRenewal, StorageArena):
+class NvmeArena(FilePreparation, FileRenewal, StorageArena):
     alignment = ALIGN
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, staging_bytes: int = 64 << 20,
@@ -173,70 +173,6 @@ class NvmeArena(FileRenewal, StorageArena):
                tier: Tier = Tier.NVME) -> NvmeArena:
         """The same as the constructor; named like SharedMemoryArena.create."""
         return cls(path, capacity_bytes, staging_bytes, tier)
-
-    # ---- start-up -------------------------------------------------------------------------------
-
-    def _preallocate(self, wait: float | None = None) -> None:
-        """Create (or reuse) the cache file at full size, after checking that the disk has room.
-
-        The header goes in before the preallocation: a preallocation that fails part way (ext4 keeps
-        what it allocated when the disk fills) or is interrupted must not leave a file of zeros that
-        the next start refuses as someone else's. A file this call created is removed again on any
-        failure, so that a failed start gives its disk space back."""
-        for _ in range(OPEN_TRIES):
-            fd, created = open_cache_file(self.path)
-            try:
-                lock_cache_file(fd, self.path, wait)  # (wait: as lock_cache_file's; 0 for one try)
-            except BaseException:
-                os.close(fd)  # another process may hold a file we just created: never unlink it then
-                raise
-            if same_file(fd, self.path):
-                break
-            # Invariant: the arena's file is the one its path names. Another start's scan removed the
-            # earlier daemon's file we had opened before we locked it (nvmefiles.py): open it afresh.
-            os.close(fd)
-            log.info("NVMe: %s was removed or replaced between its open and its lock (another daemon's start-up); "
-                     "opening it again", self.path)
-        else:
-            raise ArenaError(f"NVMe tier file {self.path} was removed or replaced each of the {OPEN_TRIES} times "
-                             "it was opened: is another process removing it?")
-        try:
-            self._prepare_file(fd)
-        except BaseException as e:
-            os.close(fd)
-            if created:
-                os.unlink(self.path)
-            if isinstance(e, OSError):
-                kind = CapacityError if e.errno in DISK_FULL else ArenaError
-                raise kind(f"NVMe tier cannot prepare its file at {self.path} "
-                           f"({HEADER_BYTES + self.capacity_bytes} bytes): {e}") from e
-            raise
-        # This fd keeps the lock for the arena's life; the I/O fd may be a second, O_DIRECT one.
-        self._lock_fd = fd
-        self.reused = not created  # an earlier daemon's file (what it held is not valid here: dropped)
-
-    def _prepare_file(self, fd: int) -> None:
-        """Refuse a foreign file, write the header, take the disk space (the file is locked)."""
-        st = os.fstat(fd)
-        if is_foreign(os.pread(fd, len(HEADER), 0)):
-            raise ArenaError(f"{self.path} exists and is not a dflash2 NVMe cache file: the NVMe tier "
-                             f"would overwrite it (remove it if it is an old cache file, or set "
-                             f"memory.nvme_path to another file)")
-        total = HEADER_BYTES + self.capacity_bytes
-        have = min(st.st_blocks * 512, total)  # already allocated, reused
-        st_fs = os.fstatvfs(fd)  # the file's own filesystem
-        free = st_fs.f_bavail * st_fs.f_frsize
-        if total - have > free:
-            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
-                                f"and a {HEADER_BYTES}-byte header), only {free + have} free")
-        if st.st_size > total:
-            os.ftruncate(fd, total)
-        os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)  # ours from here on, even if cut short below
-        try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError as e:
-            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, "
-                                f"preallocation failed: {e}") from e
 
     def _open_for_io(self) -> bool:
         """Use O_DIRECT where an aligned test write succeeds; otherwise buffered I/O, said once. An I/O
