@@ -397,8 +397,10 @@ class Duel:
         specs = self._specs(self.sample)
         hbm = self._hbm_blocks(self.sample, layout)
         if hbm < MIN_BLOCKS:
-            # (At the finest sample, 2, lowering it is no remedy: HBM is too small for the duel.)
-            remedy = (f"lower {self._knob}, or 0 to turn the duel off" if self.sample > 2 else
+            # (Where the finest sample, 2, leaves too few too, lowering it is no remedy: HBM is too
+            # small for the duel. Asked only whether the sample was 2, the advice sent a node of
+            # 60 blocks at 1 in 8 to lower it, to be told at 2 that HBM needs 64.)
+            remedy = (f"lower {self._knob}, or 0 to turn the duel off" if self._hbm_blocks(2, layout) >= MIN_BLOCKS else
                       f"HBM needs {2 * MIN_BLOCKS} such blocks for the duel at the finest sample; {self._knob} "
                       "0 turns it off")
             self._too_large = (layout.block_bytes, len(self.manager.table.layouts))

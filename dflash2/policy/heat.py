@@ -63,13 +63,12 @@ from dflash2.policy.density import N_CLASS, HitDensityModel, freq_class
 from dflash2.policy.gate import AdmissionGate
 from dflash2.policy.ghosts import GhostKeys
 from dflash2.policy.heat_lut import INNER_CLASS, ROW, TIERS, ScoreTables
-from dflash2.policy.heat_score import HeatScoring
+from dflash2.policy.heat_score import RECENCY_SLOPE, HeatScoring
 from dflash2.policy.split import RATE_BAND, AdaptiveSplit
 from dflash2.table import BlockState
 from dflash2.table.rowspace import RowArrays
 from dflash2.tiers import Tier
 
-RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units)
 WEIGHTS = ("frequency", "recency", "recency_below", "priority", "sharing", "fanout", "stage")
 # frequency and fanout are 0 by default: with the adaptive split deciding which list gives up
 # blocks, ranking within a list by the learned density or by cached children instead of recency cost
