@@ -5,6 +5,8 @@ place in the deferred queue while far inside its share. Each failed before its f
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -49,10 +51,14 @@ def test_a_process_that_attaches_again_carries_its_set_aside_blocks_in_its_share
                 c.close()
 
 
-def test_a_session_set_aside_after_its_process_attached_again_counts_in_the_later_ones_share(daemon):
+@pytest.mark.parametrize("stall", [False, True])
+def test_a_session_set_aside_after_its_process_attached_again_counts_in_the_later_ones_share(daemon, stall):
     """A process drops a client (or its engine reconnects) and attaches a new one before the old lease
     lapses: the old one's 32 blocks were set aside after the new session attached, were carried into
-    no share, and the process held them and a whole share on top, HBM full (a review)."""
+    no share, and the process held them and a whole share on top, HBM full (a review). `stall`: the
+    daemon stopped (0.8 s) after the new session attached and before the old lease lapsed: the
+    stall's credit moved the old session's `last_seen` past the new one's attach, which was then taken
+    for another engine of the process beside it, and carried nothing (a review)."""
     first = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], heartbeat=False)
     other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL])
     again = None
@@ -60,44 +66,20 @@ def test_a_session_set_aside_after_its_process_attached_again_counts_in_the_late
         lid = first.layouts[0]
         assert first.allocate(lid, 32) is not None  # being written: private
         again = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL])  # the same process, first still attached
+        if stall:
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.8)  # (over stalls.STALL_MIN_S)
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10.0
         while other.stats()["set_aside"]["blocks"] != 32:  # the first one's lease lapses after the new attach
             assert time.monotonic() < deadline
             time.sleep(0.1)
         with pytest.raises(DaemonError, match="QuotaExceeded: .*set aside from its process's earlier session"):
             again.allocate(lid, 1)
-        assert other.allocate(lid, 32) is not None  # the rest of HBM is the other client's to take
-    finally:
-        for c in (again, other, first):
-            if c is not None:
-                c.close()
-
-
-def test_a_session_set_aside_after_a_daemon_stall_still_counts_in_the_later_ones_share(daemon):
-    """As above, with the daemon stopped (0.8 s) after the new session attached and before the old lease
-    lapsed: the stall's credit moved the old session's `last_seen` past the new one's attach, which
-    was then taken for another engine of the process beside it, and carried nothing (a review)."""
-    import os
-    import signal
-
-    first = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], heartbeat=False)
-    other = Client.connect(daemon.endpoint, name="other", layouts=[SMALL])
-    again = None
-    try:
-        lid = first.layouts[0]
-        assert first.allocate(lid, 32) is not None  # being written: private
-        again = Client.connect(daemon.endpoint, name="engine", layouts=[SMALL])  # the same process, first still attached
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.8)  # (over stalls.STALL_MIN_S)
-        finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10.0
-        while other.stats()["set_aside"]["blocks"] != 32:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        with pytest.raises(DaemonError, match="QuotaExceeded: .*set aside from its process's earlier session"):
-            again.allocate(lid, 1)
+        if not stall:
+            assert other.allocate(lid, 32) is not None  # the rest of HBM is the other client's to take
     finally:
         for c in (again, other, first):
             if c is not None:

@@ -134,49 +134,25 @@ def test_an_lru_ranking_keeps_its_order_on_a_clock_of_days():
 
 
 @pytest.mark.parametrize("ranking", ["heat", "lru", "lfu"])
-def test_following_keeps_heats_priority_and_running_requests_in_hbm(ranking):
-    """A running priority-100 request's blocks (older, still referenced) and 11 newer idle blocks of
-    priority 0: the background drain takes idle ones first whatever HBM's ranking (followed alone,
+@pytest.mark.parametrize("priority, older_s", [(100, 1), (0, 60)])
+def test_following_keeps_heats_priority_and_running_requests_in_hbm(ranking, priority, older_s):
+    """A running request's blocks (older, still referenced) and 11 newer idle blocks of priority 0: the
+    background drain takes idle ones first whatever HBM's ranking. At priority 100 (followed alone,
     LRU's and LFU's demoted three of the running request's four, and `set_weights` of priority
-    changed nothing, a review)."""
-    from conftest import SMALL, FakeClock, specs
-
-    clock = FakeClock()
-    m = BlockManager(specs(16, 64), policy="heat", clock=clock, prefetch_window=0)
-    lid = m.register_layout(SMALL)
-    hi, lo = m.attach("interactive"), m.attach("batch")
-    v_hi = m.commit(hi, m.allocate(hi, lid, 4, priority=100), keys=[1, 2, 3, 4])
-    clock.advance(1)
-    v_lo = m.commit(lo, m.allocate(lo, lid, 11), keys=list(range(100, 111)))
-    m.free(lo, v_lo)
-    clock.advance(1)
-    m.policy.follow(ranking)
-    m.tick(drain=False, duel=False)
-    m.placement.make_room(Tier.HBM, 6 * SMALL.block_bytes, cold_only=True)
-    tier = m.table.cols.tier
-    assert not (tier[m.table.rows(v_hi)] != int(Tier.HBM)).any()
-    assert (tier[m.table.rows(v_lo)] != int(Tier.HBM)).sum() >= 5
-    m.check_invariants()
-    m.close()
-
-
-@pytest.mark.parametrize("ranking", ["heat", "lru", "lfu"])
-def test_following_keeps_a_running_requests_older_blocks_in_hbm(ranking):
-    """A running request (priority 0) still holds 4 blocks written 70 s ago; a finished one's 11
-    idle blocks were written 10 s ago. Ranked as heat, the drain takes idle ones first; following
-    LRU, whose age counted 1 a doubling against heat's 0.2, it took three of the running four
-    (the sharing and stage terms, +2, outweighed 2 doublings of age only: a review)."""
+    changed nothing, a review); at priority 0, written 70 s ago against the idle blocks' 10 s
+    (following LRU, whose age counted 1 a doubling against heat's 0.2, it took three of the running
+    four: the sharing and stage terms, +2, outweighed 2 doublings of age only, a review)."""
     from conftest import SMALL, FakeClock, specs
 
     clock = FakeClock()
     m = BlockManager(specs(16, 64), policy="heat", clock=clock, prefetch_window=0)
     lid = m.register_layout(SMALL)
     running, finished = m.attach("running"), m.attach("finished")
-    v_run = m.commit(running, m.allocate(running, lid, 4), keys=[1, 2, 3, 4])
-    clock.advance(60)
+    v_run = m.commit(running, m.allocate(running, lid, 4, priority=priority), keys=[1, 2, 3, 4])
+    clock.advance(older_s)
     v_done = m.commit(finished, m.allocate(finished, lid, 11), keys=list(range(100, 111)))
     m.free(finished, v_done)
-    clock.advance(10)
+    clock.advance(1 if priority else 10)
     m.policy.follow(ranking)
     m.tick(drain=False, duel=False)
     m.placement.make_room(Tier.HBM, 6 * SMALL.block_bytes, cold_only=True)

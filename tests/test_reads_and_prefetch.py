@@ -301,37 +301,18 @@ def test_a_prefetch_gone_from_hbm_unread_is_wasted_in_the_figures_at_once(make_m
     assert (m.prefetcher.pending, m.prefetcher.wasted, m.prefetcher.useful) == (0, n, 0)
 
 
-def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock):
+@pytest.mark.parametrize("after_step", [False, True])
+def test_another_readers_window_is_not_the_room_for_a_prefetch(make_manager, clock, after_step):
     """A window brought up for a read that has not come yet keeps its old score: without being kept
-    out of the room another reader's prefetch makes, it would be the first block to go."""
-    m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2)
-    a, b = m.attach("a"), m.attach("b")
-    m.register_layout(SMALL)
-    one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
-    assert m.placement.make_room(Tier.HBM, 16 * SMALL.block_bytes)
-    filler = _down_chain(m, a, 900, 16)  # HBM full of idle blocks read just now
-    assert m.stats()["tiers"]["hbm"]["blocks"] == 16
-    chain_a = m.table.vids(m.lookup_rows(one, 0, client=a)).tolist()
-    assert m.acquire_rows(a, chain_a[:2]) is not None
-    m.release(a, chain_a[:2])
-    m.run_prefetch()
-    window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
-    assert window, "a's window came up"
-    chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
-    assert m.acquire_rows(b, chain_b[:2]) is not None
-    m.run_prefetch()
-    assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
-    assert filler
-
-
-def test_another_readers_window_is_not_the_room_for_a_prefetch_after_a_step(make_manager, clock):
-    """The same past a background step: a window was kept out of that room only until the next step
+    out of the room another reader's prefetch makes, it would be the first block to go. `after_step`:
+    the same past a background step: a window was kept out of that room only until the next step
     (which may come a moment after it came up), and then, its score old, it was the first block another
     reader's prefetch pushed out, unread (a review: a daemon's reader lost its window to another's
     lookup 0.5 s after it came up). Kept while it waits for its reader; a read asked for still takes
     it after idle blocks (below), and a drain as ever (its protection there lasts one step)."""
     m = make_manager(hbm_blocks=16, dram_blocks=64, prefetch_window=2,
-                     watermarks={Tier.HBM: Watermark(high=1.0, low=0.85)})  # (no drain: the step settles)
+                     **({"watermarks": {Tier.HBM: Watermark(high=1.0, low=0.85)}}  # (no drain: the step settles)
+                        if after_step else {}))
     a, b = m.attach("a"), m.attach("b")
     m.register_layout(SMALL)
     one, two = _down_chain(m, a, 700, 8), _down_chain(m, b, 800, 8)
@@ -344,13 +325,15 @@ def test_another_readers_window_is_not_the_room_for_a_prefetch_after_a_step(make
     m.run_prefetch()
     window = [v for v in chain_a[2:] if m.table.cols.tier[m.table.rows([v])[0]] == int(Tier.HBM)]
     assert window, "a's window came up"
-    m.tick()
-    assert m.prefetcher.pending == len(window)  # (not read yet, still in HBM)
+    if after_step:
+        m.tick()
+        assert m.prefetcher.pending == len(window)  # (not read yet, still in HBM)
     chain_b = m.table.vids(m.lookup_rows(two, 0, client=b)).tolist()
     assert m.acquire_rows(b, chain_b[:2]) is not None
     m.run_prefetch()
     assert (m.table.cols.tier[m.table.rows(window)] == int(Tier.HBM)).all(), "a's window stayed for its read"
-    assert m.acquire_rows(a, window) is not None and m.prefetcher.wasted == 0
+    if after_step:
+        assert m.acquire_rows(a, window) is not None and m.prefetcher.wasted == 0
     assert filler
 
 
