@@ -23,7 +23,7 @@ from dflash2.backoff import WriteBackoff
 from dflash2.coldcut import cold_mask
 from dflash2.demotion import Demotion
 from dflash2.drainorder import DrainCut, DrainSelection
-from dflash2.forest import local_parents, lowest_levels, reaches_marked, subtree_heights
+from dflash2.forest import local_parents, lowest_levels, marked_or_above, reaches_marked, subtree_heights
 from dflash2.kth import kth_lowest
 from dflash2.mover import Mover
 from dflash2.policy.base import Policy
@@ -53,11 +53,6 @@ class Watermark:
     low: float
 
 
-# `leave_whole` walks up from the held rows in whole-array rounds while this many rows or more are
-# walked at once, then a block a step: a round costs as much as a Python step of this many rows.
-WALK_WIDE = 64
-
-
 @dataclasses.dataclass
 class PlacementStats:
     demoted: int = 0
@@ -81,6 +76,10 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
     PEEL_LEVELS, PEEL_SHARE = 32, 4
     # The cut gathers the reachable rows' scores when they are at most 1/GATHER_BELOW of the table.
     GATHER_BELOW = 4
+    # `leave_whole` walks up a level at a time until it has walked one level per this many rows of
+    # its mask (a level's numpy calls cost about what a pass of pointer jumping costs over that many
+    # rows), then jumps: a walk of thousands of levels of a few rows each took seconds.
+    LEAVE_WHOLE_JUMP_AFTER = 256
     def __init__(self, table: BlockTable, mover: Mover, policy: Policy, tiers: list[Tier],
                  watermarks: dict[Tier, Watermark], cold_threshold: float):
         self.table = table
@@ -152,10 +151,12 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
         held back by a descendant that cannot leave (a block leaves a tier only after its children
         there, or for an eviction every cached child: the inner blocks of a chain whose leaf is
         pinned stay). A row with a holding child outside the mask is held, and so is every ancestor
-        of it, walked up a level at a time from the held rows only (the pointer jumping of
-        `subtree_heights` over every row cost 300 ms at a million blocks, an experiment): in
-        whole-array rounds while the walk is WALK_WIDE rows wide or more, then a block a step (a
-        round a level, 20-50 us each, took 505 ms above one leaf held 32,768 deep, a review)."""
+        of it: walked up a level at a time from the held rows only (the pointer jumping of
+        `subtree_heights` over every row cost 300 ms at a million blocks, an experiment), each
+        level's repeats dropped by a scatter (a sort a level cost more), and past
+        max(64, rows / LEAVE_WHOLE_JUMP_AFTER) levels the rest by pointer jumping over the rows still
+        leaving (a level at a time, 4 chains 65,536 deep under pinned leaves took 0.5 s a call,
+        twice a step while a reservation waited; one leaf held 32,768 deep 505 ms: two reviews)."""
         c = self.table.cols
         rows = np.flatnonzero(mask)
         holding = self._holding(tier, rows, evict, None)
@@ -167,15 +168,22 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
         out = mask.copy()
         out[held] = False
         up = c.parent[held]
-        while len(up := up[up >= 0]) >= WALK_WIDE:
-            up = np.unique(up[out[up]])  # (an ancestor outside the mask holds its own ancestors: above)
+        levels = 0
+        first = np.empty(len(mask), dtype=np.int64)  # (one place of each row in a level: its repeats dropped, no sort)
+        while len(up := up[up >= 0]):
+            if levels > max(64, len(rows) // self.LEAVE_WHOLE_JUMP_AFTER):
+                left = np.flatnonzero(out)
+                marks = np.zeros(len(left), dtype=bool)
+                marks[np.searchsorted(left, up[out[up]])] = True
+                out[left[marked_or_above(local_parents(left, c.parent[left]), marks)]] = False
+                return out
+            up = up[out[up]]  # (an ancestor outside the mask holds its own ancestors: above)
+            at = np.arange(len(up))
+            first[up] = at  # (whichever write of a repeated row stays, one place of it matches)
+            up = up[first[up] == at]
             out[up] = False
             up = c.parent[up]
-        parent, inside = c.parent.item, out.item
-        for row in up.tolist():
-            while row >= 0 and inside(row):
-                out[row] = False
-                row = parent(row)
+            levels += 1
         return out
 
     def _childless(self, tier: Tier, evict: bool, through: Tier | None = None,

@@ -183,8 +183,12 @@ class Prefetcher:
         Kept out of it only until the next step (`_fresh`), which may come a moment after, a window
         then was, its score old, the first block another reader's prefetch pushed out unread (a
         review). A read's room still takes them after idle blocks, and a drain after one step."""
-        mine = [v for v in self._pending if v not in self._orphans]
-        if not mine:
+        # (Vectorised: a comprehension over the pending vids took 5 ms of each prefetch at 50,000
+        # pending, a review.)
+        mine = np.asarray(list(self._pending), dtype=np.int64)
+        if len(mine) and self._orphans:
+            mine = mine[~np.isin(mine, np.asarray(list(self._orphans), dtype=np.int64))]
+        if not len(mine):
             return np.empty(0, dtype=np.int64)
         rows, live = self._rows(mine)
         return rows[live]

@@ -181,6 +181,52 @@ def test_the_walk_above_blocks_that_stay_takes_few_whole_array_rounds_and_is_exa
     assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == 0
 
 
+def test_leave_whole_past_its_level_walk_holds_every_block_above_a_held_leaf(make_manager, monkeypatch):
+    """Idle chains 300 deep under leaves a reader holds, and an idle chain beside them: every block of
+    the held chains stays (the blocks above a held one wait for it), the idle chain may leave. Walked
+    a level at a time to the root, 4 chains 65,536 deep took 0.5 s a call, twice a step while a
+    reservation waited (a review): past 64 levels the rest is found by pointer jumping."""
+    from dflash2 import placement as placement_module
+    depth = 300
+    mgr = make_manager(hbm_blocks=3 * depth + 8, dram_blocks=16)
+    a, r = mgr.attach("a"), mgr.attach("r")
+    lid = mgr.register_layout(SMALL)
+    held = [fill(mgr, a, lid, list(range(k * 1000, k * 1000 + depth))) for k in (1, 2, 3)]
+    idle = fill(mgr, a, lid, [50, 51, 52])
+    assert mgr.acquire(r, [int(ch[-1]) for ch in held]) is not None
+    jumps = []
+    real = placement_module.marked_or_above
+    monkeypatch.setattr(placement_module, "marked_or_above", lambda *args: jumps.append(1) or real(*args))
+    p, table = mgr.placement, mgr.table
+    for evict in (True, False):
+        out = p.leave_whole(Tier.HBM, p.movable(Tier.HBM, evict=evict), evict)
+        assert not out[table.rows(np.concatenate(held))].any()
+        assert out[table.rows(idle)].all()
+    assert len(jumps) == 2
+
+
+def test_the_walk_above_blocks_that_stay_goes_on_in_whole_array_rounds_while_levels_are_wide(make_manager,
+                                                                                             monkeypatch):
+    """WALK_WIDE idle chains deeper than WALK_LEVELS under leaves another client holds: past
+    WALK_LEVELS the walk goes on in whole-array rounds while a level has WALK_WIDE blocks (a block a
+    step, 1,024 chains 1,024 deep took 270 ms a call, asked at every status poll of a reservation
+    waiting beside another slot size's, a review), and every block of them stays."""
+    from dflash2 import roombound
+    depth, chains = roombound.WALK_LEVELS + 8, roombound.WALK_WIDE
+    mgr = make_manager(hbm_blocks=depth * chains, dram_blocks=16)
+    a, w = mgr.attach("a"), mgr.attach("w")
+    lid = mgr.register_layout(SMALL)
+    slot = mgr.table.slot_bytes(lid, Tier.HBM)
+    for k in range(chains):
+        chain = fill(mgr, a, lid, list(range(k * 1000 + 1, k * 1000 + depth)))
+        mgr.commit(w, mgr.allocate(w, lid, 1), keys=[k * 1000 + depth], parent=int(chain[-1]))  # held by w
+    rounds = []
+    real = roombound.unique
+    monkeypatch.setattr(roombound, "unique", lambda v: rounds.append(1) or real(v))
+    assert mgr.placement.room_most(Tier.HBM, slot, idle_only=True) == 0
+    assert len(rounds) == depth  # (to the roots, and a round that finds none above them)
+
+
 def test_a_read_beside_a_chain_deeper_than_the_whole_array_rounds_moves_nothing(make_manager):
     """HBM of 68: two idle blocks and an idle chain 66 deep whose leaf a reader holds; a 3-block chain
     in DRAM cannot come up (2 slots at most). With the walk capped at 64 levels the chain's top

@@ -446,7 +446,9 @@ class Admission(ExpiringReservations):
             movable = room + self._movable_bytes(res)
             why = blocked_reason(pos, res.hbm_bytes, ahead, movable, self.granted.values(),
                                  self.settings.reservation_ttl_s, res.client,
-                                 self._untaken_here(res, movable) if ahead > movable else None)
+                                 # (a pass over the table, asked only where it may change the reason: its own
+                                 # bytes beyond that room; behind the queue alone, at every poll, a review)
+                                 self._untaken_here(res, movable) if res.hbm_bytes > movable else None)
         if why is not None:
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
