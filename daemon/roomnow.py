@@ -117,6 +117,13 @@ def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
+        from dflash2.arena.nvmeprep import fsize_limit
+
+        segments = [(t.capacity_bytes if t.tier == Tier.HBM else plan.pool_bytes(t), t.tier.label) for t in plan.tiers
+                    if t.tier != Tier.NVME and t.capacity_bytes and not t.where.startswith("cuda")]
+        if (limit := fsize_limit()) is not None and segments and (big := max(segments))[0] > limit:  # (as shm.py refuses it)
+            lines.append(f"the {big[1]} tier's shared-memory segment needs {big[0]} bytes, and this process's file "
+                         f"size limit (RLIMIT_FSIZE: ulimit -f) is {limit} bytes: start-up would fail now (exit 4)")
         try:  # (mapped past the limit: ENOMEM with memory free, a review)
             importlib.import_module("dflash2.daemon.startup")  # (its libraries mapped, as start-up's are)
         except ModuleNotFoundError:

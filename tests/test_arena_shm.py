@@ -126,3 +126,23 @@ def test_bad_names_raise(bad):
 def test_capacity_must_be_aligned(name):
     with pytest.raises(ArenaError, match="multiple"):
         SharedMemoryArena.create(name, CAP + 1, Tier.DRAM)
+
+
+def test_a_file_size_limit_below_the_segment_is_refused_naming_it(name):
+    """A segment is a file in /dev/shm: under a file size limit (ulimit -f) below it, its ftruncate
+    failed as "[Errno 27] File too large", naming no limit (a review); nothing is left behind."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (CAP // 2, hard))
+    try:
+        with pytest.raises(CapacityError, match=rf"dram tier needs a shared-memory segment of {CAP} bytes .*"
+                                                rf"may not write past byte {CAP // 2} of a file \(its file size limit, "
+                                                r"RLIMIT_FSIZE"):
+            SharedMemoryArena.create(name, CAP, Tier.DRAM)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert not os.path.exists(f"/dev/shm/{name}")

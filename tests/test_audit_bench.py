@@ -369,28 +369,6 @@ def test_a_bench_whose_daemon_cannot_start_says_why_in_one_line(capsys):
     assert "the bench's daemon did not start (exit 2): dflash2d: error: memory.hbm_capacity_mb" in line
 
 
-def test_a_staging_buffer_past_the_machines_memory_is_refused_in_one_line(capsys, tmp_path):
-    line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--staging-mb", "100000000",
-                       "--dir", str(tmp_path))
-    assert "staging buffer needs" in line and "available" in line
-    assert "error: --staging-mb 100000000: " in line, line  # (it named memory.staging_buffer_size_mb alone, a review)
-    assert "memory.staging_buffer_size_mb" not in line, line  # (the daemon's key, named beside the option: a review)
-
-
-def test_a_tier_file_that_cannot_be_made_is_not_blamed_on_the_staging_buffer(capsys, tmp_path, monkeypatch):
-    """The tier's file refused (a file-size limit, a full disk): said as the arena says it, not as the
-    --staging-mb option's fault (every CapacityError of the arena was put on --staging-mb, a review)."""
-    from dflash2.bench import nvme
-    from dflash2.errors import CapacityError
-
-    def refused(path, size, staging_bytes):
-        raise CapacityError(f"NVMe tier needs {size} bytes at {path}, preallocation failed: [Errno 27] File too large")
-    monkeypatch.setattr(nvme, "NvmeArena", refused)
-    line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--dir", str(tmp_path))
-    assert "error: NVMe tier needs " in line and "File too large" in line, line
-    assert "--staging-mb" not in line, line
-
-
 # ---- bench churn --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [

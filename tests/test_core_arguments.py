@@ -122,3 +122,23 @@ def test_a_read_at_a_numpy_integers_top_priority_makes_room_as_at_127(make_manag
         got = m.acquire(b, v, priority=priority)
     assert got is not None and [p.tier for p in got] == [Tier.HBM], m.acquire_refusal
     m.check_invariants()
+
+
+@pytest.mark.parametrize("priority", [3.0, np.int8(127)])
+def test_a_reservation_at_a_priority_the_check_takes_is_decided_as_at_that_int(make_manager, priority):
+    """The priority check takes an integral float and numpy integers: a 3.0 reservation, queued, then
+    failed its deferred decision (an IndexError) and stayed queued, its id never told; an np.int8 127
+    wrapped in the movable count (127 + 128) and was told it waited on blocks that cannot move, where
+    127 counted the running blocks it may preempt (a review)."""
+    import warnings
+
+    m = make_manager(hbm_blocks=8, dram_blocks=32)
+    a, b = m.attach("a"), m.attach("b")
+    lid = m.register_layout(SMALL)
+    m.commit(a, m.allocate(a, lid, 8), keys=list(range(1, 9)))  # HBM full of running blocks, priority 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the wrap's overflow warning)
+        d = m.reserve(b, lid, 2 * SMALL.tokens_per_block, priority=priority)
+    assert d.reason == "not enough HBM free yet", d
+    assert [r.priority for r in m.admission.deferred] == [int(priority)]
+    m.check_invariants()

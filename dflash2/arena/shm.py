@@ -208,6 +208,15 @@ def _check_room(name: str, capacity_bytes: int, tier: Tier) -> None:
             f"{tier.label} tier needs {capacity_bytes} bytes of shared memory for segment {name!r}, "
             f"only {available} available ({SHM_DIR} free {shm_free}, MemAvailable {mem_free})"
         )
+    from dflash2.arena.nvmeprep import fsize_limit
+
+    if (limit := fsize_limit()) is not None and limit < capacity_bytes:
+        # (a segment is a file in /dev/shm: its ftruncate failed, "[Errno 27] File too large", naming
+        # no limit, and --check said the tiers fit, a review)
+        raise CapacityError(f"{tier.label} tier needs a shared-memory segment of {capacity_bytes} bytes ({name!r}, a "
+                            f"file in {SHM_DIR}), but this process may not write past byte {limit} of a file (its "
+                            f"file size limit, RLIMIT_FSIZE: ulimit -f, systemd's LimitFSIZE): raise the limit or "
+                            f"lower the tier's capacity")
 
 
 class SharedMemoryArena(MemoryArena):

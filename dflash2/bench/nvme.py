@@ -146,6 +146,7 @@ UNALIGNED_SHIFT = 64
 
 
 KEY_STAGING = "memory.staging_buffer_size_mb"  # the daemon's key the NVMe arena's messages name for the staging buffer
+KEY_CAPACITY = "memory.nvme_capacity_mb"  # and for the file's size (its file size limit's message)
 
 
 class _Tier:
@@ -153,6 +154,8 @@ class _Tier:
         try:
             self.arena = NvmeArena(path, size, staging_bytes=staging)
         except CapacityError as e:  # (it named memory.staging_buffer_size_mb, the daemon's key: a review)
+            if KEY_CAPACITY in str(e):  # (a file size limit: told to lower the daemon's key, a review)
+                raise CapacityError(f"--size-mb {size >> 20}: {str(e).replace(KEY_CAPACITY, '--size-mb')}") from None
             if KEY_STAGING not in str(e):  # (its file's room: no fault of --staging-mb's, a review)
                 raise
             raise CapacityError(f"--staging-mb {staging >> 20}: {str(e).replace(KEY_STAGING, '--staging-mb')}") from None
@@ -164,8 +167,12 @@ class _Tier:
         shift, stride = (0, block) if aligned else (UNALIGNED_SHIFT, block + nvme_arena.ALIGN)
         self.dram, self.srcs, self.dsts = None, [], []
         try:  # (what was made is let go of on any failure, Ctrl-C among them: the segment was left)
-            self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
-                                                 Tier.DRAM, alignment=nvme_arena.ALIGN)
+            try:
+                self.dram = SharedMemoryArena.create(f"dflash2-bench-nvme-{os.getpid()}", 2 * batch * stride,
+                                                     Tier.DRAM, alignment=nvme_arena.ALIGN)
+            except CapacityError as e:  # (it named a "dram tier" and its capacity, no option: a review)
+                raise CapacityError(f"--batch {batch} of --block-kb {block >> 10} (a batch of sources and one of "
+                                    f"destinations): {e}") from None
             self.srcs = [self.dram.view(k * stride + shift, block) for k in range(batch)]
             self.dsts = [self.dram.view((batch + k) * stride + shift, block) for k in range(batch)]
             rng = np.random.default_rng(2)

@@ -70,6 +70,9 @@ class Admission(ExpiringReservations):
         if tokens <= 0:
             raise ValueError(f"a reservation needs a positive token count, got {tokens}")
         self.table.check_allocation(1, priority, request)  # (here, not at its grant: deferred, at every step)
+        # (as a Python int: a 3.0 it takes failed its deferred decision's index after it was queued, an
+        # IndexError, and an np.int8 127 wrapped in `_movable_bytes`, no running block preemptable, a review)
+        priority = int(priority)
         now = self._advance()
         # Room that reservations past their time still hold is free room for this one: they end now,
         # not at the next background step. And the queue goes first: what fits of it by now (the
