@@ -500,8 +500,11 @@ class Transport:
         try:
             # A detach queued on a socket that had not connected (a fresh one, the daemon stopped) was
             # dropped with it: the daemon, run again, let the lease lapse and set the live process's
-            # blocks aside for minutes, though it had closed (a review). It goes once the daemon runs.
-            self.reset(self.detach_linger_s if op == P.Op.DETACH else 0.0)
+            # blocks aside for minutes, though it had closed (a review). It goes once the daemon runs;
+            # not where the daemon has ended: lingering, it was kept for the process's life (a descriptor
+            # each, Context.term() hung for good) and sent to the next daemon there, an error (a review).
+            linger = op == P.Op.DETACH and not (self.gone is not None and self.gone())
+            self.reset(self.detach_linger_s if linger else 0.0)
         except DaemonUnavailable as e:
             return f"; no fresh socket ({e}){later if undo else ''}"
         if (self._forgets or self._retries) and not self._send_pending():

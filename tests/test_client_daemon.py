@@ -373,6 +373,30 @@ def test_a_close_on_a_stopped_daemon_after_a_timeout_still_detaches_once_it_runs
         assert "detached: released {'reservations': 0, 'unpinned': 0, 'dereferenced': 3, 'freed': 3}" in daemon.log()
 
 
+def test_a_close_after_the_daemon_was_killed_leaves_no_detach_for_the_next_daemon(config_file, tmp_path):
+    """A close() after the daemon was killed (its end found by the waiting detach): the detach's socket
+    lingered until sent, which a dead daemon never lets happen: kept for the process's life (a
+    descriptor each, `zmq.Context.instance().term()` hung for good), then sent to the next daemon on
+    the endpoint, an error there (a review: 50 such closes, 50 descriptors kept and 50 errors)."""
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock", **LEASE})
+    first = DaemonProcess(path).start()
+    try:
+        c = Client.connect(config=path, name="c", layouts=[SMALL], heartbeat=False, timeout_s=2.0)
+        first.proc.kill()
+        first.proc.wait(10)
+        c.close()
+    finally:
+        first.stop()
+    second = DaemonProcess(path).start()
+    try:
+        other = Client.connect(config=path, name="other", heartbeat=False)
+        time.sleep(0.5)  # (a lingering socket connects within ZeroMQ's 100 ms reconnect interval)
+        assert other.stats()["daemon"]["errors"] == 0, "the dead daemon's detach reached the new daemon"
+        other.close()
+    finally:
+        second.stop()
+
+
 def test_client_arguments_are_checked_by_name_and_numpy_numbers_taken(daemon, connect):
     """Keys that are not integers in [0, 2^64) are refused by name (a float key was truncated, a
     negative numpy key wrapped around, silently); numpy numbers as rates and layout fields go as
