@@ -14,13 +14,19 @@ log = logging.getLogger("dflash2.client")
 def uuid_of_local_device(device: int) -> str | None:
     """The UUID of this process's CUDA device `device`, or None where this process has no CUDA (no
     CuPy, no driver, no such device): then the daemon takes `device` as its own number. Without CuPy
-    that is said in the log: the number alone named another GPU's pool where the two processes number
-    their GPUs differently, and a torch-only serving process (sglang's) fell back to it silently (a review)."""
+    on a machine that shows a GPU that is said in the log: the number alone named another GPU's pool
+    where the two processes number their GPUs differently, and a torch-only serving process (sglang's)
+    fell back to it silently (a review); on one that shows none it is all there is, said nowhere."""
+    from dflash2 import plan
     from dflash2.cuda import cupy, visible_uuids
 
     try:
         cupy()
     except ArenaError as e:
+        if plan.probe_gpus() == []:
+            # No GPU on this machine (the daemon's own probe, without CuPy): the number is all there is,
+            # and CuPy would find none either (a host-only node's clients were told to install it).
+            return None
         log.warning("dflash2: %s, so this process cannot read the UUID of its GPU %d: the daemon takes %d for its "
                     "own device number, which is another GPU's pool where the daemon numbers its GPUs otherwise "
                     "(CUDA_VISIBLE_DEVICES, a container's device plugin)", e, device, device)

@@ -86,10 +86,32 @@ def test_status_names_each_pools_gpu():
 
 @pytest.fixture
 def no_cupy(monkeypatch):
-    """This process as a torch-only serving process on a GPU node: CuPy cannot be imported."""
+    """This process as a torch-only serving process on a GPU node: CuPy cannot be imported (the driver
+    shows a GPU)."""
     import sys
 
+    from dflash2 import plan
+
     monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(plan, "probe_gpus", lambda: [plan.Gpu(0, "H100", 80 << 30)])
+
+
+def test_a_client_without_cupy_on_a_machine_without_a_gpu_is_not_told_to_install_it(no_cupy, monkeypatch, caplog):
+    """README's walk on a CPU machine: `Client.connect(..., device=0)` to a host-only daemon logged that
+    the CUDA path needs CuPy and that the number named another GPU's pool (there is no GPU)."""
+    import logging
+
+    from dflash2 import plan
+    from dflash2.client.localgpu import uuid_of_local_device
+
+    monkeypatch.setattr(plan, "probe_gpus", lambda: [])
+    with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+        assert uuid_of_local_device(0) is None
+    assert not [r for r in caplog.records if "CuPy" in r.getMessage()]
+    monkeypatch.setattr(plan, "probe_gpus", lambda: [plan.Gpu(0, "H100", 80 << 30)])  # (a GPU node: said)
+    with caplog.at_level(logging.WARNING, logger="dflash2.client"):
+        assert uuid_of_local_device(0) is None
+    assert [r for r in caplog.records if "cannot read the UUID of its GPU 0" in r.getMessage()]
 
 
 def _cuda_arena(**extra) -> dict:
