@@ -23,7 +23,7 @@ def uuid_of_local_device(device: int) -> str | None:
     try:
         cupy()
     except ArenaError as e:
-        if plan.probe_gpus() == []:
+        if plan.probe_gpus(import_torch=False) == []:  # (not imported here for it: a review)
             # No GPU on this machine (the daemon's own probe, without CuPy): the number is all there is,
             # and CuPy would find none either (a host-only node's clients were told to install it).
             return None

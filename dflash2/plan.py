@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -328,13 +329,21 @@ def _checked_endpoint(cfg: Config) -> str:
 # GPU probing
 
 
-def probe_gpus() -> Optional[list[Gpu]]:
+def probe_gpus(import_torch: bool = True) -> Optional[list[Gpu]]:
     """Visible GPUs (after CUDA_VISIBLE_DEVICES), [] when there are none, None when nothing can tell.
     The driver starts a thread of its own at cuInit: it inherits the stop signals blocked, so that
-    they reach the main thread (threads.py)."""
+    they reach the main thread (threads.py). `import_torch` False: torch asked only where this
+    process has imported it already (a client's attach imported it, 1.5-2 s with the stop signals
+    blocked, in a process that never used it, a review): then no driver library is no GPU."""
     with threads.stop_signals_blocked():
         found = _probe_driver()
-        return found if found is not None else _probe_torch()
+        if found is not None or import_torch or "torch" in sys.modules:
+            return found if found is not None else _probe_torch()
+        try:
+            libcuda()
+        except OSError:
+            return []  # (no NVIDIA driver installed: no GPU this process could use, CuPy or not)
+        return None
 
 
 def _probe_driver() -> Optional[list[Gpu]]:

@@ -93,7 +93,7 @@ def no_cupy(monkeypatch):
     from dflash2 import plan
 
     monkeypatch.setitem(sys.modules, "cupy", None)
-    monkeypatch.setattr(plan, "probe_gpus", lambda: [plan.Gpu(0, "H100", 80 << 30)])
+    monkeypatch.setattr(plan, "probe_gpus", lambda **_: [plan.Gpu(0, "H100", 80 << 30)])
 
 
 def test_a_client_without_cupy_on_a_machine_without_a_gpu_is_not_told_to_install_it(no_cupy, monkeypatch, caplog):
@@ -104,11 +104,11 @@ def test_a_client_without_cupy_on_a_machine_without_a_gpu_is_not_told_to_install
     from dflash2 import plan
     from dflash2.client.localgpu import uuid_of_local_device
 
-    monkeypatch.setattr(plan, "probe_gpus", lambda: [])
+    monkeypatch.setattr(plan, "probe_gpus", lambda **_: [])
     with caplog.at_level(logging.WARNING, logger="dflash2.client"):
         assert uuid_of_local_device(0) is None
     assert not [r for r in caplog.records if "CuPy" in r.getMessage()]
-    monkeypatch.setattr(plan, "probe_gpus", lambda: [plan.Gpu(0, "H100", 80 << 30)])  # (a GPU node: said)
+    monkeypatch.setattr(plan, "probe_gpus", lambda **_: [plan.Gpu(0, "H100", 80 << 30)])  # (a GPU node: said)
     with caplog.at_level(logging.WARNING, logger="dflash2.client"):
         assert uuid_of_local_device(0) is None
     assert [r for r in caplog.records if "cannot read the UUID of its GPU 0" in r.getMessage()]
@@ -166,3 +166,22 @@ def test_a_client_without_cupy_says_in_the_log_that_its_device_number_goes_as_th
         assert client_mod._uuid_of_local_device(1) is None
     assert "needs CuPy (pip install 'dflash2[gpu]')" in caplog.text
     assert "the daemon takes 1 for its own device number" in caplog.text
+
+
+def test_a_client_without_cupy_does_not_import_torch_to_probe_for_a_gpu():
+    """Its attach on a machine without CuPy probed for GPUs as the daemon does, torch's fallback too:
+    torch imported (1.5-2 s, the stop signals blocked) into a process that never used it (a review)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import dflash2.cudadriver as d\n"
+            "def none(): raise OSError('no driver here')\n"
+            "d.libcuda = none\n"
+            "import dflash2.plan as p; p.libcuda = none\n"
+            "from dflash2.client.localgpu import uuid_of_local_device\n"
+            "assert uuid_of_local_device(0) is None\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "torch was imported to probe for a GPU"
