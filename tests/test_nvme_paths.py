@@ -231,18 +231,22 @@ def test_check_counts_the_serving_daemons_thread_stacks_against_an_address_space
     assert [ln for ln in dmain.room_now(plan) if "address space" in ln][0].endswith("start-up would fail now (exit 4)")
 
 
+def check_under_file_size_limit(path, limit: int):
+    """`check(path)` with this process's file size limit (ulimit -f) at `limit` bytes, put back after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        return check(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def test_check_says_a_file_size_limit_below_the_nvme_file_fails_start_up(tmp_path):
     """`--check` said the NVMe file fit under a file size limit (ulimit -f) below it, and start-up then
     exited 4 (a review)."""
-    import resource
-
-    path = write_config(tmp_path)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * MB, hard))
-    try:
-        rc, out = check(path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    rc, out = check_under_file_size_limit(write_config(tmp_path), 16 * MB)
     assert rc == 0 and now_lines(out)[-1] == (
         f"now: the NVMe file needs {4096 + 32 * MB} bytes at {tmp_path / 'nvme.cache'}, and this process's file "
         f"size limit (RLIMIT_FSIZE: ulimit -f) is {16 * MB} bytes: start-up would fail now (exit 4)"), out
@@ -251,15 +255,7 @@ def test_check_says_a_file_size_limit_below_the_nvme_file_fails_start_up(tmp_pat
 def test_check_says_a_file_size_limit_below_a_shared_memory_segment_fails_start_up(tmp_path):
     """The host memory tiers' segments are files in /dev/shm, under the same file size limit: `--check`
     said they fit, and start-up then exited 4 on "[Errno 27] File too large" (a review)."""
-    import resource
-
-    path = write_config(tmp_path)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (12 * MB, hard))
-    try:
-        rc, out = check(path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    rc, out = check_under_file_size_limit(write_config(tmp_path), 12 * MB)
     assert rc == 0 and (f"now: the dram tier's shared-memory segment needs {16 * MB} bytes, and this process's file "
                         f"size limit (RLIMIT_FSIZE: ulimit -f) is {12 * MB} bytes: start-up would fail now (exit 4)"
                         in now_lines(out)), out
