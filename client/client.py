@@ -155,9 +155,6 @@ class Client(BlockViews):
         self.layout_ids: list[int] = [int(i) for i in r["layouts"]]
         self._layouts.update(zip(self.layout_ids, layouts))
         self.lease_timeout_s = float(r["lease_timeout_s"])
-        # (Until it is sent: the daemon counts none of the time it was stopped against the lease, so a
-        # linger of a lease dropped the detach of a daemon stopped longer, a review.)
-        self._transport.detach_linger_s = float("inf")
         self.heartbeat_interval_s = float(r["heartbeat_interval_s"])
         self.device = r.get("device")
         self.gpu = r.get("gpu", self.gpu)  # the daemon's number of the GPU whose pool this client uses

@@ -156,9 +156,6 @@ class Transport:
         self._ids = itertools.count(1)
         self.taken = 0  # calls whose giving up (a forget, a retry) this transport has taken on
         self.token: str | None = None  # the session token attach returned, sent with every call
-        # How long a `detach` left unanswered may still be sent by its socket (the Client's: inf, until it
-        # is sent): on a fresh socket of a stopped daemon it is queued until the daemon runs (`_give_up`).
-        self.detach_linger_s = 0.0
         # `forget` calls the daemon has not answered yet: their call id -> (client, the call forgotten,
         # a commit's block ids frame or None)
         self._forgets: dict[int, tuple[int, int, bytes | None]] = {}
@@ -504,7 +501,7 @@ class Transport:
             # not where the daemon has ended: lingering, it was kept for the process's life (a descriptor
             # each, Context.term() hung for good) and sent to the next daemon there, an error (a review).
             linger = op == P.Op.DETACH and not (self.gone is not None and self.gone())
-            self.reset(self.detach_linger_s if linger else 0.0)
+            self.reset(math.inf if linger else 0.0)
         except DaemonUnavailable as e:
             return f"; no fresh socket ({e}){later if undo else ''}"
         if (self._forgets or self._retries) and not self._send_pending():

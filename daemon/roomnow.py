@@ -117,7 +117,7 @@ def room_now(plan: Plan, metrics_port: int = 0, policy: str = "lru", duel_sample
         fits = host <= shm and host + staging <= avail
         lines.append(f"{takes}; /dev/shm has {shm} free and MemAvailable is {avail}: "
                      f"{'fits' if fits else 'start-up would fail now (exit 4)'}")
-        from dflash2.arena.nvmeprep import fsize_limit
+        from dflash2.arena.shm import fsize_limit
 
         segments = [(t.capacity_bytes if t.tier == Tier.HBM else plan.pool_bytes(t), t.tier.label) for t in plan.tiers
                     if t.tier != Tier.NVME and t.capacity_bytes and not t.where.startswith("cuda")]
@@ -195,7 +195,7 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
         if not link:
             dev = os.stat(path).st_dev
             freed[dev] = freed.get(dev, 0) + held
-    from dflash2.arena.nvmeprep import fsize_limit
+    from dflash2.arena.shm import fsize_limit
 
     if (limit := fsize_limit()) is not None and limit < need_each:  # (as the tier refuses it: nvmeprep.py)
         return [f"the NVMe file needs {need_each} bytes at {paths[0]}, and this process's file size limit "

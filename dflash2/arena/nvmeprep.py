@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 
 from dflash2.arena.nvmefiles import HEADER, HEADER_BYTES, OPEN_TRIES, is_foreign, lock_cache_file, open_cache_file
+from dflash2.arena.shm import fsize_limit
 from dflash2.errors import DISK_FULL, ArenaError, CapacityError
 from dflash2.files import same_file
 
 log = logging.getLogger("dflash2.arena.nvme")
-
-
-def fsize_limit() -> int | None:
-    """This process's file size limit in bytes (RLIMIT_FSIZE's soft limit), None where there is none."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return None if limit == resource.RLIM_INFINITY else limit
 
 
 class FilePreparation:

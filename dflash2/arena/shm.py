@@ -159,6 +159,15 @@ def thread_stack_bytes() -> int:
     return 2 << 20 if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def fsize_limit() -> int | None:
+    """This process's file size limit in bytes (RLIMIT_FSIZE's soft limit: `ulimit -f`, systemd's
+    LimitFSIZE=), None where there is none: no shared-memory segment or NVMe file may be larger."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
 # glibc's mallopt parameter for the most arenas malloc keeps (malloc.h's M_ARENA_MAX)
 M_ARENA_MAX = -8
 
@@ -208,8 +217,6 @@ def _check_room(name: str, capacity_bytes: int, tier: Tier) -> None:
             f"{tier.label} tier needs {capacity_bytes} bytes of shared memory for segment {name!r}, "
             f"only {available} available ({SHM_DIR} free {shm_free}, MemAvailable {mem_free})"
         )
-    from dflash2.arena.nvmeprep import fsize_limit
-
     if (limit := fsize_limit()) is not None and limit < capacity_bytes:
         # (a segment is a file in /dev/shm: its ftruncate failed, "[Errno 27] File too large", naming
         # no limit, and --check said the tiers fit, a review)

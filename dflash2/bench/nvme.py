@@ -145,20 +145,22 @@ class _Raw:
 UNALIGNED_SHIFT = 64
 
 
-KEY_STAGING = "memory.staging_buffer_size_mb"  # the daemon's key the NVMe arena's messages name for the staging buffer
-KEY_CAPACITY = "memory.nvme_capacity_mb"  # and for the file's size (its file size limit's message)
+# The daemon's keys the NVMe arena's messages name (a file size limit's: the file's size; the staging
+# buffer's), and this bench's options for them: a message naming one is put on that option (told to
+# lower the daemon's keys, its user was, two reviews); any other (the file's disk room) as it is.
+OPTION_OF_KEY = {"memory.nvme_capacity_mb": "--size-mb", "memory.staging_buffer_size_mb": "--staging-mb"}
 
 
 class _Tier:
     def __init__(self, path: str, size: int, block: int, batch: int, staging: int, aligned: bool):
         try:
             self.arena = NvmeArena(path, size, staging_bytes=staging)
-        except CapacityError as e:  # (it named memory.staging_buffer_size_mb, the daemon's key: a review)
-            if KEY_CAPACITY in str(e):  # (a file size limit: told to lower the daemon's key, a review)
-                raise CapacityError(f"--size-mb {size >> 20}: {str(e).replace(KEY_CAPACITY, '--size-mb')}") from None
-            if KEY_STAGING not in str(e):  # (its file's room: no fault of --staging-mb's, a review)
-                raise
-            raise CapacityError(f"--staging-mb {staging >> 20}: {str(e).replace(KEY_STAGING, '--staging-mb')}") from None
+        except CapacityError as e:
+            given = {"--size-mb": size >> 20, "--staging-mb": staging >> 20}
+            for key, option in OPTION_OF_KEY.items():
+                if key in str(e):
+                    raise CapacityError(f"{option} {given[option]}: {str(e).replace(key, option)}") from None
+            raise
         self.block, self.batch = block, batch
         self.offsets = np.arange(0, size - block + 1, block, dtype=np.int64)
         # One batch of distinct source blocks (reused for every batch, stamped with each block's
