@@ -365,6 +365,20 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
     def _slot_bytes(self, tier: Tier, rows: np.ndarray) -> np.ndarray:
         return self.table.slot_sizes(tier)[self.table.cols.layout[rows]]
 
+    def room_below(self, tier: Tier) -> int:
+        """Bytes the tiers below `tier` could take of blocks that are never dropped (a running
+        request's, which preemption demotes): their free bytes and the slots of the blocks they may
+        drop, at most (a block going further down takes room counted already). Running blocks whose
+        only way down is a last tier full of pinned or running blocks cannot leave: counted movable,
+        a reservation behind them was told "not enough HBM free yet", 0 s, at every poll (a review).
+        A pass over the table per tier below."""
+        room, below = 0, self.lower(tier)
+        while below is not None:
+            droppable = self.leave_whole(below, self.movable(below, evict=True), True)
+            room += self.free_bytes(below) + int(self._slot_bytes(below, np.flatnonzero(droppable)).sum())
+            below = self.lower(below)
+        return room
+
     # -- making room -----------------------------------------------------------------------
     def make_room(self, tier: Tier, need_bytes: int, *, cold_only: bool = False,
                   protect: np.ndarray | None = None, below_priority: int | None = None,

@@ -124,3 +124,41 @@ def test_a_reservation_behind_another_sizes_granted_slot_is_told_so(daemon):
         assert r.deferred and r.est_wait_s is None, r
         assert "1 granted reservation(s) not yet taken (8192 bytes)" in r.reason, r.reason
         assert "being written" not in r.reason, r.reason
+
+
+def test_a_reservation_behind_running_blocks_with_no_room_below_gets_no_estimate(config_file, tmp_path):
+    """HBM full of a priority-5 request's running blocks, DRAM (the last tier) full of a priority-0
+    request's, which preemption put there: the higher-priority reservation could demote the first
+    only into room that nothing can make, and was told "not enough HBM free yet", 0 s, at every poll
+    (known gaps). Once the DRAM blocks' request ends, they may be dropped, and it is granted."""
+    proc = DaemonProcess(config_file(
+        memory={"hbm_capacity_mb": 1, "dram_capacity_mb": 1, "nvme_capacity_mb": 0, "page_kb": 64},
+        daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})).start()
+    try:
+        with Client.connect(proc.endpoint, name="low", layouts=[SMALL]) as a, \
+                Client.connect(proc.endpoint, name="mid", layouts=[SMALL]) as b, \
+                Client.connect(proc.endpoint, name="high", layouts=[SMALL]) as c:
+            low = a.commit(a.allocate(a.layouts[0], 64)["vid"], keys=[100 + i for i in range(64)])
+            r = b.reserve(b.layouts[0], 16 * 64, priority=5)  # low's running blocks go down to DRAM
+            deadline = time.monotonic() + 5
+            while not r.granted and time.monotonic() < deadline:
+                time.sleep(0.05)
+                r = b.reservation(r.reservation_id)
+            assert r.granted, r
+            b.commit(b.take(r.reservation_id, 64)["vid"], keys=[300 + i for i in range(64)])
+            tiers = c.stats()["tiers"]
+            assert tiers["hbm"]["blocks"] == tiers["dram"]["blocks"] == 64
+            r = c.reserve(c.layouts[0], 16 * 8, priority=9)
+            for _ in range(3):  # (and at the polls after a background step)
+                assert r.deferred and r.est_wait_s is None, r
+                assert "no room for them in the tiers below" in r.reason, r.reason
+                time.sleep(0.15)
+                r = c.reservation(r.reservation_id)
+            a.free(low)  # low's blocks, idle and cached, may be dropped from DRAM now
+            deadline = time.monotonic() + 5
+            while not r.granted and time.monotonic() < deadline:
+                time.sleep(0.05)
+                r = c.reservation(r.reservation_id)
+            assert r.granted, r
+    finally:
+        proc.stop()

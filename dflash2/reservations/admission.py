@@ -48,7 +48,7 @@ class Admission(ExpiringReservations):
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
         # Deferred decisions' movable HBM bytes per slot size (idle, running by priority): a scan of the
         # table (tens of ms at a million blocks), so polls read the last step's, which clears it.
-        self._movable_memo: dict[int, tuple[int, np.ndarray]] = {}  # (_movable_bytes, `new_step`)
+        self._movable_memo: dict[int, tuple[int, np.ndarray, int]] = {}  # (_movable_bytes, `new_step`)
         self._room_tried: int | None = None  # room last made for it (a new head gets room once: `tick`)
         # The blocks that calls have left able to leave HBM for the head since room was last made
         # for it (`became_movable`, loosened.py), and how often in a row such a retry fell short for it
@@ -502,7 +502,8 @@ class Admission(ExpiringReservations):
         step; counted of every size whatever their slab, one whose every slab held a block being
         written was told to wait 0 s (two reviews). With no tier below HBM, making room drops
         blocks, and only idle published ones may be dropped: a running request's are not movable
-        there, whatever their priority. As of the last background step (`_movable_memo`)."""
+        there, whatever their priority, and above a lower tier only as many as the tiers below can take
+        (`Placement.room_below`). As of the last background step (`_movable_memo`)."""
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
         preempts = self.settings.preemption and not last
@@ -526,9 +527,11 @@ class Admission(ExpiringReservations):
                                       weights=slots[c.layout[running]].astype(np.float64),
                                       minlength=PRIORITY_MAX - PRIORITY_MIN + 1)
             idle_bytes = self.table.room_freed_bytes(np.flatnonzero(idle), Tier.HBM, slot)
-            self._movable_memo[slot] = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))))
-        idle_bytes, below = self._movable_memo[slot]  # below[p - PRIORITY_MIN]: running bytes of priority < p
-        return idle_bytes + (int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)]) if preempts else 0)
+            self._movable_memo[slot] = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))),
+                                        hbm.room_below(Tier.HBM) if preempts and len(running) else 0)
+        idle_bytes, below, room_below = self._movable_memo[slot]  # below[p - PRIORITY_MIN]: running bytes of priority < p
+        running = int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)])
+        return idle_bytes + (min(running, room_below) if preempts else 0)
 
     def check_invariants(self) -> None:
         """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is

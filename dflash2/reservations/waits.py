@@ -5,7 +5,7 @@ The bytes it waits for (its own and those of the reservations queued ahead of it
 free and movable room; three causes, told apart by the bytes each accounts for:
 
 - its own bytes are more than free + movable room + granted reservations' untaken room: blocks that
-  cannot move now (being written, pinned, or of higher priority) hold the rest;
+  cannot move now (being written, pinned, of higher priority, or running with no room below) hold the rest;
 - its own bytes need granted reservations' untaken room: it waits for their clients or their expiry;
 - its own bytes fit: the reservations ahead of it take the room first, granted one after another, and
   it waits until their clients free that room.
@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 from dflash2.reservations.records import Reservation
 
-IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned, or of higher priority): "
+IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned, of higher priority, or "
+             "running with no room for them in the tiers below): "
              "waits for their clients to release them")
 
 
