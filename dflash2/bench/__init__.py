@@ -28,6 +28,8 @@ def sizes_kib(text: str, multiple_kib: int = 1) -> list[int]:
         if kib <= 0 or kib % multiple_kib:
             what = "size" if multiple_kib == 1 else f"multiple of {multiple_kib}"
             raise OptionError(f"--sizes-kib: {kib} is not a positive {what}")
+        if kib * KIB in sizes:  # (measured twice, one row each: a bench transfer review)
+            raise OptionError(f"--sizes-kib: {kib} is given twice")
         sizes.append(kib * KIB)
     return sizes
 
