@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from dflash2.files import nearest_existing, read_only
-from dflash2.plan import Plan
+from dflash2.plan import Plan, files_said
 
 
 # Address space a starting daemon maps beyond its tiers, staging buffers, threads' stacks and block
@@ -214,7 +214,7 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
         free = st.f_bavail * st.f_frsize + held + freed.get(dev, 0)
         need = need_each * len(files)
         where = (f"the NVMe file needs {need} bytes at {files[0]}" if len(files) == 1 else
-                 f"{len(files)} NVMe files (one per GPU) need {need} bytes in all at {files[0]} to {files[-1]}")
+                 f"{len(files)} NVMe files (one per GPU) need {need} bytes in all at {files_said(files)}")
         lines.append(f"{where}; {free} are free there (with what the files already hold): {verdict(need, free)}")
     return lines
 

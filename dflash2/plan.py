@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -182,8 +183,19 @@ def _split_between_gpus(plan: Plan) -> list[str]:
     shares = " and ".join(f"{human_bytes(plan.pool_bytes(t))} of {t.tier.label}" for t in shared)
     files = plan.nvme_files()
     return [f"{plan.pools} GPUs: each GPU's block pool takes {shares or 'no lower tier'} (the sizes above are "
-            "the node's)" + (f"; NVMe files {files[0]} to {files[-1]}" if files and any(
+            "the node's)" + (f"; NVMe files {files_said(files)}" if files and any(
                 t.tier == Tier.NVME for t in shared) else "")]
+
+
+def files_said(files: list[Path]) -> str:
+    """NVMe files (`Plan.nvme_files`, or where their links lead) named in a message: the first to the
+    last where they are one GPU's each, of indices without a gap; each otherwise (GPUs 1 and 3 were
+    said "X.gpu1 to X.gpu3")."""
+    found = [re.fullmatch(r"\.gpu(\d+)", f.suffix) for f in files]
+    gpus = [int(m[1]) for m in found if m]
+    if len(files) > 2 and len(gpus) == len(files) and gpus == list(range(gpus[0], gpus[0] + len(gpus))):
+        return f"{files[0]} to {files[-1]}"
+    return ", ".join(str(f) for f in files)
 
 
 # A configured layout whose slots in a tier are at least this many times its blocks is warned about.

@@ -96,6 +96,20 @@ def test_check_looks_at_each_gpus_nvme_file_and_their_room_together(tmp_path, mo
                        "start-up would refuse it (exit 4)")
 
 
+
+def test_check_names_the_nvme_files_of_gpus_with_a_gap_between_them_each(tmp_path, monkeypatch):
+    """device.gpu_ids [1, 3]: their files were said "nvme.cache.gpu1 to nvme.cache.gpu3", as if GPU
+    2's were among them."""
+    raw = gpu_node(tmp_path, monkeypatch, 4)
+    raw["device"]["gpu_ids"] = [1, 3]
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(raw))
+    files = f"{tmp_path / 'nvme.cache.gpu1'}, {tmp_path / 'nvme.cache.gpu3'}"
+    assert any(note.endswith(f"; NVMe files {files}") for note in resolve_plan(parse_config(raw)).notes)
+    rc, out, _ = run("--config", str(path), "--check")
+    now = [line for line in out if line.startswith("now: ")]
+    assert rc == 0 and f"NVMe files (one per GPU) need {2 * (32 * MB + 4096)} bytes in all at {files};" in now[-1], now
+
 def test_check_measures_each_gpus_nvme_file_on_the_disk_its_link_leads_to(tmp_path, monkeypatch):
     """`nvme.cache.gpuN` linked to a disk per GPU: start-up takes each on its target's disk, and
     --check measured them all on the links' folder (a review of the fix: "would fail" for files
