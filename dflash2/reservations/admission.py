@@ -206,8 +206,8 @@ class Admission(ExpiringReservations):
 
     def cancel(self, client: int, reservation_id: int) -> None:
         res = self._owned(client, reservation_id)
-        self._ended.cancelled(res)
-        if self._ended.unspend(res):
+        self._ended.cancelled(res, spent := self._ended.unspend(res))
+        if spent:
             res.ended = True
             return  # every block was taken: nothing to give back, and nothing was cancelled
         self._drop(res)

@@ -30,7 +30,7 @@ class Ended:
     def __init__(self):
         self.spent: collections.OrderedDict[int, Reservation] = collections.OrderedDict()
         self._why: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()  # id -> (client, why)
-        self._cancelled: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> client
+        self._cancelled: collections.OrderedDict[int, tuple[int, bool]] = collections.OrderedDict()  # id -> (client, spent)
 
     def spend(self, res: Reservation, now: float) -> None:
         """`res` has given out its last block."""
@@ -79,8 +79,10 @@ class Ended:
         for res in reservations[skip:]:
             self.expired(res, ttl_s)
 
-    def cancelled(self, res: Reservation) -> None:
-        self._cancelled[res.id] = res.client
+    def cancelled(self, res: Reservation, spent: bool = False) -> None:
+        """`res` was cancelled by its client; `spent`: after it had given out its every block (said so
+        after: told "was cancelled", its client could think its blocks given back)."""
+        self._cancelled[res.id] = (res.client, spent)
         while len(self._cancelled) > ENDED_KEPT:
             self._cancelled.popitem(last=False)
 
@@ -89,7 +91,9 @@ class Ended:
         its own client; else unknown, expired or cancelled."""
         owner, why = self._why.get(reservation_id, (None, None))
         if why is None and reservation_id in self._cancelled:
-            owner, why = self._cancelled[reservation_id], f"reservation {reservation_id} was cancelled"
+            owner, spent = self._cancelled[reservation_id]
+            why = f"reservation {reservation_id} was cancelled" + (
+                " after every block was taken (nothing to give back: its blocks are the client's)" if spent else "")
         if why is not None and client in (None, owner):
             return why
         return f"reservation {reservation_id} is unknown, expired or cancelled"
