@@ -332,7 +332,9 @@ def _frames_head(frames: list[bytes], max_header: int = MAX_HEADER_BYTES, strict
     except strictjson.KeyTwice as e:
         raise ProtocolError(f"header.{e.path} is named twice: send each key once (JSON keeps the last, which "
                             "may not be the one meant)") from None
-    except (UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # (its advice, sys.set_int_max_str_digits, is the daemon's, a review)
+            raise ProtocolError("header holds an integer of more than 4300 digits: no argument takes one") from None
         raise ProtocolError(f"header is not valid JSON: {e}") from None
     except RecursionError:  # a few kilobytes of "[[[[..." exhaust the parser's stack
         raise ProtocolError("header is not valid JSON: nested too deeply") from None
@@ -350,10 +352,13 @@ _HEADER_START = re.compile(rb'\{\s*"op"\s*:\s*"[a-z_]{1,40}"\s*,\s*"id"\s*:\s*(\
 def peek_call_id(frames: list[bytes]) -> int:
     """Best-effort call id of a message that failed to decode (0 when unknown), for the error reply."""
     try:
+        found = _HEADER_START.match(bytes(memoryview(frames[2])[:200]))
         if len(frames[2]) > MAX_HEADER_BYTES:
-            found = _HEADER_START.match(bytes(memoryview(frames[2])[:200]))
             return int(found.group(1)) if found else 0
-        header = json.loads(bytes(frames[2]))
+        try:
+            header = json.loads(bytes(frames[2]))
+        except ValueError:  # (malformed past its start: a number of 5,000 digits was answered as call 0, a review)
+            return int(found.group(1)) if found else 0
         cid = header.get("id", 0)
         return cid if isinstance(cid, int) else 0
     except Exception:
@@ -419,6 +424,12 @@ def decode_request(frames: list[bytes], *, check_args: bool = True) -> Request:
         takes = ", ".join(sorted(ARGS[op])) or "none"
         raise ProtocolError(f"{op.value}: unknown argument(s) {', '.join(map(repr, sorted(map(str, unknown))))} "
                             f"(it takes: {takes})")
+    # The transport's argument is checked as the monitoring socket's gate checks it (keygate.py): on
+    # the request socket, which ignores it, `"request_port": "junk"` ran the call, silently (a review).
+    port = args.get("request_port")
+    if check_args and "request_port" in args and (type(port) is not int or not 1 <= port <= 65535):
+        raise ProtocolError(f"{op.value}: argument 'request_port' must be the tcp port (1-65535) of the daemon the "
+                            f"call asks about, got {port!r}")
     if check_args and len(frames) - 3 > ARRAYS[op]:
         raise ProtocolError(f"{op.value} reads {ARRAYS[op]} array frame{'' if ARRAYS[op] == 1 else 's'} "
                             f"at most, got {len(frames) - 3}")

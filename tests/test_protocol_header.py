@@ -122,3 +122,26 @@ def test_a_daemon_refuses_a_misspelt_args_field_and_a_doubled_argument(tmp_path,
         sock.close(0)
         proc.stop()
     assert "Traceback" not in proc.log()
+
+
+@pytest.mark.parametrize("bad", ["junk", "33870", 33870.0, [33870], None, True, 0, 65536, -1])
+def test_a_request_port_that_is_no_port_number_is_refused_on_any_socket(bad):
+    """A review: the request socket (and an ipc endpoint) ran `ping {"request_port": "junk"}` and
+    `allocate` with `"request_port": [1]`, silently; only the monitoring socket's gate checked it."""
+    for op in (Op.PING, Op.ALLOCATE):
+        with pytest.raises(ProtocolError) as refused:
+            P.decode_request(P.encode_request(op, 1, 3, {"request_port": bad}, token=TOKEN))
+        assert str(refused.value) == (f"{op.value}: argument 'request_port' must be the tcp port (1-65535) of the "
+                                      f"daemon the call asks about, got {bad!r}")
+    assert P.decode_request(P.encode_request(Op.PING, 1, None, {"request_port": 65535})).args == {"request_port": 65535}
+
+
+def test_a_header_with_an_integer_past_the_digit_limit_is_refused_as_such_and_answered_to_its_call():
+    """A review: a number of 5,000 digits was refused as "not valid JSON" with Python's advice to call
+    sys.set_int_max_str_digits() (the daemon's, not the sender's to act on), and answered as call 0."""
+    header = f'{{"op":"ping","id":42,"client":null,"token":null,"args":{{"n":{"9" * 5000}}}}}'
+    frames = [P.MAGIC, P.VERSION_FRAME, header.encode()]
+    with pytest.raises(ProtocolError, match=r"^header holds an integer of more than 4300 digits: no argument takes one$"):
+        P.decode_request(frames)
+    assert P.peek_call_id(frames) == 42
+    assert P.peek_call_id([P.MAGIC, P.VERSION_FRAME, b'{"op":"ping","id":43,"client":null,"args":{"n":}']) == 43
