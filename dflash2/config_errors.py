@@ -29,6 +29,9 @@ def first_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
         problem = "required key is missing"
     else:
         problem = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "float_type" and type(first.get("input")) is int:
+            # (JSON allows 10**400: "should be a valid number" of a number, and no bound named)
+            problem = "a number past a float's range" + _bounds(root, loc)
         if "input" in first and not isinstance(first["input"], (dict, list)):
             problem += f" (got {json.dumps(first['input'])})"
     if len(errors) > 1:
@@ -85,6 +88,21 @@ def _suggestion(root: type[BaseModel], loc: tuple) -> str:
         return ""
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
     return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _bounds(root: type[BaseModel], loc: tuple) -> str:
+    """`; give a number >= 0 and <= 1`: the bounds of the field at `loc`, or "" where none is found."""
+    model: object = root
+    field = None
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return ""
+        field = model.model_fields[part]
+        model = _model_in(field.annotation)
+    words = [f"{op} {getattr(m, attr):g}" for m in (field.metadata if field else ())
+             for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+             if getattr(m, attr, None) is not None]
+    return f"; give a number {' and '.join(words)}" if words else ""
 
 
 def _model_in(annotation: object) -> object:

@@ -310,3 +310,20 @@ def test_each_gpus_share_is_planned_in_whole_pages_and_what_is_left_warned_of(tm
     # per GPU: 96 MiB is three whole pages, yet 32 of it stays unused (a review's script: the advice
     # said a multiple of the page would waste nothing)
     assert "not a whole number of pages per GPU (2 GPUs" in warned[0] and "the page times 2 wastes" in warned[0]
+
+
+# -- numbers past a float's range ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("section, value, key, bounds", [
+    ({"policy": {"cold_threshold": 10 ** 400}}, 10 ** 400, "policy.cold_threshold", ">= 0 and <= 1"),
+    ({"admission": {"reservation_ttl_s": -10 ** 400}}, -10 ** 400, "admission.reservation_ttl_s", "> 0 and <= 86400"),
+    ({"policy": {"watermarks": {"dram": {"high": 0.9, "low": 10 ** 400}}}}, 10 ** 400, "policy.watermarks.dram.low",
+     "> 0 and < 1"),
+], ids=["cold_threshold", "reservation_ttl_s", "watermark_low"])
+def test_an_integer_past_a_floats_range_is_refused_with_the_keys_bounds(section, value, key, bounds):
+    """JSON allows 10**400: a float key given it said "Input should be a valid number", of a number,
+    and named no bound (a review; set_weights on the wire names the weight's bound)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(host(**section))
+    assert info.value.key == key
+    assert info.value.problem == f"a number past a float's range; give a number {bounds} (got {value})"
