@@ -159,6 +159,9 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         if colon and not bare:  # (`tcp://:31701` was told of "a port in 1..65535", a review; `tcp://[]:P` passed)
             raise ValueError(f"{endpoint!r} names no host: write tcp://HOST:PORT, such as "
                              f"tcp://127.0.0.1:{port or 'PORT'}")
+        if "[" in bare or "]" in bare or (host.startswith("[") != host.endswith("]")):
+            # (`tcp://[::1:31701` passed the config's check; start-up then failed to bind it, exit 4: a review)
+            raise ValueError(f"{endpoint!r} has unmatched brackets: write an IPv6 address as tcp://[ADDRESS]:PORT")
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
         if port != str(int(port)):  # (the key and lock files are named by the port as written: two names)

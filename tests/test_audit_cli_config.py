@@ -216,6 +216,16 @@ def test_a_tcp_endpoint_without_a_host_names_the_host(endpoint):
         parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://[::1:31701", "tcp://::1]:31701", "tcp://[[::1]]:31701",
+                                      "tcp://[::1]]:31701"])
+def test_a_tcp_endpoint_with_unmatched_brackets_is_refused(endpoint):
+    """`tcp://[::1:31701` passed the check, and start-up failed to bind it (exit 4; a review)."""
+    with pytest.raises(ConfigError, match=re.escape(f"daemon.endpoint: '{endpoint}' has unmatched brackets: write "
+                                                    "an IPv6 address as tcp://[ADDRESS]:PORT")):
+        parse_config({**base(), "daemon": {"endpoint": endpoint}})
+    assert parse_config({**base(), "daemon": {"endpoint": "tcp://[::1]:31701"}}).daemon.endpoint == "tcp://[::1]:31701"
+
+
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):
