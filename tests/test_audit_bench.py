@@ -120,6 +120,9 @@ def ok(i, ids):
     ([ok(0, [True])], "line 1: hash id True is not an integer"),
     ([ok(0, [2 ** 64 - 1])], "is not an integer in 0..2**64-2"),
     ([ok(10, [1]), ok(5, [2])], "line 2: timestamp 5 is earlier than the line before's (10)"),
+    # (printed to 6 digits, a real trace's times said "1.02203e+06 is earlier than ... (1.02203e+06)", a review)
+    ([ok(1022026, [1]), ok(1022025, [2])], "line 2: timestamp 1022025 is earlier than the line before's (1022026)"),
+    ([ok(0.1, [1]), ok(0.07, [2])], "line 2: timestamp 0.07 is earlier than the line before's (0.1)"),
     ([ok(0, [1]), ok(1, [1, 2, 1])], "line 2: hash ids [1] occur twice in one request"),
     (['{"timestamp": NaN, "hash_ids": [1]}'], "line 1: timestamp nan is not a number"),
     ([{"timestamp": 10 ** 400, "hash_ids": [1]}], "line 1: timestamp 1000"),  # (an OverflowError's traceback)

@@ -88,6 +88,16 @@ def test_lru_follows_arrival_order_when_requests_share_a_timestamp():
         assert replay(trace, "lru", hbm_blocks=2)["prefix_hit_rate"] == pytest.approx(2 / 5, abs=1e-4)
 
 
+def test_lfu_breaks_its_ties_by_arrival_order_when_requests_share_a_timestamp():
+    """[1] [2] [2] [1] [3] [1] in 2 blocks: 1 and 2 read once each, 2 before 1; LFU lets 2 go for 3 and
+    finds 3 of 6. With every timestamp the same, the clock's least float step (at 0: 5e-324 s) was lost
+    in LFU's recency term and 1 went: 2 of 6 (a review)."""
+    chains = ([1], [2], [2], [1], [3], [1])
+    for t0 in (0.0, 100.0, 5000.0):
+        for trace in (reqs(*chains), [Request(t0, tuple(c)) for c in chains]):
+            assert replay(trace, "lfu", hbm_blocks=2)["prefix_hit_rate"] == pytest.approx(3 / 6, abs=1e-4)
+
+
 def test_a_trace_that_references_no_block_has_no_hit_rate(tmp_path, capsys):
     """Every request's hash_ids empty: 0 references, and a rate of 0.0 said none of them was found
     (`max(1, refs)`). The rates are null, and every policy's line is still JSON."""

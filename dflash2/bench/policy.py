@@ -44,6 +44,9 @@ ALIGN = 256
 
 MAX_HASH_ID = (1 << 64) - 2  # content keys are uint64 and the replay adds 1 (0 means "no key")
 MAX_TIMESTAMP_MS = 1e18  # (milliseconds: 30 million years)
+# The least the replay's clock moves between requests that share a timestamp (replay): a thousand of
+# them fit in a millisecond.
+SAME_TIME_STEP_S = 1e-6
 
 
 def load_trace(path: str, limit: int | None = None) -> list[Request]:
@@ -72,8 +75,8 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
             continue
         req = _request(line, f"--trace {path}, line {number}")
         if out and req.t_s < out[-1].t_s:
-            raise OptionError(f"--trace {path}, line {number}: timestamp {req.t_s * 1000:g} is earlier "
-                              f"than the line before's ({out[-1].t_s * 1000:g}); the replay needs "
+            raise OptionError(f"--trace {path}, line {number}: timestamp {req.t_s * 1000:.15g} is earlier "
+                              f"than the line before's ({out[-1].t_s * 1000:.15g}); the replay needs "
                               "arrival order (sort the trace by timestamp)")
         for before, key in zip((0, *req.keys), req.keys):
             if parent_of.setdefault(key, before) != before:
@@ -168,8 +171,11 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
         # Strictly later than the request before, by the least step a float takes when the trace
         # gives both the same millisecond (allowed: it need only be in arrival order): at one time,
         # LRU ranked them arbitrarily, and "lru" was not LRU on such a trace (a review's [1] [2] [1]
-        # [3] [1] in 2 blocks, every timestamp 0: 1 of 5 found, LRU finds 2).
-        clock.now = max(req.t_s, math.nextafter(clock.now, math.inf)) if i else req.t_s
+        # [3] [1] in 2 blocks, every timestamp 0: 1 of 5 found, LRU finds 2). At least SAME_TIME_STEP_S
+        # later: a float's least step (5e-324 s at 0) vanished in LFU's recency term, 1 / (2 + age),
+        # and "lfu" broke its ties arbitrarily there (a review's [1] [2] [2] [1] [3] [1] in 2 blocks,
+        # every timestamp 0: 2 of 6 found, LFU finds 3).
+        clock.now = max(req.t_s, clock.now + SAME_TIME_STEP_S, math.nextafter(clock.now, math.inf)) if i else req.t_s
         if hasattr(pol, "advance"):
             pol.advance(i)
         if hasattr(pol, "decay_to"):
