@@ -251,9 +251,15 @@ def _nvme_file_now(path: Path) -> tuple[str | None, int]:
             return f"{existing} is not a folder, so the NVMe file {path} cannot be made: {fail}", 0
         if read_only(existing):
             return f"{existing} is on a read-only filesystem, so the NVMe file {path} cannot be made: {fail}", 0
-        if os.statvfs(existing).f_blocks == 0:  # (said "0 are free there", a review)
+        st = os.statvfs(existing)
+        if st.f_blocks == 0:  # (said "0 are free there", a review)
             return (f"{existing} is on a filesystem of no blocks (such as /proc or /sys), so the NVMe file {path} "
                     f"cannot be made: {fail}"), 0
+        # The file and each folder above it still to make take an inode: a filesystem out of them said "fits"
+        # here, and start-up failed with "No space left on device" on a disk with room (a review).
+        if st.f_files and st.f_favail < len(path.relative_to(existing).parts):
+            return (f"{existing} is on a filesystem with {st.f_favail} free inodes (df -i), so the NVMe file {path} "
+                    f"cannot be made, though it has room for bytes: {fail}"), 0
         if not os.access(existing, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
             return f"the daemon's user (uid {os.geteuid()}) cannot create files in {existing}: {fail}", 0
     return None, held

@@ -177,7 +177,8 @@ def test_capacity_error_when_disk_is_short(tmp_path):
     free = st.f_bavail * st.f_frsize
     need = round_up(free + (1 << 30))
     with pytest.raises(CapacityError, match=rf"NVMe tier needs {need + nvme.HEADER_BYTES} bytes at .* \({need} "
-                                            rf"for blocks and a {nvme.HEADER_BYTES}-byte header\), only \d+ free"):
+                                            rf"for blocks and a {nvme.HEADER_BYTES}-byte header\), only \d+ free: "
+                                            "free room on that disk, lower memory.nvme_capacity_mb, or set memory.nvme_path"):
         NvmeArena(tmp_path / "big.bin", need, staging_bytes=STAGING)
 
 

@@ -36,7 +36,8 @@ def _disk_fills_half_way(monkeypatch):
 def test_a_preallocation_cut_short_by_a_full_disk_leaves_nothing_and_the_next_start_works(tmp_path, monkeypatch):
     path = tmp_path / "nvme.bin"
     _disk_fills_half_way(monkeypatch)
-    with pytest.raises(CapacityError, match="preallocation failed"):
+    with pytest.raises(CapacityError, match="preallocation failed: .*No space left on device: free room on that disk, "
+                                            "lower memory.nvme_capacity_mb, or set memory.nvme_path"):
         NvmeArena(path, CAP, staging_bytes=STAGING)
     monkeypatch.undo()
     assert not path.exists()  # the half-allocated file is not left holding the disk space

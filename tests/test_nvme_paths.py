@@ -5,8 +5,10 @@ memory the staging buffers take on a GPU node (found by a review of the NVMe tie
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
+import re
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from conftest import gpu_node, write_config
 from dflash2.arena.nvme import NvmeArena
 from dflash2.config import load_config, parse_config
 from dflash2.daemon import main as dmain
+from dflash2.errors import CapacityError
 from dflash2.plan import resolve_plan
 
 MB = 1 << 20
@@ -259,3 +262,60 @@ def test_check_says_a_file_size_limit_below_a_shared_memory_segment_fails_start_
     assert rc == 0 and (f"now: the dram tier's shared-memory segment needs {16 * MB} bytes, and this process's file "
                         f"size limit (RLIMIT_FSIZE: ulimit -f) is {12 * MB} bytes: start-up would fail now (exit 4)"
                         in now_lines(out)), out
+
+
+def _out_of_inodes(monkeypatch, folder: Path) -> None:
+    """The filesystem of `folder` as one with room for bytes and no free inode (ext4's, fixed at mkfs):
+    statvfs says so, and creating a file or folder there fails with ENOSPC."""
+    real_statvfs, real_open, real_mkdir = os.statvfs, os.open, os.mkdir
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        if Path(path) == folder:
+            return os.statvfs_result((*tuple(st)[:5], 1000, 0, 0, *tuple(st)[8:]))
+        return st
+
+    def refuse(real):
+        def call(path, *args, **kwargs):
+            if Path(path).parent == folder or Path(path).parent.parent == folder:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+
+
+@pytest.mark.parametrize("name", ["nvme.cache", "sub/nvme.cache"])
+def test_a_filesystem_out_of_inodes_is_said_by_check_and_start_up(tmp_path, monkeypatch, name):
+    """A filesystem with room for bytes and no free inode: `--check` said the NVMe file fit, and start-up
+    exited 4 on "[Errno 28] No space left on device" on a disk with room (a review: ext4 made with few
+    inodes, every one taken). Both now say it is the inodes, start-up what to do."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    path = write_config(tmp_path, memory={"nvme_path": str(disk / name)})
+    _out_of_inodes(monkeypatch, disk)
+    rc, out = check(path)
+    assert rc == 0 and now_lines(out)[-1] == (
+        f"now: {disk} is on a filesystem with 0 free inodes (df -i), so the NVMe file {disk / name} cannot be made, "
+        "though it has room for bytes: start-up would fail now (exit 4)"), out
+    with pytest.raises(CapacityError, match=re.escape(f"NVMe tier cannot create its file at {disk / name}: No space "
+                                                      f"left on device: its filesystem has no free inodes (df -i {disk}), "
+                                                      "though it has room for bytes: remove files there, or set "
+                                                      "memory.nvme_path")):
+        NvmeArena(disk / name, 1 * MB, staging_bytes=1 * MB)
+
+
+def test_a_full_disk_that_makes_no_file_says_so(tmp_path, monkeypatch):
+    """ENOSPC making the file where inodes are left: the disk is full, said with what to do."""
+    real_open = os.open
+
+    def full(path, *args, **kwargs):
+        if Path(path) == tmp_path / "nvme.cache":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    with pytest.raises(CapacityError, match="its disk is full: free room there, or set memory.nvme_path"):
+        NvmeArena(tmp_path / "nvme.cache", 1 * MB, staging_bytes=1 * MB)

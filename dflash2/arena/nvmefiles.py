@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dflash2.arena.staging import ALIGN
-from dflash2.errors import ArenaError
-from dflash2.files import holders_text, make_private_folders, owner_text, same_file
+from dflash2.errors import ArenaError, CapacityError
+from dflash2.files import holders_text, make_private_folders, nearest_existing, owner_text, same_file
 
 log = logging.getLogger("dflash2.arena")
 
@@ -103,9 +103,25 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                 blocker = file_among_folders(folder)
                 if blocker is not None:
                     raise ArenaError(f"NVMe tier cannot {what} {path}: {blocker} is not a folder") from e
+            if e.errno == errno.ENOSPC and created:  # (its file or a folder above it could not be made)
+                raise CapacityError(f"NVMe tier cannot {what} {path}: {e.strerror}: {no_room_for_files(folder)}") from e
             raise ArenaError(f"NVMe tier cannot {what} {path}: {e}") from e
     raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times it was opened: is "
                      "another process removing it?")
+
+
+def no_room_for_files(folder: str) -> str:
+    """Why a file (or folder) cannot be made in `folder` where the filesystem says ENOSPC, and what to do.
+    A filesystem out of inodes (ext4's, fixed when it was made) has room for bytes and makes no file:
+    "No space left on device" on a disk with gigabytes free, which `--check` said fits (a review)."""
+    try:
+        st = os.statvfs(existing := nearest_existing(Path(folder)))
+    except OSError:
+        st = None
+    if st is not None and st.f_files and not st.f_favail:
+        return (f"its filesystem has no free inodes (df -i {existing}), though it has room for bytes: remove "
+                "files there, or set memory.nvme_path to a file on another filesystem")
+    return "its disk is full: free room there, or set memory.nvme_path to a file on another disk"
 
 
 def _refuse_unless_regular(st: os.stat_result, path: str) -> None:

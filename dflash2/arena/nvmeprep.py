@@ -8,6 +8,7 @@ failed start gives its disk space back; one an earlier daemon left is kept.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -17,6 +18,9 @@ from dflash2.errors import DISK_FULL, ArenaError, CapacityError
 from dflash2.files import same_file
 
 log = logging.getLogger("dflash2.arena.nvme")
+
+# What to do where the disk lacks room for the file (the start-up line said only the bytes, a review).
+ROOM_ADVICE = "free room on that disk, lower memory.nvme_capacity_mb, or set memory.nvme_path to a file on another disk"
 
 
 class FilePreparation:
@@ -78,12 +82,12 @@ class FilePreparation:
         free = st_fs.f_bavail * st_fs.f_frsize
         if total - have > free:
             raise CapacityError(f"NVMe tier needs {total} bytes at {self.path} ({self.capacity_bytes} for blocks "
-                                f"and a {HEADER_BYTES}-byte header), only {free + have} free")
+                                f"and a {HEADER_BYTES}-byte header), only {free + have} free: {ROOM_ADVICE}")
         if st.st_size > total:
             os.ftruncate(fd, total)
         os.pwrite(fd, HEADER.ljust(HEADER_BYTES, b"\0"), 0)  # ours from here on, even if cut short below
         try:
             os.posix_fallocate(fd, 0, total)
         except OSError as e:
-            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, "
-                                f"preallocation failed: {e}") from e
+            raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, preallocation failed: {e}"
+                                + (f": {ROOM_ADVICE}" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")) from e
