@@ -1,5 +1,6 @@
 """The client's heartbeat thread: renews the lease every heartbeat_interval_s until detach, a lost
-lease or the daemon's end. Any failure but those is logged and the next beat tries again: a thread
+lease (the daemon answers UnknownClient) or the daemon's end. Any failure but those (an error reply
+of another kind among them) is logged and the next beat tries again: a thread
 that died on one (a socket that could not be made, no descriptor left) let the lease lapse with no
 word.
 
@@ -134,6 +135,13 @@ def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, na
                     return
                 log.warning("dflash2 heartbeat: %s", e)
             except DaemonError as e:
+                if e.kind != "UnknownClient":
+                    # The daemon failed answering this beat (an InternalError: a MemoryError it served on
+                    # past): the lease holds, as after a call's error (`Client._run`). Taken for a lost
+                    # lease, the beats stopped, views were refused, and close() sent no detach: the
+                    # daemon set the client's blocks aside at the lapse (a review).
+                    log.warning("dflash2 heartbeat: %s; trying again in %gs", e, interval_s)
+                    continue
                 client._lease_lost()
                 if client._ended:  # (a new daemon's answer blamed a detach or a lapsed lease, a review)
                     log.error("dflash2 lease lost: the daemon client %d attached to at %s has ended (stopped or "

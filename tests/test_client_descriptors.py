@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -101,6 +102,37 @@ def test_the_heartbeat_outlives_a_socket_it_cannot_make(daemon, monkeypatch):
         assert len(made) == 3
     finally:
         c.close()
+
+
+def test_a_heartbeat_answered_with_an_internal_error_keeps_the_lease(daemon, monkeypatch):
+    """A daemon that failed answering one beat (an InternalError: a MemoryError it served on past)
+    still holds the lease. The heartbeat took any error reply for a lost lease: it stopped, views were
+    refused ("this client's lease lapsed") while calls still ran, and close() sent no detach, so the
+    daemon set the client's blocks aside at the lapse (a review, a real daemon's injected MemoryError)."""
+    beats = []
+    real_call = Transport.call
+
+    def call(self, op, *args, **kwargs):
+        if op == Op.HEARTBEAT and threading.current_thread().name.startswith("dflash2-heartbeat"):
+            beats.append(op)
+            if len(beats) == 2:
+                from dflash2.errors import DaemonError
+
+                raise DaemonError("InternalError", "MemoryError: one beat out of memory")
+        return real_call(self, op, *args, **kwargs)
+
+    monkeypatch.setattr(Transport, "call", call)
+    c = Client.connect(daemon.endpoint, name="beats", layouts=[SMALL])
+    try:
+        lid = c.layout_ids[0]
+        places = c.allocate(lid, 2)
+        time.sleep(3 * c.lease_timeout_s)
+        assert len(beats) > 3, "the heartbeat went on past the failed beat"
+        assert c._heartbeat_thread.is_alive() and not c.lease_lost
+        assert c.view(int(places["vid"][0])).numel() > 0
+    finally:
+        released = c.close()
+    assert released.get("freed") == 2, released  # detached: its blocks freed, not set aside
 
 
 def test_a_connect_with_too_few_descriptors_left_is_refused_not_an_abort(daemon):
