@@ -9,6 +9,8 @@ serves it), or held for reservations waiting ahead (`_held_back`). Each refusal 
 
 from __future__ import annotations
 
+import numpy as np
+
 from dflash2.reservations import Reservation
 from dflash2.reservations.waits import held_by_granted, until_taken, untaken_room
 from dflash2.tiers import Tier
@@ -31,9 +33,30 @@ class AllocateRefusals:
             self.allocate_refusal = (f"{tier.name} is full of blocks that cannot move now; "
                                      + ("reserve and wait" if tier == Tier.HBM else "blocks being written, held by "
                                         "clients' references (with the chains above them) or pinned by host "
-                                        "readers: free or release them, or try again later"))
+                                        "readers: free or release them, or try again later")
+                                     + self.set_aside_note(tier))
         self.refusals.note("allocate", "tier_full", self.allocate_refusal)
         return None
+
+    def set_aside_note(self, tier: Tier) -> str:
+        """Said in a refusal for room where lapsed clients' set-aside blocks hold part of `tier`
+        (table/departure.py): no client of theirs releases them, they are let go when the process ends
+        or its set-aside does (daemon/sessions.py SetAside). Told "waits for their clients to release
+        them" alone, an operator looked for clients that were gone (a review). "" where none do."""
+        if not self.set_aside_clients:
+            return ""
+        held: set[int] = set()
+        for client in self.set_aside_clients:
+            holder = self.table.clients[client]
+            held.update(holder.refs)
+            held.update(holder.pins)
+        rows = np.fromiter(held, dtype=np.int64, count=len(held))
+        here = int(np.count_nonzero(self.table.cols.tier[rows] == int(tier)))
+        if not here:
+            return ""
+        return (f"; {here} of its blocks are set aside for {len(self.set_aside_clients)} client(s) whose lease "
+                "lapsed while their process may still run (not released by any client: let go when that process "
+                "ends, or daemon.set_aside_leases leases after the lapse)")
 
     def _room_without(self, held: list[Reservation], slot: int) -> int:
         """HBM's room for slots of `slot` bytes (by slots and slabs, as `room_most` counts) were the

@@ -120,6 +120,7 @@ class BlockManager(AllocateRefusals, Reads):
         self.acquire_refusal = ""  # why the last acquire answered None (reads.py)
         self.refusals = Refusals()  # calls answered None, by cause: counted and logged for the operator
         self.set_aside_clients: set[int] = set()  # lapsed, their private blocks kept (set_aside) until detach
+        self.admission.set_aside_note = self.set_aside_note  # (a deferred reservation's reason names them)
         self.access = AccessStats()
         # A lookup is followed by the request reading its prefix from the start: the first window's
         # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).

@@ -261,7 +261,7 @@ class Reads:
             also = "" if not untaken else f", and of {count} granted reservation(s) not yet taken ({untaken} bytes)"
             why = (f"it is full of blocks that cannot move now (being written or pinned{held}){also}, so nothing "
                    f"was moved; retry once they are released{', freed, taken or cancelled' if untaken else ' or freed'}"
-                   f"{instead}, or recompute them")
+                   f"{instead}, or recompute them{self.set_aside_note(up_to)}")
         self.acquire_refusal = f"{up_to.name} could not be given room for them now{where}: {why}"
         self.refusals.note("acquire", "tier_full", self.acquire_refusal)
         return None

@@ -11,6 +11,7 @@ from conftest import SMALL
 from daemon_proc import DaemonProcess
 
 from dflash2.client import Client, DaemonError, chain_keys
+from dflash2.tiers import Tier
 
 
 @contextlib.contextmanager
@@ -66,3 +67,25 @@ def test_a_commit_under_an_evicted_parent_says_it_is_the_parent(config_file, tmp
         out = c.commit(mine["vid"], keys[1:2])
         assert len(out) == 1
         assert f"parent block {parent:#x} of this commit is not live" in msg, msg
+
+
+def test_a_refusal_for_room_names_blocks_set_aside_for_lapsed_clients(make_manager):
+    """HBM held by a lapsed client's set-aside blocks (its process may still write them): an allocate
+    was told to reserve and wait, and the reservation that it "waits for their clients to release
+    them", where no client would (a review: a process SIGSTOPped past its lease). Now each names them
+    and when they are let go."""
+    m = make_manager(hbm_blocks=16)
+    stalled = m.attach("stalled")
+    lid = m.register_layout(SMALL)
+    assert m.allocate(stalled, lid, 14) is not None
+    m.detach(stalled, set_aside=True)
+    other = m.attach("other")
+    assert m.allocate(other, lid, 4) is None
+    decision = m.reserve(other, lid, tokens=4 * 16)
+    assert decision.outcome.value == "deferred"
+    for said in (m.allocate_refusal, decision.reason):
+        assert "14 of its blocks are set aside for 1 client(s) whose lease lapsed" in said, said
+        assert "daemon.set_aside_leases" in said, said
+    m.detach(stalled)  # (the set-aside ends: nothing is named any more)
+    assert m.allocate(other, lid, 1) is not None
+    assert m.set_aside_note(Tier.HBM) == ""

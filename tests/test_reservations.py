@@ -107,6 +107,45 @@ def test_a_reservation_behind_blocks_that_cannot_move_has_no_wait_estimate(make_
     assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None  # the other two are still written
 
 
+def test_a_reservation_behind_running_blocks_it_may_not_preempt_is_told_so(make_manager):
+    """Running blocks of its own priority (or any, with preemption off) hold HBM: the reason said
+    "being written, pinned, or of higher priority", where none was any of those (a review's script)."""
+    for preemption, priority, says in ((True, 0, "held by running requests of priority 0 or above"),
+                                       (False, 5, "held by running requests, none preempted here")):
+        mgr = make_manager(hbm_blocks=4, dram_blocks=8, admission=settings(preemption=preemption))
+        a, b = mgr.attach("a"), mgr.attach("b")
+        lid = mgr.register_layout(SMALL)
+        mgr.commit(a, mgr.allocate(a, lid, 4), keys=[11, 12, 13, 14])  # running, priority 0, not pinned
+        d = mgr.reserve(b, lid, tokens=32, priority=priority)
+        assert d.outcome is Outcome.DEFERRED and d.est_wait_s is None
+        assert says in d.reason and "of higher priority" not in d.reason, d.reason
+        mgr.check_invariants()
+
+
+def test_no_room_is_made_for_a_reservation_that_could_not_be_granted(make_manager):
+    """Blocks being written hold the rest of HBM: making room for the reservation demoted every idle
+    block (dropped them from the cache, where HBM is the last tier) and preempted the running ones of
+    lower priority, and it still waited; as for `allocate`, nothing moves until the room could be
+    made in full (a review's script)."""
+    for dram_blocks in (0, 8):
+        mgr = make_manager(hbm_blocks=8, dram_blocks=dram_blocks, admission=settings())
+        a, b, c = mgr.attach("a"), mgr.attach("b"), mgr.attach("c")
+        lid = mgr.register_layout(SMALL)
+        written = mgr.allocate(a, lid, 5)  # being written: they cannot move
+        held = mgr.commit(c, mgr.allocate(c, lid, 3), keys=[101, 102, 103])  # running, priority 0
+        if not dram_blocks:
+            mgr.free(c, held)  # idle, cached: the last tier drops them to make room
+        d = mgr.reserve(b, lid, tokens=64, priority=5)  # 4 blocks: 3 may move, 5 may not
+        assert d.outcome is Outcome.DEFERRED and "cannot move now" in d.reason
+        assert mgr.reservation_status(b, d.reservation_id).outcome is Outcome.DEFERRED
+        rows = mgr.lookup_rows([101, 102, 103], lid, client=c)
+        assert len(rows) == 3 and (mgr.table.cols.tier[rows] == int(Tier.HBM)).all()
+        mgr.free(a, written[:1])  # one slot free: with the three that may move, the room can be made
+        mgr.tick()
+        assert mgr.admission.status(d.reservation_id).outcome is Outcome.GRANTED
+        mgr.check_invariants()
+
+
 def test_a_reservation_behind_the_queue_is_told_it_waits_behind_it(make_manager):
     """HBM of 8 blocks: a's reservation of 2 granted, untaken; b's of 8 waits on it; c's of 4 fits in
     the 6 free blocks but waits behind b. c was told of blocks being written, pinned or of higher

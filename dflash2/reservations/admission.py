@@ -16,11 +16,11 @@ from dflash2.placement import Placement
 from dflash2.reservations.ended import Ended
 from dflash2.reservations.expiries import Expiries, ExpiringReservations
 from dflash2.reservations.loosened import Loosened
-from dflash2.reservations.records import (PRIORITY_MAX, PRIORITY_MIN, AdmissionSettings, Decision, Outcome,
-                                          Reservation)
+from dflash2.reservations.records import AdmissionSettings, Decision, Outcome, Reservation
+from dflash2.reservations.roomcount import RoomCount
 from dflash2.reservations.shares import ClientShares
 from dflash2.reservations.waiting import WaitQueue, served_order
-from dflash2.reservations.waits import blocked_reason
+from dflash2.reservations.waits import IMMOVABLE, blocked_reason
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
@@ -46,9 +46,10 @@ class Admission(ExpiringReservations):
                          "displaced": 0}
         self.wait_seconds_total = 0.0
         self.on_wait: Callable[[float], None] | None = None  # observer of each deferred grant's wait (s)
-        # Deferred decisions' movable HBM bytes per slot size (idle, running by priority): a scan of the
-        # table (tens of ms at a million blocks), so polls read the last step's, which clears it.
-        self._movable_memo: dict[int, tuple[int, np.ndarray, int]] = {}  # (_movable_bytes, `new_step`)
+        # What lapsed clients' set-aside blocks hold of a tier, said (BlockManager.set_aside_note; "": none)
+        self.set_aside_note: Callable[[Tier], str] = lambda tier: ""
+        # What making room could free for a deferred reservation, counted once a step (roomcount.py).
+        self.room_count = RoomCount(table, placement, settings)
         self._room_tried: int | None = None  # room last made for it (a new head gets room once: `tick`)
         # The blocks that calls have left able to leave HBM for the head since room was last made
         # for it (`became_movable`, loosened.py), and how often in a row such a retry fell short for it
@@ -71,7 +72,7 @@ class Admission(ExpiringReservations):
             raise ValueError(f"a reservation needs a positive token count, got {tokens}")
         self.table.check_allocation(1, priority, request)  # (here, not at its grant: deferred, at every step)
         # (as a Python int: a 3.0 it takes failed its deferred decision's index after it was queued, an
-        # IndexError, and an np.int8 127 wrapped in `_movable_bytes`, no running block preemptable, a review)
+        # IndexError, and an np.int8 127 wrapped in `movable_bytes`, no running block preemptable, a review)
         priority = int(priority)
         now = self._advance()
         # Room that reservations past their time still hold is free room for this one: they end now,
@@ -215,8 +216,8 @@ class Admission(ExpiringReservations):
         self.tick(make_room=False)  # its slots are free room: nothing to demote for that
 
     def new_step(self) -> None:
-        """The background step: which blocks could move is counted anew (`_movable_memo`)."""
-        self._movable_memo.clear()
+        """The background step: which blocks could move is counted anew (`RoomCount.clear`)."""
+        self.room_count.clear()
 
     def tick(self, make_room: bool = True) -> list[int]:
         """Expire what is due, then grant deferred reservations in order while they fit.
@@ -292,7 +293,7 @@ class Admission(ExpiringReservations):
         if self._loosened.count(rows, slot, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
         self._room_tried = None
-        self._movable_memo.clear()  # the deferred decisions' count of what could move is stale now
+        self.room_count.clear()  # the deferred decisions' count of what could move is stale now
         return True
 
     def _may_leave(self, rows: np.ndarray, head: Reservation, below: bool) -> np.ndarray:
@@ -354,11 +355,12 @@ class Admission(ExpiringReservations):
             before = self._room(res)
             retry = self._room_tried is None  # (the retry `became_movable` asked for)
             self._room_tried = res.id
-            self._make_room(res, need, before + int(self._bucket))
+            if self.room_count.could_make_room(res, need):  # (else nothing is moved: roomcount.py)
+                self._make_room(res, need, before + int(self._bucket))
             after = self._room(res)
             self._bucket -= max(0, after - before)
             self._loosened.clear()
-            self._movable_memo.clear()  # room-making moved blocks: the count of what could move is stale
+            self.room_count.clear()  # room-making moved blocks: the count of what could move is stale
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 # Only a retry that fell short raises the bar, not the background step's tries: they
                 # doubled it each step, and after a few a release of every block the head could use
@@ -446,35 +448,20 @@ class Admission(ExpiringReservations):
         # reservations' room, or on the reservations ahead of it, each said as such (waits.py).
         why = None
         if ahead > room:  # (movable bytes only asked for when free room falls short)
-            movable = room + self._movable_bytes(res)
+            movable = room + self.room_count.movable_bytes(res)
             why = blocked_reason(pos, res.hbm_bytes, ahead, movable, self.granted.values(),
                                  self.settings.reservation_ttl_s, res.client,
                                  # (a pass over the table, asked only where it may change the reason: its own
                                  # bytes beyond that room; behind the queue alone, at every poll, a review)
-                                 self._untaken_here(res, movable) if res.hbm_bytes > movable else None)
+                                 self.room_count.untaken_here(res, movable, self.granted.values())
+                                 if res.hbm_bytes > movable else None, self.room_count.preempts_below(res))
         if why is not None:
+            if why.startswith(IMMOVABLE):  # (no client releases lapsed clients' set-aside blocks: said)
+                why += self.set_aside_note(Tier.HBM)
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
         wait = 0.0 if short <= 0 else self._refill_time(short)
         return Decision(Outcome.DEFERRED, res.id, "not enough HBM free yet", position=pos, est_wait_s=wait)
-
-    def _untaken_here(self, res: Reservation, movable: int) -> int | None:
-        """The room for `res`'s slots that granted reservations' untaken blocks keep beyond `movable`
-        (HBM's free and movable room for it), where one of them is of another slot size: their bytes
-        are no measure of it (an 8 KiB reserved slot in the last page kept a 16 KiB block out, and the
-        reservation was told it waited on blocks being written or pinned, a review). None where all
-        are of its size: their bytes are. A pass over the table, asked only for a reservation that
-        demoting cannot serve. The blocks that may leave are those `movable` counted (`_movable_bytes`:
-        with preemption, running ones of lower priority too; counted idle only, the room they free
-        was taken off twice, and it was told it waited on blocks that cannot move, a review)."""
-        held = [r for r in self.granted.values() if r.remaining]
-        if all(r.slot == res.slot for r in held):
-            return None
-        rows = self.table.rows([v for r in held for v in r.vids])
-        preempts = self.settings.preemption and self.placement.lower(Tier.HBM) is not None
-        gone = self.placement.room_most_without(Tier.HBM, rows, idle_only=not preempts, slot=res.slot,
-                                                below_priority=res.priority if preempts else None)
-        return max(0, gone - movable)
 
     def _refill_time(self, amount: float) -> float:
         """Seconds until the bucket has taken in `amount` bytes more while the queue waits, with no new
@@ -490,48 +477,6 @@ class Admission(ExpiringReservations):
         if amount <= early:
             return -tau * math.log1p(-amount / (r0 * tau))
         return tau * math.log(r0 / floor) + (amount - early) / floor
-
-    def _movable_bytes(self, res: Reservation) -> int:
-        """HBM bytes that making room for this reservation could free for its blocks: idle blocks,
-        and with preemption running requests' blocks of lower priority (as `_make_room` picks them),
-        by their slots: of its own slot size each block, of another size only the blocks of slabs
-        whose every slot holds one (room is made by emptying whole slabs: slabroom.py), idle ones
-        by their whole slab, free slots included (`room_freed_bytes`).
-        Counted of its own size only, a reservation into an HBM of idle blocks of another size was
-        told it waited on blocks that cannot move, with no estimate, and was granted at the next
-        step; counted of every size whatever their slab, one whose every slab held a block being
-        written was told to wait 0 s (two reviews). With no tier below HBM, making room drops
-        blocks, and only idle published ones may be dropped: a running request's are not movable
-        there, whatever their priority, and above a lower tier only as many as the tiers below can take
-        (`Placement.room_below`). As of the last background step (`_movable_memo`)."""
-        hbm = self.placement
-        last = hbm.lower(Tier.HBM) is None
-        preempts = self.settings.preemption and not last
-        slot = self.table.slot_bytes(res.layout_id, Tier.HBM)
-        if slot not in self._movable_memo:
-            # One pass per slot size and step, whatever the priorities waiting: keyed by priority,
-            # each priority polled paid its own pass every step (64 clients waiting at as many
-            # priorities: 277 ms of the loop per 100 ms step at a million blocks, a review's script).
-            c = self.table.cols
-            slots = self.table.slot_sizes(Tier.HBM)
-            # Blocks that can leave with their descendants only (a block leaves HBM after its children
-            # there): the inner blocks of chains whose leaves are pinned were counted, and a
-            # reservation behind them was told "not enough HBM free yet", 0 s, at every poll (a
-            # review). (One pass for every priority: a running child of the reservation's priority
-            # or above, which its room may not demote, still lets its running parent count.)
-            idle = hbm.leave_whole(Tier.HBM, hbm.movable(Tier.HBM, evict=last, idle_only=True), last)
-            either = hbm.leave_whole(Tier.HBM, hbm.movable(Tier.HBM, evict=False), False) | idle
-            idle &= self.table.frees_room_for(idle, Tier.HBM, slot)
-            running = np.flatnonzero(either & ~idle & self.table.frees_room_for(either, Tier.HBM, slot))
-            by_priority = np.bincount(c.priority[running].astype(np.int64) - PRIORITY_MIN,
-                                      weights=slots[c.layout[running]].astype(np.float64),
-                                      minlength=PRIORITY_MAX - PRIORITY_MIN + 1)
-            idle_bytes = self.table.room_freed_bytes(np.flatnonzero(idle), Tier.HBM, slot)
-            self._movable_memo[slot] = (idle_bytes, np.concatenate(([0.0], np.cumsum(by_priority))),
-                                        hbm.room_below(Tier.HBM) if preempts and len(running) else 0)
-        idle_bytes, below, room_below = self._movable_memo[slot]  # below[p - PRIORITY_MIN]: running bytes of priority < p
-        running = int(below[min(max(res.priority - PRIORITY_MIN, 0), len(below) - 1)])
-        return idle_bytes + (min(running, room_below) if preempts else 0)
 
     def check_invariants(self) -> None:
         """The queue is in order (priority desc, then arrival) and indexed by id; no reservation is

@@ -5,7 +5,8 @@ The bytes it waits for (its own and those of the reservations queued ahead of it
 free and movable room; three causes, told apart by the bytes each accounts for:
 
 - its own bytes are more than free + movable room + granted reservations' untaken room: blocks that
-  cannot move now (being written, pinned, of higher priority, or running with no room below) hold the rest;
+  cannot move now (being written, pinned, or held by running requests it may not preempt or that have
+  no room below) hold the rest;
 - its own bytes need granted reservations' untaken room: it waits for their clients or their expiry;
 - its own bytes fit: the reservations ahead of it take the room first, granted one after another, and
   it waits until their clients free that room.
@@ -21,19 +22,32 @@ from collections.abc import Iterable
 
 from dflash2.reservations.records import Reservation
 
-IMMOVABLE = ("HBM is held by blocks that cannot move now (being written, pinned, of higher priority, or "
-             "running with no room for them in the tiers below): "
-             "waits for their clients to release them")
+IMMOVABLE = "HBM is held by blocks that cannot move now"
+
+
+def immovable(preempts_below: int | None) -> str:
+    """Blocks that cannot move now hold HBM: being written, pinned, or running requests' that the
+    reservation may not preempt: of its priority or above (`preempts_below`: its priority), or of
+    lower priority with no room for them in the tiers below (`Placement.room_below`); any running
+    request's where none may leave for it (None: `admission.preemption` off, or no tier below HBM).
+    It said "or of higher priority" whatever the priority and preemption, to a reservation held by
+    running blocks of its own priority (a review's script)."""
+    running = (f"held by running requests of priority {preempts_below} or above, or by running ones with no room "
+               "for them in the tiers below" if preempts_below is not None
+               else "held by running requests, none preempted here: admission.preemption off, or no tier below HBM")
+    return f"{IMMOVABLE} (being written, pinned, or {running}): waits for their clients to release them"
 
 
 def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[Reservation],
-                   ttl_s: float, client: int | None = None, untaken_here: int | None = None) -> str | None:
+                   ttl_s: float, client: int | None = None, untaken_here: int | None = None,
+                   preempts_below: int | None = None) -> str | None:
     """The reason for a reservation at index `pos` of the queue, of `own` HBM bytes, with `ahead`
     bytes of the queue up to and with it, where demoting can free `free` bytes for it (free room and
     movable blocks); None when that covers `ahead` (then only admission's pacing holds it back).
     `client`: the reservation's, whose own granted reservations are said as its own. `untaken_here`:
     the room for its slots that the granted reservations' untaken blocks keep, where that is not their
-    bytes (slots of another size: `Admission._untaken_here`)."""
+    bytes (slots of another size: `RoomCount.untaken_here`). `preempts_below`: the reservation's
+    priority where preemption may demote running blocks of lower priority for it, else None (`immovable`)."""
     if ahead <= free:
         return None
     granted = list(granted)
@@ -41,7 +55,7 @@ def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[
     others = ahead - own
     queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
     if own > free + (untaken if untaken_here is None else untaken_here):
-        return IMMOVABLE + queued
+        return immovable(preempts_below) + queued
     if own > free:
         mine = untaken_room(r for r in granted if r.client == client)
         return f"{held_by_granted(count, untaken, *mine)}: waits {until_taken(ttl_s, mine[0], count)}" + queued
