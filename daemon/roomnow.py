@@ -191,10 +191,12 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
              "that no pool of this config uses: start-up leaves the link as it is (remove the file to give its "
              "room back)" for path, held, link in unused]
     freed: dict[int, int] = {}  # filesystem -> bytes the removals give back
+    freed_inodes: dict[int, int] = {}  # filesystem -> files the removals take away
     for path, held, link in unused:
         if not link:
             dev = os.stat(path).st_dev
             freed[dev] = freed.get(dev, 0) + held
+            freed_inodes[dev] = freed_inodes.get(dev, 0) + 1
     from dflash2.arena.shm import fsize_limit
 
     if (limit := fsize_limit()) is not None and limit < need_each:  # (as the tier refuses it: nvmeprep.py)
@@ -206,11 +208,18 @@ def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Pat
         if problem:
             return [problem]
         folder = nearest_existing(target.parent)
-        disk = disks.setdefault(os.stat(folder).st_dev, [folder, [], 0])
+        disk = disks.setdefault(os.stat(folder).st_dev, [folder, [], 0, set()])
         disk[1].append(target)
         disk[2] += has
-    for dev, (folder, files, held) in disks.items():
+        if not target.exists():  # (the file and the folders above it still to make: an inode each)
+            disk[3].update(p for p in (target, *target.parents) if not p.exists())
+    for dev, (folder, files, held, made) in disks.items():
         st = os.statvfs(folder)
+        if len(files) > 1 and st.f_files and st.f_favail + freed_inodes.get(dev, 0) < len(made):
+            # (each file's own check counted its own inodes: 2 files where 1 inode was free said "fits", a review)
+            return [f"{folder} is on a filesystem with {st.f_favail} free inodes (df -i), so the {len(files)} NVMe "
+                    f"files {files_said(files)} cannot all be made ({len(made)} inodes with their folders), though "
+                    "it has room for bytes: start-up would fail now (exit 4)"]
         free = st.f_bavail * st.f_frsize + held + freed.get(dev, 0)
         need = need_each * len(files)
         where = (f"the NVMe file needs {need} bytes at {files[0]}" if len(files) == 1 else

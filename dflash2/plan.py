@@ -193,7 +193,8 @@ def files_said(files: list[Path]) -> str:
     said "X.gpu1 to X.gpu3")."""
     found = [re.fullmatch(r"\.gpu(\d+)", f.suffix) for f in files]
     gpus = [int(m[1]) for m in found if m]
-    if len(files) > 2 and len(gpus) == len(files) and gpus == list(range(gpus[0], gpus[0] + len(gpus))):
+    if (len(files) > 2 and len(gpus) == len(files) and gpus == list(range(gpus[0], gpus[0] + len(gpus)))
+            and len({f.with_suffix("") for f in files}) == 1):  # (links to other folders: each, a review)
         return f"{files[0]} to {files[-1]}"
     return ", ".join(str(f) for f in files)
 

@@ -45,6 +45,17 @@ def test_a_preallocation_cut_short_by_a_full_disk_leaves_nothing_and_the_next_st
     a.remove()
 
 
+def test_a_preallocation_past_the_users_disk_quota_names_the_quota(tmp_path, monkeypatch):
+    """EDQUOT was told to "free room on that disk", which may have plenty: the quota is what is spent (a review)."""
+    def over_quota(fd, offset, length):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(os, "posix_fallocate", over_quota)
+    with pytest.raises(CapacityError, match="preallocation failed: .*Disk quota exceeded: free room under this "
+                                            "user's disk quota there"):
+        NvmeArena(tmp_path / "nvme.bin", CAP, staging_bytes=STAGING)
+
+
 def test_a_preallocation_cut_short_in_an_empty_file_leaves_a_cache_file(tmp_path, monkeypatch):
     # An empty file at the path (made by hand, or by an earlier start killed at once) is taken as
     # the cache file; when its preallocation fails part way it must still read as ours next time.

@@ -123,6 +123,11 @@ def ok(i, ids):
     # (printed to 6 digits, a real trace's times said "1.02203e+06 is earlier than ... (1.02203e+06)", a review)
     ([ok(1022026, [1]), ok(1022025, [2])], "line 2: timestamp 1022025 is earlier than the line before's (1022026)"),
     ([ok(0.1, [1]), ok(0.07, [2])], "line 2: timestamp 0.07 is earlier than the line before's (0.1)"),
+    # (to 15 digits, 16-digit times a millisecond apart were both said "1.73358000012346e+15", a review)
+    ([ok(1733580000123456, [1]), ok(1733580000123455, [2])],
+     "line 2: timestamp 1733580000123455 is earlier than the line before's (1733580000123456)"),
+    ([ok(1733580000123.457, [1]), ok(1733580000123.456, [2])],
+     "line 2: timestamp 1733580000123.456 is earlier than the line before's (1733580000123.457)"),
     ([ok(0, [1]), ok(1, [1, 2, 1])], "line 2: hash ids [1] occur twice in one request"),
     (['{"timestamp": NaN, "hash_ids": [1]}'], "line 1: timestamp nan is not a number"),
     ([{"timestamp": 10 ** 400, "hash_ids": [1]}], "line 1: timestamp 1000"),  # (an OverflowError's traceback)
@@ -184,7 +189,7 @@ def test_transfer_without_a_gpu_says_so(capsys):
     (["--sizes-kib", "16+x"], "--sizes-kib: 'x' is not a number"),
     (["--sizes-kib", "16,,64"], "--sizes-kib: '' is not a number"),
     (["--sizes-kib", "64,16,64"], "--sizes-kib: 64 is given twice"),
-    (["--sizes-kib", "16+16"], "--sizes-kib: 16 is given twice"),
+    (["--sizes-kib", "16+16+64,64+16+16"], "--sizes-kib: 64+16+16 is given twice"),
     (["--sizes-kib", "16+64,64+16"], "--sizes-kib: 64+16 is given twice"),
     (["--sizes-kib", "16+256", "--run-blocks", "2"], "--run-blocks > 1 needs one block size per batch"),
     (["--repeat", "0"], "argument --repeat: must be a positive integer"),
@@ -193,6 +198,13 @@ def test_transfer_without_a_gpu_says_so(capsys):
 ])
 def test_transfer_options_are_checked_before_the_gpu(capsys, argv, message):
     assert message in usage_error(capsys, "transfer", *argv)
+
+
+def test_a_transfer_mix_may_give_a_size_twice_for_its_proportions():
+    """16+16+64: two thirds of the batch's blocks of 16 KiB (refused as "16 is given twice" once
+    --sizes-kib refused a size given twice, a review)."""
+    from dflash2.bench.transfer import size_mixes
+    assert size_mixes("16+16+64,64") == [(16 * 1024, 16 * 1024, 64 * 1024), (64 * 1024,)]
 
 
 @no_gpu

@@ -226,6 +226,14 @@ def test_a_tcp_endpoint_with_unmatched_brackets_is_refused(endpoint):
     assert parse_config({**base(), "daemon": {"endpoint": "tcp://[::1]:31701"}}).daemon.endpoint == "tcp://[::1]:31701"
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]", "tcp://[2001:db8::1]"])
+def test_a_bracketed_tcp_endpoint_without_a_port_names_the_port(endpoint):
+    """`tcp://[::1]`, its brackets matched and its port left out, was told of "unmatched brackets" (a review)."""
+    with pytest.raises(ConfigError, match=re.escape(f"daemon.endpoint: '{endpoint}' names no port: write "
+                                                    f"{endpoint}:PORT")):
+        parse_config({**base(), "daemon": {"endpoint": endpoint}})
+
+
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):

@@ -110,6 +110,21 @@ def test_check_names_the_nvme_files_of_gpus_with_a_gap_between_them_each(tmp_pat
     now = [line for line in out if line.startswith("now: ")]
     assert rc == 0 and f"NVMe files (one per GPU) need {2 * (32 * MB + 4096)} bytes in all at {files};" in now[-1], now
 
+def test_check_names_each_nvme_file_whose_links_lead_to_folders_of_one_disk(tmp_path, monkeypatch):
+    """Three GPUs' files linked to a folder each on one disk were said "a/nvme.cache.gpu0 to
+    c/nvme.cache.gpu2": b's file, never named, read as if in a's or c's folder (a review)."""
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(gpu_node(tmp_path, monkeypatch, 3)))
+    for i, folder in enumerate("abc"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / f"nvme.cache.gpu{i}").symlink_to(tmp_path / folder / f"nvme.cache.gpu{i}")
+    files = ", ".join(str(tmp_path / folder / f"nvme.cache.gpu{i}") for i, folder in enumerate("abc"))
+    rc, out, _ = run("--config", str(path), "--check")
+    now = [line for line in out if line.startswith("now: ")]
+    assert rc == 0 and now[-1].startswith("now: 3 NVMe files (one per GPU) need "), now
+    assert f" bytes in all at {files};" in now[-1], now
+
+
 def test_check_measures_each_gpus_nvme_file_on_the_disk_its_link_leads_to(tmp_path, monkeypatch):
     """`nvme.cache.gpuN` linked to a disk per GPU: start-up takes each on its target's disk, and
     --check measured them all on the links' folder (a review of the fix: "would fail" for files

@@ -307,6 +307,25 @@ def test_a_filesystem_out_of_inodes_is_said_by_check_and_start_up(tmp_path, monk
         NvmeArena(disk / name, 1 * MB, staging_bytes=1 * MB)
 
 
+def test_the_inodes_of_several_gpus_files_are_counted_together(tmp_path, monkeypatch):
+    """Two GPUs' NVMe files where one inode is free: each file's own check found its one inode, `--check`
+    said they fit, and start-up failed on the second with "No space left on device" (a review)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    raw = gpu_node(tmp_path, monkeypatch, 2, nvme_path=str(disk / "nvme.cache"))
+    plan = resolve_plan(parse_config(raw))
+    real_statvfs = os.statvfs
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((*tuple(st)[:5], 1000, 1, 1, *tuple(st)[8:])) if Path(path) == disk else st
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    assert (f"{disk} is on a filesystem with 1 free inodes (df -i), so the 2 NVMe files {disk}/nvme.cache.gpu0, "
+            f"{disk}/nvme.cache.gpu1 cannot all be made (2 inodes with their folders), though it has room for bytes: "
+            "start-up would fail now (exit 4)") in dmain.room_now(plan)
+
+
 def test_a_full_disk_that_makes_no_file_says_so(tmp_path, monkeypatch):
     """ENOSPC making the file where inodes are left: the disk is full, said with what to do."""
     real_open = os.open

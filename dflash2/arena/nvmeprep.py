@@ -21,6 +21,9 @@ log = logging.getLogger("dflash2.arena.nvme")
 
 # What to do where the disk lacks room for the file (the start-up line said only the bytes, a review).
 ROOM_ADVICE = "free room on that disk, lower memory.nvme_capacity_mb, or set memory.nvme_path to a file on another disk"
+# Where the user's disk quota is spent (EDQUOT): the disk itself may have room (a review).
+QUOTA_ADVICE = ("free room under this user's disk quota there (quota -s), lower memory.nvme_capacity_mb, or set "
+                "memory.nvme_path to a file on another disk")
 
 
 class FilePreparation:
@@ -90,4 +93,5 @@ class FilePreparation:
             os.posix_fallocate(fd, 0, total)
         except OSError as e:
             raise CapacityError(f"NVMe tier needs {total} bytes at {self.path}, preallocation failed: {e}"
-                                + (f": {ROOM_ADVICE}" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")) from e
+                                + {errno.ENOSPC: f": {ROOM_ADVICE}",
+                                   errno.EDQUOT: f": {QUOTA_ADVICE}"}.get(e.errno, "")) from e

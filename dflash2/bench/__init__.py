@@ -17,8 +17,9 @@ class BenchFailed(RuntimeError):
 KIB = 1024
 
 
-def sizes_kib(text: str, multiple_kib: int = 1) -> list[int]:
-    """--sizes-kib: comma-separated sizes in KiB, each a positive multiple of `multiple_kib`; bytes."""
+def sizes_kib(text: str, multiple_kib: int = 1, repeats: bool = False) -> list[int]:
+    """--sizes-kib: comma-separated sizes in KiB, each a positive multiple of `multiple_kib`; bytes.
+    `repeats`: a size may come twice (a transfer mix's proportions: 16+16+64)."""
     sizes = []
     for item in text.split(","):
         try:
@@ -28,7 +29,7 @@ def sizes_kib(text: str, multiple_kib: int = 1) -> list[int]:
         if kib <= 0 or kib % multiple_kib:
             what = "size" if multiple_kib == 1 else f"multiple of {multiple_kib}"
             raise OptionError(f"--sizes-kib: {kib} is not a positive {what}")
-        if kib * KIB in sizes:  # (measured twice, one row each: a bench transfer review)
+        if kib * KIB in sizes and not repeats:  # (measured twice, one row each: a bench transfer review)
             raise OptionError(f"--sizes-kib: {kib} is given twice")
         sizes.append(kib * KIB)
     return sizes

@@ -75,8 +75,8 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
             continue
         req = _request(line, f"--trace {path}, line {number}")
         if out and req.t_s < out[-1].t_s:
-            raise OptionError(f"--trace {path}, line {number}: timestamp {req.t_s * 1000:.15g} is earlier "
-                              f"than the line before's ({out[-1].t_s * 1000:.15g}); the replay needs "
+            raise OptionError(f"--trace {path}, line {number}: timestamp {_ms_text(req.t_s)} is earlier "
+                              f"than the line before's ({_ms_text(out[-1].t_s)}); the replay needs "
                               "arrival order (sort the trace by timestamp)")
         for before, key in zip((0, *req.keys), req.keys):
             if parent_of.setdefault(key, before) != before:
@@ -94,6 +94,16 @@ def _requests(lines, path: str, limit: int | None) -> list[Request]:
               f"first came (the first: line {first[0]}, hash id {first[1]}); hash_ids are prefix block "
               "hashes, so the figures for those blocks are not a prefix cache's", file=sys.stderr)
     return out
+
+
+def _ms_text(t_s: float) -> str:
+    """A request's timestamp in milliseconds, in as few digits as tell it apart (15 said two
+    16-digit timestamps, one a millisecond before the other, as one number: a review)."""
+    for digits in (15, 16, 17):
+        text = f"{t_s * 1000:.{digits}g}"
+        if float(text) / 1000.0 == t_s:
+            return text
+    return text
 
 
 def _request(line: str, where: str) -> Request:

@@ -59,7 +59,7 @@ def _time(fn, repeat: int) -> float:
 def size_mixes(text: str) -> list[tuple[int, ...]]:
     """--sizes-kib: each comma-separated item one block size, or sizes joined by + (a mixed
     batch); bytes."""
-    mixes = [tuple(sizes_kib(item.replace("+", ","))) for item in text.split(",")]
+    mixes = [tuple(sizes_kib(item.replace("+", ","), repeats=True)) for item in text.split(",")]
     twice = [item for i, item in enumerate(text.split(",")) if sorted(mixes[i]) in map(sorted, mixes[:i])]
     if twice:
         raise OptionError(f"--sizes-kib: {twice[0]} is given twice")
