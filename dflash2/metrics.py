@@ -317,8 +317,8 @@ def _access_families(st: dict):
                    "or they lie on a failing NVMe disk backing off after failed reads.",
                    samples=[((), st.get("lookup_withheld", 0))])
     pools = _pools(st)
-    yield _counter("dflash2_prefetch_blocks", "Prefetched blocks read while still in HBM (useful) or gone from HBM "
-                   "unread (wasted).", ["gpu", "result"],
+    yield _counter("dflash2_prefetch_blocks", "Prefetched blocks read while still in HBM (useful), or gone from HBM "
+                   "unread or still unread a step after their reader detached (wasted).", ["gpu", "result"],
                    [((gpu, r), pool["prefetch"][r]) for gpu, pool in pools.items() for r in ("useful", "wasted")])
     yield _gauge("dflash2_prefetch_pending_blocks", "Prefetched blocks in HBM not read yet.", ["gpu"],
                  [((gpu,), pool["prefetch"]["pending"]) for gpu, pool in pools.items()])

@@ -83,3 +83,18 @@ def test_status_names_the_share_the_watermarks_weigh_as_full_not_used():
     assert head.split() == ["tier", "capacity", "used", "full", "%", "blocks"], head
     row = next(line for line in view if line.startswith("hbm "))
     assert row.split()[1:] == ["4.0", "MiB", "3.1", "MiB", f"{100 * hbm['full_bytes'] / hbm['capacity_bytes']:.1f}", "80"]
+
+
+def test_the_prefetch_counters_help_names_every_wasted_prefetch(make_manager, clock):
+    """A review: the scrape's HELP of dflash2_prefetch_blocks_total said wasted blocks are those
+    "gone from HBM unread"; a block prefetched for a reader that detached is counted wasted at the
+    next step while it still lies in HBM (prefetch.py `drop`, `settle`), as metrics.py's table and
+    the README say."""
+    from prometheus_client import generate_latest
+
+    svc = Service(make_manager(hbm_blocks=8, dram_blocks=16), lease_timeout_s=10, heartbeat_interval_s=1, clock=clock)
+    metrics = DaemonMetrics(svc)
+    metrics.refresh(force=True)
+    helps = [line for line in generate_latest(metrics.registry).decode().splitlines()
+             if line.startswith("# HELP dflash2_prefetch_blocks_total ")]
+    assert len(helps) == 1 and "reader detached" in helps[0], helps
