@@ -371,10 +371,15 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
         drop, at most (a block going further down takes room counted already). Running blocks whose
         only way down is a last tier full of pinned or running blocks cannot leave: counted movable,
         a reservation behind them was told "not enough HBM free yet", 0 s, at every poll (a review).
-        A pass over the table per tier below."""
+        A pass over the table per tier below. While a slower tier backs off, a block there may be
+        dropped with its descendants on it (`_drop_while_backing_off`): counted held by them, running
+        blocks a DRAM of such parents would take were told "no room for them in the tiers below" (a
+        review's script)."""
         room, below = 0, self.lower(tier)
         while below is not None:
-            droppable = self.leave_whole(below, self.movable(below, evict=True), True)
+            droppable = self.movable(below, evict=True)
+            if not self._backing_off_below(below):
+                droppable = self.leave_whole(below, droppable, True)
             room += self.free_bytes(below) + int(self._slot_bytes(below, np.flatnonzero(droppable)).sum())
             below = self.lower(below)
         return room

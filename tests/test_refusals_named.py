@@ -84,8 +84,41 @@ def test_a_refusal_for_room_names_blocks_set_aside_for_lapsed_clients(make_manag
     decision = m.reserve(other, lid, tokens=4 * 16)
     assert decision.outcome.value == "deferred"
     for said in (m.allocate_refusal, decision.reason):
-        assert "14 of its blocks are set aside for 1 client(s) whose lease lapsed" in said, said
+        assert "14 of HBM's blocks are set aside for 1 client(s) whose lease lapsed" in said, said
         assert "daemon.set_aside_leases" in said, said
     m.detach(stalled)  # (the set-aside ends: nothing is named any more)
     assert m.allocate(other, lid, 1) is not None
     assert m.set_aside_note(Tier.HBM) == ""
+
+
+def test_the_set_aside_note_counts_only_blocks_no_live_client_holds(make_manager):
+    """A lapsed client and a live one pin the same two cached blocks; the lapsed one also writes three
+    of its own in HBM (and two in DRAM): the note named 5 HBM blocks "not released by any client: let
+    go when that process ends", where the shared two stay pinned by the live reader after that."""
+    m = make_manager(hbm_blocks=8, dram_blocks=8)
+    lapsed, live, owner = m.attach("lapsed"), m.attach("live"), m.attach("owner")
+    lid = m.register_layout(SMALL)
+    m.free(owner, m.commit(owner, m.allocate(owner, lid, 2), keys=[1, 2]))
+    vids = [p.vid for p in m.lookup([1, 2], lid)]
+    assert m.acquire(lapsed, vids) is not None and m.acquire(live, vids) is not None
+    assert m.allocate(lapsed, lid, 3) is not None and m.allocate(live, lid, 3) is not None
+    assert m.allocate(lapsed, lid, 2, tier=Tier.DRAM) is not None
+    m.detach(lapsed, set_aside=True)
+    assert "; 3 of HBM's blocks are set aside for 1 client(s)" in m.set_aside_note(Tier.HBM), m.set_aside_note(Tier.HBM)
+    assert "; 2 of DRAM's blocks are set aside" in m.set_aside_note(Tier.DRAM), m.set_aside_note(Tier.DRAM)
+    m.detach(live)  # the shared pins are the lapsed client's alone now
+    assert "; 5 of HBM's blocks are set aside" in m.set_aside_note(Tier.HBM), m.set_aside_note(Tier.HBM)
+
+
+def test_the_set_aside_note_behind_the_queue_names_the_tier_not_the_reservation(make_manager):
+    """Behind another reservation, the reason's note came after "1 reservation(s) queued ahead of it
+    (...) go first" as "12 of its blocks are set aside": read as the 6-block reservation's own."""
+    m = make_manager(hbm_blocks=16)
+    stalled, b, c = m.attach("stalled"), m.attach("b"), m.attach("c")
+    lid = m.register_layout(SMALL)
+    assert m.allocate(stalled, lid, 12) is not None
+    m.detach(stalled, set_aside=True)
+    m.reserve(b, lid, tokens=16 * 6, priority=5)
+    d = m.reserve(c, lid, tokens=16 * 6, priority=1)
+    assert "queued ahead of it" in d.reason and "; 12 of HBM's blocks are set aside for 1 client(s)" in d.reason, d.reason
+    assert "of its blocks" not in d.reason, d.reason

@@ -146,6 +146,35 @@ def test_no_room_is_made_for_a_reservation_that_could_not_be_granted(make_manage
         mgr.check_invariants()
 
 
+def test_running_blocks_may_go_where_a_backing_off_tier_below_lets_parents_be_dropped(make_manager):
+    """NVMe backs off; DRAM (the last tier meanwhile) holds 4 idle cached parents of blocks on NVMe and
+    4 running blocks. Making room in DRAM drops such parents with their children (backoff.py), so 4 of
+    HBM's running blocks may go down: a priority-5 reservation of 4 was told "no room for them in
+    the tiers below", no estimate, where only pacing held it back (a review's script); unpaced, it
+    is granted."""
+    for paced in (True, False):
+        admission = settings(burst_fraction=0.01, smoothing_window_s=100.0) if paced else settings()
+        mgr = make_manager(hbm_blocks=8, dram_blocks=8, nvme_blocks=8, admission=admission)
+        a, w, b, o = mgr.attach("a"), mgr.attach("w"), mgr.attach("b"), mgr.attach("o")
+        lid = mgr.register_layout(SMALL)
+        for i in range(4):
+            chain = mgr.commit(o, mgr.allocate(o, lid, 2, tier=Tier.DRAM), keys=[1000 + i, 2000 + i])
+            mgr.free(o, chain)
+            mgr.placement._demote(mgr.table.rows(chain[1:]), Tier.DRAM, Tier.NVME, None)
+        mgr.commit(w, mgr.allocate(w, lid, 4, tier=Tier.DRAM), keys=list(range(500, 504)))  # running in DRAM
+        rows = mgr.table.rows(mgr.commit(a, mgr.allocate(a, lid, 6), keys=list(range(100, 106))))
+        mgr.allocate(w, lid, 2)  # being written
+        mgr.placement._start_backoff(Tier.NVME)
+        d = mgr.reserve(b, lid, tokens=16 * 4, priority=5)
+        if paced:
+            assert d.outcome is Outcome.DEFERRED and d.reason == "not enough HBM free yet", d
+            assert d.est_wait_s is not None and d.est_wait_s > 0, d
+        else:
+            assert d.outcome is Outcome.GRANTED, d
+            assert int((mgr.table.cols.tier[rows] == int(Tier.HBM)).sum()) == 2
+        mgr.check_invariants()
+
+
 def test_a_reservation_behind_the_queue_is_told_it_waits_behind_it(make_manager):
     """HBM of 8 blocks: a's reservation of 2 granted, untaken; b's of 8 waits on it; c's of 4 fits in
     the 6 free blocks but waits behind b. c was told of blocks being written, pinned or of higher
