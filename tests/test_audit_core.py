@@ -115,6 +115,25 @@ def test_a_block_in_flight_cannot_be_committed(mgr):
     mgr.check_invariants()
 
 
+def test_the_check_finds_a_slot_that_begins_inside_another(make_manager):
+    """Blocks of two sizes in one tier: a block whose slot begins inside another's shares its bytes
+    (a reader of one reads the other's writes) though no two offsets are equal; the check looked for
+    equal offsets only, and passed such a table."""
+    from conftest import SMALL_FP8
+    from dflash2.invariants import InvariantViolation
+
+    mgr = make_manager(hbm_blocks=16)
+    t = mgr.table
+    c = mgr.attach("a")
+    big, little = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)  # 16 KiB, 8 KiB
+    rb = t.rows(mgr.allocate(c, big, 1))
+    rl = t.rows(mgr.allocate(c, little, 1))
+    mgr.check_invariants()
+    t.cols.offset[rl[0]] = t.cols.offset[rb[0]] + 8192  # (the allocator's counts unchanged)
+    with pytest.raises(InvariantViolation, match="begins inside block"):
+        mgr.check_invariants()
+
+
 def test_end_move_requires_a_block_in_flight(mgr):
     t = mgr.table
     c = mgr.attach("a")
