@@ -173,6 +173,18 @@ def test_nvme_dir_that_cannot_hold_the_files(capsys, tmp_path, where):
     assert f"--dir {tmp_path / where}: cannot make a scratch folder there" in line
 
 
+def test_nvme_dir_too_small_names_the_unit_it_needs(capsys, tmp_path, monkeypatch):
+    """The room the bench needs is in MiB, as the room free (it printed a bare number)."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda where: usage(1 << 30, 0, 3 << 20))
+    line = usage_error(capsys, "nvme", "--size-mb", "4", "--block-kb", "256", "--dir", str(tmp_path))
+    assert f"--dir {tmp_path}: 3 MiB free, the bench needs 8 MiB (two files of --size-mb)" in line
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- GPU benches on a machine without a GPU -----------------------------------------------------
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="a GPU is visible: the benches would run")

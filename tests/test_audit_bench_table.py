@@ -13,6 +13,8 @@ from dflash2 import cli
 
 @pytest.mark.parametrize("argv, message", [
     (["--blocks", "0"], "argument --blocks: must be a positive integer"),
+    # (numpy's "Maximum allowed dimension exceeded": a traceback, exit 1)
+    (["--blocks", "1" + "0" * 30], "argument --blocks: must be at most 1099511627776 (2^40) blocks"),
     (["--blocks", "1000", "--batch", "0"], "argument --batch: must be a positive integer"),
     (["--blocks", "1000", "--repeat", "0"], "argument --repeat: must be a positive integer"),  # was NaN
     (["--blocks", "1000", "--policy", "nope"], "--policy: unknown 'nope'; valid: heat, lfu, lru"),

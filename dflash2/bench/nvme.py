@@ -244,7 +244,7 @@ def _scratch_folder(where: str, nbytes: int) -> str:
         free = shutil.disk_usage(where).free
         if free < nbytes:
             raise OptionError(f"--dir {where}: {free >> 20} MiB free, the bench needs {nbytes >> 20} "
-                              "(two files of --size-mb)")
+                              "MiB (two files of --size-mb)")
         return tempfile.mkdtemp(prefix=".dflash2-bench-nvme-", dir=os.path.abspath(where))
     except OSError as exc:
         raise OptionError(f"--dir {where}: cannot make a scratch folder there: {exc.strerror}") from None

@@ -42,6 +42,7 @@ import tracemalloc
 
 import numpy as np
 
+from dflash2.argtypes import positive_block_count
 from dflash2.bench import OptionError, positive_int
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
@@ -52,7 +53,8 @@ LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="cached blocks to build (default %(default)s)")
+    # (at most 2^40: a count past numpy's largest array ended in a ValueError traceback, a review)
+    parser.add_argument("--blocks", type=positive_block_count, default=1_000_000, help="cached blocks to build (default %(default)s)")
     parser.add_argument("--policy", default="lru", help="policy to score with (default lru)")
     parser.add_argument("--batch", type=positive_int, default=32, help="blocks per allocate/free call (default 32)")
     parser.add_argument("--repeat", type=positive_int, default=5, help="timed repeats; the median is reported (default %(default)s)")
