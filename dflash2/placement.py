@@ -378,7 +378,11 @@ class Placement(Demotion, Rebalancing, Promotion, RoomBound, WriteBackoff, SlabR
         room, below = 0, self.lower(tier)
         while below is not None:
             droppable = self.movable(below, evict=True)
-            if not self._backing_off_below(below):
+            if self._backing_off_below(below):  # (with descendants below none of which is held: a review)
+                for slower in (t for t in self.tiers if t > below):
+                    droppable |= self.movable(slower, evict=True)
+                droppable = self.leave_whole(below, droppable, True) & (self.table.cols.tier == int(below))
+            else:
                 droppable = self.leave_whole(below, droppable, True)
             room += self.free_bytes(below) + int(self._slot_bytes(below, np.flatnonzero(droppable)).sum())
             below = self.lower(below)

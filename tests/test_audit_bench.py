@@ -203,6 +203,7 @@ def test_transfer_without_a_gpu_says_so(capsys):
     (["--sizes-kib", "64,16,64"], "--sizes-kib: 64 is given twice"),
     (["--sizes-kib", "16+16+64,64+16+16"], "--sizes-kib: 64+16+16 is given twice"),
     (["--sizes-kib", "16+64,64+16"], "--sizes-kib: 64+16 is given twice"),
+    (["--sizes-kib", "16,16+16"], "--sizes-kib: 16+16 mixes one size only: write 16"),
     (["--sizes-kib", "16+256", "--run-blocks", "2"], "--run-blocks > 1 needs one block size per batch"),
     (["--repeat", "0"], "argument --repeat: must be a positive integer"),
     (["--inflight", "0"], "argument --inflight: must be a positive integer"),

@@ -234,6 +234,13 @@ def test_a_bracketed_tcp_endpoint_without_a_port_names_the_port(endpoint):
         parse_config({**base(), "daemon": {"endpoint": endpoint}})
 
 
+def test_empty_brackets_without_a_port_are_not_told_to_add_a_port():
+    """`tcp://[]` was told to write `tcp://[]:PORT`, which is then refused as naming no host (a review)."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({**base(), "daemon": {"endpoint": "tcp://[]"}})
+    assert "tcp://[]:PORT" not in str(e.value) and "tcp://HOST:PORT" in str(e.value), e.value
+
+
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):

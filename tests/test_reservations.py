@@ -175,6 +175,27 @@ def test_running_blocks_may_go_where_a_backing_off_tier_below_lets_parents_be_dr
         mgr.check_invariants()
 
 
+def test_parents_whose_descendants_below_are_held_are_not_counted_droppable_while_a_tier_backs_off(make_manager):
+    """As above, but each parent's child on NVMe is still referenced by its writer: neither may be
+    dropped (`_droppable`), so the 4 parents give no room; counted droppable, the reservation was
+    told "not enough HBM free yet", 0 s, at every poll (a review)."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8, nvme_blocks=8, admission=settings())
+    a, w, b, o = mgr.attach("a"), mgr.attach("w"), mgr.attach("b"), mgr.attach("o")
+    lid = mgr.register_layout(SMALL)
+    for i in range(4):
+        chain = mgr.commit(o, mgr.allocate(o, lid, 2, tier=Tier.DRAM), keys=[1000 + i, 2000 + i])
+        mgr.free(o, chain[:1])  # (the child, still referenced, goes down)
+        mgr.placement._demote(mgr.table.rows(chain[1:]), Tier.DRAM, Tier.NVME, None)
+    mgr.commit(w, mgr.allocate(w, lid, 4, tier=Tier.DRAM), keys=list(range(500, 504)))  # running in DRAM
+    mgr.commit(a, mgr.allocate(a, lid, 6), keys=list(range(100, 106)))
+    mgr.allocate(w, lid, 2)  # being written
+    mgr.placement._start_backoff(Tier.NVME)
+    assert mgr.placement.room_below(Tier.HBM) == 0
+    d = mgr.reserve(b, lid, tokens=16 * 4, priority=5)
+    assert d.outcome is Outcome.DEFERRED and "no room for them in the tiers below" in d.reason, d
+    mgr.check_invariants()
+
+
 def test_a_reservation_behind_the_queue_is_told_it_waits_behind_it(make_manager):
     """HBM of 8 blocks: a's reservation of 2 granted, untaken; b's of 8 waits on it; c's of 4 fits in
     the 6 free blocks but waits behind b. c was told of blocks being written, pinned or of higher

@@ -60,6 +60,9 @@ def size_mixes(text: str) -> list[tuple[int, ...]]:
     """--sizes-kib: each comma-separated item one block size, or sizes joined by + (a mixed
     batch); bytes."""
     mixes = [tuple(sizes_kib(item.replace("+", ","), repeats=True)) for item in text.split(",")]
+    one = [item for item, mix in zip(text.split(","), mixes) if len(mix) > 1 and len(set(mix)) == 1]
+    if one:  # (`16+16` measured 16 KiB blocks again, as a "mixed" row, beside `16`: a review)
+        raise OptionError(f"--sizes-kib: {one[0]} mixes one size only: write {one[0].split('+')[0]}")
     twice = [item for i, item in enumerate(text.split(",")) if sorted(mixes[i]) in map(sorted, mixes[:i])]
     if twice:
         raise OptionError(f"--sizes-kib: {twice[0]} is given twice")
