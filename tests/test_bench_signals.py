@@ -258,7 +258,12 @@ def test_a_control_bench_whose_echo_server_is_killed_says_one_line(tmp_path, sig
                                  text=True).stdout
             echo = next((int(line.split()[0]) for line in out.splitlines() if "echo_server" in line), None)
         assert echo is not None, "the bench started no echo server"
-        time.sleep(1.0)  # (mid-run: its rounds have begun)
+        # Mid-run: its socket bound (it prints "ready" next), then a second for the rounds to begin. (Killed
+        # a second after it was seen, under a loaded CI run it had not yet said it was ready: "ended as it
+        # started", another line.)
+        while not list(tmp_path.glob("dflash2-bench-*/echo.sock")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
         os.kill(echo, sig)
         out, err = bench.communicate(timeout=90)
     finally:
