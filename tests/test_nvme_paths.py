@@ -307,6 +307,52 @@ def test_a_filesystem_out_of_inodes_is_said_by_check_and_start_up(tmp_path, monk
         NvmeArena(disk / name, 1 * MB, staging_bytes=1 * MB)
 
 
+def test_a_start_out_of_inodes_takes_back_the_folders_it_made(tmp_path, monkeypatch):
+    """One inode left: the start made the file's folder with it, failed on the file, and left the folder,
+    so the filesystem had none left and the next start was told to remove files in that empty folder (a
+    review, a tmpfs of nr_inodes=4). The folders it made go again, and the error names the folder that
+    was there."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    real_statvfs, real_open = os.statvfs, os.open
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        inside = Path(path) == disk or disk in Path(path).parents
+        return os.statvfs_result((*tuple(st)[:5], 1000, 0, 0, *tuple(st)[8:])) if inside else st
+
+    def open_(path, *args, **kwargs):
+        if Path(path).name == "nvme.cache":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "open", open_)
+    with pytest.raises(CapacityError, match=re.escape(f"its filesystem has no free inodes (df -i {disk}), though it "
+                                                      "has room for bytes")):
+        NvmeArena(disk / "a" / "b" / "nvme.cache", 1 * MB, staging_bytes=1 * MB)
+    assert list(disk.iterdir()) == []
+
+
+def test_a_spent_quota_that_makes_no_file_says_so_and_takes_back_its_folders(tmp_path, monkeypatch):
+    """EDQUOT making the file (this user's inode quota spent): said as "[Errno 122] Disk quota exceeded"
+    alone, where the fallocate's EDQUOT is said with what to do, and the folder made for it, which took
+    the quota's last inode, was left."""
+    real_open = os.open
+
+    def spent(path, flags, *args, **kwargs):
+        if Path(path).name == "nvme.cache" and flags & os.O_CREAT:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spent)
+    with pytest.raises(CapacityError, match=re.escape(f"NVMe tier cannot create its file at {tmp_path}/a/nvme.cache: "
+                                                      "Disk quota exceeded: this user's disk quota there is spent "
+                                                      "(quota -s)")):
+        NvmeArena(tmp_path / "a" / "nvme.cache", 1 * MB, staging_bytes=1 * MB)
+    assert not (tmp_path / "a").exists()
+
+
 def test_the_inodes_of_several_gpus_files_are_counted_together(tmp_path, monkeypatch):
     """Two GPUs' NVMe files where one inode is free: each file's own check found its one inode, `--check`
     said they fit, and start-up failed on the second with "No space left on device" (a review)."""

@@ -73,6 +73,7 @@ def open_cache_file(path: str) -> tuple[int, bool]:
     created afresh, where "No such file or directory" failed the start. `path` is a resolved one
     (os.path.realpath: a link's target is the file); a link put there since is refused, named."""
     folder = os.path.dirname(path)
+    above = nearest_existing(Path(folder))  # (the folders below it are this call's to make)
     for _ in range(OPEN_TRIES):
         created = True
         try:
@@ -103,11 +104,33 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                 blocker = file_among_folders(folder)
                 if blocker is not None:
                     raise ArenaError(f"NVMe tier cannot {what} {path}: {blocker} is not a folder") from e
-            if e.errno == errno.ENOSPC and created:  # (its file or a folder above it could not be made)
-                raise CapacityError(f"NVMe tier cannot {what} {path}: {e.strerror}: {no_room_for_files(folder)}") from e
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) and created:  # (its file or a folder above it could not be made)
+                # The folders made for the file go again: each took an inode, the filesystem's (or the
+                # user's quota's) last one where one was left, and the next start was told to free files
+                # in an empty folder.
+                why = no_room_for_files(str(above)) if e.errno == errno.ENOSPC else QUOTA_FILES_ADVICE
+                _remove_made_folders(Path(folder), above)
+                raise CapacityError(f"NVMe tier cannot {what} {path}: {e.strerror}: {why}") from e
             raise ArenaError(f"NVMe tier cannot {what} {path}: {e}") from e
     raise ArenaError(f"NVMe tier cannot open {path}: removed each of the {OPEN_TRIES} times it was opened: is "
                      "another process removing it?")
+
+
+# Where this user's disk quota (its inodes, or its bytes) is spent as the file is made: EDQUOT, said with
+# no advice before, where the fallocate's EDQUOT had nvmeprep's.
+QUOTA_FILES_ADVICE = ("this user's disk quota there is spent (quota -s): free room or files under it, or set "
+                      "memory.nvme_path to a file on another filesystem")
+
+
+def _remove_made_folders(folder: Path, above: Path) -> None:
+    """Remove `folder` and the folders between it and `above`, which was there before they were made,
+    where they are still empty (another start may have put its file in one meanwhile: left)."""
+    while folder != above and above in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def no_room_for_files(folder: str) -> str:
