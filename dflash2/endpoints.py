@@ -159,8 +159,9 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         if colon and not bare:  # (`tcp://:31701` was told of "a port in 1..65535", a review; `tcp://[]:P` passed)
             raise ValueError(f"{endpoint!r} names no host: write tcp://HOST:PORT, such as "
                              f"tcp://127.0.0.1:{port or 'PORT'}")
-        # (`tcp://[::1]` was told of unmatched brackets, a review; `tcp://[]` names no host either)
-        if rest.startswith("[") and rest.endswith("]") and rest != "[]":
+        # (`tcp://[::1]` was told of unmatched brackets, a review; `tcp://[]` names no host either, and
+        # `tcp://[::1]]` was told to write `tcp://[::1]]:PORT`, refused then for its brackets: a review)
+        if rest.startswith("[") and rest.endswith("]") and rest[1:-1] and not set("[]") & set(rest[1:-1]):
             raise ValueError(f"{endpoint!r} names no port: write tcp://{rest}:PORT")
         if "[" in bare or "]" in bare or (host.startswith("[") != host.endswith("]")):
             # (`tcp://[::1:31701` passed the config's check; start-up then failed to bind it, exit 4: a review)

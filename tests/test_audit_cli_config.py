@@ -241,6 +241,15 @@ def test_empty_brackets_without_a_port_are_not_told_to_add_a_port():
     assert "tcp://[]:PORT" not in str(e.value) and "tcp://HOST:PORT" in str(e.value), e.value
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]]", "tcp://[[::1]]", "tcp://[[]]"])
+def test_brackets_within_brackets_are_not_told_to_add_a_port(endpoint):
+    """`tcp://[::1]]` was told to write `tcp://[::1]]:PORT`, which is then refused for its unmatched
+    brackets (a review)."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({**base(), "daemon": {"endpoint": endpoint}})
+    assert f"{endpoint}:PORT" not in str(e.value), e.value
+
+
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
 def test_metrics_on_the_endpoints_port_of_loopback_by_another_name_is_refused(host):
     with pytest.raises(ConfigError, match="metrics.port: 9511 is daemon.endpoint's port too"):
