@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import tracemalloc
@@ -50,6 +51,11 @@ from dflash2.policy import make_policy, policy_names
 from dflash2.tiers import Tier
 
 LAYOUT = Layout("bench", num_layers=1, num_kv_heads=1, head_dim=64, dtype="fp16", tokens_per_block=64)
+
+
+# The least a cached block takes of the table (its columns and key index: about 115 bytes at a million
+# blocks, up to twice that just past a power of two; README's bench table row).
+TABLE_BYTES_FLOOR = 100
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +198,10 @@ def run(args) -> dict:
         raise OptionError("--policy belady ranks blocks by a trace's future: it runs in `bench policy` only")
     if args.batch > args.blocks:  # (past the table's tier, which holds --blocks and some slack: a TypeError)
         raise OptionError(f"--batch {args.batch} is more than --blocks {args.blocks}")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.blocks * TABLE_BYTES_FLOOR > memory:  # (numpy maps far more than it has: it ran on, a review)
+        raise OptionError(f"--blocks {args.blocks}: the table does not fit in this machine's memory (at least "
+                          f"{TABLE_BYTES_FLOOR} bytes a block, {memory} bytes here)")
     try:
         return _run(args)
     except MemoryError as e:
