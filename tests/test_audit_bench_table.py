@@ -16,7 +16,8 @@ from dflash2 import cli
     # (numpy's "Maximum allowed dimension exceeded": a traceback, exit 1)
     (["--blocks", "1" + "0" * 30], "argument --blocks: must be at most 1099511627776 (2^40) blocks"),
     # (past the machine's memory: numpy mapped the columns and ran on, over 120 s without a word, a review)
-    (["--blocks", str(2 ** 40)], f"--blocks {2 ** 40}: the table does not fit in this machine's memory"),
+    (["--blocks", str(10 ** 11)], f"--blocks {10 ** 11}: the table does not fit in this machine's memory (at least "
+                                  "100 bytes a block"),
     (["--blocks", "1000", "--batch", "0"], "argument --batch: must be a positive integer"),
     (["--blocks", "1000", "--repeat", "0"], "argument --repeat: must be a positive integer"),  # was NaN
     (["--blocks", "1000", "--policy", "nope"], "--policy: unknown 'nope'; valid: heat, lfu, lru"),
