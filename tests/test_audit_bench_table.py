@@ -101,3 +101,65 @@ def test_table_says_when_the_chain_choice_took_fewer_than_asked(capsys, monkeypa
     out = json.loads(captured.out.splitlines()[-1])
     assert out["select_victims"] == 20 and out["chain_select_victims"] == 5 and out["select_short"] is True, out
     assert "5 of the 20 victims asked for (blocks held back by hotter descendants): chain_select_ms" in captured.err
+
+
+def _count_passes_per_timing(monkeypatch, passes: list) -> list:
+    """(name of each function the bench times, scoring passes it ran), as the bench times them."""
+    from dflash2.bench import table as table_bench
+
+    timed = []
+    median = table_bench._median_ms
+
+    def counted(fn, repeat):
+        before = len(passes)
+        out = median(fn, repeat)
+        timed.append((fn.__name__, len(passes) - before))
+        return out
+
+    monkeypatch.setattr(table_bench, "_median_ms", counted)
+    return timed
+
+
+def test_bench_tables_timed_choices_take_no_scoring_pass_of_their_own(monkeypatch):
+    """select_ms and chain_select_ms are the choice alone from the policy's current scores, and
+    rescore_ms one pass plus the choice; but heat's scores expire rescore_interval_s (0.1 s) of wall
+    clock after its last pass, and the timed choices ran a full pass of their own once a repeat took
+    that long: at --blocks 4000000 four of select_ms's five and two of chain_select_ms's (a review)."""
+    import argparse
+    import itertools
+
+    from dflash2.bench import table as table_bench
+    from dflash2.policy.heat import HeatPolicy
+
+    passes = []
+    rescore = HeatPolicy.rescore
+    monkeypatch.setattr(HeatPolicy, "rescore", lambda self, table, now: passes.append(1) or rescore(self, table, now))
+    empty = table_bench._empty
+
+    def slow(n, policy):  # each reading of the table's clock a second after the last: every pass out of date
+        made = empty(n, policy)
+        ticks = itertools.count()
+        made[0].table.clock = lambda: 1000.0 + next(ticks)
+        return made
+
+    monkeypatch.setattr(table_bench, "_empty", slow)
+    timed = _count_passes_per_timing(monkeypatch, passes)
+    table_bench.run(argparse.Namespace(blocks=4096, policy="heat", batch=32, repeat=3))
+    assert timed == [("full_pass", 3), ("choose", 0), ("choose", 0), ("<lambda>", 0)]
+
+
+def test_bench_tables_rescore_ms_times_one_scoring_pass_with_a_policy_that_caches_no_scores(monkeypatch):
+    """rescore_ms is one full scoring pass plus the choice of 1%; with LFU, whose rescore is its
+    scores_all and caches nothing, the bench's pass was thrown away and the choice ran its own: two
+    passes timed (at a million blocks 31.2 ms against select_ms's 19.1, a review)."""
+    import argparse
+
+    from dflash2.bench import table as table_bench
+    from dflash2.policy import lfu
+
+    passes = []
+    score = lfu.lfu_score
+    monkeypatch.setattr(lfu, "lfu_score", lambda *a: passes.append(1) or score(*a))
+    timed = _count_passes_per_timing(monkeypatch, passes)
+    table_bench.run(argparse.Namespace(blocks=4096, policy="lfu", batch=32, repeat=3))
+    assert timed == [("full_pass", 3), ("choose", 3), ("choose", 3), ("<lambda>", 0)]
