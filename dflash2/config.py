@@ -184,7 +184,7 @@ class HeatWeights(_Section):
                                  description="Extra weight of the time since last access for blocks below HBM.")
     priority: float = Field(1.0, ge=0, le=1e6, description="Priority of the owning request.")
     sharing: float = Field(1.0, ge=0, le=1e6, description="Live requests referencing the block.")
-    fanout: float = Field(0.0, ge=0, le=1e6, description="Cached blocks descending from it.")
+    fanout: float = Field(0.0, ge=0, le=1e6, description="Cached children of the block (prefix fan-out).")
     stage: float = Field(1.0, ge=0, le=1e6, description="Stage of the request (decoding > finished): a block a "
                          "request holds (referenced or pinned) over one every request let go of.")
 
