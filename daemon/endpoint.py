@@ -93,6 +93,15 @@ class EndpointLock:
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
         if self.socket_path is not None and self.socket_path.exists():
+            if _listened_on(self.socket_path):
+                # A live socket whose lock file was removed (a clean-up of the runtime folder): it was
+                # replaced without a word, its daemon left serving no one with its memory (a review).
+                self.lock_path.unlink()  # (ours, just made; the socket is the other process's: left)
+                os.close(fd)
+                self._fd = -1
+                raise EndpointBusy(f"a process is listening on {self.socket_path} although no lock file "
+                                   f"names it (a dflash2d whose {self.lock_path.name} was removed, or another "
+                                   "program); stop it first or configure another daemon.endpoint")
             self.socket_path.unlink()  # left by a daemon that died: we hold the lock now
             self.replaced_socket = True
 
@@ -114,6 +123,21 @@ class EndpointLock:
                 pass
             os.close(self._fd)
             self._fd = -1
+
+
+def _listened_on(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (a dead one's refuses)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(1.0)
+        sock.connect(str(path))
+        return True
+    except TimeoutError:  # (a backlog full: a live process that does not accept fast enough)
+        return True
+    except OSError:  # (refused: nothing listens, a killed daemon's file)
+        return False
+    finally:
+        sock.close()
 
 
 def probe_port(endpoint: str) -> None:

@@ -28,8 +28,12 @@ def _early_stop(signum: int, frame) -> None:
 
 
 def main() -> int:
+    # A hang-up the process was started to ignore (`nohup dflash2d &`) stays ignored, here, in `main`
+    # and once it serves: it stopped the daemon at the logout nohup was there for (a review).
+    hangup_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _early_stop)
+        if not (hangup_ignored and sig == signal.SIGHUP):
+            signal.signal(sig, _early_stop)
     try:
         from dflash2.daemon.main import main as daemon_main
 
@@ -39,7 +43,7 @@ def main() -> int:
         return 0
     finally:
         for sig in STOP_SIGNALS:  # (past `main`: nothing left to unwind)
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if hangup_ignored and sig == signal.SIGHUP else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

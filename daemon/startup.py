@@ -172,8 +172,15 @@ def run(cfg: Config) -> int:
             recorded = (plan.tcp_key_file, keys, service.request_port, server.monitoring_port)
         lock.secure_socket()
         warn_if_few()  # (now that the daemon holds its own descriptors)
+        stopped_by: list[str] = []  # the stop signal's name, for the shutdown line (it said none, a review)
+
+        def stop_on(signum: int, frame) -> None:
+            stopped_by.append(signal.Signals(signum).name)
+            server.stop()
+
         for sig in threads.STOP_SIGNALS:
-            signal.signal(sig, lambda *_: server.stop())
+            if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN):  # (`nohup`, main.main)
+                signal.signal(sig, stop_on)
         for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
             signal.signal(sig, _ignored)
         _say_enabled(console_line(cfg.logging.format, startup_line(plan, managers), event="dflash2_enabled"))
@@ -190,8 +197,9 @@ def run(cfg: Config) -> int:
         service.shutdown()
         if service.broken:  # (found by the stop's check of the refusals still waiting: failing.py)
             return _failed(cfg, service.broken, True, clients, started)
-        event(log, "dflash2_shutdown", f"shut down: released {clients} clients", clients_released=clients,
-              uptime_s=round(time.monotonic() - started, 3))
+        by = stopped_by[0] if stopped_by else None
+        event(log, "dflash2_shutdown", f"shut down{f' (stopped by {by})' if by else ''}: released {clients} clients",
+              clients_released=clients, uptime_s=round(time.monotonic() - started, 3), signal=by)
         return 0
     finally:
         # Each step whatever became of the one before: the last history sample asks for stats, and

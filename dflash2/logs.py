@@ -17,7 +17,7 @@ passed in `extra=` become top-level keys. The events the daemon emits:
                       direction's first after a quiet spell at once, then one line per 10 s summing
                       those since; swaplog.py)
     dflash2_swap_batch  direction, blocks, failed, bytes, seconds   (each batch move, at debug)
-    dflash2_shutdown  clients_released, uptime_s
+    dflash2_shutdown  clients_released, uptime_s, signal   (the stop signal's name)
 
 `logging.format: text` writes `TIME LEVEL LOGGER: MESSAGE key=value ...` with the same fields.
 """

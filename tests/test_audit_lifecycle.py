@@ -46,6 +46,7 @@ def test_sigusr_is_ignored_and_sighup_stops_cleanly(daemon):
     assert not glob.glob(f"/dev/shm/dflash2-{daemon.pid}-*"), "every segment given back"
     log = daemon.log()
     assert "SIGUSR1 ignored" in log and "SIGUSR2 ignored" in log
+    assert "shut down (stopped by SIGHUP): released 0 clients" in log  # (the line named no signal, a review)
 
 
 def test_a_low_open_files_limit_is_raised_so_many_connections_do_not_abort_it(config_file, tmp_path):
@@ -274,3 +275,26 @@ def test_a_stdout_that_takes_nothing_does_not_stop_a_started_daemon(config_file,
         rc = proc.wait(30)
     text = (tmp_path / "err").read_text()
     assert rc == 0 and "Traceback" not in text and "DFlash2: enabled" in text, text[-2000:]
+
+
+def test_a_hang_up_the_daemon_was_started_to_ignore_stays_ignored(config_file, tmp_path):
+    """`nohup dflash2d ... &` and a logout: the daemon took SIGHUP over from nohup's SIG_IGN and
+    stopped at the hang-up nohup was there for, while starting and while serving (a review)."""
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"}, logging={"format": "text", "level": "info"})
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from dflash2.daemon.launch import main; "
+                             "sys.exit(main())", "--config", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGHUP)  # while it starts
+        assert proc.stdout.readline().startswith("DFlash2: enabled"), proc.stderr.read() if proc.poll() is not None else ""
+        proc.send_signal(signal.SIGHUP)  # while it serves
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()
+        assert _ping(f"ipc://{tmp_path}/d.sock")["pid"] == proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

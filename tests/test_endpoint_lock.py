@@ -64,3 +64,28 @@ def test_a_lock_taken_on_a_file_its_owner_removed_meanwhile_is_taken_again(tmp_p
             EndpointLock(endpoint_, tmp_path).acquire()
     finally:
         second.release()
+
+
+def test_a_live_socket_whose_lock_file_was_removed_is_not_replaced(tmp_path):
+    """A daemon's lock file removed under it (a clean-up of the runtime folder): the next daemon
+    unlinked the live socket and served in its place without a word, the first left serving no one
+    with its memory (a review). A socket a process listens on is refused; a dead one's is replaced."""
+    import socket
+
+    path = tmp_path / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    try:
+        lock = EndpointLock(f"ipc://{path}", tmp_path)
+        with pytest.raises(EndpointBusy, match="a process is listening on .*d.sock although no lock file names it"):
+            lock.acquire()
+        assert path.exists() and not lock.lock_path.exists()  # the socket left to its process, our lock gone
+    finally:
+        listener.close()  # now a dead socket's file, as a killed daemon leaves it
+    lock = EndpointLock(f"ipc://{path}", tmp_path)
+    lock.acquire()
+    try:
+        assert lock.replaced_socket and not path.exists()
+    finally:
+        lock.release()
