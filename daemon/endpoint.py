@@ -93,12 +93,21 @@ class EndpointLock:
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
         if self.socket_path is not None and self.socket_path.exists():
-            if _listened_on(self.socket_path):
+            try:
+                live = _listened_on(self.socket_path)
+                denied = False
+            except PermissionError:  # (another user's socket: whether it lives cannot be told; not ours to remove)
+                live = denied = True
+            if live:
                 # A live socket whose lock file was removed (a clean-up of the runtime folder): it was
                 # replaced without a word, its daemon left serving no one with its memory (a review).
                 self.lock_path.unlink()  # (ours, just made; the socket is the other process's: left)
                 os.close(fd)
                 self._fd = -1
+                if denied:  # (taken for a dead one's: removed, or "its lock file: Operation not permitted", a review)
+                    raise EndpointBusy(f"{self.socket_path} is a socket this user may not connect to (another "
+                                       "user's, live or not: it cannot be told); stop its process or have its user "
+                                       "remove it, or configure another daemon.endpoint")
                 raise EndpointBusy(f"a process is listening on {self.socket_path} although no lock file "
                                    f"names it (a dflash2d whose {self.lock_path.name} was removed, or another "
                                    "program); stop it first or configure another daemon.endpoint")
@@ -132,8 +141,10 @@ def _listened_on(path: Path) -> bool:
         sock.settimeout(1.0)
         sock.connect(str(path))
         return True
-    except TimeoutError:  # (a backlog full: a live process that does not accept fast enough)
-        return True
+    except (TimeoutError, BlockingIOError):  # (a backlog full: a live process that does not accept fast enough;
+        return True  # Linux refuses at once, EAGAIN, where it does not wait: the socket was replaced, a review)
+    except PermissionError:  # (another user's: the caller says so)
+        raise
     except OSError:  # (refused: nothing listens, a killed daemon's file)
         return False
     finally:

@@ -28,6 +28,7 @@ Read it over the control protocol (op `history`, samples as JSON lines in one bi
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import itertools
 import json
@@ -78,6 +79,8 @@ class History:
         self._unwritten: collections.deque[str] = collections.deque(maxlen=max_samples)
         self._failing = False  # the last write failed: the next tries the oldest waiting line alone
         self._waited: int | None = None  # since a streak of failures began, how many have been written
+        # The lock's names, unwritten (a start on a full disk): written before the next samples.
+        self._lock_text: bytes | None = None
         if path is not None:
             self.samples.extend((s["t"], _line(s)) for s in read_file(path, max_samples, links=False))
             self._torn_tail = _ends_torn(path)
@@ -170,6 +173,9 @@ class History:
             try:
                 if self.lock_fd >= 0 and not self._locked():
                     return  # (another daemon's file now: this one's history is kept in memory only, said)
+                if self._lock_text is not None:  # (make_history: held, its names not written for want of room)
+                    os.pwrite(self.lock_fd, self._lock_text, 0)
+                    self._lock_text = None
                 if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
                 # Appended to a torn line, these samples would be unreadable too.
@@ -515,7 +521,7 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
     other, took each other's samples for their own past, a review)."""
     if not cfg.history_enabled:
         return None
-    path, lock_fd = None, -1
+    path, lock_fd, text = None, -1, None
     try:
         make_private_folders(state_dir)  # (the folders it makes: owner-only)
         _own_folder(state_dir)
@@ -550,12 +556,25 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
             # not forget how an earlier one was reached (a review); 8 at most, this start's kept.
             keep = sorted(names) + ([n for n in earlier if n not in names] if owner & names else [])
             keep = keep[:max(8, len(names))]
-            os.pwrite(lock_fd, "".join(f"{line}\n" for line in (os.getpid(), *keep)).encode(), 0)
+            text = "".join(f"{line}\n" for line in (os.getpid(), *keep)).encode()
+            try:
+                os.pwrite(lock_fd, text, 0)
+                text = None
+            except OSError as e:
+                # A full disk at the start: the lock is held all the same, and its names are written
+                # before the next samples, once there is room. Before, the lock was let go and the
+                # history kept in memory for the daemon's whole life, its file never written (a review).
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                full = e
             path = state_dir / FILE_NAME
             if (why := _not_writable(path)) is not None:
                 log.warning("history: %s is %s; this daemon keeps its history in memory only and does not read it "
                             "(%s, or give the daemon another daemon.state_dir)", *why)
                 path = None
+            elif text is not None:
+                log.warning("history: cannot write %s (%s); this daemon holds it, keeps its samples in memory and "
+                            "writes it and %s once there is room", state_dir / LOCK_NAME, full, path)
     except OSError as e:
         # (an error of a write to the open lock names no file: the lock is what it could not write)
         what = f"write {state_dir / LOCK_NAME}" if lock_fd >= 0 and e.filename is None else f"create {state_dir}"
@@ -565,4 +584,6 @@ def make_history(cfg, state_dir: Path, endpoint: str | None = None, also: str | 
         log.warning("history: cannot %s (%s); keeping it in memory only", what, e)
     history = History(path=path, **kw)
     history.lock_fd = lock_fd
+    if path is not None and lock_fd >= 0 and text is not None:  # (the disk full: warned once, above)
+        history._lock_text, history._waited = text, 0
     return history

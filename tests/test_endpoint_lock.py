@@ -89,3 +89,61 @@ def test_a_live_socket_whose_lock_file_was_removed_is_not_replaced(tmp_path):
         assert lock.replaced_socket and not path.exists()
     finally:
         lock.release()
+
+
+def test_a_live_socket_whose_backlog_is_full_is_not_replaced(tmp_path):
+    """A live process that does not accept (stopped, `kill -STOP`, while clients kept connecting):
+    Linux refuses a connect to its full backlog at once with EAGAIN, not after the timeout, and the
+    socket was taken for a dead daemon's and replaced (a review)."""
+    import socket
+
+    path = tmp_path / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    waiting = []
+    try:
+        while True:  # (the backlog filled: connections nobody accepts)
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.setblocking(False)
+            waiting.append(peer)
+            try:
+                peer.connect(str(path))
+            except BlockingIOError:
+                break
+        lock = EndpointLock(f"ipc://{path}", tmp_path)
+        with pytest.raises(EndpointBusy, match="a process is listening on .*d.sock although no lock file names it"):
+            lock.acquire()
+        assert path.exists()
+    finally:
+        for peer in waiting:
+            peer.close()
+        listener.close()
+
+
+def test_a_socket_this_user_may_not_connect_to_is_neither_taken_for_a_dead_ones_nor_removed(tmp_path, monkeypatch):
+    """Another user's socket (mode 0600) in a shared folder: connect() is denied (EACCES), which was
+    taken for a dead daemon's refusal: the socket was removed (a folder without the sticky bit), or
+    the start failed with "its lock file ...: Operation not permitted", our lock file left naming us
+    (a review's `runuser -u nobody`). Denied is said, the socket and no lock of ours left."""
+    import errno
+    import socket
+
+    from dflash2.daemon import endpoint as E
+
+    class Denied(socket.socket):
+        def connect(self, address):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    path = tmp_path / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    monkeypatch.setattr(E.socket, "socket", Denied)
+    try:
+        lock = EndpointLock(f"ipc://{path}", tmp_path)
+        with pytest.raises(EndpointBusy, match="d.sock is a socket this user may not connect to"):
+            lock.acquire()
+        assert path.exists() and not lock.lock_path.exists()
+    finally:
+        listener.close()

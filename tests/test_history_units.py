@@ -51,21 +51,37 @@ def test_one_daemon_writes_a_state_folders_history(tmp_path, caplog):
     second.close()
 
 
-def test_a_full_disk_under_the_history_lock_names_the_lock_not_the_folder(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_under_the_history_lock_names_the_lock_and_the_file_is_written_once_there_is_room(
+        service, tmp_path, monkeypatch, caplog, clock):
     # A write to the open lock that fails (ENOSPC) names no file: the line said "cannot create
-    # STATE_DIR", a folder that was there (a review). It names the lock it could not write.
+    # STATE_DIR", a folder that was there (a review). It names the lock it could not write. And a
+    # start on a full disk let the lock go and kept its history in memory for the daemon's whole
+    # life, its file never written once there was room (a review): the lock is held, its names and
+    # the samples written once the disk has room, as for a disk that fills while the daemon runs.
     import errno
     from types import SimpleNamespace
 
     from dflash2 import history as H
 
-    def full(*_a):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(H.os, "pwrite", full)
-    with caplog.at_level(logging.WARNING, logger="dflash2.history"):
-        kept = H.make_history(SimpleNamespace(history_enabled=True), tmp_path, endpoint="a")
-    assert kept.path is None and kept.lock_fd == -1
-    assert f"history: cannot write {tmp_path / H.LOCK_NAME} ([Errno 28] No space left on device)" in caplog.text
+    real, disk_full = os.pwrite, [True]
+
+    def pwrite(*a):
+        if disk_full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a)
+    monkeypatch.setattr(H.os, "pwrite", pwrite)
+    with caplog.at_level(logging.INFO, logger="dflash2.history"):
+        kept = H.make_history(SimpleNamespace(history_enabled=True), tmp_path, endpoint="a", clock=clock)
+        assert kept.path == tmp_path / "history.jsonl" and kept.lock_fd >= 0
+        assert f"history: cannot write {tmp_path / H.LOCK_NAME} ([Errno 28] No space left on device)" in caplog.text
+        kept.record(service.stats())
+        assert not kept.path.exists() and (tmp_path / H.LOCK_NAME).read_text() == ""
+        disk_full[0] = False
+        clock.advance(1)
+        kept.record(service.stats())
+        assert len(read_file(kept.path)) == 2
+        assert (tmp_path / H.LOCK_NAME).read_text() == f"{os.getpid()}\na\n"
+        assert caplog.text.count("cannot write") == 1 and "written again (2 samples that had waited)" in caplog.text
     kept.close()
 
 
