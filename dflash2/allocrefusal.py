@@ -62,9 +62,9 @@ class AllocateRefusals:
         here = int(np.count_nonzero((c.tier[held] == int(tier)) & (c.refs[held] == refs) & (c.pins[held] == pins)))
         if not here:
             return ""
-        return (f"; {here} of {tier.name}'s blocks are set aside for {len(self.set_aside_clients)} client(s) whose lease "
-                "lapsed while their process may still run (not released by any client: let go when that process "
-                "ends, or daemon.set_aside_leases leases after the lapse)")
+        return (f"; {here} of {tier.name}'s blocks are set aside for {len(self.set_aside_clients)} client(s) "
+                "whose lease lapsed while their process may still run (not released by any client: let go when that "
+                "process ends, or daemon.set_aside_leases leases after the lapse)")
 
     def _room_without(self, held: list[Reservation], slot: int) -> int:
         """HBM's room for slots of `slot` bytes (by slots and slabs, as `room_most` counts) were the

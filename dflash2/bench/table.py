@@ -60,7 +60,8 @@ TABLE_BYTES_FLOOR = 100
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # (at most 2^40: a count past numpy's largest array ended in a ValueError traceback, a review)
-    parser.add_argument("--blocks", type=positive_block_count, default=1_000_000, help="cached blocks to build (default %(default)s)")
+    parser.add_argument("--blocks", type=positive_block_count, default=1_000_000,
+                        help="cached blocks to build (default %(default)s)")
     parser.add_argument("--policy", default="lru", help="policy to score with (default lru)")
     parser.add_argument("--batch", type=positive_int, default=32, help="blocks per allocate/free call (default 32)")
     parser.add_argument("--repeat", type=positive_int, default=5, help="timed repeats; the median is reported (default %(default)s)")

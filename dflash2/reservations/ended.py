@@ -30,7 +30,8 @@ class Ended:
     def __init__(self):
         self.spent: collections.OrderedDict[int, Reservation] = collections.OrderedDict()
         self._why: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()  # id -> (client, why)
-        self._cancelled: collections.OrderedDict[int, tuple[int, bool]] = collections.OrderedDict()  # id -> (client, spent)
+        # id -> (client, spent: cancelled after its every block was taken)
+        self._cancelled: collections.OrderedDict[int, tuple[int, bool]] = collections.OrderedDict()
 
     def spend(self, res: Reservation, now: float) -> None:
         """`res` has given out its last block."""
