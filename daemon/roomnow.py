@@ -160,13 +160,18 @@ def _cupy_now() -> list[str]:
 
 
 def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
-    """The `now:` lines of the ports start-up binds (a tcp daemon.endpoint, metrics.host:port), tried
-    by the same probes start-up runs before it takes any tier (endpoint.py): a metrics.host that is
+    """The `now:` lines of the ports start-up binds (a tcp daemon.endpoint, metrics.host:port; and an
+    ipc daemon.endpoint another dflash2d serves), tried by the same probes start-up runs before it
+    takes any tier (endpoint.py): a metrics.host that is
     no address of this node passed --check and start-up then exited 4. A daemon serving this config
     now holds them too, and is named as such a holder."""
+    from dflash2.client.endpoint_check import holder
     from dflash2.daemon.endpoint import EndpointBusy, probe_metrics, probe_port
 
-    lines = []
+    # An ipc endpoint's lock, held by a daemon serving it (its pid in the lock file), as start-up's
+    # `EndpointLock` finds it: --check said nothing, and start-up then exited 4 (a review).
+    lines = [f"another dflash2d (pid {pid}) is serving {endpoint} (daemon.endpoint; a dflash2d serving this config "
+             "holds it too): start-up would fail now (exit 4)"] if (pid := holder(endpoint)) is not None else []
     for probe, what in ((lambda: probe_port(endpoint), "daemon.endpoint"),
                         (lambda: probe_metrics(metrics_host, metrics_port), "metrics")):
         try:

@@ -147,3 +147,32 @@ def test_a_socket_this_user_may_not_connect_to_is_neither_taken_for_a_dead_ones_
         assert path.exists() and not lock.lock_path.exists()
     finally:
         listener.close()
+
+
+def test_check_says_another_daemon_serves_the_ipc_endpoint(config_file, tmp_path):
+    """`--check` of a config whose ipc endpoint a running daemon serves said nothing of it, and
+    start-up then exited 4 (a review; a tcp endpoint's port already had its line)."""
+    import contextlib
+    import io
+
+    from daemon_proc import DaemonProcess
+
+    from dflash2.daemon import main as dmain
+
+    path = config_file(daemon={"endpoint": f"ipc://{tmp_path}/d.sock"})
+
+    def now_lines() -> list[str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert dmain.main(["--config", path, "--check"]) == 0
+        return [line for line in out.getvalue().splitlines() if line.startswith("now: ")]
+
+    assert not [line for line in now_lines() if "is serving" in line]
+    proc = DaemonProcess(path).start()
+    try:
+        said = [line for line in now_lines() if "is serving" in line]
+        assert said == [f"now: another dflash2d (pid {proc.proc.pid}) is serving ipc://{tmp_path}/d.sock "
+                        "(daemon.endpoint; a dflash2d serving this config holds it too): start-up would fail now "
+                        "(exit 4)"], said
+    finally:
+        proc.stop()
