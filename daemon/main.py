@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGHUP killed the process by its default action. The server installs its own once it serves.
     before = {sig: signal.getsignal(sig) for sig in (*threads.STOP_SIGNALS, signal.SIGUSR1, signal.SIGUSR2)}
     for sig in threads.STOP_SIGNALS:
-        if not (sig == signal.SIGHUP and before[sig] is signal.SIG_IGN):  # (`nohup`: it stays ignored)
+        if threads.daemon_takes(sig):  # (`nohup`: SIGHUP stays ignored)
             signal.signal(sig, _stop_during_startup)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # meaningless here; their default kills without clean-up
         signal.signal(sig, signal.SIG_IGN)

@@ -179,7 +179,7 @@ def run(cfg: Config) -> int:
             server.stop()
 
         for sig in threads.STOP_SIGNALS:
-            if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN):  # (`nohup`, main.main)
+            if threads.daemon_takes(sig):  # (`nohup`: SIGHUP stays ignored)
                 signal.signal(sig, stop_on)
         for sig in IGNORED_SIGNALS:  # their default would kill the daemon without its clean-up
             signal.signal(sig, _ignored)

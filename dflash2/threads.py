@@ -25,6 +25,13 @@ from collections.abc import Iterator
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
+def daemon_takes(sig: int) -> bool:
+    """Whether the daemon puts its own handler on stop signal `sig`: each but a SIGHUP the process was
+    started to ignore (`nohup dflash2d &`: it stopped the daemon at the logout nohup was there for, a
+    review). (daemon/launch.py, which imports nothing yet, keeps the same rule itself.)"""
+    return not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN)
+
+
 def block_stop_signals() -> None:
     """The calling thread no longer takes the stop signals (a thread pool's initializer)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

@@ -20,7 +20,7 @@ from dflash2.reservations.records import AdmissionSettings, Decision, Outcome, R
 from dflash2.reservations.roomcount import RoomCount
 from dflash2.reservations.shares import ClientShares
 from dflash2.reservations.waiting import WaitQueue, served_order
-from dflash2.reservations.waits import IMMOVABLE, blocked_reason
+from dflash2.reservations.waits import blocked_reason
 from dflash2.table import BlockState, BlockTable
 from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
@@ -454,10 +454,9 @@ class Admission(ExpiringReservations):
                                  # (a pass over the table, asked only where it may change the reason: its own
                                  # bytes beyond that room; behind the queue alone, at every poll, a review)
                                  self.room_count.untaken_here(res, movable, self.granted.values())
-                                 if res.hbm_bytes > movable else None, self.room_count.preempts_below(res))
+                                 if res.hbm_bytes > movable else None, self.room_count.preempts_below(res),
+                                 lambda: self.set_aside_note(Tier.HBM))
         if why is not None:
-            if why.startswith(IMMOVABLE):  # (no client releases lapsed clients' set-aside blocks: said)
-                why += self.set_aside_note(Tier.HBM)
             return Decision(Outcome.DEFERRED, res.id, why, position=pos, est_wait_s=None)
         short = ahead - room - self._bucket
         wait = 0.0 if short <= 0 else self._refill_time(short)

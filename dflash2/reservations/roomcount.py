@@ -83,7 +83,7 @@ class RoomCount:
         (`Placement.room_below`). As of the last background step (`clear`)."""
         hbm = self.placement
         last = hbm.lower(Tier.HBM) is None
-        preempts = self.settings.preemption and not last
+        preempts = self.preempts_below(res) is not None
         slot = self.table.slot_bytes(res.layout_id, Tier.HBM)
         if slot not in self._memo:
             # One pass per slot size and step, whatever the priorities waiting: keyed by priority,

@@ -18,7 +18,7 @@ held none (a review's script).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dflash2.reservations.records import Reservation
 
@@ -40,14 +40,16 @@ def immovable(preempts_below: int | None) -> str:
 
 def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[Reservation],
                    ttl_s: float, client: int | None = None, untaken_here: int | None = None,
-                   preempts_below: int | None = None) -> str | None:
+                   preempts_below: int | None = None, set_aside: Callable[[], str] = str) -> str | None:
     """The reason for a reservation at index `pos` of the queue, of `own` HBM bytes, with `ahead`
     bytes of the queue up to and with it, where demoting can free `free` bytes for it (free room and
     movable blocks); None when that covers `ahead` (then only admission's pacing holds it back).
     `client`: the reservation's, whose own granted reservations are said as its own. `untaken_here`:
     the room for its slots that the granted reservations' untaken blocks keep, where that is not their
     bytes (slots of another size: `RoomCount.untaken_here`). `preempts_below`: the reservation's
-    priority where preemption may demote running blocks of lower priority for it, else None (`immovable`)."""
+    priority where preemption may demote running blocks of lower priority for it, else None (`immovable`).
+    `set_aside`: what lapsed clients' set-aside blocks hold of HBM, said after blocks that cannot move
+    (no client of theirs releases them: `AllocateRefusals.set_aside_note`; asked only then)."""
     if ahead <= free:
         return None
     granted = list(granted)
@@ -55,7 +57,7 @@ def blocked_reason(pos: int, own: int, ahead: int, free: int, granted: Iterable[
     others = ahead - own
     queued = f"; {pos} reservation(s) queued ahead of it ({others} bytes) go first" if pos else ""
     if own > free + (untaken if untaken_here is None else untaken_here):
-        return immovable(preempts_below) + queued
+        return immovable(preempts_below) + queued + set_aside()
     if own > free:
         mine = untaken_room(r for r in granted if r.client == client)
         return f"{held_by_granted(count, untaken, *mine)}: waits {until_taken(ttl_s, mine[0], count)}" + queued
