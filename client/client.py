@@ -111,9 +111,12 @@ class Client(BlockViews):
         is the config's `daemon.tcp_key_file`, else `tcp-PORT.key` in the runtime folder."""
         key_file = None
         if endpoint is not None:
-            from dflash2.endpoints import endpoint_parts
+            from dflash2.endpoints import connectable, endpoint_parts
 
             endpoint_parts(endpoint)  # ValueError naming what is wrong (a port with leading zeros named another key file)
+            # A daemon's endpoint on every address (tcp://*:P, as it logs it) is reached at loopback, as
+            # `dflash2 status --endpoint` does: connecting to "*" failed as "Invalid argument" (a review).
+            endpoint = connectable(endpoint)
         if endpoint is None or config is not None:
             cfg = config_of(config)
             endpoint = endpoint or cfg.client_endpoint()
@@ -125,7 +128,16 @@ class Client(BlockViews):
     # -- life ------------------------------------------------------------------------------
     def _attach(self, layouts: Sequence[Layout], heartbeat: bool,
                 prefill_tokens_per_s: Sequence[float | None] | None) -> None:
+        if isinstance(layouts, Layout):  # ("'Layout' object is not iterable", naming nothing)
+            raise TypeError(f"layouts is a sequence of dflash2.layout.Layout, not one Layout: pass [{layouts!r}]")
+        # Once: an iterator (a dict's values(), a generator) was registered here and then zipped with the ids
+        # as empty, so that every view said its layout "was not registered by this client" (a review).
+        layouts = list(layouts)
         args = {"name": self.name, "pid": os.getpid(), "layouts": [layout_dict(lay) for lay in layouts]}
+        # (One number failed as "'float' object is not iterable".)
+        if isinstance(prefill_tokens_per_s, (int, float, np.integer, np.floating)):
+            raise TypeError(f"prefill_tokens_per_s is one rate per layout (None where unknown), not one number: "
+                            f"pass [{prefill_tokens_per_s!r}]")
         if prefill_tokens_per_s is not None:
             args["prefill_tokens_per_s"] = list(prefill_tokens_per_s)
         ns = pid_namespace()

@@ -271,3 +271,18 @@ def test_a_device_that_is_not_a_device_number_is_refused_before_attaching(daemon
         Client.connect(daemon.endpoint, name="engine", layouts=[SMALL], device=device)
     with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
         assert [x["name"] for x in checker.stats()["clients"]] == ["checker"]
+
+
+def test_layouts_given_as_an_iterator_are_viewable_and_one_layout_is_refused_by_name(daemon):
+    """An iterator of layouts (a dict's values(), a generator) was registered at attach, then zipped
+    with the ids as empty: every view said its layout "was not registered by this client". One Layout
+    or one rate failed as "object is not iterable", naming nothing (a review)."""
+    with Client.connect(daemon.endpoint, name="iter", layouts=(lay for lay in [SMALL])) as c:
+        (place,) = c.allocate(c.layouts[0], 1)
+        assert tuple(c.view(place).shape) == SMALL.shape
+    with pytest.raises(TypeError, match="layouts is a sequence of dflash2.layout.Layout, not one Layout"):
+        Client.connect(daemon.endpoint, name="one", layouts=SMALL)
+    with pytest.raises(TypeError, match="prefill_tokens_per_s is one rate per layout"):
+        Client.connect(daemon.endpoint, name="rate", layouts=[SMALL], prefill_tokens_per_s=1000.0)
+    with Client.connect(daemon.endpoint, name="checker", layouts=[SMALL]) as checker:
+        assert [x["name"] for x in checker.stats()["clients"]] == ["checker"]

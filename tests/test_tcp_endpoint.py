@@ -74,6 +74,20 @@ def test_status_and_history_reach_a_daemon_bound_to_every_address():
     assert history_endpoint(Namespace(endpoint="tcp://0.0.0.0:5999", config=None)) == ("tcp://127.0.0.1:5999", None)
 
 
+def test_client_connect_reaches_a_daemon_bound_to_every_address():
+    """`Client.connect(endpoint="tcp://*:P")`, the spelling the daemon logs, failed as "Invalid argument"
+    though `dflash2 status --endpoint` and `Client.connect(config=)` reach it (a review)."""
+    from dflash2.client import Client
+
+    class Endpoint(Client):
+        def __init__(self, endpoint, *args):  # (the endpoint connect would attach to, nothing sent)
+            self.endpoint = endpoint
+
+    assert Endpoint.connect("tcp://*:5999").endpoint == "tcp://127.0.0.1:5999"
+    assert Endpoint.connect("tcp://0.0.0.0:5999").endpoint == "tcp://127.0.0.1:5999"
+    assert Endpoint.connect("tcp://10.1.2.3:5999").endpoint == "tcp://10.1.2.3:5999"
+
+
 def test_check_says_an_endpoint_of_every_address_lets_every_host_try(tmp_path):
     """Access is by the key file (tests/test_tcp_keys.py); an address of every interface is still
     worth a word, and a key file given for an ipc endpoint is said to be ignored."""
