@@ -298,3 +298,19 @@ def test_the_dashboards_split_panel_says_where_the_rate_band_holds_ghosts(make_m
     assert "in HBM's split of first-timers and returning blocks, a list whose recent ratio is below half the " \
         "other list's has its ghosts held" in text, text
     assert "in DRAM's and NVMe's splits and in the returning blocks' split every list's ghosts move it" in text
+
+
+def test_the_dashboards_per_gpu_lines_stay_per_node():
+    """A review: with several nodes (the Node variable's default, All) the heat policy's panels drew one
+    line per node under the same legend (`gpu 0 hbm target`, no node in it), and summed GPU 0 of every
+    node into one line where they aggregate, though each says it shows a GPU pool's figures: GPU
+    numbers repeat on every node. A line per GPU names its node and keeps it apart."""
+    import re
+
+    board = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
+    per_gpu = [(p["title"], t) for p in board["panels"] for t in p["targets"] if "{{gpu}}" in t["legendFormat"]]
+    assert per_gpu
+    for title, t in per_gpu:
+        assert "{{instance}}" in t["legendFormat"], (title, t["legendFormat"])
+        for by in re.findall(r"\bby \(([^)]*)\)", t["expr"]):
+            assert "instance" in [label.strip() for label in by.split(",")], (title, t["expr"])
