@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dflash2.client.endpoint_check import holder
+from dflash2.endpointlock import holder
 from dflash2 import protocol as P
 from dflash2.endpoints import tcp_key_path
 from dflash2.errors import (AccessDenied, DaemonError, DaemonUnavailable, DFlash2Error, ProtocolError, UnreadableReply,

@@ -165,7 +165,7 @@ def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
     takes any tier (endpoint.py): a metrics.host that is
     no address of this node passed --check and start-up then exited 4. A daemon serving this config
     now holds them too, and is named as such a holder."""
-    from dflash2.client.endpoint_check import holder
+    from dflash2.endpointlock import holder
     from dflash2.daemon.endpoint import EndpointBusy, probe_metrics, probe_port
 
     # An ipc endpoint's lock, held by a daemon serving it (its pid in the lock file), as start-up's
