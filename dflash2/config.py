@@ -204,8 +204,8 @@ class PolicyConfig(_Section):
     duel_sample: int = Field(
         DEFAULT_DUEL_SAMPLE, ge=0, le=1 << 20,
         description="Heat policy: rank as the best of heat, LRU and LFU, judged by miniature replays of 1 in "
-                    "N content keys (dflash2/duel.py; fewer, 1 in N x 2^k, once the daemon's loop keeps "
-                    "falling behind); 0 = off.")
+                    "N content keys (dflash2/duel.py; more, down to 1 in 2, where 1/N of HBM holds fewer "
+                    "than 32 blocks; fewer, 1 in N x 2^k, once the daemon's loop keeps falling behind); 0 = off.")
 
     @field_validator("duel_sample")
     @classmethod

@@ -78,7 +78,7 @@ block, request or client id.
 | dflash2_policy_duel_on{gpu} | gauge | heat with `policy.duel_sample` > 0: 1 while the duel runs (warming up or judging), 0 once it stopped (the log and `dflash2 status` say why) |
 | dflash2_policy_duel_hit_ratio{gpu,policy} / dflash2_policy_duel_hbm_hit_ratio{gpu,policy} | gauge | heat's duel: each candidate's miniature prefix hit rate in some tier / in HBM, recent (decayed; NaN before the first sampled lookup) |
 | dflash2_policy_duel_turned_over{gpu} | gauge | heat's duel: the greatest share, among its miniatures, of the bytes each holds that it has let go; it judges once this reaches 1 (warming up before) |
-| dflash2_policy_duel_sample{gpu} | gauge | heat's duel: it replays 1 in this many content keys (`policy.duel_sample`, coarser once the daemon's loop fell behind: README, the duel) |
+| dflash2_policy_duel_sample{gpu} | gauge | heat's duel: it replays 1 in this many content keys (`policy.duel_sample`, finer where HBM is small, coarser once the daemon's loop fell behind: README, the duel) |
 | dflash2_policy_duel_requests_total{gpu} / dflash2_policy_duel_dropped_total{gpu} / dflash2_policy_duel_switches_total{gpu} | counter | heat's duel: sampled lookups its miniatures served / dropped (a full queue, or the queue when the sample grew coarser) / changes of the ranking followed |
 | dflash2_policy_duel_not_replayed_total{gpu,kind} | counter | heat's duel: lookups its miniatures did not replay, by why: host_reader, no_layout, layout_too_large, refused (the log says why) |
 """
@@ -427,7 +427,8 @@ def _duel_families(duels: list):
                      "sampled lookup).", ["gpu", "policy"],
                      [((g, c), math.nan if r is None else r) for g, d in duels for c, r in d[key].items()])
     yield _gauge("dflash2_policy_duel_sample", "The duel replays 1 in this many content keys (policy.duel_sample, "
-                 "or coarser once the daemon's loop fell behind).", ["gpu"], [((g,), d["sample"]) for g, d in duels])
+                 "finer where HBM is small, or coarser once the daemon's loop fell behind).", ["gpu"],
+                 [((g,), d["sample"]) for g, d in duels])
     yield _gauge("dflash2_policy_duel_turned_over", "The greatest share, among the duel's miniatures, of the bytes each "
                  "holds that it has let go: it judges once this is 1.", ["gpu"],
                  [((g,), d.get("turned_over", math.nan)) for g, d in duels])

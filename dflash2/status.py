@@ -208,8 +208,10 @@ def _duel_line(d: dict, ranking: str | None) -> str:
     if hbm and all(r is not None for r in hbm.values()) and hbm != rates:
         found += " (in HBM " + ", ".join(f"{c} {r:.3f}" for c, r in hbm.items()) + ")"
     switches = f"{d['switches']} switch" + ("" if d["switches"] == 1 else "es")
-    coarser = (f" (coarser than the configured 1 in {d['first_sample']}: the loop fell behind)"
-               if d.get("first_sample") not in (None, d["sample"]) else "")
+    first = d.get("first_sample")
+    coarser = ("" if first in (None, d["sample"]) else
+               f" (coarser than the configured 1 in {first}: the loop fell behind)" if d["sample"] > first else
+               f" (finer than the configured 1 in {first}: HBM is small)")
     state = d["state"]
     if state == "warming up" and d.get("turned_over") is not None:
         state += f", {100 * d['turned_over']:.0f}% turned over"  # (judging once a miniature let go what it holds)

@@ -432,7 +432,8 @@ def test_churn_measures_the_daemons_cpu_per_request_while_two_clients_churn_a_fu
     assert set(r["p50_ms"]) == {"lookup", "acquire", "allocate", "commit", "free", "release"}
     assert all(0 < r["p50_ms"][op] <= r["p99_ms"][op] for op in r["p50_ms"]), r
     assert r["duel_served"] >= 0 and r["duel_dropped"] >= 0, r
-    assert r["duel_sample"] >= 8 and r["duel_state"] in ("warming up", "judging", "off"), r  # (8: policy.duel_sample)
+    # (policy.duel_sample 8; finer where 1/8 of this 1 MB HBM holds too few blocks, coarser once the loop fell behind)
+    assert r["duel_sample"] >= 2 and r["duel_state"] in ("warming up", "judging", "off"), r
     assert 0 <= r["duel_turned_over"] <= 1, r
     assert r["duel_state"] == "off" or (r["duel_turned_over"] == 1) == (r["duel_state"] == "judging"), r
 

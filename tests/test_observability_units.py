@@ -287,6 +287,9 @@ def test_metrics_and_status_show_the_duel_per_gpu_pool():
     coarse = json.loads(json.dumps(st))  # the loop fell behind: the duel replays fewer keys (duel.py _coarsen)
     coarse["duel"].update(sample=16, coarsened=1)
     assert "miniatures of 1 in 16 keys (coarser than the configured 1 in 2: the loop fell behind) found" in render(coarse)
+    fine = json.loads(json.dumps(st))  # HBM too small for the configured sample (duel.py _fit_sample)
+    fine["duel"].update(sample=3, first_sample=8)
+    assert "miniatures of 1 in 3 keys (finer than the configured 1 in 8: HBM is small) found" in render(fine)
     metrics.snapshot = coarse
     assert scrape(metrics)[("dflash2_policy_duel_sample", (("gpu", "0"),))] == 16
     # Every family a heat daemon with its duel exports is in metrics.py's table and the README (a

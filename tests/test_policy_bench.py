@@ -373,10 +373,11 @@ def test_a_bad_half_life_is_named(tmp_path, capsys, value):
 
 
 def test_the_benchs_duel_off_hint_names_its_own_option(tmp_path, capsys):
-    """Below 256 HBM blocks at the default sample the duel turns off, and its hint told a bench user
-    to lower policy.duel_sample, a config key the bench does not read (a review)."""
-    assert main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "200", "--policies", "heat",
+    """Below 64 HBM blocks the duel turns off (below 256 at the default sample, before it sampled
+    finer where HBM is small), and its hint told a bench user to lower policy.duel_sample, a config
+    key the bench does not read (a review)."""
+    assert main(["bench", "policy", "--trace", _trace_file(tmp_path), "--hbm-blocks", "60", "--policies", "heat",
                  "--json"]) == 0
     out = capsys.readouterr()
     off = json.loads(out.out.splitlines()[0])["duel"]["off_reason"]
-    assert "lower --duel-sample, or 0 to turn the duel off" in off and "policy.duel_sample" not in out.err, off
+    assert "--duel-sample 0 turns it off" in off and "policy.duel_sample" not in out.err, off

@@ -22,11 +22,11 @@ and `wrong_blocks` (0, unless dflash2 has a bug; blocks are checked in the warm-
 one there counts); `calls_parked`;
 the daemon's `moves` (blocks per direction) over the window; and, with heat, its duel's sampled
 lookups `duel_served` and `duel_dropped` over the window (dropped: the daemon's loop could not
-keep up), and at its end `duel_sample` (1 in N keys replayed: coarser than `policy.duel_sample`
-once the loop fell behind), `duel_state` (warming up, judging, off) and `duel_turned_over` (how
-far along a warming duel is: it judges at 1); `log_level` and `log_bytes_per_s` (the daemon's log, its
-stderr, over the window: at the default config's `info` since 2026-12-04's last session; the figures
-before were taken at `warning`).
+keep up), and at its end `duel_sample` (1 in N keys replayed: finer than `policy.duel_sample`
+where HBM is small, coarser once the loop fell behind), `duel_state` (warming up, judging, off)
+and `duel_turned_over` (how far along a warming duel is: it judges at 1); `log_level` and
+`log_bytes_per_s` (the daemon's log, its stderr, over the window: at the default config's `info`
+since 2026-12-04's last session; the figures before were taken at `warning`).
 """
 
 from __future__ import annotations

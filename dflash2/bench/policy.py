@@ -266,7 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # (--duel-sample and --decay-half-life-s are absent from `args` unless given: `heat_options`)
     parser.add_argument("--duel-sample", type=sample_arg, default=argparse.SUPPRESS,
                         help="heat follows the best of heat, LRU and LFU replayed in miniature on 1 in N content "
-                             f"keys (policy.duel_sample; default {DEFAULT_DUEL_SAMPLE}; 0: off)")
+                             f"keys (policy.duel_sample; default {DEFAULT_DUEL_SAMPLE}; finer, down to 2, where 1/N "
+                             "of HBM holds fewer than 32 blocks; 0: off)")
     parser.add_argument("--weights", default="",
                         help="heat weights to change, NAME=VALUE pairs (comma separated), e.g. recency=2; "
                              "applied to the heat policy, the others replay as they are")
