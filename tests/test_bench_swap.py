@@ -72,6 +72,35 @@ def test_swap_bench_with_cached_chains_demotes_them_whole():
     assert 16 < row["chain"] < 1 << 20, row
 
 
+def test_swap_bench_with_cached_chains_demotes_chains_in_every_promotion(monkeypatch):
+    """--chain L --repeat 3: every timed promotion makes its room from the cached chains. HBM full
+    with twice one promotion's blocks gave chains to the first two only; the four after demoted the
+    bench's own promoted sets (loose blocks it holds), and the medians timed those (a review)."""
+    import numpy as np
+
+    from dflash2.tiers import Tier
+
+    measure, downs = swap._measure, []
+
+    def watched(mgr, block_bytes, per, sets, chain=1):
+        placement, promoted = mgr.placement, []
+        real = placement.promote
+
+        def promote(rows, dst=Tier.HBM, *a, **kw):
+            before = np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM))
+            ok = real(rows, dst, *a, **kw)
+            down = np.setdiff1d(before, np.flatnonzero(mgr.table.cols.tier == int(Tier.HBM)))
+            downs.append((len(down), int(np.isin(down, promoted).sum())))
+            promoted.extend(np.asarray(rows).tolist())
+            return ok
+        placement.promote = promote
+        return measure(mgr, block_bytes, per, sets, chain)
+    monkeypatch.setattr(swap, "_measure", watched)
+    (row,) = swap.run(_args(sizes_kib="64", chain=16, repeat=3))
+    assert row["chain"] == 16
+    assert downs == [(64, 0)] * 6, downs  # (4 MiB of 64 KiB blocks each, none of the bench's own)
+
+
 @pytest.mark.parametrize("field", ["chain", "mb", "repeat"])
 def test_swap_bench_rejects_non_positive_counts(field, capsys):
     parser = argparse.ArgumentParser()

@@ -106,7 +106,10 @@ def _start_daemon(folder: Path, endpoint: str, dram_mb: int, nvme_mb: int, block
            "logging": {"format": "text", "level": "warning"}}
     path = folder / "dflash2_config.json"
     path.write_text(json.dumps(cfg))
-    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log")
+    # Its wait for the ready line grows with the tiers the daemon takes as it starts, as calls' does
+    # (a review: --dram-mb 14336 took more than the 30 s it was given on the 2-core VM, 20 s at 8192).
+    return _start(["-m", "dflash2.daemon.main", "--config", str(path)], "DFlash2: enabled", folder / "daemon.log",
+                  tiers_mb=cfg["memory"]["hbm_capacity_mb"] + dram_mb)
 
 
 def _dram_used(client) -> float:
