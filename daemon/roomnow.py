@@ -25,6 +25,14 @@ HEADROOM_BYTES = 32 << 20
 # and its duel's three miniatures, later, about 3/8 as many rows as the pool's table (a review).
 ROW_BYTES = 128
 DUEL_ROWS_SHARE = 3 / 8
+# ... at 1 in 8. Where 1/8 of HBM holds fewer than 32 blocks the duel replays a finer sample, down to
+# 1 in 2 (duel.py `_fit_sample`), the coarsest that leaves 32: 1/sample of HBM then holds under 64 of
+# them, so the miniatures hold under 64 x (the tiers' bytes / HBM's) blocks, and reserve up to 8 rows
+# a block each (four, to a power of two), three of them: under 1536 x the tiers' bytes / HBM's rows.
+# Over 3/8 of the table's rows where HBM is under 4 MiB (HBM 1 MB and 16 KiB blocks over DRAM 64 MB
+# and NVMe 1 GB: 786,432 rows, twice what 3/8 counted; at a limit `--check` said fits, the daemon
+# exited 6 at its first client's calls, a review).
+DUEL_FITTED_ROWS_PER_HBM = 1536
 
 
 def host_taken(plan: Plan) -> tuple[int, int, bool]:
@@ -46,7 +54,11 @@ def tables_bytes(plan: Plan, policy: str, duel_sample: int) -> int:
     hbm = max((t.capacity_bytes or 0 for t in plan.tiers if t.tier == Tier.HBM), default=0)  # (a pool's own)
     rows = reserve_rows([hbm] + [plan.pool_bytes(t) for t in plan.tiers if t.tier != Tier.HBM], 0)
     heat = policy == "heat"
-    per_pool = rows * ROW_BYTES * (1 + (DUEL_ROWS_SHARE if heat and duel_sample else 0))
+    duel_rows = 0
+    if heat and duel_sample:
+        tiers = hbm + sum(plan.pool_bytes(t) for t in plan.tiers if t.tier != Tier.HBM)
+        duel_rows = max(rows * DUEL_ROWS_SHARE, DUEL_FITTED_ROWS_PER_HBM * tiers // hbm if hbm else 0)
+    per_pool = (rows + duel_rows) * ROW_BYTES
     return plan.pools * int(per_pool + (4 * MAX_SKETCH_WIDTH if heat else 0))
 
 

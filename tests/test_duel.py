@@ -427,3 +427,34 @@ def test_the_heat_miniature_decays_its_counts_as_the_real_heat():
     assert mini.decay_half_life_s == 1.0
     picked = sampled(np.array(keys, dtype=np.uint64), 2)
     assert mini.sketch.estimate(picked).max() <= 1, mini.sketch.estimate(picked)  # (6 before: every read kept)
+
+
+@pytest.mark.parametrize("hbm_mb, block_kib", [(1, 16), (1, 8), (2, 16), (3, 32)])
+def test_the_check_counts_what_the_miniatures_of_a_finer_sample_reserve(tmp_path, hbm_mb, block_kib):
+    """Under an address-space limit `--check` and start-up weigh the miniatures' rows (daemon/roomnow.py
+    `tables_bytes`) as 3/8 of the table's, a sample of 1 in 8; where HBM is small the duel replays down
+    to 1 in 2 (`_fit_sample`) and its miniatures reserve more: with HBM 1 MB and 16 KiB blocks over
+    DRAM 64 MB and NVMe 1 GB, 786,432 rows against 418,000 counted, and a daemon started at a limit
+    the check said fits exited 6 at its first client's calls (a review)."""
+    from dflash2.assemble import tier_specs
+    from dflash2.daemon.roomnow import ROW_BYTES, tables_bytes
+    from dflash2.layout import Layout
+    from dflash2.plan import resolve_plan
+
+    cfg = parse_config({**CONFIG, "device": {"kind": "host"}, "policy": {"name": "heat"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": hbm_mb, "dram_capacity_mb": 64,
+                                   "nvme_capacity_mb": 1024, "nvme_path": str(tmp_path / "n.cache"),
+                                   "page_kb": 64}})
+    plan = resolve_plan(cfg)
+    counted = tables_bytes(plan, "heat", 8) - tables_bytes(plan, "heat", 0)
+    mgr = BlockManager(tier_specs(plan), policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, 8)
+    heads = block_kib * 1024 // (2 * 2 * 128 * 16)  # (K and V, fp16, head_dim 128, 16 tokens)
+    lid = mgr.register_layout(Layout("l", num_layers=1, num_kv_heads=heads, head_dim=128, dtype="fp16",
+                                     tokens_per_block=16))
+    assert mgr.table.layout(lid).block_bytes == block_kib * 1024
+    mgr.lookup(list(range(1, 65)), lid)
+    duel.run()
+    assert duel.off is None and duel.sample < 8, duel.describe()  # (fitted finer)
+    reserved = sum(m.manager.table.cols.reserved for m in duel._minis) * ROW_BYTES
+    assert reserved <= counted, (duel.sample, reserved, counted)
