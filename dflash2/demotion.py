@@ -154,7 +154,8 @@ class Demotion:
             if orphans:
                 self.stats.orphaned += len(rows)
         # (a read's loss: with the others lost with the storage tier's file, if any, Mover.with_lost_file)
-        self.table.drop_lost(lost, leaving, self.mover.with_lost_file(lost) if lost_too is None else lost_too)
+        with self.mover.quarantine.gathered():  # (their slots set aside, and said, together)
+            self.table.drop_lost(lost, leaving, self.mover.with_lost_file(lost) if lost_too is None else lost_too)
         self._note_reads()  # (backoff.py: a failing disk's reads that failed)
 
     def _droppable(self, rows: np.ndarray) -> np.ndarray:

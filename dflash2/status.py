@@ -138,8 +138,10 @@ def render(st: dict) -> str:
     if any(measured.values()) or st.get("lookup_withheld"):
         paths = "; ".join(("" if gpu is None else f"GPU {gpu} ") + f"{k} {'unmeasured' if v is None else _size(v) + '/s'}"
                           for gpu, per in measured.items() for k, v in per.items())
+        # (Both causes in one count, as `dflash2_lookup_withheld_blocks_total`: named "slower to load than
+        # to recompute" alone, a failing disk's back-off read as a cost figure with no prefill rate given.)
         lines.append(f"read back: {paths or 'unmeasured'}; lookup blocks withheld (slower to load than to "
-                     f"recompute) {st.get('lookup_withheld', 0)}")
+                     f"recompute, or on an NVMe disk backing off after failed reads) {st.get('lookup_withheld', 0)}")
     late = d.get("background") or {}
     if late.get("late_s") is not None:
         lines.append(f"background step: started {1000 * late['late_s']:.1f} ms late the last time, at most "

@@ -472,3 +472,31 @@ def test_blocks_lost_with_a_cut_nvme_file_are_misses_and_no_slot_is_set_aside(mg
     assert not len(mgr.lookup(a, keys))  # (the chain is gone: misses)
     publish(mgr, a, lid, [101, 102])  # the tier goes on: its slots, the cut ones too, hold new blocks
     mgr.check_invariants()
+
+
+def test_the_slots_of_one_batchs_failed_reads_are_set_aside_and_said_together(mgr, monkeypatch, caplog):
+    """A batch whose reads failed for several blocks sets aside all their slots as one: the warning
+    names them all. Before, each dropped block's slot was set aside by itself as it was freed, and the
+    once-a-minute warning said "1 nvme slots" beside "2 of 2 blocks read back from NVMe failed" (the
+    other counted later as one more "batch"; a review's daemon: 16 failed, "1 nvme slots")."""
+    keys = list(range(1, 7))
+    a, lid, vids = chain_on_nvme(mgr, keys)
+    places = [mgr.place(int(v)) for v in vids[3:5]]
+    bad = [(HEADER_BYTES + p.offset, HEADER_BYTES + p.offset + p.nbytes) for p in places]
+    inode = os.fstat(mgr.arenas[Tier.NVME]._fd).st_ino
+    real = os.preadv
+
+    def preadv(f, bufs, offset):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if any(offset < hi and offset + n > lo for lo, hi in bad) and os.fstat(f).st_ino == inode:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(f, bufs, offset)
+    monkeypatch.setattr(os, "preadv", preadv)
+    with caplog.at_level(logging.WARNING, logger="dflash2.quarantine"):
+        with pytest.raises(UnknownBlock):
+            mgr.acquire(a, vids)
+    alloc = mgr.table.allocators[Tier.NVME]
+    assert sorted(alloc.quarantined_offsets().tolist()) == sorted(p.offset for p in places)
+    said = [r.getMessage() for r in caplog.records if "whose reads failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("2 nvme slots"), said
+    mgr.check_invariants()

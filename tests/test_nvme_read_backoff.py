@@ -9,6 +9,7 @@ import os
 import pytest
 
 from dflash2.errors import UnknownBlock
+from dflash2.status import render
 from dflash2.tiers import Tier
 from fault_helpers import LAYOUT, assert_intact, make_mgr, mgr, publish, to_nvme  # noqa: F401  (fixtures)
 
@@ -50,6 +51,10 @@ def test_a_failing_disk_whose_reads_fail_backs_off_until_a_read_works(mgr, monke
         withheld = mgr.stats()["lookup_withheld"]
         assert mgr.lookup([900, 901], lid) == []  # not read: the engine recomputes them at once
         assert mgr.stats()["lookup_withheld"] == withheld + 2
+        # `dflash2 status` names the back-off among the causes: no client gave a prefill rate here, and
+        # it called these blocks "slower to load than to recompute" alone (a review).
+        assert f"on an NVMe disk backing off after failed reads) {withheld + 2}" in render(
+            {"lookup_withheld": mgr.stats()["lookup_withheld"]})
         assert mgr.prefetcher.ahead(kept, 0) == 0
         assert mgr.place(int(kept[0])).tier == Tier.NVME
         # It runs out; the next read offered fails: twice as long.

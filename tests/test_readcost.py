@@ -222,7 +222,8 @@ def test_an_engine_gives_its_prefill_rate_and_lookups_withhold_slow_blocks(conne
     assert (len(found), withheld) == (70, 10)
     assert c.stats()["lookup_withheld"] == 10
     view = render(c.stats())
-    assert "read back: dram->hbm " in view and "withheld (slower to load than to recompute) 10" in view
+    assert "read back: dram->hbm " in view
+    assert "withheld (slower to load than to recompute, or on an NVMe disk backing off after failed reads) 10" in view
     c.set_prefill_rate(lid, None)
     assert len(c.lookup(keys, lid)) == 80
 
