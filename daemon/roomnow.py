@@ -57,7 +57,9 @@ def tables_bytes(plan: Plan, policy: str, duel_sample: int) -> int:
     duel_rows = 0
     if heat and duel_sample:
         tiers = hbm + sum(plan.pool_bytes(t) for t in plan.tiers if t.tier != Tier.HBM)
-        duel_rows = max(rows * DUEL_ROWS_SHARE, DUEL_FITTED_ROWS_PER_HBM * tiers // hbm if hbm else 0)
+        # (3/8 at 1 in 8: a finer policy.duel_sample, down to 2, holds 8/sample as many blocks in its miniatures)
+        duel_rows = max(rows * DUEL_ROWS_SHARE * 8 / min(duel_sample, 8),
+                        DUEL_FITTED_ROWS_PER_HBM * tiers // hbm if hbm else 0)
     per_pool = (rows + duel_rows) * ROW_BYTES
     return plan.pools * int(per_pool + (4 * MAX_SKETCH_WIDTH if heat else 0))
 

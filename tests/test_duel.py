@@ -458,3 +458,33 @@ def test_the_check_counts_what_the_miniatures_of_a_finer_sample_reserve(tmp_path
     assert duel.off is None and duel.sample < 8, duel.describe()  # (fitted finer)
     reserved = sum(m.manager.table.cols.reserved for m in duel._minis) * ROW_BYTES
     assert reserved <= counted, (duel.sample, reserved, counted)
+
+
+@pytest.mark.parametrize("sample, block_kib", [(2, 8), (2, 16), (4, 8)])
+def test_the_check_counts_what_the_miniatures_of_a_configured_fine_sample_reserve(tmp_path, sample, block_kib):
+    """`tables_bytes` weighed the miniatures' rows as 3/8 of the table's, those of 1 in 8, whatever
+    policy.duel_sample said: at 1 in 2 (the finest the config takes) they hold four times as many
+    blocks. A review: HBM 16 MB, DRAM and NVMe 1 GB each, 8 KiB blocks at 1 in 2: `--check` under
+    ulimit -v said "fits" with about 0.47 GB for the tables, and the miniatures' reservations were
+    refused at the first lookup (ENOMEM, then MemoryError: "a miniature replay failed", the duel off)."""
+    from dflash2.assemble import tier_specs
+    from dflash2.daemon.roomnow import ROW_BYTES, tables_bytes
+    from dflash2.layout import Layout
+    from dflash2.plan import resolve_plan
+
+    cfg = parse_config({**CONFIG, "device": {"kind": "host"}, "policy": {"name": "heat"},
+                        "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 16, "dram_capacity_mb": 1024,
+                                   "nvme_capacity_mb": 1024, "nvme_path": str(tmp_path / "n.cache"),
+                                   "page_kb": 64}})
+    plan = resolve_plan(cfg)
+    counted = tables_bytes(plan, "heat", sample) - tables_bytes(plan, "heat", 0)
+    mgr = BlockManager(tier_specs(plan), policy="heat", clock=lambda: 0.0)
+    duel = Duel(mgr, sample)
+    heads = block_kib * 1024 // (2 * 2 * 128 * 16)  # (K and V, fp16, head_dim 128, 16 tokens)
+    lid = mgr.register_layout(Layout("l", num_layers=1, num_kv_heads=heads, head_dim=128, dtype="fp16",
+                                     tokens_per_block=16))
+    mgr.lookup(list(range(1, 65)), lid)
+    duel.run()
+    assert duel.off is None and duel.sample == sample, duel.describe()  # (as configured: not fitted)
+    reserved = sum(m.manager.table.cols.reserved for m in duel._minis) * ROW_BYTES
+    assert reserved <= counted, (sample, reserved, counted)
