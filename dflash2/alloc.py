@@ -196,7 +196,11 @@ class SlotAllocator(RoomQueries):
         slab_pages, per_slab = self._slab_shape(slot)
         if slab_pages == 1:
             return have + (self._n_free_pages + self._reclaimable_pages(exclude=slot)) * per_slab
-        return have + slabs_in_runs(self._spare_pages(exclude=slot), slab_pages) * per_slab
+        # This size's empty slabs are pages again too (`alloc` cuts them anew): kept where they were
+        # cut, each beside a page of another size's blocks, they held one slab each, and an empty
+        # tier of 16 pages refused an eighth 2-page slot, "full of blocks that cannot move" (a review).
+        empty = len(self._empty_slab_heads(cls)) * per_slab if cls else 0
+        return have - empty + slabs_in_runs(self._spare_pages(exclude=slot), slab_pages) * per_slab
 
     def room_for(self, block_bytes: int) -> int:
         """Bytes of slots that blocks of this size could take now (see blocks_free)."""
@@ -265,8 +269,12 @@ class SlotAllocator(RoomQueries):
             want -= self._claim_slabs(cls, want)
             if want:
                 self._reclaim(exclude=slot)
-                if self._claim_slabs(cls, want) < want:  # can_fit said yes: the runs must exist
-                    return None
+                if self._claim_slabs(cls, want) < want:
+                    # This size's own empty slabs split the runs `blocks_free` counted: cut anew.
+                    self._reclaim(exclude=None)
+                    want = -(-(n - cls.n_free) // cls.slots_per_slab)
+                    if self._claim_slabs(cls, want) < want:  # can_fit said yes: the runs must exist
+                        return None
         return self._hand_out(cls, cls.pop(n), block_bytes)
 
     def alloc_in_used_slabs(self, block_bytes: int, n: int) -> np.ndarray | None:
@@ -478,11 +486,11 @@ class SlotAllocator(RoomQueries):
         return heads
 
     def _spare_pages(self, exclude: int) -> np.ndarray:
-        """Mask of the pages a slab of size `exclude` could take: free ones and those of other sizes'
-        empty slabs (which `_reclaim` gives back)."""
+        """Mask of the pages a slab of size `exclude` could take: free ones and those of every size's
+        empty slabs (which `_reclaim` gives back; its own, where its slabs are several pages, too)."""
         spare = self._page_free.copy()
         for s, c in self._classes.items():
-            if s != exclude:
+            if s != exclude or c.slab_pages > 1:
                 heads = self._empty_slab_heads(c)
                 if len(heads):
                     spare[(heads[:, None] + np.arange(c.slab_pages)).ravel()] = True
@@ -492,8 +500,8 @@ class SlotAllocator(RoomQueries):
         return sum(len(self._empty_slab_heads(c)) * c.slab_pages
                    for s, c in self._classes.items() if s != exclude)
 
-    def _reclaim(self, exclude: int) -> None:
-        """Give the empty slabs of other size classes back to the page pool."""
+    def _reclaim(self, exclude: int | None) -> None:
+        """Give the empty slabs of other size classes (of every one, with None) back to the page pool."""
         for slot, cls in self._classes.items():
             if slot == exclude:
                 continue

@@ -52,18 +52,17 @@ class RoomQueries:
         if slab_pages == 1:
             in_kept = int((per_slab - per_head[heads[classes == slot]]).sum())
             return ((self.n_pages - kept_pages) * per_slab + in_kept) * slot
-        # As `blocks_free` counts: this size's slabs stay its slabs (their slots free once emptied),
-        # and new ones are cut from runs of the other pages no kept block holds.
-        own = self._classes.get(slot)
-        spare = self._page_free | (self._page_class[self._page_head] != slot)
+        # As `blocks_free` counts: this size's slabs that keep a block have room in their free slots,
+        # and new ones are cut from runs of the other pages no kept block holds (this size's emptied
+        # slabs among them, which `alloc` cuts anew: kept as they were cut, an empty tier was short
+        # of slabs of several pages, a review).
+        spare = np.ones(self.n_pages, dtype=bool)
         for s, c in self._classes.items():
-            theirs = heads[classes == s] if s != slot else ()  # other sizes' slabs that keep a block
+            theirs = heads[classes == s]  # slabs that keep a block
             if len(theirs):
                 spare[(theirs[:, None] + np.arange(c.slab_pages)).ravel()] = False
-        # Its slots handed out and free, less the blocks kept in them (a quarantined slot is neither:
-        # counted as kept, it was taken off twice, a review).
-        mine = int(np.count_nonzero(self._page_class[self._head_of(user)] == slot))
-        in_own = 0 if own is None else own.n_used + own.n_free - mine
+        # Its free slots in the slabs that keep a block (a quarantined slot counted as kept).
+        in_own = int((per_slab - per_head[heads[classes == slot]]).sum())
         return (slabs_in_runs(spare, slab_pages) * per_slab + in_own) * slot
 
     def sizes_fit(self, counts: dict[int, int], kept: np.ndarray) -> bool:

@@ -70,7 +70,7 @@ class SlabRoom:
         quarantined slot holds none: its slab never empties), ranked by their highest cost, coldest
         first (ties: blocks of the room's size, then pages in order); where a slot of the room's
         size spans several pages, runs of that many contiguous pages, each free or such a slab.
-        Free pages and other sizes' empty slabs already count as room (alloc.room_for). `height`:
+        Free pages and empty slabs already count as room (alloc.room_for). `height`:
         each row's levels of descendants leaving with it (or 0 for a leaf and 1 for another block),
         which breaks ties among blocks of the room's size (leaves first)."""
         alloc = self.table.allocators[tier]
@@ -87,7 +87,9 @@ class SlabRoom:
         np.maximum.at(top, heads, cost[~own].astype(np.float64))
         at = np.maximum(head, 0)
         of_other = (head >= 0) & (page_slot != slot)
-        free = room = (head < 0) | (of_other & (used[at] == 0))  # room already
+        # Room already: free pages, and empty slabs of other sizes and, where a slot spans several
+        # pages, of its own (alloc cuts them anew, as `blocks_free` counts them).
+        free = room = (head < 0) | (((page_slot != slot) | (span > 1)) & (head >= 0) & (used[at] == 0))
         clear = of_other & (used[at] > 0) & (going[at] == used[at])
         page_cost = np.where(clear, top[at], -np.inf)
         if span > n_pages:  # (no run of pages that long: room for none)

@@ -338,28 +338,37 @@ def test_free_pages_are_room_by_their_slots_for_an_allocate_or_a_read():
 
 @pytest.mark.parametrize("dram_pages", [0, 16])
 def test_scattered_free_pages_are_no_slab_of_several_pages(dram_pages):
-    """4 pages of 32 KiB, a 40 KiB slot a slab of 2: pages 1-2 hold an idle cached block, pages 0
-    and 3 are free but apart. Two such blocks can never fit; counted from the pages' number, the
-    bound let the allocate through, which dropped (HBM alone) or demoted the idle block first (a
-    review)."""
+    """4 pages of 32 KiB, a 40 KiB slot a slab of 2: pages 1-2 hold a cached 40 KiB block that a
+    reader pins, pages 0 and 3 are free but apart. Two such blocks cannot fit; counted from the
+    pages' number, the bound let the allocate through (a review). Where that block is idle, its
+    slab, once emptied, is pages again: two fit (its slab stayed where it was cut, and the bound
+    said one, a later review)."""
     page = 32 * KIB
-    specs = [TierSpec(Tier.HBM, 4 * page, page, 256)] + ([TierSpec(Tier.DRAM, dram_pages * page, page, 4096)]
-                                                         if dram_pages else [])
-    mgr = BlockManager(specs, clock=FakeClock())
-    try:
-        w, r = mgr.attach("w"), mgr.attach("r")
-        small, big = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB)
-        v = mgr.allocate(w, small, 1)  # page 0: a slab of 16 KiB slots, emptied below
-        cached = fill(mgr, r, big, [7])  # pages 1-2
-        mgr.free(w, v)
-        slot = mgr.table.slot_bytes(big, Tier.HBM)
-        assert mgr.table.allocators[Tier.HBM].slab_shape_of(slot) == (2, 1)
-        assert mgr.placement.room_most(Tier.HBM, 2 * slot, idle_only=True, slot=slot) == slot
-        assert mgr.allocate(w, big, 2) is None
-        assert len(mgr.lookup_rows((7,), big)) == 1 and tier_of(mgr, cached[0]) == Tier.HBM
-        mgr.check_invariants()
-    finally:
-        mgr.close()
+    for pinned in (True, False):
+        specs = [TierSpec(Tier.HBM, 4 * page, page, 256)] + ([TierSpec(Tier.DRAM, dram_pages * page, page, 4096)]
+                                                             if dram_pages else [])
+        mgr = BlockManager(specs, clock=FakeClock())
+        try:
+            w, r = mgr.attach("w"), mgr.attach("r")
+            small, big = mgr.register_layout(SMALL), mgr.register_layout(FORTY_KIB)
+            v = mgr.allocate(w, small, 1)  # page 0: a slab of 16 KiB slots, emptied below
+            cached = fill(mgr, r, big, [7])  # pages 1-2
+            mgr.free(w, v)
+            if pinned:
+                mgr.acquire(r, cached)
+            slot = mgr.table.slot_bytes(big, Tier.HBM)
+            assert mgr.table.allocators[Tier.HBM].slab_shape_of(slot) == (2, 1)
+            most = mgr.placement.room_most(Tier.HBM, 2 * slot, idle_only=True, slot=slot)
+            assert most == (0 if pinned else 2 * slot)
+            if pinned:
+                assert mgr.allocate(w, big, 2) is None
+                assert len(mgr.lookup_rows((7,), big)) == 1 and tier_of(mgr, cached[0]) == Tier.HBM
+            else:
+                assert mgr.allocate(w, big, 2) is not None, mgr.allocate_refusal
+                assert len(mgr.lookup_rows((7,), big)) == (1 if dram_pages else 0)
+            mgr.check_invariants()
+        finally:
+            mgr.close()
 
 
 def test_scattered_free_pages_beside_other_sizes_are_no_slab_of_several_pages():

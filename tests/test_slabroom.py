@@ -408,3 +408,51 @@ def test_a_three_page_slot_beside_two_free_pages_empties_one_slab():
     assert mgr.allocate(a, three, 1) is not None, mgr.allocate_refusal
     assert mgr.placement.stats.evicted == 8 + 4  # page 1's slab only
     mgr.check_invariants()
+
+
+def test_a_sizes_own_empty_slabs_are_cut_anew_among_pages_of_another_size():
+    """16 pages, a 96 KiB slot a slab of 2: seven such slabs cut around two pages of idle 16 KiB
+    blocks (pages 2 and 9), then emptied. Eight 96 KiB blocks (the tier holds eight) were refused,
+    "HBM is full of blocks that cannot move now", with those idle blocks there and, once they were
+    gone, in an empty tier: the empty slabs stayed where they were cut, one page apart (a review).
+    Now the idle blocks go and the slabs are cut anew."""
+    clock = Clock()
+    mgr = BlockManager([TierSpec(Tier.HBM, 16 * PAGE, PAGE, 256)], policy="lru", clock=clock)
+    a = mgr.attach("a")
+    s, big = mgr.register_layout(SMALL), mgr.register_layout(layout(12, "big96k"))
+    held = [mgr.allocate(a, big, 1)]
+    _idle_small_blocks(mgr, clock, a, s, 4)  # page 2
+    held.append(mgr.allocate(a, big, 3))
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, s, 4), keys=[11, 12, 13, 14]))  # page 9
+    held.append(mgr.allocate(a, big, 3))
+    pages = sorted(int(mgr.place(int(v)).offset) // PAGE for h in held for v in h)
+    assert pages == [0, 3, 5, 7, 10, 12, 14]
+    for h in held:
+        mgr.free(a, h)
+    got = mgr.allocate(a, big, 8)
+    assert got is not None, mgr.allocate_refusal
+    assert mgr.placement.stats.evicted == 8
+    mgr.check_invariants()
+    mgr.free(a, got)
+    assert mgr.allocate(a, big, 8) is not None  # (and again, from the slabs as now cut)
+    mgr.check_invariants()
+
+
+def test_an_empty_tier_holds_as_many_slots_of_several_pages_as_it_did_empty():
+    """The slot allocator alone: pages 2 and 9 of 16 held by 16 KiB slots while seven 2-page slabs are
+    cut around them; all freed, the tier holds eight 96 KiB slots again (it held seven: a review)."""
+    from dflash2.alloc import SlotAllocator
+
+    alloc = SlotAllocator(16 * PAGE, PAGE, 256)
+    big, small = 96 << 10, 16 << 10
+    one = alloc.alloc(big, 1)
+    s1 = alloc.alloc(small, 4)
+    three = alloc.alloc(big, 3)
+    s2 = alloc.alloc(small, 4)  # page 9 (page 2 is full: four 16 KiB slots a page)
+    three_more = alloc.alloc(big, 3)
+    assert sorted((np.concatenate([one, three, three_more]) // PAGE).tolist()) == [0, 3, 5, 7, 10, 12, 14]
+    for size, offs in ((big, one), (big, three), (big, three_more), (small, s1), (small, s2)):
+        alloc.free(size, offs)
+    assert alloc.blocks_free(big) == 8
+    got = alloc.alloc(big, 8)
+    assert got is not None and len(np.unique(got)) == 8
