@@ -333,7 +333,10 @@ class Service(Leases, Forgetting, Failing, Devices):
         given = req.args.get("prefill_tokens_per_s")
         rate = wire.prefill_rate(req, given)
         lid = m.register_layout(layout)
-        if given is not None:  # (none leaves a rate given before: re-registering withdrew it, a review)
+        # (None leaves a rate given before: re-registering withdrew it, a review; a first registration
+        # without one is this client's "none given", as at attach: it was no client of the layout, whose
+        # blocks were then judged by other engines' rates alone, another review.)
+        if given is not None or m.read_cost.rate(req.client, lid) is None:
             m.set_prefill_rate(req.client, lid, rate)
         return {"layout": lid}, []
 

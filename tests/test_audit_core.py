@@ -476,6 +476,22 @@ def test_one_key_for_two_layouts_in_one_commit_is_refused_before_anything_change
     mgr.check_invariants()
 
 
+def test_a_key_cached_for_another_layout_names_both_layouts(make_manager):
+    """Two models' clients on one node: a commit under a key another layout's block holds is refused
+    naming that layout and the commit's (it said "another layout", naming neither: a review)."""
+    from conftest import SMALL_FP8
+    from dflash2.errors import ImmutableBlock
+    mgr = make_manager(hbm_blocks=4, dram_blocks=4, nvme_blocks=8)
+    a, b = mgr.attach("a"), mgr.attach("b")
+    big, small = mgr.register_layout(SMALL), mgr.register_layout(SMALL_FP8)
+    mgr.free(a, mgr.commit(a, mgr.allocate(a, big, 1), keys=[7]))
+    y = mgr.allocate(b, small, 1)
+    with pytest.raises(ImmutableBlock, match=rf"for another layout \('small', id {big}; this block is of 'small-fp8', "
+                                             rf"id {small}\)"):
+        mgr.commit(b, y, keys=[7])
+    mgr.check_invariants()
+
+
 @pytest.mark.parametrize("bad", [[7.9], [-1], [2**64], np.array([-5]), [True], [1, True], [np.int64(5), np.True_],
                                  [5, None], [None]])
 def test_keys_that_are_not_uint64_are_refused_by_name_in_process(make_manager, bad):

@@ -524,3 +524,22 @@ def test_a_request_takes_numpy_numbers_as_numbers_and_a_reply_refuses_them():
             P.encode_request(P.Op.PREFILL_RATE, 1, 7, {"layout": 0, "tokens_per_s": bad})
     with pytest.raises(TypeError, match="is not JSON serializable"):
         P.encode_reply(P.Reply(1, True, {"blocks": np.int64(3)}))
+
+
+def test_a_layout_registered_after_attach_without_a_rate_is_a_client_of_it_that_gave_none(service):
+    """README: placement drops a layout's blocks rather than demote them to a tier slower than a
+    recompute only while every attached client of the layout has given a rate. A client that
+    registered the layout after attach, without a rate, was not counted as one (its layout was judged
+    by another engine's rate alone, and its blocks dropped, a review); one that attached with it was."""
+    mgr = next(iter(service.managers.values()))
+    a = call(service, Op.ATTACH, args={"name": "a", "pid": 0, "layouts": [SMALL.to_dict()],
+                                       "prefill_tokens_per_s": [1e9]}).result["client"]
+    assert mgr.read_cost.keeping_rate(0) == 1e9
+    b = call(service, Op.ATTACH, args={"name": "b", "pid": 0}).result["client"]
+    assert call(service, Op.REGISTER_LAYOUT, b, {"layout": SMALL.to_dict()}).result["layout"] == 0
+    assert mgr.read_cost.keeping_rate(0) is None  # b's engine gave none
+    # Registered again without a rate, a rate given before stays (test_client_daemon.py):
+    call(service, Op.PREFILL_RATE, b, {"layout": 0, "tokens_per_s": 5e8})
+    assert call(service, Op.REGISTER_LAYOUT, b, {"layout": SMALL.to_dict()}).result["layout"] == 0
+    assert mgr.read_cost.keeping_rate(0) == 5e8
+    assert mgr.read_cost.rate(a, 0) == 1e9

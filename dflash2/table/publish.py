@@ -74,8 +74,12 @@ class Publishing:
             owner_row[new] = rows[new[first]][which]
         clash = c.layout[owner_row] != c.layout[rows]
         if clash.any():
-            raise ImmutableBlock(f"content key {int(ukeys[int(np.argmax(clash))]):#x} is cached, or given in this commit, "
-                                 "for another layout: content keys must be namespaced per layout (model, precision, shard)")
+            at = int(np.argmax(clash))  # (the layouts named: two models' clients share the node)
+            theirs, mine = (self.layout(int(c.layout[r])) for r in (owner_row[at], rows[at]))
+            raise ImmutableBlock(f"content key {int(ukeys[at]):#x} is cached, or given in this commit, for another "
+                                 f"layout ({theirs.name!r}, id {int(c.layout[owner_row[at]])}; this block is of "
+                                 f"{mine.name!r}, id {int(c.layout[rows[at]])}): content keys must be namespaced per "
+                                 "layout (model, precision, shard)")
         dup = np.flatnonzero(owner_row != rows)
         if len(dup):
             self._refuse_past_holds(client_id, owner_row[dup], rows[dup], ukeys[dup])
