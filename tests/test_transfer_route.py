@@ -126,3 +126,48 @@ def test_kernel_metadata_is_packed_into_the_upload_buffer_as_the_kernel_reads_it
     assert meta.tolist() == [*src, *dst, *nbytes, 0, 1, 5, 6]
     assert (buffer[meta_words(3):] == -1).all(), "nothing written past the batch's words"
     assert pack_meta(src, dst, nbytes).tolist() == meta.tolist()
+
+
+def test_a_demotion_of_chains_leaves_first_moves_each_chain_in_one_copy():
+    """A demotion lists its blocks leaves first, level by level across chains: a chain's blocks lay
+    a chain's length apart in the batch, and the slots taken for them were paired in the list's
+    order, so that no two copies joined (bench swap --chain 1024 with 256 KiB blocks: 1,024 copies
+    a batch, the promotions into the freed slots too, and moves in pieces lost their lead). Slots
+    are paired in the sources' order (table.begin_move) and copies of 64 KiB or more are taken in
+    that order (route.coalesce): one copy per chain."""
+    from dflash2.layout import Layout
+    from dflash2.manager import BlockManager, TierSpec
+    from dflash2.tiers import Tier
+    from dflash2.transfer.route import SORT_MIN_BYTES, coalesce
+
+    big = Layout("big", num_layers=8, num_kv_heads=2, head_dim=64, dtype="fp16", tokens_per_block=16)
+    assert big.block_bytes == SORT_MIN_BYTES
+    page = 1 << 20
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * page, page, 256), TierSpec(Tier.DRAM, 4 * page, page, 4096)],
+                       clock=lambda: 0.0)
+    try:
+        a = mgr.attach("a")
+        lid = mgr.register_layout(big)
+        chains = [mgr.table.rows(mgr.commit(a, mgr.allocate(a, lid, 16), keys=range(k, k + 16)))
+                  for k in (1, 101)]
+        leaves_first = np.stack([c[::-1] for c in chains], axis=1).ravel()  # tip of each, then the next level
+        move = mgr.mover.prepare(leaves_first, Tier.DRAM)
+        src = mgr.table.cols.offset[move.rows]
+        s, d, n = coalesce(src, move.dst_offsets, mgr.table.block_bytes(move.rows))
+        assert len(n) <= 2 and n.sum() == 32 * big.block_bytes, (s, d, n)  # (the chains lie side by side here)
+        assert mgr.mover.complete(move).all()
+        mgr.check_invariants()
+    finally:
+        mgr.close()
+
+
+def test_copies_under_64_kib_keep_their_order():
+    """Sorting a scattered batch costs about 18 us (1,024 copies), where a 16 KiB batch starts in
+    90-150: copies under SORT_MIN_BYTES join only as listed."""
+    from dflash2.transfer.route import coalesce
+    k = 16 * KIB
+    src, dst = np.array([2 * k, 0, k]), np.array([2 * k, 0, k])
+    s, d, n = coalesce(src, dst, np.full(3, k))
+    assert (s.tolist(), n.tolist()) == ([2 * k, 0], [k, 2 * k])
+    s, d, n = coalesce(src * 4, dst * 4, np.full(3, 4 * k))  # 64 KiB: in the sources' order, one copy
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0], [0], [12 * k])

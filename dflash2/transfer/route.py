@@ -42,6 +42,7 @@ KERNEL_MAX_BLOCK = 64 * KIB  # below this the engines lose in every case measure
 ENGINE_MIN_BLOCK_D2H = 128 * KIB  # the other direction idle, device to host
 ENGINE_MIN_BLOCK_H2D = 64 * KIB  # the other direction idle, host to device
 SPLIT_MIN_BLOCK = 256 * KIB  # the smallest copy that leaves a mixed batch for the engines
+SORT_MIN_BYTES = 64 * KIB  # copies a batch of which `coalesce` takes in their sources' order
 DUPLEX_HOLD_S = 0.005  # about four 1024-block batches of 64 KiB; the bench's lull between rounds is ~1 ms
 
 
@@ -102,10 +103,19 @@ def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray
     one engine descriptor (or kernel entry) per run instead of per block, and the mechanism is
     chosen on the runs' sizes. A request's blocks allocated side by side in a fresh cache form such
     runs; in a full cache they seldom do (tiered `bench policy` replays, recorded: 0-4% of a batch's
-    blocks in runs of 8 or more DRAM slots, none on both sides). The order of the copies is kept."""
+    blocks in runs of 8 or more DRAM slots, none on both sides). Copies of SORT_MIN_BYTES or more are
+    taken in the order of their sources where they are not in it already (a batch's copies end
+    together, whatever their order: one event): a demotion lists its blocks leaves first, level by
+    level across chains, so a chain's blocks lay 1,024 copies apart in the list (bench swap --chain
+    1024), though side by side on both sides (table.begin_move pairs the slots in order). Smaller
+    copies keep their order: sorting a scattered batch of 1,024 costs about 18 us on the 2-core VM,
+    where a 16 KiB batch's start is 90-150 us and the kernel moves them scattered at 0.87 of the link."""
     src_off, dst_off, nbytes = (np.asarray(a, dtype=np.int64) for a in (src_off, dst_off, nbytes))
     if len(nbytes) < 2:
         return src_off, dst_off, nbytes
+    if nbytes.min() >= SORT_MIN_BYTES and not (src_off[1:] > src_off[:-1]).all():
+        order = np.argsort(src_off, kind="stable")
+        src_off, dst_off, nbytes = src_off[order], dst_off[order], nbytes[order]
     joins = (src_off[1:] == src_off[:-1] + nbytes[:-1]) & (dst_off[1:] == dst_off[:-1] + nbytes[:-1])
     if not joins.any():
         return src_off, dst_off, nbytes
