@@ -239,6 +239,17 @@ class Client(BlockViews):
         finally:
             self._gone_lock.release()
 
+    def _let_socket_go(self) -> None:
+        """The daemon has ended: close the call socket (`Transport.let_go`; the next call makes a fresh one),
+        unless a call of another thread holds it (that call finds the daemon ended, and lets it go)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self._transport.closed:
+                self._transport.let_go()
+        finally:
+            self._lock.release()
+
     def detach(self) -> dict:
         """Leave: the daemon releases this client's reservations, pins and private blocks. Idempotent;
         the arena mappings stay valid for views still alive, then go with them."""
@@ -370,12 +381,13 @@ class Client(BlockViews):
                 if isinstance(e, DaemonError) and e.kind == "UnknownClient":  # the lease lapsed (or the daemon
                     self._lease_lost()  # restarted): as the heartbeat says
                     if self._ended:  # (a new daemon's answer blamed a detach or a lapsed lease, a review)
+                        self._let_socket_go()
                         raise call.mine(DaemonError("UnknownClient", (
                             f"client {self.client_id} is not attached: the daemon it attached to at {self.endpoint} "
                             "has ended (stopped or restarted), and its blocks, pins and reservations with it; "
                             "attach a new client"))) from None
-                elif isinstance(e, DaemonUnavailable):
-                    self._daemon_gone()
+                elif isinstance(e, DaemonUnavailable) and self._daemon_gone():
+                    self._let_socket_go()
             raise
         finally:
             self._lock.release()

@@ -132,6 +132,7 @@ def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, na
                     client.renewed(sent)
             except DaemonUnavailable as e:
                 if client._daemon_gone():
+                    client._let_socket_go()
                     return
                 log.warning("dflash2 heartbeat: %s", e)
             except DaemonError as e:
@@ -144,6 +145,7 @@ def run(ref: weakref.ref, stop: StopEvent, interval_s: float, client_id: int, na
                     continue
                 client._lease_lost()
                 if client._ended:  # (a new daemon's answer blamed a detach or a lapsed lease, a review)
+                    client._let_socket_go()
                     log.error("dflash2 lease lost: the daemon client %d attached to at %s has ended (stopped or "
                               "restarted), and its blocks, pins and reservations with it; attach again", client_id,
                               client.endpoint)

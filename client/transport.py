@@ -292,6 +292,15 @@ class Transport:
             self._sock = None
         self._open()
 
+    def let_go(self) -> None:
+        """Close the socket, its daemon having ended; the next call makes a fresh one. Left open, ZeroMQ
+        reconnected it to the next daemon on the endpoint without end: where that one's key file was made
+        again, a failed handshake several times a second for as long as an idle client lived, each one
+        counted in that daemon's refusals (a review)."""
+        if self._sock is not None:
+            self._close_socket(self._sock)
+            self._sock = None
+
     def close(self) -> None:
         self._closed = True
         if self._sock is not None:

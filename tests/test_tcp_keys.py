@@ -20,7 +20,7 @@ from conftest import write_config
 
 from dflash2 import protocol as P
 from dflash2.client import Client
-from dflash2.errors import AccessDenied
+from dflash2.errors import AccessDenied, DaemonUnavailable
 from dflash2.layout import Layout
 from dflash2.tcpkeys import DaemonKeys, KeyFileError, MonitorKeys, TcpKeys, load, load_or_make
 
@@ -303,3 +303,48 @@ def test_refusals_after_a_logged_line_are_logged_once_the_minute_has_passed(monk
         gate.close()
         sock.close(0)
         ctx.term()
+
+
+def test_a_client_whose_daemon_ended_lets_its_socket_go(tmp_path, runtime):
+    """A client that found its daemon ended (by its heartbeat, or by a call) closes its socket: ZeroMQ
+    reconnected it to the next daemon on the endpoint without end, and where that daemon's key file
+    was made again (removed to revoke its readers) each try failed its handshake, about six a second
+    for as long as the idle client lived, every one counted in the new daemon's refusals (a review)."""
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
+                                            "heartbeat_interval_s": 0.2})
+
+    def start(log_name: str):
+        log = open(tmp_path / log_name, "w")
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config],
+                                stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+        line = proc.stdout.readline()
+        assert line.startswith("DFlash2: enabled"), (line, (tmp_path / log_name).read_text())
+        return proc, log
+
+    proc, log = start("first.log")
+    beating = Client.connect(config=config, name="beating", layouts=[LAYOUT])
+    calling = Client.connect(config=config, name="calling", layouts=[LAYOUT], heartbeat=False)
+    try:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+        deadline = time.monotonic() + 10
+        while not beating._ended and time.monotonic() < deadline:  # (its heartbeat finds it)
+            time.sleep(0.05)
+        assert beating._ended
+        with pytest.raises(DaemonUnavailable, match="ended while this call waited"):
+            calling.ping()  # (this call finds it)
+        assert calling._ended
+        (runtime / "dflash2" / f"tcp-{port}.key").unlink()  # revoked: the next start makes new keys
+        proc, log = start("second.log")
+        time.sleep(2)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+        beating.close()
+        calling.close()
+    second = (tmp_path / "second.log").read_text()
+    assert "refused" not in second, second
