@@ -363,6 +363,10 @@ class Client(BlockViews):
                 f"{self.endpoint} slow or stuck)" + ("" if call.vids is None else "; the next call asks it to drop the "
                                                      "blocks" if op == Op.COMMIT else "; the next call sends it")))
         try:
+            if self._ended and op in P.NEEDS_CLIENT:  # (not sent, its socket let go below: sent, each call made a
+                # socket to the next daemon there, a refused handshake where its keys were made again, and said
+                # the daemon "ended while this call waited 0.05s", not to attach again, a review)
+                raise call.mine(DaemonError("UnknownClient", f"{op.value}: not sent: this client's daemon has ended"))
             while self._unsent:
                 # Out of the queue before it is noted again: noted twice (an exception between), a
                 # release ran twice and dropped another thread's pin (a review); lost there, its pins

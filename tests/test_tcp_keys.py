@@ -348,3 +348,54 @@ def test_a_client_whose_daemon_ended_lets_its_socket_go(tmp_path, runtime):
         calling.close()
     second = (tmp_path / "second.log").read_text()
     assert "refused" not in second, second
+
+
+def test_a_call_of_a_client_whose_daemon_ended_is_refused_at_once(tmp_path, runtime):
+    """A client that knows its daemon ended (its heartbeat found it) refuses its calls before sending:
+    sent, each made a fresh socket to the next daemon on the endpoint, whose handshake failed where
+    that daemon's key file was made again (one more of its refusals a call), and the call said the
+    daemon "ended while this call waited 0.05s", not that this client must attach again (a review)."""
+    from dflash2.errors import DaemonError
+
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
+                                            "heartbeat_interval_s": 0.2})
+
+    def start(log_name: str):
+        log = open(tmp_path / log_name, "w")
+        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config],
+                                stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+        line = proc.stdout.readline()
+        assert line.startswith("DFlash2: enabled"), (line, (tmp_path / log_name).read_text())
+        return proc, log
+
+    proc, log = start("first.log")
+    c = Client.connect(config=config, name="beating", layouts=[LAYOUT])
+    quiet = Client.connect(config=config, name="quiet", layouts=[LAYOUT], heartbeat=False)
+    try:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+        deadline = time.monotonic() + 10
+        while not c._ended and time.monotonic() < deadline:  # (its heartbeat finds it)
+            time.sleep(0.05)
+        assert c._ended
+        assert quiet._daemon_gone()  # (as a view finds it: the socket is still open)
+        with pytest.raises(DaemonError, match="has ended .*attach a new client"):
+            quiet.lookup([1])  # (refused, and lets the socket go)
+        (runtime / "dflash2" / f"tcp-{port}.key").unlink()  # revoked: the next start makes new keys
+        proc, log = start("second.log")
+        for _ in range(3):
+            with pytest.raises(DaemonError, match="has ended .*attach a new client") as e:
+                c.lookup([1])
+            assert e.value.kind == "UnknownClient"
+        time.sleep(1.5)  # (the daemon logs its refusals at most every second)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+        c.close()
+        quiet.close()
+    second = (tmp_path / "second.log").read_text()
+    assert "refused" not in second, second
