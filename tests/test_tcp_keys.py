@@ -305,45 +305,60 @@ def test_refusals_after_a_logged_line_are_logged_once_the_minute_has_passed(monk
         ctx.term()
 
 
+def _start_logged(tmp_path, config: str, runtime, log_name: str):
+    """A daemon of `config` started with its stderr in tmp_path/`log_name`: (its process, the open log)."""
+    log = open(tmp_path / log_name, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config],
+                            stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    line = proc.stdout.readline()
+    assert line.startswith("DFlash2: enabled"), (line, (tmp_path / log_name).read_text())
+    return proc, log
+
+
+def _clients_of_an_ended_daemon(tmp_path, runtime):
+    """A tcp daemon that two clients attached to, stopped: one with a heartbeat, which has found the end
+    by the time this returns, and one without. Returns (config, port, that one, the quiet one)."""
+    port = free_port()
+    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
+                                            "heartbeat_interval_s": 0.2})
+    proc, log = _start_logged(tmp_path, config, runtime, "first.log")
+    beating = Client.connect(config=config, name="beating", layouts=[LAYOUT])
+    quiet = Client.connect(config=config, name="quiet", layouts=[LAYOUT], heartbeat=False)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    log.close()
+    deadline = time.monotonic() + 10
+    while not beating._ended and time.monotonic() < deadline:  # (its heartbeat finds it)
+        time.sleep(0.05)
+    assert beating._ended
+    return config, port, beating, quiet
+
+
+def _restarted_with_new_keys(tmp_path, config: str, runtime, port: int):
+    """The key file removed (revoked: the next start makes new keys), the daemon started again."""
+    (runtime / "dflash2" / f"tcp-{port}.key").unlink()
+    return _start_logged(tmp_path, config, runtime, "second.log")
+
+
 def test_a_client_whose_daemon_ended_lets_its_socket_go(tmp_path, runtime):
     """A client that found its daemon ended (by its heartbeat, or by a call) closes its socket: ZeroMQ
     reconnected it to the next daemon on the endpoint without end, and where that daemon's key file
     was made again (removed to revoke its readers) each try failed its handshake, about six a second
     for as long as the idle client lived, every one counted in the new daemon's refusals (a review)."""
-    port = free_port()
-    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
-                                            "heartbeat_interval_s": 0.2})
-
-    def start(log_name: str):
-        log = open(tmp_path / log_name, "w")
-        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config],
-                                stdout=subprocess.PIPE, stderr=log, text=True,
-                                env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
-        line = proc.stdout.readline()
-        assert line.startswith("DFlash2: enabled"), (line, (tmp_path / log_name).read_text())
-        return proc, log
-
-    proc, log = start("first.log")
-    beating = Client.connect(config=config, name="beating", layouts=[LAYOUT])
-    calling = Client.connect(config=config, name="calling", layouts=[LAYOUT], heartbeat=False)
+    config, port, beating, calling = _clients_of_an_ended_daemon(tmp_path, runtime)
+    proc = None
     try:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-        log.close()
-        deadline = time.monotonic() + 10
-        while not beating._ended and time.monotonic() < deadline:  # (its heartbeat finds it)
-            time.sleep(0.05)
-        assert beating._ended
         with pytest.raises(DaemonUnavailable, match="ended while this call waited"):
             calling.ping()  # (this call finds it)
         assert calling._ended
-        (runtime / "dflash2" / f"tcp-{port}.key").unlink()  # revoked: the next start makes new keys
-        proc, log = start("second.log")
+        proc, log = _restarted_with_new_keys(tmp_path, config, runtime, port)
         time.sleep(2)
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-        log.close()
+        if proc is not None:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0
+            log.close()
         beating.close()
         calling.close()
     second = (tmp_path / "second.log").read_text()
@@ -357,44 +372,23 @@ def test_a_call_of_a_client_whose_daemon_ended_is_refused_at_once(tmp_path, runt
     daemon "ended while this call waited 0.05s", not that this client must attach again (a review)."""
     from dflash2.errors import DaemonError
 
-    port = free_port()
-    config = write_config(tmp_path, daemon={"endpoint": f"tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "s"),
-                                            "heartbeat_interval_s": 0.2})
-
-    def start(log_name: str):
-        log = open(tmp_path / log_name, "w")
-        proc = subprocess.Popen([sys.executable, "-m", "dflash2.daemon.main", "--config", config],
-                                stdout=subprocess.PIPE, stderr=log, text=True,
-                                env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
-        line = proc.stdout.readline()
-        assert line.startswith("DFlash2: enabled"), (line, (tmp_path / log_name).read_text())
-        return proc, log
-
-    proc, log = start("first.log")
-    c = Client.connect(config=config, name="beating", layouts=[LAYOUT])
-    quiet = Client.connect(config=config, name="quiet", layouts=[LAYOUT], heartbeat=False)
+    config, port, c, quiet = _clients_of_an_ended_daemon(tmp_path, runtime)
+    proc = None
     try:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-        log.close()
-        deadline = time.monotonic() + 10
-        while not c._ended and time.monotonic() < deadline:  # (its heartbeat finds it)
-            time.sleep(0.05)
-        assert c._ended
         assert quiet._daemon_gone()  # (as a view finds it: the socket is still open)
         with pytest.raises(DaemonError, match="has ended .*attach a new client"):
             quiet.lookup([1])  # (refused, and lets the socket go)
-        (runtime / "dflash2" / f"tcp-{port}.key").unlink()  # revoked: the next start makes new keys
-        proc, log = start("second.log")
+        proc, log = _restarted_with_new_keys(tmp_path, config, runtime, port)
         for _ in range(3):
             with pytest.raises(DaemonError, match="has ended .*attach a new client") as e:
                 c.lookup([1])
             assert e.value.kind == "UnknownClient"
         time.sleep(1.5)  # (the daemon logs its refusals at most every second)
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-        log.close()
+        if proc is not None:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0
+            log.close()
         c.close()
         quiet.close()
     second = (tmp_path / "second.log").read_text()
