@@ -71,6 +71,7 @@ from dflash2.errors import DFlash2Error
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
 from dflash2.duelmini import Miniature as _Mini
+from dflash2.keysample import sampled
 from dflash2.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,6 @@ MAX_SAMPLE = 1 << 20  # as policy.duel_sample's bound
 TICK_BUDGET_S = 0.01  # an in-process manager's tick serves the queue this long (the daemon's: server.py)
 COST_DECAY = 0.9  # `cost_s` follows about the last ten sampled lookups served
 DROP_LOG_INTERVAL_S = 60.0
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_U64 = (1 << 64) - 1
-SMALL_LOOKUP = 8  # keys a lookup may have for `sampled` to hash them one by one
 MINI_ROWS_LOG2 = 14  # a miniature's table begins with at most 2^14 rows (it grows as it fills)
 # Why a lookup is not replayed (`Duel.not_replayed`), with the words `dflash2 status` shows: a
 # host-side reader's; one naming no layout while several are registered; one of a layout too large
@@ -114,29 +111,6 @@ MINI_ROWS_LOG2 = 14  # a miniature's table begins with at most 2^14 rows (it gro
 NOT_REPLAYED = {"host_reader": "by host-side readers", "no_layout": "naming no layout among several",
                 "layout_too_large": "of layouts too large for the miniatures",
                 "refused": "refused by a miniature (see the log)"}
-
-
-def sampled(keys: np.ndarray, sample: int) -> np.ndarray:
-    """The keys (uint64) whose hash falls in the sample, 1 in `sample` (splitmix64's finalizer: content
-    keys from a client need not be uniform in their low bits). A lookup of a few keys (sglang asks
-    about one page at a time) hashes them as Python ints: five numpy steps on a tiny array cost
-    about 7 us of every such lookup, a tenth of its handling."""
-    if len(keys) <= SMALL_LOOKUP:
-        picked = [k for k in keys.tolist() if _mix(k) % sample == 0]
-        return np.array(picked, dtype=np.uint64) if picked else keys[:0]
-    x = keys ^ (keys >> np.uint64(30))
-    x = x * _MIX1
-    x ^= x >> np.uint64(27)
-    x = x * _MIX2
-    x ^= x >> np.uint64(31)
-    return keys[x % np.uint64(sample) == 0]
-
-
-def _mix(k: int) -> int:
-    """splitmix64's finalizer of one key, as `sampled` computes it over an array."""
-    k = ((k ^ (k >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    k = ((k ^ (k >> 27)) * 0x94D049BB133111EB) & _U64
-    return k ^ (k >> 31)
 
 
 def _leads(found: np.ndarray, sq: np.ndarray, a: int, b: int) -> bool:

@@ -9,7 +9,8 @@ import dflash2.duel as D
 from dflash2.bench.policy import ALIGN, LAYOUT, SLOT, replay
 from dflash2.cli import main
 from dflash2.config import parse_config
-from dflash2.duel import SMALL_LOOKUP, Duel, sampled
+from dflash2.duel import Duel
+from dflash2.keysample import SMALL_LOOKUP, sampled
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.policy import make_policy
 from dflash2.replay import Request

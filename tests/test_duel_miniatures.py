@@ -8,7 +8,8 @@ import pytest
 
 import dflash2.duel as D
 from dflash2.bench.policy import ALIGN, LAYOUT, SLOT
-from dflash2.duel import Duel, sampled
+from dflash2.duel import Duel
+from dflash2.keysample import sampled
 from dflash2.layout import Layout
 from dflash2.manager import BlockManager, TierSpec
 from dflash2.tiers import Tier

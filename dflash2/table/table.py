@@ -533,11 +533,9 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
                     self.allocators[dst].free(self.layouts[l2].block_bytes, off)
                 return None
             taken.append((lid, got))
-            # Paired in order: the batch's blocks by their source slots with the slots taken, both
-            # ascending, so that blocks side by side where they are land side by side (one copy each
-            # run, route.coalesce). The free lists hand slots out in the order they were freed: a chain
-            # demoted to make room gave its slots back tip first, and the blocks promoted into them
-            # moved one copy a block (bench swap --chain 1024, 256 KiB blocks: 1024 copies a batch).
+            # Paired in order (sources and slots ascending): neighbours land side by side, one copy a run
+            # (route.coalesce). The free lists hand slots out as freed, a demoted chain's tip first: the
+            # blocks promoted into them moved a copy a block (bench swap --chain 1024: 1024 a batch).
             at = np.flatnonzero(sel)
             dst_off[at[np.argsort(c.offset[rows[at]], kind="stable")]] = np.sort(got)
         c.state[rows] = S.MIGRATING
