@@ -11,18 +11,16 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - one small block manager per candidate, each tier 1/`duel_sample` of the real tier's bytes, serves
   the sampled chain as the real manager serves the full one (replay.py: lookup, read the hit prefix,
   write the rest), metadata only. A candidate is what the real policy does while it follows it: heat
-  itself, or heat ranking HBM as LRU or LFU and the tiers below as heat (with HBM alone, plain LRU
-  and LFU: the same order, at less cost);
+  itself, or heat ranking every tier as LRU or LFU and admitting every block (with HBM alone, plain
+  LRU and LFU: the same order, at less cost);
 - each candidate's prefix hit rate, decayed with a half-life of HALF_LIFE miniature capacities of
   sampled references, estimates what it would find at full size;
 - once a miniature has let go as many bytes as it holds (before that all three find whatever
   was asked for before; waiting for every one never judged where one keeps its working set), the
   candidate the real policy follows changes when another finds more
   blocks (by MARGIN, relative, and by Z standard deviations of their paired per-request difference)
-  and MARGIN more of them in HBM (`_judge`; with tiers below HBM, LRU's and LFU's miniatures found
-  more in some tier on the Mooncake conversation trace while they found fewer in HBM, or no more:
-  following them, the full-size cache lost both);
-- the real heat policy then ranks its HBM blocks as that candidate (HeatPolicy.follow) and keeps
+  and no more than MARGIN fewer of them in HBM (`_judge`);
+- the real heat policy then ranks its blocks as that candidate (HeatPolicy.follow) and keeps
   learning its own state meanwhile, so that following heat again takes effect at once;
 - a miniature HBM of fewer than MIN_BLOCKS blocks (of the smallest layout registered) would judge
   by noise: where 1/`policy.duel_sample` of HBM holds fewer, the duel replays a finer sample, the
@@ -194,7 +192,7 @@ class Duel:
     # -- intake (on the lookup path: cheap) -------------------------------------------------
     def offer(self, keys: Sequence[int], layout_id: int | None, host_reader: bool = False) -> None:
         """A lookup of `keys` (a request's prefix chain): its sampled keys join the queue. Not a host-side
-        reader's (reader=DRAM: the node serves it without HBM, which is what the duel ranks), nor one
+        reader's (reader=DRAM: the node serves it without HBM, which the miniatures would read into), nor one
         naming no layout while several are registered (which one its blocks are of is not known)."""
         if self.off is not None and not self._reopen():
             return
@@ -435,8 +433,8 @@ class Duel:
                  self.sample, self._capacity_blocks, layout.name)
 
     def _candidate(self, name: str, tiered: bool):
-        """What the real policy does while it follows `name`: heat ranking HBM as `name` and the
-        tiers below as heat (HeatPolicy.follow); with HBM alone that is `name`'s own policy, which
+        """What the real policy does while it follows `name`: heat ranking every tier as `name` and
+        admitting every block (HeatPolicy.follow); with HBM alone that is `name`'s own policy, which
         costs the miniature less."""
         if name != "heat" and not tiered:
             return make_policy(name)
@@ -459,21 +457,23 @@ class Duel:
 
     def _judge(self) -> None:
         """Follow another candidate when it finds more blocks (in some tier: by MARGIN and by Z
-        standard deviations of the paired per-request difference) and MARGIN more of them in HBM
-        (with HBM alone, the same). Asking only for no fewer in HBM, heat followed LFU on the
-        conversation trace's HBM 2000 / DRAM 8000 row, whose miniature found 3% more for a while,
-        and found 0.2189 / 0.0970 in some tier / in HBM against 0.2198 / 0.0979 without it. (Also
-        following a candidate that finds as many blocks and more of them in HBM, tried with DRAM
-        below HBM, followed LFU on the conversation trace's HBM 2000 / DRAM 8000 row while all three
-        found everything early on, and kept it after heat's lead in HBM came back, LFU finding more
-        in some tier by then: 0.2182 / 0.0902 in some tier / in HBM against 0.2198 / 0.0979.)"""
+        standard deviations of the paired per-request difference) and no more than MARGIN fewer of
+        them in HBM (with HBM alone, the first test implies the second). A block found in a lower
+        tier costs a copy, one found nowhere a recompute: some tier is what counts, HBM a guard.
+        While following ranked HBM alone (heat's admission kept below), candidates were asked for
+        MARGIN more in HBM: asked for no fewer, heat followed LFU on the conversation trace's HBM
+        2000 / DRAM 8000 row and found 0.2189 / 0.0970 in some tier / in HBM against 0.2198 / 0.0979,
+        and the popularity shift whose old blocks heat's admission kept in the last tier (LRU's
+        miniature finding more in some tier, as many in HBM) was never judged for LRU. Following in
+        every tier, the Mooncake traces' tiered rows switch nowhere (docs/policy-experiments.md,
+        "Following in every tier")."""
         if not self._turned_over():
             return
         now, hits, hbm = self.following, self._hits, self._hbm_hits
         for lead in sorted(range(len(CANDIDATES)), key=lambda c: (-hits[c], -hbm[c])):
             if lead == now:
                 return  # none ahead of the followed one qualifies
-            if _leads(hits, self._sq, lead, now) and hbm[lead] >= hbm[now] * (1 + MARGIN):
+            if _leads(hits, self._sq, lead, now) and hbm[lead] >= hbm[now] * (1 - MARGIN):
                 break
         else:
             return
@@ -512,7 +512,7 @@ class Duel:
         if why == "host_reader":
             if n == 1:
                 log.info("duel: lookups of host-side readers (reader=dram) are not replayed: the node serves them "
-                         "without HBM, whose ranking the duel judges (counted: dflash2 status, "
+                         "without HBM, which the miniatures would read into (counted: dflash2 status, "
                          "dflash2_policy_duel_not_replayed_total)")
             return
         since = self._skips_said[why].due(n)

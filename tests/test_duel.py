@@ -1,6 +1,7 @@
 """The duel (dflash2/duel.py): heat ranks as the best of heat, LRU and LFU in miniature replays."""
 
 import logging
+import random
 
 import numpy as np
 import pytest
@@ -51,6 +52,17 @@ def scans(n: int, seed: int = 3) -> list[Request]:
             for i in range(n)]
 
 
+def shift(passes: int, seed: int = 1) -> list[Request]:
+    """A popularity shift: 100 old 5-block prefixes read 15 times each, then passes over 120 new
+    ones (a review's shape). Heat's counts keep the old blocks; LRU lets them go."""
+    rng = random.Random(seed)
+    old = [tuple(1 + 5 * i + j for j in range(5)) for i in range(100)]
+    new = [tuple(501 + 5 * i + j for j in range(5)) for i in range(120)]
+    reqs = [p for p in old for _ in range(15)]
+    rng.shuffle(reqs)
+    return [Request(i * 0.1, p) for i, p in enumerate(reqs + new * passes)]
+
+
 CONFIG = {"enable": True, "device": {"kind": "host"},
           "memory": {"hbm_reserve_mb": 0, "hbm_capacity_mb": 64, "dram_capacity_mb": 0, "nvme_capacity_mb": 0},
           "kv_block": {"block_size": 16},
@@ -90,34 +102,51 @@ def test_heat_stays_heat_where_it_leads():
     assert duel["prefix_hit_rate"] == alone["prefix_hit_rate"]  # same blocks kept, to the last one
 
 
-def test_following_ranks_hbm_as_the_followed_policy_and_lower_tiers_as_heat():
-    mgr = BlockManager([TierSpec(Tier.HBM, 8 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 64 * SLOT, SLOT, ALIGN)],
-                       policy="heat", clock=lambda: 5.0)
+def test_following_ranks_every_tier_as_the_followed_policy_and_admits_every_block():
+    """While heat follows LRU or LFU, every tier's blocks rank in that policy's order and the full
+    last tier admits every block, as those policies do. (Ranking HBM alone, heat kept its admission
+    below: a popularity shift's old blocks stayed in the last tier, 0.8418 of references found
+    against LRU's 0.9511, docs/policy-experiments.md "Following in every tier".)"""
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, ALIGN)],
+                       policy="heat", clock=lambda: 9.0)
     lid = mgr.register_layout(LAYOUT)
     client = mgr.attach("c")
-    vids = mgr.allocate(client, lid, 8)
-    mgr.commit(client, vids, list(range(1, 9)))
-    mgr.free(client, vids)
-    mgr.acquire(client, vids[:3])
-    mgr.release(client, vids[:3])
-    mgr.placement.make_room(Tier.HBM, 3 * SLOT)  # HBM is full: three blocks down to DRAM
+    below = mgr.commit(client, mgr.allocate(client, lid, 4, tier=Tier.DRAM), [1, 2, 3, 4])
+    fresh = mgr.commit(client, mgr.allocate(client, lid, 4), [5, 6, 7, 8])
+    mgr.free(client, np.concatenate([below, fresh]))
     pol, table, c = mgr.policy, mgr.table, mgr.table.cols
-    rows = table.rows(vids)
-    hbm, dram = rows[c.tier[rows] == int(Tier.HBM)], rows[c.tier[rows] == int(Tier.DRAM)]
-    assert len(hbm) == 5 and len(dram) == 3
-    heat = pol.rescore(table, 5.0).copy()
-    lfu = make_policy("lfu").scores(table, hbm, 5.0)
+    pol.sketch.add(np.repeat(np.arange(1, 5, dtype=np.uint64), 5))  # DRAM's keys asked for six times
+    rows = table.rows(np.concatenate([fresh, below]))
+    c.last_access[rows] = 9.0 - np.arange(1, 9)  # ages 1..8 s: a distinct order in both tiers
+    c.hits[rows] = np.arange(8)[::-1]
+    assert (c.tier[rows] == int(Tier.DRAM)).sum() == 4 and table.allocators[Tier.DRAM].free_bytes == 0
+    heat = pol.rescore(table, 9.0)[rows].copy()
+    assert pol.admit(table, rows[:1], Tier.DRAM, 9.0).tolist() == [False]  # heat's rule: asked for once
     # (on heat's log scale; these blocks have no priority, references or holders: no terms added)
-    for name, expected in (("lru", -0.2 * np.log2(1.0 + (5.0 - c.last_access[hbm]))), ("lfu", np.log2(1.0 + lfu))):
+    lfu = make_policy("lfu").scores(table, rows, 9.0)
+    for name, expected in (("lru", -0.2 * np.log2(1.0 + (9.0 - c.last_access[rows]))), ("lfu", np.log2(1.0 + lfu))):
         pol.follow(name)
-        for scores in (pol.scores_all(table, 5.0)[rows], pol.scores(table, rows, 5.0)):
-            assert np.allclose(scores[np.isin(rows, hbm)], expected, rtol=0, atol=1e-3)
-            assert np.array_equal(scores[np.isin(rows, dram)], heat[dram])  # heat's below HBM
+        for scores in (pol.scores_all(table, 9.0)[rows], pol.scores(table, rows, 9.0)):
+            assert np.allclose(scores, expected, rtol=0, atol=1e-3)  # in HBM and in DRAM
+        assert pol.admit(table, rows[:1], Tier.DRAM, 9.0).tolist() == [True]
         assert pol.describe()["ranking"] == name
     pol.follow("heat")
-    assert np.array_equal(pol.scores_all(table, 5.0)[rows], heat[rows])
+    assert np.array_equal(pol.scores_all(table, 9.0)[rows], heat)
+    assert pol.admit(table, rows[:1], Tier.DRAM, 9.0).tolist() == [False]
     with pytest.raises(ValueError, match="heat can rank as heat, lru, lfu, not 'belady'"):
         pol.follow("belady")
+
+
+def test_with_lower_tiers_heat_follows_lru_through_a_popularity_shift():
+    """Over HBM 200 / DRAM 400 / NVMe 300 blocks LRU's miniature finds more in some tier and as many
+    in HBM: heat follows it in every tier (0.80 of references here against 0.68 without the duel;
+    LRU 0.90). Asked for 3% more in HBM as well, as while following ranked HBM alone, the duel kept heat."""
+    trace = shift(5)
+    alone = replay(trace, "heat", 200, 400, 300, duel_sample=0)
+    duel = replay(trace, "heat", 200, 400, 300)
+    d = duel["duel"]
+    assert d["following"] == "lru" and d["switches"] == 1 and d["state"] == "judging"
+    assert duel["prefix_hit_rate"] > alone["prefix_hit_rate"] + 0.1
 
 
 def test_an_lru_ranking_keeps_its_order_on_a_clock_of_days():
@@ -287,12 +316,13 @@ def test_a_probe_lookup_is_answered_but_not_replayed(clock):
     ((500, 520, 400), (500, 520, 400), "lru"),  # HBM alone: 4% more
     ((500, 505, 400), (500, 505, 400), "heat"),  # 1%: under the margin
     ((500, 520, 400), (300, 200, 100), "heat"),  # more in some tier, far fewer in HBM: not followed
-    ((500, 520, 400), (300, 303, 100), "heat"),  # ...nor with 1% more in HBM (docs/policy-experiments.md)
-    ((500, 520, 400), (300, 310, 100), "lru"),
+    ((500, 520, 400), (300, 290, 100), "heat"),  # ...nor with 3.3% fewer in HBM
+    ((500, 520, 400), (300, 292, 100), "lru"),  # 2.7% fewer in HBM: followed (a copy, not a recompute)
+    ((500, 520, 400), (300, 303, 100), "lru"),
     ((900, 900, 900), (700, 760, 600), "heat"),  # as many found, more in HBM: not followed (the same)
     ((500, 480, 530), (400, 300, 420), "lfu"),
 ])
-def test_the_judgement_wants_more_found_in_some_tier_and_in_hbm(hits, hbm, follows):
+def test_the_judgement_wants_more_found_in_some_tier_and_not_fewer_in_hbm(hits, hbm, follows):
     mgr = manager(1024)
     duel = Duel(mgr, 2)
     lid = mgr.register_layout(LAYOUT)

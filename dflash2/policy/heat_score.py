@@ -2,7 +2,7 @@
 
 A mixin of `HeatPolicy`: the full pass over every row in reused buffers (`_score_all`), the pass
 over some rows (`_score`), the terms from the block table (`_add_terms`: priority, sharing, stage),
-and the scores of a ranking the policy follows in HBM (`_followed`: LRU's or LFU's on heat's log
+and the scores of a ranking the policy follows (`_followed`: LRU's or LFU's on heat's log
 scale). Both passes compute the same formula; the full one folds fan-out into the density lookup
 while no block has more than FUSE_FANOUT cached children.
 """
@@ -115,7 +115,7 @@ class HeatScoring:
     def _lookup(self, fanout: int) -> np.ndarray:
         return self.tables.lookup(self.model, self.weights, self.split, self.inner, fanout)
 
-    def _followed(self, table, rows: np.ndarray, now: float) -> np.ndarray:
+    def _followed(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
         """The followed ranking's scores of `rows` on heat's log scale, in its policy's order (lru.py,
         lfu.py) among blocks of no priority, references or holders: LRU's age as -0.2·log2(1 + age)
         (precise in float32, heat's score buffers' type; a monotonic clock's seconds since boot keep
