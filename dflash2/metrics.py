@@ -71,7 +71,7 @@ block, request or client id.
 | dflash2_policy_returning_ghost_hits_total{gpu,tier,list} | counter | heat only: returning blocks asked for again soon after they left the tier, by the list they left |
 | dflash2_policy_returning_departures_total{gpu,tier,list} | counter | heat only: returning blocks that left the tier, by list |
 | dflash2_policy_returning_recent_return_ratio{gpu,tier,list} / dflash2_policy_returning_ghosts_move_target{gpu,tier,list} | gauge | heat only: the same for the returning blocks' split |
-| dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off |
+| dflash2_policy_admission_rule_on{gpu} | gauge | heat only: 1 while TinyLFU's rule applies at the last tier, 0 while the admission gate holds it off or heat ranks as LRU or LFU (every block admitted) |
 | dflash2_policy_admission_blocks_total{gpu,outcome} | counter | heat only: blocks the rule refused (refused) or would have refused (admitted_against_rule) |
 | dflash2_policy_admission_return_ratio{gpu,kind} | gauge | heat only: share of refused and of departed blocks asked for again within a turnover of the tier |
 | dflash2_policy_ranking{gpu,policy} | gauge | heat only: 1 for the ranking heat follows now (heat, lru, lfu; the duel chooses), 0 for the others |
@@ -397,7 +397,8 @@ def _policy_families(st: dict):
                                "give way first (among returning blocks)", "Heat's split of the returning blocks")
     if gate:
         yield _gauge("dflash2_policy_admission_rule_on",
-                     "1 while the last tier's admission rule (TinyLFU's) applies, 0 while the gate holds it off.",
+                     "1 while the last tier's admission rule (TinyLFU's) applies, 0 while the gate holds it off "
+                     "or heat ranks as LRU or LFU (every block admitted).",
                      ["gpu"], [((g, ), int(a["rule_on"])) for g, a in gate])
         yield _counter("dflash2_policy_admission_blocks",
                        "Blocks the last tier's admission rule refused: refused, or admitted while the gate held it off.",

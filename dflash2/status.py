@@ -192,7 +192,9 @@ def _policy_lines(st: dict) -> list[str]:
         if gate:
             rates = ", ".join(f"{k} {gate[f'{k}_return_rate']:.3f}" for k in ("refused", "departed")
                               if gate.get(f"{k}_return_rate") is not None)
-            lines.append(f"last-tier admission{where}: rule {'on' if gate['rule_on'] else 'off (gate)'}; "
+            off = (f"off (heat ranks as {gate['following']}: every block admitted)" if gate.get("following")
+                   else "off (gate)")
+            lines.append(f"last-tier admission{where}: rule {'on' if gate['rule_on'] else off}; "
                          f"refused {gate['refused']}, admitted against the rule {gate['admitted_against_rule']}"
                          + (f"; asked for again: {rates}" if rates else ""))
     return lines

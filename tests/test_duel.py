@@ -147,6 +147,31 @@ def test_with_lower_tiers_heat_follows_lru_through_a_popularity_shift():
     d = duel["duel"]
     assert d["following"] == "lru" and d["switches"] == 1 and d["state"] == "judging"
     assert duel["prefix_hit_rate"] > alone["prefix_hit_rate"] + 0.1
+    # The rule refused blocks before the switch; following LRU every block is admitted since: the
+    # bench's admission_gate said rule_on true all the same (a review).
+    assert duel["admission_gate"]["refused"] > 0
+    assert duel["admission_gate"]["rule_on"] is False and duel["admission_gate"]["following"] == "lru"
+
+
+def test_status_and_metrics_say_the_admission_rule_is_off_while_following():
+    """Following LRU or LFU the last tier admits every block (`admit` does not consult the rule):
+    status said "rule on" and dflash2_policy_admission_rule_on was 1 meanwhile (a review)."""
+    from dflash2 import metrics
+    from dflash2.status import _policy_lines
+    mgr = BlockManager([TierSpec(Tier.HBM, 4 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, ALIGN)],
+                       policy="heat", clock=lambda: 9.0)
+    mgr.register_layout(LAYOUT)
+    pol = mgr.policy
+    pol.rescore(mgr.table, 9.0)  # (the gate is made with the per-row state)
+    assert pol.gate.on and pol.describe()["admission"]["rule_on"] is True
+    for name, on in (("lru", 0), ("lfu", 0), ("heat", 1)):
+        pol.follow(name)
+        st = mgr.stats()
+        line = [ln for ln in _policy_lines(st) if ln.startswith("last-tier admission")]
+        rule = "on" if on else f"off (heat ranks as {name}: every block admitted)"
+        assert line == [f"last-tier admission: rule {rule}; refused 0, admitted against the rule 0"]
+        gauge = next(f for f in metrics._policy_families(st) if f.name == "dflash2_policy_admission_rule_on")
+        assert [s.value for s in gauge.samples] == [on]
 
 
 def test_an_lru_ranking_keeps_its_order_on_a_clock_of_days():

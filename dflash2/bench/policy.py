@@ -198,7 +198,9 @@ def replay(requests: Sequence[Request], policy: str, hbm_blocks: int, dram_block
     out = _record(mgr, prefetch, policy, tally, len(requests), hbm_blocks, dram_blocks, nvme_blocks, elapsed)
     gate = getattr(pol, "gate", None)
     if gate is not None and (gate.counts["refused"] or gate.counts["admitted_against_rule"]):
-        out["admission_gate"] = gate.describe()  # heat: what the last tier's admission rule won and lost
+        # heat: what the last tier's admission rule won and lost (rule_on false while following LRU or LFU:
+        # every block admitted then; the gate's own state said true, a review)
+        out["admission_gate"] = pol.describe()["admission"]
     if weights:
         out["weights"] = dict(pol.weights)
     if hasattr(pol, "decay_to"):

@@ -489,4 +489,15 @@ class HeatPolicy(HeatScoring, Policy):
                 "rescore_interval_s": self.rescore_interval_s, "decay_half_life_s": self.decay_half_life_s,
                 "split": self.split.describe() if self.split is not None else [],
                 "returning_split": self.inner.describe() if self.inner is not None else [],
-                "admission": self.gate.describe() if self.gate is not None else {}}
+                "admission": self._admission_state()}
+
+    def _admission_state(self) -> dict:
+        """The gate's state; while the policy follows LRU or LFU every block is admitted (`admit`),
+        so the rule does not apply whatever the gate says: `rule_on` False, `following` names why
+        (shown as "rule on" meanwhile, a review)."""
+        if self.gate is None:
+            return {}
+        state = self.gate.describe()
+        if self.ranking != "heat":
+            state.update(rule_on=False, following=self.ranking)
+        return state
