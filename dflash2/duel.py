@@ -11,8 +11,8 @@ miniature (SHARDS-style spatial sampling, Waldspurger et al., FAST '15 and USENI
 - one small block manager per candidate, each tier 1/`duel_sample` of the real tier's bytes, serves
   the sampled chain as the real manager serves the full one (replay.py: lookup, read the hit prefix,
   write the rest), metadata only. A candidate is what the real policy does while it follows it: heat
-  itself, or heat ranking every tier as LRU or LFU and admitting every block (in the miniatures,
-  plain LRU and LFU: the same order, at less cost);
+  itself, or heat ranking every tier as LRU or LFU and admitting every block (with HBM alone, plain
+  LRU and LFU: the same order, at less cost);
 - each candidate's prefix hit rate, decayed with a half-life of HALF_LIFE miniature capacities of
   sampled references, estimates what it would find at full size;
 - once a miniature has let go as many bytes as it holds (before that all three find whatever
@@ -427,20 +427,18 @@ class Duel:
         # Rows reserved for what a miniature holds (four times its blocks of the sizing layout), not one
         # per KiB of its tiers: past a 2 TiB pool that was the real table's 2^28 rows, each (rowspace.py).
         reserve = max(rows, 1 << (4 * self._capacity_blocks).bit_length())
-        self._minis = [_Mini(self._candidate(name), specs, self._clock, rows, reserve)
+        self._minis = [_Mini(self._candidate(name, len(specs) > 1), specs, self._clock, rows, reserve)
                        for name in CANDIDATES]
         log.info("duel: miniatures of 1/%d of every tier (%d blocks of layout %r in all) judge heat, LRU and LFU",
                  self.sample, self._capacity_blocks, layout.name)
 
-    def _candidate(self, name: str):
+    def _candidate(self, name: str, tiered: bool):
         """What the real policy does while it follows `name`: heat ranking every tier as `name` and
-        admitting every block (HeatPolicy.follow), which is `name`'s own policy in the miniature (the
-        same order: heat's priority, sharing and stage terms, kept while following, order nothing
-        there). It costs less than heat following it: the duel's CPU on the conversation trace over
-        HBM 1000 / DRAM 4000 / NVMe 8000 (replay time less the replay's without the duel, the 2-core
-        VM, two runs each) 25-30 s against 32-36, with the same figures in some tier on every tiered
-        row replayed (docs/policy-experiments.md, "Following in every tier")."""
-        if name != "heat":
+        admitting every block (HeatPolicy.follow); with HBM alone `name`'s own policy, which costs the
+        miniature less (heat following it ranks from cached scores, which plain LRU does not: docs/
+        known-gaps.md, "Heat following LRU or LFU ranks from cached scores"; with tiers the plain
+        policies were tried and taken back for that)."""
+        if name != "heat" and not tiered:
             return make_policy(name)
         sizes = self.policy.miniature_sizes(self.sample) if hasattr(self.policy, "miniature_sizes") else {}
         # (Its access counts halve by wall time as the real one's do: without it, the "heat" a node with

@@ -272,6 +272,24 @@ def test_the_dashboards_duel_panel_says_the_turnover_as_the_metric_does():
     assert said and all("the greatest share, among the miniatures" in d for d in said), said
 
 
+def test_the_dashboards_admission_and_duel_panels_say_what_following_does():
+    """A review: while heat follows LRU or LFU (the duel) every tier is ranked as that policy and the
+    last tier admits every block; dflash2_policy_admission_rule_on is 0 then (metrics.py), but the
+    admission panel said 0 meant the gate holds the rule off, and the duel's panel asked for "no more
+    than 3% fewer of them in HBM, in every tier" (the judge asks 3% more in some tier, and no more
+    than 3% fewer in HBM)."""
+    import json
+    from pathlib import Path
+
+    board = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dflash2_dashboard.json").read_text())
+    [admission] = [p for p in board["panels"] if "dflash2_policy_admission_rule_on" in json.dumps(p["targets"])]
+    assert "or heat ranks as LRU or LFU" in admission["description"], admission["description"]
+    [duel] = [p for p in board["panels"] if "dflash2_policy_duel_hit_ratio" in json.dumps(p["targets"])]
+    text = duel["description"]
+    assert "Heat ranks every tier as LRU or LFU" in text and "3% more blocks in some tier" in text, text
+    assert "in HBM, in every tier" not in text, text
+
+
 def test_the_package_metadata_uses_no_form_setuptools_drops():
     """A review: `license = { text = ... }` built with a setuptools deprecation that becomes an error after
     2027-02-18 (the container image and packagers' builds fetch the newest setuptools); the licence is an

@@ -186,21 +186,6 @@ def test_heat_miniatures_are_sized_for_the_keys_they_see():
         assert len(pol.model.ghost_key) == len(full.model.ghost_key) // 8
 
 
-def test_lru_and_lfu_miniatures_run_the_plain_policies_with_lower_tiers_too():
-    """Following LRU or LFU, heat ranks every tier in their order and admits every block, as they do:
-    their miniatures run the plain policies, which cost less than heat following them (they ran heat
-    while following ranked HBM alone, its tiers below ranked as heat)."""
-    mgr = BlockManager([TierSpec(Tier.HBM, 1024 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 2048 * SLOT, SLOT, ALIGN)],
-                       policy="heat", clock=lambda: 0.0)
-    duel = Duel(mgr, 8)
-    lid = mgr.register_layout(LAYOUT)
-    mgr.lookup(list(range(1, 400)), lid)
-    duel.run()
-    assert [m.manager.policy.name for m in duel._minis] == ["heat", "lru", "lfu"]
-    assert [len(m.manager.table.allocators) for m in duel._minis] == [2, 2, 2]  # (HBM and DRAM, each)
-    assert mgr.policy.ranking == "heat"
-
-
 def test_the_managers_tick_serves_the_queue_within_its_budget():
     mgr = manager(1024)
     duel = Duel(mgr, 2)
