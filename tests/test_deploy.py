@@ -278,10 +278,7 @@ def test_the_dashboards_admission_and_duel_panels_say_what_following_does():
     admission panel said 0 meant the gate holds the rule off, and the duel's panel asked for "no more
     than 3% fewer of them in HBM, in every tier" (the judge asks 3% more in some tier, and no more
     than 3% fewer in HBM)."""
-    import json
-    from pathlib import Path
-
-    board = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "dflash2_dashboard.json").read_text())
+    board = json.loads((DEPLOY / "grafana" / "dflash2_dashboard.json").read_text())
     [admission] = [p for p in board["panels"] if "dflash2_policy_admission_rule_on" in json.dumps(p["targets"])]
     assert "or heat ranks as LRU or LFU" in admission["description"], admission["description"]
     [duel] = [p for p in board["panels"] if "dflash2_policy_duel_hit_ratio" in json.dumps(p["targets"])]
