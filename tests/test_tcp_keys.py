@@ -341,13 +341,23 @@ def _restarted_with_new_keys(tmp_path, config: str, runtime, port: int):
     return _start_logged(tmp_path, config, runtime, "second.log")
 
 
+def _stop_restarted(proc, log, *clients) -> None:
+    """The restarted daemon stopped (exit 0) where it was started, its log closed; the clients closed."""
+    if proc is not None:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
+    for client in clients:
+        client.close()
+
+
 def test_a_client_whose_daemon_ended_lets_its_socket_go(tmp_path, runtime):
     """A client that found its daemon ended (by its heartbeat, or by a call) closes its socket: ZeroMQ
     reconnected it to the next daemon on the endpoint without end, and where that daemon's key file
     was made again (removed to revoke its readers) each try failed its handshake, about six a second
     for as long as the idle client lived, every one counted in the new daemon's refusals (a review)."""
     config, port, beating, calling = _clients_of_an_ended_daemon(tmp_path, runtime)
-    proc = None
+    proc = log = None
     try:
         with pytest.raises(DaemonUnavailable, match="ended while this call waited"):
             calling.ping()  # (this call finds it)
@@ -355,12 +365,7 @@ def test_a_client_whose_daemon_ended_lets_its_socket_go(tmp_path, runtime):
         proc, log = _restarted_with_new_keys(tmp_path, config, runtime, port)
         time.sleep(2)
     finally:
-        if proc is not None:
-            proc.terminate()
-            assert proc.wait(timeout=30) == 0
-            log.close()
-        beating.close()
-        calling.close()
+        _stop_restarted(proc, log, beating, calling)
     second = (tmp_path / "second.log").read_text()
     assert "refused" not in second, second
 
@@ -373,7 +378,7 @@ def test_a_call_of_a_client_whose_daemon_ended_is_refused_at_once(tmp_path, runt
     from dflash2.errors import DaemonError
 
     config, port, c, quiet = _clients_of_an_ended_daemon(tmp_path, runtime)
-    proc = None
+    proc = log = None
     try:
         assert quiet._daemon_gone()  # (as a view finds it: the socket is still open)
         with pytest.raises(DaemonError, match="has ended .*attach a new client"):
@@ -385,11 +390,6 @@ def test_a_call_of_a_client_whose_daemon_ended_is_refused_at_once(tmp_path, runt
             assert e.value.kind == "UnknownClient"
         time.sleep(1.5)  # (the daemon logs its refusals at most every second)
     finally:
-        if proc is not None:
-            proc.terminate()
-            assert proc.wait(timeout=30) == 0
-            log.close()
-        c.close()
-        quiet.close()
+        _stop_restarted(proc, log, c, quiet)
     second = (tmp_path / "second.log").read_text()
     assert "refused" not in second, second
