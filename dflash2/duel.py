@@ -435,9 +435,10 @@ class Duel:
     def _candidate(self, name: str, tiered: bool):
         """What the real policy does while it follows `name`: heat ranking every tier as `name` and
         admitting every block (HeatPolicy.follow); with HBM alone `name`'s own policy, which costs the
-        miniature less (heat following it ranks from cached scores, which plain LRU does not: docs/
-        known-gaps.md, "Heat following LRU or LFU ranks from cached scores"; with tiers the plain
-        policies were tried and taken back for that)."""
+        miniature less and ranks idle blocks in the same order (heat following adds its priority and
+        holders' terms, and its float32 scores tie where float64 ones do not). With tiers the plain
+        policies were tried and taken back while heat following ranked from stale cached scores
+        (docs/policy-experiments.md, "Following in every tier")."""
         if name != "heat" and not tiered:
             return make_policy(name)
         sizes = self.policy.miniature_sizes(self.sample) if hasattr(self.policy, "miniature_sizes") else {}

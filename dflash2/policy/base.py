@@ -72,6 +72,10 @@ class Policy(abc.ABC):
     def on_remove(self, table: "BlockTable", rows: np.ndarray) -> None:
         """Blocks left the cache (evicted or freed)."""
 
+    def on_let_go(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
+        """Blocks lost references or pins (a request freed or released them, or its client left):
+        policies that cache scores of the holders' terms score these rows again."""
+
     def admit(self, table: "BlockTable", rows: np.ndarray, tier: "Tier", now: float) -> np.ndarray:
         """Mask of the rows that deserve a place in `tier` (default: all)."""
         return np.ones(len(rows), dtype=bool)

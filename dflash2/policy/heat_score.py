@@ -13,7 +13,6 @@ import numpy as np
 
 from dflash2.policy.density import BINS_PER_OCTAVE, N_CLASS
 from dflash2.policy.heat_lut import ROW, TIERS, log2_1p
-from dflash2.policy.lfu import lfu_score
 
 RECENCY_SLOPE = 0.2  # heat lost per doubling of age, at weight 1 (log2 density units); LRU's when followed
 
@@ -124,11 +123,15 @@ class HeatScoring:
         any, and `set_weights` of those terms changed nothing while the duel followed, a review).
         LRU's age counts RECENCY_SLOPE a doubling, as heat's own recency does: at 1 a doubling, a
         running request's blocks (sharing and stage, +2) left HBM before idle ones a quarter as old
-        (a review: 70 s against 10 s; heat ranking as heat kept them)."""
+        (a review: 70 s against 10 s; heat ranking as heat kept them). Ages are signed, against
+        `now`: the cache's time when `_patch` scores rows read since its pass, which rank above every
+        row read before it and by their own order among themselves, as LRU and LFU rank them."""
         c = table.cols
+        age = now - c.last_access[rows]  # negative: read after `now`, the cache's time (`_patch`)
         if self.ranking == "lru":
-            out = -RECENCY_SLOPE * np.log2(1.0 + np.maximum(now - c.last_access[rows], 0.0))
-        else:
-            out = np.log2(1.0 + lfu_score(c.hits[rows], c.last_access[rows], now))
+            out = -RECENCY_SLOPE * np.sign(age) * np.log2(1.0 + np.abs(age))
+        else:  # LFU's tie-break term, 1 / (2 + age) in [0, 0.5] at ages >= 0, continued in (0.5, 1) below 0
+            tie = 1.0 / (2.0 + np.abs(age))
+            out = np.log2(1.0 + c.hits[rows] + np.where(age >= 0, tie, 1.0 - tie))
         self._add_terms(out, c, rows)
         return out

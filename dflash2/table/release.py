@@ -106,6 +106,35 @@ class Releasing:
         holder.ref_slot_bytes -= self.ref_slots(rows)
         return self._after_refs_dropped(unique(rows))
 
+    def _after_refs_dropped(self, rows: np.ndarray) -> int:
+        """`rows` (distinct) lost references: private ones nobody references any more are freed,
+        published ones nobody holds go back to their writer's priority. Returns how many were freed."""
+        c = self.cols
+        self._may_move(rows[c.key[rows] != 0])  # a private block let go is freed, never moved
+        self._settle_priority(rows)
+        f = rows[(c.refs[rows] == 0) & (c.key[rows] == 0)]
+        if len(f):
+            # A block in flight is freed when its move completes (end_move), never under the mover.
+            in_flight = c.state[f] == int(BlockState.MIGRATING)
+            self._free_after_move.update(f[in_flight].tolist())
+            self._release_rows(f[~in_flight])
+        return len(f)
+
+    def _settle_priority(self, rows) -> None:
+        """`rows` lost references or pins (every path that drops either ends here): published blocks
+        among them that nobody references or pins go back to their writer's priority, as a request
+        that raised it no longer holds them; and the policy hears of them all (`on_let_go`)."""
+        c = self.cols
+        r = np.asarray(rows, dtype=np.int64)
+        idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
+        c.priority[idle] = c.base_priority[idle]
+        self.on_let_go(r)
+
+    def on_let_go(self, rows: np.ndarray) -> None:
+        """Hook: `rows` lost references or pins, so a policy's score of them may have changed (heat's
+        sharing, stage and priority terms: its cached scores kept them until the next full pass, a
+        freed block scored as held). The manager sets it."""
+
     def _within_holds(self, column: np.ndarray, rows: np.ndarray, what: str) -> None:
         """After `rows` were each counted once more in `column` (refs, pins): undo that and refuse
         the call when a block passes MAX_HOLDS (the int32 column wrapped to a negative count at
@@ -132,6 +161,7 @@ class Releasing:
             holder.ref_slot_bytes -= self.ref_slots(np.array([r]))
             self.cols.state[r] = BlockState.RESIDENT  # (its bytes are final: it is never committed)
             self.pinned_copies[r] = 0
+        self.on_let_go(rows[kept])
         return vids[~kept]
 
     def _drop_refs_many(self, holder: ClientRefs, rows: np.ndarray, counts: np.ndarray) -> int:

@@ -327,32 +327,10 @@ class BlockTable(Publishing, Releasing, LostBlocks, Departures, Capacity, DeadRo
         priority any of them raised it to: the table counts holders per client, not per request."""
         np.maximum.at(self.cols.priority, rows, np.int8(max(-128, min(127, int(priority)))))
 
-    def _settle_priority(self, rows) -> None:
-        """Published blocks among `rows` that nobody references or pins go back to their writer's
-        priority: a request that raised it no longer holds them."""
-        c = self.cols
-        r = np.asarray(rows, dtype=np.int64)
-        idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
-        c.priority[idle] = c.base_priority[idle]
-
     def _may_move(self, rows) -> None:
         """These rows may have become movable (entered RESIDENT, a tier, or lost a reference, a pin
         or their owner): the tiers they lie in count a change (`movable_epoch`)."""
         self.movable_epoch[self.cols.tier[rows]] += 1
-
-    def _after_refs_dropped(self, rows: np.ndarray) -> int:
-        """`rows` (distinct) lost references: private ones nobody references any more are freed,
-        published ones nobody holds go back to their writer's priority. Returns how many were freed."""
-        c = self.cols
-        self._may_move(rows[c.key[rows] != 0])  # a private block let go is freed, never moved
-        self._settle_priority(rows)
-        f = rows[(c.refs[rows] == 0) & (c.key[rows] == 0)]
-        if len(f):
-            # A block in flight is freed when its move completes (end_move), never under the mover.
-            in_flight = c.state[f] == int(S.MIGRATING)
-            self._free_after_move.update(f[in_flight].tolist())
-            self._release_rows(f[~in_flight])
-        return len(f)
 
     def pin(self, client_id: int, vids) -> np.ndarray:
         """Pin blocks for use: they will not move or be freed until unpinned. Returns the rows."""
