@@ -298,7 +298,12 @@ class HeatPolicy(HeatScoring, Policy):
         # Their sharing, stage and priority terms dropped: a freed block scored as held until the
         # next full pass (+2 with the default weights, ten doublings of LRU's age), and heat
         # following LRU was not LRU (a review: 0.3095 of the arxiv excerpt's references in HBM
-        # against plain LRU's 0.3308, with `_patch`'s reference time).
+        # against plain LRU's 0.3308, with `_patch`'s reference time). With no cache there is nothing
+        # to correct, nor per-row state to grow (`bench table` fills its table without the policy,
+        # which sizes its state at its first pass: grown by the fill's frees, it was counted as the
+        # table's bytes, a CI run).
+        if self._cache is None:
+            return
         self._ensure(table)
         self._patch(table, unique(np.asarray(rows, dtype=np.int64)), now)
 
