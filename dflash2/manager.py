@@ -126,7 +126,7 @@ class BlockManager(AllocateRefusals, Reads):
         # blocks that lie below HBM start up at once (prefetch_window 0 turns this off).
         self.prefetcher = Prefetcher(self, prefetch_window)
         self.table.on_slots_freed = self._forget_slots
-        self.table.on_let_go = self._let_go
+        self.table.on_holds_changed = self._holds_changed
         # The duel (duel.py), when whoever built this manager attached one: lookups feed its
         # miniature replays, the tick serves them, and the policy follows the one that finds most.
         self.duel = None
@@ -537,8 +537,8 @@ class BlockManager(AllocateRefusals, Reads):
                 for v, t, o, l in zip(vids.tolist(), c.tier[rows].tolist(), c.offset[rows].tolist(),
                                       c.layout[rows].tolist())]
 
-    def _let_go(self, rows: np.ndarray) -> None:
-        self.policy.on_let_go(self.table, rows, self.table.clock())
+    def _holds_changed(self, rows: np.ndarray) -> None:
+        self.policy.on_holds_changed(self.table, rows, self.table.clock())
 
     def _forget_slots(self, tier: Tier, offsets: np.ndarray) -> None:
         arena = self.arenas.get(tier)

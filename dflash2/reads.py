@@ -233,14 +233,16 @@ class Reads:
         # Counted once the blocks are there, by the policy too: a read whose NVMe copy failed
         # (UnknownBlock) or found no room (None) served nothing, and its retry would count the same
         # blocks again (each failed try raised an engine's retried key a frequency class, a review).
+        # Pinned first: the policy's score of the rows then has their pins and priority (heat's stage
+        # and priority terms; told before them, its cache lacked them until its next pass, a review).
+        self.table.pin_rows(client, rows)
+        if priority is not None:
+            self.table.raise_priority(rows, priority)
         self.table.touch(rows, now)
         self.policy.on_access(self.table, rows, now)
         (self.access.reads if up_to == Tier.HBM else self.access.host_reads).update(+counts)
         if prefetched is not None:
             self.prefetcher.count(prefetched)
-        self.table.pin_rows(client, rows)
-        if priority is not None:
-            self.table.raise_priority(rows, priority)
         if up_to == Tier.HBM:
             self.prefetcher.read_to(client, vids_read.tolist())  # runs after the reply
         return rows
@@ -304,10 +306,13 @@ class Reads:
         that priority (a shared prefix is protected as the highest-priority request using it is).
         A block in flight is settled first: it was chosen to leave as idle."""
         _check_priority(priority)
-        settle_if(self, self.table.rows(vids))
+        rows = self.table.rows(vids)
+        settle_if(self, rows)
         self.table.add_ref(client, vids)
         if priority is not None:
-            self.table.raise_priority(self.table.rows(vids), priority)
+            self.table.raise_priority(rows, priority)
+        # Their sharing (and priority) terms grew: heat's cache kept them until its next pass (a review).
+        self.policy.on_holds_changed(self.table, rows, self.table.clock())
 
     def _meets_flight(self, rows: np.ndarray, reader: Tier, probe: bool) -> bool:
         """Whether a lookup that found `rows` must wait for the drain copies in flight: one of them

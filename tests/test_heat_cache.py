@@ -1,4 +1,4 @@
-"""Heat's cached scores (dflash2/policy/heat.py `_patch`, `on_let_go`): what a full pass would give
+"""Heat's cached scores (dflash2/policy/heat.py `_patch`, `on_holds_changed`): what a full pass would give
 them, for the rows whose terms changed since it, in the order of the ranking followed."""
 
 import numpy as np
@@ -89,3 +89,33 @@ def test_heat_following_lru_from_the_start_finds_what_lru_finds(monkeypatch):
     # (Moves may differ by a few: a held block keeps heat's holders' terms, and float32 scores tie.)
     for figure in ("prefix_hit_rate", "hbm_prefix_hit_rate"):
         assert heat[figure] == lru[figure], figure
+
+
+@pytest.mark.parametrize("ranking", ["heat", "lru", "lfu"])
+@pytest.mark.parametrize("hold", ["add_ref", "acquire"])
+def test_a_block_a_request_takes_is_scored_with_its_holds_in_the_cache(ranking, hold):
+    """A block that a request of priority 5 shares (add_ref) or reads (acquire, a pin) has its
+    sharing or stage term and its priority in the cached scores at once, as a fresh score has them.
+    (Before, add_ref told the policy nothing, and acquire told it before pinning: the cache lacked
+    them until the next full pass.)"""
+    clock = FakeClock()
+    m = BlockManager(specs(16, 0), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
+                     prefetch_window=0)
+    lid = m.register_layout(SMALL)
+    writer, reader = m.attach("writer"), m.attach("reader")
+    vids = m.commit(writer, m.allocate(writer, lid, 4), keys=[1, 2, 3, 4])
+    m.free(writer, vids)
+    m.policy.follow(ranking)
+    rows = m.table.rows(vids)
+    clock.advance(1)
+    idle = m.policy.scores_all(m.table, clock()).copy()[rows]
+    if hold == "add_ref":
+        m.add_ref(reader, vids, priority=5)
+    else:
+        m.acquire(reader, vids, priority=5)
+    cached = m.policy.scores_all(m.table, clock())[rows]  # (the cache's, within its interval)
+    assert np.allclose(cached, m.policy.scores(m.table, rows, clock()), atol=1e-3)
+    # Priority 5 (weight 1) and the stage term (weight 1), with sharing log2(1 + 1) for a reference.
+    assert (cached - idle > 5.9).all()
+    m.check_invariants()
+    m.close()

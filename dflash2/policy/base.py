@@ -72,9 +72,9 @@ class Policy(abc.ABC):
     def on_remove(self, table: "BlockTable", rows: np.ndarray) -> None:
         """Blocks left the cache (evicted or freed)."""
 
-    def on_let_go(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
-        """Blocks lost references or pins (a request freed or released them, or its client left):
-        policies that cache scores of the holders' terms score these rows again."""
+    def on_holds_changed(self, table: "BlockTable", rows: np.ndarray, now: float) -> None:
+        """Blocks gained or lost references, pins or priority (a request shared, freed or released
+        them, or its client left): policies that cache scores of those terms score these rows again."""
 
     def admit(self, table: "BlockTable", rows: np.ndarray, tier: "Tier", now: float) -> np.ndarray:
         """Mask of the rows that deserve a place in `tier` (default: all)."""

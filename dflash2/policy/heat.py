@@ -43,12 +43,13 @@
   admits every block (what it pushes out moves down, not out).
 
 Scores (their passes: heat_score.py) are cached and recomputed every `rescore_interval_s` (and on
-demand, `rescore()`), and after a tier's split changes side; blocks accessed, written or let go
-of (references, pins: `on_let_go`) are re-scored at once. Per-block state lives in numpy arrays that
-grow with the table: a logical timestamp (8 B), a class, a tier and two split lists (1 B each), a lookup offset and a recency slope (4 B each) per row; the splits' ghosts take 9 B
-per slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M), per tier that
-blocks have left (and one more table for HBM's returning blocks); the admission gate two ghost
-tables of as many slots, 8 B per slot.
+demand, `rescore()`), and after a tier's split changes side; blocks accessed or written, and those
+whose references, pins or priority changed (`on_holds_changed`), are re-scored at once. Per-block
+state lives in numpy arrays that grow with the table: a logical timestamp (8 B), a class, a tier and
+two split lists (1 B each), a lookup offset and a recency slope (4 B each) per row; the splits'
+ghosts take 9 B per slot, twice as many slots as the table has rows (to a power of two, 4096 to 4M),
+per tier that blocks have left (and one more table for HBM's returning blocks); the admission gate
+two ghost tables of as many slots, 8 B per slot.
 """
 
 from __future__ import annotations
@@ -294,8 +295,8 @@ class HeatPolicy(HeatScoring, Policy):
         self._recode(table, rows)
         self._patch(table, rows, now)
 
-    def on_let_go(self, table, rows, now):
-        # Their sharing, stage and priority terms dropped: a freed block scored as held until the
+    def on_holds_changed(self, table, rows, now):
+        # Their sharing, stage or priority terms changed: a freed block scored as held until the
         # next full pass (+2 with the default weights, ten doublings of LRU's age), and heat
         # following LRU was not LRU (a review: 0.3095 of the arxiv excerpt's references in HBM
         # against plain LRU's 0.3308, with `_patch`'s reference time). With no cache there is nothing

@@ -123,17 +123,18 @@ class Releasing:
     def _settle_priority(self, rows) -> None:
         """`rows` lost references or pins (every path that drops either ends here): published blocks
         among them that nobody references or pins go back to their writer's priority, as a request
-        that raised it no longer holds them; and the policy hears of them all (`on_let_go`)."""
+        that raised it no longer holds them; and the policy hears of them all (`on_holds_changed`)."""
         c = self.cols
         r = np.asarray(rows, dtype=np.int64)
         idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
         c.priority[idle] = c.base_priority[idle]
-        self.on_let_go(r)
+        self.on_holds_changed(r)
 
-    def on_let_go(self, rows: np.ndarray) -> None:
+    def on_holds_changed(self, rows: np.ndarray) -> None:
         """Hook: `rows` lost references or pins, so a policy's score of them may have changed (heat's
         sharing, stage and priority terms: its cached scores kept them until the next full pass, a
-        freed block scored as held). The manager sets it."""
+        freed block scored as held). The manager sets it (and tells the policy of the gains itself:
+        reads.py `add_ref`, `acquire_rows`)."""
 
     def _within_holds(self, column: np.ndarray, rows: np.ndarray, what: str) -> None:
         """After `rows` were each counted once more in `column` (refs, pins): undo that and refuse
@@ -161,7 +162,7 @@ class Releasing:
             holder.ref_slot_bytes -= self.ref_slots(np.array([r]))
             self.cols.state[r] = BlockState.RESIDENT  # (its bytes are final: it is never committed)
             self.pinned_copies[r] = 0
-        self.on_let_go(rows[kept])
+        self.on_holds_changed(rows[kept])
         return vids[~kept]
 
     def _drop_refs_many(self, holder: ClientRefs, rows: np.ndarray, counts: np.ndarray) -> int:
