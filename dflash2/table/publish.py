@@ -116,6 +116,9 @@ class Publishing:
             holder = self.clients[client_id]
             holder.ref_slot_bytes += self.ref_slots(going, counts)  # (now the twins': the same slots)
             self._drop_refs_many(holder, going, counts)
+        copies = rows[(out != rows) & (c.pins[rows] > 0)]  # pinned copies kept: their references went to the twins
+        if len(copies):
+            self.on_holds_changed(copies)
         self._may_move(out)  # RESIDENT and ownerless (a twin: a reference of it moved, its slot may have)
         return self.vids(out)
 

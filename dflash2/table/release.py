@@ -121,9 +121,11 @@ class Releasing:
         return len(f)
 
     def _settle_priority(self, rows) -> None:
-        """`rows` lost references or pins (every path that drops either ends here): published blocks
-        among them that nobody references or pins go back to their writer's priority, as a request
-        that raised it no longer holds them; and the policy hears of them all (`on_holds_changed`)."""
+        """`rows` lost references or pins (every path that drops either ends here, but private blocks
+        kept for their pins, `keep_pinned_writes` and a commit's pinned copy, which tell the policy
+        themselves): published blocks among them that nobody references or pins go back to their
+        writer's priority, as a request that raised it no longer holds them; and the policy hears of
+        them all (`on_holds_changed`)."""
         c = self.cols
         r = np.asarray(rows, dtype=np.int64)
         idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
