@@ -13,6 +13,15 @@ from dflash2.tiers import Tier
 from test_duel import chat
 
 
+def _manager(hbm_blocks: int, dram_blocks: int):
+    """Heat over host-memory tiers whose cached scores stay 100 s of the fake clock (no full pass
+    between the calls of a test), with the small layout registered."""
+    clock = FakeClock()
+    m = BlockManager(specs(hbm_blocks, dram_blocks), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
+                     prefetch_window=0)
+    return m, clock, m.register_layout(SMALL)
+
+
 @pytest.mark.parametrize("ranking", ["heat", "lru", "lfu"])
 @pytest.mark.parametrize("let_go", ["free", "release", "detach"])
 def test_a_block_let_go_is_scored_again_in_the_cache(ranking, let_go):
@@ -20,10 +29,7 @@ def test_a_block_let_go_is_scored_again_in_the_cache(ranking, let_go):
     sharing and stage terms in the cached scores at once, as a fresh score has them. (Before, the
     cache kept them, +2, until the next full pass: a freed block ranked as a running one, and heat
     following LRU found 0.3095 of the arxiv excerpt's references in HBM against LRU's 0.3308.)"""
-    clock = FakeClock()
-    m = BlockManager(specs(16, 0), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
-                     prefetch_window=0)
-    lid = m.register_layout(SMALL)
+    m, clock, lid = _manager(16, 0)
     writer, reader = m.attach("writer"), m.attach("reader")
     vids = m.commit(writer, m.allocate(writer, lid, 4), keys=[1, 2, 3, 4])
     if let_go != "free":
@@ -49,10 +55,7 @@ def test_following_ranks_blocks_read_since_the_last_pass_as_the_followed_policy(
     """Blocks read after the cache's last full pass rank above those read before it, and among
     themselves by when they were read: the followed policy's order. (Scored at the time of the
     read, as age 0, they all tied until the next pass: heat following LRU was not LRU.)"""
-    clock = FakeClock()
-    m = BlockManager(specs(16, 0), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
-                     prefetch_window=0)
-    lid = m.register_layout(SMALL)
+    m, clock, lid = _manager(16, 0)
     client = m.attach("c")
     vids = m.commit(client, m.allocate(client, lid, 8), keys=list(range(1, 9)))
     m.free(client, vids)
@@ -99,10 +102,7 @@ def test_a_block_taken_is_scored_again_in_the_cache(ranking, held):
     stage and priority terms in the cached scores at once, as a fresh score has them. (Before, the
     cache kept an idle block's score for it until the next full pass: +2, or +7 at priority 5, short,
     so a running request's block ranked as an idle one; acquire's read was scored before its pin.)"""
-    clock = FakeClock()
-    m = BlockManager(specs(16, 0), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
-                     prefetch_window=0)
-    lid = m.register_layout(SMALL)
+    m, clock, lid = _manager(16, 0)
     writer, reader = m.attach("writer"), m.attach("reader")
     vids = m.commit(writer, m.allocate(writer, lid, 4), keys=[1, 2, 3, 4])
     m.free(writer, vids)
@@ -125,11 +125,8 @@ def test_a_promotion_demotes_the_running_block_the_followed_policy_would(ranking
     """HBM full of two running requests' blocks; a read from DRAM demotes the one read longer ago
     (B), as LRU and LFU rank them. (Before, A, referenced after the cache's pass, kept an idle block's
     cached score, 2 below B's, and left HBM instead.)"""
-    clock = FakeClock()
-    m = BlockManager(specs(2, 8), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
-                     prefetch_window=0)
+    m, clock, lid = _manager(2, 8)
     m.policy.follow(ranking)
-    lid = m.register_layout(SMALL)
     writer, r1, r2 = m.attach("w"), m.attach("r1"), m.attach("r2")
 
     def cached(key):
@@ -160,11 +157,8 @@ def test_a_pinned_copy_deduplicated_is_scored_again_in_the_cache(ranking):
     """A commit that deduplicates a block its writer pins keeps the copy for its pin and moves its
     reference to the cached twin (table/publish.py `_adopt_duplicate`): the copy's sharing term goes
     from the cached score at once. (Before, the cache kept it, +1, until the next full pass.)"""
-    clock = FakeClock()
-    m = BlockManager(specs(16, 0), policy=make_policy("heat", rescore_interval_s=100.0), clock=clock,
-                     prefetch_window=0)
+    m, clock, lid = _manager(16, 0)
     m.policy.follow(ranking)
-    lid = m.register_layout(SMALL)
     a, b = m.attach("a"), m.attach("b")
     m.free(a, m.commit(a, m.allocate(a, lid, 1), keys=[7]))
     copy = m.allocate(b, lid, 1)
