@@ -172,3 +172,39 @@ def test_a_pinned_copy_deduplicated_is_scored_again_in_the_cache(ranking):
     m.release(b, copy)
     m.check_invariants()
     m.close()
+
+
+def test_a_block_let_go_keeps_its_age_as_of_the_cache_pass():
+    """Heat ranking as itself: a block released after the cache's last pass is scored with its age
+    as of that pass, as every row beside it is, so it stays above a block read before it. (Scored at
+    the tick of its release, it aged by every read since the pass while the others kept their ages,
+    and a room-making allocation demoted it, the block read later, instead of the one read first.)"""
+    m, clock, lid = _manager(8, 16)
+    w, r = m.attach("w"), m.attach("r")
+
+    def cached(key):
+        vids = m.commit(w, m.allocate(w, lid, 1), keys=[key])
+        m.free(w, vids)
+        clock.advance(1)
+        return vids
+
+    b, a = cached(1), cached(2)
+    m.acquire(r, b)
+    m.release(r, b)
+    clock.advance(1)
+    m.acquire(r, a)  # read after b, and held over the pass
+    others = [cached(10 + i) for i in range(4)]
+    clock.advance(1)
+    m.policy.rescore(m.table, clock())
+    for _ in range(200):  # other reads since the pass: the logical tick moves on
+        for v in others:
+            m.acquire(r, v)
+            m.release(r, v)
+    m.release(r, a)
+    rows = m.table.rows(np.concatenate([a, b]))
+    cached_a, cached_b = m.policy.scores_all(m.table, clock())[rows]
+    assert cached_a > cached_b
+    assert m.allocate(w, lid, 3) is not None  # room for one: the coldest block leaves HBM
+    assert m.table.cols.tier[rows].tolist() == [int(Tier.HBM), int(Tier.DRAM)]
+    m.check_invariants()
+    m.close()

@@ -174,6 +174,7 @@ class HeatPolicy(HeatScoring, Policy):
         self._buffers: dict[str, np.ndarray] = {}  # scratch of the full pass, reused (no page faults)
         self._cache: np.ndarray | None = None
         self._cache_at = -np.inf
+        self._cache_tick = 0  # the logical tick of the cache's last full pass (`on_holds_changed`)
         self._stepped = False  # a background step rescores every interval (on_tick has run)
         self.ranking = "heat"  # RANKINGS: what the blocks are ranked by (follow)
 
@@ -306,7 +307,7 @@ class HeatPolicy(HeatScoring, Policy):
         if self._cache is None:
             return
         self._ensure(table)
-        self._patch(table, unique(np.asarray(rows, dtype=np.int64)), now)
+        self._patch(table, unique(np.asarray(rows, dtype=np.int64)), now, at_pass=True)
 
     def _stamp(self, rows: np.ndarray) -> None:
         """One logical tick per block read or written. Rows come in chain order (ancestors first);
@@ -467,16 +468,22 @@ class HeatPolicy(HeatScoring, Policy):
             self._cache = self._score_all(table)
         else:
             self._cache = self._followed(table, slice(0, self._cap), now).astype(np.float32)
-        self._cache_at = now
+        self._cache_at, self._cache_tick = now, self.tick
         return self._cache
 
-    def _patch(self, table, rows: np.ndarray, now: float) -> None:
+    def _patch(self, table, rows: np.ndarray, now: float, at_pass: bool = False) -> None:
         """Score `rows` again into the cache. A followed ranking's scores are taken at the cache's
         time, as the full pass took every other row's (`_followed` ranks a row read after that time
         above one read at it): taken at `now`, every row read since the pass was LRU's age 0, and
-        they all tied, by rounding, until the next pass, however far apart they were read."""
+        they all tied, by rounding, until the next pass, however far apart they were read.
+        `at_pass`: heat's own ages too are taken at the pass's tick (rows whose holds changed, not
+        read now): taken at the tick of now, a block let go of aged by every read since the pass
+        while the rows beside it kept their ages, and left HBM before blocks read longer ago (a review)."""
         if self._cache is not None and len(rows):
-            self._cache[rows] = self._scores_of(table, rows, now if self.ranking == "heat" else self._cache_at)
+            if self.ranking != "heat":
+                self._cache[rows] = self._scores_of(table, rows, self._cache_at)
+            else:
+                self._cache[rows] = self._score(table, rows, now, self._cache_tick if at_pass else None)
 
     # -- run-time settings -----------------------------------------------------------------
     def set_weights(self, weights: dict[str, float]) -> None:

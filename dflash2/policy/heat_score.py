@@ -85,14 +85,14 @@ class HeatScoring:
             if held.any():
                 heat += np.float32(w["stage"]) * held
 
-    def _score(self, table, rows: np.ndarray | slice, now: float) -> np.ndarray:
+    def _score(self, table, rows: np.ndarray | slice, now: float, tick: int | None = None) -> np.ndarray:
         """Vectorised over the given rows, in float32 (a million-block pass is dominated by
         transcendental and conversion passes: float32 halves both): log-age once (it gives the
         density's age bin and the recency slope), the density by one flat gather, and the terms whose
         inputs are all zero (no references, no priorities, ...) skipped after a cheap test."""
         c = table.cols
         w = self.weights
-        ages = (self.tick + 1.0 - self._last[rows]).astype(np.float32)
+        ages = ((self.tick if tick is None else tick) + 1.0 - self._last[rows]).astype(np.float32)
         np.maximum(ages, np.float32(1.0), out=ages)
         log_age = np.log2(ages)
         idx = (log_age * np.float32(BINS_PER_OCTAVE)).astype(np.int64)
