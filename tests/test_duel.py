@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dflash2.duel as D
-from dflash2.bench.policy import ALIGN, LAYOUT, SLOT, replay
+from dflash2.bench.policy import LAYOUT, SLOT, replay
 from dflash2.cli import main
 from dflash2.config import parse_config
 from dflash2.duel import Duel
@@ -107,8 +107,7 @@ def test_following_ranks_every_tier_as_the_followed_policy_and_admits_every_bloc
     last tier admits every block, as those policies do. (Ranking HBM alone, heat kept its admission
     below: a popularity shift's old blocks stayed in the last tier, 0.8418 of references found
     against LRU's 0.9511, docs/policy-experiments.md "Following in every tier".)"""
-    mgr = BlockManager([TierSpec(Tier.HBM, 4 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, ALIGN)],
-                       policy="heat", clock=lambda: 9.0)
+    mgr = manager(4, dram_blocks=4, clock=lambda: 9.0)
     lid = mgr.register_layout(LAYOUT)
     client = mgr.attach("c")
     below = mgr.commit(client, mgr.allocate(client, lid, 4, tier=Tier.DRAM), [1, 2, 3, 4])
@@ -158,8 +157,7 @@ def test_status_and_metrics_say_the_admission_rule_is_off_while_following():
     status said "rule on" and dflash2_policy_admission_rule_on was 1 meanwhile (a review)."""
     from dflash2 import metrics
     from dflash2.status import _policy_lines
-    mgr = BlockManager([TierSpec(Tier.HBM, 4 * SLOT, SLOT, ALIGN), TierSpec(Tier.DRAM, 4 * SLOT, SLOT, ALIGN)],
-                       policy="heat", clock=lambda: 9.0)
+    mgr = manager(4, dram_blocks=4, clock=lambda: 9.0)
     mgr.register_layout(LAYOUT)
     pol = mgr.policy
     pol.rescore(mgr.table, 9.0)  # (the gate is made with the per-row state)

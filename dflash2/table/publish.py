@@ -118,7 +118,7 @@ class Publishing:
             self._drop_refs_many(holder, going, counts)
         copies = rows[(out != rows) & (c.pins[rows] > 0)]  # pinned copies kept: their references went to the twins
         if len(copies):
-            self.on_holds_changed(copies)
+            self._settle_priority(copies)
         self._may_move(out)  # RESIDENT and ownerless (a twin: a reference of it moved, its slot may have)
         return self.vids(out)
 

@@ -121,11 +121,10 @@ class Releasing:
         return len(f)
 
     def _settle_priority(self, rows) -> None:
-        """`rows` lost references or pins (every path that drops either ends here, but private blocks
-        kept for their pins, `keep_pinned_writes` and a commit's pinned copy, which tell the policy
-        themselves): published blocks among them that nobody references or pins go back to their
-        writer's priority, as a request that raised it no longer holds them; and the policy hears of
-        them all (`on_holds_changed`)."""
+        """`rows` lost references or pins (every path that drops either ends here, private blocks kept
+        for their pins included: `keep_pinned_writes`, a commit's pinned copy): published blocks among
+        them that nobody references or pins go back to their writer's priority, as a request that
+        raised it no longer holds them; and the policy hears of them all (`on_holds_changed`)."""
         c = self.cols
         r = np.asarray(rows, dtype=np.int64)
         idle = r[(c.refs[r] == 0) & (c.pins[r] == 0) & (c.key[r] != 0)]
@@ -164,7 +163,7 @@ class Releasing:
             holder.ref_slot_bytes -= self.ref_slots(np.array([r]))
             self.cols.state[r] = BlockState.RESIDENT  # (its bytes are final: it is never committed)
             self.pinned_copies[r] = 0
-        self.on_holds_changed(rows[kept])
+        self._settle_priority(rows[kept])
         return vids[~kept]
 
     def _drop_refs_many(self, holder: ClientRefs, rows: np.ndarray, counts: np.ndarray) -> int:
