@@ -129,7 +129,8 @@ class Server:
         self._stalls = StallWatch()  # time the process did not run, counted out of leases (_judge_leases)
         self._ctx = zmq.Context() if context is None else context
         self._sock = self._request_socket()
-        self._dropped = 0  # replies dropped for a full queue since the last line that said so
+        # Replies dropped for a full queue, and calls whose reply was not sent (what they handed out
+        self._dropped = self._given_back = 0  # given back), since the last line that said so
         self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
         if self._gate is not None:
@@ -443,21 +444,16 @@ class Server:
         stops after its piece, and a slice waiting for its piece's copies gives way to it."""
         return bool(self._sock.poll(math.ceil(within_s * 1000) if within_s > 0 else 0, zmq.POLLIN))
 
-    def _reply_dropped(self) -> None:
-        """A reply dropped: its connection holds REPLIES_QUEUED_PER_PEER unread ones (a client that
-        does not read them). Logged a line a minute at most, with the count (`_log_dropped`)."""
-        self._dropped += 1
-        self._log_dropped()
-
     def _log_dropped(self, force: bool = False) -> None:
-        """The replies dropped since the last line, in one line: once a minute has passed since that
-        one (at a drop, or at a step), or at once with `force` (the daemon stops)."""
+        """The replies dropped since the last line (REPLIES_QUEUED_PER_PEER queued unread on their
+        connection), once a minute at most (at a drop, or at a step), or at once with `force` (the stop)."""
         now = time.monotonic()
         if self._dropped and (force or now - self._dropped_logged_at >= DROPPED_LOGGED_EVERY_S):
             log.warning("dropped %d repl%s since the last such line: %d replies to one connection were queued "
-                        "unread (a client that does not read its replies)", self._dropped,
-                        "y" if self._dropped == 1 else "ies", REPLIES_QUEUED_PER_PEER)
-            self._dropped, self._dropped_logged_at = 0, now
+                        "unread (a client that does not read its replies); what %d dropped or undelivered calls "
+                        "handed out is given back", self._dropped, "y" if self._dropped == 1 else "ies",
+                        REPLIES_QUEUED_PER_PEER, self._given_back)
+            self._dropped, self._given_back, self._dropped_logged_at = 0, 0, now
 
     def _recv(self, flags: int = 0) -> list[bytes]:
         """The next request's frames (zmq.Again as recv_frames)."""
@@ -485,7 +481,9 @@ class Server:
         if isinstance(reply, Parked):
             self._parked.append((frames, reply))
             return False
-        self._send_reply(frames, reply)
+        if not self._send_reply(frames, reply, said=False):
+            self._given_back += self.service.reply_dropped()  # (what it handed out, its client never learns of)
+            self._log_dropped()
         self.service.after_reply()
         self._last_answer = time.monotonic()
         spent = self._settled_s() - settled
@@ -501,19 +499,24 @@ class Server:
             self._drain_owed_s -= spent
         return True
 
-    def _send_reply(self, frames: list[bytes], reply: list[bytes]) -> None:
+    def _send_reply(self, frames: list[bytes], reply: list[bytes], said: bool = True) -> bool:
         """Send `reply` to the peer that sent `frames` (by the socket they came by), never waiting (one
-        that reads none is dropped, said)."""
+        that reads none is dropped, said: `said=False`, by the caller). Whether it was sent."""
         sock = frames.sock if type(frames) is ReadOnlyFrames and frames.sock is not None else self._sock
         try:
             send_frames(sock, [frames[0], *reply], NOBLOCK)
         except zmq.Again:
-            self._reply_dropped()
+            self._dropped += 1
+            if said:
+                self._log_dropped()
+            return False
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             # The connection is gone (a client that timed out resets its socket, then sends `forget`).
             log.debug("a reply's connection is gone: reply dropped")
+            return False
+        return True
 
     def _settled_s(self) -> float:
         """Seconds calls and slices have spent ending drain copies, every pool (rebalance.py `settled_s`)."""

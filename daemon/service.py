@@ -36,7 +36,7 @@ from dflash2.daemon.descriptors import refuse_past_descriptors
 from dflash2.daemon.devices import Devices
 from dflash2.daemon.failing import Failing, checked_refusal
 from dflash2.daemon.forgetting import Forgetting
-from dflash2.daemon.leases import Leases
+from dflash2.daemon.leases import Leases, some_ids
 from dflash2.daemon.parking import Parked
 from dflash2.daemon.poolstats import sum_stats
 from dflash2.daemon.sessions import PID_MAX, Session, SetAside, pid_namespace, same_token
@@ -94,6 +94,7 @@ class Service(Leases, Forgetting, Failing, Devices):
         # reply, the background step: `busy`): what leases are judged by (expire_leases).
         self._caught_up: float | None = None
         self._replying: int | None = None  # the client whose call was answered last
+        self._handed: Request | None = None  # the call answered last, where it handed something out (forgetting.py)
         self._longest_call_s = 0.0
         self.on_request: Callable[[str, float], None] | None = None  # (op, seconds): metrics observe here
         self.history = None  # a dflash2.history.History when history_enabled
@@ -124,6 +125,7 @@ class Service(Leases, Forgetting, Failing, Devices):
         if again is None:
             self.counters["requests"] += 1
         self._replying = None
+        self._handed = None  # (set by a call that hands something out: `reply_dropped`)
         try:
             req = P.decode_request(frames)
         except DFlash2Error as e:
@@ -309,7 +311,9 @@ class Service(Leases, Forgetting, Failing, Devices):
                                         pid_ns is not None and pid_ns == pid_namespace(), device, token, pid_ns=pid_ns)
         earlier = self.set_aside.of_process(pid, pid_ns, device)  # its process's lapsed sessions (shares.py)
         m.admission.shares.carry(client, earlier)
-        carried = f"; the set-aside blocks of its earlier sessions {earlier} count against its share" if earlier else ""
+        # (Not every id: a line of 12 KB after a process's thousand sessions, a review.)
+        carried = (f"; the set-aside blocks of its process's {len(earlier)} earlier session(s) "
+                   f"{some_ids(earlier)} count against its share") if earlier else ""
         log.info("client %d attached: %s (pid %d), %d layouts%s", client, name, pid, len(ids), carried)
         # set_aside_s: how long a lapsed client's slots stay kept (Awake.vouches only within it).
         return {"client": client, "layouts": ids, "arenas": wire.arenas(m),
@@ -397,6 +401,9 @@ class Service(Leases, Forgetting, Failing, Devices):
         if keys is not None and len(keys) != len(vids):
             raise ProtocolError(f"commit: {len(vids)} block ids but {len(keys)} content keys")
         parent = arg(req, "parent", int, default=None)
+        if parent is not None and keys is None and len(vids):  # (it was ignored, unchecked: a review)
+            raise ProtocolError(f"commit: argument 'parent' ({parent:#x}) chains published blocks under it, and a "
+                                "commit without content keys publishes none: give the blocks' keys, or no parent")
         out = m.commit(req.client, vids, keys, parent)  # (the wire's uint64s: key_array takes them as they are)
         # Forgotten: the references it leaves the writer on the returned blocks are dropped (they
         # stay cached, published); the writer never learned their ids when a key deduplicated.

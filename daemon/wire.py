@@ -37,7 +37,8 @@ def weights_of(req) -> dict[str, float]:
     bad = {k: v for k, v in weights.items() if isinstance(v, float) and math.isnan(v)}
     if bad:
         raise ProtocolError(f"set_weights: weights must be numbers >= 0, got {bad}")
-    return {k: float(v) if abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf) for k, v in weights.items()}
+    return {k: float(v) if isinstance(v, float) or abs(v) < 1 << 1000 else (math.inf if v > 0 else -math.inf)
+            for k, v in weights.items()}  # (a float as it came: 1e308 was refused as "got inf", a review)
 
 
 def prefill_rate(req, value) -> float | None:

@@ -134,7 +134,8 @@ def printable(text: str) -> str:
 
 def client_name(name: str) -> str:
     """An attach's `name`, checked (ProtocolError naming what is wrong)."""
-    if not name.strip():
+    if not name.strip() or all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in name):
+        # (format characters alone, zero-width spaces, marks or a BOM, showed blank too: a review)
         raise ProtocolError("attach: argument 'name' is empty: name the client (it is how `dflash2 status` and "
                             "the log tell clients apart)")
     if len(name) > MAX_NAME_CHARS:
@@ -360,7 +361,7 @@ def peek_call_id(frames: list[bytes]) -> int:
         except ValueError:  # (malformed past its start: a number of 5,000 digits was answered as call 0, a review)
             return int(found.group(1)) if found else 0
         cid = header.get("id", 0)
-        return cid if isinstance(cid, int) else 0
+        return cid if type(cid) is int else 0  # (`"id": true` was answered as call `true`, no integer: a review)
     except Exception:
         return 0
 

@@ -145,3 +145,13 @@ def test_a_header_with_an_integer_past_the_digit_limit_is_refused_as_such_and_an
         P.decode_request(frames)
     assert P.peek_call_id(frames) == 42
     assert P.peek_call_id([P.MAGIC, P.VERSION_FRAME, b'{"op":"ping","id":43,"client":null,"args":{"n":}']) == 43
+
+
+def test_a_call_id_that_is_no_integer_is_answered_as_call_0():
+    """`"id": true` was refused, and the refusal carried `"id": true` back: no call id a client in a
+    typed language can read (a review). Like any id that is not an integer, it is answered as call 0."""
+    for raw in (b'{"op":"ping","id":true}', b'{"op":"ping","id":false}', b'{"op":"ping","id":5.0}'):
+        frames = [P.MAGIC, P.VERSION_FRAME, raw]
+        assert P.peek_call_id(frames) == 0
+        with pytest.raises(ProtocolError, match=r"^header.id must be an integer call id"):
+            P.decode_request(frames)

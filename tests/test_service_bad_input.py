@@ -3,6 +3,7 @@ leases lapse on a fake clock (the client transport's replies: test_transport_rep
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -166,6 +167,49 @@ def test_foreign_blocks_and_double_free(service):
     assert call(service, Op.CHECK).ok
 
 
+def test_a_commit_naming_a_block_twice_is_refused_naming_it(service):
+    """A commit of its own block listed twice is refused naming that block (it said "the same block",
+    which of a batch of 1,024 it did not say: a review), and commits nothing."""
+    a = attach(service, "a")
+    reply = call(service, Op.ALLOCATE, a, {"layout": 0, "n": 3})
+    mine = np.frombuffer(reply.arrays[0], P.PLACE_DTYPE)["vid"]
+    listed = np.array([mine[0], mine[2], mine[1], mine[2]], dtype=P.VIDS_DTYPE)
+    reply = call(service, Op.COMMIT, a, {}, [listed.tobytes(), np.arange(1, 5, dtype=P.KEYS_DTYPE).tobytes()])
+    assert reply.error_type == "ValueError"
+    assert reply.error_message == f"commit: block {int(mine[2]):#x} is listed twice (each block once a call)"
+    reply = call(service, Op.COMMIT, a, {}, [mine.tobytes(), np.arange(1, 4, dtype=P.KEYS_DTYPE).tobytes()])
+    assert reply.ok  # (all three were still being written)
+    assert call(service, Op.CHECK).ok
+
+
+def test_a_weight_past_its_bound_is_refused_as_it_was_sent(make_manager, clock):
+    """A finite weight past heat's bound is named as sent: 1e308 was refused as "got {'recency': inf}"
+    (a review); only an integer past float's range is taken as infinite."""
+    svc = Service(make_manager(policy="heat"), lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock,
+                  pid_alive=lambda pid: True)
+    c = attach(svc)
+    for weight, said in ((1e308, "1e+308"), (-1e302, "-1e+302"), (10**400, "inf")):
+        reply = call(svc, Op.SET_WEIGHTS, c, {"weights": {"recency": weight}})
+        assert reply.error_type == "ValueError" and reply.error_message.endswith(f"got {{'recency': {said}}}"), reply
+    assert svc.manager.policy.weights["recency"] == 1.0
+
+
+def test_a_parent_given_to_a_commit_without_keys_is_refused_not_ignored(service):
+    """A commit's parent chains the blocks it publishes; a commit without content keys publishes none,
+    and its parent, even one not live, was ignored without a word (a review)."""
+    a = attach(service, "a")
+    reply = call(service, Op.ALLOCATE, a, {"layout": 0, "n": 2})
+    mine = np.frombuffer(reply.arrays[0], P.PLACE_DTYPE)["vid"]
+    for arrays in ([mine.tobytes()], [mine.tobytes(), b""]):
+        reply = call(service, Op.COMMIT, a, {"parent": -5}, arrays)
+        assert reply.error_type == "ProtocolError" and reply.error_message.startswith(
+            "commit: argument 'parent' (-0x5) chains published blocks under it, and a commit without content keys "
+            "publishes none"), reply
+    reply = call(service, Op.COMMIT, a, {}, [mine.tobytes(), np.array([7, 8], dtype=P.KEYS_DTYPE).tobytes()])
+    assert reply.ok  # (still being written: the refused commits changed nothing)
+    assert call(service, Op.CHECK).ok
+
+
 def test_reserve_beyond_every_tier_is_rejected(service):
     c = attach(service)
     d = call(service, Op.RESERVE, c, {"layout": 0, "tokens": 10**9}).result
@@ -191,6 +235,34 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     clock.advance(10.5)
     assert service.expire_leases() == [quiet]  # a silent one: after the lease timeout
     assert call(service, Op.HEARTBEAT, quiet).error_type == "UnknownClient"
+    assert call(service, Op.CHECK).ok
+
+
+def test_sessions_of_one_process_set_aside_one_by_one_say_so_a_line_each(service, clock, caplog):
+    """A process that attaches a session per request and drops each (no detach, no heartbeat), its
+    pid in the daemon's namespace and alive: each lapse carried the set-aside session into every later
+    one's share with a line each, 740,000 lines (128 MB of log) for 1,664 sessions in 50 s, and each
+    attach listed every earlier set-aside session (a review). A line a lapse, and an attach's line
+    of bounded length; the shares carry as before."""
+    from dflash2.daemon.sessions import pid_namespace
+
+    n = 40
+    clients = []
+    for i in range(n):
+        clients.append(attach(service, f"req{i}", pid=os.getpid(), pid_ns=pid_namespace()))
+        clock.advance(0.1)
+    clock.advance(service.lease_timeout_s - n * 0.1)
+    with caplog.at_level("INFO", logger="dflash2.daemon"):
+        for _ in range(n + 5):  # one lapse at a time, oldest first
+            clock.advance(0.1)
+            service.expire_leases()
+        again = attach(service, "again", pid=os.getpid(), pid_ns=pid_namespace())
+    assert not service.sessions.keys() - {again}
+    carried = [r.getMessage() for r in caplog.records if "count against" in r.getMessage()]
+    assert len(carried) <= n + 1, len(carried)  # (n * (n - 1) / 2 before)
+    assert max(map(len, carried)) < 400, max(carried, key=len)
+    shares = service.manager.admission.shares
+    assert shares._carried[again] == set(clients)  # the new session carries every set-aside one
     assert call(service, Op.CHECK).ok
 
 
@@ -450,10 +522,11 @@ def test_every_op_names_the_arguments_it_takes_and_a_monitoring_port_goes_with_a
 
 def test_a_client_name_may_not_be_empty(service):
     """An empty name showed blank in `dflash2 status` and the log (a review)."""
-    for name in ("", "  "):
+    for name in ("", "  ", "\u200b", "\u200b \u200d", "\u200e\u200f", "\ufeff", "\u00ad"):
         reply = call(service, Op.ATTACH, args={"name": name, "pid": 0})
-        assert not reply.ok and "argument 'name' is empty" in reply.error_message
+        assert not reply.ok and "argument 'name' is empty" in reply.error_message, name
     assert not service.sessions
+    assert call(service, Op.ATTACH, args={"name": "a\u200db", "pid": 0}).ok  # (a joiner among letters is fine)
 
 
 def test_a_client_name_is_bounded(service):

@@ -72,3 +72,55 @@ def test_replies_a_client_never_reads_are_dropped_not_queued_without_bound(make_
         if loop.is_alive():
             srv.stop()
             loop.join(10)
+
+
+def test_what_a_call_whose_reply_was_dropped_handed_out_is_given_back(make_manager, tmp_path, caplog):
+    """A reply dropped for a full queue (or a gone connection) leaves its client without the ids its
+    call handed out: those are given back, as a `forget` would. Before, 2,000 one-block allocations
+    sent unread left every block whose reply was dropped held until detach (HBM full, a review)."""
+    mgr = make_manager(hbm_blocks=4096)
+    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+    loop = threading.Thread(target=srv.serve_forever)
+    loop.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(f"ipc://{tmp_path}/d.sock")
+    sent = 1000
+    try:
+        with caplog.at_level("WARNING", logger="dflash2.daemon"):
+            _call(sock, Op.ATTACH, 1, args={"name": "no-reader", "pid": 0, "layouts": [SMALL.to_dict()]})
+            assert sock.poll(10_000)
+            attached = P.decode_reply(sock.recv_multipart()).result
+            client, token = attached["client"], attached["token"]
+            for i in range(sent):
+                _call(sock, Op.ALLOCATE, 2 + i, client, token, {"layout": 0, "n": 1})
+            deadline = time.monotonic() + 60
+            while svc.counters["requests"] < 1 + sent and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert svc.counters["requests"] == 1 + sent, svc.counters
+            got = []  # (read while the daemon runs: its queue's replies go with its socket)
+            while sock.poll(500):
+                got.append(P.decode_reply(sock.recv_multipart()))
+            srv.stop()
+            loop.join(30)
+            srv.close()
+        learned = [int(v) for r in got if r.ok for v in np.frombuffer(r.arrays[0], dtype=P.PLACE_DTYPE)["vid"]]
+        assert 0 < len(learned) < sent
+        # The client holds the blocks it learned of, and no others.
+        held, known = set(mgr.table.clients[client].refs), set(mgr.table.rows(np.array(learned)).tolist())
+        assert held == known, (len(held), len(known))
+        assert svc.counters["calls_undone"] == sent - len(learned)
+        said = sum(int(n) for n in re.findall(r"what (\d+) dropped or undelivered calls handed out is given back",
+                                              caplog.text))
+        assert said == sent - len(learned), caplog.text
+        mgr.check_invariants()
+    finally:
+        sock.close(0)
+        ctx.term()
+        if loop.is_alive():
+            srv.stop()
+            loop.join(10)

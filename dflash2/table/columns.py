@@ -154,7 +154,12 @@ class Columns:
         self.capacity = new
 
 
-def no_repeats(rows: np.ndarray, op: str) -> None:
-    """A call that changes each listed block once refuses a block listed twice."""
+def no_repeats(rows: np.ndarray, op: str, vids=None) -> None:
+    """A call that changes each listed block once refuses a block listed twice (named by its id with
+    `vids`, the table's rows -> vids: a client's commit was told only "the same block", a review)."""
     if repeats(rows):
-        raise ValueError(f"{op}: the same block is listed twice")
+        if vids is None:
+            raise ValueError(f"{op}: the same block is listed twice")
+        ordered = np.sort(rows)
+        twice = ordered[1:][ordered[1:] == ordered[:-1]][:1]
+        raise ValueError(f"{op}: block {int(vids(twice)[0]):#x} is listed twice (each block once a call)")

@@ -40,7 +40,7 @@ class Publishing:
                                     "already (RESIDENT); only blocks being written (allocated, not yet committed) "
                                     "can be committed")
         rows = self._owned_rows(client_id, vids)
-        no_repeats(rows, "commit")
+        no_repeats(rows, "commit", self.vids)
         self.refuse_reserved(rows)  # (its own reservation's: `take` hands it out first)
         check_transition(c.state[rows], S.RESIDENT, vids)
         self._require(rows, S.WRITING, "commit")
