@@ -92,7 +92,14 @@ class Client(BlockViews):
         self._alive_checked = time.monotonic()  # when a view last asked whether the daemon lives (view_bytes)
         self._detached = False  # detach() called: every later call says so
         self.client_id: int | None = None
-        self._attach(layouts, heartbeat, prefill_tokens_per_s)
+        try:
+            self._attach(layouts, heartbeat, prefill_tokens_per_s)
+        except BaseException:
+            # No Client came to be: its socket goes now (it stayed open until the garbage collector found
+            # it, a ResourceWarning each, a review's 200 refused attaches). (Closed already where the
+            # mappings failed: `detach`.)
+            self._transport.close()
+            raise
 
     @classmethod
     def connect(cls, endpoint: str | None = None, config=None, name: str | None = None,

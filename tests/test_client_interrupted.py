@@ -110,6 +110,34 @@ def test_a_client_dropped_without_close_lets_its_lease_lapse(daemon, caplog):
     assert (st["tiers"]["hbm"]["blocks"], st["reservations"]["reserved_blocks"]) == (0, 0)
 
 
+def _segment_descriptors() -> list[str]:
+    """What this process's descriptors of dflash2 shared memory name (segments, liveness objects)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(n for n in names if n.startswith("/dev/shm/dflash2-"))
+
+
+def test_a_dropped_clients_descriptors_go_with_it(daemon):
+    """A Client dropped without close(), once collected, keeps no descriptor of the daemon's segments or
+    liveness object: each kept one (3 a client on a host node, a review's 20 dropped clients 60), for the
+    process's life, and after the daemon stopped they held its unlinked segments' memory (/dev/shm)."""
+    before = _segment_descriptors()
+
+    def request():
+        c = Client.connect(daemon.endpoint, name="dropped", layouts=[SMALL])
+        assert len(_segment_descriptors()) > len(before)  # (its segments and liveness object are open)
+        return weakref.ref(c)
+
+    refs = [request() for _ in range(3)]
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+    assert _segment_descriptors() == before
+
+
 def test_a_dropped_clients_blocks_are_set_aside_while_its_process_lives(config_file, tmp_path, caplog):
     """With set-aside on (the default): at the lapse its reservation goes and its private blocks are
     kept out of reuse, as any live process's whose lease lapsed (views taken from it may still write);

@@ -204,3 +204,12 @@ class DaemonLiveness:
                     pass
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # A client's object collected without close() (a Client dropped without close or detach): its
+        # descriptor goes with it (kept, one a dropped client for the process's life, a review). The
+        # daemon's holds its lock, let go by close() alone.
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0 and not self.owner:
+            self._fd = -1
+            os.close(fd)
