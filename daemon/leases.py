@@ -132,9 +132,9 @@ class Leases:
         (shares.py). Only those were carried: the process held its set-aside blocks and a whole share on
         top (a review). A session attached while it was still heard from (two engines of one process)
         is another's, not its replacement: it carries nothing."""
-        if session.pid_ns is None:  # (a pid alone may name another process: SetAside.of_process)
-            return
         shares = self.managers[session.device].admission.shares
+        if session.pid_ns is None or not shares.limited:  # (a pid alone may name another process:
+            return  # SetAside.of_process; under a whole share nothing is carried, `ClientShares.carry`)
         later = [s.client for s in self.sessions.values()
                  if s.client > session.client and s.attached_at >= session.heard_at and s.pid == session.pid
                  and s.pid_ns == session.pid_ns and s.device == session.device]

@@ -309,7 +309,8 @@ class Service(Leases, Forgetting, Failing, Devices):
         now, token = self.clock(), secrets.token_hex(P.TOKEN_CHARS // 2)
         self.sessions[client] = Session(client, name, pid, now, now,
                                         pid_ns is not None and pid_ns == pid_namespace(), device, token, pid_ns=pid_ns)
-        earlier = self.set_aside.of_process(pid, pid_ns, device)  # its process's lapsed sessions (shares.py)
+        # Its process's lapsed sessions, whose blocks count against its share (shares.py), under a share < 1.
+        earlier = self.set_aside.of_process(pid, pid_ns, device) if m.admission.shares.limited else []
         m.admission.shares.carry(client, earlier)
         # (Not every id: a line of 12 KB after a process's thousand sessions, a review.)
         carried = (f"; the set-aside blocks of its process's {len(earlier)} earlier session(s) "

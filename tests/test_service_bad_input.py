@@ -18,6 +18,7 @@ from dflash2.daemon.service import Service
 from dflash2.keys import chain_keys
 from dflash2.layout import Layout
 from dflash2.protocol import Op
+from dflash2.reservations import AdmissionSettings
 
 
 @pytest.fixture
@@ -238,32 +239,45 @@ def test_lease_lapses_and_dead_pids_are_noticed(service, clock):
     assert call(service, Op.CHECK).ok
 
 
-def test_sessions_of_one_process_set_aside_one_by_one_say_so_a_line_each(service, clock, caplog):
-    """A process that attaches a session per request and drops each (no detach, no heartbeat), its
-    pid in the daemon's namespace and alive: each lapse carried the set-aside session into every later
-    one's share with a line each, 740,000 lines (128 MB of log) for 1,664 sessions in 50 s, and each
-    attach listed every earlier set-aside session (a review). A line a lapse, and an attach's line
-    of bounded length; the shares carry as before."""
+def _sessions_one_by_one(service, clock, n: int) -> tuple[list[int], int]:
+    """A process that attaches a session per request and drops each (no detach, no heartbeat), its pid
+    in the daemon's namespace and alive: `n` sessions lapse one at a time, oldest first, then it attaches
+    once more. (Its sessions, and the last one.)"""
     from dflash2.daemon.sessions import pid_namespace
 
-    n = 40
     clients = []
     for i in range(n):
         clients.append(attach(service, f"req{i}", pid=os.getpid(), pid_ns=pid_namespace()))
         clock.advance(0.1)
     clock.advance(service.lease_timeout_s - n * 0.1)
+    for _ in range(n + 5):
+        clock.advance(0.1)
+        service.expire_leases()
+    return clients, attach(service, "again", pid=os.getpid(), pid_ns=pid_namespace())
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_sessions_of_one_process_set_aside_one_by_one_say_so_a_line_each(make_manager, clock, caplog, share):
+    """Each lapse carried the set-aside session into every later one's share with a line each, 740,000
+    lines (128 MB of log) for 1,664 sessions in 50 s, and each attach listed every earlier set-aside
+    session (a review). A line a lapse, and an attach's line of bounded length; under a share < 1 the
+    shares carry as before, and under a whole share, where no share is enforced, nothing is carried
+    (N^2 entries: 5,000 sessions, +50 MB) nor said."""
+    svc = Service(make_manager(hbm_blocks=16, dram_blocks=16, admission=AdmissionSettings(max_client_share=share)),
+                  lease_timeout_s=10.0, heartbeat_interval_s=2.0, clock=clock, pid_alive=lambda pid: True)
+    n = 40
     with caplog.at_level("INFO", logger="dflash2.daemon"):
-        for _ in range(n + 5):  # one lapse at a time, oldest first
-            clock.advance(0.1)
-            service.expire_leases()
-        again = attach(service, "again", pid=os.getpid(), pid_ns=pid_namespace())
-    assert not service.sessions.keys() - {again}
+        clients, again = _sessions_one_by_one(svc, clock, n)
+    assert not svc.sessions.keys() - {again}
     carried = [r.getMessage() for r in caplog.records if "count against" in r.getMessage()]
-    assert len(carried) <= n + 1, len(carried)  # (n * (n - 1) / 2 before)
-    assert max(map(len, carried)) < 400, max(carried, key=len)
-    shares = service.manager.admission.shares
-    assert shares._carried[again] == set(clients)  # the new session carries every set-aside one
-    assert call(service, Op.CHECK).ok
+    shares = svc.manager.admission.shares
+    if share == 1.0:
+        assert not carried and not shares._carried
+    else:
+        assert 0 < len(carried) <= n + 1, len(carried)  # (n * (n - 1) / 2 before)
+        assert max(map(len, carried)) < 400, max(carried, key=len)
+        assert shares._carried[again] == set(clients)  # the new session carries every set-aside one
+    assert call(svc, Op.CHECK).ok
 
 
 def _hbm_free(svc) -> int:
