@@ -76,8 +76,8 @@ class Observers:
 def log_fallbacks(cfg: Config, plan) -> None:
     """One `dflash2_fallback` event per part the config asked for that this node cannot give."""
     if plan.device_kind == "host" and cfg.device.kind != "host":
-        ignored = "" if cfg.device.gpu_ids is None else f" (device.gpu_ids {cfg.device.gpu_ids} ignored)"
-        event(log, "dflash2_fallback", f"no GPU: the device tier is in host memory{ignored}", level=logging.WARNING,
+        # (device.gpu_ids set: warned of as ignored by config_warnings, --check too; said here as well, twice)
+        event(log, "dflash2_fallback", "no GPU: the device tier is in host memory", level=logging.WARNING,
               what="device", asked=cfg.device.kind, using="host", reason="; ".join(plan.notes))
     if not sessions.PROCFS:
         event(log, "dflash2_fallback",

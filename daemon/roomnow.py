@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
+import stat
 from pathlib import Path
 
 from dflash2.files import nearest_existing, read_only
@@ -186,6 +187,8 @@ def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
     # `EndpointLock` finds it: --check said nothing, and start-up then exited 4 (a review).
     lines = [f"another dflash2d (pid {pid}) is serving {endpoint} (daemon.endpoint; a dflash2d serving this config "
              "holds it too): start-up would fail now (exit 4)"] if (pid := holder(endpoint)) is not None else []
+    if not lines and endpoint.startswith("ipc://"):
+        lines = _socket_listened_on_now(Path(endpoint[len("ipc://"):]))
     for probe, what in ((lambda: probe_port(endpoint), "daemon.endpoint"),
                         (lambda: probe_metrics(metrics_host, metrics_port), "metrics")):
         try:
@@ -195,6 +198,25 @@ def ports_now(endpoint: str, metrics_host: str, metrics_port: int) -> list[str]:
             lines.append(f"{e} ({what}{'; a dflash2d serving this config holds it too' if held else ''}): "
                          "start-up would fail now (exit 4)")
     return lines
+
+
+def _socket_listened_on_now(socket_path: Path) -> list[str]:
+    """The `now:` line of an ipc socket a process listens on while no lock file names it, which
+    start-up refuses (EndpointLock.acquire): --check said nothing, exit 0, and start-up exited 4 (a
+    review: a dflash2d whose lock file a clean-up of the runtime folder removed, or another program)."""
+    from dflash2.daemon.endpoint import _listened_on
+
+    try:
+        if not stat.S_ISSOCK(os.stat(socket_path).st_mode) or not _listened_on(socket_path):
+            return []
+    except PermissionError:
+        return [f"{socket_path} is a socket this user may not connect to (another user's, live or not: it cannot be "
+                "told) (daemon.endpoint): start-up would fail now (exit 4)"]
+    except OSError:
+        return []
+    return [f"a process is listening on {socket_path} although no lock file names it (a dflash2d whose "
+            f"{socket_path.name}.lock was removed, or another program) (daemon.endpoint): start-up would fail now "
+            "(exit 4)"]
 
 
 def _nvme_now(paths: list[Path], need_each: int, verdict, unused: list[tuple[Path, int]] = ()) -> list[str]:

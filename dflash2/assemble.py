@@ -145,15 +145,12 @@ def _build_one(cfg: Config, plan: Plan, hbm: TierPlan, device: int | None, share
 
 def _attach_duel(cfg: Config, manager: BlockManager) -> None:
     """The heat policy's duel (duel.py), unless `policy.duel_sample` is 0; other policies rank as
-    they are named (said in the log when the config asked for a duel explicitly)."""
+    they are named (a duel_sample set for them is warned of as ignored: config_warnings)."""
     sample = cfg.policy.duel_sample
     if not sample:
         return
     if hasattr(manager.policy, "follow"):
         Duel(manager, sample)
-    elif "duel_sample" in cfg.policy.model_fields_set:
-        log.info("policy.duel_sample is %d, but policy %r ranks as it is named: only heat follows a duel",
-                 sample, cfg.policy.name)
 
 
 def _backend(arenas: dict[Tier, Arena], plan: Plan):

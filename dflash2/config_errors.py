@@ -27,6 +27,10 @@ def first_error(exc: ValidationError, root: type[BaseModel]) -> ConfigError:
             key += " (at the top level)"
     elif first["type"] == "missing":
         problem = "required key is missing"
+    elif first["type"] == "string_pattern_mismatch" and loc[:1] == ("layouts",) and loc[-1:] == ("[key]",):
+        # (the layout name's pattern, which was all it said: `'^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$'`)
+        problem = (f"not a layout name: a letter or digit, then letters, digits, '.', '_' or '-', 64 characters at "
+                   f"most (got {json.dumps(first['input'])}, {len(first['input'])} characters)")
     else:
         problem = first["msg"].removeprefix("Value error, ")
         if first["type"] == "float_type" and type(first.get("input")) is int:

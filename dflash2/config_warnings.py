@@ -53,9 +53,12 @@ def config_warnings(cfg: Config, mem_total_bytes: Optional[int] = None, device_k
         # (the reverse, a capacity without a path, is an error: MemoryConfig)
         warnings.append(f"memory.nvme_path ({cfg.memory.nvme_path}) is ignored: memory.nvme_capacity_mb is 0 (its "
                         "default), so there is no NVMe tier; set memory.nvme_capacity_mb to use the file")
-    if cfg.device.kind == "host" and cfg.device.gpu_ids is not None:
-        warnings.append("device.gpu_ids is ignored: device.kind is host (the device tier is in host memory)")
-    heat_only = sorted({"weights", "decay_half_life_s"} & cfg.policy.model_fields_set)
+    if kind == "host" and cfg.device.gpu_ids is not None:  # (`auto` with no GPU too: --check said nothing, a review)
+        why = "device.kind is host" if cfg.device.kind == "host" else f"device.kind {cfg.device.kind} found no GPU"
+        warnings.append(f"device.gpu_ids is ignored: {why} (the device tier is in host memory)")
+    # (duel_sample too, unless 0, off: it was said only in the log, once per GPU, never by --check, a review)
+    heat_only = sorted(({"weights", "decay_half_life_s"} | ({"duel_sample"} if cfg.policy.duel_sample else set()))
+                       & cfg.policy.model_fields_set)
     if heat_only and cfg.policy.name != "heat":
         warnings.append(f"{' and '.join(f'policy.{k}' for k in heat_only)} {'is' if len(heat_only) == 1 else 'are'} "
                         f"ignored: only the heat policy uses {'it' if len(heat_only) == 1 else 'them'}, and "

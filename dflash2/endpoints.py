@@ -135,6 +135,10 @@ def plain_text(value: str) -> str:
     if bad is not None:
         raise ValueError(f"holds a control character ({value[bad]!r} at position {bad}); a path or address "
                          "cannot")
+    if value != value.strip():
+        # (" /mnt/nvme/nvme.cache" was a relative path: the file went under the config's folder, in a
+        # folder named " "; a host with a space passed the config and failed the start, exit 4: a review)
+        raise ValueError("begins or ends with white space, which a path or address here cannot: remove it")
     return value
 
 
@@ -166,6 +170,8 @@ def endpoint_parts(endpoint: str) -> tuple[str, str]:
         if "[" in bare or "]" in bare or (host.startswith("[") != host.endswith("]")):
             # (`tcp://[::1:31701` passed the config's check; start-up then failed to bind it, exit 4: a review)
             raise ValueError(f"{endpoint!r} has unmatched brackets: write an IPv6 address as tcp://[ADDRESS]:PORT")
+        if any(ch.isspace() for ch in host):  # (passed the config; no address or name has one: start-up exit 4)
+            raise ValueError(f"{endpoint!r}: its host {host!r} holds white space; write tcp://HOST:PORT without it")
         if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{endpoint!r} must be tcp://HOST:PORT with a port in 1..65535")
         if port != str(int(port)):  # (the key and lock files are named by the port as written: two names)

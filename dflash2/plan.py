@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import ipaddress
+import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,7 +25,7 @@ from dflash2 import threads
 from dflash2.alloc import blocks_that_fit, slot_bytes
 from dflash2.config import HOST_NEEDS_HBM_CAPACITY, MB, Config
 from dflash2.cudadriver import libcuda
-from dflash2.endpoints import check_socket_path, interface_host
+from dflash2.endpoints import check_socket_path, hosts_overlap, interface_host, numeric_address
 from dflash2.errors import ConfigError
 from dflash2.layout import Layout
 from dflash2.tiers import Tier
@@ -141,11 +144,38 @@ def resolve_plan(cfg: Config) -> Plan:
     plan = Plan(source_path=cfg.source_path, device_kind=kind, tiers=tuple(tiers), layouts=layouts,
                 staging_bytes=mem.staging_buffer_size_mb * MB,
                 nvme_path=cfg.resolved_nvme_path if mem.nvme_capacity_mb else None,  # (no tier: no file, said as such)
-                endpoint=_checked_endpoint(cfg), state_dir=_state_dir(cfg), notes=tuple(notes),
+                endpoint=_checked_endpoint(cfg, resolve=True), state_dir=_state_dir(cfg), notes=tuple(notes),
                 tcp_key_file=cfg.resolved_tcp_key_file())
     if plan.pools > 1:
         plan = dataclasses.replace(plan, notes=(*plan.notes, *_split_between_gpus(plan)))
+    _nvme_file_is_no_other(plan, cfg.history_enabled)
     return plan
+
+
+def _nvme_file_is_no_other(plan: Plan, history: bool) -> None:
+    """An NVMe file at the path of another file the daemon makes (the socket, its lock, the key files,
+    the history's files or its state folder) is refused: --check passed it, and the daemon started,
+    the socket made over the cache file, or the history rotating it away as `history.jsonl.1` (a
+    review)."""
+    from dflash2.history import OWN_NAMES
+    from dflash2.tcpkeys import monitor_path
+
+    others: dict[Path, str] = {}
+    if plan.endpoint.startswith("ipc://"):
+        socket_path = Path(plan.endpoint[len("ipc://"):])
+        others[socket_path] = "daemon.endpoint's socket"
+        others[socket_path.with_name(socket_path.name + ".lock")] = "daemon.endpoint's lock file"
+    if plan.tcp_key_file is not None:
+        others[plan.tcp_key_file] = "daemon.tcp_key_file"
+        others[monitor_path(plan.tcp_key_file)] = "daemon.tcp_key_file's monitoring file"
+    if history and plan.state_dir is not None:
+        others[plan.state_dir] = "daemon.state_dir"
+        others.update({plan.state_dir / name: f"the history's {name} in daemon.state_dir" for name in OWN_NAMES})
+    taken = {os.path.realpath(path): what for path, what in others.items()}
+    for nvme_file in plan.nvme_files():
+        if (what := taken.get(os.path.realpath(nvme_file))) is not None:
+            raise ConfigError("memory.nvme_path", f"{nvme_file} is {what} too: the daemon would make both files at "
+                                                  "one path; give the NVMe file a path of its own")
 
 
 def _state_dir(cfg: Config) -> Path | None:
@@ -319,12 +349,17 @@ def _hbm_tiers(cfg: Config, kind: str, gpus: Optional[list[Gpu]], notes: list[st
                               f"{gpu.total_bytes // MB} MB ({gpu.name})")
         if mem.hbm_capacity_mb is not None:
             capacity = min(capacity, mem.hbm_capacity_mb * MB)
+        if capacity < page:  # (as MemoryConfig refuses a tier under a page: this one started with none, a review)
+            raise ConfigError("memory.hbm_reserve_mb",
+                              f"{mem.hbm_reserve_mb} MB leaves {capacity} bytes of GPU {gpu.index}'s "
+                              f"{gpu.total_bytes // MB} MB ({gpu.name}), less than one page (memory.page_kb is "
+                              f"{mem.page_kb} KB): the HBM tier would hold no block")
         tiers.append(_tier(Tier.HBM, f"cuda:{gpu.index}", capacity, MEMORY_ALIGNMENT, page, layouts))
     notes.append("HBM capacity is device memory minus the reserve; start-up takes it from free memory")
     return tiers
 
 
-def _checked_endpoint(cfg: Config) -> str:
+def _checked_endpoint(cfg: Config, resolve: bool = False) -> str:
     endpoint = cfg.resolved_endpoint()
     try:
         check_socket_path(endpoint)
@@ -335,7 +370,41 @@ def _checked_endpoint(cfg: Config) -> str:
         raise ConfigError("daemon.endpoint", f"{interface!r} is the name of a network interface: ZeroMQ binds it, but "
                                              "the clients reading this config cannot connect to it (not a host); give "
                                              "that interface's address, or * for every address")
+    if resolve:
+        _metrics_port_beside_a_named_endpoint(cfg, endpoint)
     return endpoint
+
+
+def _addresses(host: str) -> set[str]:
+    """The addresses a host name resolves to here (empty where it does not: the probes say so)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(ipaddress.ip_address(sockaddr[0].split("%")[0])) for *_, sockaddr in found}
+
+
+def _metrics_port_beside_a_named_endpoint(cfg: Config, endpoint: str) -> None:
+    """The metrics server on the port of a tcp endpoint whose host, or metrics.host, is a name that
+    resolves to the other's address (the config compares addresses only: no DNS at config time).
+    Each port probed alone was free, `--check` passed, and start-up failed as the endpoint was bound,
+    once every tier was taken, "Address already in use" naming no one: its own metrics server held
+    it (a review: tcp://vm:P, vm being 127.0.0.1 in /etc/hosts, and metrics on 127.0.0.1:P)."""
+    if not cfg.metrics.port or not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if int(port) != cfg.metrics.port or hosts_overlap(host, cfg.metrics.host):  # (the latter: the config's own)
+        return
+    named = [h for h in (host, cfg.metrics.host) if numeric_address(h) is None]
+    if not named:
+        return
+    ours, theirs = (_addresses(h) if h in named else {numeric_address(h)} for h in (host, cfg.metrics.host))
+    shared = sorted(a for a in ours for b in theirs if hosts_overlap(a, b))
+    if shared:
+        names = " and ".join(repr(h) for h in named)
+        raise ConfigError("metrics.port", f"{cfg.metrics.port} is daemon.endpoint's port too ({endpoint}), and "
+                                          f"{names} resolve{'s' if len(named) == 1 else ''} here to the same address "
+                                          f"({', '.join(dict.fromkeys(shared))}); give metrics another port")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -420,7 +420,13 @@ def test_the_no_gpu_fallback_is_logged_with_what_it_ignores(caplog):
         pytest.skip("a GPU is visible here: no fallback to log")
     with caplog.at_level(logging.WARNING):
         log_fallbacks(cfg, plan)
-    assert "no GPU: the device tier is in host memory (device.gpu_ids [0] ignored)" in caplog.text
+    assert "no GPU: the device tier is in host memory" in caplog.text
+    # The ignored ids: a warning of config_warnings, said once, by --check as by start-up (the
+    # fallback said them, and --check nothing).
+    assert "gpu_ids" not in caplog.text
+    from dflash2.config_warnings import config_warnings
+    assert config_warnings(cfg, mem_total_bytes=0, device_kind=plan.device_kind) == [
+        "device.gpu_ids is ignored: device.kind auto found no GPU (the device tier is in host memory)"]
 
 
 def test_client_liveness_by_signal_is_logged_as_a_fallback(caplog, monkeypatch):

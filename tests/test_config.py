@@ -325,6 +325,22 @@ def test_cuda_plan_errors(monkeypatch):
     assert info.value.key == "device.gpu_ids"
 
 
+def test_a_reserve_that_leaves_less_than_a_page_is_an_error(monkeypatch):
+    """A GPU whose reserve left less than one page: --check showed an HBM tier of that size, and the
+    daemon started with an HBM tier of no page, holding no block (a tier set that small by
+    memory.hbm_capacity_mb is refused: MemoryConfig)."""
+    monkeypatch.setattr(plan_module, "probe_gpus", lambda: [Gpu(0, "fake", 4097 << 20)])
+    data = with_("device", {"kind": "cuda"})
+    data["memory"].update(hbm_reserve_mb=4096, hbm_capacity_mb=None, page_kb=2048)
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(parse_config(data))
+    assert info.value.key == "memory.hbm_reserve_mb"
+    assert str(info.value) == ("memory.hbm_reserve_mb: 4096 MB leaves 1048576 bytes of GPU 0's 4097 MB (fake), less "
+                               "than one page (memory.page_kb is 2048 KB): the HBM tier would hold no block")
+    data["memory"]["hbm_reserve_mb"] = 4095  # one page left: a tier
+    assert resolve_plan(parse_config(data)).tiers[0].capacity_bytes == 2 << 20
+
+
 def test_cuda_plan_without_visible_gpu_is_unknown(monkeypatch):
     monkeypatch.setattr(plan_module, "probe_gpus", lambda: [])
     plan = resolve_plan(parse_config(with_("device.kind", "cuda")))

@@ -218,6 +218,32 @@ def test_control_characters_in_paths_are_refused_by_key(tmp_path, section, key, 
                                                            "character")
 
 
+@pytest.mark.parametrize("section, key, value", [
+    ("memory", "nvme_path", " /mnt/nvme/nvme.cache"),
+    ("daemon", "state_dir", "state "),
+    ("daemon", "endpoint", "ipc://sock\u00a0"),
+    ("daemon", "tcp_key_file", "keys/tcp.key "),
+    ("metrics", "host", " 127.0.0.1"),
+])
+def test_white_space_at_the_ends_of_a_path_is_refused_by_key(tmp_path, section, key, value):
+    """" /mnt/nvme/nvme.cache" (a space pasted in) passed --check and start-up: a relative path, its
+    file made under the config's folder in a folder named " "; a metrics host with one passed the
+    config and failed the start (exit 4, a name that does not resolve)."""
+    path = write_config(tmp_path, **{section: {key: value}})
+    rc, out, err = run("--config", path, "--check")
+    assert rc == 2 and err == [f"dflash2d: error: {section}.{key}: begins or ends with white space, which a path or "
+                               f"address here cannot: remove it (got {json.dumps(value)})"], err
+
+
+@pytest.mark.parametrize("endpoint", ["tcp:// 127.0.0.1:19481", "tcp://127.0.0.1 :19481", "tcp://[::1 ]:19481"])
+def test_a_tcp_host_with_white_space_is_refused(tmp_path, endpoint):
+    """It passed the config (exit 0 from --check) and start-up failed to bind it, exit 4: no address
+    or host name has a space."""
+    rc, out, err = run("--config", write_config(tmp_path, daemon={"endpoint": endpoint}), "--check")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("dflash2d: error: daemon.endpoint: ") \
+        and "holds white space" in err[0], err
+
+
 @pytest.mark.parametrize("key, value, what", [
     ("endpoint", "ipc://{tmp}/sockdir/", "the socket's"),
     ("endpoint", "ipc://{tmp}/sockdir/.", "the socket's"),
@@ -342,3 +368,55 @@ def test_an_integer_past_a_floats_range_is_refused_with_the_keys_bounds(section,
         parse_config(host(**section))
     assert info.value.key == key
     assert info.value.problem == f"a number past a float's range; give a number {bounds} (got {value})"
+
+
+@pytest.mark.parametrize("name", ["a" * 65, "llama/8b", "-x", ""])
+def test_a_layout_name_that_is_not_one_is_said_in_words(tmp_path, name):
+    """A layout name past 64 characters, or with a character a name cannot have, was told only the
+    pattern: `String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$'`."""
+    layout = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64, "dtype": "fp16"}
+    rc, out, err = run("--config", write_config(tmp_path, layouts={name: layout}), "--check")
+    assert rc == 2 and len(err) == 1, err
+    assert ": not a layout name: a letter or digit, then letters, digits, '.', '_' or '-', 64 characters at most " \
+           f"(got {json.dumps(name)}, {len(name)} characters)" in err[0] and "pattern" not in err[0], err
+
+
+@pytest.mark.parametrize("endpoint_host, metrics_host", [("node-a.test", "127.0.0.1"), ("127.0.0.1", "node-a.test")])
+def test_metrics_on_the_endpoints_port_behind_a_name_is_refused_before_start(tmp_path, monkeypatch, endpoint_host,
+                                                                             metrics_host):
+    """A name (the node's own, 127.0.0.1 in /etc/hosts) on one side and its address on the other, one
+    port: the config compares no names, each probe alone found its port free, --check passed, and
+    start-up failed binding the endpoint once every tier was taken ("Address already in use": its own
+    metrics server held it), exit 4."""
+    monkeypatch.setattr(plan_module, "_addresses", lambda h: {"127.0.0.1"} if h == "node-a.test" else set(),
+                        raising=False)
+    cfg = parse_config(host(daemon={"endpoint": f"tcp://{endpoint_host}:19483"},
+                            metrics={"port": 19483, "host": metrics_host}))
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(cfg)
+    assert info.value.key == "metrics.port" and "resolves here to the same address (127.0.0.1)" in str(info.value)
+    # Another port, or a name that resolves elsewhere: no collision.
+    resolve_plan(parse_config(host(daemon={"endpoint": f"tcp://{endpoint_host}:19483"},
+                                   metrics={"port": 19484, "host": metrics_host})))
+    monkeypatch.setattr(plan_module, "_addresses", lambda h: {"127.0.0.2"} if h == "node-a.test" else set())
+    resolve_plan(cfg)
+
+
+@pytest.mark.parametrize("nvme_path, history, what", [
+    ("{tmp}/d.sock", False, "daemon.endpoint's socket"),
+    ("{tmp}/d.sock.lock", False, "daemon.endpoint's lock file"),
+    ("{tmp}/state/history.jsonl", True, "the history's history.jsonl in daemon.state_dir"),
+    ("{tmp}/state/history.jsonl.1", True, "the history's history.jsonl.1 in daemon.state_dir"),
+    ("{tmp}/state", True, "daemon.state_dir"),
+])
+def test_an_nvme_file_at_the_path_of_another_of_the_daemons_files_is_refused(tmp_path, nvme_path, history, what):
+    """--check passed it and the daemon started: the socket was made over the NVMe file (the tier then
+    found its file replaced), or the history rotated the 64 MiB cache file away as history.jsonl.1."""
+    nvme_path = nvme_path.format(tmp=tmp_path)
+    path = write_config(tmp_path, memory={"nvme_path": nvme_path}, history_enabled=history)
+    rc, out, err = run("--config", path, "--check")
+    assert rc == 2 and err == [f"dflash2d: error: memory.nvme_path: {nvme_path} is {what} too: the daemon would make "
+                               "both files at one path; give the NVMe file a path of its own"], err
+    # Without the history its files are none of the daemon's: the path is free.
+    if history and nvme_path.endswith("jsonl"):
+        assert run("--config", write_config(tmp_path, memory={"nvme_path": nvme_path}), "--check")[0] == 0

@@ -279,16 +279,25 @@ def test_config_turns_the_duel_on_for_heat_only(tmp_path, caplog):
         assert m.duel is not None and m.duel.sample == 8
     finally:
         m.close()
-    for policy, text in (({"name": "heat", "duel_sample": 0}, None),
-                         ({"name": "lru", "duel_sample": 4}, "policy.duel_sample is 4, but policy 'lru' ranks as it is named")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="dflash2.assemble"):
-            m = build_manager(parse_config({**base, "policy": policy}), instance=f"duel-{tmp_path.name}")
+    for policy in ({"name": "heat", "duel_sample": 0}, {"name": "lru", "duel_sample": 4}):
+        m = build_manager(parse_config({**base, "policy": policy}), instance=f"duel-{tmp_path.name}")
         try:
             assert m.duel is None
-            assert (text is None) or text in caplog.text
         finally:
             m.close()
+
+
+def test_a_duel_sample_set_for_another_policy_is_warned_of_by_check_too():
+    """policy.duel_sample set with lru or lfu was said only in the start-up log, at info, once per
+    GPU: `dflash2d --check` said nothing, as it does of policy.weights and decay_half_life_s."""
+    from dflash2.config_warnings import config_warnings
+
+    said = config_warnings(parse_config({**CONFIG, "policy": {"name": "lru", "duel_sample": 4}}), mem_total_bytes=0)
+    assert said == ["policy.duel_sample is ignored: only the heat policy uses it, and policy.name is 'lru'"], said
+    # (unset, off, heat's)
+    for policy in ({"name": "lru"}, {"name": "lru", "duel_sample": 0}, {"name": "heat", "duel_sample": 4}):
+        said = config_warnings(parse_config({**CONFIG, "policy": policy}), mem_total_bytes=0)
+        assert not [w for w in said if "duel_sample" in w], said
 
 
 def test_config_refuses_a_sample_of_one():

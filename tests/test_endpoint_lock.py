@@ -176,3 +176,24 @@ def test_check_says_another_daemon_serves_the_ipc_endpoint(config_file, tmp_path
                         "(exit 4)"], said
     finally:
         proc.stop()
+
+
+def test_check_says_a_socket_listened_on_without_a_lock_file_fails_the_start(tmp_path):
+    """A process listening on the ipc socket while no lock file names it: start-up refuses it (exit 4,
+    above), and `dflash2d --check` said nothing of it (exit 0, no `now:` line). A dead one's socket,
+    which start-up replaces, is not said."""
+    import socket
+
+    from dflash2.daemon.roomnow import ports_now
+
+    path = tmp_path / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    try:
+        assert ports_now(f"ipc://{path}", "127.0.0.1", 0) == [
+            f"a process is listening on {path} although no lock file names it (a dflash2d whose d.sock.lock was "
+            "removed, or another program) (daemon.endpoint): start-up would fail now (exit 4)"]
+    finally:
+        listener.close()
+    assert ports_now(f"ipc://{path}", "127.0.0.1", 0) == []

@@ -562,3 +562,21 @@ def test_a_renewal_names_a_link_only_where_there_is_one(tmp_path, caplog, how):
         with caplog.at_level(logging.WARNING, logger="dflash2.arena"):
             a.check_file()
         assert where in caplog.text and "symbolic link" not in caplog.text, caplog.text
+
+
+def test_a_file_that_a_folder_there_cannot_hold_is_not_said_gone(tmp_path, monkeypatch):
+    """A file the filesystem of an existing folder cannot make (ENOENT on O_CREAT, as in /proc) was
+    said to be in a folder "gone", the folder there all along (a review: memory.nvme_path
+    /proc/nvme.cache, where `--check` said the filesystem has no blocks)."""
+    real = os.open
+
+    def no_files_here(path, flags, *a, **k):
+        if os.fspath(path) == os.fspath(tmp_path / "nvme.cache"):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        return real(path, flags, *a, **k)
+    monkeypatch.setattr(os, "open", no_files_here)
+    with pytest.raises(nvme.ArenaError) as e:
+        nvmefiles.open_cache_file(str(tmp_path / "nvme.cache"))
+    assert "gone" not in str(e.value), str(e.value)
+    assert str(e.value) == (f"NVMe tier cannot create its file at {tmp_path / 'nvme.cache'}: the filesystem of "
+                            f"{tmp_path} makes no files (such as /proc or /sys); give a path on a disk"), str(e.value)

@@ -97,6 +97,9 @@ def open_cache_file(path: str) -> tuple[int, bool]:
                                  "where the path is taken again (a start, the tier's next try for a file)") from None
             if not created and os.path.isdir(folder):
                 continue  # removed between the two tries: create it
+            if created and os.path.isdir(folder):  # (ENOENT in a folder that is there: /proc, /sys, said "gone")
+                raise ArenaError(f"NVMe tier cannot create its file at {path}: the filesystem of {folder} makes "
+                                 "no files (such as /proc or /sys); give a path on a disk") from None
             raise ArenaError(f"NVMe tier cannot create its file at {path}: its folder {folder} is gone") from None
         except OSError as e:
             what = "create its file at" if created else "open its existing file"
