@@ -24,39 +24,64 @@ def _call(sock, op, call_id, client=None, token=None, args=None, arrays=None):
     sock.send_multipart(P.encode_request(op, call_id, client, args, arrays, token=token))
 
 
+class _NoReader:
+    """A served daemon (a Service behind a Server on its own thread) and a peer attached on a socket
+    that reads no reply unless asked: its receive queue is one message and 4 KiB of kernel buffer."""
+
+    def __init__(self, make_manager, tmp_path, hbm_blocks: int):
+        self.mgr = make_manager(hbm_blocks=hbm_blocks)
+        self.svc = Service(self.mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
+        self.srv = Server(self.svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
+        self.loop = threading.Thread(target=self.srv.serve_forever)
+        self.loop.start()
+        self.ctx = zmq.Context()
+        self.sock = sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(f"ipc://{tmp_path}/d.sock")
+
+    def attach(self) -> tuple[int, str]:
+        _call(self.sock, Op.ATTACH, 1, args={"name": "no-reader", "pid": 0, "layouts": [SMALL.to_dict()]})
+        assert self.sock.poll(10_000)
+        attached = P.decode_reply(self.sock.recv_multipart()).result
+        return attached["client"], attached["token"]
+
+    def answered(self, requests: int) -> None:
+        """Wait until the daemon has taken `requests` requests (answered, or its reply dropped)."""
+        deadline = time.monotonic() + 60
+        while self.svc.counters["requests"] < requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.svc.counters["requests"] == requests, self.svc.counters
+
+    def stop(self) -> None:
+        self.srv.stop()
+        self.loop.join(30)
+        self.srv.close()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        if self.loop.is_alive():
+            self.srv.stop()
+            self.loop.join(10)
+
+
 def test_replies_a_client_never_reads_are_dropped_not_queued_without_bound(make_manager, tmp_path, caplog):
-    mgr = make_manager(hbm_blocks=16)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(f"ipc://{tmp_path}/d.sock")
+    peer = _NoReader(make_manager, tmp_path, hbm_blocks=16)
+    sock = peer.sock
     sent = 300
     try:
         with caplog.at_level("WARNING", logger="dflash2.daemon"):
-            _call(sock, Op.ATTACH, 1, args={"name": "no-reader", "pid": 0, "layouts": [SMALL.to_dict()]})
-            assert sock.poll(10_000)
-            attached = P.decode_reply(sock.recv_multipart()).result
-            client, token = attached["client"], attached["token"]
+            client, token = peer.attach()
             _call(sock, Op.ALLOCATE, 2, client, token, {"layout": 0, "n": 1})
             assert sock.poll(10_000)
             vid = np.frombuffer(P.decode_reply(sock.recv_multipart()).arrays[0], dtype=P.PLACE_DTYPE)["vid"][0]
             ids = np.full(65536, vid, dtype=P.VIDS_DTYPE).tobytes()  # each reply ~1.9 MB
             for i in range(sent):
                 _call(sock, Op.PLACES, 3 + i, client, token, arrays=[ids])
-            # Every call answered (or its reply dropped) before the loop stops.
-            deadline = time.monotonic() + 60
-            while svc.counters["requests"] < 2 + sent and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert svc.counters["requests"] == 2 + sent, svc.counters
-            srv.stop()
-            loop.join(30)
-            srv.close()
+            peer.answered(2 + sent)  # (every call answered, or its reply dropped, before the loop stops)
+            peer.stop()
         dropped = sum(int(n) for n in re.findall(r"dropped (\d+) repl", caplog.text))
         # Queued: the peer's REPLIES_QUEUED_PER_PEER, and what the kernel's socket buffers took.
         assert dropped >= sent - server_mod.REPLIES_QUEUED_PER_PEER - 20, caplog.text
@@ -67,47 +92,26 @@ def test_replies_a_client_never_reads_are_dropped_not_queued_without_bound(make_
             got.append(P.decode_reply(sock.recv_multipart()))
         assert got and all(r.ok for r in got) and [r.call_id for r in got] == sorted(r.call_id for r in got)
     finally:
-        sock.close(0)
-        ctx.term()
-        if loop.is_alive():
-            srv.stop()
-            loop.join(10)
+        peer.close()
 
 
 def test_what_a_call_whose_reply_was_dropped_handed_out_is_given_back(make_manager, tmp_path, caplog):
     """A reply dropped for a full queue (or a gone connection) leaves its client without the ids its
     call handed out: those are given back, as a `forget` would. Before, 2,000 one-block allocations
     sent unread left every block whose reply was dropped held until detach (HBM full, a review)."""
-    mgr = make_manager(hbm_blocks=4096)
-    svc = Service(mgr, lease_timeout_s=60.0, heartbeat_interval_s=10.0, pid_alive=lambda pid: True)
-    srv = Server(svc, f"ipc://{tmp_path}/d.sock", tick_interval_s=30.0)
-    loop = threading.Thread(target=srv.serve_forever)
-    loop.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(f"ipc://{tmp_path}/d.sock")
+    peer = _NoReader(make_manager, tmp_path, hbm_blocks=4096)
+    mgr, svc, sock = peer.mgr, peer.svc, peer.sock
     sent = 1000
     try:
         with caplog.at_level("WARNING", logger="dflash2.daemon"):
-            _call(sock, Op.ATTACH, 1, args={"name": "no-reader", "pid": 0, "layouts": [SMALL.to_dict()]})
-            assert sock.poll(10_000)
-            attached = P.decode_reply(sock.recv_multipart()).result
-            client, token = attached["client"], attached["token"]
+            client, token = peer.attach()
             for i in range(sent):
                 _call(sock, Op.ALLOCATE, 2 + i, client, token, {"layout": 0, "n": 1})
-            deadline = time.monotonic() + 60
-            while svc.counters["requests"] < 1 + sent and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert svc.counters["requests"] == 1 + sent, svc.counters
+            peer.answered(1 + sent)
             got = []  # (read while the daemon runs: its queue's replies go with its socket)
             while sock.poll(500):
                 got.append(P.decode_reply(sock.recv_multipart()))
-            srv.stop()
-            loop.join(30)
-            srv.close()
+            peer.stop()
         learned = [int(v) for r in got if r.ok for v in np.frombuffer(r.arrays[0], dtype=P.PLACE_DTYPE)["vid"]]
         assert 0 < len(learned) < sent
         # The client holds the blocks it learned of, and no others.
@@ -119,8 +123,4 @@ def test_what_a_call_whose_reply_was_dropped_handed_out_is_given_back(make_manag
         assert said == sent - len(learned), caplog.text
         mgr.check_invariants()
     finally:
-        sock.close(0)
-        ctx.term()
-        if loop.is_alive():
-            srv.stop()
-            loop.join(10)
+        peer.close()
