@@ -445,14 +445,14 @@ class Server:
         return bool(self._sock.poll(math.ceil(within_s * 1000) if within_s > 0 else 0, zmq.POLLIN))
 
     def _log_dropped(self, force: bool = False) -> None:
-        """The replies dropped since the last line (REPLIES_QUEUED_PER_PEER queued unread on their
-        connection), once a minute at most (at a drop, or at a step), or at once with `force` (the stop)."""
+        """Replies dropped (REPLIES_QUEUED_PER_PEER queued unread) or undelivered (the connection gone: once said
+        at debug alone) since the last line, once a minute at most, or at once with `force` (the stop)."""
         now = time.monotonic()
         if self._dropped and (force or now - self._dropped_logged_at >= DROPPED_LOGGED_EVERY_S):
             log.warning("dropped %d repl%s since the last such line: %d replies to one connection were queued "
-                        "unread (a client that does not read its replies); what %d dropped or undelivered calls "
-                        "handed out is given back", self._dropped, "y" if self._dropped == 1 else "ies",
-                        REPLIES_QUEUED_PER_PEER, self._given_back)
+                        "unread (a client that does not read its replies), or it was gone (a client that timed "
+                        "out); what %d dropped or undelivered calls handed out is given back", self._dropped,
+                        "y" if self._dropped == 1 else "ies", REPLIES_QUEUED_PER_PEER, self._given_back)
             self._dropped, self._given_back, self._dropped_logged_at = 0, 0, now
 
     def _recv(self, flags: int = 0) -> list[bytes]:
@@ -505,18 +505,18 @@ class Server:
         sock = frames.sock if type(frames) is ReadOnlyFrames and frames.sock is not None else self._sock
         try:
             send_frames(sock, [frames[0], *reply], NOBLOCK)
+            return True
         except zmq.Again:
-            self._dropped += 1
-            if said:
-                self._log_dropped()
-            return False
+            pass  # (REPLIES_QUEUED_PER_PEER queued unread)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             # The connection is gone (a client that timed out resets its socket, then sends `forget`).
             log.debug("a reply's connection is gone: reply dropped")
-            return False
-        return True
+        self._dropped += 1
+        if said:
+            self._log_dropped()
+        return False
 
     def _settled_s(self) -> float:
         """Seconds calls and slices have spent ending drain copies, every pool (rebalance.py `settled_s`)."""

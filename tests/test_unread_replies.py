@@ -124,3 +124,37 @@ def test_what_a_call_whose_reply_was_dropped_handed_out_is_given_back(make_manag
         mgr.check_invariants()
     finally:
         peer.close()
+
+
+def test_what_a_call_whose_connection_went_handed_out_is_given_back_and_said(make_manager, tmp_path, caplog):
+    """A reply whose connection is gone (a client that timed out resets its socket) is undelivered: what
+    its call handed out is given back, and the minute's line says so (it was given back with a debug line
+    alone, and the client's `forget` then found it settled: no word at the warning level, a read)."""
+    peer = _NoReader(make_manager, tmp_path, hbm_blocks=16)
+    svc = peer.svc
+    began, go = threading.Event(), threading.Event()
+    handle = svc.handle
+
+    def slow(req, *args, **kw):
+        if req.op == Op.ALLOCATE:
+            began.set()
+            assert go.wait(30)
+        return handle(req, *args, **kw)
+
+    svc.handle = slow
+    try:
+        with caplog.at_level("WARNING", logger="dflash2.daemon"):
+            client, token = peer.attach()
+            _call(peer.sock, Op.ALLOCATE, 2, client, token, {"layout": 0, "n": 3})
+            assert began.wait(30)
+            peer.sock.close(0)  # (gone before its reply)
+            time.sleep(0.5)
+            go.set()
+            peer.answered(2)
+            peer.stop()
+        assert not peer.mgr.table.clients[client].refs  # the 3 blocks were given back
+        assert svc.counters["calls_undone"] == 1
+        assert "what 1 dropped or undelivered calls handed out is given back" in caplog.text, caplog.text
+        peer.mgr.check_invariants()
+    finally:
+        peer.close()
