@@ -105,13 +105,17 @@ def _main(args: argparse.Namespace) -> int:
             fmt = _console_format(args)
             raise
         fmt = _console_format(args, cfg)
-        require_enabled(cfg)
+        if not args.check:
+            require_enabled(cfg)
         check_policy(cfg)
         plan = resolve_plan(cfg)
         warnings += config_warnings(cfg, device_kind=plan.device_kind)  # `auto` resolved
         warnings += rounding_warnings(plan, frozenset(n for n, lay in cfg.layouts.items() if lay.tokens_per_block))
         warnings += check_paths(plan, history=cfg.history_enabled)
         warnings += config_file_warnings(args.config)
+        # --check checks a disabled config all the same, then says it is disabled (exit 3): it exited 3
+        # at once, and a config prepared disabled failed (an unknown policy name, say) once enabled (a review).
+        require_enabled(cfg)
     except ConfigError as exc:
         _warn_all(fmt, warnings)
         return _fail(str(exc), fmt)

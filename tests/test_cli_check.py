@@ -156,6 +156,19 @@ def test_disabled_exits_3_with_message(write, tmp_path):
     assert "DFlash2 is disabled: `enable` is false in" in result.stderr
 
 
+def test_check_checks_a_disabled_config_all_the_same(write, tmp_path):
+    """--check of a disabled config exited 3 at once: one prepared disabled, with an unknown policy,
+    passed and then failed once enabled (a review). Its errors exit 2; a valid one says its warnings,
+    then that it is disabled (3)."""
+    bad = dflash2d("--config", str(write({**GOOD, "enable": False, "policy": {"name": "nosuch"}})), "--check",
+                   cwd=tmp_path)
+    assert bad.returncode == 2 and "policy.name: unknown policy 'nosuch'" in error_line(bad), bad.stderr
+    warned = dflash2d("--config", str(write({**GOOD, "enable": False, "policy": {"cold_threshold": 0.99}})), "--check",
+                      cwd=tmp_path)
+    assert warned.returncode == 3, warned.stderr
+    assert "warning: policy.cold_threshold" in warned.stderr and "DFlash2 is disabled" in warned.stderr
+
+
 def test_first_generation_env_vars_warn(write, tmp_path):
     env = {"DFLASH_DRAM_LIMIT": "64G", "DFLASH_BLOCK_SIZE": "16", "DFLASH_OTHER": "1"}
     result = dflash2d("--config", str(write(GOOD)), "--check", cwd=tmp_path, env=env)
