@@ -129,9 +129,8 @@ class Server:
         self._stalls = StallWatch()  # time the process did not run, counted out of leases (_judge_leases)
         self._ctx = zmq.Context() if context is None else context
         self._sock = self._request_socket()
-        # Replies dropped for a full queue, and calls whose reply was not sent (what they handed out
-        self._dropped = self._given_back = 0  # given back), since the last line that said so
-        self._dropped_logged_at = -DROPPED_LOGGED_EVERY_S
+        # Replies dropped (a full queue), undelivered (gone), hand-outs given back: since their last line.
+        self._dropped, self._gone, self._given_back, self._dropped_logged_at = 0, 0, 0, -DROPPED_LOGGED_EVERY_S
         self._gate = None if keys is None else KeyGate(self._ctx, keys, str(key_file))
         if self._gate is not None:
             self._gate.request_port = service.request_port
@@ -448,12 +447,14 @@ class Server:
         """Replies dropped (REPLIES_QUEUED_PER_PEER queued unread) or undelivered (the connection gone: once said
         at debug alone) since the last line, once a minute at most, or at once with `force` (the stop)."""
         now = time.monotonic()
-        if self._dropped and (force or now - self._dropped_logged_at >= DROPPED_LOGGED_EVERY_S):
-            log.warning("dropped %d repl%s since the last such line: %d replies to one connection were queued "
-                        "unread (a client that does not read its replies), or it was gone (a client that timed "
-                        "out); what %d dropped or undelivered calls handed out is given back", self._dropped,
-                        "y" if self._dropped == 1 else "ies", REPLIES_QUEUED_PER_PEER, self._given_back)
-            self._dropped, self._given_back, self._dropped_logged_at = 0, 0, now
+        if (self._dropped or self._gone) and (force or now - self._dropped_logged_at >= DROPPED_LOGGED_EVERY_S):
+            n, gone = self._dropped, self._gone
+            said = [f"dropped {n} repl{'y' if n == 1 else 'ies'}: {REPLIES_QUEUED_PER_PEER} replies to one connection "
+                    "were queued unread (a client that does not read its replies)"][:n]
+            said += [f"{gone} undelivered: the connection was gone (a client that timed out)"][:gone]
+            log.warning("%s, since the last such line; what %d of those calls handed out is given back",
+                        "; ".join(said), self._given_back)
+            self._dropped, self._gone, self._given_back, self._dropped_logged_at = 0, 0, 0, now
 
     def _recv(self, flags: int = 0) -> list[bytes]:
         """The next request's frames (zmq.Again as recv_frames)."""
@@ -500,20 +501,19 @@ class Server:
         return True
 
     def _send_reply(self, frames: list[bytes], reply: list[bytes], said: bool = True) -> bool:
-        """Send `reply` to the peer that sent `frames` (by the socket they came by), never waiting (one
-        that reads none is dropped, said: `said=False`, by the caller). Whether it was sent."""
+        """Send `reply` to the peer of `frames` (by their socket), never waiting; whether it was sent."""
         sock = frames.sock if type(frames) is ReadOnlyFrames and frames.sock is not None else self._sock
         try:
             send_frames(sock, [frames[0], *reply], NOBLOCK)
             return True
         except zmq.Again:
-            pass  # (REPLIES_QUEUED_PER_PEER queued unread)
+            self._dropped += 1  # (REPLIES_QUEUED_PER_PEER queued unread)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             # The connection is gone (a client that timed out resets its socket, then sends `forget`).
             log.debug("a reply's connection is gone: reply dropped")
-        self._dropped += 1
+            self._gone += 1
         if said:
             self._log_dropped()
         return False
