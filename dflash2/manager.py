@@ -157,6 +157,7 @@ class BlockManager(AllocateRefusals, Reads):
         for who in [w for w in self._came_from if w[0] == client]:  # (each of its parked acquires)
             del self._came_from[who]
         reservations = self.admission.remove_client(client)
+        below = held[self.table.cols.tier[held] != int(Tier.HBM)]  # (room below: `freed_below`)
         if set_aside:
             released = self.table.set_aside_client(client)
             self.set_aside_clients.add(client)
@@ -164,7 +165,8 @@ class BlockManager(AllocateRefusals, Reads):
             released = self.table.remove_client(client)
             self.set_aside_clients.discard(client)
         idle = self._left_idle(held)
-        self._follow_up("granting waiting reservations after a detach", lambda: self.admission.tick(make_room=idle))
+        self._follow_up("granting waiting reservations after a detach",
+                        lambda: self.admission.tick(make_room=idle or self.admission.freed_below(below)))
         return {"reservations": reservations, **released}
 
     def register_layout(self, layout: Layout) -> int:
@@ -289,7 +291,8 @@ class BlockManager(AllocateRefusals, Reads):
         """After a call that may have made blocks movable for the waiting head of the queue (their
         writer committed them: running now, preemptable; a reader unpinned them)."""
         def grant() -> None:
-            if self.admission.became_movable(rows):
+            if self.admission.became_movable(rows) or self.admission.freed_below(
+                    rows[self.table.cols.tier[rows] != int(Tier.HBM)]):
                 try:
                     settle_if(self, placing=True)  # making room is placement work
                 except CopiesRunning:
@@ -307,9 +310,12 @@ class BlockManager(AllocateRefusals, Reads):
         # follow-up may grant a waiting reservation (which may make room: placement work).
         settle_if(self, rows, placing=bool(self.admission.deferred))
         self.table.refuse_reserved(rows, client)  # only its reservation frees a RESERVED block
+        below = rows[self.table.cols.tier[rows] != int(Tier.HBM)]  # (before the free: room below, `freed_below`)
         n = self.table.free(client, vids)
         idle = self._left_idle(rows)
-        self._follow_up("granting waiting reservations after a free", lambda: self.admission.tick(make_room=idle))
+        self._follow_up("granting waiting reservations after a free",
+                        lambda: self.admission.tick(make_room=idle or self.admission.freed_below(below)
+                                                            or self.admission.room_freed()))
         return n
 
     def drop_writes(self, client: int, vids: np.ndarray) -> int:

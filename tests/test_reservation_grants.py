@@ -258,6 +258,68 @@ def test_commits_beside_a_head_whose_room_cannot_be_made_do_not_each_make_room(m
     assert mgr.admission.deferred and len(made) <= 3 * 8, f"{len(made)} room-makings for 64 commits"
 
 
+def _head_behind_running_blocks_with_no_room_below(mgr):
+    """HBM full of a priority-0 request's running blocks, DRAM (the last tier) full of another
+    client's: a priority-5 reservation may preempt the running blocks but they have nowhere to go."""
+    w, d, h = mgr.attach("w"), mgr.attach("dram-writer"), mgr.attach("h")
+    lid = mgr.register_layout(SMALL)
+    mgr.commit(w, mgr.allocate(w, lid, 8, priority=0), keys=list(range(1, 9)))
+    below = mgr.allocate(d, lid, 8, tier=Tier.DRAM)
+    res = mgr.reserve(h, lid, tokens=16 * 4, priority=5)
+    assert res.outcome is Outcome.DEFERRED and "no room for them in the tiers below" in res.reason
+    return d, h, below, res
+
+
+@pytest.mark.parametrize("let_go", ["free", "release", "detach"])
+def test_room_let_go_of_below_hbm_grants_a_head_that_may_preempt_at_once(make_manager, let_go):
+    """The head waits on running blocks it may preempt but that the tier below has no room for; a
+    free of that tier's blocks, a reader's release of its pins there (leaves of a chain: droppable
+    then) or its client's detach makes that room. Granted in that call: it waited for the background
+    step (2.4 s with `policy.rescore_interval_ms` 3000, a review's script), as only blocks let go of
+    in HBM set off another try."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=8, admission=settings())
+    d, h, below, res = _head_behind_running_blocks_with_no_room_below(mgr)
+    if let_go == "release":
+        cached = mgr.commit(d, below, keys=list(range(100, 108)))
+        mgr.acquire(d, cached, up_to=Tier.DRAM)
+        mgr.free(d, cached)
+        mgr.release(d, cached[4:])  # the chain's last four: idle, and droppable from the last tier
+    elif let_go == "free":
+        mgr.free(d, below[:4])
+    else:
+        mgr.detach(d)
+    assert res.reservation_id in mgr.admission.granted, "granted by that call, not at the next step"
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("let_go", ["cancel", "take and free", "expiry"])
+def test_a_granted_reservations_room_let_go_of_grants_the_head_beside_idle_blocks_at_once(make_manager, clock,
+                                                                                           let_go):
+    """HBM half one client's granted, untaken reservation, half idle cached blocks; a reservation of
+    three quarters waits, told it waits until that client takes and frees those blocks or cancels
+    them, or they expire. Nothing was moved at its try (not all of its room could be made); the
+    cancel, the take and free, or a poll past the expiry grants it in that call, demoting the idle
+    blocks. It waited for the background step: a free of slots moved nothing (a review's script,
+    1.9 s with `policy.rescore_interval_ms` 3000)."""
+    mgr = make_manager(hbm_blocks=8, dram_blocks=32, admission=settings())
+    a, w, b = mgr.attach("a"), mgr.attach("w"), mgr.attach("b")
+    lid = mgr.register_layout(SMALL)
+    held = mgr.reserve(a, lid, tokens=16 * 4, deadline=clock() + 1.0)
+    assert held.outcome is Outcome.GRANTED
+    mgr.free(w, mgr.commit(w, mgr.allocate(w, lid, 4), keys=[1, 2, 3, 4]))
+    d = mgr.reserve(b, lid, tokens=16 * 6)
+    assert d.outcome is Outcome.DEFERRED and "or cancel them" in d.reason, d
+    if let_go == "cancel":
+        mgr.cancel(a, held.reservation_id)
+    elif let_go == "expiry":
+        clock.advance(1.5)
+        assert mgr.reservation_status(b, d.reservation_id).outcome is Outcome.GRANTED
+    else:
+        mgr.free(a, mgr.take(a, held.reservation_id, 4))
+    assert d.reservation_id in mgr.admission.granted, "granted by that call, not at the next step"
+    mgr.check_invariants()
+
+
 def test_a_release_grants_the_head_in_that_call_however_many_background_steps_it_waited(make_manager):
     """Every block of HBM pinned by a reader; the head waits through background steps, each failing
     to make room. Each doubled what a release had to leave movable before room was made again: after

@@ -15,6 +15,7 @@ from dflash2.invariants import InvariantViolation
 from dflash2.placement import Placement
 from dflash2.reservations.ended import Ended
 from dflash2.reservations.expiries import Expiries, ExpiringReservations
+from dflash2.reservations.letgo import RoomLetGo
 from dflash2.reservations.loosened import Loosened
 from dflash2.reservations.records import AdmissionSettings, Decision, Outcome, Reservation
 from dflash2.reservations.roomcount import RoomCount
@@ -26,7 +27,7 @@ from dflash2.table.columns import NO_CLIENT
 from dflash2.tiers import Tier
 
 
-class Admission(ExpiringReservations):
+class Admission(ExpiringReservations, RoomLetGo):
     def __init__(self, table: BlockTable, placement: Placement, settings: AdmissionSettings):
         self.table = table
         self.placement = placement
@@ -58,6 +59,9 @@ class Admission(ExpiringReservations):
         # a scan of the table); the step makes room for the head anyway, once a step.
         self._fails, self._fails_for = 0, None
         self._loosened, self._loosened_for = Loosened(table), None
+        # Room that calls have let go of in the tiers below HBM since room was last made for the head
+        # (`freed_below`): slots freed there, or blocks left idle there, which the last tier may drop.
+        self._below, self._below_for = 0, None
         self.shares = ClientShares(table, settings)  # each client's share of HBM and of the queue
         # No reservation expires before this (`_expire_due`; one that ended since may have set it).
         self._next_expiry = math.inf
@@ -213,6 +217,7 @@ class Admission(ExpiringReservations):
             return  # every block was taken: nothing to give back, and nothing was cancelled
         self._drop(res)
         self.counters["cancelled"] += 1
+        self.room_freed()  # (its slots may be what the head's room lacked beside blocks that could move)
         self.tick(make_room=False)  # its slots are free room: nothing to demote for that
 
     def new_step(self) -> None:
@@ -360,6 +365,7 @@ class Admission(ExpiringReservations):
             after = self._room(res)
             self._bucket -= max(0, after - before)
             self._loosened.clear()
+            self._below = 0
             self.room_count.clear()  # room-making moved blocks: the count of what could move is stale
             if after < need:  # fell short: the next retry for this head waits for twice as much
                 # Only a retry that fell short raises the bar, not the background step's tries: they

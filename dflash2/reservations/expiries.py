@@ -71,7 +71,7 @@ class Expiries:
 
 class ExpiringReservations:
     """Admission's expiries (a mixin: the attributes it uses are Admission's: `granted`, `deferred`,
-    `_ended`, `_expiries`, `_next_expiry`, `settings`, `counters`, `_drop`)."""
+    `_ended`, `_expiries`, `_next_expiry`, `settings`, `counters`, `_drop`, `room_freed`)."""
 
     # Past this many waiting reservations expiring at once, the queue is rebuilt in one pass rather
     # than each taken out (a list removal each).
@@ -113,6 +113,8 @@ class ExpiringReservations:
             granted.sort(key=lambda r: order[r.id])
         for res in granted:
             self._expire(res)
+        if granted:  # (their slots may be what the head's room lacked beside blocks that could move)
+            self.room_freed()
         waiting = [r for r in due if self.deferred.get(r.id) is r]
         if len(waiting) > self.REMOVE_ONE_BY_ONE:
             waiting = self.deferred.remove_due(now)  # (one pass: the same ones, in the queue's order)
