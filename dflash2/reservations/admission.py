@@ -275,9 +275,9 @@ class Admission(ExpiringReservations, RoomLetGo):
         is made for it again at the next `tick`: True, and the caller ticks. Before, a priority-5
         reservation waited for the background step after the blocks it could preempt were
         committed (2.7 s with `policy.rescore_interval_ms` 3000, a review's script)."""
-        if not self.deferred or self.deferred[0].id != self._room_tried or not len(rows):
+        head = self._tried_head()
+        if head is None or not len(rows):
             return False
-        head = self.deferred[0]
         c = self.table.cols
         rows = rows[(c.tier[rows] == int(Tier.HBM)) & (c.state[rows] == int(BlockState.RESIDENT))
                     & (c.pins[rows] == 0)]
@@ -291,15 +291,11 @@ class Admission(ExpiringReservations, RoomLetGo):
             self._loosened.clear()
             self._loosened_for = head.id
         slot = self.table.slot_bytes(head.layout_id, Tier.HBM)
-        short = head.hbm_bytes - self._room(head)  # as of now: frees since count
-        fails = self._fails if self._fails_for == head.id else 0
-        want = -(-(short << min(fails, 30)) // slot)
+        want = -(-self._bar(head, head.hbm_bytes - self._room(head)) // slot)  # (as of now: frees since count)
         # Those that can leave now, counted up each chain from its leaves (loosened.py).
         if self._loosened.count(rows, slot, want, lambda r: self._may_leave(r, head, below)) < want:
             return False
-        self._room_tried = None
-        self.room_count.clear()  # the deferred decisions' count of what could move is stale now
-        return True
+        return self._try_again()
 
     def _may_leave(self, rows: np.ndarray, head: Reservation, below: bool) -> np.ndarray:
         """Mask over `rows` (resident in HBM, unpinned): idle, as `movable` takes them, or, with

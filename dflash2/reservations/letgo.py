@@ -23,17 +23,13 @@ class RoomLetGo:
         granted it at the next background step (1.9 s with `policy.rescore_interval_ms` 3000, a
         review's script): nothing had been moved at its try (not all of its room could be made),
         and a free of slots moves nothing."""
-        if not self.deferred or self.deferred[0].id != self._room_tried:
+        head = self._tried_head()
+        if head is None:
             return False
-        head = self.deferred[0]
         short = head.hbm_bytes - self._room(head)
         if short <= 0:  # (the tick grants it from free room)
             return False
-        fails = self._fails if self._fails_for == head.id else 0
-        if self.room_count.movable_bytes(head) < short << min(fails, 30):
-            return False
-        self._room_tried = None
-        return True
+        return self.room_count.movable_bytes(head) >= self._bar(head, short) and self._try_again()
 
     def freed_below(self, rows: np.ndarray) -> bool:
         """A call (a free, a release, a client gone) has just let go of `rows`, which lay in the tiers
@@ -45,10 +41,9 @@ class RoomLetGo:
         too), room is made for it again at the next `tick`: True, and the caller ticks. Before, it
         waited for the background step (2.4 s with `policy.rescore_interval_ms` 3000: a DRAM
         writer freed its blocks under a priority-5 reservation, a review's script)."""
-        if not self.deferred or self.deferred[0].id != self._room_tried or not len(rows):
-            return False
-        head = self.deferred[0]
-        if self.room_count.preempts_below(head) is None:  # (running blocks never leave for it)
+        head = self._tried_head()
+        if head is None or not len(rows) or self.room_count.preempts_below(head) is None:  # (running blocks
+            return False  # never leave for it)
             return False
         if self._below_for != head.id:
             self._below, self._below_for = 0, head.id
@@ -63,11 +58,22 @@ class RoomLetGo:
             self._below += int(self.table.slot_sizes(tier)[c.layout[here]].sum())
             free += self.placement.free_bytes(tier)
             tier = self.placement.lower(tier)
-        short = head.hbm_bytes - self._room(head)
-        fails = self._fails if self._fails_for == head.id else 0
-        if free + self._below < short << min(fails, 30):
+        if free + self._below < self._bar(head, head.hbm_bytes - self._room(head)):
             return False
         self._below = 0
+        return self._try_again()
+
+    def _tried_head(self):
+        """The head of the queue where room was made for it and fell short (no try since), else None."""
+        return self.deferred[0] if self.deferred and self.deferred[0].id == self._room_tried else None
+
+    def _bar(self, head, short: int) -> int:
+        """What must have come free for another try: the head's shortfall, twice that after each retry
+        of it that fell short too."""
+        return short << min(self._fails if self._fails_for == head.id else 0, 30)
+
+    def _try_again(self) -> bool:
+        """Room is made for the head again at the next `tick`: True."""
         self._room_tried = None
         self.room_count.clear()  # the deferred decisions' count of what could move is stale now
         return True
